@@ -1,0 +1,192 @@
+"""Model configuration: the trunk (`ModelConfig`) and the MTP module (`MTPConfig`).
+
+Plain dataclasses so `models/` stays free of trainer concerns; the trainer embeds them in its
+omegaconf tree as `model` and `mtp`. Knobs cover what Qwen3 / Qwen3-MoE / GLM-4.5-MoE /
+DeepSeek-V3-style checkpoints need, so importing one is a weight mapping, not a new model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    """Rows of the embedding and output head (>= the tokenizer's vocabulary)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Trunk transformer layers."""
+    num_heads: int = 4
+    """Attention (query) heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); must divide num_heads."""
+    head_dim: int = 0
+    """Per-head width; 0 means hidden_size // num_heads."""
+    intermediate_size: int = 384
+    """SwiGLU width of dense MLP layers."""
+    moe_intermediate_size: int = 128
+    """SwiGLU width of each routed expert (and of each shared expert)."""
+    num_experts: int = 8
+    """Routed experts per MoE layer; 0 makes every layer dense."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    num_shared_experts: int = 1
+    """Always-on shared experts per MoE layer (their widths add up into one SwiGLU)."""
+    first_k_dense: int = 1
+    """The first k trunk layers use a dense MLP instead of MoE (DeepSeek/GLM `first_k_dense_replace`)."""
+    router_score: str = "sigmoid"
+    """Router scoring function: `softmax` (Qwen3-MoE, Mixtral) or `sigmoid` (DeepSeek-V3, GLM-4.5)."""
+    norm_topk_prob: bool = True
+    """Renormalise the selected experts' scores to sum to 1."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier on the routed experts' combined output weights."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (DeepSeek-V3); 1 disables grouping."""
+    topk_group: int = 1
+    """Groups a token may route into when n_group > 1."""
+    balance: str = "aux_free"
+    """Load balancing: `aux_free` (DeepSeek-V3 bias update), `aux_loss` (switch-style loss) or `none`."""
+    aux_loss_coef: float = 1e-3
+    """Weight of the load-balancing auxiliary loss when balance=aux_loss."""
+    bias_update_rate: float = 1e-3
+    """Step size u of the aux-free bias update b_i += u * sign(mean_load - load_i)."""
+    z_loss_coef: float = 0.0
+    """Router z-loss weight (0 disables): coef * mean(logsumexp(router_logits)^2)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2, GLM-4.5); the output projection never has one."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of head_dim that is rotated (GLM-4.5 uses 0.5)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the output head's weight with the token embedding."""
+    max_seq_len: int = 4096
+    """Longest position RoPE tables are built for (training window plus decode budget)."""
+    init_std: float = 0.02
+    """Std of the normal initialisation of linear and embedding weights."""
+    init_from: str = ""
+    """Initialise weights from a Hugging Face directory or a Tandem checkpoint (fine-tuning)."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.num_experts > 0 and layer_index >= self.first_k_dense
+
+
+@dataclass
+class MTPLossConfig:
+    weights: List[float] = field(default_factory=list)
+    """Explicit per-depth weights w_1..w_K; empty means geometric: w_k = decay**(k-1)."""
+    decay: float = 1.0
+    """Geometric decay of the per-depth weights when `weights` is empty."""
+    normalize: bool = True
+    """Divide the weights by their sum, so lambda scales the mean MTP loss (DeepSeek-V3)."""
+    lambda_: float = 0.3
+    """MTP loss weight lambda at step 0 (written `mtp.loss.lambda` in recipes and overrides)."""
+    lambda_after: Dict[int, float] = field(default_factory=dict)
+    """Piecewise-constant schedule: from step s on, lambda = value (DeepSeek-V3: 0.3 then 0.1)."""
+
+
+@dataclass
+class MTPConfig:
+    num_steps: int = 3
+    """K: tokens predicted beyond the next one; 0 gives a plain LM with no MTP module."""
+    num_layers: int = 1
+    """L: physical MTP transformer layers; step k uses layer (k-1) % L."""
+    style: str = "looped"
+    """`looped` (DeepSeek-V3 / Qwen3-Next chained module) or `parallel` (Gloeckle et al. independent heads)."""
+    moe: bool = True
+    """MTP layers use the trunk's MoE MLP (DeepSeek-V3, GLM-4.5) rather than a dense one."""
+    concat_order: str = "emb_hidden"
+    """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next) or `hidden_emb`."""
+    loss: MTPLossConfig = field(default_factory=MTPLossConfig)
+    """The weighted multi-step loss."""
+    detach_trunk: bool = False
+    """Stop MTP gradients from reaching the trunk (set by frozen-trunk fine-tuning)."""
+    loss_chunk_tokens: int = 2048
+    """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab] logits)."""
+
+    def layer_for_step(self, step: int) -> int:
+        """Physical MTP layer used by draft step `step` (1-based)."""
+        return (step - 1) % self.num_layers
+
+
+def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
+    """Raise ValueError naming the offending key for impossible model shapes."""
+    positive = {
+        "model.vocab_size": model.vocab_size,
+        "model.hidden_size": model.hidden_size,
+        "model.num_layers": model.num_layers,
+        "model.num_heads": model.num_heads,
+        "model.num_kv_heads": model.num_kv_heads,
+        "model.intermediate_size": model.intermediate_size,
+        "model.max_seq_len": model.max_seq_len,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ValueError(f"{key} must be positive, got {value}")
+    if model.num_heads % model.num_kv_heads:
+        raise ValueError(
+            f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads}"
+        )
+    if model.head_dim < 0:
+        raise ValueError(f"model.head_dim must be >= 0, got {model.head_dim}")
+    if not model.head_dim and model.hidden_size % model.num_heads:
+        raise ValueError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}; set model.head_dim"
+        )
+    rot = int(model.resolved_head_dim * model.partial_rotary_factor)
+    if not 0.0 < model.partial_rotary_factor <= 1.0 or rot % 2:
+        raise ValueError(
+            f"model.partial_rotary_factor={model.partial_rotary_factor} must give an even rotary width in (0, head_dim]"
+        )
+    if model.num_experts < 0:
+        raise ValueError(f"model.num_experts must be >= 0, got {model.num_experts}")
+    if model.num_experts:
+        if not 0 < model.top_k <= model.num_experts:
+            raise ValueError(f"model.top_k={model.top_k} must be in [1, model.num_experts={model.num_experts}]")
+        if model.moe_intermediate_size <= 0:
+            raise ValueError(f"model.moe_intermediate_size must be positive, got {model.moe_intermediate_size}")
+        if model.num_experts % model.n_group:
+            raise ValueError(f"model.n_group={model.n_group} must divide model.num_experts={model.num_experts}")
+        if not 0 < model.topk_group <= model.n_group:
+            raise ValueError(f"model.topk_group={model.topk_group} must be in [1, model.n_group={model.n_group}]")
+        if model.n_group > 1 and model.top_k > model.topk_group * (model.num_experts // model.n_group):
+            raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
+    if model.router_score not in ("softmax", "sigmoid"):
+        raise ValueError(f"model.router_score must be 'softmax' or 'sigmoid', got {model.router_score!r}")
+    if model.balance not in ("aux_free", "aux_loss", "none"):
+        raise ValueError(f"model.balance must be 'aux_free', 'aux_loss' or 'none', got {model.balance!r}")
+    if model.first_k_dense < 0:
+        raise ValueError(f"model.first_k_dense must be >= 0, got {model.first_k_dense}")
+    if mtp.num_steps < 0:
+        raise ValueError(f"mtp.num_steps must be >= 0, got {mtp.num_steps}")
+    if mtp.num_steps > 0 and mtp.num_layers <= 0:
+        raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={mtp.num_steps} > 0, got {mtp.num_layers}")
+    if mtp.style not in ("looped", "parallel"):
+        raise ValueError(f"mtp.style must be 'looped' or 'parallel', got {mtp.style!r}")
+    if mtp.style == "parallel" and mtp.num_steps and mtp.num_layers != mtp.num_steps:
+        raise ValueError(
+            f"mtp.num_layers={mtp.num_layers} must equal mtp.num_steps={mtp.num_steps} for mtp.style=parallel (one independent head per step)"
+        )
+    if mtp.concat_order not in ("emb_hidden", "hidden_emb"):
+        raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {mtp.concat_order!r}")
+    if mtp.loss.weights and len(mtp.loss.weights) != mtp.num_steps:
+        raise ValueError(
+            f"mtp.loss.weights has {len(mtp.loss.weights)} entries but mtp.num_steps={mtp.num_steps}"
+        )
+    if any(w < 0 for w in mtp.loss.weights):
+        raise ValueError("mtp.loss.weights must be non-negative")
+    if mtp.loss.decay <= 0:
+        raise ValueError(f"mtp.loss.decay must be positive, got {mtp.loss.decay}")
+    if mtp.loss_chunk_tokens <= 0:
+        raise ValueError(f"mtp.loss_chunk_tokens must be positive, got {mtp.loss_chunk_tokens}")

@@ -1,0 +1,311 @@
+"""The one typed config tree: omegaconf structured dataclasses, YAML recipes, `key=value` overrides.
+
+`load_config(recipe, overrides)` composes a recipe with command-line overrides, rejects unknown keys
+and wrong types with a one-line error naming the key, and validates sizes before any work starts.
+`mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tandem.models.config import MTPConfig, ModelConfig, validate_model
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tiny"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/step_<N>/."""
+    name: str = ""
+    """Human-readable run name (wandb run name); empty uses the run directory's basename."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib`: the embedded default corpus (this interpreter's standard library source, prepared and
+    cached on first use); `megatron`: existing indexed datasets named in `paths`."""
+    paths: List[str] = field(default_factory=list)
+    """Megatron blend: prefixes (`/data/a`) or weight/prefix pairs (`0.7 /data/a 0.3 /data/b`)."""
+    valid_paths: List[str] = field(default_factory=list)
+    """Optional separate validation blend; empty splits `paths` by `split`."""
+    split: str = "98,2,0"
+    """train,valid,test split of `paths` when `valid_paths` is empty (Megatron syntax)."""
+    tokenizer: str = ""
+    """Local tokenizer (a tokenizer.json file or a Hugging Face tokenizer directory); empty uses the
+    tokenizer saved beside the dataset prefix by `tandem preprocess`."""
+    vocab_size: int = 4096
+    """Vocabulary size of the byte-level BPE trained on the embedded corpus."""
+    cache_dir: str = "~/.cache/tandem"
+    """Where the embedded corpus's tokenizer, indexed dataset and sample indices are cached."""
+    stdlib_max_bytes: int = 0
+    """Cap on the embedded corpus's training bytes (0 = all of the standard library outside test/)."""
+    seq_len: int = 256
+    """Tokens per training sample (the model sees seq_len inputs, seq_len targets)."""
+    eod_mask_loss: bool = False
+    """Mask the loss on end-of-document tokens (Megatron `eod_mask_loss`)."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout; runs are deterministic on CPU."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one data-parallel rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (per data-parallel rank)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 30
+    """Linear warm-up steps from 0 to lr."""
+    decay_steps: int = 0
+    """Cosine decay length after warm-up; 0 decays over the rest of max_steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms, biases or router biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    dtype: str = "auto"
+    """Compute dtype: `auto` (bf16 autocast on GPU/NPU, fp32 on CPU), `bf16` or `fp32`."""
+    log_interval: int = 1
+    """Write a training record to metrics.jsonl every this many steps."""
+    resume: bool = False
+    """Resume from the newest complete checkpoint in run.dir (also `tandem train --resume`)."""
+    freeze_trunk: bool = False
+    """Train only the MTP module: the trunk gets no gradients and no optimizer state."""
+    distill: str = "none"
+    """MTP targets: `none` (data labels), `argmax` or `soft` (the frozen trunk's own predictions)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (Megatron TP): heads, MLP/expert widths and the vocabulary split."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    ep: int = 1
+    """Expert-parallel size: routed experts sharded over ep ranks (carved from data parallelism)."""
+    dp: int = 0
+    """Data-parallel size; 0 derives it as world_size / (tp * pp * ep)."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence between TP regions (needs seq_len % tp == 0)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: `1f1b`, `interleaved_1f1b` or `gpipe`."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 uses train.grad_accum_steps."""
+    pp_virtual_stages: int = 2
+    """Model chunks per rank for the interleaved schedule."""
+    pp_layout: List[int] = field(default_factory=list)
+    """Explicit trunk layers per stage (sum = model.num_layers); empty splits evenly."""
+    dp_mode: str = "fsdp"
+    """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (replicated, gradient all-reduce)."""
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 100
+    """Run the speculative-decoding evaluator every this many steps (0 disables)."""
+    num_prompts: int = 8
+    """Held-out prompts per evaluation."""
+    prompt_len: int = 64
+    """Tokens per prompt, taken from the validation split."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+    num_steps: int = 0
+    """Draft length K at evaluation; 0 uses mtp.num_steps."""
+    temperature: float = 0.0
+    """0 is greedy; > 0 uses speculative sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold when temperature > 0."""
+    batch_size: int = 4
+    """Prompts decoded together."""
+    loss_batches: int = 4
+    """Validation micro-batches for eval/loss/* (teacher-forced)."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    """Log to Weights & Biases (offline when no API key is configured)."""
+    project: str = "tandem"
+    """wandb project."""
+    entity: str = ""
+    """wandb entity (team); empty uses the default."""
+    group: str = ""
+    """wandb run group."""
+    tags: List[str] = field(default_factory=list)
+    """wandb tags."""
+    progress: bool = True
+    """Show a progress bar with ETA and live loss."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (0 keeps all)."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+
+
+@dataclass
+class TandemConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where the run lives."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The trunk."""
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    """The MTP module and its loss."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The corpus."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The in-loop speculative-decoding evaluator."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics, wandb and progress."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    device: str = "auto"
+    """`auto`, `cpu`, `cuda` or `npu`."""
+
+
+# Public key -> dataclass field, for names Python cannot use as fields.
+_ALIASES = {"lambda": "lambda_"}
+_PUBLIC = {v: k for k, v in _ALIASES.items()}
+
+
+def _rename_keys(node: Any, table: dict) -> Any:
+    if isinstance(node, dict):
+        return {table.get(k, k) if isinstance(k, str) else k: _rename_keys(v, table) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rename_keys(v, table) for v in node]
+    return node
+
+
+def _override_key(item: str) -> str:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key = item.split("=", 1)[0].lstrip("+~")
+    return ".".join(_ALIASES.get(part, part) for part in key.split("."))
+
+
+def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemConfig:
+    """Compose defaults <- recipe YAML <- `key=value` overrides, then validate. Raises ConfigError."""
+    schema = OmegaConf.structured(TandemConfig)
+    layers = []
+    if recipe:
+        if not os.path.isfile(recipe):
+            raise ConfigError(f"recipe file not found: {recipe}")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(recipe), resolve=False)
+        except Exception as exc:  # yaml errors carry line numbers; keep them on one line
+            raise ConfigError(f"recipe {recipe} is not valid YAML: {' '.join(str(exc).split())}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe {recipe} must be a mapping of config sections")
+        layers.append(OmegaConf.create(_rename_keys(raw, _ALIASES)))
+    renamed = []
+    for item in overrides:
+        key = _override_key(item)
+        renamed.append(f"{key}={item.split('=', 1)[1]}")
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+        if renamed:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(renamed))
+        cfg: TandemConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line_error(exc, recipe)) from None
+    validate(cfg)
+    return cfg
+
+
+def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str]) -> str:
+    key = getattr(exc, "full_key", None)
+    key = ".".join(_PUBLIC.get(p, p) for p in str(key).split(".")) if key else None
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f" (in {recipe} or the overrides)" if recipe else ""
+    if "Key" in first and "not in" in first:
+        return f"unknown config key '{key}'{where}"
+    if key:
+        return f"invalid value for config key '{key}'{where}: {first}"
+    return f"invalid config{where}: {first}"
+
+
+def validate(cfg: TandemConfig) -> None:
+    """Check sizes and choices that no type can express. Raises ConfigError naming the key."""
+    try:
+        validate_model(cfg.model, cfg.mtp)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("lambda_", "lambda")) from None
+    checks = [
+        ("train.max_steps", cfg.train.max_steps >= 0, "must be >= 0"),
+        ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "must be positive"),
+        ("train.grad_accum_steps", cfg.train.grad_accum_steps > 0, "must be positive"),
+        ("train.lr", cfg.train.lr > 0, "must be positive"),
+        ("train.min_lr", 0 <= cfg.train.min_lr <= cfg.train.lr, "must be in [0, train.lr]"),
+        ("train.warmup_steps", cfg.train.warmup_steps >= 0, "must be >= 0"),
+        ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
+        ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
+        ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
+        ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
+        ("data.source", cfg.data.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
+        ("data.seq_len", cfg.data.seq_len > 0, "must be positive"),
+        ("data.vocab_size", cfg.data.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),
+        ("data.paths", cfg.data.source != "megatron" or bool(cfg.data.paths), "must name dataset prefixes when data.source=megatron"),
+        ("parallel.tp", cfg.parallel.tp > 0, "must be positive"),
+        ("parallel.pp", cfg.parallel.pp > 0, "must be positive"),
+        ("parallel.ep", cfg.parallel.ep > 0, "must be positive"),
+        ("parallel.dp", cfg.parallel.dp >= 0, "must be >= 0"),
+        ("parallel.pp_schedule", cfg.parallel.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"), "must be 1f1b, interleaved_1f1b or gpipe"),
+        ("parallel.dp_mode", cfg.parallel.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
+        ("eval.interval", cfg.eval.interval >= 0, "must be >= 0"),
+        ("eval.num_steps", cfg.eval.num_steps >= 0, "must be >= 0"),
+        ("eval.temperature", cfg.eval.temperature >= 0, "must be >= 0"),
+        ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
+        ("checkpoint.interval", cfg.checkpoint.interval >= 0, "must be >= 0"),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last >= 0, "must be >= 0"),
+        ("device", cfg.device in ("auto", "cpu", "cuda", "npu"), "must be auto, cpu, cuda or npu"),
+        ("model.max_seq_len", cfg.model.max_seq_len >= cfg.data.seq_len + cfg.mtp.num_steps + 1, "must be >= data.seq_len + mtp.num_steps + 1"),
+    ]
+    for key, ok, why in checks:
+        if not ok:
+            value = OmegaConf.select(OmegaConf.structured(cfg), key)
+            raise ConfigError(f"config key '{key}'={value!r} {why}")
+    if cfg.data.source == "stdlib" and cfg.model.vocab_size < cfg.data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size} (the tokenizer's vocabulary)"
+        )
+
+
+def to_yaml(cfg: TandemConfig) -> str:
+    """The resolved config as YAML, with public key spellings (`mtp.loss.lambda`)."""
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return OmegaConf.to_yaml(OmegaConf.create(_rename_keys(container, _PUBLIC)))
+
+
+def as_dict(cfg: TandemConfig) -> dict:
+    """Plain nested dict with public key spellings (for wandb and checkpoints)."""
+    return _rename_keys(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), _PUBLIC)
