@@ -1,0 +1,9 @@
+"""Plain single-device PyTorch modules: no process groups, no torch.distributed calls."""
+
+from .attention import KVCache
+from .config import MTPConfig, MTPLossConfig, ModelConfig, validate_model
+from .model import ModelOutput, TandemModel
+from .mtp import depth_target_mask
+
+__all__ = ["KVCache", "MTPConfig", "MTPLossConfig", "ModelConfig", "ModelOutput", "TandemModel",
+           "depth_target_mask", "validate_model"]

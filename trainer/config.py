@@ -91,8 +91,6 @@ class TrainConfig:
     """Resume from the newest complete checkpoint in run.dir (also `tandem train --resume`)."""
     freeze_trunk: bool = False
     """Train only the MTP module: the trunk gets no gradients and no optimizer state."""
-    distill: str = "none"
-    """MTP targets: `none` (data labels), `argmax` or `soft` (the frozen trunk's own predictions)."""
 
 
 @dataclass
@@ -270,7 +268,6 @@ def validate(cfg: TandemConfig) -> None:
         ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
-        ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("data.source", cfg.data.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
         ("data.seq_len", cfg.data.seq_len > 0, "must be positive"),
         ("data.vocab_size", cfg.data.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),

@@ -1,0 +1,59 @@
+"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama/Qwen/GLM do) and cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on the first `rotary_dim` channels of each head (partial rotary when < head_dim).
+
+    Uses the half-split (rotate_half) convention of Llama/Qwen/GLM-4.5-MoE in `transformers`.
+    Positions are explicit per token, so cached decoding with ragged sequence lengths just works.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_seq_len: int):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x_bnsd: torch.Tensor, positions_bs: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions_bs].unsqueeze(1).to(x_bnsd.dtype)  # [B,1,S,R]
+        sin = self.sin[positions_bs].unsqueeze(1).to(x_bnsd.dtype)
+        rot, rest = x_bnsd[..., : self.rotary_dim], x_bnsd[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos + rotated * sin
+        return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); also the shared expert of MoE layers."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

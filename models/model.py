@@ -1,0 +1,153 @@
+"""The assembled model: MoE decoder trunk + MTP module + shared output head.
+
+One implementation serves training (`forward`), the speculative decoder (`trunk`, `mtp_step`,
+`logits` with a KV cache) and export. Parameter names follow the Hugging Face Llama/Qwen/GLM layout
+(`embed_tokens`, `layers.<i>.self_attn.q_proj`, `mlp.experts`, `norm`, `lm_head`) so imports and
+exports are a name mapping. Trunk layers live in a ModuleDict keyed by their global index, so a
+pipeline stage that keeps a subset still has the same parameter names (checkpoints stay portable).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .attention import Attention, LayerKV
+from .config import MTPConfig, ModelConfig
+from .layers import RMSNorm, SwiGLU
+from .loss import chunked_cross_entropy_sum
+from .moe import MoE
+from .mtp import MTPModule, depth_target_mask, shifted_tokens
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None):
+        x_bsh = x_bsh + self.self_attn(self.input_layernorm(x_bsh), positions_bs, cache)
+        return x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+
+
+class OutputHead(nn.Module):
+    """The vocabulary projection shared by the trunk and every MTP depth (tensor parallelism swaps it
+    for a vocab-parallel version with the same two methods)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h_normed, self.weight)
+
+    def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        return chunked_cross_entropy_sum(h_normed_nh, self.weight, targets_n, chunk_tokens)
+
+
+@dataclass
+class ModelOutput:
+    loss_sums: torch.Tensor
+    """[K+1] summed cross-entropy per depth (0 = main head), in the autograd graph."""
+    token_counts: torch.Tensor
+    """[K+1] number of valid targets per depth (the normaliser)."""
+
+
+class TandemModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, mtp: MTPConfig):
+        super().__init__()
+        self.cfg, self.mtp_cfg = cfg, mtp
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size)
+        mtp_moe = mtp.moe and cfg.num_experts > 0
+        self.mtp = MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe)) if mtp.num_steps > 0 else None
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_depths(self) -> int:
+        return 1 + (self.mtp_cfg.num_steps if self.mtp is not None else 0)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        # GPT-2 style: residual output projections scaled down with depth.
+        out_std = std / math.sqrt(2 * (self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp else 0)))
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or "enorm" in name or "hnorm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    # --- pieces shared by training and decoding -------------------------------------------------
+    def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
+        """Trunk hidden states before the final norm (h_0 of the MTP chain)."""
+        h = self.embed_tokens(input_ids_bs)
+        for i, layer in self.layers.items():
+            h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None)
+        return h
+
+    def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor, positions_bs: torch.Tensor,
+                 cache: Optional[LayerKV] = None) -> torch.Tensor:
+        """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token t+step."""
+        layer = self.mtp.layer_for_step(step)
+        emb = self.embed_tokens(tokens_bs) if layer.combine else None
+        return layer(h_prev_bsh, emb, positions_bs, cache)
+
+    def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
+        return self.norm(h_bsh) if depth == 0 else self.mtp.layer_for_step(depth).norm(h_bsh)
+
+    def logits(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of depth `depth` (0 = trunk) from its pre-norm hidden state."""
+        return self.lm_head.logits(self.final_norm(depth, h_bsh))
+
+    # --- training -------------------------------------------------------------------------------
+    def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
+                doc_ids_bs1: Optional[torch.Tensor] = None) -> ModelOutput:
+        """Per-depth summed losses over a window of S+1 tokens (inputs are the first S)."""
+        b, s1 = tokens_bs1.shape
+        s = s1 - 1
+        if loss_mask_bs is None:
+            loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
+        positions = torch.arange(s, device=tokens_bs1.device).expand(b, s)
+        h = self.trunk(tokens_bs1[:, :s], positions)
+        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions)
+
+    def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
+                           doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor) -> ModelOutput:
+        """Main-head loss and every MTP depth's loss from the trunk's hidden states (the last
+        pipeline stage runs exactly this)."""
+        s = h0_bsh.shape[1]
+        sums: List[torch.Tensor] = []
+        counts: List[torch.Tensor] = []
+        h_prev = h0_bsh
+        for depth in range(self.num_depths):
+            if depth > 0:
+                h_in = h_prev if self.mtp.chained else h0_bsh
+                if depth == 1 or not self.mtp.chained:
+                    h_in = h_in.detach() if self.mtp_cfg.detach_trunk else h_in
+                h_prev = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs)
+            mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
+            targets = shifted_tokens(tokens_bs1, depth + 1, s)
+            hn = self.final_norm(depth, h_prev)[mask]
+            sums.append(self.lm_head.loss_sum(hn, targets[mask], self.mtp_cfg.loss_chunk_tokens))
+            counts.append(mask.sum())
+        return ModelOutput(torch.stack(sums), torch.stack(counts))
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+    def moe_layers(self) -> List[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]

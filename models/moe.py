@@ -1,0 +1,155 @@
+"""Mixture-of-experts MLP: top-k router, grouped experts, optional shared experts.
+
+Routing follows DeepSeek-V3 / GLM-4.5 (sigmoid scores, a selection-only correction bias, optional
+group-limited routing, routed scaling) and Qwen3-MoE / Mixtral (softmax scores). Experts run grouped:
+token copies are sorted by expert and each expert does one matmul over its contiguous block, so the
+Python loop is over experts, never tokens. Expert parallelism swaps in a dispatcher around
+`GroupedExperts` (see trainer/parallel/); the model itself holds no process groups.
+
+Auxiliary losses (load balance, z-loss) never travel through return values: `AuxLossGrad` attaches
+their gradient to the layer's output during backward (Megatron's approach), so pipeline stages and
+the loss code need not know about them. Their values are kept for logging in `last_aux_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import SwiGLU
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on `output`; in backward, feeds d(aux_loss) = scale into aux_loss's graph."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # Selection-only bias of aux-loss-free balancing (DeepSeek-V3 `e_score_correction_bias`).
+        # A buffer: it is updated by the load rule, never by gradients, and is checkpointed.
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # Routed token copies per expert since the last bias update (load-balance metrics, aux-free rule).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+
+    def forward(self, x_th: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return (weights [T,k], expert indices [T,k], router logits [T,E] in fp32)."""
+        cfg = self.cfg
+        logits = F.linear(x_th.float(), self.weight.float())
+        scores = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores.detach() + self.e_score_correction_bias
+        if cfg.n_group > 1:
+            grouped = choice.view(-1, cfg.n_group, self.num_experts // cfg.n_group)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep_groups = group_score.topk(cfg.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_score).scatter_(1, keep_groups, 1.0)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        indices = choice.topk(cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if cfg.norm_topk_prob and cfg.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * cfg.routed_scaling_factor
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=self.num_experts).float()
+        return weights, indices, logits
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones."""
+        load = tokens_per_expert.float()
+        self.e_score_correction_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts stored stacked: gate/up [E, I, H], down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_sorted_nh: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """x rows are grouped by expert in order (counts[e] rows for expert e); returns the same layout."""
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            xe = x_sorted_nh[start : start + n]
+            h = F.silu(xe @ self.gate_proj[e].t()) * (xe @ self.up_proj[e].t())
+            outputs.append(h @ self.down_proj[e].t())
+            start += n
+        if not outputs:
+            return x_sorted_nh.new_zeros(0, self.down_proj.shape[1])
+        return torch.cat(outputs, dim=0)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+            if cfg.num_shared_experts > 0 else None
+        )
+        # Gradient scale of the auxiliary losses per forward; the trainer sets 1/micro-batches.
+        self.aux_grad_scale = 1.0
+        self.last_aux_loss = 0.0
+
+    def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Sort token copies by expert, run the experts grouped, scatter weighted outputs back."""
+        k = indices.shape[1]
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        token_of_copy = order // k
+        y = self.experts(x_th[token_of_copy], counts)
+        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x_th).index_add_(0, token_of_copy, y)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        shape = x_bsh.shape
+        x = x_bsh.reshape(-1, shape[-1])
+        weights, indices, logits = self.router(x)
+        out = self.route_and_compute(x, weights, indices)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
+        if aux is not None:
+            self.last_aux_loss = float(aux.detach())
+            out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
+        return out.view(shape)
+
+    def _aux_loss(self, logits: torch.Tensor, indices: torch.Tensor):
+        cfg = self.cfg
+        terms = []
+        if cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0:
+            # Switch/DeepSeek balance loss: E * sum_i f_i * P_i, f_i the routed fraction (x E/k), P_i mean prob.
+            probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
+            probs = probs / probs.sum(-1, keepdim=True)
+            frac = torch.bincount(indices.flatten(), minlength=cfg.num_experts).float() / indices.numel()
+            terms.append(cfg.aux_loss_coef * cfg.num_experts * (frac * probs.mean(0)).sum())
+        if cfg.z_loss_coef > 0:
+            terms.append(cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean())
+        return sum(terms) if terms else None

@@ -1,0 +1,86 @@
+"""The multi-token-prediction module and the per-depth target masks.
+
+Depth d = 0 is the trunk's own next-token head; depth k = 1..K is MTP step k. At position t of a
+window of S+1 tokens, depth d predicts token t+1+d. Step k (looped style, DeepSeek-V3 / Qwen3-Next)
+combines the previous depth's hidden state with the embedding of token t+k:
+
+    h_k = layer[(k-1) % L]( eh_proj(cat(enorm(emb(x_{t+k})), hnorm(h_{k-1}))) )
+    logits_k = head(norm_k(h_k))     (norm_k is the norm of the physical layer used)
+
+The parallel style (Gloeckle et al. 2024) instead runs K independent layers on the trunk's hidden
+state: h_k = layer[k-1](h_0).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import LayerKV
+from .config import MTPConfig, ModelConfig
+from .layers import RMSNorm
+
+
+def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Tensor], depth: int) -> torch.Tensor:
+    """Bool [B,S]: whether depth `depth` has a valid target at each position.
+
+    Valid iff the target t+1+depth lies inside the window (no wrapped tokens), the data loss mask of
+    that target is set, and no document boundary separates token t from its target (packed documents;
+    doc_ids[b, i] counts end-of-document tokens strictly before i).
+    """
+    b, s = loss_mask_bs.shape
+    mask = torch.zeros(b, s, dtype=torch.bool, device=loss_mask_bs.device)
+    valid = s - depth
+    if valid <= 0:
+        return mask
+    ok = loss_mask_bs[:, depth:] > 0
+    if doc_ids_bs1 is not None:
+        ok = ok & (doc_ids_bs1[:, :valid] == doc_ids_bs1[:, depth + 1 : depth + 1 + valid])
+    mask[:, :valid] = ok
+    return mask
+
+
+def shifted_tokens(tokens_bs1: torch.Tensor, shift: int, length: int) -> torch.Tensor:
+    """tokens[:, t + shift] for t < length, zero-padded past the window (those positions are masked)."""
+    out = tokens_bs1[:, shift : shift + length]
+    pad = length - out.shape[1]
+    if pad > 0:
+        out = torch.cat([out, out.new_zeros(out.shape[0], pad)], dim=1)
+    return out
+
+
+class MTPLayer(nn.Module):
+    """One physical MTP layer: input combination (looped style), a transformer block, a final norm."""
+
+    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, block: nn.Module):
+        super().__init__()
+        self.combine = mtp.style == "looped"
+        self.emb_first = mtp.concat_order == "emb_hidden"
+        if self.combine:
+            self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = block
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h_prev_bsh: torch.Tensor, emb_bsh: Optional[torch.Tensor], positions_bs: torch.Tensor,
+                cache: Optional[LayerKV] = None) -> torch.Tensor:
+        if self.combine:
+            e, h = self.enorm(emb_bsh), self.hnorm(h_prev_bsh)
+            x = self.eh_proj(torch.cat([e, h] if self.emb_first else [h, e], dim=-1))
+        else:
+            x = h_prev_bsh
+        return self.block(x, positions_bs, cache)
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, make_block):
+        super().__init__()
+        self.num_steps = mtp.num_steps
+        self.chained = mtp.style == "looped"
+        self.layers = nn.ModuleList(MTPLayer(cfg, mtp, make_block()) for _ in range(mtp.num_layers))
+
+    def layer_for_step(self, step: int) -> MTPLayer:
+        return self.layers[(step - 1) % len(self.layers)]

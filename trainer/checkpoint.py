@@ -1,0 +1,209 @@
+"""Crash-safe checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout: `<run.dir>/checkpoints/step_<N>/` holding DCP shards of {"model", "optim"}, the resolved
+`config.yaml`, `trainer_state.json` and each rank's RNG state under `rng/`. A checkpoint is written
+into `.tmp_step_<N>/`, and only after every rank has finished does rank 0 write the `COMPLETE`
+marker (last) and rename the directory into place; so a directory named step_<N> with a marker is
+always whole, and resume ignores (and reports) anything else. Old checkpoints are pruned only after
+the new one is complete. DCP reshards on load, so a checkpoint saved under one parallel layout loads
+under another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def list_checkpoints(run_dir: str) -> Tuple[List[Tuple[int, str]], List[str]]:
+    """(complete checkpoints sorted by step, incomplete directories)."""
+    root = checkpoints_root(run_dir)
+    complete, incomplete = [], []
+    if not os.path.isdir(root):
+        return complete, incomplete
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        match = _STEP_DIR.match(name)
+        if match and os.path.exists(os.path.join(path, MARKER)):
+            complete.append((int(match.group(1)), path))
+        elif os.path.isdir(path):
+            incomplete.append(path)
+    complete.sort()
+    return complete, sorted(incomplete)
+
+
+def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, str]]:
+    complete, incomplete = list_checkpoints(run_dir)
+    if incomplete and report and _rank() == 0:
+        print(f"checkpoint: ignoring incomplete checkpoint(s): {', '.join(incomplete)}", file=sys.stderr)
+    return complete[-1] if complete else None
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    for kind in ("cuda", "npu"):
+        mod = getattr(torch, kind, None)
+        if mod is not None and hasattr(mod, "is_available") and mod.is_available():
+            state[kind] = mod.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    for kind in ("cuda", "npu"):
+        if kind in state:
+            getattr(torch, kind).set_rng_state(state[kind])
+
+
+def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    config_yaml: str, trainer_state: dict, keep_last: int = 0) -> str:
+    """Collective: every rank calls it. Returns the final directory."""
+    root = checkpoints_root(run_dir)
+    final = os.path.join(root, f"step_{step}")
+    tmp = os.path.join(root, f".tmp_step_{step}")
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, "rng"))
+    _barrier()
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=tmp)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
+    _barrier()
+    if _rank() == 0:
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, **trainer_state}, f, indent=1)
+        _pause_for_tests("before_marker")
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # a stale copy of the same step (e.g. rewind); replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        if keep_last > 0:
+            complete, _ = list_checkpoints(run_dir)
+            for _, old in complete[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pause_for_tests(point: str) -> None:
+    """Test hook: TANDEM_TEST_PAUSE_CHECKPOINT=<point> blocks here so a test can kill -9 mid-save."""
+    if os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT") == point:
+        import time
+
+        print(f"checkpoint: paused at {point}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(1)
+
+
+def check_compatible(path: str, config_yaml: str) -> None:
+    """Refuse a checkpoint whose model shape differs from the current config (names the keys)."""
+    saved = OmegaConf.load(os.path.join(path, "config.yaml"))
+    current = OmegaConf.create(config_yaml)
+    diffs = []
+    for section in ("model", "mtp"):
+        for key, value in OmegaConf.to_container(current[section]).items():
+            if key in ("init_from", "loss", "detach_trunk", "loss_chunk_tokens"):
+                continue
+            old = OmegaConf.select(saved, f"{section}.{key}")
+            if old != value:
+                diffs.append(f"{section}.{key}: checkpoint {old!r} vs config {value!r}")
+    if diffs:
+        raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(diffs))
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    """Collective: load model (+ optimizer) shards in place, restore this rank's RNG; return trainer state."""
+    opts = StateDictOptions(strict=True)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"], options=opts)
+    rng_path = os.path.join(path, "rng", f"rank{_rank()}.pt")
+    if os.path.exists(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=True))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
+    """Single-process: rebuild the model a checkpoint was trained with and load its weights.
+
+    `path` is a step directory or a run directory (its newest complete checkpoint). Returns
+    (model in eval mode, TandemConfig).
+    """
+    from tandem.models import TandemModel
+
+    from .config import load_config
+
+    if not os.path.exists(os.path.join(path, MARKER)):
+        found = latest_checkpoint(path, report=False)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run directory holding one)")
+        path = found[1]
+    cfg = load_config(os.path.join(path, "config.yaml"))
+    cfg.model.init_from = ""
+    model = TandemModel(cfg.model, cfg.mtp)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    return model.to(device).eval(), cfg

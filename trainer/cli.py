@@ -1,0 +1,96 @@
+"""`tandem` console script: train, preprocess, eval, export, launch.
+
+Each subcommand's module is imported only when it runs, so `tandem train` does not pay for
+`transformers`, and `tandem --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import List, Optional
+
+USAGE = """usage: tandem <command> [args]
+
+commands:
+  train RECIPE [key=value ...] [--resume]   pretrain / fine-tune from a YAML recipe
+  preprocess --input PATH ... --output-prefix PREFIX [--tokenizer PATH]
+                                            tokenize local text into a Megatron indexed dataset
+  eval --checkpoint DIR [options]           speculative decoding + acceptance metrics (one JSON object)
+  export --checkpoint DIR --out OUT         write a Hugging Face checkpoint (trunk + MTP weights)
+  launch slurm RECIPE [key=value ...] --nodes N ...
+                                            render and submit an sbatch script
+
+run `tandem <command> --help` for a command's options
+"""
+
+# command -> (module, function taking argv)
+_COMMANDS = {
+    "preprocess": ("tandem.data_pipeline.preprocess", "preprocess_main"),
+    "eval": ("tandem.eval.cli", "eval_main"),
+    "export": ("tandem.trainer.export", "export_main"),
+}
+
+
+def train_main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem train", description="Train from a YAML recipe with key=value overrides.")
+    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny.yaml)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.max_steps=100 parallel.tp=2")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in run.dir")
+    args = parser.parse_args(argv)
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(f"tandem train: error: {exc}", file=sys.stderr)
+        return 2
+    from .loop import train
+
+    try:
+        record = train(cfg, resume=args.resume)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"tandem train: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    if record is not None and int(os.environ.get("RANK", "0")) == 0:
+        keys = ["loss/main"] + [k for k in record if k.startswith("loss/mtp_")] + [
+            k for k in ("eval/acceptance_length",) if k in record]
+        print(f"step {record['step']}: " + " ".join(f"{k}={record[k]:.4f}" for k in keys))
+    return 0
+
+
+def launch_main(argv: List[str]) -> int:
+    if not argv or argv[0] != "slurm":
+        print("usage: tandem launch slurm RECIPE [key=value ...] --nodes N ...", file=sys.stderr)
+        return 2
+    from .launch import launch_slurm_main
+
+    return launch_slurm_main(argv[1:]) or 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train_main(rest)
+    if command == "launch":
+        return launch_main(rest)
+    if command in _COMMANDS:
+        module, func = _COMMANDS[command]
+        try:
+            entry = getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError) as exc:
+            print(f"tandem {command}: not available in this installation ({exc})", file=sys.stderr)
+            return 2
+        return entry(rest) or 0
+    print(f"tandem: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The training loop.
+
+One optimizer step: every micro-batch of this rank runs forward+backward with its per-depth loss
+sums normalised by the *global* number of valid targets per depth (all micro-batches, all
+data-parallel replicas), so any layout optimises exactly the single-process objective. Then the
+aux-free router biases move, gradients are clipped, AdamW steps, and the step's record is written.
+Data order, learning rate and the MTP loss schedule are pure functions of the step number, so a
+resume needs only the step, the weights, the optimizer and the RNG states.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from tandem.models import TandemModel
+
+from . import preemption
+from .checkpoint import check_compatible, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ConfigError, TandemConfig, to_yaml
+from .loss import combine_losses, depth_coefficients, lambda_at
+from .metrics import MetricsLogger
+from .optim import build_optimizer, lr_at, set_lr
+from .parallel import ParallelState, init_parallel, parallelize_model
+from .parallel.device import resolve_device
+
+
+def prepare_run_dir(run_dir: str) -> None:
+    """Fail early (before any expensive work) if the run directory cannot be written."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"config key 'run.dir'={run_dir!r} is not writable: {exc.strerror or exc}") from None
+
+
+def write_config(run_dir: str, config_yaml: str) -> None:
+    tmp = os.path.join(run_dir, "config.yaml.tmp")
+    with open(tmp, "w") as f:
+        f.write(config_yaml)
+    os.replace(tmp, os.path.join(run_dir, "config.yaml"))
+
+
+def build_model(cfg: TandemConfig) -> TandemModel:
+    """The plain model, seeded so every rank (and every layout) starts from identical weights."""
+    torch.manual_seed(cfg.train.seed)
+    model = TandemModel(cfg.model, cfg.mtp)
+    if cfg.model.init_from:
+        from .init_from import load_initial_weights
+
+        load_initial_weights(model, cfg.model.init_from)
+    if cfg.train.freeze_trunk:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith("mtp."))
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: TandemConfig, resume: bool = False):
+        self.cfg = cfg
+        self.resume = resume or cfg.train.resume
+        prepare_run_dir(cfg.run.dir)
+        self.config_yaml = to_yaml(cfg)
+        self.device = resolve_device(cfg.device)
+        self.pstate: ParallelState = init_parallel(cfg, self.device)
+        if self.pstate.is_main:
+            write_config(cfg.run.dir, self.config_yaml)
+        from tandem.data_pipeline.dataset import build_datasets, check_vocab
+
+        t = cfg.train
+        self.global_batch = t.micro_batch_size * t.grad_accum_steps * self.pstate.dp_size
+        self.train_ds, self.valid_ds, self.tokenizer = build_datasets(
+            cfg.data, cfg.data.seq_len, t.seed, num_train_samples=max(t.max_steps, 1) * self.global_batch,
+            num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1))
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
+        self.model = parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate)
+        self.optimizer = build_optimizer(self.model, t)
+        self.autocast_dtype = self.device.autocast_dtype(t.dtype)
+        self.start_step = 0
+        if self.resume:
+            found = latest_checkpoint(cfg.run.dir)
+            if found is not None:
+                check_compatible(found[1], self.config_yaml)
+                state = load_checkpoint(found[1], self.model, self.optimizer)
+                self.start_step = int(state["step"])
+                if self.pstate.is_main:
+                    print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
+        self.moe_layers = [m for m in self.model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        for moe in self.moe_layers:
+            moe.aux_grad_scale = 1.0 / t.grad_accum_steps
+        self.evaluator = None
+        if cfg.eval.interval > 0 and cfg.mtp.num_steps > 0:
+            from tandem.eval.in_loop import InLoopEvaluator
+
+            self.evaluator = InLoopEvaluator(cfg, self.model, self.valid_ds, self.tokenizer, self.pstate)
+
+    # ---------------------------------------------------------------------------------------------
+    def micro_batches(self, step: int) -> List[Dict[str, torch.Tensor]]:
+        from tandem.data_pipeline.dataset import batch_indices, get_batch
+
+        t = self.cfg.train
+        out = []
+        for micro in range(t.grad_accum_steps):
+            idx = batch_indices(step, micro, t.grad_accum_steps, self.pstate.dp_rank, self.pstate.dp_size,
+                                t.micro_batch_size)
+            batch = get_batch(self.train_ds, idx)
+            out.append({k: v.to(self.device.device) for k, v in batch.items()})
+        return out
+
+    def global_target_counts(self, batches) -> torch.Tensor:
+        """Valid targets per depth over the whole global batch (known before any forward)."""
+        from tandem.models import depth_target_mask
+
+        depths = 1 + self.cfg.mtp.num_steps
+        counts = torch.zeros(depths, dtype=torch.float64, device=self.device.device)
+        for b in batches:
+            for d in range(depths):
+                counts[d] += depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum()
+        return self.pstate.all_reduce_dp(counts)
+
+    def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
+        """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
+        if "pipeline" in self.pstate.extras:
+            return self.pstate.extras["pipeline"].forward_backward(batches, global_counts, coefs)
+        sums = torch.zeros(len(coefs), dtype=torch.float64, device=self.device.device)
+        amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext())
+        for b in batches:
+            with amp:
+                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"])
+                loss = combine_losses(out.loss_sums, global_counts, coefs)
+            loss.backward()
+            sums += out.loss_sums.detach().double()
+        return sums
+
+    def update_router_biases(self) -> Dict[str, float]:
+        """Aux-free bias step from the step's expert loads (summed over every rank that routed
+        different tokens); returns load-balance metrics."""
+        if not self.moe_layers:
+            return {}
+        loads = torch.stack([m.router.tokens_per_expert for m in self.moe_layers])
+        group = self.pstate.extras.get("router_load_group", self.pstate.dp_group)
+        if self.pstate.world_size > 1 and group is not None:
+            torch.distributed.all_reduce(loads, group=group)
+        for moe, load in zip(self.moe_layers, loads):
+            if moe.cfg.balance == "aux_free":
+                moe.router.update_bias(load)
+            moe.router.tokens_per_expert.zero_()
+        ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
+        metrics = {"moe/max_over_mean_load": float(ratio.max()), "moe/mean_max_over_mean_load": float(ratio.mean())}
+        aux = [m.last_aux_loss for m in self.moe_layers if m.cfg.balance == "aux_loss" or m.cfg.z_loss_coef > 0]
+        if aux:
+            metrics["moe/aux_loss"] = float(sum(aux) / len(aux))
+        return metrics
+
+    def clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if "clip_grad_norm" in self.pstate.extras:
+            return float(self.pstate.extras["clip_grad_norm"](params, self.cfg.train.grad_clip))
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+
+    def save(self, step: int) -> None:
+        save_checkpoint(self.cfg.run.dir, step, self.model, self.optimizer, self.config_yaml,
+                        {"tokens_seen": step * self.global_batch * self.cfg.data.seq_len},
+                        keep_last=self.cfg.checkpoint.keep_last)
+
+    # ---------------------------------------------------------------------------------------------
+    def train(self) -> Optional[dict]:
+        cfg, t = self.cfg, self.cfg.train
+        K = cfg.mtp.num_steps
+        logger = MetricsLogger(cfg, self.pstate.is_main, self.start_step, t.max_steps)
+        preemption.install_preemption_handler()
+        self.model.train()
+        last_record = None
+        step = self.start_step
+        try:
+            while step < t.max_steps:
+                t0 = time.perf_counter()
+                self.device.reset_peak_memory()
+                lr = lr_at(t, step)
+                set_lr(self.optimizer, lr)
+                coefs = depth_coefficients(cfg.mtp, step)
+                batches = self.micro_batches(step)
+                counts = self.global_target_counts(batches)
+                sums = self.pstate.all_reduce_dp(self.forward_backward(batches, counts, coefs))
+                moe_metrics = self.update_router_biases()
+                grad_norm = self.clip_gradients()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.device.synchronize()
+                step += 1
+                dt = time.perf_counter() - t0
+                per_depth = (sums / counts.clamp(min=1)).tolist()
+                record = {"step": step, "loss": float(sum(c * l for c, l in zip(coefs, per_depth))),
+                          "loss/main": per_depth[0]}
+                for k in range(1, K + 1):
+                    record[f"loss/mtp_{k}"] = per_depth[k]
+                record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
+                               "tokens_per_s": self.global_batch * cfg.data.seq_len / dt,
+                               "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics})
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"non-finite loss at step {step}: " +
+                                             ", ".join(f"{k}={v}" for k, v in record.items() if k.startswith("loss")))
+                if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
+                    record.update(self.evaluator.run(step))
+                if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/") for k in record):
+                    logger.log(record)
+                logger.progress(step, record)
+                last_record = record
+                if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < t.max_steps:
+                    self.save(step)
+                if preemption.agree_preemption():
+                    self.save(step)
+                    preemption.requeue_current_job()
+                    if self.pstate.is_main:
+                        print(f"preempted: checkpointed step {step} and asked Slurm to requeue", file=sys.stderr)
+                    return last_record
+            if cfg.checkpoint.save_final and t.max_steps > 0 and (
+                    latest_checkpoint(cfg.run.dir, report=False) or (0, ""))[0] < step:
+                self.save(step)
+        finally:
+            logger.close()
+        return last_record
+
+
+def train(cfg: TandemConfig, resume: bool = False) -> Optional[dict]:
+    return Trainer(cfg, resume=resume).train()

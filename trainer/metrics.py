@@ -1,0 +1,118 @@
+"""Run tracking: metrics.jsonl in the run directory, wandb with the same keys, a progress bar.
+
+Only global rank 0 writes. wandb runs offline when no API key is available (and prints the
+`wandb sync` hint); its run id is kept in the run directory so a resumed job continues the same
+wandb run. The API key is never written anywhere: configs are logged from the typed config tree,
+which has no field for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+from .config import TandemConfig, as_dict
+
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+
+def _wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import netrc
+
+        path = os.path.expanduser("~/.netrc")
+        return os.path.exists(path) and netrc.netrc(path).authenticators("api.wandb.ai") is not None
+    except Exception:
+        return False
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Drop records past `last_step` (written after the checkpoint a resume starts from), atomically."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", -1) <= last_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash mid-write
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    def __init__(self, cfg: TandemConfig, is_main: bool, start_step: int, total_steps: int):
+        self.cfg, self.is_main = cfg, is_main
+        self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
+        self.wandb_run = None
+        self.bar = None
+        if not is_main:
+            return
+        truncate_metrics(self.path, start_step)
+        self.file = open(self.path, "a", buffering=1)
+        if cfg.logging.wandb:
+            self.wandb_run = self._init_wandb()
+        if cfg.logging.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def _init_wandb(self):
+        import wandb
+
+        run_dir = self.cfg.run.dir
+        id_path = os.path.join(run_dir, WANDB_ID_FILE)
+        run_id = open(id_path).read().strip() if os.path.exists(id_path) else wandb.util.generate_id()
+        offline = not _wandb_has_credentials() or os.environ.get("WANDB_MODE") == "offline"
+        lg = self.cfg.logging
+        run = wandb.init(
+            project=lg.project, entity=lg.entity or None, group=lg.group or None, tags=list(lg.tags) or None,
+            name=self.cfg.run.name or os.path.basename(os.path.abspath(run_dir)), id=run_id, resume="allow",
+            dir=run_dir, config=as_dict(self.cfg), mode="offline" if offline else "online",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        with open(id_path, "w") as f:
+            f.write(run_id)
+        if offline:
+            print(f"wandb: offline run; upload later with: wandb sync {run.dir.rsplit('/files', 1)[0]}", file=sys.stderr)
+        return run
+
+    def log(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def progress(self, step: int, record: Optional[dict]) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = step
+        if record:
+            post = {"loss": f"{record['loss']:.3f}", "main": f"{record['loss/main']:.3f}"}
+            k = 1
+            while f"loss/mtp_{k}" in record:
+                post[f"mtp{k}"] = f"{record[f'loss/mtp_{k}']:.3f}"
+                k += 1
+            if "eval/acceptance_length" in record:
+                post["acc_len"] = f"{record['eval/acceptance_length']:.2f}"
+            self.bar.set_postfix(post, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

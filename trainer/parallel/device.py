@@ -1,0 +1,86 @@
+"""The device layer: the one place that knows about cuda / npu / cpu and nccl / hccl / gloo.
+
+Nothing else in Tandem calls `torch.cuda` (or `torch.npu`) directly; it asks this module.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    type: str
+    """`cuda`, `npu` or `cpu`."""
+    backend: str
+    """Process-group backend: `nccl`, `hccl` or `gloo`."""
+    device: torch.device
+    """This process's device."""
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.type != "cpu"
+
+    @property
+    def module(self):
+        """torch.cuda / torch.npu, or None on CPU."""
+        return getattr(torch, self.type) if self.is_accelerator else None
+
+    def synchronize(self) -> None:
+        if self.is_accelerator:
+            self.module.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        if self.is_accelerator:
+            self.module.reset_peak_memory_stats(self.device)
+
+    def peak_memory_gb(self) -> float:
+        """Peak allocated device memory; on CPU the process's peak resident set size."""
+        if self.is_accelerator:
+            return self.module.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+    def autocast_dtype(self, requested: str):
+        """bf16 autocast on accelerators under `auto`, fp32 (no autocast) on CPU."""
+        if requested == "bf16" or (requested == "auto" and self.is_accelerator):
+            return torch.bfloat16
+        return None
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers the `npu` device with torch)
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
+
+def resolve_device(requested: str = "auto", local_rank: int | None = None) -> Device:
+    """Pick the device and collective backend; `requested` is the config's `device` key."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    kind = requested
+    if kind == "auto":
+        if torch.cuda.is_available():
+            kind = "cuda"
+        elif _npu_available():
+            kind = "npu"
+        else:
+            kind = "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("config key 'device'='cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return Device("cuda", "nccl", torch.device("cuda", local_rank))
+    if kind == "npu":
+        if not _npu_available():
+            raise RuntimeError("config key 'device'='npu' but torch_npu is not installed or no NPU is visible")
+        torch.npu.set_device(local_rank)
+        return Device("npu", "hccl", torch.device("npu", local_rank))
+    if kind != "cpu":
+        raise RuntimeError(f"config key 'device'={requested!r} must be auto, cpu, cuda or npu")
+    return Device("cpu", "gloo", torch.device("cpu"))

@@ -1,0 +1,76 @@
+"""Process-group setup and the view of the layout the training loop needs.
+
+The loop only asks a `ParallelState` for ranks, the data-parallel reduction and whether this rank
+holds the loss; how the mesh is carved into tp/pp/ep/dp lives in this package alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError, TandemConfig
+from .device import Device
+
+
+@dataclass
+class ParallelState:
+    device: Device
+    """This process's device and backend."""
+    world_size: int = 1
+    """Processes in the job."""
+    rank: int = 0
+    """Global rank."""
+    dp_size: int = 1
+    """Data-parallel ranks (replicas of the batch dimension)."""
+    dp_rank: int = 0
+    """This rank's data-parallel index (selects its share of each global batch)."""
+    dp_group: Optional[object] = None
+    """Process group that sums per-depth losses and token counts across data-parallel replicas."""
+    mesh: Optional[object] = None
+    """The DeviceMesh over (pp, dp, ep, tp) when distributed."""
+    extras: dict = field(default_factory=dict)
+    """Layout-specific handles (pipeline schedule, expert groups) owned by trainer/parallel/."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel replicas, in place; identity in a single process."""
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+
+def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
+    """Start the process group (under torchrun) and validate the layout against the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    p = cfg.parallel
+    model_parallel = p.tp * p.pp * p.ep
+    if world == 1 and model_parallel == 1:
+        return ParallelState(device=device)
+    if world % model_parallel:
+        raise ConfigError(
+            f"world size {world} is not divisible by parallel.tp*pp*ep = {p.tp}*{p.pp}*{p.ep} = {model_parallel}"
+        )
+    dp = p.dp or world // model_parallel
+    if dp * model_parallel != world:
+        raise ConfigError(f"parallel.tp*pp*ep*dp = {model_parallel * dp} does not equal the world size {world}")
+    from .layout import build_parallel_state  # the mesh and groups (needs torch.distributed)
+
+    return build_parallel_state(cfg, device, world, dp)
+
+
+def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
+    """Apply TP/EP/PP/FSDP to a plain model for this rank; identity in a single process."""
+    if state.world_size == 1:
+        return model
+    from .layout import apply_parallelism
+
+    return apply_parallelism(model, cfg, state)
