@@ -1,0 +1,211 @@
+"""Model invariants checked against hand-written references."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.models import KVCache, MTPConfig, ModelConfig, TandemModel, depth_target_mask
+from tandem.models.loss import chunked_cross_entropy_sum
+from tandem.models.moe import MoE
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                moe_intermediate_size=16, num_experts=4, top_k=2, first_k_dense=1, max_seq_len=64)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make(K=3, L=2, seed=0, style="looped", **kw):
+    torch.manual_seed(seed)
+    return TandemModel(tiny_cfg(**kw), MTPConfig(num_steps=K, num_layers=L, style=style))
+
+
+def test_depth_target_mask_hand_case():
+    # window of 7 tokens (S=6 inputs); token 3 is an end-of-document: docs are [0..3] and [4..6]
+    doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+    loss_mask = torch.ones(1, 6)
+    loss_mask[0, 5] = 0  # target token 6 masked by the data
+    got = {d: depth_target_mask(loss_mask, doc_ids, d)[0].int().tolist() for d in range(4)}
+    # depth d at t predicts token t+1+d: valid iff t+1+d <= 6, same doc as t, and mask[t+d]
+    assert got[0] == [1, 1, 1, 0, 1, 0]  # t=3 (EOD) -> token 4 crosses; t=5 -> token 6 masked
+    assert got[1] == [1, 1, 0, 0, 0, 0]  # t=2 -> token 4 crosses; t=4 -> token 6 masked
+    assert got[2] == [1, 0, 0, 0, 0, 0]
+    assert got[3] == [0, 0, 0, 0, 0, 0]  # t=0 -> token 4 crosses; t>=3 beyond the window
+
+
+def test_step_to_layer_mapping_is_k_minus_1_mod_L():
+    model = make(K=5, L=2)
+    calls = []
+    for i, layer in enumerate(model.mtp.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+    model(torch.randint(0, 97, (1, 9)))
+    assert calls == [0, 1, 0, 1, 0]
+    assert [model.mtp_cfg.layer_for_step(k) for k in range(1, 6)] == [0, 1, 0, 1, 0]
+
+
+def test_looped_losses_match_hand_composed_reference():
+    model = make(K=2, L=1).eval()
+    tokens = torch.randint(0, 97, (2, 11))
+    out = model(tokens)
+    s = 10
+    pos = torch.arange(s).expand(2, s)
+    h0 = model.trunk(tokens[:, :s], pos)
+    layer = model.mtp.layers[0]
+    ref = [F.cross_entropy(model.lm_head.logits(model.norm(h0))[:, :s].reshape(-1, 97), tokens[:, 1:].reshape(-1),
+                           reduction="sum")]
+    h = h0
+    for k in (1, 2):
+        emb = model.embed_tokens(F.pad(tokens[:, k:], (0, k - 1))[:, :s])
+        x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], -1))  # embedding first (DeepSeek-V3)
+        h = layer.block(x, pos)
+        logits = model.lm_head.logits(layer.norm(h))[:, : s - k]
+        ref.append(F.cross_entropy(logits.reshape(-1, 97), tokens[:, 1 + k :].reshape(-1), reduction="sum"))
+    torch.testing.assert_close(out.loss_sums, torch.stack(ref), rtol=1e-5, atol=1e-5)
+    assert out.token_counts.tolist() == [20, 18, 16]
+
+
+def test_k0_is_a_plain_lm_with_no_overhead():
+    plain = make(K=0)
+    with_mtp = make(K=3, L=1)
+    assert plain.mtp is None
+    trunk_params = {n for n, _ in with_mtp.named_parameters() if not n.startswith("mtp.")}
+    assert {n for n, _ in plain.named_parameters()} == trunk_params
+    plain.load_state_dict({k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")})
+    tokens = torch.randint(0, 97, (2, 13))
+    out0, out3 = plain(tokens), with_mtp(tokens)
+    assert out0.loss_sums.shape == (1,)
+    # plain causal LM reference: next-token CE of the trunk's logits
+    logits = plain.lm_head.logits(plain.norm(plain.trunk(tokens[:, :12], torch.arange(12).expand(2, 12))))
+    ref = F.cross_entropy(logits.reshape(-1, 97), tokens[:, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(out0.loss_sums[0], ref)
+    torch.testing.assert_close(out3.loss_sums[0], out0.loss_sums[0])
+
+
+def test_parallel_style_heads_read_the_trunk_state():
+    model = make(K=2, L=2, style="parallel").eval()
+    assert not hasattr(model.mtp.layers[0], "eh_proj")
+    tokens = torch.randint(0, 97, (1, 9))
+    out = model(tokens)
+    pos = torch.arange(8).expand(1, 8)
+    h0 = model.trunk(tokens[:, :8], pos)
+    h2 = model.mtp.layers[1].block(h0, pos)
+    ref = F.cross_entropy(model.lm_head.logits(model.mtp.layers[1].norm(h2))[:, :6].reshape(-1, 97),
+                          tokens[:, 3:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(out.loss_sums[2], ref)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_cross_entropy_matches_full(chunk):
+    torch.manual_seed(0)
+    h = torch.randn(23, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (23,))
+    got = chunked_cross_entropy_sum(h, w, t, chunk)
+    got.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = F.cross_entropy(h @ w.t(), t, reduction="sum")
+    ref.backward()
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(gh, h.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+def test_no_full_vocab_logits_are_saved_for_backward():
+    vocab, tokens = 4000, 512
+    model = make(K=3, L=1, vocab_size=vocab, max_seq_len=tokens + 8)
+    model.mtp_cfg.loss_chunk_tokens = 64
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(0, vocab, (1, tokens + 1)))
+    # A resident logits tensor would be >= tokens*vocab elements; chunks are 64*vocab at most.
+    assert max(saved) < tokens * vocab / 4
+
+
+def test_grouped_experts_match_per_token_reference():
+    torch.manual_seed(0)
+    cfg = tiny_cfg(num_experts=4, top_k=2, router_score="softmax", num_shared_experts=1)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 32)
+    out = moe(x)
+    flat = x.reshape(-1, 32)
+    logits = flat @ moe.router.weight.t()
+    probs = logits.softmax(-1)
+    ref = torch.zeros_like(flat)
+    for i in range(flat.shape[0]):
+        top = probs[i].topk(2)
+        weights = top.values / top.values.sum()
+        for w, e in zip(weights, top.indices):
+            xe = flat[i]
+            y = (F.silu(moe.experts.gate_proj[e] @ xe) * (moe.experts.up_proj[e] @ xe))
+            ref[i] += w * (moe.experts.down_proj[e] @ y)
+    ref += moe.shared_experts(flat)
+    torch.testing.assert_close(out.reshape(-1, 32), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_aux_free_bias_moves_against_the_load():
+    cfg = tiny_cfg(num_experts=4, top_k=1, balance="aux_free", bias_update_rate=0.01)
+    moe = MoE(cfg)
+    moe.router.update_bias(torch.tensor([10.0, 0.0, 2.0, 4.0]))  # mean 4
+    torch.testing.assert_close(moe.router.e_score_correction_bias, torch.tensor([-0.01, 0.01, 0.01, 0.0]))
+    # Iterating the rule evens out a router that sends everything to one expert.
+    torch.manual_seed(0)
+    torch.nn.init.normal_(moe.router.weight, std=0.02)
+    with torch.no_grad():
+        moe.router.weight[0] += 0.5
+    x = torch.randn(256, 32).abs()
+    first = None
+    for _ in range(200):
+        moe.router.tokens_per_expert.zero_()
+        moe.router(x)
+        load = moe.router.tokens_per_expert.clone()
+        first = load if first is None else first
+        moe.router.update_bias(load)
+    assert first.max() / first.mean() > 2.0
+    assert load.max() / load.mean() < first.max() / first.mean()
+    assert moe.router.e_score_correction_bias[0] < 0
+
+
+def test_aux_loss_gradient_reaches_the_router():
+    cfg = tiny_cfg(num_experts=4, top_k=2, balance="aux_loss", aux_loss_coef=1.0, router_score="softmax")
+    torch.manual_seed(0)
+    moe = MoE(cfg).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(1, 8, 32)
+    moe(x).sum().backward()
+    with_aux = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    moe.aux_grad_scale = 0.0
+    moe(x).sum().backward()
+    assert not torch.allclose(with_aux, moe.router.weight.grad)
+    assert moe.last_aux_loss > 0
+
+
+def test_kv_cache_incremental_decode_matches_full_forward():
+    model = make(K=0, qk_norm=True, attention_bias=True, partial_rotary_factor=0.5).eval()
+    tokens = torch.randint(0, 97, (2, 10))
+    full = model.trunk(tokens, torch.arange(10).expand(2, 10))
+    cache = KVCache(model.cfg.num_layers, 2, 2, 16, model.cfg.resolved_head_dim, torch.float32, torch.device("cpu"))
+    part1 = model.trunk(tokens[:, :6], torch.arange(6).expand(2, 6), cache)
+    steps = [model.trunk(tokens[:, i : i + 1], torch.full((2, 1), i), cache) for i in range(6, 10)]
+    torch.testing.assert_close(torch.cat([part1] + steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_param_count_grows_by_mtp_layers_only():
+    base = sum(p.numel() for p in make(K=0).parameters())
+    looped = make(K=4, L=2)
+    mtp = sum(p.numel() for p in looped.mtp.parameters())
+    assert sum(p.numel() for p in looped.parameters()) == base + mtp
+    per_layer = mtp / 2
+    assert math.isclose(per_layer, sum(p.numel() for p in looped.mtp.layers[0].parameters()))
