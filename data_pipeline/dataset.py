@@ -1,0 +1,312 @@
+"""Training and validation datasets: megatron-core `GPTDataset`s built by `BlendedMegatronDatasetBuilder`,
+plus a stateless batch sampler.
+
+`build_datasets(data_cfg, seq_len, seed, num_train_samples, num_valid_samples)` returns
+`(train_ds, valid_ds, tokenizer)`. Sample `i` of a dataset is a fixed window of `seq_len + 1` tokens
+(Megatron's document/sample/shuffle indices, seeded by `seed`, cached as .npy files under `cache_path`).
+`get_batch(ds, batch_indices(step, micro_step, ...))` turns indices into tensors, so the data position
+of a run is just its step number: resuming needs no loader state.
+
+Under torchrun every rank calls `build_datasets`; megatron-core builds the sample-index cache on global
+rank 0 first, then a barrier, then the other ranks load it (so the cache directory must be shared by
+all nodes). Without a process group everything runs in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from tandem.data_pipeline.preprocess import output_paths, read_meta
+from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+# megatron-core DType codes of integer token types -> numpy dtype
+_IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks that fail fast with one-line messages
+
+
+def check_vocab(tokenizer: TandemTokenizer, model_vocab_size: int) -> None:
+    """Raise ValueError if the tokenizer's ids do not fit the model's embedding table."""
+    if tokenizer.vocab_size > int(model_vocab_size):
+        raise ValueError(
+            f"tokenizer {tokenizer.path} has vocab_size={tokenizer.vocab_size}, larger than "
+            f"model.vocab_size={model_vocab_size}; raise model.vocab_size or use a smaller tokenizer"
+        )
+
+
+def normalize_prefix(path: str) -> str:
+    """`~` expanded, absolute, and without a trailing `.bin` / `.idx`."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    for ext in (".bin", ".idx"):
+        if path.endswith(ext):
+            return path[: -len(ext)]
+    return path
+
+
+def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int]:
+    """Validate an indexed dataset without loading it; return {sequences, documents, tokens, itemsize}.
+
+    FileNotFoundError names a missing .bin/.idx; ValueError names a truncated/corrupt .idx or .bin
+    (the .bin size must equal what the .idx describes), an .idx of another version or token dtype, or a
+    token dtype too narrow for `vocab_size`.
+    """
+    prefix = normalize_prefix(prefix)
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    missing = [p for p in (bin_path, idx_path) if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"dataset {prefix}: missing {' and '.join(missing)} (run `tandem preprocess` to create it)")
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+        if len(head) < 34 or head[:9] != _IDX_MAGIC:
+            raise ValueError(f"{idx_path} is not a Megatron indexed-dataset index (bad or truncated header)")
+        (version,) = struct.unpack("<Q", head[9:17])
+        if version != 1:
+            raise ValueError(f"{idx_path} has index version {version}; only version 1 (megatron-core MMIDIDX) is supported")
+        code = head[17]
+        if code not in _IDX_DTYPES:
+            raise ValueError(f"{idx_path} stores tokens with dtype code {code}, not an integer type (1-5, 8)")
+        n_seq, n_doc = struct.unpack("<QQ", head[18:34])
+        need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if idx_size < need:
+            raise ValueError(f"{idx_path} is truncated: {idx_size} bytes, its header describes {need}")
+        lengths = np.fromfile(f, dtype=np.int32, count=n_seq)
+        f.seek(34 + n_seq * 12)
+        doc_idx = np.fromfile(f, dtype=np.int64, count=n_doc)
+    if n_doc < 1 or doc_idx[0] != 0 or doc_idx[-1] != n_seq:
+        raise ValueError(f"{idx_path} is corrupt: its document index does not cover its {n_seq} sequences")
+    dtype = np.dtype(_IDX_DTYPES[code])
+    tokens = int(lengths.sum(dtype=np.int64))
+    expect = tokens * dtype.itemsize
+    actual = os.path.getsize(bin_path)
+    if actual != expect:
+        raise ValueError(
+            f"{bin_path} is truncated or corrupt: {actual} bytes, but {idx_path} describes {tokens} {dtype.name} "
+            f"tokens = {expect} bytes; re-run `tandem preprocess`"
+        )
+    if vocab_size is not None and int(vocab_size) - 1 > np.iinfo(dtype).max:
+        raise ValueError(f"{idx_path} stores {dtype.name} tokens, too narrow for a vocabulary of {vocab_size}")
+    return {"sequences": int(n_seq), "documents": int(n_doc - 1), "tokens": tokens, "itemsize": dtype.itemsize}
+
+
+def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron blend syntax -> (prefixes, weights or None).
+
+    `["/p/a", "/p/b"]` (weights from dataset sizes) or `["0.7", "/p/a", "0.3", "/p/b"]`; an element may
+    also hold several whitespace-separated items (`"0.7 /p/a 0.3 /p/b"`).
+    """
+    items = [tok for p in paths for tok in str(p).split()]
+    if not items:
+        raise ValueError("empty dataset blend: name at least one dataset prefix")
+
+    def is_number(s: str) -> bool:
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(items) % 2 == 0 and all(is_number(w) for w in items[0::2]) and not any(is_number(p) for p in items[1::2]):
+        weights = [float(w) for w in items[0::2]]
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"blend weights must be positive: {' '.join(items)}")
+        return [normalize_prefix(p) for p in items[1::2]], weights
+    if any(is_number(p) for p in items):
+        raise ValueError(f"cannot parse dataset blend {' '.join(items)!r}: use prefixes or weight/prefix pairs")
+    return [normalize_prefix(p) for p in items], None
+
+
+def _tokenizer_for(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
+    meta = read_meta(prefixes[0])
+    eod_token = meta.get("eod_token") if meta else None  # the EOD the data was made with
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path, eod_token=eod_token)
+    beside = output_paths(prefixes[0])["tokenizer"]
+    if not os.path.isfile(beside):
+        source = meta.get("tokenizer_source") if meta else None
+        if source and os.path.exists(source):
+            return load_tokenizer(source, eod_token=eod_token)
+        raise FileNotFoundError(f"no tokenizer for dataset {prefixes[0]}: {beside} not found; set data.tokenizer")
+    return load_tokenizer(beside, eod_token=eod_token)
+
+
+def _check_made_with(prefix: str, tokenizer: TandemTokenizer) -> None:
+    meta = read_meta(prefix)
+    if meta and (meta.get("eod_id") != tokenizer.eod_id or meta.get("vocab_size") != tokenizer.vocab_size):
+        raise ValueError(
+            f"dataset {prefix} was made with a tokenizer of vocab_size={meta.get('vocab_size')}, eod={meta.get('eod_id')}, "
+            f"but {tokenizer.path} has vocab_size={tokenizer.vocab_size}, eod={tokenizer.eod_id}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building
+
+
+@contextlib.contextmanager
+def _single_process_group_if_needed(needed: bool):
+    """megatron-core's BlendedDataset calls torch.distributed.get_rank() even in one process; give it a
+    throw-away world of one (gloo, in-memory store) when no process group exists."""
+    import torch.distributed as dist
+
+    if not needed or not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_datasets(
+    data_cfg,
+    seq_len: int,
+    seed: int,
+    num_train_samples: int,
+    num_valid_samples: Optional[int],
+    *,
+    model_vocab_size: Optional[int] = None,
+    cache_path: Optional[str] = None,
+):
+    """Build `(train_ds, valid_ds, tokenizer)` for `data_cfg` (a `DataConfig`).
+
+    `source=stdlib` prepares/caches the embedded corpus (`prepare_stdlib_corpus`; its own tokenizer,
+    `data.tokenizer` is not used). `source=megatron` reads the blend `data_cfg.paths`, split by
+    `data_cfg.split`, or uses `data_cfg.valid_paths` as a separate validation blend; the tokenizer is
+    `data_cfg.tokenizer` or the `<prefix>.tokenizer.json` beside the first prefix.
+
+    Each dataset holds at least the requested number of samples (Megatron repeats epochs as needed);
+    `valid_ds` is None when the split gives validation no data. Sample indices are cached under
+    `cache_path` (default: `<stdlib cache>/indices` or `<data_cfg.cache_dir>/indices`). With
+    `model_vocab_size`, a tokenizer that does not fit the model raises ValueError before any work.
+    Returns megatron-core datasets whose items are dicts of `tokens`, `labels`, `loss_mask`,
+    `position_ids` ([seq_len] each); use `get_batch` to collate.
+    """
+    if data_cfg.source == "stdlib":
+        from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus, stdlib_cache_dir
+
+        train_prefix, valid_prefix, tok_path = prepare_stdlib_corpus(data_cfg)
+        tokenizer = load_tokenizer(tok_path)
+        train_blend: Tuple[List[str], Optional[List[float]]] = ([train_prefix], None)
+        valid_blend: Optional[Tuple[List[str], Optional[List[float]]]] = ([valid_prefix], None)
+        default_cache = os.path.join(stdlib_cache_dir(data_cfg), "indices")
+    elif data_cfg.source == "megatron":
+        train_blend = parse_blend(data_cfg.paths)
+        valid_blend = parse_blend(data_cfg.valid_paths) if data_cfg.valid_paths else None
+        for p in train_blend[0] + (valid_blend[0] if valid_blend else []):
+            check_prefix(p)  # missing files before loading any tokenizer
+        tokenizer = _tokenizer_for(train_blend[0], data_cfg.tokenizer)
+        default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), "indices")
+    else:
+        raise ValueError(f"data.source={data_cfg.source!r} must be stdlib or megatron")
+
+    if model_vocab_size is not None:
+        check_vocab(tokenizer, model_vocab_size)
+    all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
+    for p in all_prefixes:
+        check_prefix(p, tokenizer.vocab_size)
+        _check_made_with(p, tokenizer)
+
+    from tandem.data_pipeline import megatron_compat as mc
+
+    cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
+    common = dict(
+        random_seed=int(seed),
+        sequence_length=int(seq_len),
+        path_to_cache=cache_path,
+        tokenizer=mc.MegatronTokenizerAdapter(tokenizer),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=bool(data_cfg.eod_mask_loss),
+        create_attention_mask=False,
+        mmap_bin_files=True,
+    )
+    weighted = train_blend[1] is not None or (valid_blend is not None and valid_blend[1] is not None)
+    if valid_blend is not None:
+        config = mc.GPTDatasetConfig(blend_per_split=[train_blend, valid_blend, None], **common)
+        sizes = [num_train_samples, num_valid_samples, None]
+    else:
+        config = mc.GPTDatasetConfig(blend=train_blend, split=data_cfg.split, **common)
+        # Tandem has no test stage: never build the test split (its share of documents stays unused).
+        config.split_matrix = [m if i < 2 else None for i, m in enumerate(config.split_matrix)]
+        sizes = [num_train_samples, num_valid_samples, 0 if weighted else None]
+    needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
+    with _single_process_group_if_needed(needs_group):
+        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, sizes, lambda: True, config).build()
+    if train_ds is None or len(train_ds) == 0:
+        raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty (split={data_cfg.split!r})")
+    if valid_ds is not None and len(valid_ds) == 0:
+        valid_ds = None
+    return train_ds, valid_ds, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def batch_indices(step: int, micro_step: int, grad_accum_steps: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> List[int]:
+    """Global sample indices of one micro-batch on one data-parallel rank.
+
+    With G = micro_batch_size * grad_accum_steps * dp_size, optimizer step `s` consumes samples
+    [s*G, (s+1)*G), ordered micro-step-major, then dp rank, then sample:
+
+        start = s*G + (micro_step*dp_size + dp_rank) * micro_batch_size
+        indices = [start, start + micro_batch_size)
+
+    so the union over dp ranks and micro-steps of a step is exactly what a dp=1 run with
+    dp_size*grad_accum_steps micro-batches sees (its micro-step m' = micro_step*dp_size + dp_rank).
+    """
+    if not (0 <= micro_step < grad_accum_steps and 0 <= dp_rank < dp_size and micro_batch_size > 0 and step >= 0):
+        raise ValueError(
+            f"batch_indices: need 0 <= micro_step ({micro_step}) < grad_accum_steps ({grad_accum_steps}), "
+            f"0 <= dp_rank ({dp_rank}) < dp_size ({dp_size}), micro_batch_size ({micro_batch_size}) > 0, step ({step}) >= 0"
+        )
+    global_batch = micro_batch_size * grad_accum_steps * dp_size
+    start = step * global_batch + (micro_step * dp_size + dp_rank) * micro_batch_size
+    return list(range(start, start + micro_batch_size))
+
+
+def _eod_of(dataset) -> int:
+    config = getattr(dataset, "config", None)
+    tok = getattr(config, "tokenizer", None)
+    if tok is None:
+        raise ValueError("get_batch: pass eod_id= for a dataset without a megatron config tokenizer")
+    return int(tok.eod)
+
+
+def get_batch(dataset, sample_indices: Sequence[int], eod_id: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Collate samples `sample_indices` (taken modulo len(dataset)) into CPU tensors.
+
+    * `tokens`    LongTensor [B, seq_len+1]: the full window (inputs are tokens[:, :-1], targets tokens[:, 1:])
+    * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts. Megatron semantics:
+      0 for padding, and with `eod_mask_loss` 0 where the *input* token tokens[:, t] is EOD.
+    * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in the
+      window; positions i, j belong to the same document iff doc_ids are equal.
+
+    A pure function of the indices: no loader state.
+    """
+    if eod_id is None:
+        eod_id = _eod_of(dataset)
+    n = len(dataset)
+    tokens, masks = [], []
+    for i in sample_indices:
+        sample = dataset[int(i) % n]
+        tokens.append(torch.cat([sample["tokens"], sample["labels"][-1:]]))
+        masks.append(sample["loss_mask"])
+    tokens_t = torch.stack(tokens).long()
+    is_eod = (tokens_t == eod_id).long()
+    return {
+        "tokens": tokens_t,
+        "loss_mask": torch.stack(masks).float(),
+        "doc_ids": torch.cumsum(is_eod, dim=1) - is_eod,
+    }

@@ -1,0 +1,433 @@
+"""Text -> Megatron indexed dataset (`<prefix>.bin` / `<prefix>.idx`), the `tandem preprocess` command.
+
+Inputs (one or more paths, globs allowed):
+  * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key` (HF `datasets` "json")
+  * `.parquet`: one document per row, text under `text_key` (HF `datasets` "parquet")
+  * `.txt`: one document per file by default (`txt_sample_by="document"`; or "paragraph", "line")
+  * a directory: every regular file below it (sorted, hidden and `__pycache__` skipped, optionally
+    filtered by `extensions`) is one document, e.g. a tree of source files
+  * any other file: one document
+Each document is tokenized (batched, `TandemTokenizer.encode_batch`), followed by the EOD token and
+written with megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is below
+65500, else int32). Empty documents and files that are not UTF-8 are skipped (counted in the summary).
+
+Outputs beside the prefix: `<prefix>.bin`, `<prefix>.idx`, `<prefix>.tokenizer.json` (the tokenizer the
+data was made with; training finds it there) and `<prefix>.meta.json` (vocab size, EOD id, dtype,
+document/token counts). Everything is written into a staging directory next to the prefix and renamed
+into place at the end, `.idx` after `.bin` and `.meta.json` last, so an interrupted run never leaves a
+prefix that looks complete. An existing dataset is only replaced with `overwrite=True`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+import warnings
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, train_bpe
+
+META_FORMAT = "tandem-indexed-v1"
+"""`format` field of `<prefix>.meta.json`."""
+
+_JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+_PARQUET_EXT = (".parquet",)
+_TXT_EXT = (".txt", ".txt.gz")
+
+UINT16_VOCAB_LIMIT = 65500
+"""Vocabularies smaller than this are stored as uint16 tokens, larger ones as int32."""
+
+
+def token_dtype(vocab_size: int):
+    """The on-disk token dtype for a vocabulary: uint16 when vocab_size < 65500, else int32."""
+    return np.uint16 if vocab_size < UINT16_VOCAB_LIMIT else np.int32
+
+
+def output_paths(prefix: str) -> Dict[str, str]:
+    """The files `preprocess` writes for `prefix`: keys bin, idx, tokenizer, meta."""
+    return {
+        "bin": prefix + ".bin",
+        "idx": prefix + ".idx",
+        "tokenizer": prefix + ".tokenizer.json",
+        "meta": prefix + ".meta.json",
+    }
+
+
+def read_meta(prefix: str) -> Optional[dict]:
+    """`<prefix>.meta.json` as a dict, or None when absent (e.g. a dataset not made by Tandem)."""
+    path = output_paths(prefix)["meta"]
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading documents
+
+
+def _expand_inputs(inputs: Union[str, Sequence[str]]) -> List[str]:
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    out: List[str] = []
+    for item in inputs:
+        item = os.path.expanduser(str(item))
+        if os.path.exists(item):
+            out.append(item)
+            continue
+        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else []
+        if not matches:
+            raise FileNotFoundError(f"input not found: {item}")
+        out.extend(matches)
+    if not out:
+        raise ValueError("no inputs given")
+    return out
+
+
+def _kind(path: str, txt_sample_by: str) -> str:
+    low = path.lower()
+    if os.path.isdir(path):
+        return "dir"
+    if low.endswith(_JSON_EXT):
+        return "json"
+    if low.endswith(_PARQUET_EXT):
+        return "parquet"
+    if low.endswith(_TXT_EXT) and txt_sample_by != "document":
+        return "text"
+    return "file"
+
+
+def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            if extensions and not name.endswith(tuple(extensions)):
+                continue
+            path = os.path.join(dirpath, name)
+            if os.path.isfile(path):
+                files.append(path)
+    return files
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.skipped_empty = 0
+        self.skipped_not_utf8: List[str] = []
+
+
+def _read_file_doc(path: str, stats: _Stats) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.skipped_not_utf8.append(path)
+        return None
+
+
+def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str, hf_cache: str) -> Iterator[str]:
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    kwargs = {"sample_by": txt_sample_by} if kind == "text" else {}
+    was_enabled = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache, **kwargs)
+    except Exception as exc:
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"cannot read {kind} input {files[0] if len(files) == 1 else files}: {msg}") from None
+    finally:
+        if was_enabled:
+            ds_logging.enable_progress_bar()
+    key = "text" if kind == "text" else text_key
+    if key not in ds.column_names:
+        raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: {', '.join(ds.column_names)}); set --text-key")
+    for batch in ds.select_columns([key]).iter(batch_size=1000):
+        for text in batch[key]:
+            yield "" if text is None else str(text)
+
+
+def iter_documents(
+    inputs: Union[str, Sequence[str]],
+    text_key: str = "text",
+    txt_sample_by: str = "document",
+    extensions: Optional[Sequence[str]] = None,
+    hf_cache: Optional[str] = None,
+    stats: Optional[_Stats] = None,
+) -> Iterator[str]:
+    """Yield the documents of `inputs` in order (see the module docstring for formats). Empty
+    documents and non-UTF-8 files are skipped. `hf_cache` is where HF `datasets` may write its Arrow
+    cache (a temporary directory is used and removed when None)."""
+    stats = stats or _Stats()
+    paths = _expand_inputs(inputs)
+    own_cache = hf_cache is None
+    if own_cache:
+        import tempfile
+
+        hf_cache = tempfile.mkdtemp(prefix="tandem-hf-")
+    try:
+        # Group consecutive files of the same HF kind into one load_dataset call.
+        groups: List[Tuple[str, List[str]]] = []
+        for p in paths:
+            k = _kind(p, txt_sample_by)
+            if groups and groups[-1][0] == k and k in ("json", "parquet", "text"):
+                groups[-1][1].append(p)
+            else:
+                groups.append((k, [p]))
+        for kind, files in groups:
+            if kind in ("json", "parquet", "text"):
+                docs: Iterable[Optional[str]] = _hf_docs(kind, files, text_key, txt_sample_by, hf_cache)
+            elif kind == "dir":
+                docs = (_read_file_doc(f, stats) for f in _walk_files(files[0], extensions))
+            else:
+                docs = (_read_file_doc(f, stats) for f in files)
+            for doc in docs:
+                if doc is None:
+                    continue
+                if not doc:
+                    stats.skipped_empty += 1
+                    continue
+                yield doc
+    finally:
+        if own_cache:
+            shutil.rmtree(hf_cache, ignore_errors=True)
+
+
+def _batched(docs: Iterable[str], max_docs: int = 512, max_chars: int = 8_000_000) -> Iterator[List[str]]:
+    batch: List[str] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if len(batch) >= max_docs or size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _indexed_dataset_builder():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core warns about Transformer Engine/Apex at import
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    return IndexedDatasetBuilder
+
+
+def existing_outputs(prefix: str) -> List[str]:
+    """The dataset files (.bin, .idx, .meta.json) that already exist for `prefix`."""
+    paths = output_paths(prefix)
+    return [paths[k] for k in ("bin", "idx", "meta") if os.path.exists(paths[k])]
+
+
+def preprocess(
+    inputs: Union[str, Sequence[str]],
+    output_prefix: str,
+    tokenizer: Union[None, str, TandemTokenizer] = None,
+    vocab_size: int = 4096,
+    text_key: str = "text",
+    *,
+    overwrite: bool = False,
+    tokenizer_sample_bytes: int = 100_000_000,
+    txt_sample_by: str = "document",
+    extensions: Optional[Sequence[str]] = None,
+    log=None,
+) -> dict:
+    """Tokenize `inputs` into the Megatron indexed dataset `output_prefix` (.bin/.idx) and return the
+    summary that is also written to `<output_prefix>.meta.json`.
+
+    `tokenizer`: a path (tokenizer.json or HF directory), a loaded `TandemTokenizer`, or None to train
+    a byte-level BPE of `vocab_size` on the first `tokenizer_sample_bytes` bytes of the corpus (0 = all).
+    Raises FileExistsError if the dataset exists and `overwrite` is False (the files are left as they are).
+    """
+    t0 = time.time()
+    output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
+    if txt_sample_by not in ("document", "paragraph", "line"):
+        raise ValueError(f"txt_sample_by={txt_sample_by!r} must be document, paragraph or line")
+    if not overwrite:
+        _refuse_existing(output_prefix)
+    paths = _expand_inputs(inputs)  # fail on missing inputs before any work
+    tok_source = "trained byte-level BPE"
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tok_source = os.path.abspath(os.path.expanduser(str(tokenizer)))
+        tokenizer = load_tokenizer(tok_source)
+    elif isinstance(tokenizer, TandemTokenizer):
+        tok_source = tokenizer.path
+
+    out_dir = os.path.dirname(output_prefix)
+    os.makedirs(out_dir, exist_ok=True)
+    staging = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(staging)
+    try:
+        stats = _Stats()
+        hf_cache = os.path.join(staging, "hf_cache")
+        docs_iter = iter_documents(paths, text_key, txt_sample_by, extensions, hf_cache, stats)
+        pending: List[str] = []  # documents read while sampling for BPE training, encoded first
+        t_tok = 0.0
+        if tokenizer is None:
+            t1 = time.time()
+            sample_bytes = 0
+            exhausted = True
+            for doc in docs_iter:
+                pending.append(doc)
+                sample_bytes += len(doc.encode("utf-8"))
+                if tokenizer_sample_bytes and sample_bytes >= tokenizer_sample_bytes:
+                    exhausted = False
+                    break
+            if not pending:
+                raise ValueError(f"no documents found in {', '.join(paths)}")
+            tokenizer = train_bpe(iter(pending), vocab_size)
+            t_tok = time.time() - t1
+            if log:
+                log(f"trained byte-level BPE (vocab {tokenizer.vocab_size}) on {sample_bytes / 1e6:.1f} MB in {t_tok:.1f}s")
+            if exhausted:
+                docs_iter = iter(())
+
+        dtype = token_dtype(tokenizer.vocab_size)
+        eod = tokenizer.eod_id
+        staged = {k: os.path.join(staging, "data" + os.path.basename(v)[len(os.path.basename(output_prefix)):])
+                  for k, v in output_paths(output_prefix).items()}
+        builder = _indexed_dataset_builder()(staged["bin"], dtype=dtype)
+        n_docs = n_tokens = 0
+        for batch in _batched(_chain(pending, docs_iter)):
+            for ids in tokenizer.encode_batch(batch):
+                arr = np.empty(len(ids) + 1, dtype=dtype)
+                arr[:-1] = ids
+                arr[-1] = eod
+                builder.add_document(arr, [arr.size])
+                n_docs += 1
+                n_tokens += arr.size
+        pending = []
+        builder.finalize(staged["idx"])
+        if n_docs == 0:
+            raise ValueError(f"no documents found in {', '.join(paths)}")
+
+        tok_json = tokenizer.to_json_str()
+        if tok_json is not None:
+            with open(staged["tokenizer"], "w", encoding="utf-8") as f:
+                f.write(tok_json)
+        meta = {
+            "format": META_FORMAT,
+            "prefix": output_prefix,
+            "vocab_size": tokenizer.vocab_size,
+            "eod_id": eod,
+            "eod_token": tokenizer.eod_token,
+            "dtype": np.dtype(dtype).name,
+            "documents": n_docs,
+            "tokens": n_tokens,
+            "tokenizer": os.path.basename(output_paths(output_prefix)["tokenizer"]) if tok_json is not None else None,
+            "tokenizer_source": tok_source,
+            "skipped_empty_documents": stats.skipped_empty,
+            "skipped_not_utf8_files": len(stats.skipped_not_utf8),
+            "inputs": [os.path.abspath(x) for x in paths[:32]] + ([f"... {len(paths) - 32} more"] if len(paths) > 32 else []),
+            "tokenizer_seconds": round(t_tok, 3),
+            "seconds": round(time.time() - t0, 3),
+        }
+        with open(staged["meta"], "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+        _commit(staged, output_paths(output_prefix), overwrite, output_prefix)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return meta
+
+
+def _chain(first: List[str], rest: Iterable[str]) -> Iterator[str]:
+    yield from first
+    yield from rest
+
+
+def _refuse_existing(prefix: str) -> None:
+    existing = existing_outputs(prefix)
+    if existing:
+        raise FileExistsError(
+            f"dataset {prefix} already exists ({', '.join(os.path.basename(p) for p in existing)}); "
+            "pass overwrite=True (--overwrite) to replace it"
+        )
+
+
+def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, prefix: str) -> None:
+    if not overwrite:
+        _refuse_existing(prefix)  # another process may have finished meanwhile
+    else:
+        # Remove the markers of completeness first so a crash mid-way never pairs old and new files.
+        for key in ("meta", "idx", "bin", "tokenizer"):
+            if os.path.exists(final[key]):
+                os.unlink(final[key])
+    for key in ("tokenizer", "bin", "idx", "meta"):
+        if os.path.exists(staged[key]):
+            os.replace(staged[key], final[key])
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tandem preprocess` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="tandem preprocess",
+        description="Tokenize local text into a Megatron indexed dataset (PREFIX.bin/.idx, "
+        "PREFIX.tokenizer.json, PREFIX.meta.json).",
+    )
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each file one document), or globs")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="output path prefix (PREFIX.bin, PREFIX.idx)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="local tokenizer.json or Hugging Face tokenizer directory; default: train a byte-level BPE")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the trained BPE (default 4096)")
+    p.add_argument("--text-key", default="text", help="field holding the text in json/parquet records (default text)")
+    p.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"),
+                   help=".txt files: one document per file (default), per blank-line paragraph, or per line")
+    p.add_argument("--extensions", default=None, help="directories: only files ending in these comma-separated suffixes")
+    p.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
+                   help="bytes of the corpus the BPE is trained on (0 = all; default 100 MB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
+    return p
+
+
+def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
+    """`tandem preprocess ...`: parse `argv`, run `preprocess`, print a one-line summary; returns 0.
+    Errors exit with status 1 and a one-line message."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    exts = [e.strip() for e in args.extensions.split(",") if e.strip()] if args.extensions else None
+    try:
+        meta = preprocess(
+            args.input,
+            args.output_prefix,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            text_key=args.text_key,
+            overwrite=args.overwrite,
+            tokenizer_sample_bytes=args.tokenizer_sample_bytes,
+            txt_sample_by=args.txt_sample_by,
+            extensions=exts,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )
+    except (OSError, ValueError) as exc:
+        parser.exit(1, f"tandem preprocess: error: {exc}\n")
+    print(
+        f"preprocessed {meta['documents']} documents, {meta['tokens']} tokens "
+        f"(vocab {meta['vocab_size']}, eod {meta['eod_id']}, {meta['dtype']}) -> {meta['prefix']}.bin/.idx "
+        f"in {meta['seconds']:.1f}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(preprocess_main())

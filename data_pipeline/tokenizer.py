@@ -1,0 +1,186 @@
+"""The one tokenizer wrapper Tandem uses everywhere (preprocessing, datasets, evaluator).
+
+`load_tokenizer(path)` reads a local `tokenizer.json` (Hugging Face `tokenizers`) or a local Hugging
+Face tokenizer directory; `train_bpe(texts, vocab_size, out_file)` trains the byte-level BPE used for
+the embedded corpus. Both return a `TandemTokenizer`: `vocab_size`, `eod_id`, `encode`,
+`encode_batch`, `decode`, `save`.
+
+Text is encoded without BOS/EOS post-processing and with special-token strings treated as plain text
+(a document that happens to contain the literal `<|endoftext|>` does not get a spurious EOD); the
+data pipeline appends `eod_id` after each document itself.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Iterable, List, Optional, Sequence
+
+EOD_TOKEN = "<|endoftext|>"
+"""The end-of-document special token of the byte-level BPE trained by `train_bpe`."""
+
+# Tried in order when a loaded tokenizer does not name its EOS token itself.
+_EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
+
+
+class TandemTokenizer:
+    """A thin wrapper over a `tokenizers.Tokenizer` (or, for slow HF tokenizers, a transformers one).
+
+    Attributes: `path` (where it was loaded from, for error messages), `vocab_size` (ids are in
+    [0, vocab_size), specials included), `eod_id` / `eod_token` (end-of-document).
+    """
+
+    def __init__(self, backend, eod_token: Optional[str] = None, path: str = "", hf=None) -> None:
+        self.path = path
+        self._backend = backend  # tokenizers.Tokenizer, or None when only a slow HF tokenizer exists
+        self._hf = hf if backend is None else None
+        vocab = self._get_vocab()
+        self.vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1)
+        self.eod_token, self.eod_id = _find_eod(vocab, eod_token, hf, path)
+        if backend is not None:
+            # Literal special-token strings inside documents are encoded as text, not as specials.
+            backend.encode_special_tokens = True
+
+    def _get_vocab(self) -> dict:
+        if self._backend is not None:
+            return self._backend.get_vocab(with_added_tokens=True)
+        return self._hf.get_vocab()
+
+    @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer` (None for a slow Hugging Face tokenizer)."""
+        return self._backend
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids of `text` (no BOS/EOS added)."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """`encode` for many texts at once (parallel in the Rust backend)."""
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special tokens (EOD) are kept as their strings."""
+        ids = [int(i) for i in ids]
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self._hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def to_json_str(self) -> Optional[str]:
+        """The `tokenizer.json` text, or None for a slow Hugging Face tokenizer (nothing to save)."""
+        if self._backend is None:
+            return None
+        return self._backend.to_str()
+
+    def save(self, out_file: str) -> None:
+        """Write `tokenizer.json` to `out_file` atomically (temp file, then rename)."""
+        text = self.to_json_str()
+        if text is None:
+            raise ValueError(f"tokenizer {self.path} is a slow Hugging Face tokenizer; it has no tokenizer.json to save")
+        _atomic_write_text(out_file, text)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"TandemTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, eod={self.eod_token!r}:{self.eod_id})"
+
+
+def _find_eod(vocab: dict, eod_token: Optional[str], hf, path: str):
+    if eod_token is not None:
+        if eod_token not in vocab:
+            raise ValueError(f"tokenizer {path}: end-of-document token {eod_token!r} is not in its vocabulary")
+        return eod_token, vocab[eod_token]
+    if hf is not None and getattr(hf, "eos_token", None) in vocab:
+        return hf.eos_token, vocab[hf.eos_token]
+    for cand in _EOD_CANDIDATES:
+        if cand in vocab:
+            return cand, vocab[cand]
+    raise ValueError(
+        f"tokenizer {path} has no end-of-document token (none of {', '.join(_EOD_CANDIDATES)}); "
+        "pass eod_token= explicitly"
+    )
+
+
+def load_tokenizer(path: str, eod_token: Optional[str] = None) -> TandemTokenizer:
+    """Load a local `tokenizer.json` file or a local Hugging Face tokenizer directory (never downloads).
+
+    `eod_token` overrides the end-of-document token; by default it is the tokenizer's EOS token or the
+    first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` present. Raises FileNotFoundError or
+    ValueError with a one-line message naming the path.
+    """
+    from tokenizers import Tokenizer
+
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer not found: {path}")
+    if os.path.isfile(path):
+        try:
+            backend = Tokenizer.from_file(path)
+        except Exception as exc:
+            raise ValueError(f"cannot read tokenizer file {path}: {_first_line(exc)}") from None
+        return TandemTokenizer(backend, eod_token, path)
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        tj = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tj):  # a bare directory holding only tokenizer.json
+            return load_tokenizer(tj, eod_token)
+        raise ValueError(f"cannot load Hugging Face tokenizer directory {path}: {_first_line(exc)}") from None
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        backend = Tokenizer.from_str(backend.to_str())  # our own copy: we change encode_special_tokens
+        return TandemTokenizer(backend, eod_token, path, hf=hf)
+    return TandemTokenizer(None, eod_token, path, hf=hf)
+
+
+def train_bpe(text_iterator: Iterable[str], vocab_size: int, out_file: Optional[str] = None) -> TandemTokenizer:
+    """Train a byte-level BPE (GPT-2 style: ByteLevel pre-tokenizer and decoder, 256-byte initial
+    alphabet, so any text round-trips) with `<|endoftext|>` as its only special token (id 0, the EOD).
+
+    Deterministic for the same texts in the same order. Writes `out_file` (tokenizer.json) when given.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 258:
+        raise ValueError(f"BPE vocab_size={vocab_size} must be >= 258 (256 bytes, EOD and one merge)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text_iterator, trainer=trainer)
+    wrapped = TandemTokenizer(tok, EOD_TOKEN, out_file or "<trained byte-level BPE>")
+    if out_file:
+        wrapped.save(out_file)
+    return wrapped
+
+
+def _atomic_write_text(out_file: str, text: str) -> None:
+    out_dir = os.path.dirname(os.path.abspath(out_file))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=out_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, out_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
