@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import sys
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -33,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 MARKER = "COMPLETE"
+# DCP warns on every single-process save/load that it assumes a single process; that is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

@@ -47,10 +47,14 @@ def train_main(argv: List[str]) -> int:
     except ConfigError as exc:
         print(f"tandem train: error: {exc}", file=sys.stderr)
         return 2
+    from .guard import BadStepHalt
     from .loop import train
 
     try:
         record = train(cfg, resume=args.resume)
+    except BadStepHalt as exc:
+        print(f"tandem train: {exc}", file=sys.stderr)
+        return 3
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"tandem train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -91,6 +91,17 @@ class TrainConfig:
     """Resume from the newest complete checkpoint in run.dir (also `tandem train --resume`)."""
     freeze_trunk: bool = False
     """Train only the MTP module: the trunk gets no gradients and no optimizer state."""
+    bad_step_policy: str = "skip"
+    """On a non-finite loss/grad norm or a loss spike: `skip` (drop the update), `halt` (checkpoint
+    the last good state and exit non-zero) or `rewind` (reload the last checkpoint, skip the batch)."""
+    spike_factor: float = 0.0
+    """A step whose loss exceeds this factor times the running mean is bad (0 disables)."""
+    spike_window: int = 20
+    """Steps in the running mean that spike detection compares against."""
+    max_skips: int = 5
+    """More bad steps than this within `skip_window` steps halts the run."""
+    skip_window: int = 100
+    """Window (in steps) over which bad steps are counted."""
 
 
 @dataclass
@@ -268,6 +279,10 @@ def validate(cfg: TandemConfig) -> None:
         ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
+        ("train.bad_step_policy", cfg.train.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
+        ("train.spike_factor", cfg.train.spike_factor == 0 or cfg.train.spike_factor > 1, "must be 0 (off) or > 1"),
+        ("train.spike_window", cfg.train.spike_window > 0, "must be positive"),
+        ("train.max_skips", cfg.train.max_skips >= 0, "must be >= 0"),
         ("data.source", cfg.data.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
         ("data.seq_len", cfg.data.seq_len > 0, "must be positive"),
         ("data.vocab_size", cfg.data.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),

@@ -80,7 +80,7 @@ class Trainer:
         t = cfg.train
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * self.pstate.dp_size
         self.train_ds, self.valid_ds, self.tokenizer = build_datasets(
-            cfg.data, cfg.data.seq_len, t.seed, num_train_samples=max(t.max_steps, 1) * self.global_batch,
+            cfg.data, cfg.data.seq_len, t.seed, num_train_samples=(max(t.max_steps, 1) + t.max_skips + 1) * self.global_batch,
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1))
         check_vocab(self.tokenizer, cfg.model.vocab_size)
         self.model = parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate)
@@ -93,11 +93,17 @@ class Trainer:
                 check_compatible(found[1], self.config_yaml)
                 state = load_checkpoint(found[1], self.model, self.optimizer)
                 self.start_step = int(state["step"])
+                self.resumed_state = state
                 if self.pstate.is_main:
                     print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
         self.moe_layers = [m for m in self.model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
         for moe in self.moe_layers:
             moe.aux_grad_scale = 1.0 / t.grad_accum_steps
+        from .guard import BadStepGuard
+
+        self.guard = BadStepGuard(cfg, self)
+        if getattr(self, "resumed_state", None):
+            self.guard.load_state(self.resumed_state)
         self.evaluator = None
         if cfg.eval.interval > 0 and cfg.mtp.num_steps > 0:
             from tandem.eval.in_loop import InLoopEvaluator
@@ -111,7 +117,7 @@ class Trainer:
         t = self.cfg.train
         out = []
         for micro in range(t.grad_accum_steps):
-            idx = batch_indices(step, micro, t.grad_accum_steps, self.pstate.dp_rank, self.pstate.dp_size,
+            idx = batch_indices(self.guard.batch_number(step), micro, t.grad_accum_steps, self.pstate.dp_rank, self.pstate.dp_size,
                                 t.micro_batch_size)
             batch = get_batch(self.train_ds, idx)
             out.append({k: v.to(self.device.device) for k, v in batch.items()})
@@ -162,6 +168,12 @@ class Trainer:
             metrics["moe/aux_loss"] = float(sum(aux) / len(aux))
         return metrics
 
+    def discard_router_loads(self) -> Dict[str, float]:
+        """A dropped step must not move the aux-free biases either."""
+        for moe in self.moe_layers:
+            moe.router.tokens_per_expert.zero_()
+        return {}
+
     def clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if "clip_grad_norm" in self.pstate.extras:
@@ -171,7 +183,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         save_checkpoint(self.cfg.run.dir, step, self.model, self.optimizer, self.config_yaml,
-                        {"tokens_seen": step * self.global_batch * self.cfg.data.seq_len},
+                        {"tokens_seen": step * self.global_batch * self.cfg.data.seq_len, **self.guard.state()},
                         keep_last=self.cfg.checkpoint.keep_last)
 
     # ---------------------------------------------------------------------------------------------
@@ -193,24 +205,32 @@ class Trainer:
                 batches = self.micro_batches(step)
                 counts = self.global_target_counts(batches)
                 sums = self.pstate.all_reduce_dp(self.forward_backward(batches, counts, coefs))
-                moe_metrics = self.update_router_biases()
                 grad_norm = self.clip_gradients()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.device.synchronize()
-                step += 1
-                dt = time.perf_counter() - t0
                 per_depth = (sums / counts.clamp(min=1)).tolist()
-                record = {"step": step, "loss": float(sum(c * l for c, l in zip(coefs, per_depth))),
+                record = {"step": step + 1, "loss": float(sum(c * l for c, l in zip(coefs, per_depth))),
                           "loss/main": per_depth[0]}
                 for k in range(1, K + 1):
                     record[f"loss/mtp_{k}"] = per_depth[k]
+                # The bad-step guard decides before the update touches weights or router biases.
+                action = self.guard.inspect(step + 1, record, grad_norm)
+                if action == "ok":
+                    moe_metrics = self.update_router_biases()
+                    self.optimizer.step()
+                else:
+                    moe_metrics = self.discard_router_loads()
+                self.optimizer.zero_grad(set_to_none=True)
+                if action == "halt":
+                    self.guard.halt(step, record)  # checkpoints the last good state, raises
+                if action == "rewind":
+                    step = self.guard.rewind(step)  # reloads the last checkpoint, marks the batch skipped
+                    continue
+                self.device.synchronize()
+                step += 1
+                dt = time.perf_counter() - t0
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
                                "tokens_per_s": self.global_batch * cfg.data.seq_len / dt,
-                               "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics})
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"non-finite loss at step {step}: " +
-                                             ", ".join(f"{k}={v}" for k, v in record.items() if k.startswith("loss")))
+                               "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics,
+                               **self.guard.metrics()})
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
                     record.update(self.evaluator.run(step))
                 if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/") for k in record):

@@ -1,0 +1,103 @@
+"""Bad-step handling: non-finite loss or grad norm, or a loss spike, before the update is applied.
+
+Policies (`train.bad_step_policy`):
+- `skip`: drop the update (weights, optimizer moments and router biases untouched), log and count it.
+- `halt`: checkpoint the last good state (the weights before this update) and stop with a report
+  naming the step and every depth's loss; the CLI exits non-zero.
+- `rewind`: reload the newest checkpoint and replay from there, skipping the offending batch.
+More than `train.max_skips` bad steps within `train.skip_window` steps halts whatever the policy.
+Skipped batch numbers are kept in checkpoints, so a resumed run skips the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from typing import Dict, List
+
+
+class BadStepHalt(RuntimeError):
+    """Training stopped on a bad step; the message is the report."""
+
+
+class BadStepGuard:
+    def __init__(self, cfg, trainer):
+        self.t = cfg.train
+        self.trainer = trainer
+        self.recent_losses: deque = deque(maxlen=self.t.spike_window)
+        self.bad_steps: List[int] = []
+        self.skipped_batches: List[int] = []
+        self.total_bad = 0
+
+    # -- state kept in checkpoints -------------------------------------------------------------
+    def state(self) -> dict:
+        return {"skipped_batches": list(self.skipped_batches), "bad_steps_total": self.total_bad}
+
+    def load_state(self, state: dict) -> None:
+        self.skipped_batches = list(state.get("skipped_batches", []))
+        self.total_bad = int(state.get("bad_steps_total", 0))
+
+    def batch_number(self, step: int) -> int:
+        """The data batch used by 0-based `step`: the step-th batch that was not skipped by a rewind."""
+        batch = step
+        for skipped in sorted(self.skipped_batches):
+            if skipped <= batch:
+                batch += 1
+        return batch
+
+    # -- per-step decision ---------------------------------------------------------------------
+    def reason(self, record: dict, grad_norm: float) -> str:
+        losses = {k: v for k, v in record.items() if k.startswith("loss")}
+        if not all(math.isfinite(v) for v in losses.values()):
+            return "non-finite loss"
+        if not math.isfinite(grad_norm):
+            return "non-finite grad norm"
+        if self.t.spike_factor > 0 and len(self.recent_losses) >= min(5, self.t.spike_window):
+            mean = sum(self.recent_losses) / len(self.recent_losses)
+            if record["loss"] > self.t.spike_factor * mean:
+                return f"loss spike ({record['loss']:.4g} > {self.t.spike_factor} x running mean {mean:.4g})"
+        return ""
+
+    def inspect(self, step: int, record: dict, grad_norm: float) -> str:
+        """`ok`, or the policy's action for a bad step (`skip`, `halt`, `rewind`)."""
+        why = self.reason(record, grad_norm)
+        if not why:
+            self.recent_losses.append(record["loss"])
+            return "ok"
+        self.total_bad += 1
+        self.bad_steps = [s for s in self.bad_steps if s > step - self.t.skip_window] + [step]
+        self.last_reason = why
+        if self.trainer.pstate.is_main:
+            print(f"bad step {step}: {why}; policy={self.t.bad_step_policy}", file=sys.stderr)
+        if len(self.bad_steps) > self.t.max_skips:
+            self.last_reason = f"{why}; {len(self.bad_steps)} bad steps within {self.t.skip_window} steps (train.max_skips={self.t.max_skips})"
+            return "halt"
+        return self.t.bad_step_policy
+
+    def metrics(self) -> Dict[str, float]:
+        return {"bad_steps/total": float(self.total_bad)}
+
+    def halt(self, steps_done: int, record: dict) -> None:
+        self.trainer.save(steps_done)
+        losses = ", ".join(f"{k}={v:.6g}" for k, v in record.items() if k.startswith("loss"))
+        raise BadStepHalt(f"halted at step {record['step']}: {self.last_reason}; {losses}; "
+                          f"last good state saved as checkpoint step_{steps_done}")
+
+    def rewind(self, steps_done: int) -> int:
+        """Reload the newest checkpoint and skip the batch of the bad step; return the step to resume at."""
+        from .checkpoint import latest_checkpoint, load_checkpoint
+
+        bad_batch = self.batch_number(steps_done)
+        found = latest_checkpoint(self.trainer.cfg.run.dir, report=False)
+        if found is None:
+            self.skipped_batches.append(bad_batch)
+            return steps_done  # nothing to rewind to: the update was dropped, move past the batch
+        state = load_checkpoint(found[1], self.trainer.model, self.trainer.optimizer)
+        skipped = set(self.skipped_batches) | {bad_batch}
+        self.load_state(state)
+        self.skipped_batches = sorted(skipped | set(self.skipped_batches))
+        self.recent_losses.clear()
+        if self.trainer.pstate.is_main:
+            print(f"rewound to checkpoint step {state['step']}; skipping batch {bad_batch}", file=sys.stderr)
+        return int(state["step"])
