@@ -168,6 +168,27 @@ def _single_process_group_if_needed(needed: bool):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _index_build_lock(cache_path: str):
+    """megatron-core writes its .npy sample indices in place; serialise builders of *different* jobs
+    sharing `cache_path` with an fcntl lock. Only global rank 0 (or a lone process) takes it: the other
+    ranks of a job wait for rank 0 at megatron's own barrier."""
+    import fcntl
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        yield
+        return
+    os.makedirs(cache_path, exist_ok=True)
+    with open(os.path.join(cache_path, ".build.lock"), "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def build_datasets(
     data_cfg,
     seq_len: int,
@@ -241,7 +262,7 @@ def build_datasets(
         config.split_matrix = [m if i < 2 else None for i, m in enumerate(config.split_matrix)]
         sizes = [num_train_samples, num_valid_samples, 0 if weighted else None]
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
-    with _single_process_group_if_needed(needs_group):
+    with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
         train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, sizes, lambda: True, config).build()
     if train_ds is None or len(train_ds) == 0:
         raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty (split={data_cfg.split!r})")

@@ -1,0 +1,209 @@
+"""Datasets: GPTDataset windows, doc_ids, the batch-index formula, blends, and fail-fast errors."""
+
+import os
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.data_pipeline.dataset import batch_indices, build_datasets, check_prefix, check_vocab, get_batch, parse_blend
+from tandem.data_pipeline.preprocess import preprocess
+from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
+from tandem.trainer.config import DataConfig
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _docs(n, seed):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    tok_path = str(root / "tok.json")
+    train_bpe(iter(_docs(50, 0)), 300, tok_path)
+    prefixes = {}
+    for name, seed, n in (("a", 1, 80), ("b", 2, 40), ("v", 3, 20)):
+        src = root / f"{name}.jsonl"
+        import json
+
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(n, seed)), encoding="utf-8")
+        prefixes[name] = str(root / name)
+        preprocess([str(src)], prefixes[name], tokenizer=tok_path)
+    return root, tok_path, prefixes
+
+
+def _cfg(root, **kw):
+    return DataConfig(source="megatron", cache_dir=str(root / "cache"), **kw)
+
+
+def _concat_in_document_order(ds):
+    """The corpus as GPTDataset walks it: documents in its (shuffled, epoch-repeated) document index."""
+    docs = [ds.dataset[int(d)] for d in ds.document_index]
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+    return np.concatenate(docs).astype(np.int64), starts
+
+
+def test_samples_are_contiguous_windows_of_the_corpus(corpus):
+    root, _, prefixes = corpus
+    seq_len = 16
+    train, valid, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], split="90,10,0"), seq_len, 7, 200, 10)
+    assert len(train) >= 200 and len(valid) >= 10
+    flat, starts = _concat_in_document_order(train)
+    for i in range(0, len(train), 7):
+        row = train.shuffle_index[i]
+        doc_pos, offset = train.sample_index[row]
+        start = starts[doc_pos] + offset
+        batch = get_batch(train, [i])
+        assert batch["tokens"].shape == (1, seq_len + 1)
+        assert batch["tokens"][0].tolist() == flat[start:start + seq_len + 1].tolist()
+    # the train and valid splits hold disjoint documents
+    assert not set(train.indices.tolist()) & set(valid.indices.tolist())
+
+
+def test_get_batch_shapes_masks_and_doc_ids(corpus):
+    root, _, prefixes = corpus
+    train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], eod_mask_loss=True), 32, 1, 64, 4)
+    b = get_batch(train, batch_indices(1, 0, 1, 0, 1, 4))
+    assert b["tokens"].dtype == torch.long and b["tokens"].shape == (4, 33)
+    assert b["loss_mask"].dtype == torch.float32 and b["loss_mask"].shape == (4, 32)
+    assert b["doc_ids"].dtype == torch.long and b["doc_ids"].shape == (4, 33)
+    inputs = b["tokens"][:, :-1]
+    # eod_mask_loss (Megatron semantics): no loss where the input token is EOD
+    assert torch.equal(b["loss_mask"], (inputs != tok.eod_id).float())
+    assert (inputs == tok.eod_id).any()
+
+
+class _Fixed:
+    """A dataset of given windows, shaped like GPTDataset items."""
+
+    def __init__(self, windows):
+        self.windows = [torch.tensor(w) for w in windows]
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        w = self.windows[i]
+        return {"tokens": w[:-1], "labels": w[1:], "loss_mask": torch.ones(len(w) - 1)}
+
+
+def test_doc_ids_hand_case():
+    eod = 0
+    ds = _Fixed([[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 0]])
+    b = get_batch(ds, [0, 1, 2], eod_id=eod)  # index 2 wraps to 0
+    assert b["tokens"].tolist() == [[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 0], [5, 0, 7, 8, 0, 0, 9]]
+    assert b["doc_ids"].tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 2, 3]]
+    assert b["loss_mask"].shape == (3, 6)
+
+
+@pytest.mark.parametrize("dp,ga,mbs", [(1, 1, 4), (2, 3, 2), (4, 1, 3), (3, 2, 1)])
+def test_batch_indices_union_equals_single_rank_run(dp, ga, mbs):
+    G = mbs * ga * dp
+    for step in (0, 1, 5):
+        union = []
+        for micro in range(ga):
+            for rank in range(dp):
+                union += batch_indices(step, micro, ga, rank, dp, mbs)
+        assert union == list(range(step * G, (step + 1) * G))  # micro-major, then rank, then sample
+        single = [i for m in range(dp * ga) for i in batch_indices(step, m, dp * ga, 0, 1, mbs)]
+        assert sorted(union) == single
+    with pytest.raises(ValueError):
+        batch_indices(0, ga, ga, 0, dp, mbs)
+
+
+def test_weighted_blend_and_separate_valid_paths(corpus):
+    import torch.distributed as dist
+
+    root, _, prefixes = corpus
+    cfg = _cfg(root, paths=["0.7", prefixes["a"], "0.3", prefixes["b"]], valid_paths=[prefixes["v"]])
+    train, valid, _ = build_datasets(cfg, 16, 3, 100, 8)
+    assert type(train).__name__ == "BlendedDataset" and len(train) == 100
+    assert type(valid).__name__ == "GPTDataset" and valid.dataset.path_prefix == prefixes["v"]
+    share_a = np.mean(np.asarray(train.dataset_index) == 0)
+    assert 0.6 < share_a < 0.8
+    assert not dist.is_initialized()  # the throw-away single-process group is gone
+    again, _, _ = build_datasets(cfg, 16, 3, 100, 8)  # cached indices: identical samples
+    assert torch.equal(get_batch(train, range(10))["tokens"], get_batch(again, range(10))["tokens"])
+
+
+def test_parse_blend():
+    assert parse_blend(["/p/a"]) == (["/p/a"], None)
+    assert parse_blend(["/p/a.bin", "/p/b"]) == (["/p/a", "/p/b"], None)
+    assert parse_blend(["0.7", "/p/a", "0.3", "/p/b"]) == (["/p/a", "/p/b"], [0.7, 0.3])
+    assert parse_blend(["0.7 /p/a 0.3 /p/b"]) == (["/p/a", "/p/b"], [0.7, 0.3])
+    with pytest.raises(ValueError):
+        parse_blend(["0.7", "/p/a", "/p/b"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors, before any expensive work
+
+
+def _copy_prefix(src, dst):
+    for ext in (".bin", ".idx"):
+        with open(src + ext, "rb") as f, open(dst + ext, "wb") as g:
+            g.write(f.read())
+
+
+def test_missing_prefix_names_the_file(corpus, tmp_path):
+    root, _, prefixes = corpus
+    with pytest.raises(FileNotFoundError, match=r"nothere\.bin and .*nothere\.idx"):
+        build_datasets(_cfg(root, paths=[str(tmp_path / "nothere")]), 16, 0, 10, 2)
+    p = str(tmp_path / "half")
+    _copy_prefix(prefixes["a"], p)
+    os.unlink(p + ".idx")
+    with pytest.raises(FileNotFoundError, match=r"half\.idx"):
+        check_prefix(p)
+
+
+def test_truncated_bin_is_detected(corpus, tmp_path):
+    root, tok_path, prefixes = corpus
+    p = str(tmp_path / "trunc")
+    _copy_prefix(prefixes["a"], p)
+    check_prefix(p)
+    size = os.path.getsize(p + ".bin")
+    with open(p + ".bin", "r+b") as f:
+        f.truncate(size - 6)
+    with pytest.raises(ValueError, match=r"trunc\.bin is truncated or corrupt"):
+        build_datasets(_cfg(root, paths=[p], tokenizer=tok_path), 16, 0, 10, 2)
+
+
+def test_idx_with_other_version_or_dtype_is_rejected(corpus, tmp_path):
+    _, _, prefixes = corpus
+    p = str(tmp_path / "ver")
+    _copy_prefix(prefixes["a"], p)
+    raw = bytearray(open(p + ".idx", "rb").read())
+    bad_version = raw[:9] + struct.pack("<Q", 2) + raw[17:]
+    open(p + ".idx", "wb").write(bad_version)
+    with pytest.raises(ValueError, match="version 2"):
+        check_prefix(p)
+    bad_dtype = raw[:17] + bytes([7]) + raw[18:]  # float32 tokens
+    open(p + ".idx", "wb").write(bad_dtype)
+    with pytest.raises(ValueError, match="dtype code 7"):
+        check_prefix(p)
+    open(p + ".idx", "wb").write(raw)
+    with pytest.raises(ValueError, match="too narrow"):
+        check_prefix(p, vocab_size=100_000)  # uint16 tokens cannot hold this vocabulary
+
+
+def test_vocab_larger_than_model_is_rejected(corpus):
+    root, tok_path, prefixes = corpus
+    tok = load_tokenizer(tok_path)
+    check_vocab(tok, tok.vocab_size)
+    with pytest.raises(ValueError, match=rf"tok\.json has vocab_size={tok.vocab_size}, larger than model.vocab_size=256"):
+        check_vocab(tok, 256)
+    with pytest.raises(ValueError, match="256"):
+        build_datasets(_cfg(root, paths=[prefixes["a"]]), 16, 0, 10, 2, model_vocab_size=256)
+
+
+def test_missing_tokenizer_is_clear(corpus, tmp_path):
+    root, _, prefixes = corpus
+    p = str(tmp_path / "notok")
+    _copy_prefix(prefixes["a"], p)  # no .tokenizer.json / .meta.json beside it
+    with pytest.raises(FileNotFoundError, match=r"notok\.tokenizer\.json.*data\.tokenizer"):
+        build_datasets(_cfg(root, paths=[p]), 16, 0, 10, 2)

@@ -1,0 +1,174 @@
+"""Preprocessing: text -> .bin/.idx round trips for every input kind, outputs, overwrite refusal, CLI."""
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from tandem.data_pipeline import preprocess as pp
+from tandem.data_pipeline.preprocess import preprocess, preprocess_main, read_meta
+from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
+
+DOCS = [
+    "def add(a, b):\n    return a + b\n",
+    "héllo wörld 🙂\n\n  indented\ttab",
+    "x" * 300,
+    "class A:\n    pass\n",
+    "<|endoftext|> literal inside a document",
+]
+
+
+def _read_back(prefix):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))], ds
+
+
+def _expected(tok, docs):
+    return [tok.encode(d) + [tok.eod_id] for d in docs]
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe(iter(DOCS * 10), 320, str(out))
+    return str(out)
+
+
+def _write_inputs(root, kind):
+    root.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        p = root / "docs.jsonl"
+        p.write_text("".join(json.dumps({"text": d, "meta": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8")
+        return [str(p)], DOCS
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        p = root / "docs.parquet"
+        pq.write_table(pa.table({"text": DOCS, "n": list(range(len(DOCS)))}), str(p))
+        return [str(p)], DOCS
+    if kind == "txt":
+        paths = []
+        for i, d in enumerate(DOCS[:3]):
+            p = root / f"doc{i}.txt"
+            p.write_text(d, encoding="utf-8")
+            paths.append(str(p))
+        return paths, DOCS[:3]
+    if kind == "dir":
+        src = root / "src"
+        (src / "pkg" / "__pycache__").mkdir(parents=True)
+        (src / "b.py").write_text(DOCS[0], encoding="utf-8")
+        (src / "a.py").write_text(DOCS[1], encoding="utf-8")
+        (src / "pkg" / "c.py").write_text(DOCS[3], encoding="utf-8")
+        (src / "pkg" / "empty.py").write_text("", encoding="utf-8")
+        (src / "pkg" / "latin1.py").write_bytes(b"caf\xe9\n")  # not UTF-8: skipped
+        (src / "pkg" / "__pycache__" / "c.cpython-311.pyc").write_bytes(b"\x00junk")
+        (src / ".hidden").write_text("secret", encoding="utf-8")
+        return [str(src)], [DOCS[1], DOCS[0], DOCS[3]]  # sorted: a.py, b.py, pkg/c.py
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt", "dir"])
+def test_round_trip_matches_direct_tokenization(tmp_path, tok_path, kind):
+    inputs, docs = _write_inputs(tmp_path / "in", kind)
+    prefix = str(tmp_path / "out" / "data")
+    meta = preprocess(inputs, prefix, tokenizer=tok_path)
+    tok = load_tokenizer(tok_path)
+    got, ds = _read_back(prefix)
+    assert got == _expected(tok, docs)
+    assert ds.index.dtype == np.uint16
+    assert meta["documents"] == len(docs) and meta["tokens"] == sum(map(len, got))
+    assert meta["eod_id"] == tok.eod_id and meta["vocab_size"] == tok.vocab_size
+    assert read_meta(prefix) == meta
+    saved = load_tokenizer(prefix + ".tokenizer.json")
+    assert saved.encode(DOCS[1]) == tok.encode(DOCS[1])
+    # nothing but the four outputs is left beside the prefix (no staging directories)
+    assert sorted(os.listdir(tmp_path / "out")) == ["data.bin", "data.idx", "data.meta.json", "data.tokenizer.json"]
+
+
+def test_txt_by_line_and_multiple_inputs_keep_order(tmp_path, tok_path):
+    (tmp_path / "lines.txt").write_text("first line\nsecond line\n\nthird\n", encoding="utf-8")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "from json"}) + "\n", encoding="utf-8")
+    prefix = str(tmp_path / "mixed")
+    preprocess([str(tmp_path / "lines.txt"), str(tmp_path / "d.jsonl")], prefix, tokenizer=tok_path,
+               text_key="body", txt_sample_by="line")
+    tok = load_tokenizer(tok_path)
+    got, _ = _read_back(prefix)
+    assert got == _expected(tok, ["first line", "second line", "third", "from json"])
+
+
+def test_trains_bpe_when_no_tokenizer_given(tmp_path):
+    inputs, docs = _write_inputs(tmp_path / "in", "jsonl")
+    prefix = str(tmp_path / "trained")
+    meta = preprocess(inputs, prefix, vocab_size=300)
+    tok = load_tokenizer(prefix + ".tokenizer.json")
+    assert meta["vocab_size"] == tok.vocab_size <= 300 and meta["tokenizer_source"] == "trained byte-level BPE"
+    got, _ = _read_back(prefix)
+    assert got == _expected(tok, docs)
+    assert [tok.decode(ids[:-1]) for ids in got] == docs
+
+
+def test_refuses_to_overwrite_and_leaves_files_untouched(tmp_path, tok_path):
+    inputs, _ = _write_inputs(tmp_path / "in", "jsonl")
+    prefix = str(tmp_path / "ds")
+    preprocess(inputs, prefix, tokenizer=tok_path)
+    files = [prefix + s for s in (".bin", ".idx", ".meta.json", ".tokenizer.json")]
+    before = {f: (open(f, "rb").read(), os.stat(f).st_mtime_ns) for f in files}
+    other = tmp_path / "other.txt"
+    other.write_text("completely different", encoding="utf-8")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        preprocess([str(other)], prefix, tokenizer=tok_path)
+    assert {f: (open(f, "rb").read(), os.stat(f).st_mtime_ns) for f in files} == before
+    assert sorted(os.listdir(tmp_path)) == sorted(["in", "other.txt"] + [os.path.basename(f) for f in files])
+
+    preprocess([str(other)], prefix, tokenizer=tok_path, overwrite=True)
+    got, _ = _read_back(prefix)
+    assert got == _expected(load_tokenizer(tok_path), ["completely different"])
+
+
+def test_interrupted_run_leaves_no_complete_looking_prefix(tmp_path, tok_path, monkeypatch):
+    inputs, _ = _write_inputs(tmp_path / "in", "jsonl")
+    prefix = str(tmp_path / "out" / "ds")
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pp, "_commit", boom)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess(inputs, prefix, tokenizer=tok_path)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_missing_input_and_missing_text_key_are_clear(tmp_path, tok_path):
+    with pytest.raises(FileNotFoundError, match="nothere.jsonl"):
+        preprocess([str(tmp_path / "nothere.jsonl")], str(tmp_path / "x"), tokenizer=tok_path)
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"content": "abc"}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="'text'"):
+        preprocess([str(p)], str(tmp_path / "x"), tokenizer=tok_path)
+    assert not os.path.exists(tmp_path / "x.bin")
+
+
+def test_cli_prints_summary_and_refuses_overwrite(tmp_path, tok_path, capsys):
+    inputs, docs = _write_inputs(tmp_path / "in", "jsonl")
+    prefix = str(tmp_path / "cli")
+    assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer", tok_path]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and f"{len(docs)} documents" in out[0] and prefix in out[0]
+    with pytest.raises(SystemExit) as exc:
+        preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer", tok_path])
+    assert exc.value.code == 1
+    assert "already exists" in capsys.readouterr().err
+    assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--vocab-size", "300", "--overwrite"]) == 0
+
+
+def test_large_vocab_uses_int32():
+    assert pp.token_dtype(4096) == np.uint16
+    assert pp.token_dtype(65499) == np.uint16
+    assert pp.token_dtype(65500) == np.int32
+    assert pp.token_dtype(151_000) == np.int32

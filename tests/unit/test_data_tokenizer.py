@@ -1,0 +1,100 @@
+"""Tokenizer wrapper: byte-level BPE round trip, determinism, loading and its errors."""
+
+import random
+
+import pytest
+
+from tandem.data_pipeline.tokenizer import EOD_TOKEN, load_tokenizer, train_bpe
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+] * 20
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    pools = [
+        "abcdefghijklmnopqrstuvwxyz ",
+        " \t\n\r",
+        "{}[]()<>|!@#$%^&*_-+=~`'\"\\/",
+        "éßøπλ中文日本語한국어",
+        "🙂🚀👍🏽",
+        "\x00\x01\x7f\u200b\ufeff",
+    ]
+    return "".join(rng.choice(rng.choice(pools)) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    return train_bpe(iter(CORPUS), 300, str(out)), out
+
+
+def test_bpe_round_trips_arbitrary_text(bpe):
+    tok, _ = bpe
+    rng = random.Random(0)
+    texts = [_random_text(rng, rng.randint(0, 200)) for _ in range(200)]
+    texts += ["", " ", "\n\n", "  leading spaces", "trailing  ", EOD_TOKEN, f"a{EOD_TOKEN}b"] + CORPUS[:3]
+    for text in texts:
+        ids = tok.encode(text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
+def test_bpe_vocab_eod_and_literal_special_string(bpe):
+    tok, _ = bpe
+    assert tok.eod_token == EOD_TOKEN and tok.eod_id == 0
+    assert 258 <= tok.vocab_size <= 300
+    # the literal string inside a document is text, never a spurious end-of-document
+    assert tok.eod_id not in tok.encode(f"x = '{EOD_TOKEN}'")
+    assert tok.decode([tok.eod_id]) == EOD_TOKEN
+
+
+def test_bpe_is_deterministic(tmp_path, bpe):
+    tok, path = bpe
+    again = train_bpe(iter(CORPUS), 300, str(tmp_path / "again.json"))
+    assert (tmp_path / "again.json").read_text() == path.read_text()
+    assert again.encode(CORPUS[1]) == tok.encode(CORPUS[1])
+
+
+def test_load_tokenizer_file_and_directories(tmp_path, bpe):
+    tok, path = bpe
+    text = "def f(x):\n    return x * 2  # ünï\n"
+    from_file = load_tokenizer(str(path))
+    assert from_file.encode(text) == tok.encode(text) and from_file.vocab_size == tok.vocab_size
+    assert from_file.eod_id == tok.eod_id
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text(path.read_text())
+    assert load_tokenizer(str(bare)).encode(text) == tok.encode(text)
+
+    from transformers import PreTrainedTokenizerFast
+
+    hf_dir = tmp_path / "hf"
+    PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOD_TOKEN).save_pretrained(str(hf_dir))
+    hf = load_tokenizer(str(hf_dir))
+    assert hf.encode(text) == tok.encode(text)
+    assert hf.eod_id == tok.eod_id and hf.decode(hf.encode(text)) == text
+
+
+def test_load_tokenizer_errors_name_the_path(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        load_tokenizer(str(missing))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        load_tokenizer(str(bad))
+    empty_dir = tmp_path / "emptydir"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match="emptydir"):
+        load_tokenizer(str(empty_dir))
+
+
+def test_unknown_eod_token_is_a_clear_error(bpe):
+    _, path = bpe
+    with pytest.raises(ValueError, match="<nope>"):
+        load_tokenizer(str(path), eod_token="<nope>")
