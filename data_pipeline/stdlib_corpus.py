@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import platform
+import sys
 import sysconfig
 import time
 from typing import List, Tuple
@@ -109,6 +110,8 @@ def _prepare(data_cfg, cache: str) -> None:
     t0 = time.time()
     os.makedirs(cache, exist_ok=True)
     train_files, valid_files = stdlib_files(int(data_cfg.stdlib_max_bytes))
+    print(f"preparing the embedded stdlib corpus ({len(train_files)} train / {len(valid_files)} valid files, "
+          f"vocab {data_cfg.vocab_size}) in {cache}", file=sys.stderr, flush=True)
     train_prefix, valid_prefix, tok_path = _result(cache)
     # overwrite=True: anything here without READY.json is a leftover of an interrupted preparation.
     train = preprocess(train_files, train_prefix, tokenizer=None, vocab_size=int(data_cfg.vocab_size),
@@ -129,3 +132,5 @@ def _prepare(data_cfg, cache: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(ready, f, indent=2)
     os.replace(tmp, os.path.join(cache, _READY))
+    print(f"prepared the embedded stdlib corpus: {train['tokens']} train / {valid['tokens']} valid tokens "
+          f"in {ready['seconds']:.1f}s", file=sys.stderr, flush=True)
