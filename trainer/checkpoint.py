@@ -111,6 +111,7 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: Option
     else:
         state = {"model": get_model_state_dict(model)}
     dcp.save(state, checkpoint_id=tmp)
+    _pause_for_tests("after_shards", step)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
     _barrier()
     if _rank() == 0:
@@ -118,7 +119,7 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: Option
             f.write(config_yaml)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"step": step, **trainer_state}, f, indent=1)
-        _pause_for_tests("before_marker")
+        _pause_for_tests("before_marker", step)
         with open(os.path.join(tmp, MARKER), "w") as f:
             f.write(f"{step}\n")
             f.flush()
@@ -143,9 +144,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _pause_for_tests(point: str) -> None:
-    """Test hook: TANDEM_TEST_PAUSE_CHECKPOINT=<point> blocks here so a test can kill -9 mid-save."""
-    if os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT") == point:
+def _pause_for_tests(point: str, step: int) -> None:
+    """Test hook: TANDEM_TEST_PAUSE_CHECKPOINT=<point>:<step> blocks here so a test can kill -9 mid-save."""
+    if os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT") == f"{point}:{step}":
         import time
 
         print(f"checkpoint: paused at {point}", file=sys.stderr, flush=True)

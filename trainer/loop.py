@@ -81,7 +81,8 @@ class Trainer:
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * self.pstate.dp_size
         self.train_ds, self.valid_ds, self.tokenizer = build_datasets(
             cfg.data, cfg.data.seq_len, t.seed, num_train_samples=(max(t.max_steps, 1) + t.max_skips + 1) * self.global_batch,
-            num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1))
+            num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
+            model_vocab_size=cfg.model.vocab_size)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
         self.model = parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate)
         self.optimizer = build_optimizer(self.model, t)

@@ -1,0 +1,25 @@
+"""Shared fixtures: a tiny training config on a small slice of the embedded corpus."""
+
+import os
+
+import pytest
+
+TINY_OVERRIDES = [
+    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
+    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
+    "train.warmup_steps=2", "eval.interval=0", "logging.wandb=false", "logging.progress=false",
+    "mtp.num_steps=2", "model.max_seq_len=64",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(tmp_path_factory):
+    """One cache of the small embedded-corpus slice for the whole session."""
+    return str(tmp_path_factory.mktemp("tandem_cache"))
+
+
+@pytest.fixture
+def tiny_overrides(corpus_cache, tmp_path):
+    """Overrides for a seconds-long CPU run in a fresh run directory."""
+    return TINY_OVERRIDES + [f"data.cache_dir={corpus_cache}", f"run.dir={os.path.join(str(tmp_path), 'run')}"]
