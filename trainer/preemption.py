@@ -1,0 +1,112 @@
+"""Checkpoint-and-requeue on Slurm's pre-timeout signal (or any SIGTERM).
+
+Four functions, used by the training loop like this::
+
+    install_preemption_handler()              # once, at start, from the main thread
+    for step in ...:
+        ...                                    # one optimizer step
+        if agree_preemption():                 # every rank, every step (a collective)
+            save_checkpoint(step)              # every rank; must be complete when it returns
+            requeue_current_job()              # every rank; only global rank 0 talks to Slurm
+            sys.exit(0)
+
+`install_preemption_handler(signals=(SIGUSR1, SIGTERM))`
+    Installs a handler that only sets a process-local flag (no I/O, no collectives, nothing that could
+    deadlock or corrupt state when it interrupts the step). Must be called from the main thread.
+`preemption_requested() -> bool`
+    This process's flag: a signal arrived since installation.
+`agree_preemption(group=None) -> bool`
+    The flag agreed over the process group: an all-reduce MAX of the local flag, so if any rank was
+    signalled, every rank returns True at the same step and they all checkpoint the same step. Without
+    an initialised torch.distributed it is just `preemption_requested()`. The tensor lives on the CPU
+    for gloo and on the current accelerator (torch.accelerator) for NCCL/HCCL.
+`requeue_current_job() -> bool`
+    On global rank 0, when SLURM_JOB_ID is set, runs `scontrol requeue $SLURM_JOB_ID` and logs the
+    outcome; returns True when the requeue was accepted. Other ranks and non-Slurm runs return False.
+    The requeue makes Slurm end this allocation (SIGTERM to every process, which the handler turns into
+    the flag, then SIGKILL after KillWait), so call it only after the checkpoint is complete on all
+    ranks, and exit promptly. The job must be requeueable (`#SBATCH --requeue`, which the launcher sets).
+
+How the signal arrives under `tandem launch slurm`: see slurm/train.sbatch.tmpl. In short, slurmctld
+sends SIGUSR1 (`--signal=USR1@N`) to every process of the job step on every node; torchrun ignores it
+(the step starts torchrun with SIGUSR1 set to SIG_IGN) and each trainer rank catches it here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from typing import Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+_requested = False
+_signal_name: Optional[str] = None
+
+
+def _handler(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    global _requested, _signal_name
+    _requested = True
+    _signal_name = signal.Signals(signum).name
+
+
+def install_preemption_handler(signals: Iterable[signal.Signals] = (signal.SIGUSR1, signal.SIGTERM)) -> None:
+    """Route `signals` to a handler that only records that preemption was requested."""
+    for sig in signals:
+        signal.signal(sig, _handler)
+
+
+def preemption_requested() -> bool:
+    """True once one of the installed signals has reached this process."""
+    return _requested
+
+
+def _global_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # pragma: no cover - torch without distributed
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+def agree_preemption(group=None) -> bool:
+    """All-reduce MAX of the local flag over `group` (default: world); every rank gets the same answer."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _requested
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend and "nccl" not in backend and "hccl" not in backend:
+        device = torch.device("cpu")
+    else:
+        acc = torch.accelerator.current_accelerator()
+        device = torch.device(acc.type, torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
+    flag = torch.tensor([1 if _requested else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    agreed = bool(flag.item())
+    if agreed and _global_rank() == 0:
+        logger.warning("preemption: %s received (by this or another rank); checkpointing and requeueing", _signal_name or "signal")
+    return agreed
+
+
+def requeue_current_job() -> bool:
+    """On global rank 0 of a Slurm job, `scontrol requeue $SLURM_JOB_ID`; log and return whether it worked."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id or _global_rank() != 0:
+        return False
+    try:
+        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.error("preemption: scontrol requeue %s failed: %s", job_id, exc)
+        return False
+    if res.returncode != 0:
+        logger.error("preemption: scontrol requeue %s failed (exit %d): %s", job_id, res.returncode, " ".join(res.stderr.split()))
+        return False
+    logger.warning("preemption: requeued Slurm job %s; it resumes from the checkpoint when rescheduled", job_id)
+    return True
