@@ -1,0 +1,232 @@
+"""`tandem launch slurm`: render an sbatch script for a recipe and submit it.
+
+    tandem launch slurm RECIPE [key=value ...] --nodes N (--gpus-per-node G | --procs-per-node P)
+        [--partition P] [--time T] [--account A] [--job-name NAME] [--cpus-per-task C]
+        [--signal-seconds S] [--env-dir DIR] [--sbatch-arg ARG ...] [--dry-run]
+
+The recipe and overrides are validated with `load_config` first (a ConfigError prints one line and
+exits 2). The script is rendered from `slurm/train.sbatch.tmpl` (see its header for how the pre-timeout
+SIGUSR1 reaches every trainer rank), written to `<run.dir>/slurm/launch_<timestamp>.sbatch` with the
+trainer's exact argv beside it (`launch_<timestamp>.json`), and submitted with `sbatch --parsable`; the
+job id is printed. `--dry-run` prints the script and writes and submits nothing.
+
+Quoting: every value that reaches the shell is `shlex.quote`d, so a recipe path or override containing
+`$(...)`, backticks, quotes, `;` or newlines arrives literally in the trainer's argv. `#SBATCH` lines
+are not shell code (sbatch parses them itself), so values placed there are restricted to a safe
+character set and anything else is rejected before rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from tandem.trainer.config import ConfigError, load_config
+
+SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
+"""Templates and env.d live in the repository's slurm/ (override with TANDEM_SLURM_DIR)."""
+
+DEFAULT_SIGNAL_SECONDS = 120
+GPU_CPUS_PER_TASK = 8
+"""Default CPUs per GPU rank when --cpus-per-task is not given (CPU-only runs get one per rank)."""
+
+# Values that go on `#SBATCH` lines: sbatch parses these itself (no shell), and splits on whitespace.
+_DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_@%:/.,=+\-~\[\]]+$")
+
+
+class LaunchError(ValueError):
+    """A launcher argument is unusable; the message is one line."""
+
+
+def _slurm_dir() -> Path:
+    return Path(os.environ.get("TANDEM_SLURM_DIR", SLURM_DIR))
+
+
+def _directive_value(name: str, value: str, allow_percent: bool = True) -> str:
+    value = str(value)
+    if not value or not _DIRECTIVE_SAFE.match(value) or (not allow_percent and "%" in value):
+        raise LaunchError(
+            f"{name}={value!r} cannot go on an #SBATCH line: use letters, digits and _@:/.,=+-~[] only"
+            + ("" if allow_percent else " (no %, Slurm expands it in file names)")
+        )
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem launch slurm",
+        description="Render an sbatch script for a recipe (torchrun per node, requeue on pre-timeout signal) and submit it.",
+    )
+    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides passed to `tandem train`")
+    p.add_argument("--nodes", type=int, required=True, help="nodes (one torchrun per node)")
+    per_node = p.add_mutually_exclusive_group(required=True)
+    per_node.add_argument("--gpus-per-node", type=int, help="accelerators per node: requests gres=gpu:G and starts G ranks per node")
+    per_node.add_argument("--procs-per-node", type=int, help="CPU-only: ranks per node, no gres")
+    p.add_argument("--cpus-per-task", type=int, help=f"CPUs for each node's task (default: P, or {GPU_CPUS_PER_TASK} per GPU)")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--time", help="time limit (Slurm syntax, e.g. 04:00:00 or 2-00:00:00)")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--job-name", help="job name (default: tandem-<basename of run.dir>)")
+    p.add_argument(
+        "--signal-seconds", type=int, default=DEFAULT_SIGNAL_SECONDS,
+        help=f"send SIGUSR1 to the trainer this many seconds before the time limit (default {DEFAULT_SIGNAL_SECONDS})",
+    )
+    p.add_argument("--env-dir", help="directory of *.sh files sourced before launch (default: slurm/env.d)")
+    p.add_argument(
+        "--sbatch-arg", action="append", default=[], metavar="ARG",
+        help="extra sbatch option written as an #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    return p
+
+
+def trainer_argv(recipe: str, overrides: Sequence[str]) -> List[str]:
+    """The command each rank runs: always --resume, so a requeued job continues in run.dir."""
+    return ["tandem", "train", recipe, *overrides, "--resume"]
+
+
+def _render(template: str, values: Dict[str, str]) -> str:
+    def sub(m: "re.Match[str]") -> str:
+        return values[m.group(1)]
+
+    out = re.sub(r"\{\{(\w+)\}\}", sub, template)
+    return out
+
+
+def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str] = None) -> str:
+    """The batch script for parsed launcher args and the resolved run.dir. Raises LaunchError."""
+    if args.nodes < 1:
+        raise LaunchError("--nodes must be >= 1")
+    gpus = args.gpus_per_node
+    nproc = gpus if gpus is not None else args.procs_per_node
+    if nproc is None or nproc < 1:
+        raise LaunchError("--gpus-per-node / --procs-per-node must be >= 1")
+    cpus = args.cpus_per_task if args.cpus_per_task is not None else (nproc * GPU_CPUS_PER_TASK if gpus else nproc)
+    if cpus < 1:
+        raise LaunchError("--cpus-per-task must be >= 1")
+    if args.signal_seconds < 0:
+        raise LaunchError("--signal-seconds must be >= 0")
+    workdir = os.path.abspath(workdir or os.getcwd())
+    log_dir = _directive_value("run.dir", os.path.join(os.path.abspath(os.path.join(workdir, run_dir)), "slurm"), allow_percent=False)
+    job_name = args.job_name or "tandem-" + re.sub(r"[^A-Za-z0-9_.\-]", "_", os.path.basename(os.path.normpath(run_dir)) or "run")
+
+    d = [
+        f"--job-name={_directive_value('--job-name', job_name)}",
+        f"--nodes={args.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={cpus}",
+    ]
+    if gpus:
+        d.append(f"--gres=gpu:{gpus}")
+    if args.time:
+        d.append(f"--time={_directive_value('--time', args.time)}")
+    if args.partition:
+        d.append(f"--partition={_directive_value('--partition', args.partition)}")
+    if args.account:
+        d.append(f"--account={_directive_value('--account', args.account)}")
+    d += [
+        f"--output={log_dir}/%j.out",
+        f"--error={log_dir}/%j.err",
+        f"--signal=USR1@{args.signal_seconds}",
+        "--requeue",
+        "--open-mode=append",
+    ]
+    for extra in args.sbatch_arg:
+        if not extra.startswith("-") or any(c.isspace() for c in extra):
+            raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, no whitespace)")
+        d.append(extra)
+
+    env_d = args.env_dir or str(_slurm_dir() / "env.d")
+    template = (_slurm_dir() / "train.sbatch.tmpl").read_text()
+    return _render(
+        template,
+        {
+            "sbatch_directives": "\n".join(f"#SBATCH {x}" for x in d),
+            "workdir": shlex.quote(workdir),
+            "env_d": shlex.quote(os.path.abspath(env_d)),
+            "nproc_per_node": str(int(nproc)),
+            "train_argv": " ".join(shlex.quote(a) for a in trainer_argv(args.recipe, args.overrides)),
+        },
+    )
+
+
+def _timestamped(dir_: Path) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name, n = f"launch_{stamp}", 1
+    while (dir_ / f"{name}.sbatch").exists():
+        n += 1
+        name = f"launch_{stamp}-{n}"
+    return name
+
+
+def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point for `tandem launch slurm ...` (argv is what follows `slurm`). Returns an exit code."""
+    parser = build_parser()
+    args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(f"tandem launch slurm: {exc}", file=sys.stderr)
+        return 2
+    run_dir = cfg.run.dir
+    try:
+        script = render_sbatch(args, run_dir)
+    except LaunchError as exc:
+        print(f"tandem launch slurm: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        sys.stdout.write(script)
+        return 0
+
+    out_dir = Path(os.path.abspath(run_dir)) / "slurm"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = _timestamped(out_dir)
+    script_path = out_dir / f"{name}.sbatch"
+    script_path.write_text(script)
+    script_path.chmod(0o755)
+    provenance = {
+        "trainer_argv": trainer_argv(args.recipe, args.overrides),
+        "recipe": args.recipe,
+        "overrides": list(args.overrides),
+        "launcher_argv": list(argv) if argv is not None else sys.argv[1:],
+        "cwd": os.getcwd(),
+        "run_dir": run_dir,
+        "sbatch_script": str(script_path),
+    }
+    (out_dir / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+    try:
+        res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True)
+    except FileNotFoundError:
+        print("tandem launch slurm: sbatch not found on PATH (script written to " f"{script_path})", file=sys.stderr)
+        return 1
+    if res.returncode != 0:
+        msg = " ".join(res.stderr.split()) or f"exit code {res.returncode}"
+        print(f"tandem launch slurm: sbatch failed: {msg} (script: {script_path})", file=sys.stderr)
+        return 1
+    job_id = res.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
+    provenance["job_id"] = job_id
+    (out_dir / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    print(job_id)
+    print(f"tandem launch slurm: submitted job {job_id}; script {script_path}; logs {out_dir}/{job_id}.out", file=sys.stderr)
+    return 0
+
+
+def main() -> None:  # `python -m tandem.trainer.launch slurm ...` until the CLI dispatches here
+    argv = sys.argv[1:]
+    if argv[:1] == ["slurm"]:
+        argv = argv[1:]
+    sys.exit(launch_slurm_main(argv))
+
+
+if __name__ == "__main__":
+    main()
