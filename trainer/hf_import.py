@@ -1,0 +1,346 @@
+"""Import Hugging Face checkpoints (config.json + safetensors, sharded index included) into TandemModel.
+
+    model, cfg = load_hf_model(dir)            # builds the model from config.json
+    report = load_hf_weights(model, dir)       # loads into an existing (possibly sharded) model
+
+Only safetensors are read by default; a pickle checkpoint (`*.bin`, `*.pt`) needs `trust_pickle=True`
+(`--trust-pickle`), because unpickling runs arbitrary code. Every tensor is read slice by slice with
+`safe_open(...).get_slice(name)[...]`: a DTensor parameter (TP/EP/FSDP-sharded) reads only its local
+shard (`compute_local_shape_and_global_offset`), a plain tensor reads everything, and a pipeline
+stage that holds a subset of the layers reads only those. Errors name what is wrong: the
+architecture, missing/unexpected tensor names (listed), shapes (name, expected, found) and a
+tokenizer larger than the embedding table.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from tandem.models import TandemModel
+from tandem.models.config import MTPConfig, ModelConfig, validate_model
+
+from .hf_families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
+                          meta_state, model_config_from_hf, mtp_layer_of_key)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model (names, shapes, vocabulary) or cannot be read safely."""
+
+
+class PickleCheckpointError(CheckpointError):
+    """The checkpoint is stored as pickle and trust_pickle was not given."""
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------------
+class CheckpointReader:
+    """Lazy, slice-wise access to a local checkpoint directory's tensors."""
+
+    def __init__(self, path: str, trust_pickle: bool = False):
+        self.path = path
+        self._files: Dict[str, str] = {}  # key -> file
+        self._handles: Dict[str, object] = {}
+        self._pickled: Dict[str, torch.Tensor] = {}
+        index = os.path.join(path, "model.safetensors.index.json")
+        st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if os.path.isfile(index):
+            with open(index) as f:
+                self._files = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        elif st_files:
+            from safetensors import safe_open
+
+            for file in st_files:
+                with safe_open(file, framework="pt") as h:
+                    for key in h.keys():
+                        self._files[key] = file
+        else:
+            pickles = sorted(glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt")) +
+                             glob.glob(os.path.join(path, "*.pth")))
+            if not pickles:
+                raise CheckpointError(f"no *.safetensors (or model.safetensors.index.json) in {path}")
+            if not trust_pickle:
+                names = ", ".join(os.path.basename(p) for p in pickles)
+                raise PickleCheckpointError(
+                    f"{path} holds a pickle checkpoint ({names}); unpickling can run arbitrary code, so it is refused "
+                    "unless you trust it: pass trust_pickle=True (--trust-pickle), or convert it to safetensors")
+            for file in pickles:
+                state = torch.load(file, map_location="cpu", weights_only=False)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        self._pickled[key] = value
+                        self._files[key] = file
+
+    def keys(self) -> List[str]:
+        return sorted(self._files)
+
+    def _handle(self, key: str):
+        from safetensors import safe_open
+
+        file = self._files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+        return self._handles[file]
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        if key in self._pickled:
+            return tuple(self._pickled[key].shape)
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
+        """tensor[index] of `key`, reading only that slice from disk (safetensors)."""
+        if key in self._pickled:
+            return self._pickled[key][index]
+        sl = self._handle(key).get_slice(key)
+        return sl[index] if index else sl[:]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def read_config(path: str) -> dict:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise CheckpointError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    return hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
+
+
+def tokenizer_vocab_size(path: str) -> Optional[int]:
+    """Vocabulary size of a tokenizer saved beside the checkpoint (None if there is none)."""
+    tj = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tj):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tj).get_vocab_size(with_added_tokens=True)
+
+
+def check_tokenizer(path: str, vocab_size: int) -> None:
+    size = tokenizer_vocab_size(path)
+    if size is not None and size > vocab_size:
+        raise CheckpointError(
+            f"tokenizer/vocab mismatch: {path}/tokenizer.json has {size} tokens but the model's vocab_size is {vocab_size}")
+
+
+# --------------------------------------------------------------------------------------------------
+# slicing (DTensor-aware)
+# --------------------------------------------------------------------------------------------------
+def shard_index(global_shape: Sequence[int], mesh=None, placements=None) -> Tuple[slice, ...]:
+    """The global index of this rank's local shard of a tensor of `global_shape` (everything when
+    `mesh` is None). Works with any object shaped like a DeviceMesh (tests use a fake one)."""
+    if mesh is None:
+        return tuple(slice(0, s) for s in global_shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
+    if not offset:  # this rank is not part of the mesh
+        return tuple(slice(0, 0) for _ in global_shape)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def local_target(t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[slice, ...]]:
+    """(the tensor this rank writes into, its global index) for a plain tensor or a DTensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    if isinstance(t, DTensor):
+        return t.to_local(), shard_index(t.shape, t.device_mesh, t.placements)
+    return t, shard_index(t.shape)
+
+
+def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], global_shape: Sequence[int]) -> torch.Tensor:
+    """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
+    if src.swap_halves:  # small (eh_proj): read whole, swap the column halves, then slice
+        full = reader.read(src.keys[0], ())
+        half = full.shape[1] // 2
+        out = torch.cat([full[:, half:], full[:, :half]], dim=1)[index]
+    elif src.stacked:
+        rows = range(*index[0].indices(len(src.keys)))
+        parts = [reader.read(src.keys[e], index[1:]) for e in rows]
+        out = torch.stack(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:], global_shape[1:])])
+    else:
+        out = reader.read(src.keys[0], index)
+    if src.plus_one:
+        out = out.float() + 1.0
+    return out
+
+
+def source_shape(reader: CheckpointReader, src: Src) -> Tuple[int, ...]:
+    if src.stacked:
+        return (len(src.keys),) + reader.shape(src.keys[0])
+    return reader.shape(src.keys[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class LoadReport:
+    loaded: List[str] = field(default_factory=list)
+    """This model's tensors that were read."""
+    fresh_mtp: bool = False
+    """The checkpoint had no MTP weights for this model's MTP module (left as initialised)."""
+    ignored: List[str] = field(default_factory=list)
+    """Checkpoint keys deliberately not loaded (duplicates, extra MTP layers)."""
+
+
+def _strip(name: str) -> str:
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def local_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """This rank's parameters and persistent router-bias buffers, by unwrapped name."""
+    out = {_strip(n): p for n, p in model.named_parameters()}
+    for n, b in model.named_buffers():
+        if n.endswith("e_score_correction_bias"):
+            out[_strip(n)] = b
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] = None, trust_pickle: bool = False,
+                    cfg: Optional[ModelConfig] = None, mtp: Optional[MTPConfig] = None, strict_mtp: bool = False,
+                    reader: Optional[CheckpointReader] = None) -> LoadReport:
+    """Load an HF checkpoint into `model` (a TandemModel, possibly sharded/partial). Trunk tensors are
+    strict; MTP tensors load when the checkpoint has them, else the MTP module keeps its fresh init
+    (`strict_mtp=True` makes their absence an error)."""
+    hf = read_config(path)
+    own_reader = reader is None
+    reader = reader or CheckpointReader(path, trust_pickle=trust_pickle)
+    try:
+        keys = set(reader.keys())
+        spec = spec or detect_family(hf, list(keys))
+        base = getattr(model, "cfg", None)
+        cfg = cfg or base
+        mtp = mtp or getattr(model, "mtp_cfg", None)
+        want = model_config_from_hf(hf, spec, max_seq_len=cfg.max_seq_len)
+        _check_same_shape(want, cfg, path)
+        check_tokenizer(path, cfg.vocab_size)
+        full = meta_state(cfg, mtp)  # the whole model, even if this rank holds a part of it
+        sources = {name: hf_name(name, cfg, mtp, spec) for name in full}
+        report = LoadReport()
+        mtp_keys = {k for k in keys if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
+        has_mtp_weights = bool(mtp_keys)
+        needed: Dict[str, Src] = {}
+        for name, src in sources.items():
+            if src is None:
+                continue
+            if name.startswith("mtp.") and not has_mtp_weights and not strict_mtp:
+                report.fresh_mtp = True
+                continue
+            needed[name] = src
+        missing = [k for src in needed.values() for k in src.keys if k not in keys]
+        used = {k for src in needed.values() for k in src.keys}
+        unexpected = []
+        for k in sorted(keys - used):
+            if ignorable_key(k, cfg, spec):
+                report.ignored.append(k)
+            elif k in mtp_keys and (mtp is None or mtp.num_steps == 0 or mtp_layer_of_key(k, cfg) >= mtp.num_layers):
+                report.ignored.append(k)  # MTP layers this model does not have
+            else:
+                unexpected.append(k)
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+            if unexpected:
+                parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+            raise CheckpointError(f"{path} does not match a {spec.name} model of this shape: " + "; ".join(parts))
+        mismatched = []
+        for name, src in needed.items():
+            found = source_shape(reader, src)
+            if tuple(found) != tuple(full[name]):
+                mismatched.append(f"{src.keys[0] if not src.stacked else src.keys[0] + ' (stacked)'} -> {name}: "
+                                  f"expected {tuple(full[name])}, found {tuple(found)}")
+        if mismatched:
+            raise CheckpointError(f"shape mismatch in {path}: " + "; ".join(mismatched))
+        targets = local_tensors(model)
+        for name, src in needed.items():
+            if name not in targets:  # another pipeline stage holds it
+                continue
+            local, index = local_target(targets[name])
+            value = read_source(reader, src, index, full[name])
+            local.copy_(value.to(local.dtype))
+            report.loaded.append(name)
+        if spec.name == "qwen3_moe":  # no correction bias in the family: routing must not use a stale one
+            for name, t in targets.items():
+                if name.endswith("e_score_correction_bias"):
+                    local_target(t)[0].zero_()
+        return report
+    finally:
+        if own_reader:
+            reader.close()
+
+
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "resolved_head_dim",
+                 "intermediate_size", "num_experts", "moe_intermediate_size", "num_shared_experts", "first_k_dense",
+                 "qk_norm", "attention_bias", "tie_embeddings")
+_MATH_FIELDS = ("top_k", "router_score", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
+                "rope_theta", "partial_rotary_factor")
+
+
+def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str) -> None:
+    if want.vocab_size != have.vocab_size:
+        raise CheckpointError(
+            f"tokenizer/vocab mismatch: {path} has vocab_size={want.vocab_size} but model.vocab_size={have.vocab_size}")
+    diffs = []
+    for key in _SHAPE_FIELDS + (_MATH_FIELDS if want.num_experts else _MATH_FIELDS[-2:]):
+        a, b = getattr(want, key), getattr(have, key)
+        if a != b and not (isinstance(a, float) and abs(a - b) < 1e-9 * max(1.0, abs(a))):
+            diffs.append(f"model.{key}: checkpoint {a!r} vs model {b!r}")
+    if diffs:
+        raise CheckpointError(f"{path} has a different model shape: " + "; ".join(diffs))
+
+
+def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,
+                  max_seq_len: Optional[int] = None, device: str = "cpu"):
+    """Build a TandemModel from an HF directory's config.json and load its weights.
+
+    MTP: the checkpoint's own MTP layers when it has them (num_nextn_predict_layers / mtp.*), K = L;
+    `mtp_overrides` (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that.
+    Returns (model in eval mode, TandemConfig).
+    """
+    from .config import TandemConfig
+
+    hf = read_config(path)
+    reader = CheckpointReader(path, trust_pickle=trust_pickle)
+    try:
+        spec = detect_family(hf, reader.keys())
+        cfg = model_config_from_hf(hf, spec, max_seq_len=max_seq_len)
+        present = {mtp_layer_of_key(k, cfg) for k in reader.keys() if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
+        n_mtp = len(present)
+        mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0, concat_order="emb_hidden")
+        if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.") for k in reader.keys()) \
+                and not any(k.startswith("mtp.layers.0.mlp.experts.") for k in reader.keys()):
+            mtp.moe = False
+        for key, value in (mtp_overrides or {}).items():
+            if not hasattr(mtp, key):
+                raise KeyError(f"unknown MTPConfig field {key!r}")
+            setattr(mtp, key, value)
+        validate_model(cfg, mtp)
+        tcfg = TandemConfig()
+        tcfg.model, tcfg.mtp = cfg, mtp
+        model = TandemModel(cfg, mtp)
+        report = load_hf_weights(model, path, spec=spec, cfg=cfg, mtp=mtp, reader=reader)
+        if report.fresh_mtp and mtp.num_steps:
+            print(f"hf import: {path} has no MTP weights; the MTP module is freshly initialised", file=sys.stderr)
+    finally:
+        reader.close()
+    return model.to(device).eval(), tcfg
+
+
+__all__ = ["load_hf_model", "load_hf_weights", "CheckpointError", "PickleCheckpointError", "UnsupportedCheckpoint",
+           "CheckpointReader", "shard_index", "read_source", "LoadReport"]
