@@ -114,6 +114,11 @@ class MTPConfig:
     """Stop MTP gradients from reaching the trunk (set by frozen-trunk fine-tuning)."""
     loss_chunk_tokens: int = 2048
     """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab] logits)."""
+    trunk_input: str = "pre_norm"
+    """Trunk state MTP step 1 reads: `pre_norm` (before the final norm) or `final_norm` (after it, as
+    DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers)."""
+    init_from_last_layer: bool = False
+    """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk layer."""
 
     def layer_for_step(self, step: int) -> int:
         """Physical MTP layer used by draft step `step` (1-based)."""
@@ -180,6 +185,8 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
         )
     if mtp.concat_order not in ("emb_hidden", "hidden_emb"):
         raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {mtp.concat_order!r}")
+    if mtp.trunk_input not in ("pre_norm", "final_norm"):
+        raise ValueError(f"mtp.trunk_input must be 'pre_norm' or 'final_norm', got {mtp.trunk_input!r}")
     if mtp.loss.weights and len(mtp.loss.weights) != mtp.num_steps:
         raise ValueError(
             f"mtp.loss.weights has {len(mtp.loss.weights)} entries but mtp.num_steps={mtp.num_steps}"

@@ -105,6 +105,8 @@ class TandemModel(nn.Module):
                  cache: Optional[LayerKV] = None) -> torch.Tensor:
         """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token t+step."""
         layer = self.mtp.layer_for_step(step)
+        if self.mtp_cfg.trunk_input == "final_norm" and (step == 1 or not self.mtp.chained):
+            h_prev_bsh = self.norm(h_prev_bsh)  # h_0 is the trunk's normed output in this convention
         emb = self.embed_tokens(tokens_bs) if layer.combine else None
         return layer(h_prev_bsh, emb, positions_bs, cache)
 
