@@ -158,16 +158,22 @@ def check_compatible(path: str, config_yaml: str) -> None:
     """Refuse a checkpoint whose model shape differs from the current config (names the keys)."""
     saved = OmegaConf.load(os.path.join(path, "config.yaml"))
     current = OmegaConf.create(config_yaml)
-    diffs = []
-    for section in ("model", "mtp"):
+    def differences(section, skip=()):
+        out = []
         for key, value in OmegaConf.to_container(current[section]).items():
-            if key in ("init_from", "loss", "detach_trunk", "loss_chunk_tokens"):
+            if key in skip:
                 continue
             old = OmegaConf.select(saved, f"{section}.{key}")
             if old != value:
-                diffs.append(f"{section}.{key}: checkpoint {old!r} vs config {value!r}")
-    if diffs:
-        raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(diffs))
+                out.append(f"{section}.{key}: checkpoint {old!r} vs config {value!r}")
+        return out
+
+    shape = differences("model", {"init_from"}) + differences("mtp", {"loss", "detach_trunk", "loss_chunk_tokens"})
+    if shape:
+        raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
+    tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source", "data.tokenizer", "data.vocab_size")]
+    if tokenizer:
+        raise ValueError(f"checkpoint {path} was trained with a different tokenizer: " + "; ".join(tokenizer))
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
@@ -176,11 +182,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        _dcp_load(state, path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path)
+        _dcp_load(state, path)
         set_model_state_dict(model, state["model"], options=opts)
     rng_path = os.path.join(path, "rng", f"rank{_rank()}.pt")
     if os.path.exists(rng_path):
@@ -208,6 +214,14 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     cfg.model.init_from = ""
     model = TandemModel(cfg.model, cfg.mtp)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     return model.to(device).eval(), cfg
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # DCP raises multi-line wrapped errors; keep the cause, on one line
+        cause = " ".join(str(exc).split())[:300]
+        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: {cause})") from None

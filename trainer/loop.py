@@ -68,7 +68,8 @@ def build_model(cfg: TandemConfig) -> TandemModel:
 class Trainer:
     def __init__(self, cfg: TandemConfig, resume: bool = False):
         self.cfg = cfg
-        self.resume = resume or cfg.train.resume
+        # A torchrun restart (--max-restarts) of a failed job resumes from the last checkpoint.
+        self.resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         prepare_run_dir(cfg.run.dir)
         self.config_yaml = to_yaml(cfg)
         self.device = resolve_device(cfg.device)
@@ -225,8 +226,11 @@ class Trainer:
                 if action == "rewind":
                     step = self.guard.rewind(step)  # reloads the last checkpoint, marks the batch skipped
                     continue
+                if action != "ok":
+                    record["skipped"] = 1.0
                 self.device.synchronize()
                 step += 1
+                _kill_for_tests(step, self.pstate.rank)
                 dt = time.perf_counter() - t0
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
                                "tokens_per_s": self.global_batch * cfg.data.seq_len / dt,
@@ -252,6 +256,19 @@ class Trainer:
         finally:
             logger.close()
         return last_record
+
+
+def _kill_for_tests(step: int, rank: int) -> None:
+    """Test hook: TANDEM_TEST_KILL_AT_STEP=<step>[:<rank>] SIGKILLs that rank after that step, on the
+    job's first attempt only (so a torchrun restart can show recovery)."""
+    spec = os.environ.get("TANDEM_TEST_KILL_AT_STEP")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    at, _, who = spec.partition(":")
+    if step == int(at) and rank == int(who or 0):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train(cfg: TandemConfig, resume: bool = False) -> Optional[dict]:

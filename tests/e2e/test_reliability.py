@@ -1,0 +1,171 @@
+"""Crash safety: kill -9 mid-checkpoint, bad-step policies under NaN injection, torchrun restarts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tandem.trainer.checkpoint import list_checkpoints
+from tandem.trainer.config import load_config
+from tandem.trainer.guard import BadStepHalt
+from tandem.trainer.loop import Trainer, train
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
+
+
+def records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss/main"], r["loss/mtp_1"], r["loss/mtp_2"]) for r in records(run_dir)]
+
+
+def cli(args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "tandem.trainer.cli", *args], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.fixture
+def reference(tiny_overrides, tmp_path):
+    """An uninterrupted 6-step run to compare recoveries against."""
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"run.dir={tmp_path / 'reference'}"])
+    train(cfg)
+    return losses(cfg.run.dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["after_shards", "before_marker"])
+def test_kill_9_mid_checkpoint_resumes_from_previous(point, tiny_overrides, tmp_path, reference):
+    run = str(tmp_path / "killed")
+    args = ["train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2", f"run.dir={run}"]
+    proc = cli(args, env={"TANDEM_TEST_PAUSE_CHECKPOINT": f"{point}:4"})
+    deadline = time.time() + 120
+    for line in proc.stderr:
+        if "checkpoint: paused at" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    complete, incomplete = list_checkpoints(run)
+    assert [s for s, _ in complete] == [2]
+    assert any(p.endswith(".tmp_step_4") for p in incomplete)
+    resumed = cli(args + ["--resume"])
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert "ignoring incomplete checkpoint" in err and "at step 2" in err
+    assert losses(run) == reference  # nothing lost but the steps after step 2, replayed exactly
+
+
+class NaNAtBatch:
+    """Makes the loss and gradients of one data batch non-finite (the first time it is used)."""
+
+    def __init__(self, monkeypatch, batches):
+        self.batches, self.hit = set(batches), []
+        original = Trainer.forward_backward
+        injector = self
+
+        def forward_backward(trainer, batches_, counts, coefs):
+            sums = original(trainer, batches_, counts, coefs)
+            batch = trainer.guard.batch_number(trainer._current_step)
+            if batch in injector.batches:
+                injector.batches.discard(batch)
+                injector.hit.append(batch)
+                for p in trainer.model.parameters():
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+                return sums * float("nan")
+            return sums
+
+        original_micro = Trainer.micro_batches
+
+        def micro_batches(trainer, step):
+            trainer._current_step = step
+            return original_micro(trainer, step)
+
+        monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
+        monkeypatch.setattr(Trainer, "micro_batches", micro_batches)
+
+
+def params(run_dir, step):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: F401
+
+    from tandem.trainer.checkpoint import load_model_from_checkpoint
+
+    model, _ = load_model_from_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_skip_policy_drops_the_update(monkeypatch, tiny_overrides):
+    NaNAtBatch(monkeypatch, {2})
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=1", "train.bad_step_policy=skip"])
+    train(cfg)
+    recs = records(cfg.run.dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert recs[2].get("skipped") == 1.0 and recs[2]["bad_steps/total"] == 1.0
+    assert all("skipped" not in r for r in recs[:2] + recs[3:])
+    before, after = params(cfg.run.dir, 2), params(cfg.run.dir, 3)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and router biases untouched
+
+
+def test_halt_policy_saves_last_good_state_and_reports(monkeypatch, tiny_overrides):
+    NaNAtBatch(monkeypatch, {2})
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=5", "train.bad_step_policy=halt"])
+    with pytest.raises(BadStepHalt) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "halted at step 3" in message and "non-finite loss" in message and "loss/mtp_2=nan" in message
+    complete, _ = list_checkpoints(cfg.run.dir)
+    assert [s for s, _ in complete] == [2]
+
+
+def test_rewind_policy_replays_from_checkpoint_skipping_the_batch(monkeypatch, tiny_overrides):
+    injector = NaNAtBatch(monkeypatch, {3})
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", "checkpoint.interval=2", "train.bad_step_policy=rewind"])
+    train(cfg)
+    assert injector.hit == [3]
+    recs = records(cfg.run.dir)
+    assert [r["step"] for r in recs if "skipped" not in r][-4:] == [3, 4, 5, 6]
+    state = json.load(open(os.path.join(cfg.run.dir, "checkpoints", "step_6", "trainer_state.json")))
+    assert state["skipped_batches"] == [3]
+
+
+def test_too_many_bad_steps_halt_any_policy(monkeypatch, tiny_overrides):
+    NaNAtBatch(monkeypatch, {1, 2})
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=5", "train.bad_step_policy=skip", "train.max_skips=1"])
+    with pytest.raises(BadStepHalt, match=r"2 bad steps within 100 steps \(train.max_skips=1\)"):
+        train(cfg)
+
+
+def test_loss_spike_is_a_bad_step(monkeypatch, tiny_overrides):
+    original = Trainer.forward_backward
+    calls = []
+
+    def spiky(trainer, batches, counts, coefs):
+        sums = original(trainer, batches, counts, coefs)
+        calls.append(1)
+        return sums * 10 if len(calls) == 7 else sums
+
+    monkeypatch.setattr(Trainer, "forward_backward", spiky)
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=8", "train.spike_factor=3", "train.spike_window=5"])
+    train(cfg)
+    recs = records(cfg.run.dir)
+    assert [r.get("skipped", 0.0) for r in recs] == [0, 0, 0, 0, 0, 0, 1, 0]
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_after_a_rank_dies(tiny_overrides, tmp_path, reference):
+    run = str(tmp_path / "elastic")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+           "-m", "tandem.trainer.cli", "train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2",
+           f"run.dir={run}"]
+    env = {**os.environ, "TANDEM_TEST_KILL_AT_STEP": "3"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "at step 2" in done.stderr
+    assert losses(run) == reference
