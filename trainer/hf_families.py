@@ -187,6 +187,11 @@ def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Option
     return Src([prefix + rest])
 
 
+def trunk_input_of(hf: dict) -> str:
+    """MTP input convention of a checkpoint: `final_norm` unless config.json says otherwise."""
+    return "pre_norm" if hf.get("tie_last_hidden_states") is False else "final_norm"
+
+
 def hf_name(name: str, cfg: ModelConfig, mtp: MTPConfig, spec: FamilySpec) -> Optional[Src]:
     """The checkpoint source of this model's tensor `name` (a parameter or persistent buffer), or
     None when the family has no such tensor (it then stays at its initial value / must be zero)."""
@@ -338,6 +343,9 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
     layout = "glm" if family == "glm4_moe" else "qwen3_next"
     if n_mtp and layout == "qwen3_next":
         base["mtp_num_hidden_layers"] = n_mtp
+    if n_mtp and mtp.trunk_input == "pre_norm":
+        # transformers' MTP drafting reads hidden_states[-1]; untied, that is the pre-norm trunk state.
+        base["tie_last_hidden_states"] = False
     spec = FamilySpec(family, layout, router_bias=family == "glm4_moe", num_mtp_layers=n_mtp)
     return base, spec
 

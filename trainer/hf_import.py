@@ -28,7 +28,7 @@ from tandem.models import TandemModel
 from tandem.models.config import MTPConfig, ModelConfig, validate_model
 
 from .hf_families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
-                          meta_state, model_config_from_hf, mtp_layer_of_key)
+                          meta_state, model_config_from_hf, mtp_layer_of_key, trunk_input_of)
 
 
 class CheckpointError(ValueError):
@@ -242,6 +242,10 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
                 report.fresh_mtp = True
                 continue
             needed[name] = src
+        if has_mtp_weights and mtp is not None and mtp.num_steps and mtp.trunk_input != trunk_input_of(hf):
+            raise CheckpointError(
+                f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but mtp.trunk_input={mtp.trunk_input!r}; "
+                f"set mtp.trunk_input={trunk_input_of(hf)}")
         missing = [k for src in needed.values() for k in src.keys if k not in keys]
         used = {k for src in needed.values() for k in src.keys}
         unexpected = []
@@ -322,7 +326,8 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
         cfg = model_config_from_hf(hf, spec, max_seq_len=max_seq_len)
         present = {mtp_layer_of_key(k, cfg) for k in reader.keys() if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
         n_mtp = len(present)
-        mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0, concat_order="emb_hidden")
+        mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0, concat_order="emb_hidden",
+                        trunk_input=trunk_input_of(hf))
         if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.") for k in reader.keys()) \
                 and not any(k.startswith("mtp.layers.0.mlp.experts.") for k in reader.keys()):
             mtp.moe = False
