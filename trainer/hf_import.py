@@ -218,6 +218,7 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
     strict; MTP tensors load when the checkpoint has them, else the MTP module keeps its fresh init
     (`strict_mtp=True` makes their absence an error)."""
     hf = read_config(path)
+    detect_family(hf)
     own_reader = reader is None
     reader = reader or CheckpointReader(path, trust_pickle=trust_pickle)
     try:
@@ -320,6 +321,7 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     from .config import TandemConfig
 
     hf = read_config(path)
+    detect_family(hf)  # an unsupported architecture fails before any file is opened
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
     try:
         spec = detect_family(hf, reader.keys())

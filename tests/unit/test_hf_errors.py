@@ -1,0 +1,195 @@
+"""HF import: clear errors, the Qwen3-Next `mtp.*` naming, and shard-wise (DTensor) slicing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+T = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from tandem.models import TandemModel  # noqa: E402
+from tandem.models.config import ModelConfig, MTPConfig  # noqa: E402
+from tandem.trainer.hf_export import export_hf  # noqa: E402
+from tandem.trainer.hf_families import Src, UnsupportedCheckpoint  # noqa: E402
+from tandem.trainer.hf_import import (CheckpointError, CheckpointReader, PickleCheckpointError,  # noqa: E402
+                                      load_hf_model, load_hf_weights, read_source, shard_index)
+
+V = 96
+
+
+def tiny_qwen3(tmp_path, name="q"):
+    torch.manual_seed(0)
+    cfg = T.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def write_config(path, **fields):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(fields))
+    return path
+
+
+def test_unsupported_architecture_named(tmp_path):
+    d = write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(UnsupportedCheckpoint, match="GPT2LMHeadModel"):
+        load_hf_model(str(d))
+
+
+def test_deepseek_v3_mla_is_not_supported_yet(tmp_path):
+    d = write_config(tmp_path / "dsv3", architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                     kv_lora_rank=512, q_lora_rank=1536)
+    with pytest.raises(UnsupportedCheckpoint, match="MLA attention is not supported yet"):
+        load_hf_model(str(d))
+
+
+def test_qwen3_next_trunk_rejected(tmp_path):
+    d = write_config(tmp_path / "qn", architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next")
+    with pytest.raises(UnsupportedCheckpoint, match="linear attention"):
+        load_hf_model(str(d))
+
+
+def test_missing_and_unexpected_names_listed(tmp_path):
+    d = tiny_qwen3(tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    state.pop("model.layers.1.self_attn.q_norm.weight")
+    state["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as exc:
+        load_hf_model(str(d))
+    msg = str(exc.value)
+    assert "missing tensors (1): model.layers.1.self_attn.q_norm.weight" in msg
+    assert "unexpected tensors (1): model.layers.0.mlp.extra.weight" in msg
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
+    d = tiny_qwen3(tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(40, 32)
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight -> layers\.0\.mlp\.up_proj\.weight: "
+                                              r"expected \(48, 32\), found \(40, 32\)"):
+        load_hf_model(str(d))
+
+
+def test_vocab_mismatch(tmp_path):
+    d = tiny_qwen3(tmp_path)
+    model, _ = load_hf_model(str(d))
+    cfg = ModelConfig(**{**model.cfg.__dict__, "vocab_size": 128})
+    other = TandemModel(cfg, MTPConfig(num_steps=0))
+    with pytest.raises(CheckpointError, match="vocab mismatch.*vocab_size=96.*model.vocab_size=128"):
+        load_hf_weights(other, str(d))
+    # a tokenizer beside the checkpoint that is larger than the embedding table
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0")).save(str(d / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="tokenizer/vocab mismatch.*200 tokens"):
+        load_hf_model(str(d))
+
+
+def test_pickle_needs_trust(tmp_path):
+    d = tiny_qwen3(tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    torch.save(state, d / "pytorch_model.bin")
+    with pytest.raises(PickleCheckpointError, match="pytorch_model.bin.*--trust-pickle"):
+        load_hf_model(str(d))
+    model, _ = load_hf_model(str(d), trust_pickle=True)
+    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+
+def test_qwen3_next_mtp_naming_round_trip(tmp_path):
+    """A Qwen3 trunk with a Qwen3-Next-style mtp.* block: export names, zero-centred norm conversion, re-import."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                      num_experts=0, qk_norm=True, max_seq_len=64)
+    model = TandemModel(cfg, MTPConfig(num_steps=2, num_layers=1, moe=False, trunk_input="final_norm")).eval()
+    assert export_hf(model, str(tmp_path / "qn"), family="qwen3_next_mtp") == "qwen3_next_mtp"
+    keys = set(load_file(str(tmp_path / "qn" / "model.safetensors")))
+    for k in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+              "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate_proj.weight",
+              "mtp.layers.0.input_layernorm.weight"):
+        assert k in keys, k
+    assert json.loads((tmp_path / "qn" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    again, tcfg = load_hf_model(str(tmp_path / "qn"), mtp_overrides={"num_steps": 2})
+    assert tcfg.mtp.num_layers == 1 and not tcfg.mtp.moe
+    for (n1, a), (n2, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b), n1
+    # the trunk still loads in transformers (the mtp.* tensors are extra)
+    T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "qn"))
+
+
+def test_zero_centred_norm_conversion(tmp_path):
+    """Qwen3-Next stores RMSNorm weights as w - 1: the reader adds 1 (and slices still work)."""
+    save_file({"n": torch.tensor([0.0, 0.5, -0.25, 1.0])}, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(str(tmp_path))
+    out = read_source(reader, Src(["n"], plus_one=True), (slice(1, 3),), (4,))
+    assert torch.equal(out, torch.tensor([1.5, 0.75]))
+
+
+class FakeMesh:
+    """Just enough of a DeviceMesh for compute_local_shape_and_global_offset: rank `coord` of a 1-D mesh."""
+
+    def __init__(self, size, coord):
+        self.shape, self._coord = (size,), [coord]
+
+    def _is_current_rank_part_of_mesh(self):
+        return True
+
+    def _sym_get_coordinate(self, index):
+        return self._coord[index]
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_shard_reads_only_local_slice(tmp_path, dim):
+    """Two fake ranks of a Shard(dim) placement each read exactly their half, for a plain tensor and for
+    per-expert tensors stacked along dim 0 (expert parallelism reads only its experts' files)."""
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    full = torch.randn(4, 6, 8)
+    save_file({f"e{e}": full[e].clone() for e in range(4)} | {"w": full[0].clone()}, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(str(tmp_path))
+    pieces, plain = [], []
+    for rank in range(2):
+        idx = shard_index(full.shape, FakeMesh(2, rank), [Shard(dim)])
+        assert idx[dim] == slice(rank * full.shape[dim] // 2, (rank + 1) * full.shape[dim] // 2)
+        pieces.append(read_source(reader, Src([f"e{e}" for e in range(4)], stacked=True), idx, full.shape))
+        idx2 = shard_index(full[0].shape, FakeMesh(2, rank), [Shard(dim)])
+        plain.append(read_source(reader, Src(["w"]), idx2, full[0].shape))
+    assert torch.equal(torch.cat(pieces, dim), full)
+    assert torch.equal(torch.cat(plain, dim), full[0])
+    assert pieces[0].shape[dim] == full.shape[dim] // 2
+
+
+def test_real_dtensor_world_size_one(tmp_path):
+    """gloo, one process: DTensor parameters load through the same path."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    d = tiny_qwen3(tmp_path)
+    ref, _ = load_hf_model(str(d))
+    created = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        created = True
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = TandemModel(ref.cfg, ref.mtp_cfg)
+        attn = model.layers["0"].self_attn
+        attn.q_proj.weight = torch.nn.Parameter(distribute_tensor(attn.q_proj.weight.data, mesh, [Shard(0)]))
+        load_hf_weights(model, str(d))
+        assert torch.equal(attn.q_proj.weight.full_tensor(), ref.layers["0"].self_attn.q_proj.weight)
+    finally:
+        if created:
+            dist.destroy_process_group()
