@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
 
@@ -19,7 +20,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    # foreach kernels cannot mix plain tensors with DTensors (or DTensors of different meshes), as a
+    # tensor/expert/FSDP-parallel model does; those take the per-parameter path.
+    foreach = not any(isinstance(p, DTensor) for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
