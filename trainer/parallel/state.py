@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, TandemConfig
+from ..config import TandemConfig
 from .device import Device
 
 
@@ -51,17 +51,11 @@ class ParallelState:
 def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
     """Start the process group (under torchrun) and validate the layout against the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    p = cfg.parallel
-    model_parallel = p.tp * p.pp * p.ep
-    if world == 1 and model_parallel == 1:
+    from .validate import validate_layout  # pure config arithmetic, before any process-group work
+
+    dp = validate_layout(cfg, world)
+    if world == 1:
         return ParallelState(device=device)
-    if world % model_parallel:
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.tp*pp*ep = {p.tp}*{p.pp}*{p.ep} = {model_parallel}"
-        )
-    dp = p.dp or world // model_parallel
-    if dp * model_parallel != world:
-        raise ConfigError(f"parallel.tp*pp*ep*dp = {model_parallel * dp} does not equal the world size {world}")
     from .layout import build_parallel_state  # the mesh and groups (needs torch.distributed)
 
     return build_parallel_state(cfg, device, world, dp)

@@ -1,0 +1,133 @@
+"""Train a tiny MoE+MTP model for a few steps under one or more parallel layouts and dump the results.
+
+Run under torchrun (`torchrun --standalone --nproc-per-node N tests/distributed/worker.py OUT LAYOUT...`,
+each LAYOUT a comma-separated list of overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`),
+or import `run_layout` in one process for the single-process reference. Data is synthetic (a pure
+function of the step), split over the batch ranks exactly as the trainer splits a global batch.
+Each rank writes `OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full
+(gathered) parameters and router biases it holds after the last step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+STEPS = 3
+MICRO_BATCH = 2
+GRAD_ACCUM = 2
+SEQ = 16
+VOCAB = 128
+
+# Adam eps 1e-6 (not 1e-8): elements whose gradient is ~1e-8 would otherwise turn fp32 rounding noise
+# (a different summation order) into O(lr) update differences.
+BASE = [
+    "model.hidden_size=32", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4", "model.top_k=2",
+    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.bias_update_rate=0.01",
+    "model.max_seq_len=64", "mtp.num_steps=2", "mtp.num_layers=1", "mtp.loss_chunk_tokens=24",
+    f"data.seq_len={SEQ}", f"train.micro_batch_size={MICRO_BATCH}", "train.lr=0.01", "train.min_lr=0.001",
+    "train.warmup_steps=0", "train.eps=1e-6", f"train.max_steps={STEPS}", "train.dtype=fp32", "train.grad_clip=1.0",
+    "logging.wandb=false", "eval.interval=0", "device=cpu",
+]
+
+
+def layout_overrides(layout: str) -> List[str]:
+    return [f"parallel.{kv}" for kv in layout.split(",") if kv and kv != "single"]
+
+
+def make_cfg(layout: str, grad_accum: int):
+    from tandem.trainer.config import load_config
+
+    cfg = load_config(None, BASE + [f"train.grad_accum_steps={grad_accum}", "run.dir=/tmp/tandem_dist_unused"]
+                      + layout_overrides(layout))
+    cfg.model.vocab_size = VOCAB  # below the stdlib tokenizer's minimum; the data here is synthetic
+    return cfg
+
+
+def global_batch(step: int, n: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    eod = torch.rand(n, SEQ + 1, generator=g) < 0.1
+    doc_ids = torch.cumsum(eod.long(), dim=1) - eod.long()
+    loss_mask = (torch.rand(n, SEQ, generator=g) > 0.1).float()
+    return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids}
+
+
+def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: int):
+    """This batch rank's micro-batches: sample j of the global batch goes to rank j // (accum*mbs)."""
+    per_rank = grad_accum * MICRO_BATCH
+    full = global_batch(step, per_rank * batch_size)
+    start = batch_rank * per_rank
+    return [{k: v[start + m * MICRO_BATCH: start + (m + 1) * MICRO_BATCH] for k, v in full.items()}
+            for m in range(grad_accum)]
+
+
+def run_layout(layout: str, batch_size_for_ref: int = 1) -> dict:
+    """Train STEPS steps under `layout` (in this process group); return losses and full params."""
+    from torch.distributed.tensor import DTensor
+
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.loss import depth_coefficients
+    from tandem.trainer.optim import build_optimizer, lr_at, set_lr
+    from tandem.trainer.parallel import init_parallel, parallelize_model
+    from tandem.trainer.parallel.device import resolve_device
+
+    single = layout == "single"
+    accum = GRAD_ACCUM * (batch_size_for_ref if single else 1)
+    cfg = make_cfg(layout, accum)
+    device = resolve_device("cpu")
+    if single:
+        from tandem.trainer.parallel import ParallelState
+
+        pstate = ParallelState(device=device)
+    else:
+        pstate = init_parallel(cfg, device)
+    model = parallelize_model(build_model(cfg), cfg, pstate)
+    tr = Trainer.__new__(Trainer)
+    tr.cfg, tr.pstate, tr.model, tr.device, tr.autocast_dtype = cfg, pstate, model, device, None
+    tr.optimizer = build_optimizer(model, cfg.train)
+    tr.moe_layers = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+    for moe in tr.moe_layers:
+        moe.aux_grad_scale = 1.0 / accum
+    model.train()
+    losses, norms = [], []
+    for step in range(STEPS):
+        set_lr(tr.optimizer, lr_at(cfg.train, step))
+        coefs = depth_coefficients(cfg.mtp, step)
+        batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum)
+        counts = tr.global_target_counts(batches)
+        sums = pstate.all_reduce_dp(tr.forward_backward(batches, counts, coefs))
+        norms.append(tr.clip_gradients())
+        tr.update_router_biases()
+        tr.optimizer.step()
+        tr.optimizer.zero_grad(set_to_none=True)
+        losses.append((sums / counts.clamp(min=1)).tolist())
+    params = {}
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if "tokens_per_expert" in name or "rotary" in name:
+            continue
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[name] = full.detach().clone()
+    return {"losses": losses, "grad_norms": norms, "params": params}
+
+
+def main(argv: List[str]) -> int:
+    import torch.distributed as dist
+
+    out_dir, layouts = argv[0], argv[1:]
+    torch.set_num_threads(1)
+    for layout in layouts:
+        result = run_layout(layout)
+        rank = dist.get_rank()
+        torch.save(result, os.path.join(out_dir, f"{layout}.rank{rank}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

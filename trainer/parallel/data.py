@@ -1,0 +1,122 @@
+"""Data parallelism (FSDP2 or gradient all-reduce) and the step's gradient finishing.
+
+Megatron semantics: the batch is split over dp*ep ranks; non-expert parameters are replicated over
+(and their gradients summed across) those dp*ep ranks, routed experts only over the dp ranks that
+hold the same expert shard (the expert-data-parallel group). Gradients are *summed*, never averaged:
+the loop already normalises every loss by the global target count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tandem.models.moe import GroupedExperts
+
+
+def expert_parameters(module: nn.Module) -> List[nn.Parameter]:
+    return [p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
+
+
+def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
+               batch_mesh, dp_mesh) -> None:
+    """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    all_modules = list(all_modules)
+    if dp_mesh.size() > 1:
+        for top in all_modules:
+            for m in top.modules():
+                if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule):
+                    fully_shard(m, mesh=dp_mesh)
+        ignored = None
+    else:  # experts replicated nowhere: keep them out of the dp*ep sharding
+        ignored = {p for top in all_modules for p in expert_parameters(top)}
+    for block in blocks:
+        fully_shard(block, mesh=batch_mesh, ignored_params=ignored)
+    for root in roots:
+        fully_shard(root, mesh=batch_mesh, reshard_after_forward=False, ignored_params=ignored)
+    for top in all_modules:
+        for m in top.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # sum: losses are already globally normalised
+                m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
+
+
+class GradientFinisher:
+    """`extras["clip_grad_norm"]`: completes this step's gradients, then clips by the global norm.
+
+    1. `dp_mode=allreduce`: sums gradients over dp*ep (non-expert) / dp (experts).
+    2. Pipeline: sums the embedding gradient of the first stage and of the last stage's copy.
+    3. The true global norm: each rank's local squared norms weighted by 1/(copies of that shard
+       in the job), summed over the world (DTensor shards, tp/ep/fsdp replication, pp stages).
+    """
+
+    def __init__(self, model: nn.Module, world: int, pp: int, allreduce: bool, batch_group, batch_size: int,
+                 dp_group, dp_size: int, tie_group=None):
+        self.model, self.world, self.pp = model, world, pp
+        self.allreduce, self.batch_group, self.batch_size = allreduce, batch_group, batch_size
+        self.dp_group, self.dp_size, self.tie_group = dp_group, dp_size, tie_group
+
+    def _params(self):
+        experts = {id(p) for p in expert_parameters(self.model)}
+        embed = getattr(self.model, "embed_tokens", None)
+        embed_id = id(embed.weight) if embed is not None else None
+        for p in self.model.parameters():
+            if p.requires_grad:
+                yield p, id(p) in experts, id(p) == embed_id
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for p, is_expert, is_embed in self._params():
+            need_dp = self.allreduce and (self.dp_size > 1 if is_expert else self.batch_size > 1)
+            need_tie = is_embed and self.tie_group is not None
+            if not (need_dp or need_tie):
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = self._local(p.grad)
+            if need_dp:
+                dist.all_reduce(g, group=self.dp_group if is_expert else self.batch_group)
+            if need_tie:
+                dist.all_reduce(g, group=self.tie_group)
+
+    @torch.no_grad()
+    def global_norm(self) -> torch.Tensor:
+        holders = self.world // self.pp
+        total = None
+        for p, _, is_embed in self._params():
+            if p.grad is None:
+                continue
+            g = p.grad
+            shards = 1
+            if isinstance(g, DTensor):
+                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+            copies = holders * (2 if is_embed and self.tie_group is not None else 1) / shards
+            sq = self._local(g).double().pow(2).sum() / copies
+            total = sq if total is None else total + sq
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(total)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def __call__(self, params, max_norm: float) -> torch.Tensor:
+        self.sync()
+        norm = self.global_norm()
+        if max_norm > 0:
+            coef = min(max_norm / (float(norm) + 1e-6), 1.0)
+            if coef < 1.0:
+                for p, _, _ in self._params():
+                    if p.grad is not None:
+                        self._local(p.grad).mul_(coef)
+        return norm.float()

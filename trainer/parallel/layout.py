@@ -1,0 +1,96 @@
+"""The device mesh and how a plain model becomes this rank's part of the layout.
+
+Mesh dims (outer to inner) `pp x dp x ep x tp`, in Megatron's terms:
+* tp: tensor parallel (innermost, the fastest links), also the vocab split of embedding and head;
+* ep: expert parallel, carved out of data parallelism: the batch is split over dp*ep ranks; routed
+  experts are sharded over ep and replicated over dp (expert-data-parallel group = dp); every other
+  parameter is replicated over dp*ep (Megatron's data-parallel group for dense parameters);
+* dp: the remaining (expert-)data parallelism; pp: pipeline stages (outermost).
+The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the flattened dp*ep mesh.
+
+`apply_parallelism` runs, in order: pipeline pruning (PP), TP/EP (DTensor shards + dispatch),
+FSDP2 (or nothing, for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
+`pipeline`, `clip_grad_norm` (gradient sync + true global norm) and `router_load_group`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import TandemConfig
+from .device import Device
+from .state import ParallelState
+
+
+def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    p = cfg.parallel
+    if not dist.is_initialized():
+        dist.init_process_group(backend=device.backend)
+    mesh = init_device_mesh(device.type, (p.pp, dp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "ep", "tp"))
+    batch_mesh = mesh["dp", "ep"]._flatten("dp_ep")
+    batch = dp * p.ep
+    state = ParallelState(device=device, world_size=world, rank=dist.get_rank(), dp_size=batch,
+                          dp_rank=batch_mesh.get_local_rank(), dp_group=batch_mesh.get_group(), mesh=mesh)
+    state.extras.update({
+        "batch_mesh": batch_mesh,
+        # Router loads are summed over the ranks that routed different tokens (the batch split).
+        "router_load_group": batch_mesh.get_group() if batch > 1 else None,
+        "sizes": {"pp": p.pp, "dp": dp, "ep": p.ep, "tp": p.tp},
+    })
+    return state
+
+
+def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
+    from .data import GradientFinisher, apply_fsdp
+    from .tensor import apply_tensor_and_expert_parallel
+
+    p, mesh = cfg.parallel, state.mesh
+    sizes = state.extras["sizes"]
+    tp, ep, dp, pp = sizes["tp"], sizes["ep"], sizes["dp"], sizes["pp"]
+    pipeline = None
+    if pp > 1:
+        from .pipeline import Pipeline, prune_model
+
+        prune_model(model, cfg, mesh["pp"].get_local_rank())
+    tp_mesh = mesh["tp"] if tp > 1 else None
+    ep_mesh = mesh["ep"] if ep > 1 else None
+    expert_mesh = mesh["ep", "tp"] if (ep > 1 and tp > 1) else (ep_mesh if ep > 1 else tp_mesh)
+    apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh)
+    if pp > 1:
+        pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
+    batch = dp * ep
+    if batch > 1 and p.dp_mode == "fsdp":
+        blocks = list(model.layers.values())
+        roots = pipeline.modules if pipeline is not None else [model]
+        apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"])
+    tie_group = None
+    if pp > 1:
+        # first and last stage hold the embedding: sum their gradients (ranks with pp index 0 and
+        # pp-1 and the same dp/ep/tp coordinates)
+        tie_group = _pp_endpoint_group(mesh, pp)
+        pipeline.build_schedule()
+        state.extras["pipeline"] = pipeline
+    state.extras["clip_grad_norm"] = GradientFinisher(
+        model, state.world_size, pp, allreduce=(p.dp_mode == "allreduce"),
+        batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
+        tie_group=tie_group)
+    return model
+
+
+def _pp_endpoint_group(mesh, pp: int):
+    """The process group of {pp rank 0, pp rank pp-1} containing this rank (all ranks must call)."""
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh  # [pp, dp, ep, tp] global ranks
+    mine = None
+    flat = ranks.reshape(pp, -1)
+    for col in range(flat.shape[1]):
+        pair = [int(flat[0, col]), int(flat[pp - 1, col])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

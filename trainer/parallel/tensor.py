@@ -1,0 +1,254 @@
+"""Tensor and expert parallelism, applied to a plain TandemModel from outside.
+
+* Attention and dense MLPs use PyTorch's tensor-parallel styles (DTensor): q/k/v and gate/up are
+  column-parallel, o/down row-parallel, and a `PrepareModuleInput` makes the block input a
+  replicated DTensor so q, k and v (or gate and up) share one input-gradient all-reduce.
+  `Attention` infers its local head counts from the sharded projection widths.
+* The token embedding is vocab-parallel (`RowwiseParallel` on nn.Embedding).
+* The output head becomes `VocabParallelHead`: logits stay sharded over the vocabulary and the
+  chunked cross-entropy reduces max / sum-exp / target-logit over tp (never gathering full logits).
+* MoE layers keep replicated routers; routed experts shard their intermediate dim over tp and the
+  expert dim over ep (`ParallelExperts`: dropless all-to-all dispatch and combine); the shared
+  expert's partial output joins the routed partial output so the layer needs one all-reduce.
+
+Sharded parameters are DTensors (over the tp mesh, the ep mesh or both) with the single-process
+names, so DCP reshards checkpoints between layouts. Model code computes on local shards
+(`to_local`, differentiable) with the autograd collectives of `comm.py`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import checkpoint
+
+from tandem.models.layers import SwiGLU
+from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE
+
+from .comm import all_to_all, copy_to_group, reduce_from_group
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a (possibly DTensor) parameter, differentiably."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_parameter(module: nn.Module, name: str, mesh, placements) -> None:
+    """Replace `module.<name>` by a DTensor parameter (every rank holds the same full init)."""
+    p = getattr(module, name)
+    dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+# --- experts -------------------------------------------------------------------------------------
+class ParallelExperts(GroupedExperts):
+    """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp.
+
+    Token copies arrive sorted by (global) expert with per-expert counts; they are sent to the ep
+    rank holding their expert (counts exchanged first, then a variable-size all-to-all: dropless),
+    regrouped expert-major, computed on the local shards, and sent back in the original order.
+    Under tp the output is a partial sum (the caller reduces it once per layer).
+    """
+
+    ep_group = None
+    ep_size = 1
+    num_experts = 0
+
+    def forward(self, x_sorted_nh: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
+        if self.ep_size == 1:
+            return _grouped(x_sorted_nh, counts, gate, up, down)
+        ep, n_local = self.ep_size, self.num_experts // self.ep_size
+        send_ct = torch.tensor(counts, dtype=torch.int64, device=x_sorted_nh.device).view(ep, n_local)
+        recv_ct = torch.empty_like(send_ct)
+        dist.all_to_all_single(recv_ct, send_ct, group=self.ep_group)
+        send_splits, recv_splits = send_ct.sum(1).tolist(), recv_ct.sum(1).tolist()
+        x = all_to_all(x_sorted_nh, send_splits, recv_splits, self.ep_group)
+        # received blocks are source-major ([src][local expert]); regroup expert-major
+        rc = recv_ct.tolist()
+        starts, pos = [], 0
+        for src in range(ep):
+            row = []
+            for e in range(n_local):
+                row.append(pos)
+                pos += rc[src][e]
+            starts.append(row)
+        perm = [torch.arange(starts[s][e], starts[s][e] + rc[s][e]) for e in range(n_local) for s in range(ep)]
+        perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long, device=x.device)
+        y = _grouped(x[perm], recv_ct.sum(0).tolist(), gate, up, down)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return all_to_all(y[inv], recv_splits, send_splits, self.ep_group)
+
+
+def _grouped(x: torch.Tensor, counts: List[int], gate, up, down) -> torch.Tensor:
+    outputs, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        xe = x[start : start + n]
+        h = F.silu(xe @ gate[e].t()) * (xe @ up[e].t())
+        outputs.append(h @ down[e].t())
+        start += n
+    if not outputs:  # keep the weights in the graph so every rank has (zero) gradients
+        return x.new_zeros(0, down.shape[1]) + 0.0 * (gate.sum() + up.sum() + down.sum())
+    return torch.cat(outputs, dim=0)
+
+
+class TensorParallelMoE(MoE):
+    """MoE whose routed and shared experts run on tp shards; one all-reduce joins their outputs.
+
+    The router is replicated and sees the full input. Routed outputs are partial sums, so the
+    routing weights that scale them get their (partial) gradients summed over tp in backward.
+    """
+
+    tp_group = None
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        shape = x_bsh.shape
+        x = x_bsh.reshape(-1, shape[-1])
+        weights, indices, logits = self.router(x)
+        x_tp = copy_to_group(x, self.tp_group)
+        out = self.route_and_compute(x_tp, copy_to_group(weights, self.tp_group), indices)
+        if self.shared_experts is not None:
+            se = self.shared_experts
+            h = F.silu(F.linear(x_tp, local(se.gate_proj.weight))) * F.linear(x_tp, local(se.up_proj.weight))
+            out = out + F.linear(h, local(se.down_proj.weight))
+        out = reduce_from_group(out, self.tp_group)
+        aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
+        if aux is not None:
+            self.last_aux_loss = float(aux.detach())
+            out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
+        return out.view(shape)
+
+
+def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh) -> None:
+    """Shard one MoE layer's experts over (ep, tp) and, under tp, swap in TensorParallelMoE."""
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    ep = ep_mesh.size() if ep_mesh is not None else 1
+    experts = moe.experts
+    experts.__class__ = ParallelExperts
+    experts.ep_size, experts.num_experts = ep, moe.cfg.num_experts
+    experts.ep_group = ep_mesh.get_group() if ep > 1 else None
+    if expert_mesh is not None:
+        dims = ([Shard(0)] if ep > 1 else []), ([Shard(1)] if tp > 1 else []), ([Shard(2)] if tp > 1 else [])
+        shard_parameter(experts, "gate_proj", expert_mesh, dims[0] + dims[1])
+        shard_parameter(experts, "up_proj", expert_mesh, dims[0] + dims[1])
+        shard_parameter(experts, "down_proj", expert_mesh, dims[0] + dims[2])
+    if tp > 1:
+        moe.__class__ = TensorParallelMoE
+        moe.tp_group = tp_mesh.get_group()
+        if moe.shared_experts is not None:
+            se = moe.shared_experts
+            shard_parameter(se.gate_proj, "weight", tp_mesh, [Shard(0)])
+            shard_parameter(se.up_proj, "weight", tp_mesh, [Shard(0)])
+            shard_parameter(se.down_proj, "weight", tp_mesh, [Shard(1)])
+
+
+# --- vocab-parallel output head ------------------------------------------------------------------
+def _vocab_parallel_chunk(h_nh, w_local_vh, targets_n, vocab_start: int, group):
+    logits = F.linear(h_nh, w_local_vh).float()
+    m = logits.detach().max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z = logits - m.unsqueeze(1)
+    sum_exp = reduce_from_group(z.exp().sum(dim=-1), group)
+    local_t = targets_n - vocab_start
+    inside = (local_t >= 0) & (local_t < w_local_vh.shape[0])
+    target_z = z.gather(1, local_t.clamp(0, w_local_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
+    target_z = reduce_from_group(torch.where(inside, target_z, torch.zeros_like(target_z)), group)
+    return (sum_exp.log() - target_z).sum()
+
+
+class VocabParallelHead(nn.Module):
+    """The shared output head with its vocabulary sharded over tp (`weight` a Shard(0) DTensor).
+
+    Same `.logits()` / `.loss_sum()` as `OutputHead`; both go through `forward` so FSDP hooks fire.
+    The loss never materialises full logits: per chunk, the max, the sum of exponentials and the
+    target logit are all-reduced over tp (Megatron's vocab-parallel cross-entropy), and chunks are
+    recomputed in backward like the single-device chunked loss.
+    """
+
+    def __init__(self, weight: torch.Tensor, tp_mesh):
+        super().__init__()
+        self.tp_mesh = tp_mesh
+        self.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
+                                   requires_grad=weight.requires_grad)
+
+    def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        return self(h_normed)
+
+    def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        return self(h_normed_nh, targets_n, chunk_tokens)
+
+    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None, chunk_tokens: int = 0):
+        group = self.tp_mesh.get_group()
+        w = local(self.weight)
+        if targets is None:  # full logits (evaluation): gather the vocabulary shards
+            part = F.linear(h, w)
+            return DTensor.from_local(part, self.tp_mesh, [Shard(part.ndim - 1)]).full_tensor()
+        if h.shape[0] == 0:
+            return (h.sum() + w.sum()) * 0.0
+        vocab_start = self.tp_mesh.get_local_rank() * w.shape[0]
+        h = copy_to_group(h, group)
+        chunk = chunk_tokens if chunk_tokens > 0 else h.shape[0]
+        total = None
+        for i in range(0, h.shape[0], chunk):
+            args = (h[i : i + chunk], w, targets[i : i + chunk], vocab_start, group)
+            part = (checkpoint(_vocab_parallel_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _vocab_parallel_chunk(*args))
+            total = part if total is None else total + part
+        return total
+
+
+# --- the whole model -----------------------------------------------------------------------------
+def _block_plan(block) -> dict:
+    plan = {
+        "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                        desired_input_layouts=(Replicate(), None, None), use_local_output=False),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+    }
+    if isinstance(block.mlp, SwiGLU):
+        plan.update({
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=False),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })
+    return plan
+
+
+def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh) -> None:
+    """TP over `tp_mesh` (None = off) and EP over `ep_mesh` (None = off), in place, on whatever
+    parts of the model this rank holds (pipeline stages prune first)."""
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    blocks = [b for b in model.layers.values()]
+    if getattr(model, "mtp", None) is not None:
+        blocks += [layer.block for layer in model.mtp.layers]
+    for block in blocks:
+        if tp > 1:
+            if block.self_attn.q_norm is not None:
+                pass  # per-head norms act on head_dim: replicated, unaffected by the head split
+            parallelize_module(block, tp_mesh, _block_plan(block))
+        if isinstance(block.mlp, MoE):
+            parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh)
+    if tp > 1:
+        if getattr(model, "embed_tokens", None) is not None:
+            parallelize_module(model.embed_tokens, tp_mesh,
+                               RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        if getattr(model, "lm_head", None) is not None:
+            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh)

@@ -1,0 +1,96 @@
+"""Layout validation: pure arithmetic on the config, callable without torch.distributed.
+
+`init_parallel` calls `validate_layout` before it creates any process group, so an impossible
+layout fails in one line naming the keys, not deep inside a collective.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from ..config import ConfigError, TandemConfig
+
+
+def stage_layer_split(num_layers: int, num_stages: int, layout: List[int]) -> List[List[int]]:
+    """Global trunk-layer indices of each pipeline stage (explicit layout, or as even as possible)."""
+    if layout:
+        counts = list(layout)
+    else:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def validate_layout(cfg: TandemConfig, world_size: int) -> int:
+    """Check the parallel layout against the model, the batch and the world size; return dp.
+
+    Raises ConfigError (one line) for: world size not the product tp*pp*ep*dp, heads / kv heads
+    not divisible by tp, experts not divisible by ep, too few layers (or a bad pp_layout) for the
+    pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence parallelism with
+    data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP) not divisible by tp.
+    """
+    p, m = cfg.parallel, cfg.model
+    for key in ("tp", "pp", "ep"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"config key 'parallel.{key}'={getattr(p, key)} must be positive")
+    model_parallel = p.tp * p.pp * p.ep
+    if p.dp:
+        dp = p.dp
+        if dp * model_parallel != world_size:
+            raise ConfigError(f"parallel.tp*pp*ep*dp = {p.tp}*{p.pp}*{p.ep}*{dp} = {dp * model_parallel} "
+                              f"does not equal the world size {world_size}")
+    else:
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*pp*ep = "
+                              f"{p.tp}*{p.pp}*{p.ep} = {model_parallel}")
+        dp = world_size // model_parallel
+    if p.tp > 1:
+        if m.num_heads % p.tp:
+            raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}")
+        if m.num_kv_heads % p.tp:
+            raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={p.tp}")
+        if m.vocab_size % p.tp:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel head)")
+        if m.intermediate_size % p.tp or m.moe_intermediate_size % p.tp:
+            raise ConfigError(f"model.intermediate_size={m.intermediate_size} / moe_intermediate_size="
+                              f"{m.moe_intermediate_size} must be divisible by parallel.tp={p.tp}")
+        if m.tie_embeddings:
+            raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
+    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
+    if p.ep > 1:
+        if m.num_experts <= 0:
+            raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.num_experts={m.num_experts})")
+        if m.num_experts % p.ep:
+            raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}")
+    if p.pp > 1:
+        virtual = p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1
+        if virtual < 1:
+            raise ConfigError(f"parallel.pp_virtual_stages={virtual} must be positive")
+        stages = p.pp * virtual
+        if p.pp_layout:
+            if len(p.pp_layout) != stages:
+                raise ConfigError(f"parallel.pp_layout has {len(p.pp_layout)} entries but the pipeline has "
+                                  f"{stages} stages (parallel.pp={p.pp} x {virtual} virtual)")
+            if sum(p.pp_layout) != m.num_layers or min(p.pp_layout) < 1:
+                raise ConfigError(f"parallel.pp_layout={list(p.pp_layout)} must be positive and sum to "
+                                  f"model.num_layers={m.num_layers}")
+        elif m.num_layers % stages:
+            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by the {stages} pipeline stages "
+                              f"(parallel.pp={p.pp} x {virtual} virtual); set parallel.pp_layout")
+        micro = p.pp_microbatches or cfg.train.grad_accum_steps
+        if micro < p.pp:
+            src = "parallel.pp_microbatches" if p.pp_microbatches else "train.grad_accum_steps"
+            raise ConfigError(f"{src}={micro} pipeline micro-batches is below the pipeline depth parallel.pp={p.pp}")
+        if p.pp_microbatches:
+            total = cfg.train.grad_accum_steps * cfg.train.micro_batch_size
+            if total % p.pp_microbatches:
+                raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} does not divide the "
+                                  f"{total} samples per step per data-parallel rank")
+        if p.pp_schedule == "interleaved_1f1b" and micro % p.pp:
+            raise ConfigError(f"interleaved 1F1B needs the micro-batch count {micro} divisible by parallel.pp={p.pp}")
+    return dp
