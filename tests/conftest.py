@@ -19,6 +19,12 @@ def corpus_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tandem_cache"))
 
 
+@pytest.fixture(scope="session")
+def tiny_base(corpus_cache):
+    """TINY_OVERRIDES with the session's corpus cache (no run directory)."""
+    return TINY_OVERRIDES + [f"data.cache_dir={corpus_cache}"]
+
+
 @pytest.fixture
 def tiny_overrides(corpus_cache, tmp_path):
     """Overrides for a seconds-long CPU run in a fresh run directory."""

@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -222,6 +223,6 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
 def _dcp_load(state: dict, path: str) -> None:
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as exc:  # DCP raises multi-line wrapped errors; keep the cause, on one line
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException; keep one line
         cause = " ".join(str(exc).split())[:300]
         raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: {cause})") from None

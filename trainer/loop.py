@@ -58,10 +58,11 @@ def build_model(cfg: TandemConfig) -> TandemModel:
     if cfg.model.init_from:
         from .init_from import load_initial_weights
 
-        load_initial_weights(model, cfg.model.init_from)
+        load_initial_weights(model, cfg.model.init_from, mtp_init_from_last_layer=cfg.mtp.init_from_last_layer)
     if cfg.train.freeze_trunk:
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("mtp."))
+    model.distill = cfg.train.distill
     return model
 
 
@@ -71,11 +72,13 @@ class Trainer:
         # A torchrun restart (--max-restarts) of a failed job resumes from the last checkpoint.
         self.resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         prepare_run_dir(cfg.run.dir)
+        if cfg.model.init_from:  # the trunk's shape comes from the checkpoint being fine-tuned
+            from .init_from import adopt_checkpoint_config
+
+            adopt_checkpoint_config(cfg)
         self.config_yaml = to_yaml(cfg)
         self.device = resolve_device(cfg.device)
         self.pstate: ParallelState = init_parallel(cfg, self.device)
-        if self.pstate.is_main:
-            write_config(cfg.run.dir, self.config_yaml)
         from tandem.data_pipeline.dataset import build_datasets, check_vocab
 
         t = cfg.train
@@ -101,6 +104,10 @@ class Trainer:
         self.moe_layers = [m for m in self.model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
         for moe in self.moe_layers:
             moe.aux_grad_scale = 1.0 / t.grad_accum_steps
+        # Written only once every check above has passed, so a failed start leaves an earlier run's
+        # config.yaml as it was.
+        if self.pstate.is_main:
+            write_config(cfg.run.dir, self.config_yaml)
         from .guard import BadStepGuard
 
         self.guard = BadStepGuard(cfg, self)
@@ -160,7 +167,8 @@ class Trainer:
         if self.pstate.world_size > 1 and group is not None:
             torch.distributed.all_reduce(loads, group=group)
         for moe, load in zip(self.moe_layers, loads):
-            if moe.cfg.balance == "aux_free":
+            # A frozen router (train.freeze_trunk) keeps its bias too: the trunk stays bit-identical.
+            if moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
                 moe.router.update_bias(load)
             moe.router.tokens_per_expert.zero_()
         ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)

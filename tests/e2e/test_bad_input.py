@@ -1,0 +1,184 @@
+"""Bad input: a specific one-line error before expensive work, and nothing on disk lost.
+
+Each case runs the `tandem` CLI in-process against a run directory that already holds an earlier
+run (config, metrics, a checkpoint) and asserts the message and that those files are byte-identical.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+
+from tandem.data_pipeline.preprocess import preprocess
+from tandem.trainer.cli import main
+from tandem.trainer.config import load_config
+from tandem.trainer.loop import train
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
+
+
+def snapshot(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory, tiny_base):
+    """A finished 2-step run, copied fresh into each test."""
+    root = tmp_path_factory.mktemp("earlier")
+    train(load_config(RECIPE, tiny_base + [f"run.dir={root / 'run'}", "train.max_steps=2"]))
+    return str(root / "run")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A small Megatron indexed dataset with its own 300-token BPE."""
+    root = tmp_path_factory.mktemp("data")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n" for i in range(40)))
+    preprocess([str(docs)], str(root / "corpus"), vocab_size=300)
+    return str(root / "corpus")
+
+
+@pytest.fixture
+def ctx(earlier_run, tiny_base, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    shutil.copytree(earlier_run, run)
+    base = tiny_base + [f"run.dir={run}", "train.max_steps=3"]
+
+    class Ctx:
+        before = snapshot(run)
+
+        def fails(self, argv, message, code=2):
+            rc = main(argv)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert rc == code, (rc, err)
+            assert err and message in err[-1], err
+            assert len(err[-1]) < 600
+            assert snapshot(run) == self.before
+            return err[-1]
+
+    c = Ctx()
+    c.run, c.base = run, base
+    return c
+
+
+# --- config -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ("train.micro_batch_size=0", "config key 'train.micro_batch_size'=0 must be positive"),
+    ("train.max_steps=-5", "config key 'train.max_steps'=-5 must be >= 0"),
+    ("mtp.num_layers=0", "mtp.num_layers must be positive when mtp.num_steps=2 > 0"),
+    ("mtp.loss.weights=[1.0]", "mtp.loss.weights has 1 entries but mtp.num_steps=2"),
+    ("model.hidden_size=-8", "model.hidden_size must be positive"),
+    ("train.lr=fast", "invalid value for config key 'train.lr'"),
+    ("train.bad_step_policy=ignore", "config key 'train.bad_step_policy'='ignore'"),
+    ("model.router_score=relu", "model.router_score must be 'softmax' or 'sigmoid'"),
+    ("train.typo_key=1", "unknown config key 'train.typo_key'"),
+])
+def test_bad_config_values(ctx, override, message):
+    ctx.fails(["train", RECIPE, *ctx.base, override], message)
+
+
+def test_unknown_recipe_path(ctx):
+    ctx.fails(["train", "recipes/no_such_recipe.yaml", f"run.dir={ctx.run}"], "recipe file not found: recipes/no_such_recipe.yaml")
+
+
+def test_recipe_with_typo(ctx, tmp_path):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("train:\n  max_step: 10\n")
+    ctx.fails(["train", str(recipe), f"run.dir={ctx.run}"], "unknown config key 'train.max_step'")
+
+
+def test_run_dir_not_writable(ctx, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    ctx.fails(["train", RECIPE, *ctx.base, f"run.dir={blocker}/run"], f"config key 'run.dir'='{blocker}/run' is not writable")
+
+
+# --- data ---------------------------------------------------------------------------------------
+def test_missing_dataset_prefix(ctx, tmp_path):
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{tmp_path}/nope]"],
+              f"dataset {tmp_path}/nope: missing {tmp_path}/nope.bin")
+
+
+def test_truncated_bin(ctx, dataset, tmp_path):
+    for ext in (".bin", ".idx", ".tokenizer.json", ".meta.json"):
+        shutil.copy(dataset + ext, str(tmp_path / "cut") + ext)
+    with open(str(tmp_path / "cut.bin"), "r+b") as f:
+        f.truncate(os.path.getsize(dataset + ".bin") // 2)
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{tmp_path}/cut]"], "cut.bin")
+
+
+def test_idx_from_another_dtype(ctx, dataset, tmp_path):
+    for ext in (".bin", ".idx", ".tokenizer.json", ".meta.json"):
+        shutil.copy(dataset + ext, str(tmp_path / "mixed") + ext)
+    with open(str(tmp_path / "mixed.idx"), "r+b") as f:
+        f.seek(17)
+        f.write(bytes([4]))  # claims int32 tokens while the .bin holds uint16
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{tmp_path}/mixed]"], "mixed")
+
+
+def test_tokenizer_larger_than_model_vocab(ctx, dataset):
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{dataset}]", "model.vocab_size=200",
+               "data.vocab_size=300"], "larger than model.vocab_size=200")
+
+
+def test_preprocess_refuses_to_overwrite(dataset, capsys):
+    before = snapshot(os.path.dirname(dataset))
+    with pytest.raises(SystemExit) as exit_:
+        main(["preprocess", "--input", dataset + ".meta.json", "--output-prefix", dataset])
+    assert exit_.value.code == 1
+    assert "already exists" in capsys.readouterr().err
+    assert snapshot(os.path.dirname(dataset)) == before
+
+
+def test_preprocess_missing_input(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["preprocess", "--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "out")])
+    assert "absent.jsonl" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+def test_resume_with_different_model_shape(ctx):
+    ctx.fails(["train", RECIPE, *ctx.base, "model.hidden_size=48", "--resume"],
+              "has a different model shape: model.hidden_size: checkpoint 32 vs config 48")
+
+
+def test_resume_with_different_mtp_depth(ctx):
+    ctx.fails(["train", RECIPE, *ctx.base, "mtp.num_steps=3", "--resume"], "mtp.num_steps: checkpoint 2 vs config 3")
+
+
+def test_resume_into_a_different_tokenizer(ctx):
+    ctx.fails(["train", RECIPE, *ctx.base, "data.vocab_size=400", "--resume"],
+              "was trained with a different tokenizer: data.vocab_size: checkpoint 512 vs config 400")
+
+
+def test_resume_from_corrupt_checkpoint(ctx):
+    ckpt = os.path.join(ctx.run, "checkpoints", "step_2")
+    shard = next(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
+    os.remove(os.path.join(ckpt, shard))
+    ctx.before = snapshot(ctx.run)
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume"], "checkpoints/step_2 is unreadable or corrupt")
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+def test_unknown_command(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_override_without_equals(ctx):
+    ctx.fails(["train", RECIPE, *ctx.base, "train.max_steps"], "override 'train.max_steps' is not of the form key=value")
+
+
+def test_launch_needs_slurm_word(capsys):
+    assert main(["launch", "kubernetes"]) == 2
+    assert "usage: tandem launch slurm" in capsys.readouterr().err
