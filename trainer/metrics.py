@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 from typing import Optional
 
 from .config import TandemConfig, as_dict
@@ -71,7 +72,7 @@ class MetricsLogger:
 
         run_dir = self.cfg.run.dir
         id_path = os.path.join(run_dir, WANDB_ID_FILE)
-        run_id = open(id_path).read().strip() if os.path.exists(id_path) else wandb.util.generate_id()
+        run_id = open(id_path).read().strip() if os.path.exists(id_path) else uuid.uuid4().hex[:8]
         offline = not _wandb_has_credentials() or os.environ.get("WANDB_MODE") == "offline"
         lg = self.cfg.logging
         run = wandb.init(
