@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-dir", help="directory of *.sh files sourced before launch (default: slurm/env.d)")
     p.add_argument(
         "--sbatch-arg", action="append", default=[], metavar="ARG",
-        help="extra sbatch option written as an #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
+        help="extra sbatch option written as an #SBATCH line; use the = form, e.g. --sbatch-arg=--exclusive (repeatable)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     return p
@@ -174,8 +174,11 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
     try:
         cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as exc:
-        print(f"tandem launch slurm: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # one line even when a path in the message holds a newline
+        print(f"tandem launch slurm: {str(exc).replace(chr(10), chr(92) + 'n')}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # e.g. a YAML scanner error from an override value; keep it to one line
+        print(f"tandem launch slurm: invalid recipe or override: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     run_dir = cfg.run.dir
     try:

@@ -1,0 +1,262 @@
+"""`tandem launch slurm` without a cluster: rendering, quoting (the script is really executed by bash with
+stub srun/torchrun/tandem), submission through a stub sbatch, the batch-shell signal relay, and the
+preemption API (including the all-reduce agreement on two gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.trainer.launch import launch_slurm_main
+
+SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_CPUS_PER_TASK": "2"}
+
+
+def _exe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def _recipe(dir_: Path, run_dir: Path, name: str = "r.yaml") -> Path:
+    dir_.mkdir(parents=True, exist_ok=True)
+    p = dir_ / name
+    p.write_text(f"run:\n  dir: {run_dir}\n")
+    return p
+
+
+def _dry_run(capsys, argv):
+    rc = launch_slurm_main(argv + ["--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def _directives(script: str):
+    return [line[len("#SBATCH "):] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_dry_run_cpu(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    recipe = _recipe(tmp_path, run_dir)
+    out = _dry_run(capsys, [str(recipe), "train.max_steps=6", "--nodes", "2", "--procs-per-node", "2",
+                            "--partition", "debug", "--time", "00:10:00", "--account", "proj1", "--job-name", "tiny"])
+    d = _directives(out)
+    for want in ["--job-name=tiny", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2", "--time=00:10:00",
+                 "--partition=debug", "--account=proj1", f"--output={run_dir}/slurm/%j.out",
+                 f"--error={run_dir}/slurm/%j.err", "--signal=USR1@120", "--requeue", "--open-mode=append"]:
+        assert want in d, (want, d)
+    assert not any("gres" in x or "gpu" in x for x in d), d
+    assert "--nproc-per-node=2" in out
+    assert '--nnodes="$SLURM_NNODES"' in out and "--rdzv-backend=c10d" in out
+    assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in out and '--rdzv-id="$SLURM_JOB_ID"' in out
+    assert f"--no-python tandem train {recipe} train.max_steps=6 --resume" in out
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in out
+    assert not run_dir.exists(), "--dry-run must not write anything"
+
+
+def test_dry_run_gpu_and_extras(tmp_path, capsys):
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    out = _dry_run(capsys, [str(recipe), "--nodes", "4", "--gpus-per-node", "8", "--signal-seconds", "300",
+                            "--sbatch-arg=--exclusive", "--sbatch-arg=--qos=high"])
+    d = _directives(out)
+    assert "--gres=gpu:8" in d and "--cpus-per-task=64" in d and "--signal=USR1@300" in d
+    assert "--exclusive" in d and "--qos=high" in d and "--nodes=4" in d
+    assert "--nproc-per-node=8" in out
+
+
+def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    with pytest.raises(SystemExit):
+        launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "2", "--gpus-per-node", "2"])
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["bogus.key=1"], "unknown config key 'bogus'"),
+        (["--job-name", "a b"], "--job-name"),
+        (["--sbatch-arg=--comment=x\n#SBATCH --wrap=id"], "--sbatch-arg"),
+        (["--time", "1:00\n#SBATCH --x"], "--time"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    rc = launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "1", "--dry-run", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_missing_recipe_exits_2(tmp_path, capsys):
+    rc = launch_slurm_main([str(tmp_path / "nope.yaml"), "--nodes", "1", "--procs-per-node", "1"])
+    assert rc == 2 and "recipe file not found" in capsys.readouterr().err
+
+
+def test_unsafe_run_dir_rejected(tmp_path, capsys):
+    recipe = _recipe(tmp_path, tmp_path / "run 50%")
+    rc = launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "1", "--dry-run"])
+    assert rc == 2 and "run.dir" in capsys.readouterr().err
+
+
+def test_submit_writes_script_and_provenance(tmp_path, capsys, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "sbatch_argv.json"
+    _exe(bin_dir / "sbatch", f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(log)!r}, 'w'))\nprint('4242')\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    recipe = _recipe(tmp_path, run_dir)
+    rc = launch_slurm_main([str(recipe), "train.max_steps=3", "--nodes", "1", "--procs-per-node", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip() == "4242"
+    argv = json.loads(log.read_text())
+    assert argv[0] == "--parsable" and len(argv) == 2
+    script = Path(argv[1])
+    assert script.parent == run_dir / "slurm" and script.name.startswith("launch_") and script.suffix == ".sbatch"
+    prov = json.loads(script.with_suffix(".json").read_text())
+    assert prov["trainer_argv"] == ["tandem", "train", str(recipe), "train.max_steps=3", "--resume"]
+    assert prov["job_id"] == "4242" and prov["sbatch_script"] == str(script)
+
+
+def _stub_bin(bin_dir: Path, argv_out: Path, marker_dir: Path) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    # srun/torchrun: drop their own options and exec the command they were given.
+    _exe(bin_dir / "srun", '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    _exe(bin_dir / "torchrun", '#!/bin/bash\nwhile [[ "$1" != --no-python ]]; do shift; done\nshift\nexec "$@"\n')
+    _exe(bin_dir / "scontrol", "#!/bin/bash\necho localhost\n")
+    _exe(bin_dir / "scancel", f"#!/bin/bash\necho \"$@\" >> {marker_dir}/../scancel.log\n")
+    _exe(bin_dir / "tandem", f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_out)!r}, 'w'))\n")
+
+
+def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatch):
+    """Render with a hostile recipe path, working directory and overrides, then run the script with bash."""
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+    m = str(marker_dir)
+    # File names cannot hold "/", so the path parts use relative markers (PWNED_*), looked for everywhere.
+    hostile_dir = tmp_path / "w $(touch PWNED_d1) `touch PWNED_d2` 'q\" ;touch PWNED_d3\nnl"
+    recipe = _recipe(hostile_dir, tmp_path / "run", name="r$(touch PWNED_r1);`touch PWNED_r2`'\".yaml")
+    overrides = [
+        f"run.name=$(touch {m}/o1)",
+        f"run.name=a`touch {m}/o2`b",
+        f"run.name=x'; touch {m}/o3; echo '",
+        f'run.name=q"$(touch {m}/o4)"',
+        f"run.name=l1\nl2 $(touch {m}/o5)",
+        "logging.project=$HOME;$PATH && |",
+    ]
+    monkeypatch.chdir(hostile_dir)
+    script = _dry_run(capsys, [str(recipe), *overrides, "--nodes", "1", "--procs-per-node", "2"])
+    script_path = tmp_path / "job.sbatch"
+    script_path.write_text(script)
+
+    argv_out = tmp_path / "argv.json"
+    _stub_bin(tmp_path / "bin", argv_out, marker_dir)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV)
+    res = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(argv_out.read_text()) == ["train", str(recipe), *overrides, "--resume"]
+    assert sorted(os.listdir(marker_dir)) == [], "a hostile value was executed"
+    assert [p for p in tmp_path.rglob("PWNED*")] == [], "a hostile path was executed"
+    assert "srun exited with 0" in res.stdout
+
+
+def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
+    """`scancel --batch --signal=USR1` reaches only the batch shell: it must relay to the steps (scancel
+    without --batch) and go on waiting for srun, exiting with srun's status."""
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    script_path = tmp_path / "job.sbatch"
+    script_path.write_text(_dry_run(capsys, [str(recipe), "--nodes", "1", "--procs-per-node", "1"]))
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+    _stub_bin(tmp_path / "bin", tmp_path / "argv.json", marker_dir)
+    started = tmp_path / "srun_started"
+    _exe(tmp_path / "bin" / "srun", f"#!/bin/bash\ntouch {started}\nsleep 3\nexit 3\n")
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV)
+    proc = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3, out
+    assert "relaying to the job steps" in out and "srun exited with 3" in out
+    assert (tmp_path / "scancel.log").read_text().split() == ["--signal=USR1", "77"]
+
+
+# -- preemption API ---------------------------------------------------------------------------------
+@pytest.fixture
+def preemption(monkeypatch):
+    import importlib
+
+    from tandem.trainer import preemption as mod
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    mod = importlib.reload(mod)  # fresh flag
+    yield mod
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_preemption_flag_and_requeue(preemption, tmp_path, monkeypatch):
+    assert not preemption.preemption_requested()
+    preemption.install_preemption_handler()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert preemption.preemption_requested() and preemption.agree_preemption()
+
+    log = tmp_path / "scontrol.log"
+    _exe(tmp_path / "scontrol", f'#!/bin/bash\necho "$@" >> {log}\n')
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert preemption.requeue_current_job() is False and not log.exists()
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("RANK", "1")
+    assert preemption.requeue_current_job() is False and not log.exists()
+    monkeypatch.setenv("RANK", "0")
+    assert preemption.requeue_current_job() is True
+    assert log.read_text().split() == ["requeue", "123"]
+
+
+def test_preemption_sigterm_sets_flag(preemption):
+    preemption.install_preemption_handler()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preemption.preemption_requested()
+
+
+_AGREE = """
+import os, signal, sys
+import torch.distributed as dist
+from tandem.trainer import preemption as P
+P.install_preemption_handler()
+dist.init_process_group("gloo")
+r = dist.get_rank()
+seen = [P.agree_preemption()]
+if r == 1:
+    os.kill(os.getpid(), signal.SIGUSR1)
+seen.append(P.agree_preemption())
+print("RESULT", r, P.preemption_requested(), seen, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed
+def test_agree_preemption_is_max_over_ranks(tmp_path):
+    script = tmp_path / "agree.py"
+    script.write_text(_AGREE)
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(l for l in res.stdout.splitlines() if l.startswith("RESULT"))
+    assert lines == ["RESULT 0 False [False, True]", "RESULT 1 True [False, True]"], res.stdout
