@@ -1,0 +1,82 @@
+"""wandb without an API key: an offline run in the run directory holding the same series as
+metrics.jsonl (per-depth losses, acceptance length), resumed under the same run id, no key logged."""
+
+import glob
+import json
+import os
+import struct
+
+import pytest
+
+from tandem.trainer.config import load_config
+from tandem.trainer.loop import train
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
+
+
+def wandb_history(run_file):
+    """History rows of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record headers)
+    around protobuf `Record`s; wandb 0.31 ships no Python reader for its own format."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = open(run_file, "rb").read()
+    assert raw[:4] == b":W&B"
+    pos, block, pending, rows = 7, 32768, b"", []
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data = raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (2, 3):  # first / middle fragment
+            pending += data
+            continue
+        if kind == 4:  # last fragment
+            data, pending = pending + data, b""
+        if kind not in (1, 4):
+            continue
+        record = pb.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_holds_the_metric_series(tiny_overrides, monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials either
+    overrides = tiny_overrides + ["logging.wandb=true", "eval.interval=2", "eval.num_prompts=2", "eval.max_new_tokens=8",
+                                  "eval.prompt_len=8", "eval.batch_size=2", "eval.loss_batches=1"]
+    cfg = load_config(RECIPE, overrides + ["train.max_steps=4", "checkpoint.interval=2"])
+    train(cfg)
+    runs = glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(runs) == 1
+    rows = wandb_history(runs[0])
+    with open(os.path.join(cfg.run.dir, "metrics.jsonl")) as f:
+        jsonl = [json.loads(line) for line in f]
+    assert [r["_step"] for r in rows] == [r["step"] for r in jsonl] == [1, 2, 3, 4]
+    for row, rec in zip(rows, jsonl):
+        for key in ("loss/main", "loss/mtp_1", "loss/mtp_2"):
+            assert row[key] == pytest.approx(rec[key])
+    assert [r["step"] for r in jsonl if "eval/acceptance_length" in r] == [2, 4]
+    assert [r["_step"] for r in rows if "eval/acceptance_length" in r] == [2, 4]
+    run_id = open(os.path.join(cfg.run.dir, "wandb_run_id.txt")).read().strip()
+    # the resumed job continues the same wandb run id
+    train(load_config(RECIPE, overrides + ["train.max_steps=5"]), resume=True)
+    assert open(os.path.join(cfg.run.dir, "wandb_run_id.txt")).read().strip() == run_id
+    assert len({os.path.basename(p).split("-")[-1] for p in
+                glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*"))}) == 1
+
+
+def test_api_key_never_reaches_the_run_directory(tiny_overrides, monkeypatch):
+    secret = "sk-test-0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1"])
+    train(cfg)
+    for path in glob.glob(os.path.join(cfg.run.dir, "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                assert secret.encode() not in f.read(), path
