@@ -32,3 +32,33 @@ def chunked_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targe
                           use_reentrant=False)
         total = part if total is None else total + part
     return total
+
+
+@torch.no_grad()
+def chunked_argmax(h_nh: torch.Tensor, weight_vh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """argmax of `h @ weight.T` per row, one chunk of logits at a time (self-distillation targets)."""
+    out = torch.empty(h_nh.shape[0], dtype=torch.long, device=h_nh.device)
+    for i in range(0, h_nh.shape[0], chunk_tokens):
+        out[i : i + chunk_tokens] = F.linear(h_nh[i : i + chunk_tokens], weight_vh).argmax(-1)
+    return out
+
+
+def _chunk_soft_ce_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        p = F.linear(teacher_nh, weight_vh).float().softmax(-1)
+    return -(p * F.linear(h_nh, weight_vh).float().log_softmax(-1)).sum()
+
+
+def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor,
+                                   chunk_tokens: int) -> torch.Tensor:
+    """Sum over rows of the soft cross-entropy -sum_v p_teacher(v) log p_student(v) (KL to the teacher plus
+    its constant entropy), with teacher and student logits both `h @ weight.T`; chunked and recomputed in
+    backward like `chunked_cross_entropy_sum`, so no [tokens x vocab] tensor outlives one chunk."""
+    if h_nh.shape[0] == 0:
+        return (h_nh.sum() + weight_vh.sum()) * 0.0
+    total = None
+    for i in range(0, h_nh.shape[0], chunk_tokens):
+        args = (h_nh[i : i + chunk_tokens], teacher_nh[i : i + chunk_tokens], weight_vh)
+        part = checkpoint(_chunk_soft_ce_sum, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_soft_ce_sum(*args)
+        total = part if total is None else total + part
+    return total

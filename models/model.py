@@ -10,6 +10,7 @@ pipeline stage that keeps a subset still has the same parameter names (checkpoin
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -19,7 +20,7 @@ from torch import nn
 from .attention import Attention, LayerKV
 from .config import MTPConfig, ModelConfig
 from .layers import RMSNorm, SwiGLU
-from .loss import chunked_cross_entropy_sum
+from .loss import chunked_argmax, chunked_cross_entropy_sum, chunked_soft_cross_entropy_sum
 from .moe import MoE
 from .mtp import MTPModule, depth_target_mask, shifted_tokens
 
@@ -70,6 +71,9 @@ class TandemModel(nn.Module):
         self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size)
         mtp_moe = mtp.moe and cfg.num_experts > 0
         self.mtp = MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe)) if mtp.num_steps > 0 else None
+        # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own
+        # next-token prediction at the target position; the trainer sets it from train.distill).
+        self.distill = "none"
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -126,7 +130,9 @@ class TandemModel(nn.Module):
         if loss_mask_bs is None:
             loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
         positions = torch.arange(s, device=tokens_bs1.device).expand(b, s)
-        h = self.trunk(tokens_bs1[:, :s], positions)
+        # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near inference.
+        with torch.no_grad() if self.trunk_frozen() else nullcontext():
+            h = self.trunk(tokens_bs1[:, :s], positions)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
@@ -137,6 +143,13 @@ class TandemModel(nn.Module):
         sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
         h_prev = h0_bsh
+        teacher_bsh = teacher_ids = None
+        if self.distill != "none" and self.num_depths > 1:
+            with torch.no_grad():
+                teacher_bsh = self.norm(h0_bsh.detach())  # the trunk's normed state: its next-token head input
+                if self.distill == "argmax":
+                    flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
+                    teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
         for depth in range(self.num_depths):
             if depth > 0:
                 h_in = h_prev if self.mtp.chained else h0_bsh
@@ -145,11 +158,28 @@ class TandemModel(nn.Module):
                 h_prev = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs)
             mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
             targets = shifted_tokens(tokens_bs1, depth + 1, s)
+            chunk = self.mtp_cfg.loss_chunk_tokens
+            if depth == 0 and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad:
+                with torch.no_grad():  # frozen trunk: the main loss is only reported
+                    sums.append(self.lm_head.loss_sum(self.final_norm(0, h_prev)[mask], targets[mask], chunk))
+                counts.append(mask.sum())
+                continue
             hn = self.final_norm(depth, h_prev)[mask]
-            sums.append(self.lm_head.loss_sum(hn, targets[mask], self.mtp_cfg.loss_chunk_tokens))
+            if depth > 0 and teacher_ids is not None:
+                # The trunk predicts token t+1+depth at position t+depth.
+                sums.append(self.lm_head.loss_sum(hn, shifted_tokens(teacher_ids, depth, s)[mask], chunk))
+            elif depth > 0 and teacher_bsh is not None:
+                teacher = torch.cat([teacher_bsh[:, depth:], teacher_bsh[:, :depth]], dim=1)[mask]
+                sums.append(chunked_soft_cross_entropy_sum(hn, teacher, self.lm_head.weight, chunk))
+            else:
+                sums.append(self.lm_head.loss_sum(hn, targets[mask], chunk))
             counts.append(mask.sum())
         return ModelOutput(torch.stack(sums), torch.stack(counts))
 
     # --- bookkeeping ----------------------------------------------------------------------------
+    def trunk_frozen(self) -> bool:
+        """True when no trunk parameter trains (train.freeze_trunk)."""
+        return not any(p.requires_grad for name, p in self.named_parameters() if not name.startswith("mtp."))
+
     def moe_layers(self) -> List[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -91,6 +91,9 @@ class TrainConfig:
     """Resume from the newest complete checkpoint in run.dir (also `tandem train --resume`)."""
     freeze_trunk: bool = False
     """Train only the MTP module: the trunk gets no gradients and no optimizer state."""
+    distill: str = "none"
+    """MTP targets: `none` (data labels), `argmax` or `soft` (self-distillation: the trunk's own next-token
+    argmax / distribution at the target position, soft = chunked soft cross-entropy)."""
     bad_step_policy: str = "skip"
     """On a non-finite loss/grad norm or a loss spike: `skip` (drop the update), `halt` (checkpoint
     the last good state and exit non-zero) or `rewind` (reload the last checkpoint, skip the batch)."""
@@ -279,6 +282,7 @@ def validate(cfg: TandemConfig) -> None:
         ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
+        ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("train.bad_step_policy", cfg.train.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
         ("train.spike_factor", cfg.train.spike_factor == 0 or cfg.train.spike_factor > 1, "must be 0 (off) or > 1"),
         ("train.spike_window", cfg.train.spike_window > 0, "must be positive"),
