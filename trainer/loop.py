@@ -79,8 +79,6 @@ class Trainer:
         self.config_yaml = to_yaml(cfg)
         self.device = resolve_device(cfg.device)
         self.pstate: ParallelState = init_parallel(cfg, self.device)
-        if self.pstate.is_main:
-            write_config(cfg.run.dir, self.config_yaml)
         from tandem.data_pipeline.dataset import build_datasets, check_vocab
 
         t = cfg.train
@@ -106,6 +104,10 @@ class Trainer:
         self.moe_layers = [m for m in self.model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
         for moe in self.moe_layers:
             moe.aux_grad_scale = 1.0 / t.grad_accum_steps
+        # Written only once every check above has passed, so a failed start leaves an earlier run's
+        # config.yaml as it was.
+        if self.pstate.is_main:
+            write_config(cfg.run.dir, self.config_yaml)
         from .guard import BadStepGuard
 
         self.guard = BadStepGuard(cfg, self)
