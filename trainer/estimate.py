@@ -1,0 +1,101 @@
+"""Size a recipe before launching it: exact parameter counts and a per-rank memory estimate.
+
+Parameters are counted exactly from the model built on the meta device (no memory). Memory per rank
+for the recipe's layout is an estimate:
+- model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter this
+  rank owns: non-expert parameters split over tp and pipeline stages (the largest stage counts) and
+  sharded by FSDP over the data-parallel replicas (dp * ep); expert parameters split over ep, tp and
+  stages and sharded by FSDP over dp;
+- activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
+  micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term), with up to
+  `pp` micro-batches in flight on the first stage under 1F1B; the last stage adds the K MTP depths
+  and one chunk of logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.models import TandemModel
+
+from .config import TandemConfig
+
+GIB = 2**30
+
+
+@dataclass
+class Estimate:
+    total_params: int
+    """Every parameter of trunk + MTP (tied embeddings counted once)."""
+    expert_params: int
+    """Routed-expert parameters (sharded over ep)."""
+    active_params_per_token: int
+    """Parameters a token touches in a forward (top-k routed experts only), embedding included."""
+    mtp_params: int
+    """Parameters of the MTP module."""
+    states_gib_per_rank: float
+    """Parameters, gradients and AdamW moments held by one rank."""
+    activations_gib_per_rank: float
+    """Peak activations of one rank's pipeline stage."""
+
+    @property
+    def total_gib_per_rank(self) -> float:
+        return self.states_gib_per_rank + self.activations_gib_per_rank
+
+    def summary(self) -> str:
+        return (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
+                f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
+                f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
+                f"total={self.total_gib_per_rank:.1f} GiB")
+
+
+def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
+    m, p = cfg.model, cfg.parallel
+    with torch.device("meta"):
+        model = TandemModel(m, cfg.mtp)
+    total = expert = mtp = 0
+    per_layer = {}
+    for name, param in model.named_parameters():  # named_parameters de-duplicates tied weights
+        n = param.numel()
+        total += n
+        if ".experts." in name:
+            expert += n
+        if name.startswith("mtp."):
+            mtp += n
+        if name.startswith("layers."):
+            idx = int(name.split(".")[1])
+            per_layer[idx] = per_layer.get(idx, 0) + n
+    routed_share = m.top_k / m.num_experts if m.num_experts else 1.0
+    active = total - expert + int(expert * routed_share)
+
+    dp = p.dp or (max(world_size // (p.tp * p.pp * p.ep), 1) if world_size else 1)
+    # largest pipeline stage: its trunk layers, plus embedding (first) or head + MTP (last)
+    layout = list(p.pp_layout) or [m.num_layers // p.pp + (1 if i < m.num_layers % p.pp else 0) for i in range(p.pp)]
+    embed = m.vocab_size * m.hidden_size
+    stages, start = [], 0
+    for i, count in enumerate(layout):
+        params = sum(per_layer[j] for j in range(start, start + count))
+        start += count
+        if i == 0:
+            params += embed
+        if i == len(layout) - 1:
+            params += mtp + (0 if m.tie_embeddings and p.pp == 1 else embed) + m.hidden_size
+            if p.pp > 1:
+                params += embed  # the last stage's copy of the embedding for the MTP token inputs
+        stages.append(params)
+    stage_expert_share = expert / max(total, 1)
+    biggest = max(stages)
+    stage_expert = biggest * stage_expert_share
+    owned = (biggest - stage_expert) / (p.tp * dp * p.ep) + stage_expert / (p.tp * p.ep * dp)
+    states = 16 * owned / GIB
+
+    act_bytes = 2 if cfg.device != "cpu" else 4
+    per_layer_act = 34 * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size / p.tp * act_bytes / 2
+    in_flight = p.pp if p.pp > 1 else 1
+    layers_first = layout[0]
+    first = per_layer_act * layers_first * in_flight
+    last = per_layer_act * (layout[-1] + cfg.mtp.num_steps) + cfg.mtp.loss_chunk_tokens * m.vocab_size / p.tp * 4
+    activations = max(first, last) / GIB
+    return Estimate(total, expert, active, mtp, states, activations)
