@@ -28,6 +28,7 @@ LAYOUTS = {
     "dp=2": 2,
     "tp=2,pp=2": 4,
     "tp=2,ep=2": 4,
+    "tp=2,ep=2,dp_mode=allreduce": 4,
     "ep=2,pp=2": 4,
     "tp=2,ep=2,pp=2": 8,
 }

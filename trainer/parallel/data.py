@@ -19,6 +19,11 @@ from torch.distributed.tensor import DTensor
 from tandem.models.moe import GroupedExperts
 
 
+def _is_shard(placement) -> bool:
+    """Shard or _StridedShard (FSDP over a TP-sharded dim): both split the tensor."""
+    return placement.is_shard() or hasattr(placement, "split_factor")
+
+
 def expert_parameters(module: nn.Module) -> List[nn.Parameter]:
     return [p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
 
@@ -100,7 +105,7 @@ class GradientFinisher:
             g = p.grad
             shards = 1
             if isinstance(g, DTensor):
-                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
             copies = holders * (2 if is_embed and self.tie_group is not None else 1) / shards
             sq = self._local(g).double().pow(2).sum() / copies
             total = sq if total is None else total + sq
