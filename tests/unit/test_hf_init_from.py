@@ -1,0 +1,95 @@
+"""model.init_from (HF dir / Tandem checkpoint, MTP from the last trunk layer) and self-distillation targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.models import TandemModel
+from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.mtp import shifted_tokens
+from tandem.trainer.config import ConfigError, TandemConfig, load_config, to_yaml
+from tandem.trainer.hf_export import export_hf
+from tandem.trainer.init_from import adopt_checkpoint_config, load_initial_weights
+
+CFG = dict(vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+           moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1, max_seq_len=512)
+
+
+def model(num_steps=2, seed=0, **kw):
+    torch.manual_seed(seed)
+    return TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=num_steps, num_layers=1, **kw))
+
+
+def test_init_from_hf_export_trunk_and_last_layer_mtp(tmp_path):
+    src = model(num_steps=0, seed=1)
+    export_hf(src, str(tmp_path / "hf"))
+    dst = model(num_steps=2, seed=2)
+    load_initial_weights(dst, str(tmp_path / "hf"), mtp_init_from_last_layer=True)
+    for name, p in src.state_dict().items():
+        if not name.endswith("tokens_per_expert"):
+            assert torch.equal(p, dst.state_dict()[name]), name
+    blk = dst.mtp.layers[0].block
+    assert torch.equal(blk.mlp.experts.gate_proj, src.layers["1"].mlp.experts.gate_proj)
+    assert torch.equal(blk.self_attn.q_proj.weight, src.layers["1"].self_attn.q_proj.weight)
+
+
+def test_init_from_tandem_checkpoint(tmp_path):
+    from tandem.trainer.checkpoint import save_checkpoint
+
+    cfg = TandemConfig()
+    cfg.model, cfg.mtp = ModelConfig(**CFG), MTPConfig(num_steps=1, num_layers=1)
+    cfg.data.vocab_size = 260
+    src = model(num_steps=1, seed=3)
+    step = save_checkpoint(str(tmp_path / "run"), 5, src, None, to_yaml(cfg), {})
+    dst = model(num_steps=1, seed=4)
+    load_initial_weights(dst, str(tmp_path / "run"))  # a run directory: its newest checkpoint
+    for name, p in src.state_dict().items():
+        assert torch.equal(p, dst.state_dict()[name]), name
+    # a run config of another shape adopts the checkpoint's trunk
+    run = load_config(None, [f"model.init_from={step}", "model.hidden_size=64", "data.vocab_size=260",
+                             "model.vocab_size=264", "model.max_seq_len=512"])
+    changed = adopt_checkpoint_config(run)
+    assert run.model.hidden_size == 32 and any(c.startswith("model.hidden_size") for c in changed)
+
+
+def test_distill_validated():
+    with pytest.raises(ConfigError, match="train.distill"):
+        load_config(None, ["train.distill=kl"])
+
+
+@pytest.mark.parametrize("mode", ["argmax", "soft"])
+def test_distill_targets_are_trunk_predictions(mode):
+    m = model(num_steps=2, seed=5)
+    m.distill = mode
+    m.mtp_cfg.loss_chunk_tokens = 7  # several chunks
+    tokens = torch.randint(0, 264, (2, 13))
+    out = m(tokens)
+    s = 12
+    pos = torch.arange(s).expand(2, s)
+    with torch.no_grad():
+        h0 = m.trunk(tokens[:, :s], pos)
+        teacher = m.logits(0, h0)  # position p predicts token p+1
+        h = h0
+        for k in (1, 2):
+            h = m.mtp_step(k, h, shifted_tokens(tokens, k, s), pos)
+            student = m.logits(k, h)[:, : s - k]
+            t = teacher[:, k:]
+            if mode == "argmax":
+                ref = F.cross_entropy(student.reshape(-1, 264), t.argmax(-1).reshape(-1), reduction="sum")
+            else:
+                ref = -(t.softmax(-1) * student.log_softmax(-1)).sum()
+            assert torch.allclose(out.loss_sums[k], ref, rtol=1e-4), (k, out.loss_sums[k], ref)
+    out.loss_sums.sum().backward()  # gradients flow through the chunked, recomputed soft loss
+    assert m.mtp.layers[0].eh_proj.weight.grad is not None
+
+
+def test_frozen_trunk_has_no_graph():
+    m = model(num_steps=1, seed=6)
+    for name, p in m.named_parameters():
+        p.requires_grad_(name.startswith("mtp."))
+    out = m(torch.randint(0, 264, (2, 9)))
+    assert out.loss_sums[1].requires_grad
+    out.loss_sums.sum().backward()
+    assert all(p.grad is None for n, p in m.named_parameters() if not n.startswith("mtp."))
