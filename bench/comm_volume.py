@@ -1,0 +1,285 @@
+"""Bytes moved by each collective in one training step, per parallel layout, beside the analytic volume.
+
+`python bench/comm_volume.py` launches each layout under torchrun (gloo, CPU), trains one warm-up
+step, then counts every collective of the second step (forward, backward, gradient sync, norm,
+router-load and loss reductions) with a TorchDispatchMode that sees both c10d ops (process-group
+calls, FSDP2, pipelining p2p) and functional collectives (DTensor). Payload convention per call and
+rank: all-reduce / broadcast = tensor bytes, all-to-all = input bytes, all-gather = output bytes,
+reduce-scatter = input bytes, p2p = bytes sent. The analytic volume of each rank is computed from the
+model dims and the rank's data (valid targets per depth), summed over ranks:
+
+  TP  per block execution and micro-batch: attention 2*T*H (o_proj all-reduce fwd, input-grad
+      all-reduce bwd); dense MLP 2*T*H; MoE 2*T*H + T*k (routing-weight grads); embedding T*H per
+      call; vocab-parallel CE per depth: 6*n (max, sum-exp, target logit; fwd + recompute) + n*H.
+  EP  per MoE block execution: 4*T*k*H (dispatch + combine, fwd + bwd) + E int64 counts.
+  PP  activations T*H per micro-batch and stage boundary, gradients back likewise; the shared
+      embedding gradient (V/tp*H) summed between first and last stage; (K+1) loss sums broadcast.
+  DP  FSDP2: unsharded (padded) bytes of each FSDP unit per all-gather and reduce-scatter; the
+      all-reduce mode: every gradient once over its group. Plus counts / loss sums (K+1 each),
+      router loads (E per MoE layer) and the grad-norm scalar.
+Ends with `max_measured_over_analytic=<x>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYOUTS = {
+    "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
+    "dp=2,dp_mode=allreduce": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4, "tp=2,ep=2,pp=2": 8,
+}
+MBS, ACCUM, SEQ, VOCAB, H = 2, 2, 64, 1024, 128
+BASE = [
+    f"model.hidden_size={H}", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.intermediate_size=256", "model.moe_intermediate_size=64", "model.num_experts=4", "model.top_k=2",
+    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.max_seq_len=128",
+    "mtp.num_steps=2", "mtp.num_layers=1", "mtp.loss_chunk_tokens=64", f"data.seq_len={SEQ}",
+    f"train.micro_batch_size={MBS}", f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32", "logging.wandb=false",
+    "eval.interval=0", "device=cpu", "run.dir=/tmp/tandem_bench_unused",
+]
+F32 = 4
+
+
+def batch(step, n):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    eod = torch.rand(n, SEQ + 1, generator=g) < 0.05
+    return {"tokens": tokens, "loss_mask": torch.ones(n, SEQ), "doc_ids": torch.cumsum(eod.long(), 1) - eod.long()}
+
+
+# --- counting ------------------------------------------------------------------------------------
+def _bytes(x):
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_bytes(v) for v in x)
+    return 0
+
+
+def make_counter():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = defaultdict(int)
+            self.calls = defaultdict(int)
+
+        def add(self, kind, n):
+            self.bytes[kind] += n
+            self.calls[kind] += 1
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = f"{func.namespace}.{func.__name__.split('.')[0]}"
+            a = args
+            if name in ("c10d.allreduce_", "_c10d_functional.all_reduce", "_c10d_functional.all_reduce_"):
+                self.add("all_reduce", _bytes(a[0]))
+            elif name in ("c10d.alltoall_base_", "_c10d_functional.all_to_all_single"):
+                self.add("all_to_all", _bytes(a[1] if name.startswith("c10d") else a[0]))
+            elif name == "c10d._allgather_base_":
+                self.add("all_gather", _bytes(a[0]))
+            elif name == "_c10d_functional.all_gather_into_tensor":
+                self.add("all_gather", _bytes(a[0]) * int(a[1]))
+            elif name in ("c10d._reduce_scatter_base_", "_c10d_functional.reduce_scatter_tensor"):
+                self.add("reduce_scatter", _bytes(a[1] if name.startswith("c10d") else a[0]))
+            elif name == "c10d.send":
+                self.add("p2p", _bytes(a[0]))
+            elif name == "c10d.broadcast_":
+                self.add("broadcast", _bytes(a[0]))
+            elif name.startswith("c10d.") and name not in ("c10d.recv_", "c10d.barrier", "c10d.monitored_barrier_"):
+                self.add("other:" + name, _bytes(a[0]))
+            return func(*args, **(kwargs or {}))
+
+    return Counter()
+
+
+# --- analytic --------------------------------------------------------------------------------------
+def analytic(cfg, model, pstate, batches):
+    """This rank's expected bytes per collective kind for one step."""
+    from torch.distributed.tensor import DTensor
+
+    from tandem.models import depth_target_mask
+    from tandem.models.moe import MoE
+    from tandem.trainer.parallel.data import expert_parameters
+
+    sizes = pstate.extras["sizes"]
+    tp, ep, dp, pp = sizes["tp"], sizes["ep"], sizes["dp"], sizes["pp"]
+    m, K, k = cfg.model, cfg.mtp.num_steps, cfg.model.top_k
+    E, Hh = m.num_experts, m.hidden_size
+    out = defaultdict(float)
+    pipe = pstate.extras.get("pipeline")
+    if pipe is not None:
+        has_first, has_last = pipe.has_first, pipe.has_last
+    else:
+        has_first = has_last = True
+    trunk = [model.layers[i] for i in model.layers]
+    execs = [(isinstance(b.mlp, MoE)) for b in trunk]
+    if has_last:
+        execs += [isinstance(model.mtp.layer_for_step(s).block.mlp, MoE) for s in range(1, K + 1)]
+    n_micro = len(batches)
+    T = MBS * SEQ
+    for b in batches:
+        if tp > 1:
+            for is_moe in execs:
+                out["all_reduce"] += F32 * (2 * T * Hh + 2 * T * Hh + (T * k if is_moe else 0))
+            out["all_reduce"] += F32 * T * Hh * ((1 if has_first else 0) + (K if has_last else 0))
+            if has_last:
+                for d in range(K + 1):
+                    n = int(depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum())
+                    out["all_reduce"] += F32 * (6 * n + n * Hh)
+        if ep > 1:
+            for is_moe in execs:
+                if is_moe:
+                    out["all_to_all"] += F32 * 4 * T * k * Hh + 8 * E
+    if pipe is not None:
+        for s in pipe._mine:
+            if s != pipe._n_stages - 1:
+                out["p2p"] += F32 * n_micro * T * Hh
+            if s != 0:
+                out["p2p"] += F32 * n_micro * T * Hh
+        if has_first or has_last:
+            out["all_reduce"] += F32 * VOCAB // tp * Hh
+        out["broadcast"] += 8 * (K + 1)
+    batch_ranks = dp * ep
+    if batch_ranks > 1:
+        out["all_reduce"] += 2 * 8 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
+        experts = {id(p) for p in expert_parameters(model)}
+        if cfg.parallel.dp_mode == "allreduce":
+            for p in model.parameters():
+                if id(p) in experts and dp == 1:
+                    continue
+                loc = p.to_local() if isinstance(p, DTensor) else p
+                out["all_reduce"] += F32 * loc.numel()
+        else:
+            from torch.distributed.fsdp import FSDPModule
+
+            for unit in model.modules() if pipe is None else list(model.modules()) + pipe.modules:
+                if not isinstance(unit, FSDPModule):
+                    continue
+                state = unit._get_fsdp_state()
+                for group in ([state._fsdp_param_group] if state._fsdp_param_group else []):
+                    full = 0
+                    for fp in group.fsdp_params:
+                        shape = fp.padded_sharded_param_size
+                        full += math.prod(shape) * group.mesh_info.shard_mesh_size
+                    gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
+                    out["all_gather"] += F32 * full * gathers
+                    out["reduce_scatter"] += F32 * full * scatters
+    out["all_reduce"] += 8  # the global grad-norm scalar (float64)
+    return dict(out)
+
+
+def _fsdp_events(unit, model, pipe, n_micro):
+    """(all-gathers, reduce-scatters) of one FSDP unit per step."""
+    is_root = unit is model or (pipe is not None and unit in pipe.modules)
+    if pipe is None:
+        # blocks reshard after forward: gathered in forward and again in backward; the root keeps
+        # its parameters until backward ends; every micro-batch's backward reduce-scatters.
+        return (n_micro if is_root else 2 * n_micro), n_micro
+    # pipeline: gradient sync (and the resharding after backward) only on the last micro-batch
+    return (1 if is_root else n_micro + 1), 1
+
+
+# --- worker (under torchrun) -------------------------------------------------------------------------
+def worker(out_path, layouts):
+    import torch.distributed as dist
+
+    from tandem.trainer.config import load_config
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.loss import depth_coefficients
+    from tandem.trainer.optim import build_optimizer
+    from tandem.trainer.parallel import init_parallel, parallelize_model
+    from tandem.trainer.parallel.device import resolve_device
+
+    torch.set_num_threads(1)
+    results = {}
+    for layout in layouts:
+        cfg = load_config(None, BASE + [f"parallel.{kv}" for kv in layout.split(",")])
+        cfg.model.vocab_size = VOCAB
+        device = resolve_device("cpu")
+        pstate = init_parallel(cfg, device)
+        model = parallelize_model(build_model(cfg), cfg, pstate)
+        tr = Trainer.__new__(Trainer)
+        tr.cfg, tr.pstate, tr.model, tr.device, tr.autocast_dtype = cfg, pstate, model, device, None
+        tr.optimizer = build_optimizer(model, cfg.train)
+        tr.moe_layers = [x for x in model.modules() if hasattr(x, "router") and hasattr(x.router, "update_bias")]
+        model.train()
+        counter = None
+        for step in range(2):
+            full = batch(step, MBS * ACCUM * pstate.dp_size)
+            per = MBS * ACCUM
+            mine = {k: v[pstate.dp_rank * per:(pstate.dp_rank + 1) * per] for k, v in full.items()}
+            batches = [{k: v[i * MBS:(i + 1) * MBS] for k, v in mine.items()} for i in range(ACCUM)]
+            coefs = depth_coefficients(cfg.mtp, step)
+            if step == 1:
+                counter = make_counter()
+                counter.__enter__()
+            counts = tr.global_target_counts(batches)
+            pstate.all_reduce_dp(tr.forward_backward(batches, counts, coefs))
+            tr.clip_gradients()
+            tr.update_router_biases()
+            if step == 1:
+                counter.__exit__(None, None, None)
+            tr.optimizer.step()
+            tr.optimizer.zero_grad(set_to_none=True)
+        measured = dict(counter.bytes)
+        expected = analytic(cfg, model, pstate, batches)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (measured, expected))
+        results[layout] = gathered
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def main():
+    by_world = defaultdict(list)
+    for layout, world in LAYOUTS.items():
+        by_world[world].append(layout)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, layouts in sorted(by_world.items()):
+            path = os.path.join(tmp, f"w{world}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   os.path.abspath(__file__), "--worker", path, *layouts]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"layouts {layouts} failed under torchrun")
+            with open(path) as f:
+                results.update(json.load(f))
+    worst = 0.0
+    print(f"{'layout':36s} {'collective':16s} {'measured MB':>12s} {'analytic MB':>12s} {'ratio':>7s}")
+    for layout in LAYOUTS:
+        meas, ana = defaultdict(float), defaultdict(float)
+        for m_rank, a_rank in results[layout]:
+            for k, v in m_rank.items():
+                meas[k] += v
+            for k, v in a_rank.items():
+                ana[k] += v
+        for kind in sorted(set(meas) | set(ana)):
+            ratio = meas[kind] / ana[kind] if ana[kind] else float("inf")
+            worst = max(worst, ratio)
+            print(f"{layout:36s} {kind:16s} {meas[kind] / 1e6:12.4f} {ana[kind] / 1e6:12.4f} {ratio:7.3f}")
+        total_m, total_a = sum(meas.values()), sum(ana.values())
+        print(f"{layout:36s} {'TOTAL':16s} {total_m / 1e6:12.4f} {total_a / 1e6:12.4f} {total_m / total_a:7.3f}")
+    print(f"max_measured_over_analytic={worst:.4f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3:])
+    else:
+        main()
