@@ -65,7 +65,7 @@ class Router(nn.Module):
             choice = choice.masked_fill(expert_mask == 0, float("-inf"))
         indices = choice.topk(cfg.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
-        if cfg.norm_topk_prob and cfg.top_k > 1:
+        if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * cfg.routed_scaling_factor
         with torch.no_grad():

@@ -157,19 +157,25 @@ def _pause_for_tests(point: str, step: int) -> None:
 
 def check_compatible(path: str, config_yaml: str) -> None:
     """Refuse a checkpoint whose model shape differs from the current config (names the keys)."""
+    from .config import TandemConfig
+
     saved = OmegaConf.load(os.path.join(path, "config.yaml"))
     current = OmegaConf.create(config_yaml)
+    defaults = OmegaConf.structured(TandemConfig)
+
     def differences(section, skip=()):
         out = []
         for key, value in OmegaConf.to_container(current[section]).items():
             if key in skip:
                 continue
-            old = OmegaConf.select(saved, f"{section}.{key}")
+            # a key newer than the checkpoint was saved with counts as its default value
+            old = OmegaConf.select(saved, f"{section}.{key}", default=OmegaConf.select(defaults, f"{section}.{key}"))
             if old != value:
                 out.append(f"{section}.{key}: checkpoint {old!r} vs config {value!r}")
         return out
 
-    shape = differences("model", {"init_from"}) + differences("mtp", {"loss", "detach_trunk", "loss_chunk_tokens"})
+    shape = differences("model", {"init_from"}) + differences(
+        "mtp", {"loss", "detach_trunk", "loss_chunk_tokens", "init_from_last_layer"})
     if shape:
         raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
     tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source", "data.tokenizer", "data.vocab_size")]
