@@ -245,8 +245,15 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
         renamed.append(f"{key}={item.split('=', 1)[1]}")
     try:
         merged = OmegaConf.merge(schema, *layers)
-        if renamed:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(renamed))
+        for item, original in zip(renamed, overrides):
+            try:
+                parsed = OmegaConf.from_dotlist([item])
+            except OmegaConfBaseException:
+                raise
+            except Exception as exc:  # YAML scanner errors on values such as `...` or unbalanced quotes
+                raise ConfigError(f"override {original!r} has a value that is not valid YAML: "
+                                  f"{' '.join(str(exc).split())[:200]}") from None
+            merged = OmegaConf.merge(merged, parsed)
         cfg: TandemConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line_error(exc, recipe)) from None

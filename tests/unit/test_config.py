@@ -34,6 +34,7 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["device=tpu"], "config key 'device'"),
     (["mtp.loss.lambda=oops"], "mtp.loss.lambda"),
     (["noequals"], "not of the form key=value"),
+    (["run.name=`id`"], "override 'run.name=`id`' has a value that is not valid YAML"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
