@@ -1,0 +1,352 @@
+"""Speculative decoding with the model's own MTP module: draft K tokens, verify in one trunk forward.
+
+State of a batch of sequences (per row b; all index arithmetic is per row, vectorised over the batch):
+
+* committed tokens x_0..x_m live in `seq[b, :m+1]`; x_m is the newest (the bonus of the last verify);
+* the trunk KV cache holds positions 0..m-1 and `h[0][b, t]` (trunk pre-norm hidden) is valid for t <= m-1;
+* MTP depth k has its own one-layer KV cache (physical layer weights are shared when L < K, caches are
+  not) and its own hidden store `h[k]`, valid (computed from committed inputs only) up to `valid[k]`.
+
+A round: for k = 1..K, run `mtp_step(k)` over the contiguous positions [valid[k]+1, m-1] with inputs
+h_{k-1} (h_0 for the parallel style) and tokens seq[t + k] (committed tokens, then this round's
+drafts), draft d_k from the last of them, then set valid[k] = m - k. Verify runs the trunk over
+[x_m, d_1..d_K] at positions m..m+K; the longest draft prefix the trunk agrees with is accepted, plus
+the trunk's bonus token. Rolling back is only lowering m: KV rows beyond it are rewritten before any
+query reads them (attention masks keys by position, and every forward covers a contiguous range that
+starts right after the valid prefix). Rows of a batched range are padded to the longest row with
+positions continuing past the row's end; their outputs are ignored and rewritten later.
+
+With temperature > 0 drafts are sampled from q (the MTP distribution) and verified with the standard
+speculative-sampling rule (accept with min(1, p/q), on rejection resample from norm(max(p - q, 0)),
+bonus from p), temperature and top-p applied identically to p and q, so the output is distributed
+exactly as sampling from the trunk alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tandem.models.attention import KVCache
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The TandemModel behind a wrapper (DDP-style `.module`), or the model itself."""
+    while not hasattr(model, "mtp_step") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (timing); a no-op on CPU."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _local_rows(weight: torch.Tensor) -> int:
+    return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Softmax(logits / T) restricted to the top-p nucleus and renormalised (fp32)."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = p.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        sorted_p = sorted_p.masked_fill(cum - sorted_p > top_p, 0.0)
+        p = torch.zeros_like(p).scatter_(-1, idx, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor):
+    """The speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023).
+
+    p [B,K+1,V] target probabilities at the verify positions, q [B,K,V] the draft probabilities the
+    drafts [B,K] were sampled from, u [B,K] uniforms. Draft i is accepted with min(1, p/q) while all
+    before it were. Returns (n [B] accepted drafts, dist [B,V] to sample the next token from: the
+    residual norm(max(p_n - q_n, 0)) after a rejection, p_K after all K were accepted).
+    """
+    k = drafts.shape[1]
+    pd = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    qd = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    accept = u * qd < pd
+    n = accept.long().cumprod(1).sum(1)
+    p_n = p.gather(1, n.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
+    q_n = q.gather(1, n.clamp(max=k - 1).view(-1, 1, 1).expand(-1, 1, q.shape[-1])).squeeze(1)
+    resid = (p_n - q_n).clamp(min=0.0)
+    total = resid.sum(-1, keepdim=True)
+    use_resid = (n < k).unsqueeze(-1) & (total > 0)
+    dist = torch.where(use_resid, resid / total.clamp(min=1e-30), p_n)
+    return n, dist
+
+
+@dataclass
+class DecodeStats:
+    """Per-row acceptance counts and the measured phase times of one decode call."""
+
+    rounds: torch.Tensor
+    """[B] verify rounds (forwards after prefill) each row took part in."""
+    accepted: torch.Tensor
+    """[B] accepted drafts per row."""
+    accepted_at: torch.Tensor
+    """[B,K] how often draft position i (0-based) was accepted."""
+    num_steps: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    """Wall time of the decode loop after prefill."""
+    num_rounds: int = 0
+    """Batched rounds (one verify forward each)."""
+
+
+@dataclass
+class DecodeResult:
+    outputs: List[List[int]]
+    """Generated continuation of each prompt (first EOS kept, at most max_new_tokens)."""
+    stats: DecodeStats
+    decoded_tokens: int = 0
+    """Tokens produced by the decode loop (outputs minus the one prefill token per row)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / max(self.stats.decode_s, 1e-12)
+
+
+class SpecDecoder:
+    """Caches and per-row state for decoding one batch (num_steps=0 is plain autoregressive)."""
+
+    def __init__(self, model: nn.Module, num_steps: int, batch: int, max_positions: int, *,
+                 temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None):
+        self.model = m = unwrap(model)
+        self.K = num_steps
+        if num_steps > 0 and m.mtp is None:
+            raise ValueError("speculative decoding needs an MTP module (mtp.num_steps > 0)")
+        if num_steps > 0 and not m.mtp.chained and num_steps > len(m.mtp.layers):
+            raise ValueError(f"num_steps={num_steps} exceeds the {len(m.mtp.layers)} independent heads of the "
+                             "parallel-style MTP module (only the looped style can run longer than it was trained)")
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.generator = generator
+        p0 = m.embed_tokens.weight
+        self.device, self.dtype = p0.device, p0.dtype
+        cfg = m.cfg
+        head_dim = cfg.resolved_head_dim
+        # Margin: pad positions of a batched range may run up to ~2K past a row's end.
+        self.cap = int(max_positions) + 3 * num_steps + 4
+        if self.cap > cfg.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens + draft margin = {self.cap} positions exceeds "
+                             f"model.max_seq_len={cfg.max_seq_len}")
+        B, H = batch, cfg.hidden_size
+        any_attn = next(iter(m.layers.values())).self_attn
+        kv_heads = _local_rows(any_attn.k_proj.weight) // head_dim
+        self.B, self.H = B, H
+        self.trunk_cache = KVCache(cfg.num_layers, B, kv_heads, self.cap, head_dim, self.dtype, self.device)
+        n_hidden = (num_steps if m.mtp is not None and m.mtp.chained else 1) if num_steps > 0 else 1
+        self.h = [torch.zeros(B, self.cap, H, dtype=self.dtype, device=self.device) for _ in range(max(n_hidden, 1))]
+        self.mtp_caches = []
+        for k in range(1, num_steps + 1):
+            attn = m.mtp.layer_for_step(k).block.self_attn
+            self.mtp_caches.append(KVCache(1, B, _local_rows(attn.k_proj.weight) // head_dim, self.cap, head_dim,
+                                           self.dtype, self.device).layer(0))
+        self.seq = torch.zeros(B, self.cap + num_steps + 2, dtype=torch.long, device=self.device)
+        self.m = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.valid = torch.full((num_steps + 1, B), -1, dtype=torch.long, device=self.device)
+        self.arange = torch.arange(self.cap, device=self.device)
+        self.ar_k1 = self.arange[: num_steps + 1].unsqueeze(0)
+        self.chained = m.mtp.chained if m.mtp is not None else True
+
+    # --- token choice ------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor):
+        """(token [B], probs [B,V] or None) from logits [B,V]."""
+        if self.temperature <= 0:
+            return logits.argmax(-1), None
+        probs = probs_from_logits(logits, self.temperature, self.top_p)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1), probs
+
+    # --- phases ------------------------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]], first_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the trunk over the prompts; commit the first generated token (or `first_tokens`)."""
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        n = int(lens.max())
+        tokens = torch.zeros(self.B, n, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        pos = self.arange[:n].unsqueeze(0).expand(self.B, n)
+        h = self.model.trunk(tokens, pos, self.trunk_cache)
+        self.h[0][:, :n] = h
+        last = h.gather(1, (lens - 1).view(-1, 1, 1).expand(-1, 1, self.H))
+        nxt, _ = self._choose(self.model.logits(0, last)[:, 0])
+        if first_tokens is not None:
+            nxt = first_tokens.to(self.device)
+        self.seq[:, :n] = tokens
+        self.seq.scatter_(1, lens.unsqueeze(1), nxt.unsqueeze(1))
+        self.m = lens.clone()
+        return nxt
+
+    def draft(self, force: Optional[torch.Tensor] = None, keep_logits: bool = False):
+        """Catch every depth up on committed tokens and draft d_1..d_K at position m-1.
+
+        `force` [B,K] replaces the drafted tokens (teacher forcing in tests). Returns (drafts [B,K],
+        q [B,K,V] or None, list of per-depth logits [B,V] when keep_logits)."""
+        model, B, H, m = self.model, self.B, self.H, self.m
+        drafts, qs, all_logits = [], [], []
+        for k in range(1, self.K + 1):
+            start = torch.minimum(self.valid[k] + 1, m - 1)
+            r = m - start
+            R = int(r.max())
+            pos = (start.unsqueeze(1) + self.arange[:R]).clamp_(max=self.cap - 1)
+            idx = pos.unsqueeze(-1).expand(B, R, H)
+            src = self.h[k - 1] if self.chained else self.h[0]
+            out = model.mtp_step(k, src.gather(1, idx), self.seq.gather(1, pos + k), pos, self.mtp_caches[k - 1])
+            if self.chained and k < self.K:
+                self.h[k].scatter_(1, idx, out)
+            last = out.gather(1, (r - 1).view(B, 1, 1).expand(B, 1, H))
+            logits = model.logits(k, last)[:, 0]
+            d, q = self._choose(logits)
+            if force is not None:
+                d = force[:, k - 1]
+            self.seq.scatter_(1, (m + k).unsqueeze(1), d.unsqueeze(1))
+            drafts.append(d)
+            qs.append(q)
+            if keep_logits:
+                all_logits.append(logits)
+        self.valid[1:] = (m.unsqueeze(0) - self.arange[1 : self.K + 1].unsqueeze(1)).clamp_(min=-1)
+        q = torch.stack(qs, 1) if self.temperature > 0 else None
+        return torch.stack(drafts, 1), q, all_logits
+
+    def verify(self, drafts: torch.Tensor, q: Optional[torch.Tensor]):
+        """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B])."""
+        pos = self.m.unsqueeze(1) + self.ar_k1
+        h = self.model.trunk(self.seq.gather(1, pos), pos, self.trunk_cache)
+        self.h[0].scatter_(1, pos.unsqueeze(-1).expand_as(h), h)
+        logits = self.model.logits(0, h)
+        K = self.K
+        if self.temperature <= 0:
+            a = logits.argmax(-1)
+            if K == 0:
+                return torch.zeros_like(self.m), a[:, 0]
+            n = (drafts == a[:, :K]).long().cumprod(1).sum(1)
+            return n, a.gather(1, n.unsqueeze(1)).squeeze(1)
+        p = probs_from_logits(logits, self.temperature, self.top_p)
+        if K == 0:
+            return torch.zeros_like(self.m), torch.multinomial(p[:, 0], 1, generator=self.generator).squeeze(-1)
+        u = torch.rand(drafts.shape, generator=self.generator, device=self.device)
+        n, dist = speculative_accept(p, q, drafts, u)
+        return n, torch.multinomial(dist, 1, generator=self.generator).squeeze(-1)
+
+    def commit(self, n: torch.Tensor, nxt: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Commit n accepted drafts and the next token for active rows; returns the new m."""
+        step = torch.where(active, n + 1, 0)
+        new_m = self.m + step
+        keep = self.seq.gather(1, new_m.unsqueeze(1)).squeeze(1)
+        self.seq.scatter_(1, new_m.unsqueeze(1), torch.where(active, nxt, keep).unsqueeze(1))
+        self.m = new_m
+        return new_m
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_steps: int, *,
+             eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+             generator: Optional[torch.Generator] = None) -> DecodeResult:
+    """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0."""
+    B, K = len(prompts), num_steps
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lens = [len(p) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    dec = SpecDecoder(model, K, B, max(lens) + max_new_tokens + K + 1, temperature=temperature, top_p=top_p,
+                      generator=generator)
+    dev = dec.device
+    stats = DecodeStats(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                        torch.zeros(B, max(K, 1), dtype=torch.long), K)
+    n0 = torch.tensor(lens, dtype=torch.long, device=dev)
+    limit = n0 + max_new_tokens - 1  # m at which a row has produced max_new_tokens
+    synchronize(dev)
+    t0 = time.perf_counter()
+    first = dec.prefill(prompts)
+    active = dec.m < limit
+    if eos_id is not None:
+        active &= first != eos_id
+    rounds = torch.zeros(B, dtype=torch.long, device=dev)
+    accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    accepted_at = torch.zeros(B, max(K, 1), dtype=torch.long, device=dev)
+    pos_ids = torch.arange(1, K + 1, device=dev)
+    window = torch.arange(1, K + 2, device=dev)
+    synchronize(dev)
+    t1 = time.perf_counter()
+    stats.prefill_s = t1 - t0
+    draft_s = verify_s = over_s = 0.0
+    num_rounds = 0
+    while bool(active.any()):
+        ta = time.perf_counter()
+        if K > 0:
+            drafts, q, _ = dec.draft()
+        else:
+            drafts, q = None, None
+        synchronize(dev)
+        tb = time.perf_counter()
+        n, nxt = dec.verify(drafts, q)
+        synchronize(dev)
+        tc = time.perf_counter()
+        old_m = dec.m
+        new_m = dec.commit(n, nxt, active)
+        rounds += active
+        if K > 0:
+            n_act = torch.where(active, n, 0)
+            accepted += n_act
+            accepted_at += (pos_ids.unsqueeze(0) <= n_act.unsqueeze(1))
+        done = new_m >= limit
+        if eos_id is not None:
+            new_tok = dec.seq.gather(1, old_m.unsqueeze(1) + window)
+            fresh = window.unsqueeze(0) <= (new_m - old_m).unsqueeze(1)
+            done |= ((new_tok == eos_id) & fresh).any(1)
+        active = active & ~done
+        synchronize(dev)
+        td = time.perf_counter()
+        draft_s += tb - ta
+        verify_s += tc - tb
+        over_s += td - tc
+        num_rounds += 1
+    t2 = time.perf_counter()
+    stats.draft_s, stats.verify_s, stats.overhead_s = draft_s, verify_s, over_s
+    stats.decode_s, stats.num_rounds = t2 - t1, num_rounds
+    stats.rounds, stats.accepted, stats.accepted_at = rounds.cpu(), accepted.cpu(), accepted_at[:, :K].cpu()
+    seq, m = dec.seq.cpu(), dec.m.cpu()
+    outputs = []
+    for b in range(B):
+        out = seq[b, lens[b] : int(m[b]) + 1].tolist()[:max_new_tokens]
+        if eos_id is not None and eos_id in out:
+            out = out[: out.index(eos_id) + 1]
+        outputs.append(out)
+    decoded = sum(max(len(o) - 1, 0) for o in outputs)
+    return DecodeResult(outputs, stats, decoded)
+
+
+def acceptance_metrics(stats: DecodeStats) -> dict:
+    """vLLM definitions: mean acceptance length = 1 + accepted / drafts (draft = one K-token round of
+    one sequence; includes the bonus token), per-position rate = accepted at position i / drafts,
+    draft acceptance rate = accepted / drafted tokens."""
+    drafts = int(stats.rounds.sum())
+    acc = int(stats.accepted.sum())
+    K = stats.num_steps
+    out = {"acceptance_length": 1.0 + acc / max(drafts, 1),
+           "draft_acceptance_rate": acc / max(drafts * K, 1)}
+    for i in range(K):
+        out[f"accept_rate/pos_{i + 1}"] = int(stats.accepted_at[:, i].sum()) / max(drafts, 1)
+    return out
+
+
+def row_metrics(stats: DecodeStats, b: int) -> dict:
+    drafts, acc, K = int(stats.rounds[b]), int(stats.accepted[b]), stats.num_steps
+    out = {"acceptance_length": 1.0 + acc / max(drafts, 1), "drafts": drafts, "accepted": acc,
+           "draft_acceptance_rate": acc / max(drafts * K, 1)}
+    for i in range(K):
+        out[f"accept_rate/pos_{i + 1}"] = int(stats.accepted_at[b, i]) / max(drafts, 1)
+    return out
