@@ -75,6 +75,9 @@ def make_counter():
             self.calls = defaultdict(int)
 
         def add(self, kind, n):
+            if os.environ.get("BENCH_DEBUG") and n >= 100000:
+                import traceback
+                print(kind, n, "".join(traceback.format_stack(limit=12)[:-3])[-1500:], flush=True)
             self.bytes[kind] += n
             self.calls[kind] += 1
 
@@ -146,8 +149,9 @@ def analytic(cfg, model, pstate, batches):
                 out["p2p"] += F32 * n_micro * T * Hh
             if s != 0:
                 out["p2p"] += F32 * n_micro * T * Hh
-        if has_first or has_last:
-            out["all_reduce"] += F32 * VOCAB // tp * Hh
+        if has_first or has_last:  # the shared-embedding gradient, as held locally (tp / fsdp shard)
+            w = model.embed_tokens.weight
+            out["all_reduce"] += F32 * (w.to_local() if isinstance(w, DTensor) else w).numel()
         out["broadcast"] += 8 * (K + 1)
     batch_ranks = dp * ep
     if batch_ranks > 1:
@@ -172,10 +176,18 @@ def analytic(cfg, model, pstate, batches):
                         shape = fp.padded_sharded_param_size
                         full += math.prod(shape) * group.mesh_info.shard_mesh_size
                     gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
+                    if pipe is None and _inside_mtp(unit, model):
+                        # run once per MTP step: gathered each time, gradients reduced once
+                        gathers *= K
                     out["all_gather"] += F32 * full * gathers
                     out["reduce_scatter"] += F32 * full * scatters
     out["all_reduce"] += 8  # the global grad-norm scalar (float64)
     return dict(out)
+
+
+def _inside_mtp(unit, model) -> bool:
+    mtp = getattr(model, "mtp", None)
+    return mtp is not None and unit is not model and any(unit is x for x in mtp.modules())
 
 
 def _fsdp_events(unit, model, pipe, n_micro):

@@ -82,6 +82,11 @@ class GradientFinisher:
 
     @torch.no_grad()
     def sync(self) -> None:
+        for p, _, _ in self._params():
+            # a gradient can come back with other placements than its parameter (the pipeline's
+            # backward leaves the vocab-parallel embedding's as Replicate): re-shard it locally
+            if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         for p, is_expert, is_embed in self._params():
             need_dp = self.allreduce and (self.dp_size > 1 if is_expert else self.batch_size > 1)
             need_tie = is_embed and self.tie_group is not None
