@@ -88,9 +88,7 @@ class Trainer:
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
             model_vocab_size=cfg.model.vocab_size)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
-        self.model = parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate)
-        self.optimizer = build_optimizer(self.model, t)
-        self.autocast_dtype = self.device.autocast_dtype(t.dtype)
+        self._attach(parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate))
         self.start_step = 0
         if self.resume:
             found = latest_checkpoint(cfg.run.dir)
@@ -98,26 +96,41 @@ class Trainer:
                 check_compatible(found[1], self.config_yaml)
                 state = load_checkpoint(found[1], self.model, self.optimizer)
                 self.start_step = int(state["step"])
-                self.resumed_state = state
+                self.guard.load_state(state)
                 if self.pstate.is_main:
                     print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
-        self.moe_layers = [m for m in self.model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
-        for moe in self.moe_layers:
-            moe.aux_grad_scale = 1.0 / t.grad_accum_steps
         # Written only once every check above has passed, so a failed start leaves an earlier run's
         # config.yaml as it was.
         if self.pstate.is_main:
             write_config(cfg.run.dir, self.config_yaml)
-        from .guard import BadStepGuard
-
-        self.guard = BadStepGuard(cfg, self)
-        if getattr(self, "resumed_state", None):
-            self.guard.load_state(self.resumed_state)
         self.evaluator = None
         if cfg.eval.interval > 0 and cfg.mtp.num_steps > 0:
             from tandem.eval.in_loop import InLoopEvaluator
 
             self.evaluator = InLoopEvaluator(cfg, self.model, self.valid_ds, self.tokenizer, self.pstate)
+
+    @classmethod
+    def for_model(cls, cfg: TandemConfig, model: nn.Module, pstate: ParallelState) -> "Trainer":
+        """A trainer around an already parallelized model, with no datasets, run directory or
+        evaluator: for benchmarks and equivalence tests that feed their own micro-batches to
+        `forward_backward` and then call `update_router_biases`, `clip_gradients` and the optimizer."""
+        self = cls.__new__(cls)
+        self.cfg, self.pstate, self.device = cfg, pstate, pstate.device
+        self._attach(model)
+        return self
+
+    def _attach(self, model: nn.Module) -> None:
+        """Optimizer, precision, MoE bookkeeping and the bad-step guard for `model`."""
+        from .guard import BadStepGuard
+
+        t = self.cfg.train
+        self.model = model
+        self.optimizer = build_optimizer(model, t)
+        self.autocast_dtype = self.device.autocast_dtype(t.dtype)
+        self.moe_layers = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        for moe in self.moe_layers:
+            moe.aux_grad_scale = 1.0 / t.grad_accum_steps
+        self.guard = BadStepGuard(self.cfg, self)
 
     # ---------------------------------------------------------------------------------------------
     def micro_batches(self, step: int) -> List[Dict[str, torch.Tensor]]:
