@@ -1,0 +1,137 @@
+"""Evaluation metrics shared by the in-loop evaluator, `tandem eval` and the benchmark.
+
+* `teacher_forced`: per-depth validation loss and top-1 accuracy of a training-style forward (true
+  tokens fed to every MTP depth; Megatron logs this accuracy as its "acceptance rate");
+* `evaluate_decoding`: real speculative decoding vs plain autoregressive decoding of the same model on
+  the same prompts: acceptance (vLLM definitions), decode tokens/s of both, measured and predicted
+  speedup.
+
+Keys are returned without the `eval/` prefix (the in-loop evaluator adds it).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tandem.models.mtp import depth_target_mask, shifted_tokens
+
+from .spec_decode import DecodeResult, DecodeStats, acceptance_metrics, generate, unwrap
+
+
+@torch.no_grad()
+def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None) -> Dict[str, float]:
+    """Mean cross-entropy (`loss/main`, `loss/mtp_k`) and top-1 accuracy (`tf_acc/mtp_k`) per depth,
+    from the same hidden states the training forward computes (the loop of `losses_from_hidden`)."""
+    m = unwrap(model)
+    depths = m.num_depths
+    loss = torch.zeros(depths, dtype=torch.float64)
+    correct = torch.zeros(depths, dtype=torch.float64)
+    count = torch.zeros(depths, dtype=torch.float64)
+    for batch in batches:
+        tokens = batch["tokens"].to(device) if device is not None else batch["tokens"]
+        b, s1 = tokens.shape
+        s = s1 - 1
+        loss_mask = batch.get("loss_mask")
+        loss_mask = torch.ones(b, s) if loss_mask is None else loss_mask
+        loss_mask = loss_mask.to(tokens.device)
+        doc_ids = batch.get("doc_ids")
+        doc_ids = doc_ids.to(tokens.device) if doc_ids is not None else None
+        pos = torch.arange(s, device=tokens.device).expand(b, s)
+        h0 = m.trunk(tokens[:, :s], pos)
+        h = h0
+        for d in range(depths):
+            if d > 0:
+                h = m.mtp_step(d, h if m.mtp.chained else h0, shifted_tokens(tokens, d, s), pos)
+            mask = depth_target_mask(loss_mask, doc_ids, d)
+            if not bool(mask.any()):
+                continue
+            logits = m.logits(d, h[mask]).float()
+            targets = shifted_tokens(tokens, d + 1, s)[mask]
+            loss[d] += float(F.cross_entropy(logits, targets, reduction="sum"))
+            correct[d] += float((logits.argmax(-1) == targets).sum())
+            count[d] += float(mask.sum())
+    out = {"loss/main": float(loss[0] / count[0].clamp(min=1))}
+    for d in range(1, depths):
+        out[f"loss/mtp_{d}"] = float(loss[d] / count[d].clamp(min=1))
+    for d in range(1, depths):
+        out[f"tf_acc/mtp_{d}"] = float(correct[d] / count[d].clamp(min=1))
+    return out
+
+
+def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
+    merged = DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
+                         torch.cat([s.accepted_at for s in stats]), K)
+    for name in ("draft_s", "verify_s", "overhead_s", "prefill_s", "decode_s", "num_rounds"):
+        setattr(merged, name, sum(getattr(s, name) for s in stats))
+    return merged
+
+
+def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int, max_new_tokens: int,
+                      batch_size: int, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+                      seed: int = 0, warmup: bool = False, repeats: int = 1):
+    """Speculative and autoregressive decoding of `prompts` (batches of `batch_size`, the two
+    interleaved batch by batch so machine noise hits both alike). Returns (metrics, spec results, AR
+    results) with per-batch DecodeResults; with `repeats` > 1 the times are medians over repetitions."""
+    K = num_steps
+    batches = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    if warmup:
+        generate(model, batches[0][:1], min(4, max_new_tokens), K, eos_id=eos_id)
+        generate(model, batches[0][:1], min(4, max_new_tokens), 0, eos_id=eos_id)
+    runs_spec: List[List[DecodeResult]] = []
+    runs_ar: List[List[DecodeResult]] = []
+    for r in range(repeats):
+        spec, ar = [], []
+        for i, batch in enumerate(batches):
+            g_s = torch.Generator(device=unwrap(model).embed_tokens.weight.device).manual_seed(seed + i)
+            g_a = torch.Generator(device=unwrap(model).embed_tokens.weight.device).manual_seed(seed + i)
+            first, second = (0, 1) if (r + i) % 2 == 0 else (1, 0)
+            res = [None, None]
+            for which in (first, second):
+                if which == 0:
+                    res[0] = generate(model, batch, max_new_tokens, K, eos_id=eos_id, temperature=temperature,
+                                      top_p=top_p, generator=g_s)
+                else:
+                    res[1] = generate(model, batch, max_new_tokens, 0, eos_id=eos_id, temperature=temperature,
+                                      top_p=top_p, generator=g_a)
+            spec.append(res[0])
+            ar.append(res[1])
+        runs_spec.append(spec)
+        runs_ar.append(ar)
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+    spec_stats = [_merge_stats([r.stats for r in run], K) for run in runs_spec]
+    ar_stats = [_merge_stats([r.stats for r in run], 0) for run in runs_ar]
+    spec_tokens = sum(r.decoded_tokens for r in runs_spec[0])
+    ar_tokens = sum(r.decoded_tokens for r in runs_ar[0])
+    spec_tps = median([spec_tokens / max(s.decode_s, 1e-12) for s in spec_stats])
+    ar_tps = median([ar_tokens / max(s.decode_s, 1e-12) for s in ar_stats])
+    st = spec_stats[0]
+    metrics = acceptance_metrics(st)
+    rounds = max(st.num_rounds, 1)
+    D = median([s.draft_s / max(s.num_rounds, 1) for s in spec_stats])
+    V = median([s.verify_s / max(s.num_rounds, 1) for s in spec_stats])
+    O = median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])
+    T = median([s.decode_s / max(s.num_rounds, 1) for s in ar_stats])
+    # Batched rounds advance every row; the tokens a round yields per row is the acceptance length.
+    A = metrics["acceptance_length"]
+    metrics.update({
+        "decode_tokens_per_s/spec": spec_tps,
+        "decode_tokens_per_s/ar": ar_tps,
+        "speedup": spec_tps / max(ar_tps, 1e-12),
+        "speedup_predicted": A * T / max(D + V + O, 1e-12),
+        "time_per_round/draft_ms": 1e3 * D,
+        "time_per_round/verify_ms": 1e3 * V,
+        "time_per_round/overhead_ms": 1e3 * O,
+        "time_per_token/ar_ms": 1e3 * T,
+    })
+    del rounds
+    if temperature <= 0:
+        metrics["identical_to_autoregressive"] = all(
+            s.outputs == a.outputs for s, a in zip(runs_spec[0], runs_ar[0]))
+    return metrics, runs_spec[0], runs_ar[0]

@@ -1,0 +1,98 @@
+"""The in-loop evaluator: eval/* keys logged, and training is bit-identical with and without it."""
+
+import json
+
+import pytest
+import torch
+
+from tandem.eval import in_loop
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("corpus"))
+
+
+def _train(run_dir, cache_dir, interval, steps=4):
+    from tandem.trainer.config import load_config
+    from tandem.trainer.loop import train
+
+    overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", "data.stdlib_max_bytes=200000",
+                 "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2",
+                 "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+                 "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32",
+                 "train.micro_batch_size=2", f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
+                 "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", "logging.wandb=false",
+                 "logging.progress=false", f"data.cache_dir={cache_dir}", "checkpoint.save_final=false"]
+    train(load_config("recipes/tiny.yaml", overrides))
+    return [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+
+
+def _losses(records):
+    keys = ("loss", "loss/main", "loss/mtp_1", "loss/mtp_2", "loss/mtp_3", "grad_norm")
+    return [(r["step"],) + tuple(r[k] for k in keys) for r in records]
+
+
+def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_dir):
+    with_eval = _train(tmp_path / "a", cache_dir, interval=2)
+    without = _train(tmp_path / "b", cache_dir, interval=0)
+    assert _losses(with_eval) == _losses(without)  # exact equality, not allclose
+    evals = [r for r in with_eval if "eval/acceptance_length" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup",
+                "eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup_predicted"}
+    for k in range(1, 4):
+        expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}"}
+    assert expected <= set(evals[0])
+    assert 1.0 <= evals[0]["eval/acceptance_length"] <= 4.0
+    assert evals[0]["eval/identical_to_autoregressive"] == 1.0
+    assert not any(k.startswith("eval/") for r in without for k in r)
+
+
+def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, monkeypatch):
+    from tandem.trainer.config import load_config
+    from tandem.trainer.loop import Trainer
+
+    overrides = [f"run.dir={tmp_path}", "train.max_steps=1", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
+                 "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+                 "model.num_kv_heads=1", "model.intermediate_size=64", "model.moe_intermediate_size=32",
+                 "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2", "eval.interval=1",
+                 "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperature=0.7",
+                 "eval.loss_batches=1", "logging.wandb=false", "logging.progress=false", f"data.cache_dir={cache_dir}"]
+    trainer = Trainer(load_config("recipes/tiny.yaml", overrides))
+    model, ev = trainer.model, trainer.evaluator
+    model.train()
+    routers = [m.router for m in model.moe_layers()]
+    for i, r in enumerate(routers):
+        r.tokens_per_expert.fill_(float(i + 1))
+    loads = [r.tokens_per_expert.clone() for r in routers]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    out = ev.run(1)
+    assert "eval/acceptance_length" in out and "eval/identical_to_autoregressive" not in out  # sampling mode
+    assert model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(r.tokens_per_expert, l) for r, l in zip(routers, loads))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
+    # Control: the restore is needed, evaluation forwards do count routed tokens.
+    monkeypatch.setattr(in_loop, "RESTORE_ROUTER_LOADS", False)
+    ev.run(1)
+    assert not all(torch.equal(r.tokens_per_expert, l) for r, l in zip(routers, loads))
+
+
+def test_pipeline_layout_skips_with_message(capsys):
+    from types import SimpleNamespace
+
+    ev = in_loop.InLoopEvaluator.__new__(in_loop.InLoopEvaluator)
+    ev.pstate = SimpleNamespace(extras={"pipeline": object()}, is_main=True)
+    ev._warned = False
+    assert ev.run(10) == {} and ev.run(20) == {}
+    assert capsys.readouterr().err.count(in_loop.PIPELINE_MESSAGE) == 1
