@@ -74,6 +74,10 @@ class TandemModel(nn.Module):
         # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own
         # next-token prediction at the target position; the trainer sets it from train.distill).
         self.distill = "none"
+        # Sequence parallelism (trainer/parallel/) sets this to an all-gather of the local sequence
+        # shard [B, S/tp, H] -> [B, S, H] applied to the normed hidden states before the head; the
+        # model itself holds no process groups. None: the hidden states are already whole.
+        self.gather_sequence = None
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -138,15 +142,17 @@ class TandemModel(nn.Module):
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
                            doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (the last
-        pipeline stage runs exactly this)."""
-        s = h0_bsh.shape[1]
+        pipeline stage runs exactly this). Under sequence parallelism h0 is this rank's shard of the
+        sequence; the MTP chain stays sharded and only the head inputs are gathered."""
+        s = tokens_bs1.shape[1] - 1
+        whole = self.gather_sequence if self.gather_sequence is not None else (lambda h: h)
         sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
         h_prev = h0_bsh
         teacher_bsh = teacher_ids = None
         if self.distill != "none" and self.num_depths > 1:
             with torch.no_grad():
-                teacher_bsh = self.norm(h0_bsh.detach())  # the trunk's normed state: its next-token head input
+                teacher_bsh = whole(self.norm(h0_bsh.detach()))  # the trunk's normed state: its next-token head input
                 if self.distill == "argmax":
                     flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
                     teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
@@ -161,10 +167,10 @@ class TandemModel(nn.Module):
             chunk = self.mtp_cfg.loss_chunk_tokens
             if depth == 0 and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad:
                 with torch.no_grad():  # frozen trunk: the main loss is only reported
-                    sums.append(self.lm_head.loss_sum(self.final_norm(0, h_prev)[mask], targets[mask], chunk))
+                    sums.append(self.lm_head.loss_sum(whole(self.final_norm(0, h_prev))[mask], targets[mask], chunk))
                 counts.append(mask.sum())
                 continue
-            hn = self.final_norm(depth, h_prev)[mask]
+            hn = whole(self.final_norm(depth, h_prev))[mask]
             if depth > 0 and teacher_ids is not None:
                 # The trunk predicts token t+1+depth at position t+depth.
                 sums.append(self.lm_head.loss_sum(hn, shifted_tokens(teacher_ids, depth, s)[mask], chunk))
