@@ -1,0 +1,159 @@
+"""`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
+
+    tandem eval --checkpoint DIR [--prompts FILE] [--num-steps K] [--max-new-tokens N]
+                [--temperature T] [--top-p P] [--batch-size B] [--output FILE] [--seed S]
+    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf_import)
+
+Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
+loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
+identical_to_autoregressive (greedy only). Teacher-forced figures come from the checkpoint's
+validation windows, or, with --prompts, from the prompts themselves. `--num-steps` may exceed the K
+the model was trained with (looped style: step k runs layer (k-1) % L).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional, Tuple
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem eval", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
+    src.add_argument("--hf", help="Hugging Face checkpoint directory (GLM-4.5-style MTP weights)")
+    p.add_argument("--prompts", help="JSONL file of {\"text\": ...} prompts (default: the validation split)")
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts from the validation split (default eval.num_prompts)")
+    p.add_argument("--prompt-len", type=int, default=0, help="tokens per validation prompt (default eval.prompt_len)")
+    p.add_argument("--num-steps", type=int, default=0, help="draft length K (default: the trained mtp.num_steps)")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="tokens generated per prompt (default eval.max_new_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 speculative sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
+    p.add_argument("--batch-size", type=int, default=0, help="prompts decoded together (default eval.batch_size)")
+    p.add_argument("--output", help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    return p
+
+
+def _load(args):
+    """(model, cfg or None, tokenizer or None)."""
+    import torch  # noqa: F401
+
+    if args.hf:
+        try:
+            from tandem.trainer.hf_import import load_hf_model
+        except ImportError as exc:
+            raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf_import (not available: {exc})")
+        model, cfg = load_hf_model(args.hf)
+        tok = None
+        try:
+            from tandem.data_pipeline.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(args.hf)
+        except Exception:
+            tok = None
+        return model.to(args.device).eval(), cfg, tok
+    from tandem.trainer.checkpoint import load_model_from_checkpoint
+
+    model, cfg = load_model_from_checkpoint(args.checkpoint, args.device)
+    return model, cfg, _tokenizer_of(cfg)
+
+
+def _tokenizer_of(cfg):
+    try:
+        from tandem.data_pipeline.tokenizer import load_tokenizer
+
+        if cfg.data.source == "stdlib":
+            from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
+
+            return load_tokenizer(prepare_stdlib_corpus(cfg.data)[2])
+        from tandem.data_pipeline.dataset import _tokenizer_for, parse_blend
+
+        return _tokenizer_for(parse_blend(cfg.data.paths)[0], cfg.data.tokenizer)
+    except Exception as exc:  # the model can still be evaluated on validation prompts or token ids
+        print(f"tandem eval: warning: no tokenizer for this checkpoint ({exc})", file=sys.stderr)
+        return None
+
+
+def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]], List[dict]]:
+    from tandem.data_pipeline.dataset import build_datasets, get_batch
+
+    n = max(num_prompts, cfg.eval.loss_batches * cfg.train.micro_batch_size)
+    _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
+                                    num_valid_samples=n)
+    if valid_ds is None:
+        raise SystemExit("tandem eval: error: the checkpoint's data config has no validation split; pass --prompts")
+    tokens = get_batch(valid_ds, list(range(num_prompts)))["tokens"]
+    prompts = [row[:prompt_len].tolist() for row in tokens]
+    mb = cfg.train.micro_batch_size
+    batches = [get_batch(valid_ds, list(range(i * mb, (i + 1) * mb))) for i in range(cfg.eval.loss_batches)]
+    return prompts, batches
+
+
+def eval_main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    from .metrics import evaluate_decoding, teacher_forced
+    from .spec_decode import row_metrics
+
+    model, cfg, tok = _load(args)
+    ev = cfg.eval if cfg is not None and hasattr(cfg, "eval") else None
+    K = args.num_steps or (cfg.mtp.num_steps if cfg is not None else 0)
+    if K <= 0 or model.mtp is None:
+        print("tandem eval: error: the model has no MTP module (mtp.num_steps=0) and --num-steps is not set",
+              file=sys.stderr)
+        return 2
+    max_new = args.max_new_tokens or (ev.max_new_tokens if ev else 64)
+    batch_size = args.batch_size or (ev.batch_size if ev else 4)
+    eos_id = tok.eod_id if tok is not None else None
+    if args.prompts:
+        if tok is None:
+            print("tandem eval: error: --prompts needs the checkpoint's tokenizer", file=sys.stderr)
+            return 2
+        with open(args.prompts) as f:
+            texts = [json.loads(line)["text"] for line in f if line.strip()]
+        prompts = [ids for ids in tok.encode_batch(texts)]
+        if not prompts or min(len(p) for p in prompts) == 0:
+            print(f"tandem eval: error: {args.prompts} holds no prompts or an empty one", file=sys.stderr)
+            return 2
+        tf_batches = [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
+    else:
+        if cfg is None or not hasattr(cfg, "data"):
+            print("tandem eval: error: no validation split for this checkpoint; pass --prompts", file=sys.stderr)
+            return 2
+        num_prompts = args.num_prompts or ev.num_prompts
+        prompt_len = max(1, min(args.prompt_len or ev.prompt_len, cfg.data.seq_len))
+        prompts, tf_batches = _validation(cfg, num_prompts, prompt_len)
+    try:
+        with torch.inference_mode():
+            metrics = teacher_forced(model, tf_batches, torch.device(args.device))
+            dec, spec, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new,
+                                             batch_size=batch_size, eos_id=eos_id, temperature=args.temperature,
+                                             top_p=args.top_p, seed=args.seed, warmup=True)
+    except ValueError as exc:
+        print(f"tandem eval: error: {exc}", file=sys.stderr)
+        return 2
+    # tf_acc/mtp_k exists only for the trained depths.
+    metrics.update(dec)
+    metrics.update({"num_prompts": len(prompts), "num_steps": K, "max_new_tokens": max_new,
+                    "temperature": args.temperature})
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            i = 0
+            for res in spec:
+                for b, out in enumerate(res.outputs):
+                    rec = {"prompt_ids": prompts[i], "output_ids": out, **row_metrics(res.stats, b)}
+                    f.write(json.dumps(rec) + "\n")
+                    i += 1
+    print(json.dumps(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(eval_main())
