@@ -113,7 +113,6 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
     ar_tps = median([ar_tokens / max(s.decode_s, 1e-12) for s in ar_stats])
     st = spec_stats[0]
     metrics = acceptance_metrics(st)
-    rounds = max(st.num_rounds, 1)
     D = median([s.draft_s / max(s.num_rounds, 1) for s in spec_stats])
     V = median([s.verify_s / max(s.num_rounds, 1) for s in spec_stats])
     O = median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])
@@ -130,7 +129,6 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
         "time_per_round/overhead_ms": 1e3 * O,
         "time_per_token/ar_ms": 1e3 * T,
     })
-    del rounds
     if temperature <= 0:
         metrics["identical_to_autoregressive"] = all(
             s.outputs == a.outputs for s, a in zip(runs_spec[0], runs_ar[0]))

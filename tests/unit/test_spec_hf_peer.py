@@ -1,0 +1,93 @@
+"""Peer check against transformers' own MTP speculative decoding (`generate(..., use_mtp=True)`).
+
+A tiny GLM-4.5-MoE model is created by transformers itself (random init of `Glm4MoeForCausalLM`) and
+given random MTP weights at `model.layers.{num_hidden_layers}.*`, saved in HF layout, imported with
+`tandem.trainer.hf_import.load_hf_model`, and decoded greedily by this project's speculative decoder:
+the tokens must equal transformers' plain greedy `generate` and its `generate(use_mtp=True)`.
+"""
+
+import json
+
+import pytest
+import torch
+
+T = pytest.importorskip("transformers")
+hf_import = pytest.importorskip("tandem.trainer.hf_import", reason="needs the GLM-4.5 HF import (trainer/hf_import.py)")
+hf_export = pytest.importorskip("tandem.trainer.hf_export", reason="used only to learn the HF names of MTP weights")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from tandem.eval.spec_decode import generate  # noqa: E402
+from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
+
+V = 96
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    from transformers.models.glm4_moe import modeling_glm4_moe as G
+
+    # transformers finds MTP layers through this pattern (layers 46/92 of the released models).
+    monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.2.*"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _mtp_names(tmp_path):
+    """HF names and shapes of one GLM MTP layer (from an export of a same-shaped Tandem model)."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1,
+                      partial_rotary_factor=0.5, max_seq_len=128)
+    out = tmp_path / "shape"
+    hf_export.export_hf(TandemModel(cfg, MTPConfig(num_steps=1, num_layers=1, trunk_input="final_norm")), str(out))
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    return out, {k: v.shape for k, v in tensors.items() if k.startswith("model.layers.2.")}
+
+
+@torch.no_grad()
+def test_spec_decoder_matches_transformers_generate_use_mtp(tmp_path):
+    shape_dir, mtp_shapes = _mtp_names(tmp_path)
+    config = T.AutoConfig.from_pretrained(str(shape_dir))
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    hf = T.Glm4MoeForCausalLM(config).eval()  # transformers' own random init, not ours
+    for m in hf.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.normal_(0, 0.05)
+    out = tmp_path / "glm"
+    hf.save_pretrained(str(out))
+    g = torch.Generator().manual_seed(1)
+    extra = {k: (torch.rand(s, generator=g) + 0.5) if len(s) == 1 else 0.2 * torch.randn(s, generator=g)
+             for k, s in mtp_shapes.items()}
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) == 1
+    state = load_file(str(files[0]))
+    state.update({k: v.contiguous() for k, v in extra.items() if k not in state})
+    save_file(state, str(files[0]), metadata={"format": "pt"})
+    cfg_json = json.loads((out / "config.json").read_text())
+    cfg_json["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg_json))
+
+    hf = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    model, _ = hf_import.load_hf_model(str(out))
+    model.eval()
+    assert model.mtp is not None
+    # the import took the MTP weights written above (not a fresh init)
+    torch.testing.assert_close(model.mtp.layers[0].eh_proj.weight, extra["model.layers.2.eh_proj.weight"])
+    prompts = [torch.randint(0, V, (1, n), generator=g) for n in (8, 5)]
+    for prompt in prompts:
+        plain = hf.generate(prompt, max_new_tokens=20, do_sample=False)
+        drafted = hf.generate(prompt, max_new_tokens=20, do_sample=False, use_mtp=True)
+        assert torch.equal(plain, drafted)
+        n = prompt.shape[1]
+        for K in (1, 2, 3):  # K > 1 loops the single MTP layer
+            ours = generate(model, [prompt[0].tolist()], 20, K)
+            assert ours.outputs[0] == plain[0, n:].tolist(), K
+    # batched, ragged prompts together
+    ours = generate(model, [p[0].tolist() for p in prompts], 20, 1)
+    for p, o in zip(prompts, ours.outputs):
+        assert o == hf.generate(p, max_new_tokens=20, do_sample=False)[0, p.shape[1]:].tolist()
