@@ -28,7 +28,7 @@ SMALL = [
     "logging.progress=false", "train.eps=1e-6",
 ]
 LAYOUTS = [(2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.tp=2"]),
-           (4, ["parallel.tp=2", "parallel.pp=2"])]
+           (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (4, ["parallel.tp=2", "parallel.pp=2"])]
 
 
 def tandem_cmd():

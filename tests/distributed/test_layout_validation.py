@@ -40,6 +40,8 @@ def test_valid_layouts_return_dp():
     assert validate_layout(cfg("parallel.tp=2", "parallel.pp=2"), 8) == 2
     assert validate_layout(cfg("parallel.ep=2"), 2) == 1
     assert validate_layout(cfg(), 1) == 1
+    assert validate_layout(cfg("parallel.tp=2", "parallel.sequence_parallel=true"), 2) == 1
+    assert validate_layout(cfg("parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"), 4) == 1
 
 
 def test_stage_split_even_and_explicit():

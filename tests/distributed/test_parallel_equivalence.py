@@ -31,6 +31,10 @@ LAYOUTS = {
     "tp=2,ep=2,dp_mode=allreduce": 4,
     "ep=2,pp=2": 4,
     "tp=2,ep=2,pp=2": 8,
+    # sequence parallelism: activations sharded along the sequence between the TP regions
+    "tp=2,sequence_parallel=true": 2,
+    "tp=2,pp=2,sequence_parallel=true": 4,
+    "tp=2,ep=2,sequence_parallel=true": 4,
 }
 RTOL = 1e-5
 

@@ -4,6 +4,11 @@ Tensor-parallel ranks compute the *same* loss, so the backward of an all-reduce 
 results is the identity (`reduce_from_group`), and a replicated input feeding sharded weights gets
 its partial input-gradients summed in backward (`copy_to_group`). `all_to_all` moves variable-size
 blocks of rows with the reverse exchange as its backward (expert dispatch and combine).
+
+Sequence parallelism adds the conjugate pair along one dimension: `gather_along` (all-gather of
+the sequence shards forward, reduce-scatter of the -- partial -- gradients backward) before a
+column-parallel region, and `scatter_reduce_along` (reduce-scatter of partial sums forward,
+all-gather backward) after a row-parallel one.
 """
 
 from __future__ import annotations
@@ -52,6 +57,56 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return out, None, None, None
+
+
+def _all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((world * x0.shape[0],) + tuple(x0.shape[1:]))
+    dist.all_gather_into_tensor(out, x0, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // world,) + tuple(x0.shape[1:]))
+    dist.reduce_scatter_tensor(out, x0, group=group)
+    return out.movedim(0, dim)
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterReduceAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """All-gather the rank-ordered shards along `dim`; backward reduce-scatters (sums) the gradient."""
+    if not x.requires_grad:
+        return _all_gather_dim(x, group, dim)
+    return _GatherAlong.apply(x, group, dim)
+
+
+def scatter_reduce_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum partial results over the group and keep this rank's shard along `dim`; backward all-gathers."""
+    return _ScatterReduceAlong.apply(x, group, dim)
 
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:

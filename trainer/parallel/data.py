@@ -58,23 +58,31 @@ class GradientFinisher:
 
     1. `dp_mode=allreduce`: sums gradients over dp*ep (non-expert) / dp (experts).
     2. Pipeline: sums the embedding gradient of the first stage and of the last stage's copy.
+       Sequence parallelism: sums over tp the gradients of replicated parameters that computed on
+       one sequence shard (norms, routers, the MTP input projection), as Megatron does.
     3. The true global norm: each rank's local squared norms weighted by 1/(copies of that shard
        in the job), summed over the world (DTensor shards, tp/ep/fsdp replication, pp stages).
     """
 
     def __init__(self, model: nn.Module, world: int, pp: int, allreduce: bool, batch_group, batch_size: int,
-                 dp_group, dp_size: int, tie_group=None):
+                 dp_group, dp_size: int, tie_group=None, sp_partial_names=(), tp_group=None):
         self.model, self.world, self.pp = model, world, pp
+        # sequence parallelism: replicated parameters that saw one sequence shard (names survive FSDP)
+        self.sp_partial, self.tp_group = set(sp_partial_names), tp_group
         self.allreduce, self.batch_group, self.batch_size = allreduce, batch_group, batch_size
         self.dp_group, self.dp_size, self.tie_group = dp_group, dp_size, tie_group
 
     def _params(self):
+        for _, p, is_expert, is_embed in self._named_params():
+            yield p, is_expert, is_embed
+
+    def _named_params(self):
         experts = {id(p) for p in expert_parameters(self.model)}
         embed = getattr(self.model, "embed_tokens", None)
         embed_id = id(embed.weight) if embed is not None else None
-        for p in self.model.parameters():
+        for name, p in self.model.named_parameters():
             if p.requires_grad:
-                yield p, id(p) in experts, id(p) == embed_id
+                yield name, p, id(p) in experts, id(p) == embed_id
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
@@ -87,6 +95,12 @@ class GradientFinisher:
             # backward leaves the vocab-parallel embedding's as Replicate): re-shard it locally
             if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        if self.tp_group is not None:
+            for name, p, _, _ in self._named_params():
+                if name in self.sp_partial:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(self._local(p.grad), group=self.tp_group)
         for p, is_expert, is_embed in self._params():
             need_dp = self.allreduce and (self.dp_size > 1 if is_expert else self.batch_size > 1)
             need_tie = is_embed and self.tie_group is not None

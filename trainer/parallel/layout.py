@@ -11,6 +11,8 @@ The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the fla
 `apply_parallelism` runs, in order: pipeline pruning (PP), TP/EP (DTensor shards + dispatch),
 FSDP2 (or nothing, for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
 `pipeline`, `clip_grad_norm` (gradient sync + true global norm) and `router_load_group`.
+Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
+regions (tensor.py); the router loads are then summed over tp as well.
 """
 
 from __future__ import annotations
@@ -37,11 +39,20 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
                           dp_rank=batch_mesh.get_local_rank(), dp_group=batch_mesh.get_group(), mesh=mesh)
     state.extras.update({
         "batch_mesh": batch_mesh,
-        # Router loads are summed over the ranks that routed different tokens (the batch split).
-        "router_load_group": batch_mesh.get_group() if batch > 1 else None,
+        # Router loads are summed over the ranks that routed different tokens: the batch split,
+        # and under sequence parallelism also the tp ranks (each routes its sequence shard).
+        "router_load_group": _router_load_group(mesh, batch_mesh, batch, p.sequence_parallel and p.tp > 1),
         "sizes": {"pp": p.pp, "dp": dp, "ep": p.ep, "tp": p.tp},
+        # activations between TP regions are sequence shards (decoding paths must not run on them)
+        "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
     })
     return state
+
+
+def _router_load_group(mesh, batch_mesh, batch: int, sp: bool):
+    if sp:
+        return mesh["tp"].get_group() if batch == 1 else mesh["dp", "ep", "tp"]._flatten("dp_ep_tp").get_group()
+    return batch_mesh.get_group() if batch > 1 else None
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
@@ -59,7 +70,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     tp_mesh = mesh["tp"] if tp > 1 else None
     ep_mesh = mesh["ep"] if ep > 1 else None
     expert_mesh = mesh["ep", "tp"] if (ep > 1 and tp > 1) else (ep_mesh if ep > 1 else tp_mesh)
-    apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh)
+    sp = bool(p.sequence_parallel and tp > 1)
+    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp)
     if pp > 1:
         pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
     batch = dp * ep
@@ -77,7 +89,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     state.extras["clip_grad_norm"] = GradientFinisher(
         model, state.world_size, pp, allreduce=(p.dp_mode == "allreduce"),
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
-        tie_group=tie_group)
+        tie_group=tie_group, sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp else None)
     return model
 
 

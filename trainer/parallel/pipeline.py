@@ -103,7 +103,9 @@ class Pipeline:
         self.n_micro = p.pp_microbatches or cfg.train.grad_accum_steps
         self.num_depths = 1 + cfg.mtp.num_steps
         self.micro_size = cfg.train.micro_batch_size * cfg.train.grad_accum_steps // self.n_micro
-        self.seq_len, self.hidden = cfg.data.seq_len, cfg.model.hidden_size
+        # stage boundaries carry [micro-batch, sequence (shard under SP), hidden] activations
+        sp_tp = p.tp if (p.sequence_parallel and p.tp > 1) else 1
+        self.seq_len, self.hidden = cfg.data.seq_len // sp_tp, cfg.model.hidden_size
         self.act_dtype = torch.float32
         self.device = device
         self.modules = [StageModule(model, split[s], s == 0, s == n_stages - 1, self.ctx) for s in mine]

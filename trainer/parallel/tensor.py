@@ -11,6 +11,16 @@
   expert dim over ep (`ParallelExperts`: dropless all-to-all dispatch and combine); the shared
   expert's partial output joins the routed partial output so the layer needs one all-reduce.
 
+Sequence parallelism (`parallel.sequence_parallel`, Megatron's): between the TP regions the
+activations are this rank's shard of the sequence, [B, S/tp, H]; norms, residual adds and the
+MTP input combination run on it. The embedding reduce-scatters instead of all-reducing; attention
+and dense MLPs all-gather the sequence on entry (backward: reduce-scatter) and reduce-scatter it
+after the row-parallel projection (backward: all-gather). MoE layers route their own tokens, then
+all-gather tokens, weights and expert ids over tp for the tp-sharded experts and reduce-scatter the
+partial outputs. The head's input is gathered whole (`model.gather_sequence`) before the
+vocab-parallel loss. Replicated parameters that saw only a shard of the sequence (norms, routers,
+the MTP projection) get their gradients summed over tp by the GradientFinisher (`sp_partial_names`).
+
 Sharded parameters are DTensors (over the tp mesh, the ep mesh or both) with the single-process
 names, so DCP reshards checkpoints between layouts. Model code computes on local shards
 (`to_local`, differentiable) with the autograd collectives of `comm.py`.
@@ -36,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from tandem.models.layers import SwiGLU
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE
 
-from .comm import all_to_all, copy_to_group, reduce_from_group
+from .comm import all_to_all, copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -114,26 +124,48 @@ class TensorParallelMoE(MoE):
     """
 
     tp_group = None
+    sequence_parallel = False
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
-        weights, indices, logits = self.router(x)
-        x_tp = copy_to_group(x, self.tp_group)
-        out = self.route_and_compute(x_tp, copy_to_group(weights, self.tp_group), indices)
+        weights, indices, logits = self.router(x)  # under SP: only this rank's tokens
+        aux_scale = self.aux_grad_scale
+        if self.sequence_parallel:
+            # the experts are tp-sharded: every tp rank computes its slice for all tp ranks' tokens
+            g = self.tp_group
+            x_tp, w_tp, idx_tp = gather_along(x, g, 0), gather_along(weights, g, 0), gather_along(indices, g, 0)
+        else:
+            x_tp, w_tp, idx_tp = copy_to_group(x, self.tp_group), copy_to_group(weights, self.tp_group), indices
+        out = self.route_and_compute(x_tp, w_tp, idx_tp)
         if self.shared_experts is not None:
             se = self.shared_experts
             h = F.silu(F.linear(x_tp, local(se.gate_proj.weight))) * F.linear(x_tp, local(se.up_proj.weight))
             out = out + F.linear(h, local(se.down_proj.weight))
-        out = reduce_from_group(out, self.tp_group)
-        aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
+        if self.sequence_parallel:
+            out = scatter_reduce_along(out, self.tp_group, 0)
+        else:
+            out = reduce_from_group(out, self.tp_group)
+        aux = None
+        if self.training and torch.is_grad_enabled() and self._needs_aux():
+            if self.sequence_parallel:
+                # the balance / z losses are means over the whole sequence: every tp rank computes
+                # them on the gathered logits, and the gather's backward sums the tp copies
+                logits = gather_along(logits, self.tp_group, 0)
+                indices = idx_tp
+                aux_scale = aux_scale / dist.get_world_size(self.tp_group)
+            aux = self._aux_loss(logits, indices)
         if aux is not None:
             self.last_aux_loss = float(aux.detach())
-            out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
+            out = AuxLossGrad.apply(out, aux, aux_scale)
         return out.view(shape)
 
+    def _needs_aux(self) -> bool:
+        cfg = self.cfg
+        return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
 
-def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh) -> None:
+
+def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, sequence_parallel: bool = False) -> None:
     """Shard one MoE layer's experts over (ep, tp) and, under tp, swap in TensorParallelMoE."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     ep = ep_mesh.size() if ep_mesh is not None else 1
@@ -149,6 +181,7 @@ def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh) -> None:
     if tp > 1:
         moe.__class__ = TensorParallelMoE
         moe.tp_group = tp_mesh.get_group()
+        moe.sequence_parallel = sequence_parallel
         if moe.shared_experts is not None:
             se = moe.shared_experts
             shard_parameter(se.gate_proj, "weight", tp_mesh, [Shard(0)])
@@ -179,9 +212,11 @@ class VocabParallelHead(nn.Module):
     recomputed in backward like the single-device chunked loss.
     """
 
-    def __init__(self, weight: torch.Tensor, tp_mesh):
+    def __init__(self, weight: torch.Tensor, tp_mesh, sequence_parallel: bool = False):
         super().__init__()
         self.tp_mesh = tp_mesh
+        # under SP the input arrives through `gather_along`, whose backward already sums over tp
+        self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
                                    requires_grad=weight.requires_grad)
 
@@ -200,7 +235,8 @@ class VocabParallelHead(nn.Module):
         if h.shape[0] == 0:
             return (h.sum() + w.sum()) * 0.0
         vocab_start = self.tp_mesh.get_local_rank() * w.shape[0]
-        h = copy_to_group(h, group)
+        if not self.sequence_parallel:
+            h = copy_to_group(h, group)
         chunk = chunk_tokens if chunk_tokens > 0 else h.shape[0]
         total = None
         for i in range(0, h.shape[0], chunk):
@@ -212,30 +248,37 @@ class VocabParallelHead(nn.Module):
 
 
 # --- the whole model -----------------------------------------------------------------------------
-def _block_plan(block) -> dict:
+def _block_plan(block, sequence_parallel: bool = False) -> dict:
+    # without SP the block input is whole on every rank; with SP it is the rank's sequence shard
+    # (dim 1), gathered on entry to each TP region and reduce-scattered on exit
+    inp = Shard(1) if sequence_parallel else Replicate()
+    out = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+        "self_attn": PrepareModuleInput(input_layouts=(inp, None, None),
                                         desired_input_layouts=(Replicate(), None, None), use_local_output=False),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=out),
     }
     if isinstance(block.mlp, SwiGLU):
         plan.update({
-            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+            "mlp": PrepareModuleInput(input_layouts=(inp,), desired_input_layouts=(Replicate(),),
                                       use_local_output=False),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=out),
         })
     return plan
 
 
-def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh) -> None:
+def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh,
+                                     sequence_parallel: bool = False) -> List[str]:
     """TP over `tp_mesh` (None = off) and EP over `ep_mesh` (None = off), in place, on whatever
-    parts of the model this rank holds (pipeline stages prune first)."""
+    parts of the model this rank holds (pipeline stages prune first). Returns, under sequence
+    parallelism, the names of the replicated parameters whose gradients are partial over tp."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
+    sp = sequence_parallel and tp > 1
     blocks = [b for b in model.layers.values()]
     if getattr(model, "mtp", None) is not None:
         blocks += [layer.block for layer in model.mtp.layers]
@@ -243,12 +286,17 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
         if tp > 1:
             if block.self_attn.q_norm is not None:
                 pass  # per-head norms act on head_dim: replicated, unaffected by the head split
-            parallelize_module(block, tp_mesh, _block_plan(block))
+            parallelize_module(block, tp_mesh, _block_plan(block, sp))
         if isinstance(block.mlp, MoE):
-            parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh)
+            parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp)
     if tp > 1:
         if getattr(model, "embed_tokens", None) is not None:
             parallelize_module(model.embed_tokens, tp_mesh,
-                               RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+                               RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
         if getattr(model, "lm_head", None) is not None:
-            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh)
+            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, sp)
+    if not sp:
+        return []
+    group = tp_mesh.get_group()
+    model.gather_sequence = lambda h: gather_along(h, group, 1)
+    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]

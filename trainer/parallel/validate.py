@@ -62,8 +62,6 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
             raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
-    if p.sequence_parallel and p.tp > 1:
-        raise ConfigError("parallel.sequence_parallel=true is not implemented yet (tensor parallelism runs without it)")
     if p.ep > 1:
         if m.num_experts <= 0:
             raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.num_experts={m.num_experts})")
