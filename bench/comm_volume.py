@@ -11,6 +11,13 @@ model dims and the rank's data (valid targets per depth), summed over ranks:
   TP  per block execution and micro-batch: attention 2*T*H (o_proj all-reduce fwd, input-grad
       all-reduce bwd); dense MLP 2*T*H; MoE 2*T*H + T*k (routing-weight grads); embedding T*H per
       call; vocab-parallel CE per depth: 6*n (max, sum-exp, target logit; fwd + recompute) + n*H.
+  SP  (sequence_parallel with tp) instead of TP's all-reduces, per TP region (attention, dense MLP)
+      and micro-batch: 2 all-gathers + 2 reduce-scatters of T*H (gather / reduce-scatter forward,
+      reduce-scatter / all-gather backward); MoE: the same for its tokens plus the routing weights
+      (T*k, gathered and reduce-scattered) and expert ids (T*k int64, gathered); embedding T*H
+      reduce-scatter + all-gather per call; head T*H gather + reduce-scatter per depth, CE 6*n;
+      the tp sum of the sequence-shard gradients of replicated parameters (norms, routers, MTP
+      projection); router loads over tp; pipeline activations T*H/tp.
   EP  per MoE block execution: 4*T*k*H (dispatch + combine, fwd + bwd) + E int64 counts.
   PP  activations T*H per micro-batch and stage boundary, gradients back likewise; the shared
       embedding gradient (V/tp*H) summed between first and last stage; (K+1) loss sums broadcast.
@@ -36,6 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {
     "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
     "dp=2,dp_mode=allreduce": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4, "tp=2,ep=2,pp=2": 8,
+    "tp=2,sequence_parallel=true": 2, "tp=2,pp=2,sequence_parallel=true": 4,
+    "tp=2,ep=2,sequence_parallel=true": 4,
 }
 MBS, ACCUM, SEQ, VOCAB, H = 2, 2, 64, 1024, 128
 BASE = [
@@ -130,8 +139,27 @@ def analytic(cfg, model, pstate, batches):
         execs += [isinstance(model.mtp.layer_for_step(s).block.mlp, MoE) for s in range(1, K + 1)]
     n_micro = len(batches)
     T = MBS * SEQ
+    sp = bool(cfg.parallel.sequence_parallel and tp > 1)
     for b in batches:
-        if tp > 1:
+        if sp:
+            aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
+            for is_moe in execs:
+                regions = 1 if is_moe else 2
+                out["all_gather"] += F32 * 2 * T * Hh * regions
+                out["reduce_scatter"] += F32 * 2 * T * Hh * regions
+                if is_moe:
+                    out["all_gather"] += F32 * 2 * T * Hh + F32 * T * k + 8 * T * k + (F32 * T * E if aux else 0)
+                    out["reduce_scatter"] += F32 * 2 * T * Hh + F32 * T * k + (F32 * T * E if aux else 0)
+            calls = (1 if has_first else 0) + (K if has_last else 0)
+            out["reduce_scatter"] += F32 * T * Hh * calls
+            out["all_gather"] += F32 * T * Hh * calls
+            if has_last:
+                out["all_gather"] += F32 * T * Hh * (K + 1)
+                out["reduce_scatter"] += F32 * T * Hh * (K + 1)
+                for d in range(K + 1):
+                    n = int(depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum())
+                    out["all_reduce"] += F32 * 6 * n
+        elif tp > 1:
             for is_moe in execs:
                 out["all_reduce"] += F32 * (2 * T * Hh + 2 * T * Hh + (T * k if is_moe else 0))
             out["all_reduce"] += F32 * T * Hh * ((1 if has_first else 0) + (K if has_last else 0))
@@ -143,12 +171,20 @@ def analytic(cfg, model, pstate, batches):
             for is_moe in execs:
                 if is_moe:
                     out["all_to_all"] += F32 * 4 * T * k * Hh + 8 * E
+    if sp:
+        finisher = pstate.extras["clip_grad_norm"]
+        for name, p in model.named_parameters():
+            if name in finisher.sp_partial:
+                out["all_reduce"] += F32 * (p.to_local() if isinstance(p, DTensor) else p).numel()
+        if dp * ep == 1:  # router loads summed over tp (otherwise counted with the batch ranks')
+            out["all_reduce"] += F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
+    act = T * Hh // (tp if sp else 1)
     if pipe is not None:
         for s in pipe._mine:
             if s != pipe._n_stages - 1:
-                out["p2p"] += F32 * n_micro * T * Hh
+                out["p2p"] += F32 * n_micro * act
             if s != 0:
-                out["p2p"] += F32 * n_micro * T * Hh
+                out["p2p"] += F32 * n_micro * act
         if has_first or has_last:  # the shared-embedding gradient, as held locally (tp / fsdp shard)
             w = model.embed_tokens.weight
             out["all_reduce"] += F32 * (w.to_local() if isinstance(w, DTensor) else w).numel()
@@ -255,9 +291,11 @@ def worker(out_path, layouts):
     dist.destroy_process_group()
 
 
-def main():
+def main(only=()):
+    """`python bench/comm_volume.py [LAYOUT ...]`: every layout, or just the named ones."""
+    selected = {k: v for k, v in LAYOUTS.items() if not only or k in only}
     by_world = defaultdict(list)
-    for layout, world in LAYOUTS.items():
+    for layout, world in selected.items():
         by_world[world].append(layout)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -274,7 +312,7 @@ def main():
                 results.update(json.load(f))
     worst = 0.0
     print(f"{'layout':36s} {'collective':16s} {'measured MB':>12s} {'analytic MB':>12s} {'ratio':>7s}")
-    for layout in LAYOUTS:
+    for layout in selected:
         meas, ana = defaultdict(float), defaultdict(float)
         for m_rank, a_rank in results[layout]:
             for k, v in m_rank.items():
@@ -294,4 +332,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3:])
     else:
-        main()
+        main(sys.argv[1:])
