@@ -214,7 +214,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         K = cfg.mtp.num_steps
         logger = MetricsLogger(cfg, self.pstate.is_main, self.start_step, t.max_steps)
-        preemption.install_preemption_handler()
+        previous_handlers = preemption.install_preemption_handler()
         self.model.train()
         last_record = None
         step = self.start_step
@@ -275,6 +275,7 @@ class Trainer:
                     latest_checkpoint(cfg.run.dir, report=False) or (0, ""))[0] < step:
                 self.save(step)
         finally:
+            preemption.restore_signal_handlers(previous_handlers)
             logger.close()
         return last_record
 

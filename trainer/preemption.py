@@ -1,6 +1,6 @@
 """Checkpoint-and-requeue on Slurm's pre-timeout signal (or any SIGTERM).
 
-Four functions, used by the training loop like this::
+The functions, used by the training loop like this::
 
     install_preemption_handler()              # once, at start, from the main thread
     for step in ...:
@@ -10,9 +10,10 @@ Four functions, used by the training loop like this::
             requeue_current_job()              # every rank; only global rank 0 talks to Slurm
             sys.exit(0)
 
-`install_preemption_handler(signals=(SIGUSR1, SIGTERM))`
-    Installs a handler that only sets a process-local flag (no I/O, no collectives, nothing that could
-    deadlock or corrupt state when it interrupts the step). Must be called from the main thread.
+`install_preemption_handler(signals=(SIGUSR1, SIGTERM)) -> previous handlers`
+    Clears the flag and installs a handler that only sets it (no I/O, no collectives, nothing that
+    could deadlock or corrupt state when it interrupts the step). Must be called from the main thread.
+    `restore_signal_handlers(previous)` puts the earlier handlers back when training ends.
 `preemption_requested() -> bool`
     This process's flag: a signal arrived since installation.
 `agree_preemption(group=None) -> bool`
@@ -52,10 +53,21 @@ def _handler(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
     _signal_name = signal.Signals(signum).name
 
 
-def install_preemption_handler(signals: Iterable[signal.Signals] = (signal.SIGUSR1, signal.SIGTERM)) -> None:
-    """Route `signals` to a handler that only records that preemption was requested."""
-    for sig in signals:
-        signal.signal(sig, _handler)
+def install_preemption_handler(signals: Iterable[signal.Signals] = (signal.SIGUSR1, signal.SIGTERM)) -> dict:
+    """Route `signals` to a handler that only records that preemption was requested.
+
+    A training run starts un-preempted, so this also clears the flag. Returns the previous handlers
+    for `restore_signal_handlers` (an in-process caller such as a test or notebook gets its own
+    SIGTERM behaviour back when training ends)."""
+    global _requested, _signal_name
+    _requested, _signal_name = False, None
+    return {sig: signal.signal(sig, _handler) for sig in signals}
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    """Put back the handlers `install_preemption_handler` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def preemption_requested() -> bool:
