@@ -244,7 +244,6 @@ def worker(out_path, layouts):
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import Trainer, build_model
     from tandem.trainer.loss import depth_coefficients
-    from tandem.trainer.optim import build_optimizer
     from tandem.trainer.parallel import init_parallel, parallelize_model
     from tandem.trainer.parallel.device import resolve_device
 
@@ -256,10 +255,7 @@ def worker(out_path, layouts):
         device = resolve_device("cpu")
         pstate = init_parallel(cfg, device)
         model = parallelize_model(build_model(cfg), cfg, pstate)
-        tr = Trainer.__new__(Trainer)
-        tr.cfg, tr.pstate, tr.model, tr.device, tr.autocast_dtype = cfg, pstate, model, device, None
-        tr.optimizer = build_optimizer(model, cfg.train)
-        tr.moe_layers = [x for x in model.modules() if hasattr(x, "router") and hasattr(x.router, "update_bias")]
+        tr = Trainer.for_model(cfg, model, pstate)
         model.train()
         counter = None
         for step in range(2):

@@ -35,12 +35,25 @@ LAYOUTS = {
     "tp=2,sequence_parallel=true": 2,
     "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,sequence_parallel=true": 4,
+    # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp
+    "tp=2,model.qk_norm=true": 2,
 }
 RTOL = 1e-5
+# qk_norm sharpens attention, and fp32 rounding of the split matmuls then reaches ~4e-5 on a few
+# weights after three Adam steps; run in float64 the same comparison gives 2e-6 (the norms and router
+# still compute in fp32), so the gap is rounding. The bug this layout guards against (q/k-norm
+# gradients not summed over tp) makes the replicas on the two tp ranks differ, which the replica check
+# in `load` catches at RTOL.
+PARAM_RTOL = {"tp=2,model.qk_norm=true": 1e-4}
+
+
+def model_overrides(layout: str) -> str:
+    """The non-parallel part of a layout (`model.qk_norm=true`), which its reference run shares."""
+    return ",".join(kv for kv in layout.split(",") if "." in kv.split("=")[0])
 
 
 def batch_ranks(layout: str) -> int:
-    kv = dict(item.split("=") for item in layout.split(","))
+    kv = dict(item.split("=") for item in layout.split(",") if "." not in item.split("=")[0])
     return int(kv.get("dp", 1)) * int(kv.get("ep", 1)) if "dp" in kv else int(kv.get("ep", 1))
 
 
@@ -67,10 +80,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+class _References(dict):
+    """Single-process runs, keyed by (batch ranks, model overrides), computed on first use."""
+
+    def __missing__(self, key):
+        batch, model = key
+        torch.set_num_threads(1)
+        self[key] = worker.run_layout(",".join(["single"] + ([model] if model else [])), batch_size_for_ref=batch)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def references():
-    torch.set_num_threads(1)
-    return {n: worker.run_layout("single", batch_size_for_ref=n) for n in (1, 2)}
+    return _References()
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +108,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, runs, references):
-    ref = references[batch_ranks(layout)]
+    ref = references[batch_ranks(layout), model_overrides(layout)]
     losses, params = load(runs, layout, LAYOUTS[layout])
     ref_losses = torch.tensor(ref["losses"], dtype=torch.float64)
     got = torch.tensor(losses, dtype=torch.float64)
@@ -95,5 +117,5 @@ def test_layout_matches_single_process(layout, runs, references):
     assert worst_loss < RTOL, f"{layout}: per-depth losses {got.tolist()} vs {ref_losses.tolist()}"
     assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
     worst = max((rel_err(params[n], ref["params"][n]), n) for n in params)
-    assert worst[0] < RTOL, f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
+    assert worst[0] < PARAM_RTOL.get(layout, RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
     print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} ({worst[1]})")

@@ -36,7 +36,8 @@ BASE = [
 
 
 def layout_overrides(layout: str) -> List[str]:
-    return [f"parallel.{kv}" for kv in layout.split(",") if kv and kv != "single"]
+    """`tp=2,pp=2` -> parallel.* overrides; items with a dot (`model.qk_norm=true`) are full keys."""
+    return [kv if "." in kv.split("=")[0] else f"parallel.{kv}" for kv in layout.split(",") if kv and kv != "single"]
 
 
 def make_cfg(layout: str, grad_accum: int):
@@ -72,11 +73,11 @@ def run_layout(layout: str, batch_size_for_ref: int = 1) -> dict:
 
     from tandem.trainer.loop import Trainer, build_model
     from tandem.trainer.loss import depth_coefficients
-    from tandem.trainer.optim import build_optimizer, lr_at, set_lr
+    from tandem.trainer.optim import lr_at, set_lr
     from tandem.trainer.parallel import init_parallel, parallelize_model
     from tandem.trainer.parallel.device import resolve_device
 
-    single = layout == "single"
+    single = layout.split(",")[0] == "single"
     accum = GRAD_ACCUM * (batch_size_for_ref if single else 1)
     cfg = make_cfg(layout, accum)
     device = resolve_device("cpu")
@@ -87,12 +88,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1) -> dict:
     else:
         pstate = init_parallel(cfg, device)
     model = parallelize_model(build_model(cfg), cfg, pstate)
-    tr = Trainer.__new__(Trainer)
-    tr.cfg, tr.pstate, tr.model, tr.device, tr.autocast_dtype = cfg, pstate, model, device, None
-    tr.optimizer = build_optimizer(model, cfg.train)
-    tr.moe_layers = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
-    for moe in tr.moe_layers:
-        moe.aux_grad_scale = 1.0 / accum
+    tr = Trainer.for_model(cfg, model, pstate)
     model.train()
     losses, norms = [], []
     for step in range(STEPS):

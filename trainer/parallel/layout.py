@@ -89,7 +89,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     state.extras["clip_grad_norm"] = GradientFinisher(
         model, state.world_size, pp, allreduce=(p.dp_mode == "allreduce"),
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
-        tie_group=tie_group, sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp else None)
+        tie_group=tie_group, sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None)
     return model
 
 

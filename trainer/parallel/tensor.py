@@ -275,8 +275,9 @@ def _block_plan(block, sequence_parallel: bool = False) -> dict:
 def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh,
                                      sequence_parallel: bool = False) -> List[str]:
     """TP over `tp_mesh` (None = off) and EP over `ep_mesh` (None = off), in place, on whatever
-    parts of the model this rank holds (pipeline stages prune first). Returns, under sequence
-    parallelism, the names of the replicated parameters whose gradients are partial over tp."""
+    parts of the model this rank holds (pipeline stages prune first). Returns the names of the
+    replicated parameters whose gradients are partial over tp (per-head q/k norms; under sequence
+    parallelism every replicated parameter that computed on one sequence shard)."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     sp = sequence_parallel and tp > 1
     blocks = [b for b in model.layers.values()]
@@ -284,8 +285,6 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
         blocks += [layer.block for layer in model.mtp.layers]
     for block in blocks:
         if tp > 1:
-            if block.self_attn.q_norm is not None:
-                pass  # per-head norms act on head_dim: replicated, unaffected by the head split
             parallelize_module(block, tp_mesh, _block_plan(block, sp))
         if isinstance(block.mlp, MoE):
             parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp)
@@ -296,7 +295,9 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
         if getattr(model, "lm_head", None) is not None:
             model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, sp)
     if not sp:
-        return []
+        # Per-head q/k norms (qk_norm) are replicated but each rank applies them to its own heads
+        # only, so their gradients are partial over tp like the sequence-parallel ones.
+        return [name for name, _ in model.named_parameters() if ".q_norm." in name or ".k_norm." in name] if tp > 1 else []
     group = tp_mesh.get_group()
     model.gather_sequence = lambda h: gather_along(h, group, 1)
     return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
