@@ -124,7 +124,7 @@ def analytic(cfg, model, pstate, batches):
     from tandem.trainer.parallel.data import expert_parameters
 
     sizes = pstate.extras["sizes"]
-    tp, ep, dp, pp = sizes["tp"], sizes["ep"], sizes["dp"], sizes["pp"]
+    tp, ep, dp = sizes["tp"], sizes["ep"], sizes["dp"]
     m, K, k = cfg.model, cfg.mtp.num_steps, cfg.model.top_k
     E, Hh = m.num_experts, m.hidden_size
     out = defaultdict(float)

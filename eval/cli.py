@@ -41,8 +41,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args):
     """(model, cfg or None, tokenizer or None)."""
-    import torch  # noqa: F401
-
     if args.hf:
         try:
             from tandem.trainer.hf_import import load_hf_model

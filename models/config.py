@@ -8,7 +8,7 @@ DeepSeek-V3-style checkpoints need, so importing one is a weight mapping, not a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 
 @dataclass

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tandem.models.config import MTPConfig, ModelConfig, validate_model

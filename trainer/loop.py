@@ -10,7 +10,6 @@ resume needs only the step, the weights, the optimizer and the RNG states.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time

@@ -19,7 +19,6 @@ import shutil
 import sys
 
 import pytest
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -93,8 +93,6 @@ class NaNAtBatch:
 
 
 def params(run_dir, step):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: F401
-
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     model, _ = load_model_from_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"))

@@ -203,7 +203,7 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path):
     for r in range(PROCS):
         recs = [json.loads(l) for l in (run_dir / f"preempted_rank{r}.jsonl").read_text().splitlines()]
         assert recs[0]["signalled_here"] is True, (r, recs)
-    assert f"start (restart 1)" in logs
+    assert "start (restart 1)" in logs
 
 
 # -- the real trainer ------------------------------------------------------------------------------------

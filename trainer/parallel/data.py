@@ -9,7 +9,7 @@ the loop already normalises every loss by the global target count.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 import torch
 import torch.distributed as dist

@@ -17,7 +17,6 @@ regions (tensor.py); the router loads are then summed over tp as well.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
