@@ -12,8 +12,9 @@ update of the next step reads them).
 Parallel layouts: every rank calls `run()` and executes the same decode (its control flow depends
 only on logits, identical across ranks when `model.logits` returns full-vocabulary logits); only
 rank 0's numbers are logged. Under pipeline parallelism (`pstate.extras["pipeline"]`) no rank holds
-the whole model, so the decode is skipped with a one-time message and nothing is logged (never a
-wrong number).
+the whole model, and under sequence parallelism the TP regions expect sequence-split activations that
+single decode steps cannot provide; in both cases the evaluator is skipped with a one-time message and
+nothing is logged (never a wrong number).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ RESTORE_ROUTER_LOADS = True
 """Tests switch this off to show that the restore is what keeps training unchanged."""
 
 PIPELINE_MESSAGE = "eval: speculative decoding under pipeline parallelism is not supported; skipped"
+SEQUENCE_PARALLEL_MESSAGE = ("eval: speculative decoding under sequence parallelism is not supported "
+                             "(decode steps are not split along the sequence); skipped")
 
 
 class InLoopEvaluator:
@@ -59,6 +62,9 @@ class InLoopEvaluator:
     def run(self, step: int) -> Dict[str, float]:
         if "pipeline" in self.pstate.extras:
             self._say_once(PIPELINE_MESSAGE)
+            return {}
+        if self.pstate.extras.get("sequence_parallel"):
+            self._say_once(SEQUENCE_PARALLEL_MESSAGE)
             return {}
         if not self.prompts:
             self._say_once("eval: no validation split (data gives validation no samples); evaluator skipped")

@@ -96,3 +96,13 @@ def test_pipeline_layout_skips_with_message(capsys):
     ev._warned = False
     assert ev.run(10) == {} and ev.run(20) == {}
     assert capsys.readouterr().err.count(in_loop.PIPELINE_MESSAGE) == 1
+
+
+def test_sequence_parallel_layout_skips_with_message(capsys):
+    from types import SimpleNamespace
+
+    ev = in_loop.InLoopEvaluator.__new__(in_loop.InLoopEvaluator)
+    ev.pstate = SimpleNamespace(extras={"sequence_parallel": True}, is_main=True)
+    ev._warned = False
+    assert ev.run(10) == {} and ev.run(20) == {}
+    assert capsys.readouterr().err.count(in_loop.SEQUENCE_PARALLEL_MESSAGE) == 1
