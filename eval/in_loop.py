@@ -24,6 +24,8 @@ from typing import Dict, List
 
 import torch
 
+from tandem.trainer.parallel.data import gathered_for_inference
+
 from .metrics import evaluate_decoding, teacher_forced
 from .spec_decode import unwrap
 
@@ -78,7 +80,8 @@ class InLoopEvaluator:
         devices = [] if device.type == "cpu" else [device]
         e = self.cfg.eval
         try:
-            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad():
+            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad(), \
+                    gathered_for_inference(model):
                 model.eval()
                 out = teacher_forced(model, self.loss_batches, device)
                 dec, _, _ = evaluate_decoding(

@@ -47,10 +47,6 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _local_rows(weight: torch.Tensor) -> int:
-    return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
-
-
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Softmax(logits / T) restricted to the top-p nucleus and renormalised (fp32)."""
     p = torch.softmax(logits.float() / temperature, dim=-1)
@@ -136,24 +132,19 @@ class SpecDecoder:
         p0 = m.embed_tokens.weight
         self.device, self.dtype = p0.device, p0.dtype
         cfg = m.cfg
-        head_dim = cfg.resolved_head_dim
         # Margin: pad positions of a batched range may run up to ~2K past a row's end.
         self.cap = int(max_positions) + 3 * num_steps + 4
         if self.cap > cfg.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens + draft margin = {self.cap} positions exceeds "
                              f"model.max_seq_len={cfg.max_seq_len}")
         B, H = batch, cfg.hidden_size
-        any_attn = next(iter(m.layers.values())).self_attn
-        kv_heads = _local_rows(any_attn.k_proj.weight) // head_dim
         self.B, self.H = B, H
-        self.trunk_cache = KVCache(cfg.num_layers, B, kv_heads, self.cap, head_dim, self.dtype, self.device)
+        self.trunk_cache = KVCache(cfg.num_layers, B, self.cap, self.dtype, self.device)
         n_hidden = (num_steps if m.mtp is not None and m.mtp.chained else 1) if num_steps > 0 else 1
         self.h = [torch.zeros(B, self.cap, H, dtype=self.dtype, device=self.device) for _ in range(max(n_hidden, 1))]
         self.mtp_caches = []
-        for k in range(1, num_steps + 1):
-            attn = m.mtp.layer_for_step(k).block.self_attn
-            self.mtp_caches.append(KVCache(1, B, _local_rows(attn.k_proj.weight) // head_dim, self.cap, head_dim,
-                                           self.dtype, self.device).layer(0))
+        for _ in range(num_steps):  # one cache per depth: depths share layer weights, not states
+            self.mtp_caches.append(KVCache(1, B, self.cap, self.dtype, self.device).layer(0))
         self.seq = torch.zeros(B, self.cap + num_steps + 2, dtype=torch.long, device=self.device)
         self.m = torch.zeros(B, dtype=torch.long, device=self.device)
         self.valid = torch.full((num_steps + 1, B), -1, dtype=torch.long, device=self.device)

@@ -24,7 +24,10 @@ SMALL = [
     "train.max_steps=3", "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512",
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
     "model.intermediate_size=64", "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32",
-    "train.micro_batch_size=2", "train.grad_accum_steps=2", "eval.interval=0", "logging.wandb=false",
+    "train.micro_batch_size=2", "train.grad_accum_steps=2", "logging.wandb=false",
+    # the in-loop evaluator at the last step: speculative decoding on the sharded model as trained
+    "eval.interval=3", "eval.num_prompts=2", "eval.prompt_len=12", "eval.max_new_tokens=12", "eval.batch_size=2",
+    "eval.loss_batches=1",
     "logging.progress=false", "train.eps=1e-6",
 ]
 LAYOUTS = [(2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.tp=2"]),
@@ -41,10 +44,21 @@ def run(cmd, env):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
 
 
-def main_losses(run_dir):
+def records(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r["loss/main"] for r in recs if "loss/main" in r}
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main_losses(run_dir):
+    return {r["step"]: r["loss/main"] for r in records(run_dir) if "loss/main" in r}
+
+
+EVAL_EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/identical_to_autoregressive"]
+EVAL_CLOSE = ["eval/loss/main", "eval/loss/mtp_1", "eval/loss/mtp_2", "eval/tf_acc/mtp_1"]
+
+
+def eval_record(run_dir):
+    return next((r for r in records(run_dir) if "eval/acceptance_length" in r), None)
 
 
 class _References:
@@ -59,7 +73,7 @@ class _References:
             run_dir = self.root / f"single_accum{accum}"
             run(tandem_cmd() + ["train", RECIPE, f"run.dir={run_dir}", *self.common, f"train.grad_accum_steps={accum}"],
                 self.env)
-            self.runs[accum] = main_losses(run_dir)
+            self.runs[accum] = (main_losses(run_dir), eval_record(run_dir))
         return self.runs[accum]
 
 
@@ -71,7 +85,7 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("world,overrides", LAYOUTS, ids=[" ".join(o) for _, o in LAYOUTS])
 def test_cli_layout_matches_single_process(world, overrides, references):
     batch_ranks = 2 if "parallel.ep=2" in overrides else 1
-    ref = references.losses(2 * batch_ranks)
+    ref, ref_eval = references.losses(2 * batch_ranks)
     root, env, common = references.root, references.env, references.common
     run_dir = root / ("_".join(o.replace("parallel.", "").replace("=", "") for o in overrides))
     exe = tandem_cmd()
@@ -82,3 +96,13 @@ def test_cli_layout_matches_single_process(world, overrides, references):
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     for step in ref:
         assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, got, ref)
+    got_eval = eval_record(run_dir)
+    if "parallel.pp=2" in overrides or "parallel.sequence_parallel=true" in overrides:
+        assert got_eval is None  # skipped with a message, never a wrong number
+        return
+    assert ref_eval is not None and got_eval is not None and got_eval["step"] == 3
+    assert got_eval["eval/identical_to_autoregressive"] == 1.0
+    for key in EVAL_EXACT:
+        assert got_eval[key] == ref_eval[key], (key, got_eval[key], ref_eval[key])
+    for key in EVAL_CLOSE:
+        assert abs(got_eval[key] - ref_eval[key]) <= 1e-5 * max(abs(ref_eval[key]), 1e-3), (key, got_eval, ref_eval)

@@ -196,7 +196,7 @@ def test_kv_cache_incremental_decode_matches_full_forward():
     model = make(K=0, qk_norm=True, attention_bias=True, partial_rotary_factor=0.5).eval()
     tokens = torch.randint(0, 97, (2, 10))
     full = model.trunk(tokens, torch.arange(10).expand(2, 10))
-    cache = KVCache(model.cfg.num_layers, 2, 2, 16, model.cfg.resolved_head_dim, torch.float32, torch.device("cpu"))
+    cache = KVCache(model.cfg.num_layers, 2, 16, torch.float32, torch.device("cpu"))
     part1 = model.trunk(tokens[:, :6], torch.arange(6).expand(2, 6), cache)
     steps = [model.trunk(tokens[:, i : i + 1], torch.full((2, 1), i), cache) for i in range(6, 10)]
     torch.testing.assert_close(torch.cat([part1] + steps, 1), full, rtol=1e-5, atol=1e-5)

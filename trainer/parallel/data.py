@@ -8,6 +8,7 @@ the loop already normalises every loss by the global target count.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, List
 
@@ -51,6 +52,24 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modu
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum: losses are already globally normalised
                 m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
+
+
+@contextlib.contextmanager
+def gathered_for_inference(model: nn.Module):
+    """Unshard the FSDP2 root's own parameters (embedding, final norm, head, MTP module) for code that
+    calls the model's pieces directly instead of `model(...)`: the speculative decoder calls
+    `model.trunk`, `model.mtp_step` and `model.logits`, which bypass the root's pre-forward hook.
+    Sharded blocks and experts still gather in their own forward hooks. No-op without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [model] if isinstance(model, FSDPModule) else []
+    for root in roots:
+        root.unshard()
+    try:
+        yield model
+    finally:
+        for root in roots:
+            root.reshard()
 
 
 class GradientFinisher:
