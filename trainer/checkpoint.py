@@ -96,45 +96,79 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                     config_yaml: str, trainer_state: dict, keep_last: int = 0) -> str:
-    """Collective: every rank calls it. Returns the final directory."""
-    root = checkpoints_root(run_dir)
-    final = os.path.join(root, f"step_{step}")
-    tmp = os.path.join(root, f".tmp_step_{step}")
-    if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=tmp)
-    _pause_for_tests("after_shards", step)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
-    _barrier()
-    if _rank() == 0:
-        with open(os.path.join(tmp, "config.yaml"), "w") as f:
-            f.write(config_yaml)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **trainer_state}, f, indent=1)
-        _pause_for_tests("before_marker", step)
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):  # a stale copy of the same step (e.g. rewind); replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        if keep_last > 0:
-            complete, _ = list_checkpoints(run_dir)
-            for _, old in complete[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+    """Collective: every rank calls it; synchronous. Returns the final directory."""
+    return CheckpointWriter(run_dir, keep_last).save(step, model, optimizer, config_yaml, trainer_state)
+
+
+class CheckpointWriter:
+    """Writes checkpoints synchronously or, with `async_save`, through DCP's async_save: the call
+    blocks only while the state is copied to host memory, and the shards are written by a background
+    thread. At most one save is in flight; it is committed (marker written last, directory renamed
+    into place, old ones pruned) by `finish()`, which the next `save()` and the end of training call,
+    so an interrupted background write leaves only an ignored `.tmp_step_<N>/`."""
+
+    def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False):
+        self.run_dir, self.keep_last, self.async_save = run_dir, keep_last, async_save
+        self.pending = None
+
+    def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config_yaml: str,
+             trainer_state: dict) -> str:
+        """Start (async) or write (sync) checkpoint `step`; returns the directory it will have."""
+        self.finish()
+        root = checkpoints_root(self.run_dir)
+        tmp = os.path.join(root, f".tmp_step_{step}")
+        if _rank() == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, "rng"))
+        _barrier()
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model)}
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
+        future = dcp.async_save(state, checkpoint_id=tmp) if self.async_save else None
+        if future is None:
+            dcp.save(state, checkpoint_id=tmp)
+        self.pending = (future, step, tmp, config_yaml, dict(trainer_state))
+        if not self.async_save:
+            self.finish()
+        return os.path.join(root, f"step_{step}")
+
+    def finish(self) -> Optional[str]:
+        """Wait for the save in flight (if any) on every rank, then commit it. Collective."""
+        if self.pending is None:
+            return None
+        future, step, tmp, config_yaml, trainer_state = self.pending
+        self.pending = None
+        if future is not None:
+            future.result()
+        _pause_for_tests("after_shards", step)
+        _barrier()
+        root = checkpoints_root(self.run_dir)
+        final = os.path.join(root, f"step_{step}")
+        if _rank() == 0:
+            with open(os.path.join(tmp, "config.yaml"), "w") as f:
+                f.write(config_yaml)
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, **trainer_state}, f, indent=1)
+            _pause_for_tests("before_marker", step)
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(final):  # a stale copy of the same step (e.g. rewind); replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            if self.keep_last > 0:
+                complete, _ = list_checkpoints(self.run_dir)
+                for _, old in complete[:-self.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
 
 
 def _fsync_dir(path: str) -> None:

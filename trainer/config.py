@@ -167,6 +167,9 @@ class LoggingConfig:
     """wandb tags."""
     progress: bool = True
     """Show a progress bar with ETA and live loss."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for the `mfu` metric; 0 uses the detected GPU/NPU's bf16 peak
+    (H100/H200, A100, Ascend 910B, ...) and omits `mfu` when unknown (CPU)."""
 
 
 @dataclass
@@ -177,6 +180,10 @@ class CheckpointConfig:
     """Keep only the newest N checkpoints (0 keeps all)."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint async_save): training waits
+    only for the copy to host memory; the checkpoint becomes visible (complete) at the next save or
+    at the end of training."""
 
 
 @dataclass

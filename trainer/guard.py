@@ -79,7 +79,7 @@ class BadStepGuard:
         return {"bad_steps/total": float(self.total_bad)}
 
     def halt(self, steps_done: int, record: dict) -> None:
-        self.trainer.save(steps_done)
+        self.trainer.save(steps_done, wait=True)
         losses = ", ".join(f"{k}={v:.6g}" for k, v in record.items() if k.startswith("loss"))
         raise BadStepHalt(f"halted at step {record['step']}: {self.last_reason}; {losses}; "
                           f"last good state saved as checkpoint step_{steps_done}")
@@ -89,6 +89,7 @@ class BadStepGuard:
         from .checkpoint import latest_checkpoint, load_checkpoint
 
         bad_batch = self.batch_number(steps_done)
+        self.trainer.checkpoints.finish()  # a save still in flight is the newest good state
         found = latest_checkpoint(self.trainer.cfg.run.dir, report=False)
         if found is None:
             self.skipped_batches.append(bad_batch)

@@ -22,7 +22,7 @@ from torch import nn
 from tandem.models import TandemModel
 
 from . import preemption
-from .checkpoint import check_compatible, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint
 from .config import ConfigError, TandemConfig, to_yaml
 from .loss import combine_losses, depth_coefficients, lambda_at
 from .metrics import MetricsLogger
@@ -51,18 +51,24 @@ def write_config(run_dir: str, config_yaml: str) -> None:
 
 
 def build_model(cfg: TandemConfig) -> TandemModel:
-    """The plain model, seeded so every rank (and every layout) starts from identical weights."""
+    """The plain model, seeded so every rank (and every layout) starts from identical weights.
+    `model.init_from` weights are loaded later, by `load_init_from`, once the model is sharded."""
     torch.manual_seed(cfg.train.seed)
     model = TandemModel(cfg.model, cfg.mtp)
-    if cfg.model.init_from:
-        from .init_from import load_initial_weights
-
-        load_initial_weights(model, cfg.model.init_from, mtp_init_from_last_layer=cfg.mtp.init_from_last_layer)
     if cfg.train.freeze_trunk:
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("mtp."))
     model.distill = cfg.train.distill
     return model
+
+
+def load_init_from(model: nn.Module, cfg: TandemConfig) -> None:
+    """Fine-tuning: load `model.init_from` into the (possibly sharded) model. Run after parallelisation
+    so each rank reads only the slices of the checkpoint its parameters hold."""
+    if cfg.model.init_from:
+        from .init_from import load_initial_weights
+
+        load_initial_weights(model, cfg.model.init_from, mtp_init_from_last_layer=cfg.mtp.init_from_last_layer)
 
 
 class Trainer:
@@ -87,7 +93,10 @@ class Trainer:
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
             model_vocab_size=cfg.model.vocab_size)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
-        self._attach(parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate))
+        model = parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate)
+        load_init_from(model, cfg)
+        self._attach(model)
+        self.checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
         self.start_step = 0
         if self.resume:
             found = latest_checkpoint(cfg.run.dir)
@@ -98,6 +107,10 @@ class Trainer:
                 self.guard.load_state(state)
                 if self.pstate.is_main:
                     print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
+        from .estimate import training_flops_per_token
+
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
+        self.peak_flops = (cfg.logging.peak_tflops or self.device.peak_tflops()) * 1e12
         # Written only once every check above has passed, so a failed start leaves an earlier run's
         # config.yaml as it was.
         if self.pstate.is_main:
@@ -203,10 +216,12 @@ class Trainer:
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
-    def save(self, step: int) -> None:
-        save_checkpoint(self.cfg.run.dir, step, self.model, self.optimizer, self.config_yaml,
-                        {"tokens_seen": step * self.global_batch * self.cfg.data.seq_len, **self.guard.state()},
-                        keep_last=self.cfg.checkpoint.keep_last)
+    def save(self, step: int, wait: bool = False) -> None:
+        """Checkpoint `step` (in the background with checkpoint.async_save unless `wait`)."""
+        self.checkpoints.save(step, self.model, self.optimizer, self.config_yaml,
+                              {"tokens_seen": step * self.global_batch * self.cfg.data.seq_len, **self.guard.state()})
+        if wait:
+            self.checkpoints.finish()
 
     # ---------------------------------------------------------------------------------------------
     def train(self) -> Optional[dict]:
@@ -252,8 +267,11 @@ class Trainer:
                 step += 1
                 _kill_for_tests(step, self.pstate.rank)
                 dt = time.perf_counter() - t0
+                tokens_per_s = self.global_batch * cfg.data.seq_len / dt
+                if self.peak_flops:
+                    record["mfu"] = self.flops_per_token * tokens_per_s / (self.pstate.world_size * self.peak_flops)
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
-                               "tokens_per_s": self.global_batch * cfg.data.seq_len / dt,
+                               "tokens_per_s": tokens_per_s,
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics,
                                **self.guard.metrics()})
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
@@ -265,14 +283,16 @@ class Trainer:
                 if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < t.max_steps:
                     self.save(step)
                 if preemption.agree_preemption():
-                    self.save(step)
+                    self.save(step, wait=True)
                     preemption.requeue_current_job()
                     if self.pstate.is_main:
                         print(f"preempted: checkpointed step {step} and asked Slurm to requeue", file=sys.stderr)
                     return last_record
-            if cfg.checkpoint.save_final and t.max_steps > 0 and (
-                    latest_checkpoint(cfg.run.dir, report=False) or (0, ""))[0] < step:
+            saved = self.checkpoints.pending[1] if self.checkpoints.pending else (
+                latest_checkpoint(cfg.run.dir, report=False) or (0, ""))[0]
+            if cfg.checkpoint.save_final and t.max_steps > 0 and saved < step:
                 self.save(step)
+            self.checkpoints.finish()
         finally:
             preemption.restore_signal_handlers(previous_handlers)
             logger.close()

@@ -35,15 +35,19 @@ def test_every_depth_learns(tiny_overrides):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact(tiny_overrides, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_resume_is_bit_exact(tiny_overrides, tmp_path, async_save):
     full = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"run.dir={tmp_path / 'full'}"])
     train(full)
-    part = load_config(RECIPE, tiny_overrides + ["train.max_steps=3", f"run.dir={tmp_path / 'part'}"])
+    saving = [f"checkpoint.async_save={async_save}", "checkpoint.interval=1", "checkpoint.keep_last=2"]
+    part = load_config(RECIPE, tiny_overrides + saving + ["train.max_steps=3", f"run.dir={tmp_path / 'part'}"])
     train(part)
+    complete, incomplete = list_checkpoints(part.run.dir)
+    assert [s for s, _ in complete] == [2, 3] and not incomplete  # committed, pruned after completion
     # a crash after step 3's checkpoint would leave later records; the resume must drop them
     with open(os.path.join(part.run.dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 4, "loss": 123.0}) + "\n")
-    resumed = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"run.dir={tmp_path / 'part'}"])
+    resumed = load_config(RECIPE, tiny_overrides + saving + ["train.max_steps=6", f"run.dir={tmp_path / 'part'}"])
     train(resumed, resume=True)
     a, b = records(full.run.dir), records(part.run.dir)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
