@@ -29,34 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
+from tandem.trainer.estimate import training_flops_per_token  # noqa: E402
 from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
-
-
-def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> tuple[float, float]:
-    """(forward FLOPs per token of all transformer layers incl. MTP, forward FLOPs of one head)."""
-    h, hd = cfg.hidden_size, cfg.resolved_head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    attn = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * q * (seq_len / 2)  # projections + causal QK^T and AV
-
-    def mlp(moe: bool) -> float:
-        if not moe:
-            return 3 * 2 * h * cfg.intermediate_size
-        routed = cfg.top_k * 3 * 2 * h * cfg.moe_intermediate_size
-        shared = cfg.num_shared_experts * 3 * 2 * h * cfg.moe_intermediate_size
-        return 2 * h * cfg.num_experts + routed + shared
-
-    layers = sum(attn + mlp(cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
-    mtp_moe = mtp.moe and cfg.num_experts > 0
-    layers += mtp.num_steps * (attn + mlp(mtp_moe) + (2 * 2 * h * h if mtp.style == "looped" else 0))
-    return layers, 2 * h * cfg.vocab_size
-
-
-def training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
-    layers, head = forward_flops_per_token(cfg, mtp, seq_len)
-    depths = 1 + mtp.num_steps
-    valid = sum((seq_len - d) / seq_len for d in range(depths))  # depth d has S-d targets per window
-    return 3 * layers + 4 * head * valid
 
 
 class Runner:
@@ -105,7 +80,7 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     mem_plain, mem_mtp, mem_deeper = plain.peak_memory(), mtp.peak_memory(), deeper.peak_memory()
     result = {
         "step_time_ratio": statistics.median(t_mtp) / statistics.median(t_plain),
-        "flop_ratio": training_flops(cfg, looped, seq_len) / training_flops(cfg, plain_mtp, seq_len),
+        "flop_ratio": training_flops_per_token(cfg, looped, seq_len) / training_flops_per_token(cfg, plain_mtp, seq_len),
         "peak_mem_ratio": mem_mtp / mem_plain,
         "layer_mem_ratio": (mem_plain + k * (mem_deeper - mem_plain)) / mem_plain,
     }

@@ -18,11 +18,38 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.models import TandemModel
+from tandem.models import MTPConfig, ModelConfig, TandemModel
 
 from .config import TandemConfig
 
 GIB = 2**30
+
+
+def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> tuple[float, float]:
+    """(forward FLOPs per token of all transformer layers incl. MTP, forward FLOPs of one head)."""
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    attn = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * q * (seq_len / 2)  # projections + causal QK^T and AV
+
+    def mlp(moe: bool) -> float:
+        if not moe:
+            return 3 * 2 * h * cfg.intermediate_size
+        routed = cfg.top_k * 3 * 2 * h * cfg.moe_intermediate_size
+        shared = cfg.num_shared_experts * 3 * 2 * h * cfg.moe_intermediate_size
+        return 2 * h * cfg.num_experts + routed + shared
+
+    layers = sum(attn + mlp(cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
+    mtp_moe = mtp.moe and cfg.num_experts > 0
+    layers += mtp.num_steps * (attn + mlp(mtp_moe) + (2 * 2 * h * h if mtp.style == "looped" else 0))
+    return layers, 2 * h * cfg.vocab_size
+
+
+def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
+    """Forward + backward matmul/attention FLOPs per trained token (the head recomputed in backward)."""
+    layers, head = forward_flops_per_token(cfg, mtp, seq_len)
+    depths = 1 + mtp.num_steps
+    valid = sum((seq_len - d) / seq_len for d in range(depths))  # depth d has S-d targets per window
+    return 3 * layers + 4 * head * valid
 
 
 @dataclass

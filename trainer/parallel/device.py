@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Dense bf16 peak TFLOP/s per device, matched against the device name, for MFU.
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0),
+                    ("A800", 312.0), ("L40S", 362.0), ("910B", 313.0))
+
+
 @dataclass(frozen=True)
 class Device:
     type: str
@@ -43,6 +48,13 @@ class Device:
         if self.is_accelerator:
             return self.module.max_memory_allocated(self.device) / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+    def peak_tflops(self) -> float:
+        """Known dense bf16 peak of this accelerator (0 when unknown, and on CPU)."""
+        if not self.is_accelerator:
+            return 0.0
+        name = self.module.get_device_name(self.device)
+        return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), 0.0)
 
     def autocast_dtype(self, requested: str):
         """bf16 autocast on accelerators under `auto`, fp32 (no autocast) on CPU."""
