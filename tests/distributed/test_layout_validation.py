@@ -28,6 +28,7 @@ def cfg(*overrides):
     (["parallel.pp=2", "parallel.pp_microbatches=1"], 2, "parallel.pp_microbatches=1 pipeline micro-batches is below"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=63", "model.max_seq_len=128"], 2,
      "needs data.seq_len=63 divisible by parallel.tp=2"),
+    (["parallel.tp=2", "train.distill=argmax"], 2, "train.distill='argmax' is not supported with parallel.tp=2"),
 ])
 def test_impossible_layouts_are_one_line_config_errors(overrides, world, needle):
     with pytest.raises(ConfigError) as err:

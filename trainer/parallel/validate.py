@@ -49,6 +49,9 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
                               f"{p.tp}*{p.pp}*{p.ep} = {model_parallel}")
         dp = world_size // model_parallel
     if p.tp > 1:
+        if cfg.train.distill != "none":
+            raise ConfigError(f"train.distill={cfg.train.distill!r} is not supported with parallel.tp={p.tp} yet "
+                              "(the teacher reads the whole output head); use tp=1 with ep/pp/dp")
         if m.num_heads % p.tp:
             raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}")
         if m.num_kv_heads % p.tp:
