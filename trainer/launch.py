@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides passed to `tandem train`")
     p.add_argument("--nodes", type=int, required=True, help="nodes (one torchrun per node)")
     per_node = p.add_mutually_exclusive_group(required=True)
-    per_node.add_argument("--gpus-per-node", type=int, help="accelerators per node: requests gres=gpu:G and starts G ranks per node")
+    per_node.add_argument("--gpus-per-node", type=int, help="accelerators per node: requests gres=<gres-name>:G and starts G ranks per node")
     per_node.add_argument("--procs-per-node", type=int, help="CPU-only: ranks per node, no gres")
+    p.add_argument("--gres-name", default=None,
+                        help="generic resource to request per node (default: npu for device=npu recipes, else gpu)")
     p.add_argument("--cpus-per-task", type=int, help=f"CPUs for each node's task (default: P, or {GPU_CPUS_PER_TASK} per GPU)")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--time", help="time limit (Slurm syntax, e.g. 04:00:00 or 2-00:00:00)")
@@ -126,7 +128,7 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
         f"--cpus-per-task={cpus}",
     ]
     if gpus:
-        d.append(f"--gres=gpu:{gpus}")
+        d.append(f"--gres={_directive_value('--gres-name', args.gres_name or 'gpu')}:{gpus}")
     if args.time:
         d.append(f"--time={_directive_value('--time', args.time)}")
     if args.partition:
@@ -182,6 +184,8 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     run_dir = cfg.run.dir
     try:
+        if args.gres_name is None and cfg.device == "npu":
+            args.gres_name = "npu"  # Ascend clusters schedule NPUs as gres/npu
         script = render_sbatch(args, run_dir)
     except LaunchError as exc:
         print(f"tandem launch slurm: {exc}", file=sys.stderr)

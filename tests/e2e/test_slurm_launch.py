@@ -73,6 +73,14 @@ def test_dry_run_gpu_and_extras(tmp_path, capsys):
     assert "--nproc-per-node=8" in out
 
 
+def test_ascend_recipe_requests_npus(capsys):
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "moe_4b_mtp_ascend.yaml")
+    d = _directives(_dry_run(capsys, [recipe, "--nodes", "2", "--gpus-per-node", "8"]))
+    assert "--gres=npu:8" in d and not any(x.startswith("--gres=gpu") for x in d)
+    d = _directives(_dry_run(capsys, [recipe, "--nodes", "2", "--gpus-per-node", "8", "--gres-name", "gpu"]))
+    assert "--gres=gpu:8" in d
+
+
 def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
     recipe = _recipe(tmp_path, tmp_path / "run")
     with pytest.raises(SystemExit):
