@@ -54,6 +54,9 @@ def test_stopped_and_resumed_ep2_is_bit_exact(uninterrupted):
 
 def test_rank_killed_under_torchrun_restarts_and_resumes(uninterrupted):
     root, reference = uninterrupted
-    err = torchrun(root / "killed", root / "cache", 5, extra_env={"TANDEM_TEST_KILL_AT_STEP": "3:1"}, restarts=1)
+    # Rank 1 is SIGKILLed after step 3 on the first attempt only. One spare restart absorbs an
+    # occasional gloo "connection refused" while the restarted ranks re-form the group (seen once on
+    # this 2-core machine); every later attempt must still resume from step 2 and match bit for bit.
+    err = torchrun(root / "killed", root / "cache", 5, extra_env={"TANDEM_TEST_KILL_AT_STEP": "3:1"}, restarts=2)
     assert "resumed from" in err and "at step 2" in err
     assert losses(root / "killed") == reference
