@@ -29,10 +29,12 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import tandem.slurm as tandem_slurm
 from tandem.trainer.config import ConfigError, load_config
 
-SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
-"""Templates and env.d live in the repository's slurm/ (override with TANDEM_SLURM_DIR)."""
+SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
+"""Templates and env.d: the package data of `tandem.slurm` (the repository's slurm/); override with
+TANDEM_SLURM_DIR."""
 
 DEFAULT_SIGNAL_SECONDS = 120
 GPU_CPUS_PER_TASK = 8
