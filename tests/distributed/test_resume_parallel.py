@@ -1,5 +1,5 @@
-"""Resume is bit-exact under a parallel layout (ep2 on gloo), both for a stopped-and-resumed job and
-for a job whose rank dies and is restarted by torchrun (--max-restarts)."""
+"""Resume is bit-exact under a parallel layout (ep2 on gloo): a job stopped after step 2 and resumed
+gives the uninterrupted job's losses and grad norms bit for bit."""
 
 import json
 import os
@@ -20,11 +20,10 @@ SMALL = [
 ]
 
 
-def torchrun(run_dir, cache, steps, extra_env=None, restarts=0, resume=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           f"--max-restarts={restarts}", "-m", "tandem.trainer.cli", "train", RECIPE, *SMALL,
+def torchrun(run_dir, cache, steps, resume=False):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tandem.trainer.cli", "train", RECIPE, *SMALL,
            f"train.max_steps={steps}", f"run.dir={run_dir}", f"data.cache_dir={cache}"] + (["--resume"] if resume else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", **(extra_env or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stderr
@@ -51,12 +50,3 @@ def test_stopped_and_resumed_ep2_is_bit_exact(uninterrupted):
     assert "at step 2" in err
     assert losses(root / "resumed") == reference
 
-
-def test_rank_killed_under_torchrun_restarts_and_resumes(uninterrupted):
-    root, reference = uninterrupted
-    # Rank 1 is SIGKILLed after step 3 on the first attempt only. One spare restart absorbs an
-    # occasional gloo "connection refused" while the restarted ranks re-form the group (seen once on
-    # this 2-core machine); every later attempt must still resume from step 2 and match bit for bit.
-    err = torchrun(root / "killed", root / "cache", 5, extra_env={"TANDEM_TEST_KILL_AT_STEP": "3:1"}, restarts=2)
-    assert "resumed from" in err and "at step 2" in err
-    assert losses(root / "killed") == reference

@@ -154,3 +154,16 @@ def test_loss_spike_is_a_bad_step(monkeypatch, tiny_overrides):
     train(cfg)
     recs = records(cfg.run.dir)
     assert [r.get("skipped", 0.0) for r in recs] == [0, 0, 0, 0, 0, 0, 1, 0]
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_after_a_rank_dies(tiny_overrides, tmp_path, reference):
+    run = str(tmp_path / "elastic")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+           "-m", "tandem.trainer.cli", "train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2",
+           f"run.dir={run}"]
+    env = {**os.environ, "TANDEM_TEST_KILL_AT_STEP": "3"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "at step 2" in done.stderr
+    assert losses(run) == reference
