@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from tandem.models.moe import GroupedExperts
 
+from .tensor import local
+
 
 def _is_shard(placement) -> bool:
     """Shard or _StridedShard (FSDP over a TP-sharded dim): both split the tensor."""
@@ -103,10 +105,6 @@ class GradientFinisher:
             if p.requires_grad:
                 yield name, p, id(p) in experts, id(p) == embed_id
 
-    @staticmethod
-    def _local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     @torch.no_grad()
     def sync(self) -> None:
         for p, _, _ in self._params():
@@ -119,7 +117,7 @@ class GradientFinisher:
                 if name in self.sp_partial:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    dist.all_reduce(self._local(p.grad), group=self.tp_group)
+                    dist.all_reduce(local(p.grad), group=self.tp_group)
         for p, is_expert, is_embed in self._params():
             need_dp = self.allreduce and (self.dp_size > 1 if is_expert else self.batch_size > 1)
             need_tie = is_embed and self.tie_group is not None
@@ -127,7 +125,7 @@ class GradientFinisher:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            g = self._local(p.grad)
+            g = local(p.grad)
             if need_dp:
                 dist.all_reduce(g, group=self.dp_group if is_expert else self.batch_group)
             if need_tie:
@@ -145,7 +143,7 @@ class GradientFinisher:
             if isinstance(g, DTensor):
                 shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
             copies = holders * (2 if is_embed and self.tie_group is not None else 1) / shards
-            sq = self._local(g).double().pow(2).sum() / copies
+            sq = local(g).double().pow(2).sum() / copies
             total = sq if total is None else total + sq
         if total is None:
             total = torch.zeros((), dtype=torch.float64)
@@ -161,5 +159,5 @@ class GradientFinisher:
             if coef < 1.0:
                 for p, _, _ in self._params():
                     if p.grad is not None:
-                        self._local(p.grad).mul_(coef)
+                        local(p.grad).mul_(coef)
         return norm.float()
