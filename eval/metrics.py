@@ -24,7 +24,7 @@ from .spec_decode import DecodeResult, DecodeStats, acceptance_metrics, generate
 @torch.no_grad()
 def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None) -> Dict[str, float]:
     """Mean cross-entropy (`loss/main`, `loss/mtp_k`) and top-1 accuracy (`tf_acc/mtp_k`) per depth,
-    from the same hidden states the training forward computes (the loop of `losses_from_hidden`)."""
+    from the same hidden states the training forward computes (`TandemModel.depth_states`)."""
     m = unwrap(model)
     depths = m.num_depths
     loss = torch.zeros(depths, dtype=torch.float64)
@@ -40,11 +40,7 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
         doc_ids = batch.get("doc_ids")
         doc_ids = doc_ids.to(tokens.device) if doc_ids is not None else None
         pos = torch.arange(s, device=tokens.device).expand(b, s)
-        h0 = m.trunk(tokens[:, :s], pos)
-        h = h0
-        for d in range(depths):
-            if d > 0:
-                h = m.mtp_step(d, h if m.mtp.chained else h0, shifted_tokens(tokens, d, s), pos)
+        for d, h in m.depth_states(m.trunk(tokens[:, :s], pos), tokens, pos):
             mask = depth_target_mask(loss_mask, doc_ids, d)
             if not bool(mask.any()):
                 continue

@@ -118,6 +118,20 @@ class TandemModel(nn.Module):
         emb = self.embed_tokens(tokens_bs) if layer.combine else None
         return layer(h_prev_bsh, emb, positions_bs, cache)
 
+    def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor):
+        """Yield (depth, pre-norm hidden state) for depth 0 (the trunk) .. K, teacher-forced on the true
+        tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. With mtp.detach_trunk no
+        MTP gradient reaches the trunk."""
+        s = tokens_bs1.shape[1] - 1
+        h = h0_bsh
+        yield 0, h
+        for depth in range(1, self.num_depths):
+            h_in = h if self.mtp.chained else h0_bsh
+            if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
+                h_in = h_in.detach()
+            h = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs)
+            yield depth, h
+
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
         return self.norm(h_bsh) if depth == 0 else self.mtp.layer_for_step(depth).norm(h_bsh)
 
@@ -148,7 +162,6 @@ class TandemModel(nn.Module):
         whole = self.gather_sequence if self.gather_sequence is not None else (lambda h: h)
         sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
-        h_prev = h0_bsh
         teacher_bsh = teacher_ids = None
         if self.distill != "none" and self.num_depths > 1:
             with torch.no_grad():
@@ -156,12 +169,7 @@ class TandemModel(nn.Module):
                 if self.distill == "argmax":
                     flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
                     teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
-        for depth in range(self.num_depths):
-            if depth > 0:
-                h_in = h_prev if self.mtp.chained else h0_bsh
-                if depth == 1 or not self.mtp.chained:
-                    h_in = h_in.detach() if self.mtp_cfg.detach_trunk else h_in
-                h_prev = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs)
+        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs):
             mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
             targets = shifted_tokens(tokens_bs1, depth + 1, s)
             chunk = self.mtp_cfg.loss_chunk_tokens
