@@ -17,7 +17,10 @@ regions (tensor.py); the router loads are then summed over tp as well.
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch import nn
 
 from ..config import TandemConfig
@@ -30,7 +33,7 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
 
     p = cfg.parallel
     if not dist.is_initialized():
-        dist.init_process_group(backend=device.backend)
+        init_process_group(device.backend)
     mesh = init_device_mesh(device.type, (p.pp, dp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "ep", "tp"))
     batch_mesh = mesh["dp", "ep"]._flatten("dp_ep")
     batch = dp * p.ep
@@ -46,6 +49,26 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
         "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
     })
     return state
+
+
+def init_process_group(backend: str) -> None:
+    """`dist.init_process_group` from the launcher's environment, with restart attempts kept apart.
+
+    torchrun's c10d rendezvous shares its TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE) and
+    torch (2.13) keeps every restart attempt's keys in it unprefixed (pytorch/pytorch#135712, #167288):
+    a worker restarted after a rank died can read the dead attempt's peer addresses and fail in gloo's
+    connectFullMesh ("Connection refused") or wait forever on a stale key. Under an agent store the
+    process group therefore gets its own key prefix per attempt (TORCHELASTIC_RESTART_COUNT, which
+    every worker of a restarted group shares)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend)
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                timeout=default_pg_timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tandem/attempt_{attempt}", agent_store),
+                            rank=int(os.environ["RANK"]), world_size=world)
 
 
 def _router_load_group(mesh, batch_mesh, batch: int, sp: bool):
