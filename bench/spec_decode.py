@@ -5,8 +5,9 @@
 Greedy decoding of the same validation prompts with K MTP drafts and without; the two are
 interleaved batch by batch and repetition by repetition and the medians compared. Prints the
 measured decode tokens/s of both, the measured speedup, the predicted speedup A*T/(D+V+O) from the
-measured per-round draft (D), verify (V) and overhead (O) times and the AR per-token time T, and ends
-with one line `acceptance_length=<a> speedup=<s> speedup_over_acceptance=<s/a>`.
+measured per-round draft (D), verify (V) and overhead (O) times and the AR per-token time T, the
+ceiling T/(V+O) that speedup/acceptance could reach if drafting were free (it is below 1 wherever a
+forward over K+1 tokens costs more than one over a single token), and ends with one line `acceptance_length=<a> speedup=<s> speedup_over_acceptance=<s/a>`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def main(argv=None) -> int:
     print(f"tokens/s spec={m['decode_tokens_per_s/spec']:.1f} ar={m['decode_tokens_per_s/ar']:.1f} "
           f"speedup={s:.3f} predicted={m['speedup_predicted']:.3f} (K={args.num_steps}, "
           f"identical_to_autoregressive={m['identical_to_autoregressive']})")
+    T, V, O = m["time_per_token/ar_ms"], m["time_per_round/verify_ms"], m["time_per_round/overhead_ms"]
+    print(f"verify of {args.num_steps + 1} tokens = {V / T:.3f} x one AR token: speedup/acceptance ceiling with free "
+          f"drafts T/(V+O) = {T / (V + O):.3f}; the {args.num_steps} draft steps take {m['time_per_round/draft_ms']:.2f} ms "
+          f"= {m['time_per_round/draft_ms'] / T:.2f} AR tokens")
     print(f"acceptance_length={a:.4f} speedup={s:.4f} speedup_over_acceptance={s / a:.4f}")
     return 0
 
