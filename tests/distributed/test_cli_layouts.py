@@ -20,15 +20,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
-SMALL = [
-    "train.max_steps=3", "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512",
-    "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
-    "model.intermediate_size=64", "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32",
-    "train.micro_batch_size=2", "train.grad_accum_steps=2", "logging.wandb=false",
+# The tiny model and corpus slice of the distributed CLI tests (tp2 needs the 2 kv heads).
+TINY_MODEL_DATA = [
+    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
+    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
+    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
+    "logging.wandb=false", "logging.progress=false",
+]
+SMALL = TINY_MODEL_DATA + [
+    "train.max_steps=3", "train.grad_accum_steps=2", "train.eps=1e-6",
     # the in-loop evaluator at the last step: speculative decoding on the sharded model as trained
     "eval.interval=3", "eval.num_prompts=2", "eval.prompt_len=12", "eval.max_new_tokens=12", "eval.batch_size=2",
     "eval.loss_batches=1",
-    "logging.progress=false", "train.eps=1e-6",
 ]
 LAYOUTS = [(2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.tp=2"]),
            (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (4, ["parallel.tp=2", "parallel.pp=2"])]

@@ -10,14 +10,11 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
-SMALL = [
-    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
-    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
-    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-    "eval.interval=0", "logging.wandb=false", "logging.progress=false", "checkpoint.interval=2", "parallel.ep=2",
-]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from test_cli_layouts import RECIPE, ROOT, TINY_MODEL_DATA  # noqa: E402
+
+SMALL = TINY_MODEL_DATA + ["eval.interval=0", "checkpoint.interval=2", "parallel.ep=2"]
 
 
 def torchrun(run_dir, cache, steps, resume=False):
