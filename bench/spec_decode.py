@@ -7,7 +7,8 @@ interleaved batch by batch and repetition by repetition and the medians compared
 measured decode tokens/s of both, the measured speedup, the predicted speedup A*T/(D+V+O) from the
 measured per-round draft (D), verify (V) and overhead (O) times and the AR per-token time T, the
 ceiling T/(V+O) that speedup/acceptance could reach if drafting were free (it is below 1 wherever a
-forward over K+1 tokens costs more than one over a single token), and ends with one line `acceptance_length=<a> speedup=<s> speedup_over_acceptance=<s/a>`.
+forward over K+1 tokens costs more than one over a single token), and ends with one line
+`acceptance_length=<a> speedup=<s> speedup_over_acceptance=<s/a>`.
 """
 
 from __future__ import annotations

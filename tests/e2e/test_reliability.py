@@ -32,12 +32,18 @@ def cli(args, env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def uninterrupted_losses(tiny_overrides, run_dir, accum: int = 1):
+    """Losses of an uninterrupted 6-step single-process run (`accum` micro-batches per step)."""
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"train.grad_accum_steps={accum}",
+                                                f"run.dir={run_dir}"])
+    train(cfg)
+    return losses(cfg.run.dir)
+
+
 @pytest.fixture
 def reference(tiny_overrides, tmp_path):
     """An uninterrupted 6-step run to compare recoveries against."""
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"run.dir={tmp_path / 'reference'}"])
-    train(cfg)
-    return losses(cfg.run.dir)
+    return uninterrupted_losses(tiny_overrides, tmp_path / "reference")
 
 
 @pytest.mark.slow
@@ -158,7 +164,7 @@ def test_loss_spike_is_a_bad_step(monkeypatch, tiny_overrides):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,layout,victim", [(1, [], "3"), (2, ["parallel.ep=2"], "3:1")])
-def test_torchrun_restart_resumes_after_a_rank_dies(nproc, layout, victim, tiny_overrides, tmp_path, reference):
+def test_torchrun_restart_resumes_after_a_rank_dies(nproc, layout, victim, tiny_overrides, tmp_path):
     """A rank SIGKILLed after step 3 makes torchrun restart the group, which resumes from step 2.
 
     With two ranks this re-forms the gloo group in torchrun's shared store, where a restarted rank
@@ -172,14 +178,11 @@ def test_torchrun_restart_resumes_after_a_rank_dies(nproc, layout, victim, tiny_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "at step 2" in done.stderr
     got = losses(run)
+    # n ranks split a batch n times as large: one process accumulating n micro-batches sees the same data.
+    want = uninterrupted_losses(tiny_overrides, tmp_path / "reference", accum=nproc)
     if nproc == 1:
-        assert got == reference  # bit-exact
+        assert got == want  # bit-exact
         return
-    # Two ranks split a batch twice as large: one process with two accumulated micro-batches sees the
-    # same data; ep2 sums in another order, so agreement is to 1e-5 (as tests/distributed checks).
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", "train.grad_accum_steps=2",
-                                                f"run.dir={tmp_path / 'reference_accum2'}"])
-    train(cfg)
-    want = losses(cfg.run.dir)
+    # ep2 sums in another order than one process, so agreement is to 1e-5 (as tests/distributed checks).
     assert [r[0] for r in got] == [r[0] for r in want] == list(range(1, 7))
     assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
