@@ -1,4 +1,4 @@
-"""`tandem` console script: train, preprocess, eval, export, launch.
+"""`tandem` console script: train, preprocess, eval, export, launch, report.
 
 Each subcommand's module is imported only when it runs, so `tandem train` does not pay for
 `transformers`, and `tandem --help` is instant.
@@ -22,6 +22,7 @@ commands:
   export --checkpoint DIR --out OUT         write a Hugging Face checkpoint (trunk + MTP weights)
   launch slurm RECIPE [key=value ...] --nodes N ...
                                             render and submit an sbatch script
+  report RUN_DIR [RUN_DIR ...] [--out DIR]  plot runs (overlaid): PNGs + one self-contained HTML page
 
 run `tandem <command> --help` for a command's options
 """
@@ -31,6 +32,7 @@ _COMMANDS = {
     "preprocess": ("tandem.data_pipeline.preprocess", "preprocess_main"),
     "eval": ("tandem.eval.cli", "eval_main"),
     "export": ("tandem.trainer.export", "export_main"),
+    "report": ("tandem.trainer.report", "report_main"),
 }
 
 

@@ -1,0 +1,103 @@
+"""`tandem report`: the figures hold exactly the series the runs logged, runs are overlaid, and the
+HTML page embeds every figure."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EVAL = ["eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.batch_size=2",
+        "eval.loss_batches=1", "train.max_steps=4", "train.log_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_base, tmp_path_factory):
+    """Two tiny runs that differ in K (2 and 1), the comparison `tandem report` exists for."""
+    from tandem.trainer.config import load_config
+    from tandem.trainer.loop import train
+
+    root = tmp_path_factory.mktemp("report_runs")
+    dirs = []
+    for k in (2, 1):
+        run_dir = str(root / f"k{k}")
+        train(load_config("recipes/tiny.yaml", tiny_base + EVAL + [f"mtp.num_steps={k}", f"run.dir={run_dir}"]))
+        dirs.append(run_dir)
+    return dirs
+
+
+def _logged(run_dir: str, key: str):
+    steps, values = [], []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if key in rec:
+                steps.append(rec["step"])
+                values.append(rec[key])
+    return steps, values
+
+
+def _lines_by_gid(fig):
+    return {line.get_gid(): line for ax in fig.axes for line in ax.get_lines() if line.get_gid()}
+
+
+def test_figures_hold_the_logged_series(two_runs):
+    import matplotlib.pyplot as plt
+
+    from tandem.trainer.report import make_figures, read_run
+
+    runs = [read_run(d) for d in two_runs]
+    figures = make_figures(runs)
+    assert set(figures) == {"losses", "acceptance", "accept_rate_by_position", "decode_throughput"}
+    expected = {
+        "losses": ["loss/main", "loss/mtp_1", "eval/loss/main", "eval/loss/mtp_1"],
+        "acceptance": ["eval/acceptance_length"],
+        "accept_rate_by_position": ["eval/accept_rate/pos_1"],
+        "decode_throughput": ["eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup",
+                              "eval/speedup_predicted"],
+    }
+    for name, keys in expected.items():
+        lines = _lines_by_gid(figures[name])
+        for run_dir, run in zip(two_runs, runs):
+            for key in keys:
+                steps, values = _logged(run_dir, key)
+                assert steps, (run_dir, key)
+                line = lines[f"{run.label}|{key}"]
+                assert list(line.get_xdata()) == steps, (name, key)
+                assert list(line.get_ydata()) == pytest.approx(values, rel=0, abs=0), (name, key)
+    # K=2 has a second MTP depth and a second draft position; the K=1 run has neither
+    losses = _lines_by_gid(figures["losses"])
+    assert "k2|loss/mtp_2" in losses and "k1|loss/mtp_2" not in losses
+    assert len(figures["accept_rate_by_position"].axes) == 2
+    assert [ax.get_title() for ax in figures["losses"].axes] == ["main head", "MTP depth 1", "MTP depth 2"]
+    for fig in figures.values():
+        plt.close(fig)
+
+
+def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run(["tandem", "report", *two_runs, "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out / "report.html")
+    pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
+    assert pngs == ["accept_rate_by_position.png", "acceptance.png", "decode_throughput.png", "losses.png"]
+    page = (out / "report.html").read_text()
+    assert "src=\"http" not in page and "<script" not in page  # nothing fetched from elsewhere
+    for png in pngs:
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert base64.b64encode(data).decode("ascii") in page
+    assert "k2" in page and "k1" in page
+
+
+def test_bad_run_dir_is_one_line(tmp_path):
+    proc = subprocess.run(["tandem", "report", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tandem report: error: run directory {str(tmp_path)!r} has no metrics.jsonl"
+    assert not (tmp_path / "report").exists()

@@ -1,0 +1,323 @@
+"""`tandem report RUN_DIR [RUN_DIR ...]`: plots of one or more runs, as PNGs and one HTML page.
+
+Each run directory is read as training wrote it: `metrics.jsonl` (the series) and `config.yaml`
+(what the run was: K, L, the MTP objective and lambda schedule, the layout). Several runs are
+overlaid on the same axes, so objectives, lambda schedules and K can be compared side by side.
+
+Figures (one PNG each, all embedded in `report.html`, which needs no other file):
+* `losses.png`: one panel per depth (main head, then MTP depth 1..K), training loss solid and the
+  evaluator's held-out loss dashed, one colour per run;
+* `acceptance.png`: acceptance length over training, one line per run and decoding variant
+  (greedy, and each sampled temperature the evaluator logged);
+* `accept_rate_by_position.png`: one panel per draft position k, the rate at which position k was
+  accepted, same lines as above;
+* `decode_throughput.png`: speculative vs autoregressive decode tokens/s, and the measured speedup
+  against the one the per-round timings predict.
+
+Variants are read from the key names: `eval/acceptance_length` and `eval/accept_rate/pos_k` are the
+evaluator's main setting (greedy unless `eval.temperature` > 0); a key with an extra segment before
+the leaf (`eval/<variant>/acceptance_length`, `eval/<variant>/accept_rate/pos_k`) is one more
+variant, labelled by that segment. Every line carries its metric key as matplotlib `gid`, so a test
+(or a notebook) can find the series a figure holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ACCEPT_LEAF = "acceptance_length"
+POS_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+)/)?accept_rate/pos_(?P<k>\d+)$")
+ACC_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+)/)?acceptance_length$")
+LOSS_RE = re.compile(r"^(?P<prefix>eval/)?loss/(?P<depth>main|mtp_(?P<k>\d+))$")
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on (the message names the path)."""
+
+
+@dataclass
+class Run:
+    label: str
+    """Legend label: the directory's name, or what --labels gave."""
+    path: str
+    """The run directory."""
+    records: List[dict]
+    """metrics.jsonl, in file order (a resumed run's file was truncated at the resume step)."""
+    config: dict = field(default_factory=dict)
+    """config.yaml as a plain dict (empty when the run has none)."""
+
+    def series(self, key: str) -> Tuple[List[int], List[float]]:
+        """(steps, values) of every record that has `key`."""
+        pairs = [(r["step"], r[key]) for r in self.records if key in r and r[key] is not None]
+        return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+
+    def keys(self) -> List[str]:
+        seen: Dict[str, None] = {}
+        for r in self.records:
+            for k in r:
+                seen.setdefault(k, None)
+        return list(seen)
+
+    def main_variant(self) -> str:
+        temperature = float(self.config.get("eval", {}).get("temperature", 0.0) or 0.0)
+        return "greedy" if temperature == 0 else f"T={temperature:g}"
+
+
+def read_run(path: str, label: Optional[str] = None) -> Run:
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        raise ReportError(f"run directory {path!r} has no metrics.jsonl")
+    records = []
+    with open(metrics) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash mid-write
+            if isinstance(rec, dict) and "step" in rec:
+                records.append(rec)
+    if not records:
+        raise ReportError(f"{metrics!r} holds no records")
+    config = {}
+    cfg_path = os.path.join(path, "config.yaml")
+    if os.path.isfile(cfg_path):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
+    return Run(label or os.path.basename(os.path.normpath(path)), path, records, config)
+
+
+def _variants(run: Run, pattern: re.Pattern) -> Dict[str, List[str]]:
+    """variant label -> keys of `run` matching `pattern` (variant None = the main setting)."""
+    out: Dict[str, List[str]] = {}
+    for key in run.keys():
+        m = pattern.match(key)
+        if m:
+            out.setdefault(m.group("variant") or run.main_variant(), []).append(key)
+    return out
+
+
+def _colors(n: int):
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def _plot(ax, run: Run, key: str, label: str, color, style: str = "-") -> bool:
+    steps, values = run.series(key)
+    if not steps:
+        return False
+    marker = "o" if len(steps) <= 12 else None
+    ax.plot(steps, values, style, color=color, label=label, gid=f"{run.label}|{key}", marker=marker, markersize=3)
+    return True
+
+
+def loss_figure(runs: Sequence[Run]):
+    import matplotlib.pyplot as plt
+
+    depths = sorted({m.group("depth") for r in runs for k in r.keys() if (m := LOSS_RE.match(k))},
+                    key=lambda d: -1 if d == "main" else int(d.split("_")[1]))
+    if not depths:
+        return None
+    fig, axes = plt.subplots(1, len(depths), figsize=(4 * len(depths), 3.4), squeeze=False, sharey=True)
+    for ax, depth in zip(axes[0], depths):
+        for run, color in zip(runs, _colors(len(runs))):
+            _plot(ax, run, f"loss/{depth}", f"{run.label} train", color)
+            _plot(ax, run, f"eval/loss/{depth}", f"{run.label} held-out", color, "--")
+        ax.set_title("main head" if depth == "main" else f"MTP depth {depth.split('_')[1]}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("cross-entropy (nats)")
+    _legend(axes[0])
+    fig.tight_layout()
+    return fig
+
+
+def _legend(axes) -> None:
+    """One legend for a row of panels: a run may be missing from some (a K=1 run has no depth 2)."""
+    entries: Dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    axes[0].legend(list(entries.values()), list(entries), fontsize=7)
+
+
+def _variant_lines(runs: Sequence[Run], pattern: re.Pattern):
+    """[(run, variant, keys, color, linestyle)]: colour per run, line style per variant."""
+    styles = ["-", "--", ":", "-."]
+    order: Dict[str, int] = {}
+    out = []
+    for run, color in zip(runs, _colors(len(runs))):
+        for variant, keys in _variants(run, pattern).items():
+            style = styles[order.setdefault(variant, len(order)) % len(styles)]
+            out.append((run, variant, keys, color, style))
+    return out
+
+
+def acceptance_figure(runs: Sequence[Run]):
+    import matplotlib.pyplot as plt
+
+    lines = _variant_lines(runs, ACC_RE)
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for run, variant, keys, color, style in lines:
+        _plot(ax, run, keys[0], f"{run.label} {variant}", color, style)
+    ax.set_xlabel("step")
+    ax.set_ylabel("acceptance length (tokens / verify)")
+    ax.set_title("speculative decoding: acceptance length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def position_figure(runs: Sequence[Run]):
+    import matplotlib.pyplot as plt
+
+    lines = _variant_lines(runs, POS_RE)
+    positions = sorted({int(POS_RE.match(k).group("k")) for _, _, keys, _, _ in lines for k in keys})
+    if not positions:
+        return None
+    fig, axes = plt.subplots(1, len(positions), figsize=(4 * len(positions), 3.4), squeeze=False, sharey=True)
+    for ax, k in zip(axes[0], positions):
+        for run, variant, keys, color, style in lines:
+            for key in keys:
+                if int(POS_RE.match(key).group("k")) == k:
+                    _plot(ax, run, key, f"{run.label} {variant}", color, style)
+        ax.set_title(f"draft position {k}")
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accepted fraction")
+    _legend(axes[0])
+    fig.tight_layout()
+    return fig
+
+
+def throughput_figure(runs: Sequence[Run]):
+    import matplotlib.pyplot as plt
+
+    if not any("eval/decode_tokens_per_s/spec" in r.keys() for r in runs):
+        return None
+    fig, (ax_tps, ax_speed) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for run, color in zip(runs, _colors(len(runs))):
+        _plot(ax_tps, run, "eval/decode_tokens_per_s/spec", f"{run.label} speculative", color)
+        _plot(ax_tps, run, "eval/decode_tokens_per_s/ar", f"{run.label} autoregressive", color, "--")
+        _plot(ax_speed, run, "eval/speedup", f"{run.label} measured", color)
+        _plot(ax_speed, run, "eval/speedup_predicted", f"{run.label} predicted", color, ":")
+    ax_tps.set_ylabel("decode tokens/s")
+    ax_tps.set_title("speculative vs autoregressive decoding")
+    ax_speed.set_ylabel("speedup over autoregressive")
+    ax_speed.axhline(1.0, color="grey", lw=0.8)
+    ax_speed.set_title("speedup: measured vs predicted")
+    for ax in (ax_tps, ax_speed):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = (("losses", loss_figure), ("acceptance", acceptance_figure),
+           ("accept_rate_by_position", position_figure), ("decode_throughput", throughput_figure))
+
+
+def make_figures(runs: Sequence[Run]) -> Dict[str, object]:
+    """name -> matplotlib Figure, for every figure the runs have data for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    figures = {}
+    for name, build in FIGURES:
+        fig = build(runs)
+        if fig is not None:
+            figures[name] = fig
+    return figures
+
+
+def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
+    rows = []
+    for run in runs:
+        mtp = run.config.get("mtp", {})
+        loss_cfg = mtp.get("loss", {}) if isinstance(mtp.get("loss"), dict) else {}
+        last = run.records[-1]
+        accept = run.series("eval/acceptance_length")[1]
+        rows.append([run.label, run.path, str(mtp.get("num_steps", "")), str(mtp.get("num_layers", "")),
+                     str(loss_cfg.get("objective", "ce")), str(loss_cfg.get("lambda", "")), str(last["step"]),
+                     f"{last['loss/main']:.4f}" if "loss/main" in last else "",
+                     f"{accept[-1]:.3f}" if accept else "not evaluated"])
+    return rows
+
+
+def write_report(runs: Sequence[Run], out_dir: str) -> Dict[str, str]:
+    """Write one PNG per figure and `report.html` (images embedded) into `out_dir`; return name -> path."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    figures = make_figures(runs)
+    paths, sections = {}, []
+    for name, fig in figures.items():
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[name] = path
+        with open(path, "rb") as f:
+            data = base64.b64encode(f.read()).decode("ascii")
+        sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
+                        f'<img alt="{html.escape(name)}" src="data:image/png;base64,{data}">')
+    if not any(name != "losses" for name in figures):
+        sections.append("<p>No evaluator records: these runs had <code>eval.interval=0</code> or no MTP module.</p>")
+    header = ["run", "directory", "K", "L", "objective", "lambda", "last step", "loss/main", "acceptance length"]
+    table = "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>\n" + "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _summary_rows(runs))
+    page = (
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Tandem report</title>\n"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px}img{max-width:100%}</style></head><body>\n"
+        f"<h1>Tandem report: {html.escape(', '.join(r.label for r in runs))}</h1>\n<table>\n{table}\n</table>\n"
+        + "\n".join(sections) + "\n</body></html>\n")
+    html_path = os.path.join(out_dir, "report.html")
+    tmp = html_path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(page)
+    os.replace(tmp, html_path)
+    paths["html"] = html_path
+    return paths
+
+
+def report_main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem report",
+                                     description="Plot one or more runs (overlaid) as PNGs and one self-contained HTML page.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    parser.add_argument("--out", help="output directory (default: RUN_DIR/report for one run, ./report for several)")
+    parser.add_argument("--labels", help="comma-separated legend labels, one per run (default: directory names)")
+    args = parser.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [None] * len(args.run_dirs)
+    if len(labels) != len(args.run_dirs):
+        print(f"tandem report: error: --labels has {len(labels)} entries for {len(args.run_dirs)} run directories",
+              file=sys.stderr)
+        return 2
+    try:
+        runs = [read_run(path, label) for path, label in zip(args.run_dirs, labels)]
+        seen: Dict[str, int] = {}
+        for run in runs:  # two runs named alike (…/a/run, …/b/run) still get their own legend entry
+            n = seen[run.label] = seen.get(run.label, 0) + 1
+            if n > 1:
+                run.label = f"{run.label}#{n}"
+    except ReportError as exc:
+        print(f"tandem report: error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or (os.path.join(args.run_dirs[0], "report") if len(runs) == 1 else "report")
+    paths = write_report(runs, out)
+    print(paths["html"])
+    return 0
