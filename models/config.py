@@ -94,6 +94,12 @@ class MTPLossConfig:
     """MTP loss weight lambda at step 0 (written `mtp.loss.lambda` in recipes and overrides)."""
     lambda_after: Dict[int, float] = field(default_factory=dict)
     """Piecewise-constant schedule: from step s on, lambda = value (DeepSeek-V3: 0.3 then 0.1)."""
+    objective: str = "ce"
+    """Per-depth MTP loss: `ce` (cross-entropy on the data, or on the trunk's targets under train.distill)
+    or `acceptance` (-log sum_v min(p_v, q_v): the probability that speculative sampling accepts the
+    depth's draft q against the trunk's detached distribution p at the position whose token it drafts)."""
+    acceptance_ce_weight: float = 0.0
+    """With objective=acceptance: add this weight times the data cross-entropy to each depth's loss."""
 
 
 @dataclass
@@ -156,6 +162,10 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
         )
     if model.num_experts < 0:
         raise ValueError(f"model.num_experts must be >= 0, got {model.num_experts}")
+    if mtp.loss.objective not in ("ce", "acceptance"):
+        raise ValueError(f"mtp.loss.objective={mtp.loss.objective!r} must be ce or acceptance")
+    if mtp.loss.acceptance_ce_weight < 0:
+        raise ValueError(f"mtp.loss.acceptance_ce_weight={mtp.loss.acceptance_ce_weight} must be >= 0")
     if model.num_experts:
         if not 0 < model.top_k <= model.num_experts:
             raise ValueError(f"model.top_k={model.top_k} must be in [1, model.num_experts={model.num_experts}]")

@@ -62,3 +62,74 @@ def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
         part = checkpoint(_chunk_soft_ce_sum, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_soft_ce_sum(*args)
         total = part if total is None else total + part
     return total
+
+
+# --- the acceptance objective ---------------------------------------------------------------------
+class VocabReduce:
+    """How a loss combines per-row values over the vocabulary. On one device the rows already span
+    the whole vocabulary, so every reduction is the identity; a vocabulary-parallel head
+    (trainer/parallel/) passes one that all-reduces over its tensor-parallel group. The two sums differ
+    only in backward, by who consumes the result: `sum` feeds computation every rank repeats (the loss
+    itself), so its gradient is already whole on each rank; `sum_for_shards` (the softmax normaliser)
+    feeds each rank's own vocabulary slice, so the slices' gradients must be summed."""
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """Not differentiated (used only to stabilise exponentials)."""
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum_for_shards(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+WHOLE_VOCAB = VocabReduce()
+
+
+def _log_softmax(logits_nv: torch.Tensor, red: VocabReduce) -> torch.Tensor:
+    m = red.max(logits_nv.detach().amax(dim=-1))
+    z = logits_nv - m.unsqueeze(1)
+    return z - red.sum_for_shards(z.exp().sum(dim=-1)).log().unsqueeze(1)
+
+
+def acceptance_loss_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor,
+                        targets_n: torch.Tensor, ce_weight: float, red: VocabReduce = WHOLE_VOCAB,
+                        vocab_start: int = 0) -> torch.Tensor:
+    """Sum over rows of -log a(p, q) (+ ce_weight x cross-entropy on `targets`), where
+    a(p, q) = sum_v min(p_v, q_v) is the probability that speculative sampling accepts a token drafted
+    from the student q (`h @ weight.T`) against the teacher p (`teacher @ weight.T`, no gradient).
+    Computed in log space, log a = logsumexp_v min(log p_v, log q_v), so a near-zero overlap neither
+    underflows nor divides by zero. `weight_vh` may be one vocabulary shard (rows vocab_start..), then
+    `red` reduces over the shards."""
+    with torch.no_grad():
+        log_p = _log_softmax(F.linear(teacher_nh, weight_vh).float(), red)
+    log_q = _log_softmax(F.linear(h_nh, weight_vh).float(), red)
+    low = torch.minimum(log_p, log_q)
+    m = red.max(low.detach().amax(dim=-1))
+    log_a = red.sum((low - m.unsqueeze(1)).exp().sum(dim=-1)).log() + m
+    loss = -log_a.sum()
+    if ce_weight:
+        local_t = targets_n - vocab_start
+        inside = (local_t >= 0) & (local_t < weight_vh.shape[0])
+        picked = log_q.gather(1, local_t.clamp(0, weight_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
+        loss = loss - ce_weight * red.sum(torch.where(inside, picked, torch.zeros_like(picked))).sum()
+    return loss
+
+
+def chunked_acceptance_loss_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor,
+                                targets_n: torch.Tensor, chunk_tokens: int, ce_weight: float = 0.0,
+                                red: VocabReduce = WHOLE_VOCAB, vocab_start: int = 0) -> torch.Tensor:
+    """`acceptance_loss_sum` one chunk of rows at a time, recomputed in backward like the other chunked
+    losses, so no [tokens x vocab] tensor outlives one chunk."""
+    if h_nh.shape[0] == 0:
+        return (h_nh.sum() + weight_vh.sum()) * 0.0
+    chunk = chunk_tokens if chunk_tokens > 0 else h_nh.shape[0]
+    total = None
+    for i in range(0, h_nh.shape[0], chunk):
+        args = (h_nh[i : i + chunk], teacher_nh[i : i + chunk], weight_vh, targets_n[i : i + chunk], ce_weight, red,
+                vocab_start)
+        part = (checkpoint(acceptance_loss_sum, *args, use_reentrant=False) if torch.is_grad_enabled()
+                else acceptance_loss_sum(*args))
+        total = part if total is None else total + part
+    return total

@@ -20,9 +20,16 @@ from torch import nn
 from .attention import Attention, LayerKV
 from .config import MTPConfig, ModelConfig
 from .layers import RMSNorm, SwiGLU
-from .loss import chunked_argmax, chunked_cross_entropy_sum, chunked_soft_cross_entropy_sum
+from .loss import (chunked_acceptance_loss_sum, chunked_argmax, chunked_cross_entropy_sum,
+                   chunked_soft_cross_entropy_sum)
 from .moe import MoE
 from .mtp import MTPModule, depth_target_mask, shifted_tokens
+
+
+def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
+    """The trunk's head input at position t+depth, aligned to position t: MTP depth k at t drafts token
+    t+1+k, which the trunk predicts at t+k. The wrapped-around tail is masked by the depth's mask."""
+    return torch.cat([teacher_bsh[:, depth:], teacher_bsh[:, :depth]], dim=1)
 
 
 class TransformerBlock(nn.Module):
@@ -51,6 +58,10 @@ class OutputHead(nn.Module):
 
     def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         return chunked_cross_entropy_sum(h_normed_nh, self.weight, targets_n, chunk_tokens)
+
+    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
+                            chunk_tokens: int, ce_weight: float) -> torch.Tensor:
+        return chunked_acceptance_loss_sum(h_normed_nh, teacher_nh, self.weight, targets_n, chunk_tokens, ce_weight)
 
 
 @dataclass
@@ -163,7 +174,8 @@ class TandemModel(nn.Module):
         sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
         teacher_bsh = teacher_ids = None
-        if self.distill != "none" and self.num_depths > 1:
+        objective = self.mtp_cfg.loss.objective
+        if (self.distill != "none" or objective == "acceptance") and self.num_depths > 1:
             with torch.no_grad():
                 teacher_bsh = whole(self.norm(h0_bsh.detach()))  # the trunk's normed state: its next-token head input
                 if self.distill == "argmax":
@@ -182,9 +194,12 @@ class TandemModel(nn.Module):
             if depth > 0 and teacher_ids is not None:
                 # The trunk predicts token t+1+depth at position t+depth.
                 sums.append(self.lm_head.loss_sum(hn, shifted_tokens(teacher_ids, depth, s)[mask], chunk))
+            elif depth > 0 and objective == "acceptance":
+                sums.append(self.lm_head.acceptance_loss_sum(hn, _teacher_at(teacher_bsh, depth)[mask], targets[mask],
+                                                             chunk, self.mtp_cfg.loss.acceptance_ce_weight))
             elif depth > 0 and teacher_bsh is not None:
-                teacher = torch.cat([teacher_bsh[:, depth:], teacher_bsh[:, :depth]], dim=1)[mask]
-                sums.append(chunked_soft_cross_entropy_sum(hn, teacher, self.lm_head.weight, chunk))
+                sums.append(chunked_soft_cross_entropy_sum(hn, _teacher_at(teacher_bsh, depth)[mask],
+                                                           self.lm_head.weight, chunk))
             else:
                 sums.append(self.lm_head.loss_sum(hn, targets[mask], chunk))
             counts.append(mask.sum())

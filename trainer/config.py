@@ -297,6 +297,8 @@ def validate(cfg: TandemConfig) -> None:
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
         ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
+        ("train.distill", cfg.train.distill == "none" or cfg.mtp.loss.objective == "ce",
+         "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
         ("train.bad_step_policy", cfg.train.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
         ("train.spike_factor", cfg.train.spike_factor == 0 or cfg.train.spike_factor > 1, "must be 0 (off) or > 1"),
         ("train.spike_window", cfg.train.spike_window > 0, "must be positive"),

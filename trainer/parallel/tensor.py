@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from tandem.models.layers import SwiGLU
+from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE
 
 from .comm import all_to_all, copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
@@ -203,6 +204,24 @@ def _vocab_parallel_chunk(h_nh, w_local_vh, targets_n, vocab_start: int, group):
     return (sum_exp.log() - target_z).sum()
 
 
+class _TensorParallelVocab(VocabReduce):
+    """Reductions over a vocabulary sharded across the tp group (max: not differentiated)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_group(x, self.group)
+
+    def sum_for_shards(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_group(reduce_from_group(x, self.group), self.group)
+
+
 class VocabParallelHead(nn.Module):
     """The shared output head with its vocabulary sharded over tp (`weight` a Shard(0) DTensor).
 
@@ -226,7 +245,12 @@ class VocabParallelHead(nn.Module):
     def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         return self(h_normed_nh, targets_n, chunk_tokens)
 
-    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None, chunk_tokens: int = 0):
+    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
+                            chunk_tokens: int, ce_weight: float) -> torch.Tensor:
+        return self(h_normed_nh, targets_n, chunk_tokens, teacher=teacher_nh, ce_weight=ce_weight)
+
+    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None, chunk_tokens: int = 0,
+                teacher: Optional[torch.Tensor] = None, ce_weight: float = 0.0):
         group = self.tp_mesh.get_group()
         w = local(self.weight)
         if targets is None:  # full logits (evaluation): gather the vocabulary shards
@@ -237,6 +261,9 @@ class VocabParallelHead(nn.Module):
         vocab_start = self.tp_mesh.get_local_rank() * w.shape[0]
         if not self.sequence_parallel:
             h = copy_to_group(h, group)
+        if teacher is not None:  # the acceptance objective: its sums over the vocabulary all-reduce over tp
+            return chunked_acceptance_loss_sum(h, teacher, w, targets, chunk_tokens, ce_weight,
+                                               _TensorParallelVocab(group), vocab_start)
         chunk = chunk_tokens if chunk_tokens > 0 else h.shape[0]
         total = None
         for i in range(0, h.shape[0], chunk):
