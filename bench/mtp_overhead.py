@@ -10,7 +10,10 @@ Measured side by side in one run (steps interleaved, medians), next to what coun
 Peak memory is the allocator-level peak of live tensors (params, grads, optimizer state, activations,
 temporaries) tracked by torch.distributed._tools.MemTracker, so it is exact on CPU too.
 
-    python bench/mtp_overhead.py [--trunk tiny|deep|both] [--steps N]
+Then, for the K-step model, the same step under each `train.activation_checkpointing` mode (none,
+full, selective): peak memory and step time relative to none.
+
+    python bench/mtp_overhead.py [--trunk tiny|deep|both] [--steps N] [--no-checkpointing]
 ends with: step_time_ratio=<x> flop_ratio=<y> peak_mem_ratio=<z> layer_mem_ratio=<w>
 """
 
@@ -32,14 +35,16 @@ from tandem.trainer.config import load_config  # noqa: E402
 from tandem.trainer.estimate import training_flops_per_token  # noqa: E402
 from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
+from tandem.trainer.parallel.activation_checkpoint import MODES, apply_activation_checkpointing  # noqa: E402
 
 
 class Runner:
     """One model + optimizer, stepping on fixed synthetic tokens."""
 
-    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, batch: int, seq_len: int, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, batch: int, seq_len: int, seed: int = 0,
+                 checkpointing: str = "none"):
         torch.manual_seed(seed)
-        self.model = TandemModel(cfg, mtp).train()
+        self.model = apply_activation_checkpointing(TandemModel(cfg, mtp), checkpointing).train()
         self.optimizer = build_optimizer(self.model, load_config(None, []).train)
         self.tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(1))
         self.mtp = mtp
@@ -91,11 +96,28 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     return result
 
 
+def measure_checkpointing(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps: int) -> None:
+    looped = MTPConfig(num_steps=k, num_layers=1, style="looped")
+    runners = {mode: Runner(cfg, looped, batch, seq_len, checkpointing=mode) for mode in MODES}
+    times = {mode: [] for mode in MODES}
+    for r in runners.values():
+        r.step()
+    for _ in range(steps):
+        for mode, r in runners.items():
+            times[mode].append(r.timed_step())
+    peaks = {mode: r.peak_memory() for mode, r in runners.items()}
+    base_t, base_m = statistics.median(times["none"]), peaks["none"]
+    print(f"{name}: activation checkpointing (K={k}): " + "; ".join(
+        f"{mode} peak {peaks[mode] / 2**20:.1f} MiB (x{peaks[mode] / base_m:.3f}), step x"
+        f"{statistics.median(times[mode]) / base_t:.3f}" for mode in MODES), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trunk", choices=["tiny", "deep", "both"], default="both")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--no-checkpointing", action="store_true", help="skip the activation-checkpointing modes")
     parser.add_argument("--recipe", default=os.path.join(os.path.dirname(__file__), "..", "recipes", "tiny.yaml"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -109,6 +131,8 @@ def main() -> None:
     result = {}
     for name, cfg in trunks:
         result = measure(name, cfg, k, args.batch, seq_len, args.steps)
+        if not args.no_checkpointing:
+            measure_checkpointing(name, cfg, k, args.batch, seq_len, args.steps)
         print(f"{name}: " + " ".join(f"{key}={value:.3f}" for key, value in result.items()), flush=True)
     print(" ".join(f"{key}={value:.3f}" for key, value in result.items()))
 

@@ -105,6 +105,10 @@ class TrainConfig:
     """More bad steps than this within `skip_window` steps halts the run."""
     skip_window: int = 100
     """Window (in steps) over which bad steps are counted."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`, `full`
+    (keep only each block's input) or `selective` (keep matmul and attention outputs; recompute norms,
+    activations, rotary and routing)."""
 
 
 @dataclass
@@ -299,6 +303,8 @@ def validate(cfg: TandemConfig) -> None:
         ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("train.distill", cfg.train.distill == "none" or cfg.mtp.loss.objective == "ce",
          "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
+        ("train.activation_checkpointing", cfg.train.activation_checkpointing in ("none", "full", "selective"),
+         "must be none, full or selective"),
         ("train.bad_step_policy", cfg.train.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
         ("train.spike_factor", cfg.train.spike_factor == 0 or cfg.train.spike_factor > 1, "must be 0 (off) or > 1"),
         ("train.spike_window", cfg.train.spike_window > 0, "must be positive"),

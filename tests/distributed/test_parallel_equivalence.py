@@ -40,6 +40,9 @@ LAYOUTS = {
     # the acceptance objective: vocab-parallel sums over the vocabulary, teacher gathered under SP
     "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 2,
     "tp=2,pp=2,sequence_parallel=true,mtp.loss.objective=acceptance": 4,
+    # activation checkpointing recomputes blocks (and their collectives) in backward
+    "ep=2,pp=2,train.activation_checkpointing=full": 4,
+    "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
 }
 RTOL = 1e-5
 # qk_norm sharpens attention, and fp32 rounding of the split matmuls then reaches ~4e-5 on a few

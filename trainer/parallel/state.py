@@ -62,7 +62,11 @@ def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
 
 
 def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    """Apply TP/EP/PP/FSDP to a plain model for this rank; identity in a single process."""
+    """Apply activation checkpointing, then TP/EP/PP/FSDP, to a plain model for this rank (in a single
+    process only the checkpointing)."""
+    from .activation_checkpoint import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if state.world_size == 1:
         return model
     from .layout import apply_parallelism

@@ -1,0 +1,97 @@
+"""Activation checkpointing (`train.activation_checkpointing`), applied to a plain model from outside.
+
+Per transformer block, trunk and MTP layers alike:
+* `full`: the block keeps only its input; everything inside is recomputed in backward.
+* `selective`: the block keeps the outputs of its matmuls (projections, experts, the head-sized
+  products) and of attention, and recomputes the cheap, memory-heavy rest (norms, SwiGLU's
+  elementwise products, rotary, routing softmax/top-k) — torchtitan's op-level selective policy.
+
+The block's `forward` is wrapped in place, so parameter names, and with them checkpoints, are the
+same with and without it, and the wrapping composes with TP/EP/FSDP hooks and pipeline stages. Without
+autograd (evaluation, a frozen trunk under no_grad) the block runs as it is.
+
+A recomputation replays the forward's side effects too: the MoE routers' load counters (the aux-free
+balancing rule and the load metrics read them) are restored after each recomputation so a step's
+loads count every token once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator, List
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+# Outputs worth keeping under `selective`: the FLOP-heavy products. Everything else is recomputed.
+_SAVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+         torch.ops.aten._scaled_dot_product_flash_attention.default,
+         torch.ops.aten._scaled_dot_product_efficient_attention.default,
+         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE.append(torch.ops.aten._grouped_mm.default)
+_SAVE_SET = frozenset(_SAVE)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_SET else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def _keep_router_loads(block: nn.Module) -> Iterator[None]:
+    counters = [m.tokens_per_expert for m in block.modules() if hasattr(m, "tokens_per_expert")]
+    saved = [c.clone() for c in counters]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for c, s in zip(counters, saved):
+                c.copy_(s)
+
+
+@contextlib.contextmanager
+def _recomputing(block: nn.Module, sac_recompute_ctx) -> Iterator[None]:
+    with _keep_router_loads(block), sac_recompute_ctx:  # its clone/copy_ stay outside the SAC replay
+        yield
+
+
+def _contexts(block: nn.Module, selective: bool):
+    """checkpoint's context_fn: (context of the forward, context of the recomputation)."""
+    if selective:
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_selective_policy)
+    else:
+        forward_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
+    return forward_ctx, _recomputing(block, recompute_ctx)
+
+
+def _checkpointed(forward: Callable, block: nn.Module, selective: bool, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, block, selective),
+                      **kwargs)
+
+
+def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
+    """The blocks that get wrapped: every trunk layer this rank holds and every MTP layer's block."""
+    blocks = list(model.layers.values()) if getattr(model, "layers", None) is not None else []
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        blocks += [layer.block for layer in mtp.layers]
+    return blocks
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    if mode == "none":
+        return model
+    if mode not in MODES:
+        raise ValueError(f"train.activation_checkpointing={mode!r} must be one of {', '.join(MODES)}")
+    for block in checkpointed_blocks(model):
+        if getattr(block, "_tandem_checkpointed", False):
+            continue
+        block.forward = functools.partial(_checkpointed, block.forward, block, mode == "selective")
+        block._tandem_checkpointed = True
+    return model
