@@ -105,6 +105,9 @@ class TrainConfig:
     """More bad steps than this within `skip_window` steps halts the run."""
     skip_window: int = 100
     """Window (in steps) over which bad steps are counted."""
+    grad_reduce_dtype: str = "fp32"
+    """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact sums of
+    the bf16-computed gradients) or `bf16` (half the traffic). Master weights and optimizer state stay fp32."""
 
 
 @dataclass
@@ -295,6 +298,7 @@ def validate(cfg: TandemConfig) -> None:
         ("train.warmup_steps", cfg.train.warmup_steps >= 0, "must be >= 0"),
         ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
+        ("train.grad_reduce_dtype", cfg.train.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
         ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("train.bad_step_policy", cfg.train.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),

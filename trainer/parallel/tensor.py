@@ -156,7 +156,7 @@ class TensorParallelMoE(MoE):
                 aux_scale = aux_scale / dist.get_world_size(self.tp_group)
             aux = self._aux_loss(logits, indices)
         if aux is not None:
-            self.last_aux_loss = float(aux.detach())
+            self.last_aux_loss = aux.detach()
             out = AuxLossGrad.apply(out, aux, aux_scale)
         return out.view(shape)
 
