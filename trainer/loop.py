@@ -287,7 +287,8 @@ class Trainer:
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics,
                                **self.guard.metrics()})
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
-                    record.update(self.evaluator.run(step))
+                    with self.autocast():  # the precision it trains in (FSDP may hold bf16 parameters)
+                        record.update(self.evaluator.run(step))
                 if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/") for k in record):
                     logger.log(record)
                 logger.progress(step, record)
