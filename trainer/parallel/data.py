@@ -6,10 +6,11 @@ hold the same expert shard (the expert-data-parallel group). Gradients are *summ
 the loop already normalises every loss by the global target count.
 
 Precision: master weights, gradients and optimizer state are fp32. Under bf16 training FSDP2's
-`MixedPrecisionPolicy` all-gathers bf16 parameters (the stages then compute and exchange bf16) and
-reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the all-reduce mode sums
-the fp32 gradients of autocast in that dtype too. Every collective here takes device tensors, never
-fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
+`MixedPrecisionPolicy` all-gathers bf16 parameters (the stages then compute and exchange bf16; routers
+compute in fp32 from the gathered bf16 weight, as Megatron's fp32 routing does from its bf16
+parameters) and reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the
+all-reduce mode sums the fp32 gradients of autocast in that dtype too. Every collective here takes
+device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
 """
 
 from __future__ import annotations
