@@ -188,10 +188,10 @@ def analytic(cfg, model, pstate, batches):
         if has_first or has_last:  # the shared-embedding gradient, as held locally (tp / fsdp shard)
             w = model.embed_tokens.weight
             out["all_reduce"] += F32 * (w.to_local() if isinstance(w, DTensor) else w).numel()
-        out["broadcast"] += 8 * (K + 1)
+        out["broadcast"] += F32 * (K + 1)
     batch_ranks = dp * ep
     if batch_ranks > 1:
-        out["all_reduce"] += 2 * 8 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
+        out["all_reduce"] += 2 * F32 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
         experts = {id(p) for p in expert_parameters(model)}
         if cfg.parallel.dp_mode == "allreduce":
             for p in model.parameters():
@@ -217,7 +217,7 @@ def analytic(cfg, model, pstate, batches):
                         gathers *= K
                     out["all_gather"] += F32 * full * gathers
                     out["reduce_scatter"] += F32 * full * scatters
-    out["all_reduce"] += 8  # the global grad-norm scalar (float64)
+    out["all_reduce"] += F32  # the global grad-norm scalar (fp32: no fp64 on accelerators)
     return dict(out)
 
 

@@ -8,7 +8,12 @@ Python loop is over experts, never tokens. Expert parallelism swaps in a dispatc
 
 Auxiliary losses (load balance, z-loss) never travel through return values: `AuxLossGrad` attaches
 their gradient to the layer's output during backward (Megatron's approach), so pipeline stages and
-the loss code need not know about them. Their values are kept for logging in `last_aux_loss`.
+the loss code need not know about them. Their values are kept for logging in `last_aux_loss` (a
+detached tensor: converting it to a Python float here would be a host sync per layer per micro-batch).
+
+Precision: routing (logits, scores, top-k, the correction-bias comparison and the aux/z-losses)
+always computes in fp32, with autocast disabled locally, as Megatron and the reference
+implementations do; the experts compute in whatever precision autocast (or the parameters) give.
 """
 
 from __future__ import annotations
@@ -52,8 +57,13 @@ class Router(nn.Module):
 
     def forward(self, x_th: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return (weights [T,k], expert indices [T,k], router logits [T,E] in fp32)."""
+        # Autocast would turn the fp32 linear back into a bf16 one (and the ops after it follow).
+        with torch.autocast(x_th.device.type, enabled=False):
+            return self._route(x_th.float(), self.weight.float())
+
+    def _route(self, x_th: torch.Tensor, weight_eh: torch.Tensor):
         cfg = self.cfg
-        logits = F.linear(x_th.float(), self.weight.float())
+        logits = F.linear(x_th, weight_eh)
         scores = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(dim=-1)
         choice = scores.detach() + self.e_score_correction_bias
         if cfg.n_group > 1:
@@ -115,7 +125,8 @@ class MoE(nn.Module):
         )
         # Gradient scale of the auxiliary losses per forward; the trainer sets 1/micro-batches.
         self.aux_grad_scale = 1.0
-        self.last_aux_loss = 0.0
+        # The last micro-batch's aux + z loss (detached tensor, None until one is computed).
+        self.last_aux_loss = None
 
     def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sort token copies by expert, run the experts grouped, scatter weighted outputs back."""
@@ -126,7 +137,9 @@ class MoE(nn.Module):
         token_of_copy = order // k
         y = self.experts(x_th[token_of_copy], counts)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x_th).index_add_(0, token_of_copy, y)
+        # Accumulate in the experts' output dtype (bf16 under autocast, like a dense MLP's output),
+        # not the input's: index_add_ needs both to match.
+        return torch.zeros(x_th.shape[0], y.shape[1], dtype=y.dtype, device=y.device).index_add_(0, token_of_copy, y)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         shape = x_bsh.shape
@@ -137,11 +150,16 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
         if aux is not None:
-            self.last_aux_loss = float(aux.detach())
+            self.last_aux_loss = aux.detach()
             out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
         return out.view(shape)
 
     def _aux_loss(self, logits: torch.Tensor, indices: torch.Tensor):
+        """Balance + z loss of one micro-batch from the fp32 router logits, computed in fp32."""
+        with torch.autocast(logits.device.type, enabled=False):
+            return self._aux_terms(logits.float(), indices)
+
+    def _aux_terms(self, logits: torch.Tensor, indices: torch.Tensor):
         cfg = self.cfg
         terms = []
         if cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0:

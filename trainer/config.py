@@ -84,7 +84,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     dtype: str = "auto"
-    """Compute dtype: `auto` (bf16 autocast on GPU/NPU, fp32 on CPU), `bf16` or `fp32`."""
+    """Compute dtype: `auto` (bf16 autocast on a GPU/NPU with bf16, else fp32), `bf16` (refused on hardware
+    without it; CPU autocast has it) or `fp32`."""
     log_interval: int = 1
     """Write a training record to metrics.jsonl every this many steps."""
     resume: bool = False
@@ -109,6 +110,9 @@ class TrainConfig:
     """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`, `full`
     (keep only each block's input) or `selective` (keep matmul and attention outputs; recompute norms,
     activations, rotary and routing)."""
+    grad_reduce_dtype: str = "fp32"
+    """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact sums of
+    the bf16-computed gradients) or `bf16` (half the traffic). Master weights and optimizer state stay fp32."""
 
 
 @dataclass
@@ -299,6 +303,7 @@ def validate(cfg: TandemConfig) -> None:
         ("train.warmup_steps", cfg.train.warmup_steps >= 0, "must be >= 0"),
         ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
+        ("train.grad_reduce_dtype", cfg.train.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
         ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("train.distill", cfg.train.distill == "none" or cfg.mtp.loss.objective == "ce",

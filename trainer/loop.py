@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import nullcontext
 from typing import Dict, List, Optional
 
 import torch
@@ -28,7 +27,7 @@ from .loss import combine_losses, depth_coefficients, lambda_at
 from .metrics import MetricsLogger
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import ParallelState, init_parallel, parallelize_model
-from .parallel.device import resolve_device
+from .parallel.device import autocast_context, resolve_device
 
 
 def prepare_run_dir(run_dir: str) -> None:
@@ -82,7 +81,7 @@ class Trainer:
 
             adopt_checkpoint_config(cfg)
         self.config_yaml = to_yaml(cfg)
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device, dtype=cfg.train.dtype)
         self.pstate: ParallelState = init_parallel(cfg, self.device)
         from tandem.data_pipeline.dataset import build_datasets, check_vocab
 
@@ -140,8 +139,15 @@ class Trainer:
         self.optimizer = build_optimizer(model, t)
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        # The one-process objective is the mean aux/z-loss over every micro-batch of the global step.
+        # Gradients are summed over the batch ranks (dp*ep), so each micro-batch's aux gradient is
+        # 1/(micro-batches per rank * batch ranks); pipeline ranks split their share into
+        # parallel.pp_microbatches instead of grad_accum_steps. (TP ranks compute the aux gradient
+        # replicated; under SP it is computed on the gathered logits and scaled in TensorParallelMoE.)
+        pipeline = self.pstate.extras.get("pipeline")
+        micro_per_rank = pipeline.n_micro if pipeline is not None else t.grad_accum_steps
         for moe in self.moe_layers:
-            moe.aux_grad_scale = 1.0 / t.grad_accum_steps
+            moe.aux_grad_scale = 1.0 / (micro_per_rank * self.pstate.dp_size)
         self.guard = BadStepGuard(self.cfg, self)
 
     # ---------------------------------------------------------------------------------------------
@@ -162,7 +168,9 @@ class Trainer:
         from tandem.models import depth_target_mask
 
         depths = 1 + self.cfg.mtp.num_steps
-        counts = torch.zeros(depths, dtype=torch.float64, device=self.device.device)
+        # fp32, not fp64 (accelerators such as Ascend 910 have no fp64 units): counts are integers,
+        # exact in fp32 up to 2^24 targets per depth per step.
+        counts = torch.zeros(depths, dtype=torch.float32, device=self.device.device)
         for b in batches:
             for d in range(depths):
                 counts[d] += depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum()
@@ -172,15 +180,19 @@ class Trainer:
         """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
         if "pipeline" in self.pstate.extras:
             return self.pstate.extras["pipeline"].forward_backward(batches, global_counts, coefs)
-        sums = torch.zeros(len(coefs), dtype=torch.float64, device=self.device.device)
-        amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext())
+        # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
+        sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
         for b in batches:
-            with amp:
+            with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"])
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
-            sums += out.loss_sums.detach().double()
+            sums += out.loss_sums.detach().float()
         return sums
+
+    def autocast(self):
+        """The compute-precision context of a forward (nullcontext in fp32)."""
+        return autocast_context(self.device.type, self.autocast_dtype)
 
     def update_router_biases(self) -> Dict[str, float]:
         """Aux-free bias step from the step's expert loads (summed over every rank that routed
@@ -198,9 +210,9 @@ class Trainer:
             moe.router.tokens_per_expert.zero_()
         ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean_load": float(ratio.max()), "moe/mean_max_over_mean_load": float(ratio.mean())}
-        aux = [m.last_aux_loss for m in self.moe_layers if m.cfg.balance == "aux_loss" or m.cfg.z_loss_coef > 0]
-        if aux:
-            metrics["moe/aux_loss"] = float(sum(aux) / len(aux))
+        aux = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
+        if aux:  # one host sync per step, here where it is logged
+            metrics["moe/aux_loss"] = float(torch.stack([a.float() for a in aux]).mean())
         return metrics
 
     def discard_router_loads(self) -> Dict[str, float]:
@@ -275,7 +287,8 @@ class Trainer:
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics,
                                **self.guard.metrics()})
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
-                    record.update(self.evaluator.run(step))
+                    with self.autocast():  # the precision it trains in (FSDP may hold bf16 parameters)
+                        record.update(self.evaluator.run(step))
                 if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/") for k in record):
                     logger.log(record)
                 logger.progress(step, record)

@@ -57,6 +57,10 @@ def main_losses(run_dir):
 
 
 EVAL_EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/identical_to_autoregressive"]
+# bf16 vs fp32 through the CLI (tiny recipe, 3 warm-up steps): measured 1e-6..1e-5 relative on the
+# losses and eval losses; 10x that. fp32 layouts agree with one process to ~1e-7, so a gap > 1e-6 shows
+# bf16 in effect.
+BF16_CLI_RTOL = 1e-4
 EVAL_CLOSE = ["eval/loss/main", "eval/loss/mtp_1", "eval/loss/mtp_2", "eval/tf_acc/mtp_1"]
 
 
@@ -109,3 +113,24 @@ def test_cli_layout_matches_single_process(world, overrides, references):
         assert got_eval[key] == ref_eval[key], (key, got_eval[key], ref_eval[key])
     for key in EVAL_CLOSE:
         assert abs(got_eval[key] - ref_eval[key]) <= 1e-5 * max(abs(ref_eval[key]), 1e-3), (key, got_eval, ref_eval)
+
+
+def test_cli_bf16_under_fsdp_and_ep(references):
+    """`train.dtype=bf16` through the real CLI: FSDP2 gathers bf16 parameters while the ep-sharded
+    experts (kept out of FSDP at dp=1) stay fp32, and the in-loop evaluator decodes on that model under
+    the same autocast. Losses and eval losses are bf16 roundings of the fp32 run's (BF16_CLI_RTOL)."""
+    ref, ref_eval = references.losses(4)
+    root, env, common = references.root, references.env, references.common
+    run_dir = root / "ep2_bf16"
+    exe = tandem_cmd()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
+    run(launcher + ["train", RECIPE, f"run.dir={run_dir}", *common, "parallel.ep=2", "train.dtype=bf16"], env)
+    got, got_eval = main_losses(run_dir), eval_record(run_dir)
+    assert sorted(got) == sorted(ref) == [1, 2, 3]
+    gaps = [abs(got[s] - ref[s]) / abs(ref[s]) for s in ref]
+    gaps += [abs(got_eval[k] - ref_eval[k]) / abs(ref_eval[k]) for k in EVAL_CLOSE if k.startswith("eval/loss")]
+    print(f"bf16 vs fp32 CLI gaps: {['%.1e' % g for g in gaps]}")
+    assert max(gaps) < BF16_CLI_RTOL, gaps
+    assert max(gaps) > 1e-6, "bf16 run identical to fp32: bf16 not in effect"
+    assert got_eval["step"] == 3 and got_eval["eval/acceptance_length"] >= 1.0

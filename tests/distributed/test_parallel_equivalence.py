@@ -2,6 +2,9 @@
 
 One torchrun launch per world size runs several layouts in sequence (tests/distributed/worker.py);
 the single-process references run here, in the pytest process, from the same seed and data.
+fp32 layouts (LAYOUTS) match exactly up to fp32 rounding; bf16 layouts (BF16_LAYOUTS) match the
+one-process bf16 run within a tolerance derived below; every collective of every layout's training
+steps is checked for device tensors and no float64.
 """
 
 from __future__ import annotations
@@ -43,7 +46,40 @@ LAYOUTS = {
     # activation checkpointing recomputes blocks (and their collectives) in backward
     "ep=2,pp=2,train.activation_checkpointing=full": 4,
     "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
+    # a pipeline rank with no gradients at all (frozen trunk on stage 0): the global norm's collective
+    "pp=2,train.freeze_trunk=true": 2,
 }
+# Load-balance and z-loss: the one-process run takes the mean aux loss over all its micro-batches, so
+# every layout must scale each micro-batch's aux gradient by 1/(micro-batches in the global step),
+# not 1/grad_accum_steps per rank (gradients are summed over dp*ep). Coefficients large enough that
+# the old per-rank scale moves parameters by 0.39 relative (dp=2) instead of rounding noise.
+AUX = "model.balance=aux_loss,model.aux_loss_coef=0.1,model.z_loss_coef=0.01"
+LAYOUTS.update({
+    f"dp=2,{AUX}": 2,
+    f"ep=2,{AUX}": 2,
+    f"tp=2,{AUX}": 2,  # aux computed replicated on each tp rank: no tp factor
+    f"tp=2,sequence_parallel=true,{AUX}": 2,  # aux on the gathered logits, router grads summed over tp
+    f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
+    f"ep=2,pp=2,{AUX}": 4,
+})
+# bf16 (CPU autocast standing in for an accelerator's): every kind of layout and the combinations.
+BF16 = "train.dtype=bf16"
+BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
+    "tp=2": 2,
+    "tp=2,sequence_parallel=true": 2,
+    "ep=2": 2,  # all-to-all dispatch, FSDP over the dp*ep batch ranks with bf16 parameters
+    "pp=2": 2,
+    "pp=2,pp_schedule=interleaved_1f1b": 2,
+    "pp=2,pp_schedule=gpipe": 2,
+    "dp=2": 2,  # FSDP2 MixedPrecisionPolicy: bf16 all-gather, fp32 reduce-scatter
+    "dp=2,dp_mode=allreduce": 2,
+    "tp=2,ep=2": 4,
+    "pp=2,dp=2": 4,  # FSDP's bf16 parameters make the stages exchange bf16 activations
+    "tp=2,pp=2,sequence_parallel=true": 4,
+    "tp=2,ep=2,dp_mode=allreduce": 4,
+    "tp=2,ep=2,pp=2": 8,
+    f"ep=2,{AUX}": 2,  # fp32 routing and aux/z-loss under bf16 experts
+}.items()}
 RTOL = 1e-5
 # qk_norm sharpens attention, and fp32 rounding of the split matmuls then reaches ~4e-5 on a few
 # weights after three Adam steps; run in float64 the same comparison gives 2e-6 (the norms and router
@@ -56,10 +92,34 @@ RTOL = 1e-5
 # (the softmax normaliser's gradient not summed over tp) already moves the step-2 losses by 1e-3.
 PARAM_RTOL = {"tp=2,model.qk_norm=true": 1e-4, "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 4e-4}
 
+# bf16 tolerance. bf16 keeps 8 significant bits (a rounding moves a value by up to 2^-9 = 2e-3
+# relative); the per-depth losses are means over ~100 tokens, so one run's bf16 roundings move them
+# far less. The scale of that movement is measured here, in the test, as the gap between the
+# one-process bf16 run and the one-process fp32 run (2.7e-4 at most over the 3 steps; 3e-5 at step 0,
+# where the weights are still identical and only the forward's roundings differ). Even re-splitting
+# one bf16 process's 8 samples from 4 micro-batches of 2 into 2 of 4 moves them by 1.2e-4 (fp32: 1e-7),
+# so bf16 rounding is amplified over the steps to ~1e-4 whatever is reordered. A parallel layout
+# rounds in other places (TP rounds its partial sums to bf16 before the all-reduce, FSDP's bf16
+# parameters make the residual stream bf16 where autocast alone keeps it fp32, pipeline stages and
+# all-reduce DP round exactly as one process does), i.e. it is another draw of bf16 rounding noise of
+# the same size: measured deviations from the one-process bf16 run are at most 2.0x that gap
+# (5.2e-4, tp=2 with sequence parallelism; 0 for pp and all-reduce DP). The tolerance is 4x the gap,
+# at step 0 and over all steps separately. Parameters are not compared: after a few steps bf16
+# rounding flips discrete decisions (which expert a near-tie token routes to, the sign in the
+# aux-free bias rule, Adam's first updates ~ lr*sign(g) for tiny gradients), so even the one-process
+# bf16 and fp32 runs end 0.09-1.0 apart (relative) on router weights and biases; replicas of a
+# parameter across ranks must still agree (RTOL, in `load`).
+BF16_GAP_FACTOR = 4.0
+# bf16 is in effect: every nn.Linear computed in bf16 on every rank, and the step-0 gradient norm (of
+# identical weights) is off the fp32 run's by more than 1e-4 relative, 70x the fp32 layouts' own
+# deviation over all steps (<1.5e-6); measured 3.2e-4..1.5e-3.
+BF16_EVIDENCE = 1e-4
 
-def model_overrides(layout: str) -> str:
-    """The non-parallel part of a layout (`model.qk_norm=true`), which its reference run shares."""
-    return ",".join(kv for kv in layout.split(",") if "." in kv.split("=")[0])
+
+def model_overrides(layout: str, drop=()) -> str:
+    """The non-parallel part of a layout (`model.qk_norm=true`), which its reference run shares
+    (minus the keys in `drop`)."""
+    return ",".join(kv for kv in layout.split(",") if "." in kv.split("=")[0] and kv.split("=")[0] not in drop)
 
 
 def batch_ranks(layout: str) -> int:
@@ -75,8 +135,12 @@ def launch(tmp_path, world: int, layouts):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+def load_ranks(tmp_path, layout: str, world: int):
+    return [torch.load(tmp_path / f"{layout}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 def load(tmp_path, layout: str, world: int):
-    ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt", weights_only=False) for r in range(world)]
+    ranks = load_ranks(tmp_path, layout, world)
     params = {}
     for r in ranks:
         for name, value in r["params"].items():
@@ -111,6 +175,8 @@ def runs(tmp_path_factory):
     by_world = {}
     for layout, world in LAYOUTS.items():
         by_world.setdefault(world, []).append(layout)
+    for layout, world in BF16_LAYOUTS.items():
+        by_world.setdefault(world, []).append(layout)
     for world, layouts in sorted(by_world.items()):
         launch(out, world, layouts)
     return out
@@ -129,3 +195,54 @@ def test_layout_matches_single_process(layout, runs, references):
     worst = max((rel_err(params[n], ref["params"][n]), n) for n in params)
     assert worst[0] < PARAM_RTOL.get(layout, RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
     print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} ({worst[1]})")
+
+
+def max_rel(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / b.abs()).max())
+
+
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
+def test_bf16_layout_matches_single_process(layout, runs, references):
+    world = BF16_LAYOUTS[layout]
+    ref = references[batch_ranks(layout), model_overrides(layout)]
+    ref32 = references[batch_ranks(layout), model_overrides(layout, drop=("train.dtype",))]
+    losses, params = load(runs, layout, world)  # also: replicas agree
+    assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
+    gap, gap0 = max_rel(ref["losses"], ref32["losses"]), max_rel(ref["losses"][0], ref32["losses"][0])
+    assert 0 < gap < 1e-2, f"one-process bf16 vs fp32 gap {gap:.2e}"
+    worst, worst0 = max_rel(losses, ref["losses"]), max_rel(losses[0], ref["losses"][0])
+    assert worst0 <= BF16_GAP_FACTOR * gap0, f"{layout}: step-0 losses {worst0:.2e} off bf16 (gap to fp32 {gap0:.2e})"
+    assert worst <= BF16_GAP_FACTOR * gap, f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 {gap:.2e})"
+    ranks = load_ranks(runs, layout, world)
+    assert all(r["linear_dtypes"] == ["torch.bfloat16"] for r in ranks), [r["linear_dtypes"] for r in ranks]
+    norm, norm32 = ranks[0]["grad_norms"][0], ref32["grad_norms"][0]
+    assert abs(norm - norm32) / norm32 > BF16_EVIDENCE, f"{layout}: step-0 grad norm {norm} ~ fp32's {norm32}"
+    print(f"{layout}: max loss rel err {worst:.2e} (step 0 {worst0:.2e}) vs one-process bf16; one-process "
+          f"bf16-fp32 gap {gap:.2e} (step 0 {gap0:.2e}); step-0 grad norm off fp32 by {abs(norm - norm32) / norm32:.2e}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(BF16_LAYOUTS))
+def test_collectives_take_device_tensors(layout, runs):
+    """NCCL/HCCL take only tensors on the rank's device, and Ascend has no fp64: what every collective
+    of the training steps received (recorded on every rank) is checked here on gloo."""
+    world = {**LAYOUTS, **BF16_LAYOUTS}[layout]
+    seen = {}
+    for r in load_ranks(runs, layout, world):
+        for (op, device, dtype), n in r["collectives"].items():
+            assert device == r["device"], f"{layout}: {op} got a tensor on {device}, the run is on {r['device']}"
+            assert dtype != "torch.float64", f"{layout}: {op} got a float64 tensor"
+            seen[op] = seen.get(op, 0) + n
+            seen[(op, dtype)] = seen.get((op, dtype), 0) + n
+    ops = set(seen)
+    # the recorder sees the collectives of every mechanism the layout uses
+    kv = dict(item.split("=") for item in layout.split(","))
+    assert "distributed.all_reduce" in ops, ops
+    if kv.get("pp") == "2":  # activations and their gradients between stages
+        assert {"distributed.isend", "distributed.irecv"} <= ops, ops
+    if (int(kv.get("dp", 1)) * int(kv.get("ep", 1)) > 1) and kv.get("dp_mode") != "allreduce":
+        assert {"distributed.all_gather_single", "distributed.reduce_scatter_single"} <= ops, ops
+    if kv.get("ep") == "2":
+        assert "distributed.all_to_all_single" in ops, ops
+    if kv.get("tp") == "2" and kv.get("sequence_parallel") == "true":
+        assert "_functional_collectives.all_gather_single" in ops, ops

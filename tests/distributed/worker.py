@@ -5,7 +5,9 @@ each LAYOUT a comma-separated list of overrides such as `tp=2,pp=2,pp_schedule=i
 or import `run_layout` in one process for the single-process reference. Data is synthetic (a pure
 function of the step), split over the batch ranks exactly as the trainer splits a global batch.
 Each rank writes `OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full
-(gathered) parameters and router biases it holds after the last step.
+(gathered) parameters and router biases it holds after the last step; what its training steps handed
+the collectives (op, device, dtype; see collectives.py) and the dtypes its nn.Linear layers computed
+in (bf16 evidence). A layout item `train.dtype=bf16` trains in bf16 (any dotted key passes through).
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: 
             for m in range(grad_accum)]
 
 
-def run_layout(layout: str, batch_size_for_ref: int = 1) -> dict:
-    """Train STEPS steps under `layout` (in this process group); return losses and full params."""
+def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
+    """Train STEPS steps under `layout` (in this process group); return losses and full params.
+    `recorder` (a collectives.CollectiveRecorder) is switched on around the training steps."""
     from torch.distributed.tensor import DTensor
 
     from tandem.trainer.loop import Trainer, build_model
@@ -91,6 +94,15 @@ def run_layout(layout: str, batch_size_for_ref: int = 1) -> dict:
     tr = Trainer.for_model(cfg, model, pstate)
     model.train()
     losses, norms = [], []
+    linear_dtypes = set()
+
+    def note_dtype(module, args, out):
+        if isinstance(module, torch.nn.Linear) and isinstance(out, torch.Tensor):
+            linear_dtypes.add(str(out.dtype))
+
+    hook = torch.nn.modules.module.register_module_forward_hook(note_dtype)
+    if recorder is not None:
+        recorder.active = True
     for step in range(STEPS):
         set_lr(tr.optimizer, lr_at(cfg.train, step))
         coefs = depth_coefficients(cfg.mtp, step)
@@ -102,22 +114,31 @@ def run_layout(layout: str, batch_size_for_ref: int = 1) -> dict:
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
         losses.append((sums / counts.clamp(min=1)).tolist())
+    hook.remove()
+    if recorder is not None:
+        recorder.active = False
     params = {}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if "tokens_per_expert" in name or "rotary" in name:
             continue
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().clone()
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "params": params, "linear_dtypes": sorted(linear_dtypes),
+            "device": str(pstate.device.device),
+            "collectives": dict(recorder.calls) if recorder is not None else {}}
 
 
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
+    from collectives import CollectiveRecorder
+
     out_dir, layouts = argv[0], argv[1:]
     torch.set_num_threads(1)
     for layout in layouts:
-        result = run_layout(layout)
+        recorder = CollectiveRecorder().install()
+        result = run_layout(layout, recorder=recorder)
+        recorder.uninstall()
         rank = dist.get_rank()
         torch.save(result, os.path.join(out_dir, f"{layout}.rank{rank}.pt"))
         dist.barrier()

@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from tandem.data_pipeline.preprocess import preprocess
 from tandem.trainer.cli import main
@@ -100,6 +101,27 @@ def test_run_dir_not_writable(ctx, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     ctx.fails(["train", RECIPE, *ctx.base, f"run.dir={blocker}/run"], f"config key 'run.dir'='{blocker}/run' is not writable")
+
+
+# --- hardware -----------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_requested_where_none_is_visible(ctx):
+    ctx.fails(["train", RECIPE, *ctx.base, "device=cuda"], "config key 'device'='cuda' but no CUDA device is visible")
+
+
+def test_npu_requested_where_none_is_visible(ctx):
+    ctx.fails(["train", RECIPE, *ctx.base, "device=npu"],
+              "config key 'device'='npu' but torch_npu is not installed or no NPU is visible")
+
+
+def test_bf16_on_a_gpu_without_bf16(ctx, monkeypatch):
+    # a V100 as torch would report it; nothing may reach the (absent) device before the refusal
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    ctx.fails(["train", RECIPE, *ctx.base, "device=cuda", "train.dtype=bf16"],
+              "config key 'train.dtype'='bf16' but this cuda device (Tesla V100-SXM2-16GB) has no bf16 support")
 
 
 # --- data ---------------------------------------------------------------------------------------

@@ -4,13 +4,20 @@ Megatron semantics: the batch is split over dp*ep ranks; non-expert parameters a
 (and their gradients summed across) those dp*ep ranks, routed experts only over the dp ranks that
 hold the same expert shard (the expert-data-parallel group). Gradients are *summed*, never averaged:
 the loop already normalises every loss by the global target count.
+
+Precision: master weights, gradients and optimizer state are fp32. Under bf16 training FSDP2's
+`MixedPrecisionPolicy` all-gathers bf16 parameters (the stages then compute and exchange bf16; routers
+compute in fp32 from the gathered bf16 weight, as Megatron's fp32 routing does from its bf16
+parameters) and reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the
+all-reduce mode sums the fp32 gradients of autocast in that dtype too. Every collective here takes
+device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,24 +38,40 @@ def expert_parameters(module: nn.Module) -> List[nn.Parameter]:
     return [p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
 
 
-def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
-               batch_mesh, dp_mesh) -> None:
-    """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+
+def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype: str):
+    """FSDP2's policy for a run computing in `compute_dtype` (None: fp32, no policy at all, so fp32
+    runs are unchanged): parameters gathered in the compute dtype, gradients reduced in
+    `grad_reduce_dtype` and kept fp32 in the sharded (master) parameters."""
+    if compute_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=REDUCE_DTYPES[grad_reduce_dtype])
+
+
+def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
+               batch_mesh, dp_mesh, mp_policy=None) -> None:
+    """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep,
+    under `mp_policy` (see `fsdp_mixed_precision`; None: fp32)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     all_modules = list(all_modules)
     if dp_mesh.size() > 1:
         for top in all_modules:
             for m in top.modules():
                 if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule):
-                    fully_shard(m, mesh=dp_mesh)
+                    fully_shard(m, mesh=dp_mesh, **mp)
         ignored = None
     else:  # experts replicated nowhere: keep them out of the dp*ep sharding
         ignored = {p for top in all_modules for p in expert_parameters(top)}
     for block in blocks:
-        fully_shard(block, mesh=batch_mesh, ignored_params=ignored)
+        fully_shard(block, mesh=batch_mesh, ignored_params=ignored, **mp)
     for root in roots:
-        fully_shard(root, mesh=batch_mesh, reshard_after_forward=False, ignored_params=ignored)
+        fully_shard(root, mesh=batch_mesh, reshard_after_forward=False, ignored_params=ignored, **mp)
     for top in all_modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
@@ -86,8 +109,13 @@ class GradientFinisher:
     """
 
     def __init__(self, model: nn.Module, world: int, pp: int, allreduce: bool, batch_group, batch_size: int,
-                 dp_group, dp_size: int, tie_group=None, sp_partial_names=(), tp_group=None):
+                 dp_group, dp_size: int, tie_group=None, sp_partial_names=(), tp_group=None,
+                 device: Optional[torch.device] = None, reduce_dtype: torch.dtype = torch.float32):
         self.model, self.world, self.pp = model, world, pp
+        # collectives need device tensors even on a rank with no gradients (a frozen pp stage)
+        self.device = device if device is not None else next(model.parameters()).device
+        # dtype of the all-reduce mode's gradient sums (train.grad_reduce_dtype)
+        self.reduce_dtype = reduce_dtype
         # sequence parallelism: replicated parameters that saw one sequence shard (names survive FSDP)
         self.sp_partial, self.tp_group = set(sp_partial_names), tp_group
         self.allreduce, self.batch_group, self.batch_size = allreduce, batch_group, batch_size
@@ -127,7 +155,13 @@ class GradientFinisher:
                 p.grad = torch.zeros_like(p)
             g = local(p.grad)
             if need_dp:
-                dist.all_reduce(g, group=self.dp_group if is_expert else self.batch_group)
+                group = self.dp_group if is_expert else self.batch_group
+                if g.dtype == self.reduce_dtype:
+                    dist.all_reduce(g, group=group)
+                else:  # sum in the narrower dtype, keep the fp32 gradient
+                    low = g.to(self.reduce_dtype)
+                    dist.all_reduce(low, group=group)
+                    g.copy_(low)
             if need_tie:
                 dist.all_reduce(g, group=self.tie_group)
 
@@ -143,10 +177,11 @@ class GradientFinisher:
             if isinstance(g, DTensor):
                 shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
             copies = holders * (2 if is_embed and self.tie_group is not None else 1) / shards
-            sq = local(g).double().pow(2).sum() / copies
+            # fp32 sums (no fp64 on accelerators): the norm only sets the clipping coefficient
+            sq = local(g).float().pow(2).sum() / copies
             total = sq if total is None else total + sq
         if total is None:
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.all_reduce(total)
         return total.sqrt()
 

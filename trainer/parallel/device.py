@@ -5,11 +5,14 @@ Nothing else in Tandem calls `torch.cuda` (or `torch.npu`) directly; it asks thi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from dataclasses import dataclass
 
 import torch
+
+from ..config import ConfigError
 
 
 # Dense bf16 peak TFLOP/s per device, matched against the device name, for MFU.
@@ -56,11 +59,32 @@ class Device:
         name = self.module.get_device_name(self.device)
         return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), 0.0)
 
+    def supports_bf16(self) -> bool:
+        """bf16 compute: CPU autocast always; CUDA from Ampere on; NPUs as torch_npu reports."""
+        if not self.is_accelerator:
+            return True
+        check = getattr(self.module, "is_bf16_supported", None)
+        return bool(check()) if check is not None else True
+
     def autocast_dtype(self, requested: str):
-        """bf16 autocast on accelerators under `auto`, fp32 (no autocast) on CPU."""
-        if requested == "bf16" or (requested == "auto" and self.is_accelerator):
+        """bf16 autocast under `bf16`, and under `auto` on accelerators that support it; None (fp32,
+        no autocast) otherwise. `check_dtype` has already refused `bf16` where it is unsupported."""
+        if requested == "bf16" or (requested == "auto" and self.is_accelerator and self.supports_bf16()):
             return torch.bfloat16
         return None
+
+    def check_dtype(self, requested: str) -> None:
+        """Refuse `train.dtype=bf16` on hardware without bf16 (one line naming the key)."""
+        if requested == "bf16" and not self.supports_bf16():
+            name = self.module.get_device_name(self.device)
+            raise ConfigError(f"config key 'train.dtype'='bf16' but this {self.type} device ({name}) has no bf16 support; "
+                              f"use train.dtype=fp32")
+
+
+def autocast_context(device_type: str, dtype):
+    """The forward's precision context: autocast to `dtype` on `device_type`, or nothing (fp32) for
+    None. Master weights, gradients and optimizer state stay fp32 either way."""
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _npu_available() -> bool:
@@ -71,8 +95,10 @@ def _npu_available() -> bool:
     return torch.npu.is_available()
 
 
-def resolve_device(requested: str = "auto", local_rank: int | None = None) -> Device:
-    """Pick the device and collective backend; `requested` is the config's `device` key."""
+def resolve_device(requested: str = "auto", local_rank: int | None = None, dtype: str = "fp32") -> Device:
+    """Pick the device and collective backend; `requested` is the config's `device` key, `dtype` the
+    config's `train.dtype` (checked against the device). Raises ConfigError (one line naming the key)
+    when the device is not there or cannot compute in that dtype."""
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
     kind = requested
@@ -85,14 +111,17 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None) -> De
             kind = "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("config key 'device'='cuda' but no CUDA device is available")
+            raise ConfigError("config key 'device'='cuda' but no CUDA device is visible")
         torch.cuda.set_device(local_rank)
-        return Device("cuda", "nccl", torch.device("cuda", local_rank))
-    if kind == "npu":
+        device = Device("cuda", "nccl", torch.device("cuda", local_rank))
+    elif kind == "npu":
         if not _npu_available():
-            raise RuntimeError("config key 'device'='npu' but torch_npu is not installed or no NPU is visible")
+            raise ConfigError("config key 'device'='npu' but torch_npu is not installed or no NPU is visible")
         torch.npu.set_device(local_rank)
-        return Device("npu", "hccl", torch.device("npu", local_rank))
-    if kind != "cpu":
-        raise RuntimeError(f"config key 'device'={requested!r} must be auto, cpu, cuda or npu")
-    return Device("cpu", "gloo", torch.device("cpu"))
+        device = Device("npu", "hccl", torch.device("npu", local_rank))
+    elif kind == "cpu":
+        device = Device("cpu", "gloo", torch.device("cpu"))
+    else:
+        raise ConfigError(f"config key 'device'={requested!r} must be auto, cpu, cuda or npu")
+    device.check_dtype(dtype)
+    return device

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 from torch import nn
@@ -78,7 +79,7 @@ def _router_load_group(mesh, batch_mesh, batch: int, sp: bool):
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    from .data import GradientFinisher, apply_fsdp
+    from .data import REDUCE_DTYPES, GradientFinisher, apply_fsdp, fsdp_mixed_precision
     from .tensor import apply_tensor_and_expert_parallel
 
     p, mesh = cfg.parallel, state.mesh
@@ -97,21 +98,28 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     if pp > 1:
         pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
     batch = dp * ep
+    compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
+    mp_policy = None
     if batch > 1 and p.dp_mode == "fsdp":
         blocks = list(model.layers.values())
         roots = pipeline.modules if pipeline is not None else [model]
-        apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"])
+        mp_policy = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype)
+        apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy)
     tie_group = None
     if pp > 1:
         # first and last stage hold the embedding: sum their gradients (ranks with pp index 0 and
         # pp-1 and the same dp/ep/tp coordinates)
         tie_group = _pp_endpoint_group(mesh, pp)
-        pipeline.build_schedule()
+        # the residual stream between stages: the gathered parameters' dtype under FSDP's policy,
+        # else fp32 (autocast leaves the embedding and residual adds in fp32)
+        pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if mp_policy is not None else torch.float32)
         state.extras["pipeline"] = pipeline
     state.extras["clip_grad_norm"] = GradientFinisher(
         model, state.world_size, pp, allreduce=(p.dp_mode == "allreduce"),
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
-        tie_group=tie_group, sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None)
+        tie_group=tie_group, sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
+        device=state.device.device,
+        reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
     return model
 
 

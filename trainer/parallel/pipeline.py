@@ -14,6 +14,10 @@ The last stage's forward computes the per-depth loss sums from the trunk output
 (`model.losses_from_hidden`) and returns the loop's combined loss; the schedule backpropagates it
 unscaled (`scale_grads=False`) because the loss is already normalised by the global target count.
 Every stage receives the micro-batch's tokens / loss mask / doc ids as kwargs.
+
+Precision: every stage's forward runs under the loop's autocast (bf16 compute), and stages exchange
+the residual stream in the dtype it has: fp32 under autocast alone (the embedding and the residual
+adds stay fp32), bf16 when FSDP's mixed-precision policy hands the stages bf16 parameters.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from torch import nn
 
 from tandem.trainer.loss import combine_losses
 
+from .device import autocast_context
 from .validate import stage_layer_split
 
 
 class _StepContext:
+    autocast: tuple = ("cpu", None)
+    """(device type, autocast dtype or None for fp32) of every stage forward."""
     counts: Optional[torch.Tensor] = None
     coefs: Optional[List[float]] = None
     sums: Optional[torch.Tensor] = None
@@ -49,6 +56,10 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_ctx", ctx)
 
     def forward(self, x, tokens, loss_mask, doc_ids):
+        with autocast_context(*self._ctx.autocast):
+            return self._forward(x, tokens, loss_mask, doc_ids)
+
+    def _forward(self, x, tokens, loss_mask, doc_ids):
         b, s = tokens.shape[0], tokens.shape[1] - 1
         positions = torch.arange(s, device=tokens.device).expand(b, s)
         h = self.embed(x) if self.first else x
@@ -57,7 +68,7 @@ class StageModule(nn.Module):
         if not self.last:
             return h
         out = self._model.losses_from_hidden(h, tokens, loss_mask, doc_ids, positions)
-        self._ctx.sums += out.loss_sums.detach().double()
+        self._ctx.sums += out.loss_sums.detach().float()
         return combine_losses(out.loss_sums, self._ctx.counts, self._ctx.coefs)
 
 
@@ -106,7 +117,7 @@ class Pipeline:
         # stage boundaries carry [micro-batch, sequence (shard under SP), hidden] activations
         sp_tp = p.tp if (p.sequence_parallel and p.tp > 1) else 1
         self.seq_len, self.hidden = cfg.data.seq_len // sp_tp, cfg.model.hidden_size
-        self.act_dtype = torch.float32
+        self.act_dtype = torch.float32  # build_schedule sets the run's
         self.device = device
         self.modules = [StageModule(model, split[s], s == 0, s == n_stages - 1, self.ctx) for s in mine]
         self.has_first, self.has_last = 0 in mine, (n_stages - 1) in mine
@@ -116,9 +127,13 @@ class Pipeline:
         self.schedule = None
         self.schedule_name = p.pp_schedule
 
-    def build_schedule(self) -> None:
-        """After FSDP wrapped the stage modules (they are the FSDP roots)."""
+    def build_schedule(self, autocast_dtype=None, act_dtype: torch.dtype = torch.float32) -> None:
+        """After FSDP wrapped the stage modules (they are the FSDP roots). `autocast_dtype`: the
+        stages' compute dtype (None: fp32); `act_dtype`: the dtype of the residual stream between
+        stages (the static metadata must match what the stages produce)."""
         PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B = self._kinds
+        self.ctx.autocast = (self.device.type, autocast_dtype)
+        self.act_dtype = act_dtype
         # Static stage metadata: dynamic inference would run an extra forward of the first
         # micro-batch (counting its losses and router loads twice).
         b, s_len, h = self.micro_size, self.seq_len, self.hidden
@@ -140,7 +155,7 @@ class Pipeline:
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
-        self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float64, device=tokens.device)
+        self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
         args = (tokens[:, :-1].contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
         self.schedule.step(*args, target=target, return_outputs=False, **kwargs)

@@ -112,8 +112,12 @@ def _grouped(x: torch.Tensor, counts: List[int], gate, up, down) -> torch.Tensor
         h = F.silu(xe @ gate[e].t()) * (xe @ up[e].t())
         outputs.append(h @ down[e].t())
         start += n
-    if not outputs:  # keep the weights in the graph so every rank has (zero) gradients
-        return x.new_zeros(0, down.shape[1]) + 0.0 * (gate.sum() + up.sum() + down.sum())
+    if not outputs:
+        # An empty expert matmul: keeps the weights in the graph so every rank has (zero) gradients,
+        # and has the dtype a real one has (bf16 under autocast), which the all-to-all back needs
+        # to match on every rank.
+        xe = x[:0]
+        return (F.silu(xe @ gate[0].t()) * (xe @ up[0].t())) @ down[0].t()
     return torch.cat(outputs, dim=0)
 
 
@@ -157,7 +161,7 @@ class TensorParallelMoE(MoE):
                 aux_scale = aux_scale / dist.get_world_size(self.tp_group)
             aux = self._aux_loss(logits, indices)
         if aux is not None:
-            self.last_aux_loss = float(aux.detach())
+            self.last_aux_loss = aux.detach()
             out = AuxLossGrad.apply(out, aux, aux_scale)
         return out.view(shape)
 

@@ -1,0 +1,93 @@
+"""bf16 in one process: routing stays fp32 under autocast, the MoE layer and the whole model train
+under bf16 autocast, and the device layer refuses bf16 / devices the hardware does not have."""
+
+import pytest
+import torch
+
+from tandem.models import TandemModel
+from tandem.models.config import MTPConfig, ModelConfig
+from tandem.models.moe import MoE
+from tandem.trainer.config import ConfigError
+from tandem.trainer.parallel.device import Device, resolve_device
+
+
+def moe_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                moe_intermediate_size=16, num_experts=8, top_k=2, num_shared_experts=1, first_k_dense=1,
+                max_seq_len=64, balance="aux_loss", aux_loss_coef=0.1, z_loss_coef=0.01)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make_moe(**kw) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(moe_cfg(**kw))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    moe.router.e_score_correction_bias.normal_(0.0, 0.05)
+    return moe
+
+
+@pytest.mark.parametrize("score, n_group", [("sigmoid", 1), ("sigmoid", 2), ("softmax", 1)])
+def test_router_computes_in_fp32_under_autocast(score, n_group):
+    moe = make_moe(router_score=score, n_group=n_group, topk_group=1)
+    x = torch.randn(64, 32)
+    ref_w, ref_idx, ref_logits = moe.router(x)  # plain fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w, idx, logits = moe.router(x)
+        aux = moe._aux_loss(logits, idx)
+    assert logits.dtype == w.dtype == aux.dtype == torch.float32
+    # bit-identical to the fp32 computation: autocast did not turn the router's matmul into bf16
+    assert torch.equal(logits, ref_logits) and torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
+    assert torch.equal(aux, moe._aux_loss(ref_logits, ref_idx))
+    # a bf16 router would not be: its logits carry bf16 rounding
+    bf16_logits = torch.nn.functional.linear(x.bfloat16(), moe.router.weight.bfloat16()).float()
+    assert (bf16_logits - ref_logits).abs().max() > 1e-4
+
+
+def test_moe_forward_backward_under_bf16_autocast():
+    moe = make_moe()
+    moe.train()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    ref = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert moe.last_aux_loss.dtype == torch.float32 and moe.last_aux_loss > 0
+    # bf16 compute: close to fp32 (8-bit mantissa) but not equal
+    err = float((out.float() - ref).detach().norm() / ref.detach().norm())
+    assert 1e-4 < err < 2e-2, err
+    out.float().pow(2).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for name, p in moe.named_parameters():  # fp32 master weights get fp32 gradients
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+
+
+def test_model_trains_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = TandemModel(moe_cfg(num_experts=4), MTPConfig(num_steps=2, num_layers=1))
+    tokens = torch.randint(0, 128, (2, 17))
+    ref = model(tokens).loss_sums
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens)
+    assert out.loss_sums.dtype == torch.float32  # losses accumulate in fp32
+    assert torch.allclose(out.loss_sums, ref, rtol=1e-2) and not torch.equal(out.loss_sums, ref)
+    out.loss_sums.sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_missing_cuda_is_a_config_error():
+    with pytest.raises(ConfigError, match="config key 'device'='cuda' but no CUDA device is visible"):
+        resolve_device("cuda")
+
+
+def test_bf16_refused_where_unsupported(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    device = Device("cuda", "nccl", torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match=r"config key 'train.dtype'='bf16' but this cuda device \(Tesla V100"):
+        device.check_dtype("bf16")
+    device.check_dtype("fp32")
+    assert device.autocast_dtype("auto") is None  # auto falls back to fp32 there
+    assert resolve_device("cpu", dtype="bf16").autocast_dtype("bf16") == torch.bfloat16  # CPU autocast has bf16
