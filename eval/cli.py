@@ -2,7 +2,7 @@
 
     tandem eval --checkpoint DIR [--prompts FILE] [--num-steps K] [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--batch-size B] [--output FILE] [--seed S]
-    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf_import)
+    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf.importer)
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
 loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
@@ -43,9 +43,9 @@ def _load(args):
     """(model, cfg or None, tokenizer or None)."""
     if args.hf:
         try:
-            from tandem.trainer.hf_import import load_hf_model
+            from tandem.trainer.hf.importer import load_hf_model
         except ImportError as exc:
-            raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf_import (not available: {exc})")
+            raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf.importer (not available: {exc})")
         model, cfg = load_hf_model(args.hf)
         tok = None
         try:

@@ -66,7 +66,7 @@ def load_init_from(model: nn.Module, cfg: TandemConfig) -> None:
     """Fine-tuning: load `model.init_from` into the (possibly sharded) model. Run after parallelisation
     so each rank reads only the slices of the checkpoint its parameters hold."""
     if cfg.model.init_from:
-        from .init_from import load_initial_weights
+        from .hf.init_from import load_initial_weights
 
         load_initial_weights(model, cfg.model.init_from, mtp_init_from_last_layer=cfg.mtp.init_from_last_layer)
 
@@ -78,7 +78,7 @@ class Trainer:
         self.resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         prepare_run_dir(cfg.run.dir)
         if cfg.model.init_from:  # the trunk's shape comes from the checkpoint being fine-tuned
-            from .init_from import adopt_checkpoint_config
+            from .hf.init_from import adopt_checkpoint_config
 
             adopt_checkpoint_config(cfg)
         self.config_yaml = to_yaml(cfg)

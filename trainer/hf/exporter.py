@@ -1,6 +1,6 @@
 """Export a TandemModel to a Hugging Face directory: config.json + safetensors (+ tokenizer).
 
-Tensor names follow the target family (see hf_families): the trunk as transformers names it, the MTP
+Tensor names follow the target family (see families): the trunk as transformers names it, the MTP
 layers as the family's MTP layout (GLM-4.5: `model.layers.{N + j}.*`, so `Glm4MoeForCausalLM` loads
 the trunk and `generate(..., use_mtp=True)` finds the MTP layers; Qwen3 family: `mtp.*`). Experts are
 written per expert (`mlp.experts.{e}.gate_proj.weight`), as transformers' save_pretrained writes
@@ -20,7 +20,7 @@ from torch import nn
 
 from tandem.models.config import MTPConfig, ModelConfig
 
-from .hf_families import UnsupportedCheckpoint, default_family, hf_config, hf_name
+from .families import UnsupportedCheckpoint, default_family, hf_config, hf_name
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def hf_state_dict(model: nn.Module, family: str, cfg: ModelConfig, mtp: MTPConfig) -> Dict[str, torch.Tensor]:
     """This model's weights under `family`'s checkpoint names."""
-    from .hf_import import local_tensors
+    from .importer import local_tensors
 
     _, spec = hf_config(family, cfg, mtp)
     out: Dict[str, torch.Tensor] = {}

@@ -27,7 +27,7 @@ from torch import nn
 from tandem.models import TandemModel
 from tandem.models.config import MTPConfig, ModelConfig, validate_model
 
-from .hf_families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
+from .families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
                           meta_state, model_config_from_hf, mtp_layer_of_key, trunk_input_of)
 
 
@@ -318,7 +318,7 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     `mtp_overrides` (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that.
     Returns (model in eval mode, TandemConfig).
     """
-    from .config import TandemConfig
+    from ..config import TandemConfig
 
     hf = read_config(path)
     detect_family(hf)  # an unsupported architecture fails before any file is opened

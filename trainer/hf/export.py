@@ -8,7 +8,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .hf_families import FAMILIES
+from .families import FAMILIES
 
 
 def _tokenizer_for(cfg) -> Optional[str]:
@@ -43,9 +43,9 @@ def export_main(argv: List[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
     parser.add_argument("--max-shard-mb", type=float, default=0, help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
-    from .checkpoint import load_model_from_checkpoint
-    from .hf_export import export_hf
-    from .hf_families import UnsupportedCheckpoint
+    from ..checkpoint import load_model_from_checkpoint
+    from .exporter import export_hf
+    from .families import UnsupportedCheckpoint
 
     try:
         model, cfg = load_model_from_checkpoint(args.checkpoint)

@@ -1,6 +1,6 @@
 """`model.init_from=DIR`: start training (usually MTP fine-tuning) from an existing checkpoint.
 
-DIR is either a Hugging Face directory (config.json + safetensors: see hf_import) or a Tandem
+DIR is either a Hugging Face directory (config.json + safetensors: see importer) or a Tandem
 checkpoint (a `step_<N>/` directory with DCP shards, or a run directory: its newest complete one).
 The trunk is loaded strictly; the MTP module is loaded when the checkpoint has MTP weights, otherwise
 it keeps its fresh initialisation, or (`mtp.init_from_last_layer=true`) each MTP block starts as a copy
@@ -26,7 +26,7 @@ def is_hf_dir(path: str) -> bool:
 
 
 def resolve_tandem_checkpoint(path: str) -> str:
-    from .checkpoint import MARKER, latest_checkpoint
+    from ..checkpoint import MARKER, latest_checkpoint
 
     if os.path.exists(os.path.join(path, MARKER)):
         return path
@@ -41,8 +41,8 @@ def resolve_tandem_checkpoint(path: str) -> str:
 def checkpoint_model_config(path: str):
     """(ModelConfig of the checkpoint, MTP trunk_input convention or None, has MTP weights)."""
     if is_hf_dir(path):
-        from .hf_families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
-        from .hf_import import CheckpointReader, read_config
+        from .families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
+        from .importer import CheckpointReader, read_config
 
         hf = read_config(path)
         detect_family(hf)
@@ -53,7 +53,7 @@ def checkpoint_model_config(path: str):
         cfg = model_config_from_hf(hf, spec)
         has_mtp = any(is_mtp_key(k, cfg) for k in keys)
         return cfg, trunk_input_of(hf), has_mtp
-    from .config import load_config
+    from ..config import load_config
 
     step = resolve_tandem_checkpoint(path)
     saved = load_config(os.path.join(step, "config.yaml"))
@@ -63,7 +63,7 @@ def checkpoint_model_config(path: str):
 def adopt_checkpoint_config(cfg) -> List[str]:
     """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP weights)
     with the checkpoint's; revalidate; return the keys that changed (also printed)."""
-    from .config import ConfigError, validate
+    from ..config import ConfigError, validate
 
     ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
@@ -87,7 +87,7 @@ def adopt_checkpoint_config(cfg) -> List[str]:
 @torch.no_grad()
 def init_mtp_from_last_layer(model: nn.Module) -> None:
     """Copy the last trunk layer's weights into every MTP block (same names under `block.`)."""
-    from .hf_import import local_tensors
+    from .importer import local_tensors
 
     tensors = local_tensors(model)
     last = max(int(n.split(".")[1]) for n in tensors if n.startswith("layers."))
@@ -135,7 +135,7 @@ def load_initial_weights(model: nn.Module, path: str, *, mtp_init_from_last_laye
     if mtp_init_from_last_layer is None:
         mtp_init_from_last_layer = getattr(getattr(model, "mtp_cfg", None), "init_from_last_layer", False)
     if is_hf_dir(path):
-        from .hf_import import load_hf_weights
+        from .importer import load_hf_weights
 
         report = load_hf_weights(model, path, trust_pickle=trust_pickle)
         has_mtp = not report.fresh_mtp
