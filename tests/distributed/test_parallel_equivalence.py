@@ -45,6 +45,12 @@ RTOL = 1e-5
 # gradients not summed over tp) makes the replicas on the two tp ranks differ, which the replica check
 # in `load` catches at RTOL.
 PARAM_RTOL = {"tp=2,model.qk_norm=true": 1e-4}
+# Parameters after three Adam steps: tp layouts reach 1.7e-5 on the vocab-parallel embedding from the
+# seeded per-parameter init (its rarely-seen rows have gradients near Adam's eps, where the tp
+# all-reduce's rounding is amplified); the same tp=2 comparison in float64 gives 8.6e-7 on every
+# parameter, so this is fp32 rounding. A real layout bug (a missing gradient sum, a wrong shard) is
+# orders of magnitude larger.
+DEFAULT_PARAM_RTOL = 3e-5
 
 
 def model_overrides(layout: str) -> str:
@@ -117,5 +123,5 @@ def test_layout_matches_single_process(layout, runs, references):
     assert worst_loss < RTOL, f"{layout}: per-depth losses {got.tolist()} vs {ref_losses.tolist()}"
     assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
     worst = max((rel_err(params[n], ref["params"][n]), n) for n in params)
-    assert worst[0] < PARAM_RTOL.get(layout, RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
+    assert worst[0] < PARAM_RTOL.get(layout, DEFAULT_PARAM_RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
     print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} ({worst[1]})")

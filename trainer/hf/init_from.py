@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional, Set
 
 import torch
 from torch import nn
@@ -104,9 +104,9 @@ def init_mtp_from_last_layer(model: nn.Module) -> None:
         t.copy_(tensors[src])
 
 
-def load_tandem_weights(model: nn.Module, path: str) -> bool:
+def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the checkpoint
-    has it (names and shapes must then match). Returns whether MTP weights were loaded."""
+    has it (names and shapes must then match). Returns the names loaded."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -126,24 +126,103 @@ def load_tandem_weights(model: nn.Module, path: str) -> bool:
                              "match mtp.num_layers / mtp.moe or start from an export without MTP")
     dcp.load({"model": wanted}, checkpoint_id=step)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
-    return has_mtp
+    return list(wanted)
 
 
 def load_initial_weights(model: nn.Module, path: str, *, mtp_init_from_last_layer: Optional[bool] = None,
-                         trust_pickle: bool = False) -> None:
-    """Initialise `model` (plain or sharded) from `path`; see the module docstring."""
+                         trust_pickle: bool = False, init_rest: Optional[Callable[[Set[str]], None]] = None) -> Set[str]:
+    """Initialise `model` (plain or sharded) from `path`; see the module docstring. `init_rest(loaded)`
+    initialises what the checkpoint did not provide (the trainer's seeded init), before the MTP blocks
+    are copied from the last trunk layer. Returns the names loaded."""
     if mtp_init_from_last_layer is None:
         mtp_init_from_last_layer = getattr(getattr(model, "mtp_cfg", None), "init_from_last_layer", False)
     if is_hf_dir(path):
         from .importer import load_hf_weights
 
         report = load_hf_weights(model, path, trust_pickle=trust_pickle)
-        has_mtp = not report.fresh_mtp
+        loaded, has_mtp = set(report.loaded), not report.fresh_mtp
     else:
-        has_mtp = load_tandem_weights(model, path)
+        loaded = set(load_tandem_weights(model, path))
+        has_mtp = any(k.startswith("mtp.") for k in loaded)
+    if init_rest is not None:
+        init_rest(loaded)
     if getattr(model, "mtp", None) is not None and not has_mtp:
         if mtp_init_from_last_layer:
             init_mtp_from_last_layer(model)
         if int(os.environ.get("RANK", "0")) == 0:
             how = "copied from the last trunk layer" if mtp_init_from_last_layer else "freshly initialised"
             print(f"init_from: {path} has no MTP weights; the MTP module is {how}", file=sys.stderr)
+    return loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# frozen-trunk checkpoints: a fingerprinted reference to the checkpoint the trunk comes from
+# --------------------------------------------------------------------------------------------------
+REFERENCE_FILE = "frozen_trunk.json"
+_SAMPLES, _SAMPLE_BYTES = 16, 4096
+
+
+def _weight_files(path: str) -> List[str]:
+    if is_hf_dir(path):
+        names = [n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth"))
+                 or n in ("config.json", "model.safetensors.index.json")]
+    else:
+        names = [n for n in os.listdir(path) if n.endswith(".distcp") or n == ".metadata"]
+    return sorted(names)
+
+
+def fingerprint(path: str) -> str:
+    """A cheap content fingerprint of the weights in `path` (an HF directory or a Tandem step
+    directory): sha256 over each weight file's name, size, first 64 KiB (the safetensors header: every
+    name, dtype, shape and offset; DCP's metadata file is hashed whole) and 16 evenly spaced 4 KiB
+    samples plus the last 4 KiB. Any re-save of other weights (fine-tuned values, other shapes, a
+    truncated copy) changes it; copying the directory elsewhere (new mtimes) does not. It reads
+    well under 1 MiB per file, so a 200 GB checkpoint is fingerprinted in a moment."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in _weight_files(path):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        h.update(f"{name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            if name in (".metadata", "config.json", "model.safetensors.index.json"):
+                h.update(f.read())
+                continue
+            h.update(f.read(64 << 10))
+            for i in range(_SAMPLES + 1):
+                f.seek(max(0, (size - _SAMPLE_BYTES) * i // _SAMPLES))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def resolve_init_from(path: str) -> str:
+    """The directory whose weights `model.init_from=path` reads (a run directory's newest checkpoint)."""
+    return os.path.abspath(path if is_hf_dir(path) else resolve_tandem_checkpoint(path))
+
+
+def make_reference(init_from: str) -> dict:
+    resolved = resolve_init_from(init_from)
+    return {"path": resolved, "fingerprint": fingerprint(resolved)}
+
+
+def read_reference(step_dir: str) -> Optional[dict]:
+    """The frozen-trunk reference a checkpoint holds (None: the checkpoint is whole)."""
+    import json
+
+    file = os.path.join(step_dir, REFERENCE_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def check_reference(ref: dict, checkpoint: str) -> None:
+    """Refuse, in one line naming the path, a reference whose checkpoint is gone or changed."""
+    path = ref["path"]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk "
+                                f"{path} (model.init_from) is gone")
+    if fingerprint(path) != ref["fingerprint"]:
+        raise ValueError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk {path} "
+                         "(model.init_from) changed since it was saved (content fingerprint differs)")
