@@ -412,8 +412,13 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
         validate_model(cfg, mtp)
         tcfg = TandemConfig()
         tcfg.model, tcfg.mtp = cfg, mtp
-        model = TandemModel(cfg, mtp)
+        from ..materialize import allocate, init_seeded
+
+        with torch.device("meta"):  # storage only for the loaded weights: no random init pass
+            model = TandemModel(cfg, mtp)
+        allocate(model, torch.device(device))
         report = load_hf_weights(model, path, spec=spec, cfg=cfg, mtp=mtp, reader=reader)
+        init_seeded(model, 0, skip=set(report.loaded))  # a fresh MTP module, when the checkpoint has none
         if report.fresh_mtp and mtp.num_steps:
             print(f"hf import: {path} has no MTP weights; the MTP module is freshly initialised", file=sys.stderr)
     finally:
