@@ -8,7 +8,8 @@ fine-tunes MTP (`recipes/finetune_mtp.yaml`, frozen trunk, train.dtype=bf16 on C
 one step under 1, 2 and 4 FSDP ranks (torchrun, gloo, CPU), and the same with a tiny checkpoint as
 the baseline (interpreter, torch, data, process group). Prints per rank count the largest per-rank
 peak RSS over the baseline's and the step checkpoint's size on disk, both as multiples of the fp32
-model (4 bytes x trunk + MTP parameters), next to trainer/estimate.py's per-rank state estimate.
+model (4 bytes x trunk + MTP parameters), next to trainer/estimate.py's per-rank estimate. `--malloc-arenas N`
+sets MALLOC_ARENA_MAX for the ranks (glibc's per-thread arenas move the figures by about +-0.05).
 Last line: `peak_rss_over_fp32_model=<2 ranks> checkpoint_over_fp32_model=<2 ranks>`.
 `--quick` runs a small model at 2 ranks (the test that keeps this script alive).
 """
@@ -63,11 +64,17 @@ def make_checkpoint(out: str, shape: dict, cache: str) -> int:
     return n
 
 
+ARENAS = 0
+
+
 def launch(ranks: int, ckpt: str, run_dir: str, cache: str, out: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            os.path.abspath(__file__), "--worker", out, os.path.join(ROOT, "recipes", "finetune_mtp.yaml"),
            f"model.init_from={ckpt}", f"run.dir={run_dir}", f"data.cache_dir={cache}", *DATA, *RUN]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    if ARENAS:
+        # glibc gives threads (gloo's) their own malloc arenas, which keep freed transfer buffers
+        env["MALLOC_ARENA_MAX"] = str(ARENAS)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"fine-tune under {ranks} ranks failed:\n{proc.stderr[-4000:]}")
@@ -92,7 +99,7 @@ def worker(out: str, recipe: str, overrides) -> None:
 
 
 def estimated_states(ckpt: str, ranks: int, cache: str) -> float:
-    """trainer/estimate.py's per-rank model-state bytes for this fine-tune."""
+    """trainer/estimate.py's per-rank bytes for this fine-tune (states + activations + FSDP gathers)."""
     from tandem.trainer.config import load_config
     from tandem.trainer.estimate import estimate
     from tandem.trainer.hf.init_from import adopt_checkpoint_config
@@ -101,7 +108,7 @@ def estimated_states(ckpt: str, ranks: int, cache: str) -> float:
                       [f"model.init_from={ckpt}", f"data.cache_dir={cache}", "device=cpu", *DATA, *RUN])
     cfg.data.vocab_size = 512
     adopt_checkpoint_config(cfg)
-    return estimate(cfg, world_size=ranks).states_gib_per_rank * 2**30
+    return estimate(cfg, world_size=ranks).total_gib_per_rank * 2**30
 
 
 def main(argv=None) -> int:
@@ -109,11 +116,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--quick", action="store_true", help="small model at 2 ranks (for the test)")
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--malloc-arenas", type=int, default=0,
+                    help="MALLOC_ARENA_MAX for the ranks (0 = glibc's default)")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker[0], args.worker[1], args.worker[2:])
         return 0
+    global ARENAS
+    ARENAS = args.malloc_arenas
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
     work = args.workdir or tempfile.mkdtemp(prefix="tandem_ftmem_")
     cache = os.path.join(work, "cache")

@@ -68,7 +68,8 @@ class Estimate:
     activations_gib_per_rank: float
     """Peak activations of one rank's pipeline stage."""
     gathered_gib_per_rank: float = 0.0
-    """FSDP's unsharded copies: the largest layer gathered (its tp/ep shard), and the next one prefetched."""
+    """FSDP's unsharded copies: the largest layer gathered (its tp/ep shard) and the next one prefetched,
+    and the root group (embedding, head, MTP module), kept gathered through the step."""
 
     @property
     def total_gib_per_rank(self) -> float:
@@ -144,12 +145,17 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's live
     trunk_layers = [1 if cfg.train.freeze_trunk else n for n in layout]
     first = per_layer_act * trunk_layers[0] * in_flight
-    last = per_layer_act * (trunk_layers[-1] + cfg.mtp.num_steps) + cfg.mtp.loss_chunk_tokens * m.vocab_size / p.tp * 4
+    chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, cfg.data.seq_len * cfg.train.micro_batch_size)
+    last = per_layer_act * (trunk_layers[-1] + cfg.mtp.num_steps) + chunk * m.vocab_size / p.tp * 4
     activations = max(first, last) / GIB
     gathered = 0.0
     if dp * p.ep > 1 and p.dp_mode == "fsdp" and per_layer:
         layer = max(per_layer.values())
         layer_expert = layer * stage_expert_share
         width = frozen_bytes(cfg) if cfg.train.freeze_trunk else 4
-        gathered = 2 * width * ((layer - layer_expert) / p.tp + layer_expert / (p.tp * p.ep)) / GIB
+        gathered = 2 * width * ((layer - layer_expert) / p.tp + layer_expert / (p.tp * p.ep))
+        # the root (embedding, head, final norm, MTP module) stays gathered through forward and backward
+        root_embed = embed * (1 if m.tie_embeddings else 2) if p.pp == 1 else 2 * embed
+        gathered += (width * root_embed + 4 * mtp) / p.tp
+        gathered /= GIB
     return Estimate(total, expert, active, mtp, states, activations, gathered)
