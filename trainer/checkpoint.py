@@ -6,7 +6,9 @@ into `.tmp_step_<N>/`, and only after every rank has finished does rank 0 write 
 marker (last) and rename the directory into place; so a directory named step_<N> with a marker is
 always whole, and resume ignores (and reports) anything else. Old checkpoints are pruned only after
 the new one is complete. DCP reshards on load, so a checkpoint saved under one parallel layout loads
-under another.
+under another. Every checkpoint also records the run's tokenizer (`tokenizer.json`, a copy). A
+frozen-trunk run's checkpoints hold only the MTP module (+ optimizer) and `frozen_trunk.json`, a
+fingerprinted reference to the `model.init_from` checkpoint the trunk is read from (trainer/hf/init_from).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ checkpoint (a `step_<N>/` directory with DCP shards, or a run directory: its new
 The trunk is loaded strictly; the MTP module is loaded when the checkpoint has MTP weights, otherwise
 it keeps its fresh initialisation, or (`mtp.init_from_last_layer=true`) each MTP block starts as a copy
 of the last trunk layer. `adopt_checkpoint_config` first makes the run's trunk shape the checkpoint's,
-so a fine-tuning recipe does not need to repeat it.
+so a fine-tuning recipe does not need to repeat it. Reads go straight into the (sharded, freshly
+materialised) model, slice by slice; what the checkpoint lacks is initialised by the caller
+(`init_rest`). A frozen-trunk run's checkpoints point back here through `make_reference`
+(path + content `fingerprint`), which `check_reference` verifies before resume, eval and export.
 """
 
 from __future__ import annotations
