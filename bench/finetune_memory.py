@@ -8,8 +8,9 @@ fine-tunes MTP (`recipes/finetune_mtp.yaml`, frozen trunk, train.dtype=bf16 on C
 one step under 1, 2 and 4 FSDP ranks (torchrun, gloo, CPU), and the same with a tiny checkpoint as
 the baseline (interpreter, torch, data, process group). Prints per rank count the largest per-rank
 peak RSS over the baseline's and the step checkpoint's size on disk, both as multiples of the fp32
-model (4 bytes x trunk + MTP parameters), next to trainer/estimate.py's per-rank estimate. `--malloc-arenas N`
-sets MALLOC_ARENA_MAX for the ranks (glibc's per-thread arenas move the figures by about +-0.05).
+model (4 bytes x trunk + MTP parameters), next to trainer/estimate.py's per-rank estimate. The ranks run
+with MALLOC_MMAP_THRESHOLD_=65536 so the peak measures what they hold, not where glibc's dynamic
+threshold left freed buffers (`--glibc-default` to measure that too).
 Last line: `peak_rss_over_fp32_model=<2 ranks> checkpoint_over_fp32_model=<2 ranks>`.
 `--quick` runs a small model at 2 ranks without the baseline run (the test that keeps this script
 alive; its RSS figure is then the whole process's).
@@ -65,7 +66,7 @@ def make_checkpoint(out: str, shape: dict, cache: str) -> int:
     return n
 
 
-ARENAS = 0
+GLIBC_DEFAULT = False
 
 
 def launch(ranks: int, ckpt: str, run_dir: str, cache: str, out: str) -> dict:
@@ -73,9 +74,11 @@ def launch(ranks: int, ckpt: str, run_dir: str, cache: str, out: str) -> dict:
            os.path.abspath(__file__), "--worker", out, os.path.join(ROOT, "recipes", "finetune_mtp.yaml"),
            f"model.init_from={ckpt}", f"run.dir={run_dir}", f"data.cache_dir={cache}", *DATA, *RUN]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    if ARENAS:
-        # glibc gives threads (gloo's) their own malloc arenas, which keep freed transfer buffers
-        env["MALLOC_ARENA_MAX"] = str(ARENAS)
+    if not GLIBC_DEFAULT:
+        # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so later
+        # freed buffers (reads, all-gather outputs) stay resident in the heap and the peak depends on
+        # allocation order (+-0.2 x the model between ranks and runs); a fixed threshold returns them
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"fine-tune under {ranks} ranks failed:\n{proc.stderr[-4000:]}")
@@ -117,15 +120,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--quick", action="store_true", help="small model at 2 ranks (for the test)")
     ap.add_argument("--workdir", default="")
-    ap.add_argument("--malloc-arenas", type=int, default=0,
-                    help="MALLOC_ARENA_MAX for the ranks (0 = glibc's default)")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="run the ranks with glibc's dynamic mmap threshold (default: MALLOC_MMAP_THRESHOLD_=65536)")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker[0], args.worker[1], args.worker[2:])
         return 0
-    global ARENAS
-    ARENAS = args.malloc_arenas
+    global GLIBC_DEFAULT
+    GLIBC_DEFAULT = args.glibc_default
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
     work = args.workdir or tempfile.mkdtemp(prefix="tandem_ftmem_")
     cache = os.path.join(work, "cache")

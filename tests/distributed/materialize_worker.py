@@ -32,8 +32,7 @@ class LargestAllocation(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else [out]:
             # a DTensor's size is global; its local tensor is produced by an op of its own
             if type(t) is torch.Tensor and not t.is_meta and t.numel() > self.largest:
-                import traceback
-                self.largest, self.op = t.numel(), str(func) + "".join(traceback.format_stack(limit=12)[:-2]) if os.environ.get("DEBUG_ALLOC") else str(func)
+                self.largest, self.op = t.numel(), str(func)
         return out
 
 
