@@ -19,7 +19,6 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from tandem.models import TandemModel
 
 from . import preemption
 from .checkpoint import CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint
@@ -114,13 +113,12 @@ class Trainer:
         self.checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, reference,
                                             tokenizer=self.tokenizer.path)
         self.start_step = 0
-        if self.resume:
-            if found is not None:
-                state = load_checkpoint(found[1], self.model, self.optimizer)
-                self.start_step = int(state["step"])
-                self.guard.load_state(state)
-                if self.pstate.is_main:
-                    print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
+        if found is not None:
+            state = load_checkpoint(found[1], self.model, self.optimizer)
+            self.start_step = int(state["step"])
+            self.guard.load_state(state)
+            if self.pstate.is_main:
+                print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
         from .estimate import training_flops_per_token
 
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)

@@ -120,7 +120,7 @@ def export_checkpoint(step_dir: str, out_dir: str, family: Optional[str], cfg, m
         while i < len(plan):
             name = plan[i][0]
             _, dtype, load = sources[name]
-            value = _to_hf(load(), hf_name(name, cfg, mtp, spec), name, family, dtype)
+            value = _to_hf(load(), hf_name(name, cfg, mtp, spec), dtype)
             while i < len(plan) and plan[i][0] == name:
                 _, key, expert, _, _ = plan[i]
                 part = value[expert] if expert is not None else value
@@ -152,7 +152,8 @@ def _numel(shape) -> int:
     return n
 
 
-def _to_hf(value: torch.Tensor, src, name: str, family: str, dtype: torch.dtype) -> torch.Tensor:
+def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
+    """A Tandem tensor as the family stores it (norm offsets, MTP input halves), in `dtype`."""
     if src.plus_one:
         value = (value.float() - 1.0).to(dtype)
     if src.swap_halves:
