@@ -244,7 +244,7 @@ def worker(out_path, layouts):
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import Trainer, build_model
     from tandem.trainer.loss import depth_coefficients
-    from tandem.trainer.parallel import init_parallel, parallelize_model
+    from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
     torch.set_num_threads(1)
@@ -254,7 +254,7 @@ def worker(out_path, layouts):
         cfg.model.vocab_size = VOCAB
         device = resolve_device("cpu")
         pstate = init_parallel(cfg, device)
-        model = parallelize_model(build_model(cfg), cfg, pstate)
+        model = build_model(cfg, pstate)
         tr = Trainer.for_model(cfg, model, pstate)
         model.train()
         counter = None

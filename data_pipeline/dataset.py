@@ -201,8 +201,8 @@ def build_datasets(
 ):
     """Build `(train_ds, valid_ds, tokenizer)` for `data_cfg` (a `DataConfig`).
 
-    `source=stdlib` prepares/caches the embedded corpus (`prepare_stdlib_corpus`; its own tokenizer,
-    `data.tokenizer` is not used). `source=megatron` reads the blend `data_cfg.paths`, split by
+    `source=stdlib` prepares/caches the embedded corpus (`prepare_stdlib_corpus`), tokenized with its own
+    byte-level BPE, or with `data.tokenizer` when set (a fine-tuned checkpoint's tokenizer). `source=megatron` reads the blend `data_cfg.paths`, split by
     `data_cfg.split`, or uses `data_cfg.valid_paths` as a separate validation blend; the tokenizer is
     `data_cfg.tokenizer` or the `<prefix>.tokenizer.json` beside the first prefix.
 
@@ -217,7 +217,7 @@ def build_datasets(
         from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus, stdlib_cache_dir
 
         train_prefix, valid_prefix, tok_path = prepare_stdlib_corpus(data_cfg)
-        tokenizer = load_tokenizer(tok_path)
+        tokenizer = load_tokenizer(data_cfg.tokenizer or tok_path)
         train_blend: Tuple[List[str], Optional[List[float]]] = ([train_prefix], None)
         valid_blend: Optional[Tuple[List[str], Optional[List[float]]]] = ([valid_prefix], None)
         default_cache = os.path.join(stdlib_cache_dir(data_cfg), "indices")
@@ -331,3 +331,30 @@ def get_batch(dataset, sample_indices: Sequence[int], eod_id: Optional[int] = No
         "loss_mask": torch.stack(masks).float(),
         "doc_ids": torch.cumsum(is_eod, dim=1) - is_eod,
     }
+
+
+def follow_checkpoint_tokenizer(data_cfg, checkpoint: str, checkpoint_tok: Optional[str]) -> Optional[str]:
+    """Tokenizer follows the checkpoint being fine-tuned: with no tokenizer of its own (`data.tokenizer`
+    empty; for `source=megatron` the one beside the dataset counts) the run takes `checkpoint_tok`;
+    one that differs from it (content fingerprint) is refused, naming both, unless
+    `data.force_tokenizer`. Returns the tokenizer now in `data.tokenizer` when it was adopted."""
+    from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
+
+    if not checkpoint_tok:
+        return None
+    chosen, key = data_cfg.tokenizer, "data.tokenizer"
+    if not chosen and data_cfg.source == "megatron" and data_cfg.paths:
+        beside = output_paths(parse_blend(data_cfg.paths)[0][0])["tokenizer"]
+        chosen, key = (beside, f"the tokenizer of dataset {data_cfg.paths[0]}") if os.path.isfile(beside) else ("", key)
+    if not chosen:
+        data_cfg.tokenizer = checkpoint_tok
+        return checkpoint_tok
+    if data_cfg.force_tokenizer:
+        return None
+    if not os.path.exists(os.path.expanduser(chosen)):
+        raise FileNotFoundError(f"config key 'data.tokenizer'={chosen!r} does not exist")
+    if tokenizer_fingerprint(chosen) != tokenizer_fingerprint(checkpoint_tok):
+        raise ValueError(f"tokenizer mismatch: {key}={chosen} differs from {checkpoint_tok}, the tokenizer of "
+                         f"model.init_from={checkpoint}; drop it to use the checkpoint's, or set "
+                         "data.force_tokenizer=true")
+    return None

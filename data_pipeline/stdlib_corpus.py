@@ -21,7 +21,7 @@ import platform
 import sys
 import sysconfig
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from tandem.data_pipeline.preprocess import output_paths, preprocess
 
@@ -78,8 +78,33 @@ def stdlib_files(max_bytes: int = 0, valid_bytes: int = VALID_MAX_BYTES) -> Tupl
 
 def stdlib_cache_dir(data_cfg) -> str:
     """The cache directory of the embedded corpus for this interpreter, vocab size and byte cap."""
-    key = f"stdlib-py{platform.python_version()}-v{int(data_cfg.vocab_size)}-cap{int(data_cfg.stdlib_max_bytes)}-{CACHE_FORMAT}"
+    vocab = f"v{int(data_cfg.vocab_size)}"
+    if getattr(data_cfg, "tokenizer", ""):  # tokenized with a given tokenizer (a fine-tuned checkpoint's)
+        from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
+
+        vocab = f"tok{tokenizer_fingerprint(data_cfg.tokenizer)[:16]}"
+    key = f"stdlib-py{platform.python_version()}-{vocab}-cap{int(data_cfg.stdlib_max_bytes)}-{CACHE_FORMAT}"
     return os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), key)
+
+
+def _same_as_trained_bpe(data_cfg) -> Optional[str]:
+    """The cache of the corpus's own BPE when `data.tokenizer` is exactly that BPE (a checkpoint
+    trained on this corpus hands its tokenizer back): no second preparation."""
+    if not getattr(data_cfg, "tokenizer", ""):
+        return None
+    from dataclasses import replace
+
+    from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
+
+    try:
+        own = stdlib_cache_dir(replace(data_cfg, tokenizer=""))
+    except TypeError:  # not a dataclass (an omegaconf node): compare nothing
+        return None
+    tok = _result(own)[2]
+    if os.path.isfile(os.path.join(own, _READY)) and os.path.isfile(tok) and \
+            tokenizer_fingerprint(tok) == tokenizer_fingerprint(data_cfg.tokenizer):
+        return own
+    return None
 
 
 def _result(cache: str) -> Tuple[str, str, str]:
@@ -92,7 +117,7 @@ def prepare_stdlib_corpus(data_cfg) -> Tuple[str, str, str]:
 
     Safe to call from many processes at once: the first to take the lock prepares, the rest wait for it.
     """
-    cache = stdlib_cache_dir(data_cfg)
+    cache = _same_as_trained_bpe(data_cfg) or stdlib_cache_dir(data_cfg)
     if os.path.isfile(os.path.join(cache, _READY)):
         return _result(cache)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -114,9 +139,10 @@ def _prepare(data_cfg, cache: str) -> None:
           f"vocab {data_cfg.vocab_size}) in {cache}", file=sys.stderr, flush=True)
     train_prefix, valid_prefix, tok_path = _result(cache)
     # overwrite=True: anything here without READY.json is a leftover of an interrupted preparation.
-    train = preprocess(train_files, train_prefix, tokenizer=None, vocab_size=int(data_cfg.vocab_size),
+    given = getattr(data_cfg, "tokenizer", "") or None
+    train = preprocess(train_files, train_prefix, tokenizer=given, vocab_size=int(data_cfg.vocab_size),
                        tokenizer_sample_bytes=0, overwrite=True)
-    valid = preprocess(valid_files, valid_prefix, tokenizer=tok_path, overwrite=True)
+    valid = preprocess(valid_files, valid_prefix, tokenizer=given or tok_path, overwrite=True)
     ready = {
         "python": platform.python_version(),
         "stdlib": stdlib_root(),

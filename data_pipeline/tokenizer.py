@@ -184,3 +184,43 @@ def _atomic_write_text(out_file: str, text: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+_SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "tokenizer_config.json",
+                         "special_tokens_map.json", "added_tokens.json")
+
+
+def tokenizer_file(path: str) -> Optional[str]:
+    """The file that defines the tokenizer at `path` (a tokenizer.json, or a directory's
+    tokenizer.json), or None when `path` is a directory without one."""
+    path = os.path.expanduser(str(path))
+    if os.path.isfile(path):
+        return path
+    tj = os.path.join(path, "tokenizer.json")
+    return tj if os.path.isfile(tj) else None
+
+
+def checkpoint_tokenizer(path: str) -> Optional[str]:
+    """The tokenizer shipped with a checkpoint directory (Hugging Face or a Tandem step), or None."""
+    if tokenizer_file(path):
+        return os.path.abspath(path)
+    if any(os.path.isfile(os.path.join(path, n)) for n in _SLOW_TOKENIZER_FILES[:4]):
+        return os.path.abspath(path)
+    return None
+
+
+def tokenizer_fingerprint(path: str) -> str:
+    """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it, or
+    the directory holding it, has the same fingerprint), else a slow tokenizer's vocabulary files."""
+    import hashlib
+
+    h = hashlib.sha256()
+    tj = tokenizer_file(path)
+    files = [tj] if tj else [os.path.join(path, n) for n in _SLOW_TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+    if not files:
+        raise FileNotFoundError(f"tokenizer not found: {path}")
+    for file in files:
+        h.update(os.path.basename(file).encode() + b"\0")
+        with open(file, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()

@@ -2,7 +2,7 @@
 
     tandem eval --checkpoint DIR [--prompts FILE] [--num-steps K] [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--batch-size B] [--output FILE] [--seed S]
-    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf_import)
+    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf.importer)
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
 loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
@@ -43,9 +43,9 @@ def _load(args):
     """(model, cfg or None, tokenizer or None)."""
     if args.hf:
         try:
-            from tandem.trainer.hf_import import load_hf_model
+            from tandem.trainer.hf.importer import load_hf_model
         except ImportError as exc:
-            raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf_import (not available: {exc})")
+            raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf.importer (not available: {exc})")
         model, cfg = load_hf_model(args.hf)
         tok = None
         try:
@@ -55,16 +55,23 @@ def _load(args):
         except Exception:
             tok = None
         return model.to(args.device).eval(), cfg, tok
-    from tandem.trainer.checkpoint import load_model_from_checkpoint
+    from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
 
-    model, cfg = load_model_from_checkpoint(args.checkpoint, args.device)
-    return model, cfg, _tokenizer_of(cfg)
+    step = resolve_checkpoint(args.checkpoint)
+    model, cfg = load_model_from_checkpoint(step, args.device)
+    return model, cfg, _tokenizer_of(cfg, step)
 
 
-def _tokenizer_of(cfg):
+def _tokenizer_of(cfg, step_dir: str = ""):
+    """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data config's."""
     try:
         from tandem.data_pipeline.tokenizer import load_tokenizer
 
+        recorded = os.path.join(step_dir, "tokenizer.json") if step_dir else ""
+        if recorded and os.path.isfile(recorded):
+            return load_tokenizer(recorded)
+        if cfg.data.tokenizer:
+            return load_tokenizer(cfg.data.tokenizer)
         if cfg.data.source == "stdlib":
             from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 
@@ -99,7 +106,11 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
     from .metrics import evaluate_decoding, teacher_forced
     from .spec_decode import row_metrics
 
-    model, cfg, tok = _load(args)
+    try:
+        model, cfg, tok = _load(args)
+    except (FileNotFoundError, ValueError) as exc:  # a missing/corrupt checkpoint, a changed frozen trunk
+        print(f"tandem eval: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     ev = cfg.eval if cfg is not None and hasattr(cfg, "eval") else None
     K = args.num_steps or (cfg.mtp.num_steps if cfg is not None else 0)
     if K <= 0 or model.mtp is None:

@@ -29,12 +29,22 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_seq_len: int):
         super().__init__()
-        self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+        self.rotary_dim, self.theta = rotary_dim, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, rotary_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, rotary_dim), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Fill the cos/sin tables (again after `to_empty`: non-persistent buffers are not loaded)."""
+        if self.cos.is_meta:
+            return
+        r = self.rotary_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+        angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32), inv_freq)
         emb = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
 
     def forward(self, x_bnsd: torch.Tensor, positions_bs: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions_bs].unsqueeze(1).to(x_bnsd.dtype)  # [B,1,S,R]

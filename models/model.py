@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -97,20 +97,41 @@ class TandemModel(nn.Module):
     def num_depths(self) -> int:
         return 1 + (self.mtp_cfg.num_steps if self.mtp is not None else 0)
 
+    def init_rule(self, name: str) -> Tuple[str, float]:
+        """How parameter `name` starts: ("ones" | "zeros" | "normal", std). The one definition of the
+        initial distribution: `reset_parameters` draws it from the global RNG; the trainer draws it
+        shard by shard from per-parameter seeds (trainer/materialize.py)."""
+        std = self.cfg.init_std
+        if name.endswith("norm.weight") or "layernorm" in name or "enorm" in name or "hnorm" in name:
+            return "ones", 0.0
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            # GPT-2 style: residual output projections scaled down with depth.
+            return "normal", std / math.sqrt(2 * (self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp_cfg.num_steps > 0 else 0)))
+        return "normal", std
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        # GPT-2 style: residual output projections scaled down with depth.
-        out_std = std / math.sqrt(2 * (self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp else 0)))
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or "enorm" in name or "hnorm" in name:
+            kind, std = self.init_rule(name)
+            if kind == "ones":
                 p.fill_(1.0)
-            elif name.endswith("bias"):
+            elif kind == "zeros":
                 p.zero_()
-            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute every buffer (rotary tables, router biases and load counts) in place: after
+        `to_empty` (meta-device construction) they hold garbage."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_buffers"):
+                m.reset_buffers()
+        for name, b in self.named_buffers():
+            if name.endswith(("e_score_correction_bias", "tokens_per_expert")):
+                b.zero_()
 
     # --- pieces shared by training and decoding -------------------------------------------------
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:

@@ -6,7 +6,9 @@ into `.tmp_step_<N>/`, and only after every rank has finished does rank 0 write 
 marker (last) and rename the directory into place; so a directory named step_<N> with a marker is
 always whole, and resume ignores (and reports) anything else. Old checkpoints are pruned only after
 the new one is complete. DCP reshards on load, so a checkpoint saved under one parallel layout loads
-under another.
+under another. Every checkpoint also records the run's tokenizer (`tokenizer.json`, a copy). A
+frozen-trunk run's checkpoints hold only the MTP module (+ optimizer) and `frozen_trunk.json`, a
+fingerprinted reference to the `model.init_from` checkpoint the trunk is read from (trainer/hf/init_from).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 MARKER = "COMPLETE"
+TRAINABLE_PREFIX = "mtp."
+"""What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
 # DCP warns on every single-process save/load that it assumes a single process; that is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -107,8 +111,15 @@ class CheckpointWriter:
     into place, old ones pruned) by `finish()`, which the next `save()` and the end of training call,
     so an interrupted background write leaves only an ignored `.tmp_step_<N>/`."""
 
-    def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False):
+    def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False, reference: Optional[dict] = None,
+                 tokenizer: Optional[str] = None):
         self.run_dir, self.keep_last, self.async_save = run_dir, keep_last, async_save
+        # The run's tokenizer is recorded in every checkpoint (a copy of its tokenizer.json): a fine-tune,
+        # `tandem eval` and `tandem export` of the checkpoint use it (data_pipeline/dataset.py).
+        self.tokenizer = tokenizer
+        # Frozen trunk (train.freeze_trunk with model.init_from): save only the trainable MTP module and
+        # this reference to the trunk's checkpoint (path + content fingerprint, trainer/hf/init_from.py).
+        self.reference = reference
         self.pending = None
 
     def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config_yaml: str,
@@ -128,6 +139,8 @@ class CheckpointWriter:
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
+        if self.reference is not None:
+            state["model"] = {k: v for k, v in state["model"].items() if k.startswith(TRAINABLE_PREFIX)}
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
         future = dcp.async_save(state, checkpoint_id=tmp) if self.async_save else None
         if future is None:
@@ -154,6 +167,12 @@ class CheckpointWriter:
                 f.write(config_yaml)
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"step": step, **trainer_state}, f, indent=1)
+            _record_tokenizer(self.tokenizer, tmp)
+            if self.reference is not None:
+                from .hf.init_from import REFERENCE_FILE
+
+                with open(os.path.join(tmp, REFERENCE_FILE), "w") as f:
+                    json.dump(self.reference, f, indent=1)
             _pause_for_tests("before_marker", step)
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write(f"{step}\n")
@@ -169,6 +188,16 @@ class CheckpointWriter:
                     shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
+
+
+def _record_tokenizer(tokenizer: Optional[str], step_dir: str) -> None:
+    if not tokenizer:
+        return
+    from tandem.data_pipeline.tokenizer import tokenizer_file
+
+    src = tokenizer_file(tokenizer)
+    if src is not None:
+        shutil.copyfile(src, os.path.join(step_dir, "tokenizer.json"))
 
 
 def _fsync_dir(path: str) -> None:
@@ -217,18 +246,38 @@ def check_compatible(path: str, config_yaml: str) -> None:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: " + "; ".join(tokenizer))
 
 
+def _saved_model_keys(path: str) -> set:
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k[len("model."):] for k in meta if k.startswith("model.")}
+
+
+def _only_saved(model_sd: dict, path: str) -> dict:
+    """A frozen-trunk checkpoint holds only the MTP module: restrict to it (all of it must be there)."""
+    from .hf.init_from import read_reference
+
+    if read_reference(path) is None:
+        return model_sd
+    saved = _saved_model_keys(path)
+    missing = [k for k in model_sd if k.startswith(TRAINABLE_PREFIX) and k not in saved]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks MTP tensors: {', '.join(sorted(missing))}")
+    return {k: v for k, v in model_sd.items() if k in saved}
+
+
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
-    """Collective: load model (+ optimizer) shards in place, restore this rank's RNG; return trainer state."""
-    opts = StateDictOptions(strict=True)
+    """Collective: load model (+ optimizer) shards in place, restore this rank's RNG; return trainer
+    state. A frozen-trunk checkpoint loads the MTP module only (the trunk came from model.init_from)."""
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": _only_saved(model_sd, path), "optim": optim_sd}
         _dcp_load(state, path)
+        opts = StateDictOptions(strict=len(state["model"]) == len(model_sd))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     else:
-        state = {"model": get_model_state_dict(model)}
+        model_sd = get_model_state_dict(model)
+        state = {"model": _only_saved(model_sd, path)}
         _dcp_load(state, path)
-        set_model_state_dict(model, state["model"], options=opts)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
     rng_path = os.path.join(path, "rng", f"rank{_rank()}.pt")
     if os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=True))
@@ -236,28 +285,46 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         return json.load(f)
 
 
+def resolve_checkpoint(path: str) -> str:
+    """A step directory, or a run directory's newest complete checkpoint."""
+    if os.path.exists(os.path.join(path, MARKER)):
+        return path
+    found = latest_checkpoint(path, report=False)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run directory holding one)")
+    return found[1]
+
+
 def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     """Single-process: rebuild the model a checkpoint was trained with and load its weights.
 
-    `path` is a step directory or a run directory (its newest complete checkpoint). Returns
-    (model in eval mode, TandemConfig).
+    `path` is a step directory or a run directory (its newest complete checkpoint). The model is built
+    on the meta device and its storage filled straight from the checkpoint (no random init, no second
+    copy); a frozen-trunk checkpoint's trunk is read from its (fingerprint-checked) reference.
+    Returns (model in eval mode, TandemConfig).
     """
     from tandem.models import TandemModel
 
     from .config import load_config
+    from .hf.init_from import check_reference, load_initial_weights, read_reference
+    from .materialize import allocate
 
-    if not os.path.exists(os.path.join(path, MARKER)):
-        found = latest_checkpoint(path, report=False)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run directory holding one)")
-        path = found[1]
+    path = resolve_checkpoint(path)
     cfg = load_config(os.path.join(path, "config.yaml"))
+    ref = read_reference(path)
+    if ref is not None:
+        check_reference(ref, path)
     cfg.model.init_from = ""
-    model = TandemModel(cfg.model, cfg.mtp)
-    state = {"model": get_model_state_dict(model)}
+    with torch.device("meta"):
+        model = TandemModel(cfg.model, cfg.mtp)
+    allocate(model, torch.device(device))
+    if ref is not None:
+        load_initial_weights(model, ref["path"], mtp_init_from_last_layer=False)
+    model_sd = get_model_state_dict(model)
+    state = {"model": _only_saved(model_sd, path)}
     _dcp_load(state, path)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-    return model.to(device).eval(), cfg
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=ref is None))
+    return model.eval(), cfg
 
 
 def _dcp_load(state: dict, path: str) -> None:

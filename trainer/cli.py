@@ -31,7 +31,7 @@ run `tandem <command> --help` for a command's options
 _COMMANDS = {
     "preprocess": ("tandem.data_pipeline.preprocess", "preprocess_main"),
     "eval": ("tandem.eval.cli", "eval_main"),
-    "export": ("tandem.trainer.export", "export_main"),
+    "export": ("tandem.trainer.hf.export", "export_main"),
     "report": ("tandem.trainer.report", "report_main"),
 }
 

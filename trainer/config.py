@@ -42,7 +42,13 @@ class DataConfig:
     """train,valid,test split of `paths` when `valid_paths` is empty (Megatron syntax)."""
     tokenizer: str = ""
     """Local tokenizer (a tokenizer.json file or a Hugging Face tokenizer directory); empty uses the
-    tokenizer saved beside the dataset prefix by `tandem preprocess`."""
+    tokenizer of `model.init_from` when it has one (a Hugging Face directory's, the one a Tandem
+    checkpoint recorded), else the one saved beside the dataset prefix by `tandem preprocess`, else
+    (source=stdlib) the byte-level BPE trained on the embedded corpus. With source=stdlib a given
+    tokenizer tokenizes the embedded corpus."""
+    force_tokenizer: bool = False
+    """Train with `data.tokenizer` (or the dataset's) even when it differs from the tokenizer of the
+    checkpoint in `model.init_from` (refused otherwise: the checkpoint's ids would mean other tokens)."""
     vocab_size: int = 4096
     """Vocabulary size of the byte-level BPE trained on the embedded corpus."""
     cache_dir: str = "~/.cache/tandem"
@@ -91,7 +97,12 @@ class TrainConfig:
     resume: bool = False
     """Resume from the newest complete checkpoint in run.dir (also `tandem train --resume`)."""
     freeze_trunk: bool = False
-    """Train only the MTP module: the trunk gets no gradients and no optimizer state."""
+    """Train only the MTP module: the trunk gets no gradients and no optimizer state, runs under
+    no_grad, and checkpoints hold only the MTP module (+ optimizer) and a fingerprinted reference to
+    `model.init_from`, which resume, `tandem eval` and `tandem export` read the trunk from."""
+    frozen_dtype: str = "auto"
+    """dtype a frozen trunk (train.freeze_trunk) is stored in: `auto` = the compute dtype (bf16 when
+    training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master."""
     distill: str = "none"
     """MTP targets: `none` (data labels), `argmax` or `soft` (self-distillation: the trunk's own next-token
     argmax / distribution at the target position, soft = chunked soft cross-entropy)."""
@@ -305,6 +316,7 @@ def validate(cfg: TandemConfig) -> None:
         ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
         ("train.grad_reduce_dtype", cfg.train.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
+        ("train.frozen_dtype", cfg.train.frozen_dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
         ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("train.distill", cfg.train.distill == "none" or cfg.mtp.loss.objective == "ce",
          "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
@@ -337,7 +349,7 @@ def validate(cfg: TandemConfig) -> None:
         if not ok:
             value = OmegaConf.select(OmegaConf.structured(cfg), key)
             raise ConfigError(f"config key '{key}'={value!r} {why}")
-    if cfg.data.source == "stdlib" and cfg.model.vocab_size < cfg.data.vocab_size:
+    if cfg.data.source == "stdlib" and not cfg.data.tokenizer and cfg.model.vocab_size < cfg.data.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size} (the tokenizer's vocabulary)"
         )

@@ -3,7 +3,8 @@
 Parameters are counted exactly from the model built on the meta device (no memory). Memory per rank
 for the recipe's layout is an estimate:
 - model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter this
-  rank owns: non-expert parameters split over tp and pipeline stages (the largest stage counts) and
+  rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes per
+  parameter, train.frozen_dtype, and keeps no activations): non-expert parameters split over tp and pipeline stages (the largest stage counts) and
   sharded by FSDP over the data-parallel replicas (dp * ep); expert parameters split over ep, tp and
   stages and sharded by FSDP over dp;
 - activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
@@ -66,16 +67,30 @@ class Estimate:
     """Parameters, gradients and AdamW moments held by one rank."""
     activations_gib_per_rank: float
     """Peak activations of one rank's pipeline stage."""
+    gathered_gib_per_rank: float = 0.0
+    """FSDP's unsharded copies: the largest layer gathered (its tp/ep shard) and the next one prefetched,
+    and the root group (embedding, head, MTP module), kept gathered through the step."""
 
     @property
     def total_gib_per_rank(self) -> float:
-        return self.states_gib_per_rank + self.activations_gib_per_rank
+        return self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
 
     def summary(self) -> str:
         return (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
                 f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
                 f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
+                f"gathered={self.gathered_gib_per_rank:.1f} GiB "
                 f"total={self.total_gib_per_rank:.1f} GiB")
+
+
+def frozen_bytes(cfg: TandemConfig) -> int:
+    """Bytes per parameter of a frozen trunk (train.frozen_dtype; `auto` = the compute dtype: bf16 on
+    accelerators under train.dtype=auto, bf16 under train.dtype=bf16)."""
+    choice = cfg.train.frozen_dtype
+    if choice == "auto":
+        bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.device in ("cuda", "npu"))
+        return 2 if bf16 else 4
+    return 2 if choice == "bf16" else 4
 
 
 def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
@@ -116,13 +131,31 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     biggest = max(stages)
     stage_expert = biggest * stage_expert_share
     owned = (biggest - stage_expert) / (p.tp * dp * p.ep) + stage_expert / (p.tp * p.ep * dp)
-    states = 16 * owned / GIB
+    if cfg.train.freeze_trunk:
+        # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module (on the last
+        # stage, FSDP-sharded like the rest) has fp32 master + gradient + AdamW moments
+        mtp_owned = mtp / (p.tp * dp * p.ep)
+        states = (frozen_bytes(cfg) * max(owned - mtp_owned, 0) + 16 * mtp_owned) / GIB
+    else:
+        states = 16 * owned / GIB
 
     act_bytes = 2 if cfg.device != "cpu" else 4
     per_layer_act = 34 * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size / p.tp * act_bytes / 2
     in_flight = p.pp if p.pp > 1 else 1
-    layers_first = layout[0]
-    first = per_layer_act * layers_first * in_flight
-    last = per_layer_act * (layout[-1] + cfg.mtp.num_steps) + cfg.mtp.loss_chunk_tokens * m.vocab_size / p.tp * 4
+    # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's live
+    trunk_layers = [1 if cfg.train.freeze_trunk else n for n in layout]
+    first = per_layer_act * trunk_layers[0] * in_flight
+    chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, cfg.data.seq_len * cfg.train.micro_batch_size)
+    last = per_layer_act * (trunk_layers[-1] + cfg.mtp.num_steps) + chunk * m.vocab_size / p.tp * 4
     activations = max(first, last) / GIB
-    return Estimate(total, expert, active, mtp, states, activations)
+    gathered = 0.0
+    if dp * p.ep > 1 and p.dp_mode == "fsdp" and per_layer:
+        layer = max(per_layer.values())
+        layer_expert = layer * stage_expert_share
+        width = frozen_bytes(cfg) if cfg.train.freeze_trunk else 4
+        gathered = 2 * width * ((layer - layer_expert) / p.tp + layer_expert / (p.tp * p.ep))
+        # the root (embedding, head, final norm, MTP module) stays gathered through forward and backward
+        root_embed = embed * (1 if m.tie_embeddings else 2) if p.pp == 1 else 2 * embed
+        gathered += (width * root_embed + 4 * mtp) / p.tp
+        gathered /= GIB
+    return Estimate(total, expert, active, mtp, states, activations, gathered)

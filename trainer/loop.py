@@ -18,7 +18,6 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from tandem.models import TandemModel
 
 from . import preemption
 from .checkpoint import CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint
@@ -26,7 +25,7 @@ from .config import ConfigError, TandemConfig, to_yaml
 from .loss import combine_losses, depth_coefficients, lambda_at
 from .metrics import MetricsLogger
 from .optim import build_optimizer, lr_at, set_lr
-from .parallel import ParallelState, init_parallel, parallelize_model
+from .parallel import ParallelState, init_parallel
 from .parallel.device import autocast_context, resolve_device
 
 
@@ -49,25 +48,26 @@ def write_config(run_dir: str, config_yaml: str) -> None:
     os.replace(tmp, os.path.join(run_dir, "config.yaml"))
 
 
-def build_model(cfg: TandemConfig) -> TandemModel:
-    """The plain model, seeded so every rank (and every layout) starts from identical weights.
-    `model.init_from` weights are loaded later, by `load_init_from`, once the model is sharded."""
-    torch.manual_seed(cfg.train.seed)
-    model = TandemModel(cfg.model, cfg.mtp)
-    if cfg.train.freeze_trunk:
-        for name, p in model.named_parameters():
-            p.requires_grad_(name.startswith("mtp."))
-    model.distill = cfg.train.distill
-    return model
+def build_model(cfg: TandemConfig, pstate: ParallelState) -> nn.Module:
+    """This rank's part of the model: built on the meta device, parallelized, then only its shards
+    materialised, seeded so every layout starts from identical weights, or read from
+    `model.init_from` (trainer/materialize.py)."""
+    from .materialize import build_sharded_model
+
+    return build_sharded_model(cfg, pstate)
 
 
-def load_init_from(model: nn.Module, cfg: TandemConfig) -> None:
-    """Fine-tuning: load `model.init_from` into the (possibly sharded) model. Run after parallelisation
-    so each rank reads only the slices of the checkpoint its parameters hold."""
-    if cfg.model.init_from:
-        from .init_from import load_initial_weights
+def check_frozen_reference(step_dir: str, reference: Optional[dict]) -> None:
+    """A frozen-trunk checkpoint resumes only on the very trunk it was trained on."""
+    from .hf.init_from import check_reference, read_reference
 
-        load_initial_weights(model, cfg.model.init_from, mtp_init_from_last_layer=cfg.mtp.init_from_last_layer)
+    saved = read_reference(step_dir)
+    if saved is None:
+        return
+    check_reference(saved, step_dir)
+    if reference is None or reference["path"] != saved["path"]:
+        raise ConfigError(f"checkpoint {step_dir} was trained on the frozen trunk {saved['path']}, but this run's "
+                          f"model.init_from is {reference['path'] if reference else 'unset (or train.freeze_trunk=false)'}")
 
 
 class Trainer:
@@ -76,10 +76,22 @@ class Trainer:
         # A torchrun restart (--max-restarts) of a failed job resumes from the last checkpoint.
         self.resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         prepare_run_dir(cfg.run.dir)
-        if cfg.model.init_from:  # the trunk's shape comes from the checkpoint being fine-tuned
-            from .init_from import adopt_checkpoint_config
+        if cfg.model.init_from:  # the trunk's shape and the tokenizer come from the checkpoint being fine-tuned
+            from tandem.data_pipeline.dataset import follow_checkpoint_tokenizer
+            from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
 
+            from .hf.init_from import adopt_checkpoint_config, resolve_init_from
+
+            source = resolve_init_from(cfg.model.init_from)
+            adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from, checkpoint_tokenizer(source))
+            if adopted and int(os.environ.get("RANK", "0")) == 0:
+                print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)", file=sys.stderr)
             adopt_checkpoint_config(cfg)
+        reference = None
+        if cfg.train.freeze_trunk and cfg.model.init_from:  # checkpoints will point at the frozen trunk
+            from .hf.init_from import make_reference
+
+            reference = make_reference(cfg.model.init_from)
         self.config_yaml = to_yaml(cfg)
         self.device = resolve_device(cfg.device, dtype=cfg.train.dtype)
         self.pstate: ParallelState = init_parallel(cfg, self.device)
@@ -92,20 +104,20 @@ class Trainer:
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
             model_vocab_size=cfg.model.vocab_size)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
-        model = parallelize_model(build_model(cfg).to(self.device.device), cfg, self.pstate)
-        load_init_from(model, cfg)
-        self._attach(model)
-        self.checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+        found = latest_checkpoint(cfg.run.dir) if self.resume else None
+        if found is not None:  # every check on the checkpoint before the model is built
+            check_compatible(found[1], self.config_yaml)
+            check_frozen_reference(found[1], reference)
+        self._attach(build_model(cfg, self.pstate))
+        self.checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, reference,
+                                            tokenizer=self.tokenizer.path)
         self.start_step = 0
-        if self.resume:
-            found = latest_checkpoint(cfg.run.dir)
-            if found is not None:
-                check_compatible(found[1], self.config_yaml)
-                state = load_checkpoint(found[1], self.model, self.optimizer)
-                self.start_step = int(state["step"])
-                self.guard.load_state(state)
-                if self.pstate.is_main:
-                    print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
+        if found is not None:
+            state = load_checkpoint(found[1], self.model, self.optimizer)
+            self.start_step = int(state["step"])
+            self.guard.load_state(state)
+            if self.pstate.is_main:
+                print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
         from .estimate import training_flops_per_token
 
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)

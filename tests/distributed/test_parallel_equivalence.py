@@ -114,6 +114,12 @@ BF16_GAP_FACTOR = 4.0
 # identical weights) is off the fp32 run's by more than 1e-4 relative, 70x the fp32 layouts' own
 # deviation over all steps (<1.5e-6); measured 3.2e-4..1.5e-3.
 BF16_EVIDENCE = 1e-4
+# Parameters after three Adam steps: tp layouts reach 1.7e-5 on the vocab-parallel embedding from the
+# seeded per-parameter init (its rarely-seen rows have gradients near Adam's eps, where the tp
+# all-reduce's rounding is amplified); the same tp=2 comparison in float64 gives 8.6e-7 on every
+# parameter, so this is fp32 rounding. A real layout bug (a missing gradient sum, a wrong shard) is
+# orders of magnitude larger.
+DEFAULT_PARAM_RTOL = 3e-5
 
 
 def model_overrides(layout: str, drop=()) -> str:
@@ -193,7 +199,7 @@ def test_layout_matches_single_process(layout, runs, references):
     assert worst_loss < RTOL, f"{layout}: per-depth losses {got.tolist()} vs {ref_losses.tolist()}"
     assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
     worst = max((rel_err(params[n], ref["params"][n]), n) for n in params)
-    assert worst[0] < PARAM_RTOL.get(layout, RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
+    assert worst[0] < PARAM_RTOL.get(layout, DEFAULT_PARAM_RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
     print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} ({worst[1]})")
 
 

@@ -77,7 +77,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     from tandem.trainer.loop import Trainer, build_model
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.optim import lr_at, set_lr
-    from tandem.trainer.parallel import init_parallel, parallelize_model
+    from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
     single = layout.split(",")[0] == "single"
@@ -90,7 +90,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         pstate = ParallelState(device=device)
     else:
         pstate = init_parallel(cfg, device)
-    model = parallelize_model(build_model(cfg), cfg, pstate)
+    model = build_model(cfg, pstate)
     tr = Trainer.for_model(cfg, model, pstate)
     model.train()
     losses, norms = [], []

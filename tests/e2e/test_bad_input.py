@@ -204,3 +204,40 @@ def test_override_without_equals(ctx):
 def test_launch_needs_slurm_word(capsys):
     assert main(["launch", "kubernetes"]) == 2
     assert "usage: tandem launch slurm" in capsys.readouterr().err
+
+
+# --- fine-tuning from a checkpoint (issue 11: model.init_from shards, tokenizer) -------------------
+@pytest.fixture(scope="module")
+def sharded_export(earlier_run, tmp_path_factory):
+    """The earlier run exported as a sharded Hugging Face checkpoint (index + several files + tokenizer)."""
+    out = str(tmp_path_factory.mktemp("hf") / "hf")
+    assert main(["export", "--checkpoint", earlier_run, "--out", out, "--max-shard-mb", "0.05"]) == 0
+    return out
+
+
+def _shards(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def test_init_from_missing_shard(ctx, sharded_export, tmp_path):
+    hf = str(tmp_path / "hf")
+    shutil.copytree(sharded_export, hf)
+    assert len(_shards(hf)) > 1
+    os.remove(os.path.join(hf, _shards(hf)[1]))
+    line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"], "is missing (named by")
+    assert os.path.join(hf, _shards(sharded_export)[1]) in line
+
+
+def test_init_from_partial_shard(ctx, sharded_export, tmp_path):
+    hf = str(tmp_path / "hf")
+    shutil.copytree(sharded_export, hf)
+    shard = os.path.join(hf, _shards(hf)[0])
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"], f"checkpoint shard {shard} is partial")
+
+
+def test_finetune_with_another_tokenizer_than_the_checkpoint(ctx, sharded_export, dataset):
+    other = dataset + ".tokenizer.json"
+    line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={sharded_export}", f"data.tokenizer={other}"],
+                     "tokenizer mismatch: data.tokenizer=")
+    assert other in line and sharded_export in line and "data.force_tokenizer=true" in line

@@ -10,8 +10,8 @@ from tandem.models import TandemModel
 from tandem.models.config import ModelConfig, MTPConfig
 from tandem.models.mtp import shifted_tokens
 from tandem.trainer.config import ConfigError, TandemConfig, load_config, to_yaml
-from tandem.trainer.hf_export import export_hf
-from tandem.trainer.init_from import adopt_checkpoint_config, load_initial_weights
+from tandem.trainer.hf.exporter import export_hf
+from tandem.trainer.hf.init_from import adopt_checkpoint_config, load_initial_weights
 
 CFG = dict(vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
            moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1, max_seq_len=512)

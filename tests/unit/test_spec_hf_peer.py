@@ -2,7 +2,7 @@
 
 A tiny GLM-4.5-MoE model is created by transformers itself (random init of `Glm4MoeForCausalLM`) and
 given random MTP weights at `model.layers.{num_hidden_layers}.*`, saved in HF layout, imported with
-`tandem.trainer.hf_import.load_hf_model`, and decoded greedily by this project's speculative decoder:
+`tandem.trainer.hf.importer.load_hf_model`, and decoded greedily by this project's speculative decoder:
 the tokens must equal transformers' plain greedy `generate` and its `generate(use_mtp=True)`.
 """
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 T = pytest.importorskip("transformers")
-hf_import = pytest.importorskip("tandem.trainer.hf_import", reason="needs the GLM-4.5 HF import (trainer/hf_import.py)")
-hf_export = pytest.importorskip("tandem.trainer.hf_export", reason="used only to learn the HF names of MTP weights")
+hf_import = pytest.importorskip("tandem.trainer.hf.importer", reason="needs the GLM-4.5 HF import (trainer/hf/importer.py)")
+hf_export = pytest.importorskip("tandem.trainer.hf.exporter", reason="used only to learn the HF names of MTP weights")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 

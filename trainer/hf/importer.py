@@ -5,7 +5,7 @@
 
 Only safetensors are read by default; a pickle checkpoint (`*.bin`, `*.pt`) needs `trust_pickle=True`
 (`--trust-pickle`), because unpickling runs arbitrary code. Every tensor is read slice by slice with
-`safe_open(...).get_slice(name)[...]`: a DTensor parameter (TP/EP/FSDP-sharded) reads only its local
+plain reads of its byte ranges (no memory map): a DTensor parameter (TP/EP/FSDP-sharded) reads only its local
 shard (`compute_local_shape_and_global_offset`), a plain tensor reads everything, and a pipeline
 stage that holds a subset of the layers reads only those. Errors name what is wrong: the
 architecture, missing/unexpected tensor names (listed), shapes (name, expected, found) and a
@@ -27,7 +27,7 @@ from torch import nn
 from tandem.models import TandemModel
 from tandem.models.config import MTPConfig, ModelConfig, validate_model
 
-from .hf_families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
+from .families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
                           meta_state, model_config_from_hf, mtp_layer_of_key, trunk_input_of)
 
 
@@ -56,12 +56,9 @@ class CheckpointReader:
             with open(index) as f:
                 self._files = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
         elif st_files:
-            from safetensors import safe_open
-
             for file in st_files:
-                with safe_open(file, framework="pt") as h:
-                    for key in h.keys():
-                        self._files[key] = file
+                for key in self._header(file)[1]:
+                    self._files[key] = file
         else:
             pickles = sorted(glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt")) +
                              glob.glob(os.path.join(path, "*.pth")))
@@ -79,31 +76,106 @@ class CheckpointReader:
                         self._pickled[key] = value
                         self._files[key] = file
 
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """A shard named by the index but absent, or shorter than its header says (a partial copy or
+        download), fails here, naming the file, before any tensor is read."""
+        for file in sorted(set(self._files.values()) - {f for k, f in self._files.items() if k in self._pickled}):
+            if not os.path.isfile(file):
+                raise CheckpointError(f"checkpoint shard {file} is missing (named by {self.path}/model.safetensors.index.json)")
+            base, header = self._header(file)
+            end = base + max((v["data_offsets"][1] for v in header.values()), default=0)
+            size = os.path.getsize(file)
+            if size < end:
+                raise CheckpointError(f"checkpoint shard {file} is partial: {size} bytes, its header describes {end}")
+
     def keys(self) -> List[str]:
         return sorted(self._files)
 
-    def _handle(self, key: str):
-        from safetensors import safe_open
-
-        file = self._files[key]
+    def _header(self, file: str) -> Tuple[int, dict]:
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+            self._handles[file] = safetensors_header(file)
         return self._handles[file]
 
     def shape(self, key: str) -> Tuple[int, ...]:
         if key in self._pickled:
             return tuple(self._pickled[key].shape)
-        return tuple(self._handle(key).get_slice(key).get_shape())
+        return tuple(self._header(self._files[key])[1][key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        if key in self._pickled:
+            return self._pickled[key].dtype
+        return _ST_DTYPES[self._header(self._files[key])[1][key]["dtype"]]
 
     def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
-        """tensor[index] of `key`, reading only that slice from disk (safetensors)."""
+        """tensor[index] of `key`, reading only that slice from disk (safetensors). Plain reads, not a
+        memory map: the pages of the rest of the file never count against this process."""
         if key in self._pickled:
             return self._pickled[key][index]
-        sl = self._handle(key).get_slice(key)
-        return sl[index] if index else sl[:]
+        file = self._files[key]
+        base, header = self._header(file)
+        info = header[key]
+        shape, dtype = list(info["shape"]), _ST_DTYPES[info["dtype"]]
+        start = base + info["data_offsets"][0]
+        if not shape:
+            return _pread(file, start, dtype.itemsize, dtype).reshape(())
+        index = tuple(index) + tuple(slice(None) for _ in range(len(shape) - len(index)))
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+        r0, r1 = bounds[0]
+        row_elems = 1
+        for n in shape[1:]:
+            row_elems *= n
+        row_bytes = row_elems * dtype.itemsize
+        rest = tuple(slice(a, b) for a, b in bounds[1:])
+        whole_rows = all(a == 0 and b == n for (a, b), n in zip(bounds[1:], shape[1:]))
+        out = torch.empty([b - a for a, b in bounds], dtype=dtype)
+        if out.numel() == 0:
+            return out
+        # whole rows: one read; a column slice: blocks of rows (bounded memory), each cut to the slice
+        step = max(r1 - r0, 1) if whole_rows else max(1, _READ_BLOCK_BYTES // max(row_bytes, 1))
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            rows = _pread(file, start + a * row_bytes, (b - a) * row_bytes, dtype).view([b - a] + shape[1:])
+            out[a - r0: b - r0] = rows if whole_rows else rows[(slice(None),) + rest]
+        return out
 
     def close(self) -> None:
         self._handles.clear()
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_READ_BLOCK_BYTES = 64 << 20
+
+
+def safetensors_header(file: str) -> Tuple[int, dict]:
+    """(byte offset of the data section, the JSON header) of a safetensors file."""
+    import struct
+
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file} is truncated (no safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise CheckpointError(f"{file} is not a safetensors file (unreadable header)") from None
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def _pread(file: str, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = bytearray(nbytes)
+    with open(file, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(buf)
+    if got != nbytes:
+        raise CheckpointError(f"{file} is truncated: {nbytes} bytes wanted at offset {offset}, {got} there")
+    return torch.frombuffer(buf, dtype=dtype)
 
 
 def read_config(path: str) -> dict:
@@ -161,10 +233,10 @@ def local_target(t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[slice, ...]]:
 
 def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], global_shape: Sequence[int]) -> torch.Tensor:
     """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
-    if src.swap_halves:  # small (eh_proj): read whole, swap the column halves, then slice
-        full = reader.read(src.keys[0], ())
-        half = full.shape[1] // 2
-        out = torch.cat([full[:, half:], full[:, :half]], dim=1)[index]
+    if src.swap_halves:  # eh_proj: read this shard's rows whole, swap the column halves, then slice
+        rows = reader.read(src.keys[0], (index[0],))
+        half = rows.shape[1] // 2
+        out = torch.cat([rows[:, half:], rows[:, :half]], dim=1)[(slice(None),) + tuple(index[1:])]
     elif src.stacked:
         rows = range(*index[0].indices(len(src.keys)))
         parts = [reader.read(src.keys[e], index[1:]) for e in rows]
@@ -318,7 +390,7 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     `mtp_overrides` (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that.
     Returns (model in eval mode, TandemConfig).
     """
-    from .config import TandemConfig
+    from ..config import TandemConfig
 
     hf = read_config(path)
     detect_family(hf)  # an unsupported architecture fails before any file is opened
@@ -340,8 +412,13 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
         validate_model(cfg, mtp)
         tcfg = TandemConfig()
         tcfg.model, tcfg.mtp = cfg, mtp
-        model = TandemModel(cfg, mtp)
+        from ..materialize import allocate, init_seeded
+
+        with torch.device("meta"):  # storage only for the loaded weights: no random init pass
+            model = TandemModel(cfg, mtp)
+        allocate(model, torch.device(device))
         report = load_hf_weights(model, path, spec=spec, cfg=cfg, mtp=mtp, reader=reader)
+        init_seeded(model, 0, skip=set(report.loaded))  # a fresh MTP module, when the checkpoint has none
         if report.fresh_mtp and mtp.num_steps:
             print(f"hf import: {path} has no MTP weights; the MTP module is freshly initialised", file=sys.stderr)
     finally:

@@ -1,18 +1,21 @@
 """`model.init_from=DIR`: start training (usually MTP fine-tuning) from an existing checkpoint.
 
-DIR is either a Hugging Face directory (config.json + safetensors: see hf_import) or a Tandem
+DIR is either a Hugging Face directory (config.json + safetensors: see importer) or a Tandem
 checkpoint (a `step_<N>/` directory with DCP shards, or a run directory: its newest complete one).
 The trunk is loaded strictly; the MTP module is loaded when the checkpoint has MTP weights, otherwise
 it keeps its fresh initialisation, or (`mtp.init_from_last_layer=true`) each MTP block starts as a copy
 of the last trunk layer. `adopt_checkpoint_config` first makes the run's trunk shape the checkpoint's,
-so a fine-tuning recipe does not need to repeat it.
+so a fine-tuning recipe does not need to repeat it. Reads go straight into the (sharded, freshly
+materialised) model, slice by slice; what the checkpoint lacks is initialised by the caller
+(`init_rest`). A frozen-trunk run's checkpoints point back here through `make_reference`
+(path + content `fingerprint`), which `check_reference` verifies before resume, eval and export.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional, Set
 
 import torch
 from torch import nn
@@ -26,7 +29,7 @@ def is_hf_dir(path: str) -> bool:
 
 
 def resolve_tandem_checkpoint(path: str) -> str:
-    from .checkpoint import MARKER, latest_checkpoint
+    from ..checkpoint import MARKER, latest_checkpoint
 
     if os.path.exists(os.path.join(path, MARKER)):
         return path
@@ -41,8 +44,8 @@ def resolve_tandem_checkpoint(path: str) -> str:
 def checkpoint_model_config(path: str):
     """(ModelConfig of the checkpoint, MTP trunk_input convention or None, has MTP weights)."""
     if is_hf_dir(path):
-        from .hf_families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
-        from .hf_import import CheckpointReader, read_config
+        from .families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
+        from .importer import CheckpointReader, read_config
 
         hf = read_config(path)
         detect_family(hf)
@@ -53,7 +56,7 @@ def checkpoint_model_config(path: str):
         cfg = model_config_from_hf(hf, spec)
         has_mtp = any(is_mtp_key(k, cfg) for k in keys)
         return cfg, trunk_input_of(hf), has_mtp
-    from .config import load_config
+    from ..config import load_config
 
     step = resolve_tandem_checkpoint(path)
     saved = load_config(os.path.join(step, "config.yaml"))
@@ -63,7 +66,7 @@ def checkpoint_model_config(path: str):
 def adopt_checkpoint_config(cfg) -> List[str]:
     """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP weights)
     with the checkpoint's; revalidate; return the keys that changed (also printed)."""
-    from .config import ConfigError, validate
+    from ..config import ConfigError, validate
 
     ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
@@ -87,7 +90,7 @@ def adopt_checkpoint_config(cfg) -> List[str]:
 @torch.no_grad()
 def init_mtp_from_last_layer(model: nn.Module) -> None:
     """Copy the last trunk layer's weights into every MTP block (same names under `block.`)."""
-    from .hf_import import local_tensors
+    from .importer import local_tensors
 
     tensors = local_tensors(model)
     last = max(int(n.split(".")[1]) for n in tensors if n.startswith("layers."))
@@ -104,9 +107,9 @@ def init_mtp_from_last_layer(model: nn.Module) -> None:
         t.copy_(tensors[src])
 
 
-def load_tandem_weights(model: nn.Module, path: str) -> bool:
+def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the checkpoint
-    has it (names and shapes must then match). Returns whether MTP weights were loaded."""
+    has it (names and shapes must then match). Returns the names loaded."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -126,24 +129,103 @@ def load_tandem_weights(model: nn.Module, path: str) -> bool:
                              "match mtp.num_layers / mtp.moe or start from an export without MTP")
     dcp.load({"model": wanted}, checkpoint_id=step)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
-    return has_mtp
+    return list(wanted)
 
 
 def load_initial_weights(model: nn.Module, path: str, *, mtp_init_from_last_layer: Optional[bool] = None,
-                         trust_pickle: bool = False) -> None:
-    """Initialise `model` (plain or sharded) from `path`; see the module docstring."""
+                         trust_pickle: bool = False, init_rest: Optional[Callable[[Set[str]], None]] = None) -> Set[str]:
+    """Initialise `model` (plain or sharded) from `path`; see the module docstring. `init_rest(loaded)`
+    initialises what the checkpoint did not provide (the trainer's seeded init), before the MTP blocks
+    are copied from the last trunk layer. Returns the names loaded."""
     if mtp_init_from_last_layer is None:
         mtp_init_from_last_layer = getattr(getattr(model, "mtp_cfg", None), "init_from_last_layer", False)
     if is_hf_dir(path):
-        from .hf_import import load_hf_weights
+        from .importer import load_hf_weights
 
         report = load_hf_weights(model, path, trust_pickle=trust_pickle)
-        has_mtp = not report.fresh_mtp
+        loaded, has_mtp = set(report.loaded), not report.fresh_mtp
     else:
-        has_mtp = load_tandem_weights(model, path)
+        loaded = set(load_tandem_weights(model, path))
+        has_mtp = any(k.startswith("mtp.") for k in loaded)
+    if init_rest is not None:
+        init_rest(loaded)
     if getattr(model, "mtp", None) is not None and not has_mtp:
         if mtp_init_from_last_layer:
             init_mtp_from_last_layer(model)
         if int(os.environ.get("RANK", "0")) == 0:
             how = "copied from the last trunk layer" if mtp_init_from_last_layer else "freshly initialised"
             print(f"init_from: {path} has no MTP weights; the MTP module is {how}", file=sys.stderr)
+    return loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# frozen-trunk checkpoints: a fingerprinted reference to the checkpoint the trunk comes from
+# --------------------------------------------------------------------------------------------------
+REFERENCE_FILE = "frozen_trunk.json"
+_SAMPLES, _SAMPLE_BYTES = 16, 4096
+
+
+def _weight_files(path: str) -> List[str]:
+    if is_hf_dir(path):
+        names = [n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth"))
+                 or n in ("config.json", "model.safetensors.index.json")]
+    else:
+        names = [n for n in os.listdir(path) if n.endswith(".distcp") or n == ".metadata"]
+    return sorted(names)
+
+
+def fingerprint(path: str) -> str:
+    """A cheap content fingerprint of the weights in `path` (an HF directory or a Tandem step
+    directory): sha256 over each weight file's name, size, first 64 KiB (the safetensors header: every
+    name, dtype, shape and offset; DCP's metadata file is hashed whole) and 16 evenly spaced 4 KiB
+    samples plus the last 4 KiB. Any re-save of other weights (fine-tuned values, other shapes, a
+    truncated copy) changes it; copying the directory elsewhere (new mtimes) does not. It reads
+    well under 1 MiB per file, so a 200 GB checkpoint is fingerprinted in a moment."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in _weight_files(path):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        h.update(f"{name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            if name in (".metadata", "config.json", "model.safetensors.index.json"):
+                h.update(f.read())
+                continue
+            h.update(f.read(64 << 10))
+            for i in range(_SAMPLES + 1):
+                f.seek(max(0, (size - _SAMPLE_BYTES) * i // _SAMPLES))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def resolve_init_from(path: str) -> str:
+    """The directory whose weights `model.init_from=path` reads (a run directory's newest checkpoint)."""
+    return os.path.abspath(path if is_hf_dir(path) else resolve_tandem_checkpoint(path))
+
+
+def make_reference(init_from: str) -> dict:
+    resolved = resolve_init_from(init_from)
+    return {"path": resolved, "fingerprint": fingerprint(resolved)}
+
+
+def read_reference(step_dir: str) -> Optional[dict]:
+    """The frozen-trunk reference a checkpoint holds (None: the checkpoint is whole)."""
+    import json
+
+    file = os.path.join(step_dir, REFERENCE_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def check_reference(ref: dict, checkpoint: str) -> None:
+    """Refuse, in one line naming the path, a reference whose checkpoint is gone or changed."""
+    path = ref["path"]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk "
+                                f"{path} (model.init_from) is gone")
+    if fingerprint(path) != ref["fingerprint"]:
+        raise ValueError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk {path} "
+                         "(model.init_from) changed since it was saved (content fingerprint differs)")

@@ -1,6 +1,6 @@
 """Export a TandemModel to a Hugging Face directory: config.json + safetensors (+ tokenizer).
 
-Tensor names follow the target family (see hf_families): the trunk as transformers names it, the MTP
+Tensor names follow the target family (see families): the trunk as transformers names it, the MTP
 layers as the family's MTP layout (GLM-4.5: `model.layers.{N + j}.*`, so `Glm4MoeForCausalLM` loads
 the trunk and `generate(..., use_mtp=True)` finds the MTP layers; Qwen3 family: `mtp.*`). Experts are
 written per expert (`mlp.experts.{e}.gate_proj.weight`), as transformers' save_pretrained writes
@@ -20,7 +20,7 @@ from torch import nn
 
 from tandem.models.config import MTPConfig, ModelConfig
 
-from .hf_families import UnsupportedCheckpoint, default_family, hf_config, hf_name
+from .families import UnsupportedCheckpoint, default_family, hf_config, hf_name
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def hf_state_dict(model: nn.Module, family: str, cfg: ModelConfig, mtp: MTPConfig) -> Dict[str, torch.Tensor]:
     """This model's weights under `family`'s checkpoint names."""
-    from .hf_import import local_tensors
+    from .importer import local_tensors
 
     _, spec = hf_config(family, cfg, mtp)
     out: Dict[str, torch.Tensor] = {}
@@ -106,11 +106,34 @@ def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *, cfg: 
     cfg = cfg or model.cfg
     mtp = mtp or model.mtp_cfg
     family = family or default_family(cfg)
+
+    def fill(tmp: str) -> None:
+        config, _ = hf_config(family, cfg, mtp)
+        _save_shards(hf_state_dict(model, family, cfg, mtp), tmp, max_shard_bytes)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    write_export_dir(out, overwrite, tokenizer, fill)
+    return family
+
+
+def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, *, cfg: ModelConfig, mtp: MTPConfig,
+                         overwrite: bool = False, tokenizer: Optional[str] = None, max_shard_bytes: int = 0) -> str:
+    """`export_hf` of a Tandem checkpoint directory, streamed tensor by tensor (stream_export.py)."""
+    from .stream_export import export_checkpoint
+
+    chosen = [family]
+    write_export_dir(out, overwrite, tokenizer,
+                     lambda tmp: chosen.__setitem__(0, export_checkpoint(step_dir, tmp, family, cfg, mtp, max_shard_bytes)))
+    return chosen[0]
+
+
+def write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str], fill) -> None:
+    """Assemble an export in a temporary sibling directory (`fill(tmp)` writes weights and config) and
+    rename it into place: OUT is absent, the old export or the whole new one."""
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    config, _ = hf_config(family, cfg, mtp)
-    state = hf_state_dict(model, family, cfg, mtp)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp_export_{os.path.basename(out)}_{os.getpid()}")
@@ -118,9 +141,7 @@ def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *, cfg: 
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     try:
-        _save_shards(state, tmp, max_shard_bytes)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        fill(tmp)
         _copy_tokenizer(tokenizer, tmp)
         if os.path.exists(out):
             old = tmp + ".old"
@@ -132,4 +153,3 @@ def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *, cfg: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return family

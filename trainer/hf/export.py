@@ -8,11 +8,14 @@ import os
 import sys
 from typing import List, Optional
 
-from .hf_families import FAMILIES
+from .families import FAMILIES
 
 
-def _tokenizer_for(cfg) -> Optional[str]:
-    """The tokenizer the run trained with, when it can be found without rebuilding anything."""
+def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
+    """The tokenizer the run trained with, when it can be found without rebuilding anything: the copy
+    the checkpoint recorded, else the run's data config's."""
+    if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
+        return os.path.join(step_dir, "tokenizer.json")
     if cfg.data.tokenizer:
         return cfg.data.tokenizer
     if cfg.data.source == "stdlib":
@@ -43,14 +46,21 @@ def export_main(argv: List[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
     parser.add_argument("--max-shard-mb", type=float, default=0, help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
-    from .checkpoint import load_model_from_checkpoint
-    from .hf_export import export_hf
-    from .hf_families import UnsupportedCheckpoint
+    from ..checkpoint import resolve_checkpoint
+    from ..config import load_config
+    from .exporter import export_hf_checkpoint
+    from .families import UnsupportedCheckpoint
+    from .init_from import check_reference, read_reference
 
     try:
-        model, cfg = load_model_from_checkpoint(args.checkpoint)
-        family = export_hf(model, args.out, args.family, cfg=cfg.model, mtp=cfg.mtp, overwrite=args.overwrite,
-                           tokenizer=args.tokenizer or _tokenizer_for(cfg), max_shard_bytes=int(args.max_shard_mb * 2**20))
+        step = resolve_checkpoint(args.checkpoint)
+        cfg = load_config(os.path.join(step, "config.yaml"))
+        ref = read_reference(step)
+        if ref is not None:
+            check_reference(ref, step)
+        family = export_hf_checkpoint(step, args.out, args.family, cfg=cfg.model, mtp=cfg.mtp, overwrite=args.overwrite,
+                                      tokenizer=args.tokenizer or _tokenizer_for(cfg, step),
+                                      max_shard_bytes=int(args.max_shard_mb * 2**20))
     except (FileNotFoundError, FileExistsError, UnsupportedCheckpoint, ValueError) as exc:
         print(f"tandem export: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -1,0 +1,56 @@
+"""Meta-device construction and the layout-independent seeded init (trainer/materialize.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.trainer import materialize
+from tandem.trainer.config import load_config
+from tandem.trainer.loop import build_model
+from tandem.trainer.parallel import ParallelState
+from tandem.trainer.parallel.device import resolve_device
+
+SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4", "mtp.num_steps=2",
+         "data.vocab_size=512", "data.seq_len=32", "device=cpu"]
+
+
+@pytest.mark.parametrize("index", [(slice(0, 10), slice(0, 7)), (slice(3, 9), slice(2, 7)), (slice(7, 10), slice(0, 7)),
+                                   (slice(0, 0), slice(0, 7))])
+def test_any_slice_equals_that_slice_of_the_whole(monkeypatch, index):
+    monkeypatch.setattr(materialize, "INIT_BLOCK_ELEMS", 14)  # blocks of 2 rows: slices cross block edges
+    rule = ("normal", 0.5)
+    whole = materialize.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=3)
+    part = materialize.seeded_slice("w", (10, 7), index, rule, seed=3)
+    assert torch.equal(part, whole[index])
+    assert abs(float(whole.std()) - 0.5) < 0.15
+    assert not torch.equal(whole, materialize.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=4))
+
+
+def test_one_process_build_is_seeded_tied_and_initialised_by_rule():
+    cfg = load_config(None, SHAPE + ["model.tie_embeddings=true"])
+    state = ParallelState(device=resolve_device("cpu"))
+    a, b = build_model(cfg, state), build_model(cfg, state)
+    assert a.lm_head.weight is a.embed_tokens.weight
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        kind, std = a.init_rule(name)
+        if kind == "ones":
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif kind == "normal" and p.numel() > 500:
+            assert abs(float(p.std()) / std - 1) < 0.2, name
+    rot = a.layers["0"].self_attn.rotary  # a non-persistent buffer: recomputed after to_empty
+    r = rot.rotary_dim
+    inv = 1.0 / (cfg.model.rope_theta ** (torch.arange(0, r, 2).float() / r))
+    assert torch.allclose(rot.cos[5], torch.cat([5 * inv, 5 * inv]).cos())
+
+
+def test_frozen_trunk_is_kept_in_the_compute_dtype():
+    cfg = load_config(None, SHAPE + ["train.freeze_trunk=true", "train.dtype=bf16"])
+    model = build_model(cfg, ParallelState(device=resolve_device("cpu")))
+    for name, p in model.named_parameters():
+        trains = name.startswith("mtp.")
+        assert p.requires_grad == trains and p.dtype == (torch.float32 if trains else torch.bfloat16), name
+    cfg = load_config(None, SHAPE + ["train.freeze_trunk=true", "train.dtype=fp32"])
+    assert all(p.dtype == torch.float32 for p in build_model(cfg, ParallelState(device=resolve_device("cpu"))).parameters())
