@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from tandem.trainer.config import load_config
-from tandem.trainer.loop import build_model
+from tandem.trainer.loop import build_model as build_sharded
+from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+from tandem.trainer.parallel.device import resolve_device
+
+
+def build_model(cfg):
+    """The trainer's one-process build (which applies cfg.train.activation_checkpointing itself)."""
+    return build_sharded(cfg, ParallelState(device=resolve_device("cpu")))
 
 OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
              "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
