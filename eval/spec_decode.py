@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -258,8 +258,14 @@ def emitted_tokens(old_m: torch.Tensor, new_m: torch.Tensor, limit: torch.Tensor
 @torch.inference_mode()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_steps: int, *,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-             generator: Optional[torch.Generator] = None) -> DecodeResult:
-    """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0."""
+             generator: Optional[torch.Generator] = None, padding: bool = False,
+             any_active: Optional[Callable[[bool], bool]] = None) -> DecodeResult:
+    """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
+
+    Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
+    returns whether any process still has an active row, and the loop runs until none has (rows
+    that finished only ride along); `padding=True` marks a batch whose rows are all inactive (a
+    process with no prompts left keeps the others company)."""
     B, K = len(prompts), num_steps
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -279,6 +285,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     active = dec.m < limit
     if eos_id is not None:
         active &= first != eos_id
+    if padding:
+        active &= False
+    any_active = any_active or (lambda local: local)
     rounds = torch.zeros(B, dtype=torch.long, device=dev)
     accepted = torch.zeros(B, dtype=torch.long, device=dev)
     accepted_at = torch.zeros(B, max(K, 1), dtype=torch.long, device=dev)
@@ -289,7 +298,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     stats.prefill_s = t1 - t0
     draft_s = verify_s = over_s = 0.0
     num_rounds = 0
-    while bool(active.any()):
+    while any_active(bool(active.any())):
         ta = time.perf_counter()
         if K > 0:
             drafts, q, _ = dec.draft()

@@ -93,7 +93,12 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     ep_mesh = mesh["ep"] if ep > 1 else None
     expert_mesh = mesh["ep", "tp"] if (ep > 1 and tp > 1) else (ep_mesh if ep > 1 else tp_mesh)
     sp = bool(p.sequence_parallel and tp > 1)
-    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp)
+    switch = None
+    if sp:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
+        from .tensor import SequenceParallelSwitch
+
+        switch = state.extras["sequence_parallel_switch"] = SequenceParallelSwitch()
+    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch)
     if pp > 1:
         pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
     batch = dp * ep
