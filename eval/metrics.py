@@ -74,7 +74,8 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
 
     `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to data-parallel
     replicas, keeps them in lockstep and gathers every replica's results before the figures are
-    computed; None decodes every batch here."""
+    computed (times add up over replicas, so tokens/s is one replica's rate, as in one process);
+    None decodes every batch here."""
     K = num_steps
     batches = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
     slots = replicas.my_batches(len(batches)) if replicas is not None else list(range(len(batches)))

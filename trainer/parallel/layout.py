@@ -10,7 +10,8 @@ The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the fla
 
 `apply_parallelism` runs, in order: pipeline pruning (PP), TP/EP (DTensor shards + dispatch),
 FSDP2 (or nothing, for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
-`pipeline`, `clip_grad_norm` (gradient sync + true global norm) and `router_load_group`.
+`pipeline`, `clip_grad_norm` (gradient sync + true global norm), `router_load_group` and, under
+sequence parallelism, `sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
 regions (tensor.py); the router loads are then summed over tp as well.
 """
@@ -45,7 +46,8 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
         # and under sequence parallelism also the tp ranks (each routes its sequence shard).
         "router_load_group": _router_load_group(mesh, batch_mesh, batch, p.sequence_parallel and p.tp > 1),
         "sizes": {"pp": p.pp, "dp": dp, "ep": p.ep, "tp": p.tp},
-        # activations between TP regions are sequence shards (decoding paths must not run on them)
+        # activations between TP regions are sequence shards; decoding runs them whole through
+        # extras["sequence_parallel_switch"] (set by apply_parallelism)
         "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
     })
     return state
