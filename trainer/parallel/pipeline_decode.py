@@ -92,7 +92,8 @@ class StagePass:
             for i in plan.split[stage]:
                 h = self.model.layers[str(i)](h, positions, cache.layer(i) if cache is not None else None)
             if stage < plan.n_stages - 1:
-                dist.send(h.contiguous(), group=self.group, group_dst=plan.stage_rank(stage + 1))
+                # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
+                dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=plan.stage_rank(stage + 1))
         return h if plan.head_stage in plan.mine else None
 
 
