@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LAYOUTS = {
     "dp=2": 2,
     "pp=2,pp_schedule=interleaved_1f1b": 2,
+    # MTP depth 1 on the first stage, depth 2 with the head: the decoder routes depth 1 there
+    "pp=2,mtp_stages=0+1": 2,
     "tp=2,pp=2,sequence_parallel=true": 4,
     "ep=2,pp=2": 4,
     "tp=2,ep=2,pp=2": 8,
