@@ -9,32 +9,30 @@ mode is restored), forks the global RNG (sampling draws from its own seeded gene
 the routers' `tokens_per_expert` load counters (any forward increments them, and the aux-free bias
 update of the next step reads them).
 
-Parallel layouts: every rank calls `run()` and executes the same decode (its control flow depends
-only on logits, identical across ranks when `model.logits` returns full-vocabulary logits); only
-rank 0's numbers are logged. Under pipeline parallelism (`pstate.extras["pipeline"]`) no rank holds
-the whole model, and under sequence parallelism the TP regions expect sequence-split activations that
-single decode steps cannot provide; in both cases the evaluator is skipped with a one-time message and
-nothing is logged (never a wrong number).
+Parallel layouts (trainer/parallel/pipeline_decode.py): under pipeline parallelism each stage keeps
+the KV caches of its layers and the rank holding the head and the MTP module drives the decoder,
+passing hidden states stage to stage; the prompt batches are dealt to the data-parallel replicas
+(dp x ep) and the results gathered, so every figure equals one process's; under sequence parallelism
+decode steps run the TP regions on whole sequences. The figures reach every rank; rank 0 logs them.
+`eval/seconds` is the wall time of one evaluation (decoding both ways plus the teacher-forced losses).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from typing import Dict, List
 
 import torch
 
-from tandem.trainer.parallel.data import gathered_for_inference
+from tandem.trainer.parallel.pipeline_decode import ParallelDecoding
 
 from .metrics import evaluate_decoding, teacher_forced
 from .spec_decode import unwrap
 
 RESTORE_ROUTER_LOADS = True
 """Tests switch this off to show that the restore is what keeps training unchanged."""
-
-PIPELINE_MESSAGE = "eval: speculative decoding under pipeline parallelism is not supported; skipped"
-SEQUENCE_PARALLEL_MESSAGE = ("eval: speculative decoding under sequence parallelism is not supported "
-                             "(decode steps are not split along the sequence); skipped")
 
 
 class InLoopEvaluator:
@@ -44,6 +42,7 @@ class InLoopEvaluator:
         self.num_steps = e.num_steps or cfg.mtp.num_steps
         self.eos_id = getattr(tokenizer, "eod_id", None)
         self._warned = False
+        self.decoding = None
         self.prompts: List[List[int]] = []
         self.loss_batches: List[Dict[str, torch.Tensor]] = []
         if valid_ds is not None:
@@ -62,37 +61,45 @@ class InLoopEvaluator:
         self._warned = True
 
     def run(self, step: int) -> Dict[str, float]:
-        if "pipeline" in self.pstate.extras:
-            self._say_once(PIPELINE_MESSAGE)
-            return {}
-        if self.pstate.extras.get("sequence_parallel"):
-            self._say_once(SEQUENCE_PARALLEL_MESSAGE)
-            return {}
         if not self.prompts:
             self._say_once("eval: no validation split (data gives validation no samples); evaluator skipped")
             return {}
+        t0 = time.perf_counter()
         model = self.model
-        base = unwrap(model)
-        device = base.embed_tokens.weight.device
-        routers = [m.router for m in base.moe_layers()] if hasattr(base, "moe_layers") else []
+        if self.decoding is None:
+            self.decoding = ParallelDecoding(self.cfg, model, self.pstate) if self.pstate.world_size > 1 else None
+        device = self.pstate.device.device
+        routers = [m.router for m in unwrap(model).moe_layers()] if hasattr(unwrap(model), "moe_layers") else []
         saved_loads = [r.tokens_per_expert.clone() for r in routers]
         was_training = model.training
         devices = [] if device.type == "cpu" else [device]
-        e = self.cfg.eval
+        e, d = self.cfg.eval, self.decoding
         try:
             with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad(), \
-                    gathered_for_inference(model):
+                    (d.context() if d is not None else contextlib.nullcontext()):
                 model.eval()
-                out = teacher_forced(model, self.loss_batches, device)
-                dec, _, _ = evaluate_decoding(
-                    model, self.prompts, num_steps=self.num_steps, max_new_tokens=e.max_new_tokens,
-                    batch_size=e.batch_size, eos_id=self.eos_id, temperature=e.temperature, top_p=e.top_p,
-                    seed=self.cfg.train.seed)
-                out.update(dec)
+                out = None
+                if d is None or d.is_driver:
+                    m = d.model if d is not None else model
+                    out = teacher_forced(m, self.loss_batches, device)
+                    dec, spec, _ = evaluate_decoding(
+                        m, self.prompts, num_steps=self.num_steps, max_new_tokens=e.max_new_tokens,
+                        batch_size=e.batch_size, eos_id=self.eos_id, temperature=e.temperature, top_p=e.top_p,
+                        seed=self.cfg.train.seed, replicas=d)
+                    out.update(dec)
+                    out["outputs"] = [o for r in spec for o in r.outputs]
+                    if d is not None:
+                        d.stop()
+                else:
+                    d.follow()
+                if d is not None:
+                    out = d.share(out)
         finally:
             model.train(was_training)
             with torch.no_grad():
                 for r, saved in zip(routers, saved_loads if RESTORE_ROUTER_LOADS else []):
                     r.tokens_per_expert.copy_(saved)
+        self.last_outputs = out.pop("outputs")  # the speculative greedy tokens (tests compare them)
         keep = {k: float(v) for k, v in out.items() if not k.startswith("time_per_")}
+        keep["seconds"] = time.perf_counter() - t0
         return {f"eval/{k}": v for k, v in keep.items()}

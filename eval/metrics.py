@@ -67,12 +67,20 @@ def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
 
 def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int, max_new_tokens: int,
                       batch_size: int, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int = 0, warmup: bool = False, repeats: int = 1):
+                      seed: int = 0, warmup: bool = False, repeats: int = 1, replicas=None):
     """Speculative and autoregressive decoding of `prompts` (batches of `batch_size`, the two
     interleaved batch by batch so machine noise hits both alike). Returns (metrics, spec results, AR
-    results) with per-batch DecodeResults; with `repeats` > 1 the times are medians over repetitions."""
+    results) with per-batch DecodeResults; with `repeats` > 1 the times are medians over repetitions.
+
+    `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to data-parallel
+    replicas, keeps them in lockstep and gathers every replica's results before the figures are
+    computed (times add up over replicas, so tokens/s is one replica's rate, as in one process);
+    None decodes every batch here."""
     K = num_steps
     batches = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    slots = replicas.my_batches(len(batches)) if replicas is not None else list(range(len(batches)))
+    lockstep = {"any_active": replicas.any_active()} if replicas is not None else {}
+    device = unwrap(model).embed_tokens.weight.device
     if warmup:
         generate(model, batches[0][:1], min(4, max_new_tokens), K, eos_id=eos_id)
         generate(model, batches[0][:1], min(4, max_new_tokens), 0, eos_id=eos_id)
@@ -80,22 +88,24 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
     runs_ar: List[List[DecodeResult]] = []
     for r in range(repeats):
         spec, ar = [], []
-        for i, batch in enumerate(batches):
-            g_s = torch.Generator(device=unwrap(model).embed_tokens.weight.device).manual_seed(seed + i)
-            g_a = torch.Generator(device=unwrap(model).embed_tokens.weight.device).manual_seed(seed + i)
-            first, second = (0, 1) if (r + i) % 2 == 0 else (1, 0)
+        for j, i in enumerate(slots):
+            # the batch's own seed: sampling draws as in one process, whichever replica decodes it
+            g_s = torch.Generator(device=device).manual_seed(seed + (i or 0))
+            g_a = torch.Generator(device=device).manual_seed(seed + (i or 0))
+            batch = batches[i] if i is not None else [[0]]
+            first, second = (0, 1) if (r + j) % 2 == 0 else (1, 0)
             res = [None, None]
             for which in (first, second):
-                if which == 0:
-                    res[0] = generate(model, batch, max_new_tokens, K, eos_id=eos_id, temperature=temperature,
-                                      top_p=top_p, generator=g_s)
-                else:
-                    res[1] = generate(model, batch, max_new_tokens, 0, eos_id=eos_id, temperature=temperature,
-                                      top_p=top_p, generator=g_a)
-            spec.append(res[0])
-            ar.append(res[1])
-        runs_spec.append(spec)
-        runs_ar.append(ar)
+                res[which] = generate(model, batch, max_new_tokens, K if which == 0 else 0, eos_id=eos_id,
+                                      temperature=temperature, top_p=top_p, generator=g_s if which == 0 else g_a,
+                                      padding=i is None, **lockstep)
+            if i is not None:
+                spec.append((i, res[0]))
+                ar.append((i, res[1]))
+        if replicas is not None:
+            spec, ar = replicas.gather(spec), replicas.gather(ar)
+        runs_spec.append([res for _, res in spec])
+        runs_ar.append([res for _, res in ar])
 
     def median(xs):
         xs = sorted(xs)

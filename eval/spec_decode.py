@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -241,11 +241,31 @@ class SpecDecoder:
         return new_m
 
 
+def emitted_tokens(old_m: torch.Tensor, new_m: torch.Tensor, limit: torch.Tensor,
+                   new_tok: Optional[torch.Tensor] = None, eos_id: Optional[int] = None) -> torch.Tensor:
+    """[B] tokens a round adds to the outputs: of the new_m - old_m it committed (accepted drafts and
+    the bonus), those up to the row's budget (m index `limit`) and up to its first EOS (`new_tok`
+    [B,K+1] holds seq[old_m + 1 ..]). Drafts past either end are never seen by a user, so they are
+    not counted as accepted."""
+    out = torch.minimum(new_m - old_m, (limit - old_m).clamp(min=0))
+    if eos_id is not None and new_tok is not None:
+        window = torch.arange(1, new_tok.shape[1] + 1, device=new_tok.device)
+        first_eos = torch.where(new_tok == eos_id, window, new_tok.shape[1] + 1).min(1).values
+        out = torch.minimum(out, first_eos)
+    return out
+
+
 @torch.inference_mode()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_steps: int, *,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-             generator: Optional[torch.Generator] = None) -> DecodeResult:
-    """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0."""
+             generator: Optional[torch.Generator] = None, padding: bool = False,
+             any_active: Optional[Callable[[bool], bool]] = None) -> DecodeResult:
+    """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
+
+    Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
+    returns whether any process still has an active row, and the loop runs until none has (rows
+    that finished only ride along); `padding=True` marks a batch whose rows are all inactive (a
+    process with no prompts left keeps the others company)."""
     B, K = len(prompts), num_steps
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -265,6 +285,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     active = dec.m < limit
     if eos_id is not None:
         active &= first != eos_id
+    if padding:
+        active &= False
+    any_active = any_active or (lambda local: local)
     rounds = torch.zeros(B, dtype=torch.long, device=dev)
     accepted = torch.zeros(B, dtype=torch.long, device=dev)
     accepted_at = torch.zeros(B, max(K, 1), dtype=torch.long, device=dev)
@@ -275,7 +298,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     stats.prefill_s = t1 - t0
     draft_s = verify_s = over_s = 0.0
     num_rounds = 0
-    while bool(active.any()):
+    while any_active(bool(active.any())):
         ta = time.perf_counter()
         if K > 0:
             drafts, q, _ = dec.draft()
@@ -289,13 +312,15 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
         old_m = dec.m
         new_m = dec.commit(n, nxt, active)
         rounds += active
+        new_tok = dec.seq.gather(1, old_m.unsqueeze(1) + window) if eos_id is not None else None
+        emitted = emitted_tokens(old_m, new_m, limit, new_tok, eos_id)
         if K > 0:
-            n_act = torch.where(active, n, 0)
+            # budget-exact: only drafts that reach the output count (1 + accepted = tokens emitted)
+            n_act = torch.where(active, (emitted - 1).clamp(min=0), 0)
             accepted += n_act
             accepted_at += (pos_ids.unsqueeze(0) <= n_act.unsqueeze(1))
         done = new_m >= limit
         if eos_id is not None:
-            new_tok = dec.seq.gather(1, old_m.unsqueeze(1) + window)
             fresh = window.unsqueeze(0) <= (new_m - old_m).unsqueeze(1)
             done |= ((new_tok == eos_id) & fresh).any(1)
         active = active & ~done
@@ -323,7 +348,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
 def acceptance_metrics(stats: DecodeStats) -> dict:
     """vLLM definitions: mean acceptance length = 1 + accepted / drafts (draft = one K-token round of
     one sequence; includes the bonus token), per-position rate = accepted at position i / drafts,
-    draft acceptance rate = accepted / drafted tokens."""
+    draft acceptance rate = accepted / drafted tokens. Accepted counts are budget-exact (drafts past
+    max_new_tokens or EOS do not count), so acceptance length = decoded tokens / rounds."""
     drafts = int(stats.rounds.sum())
     acc = int(stats.accepted.sum())
     K = stats.num_steps

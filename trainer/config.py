@@ -141,7 +141,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     """Pipeline schedule: `1f1b`, `interleaved_1f1b` or `gpipe`."""
     pp_microbatches: int = 0
-    """Pipeline micro-batches per step; 0 uses train.grad_accum_steps."""
+    """Pipeline micro-batches per step; 0 picks them: train.grad_accum_steps when >= pp, else the
+    smallest split of the step's sequences into >= pp equal micro-batches (`pipeline_microbatches`)."""
     pp_virtual_stages: int = 2
     """Model chunks per rank for the interleaved schedule."""
     pp_layout: List[int] = field(default_factory=list)

@@ -2,10 +2,13 @@
 
     tandem launch slurm RECIPE [key=value ...] --nodes N (--gpus-per-node G | --procs-per-node P)
         [--partition P] [--time T] [--account A] [--job-name NAME] [--cpus-per-task C]
-        [--signal-seconds S] [--env-dir DIR] [--sbatch-arg ARG ...] [--dry-run]
+        [--signal-seconds S] [--env-dir DIR] [--sbatch-arg ARG ...] [--dry-run] [--check]
 
-The recipe and overrides are validated with `load_config` first (a ConfigError prints one line and
-exits 2). The script is rendered from `slurm/train.sbatch.tmpl` (see its header for how the pre-timeout
+The recipe and overrides are validated with `load_config` first, then the parallel layout and batch
+against the job's world size (nodes x processes per node) exactly as `tandem train` checks them: a
+ConfigError prints one line and exits 2, before anything is written or submitted. `--check` also
+builds the model on the meta device (trainer/estimate.py) and prints parameter counts and per-rank
+memory, then stops. The script is rendered from `slurm/train.sbatch.tmpl` (see its header for how the pre-timeout
 SIGUSR1 reaches every trainer rank), written to `<run.dir>/slurm/launch_<timestamp>.sbatch` with the
 trainer's exact argv beside it (`launch_<timestamp>.json`), and submitted with `sbatch --parsable`; the
 job id is printed. `--dry-run` prints the script and writes and submits nothing.
@@ -90,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra sbatch option written as an #SBATCH line; use the = form, e.g. --sbatch-arg=--exclusive (repeatable)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    p.add_argument("--check", action="store_true",
+                   help="validate, build the model on the meta device and print parameter counts and per-rank "
+                        "memory for this world size; write and submit nothing")
     return p
 
 
@@ -184,7 +190,23 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # e.g. a YAML scanner error from an override value; keep it to one line
         print(f"tandem launch slurm: invalid recipe or override: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None else args.procs_per_node)
+    if args.nodes >= 1 and world >= 1:
+        from tandem.trainer.parallel.validate import validate_layout
+
+        try:  # what `tandem train` checks before any work, for the world size the job will have
+            validate_layout(cfg, world)
+        except ConfigError as exc:
+            print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
+                  f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)
+            return 2
     run_dir = cfg.run.dir
+    if args.check:
+        from tandem.trainer.estimate import estimate
+
+        print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; "
+              f"{estimate(cfg, world).summary()}")
+        return 0
     try:
         if args.gres_name is None and cfg.device == "npu":
             args.gres_name = "npu"  # Ascend clusters schedule NPUs as gres/npu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.trainer.config import ConfigError, load_config
-from tandem.trainer.parallel.validate import stage_layer_split, validate_layout
+from tandem.trainer.parallel.validate import pipeline_microbatches, stage_layer_split, validate_layout
 
 BASE = ["model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.num_layers=4",
         "model.vocab_size=4096", "data.seq_len=64", "train.grad_accum_steps=2"]
@@ -24,7 +24,11 @@ def cfg(*overrides):
     (["parallel.pp=3"], 3, "model.num_layers=4 is not divisible by the 3 pipeline stages"),
     (["parallel.pp=2", "parallel.pp_layout=[1,2]"], 2, "must be positive and sum to model.num_layers=4"),
     (["parallel.pp=2", "parallel.pp_layout=[4]"], 2, "has 1 entries but the pipeline has 2 stages"),
-    (["parallel.pp=4", "train.grad_accum_steps=2"], 4, "train.grad_accum_steps=2 pipeline micro-batches is below the pipeline depth"),
+    (["parallel.pp=4", "train.micro_batch_size=1"], 4,
+     "train.micro_batch_size*train.grad_accum_steps = 1*2 = 2 sequences per step per data-parallel rank cannot be split "
+     "into parallel.pp=4 pipeline micro-batches; make it at least 4"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micro_batch_size=3", "train.grad_accum_steps=1"],
+     2, "cannot be split into parallel.pp=2 pipeline micro-batches; make it a multiple of 2"),
     (["parallel.pp=2", "parallel.pp_microbatches=1"], 2, "parallel.pp_microbatches=1 pipeline micro-batches is below"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=63", "model.max_seq_len=128"], 2,
      "needs data.seq_len=63 divisible by parallel.tp=2"),
@@ -49,3 +53,21 @@ def test_stage_split_even_and_explicit():
     assert stage_layer_split(4, 2, []) == [[0, 1], [2, 3]]
     assert stage_layer_split(5, 2, []) == [[0, 1, 2], [3, 4]]
     assert stage_layer_split(4, 2, [1, 3]) == [[0], [1, 2, 3]]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["parallel.pp=2", "train.grad_accum_steps=1", "train.micro_batch_size=8"], 2),  # the README's pp=2 line
+    (["parallel.pp=2", "train.grad_accum_steps=4"], 4),  # accumulation already fills the pipeline
+    (["parallel.pp=4", "train.grad_accum_steps=1", "train.micro_batch_size=6"], 6),  # 4 and 5 do not divide 6
+    (["parallel.pp=4", "train.grad_accum_steps=1", "train.micro_batch_size=6", "parallel.pp_schedule=gpipe"], 6),
+    (["parallel.pp=2", "train.grad_accum_steps=3", "train.micro_batch_size=2",
+      "parallel.pp_schedule=interleaved_1f1b"], 2),  # 3 is no multiple of pp: 2 micro-batches of 3
+    (["parallel.pp=2", "parallel.pp_microbatches=4"], 4),
+    (["parallel.pp=1", "train.grad_accum_steps=3"], 3),
+])
+def test_pipeline_microbatches_fill_the_pipeline(overrides, expected):
+    c = cfg(*overrides)
+    n = pipeline_microbatches(c)
+    assert n == expected
+    total = c.train.micro_batch_size * c.train.grad_accum_steps
+    assert total % n == 0 and (n >= c.parallel.pp)

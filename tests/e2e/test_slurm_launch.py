@@ -268,3 +268,49 @@ def test_agree_preemption_is_max_over_ranks(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     lines = sorted(l for l in res.stdout.splitlines() if l.startswith("RESULT"))
     assert lines == ["RESULT 0 False [False, True]", "RESULT 1 True [False, True]"], res.stdout
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys, monkeypatch):
+    """The error `tandem train` would hit in the job's first seconds is printed now; nothing is written
+    or submitted (a stub sbatch records any call)."""
+    from tandem.trainer.cli import train_main
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    called = tmp_path / "sbatch_called"
+    _exe(bin_dir / "sbatch", f"#!/bin/bash\ntouch {called}\necho 1\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    bad = ["parallel.tp=2", "parallel.pp=2", f"run.dir={run_dir}"]
+    rc = launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "1", "--procs-per-node", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert not called.exists() and not (run_dir / "slurm").exists()
+    # the same message as the trainer itself, started with that world size
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main([str(ROOT / "recipes" / "tiny.yaml"), *bad]) == 2
+    train_err = capsys.readouterr().err.strip()
+    message = train_err.removeprefix("tandem train: error: ")
+    assert "world size 2 is not divisible by parallel.tp*pp*ep" in message
+    assert err.startswith(f"tandem launch slurm: error: {message} (world size 2 = --nodes 1 x 2 per node)")
+    # the same recipe fits 2 nodes x 2 processes
+    assert launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "2", "--procs-per-node", "2",
+                              "--dry-run"]) == 0
+    capsys.readouterr()
+
+
+def test_check_prints_parameters_and_memory_and_submits_nothing(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}", "--nodes", "2",
+                            "--gpus-per-node", "8", "--check"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "world size 16: layout ok" in out and "params total=" in out and "per-rank memory" in out, out
+    assert not run_dir.exists()
+    # the flagship layout (tp2 x ep4 x pp2) does not fit 1 node of 8
+    rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}", "--nodes", "1",
+                            "--gpus-per-node", "8", "--check"])
+    assert rc == 2 and "not divisible by parallel.tp*pp*ep" in capsys.readouterr().err

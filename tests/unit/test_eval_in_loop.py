@@ -42,7 +42,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert _losses(with_eval) == _losses(without)  # exact equality, not allclose
     evals = [r for r in with_eval if "eval/acceptance_length" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup",
+    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup", "eval/seconds",
                 "eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup_predicted"}
     for k in range(1, 4):
         expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}"}
@@ -81,23 +81,3 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
     monkeypatch.setattr(in_loop, "RESTORE_ROUTER_LOADS", False)
     ev.run(1)
     assert not all(torch.equal(r.tokens_per_expert, l) for r, l in zip(routers, loads))
-
-
-def test_pipeline_layout_skips_with_message(capsys):
-    from types import SimpleNamespace
-
-    ev = in_loop.InLoopEvaluator.__new__(in_loop.InLoopEvaluator)
-    ev.pstate = SimpleNamespace(extras={"pipeline": object()}, is_main=True)
-    ev._warned = False
-    assert ev.run(10) == {} and ev.run(20) == {}
-    assert capsys.readouterr().err.count(in_loop.PIPELINE_MESSAGE) == 1
-
-
-def test_sequence_parallel_layout_skips_with_message(capsys):
-    from types import SimpleNamespace
-
-    ev = in_loop.InLoopEvaluator.__new__(in_loop.InLoopEvaluator)
-    ev.pstate = SimpleNamespace(extras={"sequence_parallel": True}, is_main=True)
-    ev._warned = False
-    assert ev.run(10) == {} and ev.run(20) == {}
-    assert capsys.readouterr().err.count(in_loop.SEQUENCE_PARALLEL_MESSAGE) == 1

@@ -196,3 +196,32 @@ def test_broken_acceptance_rule_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(sd, "speculative_accept", always_accept)
     p12, p3 = _sample_check()
     assert min(p12, p3) < 1e-8, (p12, p3)
+
+
+def test_budget_exact_counting_hand_computed():
+    """Drafts always agree (K=3): prefill emits 1 token, round 1 emits 4 (3 accepted). Round 2 has
+    room for max_new_tokens - 5 tokens: with 6 it emits 1 (0 accepted, not the 3 committed), with 7
+    it emits 2 (1 accepted). An EOS as the 3rd output token ends round 1 after 2 emitted (1 accepted)."""
+    model = make_agreeing(tiny_model(3, 1, dtype=torch.float64), 0.0)
+    prompt = [PROMPTS[0]]
+    for budget, accepted, pos in [(6, 3, [1.0 / 2, 1.0 / 2, 1.0 / 2]), (7, 4, [1.0, 1.0 / 2, 1.0 / 2])]:
+        res = generate(model, prompt, budget, 3)
+        assert res.outputs == generate(model, prompt, budget, 0).outputs and len(res.outputs[0]) == budget
+        assert int(res.stats.rounds[0]) == 2 and int(res.stats.accepted[0]) == accepted
+        m = acceptance_metrics(res.stats)
+        assert m["acceptance_length"] == 1 + accepted / 2 == res.decoded_tokens / 2
+        assert [m[f"accept_rate/pos_{i}"] for i in (1, 2, 3)] == pos
+        assert m["draft_acceptance_rate"] == accepted / 6
+    prompt, ar = next(([p], o) for p, o in zip(PROMPTS, generate(model, PROMPTS, 12, 0).outputs)
+                      if o[2] not in o[:2])
+    res = generate(model, prompt, 12, 3, eos_id=ar[2])
+    assert res.outputs == [ar[:3]]
+    assert int(res.stats.rounds[0]) == 1 and int(res.stats.accepted[0]) == 1
+    assert acceptance_metrics(res.stats)["acceptance_length"] == 2.0
+    assert [int(x) for x in res.stats.accepted_at[0]] == [1, 0, 0]
+
+
+def test_acceptance_length_is_decoded_tokens_per_round():
+    model = make_agreeing(tiny_model(3, 1, dtype=torch.float64), 0.05, seed=3)
+    res = generate(model, PROMPTS, 11, 3)
+    assert int(res.stats.accepted.sum()) + int(res.stats.rounds.sum()) == res.decoded_tokens

@@ -10,7 +10,8 @@ The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the fla
 
 `apply_parallelism` runs, in order: pipeline pruning (PP), TP/EP (DTensor shards + dispatch),
 FSDP2 (or nothing, for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
-`pipeline`, `clip_grad_norm` (gradient sync + true global norm) and `router_load_group`.
+`pipeline`, `clip_grad_norm` (gradient sync + true global norm), `router_load_group` and, under
+sequence parallelism, `sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
 regions (tensor.py); the router loads are then summed over tp as well.
 """
@@ -46,7 +47,8 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
         # and under sequence parallelism also the tp ranks (each routes its sequence shard).
         "router_load_group": _router_load_group(mesh, batch_mesh, batch, p.sequence_parallel and p.tp > 1),
         "sizes": {"pp": p.pp, "dp": dp, "ep": p.ep, "tp": p.tp},
-        # activations between TP regions are sequence shards (decoding paths must not run on them)
+        # activations between TP regions are sequence shards; decoding runs them whole through
+        # extras["sequence_parallel_switch"] (set by apply_parallelism)
         "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
     })
     return state
@@ -94,7 +96,12 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     ep_mesh = mesh["ep"] if ep > 1 else None
     expert_mesh = mesh["ep", "tp"] if (ep > 1 and tp > 1) else (ep_mesh if ep > 1 else tp_mesh)
     sp = bool(p.sequence_parallel and tp > 1)
-    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp)
+    switch = None
+    if sp:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
+        from .tensor import SequenceParallelSwitch
+
+        switch = state.extras["sequence_parallel_switch"] = SequenceParallelSwitch()
+    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch)
     if pp > 1:
         pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
     batch = dp * ep

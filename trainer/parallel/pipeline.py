@@ -31,7 +31,7 @@ from torch import nn
 from tandem.trainer.loss import combine_losses
 
 from .device import autocast_context
-from .validate import stage_layer_split
+from .validate import pipeline_microbatches, stage_layer_split
 
 
 class _StepContext:
@@ -111,7 +111,7 @@ class Pipeline:
         self.pp = p.pp
         pp_rank = pp_mesh.get_local_rank()
         mine, split, n_stages = plan_stages(cfg, pp_rank)
-        self.n_micro = p.pp_microbatches or cfg.train.grad_accum_steps
+        self.n_micro = pipeline_microbatches(cfg)
         self.num_depths = 1 + cfg.mtp.num_steps
         self.micro_size = cfg.train.micro_batch_size * cfg.train.grad_accum_steps // self.n_micro
         # stage boundaries carry [micro-batch, sequence (shard under SP), hidden] activations

@@ -28,6 +28,7 @@ names, so DCP reshards checkpoints between layouts. Model code computes on local
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -278,57 +279,132 @@ class VocabParallelHead(nn.Module):
         return total
 
 
+# --- sequence parallelism on/off -----------------------------------------------------------------
+class SequenceParallelSwitch:
+    """`extras["sequence_parallel_switch"]`: turns sequence splitting off around decoding.
+
+    Training runs the TP regions on sequence shards (all-gather in, reduce-scatter out). A decode step
+    has 1..K+1 tokens per row, which cannot be split over tp, so `whole_sequences()` makes the same
+    modules take and return whole, replicated activations: the embedding and row-parallel outputs
+    all-reduce instead of reduce-scattering, TP-region inputs are already whole, MoE layers route
+    all tokens on every rank, and the head needs no gather. Same weights, same math."""
+
+    def __init__(self):
+        self.on = True
+        self.flagged: List[nn.Module] = []
+        """Modules with a `sequence_parallel` attribute (TP MoE layers, the vocab-parallel head)."""
+        self.models: List[nn.Module] = []
+        """Models whose `gather_sequence` is set."""
+
+    @contextlib.contextmanager
+    def whole_sequences(self):
+        if not self.on:
+            yield
+            return
+        saved = [m.gather_sequence for m in self.models]
+        self.on = False
+        for m in self.flagged:
+            m.sequence_parallel = False
+        for m in self.models:
+            m.gather_sequence = None
+        try:
+            yield
+        finally:
+            self.on = True
+            for m in self.flagged:
+                m.sequence_parallel = True
+            for m, g in zip(self.models, saved):
+                m.gather_sequence = g
+
+
+class _SwitchablePrepareInput(PrepareModuleInput):
+    """PrepareModuleInput whose input is a sequence shard only while the switch is on."""
+
+    def __init__(self, switch: SequenceParallelSwitch, **kwargs):
+        super().__init__(**kwargs)
+        self.switch, self.sp_layouts = switch, self.input_layouts
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        self.input_layouts = self.sp_layouts if self.switch.on else self.desired_input_layouts
+        return super()._prepare_input_fn(inputs, device_mesh)
+
+
+class _SwitchableRowwise(RowwiseParallel):
+    """RowwiseParallel that reduce-scatters its output while the switch is on, all-reduces when off."""
+
+    def __init__(self, switch: SequenceParallelSwitch, **kwargs):
+        super().__init__(**kwargs)
+        self.switch = switch
+
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        layouts = output_layouts if self.switch.on else (Replicate(),)
+        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+
+
 # --- the whole model -----------------------------------------------------------------------------
-def _block_plan(block, sequence_parallel: bool = False) -> dict:
+def _block_plan(block, switch: Optional[SequenceParallelSwitch] = None) -> dict:
     # without SP the block input is whole on every rank; with SP it is the rank's sequence shard
     # (dim 1), gathered on entry to each TP region and reduce-scattered on exit
-    inp = Shard(1) if sequence_parallel else Replicate()
-    out = Shard(1) if sequence_parallel else Replicate()
+    if switch is None:
+        prepare, rowwise, inp, out = PrepareModuleInput, RowwiseParallel, Replicate(), Replicate()
+    else:
+        prepare = lambda **kw: _SwitchablePrepareInput(switch, **kw)  # noqa: E731
+        rowwise = lambda **kw: _SwitchableRowwise(switch, **kw)  # noqa: E731
+        inp, out = Shard(1), Shard(1)
     plan = {
-        "self_attn": PrepareModuleInput(input_layouts=(inp, None, None),
-                                        desired_input_layouts=(Replicate(), None, None), use_local_output=False),
+        "self_attn": prepare(input_layouts=(inp, None, None),
+                             desired_input_layouts=(Replicate(), None, None), use_local_output=False),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=out),
+        "self_attn.o_proj": rowwise(output_layouts=out),
     }
     if isinstance(block.mlp, SwiGLU):
         plan.update({
-            "mlp": PrepareModuleInput(input_layouts=(inp,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=False),
+            "mlp": prepare(input_layouts=(inp,), desired_input_layouts=(Replicate(),), use_local_output=False),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=out),
+            "mlp.down_proj": rowwise(output_layouts=out),
         })
     return plan
 
 
 def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh,
-                                     sequence_parallel: bool = False) -> List[str]:
+                                     sequence_parallel: bool = False,
+                                     switch: Optional[SequenceParallelSwitch] = None) -> List[str]:
     """TP over `tp_mesh` (None = off) and EP over `ep_mesh` (None = off), in place, on whatever
     parts of the model this rank holds (pipeline stages prune first). Returns the names of the
     replicated parameters whose gradients are partial over tp (per-head q/k norms; under sequence
-    parallelism every replicated parameter that computed on one sequence shard)."""
+    parallelism every replicated parameter that computed on one sequence shard). Under sequence
+    parallelism `switch` (made here when not given) registers what it flips for decoding."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     sp = sequence_parallel and tp > 1
+    if sp and switch is None:
+        switch = SequenceParallelSwitch()
     blocks = [b for b in model.layers.values()]
     if getattr(model, "mtp", None) is not None:
         blocks += [layer.block for layer in model.mtp.layers]
     for block in blocks:
         if tp > 1:
-            parallelize_module(block, tp_mesh, _block_plan(block, sp))
+            parallelize_module(block, tp_mesh, _block_plan(block, switch if sp else None))
         if isinstance(block.mlp, MoE):
             parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp)
+            if sp:
+                switch.flagged.append(block.mlp)
     if tp > 1:
         if getattr(model, "embed_tokens", None) is not None:
-            parallelize_module(model.embed_tokens, tp_mesh,
-                               RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
+            style = (_SwitchableRowwise(switch, input_layouts=Replicate(), output_layouts=Shard(1)) if sp
+                     else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+            parallelize_module(model.embed_tokens, tp_mesh, style)
         if getattr(model, "lm_head", None) is not None:
             model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, sp)
+            if sp:
+                switch.flagged.append(model.lm_head)
     if not sp:
         # Per-head q/k norms (qk_norm) are replicated but each rank applies them to its own heads
         # only, so their gradients are partial over tp like the sequence-parallel ones.
         return [name for name, _ in model.named_parameters() if ".q_norm." in name or ".k_norm." in name] if tp > 1 else []
     group = tp_mesh.get_group()
     model.gather_sequence = lambda h: gather_along(h, group, 1)
+    switch.models.append(model)
     return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]

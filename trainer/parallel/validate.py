@@ -25,6 +25,41 @@ def stage_layer_split(num_layers: int, num_stages: int, layout: List[int]) -> Li
     return out
 
 
+def pipeline_microbatches(cfg: TandemConfig) -> int:
+    """Pipeline micro-batches per step on one data-parallel rank (the schedule splits the rank's
+    train.micro_batch_size * train.grad_accum_steps sequences into this many equal chunks).
+
+    `parallel.pp_microbatches` when set; otherwise train.grad_accum_steps when that already fills the
+    pipeline, else the smallest divisor of the step's sequences that is >= parallel.pp (a multiple of
+    pp for the interleaved schedule). Raises ConfigError (one line naming the keys and the fix) when
+    the sequences cannot be split so."""
+    p, t = cfg.parallel, cfg.train
+    total = t.micro_batch_size * t.grad_accum_steps
+    interleaved = p.pp_schedule == "interleaved_1f1b"
+    if p.pp_microbatches:
+        n = p.pp_microbatches
+        if n < p.pp:
+            raise ConfigError(f"parallel.pp_microbatches={n} pipeline micro-batches is below the pipeline depth "
+                              f"parallel.pp={p.pp}")
+        if total % n:
+            raise ConfigError(f"parallel.pp_microbatches={n} does not divide the {total} samples per step per "
+                              "data-parallel rank")
+        if interleaved and n % p.pp:
+            raise ConfigError(f"interleaved 1F1B needs the micro-batch count {n} divisible by parallel.pp={p.pp}")
+        return n
+    ok = lambda n: n >= p.pp and total % n == 0 and not (interleaved and n % p.pp)  # noqa: E731
+    if p.pp <= 1 or ok(t.grad_accum_steps):
+        return t.grad_accum_steps
+    for n in range(p.pp, total + 1):
+        if ok(n):
+            return n
+    need = "a multiple of" if interleaved else "at least"
+    raise ConfigError(f"train.micro_batch_size*train.grad_accum_steps = {t.micro_batch_size}*{t.grad_accum_steps} = "
+                      f"{total} sequences per step per data-parallel rank cannot be split into parallel.pp={p.pp} "
+                      f"pipeline micro-batches; make it {need} {p.pp} (raise train.micro_batch_size or "
+                      "train.grad_accum_steps)")
+
+
 def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """Check the parallel layout against the model, the batch and the world size; return dp.
 
@@ -85,15 +120,5 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
         elif m.num_layers % stages:
             raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by the {stages} pipeline stages "
                               f"(parallel.pp={p.pp} x {virtual} virtual); set parallel.pp_layout")
-        micro = p.pp_microbatches or cfg.train.grad_accum_steps
-        if micro < p.pp:
-            src = "parallel.pp_microbatches" if p.pp_microbatches else "train.grad_accum_steps"
-            raise ConfigError(f"{src}={micro} pipeline micro-batches is below the pipeline depth parallel.pp={p.pp}")
-        if p.pp_microbatches:
-            total = cfg.train.grad_accum_steps * cfg.train.micro_batch_size
-            if total % p.pp_microbatches:
-                raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} does not divide the "
-                                  f"{total} samples per step per data-parallel rank")
-        if p.pp_schedule == "interleaved_1f1b" and micro % p.pp:
-            raise ConfigError(f"interleaved 1F1B needs the micro-batch count {micro} divisible by parallel.pp={p.pp}")
+        pipeline_microbatches(cfg)  # raises when the step's sequences cannot be split
     return dp

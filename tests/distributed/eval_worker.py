@@ -1,0 +1,85 @@
+"""The in-loop evaluator on a parallel layout: speculative decoding of fixed prompts with weights that
+make the MTP drafts mostly right (eval.testing.make_agreeing on the plain model, before it is
+sharded), so acceptance is exercised. Run under torchrun (`eval_worker.py OUT LAYOUT...`, layouts as
+in worker.py), or `evaluate("single")` in one process for the reference. Rank 0 writes
+`OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens of every prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import worker  # noqa: E402
+
+# 5 prompts in batches of 2: three batches, so two replicas split them unevenly (one pads a slot)
+EVAL = ["eval.num_prompts=5", "eval.batch_size=2", "eval.max_new_tokens=14", "eval.loss_batches=1", "eval.interval=1"]
+
+
+def prompts() -> List[List[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, worker.VOCAB, (4 + i,), generator=g).tolist() for i in range(5)]
+
+
+def place_mtp_depths(stages: List[int]) -> None:
+    """Every pp rank keeps the MTP module (and the final norm it reads) and the decoder looks MTP
+    depth k up on stage stages[k-1], so depths run on other ranks than the head's."""
+    from tandem.trainer.parallel import pipeline, pipeline_decode
+
+    prune = pipeline.prune_model
+
+    def keep_mtp(model, cfg, pp_rank):
+        mtp, norm = model.mtp, model.norm
+        prune(model, cfg, pp_rank)
+        model.mtp, model.norm = mtp, norm
+
+    pipeline.prune_model = keep_mtp
+    pipeline_decode.DecodePlan.mtp_stage = lambda self, depth: stages[depth - 1]
+
+
+def evaluate(layout: str) -> dict:
+    from tandem.eval.in_loop import InLoopEvaluator
+    from tandem.eval.testing import make_agreeing
+    from tandem.trainer.loop import build_model
+    from tandem.trainer.parallel import ParallelState, init_parallel, parallelize_model
+    from tandem.trainer.parallel.device import resolve_device
+
+    items = layout.split(",")
+    spread = [kv.split("=")[1] for kv in items if kv.startswith("mtp_stages=")]
+    if spread:  # MTP depth k on stage spread[k-1]: a placement no training layout makes yet
+        place_mtp_depths([int(x) for x in spread[0].split("+")])
+    layout = ",".join(kv for kv in items if not kv.startswith("mtp_stages="))
+    cfg = worker.make_cfg(",".join([layout] + EVAL), worker.GRAD_ACCUM)
+    device = resolve_device("cpu")
+    pstate = ParallelState(device=device) if layout == "single" else init_parallel(cfg, device)
+    model = build_model(cfg)
+    make_agreeing(model, 0.05, seed=1)
+    model = parallelize_model(model, cfg, pstate)
+    model.train()
+    ev = InLoopEvaluator(cfg, model, None, None, pstate)
+    ev.prompts = prompts()
+    ev.loss_batches = worker.rank_micro_batches(0, 0, 1, 1)
+    out = ev.run(1)
+    return {"metrics": out, "outputs": ev.last_outputs}
+
+
+def main(argv: List[str]) -> int:
+    import torch.distributed as dist
+
+    out_dir, layouts = argv[0], argv[1:]
+    torch.set_num_threads(1)
+    for layout in layouts:
+        result = evaluate(layout)
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out_dir, f"{layout}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

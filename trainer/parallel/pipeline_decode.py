@@ -1,0 +1,283 @@
+"""Speculative decoding on a parallel layout: pipeline stages, prompts split over data-parallel
+replicas, lockstep for the collectives inside the model.
+
+Pipeline. The training schedule (torch.distributed.pipelining) moves micro-batches of whole
+sequences; decoding is a latency-bound loop of tiny forwards whose inputs depend on the last one,
+so it has its own plain send/recv path over the pp group. Each rank keeps the KV caches of its own
+trunk layers (a `KVCache` indexed by global layer id, allocated at a layer's first write). The
+*driver* is the rank holding the stage with the output head and the MTP depths (`DecodePlan`;
+the last stage): it runs eval/spec_decode.py's decoder unchanged on a `PipelinedModel` view,
+keeping the MTP caches, drafting, verifying, accepting and committing. Which stage holds MTP depth
+k is a lookup (`DecodePlan.mtp_stage`, today the last stage for every depth): a depth held by
+another rank runs there, on that rank's cache of the depth, and its hidden state comes back. Every trunk forward of the
+decoder (prefill, verify, teacher-forced) becomes one pass through the stages: the driver
+broadcasts a header over the pp group (the committed tokens and draft tokens to run, their
+positions -- i.e. where each row's accepted prefix ends -- and whether a new cache starts), the
+first stage embeds, each stage runs its layers on its caches and sends the hidden state to the
+next stage's rank, the last stage's output lands on the driver. Stage s lives on pp rank s % pp,
+so under the interleaved placement the hidden state goes around the ring `virtual` times. The
+other ranks (*followers*) only answer headers until the driver says stop.
+
+Data parallelism. The prompt batches (eval.batch_size prompts each, formed as one process forms
+them) are dealt round-robin to the batch replicas (dp x ep), so each batch is computed exactly as
+one process computes it; drivers gather the per-batch results, so every figure equals one
+process's. The collectives inside the model (expert all-to-all over ep, FSDP parameter gathers over
+dp x ep) need every replica to run the same sequence of forwards: decoding loops run while any
+replica has an active row (`any_active`), and a replica with no batch left decodes a padding batch.
+
+Sequence parallelism is switched off around decoding (tensor.SequenceParallelSwitch): decode steps
+run the TP regions on whole sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.models.attention import KVCache
+
+from .pipeline import plan_stages
+
+_STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM = 0, 1, 2, 3, 4, 5
+
+
+class DecodePlan:
+    """Where the decoder's pieces live: trunk stages on pp ranks, the head and each MTP depth on a stage."""
+
+    def __init__(self, cfg, pp_rank: int):
+        self.pp = cfg.parallel.pp
+        self.pp_rank = pp_rank
+        self.mine, self.split, self.n_stages = plan_stages(cfg, pp_rank)
+        self.num_steps = cfg.mtp.num_steps
+        self.head_stage = self.n_stages - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """pp rank (index in the pp group) that holds pipeline stage `stage`."""
+        return stage % self.pp
+
+    def mtp_stage(self, depth: int) -> int:
+        """The stage holding MTP depth `depth` (1-based): prune_model keeps the MTP module on the last."""
+        return self.n_stages - 1
+
+    def mtp_rank(self, depth: int) -> int:
+        return self.stage_rank(self.mtp_stage(depth))
+
+    @property
+    def driver(self) -> int:
+        """pp rank that drafts, verifies and accepts: the one holding the output head. An MTP depth
+        held by another rank runs there (with its KV cache) and its hidden state comes back."""
+        return self.stage_rank(self.head_stage)
+
+
+class StagePass:
+    """This rank's part of one forward through the trunk stages (no autograd)."""
+
+    def __init__(self, model: nn.Module, plan: DecodePlan, group, hidden: int, dtype, device):
+        self.model, self.plan, self.group = model, plan, group
+        self.hidden, self.dtype, self.device = hidden, dtype, device
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache]):
+        plan, (b, s) = self.plan, positions.shape
+        h = None
+        for stage in plan.mine:
+            if stage == 0:
+                h = self.model.embed_tokens(tokens)
+            else:
+                h = torch.empty(b, s, self.hidden, dtype=self.dtype, device=self.device)
+                dist.recv(h, group=self.group, group_src=plan.stage_rank(stage - 1))
+            for i in plan.split[stage]:
+                h = self.model.layers[str(i)](h, positions, cache.layer(i) if cache is not None else None)
+            if stage < plan.n_stages - 1:
+                # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
+                dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=plan.stage_rank(stage + 1))
+        return h if plan.head_stage in plan.mine else None
+
+
+class _MTPShape:
+    """What the decoder reads of an MTP module the driver does not hold."""
+
+    def __init__(self, mtp_cfg):
+        self.chained = mtp_cfg.style == "looped"
+        self.layers = [None] * mtp_cfg.num_layers
+
+
+class PipelinedModel:
+    """The driver's view of the model: its own pieces (head, norms, embedding copy, the MTP depths
+    it holds) plus a `trunk` that runs through every stage and an `mtp_step` / `logits` that run a
+    depth held by another rank there. The decoder and `teacher_forced` take it as the model."""
+
+    def __init__(self, model: nn.Module, decoding: "ParallelDecoding"):
+        self._model, self._decoding, self._cache = model, decoding, None
+        self.mtp = model.mtp if model.mtp is not None else _MTPShape(decoding.cfg.mtp)
+        self.num_depths = 1 + decoding.cfg.mtp.num_steps
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def depth_states(self, h0_bsh, tokens_bs1, positions_bs):
+        from tandem.models import TandemModel
+
+        return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs)  # with the routed mtp_step
+
+    def _remote(self, cmd: int, depth: int, h: torch.Tensor, tokens, positions, with_cache: bool) -> torch.Tensor:
+        d = self._decoding
+        owner = d.plan.mtp_rank(depth)
+        d.send_header(cmd, tokens, positions, int(with_cache), depth)
+        dist.send(h.to(d.dtype).contiguous(), group=d.pp_group, group_dst=owner)
+        out = torch.empty(h.shape, dtype=d.dtype, device=d.device)
+        dist.recv(out, group=d.pp_group, group_src=owner)
+        return out
+
+    def mtp_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, cache=None):
+        if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
+            return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache)
+        return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, cache is not None)
+
+    def logits(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
+        if depth == 0 or self._decoding.plan.mtp_rank(depth) == self._decoding.plan.pp_rank:
+            return self._model.logits(depth, h_bsh)
+        flat = h_bsh.reshape(-1, 1, h_bsh.shape[-1])  # the depth's final norm runs where its layer is
+        zeros = torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device)
+        normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False)
+        return self._model.lm_head.logits(normed.view(h_bsh.shape))
+
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache] = None):
+        if cache is None:
+            cmd = _NO_CACHE
+        else:
+            cmd = _SAME_CACHE if cache is self._cache else _NEW_CACHE
+            self._cache = cache
+        d = self._decoding
+        d.send_header(cmd, tokens, positions, cache.max_len if cache is not None else 0)
+        return d.stages.run(tokens, positions, cache)
+
+
+class ParallelDecoding:
+    """What the in-loop evaluator needs to decode on this rank's part of a parallel layout."""
+
+    def __init__(self, cfg, model: nn.Module, pstate):
+        self.cfg, self.pstate, self.base = cfg, pstate, model
+        self.device = pstate.device.device
+        self.pipeline = pstate.extras.get("pipeline")
+        self.dtype = next(model.parameters()).dtype
+        self.replicas, self.replica = pstate.dp_size, pstate.dp_rank
+        if self.pipeline is not None:
+            pp_mesh = pstate.mesh["pp"]
+            self.pp_group = pp_mesh.get_group()
+            self.plan = DecodePlan(cfg, pp_mesh.get_local_rank())
+            self.is_driver = self.plan.pp_rank == self.plan.driver
+            mine = [k for k in range(1, cfg.mtp.num_steps + 1) if self.plan.mtp_rank(k) == self.plan.pp_rank]
+            if mine and not self.is_driver and getattr(model, "mtp", None) is None:
+                raise ValueError(f"MTP depths {mine} are placed on pp rank {self.plan.pp_rank}, which holds no MTP module")
+            self.stages = StagePass(model, self.plan, self.pp_group, cfg.model.hidden_size, self.dtype, self.device)
+            self.model = PipelinedModel(model, self) if self.is_driver else None
+        else:
+            self.plan, self.is_driver, self.model = None, True, model
+
+    # --- around an evaluation --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def context(self):
+        """Whole-sequence TP regions and the FSDP roots' own parameters gathered (the decoder calls
+        model pieces directly, bypassing the roots' pre-forward hooks; blocks gather in theirs)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        switch = self.pstate.extras.get("sequence_parallel_switch")
+        roots = [self.base] + (list(self.pipeline.modules) if self.pipeline is not None else [])
+        roots = [r for r in roots if isinstance(r, FSDPModule)]
+        with switch.whole_sequences() if switch is not None else contextlib.nullcontext():
+            for root in roots:
+                root.unshard()
+            try:
+                yield
+            finally:
+                for root in roots:
+                    root.reshard()
+
+    def share(self, out: Optional[dict]) -> dict:
+        """The driver's figures on every rank of its pipeline (rank 0 holds the first stage)."""
+        if self.plan is None:
+            return out
+        box = [out]
+        dist.broadcast_object_list(box, group=self.pp_group, group_src=self.plan.driver)
+        return box[0]
+
+    # --- the pipeline protocol -------------------------------------------------------------------
+    def send_header(self, cmd: int, tokens=None, positions=None, cap: int = 0, depth: int = 0) -> None:
+        b, s = positions.shape if positions is not None else (0, 0)
+        head = torch.tensor([cmd, b, s, cap, depth], dtype=torch.long, device=self.device)
+        dist.broadcast(head, group=self.pp_group, group_src=self.plan.driver)
+        if cmd != _STOP:
+            body = torch.stack([tokens.to(torch.long), positions.to(torch.long)])
+            dist.broadcast(body.contiguous(), group=self.pp_group, group_src=self.plan.driver)
+
+    def stop(self) -> None:
+        """Driver: the followers' `follow` returns."""
+        if self.plan is not None:
+            self.send_header(_STOP)
+
+    def follow(self) -> None:
+        """Follower: run this rank's stages for every forward the driver announces, until it stops."""
+        cache, mtp_caches, plan = None, {}, self.plan
+        while True:
+            head = torch.empty(5, dtype=torch.long, device=self.device)
+            dist.broadcast(head, group=self.pp_group, group_src=plan.driver)
+            cmd, b, s, cap, depth = head.tolist()
+            if cmd == _STOP:
+                return
+            body = torch.empty(2, b, s, dtype=torch.long, device=self.device)
+            dist.broadcast(body, group=self.pp_group, group_src=plan.driver)
+            if cmd in (_MTP_STEP, _MTP_NORM):
+                if plan.mtp_rank(depth) == plan.pp_rank:
+                    self._serve_depth(cmd, depth, body, cap, mtp_caches, cache)
+                continue
+            if cmd == _NEW_CACHE:
+                cache, mtp_caches = KVCache(self.cfg.model.num_layers, b, cap, self.dtype, self.device), {}
+            self.stages.run(body[0], body[1], cache if cmd != _NO_CACHE else None)
+
+    def _serve_depth(self, cmd: int, depth: int, body, with_cache: int, mtp_caches: dict, cache) -> None:
+        """Run MTP depth `depth` (its step, with this rank's cache of that depth, or its final norm)
+        on a hidden state from the driver and send the result back."""
+        b, s = body.shape[1:]
+        h = torch.empty(b, s, self.cfg.model.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(h, group=self.pp_group, group_src=self.plan.driver)
+        if cmd == _MTP_NORM:
+            out = self.base.final_norm(depth, h)
+        else:
+            layer = None
+            if with_cache:
+                if depth not in mtp_caches:  # one cache per depth (depths share weights, not states)
+                    mtp_caches[depth] = KVCache(1, b, cache.max_len, self.dtype, self.device).layer(0)
+                layer = mtp_caches[depth]
+            out = self.base.mtp_step(depth, h, body[0], body[1], layer)
+        dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)
+
+    # --- data-parallel split (drivers) -----------------------------------------------------------
+    def my_batches(self, n_batches: int) -> List[Optional[int]]:
+        """Global indices of the prompt batches this replica decodes, None for padding slots (every
+        replica runs the same number of slots)."""
+        per = math.ceil(n_batches / self.replicas)
+        return [i if i < n_batches else None for i in (self.replica + j * self.replicas for j in range(per))]
+
+    def any_active(self) -> Callable[[bool], bool]:
+        if self.replicas == 1:
+            return lambda local: local
+
+        def reduce(local: bool) -> bool:
+            flag = torch.tensor([int(local)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pstate.dp_group)
+            return bool(flag.item())
+
+        return reduce
+
+    def gather(self, results: list) -> list:
+        """Every replica's (batch index, result) pairs, in batch order."""
+        if self.replicas == 1:
+            return sorted(results, key=lambda r: r[0])
+        parts = [None] * self.replicas
+        dist.all_gather_object(parts, results, group=self.pstate.dp_group)
+        return sorted((r for part in parts for r in part), key=lambda r: r[0])
