@@ -41,11 +41,24 @@ def place_mtp_depths(stages: List[int]) -> None:
     pipeline_decode.DecodePlan.mtp_stage = lambda self, depth: stages[depth - 1]
 
 
+@torch.no_grad()
+def load_full_weights(model, full_state: dict):
+    """Copy one-process weights into this rank's shards (TP/EP DTensors, FSDP shards, pipeline stages)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        src = full_state[name].to(p.dtype)
+        if isinstance(p, DTensor):
+            src = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(src)
+    return model
+
+
 def evaluate(layout: str) -> dict:
     from tandem.eval.in_loop import InLoopEvaluator
     from tandem.eval.testing import make_agreeing
     from tandem.trainer.loop import build_model
-    from tandem.trainer.parallel import ParallelState, init_parallel, parallelize_model
+    from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
     items = layout.split(",")
@@ -55,10 +68,10 @@ def evaluate(layout: str) -> dict:
     layout = ",".join(kv for kv in items if not kv.startswith("mtp_stages="))
     cfg = worker.make_cfg(",".join([layout] + EVAL), worker.GRAD_ACCUM)
     device = resolve_device("cpu")
-    pstate = ParallelState(device=device) if layout == "single" else init_parallel(cfg, device)
-    model = build_model(cfg)
-    make_agreeing(model, 0.05, seed=1)
-    model = parallelize_model(model, cfg, pstate)
+    single = ParallelState(device=device)
+    pstate = single if layout == "single" else init_parallel(cfg, device)
+    full = make_agreeing(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
+    model = full if pstate is single else load_full_weights(build_model(cfg, pstate), full.state_dict())
     model.train()
     ev = InLoopEvaluator(cfg, model, None, None, pstate)
     ev.prompts = prompts()

@@ -92,24 +92,26 @@ RTOL = 1e-5
 # (the softmax normaliser's gradient not summed over tp) already moves the step-2 losses by 1e-3.
 PARAM_RTOL = {"tp=2,model.qk_norm=true": 1e-4, "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 4e-4}
 
-# bf16 tolerance. bf16 keeps 8 significant bits (a rounding moves a value by up to 2^-9 = 2e-3
-# relative); the per-depth losses are means over ~100 tokens, so one run's bf16 roundings move them
-# far less. The scale of that movement is measured here, in the test, as the gap between the
-# one-process bf16 run and the one-process fp32 run (2.7e-4 at most over the 3 steps; 3e-5 at step 0,
-# where the weights are still identical and only the forward's roundings differ). Even re-splitting
-# one bf16 process's 8 samples from 4 micro-batches of 2 into 2 of 4 moves them by 1.2e-4 (fp32: 1e-7),
-# so bf16 rounding is amplified over the steps to ~1e-4 whatever is reordered. A parallel layout
-# rounds in other places (TP rounds its partial sums to bf16 before the all-reduce, FSDP's bf16
-# parameters make the residual stream bf16 where autocast alone keeps it fp32, pipeline stages and
-# all-reduce DP round exactly as one process does), i.e. it is another draw of bf16 rounding noise of
-# the same size: measured deviations from the one-process bf16 run are at most 2.0x that gap
-# (5.2e-4, tp=2 with sequence parallelism; 0 for pp and all-reduce DP). The tolerance is 4x the gap,
-# at step 0 and over all steps separately. Parameters are not compared: after a few steps bf16
-# rounding flips discrete decisions (which expert a near-tie token routes to, the sign in the
-# aux-free bias rule, Adam's first updates ~ lr*sign(g) for tiny gradients), so even the one-process
-# bf16 and fp32 runs end 0.09-1.0 apart (relative) on router weights and biases; replicas of a
-# parameter across ranks must still agree (RTOL, in `load`).
+# bf16 tolerance. bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-9 = 2e-3
+# relative. The per-depth losses are means over ~100 tokens, so a run's bf16 roundings move them less;
+# that scale is measured in the test as the gap between the one-process bf16 and fp32 runs. It is one
+# sample of rounding noise and depends on the weights: 2.7e-4 over the 3 steps with the earlier
+# torch.manual_seed init, 6.7e-5 with the seeded per-parameter init (3e-5 at step 0, where only the
+# forward's roundings differ). Re-splitting one bf16 process's 8 samples from 4 micro-batches of 2 into
+# 2 of 4 already moves them by 1.2e-4 (fp32: 1e-7). A parallel layout rounds in other places: TP
+# rounds its partial sums to bf16 before the all-reduce, and FSDP's bf16 parameters keep the residual
+# stream in bf16 where autocast alone keeps it fp32, so FSDP layouts round *more* than one process
+# does (measured up to 5.4e-4: dp, ep, pp+dp; tp+SP 5.2e-4; pp and all-reduce DP 0 to 1e-5). The
+# tolerance is the larger of 4x the measured gap and one bf16 rounding of the loss itself (2^-9), at
+# step 0 and over all steps separately: a layout inside it is indistinguishable from bf16 noise, while
+# a plumbing error this test exists for (a gradient not summed, a micro-batch scaled twice) moves the
+# step-2/3 losses by 1e-2 or more. Whether bf16 is in effect at all is checked separately (below).
+# Parameters are not compared: after a few steps bf16 rounding flips discrete decisions (which expert
+# a near-tie token routes to, the sign in the aux-free bias rule, Adam's first updates ~ lr*sign(g)
+# for tiny gradients), so even the one-process bf16 and fp32 runs end 0.09-1.0 apart (relative) on
+# router weights and biases; replicas of a parameter across ranks must still agree (RTOL, in `load`).
 BF16_GAP_FACTOR = 4.0
+BF16_ROUNDING = 2.0**-9
 # bf16 is in effect: every nn.Linear computed in bf16 on every rank, and the step-0 gradient norm (of
 # identical weights) is off the fp32 run's by more than 1e-4 relative, 70x the fp32 layouts' own
 # deviation over all steps (<1.5e-6); measured 3.2e-4..1.5e-3.
@@ -218,8 +220,9 @@ def test_bf16_layout_matches_single_process(layout, runs, references):
     gap, gap0 = max_rel(ref["losses"], ref32["losses"]), max_rel(ref["losses"][0], ref32["losses"][0])
     assert 0 < gap < 1e-2, f"one-process bf16 vs fp32 gap {gap:.2e}"
     worst, worst0 = max_rel(losses, ref["losses"]), max_rel(losses[0], ref["losses"][0])
-    assert worst0 <= BF16_GAP_FACTOR * gap0, f"{layout}: step-0 losses {worst0:.2e} off bf16 (gap to fp32 {gap0:.2e})"
-    assert worst <= BF16_GAP_FACTOR * gap, f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 {gap:.2e})"
+    assert worst0 <= max(BF16_GAP_FACTOR * gap0, BF16_ROUNDING), \
+        f"{layout}: step-0 losses {worst0:.2e} off bf16 (gap to fp32 {gap0:.2e})"
+    assert worst <= max(BF16_GAP_FACTOR * gap, BF16_ROUNDING), f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 {gap:.2e})"
     ranks = load_ranks(runs, layout, world)
     assert all(r["linear_dtypes"] == ["torch.bfloat16"] for r in ranks), [r["linear_dtypes"] for r in ranks]
     norm, norm32 = ranks[0]["grad_norms"][0], ref32["grad_norms"][0]

@@ -18,18 +18,16 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TINY_OVERRIDES
 
 pytestmark = [pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
-# tp=2 needs 2 kv heads; the rest is the suite's tiny model and corpus slice
-TINY = [
-    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
-    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
-    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "model.max_seq_len=64",
-    "mtp.num_steps=2", "train.warmup_steps=1", "logging.wandb=false", "logging.progress=false",
-    "train.max_steps=2", "checkpoint.interval=0",
+# the suite's tiny model and corpus slice (tests/conftest.py), with 2 kv heads for tp=2, 2 steps and
+# an evaluation at step 2 (later overrides win)
+TINY = TINY_OVERRIDES + [
+    "model.num_kv_heads=2", "train.warmup_steps=1", "train.max_steps=2", "checkpoint.interval=0",
     "eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.batch_size=2",
     "eval.loss_batches=1",
 ]
