@@ -5,17 +5,19 @@ serves it with vLLM (MTP speculation, K=3, greedy, token-id prompts) in a separa
 and checks:
 
 * the greedy tokens equal Tandem's speculative decoder's (and so the trunk's plain greedy decode);
-* vLLM's spec-decode counters (drafts, accepted tokens, accepted per position) equal a greedy decode of
-  the same Tandem model that drafts the way vLLM's MTP proposer does (`vllm_convention_decode`).
+* vLLM's spec-decode counters (drafts, accepted tokens, accepted per position) equal, exactly, a greedy
+  decode of the same Tandem model that drafts and counts the way vLLM's MTP proposer does
+  (`vllm_convention_decode`), and Tandem's own decoder's figures (equal here; asserted within a few
+  drafts, since its drafting of depths 2..K legitimately differs).
 
-vLLM's proposer differs from Tandem's decoder in three documented ways, which is why the second
-check needs its own reference (Tandem's `generate` figures are reported beside it, not equal to it):
+vLLM's proposer differs from Tandem's decoder in three ways (vllm 0.32, `Glm4MoeMTP` +
+`llm_base_proposer.py`):
 1. one KV cache for the MTP layer: depth k > 1 runs one token at position m + k - 2 and attends to
    the depth-1 entries of earlier positions (Tandem keeps one cache per depth, as trained);
 2. depth k's position id is m + k - 2 (Tandem drafts every depth at position m - 1, as trained);
 3. the embedding input of the MTP layer is zeroed at position 0 (`Glm4MoeMultiTokenPredictorLayer`);
-and it counts every accepted draft of a round, also those past max_tokens (Tandem's budget-exact
-counting does not).
+and it counts every accepted draft of a round, also those past max_tokens (the scheduler counts
+the sampler's output before the stop check trims it); a budget-exact count does not.
 """
 
 import json
@@ -167,8 +169,13 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
 
     assert got["outputs"] == ours.outputs  # identical greedy tokens
     assert vm["num_draft_tokens"] == K * vm["num_drafts"]
-    assert vllm == ref_raw  # vLLM's counters, reproduced from the Tandem model
-    # Tandem's decoder counts the same rounds and accepted drafts: all of them, or (budget-exact
-    # counting) only those that reach the output; vLLM counts all of them.
-    assert tandem in (ref_raw, ref_exact)
+    assert vllm == ref_raw  # vLLM's counters, reproduced exactly from the Tandem model
     assert ref_exact[1] == NUM_PROMPTS * (MAX_NEW - 1) - ref_exact[0]  # 1 + accepted = tokens emitted per round
+    # Tandem's own decoder: the same counting (all accepted drafts, or budget-exact), its own drafting
+    # of depths 2..K (per-depth caches and positions, as trained). The drafts differ only where the two
+    # drafting conventions pick different argmaxes (measured on this recipe: 2-4% of depth-2/3
+    # drafts, teacher-forced, mostly ones the trunk rejects either way); on this machine the counts
+    # come out identical, and the acceptance lengths may differ by at most a few drafts.
+    budget_exact = tandem[1] == NUM_PROMPTS * (MAX_NEW - 1) - tandem[0]
+    same_counting = ref_exact if budget_exact and ref_exact != ref_raw else ref_raw
+    assert abs(length(tandem) - length(same_counting)) <= 0.05, (tandem, same_counting)
