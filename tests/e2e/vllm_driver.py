@@ -1,7 +1,7 @@
 """Serve an exported MTP checkpoint with vLLM (greedy, MTP speculation) and print one JSON object.
 
 Run with the Python of a virtual environment that has vLLM (not the project's): it never imports
-tandem. Usage: python vllm_driver.py MODEL_DIR PROMPTS_JSON [--k 3] [--max-tokens N]
+tandem. Usage: python vllm_driver.py MODEL_DIR PROMPTS_JSON [--k 3] [--max-tokens N] [--eos ID]
 PROMPTS_JSON holds a list of token-id lists; prompts go in as token ids (TokensPrompt), so no
 tokenizer is involved on either side.
 Output: {"outputs": [[ids]...], "metrics": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -39,6 +39,7 @@ def main() -> int:
     p.add_argument("prompts")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (MTP drafts per round)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--eos", type=int, default=None, help="stop after this token id (kept in the output, as Tandem does)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--memory", type=float, default=0.1,
                    help="gpu_memory_utilization: on the CPU build the fraction of host memory for the KV cache")
@@ -56,7 +57,9 @@ def main() -> int:
               gpu_memory_utilization=args.memory, enforce_eager=True, disable_log_stats=False, seed=0,
               speculative_config={"method": "mtp", "num_speculative_tokens": args.k} if args.k else None)
     t1 = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    # No tokenizer is loaded, so the end token comes in as a stop token id (None: run to max_tokens).
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False,
+                            stop_token_ids=[args.eos] if args.eos is not None else None)
     results = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], params, use_tqdm=False)
     t2 = time.perf_counter()
     out = {"outputs": [list(r.outputs[0].token_ids) for r in results], "metrics": counters(llm.get_metrics()),
