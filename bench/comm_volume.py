@@ -213,8 +213,11 @@ def analytic(cfg, model, pstate, batches):
                         full += math.prod(shape) * group.mesh_info.shard_mesh_size
                     gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
                     if pipe is None and _inside_mtp(unit, model):
-                        # run once per MTP step: gathered each time, gradients reduced once
+                        # run once per MTP step: gathered each time; in the gradient-syncing (last)
+                        # micro-batch FSDP2 reduce-scatters such a unit after each of its K calls'
+                        # backward (its earlier micro-batches accumulated unsharded, unreduced)
                         gathers *= K
+                        scatters = K
                     out["all_gather"] += F32 * full * gathers
                     out["reduce_scatter"] += F32 * full * scatters
     out["all_reduce"] += F32  # the global grad-norm scalar (fp32: no fp64 on accelerators)
