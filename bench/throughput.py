@@ -110,11 +110,13 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--k", type=int, default=3, help="MTP steps of the second Tandem model")
+    p.add_argument("--k", type=int, default=3, help="MTP steps of the second Tandem model (>= 1)")
     p.add_argument("--steps", type=int, default=8, help="timed repetitions per model (after one warm-up)")
     p.add_argument("--expert-matmul", default="auto", choices=["auto", "grouped", "loop"])
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one step of each")
     a = p.parse_args()
+    if a.k < 1:
+        raise SystemExit(f"--k={a.k}: the second Tandem model needs at least one MTP step (K=0 is always run)")
 
     cfg = tandem_config(a)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(1))
@@ -146,6 +148,10 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 r.step()
             print(f"--- {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    # on a shared machine the fastest repetitions are the least disturbed: their ratio as a cross-check
+    fastest = {name: min(t) for name, t in times.items()}
+    print(f"fastest-step ratios: tandem_k0/transformers={fastest['transformers'] / fastest['tandem_k0']:.3f} "
+          f"tandem_k{a.k}/transformers={fastest['transformers'] / fastest[f'tandem_k{a.k}']:.3f}")
     ratio_k = tps[f"tandem_k{a.k}"] / tps["transformers"]
     print(f"tandem_k{a.k}_over_transformers_k0={ratio_k:.3f}")
     print(f"tandem_over_transformers={tps['tandem_k0'] / tps['transformers']:.3f}")

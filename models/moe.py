@@ -78,7 +78,7 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                with torch.enable_grad():
+                with torch.inference_mode(False), torch.enable_grad():  # also when first met in decoding
                     w = torch.ones(2, 8, 8, dtype=dtype, device=device, requires_grad=True)
                     x = torch.ones(3, 8, dtype=dtype, device=device, requires_grad=True)
                     offs = torch.tensor([1, 3], dtype=torch.int32, device=device)

@@ -42,5 +42,6 @@ def test_throughput_bench():
     lines = proc.stdout.strip().splitlines()
     assert "parameters tandem 0.05M, transformers 0.05M" in lines[0]
     assert {line.split(":")[0] for line in lines[1:4]} == {"tandem_k0", "tandem_k2", "transformers"}
+    assert lines[-3].startswith("fastest-step ratios: ")
     assert lines[-2].startswith("tandem_k2_over_transformers_k0=")
     assert lines[-1].startswith("tandem_over_transformers=") and float(lines[-1].split("=")[1]) > 0
