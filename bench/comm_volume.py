@@ -213,8 +213,11 @@ def analytic(cfg, model, pstate, batches):
                         full += math.prod(shape) * group.mesh_info.shard_mesh_size
                     gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
                     if pipe is None and _inside_mtp(unit, model):
-                        # run once per MTP step: gathered each time, gradients reduced once
+                        # run once per MTP step: gathered each time; in the gradient-syncing (last)
+                        # micro-batch FSDP2 reduce-scatters such a unit after each of its K calls'
+                        # backward (its earlier micro-batches accumulated unsharded, unreduced)
                         gathers *= K
+                        scatters = K
                     out["all_gather"] += F32 * full * gathers
                     out["reduce_scatter"] += F32 * full * scatters
     out["all_reduce"] += F32  # the global grad-norm scalar (fp32: no fp64 on accelerators)
@@ -229,11 +232,9 @@ def _inside_mtp(unit, model) -> bool:
 def _fsdp_events(unit, model, pipe, n_micro):
     """(all-gathers, reduce-scatters) of one FSDP unit per step."""
     is_root = unit is model or (pipe is not None and unit in pipe.modules)
-    if pipe is None:
-        # blocks reshard after forward: gathered in forward and again in backward; the root keeps
-        # its parameters until backward ends; every micro-batch's backward reduce-scatters.
-        return (n_micro if is_root else 2 * n_micro), n_micro
-    # pipeline: gradient sync (and the resharding after backward) only on the last micro-batch
+    # gradient sync (and the resharding after backward) only on the last micro-batch, in the loop
+    # (Trainer.forward_backward) as in torch's pipeline stages: blocks gather in the first forward and
+    # in every backward, the root (not resharded after forward) once; one reduce-scatter per step.
     return (1 if is_root else n_micro + 1), 1
 
 

@@ -73,6 +73,10 @@ class ModelConfig:
     """Std of the normal initialisation of linear and embedding weights."""
     init_from: str = ""
     """Initialise weights from a Hugging Face directory or a Tandem checkpoint (fine-tuning)."""
+    expert_matmul: str = "auto"
+    """Routed experts' matmuls: `grouped` (one `torch._grouped_mm` per projection, counts stay on the
+    device), `loop` (one matmul per expert; needs the counts on the host) or `auto` (grouped where the
+    device/dtype/shapes support it, else loop). Numerics agree to rounding; weights are the same."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -177,6 +181,8 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
             raise ValueError(f"model.topk_group={model.topk_group} must be in [1, model.n_group={model.n_group}]")
         if model.n_group > 1 and model.top_k > model.topk_group * (model.num_experts // model.n_group):
             raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
+    if model.expert_matmul not in ("auto", "grouped", "loop"):
+        raise ValueError(f"model.expert_matmul must be 'auto', 'grouped' or 'loop', got {model.expert_matmul!r}")
     if model.router_score not in ("softmax", "sigmoid"):
         raise ValueError(f"model.router_score must be 'softmax' or 'sigmoid', got {model.router_score!r}")
     if model.balance not in ("aux_free", "aux_loss", "none"):

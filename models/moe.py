@@ -2,9 +2,13 @@
 
 Routing follows DeepSeek-V3 / GLM-4.5 (sigmoid scores, a selection-only correction bias, optional
 group-limited routing, routed scaling) and Qwen3-MoE / Mixtral (softmax scores). Experts run grouped:
-token copies are sorted by expert and each expert does one matmul over its contiguous block, so the
-Python loop is over experts, never tokens. Expert parallelism swaps in a dispatcher around
-`GroupedExperts` (see trainer/parallel/); the model itself holds no process groups.
+token copies are sorted by expert, and one `torch._grouped_mm` per projection computes every expert's
+contiguous block from the per-expert counts as a device tensor, so a one-process MoE forward never
+waits for the host (no `.tolist()`/`.item()`; counts come from `scatter_add_`, not `bincount`, which
+syncs on CUDA). Where the grouped kernel is missing for the device/dtype (or the row strides are not
+16-byte aligned) the experts fall back to one matmul per expert over host-side counts
+(`model.expert_matmul`). Expert parallelism swaps in a dispatcher around `GroupedExperts` (see
+trainer/parallel/); the model itself holds no process groups.
 
 Auxiliary losses (load balance, z-loss) never travel through return values: `AuxLossGrad` attaches
 their gradient to the layer's output during backward (Megatron's approach), so pipeline stages and
@@ -18,7 +22,7 @@ implementations do; the experts compute in whatever precision autocast (or the p
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +45,97 @@ class AuxLossGrad(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+def expert_counts(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token copies per expert as an int64 device tensor, without a host sync (CUDA's `bincount`
+    reads the maximum back to size its output)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_indices.device)
+    return counts.scatter_add_(0, flat_indices, torch.ones_like(flat_indices))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm`'s backward
+    rejects the expanded (stride-0) gradients that e.g. `sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+_GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward on this device type and dtype (probed
+    once on a tiny case: CPU has it in torch >= 2.9, CUDA only on some architectures/dtypes)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                with torch.inference_mode(False), torch.enable_grad():  # also when first met in decoding
+                    w = torch.ones(2, 8, 8, dtype=dtype, device=device, requires_grad=True)
+                    x = torch.ones(3, 8, dtype=dtype, device=device, requires_grad=True)
+                    offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
+                    _grouped_mm(x, w, offs).sum().backward()
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM_WORKS[key] = ok
+    return _GROUPED_MM_WORKS[key]
+
+
+def _grouped_mm(x_nh: torch.Tensor, w_eoh: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row block e of x (rows offs[e-1]:offs[e]) times w[e].T: weights are stored [E, out, in]."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x_nh, w_eoh.transpose(-2, -1), offs=offs))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    # the grouped kernel needs 16-byte aligned row strides and base pointers
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+
+
+def expert_swiglu(x_nh: torch.Tensor, counts: torch.Tensor, gate_eih: torch.Tensor, up_eih: torch.Tensor,
+                  down_ehi: torch.Tensor, matmul: str = "auto") -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert (counts[e] rows for expert e, an int device tensor).
+
+    `matmul`: `grouped` (raise if unsupported), `loop` or `auto` (see `ModelConfig.expert_matmul`)."""
+    if x_nh.shape[0] > 0 and matmul != "loop":
+        # autocast has no rule for _grouped_mm: cast as it would for a matmul
+        dev = x_nh.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate_eih.dtype
+        x, gate, up, down = (t.to(dtype) for t in (x_nh, gate_eih, up_eih, down_ehi))
+        if _grouped_mm_works(x.device, dtype) and all(_aligned(t) for t in (x, gate, up, down)):
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(_grouped_mm(x, gate, offs)) * _grouped_mm(x, up, offs)
+            return _grouped_mm(h, down, offs)
+        if matmul == "grouped":
+            raise RuntimeError(f"model.expert_matmul=grouped: torch._grouped_mm does not run on {dev} in {dtype} "
+                               f"for hidden {x.shape[-1]} / expert width {gate.shape[1]} (16-byte aligned rows needed)")
+    return _expert_loop(x_nh, counts.tolist(), gate_eih, up_eih, down_ehi)
+
+
+def _expert_loop(x: torch.Tensor, counts, gate, up, down) -> torch.Tensor:
+    """The fallback: one matmul per expert (the counts on the host: a sync)."""
+    outputs, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        xe = x[start : start + n]
+        h = F.silu(xe @ gate[e].t()) * (xe @ up[e].t())
+        outputs.append(h @ down[e].t())
+        start += n
+    if not outputs:
+        # An empty expert matmul: keeps the weights in the graph so every rank has (zero) gradients,
+        # and has the dtype a real one has (bf16 under autocast), which an all-to-all back (EP)
+        # needs to match on every rank.
+        xe = x[:0]
+        return (F.silu(xe @ gate[0].t()) * (xe @ up[0].t())) @ down[0].t()
+    return torch.cat(outputs, dim=0)
 
 
 class Router(nn.Module):
@@ -79,7 +174,7 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * cfg.routed_scaling_factor
         with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=self.num_experts).float()
+            self.tokens_per_expert += expert_counts(indices.flatten(), self.num_experts).float()
         return weights, indices, logits
 
     @torch.no_grad()
@@ -92,25 +187,21 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts stored stacked: gate/up [E, I, H], down [E, H, I]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, matmul: str = "auto"):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.matmul = matmul  # ModelConfig.expert_matmul
 
-    def forward(self, x_sorted_nh: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """x rows are grouped by expert in order (counts[e] rows for expert e); returns the same layout."""
-        outputs, start = [], 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            xe = x_sorted_nh[start : start + n]
-            h = F.silu(xe @ self.gate_proj[e].t()) * (xe @ self.up_proj[e].t())
-            outputs.append(h @ self.down_proj[e].t())
-            start += n
-        if not outputs:
-            return x_sorted_nh.new_zeros(0, self.down_proj.shape[1])
-        return torch.cat(outputs, dim=0)
+    def prepare(self, counts: torch.Tensor) -> None:
+        """Called with the per-expert counts before the token copies are gathered, so a dispatcher
+        (expert parallelism) can start exchanging them early. Nothing to do in one process."""
+
+    def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x rows are grouped by expert in order (counts[e] rows for expert e, an int64 tensor on
+        x's device); returns the same layout."""
+        return expert_swiglu(x_sorted_nh, counts, self.gate_proj, self.up_proj, self.down_proj, self.matmul)
 
 
 class MoE(nn.Module):
@@ -118,7 +209,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg)
-        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                      cfg.expert_matmul)
         self.shared_experts = (
             SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
             if cfg.num_shared_experts > 0 else None
@@ -133,7 +225,8 @@ class MoE(nn.Module):
         k = indices.shape[1]
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        counts = expert_counts(flat, self.cfg.num_experts)  # stays on the device
+        self.experts.prepare(counts)
         token_of_copy = order // k
         y = self.experts(x_th[token_of_copy], counts)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
@@ -166,7 +259,7 @@ class MoE(nn.Module):
             # Switch/DeepSeek balance loss: E * sum_i f_i * P_i, f_i the routed fraction (x E/k), P_i mean prob.
             probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
             probs = probs / probs.sum(-1, keepdim=True)
-            frac = torch.bincount(indices.flatten(), minlength=cfg.num_experts).float() / indices.numel()
+            frac = expert_counts(indices.flatten(), cfg.num_experts).float() / indices.numel()
             terms.append(cfg.aux_loss_coef * cfg.num_experts * (frac * probs.mean(0)).sum())
         if cfg.z_loss_coef > 0:
             terms.append(cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean())

@@ -194,7 +194,21 @@ class Trainer:
             return self.pstate.extras["pipeline"].forward_backward(batches, global_counts, coefs)
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
         sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
-        for b in batches:
+        # FSDP2: accumulate unsharded gradients locally and reduce-scatter once, in the last
+        # micro-batch's backward (the same sum: one collective per step instead of per micro-batch),
+        # and keep parameters gathered between micro-batches, as torch's pipeline stages do for
+        # their FSDP submodules (the pipeline path above).
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for i, b in enumerate(batches):
+            last = i == len(batches) - 1
+            for m in fsdp:
+                m.set_requires_gradient_sync(last, recurse=False)
+                m.set_reshard_after_backward(last, recurse=False)
+            if last and hasattr(self.pstate.extras.get("clip_grad_norm"), "overlap_next_backward"):
+                # dp_mode=allreduce: bucketed all-reduces start during the last backward
+                self.pstate.extras["clip_grad_norm"].overlap_next_backward()
             with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"])
                 loss = combine_losses(out.loss_sums, global_counts, coefs)

@@ -28,3 +28,20 @@ def test_mtp_objectives_bench(tiny_base, tmp_path):
     assert lines[-1].startswith("best_greedy=") and " best_t1=" in lines[-1]
     for objective in ("ce", "acceptance", "soft"):
         assert os.path.isdir(tmp_path / objective / "checkpoints")
+
+
+def test_throughput_bench():
+    """Tandem vs transformers' Qwen3-MoE at tiny sizes: same parameter count (the config mapping holds),
+    every runner steps, and the ratio lines are printed last."""
+    cmd = [sys.executable, "bench/throughput.py", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
+           "--experts", "4", "--moe-width", "32", "--vocab", "128", "--seq-len", "16", "--batch", "2",
+           "--steps", "1", "--k", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "parameters tandem 0.05M, transformers 0.05M" in lines[0]
+    assert {line.split(":")[0] for line in lines[1:4]} == {"tandem_k0", "tandem_k2", "transformers"}
+    assert lines[-3].startswith("fastest-step ratios: ")
+    assert lines[-2].startswith("tandem_k2_over_transformers_k0=")
+    assert lines[-1].startswith("tandem_over_transformers=") and float(lines[-1].split("=")[1]) > 0

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tandem.models.moe import GroupedExperts
 
@@ -97,10 +98,100 @@ def gathered_for_inference(model: nn.Module):
             root.reshard()
 
 
+def _match_placements(p: nn.Parameter) -> None:
+    """A gradient can come back with other placements than its parameter (the backward of the
+    vocab-parallel embedding leaves it Replicate): re-shard it locally before summing it."""
+    if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+class GradientBuckets:
+    """The all-reduce mode's gradient sums, bucketed like DDP's (same-group, same-dtype parameters in
+    reverse registration order, which is about the order backward finishes them, ~25 MiB each): one
+    collective per bucket instead of one per parameter, on a flattened copy of the local shards.
+
+    `arm()` registers post-accumulate-grad hooks so a bucket's all-reduce is issued asynchronously as
+    soon as all its gradients are final, overlapping the rest of backward; buckets are launched in a
+    fixed order on every rank (a bucket waits for the ones before it), so ranks issue collectives
+    identically whatever order autograd finishes parameters in. `finish()` launches what is left
+    (parameters backward never reached get zero gradients), waits, and copies the sums back.
+    Parameters listed as `late` (sequence-parallel partials that are first summed over tp, the tied
+    embedding) are bucketed at the end and only launched by `finish()`, after their other sums."""
+
+    def __init__(self, entries, reduce_dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES):
+        # entries: (param, group, late) in registration order
+        self.reduce_dtype = reduce_dtype
+        self.buckets: List[dict] = []
+        ordered = [e for e in reversed(entries) if not e[2]] + [e for e in reversed(entries) if e[2]]
+        for p, group, late in ordered:
+            size = local(p).numel() * local(p).element_size()
+            b = self.buckets[-1] if self.buckets else None
+            if b is None or b["group"] is not group or b["late"] != late or b["dtype"] != p.dtype or \
+                    b["bytes"] + size > bucket_bytes and b["params"]:
+                b = {"params": [], "group": group, "late": late, "dtype": p.dtype, "bytes": 0}
+                self.buckets.append(b)
+            b["params"].append(p)
+            b["bytes"] += size
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ready: Dict[int, set] = {}
+        self.launched: List[tuple] = []
+        self.handles = []
+
+    def arm(self) -> None:
+        self._reset()
+        index = {id(p): i for i, b in enumerate(self.buckets) if not b["late"] for p in b["params"]}
+        for p in {id(p): p for b in self.buckets if not b["late"] for p in b["params"]}.values():
+            self.handles.append(p.register_post_accumulate_grad_hook(
+                lambda param, i=index[id(p)]: self._grad_ready(i, param)))
+
+    def _grad_ready(self, i: int, param) -> None:
+        self.ready.setdefault(i, set()).add(id(param))
+        while len(self.launched) < len(self.buckets):
+            b = self.buckets[len(self.launched)]
+            if b["late"] or len(self.ready.get(len(self.launched), ())) < len(b["params"]):
+                break
+            self._launch(b)
+
+    @torch.no_grad()
+    def _launch(self, b: dict) -> None:
+        grads = []
+        for p in b["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            _match_placements(p)
+            grads.append(local(p.grad))
+        flat = _flatten_dense_tensors(grads).to(self.reduce_dtype)
+        self.launched.append((b, grads, flat, dist.all_reduce(flat, group=b["group"], async_op=True)))
+
+    def disarm(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        self.disarm()
+        while len(self.launched) < len(self.buckets):
+            self._launch(self.buckets[len(self.launched)])
+        for _, grads, flat, work in self.launched:
+            work.wait()
+            for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(summed)
+        self._reset()
+
+
 class GradientFinisher:
     """`extras["clip_grad_norm"]`: completes this step's gradients, then clips by the global norm.
 
-    1. `dp_mode=allreduce`: sums gradients over dp*ep (non-expert) / dp (experts).
+    1. `dp_mode=allreduce`: sums gradients over dp*ep (non-expert) / dp (experts), in buckets
+       (`GradientBuckets`); when the loop arms it (`overlap_next_backward`) before the last
+       micro-batch, each bucket's all-reduce starts during that backward as soon as its gradients
+       are final.
     2. Pipeline: sums the embedding gradient of the first stage and of the last stage's copy.
        Sequence parallelism: sums over tp the gradients of replicated parameters that computed on
        one sequence shard (norms, routers, the MTP input projection), as Megatron does.
@@ -120,6 +211,7 @@ class GradientFinisher:
         self.sp_partial, self.tp_group = set(sp_partial_names), tp_group
         self.allreduce, self.batch_group, self.batch_size = allreduce, batch_group, batch_size
         self.dp_group, self.dp_size, self.tie_group = dp_group, dp_size, tie_group
+        self._buckets: Optional[GradientBuckets] = None  # this step's, once armed or synced
 
     def _params(self):
         for _, p, is_expert, is_embed in self._named_params():
@@ -136,34 +228,39 @@ class GradientFinisher:
     @torch.no_grad()
     def sync(self) -> None:
         for p, _, _ in self._params():
-            # a gradient can come back with other placements than its parameter (the pipeline's
-            # backward leaves the vocab-parallel embedding's as Replicate): re-shard it locally
-            if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            _match_placements(p)
         if self.tp_group is not None:
             for name, p, _, _ in self._named_params():
                 if name in self.sp_partial:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(local(p.grad), group=self.tp_group)
-        for p, is_expert, is_embed in self._params():
-            need_dp = self.allreduce and (self.dp_size > 1 if is_expert else self.batch_size > 1)
-            need_tie = is_embed and self.tie_group is not None
-            if not (need_dp or need_tie):
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            g = local(p.grad)
-            if need_dp:
-                group = self.dp_group if is_expert else self.batch_group
-                if g.dtype == self.reduce_dtype:
-                    dist.all_reduce(g, group=group)
-                else:  # sum in the narrower dtype, keep the fp32 gradient
-                    low = g.to(self.reduce_dtype)
-                    dist.all_reduce(low, group=group)
-                    g.copy_(low)
-            if need_tie:
-                dist.all_reduce(g, group=self.tie_group)
+        if self.allreduce:
+            (self._buckets or self._build_buckets()).finish()
+        if self.tie_group is not None:
+            for p, _, is_embed in self._params():
+                if is_embed:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(local(p.grad), group=self.tie_group)
+        self._buckets = None
+
+    def _build_buckets(self) -> GradientBuckets:
+        entries = []
+        for name, p, is_expert, is_embed in self._named_params():
+            if self.dp_size > 1 if is_expert else self.batch_size > 1:
+                late = name in self.sp_partial or (is_embed and self.tie_group is not None)
+                entries.append((p, self.dp_group if is_expert else self.batch_group, late))
+        self._buckets = GradientBuckets(entries, self.reduce_dtype)
+        return self._buckets
+
+    def overlap_next_backward(self) -> None:
+        """Called by the loop before the step's last backward (not under pipeline parallelism, whose
+        schedule runs several backwards): the all-reduce mode's buckets start during that backward."""
+        if self.allreduce and self.pp == 1:
+            if self._buckets is not None:  # armed for a backward whose gradients were never synced
+                self._buckets.disarm()
+            self._build_buckets().arm()
 
     @torch.no_grad()
     def global_norm(self) -> torch.Tensor:

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tandem.models.layers import SwiGLU
 from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
-from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE
+from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu
 
 from .comm import all_to_all, copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
 
@@ -67,59 +67,46 @@ def shard_parameter(module: nn.Module, name: str, mesh, placements) -> None:
 class ParallelExperts(GroupedExperts):
     """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp.
 
-    Token copies arrive sorted by (global) expert with per-expert counts; they are sent to the ep
-    rank holding their expert (counts exchanged first, then a variable-size all-to-all: dropless),
-    regrouped expert-major, computed on the local shards, and sent back in the original order.
+    Token copies arrive sorted by (global) expert with per-expert counts (a device tensor); they
+    are sent to the ep rank holding their expert (counts exchanged first, then a variable-size
+    all-to-all: dropless), regrouped expert-major on the device, computed on the local shards, and
+    sent back in the original order. The count exchange starts in `prepare`, before the caller
+    gathers the token copies, and the all-to-all's split sizes are the layer's one host round trip.
     Under tp the output is a partial sum (the caller reduces it once per layer).
     """
 
     ep_group = None
     ep_size = 1
     num_experts = 0
+    _exchange = None
 
-    def forward(self, x_sorted_nh: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    def prepare(self, counts: torch.Tensor) -> None:
+        if self.ep_size > 1:
+            send_ct = counts.view(self.ep_size, -1)
+            recv_ct = torch.empty_like(send_ct)
+            work = dist.all_to_all_single(recv_ct, send_ct, group=self.ep_group, async_op=True)
+            self._exchange = (send_ct, recv_ct, work)
+
+    def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
         if self.ep_size == 1:
-            return _grouped(x_sorted_nh, counts, gate, up, down)
-        ep, n_local = self.ep_size, self.num_experts // self.ep_size
-        send_ct = torch.tensor(counts, dtype=torch.int64, device=x_sorted_nh.device).view(ep, n_local)
-        recv_ct = torch.empty_like(send_ct)
-        dist.all_to_all_single(recv_ct, send_ct, group=self.ep_group)
-        send_splits, recv_splits = send_ct.sum(1).tolist(), recv_ct.sum(1).tolist()
+            return expert_swiglu(x_sorted_nh, counts, gate, up, down, self.matmul)
+        if self._exchange is None:  # a caller that skipped `prepare`
+            self.prepare(counts)
+        (send_ct, recv_ct, work), self._exchange = self._exchange, None
+        work.wait()
+        send_splits, recv_splits = torch.stack([send_ct.sum(1), recv_ct.sum(1)]).tolist()
         x = all_to_all(x_sorted_nh, send_splits, recv_splits, self.ep_group)
-        # received blocks are source-major ([src][local expert]); regroup expert-major
-        rc = recv_ct.tolist()
-        starts, pos = [], 0
-        for src in range(ep):
-            row = []
-            for e in range(n_local):
-                row.append(pos)
-                pos += rc[src][e]
-            starts.append(row)
-        perm = [torch.arange(starts[s][e], starts[s][e] + rc[s][e]) for e in range(n_local) for s in range(ep)]
-        perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long, device=x.device)
-        y = _grouped(x[perm], recv_ct.sum(0).tolist(), gate, up, down)
+        # received blocks are source-major ([src][local expert]); regroup expert-major (stable
+        # within a block) with a device-side sort of each row's (expert, source) key
+        ep, n_local = recv_ct.shape
+        block = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), recv_ct.flatten(),
+                                        output_size=x.shape[0])
+        perm = torch.argsort((block % n_local) * ep + block // n_local, stable=True)
+        y = expert_swiglu(x[perm], recv_ct.sum(0), gate, up, down, self.matmul)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         return all_to_all(y[inv], recv_splits, send_splits, self.ep_group)
-
-
-def _grouped(x: torch.Tensor, counts: List[int], gate, up, down) -> torch.Tensor:
-    outputs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        xe = x[start : start + n]
-        h = F.silu(xe @ gate[e].t()) * (xe @ up[e].t())
-        outputs.append(h @ down[e].t())
-        start += n
-    if not outputs:
-        # An empty expert matmul: keeps the weights in the graph so every rank has (zero) gradients,
-        # and has the dtype a real one has (bf16 under autocast), which the all-to-all back needs
-        # to match on every rank.
-        xe = x[:0]
-        return (F.silu(xe @ gate[0].t()) * (xe @ up[0].t())) @ down[0].t()
-    return torch.cat(outputs, dim=0)
 
 
 class TensorParallelMoE(MoE):

@@ -1,0 +1,161 @@
+"""Training throughput: Tandem vs transformers' Qwen3-MoE on the identical model, one process.
+
+Both sides train the same architecture from random init (no download): fwd + bwd + AdamW (foreach,
+same hyper-parameters), fp32, on the same fixed tokens. Repetitions are interleaved (Tandem K=0,
+Tandem K=K, transformers, ...) so machine noise hits all alike; medians are reported.
+
+Config mapping (Tandem `ModelConfig` -> `transformers.Qwen3MoeConfig`):
+  vocab_size -> vocab_size; hidden_size -> hidden_size; num_layers -> num_hidden_layers;
+  num_heads / num_kv_heads / head_dim -> num_attention_heads / num_key_value_heads / head_dim;
+  moe_intermediate_size -> moe_intermediate_size (intermediate_size is unused: every layer is MoE,
+  first_k_dense=0 <-> decoder_sparse_step=1, mlp_only_layers=[]); num_experts -> num_experts;
+  top_k -> num_experts_per_tok; router_score=softmax + norm_topk_prob <-> Qwen3-MoE's routing;
+  num_shared_experts=0 (Qwen3-MoE has none); qk_norm=True (Qwen3); balance=none <->
+  output_router_logits=False (no aux loss on either side); rope_theta, rms_norm_eps,
+  max_seq_len -> max_position_embeddings; untied embeddings on both; SDPA attention on both.
+K>0 adds Tandem's MTP module (K looped steps, 1 layer); transformers has no MTP and runs K=0.
+
+    python bench/throughput.py [--steps N] [--k 3] [--layers 4 --hidden 256 ...]
+ends with: tandem_over_transformers=<tokens/s ratio at K=0>
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
+from tandem.trainer.config import load_config  # noqa: E402
+from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
+from tandem.trainer.optim import build_optimizer  # noqa: E402
+
+
+def tandem_config(a) -> ModelConfig:
+    return ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
+                       num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads, intermediate_size=a.moe_width,
+                       moe_intermediate_size=a.moe_width, num_experts=a.experts, top_k=a.top_k,
+                       num_shared_experts=0, first_k_dense=0, router_score="softmax", norm_topk_prob=True,
+                       balance="none", qk_norm=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       max_seq_len=a.seq_len + 1, expert_matmul=a.expert_matmul)
+
+
+def hf_config(cfg: ModelConfig):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                          head_dim=cfg.resolved_head_dim, intermediate_size=cfg.intermediate_size,
+                          moe_intermediate_size=cfg.moe_intermediate_size, num_experts=cfg.num_experts,
+                          num_experts_per_tok=cfg.top_k, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], output_router_logits=False, rope_theta=cfg.rope_theta,
+                          rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_seq_len,
+                          tie_word_embeddings=False, attention_bias=False, use_cache=False,
+                          attn_implementation="sdpa")
+
+
+class TandemRunner:
+    def __init__(self, cfg: ModelConfig, k: int, tokens: torch.Tensor):
+        torch.manual_seed(0)
+        self.mtp = MTPConfig(num_steps=k, num_layers=1, style="looped") if k else MTPConfig(num_steps=0)
+        self.model = TandemModel(cfg, self.mtp).train()
+        self.optimizer = build_optimizer(self.model, load_config(None, []).train)
+        self.tokens = tokens
+
+    def step(self) -> None:
+        out = self.model(self.tokens)
+        combine_losses(out.loss_sums, out.token_counts.float(), depth_coefficients(self.mtp, 0)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class HFRunner:
+    def __init__(self, cfg: ModelConfig, tokens: torch.Tensor):
+        from transformers import Qwen3MoeForCausalLM
+
+        torch.manual_seed(0)
+        self.model = Qwen3MoeForCausalLM(hf_config(cfg)).train()
+        t = load_config(None, []).train
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                           weight_decay=t.weight_decay, foreach=True)
+        self.tokens = tokens
+
+    def step(self) -> None:
+        self.model(input_ids=self.tokens[:, :-1], labels=self.tokens[:, :-1].clone()).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def timed(runner) -> float:
+    t0 = time.perf_counter()
+    runner.step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-width", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--k", type=int, default=3, help="MTP steps of the second Tandem model (>= 1)")
+    p.add_argument("--steps", type=int, default=8, help="timed repetitions per model (after one warm-up)")
+    p.add_argument("--expert-matmul", default="auto", choices=["auto", "grouped", "loop"])
+    p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one step of each")
+    a = p.parse_args()
+    if a.k < 1:
+        raise SystemExit(f"--k={a.k}: the second Tandem model needs at least one MTP step (K=0 is always run)")
+
+    cfg = tandem_config(a)
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    runners = {"tandem_k0": TandemRunner(cfg, 0, tokens), f"tandem_k{a.k}": TandemRunner(cfg, a.k, tokens),
+               "transformers": HFRunner(cfg, tokens)}
+    n_t = sum(p.numel() for p in runners["tandem_k0"].model.parameters())
+    n_h = sum(p.numel() for p in runners["transformers"].model.parameters())
+    print(f"config: layers={a.layers} hidden={a.hidden} heads={a.heads}/{a.kv_heads} experts={a.experts} "
+          f"top{a.top_k} moe_width={a.moe_width} vocab={a.vocab} batch={a.batch}x{a.seq_len}; parameters "
+          f"tandem {n_t / 1e6:.2f}M, transformers {n_h / 1e6:.2f}M; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    if n_t != n_h:
+        raise SystemExit(f"config mapping broken: {n_t} vs {n_h} parameters")
+    for r in runners.values():
+        r.step()  # warm-up
+    times = {name: [] for name in runners}
+    for _ in range(a.steps):
+        for name, r in runners.items():
+            times[name].append(timed(r))
+    tokens_per_step = a.batch * a.seq_len
+    tps = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        print(f"{name}: {statistics.median(t) * 1e3:.0f} ms/step (min {min(t) * 1e3:.0f}, max {max(t) * 1e3:.0f}), "
+              f"{tps[name]:.0f} tokens/s", flush=True)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, r in runners.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                r.step()
+            print(f"--- {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    # on a shared machine the fastest repetitions are the least disturbed: their ratio as a cross-check
+    fastest = {name: min(t) for name, t in times.items()}
+    print(f"fastest-step ratios: tandem_k0/transformers={fastest['transformers'] / fastest['tandem_k0']:.3f} "
+          f"tandem_k{a.k}/transformers={fastest['transformers'] / fastest[f'tandem_k{a.k}']:.3f}")
+    ratio_k = tps[f"tandem_k{a.k}"] / tps["transformers"]
+    print(f"tandem_k{a.k}_over_transformers_k0={ratio_k:.3f}")
+    print(f"tandem_over_transformers={tps['tandem_k0'] / tps['transformers']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Grouped experts (`torch._grouped_mm`) against the per-expert loop, and no host sync in a MoE forward."""
+
+import copy
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.models.moe import MoE, _grouped_mm_works
+
+pytestmark = pytest.mark.skipif(not _grouped_mm_works(torch.device("cpu"), torch.float32),
+                                reason="torch._grouped_mm not available on this CPU build")
+
+
+def cfg(matmul: str, **kw) -> ModelConfig:
+    base = dict(vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                moe_intermediate_size=16, num_experts=8, top_k=2, first_k_dense=1, max_seq_len=64,
+                router_score="softmax", balance="aux_loss", z_loss_coef=1e-3, expert_matmul=matmul)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def run(model, tokens, dtype):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out = model(tokens, torch.ones(tokens.shape[0], tokens.shape[1] - 1), torch.zeros_like(tokens))
+        loss = out.loss_sums.sum()
+    loss.backward()
+    return out.loss_sums.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_grouped_matches_loop_forward_and_backward(dtype, tol):
+    """A whole model (trunk MoE layers and the MTP module's) with aux and z losses: losses and every
+    gradient of the grouped path agree with the loop's to rounding, in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    grouped = TandemModel(cfg("grouped"), MTPConfig(num_steps=2, num_layers=1))
+    loop = copy.deepcopy(grouped)
+    for m in loop.modules():
+        if isinstance(m, MoE):
+            m.experts.matmul = "loop"
+    tokens = torch.randint(0, 97, (2, 17))
+    lg, gg = run(grouped, tokens, dtype)
+    ll, gl = run(loop, tokens, dtype)
+    torch.testing.assert_close(lg, ll, rtol=tol, atol=tol)
+    assert gg.keys() == gl.keys()
+    for name in gg:
+        scale = gl[name].abs().max().clamp(min=1e-3)
+        assert (gg[name] - gl[name]).abs().max() <= tol * scale, name
+
+
+def test_empty_and_unused_experts():
+    """Experts no token reaches get zero gradients, and an empty batch of copies still works."""
+    torch.manual_seed(0)
+    moe = MoE(cfg("grouped", num_experts=8, top_k=1))
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[3] = 1.0  # every token to expert 3 (scores >= others for positive inputs)
+    for p in moe.experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.rand(2, 5, 32) + 0.1
+    moe(x).sum().backward()
+    g = moe.experts.gate_proj.grad
+    assert g[3].abs().sum() > 0 and g[[0, 1, 2, 4, 5, 6, 7]].abs().sum() == 0
+    empty = moe(torch.zeros(1, 0, 32))
+    assert empty.shape == (1, 0, 32)
+
+
+def test_unaligned_width_falls_back_or_raises():
+    """A hidden width whose rows are not 16-byte aligned: `auto` takes the loop, `grouped` says why."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 30)
+    auto = MoE(cfg("auto", hidden_size=30, num_heads=3, num_kv_heads=1))
+    for p in auto.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    assert auto(x).shape == x.shape
+    auto.experts.matmul = "grouped"
+    with pytest.raises(RuntimeError, match="expert_matmul=grouped"):
+        auto(x)
+
+
+class _NoHostSync(TorchFunctionMode):
+    """Fails on any tensor -> Python conversion and on ops that size their output from data."""
+
+    BANNED = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.bincount, torch.nonzero, torch.Tensor.nonzero,
+              torch.unique, torch.masked_select}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.BANNED:
+            raise AssertionError(f"host sync in the MoE forward: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("router_score,n_group", [("softmax", 1), ("sigmoid", 2)])
+def test_moe_forward_and_backward_have_no_host_sync(router_score, n_group):
+    torch.manual_seed(0)
+    moe = MoE(cfg("grouped", router_score=router_score, n_group=n_group, topk_group=1,
+                  balance="aux_loss" if n_group == 1 else "aux_free"))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    moe.train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    with _NoHostSync():
+        out = moe(x)
+        out.sum().backward()
+    assert x.grad is not None and moe.last_aux_loss is not None or n_group == 2
