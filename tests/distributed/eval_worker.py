@@ -44,7 +44,7 @@ def place_mtp_depths(stages: List[int]) -> None:
 def evaluate(layout: str) -> dict:
     from tandem.eval.in_loop import InLoopEvaluator
     from tandem.eval.testing import make_agreeing
-    from tandem.trainer.loop import build_model
+    from tandem.models import TandemModel
     from tandem.trainer.parallel import ParallelState, init_parallel, parallelize_model
     from tandem.trainer.parallel.device import resolve_device
 
@@ -56,7 +56,8 @@ def evaluate(layout: str) -> dict:
     cfg = worker.make_cfg(",".join([layout] + EVAL), worker.GRAD_ACCUM)
     device = resolve_device("cpu")
     pstate = ParallelState(device=device) if layout == "single" else init_parallel(cfg, device)
-    model = build_model(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = TandemModel(cfg.model, cfg.mtp)  # the whole plain model: made agreeing before it is sharded
     make_agreeing(model, 0.05, seed=1)
     model = parallelize_model(model, cfg, pstate)
     model.train()
