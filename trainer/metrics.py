@@ -59,6 +59,7 @@ class MetricsLogger:
         self.cfg, self.is_main = cfg, is_main
         self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
         self.wandb_run = None
+        self.pending_table = None
         self.bar = None
         if not is_main:
             return
@@ -99,7 +100,11 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            row = {k: v for k, v in record.items() if k != "step"}
+            if self.pending_table is not None and self.pending_table[0] == record["step"]:
+                row["eval/samples"] = self.pending_table[1]
+            self.pending_table = None
+            self.wandb_run.log(row, step=record["step"])
 
     def log_samples(self, step: int, samples: list) -> None:
         """Append the evaluator's decoded samples (MetricsLogger writes them on rank 0 only) and log
@@ -114,7 +119,8 @@ class MetricsLogger:
 
             columns = ["step"] + [k for k in samples[0] if k != "step" and not k.endswith("_ids")]
             rows = [[step] + [rec.get(c) for c in columns[1:]] for rec in samples]
-            self.wandb_run.log({"eval/samples": wandb.Table(columns=columns, data=rows)}, step=step)
+            # logged with the step's metrics (one wandb history row per step)
+            self.pending_table = (step, wandb.Table(columns=columns, data=rows))
 
     def progress(self, step: int, record: Optional[dict]) -> None:
         if self.bar is None:
@@ -138,4 +144,9 @@ class MetricsLogger:
             self.bar.close()
         self.file.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
+            # finish() can return before the offline run file holds the last steps (seen after a
+            # logged table); teardown waits for wandb's service to write everything
+            wandb.teardown()
