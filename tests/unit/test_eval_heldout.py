@@ -109,3 +109,14 @@ def test_retired_eval_temperature():
     assert load_config(None, ["eval.temperature=0"]).eval.temperatures == [1.0]  # old run configs still load
     with pytest.raises(ConfigError, match=r"eval\.temperature'=.*eval\.temperatures"):
         load_config(None, ["eval.temperature=0.7"])
+
+
+def test_saved_config_with_retired_key_loads(tmp_path):
+    """config.yaml of a run saved before eval.temperatures holds `eval.temperature: 0.0`."""
+    path = tmp_path / "config.yaml"
+    path.write_text("eval:\n  temperature: 0.0\n  num_prompts: 3\n")
+    cfg = load_config(str(path))
+    assert cfg.eval.num_prompts == 3 and cfg.eval.temperatures == [1.0]
+    path.write_text("eval:\n  temperature: 0.8\n")
+    with pytest.raises(ConfigError, match="eval.temperatures"):
+        load_config(str(path))
