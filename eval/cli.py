@@ -9,6 +9,12 @@ loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
 identical_to_autoregressive (greedy only). Teacher-forced figures come from the checkpoint's
 validation windows, or, with --prompts, from the prompts themselves. `--num-steps` may exceed the K
 the model was trained with (looped style: step k runs layer (k-1) % L).
+
+--prompts FILE: one JSON object with a non-empty "text" string per line (blank lines are skipped).
+A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5) tokens: the decoder's caches
+hold the prompt, the new tokens and a margin for the K drafts of a round and the padding of batched
+rows (eval/spec_decode.py SpecDecoder). A line that breaks either rule stops the command with one
+line naming FILE:LINE, the format checked before the checkpoint loads, the length before decoding.
 """
 
 from __future__ import annotations
@@ -99,8 +105,45 @@ def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]]
     return prompts, batches
 
 
+def read_prompt_texts(path: str) -> List[Tuple[int, str]]:
+    """(line number, text) of each prompt of a --prompts file; ValueError naming FILE:LINE otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" string")
+        if not rec["text"]:
+            raise ValueError(f"{path}:{n}: empty prompt text")
+        out.append((n, rec["text"]))
+    if not out:
+        raise ValueError(f"{path}: holds no prompts")
+    return out
+
+
+def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:
+    """Most prompt tokens that fit: SpecDecoder's caches need prompt + max_new_tokens + 4K + 5 positions."""
+    return max_seq_len - max_new_tokens - 4 * num_steps - 5
+
+
 def eval_main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    texts = []
+    if args.prompts:
+        try:
+            texts = read_prompt_texts(args.prompts)  # before the checkpoint loads
+        except ValueError as exc:
+            print(f"tandem eval: error: {exc}", file=sys.stderr)
+            return 2
     import torch
 
     from .metrics import evaluate_decoding, teacher_forced
@@ -124,12 +167,14 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         if tok is None:
             print("tandem eval: error: --prompts needs the checkpoint's tokenizer", file=sys.stderr)
             return 2
-        with open(args.prompts) as f:
-            texts = [json.loads(line)["text"] for line in f if line.strip()]
-        prompts = [ids for ids in tok.encode_batch(texts)]
-        if not prompts or min(len(p) for p in prompts) == 0:
-            print(f"tandem eval: error: {args.prompts} holds no prompts or an empty one", file=sys.stderr)
-            return 2
+        prompts = [ids for ids in tok.encode_batch([t for _, t in texts])]
+        limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
+        for (n, _), ids in zip(texts, prompts):
+            if not ids or len(ids) > limit:
+                print(f"tandem eval: error: {args.prompts}:{n}: prompt is {len(ids)} tokens; 1 to {limit} fit "
+                      f"(model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft margin "
+                      f"4K+5={4 * K + 5})", file=sys.stderr)
+                return 2
         tf_batches = [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
     else:
         if cfg is None or not hasattr(cfg, "data"):

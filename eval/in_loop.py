@@ -2,7 +2,20 @@
 
 It runs real speculative decoding (and plain autoregressive decoding for the speed comparison) on a
 fixed set of held-out prompts (the first `eval.prompt_len` tokens of the first `eval.num_prompts`
-validation samples) plus teacher-forced validation losses/accuracies, and returns `eval/*` metrics.
+samples of the validation split -- never the training split: `valid_ds` is build_datasets' held-out
+split, the stdlib corpus's `test/` files or the megatron blend's validation share / `data.valid_paths`)
+plus teacher-forced losses/accuracies on validation micro-batches, and returns `eval/*` metrics:
+
+* greedy decoding (always): `acceptance_length`, `accept_rate/pos_k`, `draft_acceptance_rate`, the
+  speed figures, and `distinct_2` / `distinct_4` of the greedy continuations (metrics.distinct_n: a
+  continuation that loops scores low, and a looping continuation is easy to draft, so a high
+  acceptance length means little without it);
+* each temperature T of `eval.temperatures`: speculative sampling of the same prompts, logged under
+  `eval/T<t>/` (metrics.temperature_label). Only the speculative side is decoded (AR decoding is
+  needed for the speed figures alone, which the greedy run gives), so each T costs one decode.
+
+`last_samples` holds the first `eval.num_samples_logged` prompts' decoded text and acceptance (the
+training loop hands them to MetricsLogger.log_samples).
 
 Evaluation never changes training: it runs under no_grad/inference mode in eval mode (the previous
 mode is restored), forks the global RNG (sampling draws from its own seeded generator), and restores
@@ -28,8 +41,11 @@ import torch
 
 from tandem.trainer.parallel.pipeline_decode import ParallelDecoding
 
-from .metrics import evaluate_decoding, teacher_forced
-from .spec_decode import unwrap
+from .metrics import distinct_n, evaluate_decoding, teacher_forced, temperature_label
+from .spec_decode import row_metrics, unwrap
+
+DISTINCT_N = (2, 4)
+"""n-gram orders of the `eval/distinct_n` repetition figures."""
 
 RESTORE_ROUTER_LOADS = True
 """Tests switch this off to show that the restore is what keeps training unchanged."""
@@ -43,6 +59,7 @@ class InLoopEvaluator:
         self.eos_id = getattr(tokenizer, "eod_id", None)
         self._warned = False
         self.decoding = None
+        self.last_samples: List[dict] = []
         self.prompts: List[List[int]] = []
         self.loss_batches: List[Dict[str, torch.Tensor]] = []
         if valid_ds is not None:
@@ -82,12 +99,23 @@ class InLoopEvaluator:
                 if d is None or d.is_driver:
                     m = d.model if d is not None else model
                     out = teacher_forced(m, self.loss_batches, device)
-                    dec, spec, _ = evaluate_decoding(
-                        m, self.prompts, num_steps=self.num_steps, max_new_tokens=e.max_new_tokens,
-                        batch_size=e.batch_size, eos_id=self.eos_id, temperature=e.temperature, top_p=e.top_p,
-                        seed=self.cfg.train.seed, replicas=d)
+                    common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
+                                  eos_id=self.eos_id, seed=self.cfg.train.seed, replicas=d)
+                    dec, spec, _ = evaluate_decoding(m, self.prompts, temperature=0.0, **common)
                     out.update(dec)
-                    out["outputs"] = [o for r in spec for o in r.outputs]
+                    greedy = [o for r in spec for o in r.outputs]
+                    for n in DISTINCT_N:
+                        value = distinct_n(greedy, n)
+                        if value is not None:
+                            out[f"distinct_{n}"] = value
+                    variants = [("", spec)]
+                    for t in e.temperatures:
+                        dec_t, spec_t, _ = evaluate_decoding(m, self.prompts, temperature=t, top_p=e.top_p,
+                                                             autoregressive=False, **common)
+                        out.update({f"{temperature_label(t)}/{k}": v for k, v in dec_t.items()})
+                        variants.append((temperature_label(t), spec_t))
+                    out["outputs"] = greedy
+                    out["samples"] = self._samples(variants)
                     if d is not None:
                         d.stop()
                 else:
@@ -100,6 +128,33 @@ class InLoopEvaluator:
                 for r, saved in zip(routers, saved_loads if RESTORE_ROUTER_LOADS else []):
                     r.tokens_per_expert.copy_(saved)
         self.last_outputs = out.pop("outputs")  # the speculative greedy tokens (tests compare them)
+        self.last_samples = [{"step": step, **self._texts(r)} for r in out.pop("samples")]
         keep = {k: float(v) for k, v in out.items() if not k.startswith("time_per_")}
         keep["seconds"] = time.perf_counter() - t0
         return {f"eval/{k}": v for k, v in keep.items()}
+
+    def _samples(self, variants) -> List[dict]:
+        """Token ids and per-row acceptance of the first `eval.num_samples_logged` prompts, for every
+        variant ("" greedy, then `T<t>`), as plain lists (they travel to rank 0 with the figures)."""
+        n = min(self.cfg.eval.num_samples_logged, len(self.prompts))
+        rows = [{"prompt_ids": list(self.prompts[i])} for i in range(n)]
+        for label, results in variants:
+            pre = f"{label}/" if label else ""
+            i = 0
+            for res in results:
+                for b, ids in enumerate(res.outputs):
+                    if i < n:
+                        rows[i][f"{pre}output_ids"] = list(ids)
+                        rows[i][f"{pre}acceptance_length"] = row_metrics(res.stats, b)["acceptance_length"]
+                    i += 1
+        return rows
+
+    def _texts(self, row: dict) -> dict:
+        """A sample with its ids decoded by the run's tokenizer: `prompt`, `continuation`,
+        `T<t>/continuation` beside the ids (ids alone when the run has no tokenizer)."""
+        out = {}
+        for k, v in row.items():
+            if k.endswith("_ids") and self.tokenizer is not None:
+                out[k[: -len("_ids")].replace("output", "continuation")] = self.tokenizer.decode(v)
+            out[k] = v
+        return out

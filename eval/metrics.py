@@ -4,7 +4,9 @@
   tokens fed to every MTP depth; Megatron logs this accuracy as its "acceptance rate");
 * `evaluate_decoding`: real speculative decoding vs plain autoregressive decoding of the same model on
   the same prompts: acceptance (vLLM definitions), decode tokens/s of both, measured and predicted
-  speedup.
+  speedup (`autoregressive=False` decodes the speculative side only: acceptance without speed figures);
+* `distinct_n`: the repetition figure of decoded text (unique / total n-grams, mean over prompts);
+* `temperature_label`: the variant segment of a sampled temperature's keys (`T1`, `T0.7`).
 
 Keys are returned without the `eval/` prefix (the in-loop evaluator adds it).
 """
@@ -57,6 +59,23 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
     return out
 
 
+def distinct_n(outputs: Sequence[Sequence[int]], n: int) -> Optional[float]:
+    """Mean over continuations of (distinct n-grams / total n-grams) of each one's token ids: 1.0 when
+    no n-gram repeats, near 1/len when the text loops on one token. Continuations shorter than n have
+    no n-gram and are left out of the mean; None when none has one."""
+    ratios = []
+    for out in outputs:
+        grams = [tuple(out[i : i + n]) for i in range(len(out) - n + 1)]
+        if grams:
+            ratios.append(len(set(grams)) / len(grams))
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def temperature_label(t: float) -> str:
+    """`T<t>` with t as Python's shortest general format writes it: 1.0 -> `T1`, 0.7 -> `T0.7`."""
+    return f"T{float(t):g}"
+
+
 def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
     merged = DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
                          torch.cat([s.accepted_at for s in stats]), K)
@@ -67,10 +86,15 @@ def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
 
 def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int, max_new_tokens: int,
                       batch_size: int, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int = 0, warmup: bool = False, repeats: int = 1, replicas=None):
+                      seed: int = 0, warmup: bool = False, repeats: int = 1, replicas=None,
+                      autoregressive: bool = True):
     """Speculative and autoregressive decoding of `prompts` (batches of `batch_size`, the two
     interleaved batch by batch so machine noise hits both alike). Returns (metrics, spec results, AR
     results) with per-batch DecodeResults; with `repeats` > 1 the times are medians over repetitions.
+
+    `autoregressive=False` skips the AR decode (needed only for the speed figures): the metrics are
+    then the acceptance figures alone and the AR results an empty list. Batch i's sampling generator
+    is seeded with `seed + i` either way, so the speculative side draws the same tokens.
 
     `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to data-parallel
     replicas, keeps them in lockstep and gathers every replica's results before the figures are
@@ -95,13 +119,14 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
             batch = batches[i] if i is not None else [[0]]
             first, second = (0, 1) if (r + j) % 2 == 0 else (1, 0)
             res = [None, None]
-            for which in (first, second):
+            for which in (first, second) if autoregressive else (0,):
                 res[which] = generate(model, batch, max_new_tokens, K if which == 0 else 0, eos_id=eos_id,
                                       temperature=temperature, top_p=top_p, generator=g_s if which == 0 else g_a,
                                       padding=i is None, **lockstep)
             if i is not None:
                 spec.append((i, res[0]))
-                ar.append((i, res[1]))
+                if autoregressive:
+                    ar.append((i, res[1]))
         if replicas is not None:
             spec, ar = replicas.gather(spec), replicas.gather(ar)
         runs_spec.append([res for _, res in spec])
@@ -112,6 +137,8 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
         return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
     spec_stats = [_merge_stats([r.stats for r in run], K) for run in runs_spec]
+    if not autoregressive:
+        return acceptance_metrics(spec_stats[0]), runs_spec[0], []
     ar_stats = [_merge_stats([r.stats for r in run], 0) for run in runs_ar]
     spec_tokens = sum(r.decoded_tokens for r in runs_spec[0])
     ar_tokens = sum(r.decoded_tokens for r in runs_ar[0])

@@ -163,10 +163,18 @@ class EvalConfig:
     """Tokens generated per prompt."""
     num_steps: int = 0
     """Draft length K at evaluation; 0 uses mtp.num_steps."""
-    temperature: float = 0.0
-    """0 is greedy; > 0 uses speculative sampling."""
+    temperatures: List[float] = field(default_factory=lambda: [1.0])
+    """Sampling temperatures, each in (0, 2], evaluated besides greedy decoding (which always runs and
+    keeps the plain `eval/acceptance_length`, `eval/accept_rate/pos_k` keys): each T adds
+    speculative sampling of the same prompts, logged as `eval/T<t>/acceptance_length`,
+    `eval/T<t>/accept_rate/pos_k`, `eval/T<t>/draft_acceptance_rate` (`T1`, `T0.7`). Only the
+    speculative side is decoded at these temperatures (one more decode of the prompts each; the speed
+    figures come from the greedy run). [] evaluates greedy only."""
     top_p: float = 1.0
-    """Nucleus sampling threshold when temperature > 0."""
+    """Nucleus sampling threshold of the sampled temperatures."""
+    num_samples_logged: int = 4
+    """Prompts whose decoded text (prompt, greedy and sampled continuations, acceptance) each
+    evaluation writes to `run.dir/eval_samples.jsonl` and a wandb table `eval/samples` (0: none)."""
     batch_size: int = 4
     """Prompts decoded together."""
     loss_batches: int = 4
@@ -243,6 +251,21 @@ def _rename_keys(node: Any, table: dict) -> Any:
     return node
 
 
+_RETIRED = {"eval.temperature": "greedy decoding always runs now; list sampled temperatures in eval.temperatures"}
+"""Keys that left the schema. A config that still holds one at its old default (the run configs that
+checkpoints saved before, `eval.temperature: 0.0`) loads with it dropped; any other value is an error
+naming the replacement."""
+
+
+def _drop_retired(key: str, value: Any) -> bool:
+    """True when `key` is retired and may be dropped; raises ConfigError when its value asked for more."""
+    if key not in _RETIRED:
+        return False
+    if value in (0, 0.0, "0", "0.0"):
+        return True
+    raise ConfigError(f"config key '{key}'={value!r} is no longer supported: {_RETIRED[key]}")
+
+
 def _override_key(item: str) -> str:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -265,11 +288,19 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
             raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"recipe {recipe} must be a mapping of config sections")
+        for key in _RETIRED:
+            section, leaf = key.split(".")
+            if isinstance(raw.get(section), dict) and leaf in raw[section] and _drop_retired(key, raw[section][leaf]):
+                del raw[section][leaf]
         layers.append(OmegaConf.create(_rename_keys(raw, _ALIASES)))
-    renamed = []
+    renamed, kept = [], []
     for item in overrides:
         key = _override_key(item)
+        if _drop_retired(key, item.split("=", 1)[1].strip()):
+            continue
         renamed.append(f"{key}={item.split('=', 1)[1]}")
+        kept.append(item)
+    overrides = kept
     try:
         merged = OmegaConf.merge(schema, *layers)
         for item, original in zip(renamed, overrides):
@@ -339,7 +370,8 @@ def validate(cfg: TandemConfig) -> None:
         ("parallel.dp_mode", cfg.parallel.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
         ("eval.interval", cfg.eval.interval >= 0, "must be >= 0"),
         ("eval.num_steps", cfg.eval.num_steps >= 0, "must be >= 0"),
-        ("eval.temperature", cfg.eval.temperature >= 0, "must be >= 0"),
+        ("eval.temperatures", all(0 < t <= 2 for t in cfg.eval.temperatures), "must each be in (0, 2]"),
+        ("eval.num_samples_logged", cfg.eval.num_samples_logged >= 0, "must be >= 0"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, "must be >= 0"),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last >= 0, "must be >= 0"),

@@ -315,6 +315,7 @@ class Trainer:
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
                     with self.autocast():  # the precision it trains in (FSDP may hold bf16 parameters)
                         record.update(self.evaluator.run(step))
+                    logger.log_samples(step, self.evaluator.last_samples)
                 if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/") for k in record):
                     logger.log(record)
                 logger.progress(step, record)

@@ -1,4 +1,5 @@
-"""Run tracking: metrics.jsonl in the run directory, wandb with the same keys, a progress bar.
+"""Run tracking: metrics.jsonl in the run directory, wandb with the same keys, a progress bar, and
+the evaluator's decoded samples (eval_samples.jsonl beside metrics.jsonl, a wandb table `eval/samples`).
 
 Only global rank 0 writes. wandb runs offline when no API key is available (and prints the
 `wandb sync` hint); its run id is kept in the run directory so a resumed job continues the same
@@ -17,6 +18,10 @@ from typing import Optional
 from .config import TandemConfig, as_dict
 
 WANDB_ID_FILE = "wandb_run_id.txt"
+SAMPLES_FILE = "eval_samples.jsonl"
+"""One record per logged prompt and evaluation: step, prompt, continuation (greedy),
+acceptance_length, then `T<t>/continuation`, `T<t>/acceptance_length` per sampled temperature, and the
+token ids of each (`prompt_ids`, `output_ids`, `T<t>/output_ids`)."""
 
 
 def _wandb_has_credentials() -> bool:
@@ -54,10 +59,13 @@ class MetricsLogger:
         self.cfg, self.is_main = cfg, is_main
         self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
         self.wandb_run = None
+        self.pending_table = None
         self.bar = None
         if not is_main:
             return
         truncate_metrics(self.path, start_step)
+        self.samples_path = os.path.join(cfg.run.dir, SAMPLES_FILE)
+        truncate_metrics(self.samples_path, start_step)  # a resume drops samples past its checkpoint too
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb:
             self.wandb_run = self._init_wandb()
@@ -92,7 +100,27 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            row = {k: v for k, v in record.items() if k != "step"}
+            if self.pending_table is not None and self.pending_table[0] == record["step"]:
+                row["eval/samples"] = self.pending_table[1]
+            self.pending_table = None
+            self.wandb_run.log(row, step=record["step"])
+
+    def log_samples(self, step: int, samples: list) -> None:
+        """Append the evaluator's decoded samples (MetricsLogger writes them on rank 0 only) and log
+        them as the wandb table `eval/samples` (one row per prompt, text columns where decoded)."""
+        if not self.is_main or not samples:
+            return
+        with open(self.samples_path, "a") as f:
+            for rec in samples:
+                f.write(json.dumps({"step": step, **{k: v for k, v in rec.items() if k != "step"}}) + "\n")
+        if self.wandb_run is not None:
+            import wandb
+
+            columns = ["step"] + [k for k in samples[0] if k != "step" and not k.endswith("_ids")]
+            rows = [[step] + [rec.get(c) for c in columns[1:]] for rec in samples]
+            # logged with the step's metrics (one wandb history row per step)
+            self.pending_table = (step, wandb.Table(columns=columns, data=rows))
 
     def progress(self, step: int, record: Optional[dict]) -> None:
         if self.bar is None:
@@ -116,4 +144,9 @@ class MetricsLogger:
             self.bar.close()
         self.file.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
+            # finish() can return before the offline run file holds the last steps (seen after a
+            # logged table); teardown waits for wandb's service to write everything
+            wandb.teardown()

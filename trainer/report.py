@@ -15,9 +15,10 @@ Figures (one PNG each, all embedded in `report.html`, which needs no other file)
   against the one the per-round timings predict.
 
 Variants are read from the key names: `eval/acceptance_length` and `eval/accept_rate/pos_k` are the
-evaluator's main setting (greedy unless `eval.temperature` > 0); a key with an extra segment before
-the leaf (`eval/<variant>/acceptance_length`, `eval/<variant>/accept_rate/pos_k`) is one more
-variant, labelled by that segment. Every line carries its metric key as matplotlib `gid`, so a test
+evaluator's greedy decoding; a key with an extra segment before the leaf
+(`eval/<variant>/acceptance_length`, `eval/<variant>/accept_rate/pos_k`) is one more variant,
+labelled by that segment (the evaluator writes `T<t>` for each sampled temperature in
+`eval.temperatures`: `eval/T1/acceptance_length`). Every line carries its metric key as matplotlib `gid`, so a test
 (or a notebook) can find the series a figure holds.
 """
 
@@ -67,6 +68,7 @@ class Run:
         return list(seen)
 
     def main_variant(self) -> str:
+        # greedy since eval.temperatures; older runs chose their one setting with eval.temperature
         temperature = float(self.config.get("eval", {}).get("temperature", 0.0) or 0.0)
         return "greedy" if temperature == 0 else f"T={temperature:g}"
 

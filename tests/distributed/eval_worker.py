@@ -77,7 +77,7 @@ def evaluate(layout: str) -> dict:
     ev.prompts = prompts()
     ev.loss_batches = worker.rank_micro_batches(0, 0, 1, 1)
     out = ev.run(1)
-    return {"metrics": out, "outputs": ev.last_outputs}
+    return {"metrics": out, "outputs": ev.last_outputs, "samples": ev.last_samples}
 
 
 def main(argv: List[str]) -> int:

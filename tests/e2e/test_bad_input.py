@@ -241,3 +241,35 @@ def test_finetune_with_another_tokenizer_than_the_checkpoint(ctx, sharded_export
     line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={sharded_export}", f"data.tokenizer={other}"],
                      "tokenizer mismatch: data.tokenizer=")
     assert other in line and sharded_export in line and "data.force_tokenizer=true" in line
+
+
+# --- evaluation inputs (issue 14: --prompts texts, eval.temperatures) --------------------------------
+def _prompts_file(tmp_path, texts):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n")
+    return str(path)
+
+
+def test_eval_prompts_empty_text(ctx, tmp_path):
+    path = _prompts_file(tmp_path, ["def f():\n", "import os\n", ""])
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", path], f"{path}:3: empty prompt text")
+
+
+def test_eval_prompts_not_json(ctx, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"text": "a"}) + "\n\n" + "text: b\n")
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", str(path)], f"{path}:3: not a JSON object")
+
+
+def test_eval_prompts_too_long(ctx, tmp_path):
+    # tiny_base: model.max_seq_len=64, K=2: with 8 new tokens a prompt fits in 64 - 8 - 13 = 43 tokens
+    path = _prompts_file(tmp_path, ["x = 1\n", "x = 1\n" * 40])
+    line = ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", path, "--max-new-tokens", "8"],
+                     f"{path}:2: prompt is ")
+    assert "1 to 43 fit" in line and "model.max_seq_len=64" in line
+
+
+@pytest.mark.parametrize("value", ["[0]", "[0.7,2.5]"])
+def test_eval_temperatures_outside_range(ctx, value):
+    ctx.fails(["train", RECIPE, *ctx.base, f"eval.temperatures={value}"],
+              f"config key 'eval.temperatures'={[float(v) for v in value.strip('[]').split(',')]!r} must each be in (0, 2]")

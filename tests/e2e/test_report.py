@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 EVAL = ["eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.batch_size=2",
-        "eval.loss_batches=1", "train.max_steps=4", "train.log_interval=1"]
+        "eval.loss_batches=1", "train.max_steps=4", "train.log_interval=1", "eval.temperatures=[1.0,0.7]"]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,9 @@ def test_figures_hold_the_logged_series(two_runs):
     assert set(figures) == {"losses", "acceptance", "accept_rate_by_position", "decode_throughput"}
     expected = {
         "losses": ["loss/main", "loss/mtp_1", "eval/loss/main", "eval/loss/mtp_1"],
-        "acceptance": ["eval/acceptance_length"],
-        "accept_rate_by_position": ["eval/accept_rate/pos_1"],
+        # greedy and the sampled temperatures, each its own variant line
+        "acceptance": ["eval/acceptance_length", "eval/T1/acceptance_length", "eval/T0.7/acceptance_length"],
+        "accept_rate_by_position": ["eval/accept_rate/pos_1", "eval/T1/accept_rate/pos_1", "eval/T0.7/accept_rate/pos_1"],
         "decode_throughput": ["eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup",
                               "eval/speedup_predicted"],
     }
@@ -74,6 +75,8 @@ def test_figures_hold_the_logged_series(two_runs):
     losses = _lines_by_gid(figures["losses"])
     assert "k2|loss/mtp_2" in losses and "k1|loss/mtp_2" not in losses
     assert len(figures["accept_rate_by_position"].axes) == 2
+    labels = {line.get_label() for line in figures["acceptance"].axes[0].get_lines()}
+    assert {"k2 greedy", "k2 T1", "k2 T0.7", "k1 greedy"} <= labels
     assert [ax.get_title() for ax in figures["losses"].axes] == ["main head", "MTP depth 1", "MTP depth 2"]
     for fig in figures.values():
         plt.close(fig)

@@ -62,6 +62,16 @@ def test_offline_wandb_run_holds_the_metric_series(tiny_overrides, monkeypatch, 
             assert row[key] == pytest.approx(rec[key])
     assert [r["step"] for r in jsonl if "eval/acceptance_length" in r] == [2, 4]
     assert [r["_step"] for r in rows if "eval/acceptance_length" in r] == [2, 4]
+    # the decoded samples: a wandb table at each evaluation, rows as in eval_samples.jsonl
+    tables = [r for r in rows if r.get("eval/samples/_type") == "table-file"]
+    assert [r["_step"] for r in tables] == [2, 4] and tables[0]["eval/samples/nrows"] == 2
+    with open(os.path.join(os.path.dirname(runs[0]), "files", tables[1]["eval/samples/path"])) as f:
+        table = json.load(f)
+    with open(os.path.join(cfg.run.dir, "eval_samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [2, 2, 4, 4]
+    col = table["columns"].index("continuation")
+    assert [row[col] for row in table["data"]] == [s["continuation"] for s in samples[2:]]
     run_id = open(os.path.join(cfg.run.dir, "wandb_run_id.txt")).read().strip()
     # the resumed job continues the same wandb run id
     train(load_config(RECIPE, overrides + ["train.max_steps=5"]), resume=True)

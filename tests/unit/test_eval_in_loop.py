@@ -44,12 +44,37 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert [r["step"] for r in evals] == [2, 4]
     expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup", "eval/seconds",
                 "eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup_predicted"}
+    expected |= {"eval/distinct_2", "eval/distinct_4", "eval/T1/acceptance_length", "eval/T1/draft_acceptance_rate"}
     for k in range(1, 4):
-        expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}"}
+        expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}", f"eval/T1/accept_rate/pos_{k}"}
     assert expected <= set(evals[0])
-    assert 1.0 <= evals[0]["eval/acceptance_length"] <= 4.0
+    assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k) for k in evals[0])  # spec side only
+    for variant in ("eval", "eval/T1"):
+        assert 1.0 <= evals[0][f"{variant}/acceptance_length"] <= 4.0
+        assert 0.0 <= evals[0][f"{variant}/accept_rate/pos_1"] <= 1.0
+    assert 0.0 < evals[0]["eval/distinct_4"] <= 1.0
     assert evals[0]["eval/identical_to_autoregressive"] == 1.0
     assert not any(k.startswith("eval/") for r in without for k in r)
+    samples = [json.loads(line) for line in open(tmp_path / "a" / "eval_samples.jsonl")]
+    assert [s["step"] for s in samples] == [2, 2, 2, 4, 4, 4]  # eval.num_samples_logged=4 > 3 prompts
+    first = samples[0]
+    assert isinstance(first["prompt"], str) and isinstance(first["continuation"], str)
+    assert isinstance(first["T1/continuation"], str) and len(first["output_ids"]) == 6
+    assert 1.0 <= first["acceptance_length"] <= 4.0 and 1.0 <= first["T1/acceptance_length"] <= 4.0
+    assert not (tmp_path / "b" / "eval_samples.jsonl").exists() or not open(tmp_path / "b" / "eval_samples.jsonl").read()
+
+
+def test_samples_file_truncated_on_resume(tmp_path):
+    from tandem.trainer.config import load_config
+    from tandem.trainer.metrics import MetricsLogger
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "logging.wandb=false", "logging.progress=false"])
+    log = MetricsLogger(cfg, True, 0, 10)
+    for step in (2, 4, 6):
+        log.log_samples(step, [{"prompt": "a", "continuation": "b"}, {"prompt": "c", "continuation": "d"}])
+    log.close()
+    MetricsLogger(cfg, True, 4, 10).close()  # resumed from the step-4 checkpoint
+    assert [json.loads(line)["step"] for line in open(tmp_path / "eval_samples.jsonl")] == [2, 2, 4, 4]
 
 
 def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, monkeypatch):
@@ -60,7 +85,7 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
                  "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
                  "model.num_kv_heads=1", "model.intermediate_size=64", "model.moe_intermediate_size=32",
                  "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2", "eval.interval=1",
-                 "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperature=0.7",
+                 "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperatures=[0.7]",
                  "eval.loss_batches=1", "logging.wandb=false", "logging.progress=false", f"data.cache_dir={cache_dir}"]
     trainer = Trainer(load_config("recipes/tiny.yaml", overrides))
     model, ev = trainer.model, trainer.evaluator
@@ -72,7 +97,7 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     out = ev.run(1)
-    assert "eval/acceptance_length" in out and "eval/identical_to_autoregressive" not in out  # sampling mode
+    assert "eval/T0.7/acceptance_length" in out and "eval/T1/acceptance_length" not in out  # sampling ran too
     assert model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(r.tokens_per_expert, l) for r, l in zip(routers, loads))
