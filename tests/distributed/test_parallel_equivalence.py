@@ -48,6 +48,8 @@ LAYOUTS = {
     "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
     # a pipeline rank with no gradients at all (frozen trunk on stage 0): the global norm's collective
     "pp=2,train.freeze_trunk=true": 2,
+    # ... and the trunk under no_grad on every stage, several stages per rank
+    "pp=2,pp_schedule=interleaved_1f1b,train.freeze_trunk=true": 2,
 }
 # Load-balance and z-loss: the one-process run takes the mean aux loss over all its micro-batches, so
 # every layout must scale each micro-batch's aux gradient by 1/(micro-batches in the global step),

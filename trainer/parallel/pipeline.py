@@ -22,6 +22,7 @@ adds stay fp32), bf16 when FSDP's mixed-precision policy hands the stages bf16 p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import List, Optional
 
 import torch
@@ -54,6 +55,10 @@ class StageModule(nn.Module):
             self.norm, self.mtp, self.lm_head = model.norm, model.mtp, model.lm_head
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_ctx", ctx)
+        # A frozen trunk (MTP fine-tuning) runs under no_grad on every stage: no activations kept, and
+        # no activation gradients sent back (the received activation's gradient stays None).
+        self.trunk_frozen = not any(p.requires_grad for m in ([self.embed] if self.embed is not None else [])
+                                    + list(self.blocks) for p in m.parameters())
 
     def forward(self, x, tokens, loss_mask, doc_ids):
         with autocast_context(*self._ctx.autocast):
@@ -62,9 +67,10 @@ class StageModule(nn.Module):
     def _forward(self, x, tokens, loss_mask, doc_ids):
         b, s = tokens.shape[0], tokens.shape[1] - 1
         positions = torch.arange(s, device=tokens.device).expand(b, s)
-        h = self.embed(x) if self.first else x
-        for block in self.blocks:
-            h = block(h, positions)
+        with torch.no_grad() if self.trunk_frozen else nullcontext():
+            h = self.embed(x) if self.first else x
+            for block in self.blocks:
+                h = block(h, positions)
         if not self.last:
             return h
         out = self._model.losses_from_hidden(h, tokens, loss_mask, doc_ids, positions)
