@@ -34,7 +34,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-ACCEPT_LEAF = "acceptance_length"
 POS_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+)/)?accept_rate/pos_(?P<k>\d+)$")
 ACC_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+)/)?acceptance_length$")
 LOSS_RE = re.compile(r"^(?P<prefix>eval/)?loss/(?P<depth>main|mtp_(?P<k>\d+))$")

@@ -57,8 +57,7 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_ctx", ctx)
         # A frozen trunk (MTP fine-tuning) runs under no_grad on every stage: no activations kept, and
         # no activation gradients sent back (the received activation's gradient stays None).
-        self.trunk_frozen = not any(p.requires_grad for m in ([self.embed] if self.embed is not None else [])
-                                    + list(self.blocks) for p in m.parameters())
+        self.trunk_frozen = model.trunk_frozen()
 
     def forward(self, x, tokens, loss_mask, doc_ids):
         with autocast_context(*self._ctx.autocast):
