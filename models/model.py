@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -70,6 +70,9 @@ class ModelOutput:
     """[K+1] summed cross-entropy per depth (0 = main head), in the autograd graph."""
     token_counts: torch.Tensor
     """[K+1] number of valid targets per depth (the normaliser)."""
+    chain: Optional[torch.Tensor] = None
+    """The MTP chain's last hidden state computed (h_0 when no MTP step ran): what a pipeline stage
+    passes on to the stage holding the next depths."""
 
 
 class TandemModel(nn.Module):
@@ -150,14 +153,21 @@ class TandemModel(nn.Module):
         emb = self.embed_tokens(tokens_bs) if layer.combine else None
         return layer(h_prev_bsh, emb, positions_bs, cache)
 
-    def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor):
-        """Yield (depth, pre-norm hidden state) for depth 0 (the trunk) .. K, teacher-forced on the true
-        tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. With mtp.detach_trunk no
-        MTP gradient reaches the trunk."""
+    def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
+                     depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
+                     chain_depth: int = 0):
+        """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order, teacher-forced on
+        the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. The chain may
+        start later (a pipeline stage after the one that ran depth `chain_depth`): `h_chain` is then
+        h_{chain_depth}. With mtp.detach_trunk no MTP gradient reaches the trunk."""
         s = tokens_bs1.shape[1] - 1
-        h = h0_bsh
-        yield 0, h
-        for depth in range(1, self.num_depths):
+        wanted = range(self.num_depths) if depths is None else depths
+        h = h0_bsh if h_chain is None else h_chain
+        if 0 in wanted:
+            yield 0, h0_bsh
+        for depth in range(chain_depth + 1, max(wanted, default=0) + 1):
+            if not self.mtp.chained and depth not in wanted:
+                continue  # parallel heads read h_0 only
             h_in = h if self.mtp.chained else h0_bsh
             if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
                 h_in = h_in.detach()
@@ -186,23 +196,31 @@ class TandemModel(nn.Module):
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
-                           doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor) -> ModelOutput:
-        """Main-head loss and every MTP depth's loss from the trunk's hidden states (the last
-        pipeline stage runs exactly this). Under sequence parallelism h0 is this rank's shard of the
-        sequence; the MTP chain stays sharded and only the head inputs are gathered."""
+                           doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor,
+                           depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
+                           chain_depth: int = 0) -> ModelOutput:
+        """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline stage
+        runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
+        h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
+        parallelism h0 is this rank's shard of the sequence; the MTP chain stays sharded and only the
+        head inputs are gathered."""
         s = tokens_bs1.shape[1] - 1
         whole = self.gather_sequence if self.gather_sequence is not None else (lambda h: h)
         sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
         teacher_bsh = teacher_ids = None
         objective = self.mtp_cfg.loss.objective
-        if (self.distill != "none" or objective == "acceptance") and self.num_depths > 1:
+        any_mtp = any(d > 0 for d in (range(self.num_depths) if depths is None else depths))
+        if (self.distill != "none" or objective == "acceptance") and any_mtp:
             with torch.no_grad():
                 teacher_bsh = whole(self.norm(h0_bsh.detach()))  # the trunk's normed state: its next-token head input
                 if self.distill == "argmax":
                     flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
                     teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
-        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs):
+        chain = h0_bsh if h_chain is None else h_chain
+        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth):
+            if depth > 0:
+                chain = h_prev
             mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
             targets = shifted_tokens(tokens_bs1, depth + 1, s)
             chunk = self.mtp_cfg.loss_chunk_tokens
@@ -224,7 +242,7 @@ class TandemModel(nn.Module):
             else:
                 sums.append(self.lm_head.loss_sum(hn, targets[mask], chunk))
             counts.append(mask.sum())
-        return ModelOutput(torch.stack(sums), torch.stack(counts))
+        return ModelOutput(torch.stack(sums), torch.stack(counts), chain)
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def trunk_frozen(self) -> bool:

@@ -146,7 +146,14 @@ class ParallelConfig:
     pp_virtual_stages: int = 2
     """Model chunks per rank for the interleaved schedule."""
     pp_layout: List[int] = field(default_factory=list)
-    """Explicit trunk layers per stage (sum = model.num_layers); empty splits evenly."""
+    """Explicit trunk layers per stage (sum = model.num_layers; stages after the trunk's last layer may
+    hold 0 and only loss depths); empty splits as evenly as possible."""
+    pp_depth_stages: List[int] = field(default_factory=list)
+    """Pipeline stage of each loss depth 0..K (0 = the trunk's head, k = MTP step k with its head), at or
+    after the trunk's last stage, MTP depths in order; empty puts every depth on the last stage."""
+    pp_balance: bool = False
+    """Choose pp_layout and pp_depth_stages to minimise the most expensive stage by estimate.py's
+    training FLOPs (the vocabulary heads weigh several layers each); both must then be empty."""
     dp_mode: str = "fsdp"
     """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (replicated, gradient all-reduce)."""
 

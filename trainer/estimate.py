@@ -26,23 +26,42 @@ from .config import TandemConfig
 GIB = 2**30
 
 
-def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> tuple[float, float]:
-    """(forward FLOPs per token of all transformer layers incl. MTP, forward FLOPs of one head)."""
+def _attention_forward_flops(cfg: ModelConfig, seq_len: int) -> float:
     h, hd = cfg.hidden_size, cfg.resolved_head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    attn = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * q * (seq_len / 2)  # projections + causal QK^T and AV
+    return 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * q * (seq_len / 2)  # projections + causal QK^T and AV
 
-    def mlp(moe: bool) -> float:
-        if not moe:
-            return 3 * 2 * h * cfg.intermediate_size
-        routed = cfg.top_k * 3 * 2 * h * cfg.moe_intermediate_size
-        shared = cfg.num_shared_experts * 3 * 2 * h * cfg.moe_intermediate_size
-        return 2 * h * cfg.num_experts + routed + shared
 
-    layers = sum(attn + mlp(cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
-    mtp_moe = mtp.moe and cfg.num_experts > 0
-    layers += mtp.num_steps * (attn + mlp(mtp_moe) + (2 * 2 * h * h if mtp.style == "looped" else 0))
-    return layers, 2 * h * cfg.vocab_size
+def _mlp_forward_flops(cfg: ModelConfig, moe: bool) -> float:
+    h = cfg.hidden_size
+    if not moe:
+        return 3 * 2 * h * cfg.intermediate_size
+    routed = cfg.top_k * 3 * 2 * h * cfg.moe_intermediate_size
+    shared = cfg.num_shared_experts * 3 * 2 * h * cfg.moe_intermediate_size
+    return 2 * h * cfg.num_experts + routed + shared
+
+
+def layer_forward_flops(cfg: ModelConfig, moe: bool, seq_len: int) -> float:
+    """Forward FLOPs per token of one trunk layer (dense or MoE)."""
+    return _attention_forward_flops(cfg, seq_len) + _mlp_forward_flops(cfg, moe)
+
+
+def mtp_layer_forward_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one MTP step's layer (the looped style's input projection included)."""
+    combine = 2 * 2 * cfg.hidden_size * cfg.hidden_size if mtp.style == "looped" else 0
+    return layer_forward_flops(cfg, mtp.moe and cfg.num_experts > 0, seq_len) + combine
+
+
+def head_forward_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one vocabulary head."""
+    return 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> tuple[float, float]:
+    """(forward FLOPs per token of all transformer layers incl. MTP, forward FLOPs of one head)."""
+    layers = sum(layer_forward_flops(cfg, cfg.is_moe_layer(i), seq_len) for i in range(cfg.num_layers))
+    layers += mtp.num_steps * mtp_layer_forward_flops(cfg, mtp, seq_len)
+    return layers, head_forward_flops(cfg)
 
 
 def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
@@ -113,24 +132,34 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     active = total - expert + int(expert * routed_share)
 
     dp = p.dp or (max(world_size // (p.tp * p.pp * p.ep), 1) if world_size else 1)
-    # largest pipeline stage: its trunk layers, plus embedding (first) or head + MTP (last)
-    layout = list(p.pp_layout) or [m.num_layers // p.pp + (1 if i < m.num_layers % p.pp else 0) for i in range(p.pp)]
+    # the largest pp rank: the trunk layers of its stages plus the pieces they use (embedding, final
+    # norm, head, MTP module: pipeline_plan.PipelinePlan.stage_pieces; copies on several ranks each count)
     embed = m.vocab_size * m.hidden_size
-    stages, start = [], 0
-    for i, count in enumerate(layout):
-        params = sum(per_layer[j] for j in range(start, start + count))
-        start += count
-        if i == 0:
-            params += embed
-        if i == len(layout) - 1:
-            params += mtp + (0 if m.tie_embeddings and p.pp == 1 else embed) + m.hidden_size
-            if p.pp > 1:
-                params += embed  # the last stage's copy of the embedding for the MTP token inputs
-        stages.append(params)
+    piece_params = {"embed_tokens": embed, "norm": m.hidden_size, "mtp": mtp,
+                    "lm_head": 0 if m.tie_embeddings and p.pp == 1 else embed}
+    if p.pp > 1:
+        from .parallel.pipeline_plan import PipelinePlan
+
+        plan = PipelinePlan(cfg)
+        rank_stages = [plan.stages_of(r) for r in range(p.pp)]
+        layout = [sum(len(plan.split[s]) for s in mine) for mine in rank_stages]
+        rank_pieces = [{piece for s in mine for piece in plan.stage_pieces(s)} for mine in rank_stages]
+        rank_depths = [sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in rank_stages]
+        rank_layers = [[i for s in mine for i in plan.split[s]] for mine in rank_stages]
+    else:
+        layout, rank_pieces, rank_depths = [m.num_layers], [set(piece_params)], [cfg.mtp.num_steps]
+        rank_layers = [list(range(m.num_layers))]
+    stages = [sum(per_layer[i] for i in layers) + sum(piece_params[x] for x in pieces)
+              for layers, pieces in zip(rank_layers, rank_pieces)]
     stage_expert_share = expert / max(total, 1)
     biggest = max(stages)
     stage_expert = biggest * stage_expert_share
     owned = (biggest - stage_expert) / (p.tp * dp * p.ep) + stage_expert / (p.tp * p.ep * dp)
+    if p.pp > 1 and p.dp_mode == "fsdp":
+        # pieces two stages of one rank share stay whole (not FSDP-sharded over dp*ep)
+        pieces = rank_pieces[stages.index(biggest)]
+        whole = sum(piece_params[x] for x in plan.shared_within_rank() if x in pieces) / p.tp
+        owned += whole * (1 - 1 / (dp * p.ep))
     if cfg.train.freeze_trunk:
         # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module (on the last
         # stage, FSDP-sharded like the rest) has fp32 master + gradient + AdamW moments
@@ -146,7 +175,9 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     trunk_layers = [1 if cfg.train.freeze_trunk else n for n in layout]
     first = per_layer_act * trunk_layers[0] * in_flight
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, cfg.data.seq_len * cfg.train.micro_batch_size)
-    last = per_layer_act * (trunk_layers[-1] + cfg.mtp.num_steps) + chunk * m.vocab_size / p.tp * 4
+    # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits chunk
+    heads = [r for r, pieces in enumerate(rank_pieces) if "lm_head" in pieces]
+    last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + chunk * m.vocab_size / p.tp * 4 for r in heads)
     activations = max(first, last) / GIB
     gathered = 0.0
     if dp * p.ep > 1 and p.dp_mode == "fsdp" and per_layer:
@@ -154,8 +185,9 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
         layer_expert = layer * stage_expert_share
         width = frozen_bytes(cfg) if cfg.train.freeze_trunk else 4
         gathered = 2 * width * ((layer - layer_expert) / p.tp + layer_expert / (p.tp * p.ep))
-        # the root (embedding, head, final norm, MTP module) stays gathered through forward and backward
-        root_embed = embed * (1 if m.tie_embeddings else 2) if p.pp == 1 else 2 * embed
-        gathered += (width * root_embed + 4 * mtp) / p.tp
+        # the roots' pieces (embedding, head, final norm, MTP module) stay gathered through forward and
+        # backward: the rank holding the most of them
+        gathered += max(width * sum(piece_params[x] for x in pieces if x != "mtp") + 4 * mtp * ("mtp" in pieces)
+                        for pieces in rank_pieces) / p.tp
         gathered /= GIB
     return Estimate(total, expert, active, mtp, states, activations, gathered)

@@ -226,6 +226,13 @@ class Trainer:
         if not self.moe_layers:
             return {}
         loads = torch.stack([m.router.tokens_per_expert for m in self.moe_layers])
+        copies = self.pstate.extras.get("mtp_copies_group")
+        if copies is not None:  # MTP depths spread over pp ranks: each copy routed its depths' tokens
+            mtp = {id(m) for m in self.model.mtp.modules()}
+            rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp], device=loads.device)
+            part = loads.index_select(0, rows)
+            torch.distributed.all_reduce(part, group=copies)
+            loads.index_copy_(0, rows, part)
         group = self.pstate.extras.get("router_load_group", self.pstate.dp_group)
         if self.pstate.world_size > 1 and group is not None:
             torch.distributed.all_reduce(loads, group=group)

@@ -25,22 +25,6 @@ def prompts() -> List[List[int]]:
     return [torch.randint(0, worker.VOCAB, (4 + i,), generator=g).tolist() for i in range(5)]
 
 
-def place_mtp_depths(stages: List[int]) -> None:
-    """Every pp rank keeps the MTP module (and the final norm it reads) and the decoder looks MTP
-    depth k up on stage stages[k-1], so depths run on other ranks than the head's."""
-    from tandem.trainer.parallel import pipeline, pipeline_decode
-
-    prune = pipeline.prune_model
-
-    def keep_mtp(model, cfg, pp_rank):
-        mtp, norm = model.mtp, model.norm
-        prune(model, cfg, pp_rank)
-        model.mtp, model.norm = mtp, norm
-
-    pipeline.prune_model = keep_mtp
-    pipeline_decode.DecodePlan.mtp_stage = lambda self, depth: stages[depth - 1]
-
-
 @torch.no_grad()
 def load_full_weights(model, full_state: dict):
     """Copy one-process weights into this rank's shards (TP/EP DTensors, FSDP shards, pipeline stages)."""
@@ -61,11 +45,6 @@ def evaluate(layout: str) -> dict:
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
-    items = layout.split(",")
-    spread = [kv.split("=")[1] for kv in items if kv.startswith("mtp_stages=")]
-    if spread:  # MTP depth k on stage spread[k-1]: a placement no training layout makes yet
-        place_mtp_depths([int(x) for x in spread[0].split("+")])
-    layout = ",".join(kv for kv in items if not kv.startswith("mtp_stages="))
     cfg = worker.make_cfg(",".join([layout] + EVAL), worker.GRAD_ACCUM)
     device = resolve_device("cpu")
     single = ParallelState(device=device)

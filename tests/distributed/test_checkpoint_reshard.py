@@ -87,3 +87,28 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_and_single_process(tmp_path)
         _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], env)
         _assert_losses_close(main_losses(run_dir), ref, [3, 4], name)
         _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), ref_params4, f"{name} at step 4")
+
+
+def test_checkpoint_saved_with_spread_loss_depths_resumes_in_one_process(tmp_path):
+    """Loss depths spread over interleaved stages (pp_balance) with FSDP over dp=2: the embedding, head
+    and MTP module have copies on both pp ranks, some kept whole (two stages of a rank share them)
+    beside FSDP shards. The DCP checkpoint holds each once and resumes in a single process exactly."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0"]
+    ref_dir = tmp_path / "single_4steps"
+    _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "train.grad_accum_steps=4",
+                        "checkpoint.interval=2"], env)
+    ref = main_losses(ref_dir)
+    saved_dir = tmp_path / "spread"
+    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=2", "parallel.pp=2",
+                        "parallel.dp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
+    _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "spread depths before the checkpoint")
+    ckpt = saved_dir / "checkpoints" / "step_2"
+    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"), "spread depths at step 2")
+    run_dir = tmp_path / "resume_single"
+    os.makedirs(run_dir / "checkpoints")
+    shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
+    _launch(1, train + [f"run.dir={run_dir}", "train.max_steps=4", "train.grad_accum_steps=4", "--resume"], env)
+    _assert_losses_close(main_losses(run_dir), ref, [3, 4], "resume_single from spread depths")
+    _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), _params(ref_dir / "checkpoints" / "step_4"),
+                         "resume_single from spread depths at step 4")

@@ -33,11 +33,12 @@ SMALL = TINY_MODEL_DATA + [
     "eval.interval=3", "eval.num_prompts=2", "eval.prompt_len=12", "eval.max_new_tokens=12", "eval.batch_size=2",
     "eval.loss_batches=1",
 ]
-# The flagship recipe in miniature: its layout shape (tp x ep x pp, SP, interleaved 1F1B) at 8 ranks
-# (tp2 x ep2 x pp2 instead of tp2 x ep4 x pp2: 16 processes are too many for a 2-core CI machine),
-# with 4 layers for the 4 interleaved stages.
+# The flagship recipe in miniature: its layout shape (tp x ep x pp, SP, interleaved 1F1B with 3 stages
+# per rank, layers and loss depths placed by pp_balance) at 8 ranks (tp2 x ep2 x pp2 instead of
+# tp2 x ep4 x pp2: 16 processes are too many for a 2-core CI machine), with 4 layers.
 FLAGSHIP = ["parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.sequence_parallel=true",
-            "parallel.pp_schedule=interleaved_1f1b", "model.num_layers=4"]
+            "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3", "parallel.pp_balance=true",
+            "model.num_layers=4"]
 LAYOUTS = [(2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.tp=2"]),
            (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (4, ["parallel.tp=2", "parallel.pp=2"]),
            (8, FLAGSHIP)]

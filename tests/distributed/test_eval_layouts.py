@@ -25,13 +25,17 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LAYOUTS = {
     "dp=2": 2,
     "pp=2,pp_schedule=interleaved_1f1b": 2,
-    # MTP depth 1 on the first stage, depth 2 with the head: the decoder routes depth 1 there
-    "pp=2,mtp_stages=0+1": 2,
+    # loss depths spread (layout lists separated by `:`): MTP depth 1 on the trunk's stage, the head
+    # (the driver) and depth 2 on the next, so the decoder routes depth 1 to the other rank ...
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
+    # ... and the head on the trunk's stage with both MTP depths on the other rank
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1]": 2,
     "tp=2,pp=2,sequence_parallel=true": 4,
     "ep=2,pp=2": 4,
     "tp=2,ep=2,pp=2": 8,
-    # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved), scaled to 8 ranks
-    "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b": 8,
+    # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved with 3 stages per rank,
+    # layers and depths placed by pp_balance), 8 ranks
+    "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,pp_balance=true": 8,
 }
 EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1", "eval/accept_rate/pos_2",
          "eval/identical_to_autoregressive", "eval/distinct_2", "eval/distinct_4",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.trainer.config import ConfigError, load_config
-from tandem.trainer.parallel.validate import pipeline_microbatches, stage_layer_split, validate_layout
+from tandem.trainer.parallel.pipeline_plan import stage_layer_split
+from tandem.trainer.parallel.validate import pipeline_microbatches, validate_layout
 
 BASE = ["model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.num_layers=4",
         "model.vocab_size=4096", "data.seq_len=64", "train.grad_accum_steps=2"]
@@ -21,8 +22,17 @@ def cfg(*overrides):
     (["parallel.tp=4", "model.num_kv_heads=2"], 4, "model.num_kv_heads=2 is not divisible by parallel.tp=4"),
     (["parallel.tp=8"], 8, "model.num_heads=4 is not divisible by parallel.tp=8"),
     (["parallel.ep=3", "model.num_experts=4"], 3, "model.num_experts=4 is not divisible by parallel.ep=3"),
-    (["parallel.pp=3"], 3, "model.num_layers=4 is not divisible by the 3 pipeline stages"),
-    (["parallel.pp=2", "parallel.pp_layout=[1,2]"], 2, "must be positive and sum to model.num_layers=4"),
+    (["parallel.pp=3", "parallel.pp_layout=[2,0,2]"], 3, "pipeline stage(s) [1] hold no trunk layer and no loss depth"),
+    (["parallel.pp=2", "parallel.pp_layout=[1,2]"], 2, "must sum to model.num_layers=4"),
+    (["parallel.pp=2", "parallel.pp_layout=[0,4]"], 2, "with at least one layer on the first stage"),
+    (["parallel.pp=2", "parallel.pp_depth_stages=[1,1]"], 2, "has 2 entries but there are 4 loss depths"),
+    (["parallel.pp=2", "parallel.pp_depth_stages=[0,1,1,1]"], 2, "at or after stage 1 (the trunk's last layer)"),
+    (["parallel.pp=2", "parallel.pp_layout=[2,2]", "parallel.pp_depth_stages=[1,1,1,0]"], 2, "at or after stage 1"),
+    (["parallel.pp=3", "parallel.pp_layout=[3,1,0]", "parallel.pp_depth_stages=[1,2,1,2]"], 3,
+     "MTP depths must be in pipeline order"),
+    (["parallel.pp=2", "parallel.pp_balance=true", "parallel.pp_layout=[2,2]"], 2, "leave them empty"),
+    (["parallel.pp=2", "parallel.pp_depth_stages=[0,1,1,1]", "parallel.pp_layout=[4,0]", "model.tie_embeddings=true"], 2,
+     "model.tie_embeddings=true is not supported with loss depths spread"),
     (["parallel.pp=2", "parallel.pp_layout=[4]"], 2, "has 1 entries but the pipeline has 2 stages"),
     (["parallel.pp=4", "train.micro_batch_size=1"], 4,
      "train.micro_batch_size*train.grad_accum_steps = 1*2 = 2 sequences per step per data-parallel rank cannot be split "
@@ -53,6 +63,7 @@ def test_stage_split_even_and_explicit():
     assert stage_layer_split(4, 2, []) == [[0, 1], [2, 3]]
     assert stage_layer_split(5, 2, []) == [[0, 1, 2], [3, 4]]
     assert stage_layer_split(4, 2, [1, 3]) == [[0], [1, 2, 3]]
+    assert stage_layer_split(4, 3, []) == [[0, 1], [2], [3]]
 
 
 @pytest.mark.parametrize("overrides,expected", [

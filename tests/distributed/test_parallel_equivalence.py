@@ -50,6 +50,17 @@ LAYOUTS = {
     "pp=2,train.freeze_trunk=true": 2,
     # ... and the trunk under no_grad on every stage, several stages per rank
     "pp=2,pp_schedule=interleaved_1f1b,train.freeze_trunk=true": 2,
+    # loss depths spread over the stages (pipeline_plan.py; list items separated by `:`): depth 1 on
+    # the trunk's stage, the trunk's head and depth 2 after it (h_0 travels beside the chain)
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],train.freeze_trunk=true": 2,
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[0:0:1],mtp.style=parallel,mtp.num_layers=2": 2,
+    "pp=2,pp_balance=true": 2,
+    # two stages of one rank share the head / MTP module / embedding: kept whole, summed over dp / ep
+    "pp=2,dp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
+    "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
+    # the teacher (the trunk's normed h_0) read on a stage before the trunk's head, under SP
+    "tp=2,pp=2,sequence_parallel=true,pp_layout=[4:0],pp_depth_stages=[1:0:1],mtp.loss.objective=acceptance": 4,
 }
 # Load-balance and z-loss: the one-process run takes the mean aux loss over all its micro-batches, so
 # every layout must scale each micro-batch's aux gradient by 1/(micro-batches in the global step),
@@ -80,6 +91,7 @@ BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,dp_mode=allreduce": 4,
     "tp=2,ep=2,pp=2": 8,
+    "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,  # spread depths
     f"ep=2,{AUX}": 2,  # fp32 routing and aux/z-loss under bf16 experts
 }.items()}
 RTOL = 1e-5

@@ -38,8 +38,10 @@ BASE = [
 
 
 def layout_overrides(layout: str) -> List[str]:
-    """`tp=2,pp=2` -> parallel.* overrides; items with a dot (`model.qk_norm=true`) are full keys."""
-    return [kv if "." in kv.split("=")[0] else f"parallel.{kv}" for kv in layout.split(",") if kv and kv != "single"]
+    """`tp=2,pp=2` -> parallel.* overrides; items with a dot (`model.qk_norm=true`) are full keys;
+    list items are separated by `:` (`pp_layout=[4:0]`)."""
+    return [(kv if "." in kv.split("=")[0] else f"parallel.{kv}").replace(":", ",")
+            for kv in layout.split(",") if kv and kv != "single"]
 
 
 def make_cfg(layout: str, grad_accum: int):

@@ -54,21 +54,25 @@ def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype
 
 
 def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
-               batch_mesh, dp_mesh, mp_policy=None) -> None:
+               batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset()) -> None:
     """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep,
-    under `mp_policy` (see `fsdp_mixed_precision`; None: fp32)."""
+    under `mp_policy` (see `fsdp_mixed_precision`; None: fp32). `keep_whole`: parameters FSDP leaves
+    alone (pieces two pipeline stages of this rank share)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     all_modules = list(all_modules)
+    keep_whole = set(keep_whole)
     if dp_mesh.size() > 1:
         for top in all_modules:
             for m in top.modules():
-                if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule):
+                if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule) \
+                        and not any(p in keep_whole for p in m.parameters()):
                     fully_shard(m, mesh=dp_mesh, **mp)
-        ignored = None
+        ignored = set(keep_whole)
     else:  # experts replicated nowhere: keep them out of the dp*ep sharding
-        ignored = {p for top in all_modules for p in expert_parameters(top)}
+        ignored = {p for top in all_modules for p in expert_parameters(top)} | keep_whole
+    ignored = ignored or None
     for block in blocks:
         fully_shard(block, mesh=batch_mesh, ignored_params=ignored, **mp)
     for root in roots:
@@ -192,16 +196,20 @@ class GradientFinisher:
        (`GradientBuckets`); when the loop arms it (`overlap_next_backward`) before the last
        micro-batch, each bucket's all-reduce starts during that backward as soon as its gradients
        are final.
-    2. Pipeline: sums the embedding gradient of the first stage and of the last stage's copy.
+    2. Pipeline: sums the gradients of the copies of the embedding, final norm, head and MTP module
+       held by several pp ranks (`shared`: piece -> (group of the holding ranks, copies)).
+       Pieces kept out of FSDP (`replicated_names`: shared by two stages of one rank) are summed over
+       the data-parallel ranks like the all-reduce mode does.
        Sequence parallelism: sums over tp the gradients of replicated parameters that computed on
        one sequence shard (norms, routers, the MTP input projection), as Megatron does.
     3. The true global norm: each rank's local squared norms weighted by 1/(copies of that shard
-       in the job), summed over the world (DTensor shards, tp/ep/fsdp replication, pp stages).
+       in the job), summed over the world (DTensor shards, tp/ep/fsdp replication, pp copies).
     """
 
     def __init__(self, model: nn.Module, world: int, pp: int, allreduce: bool, batch_group, batch_size: int,
-                 dp_group, dp_size: int, tie_group=None, sp_partial_names=(), tp_group=None,
-                 device: Optional[torch.device] = None, reduce_dtype: torch.dtype = torch.float32):
+                 dp_group, dp_size: int, shared: Optional[Dict[str, tuple]] = None, replicated_names=(),
+                 sp_partial_names=(), tp_group=None, device: Optional[torch.device] = None,
+                 reduce_dtype: torch.dtype = torch.float32):
         self.model, self.world, self.pp = model, world, pp
         # collectives need device tensors even on a rank with no gradients (a frozen pp stage)
         self.device = device if device is not None else next(model.parameters()).device
@@ -210,20 +218,21 @@ class GradientFinisher:
         # sequence parallelism: replicated parameters that saw one sequence shard (names survive FSDP)
         self.sp_partial, self.tp_group = set(sp_partial_names), tp_group
         self.allreduce, self.batch_group, self.batch_size = allreduce, batch_group, batch_size
-        self.dp_group, self.dp_size, self.tie_group = dp_group, dp_size, tie_group
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.shared, self.replicated = dict(shared or {}), set(replicated_names)
         self._buckets: Optional[GradientBuckets] = None  # this step's, once armed or synced
 
     def _params(self):
-        for _, p, is_expert, is_embed in self._named_params():
-            yield p, is_expert, is_embed
+        for _, p, is_expert, piece in self._named_params():
+            yield p, is_expert, piece
 
     def _named_params(self):
+        """(name, parameter, is a routed expert, shared piece or None) of every trained parameter."""
         experts = {id(p) for p in expert_parameters(self.model)}
-        embed = getattr(self.model, "embed_tokens", None)
-        embed_id = id(embed.weight) if embed is not None else None
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                yield name, p, id(p) in experts, id(p) == embed_id
+                piece = name.split(".", 1)[0]
+                yield name, p, id(p) in experts, piece if piece in self.shared else None
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -235,21 +244,24 @@ class GradientFinisher:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(local(p.grad), group=self.tp_group)
-        if self.allreduce:
+        if self.allreduce or self.replicated:
             (self._buckets or self._build_buckets()).finish()
-        if self.tie_group is not None:
-            for p, _, is_embed in self._params():
-                if is_embed:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(local(p.grad), group=self.tie_group)
+        # copies on several pp ranks; every holder walks its parameters in the model's order, so the
+        # sums over different holder groups are issued in the same order on every rank
+        for p, _, piece in self._params():
+            if piece is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(local(p.grad), group=self.shared[piece][0])
         self._buckets = None
 
     def _build_buckets(self) -> GradientBuckets:
         entries = []
-        for name, p, is_expert, is_embed in self._named_params():
+        for name, p, is_expert, piece in self._named_params():
+            if not (self.allreduce or name in self.replicated):
+                continue
             if self.dp_size > 1 if is_expert else self.batch_size > 1:
-                late = name in self.sp_partial or (is_embed and self.tie_group is not None)
+                late = name in self.sp_partial or piece is not None
                 entries.append((p, self.dp_group if is_expert else self.batch_group, late))
         self._buckets = GradientBuckets(entries, self.reduce_dtype)
         return self._buckets
@@ -266,14 +278,14 @@ class GradientFinisher:
     def global_norm(self) -> torch.Tensor:
         holders = self.world // self.pp
         total = None
-        for p, _, is_embed in self._params():
+        for p, _, piece in self._params():
             if p.grad is None:
                 continue
             g = p.grad
             shards = 1
             if isinstance(g, DTensor):
                 shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
-            copies = holders * (2 if is_embed and self.tie_group is not None else 1) / shards
+            copies = holders * (self.shared[piece][1] if piece is not None else 1) / shards
             # fp32 sums (no fp64 on accelerators): the norm only sets the clipping coefficient
             sq = local(g).float().pow(2).sum() / copies
             total = sq if total is None else total + sq

@@ -107,16 +107,21 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     batch = dp * ep
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
     mp_policy = None
+    # pieces two stages of one rank use stay out of FSDP (whole, summed over dp*ep by the finisher)
+    whole = pipeline.plan.shared_within_rank() if pipeline is not None else []
+    whole_params = {name: p for name, p in model.named_parameters() if name.split(".", 1)[0] in whole}
     if batch > 1 and p.dp_mode == "fsdp":
         blocks = list(model.layers.values())
         roots = pipeline.modules if pipeline is not None else [model]
         mp_policy = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype)
-        apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy)
-    tie_group = None
+        apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
+                   keep_whole=set(whole_params.values()))
+    shared = {}
     if pp > 1:
-        # first and last stage hold the embedding: sum their gradients (ranks with pp index 0 and
-        # pp-1 and the same dp/ep/tp coordinates)
-        tie_group = _pp_endpoint_group(mesh, pp)
+        # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
+        shared = _shared_piece_groups(mesh, pp, pipeline.plan.holders())
+        if "mtp" in shared:  # the loop sums the MTP routers' loads over the copies too
+            state.extras["mtp_copies_group"] = shared["mtp"][0]
         # the residual stream between stages: the gathered parameters' dtype under FSDP's policy,
         # else fp32 (autocast leaves the embedding and residual adds in fp32)
         pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if mp_policy is not None else torch.float32)
@@ -124,22 +129,35 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     state.extras["clip_grad_norm"] = GradientFinisher(
         model, state.world_size, pp, allreduce=(p.dp_mode == "allreduce"),
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
-        tie_group=tie_group, sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
+        shared=shared, replicated_names=set(whole_params) if p.dp_mode == "fsdp" else (),
+        sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
         device=state.device.device,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
     return model
 
 
-def _pp_endpoint_group(mesh, pp: int):
-    """The process group of {pp rank 0, pp rank pp-1} containing this rank (all ranks must call)."""
-    if pp == 2:
-        return mesh["pp"].get_group()
-    ranks = mesh.mesh  # [pp, dp, ep, tp] global ranks
-    mine = None
-    flat = ranks.reshape(pp, -1)
-    for col in range(flat.shape[1]):
-        pair = [int(flat[0, col]), int(flat[pp - 1, col])]
-        group = dist.new_group(pair)
-        if dist.get_rank() in pair:
-            mine = group
-    return mine
+def _shared_piece_groups(mesh, pp: int, holders) -> dict:
+    """piece -> (process group of the pp ranks holding it with this rank's dp/ep/tp coordinates,
+    number of copies), for the pieces held by more than one pp rank. Every rank creates every group
+    in the same order (dist.new_group is collective); groups are reused across pieces."""
+    ranks = mesh.mesh.reshape(pp, -1)  # [pp, dp*ep*tp] global ranks
+    me = dist.get_rank()
+    made, out = {}, {}
+    for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
+        members = tuple(holders[piece])
+        if len(members) < 2:
+            continue
+        if members not in made:
+            if len(members) == pp:
+                made[members] = mesh["pp"].get_group()
+            else:
+                mine = None
+                for col in range(ranks.shape[1]):
+                    group_ranks = [int(ranks[r, col]) for r in members]
+                    group = dist.new_group(group_ranks)
+                    if me in group_ranks:
+                        mine = group
+                made[members] = mine
+        if made[members] is not None:
+            out[piece] = (made[members], len(members))
+    return out

@@ -5,19 +5,25 @@ lives on pp rank s % pp (so the interleaved schedule gets `virtual` chunks per r
 each rank is pruned in place to what its stages hold, keeping the single-process parameter names
 (`layers.<global index>`), so DCP checkpoints stay portable between layouts.
 
-The last stage holds the final norm, the MTP module, the output head and a copy of the token
-embedding (the MTP steps embed tokens t+k), initialised identical to the first stage's and kept
-identical by summing the two gradients each step (Megatron's shared-embedding all-reduce). Both
-copies are saved under the same key `embed_tokens.weight`: identical replicas, deduplicated by DCP.
+Which stage holds what is `pipeline_plan.PipelinePlan`: trunk layers per stage, and the loss depths
+(the trunk's head, MTP step k with its head) on the last stage by default or spread over the stages
+after the trunk (`parallel.pp_depth_stages`, `parallel.pp_balance`). A stage holding depths also
+holds the output head, the final norm (where a depth reads it), the MTP module and a copy of the
+token embedding (the MTP steps embed tokens t+k). Copies on several pp ranks start identical (the
+same seeded init or checkpoint slice) and stay identical because their gradients are summed over the
+ranks holding them (Megatron's shared-embedding all-reduce, generalised); they are saved under the
+same keys: identical replicas, deduplicated by DCP.
 
-The last stage's forward computes the per-depth loss sums from the trunk output
-(`model.losses_from_hidden`) and returns the loop's combined loss; the schedule backpropagates it
-unscaled (`scale_grads=False`) because the loss is already normalised by the global target count.
-Every stage receives the micro-batch's tokens / loss mask / doc ids as kwargs.
+A stage holding depths computes their per-depth loss sums (`model.losses_from_hidden`, continuing
+the MTP chain from the hidden state it received). The last stage returns its combined share of the
+loss and the schedule backpropagates it unscaled (`scale_grads=False`: the loss is already normalised
+by the global target count); an earlier stage attaches its share to an output with `_LossGrad`, so it
+is differentiated when that output's gradient comes back. Every stage receives the micro-batch's
+tokens / loss mask / doc ids as kwargs.
 
 Precision: every stage's forward runs under the loop's autocast (bf16 compute), and stages exchange
-the residual stream in the dtype it has: fp32 under autocast alone (the embedding and the residual
-adds stay fp32), bf16 when FSDP's mixed-precision policy hands the stages bf16 parameters.
+the residual stream in one dtype: fp32 under autocast alone (the embedding and the residual adds stay
+fp32), bf16 when FSDP's mixed-precision policy hands the stages bf16 parameters.
 """
 
 from __future__ import annotations
@@ -32,75 +38,105 @@ from torch import nn
 from tandem.trainer.loss import combine_losses
 
 from .device import autocast_context
-from .validate import pipeline_microbatches, stage_layer_split
+from .pipeline_plan import PipelinePlan, StagePlan
+from .validate import pipeline_microbatches
 
 
 class _StepContext:
     autocast: tuple = ("cpu", None)
     """(device type, autocast dtype or None for fp32) of every stage forward."""
+    act_dtype: torch.dtype = torch.float32
+    """dtype of the tensors between stages."""
     counts: Optional[torch.Tensor] = None
     coefs: Optional[List[float]] = None
     sums: Optional[torch.Tensor] = None
 
 
-class StageModule(nn.Module):
-    """One pipeline stage: (embedding) -> its trunk layers -> (the loss, on the last stage)."""
+class _LossGrad(torch.autograd.Function):
+    """Identity on a stage output; in backward also feeds d(loss) = 1 into the stage's partial loss
+    graph: a stage before the last computes the losses of the depths it holds, and the schedule only
+    backpropagates the last stage's output as a loss (the same device as moe.AuxLossGrad)."""
 
-    def __init__(self, model: nn.Module, layer_ids: List[int], first: bool, last: bool, ctx: _StepContext):
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor):
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad_output.device)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: (embedding) -> its trunk layers -> the losses of the depths it holds.
+
+    Inputs: the token ids (first stage) or the hidden state from the stage before -- the trunk's
+    residual stream, or after the trunk the MTP chain's state -- plus h_0 when the plan sends it
+    separately. Outputs: the same for the next stage, or the combined loss on the last stage."""
+
+    def __init__(self, model: nn.Module, plan: StagePlan, pieces: List[str], last: bool, ctx: _StepContext):
         super().__init__()
-        self.first, self.last = first, last
-        self.embed = model.embed_tokens if (first or last) else None
-        self.blocks = nn.ModuleList([model.layers[str(i)] for i in layer_ids])
-        if last:
-            self.norm, self.mtp, self.lm_head = model.norm, model.mtp, model.lm_head
+        self.plan, self.first, self.last = plan, plan.index == 0, last
+        self.blocks = nn.ModuleList([model.layers[str(i)] for i in plan.layers])
+        # the shared pieces it uses, registered so that this stage's FSDP root covers them
+        self.pieces = nn.ModuleDict({piece: getattr(model, piece) for piece in pieces})
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_ctx", ctx)
         # A frozen trunk (MTP fine-tuning) runs under no_grad on every stage: no activations kept, and
         # no activation gradients sent back (the received activation's gradient stays None).
         self.trunk_frozen = model.trunk_frozen()
 
-    def forward(self, x, tokens, loss_mask, doc_ids):
+    def forward(self, x, *h0, tokens, loss_mask, doc_ids):
         with autocast_context(*self._ctx.autocast):
-            return self._forward(x, tokens, loss_mask, doc_ids)
+            return self._forward(x, h0[0] if h0 else None, tokens, loss_mask, doc_ids)
 
-    def _forward(self, x, tokens, loss_mask, doc_ids):
+    def _forward(self, x, h0, tokens, loss_mask, doc_ids):
+        plan = self.plan
         b, s = tokens.shape[0], tokens.shape[1] - 1
         positions = torch.arange(s, device=tokens.device).expand(b, s)
         with torch.no_grad() if self.trunk_frozen else nullcontext():
-            h = self.embed(x) if self.first else x
+            h = self._model.embed_tokens(x) if self.first else x
             for block in self.blocks:
                 h = block(h, positions)
-        if not self.last:
-            return h
-        out = self._model.losses_from_hidden(h, tokens, loss_mask, doc_ids, positions)
-        self._ctx.sums += out.loss_sums.detach().float()
-        return combine_losses(out.loss_sums, self._ctx.counts, self._ctx.coefs)
+        loss = None
+        if plan.depths:
+            if plan.chain_in == 0:
+                h0 = h
+            out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions, plan.depths,
+                                                 h_chain=h, chain_depth=plan.chain_in)
+            idx = torch.tensor(plan.depths, device=out.loss_sums.device)
+            self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
+            loss = combine_losses(out.loss_sums, self._ctx.counts[idx], [self._ctx.coefs[d] for d in plan.depths])
+            h = out.chain
+        if self.last:
+            return loss
+        outputs = [h] + ([h0] if plan.send_h0 else [])
+        outputs = [o.to(self._ctx.act_dtype) for o in outputs]  # the dtype the next stage's buffers expect
+        if loss is not None and loss.requires_grad:
+            i = next((i for i, o in enumerate(outputs) if o.requires_grad), None)
+            if i is None:
+                raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but none of its outputs does")
+            outputs[i] = _LossGrad.apply(outputs[i], loss)
+        return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def plan_stages(cfg, pp_rank: int):
-    """(stage indices of this rank, layer ids per stage index, total stages)."""
-    p = cfg.parallel
-    virtual = p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1
-    n_stages = p.pp * virtual
-    split = stage_layer_split(cfg.model.num_layers, n_stages, list(p.pp_layout))
-    mine = [s for s in range(n_stages) if s % p.pp == pp_rank]
-    return mine, split, n_stages
+    """(stage indices of this rank, the pipeline plan)."""
+    plan = PipelinePlan(cfg)
+    return plan.stages_of(pp_rank), plan
 
 
 def prune_model(model: nn.Module, cfg, pp_rank: int) -> None:
     """Drop what this pp rank's stages do not hold (names of the rest are unchanged)."""
-    mine, split, n_stages = plan_stages(cfg, pp_rank)
-    keep = {i for s in mine for i in split[s]}
+    mine, plan = plan_stages(cfg, pp_rank)
+    keep = {i for s in mine for i in plan.split[s]}
     for name in list(model.layers.keys()):
         if int(name) not in keep:
             del model.layers[name]
-    first, last = 0 in mine, (n_stages - 1) in mine
-    if not (first or last):
-        model.embed_tokens = None
-    if not last:
-        model.norm = None
-        model.lm_head = None
-        model.mtp = None
+    holders = plan.holders()
+    for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
+        if pp_rank not in holders[piece]:
+            setattr(model, piece, None)
 
 
 class Pipeline:
@@ -115,7 +151,8 @@ class Pipeline:
         self.pp_group = pp_mesh.get_group()
         self.pp = p.pp
         pp_rank = pp_mesh.get_local_rank()
-        mine, split, n_stages = plan_stages(cfg, pp_rank)
+        mine, plan = plan_stages(cfg, pp_rank)
+        n_stages = plan.n_stages
         self.n_micro = pipeline_microbatches(cfg)
         self.num_depths = 1 + cfg.mtp.num_steps
         self.micro_size = cfg.train.micro_batch_size * cfg.train.grad_accum_steps // self.n_micro
@@ -124,9 +161,10 @@ class Pipeline:
         self.seq_len, self.hidden = cfg.data.seq_len // sp_tp, cfg.model.hidden_size
         self.act_dtype = torch.float32  # build_schedule sets the run's
         self.device = device
-        self.modules = [StageModule(model, split[s], s == 0, s == n_stages - 1, self.ctx) for s in mine]
+        self.plan = plan
+        self.modules = [StageModule(model, plan.stages[s], plan.stage_pieces(s), s == n_stages - 1, self.ctx)
+                        for s in mine]
         self.has_first, self.has_last = 0 in mine, (n_stages - 1) in mine
-        self.last_rank = dist.get_global_rank(self.pp_group, (n_stages - 1) % p.pp)
         self._mine, self._n_stages = mine, n_stages
         self._kinds = (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
         self.schedule = None
@@ -138,16 +176,20 @@ class Pipeline:
         stages (the static metadata must match what the stages produce)."""
         PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B = self._kinds
         self.ctx.autocast = (self.device.type, autocast_dtype)
-        self.act_dtype = act_dtype
+        self.act_dtype = self.ctx.act_dtype = act_dtype
         # Static stage metadata: dynamic inference would run an extra forward of the first
         # micro-batch (counting its losses and router loads twice).
         b, s_len, h = self.micro_size, self.seq_len, self.hidden
-        act = torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype, requires_grad=True)
+        act = lambda: torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype, requires_grad=True)  # noqa: E731
         tokens = torch.zeros(b, s_len, dtype=torch.long, device=self.device)
-        stages = [PipelineStage(m, s, self._n_stages, self.device, group=self.pp_group,
-                                input_args=(tokens if s == 0 else act,),
-                                output_args=(torch.empty((), device=self.device) if s == self._n_stages - 1 else act,))
-                  for m, s in zip(self.modules, self._mine)]
+        stages = []
+        for m, s in zip(self.modules, self._mine):
+            st = self.plan.stages[s]
+            inputs = (tokens,) if s == 0 else (act(),) + ((act(),) if st.recv_h0 else ())
+            outputs = (torch.empty((), device=self.device),) if s == self._n_stages - 1 else \
+                (act(),) + ((act(),) if st.send_h0 else ())
+            stages.append(PipelineStage(m, s, self._n_stages, self.device, group=self.pp_group,
+                                        input_args=inputs, output_args=outputs))
         loss_fn = lambda out, target: out  # noqa: E731  (the last stage already returns the loss)
         if self.schedule_name == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
@@ -164,6 +206,6 @@ class Pipeline:
         args = (tokens[:, :-1].contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
         self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
-        sums = self.ctx.sums
-        dist.broadcast(sums, src=self.last_rank, group=self.pp_group)
+        sums = self.ctx.sums  # each depth's sum lives on the rank holding it (zeros elsewhere)
+        dist.all_reduce(sums, group=self.pp_group)
         return sums

@@ -5,16 +5,16 @@ Pipeline. The training schedule (torch.distributed.pipelining) moves micro-batch
 sequences; decoding is a latency-bound loop of tiny forwards whose inputs depend on the last one,
 so it has its own plain send/recv path over the pp group. Each rank keeps the KV caches of its own
 trunk layers (a `KVCache` indexed by global layer id, allocated at a layer's first write). The
-*driver* is the rank holding the stage with the output head and the MTP depths (`DecodePlan`;
-the last stage): it runs eval/spec_decode.py's decoder unchanged on a `PipelinedModel` view,
+*driver* is the rank holding the stage with the trunk's head (`DecodePlan`; the last stage unless
+the loss depths are spread): it runs eval/spec_decode.py's decoder unchanged on a `PipelinedModel` view,
 keeping the MTP caches, drafting, verifying, accepting and committing. Which stage holds MTP depth
-k is a lookup (`DecodePlan.mtp_stage`, today the last stage for every depth): a depth held by
-another rank runs there, on that rank's cache of the depth, and its hidden state comes back. Every trunk forward of the
+k is a lookup (`DecodePlan.mtp_stage`: `parallel.pp_depth_stages`, the last stage by default): a depth
+held by another rank runs there, on that rank's cache of the depth, and its hidden state comes back. Every trunk forward of the
 decoder (prefill, verify, teacher-forced) becomes one pass through the stages: the driver
 broadcasts a header over the pp group (the committed tokens and draft tokens to run, their
 positions -- i.e. where each row's accepted prefix ends -- and whether a new cache starts), the
 first stage embeds, each stage runs its layers on its caches and sends the hidden state to the
-next stage's rank, the last stage's output lands on the driver. Stage s lives on pp rank s % pp,
+next stage's rank, the output of the trunk's last stage lands on the driver. Stage s lives on pp rank s % pp,
 so under the interleaved placement the hidden state goes around the ring `virtual` times. The
 other ranks (*followers*) only answer headers until the driver says stop.
 
@@ -52,17 +52,19 @@ class DecodePlan:
     def __init__(self, cfg, pp_rank: int):
         self.pp = cfg.parallel.pp
         self.pp_rank = pp_rank
-        self.mine, self.split, self.n_stages = plan_stages(cfg, pp_rank)
+        self.mine, plan = plan_stages(cfg, pp_rank)
+        self.split, self.n_stages, self.trunk_end = plan.split, plan.n_stages, plan.trunk_end
         self.num_steps = cfg.mtp.num_steps
-        self.head_stage = self.n_stages - 1
+        self.head_stage = plan.depth_stage[0]
+        self._depth_stage = plan.depth_stage
 
     def stage_rank(self, stage: int) -> int:
         """pp rank (index in the pp group) that holds pipeline stage `stage`."""
         return stage % self.pp
 
     def mtp_stage(self, depth: int) -> int:
-        """The stage holding MTP depth `depth` (1-based): prune_model keeps the MTP module on the last."""
-        return self.n_stages - 1
+        """The stage holding MTP depth `depth` (1-based): `parallel.pp_depth_stages`, the last by default."""
+        return self._depth_stage[depth]
 
     def mtp_rank(self, depth: int) -> int:
         return self.stage_rank(self.mtp_stage(depth))
@@ -82,20 +84,31 @@ class StagePass:
         self.hidden, self.dtype, self.device = hidden, dtype, device
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache]):
+        """Trunk stages 0 .. trunk_end in order; the trunk's output lands on the driver."""
         plan, (b, s) = self.plan, positions.shape
+        end, driver = plan.trunk_end, plan.driver
         h = None
         for stage in plan.mine:
+            if stage > end:
+                break
             if stage == 0:
                 h = self.model.embed_tokens(tokens)
             else:
-                h = torch.empty(b, s, self.hidden, dtype=self.dtype, device=self.device)
-                dist.recv(h, group=self.group, group_src=plan.stage_rank(stage - 1))
+                h = self._recv(b, s, plan.stage_rank(stage - 1))
             for i in plan.split[stage]:
                 h = self.model.layers[str(i)](h, positions, cache.layer(i) if cache is not None else None)
-            if stage < plan.n_stages - 1:
+            dst = plan.stage_rank(stage + 1) if stage < end else driver
+            if dst != plan.pp_rank or stage < end:
                 # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
-                dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=plan.stage_rank(stage + 1))
-        return h if plan.head_stage in plan.mine else None
+                dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=dst)
+        if plan.pp_rank == driver and plan.stage_rank(end) != driver:
+            h = self._recv(b, s, plan.stage_rank(end))
+        return h if plan.pp_rank == driver else None
+
+    def _recv(self, b: int, s: int, src: int) -> torch.Tensor:
+        h = torch.empty(b, s, self.hidden, dtype=self.dtype, device=self.device)
+        dist.recv(h, group=self.group, group_src=src)
+        return h
 
 
 class _MTPShape:

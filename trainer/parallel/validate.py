@@ -11,20 +11,6 @@ from typing import List
 from ..config import ConfigError, TandemConfig
 
 
-def stage_layer_split(num_layers: int, num_stages: int, layout: List[int]) -> List[List[int]]:
-    """Global trunk-layer indices of each pipeline stage (explicit layout, or as even as possible)."""
-    if layout:
-        counts = list(layout)
-    else:
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    out, start = [], 0
-    for c in counts:
-        out.append(list(range(start, start + c)))
-        start += c
-    return out
-
-
 def pipeline_microbatches(cfg: TandemConfig) -> int:
     """Pipeline micro-batches per step on one data-parallel rank (the schedule splits the rank's
     train.micro_batch_size * train.grad_accum_steps sequences into this many equal chunks).
@@ -109,16 +95,8 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
         virtual = p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1
         if virtual < 1:
             raise ConfigError(f"parallel.pp_virtual_stages={virtual} must be positive")
-        stages = p.pp * virtual
-        if p.pp_layout:
-            if len(p.pp_layout) != stages:
-                raise ConfigError(f"parallel.pp_layout has {len(p.pp_layout)} entries but the pipeline has "
-                                  f"{stages} stages (parallel.pp={p.pp} x {virtual} virtual)")
-            if sum(p.pp_layout) != m.num_layers or min(p.pp_layout) < 1:
-                raise ConfigError(f"parallel.pp_layout={list(p.pp_layout)} must be positive and sum to "
-                                  f"model.num_layers={m.num_layers}")
-        elif m.num_layers % stages:
-            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by the {stages} pipeline stages "
-                              f"(parallel.pp={p.pp} x {virtual} virtual); set parallel.pp_layout")
+        from .pipeline_plan import PipelinePlan
+
+        PipelinePlan(cfg).check(cfg)
         pipeline_microbatches(cfg)  # raises when the step's sequences cannot be split
     return dp
