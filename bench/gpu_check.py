@@ -214,12 +214,12 @@ def train_pair(name: str, recipe: str, overrides: list, device, args, judged: bo
 def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     """Train the 16-layer trunk + 1-layer MTP briefly with the real Trainer, then decode with it."""
     from tandem.data_pipeline.dataset import get_batch
-    from tandem.eval.metrics import evaluate_decoding
+    from tandem.eval.metrics import distinct_n, evaluate_decoding
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import Trainer
     from tandem.trainer.parallel.device import autocast_context
 
-    steps = args.spec_train_steps if args.spec_train_steps is not None else (2 if args.quick else 300)
+    steps = args.spec_train_steps if args.spec_train_steps is not None else (15 if args.quick else 300)
     n_prompts, prompt_len, new = (2, 16, 12) if args.quick else (8, 64, 64)
     overrides = (SPEC_QUICK if args.quick else []) + [
         "model.num_layers=16", "mtp.num_layers=1", f"mtp.num_steps={K}", f"device={device.type}", "train.dtype=bf16",
@@ -247,8 +247,8 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     # autocast is no serving setup, so CPU decodes in fp32
     precision = autocast_context(device.type, torch.bfloat16) if device.is_accelerator else contextlib.nullcontext()
     with torch.inference_mode(), precision:
-        m, _, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=new, batch_size=1, warmup=True,
-                                    repeats=1 if args.quick else 3)
+        m, spec_runs, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=new, batch_size=1,
+                                            warmup=True, repeats=1 if args.quick else 3)
     a, s = m["acceptance_length"], m["speedup"]
     show("spec.prompts", f"{n_prompts} x {prompt_len} tokens, {new} new tokens, batch 1, greedy, K={K}")
     show("spec.acceptance_length", a)
@@ -260,6 +260,8 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     show("spec.speedup_predicted", m["speedup_predicted"])
     show("spec.speedup_over_acceptance", s / a, ".4f", judge(s / a, TARGETS["speedup_over_acceptance"], True, judged))
     show("spec.identical_to_autoregressive", int(m["identical_to_autoregressive"]))
+    # near 1 for varied text; low when continuations loop, which are easy to draft and inflate acceptance
+    show("spec.distinct_4", distinct_n([o for r in spec_runs for o in r.outputs], 4), ".4f")
     del trainer, model
     free_memory(device)
 
@@ -297,6 +299,8 @@ def main(argv=None) -> int:
         device = resolve_device(args.device, dtype="bf16")
     except ConfigError as exc:  # no such device here, or no bf16 on it: before any work
         p.exit(2, f"gpu_check: error: {str(exc).replace(chr(39) + 'device' + chr(39) + '=', '--device=')}\n")
+    if args.quick and not device.is_accelerator:
+        torch.set_num_threads(1)  # ops this small only pay for intra-op threads (and thrash a shared CPU)
     t_start = time.perf_counter()
     judged = device.is_accelerator
     name = device.module.get_device_name(device.device) if judged else "cpu"

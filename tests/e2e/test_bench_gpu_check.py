@@ -100,6 +100,7 @@ def test_spec_decode_figures(quick):
     assert abs(num(f, "spec.speedup") - speedup) <= 0.01 * speedup
     assert close(num(f, "spec.speedup_over_acceptance"), num(f, "spec.speedup") / a, 3)
     assert f["spec.identical_to_autoregressive"] == "1"  # greedy speculative tokens == autoregressive
+    assert 0 < num(f, "spec.distinct_4") <= 1
     assert verdicts["spec.speedup_over_acceptance"].startswith("n/a (target >= 0.8")
 
 
