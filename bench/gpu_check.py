@@ -26,13 +26,14 @@ import contextlib
 import gc
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import time
 
-import torch
+T0 = time.perf_counter()  # runtime_s counts the torch import too
+
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -135,7 +136,7 @@ def measure_steps(recipe: str, overrides: list, device, warmup: int, steps: int)
         device.synchronize()
         times.append(time.perf_counter() - t0)
     peak = device.peak_memory_gb() - rss0  # CPU: growth of the process's peak RSS over its RSS before
-    del trainer, batches
+    trainer = batches = None  # the closure's references too: the next config needs the memory
     free_memory(device)
     step_s = statistics.median(times)
     return {"cfg": cfg, "step_s": step_s, "tokens_per_s": mb * seq / step_s, "peak_gib": peak,
@@ -298,10 +299,10 @@ def main(argv=None) -> int:
     try:
         device = resolve_device(args.device, dtype="bf16")
     except ConfigError as exc:  # no such device here, or no bf16 on it: before any work
-        p.exit(2, f"gpu_check: error: {str(exc).replace(chr(39) + 'device' + chr(39) + '=', '--device=')}\n")
+        message = str(exc).replace(f"config key 'device'={args.device!r}", f"--device {args.device}")
+        p.exit(2, f"gpu_check: error: {message}\n")
     if args.quick and not device.is_accelerator:
         torch.set_num_threads(1)  # ops this small only pay for intra-op threads (and thrash a shared CPU)
-    t_start = time.perf_counter()
     judged = device.is_accelerator
     name = device.module.get_device_name(device.device) if judged else "cpu"
     peak = args.peak_tflops or device.peak_tflops()
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     train_pair("1b", MOE_RECIPE, size_moe(device, args), device, args, judged, target_config=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as run_dir:
         spec_decode(device, args, judged, run_dir)
-    runtime = time.perf_counter() - t_start
+    runtime = time.perf_counter() - T0
     show("runtime_s", runtime, ".1f", judge(runtime, TARGETS["runtime_s"], False, judged and not args.quick))
     keys = {"mfu_1b": "1b.k3.mfu", "mfu_1b_k0": "1b.k0.mfu", "tokens_per_s_1b_k0": "1b.k0.tokens_per_s",
             "tokens_per_s_1b_k3": "1b.k3.tokens_per_s", "flop_ratio_1b": "1b.flop_ratio_k3_over_k0",
