@@ -1,8 +1,14 @@
 """Training throughput: Tandem vs transformers' Qwen3-MoE on the identical model, one process.
 
 Both sides train the same architecture from random init (no download): fwd + bwd + AdamW (foreach,
-same hyper-parameters), fp32, on the same fixed tokens. Repetitions are interleaved (Tandem K=0,
-Tandem K=K, transformers, ...) so machine noise hits all alike; medians are reported.
+same hyper-parameters), on the same fixed tokens, in fp32 or (`--dtype bf16`) both under CPU bf16
+autocast with fp32 weights. Repetitions are interleaved (Tandem K=0, Tandem K=K, transformers, ...)
+so machine noise hits all alike; medians are reported.
+
+`--compile` adds Tandem K=0 with its blocks compiled (`train.compile`: trunk/MTP blocks under
+torch.compile, regional) to the interleaved runs; transformers always runs eager. Printed ratios
+(tokens/s, same dtype on both sides): `tandem_eager_over_transformers_eager` (K=0) and, with
+--compile, `tandem_compiled_over_transformers_eager` (K=0).
 
 Config mapping (Tandem `ModelConfig` -> `transformers.Qwen3MoeConfig`):
   vocab_size -> vocab_size; hidden_size -> hidden_size; num_layers -> num_hidden_layers;
@@ -15,8 +21,9 @@ Config mapping (Tandem `ModelConfig` -> `transformers.Qwen3MoeConfig`):
   max_seq_len -> max_position_embeddings; untied embeddings on both; SDPA attention on both.
 K>0 adds Tandem's MTP module (K looped steps, 1 layer); transformers has no MTP and runs K=0.
 
-    python bench/throughput.py [--steps N] [--k 3] [--layers 4 --hidden 256 ...]
-ends with: tandem_over_transformers=<tokens/s ratio at K=0>
+    python bench/throughput.py [--steps N] [--k 3] [--dtype fp32|bf16] [--compile] [--layers 4 ...]
+ends with: tandem_over_transformers=<tokens/s ratio at K=0, Tandem as configured (compiled with
+--compile, else eager) over eager transformers, both in --dtype>
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
 from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
+from tandem.trainer.parallel.compile import apply_compile  # noqa: E402
 
 
 def tandem_config(a) -> ModelConfig:
@@ -61,22 +69,23 @@ def hf_config(cfg: ModelConfig):
 
 
 class TandemRunner:
-    def __init__(self, cfg: ModelConfig, k: int, tokens: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, k: int, tokens: torch.Tensor, bf16: bool, compiled: bool = False):
         torch.manual_seed(0)
         self.mtp = MTPConfig(num_steps=k, num_layers=1, style="looped") if k else MTPConfig(num_steps=0)
-        self.model = TandemModel(cfg, self.mtp).train()
+        self.model = apply_compile(TandemModel(cfg, self.mtp).train(), compiled)
         self.optimizer = build_optimizer(self.model, load_config(None, []).train)
-        self.tokens = tokens
+        self.tokens, self.bf16 = tokens, bf16
 
     def step(self) -> None:
-        out = self.model(self.tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            out = self.model(self.tokens)
         combine_losses(out.loss_sums, out.token_counts.float(), depth_coefficients(self.mtp, 0)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
 
 class HFRunner:
-    def __init__(self, cfg: ModelConfig, tokens: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, tokens: torch.Tensor, bf16: bool):
         from transformers import Qwen3MoeForCausalLM
 
         torch.manual_seed(0)
@@ -84,10 +93,12 @@ class HFRunner:
         t = load_config(None, []).train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                            weight_decay=t.weight_decay, foreach=True)
-        self.tokens = tokens
+        self.tokens, self.bf16 = tokens, bf16
 
     def step(self) -> None:
-        self.model(input_ids=self.tokens[:, :-1], labels=self.tokens[:, :-1].clone()).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.model(input_ids=self.tokens[:, :-1], labels=self.tokens[:, :-1].clone()).loss
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -113,6 +124,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3, help="MTP steps of the second Tandem model (>= 1)")
     p.add_argument("--steps", type=int, default=8, help="timed repetitions per model (after one warm-up)")
     p.add_argument("--expert-matmul", default="auto", choices=["auto", "grouped", "loop"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: CPU autocast on both sides")
+    p.add_argument("--compile", action="store_true", help="also run Tandem K=0 with its blocks compiled")
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one step of each")
     a = p.parse_args()
     if a.k < 1:
@@ -120,18 +133,22 @@ def main() -> None:
 
     cfg = tandem_config(a)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    runners = {"tandem_k0": TandemRunner(cfg, 0, tokens), f"tandem_k{a.k}": TandemRunner(cfg, a.k, tokens),
-               "transformers": HFRunner(cfg, tokens)}
+    bf16 = a.dtype == "bf16"
+    runners = {"tandem_k0": TandemRunner(cfg, 0, tokens, bf16), f"tandem_k{a.k}": TandemRunner(cfg, a.k, tokens, bf16),
+               "transformers": HFRunner(cfg, tokens, bf16)}
+    if a.compile:
+        runners["tandem_k0_compiled"] = TandemRunner(cfg, 0, tokens, bf16, compiled=True)
     n_t = sum(p.numel() for p in runners["tandem_k0"].model.parameters())
     n_h = sum(p.numel() for p in runners["transformers"].model.parameters())
     print(f"config: layers={a.layers} hidden={a.hidden} heads={a.heads}/{a.kv_heads} experts={a.experts} "
           f"top{a.top_k} moe_width={a.moe_width} vocab={a.vocab} batch={a.batch}x{a.seq_len}; parameters "
           f"tandem {n_t / 1e6:.2f}M, transformers {n_h / 1e6:.2f}M; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.get_num_threads()} threads, {a.dtype}{', tandem compiled too' if a.compile else ''}", flush=True)
     if n_t != n_h:
         raise SystemExit(f"config mapping broken: {n_t} vs {n_h} parameters")
     for r in runners.values():
-        r.step()  # warm-up
+        r.step()  # warm-up (and, compiled, the compilation: the second step recompiles once more)
+        r.step()
     times = {name: [] for name in runners}
     for _ in range(a.steps):
         for name, r in runners.items():
@@ -150,11 +167,16 @@ def main() -> None:
             print(f"--- {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     # on a shared machine the fastest repetitions are the least disturbed: their ratio as a cross-check
     fastest = {name: min(t) for name, t in times.items()}
-    print(f"fastest-step ratios: tandem_k0/transformers={fastest['transformers'] / fastest['tandem_k0']:.3f} "
-          f"tandem_k{a.k}/transformers={fastest['transformers'] / fastest[f'tandem_k{a.k}']:.3f}")
+    print("fastest-step ratios: " + " ".join(f"{name}/transformers={fastest['transformers'] / fastest[name]:.3f}"
+                                             for name in runners if name != "transformers"))
     ratio_k = tps[f"tandem_k{a.k}"] / tps["transformers"]
     print(f"tandem_k{a.k}_over_transformers_k0={ratio_k:.3f}")
-    print(f"tandem_over_transformers={tps['tandem_k0'] / tps['transformers']:.3f}")
+    eager = tps["tandem_k0"] / tps["transformers"]
+    print(f"tandem_eager_over_transformers_eager={eager:.3f} ({a.dtype})")
+    if a.compile:
+        compiled = tps["tandem_k0_compiled"] / tps["transformers"]
+        print(f"tandem_compiled_over_transformers_eager={compiled:.3f} ({a.dtype})")
+    print(f"tandem_over_transformers={compiled if a.compile else eager:.3f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ group-limited routing, routed scaling) and Qwen3-MoE / Mixtral (softmax scores).
 token copies are sorted by expert, and one `torch._grouped_mm` per projection computes every expert's
 contiguous block from the per-expert counts as a device tensor, so a one-process MoE forward never
 waits for the host (no `.tolist()`/`.item()`; counts come from `scatter_add_`, not `bincount`, which
-syncs on CUDA). Where the grouped kernel is missing for the device/dtype (or the row strides are not
+syncs on CUDA). The kernel sits behind two custom ops (`tandem::grouped_mm` and its backward's
+`tandem::grouped_mm_raw`), so `torch.compile` (`train.compile`) traces a block through it without a
+graph break. Where the grouped kernel is missing for the device/dtype (or the row strides are not
 16-byte aligned) the experts fall back to one matmul per expert over host-side counts
 (`model.expert_matmul`). Expert parallelism swaps in a dispatcher around `GroupedExperts` (see
 trainer/parallel/); the model itself holds no process groups.
@@ -54,22 +56,59 @@ def expert_counts(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, flat_indices, torch.ones_like(flat_indices))
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm`'s backward
-    rejects the expanded (stride-0) gradients that e.g. `sum()` produces."""
+# `torch._grouped_mm` behind custom ops: torch.compile then treats the grouped matmul as one opaque
+# call (its own fake implementation of the aten op accepts bf16 only, and the 16-byte base-pointer
+# check reads `data_ptr()`, which a graph cannot), while eager runs the same kernel as before.
+def _base_aligned(t: torch.Tensor) -> torch.Tensor:
+    # the grouped kernel needs 16-byte aligned base pointers; a view at an odd offset gets a fresh copy
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
-    @staticmethod
-    def forward(ctx, x):
-        return x
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
+@torch.library.custom_op("tandem::grouped_mm_raw", mutates_args=())
+def _grouped_mm_raw(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a, b, offs=offs)`: a [N, K] x b [E, K, M] -> [N, M] (row groups of a), or
+    a [M, N] x b [N, K] -> [E, M, K] (groups along the shared dimension N)."""
+    return torch._grouped_mm(_base_aligned(a), _base_aligned(b), offs=offs)
+
+
+@_grouped_mm_raw.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("tandem::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row block e of x [N, in] (rows offs[e-1]:offs[e]) times w[e].T, w [E, out, in] -> [N, out]."""
+    return torch._grouped_mm(_base_aligned(x), _base_aligned(w).transpose(-2, -1), offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    g = grad.contiguous()  # e.g. sum() hands in an expanded (stride-0) gradient, which the kernel rejects
+    grad_x = _grouped_mm_raw(g, w, offs) if ctx.needs_input_grad[0] else None  # g_e @ w[e]
+    grad_w = _grouped_mm_raw(g.t(), x, offs) if ctx.needs_input_grad[1] else None  # g_e.T @ x_e, per group
+    return grad_x, grad_w, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 _GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
 
 
+@torch._dynamo.assume_constant_result  # under torch.compile: probed eagerly while tracing, a constant after
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward on this device type and dtype (probed
     once on a tiny case: CPU has it in torch >= 2.9, CUDA only on some architectures/dtypes)."""
@@ -91,12 +130,13 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _grouped_mm(x_nh: torch.Tensor, w_eoh: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Row block e of x (rows offs[e-1]:offs[e]) times w[e].T: weights are stored [E, out, in]."""
-    return _ContiguousGrad.apply(torch._grouped_mm(x_nh, w_eoh.transpose(-2, -1), offs=offs))
+    return _grouped_mm_op(x_nh, w_eoh, offs)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    # the grouped kernel needs 16-byte aligned row strides and base pointers
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+def _rows_aligned(t: torch.Tensor) -> bool:
+    # the grouped kernel needs 16-byte aligned row strides (a shape property, so decidable while tracing;
+    # base pointers are fixed up inside the op)
+    return all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
 
 
 def expert_swiglu(x_nh: torch.Tensor, counts: torch.Tensor, gate_eih: torch.Tensor, up_eih: torch.Tensor,
@@ -109,7 +149,7 @@ def expert_swiglu(x_nh: torch.Tensor, counts: torch.Tensor, gate_eih: torch.Tens
         dev = x_nh.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate_eih.dtype
         x, gate, up, down = (t.to(dtype) for t in (x_nh, gate_eih, up_eih, down_ehi))
-        if _grouped_mm_works(x.device, dtype) and all(_aligned(t) for t in (x, gate, up, down)):
+        if _grouped_mm_works(x.device, dtype) and all(_rows_aligned(t) for t in (x, gate, up, down)):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(_grouped_mm(x, gate, offs)) * _grouped_mm(x, up, offs)
             return _grouped_mm(h, down, offs)

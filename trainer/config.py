@@ -121,6 +121,9 @@ class TrainConfig:
     """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`, `full`
     (keep only each block's input) or `selective` (keep matmul and attention outputs; recompute norms,
     activations, rotary and routing)."""
+    compile: bool = False
+    """`torch.compile` each transformer block's training forward (trunk and MTP layers; regional, as
+    torchtitan does). Decoding and evaluation run eager. Not with parallel.tp > 1 or activation checkpointing."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact sums of
     the bf16-computed gradients) or `bf16` (half the traffic). Master weights and optimizer state stay fp32."""

@@ -30,18 +30,23 @@ def test_mtp_objectives_bench(tiny_base, tmp_path):
         assert os.path.isdir(tmp_path / objective / "checkpoints")
 
 
-def test_throughput_bench():
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bf16", "--compile"]])
+def test_throughput_bench(flags):
     """Tandem vs transformers' Qwen3-MoE at tiny sizes: same parameter count (the config mapping holds),
-    every runner steps, and the ratio lines are printed last."""
+    every runner steps (fp32; bf16 autocast with Tandem's blocks compiled), and the ratio lines are
+    printed last."""
     cmd = [sys.executable, "bench/throughput.py", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
            "--experts", "4", "--moe-width", "32", "--vocab", "128", "--seq-len", "16", "--batch", "2",
-           "--steps", "1", "--k", "2"]
+           "--steps", "1", "--k", "2", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert "parameters tandem 0.05M, transformers 0.05M" in lines[0]
-    assert {line.split(":")[0] for line in lines[1:4]} == {"tandem_k0", "tandem_k2", "transformers"}
-    assert lines[-3].startswith("fastest-step ratios: ")
-    assert lines[-2].startswith("tandem_k2_over_transformers_k0=")
+    runners = {"tandem_k0", "tandem_k2", "transformers"} | ({"tandem_k0_compiled"} if flags else set())
+    assert {line.split(":")[0] for line in lines[1:1 + len(runners)]} == runners
+    assert lines[-4 - bool(flags)].startswith("fastest-step ratios: ")
+    ratios = [line.split("=")[0] for line in lines[-3 - bool(flags):-1]]
+    assert ratios == ["tandem_k2_over_transformers_k0", "tandem_eager_over_transformers_eager"] + (
+        ["tandem_compiled_over_transformers_eager"] if flags else []), lines
     assert lines[-1].startswith("tandem_over_transformers=") and float(lines[-1].split("=")[1]) > 0

@@ -1,0 +1,103 @@
+"""train.compile: compiled blocks train like eager ones (fp32 and bf16 autocast), keep their parameter
+names, leave decoding eager (no recompiles), and the layouts it cannot take fail in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.models.attention import KVCache
+from tandem.trainer.config import ConfigError, load_config
+from tandem.trainer.loop import build_model as build_sharded
+from tandem.trainer.loss import combine_losses, depth_coefficients
+from tandem.trainer.optim import build_optimizer
+from tandem.trainer.parallel import ParallelState
+from tandem.trainer.parallel.activation_checkpoint import checkpointed_blocks
+from tandem.trainer.parallel.compile import apply_compile
+from tandem.trainer.parallel.device import resolve_device
+from tandem.trainer.parallel.validate import validate_layout
+
+OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
+             "model.num_experts=4", "model.first_k_dense=1", "model.max_seq_len=64", "mtp.num_steps=3",
+             "data.vocab_size=260", "data.seq_len=24", "model.balance=aux_loss", "model.z_loss_coef=0.001",
+             "train.lr=0.01", "train.warmup_steps=0", "train.eps=1e-6"]
+STEPS = 3
+
+
+def _train(compile_: bool, bf16: bool):
+    """STEPS steps through the trainer's one-process build: per-step per-depth losses, and the first
+    step's gradients (from identical parameters: later steps' parameters already differ by rounding,
+    which under bf16 flips near-tied expert choices and moves whole tokens between experts)."""
+    torch.manual_seed(0)
+    cfg = load_config(None, OVERRIDES + [f"train.compile={str(compile_).lower()}"])
+    model = build_sharded(cfg, ParallelState(device=resolve_device("cpu"))).train()
+    opt = build_optimizer(model, cfg.train)
+    losses = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(step))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(tokens)
+        loss = combine_losses(out.loss_sums, out.token_counts.float(), depth_coefficients(cfg.mtp, step))
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss_sums.detach() / out.token_counts)
+    return model, torch.stack(losses), grads
+
+
+# Tolerances. fp32: inductor fuses the norms, rotary, SwiGLU and routing elementwise work and reorders
+# their reductions, so results differ from eager by fp32 rounding (measured: losses 8e-8, per-parameter
+# gradients 4.4e-6 relative). bf16: the fused kernels keep intermediates in fp32 where eager rounds
+# each op's output to bf16 (2^-8 = 3.9e-3 relative each); measured losses 1.4e-4 (three steps),
+# gradients 8.2e-3 relative per parameter. The tolerances leave 4-10x margin; a wrong gradient (a
+# missing term, a dropped MTP depth, an expert's rows mixed up) is off by O(1).
+@pytest.mark.parametrize("bf16,loss_rtol,grad_rtol", [(False, 1e-6, 3e-5), (True, 2e-3, 3e-2)])
+def test_compiled_training_matches_eager(bf16, loss_rtol, grad_rtol):
+    _, eager_losses, eager_grads = _train(False, bf16)
+    model, losses, grads = _train(True, bf16)
+    blocks = checkpointed_blocks(model)
+    assert len(blocks) == 4 and all(getattr(b, "_tandem_compiled", False) for b in blocks)  # 3 trunk + 1 MTP
+    assert grads.keys() == eager_grads.keys()  # same parameters, same names (checkpoints unchanged)
+    assert [n for n, _ in model.named_parameters()] == list(eager_grads)
+    loss_err = float(((losses - eager_losses).abs() / eager_losses.abs()).max())
+    grad_err = {n: float((grads[n] - eager_grads[n]).norm() / eager_grads[n].norm()) for n in grads}
+    print(f"bf16={bf16}: losses {loss_err:.2e}, gradients {max(grad_err.values()):.2e} relative")
+    assert loss_err <= loss_rtol
+    assert max(grad_err.values()) <= grad_rtol, max(grad_err, key=grad_err.get)
+
+
+def test_decoding_runs_eager_and_never_compiles():
+    """Forwards with a KV cache, or without autograd, take the original forward: no graph is compiled
+    however the shapes vary; a training forward compiles."""
+    compiled_graphs = []
+
+    def counting_backend(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    cfg = load_config(None, OVERRIDES)
+    model = build_sharded(cfg, ParallelState(device=resolve_device("cpu"))).train()
+    apply_compile(model, True, backend=counting_backend)
+    with torch.no_grad():
+        cache = KVCache(cfg.model.num_layers, 1, 40, torch.float32, torch.device("cpu"))
+        for start, length in ((0, 7), (7, 1), (8, 4), (12, 1)):  # prefill, then decode steps of varying size
+            tokens = torch.randint(0, 300, (1, length))
+            model.trunk(tokens, torch.arange(start, start + length).unsqueeze(0), cache)
+        model(torch.randint(0, 300, (2, 25)))  # teacher-forced evaluation loss
+    assert compiled_graphs == []
+    model(torch.randint(0, 300, (2, 25))).loss_sums.sum().backward()
+    assert compiled_graphs
+
+
+@pytest.mark.parametrize("extra,world,named", [
+    (["parallel.tp=2"], 2, "parallel.tp=2"),
+    (["train.activation_checkpointing=full"], 1, "train.activation_checkpointing=full"),
+])
+def test_unsupported_combinations_fail_in_one_line(extra, world, named):
+    cfg = load_config(None, OVERRIDES + ["train.compile=true"] + extra)
+    with pytest.raises(ConfigError, match="train.compile=true") as err:
+        validate_layout(cfg, world)
+    assert named in str(err.value) and "\n" not in str(err.value)
