@@ -74,8 +74,8 @@ class ModelConfig:
     init_from: str = ""
     """Initialise weights from a Hugging Face directory or a Tandem checkpoint (fine-tuning)."""
     expert_matmul: str = "auto"
-    """Routed experts' matmuls: `grouped` (one `torch._grouped_mm` per projection, counts stay on the
-    device), `loop` (one matmul per expert; needs the counts on the host) or `auto` (grouped where the
+    """Routed experts' matmuls: `grouped` (one `torch._grouped_mm` per projection, torch_npu's
+    `npu_grouped_matmul` on Ascend; counts stay on the device), `loop` (one matmul per expert; needs the counts on the host) or `auto` (grouped where the
     device/dtype/shapes support it, else loop). Numerics agree to rounding; weights are the same."""
 
     @property

@@ -105,6 +105,16 @@ def _grouped_mm_backward(ctx, grad):
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
+def register_grouped_mm_kernels(device_type: str, grouped_mm, grouped_mm_raw) -> None:
+    """Device kernels for the two ops where `torch._grouped_mm` is not the one to use (Ascend NPUs:
+    trainer/parallel/device.py registers torch_npu's grouped matmul). The autograd rule above, and with
+    it the backward's use of `grouped_mm_raw`, stays the same on every device."""
+    _grouped_mm_op.register_kernel(device_type)(grouped_mm)
+    _grouped_mm_raw.register_kernel(device_type)(grouped_mm_raw)
+    for key in [k for k in _GROUPED_MM_WORKS if k[0] == device_type]:
+        del _GROUPED_MM_WORKS[key]  # probe again with the new kernels
+
+
 _GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
 
 

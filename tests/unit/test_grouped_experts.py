@@ -106,3 +106,39 @@ def test_moe_forward_and_backward_have_no_host_sync(router_score, n_group):
         out = moe(x)
         out.sum().backward()
     assert x.grad is not None and moe.last_aux_loss is not None or n_group == 2
+
+
+def _documented_npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type):
+    """torch_npu.npu_grouped_matmul's documented semantics for the calls Tandem makes (one x, one
+    weight; group_list_type=0: cumulative group ends): group_type=0 splits x's rows (M), weight [E, K, N]
+    holds one matrix per group; group_type=2 splits the shared dimension K of x [M, K] and weight [K, N]
+    and stacks the per-group products [E, M, N]; split_item 2/3 return one tensor."""
+    assert len(x) == len(weight) == 1 and group_list_type == 0 and group_list.dtype == torch.int64
+    (a,), (b,) = x, weight
+    ends = group_list.tolist()
+    starts = [0] + ends[:-1]
+    if group_type == 0:
+        assert split_item == 2 and b.dim() == 3
+        return [torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])]
+    assert group_type == 2 and split_item == 3 and b.dim() == 2
+    return [torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])]
+
+
+def test_npu_kernels_compute_what_torch_grouped_mm_does():
+    """Ascend: the MoE's grouped-matmul ops on torch_npu's kernel (trainer/parallel/device.py). No NPU
+    here: the kernels run on the CPU against torch_npu's documented semantics, and forward, input and
+    weight gradients must equal torch._grouped_mm's autograd (the path CPU and CUDA take)."""
+    from tandem.trainer.parallel.device import npu_grouped_mm_kernels
+
+    grouped_mm, grouped_mm_raw = npu_grouped_mm_kernels(_documented_npu_grouped_matmul)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 16, generator=g, requires_grad=True)
+    w = torch.randn(3, 8, 16, generator=g, requires_grad=True)  # [E, out, in]
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)  # expert 1 gets no rows
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    dy = torch.randn(y.shape, generator=g)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped_mm(x, w, offs), y, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grouped_mm_raw(dy, w, offs), gx, rtol=1e-6, atol=1e-6)  # as moe's backward calls it
+        torch.testing.assert_close(grouped_mm_raw(dy.t(), x, offs), gw, rtol=1e-6, atol=1e-6)

@@ -95,6 +95,36 @@ def _npu_available() -> bool:
     return torch.npu.is_available()
 
 
+def npu_grouped_mm_kernels(gmm):
+    """The MoE's grouped-matmul ops (models/moe.py `tandem::grouped_mm`, `tandem::grouped_mm_raw`) on
+    torch_npu's `npu_grouped_matmul` (`gmm`; list in, list out). Groups come as the cumulative row
+    offsets the ops already carry (group_list_type=0, int64); `split_item` 2 / 3 return one tensor.
+      grouped_mm(x [N, in], w [E, out, in]) -> [N, out]: row groups of x (group_type=0) times w[e].T;
+      grouped_mm_raw(a [N, K], b [E, K, M]) -> [N, M]: row groups of a times b[e] (the input gradient);
+      grouped_mm_raw(a [M, N], b [N, K]) -> [E, M, K]: groups along the shared dimension N
+        (group_type=2), a_e @ b_e per group (the weight gradient)."""
+
+    def grouped_mm(x, w, offs):
+        return gmm([x], [w.transpose(-2, -1)], group_list=offs.to(torch.int64), split_item=2, group_type=0,
+                   group_list_type=0)[0]
+
+    def grouped_mm_raw(a, b, offs):
+        if b.dim() == 3:
+            return gmm([a], [b], group_list=offs.to(torch.int64), split_item=2, group_type=0, group_list_type=0)[0]
+        return gmm([a], [b], group_list=offs.to(torch.int64), split_item=3, group_type=2, group_list_type=0)[0]
+
+    return grouped_mm, grouped_mm_raw
+
+
+def _use_npu_grouped_mm() -> None:
+    import torch_npu
+
+    from tandem.models.moe import register_grouped_mm_kernels
+
+    if hasattr(torch_npu, "npu_grouped_matmul"):  # older torch_npu: the MoE's per-expert loop
+        register_grouped_mm_kernels("npu", *npu_grouped_mm_kernels(torch_npu.npu_grouped_matmul))
+
+
 def resolve_device(requested: str = "auto", local_rank: int | None = None, dtype: str = "fp32") -> Device:
     """Pick the device and collective backend; `requested` is the config's `device` key, `dtype` the
     config's `train.dtype` (checked against the device). Raises ConfigError (one line naming the key)
@@ -119,6 +149,7 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None, dtype
             raise ConfigError("config key 'device'='npu' but torch_npu is not installed or no NPU is visible")
         torch.npu.set_device(local_rank)
         device = Device("npu", "hccl", torch.device("npu", local_rank))
+        _use_npu_grouped_mm()
     elif kind == "cpu":
         device = Device("cpu", "gloo", torch.device("cpu"))
     else:
