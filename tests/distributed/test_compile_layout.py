@@ -5,11 +5,14 @@ parameters 9.2e-6 relative after three AdamW steps)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_parallel_equivalence import DEFAULT_PARAM_RTOL, RTOL, load, launch, rel_err  # puts worker on sys.path
 
 import worker  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 LAYOUT = "dp=2,train.compile=true"
 
