@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, PLEN, NEW = 32, 8, 8
 
-# ASCII code of a known size (so the decoded text's length is its byte count), about 8 windows long.
-SOURCE = "".join(f"def f{i}(x, y={i}):\n    return [x * y + {i} for _ in range(y)]\n\n" for i in range(40))
+# Two files of ASCII code (so decoded text's length is its byte count), about 10 windows together: the
+# end-of-document token after the first lands inside a scored window.
+SOURCES = {"a.py": "".join(f"def f{i}(x, y={i}):\n    return [x * y + {i} for _ in range(y)]\n\n" for i in range(30)),
+           "b.py": "".join(f"class C{i}:\n    value = {i * 7}\n\n" for i in range(30))}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def checkpoint(tmp_path_factory, tiny_base):
         torch.set_num_threads(threads)
     second = root / "code"
     second.mkdir()
-    (second / "a.py").write_text(SOURCE)
+    for name, text in SOURCES.items():
+        (second / name).write_text(text)
     return root
 
 
@@ -83,14 +86,14 @@ def test_quality_bench_matches_hand_computation(checkpoint):
     step = resolve_checkpoint(str(checkpoint / "run"))
     model, cfg = load_model_from_checkpoint(step)
     tok = _tokenizer_of(cfg, step)
-    stream = tok.encode(SOURCE) + [tok.eod_id]
-    assert (len(stream) - 1) // SEQ < 100  # every window scored
+    stream = [t for name in sorted(SOURCES) for t in tok.encode(SOURCES[name]) + [tok.eod_id]]
+    nwin = (len(stream) - 1) // SEQ
+    assert nwin < 100 and tok.eod_id in stream[1 : nwin * SEQ + 1]  # every window scored, one EOD among them
     # the bench prints 4 decimals
     assert figures["bits_per_byte_pip"] == pytest.approx(_hand_bits_per_byte(model, tok, stream), abs=1e-4)
 
     # the prompts are the first PLEN tokens of 3 evenly spaced windows; greedy speculative output equals
     # plain greedy decoding, so distinct-4 recomputed from an autoregressive decode must agree
-    nwin = (len(stream) - 1) // SEQ
     prompts = [stream[j * SEQ : j * SEQ + PLEN] for j in (i * nwin // 3 for i in range(3))]
     with torch.inference_mode():
         ar = generate(model, prompts, NEW, 0, eos_id=tok.eod_id)
