@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=128, help="teacher-forced windows per source")
     p.add_argument("--prompts", type=int, default=32, help="decoded prompts per source")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward / prompts per decode batch")
-    p.add_argument("--prompt-len", type=int, default=0, help="prompt tokens (default: the checkpoint's eval.prompt_len)")
+    p.add_argument("--prompt-len", type=int, default=0, help="default: the checkpoint's eval.prompt_len")
     p.add_argument("--max-new-tokens", type=int, default=0, help="default: the checkpoint's eval.max_new_tokens")
     p.add_argument("--second-dir", default="", help="second held-out code directory (default: pip/_internal)")
     p.add_argument("--second-bytes", type=int, default=400_000, help="cap on the second source's bytes")
