@@ -196,7 +196,7 @@ class SpecDecoder:
             src = self.h[k - 1] if self.chained else self.h[0]
             out = model.mtp_step(k, src.gather(1, idx), self.seq.gather(1, pos + k), pos, self.mtp_caches[k - 1])
             if self.chained and k < self.K:
-                self.h[k].scatter_(1, idx, out)
+                self.h[k].scatter_(1, idx, out.to(self.h[k].dtype))  # bf16 under autocast
             last = out.gather(1, (r - 1).view(B, 1, 1).expand(B, 1, H))
             logits = model.logits(k, last)[:, 0]
             d, q = self._choose(logits)
@@ -215,7 +215,7 @@ class SpecDecoder:
         """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B])."""
         pos = self.m.unsqueeze(1) + self.ar_k1
         h = self.model.trunk(self.seq.gather(1, pos), pos, self.trunk_cache)
-        self.h[0].scatter_(1, pos.unsqueeze(-1).expand_as(h), h)
+        self.h[0].scatter_(1, pos.unsqueeze(-1).expand_as(h), h.to(self.h[0].dtype))
         logits = self.model.logits(0, h)
         K = self.K
         if self.temperature <= 0:

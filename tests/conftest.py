@@ -8,7 +8,7 @@ TINY_OVERRIDES = [
     "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
     "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
     "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-    "train.warmup_steps=2", "eval.interval=0", "logging.wandb=false", "logging.progress=false",
+    "train.warmup_steps=2", "eval.interval=0", "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
     "mtp.num_steps=2", "model.max_seq_len=64",
 ]
 

@@ -25,7 +25,7 @@ TINY_MODEL_DATA = [
     "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
     "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
     "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-    "logging.wandb=false", "logging.progress=false",
+    "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
 ]
 SMALL = TINY_MODEL_DATA + [
     "train.max_steps=3", "train.grad_accum_steps=2", "train.eps=1e-6",

@@ -20,7 +20,8 @@ def tiny_run(tmp_path_factory):
                  "model.num_kv_heads=1", "model.intermediate_size=64", "model.moe_intermediate_size=32",
                  "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2", "eval.interval=0",
                  "eval.num_prompts=3", "eval.prompt_len=8", "eval.max_new_tokens=8", "eval.loss_batches=1",
-                 "logging.wandb=false", "logging.progress=false", f"data.cache_dir={root / 'cache'}"]
+                 "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
+                 f"data.cache_dir={root / 'cache'}"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -21,7 +21,7 @@ HAS_IN_LOOP = importlib.util.find_spec("tandem.eval.in_loop") is not None
 
 def shape_overrides(tmp):
     return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=64", f"data.cache_dir={tmp}/cache",
-            "logging.wandb=false", "logging.progress=false", "train.micro_batch_size=8"]
+            "train.dtype=fp32", "logging.wandb=false", "logging.progress=false", "train.micro_batch_size=8"]
 
 
 def acceptance(model, prompts, K):

@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def common(tmp):
     return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32", f"data.cache_dir={tmp}/cache",
-            "logging.wandb=false", "logging.progress=false", "train.micro_batch_size=2", "eval.interval=0"]
+            "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
+            "train.micro_batch_size=2", "eval.interval=0"]
 
 
 def listing(path):

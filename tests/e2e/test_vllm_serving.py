@@ -39,7 +39,8 @@ K, MAX_NEW, NUM_PROMPTS, PROMPT_LEN = 3, 32, 8, 48
 OVERRIDES = [
     "data.stdlib_max_bytes=200000", "data.vocab_size=1024", "model.vocab_size=1024", "data.seq_len=128",
     "train.micro_batch_size=4", "model.num_layers=2", "model.num_experts=4", "model.max_seq_len=256",
-    "train.max_steps=60", "train.warmup_steps=10", "eval.interval=0", "logging.wandb=false", "logging.progress=false",
+    "train.max_steps=60", "train.warmup_steps=10", "eval.interval=0", "train.dtype=fp32", "logging.wandb=false",
+    "logging.progress=false",
     "checkpoint.interval=60", "mtp.trunk_input=final_norm",
 ]
 

@@ -19,6 +19,8 @@ def test_file_selection_is_deterministic_and_split_by_test_dir():
     rel = lambda ps: [os.path.relpath(p, root).replace(os.sep, "/") for p in ps]  # noqa: E731
     assert rel(train) == sorted(rel(train)) and rel(valid) == sorted(rel(valid))
     assert all(r.endswith(".py") and not r.startswith("test/") and "site-packages" not in r for r in rel(train))
+    assert not any(r.startswith(("encodings/", "pydoc_data/")) for r in rel(train))  # data tables left out
+    assert "argparse.py" in rel(train) and "json/decoder.py" in rel(train)
     assert all(r.startswith("test/") for r in rel(valid))
     assert sum(map(os.path.getsize, valid)) <= VALID_MAX_BYTES
     capped, _ = stdlib_files(max_bytes=200_000)

@@ -25,7 +25,8 @@ def _train(run_dir, cache_dir, interval, steps=4):
                  "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
                  "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32",
                  "train.micro_batch_size=2", f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
-                 "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", "logging.wandb=false",
+                 "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", "train.dtype=fp32",
+                 "logging.wandb=false",
                  "logging.progress=false", f"data.cache_dir={cache_dir}", "checkpoint.save_final=false"]
     train(load_config("recipes/tiny.yaml", overrides))
     return [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
@@ -86,7 +87,8 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
                  "model.num_kv_heads=1", "model.intermediate_size=64", "model.moe_intermediate_size=32",
                  "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2", "eval.interval=1",
                  "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperatures=[0.7]",
-                 "eval.loss_batches=1", "logging.wandb=false", "logging.progress=false", f"data.cache_dir={cache_dir}"]
+                 "eval.loss_batches=1", "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
+                 f"data.cache_dir={cache_dir}"]
     trainer = Trainer(load_config("recipes/tiny.yaml", overrides))
     model, ev = trainer.model, trainer.evaluator
     model.train()

@@ -34,6 +34,18 @@ def test_greedy_spec_equals_ar(K, L, noise):
         assert 1.2 < a
 
 
+def test_greedy_spec_equals_ar_under_bf16_autocast():
+    """The in-loop evaluator decodes under the training precision: with bf16 autocast the decoder's fp32
+    hidden stores take bf16 layer outputs (a dtype mismatch once failed the first draft), and greedy
+    speculative output still equals greedy autoregressive output computed under the same autocast."""
+    model = make_agreeing(tiny_model(3, 1, seed=5), 0.05, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ar = generate(model, PROMPTS, 16, 0)
+        sp = generate(model, PROMPTS, 16, 3)
+    assert sp.outputs == ar.outputs
+    assert acceptance_metrics(sp.stats)["acceptance_length"] > 1.2
+
+
 def test_greedy_parallel_style_and_eos():
     model = make_agreeing(tiny_model(3, 3, style="parallel", dtype=torch.float64), 0.0)
     ar = generate(model, PROMPTS, 16, 0)
