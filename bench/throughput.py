@@ -21,9 +21,14 @@ Config mapping (Tandem `ModelConfig` -> `transformers.Qwen3MoeConfig`):
   max_seq_len -> max_position_embeddings; untied embeddings on both; SDPA attention on both.
 K>0 adds Tandem's MTP module (K looped steps, 1 layer); transformers has no MTP and runs K=0.
 
-    python bench/throughput.py [--steps N] [--k 3] [--dtype fp32|bf16] [--compile] [--layers 4 ...]
+`--head-backward fused` sets Tandem's mtp.loss_head_backward (the head's gradients computed in
+forward, no logits recompute, like transformers' single full-logits cross-entropy; the default
+`recompute` pays one more head matmul and softmax per chunk for its bounded memory).
+
+    python bench/throughput.py [--steps N] [--k 3] [--dtype fp32|bf16] [--compile]
+                               [--head-backward recompute|fused] [--layers 4 ...]
 ends with: tandem_over_transformers=<tokens/s ratio at K=0, Tandem as configured (compiled with
---compile, else eager) over eager transformers, both in --dtype>
+--compile, else eager; --head-backward) over eager transformers, both in --dtype>
 """
 
 from __future__ import annotations
@@ -69,9 +74,10 @@ def hf_config(cfg: ModelConfig):
 
 
 class TandemRunner:
-    def __init__(self, cfg: ModelConfig, k: int, tokens: torch.Tensor, bf16: bool, compiled: bool = False):
+    def __init__(self, cfg: ModelConfig, k: int, tokens: torch.Tensor, bf16: bool, compiled: bool = False,
+                 head_backward: str = "recompute"):
         torch.manual_seed(0)
-        self.mtp = MTPConfig(num_steps=k, num_layers=1, style="looped") if k else MTPConfig(num_steps=0)
+        self.mtp = MTPConfig(num_steps=k, num_layers=1, style="looped", loss_head_backward=head_backward)
         self.model = apply_compile(TandemModel(cfg, self.mtp).train(), compiled)
         self.optimizer = build_optimizer(self.model, load_config(None, []).train)
         self.tokens, self.bf16 = tokens, bf16
@@ -126,6 +132,8 @@ def main() -> None:
     p.add_argument("--expert-matmul", default="auto", choices=["auto", "grouped", "loop"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: CPU autocast on both sides")
     p.add_argument("--compile", action="store_true", help="also run Tandem K=0 with its blocks compiled")
+    p.add_argument("--head-backward", default="recompute", choices=["recompute", "fused"],
+                   help="Tandem's mtp.loss_head_backward (fused: head gradients in forward, no logits recompute)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one step of each")
     a = p.parse_args()
     if a.k < 1:
@@ -134,10 +142,12 @@ def main() -> None:
     cfg = tandem_config(a)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(1))
     bf16 = a.dtype == "bf16"
-    runners = {"tandem_k0": TandemRunner(cfg, 0, tokens, bf16), f"tandem_k{a.k}": TandemRunner(cfg, a.k, tokens, bf16),
+    hb = a.head_backward
+    runners = {"tandem_k0": TandemRunner(cfg, 0, tokens, bf16, head_backward=hb),
+               f"tandem_k{a.k}": TandemRunner(cfg, a.k, tokens, bf16, head_backward=hb),
                "transformers": HFRunner(cfg, tokens, bf16)}
     if a.compile:
-        runners["tandem_k0_compiled"] = TandemRunner(cfg, 0, tokens, bf16, compiled=True)
+        runners["tandem_k0_compiled"] = TandemRunner(cfg, 0, tokens, bf16, compiled=True, head_backward=hb)
     n_t = sum(p.numel() for p in runners["tandem_k0"].model.parameters())
     n_h = sum(p.numel() for p in runners["transformers"].model.parameters())
     print(f"config: layers={a.layers} hidden={a.hidden} heads={a.heads}/{a.kv_heads} experts={a.experts} "

@@ -124,6 +124,12 @@ class MTPConfig:
     """Stop MTP gradients from reaching the trunk (set by frozen-trunk fine-tuning)."""
     loss_chunk_tokens: int = 2048
     """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab] logits)."""
+    loss_head_backward: str = "recompute"
+    """How the head's cross-entropy (trunk and `ce` MTP depths) gets its gradients: `recompute` (each
+    chunk's logits recomputed in backward: memory one chunk of logits) or `fused` (each chunk's head
+    gradients computed in forward: one head matmul and one softmax fewer per chunk, for a [vocab x
+    hidden] fp32 weight gradient held per depth until backward). The vocab-parallel head (tp > 1)
+    always recomputes."""
     trunk_input: str = "pre_norm"
     """Trunk state MTP step 1 reads: `pre_norm` (before the final norm) or `final_norm` (after it, as
     DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers)."""
@@ -211,5 +217,7 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
         raise ValueError("mtp.loss.weights must be non-negative")
     if mtp.loss.decay <= 0:
         raise ValueError(f"mtp.loss.decay must be positive, got {mtp.loss.decay}")
+    if mtp.loss_head_backward not in ("recompute", "fused"):
+        raise ValueError(f"mtp.loss_head_backward must be 'recompute' or 'fused', got {mtp.loss_head_backward!r}")
     if mtp.loss_chunk_tokens <= 0:
         raise ValueError(f"mtp.loss_chunk_tokens must be positive, got {mtp.loss_chunk_tokens}")

@@ -34,6 +34,52 @@ def chunked_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targe
     return total
 
 
+class _HeadCrossEntropyGradInForward(torch.autograd.Function):
+    """`chunked_cross_entropy_sum` with each chunk's gradients computed in forward (a fused linear
+    cross-entropy): d loss / d logits = softmax - onehot is known once the logits are, so each chunk
+    adds its share to dL/dh and dL/dW right away and its logits are dropped. Backward only scales
+    the two by the incoming gradient: no second head matmul and no second softmax per chunk, for a
+    [vocab x hidden] fp32 weight gradient held from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, h_nh, weight_vh, targets_n, chunk_tokens: int):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h_nh.device)
+        grad_h = torch.empty_like(h_nh) if need_h else None
+        grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if need_w else None
+        for i in range(0, h_nh.shape[0], chunk_tokens):
+            h, t = h_nh[i : i + chunk_tokens], targets_n[i : i + chunk_tokens]
+            logits = F.linear(h, weight_vh).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            d_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            d_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            if need_h:  # the matmuls run in the compute dtype autocast gives them, as autograd's would
+                grad_h[i : i + chunk_tokens] = d_logits @ weight_vh
+            if need_w:
+                grad_w += d_logits.t() @ h
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight_vh.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None,
+                (grad_w * grad_total).to(ctx.weight_dtype) if grad_w is not None else None, None, None)
+
+
+def head_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int,
+                           backward: str = "recompute") -> torch.Tensor:
+    """Sum of token cross-entropies of `h @ weight.T` (valid rows only), chunk by chunk: `recompute`
+    recomputes each chunk's logits in backward (`chunked_cross_entropy_sum`), `fused` computes the
+    head's gradients in forward (`_HeadCrossEntropyGradInForward`); see MTPConfig.loss_head_backward."""
+    if backward == "fused" and h_nh.shape[0] > 0 and torch.is_grad_enabled() \
+            and (h_nh.requires_grad or weight_vh.requires_grad):
+        return _HeadCrossEntropyGradInForward.apply(h_nh, weight_vh, targets_n, chunk_tokens)
+    return chunked_cross_entropy_sum(h_nh, weight_vh, targets_n, chunk_tokens)
+
+
 @torch.no_grad()
 def chunked_argmax(h_nh: torch.Tensor, weight_vh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """argmax of `h @ weight.T` per row, one chunk of logits at a time (self-distillation targets)."""

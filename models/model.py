@@ -20,8 +20,8 @@ from torch import nn
 from .attention import Attention, LayerKV
 from .config import MTPConfig, ModelConfig
 from .layers import RMSNorm, SwiGLU
-from .loss import (chunked_acceptance_loss_sum, chunked_argmax, chunked_cross_entropy_sum,
-                   chunked_soft_cross_entropy_sum)
+from .loss import (chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
+                   head_cross_entropy_sum)
 from .moe import MoE
 from .mtp import MTPModule, depth_target_mask, shifted_tokens
 
@@ -49,15 +49,16 @@ class OutputHead(nn.Module):
     """The vocabulary projection shared by the trunk and every MTP depth (tensor parallelism swaps it
     for a vocab-parallel version with the same two methods)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int):
+    def __init__(self, hidden_size: int, vocab_size: int, backward: str = "recompute"):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.backward = backward  # MTPConfig.loss_head_backward
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(h_normed, self.weight)
 
     def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        return chunked_cross_entropy_sum(h_normed_nh, self.weight, targets_n, chunk_tokens)
+        return head_cross_entropy_sum(h_normed_nh, self.weight, targets_n, chunk_tokens, self.backward)
 
     def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
                             chunk_tokens: int, ce_weight: float) -> torch.Tensor:
@@ -82,7 +83,7 @@ class TandemModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size, mtp.loss_head_backward)
         mtp_moe = mtp.moe and cfg.num_experts > 0
         self.mtp = MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe)) if mtp.num_steps > 0 else None
         # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own

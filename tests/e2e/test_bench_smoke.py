@@ -30,7 +30,7 @@ def test_mtp_objectives_bench(tiny_base, tmp_path):
         assert os.path.isdir(tmp_path / objective / "checkpoints")
 
 
-@pytest.mark.parametrize("flags", [[], ["--dtype", "bf16", "--compile"]])
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bf16", "--compile", "--head-backward", "fused"]])
 def test_throughput_bench(flags):
     """Tandem vs transformers' Qwen3-MoE at tiny sizes: same parameter count (the config mapping holds),
     every runner steps (fp32; bf16 autocast with Tandem's blocks compiled), and the ratio lines are
