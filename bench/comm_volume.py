@@ -20,9 +20,10 @@ model dims and the rank's data (valid targets per depth), summed over ranks:
       projection); router loads over tp; pipeline activations T*H/tp.
   EP  per MoE block execution: 4*T*k*H (dispatch + combine, fwd + bwd) + E int64 counts.
   PP  activations T*H per micro-batch and stage boundary, gradients back likewise; the shared
-      embedding gradient (V/tp*H) summed between first and last stage; (K+1) loss sums broadcast.
+      embedding gradient (V/tp*H) summed between first and last stage; (K+1) loss sums all-reduced.
   DP  FSDP2: unsharded (padded) bytes of each FSDP unit per all-gather and reduce-scatter; the
-      all-reduce mode: every gradient once over its group. Plus counts / loss sums (K+1 each),
+      all-reduce mode (replicate, FSDP2's units unsharded): each unit's gradients once per step (MTP
+      units once per MTP step) over its group. Plus counts / loss sums (K+1 each),
       router loads (E per MoE layer) and the grad-norm scalar.
 Ends with `max_measured_over_analytic=<x>`.
 """
@@ -121,7 +122,6 @@ def analytic(cfg, model, pstate, batches):
 
     from tandem.models import depth_target_mask
     from tandem.models.moe import MoE
-    from tandem.trainer.parallel.data import expert_parameters
 
     sizes = pstate.extras["sizes"]
     tp, ep, dp = sizes["tp"], sizes["ep"], sizes["dp"]
@@ -188,36 +188,32 @@ def analytic(cfg, model, pstate, batches):
         if has_first or has_last:  # the shared-embedding gradient, as held locally (tp / fsdp shard)
             w = model.embed_tokens.weight
             out["all_reduce"] += F32 * (w.to_local() if isinstance(w, DTensor) else w).numel()
-        out["broadcast"] += F32 * (K + 1)
+        out["all_reduce"] += F32 * (K + 1)  # the per-depth loss sums, each from the rank holding its depth
     batch_ranks = dp * ep
     if batch_ranks > 1:
         out["all_reduce"] += 2 * F32 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
-        experts = {id(p) for p in expert_parameters(model)}
-        if cfg.parallel.dp_mode == "allreduce":
-            for p in model.parameters():
-                if id(p) in experts and dp == 1:
-                    continue
-                loc = p.to_local() if isinstance(p, DTensor) else p
-                out["all_reduce"] += F32 * loc.numel()
-        else:
-            from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule
 
-            for unit in model.modules() if pipe is None else list(model.modules()) + pipe.modules:
-                if not isinstance(unit, FSDPModule):
-                    continue
-                state = unit._get_fsdp_state()
-                for group in ([state._fsdp_param_group] if state._fsdp_param_group else []):
-                    full = 0
-                    for fp in group.fsdp_params:
-                        shape = fp.padded_sharded_param_size
-                        full += math.prod(shape) * group.mesh_info.shard_mesh_size
-                    gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
-                    if pipe is None and _inside_mtp(unit, model):
-                        # run once per MTP step: gathered each time; in the gradient-syncing (last)
-                        # micro-batch FSDP2 reduce-scatters such a unit after each of its K calls'
-                        # backward (its earlier micro-batches accumulated unsharded, unreduced)
-                        gathers *= K
-                        scatters = K
+        replicate = cfg.parallel.dp_mode == "allreduce"  # torch's replicate: FSDP2's units, all-reduced
+        for unit in model.modules() if pipe is None else list(model.modules()) + pipe.modules:
+            if not isinstance(unit, FSDPModule):
+                continue
+            state = unit._get_fsdp_state()
+            for group in ([state._fsdp_param_group] if state._fsdp_param_group else []):
+                full = 0
+                for fp in group.fsdp_params:
+                    shape = fp.padded_sharded_param_size
+                    full += math.prod(shape) * (1 if replicate else group.mesh_info.shard_mesh_size)
+                gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
+                if pipe is None and _inside_mtp(unit, model):
+                    # run once per MTP step: gathered each time; in the gradient-syncing (last)
+                    # micro-batch FSDP2 reduces such a unit after each of its K calls' backward
+                    # (its earlier micro-batches accumulated unsharded, unreduced)
+                    gathers *= K
+                    scatters = K
+                if replicate:
+                    out["all_reduce"] += F32 * full * scatters
+                else:
                     out["all_gather"] += F32 * full * gathers
                     out["reduce_scatter"] += F32 * full * scatters
     out["all_reduce"] += F32  # the global grad-norm scalar (fp32: no fp64 on accelerators)

@@ -158,7 +158,8 @@ class ParallelConfig:
     """Choose pp_layout and pp_depth_stages to minimise the most expensive stage by estimate.py's
     training FLOPs (the vocabulary heads weigh several layers each); both must then be empty."""
     dp_mode: str = "fsdp"
-    """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (replicated, gradient all-reduce)."""
+    """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (torch's replicate: parameters
+    replicated, gradients all-reduced per module during the last micro-batch's backward)."""
 
 
 @dataclass

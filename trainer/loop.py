@@ -206,9 +206,6 @@ class Trainer:
             for m in fsdp:
                 m.set_requires_gradient_sync(last, recurse=False)
                 m.set_reshard_after_backward(last, recurse=False)
-            if last and hasattr(self.pstate.extras.get("clip_grad_norm"), "overlap_next_backward"):
-                # dp_mode=allreduce: bucketed all-reduces start during the last backward
-                self.pstate.extras["clip_grad_norm"].overlap_next_backward()
             with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"])
                 loss = combine_losses(out.loss_sums, global_counts, coefs)

@@ -1,4 +1,5 @@
-"""Data parallelism (FSDP2 or gradient all-reduce) and the step's gradient finishing.
+"""Data parallelism (FSDP2's fully_shard, or its replicate for gradient all-reduce) and the step's
+gradient finishing.
 
 Megatron semantics: the batch is split over dp*ep ranks; non-expert parameters are replicated over
 (and their gradients summed across) those dp*ep ranks, routed experts only over the dp ranks that
@@ -9,7 +10,8 @@ Precision: master weights, gradients and optimizer state are fp32. Under bf16 tr
 `MixedPrecisionPolicy` all-gathers bf16 parameters (the stages then compute and exchange bf16; routers
 compute in fp32 from the gathered bf16 weight, as Megatron's fp32 routing does from its bf16
 parameters) and reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the
-all-reduce mode sums the fp32 gradients of autocast in that dtype too. Every collective here takes
+all-reduce mode (`replicate`, the same machinery with replicated parameters) casts and all-reduces
+the same way. Every collective here takes
 device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
 """
 
@@ -54,13 +56,16 @@ def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype
 
 
 def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
-               batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset()) -> None:
+               batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset(), replicated: bool = False) -> None:
     """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep,
     under `mp_policy` (see `fsdp_mixed_precision`; None: fp32). `keep_whole`: parameters FSDP leaves
     alone (pieces two pipeline stages of this rank share)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    wrap = replicate if replicated else fully_shard
+    root_kw = {} if replicated else {"reshard_after_forward": False}
     all_modules = list(all_modules)
     keep_whole = set(keep_whole)
     if dp_mesh.size() > 1:
@@ -68,15 +73,15 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modu
             for m in top.modules():
                 if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule) \
                         and not any(p in keep_whole for p in m.parameters()):
-                    fully_shard(m, mesh=dp_mesh, **mp)
+                    wrap(m, mesh=dp_mesh, **mp)
         ignored = set(keep_whole)
     else:  # experts replicated nowhere: keep them out of the dp*ep sharding
         ignored = {p for top in all_modules for p in expert_parameters(top)} | keep_whole
     ignored = ignored or None
     for block in blocks:
-        fully_shard(block, mesh=batch_mesh, ignored_params=ignored, **mp)
+        wrap(block, mesh=batch_mesh, ignored_params=ignored, **mp)
     for root in roots:
-        fully_shard(root, mesh=batch_mesh, reshard_after_forward=False, ignored_params=ignored, **mp)
+        wrap(root, mesh=batch_mesh, ignored_params=ignored, **root_kw, **mp)
     for top in all_modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
@@ -109,118 +114,53 @@ def _match_placements(p: nn.Parameter) -> None:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-
-
-class GradientBuckets:
-    """The all-reduce mode's gradient sums, bucketed like DDP's (same-group, same-dtype parameters in
-    reverse registration order, which is about the order backward finishes them, ~25 MiB each): one
-    collective per bucket instead of one per parameter, on a flattened copy of the local shards.
-
-    `arm()` registers post-accumulate-grad hooks so a bucket's all-reduce is issued asynchronously as
-    soon as all its gradients are final, overlapping the rest of backward; buckets are launched in a
-    fixed order on every rank (a bucket waits for the ones before it), so ranks issue collectives
-    identically whatever order autograd finishes parameters in. `finish()` launches what is left
-    (parameters backward never reached get zero gradients), waits, and copies the sums back.
-    Parameters listed as `late` (sequence-parallel partials that are first summed over tp, the tied
-    embedding) are bucketed at the end and only launched by `finish()`, after their other sums."""
-
-    def __init__(self, entries, reduce_dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES):
-        # entries: (param, group, late) in registration order
-        self.reduce_dtype = reduce_dtype
-        self.buckets: List[dict] = []
-        ordered = [e for e in reversed(entries) if not e[2]] + [e for e in reversed(entries) if e[2]]
-        for p, group, late in ordered:
-            size = local(p).numel() * local(p).element_size()
-            b = self.buckets[-1] if self.buckets else None
-            if b is None or b["group"] is not group or b["late"] != late or b["dtype"] != p.dtype or \
-                    b["bytes"] + size > bucket_bytes and b["params"]:
-                b = {"params": [], "group": group, "late": late, "dtype": p.dtype, "bytes": 0}
-                self.buckets.append(b)
-            b["params"].append(p)
-            b["bytes"] += size
-        self._reset()
-
-    def _reset(self) -> None:
-        self.ready: Dict[int, set] = {}
-        self.launched: List[tuple] = []
-        self.handles = []
-
-    def arm(self) -> None:
-        self._reset()
-        index = {id(p): i for i, b in enumerate(self.buckets) if not b["late"] for p in b["params"]}
-        for p in {id(p): p for b in self.buckets if not b["late"] for p in b["params"]}.values():
-            self.handles.append(p.register_post_accumulate_grad_hook(
-                lambda param, i=index[id(p)]: self._grad_ready(i, param)))
-
-    def _grad_ready(self, i: int, param) -> None:
-        self.ready.setdefault(i, set()).add(id(param))
-        while len(self.launched) < len(self.buckets):
-            b = self.buckets[len(self.launched)]
-            if b["late"] or len(self.ready.get(len(self.launched), ())) < len(b["params"]):
-                break
-            self._launch(b)
-
-    @torch.no_grad()
-    def _launch(self, b: dict) -> None:
-        grads = []
-        for p in b["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            _match_placements(p)
-            grads.append(local(p.grad))
-        flat = _flatten_dense_tensors(grads).to(self.reduce_dtype)
-        self.launched.append((b, grads, flat, dist.all_reduce(flat, group=b["group"], async_op=True)))
-
-    def disarm(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        self.disarm()
-        while len(self.launched) < len(self.buckets):
-            self._launch(self.buckets[len(self.launched)])
-        for _, grads, flat, work in self.launched:
-            work.wait()
-            for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(summed)
-        self._reset()
+@torch.no_grad()
+def sum_gradients(entries, reduce_dtype: torch.dtype) -> None:
+    """Sum the gradients of `entries` ((parameter, process group) pairs) over their groups, one
+    flattened all-reduce per group and dtype (parameters backward never reached count as zeros)."""
+    groups: Dict[tuple, list] = {}
+    for p, group in entries:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        _match_placements(p)
+        groups.setdefault((id(group), p.dtype), [group, []])[1].append(local(p.grad))
+    for group, grads in groups.values():
+        flat = _flatten_dense_tensors(grads).to(reduce_dtype)
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(summed)
 
 
 class GradientFinisher:
     """`extras["clip_grad_norm"]`: completes this step's gradients, then clips by the global norm.
 
-    1. `dp_mode=allreduce`: sums gradients over dp*ep (non-expert) / dp (experts), in buckets
-       (`GradientBuckets`); when the loop arms it (`overlap_next_backward`) before the last
-       micro-batch, each bucket's all-reduce starts during that backward as soon as its gradients
-       are final.
+    1. Data parallelism is FSDP2's (`dp_mode=fsdp`: reduce-scatter) or its replicate (`allreduce`:
+       per-module all-reduces overlapped with backward), both issued by torch during the last
+       micro-batch's backward (`apply_fsdp`); nothing to do here.
     2. Pipeline: sums the gradients of the copies of the embedding, final norm, head and MTP module
        held by several pp ranks (`shared`: piece -> (group of the holding ranks, copies)).
        Pieces kept out of FSDP (`replicated_names`: shared by two stages of one rank) are summed over
-       the data-parallel ranks like the all-reduce mode does.
+       the data-parallel ranks here (`sum_gradients`), before the pp copies are.
        Sequence parallelism: sums over tp the gradients of replicated parameters that computed on
        one sequence shard (norms, routers, the MTP input projection), as Megatron does.
     3. The true global norm: each rank's local squared norms weighted by 1/(copies of that shard
        in the job), summed over the world (DTensor shards, tp/ep/fsdp replication, pp copies).
     """
 
-    def __init__(self, model: nn.Module, world: int, pp: int, allreduce: bool, batch_group, batch_size: int,
+    def __init__(self, model: nn.Module, world: int, pp: int, batch_group, batch_size: int,
                  dp_group, dp_size: int, shared: Optional[Dict[str, tuple]] = None, replicated_names=(),
                  sp_partial_names=(), tp_group=None, device: Optional[torch.device] = None,
                  reduce_dtype: torch.dtype = torch.float32):
         self.model, self.world, self.pp = model, world, pp
         # collectives need device tensors even on a rank with no gradients (a frozen pp stage)
         self.device = device if device is not None else next(model.parameters()).device
-        # dtype of the all-reduce mode's gradient sums (train.grad_reduce_dtype)
+        # dtype of the whole pieces' gradient sums (train.grad_reduce_dtype)
         self.reduce_dtype = reduce_dtype
         # sequence parallelism: replicated parameters that saw one sequence shard (names survive FSDP)
         self.sp_partial, self.tp_group = set(sp_partial_names), tp_group
-        self.allreduce, self.batch_group, self.batch_size = allreduce, batch_group, batch_size
+        self.batch_group, self.batch_size = batch_group, batch_size
         self.dp_group, self.dp_size = dp_group, dp_size
         self.shared, self.replicated = dict(shared or {}), set(replicated_names)
-        self._buckets: Optional[GradientBuckets] = None  # this step's, once armed or synced
 
     def _params(self):
         for _, p, is_expert, piece in self._named_params():
@@ -244,8 +184,10 @@ class GradientFinisher:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(local(p.grad), group=self.tp_group)
-        if self.allreduce or self.replicated:
-            (self._buckets or self._build_buckets()).finish()
+        if self.replicated:
+            sum_gradients([(p, self.dp_group if is_expert else self.batch_group)
+                           for name, p, is_expert, _ in self._named_params() if name in self.replicated
+                           and (self.dp_size if is_expert else self.batch_size) > 1], self.reduce_dtype)
         # copies on several pp ranks; every holder walks its parameters in the model's order, so the
         # sums over different holder groups are issued in the same order on every rank
         for p, _, piece in self._params():
@@ -253,26 +195,6 @@ class GradientFinisher:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(local(p.grad), group=self.shared[piece][0])
-        self._buckets = None
-
-    def _build_buckets(self) -> GradientBuckets:
-        entries = []
-        for name, p, is_expert, piece in self._named_params():
-            if not (self.allreduce or name in self.replicated):
-                continue
-            if self.dp_size > 1 if is_expert else self.batch_size > 1:
-                late = name in self.sp_partial or piece is not None
-                entries.append((p, self.dp_group if is_expert else self.batch_group, late))
-        self._buckets = GradientBuckets(entries, self.reduce_dtype)
-        return self._buckets
-
-    def overlap_next_backward(self) -> None:
-        """Called by the loop before the step's last backward (not under pipeline parallelism, whose
-        schedule runs several backwards): the all-reduce mode's buckets start during that backward."""
-        if self.allreduce and self.pp == 1:
-            if self._buckets is not None:  # armed for a backward whose gradients were never synced
-                self._buckets.disarm()
-            self._build_buckets().arm()
 
     @torch.no_grad()
     def global_norm(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ Mesh dims (outer to inner) `pp x dp x ep x tp`, in Megatron's terms:
 The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the flattened dp*ep mesh.
 
 `apply_parallelism` runs, in order: pipeline pruning (PP), TP/EP (DTensor shards + dispatch),
-FSDP2 (or nothing, for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
+FSDP2 (fully_shard, or replicate for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
 `pipeline`, `clip_grad_norm` (gradient sync + true global norm), `router_load_group` and, under
 sequence parallelism, `sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
@@ -110,12 +110,12 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     # pieces two stages of one rank use stay out of FSDP (whole, summed over dp*ep by the finisher)
     whole = pipeline.plan.shared_within_rank() if pipeline is not None else []
     whole_params = {name: p for name, p in model.named_parameters() if name.split(".", 1)[0] in whole}
-    if batch > 1 and p.dp_mode == "fsdp":
+    if batch > 1:
         blocks = list(model.layers.values())
         roots = pipeline.modules if pipeline is not None else [model]
         mp_policy = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype)
         apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
-                   keep_whole=set(whole_params.values()))
+                   keep_whole=set(whole_params.values()), replicated=p.dp_mode == "allreduce")
     shared = {}
     if pp > 1:
         # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
@@ -127,9 +127,9 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if mp_policy is not None else torch.float32)
         state.extras["pipeline"] = pipeline
     state.extras["clip_grad_norm"] = GradientFinisher(
-        model, state.world_size, pp, allreduce=(p.dp_mode == "allreduce"),
+        model, state.world_size, pp,
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
-        shared=shared, replicated_names=set(whole_params) if p.dp_mode == "fsdp" else (),
+        shared=shared, replicated_names=set(whole_params),
         sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
         device=state.device.device,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)

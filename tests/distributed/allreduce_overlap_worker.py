@@ -1,0 +1,60 @@
+"""Under torchrun (2 ranks, gloo): `dp_mode=allreduce` is torch's replicate (FSDP2's machinery with
+replicated parameters). Prints, per micro-batch of one step, how many gradient all-reduces torch issued
+while autograd was running that micro-batch's backward."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import worker  # noqa: E402
+
+
+def main() -> None:
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.loss import depth_coefficients
+    from tandem.trainer.parallel import init_parallel
+    from tandem.trainer.parallel.device import resolve_device
+
+    torch.set_num_threads(1)
+    cfg = worker.make_cfg("dp=2,dp_mode=allreduce", worker.GRAD_ACCUM)
+    pstate = init_parallel(cfg, resolve_device("cpu"))
+    model = build_model(cfg, pstate)
+    tr = Trainer.for_model(cfg, model, pstate)
+    model.train()
+    in_backward = []
+    original = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        if torch._C._current_graph_task_id() != -1:  # called from inside autograd's backward
+            in_backward[-1] += 1
+        return original(tensor, *args, **kwargs)
+
+    from tandem.models.moe import _grouped_mm_works
+
+    _grouped_mm_works(torch.device("cpu"), torch.float32)  # its one-time probe runs a backward of its own
+    batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, worker.GRAD_ACCUM)
+    counts = tr.global_target_counts(batches)
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        in_backward.append(0)
+        return real_backward(self, *args, **kwargs)
+
+    dist.all_reduce, torch.Tensor.backward = recording, backward
+    try:
+        tr.forward_backward(batches, counts, depth_coefficients(cfg.mtp, 0))
+    finally:
+        dist.all_reduce, torch.Tensor.backward = original, real_backward
+    blocks = len(model.layers)
+    print(f"rank{dist.get_rank()} micro_batches={len(batches)} blocks={blocks} "
+          f"all_reduces_in_backward={','.join(map(str, in_backward))}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
