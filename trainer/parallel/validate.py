@@ -6,8 +6,6 @@ layout fails in one line naming the keys, not deep inside a collective.
 
 from __future__ import annotations
 
-from typing import List
-
 from ..config import ConfigError, TandemConfig
 
 
