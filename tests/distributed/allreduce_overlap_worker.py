@@ -50,6 +50,8 @@ def main() -> None:
         tr.forward_backward(batches, counts, depth_coefficients(cfg.mtp, 0))
     finally:
         dist.all_reduce, torch.Tensor.backward = original, real_backward
+    tr.clip_gradients()  # completes the step's gradient sync (nothing left in flight at teardown)
+    dist.barrier()
     blocks = len(model.layers)
     print(f"rank{dist.get_rank()} micro_batches={len(batches)} blocks={blocks} "
           f"all_reduces_in_backward={','.join(map(str, in_backward))}", flush=True)
