@@ -24,19 +24,14 @@ SOURCES = {"a.py": "".join(f"def f{i}(x, y={i}):\n    return [x * y + {i} for _ 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_base):
+def checkpoint(tmp_path_factory, tiny_base, one_thread):
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import train
 
     root = tmp_path_factory.mktemp("quality")
     overrides = tiny_base + [f"run.dir={root / 'run'}", "train.max_steps=3",
                                   f"data.seq_len={SEQ}", f"eval.prompt_len={PLEN}", f"eval.max_new_tokens={NEW}"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(load_config("recipes/tiny.yaml", overrides))
-    finally:
-        torch.set_num_threads(threads)
+    train(load_config("recipes/tiny.yaml", overrides))
     second = root / "code"
     second.mkdir()
     for name, text in SOURCES.items():

@@ -8,9 +8,7 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    import torch
-
+def tiny_run(tmp_path_factory, one_thread):
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import train
 
@@ -22,12 +20,7 @@ def tiny_run(tmp_path_factory):
                  "eval.num_prompts=3", "eval.prompt_len=8", "eval.max_new_tokens=8", "eval.loss_batches=1",
                  "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
                  f"data.cache_dir={root / 'cache'}"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(load_config("recipes/tiny.yaml", overrides))
-    finally:
-        torch.set_num_threads(threads)
+    train(load_config("recipes/tiny.yaml", overrides))
     return root
 
 
