@@ -17,7 +17,8 @@ same keys: identical replicas, deduplicated by DCP.
 A stage holding depths computes their per-depth loss sums (`model.losses_from_hidden`, continuing
 the MTP chain from the hidden state it received). The last stage returns its combined share of the
 loss and the schedule backpropagates it unscaled (`scale_grads=False`: the loss is already normalised
-by the global target count); an earlier stage attaches its share to an output with `_LossGrad`, so it
+by the global target count); an earlier stage attaches its share to an output with `AuxLossGrad` (the
+MoE's device for its auxiliary losses, at gradient scale 1), so it
 is differentiated when that output's gradient comes back. Every stage receives the micro-batch's
 tokens / loss mask / doc ids as kwargs.
 
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.models.moe import AuxLossGrad
 from tandem.trainer.loss import combine_losses
 
 from .device import autocast_context
@@ -50,21 +52,6 @@ class _StepContext:
     counts: Optional[torch.Tensor] = None
     coefs: Optional[List[float]] = None
     sums: Optional[torch.Tensor] = None
-
-
-class _LossGrad(torch.autograd.Function):
-    """Identity on a stage output; in backward also feeds d(loss) = 1 into the stage's partial loss
-    graph: a stage before the last computes the losses of the depths it holds, and the schedule only
-    backpropagates the last stage's output as a loss (the same device as moe.AuxLossGrad)."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, loss: torch.Tensor):
-        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        return grad_output, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad_output.device)
 
 
 class StageModule(nn.Module):
@@ -86,6 +73,12 @@ class StageModule(nn.Module):
         # no activation gradients sent back (the received activation's gradient stays None).
         self.trunk_frozen = model.trunk_frozen()
 
+    def _depth_index(self, device: torch.device) -> torch.Tensor:
+        """This stage's depths as an index tensor, made once (not a host-to-device copy per micro-batch)."""
+        if getattr(self, "_depth_idx", None) is None or self._depth_idx.device != device:
+            self._depth_idx = torch.tensor(self.plan.depths, device=device)
+        return self._depth_idx
+
     def forward(self, x, *h0, tokens, loss_mask, doc_ids):
         with autocast_context(*self._ctx.autocast):
             return self._forward(x, h0[0] if h0 else None, tokens, loss_mask, doc_ids)
@@ -104,7 +97,7 @@ class StageModule(nn.Module):
                 h0 = h
             out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions, plan.depths,
                                                  h_chain=h, chain_depth=plan.chain_in)
-            idx = torch.tensor(plan.depths, device=out.loss_sums.device)
+            idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
             loss = combine_losses(out.loss_sums, self._ctx.counts[idx], [self._ctx.coefs[d] for d in plan.depths])
             h = out.chain
@@ -116,7 +109,7 @@ class StageModule(nn.Module):
             i = next((i for i, o in enumerate(outputs) if o.requires_grad), None)
             if i is None:
                 raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but none of its outputs does")
-            outputs[i] = _LossGrad.apply(outputs[i], loss)
+            outputs[i] = AuxLossGrad.apply(outputs[i], loss, 1.0)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 

@@ -98,7 +98,7 @@ class StagePass:
             for i in plan.split[stage]:
                 h = self.model.layers[str(i)](h, positions, cache.layer(i) if cache is not None else None)
             dst = plan.stage_rank(stage + 1) if stage < end else driver
-            if dst != plan.pp_rank or stage < end:
+            if dst != plan.pp_rank:  # before the trunk's end the next stage is always on another rank
                 # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
                 dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=dst)
         if plan.pp_rank == driver and plan.stage_rank(end) != driver:
