@@ -253,7 +253,7 @@ if r == 1:
     os.kill(os.getpid(), signal.SIGUSR1)
 seen.append(P.agree_preemption())
 # one write(2) of a short line: atomic on the pipe both ranks share (print may split it and interleave)
-os.write(1, f"RESULT {r} {P.preemption_requested()} {seen}\n".encode())
+os.write(1, f"RESULT {r} {P.preemption_requested()} {seen}\\n".encode())
 dist.destroy_process_group()
 """
 
