@@ -17,47 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding
-
-
-class KVCache:
-    """Per-layer key/value buffers [B, kv_heads, max_len, head_dim] for a batch of sequences.
-
-    Each layer's buffers are allocated at its first write, shaped like the keys it receives: under
-    tensor parallelism a rank holds only its own heads, and the attention module (not the caller)
-    knows how many those are."""
-
-    def __init__(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.keys = [None] * num_layers
-        self.values = [None] * num_layers
-        self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
-
-    def _allocate(self, index: int, heads: int, head_dim: int) -> None:
-        shape = (self.batch, heads, self.max_len, head_dim)
-        self.keys[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-
-    def layer(self, index: int) -> "LayerKV":
-        return LayerKV(self, index)
-
-
-class LayerKV:
-    """A view of one layer's slot in a KVCache."""
-
-    def __init__(self, cache: KVCache, index: int):
-        self.cache, self.index = cache, index
-
-    def update(self, k_bnsd: torch.Tensor, v_bnsd: torch.Tensor, positions_bs: torch.Tensor):
-        """Write new keys/values at their positions; return the cache prefix covering them."""
-        if self.cache.keys[self.index] is None:
-            self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1])
-        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
-        span = int(positions_bs.max()) + 1
-        if span > self.cache.max_len:
-            raise RuntimeError(f"KV cache overflow: position {span - 1} >= max_len {self.cache.max_len}")
-        idx = positions_bs[:, None, :, None].expand(-1, k_bnsd.shape[1], -1, k_bnsd.shape[-1])
-        keys.scatter_(2, idx, k_bnsd.to(keys.dtype))
-        values.scatter_(2, idx, v_bnsd.to(values.dtype))
-        return keys[:, :, :span], values[:, :, :span]
+from .state import KVCache, LayerKV  # noqa: F401  (re-exported: callers import the cache from here)
 
 
 class Attention(nn.Module):

@@ -8,15 +8,27 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """RMSNorm over the last dimension, or over groups of `group_size` channels (one norm per
+    hyper-connection stream). `zero_centered` (Qwen3-Next / Qwen3.5 / Qwen4-Exp) stores w - 1: the
+    output is x_hat * (1 + w), computed in fp32 before the cast back, and w starts at 0."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, zero_centered: bool = False, group_size: int = 0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        if group_size and dim % group_size:
+            raise ValueError(f"RMSNorm width {dim} is not a multiple of its group size {group_size}")
+        self.eps, self.zero_centered, self.group_size = eps, zero_centered, group_size
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (as Llama/Qwen/GLM do) and cast back.
         x32 = x.float()
+        if self.group_size:
+            x32 = x32.unflatten(-1, (-1, self.group_size))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_size:
+            x32 = x32.flatten(-2)
+        if self.zero_centered:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 

@@ -1,0 +1,98 @@
+"""Decoder state: one object per batch of sequences, indexed by absolute position.
+
+Every piece of decoder state is stored by the absolute position of the token that produced it, so
+the one rollback contract of the speculative decoder holds for every layer kind: *a forward always
+covers a contiguous range of positions starting right after the row's committed prefix, and rolling
+back to an accepted prefix is only lowering that prefix's length*. Rows beyond it are rewritten
+before any later forward reads them.
+
+* Attention keys/values (and QSA's raw indexer keys) live in full-length buffers [B, max_len, ...]
+  written at their positions (`LayerCache.update`, `LayerCache.buffer(..., length=max_len)`).
+* Recurrent pieces (Gated DeltaNet's recurrent and conv states, PLE's conv inputs and n-gram token
+  context) live in rings of `ring` slots: the state after the token at position p sits in slot
+  p % ring. A forward over R <= ring - (largest conv window) tokens writes every position's state,
+  so any accepted prefix of a verify forward can be resumed from; a longer forward (a prompt
+  prefill) keeps only the state after each row's last real token (`row_end`).
+* `row_end` [B] (set by the caller for a forward, None when every token is real) is the last real
+  position of each row: batched forwards pad short rows with positions continuing past their end.
+  Padded tokens never change the state at or before `row_end`.
+* A row whose first position in a forward is 0 starts from the zero state.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+
+class DecodeCache:
+    """Per-layer decoder state for a batch of sequences (attention KV buffers plus module-owned
+    position-indexed buffers). Buffers are allocated at a layer's first write, shaped like what the
+    layer holds: under tensor parallelism a rank keeps only its own heads."""
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 ring: int = 32):
+        self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.buffers: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_layers)]
+        self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
+        self.ring = int(ring)
+        self.row_end: Optional[torch.Tensor] = None
+        """[B] last real position of each row in the current forward (None: all real)."""
+
+    def _allocate(self, index: int, heads: int, head_dim: int) -> None:
+        shape = (self.batch, heads, self.max_len, head_dim)
+        self.keys[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def layer(self, index: int) -> "LayerCache":
+        return LayerCache(self, index)
+
+
+class LayerCache:
+    """A view of one layer's slot in a DecodeCache."""
+
+    def __init__(self, cache: DecodeCache, index: int):
+        self.cache, self.index = cache, index
+
+    @property
+    def ring(self) -> int:
+        return self.cache.ring
+
+    @property
+    def row_end(self) -> Optional[torch.Tensor]:
+        return self.cache.row_end
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def buffer(self, name: str, tail: Sequence[int], dtype: Optional[torch.dtype] = None,
+               length: Optional[int] = None) -> torch.Tensor:
+        """This layer's buffer `name` [B, length, *tail] (length defaults to the ring size), zeros at its
+        first use. Modules index it by position (full-length buffers) or by position % length (rings)."""
+        store = self.cache.buffers[self.index]
+        if name not in store:
+            n = self.cache.ring if length is None else int(length)
+            store[name] = torch.zeros((self.cache.batch, n, *tail), dtype=dtype or self.cache.dtype,
+                                      device=self.cache.device)
+        return store[name]
+
+    def update(self, k_bnsd: torch.Tensor, v_bnsd: torch.Tensor, positions_bs: torch.Tensor):
+        """Write new keys/values at their positions; return the cache prefix covering them."""
+        if self.cache.keys[self.index] is None:
+            self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1])
+        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
+        span = int(positions_bs.max()) + 1
+        if span > self.cache.max_len:
+            raise RuntimeError(f"KV cache overflow: position {span - 1} >= max_len {self.cache.max_len}")
+        idx = positions_bs[:, None, :, None].expand(-1, k_bnsd.shape[1], -1, k_bnsd.shape[-1])
+        keys.scatter_(2, idx, k_bnsd.to(keys.dtype))
+        values.scatter_(2, idx, v_bnsd.to(values.dtype))
+        return keys[:, :, :span], values[:, :, :span]
+
+
+# The names the rest of the code base has used since the cache held only keys and values.
+KVCache = DecodeCache
+LayerKV = LayerCache
