@@ -1,0 +1,269 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3-Next / Qwen3.5 / Qwen4-Exp.
+
+Each value head keeps a fast-weight memory S (a Dk x Dv matrix) that maps keys to values. Reading
+is a query times the memory, o_t = S_t^T q_t. Writing is one step of online regression: first the
+whole memory fades by a data-dependent factor a_t = exp(g_t) in (0, 1], then the value it would
+currently recall for k_t is moved towards v_t by a learning rate beta_t in (0, 1):
+
+    S_t = a_t * S_{t-1} + k_t * (beta_t * (v_t - a_t * S_{t-1}^T k_t))^T
+        = a_t * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+
+(the "delta rule": only the error of the memory's prediction is written). q and k are
+L2-normalised, q is scaled by Dk^-0.5, g_t = -exp(A_log) * softplus(a_t + dt_bias) and
+beta_t = sigmoid(b_t). Value heads are grouped: each q/k head serves num_v_heads // num_k_heads
+consecutive value heads. Around the rule: q, k, v come from one projection followed by a causal
+depthwise conv (kernel `conv_kernel`) and SiLU; the output is RMS-normalised per head, gated by
+act(z) (silu or sigmoid, `gate_act`) and projected back.
+
+Two forms of the same rule, both in fp32:
+* recurrent: token by token, O(T * Dk * Dv) per head and only the state in memory; used for decoding.
+* chunked (training and long prefills): the sequence is cut into chunks of C = 64 tokens. Inside a
+  chunk the C sequential writes are folded into one unit-lower-triangular solve (the WY / UT form),
+  so all chunks are processed in parallel with matmuls, and only a loop over T / C chunks carries
+  the state. Per head: compute O(T*C*(Dk+Dv) + T*Dk*Dv), activations O(T*(C+Dk+Dv)) plus one
+  Dk x Dv state per chunk kept for backward. fla's Triton kernels (flash-linear-attention) do the
+  same in fused form and are used when available on CUDA (`kernel="auto"`).
+
+Tensor parallelism: a wrapper shards each of the q, k and v sections of in_proj_qkv by heads (and
+the conv channels alike), in_proj_z/b/a, dt_bias and A_log by value heads, and makes out_proj
+row-parallel. The module therefore never trusts its constructor's head counts at run time: the
+local value heads are the width of in_proj_b's output (in_proj_b.weight.shape[0] for plain local
+shards) and the local key heads follow from the fixed ratio num_v_heads / num_k_heads.
+
+Decoding follows models/state.py: the recurrent state after the token at position p lives in slot
+p % ring of the `gdn_state` ring [B, ring, Hv, Dk, Dv] (fp32), the conv input of position p in slot
+p % ring of `gdn_conv` [B, ring, conv channels]. A forward over R <= ring - conv_kernel tokens runs
+the recurrent form and writes every position (so a speculative verify can resume from any accepted
+prefix); a longer one (a prefill) runs the chunked form with padded tokens made inert and writes only
+the state after `row_end` and the last `ring` real conv inputs. fla is used for the chunked form
+only; the short cached forwards always run the torch recurrence (they need every step's state).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # optional CUDA kernels; the pure-PyTorch path below computes the same thing
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
+except Exception:  # noqa: BLE001  (missing package, or triton/CUDA unusable)
+    _fla_chunk = None
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # eps inside the root, as fla and transformers do, so checkpoints see identical keys.
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, keep_states=False):
+    """Token-by-token rule (fp32 inputs; q/k normalised and q scaled already). Returns the outputs
+    [B, H, T, Dv], the final state [B, H, Dk, Dv] and, with keep_states, every step's state
+    [B, T, H, Dk, Dv] (the decoder writes each one to its ring slot)."""
+    b, h, t, dk = k_bhtk.shape
+    s = state_bhkv if state_bhkv is not None else k_bhtk.new_zeros(b, h, dk, v_bhtv.shape[-1])
+    outs, states = [], []
+    for i in range(t):
+        k_bhk = k_bhtk[:, :, i]
+        s = s * g_bht[:, :, i].exp()[..., None, None]
+        recalled_bhv = (k_bhk.unsqueeze(-2) @ s).squeeze(-2)
+        delta_bhv = beta_bht[:, :, i, None] * (v_bhtv[:, :, i] - recalled_bhv)
+        s = s + k_bhk.unsqueeze(-1) * delta_bhv.unsqueeze(-2)
+        outs.append((q_bhtk[:, :, i].unsqueeze(-2) @ s).squeeze(-2))
+        if keep_states:
+            states.append(s)
+    out_bhtv = torch.stack(outs, 2) if outs else v_bhtv.new_zeros(v_bhtv.shape)
+    return out_bhtv, s, (torch.stack(states, 1) if keep_states else None)
+
+
+def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, chunk=CHUNK):
+    """The same rule, C = `chunk` tokens at a time. Returns (outputs [B, H, T, Dv], final state).
+
+    Inside a chunk write G_i = g_1 + ... + g_i (log decay since the chunk start) and S_0 for the state
+    entering it. Unrolling the recurrence, S_i = e^{G_i} S_0 + sum_{j<=i} e^{G_i-G_j} k_j u_j^T with
+    the written errors u_j = beta_j (v_j - e^{G_j} S_0^T k_j - sum_{m<j} e^{G_j-G_m} (k_j.k_m) u_m).
+    That is a unit-lower-triangular system (I + A) U = beta V - beta e^G K S_0, so
+    U = W - Kc S_0 with W, Kc independent of the state: one batched solve for all chunks, then
+    a short loop over chunks that only needs matmuls with the carried state.
+    """
+    b, h, t, dk = k_bhtk.shape
+    dv = v_bhtv.shape[-1]
+    pad = (-t) % chunk
+    # Zero padding is inert: beta = 0 writes nothing and g = 0 does not decay.
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q_bhtk, k_bhtk, v_bhtv))
+    g, beta = (F.pad(x, (0, pad)) for x in (g_bht, beta_bht))
+    n = (t + pad) // chunk
+    q, k, v = (x.view(b, h, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.view(b, h, n, chunk), beta.view(b, h, n, chunk)
+
+    G_bhnc = g.cumsum(-1)
+    causal_cc = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # e^{G_i - G_j} for j <= i; masked before exp because G_i - G_j > 0 above the diagonal may overflow.
+    decay_bhncc = (G_bhnc[..., :, None] - G_bhnc[..., None, :]).masked_fill(~causal_cc, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    A_bhncc = ((k_beta @ k.transpose(-1, -2)) * decay_bhncc).tril(-1)
+    # unitriangular=True: the solver supplies the identity diagonal, so this solves (I + A) X = RHS.
+    W_bhncv = torch.linalg.solve_triangular(A_bhncc, v * beta[..., None], upper=False, unitriangular=True)
+    Kc_bhnck = torch.linalg.solve_triangular(A_bhncc, k_beta * G_bhnc.exp()[..., None], upper=False,
+                                             unitriangular=True)
+    attn_bhncc = (q @ k.transpose(-1, -2)) * decay_bhncc          # intra-chunk reads, diagonal included
+    q_from_start = q * G_bhnc.exp()[..., None]                       # reads of the entering state
+    k_to_end = k * (G_bhnc[..., -1:] - G_bhnc).exp()[..., None]      # writes decayed to the chunk end
+    chunk_decay_bhn11 = G_bhnc[..., -1].exp()[..., None, None]
+
+    s = state_bhkv if state_bhkv is not None else q.new_zeros(b, h, dk, dv)
+    outs = []
+    for i in range(n):
+        u_bhcv = W_bhncv[:, :, i] - Kc_bhnck[:, :, i] @ s
+        outs.append(q_from_start[:, :, i] @ s + attn_bhncc[:, :, i] @ u_bhcv)
+        s = s * chunk_decay_bhn11[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u_bhcv
+    out_bhtv = torch.stack(outs, 2).view(b, h, n * chunk, dv)[:, :, :t]
+    return out_bhtv, s
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm times act(gate): plain `w * x_hat` (not zero-centred), normalised in fp32."""
+
+    def __init__(self, dim: int, eps: float, act: str):
+        super().__init__()
+        self.eps, self.act = eps, act
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # The cast order matches transformers (w * x_hat in the input dtype, the gate in fp32) so bf16
+        # checkpoints reproduce the reference bit for bit where the math allows.
+        x32 = x.float()
+        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        g32 = F.silu(gate.float()) if self.act == "silu" else torch.sigmoid(gate.float())
+        return (y * g32).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, eps: float = 1e-6, gate_act: str = "silu", kernel: str = "auto"):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+        if gate_act not in ("silu", "sigmoid"):
+            raise ValueError(f"Gated DeltaNet output gate must be silu or sigmoid, got {gate_act!r}")
+        if kernel not in ("auto", "fla", "torch"):
+            raise ValueError(f"model.linear_kernel must be auto, fla or torch, got {kernel!r}")
+        if kernel == "fla" and _fla_chunk is None:
+            raise ValueError("model.linear_kernel=fla needs flash-linear-attention (pip install "
+                             "flash-linear-attention), which is not importable here; use auto or torch")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.conv_kernel, self.kernel = conv_kernel, kernel
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)  # output laid out [q | k | v]
+        self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        # Applied through F.conv1d with groups = the local channel count (see forward), never through
+        # the module's own groups, so a channel-sharded weight needs no change here.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps, gate_act)
+        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """dt_bias = 1 and A = exp(A_log) ~ U(0.01, 16), as transformers initialises them (the lower
+        bound keeps log A finite). In place, so it is a no-op on the meta device."""
+        self.dt_bias.fill_(1.0)
+        self.A_log.uniform_(0.01, 16.0).log_()
+        self.norm.weight.fill_(1.0)
+
+    def _use_fla(self, x: torch.Tensor) -> bool:
+        # fla is Triton (CUDA only) and some versions reject fp32 inputs: "auto" keeps those on torch.
+        if self.kernel == "fla":
+            return True
+        return (self.kernel == "auto" and _fla_chunk is not None and x.is_cuda
+                and x.dtype in (torch.bfloat16, torch.float16))
+
+    def _chunked(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, state_bhkv):
+        """Chunked rule on [B, S, heads, dim] inputs (q/k heads already grouped up to the value heads).
+        Returns (outputs [B, S, Hv, Dv] in v's dtype, final fp32 state)."""
+        if self._use_fla(v_bsnv):
+            out, final = _fla_chunk(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn.to(v_bsnv.dtype),
+                                    scale=self.head_k_dim ** -0.5, initial_state=state_bhkv,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+            return out.to(v_bsnv.dtype), final.float()
+        q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
+        out_bhtv, final = chunked_gated_delta_rule(q, k, v, g, beta, state_bhkv)
+        return out_bhtv.transpose(1, 2).to(v_bsnv.dtype), final
+
+    def _torch_inputs(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn):
+        # fp32 throughout: the state accumulates over thousands of tokens.
+        q = l2_normalize(q_bsnk.float()) * self.head_k_dim ** -0.5
+        k = l2_normalize(k_bsnk.float())
+        return (q.transpose(1, 2), k.transpose(1, 2), v_bsnv.float().transpose(1, 2),
+                g_bsn.float().transpose(1, 2), beta_bsn.float().transpose(1, 2))
+
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
+        b, s, _ = x_bsh.shape
+        dk, dv, kernel = self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[-1]
+        qkv_bsc = self.in_proj_qkv(x_bsh)
+        z_bsnv = self.in_proj_z(x_bsh).unflatten(-1, (-1, dv))
+        b_bsn, a_bsn = self.in_proj_b(x_bsh), self.in_proj_a(x_bsh)
+        # Local head counts from the projection widths (tensor parallelism shards them by heads).
+        hv = b_bsn.shape[-1]
+        hk = hv * self.num_k_heads // self.num_v_heads
+        rows_b = torch.arange(b, device=x_bsh.device)
+
+        if cache is None:
+            conv_in_bsc = F.pad(qkv_bsc, (0, 0, kernel - 1, 0))  # causal: left zero padding
+        else:
+            ring = cache.ring
+            conv_ring = cache.buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype)
+            state_ring = cache.buffer("gdn_state", (hv, dk, dv), torch.float32)
+            start_b = positions_bs[:, 0]
+            # The previous kernel-1 conv inputs (positions start-K+1 .. start-1), zeros before position 0.
+            prev_pos_bk = start_b[:, None] + torch.arange(1 - kernel, 0, device=x_bsh.device)
+            prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % ring].masked_fill((prev_pos_bk < 0)[..., None], 0)
+            conv_in_bsc = torch.cat([prev_bkc.to(qkv_bsc.dtype), qkv_bsc], 1)
+            state0_bhkv = state_ring[rows_b, (start_b - 1) % ring].masked_fill((start_b == 0)[:, None, None, None], 0)
+        mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), self.conv1d.weight, groups=qkv_bsc.shape[-1])
+        mixed_bsc = F.silu(mixed_bcs).transpose(1, 2)
+        q_bsnk, k_bsnk, v_bsnv = mixed_bsc.split([hk * dk, hk * dk, hv * dv], -1)
+        q_bsnk, k_bsnk = (t.unflatten(-1, (hk, dk)).repeat_interleave(hv // hk, dim=2) for t in (q_bsnk, k_bsnk))
+        v_bsnv = v_bsnv.unflatten(-1, (hv, dv))
+        beta_bsn = b_bsn.sigmoid()
+        g_bsn = -self.A_log.float().exp() * F.softplus(a_bsn.float() + self.dt_bias)  # log decay, <= 0
+
+        if cache is None:
+            out_bsnv, _ = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, None)
+        elif s <= ring - kernel:
+            # Short forward (decode step or speculative verify): keep every position's state and conv
+            # input so that any accepted prefix can be resumed from. The writes reach back at most to
+            # position start + s - 1 - ring < start - kernel + 1, never a slot a resume still reads.
+            q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
+            out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
+            out_bsnv = out_bhtv.transpose(1, 2).to(v_bsnv.dtype)
+            slots_bs = positions_bs % ring
+            state_ring[rows_b[:, None], slots_bs] = states_bshkv.detach()
+            conv_ring[rows_b[:, None], slots_bs] = qkv_bsc.detach().to(conv_ring.dtype)
+        else:
+            # Long prefill: chunked form; padded tokens (past row_end) get beta = 0 and g = 0, which leaves
+            # the state untouched, so the final state is the state after each row's last real token.
+            row_end_b = cache.row_end if cache.row_end is not None else positions_bs[:, -1]
+            real_bs1 = (positions_bs <= row_end_b[:, None])[..., None]
+            out_bsnv, final_bhkv = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn * real_bs1,
+                                                 beta_bsn * real_bs1, state0_bhkv)
+            state_ring[rows_b, row_end_b % ring] = final_bhkv.detach()
+            # The last `ring` real conv inputs; those before this forward's start keep their slots.
+            keep_pos_br = row_end_b[:, None] - ring + 1 + torch.arange(ring, device=x_bsh.device)
+            j_br = keep_pos_br - start_b[:, None]
+            fresh_br1 = (j_br >= 0)[..., None]
+            slots_br = keep_pos_br % ring
+            new_brc = torch.where(fresh_br1, qkv_bsc[rows_b[:, None], j_br.clamp(0, s - 1)].to(conv_ring.dtype),
+                                  conv_ring[rows_b[:, None], slots_br])
+            conv_ring[rows_b[:, None], slots_br] = new_brc.detach()
+
+        y_bsnv = self.norm(out_bsnv, z_bsnv)
+        return self.out_proj(y_bsnv.flatten(-2))

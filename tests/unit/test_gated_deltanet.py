@@ -1,0 +1,237 @@
+"""Gated DeltaNet: parity with transformers' Qwen4-Exp module, chunked == recurrent, and the decoder
+state contract of models/state.py (prefill + steps, ragged rows, rollback to an accepted prefix)."""
+
+import copy
+
+import pytest
+import torch
+
+from models import gated_deltanet as gdn
+from models.gated_deltanet import GatedDeltaNet, chunked_gated_delta_rule, recurrent_gated_delta_rule
+from models.state import DecodeCache
+
+HID, HK, HV, DK, DV, KER = 32, 2, 4, 8, 16, 4
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def make(gate_act="silu", seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = GatedDeltaNet(HID, HK, HV, DK, DV, KER, gate_act=gate_act, kernel="torch")
+    with torch.no_grad():
+        # Decays from slow to fast so the state matters across chunk boundaries, and a non-trivial norm.
+        m.A_log.copy_(torch.tensor([0.01, 0.1, 0.5, 3.0]).log())
+        m.dt_bias.uniform_(-1.0, 1.0)
+        m.norm.weight.uniform_(0.5, 1.5)
+    return m.to(dtype)
+
+
+def positions(b, s, start=0):
+    return torch.arange(start, start + s).expand(b, s)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# --- parity with the reference ---------------------------------------------------------------------
+@pytest.mark.parametrize("gate", ["silu", "sigmoid"])
+def test_matches_transformers(gate):
+    hf = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    cfg = Qwen4ExpTextConfig(
+        vocab_size=64, hidden_size=HID, num_hidden_layers=1, layer_types=["linear_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=HK,
+        linear_num_value_heads=HV, linear_key_head_dim=DK, linear_value_head_dim=DV,
+        linear_conv_kernel_dim=KER, hc_count=2, hc_lowrank=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, hidden_act="silu",
+        output_gate_type=None if gate == "silu" else gate)
+    ours = make(gate)
+    ref = hf.Qwen4ExpTextGatedDeltaNet(cfg, 0)
+    assert ref.norm.activation == gate
+    ref.load_state_dict(ours.state_dict())  # a checkpoint is a name copy, both ways
+    assert set(ref.state_dict()) == set(ours.state_dict())
+
+    x = torch.randn(2, 70, HID)  # 70: one full chunk and a ragged one
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ours, y_ref = ours(x_ours, positions(2, 70)), ref(x_ref)
+    assert rel_err(y_ours, y_ref) < 1e-5
+    w = torch.randn_like(y_ref)
+    (y_ours * w).sum().backward()
+    (y_ref * w).sum().backward()
+    assert rel_err(x_ours.grad, x_ref.grad) < 1e-4
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert rel_err(p.grad, ref_params[name].grad) < 1e-4, name
+    # bf16 follows the reference's casts (measured bit-identical on CPU).
+    ours.bfloat16(), ref.bfloat16()
+    with torch.no_grad():
+        assert rel_err(ours(x.bfloat16(), positions(2, 70)).float(), ref(x.bfloat16()).float()) < 1e-2
+
+
+def test_chunked_equals_recurrent():
+    torch.manual_seed(0)
+    b, h, t = 2, 3, 150
+    q = gdn.l2_normalize(torch.randn(b, h, t, DK)) * DK ** -0.5
+    k = gdn.l2_normalize(torch.randn(b, h, t, DK))
+    v = torch.randn(b, h, t, DV)
+    g = -torch.rand(b, h, t) * torch.tensor([0.01, 0.3, 3.0])[None, :, None]
+    beta = torch.rand(b, h, t)
+    s0 = torch.randn(b, h, DK, DV)
+    o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, s_r, _ = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    assert rel_err(o_c, o_r) < 1e-5 and rel_err(s_c, s_r) < 1e-5
+
+
+def test_meta_construction_and_tensor_parallel_shards():
+    with torch.device("meta"):
+        GatedDeltaNet(HID, HK, HV, DK, DV, KER)
+    # Two head shards of the module (as a TP wrapper would leave them) sum to the whole: the module
+    # reads its local head counts from its weights.
+    m = make()
+    x = torch.randn(1, 9, HID)
+    full = m(x, positions(1, 9))
+    kd, vd = HK * DK, HV * DV
+    total = 0
+    for r in range(2):
+        shard = copy.deepcopy(m)
+        qs, ks, vs = slice(r * kd // 2, (r + 1) * kd // 2), slice(kd + r * kd // 2, kd + (r + 1) * kd // 2), \
+            slice(2 * kd + r * vd // 2, 2 * kd + (r + 1) * vd // 2)
+        rows = torch.cat([torch.arange(2 * kd + vd)[sl] for sl in (qs, ks, vs)])
+        heads, vcols = slice(r * HV // 2, (r + 1) * HV // 2), slice(r * vd // 2, (r + 1) * vd // 2)
+        shard.in_proj_qkv.weight = torch.nn.Parameter(m.in_proj_qkv.weight[rows])
+        shard.conv1d.weight = torch.nn.Parameter(m.conv1d.weight[rows])
+        shard.in_proj_z.weight = torch.nn.Parameter(m.in_proj_z.weight[vcols])
+        for name in ("in_proj_b", "in_proj_a"):
+            getattr(shard, name).weight = torch.nn.Parameter(getattr(m, name).weight[heads])
+        shard.dt_bias, shard.A_log = torch.nn.Parameter(m.dt_bias[heads]), torch.nn.Parameter(m.A_log[heads])
+        shard.out_proj.weight = torch.nn.Parameter(m.out_proj.weight[:, vcols])
+        total = total + shard(x, positions(1, 9))
+    assert rel_err(total, full) < 1e-5
+
+
+# --- decoding -------------------------------------------------------------------------------------
+def run_schedule(m, streams, schedule, ring=8):
+    """Feed each row's token stream through cached forwards. `schedule` is a list of forwards, each a list
+    of (start, n_real) per row plus the forward's width R (short rows are padded with junk). Returns the
+    cache and, per row, {position: output} for its real tokens."""
+    b = len(streams)
+    cache = DecodeCache(1, b, 128, torch.float32, torch.device("cpu"), ring=ring)
+    outs = [dict() for _ in range(b)]
+    for rows, width in schedule:
+        x = torch.randn(b, width, HID)  # junk for padded tokens
+        for i, (start, n) in enumerate(rows):
+            x[i, :n] = streams[i][start:start + n]
+        pos = torch.stack([torch.arange(st, st + width) for st, _ in rows])
+        ragged = any(n < width for _, n in rows)
+        cache.row_end = torch.tensor([st + n - 1 for st, n in rows]) if ragged else None
+        with torch.no_grad():
+            y = m(x, pos, cache.layer(0))
+        for i, (start, n) in enumerate(rows):
+            for j in range(n):
+                outs[i][start + j] = y[i, j]
+    return cache, outs
+
+
+def check_against_full(m, streams, outs, tol=1e-5):
+    for i, stream in enumerate(streams):
+        with torch.no_grad():
+            full = m(stream[None], positions(1, len(stream)))[0]
+        got = torch.stack([outs[i][p] for p in sorted(outs[i])])
+        assert sorted(outs[i]) == list(range(len(got)))
+        assert rel_err(got, full[:len(got)]) < tol, i
+
+
+def test_prefill_then_steps_equals_training_forward():
+    m = make()
+    streams = [torch.randn(30, HID), torch.randn(30, HID)]
+    # 20-token prefill (chunked path: 20 > ring - kernel), then steps of 1, 1, 3 and 1 tokens (recurrent).
+    sched = [([(0, 20)] * 2, 20), ([(20, 1)] * 2, 1), ([(21, 1)] * 2, 1), ([(22, 3)] * 2, 3), ([(25, 1)] * 2, 1)]
+    _, outs = run_schedule(m, streams, sched)
+    check_against_full(m, streams, outs)
+    # A short prompt takes the recurrent path from position 0.
+    _, outs = run_schedule(m, streams, [([(0, 3)] * 2, 3), ([(3, 2)] * 2, 2)])
+    check_against_full(m, streams, outs)
+
+
+def test_ragged_rows():
+    m = make(gate_act="sigmoid")
+    streams = [torch.randn(40, HID), torch.randn(40, HID)]
+    sched = [
+        ([(0, 20), (0, 13)], 20),    # prompts of 20 and 13 tokens (chunked path, row 1 padded)
+        ([(20, 1), (13, 1)], 1),     # rows now at different positions
+        ([(21, 3), (14, 2)], 3),     # short ragged forward (recurrent path, row 1 padded)
+        ([(24, 10), (16, 2)], 10),   # long ragged forward: row 1 keeps older conv inputs from the ring
+        ([(34, 1), (18, 1)], 1),
+    ]
+    _, outs = run_schedule(m, streams, sched)
+    check_against_full(m, streams, outs)
+
+
+def test_rollback_to_accepted_prefix():
+    """A verify forward over 4 tokens, then each row continues right after its accepted prefix (row 0
+    accepts 1 draft, row 1 accepts 3): outputs and states equal a fresh pass over the committed tokens."""
+    m = make()
+    torch.manual_seed(1)
+    prompt = torch.randn(2, 12, HID)
+    verify = torch.randn(2, 4, HID)  # [last committed token, draft 1, draft 2, draft 3]
+    nxt = torch.randn(2, 2, HID)
+    accepted = [2, 4]  # tokens of the verify forward that are kept, per row
+    ring, start = 8, 12
+
+    def fresh(rows):
+        cache = DecodeCache(1, 2, 64, torch.float32, torch.device("cpu"), ring=ring)
+        with torch.no_grad():
+            m(prompt, positions(2, 12), cache.layer(0))
+            for x, pos in rows:
+                y = m(x, pos, cache.layer(0))
+        return cache, y
+
+    # Spec path: verify 4 tokens, roll back by simply starting the next forward after the accepted prefix.
+    nstart = torch.tensor([start + a for a in accepted])
+    cont_pos = nstart[:, None] + torch.arange(2)
+    spec_cache, spec_y = fresh([(verify, positions(2, 4, start)), (nxt, cont_pos)])
+    # Reference: each row alone, fed only its committed tokens.
+    for i, a in enumerate(accepted):
+        cache = DecodeCache(1, 1, 64, torch.float32, torch.device("cpu"), ring=ring)
+        with torch.no_grad():
+            m(prompt[i:i + 1], positions(1, 12), cache.layer(0))
+            m(verify[i:i + 1, :a], positions(1, a, start), cache.layer(0))
+            y = m(nxt[i:i + 1], cont_pos[i:i + 1], cache.layer(0))
+        torch.testing.assert_close(spec_y[i], y[0], rtol=1e-6, atol=1e-6)
+        last = int(cont_pos[i, -1])
+        for name, back in (("gdn_state", 1), ("gdn_conv", KER - 1)):
+            for p in range(last - back + 1, last + 1):
+                torch.testing.assert_close(spec_cache.buffers[0][name][i, p % ring],
+                                           cache.buffers[0][name][0, p % ring], rtol=1e-6, atol=1e-6)
+
+
+# --- kernels and precision ------------------------------------------------------------------------
+def test_fla_kernel_missing_is_a_one_line_error():
+    if gdn._fla_chunk is not None:
+        pytest.skip("flash-linear-attention is installed")
+    with pytest.raises(ValueError, match="model.linear_kernel") as err:
+        GatedDeltaNet(HID, HK, HV, DK, DV, KER, kernel="fla")
+    assert "\n" not in str(err.value)
+
+
+def test_bf16_close_to_fp32():
+    m32 = make()
+    m16 = copy.deepcopy(m32).to(torch.bfloat16)
+    x = torch.randn(2, 70, HID)
+    with torch.no_grad():
+        y32 = m32(x, positions(2, 70))
+        y16 = m16(x.bfloat16(), positions(2, 70))
+        assert y16.dtype == torch.bfloat16
+        assert rel_err(y16.float(), y32) < 3e-2
+        # and a cached bf16 prefill + step runs, its conv ring in bf16, its recurrent state in fp32
+        cache = DecodeCache(1, 2, 80, torch.bfloat16, torch.device("cpu"), ring=8)
+        m16(x[:, :69].bfloat16(), positions(2, 69), cache.layer(0))
+        y_step = m16(x[:, 69:].bfloat16(), positions(2, 1, 69), cache.layer(0))
+    assert cache.buffers[0]["gdn_state"].dtype == torch.float32
+    assert cache.buffers[0]["gdn_conv"].dtype == torch.bfloat16
+    assert rel_err(y_step.float(), y32[:, 69:]) < 3e-2
