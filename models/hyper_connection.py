@@ -1,0 +1,80 @@
+"""Hyper-connections: a residual stream widened to `hc_count` parallel streams (Qwen4-Exp).
+
+Instead of one residual vector of width H per token, the trunk carries hc_count of them side by side,
+flattened to one [B, S, hc*H] tensor (stream c occupies channels c*H .. (c+1)*H - 1). The embedding
+enters as hc_count identical copies. Around every block (token mixer, then MLP/MoE) a HyperConnection
+
+1. *mixes*: normalises each stream on its own (grouped zero-centred RMSNorm), computes per-channel
+   weights in (0, 1) for every stream from all streams together through a low-rank bottleneck
+   (hc*H -> lowrank -> hc*H, silu then sigmoid), and averages the weighted streams into the block's
+   single H-wide input;
+2. *injects*: the block's H-wide output is written back into every stream, scaled per token and per
+   stream by a weight in (0, 2) (twice a sigmoid, so 1 at zero logits) computed from the same
+   normalised streams. The streams themselves are carried un-normalised (the residual).
+
+Both logits are divided by hc_count before their nonlinearity, as Qwen4-Exp does, which keeps them
+in the same range whatever the number of streams. The trunk's last mixer has no inject half (combine
+False): it stands where a final norm would and yields the H-wide hidden state the LM head reads.
+
+Tensor parallelism: transformers shards `input_mix_weight_down` row-wise (its input channels split,
+partial sums reduced). These matrices are small, so Tandem may keep them replicated; everything here
+derives widths from the constructor's ints, so a sharded variant only changes who holds which rows.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import RMSNorm
+
+
+class HyperConnection(nn.Module):
+    """Mix hc_count residual streams into one block input; inject the block output back.
+
+    forward(x_bsX) -> (mixed_bsh, inject_bsc) with combine, else mixed_bsh (X = hc_count * hidden_size).
+    inject(x_bsX, out_bsh, inject_bsc) -> the updated streams [B, S, X].
+    """
+
+    def __init__(self, hidden_size: int, hc_count: int, lowrank: int, eps: float = 1e-6, combine: bool = True):
+        super().__init__()
+        self.hidden_size, self.hc_count, self.lowrank = int(hidden_size), int(hc_count), int(lowrank)
+        width = self.hc_count * self.hidden_size
+        self.hc_norm = RMSNorm(width, eps, zero_centered=True, group_size=self.hidden_size)
+        self.input_mix_weight_down = nn.Linear(width, self.lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(self.lowrank, width, bias=False)
+        self.block_inject_weight = nn.Linear(width, self.hc_count, bias=False) if combine else None
+
+    @property
+    def combine(self) -> bool:
+        return self.block_inject_weight is not None
+
+    def forward(self, x_bsX: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        hc, h = self.hc_count, self.hidden_size
+        if x_bsX.shape[-1] != hc * h:
+            raise ValueError(f"HyperConnection expects {hc} x {h} = {hc * h} channels, got {x_bsX.shape[-1]}")
+        normed_bsX = self.hc_norm(x_bsX)
+        # Per-stream, per-channel mixing weights from all streams through a low-rank bottleneck.
+        weight_bsr = F.silu(self.input_mix_weight_down(normed_bsX) / hc)
+        weight_bsch = torch.sigmoid(self.input_mix_weight_up(weight_bsr)).unflatten(-1, (hc, h))
+        mixed_bsh = (weight_bsch * normed_bsX.unflatten(-1, (hc, h))).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return mixed_bsh
+        inject_bsc = 2 * torch.sigmoid(self.block_inject_weight(normed_bsX) / hc)
+        return mixed_bsh, inject_bsc
+
+    def mix(self, x_bsX: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """The same as calling the module (goes through __call__, so FSDP/TP hooks still run)."""
+        return self(x_bsX)
+
+    @staticmethod
+    def inject(x_bsX: torch.Tensor, out_bsh: torch.Tensor, inject_bsc: torch.Tensor) -> torch.Tensor:
+        """Residual update: stream c gains out * inject[..., c] (the un-normalised streams are the residual)."""
+        return x_bsX + (out_bsh.unsqueeze(-2) * inject_bsc.unsqueeze(-1)).flatten(-2)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, hc_count={self.hc_count}, lowrank={self.lowrank}, "
+                f"combine={self.combine}")
