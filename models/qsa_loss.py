@@ -1,0 +1,70 @@
+"""QSA indexer training signals: the main attention's block mass, the indexer's KL loss, recall.
+
+DeepSeek-V3.2 trains its indexer to predict where the main attention looks. For a query at t let
+p_h(u) be head h's attention probability on visible token u. The target over the query's candidate
+blocks is the head-summed mass of each block's tokens, renormalised over those blocks:
+
+    target(j) = sum_h sum_{u in block j} p_h(u) / (the same summed over every candidate block)
+
+and the indexer's distribution is softmax(score(t, j)) over the same candidates. The loss is
+KL(target || indexer), averaged over queries with at least one candidate. Candidates are every
+complete visible block in the dense warm-up and only the selected blocks in the sparse stage, where
+p_h is the sparse attention the model actually runs (over the selected tokens).
+
+Recall is the share of the *dense* attention mass (mean over heads) that lands on the selected
+tokens: 1.0 means the sparse attention loses nothing.
+
+Everything here needs probabilities [B, heads, S, S]; they are computed a chunk of queries at a time
+under no_grad so memory stays bounded. Under tensor parallelism a rank holds only its own heads: the
+head sums returned by `attention_block_mass` are the quantities to all-reduce before normalising.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+
+@torch.no_grad()
+def attention_block_mass(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int, num_blocks: int,
+                         chunk_elems: int, selected_fn: Optional[Callable[[int, int], torch.Tensor]] = None,
+                         sparse_target: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Causal attention of q over k (key index = query index, GQA), a chunk of queries at a time.
+
+    Returns (mass_bsn, recall_bs): the head-summed probability of each complete block's tokens
+    [B, S, num_blocks] fp32 (from the attention restricted to `selected_fn(c0, c1)` [B, C, S] when
+    `sparse_target`, else the dense one) and the head-summed dense mass on the selected tokens [B, S]
+    (None without `selected_fn`)."""
+    b, h, s, d = q_bhsd.shape
+    k_bhsd = k_bksd.repeat_interleave(h // k_bksd.shape[1], dim=1)
+    key_u = torch.arange(s, device=q_bhsd.device)
+    chunk = max(1, chunk_elems // (b * h * s))
+    masses, recalls = [], []
+    for c0 in range(0, s, chunk):
+        c1 = min(s, c0 + chunk)
+        with torch.autocast(q_bhsd.device.type, enabled=False):
+            logits = torch.matmul(q_bhsd[:, :, c0:c1].float(), k_bhsd.float().transpose(-1, -2)) * d ** -0.5
+        causal_cs = key_u[None, :] <= torch.arange(c0, c1, device=key_u.device)[:, None]
+        dense_bcs = logits.masked_fill(~causal_cs, float("-inf")).softmax(-1).sum(1)  # summed over heads
+        mass = dense_bcs
+        if selected_fn is not None:
+            sel_bcs = selected_fn(c0, c1)
+            recalls.append((dense_bcs * sel_bcs).sum(-1))
+            if sparse_target:
+                mass = logits.masked_fill(~sel_bcs[:, None], float("-inf")).softmax(-1).sum(1)
+        mass = mass[..., : num_blocks * ratio]
+        masses.append(mass.view(b, c1 - c0, num_blocks, ratio).sum(-1))
+    return torch.cat(masses, 1), (torch.cat(recalls, 1) if recalls else None)
+
+
+def indexer_kl(scores_bsn: torch.Tensor, mass_bsn: torch.Tensor, allowed_bsn: torch.Tensor) -> torch.Tensor:
+    """Mean over queries with an allowed block of KL(mass renormalised over allowed || softmax(scores)
+    over allowed). Differentiable in `scores_bsn` only; fp32."""
+    target = mass_bsn.float().masked_fill(~allowed_bsn, 0.0)
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    # A finite fill (not -inf) keeps rows without any allowed block NaN-free in forward and backward.
+    logp = scores_bsn.float().masked_fill(~allowed_bsn, -1e30).log_softmax(-1)
+    kl_bs = (torch.xlogy(target, target) - target * logp).sum(-1)
+    has_bs = allowed_bsn.any(-1)
+    return (kl_bs * has_bs).sum() / has_bs.sum().clamp_min(1)
