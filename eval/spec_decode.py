@@ -137,9 +137,13 @@ class SpecDecoder:
         if self.cap > cfg.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens + draft margin = {self.cap} positions exceeds "
                              f"model.max_seq_len={cfg.max_seq_len}")
-        B, H = batch, cfg.hidden_size
+        B, H = batch, cfg.hidden_size * cfg.hc_count  # the hidden state handed on: every residual stream
         self.B, self.H = B, H
-        self.trunk_cache = KVCache(cfg.num_layers, B, self.cap, self.dtype, self.device)
+        # Recurrent layers (Gated DeltaNet, PLE) keep their state in rings indexed by position: a ring must
+        # outlast a verify forward (K+1 tokens), a batched range's padding (~2K) and the widest
+        # convolution window (PLE's dilated one), so any accepted prefix can be resumed from.
+        self.ring = 4 * num_steps + 32
+        self.trunk_cache = KVCache(cfg.num_layers, B, self.cap, self.dtype, self.device, ring=self.ring)
         n_hidden = (num_steps if m.mtp is not None and m.mtp.chained else 1) if num_steps > 0 else 1
         self.h = [torch.zeros(B, self.cap, H, dtype=self.dtype, device=self.device) for _ in range(max(n_hidden, 1))]
         self.mtp_caches = []
@@ -169,7 +173,9 @@ class SpecDecoder:
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         pos = self.arange[:n].unsqueeze(0).expand(self.B, n)
+        self.trunk_cache.row_end = lens - 1  # shorter prompts are padded: their state ends at their last token
         h = self.model.trunk(tokens, pos, self.trunk_cache)
+        self.trunk_cache.row_end = None
         self.h[0][:, :n] = h
         last = h.gather(1, (lens - 1).view(-1, 1, 1).expand(-1, 1, self.H))
         nxt, _ = self._choose(self.model.logits(0, last)[:, 0])

@@ -73,6 +73,74 @@ class ModelConfig:
     """Std of the normal initialisation of linear and embedding weights."""
     init_from: str = ""
     """Initialise weights from a Hugging Face directory or a Tandem checkpoint (fine-tuning)."""
+    layer_types: List[str] = field(default_factory=list)
+    """Token mixer of each trunk layer: `attention` (full causal GQA), `linear_attention` (Gated
+    DeltaNet) or `indexed_attention` (QSA sparse attention). Empty: every layer `attention`, unless
+    `full_attention_interval` is set."""
+    full_attention_interval: int = 0
+    """With `layer_types` empty and n > 0: layers n, 2n, ... (1-based) are `indexed_attention`, the
+    others `linear_attention` (Qwen3-Next / Qwen4-Exp's hybrid schedule)."""
+    zero_centered_norm: bool = False
+    """RMSNorm weights hold w - 1 (output x_hat * (1 + w), initialised to 0), as Qwen3-Next / Qwen4-Exp."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert's SwiGLU; 0 means num_shared_experts x moe_intermediate_size."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(shared_expert_gate(x)) (Qwen3-Next / Qwen4-Exp)."""
+    linear_num_key_heads: int = 2
+    """Gated DeltaNet query/key heads."""
+    linear_num_value_heads: int = 4
+    """Gated DeltaNet value heads (a multiple of linear_num_key_heads; each q/k head serves a group)."""
+    linear_key_head_dim: int = 32
+    """Gated DeltaNet query/key head width."""
+    linear_value_head_dim: int = 32
+    """Gated DeltaNet value head width."""
+    linear_conv_kernel: int = 4
+    """Width of Gated DeltaNet's causal depthwise convolution over q, k and v."""
+    linear_gate_act: str = "silu"
+    """Activation of Gated DeltaNet's output gate: `silu` or `sigmoid` (transformers' output_gate_type)."""
+    linear_kernel: str = "auto"
+    """Gated DeltaNet kernels: `torch` (pure PyTorch, every device), `fla` (flash-linear-attention's
+    CUDA kernels; an error when not installed) or `auto` (fla on CUDA when installed, else torch)."""
+    indexer_heads: int = 4
+    """QSA indexer query heads (the indexer has one key head)."""
+    indexer_head_dim: int = 32
+    """QSA indexer head width (must hold the attention's rotary width)."""
+    indexer_budget: int = 64
+    """QSA: tokens each query may select from complete compressed blocks (budget / ratio blocks)."""
+    indexer_compress_ratio: int = 4
+    """QSA: consecutive tokens averaged into one indexer block key."""
+    qsa_form: str = "auto"
+    """QSA training form: `mask` (masked dense attention, O(S^2) memory), `gather` (attends over the
+    gathered selected tokens, O(S x budget)) or `auto` (gather when the mask would be large)."""
+    indexer_loss_coef: float = 1.0
+    """Weight of the QSA indexer's KL loss (DeepSeek-V3.2: the indexer learns the main attention's
+    head-summed distribution); 0 disables it. Logged as `loss/indexer`."""
+    indexer_warmup_steps: int = 0
+    """QSA dense warm-up: the first N training steps attend densely and only the indexers learn (KL over
+    every visible block); afterwards attention is sparse and the KL covers the selected blocks only."""
+    hc_count: int = 1
+    """Residual streams (hyper-connections, Qwen4-Exp); 1 is the plain residual."""
+    hc_lowrank: int = 32
+    """Rank of each hyper-connection's input mixer."""
+    ple_layers: List[int] = field(default_factory=list)
+    """Trunk layers (0-based) with PLE n-gram memory (transformers' one-based `ple_layer_ids` minus 1);
+    only `linear_attention` layers may carry it."""
+    ple_embed_dim: int = 0
+    """Width of each PLE layer's concatenated n-gram embedding; 0 means hidden_size."""
+    ple_conv_kernel: int = 4
+    """Kernel of PLE's dilated depthwise convolution (dilation = ngram_size)."""
+    ngram_size: int = 3
+    """Largest token n-gram PLE hashes (orders 2..ngram_size)."""
+    heads_per_ngram: int = 8
+    """Independently hashed PLE heads per n-gram order."""
+    ngram_vocab_base: int = 20_000_000
+    """Each PLE head's table has a distinct prime number of rows above this base."""
+    ngram_vocab_multiple: int = 128
+    """The concatenated PLE table is padded to a multiple of this."""
+    ngram_seed: int = 1234
+    """Seed of PLE's per-layer hash multipliers (splitmix64)."""
+    eos_token_id: int = -1
+    """End-of-document token: PLE's n-grams never reach across it (-1: unset; required with PLE)."""
     expert_matmul: str = "auto"
     """Routed experts' matmuls: `grouped` (one `torch._grouped_mm` per projection, torch_npu's
     `npu_grouped_matmul` on Ascend; counts stay on the device), `loop` (one matmul per expert; needs the counts on the host) or `auto` (grouped where the
@@ -84,6 +152,26 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.num_experts > 0 and layer_index >= self.first_k_dense
+
+    def layer_type(self, layer_index: int) -> str:
+        """The token mixer of trunk layer `layer_index` (see `layer_types`)."""
+        if self.layer_types:
+            return self.layer_types[layer_index]
+        if self.full_attention_interval > 0:
+            return "indexed_attention" if (layer_index + 1) % self.full_attention_interval == 0 else "linear_attention"
+        return "attention"
+
+    @property
+    def resolved_shared_expert_size(self) -> int:
+        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def resolved_ple_embed_dim(self) -> int:
+        return self.ple_embed_dim or self.hidden_size
+
+    @property
+    def uses_qsa(self) -> bool:
+        return any(self.layer_type(i) == "indexed_attention" for i in range(self.num_layers))
 
 
 @dataclass
@@ -116,6 +204,11 @@ class MTPConfig:
     """`looped` (DeepSeek-V3 / Qwen3-Next chained module) or `parallel` (Gloeckle et al. independent heads)."""
     moe: bool = True
     """MTP layers use the trunk's MoE MLP (DeepSeek-V3, GLM-4.5) rather than a dense one."""
+    combine: str = "auto"
+    """How a looped MTP layer combines the previous depth's state with the next token's embedding:
+    `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next: eh_proj(cat(enorm(emb), hnorm(h)))), `qwen4_exp`
+    (Qwen4-Exp's drafter: fc_embedding plus an fc_hidden shared by the hyper-connection streams) or
+    `auto` (qwen4_exp with hyper-connections, else concat_proj)."""
     concat_order: str = "emb_hidden"
     """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next) or `hidden_emb`."""
     loss: MTPLossConfig = field(default_factory=MTPLossConfig)
@@ -135,6 +228,11 @@ class MTPConfig:
     DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers)."""
     init_from_last_layer: bool = False
     """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk layer."""
+
+    def resolved_combine(self, model: "ModelConfig") -> str:
+        if self.combine != "auto":
+            return self.combine
+        return "qwen4_exp" if model.hc_count > 1 else "concat_proj"
 
     def layer_for_step(self, step: int) -> int:
         """Physical MTP layer used by draft step `step` (1-based)."""
@@ -195,6 +293,7 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
         raise ValueError(f"model.balance must be 'aux_free', 'aux_loss' or 'none', got {model.balance!r}")
     if model.first_k_dense < 0:
         raise ValueError(f"model.first_k_dense must be >= 0, got {model.first_k_dense}")
+    _validate_hybrid(model)
     if mtp.num_steps < 0:
         raise ValueError(f"mtp.num_steps must be >= 0, got {mtp.num_steps}")
     if mtp.num_steps > 0 and mtp.num_layers <= 0:
@@ -205,6 +304,17 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
         raise ValueError(
             f"mtp.num_layers={mtp.num_layers} must equal mtp.num_steps={mtp.num_steps} for mtp.style=parallel (one independent head per step)"
         )
+    if mtp.combine not in ("auto", "concat_proj", "qwen4_exp"):
+        raise ValueError(f"mtp.combine must be 'auto', 'concat_proj' or 'qwen4_exp', got {mtp.combine!r}")
+    if mtp.num_steps and mtp.style == "looped":
+        combine = mtp.resolved_combine(model)
+        if combine == "concat_proj" and model.hc_count > 1:
+            raise ValueError(f"mtp.combine=concat_proj cannot read the {model.hc_count} hyper-connection streams "
+                             "(model.hc_count > 1): use mtp.combine=qwen4_exp")
+        if combine == "qwen4_exp" and model.hc_count == 1:
+            raise ValueError("mtp.combine=qwen4_exp needs hyper-connection streams (model.hc_count > 1)")
+    if mtp.style == "parallel" and mtp.num_steps and model.hc_count > 1:
+        raise ValueError("mtp.style=parallel is not supported with hyper-connections (model.hc_count > 1)")
     if mtp.concat_order not in ("emb_hidden", "hidden_emb"):
         raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {mtp.concat_order!r}")
     if mtp.trunk_input not in ("pre_norm", "final_norm"):
@@ -221,3 +331,65 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
         raise ValueError(f"mtp.loss_head_backward must be 'recompute' or 'fused', got {mtp.loss_head_backward!r}")
     if mtp.loss_chunk_tokens <= 0:
         raise ValueError(f"mtp.loss_chunk_tokens must be positive, got {mtp.loss_chunk_tokens}")
+
+
+LAYER_TYPES = ("attention", "linear_attention", "indexed_attention")
+
+
+def _validate_hybrid(model: ModelConfig) -> None:
+    """The Qwen4-Exp invariants transformers validates, named by our keys, before any work."""
+    if model.layer_types and len(model.layer_types) != model.num_layers:
+        raise ValueError(f"model.layer_types has {len(model.layer_types)} entries but model.num_layers={model.num_layers}")
+    bad = sorted(set(model.layer_types) - set(LAYER_TYPES))
+    if bad:
+        raise ValueError(f"model.layer_types has unknown entries {bad}; each must be one of {', '.join(LAYER_TYPES)}")
+    if model.full_attention_interval < 0:
+        raise ValueError(f"model.full_attention_interval must be >= 0, got {model.full_attention_interval}")
+    if model.hc_count < 1:
+        raise ValueError(f"model.hc_count must be >= 1 (1 = plain residual; hyper-connections need > 1), got {model.hc_count}")
+    if model.hc_count > 1 and model.hc_lowrank <= 0:
+        raise ValueError(f"model.hc_lowrank must be positive with model.hc_count={model.hc_count}, got {model.hc_lowrank}")
+    types = [model.layer_type(i) for i in range(model.num_layers)]
+    if "linear_attention" in types:
+        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_conv_kernel"):
+            if getattr(model, key) <= 0:
+                raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
+        if model.linear_num_value_heads % model.linear_num_key_heads:
+            raise ValueError(f"model.linear_num_key_heads={model.linear_num_key_heads} must divide "
+                             f"model.linear_num_value_heads={model.linear_num_value_heads}")
+        if model.linear_gate_act not in ("silu", "sigmoid"):
+            raise ValueError(f"model.linear_gate_act must be 'silu' or 'sigmoid', got {model.linear_gate_act!r}")
+        if model.linear_kernel not in ("auto", "torch", "fla"):
+            raise ValueError(f"model.linear_kernel must be 'auto', 'torch' or 'fla', got {model.linear_kernel!r}")
+    if "indexed_attention" in types:
+        for key in ("indexer_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"):
+            if getattr(model, key) <= 0:
+                raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
+        if model.indexer_budget % model.indexer_compress_ratio:
+            raise ValueError(f"model.indexer_budget={model.indexer_budget} must be divisible by "
+                             f"model.indexer_compress_ratio={model.indexer_compress_ratio}")
+        rot = int(model.resolved_head_dim * model.partial_rotary_factor)
+        if rot > model.indexer_head_dim:
+            raise ValueError(f"model.indexer_head_dim={model.indexer_head_dim} must hold the attention's rotary width "
+                             f"{rot} (head_dim x partial_rotary_factor)")
+        if model.qsa_form not in ("auto", "mask", "gather"):
+            raise ValueError(f"model.qsa_form must be 'auto', 'mask' or 'gather', got {model.qsa_form!r}")
+        if model.indexer_loss_coef < 0 or model.indexer_warmup_steps < 0:
+            raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
+    if model.ple_layers:
+        if model.hc_count <= 1:
+            raise ValueError(f"model.ple_layers needs hyper-connections (model.hc_count > 1), got hc_count={model.hc_count}")
+        ngram_heads = (model.ngram_size - 1) * model.heads_per_ngram
+        if ngram_heads <= 0 or model.resolved_ple_embed_dim % ngram_heads:
+            raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive multiple of the "
+                             f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x model.heads_per_ngram)")
+        for i in model.ple_layers:
+            if not 0 <= i < model.num_layers:
+                raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < {model.num_layers})")
+            if types[i] != "linear_attention":
+                raise ValueError(f"model.ple_layers: PLE is only supported on linear_attention layers, layer {i} is {types[i]}")
+        if model.eos_token_id < 0:
+            raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE n-grams stop at it)")
+        if model.ple_conv_kernel <= 0 or model.ngram_vocab_base <= 1 or model.ngram_vocab_multiple <= 0:
+            raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and model.ngram_vocab_multiple must be positive")

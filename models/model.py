@@ -19,11 +19,15 @@ from torch import nn
 
 from .attention import Attention, LayerKV
 from .config import MTPConfig, ModelConfig
+from .gated_deltanet import GatedDeltaNet
+from .hyper_connection import HyperConnection
 from .layers import RMSNorm, SwiGLU
+from .ple import PLELayer
+from .qsa import IndexedAttention
 from .loss import (chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
                    head_cross_entropy_sum)
 from .moe import MoE
-from .mtp import MTPModule, depth_target_mask, shifted_tokens
+from .mtp import MTPModule, depth_target_mask, final_norm_module, model_norm, shifted_tokens
 
 
 def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
@@ -32,17 +36,79 @@ def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
     return torch.cat([teacher_bsh[:, depth:], teacher_bsh[:, :depth]], dim=1)
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
+    """The token mixer of one block: full attention, QSA sparse attention or Gated DeltaNet."""
+    if kind == "attention":
+        return Attention(cfg)
+    if kind == "indexed_attention":
+        return IndexedAttention(
+            hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.resolved_head_dim, partial_rotary_factor=cfg.partial_rotary_factor,
+            rope_theta=cfg.rope_theta, max_seq_len=cfg.max_seq_len, eps=cfg.rms_norm_eps,
+            indexer_heads=cfg.indexer_heads, indexer_head_dim=cfg.indexer_head_dim, budget=cfg.indexer_budget,
+            compress_ratio=cfg.indexer_compress_ratio, form=cfg.qsa_form)
+    if kind == "linear_attention":
+        return GatedDeltaNet(
+            hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+            head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
+            conv_kernel=cfg.linear_conv_kernel, eps=cfg.rms_norm_eps, gate_act=cfg.linear_gate_act,
+            kernel=cfg.linear_kernel)
+    raise ValueError(f"unknown token mixer {kind!r}")
 
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None):
-        x_bsh = x_bsh + self.self_attn(self.input_layernorm(x_bsh), positions_bs, cache)
-        return x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+
+class TransformerBlock(nn.Module):
+    """A token mixer plus an MLP or MoE around a residual scheme, with optional PLE n-gram memory.
+
+    With `hc_count == 1` the residual is the plain pre-norm one (`input_layernorm`,
+    `post_attention_layernorm`). With hyper-connections (`hc_count > 1`, Qwen4-Exp) the block carries
+    `hc_count` streams [B, S, hc x H]: `attn_hyper_connection` / `mlp_hyper_connection` each mix the
+    normalised streams into the sublayer's input and inject its output back into every stream with
+    learned weights (they replace the two norms). A PLE layer adds its n-gram features to the
+    streams first; it is the only part that reads the token ids."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, kind: str = "attention", ple_index: Optional[int] = None):
+        super().__init__()
+        self.kind = kind
+        mixer = make_token_mixer(cfg, kind)
+        # transformers' names: Gated DeltaNet is `linear_attn`, every attention is `self_attn`
+        if kind == "linear_attention":
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.hc_count = cfg.hc_count
+        if cfg.hc_count > 1:
+            self.attn_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+            self.mlp_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = model_norm(cfg, cfg.hidden_size)
+            self.post_attention_layernorm = model_norm(cfg, cfg.hidden_size)
+        self.mlp = MoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.ple = None
+        if ple_index is not None:
+            self.ple = PLELayer(
+                hidden_size=cfg.hidden_size, hc_count=cfg.hc_count, embed_dim=cfg.resolved_ple_embed_dim,
+                conv_kernel=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size, heads_per_ngram=cfg.heads_per_ngram,
+                vocab_size=cfg.vocab_size, ngram_vocab_base=cfg.ngram_vocab_base,
+                ngram_vocab_multiple=cfg.ngram_vocab_multiple, seed=cfg.ngram_seed, ple_layer_index=ple_index,
+                eos_token_id=cfg.eos_token_id, eps=cfg.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn
+
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None,
+                input_ids_bs: Optional[torch.Tensor] = None):
+        if self.hc_count == 1:
+            x_bsh = x_bsh + self.mixer(self.input_layernorm(x_bsh), positions_bs, cache)
+            return x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+        if self.ple is not None:
+            if input_ids_bs is None:
+                raise ValueError("a block with PLE needs the token ids (input_ids_bs)")
+            x_bsh = x_bsh + self.ple(x_bsh, input_ids_bs, positions_bs, cache)
+        mixed, weights = self.attn_hyper_connection(x_bsh)
+        x_bsh = self.attn_hyper_connection.inject(x_bsh, self.mixer(mixed, positions_bs, cache), weights)
+        mixed, weights = self.mlp_hyper_connection(x_bsh)
+        return self.mlp_hyper_connection.inject(x_bsh, self.mlp(mixed), weights)
 
 
 class OutputHead(nn.Module):
@@ -81,11 +147,17 @@ class TandemModel(nn.Module):
         super().__init__()
         self.cfg, self.mtp_cfg = cfg, mtp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(cfg, cfg.is_moe_layer(i), cfg.layer_type(i),
+                                     cfg.ple_layers.index(i) if i in cfg.ple_layers else None)
+            for i in range(cfg.num_layers)})
+        self.norm = final_norm_module(cfg)
         self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size, mtp.loss_head_backward)
         mtp_moe = mtp.moe and cfg.num_experts > 0
-        self.mtp = MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe)) if mtp.num_steps > 0 else None
+        # MTP blocks use the trunk's attention kind (QSA when the trunk has it) and never PLE.
+        mtp_kind = "indexed_attention" if cfg.uses_qsa else "attention"
+        self.mtp = (MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe, mtp_kind))
+                    if mtp.num_steps > 0 else None)
         # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own
         # next-token prediction at the target position; the trainer sets it from train.distill).
         self.distill = "none"
@@ -102,15 +174,22 @@ class TandemModel(nn.Module):
         return 1 + (self.mtp_cfg.num_steps if self.mtp is not None else 0)
 
     def init_rule(self, name: str) -> Tuple[str, float]:
-        """How parameter `name` starts: ("ones" | "zeros" | "normal", std). The one definition of the
-        initial distribution: `reset_parameters` draws it from the global RNG; the trainer draws it
-        shard by shard from per-parameter seeds (trainer/materialize.py)."""
+        """How parameter `name` starts: ("ones" | "zeros" | "normal" | "a_log", std). The one definition
+        of the initial distribution: `reset_parameters` draws it from the global RNG; the trainer draws
+        it shard by shard from per-parameter seeds (trainer/materialize.py). `a_log` is Gated DeltaNet's
+        decay rate log(uniform(0.01, 16)), as transformers initialises it."""
         std = self.cfg.init_std
-        if name.endswith("norm.weight") or "layernorm" in name or "enorm" in name or "hnorm" in name:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self.get_submodule(owner_name) if owner_name else self
+        if isinstance(owner, RMSNorm):
+            return ("zeros" if owner.zero_centered else "ones"), 0.0
+        if leaf == "A_log":
+            return "a_log", 0.0
+        if leaf == "dt_bias" or name.endswith("norm.weight") or "layernorm" in name:
             return "ones", 0.0
-        if name.endswith("bias"):
-            return "zeros", 0.0
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        if name.endswith("bias") or name.endswith("ple.conv1d.weight"):
+            return "zeros", 0.0  # PLE's convolution starts at zero, as in transformers
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "linear_attn.out_proj.weight")):
             # GPT-2 style: residual output projections scaled down with depth.
             return "normal", std / math.sqrt(2 * (self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp_cfg.num_steps > 0 else 0)))
         return "normal", std
@@ -123,6 +202,8 @@ class TandemModel(nn.Module):
                 p.fill_(1.0)
             elif kind == "zeros":
                 p.zero_()
+            elif kind == "a_log":
+                p.uniform_(0.01, 16.0).log_()
             else:
                 p.normal_(0.0, std)
 
@@ -141,8 +222,11 @@ class TandemModel(nn.Module):
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
         """Trunk hidden states before the final norm (h_0 of the MTP chain)."""
         h = self.embed_tokens(input_ids_bs)
+        if self.cfg.hc_count > 1:
+            h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
         for i, layer in self.layers.items():
-            h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None)
+            h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None,
+                      input_ids_bs if layer.ple is not None else None)
         return h
 
     def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor, positions_bs: torch.Tensor,

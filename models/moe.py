@@ -262,9 +262,11 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.expert_matmul)
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
-            if cfg.num_shared_experts > 0 else None
+            SwiGLU(cfg.hidden_size, cfg.resolved_shared_expert_size) if cfg.num_shared_experts > 0 else None
         )
+        # Qwen3-Next / Qwen4-Exp scale the shared expert per token by sigmoid(gate(x)).
+        self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
+                                   if cfg.shared_expert_gate and self.shared_experts is not None else None)
         # Gradient scale of the auxiliary losses per forward; the trainer sets 1/micro-batches.
         self.aux_grad_scale = 1.0
         # The last micro-batch's aux + z loss (detached tensor, None until one is computed).
@@ -290,7 +292,10 @@ class MoE(nn.Module):
         weights, indices, logits = self.router(x)
         out = self.route_and_compute(x, weights, indices)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
         if aux is not None:
             self.last_aux_loss = aux.detach()

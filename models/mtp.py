@@ -20,6 +20,7 @@ from torch import nn
 
 from .attention import LayerKV
 from .config import MTPConfig, ModelConfig
+from .hyper_connection import HyperConnection
 from .layers import RMSNorm
 
 
@@ -51,25 +52,59 @@ def shifted_tokens(tokens_bs1: torch.Tensor, shift: int, length: int) -> torch.T
     return out
 
 
+def model_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """An RMSNorm of this model family (zero-centred for Qwen3-Next / Qwen4-Exp)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+
+
+def final_norm_module(cfg: ModelConfig) -> nn.Module:
+    """What turns a block stack's output into the head's input: an RMSNorm, or with hyper-connections
+    the stream mixer that collapses the hc_count streams (transformers' `hyper_connection_mixer`)."""
+    if cfg.hc_count > 1:
+        return HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps, combine=False)
+    return model_norm(cfg, cfg.hidden_size)
+
+
 class MTPLayer(nn.Module):
-    """One physical MTP layer: input combination (looped style), a transformer block, a final norm."""
+    """One physical MTP layer: input combination (looped style), a transformer block, a final norm.
+
+    Two combinations (`mtp.combine`):
+    * `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next): x = eh_proj(cat(enorm(emb), hnorm(h_prev))).
+    * `qwen4_exp` (Qwen4-Exp's drafter, vLLM's `Qwen4ExpMTP`): h_prev is the previous depth's
+      multi-stream state [B, S, hc x H] (the trunk's, before its final stream mixer, at depth 1);
+      `pre_fc_norm_hidden` normalises it over all hc x H channels, `fc_hidden` (one H x H matrix shared
+      by the streams) projects each stream, and fc_embedding(pre_fc_norm_embedding(emb)) is added to
+      every stream with unit weight. The block keeps the streams; its output is the next depth's
+      h_prev, and the layer's own stream mixer (`norm`) collapses it for the head.
+    """
 
     def __init__(self, cfg: ModelConfig, mtp: MTPConfig, block: nn.Module):
         super().__init__()
         self.combine = mtp.style == "looped"
+        self.combine_style = mtp.resolved_combine(cfg) if self.combine else "none"
         self.emb_first = mtp.concat_order == "emb_hidden"
-        if self.combine:
-            self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_count, self.hidden_size = cfg.hc_count, cfg.hidden_size
+        if self.combine_style == "concat_proj":
+            self.enorm = model_norm(cfg, cfg.hidden_size)
+            self.hnorm = model_norm(cfg, cfg.hidden_size)
             self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        elif self.combine_style == "qwen4_exp":
+            self.pre_fc_norm_embedding = model_norm(cfg, cfg.hidden_size)
+            self.pre_fc_norm_hidden = model_norm(cfg, cfg.hidden_size * cfg.hc_count)
+            self.fc_embedding = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+            self.fc_hidden = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = block
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = final_norm_module(cfg)
 
     def forward(self, h_prev_bsh: torch.Tensor, emb_bsh: Optional[torch.Tensor], positions_bs: torch.Tensor,
                 cache: Optional[LayerKV] = None) -> torch.Tensor:
-        if self.combine:
+        if self.combine_style == "concat_proj":
             e, h = self.enorm(emb_bsh), self.hnorm(h_prev_bsh)
             x = self.eh_proj(torch.cat([e, h] if self.emb_first else [h, e], dim=-1))
+        elif self.combine_style == "qwen4_exp":
+            streams = self.pre_fc_norm_hidden(h_prev_bsh).unflatten(-1, (self.hc_count, self.hidden_size))
+            e = self.fc_embedding(self.pre_fc_norm_embedding(emb_bsh))
+            x = (self.fc_hidden(streams) + e.unsqueeze(-2)).flatten(-2)
         else:
             x = h_prev_bsh
         return self.block(x, positions_bs, cache)

@@ -57,10 +57,13 @@ def seeded_slice(name: str, global_shape: Sequence[int], index: Tuple[slice, ...
     for b in range(r0 // per_block, (r1 + per_block - 1) // per_block):
         b0, b1 = b * per_block, min(shape[0], (b + 1) * per_block)
         g = torch.Generator().manual_seed(_block_seed(seed, name, b))
-        block = torch.randn([b1 - b0] + shape[1:], generator=g)
+        draw = torch.rand if kind == "a_log" else torch.randn
+        block = draw([b1 - b0] + shape[1:], generator=g)
         lo, hi = max(b0, r0), min(b1, r1)
         out[lo - r0: hi - r0] = block[(slice(lo - b0, hi - b0),) + tuple(index[1:])]
         del block
+    if kind == "a_log":  # Gated DeltaNet's decay rates: log(uniform(0.01, 16))
+        return out.mul_(15.99).add_(0.01).log_()
     return out.mul_(std)
 
 

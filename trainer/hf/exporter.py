@@ -51,6 +51,9 @@ def hf_state_dict(model: nn.Module, family: str, cfg: ModelConfig, mtp: MTPConfi
         if src.stacked:
             for e, key in enumerate(src.keys):
                 out[key] = value[e].contiguous()
+        elif src.concat:  # transformers' Chunk: torch.chunk into len(keys) row blocks
+            for key, block in zip(src.keys, torch.chunk(value, len(src.keys), dim=0)):
+                out[key] = block.contiguous()
         else:
             out[src.keys[0]] = value.contiguous()
     return out

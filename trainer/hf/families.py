@@ -31,42 +31,12 @@ import torch
 
 from tandem.models.config import MTPConfig, ModelConfig
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "qwen3_next_mtp")
+from . import qwen4_exp
+from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "qwen3_next_mtp", "qwen4_exp")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa")
 _LINEAR_ATTN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
-
-
-class UnsupportedCheckpoint(ValueError):
-    """The checkpoint's architecture (or one of its options) cannot be represented by this model."""
-
-
-@dataclass
-class FamilySpec:
-    name: str
-    """One of FAMILIES (the trunk family; `qwen3_next_mtp` is a Qwen3 trunk with `mtp.*` weights)."""
-    mtp_layout: str = "glm"
-    """`glm` (model.layers.{N+j}.*) or `qwen3_next` (mtp.*)."""
-    zero_centered_norm: bool = False
-    """Checkpoint RMSNorm weights are stored as w - 1 (Qwen3-Next)."""
-    router_bias: bool = False
-    """The checkpoint carries `mlp.gate.e_score_correction_bias` (GLM, DeepSeek)."""
-    num_mtp_layers: int = 0
-    """MTP layers the checkpoint declares."""
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class Src:
-    """Where one tensor of this model lives in the checkpoint."""
-
-    keys: List[str]
-    stacked: bool = False
-    """keys[e] is row e of dim 0 (per-expert tensors of a grouped expert weight)."""
-    plus_one: bool = False
-    """Zero-centred norm: ours = checkpoint + 1."""
-    swap_halves: bool = False
-    """eh_proj stored embedding-first while this model concatenates hidden-first: swap the two
-    column halves."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,6 +60,11 @@ def detect_family(hf: dict, mtp_keys: Optional[List[str]] = None) -> FamilySpec:
     if mtype in _MLA_TYPES or "kv_lora_rank" in hf or "q_lora_rank" in hf:
         raise UnsupportedCheckpoint(
             f"{arch}: MLA attention is not supported yet (its MoE and MTP naming is; the attention is not)")
+    if mtype in qwen4_exp.MODEL_TYPES:
+        return qwen4_exp.spec_from_hf(hf)
+    if mtype == "qwen4_exp":
+        raise UnsupportedCheckpoint(f"{arch}: the multimodal Qwen4-Exp checkpoint is not supported; use its text "
+                                    "model (model_type qwen4_exp_text, Qwen4ExpForCausalLM)")
     if mtype in _LINEAR_ATTN_TYPES:
         raise UnsupportedCheckpoint(
             f"{arch}: the Qwen3-Next/Qwen3.5 trunk uses linear attention (Gated DeltaNet) and gated attention, "
@@ -114,6 +89,8 @@ def model_config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int] 
     """The trunk config of a Hugging Face config.json (raises UnsupportedCheckpoint for options
     this model lacks)."""
     name = spec.name
+    if name == "qwen4_exp":
+        return qwen4_exp.config_from_hf(hf, _rope(hf), max_seq_len)
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpoint(f"hidden_act={hf.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
     if hf.get("mlp_bias"):
@@ -188,7 +165,10 @@ def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Option
 
 
 def trunk_input_of(hf: dict) -> str:
-    """MTP input convention of a checkpoint: `final_norm` unless config.json says otherwise."""
+    """MTP input convention of a checkpoint: `final_norm` unless config.json says otherwise (Qwen4-Exp's
+    drafter always reads the trunk's streams before the final mixer)."""
+    if hf.get("model_type") in qwen4_exp.MODEL_TYPES:
+        return "pre_norm"
     return "pre_norm" if hf.get("tie_last_hidden_states") is False else "final_norm"
 
 
@@ -196,6 +176,8 @@ def hf_name(name: str, cfg: ModelConfig, mtp: MTPConfig, spec: FamilySpec) -> Op
     """The checkpoint source of this model's tensor `name` (a parameter or persistent buffer), or
     None when the family has no such tensor (it then stays at its initial value / must be zero)."""
     n = cfg.num_layers
+    if spec.name == "qwen4_exp":
+        return qwen4_exp.hf_name(name, cfg, mtp, spec)
     if name == "embed_tokens.weight":
         src = Src(["model.embed_tokens.weight"])
     elif name == "norm.weight":
@@ -258,6 +240,8 @@ def mtp_layer_of_key(key: str, cfg: ModelConfig) -> int:
 # --------------------------------------------------------------------------------------------------
 def default_family(cfg: ModelConfig) -> str:
     """The family whose transformers class computes exactly what these knobs compute."""
+    if cfg.hc_count > 1:
+        return "qwen4_exp"
     if cfg.num_experts == 0:
         return "qwen3" if cfg.qk_norm else "llama"
     if (cfg.router_score == "softmax" and cfg.num_shared_experts == 0 and cfg.qk_norm and cfg.n_group == 1
@@ -271,6 +255,14 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
     problems = []
     if family not in FAMILIES:
         raise UnsupportedCheckpoint(f"unknown export family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if family == "qwen4_exp":
+        problems = qwen4_exp.check_exportable(cfg, mtp)
+        if problems:
+            raise UnsupportedCheckpoint(f"cannot export as {family}: " + "; ".join(problems))
+        return
+    if cfg.hc_count > 1 or any(cfg.layer_type(i) != "attention" for i in range(cfg.num_layers)):
+        raise UnsupportedCheckpoint(f"cannot export as {family}: the trunk has hyper-connections or non-attention "
+                                    "token mixers (Qwen4-Exp layers); export as qwen4_exp")
     trunk = "qwen3_moe" if family == "qwen3_next_mtp" and cfg.num_experts else (
         "qwen3" if family == "qwen3_next_mtp" else family)
     if trunk in ("llama", "qwen3", "qwen3_moe"):
@@ -312,6 +304,9 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
 def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[dict, FamilySpec]:
     """config.json for `family` and the FamilySpec used to name tensors."""
     check_exportable(family, cfg, mtp)
+    if family == "qwen4_exp":
+        hf = qwen4_exp.hf_config(cfg, mtp)
+        return hf, qwen4_exp.spec_from_hf(hf)
     n_mtp = mtp.num_layers if mtp is not None and mtp.num_steps > 0 else 0
     base = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -359,6 +354,6 @@ def meta_state(cfg: ModelConfig, mtp: MTPConfig) -> Dict[str, torch.Size]:
         model = TandemModel(cfg, mtp)
     out = {name: p.shape for name, p in model.named_parameters()}
     for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith("e_score_correction_bias") or qwen4_exp.is_ple_buffer(name):
             out[name] = b.shape
     return out

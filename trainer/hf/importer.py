@@ -27,6 +27,7 @@ from torch import nn
 from tandem.models import TandemModel
 from tandem.models.config import MTPConfig, ModelConfig, validate_model
 
+from .qwen4_exp import is_ple_buffer
 from .families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
                           meta_state, model_config_from_hf, mtp_layer_of_key, trunk_input_of)
 
@@ -237,6 +238,16 @@ def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], gl
         rows = reader.read(src.keys[0], (index[0],))
         half = rows.shape[1] // 2
         out = torch.cat([rows[:, half:], rows[:, :half]], dim=1)[(slice(None),) + tuple(index[1:])]
+    elif src.concat:  # row blocks of dim 0 in consecutive keys: read the blocks this slice overlaps
+        r0, r1 = index[0].indices(global_shape[0])[:2]
+        parts, start = [], 0
+        for key in src.keys:
+            n = reader.shape(key)[0]
+            lo, hi = max(r0, start), min(r1, start + n)
+            if lo < hi:
+                parts.append(reader.read(key, (slice(lo - start, hi - start),) + tuple(index[1:])))
+            start += n
+        out = torch.cat(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:], global_shape[1:])])
     elif src.stacked:
         rows = range(*index[0].indices(len(src.keys)))
         parts = [reader.read(src.keys[e], index[1:]) for e in rows]
@@ -251,6 +262,9 @@ def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], gl
 def source_shape(reader: CheckpointReader, src: Src) -> Tuple[int, ...]:
     if src.stacked:
         return (len(src.keys),) + reader.shape(src.keys[0])
+    if src.concat:
+        first = reader.shape(src.keys[0])
+        return (sum(reader.shape(k)[0] for k in src.keys),) + tuple(first[1:])
     return reader.shape(src.keys[0])
 
 
@@ -277,7 +291,7 @@ def local_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
     """This rank's parameters and persistent router-bias buffers, by unwrapped name."""
     out = {_strip(n): p for n, p in model.named_parameters()}
     for n, b in model.named_buffers():
-        if n.endswith("e_score_correction_bias"):
+        if n.endswith("e_score_correction_bias") or is_ple_buffer(n):
             out[_strip(n)] = b
     return out
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -79,7 +79,8 @@ def export_checkpoint(step_dir: str, out_dir: str, family: Optional[str], cfg, m
     if missing:
         raise ValueError(f"checkpoint {step_dir} lacks tensors: {', '.join(missing[:8])}")
     # plan: output keys per file, in write order
-    plan: List[Tuple[str, str, Optional[int], List[int], torch.dtype]] = []  # (name, key, expert, shape, dtype)
+    # (name, key, part: the expert row of a stacked source or the row block of a concatenated one, shape, dtype)
+    plan: List[Tuple[str, str, Optional[Union[int, slice]], List[int], torch.dtype]] = []
     for name in names:
         shape, dtype, _ = sources[name]
         src = hf_name(name, cfg, mtp, spec)
@@ -87,6 +88,10 @@ def export_checkpoint(step_dir: str, out_dir: str, family: Optional[str], cfg, m
             continue
         if src.stacked:
             plan += [(name, key, e, list(shape[1:]), dtype) for e, key in enumerate(src.keys)]
+        elif src.concat:  # transformers' Chunk: torch.chunk's row blocks, one key each
+            step = -(-shape[0] // len(src.keys))
+            plan += [(name, key, slice(r, min(r + step, shape[0])), [min(r + step, shape[0]) - r] + list(shape[1:]), dtype)
+                     for key, r in zip(src.keys, range(0, shape[0], step))]
         else:
             plan.append((name, src.keys[0], None, list(shape), dtype))
     files: List[List[int]] = [[]]
@@ -122,8 +127,8 @@ def export_checkpoint(step_dir: str, out_dir: str, family: Optional[str], cfg, m
             _, dtype, load = sources[name]
             value = _to_hf(load(), hf_name(name, cfg, mtp, spec), dtype)
             while i < len(plan) and plan[i][0] == name:
-                _, key, expert, _, _ = plan[i]
-                part = value[expert] if expert is not None else value
+                _, key, index, _, _ = plan[i]
+                part = value[index] if index is not None else value
                 by_file[where[i]].write(part.contiguous().view(torch.uint8).reshape(-1).numpy().data)
                 i += 1
             del value

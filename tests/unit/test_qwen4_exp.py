@@ -1,0 +1,150 @@
+"""Qwen4-Exp trunk parity with transformers' `Qwen4ExpForCausalLM` (the independent oracle), on a tiny
+random config that switches every part on: Gated DeltaNet layers, QSA layers whose budget is well below
+the sequence length (selection active), PLE n-gram memory on two layers, 4 hyper-connection streams and
+a 512-expert-style MoE in miniature (softmax router, gated shared expert). fp32.
+
+- a transformers-saved directory (PLE tables split into shards) imports into Tandem: logits within
+  1e-5 relative, gradients of a loss within 1e-4;
+- greedy decoding with Tandem's decoder state gives transformers' generated tokens;
+- a Tandem-built model exports (`--family qwen4_exp`) into what transformers loads with the same logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+T = pytest.importorskip("transformers")
+
+from tandem.eval.spec_decode import generate  # noqa: E402
+from tandem.models import TandemModel  # noqa: E402
+from tandem.models.config import MTPConfig, ModelConfig  # noqa: E402
+from tandem.trainer.hf.exporter import export_hf  # noqa: E402
+from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
+
+VOCAB, EOS, S = 96, 1, 40
+
+
+def hf_config(**over):
+    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
+              num_experts_per_tok=2, hc_count=4, hc_lowrank=8, ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2,
+              ngram_vocab_size_base=97, split_ngram_parts=4, indexer_n_heads=16, indexer_kv_heads=1,
+              indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, full_attention_interval=2,
+              eos_token_id=EOS, max_position_embeddings=128,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    kw.update(over)
+    return T.Qwen4ExpTextConfig(**kw)
+
+
+# 16 indexer heads: a block's score is a sum of ReLUs, exactly 0 when every head's dot product is
+# negative; with few heads such ties (which transformers breaks arbitrarily, Tandem towards the earlier
+# block) would decide the selection.
+def make_hf(seed=0):
+    torch.manual_seed(seed)
+    model = T.Qwen4ExpForCausalLM(hf_config()).eval()
+    with torch.no_grad():  # away from the init (zero norms, zero PLE conv) so every tensor matters
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.uniform_(-0.5, 0.5)
+            else:
+                p.normal_(0, 0.15 if p.ndim > 1 else 0.1)
+    return model
+
+
+def tokens(b, s, seed=1):
+    ids = torch.randint(2, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
+    ids[0, s // 3] = EOS  # PLE's n-grams stop at an end of document
+    return ids
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = make_hf()
+    path = tmp_path_factory.mktemp("q4") / "hf"
+    hf.save_pretrained(path)
+    model, cfg = load_hf_model(str(path))
+    return hf, model, cfg, path
+
+
+def test_import_logits_and_gradients_match_transformers(pair):
+    hf, model, cfg, _ = pair
+    assert [cfg.model.layer_type(i) for i in range(4)] == ["linear_attention", "indexed_attention"] * 2
+    assert cfg.model.ple_layers == [0, 2] and cfg.model.hc_count == 4
+    ids = tokens(2, S)
+    pos = torch.arange(S).expand(2, S)
+    ref = hf(ids).logits
+    ours = model.logits(0, model.trunk(ids, pos))
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    (ref * weight).sum().backward()
+    (ours * weight).sum().backward()
+    hf_params = dict(hf.named_parameters())
+    pairs = {
+        "embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
+        "norm.input_mix_weight_up.weight": "model.hyper_connection_mixer.input_mix_weight_up.weight",
+        "layers.0.linear_attn.A_log": "model.layers.0.linear_attn.A_log",
+        "layers.0.linear_attn.in_proj_qkv.weight": "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "layers.0.ple.ple_embedding.ngram_embedding.weight": "model.layers.0.ple.ple_embedding.ngram_embedding.weight",
+        "layers.0.ple.conv1d.weight": "model.layers.0.ple.conv1d.weight",
+        "layers.1.self_attn.q_proj.weight": "model.layers.1.self_attn.q_proj.weight",
+        "layers.1.self_attn.q_norm.weight": "model.layers.1.self_attn.q_norm.weight",
+        "layers.1.attn_hyper_connection.block_inject_weight.weight":
+            "model.layers.1.attn_hyper_connection.block_inject_weight.weight",
+        "layers.3.mlp.router.weight": "model.layers.3.mlp.gate.weight",
+        "layers.3.mlp.shared_expert_gate.weight": "model.layers.3.mlp.shared_expert_gate.weight",
+        "layers.3.mlp.experts.down_proj": "model.layers.3.mlp.experts.down_proj",
+    }
+    ours_params = dict(model.named_parameters())
+    for mine, theirs in pairs.items():
+        a, b = ours_params[mine].grad, hf_params[theirs].grad
+        assert a is not None and b is not None, mine
+        assert (a - b).abs().max() <= 1e-4 * max(b.abs().max().item(), 1e-3), mine
+    # the experts' gate/up gradients against transformers' fused gate_up_proj
+    gate_up = hf_params["model.layers.3.mlp.experts.gate_up_proj"].grad
+    inner = gate_up.shape[1] // 2
+    for mine, part in (("layers.3.mlp.experts.gate_proj", gate_up[:, :inner]), ("layers.3.mlp.experts.up_proj", gate_up[:, inner:])):
+        assert (ours_params[mine].grad - part).abs().max() <= 1e-4 * part.abs().max()
+    model.zero_grad(set_to_none=True)
+
+
+def test_greedy_decoding_with_state_matches_transformers_generate(pair):
+    hf, model, cfg, _ = pair
+    prompt = tokens(1, 13, seed=3)[0].tolist()
+    new = 12
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        out = generate(model, [prompt], new, num_steps=0).outputs
+    assert out[0][:new] == ref
+
+
+def test_export_loads_in_transformers_with_same_logits(tmp_path):
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6, top_k=2,
+                      num_shared_experts=1, shared_expert_gate=True, first_k_dense=0, router_score="softmax",
+                      balance="aux_loss", zero_centered_norm=True, full_attention_interval=2, partial_rotary_factor=0.5,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                      indexer_heads=16, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4,
+                      hc_lowrank=8, ple_layers=[0, 2], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=EOS,
+                      max_seq_len=128)
+    mtp = MTPConfig(num_steps=2, num_layers=1)
+    torch.manual_seed(0)
+    model = TandemModel(cfg, mtp).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = tmp_path / "export"
+    export_hf(model, str(out), "qwen4_exp", cfg=cfg, mtp=mtp)
+    hf = T.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tokens(2, S, seed=4)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model.logits(0, model.trunk(ids, torch.arange(S).expand(2, S)))
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # ... and the exported directory imports back with its MTP drafter
+    back, bcfg = load_hf_model(str(out))
+    assert bcfg.mtp.num_steps == 1 and bcfg.mtp.resolved_combine(bcfg.model) == "qwen4_exp"
+    for name, p in back.named_parameters():
+        assert torch.equal(p, dict(model.named_parameters())[name]), name
