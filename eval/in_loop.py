@@ -40,6 +40,7 @@ from typing import Dict, List
 import torch
 
 from tandem.trainer.parallel.pipeline_decode import ParallelDecoding
+from tandem.trainer.qsa_training import RecallProbe
 
 from .metrics import distinct_n, evaluate_decoding, teacher_forced, temperature_label
 from .spec_decode import row_metrics, unwrap
@@ -98,7 +99,10 @@ class InLoopEvaluator:
                 out = None
                 if d is None or d.is_driver:
                     m = d.model if d is not None else model
-                    out = teacher_forced(m, self.loss_batches, device)
+                    with RecallProbe(m) as recall:
+                        out = teacher_forced(m, self.loss_batches, device)
+                    if recall.value() is not None:
+                        out["qsa_recall"] = recall.value()
                     common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                                   eos_id=self.eos_id, seed=self.cfg.train.seed, replicas=d)
                     dec, spec, _ = evaluate_decoding(m, self.prompts, temperature=0.0, **common)

@@ -27,6 +27,7 @@ from .metrics import MetricsLogger
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import ParallelState, init_parallel
 from .parallel.device import autocast_context, resolve_device
+from .qsa_training import IndexerTraining
 
 
 def prepare_run_dir(run_dir: str) -> None:
@@ -160,6 +161,9 @@ class Trainer:
         micro_per_rank = pipeline.n_micro if pipeline is not None else t.grad_accum_steps
         for moe in self.moe_layers:
             moe.aux_grad_scale = 1.0 / (micro_per_rank * self.pstate.dp_size)
+        m = self.cfg.model
+        self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
+                                        1.0 / (micro_per_rank * self.pstate.dp_size))
         self.guard = BadStepGuard(self.cfg, self)
 
     # ---------------------------------------------------------------------------------------------
@@ -281,6 +285,7 @@ class Trainer:
                 lr = lr_at(t, step)
                 set_lr(self.optimizer, lr)
                 coefs = depth_coefficients(cfg.mtp, step)
+                self.indexers.begin_step(step)
                 batches = self.micro_batches(step)
                 counts = self.global_target_counts(batches)
                 sums = self.pstate.all_reduce_dp(self.forward_backward(batches, counts, coefs))
@@ -294,6 +299,7 @@ class Trainer:
                 action = self.guard.inspect(step + 1, record, grad_norm)
                 if action == "ok":
                     moe_metrics = self.update_router_biases()
+                    self.indexers.before_update(step)
                     self.optimizer.step()
                 else:
                     moe_metrics = self.discard_router_loads()
@@ -314,7 +320,7 @@ class Trainer:
                     record["mfu"] = self.flops_per_token * tokens_per_s / (self.pstate.world_size * self.peak_flops)
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
                                "tokens_per_s": tokens_per_s,
-                               "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics,
+                               "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics, **self.indexers.metrics(),
                                **self.guard.metrics()})
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
                     with self.autocast():  # the precision it trains in (FSDP may hold bf16 parameters)
