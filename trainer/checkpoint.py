@@ -121,6 +121,7 @@ class CheckpointWriter:
         # this reference to the trunk's checkpoint (path + content fingerprint, trainer/hf/init_from.py).
         self.reference = reference
         self.pending = None
+        self._gloo_group = None
 
     def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config_yaml: str,
              trainer_state: dict) -> str:
@@ -142,13 +143,27 @@ class CheckpointWriter:
         if self.reference is not None:
             state["model"] = {k: v for k, v in state["model"].items() if k.startswith(TRAINABLE_PREFIX)}
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
-        future = dcp.async_save(state, checkpoint_id=tmp) if self.async_save else None
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group()) if self.async_save else None
         if future is None:
             dcp.save(state, checkpoint_id=tmp)
         self.pending = (future, step, tmp, config_yaml, dict(trainer_state))
         if not self.async_save:
             self.finish()
         return os.path.join(root, f"step_{step}")
+
+    def _async_group(self):
+        """The group async_save coordinates over: it needs a CPU backend (torch 2.13 raises "A CPU backend
+        must be enabled for async save" otherwise). Tandem's default group has one on every device
+        (`Device.process_group_backend`); a default group created elsewhere with a device backend only
+        gets a gloo group of its own, made once (collectively: every rank saves)."""
+        if not dist.is_initialized():
+            return None
+        default = dist.distributed_c10d._get_default_group()
+        if torch.device("cpu") in default._device_types:
+            return default
+        if self._gloo_group is None:
+            self._gloo_group = dist.new_group(backend="gloo")
+        return self._gloo_group
 
     def finish(self) -> Optional[str]:
         """Wait for the save in flight (if any) on every rank, then commit it. Collective."""

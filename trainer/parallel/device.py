@@ -34,6 +34,13 @@ class Device:
         return self.type != "cpu"
 
     @property
+    def process_group_backend(self) -> str:
+        """The default process group's backend: on accelerators a device-to-backend mapping that adds gloo
+        for CPU tensors (`cpu:gloo,cuda:nccl`, `cpu:gloo,npu:hccl`), which DCP's async_save needs
+        (torch 2.13 refuses a group without a CPU backend); `gloo` on CPU."""
+        return f"cpu:gloo,{self.type}:{self.backend}" if self.is_accelerator else self.backend
+
+    @property
     def module(self):
         """torch.cuda / torch.npu, or None on CPU."""
         return getattr(torch, self.type) if self.is_accelerator else None

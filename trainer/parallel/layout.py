@@ -35,7 +35,7 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
 
     p = cfg.parallel
     if not dist.is_initialized():
-        init_process_group(device.backend)
+        init_process_group(device.process_group_backend)
     mesh = init_device_mesh(device.type, (p.pp, dp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "ep", "tp"))
     batch_mesh = mesh["dp", "ep"]._flatten("dp_ep")
     batch = dp * p.ep
