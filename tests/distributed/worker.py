@@ -37,11 +37,36 @@ BASE = [
 ]
 
 
+# Named model presets a layout can carry as `preset.<name>=1` (dotted, so the single-process reference
+# shares it; expanded here, so layout names and the files named after them stay short).
+PRESETS = {
+    # Qwen4-Exp: layers 1 and 3 QSA (budget 8 of 16 positions: selection active), 0 and 2 Gated
+    # DeltaNet, PLE on layer 0, 4 hyper-connection streams, the qwen4_exp drafter, one dense warm-up step.
+    "qwen4": [
+        "model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
+        "model.shared_expert_gate=true", "model.router_score=softmax", "model.first_k_dense=0", "model.head_dim=8",
+        "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+        "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.indexer_heads=2",
+        "model.indexer_head_dim=8", "model.indexer_budget=8", "model.indexer_compress_ratio=4",
+        "model.indexer_warmup_steps=1", "model.ple_layers=[0]", "model.heads_per_ngram=2",
+        "model.ngram_vocab_base=97", "model.eos_token_id=1",
+    ],
+}
+
+
 def layout_overrides(layout: str) -> List[str]:
     """`tp=2,pp=2` -> parallel.* overrides; items with a dot (`model.qk_norm=true`) are full keys;
-    list items are separated by `:` (`pp_layout=[4:0]`)."""
-    return [(kv if "." in kv.split("=")[0] else f"parallel.{kv}").replace(":", ",")
-            for kv in layout.split(",") if kv and kv != "single"]
+    list items are separated by `:` (`pp_layout=[4:0]`); `preset.<name>=1` expands to PRESETS[name]."""
+    out = []
+    for kv in layout.split(","):
+        if not kv or kv == "single":
+            continue
+        key = kv.split("=")[0]
+        if key.startswith("preset."):
+            out += PRESETS[key[len("preset."):]]
+        else:
+            out.append((kv if "." in key else f"parallel.{kv}").replace(":", ","))
+    return out
 
 
 def make_cfg(layout: str, grad_accum: int):
@@ -108,11 +133,13 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     for step in range(STEPS):
         set_lr(tr.optimizer, lr_at(cfg.train, step))
         coefs = depth_coefficients(cfg.mtp, step)
+        tr.indexers.begin_step(step)
         batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum)
         counts = tr.global_target_counts(batches)
         sums = pstate.all_reduce_dp(tr.forward_backward(batches, counts, coefs))
         norms.append(tr.clip_gradients())
         tr.update_router_biases()
+        tr.indexers.before_update(step)
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
         losses.append((sums / counts.clamp(min=1)).tolist())

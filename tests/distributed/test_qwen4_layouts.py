@@ -1,0 +1,53 @@
+"""Qwen4-Exp's trunk (Gated DeltaNet and QSA layers, hyper-connection streams, PLE, the qwen4_exp MTP
+drafter, the indexer's KL loss with one dense warm-up step) trains under every parallel layout like one
+process: the harness, tolerances and checks of test_parallel_equivalence.py, with this model's
+overrides on its tiny base config."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import test_parallel_equivalence as eq  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# worker.PRESETS["qwen4"]: the tiny base (hidden 32, 4 layers, 4 experts, seq 16) turned into Qwen4-Exp.
+Q4 = "preset.qwen4=1"
+LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
+    "dp=2": 2,
+    "ep=2": 2,
+}.items()}
+BF16_LAYOUTS = {f"{layout},{Q4},{eq.BF16}": world for layout, world in {
+    "dp=2": 2,
+}.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("q4layouts")
+    by_world = {}
+    for layout, world in {**LAYOUTS, **BF16_LAYOUTS}.items():
+        by_world.setdefault(world, []).append(layout)
+    for world, layouts in sorted(by_world.items()):
+        eq.launch(out, world, layouts)
+    return out
+
+
+references = eq.references
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_qwen4_layout_matches_single_process(layout, runs, references, monkeypatch):
+    monkeypatch.setattr(eq, "LAYOUTS", LAYOUTS)
+    eq.test_layout_matches_single_process(layout, runs, references)
+
+
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
+def test_qwen4_bf16_layout_matches_single_process(layout, runs, references, monkeypatch):
+    monkeypatch.setattr(eq, "BF16_LAYOUTS", BF16_LAYOUTS)
+    eq.test_bf16_layout_matches_single_process(layout, runs, references)
