@@ -41,10 +41,11 @@ from torch import nn
 from .activation_checkpoint import checkpointed_blocks
 
 
-def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None):
+def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
+              input_ids_bs=None):
     if cache is None and torch.is_grad_enabled():
-        return compiled(x_bsh, positions_bs)
-    return eager(x_bsh, positions_bs, cache)
+        return compiled(x_bsh, positions_bs, None, input_ids_bs)
+    return eager(x_bsh, positions_bs, cache, input_ids_bs)
 
 
 def apply_compile(model: nn.Module, enabled: bool, backend=None) -> nn.Module:
