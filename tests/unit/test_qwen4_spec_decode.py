@@ -1,0 +1,107 @@
+"""Speculative decoding on the hybrid Qwen4-Exp model: after every verify round, every piece of decoder
+state (Gated DeltaNet recurrent and conv states, PLE n-gram context and conv inputs, QSA raw indexer
+keys, attention KV caches, the hidden states handed to the drafter) equals the state of a fresh
+autoregressive pass over the committed tokens, and greedy speculative output equals autoregressive
+decoding exactly (fp32). Rounds with every acceptance count 0..K are forced by feeding the decoder
+drafts taken from the autoregressive continuation with a chosen number of them corrupted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.eval.spec_decode import SpecDecoder, generate
+from tandem.models import MTPConfig, ModelConfig, TandemModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = 3
+VOCAB = 64
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27, 28, 29, 30]]  # 1 = EOS
+
+
+def qwen4_tiny(seed=0) -> TandemModel:
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
+                      first_k_dense=0, router_score="softmax", balance="aux_loss", zero_centered_norm=True,
+                      full_attention_interval=2, partial_rotary_factor=0.5, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, indexer_heads=16,
+                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4, hc_lowrank=8,
+                      ple_layers=[0], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=1, max_seq_len=128,
+                      init_std=0.3)
+    torch.manual_seed(seed)
+    model = TandemModel(cfg, MTPConfig(num_steps=K, num_layers=1))
+    with torch.no_grad():  # every tensor away from its init (zero-centred norms, the PLE conv at zero)
+        for _, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def test_greedy_speculative_equals_autoregressive():
+    model = qwen4_tiny()
+    with torch.no_grad():
+        ar = generate(model, PROMPTS, 20, 0)
+        sp = generate(model, PROMPTS, 20, K)
+    assert sp.outputs == ar.outputs
+    assert int(sp.stats.rounds.sum()) > 0
+
+
+def _ring_rows(buf: torch.Tensor, b: int, positions) -> torch.Tensor:
+    ring = buf.shape[1]
+    return buf[b, [p % ring for p in positions]]
+
+
+def _assert_same_state(dec: SpecDecoder, fresh: SpecDecoder, model: TandemModel, b: int) -> None:
+    m = int(dec.m[b])  # positions 0..m-1 are committed and fed; seq[m] is the next input
+    for i in range(model.cfg.num_layers):
+        a, f = dec.trunk_cache.buffers[i], fresh.trunk_cache.buffers[i]
+        kind = model.cfg.layer_type(i)
+        if kind == "linear_attention":
+            torch.testing.assert_close(_ring_rows(a["gdn_state"], b, [m - 1]), _ring_rows(f["gdn_state"], b, [m - 1]))
+            window = [p for p in range(m - model.cfg.linear_conv_kernel + 1, m) if p >= 0]
+            torch.testing.assert_close(_ring_rows(a["gdn_conv"], b, window), _ring_rows(f["gdn_conv"], b, window))
+        if i in model.cfg.ple_layers:
+            ctx = [p for p in range(m - model.cfg.ngram_size + 1, m) if p >= 0]
+            assert torch.equal(_ring_rows(a["ple_tokens"], b, ctx), _ring_rows(f["ple_tokens"], b, ctx))
+            conv = [p for p in range(m - (model.cfg.ple_conv_kernel - 1) * model.cfg.ngram_size, m) if p >= 0]
+            torch.testing.assert_close(_ring_rows(a["ple_conv"], b, conv), _ring_rows(f["ple_conv"], b, conv))
+        if kind == "indexed_attention":
+            torch.testing.assert_close(a["qsa_index_keys"][b, :m], f["qsa_index_keys"][b, :m])
+            torch.testing.assert_close(dec.trunk_cache.keys[i][b, :, :m], fresh.trunk_cache.keys[i][b, :, :m])
+            torch.testing.assert_close(dec.trunk_cache.values[i][b, :, :m], fresh.trunk_cache.values[i][b, :, :m])
+    torch.testing.assert_close(dec.h[0][b, :m], fresh.h[0][b, :m])
+
+
+def test_state_after_each_round_equals_a_fresh_autoregressive_pass():
+    model = qwen4_tiny(seed=1)
+    B = len(PROMPTS)
+    with torch.no_grad():
+        ar = generate(model, PROMPTS, 24, 0).outputs  # the greedy continuation, first token included
+        dec = SpecDecoder(model, K, B, 60)
+        dec.prefill(PROMPTS)
+        lens = torch.tensor([len(p) for p in PROMPTS])
+        active = torch.ones(B, dtype=torch.bool)
+        seen = set()
+        for r in range(7):
+            m = dec.m
+            # drafts d_1..d_K for seq[m+1..m+K]: the true continuation with the last `wrong` corrupted
+            wrong = torch.tensor([(r + b) % (K + 1) for b in range(B)])
+            force = torch.zeros(B, K, dtype=torch.long)
+            for b in range(B):
+                at = int(m[b] - lens[b]) + 1  # index in ar[b] of seq[m+1]
+                for j in range(K):
+                    tok = ar[b][at + j]
+                    force[b, j] = (tok + 1) % VOCAB if j >= K - int(wrong[b]) else tok
+            drafts, q, _ = dec.draft(force=force)
+            n, nxt = dec.verify(drafts, q)
+            assert torch.equal(n, K - wrong)  # exactly the uncorrupted prefix is accepted
+            seen.update(n.tolist())
+            dec.commit(n, nxt, active)
+            fresh = SpecDecoder(model, K, B, 60)
+            fresh.prefill([dec.seq[b, : int(dec.m[b])].tolist() for b in range(B)],
+                          first_tokens=dec.seq[torch.arange(B), dec.m])
+            for b in range(B):
+                _assert_same_state(dec, fresh, model, b)
+                got = dec.seq[b, len(PROMPTS[b]): int(dec.m[b]) + 1].tolist()
+                assert got == ar[b][: len(got)]
+    assert seen == set(range(K + 1))  # rounds with 0, 1, .., K accepted drafts all happened
