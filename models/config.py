@@ -313,6 +313,9 @@ def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
                              "(model.hc_count > 1): use mtp.combine=qwen4_exp")
         if combine == "qwen4_exp" and model.hc_count == 1:
             raise ValueError("mtp.combine=qwen4_exp needs hyper-connection streams (model.hc_count > 1)")
+        if combine == "qwen4_exp" and mtp.trunk_input != "pre_norm":
+            raise ValueError("mtp.trunk_input must be pre_norm with mtp.combine=qwen4_exp (the drafter reads the "
+                             "trunk's streams before the final stream mixer)")
     if mtp.style == "parallel" and mtp.num_steps and model.hc_count > 1:
         raise ValueError("mtp.style=parallel is not supported with hyper-connections (model.hc_count > 1)")
     if mtp.concat_order not in ("emb_hidden", "hidden_emb"):
