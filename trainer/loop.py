@@ -105,6 +105,11 @@ class Trainer:
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
             model_vocab_size=cfg.model.vocab_size)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
+        eod = getattr(self.tokenizer, "eod_id", None)
+        if cfg.model.ple_layers and eod is not None and cfg.model.eos_token_id != eod:
+            # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents
+            raise ConfigError(f"config key 'model.eos_token_id'={cfg.model.eos_token_id} is not the end-of-document "
+                              f"token of {self.tokenizer.path} (id {eod}); PLE's n-grams must stop at it")
         found = latest_checkpoint(cfg.run.dir) if self.resume else None
         if found is not None:  # every check on the checkpoint before the model is built
             check_compatible(found[1], self.config_yaml)
@@ -223,14 +228,18 @@ class Trainer:
 
     def update_router_biases(self) -> Dict[str, float]:
         """Aux-free bias step from the step's expert loads (summed over every rank that routed
-        different tokens); returns load-balance metrics."""
-        if not self.moe_layers:
-            return {}
-        loads = torch.stack([m.router.tokens_per_expert for m in self.moe_layers])
+        different tokens); returns load-balance metrics. Every all-reduce runs wherever its group exists,
+        also on a rank with no MoE layer (a pipeline stage of dense layers beside a copy of a dense MTP
+        module): its peers wait in the same collectives."""
+        if self.moe_layers:
+            loads = torch.stack([m.router.tokens_per_expert for m in self.moe_layers])
+        else:
+            loads = torch.zeros(0, self.cfg.model.num_experts, device=self.device.device)
         copies = self.pstate.extras.get("mtp_copies_group")
         if copies is not None:  # MTP depths spread over pp ranks: each copy routed its depths' tokens
             mtp = {id(m) for m in self.model.mtp.modules()}
-            rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp], device=loads.device)
+            rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp], dtype=torch.long,
+                                device=loads.device)
             part = loads.index_select(0, rows)
             torch.distributed.all_reduce(part, group=copies)
             loads.index_copy_(0, rows, part)
@@ -242,6 +251,8 @@ class Trainer:
             if moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
                 moe.router.update_bias(load)
             moe.router.tokens_per_expert.zero_()
+        if not self.moe_layers:
+            return {}
         ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean_load": float(ratio.max()), "moe/mean_max_over_mean_load": float(ratio.mean())}
         aux = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
