@@ -21,9 +21,19 @@ Q4 = "preset.qwen4=1"
 LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     "dp=2": 2,
     "ep=2": 2,
+    # pipeline: the hc_count x hidden stream crosses the boundary, PLE's stage hashes the token ids
+    "pp=2": 2,
+    "pp=2,pp_schedule=interleaved_1f1b": 2,
+    "ep=2,pp=2": 4,
+    # one layer per stage: a stage of only Gated DeltaNet (+PLE), only QSA, ...
+    "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[1:1:1:1]": 2,
+    # loss depths spread: the multi-stream MTP chain and h_0 travel beside each other
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
+    "pp=2,pp_balance=true": 2,
 }.items()}
 BF16_LAYOUTS = {f"{layout},{Q4},{eq.BF16}": world for layout, world in {
     "dp=2": 2,
+    "pp=2": 2,
 }.items()}
 
 

@@ -14,6 +14,14 @@ same seeded init or checkpoint slice) and stay identical because their gradients
 ranks holding them (Megatron's shared-embedding all-reduce, generalised); they are saved under the
 same keys: identical replicas, deduplicated by DCP.
 
+Qwen4-Exp (hyper-connections, PLE): the state between blocks is the `hc_count` residual streams
+[B, S, hc_count * H], so every boundary (trunk stages, the MTP chain after the trunk, h_0 beside it)
+carries that width; the first stage repeats the embedding into the streams (`embed_streams`, as
+`TandemModel.trunk` does). A block with PLE hashes the token ids: every stage already receives the
+micro-batch's tokens as a kwarg, so a stage of any layer kinds (only Gated DeltaNet, only QSA, PLE
+or not) runs its blocks exactly as the one-process trunk does. QSA's indexer KL rides on its layer's
+output (AuxLossGrad) inside the stage's graph, like the MoE's balance loss.
+
 A stage holding depths computes their per-depth loss sums (`model.losses_from_hidden`, continuing
 the MTP chain from the hidden state it received). The last stage returns its combined share of the
 loss and the schedule backpropagates it unscaled (`scale_grads=False`: the loss is already normalised
@@ -42,6 +50,24 @@ from tandem.trainer.loss import combine_losses
 from .device import autocast_context
 from .pipeline_plan import PipelinePlan, StagePlan
 from .validate import pipeline_microbatches
+
+
+def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
+    """The first stage's input to the trunk blocks: the token embedding, repeated into the `hc_count`
+    residual streams under hyper-connections ([B, S, hc_count * H]), as `TandemModel.trunk` starts."""
+    h = model.embed_tokens(tokens_bs)
+    hc = model.cfg.hc_count
+    return h.repeat(1, 1, hc) if hc > 1 else h
+
+
+def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor, tokens_bs: torch.Tensor, cache=None):
+    """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE."""
+    return block(h, positions_bs, cache, tokens_bs if getattr(block, "ple", None) is not None else None)
+
+
+def boundary_width(model_cfg) -> int:
+    """Channels of the hidden state crossing a stage boundary: every residual stream."""
+    return model_cfg.hidden_size * model_cfg.hc_count
 
 
 class _StepContext:
@@ -88,9 +114,9 @@ class StageModule(nn.Module):
         b, s = tokens.shape[0], tokens.shape[1] - 1
         positions = torch.arange(s, device=tokens.device).expand(b, s)
         with torch.no_grad() if self.trunk_frozen else nullcontext():
-            h = self._model.embed_tokens(x) if self.first else x
+            h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
-                h = block(h, positions)
+                h = run_block(block, h, positions, tokens[:, :s])
         loss = None
         if plan.depths:
             if plan.chain_in == 0:
@@ -149,9 +175,9 @@ class Pipeline:
         self.n_micro = pipeline_microbatches(cfg)
         self.num_depths = 1 + cfg.mtp.num_steps
         self.micro_size = cfg.train.micro_batch_size * cfg.train.grad_accum_steps // self.n_micro
-        # stage boundaries carry [micro-batch, sequence (shard under SP), hidden] activations
+        # stage boundaries carry [micro-batch, sequence (shard under SP), hc_count * hidden] activations
         sp_tp = p.tp if (p.sequence_parallel and p.tp > 1) else 1
-        self.seq_len, self.hidden = cfg.data.seq_len // sp_tp, cfg.model.hidden_size
+        self.seq_len, self.hidden = cfg.data.seq_len // sp_tp, boundary_width(cfg.model)
         self.act_dtype = torch.float32  # build_schedule sets the run's
         self.device = device
         self.plan = plan
