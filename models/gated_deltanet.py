@@ -24,11 +24,19 @@ Two forms of the same rule, both in fp32:
   Dk x Dv state per chunk kept for backward. fla's Triton kernels (flash-linear-attention) do the
   same in fused form and are used when available on CUDA (`kernel="auto"`).
 
-Tensor parallelism: a wrapper shards each of the q, k and v sections of in_proj_qkv by heads (and
-the conv channels alike), in_proj_z/b/a, dt_bias and A_log by value heads, and makes out_proj
-row-parallel. The module therefore never trusts its constructor's head counts at run time: the
-local value heads are the width of in_proj_b's output (in_proj_b.weight.shape[0] for plain local
-shards) and the local key heads follow from the fixed ratio num_v_heads / num_k_heads.
+Storage order (differs from transformers): `in_proj_qkv`'s output rows and the depthwise `conv1d`
+channels are stored by key-head group, [q_g | k_g | v of the value heads g serves] for each key head
+g, where transformers stores [q (all key heads) | k (all key heads) | v (all value heads)]. A
+contiguous block of groups is then a whole set of heads, so tensor parallelism shards these two
+parameters with a plain Shard(0) (Megatron's layout). The Hugging Face import/export permutes the
+rows (`qkv_rows_from_hf`); checkpoints of transformers keep its order.
+
+Tensor parallelism (trainer/parallel/tensor_hybrid.py): in_proj_qkv and conv1d shard by key-head
+groups, in_proj_z/b/a, dt_bias and A_log by value heads, out_proj is row-parallel and the gated
+norm's per-head_v_dim weight stays replicated. The module never trusts its constructor's head counts
+at run time: the local value heads are the width of in_proj_b's output and the local key heads follow
+from the fixed ratio num_v_heads / num_k_heads; `computed_params` is where a wrapper hands forward its
+local shards of the non-Linear parameters.
 
 Decoding follows models/state.py: the recurrent state after the token at position p lives in slot
 p % ring of the `gdn_state` ring [B, ring, Hv, Dk, Dv] (fp32), the conv input of position p in slot
@@ -51,6 +59,19 @@ except Exception:  # noqa: BLE001  (missing package, or triton/CUDA unusable)
     _fla_chunk = None
 
 CHUNK = 64
+
+
+def qkv_rows_from_hf(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """Row permutation p of in_proj_qkv / conv1d with ours = theirs[p]: transformers' [q | k | v] order to
+    this module's key-head-group order [q_g | k_g | v_g] (see the module docstring); theirs[p] = ours
+    exports back."""
+    key_dim, group_v = num_k_heads * head_k_dim, num_v_heads // num_k_heads * head_v_dim
+    rows = []
+    for g in range(num_k_heads):
+        rows += [torch.arange(g * head_k_dim, (g + 1) * head_k_dim),
+                 key_dim + torch.arange(g * head_k_dim, (g + 1) * head_k_dim),
+                 2 * key_dim + torch.arange(g * group_v, (g + 1) * group_v)]
+    return torch.cat(rows)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -176,7 +197,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel, self.kernel = conv_kernel, kernel
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)  # output laid out [q | k | v]
+        # output rows by key-head group [q_g | k_g | v_g] (transformers: [q | k | v]; qkv_rows_from_hf)
+        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
@@ -196,6 +218,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.fill_(1.0)
         self.A_log.uniform_(0.01, 16.0).log_()
         self.norm.weight.fill_(1.0)
+
+    def computed_params(self):
+        """(conv1d weight, A_log, dt_bias) as forward computes with them: the parameters themselves here;
+        the tensor-parallel wrapper returns its local head shards."""
+        return self.conv1d.weight, self.A_log, self.dt_bias
 
     def _use_fla(self, x: torch.Tensor) -> bool:
         # fla is Triton (CUDA only) and some versions reject fp32 inputs: "auto" keeps those on torch.
@@ -225,7 +252,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
         b, s, _ = x_bsh.shape
-        dk, dv, kernel = self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[-1]
+        conv_w, a_log, dt_bias = self.computed_params()
+        dk, dv, kernel = self.head_k_dim, self.head_v_dim, conv_w.shape[-1]
         qkv_bsc = self.in_proj_qkv(x_bsh)
         z_bsnv = self.in_proj_z(x_bsh).unflatten(-1, (-1, dv))
         b_bsn, a_bsn = self.in_proj_b(x_bsh), self.in_proj_a(x_bsh)
@@ -246,13 +274,14 @@ class GatedDeltaNet(nn.Module):
             prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % ring].masked_fill((prev_pos_bk < 0)[..., None], 0)
             conv_in_bsc = torch.cat([prev_bkc.to(qkv_bsc.dtype), qkv_bsc], 1)
             state0_bhkv = state_ring[rows_b, (start_b - 1) % ring].masked_fill((start_b == 0)[:, None, None, None], 0)
-        mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), self.conv1d.weight, groups=qkv_bsc.shape[-1])
+        mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), conv_w, groups=qkv_bsc.shape[-1])
         mixed_bsc = F.silu(mixed_bcs).transpose(1, 2)
-        q_bsnk, k_bsnk, v_bsnv = mixed_bsc.split([hk * dk, hk * dk, hv * dv], -1)
-        q_bsnk, k_bsnk = (t.unflatten(-1, (hk, dk)).repeat_interleave(hv // hk, dim=2) for t in (q_bsnk, k_bsnk))
-        v_bsnv = v_bsnv.unflatten(-1, (hv, dv))
+        # channels by key-head group: [q_g | k_g | v of the hv // hk value heads g serves]
+        q_bsgk, k_bsgk, v_bsgv = mixed_bsc.unflatten(-1, (hk, -1)).split([dk, dk, hv // hk * dv], -1)
+        q_bsnk, k_bsnk = (t.repeat_interleave(hv // hk, dim=2) for t in (q_bsgk, k_bsgk))
+        v_bsnv = v_bsgv.reshape(b, s, hv, dv)
         beta_bsn = b_bsn.sigmoid()
-        g_bsn = -self.A_log.float().exp() * F.softplus(a_bsn.float() + self.dt_bias)  # log decay, <= 0
+        g_bsn = -a_log.float().exp() * F.softplus(a_bsn.float() + dt_bias)  # log decay, <= 0
 
         if cache is None:
             out_bsnv, _ = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import gated_deltanet as gdn
-from models.gated_deltanet import GatedDeltaNet, chunked_gated_delta_rule, recurrent_gated_delta_rule
+from models.gated_deltanet import GatedDeltaNet, chunked_gated_delta_rule, qkv_rows_from_hf, recurrent_gated_delta_rule
 from models.state import DecodeCache
 
 HID, HK, HV, DK, DV, KER = 32, 2, 4, 8, 16, 4
@@ -21,6 +21,11 @@ def make(gate_act="silu", seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     m = GatedDeltaNet(HID, HK, HV, DK, DV, KER, gate_act=gate_act, kernel="torch")
     with torch.no_grad():
+        # nn.Linear / Conv1d drew their rows in transformers' [q | k | v] order: store them by key-head
+        # group, so the module computes the same function as one built with that order
+        rows = qkv_rows_from_hf(HK, HV, DK, DV)
+        m.in_proj_qkv.weight.copy_(m.in_proj_qkv.weight[rows].clone())
+        m.conv1d.weight.copy_(m.conv1d.weight[rows].clone())
         # Decays from slow to fast so the state matters across chunk boundaries, and a non-trivial norm.
         m.A_log.copy_(torch.tensor([0.01, 0.1, 0.5, 3.0]).log())
         m.dt_bias.uniform_(-1.0, 1.0)
@@ -53,7 +58,14 @@ def test_matches_transformers(gate):
     ours = make(gate)
     ref = hf.Qwen4ExpTextGatedDeltaNet(cfg, 0)
     assert ref.norm.activation == gate
-    ref.load_state_dict(ours.state_dict())  # a checkpoint is a name copy, both ways
+    # a checkpoint is a name copy, both ways, except that in_proj_qkv rows and conv1d channels are stored
+    # by key-head group here ([q_g | k_g | v_g]) and [q | k | v] in transformers
+    rows = qkv_rows_from_hf(HK, HV, DK, DV)
+    permuted = ("in_proj_qkv.weight", "conv1d.weight")
+    theirs = {k: v.clone() for k, v in ours.state_dict().items()}
+    for k in permuted:
+        theirs[k][rows] = ours.state_dict()[k]
+    ref.load_state_dict(theirs)
     assert set(ref.state_dict()) == set(ours.state_dict())
 
     x = torch.randn(2, 70, HID)  # 70: one full chunk and a ragged one
@@ -66,7 +78,8 @@ def test_matches_transformers(gate):
     assert rel_err(x_ours.grad, x_ref.grad) < 1e-4
     ref_params = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
-        assert rel_err(p.grad, ref_params[name].grad) < 1e-4, name
+        theirs = ref_params[name].grad[rows] if name in permuted else ref_params[name].grad
+        assert rel_err(p.grad, theirs) < 1e-4, name
     # bf16 follows the reference's casts (measured bit-identical on CPU).
     ours.bfloat16(), ref.bfloat16()
     with torch.no_grad():
@@ -99,9 +112,8 @@ def test_meta_construction_and_tensor_parallel_shards():
     total = 0
     for r in range(2):
         shard = copy.deepcopy(m)
-        qs, ks, vs = slice(r * kd // 2, (r + 1) * kd // 2), slice(kd + r * kd // 2, kd + (r + 1) * kd // 2), \
-            slice(2 * kd + r * vd // 2, 2 * kd + (r + 1) * vd // 2)
-        rows = torch.cat([torch.arange(2 * kd + vd)[sl] for sl in (qs, ks, vs)])
+        # rows are stored by key-head group, so a rank's rows are one contiguous block (a plain Shard(0))
+        rows = torch.arange(r * (2 * kd + vd) // 2, (r + 1) * (2 * kd + vd) // 2)
         heads, vcols = slice(r * HV // 2, (r + 1) * HV // 2), slice(r * vd // 2, (r + 1) * vd // 2)
         shard.in_proj_qkv.weight = torch.nn.Parameter(m.in_proj_qkv.weight[rows])
         shard.conv1d.weight = torch.nn.Parameter(m.conv1d.weight[rows])

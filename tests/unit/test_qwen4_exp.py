@@ -19,6 +19,7 @@ T = pytest.importorskip("transformers")
 from tandem.eval.spec_decode import generate  # noqa: E402
 from tandem.models import TandemModel  # noqa: E402
 from tandem.models.config import MTPConfig, ModelConfig  # noqa: E402
+from tandem.models.gated_deltanet import qkv_rows_from_hf  # noqa: E402
 from tandem.trainer.hf.exporter import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
 
@@ -97,9 +98,13 @@ def test_import_logits_and_gradients_match_transformers(pair):
         "layers.3.mlp.experts.down_proj": "model.layers.3.mlp.experts.down_proj",
     }
     ours_params = dict(model.named_parameters())
+    # Gated DeltaNet's qkv rows are stored by key-head group here, [q | k | v] in transformers
+    qkv_rows = qkv_rows_from_hf(2, 4, 8, 8)
     for mine, theirs in pairs.items():
         a, b = ours_params[mine].grad, hf_params[theirs].grad
         assert a is not None and b is not None, mine
+        if mine.endswith("in_proj_qkv.weight"):
+            b = b[qkv_rows]
         assert (a - b).abs().max() <= 1e-4 * max(b.abs().max().item(), 1e-3), mine
     # the experts' gate/up gradients against transformers' fused gate_up_proj
     gate_up = hf_params["model.layers.3.mlp.experts.gate_up_proj"].grad

@@ -45,6 +45,7 @@ def hf_state_dict(model: nn.Module, family: str, cfg: ModelConfig, mtp: MTPConfi
             continue
         if src.plus_one:
             value = value.float() - 1.0
+        value = src.to_checkpoint_rows(value)
         if src.swap_halves:
             half = value.shape[1] // 2
             value = torch.cat([value[:, half:], value[:, :half]], dim=1)

@@ -234,7 +234,9 @@ def local_target(t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[slice, ...]]:
 
 def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], global_shape: Sequence[int]) -> torch.Tensor:
     """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
-    if src.swap_halves:  # eh_proj: read this shard's rows whole, swap the column halves, then slice
+    if src.qkv_groups is not None:  # Gated DeltaNet's qkv rows: read whole (small), permute, then slice
+        out = src.to_model_rows(reader.read(src.keys[0], (slice(None),)))[tuple(index)]
+    elif src.swap_halves:  # eh_proj: read this shard's rows whole, swap the column halves, then slice
         rows = reader.read(src.keys[0], (index[0],))
         half = rows.shape[1] // 2
         out = torch.cat([rows[:, half:], rows[:, :half]], dim=1)[(slice(None),) + tuple(index[1:])]

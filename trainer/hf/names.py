@@ -4,7 +4,7 @@ of this model lives in a checkpoint (`Src`), and the error for what a family can
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional, Tuple
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -40,5 +40,27 @@ class Src:
     swap_halves: bool = False
     """eh_proj stored embedding-first while this model concatenates hidden-first: swap the two
     column halves."""
+    qkv_groups: Optional[Tuple[int, int, int, int]] = None
+    """Gated DeltaNet's in_proj_qkv / conv1d: (num_k_heads, num_v_heads, head_k_dim, head_v_dim). The
+    checkpoint stores rows [q | k | v], this model by key-head group (`qkv_rows_from_hf`); the tensor is
+    small, so it is read whole and permuted."""
+
+    def to_model_rows(self, value):
+        """Checkpoint row order -> this model's (identity unless `qkv_groups`)."""
+        if self.qkv_groups is None:
+            return value
+        from tandem.models.gated_deltanet import qkv_rows_from_hf
+
+        return value[qkv_rows_from_hf(*self.qkv_groups)]
+
+    def to_checkpoint_rows(self, value):
+        """This model's row order -> the checkpoint's."""
+        if self.qkv_groups is None:
+            return value
+        from tandem.models.gated_deltanet import qkv_rows_from_hf
+
+        out = value.clone()
+        out[qkv_rows_from_hf(*self.qkv_groups)] = value
+        return out
 
 

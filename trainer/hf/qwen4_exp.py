@@ -11,6 +11,9 @@ Verified against transformers 5.24 (`models/qwen4_exp/`) and vLLM 0.32 (`models/
 - A PLE table is stored as `split_ngram_parts` row blocks `ple.ple_embedding.ngram_embedding.shard_{j}`
   (transformers concatenates them on load and chunks them with `torch.chunk` on save); its hash
   buffers (`layer_multipliers`, `ngram_heads_vocab_sizes`, `ngram_heads_offsets`) are stored too.
+- Gated DeltaNet's `in_proj_qkv` rows and `conv1d` channels are [q | k | v] in the checkpoint and by
+  key-head group here (so tensor parallelism shards whole groups with Shard(0)): `Src.qkv_groups`
+  permutes them on import and back on export.
 - The drafter: `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` (over hc x H), `mtp.fc_embedding`,
   `mtp.fc_hidden`, `mtp.layers.0.*` (a decoder layer named like the trunk's) and
   `mtp.hyper_connection_mixer.*`; one set of fc/norms, so exactly one physical MTP layer. Its
@@ -97,6 +100,9 @@ def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Option
         return None  # softmax routing without a correction bias
     if rest.startswith("mlp.shared_experts."):
         return Src([prefix + "mlp.shared_expert." + rest[len("mlp.shared_experts."):]])
+    if rest in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+        return Src([prefix + rest], qkv_groups=(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                                cfg.linear_key_head_dim, cfg.linear_value_head_dim))
     if rest == "ple.ple_embedding.ngram_embedding.weight":
         parts = int(spec.extra.get("split_ngram_parts", 1))
         return Src([f"{prefix}ple.ple_embedding.ngram_embedding.shard_{j}.weight" for j in range(parts)], concat=True)

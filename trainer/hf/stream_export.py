@@ -158,9 +158,11 @@ def _numel(shape) -> int:
 
 
 def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
-    """A Tandem tensor as the family stores it (norm offsets, MTP input halves), in `dtype`."""
+    """A Tandem tensor as the family stores it (norm offsets, MTP input halves, Gated DeltaNet's qkv row
+    order), in `dtype`."""
     if src.plus_one:
         value = (value.float() - 1.0).to(dtype)
+    value = src.to_checkpoint_rows(value)
     if src.swap_halves:
         half = value.shape[1] // 2
         value = torch.cat([value[:, half:], value[:, :half]], dim=1)
