@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 # Fields that describe the weights (taken from the checkpoint); the rest of model.* stays the run's.
-_KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate", "z_loss_coef"}
+_KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate", "z_loss_coef",
+         "expert_matmul", "linear_kernel", "qsa_form", "indexer_loss_coef", "indexer_warmup_steps"}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -75,7 +76,8 @@ def adopt_checkpoint_config(cfg) -> List[str]:
             continue
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
-    if has_mtp and cfg.mtp.trunk_input != trunk_input:
+    # Qwen4-Exp's drafter always reads the pre-mixer streams, with or without MTP weights in the checkpoint
+    if (has_mtp or ckpt.hc_count > 1) and cfg.mtp.trunk_input != trunk_input:
         changed.append(f"mtp.trunk_input: {cfg.mtp.trunk_input!r} -> {trunk_input!r}")
         cfg.mtp.trunk_input = trunk_input
     try:

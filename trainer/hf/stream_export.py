@@ -75,17 +75,18 @@ def export_checkpoint(step_dir: str, out_dir: str, family: Optional[str], cfg, m
         extra = (_hf_sources(ref["path"], cfg, mtp, rest) if is_hf_dir(ref["path"])
                  else _dcp_sources(ref["path"]))
         sources.update({n: extra[n] for n in rest if n in extra})
-    missing = [n for n in names if n not in sources]
+    # tensors the family has no name for (a softmax router's correction bias) need no source
+    missing = [n for n in names if n not in sources and hf_name(n, cfg, mtp, spec) is not None]
     if missing:
         raise ValueError(f"checkpoint {step_dir} lacks tensors: {', '.join(missing[:8])}")
     # plan: output keys per file, in write order
     # (name, key, part: the expert row of a stacked source or the row block of a concatenated one, shape, dtype)
     plan: List[Tuple[str, str, Optional[Union[int, slice]], List[int], torch.dtype]] = []
     for name in names:
-        shape, dtype, _ = sources[name]
         src = hf_name(name, cfg, mtp, spec)
         if src is None:
             continue
+        shape, dtype, _ = sources[name]
         if src.stacked:
             plan += [(name, key, e, list(shape[1:]), dtype) for e, key in enumerate(src.keys)]
         elif src.concat:  # transformers' Chunk: torch.chunk's row blocks, one key each
