@@ -1,14 +1,17 @@
 """`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
 
     tandem eval --checkpoint DIR [--prompts FILE] [--num-steps K] [--max-new-tokens N]
-                [--temperature T] [--top-p P] [--batch-size B] [--output FILE] [--seed S]
+                [--temperature T] [--top-p P] [--verify token|block] [--batch-size B] [--output FILE] [--seed S]
     tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf.importer)
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
 loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
 identical_to_autoregressive (greedy only). Teacher-forced figures come from the checkpoint's
 validation windows, or, with --prompts, from the prompts themselves. `--num-steps` may exceed the K
-the model was trained with (looped style: step k runs layer (k-1) % L).
+the model was trained with (looped style: step k runs layer (k-1) % L). `--verify` picks how sampled
+drafts are verified: `token` (token-wise speculative sampling) or `block` (block verification,
+eval/block_verify.py); default the checkpoint's `eval.verify`, else `token`; greedy decoding is the
+same under both. The JSON names the rule under `verify`.
 
 --prompts FILE: one JSON object with a non-empty "text" string per line (blank lines are skipped).
 A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5) tokens: the decoder's caches
@@ -38,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=0, help="tokens generated per prompt (default eval.max_new_tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 speculative sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
+    p.add_argument("--verify", choices=["token", "block"], default=None,
+                   help="verification of sampled drafts: token-wise or block (default: the checkpoint's eval.verify)")
     p.add_argument("--batch-size", type=int, default=0, help="prompts decoded together (default eval.batch_size)")
     p.add_argument("--output", help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
@@ -161,6 +166,7 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     max_new = args.max_new_tokens or (ev.max_new_tokens if ev else 64)
+    verify = args.verify or getattr(ev, "verify", None) or "token"
     batch_size = args.batch_size or (ev.batch_size if ev else 4)
     eos_id = tok.eod_id if tok is not None else None
     if args.prompts:
@@ -188,14 +194,14 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
             metrics = teacher_forced(model, tf_batches, torch.device(args.device))
             dec, spec, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new,
                                              batch_size=batch_size, eos_id=eos_id, temperature=args.temperature,
-                                             top_p=args.top_p, seed=args.seed, warmup=True)
+                                             top_p=args.top_p, seed=args.seed, warmup=True, verify=verify)
     except ValueError as exc:
         print(f"tandem eval: error: {exc}", file=sys.stderr)
         return 2
     # tf_acc/mtp_k exists only for the trained depths.
     metrics.update(dec)
     metrics.update({"num_prompts": len(prompts), "num_steps": K, "max_new_tokens": max_new,
-                    "temperature": args.temperature})
+                    "temperature": args.temperature, "verify": verify})
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:

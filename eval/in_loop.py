@@ -11,8 +11,11 @@ plus teacher-forced losses/accuracies on validation micro-batches, and returns `
   continuation that loops scores low, and a looping continuation is easy to draft, so a high
   acceptance length means little without it);
 * each temperature T of `eval.temperatures`: speculative sampling of the same prompts, logged under
-  `eval/T<t>/` (metrics.temperature_label). Only the speculative side is decoded (AR decoding is
-  needed for the speed figures alone, which the greedy run gives), so each T costs one decode.
+  `eval/T<t>/` (metrics.temperature_label) with the configured verification rule (`eval.verify`),
+  and once more with the other rule under `eval/T<t>/<rule>/` (`eval/T1/block/acceptance_length`
+  when the configured rule is `token`), so the run shows what block verification buys on this model.
+  Only the speculative side is decoded (AR decoding is needed for the speed figures alone, which the
+  greedy run gives), so each T costs two decodes. Greedy decoding is the same under both rules.
 
 `last_samples` holds the first `eval.num_samples_logged` prompts' decoded text and acceptance (the
 training loop hands them to MetricsLogger.log_samples).
@@ -42,6 +45,7 @@ import torch
 from tandem.trainer.parallel.pipeline_decode import ParallelDecoding
 from tandem.trainer.qsa_training import RecallProbe
 
+from .block_verify import VERIFY_RULES
 from .metrics import distinct_n, evaluate_decoding, teacher_forced, temperature_label
 from .spec_decode import row_metrics, unwrap
 
@@ -113,11 +117,16 @@ class InLoopEvaluator:
                         if value is not None:
                             out[f"distinct_{n}"] = value
                     variants = [("", spec)]
+                    other = next(r for r in VERIFY_RULES if r != e.verify)
                     for t in e.temperatures:
+                        label = temperature_label(t)
                         dec_t, spec_t, _ = evaluate_decoding(m, self.prompts, temperature=t, top_p=e.top_p,
-                                                             autoregressive=False, **common)
-                        out.update({f"{temperature_label(t)}/{k}": v for k, v in dec_t.items()})
-                        variants.append((temperature_label(t), spec_t))
+                                                             autoregressive=False, verify=e.verify, **common)
+                        out.update({f"{label}/{k}": v for k, v in dec_t.items()})
+                        variants.append((label, spec_t))
+                        dec_o, _, _ = evaluate_decoding(m, self.prompts, temperature=t, top_p=e.top_p,
+                                                        autoregressive=False, verify=other, **common)
+                        out.update({f"{label}/{other}/{k}": v for k, v in dec_o.items()})
                     out["outputs"] = greedy
                     out["samples"] = self._samples(variants)
                     if d is not None:

@@ -87,14 +87,15 @@ def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
 def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int, max_new_tokens: int,
                       batch_size: int, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, warmup: bool = False, repeats: int = 1, replicas=None,
-                      autoregressive: bool = True):
+                      autoregressive: bool = True, verify: str = "token"):
     """Speculative and autoregressive decoding of `prompts` (batches of `batch_size`, the two
     interleaved batch by batch so machine noise hits both alike). Returns (metrics, spec results, AR
     results) with per-batch DecodeResults; with `repeats` > 1 the times are medians over repetitions.
 
     `autoregressive=False` skips the AR decode (needed only for the speed figures): the metrics are
     then the acceptance figures alone and the AR results an empty list. Batch i's sampling generator
-    is seeded with `seed + i` either way, so the speculative side draws the same tokens.
+    is seeded with `seed + i` either way, so the speculative side draws the same tokens. `verify` is the
+    speculative side's rule for sampled drafts (`token` or `block`, eval/block_verify.py).
 
     `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to data-parallel
     replicas, keeps them in lockstep and gathers every replica's results before the figures are
@@ -122,7 +123,7 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
             for which in (first, second) if autoregressive else (0,):
                 res[which] = generate(model, batch, max_new_tokens, K if which == 0 else 0, eos_id=eos_id,
                                       temperature=temperature, top_p=top_p, generator=g_s if which == 0 else g_a,
-                                      padding=i is None, **lockstep)
+                                      padding=i is None, verify=verify, **lockstep)
             if i is not None:
                 spec.append((i, res[0]))
                 if autoregressive:

@@ -19,7 +19,9 @@ positions continuing past the row's end; their outputs are ignored and rewritten
 With temperature > 0 drafts are sampled from q (the MTP distribution) and verified with the standard
 speculative-sampling rule (accept with min(1, p/q), on rejection resample from norm(max(p - q, 0)),
 bonus from p), temperature and top-p applied identically to p and q, so the output is distributed
-exactly as sampling from the trunk alone.
+exactly as sampling from the trunk alone. `verify="block"` verifies the K drafts as one block instead
+(eval/block_verify.py: Sun et al. 2024's block verification, also exact and accepting at least as
+many drafts on average); at temperature 0 both rules are greedy exact-match acceptance.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch
 from torch import nn
 
 from tandem.models.attention import KVCache
+
+from .block_verify import VERIFY_RULES, block_accept
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -119,7 +123,8 @@ class SpecDecoder:
     """Caches and per-row state for decoding one batch (num_steps=0 is plain autoregressive)."""
 
     def __init__(self, model: nn.Module, num_steps: int, batch: int, max_positions: int, *,
-                 temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None):
+                 temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+                 verify: str = "token"):
         self.model = m = unwrap(model)
         self.K = num_steps
         if num_steps > 0 and m.mtp is None:
@@ -128,6 +133,9 @@ class SpecDecoder:
             raise ValueError(f"num_steps={num_steps} exceeds the {len(m.mtp.layers)} independent heads of the "
                              "parallel-style MTP module (only the looped style can run longer than it was trained)")
         self.temperature, self.top_p = float(temperature), float(top_p)
+        if verify not in VERIFY_RULES:
+            raise ValueError(f"verify={verify!r}: must be one of {', '.join(VERIFY_RULES)}")
+        self.verify_rule = verify  # sampled drafts: `token` (speculative_accept) or `block` (block_accept)
         self.generator = generator
         p0 = m.embed_tokens.weight
         self.device, self.dtype = p0.device, p0.dtype
@@ -218,7 +226,8 @@ class SpecDecoder:
         return torch.stack(drafts, 1), q, all_logits
 
     def verify(self, drafts: torch.Tensor, q: Optional[torch.Tensor]):
-        """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B])."""
+        """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B]). Greedy: the
+        exact-match prefix; sampling: `self.verify_rule`'s acceptance (token-wise or block)."""
         pos = self.m.unsqueeze(1) + self.ar_k1
         h = self.model.trunk(self.seq.gather(1, pos), pos, self.trunk_cache)
         self.h[0].scatter_(1, pos.unsqueeze(-1).expand_as(h), h.to(self.h[0].dtype))
@@ -234,7 +243,8 @@ class SpecDecoder:
         if K == 0:
             return torch.zeros_like(self.m), torch.multinomial(p[:, 0], 1, generator=self.generator).squeeze(-1)
         u = torch.rand(drafts.shape, generator=self.generator, device=self.device)
-        n, dist = speculative_accept(p, q, drafts, u)
+        accept = block_accept if self.verify_rule == "block" else speculative_accept
+        n, dist = accept(p, q, drafts, u)
         return n, torch.multinomial(dist, 1, generator=self.generator).squeeze(-1)
 
     def commit(self, n: torch.Tensor, nxt: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -264,9 +274,10 @@ def emitted_tokens(old_m: torch.Tensor, new_m: torch.Tensor, limit: torch.Tensor
 @torch.inference_mode()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_steps: int, *,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-             generator: Optional[torch.Generator] = None, padding: bool = False,
+             generator: Optional[torch.Generator] = None, padding: bool = False, verify: str = "token",
              any_active: Optional[Callable[[bool], bool]] = None) -> DecodeResult:
     """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
+    `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under both).
 
     Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
     returns whether any process still has an active row, and the loop runs until none has (rows
@@ -279,7 +290,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     if min(lens) < 1:
         raise ValueError("every prompt needs at least one token")
     dec = SpecDecoder(model, K, B, max(lens) + max_new_tokens + K + 1, temperature=temperature, top_p=top_p,
-                      generator=generator)
+                      generator=generator, verify=verify)
     dev = dec.device
     stats = DecodeStats(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
                         torch.zeros(B, max(K, 1), dtype=torch.long), K)

@@ -183,6 +183,11 @@ class EvalConfig:
     figures come from the greedy run). [] evaluates greedy only."""
     top_p: float = 1.0
     """Nucleus sampling threshold of the sampled temperatures."""
+    verify: str = "token"
+    """How sampled drafts are verified: `token` (token-wise speculative sampling) or `block` (block
+    verification, Sun et al. 2024, eval/block_verify.py: exact as well, and accepts at least as many
+    drafts on average). Greedy decoding is the same under both. At each sampled temperature the
+    evaluator also decodes with the other rule and logs it under `eval/T<t>/<rule>/` (one more decode)."""
     num_samples_logged: int = 4
     """Prompts whose decoded text (prompt, greedy and sampled continuations, acceptance) each
     evaluation writes to `run.dir/eval_samples.jsonl` and a wandb table `eval/samples` (0: none)."""
@@ -384,6 +389,7 @@ def validate(cfg: TandemConfig) -> None:
         ("eval.temperatures", all(0 < t <= 2 for t in cfg.eval.temperatures), "must each be in (0, 2]"),
         ("eval.num_samples_logged", cfg.eval.num_samples_logged >= 0, "must be >= 0"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
+        ("eval.verify", cfg.eval.verify in ("token", "block"), "must be token or block"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, "must be >= 0"),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last >= 0, "must be >= 0"),
         ("device", cfg.device in ("auto", "cpu", "cuda", "npu"), "must be auto, cpu, cuda or npu"),
