@@ -17,8 +17,9 @@ in the same range whatever the number of streams. The trunk's last mixer has no 
 False): it stands where a final norm would and yields the H-wide hidden state the LM head reads.
 
 Tensor parallelism: transformers shards `input_mix_weight_down` row-wise (its input channels split,
-partial sums reduced). These matrices are small, so Tandem may keep them replicated; everything here
-derives widths from the constructor's ints, so a sharded variant only changes who holds which rows.
+partial sums reduced). These matrices are small, so Tandem keeps them replicated
+(trainer/parallel/tensor_hybrid.py): each rank mixes and injects its own copy of the streams (its
+sequence shard under sequence parallelism, where their gradients are then summed over tp).
 """
 
 from __future__ import annotations

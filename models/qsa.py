@@ -38,9 +38,11 @@ Indexer training (DeepSeek-V3.2; the reference has none) is set by the trainer t
 KL covers the selected blocks. The indexer always reads detached hidden states: its only gradient
 is its own loss (the top-k selection carries none), and that loss never reaches the trunk.
 
-Tensor parallelism shards q/k/v/o by heads (head counts are read from projection widths at run
-time). The indexer stays replicated so every rank selects the same positions; its loss target sums
-over heads, so under TP the per-rank head sums (`attention_block_mass`) must be all-reduced first.
+Tensor parallelism (trainer/parallel/tensor_hybrid.py) shards q/k/v/o by heads (head counts are
+read from projection widths at run time). The indexer stays replicated and reads the whole input on
+every rank, so every rank scores and selects the same positions. Its loss target and the recall sum
+over all heads, so the per-rank head sums (`attention_block_mass`) go through `reduce_heads` (the
+identity here, an all-reduce over tp in the TP wrapper) before they are normalised.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class IndexedAttention(nn.Module):
         if form not in ("auto", "mask", "gather"):
             raise ValueError(f"QSA form must be auto, mask or gather, got {form!r}")
         self.head_dim, self.budget, self.compress_ratio, self.form = head_dim, budget, compress_ratio, form
+        self.num_heads = num_heads  # all heads, whatever a rank holds: the recall's normaliser
         # q_proj emits [query | gate] per head (transformers' Qwen3.5 gated attention)
         self.q_proj = nn.Linear(hidden_size, 2 * num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -145,6 +148,11 @@ class IndexedAttention(nn.Module):
         """Largest intermediate (elements) a chunked computation may build at once."""
         self.last_indexer_loss: Optional[torch.Tensor] = None
         self.last_recall: Optional[torch.Tensor] = None
+
+    def reduce_heads(self, head_sums: torch.Tensor) -> torch.Tensor:
+        """Sum of per-head quantities over every head of the layer. One process holds them all: the
+        identity; tensor parallelism overrides it with an all-reduce over its ranks' heads."""
+        return head_sums
 
     # ---- the main attention's projections -------------------------------------------------------
     def _qkv(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor):
@@ -281,7 +289,7 @@ class IndexedAttention(nn.Module):
                 q_bhsd.detach(), k_bksd.detach(), r, n, self.chunk_elems, selected if select else None,
                 sparse_target=not self.dense)
             if self.measure_recall:
-                self.last_recall = recall_bs.mean() / h
+                self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
             if want_loss:
                 block = torch.arange(n, device=q_bhsd.device)
                 if self.dense:
@@ -290,7 +298,7 @@ class IndexedAttention(nn.Module):
                     real = torch.arange(blocks_bsk.shape[-1], device=block.device) < count_bs[..., None]
                     allowed_bsn = torch.zeros_like(scores_bsn, dtype=torch.bool)
                     allowed_bsn.scatter_(-1, blocks_bsk, real)
-                loss = indexer_kl(scores_bsn, mass_bsn, allowed_bsn)
+                loss = indexer_kl(scores_bsn, self.reduce_heads(mass_bsn), allowed_bsn)
                 self.last_indexer_loss = loss.detach()
         return out_bsz, loss
 

@@ -16,7 +16,8 @@ tokens: 1.0 means the sparse attention loses nothing.
 
 Everything here needs probabilities [B, heads, S, S]; they are computed a chunk of queries at a time
 under no_grad so memory stays bounded. Under tensor parallelism a rank holds only its own heads: the
-head sums returned by `attention_block_mass` are the quantities to all-reduce before normalising.
+head sums returned by `attention_block_mass` are the quantities to all-reduce before normalising
+(`IndexedAttention.reduce_heads`, which the TP wrapper makes an all-reduce over tp).
 """
 
 from __future__ import annotations

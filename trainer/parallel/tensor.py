@@ -10,6 +10,8 @@
 * MoE layers keep replicated routers; routed experts shard their intermediate dim over tp and the
   expert dim over ep (`ParallelExperts`: dropless all-to-all dispatch and combine); the shared
   expert's partial output joins the routed partial output so the layer needs one all-reduce.
+* Qwen4-Exp's layers (Gated DeltaNet, QSA, PLE, hyper-connections, the qwen4_exp drafter) are
+  parallelised by tensor_hybrid.py (its docstring says how each one is split).
 
 Sequence parallelism (`parallel.sequence_parallel`, Megatron's): between the TP regions the
 activations are this rank's shard of the sequence, [B, S/tp, H]; norms, residual adds and the
@@ -44,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from tandem.models.attention import Attention
 from tandem.models.layers import SwiGLU
 from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu
@@ -134,7 +137,11 @@ class TensorParallelMoE(MoE):
         if self.shared_experts is not None:
             se = self.shared_experts
             h = F.silu(F.linear(x_tp, local(se.gate_proj.weight))) * F.linear(x_tp, local(se.up_proj.weight))
-            out = out + F.linear(h, local(se.down_proj.weight))
+            shared = F.linear(h, local(se.down_proj.weight))
+            if self.shared_expert_gate is not None:
+                # the replicated gate scales this rank's partial output: its gradient is partial over tp
+                shared = torch.sigmoid(self.shared_expert_gate(x_tp)) * shared
+            out = out + shared
         if self.sequence_parallel:
             out = scatter_reduce_along(out, self.tp_group, 0)
         else:
@@ -338,14 +345,16 @@ def _block_plan(block, switch: Optional[SequenceParallelSwitch] = None) -> dict:
         prepare = lambda **kw: _SwitchablePrepareInput(switch, **kw)  # noqa: E731
         rowwise = lambda **kw: _SwitchableRowwise(switch, **kw)  # noqa: E731
         inp, out = Shard(1), Shard(1)
-    plan = {
-        "self_attn": prepare(input_layouts=(inp, None, None),
-                             desired_input_layouts=(Replicate(), None, None), use_local_output=False),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": rowwise(output_layouts=out),
-    }
+    plan = {}
+    if isinstance(getattr(block, "self_attn", None), Attention):  # QSA / Gated DeltaNet: tensor_hybrid.py
+        plan.update({
+            "self_attn": prepare(input_layouts=(inp, None, None),
+                                 desired_input_layouts=(Replicate(), None, None), use_local_output=False),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": rowwise(output_layouts=out),
+        })
     if isinstance(block.mlp, SwiGLU):
         plan.update({
             "mlp": prepare(input_layouts=(inp,), desired_input_layouts=(Replicate(),), use_local_output=False),
@@ -371,9 +380,19 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
     blocks = [b for b in model.layers.values()]
     if getattr(model, "mtp", None) is not None:
         blocks += [layer.block for layer in model.mtp.layers]
+    from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
+
     for block in blocks:
         if tp > 1:
-            parallelize_module(block, tp_mesh, _block_plan(block, switch if sp else None))
+            plan = _block_plan(block, switch if sp else None)
+            if plan:
+                parallelize_module(block, tp_mesh, plan)
+            if parallelize_hybrid_mixer(block.mixer, tp_mesh, sp) and sp:
+                switch.flagged.append(block.mixer)
+            if getattr(block, "ple", None) is not None:
+                flagged = parallelize_ple(block.ple, tp_mesh, sp)
+                if sp:
+                    switch.flagged += flagged
         if isinstance(block.mlp, MoE):
             parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp)
             if sp:
@@ -388,10 +407,13 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
             if sp:
                 switch.flagged.append(model.lm_head)
     if not sp:
-        # Per-head q/k norms (qk_norm) are replicated but each rank applies them to its own heads
-        # only, so their gradients are partial over tp like the sequence-parallel ones.
-        return [name for name, _ in model.named_parameters() if ".q_norm." in name or ".k_norm." in name] if tp > 1 else []
+        # Replicated weights applied to one rank's heads only (per-head q/k norms, Gated DeltaNet's gated
+        # norm) or scaling its partial output (the shared expert's gate): gradients partial over tp.
+        partial = (".q_norm.", ".k_norm.", ".linear_attn.norm.", ".shared_expert_gate.")
+        return [name for name, _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
     group = tp_mesh.get_group()
     model.gather_sequence = lambda h: gather_along(h, group, 1)
     switch.models.append(model)
-    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    # every replicated parameter saw one sequence shard, except the QSA indexers: they read the gathered
+    # sequence and take their own (identical) loss on every rank, so their gradients are already whole
+    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor) and ".indexer." not in name]

@@ -48,9 +48,9 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """Check the parallel layout against the model, the batch and the world size; return dp.
 
     Raises ConfigError (one line) for: world size not the product tp*pp*ep*dp, heads / kv heads
-    not divisible by tp, experts not divisible by ep, too few layers (or a bad pp_layout) for the
+    (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not divisible by ep, too few layers (or a bad pp_layout) for the
     pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence parallelism with
-    data.seq_len not divisible by tp, tensor-parallel widths (vocab, MLP) not divisible by tp, and
+    data.seq_len not divisible by tp, tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp, and
     train.compile with tp > 1 or activation checkpointing.
     """
     p, m = cfg.parallel, cfg.model
@@ -76,6 +76,15 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
             raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}")
         if m.num_kv_heads % p.tp:
             raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={p.tp}")
+        if any(m.layer_type(i) == "linear_attention" for i in range(m.num_layers)):
+            # Gated DeltaNet shards whole key-head groups (q_g, k_g and the value heads g serves)
+            for key in ("linear_num_key_heads", "linear_num_value_heads"):
+                if getattr(m, key) % p.tp:
+                    raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={p.tp} "
+                                      "(Gated DeltaNet heads are split over tp)")
+        if m.num_experts > 0 and m.num_shared_experts > 0 and m.resolved_shared_expert_size % p.tp:
+            raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} (the shared "
+                              f"expert's width) is not divisible by parallel.tp={p.tp}")
         if m.vocab_size % p.tp:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel head)")
         if m.intermediate_size % p.tp or m.moe_intermediate_size % p.tp:

@@ -1,0 +1,60 @@
+"""Tensor parallelism for Qwen4-Exp's layers, the parts checkable in one process: the layout checks
+(one line naming the key, before any work) and the Gated DeltaNet row order the TP shards rely on and
+the Hugging Face interop undoes. Equivalence to one process is tests/distributed/test_qwen4_layouts.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.models.gated_deltanet import qkv_rows_from_hf
+from tandem.trainer.config import ConfigError, load_config
+from tandem.trainer.hf.names import Src
+from tandem.trainer.parallel.validate import validate_layout
+
+Q4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
+      "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.head_dim=8",
+      "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+      "model.vocab_size=4096", "data.seq_len=64"]
+
+
+def cfg(*overrides):
+    return load_config(None, Q4 + list(overrides))
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.linear_num_key_heads=1", "model.linear_num_value_heads=4"],
+     "model.linear_num_key_heads=1 is not divisible by parallel.tp=2 (Gated DeltaNet heads are split over tp)"),
+    (["model.shared_expert_intermediate_size=18", "parallel.tp=4", "model.num_heads=8", "model.num_kv_heads=4",
+      "model.linear_num_key_heads=4", "model.linear_num_value_heads=8"],
+     "model.shared_expert_intermediate_size=18 (the shared expert's width) is not divisible by parallel.tp=4"),
+    (["model.num_kv_heads=1"], "model.num_kv_heads=1 is not divisible by parallel.tp=2"),
+])
+def test_head_counts_not_divisible_by_tp_are_one_line_errors(overrides, needle):
+    c = cfg("parallel.tp=2", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate_layout(c, c.parallel.tp)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_qwen4_tp_layouts_validate():
+    assert validate_layout(cfg("parallel.tp=2", "parallel.sequence_parallel=true"), 2) == 1
+    assert validate_layout(cfg("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"), 4) == 1
+
+
+def test_group_order_makes_tp_shards_whole_groups_and_round_trips():
+    hk, hv, dk, dv, tp = 4, 8, 3, 5, 2
+    rows = qkv_rows_from_hf(hk, hv, dk, dv)
+    key_dim, value_dim = hk * dk, hv * dv
+    theirs = torch.arange(2 * key_dim + value_dim)  # each row labelled by its transformers index
+    ours = theirs[rows]
+    per_rank = ours.numel() // tp
+    for r in range(tp):  # a plain Shard(0) block is [q_g | k_g | v_g] for this rank's groups, in order
+        groups = range(r * hk // tp, (r + 1) * hk // tp)
+        want = torch.cat([torch.cat([torch.arange(g * dk, (g + 1) * dk), key_dim + torch.arange(g * dk, (g + 1) * dk),
+                                     2 * key_dim + torch.arange(g * 2 * dv, (g + 1) * 2 * dv)]) for g in groups])
+        assert torch.equal(ours[r * per_rank:(r + 1) * per_rank], want)
+    src = Src(["w"], qkv_groups=(hk, hv, dk, dv))
+    w = torch.randn(theirs.numel(), 7)
+    assert torch.equal(src.to_model_rows(w), w[rows])
+    assert torch.equal(src.to_checkpoint_rows(src.to_model_rows(w)), w)
