@@ -34,8 +34,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-POS_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+)/)?accept_rate/pos_(?P<k>\d+)$")
-ACC_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+)/)?acceptance_length$")
+# a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
+POS_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?accept_rate/pos_(?P<k>\d+)$")
+ACC_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?acceptance_length$")
 LOSS_RE = re.compile(r"^(?P<prefix>eval/)?loss/(?P<depth>main|mtp_(?P<k>\d+))$")
 
 
