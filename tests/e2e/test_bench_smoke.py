@@ -50,3 +50,32 @@ def test_throughput_bench(flags):
     assert ratios == ["tandem_k2_over_transformers_k0", "tandem_eager_over_transformers_eager"] + (
         ["tandem_compiled_over_transformers_eager"] if flags else []), lines
     assert lines[-1].startswith("tandem_over_transformers=") and float(lines[-1].split("=")[1]) > 0
+
+
+def test_qwen4_exp_trunk_bench():
+    """Qwen4-Exp tiny trunk vs a full-attention trunk of equal active parameters (--quick: lengths 64 and
+    128): the active parameters match within the bench's tolerance, every per-length line parses with
+    positive ratios, and the selected fraction is the budget's share of the causal pairs."""
+    from tandem.trainer.config import load_config
+
+    proc = subprocess.run([sys.executable, "bench/qwen4_exp_trunk.py", "--quick"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    active = [line for line in lines if line.startswith("active_params ")]
+    assert len(active) == 1, lines
+    counts = dict(field.split("=") for field in active[0].split()[1:])
+    qwen, dense = int(counts["qwen4_exp"]), int(counts["dense"])
+    assert qwen > 0 and abs(dense / qwen - 1) <= 0.03
+    assert abs(float(counts["rel_diff"]) - (dense / qwen - 1)) < 1e-4
+    rows = [dict(field.split("=") for field in line.split()) for line in lines if line.startswith("seq=")]
+    assert [(int(r["seq"]), int(r["batch"])) for r in rows] == [(64, 2), (128, 1)], lines
+    ratios = {"step_ratio", "step_ratio_fastest"} | {f"mem_ratio_{form}{kl}" for form in ("auto", "mask", "gather") for kl in ("", "_kl")}
+    m = load_config("recipes/qwen4_exp_tiny.yaml", []).model
+    blocks, r = m.indexer_budget // m.indexer_compress_ratio, m.indexer_compress_ratio
+    for row in rows:
+        assert ratios | {"selected_fraction"} <= set(row), row
+        assert all(float(row[k]) > 0 for k in ratios), row
+        s = int(row["seq"])  # each query: min(budget / r, complete blocks) blocks plus its incomplete tail
+        selected = sum(min(blocks, (t + 1) // r) * r + (t + 1) % r for t in range(s))
+        assert abs(float(row["selected_fraction"]) - selected / (s * (s + 1) / 2)) < 1e-3, row
