@@ -62,6 +62,10 @@ class RecallProbe:
     probability mass inside its selection) on each forward it runs, e.g. the evaluator's teacher-forced
     pass; `value()` is the mean over layers and forwards (None when no QSA layer ran)."""
 
+    active = None
+    """The probe currently entered in this process (None: none): a pipeline's decoding driver adds the
+    values the other stages' QSA layers measured (trainer/parallel/pipeline_decode.py)."""
+
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, IndexedAttention)]
         self.values: List[torch.Tensor] = []
@@ -76,9 +80,11 @@ class RecallProbe:
         for layer in self.layers:
             layer.measure_recall, layer.last_recall = True, None
             self._hooks.append(layer.register_forward_hook(self._keep))
+        RecallProbe.active = self
         return self
 
     def __exit__(self, *exc):
+        RecallProbe.active = None
         for layer in self.layers:
             layer.measure_recall = False
         for hook in self._hooks:

@@ -18,11 +18,47 @@ import worker  # noqa: E402
 
 # 5 prompts in batches of 2: three batches, so two replicas split them unevenly (one pads a slot)
 EVAL = ["eval.num_prompts=5", "eval.batch_size=2", "eval.max_new_tokens=14", "eval.loss_batches=1", "eval.interval=1"]
+# Qwen4-Exp (worker.PRESETS["qwen4"]): prompts of 40 and 41 tokens batched with short ones, so the
+# prefill is longer than the decoder's recurrent rings allow a stepwise forward (ring 4K+32 = 40 slots
+# minus the conv window): Gated DeltaNet takes its chunked form and every stage needs the short rows'
+# row_end. Positions reach 41 + 14 + the draft margin, past the base's max_seq_len 64.
+QWEN4_EVAL = ["model.max_seq_len=96"]
+QWEN4_PROMPT_LENS = (40, 5, 6, 41, 7)
+HISTORY = "weights=history"
+"""Layout item (not a config key): the Qwen4-Exp weights of `make_history_sensitive` instead of the
+agreeing ones, so that a wrong recurrent state on any stage changes the tokens."""
 
 
-def prompts() -> List[List[int]]:
+def is_qwen4(layout: str) -> bool:
+    return "preset.qwen4=1" in layout.split(",")
+
+
+def prompts(lens=(4, 5, 6, 7, 8)) -> List[List[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, worker.VOCAB, (4 + i,), generator=g).tolist() for i in range(5)]
+    return [torch.randint(0, worker.VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+@torch.no_grad()
+def make_agreeing_streams(model, noise: float, seed: int):
+    """eval.testing.make_agreeing for the hyper-connection model with the qwen4_exp drafter: every
+    residual branch (attention / QSA / Gated DeltaNet outputs, MLP and expert outputs, PLE values) is
+    scaled by `noise`, so the streams stay near the repeated embedding and the trunk's next token is
+    about f(x_t); each MTP layer reads only the embedding (fc_embedding = I, fc_hidden = noise) and
+    mixes its streams with the trunk's final mixer, so depth k drafts about f(x_{t+k}) (the mixers'
+    per-stream norm makes the drafter's normalised embedding and the trunk's raw one agree)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "linear_attn.out_proj.weight",
+                          "ple.value_proj.weight")):
+            p.mul_(noise)
+    model.embed_tokens.weight.copy_(torch.randn(model.embed_tokens.weight.shape, generator=g))
+    model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g))
+    h = model.cfg.hidden_size
+    for layer in model.mtp.layers:
+        layer.fc_embedding.weight.copy_(torch.eye(h) + noise * torch.randn(h, h, generator=g))
+        layer.fc_hidden.weight.copy_(noise * torch.randn(h, h, generator=g))
+        layer.norm.load_state_dict(model.norm.state_dict())
+    return model
 
 
 @torch.no_grad()
@@ -38,6 +74,24 @@ def load_full_weights(model, full_state: dict):
     return model
 
 
+@torch.no_grad()
+def make_history_sensitive(model, seed: int):
+    """Qwen4-Exp weights whose greedy tokens depend on the distant past: Gated DeltaNet's memory decays
+    slowly (A = exp(-3): about 6% per token), every matrix is 10x its initial scale, and the embedding
+    and head are well spread. Dropping the padded prefill's row_end on a stage (the short rows' state
+    restarting from zero) changes the tokens here, where the agreeing weights hide it (measured: the
+    hidden state moves by 1e-4 of its size). Drafts are rarely accepted (acceptance length ~1.05)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.fill_(-3.0)
+        elif p.dim() >= 2 and not name.startswith(("embed_tokens", "lm_head")):
+            p.mul_(10.0)
+    model.embed_tokens.weight.copy_(torch.randn(model.embed_tokens.weight.shape, generator=g))
+    model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g))
+    return model
+
+
 def evaluate(layout: str) -> dict:
     from tandem.eval.in_loop import InLoopEvaluator
     from tandem.eval.testing import make_agreeing
@@ -45,15 +99,21 @@ def evaluate(layout: str) -> dict:
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
-    cfg = worker.make_cfg(",".join([layout] + EVAL), worker.GRAD_ACCUM)
+    q4, history = is_qwen4(layout), HISTORY in layout.split(",")
+    items = [kv for kv in layout.split(",") if kv != HISTORY]
+    cfg = worker.make_cfg(",".join(items + EVAL + (QWEN4_EVAL if q4 else [])), worker.GRAD_ACCUM)
     device = resolve_device("cpu")
     single = ParallelState(device=device)
-    pstate = single if layout == "single" else init_parallel(cfg, device)
-    full = make_agreeing(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
+    pstate = single if layout.split(",")[0] == "single" else init_parallel(cfg, device)
+    if history:
+        full = make_history_sensitive(build_model(cfg, single), seed=1)
+    else:
+        agree = make_agreeing_streams if q4 else make_agreeing
+        full = agree(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
     model = full if pstate is single else load_full_weights(build_model(cfg, pstate), full.state_dict())
     model.train()
     ev = InLoopEvaluator(cfg, model, None, None, pstate)
-    ev.prompts = prompts()
+    ev.prompts = prompts(QWEN4_PROMPT_LENS) if q4 else prompts()
     ev.loss_batches = worker.rank_micro_batches(0, 0, 1, 1)
     out = ev.run(1)
     return {"metrics": out, "outputs": ev.last_outputs, "samples": ev.last_samples}

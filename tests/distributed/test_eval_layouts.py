@@ -37,6 +37,15 @@ LAYOUTS = {
     # layers and depths placed by pp_balance), 8 ranks
     "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,pp_balance=true": 8,
 }
+# Qwen4-Exp (eval_worker.QWEN4_*; its own one-process reference): the hc_count x hidden streams between
+# stages, PLE's token ids on every stage, stage caches with the decoder's ring size and row_end for a
+# padded prefill longer than a ring (Gated DeltaNet's chunked form), QSA recall from every rank's layers;
+# spread depths: the driver holds no trunk layer, MTP depth 1 and its stream mixer run on the other
+# rank, and the weights make the tokens depend on every layer's recurrent state (eval_worker.HISTORY).
+Q4_LAYOUTS = {
+    "pp=2,preset.qwen4=1": 2,
+    f"pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],preset.qwen4=1,{eval_worker.HISTORY}": 2,
+}
 EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1", "eval/accept_rate/pos_2",
          "eval/identical_to_autoregressive", "eval/distinct_2", "eval/distinct_4",
          # speculative sampling at T=1 (eval.temperatures default), seeded per batch: the same draws anywhere
@@ -55,7 +64,7 @@ def reference():
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_layouts")
     by_world = {}
-    for layout, world in LAYOUTS.items():
+    for layout, world in {**LAYOUTS, **Q4_LAYOUTS}.items():
         by_world.setdefault(world, []).append(layout)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for world, layouts in sorted(by_world.items()):
@@ -85,3 +94,27 @@ def test_eval_layout_matches_single_process(layout, runs, reference):
     for key in CLOSE:
         assert abs(got["metrics"][key] - ref[key]) <= 1e-5 * max(abs(ref[key]), 1e-3), (layout, key)
     assert set(got["metrics"]) == set(ref)
+
+
+class _Q4References(dict):
+    def __missing__(self, history: bool):
+        torch.set_num_threads(1)
+        self[history] = eval_worker.evaluate("single,preset.qwen4=1" + (f",{eval_worker.HISTORY}" if history else ""))
+        return self[history]
+
+
+@pytest.fixture(scope="module")
+def qwen4_references():
+    return _Q4References()
+
+
+@pytest.mark.parametrize("layout", list(Q4_LAYOUTS))
+def test_qwen4_eval_layout_matches_single_process(layout, runs, qwen4_references):
+    history = eval_worker.HISTORY in layout.split(",")
+    ref = qwen4_references[history]["metrics"]
+    assert ref["eval/identical_to_autoregressive"] == 1.0
+    assert ref["eval/acceptance_length"] > (1.0 if history else 1.2)  # some drafts accepted
+    test_eval_layout_matches_single_process(layout, runs, qwen4_references[history])
+    got = torch.load(runs / f"{layout}.pt", weights_only=False)["metrics"]
+    assert abs(got["eval/qsa_recall"] - ref["eval/qsa_recall"]) <= 1e-5 * ref["eval/qsa_recall"], \
+        (got["eval/qsa_recall"], ref["eval/qsa_recall"])

@@ -25,6 +25,16 @@ process's. The collectives inside the model (expert all-to-all over ep, FSDP par
 dp x ep) need every replica to run the same sequence of forwards: decoding loops run while any
 replica has an active row (`any_active`), and a replica with no batch left decodes a padding batch.
 
+Hybrid models (Qwen4-Exp). The hidden state between stages is every hyper-connection stream
+[B, S, hc_count * H] (an MTP depth's final norm, a stream mixer, returns H); the first stage repeats
+the embedding into the streams and a PLE block reads the forward's token ids (the header's body
+carries them to every stage). Each stage's cache is a `models.state.DecodeCache` with the driver's
+ring size (the decoder sizes its rings for the verify width and padding), and a prefill of padded rows
+hands every stage the rows' last real positions (`row_end`), so Gated DeltaNet's and PLE's recurrent
+state end at each row's last real token on every stage, as in one process. While the driver's
+`RecallProbe` is active (the evaluator's teacher-forced pass), the other ranks' QSA layers measure
+their recall too and send the values to the driver, so `eval/qsa_recall` averages every layer.
+
 Sequence parallelism is switched off around decoding (tensor.SequenceParallelSwitch): decode steps
 run the TP regions on whole sequences.
 """
@@ -39,11 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.models.attention import KVCache
+from tandem.models.state import DecodeCache
+from tandem.trainer.qsa_training import RecallProbe
 
-from .pipeline import plan_stages
+from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 
 _STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM = 0, 1, 2, 3, 4, 5
+_ROW_END, _RECALL = 1, 2  # header flags: the body carries row_end; QSA layers measure their recall
+HEADER = 7  # cmd, batch, length, cache length, depth, ring slots, flags
 
 
 class DecodePlan:
@@ -57,6 +70,12 @@ class DecodePlan:
         self.num_steps = cfg.mtp.num_steps
         self.head_stage = plan.depth_stage[0]
         self._depth_stage = plan.depth_stage
+        m = cfg.model
+        qsa = [s for s in range(self.trunk_end + 1) for i in plan.split[s] if m.layer_type(i) == "indexed_attention"]
+        self.qsa_layers = len(qsa)
+        """QSA layers in the trunk: the most recall values one rank sends per forward."""
+        self.recall_ranks = sorted({self.stage_rank(s) for s in qsa} - {self.driver})
+        """pp ranks other than the driver whose trunk stages hold QSA layers."""
 
     def stage_rank(self, stage: int) -> int:
         """pp rank (index in the pp group) that holds pipeline stage `stage`."""
@@ -81,9 +100,9 @@ class StagePass:
 
     def __init__(self, model: nn.Module, plan: DecodePlan, group, hidden: int, dtype, device):
         self.model, self.plan, self.group = model, plan, group
-        self.hidden, self.dtype, self.device = hidden, dtype, device
+        self.hidden, self.dtype, self.device = hidden, dtype, device  # hidden: the boundary width
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache]):
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache]):
         """Trunk stages 0 .. trunk_end in order; the trunk's output lands on the driver."""
         plan, (b, s) = self.plan, positions.shape
         end, driver = plan.trunk_end, plan.driver
@@ -92,11 +111,12 @@ class StagePass:
             if stage > end:
                 break
             if stage == 0:
-                h = self.model.embed_tokens(tokens)
+                h = embed_streams(self.model, tokens)
             else:
                 h = self._recv(b, s, plan.stage_rank(stage - 1))
             for i in plan.split[stage]:
-                h = self.model.layers[str(i)](h, positions, cache.layer(i) if cache is not None else None)
+                h = run_block(self.model.layers[str(i)], h, positions, tokens,
+                              cache.layer(i) if cache is not None else None)
             dst = plan.stage_rank(stage + 1) if stage < end else driver
             if dst != plan.pp_rank:  # before the trunk's end the next stage is always on another rank
                 # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
@@ -137,13 +157,17 @@ class PipelinedModel:
 
         return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs)  # with the routed mtp_step
 
-    def _remote(self, cmd: int, depth: int, h: torch.Tensor, tokens, positions, with_cache: bool) -> torch.Tensor:
+    def _remote(self, cmd: int, depth: int, h: torch.Tensor, tokens, positions, with_cache: bool,
+                out_width: Optional[int] = None) -> torch.Tensor:
         d = self._decoding
         owner = d.plan.mtp_rank(depth)
-        d.send_header(cmd, tokens, positions, int(with_cache), depth)
+        recall = cmd == _MTP_STEP and not with_cache and RecallProbe.active is not None
+        d.send_header(cmd, tokens, positions, int(with_cache), depth, flags=_RECALL if recall else 0)
         dist.send(h.to(d.dtype).contiguous(), group=d.pp_group, group_dst=owner)
-        out = torch.empty(h.shape, dtype=d.dtype, device=d.device)
+        out = torch.empty(*h.shape[:-1], out_width or h.shape[-1], dtype=d.dtype, device=d.device)
         dist.recv(out, group=d.pp_group, group_src=owner)
+        if recall:
+            d.receive_recall([owner])
         return out
 
     def mtp_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, cache=None):
@@ -156,18 +180,25 @@ class PipelinedModel:
             return self._model.logits(depth, h_bsh)
         flat = h_bsh.reshape(-1, 1, h_bsh.shape[-1])  # the depth's final norm runs where its layer is
         zeros = torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device)
-        normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False)
-        return self._model.lm_head.logits(normed.view(h_bsh.shape))
+        # the norm of a hyper-connection model is a stream mixer: hc_count * H in, H out
+        normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False, out_width=self._decoding.cfg.model.hidden_size)
+        return self._model.lm_head.logits(normed.view(*h_bsh.shape[:-1], -1))
 
-    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache] = None):
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache] = None):
         if cache is None:
             cmd = _NO_CACHE
         else:
             cmd = _SAME_CACHE if cache is self._cache else _NEW_CACHE
             self._cache = cache
         d = self._decoding
-        d.send_header(cmd, tokens, positions, cache.max_len if cache is not None else 0)
-        return d.stages.run(tokens, positions, cache)
+        recall = cache is None and RecallProbe.active is not None  # QSA measures recall in uncached forwards
+        row_end = cache.row_end if cache is not None else None
+        d.send_header(cmd, tokens, positions, cache.max_len if cache is not None else 0,
+                      ring=cache.ring if cache is not None else 0, row_end=row_end, flags=_RECALL if recall else 0)
+        h = d.stages.run(tokens, positions, cache)
+        if recall:
+            d.receive_recall(d.plan.recall_ranks)
+        return h
 
 
 class ParallelDecoding:
@@ -187,7 +218,7 @@ class ParallelDecoding:
             mine = [k for k in range(1, cfg.mtp.num_steps + 1) if self.plan.mtp_rank(k) == self.plan.pp_rank]
             if mine and not self.is_driver and getattr(model, "mtp", None) is None:
                 raise ValueError(f"MTP depths {mine} are placed on pp rank {self.plan.pp_rank}, which holds no MTP module")
-            self.stages = StagePass(model, self.plan, self.pp_group, cfg.model.hidden_size, self.dtype, self.device)
+            self.stages = StagePass(model, self.plan, self.pp_group, boundary_width(cfg.model), self.dtype, self.device)
             self.model = PipelinedModel(model, self) if self.is_driver else None
         else:
             self.plan, self.is_driver, self.model = None, True, model
@@ -220,13 +251,36 @@ class ParallelDecoding:
         return box[0]
 
     # --- the pipeline protocol -------------------------------------------------------------------
-    def send_header(self, cmd: int, tokens=None, positions=None, cap: int = 0, depth: int = 0) -> None:
+    def send_header(self, cmd: int, tokens=None, positions=None, cap: int = 0, depth: int = 0, ring: int = 0,
+                    row_end: Optional[torch.Tensor] = None, flags: int = 0) -> None:
+        """Driver: announce a forward. The body is [3, B, S]: token ids (every stage: PLE hashes them),
+        positions, and each row's last real position (row_end, repeated along S; zeros when unset)."""
         b, s = positions.shape if positions is not None else (0, 0)
-        head = torch.tensor([cmd, b, s, cap, depth], dtype=torch.long, device=self.device)
+        flags |= _ROW_END if row_end is not None else 0
+        head = torch.tensor([cmd, b, s, cap, depth, ring, flags], dtype=torch.long, device=self.device)
         dist.broadcast(head, group=self.pp_group, group_src=self.plan.driver)
         if cmd != _STOP:
-            body = torch.stack([tokens.to(torch.long), positions.to(torch.long)])
+            ends = row_end.to(torch.long)[:, None].expand(b, s) if row_end is not None else torch.zeros_like(positions)
+            body = torch.stack([tokens.to(torch.long), positions.to(torch.long), ends.to(positions.device, torch.long)])
             dist.broadcast(body.contiguous(), group=self.pp_group, group_src=self.plan.driver)
+
+    def send_recall(self, probe: RecallProbe) -> None:
+        """Follower: the recall values this rank's QSA layers measured in one forward, to the driver
+        (a fixed-size message: the count, then the values)."""
+        msg = torch.zeros(1 + max(self.plan.qsa_layers, 1), dtype=torch.float32, device=self.device)
+        values = [v.float().reshape(()) for v in probe.values]
+        msg[0] = len(values)
+        if values:
+            msg[1:1 + len(values)] = torch.stack(values).to(self.device)
+        dist.send(msg, group=self.pp_group, group_dst=self.plan.driver)
+
+    def receive_recall(self, ranks) -> None:
+        """Driver: add the other ranks' recall values of the forward that just ran to the active probe."""
+        for src in ranks:
+            msg = torch.empty(1 + max(self.plan.qsa_layers, 1), dtype=torch.float32, device=self.device)
+            dist.recv(msg, group=self.pp_group, group_src=src)
+            if RecallProbe.active is not None:
+                RecallProbe.active.values.extend(msg[1:1 + int(msg[0])].unbind())
 
     def stop(self) -> None:
         """Driver: the followers' `follow` returns."""
@@ -237,26 +291,34 @@ class ParallelDecoding:
         """Follower: run this rank's stages for every forward the driver announces, until it stops."""
         cache, mtp_caches, plan = None, {}, self.plan
         while True:
-            head = torch.empty(5, dtype=torch.long, device=self.device)
+            head = torch.empty(HEADER, dtype=torch.long, device=self.device)
             dist.broadcast(head, group=self.pp_group, group_src=plan.driver)
-            cmd, b, s, cap, depth = head.tolist()
+            cmd, b, s, cap, depth, ring, flags = head.tolist()
             if cmd == _STOP:
                 return
-            body = torch.empty(2, b, s, dtype=torch.long, device=self.device)
+            body = torch.empty(3, b, s, dtype=torch.long, device=self.device)
             dist.broadcast(body, group=self.pp_group, group_src=plan.driver)
+            recall = bool(flags & _RECALL)
             if cmd in (_MTP_STEP, _MTP_NORM):
                 if plan.mtp_rank(depth) == plan.pp_rank:
-                    self._serve_depth(cmd, depth, body, cap, mtp_caches, cache)
+                    self._serve_depth(cmd, depth, body, cap, mtp_caches, cache, recall)
                 continue
-            if cmd == _NEW_CACHE:
-                cache, mtp_caches = KVCache(self.cfg.model.num_layers, b, cap, self.dtype, self.device), {}
-            self.stages.run(body[0], body[1], cache if cmd != _NO_CACHE else None)
+            if cmd == _NEW_CACHE:  # the decoder's ring size: recurrent state must outlast a verify forward
+                cache = DecodeCache(self.cfg.model.num_layers, b, cap, self.dtype, self.device, ring=ring)
+                mtp_caches = {}
+            if cache is not None:
+                cache.row_end = body[2, :, 0].clone() if flags & _ROW_END else None
+            with RecallProbe(self.base) if recall else contextlib.nullcontext() as probe:
+                self.stages.run(body[0], body[1], cache if cmd != _NO_CACHE else None)
+            if recall and plan.pp_rank in plan.recall_ranks:
+                self.send_recall(probe)
 
-    def _serve_depth(self, cmd: int, depth: int, body, with_cache: int, mtp_caches: dict, cache) -> None:
+    def _serve_depth(self, cmd: int, depth: int, body, with_cache: int, mtp_caches: dict, cache,
+                     recall: bool = False) -> None:
         """Run MTP depth `depth` (its step, with this rank's cache of that depth, or its final norm)
-        on a hidden state from the driver and send the result back."""
+        on a hidden state from the driver and send the result back (then its QSA recall, if asked)."""
         b, s = body.shape[1:]
-        h = torch.empty(b, s, self.cfg.model.hidden_size, dtype=self.dtype, device=self.device)
+        h = torch.empty(b, s, boundary_width(self.cfg.model), dtype=self.dtype, device=self.device)
         dist.recv(h, group=self.pp_group, group_src=self.plan.driver)
         if cmd == _MTP_NORM:
             out = self.base.final_norm(depth, h)
@@ -264,10 +326,13 @@ class ParallelDecoding:
             layer = None
             if with_cache:
                 if depth not in mtp_caches:  # one cache per depth (depths share weights, not states)
-                    mtp_caches[depth] = KVCache(1, b, cache.max_len, self.dtype, self.device).layer(0)
+                    mtp_caches[depth] = DecodeCache(1, b, cache.max_len, self.dtype, self.device, ring=cache.ring).layer(0)
                 layer = mtp_caches[depth]
-            out = self.base.mtp_step(depth, h, body[0], body[1], layer)
+            with RecallProbe(self.base.mtp.layer_for_step(depth)) if recall else contextlib.nullcontext() as probe:
+                out = self.base.mtp_step(depth, h, body[0], body[1], layer)
         dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)
+        if recall:
+            self.send_recall(probe)
 
     # --- data-parallel split (drivers) -----------------------------------------------------------
     def my_batches(self, n_batches: int) -> List[Optional[int]]:
