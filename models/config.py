@@ -209,6 +209,9 @@ class MTPConfig:
     `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next: eh_proj(cat(enorm(emb), hnorm(h)))), `qwen4_exp`
     (Qwen4-Exp's drafter: fc_embedding plus an fc_hidden shared by the hyper-connection streams) or
     `auto` (qwen4_exp with hyper-connections, else concat_proj)."""
+    qsa_reuse_indices: bool = True
+    """With QSA MTP layers: depth 1 runs the MTP indexer and depths 2..K reuse its selection of past
+    positions (training and drafting alike, as Qwen4-Exp is served), instead of selecting again."""
     concat_order: str = "emb_hidden"
     """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next) or `hidden_emb`."""
     loss: MTPLossConfig = field(default_factory=MTPLossConfig)

@@ -236,6 +236,7 @@ class TandemModel(nn.Module):
         if self.mtp_cfg.trunk_input == "final_norm" and (step == 1 or not self.mtp.chained):
             h_prev_bsh = self.norm(h_prev_bsh)  # h_0 is the trunk's normed output in this convention
         emb = self.embed_tokens(tokens_bs) if layer.combine else None
+        self.mtp.select_for_step(step)
         return layer(h_prev_bsh, emb, positions_bs, cache)
 
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,

@@ -22,6 +22,7 @@ from .attention import LayerKV
 from .config import MTPConfig, ModelConfig
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm
+from .qsa import IndexedAttention, SelectionShare
 
 
 def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Tensor], depth: int) -> torch.Tensor:
@@ -116,6 +117,17 @@ class MTPModule(nn.Module):
         self.num_steps = mtp.num_steps
         self.chained = mtp.style == "looped"
         self.layers = nn.ModuleList(MTPLayer(cfg, mtp, make_block()) for _ in range(mtp.num_layers))
+        # QSA index reuse: one selection shared by every physical layer's indexed attention
+        qsa = [layer.block.self_attn for layer in self.layers
+               if isinstance(getattr(layer.block, "self_attn", None), IndexedAttention)]
+        self.selection_share = SelectionShare() if mtp.qsa_reuse_indices and qsa else None
+        for attn in qsa:
+            attn.selection_share = self.selection_share
+
+    def select_for_step(self, step: int) -> None:
+        """Depth 1 records its QSA selection, later depths reuse it (no-op without index reuse)."""
+        if self.selection_share is not None:
+            self.selection_share.mode = "record" if step == 1 else "reuse"
 
     def layer_for_step(self, step: int) -> MTPLayer:
         return self.layers[(step - 1) % len(self.layers)]

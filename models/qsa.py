@@ -78,6 +78,25 @@ def map_query_chunks(fn: Callable, chunk: int, sliced: Tuple[torch.Tensor, ...],
     return torch.cat(outs, 1)
 
 
+class SelectionShare:
+    """Depth 1's QSA selection handed to the later MTP depths (`mtp.qsa_reuse_indices`, as the design
+    documents and vLLM's `set_skip_topk` do): depth 1 runs the MTP layer's indexer and records the
+    selected blocks of each query; depth k >= 2 attends over depth 1's selection at the same position
+    (the query whose content lines up: depth k at position t drafts from depth 1's state at t), plus
+    its own visible tail, without running the indexer. In training the selection lives here for one
+    forward of the MTP chain; in decoding it is a position-indexed buffer shared by the depths' caches
+    (`LayerCache.shared_buffer`), written only by depth 1 over committed inputs, so a reused selection
+    is never one a query on a rejected branch chose. `read_offset` k-1 serves a decoder whose depth k
+    runs k-1 positions after the content position (vLLM's convention)."""
+
+    def __init__(self):
+        self.mode: Optional[str] = None
+        """`record` (depth 1), `reuse` (depths 2..K) or None (select as usual)."""
+        self.read_offset = 0
+        self.train: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        """(blocks [B, S, k], counts [B, S]) recorded by depth 1's training forward."""
+
+
 class QSAIndexer(nn.Module):
     """Scores compressed key blocks for each query (transformers' `Qwen4ExpTextQSAIndexer`)."""
 
@@ -143,6 +162,9 @@ class IndexedAttention(nn.Module):
         self.dense: bool = False
         """Dense warm-up stage: attend to every visible token; the KL covers all complete blocks."""
         self.measure_recall: bool = False
+        self.selection_share: Optional[SelectionShare] = None
+        """Set on the MTP's QSA layers with mtp.qsa_reuse_indices: depth 1 records its selection, later
+        depths reuse it instead of running the indexer (None: every forward selects for itself)."""
         """Compute `last_recall` (dense attention mass inside the selection) in uncached forwards."""
         self.chunk_elems: int = 1 << 26
         """Largest intermediate (elements) a chunked computation may build at once."""
@@ -256,15 +278,26 @@ class IndexedAttention(nn.Module):
         r = self.compress_ratio
         n = s // r
         # a query needs a complete block before the indexer has anything to learn
-        want_loss = self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0
+        share = self.selection_share if self.selection_share is not None and not self.dense else None
+        reuse = share is not None and share.mode == "reuse"
+        # a reusing depth runs no indexer, so it has no indexer loss either
+        want_loss = self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0 and not reuse
         select = not self.dense or self.measure_recall
         query_at_bs = torch.arange(s, device=q_bhsd.device).expand(b, s)
         scores_bsn = blocks_bsk = count_bs = loss = None
-        if want_loss or select:
-            with torch.set_grad_enabled(want_loss):
-                scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
-        if select:
-            blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs)
+        if reuse:
+            if share.train is None or share.train[0].shape[:2] != (b, s):
+                raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that reuse its QSA "
+                                   "selection, in the same forward (same pipeline stage)")
+            blocks_bsk, count_bs = share.train
+        else:
+            if want_loss or select:
+                with torch.set_grad_enabled(want_loss):
+                    scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
+            if select:
+                blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs)
+            if share is not None and share.mode == "record":
+                share.train = (blocks_bsk, count_bs)
 
         def selected(c0: int, c1: int) -> torch.Tensor:
             return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1], s)
@@ -313,12 +346,34 @@ class IndexedAttention(nn.Module):
         else:
             # Block keys from the cached prefix every time: a block is used only by queries at or after its
             # last token, which this forward (or an earlier one) has just written, so rollback is free.
-            n = span // r
-            starts_bn = (torch.arange(n, device=positions_bs.device) * r).expand(positions_bs.shape[0], n)
-            scores_bsn = self._block_scores(q_idx_bsid, keys_bld[:, : n * r].to(raw_bsd.dtype), starts_bn)
-            blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
+            share = self.selection_share
+            if share is not None and share.mode == "reuse":
+                blocks_bsk, count_bs = self._reused(cache, positions_bs - share.read_offset)
+            else:
+                n = span // r
+                starts_bn = (torch.arange(n, device=positions_bs.device) * r).expand(positions_bs.shape[0], n)
+                scores_bsn = self._block_scores(q_idx_bsid, keys_bld[:, : n * r].to(raw_bsd.dtype), starts_bn)
+                blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
+                if share is not None and share.mode == "record":
+                    self._record(cache, positions_bs, blocks_bsk, count_bs)
             mask_bts = self._token_mask(blocks_bsk, count_bs, positions_bs, span)
         groups = q_bhsd.shape[1] // k_all.shape[1]
         out = F.scaled_dot_product_attention(q_bhsd, k_all.to(q_bhsd.dtype), v_all.to(q_bhsd.dtype),
                                              attn_mask=mask_bts[:, None], enable_gqa=groups > 1)
         return out.transpose(1, 2).reshape(q_bhsd.shape[0], q_bhsd.shape[2], -1)
+
+    def _record(self, cache: LayerCache, positions_bs, blocks_bsk, count_bs) -> None:
+        """Depth 1 writes each query's selection at its position (padded to budget / r slots)."""
+        k = self.budget // self.compress_ratio
+        store = cache.shared_buffer("qsa_reuse_blocks", (k,), torch.long)
+        counts = cache.shared_buffer("qsa_reuse_counts", (), torch.long)
+        padded = F.pad(blocks_bsk, (0, k - blocks_bsk.shape[-1]))
+        store.scatter_(1, positions_bs[..., None].expand(-1, -1, k), padded)
+        counts.scatter_(1, positions_bs, count_bs)
+
+    def _reused(self, cache: LayerCache, source_bs):
+        """Depth 1's selection at positions `source_bs` (blocks complete there are complete here too)."""
+        store = cache.shared_buffer("qsa_reuse_blocks", (self.budget // self.compress_ratio,), torch.long)
+        counts = cache.shared_buffer("qsa_reuse_counts", (), torch.long)
+        src = source_bs.clamp(min=0)
+        return store.gather(1, src[..., None].expand(-1, -1, store.shape[-1])), counts.gather(1, src)

@@ -32,7 +32,7 @@ class DecodeCache:
     layer holds: under tensor parallelism a rank keeps only its own heads."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 ring: int = 32):
+                 ring: int = 32, shared: Optional[Dict[str, torch.Tensor]] = None):
         self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
         self.values: List[Optional[torch.Tensor]] = [None] * num_layers
         self.buffers: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_layers)]
@@ -40,6 +40,8 @@ class DecodeCache:
         self.ring = int(ring)
         self.row_end: Optional[torch.Tensor] = None
         """[B] last real position of each row in the current forward (None: all real)."""
+        self.shared: Dict[str, torch.Tensor] = {} if shared is None else shared
+        """Buffers several caches of one decoder share (the MTP depths' caches: QSA index reuse)."""
 
     def _allocate(self, index: int, heads: int, head_dim: int) -> None:
         shape = (self.batch, heads, self.max_len, head_dim)
@@ -76,6 +78,15 @@ class LayerCache:
         if name not in store:
             n = self.cache.ring if length is None else int(length)
             store[name] = torch.zeros((self.cache.batch, n, *tail), dtype=dtype or self.cache.dtype,
+                                      device=self.cache.device)
+        return store[name]
+
+    def shared_buffer(self, name: str, tail: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A full-length buffer [B, max_len, *tail] in the store shared with the decoder's other caches
+        (zeros at first use), indexed by position like every other piece of state."""
+        store = self.cache.shared
+        if name not in store:
+            store[name] = torch.zeros((self.cache.batch, self.cache.max_len, *tail), dtype=dtype,
                                       device=self.cache.device)
         return store[name]
 

@@ -326,7 +326,8 @@ class ParallelDecoding:
             layer = None
             if with_cache:
                 if depth not in mtp_caches:  # one cache per depth (depths share weights, not states)
-                    mtp_caches[depth] = DecodeCache(1, b, cache.max_len, self.dtype, self.device, ring=cache.ring).layer(0)
+                    mtp_caches[depth] = DecodeCache(1, b, cache.max_len, self.dtype, self.device, ring=cache.ring,
+                                                    shared=cache.shared).layer(0)  # QSA index reuse
                 layer = mtp_caches[depth]
             with RecallProbe(self.base.mtp.layer_for_step(depth)) if recall else contextlib.nullcontext() as probe:
                 out = self.base.mtp_step(depth, h, body[0], body[1], layer)

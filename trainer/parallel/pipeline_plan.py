@@ -95,15 +95,23 @@ def _partition(weights: Sequence[float], parts: int) -> Optional[List[int]]:
     return sizes[::-1]
 
 
+def selection_reused(cfg) -> bool:
+    """Whether MTP depths 2..K reuse depth 1's QSA selection (mtp.qsa_reuse_indices with QSA MTP layers):
+    the selection is handed from depth to depth inside one stage's forward, so they share a stage."""
+    return bool(cfg.mtp.qsa_reuse_indices and cfg.mtp.num_steps >= 2 and cfg.model.uses_qsa)
+
+
 def balanced_placement(cfg, stages: int) -> Tuple[List[int], List[int]]:
-    """(trunk layers per stage, stage of each depth 0..K) minimising the most expensive stage."""
+    """(trunk layers per stage, stage of each depth 0..K) minimising the most expensive stage (with QSA
+    index reuse the MTP depths move as one item)."""
     layers, depths = item_flops(cfg)
     k = len(depths) - 1
+    groups = [list(range(1, k + 1))] if selection_reused(cfg) else [[d] for d in range(1, k + 1)]
     best = None
-    for slot in range(k + 1):  # depth 0 goes before MTP depth slot+1 (slot = k: after the last)
-        order = list(range(1, k + 1))
-        order.insert(slot, 0)
-        sizes = _partition(layers + [depths[d] for d in order], stages)
+    for slot in range(len(groups) + 1):  # depth 0 goes before MTP group slot+1 (slot = len: after the last)
+        order = list(groups)
+        order.insert(slot, [0])
+        sizes = _partition(layers + [sum(depths[d] for d in group) for group in order], stages)
         if sizes is None:
             continue
         layout, depth_stage, pos = [], [0] * (k + 1), 0
@@ -112,7 +120,8 @@ def balanced_placement(cfg, stages: int) -> Tuple[List[int], List[int]]:
             layout.append(sum(1 for i in items if i < len(layers)))
             for i in items:
                 if i >= len(layers):
-                    depth_stage[order[i - len(layers)]] = stage
+                    for d in order[i - len(layers)]:
+                        depth_stage[d] = stage
             pos += size
         cost = max(stage_flops(layers, depths, layout, depth_stage))
         if best is None or cost < best[0] - 1e-9:
@@ -253,6 +262,14 @@ class PipelinePlan:
         if empty:
             raise ConfigError(f"pipeline stage(s) {empty} hold no trunk layer and no loss depth "
                               f"(parallel.pp_layout={list(self.layout)}, parallel.pp_depth_stages={list(ds)})")
+        if selection_reused(cfg) and len({ds[d] for d in range(1, k + 1)}) > 1:
+            raise ConfigError(f"parallel.pp_depth_stages={list(ds)} splits the MTP depths over stages, but with "
+                              "mtp.qsa_reuse_indices=true depths 2..K reuse depth 1's QSA selection within one "
+                              "stage: place them together or set mtp.qsa_reuse_indices=false")
+        if selection_reused(cfg) and p.pp > 1 and cfg.train.activation_checkpointing != "none":
+            raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing} under "
+                              "parallel.pp > 1 would recompute a reusing MTP depth after the next micro-batch "
+                              "replaced depth 1's QSA selection; set mtp.qsa_reuse_indices=false or turn it off")
         if self.spread and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with loss depths spread over pipeline "
                               "stages (parallel.pp_depth_stages / pp_balance)")
