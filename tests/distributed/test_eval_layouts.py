@@ -45,6 +45,10 @@ LAYOUTS = {
 Q4_LAYOUTS = {
     "pp=2,preset.qwen4=1": 2,
     f"pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],preset.qwen4=1,{eval_worker.HISTORY}": 2,
+    # tensor parallelism: each rank's decoder state holds its own Gated DeltaNet / QSA heads, the QSA
+    # indexer keys and selections are replicated; under SP the decode steps run on whole sequences
+    "tp=2,preset.qwen4=1": 2,
+    f"tp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 2,
 }
 EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1", "eval/accept_rate/pos_2",
          "eval/identical_to_autoregressive", "eval/distinct_2", "eval/distinct_4",
