@@ -13,22 +13,61 @@ Keys are returned without the `eval/` prefix (the in-loop evaluator adds it).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from tandem.models.loss import chunked_argmax
 from tandem.models.mtp import depth_target_mask, shifted_tokens
 
 from .spec_decode import DecodeResult, DecodeStats, acceptance_metrics, generate, unwrap
 
 
+@contextlib.contextmanager
+def _head_inputs(head):
+    """Inside, `model.logits(depth, h)` returns the head's input (depth's final-normed state, [n x hidden])
+    instead of [n x vocab] logits: the model (or a pipeline's driver view, which runs a depth's norm on
+    the rank holding it) keeps deciding where each norm runs, and the head then runs chunk by chunk."""
+    head.logits = lambda h_normed: h_normed  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del head.logits
+
+
+def _head_argmax(head, h_nh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Top-1 token of the output head per row, one [chunk x vocab] slice of logits at a time. A
+    vocab-parallel head (trainer/parallel/tensor.py: `weight` a Shard(0) DTensor over `tp_mesh`) keeps
+    its vocabulary shard: each chunk's largest logit is all-reduced over tp, then the smallest vocab id
+    reaching it, which is the first index argmax over the gathered vocabulary picks."""
+    tp_mesh = getattr(head, "tp_mesh", None)
+    if tp_mesh is None:
+        return chunked_argmax(h_nh, head.weight, chunk_tokens)
+    w = head.weight.to_local()
+    group, start = tp_mesh.get_group(), tp_mesh.get_local_rank() * w.shape[0]
+    out = torch.empty(h_nh.shape[0], dtype=torch.long, device=h_nh.device)
+    for i in range(0, h_nh.shape[0], chunk_tokens):
+        best, idx = F.linear(h_nh[i : i + chunk_tokens], w).float().max(dim=-1)
+        top = best.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        first = torch.where(best == top, idx + start, torch.full_like(idx, torch.iinfo(torch.long).max))
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        out[i : i + chunk_tokens] = first
+    return out
+
+
 @torch.no_grad()
 def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None) -> Dict[str, float]:
     """Mean cross-entropy (`loss/main`, `loss/mtp_k`) and top-1 accuracy (`tf_acc/mtp_k`) per depth,
-    from the same hidden states the training forward computes (`TandemModel.depth_states`)."""
+    from the same hidden states the training forward computes (`TandemModel.depth_states`). The head
+    runs `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP),
+    so no [tokens x vocab] logits exist, nor a gathered vocabulary."""
     m = unwrap(model)
     depths = m.num_depths
+    head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens
     loss = torch.zeros(depths, dtype=torch.float64)
     correct = torch.zeros(depths, dtype=torch.float64)
     count = torch.zeros(depths, dtype=torch.float64)
@@ -46,10 +85,11 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
             mask = depth_target_mask(loss_mask, doc_ids, d)
             if not bool(mask.any()):
                 continue
-            logits = m.logits(d, h[mask]).float()
+            with _head_inputs(head):
+                normed = m.logits(d, h[mask])
             targets = shifted_tokens(tokens, d + 1, s)[mask]
-            loss[d] += float(F.cross_entropy(logits, targets, reduction="sum"))
-            correct[d] += float((logits.argmax(-1) == targets).sum())
+            loss[d] += float(head.loss_sum(normed, targets, chunk))
+            correct[d] += float((_head_argmax(head, normed, chunk) == targets).sum())
             count[d] += float(mask.sum())
     out = {"loss/main": float(loss[0] / count[0].clamp(min=1))}
     for d in range(1, depths):
