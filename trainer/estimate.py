@@ -1,21 +1,57 @@
-"""Size a recipe before launching it: exact parameter counts and a per-rank memory estimate.
+"""Size a recipe before launching it: FLOPs per token, exact parameter counts and a per-rank memory
+estimate.
 
-Parameters are counted exactly from the model built on the meta device (no memory). Memory per rank
-for the recipe's layout is an estimate:
+FLOPs (matmul FLOPs, 2 per multiply-add, per token of a training window of S tokens; norms,
+activations and elementwise products are not counted) per layer kind, forward:
+- attention: 2H(q + 2kv) + 2qH projections + 4q(S/2) causal QK^T and AV (q = heads x head_dim, kv = kv
+  heads x head_dim);
+- QSA (indexed attention): projections 2H(2q) (query + gate) + 4H kv + 2qH + the indexer's 2H(I+1)D_i,
+  block scores 2 I D_i x (complete blocks visible, S/(2r) on average) and attention over the selected
+  tokens only: 4q x (mean keys a query attends, min(t+1, budget + the incomplete tail) averaged over
+  the window), not over the full sequence. Training with the indexer's KL adds a no-grad dense QK^T
+  of every head over the window (2qS; `qsa_indexer_target_flops`): a real cost of the step (counted
+  by `parallel.pp_balance`), not a model FLOP (left out of MFU, as recomputation is);
+- Gated DeltaNet: projections 2H(2K + V) + 2HV + 4H n_v + 2VH (K = key heads x d_k, V = value heads x
+  d_v), the causal conv 2(2K + V) x kernel, and the chunked delta rule per value head,
+  6C d_k + 4C d_v + 6 d_k d_v + 2C^2/3 with C = 64 the chunk (intra-chunk K K^T, q K^T, the two WY
+  products and A V, the carried state's three products, the triangular inverse as fla computes it;
+  the pure-PyTorch CPU path inverts by doubling, 4C^2(log2 C - 1), which is not counted);
+- hyper-connections (X = hc_count x H streams, rank R): a block's two mixers 2 x (4XR + 2X hc), the
+  final mixer (the norm of the trunk and of each MTP layer) 4XR;
+- PLE: 2E(X + H) for its key and value projections (E = ple_embed_dim) + 2X x conv kernel; the n-gram
+  lookup is a gather;
+- MLP 6H I; MoE 2H n_experts (router) + top_k x 6H I_e + 6H I_shared (+ 2H with the shared gate);
+- the qwen4_exp drafter's combine 2H^2 (fc_embedding) + 2H^2 hc (fc_hidden on every stream); the
+  concat_proj combine 4H^2; a vocabulary head 2HV.
+Training is 3x the forward, except the head: 4x (its logits are recomputed in backward), over each
+depth's share of valid targets (S - d of S). `training_flops_per_token` is what MFU divides by.
+
+Parameters: `layer_params` counts each trunk layer's parameters by kind from the config (tested
+against the modules on the meta device); `estimate` counts them exactly from the model built on the
+meta device (no memory). Memory per rank for the recipe's layout is an estimate:
 - model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter this
   rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes per
-  parameter, train.frozen_dtype, and keeps no activations): non-expert parameters split over tp and pipeline stages (the largest stage counts) and
-  sharded by FSDP over the data-parallel replicas (dp * ep); expert parameters split over ep, tp and
-  stages and sharded by FSDP over dp;
+  parameter, train.frozen_dtype, and keeps no activations), summed over the parameters of the pp rank
+  holding the most: routed experts split over ep and tp and FSDP-sharded over dp; the PLE n-gram table
+  FSDP-sharded over the batch ranks (dp x ep) and split by rows over tp when tp > 1; everything else
+  split over tp and FSDP-sharded over dp x ep. The table is trained by the same dense AdamW as every
+  other parameter, over those shards: every row's moments live (and are updated) every step;
+- FSDP's gathered copies (compute dtype: bf16 under mixed precision): the rank's two largest layers
+  (one gathered, the next prefetched; the PLE layer gathers its table's tp share whole) and the root
+  pieces (embedding, head, final norm, MTP module), kept gathered through the step;
 - activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
-  micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term), with up to
-  `pp` micro-batches in flight on the first stage under 1F1B; the last stage adds the K MTP depths
-  and one chunk of logits.
+  micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
+  hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward (its
+  input, the grouped norm's output, the sigmoid mixing weights and the weighted streams; 4.5 measured
+  on the module in fp32): 16 * hc * s * b * h / tp; with up to `pp` micro-batches in flight on the
+  first stage under 1F1B; the last stage adds the K MTP depths and one chunk of logits. Gated
+  DeltaNet's and QSA's own activations are taken as an attention layer's (not modelled separately).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Dict
 
 import torch
 
@@ -24,12 +60,90 @@ from tandem.models import MTPConfig, ModelConfig, TandemModel
 from .config import TandemConfig
 
 GIB = 2**30
+GDN_CHUNK = 64
+"""Gated DeltaNet's chunk length (models/gated_deltanet.py CHUNK; fla uses the same)."""
 
 
+# --- FLOPs per token (forward) -----------------------------------------------------------------------
 def _attention_forward_flops(cfg: ModelConfig, seq_len: int) -> float:
     h, hd = cfg.hidden_size, cfg.resolved_head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     return 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * q * (seq_len / 2)  # projections + causal QK^T and AV
+
+
+def qsa_mean_blocks(cfg: ModelConfig, seq_len: int) -> float:
+    """Mean number of complete indexer blocks visible to a query of the window (what it scores)."""
+    r, s = cfg.indexer_compress_ratio, seq_len
+    q, rem = divmod(s, r)
+    return (r * q * (q - 1) / 2 + q * (rem + 1)) / s  # sum over u = t + 1 of floor(u / r)
+
+
+def qsa_mean_keys(cfg: ModelConfig, seq_len: int) -> float:
+    """Mean number of tokens a query attends to: every visible token until budget / ratio complete
+    blocks exist, then the budget plus the incomplete tail block."""
+    r, budget, s = cfg.indexer_compress_ratio, cfg.indexer_budget, seq_len
+    first = min(s, budget + r - 1)  # u = t + 1 < budget + r: every visible token
+    total = first * (first + 1) / 2
+    n2 = max(0, s - (budget + r) + 1)  # u >= budget + r: budget + (u mod r), u mod r cycling from 0
+    full, rem = divmod(n2, r)
+    total += n2 * budget + full * r * (r - 1) / 2 + rem * (rem - 1) / 2
+    return total / s
+
+
+def qsa_forward_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """QSA: projections (query + gate, k, v, o, the indexer's I query heads and one key head), the
+    indexer's block scores and attention over the selected tokens."""
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    i, di = cfg.indexer_heads, cfg.indexer_head_dim
+    proj = 2 * h * 2 * q + 2 * h * 2 * kv + 2 * q * h + 2 * h * (i + 1) * di
+    return proj + 2 * i * di * qsa_mean_blocks(cfg, seq_len) + 2 * 2 * q * qsa_mean_keys(cfg, seq_len)
+
+
+def qsa_indexer_target_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Per token, the indexer KL's target: every head's dense QK^T over the window, no grad (training
+    only, with model.indexer_loss_coef > 0)."""
+    return 2 * cfg.num_heads * cfg.resolved_head_dim * seq_len if cfg.indexer_loss_coef > 0 else 0.0
+
+
+def gdn_forward_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Gated DeltaNet: projections, the causal depthwise conv and the chunked gated delta rule."""
+    h, nv, dk, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd, vd = cfg.linear_num_key_heads * dk, nv * dv
+    proj = 2 * h * (2 * kd + vd) + 2 * h * vd + 2 * h * 2 * nv + 2 * vd * h
+    conv = 2 * (2 * kd + vd) * cfg.linear_conv_kernel
+    c = GDN_CHUNK
+    rule = nv * (6 * c * dk + 4 * c * dv + 6 * dk * dv + 2 * c * c / 3)
+    return proj + conv + rule
+
+
+def mixer_forward_flops(cfg: ModelConfig, kind: str, seq_len: int) -> float:
+    """Forward FLOPs per token of a token mixer (`attention`, `indexed_attention`, `linear_attention`)."""
+    if kind == "indexed_attention":
+        return qsa_forward_flops(cfg, seq_len)
+    if kind == "linear_attention":
+        return gdn_forward_flops(cfg, seq_len)
+    return _attention_forward_flops(cfg, seq_len)
+
+
+def hyper_connection_flops(cfg: ModelConfig, combine: bool = True) -> float:
+    """One HyperConnection: the low-rank mixer down and up (+ the injection weights unless it is a
+    final mixer). 0 without hyper-connections."""
+    if cfg.hc_count <= 1:
+        return 0.0
+    x = cfg.hc_count * cfg.hidden_size
+    return 4 * x * cfg.hc_lowrank + (2 * x * cfg.hc_count if combine else 0)
+
+
+def final_norm_forward_flops(cfg: ModelConfig) -> float:
+    """The head's input norm: an RMSNorm (0), or the final stream mixer with hyper-connections."""
+    return hyper_connection_flops(cfg, combine=False)
+
+
+def ple_forward_flops(cfg: ModelConfig) -> float:
+    """PLE: key and value projections of the n-gram embedding and the dilated depthwise conv."""
+    x, h, e = cfg.hc_count * cfg.hidden_size, cfg.hidden_size, cfg.resolved_ple_embed_dim
+    return 2 * e * (x + h) + 2 * x * cfg.ple_conv_kernel
 
 
 def _mlp_forward_flops(cfg: ModelConfig, moe: bool) -> float:
@@ -37,19 +151,51 @@ def _mlp_forward_flops(cfg: ModelConfig, moe: bool) -> float:
     if not moe:
         return 3 * 2 * h * cfg.intermediate_size
     routed = cfg.top_k * 3 * 2 * h * cfg.moe_intermediate_size
-    shared = cfg.num_shared_experts * 3 * 2 * h * cfg.moe_intermediate_size
-    return 2 * h * cfg.num_experts + routed + shared
+    shared = 3 * 2 * h * cfg.resolved_shared_expert_size if cfg.num_shared_experts > 0 else 0
+    gate = 2 * h if cfg.shared_expert_gate and cfg.num_shared_experts > 0 else 0
+    return 2 * h * cfg.num_experts + routed + shared + gate
 
 
-def layer_forward_flops(cfg: ModelConfig, moe: bool, seq_len: int) -> float:
-    """Forward FLOPs per token of one trunk layer (dense or MoE)."""
-    return _attention_forward_flops(cfg, seq_len) + _mlp_forward_flops(cfg, moe)
+def layer_forward_flops(cfg: ModelConfig, moe: bool, seq_len: int, kind: str = "attention", ple: bool = False) -> float:
+    """Forward FLOPs per token of one block: its token mixer, MLP or MoE, hyper-connections, PLE."""
+    out = mixer_forward_flops(cfg, kind, seq_len) + _mlp_forward_flops(cfg, moe) + 2 * hyper_connection_flops(cfg)
+    return out + (ple_forward_flops(cfg) if ple else 0.0)
+
+
+def trunk_layer_forward_flops(cfg: ModelConfig, index: int, seq_len: int) -> float:
+    """Forward FLOPs per token of trunk layer `index`."""
+    return layer_forward_flops(cfg, cfg.is_moe_layer(index), seq_len, cfg.layer_type(index), index in cfg.ple_layers)
+
+
+def trunk_layer_training_flops(cfg: ModelConfig, index: int, seq_len: int) -> float:
+    """Training FLOPs per token of trunk layer `index`: 3x its forward, plus the QSA indexer KL's
+    no-grad target (what a pipeline stage spends; MFU counts the 3x forward only)."""
+    extra = qsa_indexer_target_flops(cfg, seq_len) if cfg.layer_type(index) == "indexed_attention" else 0.0
+    return 3 * trunk_layer_forward_flops(cfg, index, seq_len) + extra
+
+
+def mtp_kind(cfg: ModelConfig) -> str:
+    """The MTP blocks' token mixer: QSA when the trunk has it, else full attention (never PLE)."""
+    return "indexed_attention" if cfg.uses_qsa else "attention"
 
 
 def mtp_layer_forward_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one MTP step's layer (the looped style's input projection included)."""
-    combine = 2 * 2 * cfg.hidden_size * cfg.hidden_size if mtp.style == "looped" else 0
-    return layer_forward_flops(cfg, mtp.moe and cfg.num_experts > 0, seq_len) + combine
+    """Forward FLOPs per token of one MTP step's layer: the looped style's input combination, the block
+    and its final norm (the head itself is `head_forward_flops`)."""
+    h = cfg.hidden_size
+    combine = 0.0
+    if mtp.style == "looped":
+        if mtp.resolved_combine(cfg) == "qwen4_exp":
+            combine = 2 * h * h + 2 * h * h * cfg.hc_count  # fc_embedding once, fc_hidden on every stream
+        else:
+            combine = 2 * 2 * h * h  # eh_proj over cat(emb, h)
+    block = layer_forward_flops(cfg, mtp.moe and cfg.num_experts > 0, seq_len, mtp_kind(cfg))
+    return block + combine + final_norm_forward_flops(cfg)
+
+
+def mtp_layer_training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
+    extra = qsa_indexer_target_flops(cfg, seq_len) if mtp_kind(cfg) == "indexed_attention" else 0.0
+    return 3 * mtp_layer_forward_flops(cfg, mtp, seq_len) + extra
 
 
 def head_forward_flops(cfg: ModelConfig) -> float:
@@ -58,18 +204,120 @@ def head_forward_flops(cfg: ModelConfig) -> float:
 
 
 def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> tuple[float, float]:
-    """(forward FLOPs per token of all transformer layers incl. MTP, forward FLOPs of one head)."""
-    layers = sum(layer_forward_flops(cfg, cfg.is_moe_layer(i), seq_len) for i in range(cfg.num_layers))
+    """(forward FLOPs per token of all transformer layers incl. MTP and the trunk's final norm,
+    forward FLOPs of one head)."""
+    layers = sum(trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
+    layers += final_norm_forward_flops(cfg)
     layers += mtp.num_steps * mtp_layer_forward_flops(cfg, mtp, seq_len)
     return layers, head_forward_flops(cfg)
 
 
 def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
-    """Forward + backward matmul/attention FLOPs per trained token (the head recomputed in backward)."""
+    """Forward + backward model FLOPs per trained token (the head recomputed in backward): MFU's."""
     layers, head = forward_flops_per_token(cfg, mtp, seq_len)
     depths = 1 + mtp.num_steps
     valid = sum((seq_len - d) / seq_len for d in range(depths))  # depth d has S-d targets per window
     return 3 * layers + 4 * head * valid
+
+
+def flops_by_kind(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Dict[str, float]:
+    """Forward FLOPs per token of each trunk layer kind present (one layer each, without its MLP),
+    and of one MLP / MoE, for the --check breakdown."""
+    out = {}
+    for i in range(cfg.num_layers):
+        kind = cfg.layer_type(i)
+        name = {"attention": "attn", "indexed_attention": "qsa", "linear_attention": "gdn"}[kind]
+        out.setdefault(name, mixer_forward_flops(cfg, kind, seq_len))
+    if cfg.hc_count > 1:
+        out["hc"] = 2 * hyper_connection_flops(cfg)
+    if cfg.ple_layers:
+        out["ple"] = ple_forward_flops(cfg)
+    out["moe" if cfg.num_experts else "mlp"] = _mlp_forward_flops(cfg, cfg.num_experts > 0)
+    return out
+
+
+# --- parameters per layer (from the config) ---------------------------------------------------------
+def _norm_params(cfg: ModelConfig) -> int:
+    """A block's two norms (plain residual) or two hyper-connections (hc_norm, down, up, inject)."""
+    if cfg.hc_count <= 1:
+        return 2 * cfg.hidden_size
+    x = cfg.hc_count * cfg.hidden_size
+    return 2 * (x + 2 * x * cfg.hc_lowrank + x * cfg.hc_count)
+
+
+def final_norm_params(cfg: ModelConfig) -> int:
+    if cfg.hc_count <= 1:
+        return cfg.hidden_size
+    x = cfg.hc_count * cfg.hidden_size
+    return x + 2 * x * cfg.hc_lowrank
+
+
+def mixer_params(cfg: ModelConfig, kind: str) -> int:
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    if kind == "indexed_attention":
+        i, di = cfg.indexer_heads, cfg.indexer_head_dim
+        return h * 2 * q + 2 * h * kv + q * h + 2 * hd + h * (i + 1) * di + 2 * di
+    if kind == "linear_attention":
+        nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, nv * dv
+        conv = 2 * kd + vd
+        return h * conv + h * vd + 2 * h * nv + conv * cfg.linear_conv_kernel + 2 * nv + dv + vd * h
+    bias = q + 2 * kv if cfg.attention_bias else 0
+    return h * (q + 2 * kv) + q * h + bias + (2 * hd if cfg.qk_norm else 0)
+
+
+def mlp_params(cfg: ModelConfig, moe: bool) -> Dict[str, int]:
+    """{"dense": ..., "experts": routed expert parameters}."""
+    h = cfg.hidden_size
+    if not moe:
+        return {"dense": 3 * h * cfg.intermediate_size, "experts": 0}
+    shared = 3 * h * cfg.resolved_shared_expert_size if cfg.num_shared_experts > 0 else 0
+    gate = h if cfg.shared_expert_gate and cfg.num_shared_experts > 0 else 0
+    return {"dense": cfg.num_experts * h + shared + gate,
+            "experts": cfg.num_experts * 3 * h * cfg.moe_intermediate_size}
+
+
+def ple_table_rows(cfg: ModelConfig, ple_index: int) -> int:
+    """Rows of PLE layer `ple_index`'s n-gram table (distinct primes above the base, padded)."""
+    from tandem.models.ple import ngram_tables
+
+    return ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ngram_vocab_base,
+                        cfg.ngram_vocab_multiple, cfg.ngram_seed, ple_index)[3]
+
+
+def ple_params(cfg: ModelConfig, ple_index: int) -> Dict[str, int]:
+    """{"dense": projections, norms and conv, "table": the n-gram embedding} of one PLE layer."""
+    x, h, e = cfg.hc_count * cfg.hidden_size, cfg.hidden_size, cfg.resolved_ple_embed_dim
+    heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+    return {"dense": e * x + e * h + 3 * x + x * cfg.ple_conv_kernel,
+            "table": ple_table_rows(cfg, ple_index) * (e // heads)}
+
+
+def layer_params(cfg: ModelConfig, index: int) -> Dict[str, int]:
+    """Trunk layer `index`'s parameters by kind: `mixer`, `mlp` (dense MLP, or the MoE's router, shared
+    expert and its gate), `experts` (routed), `norms` (norms or hyper-connections), `ple`, `ple_table`."""
+    mlp = mlp_params(cfg, cfg.is_moe_layer(index))
+    out = {"mixer": mixer_params(cfg, cfg.layer_type(index)), "mlp": mlp["dense"], "experts": mlp["experts"],
+           "norms": _norm_params(cfg), "ple": 0, "ple_table": 0}
+    if index in cfg.ple_layers:
+        ple = ple_params(cfg, cfg.ple_layers.index(index))
+        out["ple"], out["ple_table"] = ple["dense"], ple["table"]
+    return out
+
+
+def mtp_layer_params(cfg: ModelConfig, mtp: MTPConfig) -> int:
+    """One physical MTP layer: combine, block (the trunk's attention kind, no PLE) and its final norm."""
+    h = cfg.hidden_size
+    combine = 0
+    if mtp.style == "looped":
+        if mtp.resolved_combine(cfg) == "qwen4_exp":
+            combine = h + cfg.hc_count * h + 2 * h * h
+        else:
+            combine = 2 * h + 2 * h * h
+    mlp = mlp_params(cfg, mtp.moe and cfg.num_experts > 0)
+    return combine + mixer_params(cfg, mtp_kind(cfg)) + mlp["dense"] + mlp["experts"] + _norm_params(cfg) \
+        + final_norm_params(cfg)
 
 
 @dataclass
@@ -79,7 +327,8 @@ class Estimate:
     expert_params: int
     """Routed-expert parameters (sharded over ep)."""
     active_params_per_token: int
-    """Parameters a token touches in a forward (top-k routed experts only), embedding included."""
+    """Parameters a token touches in a forward (top-k routed experts only, the embedding included, the
+    PLE n-gram tables not: a token reads a few rows of them)."""
     mtp_params: int
     """Parameters of the MTP module."""
     states_gib_per_rank: float
@@ -87,19 +336,52 @@ class Estimate:
     activations_gib_per_rank: float
     """Peak activations of one rank's pipeline stage."""
     gathered_gib_per_rank: float = 0.0
-    """FSDP's unsharded copies: the largest layer gathered (its tp/ep shard) and the next one prefetched,
-    and the root group (embedding, head, MTP module), kept gathered through the step."""
+    """FSDP's unsharded copies: the rank's two largest layers (one gathered, the next prefetched; their
+    tp/ep shards) and the root group (embedding, head, MTP module), kept gathered through the step."""
+    ple_table_params: int = 0
+    """PLE n-gram table parameters (every PLE layer's), part of total_params."""
+    ple_states_gib_per_rank: float = 0.0
+    """The PLE tables' share of the states of the pp rank holding them."""
+    ple_gathered_gib_per_rank: float = 0.0
+    """The largest PLE table's share of that rank's gathered copies: FSDP gathers a PLE layer's table
+    (its tp rows) for the layer's forward and backward."""
+    ple_shard: str = ""
+    """How the table is split, e.g. `1/16 = dp 2 x ep 4 x tp 2`."""
+    train_flops_per_token: float = 0.0
+    """Model FLOPs per trained token (`training_flops_per_token`, what MFU divides by)."""
+    flops_by_kind: Dict[str, float] = None
+    """Forward FLOPs per token of one layer's mixer of each kind, the block's hyper-connections, PLE and
+    the MLP/MoE."""
 
     @property
     def total_gib_per_rank(self) -> float:
         return self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
 
     def summary(self) -> str:
-        return (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
-                f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
-                f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
-                f"gathered={self.gathered_gib_per_rank:.1f} GiB "
-                f"total={self.total_gib_per_rank:.1f} GiB")
+        out = (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
+               f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
+               f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
+               f"gathered={self.gathered_gib_per_rank:.1f} GiB "
+               f"total={self.total_gib_per_rank:.1f} GiB")
+        if self.ple_table_params:
+            out += (f"\n  PLE n-gram table: {_count(self.ple_table_params)} params, sharded {self.ple_shard} "
+                    f"(FSDP over the batch ranks, rows over tp): per rank states={_gib(self.ple_states_gib_per_rank)} "
+                    f"(fp32 param + grad + AdamW m, v: dense AdamW over the shards, every row every step) "
+                    f"gathered={_gib(self.ple_gathered_gib_per_rank)} (the PLE layer's tp rows, for its "
+                    f"forward and backward); counted in the figures above for the pp rank holding it")
+        if self.train_flops_per_token:
+            kinds = " ".join(f"{k}={v / 1e6:.3g}M" for k, v in (self.flops_by_kind or {}).items())
+            out += (f"\n  FLOPs/token: train={self.train_flops_per_token / 1e9:.4g} GFLOP (model FLOPs, MFU's); "
+                    f"forward per layer: {kinds}")
+        return out
+
+
+def _gib(x: float) -> str:
+    return f"{x:.2f} GiB" if x >= 0.05 else f"{x * 1024:.2f} MiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M"
 
 
 def frozen_bytes(cfg: TandemConfig) -> int:
@@ -107,36 +389,58 @@ def frozen_bytes(cfg: TandemConfig) -> int:
     accelerators under train.dtype=auto, bf16 under train.dtype=bf16)."""
     choice = cfg.train.frozen_dtype
     if choice == "auto":
-        bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.device in ("cuda", "npu"))
-        return 2 if bf16 else 4
+        return compute_bytes(cfg)
     return 2 if choice == "bf16" else 4
+
+
+def compute_bytes(cfg: TandemConfig) -> int:
+    """Bytes of a parameter FSDP gathers: the compute dtype under mixed precision (bf16 under
+    train.dtype=bf16, and under auto on accelerators), fp32 otherwise."""
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.device in ("cuda", "npu"))
+    return 2 if bf16 else 4
+
+
+def _kind(name: str) -> str:
+    if ".experts." in name:
+        return "experts"
+    if name.endswith("ple_embedding.ngram_embedding.weight"):
+        return "ple_table"
+    return "dense"
 
 
 def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     m, p = cfg.model, cfg.parallel
     with torch.device("meta"):
         model = TandemModel(m, cfg.mtp)
-    total = expert = mtp = 0
-    per_layer = {}
+    total = expert = mtp = ple_table = 0
+    per_layer: Dict[int, Dict[str, int]] = {}
+    pieces_by_kind: Dict[str, Dict[str, int]] = {}
     for name, param in model.named_parameters():  # named_parameters de-duplicates tied weights
-        n = param.numel()
+        n, kind = param.numel(), _kind(name)
         total += n
-        if ".experts." in name:
-            expert += n
+        expert += n if kind == "experts" else 0
+        ple_table += n if kind == "ple_table" else 0
         if name.startswith("mtp."):
             mtp += n
-        if name.startswith("layers."):
-            idx = int(name.split(".")[1])
-            per_layer[idx] = per_layer.get(idx, 0) + n
+        top = name.split(".")[0]
+        if top == "layers":
+            layer = per_layer.setdefault(int(name.split(".")[1]), {"dense": 0, "experts": 0, "ple_table": 0})
+            layer[kind] += n
+        else:
+            piece = pieces_by_kind.setdefault(top, {"dense": 0, "experts": 0, "ple_table": 0})
+            piece[kind] += n
     routed_share = m.top_k / m.num_experts if m.num_experts else 1.0
-    active = total - expert + int(expert * routed_share)
+    # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted experts
+    active = total - expert - ple_table + int(expert * routed_share)
+    if m.tie_embeddings and p.pp > 1:  # each holding rank keeps the head's own copy
+        pieces_by_kind["lm_head"] = dict(pieces_by_kind["embed_tokens"])
+    pieces_by_kind.setdefault("lm_head", {"dense": 0, "experts": 0, "ple_table": 0})
 
     dp = p.dp or (max(world_size // (p.tp * p.pp * p.ep), 1) if world_size else 1)
-    # the largest pp rank: the trunk layers of its stages plus the pieces they use (embedding, final
-    # norm, head, MTP module: pipeline_plan.PipelinePlan.stage_pieces; copies on several ranks each count)
-    embed = m.vocab_size * m.hidden_size
-    piece_params = {"embed_tokens": embed, "norm": m.hidden_size, "mtp": mtp,
-                    "lm_head": 0 if m.tie_embeddings and p.pp == 1 else embed}
+    batch = dp * p.ep
+    # each pp rank: the trunk layers of its stages plus the pieces they use (embedding, final norm, head,
+    # MTP module: pipeline_plan.PipelinePlan.stage_pieces; copies on several ranks each count)
+    plan = None
     if p.pp > 1:
         from .parallel.pipeline_plan import PipelinePlan
 
@@ -146,30 +450,48 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
         rank_pieces = [{piece for s in mine for piece in plan.stage_pieces(s)} for mine in rank_stages]
         rank_depths = [sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in rank_stages]
         rank_layers = [[i for s in mine for i in plan.split[s]] for mine in rank_stages]
+        whole_pieces = plan.shared_within_rank() if p.dp_mode == "fsdp" else []
     else:
-        layout, rank_pieces, rank_depths = [m.num_layers], [set(piece_params)], [cfg.mtp.num_steps]
-        rank_layers = [list(range(m.num_layers))]
-    stages = [sum(per_layer[i] for i in layers) + sum(piece_params[x] for x in pieces)
-              for layers, pieces in zip(rank_layers, rank_pieces)]
-    stage_expert_share = expert / max(total, 1)
-    biggest = max(stages)
-    stage_expert = biggest * stage_expert_share
-    owned = (biggest - stage_expert) / (p.tp * dp * p.ep) + stage_expert / (p.tp * p.ep * dp)
-    if p.pp > 1 and p.dp_mode == "fsdp":
-        # pieces two stages of one rank share stay whole (not FSDP-sharded over dp*ep)
-        pieces = rank_pieces[stages.index(biggest)]
-        whole = sum(piece_params[x] for x in plan.shared_within_rank() if x in pieces) / p.tp
-        owned += whole * (1 - 1 / (dp * p.ep))
-    if cfg.train.freeze_trunk:
-        # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module (on the last
-        # stage, FSDP-sharded like the rest) has fp32 master + gradient + AdamW moments
-        mtp_owned = mtp / (p.tp * dp * p.ep)
-        states = (frozen_bytes(cfg) * max(owned - mtp_owned, 0) + 16 * mtp_owned) / GIB
-    else:
-        states = 16 * owned / GIB
+        layout, rank_pieces, rank_depths = [m.num_layers], [set(pieces_by_kind)], [cfg.mtp.num_steps]
+        rank_layers, whole_pieces = [list(range(m.num_layers))], []
+
+    # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table over the batch
+    # ranks by FSDP and by rows over tp; the rest over tp and FSDP over the batch ranks
+    split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
+
+    def owned(counts: Dict[str, int]) -> float:
+        return sum(counts[k] / split[k] for k in counts)
+
+    def rank_owned(r: int):
+        """(owned parameters, of which MTP, of which PLE table) of pp rank r."""
+        own = sum(owned(per_layer[i]) for i in rank_layers[r])
+        ple = sum(per_layer[i]["ple_table"] for i in rank_layers[r]) / split["ple_table"]
+        mtp_own = 0.0
+        for piece in rank_pieces[r]:
+            counts = pieces_by_kind.get(piece, {"dense": 0, "experts": 0, "ple_table": 0})
+            got = owned(counts)
+            if piece in whole_pieces:  # two stages of this rank share it: kept whole over dp x ep
+                got = sum(counts.values()) / p.tp
+            own += got
+            mtp_own += got if piece == "mtp" else 0.0
+        return own, mtp_own, ple
+
+    def rank_states(r: int) -> tuple:
+        own, mtp_own, ple = rank_owned(r)
+        if cfg.train.freeze_trunk:
+            # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module (FSDP-sharded
+            # like the rest) has fp32 master + gradient + AdamW moments
+            return (frozen_bytes(cfg) * max(own - mtp_own, 0) + 16 * mtp_own) / GIB, frozen_bytes(cfg) * ple / GIB
+        return 16 * own / GIB, 16 * ple / GIB
+
+    per_rank_states = [rank_states(r) for r in range(p.pp)]
+    states = max(x[0] for x in per_rank_states)
+    ple_states = max(x[1] for x in per_rank_states)
 
     act_bytes = 2 if cfg.device != "cpu" else 4
     per_layer_act = 34 * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size / p.tp * act_bytes / 2
+    if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
+        per_layer_act += 16 * m.hc_count * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size / p.tp * act_bytes / 2
     in_flight = p.pp if p.pp > 1 else 1
     # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's live
     trunk_layers = [1 if cfg.train.freeze_trunk else n for n in layout]
@@ -179,15 +501,27 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     heads = [r for r, pieces in enumerate(rank_pieces) if "lm_head" in pieces]
     last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + chunk * m.vocab_size / p.tp * 4 for r in heads)
     activations = max(first, last) / GIB
-    gathered = 0.0
-    if dp * p.ep > 1 and p.dp_mode == "fsdp" and per_layer:
-        layer = max(per_layer.values())
-        layer_expert = layer * stage_expert_share
-        width = frozen_bytes(cfg) if cfg.train.freeze_trunk else 4
-        gathered = 2 * width * ((layer - layer_expert) / p.tp + layer_expert / (p.tp * p.ep))
-        # the roots' pieces (embedding, head, final norm, MTP module) stay gathered through forward and
-        # backward: the rank holding the most of them
-        gathered += max(width * sum(piece_params[x] for x in pieces if x != "mtp") + 4 * mtp * ("mtp" in pieces)
-                        for pieces in rank_pieces) / p.tp
-        gathered /= GIB
-    return Estimate(total, expert, active, mtp, states, activations, gathered)
+
+    gathered = ple_gathered = 0.0
+    if batch > 1 and p.dp_mode == "fsdp" and per_layer:
+        width = frozen_bytes(cfg) if cfg.train.freeze_trunk else compute_bytes(cfg)
+        mtp_width = compute_bytes(cfg)
+
+        def layer_bytes(i: int) -> float:
+            c = per_layer[i]
+            return width * ((c["dense"] + c["ple_table"]) / p.tp + c["experts"] / (p.tp * p.ep))
+
+        for r in range(p.pp):
+            sizes = sorted((layer_bytes(i) for i in rank_layers[r]), reverse=True)[:2]
+            roots = sum((mtp_width if x == "mtp" else width) * sum(pieces_by_kind.get(x, {}).values())
+                        for x in rank_pieces[r]) / p.tp
+            gathered = max(gathered, (sum(sizes) + roots) / GIB)
+            tables = [width * per_layer[i]["ple_table"] / p.tp / GIB for i in rank_layers[r]]
+            ple_gathered = max([ple_gathered] + tables)
+    shards = [f"dp {dp}"] + ([f"ep {p.ep}"] if p.ep > 1 else []) + ([f"tp {p.tp}"] if p.tp > 1 else [])
+    return Estimate(total, expert, active, mtp, states, activations, gathered,
+                    ple_table_params=ple_table, ple_states_gib_per_rank=ple_states,
+                    ple_gathered_gib_per_rank=ple_gathered,
+                    ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
+                    train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
+                    flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len))

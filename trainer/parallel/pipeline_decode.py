@@ -181,7 +181,8 @@ class PipelinedModel:
         flat = h_bsh.reshape(-1, 1, h_bsh.shape[-1])  # the depth's final norm runs where its layer is
         zeros = torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device)
         # the norm of a hyper-connection model is a stream mixer: hc_count * H in, H out
-        normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False, out_width=self._decoding.cfg.model.hidden_size)
+        width = self._decoding.cfg.model.hidden_size
+        normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False, out_width=width)
         return self._model.lm_head.logits(normed.view(*h_bsh.shape[:-1], -1))
 
     def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache] = None):
