@@ -4,6 +4,9 @@ the Hugging Face interop undoes. Equivalence to one process is tests/distributed
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -58,3 +61,81 @@ def test_group_order_makes_tp_shards_whole_groups_and_round_trips():
     w = torch.randn(theirs.numel(), 7)
     assert torch.equal(src.to_model_rows(w), w[rows])
     assert torch.equal(src.to_checkpoint_rows(src.to_model_rows(w)), w)
+
+
+# --- two tp ranks select alike (2 processes on gloo) -------------------------------------------------
+DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
+TP_LAYOUTS = ["tp=2,preset.qwen4=1", "tp=2,sequence_parallel=true,preset.qwen4=1"]
+
+
+def _select_alike_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.path.insert(0, DIST)
+    import torch.distributed as dist
+    import worker  # the equivalence harness's configs (preset.qwen4) and data
+
+    from tandem.models.qsa import IndexedAttention
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.loss import depth_coefficients
+    from tandem.trainer.parallel import init_parallel
+    from tandem.trainer.parallel.device import resolve_device
+
+    result = {}
+    select = IndexedAttention._select
+    for layout in TP_LAYOUTS:
+        cfg = worker.make_cfg(layout, 1)
+        pstate = init_parallel(cfg, resolve_device("cpu"))
+        model = build_model(cfg, pstate)
+        tr = Trainer.for_model(cfg, model, pstate)
+        model.train()
+        tr.indexers.begin_step(cfg.model.indexer_warmup_steps)  # the sparse stage: selection and its KL
+        chosen = []
+
+        def recording(self, scores_bsn, query_at_bs):
+            blocks, count = select(self, scores_bsn, query_at_bs)
+            chosen.append(torch.cat([blocks.flatten(), count.flatten()]))
+            return blocks, count
+
+        IndexedAttention._select = recording
+        try:
+            batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, 1)
+            tr.forward_backward(batches, tr.global_target_counts(batches), depth_coefficients(cfg.mtp, 1))
+        finally:
+            IndexedAttention._select = select
+        tr.clip_gradients()  # finishes the gradients (tp sums) as a training step does
+        mine = [torch.cat(chosen).double(),
+                torch.cat([p.grad.flatten() for n, p in model.named_parameters() if ".indexer." in n]).double()]
+        same = []
+        for t in mine:
+            copies = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(copies, t)
+            same.append(all(torch.equal(c, copies[0]) for c in copies))
+        result[layout] = {"selections_equal": same[0], "indexer_grads_equal": same[1],
+                          "layers": len(chosen), "selected": int(sum(c.numel() for c in chosen))}
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp_ranks_select_the_same_qsa_positions(tmp_path):
+    """The replicated indexer reads the whole input on every rank: both tp ranks select the same blocks in
+    every QSA layer (trunk and MTP), and the indexers' finished gradients are bitwise equal."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result.pt")
+    mp.spawn(_select_alike_rank, args=(2, port, out), nprocs=2)
+    result = torch.load(out, weights_only=False)
+    for layout in TP_LAYOUTS:
+        r = result[layout]
+        assert r["layers"] >= 3 and r["selected"] > 0, (layout, r)  # trunk QSA layers 1, 3 and the MTP's
+        assert r["selections_equal"] and r["indexer_grads_equal"], (layout, r)
