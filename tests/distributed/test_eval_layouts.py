@@ -40,11 +40,14 @@ LAYOUTS = {
 # Qwen4-Exp (eval_worker.QWEN4_*; its own one-process reference): the hc_count x hidden streams between
 # stages, PLE's token ids on every stage, stage caches with the decoder's ring size and row_end for a
 # padded prefill longer than a ring (Gated DeltaNet's chunked form), QSA recall from every rank's layers;
-# spread depths: the driver holds no trunk layer, MTP depth 1 and its stream mixer run on the other
-# rank, and the weights make the tokens depend on every layer's recurrent state (eval_worker.HISTORY).
+# weights that make the tokens depend on every layer's recurrent state (eval_worker.HISTORY) on the
+# even split (Gated DeltaNet + PLE and QSA on the follower); agreeing weights with the depths spread:
+# the driver holds the head only, the trunk and both MTP depths (one stage: they reuse depth 1's QSA
+# selection) with their stream mixer run on the other rank (drafting as trained: the serving
+# convention needs the MTP layer where the head is).
 Q4_LAYOUTS = {
-    "pp=2,preset.qwen4=1": 2,
-    f"pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],preset.qwen4=1,{eval_worker.HISTORY}": 2,
+    f"pp=2,preset.qwen4=1,{eval_worker.HISTORY}": 2,
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0],preset.qwen4=1,eval.draft_convention=tandem": 2,
     # tensor parallelism: each rank's decoder state holds its own Gated DeltaNet / QSA heads, the QSA
     # indexer keys and selections are replicated; under SP the decode steps run on whole sequences
     "tp=2,preset.qwen4=1": 2,
@@ -100,11 +103,16 @@ def test_eval_layout_matches_single_process(layout, runs, reference):
     assert set(got["metrics"]) == set(ref)
 
 
+def q4_reference_layout(layout: str) -> str:
+    """The one-process layout a Qwen4-Exp case compares with: its dotted keys and weights."""
+    return ",".join(["single"] + [kv for kv in layout.split(",") if "." in kv.split("=")[0] or kv == eval_worker.HISTORY])
+
+
 class _Q4References(dict):
-    def __missing__(self, history: bool):
+    def __missing__(self, single: str):
         torch.set_num_threads(1)
-        self[history] = eval_worker.evaluate("single,preset.qwen4=1" + (f",{eval_worker.HISTORY}" if history else ""))
-        return self[history]
+        self[single] = eval_worker.evaluate(single)
+        return self[single]
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +123,11 @@ def qwen4_references():
 @pytest.mark.parametrize("layout", list(Q4_LAYOUTS))
 def test_qwen4_eval_layout_matches_single_process(layout, runs, qwen4_references):
     history = eval_worker.HISTORY in layout.split(",")
-    ref = qwen4_references[history]["metrics"]
+    reference = qwen4_references[q4_reference_layout(layout)]
+    ref = reference["metrics"]
     assert ref["eval/identical_to_autoregressive"] == 1.0
     assert ref["eval/acceptance_length"] > (1.0 if history else 1.2)  # some drafts accepted
-    test_eval_layout_matches_single_process(layout, runs, qwen4_references[history])
+    test_eval_layout_matches_single_process(layout, runs, reference)
     got = torch.load(runs / f"{layout}.pt", weights_only=False)["metrics"]
     assert abs(got["eval/qsa_recall"] - ref["eval/qsa_recall"]) <= 1e-5 * ref["eval/qsa_recall"], \
         (got["eval/qsa_recall"], ref["eval/qsa_recall"])

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from types import SimpleNamespace
 from typing import Callable, List, Optional
 
 import torch
@@ -148,6 +149,10 @@ class PipelinedModel:
         self._model, self._decoding, self._cache = model, decoding, None
         self.mtp = model.mtp if model.mtp is not None else _MTPShape(decoding.cfg.mtp)
         self.num_depths = 1 + decoding.cfg.mtp.num_steps
+        if model.embed_tokens is None:
+            # a driver holding only the head (the trunk and every MTP depth elsewhere): the decoder reads
+            # just the embedding's device and dtype, which the head's weight shares
+            self.embed_tokens = SimpleNamespace(weight=model.lm_head.weight)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
