@@ -1,7 +1,8 @@
 """`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
 
     tandem eval --checkpoint DIR [--prompts FILE] [--num-steps K] [--max-new-tokens N]
-                [--temperature T] [--top-p P] [--verify token|block] [--batch-size B] [--output FILE] [--seed S]
+                [--temperature T] [--top-p P] [--verify token|block] [--draft-convention serving|tandem]
+                [--batch-size B] [--output FILE] [--seed S]
     tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf.importer)
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
@@ -11,7 +12,12 @@ validation windows, or, with --prompts, from the prompts themselves. `--num-step
 the model was trained with (looped style: step k runs layer (k-1) % L). `--verify` picks how sampled
 drafts are verified: `token` (token-wise speculative sampling) or `block` (block verification,
 eval/block_verify.py); default the checkpoint's `eval.verify`, else `token`; greedy decoding is the
-same under both. The JSON names the rule under `verify`.
+same under both. The JSON names the rule under `verify`. `--draft-convention` picks how depths 2..K
+draft: `serving` (as vLLM's MTP proposer, eval/draft_serving.py: the served figure) or `tandem` (as
+trained); default the checkpoint's `eval.draft_convention`, else `serving`. The JSON names it under
+`draft_convention`, and greedy decoding adds `<other>/acceptance_length` when the other convention's
+acceptance differs. `--output` records carry each row's budget-exact counts (`drafts`, `accepted`,
+`accept_rate/pos_k`) and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget).
 
 --prompts FILE: one JSON object with a non-empty "text" string per line (blank lines are skipped).
 A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5) tokens: the decoder's caches
@@ -43,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
     p.add_argument("--verify", choices=["token", "block"], default=None,
                    help="verification of sampled drafts: token-wise or block (default: the checkpoint's eval.verify)")
+    p.add_argument("--draft-convention", choices=["serving", "tandem"], default=None,
+                   help="how MTP depths 2..K draft: as vLLM serves them or as trained "
+                        "(default: the checkpoint's eval.draft_convention, else serving)")
     p.add_argument("--batch-size", type=int, default=0, help="prompts decoded together (default eval.batch_size)")
     p.add_argument("--output", help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
@@ -167,6 +176,7 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         return 2
     max_new = args.max_new_tokens or (ev.max_new_tokens if ev else 64)
     verify = args.verify or getattr(ev, "verify", None) or "token"
+    convention = args.draft_convention or getattr(ev, "draft_convention", None) or "serving"
     batch_size = args.batch_size or (ev.batch_size if ev else 4)
     eos_id = tok.eod_id if tok is not None else None
     if args.prompts:
@@ -194,14 +204,15 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
             metrics = teacher_forced(model, tf_batches, torch.device(args.device))
             dec, spec, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new,
                                              batch_size=batch_size, eos_id=eos_id, temperature=args.temperature,
-                                             top_p=args.top_p, seed=args.seed, warmup=True, verify=verify)
+                                             top_p=args.top_p, seed=args.seed, warmup=True, verify=verify,
+                                             draft_convention=convention, compare_conventions=True)
     except ValueError as exc:
         print(f"tandem eval: error: {exc}", file=sys.stderr)
         return 2
     # tf_acc/mtp_k exists only for the trained depths.
     metrics.update(dec)
     metrics.update({"num_prompts": len(prompts), "num_steps": K, "max_new_tokens": max_new,
-                    "temperature": args.temperature, "verify": verify})
+                    "temperature": args.temperature, "verify": verify, "draft_convention": convention})
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:

@@ -9,7 +9,11 @@ plus teacher-forced losses/accuracies on validation micro-batches, and returns `
 * greedy decoding (always): `acceptance_length`, `accept_rate/pos_k`, `draft_acceptance_rate`, the
   speed figures, and `distinct_2` / `distinct_4` of the greedy continuations (metrics.distinct_n: a
   continuation that loops scores low, and a looping continuation is easy to draft, so a high
-  acceptance length means little without it);
+  acceptance length means little without it); drafts are made under `eval.draft_convention`
+  (`serving`, the default: as vLLM's MTP proposer drafts, so the figure is the served one;
+  `tandem`: as the module was trained), and when the other convention's greedy acceptance differs
+  it is logged too, as `<other>/acceptance_length` (`eval/tandem/acceptance_length`), one more
+  speculative decode;
 * each temperature T of `eval.temperatures`: speculative sampling of the same prompts, logged under
   `eval/T<t>/` (metrics.temperature_label) with the configured verification rule (`eval.verify`),
   and once more with the other rule under `eval/T<t>/<rule>/` (`eval/T1/block/acceptance_length`
@@ -108,8 +112,10 @@ class InLoopEvaluator:
                     if recall.value() is not None:
                         out["qsa_recall"] = recall.value()
                     common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                                  eos_id=self.eos_id, seed=self.cfg.train.seed, replicas=d)
-                    dec, spec, _ = evaluate_decoding(m, self.prompts, temperature=0.0, **common)
+                                  eos_id=self.eos_id, seed=self.cfg.train.seed, replicas=d,
+                                  draft_convention=e.draft_convention)
+                    dec, spec, _ = evaluate_decoding(m, self.prompts, temperature=0.0, compare_conventions=True,
+                                                     **common)
                     out.update(dec)
                     greedy = [o for r in spec for o in r.outputs]
                     for n in DISTINCT_N:

@@ -4,7 +4,9 @@
   tokens fed to every MTP depth; Megatron logs this accuracy as its "acceptance rate");
 * `evaluate_decoding`: real speculative decoding vs plain autoregressive decoding of the same model on
   the same prompts: acceptance (vLLM definitions), decode tokens/s of both, measured and predicted
-  speedup (`autoregressive=False` decodes the speculative side only: acceptance without speed figures);
+  speedup (`autoregressive=False` decodes the speculative side only: acceptance without speed figures),
+  drafting under `draft_convention` (`serving` as vLLM's proposer, `tandem` as trained) and, with
+  `compare_conventions`, the other convention's greedy acceptance when it differs;
 * `distinct_n`: the repetition figure of decoded text (unique / total n-grams, mean over prompts);
 * `temperature_label`: the variant segment of a sampled temperature's keys (`T1`, `T0.7`).
 
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from tandem.models.loss import chunked_argmax
 from tandem.models.mtp import depth_target_mask, shifted_tokens
 
+from .draft_serving import DRAFT_CONVENTIONS, resolve_convention
 from .spec_decode import DecodeResult, DecodeStats, acceptance_metrics, generate, unwrap
 
 
@@ -121,13 +124,29 @@ def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
                          torch.cat([s.accepted_at for s in stats]), K)
     for name in ("draft_s", "verify_s", "overhead_s", "prefill_s", "decode_s", "num_rounds"):
         setattr(merged, name, sum(getattr(s, name) for s in stats))
+    if all(s.accepted_all is not None for s in stats):
+        merged.accepted_all = torch.cat([s.accepted_all for s in stats])
+        merged.accepted_all_at = torch.cat([s.accepted_all_at for s in stats])
     return merged
+
+
+def other_convention(model, num_steps: int, convention: str) -> Optional[str]:
+    """The drafting convention besides `convention` when it drafts differently on this model (None
+    when both resolve alike, e.g. the parallel style, or the other cannot run here)."""
+    other = next(c for c in DRAFT_CONVENTIONS if c != convention)
+    try:
+        mine = resolve_convention(unwrap(model), convention, num_steps)
+        theirs = resolve_convention(unwrap(model), other, num_steps)
+    except ValueError:
+        return None
+    return other if num_steps > 0 and mine != theirs else None
 
 
 def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int, max_new_tokens: int,
                       batch_size: int, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
                       seed: int = 0, warmup: bool = False, repeats: int = 1, replicas=None,
-                      autoregressive: bool = True, verify: str = "token"):
+                      autoregressive: bool = True, verify: str = "token", draft_convention: str = "serving",
+                      compare_conventions: bool = False):
     """Speculative and autoregressive decoding of `prompts` (batches of `batch_size`, the two
     interleaved batch by batch so machine noise hits both alike). Returns (metrics, spec results, AR
     results) with per-batch DecodeResults; with `repeats` > 1 the times are medians over repetitions.
@@ -136,6 +155,10 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
     then the acceptance figures alone and the AR results an empty list. Batch i's sampling generator
     is seeded with `seed + i` either way, so the speculative side draws the same tokens. `verify` is the
     speculative side's rule for sampled drafts (`token` or `block`, eval/block_verify.py).
+    `draft_convention` is how depths 2..K draft (eval/draft_serving.py: `serving`, vLLM's proposer,
+    or `tandem`, as trained). `compare_conventions=True` (greedy only) decodes the speculative side
+    once more under the other convention and adds `<other>/acceptance_length` (`tandem/...`,
+    `serving/...`) when it differs from this one's: what each convention gives on this model.
 
     `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to data-parallel
     replicas, keeps them in lockstep and gathers every replica's results before the figures are
@@ -147,7 +170,7 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
     lockstep = {"any_active": replicas.any_active()} if replicas is not None else {}
     device = unwrap(model).embed_tokens.weight.device
     if warmup:
-        generate(model, batches[0][:1], min(4, max_new_tokens), K, eos_id=eos_id)
+        generate(model, batches[0][:1], min(4, max_new_tokens), K, eos_id=eos_id, draft_convention=draft_convention)
         generate(model, batches[0][:1], min(4, max_new_tokens), 0, eos_id=eos_id)
     runs_spec: List[List[DecodeResult]] = []
     runs_ar: List[List[DecodeResult]] = []
@@ -163,7 +186,8 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
             for which in (first, second) if autoregressive else (0,):
                 res[which] = generate(model, batch, max_new_tokens, K if which == 0 else 0, eos_id=eos_id,
                                       temperature=temperature, top_p=top_p, generator=g_s if which == 0 else g_a,
-                                      padding=i is None, verify=verify, **lockstep)
+                                      padding=i is None, verify=verify, draft_convention=draft_convention,
+                                      **lockstep)
             if i is not None:
                 spec.append((i, res[0]))
                 if autoregressive:
@@ -178,8 +202,16 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
         return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
     spec_stats = [_merge_stats([r.stats for r in run], K) for run in runs_spec]
+    extra = {}
+    other = other_convention(model, K, draft_convention) if compare_conventions and temperature <= 0 else None
+    if other is not None:
+        alt, _, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                      eos_id=eos_id, seed=seed, replicas=replicas, autoregressive=False,
+                                      verify=verify, draft_convention=other)
+        if alt["acceptance_length"] != acceptance_metrics(spec_stats[0])["acceptance_length"]:
+            extra[f"{other}/acceptance_length"] = alt["acceptance_length"]
     if not autoregressive:
-        return acceptance_metrics(spec_stats[0]), runs_spec[0], []
+        return {**acceptance_metrics(spec_stats[0]), **extra}, runs_spec[0], []
     ar_stats = [_merge_stats([r.stats for r in run], 0) for run in runs_ar]
     spec_tokens = sum(r.decoded_tokens for r in runs_spec[0])
     ar_tokens = sum(r.decoded_tokens for r in runs_ar[0])
@@ -187,6 +219,7 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
     ar_tps = median([ar_tokens / max(s.decode_s, 1e-12) for s in ar_stats])
     st = spec_stats[0]
     metrics = acceptance_metrics(st)
+    metrics.update(extra)
     D = median([s.draft_s / max(s.num_rounds, 1) for s in spec_stats])
     V = median([s.verify_s / max(s.num_rounds, 1) for s in spec_stats])
     O = median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])

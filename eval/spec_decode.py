@@ -22,6 +22,12 @@ bonus from p), temperature and top-p applied identically to p and q, so the outp
 exactly as sampling from the trunk alone. `verify="block"` verifies the K drafts as one block instead
 (eval/block_verify.py: Sun et al. 2024's block verification, also exact and accepting at least as
 many drafts on average); at temperature 0 both rules are greedy exact-match acceptance.
+
+Drafting conventions (`draft_convention`, `eval.draft_convention`): `serving` (the default) drafts
+depths 2..K as vLLM's MTP proposer does -- one MTP cache shared by the depths, depth k one token at
+position m + k - 2 (eval/draft_serving.py) -- so the acceptance is the served figure; `tandem` is the
+per-depth scheme above, each depth drafting exactly as it was trained. Both are exact (the trunk
+verifies): only the drafts, and so the acceptance, differ.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch import nn
 from tandem.models.attention import KVCache
 
 from .block_verify import VERIFY_RULES, block_accept
+from .draft_serving import ServingDrafter, resolve_convention
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -104,6 +111,11 @@ class DecodeStats:
     """Wall time of the decode loop after prefill."""
     num_rounds: int = 0
     """Batched rounds (one verify forward each)."""
+    accepted_all: Optional[torch.Tensor] = None
+    """[B] every draft the trunk accepted, also past max_new_tokens or EOS in a row's last round: what
+    vLLM's scheduler counts (`accepted` is budget-exact)."""
+    accepted_all_at: Optional[torch.Tensor] = None
+    """[B,K] the same per draft position."""
 
 
 @dataclass
@@ -124,7 +136,7 @@ class SpecDecoder:
 
     def __init__(self, model: nn.Module, num_steps: int, batch: int, max_positions: int, *,
                  temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-                 verify: str = "token"):
+                 verify: str = "token", draft_convention: str = "serving"):
         self.model = m = unwrap(model)
         self.K = num_steps
         if num_steps > 0 and m.mtp is None:
@@ -136,6 +148,7 @@ class SpecDecoder:
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify={verify!r}: must be one of {', '.join(VERIFY_RULES)}")
         self.verify_rule = verify  # sampled drafts: `token` (speculative_accept) or `block` (block_accept)
+        self.convention = resolve_convention(m, draft_convention, num_steps)  # `tandem` where serving is undefined
         self.generator = generator
         p0 = m.embed_tokens.weight
         self.device, self.dtype = p0.device, p0.dtype
@@ -152,10 +165,11 @@ class SpecDecoder:
         # convolution window (PLE's dilated one), so any accepted prefix can be resumed from.
         self.ring = 4 * num_steps + 32
         self.trunk_cache = KVCache(cfg.num_layers, B, self.cap, self.dtype, self.device, ring=self.ring)
-        n_hidden = (num_steps if m.mtp is not None and m.mtp.chained else 1) if num_steps > 0 else 1
+        per_depth = num_steps > 0 and self.convention == "tandem"
+        n_hidden = (num_steps if m.mtp is not None and m.mtp.chained else 1) if per_depth else 1
         self.h = [torch.zeros(B, self.cap, H, dtype=self.dtype, device=self.device) for _ in range(max(n_hidden, 1))]
         self.mtp_caches = []
-        for _ in range(num_steps):  # one cache per depth: depths share layer weights, not states
+        for _ in range(num_steps if per_depth else 0):  # one cache per depth: depths share layer weights, not states
             self.mtp_caches.append(KVCache(1, B, self.cap, self.dtype, self.device).layer(0))
         self.seq = torch.zeros(B, self.cap + num_steps + 2, dtype=torch.long, device=self.device)
         self.m = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -163,6 +177,7 @@ class SpecDecoder:
         self.arange = torch.arange(self.cap, device=self.device)
         self.ar_k1 = self.arange[: num_steps + 1].unsqueeze(0)
         self.chained = m.mtp.chained if m.mtp is not None else True
+        self.serving = ServingDrafter(self) if num_steps > 0 and self.convention == "serving" else None
 
     # --- token choice ------------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor):
@@ -195,10 +210,13 @@ class SpecDecoder:
         return nxt
 
     def draft(self, force: Optional[torch.Tensor] = None, keep_logits: bool = False):
-        """Catch every depth up on committed tokens and draft d_1..d_K at position m-1.
+        """Catch every depth up on committed tokens and draft d_1..d_K at position m-1 (the serving
+        convention: eval/draft_serving.py).
 
         `force` [B,K] replaces the drafted tokens (teacher forcing in tests). Returns (drafts [B,K],
         q [B,K,V] or None, list of per-depth logits [B,V] when keep_logits)."""
+        if self.serving is not None:
+            return self.serving.draft(force, keep_logits)
         model, B, H, m = self.model, self.B, self.H, self.m
         drafts, qs, all_logits = [], [], []
         for k in range(1, self.K + 1):
@@ -275,9 +293,10 @@ def emitted_tokens(old_m: torch.Tensor, new_m: torch.Tensor, limit: torch.Tensor
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_steps: int, *,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, padding: bool = False, verify: str = "token",
-             any_active: Optional[Callable[[bool], bool]] = None) -> DecodeResult:
+             any_active: Optional[Callable[[bool], bool]] = None, draft_convention: str = "serving") -> DecodeResult:
     """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
-    `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under both).
+    `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under both);
+    `draft_convention` how depths 2..K draft (`serving`: as vLLM's proposer; `tandem`: as trained).
 
     Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
     returns whether any process still has an active row, and the loop runs until none has (rows
@@ -290,7 +309,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     if min(lens) < 1:
         raise ValueError("every prompt needs at least one token")
     dec = SpecDecoder(model, K, B, max(lens) + max_new_tokens + K + 1, temperature=temperature, top_p=top_p,
-                      generator=generator, verify=verify)
+                      generator=generator, verify=verify, draft_convention=draft_convention)
     dev = dec.device
     stats = DecodeStats(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
                         torch.zeros(B, max(K, 1), dtype=torch.long), K)
@@ -308,6 +327,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     rounds = torch.zeros(B, dtype=torch.long, device=dev)
     accepted = torch.zeros(B, dtype=torch.long, device=dev)
     accepted_at = torch.zeros(B, max(K, 1), dtype=torch.long, device=dev)
+    accepted_all = torch.zeros(B, dtype=torch.long, device=dev)
+    accepted_all_at = torch.zeros(B, max(K, 1), dtype=torch.long, device=dev)
     pos_ids = torch.arange(1, K + 1, device=dev)
     window = torch.arange(1, K + 2, device=dev)
     synchronize(dev)
@@ -336,6 +357,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             n_act = torch.where(active, (emitted - 1).clamp(min=0), 0)
             accepted += n_act
             accepted_at += (pos_ids.unsqueeze(0) <= n_act.unsqueeze(1))
+            n_all = torch.where(active, n, 0)  # vLLM's count: every accepted draft of the round
+            accepted_all += n_all
+            accepted_all_at += (pos_ids.unsqueeze(0) <= n_all.unsqueeze(1))
         done = new_m >= limit
         if eos_id is not None:
             fresh = window.unsqueeze(0) <= (new_m - old_m).unsqueeze(1)
@@ -351,6 +375,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     stats.draft_s, stats.verify_s, stats.overhead_s = draft_s, verify_s, over_s
     stats.decode_s, stats.num_rounds = t2 - t1, num_rounds
     stats.rounds, stats.accepted, stats.accepted_at = rounds.cpu(), accepted.cpu(), accepted_at[:, :K].cpu()
+    stats.accepted_all, stats.accepted_all_at = accepted_all.cpu(), accepted_all_at[:, :K].cpu()
     seq, m = dec.seq.cpu(), dec.m.cpu()
     outputs = []
     for b in range(B):
@@ -379,8 +404,13 @@ def acceptance_metrics(stats: DecodeStats) -> dict:
 
 def row_metrics(stats: DecodeStats, b: int) -> dict:
     drafts, acc, K = int(stats.rounds[b]), int(stats.accepted[b]), stats.num_steps
+    """One row's acceptance (budget-exact), plus `accepted_all` / `accepted_all_at` (every accepted
+    draft, also past the budget: vLLM's counters) when the decode recorded them."""
     out = {"acceptance_length": 1.0 + acc / max(drafts, 1), "drafts": drafts, "accepted": acc,
            "draft_acceptance_rate": acc / max(drafts * K, 1)}
     for i in range(K):
         out[f"accept_rate/pos_{i + 1}"] = int(stats.accepted_at[b, i]) / max(drafts, 1)
+    if stats.accepted_all is not None:
+        out["accepted_all"] = int(stats.accepted_all[b])
+        out["accepted_all_at"] = [int(x) for x in stats.accepted_all_at[b]]
     return out

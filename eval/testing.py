@@ -1,4 +1,7 @@
-"""Tiny models for the evaluator's tests: random ones, and ones whose MTP drafts are mostly right."""
+"""Tiny models for the evaluator's tests (random ones, ones whose MTP drafts are mostly right, a
+Qwen4-Exp hybrid with its drafter) and `vllm_convention_decode`, a cache-free re-derivation of how
+vLLM's MTP proposer drafts and counts (the serving test and the serving convention's unit tests
+compare against it)."""
 
 from __future__ import annotations
 
@@ -44,3 +47,110 @@ def make_agreeing(model: TandemModel, noise: float = 0.0, seed: int = 0) -> Tand
             w += noise * torch.randn(w.shape, generator=g)
             layer.eh_proj.weight.copy_(w.to(layer.eh_proj.weight.dtype))
     return model
+
+
+def tiny_qwen4_model(num_steps: int = 3, *, vocab: int = 64, seed: int = 0, reuse_indices: bool = True) -> TandemModel:
+    """A tiny Qwen4-Exp hybrid (Gated DeltaNet, QSA, hyper-connection streams, PLE, MoE with a gated
+    shared expert) with its drafter (`mtp.combine=qwen4_exp`, one looped QSA layer; `reuse_indices`:
+    mtp.qsa_reuse_indices), every parameter moved away from its init (tests/unit/test_qwen4_spec_decode.py's
+    shape)."""
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
+                      first_k_dense=0, router_score="softmax", balance="aux_loss", zero_centered_norm=True,
+                      full_attention_interval=2, partial_rotary_factor=0.5, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, indexer_heads=16,
+                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4, hc_lowrank=8,
+                      ple_layers=[0], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=1, max_seq_len=128,
+                      init_std=0.3)
+    torch.manual_seed(seed)
+    model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=1, qsa_reuse_indices=reuse_indices))
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@torch.inference_mode()
+def vllm_convention_draft(model, seq, k, force=None):
+    """Depths 1..k's draft logits ([k] tensors [V]) and drafts after the committed tokens `seq`
+    (x_0..x_m, x_m the newest), drafted as vLLM's MTP proposer does, with no cache: the MTP layer runs
+    over one causal sequence whose rows 0..m-1 hold the depth-1 inputs (trunk state t -- normed under
+    mtp.trunk_input=final_norm --, token t+1; the embedding zeroed at position 0 for the concat_proj
+    combine, as GLM-4.5's and DeepSeek-V3's MTP layers do, not for Qwen4-Exp's) and whose rows m,
+    m+1, .. hold depth 2, 3, ..'s single input (the previous depth's output and draft), which is
+    exactly what vLLM's one draft KV cache holds. `force` [k] replaces the drafts fed onwards.
+    Independent of eval/draft_serving.py, which drafts the same way on position-indexed caches."""
+    m = len(seq) - 1
+    pos_all = torch.arange(m + k + 1).unsqueeze(0)
+    h_in = model.trunk(torch.tensor([list(seq[:m])]), pos_all[:, :m])
+    if model.mtp_cfg.trunk_input == "final_norm":
+        h_in = model.norm(h_in)  # what vLLM hands its proposer
+    e_in = model.embed_tokens(torch.tensor([list(seq[1 : m + 1])]))
+    if model.mtp.layer_for_step(1).combine_style == "concat_proj":
+        e_in[:, 0] = 0.0  # GLM-4.5 / DeepSeek-V3 zero the MTP embedding input at position 0
+    # QSA index reuse (mtp.qsa_reuse_indices; vLLM's index_share_for_mtp_iteration): depth 1 selects for
+    # every row; the last row of depth k >= 2 takes depth 1's selection of row m-1 (`compact_topk_indices`
+    # keeps the last accepted token's row), the earlier rows only rebuild the cache (their outputs unused)
+    share = getattr(model.mtp, "selection_share", None)
+    first = None
+    logits, drafts = [], []
+    try:
+        for depth in range(1, k + 1):
+            if share is not None:
+                share.mode, share.read_offset = ("record", 0) if depth == 1 else ("reuse", 0)
+                if depth > 1:
+                    extra = h_in.shape[1] - m
+                    share.train = (torch.cat([first[0], first[0][:, m - 1 : m].expand(-1, extra, -1)], 1),
+                                   torch.cat([first[1], first[1][:, m - 1 : m].expand(-1, extra)], 1))
+            last = model.mtp.layer_for_step(depth)(h_in, e_in, pos_all[:, : h_in.shape[1]])[:, -1:]
+            if share is not None and depth == 1:
+                first = share.train
+            logits.append(model.logits(depth, last)[0, 0])
+            drafts.append(int(logits[-1].argmax()) if force is None else int(force[depth - 1]))
+            # depth + 1: hidden = this depth's output, token = its draft, at the next position
+            h_in = torch.cat([h_in, last], 1)
+            e_in = torch.cat([e_in, model.embed_tokens(torch.tensor([[drafts[-1]]]))], 1)
+    finally:
+        if share is not None:
+            share.mode, share.train = None, None
+    return logits, drafts
+
+
+@torch.inference_mode()
+def vllm_convention_decode(model, prompt, max_new, k, eos=None):
+    """Greedy speculative decode of one prompt with the drafting and counting of vLLM 0.32's MTP
+    proposer (`llm_base_proposer.py` with `Glm4MoeMTP` / `DeepSeekMTP` / `Qwen4ExpMTP`; drafting:
+    `vllm_convention_draft`). Returns (tokens, counts, budget-exact counts); counts are [drafts,
+    accepted, accepted at position 1..k]: vLLM's (every accepted draft of a round, also past max_tokens
+    or the stop token) and Tandem's budget-exact ones (only drafts that reach the output). No caches:
+    each forward recomputes the whole prefix."""
+    seq = list(prompt)
+    pos_all = torch.arange(len(prompt) + max_new + k + 2).unsqueeze(0)
+
+    def trunk(tokens):
+        return model.trunk(torch.tensor([tokens]), pos_all[:, : len(tokens)])
+
+    seq.append(int(model.logits(0, trunk(seq)[:, -1:]).argmax(-1)))
+    out = [seq[-1]]
+    raw, exact = [0] * (k + 2), [0] * (k + 2)
+    while len(out) < max_new and eos not in out:
+        m = len(seq) - 1
+        _, ds = vllm_convention_draft(model, seq, k)
+        a = model.logits(0, trunk(seq + ds)[:, m:]).argmax(-1)[0].tolist()
+        n = 0
+        while n < k and ds[n] == a[n]:
+            n += 1
+        new = ds[:n] + [a[n]]
+        emitted = min(n + 1, max_new - len(out))
+        if eos in new[:emitted]:
+            emitted = new.index(eos) + 1
+        n_exact = emitted - 1
+        for counts, c in ((raw, n), (exact, n_exact)):
+            counts[0] += 1
+            counts[1] += c
+            for i in range(c):
+                counts[2 + i] += 1
+        seq += new
+        out += new
+    out = out[:max_new]
+    return (out[: out.index(eos) + 1] if eos in out else out), raw, exact

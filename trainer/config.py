@@ -103,6 +103,12 @@ class TrainConfig:
     frozen_dtype: str = "auto"
     """dtype a frozen trunk (train.freeze_trunk) is stored in: `auto` = the compute dtype (bf16 when
     training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master."""
+    malloc_mmap_threshold: int = -1
+    """glibc's mmap threshold (bytes) the trainer sets at start-up (mallopt; a no-op off glibc Linux and
+    when MALLOC_MMAP_THRESHOLD_ is set): -1 (auto) = 65536 when fine-tuning a checkpoint (model.init_from),
+    else glibc's default; 0 = glibc's default (a dynamic threshold that climbs to 32 MiB as large blocks
+    are freed, leaving later freed read and all-gather buffers resident); > 0 that threshold. A small one
+    costs page faults on every large host allocation (CPU training: the tiny recipe's steps 12x the faults)."""
     distill: str = "none"
     """MTP targets: `none` (data labels), `argmax` or `soft` (self-distillation: the trunk's own next-token
     argmax / distribution at the target position, soft = chunked soft cross-entropy)."""
@@ -188,6 +194,12 @@ class EvalConfig:
     verification, Sun et al. 2024, eval/block_verify.py: exact as well, and accepts at least as many
     drafts on average). Greedy decoding is the same under both. At each sampled temperature the
     evaluator also decodes with the other rule and logs it under `eval/T<t>/<rule>/` (one more decode)."""
+    draft_convention: str = "serving"
+    """How MTP depths 2..K draft: `serving` (vLLM's MTP proposer: one MTP KV cache shared by the depths,
+    depth k one token at position m + k - 2, the embedding zeroed at position 0 for concat_proj; the
+    figure a user gets when serving) or `tandem` (one cache and hidden store per depth, as trained).
+    Both are exact; the other convention's greedy acceptance is logged as `eval/<other>/acceptance_length`
+    when it differs."""
     num_samples_logged: int = 4
     """Prompts whose decoded text (prompt, greedy and sampled continuations, acceptance) each
     evaluation writes to `run.dir/eval_samples.jsonl` and a wandb table `eval/samples` (0: none)."""
@@ -365,6 +377,7 @@ def validate(cfg: TandemConfig) -> None:
         ("train.grad_reduce_dtype", cfg.train.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
         ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
         ("train.frozen_dtype", cfg.train.frozen_dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
+        ("train.malloc_mmap_threshold", cfg.train.malloc_mmap_threshold >= -1, "must be -1 (auto), 0 or a size in bytes"),
         ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
         ("train.distill", cfg.train.distill == "none" or cfg.mtp.loss.objective == "ce",
          "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
@@ -390,6 +403,7 @@ def validate(cfg: TandemConfig) -> None:
         ("eval.num_samples_logged", cfg.eval.num_samples_logged >= 0, "must be >= 0"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
         ("eval.verify", cfg.eval.verify in ("token", "block"), "must be token or block"),
+        ("eval.draft_convention", cfg.eval.draft_convention in ("serving", "tandem"), "must be serving or tandem"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, "must be >= 0"),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last >= 0, "must be >= 0"),
         ("device", cfg.device in ("auto", "cpu", "cuda", "npu"), "must be auto, cpu, cuda or npu"),

