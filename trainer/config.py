@@ -90,8 +90,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     dtype: str = "auto"
-    """Compute dtype: `auto` (bf16 autocast on a GPU/NPU with bf16, else fp32), `bf16` (refused on hardware
-    without it; CPU autocast has it) or `fp32`."""
+    """Compute dtype: `auto` (bf16 autocast on a GPU/NPU with bf16 and on a CPU with bf16 instructions,
+    else fp32), `bf16` (refused on accelerators without it; CPU autocast has it, emulated where not native)
+    or `fp32`."""
     log_interval: int = 1
     """Write a training record to metrics.jsonl every this many steps."""
     resume: bool = False

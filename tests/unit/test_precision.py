@@ -1,6 +1,8 @@
 """bf16 in one process: routing stays fp32 under autocast, the MoE layer and the whole model train
 under bf16 autocast, and the device layer refuses bf16 / devices the hardware does not have."""
 
+import os
+
 import pytest
 import torch
 
@@ -91,3 +93,21 @@ def test_bf16_refused_where_unsupported(monkeypatch):
     device.check_dtype("fp32")
     assert device.autocast_dtype("auto") is None  # auto falls back to fp32 there
     assert resolve_device("cpu", dtype="bf16").autocast_dtype("bf16") == torch.bfloat16  # CPU autocast has bf16
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native):
+    """`train.dtype=auto` on a CPU: bf16 only with bf16 instructions (emulated bf16 matmuls are many times
+    slower than fp32's); an explicit `bf16` still runs either way. The default job's recipe uses `auto`."""
+    from tandem.trainer.config import load_config
+    from tandem.trainer.parallel import device as device_layer
+
+    caps = {key: False for key in device_layer._CPU_BF16_FEATURES}
+    caps.update({"architecture": "x86_64", "avx2": True, "avx512_bf16": native})
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    device = resolve_device("cpu", dtype="auto")
+    assert device.native_bf16() is native
+    assert device.autocast_dtype("auto") == (torch.bfloat16 if native else None)
+    assert device.autocast_dtype("bf16") == torch.bfloat16 and device.autocast_dtype("fp32") is None
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
+    assert load_config(recipe).train.dtype == "auto"
