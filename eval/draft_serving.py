@@ -51,9 +51,8 @@ DRAFT_CONVENTIONS = ("serving", "tandem")
 
 def resolve_convention(model: nn.Module, convention: str, num_steps: int) -> str:
     """The convention a decode of `model` with K=num_steps really uses: `serving` needs a looped MTP
-    with one physical layer (else it drafts as trained: `tandem`). ValueError for an unknown name, or
-    when the drafting process does not hold the MTP layer (a pipeline placement whose head stage has
-    no MTP depth: the serving cache must live where every depth runs)."""
+    with one physical layer held by the drafting process (else it drafts as trained: `tandem`, e.g. a
+    pipeline placement whose head stage holds no MTP depth). ValueError for an unknown name."""
     if convention not in DRAFT_CONVENTIONS:
         raise ValueError(f"draft_convention={convention!r}: must be one of {', '.join(DRAFT_CONVENTIONS)}")
     mtp = getattr(model, "mtp", None)
@@ -62,9 +61,9 @@ def resolve_convention(model: nn.Module, convention: str, num_steps: int) -> str
     if not mtp.chained or len(mtp.layers) != 1:
         return "tandem"
     if not isinstance(mtp.layers[0], nn.Module):
-        raise ValueError("eval.draft_convention=serving drafts every depth on one MTP cache where the head is, and "
-                         "this pipeline placement holds no MTP depth on the head's stage (parallel.pp_depth_stages); "
-                         "use eval.draft_convention=tandem")
+        # a pipeline placement whose head stage holds no MTP depth: the serving cache would have to live
+        # where every depth runs, which no rank does here, so the decoder drafts as trained
+        return "tandem"
     return "serving"
 
 

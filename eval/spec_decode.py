@@ -165,12 +165,14 @@ class SpecDecoder:
         # convolution window (PLE's dilated one), so any accepted prefix can be resumed from.
         self.ring = 4 * num_steps + 32
         self.trunk_cache = KVCache(cfg.num_layers, B, self.cap, self.dtype, self.device, ring=self.ring)
+        self.mtp_shared = {}
         per_depth = num_steps > 0 and self.convention == "tandem"
         n_hidden = (num_steps if m.mtp is not None and m.mtp.chained else 1) if per_depth else 1
         self.h = [torch.zeros(B, self.cap, H, dtype=self.dtype, device=self.device) for _ in range(max(n_hidden, 1))]
         self.mtp_caches = []
         for _ in range(num_steps if per_depth else 0):  # one cache per depth: depths share layer weights, not states
-            self.mtp_caches.append(KVCache(1, B, self.cap, self.dtype, self.device).layer(0))
+            # ... but they share the store of QSA index reuse (depth 1's selection, read by depths 2..K)
+            self.mtp_caches.append(KVCache(1, B, self.cap, self.dtype, self.device, shared=self.mtp_shared).layer(0))
         self.seq = torch.zeros(B, self.cap + num_steps + 2, dtype=torch.long, device=self.device)
         self.m = torch.zeros(B, dtype=torch.long, device=self.device)
         self.valid = torch.full((num_steps + 1, B), -1, dtype=torch.long, device=self.device)

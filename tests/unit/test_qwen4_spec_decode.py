@@ -105,3 +105,52 @@ def test_state_after_each_round_equals_a_fresh_autoregressive_pass():
                 got = dec.seq[b, len(PROMPTS[b]): int(dec.m[b]) + 1].tolist()
                 assert got == ar[b][: len(got)]
     assert seen == set(range(K + 1))  # rounds with 0, 1, .., K accepted drafts all happened
+
+
+def _training_logits(model, tokens):
+    """Per-depth logits of the training forward: depth 1 records its QSA selection, depths 2..K reuse it."""
+    from tandem.models.mtp import shifted_tokens
+
+    b, s1 = tokens.shape
+    s = s1 - 1
+    pos = torch.arange(s).expand(b, s)
+    h = model.trunk(tokens[:, :s], pos)
+    out = [model.logits(0, h)]
+    for k in range(1, model.num_depths):
+        h = model.mtp_step(k, h, shifted_tokens(tokens, k, s), pos)
+        out.append(model.logits(k, h))
+    return out
+
+
+@torch.no_grad()
+def test_qsa_index_reuse_drafts_as_trained():
+    """mtp.qsa_reuse_indices: drafting reuses depth 1's selection at the position whose content lines
+    up, through rollbacks of every size, and gives exactly the training forward's logits per depth;
+    reuse really changes depths 2..K (the selection is active), not depth 1."""
+    model = qwen4_tiny(seed=2)
+    assert model.mtp.selection_share is not None
+    g = torch.Generator().manual_seed(0)
+    S = 40
+    tokens = torch.randint(2, VOCAB, (3, S + 1), generator=g)
+    train = _training_logits(model, tokens)
+    model.mtp.layers[0].block.self_attn.selection_share = None  # every depth selects for itself
+    own = _training_logits(model, tokens)
+    model.mtp.layers[0].block.self_attn.selection_share = model.mtp.selection_share
+    assert torch.equal(train[1], own[1])
+    assert all((train[k] - own[k]).abs().max() > 1e-4 for k in range(2, K + 1))
+    n0 = [4, 9, 2]
+    dec = SpecDecoder(model, K, 3, S + 2 * K + 4, draft_convention="tandem")
+    dec.prefill([tokens[b, : n0[b]].tolist() for b in range(3)], first_tokens=tokens[torch.arange(3), n0])
+    active = torch.ones(3, dtype=torch.bool)
+    checked = 0
+    while int(dec.m.max()) + 2 * K + 1 < S:
+        m = dec.m
+        drafts, _, logits = dec.draft(force=tokens.gather(1, m.unsqueeze(1) + torch.arange(1, K + 1)), keep_logits=True)
+        for k in range(1, K + 1):
+            for b in range(3):
+                torch.testing.assert_close(logits[k - 1][b], train[k][b, int(m[b]) - 1], rtol=1e-5, atol=1e-5)
+                checked += 1
+        dec.verify(drafts, None)
+        n = torch.randint(0, K + 1, (3,), generator=g)  # accept a random true prefix: rollbacks of every size
+        dec.commit(n, tokens.gather(1, (m + n + 1).unsqueeze(1)).squeeze(1), active)
+    assert checked > 10 * K
