@@ -9,8 +9,9 @@ one step under 1, 2 and 4 FSDP ranks (torchrun, gloo, CPU), and the same with a 
 the baseline (interpreter, torch, data, process group). Prints per rank count the largest per-rank
 peak RSS over the baseline's and the step checkpoint's size on disk, both as multiples of the fp32
 model (4 bytes x trunk + MTP parameters), next to trainer/estimate.py's per-rank estimate. The ranks run
-with MALLOC_MMAP_THRESHOLD_=65536 so the peak measures what they hold, not where glibc's dynamic
-threshold left freed buffers (`--glibc-default` to measure that too).
+as a user's would (no allocator environment variable): the trainer fixes glibc's mmap threshold itself
+when fine-tuning (train.malloc_mmap_threshold), so the peak measures what they hold, not where glibc's
+dynamic threshold left freed buffers (`--glibc-default`: train.malloc_mmap_threshold=0, to measure that).
 Last line: `peak_rss_over_fp32_model=<2 ranks> checkpoint_over_fp32_model=<2 ranks>`.
 `--quick` runs a small model at 2 ranks without the baseline run (the test that keeps this script
 alive; its RSS figure is then the whole process's).
@@ -73,12 +74,13 @@ def launch(ranks: int, ckpt: str, run_dir: str, cache: str, out: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            os.path.abspath(__file__), "--worker", out, os.path.join(ROOT, "recipes", "finetune_mtp.yaml"),
            f"model.init_from={ckpt}", f"run.dir={run_dir}", f"data.cache_dir={cache}", *DATA, *RUN]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    if not GLIBC_DEFAULT:
+    if GLIBC_DEFAULT:
         # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so later
         # freed buffers (reads, all-gather outputs) stay resident in the heap and the peak depends on
-        # allocation order (+-0.2 x the model between ranks and runs); a fixed threshold returns them
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+        # allocation order (+-0.2 x the model between ranks and runs)
+        cmd.append("train.malloc_mmap_threshold=0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # what a user gets
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"fine-tune under {ranks} ranks failed:\n{proc.stderr[-4000:]}")
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small model at 2 ranks (for the test)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--glibc-default", action="store_true",
-                    help="run the ranks with glibc's dynamic mmap threshold (default: MALLOC_MMAP_THRESHOLD_=65536)")
+                    help="run the ranks with glibc's dynamic mmap threshold (train.malloc_mmap_threshold=0; "
+                         "default: the trainer's fixed 64 KiB for fine-tuning)")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

@@ -26,7 +26,7 @@ from .loss import combine_losses, depth_coefficients, lambda_at
 from .metrics import MetricsLogger
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import ParallelState, init_parallel
-from .parallel.device import autocast_context, resolve_device
+from .parallel.device import FINETUNE_MMAP_THRESHOLD, autocast_context, resolve_device, set_malloc_mmap_threshold
 from .qsa_training import IndexerTraining
 
 
@@ -77,6 +77,12 @@ class Trainer:
         # A torchrun restart (--max-restarts) of a failed job resumes from the last checkpoint.
         self.resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         prepare_run_dir(cfg.run.dir)
+        # Host memory of fine-tuning: a fixed mmap threshold hands freed read / all-gather buffers back.
+        threshold = cfg.train.malloc_mmap_threshold
+        if threshold < 0:
+            threshold = FINETUNE_MMAP_THRESHOLD if cfg.model.init_from else 0
+        if threshold > 0:
+            set_malloc_mmap_threshold(threshold)
         if cfg.model.init_from:  # the trunk's shape and the tokenizer come from the checkpoint being fine-tuned
             from tandem.data_pipeline.dataset import follow_checkpoint_tokenizer
             from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
