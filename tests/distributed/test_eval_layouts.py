@@ -28,8 +28,9 @@ LAYOUTS = {
     # loss depths spread (layout lists separated by `:`): MTP depth 1 on the trunk's stage, the head
     # (the driver) and depth 2 on the next, so the decoder routes depth 1 to the other rank ...
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
-    # ... and the head on the trunk's stage with both MTP depths on the other rank
-    "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1]": 2,
+    # ... and the head on the trunk's stage with both MTP depths on the other rank (no MTP layer where the
+    # head is: the decoder drafts as trained, so its reference does too)
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],eval.draft_convention=tandem": 2,
     "tp=2,pp=2,sequence_parallel=true": 4,
     "ep=2,pp=2": 4,
     "tp=2,ep=2,pp=2": 8,
@@ -90,8 +91,16 @@ def test_reference_exercises_acceptance(reference):
     assert m["eval/seconds"] > 0
 
 
+@pytest.fixture(scope="module")
+def tandem_reference():
+    torch.set_num_threads(1)
+    return eval_worker.evaluate("single,eval.draft_convention=tandem")
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_layout_matches_single_process(layout, runs, reference):
+def test_eval_layout_matches_single_process(layout, runs, reference, request):
+    if "eval.draft_convention=tandem" in layout.split(","):
+        reference = request.getfixturevalue("tandem_reference")
     got = torch.load(runs / f"{layout}.pt", weights_only=False)
     assert got["outputs"] == reference["outputs"]
     assert got["samples"] == reference["samples"]  # ids and per-sample acceptance, greedy and T=1
