@@ -148,6 +148,12 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
         ref = hf(ids).logits
         ours = model.logits(0, model.trunk(ids, torch.arange(S).expand(2, S)))
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    prompt = tokens(1, 11, seed=5)[0].tolist()
+    with torch.no_grad():  # greedy tokens: transformers on the export = Tandem's own decoder, spec and AR
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        assert generate(model, [prompt], 10, 0).outputs[0] == theirs
+        assert generate(model, [prompt], 10, 2).outputs[0] == theirs
     # ... and the exported directory imports back with its MTP drafter
     back, bcfg = load_hf_model(str(out))
     assert bcfg.mtp.num_steps == 1 and bcfg.mtp.resolved_combine(bcfg.model) == "qwen4_exp"
