@@ -101,6 +101,10 @@ def tandem_reference():
 def test_eval_layout_matches_single_process(layout, runs, reference, request):
     if "eval.draft_convention=tandem" in layout.split(","):
         reference = request.getfixturevalue("tandem_reference")
+    assert_matches_single_process(layout, runs, reference)
+
+
+def assert_matches_single_process(layout, runs, reference):
     got = torch.load(runs / f"{layout}.pt", weights_only=False)
     assert got["outputs"] == reference["outputs"]
     assert got["samples"] == reference["samples"]  # ids and per-sample acceptance, greedy and T=1
@@ -136,7 +140,7 @@ def test_qwen4_eval_layout_matches_single_process(layout, runs, qwen4_references
     ref = reference["metrics"]
     assert ref["eval/identical_to_autoregressive"] == 1.0
     assert ref["eval/acceptance_length"] > (1.0 if history else 1.2)  # some drafts accepted
-    test_eval_layout_matches_single_process(layout, runs, reference)
+    assert_matches_single_process(layout, runs, reference)
     got = torch.load(runs / f"{layout}.pt", weights_only=False)["metrics"]
     assert abs(got["eval/qsa_recall"] - ref["eval/qsa_recall"]) <= 1e-5 * ref["eval/qsa_recall"], \
         (got["eval/qsa_recall"], ref["eval/qsa_recall"])
