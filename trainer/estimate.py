@@ -33,12 +33,16 @@ meta device (no memory). Memory per rank for the recipe's layout is an estimate:
   rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes per
   parameter, train.frozen_dtype, and keeps no activations), summed over the parameters of the pp rank
   holding the most: routed experts split over ep and tp and FSDP-sharded over dp; the PLE n-gram table
-  FSDP-sharded over the batch ranks (dp x ep) and split by rows over tp when tp > 1; everything else
-  split over tp and FSDP-sharded over dp x ep. The table is trained by the same dense AdamW as every
-  other parameter, over those shards: every row's moments live (and are updated) every step;
+  split by rows over the stage's dp x ep x tp ranks (trainer/parallel/tensor_hybrid.py, out of FSDP:
+  never gathered); everything else split over tp and FSDP-sharded over dp x ep. The table is trained by
+  the same dense AdamW as every other parameter, over those shards: every row's moments live (and are
+  updated) every step;
 - FSDP's gathered copies (compute dtype: bf16 under mixed precision): the rank's two largest layers
-  (one gathered, the next prefetched; the PLE layer gathers its table's tp share whole) and the root
-  pieces (embedding, head, final norm, MTP module), kept gathered through the step;
+  (one gathered, the next prefetched; a PLE layer without its table) and the root pieces (embedding,
+  head, final norm, MTP module), kept gathered through the step;
+- the PLE lookup (`ple_lookup_bytes`), transient, one micro-batch: the hashed ids and their sort by
+  owner, the rows exchanged both ways (fp32 looked up, sent in the compute dtype) and the tp gather of
+  the rows (the backward adds the rows' gradients into the table's gradient in place: no dense copy);
 - activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
   micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward (its
@@ -342,9 +346,12 @@ class Estimate:
     """PLE n-gram table parameters (every PLE layer's), part of total_params."""
     ple_states_gib_per_rank: float = 0.0
     """The PLE tables' share of the states of the pp rank holding them."""
-    ple_gathered_gib_per_rank: float = 0.0
-    """The largest PLE table's share of that rank's gathered copies: FSDP gathers a PLE layer's table
-    (its tp rows) for the layer's forward and backward."""
+    ple_lookup_gib_per_rank: float = 0.0
+    """The PLE lookup's transient buffers on the rank holding a table (`ple_lookup_bytes`, the largest
+    table's), part of the total."""
+    ple_exchange_bytes: float = 0.0
+    """Bytes one rank sends for one PLE table's lookup per micro-batch, forward and backward (ids, rows,
+    their gradients, the tp gather); the table itself never moves."""
     ple_shard: str = ""
     """How the table is split, e.g. `1/16 = dp 2 x ep 4 x tp 2`."""
     train_flops_per_token: float = 0.0
@@ -355,20 +362,25 @@ class Estimate:
 
     @property
     def total_gib_per_rank(self) -> float:
-        return self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
+        return (self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
+                + self.ple_lookup_gib_per_rank)
 
     def summary(self) -> str:
         out = (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
                f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
                f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
                f"gathered={self.gathered_gib_per_rank:.1f} GiB "
-               f"total={self.total_gib_per_rank:.1f} GiB")
+               + (f"ple_lookup={self.ple_lookup_gib_per_rank:.1f} GiB " if self.ple_table_params else "")
+               + f"total={self.total_gib_per_rank:.1f} GiB")
         if self.ple_table_params:
             out += (f"\n  PLE n-gram table: {_count(self.ple_table_params)} params, sharded {self.ple_shard} "
-                    f"(FSDP over the batch ranks, rows over tp): per rank states={_gib(self.ple_states_gib_per_rank)} "
-                    f"(fp32 param + grad + AdamW m, v: dense AdamW over the shards, every row every step) "
-                    f"gathered={_gib(self.ple_gathered_gib_per_rank)} (the PLE layer's tp rows, for its "
-                    f"forward and backward); counted in the figures above for the pp rank holding it")
+                    f"(rows over the stage's ranks, out of FSDP, never gathered): per rank "
+                    f"states={_gib(self.ple_states_gib_per_rank)} (fp32 param + grad + AdamW m, v: dense AdamW "
+                    f"over the shards, every row every step) lookup={_gib(self.ple_lookup_gib_per_rank)} "
+                    f"(ids, exchanged rows, the tp gather; one micro-batch) "
+                    f"exchange={self.ple_exchange_bytes / 2**20:.1f} MiB sent per rank per micro-batch "
+                    f"(forward + backward, all-to-alls over the stage's ranks and the tp gather); counted in "
+                    f"the figures above for the pp rank holding it")
         if self.train_flops_per_token:
             kinds = " ".join(f"{k}={v / 1e6:.3g}M" for k, v in (self.flops_by_kind or {}).items())
             out += (f"\n  FLOPs/token: train={self.train_flops_per_token / 1e9:.4g} GFLOP (model FLOPs, MFU's); "
@@ -398,6 +410,21 @@ def compute_bytes(cfg: TandemConfig) -> int:
     train.dtype=bf16, and under auto on accelerators), fp32 otherwise."""
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.device in ("cuda", "npu"))
     return 2 if bf16 else 4
+
+
+def ple_lookup_bytes(cfg: TandemConfig) -> tuple:
+    """(transient bytes, bytes sent) of one rank's lookup in a PLE table, for one micro-batch (see the module docstring and tensor_hybrid.ShardedNGramTable).
+    Each tp rank asks for the ids of 1/tp of the positions; rows travel in the compute dtype."""
+    m, p = cfg.model, cfg.parallel
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size
+    heads = (m.ngram_size - 1) * m.heads_per_ngram
+    e = m.resolved_ple_embed_dim
+    width = compute_bytes(cfg) if p.dp_mode == "fsdp" else 4
+    asked = tokens * heads / p.tp  # ids this rank looks up (and, on average, serves)
+    ids = tokens * heads * 8 * 4 + asked * (8 * 3 + 4 + 4 + 8)  # hashing; owner, order, inverse; sent, received
+    rows = asked * (e // heads) * (4 + 2 * width) + tokens * e * width  # served fp32 + cast, back, tp gather
+    sent = 2 * asked * (e // heads) * width + asked * 4 + 2 * tokens * e * width * (p.tp - 1) / p.tp
+    return ids + rows, sent
 
 
 def _kind(name: str) -> str:
@@ -455,8 +482,8 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
         layout, rank_pieces, rank_depths = [m.num_layers], [set(pieces_by_kind)], [cfg.mtp.num_steps]
         rank_layers, whole_pieces = [list(range(m.num_layers))], []
 
-    # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table over the batch
-    # ranks by FSDP and by rows over tp; the rest over tp and FSDP over the batch ranks
+    # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table by rows over the
+    # stage's dp x ep x tp ranks; the rest over tp and FSDP over the batch ranks
     split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
 
     def owned(counts: Dict[str, int]) -> float:
@@ -502,26 +529,29 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + chunk * m.vocab_size / p.tp * 4 for r in heads)
     activations = max(first, last) / GIB
 
-    gathered = ple_gathered = 0.0
+    gathered = ple_lookup = ple_sent = 0.0
+    for r in range(p.pp):
+        for i in rank_layers[r]:
+            if per_layer[i]["ple_table"]:
+                need, sent = ple_lookup_bytes(cfg)
+                ple_lookup, ple_sent = max(ple_lookup, need / GIB), max(ple_sent, sent)
     if batch > 1 and p.dp_mode == "fsdp" and per_layer:
         width = frozen_bytes(cfg) if cfg.train.freeze_trunk else compute_bytes(cfg)
         mtp_width = compute_bytes(cfg)
 
         def layer_bytes(i: int) -> float:
             c = per_layer[i]
-            return width * ((c["dense"] + c["ple_table"]) / p.tp + c["experts"] / (p.tp * p.ep))
+            return width * (c["dense"] / p.tp + c["experts"] / (p.tp * p.ep))  # a PLE table is never gathered
 
         for r in range(p.pp):
             sizes = sorted((layer_bytes(i) for i in rank_layers[r]), reverse=True)[:2]
             roots = sum((mtp_width if x == "mtp" else width) * sum(pieces_by_kind.get(x, {}).values())
                         for x in rank_pieces[r]) / p.tp
             gathered = max(gathered, (sum(sizes) + roots) / GIB)
-            tables = [width * per_layer[i]["ple_table"] / p.tp / GIB for i in rank_layers[r]]
-            ple_gathered = max([ple_gathered] + tables)
     shards = [f"dp {dp}"] + ([f"ep {p.ep}"] if p.ep > 1 else []) + ([f"tp {p.tp}"] if p.tp > 1 else [])
     return Estimate(total, expert, active, mtp, states, activations, gathered,
                     ple_table_params=ple_table, ple_states_gib_per_rank=ple_states,
-                    ple_gathered_gib_per_rank=ple_gathered,
+                    ple_lookup_gib_per_rank=ple_lookup, ple_exchange_bytes=ple_sent,
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
                     flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len))

@@ -32,10 +32,14 @@ LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0]": 2,
     "pp=2,pp_balance=true": 2,
     # tensor parallelism (trainer/parallel/tensor_hybrid.py): Gated DeltaNet and QSA heads (the indexer
-    # replicated, its KL target summed over tp), the PLE table's rows; SP gathers the sequence into them
+    # replicated, its KL target summed over tp); SP gathers the sequence into them. The PLE table's rows
+    # are split over the stage's dp x ep x tp ranks (never gathered, out of FSDP): every layout above
+    # and below with more than one rank per stage looks its ids up through the all-to-alls
     "tp=2": 2,
     "tp=2,sequence_parallel=true": 2,
     "tp=2,ep=2,sequence_parallel=true": 4,
+    # the flagship layout: the table over the 4 ranks of each stage's ep x tp group
+    "tp=2,ep=2,pp=2,sequence_parallel=true": 8,
 }.items()}
 BF16_LAYOUTS = {f"{layout},{Q4},{eq.BF16}": world for layout, world in {
     "dp=2": 2,

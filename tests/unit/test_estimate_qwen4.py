@@ -176,6 +176,19 @@ def test_check_shows_the_ple_tables_share_per_rank(capsys, tmp_path):
     table = E.ple_params(cfg.model, 0)["table"]
     assert est.ple_shard == "1/4 = dp 2 x ep 2"
     assert est.ple_states_gib_per_rank == pytest.approx(16 * table / 4 / 2**30)
-    assert est.ple_gathered_gib_per_rank == pytest.approx(2 * table / 2**30)  # bf16, gathered whole (tp 1)
+    # never gathered: the lookup's buffers instead (ids, exchanged rows; bf16 rows, tp 1), and FSDP's
+    # gathered copies hold no table row
+    m = cfg.model
+    heads, tokens = (m.ngram_size - 1) * m.heads_per_ngram, cfg.data.seq_len * cfg.train.micro_batch_size
+    asked = tokens * heads
+    need = tokens * heads * 32 + asked * 40 + asked * (m.resolved_ple_embed_dim // heads) * (4 + 4) \
+        + tokens * m.resolved_ple_embed_dim * 2
+    assert est.ple_lookup_gib_per_rank == pytest.approx(need / 2**30)
+    assert est.ple_exchange_bytes == pytest.approx(2 * asked * (m.resolved_ple_embed_dim // heads) * 2 + asked * 4)
+    assert est.total_gib_per_rank == pytest.approx(est.states_gib_per_rank + est.activations_gib_per_rank
+                                                   + est.gathered_gib_per_rank + est.ple_lookup_gib_per_rank)
+    no_table = E.estimate(load_config(str(recipe), overrides + ["model.ngram_vocab_base=2"]), 8)
+    assert est.gathered_gib_per_rank == pytest.approx(no_table.gathered_gib_per_rank)
     assert "PLE n-gram table: 0.001M params, sharded 1/4 = dp 2 x ep 2" in out, out
+    assert "never gathered" in out and "lookup=" in out, out
     assert "dense AdamW over the shards" in out and "FLOPs/token: train=" in out and "gdn=" in out, out

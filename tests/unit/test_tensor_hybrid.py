@@ -139,3 +139,46 @@ def test_tp_ranks_select_the_same_qsa_positions(tmp_path):
         r = result[layout]
         assert r["layers"] >= 3 and r["selected"] > 0, (layout, r)  # trunk QSA layers 1, 3 and the MTP's
         assert r["selections_equal"] and r["indexer_grads_equal"], (layout, r)
+
+
+def test_sharded_ngram_table_in_one_process_equals_the_plain_lookup():
+    """The PLE table sharded over a (one-rank) stage group: the owner sort, the all-to-alls and their
+    inverse give the plain embedding's rows, and the backward adds the rows' gradients into `.grad` in
+    place, accumulating over micro-batches like autograd's dense gradient. The multi-rank lookups are
+    tests/distributed/test_qwen4_layouts.py's."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tandem.trainer.parallel.tensor_hybrid import ShardedNGramTable, shard_ple_tables
+
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        created = True
+    try:
+        torch.manual_seed(0)
+        ref = nn.Embedding(37, 3)
+        block = nn.Module()
+        block.ple = nn.Module()
+        block.ple.ple_embedding = nn.Module()
+        block.ple.ple_embedding.ngram_embedding = table = nn.Embedding(37, 3)
+        table.weight.data.copy_(ref.weight.data)
+        model = nn.Module()
+        model.layers = nn.ModuleDict({"1": block})
+        names = shard_ple_tables(model, init_device_mesh("cpu", (1,)), exchange_dtype=None)
+        assert names == ["layers.1.ple.ple_embedding.ngram_embedding.weight"]
+        assert isinstance(table, ShardedNGramTable) and table.row_starts.tolist() == [0, 37]
+        for _ in range(2):  # two micro-batches: gradients accumulate
+            ids = torch.randint(0, 37, (2, 5, 4))
+            ids[0, 0] = ids[1, 1]  # repeated rows sum
+            out = table(ids)
+            want = ref(ids)
+            assert torch.equal(out, want)
+            g = torch.randn_like(want)
+            out.backward(g)
+            want.backward(g)
+        torch.testing.assert_close(table.weight.grad.to_local(), ref.weight.grad)
+    finally:
+        if created:
+            dist.destroy_process_group()

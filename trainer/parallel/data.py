@@ -59,7 +59,10 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modu
                batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset(), replicated: bool = False) -> None:
     """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep,
     under `mp_policy` (see `fsdp_mixed_precision`; None: fp32). `keep_whole`: parameters FSDP leaves
-    alone (pieces two pipeline stages of this rank share)."""
+    alone (pieces two pipeline stages of this rank share; the PLE n-gram tables, row-sharded over the
+    stage's dp x ep x tp ranks by tensor_hybrid.shard_ple_tables: never gathered, and their gradients
+    are already complete, so neither reduced here nor by the GradientFinisher; its global norm counts
+    each of their shards once, as for any DTensor sharded over all of a stage's ranks)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 

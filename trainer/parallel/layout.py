@@ -8,8 +8,10 @@ Mesh dims (outer to inner) `pp x dp x ep x tp`, in Megatron's terms:
 * dp: the remaining (expert-)data parallelism; pp: pipeline stages (outermost).
 The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the flattened dp*ep mesh.
 
-`apply_parallelism` runs, in order: pipeline pruning (PP), TP/EP (DTensor shards + dispatch),
-FSDP2 (fully_shard, or replicate for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
+`apply_parallelism` runs, in order: pipeline pruning (PP), the PLE n-gram tables' row split over the
+stage's dp x ep x tp ranks (tensor_hybrid.shard_ple_tables: never gathered, kept out of FSDP, their
+gradients complete without a dp reduction), TP/EP (DTensor shards + dispatch), FSDP2 (fully_shard, or
+replicate for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
 `pipeline`, `clip_grad_norm` (gradient sync + true global norm), `router_load_group` and, under
 sequence parallelism, `sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
@@ -39,13 +41,17 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
     mesh = init_device_mesh(device.type, (p.pp, dp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "ep", "tp"))
     batch_mesh = mesh["dp", "ep"]._flatten("dp_ep")
     batch = dp * p.ep
+    # one pipeline stage's ranks (the PLE tables' row split; the router loads' group under SP)
+    stage_mesh = mesh["dp", "ep", "tp"]._flatten("dp_ep_tp") if batch * p.tp > 1 else None
     state = ParallelState(device=device, world_size=world, rank=dist.get_rank(), dp_size=batch,
                           dp_rank=batch_mesh.get_local_rank(), dp_group=batch_mesh.get_group(), mesh=mesh)
     state.extras.update({
         "batch_mesh": batch_mesh,
+        "stage_mesh": stage_mesh,
         # Router loads are summed over the ranks that routed different tokens: the batch split,
         # and under sequence parallelism also the tp ranks (each routes its sequence shard).
-        "router_load_group": _router_load_group(mesh, batch_mesh, batch, p.sequence_parallel and p.tp > 1),
+        "router_load_group": _router_load_group(mesh, batch_mesh, stage_mesh, batch,
+                                                p.sequence_parallel and p.tp > 1),
         "sizes": {"pp": p.pp, "dp": dp, "ep": p.ep, "tp": p.tp},
         # activations between TP regions are sequence shards; decoding runs them whole through
         # extras["sequence_parallel_switch"] (set by apply_parallelism)
@@ -74,9 +80,9 @@ def init_process_group(backend: str) -> None:
                             rank=int(os.environ["RANK"]), world_size=world)
 
 
-def _router_load_group(mesh, batch_mesh, batch: int, sp: bool):
+def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
     if sp:
-        return mesh["tp"].get_group() if batch == 1 else mesh["dp", "ep", "tp"]._flatten("dp_ep_tp").get_group()
+        return mesh["tp"].get_group() if batch == 1 else stage_mesh.get_group()
     return batch_mesh.get_group() if batch > 1 else None
 
 
@@ -96,6 +102,14 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     ep_mesh = mesh["ep"] if ep > 1 else None
     expert_mesh = mesh["ep", "tp"] if (ep > 1 and tp > 1) else (ep_mesh if ep > 1 else tp_mesh)
     sp = bool(p.sequence_parallel and tp > 1)
+    batch = dp * ep
+    compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
+    tables = []
+    if state.extras.get("stage_mesh") is not None:
+        from .tensor_hybrid import shard_ple_tables
+
+        # rows travel in the dtype FSDP's policy would have gathered the table in
+        tables = shard_ple_tables(model, state.extras["stage_mesh"], compute_dtype if batch > 1 else None)
     switch = None
     if sp:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
         from .tensor import SequenceParallelSwitch
@@ -104,8 +118,6 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch)
     if pp > 1:
         pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
-    batch = dp * ep
-    compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
     mp_policy = None
     # pieces two stages of one rank use stay out of FSDP (whole, summed over dp*ep by the finisher)
     whole = pipeline.plan.shared_within_rank() if pipeline is not None else []
@@ -115,7 +127,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         roots = pipeline.modules if pipeline is not None else [model]
         mp_policy = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype)
         apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
-                   keep_whole=set(whole_params.values()), replicated=p.dp_mode == "allreduce")
+                   keep_whole=set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables},
+                   replicated=p.dp_mode == "allreduce")
     shared = {}
     if pp > 1:
         # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients

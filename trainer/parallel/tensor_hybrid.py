@@ -24,13 +24,22 @@ subclass whose forward is
   `reduce_heads` all-reduces the per-rank head sums over tp before they are normalised. The loss is
   then identical on every rank and each rank's indexer gradient is already the whole gradient (never
   summed over tp, SP or not); the replicas agree.
-* PLE: the n-gram table is row-sharded over tp (`VocabParallelNGramTable`: masked local lookup, sum
-  over tp), never held whole by one rank; ids are hashed from the whole token sequence, which every
-  rank has. Its projections, norms and conv stay replicated (small next to the table). Under SP the
-  dilated conv reads up to (kernel - 1) * ngram_size previous positions, so the layer runs on the
-  gathered sequence and returns this rank's shard; its replicated parameters then see only this
-  shard's output gradient (partial over tp, summed like the other SP-partial parameters), and the
-  table lookup's output gradient is all-reduced before it reaches the rows.
+* PLE: the n-gram table is row-sharded over its stage's whole dp x ep x tp group (`ShardedNGramTable`,
+  `shard_ple_tables`: Megatron's vocab-parallel embedding over a larger group), kept out of FSDP: a
+  table is never gathered, only the rows a batch touches travel. Each tp rank hashes the whole token
+  sequence (every rank has it), keeps its 1/tp slice of the positions' ids, sends each id to the rank
+  owning its row (variable all-to-all over the group, counts exchanged first) and gets the rows back
+  (the reverse all-to-all, in the compute dtype); the tp ranks then all-gather their slices. Backward
+  is the same collectives' autograd: the rows' gradients go back to their owners, which sum every
+  batch rank's contribution (added into `.grad` row by row, never a dense gradient of the shard), so
+  the table's gradient is complete (never reduced over dp again) and
+  each of the G = dp x ep x tp ranks holds 1/G of table, gradient and AdamW moments. Its projections,
+  norms and conv stay replicated (small next to the table). Under SP the dilated conv reads up to
+  (kernel - 1) * ngram_size previous positions, so the layer runs on the gathered sequence and
+  returns this rank's shard; its replicated parameters then see only this shard's output gradient
+  (partial over tp, summed like the other SP-partial parameters), and the tp gather of the looked-up
+  rows sums their partial gradients (reduce-scatter) before they reach the owners; without SP the
+  gradients are whole on every tp rank and each keeps its slice.
 * Hyper-connections and the qwen4_exp drafter's fc/norms are replicated: with whole activations
   their gradients are complete on every rank; under SP they compute on sequence shards and their
   gradients are partial over tp (`sp_partial_names` in tensor.py).
@@ -54,7 +63,8 @@ from tandem.models.gated_deltanet import GatedDeltaNet
 from tandem.models.ple import PLELayer
 from tandem.models.qsa import IndexedAttention
 
-from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
+from .comm import (_all_gather_dim, _reduce_scatter_dim, all_to_all, copy_to_group, gather_along,
+                   reduce_from_group, scatter_reduce_along)
 from .tensor import local, shard_parameter
 
 
@@ -104,26 +114,109 @@ class TensorParallelIndexedAttention(_Region, IndexedAttention):
         return self._exit(IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache))
 
 
-class VocabParallelNGramTable(nn.Embedding):
-    """PLE's n-gram table with its rows sharded over tp (`weight` a Shard(0) DTensor): each rank looks
-    up the ids that fall in its rows (others masked to zero) and the results are summed over tp.
-    `sequence_parallel`: the output's gradient is partial over tp (the caller keeps one sequence shard
-    of what it computes from it), so it is all-reduced in backward before reaching the rows."""
+class _GatherSlices(torch.autograd.Function):
+    """All-gather the tp ranks' slices along `dim`. Backward: `partial` (the caller keeps one sequence
+    shard of what it computes: SP) reduce-scatters the gradient, else (whole, identical gradients on
+    every tp rank) keeps this rank's slice."""
 
-    tp_group = None
+    @staticmethod
+    def forward(ctx, x, group, dim, partial):
+        ctx.group, ctx.dim, ctx.partial, ctx.n = group, dim, partial, x.shape[dim]
+        ctx.rank = dist.get_rank(group)
+        return _all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial:
+            return _reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None, None
+        return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
+
+
+class _RowsIntoGrad(torch.autograd.Function):
+    """F.embedding(rows, w_local) whose backward adds the rows' gradients straight into the parameter's
+    (DTensor) `.grad` (index_add_) instead of returning a dense gradient of the whole local shard for
+    autograd to add: a micro-batch's backward then costs its touched rows, not another copy of the
+    rank's share of the table."""
+
+    @staticmethod
+    def forward(ctx, w_local, rows, param):
+        ctx.save_for_backward(rows)
+        ctx.param = param
+        return F.embedding(rows, w_local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        p = ctx.param
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = local(p.grad)
+        g.index_add_(0, rows, grad.to(g.dtype))
+        return None, None, None
+
+
+class ShardedNGramTable(nn.Embedding):
+    """PLE's n-gram table with its rows sharded over the stage's dp x ep x tp ranks (`weight` a Shard(0)
+    DTensor over the flattened group mesh; see the module docstring). Per lookup of N ids per rank
+    (N = B x S x ngram_heads; each tp rank asks for its 1/tp slice of the positions): one all-to-all
+    of G counts, one of the ids (4 bytes each) and one of the rows back (N/tp x row x dtype bytes),
+    the tp all-gather of the rows (N x row x dtype bytes received); backward the rows' gradients take
+    the same ways back."""
+
+    group = None
+    """The process group of the weight's mesh (the stage's dp x ep x tp ranks)."""
+    row_starts = None
+    """[G + 1] first global row of each group rank's shard (and the row count)."""
     row_start = 0
+    tp_group = None
+    tp_size = 1
+    tp_rank = 0
     sequence_parallel = False
+    """The caller keeps one sequence shard of its output (the gradients are partial over tp)."""
+    exchange_dtype = None
+    """Rows travel (and the output is) in this dtype: the compute dtype under mixed precision, as FSDP's
+    gathered parameters would be; None: the table's."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        S = ids.shape[1]
+        if self.tp_size > 1:  # this tp rank's slice of the positions (padded with row 0 to a multiple)
+            per = -(-S // self.tp_size)
+            if per * self.tp_size > S:
+                ids = F.pad(ids, (0, 0, 0, per * self.tp_size - S))
+            ids = ids[:, self.tp_rank * per:(self.tp_rank + 1) * per]
+        rows = self._lookup(ids)
+        if self.tp_size > 1:
+            rows = _GatherSlices.apply(rows, self.tp_group, 1, self.sequence_parallel)[:, :S]
+        return rows
+
+    def _starts_on(self, device) -> torch.Tensor:
+        cached = getattr(self, "_starts_cache", None)
+        if cached is None or cached.device != device:
+            cached = self._starts_cache = self.row_starts.to(device)
+        return cached
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         w = local(self.weight)
-        local_ids = ids - self.row_start
-        inside = (local_ids >= 0) & (local_ids < w.shape[0])
-        if w.shape[0] > 0:
-            part = F.embedding(torch.where(inside, local_ids, 0), w)
-        else:  # an uneven split left this rank no rows
-            part = w.new_zeros(*ids.shape, w.shape[1]) + w.sum() * 0
-        out = reduce_from_group(part.masked_fill(~inside.unsqueeze(-1), 0.0), self.tp_group)
-        return copy_to_group(out, self.tp_group) if self.sequence_parallel else out
+        flat = ids.reshape(-1)
+        starts = self._starts_on(flat.device)
+        owner = torch.searchsorted(starts[1:-1], flat, right=True)
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=starts.numel() - 1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()  # the lookup's one host round trip
+        id_dtype = torch.int32 if self.weight.shape[0] < 2**31 else torch.long
+        asked = flat[order].to(id_dtype)
+        wanted = asked.new_empty(sum(recv))
+        dist.all_to_all_single(wanted, asked, recv, send, group=self.group)
+        rows = wanted.long() - self.row_start
+        found = _RowsIntoGrad.apply(w, rows, self.weight) if w.requires_grad else F.embedding(rows, w)
+        if self.exchange_dtype is not None:
+            found = found.to(self.exchange_dtype)
+        back = all_to_all(found, recv, send, self.group)  # this rank's ids' rows, sorted by owner
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return back.index_select(0, inverse).view(*ids.shape, w.shape[1])
 
 
 class TensorParallelPLE(PLELayer):
@@ -170,14 +263,42 @@ def parallelize_hybrid_mixer(mixer: nn.Module, tp_mesh, sequence_parallel: bool)
     return True
 
 
+def shard_ple_tables(model: nn.Module, group_mesh, exchange_dtype=None) -> List[str]:
+    """Row-shard every PLE table of this rank's layers over `group_mesh` (1-D: the stage's flattened
+    dp x ep x tp ranks), before TP (`parallelize_ple` adds the tp slicing) and FSDP (which must leave the
+    returned parameters alone). Returns the tables' parameter names."""
+    names = []
+    group, size, rank = group_mesh.get_group(), group_mesh.size(), group_mesh.get_local_rank()
+    if rank != dist.get_rank(group):
+        raise RuntimeError("the PLE table's mesh coordinate and group rank disagree")
+    for i, block in model.layers.items():
+        ple = getattr(block, "ple", None)
+        if ple is None:
+            continue
+        table = ple.ple_embedding.ngram_embedding
+        rows = table.weight.shape[0]
+        shard_parameter(table, "weight", group_mesh, [Shard(0)])
+        table.__class__ = ShardedNGramTable
+        offsets = [Shard(0)._local_shard_size_and_offset(rows, size, r)[1] for r in range(size)]
+        table.row_starts = torch.tensor([min(o, rows) for o in offsets] + [rows], dtype=torch.long)
+        table.row_start = _row_start(table.weight)
+        if table.row_start != int(table.row_starts[rank]):
+            raise RuntimeError("unexpected DTensor row split of the PLE table")
+        table.group, table.exchange_dtype = group, exchange_dtype
+        names.append(f"layers.{i}.ple.ple_embedding.ngram_embedding.weight")
+    return names
+
+
 def parallelize_ple(ple: PLELayer, tp_mesh, sequence_parallel: bool) -> List[nn.Module]:
-    """Row-shard the PLE table over tp; returns the modules whose `sequence_parallel` decoding flips."""
+    """PLE under tp: the layer runs on the gathered sequence under SP, and a table sharded by
+    `shard_ple_tables` looks up one slice of the positions per tp rank. Returns the modules whose
+    `sequence_parallel` decoding flips."""
     table = ple.ple_embedding.ngram_embedding
-    shard_parameter(table, "weight", tp_mesh, [Shard(0)])
-    table.__class__ = VocabParallelNGramTable
-    table.tp_group, table.row_start = tp_mesh.get_group(), _row_start(table.weight)
+    if not isinstance(table, ShardedNGramTable):
+        raise RuntimeError("shard_ple_tables must shard the PLE tables before tensor parallelism")
     ple.__class__ = TensorParallelPLE
     ple.tp_group, ple.tp_rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
+    table.tp_group, table.tp_size, table.tp_rank = ple.tp_group, tp_mesh.size(), ple.tp_rank
     for m in (table, ple):
         m.sequence_parallel = sequence_parallel
     return [table, ple]
