@@ -18,7 +18,7 @@ local context. The result is added to the streams by the caller, before the bloc
 The hashing is a pure function (`ngram_ids`) separate from the table, so a sharded table can be put
 around it and the ids can be checked for the real 20M base without allocating the table. (The real
 tables are tens of GiB per layer; transformers shards `ngram_embedding` along its embedding dim,
-Tandem's tensor parallelism along its rows: trainer/parallel/tensor_hybrid.py.)
+Tandem splits its rows over every rank of the pipeline stage: trainer/parallel/tensor_hybrid.py.)
 
 Decoding keeps two rings in the layer's DecodeCache slot (models/state.py): `ple_tokens` (the token id
 at position p in slot p % ring: the n-gram context) and `ple_conv` (the conv's normalised input at p).
