@@ -120,8 +120,11 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     keys = CheckpointReader(f"{tmp}/hf").keys()
     assert any(".ngram_embedding.shard_" in k for k in keys) and not any(k.startswith("mtp.") for k in keys)
 
+    # balancing is the run's choice: the drafter's softmax router must not grow an aux-free bias the
+    # qwen4_exp layout cannot store
     ft = [f"model.init_from={tmp}/hf", f"run.dir={tmp}/ft", "train.max_steps=20", "train.lr=3e-3",
-          "train.warmup_steps=2", "checkpoint.interval=0", "eval.interval=0"] + shape_overrides(tmp, corpus_dir)
+          "train.warmup_steps=2", "checkpoint.interval=0", "eval.interval=0", "model.balance=aux_loss"
+          ] + shape_overrides(tmp, corpus_dir)
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
     trainer = Trainer(cfg)
     assert trainer.cfg.model.hc_count == 4 and trainer.cfg.mtp.trunk_input == "pre_norm"
