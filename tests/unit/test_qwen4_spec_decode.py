@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tandem.eval.spec_decode import SpecDecoder, generate
-from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.eval.testing import tiny_qwen4_model
+from tandem.models import TandemModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,20 +22,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27
 
 
 def qwen4_tiny(seed=0) -> TandemModel:
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
-                      first_k_dense=0, router_score="softmax", balance="aux_loss", zero_centered_norm=True,
-                      full_attention_interval=2, partial_rotary_factor=0.5, linear_num_key_heads=2,
-                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, indexer_heads=16,
-                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4, hc_lowrank=8,
-                      ple_layers=[0], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=1, max_seq_len=128,
-                      init_std=0.3)
-    torch.manual_seed(seed)
-    model = TandemModel(cfg, MTPConfig(num_steps=K, num_layers=1))
-    with torch.no_grad():  # every tensor away from its init (zero-centred norms, the PLE conv at zero)
-        for _, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return tiny_qwen4_model(K, vocab=VOCAB, seed=seed)
 
 
 def test_greedy_speculative_equals_autoregressive():
