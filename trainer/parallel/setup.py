@@ -1,0 +1,43 @@
+"""Process-group setup and model parallelisation: the two entry points the trainer calls.
+
+Kept apart from state.py so that the layout modules can import `ParallelState` without importing
+the modules that build it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from ..config import TandemConfig
+from .device import Device
+from .state import ParallelState
+
+
+def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
+    """Start the process group (under torchrun) and validate the layout against the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from .validate import validate_layout  # pure config arithmetic, before any process-group work
+
+    dp = validate_layout(cfg, world)
+    if world == 1:
+        return ParallelState(device=device)
+    from .layout import build_parallel_state  # the mesh and groups (needs torch.distributed)
+
+    return build_parallel_state(cfg, device, world, dp)
+
+
+def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
+    """Apply activation checkpointing and regional compilation, then TP/EP/PP/FSDP, to a plain model
+    for this rank (in a single process only the first two; compile.py explains the order)."""
+    from .activation_checkpoint import apply_activation_checkpointing
+    from .compile import apply_compile
+
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    apply_compile(model, cfg.train.compile)
+    if state.world_size == 1:
+        return model
+    from .layout import apply_parallelism
+
+    return apply_parallelism(model, cfg, state)
