@@ -29,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tandem.models.moe import GroupedExperts
 
-from .tensor import local
+from .sharded_params import local
 
 
 def _is_shard(placement) -> bool:

@@ -52,18 +52,8 @@ from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu
 
 from .comm import all_to_all, copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a (possibly DTensor) parameter, differentiably."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def shard_parameter(module: nn.Module, name: str, mesh, placements) -> None:
-    """Replace `module.<name>` by a DTensor parameter (every rank holds the same full init)."""
-    p = getattr(module, name)
-    dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
-    module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+from .sharded_params import local, shard_parameter
+from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
 
 
 # --- experts -------------------------------------------------------------------------------------
@@ -380,7 +370,6 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
     blocks = [b for b in model.layers.values()]
     if getattr(model, "mtp", None) is not None:
         blocks += [layer.block for layer in model.mtp.layers]
-    from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
 
     for block in blocks:
         if tp > 1:

@@ -65,7 +65,7 @@ from tandem.models.qsa import IndexedAttention
 
 from .comm import (_all_gather_dim, _reduce_scatter_dim, all_to_all, copy_to_group, gather_along,
                    reduce_from_group, scatter_reduce_along)
-from .tensor import local, shard_parameter
+from .sharded_params import local, shard_parameter
 
 
 class _ShardedLinear(nn.Linear):
