@@ -53,6 +53,12 @@ Q4_LAYOUTS = {
     # indexer keys and selections are replicated; under SP the decode steps run on whole sequences
     "tp=2,preset.qwen4=1": 2,
     f"tp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 2,
+    # data parallelism (FSDP-sharded hybrid layers, PLE tables sharded outside it) and expert parallelism
+    # (replicas decoding different prompts in lockstep through the all-to-alls and the PLE lookup)
+    "dp=2,preset.qwen4=1": 2,
+    "ep=2,preset.qwen4=1": 2,
+    # the flagship layout shape: tp x ep x pp + SP
+    f"tp=2,ep=2,pp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 8,
 }
 EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1", "eval/accept_rate/pos_2",
          "eval/identical_to_autoregressive", "eval/distinct_2", "eval/distinct_4",
