@@ -1,6 +1,6 @@
 """Under torchrun (2 ranks, gloo): `dp_mode=allreduce` is torch's replicate (FSDP2's machinery with
 replicated parameters). Prints, per micro-batch of one step, how many gradient all-reduces torch issued
-while autograd was running that micro-batch's backward."""
+while autograd was running that micro-batch's backward, for each `parallel.reshard_after_microbatch`."""
 
 from __future__ import annotations
 
@@ -15,13 +15,22 @@ import worker  # noqa: E402
 
 
 def main() -> None:
+    torch.set_num_threads(1)
+    from tandem.models.moe import _grouped_mm_works
+
+    _grouped_mm_works(torch.device("cpu"), torch.float32)  # its one-time probe runs a backward of its own
+    for every in ("false", "true"):
+        count(f"dp=2,dp_mode=allreduce,reshard_after_microbatch={every}")
+    dist.destroy_process_group()
+
+
+def count(layout: str) -> None:
     from tandem.trainer.loop import Trainer, build_model
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
-    torch.set_num_threads(1)
-    cfg = worker.make_cfg("dp=2,dp_mode=allreduce", worker.GRAD_ACCUM)
+    cfg = worker.make_cfg(layout, worker.GRAD_ACCUM)
     pstate = init_parallel(cfg, resolve_device("cpu"))
     model = build_model(cfg, pstate)
     tr = Trainer.for_model(cfg, model, pstate)
@@ -34,9 +43,6 @@ def main() -> None:
             in_backward[-1] += 1
         return original(tensor, *args, **kwargs)
 
-    from tandem.models.moe import _grouped_mm_works
-
-    _grouped_mm_works(torch.device("cpu"), torch.float32)  # its one-time probe runs a backward of its own
     batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, worker.GRAD_ACCUM)
     counts = tr.global_target_counts(batches)
     real_backward = torch.Tensor.backward
@@ -53,9 +59,8 @@ def main() -> None:
     tr.clip_gradients()  # completes the step's gradient sync (nothing left in flight at teardown)
     dist.barrier()
     blocks = len(model.layers)
-    print(f"rank{dist.get_rank()} micro_batches={len(batches)} blocks={blocks} "
-          f"all_reduces_in_backward={','.join(map(str, in_backward))}", flush=True)
-    dist.destroy_process_group()
+    print(f"rank{dist.get_rank()} every={cfg.parallel.reshard_after_microbatch} micro_batches={len(batches)} "
+          f"blocks={blocks} all_reduces_in_backward={','.join(map(str, in_backward))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Precision: master weights, gradients and optimizer state are fp32. Under bf16 tr
 compute in fp32 from the gathered bf16 weight, as Megatron's fp32 routing does from its bf16
 parameters) and reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the
 all-reduce mode (`replicate`, the same machinery with replicated parameters) casts and all-reduces
-the same way. Every collective here takes
+the same way. Both sync in every micro-batch's backward, or once per step in the last one's
+(`parallel.reshard_after_microbatch`); the sum over micro-batches is fp32 either way. Every collective here takes
 device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
 """
 
@@ -44,21 +45,50 @@ def expert_parameters(module: nn.Module) -> List[nn.Parameter]:
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype: str):
-    """FSDP2's policy for a run computing in `compute_dtype` (None: fp32, no policy at all, so fp32
-    runs are unchanged): parameters gathered in the compute dtype, gradients reduced in
-    `grad_reduce_dtype` and kept fp32 in the sharded (master) parameters."""
+def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype: str,
+                         reshard_after_microbatch: bool = True):
+    """(FSDP2's policy, gradient wire dtype) for a run computing in `compute_dtype` (None: fp32, no
+    policy at all, so fp32 runs are unchanged): parameters gathered in the compute dtype, gradients
+    reduced in `grad_reduce_dtype` and kept fp32 in the sharded (master) parameters.
+
+    FSDP2 accumulates a step's unsharded gradients (`reshard_after_microbatch=False`) in the policy's
+    reduce dtype, and in the parameter dtype when the two match: a bf16 reduction would round the
+    running sum to bf16 at every micro-batch. There the policy reduces in fp32 (fp32 accumulation)
+    and the wire dtype is bf16: `apply_fsdp` casts just around the one reduce-scatter
+    (`CastingReduceScatter`). The wire dtype is None where the policy's own is used."""
     if compute_dtype is None:
-        return None
+        return None, None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=REDUCE_DTYPES[grad_reduce_dtype])
+    reduce = REDUCE_DTYPES[grad_reduce_dtype]
+    if not reshard_after_microbatch and reduce == compute_dtype:
+        return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32), reduce
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce), None
+
+
+def _casting_reduce_scatter(wire_dtype: torch.dtype):
+    """FSDP2's reduce-scatter with its fp32 input sent as `wire_dtype` (the output cast back to fp32)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class CastingReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            out = torch.empty_like(output_tensor, dtype=wire_dtype)
+            dist.reduce_scatter_single(out, input_tensor.to(wire_dtype), group=group, op=op)
+            output_tensor.copy_(out)
+            return None
+
+    return CastingReduceScatter()
 
 
 def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
-               batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset(), replicated: bool = False) -> None:
+               batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset(), replicated: bool = False,
+               wire_dtype: Optional[torch.dtype] = None) -> None:
     """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep,
-    under `mp_policy` (see `fsdp_mixed_precision`; None: fp32). `keep_whole`: parameters FSDP leaves
+    under `mp_policy` and `wire_dtype` (see `fsdp_mixed_precision`; None: fp32; torch's replicate
+    all-reduces in the policy's reduce dtype: no wire cast there). `keep_whole`: parameters FSDP leaves
     alone (pieces two pipeline stages of this rank share; the PLE n-gram tables, row-sharded over the
     stage's dp x ep x tp ranks by tensor_hybrid.shard_ple_tables: never gathered, and their gradients
     are already complete, so neither reduced here nor by the GradientFinisher; its global norm counts
@@ -90,6 +120,32 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modu
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum: losses are already globally normalised
                 m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
+                if wire_dtype is not None and not replicated:
+                    m.set_custom_reduce_scatter(_casting_reduce_scatter(wire_dtype))
+
+
+def pipeline_stage_class(reshard_after_microbatch: bool):
+    """The PipelineStage class for `parallel.reshard_after_microbatch`. torch's stage turns FSDP's
+    gradient sync and resharding off for every micro-batch's backward and syncs once, in the
+    schedule's REDUCE_GRAD after the last; with reshard_after_microbatch its full backward leaves
+    them on, so every micro-batch reduce-scatters and reshards as `Trainer.forward_backward` does
+    without a pipeline (REDUCE_GRAD then finds nothing left to reduce)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if not reshard_after_microbatch:
+        return PipelineStage
+    # torch's own full backward, without the no-sync switches around it (a private helper: the
+    # pipeline equivalence tests run both modes)
+    from torch.distributed.pipelining._backward import stage_backward
+
+    class ReshardingPipelineStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            if backward_type != "full":  # split input/weight backward (zero-bubble schedules)
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            return grads, None
+
+    return ReshardingPipelineStage
 
 
 @contextlib.contextmanager
@@ -138,8 +194,9 @@ class GradientFinisher:
     """`extras["clip_grad_norm"]`: completes this step's gradients, then clips by the global norm.
 
     1. Data parallelism is FSDP2's (`dp_mode=fsdp`: reduce-scatter) or its replicate (`allreduce`:
-       per-module all-reduces overlapped with backward), both issued by torch during the last
-       micro-batch's backward (`apply_fsdp`); nothing to do here.
+       per-module all-reduces overlapped with backward), both issued by torch during every
+       micro-batch's backward or the last one's (`apply_fsdp`, parallel.reshard_after_microbatch);
+       nothing to do here.
     2. Pipeline: sums the gradients of the copies of the embedding, final norm, head and MTP module
        held by several pp ranks (`shared`: piece -> (group of the holding ranks, copies)).
        Pieces kept out of FSDP (`replicated_names`: shared by two stages of one rank) are summed over

@@ -125,10 +125,11 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     if batch > 1:
         blocks = list(model.layers.values())
         roots = pipeline.modules if pipeline is not None else [model]
-        mp_policy = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype)
+        mp_policy, wire_dtype = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
+                                                     p.reshard_after_microbatch)
         apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
                    keep_whole=set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables},
-                   replicated=p.dp_mode == "allreduce")
+                   replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype)
     shared = {}
     if pp > 1:
         # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients

@@ -162,8 +162,7 @@ class Pipeline:
     """`extras["pipeline"]`: runs one step's micro-batches through the schedule on this rank."""
 
     def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         p = cfg.parallel
         self.ctx = _StepContext()
@@ -185,7 +184,10 @@ class Pipeline:
                         for s in mine]
         self.has_first, self.has_last = 0 in mine, (n_stages - 1) in mine
         self._mine, self._n_stages = mine, n_stages
-        self._kinds = (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
+        from .data import pipeline_stage_class
+
+        self._kinds = (pipeline_stage_class(p.reshard_after_microbatch), Schedule1F1B, ScheduleGPipe,
+                       ScheduleInterleaved1F1B)
         self.schedule = None
         self.schedule_name = p.pp_schedule
 
