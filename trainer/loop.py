@@ -209,18 +209,21 @@ class Trainer:
             return self.pstate.extras["pipeline"].forward_backward(batches, global_counts, coefs)
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
         sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
-        # FSDP2: accumulate unsharded gradients locally and reduce-scatter once, in the last
-        # micro-batch's backward (the same sum: one collective per step instead of per micro-batch),
-        # and keep parameters gathered between micro-batches, as torch's pipeline stages do for
-        # their FSDP submodules (the pipeline path above).
+        # FSDP2 (parallel.reshard_after_microbatch): by default every micro-batch's backward
+        # reduce-scatters into the sharded fp32 gradients and reshards, as torchtitan does; false
+        # accumulates unsharded gradients locally and reduce-scatters once, in the last micro-batch's
+        # backward (the same sum: one collective per step instead of per micro-batch), keeping the
+        # parameters gathered in between, as torch's pipeline stages do (the pipeline path above,
+        # data.pipeline_stage_class).
         from torch.distributed.fsdp import FSDPModule
 
         fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        every = self.cfg.parallel.reshard_after_microbatch
         for i, b in enumerate(batches):
-            last = i == len(batches) - 1
+            sync = every or i == len(batches) - 1
             for m in fsdp:
-                m.set_requires_gradient_sync(last, recurse=False)
-                m.set_reshard_after_backward(last, recurse=False)
+                m.set_requires_gradient_sync(sync, recurse=False)
+                m.set_reshard_after_backward(sync, recurse=False)
             with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"])
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
