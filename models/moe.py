@@ -19,7 +19,9 @@ detached tensor: converting it to a Python float here would be a host sync per l
 
 Precision: routing (logits, scores, top-k, the correction-bias comparison and the aux/z-losses)
 always computes in fp32, with autocast disabled locally, as Megatron and the reference
-implementations do; the experts compute in whatever precision autocast (or the parameters) give.
+implementations do; the experts compute in whatever precision autocast (or the parameters) give;
+each token's weighted sum of its top-k expert outputs accumulates in fp32 in slot order
+(`combine_expert_outputs`), not by a scatter-add in bf16, so it is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -188,6 +190,53 @@ def _expert_loop(x: torch.Tensor, counts, gate, up, down) -> torch.Tensor:
     return torch.cat(outputs, dim=0)
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[i]] = i (a scatter of distinct indices: no accumulation, deterministic)."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = sum over j = 0..k-1, in that order, of w[t, j] * y[pos[t, j]], accumulated in fp32 and
+    cast once to y's dtype. A scatter-add (`index_add_`) would sum the copies in y's dtype (bf16 under
+    autocast: a rounding per copy) and, on CUDA, in whatever order its atomics land (runs that differ
+    bit for bit). Written as a Function so that backward keeps only y in its own dtype (as the product
+    `y * w` did) and the fp32 products stay one [T, H] slice at a time, never [T, k, H]."""
+
+    @staticmethod
+    def forward(ctx, y_nh: torch.Tensor, w_tk: torch.Tensor, pos_tk: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y_nh, w_tk, pos_tk)
+        acc = ctx.acc = torch.promote_types(y_nh.dtype, torch.float32)  # fp32, or fp64 for an fp64 run
+        w = w_tk.to(acc)
+        out = torch.zeros(w.shape[0], y_nh.shape[1], dtype=acc, device=y_nh.device)
+        for j in range(w.shape[1]):
+            out.addcmul_(y_nh[pos_tk[:, j]].to(acc), w[:, j : j + 1])
+        return out.to(y_nh.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_th: torch.Tensor):
+        y_nh, w_tk, pos_tk = ctx.saved_tensors
+        g, w = grad_th.to(ctx.acc), w_tk.to(ctx.acc)
+        grad_y = torch.empty_like(y_nh) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        for j in range(w.shape[1]):
+            if grad_y is not None:  # each copy's position is written once: no accumulation
+                grad_y[pos_tk[:, j]] = (g * w[:, j : j + 1]).to(y_nh.dtype)
+            if grad_w is not None:
+                grad_w[:, j] = (g * y_nh[pos_tk[:, j]].to(ctx.acc)).sum(-1)
+        return grad_y, grad_w.to(w_tk.dtype) if grad_w is not None else None, None
+
+
+def combine_expert_outputs(y_sorted_nh: torch.Tensor, order: torch.Tensor, weights_tk: torch.Tensor) -> torch.Tensor:
+    """Each token's routed output, sum_j weights[t, j] * (its j-th copy's expert output), from the
+    copies' outputs in expert-sorted order (copy (t, j) is row i of y where order[i] = t * k + j).
+    fp32 accumulation in a fixed order (j = 0..k-1, whatever the experts): bitwise reproducible on
+    every device, and one bf16 rounding per output instead of one per copy. Returns y's dtype."""
+    t, k = weights_tk.shape
+    return _WeightedCombine.apply(y_sorted_nh, weights_tk, inverse_permutation(order).view(t, k))
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -273,18 +322,15 @@ class MoE(nn.Module):
         self.last_aux_loss = None
 
     def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sort token copies by expert, run the experts grouped, scatter weighted outputs back."""
+        """Sort token copies by expert, run the experts grouped, combine each token's weighted outputs
+        (`combine_expert_outputs`: fp32, fixed order)."""
         k = indices.shape[1]
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
         counts = expert_counts(flat, self.cfg.num_experts)  # stays on the device
         self.experts.prepare(counts)
-        token_of_copy = order // k
-        y = self.experts(x_th[token_of_copy], counts)
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        # Accumulate in the experts' output dtype (bf16 under autocast, like a dense MLP's output),
-        # not the input's: index_add_ needs both to match.
-        return torch.zeros(x_th.shape[0], y.shape[1], dtype=y.dtype, device=y.device).index_add_(0, token_of_copy, y)
+        y = self.experts(x_th[order // k], counts)
+        return combine_expert_outputs(y, order, weights)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         shape = x_bsh.shape

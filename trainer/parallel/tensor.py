@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from tandem.models.attention import Attention
 from tandem.models.layers import SwiGLU
 from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
-from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu
+from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu, inverse_permutation
 
 from .comm import all_to_all, copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
 from .sharded_params import local, shard_parameter
@@ -97,9 +97,7 @@ class ParallelExperts(GroupedExperts):
                                         output_size=x.shape[0])
         perm = torch.argsort((block % n_local) * ep + block // n_local, stable=True)
         y = expert_swiglu(x[perm], recv_ct.sum(0), gate, up, down, self.matmul)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=perm.device)
-        return all_to_all(y[inv], recv_splits, send_splits, self.ep_group)
+        return all_to_all(y[inverse_permutation(perm)], recv_splits, send_splits, self.ep_group)
 
 
 class TensorParallelMoE(MoE):
