@@ -1,8 +1,9 @@
 """MTP overhead: step time and peak memory with K looped MTP steps vs K=0, on the same trunk.
 
 Measured side by side in one run (steps interleaved, medians), next to what counting predicts:
-- flop_ratio: training FLOPs of the K-step model over the plain LM's (matmuls and attention; the
-  chunked cross-entropy recomputes each head's logits in backward, so a head costs 4x its forward);
+- flop_ratio: FLOPs a training step executes for the K-step model over the plain LM's (estimate.py's
+  hardware FLOPs: matmuls and attention; the chunked cross-entropy recomputes each head's logits in
+  backward, so a head costs 4x its forward);
 - layer_mem_ratio: the peak memory of the plain LM plus K extra trunk layers, measured as K times the
   peak-memory growth from adding one trunk layer (that layer's activations and its states), i.e. what
   MTP would cost if its depths were just K more layers with no K x vocab logits resident.
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
-from tandem.trainer.estimate import training_flops_per_token  # noqa: E402
+from tandem.trainer.estimate import hardware_flops_per_token  # noqa: E402
 from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.activation_checkpoint import MODES, apply_activation_checkpointing  # noqa: E402
@@ -85,7 +86,7 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     mem_plain, mem_mtp, mem_deeper = plain.peak_memory(), mtp.peak_memory(), deeper.peak_memory()
     result = {
         "step_time_ratio": statistics.median(t_mtp) / statistics.median(t_plain),
-        "flop_ratio": training_flops_per_token(cfg, looped, seq_len) / training_flops_per_token(cfg, plain_mtp, seq_len),
+        "flop_ratio": hardware_flops_per_token(cfg, looped, seq_len) / hardware_flops_per_token(cfg, plain_mtp, seq_len),
         "peak_mem_ratio": mem_mtp / mem_plain,
         "layer_mem_ratio": (mem_plain + k * (mem_deeper - mem_plain)) / mem_plain,
     }

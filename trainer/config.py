@@ -235,8 +235,9 @@ class LoggingConfig:
     progress: bool = True
     """Show a progress bar with ETA and live loss."""
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for the `mfu` metric; 0 uses the detected GPU/NPU's bf16 peak
-    (H100/H200, A100, Ascend 910B, ...) and omits `mfu` when unknown (CPU)."""
+    """Peak dense TFLOP/s of one device for the `mfu` (model FLOPs) and `hfu` (recomputation included)
+    metrics; 0 uses the detected GPU/NPU's bf16 peak (H100/H200, A100, Ascend 910B, ...) and omits both
+    when unknown (CPU)."""
 
 
 @dataclass

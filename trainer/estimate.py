@@ -23,8 +23,12 @@ activations and elementwise products are not counted) per layer kind, forward:
 - MLP 6H I; MoE 2H n_experts (router) + top_k x 6H I_e + 6H I_shared (+ 2H with the shared gate);
 - the qwen4_exp drafter's combine 2H^2 (fc_embedding) + 2H^2 hc (fc_hidden on every stream); the
   concat_proj combine 4H^2; a vocabulary head 2HV.
-Training is 3x the forward, except the head: 4x (its logits are recomputed in backward), over each
-depth's share of valid targets (S - d of S). `training_flops_per_token` is what MFU divides by.
+Model FLOPs (`training_flops_per_token`, what MFU counts): 3x the forward (forward + backward), the
+head included, over each depth's share of valid targets (S - d of S). Hardware FLOPs
+(`hardware_flops_per_token`, what the step executes: HFU and the step-time-over-FLOPs benches) add
+recomputation: each head 4x (its logits are recomputed in backward), the QSA indexer KL's dense
+target, and under `train.activation_checkpointing=full` one more forward of every block (`selective`
+keeps the matmul and attention outputs, so what it recomputes is not counted).
 
 Parameters: `layer_params` counts each trunk layer's parameters by kind from the config (tested
 against the modules on the meta device); `estimate` counts them exactly from the model built on the
@@ -216,12 +220,32 @@ def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> t
     return layers, head_forward_flops(cfg)
 
 
+def _valid_fraction(mtp: MTPConfig, seq_len: int) -> float:
+    """Targets per window token summed over the depths: depth d has S - d targets per window."""
+    return sum((seq_len - d) / seq_len for d in range(1 + mtp.num_steps))
+
+
 def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
-    """Forward + backward model FLOPs per trained token (the head recomputed in backward): MFU's."""
+    """Model FLOPs per trained token, forward + backward (3x the forward, heads included, no
+    recomputation): MFU's."""
     layers, head = forward_flops_per_token(cfg, mtp, seq_len)
-    depths = 1 + mtp.num_steps
-    valid = sum((seq_len - d) / seq_len for d in range(depths))  # depth d has S-d targets per window
-    return 3 * layers + 4 * head * valid
+    return 3 * (layers + head * _valid_fraction(mtp, seq_len))
+
+
+def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, activation_checkpointing: str = "none") -> float:
+    """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
+    (4x its forward), the QSA indexer KL's no-grad dense target, and under full activation
+    checkpointing a second forward of every trunk and MTP block (the target included): HFU's."""
+    layers, head = forward_flops_per_token(cfg, mtp, seq_len)
+    trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3 * trunk_layer_forward_flops(cfg, i, seq_len)
+                      for i in range(cfg.num_layers))
+    mtp_extra = mtp.num_steps * (mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len))
+    out = 3 * layers + 4 * head * _valid_fraction(mtp, seq_len) + trunk_extra + mtp_extra
+    if activation_checkpointing == "full":
+        mtp_block = layer_forward_flops(cfg, mtp.moe and cfg.num_experts > 0, seq_len, mtp_kind(cfg))
+        out += (sum(trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers)) + trunk_extra
+                + mtp.num_steps * mtp_block + mtp_extra)
+    return out
 
 
 def flops_by_kind(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Dict[str, float]:

@@ -130,9 +130,12 @@ class Trainer:
             self.guard.load_state(state)
             if self.pstate.is_main:
                 print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
-        from .estimate import training_flops_per_token
+        from .estimate import hardware_flops_per_token, training_flops_per_token
 
+        # `mfu` counts model FLOPs (3x the forward); `hfu` what the step executes (recomputation too)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
+        self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                                                 cfg.train.activation_checkpointing)
         self.peak_flops = (cfg.logging.peak_tflops or self.device.peak_tflops()) * 1e12
         # Written only once every check above has passed, so a failed start leaves an earlier run's
         # config.yaml as it was.
@@ -337,7 +340,8 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 tokens_per_s = self.global_batch * cfg.data.seq_len / dt
                 if self.peak_flops:
-                    record["mfu"] = self.flops_per_token * tokens_per_s / (self.pstate.world_size * self.peak_flops)
+                    per_flop = tokens_per_s / (self.pstate.world_size * self.peak_flops)
+                    record.update({"mfu": self.flops_per_token * per_flop, "hfu": self.hardware_flops_per_token * per_flop})
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
                                "tokens_per_s": tokens_per_s,
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics, **self.indexers.metrics(),

@@ -147,8 +147,11 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
     assert layer[0] == E.gdn_forward_flops(m, s) + E.ple_forward_flops(m) + 2 * E.hyper_connection_flops(m) + 2464
     assert layer[1] == E.qsa_forward_flops(m, s) + 2 * E.hyper_connection_flops(m) + 2464
     head, valid = 2 * 16 * 320, (16 + 15 + 14) / 16
-    expected = 3 * (sum(layer) + E.final_norm_forward_flops(m) + 2 * E.mtp_layer_forward_flops(m, mtp, s)) + 4 * head * valid
-    assert E.training_flops_per_token(m, mtp, s) == pytest.approx(expected, rel=1e-12)
+    model = 3 * (sum(layer) + E.final_norm_forward_flops(m) + 2 * E.mtp_layer_forward_flops(m, mtp, s) + head * valid)
+    assert E.training_flops_per_token(m, mtp, s) == pytest.approx(model, rel=1e-12)  # MFU's: 3x, no recomputation
+    # HFU's: each head's logits recomputed (4x) and the indexer KL's target in the QSA layer and both depths
+    hardware = model + head * valid + 3 * 2 * 16 * 16
+    assert E.hardware_flops_per_token(m, mtp, s) == pytest.approx(hardware, rel=1e-12)
     # pp_balance's items: the QSA layer also pays the indexer KL's dense no-grad target (2 heads x 8 x S)
     layers, depths = item_flops(cfg)
     assert layers == [3 * layer[0], 3 * layer[1] + 2 * 16 * 16]

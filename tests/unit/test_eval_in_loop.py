@@ -16,7 +16,7 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("corpus"))
 
 
-def _train(run_dir, cache_dir, interval, steps=4):
+def _train(run_dir, cache_dir, interval, steps=4, extra=()):
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import train
 
@@ -27,7 +27,7 @@ def _train(run_dir, cache_dir, interval, steps=4):
                  "train.micro_batch_size=2", f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
                  "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", "train.dtype=fp32",
                  "logging.wandb=false",
-                 "logging.progress=false", f"data.cache_dir={cache_dir}", "checkpoint.save_final=false"]
+                 "logging.progress=false", f"data.cache_dir={cache_dir}", "checkpoint.save_final=false", *extra]
     train(load_config("recipes/tiny.yaml", overrides))
     return [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
 
@@ -39,7 +39,8 @@ def _losses(records):
 
 def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_dir):
     with_eval = _train(tmp_path / "a", cache_dir, interval=2)
-    without = _train(tmp_path / "b", cache_dir, interval=0)
+    # a made-up CPU peak (1 GFLOP/s) so the run also logs `mfu` and `hfu` (checked below)
+    without = _train(tmp_path / "b", cache_dir, interval=0, extra=["logging.peak_tflops=0.001"])
     assert _losses(with_eval) == _losses(without)  # exact equality, not allclose
     evals = [r for r in with_eval if "eval/acceptance_length" in r]
     assert [r["step"] for r in evals] == [2, 4]
@@ -63,6 +64,19 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert isinstance(first["T1/continuation"], str) and len(first["output_ids"]) == 6
     assert 1.0 <= first["acceptance_length"] <= 4.0 and 1.0 <= first["T1/acceptance_length"] <= 4.0
     assert not (tmp_path / "b" / "eval_samples.jsonl").exists() or not open(tmp_path / "b" / "eval_samples.jsonl").read()
+    # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads' recomputed
+    # logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
+    from tandem.trainer.config import load_config
+    from tandem.trainer.estimate import hardware_flops_per_token, training_flops_per_token
+
+    cfg = load_config(str(tmp_path / "b" / "config.yaml"), [])
+    model = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
+    hardware = hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, cfg.train.activation_checkpointing)
+    assert hardware > model
+    for r in without:
+        assert r["mfu"] == pytest.approx(model * r["tokens_per_s"] / 1e9, rel=1e-9)
+        assert r["hfu"] == pytest.approx(hardware * r["tokens_per_s"] / 1e9, rel=1e-9)
+    assert not any("mfu" in r or "hfu" in r for r in with_eval)
 
 
 def test_samples_file_truncated_on_resume(tmp_path):

@@ -1,0 +1,51 @@
+"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/estimate.py) against a count by hand
+for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from them (test_eval_in_loop)."""
+
+import pytest
+
+from tandem.trainer import estimate as E
+from tandem.trainer.config import load_config
+
+# V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32), layer 1 MoE (4 experts, top 2,
+# expert width 8, one shared expert of width 8); one looped concat_proj MTP depth with an MoE block; S=8.
+TINY = ["model.vocab_size=320", "data.vocab_size=320", "model.hidden_size=16", "model.num_layers=2", "model.num_heads=2",
+        "model.num_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "model.num_experts=4",
+        "model.top_k=2", "model.moe_intermediate_size=8", "model.num_shared_experts=1", "model.first_k_dense=1",
+        "mtp.num_steps=1", "mtp.num_layers=1", "mtp.style=looped", "mtp.moe=true", "data.seq_len=8"]
+
+# forward FLOPs per token, 2 per multiply-add
+ATTN = 2 * 16 * (16 + 2 * 8) + 2 * 16 * 16 + 4 * 16 * (8 / 2)  # q,k,v + o + causal QK^T and AV = 1792
+MLP = 6 * 16 * 32  # 3072
+MOE = 2 * 16 * 4 + 2 * 6 * 16 * 8 + 6 * 16 * 8  # router + 2 routed experts + shared = 2432
+MTP_COMBINE = 2 * (2 * 16) * 16  # eh_proj over cat(emb, h): 1024
+HEAD = 2 * 16 * 320  # 10240
+VALID = 1 + 7 / 8  # depth 0 has 8 targets per 8-token window, depth 1 has 7
+FORWARD = (ATTN + MLP) + (ATTN + MOE) + (MTP_COMBINE + ATTN + MOE)  # 14336 without the head
+
+
+def test_model_flops_count_every_head_at_three_times_its_forward():
+    cfg = load_config(None, TINY)
+    got = E.training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
+    assert got == pytest.approx(3 * (FORWARD + HEAD * VALID), rel=1e-12)
+    assert got == 3 * (14336 + 19200)
+
+
+@pytest.mark.parametrize("checkpointing,recompute", [("none", 0), ("selective", 0),
+                                                      ("full", 2 * ATTN + MLP + MOE + ATTN + MOE)])
+def test_hardware_flops_add_the_heads_recompute_and_full_checkpointing(checkpointing, recompute):
+    """The head's logits are recomputed in backward (4x); full checkpointing runs every trunk and MTP
+    block forward again (not the MTP combine or the head); selective keeps the matmul outputs."""
+    cfg = load_config(None, TINY)
+    got = E.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, checkpointing)
+    assert got == pytest.approx(3 * FORWARD + 4 * HEAD * VALID + recompute, rel=1e-12)
+
+
+def test_flagship_mfu_no_longer_counts_the_head_recompute():
+    """On the GPU flagship recipe the old count (heads at 4x) was 14.6% above model FLOPs."""
+    cfg = load_config("recipes/moe_4b_mtp_gpu.yaml", [])
+    m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
+    model = E.training_flops_per_token(m, mtp, s)
+    hardware = E.hardware_flops_per_token(m, mtp, s, "none")
+    layers, head = E.forward_flops_per_token(m, mtp, s)
+    assert model == pytest.approx(3 * layers + 3 * head * sum((s - d) / s for d in range(1 + mtp.num_steps)))
+    assert hardware / model == pytest.approx(1.146, abs=5e-4)
