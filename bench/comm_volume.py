@@ -22,8 +22,9 @@ model dims and the rank's data (valid targets per depth), summed over ranks:
   PP  activations T*H per micro-batch and stage boundary, gradients back likewise; the shared
       embedding gradient (V/tp*H) summed between first and last stage; (K+1) loss sums all-reduced.
   DP  FSDP2: unsharded (padded) bytes of each FSDP unit per all-gather and reduce-scatter; the
-      all-reduce mode (replicate, FSDP2's units unsharded): each unit's gradients once per step (MTP
-      units once per MTP step) over its group. Plus counts / loss sums (K+1 each),
+      all-reduce mode (replicate, FSDP2's units unsharded): each unit's gradients over its group, in
+      every micro-batch's backward (`parallel.reshard_after_microbatch`, the default) or once per step
+      (=false, the `...,reshard_after_microbatch=false` layouts: `_fsdp_events`). Plus counts / loss sums (K+1 each),
       router loads (E per MoE layer) and the grad-norm scalar.
 Ends with `max_measured_over_analytic=<x>`.
 """
@@ -43,7 +44,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {
     "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
-    "dp=2,dp_mode=allreduce": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4, "tp=2,ep=2,pp=2": 8,
+    "dp=2,dp_mode=allreduce": 2, "dp=2,reshard_after_microbatch=false": 2,
+    "dp=2,dp_mode=allreduce,reshard_after_microbatch=false": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4, "tp=2,ep=2,pp=2": 8,
     "tp=2,sequence_parallel=true": 2, "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,sequence_parallel=true": 4,
 }
@@ -204,13 +206,16 @@ def analytic(cfg, model, pstate, batches):
                 for fp in group.fsdp_params:
                     shape = fp.padded_sharded_param_size
                     full += math.prod(shape) * (1 if replicate else group.mesh_info.shard_mesh_size)
-                gathers, scatters = _fsdp_events(unit, model, pipe, n_micro)
+                every = cfg.parallel.reshard_after_microbatch
+                gathers, scatters = _fsdp_events(unit, model, pipe, n_micro, every)
                 if pipe is None and _inside_mtp(unit, model):
-                    # run once per MTP step: gathered each time; in the gradient-syncing (last)
-                    # micro-batch FSDP2 reduces such a unit after each of its K calls' backward
-                    # (its earlier micro-batches accumulated unsharded, unreduced)
+                    # run once per MTP step: gathered each time. Its post-backward hook fires K times per
+                    # backward, the first before any of its gradients exist: with a sync in every
+                    # micro-batch that one finds nothing to reduce (one reduce-scatter per micro-batch);
+                    # with reshard_after_microbatch=false the last micro-batch's first hook reduces what
+                    # the earlier micro-batches accumulated, the later ones the rest (K per step, K=2 here)
                     gathers *= K
-                    scatters = K
+                    scatters = n_micro if every else K
                 if replicate:
                     out["all_reduce"] += F32 * full * scatters
                 else:
@@ -225,12 +230,16 @@ def _inside_mtp(unit, model) -> bool:
     return mtp is not None and unit is not model and any(unit is x for x in mtp.modules())
 
 
-def _fsdp_events(unit, model, pipe, n_micro):
+def _fsdp_events(unit, model, pipe, n_micro, every: bool):
     """(all-gathers, reduce-scatters) of one FSDP unit per step."""
     is_root = unit is model or (pipe is not None and unit in pipe.modules)
-    # gradient sync (and the resharding after backward) only on the last micro-batch, in the loop
-    # (Trainer.forward_backward) as in torch's pipeline stages: blocks gather in the first forward and
-    # in every backward, the root (not resharded after forward) once; one reduce-scatter per step.
+    if every:
+        # parallel.reshard_after_microbatch (the default): each micro-batch's backward reduce-scatters
+        # and reshards: blocks gather in every forward and every backward, the root (not resharded
+        # after forward) once per micro-batch.
+        return (n_micro if is_root else 2 * n_micro), n_micro
+    # gradient sync (and the resharding after backward) only on the last micro-batch: blocks gather in
+    # the first forward and in every backward, the root once; one reduce-scatter per step.
     return (1 if is_root else n_micro + 1), 1
 
 
