@@ -79,3 +79,26 @@ def test_qwen4_exp_trunk_bench():
         s = int(row["seq"])  # each query: min(budget / r, complete blocks) blocks plus its incomplete tail
         selected = sum(min(blocks, (t + 1) // r) * r + (t + 1) % r for t in range(s))
         assert abs(float(row["selected_fraction"]) - selected / (s * (s + 1) / 2)) < 1e-3, row
+
+
+def test_qsa_reuse_bench(tmp_path, corpus_cache):
+    """QSA index reuse on a 2-step qwen4_exp_tiny checkpoint: with reuse the drafter runs its indexer once
+    per round (depth 1), without it at each of the K depths; block scoring shrinks accordingly, and both
+    decode exactly what autoregressive decoding gives."""
+    run = tmp_path / "q4"
+    train = [sys.executable, "-m", "tandem.trainer.cli", "train", "recipes/qwen4_exp_tiny.yaml", f"run.dir={run}",
+             f"data.cache_dir={corpus_cache}", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
+             "model.vocab_size=512", "data.seq_len=64", "train.max_steps=2", "train.warmup_steps=1",
+             "eval.interval=0", "checkpoint.interval=2", "logging.progress=false", "train.dtype=fp32"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "bench/qsa_reuse.py", "--checkpoint", str(run), "--num-prompts", "2",
+                           "--prompt-len", "24", "--max-new-tokens", "8", "--batch-size", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = dict(field.split("=") for field in proc.stdout.strip().splitlines()[-1].split())
+    assert float(line["indexer_calls_per_round_reuse"]) == 1.0 and float(line["indexer_calls_per_round_own"]) == 3.0
+    saved = 1 - float(line["indexer_macs_per_round_reuse"]) / float(line["indexer_macs_per_round_own"])
+    assert 0 < saved < 1 and abs(saved - float(line["indexer_work_saved"])) < 1e-3
+    assert line["identical_to_autoregressive_reuse"] == line["identical_to_autoregressive_own"] == "1.0000"
