@@ -31,6 +31,7 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .config import ModelConfig
 from .layers import SwiGLU
@@ -129,7 +130,12 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                with torch.inference_mode(False), torch.enable_grad():  # also when first met in decoding
+                # also when first met in decoding, and apart from the caller's autograd: inside an
+                # activation-checkpointed block, the block's saved-tensor hooks would take the probe's
+                # tensors (its backward then recomputes the block mid-forward) and the selective
+                # policy's dispatch mode would count its ops
+                with torch.inference_mode(False), torch.enable_grad(), _disable_current_modes(), \
+                        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                     w = torch.ones(2, 8, 8, dtype=dtype, device=device, requires_grad=True)
                     x = torch.ones(3, 8, dtype=dtype, device=device, requires_grad=True)
                     offs = torch.tensor([1, 3], dtype=torch.int32, device=device)

@@ -266,6 +266,6 @@ def test_collectives_take_device_tensors(layout, runs):
     if (int(kv.get("dp", 1)) * int(kv.get("ep", 1)) > 1) and kv.get("dp_mode") != "allreduce":
         assert {"distributed.all_gather_single", "distributed.reduce_scatter_single"} <= ops, ops
     if kv.get("ep") == "2":
-        assert "distributed.all_to_all_single" in ops, ops
+        assert "_functional_collectives.all_to_all_single" in ops, ops
     if kv.get("tp") == "2" and kv.get("sequence_parallel") == "true":
         assert "_functional_collectives.all_gather_single" in ops, ops

@@ -3,8 +3,13 @@ saved activations, unchanged parameter names."""
 
 from __future__ import annotations
 
+import collections
+import os
+import sys
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.trainer.config import load_config
 from tandem.trainer.loop import build_model as build_sharded
@@ -79,3 +84,114 @@ def test_bad_mode_is_a_config_error():
 
     with pytest.raises(ConfigError, match="train.activation_checkpointing.*must be none, full or selective"):
         load_config(None, OVERRIDES + ["train.activation_checkpointing=some"])
+
+
+# --- what runs again in backward ------------------------------------------------------------------
+# The ops worth not recomputing: the matmuls (dense and the routed experts' custom op) and the expert
+# dispatch's exchanges (functional all-to-alls; an in-place c10d all-to-all would show as alltoall_base_).
+COUNTED = ("aten.mm", "aten.addmm", "aten.bmm", "tandem.grouped_mm", "_c10d_functional.all_to_all_single",
+           "c10d.alltoall_base_")
+
+
+class BackwardOps(TorchDispatchMode):
+    """Counts the COUNTED ops that run while autograd's engine runs a backward (recomputations included;
+    an op that selective checkpointing answers from its cache never reaches this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in COUNTED and torch._C._current_graph_task_id() != -1:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(model, tokens) -> collections.Counter:
+    """One bf16 (autocast) forward, then the ops its backward runs."""
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens)
+    counter = BackwardOps()
+    with counter:
+        out.loss_sums.sum().backward()
+    return counter.calls
+
+
+def test_selective_recomputes_no_matmul_and_no_expert_in_bf16():
+    """`selective` keeps the routed experts' outputs (the custom op `tandem::grouped_mm`, which is what
+    the policy sees) and every dense matmul's: its backward runs exactly the matmuls a run without
+    checkpointing runs (their gradients), where `full` runs each block's forward matmuls once more.
+    In bf16 under autocast, with the looped MTP layer (K=2 depths on L=1 layer: one block run twice per
+    forward) and the grouped kernel's one-time probe first met inside a checkpointed block, both of
+    which used to break the recomputation."""
+    from tandem.models.moe import _GROUPED_MM_WORKS
+
+    calls = {}
+    for mode in ("none", "full", "selective"):
+        _GROUPED_MM_WORKS.clear()  # the probe runs again, inside the first checkpointed MoE block
+        cfg = load_config(None, OVERRIDES + [f"train.activation_checkpointing={mode}"])
+        model = build_model(cfg)
+        tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(0))
+        calls[mode] = _backward_ops(model, tokens)
+    moe_forwards = 2 + 2  # trunk layers 1 and 2, the MTP block at depths 1 and 2
+    assert calls["none"]["tandem.grouped_mm"] == 0
+    assert calls["full"]["tandem.grouped_mm"] == 3 * moe_forwards, calls["full"]  # gate, up, down again
+    assert calls["full"]["aten.mm"] > calls["none"]["aten.mm"] > 0, calls
+    assert calls["selective"] == calls["none"], calls
+
+
+# --- expert parallelism: the dispatch's all-to-alls are kept (2 processes on gloo) ------------------
+DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
+
+
+def _ep_backward_ops_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.path.insert(0, DIST)
+    import torch.distributed as dist
+    import worker  # the equivalence harness's configs and data
+
+    from tandem.trainer.parallel import init_parallel
+    from tandem.trainer.parallel.device import resolve_device
+
+    result = {}
+    for mode in ("none", "full", "selective"):
+        cfg = worker.make_cfg(f"ep=2,train.activation_checkpointing={mode}", 1)
+        pstate = init_parallel(cfg, resolve_device("cpu"))
+        model = build_sharded(cfg, pstate)
+        batch = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, 1)[0]
+        result[mode] = _backward_ops(model, batch["tokens"])
+        # FSDP's gradient reduce-scatter finishes after backward; let it drain before the next build
+        dist.barrier()
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_selective_keeps_the_expert_dispatch_under_ep(tmp_path):
+    """ep=2, bf16: under `selective` the backward runs the same all-to-alls (the exchanges' own
+    backward) and matmuls as without checkpointing: neither the count exchange nor the token dispatch
+    and combine, nor the experts, run again; under `full` they all do."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "result.pt")
+    mp.spawn(_ep_backward_ops_rank, args=(2, port, out), nprocs=2)
+    calls = torch.load(out, weights_only=False)
+    a2a = "_c10d_functional.all_to_all_single"
+    moe_forwards = 3 + 2  # worker.BASE: trunk layers 1..3, the MTP block at depths 1 and 2
+    assert calls["none"][a2a] == 2 * moe_forwards, calls["none"]  # dispatch and combine, reversed
+    assert calls["none"]["c10d.alltoall_base_"] == 0, calls["none"]
+    assert calls["full"][a2a] == calls["none"][a2a] + 3 * moe_forwards, calls["full"]  # counts, tokens out, back
+    assert calls["full"]["tandem.grouped_mm"] == 3 * moe_forwards, calls["full"]
+    assert calls["selective"] == calls["none"], calls

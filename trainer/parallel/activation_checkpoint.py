@@ -2,9 +2,10 @@
 
 Per transformer block, trunk and MTP layers alike:
 * `full`: the block keeps only its input; everything inside is recomputed in backward.
-* `selective`: the block keeps the outputs of its matmuls (projections, experts, the head-sized
-  products) and of attention, and recomputes the cheap, memory-heavy rest (norms, SwiGLU's
-  elementwise products, rotary, routing softmax/top-k) — torchtitan's op-level selective policy.
+* `selective`: the block keeps the outputs of its matmuls (projections, routed experts, the
+  head-sized products), of attention and of the expert-parallel all-to-alls, and recomputes the
+  cheap, memory-heavy rest (norms, SwiGLU's elementwise products, rotary, routing softmax/top-k, the
+  token gathers) — torchtitan's op-level selective policy.
 
 The block's `forward` is wrapped in place, so parameter names, and with them checkpoints, are the
 same with and without it, and the wrapping composes with TP/EP/FSDP hooks and pipeline stages. Without
@@ -25,13 +26,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
+
 MODES = ("none", "full", "selective")
 
-# Outputs worth keeping under `selective`: the FLOP-heavy products. Everything else is recomputed.
+# Outputs worth keeping under `selective`: the FLOP-heavy products and the expert dispatch's
+# exchanges. Everything else is recomputed. The routed experts run as the custom op
+# `tandem::grouped_mm` (models/moe.py), which is what the policy sees, not the aten kernel inside it.
+# Expert parallelism's all-to-alls are functional collectives (trainer/parallel/tensor.py), whose
+# outputs can be kept like any op's: a recomputation then neither re-sends tokens nor waits on peers.
 _SAVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
          torch.ops.aten._scaled_dot_product_flash_attention.default,
          torch.ops.aten._scaled_dot_product_efficient_attention.default,
-         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+         torch.ops.tandem.grouped_mm.default,
+         torch.ops._c10d_functional.all_to_all_single.default]
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE.append(torch.ops.aten._grouped_mm.default)
 _SAVE_SET = frozenset(_SAVE)
@@ -68,11 +77,28 @@ def _contexts(block: nn.Module, selective: bool):
     return forward_ctx, _recomputing(block, recompute_ctx)
 
 
+@contextlib.contextmanager
+def _autocast_cache_off() -> Iterator[None]:
+    # Autocast caches its casts of weights until the outermost autocast exits, so a block run twice in
+    # one forward (a looped MTP layer serving several depths) casts its weights only the first time,
+    # while each recomputation in backward starts with an empty cache and casts again. The selective
+    # policy's replay matches ops by count and would fail on the extra casts; with the cache off, the
+    # forward and the recomputation (which inherits this setting) cast alike. The casts are recomputed
+    # under `selective` anyway, so nothing more is kept.
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
+
+
 def _checkpointed(forward: Callable, block: nn.Module, selective: bool, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, block, selective),
-                      **kwargs)
+    with _autocast_cache_off() if selective else contextlib.nullcontext():
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=functools.partial(_contexts, block, selective), **kwargs)
 
 
 def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:

@@ -35,6 +35,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -51,7 +52,7 @@ from tandem.models.layers import SwiGLU
 from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu, inverse_permutation
 
-from .comm import all_to_all, copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
+from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
 from .sharded_params import local, shard_parameter
 from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
 
@@ -66,6 +67,10 @@ class ParallelExperts(GroupedExperts):
     sent back in the original order. The count exchange starts in `prepare`, before the caller
     gathers the token copies, and the all-to-all's split sizes are the layer's one host round trip.
     Under tp the output is a partial sum (the caller reduces it once per layer).
+
+    The three exchanges are functional collectives (an op with an output, not an in-place write), so
+    selective activation checkpointing keeps their outputs and a recomputation in backward neither
+    re-sends tokens nor waits on the other ranks (activation_checkpoint.py).
     """
 
     ep_group = None
@@ -76,9 +81,8 @@ class ParallelExperts(GroupedExperts):
     def prepare(self, counts: torch.Tensor) -> None:
         if self.ep_size > 1:
             send_ct = counts.view(self.ep_size, -1)
-            recv_ct = torch.empty_like(send_ct)
-            work = dist.all_to_all_single(recv_ct, send_ct, group=self.ep_group, async_op=True)
-            self._exchange = (send_ct, recv_ct, work)
+            # asynchronous: the result waits for the exchange when first read (in `forward`)
+            self._exchange = (send_ct, funcol.all_to_all_single(send_ct, None, None, self.ep_group))
 
     def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
@@ -86,10 +90,9 @@ class ParallelExperts(GroupedExperts):
             return expert_swiglu(x_sorted_nh, counts, gate, up, down, self.matmul)
         if self._exchange is None:  # a caller that skipped `prepare`
             self.prepare(counts)
-        (send_ct, recv_ct, work), self._exchange = self._exchange, None
-        work.wait()
+        (send_ct, recv_ct), self._exchange = self._exchange, None
         send_splits, recv_splits = torch.stack([send_ct.sum(1), recv_ct.sum(1)]).tolist()
-        x = all_to_all(x_sorted_nh, send_splits, recv_splits, self.ep_group)
+        x = funcol.all_to_all_single_autograd(x_sorted_nh, recv_splits, send_splits, self.ep_group)
         # received blocks are source-major ([src][local expert]); regroup expert-major (stable
         # within a block) with a device-side sort of each row's (expert, source) key
         ep, n_local = recv_ct.shape
@@ -97,7 +100,8 @@ class ParallelExperts(GroupedExperts):
                                         output_size=x.shape[0])
         perm = torch.argsort((block % n_local) * ep + block // n_local, stable=True)
         y = expert_swiglu(x[perm], recv_ct.sum(0), gate, up, down, self.matmul)
-        return all_to_all(y[inverse_permutation(perm)], recv_splits, send_splits, self.ep_group)
+        return funcol.all_to_all_single_autograd(y[inverse_permutation(perm)], send_splits, recv_splits,
+                                                 self.ep_group)
 
 
 class TensorParallelMoE(MoE):
