@@ -23,24 +23,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
 
 
 def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
-    from test_qwen4_exp import EOS, VOCAB  # the tiny all-parts config of the parity test
+    from test_qwen4_exp import VOCAB
     from test_vllm_serving import vllm_python
 
-    from tandem.models import MTPConfig, ModelConfig, TandemModel
+    from tandem.eval.testing import tiny_qwen4_model
     from tandem.trainer.hf.exporter import export_hf
     from tandem.trainer.hf.importer import CheckpointReader
 
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
-                      first_k_dense=0, router_score="softmax", balance="aux_loss", zero_centered_norm=True,
-                      full_attention_interval=2, partial_rotary_factor=0.5, linear_num_key_heads=2,
-                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, indexer_heads=2,
-                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4, hc_lowrank=8,
-                      ple_layers=[0], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=EOS, max_seq_len=64)
-    mtp = MTPConfig(num_steps=3, num_layers=1)
-    torch.manual_seed(0)
+    model = tiny_qwen4_model(3, vocab=VOCAB)  # every part on: QSA, Gated DeltaNet, hyper-connections, PLE, MoE
+    cfg, mtp = model.cfg, model.mtp_cfg
     out = tmp_path / "export"
-    export_hf(TandemModel(cfg, mtp), str(out), "qwen4_exp", cfg=cfg, mtp=mtp)
+    export_hf(model, str(out), "qwen4_exp", cfg=cfg, mtp=mtp)
     reader = CheckpointReader(str(out))
     shapes = {k: tuple(reader.shape(k)) for k in reader.keys()}
     reader.close()
@@ -48,8 +41,14 @@ def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
     proc = subprocess.run([vllm_python(), os.path.join(HERE, "vllm_qwen4_names.py"), str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    remapped = json.loads(proc.stdout.strip().splitlines()[-1])["names"]
+    vllm_side = json.loads(proc.stdout.strip().splitlines()[-1])
+    remapped = vllm_side["names"]
     assert set(remapped) == set(shapes)
+    # the drafter was trained reusing depth 1's QSA selection: the config tells vLLM's proposer so, under
+    # the key its speculative config reads (default off there)
+    with open(out / "config.json") as f:
+        assert json.load(f)["index_share_for_mtp_iteration"] is True
+    assert "index_share_for_mtp_iteration" in vllm_side["speculative_config_keys"]
 
     mtp_keys = [k for k in shapes if k.startswith("mtp.")]
     assert mtp_keys and all(remapped[k] == "model." + k[len("mtp."):] for k in mtp_keys)

@@ -1,6 +1,7 @@
 """Map every tensor name of an exported Qwen4-Exp checkpoint through vLLM's own drafter loader remapping
 (`_remap_mtp_weight_name` of `vllm/models/qwen4_exp/nvidia/mtp.py`, the function `Qwen4ExpMTP.load_weights`
-applies) and print one JSON object {"names": {checkpoint name: vLLM draft-model name or null}}.
+applies) and print one JSON object {"names": {checkpoint name: vLLM draft-model name or null},
+"speculative_config_keys": [the identifier-like string constants of vLLM's speculative config]}.
 
 Run with the Python of the vLLM virtual environment (never imports tandem):
     python vllm_qwen4_names.py EXPORT_DIR
@@ -38,9 +39,22 @@ def vllm_remap():
     return namespace["_remap_mtp_weight_name"]
 
 
+def speculative_config_keys():
+    """The string constants of vLLM's speculative config module (the config.json keys it reads are
+    among them)."""
+    import ast
+    import importlib.util
+
+    root = importlib.util.find_spec("vllm").submodule_search_locations[0]
+    tree = ast.parse(open(os.path.join(root, "config", "speculative.py")).read())
+    return sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and n.value.isidentifier()})
+
+
 def main(argv):
     _remap_mtp_weight_name = vllm_remap()
-    print(json.dumps({"names": {k: _remap_mtp_weight_name(k) for k in checkpoint_names(argv[0])}}))
+    print(json.dumps({"names": {k: _remap_mtp_weight_name(k) for k in checkpoint_names(argv[0])},
+                      "speculative_config_keys": speculative_config_keys()}))
     return 0
 
 

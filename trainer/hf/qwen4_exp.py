@@ -207,4 +207,7 @@ def hf_config(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> dict:
     }
     if n_mtp:
         out["mtp_num_hidden_layers"] = n_mtp
+        # vLLM's Qwen4ExpMTP proposer reuses depth 1's QSA selection only when told (default off): serve
+        # the drafter as it was trained
+        out["index_share_for_mtp_iteration"] = bool(mtp.qsa_reuse_indices)
     return out
