@@ -14,6 +14,13 @@
    K=3), first trained with the real Trainer on the embedded stdlib corpus so drafts mean something:
    acceptance length, spec and autoregressive tokens/s, speedup, speedup/acceptance, and whether the
    greedy speculative tokens equal autoregressive decoding's.
+3. Serving Qwen4-Exp with vLLM (CUDA only; vLLM runs `qwen4_exp` nowhere else): `recipes/qwen4_exp_tiny.yaml`
+   trained briefly with its MTP drafter, `tandem export --family qwen4_exp`, `tandem eval` greedy at K=3
+   with the serving draft convention, and the export served by vLLM (`tests/e2e/vllm_driver.py`, fp32,
+   MTP speculation at K=3) from `--vllm-python` (default: $TANDEM_VLLM_PYTHON, else this interpreter
+   when it imports vllm) on the same prompt ids: PASS when the greedy tokens are identical and vLLM's
+   draft and accepted-token counters equal the evaluator's counted as vLLM counts them. Its time is
+   reported apart from `runtime_s` (vLLM's start-up dominates it).
 
 Every figure is printed as `name = value` on its own line; targets (issue 13) get PASS/FAIL, judged
 only on cuda/npu (n/a on CPU). The last line is `summary: key=value ...`. `--device cpu --quick`
@@ -42,6 +49,8 @@ sys.path.insert(0, ROOT)
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 MOE_RECIPE = os.path.join(ROOT, "recipes", "moe_4b_mtp_gpu.yaml")
 K = 3
+DRIVER = os.path.join(ROOT, "tests", "e2e", "vllm_driver.py")
+QWEN4_RECIPE = os.path.join(ROOT, "recipes", "qwen4_exp_tiny.yaml")
 TARGETS = {"mfu": 0.40, "k3_step_over_flop_ratio": 1.10, "speedup_over_acceptance": 0.80, "runtime_s": 480.0}
 
 # One device, no parallelism, one micro-batch per step, bf16 autocast (fp32 master weights and AdamW).
@@ -269,6 +278,75 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     free_memory(device)
 
 
+def vllm_interpreter(args):
+    """The Python that runs vLLM: --vllm-python, $TANDEM_VLLM_PYTHON, or this one when it has vllm."""
+    import importlib.util
+
+    path = args.vllm_python or os.environ.get("TANDEM_VLLM_PYTHON", "")
+    if path:
+        return path
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def qwen4_vllm_serving(device, args, run_dir: str) -> None:
+    """Section 3: a trained qwen4_exp_tiny export served by vLLM against Tandem's evaluator."""
+    import subprocess
+
+    py = vllm_interpreter(args)
+    if device.type != "cuda" or py is None:
+        why = "vLLM serves qwen4_exp on CUDA only" if device.type != "cuda" else "no vLLM (pass --vllm-python)"
+        show("qwen4_serve.verdict", None, verdict=f"n/a ({why})")
+        return
+    t0 = time.perf_counter()
+    n_prompts, new = 8, 32
+    run, hf, records = (os.path.join(run_dir, x) for x in ("q4run", "q4hf", "q4eval.jsonl"))
+    steps = 20 if args.quick else 200
+    cli = [sys.executable, "-m", "tandem.trainer.cli"]
+    env = dict(os.environ, WANDB_MODE="disabled")
+    train = cli + ["train", QWEN4_RECIPE, f"run.dir={run}", "device=cuda", "train.dtype=bf16", f"train.max_steps={steps}",
+                   "eval.interval=0", f"checkpoint.interval={steps}", "logging.progress=false"]
+    if args.cache_dir:
+        train.append(f"data.cache_dir={args.cache_dir}")
+    steps_run = [train, cli + ["export", "--checkpoint", run, "--out", hf, "--family", "qwen4_exp"],
+                 cli + ["eval", "--checkpoint", run, "--device", "cuda", "--num-prompts", str(n_prompts), "--num-steps",
+                        str(K), "--max-new-tokens", str(new), "--draft-convention", "serving", "--output", records]]
+    for cmd in steps_run:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if proc.returncode != 0:
+            show("qwen4_serve.verdict", None, verdict=f"FAIL ({cmd[3]} exited {proc.returncode}: "
+                 f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''})")
+            return
+    rows = [json.loads(x) for x in open(records)]
+    prompts, outputs = [r["prompt_ids"] for r in rows], [r["output_ids"] for r in rows]
+    # Tandem's rounds counted as vLLM counts them: every proposed draft, accepted until the first miss
+    tandem_counts = [sum(r["drafts"] for r in rows), sum(r["accepted_all"] for r in rows)]
+    prompts_file = os.path.join(run_dir, "q4prompts.json")
+    with open(prompts_file, "w") as f:
+        json.dump(prompts, f)
+    from tandem.data_pipeline.tokenizer import load_tokenizer
+
+    eos = load_tokenizer(hf).eod_id
+    proc = subprocess.run([py, DRIVER, hf, prompts_file, "--k", str(K), "--max-tokens", str(new),
+                           "--max-model-len", "512", "--memory", "0.3"] + (["--eos", str(eos)] if eos is not None else []),
+                          capture_output=True, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")]
+    show("qwen4_serve.seconds", time.perf_counter() - t0, ".1f")
+    if proc.returncode != 0 or not line:
+        tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+        show("qwen4_serve.verdict", None, verdict=f"FAIL (vLLM exited {proc.returncode}: {tail})")
+        return
+    got = json.loads(line[-1][len("VLLM_RESULT "):])
+    vm = got["metrics"]
+    vllm_counts = [vm["num_drafts"], vm["num_accepted_tokens"]]
+    same = sum(a == b for a, b in zip(got["outputs"], outputs))
+    show("qwen4_serve.identical_outputs", f"{same}/{len(outputs)}")
+    show("qwen4_serve.acceptance_length_vllm", 1 + vllm_counts[1] / max(vllm_counts[0], 1))
+    show("qwen4_serve.acceptance_length_tandem", 1 + tandem_counts[1] / max(tandem_counts[0], 1))
+    ok = same == len(outputs) and vllm_counts == tandem_counts
+    show("qwen4_serve.verdict", "PASS" if ok else "FAIL", verdict=f"(counts [drafts, accepted]: vLLM {vllm_counts}, "
+         f"Tandem {tandem_counts})")
+
+
 # --- entry point --------------------------------------------------------------------------------
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -282,6 +360,7 @@ def parse_args(argv):
                    help="share of device memory the ~1B config's estimated peak may take when sizing it")
     p.add_argument("--spec-train-steps", type=int, default=None, help="training steps of the spec-decode model")
     p.add_argument("--cache-dir", default="", help="the stdlib corpus cache (data.cache_dir)")
+    p.add_argument("--vllm-python", default="", help="interpreter of a vLLM (CUDA) environment for section 3")
     args = p.parse_args(argv)
     for flag, value, ok in (("--steps", args.steps, args.steps >= 1), ("--micro-batch", args.micro_batch, args.micro_batch >= 0),
                             ("--mem-fraction", args.mem_fraction, 0 < args.mem_fraction <= 1),
@@ -319,12 +398,15 @@ def main(argv=None) -> int:
         spec_decode(device, args, judged, run_dir)
     runtime = time.perf_counter() - T0
     show("runtime_s", runtime, ".1f", judge(runtime, TARGETS["runtime_s"], False, judged and not args.quick))
+    with tempfile.TemporaryDirectory(prefix="gpu_check_q4_") as run_dir:
+        qwen4_vllm_serving(device, args, run_dir)
     keys = {"mfu_1b": "1b.k3.mfu", "mfu_1b_k0": "1b.k0.mfu", "tokens_per_s_1b_k0": "1b.k0.tokens_per_s",
             "tokens_per_s_1b_k3": "1b.k3.tokens_per_s", "flop_ratio_1b": "1b.flop_ratio_k3_over_k0",
             "k3_step_over_flop_ratio": "1b.k3_step_over_flop_ratio", "mem_over_estimate_1b": "1b.k3.mem_over_estimate",
             "acceptance_length": "spec.acceptance_length", "speedup": "spec.speedup",
             "speedup_over_acceptance": "spec.speedup_over_acceptance",
-            "identical_to_autoregressive": "spec.identical_to_autoregressive", "runtime_s": "runtime_s"}
+            "identical_to_autoregressive": "spec.identical_to_autoregressive", "runtime_s": "runtime_s",
+            "qwen4_vllm_serving": "qwen4_serve.verdict"}
     print("summary: " + " ".join(
         f"{k}={'n/a' if FIGURES[v] is None else (f'{FIGURES[v]:.4g}' if isinstance(FIGURES[v], float) else FIGURES[v])}"
         for k, v in keys.items()), flush=True)

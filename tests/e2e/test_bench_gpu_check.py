@@ -114,6 +114,8 @@ def test_summary_line_repeats_the_figures(quick):
     assert abs(float(summary["mfu_1b"]) - num(f, "1b.k3.mfu")) <= 1e-3 * num(f, "1b.k3.mfu")
     assert abs(float(summary["speedup_over_acceptance"]) - num(f, "spec.speedup_over_acceptance")) <= 1e-3
     assert summary["identical_to_autoregressive"] == "1"
+    # section 3 (vLLM serving Qwen4-Exp) runs on CUDA only and says so here
+    assert summary["qwen4_vllm_serving"] == "n/a" and verdicts["qwen4_serve.verdict"].startswith("n/a (")
     # on CPU nothing is judged: no PASS/FAIL anywhere
     assert not any(v.startswith(("PASS", "FAIL")) for v in verdicts.values())
 
