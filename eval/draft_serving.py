@@ -80,11 +80,12 @@ class ServingDrafter:
         self.zero_first = model.mtp.layer_for_step(1).combine_style == "concat_proj"
         self.final_norm = model.mtp_cfg.trunk_input == "final_norm"
 
-    def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """MTP depth k on the shared cache (TandemModel.mtp_step plus the serving engine's zeroed
         embedding at position 0 for the concat_proj combine, and depth k's reused QSA selection read
-        from depth 1's query at m - 1, k - 1 positions back)."""
+        from depth 1's query at m - 1, k - 1 positions back). `span`: the cache's key prefix (host int)."""
         model = self.dec.model
+        self.cache.cache.span = span
         if k == 1 and self.final_norm:
             h_prev = model.norm(h_prev)  # vLLM hands its proposer the trunk's normed output
         emb = model.embed_tokens(tokens)
@@ -105,16 +106,16 @@ class ServingDrafter:
         model, B, H, m = dec.model, dec.B, dec.H, dec.m
         start = torch.minimum(self.valid + 1, m - 1)
         r = m - start
-        R = int(r.max())
+        R = dec.draft_length(1)  # a host bound: int(r.max()) would stall the round
         pos = (start.unsqueeze(1) + dec.arange[:R]).clamp_(max=dec.cap - 1)
         h0 = dec.h[0].gather(1, pos.unsqueeze(-1).expand(B, R, H))
-        out = self.step(1, h0, dec.seq.gather(1, pos + 1), pos)
+        out = self.step(1, h0, dec.seq.gather(1, pos + 1), pos, dec.draft_span(R))
         last = out.gather(1, (r - 1).view(B, 1, 1).expand(B, 1, out.shape[-1]))
         drafts, qs, all_logits = [], [], []
         for k in range(1, dec.K + 1):
             if k > 1:  # one token at position m + k - 2: the previous depth's output and its draft
                 p = (m + k - 2).unsqueeze(1)
-                last = self.step(k, last, dec.seq.gather(1, p + 1), p)
+                last = self.step(k, last, dec.seq.gather(1, p + 1), p, dec.span_to(dec.m_hi + k - 2))
             logits = model.logits(k, last)[:, 0]
             d, q = dec._choose(logits)
             if force is not None:
@@ -125,5 +126,6 @@ class ServingDrafter:
             if keep_logits:
                 all_logits.append(logits)
         self.valid = m - 1
+        dec.mark_drafted()
         q = torch.stack(qs, 1) if dec.temperature > 0 else None
         return torch.stack(drafts, 1), q, all_logits

@@ -16,6 +16,13 @@ query reads them (attention masks keys by position, and every forward covers a c
 starts right after the valid prefix). Rows of a batched range are padded to the longest row with
 positions continuing past the row's end; their outputs are ignored and rewritten later.
 
+Host syncs: the lengths that size a forward (how many positions a draft range covers, how far the
+caches' key prefix reaches: `DecodeCache.span`) are host integers, upper bounds the decoder keeps
+from what it launched (`m_hi`, `advance_hi`), so drafting and verifying never read the device back.
+`generate` makes them exact with the loop's one host read per round (`read_lengths`, together with
+its "any row still active" flag); a looser bound only pads a range or a key prefix with positions
+whose outputs are ignored or masked.
+
 With temperature > 0 drafts are sampled from q (the MTP distribution) and verified with the standard
 speculative-sampling rule (accept with min(1, p/q), on rejection resample from norm(max(p - q, 0)),
 bonus from p), temperature and top-p applied identically to p and q, so the output is distributed
@@ -180,6 +187,44 @@ class SpecDecoder:
         self.ar_k1 = self.arange[: num_steps + 1].unsqueeze(0)
         self.chained = m.mtp.chained if m.mtp is not None else True
         self.serving = ServingDrafter(self) if num_steps > 0 and self.convention == "serving" else None
+        self.m_hi = 0
+        """Host-side upper bound of max(m) over the rows (exact after prefill and `read_lengths`)."""
+        self.advance_hi = 0
+        """Host-side upper bound of how far any row's m moved since the last draft (exact after `read_lengths`)."""
+        self.drafted = False
+        """Whether a draft ran since prefill (before it every depth starts at position 0)."""
+        self.m_drafted = self.m
+        """[B] m at the last draft."""
+
+    # --- host-side lengths ---------------------------------------------------------------------------
+    def read_lengths(self, *flags: torch.Tensor) -> List[int]:
+        """The decode loop's one host read per round: exact `m_hi` and `advance_hi` for the next forwards,
+        with the caller's scalar `flags` (returned as ints) in the same transfer."""
+        vals = torch.stack([self.m.max(), (self.m - self.m_drafted).max(), *(f.long() for f in flags)]).tolist()
+        self.m_hi, self.advance_hi = vals[0], vals[1]
+        return vals[2:]
+
+    def draft_length(self, k: int) -> int:
+        """Positions depth k's draft forward covers (host int): the longest row's range
+        [valid[k]+1, m-1], bounded from `m_hi` / `advance_hi` (the `tandem` convention's depth k is k-1
+        positions behind depth 1; the serving convention runs depth 1 only over a range)."""
+        if not self.drafted:
+            return self.m_hi  # every depth starts at position 0
+        behind = k - 1 if self.serving is None else 0
+        return max(min(self.advance_hi + behind, self.m_hi), 1)
+
+    def span_to(self, last: int) -> int:
+        """`DecodeCache.span` for a forward whose largest position is at most `last` (host int)."""
+        return min(last + 1, self.cap)
+
+    def draft_span(self, length: int) -> int:
+        """The span of a draft range of `length` positions starting at min(valid+1, m-1) (0 before the
+        first draft)."""
+        return self.span_to((self.m_hi - 1 if self.drafted else 0) + length - 1)
+
+    def mark_drafted(self) -> None:
+        """After a draft (either convention): every depth has caught up to the rows' m."""
+        self.drafted, self.advance_hi, self.m_drafted = True, 0, self.m
 
     # --- token choice ------------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor):
@@ -193,12 +238,13 @@ class SpecDecoder:
     def prefill(self, prompts: Sequence[Sequence[int]], first_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the trunk over the prompts; commit the first generated token (or `first_tokens`)."""
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        n = int(lens.max())
+        n = max(len(p) for p in prompts)  # from the host's list: lens.max() would read the device back
         tokens = torch.zeros(self.B, n, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         pos = self.arange[:n].unsqueeze(0).expand(self.B, n)
         self.trunk_cache.row_end = lens - 1  # shorter prompts are padded: their state ends at their last token
+        self.trunk_cache.span = n
         h = self.model.trunk(tokens, pos, self.trunk_cache)
         self.trunk_cache.row_end = None
         self.h[0][:, :n] = h
@@ -209,6 +255,7 @@ class SpecDecoder:
         self.seq[:, :n] = tokens
         self.seq.scatter_(1, lens.unsqueeze(1), nxt.unsqueeze(1))
         self.m = lens.clone()
+        self.m_hi, self.advance_hi, self.drafted, self.m_drafted = n, 0, False, self.m
         return nxt
 
     def draft(self, force: Optional[torch.Tensor] = None, keep_logits: bool = False):
@@ -224,10 +271,11 @@ class SpecDecoder:
         for k in range(1, self.K + 1):
             start = torch.minimum(self.valid[k] + 1, m - 1)
             r = m - start
-            R = int(r.max())
+            R = self.draft_length(k)  # a host bound: int(r.max()) would stall every depth
             pos = (start.unsqueeze(1) + self.arange[:R]).clamp_(max=self.cap - 1)
             idx = pos.unsqueeze(-1).expand(B, R, H)
             src = self.h[k - 1] if self.chained else self.h[0]
+            self.mtp_caches[k - 1].cache.span = self.draft_span(R)
             out = model.mtp_step(k, src.gather(1, idx), self.seq.gather(1, pos + k), pos, self.mtp_caches[k - 1])
             if self.chained and k < self.K:
                 self.h[k].scatter_(1, idx, out.to(self.h[k].dtype))  # bf16 under autocast
@@ -242,6 +290,7 @@ class SpecDecoder:
             if keep_logits:
                 all_logits.append(logits)
         self.valid[1:] = (m.unsqueeze(0) - self.arange[1 : self.K + 1].unsqueeze(1)).clamp_(min=-1)
+        self.mark_drafted()
         q = torch.stack(qs, 1) if self.temperature > 0 else None
         return torch.stack(drafts, 1), q, all_logits
 
@@ -249,6 +298,7 @@ class SpecDecoder:
         """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B]). Greedy: the
         exact-match prefix; sampling: `self.verify_rule`'s acceptance (token-wise or block)."""
         pos = self.m.unsqueeze(1) + self.ar_k1
+        self.trunk_cache.span = self.span_to(self.m_hi + self.K)
         h = self.model.trunk(self.seq.gather(1, pos), pos, self.trunk_cache)
         self.h[0].scatter_(1, pos.unsqueeze(-1).expand_as(h), h.to(self.h[0].dtype))
         logits = self.model.logits(0, h)
@@ -274,6 +324,8 @@ class SpecDecoder:
         keep = self.seq.gather(1, new_m.unsqueeze(1)).squeeze(1)
         self.seq.scatter_(1, new_m.unsqueeze(1), torch.where(active, nxt, keep).unsqueeze(1))
         self.m = new_m
+        self.m_hi = min(self.m_hi + self.K + 1, self.cap)  # bounds until the next read_lengths
+        self.advance_hi += self.K + 1
         return new_m
 
 
@@ -338,7 +390,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     stats.prefill_s = t1 - t0
     draft_s = verify_s = over_s = 0.0
     num_rounds = 0
-    while any_active(bool(active.any())):
+    # the round's one host read: whether a row is still active, with the lengths that size its forwards
+    while any_active(bool(dec.read_lengths(active.any())[0])):
         ta = time.perf_counter()
         if K > 0:
             drafts, q, _ = dec.draft()

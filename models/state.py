@@ -17,6 +17,10 @@ before any later forward reads them.
   position of each row: batched forwards pad short rows with positions continuing past their end.
   Padded tokens never change the state at or before `row_end`.
 * A row whose first position in a forward is 0 starts from the zero state.
+* `span` (set by the caller for a forward, a host integer) bounds the positions it writes, so the
+  attention layers slice their key/value prefix without reading positions back from the device (a
+  host sync in every layer of every forward); unset, they attend over the whole buffer. Keys past a
+  query's position are masked either way, so any bound gives the same outputs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class DecodeCache:
         self.ring = int(ring)
         self.row_end: Optional[torch.Tensor] = None
         """[B] last real position of each row in the current forward (None: all real)."""
+        self.span: Optional[int] = None
+        """One past the largest position the current forward writes, as its caller knows it on the host
+        (an upper bound is enough); None: the whole buffer (max_len), which is never wrong."""
         self.shared: Dict[str, torch.Tensor] = {} if shared is None else shared
         """Buffers several caches of one decoder share (the MTP depths' caches: QSA index reuse)."""
 
@@ -95,9 +102,10 @@ class LayerCache:
         if self.cache.keys[self.index] is None:
             self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1])
         keys, values = self.cache.keys[self.index], self.cache.values[self.index]
-        span = int(positions_bs.max()) + 1
+        # the prefix length comes from the host (`span`): int(positions.max()) here would stall every layer
+        span = self.cache.max_len if self.cache.span is None else self.cache.span
         if span > self.cache.max_len:
-            raise RuntimeError(f"KV cache overflow: position {span - 1} >= max_len {self.cache.max_len}")
+            raise RuntimeError(f"KV cache overflow: span {span} > max_len {self.cache.max_len}")
         idx = positions_bs[:, None, :, None].expand(-1, k_bnsd.shape[1], -1, k_bnsd.shape[-1])
         keys.scatter_(2, idx, k_bnsd.to(keys.dtype))
         values.scatter_(2, idx, v_bnsd.to(values.dtype))
