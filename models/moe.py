@@ -118,14 +118,19 @@ def register_grouped_mm_kernels(device_type: str, grouped_mm, grouped_mm_raw) ->
         del _GROUPED_MM_WORKS[key]  # probe again with the new kernels
 
 
-_GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
+_GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype, int, int], bool] = {}
+"""Probe results by (device type, dtype, hidden width, expert width)."""
 
 
 @torch._dynamo.assume_constant_result  # under torch.compile: probed eagerly while tracing, a constant after
-def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward on this device type and dtype (probed
-    once on a tiny case: CPU has it in torch >= 2.9, CUDA only on some architectures/dtypes)."""
-    key = (device.type, dtype)
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype, hidden: int = 8, inter: int = 8) -> bool:
+    """Whether the grouped kernel runs an expert layer of these widths (rows of `hidden` features, experts
+    `inter` wide) forward and backward on this device type and dtype. Probed once per shape, at the
+    layer's own widths, on three experts (one of them empty) of a few rows: every call the layer makes
+    (x [n, hidden] x [E, inter, hidden], h [n, inter] x [E, hidden, inter], and backward's two forms of
+    each). Kernels accept some shapes and not others (torch_npu's grouped matmul), so a tiny probe
+    would speak for no real layer; CPU has the kernel in torch >= 2.9, CUDA on some architectures/dtypes."""
+    key = (device.type, dtype, int(hidden), int(inter))
     if key not in _GROUPED_MM_WORKS:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
@@ -136,11 +141,12 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
                 # policy's dispatch mode would count its ops
                 with torch.inference_mode(False), torch.enable_grad(), _disable_current_modes(), \
                         torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                    w = torch.ones(2, 8, 8, dtype=dtype, device=device, requires_grad=True)
-                    x = torch.ones(3, 8, dtype=dtype, device=device, requires_grad=True)
-                    offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
-                    _grouped_mm(x, w, offs).sum().backward()
-            except (RuntimeError, NotImplementedError, TypeError):
+                    x = torch.ones(3, hidden, dtype=dtype, device=device, requires_grad=True)
+                    up = torch.ones(3, inter, hidden, dtype=dtype, device=device, requires_grad=True)
+                    down = torch.ones(3, hidden, inter, dtype=dtype, device=device, requires_grad=True)
+                    offs = torch.tensor([1, 1, 3], dtype=torch.int32, device=device)
+                    _grouped_mm(_grouped_mm(x, up, offs), down, offs).sum().backward()
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):
                 ok = False
         _GROUPED_MM_WORKS[key] = ok
     return _GROUPED_MM_WORKS[key]
@@ -167,14 +173,68 @@ def expert_swiglu(x_nh: torch.Tensor, counts: torch.Tensor, gate_eih: torch.Tens
         dev = x_nh.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate_eih.dtype
         x, gate, up, down = (t.to(dtype) for t in (x_nh, gate_eih, up_eih, down_ehi))
-        if _grouped_mm_works(x.device, dtype) and all(_rows_aligned(t) for t in (x, gate, up, down)):
+        if _grouped_mm_works(x.device, dtype, x.shape[-1], gate.shape[1]) and \
+                all(_rows_aligned(t) for t in (x, gate, up, down)):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(_grouped_mm(x, gate, offs)) * _grouped_mm(x, up, offs)
             return _grouped_mm(h, down, offs)
         if matmul == "grouped":
-            raise RuntimeError(f"model.expert_matmul=grouped: torch._grouped_mm does not run on {dev} in {dtype} "
-                               f"for hidden {x.shape[-1]} / expert width {gate.shape[1]} (16-byte aligned rows needed)")
+            raise RuntimeError(_grouped_unsupported(dev, dtype, x.shape[-1], gate.shape[1]))
     return _expert_loop(x_nh, counts.tolist(), gate_eih, up_eih, down_ehi)
+
+
+def _grouped_unsupported(device_type: str, dtype: torch.dtype, hidden: int, inter: int) -> str:
+    return (f"model.expert_matmul=grouped: the grouped matmul does not run on {device_type} in {dtype} for hidden "
+            f"{hidden} / expert width {inter} (16-byte aligned rows needed)")
+
+
+def _local_widths(experts: nn.Module) -> Tuple[int, int]:
+    """(hidden, expert width) a GroupedExperts layer computes with on this rank (a tensor-parallel
+    shard's expert width; a DTensor parameter's local part)."""
+    w = experts.gate_proj
+    w = w.to_local() if hasattr(w, "to_local") else w
+    return int(w.shape[2]), int(w.shape[1])
+
+
+def expert_path(experts: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """`grouped` or `loop`: the path a GroupedExperts layer's forward takes on `device` computing in
+    `dtype` (autocast's, else its weights'), decided as `expert_swiglu` decides it, at the layer's local
+    widths. RuntimeError (one line) where `expert_matmul=grouped` cannot run."""
+    if experts.matmul == "loop":
+        return "loop"
+    hidden, inter = _local_widths(experts)
+    aligned = all(n * dtype.itemsize % 16 == 0 for n in (hidden, inter))  # contiguous rows: `_rows_aligned`
+    if aligned and _grouped_mm_works(device, dtype, hidden, inter):
+        return "grouped"
+    if experts.matmul == "grouped":
+        raise RuntimeError(_grouped_unsupported(device.type, dtype, hidden, inter))
+    return "loop"
+
+
+def expert_paths(model: nn.Module, device: torch.device, autocast_dtype) -> Tuple[str, str]:
+    """The routed experts' path in a run: (`moe/expert_path`'s value, a line for the run's start) over
+    this rank's GroupedExperts layers of `model`, computing in `autocast_dtype` (None: the weights'
+    dtype). The value is `grouped`, `loop` or `mixed` (some of each); ('', '') without MoE layers."""
+    grouped, rejected, chosen = 0, set(), 0  # chosen: layers on the loop by model.expert_matmul=loop
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            dtype = autocast_dtype or m.gate_proj.dtype
+            if expert_path(m, device, dtype) == "grouped":
+                grouped += 1
+            elif m.matmul == "loop":
+                chosen += 1
+            else:
+                rejected.add((*_local_widths(m), str(dtype).removeprefix("torch.")))
+    loops = sum(1 for m in model.modules() if isinstance(m, GroupedExperts)) - grouped
+    if grouped + loops == 0:
+        return "", ""
+    value = "mixed" if grouped and loops else "grouped" if grouped else "loop"
+    line = f"MoE experts on {device.type}: grouped matmul in {grouped} of {grouped + loops} layers"
+    if loops:
+        why = ["model.expert_matmul=loop"] if chosen else []
+        why += [f"the grouped kernel does not run hidden {h} x expert width {i} in {d}" for h, i, d in sorted(rejected)]
+        line += f", per-expert loop (a host sync per layer) in {loops}: {'; '.join(why)}"
+    return value, line
 
 
 def _expert_loop(x: torch.Tensor, counts, gate, up, down) -> torch.Tensor:

@@ -166,6 +166,13 @@ class Trainer:
         self.optimizer = build_optimizer(model, t)
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        from tandem.models.moe import expert_paths
+
+        # which kernel the routed experts run (probed at this rank's layer widths): a silent fall-back to
+        # the per-expert loop costs a host sync per layer, so the run says it at start and in its records
+        self.expert_path, line = expert_paths(model, self.device.device, self.autocast_dtype)
+        if line and self.pstate.is_main:
+            print(line, file=sys.stderr)
         # The one-process objective is the mean aux/z-loss over every micro-batch of the global step.
         # Gradients are summed over the batch ranks (dp*ep), so each micro-batch's aux gradient is
         # 1/(micro-batches per rank * batch ranks); pipeline ranks split their share into
@@ -345,6 +352,7 @@ class Trainer:
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
                                "tokens_per_s": tokens_per_s,
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics, **self.indexers.metrics(),
+                               **({"moe/expert_path": self.expert_path} if self.expert_path else {}),
                                **self.guard.metrics()})
                 if self.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
                     with self.autocast():  # the precision it trains in (FSDP may hold bf16 parameters)
