@@ -51,6 +51,15 @@ def assert_grads_close(ours: nn.Module, ref: nn.Module, atol: float):
         torch.testing.assert_close(g_ours[n], g_ref[n], atol=atol, rtol=0, msg=n)
 
 
+def assert_backward_matches(out, out_ref, x_ours, x_ref, ours: nn.Module, ref: nn.Module, seed: int):
+    """One random cotangent through both: input and parameter gradients agree."""
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    (out_ref * cot).sum().backward()
+    (out * cot).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-5, rtol=0)
+    assert_grads_close(ours, ref, atol=1e-5)
+
+
 def tokens_with_eos(batch: int, length: int, vocab: int, eos: int, seed: int, every: int = 7) -> torch.Tensor:
     """Random ids with EOS at the start of row 0, twice in a row, and every few positions."""
     g = torch.Generator().manual_seed(seed)
@@ -86,11 +95,7 @@ def test_hyper_connection_matches_reference(combine):
     assert out.shape == out_ref.shape
     torch.testing.assert_close(out, out_ref, atol=1e-6, rtol=0)
 
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    (out_ref * cot).sum().backward()
-    (out * cot).sum().backward()
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-5, rtol=0)
-    assert_grads_close(ours, ref, atol=1e-5)
+    assert_backward_matches(out, out_ref, x_ours, x_ref, ours, ref, seed=4)
 
 
 # ---------------------------------------------------------------- n-gram ids (real 20M base)
@@ -163,11 +168,7 @@ def test_ple_layer_matches_reference(with_eos):
     out = ours(x_ours, ids)
     torch.testing.assert_close(out, out_ref, atol=1e-6, rtol=0)
 
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(10))
-    (out_ref * cot).sum().backward()
-    (out * cot).sum().backward()
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-5, rtol=0)
-    assert_grads_close(ours, ref, atol=1e-5)
+    assert_backward_matches(out, out_ref, x_ours, x_ref, ours, ref, seed=10)
 
 
 def test_ple_reset_parameters_zeroes_conv():
