@@ -1,9 +1,9 @@
 """Data layer: tokenizers, preprocessing to Megatron indexed datasets, the embedded stdlib corpus, and
-megatron-core GPT datasets with a stateless batch sampler.
+megatron-core GPT datasets with a batch sampler indexed by consumed samples.
 
 Modules (import what you need; megatron-core is only imported by `preprocess` writing and `dataset`):
   tokenizer      `load_tokenizer`, `train_bpe`, `TandemTokenizer`
   preprocess     `preprocess`, `preprocess_main` (`tandem preprocess`)
   stdlib_corpus  `prepare_stdlib_corpus`
-  dataset        `build_datasets`, `get_batch`, `batch_indices`, `check_vocab`, `check_prefix`
+  dataset        `build_datasets`, `get_batch`, `batch_indices`, `DataPosition`, `check_vocab`, `check_prefix`
 """

@@ -1,14 +1,15 @@
 """Crash-safe checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout: `<run.dir>/checkpoints/step_<N>/` holding DCP shards of {"model", "optim"}, the resolved
-`config.yaml`, `trainer_state.json` and each rank's RNG state under `rng/`. A checkpoint is written
-into `.tmp_step_<N>/`, and only after every rank has finished does rank 0 write the `COMPLETE`
-marker (last) and rename the directory into place; so a directory named step_<N> with a marker is
-always whole, and resume ignores (and reports) anything else. Old checkpoints are pruned only after
-the new one is complete. DCP reshards on load, so a checkpoint saved under one parallel layout loads
-under another. Every checkpoint also records the run's tokenizer (`tokenizer.json`, a copy). A
-frozen-trunk run's checkpoints hold only the MTP module (+ optimizer) and `frozen_trunk.json`, a
-fingerprinted reference to the `model.init_from` checkpoint the trunk is read from (trainer/hf/init_from).
+`config.yaml`, `trainer_state.json` (step, data position, guard counters) and each rank's RNG state
+under `rng/`. A checkpoint is written into `.tmp_step_<N>/`, and only after every rank has finished
+does rank 0 write the `COMPLETE` marker (last) and rename the directory into place; so a directory
+named step_<N> with a marker is always whole, and resume ignores (and reports) anything else. Old
+checkpoints are pruned only after the new one is complete. DCP reshards on load, so a checkpoint
+saved under one parallel layout loads under another. Every checkpoint also records the run's
+tokenizer (`tokenizer.json`, a copy). A frozen-trunk run's checkpoints hold only the MTP module (+
+optimizer) and `frozen_trunk.json`, a fingerprinted reference to the `model.init_from` checkpoint
+the trunk is read from (trainer/hf/init_from).
 """
 
 from __future__ import annotations
@@ -296,6 +297,13 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     rng_path = os.path.join(path, "rng", f"rank{_rank()}.pt")
     if os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=True))
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str) -> dict:
+    """A checkpoint's trainer state: `step`, the data position (`consumed_samples`, `consumed_tokens`,
+    the `global_batch` it ran with, `schedule_global_batch`, `skipped_samples`: DataPosition.state())
+    and the bad-step guard's counters. Read without loading any tensor."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
 

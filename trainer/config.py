@@ -64,7 +64,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
-    """Optimizer steps to run."""
+    """Optimizer steps to run. A resume under another global batch still stops at this step count (so
+    after another number of tokens), while the LR schedule stays max_steps x the run's first global
+    batch samples long (see warmup_steps)."""
     seed: int = 1234
     """Seed for weights, data order and dropout; runs are deterministic on CPU."""
     micro_batch_size: int = 8
@@ -76,9 +78,13 @@ class TrainConfig:
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 30
-    """Linear warm-up steps from 0 to lr."""
+    """Linear warm-up steps from 0 to lr. The LR schedule follows consumed samples, not steps: its step
+    counts (warmup_steps, decay_steps, max_steps) are steps of the run's first global batch, kept in
+    checkpoints, so a resume under another global batch (layout, micro-batch, accumulation) keeps the
+    LR in step with the tokens seen; while the global batch is unchanged a schedule step is a step."""
     decay_steps: int = 0
-    """Cosine decay length after warm-up; 0 decays over the rest of max_steps."""
+    """Cosine decay length after warm-up (steps of the first global batch, as warmup_steps); 0 decays
+    over the rest of max_steps."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms, biases or router biases)."""
     beta1: float = 0.9

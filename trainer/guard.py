@@ -6,7 +6,8 @@ Policies (`train.bad_step_policy`):
   naming the step and every depth's loss; the CLI exits non-zero.
 - `rewind`: reload the newest checkpoint and replay from there, skipping the offending batch.
 More than `train.max_skips` bad steps within `train.skip_window` steps halts whatever the policy.
-Skipped batch numbers are kept in checkpoints, so a resumed run skips the same batches.
+Skipped batches are kept in checkpoints as sample ranges of the data position
+(`DataPosition.skipped`), so a resumed run skips the same samples under any global batch.
 """
 
 from __future__ import annotations
@@ -27,24 +28,14 @@ class BadStepGuard:
         self.trainer = trainer
         self.recent_losses: deque = deque(maxlen=self.t.spike_window)
         self.bad_steps: List[int] = []
-        self.skipped_batches: List[int] = []
         self.total_bad = 0
 
     # -- state kept in checkpoints -------------------------------------------------------------
     def state(self) -> dict:
-        return {"skipped_batches": list(self.skipped_batches), "bad_steps_total": self.total_bad}
+        return {"bad_steps_total": self.total_bad}
 
     def load_state(self, state: dict) -> None:
-        self.skipped_batches = list(state.get("skipped_batches", []))
         self.total_bad = int(state.get("bad_steps_total", 0))
-
-    def batch_number(self, step: int) -> int:
-        """The data batch used by 0-based `step`: the step-th batch that was not skipped by a rewind."""
-        batch = step
-        for skipped in sorted(self.skipped_batches):
-            if skipped <= batch:
-                batch += 1
-        return batch
 
     # -- per-step decision ---------------------------------------------------------------------
     def reason(self, record: dict, grad_norm: float) -> str:
@@ -88,17 +79,20 @@ class BadStepGuard:
         """Reload the newest checkpoint and skip the batch of the bad step; return the step to resume at."""
         from .checkpoint import latest_checkpoint, load_checkpoint
 
-        bad_batch = self.batch_number(steps_done)
+        data = self.trainer.data_position
+        bad = data.next_batch()
         self.trainer.checkpoints.finish()  # a save still in flight is the newest good state
         found = latest_checkpoint(self.trainer.cfg.run.dir, report=False)
         if found is None:
-            self.skipped_batches.append(bad_batch)
+            data.skip([bad])
             return steps_done  # nothing to rewind to: the update was dropped, move past the batch
         state = load_checkpoint(found[1], self.trainer.model, self.trainer.optimizer)
-        skipped = set(self.skipped_batches) | {bad_batch}
+        skipped = data.skipped + [bad]  # the checkpoint may predate earlier rewinds' skips
         self.load_state(state)
-        self.skipped_batches = sorted(skipped | set(self.skipped_batches))
+        data.load_state(state)
+        data.skip(skipped)
         self.recent_losses.clear()
         if self.trainer.pstate.is_main:
-            print(f"rewound to checkpoint step {state['step']}; skipping batch {bad_batch}", file=sys.stderr)
+            print(f"rewound to checkpoint step {state['step']}; skipping samples {bad[0]}..{bad[1] - 1}",
+                  file=sys.stderr)
         return int(state["step"])

@@ -4,8 +4,9 @@ One optimizer step: every micro-batch of this rank runs forward+backward with it
 sums normalised by the *global* number of valid targets per depth (all micro-batches, all
 data-parallel replicas), so any layout optimises exactly the single-process objective. Then the
 aux-free router biases move, gradients are clipped, AdamW steps, and the step's record is written.
-Data order, learning rate and the MTP loss schedule are pure functions of the step number, so a
-resume needs only the step, the weights, the optimizer and the RNG states.
+Data order and the learning rate are pure functions of the consumed-sample count (DataPosition), the
+MTP loss schedule of the step number, so a resume needs only those two, the weights, the optimizer
+and the RNG states, and continues at the next unconsumed sample under any global batch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 
 from . import preemption
-from .checkpoint import CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint
+from .checkpoint import CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint, read_trainer_state
 from .config import ConfigError, TandemConfig, to_yaml
 from .loss import combine_losses, depth_coefficients, lambda_at
 from .metrics import MetricsLogger
@@ -102,12 +103,20 @@ class Trainer:
         self.config_yaml = to_yaml(cfg)
         self.device = resolve_device(cfg.device, dtype=cfg.train.dtype)
         self.pstate: ParallelState = init_parallel(cfg, self.device)
-        from tandem.data_pipeline.dataset import build_datasets, check_vocab
+        from tandem.data_pipeline.dataset import DataPosition, build_datasets, check_vocab
 
         t = cfg.train
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * self.pstate.dp_size
+        # Where the data continues: the checkpoint's consumed samples, whatever global batch it ran with.
+        found = latest_checkpoint(cfg.run.dir) if self.resume else None
+        saved = read_trainer_state(found[1]) if found is not None else {}
+        self.data_position = DataPosition(self.global_batch, cfg.data.seq_len)
+        if found is not None:
+            self.data_position.load_state(saved)
+        steps_left = max(t.max_steps - int(saved.get("step", 0)), 1)
         self.train_ds, self.valid_ds, self.tokenizer = build_datasets(
-            cfg.data, cfg.data.seq_len, t.seed, num_train_samples=(max(t.max_steps, 1) + t.max_skips + 1) * self.global_batch,
+            cfg.data, cfg.data.seq_len, t.seed,
+            num_train_samples=self.data_position.next_sample() + (steps_left + t.max_skips + 1) * self.global_batch,
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
             model_vocab_size=cfg.model.vocab_size)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
@@ -116,7 +125,6 @@ class Trainer:
             # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents
             raise ConfigError(f"config key 'model.eos_token_id'={cfg.model.eos_token_id} is not the end-of-document "
                               f"token of {self.tokenizer.path} (id {eod}); PLE's n-grams must stop at it")
-        found = latest_checkpoint(cfg.run.dir) if self.resume else None
         if found is not None:  # every check on the checkpoint before the model is built
             check_compatible(found[1], self.config_yaml)
             check_frozen_reference(found[1], reference)
@@ -129,7 +137,8 @@ class Trainer:
             self.start_step = int(state["step"])
             self.guard.load_state(state)
             if self.pstate.is_main:
-                print(f"resumed from {found[1]} at step {self.start_step}", file=sys.stderr)
+                print(f"resumed from {found[1]} at step {self.start_step}{self.data_position.resume_note(state)}",
+                      file=sys.stderr)
         from .estimate import hardware_flops_per_token, training_flops_per_token
 
         # `mfu` counts model FLOPs (3x the forward); `hfu` what the step executes (recomputation too)
@@ -192,12 +201,15 @@ class Trainer:
         from tandem.data_pipeline.dataset import batch_indices, get_batch
 
         t = self.cfg.train
-        out = []
+        out, read = [], []
+        first = self.data_position.next_sample()
         for micro in range(t.grad_accum_steps):
-            idx = batch_indices(self.guard.batch_number(step), micro, t.grad_accum_steps, self.pstate.dp_rank, self.pstate.dp_size,
+            idx = batch_indices(first, micro, t.grad_accum_steps, self.pstate.dp_rank, self.pstate.dp_size,
                                 t.micro_batch_size)
             batch = get_batch(self.train_ds, idx)
             out.append({k: v.to(self.device.device) for k, v in batch.items()})
+            read += idx
+        _record_samples_for_tests(step + 1, self.pstate.rank, read)
         return out
 
     def global_target_counts(self, batches) -> torch.Tensor:
@@ -295,7 +307,7 @@ class Trainer:
     def save(self, step: int, wait: bool = False) -> None:
         """Checkpoint `step` (in the background with checkpoint.async_save unless `wait`)."""
         self.checkpoints.save(step, self.model, self.optimizer, self.config_yaml,
-                              {"tokens_seen": step * self.global_batch * self.cfg.data.seq_len, **self.guard.state()})
+                              {**self.data_position.state(), **self.guard.state()})
         if wait:
             self.checkpoints.finish()
 
@@ -312,7 +324,7 @@ class Trainer:
             while step < t.max_steps:
                 t0 = time.perf_counter()
                 self.device.reset_peak_memory()
-                lr = lr_at(t, step)
+                lr = lr_at(t, self.data_position.schedule_step())  # in step with samples seen
                 set_lr(self.optimizer, lr)
                 coefs = depth_coefficients(cfg.mtp, step)
                 self.indexers.begin_step(step)
@@ -343,6 +355,7 @@ class Trainer:
                     record["skipped"] = 1.0
                 self.device.synchronize()
                 step += 1
+                self.data_position.advance()
                 _kill_for_tests(step, self.pstate.rank)
                 dt = time.perf_counter() - t0
                 tokens_per_s = self.global_batch * cfg.data.seq_len / dt
@@ -350,7 +363,8 @@ class Trainer:
                     per_flop = tokens_per_s / (self.pstate.world_size * self.peak_flops)
                     record.update({"mfu": self.flops_per_token * per_flop, "hfu": self.hardware_flops_per_token * per_flop})
                 record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
-                               "tokens_per_s": tokens_per_s,
+                               "tokens_per_s": tokens_per_s, "consumed_samples": self.data_position.consumed_samples,
+                               "consumed_tokens": self.data_position.consumed_tokens,
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics, **self.indexers.metrics(),
                                **({"moe/expert_path": self.expert_path} if self.expert_path else {}),
                                **self.guard.metrics()})
@@ -392,6 +406,17 @@ def _kill_for_tests(step: int, rank: int) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _record_samples_for_tests(step: int, rank: int, samples: List[int]) -> None:
+    """Test hook: TANDEM_TEST_SAMPLE_LOG=<dir> appends the training samples each rank reads for each
+    1-based step to <dir>/rank<R>.jsonl, so a test can follow a run's data sample by sample."""
+    where = os.environ.get("TANDEM_TEST_SAMPLE_LOG")
+    if where:
+        import json
+
+        with open(os.path.join(where, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "samples": [int(i) for i in samples]}) + "\n")
 
 
 def train(cfg: TandemConfig, resume: bool = False) -> Optional[dict]:

@@ -47,8 +47,9 @@ class ForeachAdamW(torch.optim.AdamW):
             self.param_groups = groups
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
+def lr_at(cfg: TrainConfig, step: float) -> float:
+    """Learning rate at schedule step `step` (0-based; the loop passes consumed samples / the run's
+    first global batch, `DataPosition.schedule_step()`: fractional after a global-batch change)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     decay_steps = cfg.decay_steps or max(cfg.max_steps - cfg.warmup_steps, 1)

@@ -1,24 +1,29 @@
 """A checkpoint saved under one parallel layout resumes under another, through the real CLI.
 
-tp2 x pp2 (4 processes, the pipeline's embedding copy and vocab-parallel DTensors) trains 2 steps
-and checkpoints; the checkpoint then resumes at tp1 x ep2 (2 processes, experts sharded over ep) and
-in a single process, each running steps 3 and 4. Every run must match one uninterrupted
-single-process run of 4 steps: per-step loss/main within 1e-5 relative, and the saved parameters
-of steps 2 and 4 (read back in one process from the DCP shards) within the same tolerance.
+tp2 x pp2 (4 processes, the pipeline's embedding copy and vocab-parallel DTensors) trains 2 steps of 8
+samples and checkpoints. Every run must match one uninterrupted single-process run of 4 steps:
+per-step loss/main within 1e-5 relative, and the saved parameters of steps 2 and 4 (read back in one
+process from the DCP shards) within the same tolerance.
 
-The global batch is the same 8 samples per step everywhere: micro-batch 2 x 4 accumulation steps
-on one batch rank (single process, tp2 x pp2), 2 x 2 on each of the two ep ranks (ep is carved out
-of data parallelism). All steps lie in the warm-up, so the learning rate does not depend on
-train.max_steps and the 2-step run sees exactly the first two steps of the 4-step run.
+The README's reshard, resuming at tp1 x ep2 on 4 ranks (dp2 x ep2: 4 batch ranks; ep is carved out of
+data parallelism), changes the global batch: 2 x 2 on each of 4 batch ranks = 16 samples per step.
+It must continue the sample stream exactly where the checkpoint left it (step 3 reads samples 16..31,
+step 4 32..47: each rank's reads are logged sample by sample), and its learning rate follows the
+samples seen (step 4 starts at sample 32, schedule step 32 / 8 = 4), equal to one process resuming
+with the same 16-sample batch. Resumed with the checkpoint's own 8-sample batch in one process, the
+run continues the uninterrupted one exactly. All steps lie in the warm-up, so the learning rate does
+not depend on train.max_steps and the 2-step run sees exactly the first two steps of the 4-step run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -59,10 +64,57 @@ def _assert_losses_close(got, ref, steps, what):
         assert abs(got[step] - ref[step]) <= RTOL * abs(ref[step]), (what, step, got, ref)
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_and_single_process(tmp_path):
+def _steps_read(log_dir):
+    """{1-based step: the samples read that step, over every rank} from the trainer's sample log
+    (ranks of one batch rank, tp or pp peers, read the same samples: counted once)."""
+    steps = {}
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name)) as f:
+            for line in f:
+                rec = json.loads(line)
+                steps.setdefault(rec["step"], {})[name] = rec["samples"]
+    out = {}
+    for step, per_rank in steps.items():
+        distinct = {tuple(s) for s in per_rank.values()}
+        out[step] = sorted(i for s in distinct for i in s)
+    return out
+
+
+def _assert_reads(log_dir, expected, what):
+    """Every step read exactly `expected[step]` (a range of sample indices), each sample once."""
+    got = _steps_read(log_dir)
+    assert sorted(got) == sorted(expected), (what, sorted(got))
+    for step, want in expected.items():
+        read, want = got[step], list(want)
+        skipped = sorted(set(want) - set(read))
+        assert read == want, (f"{what}: step {step} read samples {_spans(read)}, expected {_spans(want)}; "
+                              f"{len(skipped)} never read: {_spans(skipped)}")
+
+
+def _spans(indices):
+    """Sorted sample indices as `a..b` runs."""
+    out = []
+    for i in indices:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in out) or "none"
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "loss/main" in r}
+
+
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     common = [RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0"]
     train = ["train"] + common
+
+    def logged(name):
+        os.makedirs(tmp_path / "reads" / name)
+        return dict(env, TANDEM_TEST_SAMPLE_LOG=str(tmp_path / "reads" / name))
 
     ref_dir = tmp_path / "single_4steps"
     _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "train.grad_accum_steps=4",
@@ -72,21 +124,44 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_and_single_process(tmp_path)
 
     saved_dir = tmp_path / "tp2pp2"
     _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=4",
-                        "parallel.tp=2", "parallel.pp=2"], env)
+                        "parallel.tp=2", "parallel.pp=2"], logged("tp2pp2"))
+    _assert_reads(tmp_path / "reads" / "tp2pp2", {1: range(0, 8), 2: range(8, 16)}, "tp2xpp2")
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "tp2xpp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"
     ref_params2 = _params(ref_dir / "checkpoints" / "step_2")
     _assert_params_close(_params(ckpt), ref_params2, "tp2xpp2 checkpoint vs single process at step 2")
     ref_params4 = _params(ref_dir / "checkpoints" / "step_4")
 
-    for name, world, extra in [("resume_ep2", 2, ["parallel.ep=2", "train.grad_accum_steps=2"]),
-                               ("resume_single", 1, ["train.grad_accum_steps=4"])]:
+    def resume(name, world, extra):
         run_dir = tmp_path / name
         os.makedirs(run_dir / "checkpoints")
         shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
-        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], env)
-        _assert_losses_close(main_losses(run_dir), ref, [3, 4], name)
-        _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), ref_params4, f"{name} at step 4")
+        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], logged(name))
+        return run_dir
+
+    # the checkpoint's own global batch (8) in one process: the uninterrupted run, exactly
+    same = resume("resume_single", 1, ["train.grad_accum_steps=4"])
+    _assert_reads(tmp_path / "reads" / "resume_single", {3: range(16, 24), 4: range(24, 32)}, "resume_single")
+    _assert_losses_close(main_losses(same), ref, [3, 4], "resume_single")
+    _assert_params_close(_params(same / "checkpoints" / "step_4"), ref_params4, "resume_single at step 4")
+
+    # the README's reshard, tp1 x ep2 on 4 ranks: 16 samples per step, from sample 16 on
+    resharded = resume("resume_tp1_ep2_4ranks", 4, ["parallel.ep=2", "train.grad_accum_steps=2"])
+    one_process = resume("resume_single_batch16", 1, ["train.grad_accum_steps=8"])
+    for name in ("resume_tp1_ep2_4ranks", "resume_single_batch16"):
+        _assert_reads(tmp_path / "reads" / name, {3: range(16, 32), 4: range(32, 48)}, name)
+    got, want, before = _records(resharded), _records(one_process), _records(ref_dir)
+    assert [got[s]["consumed_samples"] for s in (3, 4)] == [32, 48]
+    assert [got[s]["consumed_tokens"] for s in (3, 4)] == [32 * 32, 48 * 32]  # data.seq_len=32
+    # the learning rate follows samples: step 3 starts at sample 16 (schedule step 2, as the
+    # uninterrupted run's step 3), step 4 at sample 32 (schedule step 4: warm-up lr * 5 / warmup_steps)
+    cfg = OmegaConf.load(resharded / "config.yaml").train
+    assert got[3]["lr"] == before[3]["lr"]
+    assert got[4]["lr"] == pytest.approx(cfg.lr * 5 / cfg.warmup_steps, rel=1e-12), (got[4]["lr"], before[4]["lr"])
+    _assert_losses_close({s: got[s]["loss/main"] for s in got}, {s: want[s]["loss/main"] for s in want}, [3, 4],
+                         "tp1xep2 on 4 ranks vs one process, both at 16 samples per step")
+    _assert_params_close(_params(resharded / "checkpoints" / "step_4"), _params(one_process / "checkpoints" / "step_4"),
+                         "tp1xep2 on 4 ranks vs one process at step 4")
 
 
 def test_checkpoint_saved_with_spread_loss_depths_resumes_in_one_process(tmp_path):

@@ -1,5 +1,5 @@
 """Resume is bit-exact under a parallel layout (ep2 on gloo): a job stopped after step 2 and resumed
-gives the uninterrupted job's losses and grad norms bit for bit."""
+gives the uninterrupted job's losses, grad norms, learning rates and consumed samples bit for bit."""
 
 import json
 import os
@@ -29,8 +29,8 @@ def torchrun(run_dir, cache, steps, resume=False):
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
-    return [(r["step"], r["loss"], r["loss/main"], r["loss/mtp_1"], r["loss/mtp_2"], r["loss/mtp_3"], r["grad_norm"])
-            for r in recs]
+    return [(r["step"], r["loss"], r["loss/main"], r["loss/mtp_1"], r["loss/mtp_2"], r["loss/mtp_3"], r["grad_norm"],
+             r["lr"], r["consumed_samples"], r["consumed_tokens"]) for r in recs]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def test_stopped_and_resumed_ep2_is_bit_exact(uninterrupted):
     root, reference = uninterrupted
     torchrun(root / "resumed", root / "cache", 2)
     err = torchrun(root / "resumed", root / "cache", 5, resume=True)
-    assert "at step 2" in err
+    assert "at step 2" in err and "global batch" not in err  # the same 8 samples per step: no note
     assert losses(root / "resumed") == reference
+    assert [r[-2] for r in reference] == [4, 8, 12, 16, 20]  # micro-batch 2 on each of 2 ep ranks
 

@@ -51,9 +51,11 @@ def test_resume_is_bit_exact(tiny_overrides, tmp_path, async_save):
     train(resumed, resume=True)
     a, b = records(full.run.dir), records(part.run.dir)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["consumed_samples"] for r in b] == [2, 4, 6, 8, 10, 12]  # micro-batch 2, one rank
     for ra, rb in zip(a, b):
         for key in ra:
-            if key.startswith("loss") or key in ("grad_norm", "lr", "moe/max_over_mean_load"):
+            if key.startswith("loss") or key in ("grad_norm", "lr", "moe/max_over_mean_load", "consumed_samples",
+                                                  "consumed_tokens"):
                 assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
 
 
@@ -61,3 +63,37 @@ def test_resume_on_empty_run_dir_starts_fresh(tiny_overrides):
     cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=1"])
     record = train(cfg, resume=True)
     assert record["step"] == 1
+
+
+@pytest.mark.slow
+def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_overrides, monkeypatch):
+    """3 steps of 2 samples, then a resume at 3 micro-batches of 2 (6 samples per step): the resumed
+    steps read samples 6..11 and 12..17, none skipped or repeated, and the learning rate follows the
+    samples seen: the schedule is laid out in steps of the run's first global batch (2 samples), so
+    step 5, starting at sample 12, is at schedule step 6, past the end of its decay (min_lr)."""
+    import tandem.data_pipeline.dataset as dataset
+
+    reads, get_batch = [], dataset.get_batch
+
+    def recording_get_batch(ds, indices, eod_id=None):
+        reads.append(list(indices))
+        return get_batch(ds, indices, eod_id)
+
+    monkeypatch.setattr(dataset, "get_batch", recording_get_batch)
+    schedule = ["train.warmup_steps=2", "train.max_steps=5", "checkpoint.interval=3"]
+    first = load_config(RECIPE, tiny_overrides + schedule + ["train.max_steps=3"])
+    train(first)
+    assert reads == [[0, 1], [2, 3], [4, 5]]
+    del reads[:]
+    resumed = load_config(RECIPE, tiny_overrides + schedule + ["train.grad_accum_steps=3"])
+    train(resumed, resume=True)
+    assert sum(reads, []) == list(range(6, 18)), reads  # today's step x global batch read 18..29
+    recs = records(resumed.run.dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert [r["consumed_samples"] for r in recs] == [2, 4, 6, 12, 18]
+    assert [r["consumed_tokens"] for r in recs] == [64, 128, 192, 384, 576]  # data.seq_len=32
+    t = resumed.train
+    # cosine decay over max_steps - warmup_steps = 3 schedule steps: step 4 starts at sample 6 (schedule
+    # step 3, a third of the decay: cos(pi/3) = 1/2), step 5 at sample 12 (schedule step 6: decay over)
+    lrs = [r["lr"] for r in recs[3:]]
+    assert lrs == [pytest.approx(t.min_lr + 0.75 * (t.lr - t.min_lr), rel=1e-12), t.min_lr], lrs

@@ -1,5 +1,6 @@
 """Datasets: GPTDataset windows, doc_ids, the batch-index formula, blends, and fail-fast errors."""
 
+import json
 import os
 import random
 import struct
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.data_pipeline.dataset import batch_indices, build_datasets, check_prefix, check_vocab, get_batch, parse_blend
+from tandem.data_pipeline.dataset import DataPosition, batch_indices, build_datasets, check_prefix, check_vocab, get_batch, parse_blend
 from tandem.data_pipeline.preprocess import preprocess
 from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
 from tandem.trainer.config import DataConfig
@@ -68,7 +69,7 @@ def test_samples_are_contiguous_windows_of_the_corpus(corpus):
 def test_get_batch_shapes_masks_and_doc_ids(corpus):
     root, _, prefixes = corpus
     train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], eod_mask_loss=True), 32, 1, 64, 4)
-    b = get_batch(train, batch_indices(1, 0, 1, 0, 1, 4))
+    b = get_batch(train, batch_indices(4, 0, 1, 0, 1, 4))
     assert b["tokens"].dtype == torch.long and b["tokens"].shape == (4, 33)
     assert b["loss_mask"].dtype == torch.float32 and b["loss_mask"].shape == (4, 32)
     assert b["doc_ids"].dtype == torch.long and b["doc_ids"].shape == (4, 33)
@@ -104,16 +105,51 @@ def test_doc_ids_hand_case():
 @pytest.mark.parametrize("dp,ga,mbs", [(1, 1, 4), (2, 3, 2), (4, 1, 3), (3, 2, 1)])
 def test_batch_indices_union_equals_single_rank_run(dp, ga, mbs):
     G = mbs * ga * dp
-    for step in (0, 1, 5):
+    for first in (0, G, 5 * G, 7):
         union = []
         for micro in range(ga):
             for rank in range(dp):
-                union += batch_indices(step, micro, ga, rank, dp, mbs)
-        assert union == list(range(step * G, (step + 1) * G))  # micro-major, then rank, then sample
-        single = [i for m in range(dp * ga) for i in batch_indices(step, m, dp * ga, 0, 1, mbs)]
+                union += batch_indices(first, micro, ga, rank, dp, mbs)
+        assert union == list(range(first, first + G))  # micro-major, then rank, then sample
+        single = [i for m in range(dp * ga) for i in batch_indices(first, m, dp * ga, 0, 1, mbs)]
         assert sorted(union) == single
     with pytest.raises(ValueError):
         batch_indices(0, ga, ga, 0, dp, mbs)
+
+
+def test_data_position_continues_the_stream_under_another_global_batch():
+    """Steps of 8 samples, a rewind's skipped batch, then steps of 12 and 4: each step starts at the
+    next sample no step has read; the LR schedule position counts consumed samples in steps of 8."""
+    pos = DataPosition(8, seq_len=32)
+    reads = []
+    for _ in range(2):
+        reads.append(pos.next_batch())
+        pos.advance()
+    pos.skip([pos.next_batch()])  # rewind: samples 16..23 passed over
+    reads.append(pos.next_batch())
+    pos.advance()
+    saved = json.loads(json.dumps(pos.state()))  # through trainer_state.json
+    assert saved == {"consumed_samples": 24, "consumed_tokens": 24 * 32, "global_batch": 8,
+                     "schedule_global_batch": 8, "skipped_samples": [[16, 24]]}
+    for batch, schedule_step in ((12, 3.0), (4, 4.5)):
+        pos = DataPosition(batch, seq_len=32)
+        pos.load_state(saved)
+        assert pos.schedule_step() == schedule_step  # 24 then 36 samples in steps of 8
+        reads.append(pos.next_batch())
+        pos.advance()
+        saved = pos.state()
+    assert reads == [(0, 8), (8, 16), (24, 32), (32, 44), (44, 48)]
+    assert saved["consumed_samples"] == 24 + 12 + 4 and saved["consumed_tokens"] == 40 * 32
+    assert saved["schedule_global_batch"] == 8 and saved["global_batch"] == 4
+
+
+def test_data_position_reads_a_checkpoint_from_before_consumed_samples():
+    """trainer_state.json of step 5 at 6 samples per step (tokens_seen = 5 x 6 x 32) with batch 2
+    skipped by a rewind: its steps read batches 0, 1, 3, 4 and 5, so it continues at batch 6, sample 36."""
+    pos = DataPosition(4, seq_len=32)
+    pos.load_state({"step": 5, "tokens_seen": 5 * 6 * 32, "skipped_batches": [2], "bad_steps_total": 1})
+    assert (pos.consumed_samples, pos.schedule_batch, pos.skipped) == (30, 6, [(12, 18)])
+    assert pos.next_sample() == 36 and pos.schedule_step() == 5.0
 
 
 def test_weighted_blend_and_separate_valid_paths(corpus):
