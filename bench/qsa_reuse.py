@@ -58,8 +58,10 @@ def decode_figures(model, prompts, cfg, eos_id, args, counter: IndexerCounter) -
     K = cfg.mtp.num_steps
     common = dict(num_steps=K, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, eos_id=eos_id,
                   draft_convention=cfg.eval.draft_convention)
+    evaluate_decoding(model, prompts[:1], **{**common, "max_new_tokens": 4})  # warm-up: first calls are slow
     counter.calls = counter.macs = 0
     greedy, spec, _ = evaluate_decoding(model, prompts, **common)
+
     rounds = sum(r.stats.num_rounds for r in spec)
     out = {
         "acceptance_greedy": greedy["acceptance_length"],
