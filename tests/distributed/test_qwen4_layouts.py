@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 Q4 = "preset.qwen4=1"
 LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     "dp=2": 2,
+    # all-reduce data parallelism (torch's replicate): the hybrid layers' parameters whole on each rank
+    "dp=2,dp_mode=allreduce": 2,
     "ep=2": 2,
     # pipeline: the hc_count x hidden stream crosses the boundary, PLE's stage hashes the token ids
     "pp=2": 2,
