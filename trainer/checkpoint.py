@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import warnings
@@ -37,16 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-MARKER = "COMPLETE"
+from .checkpoint_dirs import MARKER, checkpoints_root, latest_checkpoint, list_checkpoints, resolve_checkpoint  # noqa: F401
+
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
 # DCP warns on every single-process save/load that it assumes a single process; that is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def checkpoints_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
 
 
 def _rank() -> int:
@@ -56,30 +51,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def list_checkpoints(run_dir: str) -> Tuple[List[Tuple[int, str]], List[str]]:
-    """(complete checkpoints sorted by step, incomplete directories)."""
-    root = checkpoints_root(run_dir)
-    complete, incomplete = [], []
-    if not os.path.isdir(root):
-        return complete, incomplete
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        match = _STEP_DIR.match(name)
-        if match and os.path.exists(os.path.join(path, MARKER)):
-            complete.append((int(match.group(1)), path))
-        elif os.path.isdir(path):
-            incomplete.append(path)
-    complete.sort()
-    return complete, sorted(incomplete)
-
-
-def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, str]]:
-    complete, incomplete = list_checkpoints(run_dir)
-    if incomplete and report and _rank() == 0:
-        print(f"checkpoint: ignoring incomplete checkpoint(s): {', '.join(incomplete)}", file=sys.stderr)
-    return complete[-1] if complete else None
 
 
 def _rng_state() -> dict:
@@ -308,16 +279,6 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A step directory, or a run directory's newest complete checkpoint."""
-    if os.path.exists(os.path.join(path, MARKER)):
-        return path
-    found = latest_checkpoint(path, report=False)
-    if found is None:
-        raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run directory holding one)")
-    return found[1]
-
-
 def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     """Single-process: rebuild the model a checkpoint was trained with and load its weights.
 
@@ -330,7 +291,7 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
 
     from .config import load_config
     from .hf.init_from import check_reference, load_initial_weights, read_reference
-    from .materialize import allocate
+    from .seeded_init import allocate
 
     path = resolve_checkpoint(path)
     cfg = load_config(os.path.join(path, "config.yaml"))

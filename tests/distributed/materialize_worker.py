@@ -47,13 +47,13 @@ def main(out_dir: str, init_from: str, layouts) -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer import materialize
+    from tandem.trainer import seeded_init
     from tandem.trainer.loop import build_model
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
     torch.set_num_threads(1)
-    materialize.INIT_BLOCK_ELEMS = 16  # blocks of one row: a whole tensor is never one block
+    seeded_init.INIT_BLOCK_ELEMS = 16  # blocks of one row: a whole tensor is never one block
     device = resolve_device("cpu")
     failures = []
     for layout in layouts:

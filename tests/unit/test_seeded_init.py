@@ -1,11 +1,11 @@
-"""Meta-device construction and the layout-independent seeded init (trainer/materialize.py)."""
+"""Meta-device construction and the layout-independent seeded init (trainer/seeded_init.py, trainer/materialize.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.trainer import materialize
+from tandem.trainer import seeded_init
 from tandem.trainer.config import load_config
 from tandem.trainer.loop import build_model
 from tandem.trainer.parallel import ParallelState
@@ -19,13 +19,13 @@ SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "
 @pytest.mark.parametrize("index", [(slice(0, 10), slice(0, 7)), (slice(3, 9), slice(2, 7)), (slice(7, 10), slice(0, 7)),
                                    (slice(0, 0), slice(0, 7))])
 def test_any_slice_equals_that_slice_of_the_whole(monkeypatch, index):
-    monkeypatch.setattr(materialize, "INIT_BLOCK_ELEMS", 14)  # blocks of 2 rows: slices cross block edges
+    monkeypatch.setattr(seeded_init, "INIT_BLOCK_ELEMS", 14)  # blocks of 2 rows: slices cross block edges
     rule = ("normal", 0.5)
-    whole = materialize.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=3)
-    part = materialize.seeded_slice("w", (10, 7), index, rule, seed=3)
+    whole = seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=3)
+    part = seeded_init.seeded_slice("w", (10, 7), index, rule, seed=3)
     assert torch.equal(part, whole[index])
     assert abs(float(whole.std()) - 0.5) < 0.15
-    assert not torch.equal(whole, materialize.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=4))
+    assert not torch.equal(whole, seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=4))
 
 
 def test_one_process_build_is_seeded_tied_and_initialised_by_rule():

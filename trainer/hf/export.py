@@ -46,7 +46,7 @@ def export_main(argv: List[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
     parser.add_argument("--max-shard-mb", type=float, default=0, help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
-    from ..checkpoint import resolve_checkpoint
+    from ..checkpoint_dirs import resolve_checkpoint
     from ..config import load_config
     from .exporter import export_hf_checkpoint
     from .families import UnsupportedCheckpoint

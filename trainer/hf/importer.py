@@ -27,6 +27,7 @@ from torch import nn
 from tandem.models import TandemModel
 from tandem.models.config import MTPConfig, ModelConfig, validate_model
 
+from ..parallel.sharded_params import local_target, shard_index, unwrapped_name  # noqa: F401 (shard_index: API)
 from .qwen4_exp import is_ple_buffer
 from .families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
                           meta_state, model_config_from_hf, mtp_layer_of_key, trunk_input_of)
@@ -206,32 +207,6 @@ def check_tokenizer(path: str, vocab_size: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# slicing (DTensor-aware)
-# --------------------------------------------------------------------------------------------------
-def shard_index(global_shape: Sequence[int], mesh=None, placements=None) -> Tuple[slice, ...]:
-    """The global index of this rank's local shard of a tensor of `global_shape` (everything when
-    `mesh` is None). Works with any object shaped like a DeviceMesh (tests use a fake one)."""
-    if mesh is None:
-        return tuple(slice(0, s) for s in global_shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
-    if not offset:  # this rank is not part of the mesh
-        return tuple(slice(0, 0) for _ in global_shape)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
-
-
-def local_target(t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[slice, ...]]:
-    """(the tensor this rank writes into, its global index) for a plain tensor or a DTensor."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()
-    if isinstance(t, DTensor):
-        return t.to_local(), shard_index(t.shape, t.device_mesh, t.placements)
-    return t, shard_index(t.shape)
-
-
 def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], global_shape: Sequence[int]) -> torch.Tensor:
     """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
     if src.qkv_groups is not None:  # Gated DeltaNet's qkv rows: read whole (small), permute, then slice
@@ -283,18 +258,12 @@ class LoadReport:
     """Checkpoint keys deliberately not loaded (duplicates, extra MTP layers)."""
 
 
-def _strip(name: str) -> str:
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 def local_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
     """This rank's parameters and persistent router-bias buffers, by unwrapped name."""
-    out = {_strip(n): p for n, p in model.named_parameters()}
+    out = {unwrapped_name(n): p for n, p in model.named_parameters()}
     for n, b in model.named_buffers():
         if n.endswith("e_score_correction_bias") or is_ple_buffer(n):
-            out[_strip(n)] = b
+            out[unwrapped_name(n)] = b
     return out
 
 
@@ -428,7 +397,7 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
         validate_model(cfg, mtp)
         tcfg = TandemConfig()
         tcfg.model, tcfg.mtp = cfg, mtp
-        from ..materialize import allocate, init_seeded
+        from ..seeded_init import allocate, init_seeded
 
         with torch.device("meta"):  # storage only for the loaded weights: no random init pass
             model = TandemModel(cfg, mtp)

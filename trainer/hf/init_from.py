@@ -30,16 +30,14 @@ def is_hf_dir(path: str) -> bool:
 
 
 def resolve_tandem_checkpoint(path: str) -> str:
-    from ..checkpoint import MARKER, latest_checkpoint
+    from ..checkpoint_dirs import resolve_checkpoint
 
-    if os.path.exists(os.path.join(path, MARKER)):
-        return path
-    found = latest_checkpoint(path, report=False)
-    if found is None:
+    try:
+        return resolve_checkpoint(path)
+    except FileNotFoundError:
         raise FileNotFoundError(
             f"model.init_from={path!r} is neither a Hugging Face directory (config.json) nor a Tandem checkpoint "
-            "(step_<N>/ with COMPLETE, or a run directory holding one)")
-    return found[1]
+            "(step_<N>/ with COMPLETE, or a run directory holding one)") from None
 
 
 def checkpoint_model_config(path: str):
