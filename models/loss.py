@@ -4,6 +4,11 @@ The logits of a [tokens x vocab] head are never resident for more than one chunk
 chunk's logits are computed, reduced to a loss and dropped, and recomputed chunk by chunk in backward
 (activation checkpointing). With K MTP depths plus the main head, peak memory therefore grows by
 O(chunk x vocab), not O(K x tokens x vocab); the price is one extra head matmul per chunk in backward.
+
+Rows without a target stay in: their target is IGNORE (cross-entropy's ignore_index) and they add
+nothing to a sum or a gradient. Selecting the valid rows instead (`h[mask]`) has a data-dependent
+shape, which costs a device-to-host sync per selection (and one per gradient scatter in backward) and
+keeps the loss out of a compiled graph; the masked rows cost only their share of the head matmul.
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+IGNORE = -100
+"""Target of a row that has none (F.cross_entropy's default ignore_index): it adds nothing to a loss sum."""
+
 
 def _chunk_loss_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor) -> torch.Tensor:
     logits = F.linear(h_nh, weight_vh).float()
-    return F.cross_entropy(logits, targets_n, reduction="sum")
+    return F.cross_entropy(logits, targets_n, reduction="sum", ignore_index=IGNORE)
 
 
 def chunked_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor,
                               chunk_tokens: int) -> torch.Tensor:
-    """Sum of token cross-entropies of `h @ weight.T` against `targets` (only valid rows passed in)."""
+    """Sum of token cross-entropies of `h @ weight.T` against `targets` (IGNORE rows count zero)."""
     if h_nh.shape[0] == 0:
         return (h_nh.sum() + weight_vh.sum()) * 0.0  # keeps both in the graph with zero gradient
     if not torch.is_grad_enabled():
@@ -49,11 +57,14 @@ class _HeadCrossEntropyGradInForward(torch.autograd.Function):
         grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if need_w else None
         for i in range(0, h_nh.shape[0], chunk_tokens):
             h, t = h_nh[i : i + chunk_tokens], targets_n[i : i + chunk_tokens]
+            valid = t != IGNORE
+            t = t.clamp(min=0)  # an IGNORE row reads some logit, then counts zero
             logits = F.linear(h, weight_vh).float()
             lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            total += torch.where(valid, lse - logits.gather(1, t[:, None]).squeeze(1), 0.0).sum()
             d_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             d_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            d_logits.mul_(valid[:, None])  # an IGNORE row has no gradient
             if need_h:  # the matmuls run in the compute dtype autocast gives them, as autograd's would
                 grad_h[i : i + chunk_tokens] = d_logits @ weight_vh
             if need_w:
@@ -71,7 +82,7 @@ class _HeadCrossEntropyGradInForward(torch.autograd.Function):
 
 def head_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int,
                            backward: str = "recompute") -> torch.Tensor:
-    """Sum of token cross-entropies of `h @ weight.T` (valid rows only), chunk by chunk: `recompute`
+    """Sum of token cross-entropies of `h @ weight.T` (IGNORE rows count zero), chunk by chunk: `recompute`
     recomputes each chunk's logits in backward (`chunked_cross_entropy_sum`), `fused` computes the
     head's gradients in forward (`_HeadCrossEntropyGradInForward`); see MTPConfig.loss_head_backward."""
     if backward == "fused" and h_nh.shape[0] > 0 and torch.is_grad_enabled() \
@@ -89,22 +100,25 @@ def chunked_argmax(h_nh: torch.Tensor, weight_vh: torch.Tensor, chunk_tokens: in
     return out
 
 
-def _chunk_soft_ce_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor) -> torch.Tensor:
+def _chunk_soft_ce_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor,
+                       valid_n: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         p = F.linear(teacher_nh, weight_vh).float().softmax(-1)
-    return -(p * F.linear(h_nh, weight_vh).float().log_softmax(-1)).sum()
+    rows = -(p * F.linear(h_nh, weight_vh).float().log_softmax(-1)).sum(-1)
+    return torch.where(valid_n, rows, 0.0).sum()
 
 
 def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor,
-                                   chunk_tokens: int) -> torch.Tensor:
-    """Sum over rows of the soft cross-entropy -sum_v p_teacher(v) log p_student(v) (KL to the teacher plus
-    its constant entropy), with teacher and student logits both `h @ weight.T`; chunked and recomputed in
-    backward like `chunked_cross_entropy_sum`, so no [tokens x vocab] tensor outlives one chunk."""
+                                   chunk_tokens: int, valid_n: torch.Tensor) -> torch.Tensor:
+    """Sum over the rows where `valid_n` holds of the soft cross-entropy -sum_v p_teacher(v) log p_student(v)
+    (KL to the teacher plus its constant entropy), with teacher and student logits both `h @ weight.T`;
+    chunked and recomputed in backward like `chunked_cross_entropy_sum`, so no [tokens x vocab] tensor
+    outlives one chunk."""
     if h_nh.shape[0] == 0:
         return (h_nh.sum() + weight_vh.sum()) * 0.0
     total = None
     for i in range(0, h_nh.shape[0], chunk_tokens):
-        args = (h_nh[i : i + chunk_tokens], teacher_nh[i : i + chunk_tokens], weight_vh)
+        args = (h_nh[i : i + chunk_tokens], teacher_nh[i : i + chunk_tokens], weight_vh, valid_n[i : i + chunk_tokens])
         part = checkpoint(_chunk_soft_ce_sum, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_soft_ce_sum(*args)
         total = part if total is None else total + part
     return total
@@ -147,17 +161,17 @@ def acceptance_loss_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh:
     from the student q (`h @ weight.T`) against the teacher p (`teacher @ weight.T`, no gradient).
     Computed in log space, log a = logsumexp_v min(log p_v, log q_v), so a near-zero overlap neither
     underflows nor divides by zero. `weight_vh` may be one vocabulary shard (rows vocab_start..), then
-    `red` reduces over the shards."""
+    `red` reduces over the shards. Rows whose target is IGNORE count zero."""
     with torch.no_grad():
         log_p = _log_softmax(F.linear(teacher_nh, weight_vh).float(), red)
     log_q = _log_softmax(F.linear(h_nh, weight_vh).float(), red)
     low = torch.minimum(log_p, log_q)
     m = red.max(low.detach().amax(dim=-1))
     log_a = red.sum((low - m.unsqueeze(1)).exp().sum(dim=-1)).log() + m
-    loss = -log_a.sum()
+    loss = -torch.where(targets_n != IGNORE, log_a, 0.0).sum()
     if ce_weight:
         local_t = targets_n - vocab_start
-        inside = (local_t >= 0) & (local_t < weight_vh.shape[0])
+        inside = (local_t >= 0) & (local_t < weight_vh.shape[0])  # IGNORE (< 0) is in no shard
         picked = log_q.gather(1, local_t.clamp(0, weight_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
         loss = loss - ce_weight * red.sum(torch.where(inside, picked, torch.zeros_like(picked))).sum()
     return loss

@@ -24,7 +24,7 @@ from .hyper_connection import HyperConnection
 from .layers import RMSNorm, SwiGLU
 from .ple import PLELayer
 from .qsa import IndexedAttention
-from .loss import (chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
+from .loss import (IGNORE, chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
                    head_cross_entropy_sum)
 from .moe import MoE
 from .mtp import MTPModule, depth_target_mask, final_norm_module, model_norm, shifted_tokens
@@ -34,6 +34,11 @@ def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
     """The trunk's head input at position t+depth, aligned to position t: MTP depth k at t drafts token
     t+1+k, which the trunk predicts at t+k. The wrapped-around tail is masked by the depth's mask."""
     return torch.cat([teacher_bsh[:, depth:], teacher_bsh[:, :depth]], dim=1)
+
+
+def _rows(x_bs: torch.Tensor) -> torch.Tensor:
+    """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take them."""
+    return x_bs.reshape(-1, *x_bs.shape[2:])
 
 
 def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
@@ -304,30 +309,33 @@ class TandemModel(nn.Module):
                     flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
                     teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
         chain = h0_bsh if h_chain is None else h_chain
+        chunk = self.mtp_cfg.loss_chunk_tokens
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth):
             if depth > 0:
                 chain = h_prev
+            # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose
+            # data-dependent shape costs host syncs and a compiled graph). The count stays on the device.
             mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
-            targets = shifted_tokens(tokens_bs1, depth + 1, s)
-            chunk = self.mtp_cfg.loss_chunk_tokens
+            valid_n = _rows(mask)
+            targets_n = _rows(torch.where(mask, shifted_tokens(tokens_bs1, depth + 1, s), IGNORE))
+            counts.append(mask.sum())
             if depth == 0 and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad:
                 with torch.no_grad():  # frozen trunk: the main loss is only reported
-                    sums.append(self.lm_head.loss_sum(whole(self.final_norm(0, h_prev))[mask], targets[mask], chunk))
-                counts.append(mask.sum())
+                    sums.append(self.lm_head.loss_sum(_rows(whole(self.final_norm(0, h_prev))), targets_n, chunk))
                 continue
-            hn = whole(self.final_norm(depth, h_prev))[mask]
+            hn = _rows(whole(self.final_norm(depth, h_prev)))
             if depth > 0 and teacher_ids is not None:
                 # The trunk predicts token t+1+depth at position t+depth.
-                sums.append(self.lm_head.loss_sum(hn, shifted_tokens(teacher_ids, depth, s)[mask], chunk))
+                teacher_targets = _rows(torch.where(mask, shifted_tokens(teacher_ids, depth, s), IGNORE))
+                sums.append(self.lm_head.loss_sum(hn, teacher_targets, chunk))
             elif depth > 0 and objective == "acceptance":
-                sums.append(self.lm_head.acceptance_loss_sum(hn, _teacher_at(teacher_bsh, depth)[mask], targets[mask],
+                sums.append(self.lm_head.acceptance_loss_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), targets_n,
                                                              chunk, self.mtp_cfg.loss.acceptance_ce_weight))
             elif depth > 0 and teacher_bsh is not None:
-                sums.append(chunked_soft_cross_entropy_sum(hn, _teacher_at(teacher_bsh, depth)[mask],
-                                                           self.lm_head.weight, chunk))
+                sums.append(chunked_soft_cross_entropy_sum(hn, _rows(_teacher_at(teacher_bsh, depth)),
+                                                           self.lm_head.weight, chunk, valid_n))
             else:
-                sums.append(self.lm_head.loss_sum(hn, targets[mask], chunk))
-            counts.append(mask.sum())
+                sums.append(self.lm_head.loss_sum(hn, targets_n, chunk))
         return ModelOutput(torch.stack(sums), torch.stack(counts), chain)
 
     # --- bookkeeping ----------------------------------------------------------------------------

@@ -39,5 +39,7 @@ def depth_coefficients(mtp: MTPConfig, step: int) -> List[float]:
 def combine_losses(loss_sums: torch.Tensor, global_counts: torch.Tensor, coefficients: List[float]) -> torch.Tensor:
     """Weighted total from per-depth summed losses, each normalised by the global (all micro-batches,
     all data-parallel ranks) count of valid targets, so every layout optimises the same objective."""
-    coef = torch.tensor(coefficients, dtype=loss_sums.dtype, device=loss_sums.device)
-    return (coef * loss_sums / global_counts.clamp(min=1).to(loss_sums.dtype)).sum()
+    # The coefficients stay Python floats: a tensor of them built on an accelerator is a host-to-device
+    # copy that waits for the stream, once per micro-batch (and pipeline stage).
+    scaled = torch.stack([c * x for c, x in zip(coefficients, loss_sums.unbind(0))])
+    return (scaled / global_counts.clamp(min=1).to(loss_sums.dtype)).sum()

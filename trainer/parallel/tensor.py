@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tandem.models.attention import Attention
 from tandem.models.layers import SwiGLU
-from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum
+from tandem.models.loss import IGNORE, VocabReduce, chunked_acceptance_loss_sum
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu, inverse_permutation
 
 from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
@@ -192,7 +192,7 @@ def _vocab_parallel_chunk(h_nh, w_local_vh, targets_n, vocab_start: int, group):
     inside = (local_t >= 0) & (local_t < w_local_vh.shape[0])
     target_z = z.gather(1, local_t.clamp(0, w_local_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
     target_z = reduce_from_group(torch.where(inside, target_z, torch.zeros_like(target_z)), group)
-    return (sum_exp.log() - target_z).sum()
+    return torch.where(targets_n != IGNORE, sum_exp.log() - target_z, 0.0).sum()  # IGNORE rows count zero
 
 
 class _TensorParallelVocab(VocabReduce):
