@@ -44,6 +44,21 @@ meta device (no memory). Memory per rank for the recipe's layout is an estimate:
 - FSDP's gathered copies (compute dtype: bf16 under mixed precision): the rank's two largest layers
   (one gathered, the next prefetched; a PLE layer without its table) and the root pieces (embedding,
   head, final norm, MTP module), kept gathered through the step;
+- FSDP's gradient buffers of the root group (embedding, head, final norm and the MTP module's own
+  parameters: `root_grad_bytes`): their unsharded gradients (compute dtype) live from the head's
+  backward, the first, to the group's reduce-scatter at the end of each micro-batch's backward, whose
+  input (reduce dtype) is then added where it exceeds the activations it follows. A block's own
+  buffers (one layer's) are left out;
+- with several micro-batches per step and `parallel.reshard_after_microbatch=false` (one gradient
+  sync per step, in the last micro-batch's backward; torch's pipeline stages did so before the option),
+  `single_sync_bytes`: from the first backward to that sync every FSDP-managed parameter of the rank
+  holds its unsharded fp32 gradient (in place of its sharded one: + 4 bytes x (unsharded - owned)) and
+  its gathered copy (compute dtype; beyond the two layers above). Without a pipeline the copies stand
+  between micro-batches, when the activations are freed (the next forward reshards them as it goes),
+  so they count only where they exceed the activations; a pipeline stage holds them while other
+  micro-batches' activations are in flight (counted in full). Under dp_mode=allreduce the gradients
+  are whole either way and only the copies count. The default (a reduce-scatter and reshard after
+  every micro-batch) adds nothing to the figures above;
 - the PLE lookup (`ple_lookup_bytes`), transient, one micro-batch: the hashed ids and their sort by
   owner, the rows exchanged both ways (fp32 looked up, sent in the compute dtype) and the tp gather of
   the rows (the backward adds the rows' gradients into the table's gradient in place: no dense copy);
@@ -366,6 +381,16 @@ class Estimate:
     gathered_gib_per_rank: float = 0.0
     """FSDP's unsharded copies: the rank's two largest layers (one gathered, the next prefetched; their
     tp/ep shards) and the root group (embedding, head, MTP module), kept gathered through the step."""
+    grad_buffers_gib_per_rank: float = 0.0
+    """FSDP's unsharded gradients of the root group (compute dtype) through each backward and their
+    reduce-scatter input at its end (`root_grad_bytes`)."""
+    accumulation_gib_per_rank: float = 0.0
+    """What the one-sync-per-step mode (parallel.reshard_after_microbatch=false) holds beyond the above:
+    unsharded fp32 gradients and gathered parameters between micro-batches (`single_sync_bytes`); 0 in
+    the default mode, which syncs and reshards every micro-batch."""
+    single_sync_gib_per_rank: float = 0.0
+    """What parallel.reshard_after_microbatch=false would hold beyond the default mode's figures (equal
+    to accumulation_gib_per_rank when that mode is set; 0 with one micro-batch or no data parallelism)."""
     ple_table_params: int = 0
     """PLE n-gram table parameters (every PLE layer's), part of total_params."""
     ple_states_gib_per_rank: float = 0.0
@@ -387,15 +412,23 @@ class Estimate:
     @property
     def total_gib_per_rank(self) -> float:
         return (self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
-                + self.ple_lookup_gib_per_rank)
+                + self.ple_lookup_gib_per_rank + self.grad_buffers_gib_per_rank + self.accumulation_gib_per_rank)
 
     def summary(self) -> str:
         out = (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
                f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
                f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
-               f"gathered={self.gathered_gib_per_rank:.1f} GiB "
+               f"gathered={self.gathered_gib_per_rank:.1f} GiB grad_buffers={self.grad_buffers_gib_per_rank:.1f} GiB "
                + (f"ple_lookup={self.ple_lookup_gib_per_rank:.1f} GiB " if self.ple_table_params else "")
+               + (f"accumulation={self.accumulation_gib_per_rank:.1f} GiB " if self.accumulation_gib_per_rank else "")
                + f"total={self.total_gib_per_rank:.1f} GiB")
+        if self.accumulation_gib_per_rank:
+            out += ("\n  accumulation: unsharded fp32 gradients and gathered parameters held between micro-batches "
+                    "(parallel.reshard_after_microbatch=false: one gradient sync per step); the default syncs and "
+                    f"reshards every micro-batch and saves {_gib(self.accumulation_gib_per_rank)}")
+        elif self.single_sync_gib_per_rank:
+            out += (f"\n  parallel.reshard_after_microbatch=false (one gradient sync per step instead of one per "
+                    f"micro-batch) would add {_gib(self.single_sync_gib_per_rank)} per rank")
         if self.ple_table_params:
             out += (f"\n  PLE n-gram table: {_count(self.ple_table_params)} params, sharded {self.ple_shard} "
                     f"(rows over the stage's ranks, out of FSDP, never gathered): per rank "
@@ -572,10 +605,72 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
             roots = sum((mtp_width if x == "mtp" else width) * sum(pieces_by_kind.get(x, {}).values())
                         for x in rank_pieces[r]) / p.tp
             gathered = max(gathered, (sum(sizes) + roots) / GIB)
+    grad_buffers = 0.0
+    if batch > 1 and p.dp_mode == "fsdp":
+        grad_buffers = max(root_grad_bytes(cfg, pieces_by_kind, rank_pieces[r], whole_pieces, activations * GIB)
+                           for r in range(p.pp)) / GIB
+    single_sync = 0.0
+    if batch > 1 and per_layer:
+        from .parallel.validate import pipeline_microbatches
+
+        if pipeline_microbatches(cfg) > 1:
+            single_sync = max(single_sync_bytes(cfg, per_layer, pieces_by_kind, rank_layers[r], rank_pieces[r],
+                                                whole_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
+    accumulation = 0.0 if p.reshard_after_microbatch else single_sync
     shards = [f"dp {dp}"] + ([f"ep {p.ep}"] if p.ep > 1 else []) + ([f"tp {p.tp}"] if p.tp > 1 else [])
-    return Estimate(total, expert, active, mtp, states, activations, gathered,
+    return Estimate(total, expert, active, mtp, states, activations, gathered, grad_buffers, accumulation, single_sync,
                     ple_table_params=ple_table, ple_states_gib_per_rank=ple_states,
                     ple_lookup_gib_per_rank=ple_lookup, ple_exchange_bytes=ple_sent,
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
                     flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len))
+
+
+def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, whole_pieces, activation_bytes: float) -> float:
+    """FSDP's gradient buffers of a pp rank's root group (the pieces it holds, without their routed
+    experts, which are units of their own, and without pieces kept whole): each micro-batch's unsharded
+    gradients in the compute dtype through its backward (with one sync per step too: they are added
+    into the fp32 accumulators `single_sync_bytes` counts only at the group's post-backward), and the
+    reduce-scatter's input at its end where it exceeds the activations (fp32 accumulators with one sync
+    per step whatever train.grad_reduce_dtype, data.py casting them into a bf16 copy for the wire).
+    Measured (bench/fsdp_accumulation_memory.py) the input never stood in full beside the activations,
+    not even on a pipeline stage with other micro-batches in flight."""
+    p = cfg.parallel
+    trained = [x for x in pieces if x not in whole_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
+    root = sum(pieces_by_kind.get(x, {}).get("dense", 0) for x in trained) / p.tp
+    width = compute_bytes(cfg)
+    bf16_reduce = width == 2 and cfg.train.grad_reduce_dtype == "bf16"
+    reduce = (2 if bf16_reduce else 4) if p.reshard_after_microbatch else (6 if bf16_reduce else 4)
+    return width * root + max(0.0, reduce * root - activation_bytes)
+
+
+def single_sync_bytes(cfg: TandemConfig, per_layer: Dict[int, Dict[str, int]], pieces_by_kind,
+                      layers, pieces, whole_pieces, dp: int, activation_bytes: float) -> float:
+    """Bytes a pp rank (its `layers` and `pieces`) holds beyond the default mode's figures when gradients are synced once per step
+    (parallel.reshard_after_microbatch=false; see the module docstring): 4 bytes x (unsharded - owned)
+    for every trained FSDP-managed parameter (the unsharded fp32 gradient replacing the sharded one;
+    none under dp_mode=allreduce, whose gradients are whole anyway) and the gathered copies of its
+    layers beyond the two largest (already in the gathered figure). The PLE tables and pieces kept whole
+    (shared by two stages of the rank) are outside FSDP: their gradients are the same in both modes."""
+    p = cfg.parallel
+    batch = dp * p.ep
+    frozen = cfg.train.freeze_trunk
+    width = frozen_bytes(cfg) if frozen else compute_bytes(cfg)
+
+    def unsharded(c: Dict[str, int]) -> float:
+        return c["dense"] / p.tp + c["experts"] / (p.tp * p.ep)
+
+    def owned(c: Dict[str, int]) -> float:
+        return c["dense"] / (p.tp * batch) + c["experts"] / (p.tp * p.ep * dp)
+
+    trained = []  # parameter counts by kind, FSDP-managed and trained, on this rank
+    if not frozen:
+        trained += [per_layer[i] for i in layers]
+    trained += [pieces_by_kind.get(x, {"dense": 0, "experts": 0, "ple_table": 0}) for x in pieces
+                if x not in whole_pieces and (x == "mtp" or not frozen)]
+    grads = 0.0 if p.dp_mode == "allreduce" else 4 * sum(unsharded(c) - owned(c) for c in trained)
+    sizes = sorted((unsharded(per_layer[i]) for i in layers), reverse=True)
+    held = width * sum(sizes[2:])
+    if p.pp <= 1:
+        held = max(0.0, held - activation_bytes)
+    return grads + held
