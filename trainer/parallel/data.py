@@ -173,21 +173,60 @@ def _match_placements(p: nn.Parameter) -> None:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Largest flat buffer one gradient-sum all-reduce sends (DDP's default bucket): one collective per
+bucket instead of one per parameter, without a flat copy the size of a whole piece (the flagship's
+embedding and heads are GiBs)."""
+
+
 @torch.no_grad()
-def sum_gradients(entries, reduce_dtype: torch.dtype) -> None:
-    """Sum the gradients of `entries` ((parameter, process group) pairs) over their groups, one
-    flattened all-reduce per group and dtype (parameters backward never reached count as zeros)."""
+def launch_gradient_sums(entries, reduce_dtype: Optional[torch.dtype] = None,
+                         bucket_bytes: int = GRAD_BUCKET_BYTES) -> list:
+    """Start summing the gradients of `entries` ((parameter, process group) pairs) over their groups:
+    per group and dtype, in the entries' order, flat buckets of at most `bucket_bytes` (one parameter
+    larger than that is a bucket of its own), each one asynchronous all-reduce in `reduce_dtype` (None:
+    the gradient's dtype). Parameters backward never reached count as zeros. `finish_gradient_sums`
+    waits and writes the sums back; every rank of a group must pass its entries in the same order."""
     groups: Dict[tuple, list] = {}
     for p, group in entries:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         _match_placements(p)
         groups.setdefault((id(group), p.dtype), [group, []])[1].append(local(p.grad))
+    pending = []
     for group, grads in groups.values():
-        flat = _flatten_dense_tensors(grads).to(reduce_dtype)
-        dist.all_reduce(flat, group=group)
+        bucket, size = [], 0
+        for g in grads:
+            nbytes = g.numel() * (reduce_dtype or g.dtype).itemsize
+            if bucket and size + nbytes > bucket_bytes:
+                pending.append(_start_bucket(bucket, group, reduce_dtype))
+                bucket, size = [], 0
+            bucket.append(g)
+            size += nbytes
+        if bucket:
+            pending.append(_start_bucket(bucket, group, reduce_dtype))
+    return pending
+
+
+def _start_bucket(grads: List[torch.Tensor], group, reduce_dtype: Optional[torch.dtype]):
+    flat = _flatten_dense_tensors(grads)
+    flat = flat.to(reduce_dtype) if reduce_dtype is not None else flat
+    return dist.all_reduce(flat, group=group, async_op=True), flat, grads
+
+
+@torch.no_grad()
+def finish_gradient_sums(pending: list) -> None:
+    for work, flat, grads in pending:
+        work.wait()
         for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(summed)
+    pending.clear()
+
+
+def sum_gradients(entries, reduce_dtype: torch.dtype) -> None:
+    """Sum the gradients of `entries` ((parameter, process group) pairs) over their groups now
+    (`launch_gradient_sums`' buckets, waited for)."""
+    finish_gradient_sums(launch_gradient_sums(entries, reduce_dtype))
 
 
 class GradientFinisher:
@@ -198,9 +237,11 @@ class GradientFinisher:
        micro-batch's backward or the last one's (`apply_fsdp`, parallel.reshard_after_microbatch);
        nothing to do here.
     2. Pipeline: sums the gradients of the copies of the embedding, final norm, head and MTP module
-       held by several pp ranks (`shared`: piece -> (group of the holding ranks, copies)).
+       held by several pp ranks (`shared`: piece -> (group of the holding ranks, copies)), in flat
+       buckets (`launch_gradient_sums`), started by the pipeline as soon as this rank's stages using
+       a piece finished their step's backward (`start`) and waited for here.
        Pieces kept out of FSDP (`replicated_names`: shared by two stages of one rank) are summed over
-       the data-parallel ranks here (`sum_gradients`), before the pp copies are.
+       the data-parallel ranks the same way, before the pp copies are.
        Sequence parallelism: sums over tp the gradients of replicated parameters that computed on
        one sequence shard (norms, routers, the MTP input projection), as Megatron does.
     3. The true global norm: each rank's local squared norms weighted by 1/(copies of that shard
@@ -221,6 +262,8 @@ class GradientFinisher:
         self.batch_group, self.batch_size = batch_group, batch_size
         self.dp_group, self.dp_size = dp_group, dp_size
         self.shared, self.replicated = dict(shared or {}), set(replicated_names)
+        # this step's started sums: parameter names, and the buckets in flight
+        self._started, self._pending = set(), []
 
     def _params(self):
         for _, p, is_expert, piece in self._named_params():
@@ -235,26 +278,42 @@ class GradientFinisher:
                 yield name, p, id(p) in experts, piece if piece in self.shared else None
 
     @torch.no_grad()
-    def sync(self) -> None:
-        for p, _, _ in self._params():
+    def start(self, pieces: Iterable[str]) -> None:
+        """Complete what this rank can of `pieces`' gradients and start their pipeline-group sums
+        (asynchronous buckets, waited for in `sync`): the pipeline calls it once every stage of this
+        rank using them finished its step's backward (FSDP's reduction included), so the sums overlap
+        the backward left on this rank's other stages. Each group's pieces arrive in one call, in the
+        same order of groups on every rank (`Pipeline`)."""
+        self._start([(n, p, e, piece) for n, p, e, piece in self._named_params()
+                     if n.split(".", 1)[0] in set(pieces) and n not in self._started])
+
+    def _start(self, params) -> None:
+        self._started.update(n for n, _, _, _ in params)
+        for _, p, _, _ in params:
             _match_placements(p)
         if self.tp_group is not None:
-            for name, p, _, _ in self._named_params():
+            for name, p, _, _ in params:
                 if name in self.sp_partial:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(local(p.grad), group=self.tp_group)
-        if self.replicated:
-            sum_gradients([(p, self.dp_group if is_expert else self.batch_group)
-                           for name, p, is_expert, _ in self._named_params() if name in self.replicated
-                           and (self.dp_size if is_expert else self.batch_size) > 1], self.reduce_dtype)
-        # copies on several pp ranks; every holder walks its parameters in the model's order, so the
-        # sums over different holder groups are issued in the same order on every rank
-        for p, _, piece in self._params():
-            if piece is not None:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(local(p.grad), group=self.shared[piece][0])
+        whole = [(p, self.dp_group if is_expert else self.batch_group) for name, p, is_expert, _ in params
+                 if name in self.replicated and (self.dp_size if is_expert else self.batch_size) > 1]
+        copies = [(p, self.shared[piece][0]) for _, p, _, piece in params if piece is not None]
+        if whole and copies:  # the pp sum reads the dp sum
+            sum_gradients(whole, self.reduce_dtype)
+        elif whole:
+            self._pending += launch_gradient_sums(whole, self.reduce_dtype)
+        # copies on several pp ranks, in the gradients' dtype; every holder walks its parameters in
+        # the model's order, so the buckets of a holder group are issued in the same order everywhere
+        self._pending += launch_gradient_sums(copies)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Everything `start` has not started yet, then wait for every sum of the step."""
+        self._start([entry for entry in self._named_params() if entry[0] not in self._started])
+        finish_gradient_sums(self._pending)
+        self._started = set()
 
     @torch.no_grad()
     def global_norm(self) -> torch.Tensor:

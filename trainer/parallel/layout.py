@@ -147,6 +147,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
         device=state.device.device,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
+    if pipeline is not None:  # shared pieces' sums start as soon as this rank's stages using them are done
+        pipeline.on_shared_grads = state.extras["clip_grad_norm"].start
     return model
 
 

@@ -186,8 +186,25 @@ class Pipeline:
         self._mine, self._n_stages = mine, n_stages
         from .data import pipeline_stage_class
 
-        self._kinds = (pipeline_stage_class(p.reshard_after_microbatch), Schedule1F1B, ScheduleGPipe,
+        self._kinds = (_notifying(pipeline_stage_class(p.reshard_after_microbatch)), Schedule1F1B, ScheduleGPipe,
                        ScheduleInterleaved1F1B)
+        # Shared pieces in units of the same holder ranks (one pp group each), in one order on every
+        # rank: a unit's gradient sums start once this rank's stages using it are done (`_stage_done`)
+        # and every unit before it started, so the groups' buckets are issued in the same order everywhere.
+        holders, self._units = plan.holders(), []
+        for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
+            if getattr(model, piece, None) is None:
+                continue
+            unit = next((u for u in self._units if holders[u[0][0]] == holders[piece]), None)
+            if unit is None:
+                self._units.append(([piece], set()))
+            else:
+                unit[0].append(piece)
+        for pieces, stages in self._units:
+            stages.update(s for s in mine if set(pieces) & set(plan.stage_pieces(s)))
+        self.on_shared_grads = None
+        """Called with a unit's pieces once their gradients on this rank are final (GradientFinisher.start)."""
+        self._waiting: List[set] = []
         self.schedule = None
         self.schedule_name = p.pp_schedule
 
@@ -211,6 +228,7 @@ class Pipeline:
                 (act(),) + ((act(),) if st.send_h0 else ())
             stages.append(PipelineStage(m, s, self._n_stages, self.device, group=self.pp_group,
                                         input_args=inputs, output_args=outputs))
+            stages[-1].on_grads_done = self._stage_done
         loss_fn = lambda out, target: out  # noqa: E731  (the last stage already returns the loss)
         if self.schedule_name == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
@@ -226,7 +244,31 @@ class Pipeline:
         self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
         args = (tokens[:, :-1].contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
+        self._waiting = [set(stages) for _, stages in self._units]
         self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         sums = self.ctx.sums  # each depth's sum lives on the rank holding it (zeros elsewhere)
         dist.all_reduce(sums, group=self.pp_group)
         return sums
+
+    def _stage_done(self, stage: int) -> None:
+        """A stage of this rank finished its step's backward: start the sums of the units now complete."""
+        for waiting in self._waiting:
+            waiting.discard(stage)
+        while self._waiting and not self._waiting[0] and self.on_shared_grads is not None:
+            self._waiting.pop(0)
+            self.on_shared_grads(self._units[len(self._units) - len(self._waiting) - 1][0])
+
+
+def _notifying(stage_class):
+    """`stage_class` that reports each stage's last gradient work of the step (the schedule's
+    REDUCE_GRAD, after its last backward and FSDP's reduction) to `on_grads_done(stage index)`."""
+
+    class NotifyingStage(stage_class):
+        on_grads_done = None
+
+        def perform_reduce_grad(self, grad_scale_factor: int):
+            super().perform_reduce_grad(grad_scale_factor)
+            if self.on_grads_done is not None:
+                self.on_grads_done(self.stage_index)
+
+    return NotifyingStage

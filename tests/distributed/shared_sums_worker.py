@@ -1,0 +1,65 @@
+"""torchrun worker for test_shared_piece_sums.py: trains `worker.STEPS` steps of each layout and
+records, on every rank, what the gradient finisher's sums of the shared pipeline pieces did: the
+all-reduce calls inside `GradientFinisher.start` / `sync`, and when each started relative to the
+pipeline's stages finishing their backward."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import worker  # noqa: E402
+from collectives import CollectiveRecorder  # noqa: E402
+
+
+def all_reduces(recorder: CollectiveRecorder) -> int:
+    return sum(n for (op, _, _), n in recorder.calls.items() if op == "distributed.all_reduce")
+
+
+def main(argv: List[str]) -> int:
+    from tandem.trainer.parallel.data import GradientFinisher
+    from tandem.trainer.parallel.pipeline import Pipeline
+
+    out_dir, layouts = argv[0], argv[1:]
+    torch.set_num_threads(1)
+    recorder = CollectiveRecorder().install()
+    events = []
+
+    def recorded(kind, fn):
+        def wrapper(self, *args):
+            recorder.active = True
+            before = all_reduces(recorder)
+            try:
+                return fn(self, *args)
+            finally:
+                recorder.active = False
+                events.append((kind, sorted(args[0]) if args else None, all_reduces(recorder) - before))
+        return wrapper
+
+    GradientFinisher.start = recorded("start", GradientFinisher.start)
+    GradientFinisher.sync = recorded("sync", GradientFinisher.sync)
+    stage_done = Pipeline._stage_done
+
+    def noted_stage_done(self, stage):
+        events.append(("stage_done", stage, 0))
+        return stage_done(self, stage)
+
+    Pipeline._stage_done = noted_stage_done
+    for layout in layouts:
+        events.clear()
+        result = worker.run_layout(layout)
+        torch.save({"events": list(events), "losses": result["losses"]},
+                   os.path.join(out_dir, f"{layout}.rank{dist.get_rank()}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,69 @@
+"""The gradient sums of the pipeline's shared pieces (embedding, final norm, head, MTP module held by
+several pp ranks): one all-reduce per bucket (`data.launch_gradient_sums`) instead of one per
+parameter, started by the pipeline as soon as the stages of a rank using a piece finished their
+backward, not after the whole schedule. That the sums are right is test_parallel_equivalence.py's job
+(these layouts, and the ones with pieces kept whole over dp x ep, match one process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import worker  # noqa: E402
+
+pytestmark = [pytest.mark.distributed]
+
+# the MTP module (many parameters), head, norm and embedding on both pp ranks; and, interleaved, the
+# embedding on rank 1's last stage (3) only, whose backward ends before that rank's stage 1's does
+SPREAD = "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]"
+INTERLEAVED = "pp=2,pp_schedule=interleaved_1f1b,train.dtype=bf16"
+PIECES = ("embed_tokens", "norm", "lm_head", "mtp")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shared_sums")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "shared_sums_worker.py"), str(out), SPREAD, INTERLEAVED]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out
+
+
+def plan(layout):
+    from tandem.trainer.parallel.pipeline_plan import PipelinePlan
+
+    return PipelinePlan(worker.make_cfg(layout, worker.GRAD_ACCUM))
+
+
+@pytest.mark.parametrize("layout", [SPREAD, INTERLEAVED])
+def test_shared_piece_sums_are_bucketed(layout, runs):
+    """Per step and rank, one all-reduce per group of pp ranks holding the same pieces (all fp32
+    gradients, far below a bucket), where summing per parameter issued one per parameter (SPREAD:
+    the MTP module's alone has more than ten)."""
+    holders = plan(layout).holders()
+    for rank in range(2):
+        events = torch.load(runs / f"{layout}.rank{rank}.pt", weights_only=False)["events"]
+        groups = {tuple(holders[p]) for p in PIECES if rank in holders[p] and len(holders[p]) > 1}
+        per_step = [n for kind, _, n in events if kind == "sync"]
+        started = sum(n for kind, _, n in events if kind == "start")
+        assert len(per_step) == worker.STEPS, events
+        assert sum(per_step) + started == worker.STEPS * len(groups) > 0, (rank, groups, events)
+
+
+def test_shared_piece_sums_start_before_the_schedule_ends(runs):
+    """Interleaved: rank 1 holds stages 1 and 3, the embedding's copy only on stage 3 (the MTP steps
+    embed tokens t+k); its pp sum starts when stage 3's backward is done, while stage 1's last
+    backward is still to run, and every shared piece's sum is started by the pipeline, not `sync`."""
+    events = torch.load(runs / f"{INTERLEAVED}.rank1.pt", weights_only=False)["events"]
+    step = events[:events.index(next(e for e in events if e[0] == "sync"))]
+    order = [(kind, what) for kind, what, _ in step]
+    assert order.index(("start", ["embed_tokens"])) < order.index(("stage_done", 1)), order
+    assert [what for kind, what in order if kind == "start"] == [["embed_tokens"], ["lm_head", "mtp", "norm"]], order
