@@ -6,8 +6,9 @@ or import `run_layout` in one process for the single-process reference. Data is 
 function of the step), split over the batch ranks exactly as the trainer splits a global batch.
 Each rank writes `OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full
 (gathered) parameters and router biases it holds after the last step; what its training steps handed
-the collectives (op, device, dtype; see collectives.py) and the dtypes its nn.Linear layers computed
-in (bf16 evidence). A layout item `train.dtype=bf16` trains in bf16 (any dotted key passes through).
+the collectives (op, device, dtype; see collectives.py), the dtypes its nn.Linear layers computed
+in (bf16 evidence) and those of every module holding parameters itself (norms, embeddings, experts,
+routers), by class. A layout item `train.dtype=bf16` trains in bf16 (any dotted key passes through).
 """
 
 from __future__ import annotations
@@ -122,10 +123,13 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     model.train()
     losses, norms = [], []
     linear_dtypes = set()
+    owner_dtypes: Dict[str, set] = {}  # class of a module holding parameters itself -> its outputs' dtypes
 
     def note_dtype(module, args, out):
         if isinstance(module, torch.nn.Linear) and isinstance(out, torch.Tensor):
             linear_dtypes.add(str(out.dtype))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and next(module.parameters(False), None) is not None:
+            owner_dtypes.setdefault(type(module).__name__, set()).add(str(out.dtype))
 
     hook = torch.nn.modules.module.register_module_forward_hook(note_dtype)
     if recorder is not None:
@@ -153,6 +157,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().clone()
     return {"losses": losses, "grad_norms": norms, "params": params, "linear_dtypes": sorted(linear_dtypes),
+            "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
             "device": str(pstate.device.device),
             "collectives": dict(recorder.calls) if recorder is not None else {}}
 

@@ -111,3 +111,73 @@ def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native):
     assert device.autocast_dtype("bf16") == torch.bfloat16 and device.autocast_dtype("fp32") is None
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
     assert load_config(recipe).train.dtype == "auto"
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
+    """`cast_kept_whole` (trainer/parallel/data.py) on the pieces a pipeline keeps out of FSDP (embedding,
+    final norm, head, MTP module): under bf16 autocast the model computes exactly as the same model with
+    those pieces' parameters in bf16, i.e. as FSDP's policy gathers them (losses bit for bit, gradients
+    to bf16 rounding), their norms and embedding lookups hand on bf16, and the parameters stay the fp32
+    leaves the optimizer and checkpoints see. Also with their blocks recomputed in backward."""
+    import copy
+
+    from tandem.models.layers import RMSNorm
+    from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+    from tandem.trainer.parallel.data import cast_kept_whole
+
+    torch.manual_seed(0)
+    kept = TandemModel(moe_cfg(num_experts=4), MTPConfig(num_steps=2, num_layers=1))
+    for p in kept.parameters():  # norms away from 1, so their weights' bf16 rounding shows
+        torch.nn.init.normal_(p, mean=0.5, std=0.3)
+    gathered, plain = copy.deepcopy(kept), copy.deepcopy(kept)
+    pieces = ("embed_tokens", "norm", "lm_head", "mtp")
+    cast_kept_whole(kept, [p for n, p in kept.named_parameters() if n.split(".")[0] in pieces], torch.bfloat16)
+    for piece in pieces:
+        getattr(gathered, piece).to(torch.bfloat16)
+    for m in (kept, gathered, plain):
+        apply_activation_checkpointing(m, checkpointing)
+    norm_dtypes = set()  # of the pieces' norms and embedding (the trunk's blocks compute as autocast has them)
+    in_pieces = {id(m) for model in (kept, gathered, plain) for piece in pieces for m in getattr(model, piece).modules()}
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: norm_dtypes.add(out.dtype) if id(m) in in_pieces and isinstance(m, (RMSNorm, torch.nn.Embedding))
+        else None)
+    tokens = torch.randint(0, 128, (2, 17))
+    runs = {}
+    for name, m in (("kept", kept), ("gathered", gathered), ("plain", plain)):
+        norm_dtypes.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(tokens).loss_sums
+        loss.sum().backward()
+        runs[name] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()}, set(norm_dtypes))
+    hook.remove()
+    assert torch.equal(runs["kept"][0], runs["gathered"][0])
+    assert not torch.equal(runs["plain"][0], runs["gathered"][0])  # autocast alone: fp32 norms, embedding
+    assert runs["kept"][2] == {torch.bfloat16} and torch.float32 in runs["plain"][2]
+    for n, p in kept.named_parameters():
+        assert type(p) is torch.nn.Parameter and p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
+        ref = runs["gathered"][1][n].float()
+        assert (p.grad - ref).abs().max() <= 2e-2 * ref.abs().max() + 1e-6, n
+    assert "weight" not in vars(kept.norm) and kept.norm.weight is kept.norm._parameters["weight"]  # no copy left
+
+
+def test_pieces_kept_out_of_fsdp_keep_their_casts_in_compiled_blocks():
+    """Under `train.compile` a kept-whole MTP block must not run the graph compiled for a trunk block of
+    the same shape (dynamo shares graphs between blocks and does not guard on module hooks): compiled
+    and eager training forwards give the same losses bit for bit (aot_eager: no kernel fusion)."""
+    import copy
+
+    from tandem.trainer.parallel.compile import apply_compile
+    from tandem.trainer.parallel.data import cast_kept_whole
+
+    torch.manual_seed(0)
+    eager = TandemModel(moe_cfg(num_experts=4), MTPConfig(num_steps=2, num_layers=1))
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, mean=0.5, std=0.3)
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):  # the embedding too, so the trunk blocks also see bf16 inputs
+        cast_kept_whole(m, [*m.mtp.parameters(), *m.embed_tokens.parameters()], torch.bfloat16)
+    apply_compile(compiled, True, backend="aot_eager")
+    tokens = torch.randint(0, 128, (2, 17))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(eager(tokens).loss_sums, compiled(tokens).loss_sums)

@@ -12,7 +12,10 @@ compute in fp32 from the gathered bf16 weight, as Megatron's fp32 routing does f
 parameters) and reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the
 all-reduce mode (`replicate`, the same machinery with replicated parameters) casts and all-reduces
 the same way. Both sync in every micro-batch's backward, or once per step in the last one's
-(`parallel.reshard_after_microbatch`); the sum over micro-batches is fp32 either way. Every collective here takes
+(`parallel.reshard_after_microbatch`); the sum over micro-batches is fp32 either way. Parameters kept
+out of FSDP (pieces two pipeline stages of one rank share) compute the same way, from bf16 copies made
+at each call of their module (`cast_kept_whole`); the routed experts FSDP leaves out when dp = 1
+already cast their weights to the compute dtype (`expert_swiglu`). Every collective here takes
 device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
 """
 
@@ -146,6 +149,61 @@ def pipeline_stage_class(reshard_after_microbatch: bool):
             return grads, None
 
     return ReshardingPipelineStage
+
+
+_COMPUTE_COPY_CLASSES: Dict[type, type] = {}
+
+
+def _compute_copy_class(cls: type) -> type:
+    """`cls` whose forward reads its `compute_copy_names` parameters as `compute_copy_dtype` copies.
+
+    A subclass (swapped in like tensor.py's parallel classes) rather than forward hooks: torch.compile
+    shares one graph between blocks of one shape and does not guard on hooks (its default
+    `skip_nnmodule_hook_guards`), so a trunk block's graph would run a kept-whole MTP block's norms
+    without their casts; a different forward makes the MTP block trace its own."""
+    if cls not in _COMPUTE_COPY_CLASSES:
+        def forward(self, *args, **kwargs):
+            for n in self.compute_copy_names:
+                # An instance attribute shadows the registered parameter for `self.<n>` (nn.Module looks
+                # in _parameters only when ordinary lookup fails), while named_parameters(), the
+                # optimizer and checkpoints keep the fp32 parameter. The copy is differentiable: its
+                # gradient reaches the parameter's .grad in fp32, as FSDP's gathered bf16 copies' do.
+                self.__dict__[n] = self._parameters[n].to(self.compute_copy_dtype)
+            try:
+                return cls.forward(self, *args, **kwargs)
+            finally:
+                for n in self.compute_copy_names:
+                    self.__dict__.pop(n, None)
+
+        _COMPUTE_COPY_CLASSES[cls] = type(f"ComputeCopy{cls.__name__}", (cls,), {"forward": forward})
+    return _COMPUTE_COPY_CLASSES[cls]
+
+
+def _autocast_computes(module: nn.Module) -> bool:
+    """Modules whose parameters only enter matmuls that already run in the compute dtype (autocast's
+    linears with its cached weight casts, the grouped experts' own cast, the vocabulary heads' chunked
+    logits): a copy per call would add casts, and a chunked head would keep one per depth until backward."""
+    from tandem.models.model import OutputHead
+
+    from .tensor import VocabParallelHead
+
+    return isinstance(module, (nn.Linear, GroupedExperts, OutputHead, VocabParallelHead))
+
+
+def cast_kept_whole(model: nn.Module, params: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
+    """Make `params` (kept out of FSDP) compute as FSDP's mixed-precision policy makes the rest: every
+    other module holding one reads a `dtype` copy of it while it is called. Autocast alone would leave
+    their norms and embedding lookups in fp32 (an fp32 weight promotes the product), so those pieces
+    would hand fp32 activations to the sequence-parallel gathers, the expert dispatch and the next
+    stage: twice the bytes of the FSDP-gathered pieces' bf16. The copy is made again at every call of
+    the module (activation checkpointing's recomputation, every MTP depth), so none outlives its call
+    or goes stale after an optimizer step."""
+    wanted = {id(p) for p in params}
+    for module in model.modules():
+        names = [n for n, p in module._parameters.items() if p is not None and id(p) in wanted]
+        if names and not _autocast_computes(module):
+            module.__class__ = _compute_copy_class(type(module))
+            module.compute_copy_names, module.compute_copy_dtype = names, dtype
 
 
 @contextlib.contextmanager

@@ -87,7 +87,7 @@ def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    from .data import REDUCE_DTYPES, GradientFinisher, apply_fsdp, fsdp_mixed_precision
+    from .data import REDUCE_DTYPES, GradientFinisher, apply_fsdp, cast_kept_whole, fsdp_mixed_precision
     from .tensor import apply_tensor_and_expert_parallel
 
     p, mesh = cfg.parallel, state.mesh
@@ -130,6 +130,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
                    keep_whole=set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables},
                    replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype)
+        if mp_policy is not None:  # the whole pieces compute in the policy's dtype too
+            cast_kept_whole(model, whole_params.values(), mp_policy.param_dtype)
     shared = {}
     if pp > 1:
         # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
