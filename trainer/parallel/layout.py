@@ -157,7 +157,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
 def _shared_piece_groups(mesh, pp: int, holders) -> dict:
     """piece -> (process group of the pp ranks holding it with this rank's dp/ep/tp coordinates,
     number of copies), for the pieces held by more than one pp rank. Every rank creates every group
-    in the same order (dist.new_group is collective); groups are reused across pieces."""
+    in the same order (dist.new_group is collective); groups are reused across pieces with the same
+    holders."""
     ranks = mesh.mesh.reshape(pp, -1)  # [pp, dp*ep*tp] global ranks
     me = dist.get_rank()
     made, out = {}, {}
@@ -166,16 +167,16 @@ def _shared_piece_groups(mesh, pp: int, holders) -> dict:
         if len(members) < 2:
             continue
         if members not in made:
-            if len(members) == pp:
-                made[members] = mesh["pp"].get_group()
-            else:
-                mine = None
-                for col in range(ranks.shape[1]):
-                    group_ranks = [int(ranks[r, col]) for r in members]
-                    group = dist.new_group(group_ranks)
-                    if me in group_ranks:
-                        mine = group
-                made[members] = mine
+            # a group of its own even when every pp rank holds the piece, never the pipeline's: the
+            # sums start while the schedule's sends and receives still run, and one NCCL communicator
+            # runs its operations in issue order (rank 1's early sum would wait behind rank 0's sends)
+            mine = None
+            for col in range(ranks.shape[1]):
+                group_ranks = [int(ranks[r, col]) for r in members]
+                group = dist.new_group(group_ranks)
+                if me in group_ranks:
+                    mine = group
+            made[members] = mine
         if made[members] is not None:
             out[piece] = (made[members], len(members))
     return out

@@ -12,7 +12,10 @@ holds the output head, the final norm (where a depth reads it), the MTP module a
 token embedding (the MTP steps embed tokens t+k). Copies on several pp ranks start identical (the
 same seeded init or checkpoint slice) and stay identical because their gradients are summed over the
 ranks holding them (Megatron's shared-embedding all-reduce, generalised); they are saved under the
-same keys: identical replicas, deduplicated by DCP.
+same keys: identical replicas, deduplicated by DCP. Those sums run in flat buckets (GradientFinisher),
+started per unit of pieces with the same holders as soon as this rank's stages using them finished
+the step's backward (each stage reports its REDUCE_GRAD, `_notifying`), so they overlap the backward
+still to run on the rank's other stages; the optimizer step waits for them.
 
 Qwen4-Exp (hyper-connections, PLE): the state between blocks is the `hc_count` residual streams
 [B, S, hc_count * H], so every boundary (trunk stages, the MTP chain after the trunk, h_0 beside it)
