@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
-from tandem.trainer.estimate import hardware_flops_per_token  # noqa: E402
+from tandem.trainer.flops import hardware_flops_per_token  # noqa: E402
 from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.activation_checkpoint import MODES, apply_activation_checkpointing  # noqa: E402

@@ -139,7 +139,7 @@ class Trainer:
             if self.pstate.is_main:
                 print(f"resumed from {found[1]} at step {self.start_step}{self.data_position.resume_note(state)}",
                       file=sys.stderr)
-        from .estimate import hardware_flops_per_token, training_flops_per_token
+        from .flops import hardware_flops_per_token, training_flops_per_token
 
         # `mfu` counts model FLOPs (3x the forward); `hfu` what the step executes (recomputation too)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)

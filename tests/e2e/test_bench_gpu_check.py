@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tandem.trainer.config import load_config
-from tandem.trainer.estimate import estimate, hardware_flops_per_token, training_flops_per_token
+from tandem.trainer.estimate import estimate
+from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tandem.models import TandemModel
 from tandem.trainer import estimate as E
+from tandem.trainer import flops as F
 from tandem.trainer.config import load_config
 from tandem.trainer.parallel.pipeline_plan import item_flops
 
@@ -43,30 +44,30 @@ def test_hand_computed_parameters_and_flops():
     assert E.mixer_params(m, "linear_attention") == 256 + 128 + 64 + 64 + 4 + 4 + 128 == 648
     # projections 2*(256 + 128 + 64 + 128) = 1152, conv 2*16*4 = 128, the rule per value head at C = 64:
     # 6*64*4 + 4*64*4 + 6*4*4 + 2*64^2/3, times 2 heads
-    assert E.gdn_forward_flops(m, 16) == pytest.approx(1152 + 128 + 2 * (1536 + 1024 + 96 + 8192 / 3))
+    assert F.gdn_forward_flops(m, 16) == pytest.approx(1152 + 128 + 2 * (1536 + 1024 + 96 + 8192 / 3))
     # QSA: q_proj (query + gate) 16x32, k and v 16x8 each, o 16x16, q/k norms 8 each, the indexer 16x24 + 2x8
     assert E.mixer_params(m, "indexed_attention") == 512 + 256 + 256 + 16 + 384 + 16 == 1440
     # S = 16: complete blocks visible to u = t+1 = 1..16 sum floor(u/4) = 28; tokens attended: every
     # visible one for u <= 11 (66), then 8 + (u mod 4) for u = 12..16 (8+9+10+11+8 = 46): mean 112/16 = 7
-    assert E.qsa_mean_blocks(m, 16) == 28 / 16 and E.qsa_mean_keys(m, 16) == 7.0
-    assert E.qsa_forward_flops(m, 16) == 2 * (512 + 256 + 256 + 384) + 2 * 2 * 8 * 28 / 16 + 4 * 16 * 7 == 3320
+    assert F.qsa_mean_blocks(m, 16) == 28 / 16 and F.qsa_mean_keys(m, 16) == 7.0
+    assert F.qsa_forward_flops(m, 16) == 2 * (512 + 256 + 256 + 384) + 2 * 2 * 8 * 28 / 16 + 4 * 16 * 7 == 3320
     # a hyper-connection over 2 x 16 channels: grouped norm 32, down 32x4, up 4x32, inject 32x2
     assert E._norm_params(m) == 2 * (32 + 128 + 128 + 64)
-    assert E.hyper_connection_flops(m) == 2 * (128 + 128 + 64) and E.final_norm_forward_flops(m) == 2 * 256
+    assert F.hyper_connection_flops(m) == 2 * (128 + 128 + 64) and F.final_norm_forward_flops(m) == 2 * 256
     assert E.final_norm_params(m) == 32 + 256
     # PLE: key 8x32, value 8x16, three norms of 32, conv 32x4; the table: primes 97, 101, 103, 107 (408
     # rows) padded to 512 rows of 8 / 4 heads = 2
     assert E.ple_params(m, 0) == {"dense": 256 + 128 + 96 + 128, "table": 512 * 2}
-    assert E.ple_forward_flops(m) == 2 * (256 + 128 + 128) == 1024
+    assert F.ple_forward_flops(m) == 2 * (256 + 128 + 128) == 1024
     # MoE: router 4x16, routed 4 x 3 x 16x8, shared 3 x 16x8 and its gate 16
     assert E.mlp_params(m, True) == {"dense": 64 + 384 + 16, "experts": 1536}
-    assert E._mlp_forward_flops(m, True) == 2 * 64 + 2 * 2 * 384 + 2 * 384 + 2 * 16 == 2464
+    assert F._mlp_forward_flops(m, True) == 2 * 64 + 2 * 2 * 384 + 2 * 384 + 2 * 16 == 2464
     assert sum(E.layer_params(m, 0).values()) == 648 + 704 + 608 + 1024 + 464 + 1536
     # the drafter: two norms (16, 32), fc_embedding and fc_hidden 16x16, a QSA + MoE block with its two
     # hyper-connections and its own stream mixer
     mtp = hand_cfg().mtp
     assert E.mtp_layer_params(m, mtp) == 16 + 32 + 512 + 1440 + 464 + 1536 + 704 + 288
-    assert E.mtp_layer_forward_flops(m, mtp, 16) == 2 * 256 + 2 * 2 * 256 + 3320 + 2464 + 1280 + 512
+    assert F.mtp_layer_forward_flops(m, mtp, 16) == 2 * 256 + 2 * 2 * 256 + 3320 + 2464 + 1280 + 512
 
 
 @pytest.mark.parametrize("extra", [[], ["model.hc_count=4", "model.ple_layers=[0,2]", "model.num_layers=4",
@@ -108,22 +109,22 @@ def test_flops_match_the_matmuls_torch_counts():
     pos, ids = torch.arange(s).expand(b, s), torch.randint(0, m.vocab_size, (b, s))
     gdn_block, qsa_block = model.layers["0"], model.layers["1"]
     # hyper-connections and PLE are matmuls and a conv only
-    assert sum(_per_token(lambda: gdn_block.attn_hyper_connection(xs), b * s).values()) == E.hyper_connection_flops(m)
-    assert sum(_per_token(lambda: model.norm(xs), b * s).values()) == E.final_norm_forward_flops(m)
-    assert sum(_per_token(lambda: gdn_block.ple(xs, ids, pos), b * s).values()) == E.ple_forward_flops(m)
+    assert sum(_per_token(lambda: gdn_block.attn_hyper_connection(xs), b * s).values()) == F.hyper_connection_flops(m)
+    assert sum(_per_token(lambda: model.norm(xs), b * s).values()) == F.final_norm_forward_flops(m)
+    assert sum(_per_token(lambda: gdn_block.ple(xs, ids, pos), b * s).values()) == F.ple_forward_flops(m)
     # Gated DeltaNet: the model counts fla's triangular inverse (2C^2/3 per token and value head); the
     # pure-PyTorch path inverts by doubling, 4C^2(log2 C - 1): every other matmul is the same
-    c, nv = E.GDN_CHUNK, m.linear_num_value_heads
-    torch_path = E.gdn_forward_flops(m, s) + nv * (4 * c * c * (math.log2(c) - 1) - 2 * c * c / 3)
+    c, nv = F.GDN_CHUNK, m.linear_num_value_heads
+    torch_path = F.gdn_forward_flops(m, s) + nv * (4 * c * c * (math.log2(c) - 1) - 2 * c * c / 3)
     assert sum(_per_token(lambda: gdn_block.linear_attn(x, pos), b * s).values()) == pytest.approx(torch_path, rel=1e-12)
     # QSA (mask form): the projections, and the block scores (here over all S/r blocks, visible or not)
     got = _per_token(lambda: qsa_block.self_attn(x, pos), b * s)
-    proj = E.qsa_forward_flops(m, s) - 2 * 2 * m.num_heads * m.resolved_head_dim * E.qsa_mean_keys(m, s) \
-        - 2 * m.indexer_heads * m.indexer_head_dim * E.qsa_mean_blocks(m, s)
+    proj = F.qsa_forward_flops(m, s) - 2 * 2 * m.num_heads * m.resolved_head_dim * F.qsa_mean_keys(m, s) \
+        - 2 * m.indexer_heads * m.indexer_head_dim * F.qsa_mean_blocks(m, s)
     assert got["aten.mm"] == proj
     assert got["aten.bmm"] == 2 * m.indexer_heads * m.indexer_head_dim * s / m.indexer_compress_ratio
     # the MoE: each token through the router, top_k experts, the shared expert and its gate
-    assert sum(_per_token(lambda: gdn_block.mlp(x), b * s).values()) == E._mlp_forward_flops(m, True)
+    assert sum(_per_token(lambda: gdn_block.mlp(x), b * s).values()) == F._mlp_forward_flops(m, True)
 
 
 @pytest.mark.parametrize("s,budget,ratio", [(16, 8, 4), (64, 8, 4), (67, 16, 4), (50, 12, 3), (10, 64, 4)])
@@ -136,33 +137,33 @@ def test_qsa_attended_tokens_are_its_selection(s, budget, ratio):
     scores = torch.rand(2, s, s // ratio)
     blocks, count = attn._select(scores, at)
     mask = attn._token_mask(blocks, count, at, s)
-    assert float(mask.sum(-1).double().mean()) == pytest.approx(E.qsa_mean_keys(m, s), rel=1e-12)
-    assert float(((at + 1) // ratio).double().mean()) == pytest.approx(E.qsa_mean_blocks(m, s), rel=1e-12)
+    assert float(mask.sum(-1).double().mean()) == pytest.approx(F.qsa_mean_keys(m, s), rel=1e-12)
+    assert float(((at + 1) // ratio).double().mean()) == pytest.approx(F.qsa_mean_blocks(m, s), rel=1e-12)
 
 
 def test_mfu_and_pipeline_balance_count_the_new_layers():
     cfg = hand_cfg("mtp.num_steps=2")
     m, mtp, s = cfg.model, cfg.mtp, 16
-    layer = [E.trunk_layer_forward_flops(m, i, s) for i in range(m.num_layers)]
-    assert layer[0] == E.gdn_forward_flops(m, s) + E.ple_forward_flops(m) + 2 * E.hyper_connection_flops(m) + 2464
-    assert layer[1] == E.qsa_forward_flops(m, s) + 2 * E.hyper_connection_flops(m) + 2464
+    layer = [F.trunk_layer_forward_flops(m, i, s) for i in range(m.num_layers)]
+    assert layer[0] == F.gdn_forward_flops(m, s) + F.ple_forward_flops(m) + 2 * F.hyper_connection_flops(m) + 2464
+    assert layer[1] == F.qsa_forward_flops(m, s) + 2 * F.hyper_connection_flops(m) + 2464
     head, valid = 2 * 16 * 320, (16 + 15 + 14) / 16
-    model = 3 * (sum(layer) + E.final_norm_forward_flops(m) + 2 * E.mtp_layer_forward_flops(m, mtp, s) + head * valid)
-    assert E.training_flops_per_token(m, mtp, s) == pytest.approx(model, rel=1e-12)  # MFU's: 3x, no recomputation
+    model = 3 * (sum(layer) + F.final_norm_forward_flops(m) + 2 * F.mtp_layer_forward_flops(m, mtp, s) + head * valid)
+    assert F.training_flops_per_token(m, mtp, s) == pytest.approx(model, rel=1e-12)  # MFU's: 3x, no recomputation
     # HFU's: each head's logits recomputed (4x) and the indexer KL's target in the QSA layer and both depths
     hardware = model + head * valid + 3 * 2 * 16 * 16
-    assert E.hardware_flops_per_token(m, mtp, s) == pytest.approx(hardware, rel=1e-12)
+    assert F.hardware_flops_per_token(m, mtp, s) == pytest.approx(hardware, rel=1e-12)
     # pp_balance's items: the QSA layer also pays the indexer KL's dense no-grad target (2 heads x 8 x S)
     layers, depths = item_flops(cfg)
     assert layers == [3 * layer[0], 3 * layer[1] + 2 * 16 * 16]
-    assert depths[0] == pytest.approx(4 * head + 3 * E.final_norm_forward_flops(m))
-    assert depths[1] == pytest.approx(4 * head * 15 / 16 + 3 * E.mtp_layer_forward_flops(m, mtp, s) + 2 * 16 * 16)
+    assert depths[0] == pytest.approx(4 * head + 3 * F.final_norm_forward_flops(m))
+    assert depths[1] == pytest.approx(4 * head * 15 / 16 + 3 * F.mtp_layer_forward_flops(m, mtp, s) + 2 * 16 * 16)
     no_kl = item_flops(hand_cfg("model.indexer_loss_coef=0"))[0]
     assert no_kl == [3 * layer[0], 3 * layer[1]]
     # a plain model keeps its costs: no hyper-connection, PLE or final-mixer term
     plain = load_config(None, ["model.hidden_size=64", "model.num_heads=4", "data.seq_len=64"]).model
-    assert E.final_norm_forward_flops(plain) == 0 and E.hyper_connection_flops(plain) == 0
-    assert E.trunk_layer_forward_flops(plain, 0, 64) == E._attention_forward_flops(plain, 64) + E._mlp_forward_flops(plain, False)
+    assert F.final_norm_forward_flops(plain) == 0 and F.hyper_connection_flops(plain) == 0
+    assert F.trunk_layer_forward_flops(plain, 0, 64) == F._attention_forward_flops(plain, 64) + F._mlp_forward_flops(plain, False)
 
 
 def test_check_shows_the_ple_tables_share_per_rank(capsys, tmp_path):

@@ -67,7 +67,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads' recomputed
     # logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
     from tandem.trainer.config import load_config
-    from tandem.trainer.estimate import hardware_flops_per_token, training_flops_per_token
+    from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
 
     cfg = load_config(str(tmp_path / "b" / "config.yaml"), [])
     model = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)

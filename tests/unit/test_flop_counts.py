@@ -3,7 +3,7 @@ for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from them (
 
 import pytest
 
-from tandem.trainer import estimate as E
+from tandem.trainer import flops as F
 from tandem.trainer.config import load_config
 
 # V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32), layer 1 MoE (4 experts, top 2,
@@ -25,7 +25,7 @@ FORWARD = (ATTN + MLP) + (ATTN + MOE) + (MTP_COMBINE + ATTN + MOE)  # 14336 with
 
 def test_model_flops_count_every_head_at_three_times_its_forward():
     cfg = load_config(None, TINY)
-    got = E.training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
+    got = F.training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
     assert got == pytest.approx(3 * (FORWARD + HEAD * VALID), rel=1e-12)
     assert got == 3 * (14336 + 19200)
 
@@ -36,7 +36,7 @@ def test_hardware_flops_add_the_heads_recompute_and_full_checkpointing(checkpoin
     """The head's logits are recomputed in backward (4x); full checkpointing runs every trunk and MTP
     block forward again (not the MTP combine or the head); selective keeps the matmul outputs."""
     cfg = load_config(None, TINY)
-    got = E.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, checkpointing)
+    got = F.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, checkpointing)
     assert got == pytest.approx(3 * FORWARD + 4 * HEAD * VALID + recompute, rel=1e-12)
 
 
@@ -44,8 +44,8 @@ def test_flagship_mfu_no_longer_counts_the_head_recompute():
     """On the GPU flagship recipe the old count (heads at 4x) was 14.6% above model FLOPs."""
     cfg = load_config("recipes/moe_4b_mtp_gpu.yaml", [])
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
-    model = E.training_flops_per_token(m, mtp, s)
-    hardware = E.hardware_flops_per_token(m, mtp, s, "none")
-    layers, head = E.forward_flops_per_token(m, mtp, s)
+    model = F.training_flops_per_token(m, mtp, s)
+    hardware = F.hardware_flops_per_token(m, mtp, s, "none")
+    layers, head = F.forward_flops_per_token(m, mtp, s)
     assert model == pytest.approx(3 * layers + 3 * head * sum((s - d) / s for d in range(1 + mtp.num_steps)))
     assert hardware / model == pytest.approx(1.146, abs=5e-4)
