@@ -62,6 +62,9 @@ LAYOUTS = {
     # the teacher (the trunk's normed h_0) read on a stage before the trunk's head, under SP
     "tp=2,pp=2,sequence_parallel=true,pp_layout=[4:0],pp_depth_stages=[1:0:1],mtp.loss.objective=acceptance": 4,
 }
+# parallel.reshard_after_microbatch: the layouts above sync gradients every micro-batch (the default);
+# these keep FSDP's unsharded gradients through the step and sync once, in the last backward
+LAYOUTS.update({"dp=2,reshard_after_microbatch=false": 2, "pp=2,dp=2": 4, "pp=2,dp=2,reshard_after_microbatch=false": 4})
 # Load-balance and z-loss: the one-process run takes the mean aux loss over all its micro-batches, so
 # every layout must scale each micro-batch's aux gradient by 1/(micro-batches in the global step),
 # not 1/grad_accum_steps per rank (gradients are summed over dp*ep). Coefficients large enough that
@@ -95,7 +98,17 @@ BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     # embedding, head and MTP module kept out of FSDP (two stages of a rank share them), experts too (dp=1)
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     f"ep=2,{AUX}": 2,  # fp32 routing and aux/z-loss under bf16 experts
+    "dp=2,reshard_after_microbatch=false": 2,  # one sync per step: fp32 unsharded accumulation
+    # ... with bf16 reduce-scatters: accumulated in fp32, cast to bf16 for the one reduce-scatter
+    "dp=2,reshard_after_microbatch=false,train.grad_reduce_dtype=bf16": 2,
 }.items()}
+# train.grad_reduce_dtype=bf16 sums a step's micro-batches in fp32 in both sync modes (FSDP2 kept the
+# unsharded running sum in bf16 when the reduce and parameter dtypes matched): see
+# test_bf16_reduce_accumulates_micro_batches_in_fp32. One MTP step: a module called K times per
+# forward reduces its gradient in parts (one per backward hook that finds one), which adds roundings
+# of its own to the one-sync mode.
+ACCUMULATION = {f"{worker.ACCUM_CHECK}dp=2,{BF16},train.grad_reduce_dtype=bf16,mtp.num_steps=1,"
+                f"reshard_after_microbatch={every}": 2 for every in ("true", "false")}
 RTOL = 1e-5
 # qk_norm sharpens attention, and fp32 rounding of the split matmuls then reaches ~4e-5 on a few
 # weights after three Adam steps; run in float64 the same comparison gives 2e-6 (the norms and router
@@ -202,7 +215,7 @@ def runs(tmp_path_factory):
     by_world = {}
     for layout, world in LAYOUTS.items():
         by_world.setdefault(world, []).append(layout)
-    for layout, world in BF16_LAYOUTS.items():
+    for layout, world in {**BF16_LAYOUTS, **ACCUMULATION}.items():
         by_world.setdefault(world, []).append(layout)
     for world, layouts in sorted(by_world.items()):
         launch(out, world, layouts)
@@ -280,3 +293,39 @@ def test_collectives_take_device_tensors(layout, runs):
         assert "_functional_collectives.all_to_all_single" in ops, ops
     if kv.get("tp") == "2" and kv.get("sequence_parallel") == "true":
         assert "_functional_collectives.all_gather_single" in ops, ops
+
+
+@pytest.mark.parametrize("every,once", [("dp=2", "dp=2,reshard_after_microbatch=false"),
+                                        ("pp=2,dp=2", "pp=2,dp=2,reshard_after_microbatch=false")])
+def test_sync_modes_differ(every, once, runs):
+    """The two parallel.reshard_after_microbatch modes really run differently (their sums agree, above):
+    syncing every micro-batch reduce-scatters, and gathers again after resharding, more often than
+    the one sync per step (GRAD_ACCUM = 2 micro-batches per step)."""
+    def count(layout, op):
+        return sum(n for (name, _, _), n in load_ranks(runs, layout, LAYOUTS[layout])[0]["collectives"].items()
+                   if name == f"distributed.{op}")
+    for op in ("reduce_scatter_single", "all_gather_single"):
+        assert count(every, op) > count(once, op) > 0, (op, count(every, op), count(once, op))
+
+
+@pytest.mark.parametrize("layout", list(ACCUMULATION))
+def test_bf16_reduce_accumulates_micro_batches_in_fp32(layout, runs):
+    """Under bf16 reduce-scatters, a step's gradient is its micro-batches' gradients summed in fp32:
+    exactly their fp32 sum with a sync every micro-batch (each micro-batch's bf16 reduction accumulated
+    into the fp32 shards), and that sum rounded to bf16 once with one sync per step (the wire dtype of
+    the step's one reduce-scatter). Rank 1 contributes exact zeros (worker.accumulated_gradients), so
+    the data-parallel sums round nothing of their own. Summing in bf16, as FSDP2 did for one sync per
+    step, leaves 19427 of 63424 elements off (measured); fp32 rounding of the reference's sum would be
+    1e-7 relative."""
+    got = torch.load(runs / f"{layout}.rank0.pt", weights_only=False)
+    once = layout.endswith("reshard_after_microbatch=false")
+    singles, step = got["singles"], got["step"]
+    assert len(singles) == 4 and set(step) == set(singles[0]), set(step) ^ set(singles[0])
+    for name, grad in step.items():
+        assert all(torch.equal(s[name], s[name].bfloat16().float()) for s in singles), name  # bf16 values
+        want = torch.zeros_like(singles[0][name])
+        for s in singles:  # in the order FSDP accumulates them
+            want += s[name]
+        if once:
+            want = want.bfloat16().float()
+        torch.testing.assert_close(grad, want, rtol=1e-6, atol=0, msg=f"{layout}: {name}")

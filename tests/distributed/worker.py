@@ -162,6 +162,49 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
             "collectives": dict(recorder.calls) if recorder is not None else {}}
 
 
+ACCUM_CHECK = "accumulation:"
+"""A layout named `accumulation:<layout>` runs `accumulated_gradients` instead of `run_layout`."""
+
+
+def accumulated_gradients(layout: str) -> dict:
+    """One step's gradients under `layout` (dp=2), accumulated over 4 micro-batches, beside each
+    micro-batch's gradient computed alone (a step of one micro-batch, the same global target counts).
+    Rank 1's micro-batches have no targets, so its gradients are exactly zero and every data-parallel
+    sum, in any dtype, is exact: what remains is how the step accumulated its micro-batches."""
+    from torch.distributed.tensor import DTensor
+
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.loss import depth_coefficients
+    from tandem.trainer.parallel import init_parallel
+    from tandem.trainer.parallel.device import resolve_device
+
+    micro = 4
+    cfg = make_cfg(layout, micro)
+    pstate = init_parallel(cfg, resolve_device("cpu"))
+    model = build_model(cfg, pstate)
+    tr = Trainer.for_model(cfg, model, pstate)
+    model.train()
+    batches = rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, micro)
+    if pstate.dp_rank == 1:
+        for b in batches:
+            b["loss_mask"] = torch.zeros_like(b["loss_mask"])
+    counts = tr.global_target_counts(batches)
+    coefs = depth_coefficients(cfg.mtp, 0)
+
+    def grads() -> Dict[str, torch.Tensor]:
+        out = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+               for n, p in model.named_parameters() if p.grad is not None}
+        tr.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    singles = []
+    for b in batches:
+        tr.forward_backward([b], counts, coefs)
+        singles.append(grads())
+    tr.forward_backward(batches, counts, coefs)
+    return {"singles": singles, "step": grads()}
+
+
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
@@ -171,7 +214,10 @@ def main(argv: List[str]) -> int:
     torch.set_num_threads(1)
     for layout in layouts:
         recorder = CollectiveRecorder().install()
-        result = run_layout(layout, recorder=recorder)
+        if layout.startswith(ACCUM_CHECK):
+            result = accumulated_gradients(layout[len(ACCUM_CHECK):])
+        else:
+            result = run_layout(layout, recorder=recorder)
         recorder.uninstall()
         rank = dist.get_rank()
         torch.save(result, os.path.join(out_dir, f"{layout}.rank{rank}.pt"))
