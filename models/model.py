@@ -224,9 +224,11 @@ class TandemModel(nn.Module):
                 b.zero_()
 
     # --- pieces shared by training and decoding -------------------------------------------------
-    def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
-        """Trunk hidden states before the final norm (h_0 of the MTP chain)."""
-        h = self.embed_tokens(input_ids_bs)
+    def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None,
+              emb_bsh: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Trunk hidden states before the final norm (h_0 of the MTP chain). `emb_bsh`: the tokens'
+        embedding when the caller already looked it up (`shifted_embeddings`)."""
+        h = self.embed_tokens(input_ids_bs) if emb_bsh is None else emb_bsh
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
         for i, layer in self.layers.items():
@@ -235,22 +237,40 @@ class TandemModel(nn.Module):
         return h
 
     def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor, positions_bs: torch.Tensor,
-                 cache: Optional[LayerKV] = None) -> torch.Tensor:
-        """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token t+step."""
+                 cache: Optional[LayerKV] = None, emb_bsh: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token t+step.
+        `emb_bsh`: the embedding of tokens t+step when already looked up (training reuses one lookup)."""
         layer = self.mtp.layer_for_step(step)
         if self.mtp_cfg.trunk_input == "final_norm" and (step == 1 or not self.mtp.chained):
             h_prev_bsh = self.norm(h_prev_bsh)  # h_0 is the trunk's normed output in this convention
-        emb = self.embed_tokens(tokens_bs) if layer.combine else None
+        emb = (self.embed_tokens(tokens_bs) if emb_bsh is None else emb_bsh) if layer.combine else None
         self.mtp.select_for_step(step)
         return layer(h_prev_bsh, emb, positions_bs, cache)
 
+    def shared_lookup(self) -> bool:
+        """Whether training embeds every position once and the MTP steps read it shifted
+        (`shifted_embeddings`): with looped MTP steps (they embed tokens) and whole sequences. Under
+        sequence parallelism the embedding hands each rank a sequence shard, and step k's shard would
+        need k rows of the next rank's: each step keeps its own lookup there."""
+        return self.mtp is not None and self.mtp.chained and self.gather_sequence is None
+
+    def shifted_embeddings(self, tokens_bs1: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """One embedding lookup serving the trunk (shift 0) and MTP steps `first`..`last`: row j holds
+        token j+first (token 0 past the window, as `shifted_tokens` pads), so shift k reads rows
+        [k-first, k-first+S). One lookup, and under tensor parallelism one vocabulary-parallel
+        all-reduce, instead of one per step."""
+        s = tokens_bs1.shape[1] - 1
+        return self.embed_tokens(shifted_tokens(tokens_bs1, first, s + last - first))
+
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
-                     chain_depth: int = 0):
+                     chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order, teacher-forced on
         the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. The chain may
         start later (a pipeline stage after the one that ran depth `chain_depth`): `h_chain` is then
-        h_{chain_depth}. With mtp.detach_trunk no MTP gradient reaches the trunk."""
+        h_{chain_depth}. With mtp.detach_trunk no MTP gradient reaches the trunk. `emb_window`:
+        (`shifted_embeddings` output, its first shift) covering every step run; without it each step
+        looks its tokens up."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
@@ -262,7 +282,11 @@ class TandemModel(nn.Module):
             h_in = h if self.mtp.chained else h0_bsh
             if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
                 h_in = h_in.detach()
-            h = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs)
+            emb = None
+            if emb_window is not None:
+                window, first = emb_window
+                emb = window[:, depth - first : depth - first + s]
+            h = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs, emb_bsh=emb)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -282,20 +306,31 @@ class TandemModel(nn.Module):
             loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
         positions = torch.arange(s, device=tokens_bs1.device).expand(b, s)
         # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near inference.
+        emb_window = None
+        if self.shared_lookup():
+            # the trunk's embedding output, shifted by k, is what MTP step k embeds: one lookup for all
+            emb_window = (self.shifted_embeddings(tokens_bs1, 0, self.mtp_cfg.num_steps), 0)
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
-            h = self.trunk(tokens_bs1[:, :s], positions)
-        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions)
+            h = self.trunk(tokens_bs1[:, :s], positions,
+                           emb_bsh=emb_window[0][:, :s] if emb_window is not None else None)
+        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
                            doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor,
                            depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
-                           chain_depth: int = 0) -> ModelOutput:
+                           chain_depth: int = 0,
+                           emb_window: Optional[Tuple[torch.Tensor, int]] = None) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline stage
         runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
         parallelism h0 is this rank's shard of the sequence; the MTP chain stays sharded and only the
-        head inputs are gathered."""
+        head inputs are gathered. `emb_window`: see `depth_states`; without it (a pipeline stage after
+        the trunk's first: the trunk's embedding output is on another rank, and sending it would add a
+        boundary tensor per micro-batch) the steps run here share one lookup of their own."""
         s = tokens_bs1.shape[1] - 1
+        wanted_steps = [d for d in (range(self.num_depths) if depths is None else depths) if d > 0]
+        if emb_window is None and wanted_steps and self.shared_lookup():
+            emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)), chain_depth + 1)
         whole = self.gather_sequence if self.gather_sequence is not None else (lambda h: h)
         sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
@@ -310,7 +345,8 @@ class TandemModel(nn.Module):
                     teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
         chain = h0_bsh if h_chain is None else h_chain
         chunk = self.mtp_cfg.loss_chunk_tokens
-        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth):
+        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth,
+                                               emb_window):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose

@@ -1,0 +1,70 @@
+"""The MTP steps read the trunk's embedding lookup shifted (TandemModel.shifted_embeddings) instead of
+looking tokens t+k up again: one lookup per forward (per pipeline stage holding steps), same losses
+and gradients as a lookup per step (the previous path, forced here by `shared_lookup` = False)."""
+
+import pytest
+import torch
+
+from tandem.models import MTPConfig, ModelConfig, TandemModel
+
+
+def _model(hc_count: int = 1, seed: int = 0) -> TandemModel:
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+              moe_intermediate_size=16, num_experts=4, top_k=2, first_k_dense=1, max_seq_len=64)
+    if hc_count > 1:  # Qwen4-Exp's streams: the trunk repeats the embedding, the qwen4_exp combine reads it
+        kw.update(hc_count=hc_count, zero_centered_norm=True)
+    return TandemModel(ModelConfig(**kw), MTPConfig(num_steps=3, num_layers=2, loss_chunk_tokens=7))
+
+
+def _count_lookups(model: TandemModel) -> list:
+    calls = []
+    model.embed_tokens.register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape)))
+    return calls
+
+
+def _per_step_lookups(model: TandemModel) -> None:
+    model.shared_lookup = lambda: False  # the previous path: every MTP step looks its tokens up
+
+
+def test_mtp_steps_do_no_lookups_of_their_own():
+    model = _model()
+    calls = _count_lookups(model)
+    tokens = torch.randint(0, 97, (2, 13))
+    model(tokens)
+    assert calls == [(2, 12 + 3)]  # one lookup of S+K rows: the S+1 tokens and K-1 beyond (was K+1 of S)
+    # a pipeline stage after the trunk's, holding steps 2..3 (chain from depth 1): one lookup for both
+    calls.clear()
+    pos = torch.arange(12).expand(2, 12)
+    h = torch.randn(2, 12, 32)
+    model.losses_from_hidden(h, tokens, torch.ones(2, 12), None, pos, depths=[2, 3], h_chain=h, chain_depth=1)
+    assert calls == [(2, 12 + 1)]
+    _per_step_lookups(model)
+    calls.clear()
+    model(tokens)
+    assert len(calls) == 4  # the reference path does look up per step, so the counts above mean something
+
+
+@pytest.mark.parametrize("hc_count", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_lookup_losses_and_gradients_equal_per_step_lookups(dtype, hc_count):
+    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(5))
+    doc_ids = torch.cat([torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)], dim=1)
+    results = []
+    for shared in (True, False):
+        model = _model(hc_count)
+        if not shared:
+            _per_step_lookups(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = model(tokens, doc_ids_bs1=doc_ids)
+        out.loss_sums.sum().backward()
+        results.append((out.loss_sums.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l_new, g_new), (l_old, g_old) = results
+    # the same values in the same ops; only the embedding's gradient sums its rows in another order
+    torch.testing.assert_close(l_new, l_old, rtol=0, atol=0)
+    for name, g in g_old.items():
+        if g is None:
+            assert g_new[name] is None, name
+            continue
+        torch.testing.assert_close(g_new[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    assert g_old["embed_tokens.weight"].abs().sum() > 0
