@@ -22,6 +22,26 @@ def all_reduces(recorder: CollectiveRecorder) -> int:
     return sum(n for (op, _, _), n in recorder.calls.items() if op == "distributed.all_reduce")
 
 
+def second_backward(layout: str) -> str:
+    """A second forward_backward before the gradient finisher ran: the error it raises (or "")."""
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.loss import depth_coefficients
+    from tandem.trainer.parallel import init_parallel
+    from tandem.trainer.parallel.device import resolve_device
+
+    cfg = worker.make_cfg(layout, worker.GRAD_ACCUM)
+    pstate = init_parallel(cfg, resolve_device("cpu"))
+    tr = Trainer.for_model(cfg, build_model(cfg, pstate), pstate)
+    batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, worker.GRAD_ACCUM)
+    counts = tr.global_target_counts(batches)
+    try:
+        for _ in range(2):
+            tr.forward_backward(batches, counts, depth_coefficients(cfg.mtp, 0))
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
 def main(argv: List[str]) -> int:
     from tandem.trainer.parallel.data import GradientFinisher
     from tandem.trainer.parallel.pipeline import Pipeline
@@ -54,7 +74,7 @@ def main(argv: List[str]) -> int:
     for layout in layouts:
         events.clear()
         result = worker.run_layout(layout)
-        torch.save({"events": list(events), "losses": result["losses"]},
+        torch.save({"events": list(events), "losses": result["losses"], "second_backward": second_backward(layout)},
                    os.path.join(out_dir, f"{layout}.rank{dist.get_rank()}.pt"))
         dist.barrier()
     dist.destroy_process_group()

@@ -67,3 +67,12 @@ def test_shared_piece_sums_start_before_the_schedule_ends(runs):
     order = [(kind, what) for kind, what, _ in step]
     assert order.index(("start", ["embed_tokens"])) < order.index(("stage_done", 1)), order
     assert [what for kind, what in order if kind == "start"] == [["embed_tokens"], ["lm_head", "mtp", "norm"]], order
+
+
+@pytest.mark.parametrize("layout", [SPREAD, INTERLEAVED])
+def test_a_second_backward_before_the_finisher_is_an_error(layout, runs):
+    """The pipeline starts the shared pieces' sums inside its backward: a second forward_backward
+    before clip_gradients would sum the first one's gradients twice, so it stops with a one-line
+    error instead, on every rank holding a shared piece, before the step communicates."""
+    errors = [torch.load(runs / f"{layout}.rank{r}.pt", weights_only=False)["second_backward"] for r in range(2)]
+    assert all("call it after every forward_backward" in e for e in errors), errors

@@ -342,8 +342,13 @@ class GradientFinisher:
         rank using them finished its step's backward (FSDP's reduction included), so the sums overlap
         the backward left on this rank's other stages. Each group's pieces arrive in one call, in the
         same order of groups on every rank (`Pipeline`)."""
-        self._start([(n, p, e, piece) for n, p, e, piece in self._named_params()
-                     if n.split(".", 1)[0] in set(pieces) and n not in self._started])
+        self._start([entry for entry in self._named_params()
+                     if entry[0].split(".", 1)[0] in set(pieces) and entry[0] not in self._started])
+
+    def unfinished(self) -> bool:
+        """Whether sums were started that `sync` has not finished (a step's backward without its
+        finishing: another backward would add to gradients already summed)."""
+        return bool(self._started)
 
     def _start(self, params) -> None:
         self._started.update(n for n, _, _, _ in params)

@@ -150,7 +150,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         device=state.device.device,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
     if pipeline is not None:  # shared pieces' sums start as soon as this rank's stages using them are done
-        pipeline.on_shared_grads = state.extras["clip_grad_norm"].start
+        pipeline.finisher = state.extras["clip_grad_norm"]
     return model
 
 

@@ -205,8 +205,8 @@ class Pipeline:
                 unit[0].append(piece)
         for pieces, stages in self._units:
             stages.update(s for s in mine if set(pieces) & set(plan.stage_pieces(s)))
-        self.on_shared_grads = None
-        """Called with a unit's pieces once their gradients on this rank are final (GradientFinisher.start)."""
+        self.finisher = None
+        """The GradientFinisher: `start(pieces)` once a unit's gradients on this rank are final."""
         self._waiting: List[set] = []
         self.schedule = None
         self.schedule_name = p.pp_schedule
@@ -247,6 +247,11 @@ class Pipeline:
         self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
         args = (tokens[:, :-1].contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
+        if self.finisher is not None and self.finisher.unfinished():
+            # the last step's shared-piece sums ran inside its backward: this step's gradients would
+            # add to sums already taken (checked before any of the step's communication)
+            raise RuntimeError("pipeline forward_backward ran again before clip_gradients finished the last one's "
+                               "gradients (extras['clip_grad_norm']): call it after every forward_backward")
         self._waiting = [set(stages) for _, stages in self._units]
         self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         sums = self.ctx.sums  # each depth's sum lives on the rank holding it (zeros elsewhere)
@@ -257,9 +262,9 @@ class Pipeline:
         """A stage of this rank finished its step's backward: start the sums of the units now complete."""
         for waiting in self._waiting:
             waiting.discard(stage)
-        while self._waiting and not self._waiting[0] and self.on_shared_grads is not None:
+        while self._waiting and not self._waiting[0] and self.finisher is not None:
             self._waiting.pop(0)
-            self.on_shared_grads(self._units[len(self._units) - len(self._waiting) - 1][0])
+            self.finisher.start(self._units[len(self._units) - len(self._waiting) - 1][0])
 
 
 def _notifying(stage_class):
