@@ -205,6 +205,26 @@ def accumulated_gradients(layout: str) -> dict:
     return {"singles": singles, "step": grads()}
 
 
+def _as_rank(rank: int, fn, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    fn(rank, world, out)
+
+
+def spawn_ranks(fn, world: int, out: str) -> None:
+    """Run `fn(rank, world, out)` in `world` processes joined as one torch.distributed job (gloo, a free
+    port): for unit tests that need a small collective job without torchrun."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_as_rank, args=(fn, world, port, out), nprocs=world)
+
+
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 

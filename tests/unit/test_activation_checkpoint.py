@@ -146,11 +146,7 @@ def test_selective_recomputes_no_matmul_and_no_expert_in_bf16():
 DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
 
 
-def _ep_backward_ops_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.path.insert(0, DIST)
+def _ep_backward_ops_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     import worker  # the equivalence harness's configs and data
 
@@ -178,15 +174,11 @@ def test_selective_keeps_the_expert_dispatch_under_ep(tmp_path):
     """ep=2, bf16: under `selective` the backward runs the same all-to-alls (the exchanges' own
     backward) and matmuls as without checkpointing: neither the count exchange nor the token dispatch
     and combine, nor the experts, run again; under `full` they all do."""
-    import socket
+    sys.path.insert(0, DIST)
+    import worker
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = str(tmp_path / "result.pt")
-    mp.spawn(_ep_backward_ops_rank, args=(2, port, out), nprocs=2)
+    worker.spawn_ranks(_ep_backward_ops_rank, 2, out)
     calls = torch.load(out, weights_only=False)
     a2a = "_c10d_functional.all_to_all_single"
     moe_forwards = 3 + 2  # worker.BASE: trunk layers 1..3, the MTP block at depths 1 and 2

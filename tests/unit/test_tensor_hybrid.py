@@ -68,11 +68,7 @@ DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 TP_LAYOUTS = ["tp=2,preset.qwen4=1", "tp=2,sequence_parallel=true,preset.qwen4=1"]
 
 
-def _select_alike_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.path.insert(0, DIST)
+def _select_alike_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     import worker  # the equivalence harness's configs (preset.qwen4) and data
 
@@ -125,15 +121,11 @@ def _select_alike_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_tp_ranks_select_the_same_qsa_positions(tmp_path):
     """The replicated indexer reads the whole input on every rank: both tp ranks select the same blocks in
     every QSA layer (trunk and MTP), and the indexers' finished gradients are bitwise equal."""
-    import socket
+    sys.path.insert(0, DIST)
+    import worker
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "result.pt")
-    mp.spawn(_select_alike_rank, args=(2, port, out), nprocs=2)
+    worker.spawn_ranks(_select_alike_rank, 2, out)
     result = torch.load(out, weights_only=False)
     for layout in TP_LAYOUTS:
         r = result[layout]
