@@ -21,12 +21,14 @@ Config mapping (Tandem `ModelConfig` -> `transformers.Qwen3MoeConfig`):
   max_seq_len -> max_position_embeddings; untied embeddings on both; SDPA attention on both.
 K>0 adds Tandem's MTP module (K looped steps, 1 layer); transformers has no MTP and runs K=0.
 
-`--head-backward fused` sets Tandem's mtp.loss_head_backward (the head's gradients computed in
-forward, no logits recompute, like transformers' single full-logits cross-entropy; the default
-`recompute` pays one more head matmul and softmax per chunk for its bounded memory).
+`--head-backward` sets Tandem's mtp.loss_head_backward (default: Tandem's default). `fused` computes the
+head's gradients in forward (no logits recompute, like transformers' single full-logits cross-entropy);
+`recompute` pays one more head matmul and softmax per chunk for its bounded memory.
+`--both-head-backwards` runs the other mode too (K=0 and K=K, interleaved) and prints
+`head_backward_k<k>: fused_over_recompute=<tokens/s ratio>`.
 
     python bench/throughput.py [--steps N] [--k 3] [--dtype fp32|bf16] [--compile]
-                               [--head-backward recompute|fused] [--layers 4 ...]
+                               [--head-backward recompute|fused] [--both-head-backwards] [--layers 4 ...]
 ends with: tandem_over_transformers=<tokens/s ratio at K=0, Tandem as configured (compiled with
 --compile, else eager; --head-backward) over eager transformers, both in --dtype>
 """
@@ -75,7 +77,7 @@ def hf_config(cfg: ModelConfig):
 
 class TandemRunner:
     def __init__(self, cfg: ModelConfig, k: int, tokens: torch.Tensor, bf16: bool, compiled: bool = False,
-                 head_backward: str = "recompute"):
+                 head_backward: str = MTPConfig.loss_head_backward):
         torch.manual_seed(0)
         self.mtp = MTPConfig(num_steps=k, num_layers=1, style="looped", loss_head_backward=head_backward)
         self.model = apply_compile(TandemModel(cfg, self.mtp).train(), compiled)
@@ -132,8 +134,12 @@ def main() -> None:
     p.add_argument("--expert-matmul", default="auto", choices=["auto", "grouped", "loop"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: CPU autocast on both sides")
     p.add_argument("--compile", action="store_true", help="also run Tandem K=0 with its blocks compiled")
-    p.add_argument("--head-backward", default="recompute", choices=["recompute", "fused"],
-                   help="Tandem's mtp.loss_head_backward (fused: head gradients in forward, no logits recompute)")
+    p.add_argument("--head-backward", default=MTPConfig.loss_head_backward, choices=["recompute", "fused"],
+                   help="Tandem's mtp.loss_head_backward (default: Tandem's default, "
+                        f"{MTPConfig.loss_head_backward}; fused: head gradients in forward, no logits recompute)")
+    p.add_argument("--both-head-backwards", action="store_true",
+                   help="also run Tandem K=0 and K=K with the other head backward, interleaved, and print "
+                        "the fused-over-recompute step-time ratios (which one should be the default)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one step of each")
     a = p.parse_args()
     if a.k < 1:
@@ -146,6 +152,10 @@ def main() -> None:
     runners = {"tandem_k0": TandemRunner(cfg, 0, tokens, bf16, head_backward=hb),
                f"tandem_k{a.k}": TandemRunner(cfg, a.k, tokens, bf16, head_backward=hb),
                "transformers": HFRunner(cfg, tokens, bf16)}
+    other = "recompute" if hb == "fused" else "fused"
+    if a.both_head_backwards:
+        runners[f"tandem_k0_{other}"] = TandemRunner(cfg, 0, tokens, bf16, head_backward=other)
+        runners[f"tandem_k{a.k}_{other}"] = TandemRunner(cfg, a.k, tokens, bf16, head_backward=other)
     if a.compile:
         runners["tandem_k0_compiled"] = TandemRunner(cfg, 0, tokens, bf16, compiled=True, head_backward=hb)
     n_t = sum(p.numel() for p in runners["tandem_k0"].model.parameters())
@@ -179,6 +189,11 @@ def main() -> None:
     fastest = {name: min(t) for name, t in times.items()}
     print("fastest-step ratios: " + " ".join(f"{name}/transformers={fastest['transformers'] / fastest[name]:.3f}"
                                              for name in runners if name != "transformers"))
+    if a.both_head_backwards:
+        for k in (0, a.k):
+            mine, theirs = tps[f"tandem_k{k}"], tps[f"tandem_k{k}_{other}"]
+            fused, recompute = (mine, theirs) if hb == "fused" else (theirs, mine)
+            print(f"head_backward_k{k}: fused_over_recompute={fused / recompute:.3f} (tokens/s, {a.dtype})")
     ratio_k = tps[f"tandem_k{a.k}"] / tps["transformers"]
     print(f"tandem_k{a.k}_over_transformers_k0={ratio_k:.3f}")
     eager = tps["tandem_k0"] / tps["transformers"]
