@@ -136,7 +136,8 @@ class TrainConfig:
     activations, rotary and routing)."""
     compile: bool = False
     """`torch.compile` each transformer block's training forward (trunk and MTP layers; regional, as
-    torchtitan does). Decoding and evaluation run eager. Not with parallel.tp > 1 or activation checkpointing."""
+    torchtitan does) under every parallel layout (TP/SP blocks with their DTensor parameters included) and
+    activation checkpointing mode (which wraps the compiled forward). Decoding and evaluation run eager."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact sums of
     the bf16-computed gradients) or `bf16` (half the traffic). Master weights, optimizer state and the

@@ -131,7 +131,14 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and next(module.parameters(False), None) is not None:
             owner_dtypes.setdefault(type(module).__name__, set()).add(str(out.dtype))
 
-    hook = torch.nn.modules.module.register_module_forward_hook(note_dtype)
+    # torch.compile would trace the hook and guard on what it recorded (a recompile per new entry)
+    compiled = "train.compile=true" in layout
+    hook = None if compiled else torch.nn.modules.module.register_module_forward_hook(note_dtype)
+    if compiled:
+        # every case of a launch adds graphs of TransformerBlock.forward (new models, dtypes, checkpointing
+        # modes); past dynamo's limit it would run the block eagerly without a word: fail instead
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     if recorder is not None:
         recorder.active = True
     for step in range(STEPS):
@@ -147,7 +154,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
         losses.append((sums / counts.clamp(min=1)).tolist())
-    hook.remove()
+    if hook is not None:
+        hook.remove()
     if recorder is not None:
         recorder.active = False
     params = {}
@@ -158,8 +166,20 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         params[name] = full.detach().clone()
     return {"losses": losses, "grad_norms": norms, "params": params, "linear_dtypes": sorted(linear_dtypes),
             "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
+            "compiled": _compiled_blocks(model) if compiled else None,
             "device": str(pstate.device.device),
             "collectives": dict(recorder.calls) if recorder is not None else {}}
+
+
+def _compiled_blocks(model) -> dict:
+    """Evidence that training ran compiled: the blocks whose forward compile.py replaced, and the graphs
+    dynamo holds for TransformerBlock.forward in this process."""
+    from tandem.models.model import TransformerBlock
+    from tandem.trainer.parallel.activation_checkpoint import checkpointed_blocks
+
+    blocks = checkpointed_blocks(model)
+    return {"blocks": len(blocks), "compiled_blocks": sum(getattr(b, "_tandem_compiled", False) for b in blocks),
+            "graphs": len(torch._dynamo.eval_frame._debug_get_cache_entry_list(TransformerBlock.forward.__code__))}
 
 
 ACCUM_CHECK = "accumulation:"
@@ -233,12 +253,15 @@ def main(argv: List[str]) -> int:
     out_dir, layouts = argv[0], argv[1:]
     torch.set_num_threads(1)
     for layout in layouts:
-        recorder = CollectiveRecorder().install()
+        # the recorder's wrappers keep Python state that torch.compile would guard on (a recompile per
+        # call); compiled layouts are compared on losses and parameters only
+        recorder = None if "train.compile=true" in layout else CollectiveRecorder().install()
         if layout.startswith(ACCUM_CHECK):
             result = accumulated_gradients(layout[len(ACCUM_CHECK):])
         else:
             result = run_layout(layout, recorder=recorder)
-        recorder.uninstall()
+        if recorder is not None:
+            recorder.uninstall()
         rank = dist.get_rank()
         torch.save(result, os.path.join(out_dir, f"{layout}.rank{rank}.pt"))
         dist.barrier()

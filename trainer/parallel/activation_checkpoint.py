@@ -43,6 +43,9 @@ _SAVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten
          torch.ops._c10d_functional.all_to_all_single.default]
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE.append(torch.ops.aten._grouped_mm.default)
+# A region compiled by train.compile (compile.py) is one op to the policy; its own partitioner already
+# keeps the products and recomputes the elementwise work inside it in backward.
+_SAVE.append(torch._higher_order_ops.inductor_compiled_code)
 _SAVE_SET = frozenset(_SAVE)
 
 
@@ -71,7 +74,10 @@ def _recomputing(block: nn.Module, sac_recompute_ctx) -> Iterator[None]:
 def _contexts(block: nn.Module, selective: bool):
     """checkpoint's context_fn: (context of the forward, context of the recomputation)."""
     if selective:
-        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_selective_policy)
+        # a compiled block's kept regions return the routers' load counters, which later calls and the
+        # recomputation's restore update in place (compile.py)
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
+            _selective_policy, allow_cache_entry_mutation=getattr(block, "_tandem_compiled", False))
     else:
         forward_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
     return forward_ctx, _recomputing(block, recompute_ctx)

@@ -6,28 +6,46 @@ blocks of one shape share one compiled graph (the parameters are graph inputs), 
 not grow with depth, and the loss code around them (chunked head, MTP chain, pipeline stages) stays
 eager. The grouped expert matmul is a custom op (models/moe.py), so a MoE block traces whole.
 
-What is compiled is the block's `forward`, replaced on the instance like activation checkpointing
-replaces it, so parameter names (and checkpoints) are unchanged and the module is the same object:
-* torchtitan applies TP -> AC -> compile -> FSDP so that the compiled region holds TP's sharded
-  computation and AC's recomputation, and FSDP's per-block all-gather / reshard hooks stay outside
-  it. Here that holds by construction: `torch.compile` traces lazily, at the first training forward,
-  after `apply_parallelism` has installed TP/EP/PP/FSDP, and it compiles `forward` (what the block's
-  `__call__` runs between its hooks), so FSDP2's hooks on the block run eagerly around the compiled
-  graph while the submodules' TP hooks are traced inside it. It is therefore applied right after
-  activation checkpointing in `parallelize_model`, before pipeline pruning (a pruned block is simply
-  never called).
-* Only training forwards run compiled (grad enabled, no KV cache). Decoding and evaluation (no_grad
-  or inference mode, KV caches, prompt and draft lengths that change every call) run the original
-  eager forward, so the speculative decoder never triggers recompiles.
+What is compiled is the block's `forward`, replaced on the instance, so parameter names (and
+checkpoints) are unchanged and the module is the same object. `torch.compile` traces lazily, at the
+first training forward, after `apply_parallelism` has installed TP/EP/PP/FSDP, and it compiles
+`forward` (what the block's `__call__` runs between its hooks): FSDP2's hooks on the block run
+eagerly around the compiled graph, while the submodules' tensor-parallel hooks (DTensor
+`PrepareModuleInput` / `ColwiseParallel` / `RowwiseParallel`, sequence parallelism's gathers and
+reduce-scatters) and the DTensor parameters are traced into it, as in torchtitan's per-block compile
+under TP and SP. Only training forwards run compiled (grad enabled, no KV cache); decoding and
+evaluation (no_grad or inference mode, KV caches, prompt and draft lengths that change every call)
+run the original eager forward, so the speculative decoder never triggers recompiles.
 
-Layouts: one process, data parallelism (FSDP2 or all-reduce), expert parallelism (its all-to-alls
-and host-side split sizes break the graph around the dispatch; the rest compiles) and pipeline
-stages run compiled and match eager one-process training (tests/distributed/test_compile_layout.py
-checks FSDP dp=2). Rejected in validate.py with one line: tensor parallelism (the compiled graph
-meets its DTensor hooks with plain tensors and fails) and activation checkpointing (the
-recomputation under torch.compile replays a different graph than the one whose saved tensors it
-replaces, because the MoE block's module state changes between forward and backward: PyTorch
-issue 166926's error).
+Two details make TP blocks compile:
+* The vocab-parallel embedding's output under SP is an `AsyncCollectiveTensor` (its reduce-scatter
+  runs asynchronously); handed to a compiled graph as is, dynamo unwraps it and the embedding's
+  gradient is lost (the engine then feeds zeros of the wrong type to DTensor's redistribute). The
+  dispatch waits on it first, differentiably (`_Waited`).
+* Expert parallelism's host-side split sizes break the graph around the dispatch; the rest compiles.
+
+Activation checkpointing wraps the compiled forward (`parallelize_model` applies compile first, then
+activation_checkpoint.py's per-block wrapper): AC(compile(block)), torchtitan's order for MoE blocks.
+Compiling the checkpoint instead (compile(AC(block))) cannot trace Tandem's MoE blocks, whose forward
+updates the routers' load counters and records the aux loss (side effects a checkpoint region may not
+have under dynamo); it falls back to an eager checkpoint that replays the counters (counted twice).
+* `full`: the block keeps its input; backward reruns the compiled forward. The recomputation must run
+  the graph the forward ran, so a frame's compiled graphs are taken in the order they were compiled,
+  not most-recently-used first (dynamo's LRU order picks another valid graph whose saved tensors
+  differ: PyTorch issue 166926, torchtitan's fix).
+* `selective`: each compiled region is one op to the selective policy (inductor's
+  `wrap_inductor_compiled_regions`), and the policy keeps it: inside it, inductor's own partitioner
+  already keeps the matmul outputs and recomputes the fused elementwise work in backward, which is
+  what `selective` asks for; ops outside compiled regions (the expert dispatch's all-to-alls) follow
+  the op-level policy. Regions are wrapped whenever compile is on, so graphs compiled for one mode
+  serve another in the same process.
+The routers' load counters are restored after each recomputation by the checkpoint wrapper, compiled
+or not.
+
+Layouts: one process, data parallelism (FSDP2 or all-reduce), tensor and sequence parallelism, expert
+parallelism, pipeline stages and their combinations (the flagship tp x ep x pp + SP), with each
+activation checkpointing mode, run compiled and train like eager one-process training
+(tests/distributed/test_compile_layout.py).
 """
 
 from __future__ import annotations
@@ -37,22 +55,51 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from .activation_checkpoint import checkpointed_blocks
+
+
+class _Waited(torch.autograd.Function):
+    """The waited-on tensor of an `AsyncCollectiveTensor`, with the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.trigger_wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
               input_ids_bs=None):
     if cache is None and torch.is_grad_enabled():
-        return compiled(x_bsh, positions_bs, None, input_ids_bs)
+        if isinstance(x_bsh, AsyncCollectiveTensor):
+            x_bsh = _Waited.apply(x_bsh)
+        # Autocast's weight-cast cache is part of the global state a compiled graph is guarded on, and
+        # selective checkpointing turns it off around its blocks: off here always, so every checkpointing
+        # mode, and a recomputation, runs the same graphs (casts inside a graph are planned by inductor).
+        was = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return compiled(x_bsh, positions_bs, None, input_ids_bs)
+        finally:
+            torch.set_autocast_cache_enabled(was)
     return eager(x_bsh, positions_bs, cache, input_ids_bs)
 
 
 def apply_compile(model: nn.Module, enabled: bool, backend=None) -> nn.Module:
     """Compile every block's training forward in place (see the module docstring); a no-op when off.
+    Apply before activation checkpointing, which then wraps the compiled forward.
     `backend`: torch.compile's (default inductor; tests pass a counting one)."""
     if not enabled:
         return model
+    # the recomputation of a checkpointed block replays the graph its forward ran (issue 166926)
+    torch._C._dynamo.eval_frame._set_lru_cache(False)
+    # the selective checkpointing policy sees (and keeps) each compiled region as one op
+    torch._inductor.config.wrap_inductor_compiled_regions = True
     for block in checkpointed_blocks(model):
         if getattr(block, "_tandem_compiled", False):
             continue

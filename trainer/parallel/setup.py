@@ -29,13 +29,13 @@ def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
 
 
 def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    """Apply activation checkpointing and regional compilation, then TP/EP/PP/FSDP, to a plain model
+    """Apply regional compilation and activation checkpointing, then TP/EP/PP/FSDP, to a plain model
     for this rank (in a single process only the first two; compile.py explains the order)."""
     from .activation_checkpoint import apply_activation_checkpointing
     from .compile import apply_compile
 
+    apply_compile(model, cfg.train.compile)  # first: checkpointing wraps the compiled forward
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    apply_compile(model, cfg.train.compile)
     if state.world_size == 1:
         return model
     from .layout import apply_parallelism

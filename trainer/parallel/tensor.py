@@ -85,13 +85,18 @@ class ParallelExperts(GroupedExperts):
             self._exchange = (send_ct, funcol.all_to_all_single(send_ct, None, None, self.ep_group))
 
     def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
         if self.ep_size == 1:
-            return expert_swiglu(x_sorted_nh, counts, gate, up, down, self.matmul)
+            return expert_swiglu(x_sorted_nh, counts, local(self.gate_proj), local(self.up_proj),
+                                 local(self.down_proj), self.matmul)
         if self._exchange is None:  # a caller that skipped `prepare`
             self.prepare(counts)
         (send_ct, recv_ct), self._exchange = self._exchange, None
         send_splits, recv_splits = torch.stack([send_ct.sum(1), recv_ct.sum(1)]).tolist()
+        # the local shards are taken after the host sync, which splits a compiled forward in two: a view
+        # of a DTensor parameter's shard handed across that split makes the shard itself require grad
+        # (torch 2.13), so the block's next compiled run, and a checkpoint's recomputation, would pick
+        # another graph (trainer/parallel/compile.py)
+        gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
         x = funcol.all_to_all_single_autograd(x_sorted_nh, recv_splits, send_splits, self.ep_group)
         # received blocks are source-major ([src][local expert]); regroup expert-major (stable
         # within a block) with a device-side sort of each row's (expert, source) key

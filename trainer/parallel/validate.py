@@ -50,8 +50,7 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     Raises ConfigError (one line) for: world size not the product tp*pp*ep*dp, heads / kv heads
     (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not divisible by ep, too few layers (or a bad pp_layout) for the
     pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence parallelism with
-    data.seq_len not divisible by tp, tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp, and
-    train.compile with tp > 1 or activation checkpointing.
+    data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp.
     """
     p, m = cfg.parallel, cfg.model
     for key in ("tp", "pp", "ep"):
@@ -92,9 +91,6 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
                               f"{m.moe_intermediate_size} must be divisible by parallel.tp={p.tp}")
         if m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
-    if cfg.train.compile and (p.tp > 1 or cfg.train.activation_checkpointing != "none"):
-        raise ConfigError(f"train.compile=true does not combine with parallel.tp={p.tp} / train.activation_checkpointing="
-                          f"{cfg.train.activation_checkpointing} yet; needs tp=1 and activation_checkpointing=none")
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     if p.ep > 1:
