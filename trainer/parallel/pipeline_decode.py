@@ -175,9 +175,11 @@ class PipelinedModel:
             d.receive_recall([owner])
         return out
 
-    def mtp_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, cache=None):
+    def mtp_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, cache=None, emb_bsh=None):
+        """TandemModel.mtp_step routed to the rank holding the step. `emb_bsh` is always None here:
+        depth_states above passes no shared embedding window, so each step looks its tokens up."""
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
-            return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache)
+            return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh=emb_bsh)
         return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, cache is not None)
 
     def logits(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
