@@ -40,3 +40,14 @@ def tiny_base(corpus_cache):
 def tiny_overrides(corpus_cache, tmp_path):
     """Overrides for a seconds-long CPU run in a fresh run directory."""
     return TINY_OVERRIDES + [f"data.cache_dir={corpus_cache}", f"run.dir={os.path.join(str(tmp_path), 'run')}"]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """An empty dynamo cache: the suite compiles blocks of many shapes in one process, and a code
+    object past dynamo's recompile limit silently runs eager, which changes what a compile test sees."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -18,6 +18,8 @@ from tandem.trainer.parallel.activation_checkpoint import checkpointed_blocks
 from tandem.trainer.parallel.compile import apply_compile
 from tandem.trainer.parallel.device import resolve_device
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
              "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
              "model.num_experts=4", "model.first_k_dense=1", "model.max_seq_len=64", "mtp.num_steps=3",

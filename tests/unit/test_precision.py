@@ -161,6 +161,7 @@ def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
     assert "weight" not in vars(kept.norm) and kept.norm.weight is kept.norm._parameters["weight"]  # no copy left
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_pieces_kept_out_of_fsdp_keep_their_casts_in_compiled_blocks():
     """Under `train.compile` a kept-whole MTP block must not run the graph compiled for a trunk block of
     the same shape (dynamo shares graphs between blocks and does not guard on module hooks): compiled
