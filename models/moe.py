@@ -363,6 +363,11 @@ class GroupedExperts(nn.Module):
         """Called with the per-expert counts before the token copies are gathered, so a dispatcher
         (expert parallelism) can start exchanging them early. Nothing to do in one process."""
 
+    def dispatch(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> None:
+        """Called with the gathered token copies before `forward`, so a dispatcher (expert parallelism)
+        can start sending them while the caller computes something else (the shared expert). Nothing
+        to do in one process."""
+
     def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x rows are grouped by expert in order (counts[e] rows for expert e, an int64 tensor on
         x's device); returns the same layout."""
@@ -389,25 +394,33 @@ class MoE(nn.Module):
 
     def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sort token copies by expert, run the experts grouped, combine each token's weighted outputs
-        (`combine_expert_outputs`: fp32, fixed order)."""
+        (`combine_expert_outputs`: fp32, fixed order), and add the shared expert's output on `x_th`.
+        The shared expert runs between `dispatch` and the routed experts: under expert parallelism its
+        matmuls are issued while the token copies are in flight (the all-to-all is asynchronous until
+        the experts read its output)."""
         k = indices.shape[1]
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
         counts = expert_counts(flat, self.cfg.num_experts)  # stays on the device
         self.experts.prepare(counts)
-        y = self.experts(x_th[order // k], counts)
-        return combine_expert_outputs(y, order, weights)
+        x_sorted = x_th[order // k]
+        self.experts.dispatch(x_sorted, counts)
+        shared = self.shared_output(x_th) if self.shared_experts is not None else None
+        out = combine_expert_outputs(self.experts(x_sorted, counts), order, weights)
+        return out if shared is None else out + shared
+
+    def shared_output(self, x_th: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output (scaled by its gate where there is one)."""
+        shared = self.shared_experts(x_th)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x_th)) * shared
+        return shared
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
         weights, indices, logits = self.router(x)
         out = self.route_and_compute(x, weights, indices)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
         aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
         if aux is not None:
             self.last_aux_loss = aux.detach()

@@ -173,6 +173,20 @@ class ParallelConfig:
     pp_balance: bool = False
     """Choose pp_layout and pp_depth_stages to minimise the most expensive stage by estimate.py's
     training FLOPs (the vocabulary heads weigh several layers each); both must then be empty."""
+    ep_dispatch: str = "exact"
+    """How expert parallelism sends token copies to the ep rank holding their expert (trainer/parallel/
+    tensor.py `ParallelExperts`), both dropless and equal in outputs and gradients: `exact` sends each
+    destination exactly its copies, a variable-size all-to-all whose split sizes the host reads back
+    (one device-to-host sync per MoE layer per forward); `padded` sends every destination a block of
+    fixed capacity (this rank's tokens x min(top_k, experts per ep rank), the most copies one
+    destination can get) with the valid rows' counts as a device tensor, so training forwards never
+    wait for the device and compile without a graph break at the dispatch, for up to ep x (ep >= 2)
+    the all-to-all volume (ep x min(top_k, experts per rank) / top_k); the receiver computes on valid
+    rows only. Decoding and other no-grad forwards use `exact` (ep ranks may then hold different token
+    counts). On a real cluster at large batches the all-to-all's volume dominates and `exact` is
+    likely the faster; `padded` pays off where the per-layer host round trip stalls more than the extra
+    bytes cost (small micro-batches, pipeline schedules, compiled blocks): measure with
+    bench/ep_dispatch.py."""
     dp_mode: str = "fsdp"
     """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (torch's replicate: parameters
     replicated, gradients all-reduced per module during backward, see `reshard_after_microbatch`)."""
@@ -416,6 +430,7 @@ def validate(cfg: TandemConfig) -> None:
         ("parallel.dp", cfg.parallel.dp >= 0, "must be >= 0"),
         ("parallel.pp_schedule", cfg.parallel.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"), "must be 1f1b, interleaved_1f1b or gpipe"),
         ("parallel.dp_mode", cfg.parallel.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
+        ("parallel.ep_dispatch", cfg.parallel.ep_dispatch in ("exact", "padded"), "must be exact or padded"),
         ("eval.interval", cfg.eval.interval >= 0, "must be >= 0"),
         ("eval.num_steps", cfg.eval.num_steps >= 0, "must be >= 0"),
         ("eval.temperatures", all(0 < t <= 2 for t in cfg.eval.temperatures), "must each be in (0, 2]"),

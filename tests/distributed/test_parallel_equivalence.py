@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LAYOUTS = {
     "tp=2": 2,
     "ep=2": 2,
+    "ep=2,ep_dispatch=padded": 2,  # fixed-capacity all-to-all blocks, counts on the device
     "pp=2": 2,
     "pp=2,pp_schedule=interleaved_1f1b": 2,
     "dp=2": 2,
@@ -94,6 +95,7 @@ BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,dp_mode=allreduce": 4,
     "tp=2,ep=2,pp=2": 8,
+    "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded": 8,  # the flagship layout, syncless dispatch
     "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,  # spread depths
     # embedding, head and MTP module kept out of FSDP (two stages of a rank share them), experts too (dp=1)
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,

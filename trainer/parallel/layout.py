@@ -115,7 +115,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         from .tensor import SequenceParallelSwitch
 
         switch = state.extras["sequence_parallel_switch"] = SequenceParallelSwitch()
-    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch)
+    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch, p.ep_dispatch)
     if pp > 1:
         pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
     mp_policy = None

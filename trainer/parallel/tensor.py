@@ -31,7 +31,7 @@ names, so DCP reshards checkpoints between layouts. Model code computes on local
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,17 +58,44 @@ from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
 
 
 # --- experts -------------------------------------------------------------------------------------
+class _InFlight(NamedTuple):
+    """A dispatch between `ParallelExperts.dispatch` and `forward`."""
+
+    x: torch.Tensor
+    """The received token copies (an all-to-all's output, waited for when first read)."""
+    recv_ct: torch.Tensor
+    """[ep source, local expert] copies received (device)."""
+    pos: Optional[torch.Tensor]
+    """`padded`: row of the send buffer each sorted copy went to (its result comes back there); None
+    under `exact`."""
+    back_splits: Optional[Tuple[List[int], List[int]]]
+    """`exact`: (output, input) split sizes of the all-to-all back; None under `padded`."""
+
+
 class ParallelExperts(GroupedExperts):
     """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp.
 
     Token copies arrive sorted by (global) expert with per-expert counts (a device tensor); they
-    are sent to the ep rank holding their expert (counts exchanged first, then a variable-size
-    all-to-all: dropless), regrouped expert-major on the device, computed on the local shards, and
-    sent back in the original order. The count exchange starts in `prepare`, before the caller
-    gathers the token copies, and the all-to-all's split sizes are the layer's one host round trip.
-    Under tp the output is a partial sum (the caller reduces it once per layer).
+    are sent to the ep rank holding their expert (counts exchanged first, then an all-to-all of the
+    copies: dropless), regrouped expert-major on the device, computed on the local shards, and sent
+    back in the original order. The count exchange starts in `prepare`, before the caller gathers
+    the token copies; the copies' all-to-all starts in `dispatch`, and the caller computes the shared
+    expert before `forward` reads what arrived. Under tp the output is a partial sum (the caller
+    reduces it once per layer).
 
-    The three exchanges are functional collectives (an op with an output, not an in-place write), so
+    Two dispatches (`parallel.ep_dispatch`), equal in outputs and gradients:
+    * `exact`: each destination gets exactly its copies, a variable-size all-to-all whose split
+      sizes the host reads back: the layer's one device-to-host sync (and a graph break under
+      `train.compile`).
+    * `padded` (training forwards): each destination gets a block of `capacity` rows, the most copies
+      one destination can receive from this rank (each token's top-k experts are distinct, so at most
+      min(top_k, experts per rank) of its copies share a rank), which makes the block size a static
+      shape; rows past the counts are padding. The receiver finds each row's expert from the
+      exchanged counts with device-side index maths, computes the valid rows only (the grouped matmul's
+      offsets end at the valid rows; the padding rows' outputs are never read), and the results go
+      back the same way. No host sync.
+
+    The exchanges are functional collectives (an op with an output, not an in-place write), so
     selective activation checkpointing keeps their outputs and a recomputation in backward neither
     re-sends tokens nor waits on the other ranks (activation_checkpoint.py).
     """
@@ -76,37 +103,75 @@ class ParallelExperts(GroupedExperts):
     ep_group = None
     ep_size = 1
     num_experts = 0
+    top_k = 1
+    ep_dispatch = "exact"
     _exchange = None
+    _in_flight: Optional[_InFlight] = None
 
     def prepare(self, counts: torch.Tensor) -> None:
         if self.ep_size > 1:
             send_ct = counts.view(self.ep_size, -1)
-            # asynchronous: the result waits for the exchange when first read (in `forward`)
+            # asynchronous: the result waits for the exchange when first read
             self._exchange = (send_ct, funcol.all_to_all_single(send_ct, None, None, self.ep_group))
+
+    def dispatch(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> None:
+        if self.ep_size == 1:
+            return
+        if self._exchange is None:  # a caller that skipped `prepare`
+            self.prepare(counts)
+        (send_ct, recv_ct), self._exchange = self._exchange, None
+        group = self.ep_group
+        # decoding may hand ep ranks different token counts (one capacity each): only `exact` fits
+        if self.ep_dispatch == "padded" and torch.is_grad_enabled():
+            ep, n_local = send_ct.shape
+            capacity = x_sorted_nh.shape[0] // self.top_k * min(self.top_k, n_local)
+            # sorted copy i goes to destination d (its expert's rank), row i - (d's first copy) of block d
+            dest_ct = send_ct.sum(1)
+            dest_end = dest_ct.cumsum(0)
+            i = torch.arange(x_sorted_nh.shape[0], device=x_sorted_nh.device)
+            d = torch.searchsorted(dest_end, i, right=True)
+            pos = d * capacity + i - (dest_end - dest_ct)[d]
+            send = x_sorted_nh.new_zeros(ep * capacity, x_sorted_nh.shape[1]).index_copy(0, pos, x_sorted_nh)
+            x = funcol.all_to_all_single_autograd(send, None, None, group)
+            self._in_flight = _InFlight(x, recv_ct, pos, None)
+        else:
+            send_splits, recv_splits = torch.stack([send_ct.sum(1), recv_ct.sum(1)]).tolist()
+            x = funcol.all_to_all_single_autograd(x_sorted_nh, recv_splits, send_splits, group)
+            self._in_flight = _InFlight(x, recv_ct, None, (send_splits, recv_splits))
 
     def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
             return expert_swiglu(x_sorted_nh, counts, local(self.gate_proj), local(self.up_proj),
                                  local(self.down_proj), self.matmul)
-        if self._exchange is None:  # a caller that skipped `prepare`
-            self.prepare(counts)
-        (send_ct, recv_ct), self._exchange = self._exchange, None
-        send_splits, recv_splits = torch.stack([send_ct.sum(1), recv_ct.sum(1)]).tolist()
-        # the local shards are taken after the host sync, which splits a compiled forward in two: a view
-        # of a DTensor parameter's shard handed across that split makes the shard itself require grad
-        # (torch 2.13), so the block's next compiled run, and a checkpoint's recomputation, would pick
-        # another graph (trainer/parallel/compile.py)
+        if self._in_flight is None:  # a caller that skipped `dispatch`
+            self.dispatch(x_sorted_nh, counts)
+        (x, recv_ct, pos, back_splits), self._in_flight = self._in_flight, None
+        # the local shards are taken after the exact dispatch's host sync, which splits a compiled forward
+        # in two: a view of a DTensor parameter's shard handed across that split makes the shard itself
+        # require grad (torch 2.13), so the block's next compiled run, and a checkpoint's recomputation,
+        # would pick another graph (trainer/parallel/compile.py)
         gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
-        x = funcol.all_to_all_single_autograd(x_sorted_nh, recv_splits, send_splits, self.ep_group)
-        # received blocks are source-major ([src][local expert]); regroup expert-major (stable
-        # within a block) with a device-side sort of each row's (expert, source) key
+        # received rows are source-major ([src][local expert], padded blocks: valid rows first); regroup
+        # them expert-major (stable within a block, padding last) by a device-side sort of each row's
+        # (expert, source) key
         ep, n_local = recv_ct.shape
-        block = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), recv_ct.flatten(),
-                                        output_size=x.shape[0])
-        perm = torch.argsort((block % n_local) * ep + block // n_local, stable=True)
+        rows = torch.arange(x.shape[0], device=recv_ct.device)
+        if pos is None:  # exact: blocks packed back to back
+            block = torch.repeat_interleave(torch.arange(ep * n_local, device=rows.device), recv_ct.flatten(),
+                                            output_size=x.shape[0])
+            src, expert = block // n_local, block % n_local
+        else:  # padded: block s is rows s*capacity.., its row p belongs to the first expert whose count ends past p
+            capacity = x.shape[0] // ep
+            src = rows // capacity
+            expert = torch.searchsorted(recv_ct.cumsum(1), (rows % capacity).view(ep, capacity), right=True).flatten()
+        perm = torch.argsort(expert * ep + src, stable=True)  # padding rows (expert == n_local) sort last
         y = expert_swiglu(x[perm], recv_ct.sum(0), gate, up, down, self.matmul)
-        return funcol.all_to_all_single_autograd(y[inverse_permutation(perm)], send_splits, recv_splits,
-                                                 self.ep_group)
+        if y.shape[0] < x.shape[0]:  # the per-expert loop returns the valid rows only
+            y = F.pad(y, (0, 0, 0, x.shape[0] - y.shape[0]))
+        y = y[inverse_permutation(perm)]
+        if pos is None:
+            return funcol.all_to_all_single_autograd(y, *back_splits, self.ep_group)
+        return funcol.all_to_all_single_autograd(y, None, None, self.ep_group).index_select(0, pos)
 
 
 class TensorParallelMoE(MoE):
@@ -130,15 +195,7 @@ class TensorParallelMoE(MoE):
             x_tp, w_tp, idx_tp = gather_along(x, g, 0), gather_along(weights, g, 0), gather_along(indices, g, 0)
         else:
             x_tp, w_tp, idx_tp = copy_to_group(x, self.tp_group), copy_to_group(weights, self.tp_group), indices
-        out = self.route_and_compute(x_tp, w_tp, idx_tp)
-        if self.shared_experts is not None:
-            se = self.shared_experts
-            h = F.silu(F.linear(x_tp, local(se.gate_proj.weight))) * F.linear(x_tp, local(se.up_proj.weight))
-            shared = F.linear(h, local(se.down_proj.weight))
-            if self.shared_expert_gate is not None:
-                # the replicated gate scales this rank's partial output: its gradient is partial over tp
-                shared = torch.sigmoid(self.shared_expert_gate(x_tp)) * shared
-            out = out + shared
+        out = self.route_and_compute(x_tp, w_tp, idx_tp)  # routed + shared (partial sums over tp)
         if self.sequence_parallel:
             out = scatter_reduce_along(out, self.tp_group, 0)
         else:
@@ -157,18 +214,31 @@ class TensorParallelMoE(MoE):
             out = AuxLossGrad.apply(out, aux, aux_scale)
         return out.view(shape)
 
+    def shared_output(self, x_th: torch.Tensor) -> torch.Tensor:
+        """This rank's partial shared-expert output (its tp shard of the intermediate width)."""
+        se = self.shared_experts
+        h = F.silu(F.linear(x_th, local(se.gate_proj.weight))) * F.linear(x_th, local(se.up_proj.weight))
+        shared = F.linear(h, local(se.down_proj.weight))
+        if self.shared_expert_gate is not None:
+            # the replicated gate scales this rank's partial output: its gradient is partial over tp
+            shared = torch.sigmoid(self.shared_expert_gate(x_th)) * shared
+        return shared
+
     def _needs_aux(self) -> bool:
         cfg = self.cfg
         return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
 
 
-def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, sequence_parallel: bool = False) -> None:
-    """Shard one MoE layer's experts over (ep, tp) and, under tp, swap in TensorParallelMoE."""
+def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, sequence_parallel: bool = False,
+                    ep_dispatch: str = "exact") -> None:
+    """Shard one MoE layer's experts over (ep, tp) and, under tp, swap in TensorParallelMoE.
+    `ep_dispatch`: `parallel.ep_dispatch` (ParallelExperts)."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     ep = ep_mesh.size() if ep_mesh is not None else 1
     experts = moe.experts
     experts.__class__ = ParallelExperts
     experts.ep_size, experts.num_experts = ep, moe.cfg.num_experts
+    experts.top_k, experts.ep_dispatch = moe.cfg.top_k, ep_dispatch
     experts.ep_group = ep_mesh.get_group() if ep > 1 else None
     if expert_mesh is not None:
         dims = ([Shard(0)] if ep > 1 else []), ([Shard(1)] if tp > 1 else []), ([Shard(2)] if tp > 1 else [])
@@ -364,12 +434,14 @@ def _block_plan(block, switch: Optional[SequenceParallelSwitch] = None) -> dict:
 
 def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh,
                                      sequence_parallel: bool = False,
-                                     switch: Optional[SequenceParallelSwitch] = None) -> List[str]:
+                                     switch: Optional[SequenceParallelSwitch] = None,
+                                     ep_dispatch: str = "exact") -> List[str]:
     """TP over `tp_mesh` (None = off) and EP over `ep_mesh` (None = off), in place, on whatever
     parts of the model this rank holds (pipeline stages prune first). Returns the names of the
     replicated parameters whose gradients are partial over tp (per-head q/k norms; under sequence
     parallelism every replicated parameter that computed on one sequence shard). Under sequence
-    parallelism `switch` (made here when not given) registers what it flips for decoding."""
+    parallelism `switch` (made here when not given) registers what it flips for decoding.
+    `ep_dispatch`: how expert parallelism sends token copies (`parallel.ep_dispatch`)."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     sp = sequence_parallel and tp > 1
     if sp and switch is None:
@@ -390,7 +462,7 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
                 if sp:
                     switch.flagged += flagged
         if isinstance(block.mlp, MoE):
-            parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp)
+            parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp, ep_dispatch)
             if sp:
                 switch.flagged.append(block.mlp)
     if tp > 1:

@@ -1,0 +1,125 @@
+"""Expert parallelism's two dispatches (`parallel.ep_dispatch`, trainer/parallel/tensor.py ParallelExperts)
+on one MoE layer over ep=2 (2 processes on gloo): both equal the one-process layer (outputs, input and
+parameter gradients); `padded` waits for the device nowhere in forward or backward while `exact` reads
+its split sizes back; and the shared expert's matmuls are issued while the token copies are in flight.
+
+top_k=3 of 4 experts, 2 per rank: a token sends up to 2 copies to one rank, so `padded`'s capacity
+(tokens x min(top_k, experts per rank)) is tighter than every copy (tokens x top_k) and is reached."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tandem.models import ModelConfig
+from tandem.models.moe import MoE
+from tandem.trainer.config import ConfigError, load_config
+from test_decode_host_sync import HostSyncs
+
+DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
+TOKENS, HIDDEN = 12, 32  # per rank
+
+
+def make_moe() -> MoE:
+    cfg = ModelConfig(hidden_size=HIDDEN, moe_intermediate_size=16, num_experts=4, top_k=3, num_shared_experts=1)
+    moe = MoE(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return moe
+
+
+def data(world: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(world * TOKENS, HIDDEN, generator=g), torch.randn(world * TOKENS, HIDDEN, generator=g)
+
+
+class OpOrder(TorchDispatchMode):
+    """The names of the ops run while active, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def matmuls_while_dispatching(names) -> int:
+    """Matmuls issued between the token copies' all-to-all (the second: the counts go first) and the
+    routed experts' first grouped matmul, which reads the copies that arrived."""
+    start = [i for i, n in enumerate(names) if n.endswith("all_to_all_single")][1]
+    end = names.index("tandem.grouped_mm", start)
+    return sum(1 for n in names[start:end] if n in ("aten.mm", "aten.addmm"))
+
+
+def _rank(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tandem.trainer.parallel.sharded_params import local
+    from tandem.trainer.parallel.tensor import parallelize_moe
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    x_all, grad_all = data(world)
+    rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    result = {}
+    for mode in ("exact", "padded"):
+        moe = make_moe()
+        parallelize_moe(moe, None, mesh, mesh, ep_dispatch=mode)
+        x = x_all[rows].clone().requires_grad_()
+        with OpOrder() as order:
+            y = moe(x)
+        with HostSyncs() as syncs:
+            y2 = moe(x)
+            (y2 * grad_all[rows]).sum().backward()
+        result[mode] = {"syncs": dict(syncs.counts), "y": y.detach(), "y2": y2.detach(), "grad_x": x.grad,
+                        "grads": {n: local(p.grad) for n, p in moe.named_parameters()},
+                        "overlapped_matmuls": matmuls_while_dispatching(order.names)}
+    torch.save(result, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_padded_dispatch_is_exact_and_syncless(tmp_path):
+    sys.path.insert(0, DIST)
+    import worker
+
+    out = str(tmp_path / "result")
+    worker.spawn_ranks(_rank, 2, out)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+
+    ref = make_moe()  # one process, all tokens
+    x_all, grad_all = data(2)
+    x_all.requires_grad_()
+    y_ref = ref(x_all)
+    (y_ref * grad_all).sum().backward()
+    for mode in ("exact", "padded"):
+        got = [r[mode] for r in ranks]
+        torch.testing.assert_close(torch.cat([g["y"] for g in got]), y_ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.cat([g["y2"] for g in got]), y_ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.cat([g["grad_x"] for g in got]), x_all.grad, rtol=1e-5, atol=1e-6)
+        for name, p in ref.named_parameters():
+            if name.startswith("experts."):  # expert-sharded: rank r holds experts 2r, 2r+1
+                grad = torch.cat([g["grads"][name] for g in got])
+            else:  # replicated: each rank's gradient covers its own tokens
+                grad = got[0]["grads"][name] + got[1]["grads"][name]
+            torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+        # the shared expert's gate, up and down projections run while the copies travel
+        assert all(g["overlapped_matmuls"] == 3 for g in got), [g["overlapped_matmuls"] for g in got]
+    assert all(r["padded"]["syncs"] == {} for r in ranks), [r["padded"]["syncs"] for r in ranks]
+    assert all(r["exact"]["syncs"].get("tolist", 0) > 0 for r in ranks), [r["exact"]["syncs"] for r in ranks]
+
+
+def test_unknown_dispatch_is_a_one_line_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^config key 'parallel.ep_dispatch'='fast' must be exact or padded$"):
+        load_config(None, ["parallel.ep_dispatch=fast"])
