@@ -175,18 +175,19 @@ class ParallelConfig:
     training FLOPs (the vocabulary heads weigh several layers each); both must then be empty."""
     ep_dispatch: str = "exact"
     """How expert parallelism sends token copies to the ep rank holding their expert (trainer/parallel/
-    tensor.py `ParallelExperts`), both dropless and equal in outputs and gradients: `exact` sends each
-    destination exactly its copies, a variable-size all-to-all whose split sizes the host reads back
-    (one device-to-host sync per MoE layer per forward); `padded` sends every destination a block of
-    fixed capacity (this rank's tokens x min(top_k, experts per ep rank), the most copies one
-    destination can get) with the valid rows' counts as a device tensor, so training forwards never
-    wait for the device and compile without a graph break at the dispatch, for up to ep x (ep >= 2)
-    the all-to-all volume (ep x min(top_k, experts per rank) / top_k); the receiver computes on valid
-    rows only. Decoding and other no-grad forwards use `exact` (ep ranks may then hold different token
-    counts). On a real cluster at large batches the all-to-all's volume dominates and `exact` is
-    likely the faster; `padded` pays off where the per-layer host round trip stalls more than the extra
-    bytes cost (small micro-batches, pipeline schedules, compiled blocks): measure with
-    bench/ep_dispatch.py."""
+    tensor.py `ParallelExperts`); both are dropless and give the same outputs and gradients. `exact`
+    sends each destination exactly its copies: a variable-size all-to-all whose split sizes the host
+    reads back, one device-to-host sync per MoE layer per forward (and a graph break under
+    train.compile). `padded` sends every destination a fixed-capacity block (this rank's tokens x
+    min(top_k, experts per ep rank), the most copies one destination can get) with the valid rows'
+    counts as a device tensor: training forwards never wait for the device and a MoE block compiles
+    whole; the receiver computes on the valid rows only. Its price: the all-to-alls carry, and the
+    expert matmuls' saved inputs and intermediates hold, ep x min(top_k, experts per rank) / top_k
+    times the rows (ep x when experts per rank >= top_k). The miniature layouts on CPU run padded a
+    little faster (bench/ep_dispatch.py), but on a real cluster at large batches the extra volume and
+    activation memory likely make `exact` the better choice, hence the default; measure there.
+    Decoding and other no-grad forwards always use `exact` (ep ranks may then hold different token
+    counts)."""
     dp_mode: str = "fsdp"
     """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (torch's replicate: parameters
     replicated, gradients all-reduced per module during backward, see `reshard_after_microbatch`)."""

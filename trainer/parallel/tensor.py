@@ -8,8 +8,9 @@
 * The output head becomes `VocabParallelHead`: logits stay sharded over the vocabulary and the
   chunked cross-entropy reduces max / sum-exp / target-logit over tp (never gathering full logits).
 * MoE layers keep replicated routers; routed experts shard their intermediate dim over tp and the
-  expert dim over ep (`ParallelExperts`: dropless all-to-all dispatch and combine); the shared
-  expert's partial output joins the routed partial output so the layer needs one all-reduce.
+  expert dim over ep (`ParallelExperts`: dropless all-to-all dispatch and combine, `exact` or
+  host-sync-free `padded`); the shared expert runs while the token copies are in flight, and its
+  partial output joins the routed partial output so the layer needs one all-reduce.
 * Qwen4-Exp's layers (Gated DeltaNet, QSA, PLE, hyper-connections, the qwen4_exp drafter) are
   parallelised by tensor_hybrid.py (its docstring says how each one is split).
 
@@ -155,13 +156,13 @@ class ParallelExperts(GroupedExperts):
         # them expert-major (stable within a block, padding last) by a device-side sort of each row's
         # (expert, source) key
         ep, n_local = recv_ct.shape
-        rows = torch.arange(x.shape[0], device=recv_ct.device)
         if pos is None:  # exact: blocks packed back to back
-            block = torch.repeat_interleave(torch.arange(ep * n_local, device=rows.device), recv_ct.flatten(),
+            block = torch.repeat_interleave(torch.arange(ep * n_local, device=recv_ct.device), recv_ct.flatten(),
                                             output_size=x.shape[0])
             src, expert = block // n_local, block % n_local
         else:  # padded: block s is rows s*capacity.., its row p belongs to the first expert whose count ends past p
             capacity = x.shape[0] // ep
+            rows = torch.arange(x.shape[0], device=recv_ct.device)
             src = rows // capacity
             expert = torch.searchsorted(recv_ct.cumsum(1), (rows % capacity).view(ep, capacity), right=True).flatten()
         perm = torch.argsort(expert * ep + src, stable=True)  # padding rows (expert == n_local) sort last
