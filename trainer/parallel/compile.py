@@ -22,7 +22,10 @@ Two details make TP blocks compile:
   runs asynchronously); handed to a compiled graph as is, dynamo unwraps it and the embedding's
   gradient is lost (the engine then feeds zeros of the wrong type to DTensor's redistribute). The
   dispatch waits on it first, differentiably (`_Waited`).
-* Expert parallelism's host-side split sizes break the graph around the dispatch; the rest compiles.
+* Expert parallelism's `exact` dispatch (the default) reads its split sizes back to the host, which
+  breaks the graph around the dispatch; the rest compiles. `parallel.ep_dispatch=padded` keeps the
+  sizes static and the counts on the device: a MoE block then traces whole (one MoE layer over ep=2
+  compiles with `fullgraph=True` and matches eager).
 
 Activation checkpointing wraps the compiled forward (`parallelize_model` applies compile first, then
 activation_checkpoint.py's per-block wrapper): AC(compile(block)), torchtitan's order for MoE blocks.
