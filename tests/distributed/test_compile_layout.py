@@ -1,16 +1,16 @@
 """train.compile under parallel layouts trains like the same layout run eagerly: tensor and sequence
-parallelism (tp2 + SP, two ranks) and the flagship shape in miniature (tp2 x ep2 x pp2 + SP, eight ranks,
-FSDP2 over the two expert-parallel batch ranks), each with activation checkpointing none / full /
-selective, in fp32 and bf16.
+parallelism (tp2 + SP, two ranks; activation checkpointing none / full / selective in fp32, selective in
+bf16) and the flagship shape in miniature (tp2 x ep2 x pp2 + SP, eight ranks, FSDP2 over the two
+expert-parallel batch ranks; full and selective checkpointing in bf16).
 
 The reference is the same layout without compile and without checkpointing, in the same launch: the
 same collectives in the same order, so what differs is compilation alone (that each eager layout trains
-like one process is test_parallel_equivalence.py's). One torchrun launch per world size runs every case
+like one process is test_parallel_equivalence.py's). One torchrun launch per world size runs every case (with the other equivalence modules' layouts, conftest.py)
 (tests/distributed/worker.py); the graphs one case compiles serve the next (the checkpointing modes share
-their forward graphs), which keeps the test's time to about two compilations per launch.
+their forward graphs), which keeps the test's time to one compilation per dtype and launch.
 
 Tolerances. fp32: compiling re-fuses elementwise work and reorders its reductions; measured against the
-eager layout after three AdamW steps: losses 1e-7, parameters 1.1e-5 relative (tp2 x ep2 x pp2 + SP; the
+eager layout after three AdamW steps: losses 1e-7, parameters 1.1e-5 relative (tp2 x ep2 x pp2 + SP, when it ran in fp32; the
 eager layout is itself 4.3e-5 off one process there, so the rounding is the layout's scale). A compiled
 block that lost a gradient (the SP embedding's, before compile.py waited on its asynchronous output), or
 a recomputation that replayed another graph, is off by O(1) or fails outright. bf16: the bound of
@@ -31,7 +31,6 @@ from test_parallel_equivalence import (  # puts worker on sys.path
     BF16_ROUNDING,
     DEFAULT_PARAM_RTOL,
     RTOL,
-    launch,
     load,
     load_ranks,
     max_rel,
@@ -46,24 +45,26 @@ BF16 = ",train.dtype=bf16"
 LAYOUTS = {"tp=2,sequence_parallel=true,model.num_layers=2": 2,
            "tp=2,ep=2,pp=2,sequence_parallel=true,model.num_layers=2": 8}
 EAGER = {f"{layout}{dtype}": world for layout, world in LAYOUTS.items() for dtype in ("", BF16)}
+# Which checkpointing modes run compiled, per layout and dtype. Compiling is the cost (each rank
+# compiles its blocks once per dtype; the modes share those graphs), so the eight-rank flagship compiles
+# in bf16 only, its production precision, where a lost gradient or a replayed wrong graph is O(1) off;
+# the tight fp32 comparison, which also catches rounding-sized faults, runs every mode at tp2 + SP.
+MODES = {("tp=2,sequence_parallel=true,model.num_layers=2", ""): ("none", "full", "selective"),
+         ("tp=2,sequence_parallel=true,model.num_layers=2", BF16): ("selective",),
+         ("tp=2,ep=2,pp=2,sequence_parallel=true,model.num_layers=2", BF16): ("full", "selective")}
 CASES = {}  # compiled layout -> its eager twin
-for _eager in EAGER:
-    _base, _dtype = _eager.removesuffix(BF16), BF16 if _eager.endswith(BF16) else ""
-    for _ac in ("none", "full", "selective"):
-        CASES[f"{_base},train.compile=true,train.activation_checkpointing={_ac}{_dtype}"] = _eager
+for (_base, _dtype), _modes in MODES.items():
+    for _ac in _modes:
+        CASES[f"{_base},train.compile=true,train.activation_checkpointing={_ac}{_dtype}"] = f"{_base}{_dtype}"
+
+
+COMPILED = {case: EAGER[eager] for case, eager in CASES.items()}  # compiled layout -> world size
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compiled")
-    by_world = {}
-    for eager, world in EAGER.items():
-        by_world.setdefault(world, []).append(eager)
-    for layout, eager in CASES.items():
-        by_world[EAGER[eager]].append(layout)
-    for world, layouts in sorted(by_world.items()):
-        launch(out, world, layouts)
-    return out
+def runs(training_layout_runs):
+    """EAGER and COMPILED trained (conftest.py: one launch per world size, compiled layouts last)."""
+    return training_layout_runs
 
 
 def _assert_compiled(ranks, layout):

@@ -219,16 +219,9 @@ def references():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("layouts")
-    by_world = {}
-    for layout, world in LAYOUTS.items():
-        by_world.setdefault(world, []).append(layout)
-    for layout, world in {**BF16_LAYOUTS, **ACCUMULATION}.items():
-        by_world.setdefault(world, []).append(layout)
-    for world, layouts in sorted(by_world.items()):
-        launch(out, world, layouts)
-    return out
+def runs(training_layout_runs):
+    """LAYOUTS, BF16_LAYOUTS and ACCUMULATION trained (conftest.py: one launch per world size)."""
+    return training_layout_runs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

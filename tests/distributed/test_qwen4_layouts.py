@@ -58,14 +58,9 @@ PARAM_RTOL = {f"{layout},{Q4}": 1e-4 for layout in ("tp=2", "tp=2,sequence_paral
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("q4layouts")
-    by_world = {}
-    for layout, world in {**LAYOUTS, **BF16_LAYOUTS}.items():
-        by_world.setdefault(world, []).append(layout)
-    for world, layouts in sorted(by_world.items()):
-        eq.launch(out, world, layouts)
-    return out
+def runs(training_layout_runs):
+    """LAYOUTS and BF16_LAYOUTS trained (conftest.py: one launch per world size with the other modules')."""
+    return training_layout_runs
 
 
 references = eq.references

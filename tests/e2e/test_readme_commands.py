@@ -53,6 +53,21 @@ def readme_commands():
 COMMANDS = readme_commands()
 
 
+def cli_layouts_command(command: str):
+    """The torchrun layout of `tests/distributed/test_cli_layouts.py` this README command is, if any:
+    that test runs the same launcher, recipe and parallel flags (tiny overrides appended, 3 steps and an
+    evaluation) and checks losses and acceptance against one process, so it runs it here too."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
+    from test_cli_layouts import LAYOUTS, RECIPE
+
+    argv = shlex.split(command)
+    prefix = ["torchrun", "--nproc-per-node"]
+    if argv[:2] != prefix or argv[3:7] != ["--no-python", "tandem", "train", os.path.relpath(RECIPE, ROOT)]:
+        return None
+    world, flags = int(argv[2]), argv[7:]
+    return next(((w, o) for w, o in LAYOUTS if w == world and o == flags), None)
+
+
 def test_readme_shows_the_commands_this_test_runs():
     assert any(c.startswith("tandem train recipes/tiny.yaml") for c in COMMANDS), COMMANDS
     assert sum(c.startswith("torchrun") for c in COMMANDS) >= 4, COMMANDS
@@ -64,7 +79,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_torchrun_layouts_are_checked_by_the_cli_layout_test():
+    """The README's basic torchrun layouts of the tiny recipe are run (and compared with one process) by
+    test_cli_layouts.py: at least the pp, ep, tp, tp+SP and tp x pp commands."""
+    covered = [c for c in COMMANDS if cli_layouts_command(c)]
+    assert len(covered) >= 5, covered
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if cli_layouts_command(c) is None])
 def test_readme_command_runs(command, tmp_path, corpus_cache):
     argv = shlex.split(command)
     assert argv[0] in ("tandem", "torchrun"), f"unexpected README command {command!r}"
