@@ -5,7 +5,7 @@ expert-parallel batch ranks; full and selective checkpointing in bf16).
 
 The reference is the same layout without compile and without checkpointing, in the same launch: the
 same collectives in the same order, so what differs is compilation alone (that each eager layout trains
-like one process is test_parallel_equivalence.py's). One torchrun launch per world size runs every case (with the other equivalence modules' layouts, conftest.py)
+like one process is test_parallel_equivalence.py's). One torchrun launch per world size runs every case (with the other equivalence modules' layouts, tests/conftest.py)
 (tests/distributed/worker.py); the graphs one case compiles serve the next (the checkpointing modes share
 their forward graphs), which keeps the test's time to one compilation per dtype and launch.
 
@@ -63,7 +63,7 @@ COMPILED = {case: EAGER[eager] for case, eager in CASES.items()}  # compiled lay
 
 @pytest.fixture(scope="module")
 def runs(training_layout_runs):
-    """EAGER and COMPILED trained (conftest.py: one launch per world size, compiled layouts last)."""
+    """EAGER and COMPILED trained (tests/conftest.py: one launch per world size, compiled layouts last)."""
     return training_layout_runs
 
 

@@ -220,7 +220,7 @@ def references():
 
 @pytest.fixture(scope="module")
 def runs(training_layout_runs):
-    """LAYOUTS, BF16_LAYOUTS and ACCUMULATION trained (conftest.py: one launch per world size)."""
+    """LAYOUTS, BF16_LAYOUTS and ACCUMULATION trained (tests/conftest.py: one launch per world size)."""
     return training_layout_runs
 
 

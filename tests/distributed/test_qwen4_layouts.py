@@ -59,7 +59,7 @@ PARAM_RTOL = {f"{layout},{Q4}": 1e-4 for layout in ("tp=2", "tp=2,sequence_paral
 
 @pytest.fixture(scope="module")
 def runs(training_layout_runs):
-    """LAYOUTS and BF16_LAYOUTS trained (conftest.py: one launch per world size with the other modules')."""
+    """LAYOUTS and BF16_LAYOUTS trained (tests/conftest.py: one launch per world size with the other modules')."""
     return training_layout_runs
 
 
