@@ -40,7 +40,9 @@ meta device (no memory). Memory per rank for the recipe's layout is an estimate:
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward (its
   input, the grouped norm's output, the sigmoid mixing weights and the weighted streams; 4.5 measured
   on the module in fp32): 16 * hc * s * b * h / tp; with up to `pp` micro-batches in flight on the
-  first stage under 1F1B; the last stage adds the K MTP depths and one chunk of logits. Gated
+  first stage under 1F1B; the last stage adds the K MTP depths and one chunk of logits, and under the
+  fused head (the default at tp=1) each loss's fp32 [vocab x hidden] weight gradient and input gradient,
+  held from its forward to its backward (`fused_head_bytes`). Gated
   DeltaNet's and QSA's own activations are taken as an attention layer's (not modelled separately).
 """
 
@@ -313,10 +315,12 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
         layout = [sum(len(plan.split[s]) for s in mine) for mine in rank_stages]
         rank_pieces = [{piece for s in mine for piece in plan.stage_pieces(s)} for mine in rank_stages]
         rank_depths = [sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in rank_stages]
+        rank_loss_depths = [[d for s in mine for d in plan.stages[s].depths] for mine in rank_stages]
         rank_layers = [[i for s in mine for i in plan.split[s]] for mine in rank_stages]
         whole_pieces = plan.shared_within_rank() if p.dp_mode == "fsdp" else []
     else:
         layout, rank_pieces, rank_depths = [m.num_layers], [set(pieces_by_kind)], [cfg.mtp.num_steps]
+        rank_loss_depths = [list(range(cfg.mtp.num_steps + 1))]
         rank_layers, whole_pieces = [list(range(m.num_layers))], []
 
     # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table by rows over the
@@ -363,7 +367,8 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, cfg.data.seq_len * cfg.train.micro_batch_size)
     # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits chunk
     heads = [r for r, pieces in enumerate(rank_pieces) if "lm_head" in pieces]
-    last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + chunk * m.vocab_size / p.tp * 4 for r in heads)
+    last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + chunk * m.vocab_size / p.tp * 4
+               + fused_head_bytes(cfg, rank_loss_depths[r], act_bytes) for r in heads)
     activations = max(first, last) / GIB
 
     gathered = ple_lookup = ple_sent = 0.0
@@ -404,6 +409,21 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
                     flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len))
+
+
+def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
+    """What the fused head (mtp.loss_head_backward=fused; the vocab-parallel head, tp > 1, recomputes
+    instead) holds from each loss's forward to its backward on a rank computing the losses of
+    `loss_depths` (0: the trunk's): an fp32 [vocab x hidden] weight gradient while the head trains, and
+    a [tokens x hidden] input gradient. Every loss through `OutputHead.loss_sum` takes it: the trunk's
+    and, under the `ce` objective without soft distillation, each MTP depth's."""
+    m = cfg.model
+    if cfg.mtp.loss_head_backward != "fused" or cfg.parallel.tp > 1:
+        return 0.0
+    mtp_fused = cfg.mtp.loss.objective == "ce" and cfg.train.distill != "soft"
+    losses = sum(1 for d in loss_depths if d == 0 or mtp_fused)
+    weight = 0 if cfg.train.freeze_trunk else m.vocab_size * m.hidden_size * 4
+    return losses * (weight + cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size * act_bytes)
 
 
 def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, whole_pieces, activation_bytes: float) -> float:
