@@ -6,16 +6,18 @@ router-load and loss reductions) with a TorchDispatchMode that sees both c10d op
 calls, FSDP2, pipelining p2p) and functional collectives (DTensor). Payload convention per call and
 rank: all-reduce / broadcast = tensor bytes, all-to-all = input bytes, all-gather = output bytes,
 reduce-scatter = input bytes, p2p = bytes sent. The analytic volume of each rank is computed from the
-model dims and the rank's data (valid targets per depth), summed over ranks:
+model dims and the rank's micro-batches, summed over ranks:
 
   TP  per block execution and micro-batch: attention 2*T*H (o_proj all-reduce fwd, input-grad
-      all-reduce bwd); dense MLP 2*T*H; MoE 2*T*H + T*k (routing-weight grads); embedding T*H per
-      call; vocab-parallel CE per depth: 6*n (max, sum-exp, target logit; fwd + recompute) + n*H.
+      all-reduce bwd); dense MLP 2*T*H; MoE 2*T*H + T*k (routing-weight grads); embedding one
+      lookup of B*(S+K) rows x H shared by the MTP steps (a pipeline's first stage B*S, its depth stage
+      B*(S+K-1)); vocab-parallel CE per depth: 6*T (max, sum-exp, target logit; fwd + recompute)
+      + T*H: every row is kept, one without a valid target masked (IGNORE): no data-dependent shapes.
   SP  (sequence_parallel with tp) instead of TP's all-reduces, per TP region (attention, dense MLP)
       and micro-batch: 2 all-gathers + 2 reduce-scatters of T*H (gather / reduce-scatter forward,
       reduce-scatter / all-gather backward); MoE: the same for its tokens plus the routing weights
       (T*k, gathered and reduce-scattered) and expert ids (T*k int64, gathered); embedding T*H
-      reduce-scatter + all-gather per call; head T*H gather + reduce-scatter per depth, CE 6*n;
+      reduce-scatter + all-gather per call; head T*H gather + reduce-scatter per depth, CE 6*T;
       the tp sum of the sequence-shard gradients of replicated parameters (norms, routers, MTP
       projection); router loads over tp; pipeline activations T*H/tp.
   EP  per MoE block execution: 4*T*k*H (dispatch + combine, fwd + bwd) + E int64 counts.
@@ -34,14 +36,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from side_by_side import run_under_torchrun  # noqa: E402
+
 LAYOUTS = {
     "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
     "dp=2,dp_mode=allreduce": 2, "dp=2,reshard_after_microbatch=false": 2,
@@ -122,7 +125,6 @@ def analytic(cfg, model, pstate, batches):
     """This rank's expected bytes per collective kind for one step."""
     from torch.distributed.tensor import DTensor
 
-    from tandem.models import depth_target_mask
     from tandem.models.moe import MoE
 
     sizes = pstate.extras["sizes"]
@@ -158,17 +160,18 @@ def analytic(cfg, model, pstate, batches):
             if has_last:
                 out["all_gather"] += F32 * T * Hh * (K + 1)
                 out["reduce_scatter"] += F32 * T * Hh * (K + 1)
-                for d in range(K + 1):
-                    n = int(depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum())
-                    out["all_reduce"] += F32 * 6 * n
+                # every row keeps its place (no valid target: IGNORE), so each depth reduces T rows
+                out["all_reduce"] += F32 * 6 * T * (K + 1)
         elif tp > 1:
             for is_moe in execs:
                 out["all_reduce"] += F32 * (2 * T * Hh + 2 * T * Hh + (T * k if is_moe else 0))
-            out["all_reduce"] += F32 * T * Hh * ((1 if has_first else 0) + (K if has_last else 0))
+            # the embedding: one lookup per forward, the MTP steps reading it shifted (S+K rows per
+            # sequence); under a pipeline the first stage looks up its S tokens and the stage holding the
+            # MTP depths one window of S+K-1 rows for them all (models/model.py `shared_lookup`)
+            rows = SEQ + K if pipe is None else (SEQ if has_first else 0) + (SEQ + K - 1 if has_last and K else 0)
+            out["all_reduce"] += F32 * MBS * rows * Hh
             if has_last:
-                for d in range(K + 1):
-                    n = int(depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum())
-                    out["all_reduce"] += F32 * (6 * n + n * Hh)
+                out["all_reduce"] += F32 * (6 * T + T * Hh) * (K + 1)  # all T rows per depth, as above
         if ep > 1:
             for is_moe in execs:
                 if is_moe:
@@ -300,18 +303,8 @@ def main(only=()):
     for layout, world in selected.items():
         by_world[world].append(layout)
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world, layouts in sorted(by_world.items()):
-            path = os.path.join(tmp, f"w{world}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   os.path.abspath(__file__), "--worker", path, *layouts]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"layouts {layouts} failed under torchrun")
-            with open(path) as f:
-                results.update(json.load(f))
+    for world, layouts in sorted(by_world.items()):
+        results.update(run_under_torchrun(__file__, world, layouts))
     worst = 0.0
     print(f"{'layout':36s} {'collective':16s} {'measured MB':>12s} {'analytic MB':>12s} {'ratio':>7s}")
     for layout in selected:

@@ -23,19 +23,13 @@ ends with one line per layout: padded_over_exact_step_time[<layout>]=<median pad
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-import torch
+from side_by_side import ROOT, Sides, run_under_torchrun, synthetic_batches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ["ep=2", "tp=2,ep=2,sequence_parallel=true"]
 MBS, ACCUM, SEQ, VOCAB = 2, 2, 128, 2048
 MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=2",
@@ -48,63 +42,23 @@ SIDES = ("exact", "padded")
 
 
 def _batches(step: int, dp_rank: int, dp_size: int):
-    g = torch.Generator().manual_seed(step)
-    n = MBS * ACCUM
-    tokens = torch.randint(0, VOCAB, (n * dp_size, SEQ + 1), generator=g)[dp_rank * n:(dp_rank + 1) * n]
-    return [{"tokens": tokens[i * MBS:(i + 1) * MBS], "loss_mask": torch.ones(MBS, SEQ),
-             "doc_ids": torch.zeros(MBS, SEQ + 1, dtype=torch.long)} for i in range(ACCUM)]
+    return synthetic_batches(step, dp_rank, dp_size, MBS, ACCUM, SEQ, VOCAB)
 
 
 # --- worker (under torchrun) -------------------------------------------------------------------------
 def worker(out_path: str, layout: str, dtype: str, warmup: int, steps: int) -> None:
     import torch.distributed as dist
 
-    from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer, build_model
-    from tandem.trainer.loss import depth_coefficients
-    from tandem.trainer.parallel import init_parallel
-    from tandem.trainer.parallel.device import resolve_device
-
     sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
     from test_decode_host_sync import HostSyncs
 
-    torch.set_num_threads(1)
-    parallel = [f"parallel.{kv}" for kv in layout.split(",")]
-    sides, mesh_state = {}, None
-    for name in SIDES:
-        cfg = load_config(None, MODEL + parallel + [f"train.dtype={dtype}", f"parallel.ep_dispatch={name}"])
-        cfg.model.vocab_size = VOCAB
-        mesh_state = mesh_state or init_parallel(cfg, resolve_device("cpu"))
-        pstate = dataclasses.replace(mesh_state, extras=dict(mesh_state.extras))
-        model = build_model(cfg, pstate)
-        sides[name] = (cfg, pstate, Trainer.for_model(cfg, model.train(), pstate))
-
-    def step(name: str, i: int, counter=None) -> float:
-        cfg, pstate, tr = sides[name]
-        batches = _batches(i, pstate.dp_rank, pstate.dp_size)
-        dist.barrier()
-        start = time.perf_counter()
-        counts = tr.global_target_counts(batches)
-        with counter or contextlib.nullcontext():
-            losses = tr.forward_backward(batches, counts, depth_coefficients(cfg.mtp, i))
-        pstate.all_reduce_dp(losses)
-        tr.clip_gradients()
-        tr.update_router_biases()
-        tr.optimizer.step()
-        tr.optimizer.zero_grad(set_to_none=True)
-        dist.barrier()
-        return time.perf_counter() - start
-
-    times = {name: [] for name in sides}
-    for i in range(warmup + steps):
-        for name in sides:  # alternate, so drift in the machine's load hits both sides alike
-            t = step(name, i)
-            if i >= warmup:
-                times[name].append(t)
+    sides = Sides(MODEL + [f"train.dtype={dtype}"], layout,
+                  {name: [f"parallel.ep_dispatch={name}"] for name in SIDES}, VOCAB)
+    times = sides.alternate(warmup, steps, _batches)
     syncs = {}
-    for name in sides:
+    for name in SIDES:
         counter = HostSyncs()
-        step(name, warmup + steps, counter)
+        sides.step(name, warmup + steps, _batches, counter)
         syncs[name] = dict(counter.counts)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
@@ -118,17 +72,7 @@ def run_layout(layout: str, dtype: str, warmup: int, steps: int) -> dict:
         key, _, value = kv.partition("=")
         if key in ("tp", "ep", "pp", "dp"):
             world *= int(value)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               os.path.abspath(__file__), "--worker", out, layout, dtype, str(warmup), str(steps)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode != 0:
-            print(proc.stdout[-2000:] + proc.stderr[-6000:], file=sys.stderr)
-            raise SystemExit(f"{layout} failed under torchrun")
-        with open(out) as f:
-            result = json.load(f)
+    result = run_under_torchrun(__file__, world, [layout, dtype, str(warmup), str(steps)])
     result["world"] = world
     return result
 

@@ -33,15 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from side_by_side import run_under_torchrun  # noqa: E402
 
 MBS, ACCUM, SEQ, VOCAB = 2, 4, 64, 4096
 BASE = [
@@ -197,19 +196,6 @@ def worker(out_path: str, cases) -> None:
 
 
 # --- driver ------------------------------------------------------------------------------------------
-def run(world: int, cases, tmp: str) -> dict:
-    path = os.path.join(tmp, f"w{world}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.abspath(__file__), "--worker", path, *cases]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stderr[-4000:], file=sys.stderr)
-        raise SystemExit(f"{cases} failed under torchrun")
-    with open(path) as f:
-        return json.load(f)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", action="store_true", help="also pp=2 x dp=2 (4 processes)")
@@ -223,10 +209,9 @@ def main(argv=None) -> int:
 
     layouts = dict(LAYOUTS, **(PP_LAYOUTS if args.pp else {}))
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for layout, world in layouts.items():
-            cases = [f"{layout}|{dtype}|{mode}" for dtype in ("fp32", "bf16") for mode in MODES]
-            results.update(run(world, cases, tmp))
+    for layout, world in layouts.items():
+        cases = [f"{layout}|{dtype}|{mode}" for dtype in ("fp32", "bf16") for mode in MODES]
+        results.update(run_under_torchrun(__file__, world, cases))
     print(f"{'layout':10s} {'dtype':5s} {'mode':5s} {'estimate MiB':>12s} {'(states act gathered grad_buf accum)':>36s} "
           f"{'measured MiB':>12s} {'meas/est':>8s} {'AG MB':>7s} {'RS MB':>7s} {'step s':>7s}")
     ratios, deltas = [], []

@@ -21,18 +21,12 @@ ends with: compiled_over_eager_step_time=<median compiled step time / median eag
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-import torch
+from side_by_side import Sides, run_under_torchrun, synthetic_batches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGSHIP = "tp=2,ep=2,pp=2,sequence_parallel=true"
 MBS, ACCUM, SEQ, VOCAB = 2, 4, 128, 2048
 MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=2",
@@ -44,56 +38,16 @@ MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "mo
 
 
 def _batches(step: int, dp_rank: int, dp_size: int):
-    g = torch.Generator().manual_seed(step)
-    n = MBS * ACCUM
-    tokens = torch.randint(0, VOCAB, (n * dp_size, SEQ + 1), generator=g)[dp_rank * n:(dp_rank + 1) * n]
-    return [{"tokens": tokens[i * MBS:(i + 1) * MBS], "loss_mask": torch.ones(MBS, SEQ),
-             "doc_ids": torch.zeros(MBS, SEQ + 1, dtype=torch.long)} for i in range(ACCUM)]
+    return synthetic_batches(step, dp_rank, dp_size, MBS, ACCUM, SEQ, VOCAB)
 
 
 # --- worker (under torchrun) -------------------------------------------------------------------------
 def worker(out_path: str, layout: str, dtype: str, ac: str, warmup: int, steps: int) -> None:
     import torch.distributed as dist
 
-    from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer, build_model
-    from tandem.trainer.loss import depth_coefficients
-    from tandem.trainer.parallel import init_parallel
-    from tandem.trainer.parallel.device import resolve_device
-
-    torch.set_num_threads(1)
-    parallel = [f"parallel.{kv}" for kv in layout.split(",")]
-    sides, mesh_state = {}, None
-    for name, compiled in (("eager", False), ("compiled", True)):
-        cfg = load_config(None, MODEL + parallel + [f"train.dtype={dtype}", f"train.activation_checkpointing={ac}",
-                                                    f"train.compile={str(compiled).lower()}"])
-        cfg.model.vocab_size = VOCAB
-        mesh_state = mesh_state or init_parallel(cfg, resolve_device("cpu"))
-        # one process group and mesh; each model keeps its own layout handles (pipeline schedule, ...)
-        pstate = dataclasses.replace(mesh_state, extras=dict(mesh_state.extras))
-        model = build_model(cfg, pstate)
-        sides[name] = (cfg, pstate, Trainer.for_model(cfg, model.train(), pstate))
-
-    def step(name: str, i: int) -> float:
-        cfg, pstate, tr = sides[name]
-        batches = _batches(i, pstate.dp_rank, pstate.dp_size)
-        dist.barrier()
-        start = time.perf_counter()
-        counts = tr.global_target_counts(batches)
-        pstate.all_reduce_dp(tr.forward_backward(batches, counts, depth_coefficients(cfg.mtp, i)))
-        tr.clip_gradients()
-        tr.update_router_biases()
-        tr.optimizer.step()
-        tr.optimizer.zero_grad(set_to_none=True)
-        dist.barrier()
-        return time.perf_counter() - start
-
-    times = {name: [] for name in sides}
-    for i in range(warmup + steps):
-        for name in sides:  # alternate, so drift in the machine's load hits both sides alike
-            t = step(name, i)
-            if i >= warmup:
-                times[name].append(t)
+    base = MODEL + [f"train.dtype={dtype}", f"train.activation_checkpointing={ac}"]
+    sides = Sides(base, layout, {"eager": ["train.compile=false"], "compiled": ["train.compile=true"]}, VOCAB)
+    times = sides.alternate(warmup, steps, _batches)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(times, f)
@@ -114,17 +68,7 @@ def main(argv=None) -> int:
         out, layout, dtype, ac, warmup, steps = a.worker
         worker(out, layout, dtype, ac, int(warmup), int(steps))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-               os.path.abspath(__file__), "--worker", out, a.layout, a.dtype, a.ac, str(a.warmup), str(a.steps)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode != 0:
-            print(proc.stdout[-2000:] + proc.stderr[-6000:], file=sys.stderr)
-            raise SystemExit(f"{a.layout} failed under torchrun")
-        with open(out) as f:
-            times = json.load(f)
+    times = run_under_torchrun(__file__, 8, [a.layout, a.dtype, a.ac, str(a.warmup), str(a.steps)])
     print(f"layout {a.layout} on 8 CPU ranks, {a.dtype}, activation_checkpointing={a.ac}, "
           f"{MBS * ACCUM} x {SEQ} tokens per batch rank, {a.steps} timed steps per side (interleaved)")
     print(f"{'side':10s} {'median s/step':>14s} {'min':>8s} {'max':>8s}")
