@@ -324,9 +324,12 @@ class Trainer:
             while step < t.max_steps:
                 t0 = time.perf_counter()
                 self.device.reset_peak_memory()
-                lr = lr_at(t, self.data_position.schedule_step())  # in step with samples seen
+                # the LR and the MTP weight follow the samples seen (in steps of the run's first global
+                # batch), so a resume under another global batch keeps them in step with the data
+                schedule_step = self.data_position.schedule_step()
+                lr = lr_at(t, schedule_step)
                 set_lr(self.optimizer, lr)
-                coefs = depth_coefficients(cfg.mtp, step)
+                coefs = depth_coefficients(cfg.mtp, schedule_step)
                 self.indexers.begin_step(step)
                 batches = self.micro_batches(step)
                 counts = self.global_target_counts(batches)
@@ -362,7 +365,7 @@ class Trainer:
                 if self.peak_flops:
                     per_flop = tokens_per_s / (self.pstate.world_size * self.peak_flops)
                     record.update({"mfu": self.flops_per_token * per_flop, "hfu": self.hardware_flops_per_token * per_flop})
-                record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, step - 1),
+                record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, schedule_step),
                                "tokens_per_s": tokens_per_s, "consumed_samples": self.data_position.consumed_samples,
                                "consumed_tokens": self.data_position.consumed_tokens,
                                "mem/peak_gb": self.device.peak_memory_gb(), **moe_metrics, **self.indexers.metrics(),

@@ -21,8 +21,9 @@ def depth_weights(mtp: MTPConfig) -> List[float]:
     return weights
 
 
-def lambda_at(mtp: MTPConfig, step: int) -> float:
-    """Piecewise-constant lambda: the initial value, replaced at each `lambda_after` milestone reached."""
+def lambda_at(mtp: MTPConfig, step: float) -> float:
+    """Piecewise-constant lambda: the initial value, replaced at each `lambda_after` milestone reached
+    (`step`: the schedule step, samples seen in steps of the run's first global batch)."""
     value = mtp.loss.lambda_
     for milestone in sorted(mtp.loss.lambda_after):
         if step >= milestone:
@@ -30,7 +31,7 @@ def lambda_at(mtp: MTPConfig, step: int) -> float:
     return value
 
 
-def depth_coefficients(mtp: MTPConfig, step: int) -> List[float]:
+def depth_coefficients(mtp: MTPConfig, step: float) -> List[float]:
     """Coefficient of each depth's mean loss in the total: [1, lambda*w_1, ..., lambda*w_K]."""
     lam = lambda_at(mtp, step)
     return [1.0] + [lam * w for w in depth_weights(mtp)]

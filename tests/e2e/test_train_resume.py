@@ -68,9 +68,10 @@ def test_resume_on_empty_run_dir_starts_fresh(tiny_overrides):
 @pytest.mark.slow
 def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_overrides, monkeypatch):
     """3 steps of 2 samples, then a resume at 3 micro-batches of 2 (6 samples per step): the resumed
-    steps read samples 6..11 and 12..17, none skipped or repeated, and the learning rate follows the
-    samples seen: the schedule is laid out in steps of the run's first global batch (2 samples), so
-    step 5, starting at sample 12, is at schedule step 6, past the end of its decay (min_lr)."""
+    steps read samples 6..11 and 12..17, none skipped or repeated, and the learning rate and the MTP
+    weight follow the samples seen: the schedule is laid out in steps of the run's first global batch
+    (2 samples), so step 5, starting at sample 12, is at schedule step 6, past the end of its decay
+    (min_lr) and past the lambda milestone at 5 (counted in steps it would still be at step 4)."""
     import tandem.data_pipeline.dataset as dataset
 
     reads, get_batch = [], dataset.get_batch
@@ -80,7 +81,8 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
         return get_batch(ds, indices, eod_id)
 
     monkeypatch.setattr(dataset, "get_batch", recording_get_batch)
-    schedule = ["train.warmup_steps=2", "train.max_steps=5", "checkpoint.interval=3"]
+    schedule = ["train.warmup_steps=2", "train.max_steps=5", "checkpoint.interval=3", "mtp.loss.lambda=0.3",
+                "mtp.loss.lambda_after={5: 0.1}"]
     first = load_config(RECIPE, tiny_overrides + schedule + ["train.max_steps=3"])
     train(first)
     assert reads == [[0, 1], [2, 3], [4, 5]]
@@ -97,3 +99,10 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
     # step 3, a third of the decay: cos(pi/3) = 1/2), step 5 at sample 12 (schedule step 6: decay over)
     lrs = [r["lr"] for r in recs[3:]]
     assert lrs == [pytest.approx(t.min_lr + 0.75 * (t.lr - t.min_lr), rel=1e-12), t.min_lr], lrs
+    assert [r["mtp/lambda"] for r in recs] == [0.3, 0.3, 0.3, 0.3, 0.1]
+    # the logged total is the loss trained on: the main loss plus lambda times the weighted depths
+    from tandem.trainer.loss import depth_weights
+
+    last = recs[4]
+    depths = [w * last[f"loss/mtp_{k}"] for k, w in enumerate(depth_weights(resumed.mtp), start=1)]
+    assert last["loss"] == pytest.approx(last["loss/main"] + 0.1 * sum(depths), rel=1e-6)
