@@ -411,10 +411,15 @@ class MoE(nn.Module):
 
     def shared_output(self, x_th: torch.Tensor) -> torch.Tensor:
         """The shared expert's output (scaled by its gate where there is one)."""
-        shared = self.shared_experts(x_th)
+        shared = self.shared_mlp(x_th)
         if self.shared_expert_gate is not None:
+            # under tp the replicated gate scales a partial output: its gradient is partial over tp
             shared = torch.sigmoid(self.shared_expert_gate(x_th)) * shared
         return shared
+
+    def shared_mlp(self, x_th: torch.Tensor) -> torch.Tensor:
+        """The shared expert's MLP (tensor parallelism computes it on its shards instead)."""
+        return self.shared_experts(x_th)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         shape = x_bsh.shape

@@ -215,15 +215,11 @@ class TensorParallelMoE(MoE):
             out = AuxLossGrad.apply(out, aux, aux_scale)
         return out.view(shape)
 
-    def shared_output(self, x_th: torch.Tensor) -> torch.Tensor:
+    def shared_mlp(self, x_th: torch.Tensor) -> torch.Tensor:
         """This rank's partial shared-expert output (its tp shard of the intermediate width)."""
         se = self.shared_experts
         h = F.silu(F.linear(x_th, local(se.gate_proj.weight))) * F.linear(x_th, local(se.up_proj.weight))
-        shared = F.linear(h, local(se.down_proj.weight))
-        if self.shared_expert_gate is not None:
-            # the replicated gate scales this rank's partial output: its gradient is partial over tp
-            shared = torch.sigmoid(self.shared_expert_gate(x_th)) * shared
-        return shared
+        return F.linear(h, local(se.down_proj.weight))
 
     def _needs_aux(self) -> bool:
         cfg = self.cfg
