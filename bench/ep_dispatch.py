@@ -28,16 +28,11 @@ import os
 import statistics
 import sys
 
-from side_by_side import ROOT, Sides, run_under_torchrun, synthetic_batches
+from side_by_side import ROOT, Sides, moe_model, run_under_torchrun, synthetic_batches
 
 LAYOUTS = ["ep=2", "tp=2,ep=2,sequence_parallel=true"]
 MBS, ACCUM, SEQ, VOCAB = 2, 2, 128, 2048
-MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=2",
-         "model.intermediate_size=512", "model.moe_intermediate_size=128", "model.num_experts=8", "model.top_k=2",
-         "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.max_seq_len=256",
-         "mtp.num_steps=1", "mtp.num_layers=1", f"data.seq_len={SEQ}", f"train.micro_batch_size={MBS}",
-         f"train.grad_accum_steps={ACCUM}", "logging.wandb=false", "eval.interval=0", "device=cpu",
-         "run.dir=/tmp/tandem_bench_unused"]
+MODEL = moe_model(SEQ, MBS, ACCUM, mtp_steps=1)
 SIDES = ("exact", "padded")
 
 

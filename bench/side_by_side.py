@@ -38,6 +38,17 @@ def run_under_torchrun(script: str, world: int, args: Sequence[str]):
             return json.load(f)
 
 
+def moe_model(seq: int, mbs: int, accum: int, mtp_steps: int) -> list:
+    """The layout benches' model: hidden 256, 4 layers (the first dense), 8 experts top-2 with a shared
+    one, one looped MTP layer over `mtp_steps` depths, on CPU without logging or evaluation."""
+    return ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=2",
+            "model.intermediate_size=512", "model.moe_intermediate_size=128", "model.num_experts=8", "model.top_k=2",
+            "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.max_seq_len=256",
+            f"mtp.num_steps={mtp_steps}", "mtp.num_layers=1", f"data.seq_len={seq}", f"train.micro_batch_size={mbs}",
+            f"train.grad_accum_steps={accum}", "logging.wandb=false", "eval.interval=0", "device=cpu",
+            "run.dir=/tmp/tandem_bench_unused"]
+
+
 def synthetic_batches(step: int, dp_rank: int, dp_size: int, mbs: int, accum: int, seq: int, vocab: int):
     """This batch rank's micro-batches of step `step`: random tokens, every target counted, one document."""
     g = torch.Generator().manual_seed(step)
