@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
 from tandem.trainer.flops import hardware_flops_per_token  # noqa: E402
-from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
+from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.activation_checkpoint import MODES, apply_activation_checkpointing  # noqa: E402
 
@@ -51,8 +51,7 @@ class Runner:
         self.mtp = mtp
 
     def step(self) -> None:
-        out = self.model(self.tokens)
-        combine_losses(out.loss_sums, out.token_counts.double(), depth_coefficients(self.mtp, 0)).backward()
+        one_batch_forward_backward(self.model, self.tokens, depth_coefficients(self.mtp, 0))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

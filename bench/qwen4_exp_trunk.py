@@ -78,7 +78,7 @@ from tandem.models.moe import GroupedExperts  # noqa: E402
 from tandem.models.ple import NGramEmbedding  # noqa: E402
 from tandem.models.qsa import IndexedAttention  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
-from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
+from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.parallel.device import Device, autocast_context, resolve_device  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,9 +164,8 @@ class StepRunner:
     def step(self) -> float:
         self.dev.synchronize()
         t0 = time.perf_counter()
-        with autocast_context(self.dev.type, self.dtype):
-            out = self.model(self.tokens)
-        combine_losses(out.loss_sums, out.token_counts.float(), depth_coefficients(self.mtp, 0)).backward()
+        one_batch_forward_backward(self.model, self.tokens, depth_coefficients(self.mtp, 0),
+                                   lambda: autocast_context(self.dev.type, self.dtype))
         self.model.zero_grad(set_to_none=True)
         self.dev.synchronize()
         return time.perf_counter() - t0

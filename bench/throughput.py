@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
 from tandem.trainer.config import load_config  # noqa: E402
-from tandem.trainer.loss import combine_losses, depth_coefficients  # noqa: E402
+from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.compile import apply_compile  # noqa: E402
 
@@ -85,9 +85,8 @@ class TandemRunner:
         self.tokens, self.bf16 = tokens, bf16
 
     def step(self) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-            out = self.model(self.tokens)
-        combine_losses(out.loss_sums, out.token_counts.float(), depth_coefficients(self.mtp, 0)).backward()
+        one_batch_forward_backward(self.model, self.tokens, depth_coefficients(self.mtp, 0),
+                                   lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

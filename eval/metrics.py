@@ -91,7 +91,7 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
             with _head_inputs(head):
                 normed = m.logits(d, h[mask])
             targets = shifted_tokens(tokens, d + 1, s)[mask]
-            loss[d] += float(head.loss_sum(normed, targets, chunk))
+            loss[d] += float(head.loss_sums(normed[None], targets[None], chunk)[0])
             correct[d] += float((_head_argmax(head, normed, chunk) == targets).sum())
             count[d] += float(mask.sum())
     out = {"loss/main": float(loss[0] / count[0].clamp(min=1))}

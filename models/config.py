@@ -223,12 +223,11 @@ class MTPConfig:
     loss_chunk_tokens: int = 2048
     """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab] logits)."""
     loss_head_backward: str = "fused"
-    """How the head's cross-entropy (trunk and `ce` MTP depths) gets its gradients: `fused` (default:
-    each chunk's head gradients computed in forward, one head matmul and one softmax fewer per chunk;
-    measured faster, bench/throughput.py --both-head-backwards: x1.07 at K=0 and x1.19 at K=3 in
-    bf16, for a [vocab x hidden] fp32 weight gradient held per depth until backward) or `recompute`
-    (each chunk's logits recomputed in backward: memory one chunk of logits; the choice where K+1
-    such gradients do not fit). The vocab-parallel head (tp > 1) always recomputes."""
+    """How the head's cross-entropy (trunk and `ce` MTP depths, one chunked pass) gets its gradients:
+    `fused` (default, one-device and vocab-parallel head alike: each chunk's gradients computed in
+    forward, one head matmul and one softmax fewer per chunk; all depths share one fp32
+    [vocab/tp x hidden] weight-gradient buffer, pre-scaled by the loss gradients the trainer promises)
+    or `recompute` (each chunk's logits recomputed in backward: memory one chunk of logits)."""
     trunk_input: str = "pre_norm"
     """Trunk state MTP step 1 reads: `pre_norm` (before the final norm) or `final_norm` (after it, as
     DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers)."""

@@ -1,9 +1,12 @@
 """Memory-bounded cross-entropy over a large vocabulary.
 
 The logits of a [tokens x vocab] head are never resident for more than one chunk of tokens: each
-chunk's logits are computed, reduced to a loss and dropped, and recomputed chunk by chunk in backward
-(activation checkpointing). With K MTP depths plus the main head, peak memory therefore grows by
-O(chunk x vocab), not O(K x tokens x vocab); the price is one extra head matmul per chunk in backward.
+chunk's logits are computed, reduced to a loss and dropped. The trunk's head and every MTP depth go
+through the head in one chunked pass (`head_cross_entropy_sums`), which by default computes each
+chunk's gradients right away (a fused linear cross-entropy: no logits recomputed in backward) and,
+told the gradient each depth's sum will receive, accumulates every depth's weight gradient into one
+fp32 [vocab x hidden] buffer; `recompute` instead recomputes chunks in backward (activation
+checkpointing). Either way peak memory grows by O(chunk x vocab), not O(K x tokens x vocab).
 
 Rows without a target stay in: their target is IGNORE (cross-entropy's ignore_index) and they add
 nothing to a sum or a gradient. Selecting the valid rows instead (`h[mask]`) has a data-dependent
@@ -13,6 +16,8 @@ keeps the loss out of a compiled graph; the masked rows cost only their share of
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -21,74 +26,173 @@ IGNORE = -100
 """Target of a row that has none (F.cross_entropy's default ignore_index): it adds nothing to a loss sum."""
 
 
-def _chunk_loss_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor) -> torch.Tensor:
+class VocabReduce:
+    """How a loss combines per-row values over the vocabulary. On one device the rows already span
+    the whole vocabulary, so every reduction is the identity; a vocabulary-parallel head
+    (trainer/parallel/) passes one that all-reduces over its tensor-parallel group. The two sums differ
+    only in backward, by who consumes the result: `sum` feeds computation every rank repeats (the loss
+    itself), so its gradient is already whole on each rank; `sum_for_shards` (the softmax normaliser
+    of a per-vocabulary quantity) feeds each rank's own vocabulary slice, so the slices' gradients
+    must be summed."""
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """Not differentiated (used only to stabilise exponentials)."""
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum_for_shards(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+WHOLE_VOCAB = VocabReduce()
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's where it is on (as autograd's would), else h's.
+    Explicit, because a custom backward runs outside the forward's autocast region."""
+    kind = h.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+
+
+def _chunk_loss_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, red: VocabReduce,
+                    vocab_start: int) -> torch.Tensor:
+    """Differentiable summed cross-entropy of one chunk (`weight_vh` may be one vocabulary shard, rows
+    vocab_start..; Megatron's vocab-parallel cross-entropy then: max, sum of exponentials and target
+    logit reduced over the shards). Every rank holds the same loss, so `red.sum`'s identity backward
+    gives each shard its own logits' gradient."""
     logits = F.linear(h_nh, weight_vh).float()
-    return F.cross_entropy(logits, targets_n, reduction="sum", ignore_index=IGNORE)
+    z = logits - red.max(logits.detach().amax(dim=-1)).unsqueeze(1)
+    local_t = targets_n - vocab_start
+    inside = (local_t >= 0) & (local_t < weight_vh.shape[0])  # IGNORE (< 0) is in no shard
+    target_z = z.gather(1, local_t.clamp(0, weight_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
+    sum_exp, target_z = red.sum(torch.stack([z.exp().sum(dim=-1), torch.where(inside, target_z, 0.0)])).unbind(0)
+    return torch.where(targets_n != IGNORE, sum_exp.log() - target_z, 0.0).sum()
 
 
-def chunked_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor,
-                              chunk_tokens: int) -> torch.Tensor:
-    """Sum of token cross-entropies of `h @ weight.T` against `targets` (IGNORE rows count zero)."""
-    if h_nh.shape[0] == 0:
-        return (h_nh.sum() + weight_vh.sum()) * 0.0  # keeps both in the graph with zero gradient
-    if not torch.is_grad_enabled():
-        return sum(_chunk_loss_sum(h_nh[i : i + chunk_tokens], weight_vh, targets_n[i : i + chunk_tokens])
-                   for i in range(0, h_nh.shape[0], chunk_tokens))
-    total = None
-    for i in range(0, h_nh.shape[0], chunk_tokens):
-        part = checkpoint(_chunk_loss_sum, h_nh[i : i + chunk_tokens], weight_vh, targets_n[i : i + chunk_tokens],
-                          use_reentrant=False)
-        total = part if total is None else total + part
-    return total
+@torch.no_grad()
+def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor,
+                                  red: VocabReduce, vocab_start: int, dtype: torch.dtype):
+    """One chunk's per-row losses [n] (fp32; IGNORE rows 0) and d loss / d logits = softmax - onehot
+    [n, vocab shard] (fp32; IGNORE rows 0), from one head matmul and one softmax. Under a vocabulary
+    shard the max and the (sum of exponentials, target logit) pair are reduced in two collectives."""
+    logits = F.linear(h_nh.to(dtype), weight_vh.to(dtype)).float()
+    z = logits.sub_(red.max(logits.amax(dim=-1)).unsqueeze(1))
+    local_t = targets_n - vocab_start
+    inside = (local_t >= 0) & (local_t < weight_vh.shape[0])
+    local_t = local_t.clamp(0, weight_vh.shape[0] - 1)
+    target_z = torch.where(inside, z.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)
+    probs = z.exp_()  # in place of the logits
+    sum_exp, target_z = red.sum(torch.stack([probs.sum(dim=-1), target_z])).unbind(0)
+    valid = targets_n != IGNORE
+    losses = torch.where(valid, sum_exp.log() - target_z, 0.0)
+    probs.div_(sum_exp.unsqueeze(1))
+    rows = torch.arange(targets_n.shape[0], device=targets_n.device)
+    probs[rows, local_t] -= inside.to(probs.dtype)  # the one-hot lives in the target's shard only
+    return losses, probs.mul_(valid.unsqueeze(1))
 
 
-class _HeadCrossEntropyGradInForward(torch.autograd.Function):
-    """`chunked_cross_entropy_sum` with each chunk's gradients computed in forward (a fused linear
-    cross-entropy): d loss / d logits = softmax - onehot is known once the logits are, so each chunk
-    adds its share to dL/dh and dL/dW right away and its logits are dropped. Backward only scales
-    the two by the incoming gradient: no second head matmul and no second softmax per chunk, for a
-    [vocab x hidden] fp32 weight gradient held from forward to backward."""
+class _FusedHeadCrossEntropy(torch.autograd.Function):
+    """Per-depth summed cross-entropies of `h @ weight.T` for the rows of every depth at once (a fused
+    linear cross-entropy): d loss / d logits is known once a chunk's logits are, so each chunk adds its
+    share to dL/dh right away and its logits are dropped; backward scales dL/dh by the incoming
+    gradient of each row's depth. The weight's gradient sums over depths with different incoming
+    gradients, unknown in forward. Given them (`grad_scales`, the loss's coefficient over each depth's
+    global target count: known before forward), forward accumulates every depth into ONE fp32
+    [vocab x hidden] buffer, pre-scaled, and backward rescales it by the one factor that maps the
+    promised gradients onto the incoming ones (the least-squares factor: exact when they are
+    proportional, which `grad_scales` promises; a pipeline schedule's 1/micro-batches is such a
+    factor). Without them backward recomputes the chunks' logits for the weight's gradient only."""
 
     @staticmethod
-    def forward(ctx, h_nh, weight_vh, targets_n, chunk_tokens: int):
+    def forward(ctx, h_rh, weight_vh, targets_r, row_depth_r, grad_scales_d, num_depths: int, chunk: int,
+                red: VocabReduce, vocab_start: int):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=h_nh.device)
-        grad_h = torch.empty_like(h_nh) if need_h else None
-        grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if need_w else None
-        for i in range(0, h_nh.shape[0], chunk_tokens):
-            h, t = h_nh[i : i + chunk_tokens], targets_n[i : i + chunk_tokens]
-            valid = t != IGNORE
-            t = t.clamp(min=0)  # an IGNORE row reads some logit, then counts zero
-            logits = F.linear(h, weight_vh).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += torch.where(valid, lse - logits.gather(1, t[:, None]).squeeze(1), 0.0).sum()
-            d_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            d_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            d_logits.mul_(valid[:, None])  # an IGNORE row has no gradient
-            if need_h:  # the matmuls run in the compute dtype autocast gives them, as autograd's would
-                grad_h[i : i + chunk_tokens] = d_logits @ weight_vh
-            if need_w:
-                grad_w += d_logits.t() @ h
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight_vh.dtype
-        return total
+        dtype = _compute_dtype(h_rh)
+        fuse_w = need_w and grad_scales_d is not None
+        totals = torch.zeros(num_depths, dtype=torch.float32, device=h_rh.device)
+        grad_h = torch.empty_like(h_rh) if need_h else None
+        grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if fuse_w else None
+        w = weight_vh.to(dtype)
+        for i in range(0, h_rh.shape[0], chunk):
+            h, depth = h_rh[i : i + chunk], row_depth_r[i : i + chunk]
+            losses, d_logits = _chunk_losses_and_logit_grads(h, w, targets_r[i : i + chunk], red, vocab_start, dtype)
+            totals.index_add_(0, depth, losses)
+            if need_h:
+                grad_h[i : i + chunk] = d_logits.to(dtype) @ w
+            if fuse_w:
+                d_logits.mul_(grad_scales_d[depth].unsqueeze(1))
+                grad_w += d_logits.to(dtype).t() @ h.to(dtype)
+        ctx.chunk, ctx.red, ctx.vocab_start, ctx.dtype = chunk, red, vocab_start, dtype
+        ctx.weight_dtype, ctx.fuse_w, ctx.recompute_w = weight_vh.dtype, fuse_w, need_w and not fuse_w
+        keep = (h_rh, weight_vh, targets_r) if ctx.recompute_w else (None, None, None)
+        ctx.save_for_backward(grad_h, grad_w, grad_scales_d if fuse_w else None, row_depth_r, *keep)
+        return totals
 
     @staticmethod
-    def backward(ctx, grad_total):
-        grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None,
-                (grad_w * grad_total).to(ctx.weight_dtype) if grad_w is not None else None, None, None)
+    def backward(ctx, grad_d):
+        grad_h, grad_w, scales, row_depth, h_rh, weight_vh, targets = ctx.saved_tensors
+        grad_rows = grad_d.float()[row_depth]
+        out_h = grad_h * grad_rows.unsqueeze(1).to(grad_h.dtype) if grad_h is not None else None
+        out_w = None
+        if ctx.fuse_w:
+            factor = (grad_d.float() @ scales) / (scales @ scales).clamp(min=torch.finfo(torch.float32).tiny)
+            out_w = (grad_w * factor).to(ctx.weight_dtype)
+        elif ctx.recompute_w:
+            w = weight_vh.to(ctx.dtype)
+            acc = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device)
+            for i in range(0, h_rh.shape[0], ctx.chunk):
+                h = h_rh[i : i + ctx.chunk]
+                _, d_logits = _chunk_losses_and_logit_grads(h, w, targets[i : i + ctx.chunk], ctx.red,
+                                                            ctx.vocab_start, ctx.dtype)
+                d_logits.mul_(grad_rows[i : i + ctx.chunk].unsqueeze(1))
+                acc += d_logits.to(ctx.dtype).t() @ h.to(ctx.dtype)
+            out_w = acc.to(ctx.weight_dtype)
+        return out_h, out_w, None, None, None, None, None, None, None
 
 
-def head_cross_entropy_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int,
-                           backward: str = "recompute") -> torch.Tensor:
-    """Sum of token cross-entropies of `h @ weight.T` (IGNORE rows count zero), chunk by chunk: `recompute`
-    recomputes each chunk's logits in backward (`chunked_cross_entropy_sum`), `fused` computes the
-    head's gradients in forward (`_HeadCrossEntropyGradInForward`); see MTPConfig.loss_head_backward."""
-    if backward == "fused" and h_nh.shape[0] > 0 and torch.is_grad_enabled() \
-            and (h_nh.requires_grad or weight_vh.requires_grad):
-        return _HeadCrossEntropyGradInForward.apply(h_nh, weight_vh, targets_n, chunk_tokens)
-    return chunked_cross_entropy_sum(h_nh, weight_vh, targets_n, chunk_tokens)
+def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, targets_dn: torch.Tensor,
+                            chunk_tokens: int, backward: str = "fused", grad_scales: Optional[torch.Tensor] = None,
+                            red: VocabReduce = WHOLE_VOCAB, vocab_start: int = 0) -> torch.Tensor:
+    """[D] sums of token cross-entropies of `h @ weight.T` for D depths' rows (IGNORE targets count zero),
+    every depth in one chunked pass, so no [tokens x vocab] logits outlive one chunk. `weight_vh` may
+    be one vocabulary shard (rows vocab_start..; `red` then reduces over the shards, and the dL/dh
+    returned is this shard's part, which the caller's tp collective sums). `backward`: `fused`
+    computes the gradients in forward (`_FusedHeadCrossEntropy`; `grad_scales`, the gradient the
+    result will receive up to one factor, lets all depths share one weight-gradient buffer);
+    `recompute` recomputes each chunk's logits in backward (memory: one chunk of logits); see
+    MTPConfig.loss_head_backward."""
+    d, n = targets_dn.shape
+    h_rh, targets_r = h_dnh.reshape(d * n, -1), targets_dn.reshape(d * n)
+    chunk = chunk_tokens if chunk_tokens > 0 else max(d * n, 1)
+    if d * n == 0:
+        return (h_rh.sum() + weight_vh.sum()) * torch.zeros(d, device=h_rh.device)
+    wants_grad = torch.is_grad_enabled() and (h_rh.requires_grad or weight_vh.requires_grad)
+    row_depth = torch.arange(d, device=h_rh.device).repeat_interleave(n)
+    if wants_grad and backward == "fused":
+        return _FusedHeadCrossEntropy.apply(h_rh, weight_vh, targets_r, row_depth, grad_scales, d, chunk, red,
+                                            vocab_start)
+    if not wants_grad:
+        with torch.no_grad():
+            dtype = _compute_dtype(h_rh)
+            w = weight_vh.to(dtype)
+            totals = torch.zeros(d, dtype=torch.float32, device=h_rh.device)
+            for i in range(0, d * n, chunk):
+                losses, _ = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
+                                                          vocab_start, dtype)
+                totals.index_add_(0, row_depth[i : i + chunk], losses)
+            return totals
+    # recompute: checkpointed chunks within one depth (a chunk's sum belongs to one depth)
+    totals = []
+    for k in range(d):
+        part = None
+        for i in range(0, n, chunk):
+            s = checkpoint(_chunk_loss_sum, h_dnh[k, i : i + chunk], weight_vh, targets_dn[k, i : i + chunk], red,
+                           vocab_start, use_reentrant=False)
+            part = s if part is None else part + s
+        totals.append(part)
+    return torch.stack(totals)
 
 
 @torch.no_grad()
@@ -112,7 +216,7 @@ def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
                                    chunk_tokens: int, valid_n: torch.Tensor) -> torch.Tensor:
     """Sum over the rows where `valid_n` holds of the soft cross-entropy -sum_v p_teacher(v) log p_student(v)
     (KL to the teacher plus its constant entropy), with teacher and student logits both `h @ weight.T`;
-    chunked and recomputed in backward like `chunked_cross_entropy_sum`, so no [tokens x vocab] tensor
+    chunked and recomputed in backward like `head_cross_entropy_sums`' recompute mode, so no [tokens x vocab] tensor
     outlives one chunk."""
     if h_nh.shape[0] == 0:
         return (h_nh.sum() + weight_vh.sum()) * 0.0
@@ -125,28 +229,6 @@ def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
 
 
 # --- the acceptance objective ---------------------------------------------------------------------
-class VocabReduce:
-    """How a loss combines per-row values over the vocabulary. On one device the rows already span
-    the whole vocabulary, so every reduction is the identity; a vocabulary-parallel head
-    (trainer/parallel/) passes one that all-reduces over its tensor-parallel group. The two sums differ
-    only in backward, by who consumes the result: `sum` feeds computation every rank repeats (the loss
-    itself), so its gradient is already whole on each rank; `sum_for_shards` (the softmax normaliser)
-    feeds each rank's own vocabulary slice, so the slices' gradients must be summed."""
-
-    def max(self, x: torch.Tensor) -> torch.Tensor:
-        """Not differentiated (used only to stabilise exponentials)."""
-        return x
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def sum_for_shards(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-WHOLE_VOCAB = VocabReduce()
-
-
 def _log_softmax(logits_nv: torch.Tensor, red: VocabReduce) -> torch.Tensor:
     m = red.max(logits_nv.detach().amax(dim=-1))
     z = logits_nv - m.unsqueeze(1)

@@ -25,7 +25,7 @@ from .layers import RMSNorm, SwiGLU
 from .ple import PLELayer
 from .qsa import IndexedAttention
 from .loss import (IGNORE, chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
-                   head_cross_entropy_sum)
+                   head_cross_entropy_sums)
 from .moe import MoE
 from .mtp import MTPModule, depth_target_mask, final_norm_module, model_norm, shifted_tokens
 
@@ -128,8 +128,11 @@ class OutputHead(nn.Module):
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(h_normed, self.weight)
 
-    def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        return head_cross_entropy_sum(h_normed_nh, self.weight, targets_n, chunk_tokens, self.backward)
+    def loss_sums(self, h_normed_dnh: torch.Tensor, targets_dn: torch.Tensor, chunk_tokens: int,
+                  grad_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[D] summed cross-entropies of D depths' rows in one chunked pass (`head_cross_entropy_sums`)."""
+        return head_cross_entropy_sums(h_normed_dnh, self.weight, targets_dn, chunk_tokens, self.backward,
+                                       grad_scales)
 
     def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
                             chunk_tokens: int, ce_weight: float) -> torch.Tensor:
@@ -170,6 +173,11 @@ class TandemModel(nn.Module):
         # shard [B, S/tp, H] -> [B, S, H] applied to the normed hidden states before the head; the
         # model itself holds no process groups. None: the hidden states are already whole.
         self.gather_sequence = None
+        # The gradient d total / d loss_sums[depth] the trainer's loss will send back (coefficient over
+        # the depth's global target count, [num_depths], on the device), set around each step by the
+        # trainer: with it the fused head keeps one weight-gradient buffer for every depth
+        # (models/loss.py). None: the weight's gradient is recomputed in backward.
+        self.loss_grad_scales: Optional[torch.Tensor] = None
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -332,7 +340,6 @@ class TandemModel(nn.Module):
         if emb_window is None and wanted_steps and self.shared_lookup():
             emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)), chain_depth + 1)
         whole = self.gather_sequence if self.gather_sequence is not None else (lambda h: h)
-        sums: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
         teacher_bsh = teacher_ids = None
         objective = self.mtp_cfg.loss.objective
@@ -345,6 +352,8 @@ class TandemModel(nn.Module):
                     teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
         chain = h0_bsh if h_chain is None else h_chain
         chunk = self.mtp_cfg.loss_chunk_tokens
+        sums: dict = {}
+        ce_depths, ce_inputs, ce_targets = [], [], []  # every plain cross-entropy: one pass through the head
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth,
                                                emb_window):
             if depth > 0:
@@ -357,22 +366,30 @@ class TandemModel(nn.Module):
             counts.append(mask.sum())
             if depth == 0 and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad:
                 with torch.no_grad():  # frozen trunk: the main loss is only reported
-                    sums.append(self.lm_head.loss_sum(_rows(whole(self.final_norm(0, h_prev))), targets_n, chunk))
+                    hn = _rows(whole(self.final_norm(0, h_prev)))
+                    sums[0] = self.lm_head.loss_sums(hn[None], targets_n[None], chunk)[0]
                 continue
             hn = _rows(whole(self.final_norm(depth, h_prev)))
             if depth > 0 and teacher_ids is not None:
                 # The trunk predicts token t+1+depth at position t+depth.
-                teacher_targets = _rows(torch.where(mask, shifted_tokens(teacher_ids, depth, s), IGNORE))
-                sums.append(self.lm_head.loss_sum(hn, teacher_targets, chunk))
+                targets_n = _rows(torch.where(mask, shifted_tokens(teacher_ids, depth, s), IGNORE))
             elif depth > 0 and objective == "acceptance":
-                sums.append(self.lm_head.acceptance_loss_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), targets_n,
-                                                             chunk, self.mtp_cfg.loss.acceptance_ce_weight))
+                sums[depth] = self.lm_head.acceptance_loss_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), targets_n,
+                                                               chunk, self.mtp_cfg.loss.acceptance_ce_weight)
+                continue
             elif depth > 0 and teacher_bsh is not None:
-                sums.append(chunked_soft_cross_entropy_sum(hn, _rows(_teacher_at(teacher_bsh, depth)),
-                                                           self.lm_head.weight, chunk, valid_n))
-            else:
-                sums.append(self.lm_head.loss_sum(hn, targets_n, chunk))
-        return ModelOutput(torch.stack(sums), torch.stack(counts), chain)
+                sums[depth] = chunked_soft_cross_entropy_sum(hn, _rows(_teacher_at(teacher_bsh, depth)),
+                                                             self.lm_head.weight, chunk, valid_n)
+                continue
+            ce_depths.append(depth)
+            ce_inputs.append(hn)
+            ce_targets.append(targets_n)
+        if ce_depths:
+            scales = (torch.stack([self.loss_grad_scales[d] for d in ce_depths])
+                      if self.loss_grad_scales is not None else None)
+            per_depth = self.lm_head.loss_sums(torch.stack(ce_inputs), torch.stack(ce_targets), chunk, scales)
+            sums.update(zip(ce_depths, per_depth.unbind(0)))
+        return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain)
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def trunk_frozen(self) -> bool:

@@ -23,7 +23,7 @@ from torch import nn
 from . import preemption
 from .checkpoint import CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint, read_trainer_state
 from .config import ConfigError, TandemConfig, to_yaml
-from .loss import combine_losses, depth_coefficients, lambda_at
+from .loss import combine_losses, depth_coefficients, lambda_at, loss_gradient
 from .metrics import MetricsLogger
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import ParallelState, init_parallel
@@ -227,6 +227,15 @@ class Trainer:
 
     def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
         """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
+        # The gradient each depth's loss sum will receive, told to the model for this step only: the
+        # fused head then accumulates every depth's weight gradient into one buffer (models/loss.py).
+        self.model.loss_grad_scales = loss_gradient(global_counts, coefs)
+        try:
+            return self._forward_backward(batches, global_counts, coefs)
+        finally:
+            self.model.loss_grad_scales = None
+
+    def _forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
         if "pipeline" in self.pstate.extras:
             return self.pstate.extras["pipeline"].forward_backward(batches, global_counts, coefs)
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.

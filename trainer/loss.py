@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import List
 
 import torch
 
 from tandem.models.config import MTPConfig
+from tandem.models.mtp import depth_target_mask
 
 
 def depth_weights(mtp: MTPConfig) -> List[float]:
@@ -37,10 +39,34 @@ def depth_coefficients(mtp: MTPConfig, step: float) -> List[float]:
     return [1.0] + [lam * w for w in depth_weights(mtp)]
 
 
+def loss_gradient(global_counts: torch.Tensor, coefficients: List[float]) -> torch.Tensor:
+    """d total / d loss_sums[depth] of `combine_losses`: each depth's coefficient over its global count
+    of valid targets. Known before the forward (the counts come from the batch), which lets the fused
+    head keep one weight-gradient buffer for every depth (TandemModel.loss_grad_scales)."""
+    # The coefficients stay Python floats: a tensor of them built on an accelerator is a host-to-device
+    # copy that waits for the stream, once per micro-batch (and pipeline stage).
+    counts = global_counts.clamp(min=1).float()
+    return torch.stack([c / n for c, n in zip(coefficients, counts.unbind(0))])
+
+
 def combine_losses(loss_sums: torch.Tensor, global_counts: torch.Tensor, coefficients: List[float]) -> torch.Tensor:
     """Weighted total from per-depth summed losses, each normalised by the global (all micro-batches,
     all data-parallel ranks) count of valid targets, so every layout optimises the same objective."""
-    # The coefficients stay Python floats: a tensor of them built on an accelerator is a host-to-device
-    # copy that waits for the stream, once per micro-batch (and pipeline stage).
-    scaled = torch.stack([c * x for c, x in zip(coefficients, loss_sums.unbind(0))])
-    return (scaled / global_counts.clamp(min=1).to(loss_sums.dtype)).sum()
+    return (loss_sums * loss_gradient(global_counts, coefficients).to(loss_sums.dtype)).sum()
+
+
+def one_batch_forward_backward(model, tokens_bs1: torch.Tensor, coefficients: List[float], autocast=nullcontext):
+    """Forward and backward of one batch in one process as `Trainer.forward_backward` runs a step's
+    micro-batches (the counts are this batch's, the head told each depth's gradient beforehand), for
+    benchmarks and tests that time or inspect a bare model. `autocast`: the forward's precision
+    context factory. Returns the model's output (loss sums and counts)."""
+    ones = torch.ones_like(tokens_bs1[:, 1:])
+    counts = torch.stack([depth_target_mask(ones, None, d).sum() for d in range(len(coefficients))]).float()
+    model.loss_grad_scales = loss_gradient(counts, coefficients)
+    try:
+        with autocast():
+            out = model(tokens_bs1)
+        combine_losses(out.loss_sums, counts, coefficients).backward()
+    finally:
+        model.loss_grad_scales = None
+    return out

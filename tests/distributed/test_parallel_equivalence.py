@@ -41,6 +41,8 @@ LAYOUTS = {
     "tp=2,ep=2,sequence_parallel=true": 4,
     # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp
     "tp=2,model.qk_norm=true": 2,
+    # the vocab-parallel head's recomputing backward (the fused one, the default, runs everywhere else)
+    "tp=2,mtp.loss_head_backward=recompute": 2,
     # the acceptance objective: vocab-parallel sums over the vocabulary, teacher gathered under SP
     "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 2,
     "tp=2,pp=2,sequence_parallel=true,mtp.loss.objective=acceptance": 4,
@@ -162,12 +164,8 @@ DEFAULT_PARAM_RTOL = 3e-5
 
 def model_overrides(layout: str, drop=()) -> str:
     """The non-parallel part of a layout (`model.qk_norm=true`), which its reference run shares
-    (minus the keys in `drop`). Under tp the vocab-parallel head always recomputes its backward, so
-    a tp layout's reference does too: the fused head's other (fp32) summation order alone moves a
-    few embedding rows, first seen at the last step, by 7e-5 after Adam's sign-like first update."""
+    (minus the keys in `drop`)."""
     keys = [kv for kv in layout.split(",") if "." in kv.split("=")[0] and kv.split("=")[0] not in drop]
-    if "tp=2" in layout.split(",") and not any(kv.startswith("mtp.loss_head_backward=") for kv in keys):
-        keys.append("mtp.loss_head_backward=recompute")
     return ",".join(keys)
 
 

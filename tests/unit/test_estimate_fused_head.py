@@ -1,7 +1,8 @@
 """--check counts what the fused head holds from forward to backward: one fp32 [vocab x hidden] weight
-gradient (and a [tokens x hidden] input gradient) per loss it computes. Counted here from a real forward
-of a tiny model, by the tensors autograd saves for backward, against the estimate's difference between
-the fused and the recomputing head."""
+gradient for every loss it computes (told their incoming gradients, as the trainer does), and a
+[tokens x hidden] input gradient per loss. Counted here from a real forward of a tiny model, by the
+tensors autograd saves for backward, against the estimate's difference between the fused and the
+recomputing head."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from tandem.models import TandemModel
 from tandem.trainer.config import load_config
 from tandem.trainer.estimate import GIB, estimate
+from tandem.trainer.loss import depth_coefficients, loss_gradient
 
 V, H, S, B, K = 320, 32, 16, 2, 2
 BASE = [f"model.vocab_size={V}", f"data.vocab_size={V}", f"model.hidden_size={H}", "model.num_layers=2",
@@ -24,6 +26,7 @@ def held_head_gradients(extra):
     cfg = load_config(None, BASE + extra)
     torch.manual_seed(0)
     model = TandemModel(cfg.model, cfg.mtp).train()
+    model.loss_grad_scales = loss_gradient(torch.full((K + 1,), 10.0), depth_coefficients(cfg.mtp, 0))
     held = []
 
     def pack(t):
@@ -39,15 +42,16 @@ def held_head_gradients(extra):
 
 @pytest.mark.parametrize("extra,fused_losses", [([], K + 1), (["mtp.loss.objective=acceptance"], 1)])
 def test_estimate_counts_the_fused_heads_held_gradients(extra, fused_losses):
-    assert held_head_gradients(extra + ["mtp.loss_head_backward=fused"]) == fused_losses
+    assert held_head_gradients(extra + ["mtp.loss_head_backward=fused"]) == 1
     assert held_head_gradients(extra + ["mtp.loss_head_backward=recompute"]) == 0
     fused, recompute = (estimate(load_config(None, BASE + extra + [f"mtp.loss_head_backward={b}"]), 1)
                         for b in ("fused", "recompute"))
-    per_loss = V * H * 4 + S * B * H * 4
-    assert (fused.activations_gib_per_rank - recompute.activations_gib_per_rank) * GIB == pytest.approx(fused_losses * per_loss)
+    held = V * H * 4 + fused_losses * S * B * H * 4
+    assert (fused.activations_gib_per_rank - recompute.activations_gib_per_rank) * GIB == pytest.approx(held)
 
 
-def test_the_vocab_parallel_head_holds_nothing_extra():
+def test_the_vocab_parallel_head_holds_its_shard_of_the_weight_gradient():
     fused, recompute = (estimate(load_config(None, BASE + ["parallel.tp=2", f"mtp.loss_head_backward={b}"]), 2)
                         for b in ("fused", "recompute"))
-    assert fused.activations_gib_per_rank == recompute.activations_gib_per_rank
+    held = V * H * 4 / 2 + (K + 1) * S * B * H * 4
+    assert (fused.activations_gib_per_rank - recompute.activations_gib_per_rank) * GIB == pytest.approx(held)

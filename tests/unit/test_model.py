@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models import KVCache, MTPConfig, ModelConfig, TandemModel, depth_target_mask
-from tandem.models.loss import head_cross_entropy_sum
+from tandem.models.loss import IGNORE, head_cross_entropy_sums
+from tandem.trainer.loss import combine_losses, loss_gradient
 from tandem.models.moe import MoE
 
 
@@ -97,23 +98,59 @@ def test_parallel_style_heads_read_the_trunk_state():
     torch.testing.assert_close(out.loss_sums[2], ref)
 
 
-@pytest.mark.parametrize("backward", ["recompute", "fused"])
+@pytest.mark.parametrize("backward", ["recompute", "fused", "fused_promised"])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_cross_entropy_matches_full(chunk, backward):
+def test_head_cross_entropy_sums_match_full(chunk, backward):
+    """Three depths' rows in one pass against F.cross_entropy per depth, under incoming gradients that
+    differ per depth (one of them 0, as a depth whose lambda is 0): `fused_promised` is told them up to
+    a factor (the trainer's `loss_grad_scales`) and keeps one weight-gradient buffer for all depths."""
     torch.manual_seed(0)
-    h = torch.randn(23, 16, requires_grad=True)
+    h = torch.randn(3, 23, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
-    t = torch.randint(0, 50, (23,))
-    got = head_cross_entropy_sum(h, w, t, chunk, backward) * 0.5  # a non-unit incoming gradient
-    got.backward()
-    got = got * 2
+    t = torch.randint(0, 50, (3, 23))
+    t[1, ::4] = IGNORE
+    g = torch.tensor([0.5, 0.2, 0.0])
+    scales = g * 4.0 if backward == "fused_promised" else None
+    got = head_cross_entropy_sums(h, w, t, chunk, backward.replace("_promised", ""), scales)
+    (got * g).sum().backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
-    ref = F.cross_entropy(h @ w.t(), t, reduction="sum")
-    (ref * 0.5).backward()
+    ref = torch.stack([F.cross_entropy(h[d] @ w.t(), t[d], reduction="sum", ignore_index=IGNORE) for d in range(3)])
+    (ref * g).sum().backward()
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(gh, h.grad)
     torch.testing.assert_close(gw, w.grad)
+
+
+def test_fused_head_holds_one_weight_gradient_for_every_depth():
+    """K=3 under the trainer's promised gradients: the fused head keeps ONE fp32 [vocab x hidden]
+    buffer from forward to backward for the trunk's head and the three MTP depths (it kept one per
+    depth, four), and the step's gradients match the recomputing head's."""
+    vocab, hidden = 97, 32
+    grads = []
+    for mode in ("recompute", "fused"):
+        model = make(K=3, L=1)
+        model.lm_head.backward = mode
+        tokens = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(3))
+        counts = torch.tensor([24.0, 22.0, 20.0, 18.0])
+        coefs = [1.0, 0.3, 0.2, 0.1]
+        model.loss_grad_scales = loss_gradient(counts, coefs)
+        params = {p.data_ptr() for p in model.parameters()}
+        head_buffers = []
+
+        def pack(x):
+            if x.shape == (vocab, hidden) and x.data_ptr() not in params:
+                head_buffers.append(x.dtype)
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = model(tokens)
+        combine_losses(out.loss_sums, counts, coefs).backward()
+        if mode == "fused":
+            assert head_buffers == [torch.float32]
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, ref in grads[0].items():
+        torch.testing.assert_close(grads[1][name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_fused_head_backward_trains_like_recompute():

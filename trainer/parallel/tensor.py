@@ -46,11 +46,10 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import checkpoint
 
 from tandem.models.attention import Attention
 from tandem.models.layers import SwiGLU
-from tandem.models.loss import IGNORE, VocabReduce, chunked_acceptance_loss_sum
+from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum, head_cross_entropy_sums
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu, inverse_permutation
 
 from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
@@ -254,19 +253,6 @@ def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, sequence_parallel: 
 
 
 # --- vocab-parallel output head ------------------------------------------------------------------
-def _vocab_parallel_chunk(h_nh, w_local_vh, targets_n, vocab_start: int, group):
-    logits = F.linear(h_nh, w_local_vh).float()
-    m = logits.detach().max(dim=-1).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    z = logits - m.unsqueeze(1)
-    sum_exp = reduce_from_group(z.exp().sum(dim=-1), group)
-    local_t = targets_n - vocab_start
-    inside = (local_t >= 0) & (local_t < w_local_vh.shape[0])
-    target_z = z.gather(1, local_t.clamp(0, w_local_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
-    target_z = reduce_from_group(torch.where(inside, target_z, torch.zeros_like(target_z)), group)
-    return torch.where(targets_n != IGNORE, sum_exp.log() - target_z, 0.0).sum()  # IGNORE rows count zero
-
-
 class _TensorParallelVocab(VocabReduce):
     """Reductions over a vocabulary sharded across the tp group (max: not differentiated)."""
 
@@ -288,53 +274,51 @@ class _TensorParallelVocab(VocabReduce):
 class VocabParallelHead(nn.Module):
     """The shared output head with its vocabulary sharded over tp (`weight` a Shard(0) DTensor).
 
-    Same `.logits()` / `.loss_sum()` as `OutputHead`; both go through `forward` so FSDP hooks fire.
-    The loss never materialises full logits: per chunk, the max, the sum of exponentials and the
-    target logit are all-reduced over tp (Megatron's vocab-parallel cross-entropy), and chunks are
-    recomputed in backward like the single-device chunked loss.
+    Same `.logits()` / `.loss_sums()` as `OutputHead`; both go through `forward` so FSDP hooks fire.
+    The loss never materialises full logits: per chunk, the max and the (sum of exponentials, target
+    logit) pair are all-reduced over tp (Megatron's vocab-parallel cross-entropy, in two collectives),
+    with the same `mtp.loss_head_backward` modes as the one-device head (models/loss.py): `fused`
+    computes each chunk's gradients in forward, the weight's into this rank's vocabulary shard only.
     """
 
-    def __init__(self, weight: torch.Tensor, tp_mesh, sequence_parallel: bool = False):
+    def __init__(self, weight: torch.Tensor, tp_mesh, sequence_parallel: bool = False, backward: str = "fused"):
         super().__init__()
         self.tp_mesh = tp_mesh
         # under SP the input arrives through `gather_along`, whose backward already sums over tp
         self.sequence_parallel = sequence_parallel
+        self.backward = backward  # MTPConfig.loss_head_backward
         self.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
                                    requires_grad=weight.requires_grad)
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
         return self(h_normed)
 
-    def loss_sum(self, h_normed_nh: torch.Tensor, targets_n: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        return self(h_normed_nh, targets_n, chunk_tokens)
+    def loss_sums(self, h_normed_dnh: torch.Tensor, targets_dn: torch.Tensor, chunk_tokens: int,
+                  grad_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self(h_normed_dnh, targets_dn, chunk_tokens, grad_scales=grad_scales)
 
     def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
                             chunk_tokens: int, ce_weight: float) -> torch.Tensor:
         return self(h_normed_nh, targets_n, chunk_tokens, teacher=teacher_nh, ce_weight=ce_weight)
 
     def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None, chunk_tokens: int = 0,
-                teacher: Optional[torch.Tensor] = None, ce_weight: float = 0.0):
+                teacher: Optional[torch.Tensor] = None, ce_weight: float = 0.0,
+                grad_scales: Optional[torch.Tensor] = None):
         group = self.tp_mesh.get_group()
         w = local(self.weight)
         if targets is None:  # full logits (evaluation): gather the vocabulary shards
             part = F.linear(h, w)
             return DTensor.from_local(part, self.tp_mesh, [Shard(part.ndim - 1)]).full_tensor()
-        if h.shape[0] == 0:
-            return (h.sum() + w.sum()) * 0.0
         vocab_start = self.tp_mesh.get_local_rank() * w.shape[0]
         if not self.sequence_parallel:
             h = copy_to_group(h, group)
         if teacher is not None:  # the acceptance objective: its sums over the vocabulary all-reduce over tp
+            if h.shape[0] == 0:
+                return (h.sum() + w.sum()) * 0.0
             return chunked_acceptance_loss_sum(h, teacher, w, targets, chunk_tokens, ce_weight,
                                                _TensorParallelVocab(group), vocab_start)
-        chunk = chunk_tokens if chunk_tokens > 0 else h.shape[0]
-        total = None
-        for i in range(0, h.shape[0], chunk):
-            args = (h[i : i + chunk], w, targets[i : i + chunk], vocab_start, group)
-            part = (checkpoint(_vocab_parallel_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
-                    else _vocab_parallel_chunk(*args))
-            total = part if total is None else total + part
-        return total
+        return head_cross_entropy_sums(h, w, targets, chunk_tokens, self.backward, grad_scales,
+                                       _TensorParallelVocab(group), vocab_start)
 
 
 # --- sequence parallelism on/off -----------------------------------------------------------------
@@ -468,7 +452,7 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
                      else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
             parallelize_module(model.embed_tokens, tp_mesh, style)
         if getattr(model, "lm_head", None) is not None:
-            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, sp)
+            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, sp, model.lm_head.backward)
             if sp:
                 switch.flagged.append(model.lm_head)
     if not sp:
