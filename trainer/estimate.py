@@ -412,18 +412,34 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
 
 
 def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
-    """What the fused head (mtp.loss_head_backward=fused; the vocab-parallel head, tp > 1, recomputes
-    instead) holds from each loss's forward to its backward on a rank computing the losses of
-    `loss_depths` (0: the trunk's): an fp32 [vocab x hidden] weight gradient while the head trains, and
-    a [tokens x hidden] input gradient. Every loss through `OutputHead.loss_sum` takes it: the trunk's
-    and, under the `ce` objective without soft distillation, each MTP depth's."""
+    """What the fused head (mtp.loss_head_backward=fused) holds from the losses' forward to their
+    backward on a rank computing the losses of `loss_depths` (0: the trunk's): one fp32
+    [vocab/tp x hidden] weight gradient for all of them while the head trains (the trainer tells the
+    head each depth's incoming gradient, models/loss.py), and per loss a [tokens x hidden] input
+    gradient. Every loss through `loss_sums` takes it: the trunk's and, under the `ce` objective
+    without soft distillation, each MTP depth's."""
     m = cfg.model
-    if cfg.mtp.loss_head_backward != "fused" or cfg.parallel.tp > 1:
+    if cfg.mtp.loss_head_backward != "fused":
         return 0.0
     mtp_fused = cfg.mtp.loss.objective == "ce" and cfg.train.distill != "soft"
     losses = sum(1 for d in loss_depths if d == 0 or mtp_fused)
-    weight = 0 if cfg.train.freeze_trunk else m.vocab_size * m.hidden_size * 4
-    return losses * (weight + cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size * act_bytes)
+    weight = 0 if cfg.train.freeze_trunk or not losses else m.vocab_size * m.hidden_size * 4 / cfg.parallel.tp
+    return weight + losses * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size * act_bytes
+
+
+def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces) -> float:
+    """What a pp rank's pieces that are FSDP units of their own (`unit_pieces`, shared by two of a
+    rank's stages) hold for their one reduce-scatter per step: the unsharded gradient of every trained
+    parameter (its tp / ep shard), accumulated in fp32 from the step's first backward to the rank's
+    last stage using the piece, plus, computing in bf16, one backward's bf16 gradient before it is
+    folded in (and the bf16 copy sent under train.grad_reduce_dtype=bf16 at the reduction)."""
+    p = cfg.parallel
+    trained = [pieces_by_kind.get(x, {}) for x in pieces
+               if x in unit_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
+    unsharded = sum(c.get("dense", 0) / p.tp + c.get("experts", 0) / (p.tp * p.ep) for c in trained)
+    width = compute_bytes(cfg)
+    extra = 0 if width == 4 else width + (2 if cfg.train.grad_reduce_dtype == "bf16" else 0)
+    return (4 + extra) * unsharded
 
 
 def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, whole_pieces, activation_bytes: float) -> float:
