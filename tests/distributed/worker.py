@@ -129,7 +129,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         if isinstance(module, torch.nn.Linear) and isinstance(out, torch.Tensor):
             linear_dtypes.add(str(out.dtype))
         if isinstance(out, torch.Tensor) and out.is_floating_point() and next(module.parameters(False), None) is not None:
-            owner_dtypes.setdefault(type(module).__name__, set()).add(str(out.dtype))
+            # a module that is an FSDP unit itself has the class FSDP<its class>: recorded by its own
+            owner_dtypes.setdefault(type(module).__name__.removeprefix("FSDP"), set()).add(str(out.dtype))
 
     # torch.compile would trace the hook and guard on what it recorded (a recompile per new entry)
     compiled = "train.compile=true" in layout
@@ -159,6 +160,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     if recorder is not None:
         recorder.active = False
     params = {}
+    # what this rank holds of each parameter (FSDP / TP / EP shards: fewer elements than the whole)
+    local_numel = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if "tokens_per_expert" in name or "rotary" in name:
             continue
@@ -167,7 +170,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     return {"losses": losses, "grad_norms": norms, "params": params, "linear_dtypes": sorted(linear_dtypes),
             "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
             "compiled": _compiled_blocks(model) if compiled else None,
-            "device": str(pstate.device.device),
+            "device": str(pstate.device.device), "local_numel": local_numel,
             "collectives": dict(recorder.calls) if recorder is not None else {}}
 
 

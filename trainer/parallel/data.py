@@ -12,10 +12,12 @@ compute in fp32 from the gathered bf16 weight, as Megatron's fp32 routing does f
 parameters) and reduce-scatters gradients in `train.grad_reduce_dtype` (fp32 by default); the
 all-reduce mode (`replicate`, the same machinery with replicated parameters) casts and all-reduces
 the same way. Both sync in every micro-batch's backward, or once per step in the last one's
-(`parallel.reshard_after_microbatch`); the sum over micro-batches is fp32 either way. Parameters kept
-out of FSDP (pieces two pipeline stages of one rank share) compute the same way, from bf16 copies made
-at each call of their module (`cast_kept_whole`); the routed experts FSDP leaves out when dp = 1
-already cast their weights to the compute dtype (`expert_swiglu`). Every collective here takes
+(`parallel.reshard_after_microbatch`); the sum over micro-batches is fp32 either way. Pieces two
+pipeline stages of one rank share are FSDP units of their own (`PieceUnits`: gathered through the
+step, reduce-scattered once, after the rank's last stage using them); under the all-reduce mode they
+are kept out of replicate and compute the same way from bf16 copies made at each call of their module
+(`cast_kept_whole`); the routed experts FSDP leaves out when dp = 1 already cast their weights to the
+compute dtype (`expert_swiglu`). Every collective here takes
 device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
 """
 
@@ -88,18 +90,32 @@ def _casting_reduce_scatter(wire_dtype: torch.dtype):
 
 def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modules: Iterable[nn.Module],
                batch_mesh, dp_mesh, mp_policy=None, keep_whole=frozenset(), replicated: bool = False,
-               wire_dtype: Optional[torch.dtype] = None) -> None:
+               wire_dtype: Optional[torch.dtype] = None, units: Iterable[nn.Module] = (),
+               unit_precision: tuple = (None, None)) -> None:
     """fully_shard: routed experts over dp (when dp > 1), each block and the root(s) over dp*ep,
     under `mp_policy` and `wire_dtype` (see `fsdp_mixed_precision`; None: fp32; torch's replicate
     all-reduces in the policy's reduce dtype: no wire cast there). `keep_whole`: parameters FSDP leaves
-    alone (pieces two pipeline stages of this rank share; the PLE n-gram tables, row-sharded over the
-    stage's dp x ep x tp ranks by tensor_hybrid.shard_ple_tables: never gathered, and their gradients
-    are already complete, so neither reduced here nor by the GradientFinisher; its global norm counts
-    each of their shards once, as for any DTensor sharded over all of a stage's ranks)."""
+    alone (pieces two pipeline stages of this rank share under `replicated`; the PLE n-gram tables,
+    row-sharded over the stage's dp x ep x tp ranks by tensor_hybrid.shard_ple_tables: never gathered,
+    and their gradients are already complete, so neither reduced here nor by the GradientFinisher; its
+    global norm counts each of their shards once, as for any DTensor sharded over all of a stage's
+    ranks). `units`: pieces two pipeline stages of this rank share (not registered in either stage's
+    root), each an FSDP root of its own over dp*ep (its routed experts over dp) that `PieceUnits`
+    drives; they accumulate a whole step before their one reduce-scatter, so they take
+    `unit_precision`, `fsdp_mixed_precision(..., reshard_after_microbatch=False)`'s (policy, wire dtype)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mp = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    units = list(units)
+    if units and replicated:
+        raise ValueError("apply_fsdp: pieces of their own (units) are FSDP units; the all-reduce mode keeps them whole")
+    in_unit = {id(m) for unit in units for m in unit.modules()}
+    unit_mp, unit_wire = unit_precision
+
+    def policy(m: nn.Module) -> dict:
+        chosen = unit_mp if id(m) in in_unit else mp_policy
+        return {"mp_policy": chosen or MixedPrecisionPolicy()}
+
     wrap = replicate if replicated else fully_shard
     root_kw = {} if replicated else {"reshard_after_forward": False}
     all_modules = list(all_modules)
@@ -109,22 +125,99 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modu
             for m in top.modules():
                 if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule) \
                         and not any(p in keep_whole for p in m.parameters()):
-                    wrap(m, mesh=dp_mesh, **mp)
+                    wrap(m, mesh=dp_mesh, **policy(m))
         ignored = set(keep_whole)
     else:  # experts replicated nowhere: keep them out of the dp*ep sharding
         ignored = {p for top in all_modules for p in expert_parameters(top)} | keep_whole
     ignored = ignored or None
     for block in blocks:
-        wrap(block, mesh=batch_mesh, ignored_params=ignored, **mp)
+        wrap(block, mesh=batch_mesh, ignored_params=ignored, **policy(block))
+    for unit in units:  # gathered from the step's first use to its reduce-scatter: no reshard in between
+        fully_shard(unit, mesh=batch_mesh, ignored_params=ignored, reshard_after_forward=False, **policy(unit))
     for root in roots:
-        wrap(root, mesh=batch_mesh, ignored_params=ignored, **root_kw, **mp)
+        wrap(root, mesh=batch_mesh, ignored_params=ignored, **root_kw, **policy(root))
     for top in all_modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum: losses are already globally normalised
                 m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
-                if wire_dtype is not None and not replicated:
-                    m.set_custom_reduce_scatter(_casting_reduce_scatter(wire_dtype))
+                wire = unit_wire if id(m) in in_unit else wire_dtype
+                if wire is not None and not replicated:
+                    m.set_custom_reduce_scatter(_casting_reduce_scatter(wire))
+
+
+class PieceUnits:
+    """Pieces two pipeline stages of one rank share (`PipelinePlan.shared_within_rank`: the embedding of
+    the first stage and of an MTP stage, a head or MTP module on two depth stages), each an FSDP root
+    of its own (`apply_fsdp(units=...)`), sharded over dp x ep like every other dense parameter.
+
+    FSDP2's own hooks cannot run such a unit: its post-backward fires per use (per stage, per
+    micro-batch, and never for pieces called through methods such as the head's `loss_sums` or an MTP
+    step's layer), and a module under two stage roots cannot be a unit of both. So the pipeline drives
+    it as torch's pipeline stage drives a stage root without gradient sync: `begin_step` gathers it
+    (sync off, no reshard after backward) before the step's first forward; `accumulate` after each
+    backward of a stage using it folds the new gradient into FSDP's fp32 unsharded accumulator (the
+    hooks that do fire do the same; the call is idempotent); `reduce` after the rank's last stage using
+    it finished the step's backward (the point the pipeline-group sums start, `GradientFinisher.start`)
+    reduce-scatters the step's gradient once and reshards. Between steps only the shard stays."""
+
+    def __init__(self, units: Dict[str, nn.Module]):
+        self.units = dict(units)
+        """piece name -> its FSDPModule."""
+        self._reduced: set = set()
+        self._ready = False
+
+    def _lazy_init(self) -> None:
+        """Each unit a root of its own, before any forward: a nested expert unit whose forward ran first
+        would otherwise make itself the root (the unit's own forward may never run)."""
+        if not self._ready:
+            for unit in self.units.values():
+                unit._get_fsdp_state()._lazy_init()
+            self._ready = True
+
+    def roots(self) -> List[nn.Module]:
+        """The units as FSDP roots to unshard for code that calls their modules directly (decoding)."""
+        self._lazy_init()
+        return list(self.units.values())
+
+    def begin_step(self) -> None:
+        self._lazy_init()
+        for unit in self.units.values():
+            unit.set_requires_gradient_sync(False)
+            unit.set_reshard_after_backward(False)
+            unit.set_is_last_backward(False)
+            unit.unshard()
+        self._reduced = set()
+
+    @staticmethod
+    def _groups(unit: nn.Module):
+        for state in unit._get_fsdp_state()._state_ctx.all_states:
+            yield from state._fsdp_param_groups
+
+    @torch.no_grad()
+    def accumulate(self, pieces: Iterable[str]) -> None:
+        for piece in pieces:  # no collective: any order
+            if piece in self.units and piece not in self._reduced:
+                for group in self._groups(self.units[piece]):
+                    group.post_backward()  # no sync: adds .grad into the fp32 accumulator, keeps it gathered
+
+    @torch.no_grad()
+    def reduce(self, pieces: Iterable[str]) -> None:
+        """Reduce-scatter the step's gradients of `pieces` (those not reduced yet) over dp x ep (their
+        experts over dp), as torch's PipelineStage.perform_reduce_grad does for a stage root. In the
+        units' own order, the same on every rank (not `pieces`': a set's order differs between
+        processes, and a dp peer reducing another piece at the same time would sum the wrong tensors)."""
+        pieces = set(pieces)
+        for piece, unit in self.units.items():
+            if piece not in pieces or piece in self._reduced:
+                continue
+            unit.set_is_last_backward(True)
+            unit.set_reshard_after_backward(True)
+            unit.set_requires_gradient_sync(True)
+            for group in self._groups(unit):
+                group.post_backward()
+            unit._get_fsdp_state()._root_post_backward_final_callback()  # waits for the reductions
+            self._reduced.add(piece)
 
 
 def pipeline_stage_class(reshard_after_microbatch: bool):
@@ -297,9 +390,11 @@ class GradientFinisher:
     2. Pipeline: sums the gradients of the copies of the embedding, final norm, head and MTP module
        held by several pp ranks (`shared`: piece -> (group of the holding ranks, copies)), in flat
        buckets (`launch_gradient_sums`), started by the pipeline as soon as this rank's stages using
-       a piece finished their step's backward (`start`) and waited for here.
-       Pieces kept out of FSDP (`replicated_names`: shared by two stages of one rank) are summed over
-       the data-parallel ranks the same way, before the pp copies are.
+       a piece finished their step's backward (`start`) and waited for here, on the FSDP shards.
+       Pieces two stages of one rank share are FSDP units of their own (`piece_units`): `start`
+       first reduce-scatters their step's gradient (`PieceUnits.reduce`), then sums the shards over
+       the pp copies. Under the all-reduce mode they are kept out of replicate (`replicated_names`)
+       and summed over the data-parallel ranks the same way, before the pp copies are.
        Sequence parallelism: sums over tp the gradients of replicated parameters that computed on
        one sequence shard (norms, routers, the MTP input projection), as Megatron does.
     3. The true global norm: each rank's local squared norms weighted by 1/(copies of that shard
@@ -309,7 +404,7 @@ class GradientFinisher:
     def __init__(self, model: nn.Module, world: int, pp: int, batch_group, batch_size: int,
                  dp_group, dp_size: int, shared: Optional[Dict[str, tuple]] = None, replicated_names=(),
                  sp_partial_names=(), tp_group=None, device: Optional[torch.device] = None,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, piece_units: Optional[PieceUnits] = None):
         self.model, self.world, self.pp = model, world, pp
         # collectives need device tensors even on a rank with no gradients (a frozen pp stage)
         self.device = device if device is not None else next(model.parameters()).device
@@ -320,6 +415,7 @@ class GradientFinisher:
         self.batch_group, self.batch_size = batch_group, batch_size
         self.dp_group, self.dp_size = dp_group, dp_size
         self.shared, self.replicated = dict(shared or {}), set(replicated_names)
+        self.piece_units = piece_units
         # this step's started sums: parameter names, and the buckets in flight
         self._started, self._pending = set(), []
 
@@ -342,8 +438,11 @@ class GradientFinisher:
         rank using them finished its step's backward (FSDP's reduction included), so the sums overlap
         the backward left on this rank's other stages. Each group's pieces arrive in one call, in the
         same order of groups on every rank (`Pipeline`)."""
+        pieces = set(pieces)
+        if self.piece_units is not None:  # the step's dp x ep reduce-scatter first: it swaps the sharded
+            self.piece_units.reduce(pieces)  # parameters (and their gradients) back into the model
         self._start([entry for entry in self._named_params()
-                     if entry[0].split(".", 1)[0] in set(pieces) and entry[0] not in self._started])
+                     if entry[0].split(".", 1)[0] in pieces and entry[0] not in self._started])
 
     def unfinished(self) -> bool:
         """Whether sums were started that `sync` has not finished (a step's backward without its
@@ -374,6 +473,8 @@ class GradientFinisher:
     @torch.no_grad()
     def sync(self) -> None:
         """Everything `start` has not started yet, then wait for every sum of the step."""
+        if self.piece_units is not None:  # those the pipeline has not reduced (and resharded) yet
+            self.piece_units.reduce(list(self.piece_units.units))
         self._start([entry for entry in self._named_params() if entry[0] not in self._started])
         finish_gradient_sums(self._pending)
         self._started = set()

@@ -11,7 +11,8 @@ The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the fla
 `apply_parallelism` runs, in order: pipeline pruning (PP), the PLE n-gram tables' row split over the
 stage's dp x ep x tp ranks (tensor_hybrid.shard_ple_tables: never gathered, kept out of FSDP, their
 gradients complete without a dp reduction), TP/EP (DTensor shards + dispatch), FSDP2 (fully_shard, or
-replicate for `dp_mode=allreduce`), then installs the loop's hooks in `state.extras`:
+replicate for `dp_mode=allreduce`; a piece two pipeline stages of one rank share is an FSDP unit of
+its own, data.PieceUnits), then installs the loop's hooks in `state.extras`:
 `pipeline`, `clip_grad_norm` (gradient sync + true global norm), `router_load_group` and, under
 sequence parallelism, `sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
@@ -87,7 +88,7 @@ def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    from .data import REDUCE_DTYPES, GradientFinisher, apply_fsdp, cast_kept_whole, fsdp_mixed_precision
+    from .data import REDUCE_DTYPES, GradientFinisher, PieceUnits, apply_fsdp, cast_kept_whole, fsdp_mixed_precision
     from .tensor import apply_tensor_and_expert_parallel
 
     p, mesh = cfg.parallel, state.mesh
@@ -116,11 +117,16 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
 
         switch = state.extras["sequence_parallel_switch"] = SequenceParallelSwitch()
     sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch, p.ep_dispatch)
+    # pieces two stages of one rank use: FSDP units of their own (sharded over dp*ep like the rest,
+    # gathered through the step, reduce-scattered once), or under the all-reduce mode kept whole
+    # (summed over dp*ep by the finisher)
+    own_units = batch > 1 and p.dp_mode == "fsdp"
     if pp > 1:
-        pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device)
+        pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device, piece_units=own_units)
     mp_policy = None
-    # pieces two stages of one rank use stay out of FSDP (whole, summed over dp*ep by the finisher)
-    whole = pipeline.plan.shared_within_rank() if pipeline is not None else []
+    shared_in_rank = pipeline.plan.shared_within_rank() if pipeline is not None else []
+    units = {x: getattr(model, x) for x in shared_in_rank if own_units and getattr(model, x) is not None}
+    whole = [] if own_units else shared_in_rank
     whole_params = {name: p for name, p in model.named_parameters() if name.split(".", 1)[0] in whole}
     if batch > 1:
         blocks = list(model.layers.values())
@@ -129,9 +135,14 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
                                                      p.reshard_after_microbatch)
         apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
                    keep_whole=set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables},
-                   replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype)
+                   replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype, units=units.values(),
+                   # a unit sums a whole step before its one reduce-scatter: the one-sync precision
+                   unit_precision=fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype, False))
         if mp_policy is not None:  # the whole pieces compute in the policy's dtype too
             cast_kept_whole(model, whole_params.values(), mp_policy.param_dtype)
+    piece_units = PieceUnits(units) if units else None
+    if pipeline is not None:
+        pipeline.piece_units = piece_units
     shared = {}
     if pp > 1:
         # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
@@ -147,7 +158,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
         shared=shared, replicated_names=set(whole_params),
         sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
-        device=state.device.device,
+        device=state.device.device, piece_units=piece_units,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
     if pipeline is not None:  # shared pieces' sums start as soon as this rank's stages using them are done
         pipeline.finisher = state.extras["clip_grad_norm"]

@@ -15,7 +15,12 @@ ranks holding them (Megatron's shared-embedding all-reduce, generalised); they a
 same keys: identical replicas, deduplicated by DCP. Those sums run in flat buckets (GradientFinisher),
 started per unit of pieces with the same holders as soon as this rank's stages using them finished
 the step's backward (each stage reports its REDUCE_GRAD, `_notifying`), so they overlap the backward
-still to run on the rank's other stages; the optimizer step waits for them.
+still to run on the rank's other stages; the optimizer step waits for them. They sum FSDP shards: a
+piece in a stage's FSDP root is reduce-scattered with that root; a piece two stages of this rank use
+(the interleaved schedule's first stage and an MTP stage both embed tokens, two depth stages share the
+head and MTP module) is registered in neither root but is an FSDP unit of its own (data.PieceUnits):
+gathered before the step's first forward, its gradient accumulated in fp32 after each backward of a
+stage using it, and reduce-scattered once, right before its pp sum starts.
 
 Qwen4-Exp (hyper-connections, PLE): the state between blocks is the `hc_count` residual streams
 [B, S, hc_count * H], so every boundary (trunk stages, the MTP chain after the trunk, h_0 beside it)
@@ -94,7 +99,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.plan, self.first, self.last = plan, plan.index == 0, last
         self.blocks = nn.ModuleList([model.layers[str(i)] for i in plan.layers])
-        # the shared pieces it uses, registered so that this stage's FSDP root covers them
+        # the shared pieces it uses, registered so that this stage's FSDP root covers them (not those
+        # that are FSDP units of their own: another stage of this rank uses them too, `Pipeline`)
         self.pieces = nn.ModuleDict({piece: getattr(model, piece) for piece in pieces})
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_ctx", ctx)
@@ -164,7 +170,10 @@ def prune_model(model: nn.Module, cfg, pp_rank: int) -> None:
 class Pipeline:
     """`extras["pipeline"]`: runs one step's micro-batches through the schedule on this rank."""
 
-    def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device):
+    def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device, piece_units: bool = False):
+        """`piece_units`: the pieces two stages of this rank share (`PipelinePlan.shared_within_rank`) are
+        FSDP units of their own (data.PieceUnits, set as `self.piece_units` once sharded), so no
+        stage module registers them."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         p = cfg.parallel
@@ -183,8 +192,13 @@ class Pipeline:
         self.act_dtype = torch.float32  # build_schedule sets the run's
         self.device = device
         self.plan = plan
-        self.modules = [StageModule(model, plan.stages[s], plan.stage_pieces(s), s == n_stages - 1, self.ctx)
-                        for s in mine]
+        own = set(plan.shared_within_rank()) if piece_units else set()
+        # this rank's stages -> the pieces of their own each uses (gradients accumulated after its backward)
+        self._stage_units = {s: [x for x in plan.stage_pieces(s) if x in own] for s in mine}
+        self.modules = [StageModule(model, plan.stages[s], [x for x in plan.stage_pieces(s) if x not in own],
+                                    s == n_stages - 1, self.ctx) for s in mine]
+        self.piece_units = None
+        """data.PieceUnits of the pieces above (layout.py sets it after FSDP)."""
         self.has_first, self.has_last = 0 in mine, (n_stages - 1) in mine
         self._mine, self._n_stages = mine, n_stages
         from .data import pipeline_stage_class
@@ -232,6 +246,7 @@ class Pipeline:
             stages.append(PipelineStage(m, s, self._n_stages, self.device, group=self.pp_group,
                                         input_args=inputs, output_args=outputs))
             stages[-1].on_grads_done = self._stage_done
+            stages[-1].on_backward_done = self._backward_done
         loss_fn = lambda out, target: out  # noqa: E731  (the last stage already returns the loss)
         if self.schedule_name == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
@@ -253,10 +268,23 @@ class Pipeline:
             raise RuntimeError("pipeline forward_backward ran again before clip_gradients finished the last one's "
                                "gradients (extras['clip_grad_norm']): call it after every forward_backward")
         self._waiting = [set(stages) for _, stages in self._units]
+        if self.piece_units is not None:  # gathered from the step's first forward to their reduce-scatter
+            self.piece_units.begin_step()
         self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         sums = self.ctx.sums  # each depth's sum lives on the rank holding it (zeros elsewhere)
         dist.all_reduce(sums, group=self.pp_group)
         return sums
+
+    def fsdp_roots(self) -> List[nn.Module]:
+        """This rank's FSDP roots: the stage modules and the pieces that are units of their own (code
+        calling the model's pieces directly unshards them, as the in-loop decoder does)."""
+        return list(self.modules) + (self.piece_units.roots() if self.piece_units is not None else [])
+
+    def _backward_done(self, stage: int) -> None:
+        """A backward of one of this rank's stages ran: fold the gradients of the pieces of their own it
+        uses into their step's accumulators."""
+        if self.piece_units is not None:
+            self.piece_units.accumulate(self._stage_units[stage])
 
     def _stage_done(self, stage: int) -> None:
         """A stage of this rank finished its step's backward: start the sums of the units now complete."""
@@ -269,10 +297,19 @@ class Pipeline:
 
 def _notifying(stage_class):
     """`stage_class` that reports each stage's last gradient work of the step (the schedule's
-    REDUCE_GRAD, after its last backward and FSDP's reduction) to `on_grads_done(stage index)`."""
+    REDUCE_GRAD, after its last backward and FSDP's reduction) to `on_grads_done(stage index)`, and
+    each of its backwards to `on_backward_done(stage index)`."""
 
     class NotifyingStage(stage_class):
         on_grads_done = None
+        on_backward_done = None
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            # a split input-only backward (zero-bubble schedules) leaves the weights' gradients to its "weight" pass
+            if self.on_backward_done is not None and backward_type != "input":
+                self.on_backward_done(self.stage_index)
+            return out
 
         def perform_reduce_grad(self, grad_scale_factor: int):
             super().perform_reduce_grad(grad_scale_factor)

@@ -239,7 +239,7 @@ class ParallelDecoding:
         from torch.distributed.fsdp import FSDPModule
 
         switch = self.pstate.extras.get("sequence_parallel_switch")
-        roots = [self.base] + (list(self.pipeline.modules) if self.pipeline is not None else [])
+        roots = [self.base] + (self.pipeline.fsdp_roots() if self.pipeline is not None else [])
         roots = [r for r in roots if isinstance(r, FSDPModule)]
         with switch.whole_sequences() if switch is not None else contextlib.nullcontext():
             for root in roots:

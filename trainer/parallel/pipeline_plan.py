@@ -25,7 +25,8 @@ trunk's head, for the parallel MTP style (every depth reads h_0) and for the tea
 
 Stages that compute depths hold the output head, the final norm where needed, the token embedding
 (MTP steps embed tokens t+k) and the MTP module; copies on several pp ranks are kept identical by
-summing their gradients over the ranks that hold them (the shared-embedding rule generalised).
+summing their gradients over the ranks that hold them (the shared-embedding rule generalised). A piece
+two stages of one rank use is an FSDP unit of its own (`shared_within_rank`).
 """
 
 from __future__ import annotations
@@ -236,8 +237,10 @@ class PipelinePlan:
         return {k: sorted(v) for k, v in out.items()}
 
     def shared_within_rank(self) -> List[str]:
-        """Pieces that two stages of one rank use: FSDP cannot put them in both stages' roots, so they
-        stay whole (replicated over the data-parallel ranks, summed like the all-reduce mode)."""
+        """Pieces that two stages of one rank use (on any rank, so that every copy is held alike): FSDP
+        cannot put them in both stages' roots, so each is an FSDP unit of its own, gathered through
+        the step and reduce-scattered once after the rank's last stage using it (data.PieceUnits);
+        under dp_mode=allreduce they stay whole (replicated, summed like the all-reduce mode)."""
         out = []
         for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
             per_rank = [sum(piece in self.stage_pieces(s) for s in self.stages_of(r)) for r in range(self.pp)]
