@@ -24,6 +24,7 @@ device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 un
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Dict, Iterable, List, Optional
 
@@ -111,6 +112,10 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module], all_modu
         raise ValueError("apply_fsdp: pieces of their own (units) are FSDP units; the all-reduce mode keeps them whole")
     in_unit = {id(m) for unit in units for m in unit.modules()}
     unit_mp, unit_wire = unit_precision
+    if unit_mp is not None:
+        # a unit's forward takes what its stage hands it, as a piece inside a stage root does (that root
+        # casts only the stage's inputs): the vocab-parallel head's fp32 gradient scales stay fp32
+        unit_mp = dataclasses.replace(unit_mp, cast_forward_inputs=False)
 
     def policy(m: nn.Module) -> dict:
         chosen = unit_mp if id(m) in in_unit else mp_policy
