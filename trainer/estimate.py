@@ -21,7 +21,9 @@ meta device (no memory). Memory per rank for the recipe's layout is an estimate:
   parameters: `root_grad_bytes`): their unsharded gradients (compute dtype) live from the head's
   backward, the first, to the group's reduce-scatter at the end of each micro-batch's backward, whose
   input (reduce dtype) is then added where it exceeds the activations it follows. A block's own
-  buffers (one layer's) are left out;
+  buffers (one layer's) are left out. Pieces two pipeline stages of one rank share are FSDP units of
+  their own (sharded like the rest in the states above), reduce-scattered once per step: each holds an
+  unsharded fp32 gradient accumulator through the step (`piece_unit_grad_bytes`);
 - with several micro-batches per step and `parallel.reshard_after_microbatch=false` (one gradient
   sync per step, in the last micro-batch's backward; torch's pipeline stages did so before the option),
   `single_sync_bytes`: from the first backward to that sync every FSDP-managed parameter of the rank
@@ -165,7 +167,8 @@ class Estimate:
     tp/ep shards) and the root group (embedding, head, MTP module), kept gathered through the step."""
     grad_buffers_gib_per_rank: float = 0.0
     """FSDP's unsharded gradients of the root group (compute dtype) through each backward and their
-    reduce-scatter input at its end (`root_grad_bytes`)."""
+    reduce-scatter input at its end (`root_grad_bytes`), and the step's fp32 accumulators of pieces two
+    pipeline stages of a rank share (`piece_unit_grad_bytes`)."""
     accumulation_gib_per_rank: float = 0.0
     """What the one-sync-per-step mode (parallel.reshard_after_microbatch=false) holds beyond the above:
     unsharded fp32 gradients and gathered parameters between micro-batches (`single_sync_bytes`); 0 in
@@ -317,11 +320,12 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
         rank_depths = [sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in rank_stages]
         rank_loss_depths = [[d for s in mine for d in plan.stages[s].depths] for mine in rank_stages]
         rank_layers = [[i for s in mine for i in plan.split[s]] for mine in rank_stages]
-        whole_pieces = plan.shared_within_rank() if p.dp_mode == "fsdp" else []
+        # FSDP units of their own (trainer/parallel/data.py PieceUnits): sharded, reduce-scattered once a step
+        unit_pieces = plan.shared_within_rank() if p.dp_mode == "fsdp" else []
     else:
         layout, rank_pieces, rank_depths = [m.num_layers], [set(pieces_by_kind)], [cfg.mtp.num_steps]
         rank_loss_depths = [list(range(cfg.mtp.num_steps + 1))]
-        rank_layers, whole_pieces = [list(range(m.num_layers))], []
+        rank_layers, unit_pieces = [list(range(m.num_layers))], []
 
     # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table by rows over the
     # stage's dp x ep x tp ranks; the rest over tp and FSDP over the batch ranks
@@ -337,9 +341,7 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
         mtp_own = 0.0
         for piece in rank_pieces[r]:
             counts = pieces_by_kind.get(piece, {"dense": 0, "experts": 0, "ple_table": 0})
-            got = owned(counts)
-            if piece in whole_pieces:  # two stages of this rank share it: kept whole over dp x ep
-                got = sum(counts.values()) / p.tp
+            got = owned(counts)  # two stages of this rank share it or not: sharded over dp x ep like the rest
             own += got
             mtp_own += got if piece == "mtp" else 0.0
         return own, mtp_own, ple
@@ -392,7 +394,8 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
             gathered = max(gathered, (sum(sizes) + roots) / GIB)
     grad_buffers = 0.0
     if batch > 1 and p.dp_mode == "fsdp":
-        grad_buffers = max(root_grad_bytes(cfg, pieces_by_kind, rank_pieces[r], whole_pieces, activations * GIB)
+        grad_buffers = max(root_grad_bytes(cfg, pieces_by_kind, rank_pieces[r], unit_pieces, activations * GIB)
+                           + piece_unit_grad_bytes(cfg, pieces_by_kind, rank_pieces[r], unit_pieces)
                            for r in range(p.pp)) / GIB
     single_sync = 0.0
     if batch > 1 and per_layer:
@@ -400,7 +403,7 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
 
         if pipeline_microbatches(cfg) > 1:
             single_sync = max(single_sync_bytes(cfg, per_layer, pieces_by_kind, rank_layers[r], rank_pieces[r],
-                                                whole_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
+                                                unit_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
     accumulation = 0.0 if p.reshard_after_microbatch else single_sync
     shards = [f"dp {dp}"] + ([f"ep {p.ep}"] if p.ep > 1 else []) + ([f"tp {p.tp}"] if p.tp > 1 else [])
     return Estimate(total, expert, active, mtp, states, activations, gathered, grad_buffers, accumulation, single_sync,
@@ -442,9 +445,10 @@ def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces
     return (4 + extra) * unsharded
 
 
-def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, whole_pieces, activation_bytes: float) -> float:
+def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces, activation_bytes: float) -> float:
     """FSDP's gradient buffers of a pp rank's root group (the pieces it holds, without their routed
-    experts, which are units of their own, and without pieces kept whole): each micro-batch's unsharded
+    experts, which are units of their own, and without the pieces that are units of their own:
+    `piece_unit_grad_bytes`): each micro-batch's unsharded
     gradients in the compute dtype through its backward (with one sync per step too: they are added
     into the fp32 accumulators `single_sync_bytes` counts only at the group's post-backward), and the
     reduce-scatter's input at its end where it exceeds the activations (fp32 accumulators with one sync
@@ -452,7 +456,7 @@ def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, whole_pieces, act
     Measured (bench/fsdp_accumulation_memory.py) the input never stood in full beside the activations,
     not even on a pipeline stage with other micro-batches in flight."""
     p = cfg.parallel
-    trained = [x for x in pieces if x not in whole_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
+    trained = [x for x in pieces if x not in unit_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
     root = sum(pieces_by_kind.get(x, {}).get("dense", 0) for x in trained) / p.tp
     width = compute_bytes(cfg)
     bf16_reduce = width == 2 and cfg.train.grad_reduce_dtype == "bf16"
@@ -461,13 +465,14 @@ def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, whole_pieces, act
 
 
 def single_sync_bytes(cfg: TandemConfig, per_layer: Dict[int, Dict[str, int]], pieces_by_kind,
-                      layers, pieces, whole_pieces, dp: int, activation_bytes: float) -> float:
+                      layers, pieces, unit_pieces, dp: int, activation_bytes: float) -> float:
     """Bytes a pp rank (its `layers` and `pieces`) holds beyond the default mode's figures when gradients are synced once per step
     (parallel.reshard_after_microbatch=false; see the module docstring): 4 bytes x (unsharded - owned)
     for every trained FSDP-managed parameter (the unsharded fp32 gradient replacing the sharded one;
     none under dp_mode=allreduce, whose gradients are whole anyway) and the gathered copies of its
-    layers beyond the two largest (already in the gathered figure). The PLE tables and pieces kept whole
-    (shared by two stages of the rank) are outside FSDP: their gradients are the same in both modes."""
+    layers beyond the two largest (already in the gathered figure). The PLE tables (outside FSDP) and the
+    pieces that are FSDP units of their own (shared by two stages of the rank: one reduce-scatter per
+    step in both modes, `piece_unit_grad_bytes`) hold the same in both modes."""
     p = cfg.parallel
     batch = dp * p.ep
     frozen = cfg.train.freeze_trunk
@@ -483,7 +488,7 @@ def single_sync_bytes(cfg: TandemConfig, per_layer: Dict[int, Dict[str, int]], p
     if not frozen:
         trained += [per_layer[i] for i in layers]
     trained += [pieces_by_kind.get(x, {"dense": 0, "experts": 0, "ple_table": 0}) for x in pieces
-                if x not in whole_pieces and (x == "mtp" or not frozen)]
+                if x not in unit_pieces and (x == "mtp" or not frozen)]
     grads = 0.0 if p.dp_mode == "allreduce" else 4 * sum(unsharded(c) - owned(c) for c in trained)
     sizes = sorted((unsharded(per_layer[i]) for i in layers), reverse=True)
     held = width * sum(sizes[2:])
