@@ -1,9 +1,9 @@
 """MTP overhead: step time and peak memory with K looped MTP steps vs K=0, on the same trunk.
 
 Measured side by side in one run (steps interleaved, medians), next to what counting predicts:
-- flop_ratio: FLOPs a training step executes for the K-step model over the plain LM's (estimate.py's
-  hardware FLOPs: matmuls and attention; the chunked cross-entropy recomputes each head's logits in
-  backward, so a head costs 4x its forward);
+- flop_ratio: FLOPs a training step executes for the K-step model over the plain LM's (flops.py's
+  hardware FLOPs: matmuls and attention; a head costs 3x its forward with the default fused head
+  backward, 4x where it recomputes its logits);
 - layer_mem_ratio: the peak memory of the plain LM plus K extra trunk layers, measured as K times the
   peak-memory growth from adding one trunk layer (that layer's activations and its states), i.e. what
   MTP would cost if its depths were just K more layers with no K x vocab logits resident.

@@ -27,7 +27,8 @@ activations and elementwise products are not counted) per layer kind, forward:
 Model FLOPs (`training_flops_per_token`, what MFU counts): 3x the forward (forward + backward), the
 head included, over each depth's share of valid targets (S - d of S). Hardware FLOPs
 (`hardware_flops_per_token`, what the step executes: HFU and the step-time-over-FLOPs benches) add
-recomputation: each head 4x (its logits are recomputed in backward), the QSA indexer KL's dense
+recomputation: each head 4x under `mtp.loss_head_backward=recompute` (its logits are recomputed in
+backward; 3x under the default `fused`: its gradients come with the forward), the QSA indexer KL's dense
 target, and under `train.activation_checkpointing=full` one more forward of every block (`selective`
 keeps the matmul and attention outputs, so what it recomputes is not counted).
 """
@@ -204,13 +205,14 @@ def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> 
 
 def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, activation_checkpointing: str = "none") -> float:
     """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
-    (4x its forward), the QSA indexer KL's no-grad dense target, and under full activation
+    (4x its forward under mtp.loss_head_backward=recompute), the QSA indexer KL's no-grad dense target, and under full activation
     checkpointing a second forward of every trunk and MTP block (the target included): HFU's."""
     layers, head = forward_flops_per_token(cfg, mtp, seq_len)
     trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3 * trunk_layer_forward_flops(cfg, i, seq_len)
                       for i in range(cfg.num_layers))
     mtp_extra = mtp.num_steps * (mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len))
-    out = 3 * layers + 4 * head * _valid_fraction(mtp, seq_len) + trunk_extra + mtp_extra
+    head_passes = 4 if mtp.loss_head_backward == "recompute" else 3
+    out = 3 * layers + head_passes * head * _valid_fraction(mtp, seq_len) + trunk_extra + mtp_extra
     if activation_checkpointing == "full":
         mtp_block = layer_forward_flops(cfg, mtp.moe and cfg.num_experts > 0, seq_len, mtp_kind(cfg))
         out += (sum(trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers)) + trunk_extra

@@ -150,9 +150,12 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
     head, valid = 2 * 16 * 320, (16 + 15 + 14) / 16
     model = 3 * (sum(layer) + F.final_norm_forward_flops(m) + 2 * F.mtp_layer_forward_flops(m, mtp, s) + head * valid)
     assert F.training_flops_per_token(m, mtp, s) == pytest.approx(model, rel=1e-12)  # MFU's: 3x, no recomputation
-    # HFU's: each head's logits recomputed (4x) and the indexer KL's target in the QSA layer and both depths
-    hardware = model + head * valid + 3 * 2 * 16 * 16
-    assert F.hardware_flops_per_token(m, mtp, s) == pytest.approx(hardware, rel=1e-12)
+    # HFU's: the indexer KL's target in the QSA layer and both depths, and under the recomputing head
+    # each head's logits again in backward (4x)
+    indexer_target = 3 * 2 * 16 * 16
+    assert F.hardware_flops_per_token(m, mtp, s) == pytest.approx(model + indexer_target, rel=1e-12)
+    recomputed = hand_cfg("mtp.num_steps=2", "mtp.loss_head_backward=recompute").mtp
+    assert F.hardware_flops_per_token(m, recomputed, s) == pytest.approx(model + head * valid + indexer_target, rel=1e-12)
     # pp_balance's items: the QSA layer also pays the indexer KL's dense no-grad target (2 heads x 8 x S)
     layers, depths = item_flops(cfg)
     assert layers == [3 * layer[0], 3 * layer[1] + 2 * 16 * 16]

@@ -30,14 +30,17 @@ def test_model_flops_count_every_head_at_three_times_its_forward():
     assert got == 3 * (14336 + 19200)
 
 
+@pytest.mark.parametrize("head_backward,head_passes", [("recompute", 4), ("fused", 3)])
 @pytest.mark.parametrize("checkpointing,recompute", [("none", 0), ("selective", 0),
                                                       ("full", 2 * ATTN + MLP + MOE + ATTN + MOE)])
-def test_hardware_flops_add_the_heads_recompute_and_full_checkpointing(checkpointing, recompute):
-    """The head's logits are recomputed in backward (4x); full checkpointing runs every trunk and MTP
-    block forward again (not the MTP combine or the head); selective keeps the matmul outputs."""
-    cfg = load_config(None, TINY)
+def test_hardware_flops_add_the_heads_recompute_and_full_checkpointing(checkpointing, recompute, head_backward,
+                                                                        head_passes):
+    """The recomputing head's logits run again in backward (4x its forward; the fused head computes
+    its gradients with the forward: 3x); full checkpointing runs every trunk and MTP block forward
+    again (not the MTP combine or the head); selective keeps the matmul outputs."""
+    cfg = load_config(None, TINY + [f"mtp.loss_head_backward={head_backward}"])
     got = F.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, checkpointing)
-    assert got == pytest.approx(3 * FORWARD + 4 * HEAD * VALID + recompute, rel=1e-12)
+    assert got == pytest.approx(3 * FORWARD + head_passes * HEAD * VALID + recompute, rel=1e-12)
 
 
 def test_flagship_mfu_no_longer_counts_the_head_recompute():
@@ -46,6 +49,9 @@ def test_flagship_mfu_no_longer_counts_the_head_recompute():
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     model = F.training_flops_per_token(m, mtp, s)
     hardware = F.hardware_flops_per_token(m, mtp, s, "none")
+    recomputed = load_config("recipes/moe_4b_mtp_gpu.yaml", ["mtp.loss_head_backward=recompute"]).mtp
+    recompute_hardware = F.hardware_flops_per_token(m, recomputed, s, "none")
     layers, head = F.forward_flops_per_token(m, mtp, s)
     assert model == pytest.approx(3 * layers + 3 * head * sum((s - d) / s for d in range(1 + mtp.num_steps)))
-    assert hardware / model == pytest.approx(1.146, abs=5e-4)
+    assert recompute_hardware / model == pytest.approx(1.146, abs=5e-4)
+    assert hardware == pytest.approx(model, rel=1e-12)  # the fused head (default) executes model FLOPs
