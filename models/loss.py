@@ -111,6 +111,8 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = _compute_dtype(h_rh)
         fuse_w = need_w and grad_scales_d is not None
+        if fuse_w:  # fp32 whatever reached it (a wrapper's mixed-precision input cast)
+            grad_scales_d = grad_scales_d.float()
         totals = torch.zeros(num_depths, dtype=torch.float32, device=h_rh.device)
         grad_h = torch.empty_like(h_rh) if need_h else None
         grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if fuse_w else None
