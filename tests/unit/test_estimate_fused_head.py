@@ -55,3 +55,37 @@ def test_the_vocab_parallel_head_holds_its_shard_of_the_weight_gradient():
                         for b in ("fused", "recompute"))
     held = V * H * 4 / 2 + (K + 1) * S * B * H * 4
     assert (fused.activations_gib_per_rank - recompute.activations_gib_per_rank) * GIB == pytest.approx(held)
+
+
+def test_the_trainer_promises_the_heads_gradients():
+    """Trainer.forward_backward tells the head each depth's loss gradient for the step (one held weight
+    gradient, not one per depth) and takes the promise back afterwards; its gradients are the
+    recomputing head's."""
+    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.parallel import ParallelState
+    from tandem.trainer.parallel.device import resolve_device
+
+    grads, held = {}, {}
+    for mode in ("recompute", "fused"):
+        cfg = load_config(None, BASE + [f"mtp.loss_head_backward={mode}", "train.seed=3"])
+        pstate = ParallelState(device=resolve_device("cpu"))
+        trainer = Trainer.for_model(cfg, build_model(cfg, pstate), pstate)
+        g = torch.Generator().manual_seed(0)
+        batches = [{"tokens": torch.randint(0, V, (B, S + 1), generator=g), "loss_mask": torch.ones(B, S),
+                    "doc_ids": torch.zeros(B, S + 1, dtype=torch.long)} for _ in range(2)]
+        counts = trainer.global_target_counts(batches)
+        params = {p.data_ptr() for p in trainer.model.parameters()}
+        held[mode] = []
+
+        def pack(t, mode=mode):
+            if t.shape == (V, H) and t.dtype == torch.float32 and t.data_ptr() not in params:
+                held[mode].append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            trainer.forward_backward(batches, counts, depth_coefficients(cfg.mtp, 0))
+        assert trainer.model.loss_grad_scales is None
+        grads[mode] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    assert len(held["fused"]) == 2 and len(held["recompute"]) == 0  # one per micro-batch's forward
+    for name, ref in grads["recompute"].items():
+        torch.testing.assert_close(grads["fused"][name], ref, rtol=1e-5, atol=1e-7, msg=name)
