@@ -14,6 +14,7 @@ routers), by class. A layout item `train.dtype=bf16` trains in bf16 (any dotted 
 from __future__ import annotations
 
 import os
+import time
 import sys
 from typing import Dict, List
 
@@ -256,6 +257,7 @@ def main(argv: List[str]) -> int:
     out_dir, layouts = argv[0], argv[1:]
     torch.set_num_threads(1)
     for layout in layouts:
+        start = time.perf_counter()
         # the recorder's wrappers keep Python state that torch.compile would guard on (a recompile per
         # call); compiled layouts are compared on losses and parameters only
         recorder = None if "train.compile=true" in layout else CollectiveRecorder().install()
@@ -266,6 +268,7 @@ def main(argv: List[str]) -> int:
         if recorder is not None:
             recorder.uninstall()
         rank = dist.get_rank()
+        result["seconds"] = time.perf_counter() - start  # what each layout costs the shared launch
         torch.save(result, os.path.join(out_dir, f"{layout}.rank{rank}.pt"))
         dist.barrier()
     dist.destroy_process_group()
