@@ -93,6 +93,18 @@ def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, weight_vh: torch.Tensor, t
     return losses, probs.mul_(valid.unsqueeze(1))
 
 
+def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows_per_depth: int) -> None:
+    """totals[d] += the sum of a chunk's rows of depth d (the chunk starts at row `start` of depth-major
+    blocks of `rows_per_depth` rows): one slice per depth the chunk touches, summed in a fixed order,
+    where an index_add would sum with CUDA atomics in none."""
+    i, end = start, start + losses.shape[0]
+    while i < end:
+        d = i // rows_per_depth
+        j = min(end, (d + 1) * rows_per_depth)
+        totals_d[d] += losses[i - start : j - start].sum()
+        i = j
+
+
 class _FusedHeadCrossEntropy(torch.autograd.Function):
     """Per-depth summed cross-entropies of `h @ weight.T` for the rows of every depth at once (a fused
     linear cross-entropy): d loss / d logits is known once a chunk's logits are, so each chunk adds its
@@ -120,7 +132,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         for i in range(0, h_rh.shape[0], chunk):
             h, depth = h_rh[i : i + chunk], row_depth_r[i : i + chunk]
             losses, d_logits = _chunk_losses_and_logit_grads(h, w, targets_r[i : i + chunk], red, vocab_start, dtype)
-            totals.index_add_(0, depth, losses)
+            _add_by_depth(totals, losses, i, h_rh.shape[0] // num_depths)
             if need_h:
                 grad_h[i : i + chunk] = d_logits.to(dtype) @ w
             if fuse_w:
@@ -171,8 +183,8 @@ def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, target
     if d * n == 0:
         return (h_rh.sum() + weight_vh.sum()) * torch.zeros(d, device=h_rh.device)
     wants_grad = torch.is_grad_enabled() and (h_rh.requires_grad or weight_vh.requires_grad)
-    row_depth = torch.arange(d, device=h_rh.device).repeat_interleave(n)
     if wants_grad and backward == "fused":
+        row_depth = torch.arange(d, device=h_rh.device).repeat_interleave(n)  # depth-major blocks of n rows
         return _FusedHeadCrossEntropy.apply(h_rh, weight_vh, targets_r, row_depth, grad_scales, d, chunk, red,
                                             vocab_start)
     if not wants_grad:
@@ -183,7 +195,7 @@ def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, target
             for i in range(0, d * n, chunk):
                 losses, _ = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
                                                           vocab_start, dtype)
-                totals.index_add_(0, row_depth[i : i + chunk], losses)
+                _add_by_depth(totals, losses, i, n)
             return totals
     # recompute: checkpointed chunks within one depth (a chunk's sum belongs to one depth)
     totals = []
