@@ -5,8 +5,7 @@ chunk's logits are computed, reduced to a loss and dropped. The trunk's head and
 through the head in one chunked pass (`head_cross_entropy_sums`), which by default computes each
 chunk's gradients right away (a fused linear cross-entropy: no logits recomputed in backward) and,
 told the gradient each depth's sum will receive, accumulates every depth's weight gradient into one
-fp32 [vocab x hidden] buffer; `recompute` instead recomputes chunks in backward (activation
-checkpointing). Either way peak memory grows by O(chunk x vocab), not O(K x tokens x vocab).
+fp32 [vocab x hidden] buffer; `recompute` instead recomputes each chunk's logits in backward. Either way peak memory grows by O(chunk x vocab), not O(K x tokens x vocab).
 
 Rows without a target stay in: their target is IGNORE (cross-entropy's ignore_index) and they add
 nothing to a sum or a gradient. Selecting the valid rows instead (`h[mask]`) has a data-dependent
@@ -56,21 +55,6 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
 
-def _chunk_loss_sum(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, red: VocabReduce,
-                    vocab_start: int) -> torch.Tensor:
-    """Differentiable summed cross-entropy of one chunk (`weight_vh` may be one vocabulary shard, rows
-    vocab_start..; Megatron's vocab-parallel cross-entropy then: max, sum of exponentials and target
-    logit reduced over the shards). Every rank holds the same loss, so `red.sum`'s identity backward
-    gives each shard its own logits' gradient."""
-    logits = F.linear(h_nh, weight_vh).float()
-    z = logits - red.max(logits.detach().amax(dim=-1)).unsqueeze(1)
-    local_t = targets_n - vocab_start
-    inside = (local_t >= 0) & (local_t < weight_vh.shape[0])  # IGNORE (< 0) is in no shard
-    target_z = z.gather(1, local_t.clamp(0, weight_vh.shape[0] - 1).unsqueeze(1)).squeeze(1)
-    sum_exp, target_z = red.sum(torch.stack([z.exp().sum(dim=-1), torch.where(inside, target_z, 0.0)])).unbind(0)
-    return torch.where(targets_n != IGNORE, sum_exp.log() - target_z, 0.0).sum()
-
-
 @torch.no_grad()
 def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor,
                                   red: VocabReduce, vocab_start: int, dtype: torch.dtype):
@@ -105,42 +89,50 @@ def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows
         i = j
 
 
-class _FusedHeadCrossEntropy(torch.autograd.Function):
-    """Per-depth summed cross-entropies of `h @ weight.T` for the rows of every depth at once (a fused
-    linear cross-entropy): d loss / d logits is known once a chunk's logits are, so each chunk adds its
-    share to dL/dh right away and its logits are dropped; backward scales dL/dh by the incoming
-    gradient of each row's depth. The weight's gradient sums over depths with different incoming
-    gradients, unknown in forward. Given them (`grad_scales`, the loss's coefficient over each depth's
-    global target count: known before forward), forward accumulates every depth into ONE fp32
-    [vocab x hidden] buffer, pre-scaled, and backward rescales it by the one factor that maps the
-    promised gradients onto the incoming ones (the least-squares factor: exact when they are
-    proportional, which `grad_scales` promises; a pipeline schedule's 1/micro-batches is such a
-    factor). Without them backward recomputes the chunks' logits for the weight's gradient only."""
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Per-depth summed cross-entropies of `h @ weight.T` for the rows of every depth at once, one chunk
+    of logits at a time; d loss / d logits = softmax - onehot comes from the same matmul and softmax as
+    the loss (`_chunk_losses_and_logit_grads`), and the modes differ only in when it is used.
+
+    `fused` (`recompute=False`): each chunk adds its share to dL/dh right away and its logits are
+    dropped; backward scales dL/dh by the incoming gradient of each row's depth. The weight's gradient
+    sums over depths with different incoming gradients, unknown in forward. Given them (`grad_scales`,
+    the loss's coefficient over each depth's global target count: known before forward), forward
+    accumulates every depth into ONE fp32 [vocab x hidden] buffer, pre-scaled, and backward rescales it
+    by the one factor that maps the promised gradients onto the incoming ones (the least-squares
+    factor: exact when they are proportional, which `grad_scales` promises; a pipeline schedule's
+    1/micro-batches is such a factor). Without them backward recomputes the chunks' logits for the
+    weight's gradient only.
+
+    `recompute`: forward keeps only its inputs; backward recomputes each chunk's logits for both
+    gradients (memory: one chunk of logits)."""
 
     @staticmethod
     def forward(ctx, h_rh, weight_vh, targets_r, row_depth_r, grad_scales_d, num_depths: int, chunk: int,
-                red: VocabReduce, vocab_start: int):
+                red: VocabReduce, vocab_start: int, recompute: bool):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = _compute_dtype(h_rh)
-        fuse_w = need_w and grad_scales_d is not None
+        fuse_h = need_h and not recompute
+        fuse_w = need_w and not recompute and grad_scales_d is not None
         if fuse_w:  # fp32 whatever reached it (a wrapper's mixed-precision input cast)
             grad_scales_d = grad_scales_d.float()
         totals = torch.zeros(num_depths, dtype=torch.float32, device=h_rh.device)
-        grad_h = torch.empty_like(h_rh) if need_h else None
+        grad_h = torch.empty_like(h_rh) if fuse_h else None
         grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if fuse_w else None
         w = weight_vh.to(dtype)
         for i in range(0, h_rh.shape[0], chunk):
             h, depth = h_rh[i : i + chunk], row_depth_r[i : i + chunk]
             losses, d_logits = _chunk_losses_and_logit_grads(h, w, targets_r[i : i + chunk], red, vocab_start, dtype)
             _add_by_depth(totals, losses, i, h_rh.shape[0] // num_depths)
-            if need_h:
+            if fuse_h:
                 grad_h[i : i + chunk] = d_logits.to(dtype) @ w
             if fuse_w:
                 d_logits.mul_(grad_scales_d[depth].unsqueeze(1))
                 grad_w += d_logits.to(dtype).t() @ h.to(dtype)
         ctx.chunk, ctx.red, ctx.vocab_start, ctx.dtype = chunk, red, vocab_start, dtype
-        ctx.weight_dtype, ctx.fuse_w, ctx.recompute_w = weight_vh.dtype, fuse_w, need_w and not fuse_w
-        keep = (h_rh, weight_vh, targets_r) if ctx.recompute_w else (None, None, None)
+        ctx.weight_dtype, ctx.fuse_w = weight_vh.dtype, fuse_w
+        ctx.recompute_h, ctx.recompute_w = need_h and not fuse_h, need_w and not fuse_w
+        keep = (h_rh, weight_vh, targets_r) if ctx.recompute_h or ctx.recompute_w else (None, None, None)
         ctx.save_for_backward(grad_h, grad_w, grad_scales_d if fuse_w else None, row_depth_r, *keep)
         return totals
 
@@ -153,17 +145,21 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         if ctx.fuse_w:
             factor = (grad_d.float() @ scales) / (scales @ scales).clamp(min=torch.finfo(torch.float32).tiny)
             out_w = (grad_w * factor).to(ctx.weight_dtype)
-        elif ctx.recompute_w:
+        if ctx.recompute_h or ctx.recompute_w:
             w = weight_vh.to(ctx.dtype)
-            acc = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device)
+            out_h = torch.empty_like(h_rh) if ctx.recompute_h else out_h
+            acc = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if ctx.recompute_w else None
             for i in range(0, h_rh.shape[0], ctx.chunk):
                 h = h_rh[i : i + ctx.chunk]
                 _, d_logits = _chunk_losses_and_logit_grads(h, w, targets[i : i + ctx.chunk], ctx.red,
                                                             ctx.vocab_start, ctx.dtype)
-                d_logits.mul_(grad_rows[i : i + ctx.chunk].unsqueeze(1))
-                acc += d_logits.to(ctx.dtype).t() @ h.to(ctx.dtype)
-            out_w = acc.to(ctx.weight_dtype)
-        return out_h, out_w, None, None, None, None, None, None, None
+                d_logits = d_logits.mul_(grad_rows[i : i + ctx.chunk].unsqueeze(1)).to(ctx.dtype)
+                if ctx.recompute_h:
+                    out_h[i : i + ctx.chunk] = d_logits @ w
+                if ctx.recompute_w:
+                    acc += d_logits.t() @ h.to(ctx.dtype)
+            out_w = acc.to(ctx.weight_dtype) if ctx.recompute_w else out_w
+        return out_h, out_w, None, None, None, None, None, None, None, None
 
 
 def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, targets_dn: torch.Tensor,
@@ -173,7 +169,7 @@ def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, target
     every depth in one chunked pass, so no [tokens x vocab] logits outlive one chunk. `weight_vh` may
     be one vocabulary shard (rows vocab_start..; `red` then reduces over the shards, and the dL/dh
     returned is this shard's part, which the caller's tp collective sums). `backward`: `fused`
-    computes the gradients in forward (`_FusedHeadCrossEntropy`; `grad_scales`, the gradient the
+    computes the gradients in forward (`_HeadCrossEntropy`; `grad_scales`, the gradient the
     result will receive up to one factor, lets all depths share one weight-gradient buffer);
     `recompute` recomputes each chunk's logits in backward (memory: one chunk of logits); see
     MTPConfig.loss_head_backward."""
@@ -182,31 +178,19 @@ def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, target
     chunk = chunk_tokens if chunk_tokens > 0 else max(d * n, 1)
     if d * n == 0:
         return (h_rh.sum() + weight_vh.sum()) * torch.zeros(d, device=h_rh.device)
-    wants_grad = torch.is_grad_enabled() and (h_rh.requires_grad or weight_vh.requires_grad)
-    if wants_grad and backward == "fused":
+    if torch.is_grad_enabled() and (h_rh.requires_grad or weight_vh.requires_grad):
         row_depth = torch.arange(d, device=h_rh.device).repeat_interleave(n)  # depth-major blocks of n rows
-        return _FusedHeadCrossEntropy.apply(h_rh, weight_vh, targets_r, row_depth, grad_scales, d, chunk, red,
-                                            vocab_start)
-    if not wants_grad:
-        with torch.no_grad():
-            dtype = _compute_dtype(h_rh)
-            w = weight_vh.to(dtype)
-            totals = torch.zeros(d, dtype=torch.float32, device=h_rh.device)
-            for i in range(0, d * n, chunk):
-                losses, _ = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
-                                                          vocab_start, dtype)
-                _add_by_depth(totals, losses, i, n)
-            return totals
-    # recompute: checkpointed chunks within one depth (a chunk's sum belongs to one depth)
-    totals = []
-    for k in range(d):
-        part = None
-        for i in range(0, n, chunk):
-            s = checkpoint(_chunk_loss_sum, h_dnh[k, i : i + chunk], weight_vh, targets_dn[k, i : i + chunk], red,
-                           vocab_start, use_reentrant=False)
-            part = s if part is None else part + s
-        totals.append(part)
-    return torch.stack(totals)
+        return _HeadCrossEntropy.apply(h_rh, weight_vh, targets_r, row_depth, grad_scales, d, chunk, red,
+                                       vocab_start, backward == "recompute")
+    with torch.no_grad():
+        dtype = _compute_dtype(h_rh)
+        w = weight_vh.to(dtype)
+        totals = torch.zeros(d, dtype=torch.float32, device=h_rh.device)
+        for i in range(0, d * n, chunk):
+            losses, _ = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
+                                                      vocab_start, dtype)
+            _add_by_depth(totals, losses, i, n)
+        return totals
 
 
 @torch.no_grad()
@@ -230,7 +214,7 @@ def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
                                    chunk_tokens: int, valid_n: torch.Tensor) -> torch.Tensor:
     """Sum over the rows where `valid_n` holds of the soft cross-entropy -sum_v p_teacher(v) log p_student(v)
     (KL to the teacher plus its constant entropy), with teacher and student logits both `h @ weight.T`;
-    chunked and recomputed in backward like `head_cross_entropy_sums`' recompute mode, so no [tokens x vocab] tensor
+    chunked and recomputed in backward (activation checkpointing), so no [tokens x vocab] tensor
     outlives one chunk."""
     if h_nh.shape[0] == 0:
         return (h_nh.sum() + weight_vh.sum()) * 0.0
