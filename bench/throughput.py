@@ -1,6 +1,7 @@
 """Training throughput: Tandem vs transformers' Qwen3-MoE on the identical model, one process.
 
-Both sides train the same architecture from random init (no download): fwd + bwd + AdamW (foreach,
+Both sides train the same architecture from random init (no download): fwd + bwd + AdamW (fused on
+both: Tandem's default `train.optimizer_kernel` and transformers' Trainer default `adamw_torch_fused`;
 same hyper-parameters), on the same fixed tokens, in fp32 or (`--dtype bf16`) both under CPU bf16
 autocast with fp32 weights. Repetitions are interleaved (Tandem K=0, Tandem K=K, transformers, ...)
 so machine noise hits all alike; medians are reported.
@@ -99,7 +100,7 @@ class HFRunner:
         self.model = Qwen3MoeForCausalLM(hf_config(cfg)).train()
         t = load_config(None, []).train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                           weight_decay=t.weight_decay, foreach=True)
+                                           weight_decay=t.weight_decay, fused=True)
         self.tokens, self.bf16 = tokens, bf16
 
     def step(self) -> None:

@@ -13,25 +13,27 @@ from .config import TrainConfig
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over trainable parameters only (a frozen trunk gets no optimizer state); no weight
-    decay on norms and biases (1-D tensors)."""
+    decay on norms and biases (1-D tensors); `train.optimizer_kernel` picks the fused or foreach kernel."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return ForeachAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    fused = cfg.optimizer_kernel == "fused"
+    return MultiTensorAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                            fused=fused or None, foreach=not fused)
 
 
-class ForeachAdamW(torch.optim.AdamW):
-    """AdamW on the foreach (multi-tensor) path for any mix of plain and DTensor parameters.
+class MultiTensorAdamW(torch.optim.AdamW):
+    """AdamW on a multi-tensor kernel (fused or foreach) for any mix of plain and DTensor parameters.
 
-    torch's foreach kernels take DTensors of different meshes and placements in one call (results
-    bit-identical to the per-parameter path, checked on torch 2.13) but not plain tensors mixed with
-    DTensors, which a tensor/expert/FSDP-parallel model has (e.g. parameters FSDP ignores). Each step
-    therefore runs the parameter groups split by that one property; the groups seen by the rest of
-    the code (state_dict, checkpoints, `set_lr`) stay the two decay / no-decay groups. The fused
-    kernel is not used: it rounds differently from the per-parameter path by ~1 ulp."""
+    torch's fused and foreach kernels take DTensors of different meshes and placements in one call
+    (each element's update depends on that element alone, so a sharded parameter's update equals the
+    whole one's, checked on torch 2.13) but not plain tensors mixed with DTensors, which a
+    tensor/expert/FSDP-parallel model has (e.g. parameters FSDP ignores). Each step therefore runs
+    the parameter groups split by that one property; the groups seen by the rest of the code
+    (state_dict, checkpoints, `set_lr`) stay the two decay / no-decay groups."""
 
     def step(self, closure=None):
         groups = self.param_groups
