@@ -55,26 +55,55 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
 
+class _ChunkBuffers:
+    """The [chunk x vocab shard] buffers every chunk of one pass through the head writes its logits and
+    logit gradients into. On a CPU a fresh buffer that size is fresh pages from the kernel, and each
+    4 KiB costs a page fault when first written: as much as a pass over it (a GPU's caching allocator
+    reuses its blocks anyway)."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+        self.z = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        self.grad = torch.empty(rows, vocab, dtype=dtype, device=device) if dtype != torch.float32 else None
+
+
 @torch.no_grad()
-def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor,
-                                  red: VocabReduce, vocab_start: int, dtype: torch.dtype):
+def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, w_vh: torch.Tensor, targets_n: torch.Tensor, red: VocabReduce,
+                                  vocab_start: int, buffers: Optional[_ChunkBuffers] = None, with_grad: bool = True):
     """One chunk's per-row losses [n] (fp32; IGNORE rows 0) and d loss / d logits = softmax - onehot
-    [n, vocab shard] (fp32; IGNORE rows 0), from one head matmul and one softmax. Under a vocabulary
-    shard the max and the (sum of exponentials, target logit) pair are reduced in two collectives."""
-    logits = F.linear(h_nh.to(dtype), weight_vh.to(dtype)).float()
-    z = logits.sub_(red.max(logits.amax(dim=-1)).unsqueeze(1))
+    as `rows[:, None] * grad` from one head matmul and one softmax, in the dtype of `w_vh` (the
+    matmuls' operand): `grad` [n, vocab shard] is exp(z) - S * onehot and `rows` [n] (fp32) is
+    valid / S, where z are the logits less their row max and S = sum exp(z). The row factor is left to
+    the caller to apply on the narrow side of its matmuls ([n x hidden], 1/vocab of the work of
+    scaling [n x vocab]), so the wide softmax takes five passes (max, subtract, exp, sum, cast) and is
+    rounded to the operand dtype once; the relative rounding of every entry is that of rounding
+    softmax - onehot itself. Under a vocabulary shard the max and the (sum of exponentials, target
+    logit) pair are reduced in two collectives. `buffers` (one pass's) holds the logits and `grad`
+    (a view of it, valid until the next chunk); `with_grad=False` returns the losses alone."""
+    n, h_nh = h_nh.shape[0], h_nh.to(w_vh.dtype)
+    if buffers is None:
+        z = F.linear(h_nh, w_vh).float()
+    elif w_vh.dtype == torch.float32:
+        z = torch.mm(h_nh, w_vh.t(), out=buffers.z[:n])
+    else:
+        z = buffers.z[:n].copy_(F.linear(h_nh, w_vh))
+    z = z.sub_(red.max(z.amax(dim=-1)).unsqueeze(1))
     local_t = targets_n - vocab_start
-    inside = (local_t >= 0) & (local_t < weight_vh.shape[0])
-    local_t = local_t.clamp(0, weight_vh.shape[0] - 1)
+    inside = (local_t >= 0) & (local_t < w_vh.shape[0])
+    local_t = local_t.clamp(0, w_vh.shape[0] - 1)
     target_z = torch.where(inside, z.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)
-    probs = z.exp_()  # in place of the logits
-    sum_exp, target_z = red.sum(torch.stack([probs.sum(dim=-1), target_z])).unbind(0)
+    exp_z = z.exp_()  # in place of the logits
+    sum_exp, target_z = red.sum(torch.stack([exp_z.sum(dim=-1), target_z])).unbind(0)
     valid = targets_n != IGNORE
     losses = torch.where(valid, sum_exp.log() - target_z, 0.0)
-    probs.div_(sum_exp.unsqueeze(1))
-    rows = torch.arange(targets_n.shape[0], device=targets_n.device)
-    probs[rows, local_t] -= inside.to(probs.dtype)  # the one-hot lives in the target's shard only
-    return losses, probs.mul_(valid.unsqueeze(1))
+    if not with_grad:
+        return (losses,)
+    rows = torch.arange(n, device=targets_n.device)
+    exp_z[rows, local_t] -= sum_exp * inside  # the one-hot (times S) lives in the target's shard only
+    if w_vh.dtype == torch.float32:
+        grad = exp_z
+    else:
+        grad = buffers.grad[:n].copy_(exp_z) if buffers is not None else exp_z.to(w_vh.dtype)
+    return losses, grad, valid / sum_exp
 
 
 def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows_per_depth: int) -> None:
@@ -87,6 +116,14 @@ def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows
         j = min(end, (d + 1) * rows_per_depth)
         totals_d[d] += losses[i - start : j - start].sum()
         i = j
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, in place where the dtypes allow (no [vocab x hidden] temporary)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += a @ b
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -120,15 +157,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h_rh) if fuse_h else None
         grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if fuse_w else None
         w = weight_vh.to(dtype)
+        buffers = _ChunkBuffers(min(chunk, h_rh.shape[0]), w.shape[0], dtype, w.device)
         for i in range(0, h_rh.shape[0], chunk):
             h, depth = h_rh[i : i + chunk], row_depth_r[i : i + chunk]
-            losses, d_logits = _chunk_losses_and_logit_grads(h, w, targets_r[i : i + chunk], red, vocab_start, dtype)
+            losses, grad, rows = _chunk_losses_and_logit_grads(h, w, targets_r[i : i + chunk], red, vocab_start, buffers)
             _add_by_depth(totals, losses, i, h_rh.shape[0] // num_depths)
             if fuse_h:
-                grad_h[i : i + chunk] = d_logits.to(dtype) @ w
+                grad_h[i : i + chunk] = (grad @ w).float().mul_(rows.unsqueeze(1))
             if fuse_w:
-                d_logits.mul_(grad_scales_d[depth].unsqueeze(1))
-                grad_w += d_logits.to(dtype).t() @ h.to(dtype)
+                _add_matmul(grad_w, grad.t(), (h.float() * (rows * grad_scales_d[depth]).unsqueeze(1)).to(dtype))
         ctx.chunk, ctx.red, ctx.vocab_start, ctx.dtype = chunk, red, vocab_start, dtype
         ctx.weight_dtype, ctx.fuse_w = weight_vh.dtype, fuse_w
         ctx.recompute_h, ctx.recompute_w = need_h and not fuse_h, need_w and not fuse_w
@@ -147,17 +184,18 @@ class _HeadCrossEntropy(torch.autograd.Function):
             out_w = (grad_w * factor).to(ctx.weight_dtype)
         if ctx.recompute_h or ctx.recompute_w:
             w = weight_vh.to(ctx.dtype)
+            buffers = _ChunkBuffers(min(ctx.chunk, h_rh.shape[0]), w.shape[0], ctx.dtype, w.device)
             out_h = torch.empty_like(h_rh) if ctx.recompute_h else out_h
             acc = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if ctx.recompute_w else None
             for i in range(0, h_rh.shape[0], ctx.chunk):
                 h = h_rh[i : i + ctx.chunk]
-                _, d_logits = _chunk_losses_and_logit_grads(h, w, targets[i : i + ctx.chunk], ctx.red,
-                                                            ctx.vocab_start, ctx.dtype)
-                d_logits = d_logits.mul_(grad_rows[i : i + ctx.chunk].unsqueeze(1)).to(ctx.dtype)
+                _, grad, rows = _chunk_losses_and_logit_grads(h, w, targets[i : i + ctx.chunk], ctx.red,
+                                                              ctx.vocab_start, buffers)
+                rows = rows.mul_(grad_rows[i : i + ctx.chunk]).unsqueeze(1)
                 if ctx.recompute_h:
-                    out_h[i : i + ctx.chunk] = d_logits @ w
+                    out_h[i : i + ctx.chunk] = (grad @ w).float().mul_(rows)
                 if ctx.recompute_w:
-                    acc += d_logits.t() @ h.to(ctx.dtype)
+                    _add_matmul(acc, grad.t(), (h.float() * rows).to(ctx.dtype))
             out_w = acc.to(ctx.weight_dtype) if ctx.recompute_w else out_w
         return out_h, out_w, None, None, None, None, None, None, None, None
 
@@ -185,10 +223,11 @@ def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, target
     with torch.no_grad():
         dtype = _compute_dtype(h_rh)
         w = weight_vh.to(dtype)
+        buffers = _ChunkBuffers(min(chunk, d * n), w.shape[0], dtype, w.device)
         totals = torch.zeros(d, dtype=torch.float32, device=h_rh.device)
         for i in range(0, d * n, chunk):
-            losses, _ = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
-                                                      vocab_start, dtype)
+            losses = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
+                                                   vocab_start, buffers, with_grad=False)[0]
             _add_by_depth(totals, losses, i, n)
         return totals
 
