@@ -1,7 +1,7 @@
 """Training throughput: Tandem vs transformers' Qwen3-MoE on the identical model, one process.
 
 Both sides train the same architecture from random init (no download): fwd + bwd + AdamW (fused on
-both: Tandem's default `train.optimizer_kernel` and transformers' Trainer default `adamw_torch_fused`;
+both: Tandem's `train.optimizer_kernel=auto` on CPU and transformers' Trainer default `adamw_torch_fused`;
 same hyper-parameters), on the same fixed tokens, in fp32 or (`--dtype bf16`) both under CPU bf16
 autocast with fp32 weights. Repetitions are interleaved (Tandem K=0, Tandem K=K, transformers, ...)
 so machine noise hits all alike; medians are reported.

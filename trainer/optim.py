@@ -11,6 +11,10 @@ from torch.distributed.tensor import DTensor
 from .config import TrainConfig
 
 
+FUSED_DEVICES = {"cpu", "cuda"}
+"""Device types whose fused AdamW kernel `train.optimizer_kernel=auto` uses."""
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over trainable parameters only (a frozen trunk gets no optimizer state); no weight
     decay on norms and biases (1-D tensors); `train.optimizer_kernel` picks the fused or foreach kernel."""
@@ -20,7 +24,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = cfg.optimizer_kernel == "fused"
+    kinds = {p.device.type for group in groups for p in group["params"]}
+    fused = cfg.optimizer_kernel == "fused" or (cfg.optimizer_kernel == "auto" and kinds <= FUSED_DEVICES)
     return MultiTensorAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             fused=fused or None, foreach=not fused)
 

@@ -1,5 +1,6 @@
-"""AdamW's kernels: the default fused kernel takes the same steps as torch's per-parameter AdamW (the
-independent reference) within float rounding, on the trainer's two groups (decay and no-decay)."""
+"""AdamW's kernels: the fused kernel (`auto`'s choice on CPU and CUDA) and the foreach one take the same
+steps as torch's per-parameter AdamW (the independent reference) within float rounding, on the
+trainer's two groups (decay and no-decay)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def test_kernels_step_like_per_parameter_adamw(kernel):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
-def test_default_is_fused_and_a_bad_kernel_is_refused():
-    assert load_config(None, []).train.optimizer_kernel == "fused"
-    with pytest.raises(ConfigError, match="'train.optimizer_kernel'='adam8bit' must be fused or foreach"):
+def test_auto_is_fused_on_cpu_and_a_bad_kernel_is_refused():
+    cfg = load_config(None, []).train
+    assert cfg.optimizer_kernel == "auto"
+    assert build_optimizer(_model(), cfg).defaults["fused"] is True
+    with pytest.raises(ConfigError, match="'train.optimizer_kernel'='adam8bit' must be auto, fused or foreach"):
         load_config(None, ["train.optimizer_kernel=adam8bit"])
