@@ -11,13 +11,16 @@ model dims and the rank's micro-batches, summed over ranks:
   TP  per block execution and micro-batch: attention 2*T*H (o_proj all-reduce fwd, input-grad
       all-reduce bwd); dense MLP 2*T*H; MoE 2*T*H + T*k (routing-weight grads); embedding one
       lookup of B*(S+K) rows x H shared by the MTP steps (a pipeline's first stage B*S, its depth stage
-      B*(S+K-1)); vocab-parallel CE per depth: 6*T (max, sum-exp, target logit; fwd + recompute)
-      + T*H: every row is kept, one without a valid target masked (IGNORE): no data-dependent shapes.
+      B*(S+K-1)); vocab-parallel CE per depth: 3*T (max, sum-exp, target logit) with the fused head
+      backward (the default; 6*T with `recompute`, which reduces again in backward) + T*H: every row
+      is kept, one without a valid target masked (IGNORE): no data-dependent shapes.
   SP  (sequence_parallel with tp) instead of TP's all-reduces, per TP region (attention, dense MLP)
       and micro-batch: 2 all-gathers + 2 reduce-scatters of T*H (gather / reduce-scatter forward,
       reduce-scatter / all-gather backward); MoE: the same for its tokens plus the routing weights
-      (T*k, gathered and reduce-scattered) and expert ids (T*k int64, gathered); embedding T*H
-      reduce-scatter + all-gather per call; head T*H gather + reduce-scatter per depth, CE 6*T;
+      (T*k, gathered and reduce-scattered) and expert ids (T*k int64, gathered); embedding: one
+      window of B*(S+K) rows x H all-reduced forward and backward (a pipeline's first stage: a T*H
+      reduce-scatter + all-gather, its depth stage's window B*(S+K-1) rows); head T*H gather +
+      reduce-scatter per depth, CE 3*T (6*T);
       the tp sum of the sequence-shard gradients of replicated parameters (norms, routers, MTP
       projection); router loads over tp; pipeline activations T*H/tp.
   EP  per MoE block execution: 4*T*k*H (dispatch + combine, fwd + bwd) + E int64 counts.
@@ -144,6 +147,7 @@ def analytic(cfg, model, pstate, batches):
     n_micro = len(batches)
     T = MBS * SEQ
     sp = bool(cfg.parallel.sequence_parallel and tp > 1)
+    ce = 3 if cfg.mtp.loss_head_backward == "fused" else 6  # the head's per-row reductions, fwd (+ recompute)
     for b in batches:
         if sp:
             aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
@@ -154,14 +158,20 @@ def analytic(cfg, model, pstate, batches):
                 if is_moe:
                     out["all_gather"] += F32 * 2 * T * Hh + F32 * T * k + 8 * T * k + (F32 * T * E if aux else 0)
                     out["reduce_scatter"] += F32 * 2 * T * Hh + F32 * T * k + (F32 * T * E if aux else 0)
-            calls = (1 if has_first else 0) + (K if has_last else 0)
-            out["reduce_scatter"] += F32 * T * Hh * calls
-            out["all_gather"] += F32 * T * Hh * calls
+            # the embedding: the trunk and the MTP steps read one lookup of the whole S+K window, all-reduced
+            # forward and backward (`SequenceShards`); under a pipeline the first stage reduce-scatters its
+            # S tokens' lookup (all-gather backward) and the depth stage all-reduces a window of S+K-1 rows
+            if pipe is None:
+                out["all_reduce"] += 2 * F32 * MBS * (SEQ + K) * Hh
+            else:
+                out["reduce_scatter"] += F32 * T * Hh * (1 if has_first else 0)
+                out["all_gather"] += F32 * T * Hh * (1 if has_first else 0)
+                out["all_reduce"] += 2 * F32 * MBS * (SEQ + K - 1) * Hh * (1 if has_last and K else 0)
             if has_last:
                 out["all_gather"] += F32 * T * Hh * (K + 1)
                 out["reduce_scatter"] += F32 * T * Hh * (K + 1)
                 # every row keeps its place (no valid target: IGNORE), so each depth reduces T rows
-                out["all_reduce"] += F32 * 6 * T * (K + 1)
+                out["all_reduce"] += F32 * ce * T * (K + 1)
         elif tp > 1:
             for is_moe in execs:
                 out["all_reduce"] += F32 * (2 * T * Hh + 2 * T * Hh + (T * k if is_moe else 0))
@@ -171,7 +181,7 @@ def analytic(cfg, model, pstate, batches):
             rows = SEQ + K if pipe is None else (SEQ if has_first else 0) + (SEQ + K - 1 if has_last and K else 0)
             out["all_reduce"] += F32 * MBS * rows * Hh
             if has_last:
-                out["all_reduce"] += F32 * (6 * T + T * Hh) * (K + 1)  # all T rows per depth, as above
+                out["all_reduce"] += F32 * (ce * T + T * Hh) * (K + 1)  # all T rows per depth, as above
         if ep > 1:
             for is_moe in execs:
                 if is_moe:

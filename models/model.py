@@ -173,6 +173,10 @@ class TandemModel(nn.Module):
         # shard [B, S/tp, H] -> [B, S, H] applied to the normed hidden states before the head; the
         # model itself holds no process groups. None: the hidden states are already whole.
         self.gather_sequence = None
+        # Sequence parallelism also sets this (trainer/parallel/tensor.py `SequenceShards`): `embed_whole(ids)`
+        # looks whole sequences up on every rank and `shard(x, first, rows)` takes this rank's shard of
+        # rows first..first+rows of such a whole tensor; the trunk and the MTP steps share one lookup.
+        self.sequence_shards = None
         # The gradient d total / d loss_sums[depth] the trainer's loss will send back (coefficient over
         # the depth's global target count, [num_depths], on the device), set around each step by the
         # trainer: with it the fused head keeps one weight-gradient buffer for every depth
@@ -257,18 +261,29 @@ class TandemModel(nn.Module):
 
     def shared_lookup(self) -> bool:
         """Whether training embeds every position once and the MTP steps read it shifted
-        (`shifted_embeddings`): with looped MTP steps (they embed tokens) and whole sequences. Under
-        sequence parallelism the embedding hands each rank a sequence shard, and step k's shard would
-        need k rows of the next rank's: each step keeps its own lookup there."""
-        return self.mtp is not None and self.mtp.chained and self.gather_sequence is None
+        (`shifted_embeddings`): with looped MTP steps (they embed tokens). Under sequence parallelism
+        step k's shard needs k rows of the next rank's shard, so the window is looked up whole there
+        (`sequence_shards`) and each rank reads its rows of it."""
+        return (self.mtp is not None and self.mtp.chained
+                and (self.gather_sequence is None or self.sequence_shards is not None))
 
     def shifted_embeddings(self, tokens_bs1: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """One embedding lookup serving the trunk (shift 0) and MTP steps `first`..`last`: row j holds
         token j+first (token 0 past the window, as `shifted_tokens` pads), so shift k reads rows
-        [k-first, k-first+S). One lookup, and under tensor parallelism one vocabulary-parallel
-        all-reduce, instead of one per step."""
+        [k-first, k-first+S) (`window_rows`). One lookup, and under tensor parallelism one
+        vocabulary-parallel all-reduce, instead of one per step (under sequence parallelism one
+        all-reduce of the whole window instead of a reduce-scatter per step)."""
         s = tokens_bs1.shape[1] - 1
-        return self.embed_tokens(shifted_tokens(tokens_bs1, first, s + last - first))
+        ids = shifted_tokens(tokens_bs1, first, s + last - first)
+        return self.embed_tokens(ids) if self.sequence_shards is None else self.sequence_shards.embed_whole(ids)
+
+    def window_rows(self, emb_window: Tuple[torch.Tensor, int], shift: int, s: int) -> torch.Tensor:
+        """The embedding of tokens t+shift for the S positions (this rank's shard of them under sequence
+        parallelism) from a `shifted_embeddings` window (window, its first shift)."""
+        window, first = emb_window
+        if self.sequence_shards is not None:
+            return self.sequence_shards.shard(window, shift - first, s)
+        return window[:, shift - first : shift - first + s]
 
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
@@ -290,10 +305,7 @@ class TandemModel(nn.Module):
             h_in = h if self.mtp.chained else h0_bsh
             if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
                 h_in = h_in.detach()
-            emb = None
-            if emb_window is not None:
-                window, first = emb_window
-                emb = window[:, depth - first : depth - first + s]
+            emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
             h = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs, emb_bsh=emb)
             yield depth, h
 
@@ -320,7 +332,7 @@ class TandemModel(nn.Module):
             emb_window = (self.shifted_embeddings(tokens_bs1, 0, self.mtp_cfg.num_steps), 0)
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
             h = self.trunk(tokens_bs1[:, :s], positions,
-                           emb_bsh=emb_window[0][:, :s] if emb_window is not None else None)
+                           emb_bsh=self.window_rows(emb_window, 0, s) if emb_window is not None else None)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.models.model import shifted_tokens
 
 
 def _model(hc_count: int = 1, seed: int = 0) -> TandemModel:
@@ -68,3 +69,39 @@ def test_shared_lookup_losses_and_gradients_equal_per_step_lookups(dtype, hc_cou
             continue
         torch.testing.assert_close(g_new[name], g, rtol=1e-5, atol=1e-6, msg=name)
     assert g_old["embed_tokens.weight"].abs().sum() > 0
+
+
+class _FakeShards:
+    """What trainer/parallel/tensor.py `SequenceShards` does for rank `rank` of `size`, in one process:
+    the whole lookup is the plain one (what the all-reduce of the vocabulary shards' lookups gives)."""
+
+    def __init__(self, model: TandemModel, rank: int, size: int):
+        self.model, self.rank, self.size, self.lookups = model, rank, size, 0
+
+    def embed_whole(self, ids):
+        self.lookups += 1
+        return self.model.embed_tokens(ids)
+
+    def shard(self, x, first, rows):
+        per = rows // self.size
+        return x[:, first + self.rank * per : first + (self.rank + 1) * per]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sequence_parallel_steps_read_their_shards_of_one_whole_lookup(rank):
+    """Under sequence parallelism the trunk and each MTP step read this rank's rows of one whole-window
+    lookup: exactly the shard the per-step lookups' reduce-scatter hands it (token t+k at t's place,
+    and the next rank's first k tokens at the end of this rank's shard)."""
+    model = _model()
+    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(3))
+    s, k = 12, model.mtp_cfg.num_steps
+    model.gather_sequence = lambda h: h  # set under SP: without sequence_shards there is no shared lookup
+    assert not model.shared_lookup()
+    model.sequence_shards = shards = _FakeShards(model, rank, 2)
+    assert model.shared_lookup()
+    window = (model.shifted_embeddings(tokens, 0, k), 0)
+    assert shards.lookups == 1 and window[0].shape[:2] == (2, s + k)
+    with torch.no_grad():
+        for shift in range(k + 1):
+            want = model.embed_tokens(shifted_tokens(tokens, shift, s))[:, rank * 6 : (rank + 1) * 6]
+            torch.testing.assert_close(model.window_rows(window, shift, s), want, rtol=0, atol=0)

@@ -16,9 +16,10 @@
 
 Sequence parallelism (`parallel.sequence_parallel`, Megatron's): between the TP regions the
 activations are this rank's shard of the sequence, [B, S/tp, H]; norms, residual adds and the
-MTP input combination run on it. The embedding reduce-scatters instead of all-reducing; attention
-and dense MLPs all-gather the sequence on entry (backward: reduce-scatter) and reduce-scatter it
-after the row-parallel projection (backward: all-gather). MoE layers route their own tokens, then
+MTP input combination run on it. The embedding reduce-scatters instead of all-reducing (a training
+forward with looped MTP steps looks its window of S+K tokens up whole and each rank reads its shards
+of it, `SequenceShards`); attention and dense MLPs all-gather the sequence on entry (backward:
+reduce-scatter) and reduce-scatter it after the row-parallel projection (backward: all-gather). MoE layers route their own tokens, then
 all-gather tokens, weights and expert ids over tp for the tp-sharded experts and reduce-scatter the
 partial outputs. The head's input is gathered whole (`model.gather_sequence`) before the
 vocab-parallel loss. Replicated parameters that saw only a shard of the sequence (norms, routers,
@@ -343,20 +344,43 @@ class SequenceParallelSwitch:
         if not self.on:
             yield
             return
-        saved = [m.gather_sequence for m in self.models]
+        saved = [(m.gather_sequence, m.sequence_shards) for m in self.models]
         self.on = False
         for m in self.flagged:
             m.sequence_parallel = False
         for m in self.models:
-            m.gather_sequence = None
+            m.gather_sequence = m.sequence_shards = None
         try:
             yield
         finally:
             self.on = True
             for m in self.flagged:
                 m.sequence_parallel = True
-            for m, g in zip(self.models, saved):
-                m.gather_sequence = g
+            for m, (gather, shards) in zip(self.models, saved):
+                m.gather_sequence, m.sequence_shards = gather, shards
+
+
+class SequenceShards:
+    """`model.sequence_shards` under sequence parallelism: whole sequences looked up once, each rank
+    reading its shard of them. MTP step k embeds token t+k, the trunk's embedding output shifted by k;
+    with the sequence split over tp a shifted shard needs k rows of the next rank's, so the window of
+    S+K rows is looked up whole (one vocabulary-parallel all-reduce forward, and one backward summing
+    the rows each rank's shards used) rather than once per step (a reduce-scatter forward and an
+    all-gather backward each): one lookup and two collectives instead of K+1 and 2(K+1), and at K=3
+    half the bytes."""
+
+    def __init__(self, model: nn.Module, switch: SequenceParallelSwitch, group):
+        self.model, self.switch, self.group = model, switch, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def embed_whole(self, ids_bl: torch.Tensor) -> torch.Tensor:
+        with self.switch.whole_sequences():  # the embedding all-reduces (its backward keeps the gradient)
+            emb = self.model.embed_tokens(ids_bl)
+        return copy_to_group(emb, self.group)  # backward: each rank's rows summed over tp
+
+    def shard(self, x_blh: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+        per = rows // self.size
+        return x_blh[:, first + self.rank * per : first + (self.rank + 1) * per]
 
 
 class _SwitchablePrepareInput(PrepareModuleInput):
@@ -462,6 +486,7 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
         return [name for name, _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
     group = tp_mesh.get_group()
     model.gather_sequence = lambda h: gather_along(h, group, 1)
+    model.sequence_shards = SequenceShards(model, switch, group)
     switch.models.append(model)
     # every replicated parameter saw one sequence shard, except the QSA indexers: they read the gathered
     # sequence and take their own (identical) loss on every rank, so their gradients are already whole
