@@ -5,7 +5,8 @@ chunk's logits are computed, reduced to a loss and dropped. The trunk's head and
 through the head in one chunked pass (`head_cross_entropy_sums`), which by default computes each
 chunk's gradients right away (a fused linear cross-entropy: no logits recomputed in backward) and,
 told the gradient each depth's sum will receive, accumulates every depth's weight gradient into one
-fp32 [vocab x hidden] buffer; `recompute` instead recomputes each chunk's logits in backward. Either way peak memory grows by O(chunk x vocab), not O(K x tokens x vocab).
+fp32 [vocab x hidden] buffer; `recompute` instead recomputes each chunk's logits in backward.
+Either way peak memory grows by O(chunk x vocab), not O(K x tokens x vocab).
 
 Rows without a target stay in: their target is IGNORE (cross-entropy's ignore_index) and they add
 nothing to a sum or a gradient. Selecting the valid rows instead (`h[mask]`) has a data-dependent
@@ -61,14 +62,15 @@ class _ChunkBuffers:
     4 KiB costs a page fault when first written: as much as a pass over it (a GPU's caching allocator
     reuses its blocks anyway)."""
 
-    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device, with_grad: bool):
         self.z = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        self.grad = torch.empty(rows, vocab, dtype=dtype, device=device) if dtype != torch.float32 else None
+        self.grad = (torch.empty(rows, vocab, dtype=dtype, device=device)
+                     if with_grad and dtype != torch.float32 else None)
 
 
 @torch.no_grad()
 def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, w_vh: torch.Tensor, targets_n: torch.Tensor, red: VocabReduce,
-                                  vocab_start: int, buffers: Optional[_ChunkBuffers] = None, with_grad: bool = True):
+                                  vocab_start: int, buffers: _ChunkBuffers, with_grad: bool = True):
     """One chunk's per-row losses [n] (fp32; IGNORE rows 0) and d loss / d logits = softmax - onehot
     as `rows[:, None] * grad` from one head matmul and one softmax, in the dtype of `w_vh` (the
     matmuls' operand): `grad` [n, vocab shard] is exp(z) - S * onehot and `rows` [n] (fp32) is
@@ -78,11 +80,9 @@ def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, w_vh: torch.Tensor, target
     rounded to the operand dtype once; the relative rounding of every entry is that of rounding
     softmax - onehot itself. Under a vocabulary shard the max and the (sum of exponentials, target
     logit) pair are reduced in two collectives. `buffers` (one pass's) holds the logits and `grad`
-    (a view of it, valid until the next chunk); `with_grad=False` returns the losses alone."""
+    (a view of them, valid until the next chunk); `with_grad=False` returns the losses alone."""
     n, h_nh = h_nh.shape[0], h_nh.to(w_vh.dtype)
-    if buffers is None:
-        z = F.linear(h_nh, w_vh).float()
-    elif w_vh.dtype == torch.float32:
+    if w_vh.dtype == torch.float32:
         z = torch.mm(h_nh, w_vh.t(), out=buffers.z[:n])
     else:
         z = buffers.z[:n].copy_(F.linear(h_nh, w_vh))
@@ -99,10 +99,7 @@ def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, w_vh: torch.Tensor, target
         return (losses,)
     rows = torch.arange(n, device=targets_n.device)
     exp_z[rows, local_t] -= sum_exp * inside  # the one-hot (times S) lives in the target's shard only
-    if w_vh.dtype == torch.float32:
-        grad = exp_z
-    else:
-        grad = buffers.grad[:n].copy_(exp_z) if buffers is not None else exp_z.to(w_vh.dtype)
+    grad = exp_z if w_vh.dtype == torch.float32 else buffers.grad[:n].copy_(exp_z)
     return losses, grad, valid / sum_exp
 
 
@@ -116,6 +113,18 @@ def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows
         j = min(end, (d + 1) * rows_per_depth)
         totals_d[d] += losses[i - start : j - start].sum()
         i = j
+
+
+def _head_chunks(h_rh: torch.Tensor, w_vh: torch.Tensor, targets_r: torch.Tensor, chunk: int, red: VocabReduce,
+                 vocab_start: int, with_grad: bool = True):
+    """One pass through the head (`w_vh` already in the matmuls' dtype) in chunks of `chunk` rows, its
+    buffers made once: per chunk (its first row, its rows of h, then what
+    `_chunk_losses_and_logit_grads` returns for it)."""
+    buffers = _ChunkBuffers(min(chunk, h_rh.shape[0]), w_vh.shape[0], w_vh.dtype, w_vh.device, with_grad)
+    for i in range(0, h_rh.shape[0], chunk):
+        h = h_rh[i : i + chunk]
+        yield (i, h, *_chunk_losses_and_logit_grads(h, w_vh, targets_r[i : i + chunk], red, vocab_start, buffers,
+                                                    with_grad))
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -157,14 +166,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h_rh) if fuse_h else None
         grad_w = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if fuse_w else None
         w = weight_vh.to(dtype)
-        buffers = _ChunkBuffers(min(chunk, h_rh.shape[0]), w.shape[0], dtype, w.device)
-        for i in range(0, h_rh.shape[0], chunk):
-            h, depth = h_rh[i : i + chunk], row_depth_r[i : i + chunk]
-            losses, grad, rows = _chunk_losses_and_logit_grads(h, w, targets_r[i : i + chunk], red, vocab_start, buffers)
+        for i, h, losses, grad, rows in _head_chunks(h_rh, w, targets_r, chunk, red, vocab_start):
             _add_by_depth(totals, losses, i, h_rh.shape[0] // num_depths)
             if fuse_h:
                 grad_h[i : i + chunk] = (grad @ w).float().mul_(rows.unsqueeze(1))
             if fuse_w:
+                depth = row_depth_r[i : i + chunk]
                 _add_matmul(grad_w, grad.t(), (h.float() * (rows * grad_scales_d[depth]).unsqueeze(1)).to(dtype))
         ctx.chunk, ctx.red, ctx.vocab_start, ctx.dtype = chunk, red, vocab_start, dtype
         ctx.weight_dtype, ctx.fuse_w = weight_vh.dtype, fuse_w
@@ -184,13 +191,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
             out_w = (grad_w * factor).to(ctx.weight_dtype)
         if ctx.recompute_h or ctx.recompute_w:
             w = weight_vh.to(ctx.dtype)
-            buffers = _ChunkBuffers(min(ctx.chunk, h_rh.shape[0]), w.shape[0], ctx.dtype, w.device)
             out_h = torch.empty_like(h_rh) if ctx.recompute_h else out_h
             acc = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if ctx.recompute_w else None
-            for i in range(0, h_rh.shape[0], ctx.chunk):
-                h = h_rh[i : i + ctx.chunk]
-                _, grad, rows = _chunk_losses_and_logit_grads(h, w, targets[i : i + ctx.chunk], ctx.red,
-                                                              ctx.vocab_start, buffers)
+            for i, h, _, grad, rows in _head_chunks(h_rh, w, targets, ctx.chunk, ctx.red, ctx.vocab_start):
                 rows = rows.mul_(grad_rows[i : i + ctx.chunk]).unsqueeze(1)
                 if ctx.recompute_h:
                     out_h[i : i + ctx.chunk] = (grad @ w).float().mul_(rows)
@@ -222,12 +225,9 @@ def head_cross_entropy_sums(h_dnh: torch.Tensor, weight_vh: torch.Tensor, target
                                        vocab_start, backward == "recompute")
     with torch.no_grad():
         dtype = _compute_dtype(h_rh)
-        w = weight_vh.to(dtype)
-        buffers = _ChunkBuffers(min(chunk, d * n), w.shape[0], dtype, w.device)
         totals = torch.zeros(d, dtype=torch.float32, device=h_rh.device)
-        for i in range(0, d * n, chunk):
-            losses = _chunk_losses_and_logit_grads(h_rh[i : i + chunk], w, targets_r[i : i + chunk], red,
-                                                   vocab_start, buffers, with_grad=False)[0]
+        for i, _, losses in _head_chunks(h_rh, weight_vh.to(dtype), targets_r, chunk, red, vocab_start,
+                                         with_grad=False):
             _add_by_depth(totals, losses, i, n)
         return totals
 

@@ -19,9 +19,9 @@ activations are this rank's shard of the sequence, [B, S/tp, H]; norms, residual
 MTP input combination run on it. The embedding reduce-scatters instead of all-reducing (a training
 forward with looped MTP steps looks its window of S+K tokens up whole and each rank reads its shards
 of it, `SequenceShards`); attention and dense MLPs all-gather the sequence on entry (backward:
-reduce-scatter) and reduce-scatter it after the row-parallel projection (backward: all-gather). MoE layers route their own tokens, then
-all-gather tokens, weights and expert ids over tp for the tp-sharded experts and reduce-scatter the
-partial outputs. The head's input is gathered whole (`model.gather_sequence`) before the
+reduce-scatter) and reduce-scatter it after the row-parallel projection (backward: all-gather). MoE
+layers route their own tokens, then all-gather tokens, weights and expert ids over tp for the
+tp-sharded experts and reduce-scatter the partial outputs. The head's input is gathered whole (`model.gather_sequence`) before the
 vocab-parallel loss. Replicated parameters that saw only a shard of the sequence (norms, routers,
 the MTP projection) get their gradients summed over tp by the GradientFinisher (`sp_partial_names`).
 
