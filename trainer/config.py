@@ -182,11 +182,11 @@ class ParallelConfig:
     """How expert parallelism sends token copies to the ep rank holding their expert (trainer/parallel/
     tensor.py `ParallelExperts`); both are dropless and give the same outputs and gradients. `exact`
     sends each destination exactly its copies: a variable-size all-to-all whose split sizes the host
-    reads back, one device-to-host sync per MoE layer per forward (and a graph break under
-    train.compile). `padded` sends every destination a fixed-capacity block (this rank's tokens x
-    min(top_k, experts per ep rank), the most copies one destination can get) with the valid rows'
-    counts as a device tensor: training forwards never wait for the device and a MoE block compiles
-    whole; the receiver computes on the valid rows only. Its price: the all-to-alls carry, and the
+    reads back, one device-to-host sync per MoE layer per forward (train.compile traces the read as
+    symbolic sizes: one graph for every count). `padded` sends every destination a fixed-capacity
+    block (this rank's tokens x min(top_k, experts per ep rank), the most copies one destination can
+    get) with the valid rows' counts as a device tensor: training forwards never wait for the device;
+    the receiver computes on the valid rows only. Its price: the all-to-alls carry, and the
     expert matmuls' saved inputs and intermediates hold, ep x min(top_k, experts per rank) / top_k
     times the rows (ep x when experts per rank >= top_k). The miniature layouts on CPU run padded a
     little faster (bench/ep_dispatch.py), but on a real cluster at large batches the extra volume and

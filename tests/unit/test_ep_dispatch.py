@@ -1,7 +1,9 @@
 """Expert parallelism's two dispatches (`parallel.ep_dispatch`, trainer/parallel/tensor.py ParallelExperts)
 on one MoE layer over ep=2 (2 processes on gloo): both equal the one-process layer (outputs, input and
 parameter gradients); `padded` waits for the device nowhere in forward or backward while `exact` reads
-its split sizes back; and the shared expert's matmuls are issued while the token copies are in flight.
+its split sizes back; the shared expert's matmuls are issued while the token copies are in flight; and
+each, compiled with train.compile's settings, traces into one graph (no break, no recompile) that serves
+inputs whose split sizes differ, matching the one-process layer on each.
 
 top_k=3 of 4 experts, 2 per rank: a token sends up to 2 copies to one rank, so `padded`'s capacity
 (tokens x min(top_k, experts per rank)) is tighter than every copy (tokens x top_k) and is reached."""
@@ -22,6 +24,7 @@ from test_decode_host_sync import HostSyncs
 
 DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
 TOKENS, HIDDEN = 12, 32  # per rank
+ROUTINGS = 3  # compiled runs, on inputs routed differently (`routing_inputs`)
 
 
 def make_moe() -> MoE:
@@ -37,6 +40,22 @@ def make_moe() -> MoE:
 def data(world: int):
     g = torch.Generator().manual_seed(1)
     return torch.randn(world * TOKENS, HIDDEN, generator=g), torch.randn(world * TOKENS, HIDDEN, generator=g)
+
+
+def routing_inputs(world: int) -> list:
+    """The compiled runs' inputs (all ranks' rows): the test's data, its negation, and fresh draws."""
+    x_all = data(world)[0]
+    g = torch.Generator().manual_seed(2)
+    return [x_all, -x_all] + [torch.randn(x_all.shape, generator=g) for _ in range(ROUTINGS - 2)]
+
+
+def copies_per_source_and_destination(moe: MoE, x_all: torch.Tensor) -> tuple:
+    """(source rank, destination rank) -> token copies, the exact dispatch's split sizes for x_all
+    (rank r holds rows r*TOKENS.. and experts 2r, 2r+1)."""
+    with torch.no_grad():
+        _, indices, _ = moe.router(x_all)
+    dest = indices // 2
+    return tuple(int((dest[r * TOKENS:(r + 1) * TOKENS] == d).sum()) for r in range(2) for d in range(2))
 
 
 class OpOrder(TorchDispatchMode):
@@ -63,6 +82,9 @@ def _rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tandem.trainer.parallel.compile import configure_compiler
     from tandem.trainer.parallel.sharded_params import local
     from tandem.trainer.parallel.tensor import parallelize_moe
 
@@ -81,8 +103,22 @@ def _rank(rank: int, world: int, out: str) -> None:
             y2 = moe(x)
             (y2 * grad_all[rows]).sum().backward()
         result[mode] = {"syncs": dict(syncs.counts), "y": y.detach(), "y2": y2.detach(), "grad_x": x.grad,
-                        "grads": {n: local(p.grad) for n, p in moe.named_parameters()},
+                        "grads": {n: local(p.grad).clone() for n, p in moe.named_parameters()},
                         "overlapped_matmuls": matmuls_while_dispatching(order.names)}
+        # compiled as train.compile compiles (fullgraph off, which dynamo also reads as "graph-break on
+        # `.tolist()`" unless configured otherwise): one graph, no break, for every routing; the inputs
+        # below send different numbers of copies to each rank, which a graph specialised on the split sizes
+        # would recompile for
+        configure_compiler()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(moe.forward, backend=counter)
+        outs = []
+        for x_routed in routing_inputs(world):
+            xs = x_routed[rows].clone().requires_grad_()
+            ys = compiled(xs)
+            (ys * grad_all[rows]).sum().backward()
+            outs.append((ys.detach(), xs.grad))
+        result[mode]["compiled"] = {"frames": counter.frame_count, "outs": outs}
     torch.save(result, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -102,6 +138,7 @@ def test_padded_dispatch_is_exact_and_syncless(tmp_path):
     x_all, grad_all = data(2)
     x_all.requires_grad_()
     y_ref = ref(x_all)
+    ref_routed = make_moe()  # the compiled runs' reference
     (y_ref * grad_all).sum().backward()
     for mode in ("exact", "padded"):
         got = [r[mode] for r in ranks]
@@ -116,6 +153,19 @@ def test_padded_dispatch_is_exact_and_syncless(tmp_path):
             torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
         # the shared expert's gate, up and down projections run while the copies travel
         assert all(g["overlapped_matmuls"] == 3 for g in got), [g["overlapped_matmuls"] for g in got]
+        # compiled: one graph for all routings, equal to the one-process layer on each
+        assert [g["compiled"]["frames"] for g in got] == [1, 1], (mode, [g["compiled"]["frames"] for g in got])
+        splits = set()
+        for i, x_routed in enumerate(routing_inputs(2)):
+            xs = x_routed.clone().requires_grad_()
+            ys = ref_routed(xs)
+            (ys * grad_all).sum().backward()
+            splits.add(copies_per_source_and_destination(ref_routed, xs.detach()))
+            torch.testing.assert_close(torch.cat([g["compiled"]["outs"][i][0] for g in got]), ys.detach(),
+                                       rtol=1e-5, atol=1e-6, msg=f"{mode} compiled, input {i}")
+            torch.testing.assert_close(torch.cat([g["compiled"]["outs"][i][1] for g in got]), xs.grad,
+                                       rtol=1e-5, atol=1e-6, msg=f"{mode} compiled input grad, input {i}")
+        assert len(splits) == ROUTINGS, splits  # the all-to-alls' sizes differ between the runs
     assert all(r["padded"]["syncs"] == {} for r in ranks), [r["padded"]["syncs"] for r in ranks]
     assert all(r["exact"]["syncs"].get("tolist", 0) > 0 for r in ranks), [r["exact"]["syncs"] for r in ranks]
 

@@ -22,10 +22,14 @@ Two details make TP blocks compile:
   runs asynchronously); handed to a compiled graph as is, dynamo unwraps it and the embedding's
   gradient is lost (the engine then feeds zeros of the wrong type to DTensor's redistribute). The
   dispatch waits on it first, differentiably (`_Waited`).
-* Expert parallelism's `exact` dispatch (the default) reads its split sizes back to the host, which
-  breaks the graph around the dispatch; the rest compiles. `parallel.ep_dispatch=padded` keeps the
-  sizes static and the counts on the device: a MoE block then traces whole (one MoE layer over ep=2
-  compiles with `fullgraph=True` and matches eager).
+* Expert parallelism's `exact` dispatch (the default) reads its split sizes back to the host with
+  `.tolist()`. Dynamo captures those reads as unbacked symbolic sizes (`capture_scalar_outputs`, as
+  torchtitan sets for its token-choice MoE), so a MoE block still traces whole and one graph serves every
+  step's token counts; the read is still a host sync when the graph runs. Otherwise the read breaks the
+  graph and the resumed frame guards on each received size: a recompile per new count, past dynamo's
+  recompile limit at ep=4 (the block then runs eager). `parallel.ep_dispatch=padded` keeps the sizes
+  static and the counts on the device. Either dispatch over ep=2 compiles into one graph that serves
+  every routing and matches the one-process layer (tests/unit/test_ep_dispatch.py).
 
 Activation checkpointing wraps the compiled forward (`parallelize_model` applies compile first, then
 activation_checkpoint.py's per-block wrapper): AC(compile(block)), torchtitan's order for MoE blocks.
@@ -93,16 +97,25 @@ def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, position
     return eager(x_bsh, positions_bs, cache, input_ids_bs)
 
 
+def configure_compiler() -> None:
+    """The process-wide compiler settings Tandem's compiled blocks rely on (`apply_compile` sets them)."""
+    # the recomputation of a checkpointed block replays the graph its forward ran (issue 166926)
+    torch._C._dynamo.eval_frame._set_lru_cache(False)
+    # the selective checkpointing policy sees (and keeps) each compiled region as one op
+    torch._inductor.config.wrap_inductor_compiled_regions = True
+    # the exact expert dispatch's split sizes, read with `.tolist()`, become symbolic (unbacked) sizes in
+    # the graph instead of a graph break whose resumed frame guards on every size: one graph then serves
+    # every step's token counts (without it, each new count recompiles until dynamo's limit is reached)
+    torch._dynamo.config.capture_scalar_outputs = True
+
+
 def apply_compile(model: nn.Module, enabled: bool, backend=None) -> nn.Module:
     """Compile every block's training forward in place (see the module docstring); a no-op when off.
     Apply before activation checkpointing, which then wraps the compiled forward.
     `backend`: torch.compile's (default inductor; tests pass a counting one)."""
     if not enabled:
         return model
-    # the recomputation of a checkpointed block replays the graph its forward ran (issue 166926)
-    torch._C._dynamo.eval_frame._set_lru_cache(False)
-    # the selective checkpointing policy sees (and keeps) each compiled region as one op
-    torch._inductor.config.wrap_inductor_compiled_regions = True
+    configure_compiler()
     for block in checkpointed_blocks(model):
         if getattr(block, "_tandem_compiled", False):
             continue

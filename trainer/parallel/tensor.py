@@ -86,7 +86,7 @@ class ParallelExperts(GroupedExperts):
 
     Two dispatches (`parallel.ep_dispatch`), equal in outputs and gradients:
     * `exact`: each destination gets exactly its copies, a variable-size all-to-all whose split
-      sizes the host reads back: the layer's one device-to-host sync (and a graph break under
+      sizes the host reads back: the layer's one device-to-host sync (traced as symbolic sizes under
       `train.compile`).
     * `padded` (training forwards): each destination gets a block of `capacity` rows, the most copies
       one destination can receive from this rank (each token's top-k experts are distinct, so at most
@@ -167,7 +167,7 @@ class ParallelExperts(GroupedExperts):
             expert = torch.searchsorted(recv_ct.cumsum(1), (rows % capacity).view(ep, capacity), right=True).flatten()
         perm = torch.argsort(expert * ep + src, stable=True)  # padding rows (expert == n_local) sort last
         y = expert_swiglu(x[perm], recv_ct.sum(0), gate, up, down, self.matmul)
-        if y.shape[0] < x.shape[0]:  # the per-expert loop returns the valid rows only
+        if pos is not None and y.shape[0] < x.shape[0]:  # the per-expert loop returns the valid rows only
             y = F.pad(y, (0, 0, 0, x.shape[0] - y.shape[0]))
         y = y[inverse_permutation(perm)]
         if pos is None:
