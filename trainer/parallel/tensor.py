@@ -147,10 +147,10 @@ class ParallelExperts(GroupedExperts):
         if self._in_flight is None:  # a caller that skipped `dispatch`
             self.dispatch(x_sorted_nh, counts)
         (x, recv_ct, pos, back_splits), self._in_flight = self._in_flight, None
-        # the local shards are taken after the exact dispatch's host sync, which splits a compiled forward
-        # in two: a view of a DTensor parameter's shard handed across that split makes the shard itself
-        # require grad (torch 2.13), so the block's next compiled run, and a checkpoint's recomputation,
-        # would pick another graph (trainer/parallel/compile.py)
+        # the local shards are taken after the dispatch: where a host read breaks a compiled forward (the
+        # exact dispatch's split sizes without dynamo's scalar capture, the expert loop's counts), a view of
+        # a DTensor parameter's shard handed across the break makes the shard itself require grad (torch
+        # 2.13), so the block's next compiled run, and a checkpoint's recomputation, would pick another graph
         gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
         # received rows are source-major ([src][local expert], padded blocks: valid rows first); regroup
         # them expert-major (stable within a block, padding last) by a device-side sort of each row's
