@@ -7,7 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel
-from tandem.models.moe import MoE, _grouped_mm_works, combine_expert_outputs
+from tandem.models.moe import MoE, _grouped_mm_works, combine_expert_outputs, token_copies
 
 pytestmark = pytest.mark.skipif(not _grouped_mm_works(torch.device("cpu"), torch.float32),
                                 reason="torch._grouped_mm not available on this CPU build")
@@ -228,6 +228,29 @@ def test_combine_gradients_match_autograd_of_the_plain_sum():
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda a, b: combine_expert_outputs(a, order, b), (y.detach().requires_grad_(),
                                                                                          w.clone().requires_grad_()))
+
+
+def test_token_copies_gradient_sums_each_tokens_copies_in_fp32():
+    """The copies' gather (`token_copies`): forward is indexing by order // k; backward is indexing's
+    gradient (fp64: equal to its rounding), and in bf16 each token's k copy gradients summed in fp32 in
+    slot order and rounded once."""
+    t, k, h, e = 12, 3, 8, 5
+    g = torch.Generator().manual_seed(0)
+    _, order = _routing(t, k, e, 4)
+    x = torch.randn(t, h, generator=g, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    dout = torch.randn(t * k, h, generator=g, dtype=torch.float64)
+    copies = token_copies(x, order, k)
+    torch.testing.assert_close(copies, x2[order // k], rtol=0, atol=0)
+    torch.autograd.backward(copies, dout)
+    torch.autograd.backward(x2[order // k], dout)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a: token_copies(a, order, k), (x.detach().requires_grad_(),))
+    xb = x.detach().bfloat16().requires_grad_()
+    torch.autograd.backward(token_copies(xb, order, k), dout.bfloat16())
+    slots = dout.bfloat16().float()[torch.argsort(order)].view(t, k, h)
+    expected = (slots[:, 0] + slots[:, 1] + slots[:, 2]).bfloat16()
+    assert torch.equal(xb.grad, expected)
 
 
 def test_moe_layer_combines_in_fp32_under_autocast():
