@@ -264,21 +264,12 @@ def expert_paths(model: nn.Module, device: torch.device, autocast_dtype) -> Tupl
 
 
 def _expert_loop(x: torch.Tensor, counts, gate, up, down) -> torch.Tensor:
-    """The fallback: one matmul per expert (the counts on the host: a sync)."""
-    outputs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        xe = x[start : start + n]
-        h = F.silu(xe @ gate[e].t()) * (xe @ up[e].t())
-        outputs.append(h @ down[e].t())
-        start += n
-    if not outputs:
-        # An empty expert matmul: keeps the weights in the graph so every rank has (zero) gradients,
-        # and has the dtype a real one has (bf16 under autocast), which an all-to-all back (EP)
-        # needs to match on every rank.
-        xe = x[:0]
-        return (F.silu(xe @ gate[0].t()) * (xe @ up[0].t())) @ down[0].t()
+    """The fallback: one matmul per expert (the counts on the host: a sync). Every expert computes,
+    an empty one on no rows, so the loop never branches on a count: under train.compile the counts are
+    symbolic sizes (trainer/parallel/compile.py) and one graph serves every routing, and every expert
+    weight is in the graph (zero gradients for the unused ones, on every rank)."""
+    outputs = [(F.silu(xe @ gate[e].t()) * (xe @ up[e].t())) @ down[e].t()
+               for e, xe in enumerate(torch.split(x, counts))]
     return torch.cat(outputs, dim=0)
 
 

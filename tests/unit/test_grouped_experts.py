@@ -70,6 +70,28 @@ def test_empty_and_unused_experts():
     assert moe.experts.gate_proj.grad.abs().sum() == 0 and moe.experts.down_proj.grad.shape == (8, 32, 16)
 
 
+def test_expert_loop_compiles_once_for_every_routing(fresh_dynamo):
+    """The per-expert loop (the fallback where the grouped kernel is missing) under train.compile's
+    settings: its host-read counts become symbolic sizes, one graph serves routings with empty and full
+    experts, and it computes what the grouped path does (the loop used to branch on each count: a
+    graph break and a recompile per new count)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tandem.models.moe import expert_swiglu
+    from tandem.trainer.parallel.compile import configure_compiler
+
+    configure_compiler()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 16, generator=g)
+    gate, up, down = (torch.randn(shape, generator=g) for shape in ((4, 8, 16), (4, 8, 16), (4, 16, 8)))
+    counter = CompileCounterWithBackend("aot_eager")
+    loop = torch.compile(lambda x_nh, counts: expert_swiglu(x_nh, counts, gate, up, down, "loop"), backend=counter)
+    for counts in ([3, 0, 7, 0], [1, 2, 3, 4], [0, 0, 10, 0]):
+        counts = torch.tensor(counts)
+        torch.testing.assert_close(loop(x, counts), expert_swiglu(x, counts, gate, up, down, "grouped"))
+    assert counter.frame_count == 1
+
+
 def test_unaligned_width_falls_back_or_raises():
     """A hidden width whose rows are not 16-byte aligned: `auto` takes the loop, `grouped` says why."""
     torch.manual_seed(0)
