@@ -90,6 +90,11 @@ def test_expert_loop_compiles_once_for_every_routing(fresh_dynamo):
         counts = torch.tensor(counts)
         torch.testing.assert_close(loop(x, counts), expert_swiglu(x, counts, gate, up, down, "grouped"))
     assert counter.frame_count == 1
+    # a padded dispatch's rows past the counts: the loop computes the valid rows only (eager and compiled)
+    counts = torch.tensor([2, 0, 3, 1])
+    padded = torch.cat([x[:6], torch.randn(4, 16, generator=g)])
+    for fn in (loop, lambda x_nh, c: expert_swiglu(x_nh, c, gate, up, down, "loop")):
+        torch.testing.assert_close(fn(padded, counts), expert_swiglu(x[:6], counts, gate, up, down, "grouped"))
 
 
 def test_unaligned_width_falls_back_or_raises():
