@@ -26,7 +26,7 @@ each token's weighted sum of its top-k expert outputs accumulates in fp32 in slo
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +68,7 @@ def _base_aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _raw_no_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
-    """`grouped_mm_raw`'s result when its groups hold no rows, else None: the kernels reject empty
-    operands, and a compiled exact expert dispatch cannot branch on its data-dependent row count."""
+    """`grouped_mm_raw`'s result when its groups hold no rows, else None."""
     if b.dim() == 3 and a.shape[0] == 0:
         return a.new_zeros(0, b.shape[-1])
     if b.dim() == 2 and b.shape[0] == 0:
@@ -78,16 +77,32 @@ def _raw_no_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> Option
 
 
 def _no_rows(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
-    """`grouped_mm`'s result when x has no rows, else None (see `_raw_no_rows`)."""
+    """`grouped_mm`'s result when x has no rows, else None."""
     return x.new_zeros(0, w.shape[1]) if x.shape[0] == 0 else None
+
+
+def _empty_rows_first(no_rows: Callable, kernel: Callable) -> Callable:
+    """`kernel`, answering calls without rows itself: the kernels reject empty operands, and a compiled
+    exact expert dispatch cannot branch around them on its data-dependent row count."""
+
+    def run(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        empty = no_rows(a, b, offs)
+        return empty if empty is not None else kernel(a, b, offs)
+
+    return run
+
+
+_torch_grouped_mm_raw = _empty_rows_first(
+    _raw_no_rows, lambda a, b, offs: torch._grouped_mm(_base_aligned(a), _base_aligned(b), offs=offs))
+_torch_grouped_mm = _empty_rows_first(
+    _no_rows, lambda x, w, offs: torch._grouped_mm(_base_aligned(x), _base_aligned(w).transpose(-2, -1), offs=offs))
 
 
 @torch.library.custom_op("tandem::grouped_mm_raw", mutates_args=())
 def _grouped_mm_raw(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`torch._grouped_mm(a, b, offs=offs)`: a [N, K] x b [E, K, M] -> [N, M] (row groups of a), or
     a [M, N] x b [N, K] -> [E, M, K] (groups along the shared dimension N)."""
-    empty = _raw_no_rows(a, b, offs)
-    return empty if empty is not None else torch._grouped_mm(_base_aligned(a), _base_aligned(b), offs=offs)
+    return _torch_grouped_mm_raw(a, b, offs)
 
 
 @_grouped_mm_raw.register_fake
@@ -100,9 +115,7 @@ def _(a, b, offs):
 @torch.library.custom_op("tandem::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Row block e of x [N, in] (rows offs[e-1]:offs[e]) times w[e].T, w [E, out, in] -> [N, out]."""
-    empty = _no_rows(x, w, offs)
-    return empty if empty is not None else \
-        torch._grouped_mm(_base_aligned(x), _base_aligned(w).transpose(-2, -1), offs=offs)
+    return _torch_grouped_mm(x, w, offs)
 
 
 @_grouped_mm_op.register_fake
@@ -130,16 +143,8 @@ def register_grouped_mm_kernels(device_type: str, grouped_mm, grouped_mm_raw) ->
     """Device kernels for the two ops where `torch._grouped_mm` is not the one to use (Ascend NPUs:
     trainer/parallel/device.py registers torch_npu's grouped matmul). The autograd rule above, and with
     it the backward's use of `grouped_mm_raw`, stays the same on every device."""
-    def op(x, w, offs):
-        empty = _no_rows(x, w, offs)
-        return empty if empty is not None else grouped_mm(x, w, offs)
-
-    def raw(a, b, offs):
-        empty = _raw_no_rows(a, b, offs)
-        return empty if empty is not None else grouped_mm_raw(a, b, offs)
-
-    _grouped_mm_op.register_kernel(device_type)(op)
-    _grouped_mm_raw.register_kernel(device_type)(raw)
+    _grouped_mm_op.register_kernel(device_type)(_empty_rows_first(_no_rows, grouped_mm))
+    _grouped_mm_raw.register_kernel(device_type)(_empty_rows_first(_raw_no_rows, grouped_mm_raw))
     for key in [k for k in _GROUPED_MM_WORKS if k[0] == device_type]:
         del _GROUPED_MM_WORKS[key]  # probe again with the new kernels
 
