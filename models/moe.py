@@ -273,12 +273,13 @@ def _expert_loop(x: torch.Tensor, counts, gate, up, down) -> torch.Tensor:
     an empty one on no rows, so the loop never branches on a count: under train.compile the counts are
     symbolic sizes (trainer/parallel/compile.py) and one graph serves every routing, and every expert
     weight is in the graph (zero gradients for the unused ones, on every rank). Rows past the counts
-    (a padded dispatch's padding) are not computed: the result holds sum(counts) rows."""
+    (a padded dispatch's padding) are not computed: their outputs are zeros, so the result has x's rows
+    as the grouped kernel's does, and its caller never branches on which path ran."""
     valid = sum(counts)
     torch._check(valid <= x.shape[0])  # lets a compiled graph split off the padding without a guard
     *groups, _padding = torch.split(x, [*counts, x.shape[0] - valid])
     outputs = [(F.silu(xe @ gate[e].t()) * (xe @ up[e].t())) @ down[e].t() for e, xe in enumerate(groups)]
-    return torch.cat(outputs, dim=0)
+    return F.pad(torch.cat(outputs, dim=0), (0, 0, 0, x.shape[0] - valid))
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:

@@ -90,11 +90,14 @@ def test_expert_loop_compiles_once_for_every_routing(fresh_dynamo):
         counts = torch.tensor(counts)
         torch.testing.assert_close(loop(x, counts), expert_swiglu(x, counts, gate, up, down, "grouped"))
     assert counter.frame_count == 1
-    # a padded dispatch's rows past the counts: the loop computes the valid rows only (eager and compiled)
+    # a padded dispatch's rows past the counts: the loop skips them, zeros in their place, so the result
+    # has the input's rows whichever path ran (eager and compiled)
     counts = torch.tensor([2, 0, 3, 1])
     padded = torch.cat([x[:6], torch.randn(4, 16, generator=g)])
     for fn in (loop, lambda x_nh, c: expert_swiglu(x_nh, c, gate, up, down, "loop")):
-        torch.testing.assert_close(fn(padded, counts), expert_swiglu(x[:6], counts, gate, up, down, "grouped"))
+        y = fn(padded, counts)
+        torch.testing.assert_close(y[:6], expert_swiglu(x[:6], counts, gate, up, down, "grouped"))
+        assert y.shape == (10, 16) and not y[6:].any()
 
 
 def test_unaligned_width_falls_back_or_raises():

@@ -169,8 +169,6 @@ class ParallelExperts(GroupedExperts):
         # index_select, not indexing: a permutation's gradient is a gather too (each row written once), where
         # indexing's backward is an accumulating index_put, several times slower on CPU
         y = expert_swiglu(x.index_select(0, perm), recv_ct.sum(0), gate, up, down, self.matmul)
-        if pos is not None and y.shape[0] < x.shape[0]:  # the per-expert loop returns the valid rows only
-            y = F.pad(y, (0, 0, 0, x.shape[0] - y.shape[0]))
         y = y.index_select(0, inverse_permutation(perm))
         if pos is None:
             return funcol.all_to_all_single_autograd(y, *back_splits, self.ep_group)
