@@ -56,16 +56,31 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
 
-class _ChunkBuffers:
-    """The [chunk x vocab shard] buffers every chunk of one pass through the head writes its logits and
-    logit gradients into. On a CPU a fresh buffer that size is fresh pages from the kernel, and each
-    4 KiB costs a page fault when first written: as much as a pass over it (a GPU's caching allocator
-    reuses its blocks anyway)."""
+_CPU_SOFTMAX_BLOCK_BYTES = 2 << 20
+"""On a CPU the softmax passes over a chunk's logits run over blocks of rows of at most this many fp32
+bytes: one block stays in the caches through its passes, where a whole chunk's (2048 tokens x 4096
+vocabulary: 32 MiB) went to memory and back on each. An accelerator runs each pass as one kernel over
+the chunk (blocks would multiply its launches), so there a block is the chunk."""
 
-    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device, with_grad: bool):
-        self.z = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        self.grad = (torch.empty(rows, vocab, dtype=dtype, device=device)
-                     if with_grad and dtype != torch.float32 else None)
+
+def _softmax_block_rows(rows: int, vocab: int, device: torch.device) -> int:
+    if device.type != "cpu":
+        return rows
+    return max(1, min(rows, _CPU_SOFTMAX_BLOCK_BYTES // (4 * vocab)))
+
+
+class _ChunkBuffers:
+    """The buffers every chunk of one pass through the head writes into: its logits [chunk x vocab
+    shard] in the matmuls' dtype, which the logit gradients overwrite, and, below fp32, one fp32 block
+    of rows for the softmax (`_softmax_block_rows`). On a CPU a fresh buffer that size is fresh pages
+    from the kernel, and each 4 KiB costs a page fault when first written: as much as a pass over it (a
+    GPU's caching allocator reuses its blocks anyway)."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+        self.logits = torch.empty(rows, vocab, dtype=dtype, device=device)
+        self.block_rows = _softmax_block_rows(rows, vocab, device)
+        self.block = (torch.empty(self.block_rows, vocab, dtype=torch.float32, device=device)
+                      if dtype != torch.float32 else None)
 
 
 @torch.no_grad()
@@ -76,31 +91,40 @@ def _chunk_losses_and_logit_grads(h_nh: torch.Tensor, w_vh: torch.Tensor, target
     matmuls' operand): `grad` [n, vocab shard] is exp(z) - S * onehot and `rows` [n] (fp32) is
     valid / S, where z are the logits less their row max and S = sum exp(z). The row factor is left to
     the caller to apply on the narrow side of its matmuls ([n x hidden], 1/vocab of the work of
-    scaling [n x vocab]), so the wide softmax takes five passes (max, subtract, exp, sum, cast) and is
-    rounded to the operand dtype once; the relative rounding of every entry is that of rounding
-    softmax - onehot itself. Under a vocabulary shard the max and the (sum of exponentials, target
-    logit) pair are reduced in two collectives. `buffers` (one pass's) holds the logits and `grad`
-    (a view of them, valid until the next chunk); `with_grad=False` returns the losses alone."""
+    scaling [n x vocab]). The softmax runs in fp32 over blocks of rows (a max over the logits, then
+    per block: subtract, exp, sum, and the gradient written over the block's logits), so every entry
+    of `grad` is rounded to the operand dtype once, as rounding softmax - onehot itself would be.
+    Under a vocabulary shard the max and the (sum of exponentials, target logit) pair are reduced in
+    two collectives. `buffers` (one pass's) holds the logits, which `grad` overwrites (valid until the
+    next chunk); `with_grad=False` returns the losses alone."""
     n, h_nh = h_nh.shape[0], h_nh.to(w_vh.dtype)
-    if w_vh.dtype == torch.float32:
-        z = torch.mm(h_nh, w_vh.t(), out=buffers.z[:n])
-    else:
-        z = buffers.z[:n].copy_(F.linear(h_nh, w_vh))
-    z = z.sub_(red.max(z.amax(dim=-1)).unsqueeze(1))
+    with torch.autocast(h_nh.device.type, enabled=False):  # operands already in their dtype; `out=` below
+        logits = torch.mm(h_nh, w_vh.t(), out=buffers.logits[:n])
+    row_max = red.max(logits.amax(dim=-1).float())  # exact in any dtype: a max rounds nothing
     local_t = targets_n - vocab_start
     inside = (local_t >= 0) & (local_t < w_vh.shape[0])
     local_t = local_t.clamp(0, w_vh.shape[0] - 1)
-    target_z = torch.where(inside, z.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)
-    exp_z = z.exp_()  # in place of the logits
-    sum_exp, target_z = red.sum(torch.stack([exp_z.sum(dim=-1), target_z])).unbind(0)
+    z_at_t = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).float() - row_max  # read before overwritten
+    sum_exp = torch.empty(n, dtype=torch.float32, device=h_nh.device)
+    step = buffers.block_rows
+    for i in range(0, n, step):
+        block = logits[i : i + step]
+        z = block.sub_(row_max[i : i + step].unsqueeze(1)) if buffers.block is None else \
+            torch.sub(block, row_max[i : i + step].unsqueeze(1), out=buffers.block[: block.shape[0]])
+        exp_z = z.exp_()
+        sum_exp[i : i + step] = exp_z.sum(dim=-1)
+        if with_grad and buffers.block is not None:
+            block.copy_(exp_z)  # the gradient's rounding (the one-hot entries are rewritten below)
+    sum_exp, target_z = red.sum(torch.stack([sum_exp, torch.where(inside, z_at_t, 0.0)])).unbind(0)
     valid = targets_n != IGNORE
     losses = torch.where(valid, sum_exp.log() - target_z, 0.0)
     if not with_grad:
         return (losses,)
     rows = torch.arange(n, device=targets_n.device)
-    exp_z[rows, local_t] -= sum_exp * inside  # the one-hot (times S) lives in the target's shard only
-    grad = exp_z if w_vh.dtype == torch.float32 else buffers.grad[:n].copy_(exp_z)
-    return losses, grad, valid / sum_exp
+    # the one-hot (times S) lives in the target's shard only; exp(z) - S rounded once (a clamped
+    # position outside the shard gets back its own exp(z))
+    logits[rows, local_t] = (z_at_t.exp() - sum_exp * inside).to(logits.dtype)
+    return losses, logits, valid / sum_exp
 
 
 def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows_per_depth: int) -> None:
@@ -120,7 +144,7 @@ def _head_chunks(h_rh: torch.Tensor, w_vh: torch.Tensor, targets_r: torch.Tensor
     """One pass through the head (`w_vh` already in the matmuls' dtype) in chunks of `chunk` rows, its
     buffers made once: per chunk (its first row, its rows of h, then what
     `_chunk_losses_and_logit_grads` returns for it)."""
-    buffers = _ChunkBuffers(min(chunk, h_rh.shape[0]), w_vh.shape[0], w_vh.dtype, w_vh.device, with_grad)
+    buffers = _ChunkBuffers(min(chunk, h_rh.shape[0]), w_vh.shape[0], w_vh.dtype, w_vh.device)
     for i in range(0, h_rh.shape[0], chunk):
         h = h_rh[i : i + chunk]
         yield (i, h, *_chunk_losses_and_logit_grads(h, w_vh, targets_r[i : i + chunk], red, vocab_start, buffers,

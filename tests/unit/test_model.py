@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models import KVCache, MTPConfig, ModelConfig, TandemModel, depth_target_mask
+from tandem.models import loss as head_loss
 from tandem.models.loss import IGNORE, head_cross_entropy_sums
 from tandem.trainer.loss import combine_losses, loss_gradient
 from tandem.models.moe import MoE
@@ -98,12 +99,16 @@ def test_parallel_style_heads_read_the_trunk_state():
     torch.testing.assert_close(out.loss_sums[2], ref)
 
 
+@pytest.mark.parametrize("block_rows", [3, None])
 @pytest.mark.parametrize("backward", ["recompute", "fused", "fused_promised"])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_head_cross_entropy_sums_match_full(chunk, backward):
+def test_head_cross_entropy_sums_match_full(chunk, backward, block_rows, monkeypatch):
     """Three depths' rows in one pass against F.cross_entropy per depth, under incoming gradients that
     differ per depth (one of them 0, as a depth whose lambda is 0): `fused_promised` is told them up to
-    a factor (the trainer's `loss_grad_scales`) and keeps one weight-gradient buffer for all depths."""
+    a factor (the trainer's `loss_grad_scales`) and keeps one weight-gradient buffer for all depths.
+    `block_rows`: the softmax in blocks of 3 rows of a chunk (the last one shorter), or one block."""
+    if block_rows:
+        monkeypatch.setattr(head_loss, "_CPU_SOFTMAX_BLOCK_BYTES", block_rows * 50 * 4)
     torch.manual_seed(0)
     h = torch.randn(3, 23, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
@@ -120,6 +125,37 @@ def test_head_cross_entropy_sums_match_full(chunk, backward):
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(gh, h.grad)
     torch.testing.assert_close(gw, w.grad)
+
+
+def test_softmax_blocks_change_no_bit(monkeypatch):
+    """The head's softmax over blocks of rows (a CPU's cache-sized blocks) computes every row as the
+    whole chunk does: losses and both gradients bit for bit, fp32 and bf16 autocast; and in bf16 the
+    loss of the bf16 logits within a rounding."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 37, 32)
+    w = torch.randn(300, 32) * 0.3
+    t = torch.randint(0, 300, (2, 37))
+    t[0, ::5] = IGNORE
+    for bf16 in (False, True):
+        results = []
+        for block_bytes in (300 * 4 * 4, 1 << 30):  # blocks of 4 rows (9 and a part per chunk), one block
+            monkeypatch.setattr(head_loss, "_CPU_SOFTMAX_BLOCK_BYTES", block_bytes)
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                got = head_cross_entropy_sums(hh, ww, t, 37, "fused", torch.tensor([1.0, 0.5]))
+            (got * torch.tensor([1.0, 0.5])).sum().backward()
+            results.append((got.detach(), hh.grad, ww.grad))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), bf16
+        if bf16:  # against autograd through the bf16 logits: a rounding apart (measured 2e-3 on gradients)
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = F.linear(hh, ww).float()
+            ref = torch.stack([F.cross_entropy(logits[d], t[d], reduction="sum", ignore_index=IGNORE) for d in range(2)])
+            (ref * torch.tensor([1.0, 0.5])).sum().backward()
+            torch.testing.assert_close(results[0][0], ref.detach(), rtol=4e-3, atol=0)
+            for got_grad, ref_grad in zip(results[0][1:], (hh.grad, ww.grad)):
+                assert float((got_grad - ref_grad).norm() / ref_grad.norm()) < 1e-2
 
 
 def test_fused_head_holds_one_weight_gradient_for_every_depth():
