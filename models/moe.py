@@ -320,41 +320,45 @@ class _WeightedCombine(torch.autograd.Function):
         return grad_y, grad_w.to(w_tk.dtype) if grad_w is not None else None, None
 
 
+def copy_positions(order: torch.Tensor, k: int) -> torch.Tensor:
+    """pos [T, k]: the expert-sorted row of token t's j-th copy (order[pos[t, j]] = t * k + j), which
+    both `token_copies`' backward and `combine_expert_outputs` gather by; computed once per layer."""
+    return inverse_permutation(order).view(-1, k)
+
+
 class _TokenCopies(torch.autograd.Function):
-    """x[order // k]: every token's k copies in expert-sorted order (copy (t, j) is row i where order[i]
-    = t * k + j). Backward sums each token's k copy gradients in a fixed order (j = 0..k-1) in fp32 and
-    casts once, like `combine_expert_outputs`: bitwise reproducible on every device, where indexing's
-    backward (an accumulating index_put; index_select's index_add_ uses atomics on CUDA) sums them in
-    the copies' dtype, and about 7x faster on CPU than the accumulating index_put."""
+    """x[order // k]: every token's k copies in expert-sorted order (copy (t, j) is row pos[t, j]).
+    Backward sums each token's k copy gradients in a fixed order (j = 0..k-1) in fp32 and casts once,
+    like `combine_expert_outputs`: bitwise reproducible on every device, where indexing's backward (an
+    accumulating index_put; index_select's index_add_ uses atomics on CUDA) sums them in the copies'
+    dtype, and about 7x faster on CPU than the accumulating index_put."""
 
     @staticmethod
-    def forward(ctx, x_th: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        ctx.k = k
-        return x_th.index_select(0, order // k)
+    def forward(ctx, x_th: torch.Tensor, order: torch.Tensor, pos_tk: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pos_tk)
+        return x_th.index_select(0, order // pos_tk.shape[1])
 
     @staticmethod
     def backward(ctx, grad_nh: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        pos = inverse_permutation(order).view(-1, ctx.k)
+        (pos,) = ctx.saved_tensors
         grad = grad_nh.index_select(0, pos[:, 0]).to(torch.promote_types(grad_nh.dtype, torch.float32))
-        for j in range(1, ctx.k):
+        for j in range(1, pos.shape[1]):
             grad.add_(grad_nh.index_select(0, pos[:, j]))
         return grad.to(grad_nh.dtype), None, None
 
 
-def token_copies(x_th: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """Each token's k copies, sorted by expert: row i is token order[i] // k (see `_TokenCopies`)."""
-    return _TokenCopies.apply(x_th, order, k)
+def token_copies(x_th: torch.Tensor, order: torch.Tensor, pos_tk: torch.Tensor) -> torch.Tensor:
+    """Each token's k copies, sorted by expert: row i is token order[i] // k; `pos_tk` is
+    `copy_positions(order, k)` (see `_TokenCopies`)."""
+    return _TokenCopies.apply(x_th, order, pos_tk)
 
 
-def combine_expert_outputs(y_sorted_nh: torch.Tensor, order: torch.Tensor, weights_tk: torch.Tensor) -> torch.Tensor:
+def combine_expert_outputs(y_sorted_nh: torch.Tensor, pos_tk: torch.Tensor, weights_tk: torch.Tensor) -> torch.Tensor:
     """Each token's routed output, sum_j weights[t, j] * (its j-th copy's expert output), from the
-    copies' outputs in expert-sorted order (copy (t, j) is row i of y where order[i] = t * k + j).
+    copies' outputs in expert-sorted order (copy (t, j) is row pos[t, j] of y, `copy_positions`).
     fp32 accumulation in a fixed order (j = 0..k-1, whatever the experts): bitwise reproducible on
     every device, and one bf16 rounding per output instead of one per copy. Returns y's dtype."""
-    t, k = weights_tk.shape
-    return _WeightedCombine.apply(y_sorted_nh, weights_tk, inverse_permutation(order).view(t, k))
+    return _WeightedCombine.apply(y_sorted_nh, weights_tk, pos_tk)
 
 
 class Router(nn.Module):
@@ -457,10 +461,11 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = expert_counts(flat, self.cfg.num_experts)  # stays on the device
         self.experts.prepare(counts)
-        x_sorted = token_copies(x_th, order, k)
+        pos = copy_positions(order, k)
+        x_sorted = token_copies(x_th, order, pos)
         self.experts.dispatch(x_sorted, counts)
         shared = self.shared_output(x_th) if self.shared_experts is not None else None
-        out = combine_expert_outputs(self.experts(x_sorted, counts), order, weights)
+        out = combine_expert_outputs(self.experts(x_sorted, counts), pos, weights)
         return out if shared is None else out + shared
 
     def shared_output(self, x_th: torch.Tensor) -> torch.Tensor:

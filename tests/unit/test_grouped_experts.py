@@ -7,7 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel
-from tandem.models.moe import MoE, _grouped_mm_works, combine_expert_outputs, token_copies
+from tandem.models.moe import MoE, _grouped_mm_works, combine_expert_outputs, copy_positions, token_copies
 
 pytestmark = pytest.mark.skipif(not _grouped_mm_works(torch.device("cpu"), torch.float32),
                                 reason="torch._grouped_mm not available on this CPU build")
@@ -212,7 +212,7 @@ def test_combine_sums_in_fp32_in_slot_order_whatever_the_experts():
     for seed in (1, 2):
         _, order = _routing(t, k, e, seed)
         y = _copies_sorted(y_tkh, order)
-        outs.append(combine_expert_outputs(y, order, w))
+        outs.append(combine_expert_outputs(y, copy_positions(order, k), w))
         old.append(_scatter_add_combine(y, order, w))
     assert outs[0].dtype == torch.bfloat16
     assert torch.equal(outs[0], exact) and torch.equal(outs[1], exact)
@@ -231,7 +231,7 @@ def test_combine_error_in_bf16_is_below_the_scatter_add():
     _, order = _routing(t, k, e, 3)
     y = _copies_sorted(y_tkh, order)
     ref = (y_tkh.double() * w.double().unsqueeze(-1)).sum(1)
-    new = (combine_expert_outputs(y, order, w).double() - ref).abs()
+    new = (combine_expert_outputs(y, copy_positions(order, k), w).double() - ref).abs()
     old = (_scatter_add_combine(y, order, w).double() - ref).abs()
     assert (new <= ref.abs() * 2.0**-8 * (1 + 1e-5)).all()  # one rounding to nearest (8 significant bits)
     assert new.mean() < 0.75 * old.mean(), (float(new.mean()), float(old.mean()))
@@ -250,13 +250,14 @@ def test_combine_gradients_match_autograd_of_the_plain_sum():
     w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
     y2 = y.detach().clone().requires_grad_()
     dout = torch.randn(t, h, generator=g, dtype=torch.float64)
-    torch.autograd.backward(combine_expert_outputs(y, order, w1), dout)
+    pos = copy_positions(order, k)
+    torch.autograd.backward(combine_expert_outputs(y, pos, w1), dout)
     inv = torch.argsort(order)
     plain = (y2[inv].view(t, k, h) * w2.unsqueeze(-1)).sum(1)
     torch.autograd.backward(plain, dout)
     torch.testing.assert_close(y.grad, y2.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: combine_expert_outputs(a, order, b), (y.detach().requires_grad_(),
+    assert torch.autograd.gradcheck(lambda a, b: combine_expert_outputs(a, pos, b), (y.detach().requires_grad_(),
                                                                                          w.clone().requires_grad_()))
 
 
@@ -270,14 +271,15 @@ def test_token_copies_gradient_sums_each_tokens_copies_in_fp32():
     x = torch.randn(t, h, generator=g, dtype=torch.float64, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     dout = torch.randn(t * k, h, generator=g, dtype=torch.float64)
-    copies = token_copies(x, order, k)
+    pos = copy_positions(order, k)
+    copies = token_copies(x, order, pos)
     torch.testing.assert_close(copies, x2[order // k], rtol=0, atol=0)
     torch.autograd.backward(copies, dout)
     torch.autograd.backward(x2[order // k], dout)
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a: token_copies(a, order, k), (x.detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(lambda a: token_copies(a, order, pos), (x.detach().requires_grad_(),))
     xb = x.detach().bfloat16().requires_grad_()
-    torch.autograd.backward(token_copies(xb, order, k), dout.bfloat16())
+    torch.autograd.backward(token_copies(xb, order, pos), dout.bfloat16())
     slots = dout.bfloat16().float()[torch.argsort(order)].view(t, k, h)
     expected = (slots[:, 0] + slots[:, 1] + slots[:, 2]).bfloat16()
     assert torch.equal(xb.grad, expected)
