@@ -108,7 +108,12 @@ class MTPLayer(nn.Module):
             x = (self.fc_hidden(streams) + e.unsqueeze(-2)).flatten(-2)
         else:
             x = h_prev_bsh
-        return self.block(x, positions_bs, cache)
+        # The block's residual stream stays in the trunk's dtype: under autocast the projection returns
+        # bf16 while the trunk's stream is fp32 (fp32 embedding, fp32 residual adds). Without the cast the
+        # MTP chain would add its residuals in bf16 in one process but in fp32 once a pipeline boundary
+        # cast it, and a compiled MTP block would need its own graph (its input dtype differs from the
+        # trunk blocks'): one more compilation of the same block per run.
+        return self.block(x.to(h_prev_bsh.dtype), positions_bs, cache)
 
 
 class MTPModule(nn.Module):

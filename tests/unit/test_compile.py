@@ -99,6 +99,27 @@ def test_decoding_runs_eager_and_never_compiles():
     assert compiled_graphs
 
 
+def test_bf16_mtp_block_reuses_the_trunk_block_graph():
+    """Under bf16 autocast the MTP block's residual stream is the trunk's (fp32), so the MTP block, a MoE
+    block like the trunk's, runs the graph the trunk's MoE blocks compiled: two graphs (the dense first
+    block, the MoE blocks), not a third for a bf16 input (what the MTP input projection returns)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = build_sharded(load_config(None, OVERRIDES), ParallelState(device=resolve_device("cpu"))).train()
+    apply_compile(model, True, backend=counting_backend)
+    block_inputs = []
+    model.mtp.layers[0].block.register_forward_pre_hook(lambda m, args: block_inputs.append(args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randint(0, 300, (2, 25)))
+    out.loss_sums.sum().backward()
+    assert block_inputs == [torch.float32] * 3  # the K=3 steps of the one MTP layer
+    assert len(graphs) == 2
+
+
 def _checkpointed_step(mode: str, compile_: bool):
     """One training step under train.activation_checkpointing=`mode`: the per-depth losses, the
     gradients, the routers' load counters, and the matmuls (mm/bmm/addmm and the grouped expert op)
