@@ -369,16 +369,17 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
         kept.append(item)
     overrides = kept
     try:
-        merged = OmegaConf.merge(schema, *layers)
         for item, original in zip(renamed, overrides):
             try:
-                parsed = OmegaConf.from_dotlist([item])
+                layers.append(OmegaConf.from_dotlist([item]))
             except OmegaConfBaseException:
                 raise
             except Exception as exc:  # YAML scanner errors on values such as `...` or unbalanced quotes
                 raise ConfigError(f"override {original!r} has a value that is not valid YAML: "
                                   f"{' '.join(str(exc).split())[:200]}") from None
-            merged = OmegaConf.merge(merged, parsed)
+        # One merge, applying the layers in order: merging each override into the result of the last
+        # would deep-copy the whole config once per override (0.16 s for 30 overrides, on every rank).
+        merged = OmegaConf.merge(schema, *layers)
         cfg: TandemConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line_error(exc, recipe)) from None
