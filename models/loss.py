@@ -56,7 +56,7 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
 
-_CPU_SOFTMAX_BLOCK_BYTES = 2 << 20
+CPU_SOFTMAX_BLOCK_BYTES = 2 << 20
 """On a CPU the softmax passes over a chunk's logits run over blocks of rows of at most this many fp32
 bytes: one block stays in the caches through its passes, where a whole chunk's (2048 tokens x 4096
 vocabulary: 32 MiB) went to memory and back on each. An accelerator runs each pass as one kernel over
@@ -66,7 +66,7 @@ the chunk (blocks would multiply its launches), so there a block is the chunk.""
 def _softmax_block_rows(rows: int, vocab: int, device: torch.device) -> int:
     if device.type != "cpu":
         return rows
-    return max(1, min(rows, _CPU_SOFTMAX_BLOCK_BYTES // (4 * vocab)))
+    return max(1, min(rows, CPU_SOFTMAX_BLOCK_BYTES // (4 * vocab)))
 
 
 class _ChunkBuffers:

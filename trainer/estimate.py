@@ -42,7 +42,8 @@ meta device (no memory). Memory per rank for the recipe's layout is an estimate:
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward (its
   input, the grouped norm's output, the sigmoid mixing weights and the weighted streams; 4.5 measured
   on the module in fp32): 16 * hc * s * b * h / tp; with up to `pp` micro-batches in flight on the
-  first stage under 1F1B; the last stage adds the K MTP depths and one chunk of logits, and under the
+  first stage under 1F1B; the last stage adds the K MTP depths and the buffers of one chunk of logits
+  (`head_chunk_bytes`: the logits and, in bf16, their fp32 softmax block), and under the
   fused head (the default at tp=1) each loss's fp32 [vocab x hidden] weight gradient and input gradient,
   held from its forward to its backward (`fused_head_bytes`). Gated
   DeltaNet's and QSA's own activations are taken as an attention layer's (not modelled separately).
@@ -56,6 +57,7 @@ from typing import Dict
 import torch
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.models.loss import CPU_SOFTMAX_BLOCK_BYTES
 
 from .config import TandemConfig
 from .flops import flops_by_kind, mtp_kind, training_flops_per_token
@@ -369,7 +371,7 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, cfg.data.seq_len * cfg.train.micro_batch_size)
     # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits chunk
     heads = [r for r, pieces in enumerate(rank_pieces) if "lm_head" in pieces]
-    last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + chunk * m.vocab_size / p.tp * 4
+    last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + head_chunk_bytes(cfg, chunk)
                + fused_head_bytes(cfg, rank_loss_depths[r], act_bytes) for r in heads)
     activations = max(first, last) / GIB
 
@@ -412,6 +414,17 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
                     flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len))
+
+
+def head_chunk_bytes(cfg: TandemConfig, chunk: int) -> float:
+    """The buffers of a pass through the head (models/loss.py `_ChunkBuffers`): one chunk's logits
+    [chunk x vocab/tp] in the compute dtype and, below fp32, the fp32 block its softmax runs in, which
+    is the whole chunk on an accelerator and at most `CPU_SOFTMAX_BLOCK_BYTES` on a CPU."""
+    logits = chunk * cfg.model.vocab_size / cfg.parallel.tp
+    width = compute_bytes(cfg)
+    if width == 4:
+        return 4 * logits
+    return width * logits + (min(4 * logits, CPU_SOFTMAX_BLOCK_BYTES) if cfg.device == "cpu" else 4 * logits)
 
 
 def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:

@@ -89,3 +89,23 @@ def test_the_trainer_promises_the_heads_gradients():
     assert len(held["fused"]) == 2 and len(held["recompute"]) == 0  # one per micro-batch's forward
     for name, ref in grads["recompute"].items():
         torch.testing.assert_close(grads["fused"][name], ref, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dtype,device,tp", [("fp32", "cpu", 1), ("bf16", "cuda", 1), ("bf16", "cuda", 2),
+                                             ("bf16", "cpu", 1), ("bf16", "cpu", 4)])
+def test_the_head_chunk_is_counted_as_the_buffers_the_head_allocates(dtype, device, tp):
+    """The logits chunk the estimate adds on the head's rank is what models/loss.py's `_ChunkBuffers`
+    allocates for one pass: the logits in the compute dtype and, in bf16, the fp32 softmax block (the
+    whole chunk on an accelerator, at most CPU_SOFTMAX_BLOCK_BYTES on a CPU). Sized so that the CPU
+    block is smaller than the chunk."""
+    from tandem.models.loss import _ChunkBuffers
+    from tandem.trainer.estimate import head_chunk_bytes
+
+    cfg = load_config(None, BASE + [f"train.dtype={dtype}", f"device={device}", "model.vocab_size=65536",
+                                    "data.vocab_size=65536", f"parallel.tp={tp}"])
+    chunk = 128
+    # an accelerator's buffers on the meta device (any device but a CPU gets one block per chunk)
+    buffers = _ChunkBuffers(chunk, 65536 // tp, torch.bfloat16 if dtype == "bf16" else torch.float32,
+                            torch.device("cpu" if device == "cpu" else "meta"))
+    allocated = buffers.logits.nbytes + (buffers.block.nbytes if buffers.block is not None else 0)
+    assert head_chunk_bytes(cfg, chunk) == allocated

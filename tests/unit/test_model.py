@@ -108,7 +108,7 @@ def test_head_cross_entropy_sums_match_full(chunk, backward, block_rows, monkeyp
     a factor (the trainer's `loss_grad_scales`) and keeps one weight-gradient buffer for all depths.
     `block_rows`: the softmax in blocks of 3 rows of a chunk (the last one shorter), or one block."""
     if block_rows:
-        monkeypatch.setattr(head_loss, "_CPU_SOFTMAX_BLOCK_BYTES", block_rows * 50 * 4)
+        monkeypatch.setattr(head_loss, "CPU_SOFTMAX_BLOCK_BYTES", block_rows * 50 * 4)
     torch.manual_seed(0)
     h = torch.randn(3, 23, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
@@ -139,7 +139,7 @@ def test_softmax_blocks_change_no_bit(monkeypatch):
     for bf16 in (False, True):
         results = []
         for block_bytes in (300 * 4 * 4, 1 << 30):  # blocks of 4 rows (9 and a part per chunk), one block
-            monkeypatch.setattr(head_loss, "_CPU_SOFTMAX_BLOCK_BYTES", block_bytes)
+            monkeypatch.setattr(head_loss, "CPU_SOFTMAX_BLOCK_BYTES", block_bytes)
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 got = head_cross_entropy_sums(hh, ww, t, 37, "fused", torch.tensor([1.0, 0.5]))
