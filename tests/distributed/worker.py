@@ -249,6 +249,25 @@ def spawn_ranks(fn, world: int, out: str) -> None:
     mp.spawn(_as_rank, args=(fn, world, port, out), nprocs=world)
 
 
+def reuse_device_meshes() -> None:
+    """One DeviceMesh, with its process groups, per mesh shape for the whole launch. A compiled block
+    guards on the names of the process groups its collectives use, so a compiled case reuses the graphs
+    an earlier case of the same shape compiled (test_compile_layout.py: the checkpointing modes share
+    them) only if it gets the same groups; a run builds its mesh once, as the trainer does."""
+    from torch.distributed import device_mesh
+
+    made = {}
+    build = device_mesh.init_device_mesh
+
+    def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, **kwargs):
+        key = (device_type, tuple(mesh_shape), tuple(mesh_dim_names or ()), tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = build(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
+        return made[key]
+
+    device_mesh.init_device_mesh = init_device_mesh
+
+
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
@@ -256,6 +275,7 @@ def main(argv: List[str]) -> int:
 
     out_dir, layouts = argv[0], argv[1:]
     torch.set_num_threads(1)
+    reuse_device_meshes()
     for layout in layouts:
         start = time.perf_counter()
         # the recorder's wrappers keep Python state that torch.compile would guard on (a recompile per
