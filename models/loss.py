@@ -139,12 +139,34 @@ def _add_by_depth(totals_d: torch.Tensor, losses: torch.Tensor, start: int, rows
         i = j
 
 
+_CPU_KEPT_BUFFERS: dict = {}
+"""The last pass's `_ChunkBuffers` on a CPU, under the key (rows, vocab shard, dtype, softmax block rows)
+they were made for."""
+
+
+def _pass_buffers(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> _ChunkBuffers:
+    """One pass's buffers. On a CPU the last pass's are kept for the next pass of the same shape (the next
+    step's): glibc serves a block of 32 MiB or more (2048 tokens x 4096 vocabulary in fp32) with a fresh
+    mmap, whose pages fault in again on every step, which cost 4-5% of the fp32 step of
+    bench/throughput.py. They are needed at the head's point of every step anyway, where every
+    activation of the forward is still held, so keeping them does not raise the peak. An accelerator's
+    caching allocator reuses its blocks itself. Passes never overlap (each runs to its end before the
+    next starts), so one set serves them all."""
+    if device.type != "cpu":
+        return _ChunkBuffers(rows, vocab, dtype, device)
+    key = (rows, vocab, dtype, _softmax_block_rows(rows, vocab, device))
+    if _CPU_KEPT_BUFFERS.get("key") != key:
+        _CPU_KEPT_BUFFERS.clear()  # the old set is freed before the new one is made
+        _CPU_KEPT_BUFFERS.update(key=key, buffers=_ChunkBuffers(rows, vocab, dtype, device))
+    return _CPU_KEPT_BUFFERS["buffers"]
+
+
 def _head_chunks(h_rh: torch.Tensor, w_vh: torch.Tensor, targets_r: torch.Tensor, chunk: int, red: VocabReduce,
                  vocab_start: int, with_grad: bool = True):
     """One pass through the head (`w_vh` already in the matmuls' dtype) in chunks of `chunk` rows, its
-    buffers made once: per chunk (its first row, its rows of h, then what
+    buffers made once (`_pass_buffers`): per chunk (its first row, its rows of h, then what
     `_chunk_losses_and_logit_grads` returns for it)."""
-    buffers = _ChunkBuffers(min(chunk, h_rh.shape[0]), w_vh.shape[0], w_vh.dtype, w_vh.device)
+    buffers = _pass_buffers(min(chunk, h_rh.shape[0]), w_vh.shape[0], w_vh.dtype, w_vh.device)
     for i in range(0, h_rh.shape[0], chunk):
         h = h_rh[i : i + chunk]
         yield (i, h, *_chunk_losses_and_logit_grads(h, w_vh, targets_r[i : i + chunk], red, vocab_start, buffers,

@@ -127,6 +127,32 @@ def test_head_cross_entropy_sums_match_full(chunk, backward, block_rows, monkeyp
     torch.testing.assert_close(gw, w.grad)
 
 
+def test_cpu_head_buffers_are_kept_between_passes():
+    """On a CPU a pass through the head reuses the last pass's buffers when its shape is the same (no
+    fresh pages to fault in every step), makes new ones when it is not, and what a pass computes does not
+    depend on which buffers it got: a pass of another shape in between leaves the next one's losses and
+    gradients bit for bit those of the first (the fused mode's gradient overwrites the kept logits)."""
+    torch.manual_seed(0)
+    h, w, t = torch.randn(2, 37, 32), torch.randn(300, 32) * 0.3, torch.randint(0, 300, (2, 37))
+    scales = torch.tensor([1.0, 0.5])
+
+    def one_pass(rows, chunk, backward):
+        hh, ww = h[:, :rows].clone().requires_grad_(), w.clone().requires_grad_()
+        got = head_cross_entropy_sums(hh, ww, t[:, :rows], chunk, backward, scales if backward == "fused" else None)
+        (got * scales).sum().backward()
+        return got.detach(), hh.grad, ww.grad, head_loss._CPU_KEPT_BUFFERS["buffers"]
+
+    for backward in ("fused", "recompute"):
+        first = one_pass(37, 16, backward)
+        again = one_pass(37, 16, backward)
+        assert again[3] is first[3]  # the same buffers, kept
+        other = one_pass(11, 5, backward)
+        assert other[3] is not first[3]
+        after = one_pass(37, 16, backward)
+        for a, b in zip(first[:3], after[:3]):
+            assert torch.equal(a, b), backward
+
+
 def test_softmax_blocks_change_no_bit(monkeypatch):
     """The head's softmax over blocks of rows (a CPU's cache-sized blocks) computes every row as the
     whole chunk does: losses and both gradients bit for bit, fp32 and bf16 autocast; and in bf16 the
