@@ -153,10 +153,10 @@ def test_checkpointing_wraps_the_compiled_forward():
         assert got_loads.keys() == loads.keys() and all(torch.equal(got_loads[n], loads[n]) for n in loads), mode
         worst = max(float((got_grads[n] - grads[n]).norm() / grads[n].norm()) for n in grads)
         assert got_grads.keys() == grads.keys() and worst <= 3e-5, (mode, worst)  # fp32 fusion: 4.4e-6 measured
-    # The counts in a fresh interpreter: in the full suite's one process the compiled backward without
-    # checkpointing once ran 40 more matmuls (260 for 220) than alone, where 3 runs of the whole suite's
-    # preceding unit tests, a 1-thread run and the test file alone all give 220; some state earlier tests
-    # leave behind changes what inductor emits, not what checkpointing recomputes.
+    # The counts in a fresh interpreter, each mode's second step: the first step of a mode that compiles
+    # a graph compiles its backward during that backward, and the profiler counts the matmuls compilation
+    # traces (on fake tensors) as if they ran; with inductor's on-disk cache cold (a new CI machine) the
+    # compiled backward without checkpointing counted 281 for 221, with it warm 221.
     proc = subprocess.run([sys.executable, __file__, "--count-backward-matmuls"], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -168,4 +168,5 @@ def test_checkpointing_wraps_the_compiled_forward():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--count-backward-matmuls"]:
-    print(json.dumps({mode: _checkpointed_step(mode, True)[3] for mode in ("none", "full", "selective")}))
+    print(json.dumps({mode: [_checkpointed_step(mode, True)[3] for _ in range(2)][1]
+                      for mode in ("none", "full", "selective")}))
