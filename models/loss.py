@@ -63,8 +63,8 @@ vocabulary: 32 MiB) went to memory and back on each. An accelerator runs each pa
 the chunk (blocks would multiply its launches), so there a block is the chunk."""
 
 
-def _softmax_block_rows(rows: int, vocab: int, device: torch.device) -> int:
-    if device.type != "cpu":
+def _softmax_block_rows(rows: int, vocab: int, device_type: str) -> int:
+    if device_type != "cpu":
         return rows
     return max(1, min(rows, CPU_SOFTMAX_BLOCK_BYTES // (4 * vocab)))
 
@@ -78,9 +78,16 @@ class _ChunkBuffers:
 
     def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
         self.logits = torch.empty(rows, vocab, dtype=dtype, device=device)
-        self.block_rows = _softmax_block_rows(rows, vocab, device)
+        self.block_rows = _softmax_block_rows(rows, vocab, device.type)
         self.block = (torch.empty(self.block_rows, vocab, dtype=torch.float32, device=device)
                       if dtype != torch.float32 else None)
+
+
+def chunk_buffer_bytes(rows: int, vocab: int, dtype: torch.dtype, device_type: str) -> int:
+    """What `_ChunkBuffers(rows, vocab, dtype, device)` allocates on a device of `device_type`
+    (trainer/estimate.py counts it without allocating)."""
+    block = 0 if dtype == torch.float32 else _softmax_block_rows(rows, vocab, device_type) * vocab * 4
+    return rows * vocab * dtype.itemsize + block
 
 
 @torch.no_grad()
@@ -154,7 +161,7 @@ def _pass_buffers(rows: int, vocab: int, dtype: torch.dtype, device: torch.devic
     next starts), so one set serves them all."""
     if device.type != "cpu":
         return _ChunkBuffers(rows, vocab, dtype, device)
-    key = (rows, vocab, dtype, _softmax_block_rows(rows, vocab, device))
+    key = (rows, vocab, dtype, _softmax_block_rows(rows, vocab, device.type))
     if _CPU_KEPT_BUFFERS.get("key") != key:
         _CPU_KEPT_BUFFERS.clear()  # the old set is freed before the new one is made
         _CPU_KEPT_BUFFERS.update(key=key, buffers=_ChunkBuffers(rows, vocab, dtype, device))

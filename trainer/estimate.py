@@ -57,7 +57,7 @@ from typing import Dict
 import torch
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel
-from tandem.models.loss import CPU_SOFTMAX_BLOCK_BYTES
+from tandem.models.loss import chunk_buffer_bytes
 
 from .config import TandemConfig
 from .flops import flops_by_kind, mtp_kind, training_flops_per_token
@@ -417,14 +417,11 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
 
 
 def head_chunk_bytes(cfg: TandemConfig, chunk: int) -> float:
-    """The buffers of a pass through the head (models/loss.py `_ChunkBuffers`): one chunk's logits
+    """The buffers of a pass through the head (models/loss.py `chunk_buffer_bytes`): one chunk's logits
     [chunk x vocab/tp] in the compute dtype and, below fp32, the fp32 block its softmax runs in, which
     is the whole chunk on an accelerator and at most `CPU_SOFTMAX_BLOCK_BYTES` on a CPU."""
-    logits = chunk * cfg.model.vocab_size / cfg.parallel.tp
-    width = compute_bytes(cfg)
-    if width == 4:
-        return 4 * logits
-    return width * logits + (min(4 * logits, CPU_SOFTMAX_BLOCK_BYTES) if cfg.device == "cpu" else 4 * logits)
+    dtype = torch.bfloat16 if compute_bytes(cfg) == 2 else torch.float32
+    return chunk_buffer_bytes(chunk, cfg.model.vocab_size // cfg.parallel.tp, dtype, cfg.device)
 
 
 def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
