@@ -41,12 +41,12 @@ class Attention(nn.Module):
         b, s, _ = x_bsh.shape
         # Head counts come from the projection widths so tensor parallelism (which shards the
         # projections' output features) needs no change here.
-        q = self.q_proj(x_bsh).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_bsh).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x_bsh).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x_bsh).view(b, s, -1, self.head_dim)
         v = self.v_proj(x_bsh).view(b, s, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None:  # per head, on the projections' contiguous rows
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions_bs), self.rotary(k, positions_bs)
+        q, k = self.rotary(q.transpose(1, 2), positions_bs), self.rotary(k.transpose(1, 2), positions_bs)
         groups = q.shape[1] // k.shape[1]
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)

@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import rms_norm
+
 try:  # optional CUDA kernels; the pure-PyTorch path below computes the same thing
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
 except Exception:  # noqa: BLE001  (missing package, or triton/CUDA unusable)
@@ -173,8 +175,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # The cast order matches transformers (w * x_hat in the input dtype, the gate in fp32) so bf16
         # checkpoints reproduce the reference bit for bit where the math allows.
-        x32 = x.float()
-        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        y = rms_norm(x, self.weight, self.eps)
         g32 = F.silu(gate.float()) if self.act == "silu" else torch.sigmoid(gate.float())
         return (y * g32).to(x.dtype)
 

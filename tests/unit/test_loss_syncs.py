@@ -143,8 +143,9 @@ def test_losses_and_gradients_are_the_valid_rows_ones(objective):
     (got, got_grads), (ref, ref_grads) = results
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert set(got_grads) == set(ref_grads)
-    for name, g in got_grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    for name, g in got_grads.items():  # fp32 sums in another order: absolute error scales with the gradient
+        scale = max(1.0, ref_grads[name].abs().max().item())
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
 def test_token_counts_stay_on_the_device_and_count_valid_targets():
