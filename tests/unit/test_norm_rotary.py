@@ -94,3 +94,27 @@ def test_rotary_matches_the_concatenating_form_bit_for_bit(dtype, rotary_dim):
     assert torch.equal(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x_ref, g)[0])
     with torch.no_grad():
         assert torch.equal(rotary(x, positions), ref)
+
+
+def saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while `fn(*args)` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_keeps_only_its_input_and_rstd_for_backward(dtype):
+    """Autograd's decomposed norm keeps fp32 x and the cast x_hat (8 or 6 bytes per element, fp32 or
+    bf16); the Function keeps x in its own dtype and one fp32 rstd per row."""
+    norm = RMSNorm(64)
+    x = torch.randn(32, 64, dtype=dtype, requires_grad=True)
+    expected = x.numel() * x.element_size() + 32 * 4 + norm.weight.numel() * 4
+    assert saved_bytes(norm, x) == expected
+    assert saved_bytes(decomposed_rms_norm, x, norm.weight, 1e-6, False, 0) > expected + x.numel() * 2
