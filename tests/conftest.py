@@ -4,6 +4,10 @@ import os
 
 import pytest
 
+# Every process the suite starts (torchrun ranks, CLI runs, servers) inherits this: one that dies of a
+# signal prints its Python stack, where otherwise torchrun reports only an exit code
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 TINY_OVERRIDES = [
     "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
     "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",

@@ -80,8 +80,7 @@ def runs(tmp_path_factory):
     by_world = {}
     for layout, world in {**LAYOUTS, **Q4_LAYOUTS}.items():
         by_world.setdefault(world, []).append(layout)
-    # faulthandler: a rank that dies of a signal prints its Python stack, not only torchrun's exit code
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for world, layouts in sorted(by_world.items()):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.join(HERE, "eval_worker.py"), str(out), *layouts]
@@ -90,13 +89,19 @@ def runs(tmp_path_factory):
             # One CI run saw rank 0 of the world-2 launch die of SIGSEGV that no local rerun reproduced
             # (20 launches across oneDNN/ATen/MKL instruction sets, pinned to one core, every large
             # allocation mmapped so a use-after-free would fault). A second launch tells a native flake
-            # from a fault: a crash that repeats fails here, with both ranks' stacks.
-            warnings.warn(f"world {world} launch: a rank died of SIGSEGV; relaunching once\n{proc.stderr[-4000:]}")
+            # from a fault: a crash that repeats fails here, with the crashed rank's stack.
+            warnings.warn(f"world {world} launch: a rank died of SIGSEGV; relaunching once\n{crash_report(proc)}")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        fatal = proc.stderr.find("Fatal Python error")  # a crashed rank's stack, before torchrun's report
-        assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[max(fatal, 0):][:4000] * (fatal >= 0)
-                                      + proc.stderr[-6000:])
+        assert proc.returncode == 0, crash_report(proc)
     return out
+
+
+def crash_report(proc: subprocess.CompletedProcess) -> str:
+    """A failed launch's output tail, with a crashed rank's faulthandler stack (conftest turns it on for
+    every process the suite starts) ahead of torchrun's report, which would push it out of the tail."""
+    fatal = proc.stderr.find("Fatal Python error")
+    stack = proc.stderr[fatal:fatal + 4000] if fatal >= 0 else ""
+    return proc.stdout[-3000:] + stack + proc.stderr[-6000:]
 
 
 def test_reference_exercises_acceptance(reference):
