@@ -29,7 +29,16 @@ rows are rewritten by depths 2..K or by the next round before a query at or afte
 QSA index reuse (`mtp.qsa_reuse_indices`, vLLM's `index_share_for_mtp_iteration`): depth 1 runs the
 MTP layer's indexer and records each query's selection (position-indexed, over committed inputs);
 depth k reuses the selection of depth 1's query at m - 1 (the row vLLM's `compact_topk_indices`
-keeps: the last accepted token's), read k - 1 positions before its own (`SelectionShare.read_offset`).
+keeps: the last accepted token's), read k - 1 positions before its own (`SelectionShare.read_offset`),
+and attends exactly what vLLM attends there: that query's whole row, its selected blocks and ITS tail
+[m // r * r, m - 1] (r: the compress ratio). vLLM's row is a packed list of token indices
+(`vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py`, `_expand_qsa_indices_kernel`: blocks' tokens,
+then the tail of the query's own position), `QSAIndexer.forward` returns it untouched under
+`skip_topk` (`nvidia/indexer_qsa.py`), and `qsa_sparse_paged_attention` attends only the listed
+tokens. So depth k at m + k - 2 attends no block completed after m - 1, nothing at m..m+k-2 (depths
+2..k-1's entries) and not its own key: with r = 4, m - 1 = 6 and k = 3, positions 0..6, not 7 or 8.
+That gap is serving's, kept here so the acceptance measured is the one serving gets
+(tests/unit/test_draft_conventions.py checks it against a cache-free re-derivation).
 
 The convention is defined for the looped style with one physical MTP layer (every recipe's, and
 what vLLM's proposer fills: with L > 1 its later layers' caches are never written for the earlier
@@ -83,7 +92,8 @@ class ServingDrafter:
     def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """MTP depth k on the shared cache (TandemModel.mtp_step plus the serving engine's zeroed
         embedding at position 0 for the concat_proj combine, and depth k's reused QSA selection read
-        from depth 1's query at m - 1, k - 1 positions back). `span`: the cache's key prefix (host int)."""
+        from depth 1's query at m - 1, k - 1 positions back, attended with that query's tail, as vLLM
+        does). `span`: the cache's key prefix (host int)."""
         model = self.dec.model
         self.cache.cache.span = span
         if k == 1 and self.final_norm:

@@ -347,8 +347,18 @@ class IndexedAttention(nn.Module):
             # Block keys from the cached prefix every time: a block is used only by queries at or after its
             # last token, which this forward (or an earlier one) has just written, so rollback is free.
             share = self.selection_share
+            tail_at_bs = positions_bs  # the query whose tail [(t+1) // r * r, t] is attended
             if share is not None and share.mode == "reuse":
-                blocks_bsk, count_bs = self._reused(cache, positions_bs - share.read_offset)
+                # A reusing query attends the source query's whole selection row, its blocks AND its tail,
+                # as vLLM 0.32 does: its reusing draft steps (`set_skip_topk(True)`) attend verbatim the
+                # packed token-index row depth 1's query at m - 1 wrote (`expand_qsa_block_indices`: the
+                # blocks' tokens, then that query's tail), kept by `compact_topk_indices`. With
+                # read_offset k - 1 (the serving convention) depth k at m + k - 2 therefore attends
+                # nothing at m or later (not even its own key) and no block completed after m - 1:
+                # serving's gap, kept so the acceptance measured here is what serving gets. With
+                # read_offset 0 (training, the tandem convention) the source is the query itself.
+                tail_at_bs = (positions_bs - share.read_offset).clamp(min=0)
+                blocks_bsk, count_bs = self._reused(cache, tail_at_bs)
             else:
                 n = span // r
                 starts_bn = (torch.arange(n, device=positions_bs.device) * r).expand(positions_bs.shape[0], n)
@@ -356,7 +366,7 @@ class IndexedAttention(nn.Module):
                 blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
                 if share is not None and share.mode == "record":
                     self._record(cache, positions_bs, blocks_bsk, count_bs)
-            mask_bts = self._token_mask(blocks_bsk, count_bs, positions_bs, span)
+            mask_bts = self._token_mask(blocks_bsk, count_bs, tail_at_bs, span)
         groups = q_bhsd.shape[1] // k_all.shape[1]
         out = F.scaled_dot_product_attention(q_bhsd, k_all.to(q_bhsd.dtype), v_all.to(q_bhsd.dtype),
                                              attn_mask=mask_bts[:, None], enable_gqa=groups > 1)
@@ -372,7 +382,8 @@ class IndexedAttention(nn.Module):
         counts.scatter_(1, positions_bs, count_bs)
 
     def _reused(self, cache: LayerCache, source_bs):
-        """Depth 1's selection at positions `source_bs` (blocks complete there are complete here too)."""
+        """Depth 1's selection at positions `source_bs` (blocks complete there are complete here too); the
+        caller attends them with the tail of `source_bs`, not of its own position (see `_decode`)."""
         store = cache.shared_buffer("qsa_reuse_blocks", (self.budget // self.compress_ratio,), torch.long)
         counts = cache.shared_buffer("qsa_reuse_counts", (), torch.long)
         src = source_bs.clamp(min=0)

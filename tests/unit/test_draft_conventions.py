@@ -4,8 +4,11 @@
   DeepSeek-V3 combine (concat_proj, with either trunk input) and Qwen4-Exp's drafter (QSA index reuse
   on and off);
 * `serving` drafts as vLLM's proposer: its draft logits, round after round with rollbacks, equal a
-  cache-free re-derivation (eval/testing.vllm_convention_draft), and its decode equals the serving
-  test's `vllm_convention_decode` in tokens and in both counts (vLLM's and budget-exact);
+  cache-free re-derivation (eval/testing.vllm_convention_draft; with QSA index reuse this file's
+  `served_reuse_draft`), and its decode equals the serving test's `vllm_convention_decode` in tokens
+  and in both counts (vLLM's and budget-exact);
+* with QSA index reuse, depth k >= 2 attends exactly what vLLM's reusing step attends: depth 1's whole
+  selection row at m - 1 (its blocks and its tail [m // r * r, m - 1]), not a tail of its own;
 * hand-checked: depth k's single query writes only position m + k - 2 of the one MTP cache and reads
   depth 1's entries at 0..m-1 there;
 * the shared cache keeps the rollback contract: after every round its valid prefix equals a fresh
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandem.eval.metrics import evaluate_decoding
 from tandem.eval.spec_decode import SpecDecoder, acceptance_metrics, generate
@@ -91,13 +95,86 @@ def _forced_rounds(model, prompts, convention, rounds, check):
     return dec
 
 
+def served_positions(blocks, m: int, r: int):
+    """The key positions vLLM 0.32's reusing draft step (depth k >= 2, `set_skip_topk(True)`) attends:
+    the packed row that depth 1's query at m - 1 wrote (`expand_qsa_block_indices`: its selected
+    blocks' tokens, then its tail [m // r * r, m - 1]), kept by `compact_topk_indices` and read
+    verbatim by the sparse attention kernel. Nothing at m or later, not even the query's own key."""
+    return sorted({b * r + i for b in blocks for i in range(r)} | set(range(m // r * r, m)))
+
+
+def _own_tail_positions(blocks, m: int, r: int, p: int):
+    """The wrong rule (what the serving convention did before): depth 1's blocks plus the tail of the
+    query's own position p = m + k - 2; the test checks that it gives different logits."""
+    return sorted({b * r + i for b in blocks for i in range(r)} | set(range((p + 1) // r * r, p + 1)))
+
+
+@torch.inference_mode()
+def served_reuse_draft(model, seq, k, force, rule=None):
+    """Depths 1..k's draft logits for committed tokens `seq` (x_0..x_m) as vLLM drafts with QSA index
+    reuse, with no cache and an attention of its own: depth 1 runs the MTP layer over rows 0..m-1
+    (trunk state t, token t+1), each row attending its own selection (recomputed here from the
+    indexer's block scores: top budget / r complete blocks, ties to the earlier block) plus its own
+    tail; depth k >= 2 appends one row at position p = m + k - 2 (the previous depth's output and
+    draft) after the rows of depths 2..k-1 at m..p-1 (what vLLM's one draft KV cache holds), and that
+    row attends only `rule(blocks depth 1 chose at m - 1, m, r, p)` (default `served_positions`,
+    which reaches none of the rows at m and after). Returns the logits, the drafts fed onwards and
+    depth 1's blocks at m - 1."""
+    rule = rule or (lambda blocks, m, r, p: served_positions(blocks, m, r))
+    layer = model.mtp.layer_for_step(1)
+    attn = layer.block.self_attn
+    r, top = attn.compress_ratio, attn.budget // attn.compress_ratio
+    m = len(seq) - 1
+    h_in = model.trunk(torch.tensor([list(seq[:m])]), torch.arange(m)[None])
+    e_in = model.embed_tokens(torch.tensor([list(seq[1 : m + 1])]))
+    selected = {}  # row t < m -> the blocks depth 1's query at t selects
+    allowed_last = []  # the key positions of the appended row (depth k >= 2)
+
+    def attention(x_bsh, positions_bs, cache=None, *rest):
+        s = x_bsh.shape[1]
+        if not selected:  # depth 1: every row selects for itself
+            q_idx, raw = attn.indexer(x_bsh, positions_bs, attn.rotary)
+            n = s // r
+            scores = [[] for _ in range(s)]
+            if n:
+                keys = attn.indexer.block_keys(raw[:, : n * r], positions_bs[:, : n * r : r], attn.rotary)
+                scores = attn.indexer.block_scores(q_idx, keys)[0].tolist()
+            for t in range(s):
+                selected[t] = sorted(range((t + 1) // r), key=lambda j: (-scores[t][j], j))[:top]
+        mask = torch.zeros(s, s, dtype=torch.bool)
+        for t in range(min(s, m)):
+            for pos in served_positions(selected[t], t + 1, r):  # row t's own selection and tail
+                mask[t, pos] = True
+        mask[m:, allowed_last] = True  # rows m..p-1 (depths 2..k-1) feed only keys and values to row p
+        q, key, value, gate = attn._qkv(x_bsh, positions_bs)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask[None, None],
+                                             enable_gqa=q.shape[1] != key.shape[1])
+        return attn.o_proj(out.transpose(1, 2).reshape(1, s, -1) * torch.sigmoid(gate))
+
+    logits, drafts = [], []
+    attn.forward = attention  # this instance only, removed below
+    try:
+        for depth in range(1, k + 1):
+            p = m + depth - 2
+            if depth > 1:
+                allowed_last[:] = rule(selected[m - 1], m, r, p)
+            out = layer(h_in, e_in, torch.arange(p + 1)[None])[:, -1:]
+            logits.append(model.logits(depth, out)[0, 0])
+            drafts.append(int(logits[-1].argmax()) if force is None else int(force[depth - 1]))
+            h_in = torch.cat([h_in, out], 1)  # depth + 1's row at m + depth - 1
+            e_in = torch.cat([e_in, model.embed_tokens(torch.tensor([[drafts[-1]]]))], 1)
+    finally:
+        del attn.forward
+    return logits, drafts, selected[m - 1]
+
+
 @pytest.mark.parametrize("family", ["glm", "glm_final_norm", "qwen4", "qwen4_no_reuse"])
 @torch.no_grad()
 def test_serving_draft_logits_equal_cache_free_reference(family):
     """Round after round (rollbacks of every length), the serving convention's per-depth draft logits
     equal vLLM's drafting re-derived without caches (for Qwen4-Exp with QSA index reuse: depth k
-    attends over depth 1's selection at m - 1); the tandem convention's do not (the test tells the two
-    apart)."""
+    attends depth 1's selection row at m - 1, `served_reuse_draft`); the tandem convention's do not
+    (the test tells the two apart)."""
     if family.startswith("qwen4"):
         model, prompts = tiny_qwen4_model(K, seed=2, reuse_indices=family == "qwen4"), Q4_PROMPTS
     else:
@@ -112,7 +189,10 @@ def test_serving_draft_logits_equal_cache_free_reference(family):
         def run(dec, m, force, logits):
             for b in range(len(prompts)):
                 seq = dec.seq[b, : int(m[b]) + 1].tolist()
-                ref, _ = vllm_convention_draft(model, seq, K, force=force[b].tolist())
+                if family == "qwen4":  # QSA index reuse: depth k attends depth 1's row at m - 1 (vLLM's)
+                    ref, _, _ = served_reuse_draft(model, seq, K, force[b].tolist())
+                else:
+                    ref, _ = vllm_convention_draft(model, seq, K, force=force[b].tolist())
                 for k in range(K):
                     if conv == "serving":
                         torch.testing.assert_close(logits[k][b], ref[k], **tol)
@@ -123,6 +203,47 @@ def test_serving_draft_logits_equal_cache_free_reference(family):
     _forced_rounds(model, prompts, "serving", 6, check("serving"))
     _forced_rounds(model, prompts, "tandem", 2, check("tandem"))
     assert any(differs)
+
+
+@torch.no_grad()
+def test_serving_reuse_attends_depth_1_row_at_m_minus_1():
+    """Issue 31 item 7. Depth k >= 2 at position m + k - 2 attends what vLLM 0.32 attends there: the
+    packed selection row of depth 1's query at m - 1 (its blocks and its tail [m // r * r, m - 1]),
+    so blocks completed after m - 1, positions m..m+k-2 and the query's own key go unattended, as in
+    serving. Checked against `served_reuse_draft` (no cache, selection recomputed from the indexer's
+    scores) over rounds at several m per row (m - 1 = 6 with r = 4 and k = 3 among them: 0..6
+    attended, 7 and 8 not, where a tail of its own would give 0..3 and 8); the own-tail rule's
+    logits differ, so this test fails if the decoder's tail rule is wrong."""
+    model = tiny_qwen4_model(K, seed=2).double()
+    r = model.mtp.layers[0].block.self_attn.compress_ratio
+    assert r == 4 and model.mtp.selection_share is not None
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32],
+               [2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    B, g = len(prompts), torch.Generator().manual_seed(0)
+    dec = SpecDecoder(model, K, B, 64, draft_convention="serving")
+    dec.prefill(prompts)
+    checked, wrong_rule_gap = set(), 0.0
+    for _ in range(3):
+        m = dec.m.clone()
+        force = torch.randint(2, model.cfg.vocab_size, (B, K), generator=g)
+        drafts, q, logits = dec.draft(force=force, keep_logits=True)
+        for b in range(B):
+            seq, mb = dec.seq[b, : int(m[b]) + 1].tolist(), int(m[b])
+            ref, _, blocks = served_reuse_draft(model, seq, K, force[b].tolist())
+            for k in range(K):
+                torch.testing.assert_close(logits[k][b], ref[k], rtol=1e-4, atol=1e-5)
+                checked.add((mb - 1, k + 1))
+            if mb == 7:  # the issue's example: depth 1 at 6 has one complete block, which it selects
+                assert blocks == [0] and served_positions(blocks, mb, r) == list(range(7))
+                assert _own_tail_positions(blocks, mb, r, mb + 3 - 2) == [0, 1, 2, 3, 8]
+            if (mb + 1) // r > 2:  # more complete blocks than the budget's two: a real top-k was reused
+                assert len(blocks) == 2
+            own, _, _ = served_reuse_draft(model, seq, K, force[b].tolist(), rule=_own_tail_positions)
+            wrong_rule_gap = max(wrong_rule_gap, *(float((own[k] - ref[k]).abs().max()) for k in range(1, K)))
+        n, nxt = dec.verify(drafts, q)
+        dec.commit(n, nxt, torch.ones(B, dtype=torch.bool))
+    assert (6, 3) in checked and any(m1 >= 12 for m1, _ in checked) and (1, 2) in checked
+    assert wrong_rule_gap > 1e-3  # the re-derivation tells the two tail rules apart
 
 
 @pytest.mark.parametrize("trunk_input", ["pre_norm", "final_norm"])
