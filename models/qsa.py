@@ -248,9 +248,16 @@ class IndexedAttention(nn.Module):
         k_g = k_bskd.reshape(b * s, kvh * d).index_select(0, rows).view(b, c, L, kvh, d)
         v_g = v_bskd.reshape(b * s, kvh * d).index_select(0, rows).view(b, c, L, kvh, d)
         q5 = q_bshd.reshape(b, c, kvh, h // kvh, d)
-        att = torch.einsum("bckgd,bclkd->bckgl", q5, k_g).float() * d ** -0.5
-        att = att.masked_fill(~ok_bsl[:, :, None, None, :], float("-inf")).softmax(-1).to(q_bshd.dtype)
-        return torch.einsum("bckgl,bclkd->bckgd", att, v_g).reshape(b, c, h * d)
+        # Logits, softmax and the weighted sum in fp32 from the (bf16) rows, as the mask form's SDPA
+        # accumulates: a bf16 einsum rounded every logit to bf16 first, so `auto`'s switch of form at
+        # MASK_ELEMS_LIMIT changed the numerics. The fp32 copies live for one checkpointed query chunk;
+        # autocast is off around them (einsum's bmm would cast them back).
+        acc = torch.promote_types(q_bshd.dtype, torch.float32)
+        with torch.autocast(q_bshd.device.type, enabled=False):
+            att = torch.einsum("bckgd,bclkd->bckgl", q5.to(acc), k_g.to(acc)) * d ** -0.5
+            att = att.masked_fill(~ok_bsl[:, :, None, None, :], float("-inf")).softmax(-1)
+            out = torch.einsum("bckgl,bclkd->bckgd", att, v_g.to(acc))
+        return out.reshape(b, c, h * d).to(q_bshd.dtype)
 
     def _use_gather(self, b: int, s: int) -> bool:
         if self.form != "auto":

@@ -304,3 +304,33 @@ def test_meta_construction_then_materialise():
     attn.rotary.reset_buffers()
     assert not any(n.startswith("rotary") for n in attn.state_dict())  # non-persistent tables
     assert torch.equal(attn.rotary.cos, make_qsa().rotary.cos)
+
+
+def test_bf16_gather_form_logits_in_fp32_and_agrees_with_mask_form():
+    """In bf16 the gather form computes logits, softmax and sum in fp32 from the bf16 rows, as the mask
+    form's SDPA does, so `auto`'s switch of form (at MASK_ELEMS_LIMIT) does not change the numerics."""
+    g = torch.Generator().manual_seed(5)
+    b, c, s, L, h, kvh, d = 1, 6, 12, 12, 4, 2, 16
+    q = (4 * torch.randn(b, c, h, d, generator=g)).to(torch.bfloat16)  # logits of tens: bf16 steps of 1/8+
+    k = (4 * torch.randn(b, s, kvh, d, generator=g)).to(torch.bfloat16)
+    v = torch.randn(b, s, kvh, d, generator=g).to(torch.bfloat16)
+    idx = torch.randperm(s, generator=g)[:L].expand(b, c, L).contiguous()
+    ok = torch.ones(b, c, L, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = IndexedAttention._gather_attend(q, idx, ok, k, v)
+    # exact attention over the same bf16 rows (fp64): only the output's bf16 rounding may remain
+    q5 = q.double().view(b, c, kvh, h // kvh, d)
+    kg, vg = k.double()[:, idx[0, 0]], v.double()[:, idx[0, 0]]
+    att = (torch.einsum("bckgd,blkd->bckgl", q5, kg) * d ** -0.5).softmax(-1)
+    want = torch.einsum("bckgl,blkd->bckgd", att, vg).reshape(b, c, h * d)
+    assert out.dtype == torch.bfloat16
+    ulp = want.abs().clamp(min=1e-3) * 2.0 ** -8  # half a bf16 step (8 significant bits), doubled
+    assert ((out.double() - want).abs() <= ulp).all(), float(((out.double() - want).abs() / ulp).max())
+    # the whole module in bf16: the two forms agree within the output's bf16 rounding
+    x, pos = inputs(4)
+    ys = []
+    for form in ("mask", "gather"):
+        attn = make_qsa(4, form=form).to(torch.bfloat16)
+        with torch.no_grad():
+            ys.append(attn(x.to(torch.bfloat16), pos).float())
+    assert rel(ys[1], ys[0]) < 2.0 ** -7, rel(ys[1], ys[0])
