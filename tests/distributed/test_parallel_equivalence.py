@@ -154,6 +154,9 @@ BF16_ROUNDING = 2.0**-9
 # whole, and no expert dispatch moves fp32 (the vocabulary heads return fp32 loss sums by design; an
 # fp32 norm weight of a piece kept whole made its activations and their all-to-alls fp32).
 BF16_EVIDENCE = 2e-5
+# Modules holding parameters whose outputs may be fp32 under FSDP's bf16 policy (the vocabulary heads'
+# loss sums; test_qwen4_layouts adds the hyper-connections' norms over the fp32 streams)
+FP32_OUTPUTS = {"OutputHead", "VocabParallelHead"}
 # Parameters after three Adam steps: tp layouts reach 1.7e-5 on the vocab-parallel embedding from the
 # seeded per-parameter init (its rarely-seen rows have gradients near Adam's eps, where the tp
 # all-reduce's rounding is amplified); the same tp=2 comparison in float64 gives 8.6e-7 on every
@@ -260,7 +263,7 @@ def test_bf16_layout_matches_single_process(layout, runs, references):
     if batch_ranks(layout) > 1:
         for r in ranks:
             fp32 = {kind for kind, dtypes in r["owner_dtypes"].items() if dtypes != ["torch.bfloat16"]}
-            assert fp32 <= {"OutputHead", "VocabParallelHead"}, f"{layout}: outside bf16: {r['owner_dtypes']}"
+            assert fp32 <= FP32_OUTPUTS, f"{layout}: outside bf16: {r['owner_dtypes']}"
             dispatch = {key for key in r["collectives"] if "all_to_all" in key[0] and key[2] == "torch.float32"}
             assert not dispatch, f"{layout}: fp32 all-to-alls {dispatch}"
     norm, norm32 = ranks[0]["grad_norms"][0], ref32["grad_norms"][0]

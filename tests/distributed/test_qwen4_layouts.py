@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -76,4 +77,27 @@ def test_qwen4_layout_matches_single_process(layout, runs, references, monkeypat
 @pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
 def test_qwen4_bf16_layout_matches_single_process(layout, runs, references, monkeypatch):
     monkeypatch.setattr(eq, "BF16_LAYOUTS", BF16_LAYOUTS)
+    # the hyper-connections normalise the fp32 streams in fp32 on every layout (data.py's docstring)
+    monkeypatch.setattr(eq, "FP32_OUTPUTS", eq.FP32_OUTPUTS | {"RMSNorm"})
     eq.test_bf16_layout_matches_single_process(layout, runs, references)
+
+
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
+def test_qwen4_bf16_recurrence_and_streams_stay_fp32(layout, runs, references):
+    """Under bf16, what the recurrence and the stream mixing read (Gated DeltaNet's exp(A_log) and dt_bias,
+    the hyper-connections' stream norms, the routers' weights) equals one process's fp32 values bitwise on
+    every layout (FSDP keeps them whole in fp32: a bf16 gather moved exp(A_log), hence every decay rate,
+    by up to ~1%), and the hyper-connection streams between blocks are fp32 everywhere (FSDP cast them to
+    bf16 at each block while one process kept them fp32). Recorded by worker.py at the first forward."""
+    ref = references[eq.batch_ranks(layout), eq.model_overrides(layout)]
+    assert ref["stream_dtypes"] == ["torch.float32"], ref["stream_dtypes"]
+    seen = set()
+    for r in eq.load_ranks(runs, layout, BF16_LAYOUTS[layout]):
+        assert r["stream_dtypes"] == ["torch.float32"], f"{layout}: streams {r['stream_dtypes']}"
+        for name, got in r["fp32_seen"].items():
+            want = ref["fp32_seen"][name]
+            # tensor parallelism hands forward its heads' slice (A_log, dt_bias split by value heads)
+            parts = want.chunk(want.numel() // got.numel()) if got.shape != want.shape else (want,)
+            assert any(torch.equal(got, part) for part in parts), f"{layout}: {name} differs from one process's"
+            seen.add(name.rsplit(".", 1)[-1])
+    assert seen == {"A_exp", "dt_bias", "hc_norm", "router"}, seen

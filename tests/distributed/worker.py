@@ -133,9 +133,41 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
             # a module that is an FSDP unit itself has the class FSDP<its class>: recorded by its own
             owner_dtypes.setdefault(type(module).__name__.removeprefix("FSDP"), set()).add(str(out.dtype))
 
+    # What the first forward's recurrence and stream mixing read (Gated DeltaNet's exp(A_log) and dt_bias,
+    # each hyper-connection's stream norm, each router's weight: this rank's values, still the initial
+    # ones), and the dtypes of the residual streams entering every trunk block but the first (whose input
+    # is the embedding, gathered in bf16 under FSDP's policy).
+    from tandem.models.gated_deltanet import GatedDeltaNet
+    from tandem.models.hyper_connection import HyperConnection
+    from tandem.models.model import TransformerBlock
+    from tandem.models.moe import Router
+    from tandem.trainer.parallel.sharded_params import local
+
+    module_names = {id(m): n for n, m in model.named_modules()}
+    fp32_seen: Dict[str, torch.Tensor] = {}
+    stream_dtypes = set()
+
+    def note_inputs(module, args):
+        name = module_names.get(id(module))
+        if name is None or not torch.is_grad_enabled():
+            return
+        if isinstance(module, TransformerBlock) and name.startswith("layers.") and name != "layers.0":
+            stream_dtypes.add(str(args[0].dtype))
+        seen = {}
+        if isinstance(module, GatedDeltaNet):
+            _, a_log, dt_bias = module.computed_params()
+            seen = {"A_exp": local(a_log).float().exp(), "dt_bias": local(dt_bias).float()}
+        elif isinstance(module, HyperConnection):
+            seen = {"hc_norm": local(module.hc_norm.weight).float()}
+        elif isinstance(module, Router):
+            seen = {"router": local(module.weight).float()}
+        for key, value in seen.items():
+            fp32_seen.setdefault(f"{name}.{key}", value.detach().clone())
+
     # torch.compile would trace the hook and guard on what it recorded (a recompile per new entry)
     compiled = "train.compile=true" in layout
     hook = None if compiled else torch.nn.modules.module.register_module_forward_hook(note_dtype)
+    pre_hook = None if compiled else torch.nn.modules.module.register_module_forward_pre_hook(note_inputs)
     if compiled:
         # every case of a launch adds graphs of TransformerBlock.forward (new models, dtypes, checkpointing
         # modes); past dynamo's limit it would run the block eagerly without a word: fail instead
@@ -158,6 +190,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         losses.append((sums / counts.clamp(min=1)).tolist())
     if hook is not None:
         hook.remove()
+        pre_hook.remove()
     if recorder is not None:
         recorder.active = False
     params = {}
@@ -170,6 +203,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         params[name] = full.detach().clone()
     return {"losses": losses, "grad_norms": norms, "params": params, "linear_dtypes": sorted(linear_dtypes),
             "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
+            "fp32_seen": fp32_seen, "stream_dtypes": sorted(stream_dtypes),
             "compiled": _compiled_blocks(model) if compiled else None,
             "device": str(pstate.device.device), "local_numel": local_numel,
             "collectives": dict(recorder.calls) if recorder is not None else {}}

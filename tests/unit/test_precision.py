@@ -182,3 +182,24 @@ def test_pieces_kept_out_of_fsdp_keep_their_casts_in_compiled_blocks():
     tokens = torch.randint(0, 128, (2, 17))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(eager(tokens).loss_sums, compiled(tokens).loss_sums)
+
+
+def test_hyper_connection_streams_stay_fp32_under_autocast():
+    """Under bf16 autocast the streams leave a mixer fp32 even when they arrived bf16 (FSDP's gathered
+    embedding), while the sublayer's input is handed on in bf16; `fp32_parameters` names what the
+    recurrence and the stream mixing read, which FSDP's bf16 policy keeps whole in fp32."""
+    from tandem.models.hyper_connection import HyperConnection
+    from tandem.trainer.parallel.data import fp32_parameters
+
+    torch.manual_seed(0)
+    hc = HyperConnection(8, 4, 4)
+    x = torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, inject = hc(x.to(torch.bfloat16))
+        out = hc.inject(x.to(torch.bfloat16), torch.randn(2, 5, 8, dtype=torch.bfloat16), inject)
+    assert (out.dtype, mixed.dtype, inject.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    cfg = moe_cfg(hc_count=4, hc_lowrank=4, full_attention_interval=2, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    names = set(fp32_parameters(TandemModel(cfg, MTPConfig(num_steps=1, num_layers=1))))
+    kinds = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in names}
+    assert kinds == {"linear_attn.A_log", "linear_attn.dt_bias", "hc_norm.weight", "router.weight"}, kinds

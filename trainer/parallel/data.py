@@ -19,6 +19,26 @@ are kept out of replicate and compute the same way from bf16 copies made at each
 (`cast_kept_whole`); the routed experts FSDP leaves out when dp = 1 already cast their weights to the
 compute dtype (`expert_swiglu`). Every collective here takes
 device tensors, never fp64 (NCCL/HCCL reject host tensors; Ascend has no fp64 units).
+
+Parameters the recurrence and the stream mixing depend on (`fp32_parameters`: Gated DeltaNet's A_log and
+dt_bias, the hyper-connections' stream norms, the MoE routers' weights) compute from their fp32 values
+on every layout, as one process computes them and as Megatron keeps A_log: a bf16 gather moved
+exp(A_log), and with it every decay rate g = -exp(A_log) * softplus(a + dt_bias), by up to 2^-9
+relative per rounding. FSDP keeps them whole (ignored: replicated on every batch rank in fp32, their
+gradients summed over dp x ep by the GradientFinisher, as the whole pieces of the all-reduce mode
+are), and `cast_kept_whole` never casts them. They are small (per-head vectors, one norm weight per
+stream mixer, one E x H router per MoE layer), so a replica costs little next to the bf16 gathers it
+replaces. The hyper-connections' gate projections are plain Linears: autocast rounds their fp32 weight
+to bf16 for its matmul on one process exactly as FSDP's gather rounds it, so they stay in the blocks.
+
+Residual streams: fp32 on every layout wherever the model carries hyper-connection streams. One
+process's autocast leaves the embedding and the residual adds in fp32; under FSDP's policy the units
+no longer cast their forward inputs (`cast_forward_inputs=False`), the hyper-connections mix and
+inject in fp32 (models/hyper_connection.py), and pipeline stages exchange the streams in fp32
+(layout.py). What a block hands its sublayers stays in the compute dtype (the hyper-connection's
+mixed input under autocast), so sequence-parallel gathers and expert dispatch move bf16 as before.
+A plain residual (hc_count = 1) is unchanged: fp32 on one process and under pipelining alone, bf16
+under FSDP's policy (the gathered bf16 embedding and norms set it).
 """
 
 from __future__ import annotations
@@ -67,9 +87,31 @@ def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     reduce = REDUCE_DTYPES[grad_reduce_dtype]
+    # No cast of a unit's forward inputs: the hyper-connection streams a block receives stay fp32, as
+    # on one process (a plain residual arrives in bf16 from the bf16 embedding and adds anyway).
     if not reshard_after_microbatch and reduce == compute_dtype:
-        return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32), reduce
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce), None
+        return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False), reduce
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce, cast_forward_inputs=False), None
+
+
+def fp32_parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
+    """name -> parameter for those the recurrence and the stream mixing read as fp32 values (see the
+    module docstring): Gated DeltaNet's A_log and dt_bias, each hyper-connection's stream norm, each
+    MoE router's weight. Under a bf16 policy they are kept whole in fp32 (`apply_parallelism`)."""
+    from tandem.models.gated_deltanet import GatedDeltaNet
+    from tandem.models.hyper_connection import HyperConnection
+    from tandem.models.moe import Router
+
+    wanted = set()
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            wanted.update(id(p) for p in (m.A_log, m.dt_bias))
+        elif isinstance(m, HyperConnection):
+            wanted.update(id(p) for p in m.hc_norm.parameters())
+        elif isinstance(m, Router):
+            wanted.add(id(m.weight))
+    return {name: p for name, p in model.named_parameters() if id(p) in wanted}
 
 
 def _casting_reduce_scatter(wire_dtype: torch.dtype):

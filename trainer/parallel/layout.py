@@ -88,7 +88,8 @@ def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    from .data import REDUCE_DTYPES, GradientFinisher, PieceUnits, apply_fsdp, cast_kept_whole, fsdp_mixed_precision
+    from .data import (REDUCE_DTYPES, GradientFinisher, PieceUnits, apply_fsdp, cast_kept_whole, fp32_parameters,
+                       fsdp_mixed_precision)
     from .tensor import apply_tensor_and_expert_parallel
 
     p, mesh = cfg.parallel, state.mesh
@@ -128,6 +129,13 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     units = {x: getattr(model, x) for x in shared_in_rank if own_units and getattr(model, x) is not None}
     whole = [] if own_units else shared_in_rank
     whole_params = {name: p for name, p in model.named_parameters() if name.split(".", 1)[0] in whole}
+    cast_params = list(whole_params.values())
+    if batch > 1 and compute_dtype is not None:
+        # what the recurrence and the stream mixing read stays fp32 under the bf16 policy: kept whole
+        # (summed over dp x ep by the finisher like the whole pieces), never cast (data.fp32_parameters)
+        fp32 = fp32_parameters(model)
+        cast_params = [q for n, q in whole_params.items() if n not in fp32]
+        whole_params.update(fp32)
     if batch > 1:
         blocks = list(model.layers.values())
         roots = pipeline.modules if pipeline is not None else [model]
@@ -139,7 +147,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
                    # a unit sums a whole step before its one reduce-scatter: the one-sync precision
                    unit_precision=fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype, False))
         if mp_policy is not None:  # the whole pieces compute in the policy's dtype too
-            cast_kept_whole(model, whole_params.values(), mp_policy.param_dtype)
+            cast_kept_whole(model, cast_params, mp_policy.param_dtype)
     piece_units = PieceUnits(units) if units else None
     if pipeline is not None:
         pipeline.piece_units = piece_units
@@ -149,9 +157,12 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         shared = _shared_piece_groups(mesh, pp, pipeline.plan.holders())
         if "mtp" in shared:  # the loop sums the MTP routers' loads over the copies too
             state.extras["mtp_copies_group"] = shared["mtp"][0]
-        # the residual stream between stages: the gathered parameters' dtype under FSDP's policy,
-        # else fp32 (autocast leaves the embedding and residual adds in fp32)
-        pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if mp_policy is not None else torch.float32)
+        # the residual stream between stages: fp32 for hyper-connection streams on every layout (they
+        # mix and inject in fp32, as one process's autocast leaves them); a plain residual takes the
+        # gathered parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and
+        # residual adds in fp32). See data.py's docstring.
+        plain_bf16 = mp_policy is not None and cfg.model.hc_count == 1
+        pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if plain_bf16 else torch.float32)
         state.extras["pipeline"] = pipeline
     state.extras["clip_grad_norm"] = GradientFinisher(
         model, state.world_size, pp,
