@@ -88,31 +88,18 @@ def vllm_convention_draft(model, seq, k, force=None):
     e_in = model.embed_tokens(torch.tensor([list(seq[1 : m + 1])]))
     if model.mtp.layer_for_step(1).combine_style == "concat_proj":
         e_in[:, 0] = 0.0  # GLM-4.5 / DeepSeek-V3 zero the MTP embedding input at position 0
-    # QSA index reuse (mtp.qsa_reuse_indices; vLLM's index_share_for_mtp_iteration): depth 1 selects for
-    # every row; the last row of depth k >= 2 takes depth 1's selection of row m-1 (`compact_topk_indices`
-    # keeps the last accepted token's row), the earlier rows only rebuild the cache (their outputs unused)
-    share = getattr(model.mtp, "selection_share", None)
-    first = None
+    if getattr(model.mtp, "selection_share", None) is not None:
+        # vLLM's reusing steps attend depth 1's packed row at m - 1 verbatim, which no cache-free training
+        # forward reproduces; tests/unit/test_draft_conventions.py re-derives that case itself
+        raise ValueError("vllm_convention_draft does not re-derive QSA index reuse (mtp.qsa_reuse_indices)")
     logits, drafts = [], []
-    try:
-        for depth in range(1, k + 1):
-            if share is not None:
-                share.mode, share.read_offset = ("record", 0) if depth == 1 else ("reuse", 0)
-                if depth > 1:
-                    extra = h_in.shape[1] - m
-                    share.train = (torch.cat([first[0], first[0][:, m - 1 : m].expand(-1, extra, -1)], 1),
-                                   torch.cat([first[1], first[1][:, m - 1 : m].expand(-1, extra)], 1))
-            last = model.mtp.layer_for_step(depth)(h_in, e_in, pos_all[:, : h_in.shape[1]])[:, -1:]
-            if share is not None and depth == 1:
-                first = share.train
-            logits.append(model.logits(depth, last)[0, 0])
-            drafts.append(int(logits[-1].argmax()) if force is None else int(force[depth - 1]))
-            # depth + 1: hidden = this depth's output, token = its draft, at the next position
-            h_in = torch.cat([h_in, last], 1)
-            e_in = torch.cat([e_in, model.embed_tokens(torch.tensor([[drafts[-1]]]))], 1)
-    finally:
-        if share is not None:
-            share.mode, share.train = None, None
+    for depth in range(1, k + 1):
+        last = model.mtp.layer_for_step(depth)(h_in, e_in, pos_all[:, : h_in.shape[1]])[:, -1:]
+        logits.append(model.logits(depth, last)[0, 0])
+        drafts.append(int(logits[-1].argmax()) if force is None else int(force[depth - 1]))
+        # depth + 1: hidden = this depth's output, token = its draft, at the next position
+        h_in = torch.cat([h_in, last], 1)
+        e_in = torch.cat([e_in, model.embed_tokens(torch.tensor([[drafts[-1]]]))], 1)
     return logits, drafts
 
 

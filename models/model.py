@@ -23,7 +23,7 @@ from .gated_deltanet import GatedDeltaNet
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm, SwiGLU
 from .ple import PLELayer
-from .qsa import IndexedAttention
+from .qsa import IndexedAttention, QSASelection
 from .loss import (IGNORE, chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
                    head_cross_entropy_sums)
 from .moe import MoE
@@ -102,18 +102,36 @@ class TransformerBlock(nn.Module):
         return self.linear_attn if self.kind == "linear_attention" else self.self_attn
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None,
-                input_ids_bs: Optional[torch.Tensor] = None):
+                input_ids_bs: Optional[torch.Tensor] = None, selection: Optional[QSASelection] = None,
+                return_selection: bool = False):
+        """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
+        (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection). They
+        are arguments and results, not module state, so activation checkpointing's recomputation and
+        pipelined micro-batches see the selection of their own forward."""
+        sel_out = None
+
+        def mix(h: torch.Tensor) -> torch.Tensor:
+            nonlocal sel_out
+            if not (return_selection or selection is not None):
+                return self.mixer(h, positions_bs, cache)
+            if self.kind != "indexed_attention":
+                raise ValueError(f"a QSA selection was handed to a {self.kind} block")
+            y, sel_out = self.mixer(h, positions_bs, cache, selection, True)
+            return y
+
         if self.hc_count == 1:
-            x_bsh = x_bsh + self.mixer(self.input_layernorm(x_bsh), positions_bs, cache)
-            return x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+            x_bsh = x_bsh + mix(self.input_layernorm(x_bsh))
+            out = x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+            return (out, sel_out) if return_selection else out
         if self.ple is not None:
             if input_ids_bs is None:
                 raise ValueError("a block with PLE needs the token ids (input_ids_bs)")
             x_bsh = x_bsh + self.ple(x_bsh, input_ids_bs, positions_bs, cache)
         mixed, weights = self.attn_hyper_connection(x_bsh)
-        x_bsh = self.attn_hyper_connection.inject(x_bsh, self.mixer(mixed, positions_bs, cache), weights)
+        x_bsh = self.attn_hyper_connection.inject(x_bsh, mix(mixed), weights)
         mixed, weights = self.mlp_hyper_connection(x_bsh)
-        return self.mlp_hyper_connection.inject(x_bsh, self.mlp(mixed), weights)
+        out = self.mlp_hyper_connection.inject(x_bsh, self.mlp(mixed), weights)
+        return (out, sel_out) if return_selection else out
 
 
 class OutputHead(nn.Module):
@@ -249,15 +267,40 @@ class TandemModel(nn.Module):
         return h
 
     def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor, positions_bs: torch.Tensor,
-                 cache: Optional[LayerKV] = None, emb_bsh: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 cache: Optional[LayerKV] = None, emb_bsh: Optional[torch.Tensor] = None):
         """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token t+step.
-        `emb_bsh`: the embedding of tokens t+step when already looked up (training reuses one lookup)."""
+        `emb_bsh`: the embedding of tokens t+step when already looked up (training reuses one lookup).
+        Decoding (`cache` given) shares QSA selections through the depths' caches (`select_for_step`);
+        training chains them explicitly (`mtp_train_step`)."""
+        self.mtp.select_for_step(step)
+        return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh)
+
+    def mtp_train_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor,
+                       positions_bs: torch.Tensor, emb_bsh: Optional[torch.Tensor] = None,
+                       selection: Optional[QSASelection] = None):
+        """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse). With
+        mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend over the
+        one handed in; otherwise every depth selects for itself and None is passed along."""
+        if self.mtp.selection_share is None:
+            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh), None
+        if step == 1:
+            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, return_selection=True)
+        if selection is None and not self._qsa_dense():
+            raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that reuse its "
+                               "QSA selection, and hand it on")
+        h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, selection=selection)
+        return h, selection
+
+    def _qsa_dense(self) -> bool:
+        """Whether the MTP's QSA layers are in the dense warm-up (no selection to hand on)."""
+        return all(getattr(layer.block.self_attn, "dense", False) for layer in self.mtp.layers)
+
+    def _mtp_layer(self, step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh, **selection_args):
         layer = self.mtp.layer_for_step(step)
         if self.mtp_cfg.trunk_input == "final_norm" and (step == 1 or not self.mtp.chained):
             h_prev_bsh = self.norm(h_prev_bsh)  # h_0 is the trunk's normed output in this convention
         emb = (self.embed_tokens(tokens_bs) if emb_bsh is None else emb_bsh) if layer.combine else None
-        self.mtp.select_for_step(step)
-        return layer(h_prev_bsh, emb, positions_bs, cache)
+        return layer(h_prev_bsh, emb, positions_bs, cache, **selection_args)
 
     def shared_lookup(self) -> bool:
         """Whether training embeds every position once and the MTP steps read it shifted
@@ -297,6 +340,7 @@ class TandemModel(nn.Module):
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
+        selection = None  # depth 1's QSA selection, handed on to the depths that reuse it
         if 0 in wanted:
             yield 0, h0_bsh
         for depth in range(chain_depth + 1, max(wanted, default=0) + 1):
@@ -306,7 +350,8 @@ class TandemModel(nn.Module):
             if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
                 h_in = h_in.detach()
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
-            h = self.mtp_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs, emb_bsh=emb)
+            h, selection = self.mtp_train_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs,
+                                               emb_bsh=emb, selection=selection)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ identity here, an all-reduce over tp in the TP wrapper) before they are normalis
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -78,23 +78,32 @@ def map_query_chunks(fn: Callable, chunk: int, sliced: Tuple[torch.Tensor, ...],
     return torch.cat(outs, 1)
 
 
+class QSASelection(NamedTuple):
+    """The blocks each query selected: indices [B, S, k] and how many of the k slots are real [B, S].
+
+    In training, MTP depth 1 returns its selection and depths 2..K receive it as an argument
+    (`mtp.qsa_reuse_indices`): an explicit value, so a checkpointed depth recomputed in backward and a
+    pipeline micro-batch both see the selection of their own forward, never one left in module state."""
+
+    blocks_bsk: torch.Tensor
+    counts_bs: torch.Tensor
+
+
 class SelectionShare:
-    """Depth 1's QSA selection handed to the later MTP depths (`mtp.qsa_reuse_indices`, as the design
-    documents and vLLM's `set_skip_topk` do): depth 1 runs the MTP layer's indexer and records the
-    selected blocks of each query; depth k >= 2 attends over depth 1's selection at the same position
-    (the query whose content lines up: depth k at position t drafts from depth 1's state at t), plus
-    its own visible tail, without running the indexer. In training the selection lives here for one
-    forward of the MTP chain; in decoding it is a position-indexed buffer shared by the depths' caches
-    (`LayerCache.shared_buffer`), written only by depth 1 over committed inputs, so a reused selection
-    is never one a query on a rejected branch chose. `read_offset` k-1 serves a decoder whose depth k
-    runs k-1 positions after the content position (vLLM's convention)."""
+    """Depth 1's QSA selection handed to the later MTP depths while decoding (`mtp.qsa_reuse_indices`, as
+    the design documents and vLLM's `set_skip_topk` do): depth 1 runs the MTP layer's indexer and
+    records the selected blocks of each query; depth k >= 2 attends over depth 1's selection at the same
+    position (the query whose content lines up: depth k at position t drafts from depth 1's state at t),
+    plus that source query's visible tail, without running the indexer. The selection is a position-indexed buffer
+    shared by the depths' caches (`LayerCache.shared_buffer`), written only by depth 1 over committed
+    inputs, so a reused selection is never one a query on a rejected branch chose. `read_offset` k-1
+    serves a decoder whose depth k runs k-1 positions after the content position (vLLM's convention).
+    Training passes the selection explicitly instead (`QSASelection`)."""
 
     def __init__(self):
         self.mode: Optional[str] = None
-        """`record` (depth 1), `reuse` (depths 2..K) or None (select as usual)."""
+        """`record` (depth 1), `reuse` (depths 2..K) or None (select as usual); decoding only."""
         self.read_offset = 0
-        self.train: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        """(blocks [B, S, k], counts [B, S]) recorded by depth 1's training forward."""
 
 
 class QSAIndexer(nn.Module):
@@ -162,10 +171,11 @@ class IndexedAttention(nn.Module):
         self.dense: bool = False
         """Dense warm-up stage: attend to every visible token; the KL covers all complete blocks."""
         self.measure_recall: bool = False
-        self.selection_share: Optional[SelectionShare] = None
-        """Set on the MTP's QSA layers with mtp.qsa_reuse_indices: depth 1 records its selection, later
-        depths reuse it instead of running the indexer (None: every forward selects for itself)."""
         """Compute `last_recall` (dense attention mass inside the selection) in uncached forwards."""
+        self.selection_share: Optional[SelectionShare] = None
+        """Set on the MTP's QSA layers with mtp.qsa_reuse_indices, for decoding: depth 1 records its
+        selection, later depths reuse it instead of running the indexer (None: every forward selects
+        for itself). Training hands the selection over explicitly (`QSASelection`)."""
         self.chunk_elems: int = 1 << 26
         """Largest intermediate (elements) a chunked computation may build at once."""
         self.last_indexer_loss: Optional[torch.Tensor] = None
@@ -265,46 +275,49 @@ class IndexedAttention(nn.Module):
         return b * s * s > MASK_ELEMS_LIMIT and 4 * (self.budget + self.compress_ratio - 1) <= s
 
     # ---- forward ------------------------------------------------------------------------------------
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
-                cache: Optional[LayerCache] = None) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerCache] = None,
+                selection: Optional[QSASelection] = None,
+                return_selection: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
+        """`selection` (training, sparse stage): attend over these blocks instead of running the indexer
+        (MTP depths 2..K reusing depth 1's). `return_selection`: also return the selection attended
+        (None in the dense stage, where nothing is selected)."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
         # The selection carries no gradient and the indexer learns only from its own loss.
         q_idx_bsid, raw_bsd = self.indexer(x_bsh.detach(), positions_bs, self.rotary)
+        used = None
         if cache is not None:
             out_bsz, loss = self._decode(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache), None
         else:
-            out_bsz, loss = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs)
+            out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, selection)
         y_bsh = self.o_proj(out_bsz * torch.sigmoid(gate_bsz))
         if loss is not None:
             # gradient injected in backward (as the MoE's aux loss): return values stay unchanged
             y_bsh = AuxLossGrad.apply(y_bsh, loss, float(self.indexer_loss_coef))
-        return y_bsh
+        return (y_bsh, used) if return_selection else y_bsh
 
-    def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs):
+    def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection]):
         b, h, s, d = q_bhsd.shape
         r = self.compress_ratio
         n = s // r
-        # a query needs a complete block before the indexer has anything to learn
-        share = self.selection_share if self.selection_share is not None and not self.dense else None
-        reuse = share is not None and share.mode == "reuse"
-        # a reusing depth runs no indexer, so it has no indexer loss either
+        # the dense warm-up attends to everything: a handed-over selection has nothing to restrict
+        reuse = reused is not None and not self.dense
+        # a reusing depth runs no indexer, so it has no indexer loss either; a query needs a complete
+        # block before the indexer has anything to learn
         want_loss = self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0 and not reuse
         select = not self.dense or self.measure_recall
         query_at_bs = torch.arange(s, device=q_bhsd.device).expand(b, s)
         scores_bsn = blocks_bsk = count_bs = loss = None
         if reuse:
-            if share.train is None or share.train[0].shape[:2] != (b, s):
-                raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that reuse its QSA "
-                                   "selection, in the same forward (same pipeline stage)")
-            blocks_bsk, count_bs = share.train
+            if reused.blocks_bsk.shape[:2] != (b, s):
+                raise RuntimeError(f"QSA: a reused selection covers {tuple(reused.blocks_bsk.shape[:2])} queries, "
+                                   f"this forward {(b, s)}")
+            blocks_bsk, count_bs = reused
         else:
             if want_loss or select:
                 with torch.set_grad_enabled(want_loss):
                     scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
             if select:
                 blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs)
-            if share is not None and share.mode == "record":
-                share.train = (blocks_bsk, count_bs)
 
         def selected(c0: int, c1: int) -> torch.Tensor:
             return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1], s)
@@ -340,7 +353,8 @@ class IndexedAttention(nn.Module):
                     allowed_bsn.scatter_(-1, blocks_bsk, real)
                 loss = indexer_kl(scores_bsn, self.reduce_heads(mass_bsn), allowed_bsn)
                 self.last_indexer_loss = loss.detach()
-        return out_bsz, loss
+        used = QSASelection(blocks_bsk, count_bs) if blocks_bsk is not None and not self.dense else None
+        return out_bsz, loss, used
 
     def _decode(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache: LayerCache):
         r = self.compress_ratio

@@ -26,7 +26,9 @@ LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     "ep=2": 2,
     # pipeline: the hc_count x hidden stream crosses the boundary, PLE's stage hashes the token ids
     "pp=2": 2,
-    "pp=2,pp_schedule=interleaved_1f1b": 2,
+    # checkpointed under pipelined micro-batches: each recomputed MTP depth reuses its own micro-batch's
+    # QSA selection (handed over as a value, not module state)
+    "pp=2,pp_schedule=interleaved_1f1b,train.activation_checkpointing=full": 2,
     "ep=2,pp=2": 4,
     # one layer per stage: a stage of only Gated DeltaNet (+PLE), only QSA, ...
     "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[1:1:1:1]": 2,

@@ -103,9 +103,9 @@ def _training_logits(model, tokens):
     s = s1 - 1
     pos = torch.arange(s).expand(b, s)
     h = model.trunk(tokens[:, :s], pos)
-    out = [model.logits(0, h)]
+    out, selection = [model.logits(0, h)], None
     for k in range(1, model.num_depths):
-        h = model.mtp_step(k, h, shifted_tokens(tokens, k, s), pos)
+        h, selection = model.mtp_train_step(k, h, shifted_tokens(tokens, k, s), pos, selection=selection)
         out.append(model.logits(k, h))
     return out
 
@@ -121,9 +121,9 @@ def test_qsa_index_reuse_drafts_as_trained():
     S = 40
     tokens = torch.randint(2, VOCAB, (3, S + 1), generator=g)
     train = _training_logits(model, tokens)
-    model.mtp.layers[0].block.self_attn.selection_share = None  # every depth selects for itself
+    share, model.mtp.selection_share = model.mtp.selection_share, None  # every depth selects for itself
     own = _training_logits(model, tokens)
-    model.mtp.layers[0].block.self_attn.selection_share = model.mtp.selection_share
+    model.mtp.selection_share = share
     assert torch.equal(train[1], own[1])
     assert all((train[k] - own[k]).abs().max() > 1e-4 for k in range(2, K + 1))
     n0 = [4, 9, 2]

@@ -160,7 +160,7 @@ class PipelinedModel:
     def depth_states(self, h0_bsh, tokens_bs1, positions_bs):
         from tandem.models import TandemModel
 
-        return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs)  # with the routed mtp_step
+        return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs)  # with the routed steps
 
     def _remote(self, cmd: int, depth: int, h: torch.Tensor, tokens, positions, with_cache: bool,
                 out_width: Optional[int] = None) -> torch.Tensor:
@@ -181,6 +181,14 @@ class PipelinedModel:
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
             return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh=emb_bsh)
         return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, cache is not None)
+
+    def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None, selection=None):
+        """TandemModel.mtp_train_step (the teacher-forced chain of `depth_states`) routed like `mtp_step`.
+        A remote rank keeps the QSA selection its depth 1 made for the later depths it serves (with
+        mtp.qsa_reuse_indices the depths share a stage), so None comes back here."""
+        if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
+            return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh, selection)
+        return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, False), None
 
     def logits(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
         if depth == 0 or self._decoding.plan.mtp_rank(depth) == self._decoding.plan.pp_rank:
@@ -214,6 +222,7 @@ class ParallelDecoding:
 
     def __init__(self, cfg, model: nn.Module, pstate):
         self.cfg, self.pstate, self.base = cfg, pstate, model
+        self._tf_selection = None  # a served teacher-forced chain's QSA selection (`_serve_depth`)
         self.device = pstate.device.device
         self.pipeline = pstate.extras.get("pipeline")
         self.dtype = next(model.parameters()).dtype
@@ -338,7 +347,14 @@ class ParallelDecoding:
                                                     shared=cache.shared).layer(0)  # QSA index reuse
                 layer = mtp_caches[depth]
             with RecallProbe(self.base.mtp.layer_for_step(depth)) if recall else contextlib.nullcontext() as probe:
-                out = self.base.mtp_step(depth, h, body[0], body[1], layer)
+                if layer is None:
+                    # a teacher-forced chain (no cache): depth 1's QSA selection is handed to the later
+                    # depths the driver asks for next, as in the one-process forward (`depth_states`)
+                    selection = self._tf_selection if depth > 1 else None
+                    out, self._tf_selection = self.base.mtp_train_step(depth, h, body[0], body[1],
+                                                                       selection=selection)
+                else:
+                    out = self.base.mtp_step(depth, h, body[0], body[1], layer)
         dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)
         if recall:
             self.send_recall(probe)

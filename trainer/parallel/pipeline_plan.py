@@ -273,10 +273,6 @@ class PipelinePlan:
             raise ConfigError(f"parallel.pp_depth_stages={list(ds)} splits the MTP depths over stages, but with "
                               "mtp.qsa_reuse_indices=true depths 2..K reuse depth 1's QSA selection within one "
                               "stage: place them together or set mtp.qsa_reuse_indices=false")
-        if selection_reused(cfg) and p.pp > 1 and cfg.train.activation_checkpointing != "none":
-            raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing} under "
-                              "parallel.pp > 1 would recompute a reusing MTP depth after the next micro-batch "
-                              "replaced depth 1's QSA selection; set mtp.qsa_reuse_indices=false or turn it off")
         if self.spread and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with loss depths spread over pipeline "
                               "stages (parallel.pp_depth_stages / pp_balance)")

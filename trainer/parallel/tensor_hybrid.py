@@ -110,8 +110,12 @@ class TensorParallelIndexedAttention(_Region, IndexedAttention):
         dist.all_reduce(out, group=self.tp_group)
         return out
 
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
-        return self._exit(IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache))
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, selection=None,
+                return_selection: bool = False):
+        # every tp rank selects the same blocks (the indexer is replicated), so a selection needs no exchange
+        out = IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache, selection, True)
+        y = self._exit(out[0])
+        return (y, out[1]) if return_selection else y
 
 
 class _GatherSlices(torch.autograd.Function):
