@@ -116,8 +116,15 @@ class ModelConfig:
     """Weight of the QSA indexer's KL loss (DeepSeek-V3.2: the indexer learns the main attention's
     head-summed distribution); 0 disables it. Logged as `loss/indexer`."""
     indexer_warmup_steps: int = 0
-    """QSA dense warm-up: the first N training steps attend densely and only the indexers learn (KL over
-    every visible block); afterwards attention is sparse and the KL covers the selected blocks only."""
+    """QSA dense warm-up: the first N training steps (of the run's first global batch: the warm-up
+    follows consumed samples, as the LR does) attend densely while the indexers learn by their KL over
+    every visible block; afterwards attention is sparse and the KL covers the selected blocks only."""
+    indexer_warmup: str = "auto"
+    """What trains during the dense warm-up. `joint`: every parameter (the indexer by its KL alone, its
+    input detached), for a model trained from scratch, whose first steps would otherwise be thrown
+    away while the indexer imitates a random network's attention. `indexer_only`: only the indexers
+    (DeepSeek-V3.2's recipe), for continued pretraining of a dense-trained trunk. `auto`: indexer_only
+    when `model.init_from` brings a trunk, joint otherwise."""
     hc_count: int = 1
     """Residual streams (hyper-connections, Qwen4-Exp); 1 is the plain residual."""
     hc_lowrank: int = 32
@@ -152,6 +159,13 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.num_experts > 0 and layer_index >= self.first_k_dense
+
+    @property
+    def resolved_indexer_warmup(self) -> str:
+        """`indexer_warmup` with `auto` resolved: indexer_only when init_from brings a trained trunk."""
+        if self.indexer_warmup != "auto":
+            return self.indexer_warmup
+        return "indexer_only" if self.init_from else "joint"
 
     def layer_type(self, layer_index: int) -> str:
         """The token mixer of trunk layer `layer_index` (see `layer_types`)."""
@@ -385,6 +399,8 @@ def _validate_hybrid(model: ModelConfig) -> None:
             raise ValueError(f"model.qsa_form must be 'auto', 'mask' or 'gather', got {model.qsa_form!r}")
         if model.indexer_loss_coef < 0 or model.indexer_warmup_steps < 0:
             raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
+        if model.indexer_warmup not in ("auto", "joint", "indexer_only"):
+            raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or indexer_only")
     if model.ple_layers:
         if model.hc_count <= 1:
             raise ValueError(f"model.ple_layers needs hyper-connections (model.hc_count > 1), got hc_count={model.hc_count}")

@@ -193,7 +193,7 @@ class Trainer:
             moe.aux_grad_scale = 1.0 / (micro_per_rank * self.pstate.dp_size)
         m = self.cfg.model
         self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
-                                        1.0 / (micro_per_rank * self.pstate.dp_size))
+                                        1.0 / (micro_per_rank * self.pstate.dp_size), m.resolved_indexer_warmup)
         self.guard = BadStepGuard(self.cfg, self)
 
     # ---------------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ class Trainer:
                 lr = lr_at(t, schedule_step)
                 set_lr(self.optimizer, lr)
                 coefs = depth_coefficients(cfg.mtp, schedule_step)
-                self.indexers.begin_step(step)
+                self.indexers.begin_step(schedule_step)
                 batches = self.micro_batches(step)
                 counts = self.global_target_counts(batches)
                 sums = self.pstate.all_reduce_dp(self.forward_backward(batches, counts, coefs))
@@ -353,7 +353,7 @@ class Trainer:
                 action = self.guard.inspect(step + 1, record, grad_norm)
                 if action == "ok":
                     moe_metrics = self.update_router_biases()
-                    self.indexers.before_update(step)
+                    self.indexers.before_update(schedule_step)
                     self.optimizer.step()
                 else:
                     moe_metrics = self.discard_router_loads()

@@ -1,11 +1,14 @@
 """Training the QSA indexers (DeepSeek-V3.2's sparse-attention recipe, applied to Qwen4-Exp's QSA).
 
 The reference implementation has no indexer loss; a pretraining framework must train the indexer or
-its selection stays random. Two stages (`model.indexer_warmup_steps`):
+its selection stays random. Two stages (`model.indexer_warmup_steps`, counted in schedule steps: the
+consumed samples over the run's first global batch, as the LR and the MTP weight follow them):
 
-* dense warm-up: attention is dense and only the indexers learn, by KL(p_main || p_indexer) from the
-  main attention's head-summed distribution over every visible complete block to the indexer's
-  (the trunk's gradients are dropped before the optimizer step, so nothing else moves);
+* dense warm-up: attention is dense and the indexers learn by KL(p_main || p_indexer) from the main
+  attention's head-summed distribution over every visible complete block to the indexer's.
+  `model.indexer_warmup=joint` (a model trained from scratch) trains everything else by the language
+  model loss meanwhile; `indexer_only` (DeepSeek-V3.2, which started from a dense-trained checkpoint)
+  drops every other gradient before the optimizer step, so nothing else moves;
 * sparse stage: attention reads only the selected tokens, the KL is restricted to the selected blocks
   and the indexer's input is detached, so the indexer learns from its KL alone and the language-model
   loss trains everything else.
@@ -25,28 +28,33 @@ from tandem.models.qsa import IndexedAttention
 
 
 class IndexerTraining:
-    def __init__(self, model: nn.Module, coef: float, warmup_steps: int, grad_scale: float):
+    def __init__(self, model: nn.Module, coef: float, warmup_steps: int, grad_scale: float,
+                 warmup: str = "joint"):
+        """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup)."""
         self.layers: List[IndexedAttention] = [m for m in model.modules() if isinstance(m, IndexedAttention)]
         self.coef, self.warmup_steps, self.grad_scale = coef, warmup_steps, grad_scale
+        self.indexer_only = warmup == "indexer_only"
         indexer = {id(p) for layer in self.layers for p in layer.indexer.parameters()}
         self.main_params = [p for p in model.parameters() if id(p) not in indexer]
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    def dense(self, step: int) -> bool:
-        return step < self.warmup_steps
+    def dense(self, schedule_step: float) -> bool:
+        """Whether the step starting at `schedule_step` (consumed samples / first global batch) is in
+        the warm-up."""
+        return schedule_step < self.warmup_steps
 
-    def begin_step(self, step: int) -> None:
-        """Stage and loss weight of the layers for training step `step` (0-based)."""
+    def begin_step(self, schedule_step: float) -> None:
+        """Stage and loss weight of the layers for the step starting at `schedule_step`."""
         for layer in self.layers:
-            layer.dense = self.dense(step)
+            layer.dense = self.dense(schedule_step)
             layer.indexer_loss_coef = self.coef * self.grad_scale
 
-    def before_update(self, step: int) -> None:
-        """In the dense warm-up only the indexers learn: drop every other gradient (the optimizer then
-        skips those parameters entirely, weight decay included)."""
-        if self.dense(step):
+    def before_update(self, schedule_step: float) -> None:
+        """With `indexer_only`, only the indexers learn in the dense warm-up: drop every other gradient
+        (the optimizer then skips those parameters entirely, weight decay included)."""
+        if self.indexer_only and self.dense(schedule_step):
             for p in self.main_params:
                 p.grad = None
 

@@ -22,7 +22,8 @@ from torch import nn
 
 # Fields that describe the weights (taken from the checkpoint); the rest of model.* stays the run's.
 _KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate", "z_loss_coef",
-         "expert_matmul", "linear_kernel", "qsa_form", "indexer_loss_coef", "indexer_warmup_steps"}
+         "expert_matmul", "linear_kernel", "qsa_form", "indexer_loss_coef", "indexer_warmup_steps",
+         "indexer_warmup"}
 
 
 def is_hf_dir(path: str) -> bool:
