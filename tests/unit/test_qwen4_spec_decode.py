@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_spec_decode import greedy_decode_checked
+
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.eval.testing import tiny_qwen4_model
 from tandem.models import TandemModel
@@ -26,12 +28,13 @@ def qwen4_tiny(seed=0) -> TandemModel:
 
 
 def test_greedy_speculative_equals_autoregressive():
+    """Greedy speculative output equals autoregressive output, and every round commits 1 + the number
+    of drafts (the argmax of the round's draft logits) that match the greedy continuation, counted
+    without the verifier. (This random drafter's drafts do not match here, so the count says one
+    token per round; the forced rounds below cover every acceptance count.)"""
     model = qwen4_tiny()
     with torch.no_grad():
-        ar = generate(model, PROMPTS, 20, 0)
-        sp = generate(model, PROMPTS, 20, K)
-    assert sp.outputs == ar.outputs
-    assert int(sp.stats.rounds.sum()) > 0
+        greedy_decode_checked(model, PROMPTS, 20, K)
 
 
 def _ring_rows(buf: torch.Tensor, b: int, positions) -> torch.Tensor:
