@@ -15,14 +15,20 @@ consecutive value heads. Around the rule: q, k, v come from one projection follo
 depthwise conv (kernel `conv_kernel`) and SiLU; the output is RMS-normalised per head, gated by
 act(z) (silu or sigmoid, `gate_act`) and projected back.
 
-Two forms of the same rule, both in fp32:
+Two forms of the same rule, both in fp32 (the module casts; under autocast the chunked form's matmuls
+run in the autocast dtype):
 * recurrent: token by token, O(T * Dk * Dv) per head and only the state in memory; used for decoding.
 * chunked (training and long prefills): the sequence is cut into chunks of C = 64 tokens. Inside a
   chunk the C sequential writes are folded into one unit-lower-triangular solve (the WY / UT form),
   so all chunks are processed in parallel with matmuls, and only a loop over T / C chunks carries
   the state. Per head: compute O(T*C*(Dk+Dv) + T*Dk*Dv), activations O(T*(C+Dk+Dv)) plus one
-  Dk x Dv state per chunk kept for backward. fla's Triton kernels (flash-linear-attention) do the
-  same in fused form and are used when available on CUDA (`kernel="auto"`).
+  Dk x Dv state per chunk kept for backward. The solve is by substitution (`unit_lower_inverse`):
+  what real text puts into a chunk (runs of one token, periodic tokens, near-duplicate keys, slow
+  decay) makes the powers of the chunk's matrix huge while its inverse stays bounded, so any series in
+  those powers loses everything in fp32 (tests/unit/test_gated_deltanet.py's adversarial cases).
+  fla's Triton kernels (flash-linear-attention) do the same in fused form and are used when
+  available on CUDA (`kernel="auto"`). Ascend (and CPU) runs this pure-PyTorch chunked form:
+  torch_npu ships no Gated DeltaNet kernel this module is written against.
 
 Storage order (differs from transformers): `in_proj_qkv`'s output rows and the depthwise `conv1d`
 channels are stored by key-head group, [q_g | k_g | v of the value heads g serves] for each key head
@@ -39,12 +45,13 @@ from the fixed ratio num_v_heads / num_k_heads; `computed_params` is where a wra
 local shards of the non-Linear parameters.
 
 Decoding follows models/state.py: the recurrent state after the token at position p lives in slot
-p % ring of the `gdn_state` ring [B, ring, Hv, Dk, Dv] (fp32), the conv input of position p in slot
-p % ring of `gdn_conv` [B, ring, conv channels]. A forward over R <= ring - conv_kernel tokens runs
-the recurrent form and writes every position (so a speculative verify can resume from any accepted
+p % (ring + 1) of the `gdn_state` ring [B, ring + 1, Hv, Dk, Dv] (fp32), the conv input of position p
+in slot p % (ring + conv_kernel - 1) of `gdn_conv` [B, ring + conv_kernel - 1, conv channels] (a
+resume reads one state and conv_kernel - 1 conv inputs). A forward over R <= ring tokens runs the
+recurrent form and writes every position (so a speculative verify can resume from any accepted
 prefix); a longer one (a prefill) runs the chunked form with padded tokens made inert and writes only
-the state after `row_end` and the last `ring` real conv inputs. fla is used for the chunked form
-only; the short cached forwards always run the torch recurrence (they need every step's state).
+the state after `row_end` and the last conv_kernel - 1 real conv inputs. fla is used for the chunked
+form only; the short cached forwards always run the torch recurrence (they need every step's state).
 """
 
 from __future__ import annotations
@@ -101,22 +108,67 @@ def recurrent_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bh
     return out_bhtv, s, (torch.stack(states, 1) if keep_states else None)
 
 
-def unit_lower_inverse(a_ncc: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (C a power of two or not).
+SOLVE_BLOCK = 16
 
-    A is nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: log2(C)
-    squarings and products, all batched matmuls. Forward and backward are several times faster on
-    CPUs than `torch.linalg.solve_triangular` (measured 0.36 s against 2.1 s at 128 chunks of 64,
-    forward plus backward) and agree with it to fp32 rounding for the delta rule's A (entries are
-    beta * decayed dot products of L2-normalised keys, so |A_ij| < 1)."""
-    n = -a_ncc
-    inv = torch.eye(a_ncc.shape[-1], dtype=a_ncc.dtype, device=a_ncc.device) + n
-    power, span = n, 2
-    while span < a_ncc.shape[-1]:
-        power = power @ power
-        inv = inv + inv @ power
-        span *= 2
-    return inv
+
+def _diagonal_blocks(a_ncc: torch.Tensor, size: int) -> torch.Tensor:
+    """The diagonal size x size blocks [..., C / size, size, size] of a [..., C, C] (a view)."""
+    m = a_ncc.shape[-1] // size
+    blocks = a_ncc.unflatten(-2, (m, size)).unflatten(-1, (m, size)).diagonal(dim1=-4, dim2=-2)
+    return blocks.movedim(-1, -3)
+
+
+def _unit_lower_inverse_forward(a_ncc: torch.Tensor) -> torch.Tensor:
+    c = a_ncc.shape[-1]
+    n = SOLVE_BLOCK
+    while n < c:
+        n *= 2
+    a = F.pad(a_ncc, (0, n - c, 0, n - c)) if n != c else a_ncc  # zero rows/columns: identity there
+    # Forward substitution inside each diagonal block, all blocks of all chunks at once: row i of
+    # T = (I + A)^-1 is e_i - A[i, :i] T[:i, :], built from rows that are already final.
+    diag = _diagonal_blocks(a, SOLVE_BLOCK)
+    t = torch.eye(SOLVE_BLOCK, dtype=a.dtype, device=a.device).expand(diag.shape).clone()
+    for i in range(1, SOLVE_BLOCK):
+        t[..., i, :] -= (diag[..., i:i + 1, :] @ t).squeeze(-2)
+    # Merge neighbouring blocks with the exact inverse of a block lower-triangular matrix,
+    # [[T11, 0], [-T22 A21 T11, T22]]: products of bounded factors only.
+    size = SOLVE_BLOCK
+    while size < n:
+        a21 = _diagonal_blocks(a, 2 * size)[..., size:, :size]
+        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        t21 = -(t22 @ a21 @ t11)
+        t = torch.cat([torch.cat([t11, torch.zeros_like(t11)], -1), torch.cat([t21, t22], -1)], -2)
+        size *= 2
+    t = t.squeeze(-3)
+    return t[..., :c, :c] if n != c else t
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a_ncc):
+        t_ncc = _unit_lower_inverse_forward(a_ncc)
+        ctx.save_for_backward(t_ncc)
+        return t_ncc
+
+    @staticmethod
+    def backward(ctx, grad_t):
+        # dT = -T dA T, so dL/dA = -T^T (dL/dT) T^T, of which only the strictly-lower part is an input.
+        (t_ncc,) = ctx.saved_tensors
+        t_t = t_ncc.transpose(-1, -2)
+        return -(t_t @ grad_t @ t_t).tril(-1)
+
+
+def unit_lower_inverse(a_ncc: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (any C; batched over the leading dims).
+
+    The delta rule's A (beta * decayed dot products of L2-normalised keys) has |A_ij| < 1, but inside a
+    run of one token, periodic text or near-duplicate keys its powers grow binomially (~1e17 at C = 64)
+    while the inverse stays bounded, so a series in powers of A ((I - A)(I + A^2)(I + A^4)...) cancels
+    to nothing in fp32. This solves by substitution instead, which never forms a power of A: forward
+    substitution in 16 x 16 diagonal blocks, then exact block-inverse merges, all batched matmuls and
+    elementwise ops (so it runs wherever matmul does: CUDA, NPU, CPU, with no LAPACK triangular solve).
+    Backward is the closed form from the saved inverse, which is as well conditioned as the forward."""
+    return _UnitLowerInverse.apply(a_ncc)
 
 
 def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, chunk=CHUNK):
@@ -125,10 +177,9 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     Inside a chunk write G_i = g_1 + ... + g_i (log decay since the chunk start) and S_0 for the state
     entering it. Unrolling the recurrence, S_i = e^{G_i} S_0 + sum_{j<=i} e^{G_i-G_j} k_j u_j^T with
     the written errors u_j = beta_j (v_j - e^{G_j} S_0^T k_j - sum_{m<j} e^{G_j-G_m} (k_j.k_m) u_m).
-    That is a unit-lower-triangular system (I + A) U = beta V - beta e^G K S_0 (solved through
-    `unit_lower_inverse`), so
-    U = W - Kc S_0 with W, Kc independent of the state: one batched solve for all chunks, then
-    a short loop over chunks that only needs matmuls with the carried state.
+    That is a unit-lower-triangular system (I + A) U = beta V - beta e^G K S_0 (T = (I + A)^-1 from
+    `unit_lower_inverse`), so U = W - Kc S_0 with W, Kc independent of the state: one batched solve for
+    all chunks, then a short loop over chunks that only needs matmuls with the carried state.
     """
     b, h, t, dk = k_bhtk.shape
     dv = v_bhtv.shape[-1]
@@ -266,15 +317,17 @@ class GatedDeltaNet(nn.Module):
         if cache is None:
             conv_in_bsc = F.pad(qkv_bsc, (0, 0, kernel - 1, 0))  # causal: left zero padding
         else:
-            ring = cache.ring
-            conv_ring = cache.buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype)
-            state_ring = cache.buffer("gdn_state", (hv, dk, dv), torch.float32)
+            # A resume reads the state after the previous position and the kernel - 1 previous conv inputs.
+            conv_ring = cache.ring_buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype, lookback=kernel - 1)
+            state_ring = cache.ring_buffer("gdn_state", (hv, dk, dv), torch.float32, lookback=1)
+            conv_slots, state_slots = conv_ring.shape[1], state_ring.shape[1]
             start_b = positions_bs[:, 0]
             # The previous kernel-1 conv inputs (positions start-K+1 .. start-1), zeros before position 0.
             prev_pos_bk = start_b[:, None] + torch.arange(1 - kernel, 0, device=x_bsh.device)
-            prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % ring].masked_fill((prev_pos_bk < 0)[..., None], 0)
+            prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % conv_slots].masked_fill((prev_pos_bk < 0)[..., None], 0)
             conv_in_bsc = torch.cat([prev_bkc.to(qkv_bsc.dtype), qkv_bsc], 1)
-            state0_bhkv = state_ring[rows_b, (start_b - 1) % ring].masked_fill((start_b == 0)[:, None, None, None], 0)
+            state0_bhkv = state_ring[rows_b, (start_b - 1) % state_slots].masked_fill(
+                (start_b == 0)[:, None, None, None], 0)
         mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), conv_w, groups=qkv_bsc.shape[-1])
         mixed_bsc = F.silu(mixed_bcs).transpose(1, 2)
         # channels by key-head group: [q_g | k_g | v of the hv // hk value heads g serves]
@@ -286,16 +339,15 @@ class GatedDeltaNet(nn.Module):
 
         if cache is None:
             out_bsnv, _ = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, None)
-        elif s <= ring - kernel:
+        elif cache.keeps_every_position(s):
             # Short forward (decode step or speculative verify): keep every position's state and conv
-            # input so that any accepted prefix can be resumed from. The writes reach back at most to
-            # position start + s - 1 - ring < start - kernel + 1, never a slot a resume still reads.
+            # input so that any accepted prefix can be resumed from (the rings' slots cover the forward
+            # plus what a resume reads before it: models/state.py).
             q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
             out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
             out_bsnv = out_bhtv.transpose(1, 2).to(v_bsnv.dtype)
-            slots_bs = positions_bs % ring
-            state_ring[rows_b[:, None], slots_bs] = states_bshkv.detach()
-            conv_ring[rows_b[:, None], slots_bs] = qkv_bsc.detach().to(conv_ring.dtype)
+            state_ring[rows_b[:, None], positions_bs % state_slots] = states_bshkv.detach()
+            conv_ring[rows_b[:, None], positions_bs % conv_slots] = qkv_bsc.detach().to(conv_ring.dtype)
         else:
             # Long prefill: chunked form; padded tokens (past row_end) get beta = 0 and g = 0, which leaves
             # the state untouched, so the final state is the state after each row's last real token.
@@ -303,12 +355,13 @@ class GatedDeltaNet(nn.Module):
             real_bs1 = (positions_bs <= row_end_b[:, None])[..., None]
             out_bsnv, final_bhkv = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn * real_bs1,
                                                  beta_bsn * real_bs1, state0_bhkv)
-            state_ring[rows_b, row_end_b % ring] = final_bhkv.detach()
-            # The last `ring` real conv inputs; those before this forward's start keep their slots.
-            keep_pos_br = row_end_b[:, None] - ring + 1 + torch.arange(ring, device=x_bsh.device)
+            state_ring[rows_b, row_end_b % state_slots] = final_bhkv.detach()
+            # The last kernel - 1 real conv inputs (what the next forward reads); those before this
+            # forward's start keep their slots.
+            keep_pos_br = row_end_b[:, None] + torch.arange(2 - kernel, 1, device=x_bsh.device)
             j_br = keep_pos_br - start_b[:, None]
             fresh_br1 = (j_br >= 0)[..., None]
-            slots_br = keep_pos_br % ring
+            slots_br = keep_pos_br % conv_slots
             new_brc = torch.where(fresh_br1, qkv_bsc[rows_b[:, None], j_br.clamp(0, s - 1)].to(conv_ring.dtype),
                                   conv_ring[rows_b[:, None], slots_br])
             conv_ring[rows_b[:, None], slots_br] = new_brc.detach()

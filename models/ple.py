@@ -21,7 +21,9 @@ tables are tens of GiB per layer; transformers shards `ngram_embedding` along it
 Tandem splits its rows over every rank of the pipeline stage: trainer/parallel/tensor_hybrid.py.)
 
 Decoding keeps two rings in the layer's DecodeCache slot (models/state.py): `ple_tokens` (the token id
-at position p in slot p % ring: the n-gram context) and `ple_conv` (the conv's normalised input at p).
+at position p: the n-gram context; ngram_size - 1 slots beyond the cache's `ring`) and `ple_conv` (the
+conv's normalised input at p; (conv_kernel - 1) * ngram_size slots beyond it), each entry in slot
+p % (its ring's length).
 """
 
 from __future__ import annotations
@@ -180,9 +182,8 @@ class NGramEmbedding(nn.Module):
 
 
 def _read_ring(ring: torch.Tensor, first_pos_b: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """The entries [B, n, ...] of the n positions before each row's first position (`fill` before 0)."""
-    if n > ring.shape[1]:
-        raise ValueError(f"PLE needs {n} previous positions but the decode ring holds {ring.shape[1]}")
+    """The entries [B, n, ...] of the n positions before each row's first position (`fill` before 0);
+    the ring has room for them (`LayerCache.ring_buffer` with lookback n)."""
     pos_bn = first_pos_b[:, None] - n + torch.arange(n, device=ring.device)
     idx = torch.remainder(pos_bn, ring.shape[1]).view(*pos_bn.shape, *([1] * (ring.dim() - 2)))
     got = ring.gather(1, idx.expand(-1, -1, *ring.shape[2:]))
@@ -191,8 +192,9 @@ def _read_ring(ring: torch.Tensor, first_pos_b: torch.Tensor, n: int, fill) -> t
 
 
 def _write_ring(ring: torch.Tensor, values_bs: torch.Tensor, first_pos_b: torch.Tensor, row_end_b: torch.Tensor):
-    """Store values at position p in slot p % ring, for each row's last min(S, ring) real positions
-    (p <= row_end); every other slot keeps its content (a rewrite with its own value)."""
+    """Store values at position p in slot p % slots, for each row's last min(S, slots) real positions
+    (p <= row_end); every other slot keeps its content (a rewrite with its own value). A forward of at
+    most the cache's `ring` tokens so writes all of them without reusing a slot a resume inside it reads."""
     R, S = ring.shape[1], values_bs.shape[1]
     n = min(S, R)
     pos_bn = row_end_b[:, None] - n + 1 + torch.arange(n, device=ring.device)
@@ -239,8 +241,9 @@ class PLELayer(nn.Module):
         tokens_bc = conv_in_bwX = None
         if cache is not None:
             first_b = positions_bs[:, 0].long()
-            ring_tokens = cache.buffer("ple_tokens", (), torch.long)
-            ring_conv = cache.buffer("ple_conv", (hc * h,))
+            # A resume reads the n-gram context (ngram_size - 1 tokens) and the dilated conv's window.
+            ring_tokens = cache.ring_buffer("ple_tokens", (), torch.long, lookback=context)
+            ring_conv = cache.ring_buffer("ple_conv", (hc * h,), lookback=self.conv_window)
             tokens_bc = _read_ring(ring_tokens, first_b, context, self.ple_embedding.eos_token_id)
             conv_in_bwX = _read_ring(ring_conv, first_b, self.conv_window, 0.0)
 

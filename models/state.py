@@ -9,10 +9,15 @@ before any later forward reads them.
 * Attention keys/values (and QSA's raw indexer keys) live in full-length buffers [B, max_len, ...]
   written at their positions (`LayerCache.update`, `LayerCache.buffer(..., length=max_len)`).
 * Recurrent pieces (Gated DeltaNet's recurrent and conv states, PLE's conv inputs and n-gram token
-  context) live in rings of `ring` slots: the state after the token at position p sits in slot
-  p % ring. A forward over R <= ring - (largest conv window) tokens writes every position's state,
-  so any accepted prefix of a verify forward can be resumed from; a longer forward (a prompt
-  prefill) keeps only the state after each row's last real token (`row_end`).
+  context) live in rings (`LayerCache.ring_buffer`). A piece whose forward starting at position m
+  reads the `lookback` positions m - lookback .. m - 1 (Gated DeltaNet: its state 1 and its conv
+  inputs conv_kernel - 1; PLE: its n-gram context ngram_size - 1 and its dilated conv inputs
+  (ple_conv_kernel - 1) * ngram_size) gets a ring of ring + lookback slots, the entry of position p
+  in slot p % (ring + lookback). One rule for every layer (`LayerCache.keeps_every_position`): a
+  forward over R <= `ring` tokens writes every position's entry, and its writes (positions up to
+  start + ring - 1) only reuse slots of positions before start - lookback, so every prefix of it,
+  the empty one included, can be resumed from; a longer forward (a prompt prefill) keeps only what a
+  resume right after each row's last real token (`row_end`) reads.
 * `row_end` [B] (set by the caller for a forward, None when every token is real) is the last real
   position of each row: batched forwards pad short rows with positions continuing past their end.
   Padded tokens never change the state at or before `row_end`.
@@ -41,7 +46,10 @@ class DecodeCache:
         self.values: List[Optional[torch.Tensor]] = [None] * num_layers
         self.buffers: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_layers)]
         self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
+        if int(ring) < 1:
+            raise ValueError(f"DecodeCache ring must be positive, got {ring}")
         self.ring = int(ring)
+        """The longest forward that keeps every position's recurrent state (see the module docstring)."""
         self.row_end: Optional[torch.Tensor] = None
         """[B] last real position of each row in the current forward (None: all real)."""
         self.span: Optional[int] = None
@@ -87,6 +95,17 @@ class LayerCache:
             store[name] = torch.zeros((self.cache.batch, n, *tail), dtype=dtype or self.cache.dtype,
                                       device=self.cache.device)
         return store[name]
+
+    def keeps_every_position(self, tokens: int) -> bool:
+        """Whether a forward over `tokens` positions must keep every position's recurrent state (so any
+        prefix of it can be resumed from) or only the state after each row's `row_end` (a prefill)."""
+        return tokens <= self.cache.ring
+
+    def ring_buffer(self, name: str, tail: Sequence[int], dtype: Optional[torch.dtype] = None,
+                    lookback: int = 1) -> torch.Tensor:
+        """This layer's ring `name` [B, ring + lookback, *tail] (zeros at first use), the entry of position p
+        in slot p % (ring + lookback); `lookback`: how many positions before its first one a forward reads."""
+        return self.buffer(name, tail, dtype, length=self.cache.ring + int(lookback))
 
     def shared_buffer(self, name: str, tail: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A full-length buffer [B, max_len, *tail] in the store shared with the decoder's other caches

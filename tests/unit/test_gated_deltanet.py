@@ -1,5 +1,7 @@
-"""Gated DeltaNet: parity with transformers' Qwen4-Exp module, chunked == recurrent, and the decoder
-state contract of models/state.py (prefill + steps, ragged rows, rollback to an accepted prefix)."""
+"""Gated DeltaNet: parity with transformers' Qwen4-Exp module, chunked == recurrent (random inputs and what
+real text puts into a chunk: runs of one token, periodic tokens, correlated keys, beta near 1, slow
+decay; outputs, gradients, bf16 autocast), and the decoder state contract of models/state.py (prefill +
+steps, ragged rows, rollback to an accepted prefix, also inside a long verify forward of a PLE model)."""
 
 import copy
 
@@ -100,6 +102,78 @@ def test_chunked_equals_recurrent():
     assert rel_err(o_c, o_r) < 1e-5 and rel_err(s_c, s_r) < 1e-5
 
 
+# What real data puts into one chunk: runs of one token, periodic text, near-duplicate keys, learning
+# rates near 1 and decay near 0. The strictly-lower A of a chunk then has powers that grow to ~1e17
+# before they cancel (a run of C identical keys gives binomial coefficients), while (I + A)^-1 stays
+# bounded; a solve that goes through powers of A keeps nothing in fp32. Head dim 128 as in the real
+# models (the dot products of longer keys concentrate), S = 256: four chunks, state carried across.
+ADV_DK, ADV_S = 128, 256
+
+
+def adversarial(kind, heads=2, s=ADV_S, dk=ADV_DK, seed=0):
+    """(q, k, v, g, beta, s0) for the chunked/recurrent rule, fp32, batch 1."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k, v = rnd(1, heads, s, dk), rnd(1, heads, s, dk), rnd(1, heads, s, dk)
+    beta = torch.rand(1, heads, s, generator=gen)
+    low, high = (0.001, 0.05) if kind in ("run_slow", "periodic3", "periodic4") else (0.01, 0.3)
+    decay_rate = torch.empty(heads).uniform_(low, high, generator=gen)  # A = exp(A_log)
+    g = -decay_rate[None, :, None] * torch.nn.functional.softplus(rnd(1, heads, s))
+    if kind in ("run", "run_slow"):
+        # one token repeated at positions 40..139: chunk boundaries at 64 and 128 fall inside the run
+        for x in (q, k, v, beta, g):
+            x[:, :, 40:140] = x[:, :, 40:41]
+    elif kind.startswith("periodic"):
+        period = int(kind[-1])
+        for x in (q, k, v, beta, g):
+            x[:, :, period:] = x[:, :, :period].repeat(1, 1, s // period, *([1] * (x.dim() - 3)))[:, :, :s - period]
+    elif kind in ("correlated", "beta_near_one"):
+        # keys around one direction with pairwise cosine ~0.8, constant learning rate and slow decay
+        k = rnd(1, heads, 1, dk) + 0.5 * rnd(1, heads, s, dk)
+        beta = torch.full((1, heads, s), 0.9 if kind == "correlated" else 0.99)
+        g = torch.full((1, heads, s), -0.01 if kind == "correlated" else -0.001)
+    q = gdn.l2_normalize(q) * dk ** -0.5
+    return q, gdn.l2_normalize(k), v, g, beta, rnd(1, heads, dk, dk) * 0.1
+
+
+ADVERSARIAL = ["run", "run_slow", "periodic3", "periodic4", "correlated", "beta_near_one"]
+
+
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_chunked_equals_recurrent_on_adversarial_chunks(kind):
+    q, k, v, g, beta, s0 = adversarial(kind)
+    if kind == "correlated":
+        cos = (k[0, 0, 1:] * k[0, 0, :-1]).sum(-1).mean()
+        assert 0.75 < cos < 0.85
+    o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, s_r, _ = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    assert rel_err(o_c, o_r) < 1e-5 and rel_err(s_c, s_r) < 1e-5
+
+
+def test_chunked_gradients_equal_recurrent_on_a_run_of_one_token():
+    q, k, v, g, beta, s0 = adversarial("run_slow", heads=1, s=192)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    w = torch.randn(1, 1, 192, ADV_DK, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for rule in (chunked_gated_delta_rule, recurrent_gated_delta_rule):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        out, final = rule(*xs, s0)[:2]
+        ((out * w).sum() + final.sum()).backward()
+        grads.append([x.grad for x in xs])
+    for name, got, ref in zip("qkvgb", *grads):
+        assert rel_err(got, ref) < 1e-4, name
+
+
+def test_chunked_under_bf16_autocast_on_a_run_of_one_token():
+    """bf16 inputs under autocast (how a bf16 training step reaches the torch path) stay at bf16 rounding
+    of the fp32 recurrence, not amplified by the chunk solve."""
+    q, k, v, g, beta, s0 = (x.bfloat16() for x in adversarial("run_slow"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, s_r, _ = recurrent_gated_delta_rule(*(x.float() for x in (q, k, v, g, beta, s0)))
+    assert rel_err(o_c.float(), o_r) < 2e-2 and rel_err(s_c.float(), s_r) < 2e-2
+
+
 def test_meta_construction_and_tensor_parallel_shards():
     with torch.device("meta"):
         GatedDeltaNet(HID, HK, HV, DK, DV, KER)
@@ -161,7 +235,7 @@ def check_against_full(m, streams, outs, tol=1e-5):
 def test_prefill_then_steps_equals_training_forward():
     m = make()
     streams = [torch.randn(30, HID), torch.randn(30, HID)]
-    # 20-token prefill (chunked path: 20 > ring - kernel), then steps of 1, 1, 3 and 1 tokens (recurrent).
+    # 20-token prefill (chunked path: 20 > ring), then steps of 1, 1, 3 and 1 tokens (recurrent).
     sched = [([(0, 20)] * 2, 20), ([(20, 1)] * 2, 1), ([(21, 1)] * 2, 1), ([(22, 3)] * 2, 3), ([(25, 1)] * 2, 1)]
     _, outs = run_schedule(m, streams, sched)
     check_against_full(m, streams, outs)
@@ -217,9 +291,10 @@ def test_rollback_to_accepted_prefix():
         torch.testing.assert_close(spec_y[i], y[0], rtol=1e-6, atol=1e-6)
         last = int(cont_pos[i, -1])
         for name, back in (("gdn_state", 1), ("gdn_conv", KER - 1)):
+            slots = cache.buffers[0][name].shape[1]  # ring + what a resume reads (models/state.py)
             for p in range(last - back + 1, last + 1):
-                torch.testing.assert_close(spec_cache.buffers[0][name][i, p % ring],
-                                           cache.buffers[0][name][0, p % ring], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(spec_cache.buffers[0][name][i, p % slots],
+                                           cache.buffers[0][name][0, p % slots], rtol=1e-6, atol=1e-6)
 
 
 # --- kernels and precision ------------------------------------------------------------------------
@@ -247,3 +322,40 @@ def test_bf16_close_to_fp32():
     assert cache.buffers[0]["gdn_state"].dtype == torch.float32
     assert cache.buffers[0]["gdn_conv"].dtype == torch.bfloat16
     assert rel_err(y_step.float(), y32[:, 69:]) < 3e-2
+
+
+@pytest.mark.parametrize("width", [25, 28])
+def test_hybrid_model_rollback_inside_a_long_verify_forward(width):
+    """A PLE + Gated DeltaNet model under the default ring: a 25-28 token forward after a prefill, then the
+    next forward starts right after a short accepted prefix of it. PLE's dilated conv reads the 9 positions
+    before a resume (ple_conv_kernel 4 x ngram_size 3 - 3) and Gated DeltaNet's conv 3, so a ring that
+    only holds `ring` slots lets the verify forward overwrite what the resume reads."""
+    from tandem.eval.testing import tiny_qwen4_model
+
+    model = tiny_qwen4_model(0, seed=2)
+    cfg = model.cfg
+    assert cfg.layer_type(0) == "linear_attention" and 0 in cfg.ple_layers
+    gen = torch.Generator().manual_seed(3)
+    true = torch.randint(2, cfg.vocab_size, (1, 60), generator=gen)
+    junk = torch.randint(2, cfg.vocab_size, (1, width), generator=gen)
+    prompt, accepted, cont = 20, 1, 4
+
+    def cache():
+        return DecodeCache(cfg.num_layers, 1, 64, torch.float32, torch.device("cpu"))  # the default ring
+
+    def run(c, lo, hi, ids=None):
+        ids = true[:, lo:hi] if ids is None else ids
+        return model.trunk(ids, positions(1, hi - lo, lo), c)
+
+    with torch.no_grad():
+        spec = cache()
+        run(spec, 0, prompt)
+        verify = torch.cat([true[:, prompt:prompt + accepted], junk[:, accepted:]], 1)
+        run(spec, prompt, prompt + width, verify)
+        resume = prompt + accepted  # rollback: the next forward starts after the accepted prefix
+        got = run(spec, resume, resume + cont)
+        fresh = cache()
+        run(fresh, 0, prompt)
+        run(fresh, prompt, resume)
+        ref = run(fresh, resume, resume + cont)
+    assert rel_err(got, ref) < 1e-5

@@ -258,11 +258,13 @@ def test_ple_decode_ragged_rows(lengths):
         first = first + 2
 
 
-def test_ple_decode_ring_too_small_raises():
-    ple, ids, x, _, _ = decode_setup()
-    cache = DecodeCache(1, 2, max_len=48, dtype=torch.float32, device=torch.device("cpu"), ring=4)
-    with pytest.raises(ValueError, match="ring"):
-        step(ple, cache, x[:, :3], ids[:, :3], torch.zeros(2, dtype=torch.long))
+def test_ple_decode_ring_shorter_than_the_conv_window():
+    # The ring bounds a forward's length; the layer's rings add its own look-back (9 positions) to it.
+    ple, ids, x, full, cache = decode_setup(ring=4)
+    outs = [step(ple, cache, x[:, :3], ids[:, :3], torch.zeros(2, dtype=torch.long))]
+    for t in range(3, 20, 4):
+        outs.append(step(ple, cache, x[:, t:t + 4], ids[:, t:t + 4], torch.full((2,), t)))
+    torch.testing.assert_close(torch.cat(outs, 1), full[:, :23], atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------- bf16

@@ -42,9 +42,9 @@ def hf_config(**over):
 # 16 indexer heads: a block's score is a sum of ReLUs, exactly 0 when every head's dot product is
 # negative; with few heads such ties (which transformers breaks arbitrarily, Tandem towards the earlier
 # block) would decide the selection.
-def make_hf(seed=0):
+def make_hf(seed=0, **over):
     torch.manual_seed(seed)
-    model = T.Qwen4ExpForCausalLM(hf_config()).eval()
+    model = T.Qwen4ExpForCausalLM(hf_config(**over)).eval()
     with torch.no_grad():  # away from the init (zero norms, zero PLE conv) so every tensor matters
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias")):
@@ -123,6 +123,53 @@ def test_import_logits_and_gradients_match_transformers(pair):
 def test_greedy_decoding_with_state_matches_transformers_generate(pair):
     hf, model, cfg, _ = pair
     prompt = tokens(1, 13, seed=3)[0].tolist()
+    new = 12
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        out = generate(model, [prompt], new, num_steps=0).outputs
+    assert out[0][:new] == ref
+
+
+def run_tokens(b, s, seed):
+    """Token ids with what real text puts into a linear-attention chunk: a 100-token run of one token
+    across two chunk boundaries (positions 30..129) and a period-3 stretch after it."""
+    ids = tokens(b, s, seed=seed)
+    ids[:, 30:130] = ids[:, 30:31]
+    ids[:, 133:] = ids[:, 130:133].repeat(1, s // 3)[:, :s - 133]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def slow_pair(tmp_path_factory):
+    """The tiny model with slow linear-attention decay, A = exp(A_log) ~ U(0.001, 0.05), so the state
+    carries across chunks and the chunk solve sees strongly coupled tokens."""
+    hf = make_hf(seed=4, max_position_embeddings=256)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.001, 0.05).log())
+    path = tmp_path_factory.mktemp("q4slow") / "hf"
+    hf.save_pretrained(path)
+    model, _ = load_hf_model(str(path))
+    return hf, model
+
+
+def test_logits_match_transformers_past_several_chunks_on_runs_of_one_token(slow_pair):
+    hf, model = slow_pair
+    s = 160  # two full 64-token chunks and a partial one: the state crosses chunk boundaries
+    ids = run_tokens(1, s, seed=6)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model.logits(0, model.trunk(ids, torch.arange(s).expand(1, s)))
+    # per token: a wrong chunk solve or boundary shows at the positions it breaks
+    err_t = (ours - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert err_t.max() <= 1e-5, int(err_t.argmax())
+
+
+def test_greedy_decoding_after_a_long_run_matches_transformers_generate(slow_pair):
+    hf, model = slow_pair
+    prompt = run_tokens(1, 140, seed=7)[0].tolist()  # the run, then the periodic stretch: chunked prefill
     new = 12
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
