@@ -16,6 +16,15 @@ The indexer reads the same hidden states as the attention and scores *blocks* of
 Selection ties are common (relu makes many scores exactly 0); they break toward the earlier
 block, the same way in every form, so training, decoding and verification select alike.
 
+Packed documents (training with `documents`, models/documents.py): every document computes what it
+computes alone from position 0. Its blocks start at its first token (block j covers its positions
+[j*r, (j+1)*r)), so no block straddles two documents, and one cut short by the document's end is no
+block. A row lists its blocks by the row of their first token (`_DocumentBlocks`: at most S // r, the
+same count as without documents, padded); a query scores them all but may select only the complete
+blocks of its own document visible at its position p, attends them plus its document's tail
+[(p+1)//r*r, p], and the dense warm-up, the indexer's KL target and the recall are block-diagonal
+causal. Without documents a row is one document and the blocks are [j*r, (j+1)*r) of the row.
+
 Two vectorised training forms give identical results; both pay O(B * S^2 / r) for the block scores:
 * `mask`: a [B, S, S] selection mask and one masked SDPA call. O(B * S^2) mask memory, dense
   O(B * H * S^2 * d) compute, but a fused attention kernel.
@@ -55,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .documents import Documents
 from .layers import RMSNorm, RotaryEmbedding
 from .moe import AuxLossGrad
 from .qsa_loss import attention_block_mass, indexer_kl
@@ -83,10 +93,70 @@ class QSASelection(NamedTuple):
 
     In training, MTP depth 1 returns its selection and depths 2..K receive it as an argument
     (`mtp.qsa_reuse_indices`): an explicit value, so a checkpointed depth recomputed in backward and a
-    pipeline micro-batch both see the selection of their own forward, never one left in module state."""
+    pipeline micro-batch both see the selection of their own forward, never one left in module state.
+    With packed documents a block index means a row of `block_rows_bn` [B, S // r] (the row of each
+    block's first token), carried along so a reusing depth reads the indices in the layout they were
+    chosen in; None: block j starts at row j * r."""
 
     blocks_bsk: torch.Tensor
     counts_bs: torch.Tensor
+    block_rows_bn: Optional[torch.Tensor] = None
+
+
+class _DocumentBlocks(NamedTuple):
+    """A training window's QSA blocks under packed documents (see the module docstring). Padding
+    blocks (a row with fewer than N = S // r complete blocks) have row S."""
+
+    rows_bn: torch.Tensor
+    """[B, N] row of each block's first token (S: padding)."""
+    tokens_bm: torch.Tensor
+    """[B, N * r] rows of each block's tokens in block order (clamped into the row for padding)."""
+    positions_bn: torch.Tensor
+    """[B, N] each block's start position within its document (j * r): its key's RoPE position."""
+    key_block_bs: torch.Tensor
+    """[B, S] the block holding each row's token (N: none, a document's incomplete end)."""
+    first_bs: torch.Tensor
+    """[B, S] row where each query's document starts."""
+    at_bs: torch.Tensor
+    """[B, S] each query's position within its document."""
+
+    @staticmethod
+    def block_rows(starts_bs: torch.Tensor, r: int) -> torch.Tensor:
+        """[B, S // r] rows of the complete blocks' first tokens, in row order, padded with S: a block
+        starts where the position within the document is a multiple of r and the document still runs
+        at row + r - 1 (blocks are disjoint r-row spans, so a row holds at most S // r)."""
+        b, s = starts_bs.shape
+        n = s // r
+        row = torch.arange(s, device=starts_bs.device)
+        last = (row + r - 1).clamp(max=s - 1)
+        start = ((row - starts_bs) % r == 0) & (row + r - 1 < s) & (starts_bs[:, last] == starts_bs)
+        slot = torch.where(start, start.long().cumsum(1) - 1, n)  # non-starts land in column n, dropped
+        rows = torch.full((b, n + 1), s, dtype=torch.long, device=starts_bs.device)
+        return rows.scatter_(1, slot, row.expand(b, s))[:, :n]
+
+    @classmethod
+    def build(cls, starts_bs: torch.Tensor, rows_bn: torch.Tensor, r: int) -> "_DocumentBlocks":
+        b, s = starts_bs.shape
+        n = rows_bn.shape[1]
+        dev = starts_bs.device
+        row = torch.arange(s, device=dev)
+        real_bn = rows_bn < s
+        tokens_bnr = rows_bn[..., None] + torch.arange(r, device=dev)
+        at_bs = row - starts_bs
+        positions_bn = at_bs.gather(1, rows_bn.clamp(max=s - 1))
+        # each real block's tokens name it; every other token (and padding's) lands in column s, dropped
+        key_block = torch.full((b, s + 1), n, dtype=torch.long, device=dev)
+        key_block.scatter_(1, torch.where(real_bn[..., None], tokens_bnr, s).flatten(1),
+                           torch.arange(n, device=dev).repeat_interleave(r).expand(b, n * r))
+        return cls(rows_bn, tokens_bnr.clamp(max=s - 1).flatten(1), positions_bn, key_block[:, :s], starts_bs, at_bs)
+
+    def visible(self, r: int) -> torch.Tensor:
+        """[B, S, N]: the blocks a query may select, the complete ones of its document ending at or
+        before it (a real block never straddles documents, so lying within [document start, query] is
+        enough)."""
+        query_t = torch.arange(self.first_bs.shape[1], device=self.rows_bn.device)[:, None]
+        rows = self.rows_bn[:, None, :]
+        return (rows >= self.first_bs[..., None]) & (rows + r - 1 <= query_t)
 
 
 class SelectionShare:
@@ -140,8 +210,9 @@ class QSAIndexer(nn.Module):
 
 class IndexedAttention(nn.Module):
     """transformers' `Qwen4ExpTextAttention`: forward(x [B, S, hidden], positions [B, S], cache=None).
-    Without a cache the rows are whole sequences from position 0 (training, evaluation); with one, a
-    `models.state.LayerCache` slot (decoding, verification). See the module docstring."""
+    Without a cache the rows are whole sequences from position 0 (training, evaluation), or packed
+    documents each from position 0 when `documents` is given; with one, a `models.state.LayerCache`
+    slot (decoding, verification: one sequence per row). See the module docstring."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  partial_rotary_factor: float, rope_theta: float, max_seq_len: int, eps: float,
@@ -208,9 +279,12 @@ class IndexedAttention(nn.Module):
         return map_query_chunks(self.indexer.block_scores, chunk, (q_idx_bsid,), (k_bnd,))
 
     # ---- selection ------------------------------------------------------------------------------
-    def _select(self, scores_bsn: torch.Tensor, query_at_bs: torch.Tensor):
+    def _select(self, scores_bsn: torch.Tensor, query_at_bs: torch.Tensor,
+                visible_bsn: Optional[torch.Tensor] = None):
         """Top blocks per query among its complete visible ones: indices [B, S, K] and how many of the
-        K slots are real, min(budget / r, complete blocks) [B, S]."""
+        K slots are real, min(budget / r, complete blocks) [B, S]. `query_at_bs`: positions (within the
+        document); `visible_bsn`: the selectable blocks under packed documents (there are (p+1) // r
+        of them), else blocks 0 .. (p+1) // r - 1."""
         r, n = self.compress_ratio, scores_bsn.shape[-1]
         complete_bs = (query_at_bs + 1) // r
         k = min(self.budget // r, n)
@@ -220,31 +294,51 @@ class IndexedAttention(nn.Module):
         # bits makes every key unique (ties -> the earlier block) and the top-k exactly reproducible.
         bits = scores_bsn.detach().float().contiguous().view(torch.int32).long()
         block = torch.arange(n, device=scores_bsn.device)
-        key = torch.where(block < complete_bs[..., None], (bits << 31) | (2**31 - 1 - block), -1)
+        if visible_bsn is None:
+            visible_bsn = block < complete_bs[..., None]
+        key = torch.where(visible_bsn, (bits << 31) | (2**31 - 1 - block), -1)
         return key.topk(k, dim=-1).indices, complete_bs.clamp(max=k)
 
-    def _token_mask(self, blocks_bsk, count_bs, query_at_bs, num_keys: int) -> torch.Tensor:
-        """[B, S, num_keys]: tokens of the selected blocks plus the visible tail."""
+    def _token_mask(self, blocks_bsk, count_bs, query_at_bs, num_keys: int,
+                    docs: Optional[_DocumentBlocks] = None, c0: int = 0) -> torch.Tensor:
+        """[B, S, num_keys]: tokens of the selected blocks plus the visible tail. `docs`: packed
+        documents' blocks; the queries are then rows c0 .. c0 + S - 1 of its window."""
         r = self.compress_ratio
         key_u = torch.arange(num_keys, device=query_at_bs.device)
         at = query_at_bs[..., None]
-        mask = (key_u >= (at + 1) // r * r) & (key_u <= at)
+        if docs is None:
+            mask = (key_u >= (at + 1) // r * r) & (key_u <= at)
+        else:
+            first = docs.first_bs[:, c0:c0 + query_at_bs.shape[1], None]
+            mask = (key_u >= first + (at + 1) // r * r) & (key_u <= first + at)
         n, k = num_keys // r, blocks_bsk.shape[-1]
         if k:
             real = torch.arange(k, device=key_u.device) < count_bs[..., None]
             chosen = blocks_bsk.new_zeros(*blocks_bsk.shape[:-1], n + 1, dtype=torch.bool)
             chosen.scatter_(-1, torch.where(real, blocks_bsk, n), True)  # unused slots land in column n
-            mask[..., : n * r] |= chosen[..., :n].repeat_interleave(r, dim=-1)
+            if docs is None:
+                mask[..., : n * r] |= chosen[..., :n].repeat_interleave(r, dim=-1)
+            else:
+                chosen[..., n] = False  # the column of the tokens in no block
+                mask |= chosen.gather(-1, docs.key_block_bs[:, None].expand(-1, mask.shape[1], -1))
         return mask
 
-    def _token_slots(self, blocks_bsk, count_bs, query_at_bs):
-        """The gather form's candidates: token indices [B, S, L] (L <= budget + r - 1) and validity."""
+    def _token_slots(self, blocks_bsk, count_bs, query_at_bs, docs: Optional[_DocumentBlocks] = None):
+        """The gather form's candidates: token indices [B, S, L] (L <= budget + r - 1) and validity.
+        `docs`: packed documents' blocks (the indices are rows; the queries, the window's S rows)."""
         r, k = self.compress_ratio, blocks_bsk.shape[-1]
         dev = query_at_bs.device
-        block_tok = (blocks_bsk[..., None] * r + torch.arange(r, device=dev)).flatten(-2)
+        if docs is None:
+            block_row = blocks_bsk * r
+            tail_row, last_row = (query_at_bs + 1) // r * r, query_at_bs
+        else:
+            block_row = docs.rows_bn.gather(1, blocks_bsk.flatten(1)).view_as(blocks_bsk)
+            tail_row = docs.first_bs + (query_at_bs + 1) // r * r
+            last_row = docs.first_bs + query_at_bs
+        block_tok = (block_row[..., None] + torch.arange(r, device=dev)).flatten(-2)
         block_ok = (torch.arange(k, device=dev) < count_bs[..., None]).repeat_interleave(r, dim=-1)
-        tail_tok = ((query_at_bs + 1) // r * r)[..., None] + torch.arange(r - 1, device=dev)
-        tail_ok = tail_tok <= query_at_bs[..., None]
+        tail_tok = tail_row[..., None] + torch.arange(r - 1, device=dev)
+        tail_ok = tail_tok <= last_row[..., None]
         ok = torch.cat([block_ok, tail_ok], -1)
         return torch.where(ok, torch.cat([block_tok, tail_tok], -1), 0), ok
 
@@ -276,26 +370,32 @@ class IndexedAttention(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerCache] = None,
-                selection: Optional[QSASelection] = None,
-                return_selection: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
+                selection: Optional[QSASelection] = None, return_selection: bool = False,
+                documents: Optional[Documents] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
         """`selection` (training, sparse stage): attend over these blocks instead of running the indexer
         (MTP depths 2..K reusing depth 1's). `return_selection`: also return the selection attended
-        (None in the dense stage, where nothing is selected)."""
+        (None in the dense stage, where nothing is selected). `documents` (training only): the packed
+        documents each row holds, kept apart; `positions_bs` then count from each document's start
+        (`documents.positions()`). None: each row is one document."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
         # The selection carries no gradient and the indexer learns only from its own loss.
         q_idx_bsid, raw_bsd = self.indexer(x_bsh.detach(), positions_bs, self.rotary)
         used = None
         if cache is not None:
+            if documents is not None:
+                raise ValueError("QSA decodes one document per row: documents are for training forwards")
             out_bsz, loss = self._decode(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache), None
         else:
-            out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, selection)
+            out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, selection,
+                                              documents)
         y_bsh = self.o_proj(out_bsz * torch.sigmoid(gate_bsz))
         if loss is not None:
             # gradient injected in backward (as the MoE's aux loss): return values stay unchanged
             y_bsh = AuxLossGrad.apply(y_bsh, loss, float(self.indexer_loss_coef))
         return (y_bsh, used) if return_selection else y_bsh
 
-    def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection]):
+    def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection],
+               documents: Optional[Documents] = None):
         b, h, s, d = q_bhsd.shape
         r = self.compress_ratio
         n = s // r
@@ -305,29 +405,48 @@ class IndexedAttention(nn.Module):
         # block before the indexer has anything to learn
         want_loss = self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0 and not reuse
         select = not self.dense or self.measure_recall
-        query_at_bs = torch.arange(s, device=q_bhsd.device).expand(b, s)
+        docs = None
+        if reuse and (reused.block_rows_bn is None) != (documents is None):
+            raise RuntimeError("QSA: a selection made " + ("without" if documents is not None else "with")
+                               + " packed documents was handed to a forward " + ("with" if documents is not None
+                                                                                  else "without") + " them")
+        if documents is not None:
+            # a reused selection's indices name blocks of the layout it was chosen in: read them there
+            rows_bn = reused.block_rows_bn if reuse else _DocumentBlocks.block_rows(documents.starts_bs, r)
+            docs = _DocumentBlocks.build(documents.starts_bs, rows_bn, r)
+            query_at_bs = docs.at_bs
+        else:
+            query_at_bs = torch.arange(s, device=q_bhsd.device).expand(b, s)
         scores_bsn = blocks_bsk = count_bs = loss = None
         if reuse:
             if reused.blocks_bsk.shape[:2] != (b, s):
                 raise RuntimeError(f"QSA: a reused selection covers {tuple(reused.blocks_bsk.shape[:2])} queries, "
                                    f"this forward {(b, s)}")
-            blocks_bsk, count_bs = reused
+            blocks_bsk, count_bs = reused.blocks_bsk, reused.counts_bs
         else:
             if want_loss or select:
                 with torch.set_grad_enabled(want_loss):
-                    scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
+                    if docs is None:
+                        scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
+                    else:
+                        raw_bmd = raw_bsd.gather(1, docs.tokens_bm[..., None].expand(-1, -1, raw_bsd.shape[-1]))
+                        scores_bsn = self._block_scores(q_idx_bsid, raw_bmd, docs.positions_bn)
             if select:
-                blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs)
+                blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs, None if docs is None else docs.visible(r))
 
         def selected(c0: int, c1: int) -> torch.Tensor:
-            return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1], s)
+            return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1], s, docs, c0)
 
         groups = h // k_bksd.shape[1]
         if self.dense:
-            out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, is_causal=True, enable_gqa=groups > 1)
+            if documents is None:
+                out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, is_causal=True, enable_gqa=groups > 1)
+            else:
+                out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=documents.attention_mask(),
+                                                     enable_gqa=groups > 1)
             out_bsz = out.transpose(1, 2).reshape(b, s, -1)
         elif self._use_gather(b, s):
-            idx_bsl, ok_bsl = self._token_slots(blocks_bsk, count_bs, query_at_bs)
+            idx_bsl, ok_bsl = self._token_slots(blocks_bsk, count_bs, query_at_bs, docs)
             per_query = b * idx_bsl.shape[-1] * (2 * k_bksd.shape[1] * d + h)
             out_bsz = map_query_chunks(self._gather_attend, max(1, self.chunk_elems // per_query),
                                        (q_bhsd.transpose(1, 2), idx_bsl, ok_bsl),
@@ -340,20 +459,22 @@ class IndexedAttention(nn.Module):
         if want_loss or self.measure_recall:
             mass_bsn, recall_bs = attention_block_mass(
                 q_bhsd.detach(), k_bksd.detach(), r, n, self.chunk_elems, selected if select else None,
-                sparse_target=not self.dense)
+                sparse_target=not self.dense, query_first_bs=None if docs is None else docs.first_bs,
+                block_tokens_bm=None if docs is None else docs.tokens_bm)
             if self.measure_recall:
                 self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
             if want_loss:
                 block = torch.arange(n, device=q_bhsd.device)
                 if self.dense:
-                    allowed_bsn = block < ((query_at_bs + 1) // r)[..., None]
+                    allowed_bsn = block < ((query_at_bs + 1) // r)[..., None] if docs is None else docs.visible(r)
                 else:
                     real = torch.arange(blocks_bsk.shape[-1], device=block.device) < count_bs[..., None]
                     allowed_bsn = torch.zeros_like(scores_bsn, dtype=torch.bool)
                     allowed_bsn.scatter_(-1, blocks_bsk, real)
                 loss = indexer_kl(scores_bsn, self.reduce_heads(mass_bsn), allowed_bsn)
                 self.last_indexer_loss = loss.detach()
-        used = QSASelection(blocks_bsk, count_bs) if blocks_bsk is not None and not self.dense else None
+        used = (QSASelection(blocks_bsk, count_bs, None if docs is None else docs.rows_bn)
+                if blocks_bsk is not None and not self.dense else None)
         return out_bsz, loss, used
 
     def _decode(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache: LayerCache):

@@ -14,6 +14,9 @@ p_h is the sparse attention the model actually runs (over the selected tokens).
 Recall is the share of the *dense* attention mass (mean over heads) that lands on the selected
 tokens: 1.0 means the sparse attention loses nothing.
 
+With packed documents a query's visible tokens and candidate blocks are those of its own document
+(blocks aligned to the document's start), so each document's target is what it would be alone.
+
 Everything here needs probabilities [B, heads, S, S]; they are computed a chunk of queries at a time
 under no_grad so memory stays bounded. Under tensor parallelism a rank holds only its own heads: the
 head sums returned by `attention_block_mass` are the quantities to all-reduce before normalising
@@ -30,13 +33,20 @@ import torch
 @torch.no_grad()
 def attention_block_mass(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int, num_blocks: int,
                          chunk_elems: int, selected_fn: Optional[Callable[[int, int], torch.Tensor]] = None,
-                         sparse_target: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         sparse_target: bool = False, query_first_bs: Optional[torch.Tensor] = None,
+                         block_tokens_bm: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal attention of q over k (key index = query index, GQA), a chunk of queries at a time.
 
     Returns (mass_bsn, recall_bs): the head-summed probability of each complete block's tokens
     [B, S, num_blocks] fp32 (from the attention restricted to `selected_fn(c0, c1)` [B, C, S] when
     `sparse_target`, else the dense one) and the head-summed dense mass on the selected tokens [B, S]
-    (None without `selected_fn`)."""
+    (None without `selected_fn`).
+
+    Packed documents (both given, or neither): `query_first_bs` [B, S] is the row where each query's
+    document starts, so the dense attention is block-diagonal causal, and `block_tokens_bm`
+    [B, num_blocks * ratio] lists the key rows of each block's tokens (block j's are entries
+    [j * ratio, (j + 1) * ratio)). Without them block j covers rows [j * ratio, (j + 1) * ratio). The
+    mass of a padding block (its listed rows are arbitrary) means nothing: the caller never allows it."""
     b, h, s, d = q_bhsd.shape
     k_bhsd = k_bksd.repeat_interleave(h // k_bksd.shape[1], dim=1)
     key_u = torch.arange(s, device=q_bhsd.device)
@@ -47,14 +57,19 @@ def attention_block_mass(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int,
         with torch.autocast(q_bhsd.device.type, enabled=False):
             logits = torch.matmul(q_bhsd[:, :, c0:c1].float(), k_bhsd.float().transpose(-1, -2)) * d ** -0.5
         causal_cs = key_u[None, :] <= torch.arange(c0, c1, device=key_u.device)[:, None]
-        dense_bcs = logits.masked_fill(~causal_cs, float("-inf")).softmax(-1).sum(1)  # summed over heads
+        if query_first_bs is not None:  # [B, C, S]: nor any key before the query's document
+            causal_cs = causal_cs & (key_u >= query_first_bs[:, c0:c1, None])
+        dense_bcs = logits.masked_fill(~causal_cs.unsqueeze(-3), float("-inf")).softmax(-1).sum(1)  # summed over heads
         mass = dense_bcs
         if selected_fn is not None:
             sel_bcs = selected_fn(c0, c1)
             recalls.append((dense_bcs * sel_bcs).sum(-1))
             if sparse_target:
                 mass = logits.masked_fill(~sel_bcs[:, None], float("-inf")).softmax(-1).sum(1)
-        mass = mass[..., : num_blocks * ratio]
+        if block_tokens_bm is None:
+            mass = mass[..., : num_blocks * ratio]
+        else:  # the blocks' tokens in block order, so each block sums its r tokens as above
+            mass = mass.gather(-1, block_tokens_bm[:, None].expand(-1, c1 - c0, -1))
         masses.append(mass.view(b, c1 - c0, num_blocks, ratio).sum(-1))
     return torch.cat(masses, 1), (torch.cat(recalls, 1) if recalls else None)
 
