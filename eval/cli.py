@@ -201,7 +201,8 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         prompts, tf_batches = _validation(cfg, num_prompts, prompt_len)
     try:
         with torch.inference_mode():
-            metrics = teacher_forced(model, tf_batches, torch.device(args.device))
+            document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
+            metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
             dec, spec, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new,
                                              batch_size=batch_size, eos_id=eos_id, temperature=args.temperature,
                                              top_p=args.top_p, seed=args.seed, warmup=True, verify=verify,

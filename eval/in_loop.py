@@ -108,7 +108,7 @@ class InLoopEvaluator:
                 if d is None or d.is_driver:
                     m = d.model if d is not None else model
                     with RecallProbe(m) as recall:
-                        out = teacher_forced(m, self.loss_batches, device)
+                        out = teacher_forced(m, self.loss_batches, device, self.cfg.data.document_mask)
                     if recall.value() is not None:
                         out["qsa_recall"] = recall.value()
                     common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,

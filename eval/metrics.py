@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tandem.models.loss import chunked_argmax
+from tandem.models.model import window_documents, window_positions
 from tandem.models.mtp import depth_target_mask, shifted_tokens
 
 from .draft_serving import DRAFT_CONVENTIONS, resolve_convention
@@ -63,11 +64,13 @@ def _head_argmax(head, h_nh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None) -> Dict[str, float]:
+def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None,
+                   document_mask: bool = False) -> Dict[str, float]:
     """Mean cross-entropy (`loss/main`, `loss/mtp_k`) and top-1 accuracy (`tf_acc/mtp_k`) per depth,
-    from the same hidden states the training forward computes (`TandemModel.depth_states`). The head
-    runs `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP),
-    so no [tokens x vocab] logits exist, nor a gathered vocabulary."""
+    from the same hidden states the training forward computes (`TandemModel.depth_states`; packed
+    documents kept apart with `document_mask`, as data.document_mask trains). The head runs
+    `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP), so no
+    [tokens x vocab] logits exist, nor a gathered vocabulary."""
     m = unwrap(model)
     depths = m.num_depths
     head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens
@@ -83,8 +86,10 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
         loss_mask = loss_mask.to(tokens.device)
         doc_ids = batch.get("doc_ids")
         doc_ids = doc_ids.to(tokens.device) if doc_ids is not None else None
-        pos = torch.arange(s, device=tokens.device).expand(b, s)
-        for d, h in m.depth_states(m.trunk(tokens[:, :s], pos), tokens, pos):
+        docs = window_documents(doc_ids, s) if document_mask else None
+        pos = window_positions(docs, b, s, tokens.device)
+        extra = {} if docs is None else {"documents": docs}
+        for d, h in m.depth_states(m.trunk(tokens[:, :s], pos, **extra), tokens, pos, **extra):
             mask = depth_target_mask(loss_mask, doc_ids, d)
             if not bool(mask.any()):
                 continue

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .documents import Documents
 from .layers import RMSNorm, RotaryEmbedding
 from .state import KVCache, LayerKV  # noqa: F401  (re-exported: callers import the cache from here)
 
@@ -37,7 +38,9 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.rope_theta, cfg.max_seq_len)
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
-                cache: Optional[LayerKV] = None) -> torch.Tensor:
+                cache: Optional[LayerKV] = None, documents: Optional[Documents] = None) -> torch.Tensor:
+        """`documents` (packed training windows, data.document_mask): attention stays inside each
+        document (block-diagonal causal); `positions_bs` then count from each document's start."""
         b, s, _ = x_bsh.shape
         # Head counts come from the projection widths so tensor parallelism (which shards the
         # projections' output features) needs no change here.
@@ -48,7 +51,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q.transpose(1, 2), positions_bs), self.rotary(k.transpose(1, 2), positions_bs)
         groups = q.shape[1] // k.shape[1]
-        if cache is None:
+        if cache is None and documents is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(), enable_gqa=groups > 1)
+        elif cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
         else:
             k_all, v_all = cache.update(k, v, positions_bs)

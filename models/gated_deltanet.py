@@ -15,8 +15,7 @@ consecutive value heads. Around the rule: q, k, v come from one projection follo
 depthwise conv (kernel `conv_kernel`) and SiLU; the output is RMS-normalised per head, gated by
 act(z) (silu or sigmoid, `gate_act`) and projected back.
 
-Two forms of the same rule, both in fp32 (the module casts; under autocast the chunked form's matmuls
-run in the autocast dtype):
+Two forms of the same rule, both in fp32, autocast or not (the recurrence is where rounding builds up):
 * recurrent: token by token, O(T * Dk * Dv) per head and only the state in memory; used for decoding.
 * chunked (training and long prefills): the sequence is cut into chunks of C = 64 tokens. Inside a
   chunk the C sequential writes are folded into one unit-lower-triangular solve (the WY / UT form),
@@ -56,10 +55,13 @@ form only; the short cached forwards always run the torch recurrence (they need 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .documents import Documents, causal_conv_taps
 from .layers import rms_norm
 
 try:  # optional CUDA kernels; the pure-PyTorch path below computes the same thing
@@ -88,16 +90,20 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, keep_states=False):
+def recurrent_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, keep_states=False,
+                               resets_bt=None):
     """Token-by-token rule (fp32 inputs; q/k normalised and q scaled already). Returns the outputs
     [B, H, T, Dv], the final state [B, H, Dk, Dv] and, with keep_states, every step's state
-    [B, T, H, Dk, Dv] (the decoder writes each one to its ring slot)."""
+    [B, T, H, Dk, Dv] (the decoder writes each one to its ring slot). `resets_bt` [B, T] bool: a
+    document starts there, so the state entering that token is zero."""
     b, h, t, dk = k_bhtk.shape
     s = state_bhkv if state_bhkv is not None else k_bhtk.new_zeros(b, h, dk, v_bhtv.shape[-1])
     outs, states = [], []
     for i in range(t):
         k_bhk = k_bhtk[:, :, i]
         s = s * g_bht[:, :, i].exp()[..., None, None]
+        if resets_bt is not None:
+            s = torch.where(resets_bt[:, i, None, None, None], 0.0, s)
         recalled_bhv = (k_bhk.unsqueeze(-2) @ s).squeeze(-2)
         delta_bhv = beta_bht[:, :, i, None] * (v_bhtv[:, :, i] - recalled_bhv)
         s = s + k_bhk.unsqueeze(-1) * delta_bhv.unsqueeze(-2)
@@ -171,7 +177,8 @@ def unit_lower_inverse(a_ncc: torch.Tensor) -> torch.Tensor:
     return _UnitLowerInverse.apply(a_ncc)
 
 
-def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, chunk=CHUNK):
+def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, chunk=CHUNK,
+                             resets_bt=None):
     """The same rule, C = `chunk` tokens at a time. Returns (outputs [B, H, T, Dv], final state).
 
     Inside a chunk write G_i = g_1 + ... + g_i (log decay since the chunk start) and S_0 for the state
@@ -180,6 +187,11 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     That is a unit-lower-triangular system (I + A) U = beta V - beta e^G K S_0 (T = (I + A)^-1 from
     `unit_lower_inverse`), so U = W - Kc S_0 with W, Kc independent of the state: one batched solve for
     all chunks, then a short loop over chunks that only needs matmuls with the carried state.
+
+    `resets_bt` [B, T] bool (packed documents): the state entering a reset token is zero. Inside a chunk
+    the tokens fall into segments between resets; a token reads and writes only within its segment
+    (the decay between segments is 0, so the segment's G differences stay exact), only the first
+    segment reads the entering state and only the last one's writes carry to the next chunk.
     """
     b, h, t, dk = k_bhtk.shape
     dv = v_bhtv.shape[-1]
@@ -192,18 +204,29 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     g, beta = g.view(b, h, n, chunk), beta.view(b, h, n, chunk)
 
     G_bhnc = g.cumsum(-1)
-    causal_cc = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    visible = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    if resets_bt is not None:
+        seg_b1nc = F.pad(resets_bt, (0, pad)).view(b, 1, n, chunk).long().cumsum(-1)  # segment within chunk
+        visible = visible & (seg_b1nc[..., :, None] == seg_b1nc[..., None, :])
+        reads_start_b1nc1 = (seg_b1nc == 0)[..., None]
+        writes_end_b1nc1 = (seg_b1nc == seg_b1nc[..., -1:])[..., None]
     # e^{G_i - G_j} for j <= i; masked before exp because G_i - G_j > 0 above the diagonal may overflow.
-    decay_bhncc = (G_bhnc[..., :, None] - G_bhnc[..., None, :]).masked_fill(~causal_cc, float("-inf")).exp()
+    decay_bhncc = (G_bhnc[..., :, None] - G_bhnc[..., None, :]).masked_fill(~visible, float("-inf")).exp()
     k_beta = k * beta[..., None]
     A_bhncc = ((k_beta @ k.transpose(-1, -2)) * decay_bhncc).tril(-1)
     T_bhncc = unit_lower_inverse(A_bhncc)
     W_bhncv = T_bhncc @ (v * beta[..., None])
-    Kc_bhnck = T_bhncc @ (k_beta * G_bhnc.exp()[..., None])
-    attn_bhncc = (q @ k.transpose(-1, -2)) * decay_bhncc          # intra-chunk reads, diagonal included
-    q_from_start = q * G_bhnc.exp()[..., None]                       # reads of the entering state
-    k_to_end = k * (G_bhnc[..., -1:] - G_bhnc).exp()[..., None]      # writes decayed to the chunk end
+    from_start = G_bhnc.exp()[..., None]                             # decay since the chunk's start
+    to_end = (G_bhnc[..., -1:] - G_bhnc).exp()[..., None]            # decay up to the chunk's end
     chunk_decay_bhn11 = G_bhnc[..., -1].exp()[..., None, None]
+    if resets_bt is not None:
+        from_start = from_start * reads_start_b1nc1
+        to_end = to_end * writes_end_b1nc1
+        chunk_decay_bhn11 = chunk_decay_bhn11 * (seg_b1nc[..., -1] == 0)[..., None, None]
+    Kc_bhnck = T_bhncc @ (k_beta * from_start)
+    attn_bhncc = (q @ k.transpose(-1, -2)) * decay_bhncc          # intra-chunk reads, diagonal included
+    q_from_start = q * from_start                                    # reads of the entering state
+    k_to_end = k * to_end                                            # writes decayed to the chunk end
 
     s = state_bhkv if state_bhkv is not None else q.new_zeros(b, h, dk, dv)
     outs = []
@@ -283,17 +306,38 @@ class GatedDeltaNet(nn.Module):
         return (self.kernel == "auto" and _fla_chunk is not None and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16))
 
-    def _chunked(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, state_bhkv):
+    def _chunked(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, state_bhkv, documents=None):
         """Chunked rule on [B, S, heads, dim] inputs (q/k heads already grouped up to the value heads).
-        Returns (outputs [B, S, Hv, Dv] in v's dtype, final fp32 state)."""
+        Returns (outputs [B, S, Hv, Dv] in v's dtype, final fp32 state). `documents`: the state resets
+        at each document's start (training rows; no final state is needed then)."""
         if self._use_fla(v_bsnv):
+            if documents is not None:
+                return self._fla_varlen(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, documents), None
             out, final = _fla_chunk(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn.to(v_bsnv.dtype),
                                     scale=self.head_k_dim ** -0.5, initial_state=state_bhkv,
                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
             return out.to(v_bsnv.dtype), final.float()
         q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
-        out_bhtv, final = chunked_gated_delta_rule(q, k, v, g, beta, state_bhkv)
+        resets = documents.positions() == 0 if documents is not None else None
+        # fp32 matmuls even under bf16 autocast: the chunk solve and the carried state are the recurrence
+        # (a bf16 state drifts over thousands of tokens; fla keeps its state in fp32 too)
+        with torch.autocast(v_bsnv.device.type, enabled=False):
+            out_bhtv, final = chunked_gated_delta_rule(q, k, v, g, beta, state_bhkv, resets_bt=resets)
         return out_bhtv.transpose(1, 2).to(v_bsnv.dtype), final
+
+    def _fla_varlen(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, documents):
+        """fla's variable-length form: the rows' documents laid end to end as one sequence, cut by
+        `cu_seqlens` (fla's kernels restart the state at each cut)."""
+        b, s = q_bsnk.shape[:2]
+        first = (documents.positions() == 0).flatten()
+        first[0] = True  # every row starts a document; rows are cut apart as well
+        starts = first.nonzero().flatten()
+        cu_seqlens = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
+        flat = lambda x: x.reshape(1, b * s, *x.shape[2:])  # noqa: E731
+        out, _ = _fla_chunk(flat(q_bsnk), flat(k_bsnk), flat(v_bsnv), flat(g_bsn), flat(beta_bsn.to(v_bsnv.dtype)),
+                            scale=self.head_k_dim ** -0.5, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                            cu_seqlens=cu_seqlens)
+        return out.reshape(b, s, *out.shape[2:]).to(v_bsnv.dtype)
 
     def _torch_inputs(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn):
         # fp32 throughout: the state accumulates over thousands of tokens.
@@ -302,7 +346,10 @@ class GatedDeltaNet(nn.Module):
         return (q.transpose(1, 2), k.transpose(1, 2), v_bsnv.float().transpose(1, 2),
                 g_bsn.float().transpose(1, 2), beta_bsn.float().transpose(1, 2))
 
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """`documents` (packed training rows, no cache): the conv and the state restart at each
+        document's start; `positions_bs` count from it."""
         b, s, _ = x_bsh.shape
         conv_w, a_log, dt_bias = self.computed_params()
         dk, dv, kernel = self.head_k_dim, self.head_v_dim, conv_w.shape[-1]
@@ -328,8 +375,11 @@ class GatedDeltaNet(nn.Module):
             conv_in_bsc = torch.cat([prev_bkc.to(qkv_bsc.dtype), qkv_bsc], 1)
             state0_bhkv = state_ring[rows_b, (start_b - 1) % state_slots].masked_fill(
                 (start_b == 0)[:, None, None, None], 0)
-        mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), conv_w, groups=qkv_bsc.shape[-1])
-        mixed_bsc = F.silu(mixed_bcs).transpose(1, 2)
+        if documents is not None and cache is None:
+            mixed_bsc = F.silu(causal_conv_taps(qkv_bsc, conv_w[:, 0], positions_bs))
+        else:
+            mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), conv_w, groups=qkv_bsc.shape[-1])
+            mixed_bsc = F.silu(mixed_bcs).transpose(1, 2)
         # channels by key-head group: [q_g | k_g | v of the hv // hk value heads g serves]
         q_bsgk, k_bsgk, v_bsgv = mixed_bsc.unflatten(-1, (hk, -1)).split([dk, dk, hv // hk * dv], -1)
         q_bsnk, k_bsnk = (t.repeat_interleave(hv // hk, dim=2) for t in (q_bsgk, k_bsgk))
@@ -338,13 +388,14 @@ class GatedDeltaNet(nn.Module):
         g_bsn = -a_log.float().exp() * F.softplus(a_bsn.float() + dt_bias)  # log decay, <= 0
 
         if cache is None:
-            out_bsnv, _ = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, None)
+            out_bsnv, _ = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, None, documents)
         elif cache.keeps_every_position(s):
             # Short forward (decode step or speculative verify): keep every position's state and conv
             # input so that any accepted prefix can be resumed from (the rings' slots cover the forward
             # plus what a resume reads before it: models/state.py).
             q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
-            out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
+            with torch.autocast(x_bsh.device.type, enabled=False):
+                out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
             out_bsnv = out_bhtv.transpose(1, 2).to(v_bsnv.dtype)
             state_ring[rows_b[:, None], positions_bs % state_slots] = states_bshkv.detach()
             conv_ring[rows_b[:, None], positions_bs % conv_slots] = qkv_bsc.detach().to(conv_ring.dtype)

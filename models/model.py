@@ -19,6 +19,7 @@ from torch import nn
 
 from .attention import Attention, LayerKV
 from .config import MTPConfig, ModelConfig
+from .documents import Documents
 from .gated_deltanet import GatedDeltaNet
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm, SwiGLU
@@ -39,6 +40,19 @@ def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
 def _rows(x_bs: torch.Tensor) -> torch.Tensor:
     """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take them."""
     return x_bs.reshape(-1, *x_bs.shape[2:])
+
+
+def window_documents(doc_ids_bs1: Optional[torch.Tensor], s: int) -> Optional[Documents]:
+    """The packed documents of a training window's S inputs (None without doc ids: one per row)."""
+    return Documents.from_doc_ids(doc_ids_bs1[:, :s]) if doc_ids_bs1 is not None else None
+
+
+def window_positions(documents: Optional[Documents], b: int, s: int, device) -> torch.Tensor:
+    """[B, S] positions of a training window's inputs: from each document's start when documents are
+    kept apart, else from the row's start."""
+    if documents is not None:
+        return documents.positions()
+    return torch.arange(s, device=device).expand(b, s)
 
 
 def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
@@ -103,20 +117,22 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None,
                 input_ids_bs: Optional[torch.Tensor] = None, selection: Optional[QSASelection] = None,
-                return_selection: bool = False):
+                return_selection: bool = False, documents: Optional[Documents] = None):
         """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
         (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection). They
         are arguments and results, not module state, so activation checkpointing's recomputation and
-        pipelined micro-batches see the selection of their own forward."""
+        pipelined micro-batches see the selection of their own forward. `documents`: packed documents
+        (models/documents.py), which every part of the block keeps apart."""
         sel_out = None
+        extra = {} if documents is None else {"documents": documents}
 
         def mix(h: torch.Tensor) -> torch.Tensor:
             nonlocal sel_out
             if not (return_selection or selection is not None):
-                return self.mixer(h, positions_bs, cache)
+                return self.mixer(h, positions_bs, cache, **extra)
             if self.kind != "indexed_attention":
                 raise ValueError(f"a QSA selection was handed to a {self.kind} block")
-            y, sel_out = self.mixer(h, positions_bs, cache, selection, True)
+            y, sel_out = self.mixer(h, positions_bs, cache, selection, True, **extra)
             return y
 
         if self.hc_count == 1:
@@ -126,7 +142,7 @@ class TransformerBlock(nn.Module):
         if self.ple is not None:
             if input_ids_bs is None:
                 raise ValueError("a block with PLE needs the token ids (input_ids_bs)")
-            x_bsh = x_bsh + self.ple(x_bsh, input_ids_bs, positions_bs, cache)
+            x_bsh = x_bsh + self.ple(x_bsh, input_ids_bs, positions_bs, cache, **extra)
         mixed, weights = self.attn_hyper_connection(x_bsh)
         x_bsh = self.attn_hyper_connection.inject(x_bsh, mix(mixed), weights)
         mixed, weights = self.mlp_hyper_connection(x_bsh)
@@ -255,15 +271,17 @@ class TandemModel(nn.Module):
 
     # --- pieces shared by training and decoding -------------------------------------------------
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None,
-              emb_bsh: Optional[torch.Tensor] = None) -> torch.Tensor:
+              emb_bsh: Optional[torch.Tensor] = None, documents: Optional[Documents] = None) -> torch.Tensor:
         """Trunk hidden states before the final norm (h_0 of the MTP chain). `emb_bsh`: the tokens'
-        embedding when the caller already looked it up (`shifted_embeddings`)."""
+        embedding when the caller already looked it up (`shifted_embeddings`). `documents`: packed
+        documents kept apart (then `positions_bs` count from each document's start)."""
         h = self.embed_tokens(input_ids_bs) if emb_bsh is None else emb_bsh
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
+        extra = {} if documents is None else {"documents": documents}
         for i, layer in self.layers.items():
             h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None,
-                      input_ids_bs if layer.ple is not None else None)
+                      input_ids_bs if layer.ple is not None else None, **extra)
         return h
 
     def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor, positions_bs: torch.Tensor,
@@ -277,30 +295,32 @@ class TandemModel(nn.Module):
 
     def mtp_train_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor,
                        positions_bs: torch.Tensor, emb_bsh: Optional[torch.Tensor] = None,
-                       selection: Optional[QSASelection] = None):
+                       selection: Optional[QSASelection] = None, documents: Optional[Documents] = None):
         """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse). With
         mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend over the
         one handed in; otherwise every depth selects for itself and None is passed along."""
+        extra = {} if documents is None else {"documents": documents}
         if self.mtp.selection_share is None:
-            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh), None
+            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, **extra), None
         if step == 1:
-            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, return_selection=True)
+            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, return_selection=True,
+                                   **extra)
         if selection is None and not self._qsa_dense():
             raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that reuse its "
                                "QSA selection, and hand it on")
-        h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, selection=selection)
+        h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, selection=selection, **extra)
         return h, selection
 
     def _qsa_dense(self) -> bool:
         """Whether the MTP's QSA layers are in the dense warm-up (no selection to hand on)."""
         return all(getattr(layer.block.self_attn, "dense", False) for layer in self.mtp.layers)
 
-    def _mtp_layer(self, step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh, **selection_args):
+    def _mtp_layer(self, step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh, **block_args):
         layer = self.mtp.layer_for_step(step)
         if self.mtp_cfg.trunk_input == "final_norm" and (step == 1 or not self.mtp.chained):
             h_prev_bsh = self.norm(h_prev_bsh)  # h_0 is the trunk's normed output in this convention
         emb = (self.embed_tokens(tokens_bs) if emb_bsh is None else emb_bsh) if layer.combine else None
-        return layer(h_prev_bsh, emb, positions_bs, cache, **selection_args)
+        return layer(h_prev_bsh, emb, positions_bs, cache, **block_args)
 
     def shared_lookup(self) -> bool:
         """Whether training embeds every position once and the MTP steps read it shifted
@@ -330,7 +350,8 @@ class TandemModel(nn.Module):
 
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
-                     chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None):
+                     chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
+                     documents: Optional[Documents] = None):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order, teacher-forced on
         the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. The chain may
         start later (a pipeline stage after the one that ran depth `chain_depth`): `h_chain` is then
@@ -351,7 +372,7 @@ class TandemModel(nn.Module):
                 h_in = h_in.detach()
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
             h, selection = self.mtp_train_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs,
-                                               emb_bsh=emb, selection=selection)
+                                               emb_bsh=emb, selection=selection, documents=documents)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -363,13 +384,15 @@ class TandemModel(nn.Module):
 
     # --- training -------------------------------------------------------------------------------
     def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
-                doc_ids_bs1: Optional[torch.Tensor] = None) -> ModelOutput:
-        """Per-depth summed losses over a window of S+1 tokens (inputs are the first S)."""
+                doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False) -> ModelOutput:
+        """Per-depth summed losses over a window of S+1 tokens (inputs are the first S). `document_mask`
+        (data.document_mask): the documents `doc_ids_bs1` delimits do not see each other."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
         if loss_mask_bs is None:
             loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
-        positions = torch.arange(s, device=tokens_bs1.device).expand(b, s)
+        documents = window_documents(doc_ids_bs1, s) if document_mask else None
+        positions = window_positions(documents, b, s, tokens_bs1.device)
         # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near inference.
         emb_window = None
         if self.shared_lookup():
@@ -377,14 +400,17 @@ class TandemModel(nn.Module):
             emb_window = (self.shifted_embeddings(tokens_bs1, 0, self.mtp_cfg.num_steps), 0)
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
             h = self.trunk(tokens_bs1[:, :s], positions,
-                           emb_bsh=self.window_rows(emb_window, 0, s) if emb_window is not None else None)
-        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window)
+                           emb_bsh=self.window_rows(emb_window, 0, s) if emb_window is not None else None,
+                           documents=documents)
+        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window,
+                                       documents=documents)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
                            doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor,
                            depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                            chain_depth: int = 0,
-                           emb_window: Optional[Tuple[torch.Tensor, int]] = None) -> ModelOutput:
+                           emb_window: Optional[Tuple[torch.Tensor, int]] = None,
+                           documents: Optional[Documents] = None) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline stage
         runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
@@ -412,7 +438,7 @@ class TandemModel(nn.Module):
         sums: dict = {}
         ce_depths, ce_inputs, ce_targets = [], [], []  # every plain cross-entropy: one pass through the head
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth,
-                                               emb_window):
+                                               emb_window, documents):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose

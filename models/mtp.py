@@ -98,8 +98,8 @@ class MTPLayer(nn.Module):
         self.norm = final_norm_module(cfg)
 
     def forward(self, h_prev_bsh: torch.Tensor, emb_bsh: Optional[torch.Tensor], positions_bs: torch.Tensor,
-                cache: Optional[LayerKV] = None, **selection_args):
-        """`selection_args`: the block's QSA selection hand-over (`TransformerBlock.forward`)."""
+                cache: Optional[LayerKV] = None, **block_args):
+        """`block_args`: the block's QSA selection hand-over and documents (`TransformerBlock.forward`)."""
         if self.combine_style == "concat_proj":
             e, h = self.enorm(emb_bsh), self.hnorm(h_prev_bsh)
             x = self.eh_proj(torch.cat([e, h] if self.emb_first else [h, e], dim=-1))
@@ -114,7 +114,7 @@ class MTPLayer(nn.Module):
         # MTP chain would add its residuals in bf16 in one process but in fp32 once a pipeline boundary
         # cast it, and a compiled MTP block would need its own graph (its input dtype differs from the
         # trunk blocks'): one more compilation of the same block per run.
-        return self.block(x.to(h_prev_bsh.dtype), positions_bs, cache, **selection_args)
+        return self.block(x.to(h_prev_bsh.dtype), positions_bs, cache, **block_args)
 
 
 class MTPModule(nn.Module):

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .documents import Documents, causal_conv_taps
 from .layers import RMSNorm
 
 _MASK64 = (1 << 64) - 1
@@ -233,9 +234,11 @@ class PLELayer(nn.Module):
         nn.init.zeros_(self.conv1d.weight)
 
     def forward(self, x_bsX: torch.Tensor, input_ids_bs: torch.Tensor, positions_bs: Optional[torch.Tensor] = None,
-                cache=None) -> torch.Tensor:
+                cache=None, documents: Optional[Documents] = None) -> torch.Tensor:
         """Without a cache every row starts at position 0 (positions unused, as in transformers); with
-        one, each row continues its state from position positions_bs[:, 0] (see models/state.py)."""
+        one, each row continues its state from position positions_bs[:, 0] (see models/state.py). With
+        `documents` (packed training rows) the conv restarts at each document: its taps stop at the
+        document's start, which `positions_bs` (counted from it) tells."""
         B, S, _ = x_bsX.shape
         hc, h, context = self.hc_count, self.hidden_size, self.ngram_size - 1
         tokens_bc = conv_in_bwX = None
@@ -259,8 +262,12 @@ class PLELayer(nn.Module):
 
         if conv_in_bwX is None:  # zeros before position 0
             conv_in_bwX = conv_x_bsX.new_zeros(B, self.conv_window, hc * h)
-        conv_in = torch.cat([conv_in_bwX.to(conv_x_bsX.dtype), conv_x_bsX], dim=1).transpose(1, 2)
-        out_bsX = gated_bsX + F.silu(self.conv1d(conv_in)).transpose(1, 2)
+        if documents is not None and cache is None:
+            conv_bsX = causal_conv_taps(conv_x_bsX, self.conv1d.weight[:, 0], positions_bs, self.ngram_size)
+            out_bsX = gated_bsX + F.silu(conv_bsX)
+        else:
+            conv_in = torch.cat([conv_in_bwX.to(conv_x_bsX.dtype), conv_x_bsX], dim=1).transpose(1, 2)
+            out_bsX = gated_bsX + F.silu(self.conv1d(conv_in)).transpose(1, 2)
 
         if cache is not None:
             row_end_b = cache.row_end if cache.row_end is not None else first_b + S - 1

@@ -59,6 +59,13 @@ class DataConfig:
     """Tokens per training sample (the model sees seq_len inputs, seq_len targets)."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens (Megatron `eod_mask_loss`)."""
+    document_mask: bool = False
+    """Keep the documents packed into a window apart (Megatron's reset_attention_mask and
+    reset_position_ids, extended to every layer kind): block-diagonal causal attention, positions from
+    each document's start, Gated DeltaNet state and every causal convolution reset, QSA blocks and
+    selection within the document, the MTP layers likewise. On: each document trains as it runs at
+    inference (from position 0, from a zero state); off: later documents of a window start from the
+    previous document's context. MTP targets never cross a document either way."""
 
 
 @dataclass

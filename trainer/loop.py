@@ -256,7 +256,7 @@ class Trainer:
                 m.set_requires_gradient_sync(sync, recurse=False)
                 m.set_reshard_after_backward(sync, recurse=False)
             with self.autocast():
-                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"])
+                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"], self.cfg.data.document_mask)
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
             sums += out.loss_sums.detach().float()

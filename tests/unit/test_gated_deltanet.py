@@ -359,3 +359,32 @@ def test_hybrid_model_rollback_inside_a_long_verify_forward(width):
         run(fresh, prompt, resume)
         ref = run(fresh, resume, resume + cont)
     assert rel_err(got, ref) < 1e-5
+
+
+def test_document_resets_chunked_equal_recurrent_and_lone_documents():
+    """Packed documents (data.document_mask): the state entering each document's first token is zero.
+    The chunked form with resets equals the recurrent form with resets (boundaries inside chunks, at a
+    chunk edge, a 1-token document, a run of one token straddling a boundary), and the module's output
+    on a packed row equals each document run alone (conv and state restarted)."""
+    from tandem.models.documents import Documents
+
+    q, k, v, g, beta, _ = adversarial("run_slow", heads=2, s=200)
+    doc_ids = torch.tensor([0] * 50 + [1] * 14 + [2] + [3] * 120 + [4] * 15)[None]  # a start at 64
+    resets = Documents.from_doc_ids(doc_ids).positions() == 0
+    o_c, _ = chunked_gated_delta_rule(q, k, v, g, beta, None, resets_bt=resets)
+    o_r, _, _ = recurrent_gated_delta_rule(q, k, v, g, beta, None, resets_bt=resets)
+    assert rel_err(o_c, o_r) < 1e-5
+    o_plain, _ = chunked_gated_delta_rule(q, k, v, g, beta, None)
+    assert rel_err(o_plain[:, :, 64:], o_c[:, :, 64:]) > 1e-3  # the resets matter
+
+    m = make()
+    lengths = [7, 13, 1, 70, 9]
+    x = torch.randn(1, sum(lengths), HID, generator=torch.Generator().manual_seed(3))
+    docs = Documents.from_doc_ids(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None])
+    with torch.no_grad():
+        packed = m(x, docs.positions(), documents=docs)
+        start = 0
+        for n in lengths:
+            alone = m(x[:, start:start + n], positions(1, n))
+            assert rel_err(packed[:, start:start + n], alone) < 1e-5
+            start += n

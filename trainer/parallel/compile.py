@@ -81,7 +81,7 @@ class _Waited(torch.autograd.Function):
 
 
 def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
-              input_ids_bs=None, **selection_args):
+              input_ids_bs=None, **block_args):
     if cache is None and torch.is_grad_enabled():
         if isinstance(x_bsh, AsyncCollectiveTensor):
             x_bsh = _Waited.apply(x_bsh)
@@ -91,10 +91,10 @@ def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, position
         was = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
         try:
-            return compiled(x_bsh, positions_bs, None, input_ids_bs, **selection_args)
+            return compiled(x_bsh, positions_bs, None, input_ids_bs, **block_args)
         finally:
             torch.set_autocast_cache_enabled(was)
-    return eager(x_bsh, positions_bs, cache, input_ids_bs, **selection_args)
+    return eager(x_bsh, positions_bs, cache, input_ids_bs, **block_args)
 
 
 def configure_compiler() -> None:

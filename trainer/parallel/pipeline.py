@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
 from tandem.trainer.loss import combine_losses
 
@@ -68,9 +69,11 @@ def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
     return h.repeat(1, 1, hc) if hc > 1 else h
 
 
-def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor, tokens_bs: torch.Tensor, cache=None):
+def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor, tokens_bs: torch.Tensor, cache=None,
+              documents=None):
     """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE."""
-    return block(h, positions_bs, cache, tokens_bs if getattr(block, "ple", None) is not None else None)
+    extra = {} if documents is None else {"documents": documents}
+    return block(h, positions_bs, cache, tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
 
 
 def boundary_width(model_cfg) -> int:
@@ -86,6 +89,8 @@ class _StepContext:
     counts: Optional[torch.Tensor] = None
     coefs: Optional[List[float]] = None
     sums: Optional[torch.Tensor] = None
+    document_mask: bool = False
+    """data.document_mask: the stages keep packed documents apart."""
 
 
 class StageModule(nn.Module):
@@ -121,17 +126,18 @@ class StageModule(nn.Module):
     def _forward(self, x, h0, tokens, loss_mask, doc_ids):
         plan = self.plan
         b, s = tokens.shape[0], tokens.shape[1] - 1
-        positions = torch.arange(s, device=tokens.device).expand(b, s)
+        documents = window_documents(doc_ids, s) if self._ctx.document_mask else None
+        positions = window_positions(documents, b, s, tokens.device)
         with torch.no_grad() if self.trunk_frozen else nullcontext():
             h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
-                h = run_block(block, h, positions, tokens[:, :s])
+                h = run_block(block, h, positions, tokens[:, :s], documents=documents)
         loss = None
         if plan.depths:
             if plan.chain_in == 0:
                 h0 = h
             out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions, plan.depths,
-                                                 h_chain=h, chain_depth=plan.chain_in)
+                                                 h_chain=h, chain_depth=plan.chain_in, documents=documents)
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
             loss = combine_losses(out.loss_sums, self._ctx.counts[idx], [self._ctx.coefs[d] for d in plan.depths])
@@ -178,6 +184,7 @@ class Pipeline:
 
         p = cfg.parallel
         self.ctx = _StepContext()
+        self.ctx.document_mask = bool(cfg.data.document_mask)
         self.pp_group = pp_mesh.get_group()
         self.pp = p.pp
         pp_rank = pp_mesh.get_local_rank()

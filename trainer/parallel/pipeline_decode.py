@@ -50,13 +50,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.models.documents import Documents
 from tandem.models.state import DecodeCache
 from tandem.trainer.qsa_training import RecallProbe
 
 from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 
 _STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM = 0, 1, 2, 3, 4, 5
-_ROW_END, _RECALL = 1, 2  # header flags: the body carries row_end; QSA layers measure their recall
+# header flags: the body carries row_end; QSA layers measure their recall; the positions count from each
+# packed document's start, which the stages keep apart (data.document_mask)
+_ROW_END, _RECALL, _DOCUMENTS = 1, 2, 4
 HEADER = 7  # cmd, batch, length, cache length, depth, ring slots, flags
 
 
@@ -103,7 +106,7 @@ class StagePass:
         self.model, self.plan, self.group = model, plan, group
         self.hidden, self.dtype, self.device = hidden, dtype, device  # hidden: the boundary width
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache]):
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache], documents=None):
         """Trunk stages 0 .. trunk_end in order; the trunk's output lands on the driver."""
         plan, (b, s) = self.plan, positions.shape
         end, driver = plan.trunk_end, plan.driver
@@ -117,7 +120,7 @@ class StagePass:
                 h = self._recv(b, s, plan.stage_rank(stage - 1))
             for i in plan.split[stage]:
                 h = run_block(self.model.layers[str(i)], h, positions, tokens,
-                              cache.layer(i) if cache is not None else None)
+                              cache.layer(i) if cache is not None else None, documents)
             dst = plan.stage_rank(stage + 1) if stage < end else driver
             if dst != plan.pp_rank:  # before the trunk's end the next stage is always on another rank
                 # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
@@ -157,17 +160,19 @@ class PipelinedModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def depth_states(self, h0_bsh, tokens_bs1, positions_bs):
+    def depth_states(self, h0_bsh, tokens_bs1, positions_bs, documents=None):
         from tandem.models import TandemModel
 
-        return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs)  # with the routed steps
+        return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs,
+                                        documents=documents)  # with the routed steps
 
     def _remote(self, cmd: int, depth: int, h: torch.Tensor, tokens, positions, with_cache: bool,
-                out_width: Optional[int] = None) -> torch.Tensor:
+                out_width: Optional[int] = None, documents=None) -> torch.Tensor:
         d = self._decoding
         owner = d.plan.mtp_rank(depth)
         recall = cmd == _MTP_STEP and not with_cache and RecallProbe.active is not None
-        d.send_header(cmd, tokens, positions, int(with_cache), depth, flags=_RECALL if recall else 0)
+        flags = (_RECALL if recall else 0) | (_DOCUMENTS if documents is not None else 0)
+        d.send_header(cmd, tokens, positions, int(with_cache), depth, flags=flags)
         dist.send(h.to(d.dtype).contiguous(), group=d.pp_group, group_dst=owner)
         out = torch.empty(*h.shape[:-1], out_width or h.shape[-1], dtype=d.dtype, device=d.device)
         dist.recv(out, group=d.pp_group, group_src=owner)
@@ -182,13 +187,15 @@ class PipelinedModel:
             return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh=emb_bsh)
         return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, cache is not None)
 
-    def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None, selection=None):
+    def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None, selection=None,
+                       documents=None):
         """TandemModel.mtp_train_step (the teacher-forced chain of `depth_states`) routed like `mtp_step`.
         A remote rank keeps the QSA selection its depth 1 made for the later depths it serves (with
         mtp.qsa_reuse_indices the depths share a stage), so None comes back here."""
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
-            return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh, selection)
-        return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, False), None
+            return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh, selection,
+                                              documents)
+        return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, False, documents=documents), None
 
     def logits(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
         if depth == 0 or self._decoding.plan.mtp_rank(depth) == self._decoding.plan.pp_rank:
@@ -200,7 +207,8 @@ class PipelinedModel:
         normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False, out_width=width)
         return self._model.lm_head.logits(normed.view(*h_bsh.shape[:-1], -1))
 
-    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache] = None):
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache] = None,
+              documents=None):
         if cache is None:
             cmd = _NO_CACHE
         else:
@@ -209,9 +217,10 @@ class PipelinedModel:
         d = self._decoding
         recall = cache is None and RecallProbe.active is not None  # QSA measures recall in uncached forwards
         row_end = cache.row_end if cache is not None else None
+        flags = (_RECALL if recall else 0) | (_DOCUMENTS if documents is not None else 0)
         d.send_header(cmd, tokens, positions, cache.max_len if cache is not None else 0,
-                      ring=cache.ring if cache is not None else 0, row_end=row_end, flags=_RECALL if recall else 0)
-        h = d.stages.run(tokens, positions, cache)
+                      ring=cache.ring if cache is not None else 0, row_end=row_end, flags=flags)
+        h = d.stages.run(tokens, positions, cache, documents)
         if recall:
             d.receive_recall(d.plan.recall_ranks)
         return h
@@ -316,9 +325,10 @@ class ParallelDecoding:
             body = torch.empty(3, b, s, dtype=torch.long, device=self.device)
             dist.broadcast(body, group=self.pp_group, group_src=plan.driver)
             recall = bool(flags & _RECALL)
+            documents = Documents.from_positions(body[1]) if flags & _DOCUMENTS else None
             if cmd in (_MTP_STEP, _MTP_NORM):
                 if plan.mtp_rank(depth) == plan.pp_rank:
-                    self._serve_depth(cmd, depth, body, cap, mtp_caches, cache, recall)
+                    self._serve_depth(cmd, depth, body, cap, mtp_caches, cache, recall, documents)
                 continue
             if cmd == _NEW_CACHE:  # the decoder's ring size: recurrent state must outlast a verify forward
                 cache = DecodeCache(self.cfg.model.num_layers, b, cap, self.dtype, self.device, ring=ring)
@@ -326,12 +336,12 @@ class ParallelDecoding:
             if cache is not None:
                 cache.row_end = body[2, :, 0].clone() if flags & _ROW_END else None
             with RecallProbe(self.base) if recall else contextlib.nullcontext() as probe:
-                self.stages.run(body[0], body[1], cache if cmd != _NO_CACHE else None)
+                self.stages.run(body[0], body[1], cache if cmd != _NO_CACHE else None, documents)
             if recall and plan.pp_rank in plan.recall_ranks:
                 self.send_recall(probe)
 
     def _serve_depth(self, cmd: int, depth: int, body, with_cache: int, mtp_caches: dict, cache,
-                     recall: bool = False) -> None:
+                     recall: bool = False, documents=None) -> None:
         """Run MTP depth `depth` (its step, with this rank's cache of that depth, or its final norm)
         on a hidden state from the driver and send the result back (then its QSA recall, if asked)."""
         b, s = body.shape[1:]
@@ -352,7 +362,7 @@ class ParallelDecoding:
                     # depths the driver asks for next, as in the one-process forward (`depth_states`)
                     selection = self._tf_selection if depth > 1 else None
                     out, self._tf_selection = self.base.mtp_train_step(depth, h, body[0], body[1],
-                                                                       selection=selection)
+                                                                       selection=selection, documents=documents)
                 else:
                     out = self.base.mtp_step(depth, h, body[0], body[1], layer)
         dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)

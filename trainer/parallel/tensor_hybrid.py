@@ -100,8 +100,8 @@ class TensorParallelGatedDeltaNet(_Region, GatedDeltaNet):
     def computed_params(self):
         return local(self.conv1d.weight), local(self.A_log), local(self.dt_bias)
 
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None) -> torch.Tensor:
-        return self._exit(GatedDeltaNet.forward(self, self._enter(x_bsh), positions_bs, cache))
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
+        return self._exit(GatedDeltaNet.forward(self, self._enter(x_bsh), positions_bs, cache, documents=documents))
 
 
 class TensorParallelIndexedAttention(_Region, IndexedAttention):
@@ -111,9 +111,10 @@ class TensorParallelIndexedAttention(_Region, IndexedAttention):
         return out
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, selection=None,
-                return_selection: bool = False):
+                return_selection: bool = False, documents=None):
         # every tp rank selects the same blocks (the indexer is replicated), so a selection needs no exchange
-        out = IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache, selection, True)
+        out = IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache, selection, True,
+                                       documents=documents)
         y = self._exit(out[0])
         return (y, out[1]) if return_selection else y
 
@@ -231,11 +232,12 @@ class TensorParallelPLE(PLELayer):
     tp_rank = 0
     sequence_parallel = False
 
-    def forward(self, x_bsX, input_ids_bs, positions_bs=None, cache=None):
+    def forward(self, x_bsX, input_ids_bs, positions_bs=None, cache=None, documents=None):
         if not self.sequence_parallel:
-            return PLELayer.forward(self, x_bsX, input_ids_bs, positions_bs, cache)
+            return PLELayer.forward(self, x_bsX, input_ids_bs, positions_bs, cache, documents)
         s = x_bsX.shape[1]
-        out = PLELayer.forward(self, gather_along(x_bsX, self.tp_group, 1), input_ids_bs, positions_bs, cache)
+        out = PLELayer.forward(self, gather_along(x_bsX, self.tp_group, 1), input_ids_bs, positions_bs, cache,
+                               documents)
         return out[:, self.tp_rank * s:(self.tp_rank + 1) * s]
 
 

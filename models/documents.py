@@ -1,0 +1,69 @@
+"""Packed documents in a training window (`data.document_mask`).
+
+A window of S positions may hold several documents back to back. With the mask on, every layer kind
+restarts at each document, so a document inside a window computes exactly what it computes alone at
+position 0: attention is block-diagonal causal, positions (RoPE, QSA's blocks) count from the
+document's first token, Gated DeltaNet's state and every causal convolution (Gated DeltaNet's, PLE's)
+start from zero, and the MTP layers, built from the same blocks, do the same.
+
+Everything follows from one tensor, the row index where each position's document starts. A module
+given `Documents` derives what it needs from it (a causal convolution's tap j reaches back into the
+same document iff the position within the document is >= j; Gated DeltaNet resets where that position
+is 0). Without it (None) a module runs its plain causal form, which is the same computation for a
+window holding one document, only cheaper.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Documents(NamedTuple):
+    starts_bs: torch.Tensor
+    """[B, S] long: the row index of the first position of each position's document."""
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids_bs: torch.Tensor) -> "Documents":
+        """From the data's `doc_ids` [B, S] (non-decreasing along a row, equal within a document)."""
+        s = doc_ids_bs.shape[1]
+        index = torch.arange(s, device=doc_ids_bs.device).expand_as(doc_ids_bs)
+        first = torch.ones_like(doc_ids_bs, dtype=torch.bool)
+        first[:, 1:] = doc_ids_bs[:, 1:] != doc_ids_bs[:, :-1]
+        return cls(torch.where(first, index, 0).cummax(dim=1).values)
+
+    @classmethod
+    def from_positions(cls, positions_bs: torch.Tensor) -> "Documents":
+        """From positions counted from each document's start (what a pipeline stage receives)."""
+        s = positions_bs.shape[1]
+        return cls(torch.arange(s, device=positions_bs.device) - positions_bs)
+
+    def positions(self) -> torch.Tensor:
+        """[B, S] position of each token within its document."""
+        s = self.starts_bs.shape[1]
+        return torch.arange(s, device=self.starts_bs.device) - self.starts_bs
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, 1, S, S] bool: query t sees key u iff u is in t's document and u <= t."""
+        s = self.starts_bs.shape[1]
+        key_u = torch.arange(s, device=self.starts_bs.device)
+        query_t = key_u[:, None]
+        return ((key_u[None, None, :] <= query_t[None]) & (key_u[None, None, :] >= self.starts_bs[:, :, None]))[:, None]
+
+
+def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs: torch.Tensor,
+                     dilation: int = 1) -> torch.Tensor:
+    """A causal depthwise convolution that does not reach across a document start: out[t] =
+    sum_j weight[:, K-1-j] * x[t - j*dilation] over the taps with j*dilation <= positions[t] (the
+    position within the document). [B, S, C] in, [B, S, C] out, in x's dtype."""
+    kernel = weight_ck.shape[-1]
+    out = x_bsc * weight_ck[:, kernel - 1]
+    for j in range(1, kernel):
+        back = j * dilation
+        if back >= x_bsc.shape[1]:
+            break
+        shifted = torch.nn.functional.pad(x_bsc[:, :-back], (0, 0, back, 0))
+        reach = (positions_bs >= back)[..., None]
+        out = out + torch.where(reach, shifted, 0) * weight_ck[:, kernel - 1 - j]
+    return out

@@ -1,0 +1,94 @@
+"""data.document_mask: a document packed into a window computes, per token and per depth, what it
+computes alone at position 0 (every layer kind: Gated DeltaNet's state and conv, QSA's blocks and
+selection, PLE's conv, attention, positions, the MTP chain), and the trainer's packed loss equals the
+lone documents' losses summed. The lone document itself is the sequence the transformers parity tests
+(test_qwen4_exp.py) check Tandem on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.eval.testing import tiny_model, tiny_qwen4_model
+from tandem.models.documents import Documents, causal_conv_taps
+from tandem.models.model import window_documents, window_positions
+
+EOS = 1
+LENGTHS = [7, 13, 1, 22, 9]  # boundaries off the QSA block grid (r = 4), a 1-token document, one past the budget
+
+
+def _packed(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.cat([torch.randint(2, vocab, (n - 1,), generator=g), torch.tensor([EOS])]) for n in LENGTHS]
+    # a run of one token inside the long document: Gated DeltaNet's hardest input
+    docs[3][4:14] = 5
+    tokens = torch.cat(docs)[None]
+    is_eod = (tokens == EOS).long()
+    return docs, tokens, torch.cumsum(is_eod, 1) - is_eod
+
+
+@torch.no_grad()
+def _depth_logits(model, tokens_bs1, doc_ids_bs1=None):
+    b, s = tokens_bs1.shape[0], tokens_bs1.shape[1] - 1
+    documents = window_documents(doc_ids_bs1, s)
+    pos = window_positions(documents, b, s, tokens_bs1.device)
+    extra = {} if documents is None else {"documents": documents}
+    h0 = model.trunk(tokens_bs1[:, :s], pos, **extra)
+    return [model.logits(d, h) for d, h in model.depth_states(h0, tokens_bs1, pos, **extra)]
+
+
+@pytest.mark.parametrize("family", ["qwen4", "qwen4_no_reuse", "dense"])
+def test_packed_document_equals_lone_document(family):
+    if family == "dense":
+        model = tiny_model(num_steps=3, vocab=64)
+    else:
+        model = tiny_qwen4_model(3, vocab=64, reuse_indices=family == "qwen4")
+    for layer in model.modules():  # the QSA layers select (the sparse stage)
+        if hasattr(layer, "dense"):
+            layer.dense = False
+    docs, tokens, doc_ids = _packed(64)
+    packed = _depth_logits(model, tokens, doc_ids)
+    unmasked = _depth_logits(model, tokens)
+    start, compared = 0, 0
+    for d_i, doc in enumerate(docs):
+        n = len(doc)
+        if n >= 2:
+            lone = _depth_logits(model, doc[None])
+            for depth, logits in enumerate(lone):
+                valid = n - 1 - depth  # positions whose depth-`depth` target lies inside the document
+                if valid <= 0:
+                    continue
+                got = packed[depth][0, start : start + valid]
+                torch.testing.assert_close(got, logits[0, :valid], rtol=1e-4, atol=1e-5,
+                                           msg=f"document {d_i} depth {depth}")
+                compared += valid
+                if d_i > 0 and depth == 0:  # without the mask a later document sees the earlier ones
+                    assert (unmasked[0][0, start : start + valid] - logits[0, :valid]).abs().max() > 1e-3
+        start += n
+    assert compared > 60
+
+
+def test_documents_from_doc_ids_and_positions():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]])
+    docs = Documents.from_doc_ids(doc_ids)
+    assert docs.starts_bs.tolist() == [[0, 0, 0, 3, 4, 4, 4, 4]]
+    assert docs.positions().tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    assert torch.equal(Documents.from_positions(docs.positions()).starts_bs, docs.starts_bs)
+    mask = docs.attention_mask()[0, 0]
+    assert mask[5].tolist() == [False, False, False, False, True, True, False, False]
+
+
+def test_conv_taps_equal_conv1d_within_a_document():
+    """One document: the tap form is F.conv1d with left zero padding (dilation 1 and 3); two documents:
+    each restarts from zeros."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 20, 6, generator=g), torch.randn(6, 1, 4, generator=g)
+    for dilation in (1, 3):
+        pad = (w.shape[-1] - 1) * dilation
+        ref = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (pad, 0)), w, groups=6,
+                                         dilation=dilation).transpose(1, 2)
+        pos = torch.arange(20).expand(2, 20)
+        torch.testing.assert_close(causal_conv_taps(x, w[:, 0], pos, dilation), ref)
+        split = torch.cat([torch.arange(8), torch.arange(12)]).expand(2, 20)
+        second = causal_conv_taps(x[:, 8:], w[:, 0], torch.arange(12).expand(2, 12), dilation)
+        torch.testing.assert_close(causal_conv_taps(x, w[:, 0], split, dilation)[:, 8:], second)
