@@ -43,14 +43,18 @@ BASE = [
 # shares it; expanded here, so layout names and the files named after them stay short).
 PRESETS = {
     # Qwen4-Exp: layers 1 and 3 QSA (budget 8 of 16 positions: selection active), 0 and 2 Gated
-    # DeltaNet, PLE on layer 0, 4 hyper-connection streams, the qwen4_exp drafter, one dense warm-up step.
+    # DeltaNet, PLE on layer 0, 4 hyper-connection streams, the qwen4_exp drafter, one dense warm-up step
+    # in which only the indexers learn (model.indexer_warmup=indexer_only: a joint step updates every
+    # parameter once more, and Adam turns the fp32 summation-order noise of elements whose gradient is
+    # near its eps into parameter differences of 1e-4..1e-3 after three steps; the warm-up mode is a
+    # trainer choice of which gradients to keep, the same on every layout).
     "qwen4": [
         "model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
         "model.shared_expert_gate=true", "model.router_score=softmax", "model.first_k_dense=0", "model.head_dim=8",
         "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
         "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.indexer_heads=2",
         "model.indexer_head_dim=8", "model.indexer_budget=8", "model.indexer_compress_ratio=4",
-        "model.indexer_warmup_steps=1", "model.ple_layers=[0]", "model.heads_per_ngram=2",
+        "model.indexer_warmup_steps=1", "model.indexer_warmup=indexer_only", "model.ple_layers=[0]", "model.heads_per_ngram=2",
         "model.ngram_vocab_base=97", "model.eos_token_id=1",
     ],
 }
@@ -84,6 +88,11 @@ def global_batch(step: int, n: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     eod = torch.rand(n, SEQ + 1, generator=g) < 0.1
+    # a document boundary in every row where layouts cut the window: a start exactly at the SP shard edge
+    # (tp=2: position SEQ/2) and one off either side, at position 1 and at the window's end (rows are what
+    # pipeline micro-batches and batch ranks split)
+    ends = torch.tensor([SEQ // 2 - 1, SEQ // 2 - 2, SEQ // 2, 0, SEQ - 1])
+    eod[torch.arange(n), ends[torch.arange(n) % len(ends)]] = True
     doc_ids = torch.cumsum(eod.long(), dim=1) - eod.long()
     loss_mask = (torch.rand(n, SEQ, generator=g) > 0.1).float()
     return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids}
