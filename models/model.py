@@ -182,6 +182,17 @@ class ModelOutput:
     chain: Optional[torch.Tensor] = None
     """The MTP chain's last hidden state computed (h_0 when no MTP step ran): what a pipeline stage
     passes on to the stage holding the next depths."""
+    selection: Optional[QSASelection] = None
+    """MTP depth 1's QSA selection after the depths run (mtp.qsa_reuse_indices): what a pipeline stage
+    passes on with the chain when a later stage holds depths that reuse it."""
+
+
+@dataclass
+class SelectionCarry:
+    """MTP depth 1's QSA selection carried along one forward's MTP chain: `depth_states` reads the
+    selection it starts from (one a previous pipeline stage made) and leaves the last one here."""
+
+    value: Optional[QSASelection] = None
 
 
 class TandemModel(nn.Module):
@@ -351,17 +362,18 @@ class TandemModel(nn.Module):
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                      chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
-                     documents: Optional[Documents] = None):
+                     documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order, teacher-forced on
         the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. The chain may
         start later (a pipeline stage after the one that ran depth `chain_depth`): `h_chain` is then
         h_{chain_depth}. With mtp.detach_trunk no MTP gradient reaches the trunk. `emb_window`:
         (`shifted_embeddings` output, its first shift) covering every step run; without it each step
-        looks its tokens up."""
+        looks its tokens up. `carry`: depth 1's QSA selection in and out (a chain started after depth
+        1 reuses the one it brings)."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
-        selection = None  # depth 1's QSA selection, handed on to the depths that reuse it
+        carry = SelectionCarry() if carry is None else carry
         if 0 in wanted:
             yield 0, h0_bsh
         for depth in range(chain_depth + 1, max(wanted, default=0) + 1):
@@ -371,8 +383,8 @@ class TandemModel(nn.Module):
             if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
                 h_in = h_in.detach()
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
-            h, selection = self.mtp_train_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs,
-                                               emb_bsh=emb, selection=selection, documents=documents)
+            h, carry.value = self.mtp_train_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs,
+                                                 emb_bsh=emb, selection=carry.value, documents=documents)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -410,14 +422,17 @@ class TandemModel(nn.Module):
                            depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                            chain_depth: int = 0,
                            emb_window: Optional[Tuple[torch.Tensor, int]] = None,
-                           documents: Optional[Documents] = None) -> ModelOutput:
+                           documents: Optional[Documents] = None,
+                           selection: Optional[QSASelection] = None) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline stage
         runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
         parallelism h0 is this rank's shard of the sequence; the MTP chain stays sharded and only the
         head inputs are gathered. `emb_window`: see `depth_states`; without it (a pipeline stage after
         the trunk's first: the trunk's embedding output is on another rank, and sending it would add a
-        boundary tensor per micro-batch) the steps run here share one lookup of their own."""
+        boundary tensor per micro-batch) the steps run here share one lookup of their own.
+        `selection`: depth 1's QSA selection when an earlier stage ran depth 1 (mtp.qsa_reuse_indices).
+        """
         s = tokens_bs1.shape[1] - 1
         wanted_steps = [d for d in (range(self.num_depths) if depths is None else depths) if d > 0]
         if emb_window is None and wanted_steps and self.shared_lookup():
@@ -437,8 +452,9 @@ class TandemModel(nn.Module):
         chunk = self.mtp_cfg.loss_chunk_tokens
         sums: dict = {}
         ce_depths, ce_inputs, ce_targets = [], [], []  # every plain cross-entropy: one pass through the head
+        carry = SelectionCarry(selection)
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth,
-                                               emb_window, documents):
+                                               emb_window, documents, carry):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose
@@ -472,7 +488,7 @@ class TandemModel(nn.Module):
                       if self.loss_grad_scales is not None else None)
             per_depth = self.lm_head.loss_sums(torch.stack(ce_inputs), torch.stack(ce_targets), chunk, scales)
             sums.update(zip(ce_depths, per_depth.unbind(0)))
-        return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain)
+        return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain, carry.value)
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def trunk_frozen(self) -> bool:

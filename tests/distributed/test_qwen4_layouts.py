@@ -32,9 +32,12 @@ LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     "ep=2,pp=2": 4,
     # one layer per stage: a stage of only Gated DeltaNet (+PLE), only QSA, ...
     "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[1:1:1:1]": 2,
-    # loss depths spread: the MTP depths (together: they reuse depth 1's QSA selection) with the trunk,
-    # the head after them; the multi-stream chain h_2 and h_0 travel beside each other
-    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0]": 2,
+    # loss depths spread: MTP depth 1 with the trunk, the head and depth 2 after them; the multi-stream
+    # chain h_1, h_0 and depth 1's QSA selection (with packed documents: its block rows too) cross the
+    # boundary, under selective checkpointing
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],data.document_mask=true,train.activation_checkpointing=selective": 2,
+    # the selection passes through a stage that holds only the trunk's head (interleaved, 4 stages)
+    "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,
     "pp=2,pp_balance=true": 2,
     # tensor parallelism (trainer/parallel/tensor_hybrid.py): Gated DeltaNet and QSA heads (the indexer
     # replicated, its KL target summed over tp); SP gathers the sequence into them. The PLE table's rows

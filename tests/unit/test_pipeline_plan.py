@@ -41,6 +41,19 @@ def test_boundaries_of_a_spread_placement():
     assert p.shared_within_rank() == ["embed_tokens", "lm_head", "mtp"]
 
 
+def test_qsa_selection_crosses_from_depth_1_to_the_last_reusing_depth():
+    """With QSA index reuse, depth 1's selection leaves depth 1's stage and crosses every boundary up to
+    the last reusing depth's stage, through a stage holding only the head; without reuse, nowhere."""
+    qsa = ["model.full_attention_interval=2", "model.indexer_budget=8", "model.indexer_compress_ratio=4",
+           "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_layout=[2,2,0,0]",
+           "parallel.pp_depth_stages=[2,1,3]"]
+    p = plan(*qsa)
+    assert [(s.recv_selection, s.send_selection) for s in p.stages] == \
+        [(False, False), (False, True), (True, True), (True, False)]
+    p = plan(*qsa, "mtp.qsa_reuse_indices=false")
+    assert not any(s.recv_selection or s.send_selection for s in p.stages)
+
+
 def test_teacher_and_parallel_style_carry_h0_to_every_mtp_stage():
     for extra in (["mtp.loss.objective=acceptance"], ["mtp.style=parallel", "mtp.num_layers=2"]):
         p = plan("parallel.pp=3", "parallel.pp_layout=[4,0,0]", "parallel.pp_depth_stages=[0,1,2]", *extra)

@@ -54,6 +54,7 @@ from torch import nn
 
 from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
+from tandem.models.qsa import QSASelection
 from tandem.trainer.loss import combine_losses
 
 from .device import autocast_context
@@ -91,6 +92,8 @@ class _StepContext:
     sums: Optional[torch.Tensor] = None
     document_mask: bool = False
     """data.document_mask: the stages keep packed documents apart."""
+    cfg = None
+    """The run's config (the selection tensors' shapes)."""
 
 
 class StageModule(nn.Module):
@@ -119,11 +122,15 @@ class StageModule(nn.Module):
             self._depth_idx = torch.tensor(self.plan.depths, device=device)
         return self._depth_idx
 
-    def forward(self, x, *h0, tokens, loss_mask, doc_ids):
+    def forward(self, x, *received, tokens, loss_mask, doc_ids):
+        """`received`: h_0 (when `plan.recv_h0`), then depth 1's QSA selection as its tensors (when
+        `plan.recv_selection`)."""
+        h0 = received[0] if self.plan.recv_h0 else None
+        selection = received[1 if self.plan.recv_h0 else 0:] if self.plan.recv_selection else ()
         with autocast_context(*self._ctx.autocast):
-            return self._forward(x, h0[0] if h0 else None, tokens, loss_mask, doc_ids)
+            return self._forward(x, h0, tokens, loss_mask, doc_ids, selection)
 
-    def _forward(self, x, h0, tokens, loss_mask, doc_ids):
+    def _forward(self, x, h0, tokens, loss_mask, doc_ids, selection_in=()):
         plan = self.plan
         b, s = tokens.shape[0], tokens.shape[1] - 1
         documents = window_documents(doc_ids, s) if self._ctx.document_mask else None
@@ -133,11 +140,18 @@ class StageModule(nn.Module):
             for block in self.blocks:
                 h = run_block(block, h, positions, tokens[:, :s], documents=documents)
         loss = None
+        # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing selected)
+        mtp_here = any(d > 0 for d in plan.depths)
+        selection = None
+        if selection_in and mtp_here and not self._model._qsa_dense():
+            selection = QSASelection(*selection_in)
         if plan.depths:
             if plan.chain_in == 0:
                 h0 = h
             out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions, plan.depths,
-                                                 h_chain=h, chain_depth=plan.chain_in, documents=documents)
+                                                 h_chain=h, chain_depth=plan.chain_in, documents=documents,
+                                                 selection=selection)
+            selection = out.selection if mtp_here else None
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
             loss = combine_losses(out.loss_sums, self._ctx.counts[idx], [self._ctx.coefs[d] for d in plan.depths])
@@ -146,12 +160,38 @@ class StageModule(nn.Module):
             return loss
         outputs = [h] + ([h0] if plan.send_h0 else [])
         outputs = [o.to(self._ctx.act_dtype) for o in outputs]  # the dtype the next stage's buffers expect
+        if plan.send_selection:
+            outputs += self._selection_tensors(selection, selection_in, b)
         if loss is not None and loss.requires_grad:
             i = next((i for i, o in enumerate(outputs) if o.requires_grad), None)
             if i is None:
                 raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but none of its outputs does")
             outputs[i] = AuxLossGrad.apply(outputs[i], loss, 1.0)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
+
+
+    def _selection_tensors(self, selection, received, b: int) -> List[torch.Tensor]:
+        """What this stage sends on of depth 1's QSA selection: the one its MTP depths left, else the one
+        it received (it runs no MTP depth, or the dense warm-up selected nothing), else zeros (the dense
+        warm-up on depth 1's stage: the receiving stage knows the warm-up and ignores them)."""
+        if selection is not None:  # (top-k indices come out strided; a send needs them contiguous)
+            parts = [selection.blocks_bsk, selection.counts_bs]
+            parts += [selection.block_rows_bn] if self._ctx.document_mask else []
+            return [p.contiguous() for p in parts]
+        if received:
+            return list(received)
+        return [torch.zeros(shape, dtype=torch.long, device=self._ctx.sums.device)
+                for shape in selection_shapes(self._ctx.cfg, b)]
+
+
+def selection_shapes(cfg, micro_batch: int) -> List[tuple]:
+    """Shapes of the long tensors carrying MTP depth 1's QSA selection across a stage boundary: its
+    blocks [B, S, k], their counts [B, S] and, with packed documents, each block's first row [B, S / r].
+    The whole window's (the QSA mixer selects over the gathered sequence under SP)."""
+    m, s = cfg.model, cfg.data.seq_len
+    n = s // m.indexer_compress_ratio
+    shapes = [(micro_batch, s, min(m.indexer_budget // m.indexer_compress_ratio, n)), (micro_batch, s)]
+    return shapes + ([(micro_batch, n)] if cfg.data.document_mask else [])
 
 
 def plan_stages(cfg, pp_rank: int):
@@ -185,6 +225,7 @@ class Pipeline:
         p = cfg.parallel
         self.ctx = _StepContext()
         self.ctx.document_mask = bool(cfg.data.document_mask)
+        self.ctx.cfg = cfg
         self.pp_group = pp_mesh.get_group()
         self.pp = p.pp
         pp_rank = pp_mesh.get_local_rank()
@@ -245,11 +286,14 @@ class Pipeline:
         act = lambda: torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype, requires_grad=True)  # noqa: E731
         tokens = torch.zeros(b, s_len, dtype=torch.long, device=self.device)
         stages = []
+        selection = lambda: tuple(torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
+                                  for shape in selection_shapes(self.ctx.cfg, b))
         for m, s in zip(self.modules, self._mine):
             st = self.plan.stages[s]
-            inputs = (tokens,) if s == 0 else (act(),) + ((act(),) if st.recv_h0 else ())
+            inputs = (tokens,) if s == 0 else \
+                (act(),) + ((act(),) if st.recv_h0 else ()) + (selection() if st.recv_selection else ())
             outputs = (torch.empty((), device=self.device),) if s == self._n_stages - 1 else \
-                (act(),) + ((act(),) if st.send_h0 else ())
+                (act(),) + ((act(),) if st.send_h0 else ()) + (selection() if st.send_selection else ())
             stages.append(PipelineStage(m, s, self._n_stages, self.device, group=self.pp_group,
                                         input_args=inputs, output_args=outputs))
             stages[-1].on_grads_done = self._stage_done

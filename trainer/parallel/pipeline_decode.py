@@ -55,6 +55,7 @@ from tandem.models.state import DecodeCache
 from tandem.trainer.qsa_training import RecallProbe
 
 from .pipeline import boundary_width, embed_streams, plan_stages, run_block
+from .pipeline_plan import selection_reused
 
 _STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM = 0, 1, 2, 3, 4, 5
 # header flags: the body carries row_end; QSA layers measure their recall; the positions count from each
@@ -73,7 +74,12 @@ class DecodePlan:
         self.split, self.n_stages, self.trunk_end = plan.split, plan.n_stages, plan.trunk_end
         self.num_steps = cfg.mtp.num_steps
         self.head_stage = plan.depth_stage[0]
-        self._depth_stage = plan.depth_stage
+        self._depth_stage = list(plan.depth_stage)
+        if selection_reused(cfg):
+            # Decoding shares depth 1's QSA selection through the depths' caches on one rank, so every
+            # depth drafts where depth 1 does (that stage holds the whole MTP module: the depths loop
+            # over its layers), wherever training spread them.
+            self._depth_stage[1:] = [plan.depth_stage[1]] * (len(plan.depth_stage) - 1)
         m = cfg.model
         qsa = [s for s in range(self.trunk_end + 1) for i in plan.split[s] if m.layer_type(i) == "indexed_attention"]
         self.qsa_layers = len(qsa)
@@ -191,7 +197,7 @@ class PipelinedModel:
                        documents=None):
         """TandemModel.mtp_train_step (the teacher-forced chain of `depth_states`) routed like `mtp_step`.
         A remote rank keeps the QSA selection its depth 1 made for the later depths it serves (with
-        mtp.qsa_reuse_indices the depths share a stage), so None comes back here."""
+        mtp.qsa_reuse_indices the decoder keeps the depths on depth 1's stage), so None comes back here."""
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
             return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh, selection,
                                               documents)

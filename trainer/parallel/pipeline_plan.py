@@ -102,16 +102,15 @@ def _partition(weights: Sequence[float], parts: int) -> Optional[List[int]]:
 
 def selection_reused(cfg) -> bool:
     """Whether MTP depths 2..K reuse depth 1's QSA selection (mtp.qsa_reuse_indices with QSA MTP layers):
-    the selection is handed from depth to depth inside one stage's forward, so they share a stage."""
+    the selection travels with the MTP chain, across a stage boundary where the depths are spread."""
     return bool(cfg.mtp.qsa_reuse_indices and cfg.mtp.num_steps >= 2 and cfg.model.uses_qsa)
 
 
 def balanced_placement(cfg, stages: int) -> Tuple[List[int], List[int]]:
-    """(trunk layers per stage, stage of each depth 0..K) minimising the most expensive stage (with QSA
-    index reuse the MTP depths move as one item)."""
+    """(trunk layers per stage, stage of each depth 0..K) minimising the most expensive stage."""
     layers, depths = item_flops(cfg)
     k = len(depths) - 1
-    groups = [list(range(1, k + 1))] if selection_reused(cfg) else [[d] for d in range(1, k + 1)]
+    groups = [[d] for d in range(1, k + 1)]
     best = None
     for slot in range(len(groups) + 1):  # depth 0 goes before MTP group slot+1 (slot = len: after the last)
         order = list(groups)
@@ -160,6 +159,10 @@ class StagePlan:
     """Whether h_0 arrives as a second tensor (the chain has moved past it and this stage or a later
     one still needs it)."""
     send_h0: bool
+    recv_selection: bool = False
+    """Whether MTP depth 1's QSA selection arrives after the hidden states (mtp.qsa_reuse_indices with
+    depth 1 on an earlier stage and a reusing depth here or later)."""
+    send_selection: bool = False
 
 
 class PipelinePlan:
@@ -205,6 +208,11 @@ class PipelinePlan:
                                          send_h0=chain > 0 and later and s < self.n_stages - 1))
         for s in range(1, self.n_stages):
             self.stages[s].recv_h0 = self.stages[s - 1].send_h0
+        if selection_reused(cfg):
+            # the selection crosses every boundary between depth 1's stage and the last reusing depth's
+            last_reuse = max(depth_stage[2:])
+            for s in range(depth_stage[1], last_reuse):
+                self.stages[s].send_selection = self.stages[s + 1].recv_selection = True
 
     def stage_rank(self, stage: int) -> int:
         return stage % self.pp
@@ -269,10 +277,6 @@ class PipelinePlan:
         if empty:
             raise ConfigError(f"pipeline stage(s) {empty} hold no trunk layer and no loss depth "
                               f"(parallel.pp_layout={list(self.layout)}, parallel.pp_depth_stages={list(ds)})")
-        if selection_reused(cfg) and len({ds[d] for d in range(1, k + 1)}) > 1:
-            raise ConfigError(f"parallel.pp_depth_stages={list(ds)} splits the MTP depths over stages, but with "
-                              "mtp.qsa_reuse_indices=true depths 2..K reuse depth 1's QSA selection within one "
-                              "stage: place them together or set mtp.qsa_reuse_indices=false")
         if self.spread and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with loss depths spread over pipeline "
                               "stages (parallel.pp_depth_stages / pp_balance)")
