@@ -15,7 +15,8 @@ training data is laid out. The stream is cut into consecutive windows of seq_len
 training `data.seq_len`) overlapping by one token, so every token after the stream's first is the
 target of exactly one window; `--windows` of them, evenly spaced over the stream, are scored (all of
 them when there are fewer). In a window the model reads tokens 0..S-1 and predicts tokens 1..S, each
-from the tokens before it in that window only. Then
+from the tokens before it in that window only (`--document-mask on`: only those of its own file, as
+inference reads a document; the default follows the checkpoint's data.document_mask). Then
 
     bits per byte = (sum over predicted tokens of -ln p(token | window prefix)) / ln 2
                     / (number of UTF-8 bytes those predicted tokens stand for)
@@ -122,15 +123,20 @@ def windows(stream: Sequence[int], seq_len: int, count: int) -> List[List[int]]:
 
 
 @torch.no_grad()
-def bits_per_byte(model, wins: List[List[int]], nbytes: List[int], batch: int) -> Dict[str, float]:
-    """Teacher-forced bits per byte of the windows' predicted tokens (module docstring) and the sums."""
+def bits_per_byte(model, wins: List[List[int]], nbytes: List[int], batch: int, eod_id: int = -1,
+                  document_mask: bool = False) -> Dict[str, float]:
+    """Teacher-forced bits per byte of the windows' predicted tokens (module docstring) and the sums.
+    `document_mask`: the files packed into a window are kept apart (data.document_mask, as the
+    checkpoint trained), each one read from its own start."""
     from tandem.eval.metrics import teacher_forced
 
     nats, tokens, nb = 0.0, 0, 0
     for i in range(0, len(wins), batch):
         t = torch.tensor(wins[i : i + batch], dtype=torch.long)
         n = t.shape[0] * (t.shape[1] - 1)
-        nats += teacher_forced(model, [{"tokens": t}])["loss/main"] * n
+        is_eod = (t == eod_id).long()
+        batch_i = {"tokens": t, "doc_ids": torch.cumsum(is_eod, 1) - is_eod}
+        nats += teacher_forced(model, [batch_i], document_mask=document_mask)["loss/main"] * n
         tokens += n
         nb += sum(nbytes[int(x)] for x in t[:, 1:].flatten())
     return {"bits_per_byte": nats / math.log(2) / nb, "loss": nats / tokens, "bytes_per_token": nb / tokens,
@@ -159,8 +165,10 @@ def decode_figures(model, prompts: List[List[int]], K: int, max_new: int, batch:
 
 def measure(checkpoint: str, *, num_windows: int = 128, num_prompts: int = 32, batch: int = 8,
             second_dir: str = "", second_bytes: int = 400_000, prompt_len: int = 0, max_new_tokens: int = 0,
-            seed: int = 0, verbose: bool = True) -> Dict[str, float]:
-    """All figures of one checkpoint: `<key>` for the test split, `<key>_pip` for the second source."""
+            seed: int = 0, verbose: bool = True, document_mask: str = "checkpoint") -> Dict[str, float]:
+    """All figures of one checkpoint: `<key>` for the test split, `<key>_pip` for the second source.
+    `document_mask`: score the windows with files kept apart (`on`: each file read alone from its start,
+    as inference reads a document), not (`off`), or as the checkpoint trained (`checkpoint`)."""
     from tandem.data_pipeline.stdlib_corpus import stdlib_files
     from tandem.eval.cli import _tokenizer_of
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
@@ -171,6 +179,7 @@ def measure(checkpoint: str, *, num_windows: int = 128, num_prompts: int = 32, b
     if tok is None:
         raise ValueError(f"checkpoint {step_dir} has no tokenizer")
     nbytes = token_bytes(tok)
+    apart = bool(cfg.data.document_mask) if document_mask == "checkpoint" else document_mask == "on"
     seq_len = int(cfg.data.seq_len)
     K = int(cfg.mtp.num_steps)
     plen = max(1, min(prompt_len or cfg.eval.prompt_len, seq_len))
@@ -178,13 +187,14 @@ def measure(checkpoint: str, *, num_windows: int = 128, num_prompts: int = 32, b
     second_dir = second_dir or pip_internal_dir()
     sources = [("", stdlib_files()[1]), ("_pip", code_files(second_dir, second_bytes))]
     say = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
-    say(f"checkpoint {step_dir}: seq_len {seq_len}, K={K}, vocab {tok.vocab_size}; "
+    say(f"checkpoint {step_dir}: seq_len {seq_len}, K={K}, vocab {tok.vocab_size}, "
+        f"data.document_mask={bool(cfg.data.document_mask)}, files scored {'apart' if apart else 'packed'}; "
         f"{num_windows} windows, {num_prompts} prompts of {plen} tokens + {max_new} new per source")
     figures: Dict[str, float] = {}
     for suffix, files in sources:
         t0 = time.perf_counter()
         stream, size = token_stream(tok, files, nbytes)
-        fig = bits_per_byte(model, windows(stream, seq_len, num_windows), nbytes, batch)
+        fig = bits_per_byte(model, windows(stream, seq_len, num_windows), nbytes, batch, tok.eod_id, apart)
         prompts = [w[:plen] for w in windows(stream, seq_len, num_prompts)]
         fig.update(decode_figures(model, prompts, K, max_new, batch, tok.eod_id, seed))
         sample = fig.pop("_sample")
@@ -220,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--second-dir", default="", help="second held-out code directory (default: pip/_internal)")
     p.add_argument("--second-bytes", type=int, default=400_000, help="cap on the second source's bytes")
     p.add_argument("--seed", type=int, default=0, help="seed of the T=1 sampling generators")
+    p.add_argument("--document-mask", choices=("checkpoint", "on", "off"), default="checkpoint",
+                   help="score each file apart (on), the windows as packed (off), or as the checkpoint trained")
     args = p.parse_args(argv)
     for name in ("windows", "prompts", "batch_size", "second_bytes"):
         if getattr(args, name) <= 0:
@@ -227,7 +239,7 @@ def main(argv=None) -> int:
     try:
         figures = measure(args.checkpoint, num_windows=args.windows, num_prompts=args.prompts, batch=args.batch_size,
                           second_dir=args.second_dir, second_bytes=args.second_bytes, prompt_len=args.prompt_len,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, document_mask=args.document_mask)
     except (FileNotFoundError, ValueError) as exc:
         print(f"default_job_quality: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
