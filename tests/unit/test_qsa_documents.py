@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from tandem.models.documents import Documents
+from test_qsa import BUDGET, HIDDEN, RATIO
+from test_qsa import make_qsa as make_plain_qsa
+
 from tandem.models.qsa import IndexedAttention
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2, 8, 2, 8, 8, 4
 # Boundaries off the block grid, a 1-token document, documents longer than the budget (selection
 # active) and, in row 1, a document cut by the window's end inside a block.
 LENGTHS = [[7, 13, 1, 19], [3, 22, 15]]
@@ -24,17 +26,8 @@ def _one_thread(one_thread):
 
 
 def make_qsa(seed: int, form: str = "mask") -> IndexedAttention:
-    """Random weights larger than init; the indexer's query heads near its key head, so block scores are
-    mostly positive and distinct (selection decided by content, not ties)."""
-    torch.manual_seed(seed)
-    attn = IndexedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS, IDX_DIM,
-                            BUDGET, RATIO, form=form)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.3)
-        w = attn.indexer.index_qk_proj.weight.view(IDX_HEADS + 1, IDX_DIM, HIDDEN)
-        w[:-1] = w[-1] + 0.3 * w[:-1]
-    return attn
+    """test_qsa.py's QSA layer (its shape, its weights drawn so selection is decided by content)."""
+    return make_plain_qsa(seed, form=form)
 
 
 def packed(seed: int = 1, lengths=LENGTHS):
