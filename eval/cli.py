@@ -18,6 +18,8 @@ trained); default the checkpoint's `eval.draft_convention`, else `serving`. The 
 `draft_convention`, and greedy decoding adds `<other>/acceptance_length` when the other convention's
 acceptance differs. `--output` records carry each row's budget-exact counts (`drafts`, `accepted`,
 `accept_rate/pos_k`) and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget).
+Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
+(eval/spec_decode.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
 
 --prompts FILE: one JSON object with a non-empty "text" string per line (blank lines are skipped).
 A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5) tokens: the decoder's caches
@@ -223,6 +225,10 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
                     rec = {"prompt_ids": prompts[i], "output_ids": out, **row_metrics(res.stats, b)}
                     f.write(json.dumps(rec) + "\n")
                     i += 1
+    for key in [k for k in metrics if f"{k}_lo95" in metrics]:
+        lo, hi = metrics[f"{key}_lo95"], metrics[f"{key}_hi95"]
+        print(f"{key}: {metrics[key]:.3f} ± {(hi - lo) / 2:.3f} (95% interval {lo:.3f}..{hi:.3f}, "
+              f"bootstrap over {len(prompts)} prompts)", file=sys.stderr)
     print(json.dumps(metrics))
     return 0
 

@@ -21,6 +21,11 @@ plus teacher-forced losses/accuracies on validation micro-batches, and returns `
   Only the speculative side is decoded (AR decoding is needed for the speed figures alone, which the
   greedy run gives), so each T costs two decodes. Greedy decoding is the same under both rules.
 
+Every acceptance figure above, under each of these prefixes, is logged with its 95% interval beside it
+(`eval/acceptance_length_lo95`, `eval/T1/accept_rate/pos_2_hi95`): a bootstrap over the prompts
+(spec_decode.acceptance_intervals), since with `eval.num_prompts` prompts a change in acceptance between
+two evaluations may be noise.
+
 `last_samples` holds the first `eval.num_samples_logged` prompts' decoded text and acceptance (the
 training loop hands them to MetricsLogger.log_samples).
 

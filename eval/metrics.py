@@ -6,7 +6,9 @@
   the same prompts: acceptance (vLLM definitions), decode tokens/s of both, measured and predicted
   speedup (`autoregressive=False` decodes the speculative side only: acceptance without speed figures),
   drafting under `draft_convention` (`serving` as vLLM's proposer, `tandem` as trained) and, with
-  `compare_conventions`, the other convention's greedy acceptance when it differs;
+  `compare_conventions`, the other convention's greedy acceptance when it differs; every acceptance
+  figure comes with its 95% interval over prompts (`<key>_lo95`, `<key>_hi95`, spec_decode's
+  `acceptance_intervals`), the speed figures without one;
 * `distinct_n`: the repetition figure of decoded text (unique / total n-grams, mean over prompts);
 * `temperature_label`: the variant segment of a sampled temperature's keys (`T1`, `T0.7`).
 
@@ -206,25 +208,23 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, num_steps: int
         xs = sorted(xs)
         return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
+    # every replica's rows, in batch order: the figures and their bootstrap intervals equal one process's
     spec_stats = [_merge_stats([r.stats for r in run], K) for run in runs_spec]
-    extra = {}
+    metrics = acceptance_metrics(spec_stats[0])
     other = other_convention(model, K, draft_convention) if compare_conventions and temperature <= 0 else None
     if other is not None:
         alt, _, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                       eos_id=eos_id, seed=seed, replicas=replicas, autoregressive=False,
                                       verify=verify, draft_convention=other)
-        if alt["acceptance_length"] != acceptance_metrics(spec_stats[0])["acceptance_length"]:
-            extra[f"{other}/acceptance_length"] = alt["acceptance_length"]
+        if alt["acceptance_length"] != metrics["acceptance_length"]:
+            metrics.update({f"{other}/{k}": alt[k] for k in alt if k.startswith("acceptance_length")})
     if not autoregressive:
-        return {**acceptance_metrics(spec_stats[0]), **extra}, runs_spec[0], []
+        return metrics, runs_spec[0], []
     ar_stats = [_merge_stats([r.stats for r in run], 0) for run in runs_ar]
     spec_tokens = sum(r.decoded_tokens for r in runs_spec[0])
     ar_tokens = sum(r.decoded_tokens for r in runs_ar[0])
     spec_tps = median([spec_tokens / max(s.decode_s, 1e-12) for s in spec_stats])
     ar_tps = median([ar_tokens / max(s.decode_s, 1e-12) for s in ar_stats])
-    st = spec_stats[0]
-    metrics = acceptance_metrics(st)
-    metrics.update(extra)
     D = median([s.draft_s / max(s.num_rounds, 1) for s in spec_stats])
     V = median([s.verify_s / max(s.num_rounds, 1) for s in spec_stats])
     O = median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])

@@ -30,7 +30,13 @@ def _eval(args):
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
-    return json.loads(lines[0])
+    res = json.loads(lines[0])
+    # each acceptance figure's 95% interval: in the JSON beside it, and one `figure ± half-width` line on stderr
+    for key in [k for k in res if f"{k}_lo95" in res]:
+        lo, hi = res[f"{key}_lo95"], res[f"{key}_hi95"]
+        assert lo <= res[key] <= hi, key
+        assert f"{key}: {res[key]:.3f} ± {(hi - lo) / 2:.3f} " in proc.stderr, (key, proc.stderr)
+    return res
 
 
 def test_eval_cli_validation_prompts_greedy(tiny_run, tmp_path):
@@ -41,6 +47,9 @@ def test_eval_cli_validation_prompts_greedy(tiny_run, tmp_path):
                 "decode_tokens_per_s/ar", "speedup", "speedup_predicted"] + [
             f"{p}_{k}" for k in (1, 2, 3) for p in ("loss/mtp", "accept_rate/pos", "tf_acc/mtp")]:
         assert key in res, key
+    for key in ["acceptance_length", "draft_acceptance_rate"] + [f"accept_rate/pos_{k}" for k in (1, 2, 3)]:
+        assert f"{key}_lo95" in res and f"{key}_hi95" in res, key
+    assert not any(k.startswith(("loss/", "tf_acc/", "speedup", "decode_")) and k.endswith("95") for k in res)
     assert res["identical_to_autoregressive"] is True
     assert 1.0 <= res["acceptance_length"] <= 4.0
     records = [json.loads(line) for line in out_file.read_text().splitlines()]
@@ -58,3 +67,4 @@ def test_eval_cli_prompts_file_longer_k_and_sampling(tiny_run, tmp_path):
     res = _eval(["--checkpoint", str(tiny_run / "run"), "--prompts", str(prompts), "--temperature", "0.8",
                  "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3"])
     assert "identical_to_autoregressive" not in res and 1.0 <= res["acceptance_length"] <= 4.0
+    assert "accept_rate/pos_3_hi95" in res  # sampled decoding's figures have intervals too

@@ -1,6 +1,7 @@
 """The in-loop evaluator: eval/* keys logged, and training is bit-identical with and without it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -52,6 +53,11 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     for k in range(1, 4):
         expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}", f"eval/T1/accept_rate/pos_{k}"}
     assert expected <= set(evals[0])
+    # every acceptance figure, under every prefix, has its 95% interval beside it; no other key has one
+    figures = {k for k in evals[0] if re.search(r"(acceptance_length|acceptance_rate|accept_rate/pos_\d+)$", k)}
+    assert {"eval/acceptance_length", "eval/T1/accept_rate/pos_3", "eval/T1/block/draft_acceptance_rate"} <= figures
+    assert {k for k in evals[0] if k.endswith(("_lo95", "_hi95"))} == {f"{k}_{e}95" for k in figures for e in ("lo", "hi")}
+    assert all(r[f"{k}_lo95"] <= r[k] <= r[f"{k}_hi95"] for r in evals for k in figures)
     assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k) for k in evals[0])  # spec side only
     for variant in ("eval", "eval/T1"):
         assert 1.0 <= evals[0][f"{variant}/acceptance_length"] <= 4.0
