@@ -13,6 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tandem.models import TandemModel
+from tandem.models.gated_deltanet import SOLVE_BLOCK
 from tandem.trainer import estimate as E
 from tandem.trainer import flops as F
 from tandem.trainer.config import load_config
@@ -113,9 +114,12 @@ def test_flops_match_the_matmuls_torch_counts():
     assert sum(_per_token(lambda: model.norm(xs), b * s).values()) == F.final_norm_forward_flops(m)
     assert sum(_per_token(lambda: gdn_block.ple(xs, ids, pos), b * s).values()) == F.ple_forward_flops(m)
     # Gated DeltaNet: the model counts fla's triangular inverse (2C^2/3 per token and value head); the
-    # pure-PyTorch path inverts by doubling, 4C^2(log2 C - 1): every other matmul is the same
-    c, nv = F.GDN_CHUNK, m.linear_num_value_heads
-    torch_path = F.gdn_forward_flops(m, s) + nv * (4 * c * c * (math.log2(c) - 1) - 2 * c * c / 3)
+    # pure-PyTorch path substitutes row by row inside B x B diagonal blocks (a 1 x B by B x B product per
+    # row: 2B(B-1) per token) and merges blocks of size h = B, 2B, .., C/2 by two h x h products (2h^2 per
+    # token): every other matmul is the same
+    c, nv, blk = F.GDN_CHUNK, m.linear_num_value_heads, SOLVE_BLOCK
+    merges = sum(2 * h * h for h in (blk * 2 ** i for i in range(int(math.log2(c // blk)))))
+    torch_path = F.gdn_forward_flops(m, s) + nv * (2 * blk * (blk - 1) + merges - 2 * c * c / 3)
     assert sum(_per_token(lambda: gdn_block.linear_attn(x, pos), b * s).values()) == pytest.approx(torch_path, rel=1e-12)
     # QSA (mask form): the projections, and the block scores (here over all S/r blocks, visible or not)
     got = _per_token(lambda: qsa_block.self_attn(x, pos), b * s)

@@ -89,8 +89,8 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
         tr.indexers.begin_step(cfg.model.indexer_warmup_steps)  # the sparse stage: selection and its KL
         chosen = []
 
-        def recording(self, scores_bsn, query_at_bs):
-            blocks, count = select(self, scores_bsn, query_at_bs)
+        def recording(self, scores_bsn, query_at_bs, *layout):
+            blocks, count = select(self, scores_bsn, query_at_bs, *layout)
             chosen.append(torch.cat([blocks.flatten(), count.flatten()]))
             return blocks, count
 
