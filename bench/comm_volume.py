@@ -130,12 +130,11 @@ def analytic(cfg, model, pstate, batches):
 
     from tandem.models.moe import MoE
 
-    sizes = pstate.extras["sizes"]
-    tp, ep, dp = sizes["tp"], sizes["ep"], sizes["dp"]
+    tp, ep, dp = pstate.degrees.tp, pstate.degrees.ep, pstate.degrees.dp
     m, K, k = cfg.model, cfg.mtp.num_steps, cfg.model.top_k
     E, Hh = m.num_experts, m.hidden_size
     out = defaultdict(float)
-    pipe = pstate.extras.get("pipeline")
+    pipe = pstate.pipeline
     if pipe is not None:
         has_first, has_last = pipe.has_first, pipe.has_last
     else:
@@ -187,7 +186,7 @@ def analytic(cfg, model, pstate, batches):
                 if is_moe:
                     out["all_to_all"] += F32 * 4 * T * k * Hh + 8 * E
     if sp:
-        finisher = pstate.extras["clip_grad_norm"]
+        finisher = pstate.gradient_finisher
         for name, p in model.named_parameters():
             if name in finisher.sp_partial:
                 out["all_reduce"] += F32 * (p.to_local() if isinstance(p, DTensor) else p).numel()

@@ -75,7 +75,7 @@ class Sides:
             cfg = load_config(None, base + parallel + overrides)
             cfg.model.vocab_size = vocab
             mesh_state = mesh_state or init_parallel(cfg, resolve_device("cpu"))
-            pstate = dataclasses.replace(mesh_state, extras=dict(mesh_state.extras))
+            pstate = dataclasses.replace(mesh_state)  # each model sets its own layout pieces
             model = build_model(cfg, pstate)
             self.sides[name] = (cfg, pstate, Trainer.for_model(cfg, model.train(), pstate))
 

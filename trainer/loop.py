@@ -187,7 +187,7 @@ class Trainer:
         # 1/(micro-batches per rank * batch ranks); pipeline ranks split their share into
         # parallel.pp_microbatches instead of grad_accum_steps. (TP ranks compute the aux gradient
         # replicated; under SP it is computed on the gathered logits and scaled in TensorParallelMoE.)
-        pipeline = self.pstate.extras.get("pipeline")
+        pipeline = self.pstate.pipeline
         micro_per_rank = pipeline.n_micro if pipeline is not None else t.grad_accum_steps
         for moe in self.moe_layers:
             moe.aux_grad_scale = 1.0 / (micro_per_rank * self.pstate.dp_size)
@@ -236,8 +236,8 @@ class Trainer:
             self.model.loss_grad_scales = None
 
     def _forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
-        if "pipeline" in self.pstate.extras:
-            return self.pstate.extras["pipeline"].forward_backward(batches, global_counts, coefs)
+        if self.pstate.pipeline is not None:
+            return self.pstate.pipeline.forward_backward(batches, global_counts, coefs)
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
         sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
         # FSDP2 (parallel.reshard_after_microbatch): by default every micro-batch's backward
@@ -275,7 +275,7 @@ class Trainer:
             loads = torch.stack([m.router.tokens_per_expert for m in self.moe_layers])
         else:
             loads = torch.zeros(0, self.cfg.model.num_experts, device=self.device.device)
-        copies = self.pstate.extras.get("mtp_copies_group")
+        copies = self.pstate.mtp_copies_group
         if copies is not None:  # MTP depths spread over pp ranks: each copy routed its depths' tokens
             mtp = {id(m) for m in self.model.mtp.modules()}
             rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp], dtype=torch.long,
@@ -283,7 +283,7 @@ class Trainer:
             part = loads.index_select(0, rows)
             torch.distributed.all_reduce(part, group=copies)
             loads.index_copy_(0, rows, part)
-        group = self.pstate.extras.get("router_load_group", self.pstate.dp_group)
+        group = self.pstate.router_load_group
         if self.pstate.world_size > 1 and group is not None:
             torch.distributed.all_reduce(loads, group=group)
         for moe, load in zip(self.moe_layers, loads):
@@ -308,8 +308,8 @@ class Trainer:
 
     def clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if "clip_grad_norm" in self.pstate.extras:
-            return float(self.pstate.extras["clip_grad_norm"](params, self.cfg.train.grad_clip))
+        if self.pstate.gradient_finisher is not None:
+            return float(self.pstate.gradient_finisher(params, self.cfg.train.grad_clip))
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 

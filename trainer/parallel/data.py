@@ -428,7 +428,7 @@ def sum_gradients(entries, reduce_dtype: torch.dtype) -> None:
 
 
 class GradientFinisher:
-    """`extras["clip_grad_norm"]`: completes this step's gradients, then clips by the global norm.
+    """`ParallelState.gradient_finisher`: completes this step's gradients, then clips by the global norm.
 
     1. Data parallelism is FSDP2's (`dp_mode=fsdp`: reduce-scatter) or its replicate (`allreduce`:
        per-module all-reduces overlapped with backward), both issued by torch during every

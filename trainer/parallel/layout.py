@@ -12,9 +12,9 @@ The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the fla
 stage's dp x ep x tp ranks (tensor_hybrid.shard_ple_tables: never gathered, kept out of FSDP, their
 gradients complete without a dp reduction), TP/EP (DTensor shards + dispatch), FSDP2 (fully_shard, or
 replicate for `dp_mode=allreduce`; a piece two pipeline stages of one rank share is an FSDP unit of
-its own, data.PieceUnits), then installs the loop's hooks in `state.extras`:
-`pipeline`, `clip_grad_norm` (gradient sync + true global norm), `router_load_group` and, under
-sequence parallelism, `sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
+its own, data.PieceUnits), then sets the state's optional pieces: `pipeline`, `gradient_finisher`
+(gradient sync + true global norm), `mtp_copies_group` and, under sequence parallelism,
+`sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
 regions (tensor.py); the router loads are then summed over tp as well.
 """
@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config import TandemConfig
 from .device import Device
-from .state import ParallelState
+from .state import ParallelDegrees, ParallelState
 
 
 def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
@@ -44,21 +44,15 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
     batch = dp * p.ep
     # one pipeline stage's ranks (the PLE tables' row split; the router loads' group under SP)
     stage_mesh = mesh["dp", "ep", "tp"]._flatten("dp_ep_tp") if batch * p.tp > 1 else None
-    state = ParallelState(device=device, world_size=world, rank=dist.get_rank(), dp_size=batch,
-                          dp_rank=batch_mesh.get_local_rank(), dp_group=batch_mesh.get_group(), mesh=mesh)
-    state.extras.update({
-        "batch_mesh": batch_mesh,
-        "stage_mesh": stage_mesh,
+    sp = bool(p.sequence_parallel and p.tp > 1)
+    return ParallelState(
+        device=device, world_size=world, rank=dist.get_rank(),
+        degrees=ParallelDegrees(pp=p.pp, dp=dp, ep=p.ep, tp=p.tp, sequence_parallel=sp),
+        dp_size=batch, dp_rank=batch_mesh.get_local_rank(), dp_group=batch_mesh.get_group(), mesh=mesh,
+        batch_mesh=batch_mesh, stage_mesh=stage_mesh,
         # Router loads are summed over the ranks that routed different tokens: the batch split,
         # and under sequence parallelism also the tp ranks (each routes its sequence shard).
-        "router_load_group": _router_load_group(mesh, batch_mesh, stage_mesh, batch,
-                                                p.sequence_parallel and p.tp > 1),
-        "sizes": {"pp": p.pp, "dp": dp, "ep": p.ep, "tp": p.tp},
-        # activations between TP regions are sequence shards; decoding runs them whole through
-        # extras["sequence_parallel_switch"] (set by apply_parallelism)
-        "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
-    })
-    return state
+        router_load_group=_router_load_group(mesh, batch_mesh, stage_mesh, batch, sp))
 
 
 def init_process_group(backend: str) -> None:
@@ -93,8 +87,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     from .tensor import apply_tensor_and_expert_parallel
 
     p, mesh = cfg.parallel, state.mesh
-    sizes = state.extras["sizes"]
-    tp, ep, dp, pp = sizes["tp"], sizes["ep"], sizes["dp"], sizes["pp"]
+    deg = state.degrees
+    tp, ep, dp, pp = deg.tp, deg.ep, deg.dp, deg.pp
     pipeline = None
     if pp > 1:
         from .pipeline import Pipeline, prune_model
@@ -107,16 +101,16 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     batch = dp * ep
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
     tables = []
-    if state.extras.get("stage_mesh") is not None:
+    if state.stage_mesh is not None:
         from .tensor_hybrid import shard_ple_tables
 
         # rows travel in the dtype FSDP's policy would have gathered the table in
-        tables = shard_ple_tables(model, state.extras["stage_mesh"], compute_dtype if batch > 1 else None)
+        tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if batch > 1 else None)
     switch = None
     if sp:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
         from .tensor import SequenceParallelSwitch
 
-        switch = state.extras["sequence_parallel_switch"] = SequenceParallelSwitch()
+        switch = state.sequence_parallel_switch = SequenceParallelSwitch()
     sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch, p.ep_dispatch)
     # pieces two stages of one rank use: FSDP units of their own (sharded over dp*ep like the rest,
     # gathered through the step, reduce-scattered once), or under the all-reduce mode kept whole
@@ -141,7 +135,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         roots = pipeline.modules if pipeline is not None else [model]
         mp_policy, wire_dtype = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
                                                      p.reshard_after_microbatch)
-        apply_fsdp(blocks, roots, [model] + list(roots), state.extras["batch_mesh"], mesh["dp"], mp_policy,
+        apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, mesh["dp"], mp_policy,
                    keep_whole=set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables},
                    replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype, units=units.values(),
                    # a unit sums a whole step before its one reduce-scatter: the one-sync precision
@@ -156,15 +150,15 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
         shared = _shared_piece_groups(mesh, pp, pipeline.plan.holders())
         if "mtp" in shared:  # the loop sums the MTP routers' loads over the copies too
-            state.extras["mtp_copies_group"] = shared["mtp"][0]
+            state.mtp_copies_group = shared["mtp"][0]
         # the residual stream between stages: fp32 for hyper-connection streams on every layout (they
         # mix and inject in fp32, as one process's autocast leaves them); a plain residual takes the
         # gathered parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and
         # residual adds in fp32). See data.py's docstring.
         plain_bf16 = mp_policy is not None and cfg.model.hc_count == 1
         pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if plain_bf16 else torch.float32)
-        state.extras["pipeline"] = pipeline
-    state.extras["clip_grad_norm"] = GradientFinisher(
+        state.pipeline = pipeline
+    state.gradient_finisher = GradientFinisher(
         model, state.world_size, pp,
         batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
         shared=shared, replicated_names=set(whole_params),
@@ -172,7 +166,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         device=state.device.device, piece_units=piece_units,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
     if pipeline is not None:  # shared pieces' sums start as soon as this rank's stages using them are done
-        pipeline.finisher = state.extras["clip_grad_norm"]
+        pipeline.finisher = state.gradient_finisher
     return model
 
 

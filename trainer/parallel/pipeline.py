@@ -214,7 +214,7 @@ def prune_model(model: nn.Module, cfg, pp_rank: int) -> None:
 
 
 class Pipeline:
-    """`extras["pipeline"]`: runs one step's micro-batches through the schedule on this rank."""
+    """`ParallelState.pipeline`: runs one step's micro-batches through the schedule on this rank."""
 
     def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device, piece_units: bool = False):
         """`piece_units`: the pieces two stages of this rank share (`PipelinePlan.shared_within_rank`) are
@@ -317,7 +317,7 @@ class Pipeline:
             # the last step's shared-piece sums ran inside its backward: this step's gradients would
             # add to sums already taken (checked before any of the step's communication)
             raise RuntimeError("pipeline forward_backward ran again before clip_gradients finished the last one's "
-                               "gradients (extras['clip_grad_norm']): call it after every forward_backward")
+                               "gradients (ParallelState.gradient_finisher): call it after every forward_backward")
         self._waiting = [set(stages) for _, stages in self._units]
         if self.piece_units is not None:  # gathered from the step's first forward to their reduce-scatter
             self.piece_units.begin_step()

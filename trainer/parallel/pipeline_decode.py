@@ -239,7 +239,7 @@ class ParallelDecoding:
         self.cfg, self.pstate, self.base = cfg, pstate, model
         self._tf_selection = None  # a served teacher-forced chain's QSA selection (`_serve_depth`)
         self.device = pstate.device.device
-        self.pipeline = pstate.extras.get("pipeline")
+        self.pipeline = pstate.pipeline
         self.dtype = next(model.parameters()).dtype
         self.replicas, self.replica = pstate.dp_size, pstate.dp_rank
         if self.pipeline is not None:
@@ -262,7 +262,7 @@ class ParallelDecoding:
         model pieces directly, bypassing the roots' pre-forward hooks; blocks gather in theirs)."""
         from torch.distributed.fsdp import FSDPModule
 
-        switch = self.pstate.extras.get("sequence_parallel_switch")
+        switch = self.pstate.sequence_parallel_switch
         roots = [self.base] + (self.pipeline.fsdp_roots() if self.pipeline is not None else [])
         roots = [r for r in roots if isinstance(r, FSDPModule)]
         with switch.whole_sequences() if switch is not None else contextlib.nullcontext():

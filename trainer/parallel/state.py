@@ -1,7 +1,8 @@
-"""The view of the layout the training loop needs (setup.py builds it).
+"""The typed view of this rank's place in the layout (layout.py builds it; the loop reads it).
 
-The loop only asks a `ParallelState` for ranks, the data-parallel reduction and whether this rank
-holds the loss; how the mesh is carved into tp/pp/ep/dp lives in this package alone.
+The loop asks a `ParallelState` for ranks, the data-parallel reduction, whether this rank holds the
+loss, and for the optional pieces a layout adds (a pipeline schedule, a gradient finisher, the
+sequence-parallel switch). How the mesh is carved into pp/dp/ep/tp lives in this package alone.
 """
 
 from __future__ import annotations
@@ -15,28 +16,81 @@ import torch.distributed as dist
 from .device import Device
 
 
+@dataclass(frozen=True)
+class ParallelDegrees:
+    """How many ranks each mesh dimension has (1: the dimension is off)."""
+
+    pp: int = 1
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas beside expert parallelism (the batch is split over dp x ep)."""
+    ep: int = 1
+    """Expert-parallel ranks (carved out of data parallelism)."""
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    sequence_parallel: bool = False
+    """Activations between the TP regions are sequence shards over tp (only with tp > 1)."""
+
+    @property
+    def batch(self) -> int:
+        """Ranks that see different samples: dp x ep."""
+        return self.dp * self.ep
+
+
 @dataclass
 class ParallelState:
+    """This rank's degrees, meshes, groups and the layout's optional pieces."""
+
     device: Device
     """This process's device and backend."""
+    degrees: ParallelDegrees = field(default_factory=ParallelDegrees)
+    """The layout's degrees."""
     world_size: int = 1
     """Processes in the job."""
     rank: int = 0
     """Global rank."""
     dp_size: int = 1
-    """Data-parallel ranks (replicas of the batch dimension)."""
+    """Ranks the batch is split over (dp x ep): each reads its own share of every global batch."""
     dp_rank: int = 0
-    """This rank's data-parallel index (selects its share of each global batch)."""
-    dp_group: Optional[object] = None
-    """Process group that sums per-depth losses and token counts across data-parallel replicas."""
+    """This rank's index in the batch split."""
+    dp_group: Optional[dist.ProcessGroup] = None
+    """The batch split's group: sums per-depth losses and token counts."""
     mesh: Optional[object] = None
     """The DeviceMesh over (pp, dp, ep, tp) when distributed."""
-    extras: dict = field(default_factory=dict)
-    """Layout-specific handles (pipeline schedule, expert groups) owned by trainer/parallel/."""
+    batch_mesh: Optional[object] = None
+    """The flattened dp x ep mesh (FSDP's shard dimension)."""
+    stage_mesh: Optional[object] = None
+    """One pipeline stage's dp x ep x tp ranks (the PLE tables' row split), when there are several."""
+    router_load_group: Optional[dist.ProcessGroup] = None
+    """Sums the routers' expert loads: the batch split, and under sequence parallelism also tp."""
+    mtp_copies_group: Optional[dist.ProcessGroup] = None
+    """The pp ranks holding copies of the MTP module (their routers' loads are summed)."""
+    pipeline: Optional[object] = None
+    """This rank's pipeline stages and schedule (pipeline.Pipeline), when pp > 1."""
+    gradient_finisher: Optional[object] = None
+    """Completes a step's gradients and clips by the global norm (data.GradientFinisher)."""
+    sequence_parallel_switch: Optional[object] = None
+    """Turns sequence splitting off around decoding (tensor.SequenceParallelSwitch), under SP."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.degrees.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.degrees.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.degrees.ep > 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.degrees.sequence_parallel and self.degrees.tp > 1
 
     def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel replicas, in place; identity in a single process."""

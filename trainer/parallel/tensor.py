@@ -324,7 +324,7 @@ class VocabParallelHead(nn.Module):
 
 # --- sequence parallelism on/off -----------------------------------------------------------------
 class SequenceParallelSwitch:
-    """`extras["sequence_parallel_switch"]`: turns sequence splitting off around decoding.
+    """`ParallelState.sequence_parallel_switch`: turns sequence splitting off around decoding.
 
     Training runs the TP regions on sequence shards (all-gather in, reduce-scatter out). A decode step
     has 1..K+1 tokens per row, which cannot be split over tp, so `whole_sequences()` makes the same
