@@ -260,7 +260,8 @@ def worker(out_path, layouts):
     import torch.distributed as dist
 
     from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
@@ -273,7 +274,7 @@ def worker(out_path, layouts):
         device = resolve_device("cpu")
         pstate = init_parallel(cfg, device)
         model = build_model(cfg, pstate)
-        tr = Trainer.for_model(cfg, model, pstate)
+        tr = TrainStep(cfg, model, pstate)
         model.train()
         counter = None
         for step in range(2):

@@ -144,7 +144,8 @@ def worker(out_path: str, cases) -> None:
 
     from comm_volume import make_counter
     from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
@@ -156,7 +157,7 @@ def worker(out_path: str, cases) -> None:
         cfg = load_config(None, overrides(layout, dtype, mode))
         pstate = init_parallel(cfg, resolve_device("cpu"))
         model = build_model(cfg, pstate)
-        tr = Trainer.for_model(cfg, model, pstate)
+        tr = TrainStep(cfg, model, pstate)
         model.train()
 
         def step(s: int, tracker=None) -> None:

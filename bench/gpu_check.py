@@ -2,7 +2,7 @@
 
     python bench/gpu_check.py [--device auto|cuda|npu|cpu] [--quick] [--peak-tflops X]
 
-1. bf16 training steps (the trainer's own step: Trainer.for_model -> forward_backward, clipping,
+1. bf16 training steps (the trainer's own step: TrainStep -> forward_backward, clipping,
    router-bias update, AdamW) of two configs, each at K=0 and at the recipe's K=3, on fixed random
    tokens: the tiny recipe, and a ~1B-active MoE derived from recipes/moe_4b_mtp_gpu.yaml (one device,
    no parallelism, seq 4096) whose expert count and micro-batch are sized with trainer/estimate.py to
@@ -11,7 +11,7 @@
    the ratio of the FLOPs the steps execute (hardware FLOPs: the heads' recomputed logits included),
    and peak memory against estimate.py's prediction.
 2. Speculative decoding on a trunk 16x deeper than its MTP layer (the tiny recipe at 16 layers, L=1,
-   K=3), first trained with the real Trainer on the embedded stdlib corpus so drafts mean something:
+   K=3), first trained with the real training loop on the embedded stdlib corpus so drafts mean something:
    acceptance length, spec and autoregressive tokens/s, speedup, speedup/acceptance, and whether the
    greedy speculative tokens equal autoregressive decoding's.
 3. Serving Qwen4-Exp with vLLM (CUDA only; vLLM runs `qwen4_exp` nowhere else): `recipes/qwen4_exp_tiny.yaml`
@@ -112,7 +112,8 @@ def measure_steps(recipe: str, overrides: list, device, warmup: int, steps: int)
     from tandem.trainer.config import load_config
     from tandem.trainer.estimate import estimate
     from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import ParallelState
 
@@ -120,7 +121,7 @@ def measure_steps(recipe: str, overrides: list, device, warmup: int, steps: int)
     seq, mb = cfg.data.seq_len, cfg.train.micro_batch_size
     rss0 = 0.0 if device.is_accelerator else current_rss_gib()
     pstate = ParallelState(device=device)
-    trainer = Trainer.for_model(cfg, build_model(cfg, pstate), pstate)
+    trainer = TrainStep(cfg, build_model(cfg, pstate), pstate)
     trainer.model.train()
     g = torch.Generator().manual_seed(cfg.train.seed)
     batch = {"tokens": torch.randint(0, cfg.model.vocab_size, (mb, seq + 1), generator=g),
@@ -225,11 +226,12 @@ def train_pair(name: str, recipe: str, overrides: list, device, args, judged: bo
 
 # --- speculative decoding -----------------------------------------------------------------------
 def spec_decode(device, args, judged: bool, run_dir: str) -> None:
-    """Train the 16-layer trunk + 1-layer MTP briefly with the real Trainer, then decode with it."""
+    """Train the 16-layer trunk + 1-layer MTP briefly with the real training loop, then decode with it."""
     from tandem.data_pipeline.dataset import get_batch
     from tandem.eval.metrics import distinct_n, evaluate_decoding
     from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer
+    from tandem.trainer.run import build_run
+    from tandem.trainer.loop import run_training
     from tandem.trainer.parallel.device import autocast_context
 
     steps = args.spec_train_steps if args.spec_train_steps is not None else (15 if args.quick else 300)
@@ -247,8 +249,8 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     if depth < 16:
         raise SystemExit(f"gpu_check: error: the spec-decode trunk must be >= 16x deeper than its MTP module, got {depth}")
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    record = trainer.train()
+    trainer = build_run(cfg)
+    record = run_training(trainer)
     show("spec.train_steps", steps)
     show("spec.train_seconds", time.perf_counter() - t0, ".1f")
     show("spec.train_loss_main", record["loss/main"])

@@ -64,7 +64,8 @@ class Sides:
 
     def __init__(self, base: List[str], layout: str, sides: Dict[str, List[str]], vocab: int):
         from tandem.trainer.config import load_config
-        from tandem.trainer.loop import Trainer, build_model
+        from tandem.trainer.run import build_model
+        from tandem.trainer.step import TrainStep
         from tandem.trainer.parallel import init_parallel
         from tandem.trainer.parallel.device import resolve_device
 
@@ -77,7 +78,7 @@ class Sides:
             mesh_state = mesh_state or init_parallel(cfg, resolve_device("cpu"))
             pstate = dataclasses.replace(mesh_state)  # each model sets its own layout pieces
             model = build_model(cfg, pstate)
-            self.sides[name] = (cfg, pstate, Trainer.for_model(cfg, model.train(), pstate))
+            self.sides[name] = (cfg, pstate, TrainStep(cfg, model.train(), pstate))
 
     def step(self, name: str, i: int, batches_for: Callable, counter=None) -> float:
         """One training step of side `name` between two barriers (forward_backward over the rank's

@@ -8,6 +8,16 @@ import pytest
 # signal prints its Python stack, where otherwise torchrun reports only an exit code
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
+FAULT_INJECTION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection")
+
+
+def fault_env(env: dict, **faults: str) -> dict:
+    """`env` for a tandem process with faults injected from outside (fault_injection/sitecustomize.py
+    reads the TANDEM_TEST_* variables `faults` sets)."""
+    path = os.pathsep.join([FAULT_INJECTION] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return {**env, **faults, "PYTHONPATH": path}
+
+
 TINY_OVERRIDES = [
     "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
     "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",

@@ -145,36 +145,43 @@ class CheckpointWriter:
         self.pending = None
         if future is not None:
             future.result()
-        _pause_for_tests("after_shards", step)
         _barrier()
         root = checkpoints_root(self.run_dir)
         final = os.path.join(root, f"step_{step}")
         if _rank() == 0:
-            with open(os.path.join(tmp, "config.yaml"), "w") as f:
-                f.write(config_yaml)
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, **trainer_state}, f, indent=1)
-            _record_tokenizer(self.tokenizer, tmp)
-            if self.reference is not None:
-                from .hf.init_from import REFERENCE_FILE
-
-                with open(os.path.join(tmp, REFERENCE_FILE), "w") as f:
-                    json.dump(self.reference, f, indent=1)
-            _pause_for_tests("before_marker", step)
-            with open(os.path.join(tmp, MARKER), "w") as f:
-                f.write(f"{step}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.exists(final):  # a stale copy of the same step (e.g. rewind); replace it whole
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            if self.keep_last > 0:
-                complete, _ = list_checkpoints(self.run_dir)
-                for _, old in complete[:-self.keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
+            self._write_metadata(tmp, step, config_yaml, trainer_state)
+            self._publish(tmp, final, step)
         _barrier()
         return final
+
+    def _write_metadata(self, tmp: str, step: int, config_yaml: str, trainer_state: dict) -> None:
+        """Beside the shards: the config, the trainer state, the tokenizer and the frozen trunk's reference."""
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, **trainer_state}, f, indent=1)
+        _record_tokenizer(self.tokenizer, tmp)
+        if self.reference is not None:
+            from .hf.init_from import REFERENCE_FILE
+
+            with open(os.path.join(tmp, REFERENCE_FILE), "w") as f:
+                json.dump(self.reference, f, indent=1)
+
+    def _publish(self, tmp: str, final: str, step: int) -> None:
+        """Mark the checkpoint complete (fsynced), move it into place, drop the oldest beyond keep_last."""
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # a stale copy of the same step (e.g. rewind); replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        root = os.path.dirname(final)
+        _fsync_dir(root)
+        if self.keep_last > 0:
+            complete, _ = list_checkpoints(self.run_dir)
+            for _, old in complete[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _record_tokenizer(tokenizer: Optional[str], step_dir: str) -> None:
@@ -193,16 +200,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pause_for_tests(point: str, step: int) -> None:
-    """Test hook: TANDEM_TEST_PAUSE_CHECKPOINT=<point>:<step> blocks here so a test can kill -9 mid-save."""
-    if os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT") == f"{point}:{step}":
-        import time
-
-        print(f"checkpoint: paused at {point}", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(1)
 
 
 def check_compatible(path: str, config_yaml: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 
 class BadStepHalt(RuntimeError):
@@ -23,9 +23,16 @@ class BadStepHalt(RuntimeError):
 
 
 class BadStepGuard:
-    def __init__(self, cfg, trainer):
-        self.t = cfg.train
-        self.trainer = trainer
+    """Decides what a step's losses and gradient norm allow. It acts on the run only through the data
+    position and two callbacks: `save(steps_done)` (a blocking checkpoint of the last good state)
+    and `restore()` (load the newest checkpoint into the model and optimizer: its trainer state,
+    or None when there is none)."""
+
+    def __init__(self, train_cfg, is_main: bool, data_position, save: Callable[[int], None],
+                 restore: Callable[[], Optional[dict]]):
+        self.t = train_cfg
+        self.is_main, self.data = is_main, data_position
+        self.save, self.restore = save, restore
         self.recent_losses: deque = deque(maxlen=self.t.spike_window)
         self.bad_steps: List[int] = []
         self.total_bad = 0
@@ -59,7 +66,7 @@ class BadStepGuard:
         self.total_bad += 1
         self.bad_steps = [s for s in self.bad_steps if s > step - self.t.skip_window] + [step]
         self.last_reason = why
-        if self.trainer.pstate.is_main:
+        if self.is_main:
             print(f"bad step {step}: {why}; policy={self.t.bad_step_policy}", file=sys.stderr)
         if len(self.bad_steps) > self.t.max_skips:
             self.last_reason = f"{why}; {len(self.bad_steps)} bad steps within {self.t.skip_window} steps (train.max_skips={self.t.max_skips})"
@@ -70,29 +77,25 @@ class BadStepGuard:
         return {"bad_steps/total": float(self.total_bad)}
 
     def halt(self, steps_done: int, record: dict) -> None:
-        self.trainer.save(steps_done, wait=True)
+        self.save(steps_done)
         losses = ", ".join(f"{k}={v:.6g}" for k, v in record.items() if k.startswith("loss"))
         raise BadStepHalt(f"halted at step {record['step']}: {self.last_reason}; {losses}; "
                           f"last good state saved as checkpoint step_{steps_done}")
 
     def rewind(self, steps_done: int) -> int:
         """Reload the newest checkpoint and skip the batch of the bad step; return the step to resume at."""
-        from .checkpoint import latest_checkpoint, load_checkpoint
-
-        data = self.trainer.data_position
+        data = self.data
         bad = data.next_batch()
-        self.trainer.checkpoints.finish()  # a save still in flight is the newest good state
-        found = latest_checkpoint(self.trainer.cfg.run.dir, report=False)
-        if found is None:
+        state = self.restore()
+        if state is None:
             data.skip([bad])
             return steps_done  # nothing to rewind to: the update was dropped, move past the batch
-        state = load_checkpoint(found[1], self.trainer.model, self.trainer.optimizer)
         skipped = data.skipped + [bad]  # the checkpoint may predate earlier rewinds' skips
         self.load_state(state)
         data.load_state(state)
         data.skip(skipped)
         self.recent_losses.clear()
-        if self.trainer.pstate.is_main:
+        if self.is_main:
             print(f"rewound to checkpoint step {state['step']}; skipping samples {bad[0]}..{bad[1] - 1}",
                   file=sys.stderr)
         return int(state["step"])

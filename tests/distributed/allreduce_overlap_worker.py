@@ -25,7 +25,8 @@ def main() -> None:
 
 
 def count(layout: str) -> None:
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
@@ -33,7 +34,7 @@ def count(layout: str) -> None:
     cfg = worker.make_cfg(layout, worker.GRAD_ACCUM)
     pstate = init_parallel(cfg, resolve_device("cpu"))
     model = build_model(cfg, pstate)
-    tr = Trainer.for_model(cfg, model, pstate)
+    tr = TrainStep(cfg, model, pstate)
     model.train()
     in_backward = []
     original = dist.all_reduce

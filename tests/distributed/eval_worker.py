@@ -1,19 +1,27 @@
 """The in-loop evaluator on a parallel layout: speculative decoding of fixed prompts with weights that
-make the MTP drafts mostly right (eval.testing.make_agreeing on the plain model, before it is
+make the MTP drafts mostly right (tests/eval_helpers.make_agreeing on the plain model, before it is
 sharded), so acceptance is exercised. Run under torchrun (`eval_worker.py OUT LAYOUT...`, layouts as
 in worker.py), or `evaluate("single")` in one process for the reference. Rank 0 writes
 `OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens of every prompt.
+
+Every rank writes its Python stack (every thread) to `OUT/stacks/rank<r>.txt` if it dies of a fatal
+signal (SIGSEGV, SIGABRT, ...) or is stopped by torchrun's SIGTERM after another rank died, so a
+crash shows where each rank was (test_eval_layouts.crash_report prints the files).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 from typing import List
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: eval_helpers
 import worker  # noqa: E402
 
 # 5 prompts in batches of 2: three batches, so two replicas split them unevenly (one pads a slot)
@@ -40,7 +48,7 @@ def prompts(lens=(4, 5, 6, 7, 8)) -> List[List[int]]:
 
 @torch.no_grad()
 def make_agreeing_streams(model, noise: float, seed: int):
-    """eval.testing.make_agreeing for the hyper-connection model with the qwen4_exp drafter: every
+    """eval_helpers.make_agreeing for the hyper-connection model with the qwen4_exp drafter: every
     residual branch (attention / QSA / Gated DeltaNet outputs, MLP and expert outputs, PLE values) is
     scaled by `noise`, so the streams stay near the repeated embedding and the trunk's next token is
     about f(x_t); each MTP layer reads only the embedding (fc_embedding = I, fc_hidden = noise) and
@@ -93,11 +101,12 @@ def make_history_sensitive(model, seed: int):
 
 
 def evaluate(layout: str) -> dict:
+    from eval_helpers import make_agreeing
     from tandem.eval.in_loop import InLoopEvaluator
-    from tandem.eval.testing import make_agreeing
-    from tandem.trainer.loop import build_model
+    from tandem.trainer.run import build_model
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.parallel.pipeline_decode import parallel_decoding
 
     q4, history = is_qwen4(layout), HISTORY in layout.split(",")
     items = [kv for kv in layout.split(",") if kv != HISTORY]
@@ -112,19 +121,33 @@ def evaluate(layout: str) -> dict:
         full = agree(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
     model = full if pstate is single else load_full_weights(build_model(cfg, pstate), full.state_dict())
     model.train()
-    ev = InLoopEvaluator(cfg, model, None, None, pstate)
+    ev = InLoopEvaluator(cfg, model, None, None, pstate, parallel_decoding(cfg, model, pstate))
     ev.prompts = prompts(QWEN4_PROMPT_LENS) if q4 else prompts()
     ev.loss_batches = worker.rank_micro_batches(0, 0, 1, 1)
     out = ev.run(1)
     return {"metrics": out, "outputs": ev.last_outputs, "samples": ev.last_samples}
 
 
+def record_stacks(out_dir: str):
+    """This rank's stack file (module docstring): faulthandler on fatal signals and on SIGTERM, which
+    torchrun sends the surviving ranks when one fails (chained: the rank still terminates)."""
+    stacks = os.path.join(out_dir, "stacks")
+    os.makedirs(stacks, exist_ok=True)
+    f = open(os.path.join(stacks, f"rank{os.environ.get('RANK', '0')}.txt"), "w")
+    faulthandler.enable(file=f, all_threads=True)
+    faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
+    return f  # kept open for the process's lifetime: faulthandler writes to its descriptor
+
+
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
     out_dir, layouts = argv[0], argv[1:]
+    stack_file = record_stacks(out_dir)
     torch.set_num_threads(1)
     for layout in layouts:
+        stack_file.write(f"layout {layout}\n")  # which one a stack below belongs to
+        stack_file.flush()
         result = evaluate(layout)
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(out_dir, f"{layout}.pt"))

@@ -48,7 +48,7 @@ def main(out_dir: str, init_from: str, layouts) -> int:
     from torch.distributed.tensor import DTensor
 
     from tandem.trainer import seeded_init
-    from tandem.trainer.loop import build_model
+    from tandem.trainer.run import build_model
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
 

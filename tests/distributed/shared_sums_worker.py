@@ -24,14 +24,15 @@ def all_reduces(recorder: CollectiveRecorder) -> int:
 
 def second_backward(layout: str) -> str:
     """A second forward_backward before the gradient finisher ran: the error it raises (or "")."""
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
 
     cfg = worker.make_cfg(layout, worker.GRAD_ACCUM)
     pstate = init_parallel(cfg, resolve_device("cpu"))
-    tr = Trainer.for_model(cfg, build_model(cfg, pstate), pstate)
+    tr = TrainStep(cfg, build_model(cfg, pstate), pstate)
     batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, worker.GRAD_ACCUM)
     counts = tr.global_target_counts(batches)
     try:

@@ -24,6 +24,7 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
+from conftest import fault_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -114,7 +115,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
 
     def logged(name):
         os.makedirs(tmp_path / "reads" / name)
-        return dict(env, TANDEM_TEST_SAMPLE_LOG=str(tmp_path / "reads" / name))
+        return fault_env(env, TANDEM_TEST_SAMPLE_LOG=str(tmp_path / "reads" / name))
 
     ref_dir = tmp_path / "single_4steps"
     _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "train.grad_accum_steps=4",

@@ -114,7 +114,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     `recorder` (a collectives.CollectiveRecorder) is switched on around the training steps."""
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.optim import lr_at, set_lr
     from tandem.trainer.parallel import init_parallel
@@ -131,7 +132,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     else:
         pstate = init_parallel(cfg, device)
     model = build_model(cfg, pstate)
-    tr = Trainer.for_model(cfg, model, pstate)
+    tr = TrainStep(cfg, model, pstate)
     model.train()
     losses, norms = [], []
     linear_dtypes = set()
@@ -242,7 +243,8 @@ def accumulated_gradients(layout: str) -> dict:
     sum, in any dtype, is exact: what remains is how the step accumulated its micro-batches."""
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
@@ -251,7 +253,7 @@ def accumulated_gradients(layout: str) -> dict:
     cfg = make_cfg(layout, micro)
     pstate = init_parallel(cfg, resolve_device("cpu"))
     model = build_model(cfg, pstate)
-    tr = Trainer.for_model(cfg, model, pstate)
+    tr = TrainStep(cfg, model, pstate)
     model.train()
     batches = rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, micro)
     if pstate.dp_rank == 1:

@@ -35,7 +35,8 @@ def acceptance(model, prompts, K):
     model.eval()
     with torch.no_grad():
         try:
-            from tandem.eval.spec_decode import acceptance_metrics, generate
+            from tandem.eval.acceptance import acceptance_metrics
+            from tandem.eval.spec_decode import generate
         except ImportError:
             tokens = prompts
             s = tokens.shape[1] - K - 1
@@ -50,7 +51,8 @@ def acceptance(model, prompts, K):
 def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     from tandem.trainer.cli import main as cli
     from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer
+    from tandem.trainer.run import build_run
+    from tandem.trainer.loop import run_training
 
     tmp = str(tmp_path)
     pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
@@ -66,7 +68,7 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     if not HAS_IN_LOOP:
         ft.append("eval.interval=0")  # the in-loop evaluator is another issue's; measure below instead
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
-    trainer = Trainer(cfg)
+    trainer = build_run(cfg)
     assert trainer.cfg.model.hidden_size == 64 and trainer.cfg.model.num_experts == 4  # shape from the export
     model = trainer.model
     trunk_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
@@ -75,7 +77,7 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     from tandem.data_pipeline.dataset import get_batch
 
     prompts = get_batch(trainer.valid_ds, list(range(4)))["tokens"]
-    record = trainer.train()
+    record = run_training(trainer)
     assert record is not None and record["step"] == 40
 
     trunk_after = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
@@ -108,7 +110,8 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     from tandem.trainer.cli import main as cli
     from tandem.trainer.config import load_config
     from tandem.trainer.hf.importer import CheckpointReader
-    from tandem.trainer.loop import Trainer
+    from tandem.trainer.run import build_run
+    from tandem.trainer.loop import run_training
 
     tmp = str(tmp_path)
     pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
@@ -126,11 +129,11 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
           "train.warmup_steps=2", "checkpoint.interval=0", "eval.interval=0", "model.balance=aux_loss"
           ] + shape_overrides(tmp, corpus_dir)
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
-    trainer = Trainer(cfg)
+    trainer = build_run(cfg)
     assert trainer.cfg.model.hc_count == 4 and trainer.cfg.mtp.trunk_input == "pre_norm"
     model = trainer.model
     trunk_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
-    record = trainer.train()
+    record = run_training(trainer)
     assert record is not None and record["step"] == 20
     for k, v in trunk_before.items():
         assert torch.equal(v, model.state_dict()[k]), f"trunk tensor {k} changed"

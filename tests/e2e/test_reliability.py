@@ -9,11 +9,14 @@ import time
 
 import pytest
 import torch
+from conftest import fault_env
 
 from tandem.trainer.checkpoint import list_checkpoints
 from tandem.trainer.config import load_config
 from tandem.trainer.guard import BadStepHalt
-from tandem.trainer.loop import Trainer, train
+from tandem.trainer import loop
+from tandem.trainer.loop import train
+from tandem.trainer.step import TrainStep
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 
@@ -51,7 +54,7 @@ def reference(tiny_overrides, tmp_path):
 def test_kill_9_mid_checkpoint_resumes_from_previous(point, tiny_overrides, tmp_path, reference):
     run = str(tmp_path / "killed")
     args = ["train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2", f"run.dir={run}"]
-    proc = cli(args, env={"TANDEM_TEST_PAUSE_CHECKPOINT": f"{point}:4"})
+    proc = cli(args, env=fault_env(os.environ, TANDEM_TEST_PAUSE_CHECKPOINT=f"{point}:4"))
     deadline = time.time() + 120
     for line in proc.stderr:
         if "checkpoint: paused at" in line or time.time() > deadline:
@@ -72,23 +75,27 @@ class NaNAtBatch:
     """Makes the loss and gradients of one data batch non-finite (the first time it is used)."""
 
     def __init__(self, monkeypatch, batches):
-        self.batches, self.hit = set(batches), []
-        original = Trainer.forward_backward
+        self.batches, self.hit, self.current = set(batches), [], None
+        read, step = loop.micro_batches, TrainStep.forward_backward
         injector = self
 
-        def forward_backward(trainer, batches_, counts, coefs):
-            sums = original(trainer, batches_, counts, coefs)
-            batch = trainer.data_position.next_sample() // trainer.global_batch  # not yet advanced
-            if batch in injector.batches:
-                injector.batches.discard(batch)
-                injector.hit.append(batch)
-                for p in trainer.model.parameters():
+        def micro_batches(run, i):  # the data batch this step reads (the position is not yet advanced)
+            injector.current = run.data_position.next_sample() // run.global_batch
+            return read(run, i)
+
+        def forward_backward(train_step, batches_, counts, coefs):
+            sums = step(train_step, batches_, counts, coefs)
+            if injector.current in injector.batches:
+                injector.batches.discard(injector.current)
+                injector.hit.append(injector.current)
+                for p in train_step.model.parameters():
                     if p.grad is not None:
                         p.grad.fill_(float("nan"))
                 return sums * float("nan")
             return sums
 
-        monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
+        monkeypatch.setattr(loop, "micro_batches", micro_batches)
+        monkeypatch.setattr(TrainStep, "forward_backward", forward_backward)
 
 
 def params(run_dir, step):
@@ -141,15 +148,15 @@ def test_too_many_bad_steps_halt_any_policy(monkeypatch, tiny_overrides):
 
 
 def test_loss_spike_is_a_bad_step(monkeypatch, tiny_overrides):
-    original = Trainer.forward_backward
+    original = TrainStep.forward_backward
     calls = []
 
-    def spiky(trainer, batches, counts, coefs):
-        sums = original(trainer, batches, counts, coefs)
+    def spiky(train_step, batches, counts, coefs):
+        sums = original(train_step, batches, counts, coefs)
         calls.append(1)
         return sums * 10 if len(calls) == 7 else sums
 
-    monkeypatch.setattr(Trainer, "forward_backward", spiky)
+    monkeypatch.setattr(TrainStep, "forward_backward", spiky)
     cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=8", "train.spike_factor=3", "train.spike_window=5"])
     train(cfg)
     recs = records(cfg.run.dir)
@@ -167,7 +174,7 @@ def test_torchrun_restart_resumes_after_a_rank_dies(nproc, layout, victim, tiny_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "1", "-m", "tandem.trainer.cli", "train", RECIPE, *tiny_overrides, *layout,
            "train.max_steps=6", "checkpoint.interval=2", f"run.dir={run}"]
-    env = {**os.environ, "TANDEM_TEST_KILL_AT_STEP": victim}
+    env = fault_env(os.environ, TANDEM_TEST_KILL_AT_STEP=victim)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "at step 2" in done.stderr

@@ -72,15 +72,15 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
     weight follow the samples seen: the schedule is laid out in steps of the run's first global batch
     (2 samples), so step 5, starting at sample 12, is at schedule step 6, past the end of its decay
     (min_lr) and past the lambda milestone at 5 (counted in steps it would still be at step 4)."""
-    import tandem.data_pipeline.dataset as dataset
+    import tandem.trainer.loop as loop
 
-    reads, get_batch = [], dataset.get_batch
+    reads, get_batch = [], loop.get_batch
 
     def recording_get_batch(ds, indices, eod_id=None):
         reads.append(list(indices))
         return get_batch(ds, indices, eod_id)
 
-    monkeypatch.setattr(dataset, "get_batch", recording_get_batch)
+    monkeypatch.setattr(loop, "get_batch", recording_get_batch)
     schedule = ["train.warmup_steps=2", "train.max_steps=5", "checkpoint.interval=3", "mtp.loss.lambda=0.3",
                 "mtp.loss.lambda_after={5: 0.1}"]
     first = load_config(RECIPE, tiny_overrides + schedule + ["train.max_steps=3"])

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.trainer.config import load_config
-from tandem.trainer.loop import build_model as build_sharded
+from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from tandem.trainer.parallel.device import resolve_device

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tandem.models.attention import KVCache
 from tandem.trainer.config import load_config
-from tandem.trainer.loop import build_model as build_sharded
+from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.loss import combine_losses, depth_coefficients
 from tandem.trainer.optim import build_optimizer
 from tandem.trainer.parallel import ParallelState

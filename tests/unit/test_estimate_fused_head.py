@@ -61,7 +61,8 @@ def test_the_trainer_promises_the_heads_gradients():
     """Trainer.forward_backward tells the head each depth's loss gradient for the step (one held weight
     gradient, not one per depth) and takes the promise back afterwards; its gradients are the
     recomputing head's."""
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.parallel import ParallelState
     from tandem.trainer.parallel.device import resolve_device
 
@@ -69,7 +70,7 @@ def test_the_trainer_promises_the_heads_gradients():
     for mode in ("recompute", "fused"):
         cfg = load_config(None, BASE + [f"mtp.loss_head_backward={mode}", "train.seed=3"])
         pstate = ParallelState(device=resolve_device("cpu"))
-        trainer = Trainer.for_model(cfg, build_model(cfg, pstate), pstate)
+        trainer = TrainStep(cfg, build_model(cfg, pstate), pstate)
         g = torch.Generator().manual_seed(0)
         batches = [{"tokens": torch.randint(0, V, (B, S + 1), generator=g), "loss_mask": torch.ones(B, S),
                     "doc_ids": torch.zeros(B, S + 1, dtype=torch.long)} for _ in range(2)]

@@ -27,7 +27,7 @@ def _tokens(trainer):
 def test_megatron_split_eval_reads_validation_documents_only(tmp_path, tiny_base):
     from tandem.data_pipeline.preprocess import preprocess
     from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
-    from tandem.trainer.loop import Trainer
+    from tandem.trainer.run import build_run
 
     rng = random.Random(0)
     doc = lambda words: " ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))  # noqa: E731
@@ -46,7 +46,7 @@ def test_megatron_split_eval_reads_validation_documents_only(tmp_path, tiny_base
                              "data.split=80,20,0", f"data.tokenizer={tok_path}", f"data.cache_dir={tmp_path / 'cache'}",
                              "eval.interval=1", "eval.num_prompts=4", "eval.prompt_len=16", "eval.loss_batches=2",
                              "train.max_steps=1"]
-    ev, prompts, batches = _tokens(Trainer(load_config("recipes/tiny.yaml", overrides)))
+    ev, prompts, batches = _tokens(build_run(load_config("recipes/tiny.yaml", overrides)))
     assert len(ev.prompts) == 4 and len(ev.loss_batches) == 2
     seen = set(prompts) | set(batches)
     assert not seen & (train_ids - {tok.eod_id})  # not one training-only token
@@ -71,11 +71,11 @@ def _pieces(window, eod):
 
 
 def test_stdlib_eval_reads_the_test_split(tmp_path, tiny_base):
-    from tandem.trainer.loop import Trainer
+    from tandem.trainer.run import build_run
 
     overrides = tiny_base + [f"run.dir={tmp_path / 'run'}", "eval.interval=1", "eval.num_prompts=4",
                              "eval.prompt_len=16", "eval.loss_batches=2", "train.max_steps=1"]
-    trainer = Trainer(load_config("recipes/tiny.yaml", overrides))
+    trainer = build_run(load_config("recipes/tiny.yaml", overrides))
     ev = trainer.evaluator
     eod = trainer.tokenizer.eod_id
     train, valid = _stream(trainer.train_ds.dataset), _stream(trainer.valid_ds.dataset)

@@ -102,7 +102,7 @@ def test_samples_file_truncated_on_resume(tmp_path):
 
 def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, monkeypatch):
     from tandem.trainer.config import load_config
-    from tandem.trainer.loop import Trainer
+    from tandem.trainer.run import build_run
 
     overrides = [f"run.dir={tmp_path}", "train.max_steps=1", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
                  "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -111,7 +111,7 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
                  "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperatures=[0.7]",
                  "eval.loss_batches=1", "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
                  f"data.cache_dir={cache_dir}"]
-    trainer = Trainer(load_config("recipes/tiny.yaml", overrides))
+    trainer = build_run(load_config("recipes/tiny.yaml", overrides))
     model, ev = trainer.model, trainer.evaluator
     model.train()
     routers = [m.router for m in model.moe_layers()]

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tandem.trainer import loop
+from tandem.trainer import run
 from tandem.trainer.config import load_config
 from tandem.trainer.parallel import device as device_layer
 
@@ -39,12 +39,12 @@ def test_trainer_sets_the_threshold_at_start_up(monkeypatch, tmp_path, overrides
     def stop(*args, **kwargs):
         raise _Stop
 
-    monkeypatch.setattr(loop, "set_malloc_mmap_threshold", lambda n: calls.append(n) or True)
-    monkeypatch.setattr(init_from, "resolve_init_from", stop)  # before any checkpoint or model work
-    monkeypatch.setattr(loop, "resolve_device", stop)
+    monkeypatch.setattr(run, "set_malloc_mmap_threshold", lambda n: calls.append(n) or True)
+    monkeypatch.setattr(run, "resolve_init_from", stop)  # before any checkpoint or model work
+    monkeypatch.setattr(run, "resolve_device", stop)
     cfg = load_config(None, [f"run.dir={tmp_path}", "logging.wandb=false", *overrides])
     with pytest.raises(_Stop):
-        loop.Trainer(cfg)
+        run.build_run(cfg)
     assert calls == expected
 
 

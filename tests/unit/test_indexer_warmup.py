@@ -12,7 +12,8 @@ import torch
 
 from tandem.models.config import ModelConfig
 from tandem.trainer.config import load_config
-from tandem.trainer.loop import Trainer
+from tandem.trainer.run import build_run
+from tandem.trainer.loop import run_training
 
 # A Qwen4-Exp model in miniature whose 4 steps all fall in the dense warm-up.
 QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.head_dim=16",
@@ -32,9 +33,9 @@ def test_auto_resolves_from_init_from():
 
 def _train(overrides, mode):
     cfg = load_config(None, overrides + QWEN4 + [f"model.indexer_warmup={mode}"])
-    tr = Trainer(cfg)
+    tr = build_run(cfg)
     start = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
-    tr.train()
+    run_training(tr)
     moved = {n for n, p in tr.model.named_parameters() if not torch.equal(p.detach(), start[n])}
     with open(os.path.join(cfg.run.dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"loss/main"' in line]

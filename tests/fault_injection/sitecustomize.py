@@ -1,0 +1,91 @@
+"""Faults injected into a `tandem` process from outside, for the crash-safety tests.
+
+Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
+* TANDEM_TEST_KILL_AT_STEP=<step>[:<rank>]: SIGKILL that rank (default 0) once it has completed
+  `step` optimizer steps, on the job's first attempt only (so a torchrun restart shows recovery);
+* TANDEM_TEST_PAUSE_CHECKPOINT=<point>:<step>: block the save of checkpoint `step` at `after_shards`
+  (the shards written, nothing else) or `before_marker` (everything but the completion marker), so a
+  test can kill -9 the process mid-save;
+* TANDEM_TEST_SAMPLE_LOG=<dir>: append the training samples each rank reads for each 1-based step
+  to <dir>/rank<R>.jsonl.
+Python imports `sitecustomize` at start-up; nothing is imported or patched without these variables.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+_KILL = os.environ.get("TANDEM_TEST_KILL_AT_STEP")
+_PAUSE = os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT")
+_SAMPLES = os.environ.get("TANDEM_TEST_SAMPLE_LOG")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _kill_at_step(spec: str) -> None:
+    from tandem.data_pipeline.dataset import DataPosition
+
+    at, _, who = spec.partition(":")
+    advance, done = DataPosition.advance, []
+
+    def advance_then_maybe_die(self, *args, **kwargs):
+        out = advance(self, *args, **kwargs)
+        done.append(1)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and len(done) == int(at) and _rank() == int(who or 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    DataPosition.advance = advance_then_maybe_die
+
+
+def _pause_checkpoint(spec: str) -> None:
+    from tandem.trainer.checkpoint import CheckpointWriter
+
+    point, _, at = spec.partition(":")
+    # _write_metadata(tmp, step, ...) and _publish(tmp, final, step): where each takes the step
+    method, step_arg = {"after_shards": ("_write_metadata", 1), "before_marker": ("_publish", 2)}[point]
+    original = getattr(CheckpointWriter, method)
+
+    def paused(self, *args):
+        if args[step_arg] == int(at):
+            print(f"checkpoint: paused at {point}", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(1)
+        return original(self, *args)
+
+    setattr(CheckpointWriter, method, paused)
+
+
+def _log_samples(where: str) -> None:
+    from tandem.trainer import loop
+
+    indices, read = loop.batch_indices, []
+
+    def recorded_indices(*args, **kwargs):
+        idx = indices(*args, **kwargs)
+        read.extend(int(i) for i in idx)
+        return idx
+
+    micro_batches = loop.micro_batches
+
+    def logged_micro_batches(run, step):
+        read.clear()
+        out = micro_batches(run, step)
+        with open(os.path.join(where, f"rank{run.pstate.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step + 1, "samples": list(read)}) + "\n")
+        return out
+
+    loop.batch_indices, loop.micro_batches = recorded_indices, logged_micro_batches
+
+
+if _KILL:
+    _kill_at_step(_KILL)
+if _PAUSE:
+    _pause_checkpoint(_PAUSE)
+if _SAMPLES:
+    _log_samples(_SAMPLES)

@@ -1,0 +1,215 @@
+"""Building a training run: device, parallel state, data, model, train step, checkpoints, evaluator.
+
+`build_run` does every check that can fail (run directory, tokenizer, checkpoint compatibility)
+before the model is built, and writes the run's config.yaml only once all of them have passed, so a
+failed start leaves an earlier run's files as they were. The loop (loop.py) then only steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from tandem.data_pipeline.dataset import DataPosition, build_datasets, check_vocab, follow_checkpoint_tokenizer
+from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
+
+from .checkpoint import (CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint,
+                         read_trainer_state)
+from .config import ConfigError, TandemConfig, to_yaml
+from .flops import hardware_flops_per_token, training_flops_per_token
+from .guard import BadStepGuard
+from .hf.init_from import (adopt_checkpoint_config, check_reference, make_reference, read_reference,
+                           resolve_init_from)
+from .materialize import build_sharded_model
+from .parallel import ParallelState, init_parallel
+from .parallel.device import FINETUNE_MMAP_THRESHOLD, resolve_device, set_malloc_mmap_threshold
+from .step import TrainStep
+
+
+@dataclass
+class Run:
+    """Everything one rank's training run holds."""
+
+    cfg: TandemConfig
+    config_yaml: str
+    """The resolved config, as written to config.yaml and every checkpoint."""
+    pstate: ParallelState
+    data_position: DataPosition
+    """Where the data continues (consumed samples, skipped ranges): the schedules follow it."""
+    global_batch: int
+    """Samples per optimizer step over every data-parallel replica."""
+    train_ds: Any
+    valid_ds: Any
+    tokenizer: Any
+    step: TrainStep
+    checkpoints: CheckpointWriter
+    guard: BadStepGuard
+    evaluator: Optional[Any]
+    """The in-loop speculative-decoding evaluator (None without MTP or with eval.interval=0)."""
+    start_step: int = 0
+    flops_per_token: float = 0.0
+    """Model FLOPs per token (3x the forward): the numerator of `mfu`."""
+    hardware_flops_per_token: float = 0.0
+    """FLOPs the step executes per token (recomputation too): the numerator of `hfu`."""
+    peak_flops: float = 0.0
+    """One device's peak FLOP/s (logging.peak_tflops or the device's table; 0: unknown)."""
+
+    @property
+    def model(self) -> nn.Module:
+        return self.step.model
+
+    @property
+    def optimizer(self):
+        return self.step.optimizer
+
+    @property
+    def device(self):
+        return self.pstate.device
+
+    def save(self, step: int, wait: bool = False) -> None:
+        """Checkpoint `step` (in the background with checkpoint.async_save unless `wait`)."""
+        self.checkpoints.save(step, self.model, self.optimizer, self.config_yaml,
+                              {**self.data_position.state(), **self.guard.state()})
+        if wait:
+            self.checkpoints.finish()
+
+    def restore_latest(self) -> Optional[dict]:
+        """Finish a save in flight, then load the newest complete checkpoint into the model and the
+        optimizer: its trainer state, or None when there is none."""
+        self.checkpoints.finish()  # a save still in flight is the newest good state
+        found = latest_checkpoint(self.cfg.run.dir, report=False)
+        return None if found is None else load_checkpoint(found[1], self.model, self.optimizer)
+
+
+def prepare_run_dir(run_dir: str) -> None:
+    """Fail early (before any expensive work) if the run directory cannot be written."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"config key 'run.dir'={run_dir!r} is not writable: {exc.strerror or exc}") from None
+
+
+def write_config(run_dir: str, config_yaml: str) -> None:
+    tmp = os.path.join(run_dir, "config.yaml.tmp")
+    with open(tmp, "w") as f:
+        f.write(config_yaml)
+    os.replace(tmp, os.path.join(run_dir, "config.yaml"))
+
+
+def build_model(cfg: TandemConfig, pstate: ParallelState) -> nn.Module:
+    """This rank's part of the model: built on the meta device, parallelized, then only its shards
+    materialised, seeded so every layout starts from identical weights, or read from
+    `model.init_from` (trainer/materialize.py)."""
+    return build_sharded_model(cfg, pstate)
+
+
+def check_frozen_reference(step_dir: str, reference: Optional[dict]) -> None:
+    """A frozen-trunk checkpoint resumes only on the very trunk it was trained on."""
+    saved = read_reference(step_dir)
+    if saved is None:
+        return
+    check_reference(saved, step_dir)
+    if reference is None or reference["path"] != saved["path"]:
+        mine = reference["path"] if reference else "unset (or train.freeze_trunk=false)"
+        raise ConfigError(f"checkpoint {step_dir} was trained on the frozen trunk {saved['path']}, "
+                          f"but this run's model.init_from is {mine}")
+
+
+def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
+    """Fine-tuning: the trunk's shape and the tokenizer come from the checkpoint being fine-tuned.
+    Returns the frozen trunk's reference (checkpoints point at it), or None."""
+    # Host memory of fine-tuning: a fixed mmap threshold hands freed read / all-gather buffers back.
+    threshold = cfg.train.malloc_mmap_threshold
+    if threshold < 0:
+        threshold = FINETUNE_MMAP_THRESHOLD if cfg.model.init_from else 0
+    if threshold > 0:
+        set_malloc_mmap_threshold(threshold)
+    if not cfg.model.init_from:
+        return None
+    source = resolve_init_from(cfg.model.init_from)
+    adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from, checkpoint_tokenizer(source))
+    if adopted and int(os.environ.get("RANK", "0")) == 0:
+        print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)", file=sys.stderr)
+    adopt_checkpoint_config(cfg)
+    return make_reference(cfg.model.init_from) if cfg.train.freeze_trunk else None
+
+
+def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
+    """(data position, global batch, train, valid, tokenizer), the position at the checkpoint's
+    consumed samples whatever global batch it ran with."""
+    t = cfg.train
+    global_batch = t.micro_batch_size * t.grad_accum_steps * pstate.dp_size
+    position = DataPosition(global_batch, cfg.data.seq_len)
+    if saved:
+        position.load_state(saved)
+    steps_left = max(t.max_steps - int(saved.get("step", 0)), 1)
+    train_ds, valid_ds, tokenizer = build_datasets(
+        cfg.data, cfg.data.seq_len, t.seed,
+        num_train_samples=position.next_sample() + (steps_left + t.max_skips + 1) * global_batch,
+        num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
+        model_vocab_size=cfg.model.vocab_size)
+    check_vocab(tokenizer, cfg.model.vocab_size)
+    eod = getattr(tokenizer, "eod_id", None)
+    if cfg.model.ple_layers and eod is not None and cfg.model.eos_token_id != eod:
+        # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents
+        raise ConfigError(f"config key 'model.eos_token_id'={cfg.model.eos_token_id} is not the "
+                          f"end-of-document token of {tokenizer.path} (id {eod}); PLE's n-grams must stop at it")
+    return position, global_batch, train_ds, valid_ds, tokenizer
+
+
+def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer, pstate: ParallelState):
+    """The in-loop evaluator, or None when the run has no MTP module or eval.interval=0."""
+    if cfg.eval.interval <= 0 or cfg.mtp.num_steps <= 0:
+        return None
+    from tandem.eval.in_loop import InLoopEvaluator
+
+    from .parallel.pipeline_decode import parallel_decoding
+
+    decoding = parallel_decoding(cfg, model, pstate)  # how the evaluator decodes on this layout
+    return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding)
+
+
+def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
+    """Make this rank's run. A torchrun restart (--max-restarts) of a failed job resumes from the
+    last checkpoint, as `resume` and train.resume do."""
+    resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    prepare_run_dir(cfg.run.dir)
+    reference = _adopt_init_from(cfg)
+    config_yaml = to_yaml(cfg)
+    pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
+    found = latest_checkpoint(cfg.run.dir) if resume else None
+    saved = read_trainer_state(found[1]) if found is not None else {}
+    position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
+    if found is not None:  # every check on the checkpoint before the model is built
+        check_compatible(found[1], config_yaml)
+        check_frozen_reference(found[1], reference)
+    step = TrainStep(cfg, build_model(cfg, pstate), pstate)
+    checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                   reference, tokenizer=tokenizer.path)
+    run = Run(cfg, config_yaml, pstate, position, global_batch, train_ds, valid_ds, tokenizer, step,
+              checkpoints, guard=None, evaluator=None,
+              flops_per_token=training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len),
+              hardware_flops_per_token=hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                                                cfg.train.activation_checkpointing),
+              peak_flops=(cfg.logging.peak_tflops or pstate.device.peak_tflops()) * 1e12)
+    run.guard = BadStepGuard(cfg.train, pstate.is_main, position, save=lambda s: run.save(s, wait=True),
+                             restore=run.restore_latest)
+    if found is not None:
+        state = load_checkpoint(found[1], run.model, run.optimizer)
+        run.start_step = int(state["step"])
+        run.guard.load_state(state)
+        if pstate.is_main:
+            print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}",
+                  file=sys.stderr)
+    if pstate.is_main:  # only once every check above has passed
+        write_config(cfg.run.dir, config_yaml)
+    run.evaluator = build_evaluator(cfg, run.model, valid_ds, tokenizer, pstate)
+    return run

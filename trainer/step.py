@@ -1,0 +1,176 @@
+"""One optimizer step on an already parallelized model: forward/backward, clipping, the router-bias
+update and AdamW. The training loop, `bench/` and the equivalence tests all step through this class.
+
+Every micro-batch of this rank runs forward+backward with its per-depth loss sums normalised by the
+*global* number of valid targets per depth (all micro-batches, all data-parallel replicas), so any
+layout optimises exactly the single-process objective.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from tandem.models import depth_target_mask
+from tandem.models.moe import expert_paths
+
+from .config import TandemConfig
+from .loss import combine_losses, loss_gradient
+from .optim import build_optimizer
+from .parallel import ParallelState
+from .parallel.device import autocast_context
+from .qsa_training import IndexerTraining
+
+
+class TrainStep:
+    """The optimizer, precision and MoE / indexer bookkeeping of one model on one rank."""
+
+    def __init__(self, cfg: TandemConfig, model: nn.Module, pstate: ParallelState):
+        t = cfg.train
+        self.cfg, self.model, self.pstate, self.device = cfg, model, pstate, pstate.device
+        self.optimizer = build_optimizer(model, t)
+        self.autocast_dtype = self.device.autocast_dtype(t.dtype)
+        self.moe_layers = [m for m in model.modules()
+                           if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        # which kernel the routed experts run (probed at this rank's layer widths): a silent fall-back
+        # to the per-expert loop costs a host sync per layer, so the run says it at start and in its
+        # records
+        self.expert_path, line = expert_paths(model, self.device.device, self.autocast_dtype)
+        if line and pstate.is_main:
+            print(line, file=sys.stderr)
+        # The one-process objective is the mean aux/z-loss over every micro-batch of the global step.
+        # Gradients are summed over the batch ranks (dp*ep), so each micro-batch's aux gradient is
+        # 1/(micro-batches per rank * batch ranks); pipeline ranks split their share into
+        # parallel.pp_microbatches instead of grad_accum_steps. (TP ranks compute the aux gradient
+        # replicated; under SP it is computed on the gathered logits and scaled in TensorParallelMoE.)
+        micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
+        aux_grad_scale = 1.0 / (micro * pstate.dp_size)
+        for moe in self.moe_layers:
+            moe.aux_grad_scale = aux_grad_scale
+        m = cfg.model
+        self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
+                                        aux_grad_scale, m.resolved_indexer_warmup)
+
+    # --- the step's pieces, in order -------------------------------------------------------------
+    def global_target_counts(self, batches) -> torch.Tensor:
+        """Valid targets per depth over the whole global batch (known before any forward)."""
+        depths = 1 + self.cfg.mtp.num_steps
+        # fp32, not fp64 (accelerators such as Ascend 910 have no fp64 units): counts are integers,
+        # exact in fp32 up to 2^24 targets per depth per step.
+        counts = torch.zeros(depths, dtype=torch.float32, device=self.device.device)
+        for b in batches:
+            for d in range(depths):
+                counts[d] += depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum()
+        return self.pstate.all_reduce_dp(counts)
+
+    def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
+        """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
+        # The gradient each depth's loss sum will receive, told to the model for this step only: the
+        # fused head then accumulates every depth's weight gradient into one buffer (models/loss.py).
+        self.model.loss_grad_scales = loss_gradient(global_counts, coefs)
+        try:
+            if self.pstate.pipeline is not None:
+                return self.pstate.pipeline.forward_backward(batches, global_counts, coefs)
+            return self._micro_batches(batches, global_counts, coefs)
+        finally:
+            self.model.loss_grad_scales = None
+
+    def _micro_batches(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
+        # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
+        sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
+        # FSDP2 (parallel.reshard_after_microbatch): by default every micro-batch's backward
+        # reduce-scatters into the sharded fp32 gradients and reshards, as torchtitan does; false
+        # accumulates unsharded gradients locally and reduce-scatters once, in the last micro-batch's
+        # backward (one collective per step instead of per micro-batch), keeping the parameters
+        # gathered in between, as torch's pipeline stages do.
+        fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        every = self.cfg.parallel.reshard_after_microbatch
+        for i, b in enumerate(batches):
+            sync = every or i == len(batches) - 1
+            for m in fsdp:
+                m.set_requires_gradient_sync(sync, recurse=False)
+                m.set_reshard_after_backward(sync, recurse=False)
+            with self.autocast():
+                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"], self.cfg.data.document_mask)
+                loss = combine_losses(out.loss_sums, global_counts, coefs)
+            loss.backward()
+            sums += out.loss_sums.detach().float()
+        return sums
+
+    def autocast(self):
+        """The compute-precision context of a forward (nullcontext in fp32)."""
+        return autocast_context(self.device.type, self.autocast_dtype)
+
+    def clip_gradients(self) -> float:
+        """Complete the step's gradients (the layout's finisher) and clip by the global norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.pstate.gradient_finisher is not None:
+            return float(self.pstate.gradient_finisher(params, self.cfg.train.grad_clip))
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+
+    def update_router_biases(self) -> Dict[str, float]:
+        """Aux-free bias step from the step's expert loads (summed over every rank that routed
+        different tokens); returns load-balance metrics. Every all-reduce runs wherever its group
+        exists, also on a rank with no MoE layer (a pipeline stage of dense layers beside a copy of a
+        dense MTP module): its peers wait in the same collectives."""
+        loads = self._expert_loads()
+        for moe, load in zip(self.moe_layers, loads):
+            # A frozen router (train.freeze_trunk) keeps its bias too: the trunk stays bit-identical.
+            if moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
+                moe.router.update_bias(load)
+            moe.router.tokens_per_expert.zero_()
+        if not self.moe_layers:
+            return {}
+        ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
+        metrics = {"moe/max_over_mean_load": float(ratio.max()),
+                   "moe/mean_max_over_mean_load": float(ratio.mean())}
+        aux = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
+        if aux:  # one host sync per step, here where it is logged
+            metrics["moe/aux_loss"] = float(torch.stack([a.float() for a in aux]).mean())
+        return metrics
+
+    def _expert_loads(self) -> torch.Tensor:
+        """[MoE layers, experts] tokens routed this step, summed over the ranks that routed them."""
+        if self.moe_layers:
+            loads = torch.stack([m.router.tokens_per_expert for m in self.moe_layers])
+        else:
+            loads = torch.zeros(0, self.cfg.model.num_experts, device=self.device.device)
+        copies = self.pstate.mtp_copies_group
+        if copies is not None:  # MTP depths spread over pp ranks: each copy routed its depths' tokens
+            mtp = {id(m) for m in self.model.mtp.modules()}
+            rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp],
+                                dtype=torch.long, device=loads.device)
+            part = loads.index_select(0, rows)
+            dist.all_reduce(part, group=copies)
+            loads.index_copy_(0, rows, part)
+        group = self.pstate.router_load_group
+        if self.pstate.world_size > 1 and group is not None:
+            dist.all_reduce(loads, group=group)
+        return loads
+
+    def discard_router_loads(self) -> Dict[str, float]:
+        """A dropped step must not move the aux-free biases either."""
+        for moe in self.moe_layers:
+            moe.router.tokens_per_expert.zero_()
+        return {}
+
+    def apply(self, schedule_step: float) -> Dict[str, float]:
+        """The update: router biases, the indexer warm-up's gradient filter, AdamW. Returns the
+        load-balance metrics."""
+        metrics = self.update_router_biases()
+        self.indexers.before_update(schedule_step)
+        self.optimizer.step()
+        return metrics
+
+    def __call__(self, batches, coefs: List[float]):
+        """Counts, forward/backward, the data-parallel loss sum and clipping: (per-depth loss sums
+        over the global batch, global target counts, gradient norm). The update is `apply`."""
+        counts = self.global_target_counts(batches)
+        sums = self.pstate.all_reduce_dp(self.forward_backward(batches, counts, coefs))
+        return sums, counts, self.clip_gradients()
