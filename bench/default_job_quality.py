@@ -146,7 +146,8 @@ def bits_per_byte(model, wins: List[List[int]], nbytes: List[int], batch: int, e
 def decode_figures(model, prompts: List[List[int]], K: int, max_new: int, batch: int, eos_id: int,
                    seed: int) -> Dict[str, float]:
     """Greedy and T=1 speculative decoding of the prompts (the in-loop evaluator's decoder)."""
-    from tandem.eval.metrics import distinct_n, evaluate_decoding
+    from tandem.eval.decode_eval import evaluate_decoding
+    from tandem.eval.metrics import distinct_n
 
     common = dict(num_steps=K, max_new_tokens=max_new, batch_size=batch, eos_id=eos_id, seed=seed)
     with torch.inference_mode():

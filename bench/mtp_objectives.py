@@ -46,7 +46,8 @@ def train_one(recipe: str, objective: str, steps: int, out: str, overrides):
 
 def evaluate(run_dir: str, temperatures, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int):
     from tandem.eval.cli import _tokenizer_of, _validation
-    from tandem.eval.metrics import evaluate_decoding, teacher_forced
+    from tandem.eval.decode_eval import evaluate_decoding
+    from tandem.eval.metrics import teacher_forced
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     model, cfg = load_model_from_checkpoint(run_dir)

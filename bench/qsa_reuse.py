@@ -53,7 +53,8 @@ def mtp_qsa_layers(model):
 
 
 def decode_figures(model, prompts, cfg, eos_id, args, counter: IndexerCounter) -> Dict[str, float]:
-    from tandem.eval.metrics import distinct_n, evaluate_decoding
+    from tandem.eval.decode_eval import evaluate_decoding
+    from tandem.eval.metrics import distinct_n
 
     K = cfg.mtp.num_steps
     common = dict(num_steps=K, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, eos_id=eos_id,

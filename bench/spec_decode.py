@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from tandem.eval.cli import _tokenizer_of, _validation
-    from tandem.eval.metrics import evaluate_decoding
+    from tandem.eval.decode_eval import evaluate_decoding
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     model, cfg = load_model_from_checkpoint(args.checkpoint)

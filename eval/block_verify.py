@@ -1,7 +1,7 @@
 """Block verification of a speculative draft (Sun et al. 2024, "Block Verification Accelerates
 Speculative Decoding", their Algorithm 2), batched over sequences.
 
-Token-wise speculative sampling (spec_decode.speculative_accept) judges draft i on its own ratio
+Token-wise speculative sampling (sampling.speculative_accept) judges draft i on its own ratio
 p/q and stops at the first rejection. Block verification judges the drafted block as a whole: a
 later draft that the target likes more than the drafter did can pay for an earlier one it liked
 less, so a prefix can be kept even though one of its tokens would have failed the token-wise test.
@@ -71,7 +71,7 @@ def block_thresholds(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> 
 
 
 def block_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor):
-    """Block verification; the same contract as spec_decode.speculative_accept.
+    """Block verification; the same contract as sampling.speculative_accept.
 
     p [B,K+1,V] target probabilities at the verify positions, q [B,K,V] the draft probabilities the
     drafts [B,K] were sampled from, u [B,K] uniforms in [0, 1). Returns (tau [B] accepted drafts,

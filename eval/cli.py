@@ -19,7 +19,7 @@ trained); default the checkpoint's `eval.draft_convention`, else `serving`. The 
 acceptance differs. `--output` records carry each row's budget-exact counts (`drafts`, `accepted`,
 `accept_rate/pos_k`) and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget).
 Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
-(eval/spec_decode.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
+(eval/acceptance.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
 
 --prompts FILE: one JSON object with a non-empty "text" string per line (blank lines are skipped).
 A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5) tokens: the decoder's caches
@@ -151,80 +151,99 @@ def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:
     return max_seq_len - max_new_tokens - 4 * num_steps - 5
 
 
-def eval_main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    texts = []
-    if args.prompts:
-        try:
-            texts = read_prompt_texts(args.prompts)  # before the checkpoint loads
-        except ValueError as exc:
-            print(f"tandem eval: error: {exc}", file=sys.stderr)
-            return 2
-    import torch
+class _Fail(Exception):
+    """A problem `tandem eval` reports in one line, exit status 2."""
 
-    from .metrics import evaluate_decoding, teacher_forced
-    from .spec_decode import row_metrics
 
+def _load_checked(args):
     try:
-        model, cfg, tok = _load(args)
+        return _load(args)
     except (FileNotFoundError, ValueError) as exc:  # a missing/corrupt checkpoint, a changed frozen trunk
-        print(f"tandem eval: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        raise _Fail(" ".join(str(exc).split())) from None
+
+
+def _settings(args, model, cfg, tok) -> dict:
+    """decode_eval.DecodeSettings' fields: the flags, else the checkpoint's `eval.*`, else defaults."""
     ev = cfg.eval if cfg is not None and hasattr(cfg, "eval") else None
     K = args.num_steps or (cfg.mtp.num_steps if cfg is not None else 0)
     if K <= 0 or model.mtp is None:
-        print("tandem eval: error: the model has no MTP module (mtp.num_steps=0) and --num-steps is not set",
-              file=sys.stderr)
-        return 2
-    max_new = args.max_new_tokens or (ev.max_new_tokens if ev else 64)
-    verify = args.verify or getattr(ev, "verify", None) or "token"
-    convention = args.draft_convention or getattr(ev, "draft_convention", None) or "serving"
-    batch_size = args.batch_size or (ev.batch_size if ev else 4)
-    eos_id = tok.eod_id if tok is not None else None
-    if args.prompts:
-        if tok is None:
-            print("tandem eval: error: --prompts needs the checkpoint's tokenizer", file=sys.stderr)
-            return 2
-        prompts = [ids for ids in tok.encode_batch([t for _, t in texts])]
-        limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
-        for (n, _), ids in zip(texts, prompts):
-            if not ids or len(ids) > limit:
-                print(f"tandem eval: error: {args.prompts}:{n}: prompt is {len(ids)} tokens; 1 to {limit} fit "
-                      f"(model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft margin "
-                      f"4K+5={4 * K + 5})", file=sys.stderr)
-                return 2
-        tf_batches = [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
-    else:
+        raise _Fail("the model has no MTP module (mtp.num_steps=0) and --num-steps is not set")
+    return dict(num_steps=K, max_new_tokens=args.max_new_tokens or (ev.max_new_tokens if ev else 64),
+                batch_size=args.batch_size or (ev.batch_size if ev else 4),
+                eos_id=tok.eod_id if tok is not None else None, temperature=args.temperature, top_p=args.top_p,
+                seed=args.seed, verify=args.verify or getattr(ev, "verify", None) or "token",
+                draft_convention=args.draft_convention or getattr(ev, "draft_convention", None) or "serving")
+
+
+def _prompts(args, texts, model, cfg, tok, K: int, max_new: int):
+    """(prompt token ids, teacher-forced batches): the --prompts file's, else the validation split's."""
+    import torch
+
+    if not args.prompts:
         if cfg is None or not hasattr(cfg, "data"):
-            print("tandem eval: error: no validation split for this checkpoint; pass --prompts", file=sys.stderr)
-            return 2
-        num_prompts = args.num_prompts or ev.num_prompts
-        prompt_len = max(1, min(args.prompt_len or ev.prompt_len, cfg.data.seq_len))
-        prompts, tf_batches = _validation(cfg, num_prompts, prompt_len)
-    try:
-        with torch.inference_mode():
-            document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
-            metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
-            dec, spec, _ = evaluate_decoding(model, prompts, num_steps=K, max_new_tokens=max_new,
-                                             batch_size=batch_size, eos_id=eos_id, temperature=args.temperature,
-                                             top_p=args.top_p, seed=args.seed, warmup=True, verify=verify,
-                                             draft_convention=convention, compare_conventions=True)
-    except ValueError as exc:
-        print(f"tandem eval: error: {exc}", file=sys.stderr)
-        return 2
+            raise _Fail("no validation split for this checkpoint; pass --prompts")
+        prompt_len = max(1, min(args.prompt_len or cfg.eval.prompt_len, cfg.data.seq_len))
+        return _validation(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len)
+    if tok is None:
+        raise _Fail("--prompts needs the checkpoint's tokenizer")
+    prompts = [ids for ids in tok.encode_batch([t for _, t in texts])]
+    limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
+    for (n, _), ids in zip(texts, prompts):
+        if not ids or len(ids) > limit:
+            raise _Fail(f"{args.prompts}:{n}: prompt is {len(ids)} tokens; 1 to {limit} fit "
+                        f"(model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft margin "
+                        f"4K+5={4 * K + 5})")
+    return prompts, [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
+
+
+def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
+    """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the other
+    drafting convention's acceptance when it differs)."""
+    import torch
+
+    from .decode_eval import evaluate_decoding, other_convention_figures
+    from .metrics import teacher_forced
+
+    with torch.inference_mode():
+        document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
+        metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
+        dec, spec, _ = evaluate_decoding(model, prompts, warmup=True, **settings)
+        dec.update(other_convention_figures(model, prompts, dec, **settings))
     # tf_acc/mtp_k exists only for the trained depths.
     metrics.update(dec)
-    metrics.update({"num_prompts": len(prompts), "num_steps": K, "max_new_tokens": max_new,
-                    "temperature": args.temperature, "verify": verify, "draft_convention": convention})
+    metrics.update({"num_prompts": len(prompts), "num_steps": settings["num_steps"],
+                    "max_new_tokens": settings["max_new_tokens"], "temperature": args.temperature,
+                    "verify": settings["verify"], "draft_convention": settings["draft_convention"]})
+    return metrics, spec
+
+
+def _write_outputs(path: str, spec, prompts) -> None:
+    """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts."""
+    from .acceptance import row_metrics
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        i = 0
+        for res in spec:
+            for b, out in enumerate(res.outputs):
+                rec = {"prompt_ids": prompts[i], "output_ids": out, **row_metrics(res.stats, b)}
+                f.write(json.dumps(rec) + "\n")
+                i += 1
+
+
+def eval_main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        texts = read_prompt_texts(args.prompts) if args.prompts else []  # before the checkpoint loads
+        model, cfg, tok = _load_checked(args)
+        settings = _settings(args, model, cfg, tok)
+        prompts, tf_batches = _prompts(args, texts, model, cfg, tok, settings["num_steps"], settings["max_new_tokens"])
+        metrics, spec = _evaluate(args, model, cfg, prompts, tf_batches, settings)
+    except (_Fail, ValueError) as exc:
+        print(f"tandem eval: error: {exc}", file=sys.stderr)
+        return 2
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            i = 0
-            for res in spec:
-                for b, out in enumerate(res.outputs):
-                    rec = {"prompt_ids": prompts[i], "output_ids": out, **row_metrics(res.stats, b)}
-                    f.write(json.dumps(rec) + "\n")
-                    i += 1
+        _write_outputs(args.output, spec, prompts)
     for key in [k for k in metrics if f"{k}_lo95" in metrics]:
         lo, hi = metrics[f"{key}_lo95"], metrics[f"{key}_hi95"]
         print(f"{key}: {metrics[key]:.3f} ± {(hi - lo) / 2:.3f} (95% interval {lo:.3f}..{hi:.3f}, "

@@ -3,7 +3,8 @@
 `eval.draft_convention=serving` (the default) drafts depths 2..K the way vLLM's proposer does
 (`vllm/v1/spec_decode/llm_base_proposer.py` with `Glm4MoeMTP` / `DeepSeekMTP`, and `Qwen4ExpMTP` in
 `vllm/models/qwen4_exp/nvidia/mtp.py`), so the evaluator's acceptance is the figure a user gets when
-serving the exported checkpoint; `tandem` drafts as the module was trained (eval/spec_decode.py).
+serving the exported checkpoint; `tandem` drafts as the module was trained (eval/drafting.py, which
+also holds the `Drafter` protocol this file implements).
 With committed tokens x_0..x_m and trunk states h_0[t] for t <= m-1, one round is:
 
 * depth 1 runs the MTP layer over the positions [valid+1, m-1] not yet seen (inputs h_0[t] and
@@ -42,49 +43,29 @@ That gap is serving's, kept here so the acceptance measured is the one serving g
 
 The convention is defined for the looped style with one physical MTP layer (every recipe's, and
 what vLLM's proposer fills: with L > 1 its later layers' caches are never written for the earlier
-positions), so other shapes draft as trained (`resolve_convention`).
+positions), so other shapes draft as trained (drafting.resolve_convention).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator
 
 import torch
-from torch import nn
 
 from tandem.models.state import DecodeCache
 
-DRAFT_CONVENTIONS = ("serving", "tandem")
-"""`serving`: vLLM's proposer (this file); `tandem`: one cache and hidden store per depth, as trained."""
-
-
-def resolve_convention(model: nn.Module, convention: str, num_steps: int) -> str:
-    """The convention a decode of `model` with K=num_steps really uses: `serving` needs a looped MTP
-    with one physical layer held by the drafting process (else it drafts as trained: `tandem`, e.g. a
-    pipeline placement whose head stage holds no MTP depth). ValueError for an unknown name."""
-    if convention not in DRAFT_CONVENTIONS:
-        raise ValueError(f"draft_convention={convention!r}: must be one of {', '.join(DRAFT_CONVENTIONS)}")
-    mtp = getattr(model, "mtp", None)
-    if convention == "tandem" or num_steps <= 0 or mtp is None:
-        return convention
-    if not mtp.chained or len(mtp.layers) != 1:
-        return "tandem"
-    if not isinstance(mtp.layers[0], nn.Module):
-        # a pipeline placement whose head stage holds no MTP depth: the serving cache would have to live
-        # where every depth runs, which no rank does here, so the decoder drafts as trained
-        return "tandem"
-    return "serving"
+from .decode_batch import DecodeBatch
 
 
 class ServingDrafter:
-    """The serving convention's draft state for one SpecDecoder batch: one KV cache of the MTP layer
-    and the depth-1 valid prefix per row. `draft` has SpecDecoder.draft's contract."""
+    """The serving convention's draft state for one DecodeBatch: one KV cache of the MTP layer and the
+    depth-1 valid prefix per row. Implements drafting.Drafter."""
 
-    def __init__(self, dec):
-        self.dec = dec
-        model = dec.model
-        self.cache = DecodeCache(1, dec.B, dec.cap, dec.dtype, dec.device, ring=dec.ring).layer(0)
-        self.valid = torch.full((dec.B,), -1, dtype=torch.long, device=dec.device)
+    def __init__(self, batch: DecodeBatch):
+        self.batch = batch
+        model = batch.model
+        self.cache = DecodeCache(1, batch.B, batch.cap, batch.dtype, batch.device, ring=batch.ring).layer(0)
+        self.valid = torch.full((batch.B,), -1, dtype=torch.long, device=batch.device)
         """[B] last position whose shared-cache entry depth 1 computed from committed inputs."""
         self.zero_first = model.mtp.layer_for_step(1).combine_style == "concat_proj"
         self.final_norm = model.mtp_cfg.trunk_input == "final_norm"
@@ -94,7 +75,7 @@ class ServingDrafter:
         embedding at position 0 for the concat_proj combine, and depth k's reused QSA selection read
         from depth 1's query at m - 1, k - 1 positions back, attended with that query's tail, as vLLM
         does). `span`: the cache's key prefix (host int)."""
-        model = self.dec.model
+        model = self.batch.model
         self.cache.cache.span = span
         if k == 1 and self.final_norm:
             h_prev = model.norm(h_prev)  # vLLM hands its proposer the trunk's normed output
@@ -111,31 +92,20 @@ class ServingDrafter:
         finally:
             share.read_offset = 0  # the tandem convention and training read at the query's own position
 
-    def draft(self, force: Optional[torch.Tensor] = None, keep_logits: bool = False):
-        dec = self.dec
-        model, B, H, m = dec.model, dec.B, dec.H, dec.m
+    def depth_logits(self) -> Iterator[torch.Tensor]:
+        """Depth 1 over the committed positions it has not seen, then depth k = 2..K one token each."""
+        b = self.batch
+        model, B, H, m = b.model, b.B, b.H, b.m
         start = torch.minimum(self.valid + 1, m - 1)
         r = m - start
-        R = dec.draft_length(1)  # a host bound: int(r.max()) would stall the round
-        pos = (start.unsqueeze(1) + dec.arange[:R]).clamp_(max=dec.cap - 1)
-        h0 = dec.h[0].gather(1, pos.unsqueeze(-1).expand(B, R, H))
-        out = self.step(1, h0, dec.seq.gather(1, pos + 1), pos, dec.draft_span(R))
+        R = b.range_length(behind=0)  # a host bound: int(r.max()) would stall the round
+        pos = (start.unsqueeze(1) + b.arange[:R]).clamp_(max=b.cap - 1)
+        h0 = b.hidden.gather(1, pos.unsqueeze(-1).expand(B, R, H))
+        out = self.step(1, h0, b.seq.gather(1, pos + 1), pos, b.range_span(R))
         last = out.gather(1, (r - 1).view(B, 1, 1).expand(B, 1, out.shape[-1]))
-        drafts, qs, all_logits = [], [], []
-        for k in range(1, dec.K + 1):
+        for k in range(1, b.K + 1):
             if k > 1:  # one token at position m + k - 2: the previous depth's output and its draft
                 p = (m + k - 2).unsqueeze(1)
-                last = self.step(k, last, dec.seq.gather(1, p + 1), p, dec.span_to(dec.m_hi + k - 2))
-            logits = model.logits(k, last)[:, 0]
-            d, q = dec._choose(logits)
-            if force is not None:
-                d = force[:, k - 1]
-            dec.seq.scatter_(1, (m + k).unsqueeze(1), d.unsqueeze(1))
-            drafts.append(d)
-            qs.append(q)
-            if keep_logits:
-                all_logits.append(logits)
+                last = self.step(k, last, b.seq.gather(1, p + 1), p, b.span_to(b.m_hi + k - 2))
+            yield model.logits(k, last)[:, 0]
         self.valid = m - 1
-        dec.mark_drafted()
-        q = torch.stack(qs, 1) if dec.temperature > 0 else None
-        return torch.stack(drafts, 1), q, all_logits

@@ -23,7 +23,7 @@ plus teacher-forced losses/accuracies on validation micro-batches, and returns `
 
 Every acceptance figure above, under each of these prefixes, is logged with its 95% interval beside it
 (`eval/acceptance_length_lo95`, `eval/T1/accept_rate/pos_2_hi95`): a bootstrap over the prompts
-(spec_decode.acceptance_intervals), since with `eval.num_prompts` prompts a change in acceptance between
+(acceptance.acceptance_intervals), since with `eval.num_prompts` prompts a change in acceptance between
 two evaluations may be noise.
 
 `last_samples` holds the first `eval.num_samples_logged` prompts' decoded text and acceptance (the
@@ -34,12 +34,14 @@ mode is restored), forks the global RNG (sampling draws from its own seeded gene
 the routers' `tokens_per_expert` load counters (any forward increments them, and the aux-free bias
 update of the next step reads them).
 
-Parallel layouts (trainer/parallel/pipeline_decode.py): under pipeline parallelism each stage keeps
-the KV caches of its layers and the rank holding the head and the MTP module drives the decoder,
-passing hidden states stage to stage; the prompt batches are dealt to the data-parallel replicas
-(dp x ep) and the results gathered, so every figure equals one process's; under sequence parallelism
-decode steps run the TP regions on whole sequences. The figures reach every rank; rank 0 logs them.
-`eval/seconds` is the wall time of one evaluation (decoding both ways plus the teacher-forced losses).
+Parallel layouts: the caller passes a `LayoutDecoding` (the trainer builds
+trainer/parallel/pipeline_decode.py's ParallelDecoding; None in one process). Under pipeline
+parallelism each stage keeps the KV caches of its layers and the rank holding the head and the MTP
+module drives the decoder, passing hidden states stage to stage; the prompt batches are dealt to the
+data-parallel replicas (dp x ep) and the results gathered, so every figure equals one process's;
+under sequence parallelism decode steps run the TP regions on whole sequences. The figures reach
+every rank; rank 0 logs them. `eval/seconds` is the wall time of one evaluation (decoding both ways
+plus the teacher-forced losses).
 """
 
 from __future__ import annotations
@@ -47,16 +49,16 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Dict, List
+from typing import Any, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
-from tandem.trainer.parallel.pipeline_decode import ParallelDecoding
-from tandem.trainer.qsa_training import RecallProbe
-
+from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES
-from .metrics import distinct_n, evaluate_decoding, teacher_forced, temperature_label
-from .spec_decode import row_metrics, unwrap
+from .decode_eval import Replicas, evaluate_decoding, other_convention_figures
+from .metrics import distinct_n, teacher_forced, temperature_label
+from .recall import RecallProbe
+from .spec_decode import unwrap
 
 DISTINCT_N = (2, 4)
 """n-gram orders of the `eval/distinct_n` repetition figures."""
@@ -65,14 +67,41 @@ RESTORE_ROUTER_LOADS = True
 """Tests switch this off to show that the restore is what keeps training unchanged."""
 
 
+class LayoutDecoding(Replicas, Protocol):
+    """What the evaluator needs to decode on this rank's part of a parallel layout."""
+
+    is_driver: bool
+    """Whether this rank drives the decoder (it holds the output head); the others `follow`."""
+    model: Any
+    """The driver's view of the model (the decoder and `teacher_forced` take it as the model)."""
+
+    def context(self) -> ContextManager:
+        """Around an evaluation: whole-sequence TP regions, FSDP roots' parameters gathered."""
+
+    def stop(self) -> None:
+        """Driver: the followers' `follow` returns."""
+
+    def follow(self) -> None:
+        """Follower: run this rank's part of every forward the driver announces, until it stops."""
+
+    def share(self, out: Optional[dict]) -> dict:
+        """The driver's figures on every rank."""
+
+
 class InLoopEvaluator:
-    def __init__(self, cfg, model, valid_ds, tokenizer, pstate):
+    """`run(step)`: the eval/* figures of the model now. `decoding`: the layout's LayoutDecoding, None in
+    one process."""
+
+    def __init__(self, cfg, model, valid_ds, tokenizer, pstate, decoding: Optional[LayoutDecoding] = None):
         self.cfg, self.model, self.valid_ds, self.tokenizer, self.pstate = cfg, model, valid_ds, tokenizer, pstate
+        if decoding is None and pstate.world_size > 1:
+            raise ValueError("InLoopEvaluator on several processes needs the layout's decoding "
+                             "(trainer/parallel/pipeline_decode.parallel_decoding)")
         e = cfg.eval
         self.num_steps = e.num_steps or cfg.mtp.num_steps
         self.eos_id = getattr(tokenizer, "eod_id", None)
         self._warned = False
-        self.decoding = None
+        self.decoding = decoding
         self.last_samples: List[dict] = []
         self.prompts: List[List[int]] = []
         self.loss_batches: List[Dict[str, torch.Tensor]] = []
@@ -96,50 +125,19 @@ class InLoopEvaluator:
             self._say_once("eval: no validation split (data gives validation no samples); evaluator skipped")
             return {}
         t0 = time.perf_counter()
-        model = self.model
-        if self.decoding is None:
-            self.decoding = ParallelDecoding(self.cfg, model, self.pstate) if self.pstate.world_size > 1 else None
+        model, d = self.model, self.decoding
         device = self.pstate.device.device
         routers = [m.router for m in unwrap(model).moe_layers()] if hasattr(unwrap(model), "moe_layers") else []
         saved_loads = [r.tokens_per_expert.clone() for r in routers]
         was_training = model.training
         devices = [] if device.type == "cpu" else [device]
-        e, d = self.cfg.eval, self.decoding
         try:
             with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad(), \
                     (d.context() if d is not None else contextlib.nullcontext()):
                 model.eval()
                 out = None
                 if d is None or d.is_driver:
-                    m = d.model if d is not None else model
-                    with RecallProbe(m) as recall:
-                        out = teacher_forced(m, self.loss_batches, device, self.cfg.data.document_mask)
-                    if recall.value() is not None:
-                        out["qsa_recall"] = recall.value()
-                    common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                                  eos_id=self.eos_id, seed=self.cfg.train.seed, replicas=d,
-                                  draft_convention=e.draft_convention)
-                    dec, spec, _ = evaluate_decoding(m, self.prompts, temperature=0.0, compare_conventions=True,
-                                                     **common)
-                    out.update(dec)
-                    greedy = [o for r in spec for o in r.outputs]
-                    for n in DISTINCT_N:
-                        value = distinct_n(greedy, n)
-                        if value is not None:
-                            out[f"distinct_{n}"] = value
-                    variants = [("", spec)]
-                    other = next(r for r in VERIFY_RULES if r != e.verify)
-                    for t in e.temperatures:
-                        label = temperature_label(t)
-                        dec_t, spec_t, _ = evaluate_decoding(m, self.prompts, temperature=t, top_p=e.top_p,
-                                                             autoregressive=False, verify=e.verify, **common)
-                        out.update({f"{label}/{k}": v for k, v in dec_t.items()})
-                        variants.append((label, spec_t))
-                        dec_o, _, _ = evaluate_decoding(m, self.prompts, temperature=t, top_p=e.top_p,
-                                                        autoregressive=False, verify=other, **common)
-                        out.update({f"{label}/{other}/{k}": v for k, v in dec_o.items()})
-                    out["outputs"] = greedy
-                    out["samples"] = self._samples(variants)
+                    out = self._evaluate(d.model if d is not None else model)
                     if d is not None:
                         d.stop()
                 else:
@@ -156,6 +154,47 @@ class InLoopEvaluator:
         keep = {k: float(v) for k, v in out.items() if not k.startswith("time_per_")}
         keep["seconds"] = time.perf_counter() - t0
         return {f"eval/{k}": v for k, v in keep.items()}
+
+    def _evaluate(self, m) -> dict:
+        """The driver's figures on model (view) `m`: teacher-forced losses, greedy decoding both ways,
+        then each sampled temperature; plus the greedy `outputs` and the logged `samples`."""
+        e, d = self.cfg.eval, self.decoding
+        with RecallProbe(m) as recall:
+            out = teacher_forced(m, self.loss_batches, self.pstate.device.device, self.cfg.data.document_mask)
+        if recall.value() is not None:
+            out["qsa_recall"] = recall.value()
+        common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
+                      eos_id=self.eos_id, seed=self.cfg.train.seed, draft_convention=e.draft_convention)
+        dec, spec, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=0.0, **common)
+        out.update(dec)
+        out.update(other_convention_figures(m, self.prompts, dec, replicas=d, temperature=0.0, **common))
+        greedy = [o for r in spec for o in r.outputs]
+        for n in DISTINCT_N:
+            value = distinct_n(greedy, n)
+            if value is not None:
+                out[f"distinct_{n}"] = value
+        variants = [("", spec)] + self._sampled(m, common, out)
+        out["outputs"] = greedy
+        out["samples"] = self._samples(variants)
+        return out
+
+    def _sampled(self, m, common: dict, out: dict) -> list:
+        """Speculative sampling at each `eval.temperatures` T under the configured rule (`T<t>/` keys)
+        and the other rule (`T<t>/<rule>/`), figures added to `out`; returns the (label, results) of
+        the configured rule's decodes."""
+        e, d = self.cfg.eval, self.decoding
+        other = next(r for r in VERIFY_RULES if r != e.verify)
+        variants = []
+        for t in e.temperatures:
+            label = temperature_label(t)
+            dec_t, spec_t, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=t, top_p=e.top_p,
+                                                 autoregressive=False, verify=e.verify, **common)
+            out.update({f"{label}/{k}": v for k, v in dec_t.items()})
+            variants.append((label, spec_t))
+            dec_o, _, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=t, top_p=e.top_p,
+                                            autoregressive=False, verify=other, **common)
+            out.update({f"{label}/{other}/{k}": v for k, v in dec_o.items()})
+        return variants
 
     def _samples(self, variants) -> List[dict]:
         """Token ids and per-row acceptance of the first `eval.num_samples_logged` prompts, for every

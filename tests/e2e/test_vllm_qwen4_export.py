@@ -26,7 +26,7 @@ def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
     from test_qwen4_exp import VOCAB
     from test_vllm_serving import vllm_python
 
-    from tandem.eval.testing import tiny_qwen4_model
+    from eval_helpers import tiny_qwen4_model
     from tandem.trainer.hf.exporter import export_hf
     from tandem.trainer.hf.importer import CheckpointReader
 

@@ -13,7 +13,7 @@ and checks:
   the stop check trims it). So the in-loop figure and the served one are the same by construction;
 * Tandem's own figure is budget-exact (only drafts that reach the output: 1 + accepted = tokens
   emitted per round), which is vLLM's minus the drafts it counts past the budget;
-* both agree with a cache-free re-derivation of vLLM's proposer (eval/testing.vllm_convention_decode)
+* both agree with a cache-free re-derivation of vLLM's proposer (tests/eval_helpers.vllm_convention_decode)
   as a cross-check.
 
 The figures printed: vLLM's acceptance length, Tandem's serving convention counted both ways, and the
@@ -74,7 +74,7 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
     py = vllm_python()  # first: a broken install fails before any training
     from tandem.data_pipeline.tokenizer import load_tokenizer
     from tandem.eval.spec_decode import generate
-    from tandem.eval.testing import vllm_convention_decode
+    from eval_helpers import vllm_convention_decode
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     run, hf = str(tmp_path / "run"), str(tmp_path / "hf")

@@ -15,8 +15,9 @@ import torch
 from tandem.eval import block_verify as bv
 from tandem.eval import spec_decode as sd
 from tandem.eval.block_verify import block_accept, block_thresholds
-from tandem.eval.spec_decode import generate, probs_from_logits, speculative_accept
-from tandem.eval.testing import make_agreeing, tiny_model
+from eval_helpers import make_agreeing, tiny_model
+from tandem.eval.sampling import probs_from_logits, speculative_accept
+from tandem.eval.spec_decode import generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -282,7 +283,7 @@ def _residual_is_target(accept):
 def _drafts_at_t1(monkeypatch):
     """Draft tokens sampled at T = 1 while the q handed to verification is the tempered one (the
     temperature not applied to the drafter's sampling)."""
-    draft, choose = sd.SpecDecoder.draft, sd.SpecDecoder._choose
+    draft, choose = sd.SpecDecoder.draft, sd.SpecDecoder.choose
 
     def drafting(self, *a, **kw):
         self._test_drafting = True
@@ -294,11 +295,11 @@ def _drafts_at_t1(monkeypatch):
     def mutant(self, logits):
         tok, probs = choose(self, logits)
         if getattr(self, "_test_drafting", False):
-            tok = torch.multinomial(probs_from_logits(logits, 1.0, self.top_p), 1, generator=self.generator).squeeze(-1)
+            tok = self.chooser.sample(probs_from_logits(logits, 1.0, self.chooser.top_p))
         return tok, probs
 
     monkeypatch.setattr(sd.SpecDecoder, "draft", drafting)
-    monkeypatch.setattr(sd.SpecDecoder, "_choose", mutant)
+    monkeypatch.setattr(sd.SpecDecoder, "choose", mutant)
 
 
 @pytest.mark.parametrize("verify,broken", [("token", "residual"), ("block", "residual"), ("block", "draft T"),
@@ -442,7 +443,7 @@ def test_evaluator_logs_the_other_rule_at_each_temperature(rule, other):
         assert f"eval/{t}/{rule}/acceptance_length" not in out
     assert not any(k.startswith(f"eval/{other}/") for k in out)  # greedy: one rule, no duplicate keys
     # the figures are those of evaluate_decoding with each rule, at each temperature
-    from tandem.eval.metrics import evaluate_decoding
+    from tandem.eval.decode_eval import evaluate_decoding
 
     for t, temp in (("T1", 1.0), ("T0.7", 0.7)):
         common = dict(num_steps=K, max_new_tokens=12, batch_size=2, seed=cfg.train.seed, temperature=temp,

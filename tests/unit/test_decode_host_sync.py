@@ -15,8 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model
 from tandem.eval.spec_decode import SpecDecoder, generate
-from tandem.eval.testing import make_agreeing, tiny_model, tiny_qwen4_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.eval.testing import tiny_model, tiny_qwen4_model
+from eval_helpers import tiny_model, tiny_qwen4_model
 from tandem.models.documents import Documents, causal_conv_taps
 from tandem.models.model import window_documents, window_positions
 

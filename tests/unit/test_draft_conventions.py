@@ -4,7 +4,7 @@
   DeepSeek-V3 combine (concat_proj, with either trunk input) and Qwen4-Exp's drafter (QSA index reuse
   on and off);
 * `serving` drafts as vLLM's proposer: its draft logits, round after round with rollbacks, equal a
-  cache-free re-derivation (eval/testing.vllm_convention_draft; with QSA index reuse this file's
+  cache-free re-derivation (tests/eval_helpers.vllm_convention_draft; with QSA index reuse this file's
   `served_reuse_draft`), and its decode equals the serving test's `vllm_convention_decode` in tokens
   and in both counts (vLLM's and budget-exact);
 * with QSA index reuse, depth k >= 2 attends exactly what vLLM's reusing step attends: depth 1's whole
@@ -22,9 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.eval.metrics import evaluate_decoding
-from tandem.eval.spec_decode import SpecDecoder, acceptance_metrics, generate
-from tandem.eval.testing import (make_agreeing, tiny_model, tiny_qwen4_model, vllm_convention_decode,
+from tandem.eval.acceptance import acceptance_metrics
+from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
+from tandem.eval.spec_decode import SpecDecoder, generate
+from eval_helpers import (make_agreeing, tiny_model, tiny_qwen4_model, vllm_convention_decode,
                                  vllm_convention_draft)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -274,7 +275,7 @@ def test_serving_depth_k_attends_to_depth_1_entries():
     dec = SpecDecoder(model, K, 1, 40, draft_convention="serving")
     dec.prefill([[3, 4, 5]])
     assert int(dec.m[0]) == 3
-    cache = dec.serving.cache
+    cache = dec.drafter.cache
     calls = []
     update = cache.update
 
@@ -294,8 +295,8 @@ def test_serving_depth_k_attends_to_depth_1_entries():
     tandem = SpecDecoder(model, K, 1, 40, draft_convention="tandem")
     tandem.prefill([[3, 4, 5]])
     tandem.draft()
-    assert len(tandem.mtp_caches) == K and dec.mtp_caches == []
-    assert not torch.allclose(tandem.mtp_caches[1].cache.keys[0][0, :, :2], k1[0, :, :2])  # its own entries
+    assert len(tandem.drafter.caches) == K and not hasattr(dec.drafter, "caches")
+    assert not torch.allclose(tandem.drafter.caches[1].cache.keys[0][0, :, :2], k1[0, :, :2])  # its own entries
 
 
 @pytest.mark.parametrize("family", ["glm", "qwen4"])
@@ -314,7 +315,7 @@ def test_serving_cache_rollback_equals_fresh_decoder(family):
         fresh = SpecDecoder(model, K, B, 80, draft_convention="serving")
         fresh.prefill([dec.seq[b, : int(m[b])].tolist() for b in range(B)], first_tokens=dec.seq[torch.arange(B), m])
         fresh.draft(force=force)
-        a, f = dec.serving.cache.cache, fresh.serving.cache.cache
+        a, f = dec.drafter.cache.cache, fresh.drafter.cache.cache
         for b in range(B):
             v = int(m[b])
             torch.testing.assert_close(a.keys[0][b, :, :v], f.keys[0][b, :, :v])
@@ -336,17 +337,18 @@ def test_serving_cache_rollback_equals_fresh_decoder(family):
 def test_evaluator_logs_the_other_conventions_acceptance_when_it_differs():
     model = tiny_model(K, 1, vocab=8, seed=1, init_std=0.3)  # small vocabulary: chance acceptance
     prompts = [[1, 2, 3, 4, 5], [7, 0], [1, 3, 5, 7, 0, 2, 4, 6, 3], [4, 1, 2], [5]]
-    common = dict(num_steps=K, max_new_tokens=24, batch_size=2, autoregressive=False)
+    common = dict(num_steps=K, max_new_tokens=24, batch_size=2)
     with torch.no_grad():
-        serving, _, _ = evaluate_decoding(model, prompts, draft_convention="serving", **common)
-        tandem, _, _ = evaluate_decoding(model, prompts, draft_convention="tandem", **common)
-        both, _, _ = evaluate_decoding(model, prompts, draft_convention="serving", compare_conventions=True, **common)
-        l2, _, _ = evaluate_decoding(tiny_model(K, 2, vocab=8, seed=1, init_std=0.3), prompts,
-                                     compare_conventions=True, **common)
+        serving, _, _ = evaluate_decoding(model, prompts, draft_convention="serving", autoregressive=False, **common)
+        tandem, _, _ = evaluate_decoding(model, prompts, draft_convention="tandem", autoregressive=False, **common)
+        both = other_convention_figures(model, prompts, serving, draft_convention="serving", **common)
+        l2_model = tiny_model(K, 2, vocab=8, seed=1, init_std=0.3)
+        l2, _, _ = evaluate_decoding(l2_model, prompts, autoregressive=False, **common)
+        l2_other = other_convention_figures(l2_model, prompts, l2, **common)
     assert serving["acceptance_length"] != tandem["acceptance_length"]  # this model tells them apart
     # the other convention's acceptance length, with its 95% interval
-    assert both == {**serving, **{f"tandem/{k}": v for k, v in tandem.items() if k.startswith("acceptance_length")}}
-    assert not any("/acceptance_length" in k for k in l2)  # L=2 drafts as trained under both: nothing to add
+    assert both == {f"tandem/{k}": v for k, v in tandem.items() if k.startswith("acceptance_length")}
+    assert l2_other == {}  # L=2 drafts as trained under both: nothing to add
 
 
 def test_config_key_and_cli_flag():

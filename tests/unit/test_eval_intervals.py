@@ -2,7 +2,8 @@
 
 import torch
 
-from tandem.eval.spec_decode import DecodeStats, acceptance_metrics
+from tandem.eval.acceptance import acceptance_metrics
+from tandem.eval.spec_decode import DecodeStats
 
 K = 3
 FIGURES = ["acceptance_length", "draft_acceptance_rate"] + [f"accept_rate/pos_{i}" for i in range(1, K + 1)]

@@ -12,8 +12,8 @@ import torch
 
 from test_spec_decode import greedy_decode_checked
 
+from eval_helpers import tiny_qwen4_model
 from tandem.eval.spec_decode import SpecDecoder, generate
-from tandem.eval.testing import tiny_qwen4_model
 from tandem.models import TandemModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,7 +60,7 @@ def _assert_same_state(dec: SpecDecoder, fresh: SpecDecoder, model: TandemModel,
             torch.testing.assert_close(a["qsa_index_keys"][b, :m], f["qsa_index_keys"][b, :m])
             torch.testing.assert_close(dec.trunk_cache.keys[i][b, :, :m], fresh.trunk_cache.keys[i][b, :, :m])
             torch.testing.assert_close(dec.trunk_cache.values[i][b, :, :m], fresh.trunk_cache.values[i][b, :, :m])
-    torch.testing.assert_close(dec.h[0][b, :m], fresh.h[0][b, :m])
+    torch.testing.assert_close(dec.batch.hidden[b, :m], fresh.batch.hidden[b, :m])
 
 
 def test_state_after_each_round_equals_a_fresh_autoregressive_pass():

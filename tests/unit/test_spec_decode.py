@@ -5,8 +5,9 @@ verification rules: tests/unit/test_block_verify.py.)"""
 import pytest
 import torch
 
-from tandem.eval.spec_decode import SpecDecoder, acceptance_metrics, generate
-from tandem.eval.testing import make_agreeing, tiny_model
+from eval_helpers import make_agreeing, tiny_model
+from tandem.eval.acceptance import acceptance_metrics
+from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models.mtp import shifted_tokens
 
 
@@ -92,8 +93,9 @@ def test_independent_count_rejects_a_verifier_that_accepts_one_draft_too_few(mon
     def short(self, drafts, q):
         n, _ = verify(self, drafts, q)
         n = (n - 1).clamp(min=0)
-        pos = self.m.unsqueeze(1) + self.ar_k1  # the verify forward's hidden states, stored by verify
-        a = self.model.logits(0, self.h[0].gather(1, pos.unsqueeze(-1).expand(-1, -1, self.H))).argmax(-1)
+        b = self.batch
+        pos = b.m.unsqueeze(1) + b.arange[: self.K + 1].unsqueeze(0)  # the verify forward's hidden states
+        a = self.model.logits(0, b.hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, b.H))).argmax(-1)
         return n, a.gather(1, n.unsqueeze(1)).squeeze(1)
 
     model = make_agreeing(tiny_model(3, 1, seed=7, dtype=torch.float64), 0.0)
@@ -205,14 +207,14 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
         for layer in range(model.cfg.num_layers):
             torch.testing.assert_close(dec.trunk_cache.keys[layer][b, :, :mb], fresh.trunk_cache.keys[layer][b, :, :mb])
             torch.testing.assert_close(dec.trunk_cache.values[layer][b, :, :mb], fresh.trunk_cache.values[layer][b, :, :mb])
-        torch.testing.assert_close(dec.h[0][b, :mb], fresh.h[0][b, :mb])
+        torch.testing.assert_close(dec.batch.hidden[b, :mb], fresh.batch.hidden[b, :mb])
         for k in range(1, K + 1):
             v = mb - k + 1
-            c, f = dec.mtp_caches[k - 1], fresh.mtp_caches[k - 1]
+            c, f = dec.drafter.caches[k - 1], fresh.drafter.caches[k - 1]
             torch.testing.assert_close(c.cache.keys[0][b, :, :v], f.cache.keys[0][b, :, :v])
             torch.testing.assert_close(c.cache.values[0][b, :, :v], f.cache.values[0][b, :, :v])
             if k < K:
-                torch.testing.assert_close(dec.h[k][b, :v], fresh.h[k][b, :v])
+                torch.testing.assert_close(dec.drafter.hidden[k][b, :v], fresh.drafter.hidden[k][b, :v])
     assert torch.equal(dec.seq[torch.arange(3), m + 1], fresh.seq[torch.arange(3), m + 1])  # same drafts
 
 

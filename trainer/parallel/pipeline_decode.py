@@ -52,7 +52,7 @@ from torch import nn
 
 from tandem.models.documents import Documents
 from tandem.models.state import DecodeCache
-from tandem.trainer.qsa_training import RecallProbe
+from tandem.eval.recall import RecallProbe
 
 from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 from .pipeline_plan import selection_reused
@@ -232,8 +232,14 @@ class PipelinedModel:
         return h
 
 
+def parallel_decoding(cfg, model: nn.Module, pstate) -> Optional["ParallelDecoding"]:
+    """What the trainer hands the in-loop evaluator for decoding on its layout: None in one process."""
+    return ParallelDecoding(cfg, model, pstate) if pstate.world_size > 1 else None
+
+
 class ParallelDecoding:
-    """What the in-loop evaluator needs to decode on this rank's part of a parallel layout."""
+    """What the in-loop evaluator needs to decode on this rank's part of a parallel layout (the
+    evaluator's `LayoutDecoding` protocol, eval/in_loop.py; the trainer builds it and passes it in)."""
 
     def __init__(self, cfg, model: nn.Module, pstate):
         self.cfg, self.pstate, self.base = cfg, pstate, model

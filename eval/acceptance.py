@@ -1,0 +1,124 @@
+"""The acceptance figures of a decode (vLLM's definitions) and their 95% intervals over prompts.
+
+* `acceptance_metrics`: mean acceptance length, per-position acceptance rates and the draft
+  acceptance rate of a DecodeStats, each with `<key>_lo95` / `<key>_hi95` (`acceptance_intervals`: a
+  bootstrap over prompts at Hesterberg's expanded percentile levels);
+* `row_metrics`: one prompt's figures (for `tandem eval --output` and the logged samples).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import torch
+
+from .spec_decode import DecodeStats
+
+
+INTERVAL_RESAMPLES = 2000
+"""Bootstrap resamples behind each 95% interval (`acceptance_intervals`)."""
+INTERVAL_SEED = 0
+"""Seed of the resampling generator: the same rows give the same interval in every run and layout."""
+
+
+def _row_counts(stats: DecodeStats) -> torch.Tensor:
+    """[B, 2+K] float64 per-row counts: rounds, accepted, accepted at positions 1..K."""
+    K = stats.num_steps
+    cols = [stats.rounds.view(-1, 1), stats.accepted.view(-1, 1), stats.accepted_at[:, :K]]
+    return torch.cat([c.to("cpu", torch.float64) for c in cols], 1)
+
+
+def _ratio_figures(sums: torch.Tensor, K: int) -> dict:
+    """The acceptance figures from summed counts `sums` [..., 2+K] (as `_row_counts` orders them),
+    each a tensor of the leading shape: one formula for the point estimate and every resample."""
+    drafts, acc = sums[..., 0], sums[..., 1]
+    out = {"acceptance_length": 1.0 + acc / drafts.clamp(min=1),
+           "draft_acceptance_rate": acc / (drafts * K).clamp(min=1)}
+    for i in range(K):
+        out[f"accept_rate/pos_{i + 1}"] = sums[..., 2 + i] / drafts.clamp(min=1)
+    return out
+
+
+def _expanded_levels(n: int, level: float = 0.95) -> tuple:
+    """The quantiles (lo, hi) of the bootstrap distribution that give a `level` interval from n rows.
+
+    A plain percentile interval is too narrow for few prompts: the bootstrap spread divides by n where
+    the unbiased variance divides by n - 1, and it uses normal quantiles where Student's t applies.
+    Hesterberg's expanded percentile interval reads the percentiles at the normal tail whose quantile
+    is sqrt(n / (n - 1)) * t_{n-1}; it tends to the plain percentiles as n grows. t_{n-1} comes from
+    the Cornish-Fisher series (Abramowitz & Stegun 26.7.5), close to exact from 3 degrees of freedom
+    on; below that the tail is near 0 either way and the interval spans the resamples' range."""
+    if n < 2:
+        return 0.0, 1.0
+    normal = NormalDist()
+    z, v = normal.inv_cdf(0.5 + level / 2), n - 1
+    t = (z + (z ** 3 + z) / 4 / v + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96 / v ** 2
+         + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384 / v ** 3
+         + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160 / v ** 4)
+    tail = normal.cdf(-math.sqrt(n / v) * t)
+    return tail, 1.0 - tail
+
+
+def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES,
+                         seed: int = INTERVAL_SEED) -> dict:
+    """95% percentile-bootstrap interval of each `acceptance_metrics` figure, as `<key>_lo95` and
+    `<key>_hi95`, its percentiles read at the expanded levels of `_expanded_levels`.
+
+    The unit resampled is the row (one prompt): rows are drawn with replacement and each figure is
+    recomputed as the ratio of the resample's summed counts, as the point estimate is. Rounds within a
+    prompt share its text and are correlated, so resampling rounds would understate the width. Under
+    data parallelism `stats` must hold every replica's rows (evaluate_decoding gathers them in batch
+    order), so the interval equals one process's. The generator is private and fixed-seed: the global
+    RNG is untouched and a rerun reproduces the interval."""
+    counts = _row_counts(stats)
+    n, K = counts.shape[0], stats.num_steps
+    if n == 0:
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    chunk = max(1, (1 << 22) // n)  # bounds the [chunk, n] weight matrix when there are many prompts
+    parts = []
+    for start in range(0, resamples, chunk):
+        r = min(chunk, resamples - start)
+        idx = torch.randint(n, (r, n), generator=g)
+        # how often each row is drawn in each resample; the resample's sums are then one matmul
+        weights = torch.zeros(r, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(r, n, dtype=torch.float64))
+        parts.append(weights @ counts)
+    figures = _ratio_figures(torch.cat(parts), K)
+    q = torch.tensor(_expanded_levels(n), dtype=torch.float64)
+    out = {}
+    for key, values in figures.items():
+        lo, hi = torch.quantile(values, q).tolist()
+        out[f"{key}_lo95"], out[f"{key}_hi95"] = lo, hi
+    return out
+
+
+def acceptance_metrics(stats: DecodeStats) -> dict:
+    """vLLM definitions: mean acceptance length = 1 + accepted / drafts (draft = one K-token round of
+    one sequence; includes the bonus token), per-position rate = accepted at position i / drafts,
+    draft acceptance rate = accepted / drafted tokens. Accepted counts are budget-exact (drafts past
+    max_new_tokens or EOS do not count), so acceptance length = decoded tokens / rounds. Each figure
+    is followed by its 95% interval over prompts (`acceptance_intervals`: `<key>_lo95`, `<key>_hi95`)."""
+    point = _ratio_figures(_row_counts(stats).sum(0), stats.num_steps)
+    intervals = acceptance_intervals(stats)
+    out = {}
+    for key, value in point.items():
+        out[key] = float(value)
+        if intervals:
+            out[f"{key}_lo95"], out[f"{key}_hi95"] = intervals[f"{key}_lo95"], intervals[f"{key}_hi95"]
+    return out
+
+
+def row_metrics(stats: DecodeStats, b: int) -> dict:
+    """One row's acceptance (budget-exact), plus `accepted_all` / `accepted_all_at` (every accepted
+    draft, also past the budget: vLLM's counters) when the decode recorded them. No interval: one
+    prompt is the bootstrap's unit, not something it can resample."""
+    drafts, acc, K = int(stats.rounds[b]), int(stats.accepted[b]), stats.num_steps
+    out = {"acceptance_length": 1.0 + acc / max(drafts, 1), "drafts": drafts, "accepted": acc,
+           "draft_acceptance_rate": acc / max(drafts * K, 1)}
+    for i in range(K):
+        out[f"accept_rate/pos_{i + 1}"] = int(stats.accepted_at[b, i]) / max(drafts, 1)
+    if stats.accepted_all is not None:
+        out["accepted_all"] = int(stats.accepted_all[b])
+        out["accepted_all_at"] = [int(x) for x in stats.accepted_all_at[b]]
+    return out

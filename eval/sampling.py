@@ -1,0 +1,71 @@
+"""Token choice for the speculative decoder: the tempered nucleus distribution, a `TokenChooser` that
+draws from it (or takes the argmax at temperature 0), and the token-wise speculative-sampling rule.
+Block verification, the other rule, is eval/block_verify.py."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Softmax(logits / T) restricted to the top-p nucleus and renormalised (fp32)."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = p.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        sorted_p = sorted_p.masked_fill(cum - sorted_p > top_p, 0.0)
+        p = torch.zeros_like(p).scatter_(-1, idx, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+class TokenChooser:
+    """How a decode picks a token from logits: greedy at temperature 0, else a draw from the tempered
+    top-p distribution with the decode's generator. The trunk's tokens and the drafts are chosen
+    alike (so temperature and top-p apply identically to the target p and the draft q)."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None):
+        self.temperature, self.top_p, self.generator = float(temperature), float(top_p), generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from (sampling only)."""
+        return probs_from_logits(logits, self.temperature, self.top_p)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row of `probs` [B, V] -> [B]."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def choose(self, logits: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(token [B], probs [B,V] or None when greedy) from logits [B,V]."""
+        if self.greedy:
+            return logits.argmax(-1), None
+        probs = self.probs(logits)
+        return self.sample(probs), probs
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor):
+    """The speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023).
+
+    p [B,K+1,V] target probabilities at the verify positions, q [B,K,V] the draft probabilities the
+    drafts [B,K] were sampled from, u [B,K] uniforms. Draft i is accepted with min(1, p/q) while all
+    before it were. Returns (n [B] accepted drafts, dist [B,V] to sample the next token from: the
+    residual norm(max(p_n - q_n, 0)) after a rejection, p_K after all K were accepted).
+    """
+    k = drafts.shape[1]
+    pd = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    qd = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    accept = u * qd < pd
+    n = accept.long().cumprod(1).sum(1)
+    p_n = p.gather(1, n.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
+    q_n = q.gather(1, n.clamp(max=k - 1).view(-1, 1, 1).expand(-1, 1, q.shape[-1])).squeeze(1)
+    resid = (p_n - q_n).clamp(min=0.0)
+    total = resid.sum(-1, keepdim=True)
+    use_resid = (n < k).unsqueeze(-1) & (total > 0)
+    dist = torch.where(use_resid, resid / total.clamp(min=1e-30), p_n)
+    return n, dist
