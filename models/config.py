@@ -233,7 +233,9 @@ class MTPConfig:
     loss: MTPLossConfig = field(default_factory=MTPLossConfig)
     """The weighted multi-step loss."""
     detach_trunk: bool = False
-    """Stop MTP gradients from reaching the trunk (set by frozen-trunk fine-tuning)."""
+    """Stop MTP gradients from reaching the trunk's blocks (the shared embedding and head still get
+    them): the MTP module learns without pulling the trunk's representations toward drafting. A frozen
+    trunk (train.freeze_trunk) needs no detach: it runs without autograd."""
     loss_chunk_tokens: int = 2048
     """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab] logits)."""
     loss_head_backward: str = "fused"

@@ -14,14 +14,14 @@ from tandem.trainer.loop import train
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 
 
-def wandb_history(run_file):
-    """History rows of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record headers)
-    around protobuf `Record`s; wandb 0.31 ships no Python reader for its own format."""
+def wandb_records(run_file):
+    """The protobuf `Record`s of a .wandb file: LevelDB-log framing (32 KiB blocks, 7-byte record
+    headers); wandb 0.31 ships no Python reader for its own format."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     raw = open(run_file, "rb").read()
     assert raw[:4] == b":W&B"
-    pos, block, pending, rows = 7, 32768, b"", []
+    pos, block, pending, records = 7, 32768, b"", []
     while pos + 7 <= len(raw):
         if block - pos % block < 7:
             pos += block - pos % block
@@ -38,9 +38,14 @@ def wandb_history(run_file):
             continue
         record = pb.Record()
         record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+        records.append(record)
+    return records
+
+
+def wandb_history(run_file):
+    """History rows of a .wandb file, as {key: value}."""
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
 
 
 @pytest.mark.slow
@@ -84,8 +89,12 @@ def test_api_key_never_reaches_the_run_directory(tiny_overrides, monkeypatch):
     secret = "sk-test-0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("WANDB_API_KEY", secret)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1"])
+    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1", "logging.entity=mtp-team"])
     train(cfg)
+    # logging.entity names the wandb team the run belongs to
+    (run_file,) = glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*", "run-*.wandb"))
+    runs = [r.run for r in wandb_records(run_file) if r.WhichOneof("record_type") == "run"]
+    assert runs and all(r.entity == "mtp-team" for r in runs)
     for path in glob.glob(os.path.join(cfg.run.dir, "**", "*"), recursive=True):
         if os.path.isfile(path):
             with open(path, "rb") as f:

@@ -332,3 +332,27 @@ def test_param_count_grows_by_mtp_layers_only():
     assert sum(p.numel() for p in looped.parameters()) == base + mtp
     per_layer = mtp / 2
     assert math.isclose(per_layer, sum(p.numel() for p in looped.mtp.layers[0].parameters()))
+
+
+@pytest.mark.parametrize("style", ["looped", "parallel"])
+def test_detach_trunk_keeps_mtp_gradients_out_of_the_trunk(style):
+    """mtp.detach_trunk: the MTP depths' losses train the MTP module (and the shared embedding and
+    head) but send nothing into the trunk's blocks; without it they do. The main loss is unchanged."""
+    tokens = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for detach in (False, True):
+        torch.manual_seed(0)
+        model = TandemModel(tiny_cfg(), MTPConfig(num_steps=2, num_layers=1, style=style, detach_trunk=detach))
+        out = model(tokens)
+        combine_losses(out.loss_sums, out.token_counts, [0.0, 1.0, 1.0]).backward()  # the MTP depths only
+        grads[detach] = {n: (p.grad.abs().sum().item() if p.grad is not None else 0.0)
+                         for n, p in model.named_parameters()}
+        grads[detach, "main"] = out.loss_sums[0].item()
+    trunk = [n for n in grads[True] if n.startswith("layers.")]
+    assert trunk and all(grads[True][n] == 0.0 for n in trunk)
+    assert sum(grads[False][n] for n in trunk) > 0
+    assert all(grads[True][n] > 0 for n in grads[True] if n.startswith("mtp.") and "router" not in n
+               and "bias" not in n and "experts" not in n)
+    if style == "looped":  # a looped step embeds its input tokens (parallel heads read h_0 only)
+        assert grads[True]["embed_tokens.weight"] > 0
+    assert grads[True, "main"] == grads[False, "main"]

@@ -4,6 +4,8 @@ trainer's two groups (decay and no-decay)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -53,3 +55,19 @@ def test_auto_is_fused_on_cpu_and_a_bad_kernel_is_refused():
     assert build_optimizer(_model(), cfg).defaults["fused"] is True
     with pytest.raises(ConfigError, match="'train.optimizer_kernel'='adam8bit' must be auto, fused or foreach"):
         load_config(None, ["train.optimizer_kernel=adam8bit"])
+
+
+def test_decay_steps_sets_the_cosine_length_apart_from_max_steps():
+    """train.decay_steps: warm-up, then a cosine from lr to min_lr over decay_steps (not
+    max_steps - warmup_steps), then min_lr to the end; checked against the formula by hand."""
+    from tandem.trainer.optim import lr_at
+
+    t = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2", "train.max_steps=100",
+                           "train.decay_steps=10"]).train
+    assert lr_at(t, 0) == pytest.approx(0.5) and lr_at(t, 1) == pytest.approx(1.0)
+    assert lr_at(t, 2) == pytest.approx(1.0)
+    assert lr_at(t, 7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))  # halfway: 0.55
+    assert lr_at(t, 12) == pytest.approx(0.1) and lr_at(t, 60) == pytest.approx(0.1)
+    default = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2",
+                                 "train.max_steps=100"]).train
+    assert lr_at(default, 7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 5 / 98)))
