@@ -63,6 +63,17 @@ def public_name(name: str) -> str:
     return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
+def markdown_text(doc: str) -> str:
+    """The docstring as Markdown prose: outside `code` spans, `*` and `<` are literal characters (so
+    `tp * pp` is no emphasis and `step_<N>` no HTML tag)."""
+    parts = doc.split("`")
+    if len(parts) % 2 == 0:  # an unclosed code span: leave the text alone
+        return doc
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("*", "\\*").replace("<", "&lt;")
+    return "`".join(parts)
+
+
 def render_default(value: Any) -> str:
     return json.dumps(value, default=str)
 
@@ -99,10 +110,10 @@ def render() -> str:
         lines.append(f"## `{key}`" if key else "## Top level")
         lines.append("")
         if doc:
-            lines += [doc, ""]
+            lines += [markdown_text(doc), ""]
         for name, typ, default, text in rows:
             lines.append(f"- **`{name}`** · `{typ}` · default `{default}`")
-            body = text or "*(no docstring)*"
+            body = markdown_text(text) if text else "*(no docstring)*"
             lines += ["  " + line if line else "" for line in body.splitlines()]
             lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
