@@ -5,7 +5,7 @@ samples and checkpoints. Every run must match one uninterrupted single-process r
 per-step loss/main within 1e-5 relative, and the saved parameters of steps 2 and 4 (read back in one
 process from the DCP shards) within the same tolerance.
 
-The README's reshard, resuming at tp1 x ep2 on 4 ranks (dp2 x ep2: 4 batch ranks; ep is carved out of
+The reshard of docs/parallelism.md, resuming at tp1 x ep2 on 4 ranks (dp2 x ep2: 4 batch ranks; ep is carved out of
 data parallelism), changes the global batch: 2 x 2 on each of 4 batch ranks = 16 samples per step.
 It must continue the sample stream exactly where the checkpoint left it (step 3 reads samples 16..31,
 step 4 32..47: each rank's reads are logged sample by sample), and its learning rate follows the

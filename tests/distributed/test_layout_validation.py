@@ -67,7 +67,7 @@ def test_stage_split_even_and_explicit():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["parallel.pp=2", "train.grad_accum_steps=1", "train.micro_batch_size=8"], 2),  # the README's pp=2 line
+    (["parallel.pp=2", "train.grad_accum_steps=1", "train.micro_batch_size=8"], 2),  # docs/parallelism.md's pp=2 line
     (["parallel.pp=2", "train.grad_accum_steps=4"], 4),  # accumulation already fills the pipeline
     (["parallel.pp=4", "train.grad_accum_steps=1", "train.micro_batch_size=6"], 6),  # 4 and 5 do not divide 6
     (["parallel.pp=4", "train.grad_accum_steps=1", "train.micro_batch_size=6", "parallel.pp_schedule=gpipe"], 6),

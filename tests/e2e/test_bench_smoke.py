@@ -1,5 +1,5 @@
 """The benchmarks run (tiny sizes, a couple of steps), so they cannot rot between the runs that
-produce the README's figures."""
+produce the figures of docs/results.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,32 @@
-"""Every command the README shows runs: its ```bash blocks are parsed and each `tandem` / `torchrun`
-command is executed as written, with only tiny-model overrides and a 2-step budget appended (later
-`key=value` overrides win), so the documentation cannot rot.
+"""Every command the README and the docs site (docs/*.md) show runs, so the documentation cannot rot.
 
-`pip install ... && X` lines test X; `python -m pytest` is what this suite is, and is not recursed into.
-The evaluator runs at step 2 of every command (small prompt set), so each documented layout also
-shows it logs `eval/*`.
+The ```bash blocks of README.md and docs/*.md are parsed; each `tandem` / `torchrun` command runs as
+written, from a scratch directory that links the repository's recipes/, with only tiny-model
+overrides appended. A command shown on several pages runs once.
+
+- `pip install ... && X` lines test X; `python -m pytest` is what this suite is, and is not recursed into.
+- `tandem train` / `torchrun` commands train 2 steps with an evaluation at step 2 (small prompt set), so
+  each documented layout also shows it logs `eval/*`. The torchrun layouts that
+  `tests/distributed/test_cli_layouts.py` runs (and compares with one process) are not run twice.
+- `tandem train recipes/tiny.yaml` is the pretraining run the other flows start from: it writes
+  `runs/tiny` (the recipe's own run.dir) in the scratch directory, where the fine-tuning, eval, export
+  and report commands find it as written.
+- `tandem eval` gets a 2-prompt budget appended; `tandem launch slurm` must carry `--check` or
+  `--dry-run` (nothing is submitted); `--help` runs as is. These cheap commands run in this process
+  through the console script's entry point (`tandem.trainer.cli.main`), training commands in their own.
+- ```python blocks (vLLM's serve.py) need vLLM in its own environment: they must compile and make only
+  the calls `tests/e2e/vllm_driver.py` makes, which `tests/e2e/test_vllm_serving.py` runs against a
+  real vLLM server. ```sh blocks are for hardware the suite does not have (bench/gpu_check.py, whose
+  CPU form `tests/e2e/test_bench_gpu_check.py` runs).
+
+The suite runs on 2 cores over its time budget, so the docs show cheap forms (`--check`, `--help`)
+where they can, and at most EXPENSIVE_BUDGET distinct training commands run here.
 """
 
 from __future__ import annotations
 
+import ast
+import glob
 import json
 import os
 import re
@@ -24,6 +42,8 @@ pytestmark = [pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
+PAGES = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+VLLM_DRIVER = os.path.join(ROOT, "tests", "e2e", "vllm_driver.py")
 # the suite's tiny model and corpus slice (tests/conftest.py), with 2 kv heads for tp=2, 2 steps and
 # an evaluation at step 2 (later overrides win)
 TINY = TINY_OVERRIDES + [
@@ -31,32 +51,41 @@ TINY = TINY_OVERRIDES + [
     "eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.batch_size=2",
     "eval.loss_batches=1",
 ]
+EVAL_BUDGET = ["--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6", "--batch-size", "2"]
+PRETRAIN = "tandem train recipes/tiny.yaml"
+PRETRAIN_DIR = "runs/tiny"  # recipes/tiny.yaml's run.dir, which the docs' later commands read
+EXPENSIVE_BUDGET = 4  # training commands this file may run (each ~10-17 s on 2 cores)
 
 
-def readme_commands():
-    """The runnable commands of the README's bash blocks, as written."""
-    with open(README) as f:
-        text = f.read()
-    out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.splitlines():
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            for part in (p.strip() for p in line.split("&&")):
-                if part.startswith("pip ") or "-m pytest" in part:
+def blocks(lang: str, path: str):
+    with open(path) as f:
+        return re.findall(rf"^```{lang}\n(.*?)^```", f.read(), flags=re.S | re.M)
+
+
+def doc_commands():
+    """{command: [pages showing it]} of the runnable commands of the bash blocks, as written, in order."""
+    out = {}
+    for path in PAGES:
+        for block in blocks("bash", path):
+            for line in block.splitlines():
+                line = line.strip()
+                if not line or line.startswith("#"):
                     continue
-                out.append(part)
+                for part in (p.strip() for p in line.split("&&")):
+                    if part.startswith("pip ") or "-m pytest" in part:
+                        continue
+                    out.setdefault(part, []).append(os.path.relpath(path, ROOT))
     return out
 
 
-COMMANDS = readme_commands()
+SHOWN = doc_commands()
+COMMANDS = list(SHOWN)
 
 
 def cli_layouts_command(command: str):
-    """The torchrun layout of `tests/distributed/test_cli_layouts.py` this README command is, if any:
-    that test runs the same launcher, recipe and parallel flags (tiny overrides appended, 3 steps and an
-    evaluation) and checks losses and acceptance against one process, so it runs it here too."""
+    """The torchrun layout of `tests/distributed/test_cli_layouts.py` this command is, if any: that test
+    runs the same launcher, recipe and parallel flags (tiny overrides appended, 3 steps and an
+    evaluation) and checks losses and acceptance against one process, so it is not run here too."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
     from test_cli_layouts import LAYOUTS, RECIPE
 
@@ -68,9 +97,79 @@ def cli_layouts_command(command: str):
     return next(((w, o) for w, o in LAYOUTS if w == world and o == flags), None)
 
 
-def test_readme_shows_the_commands_this_test_runs():
-    assert any(c.startswith("tandem train recipes/tiny.yaml") for c in COMMANDS), COMMANDS
+def is_training(command: str) -> bool:
+    argv = shlex.split(command)
+    return (argv[0] == "torchrun" or argv[:2] == ["tandem", "train"]) and "--help" not in argv
+
+
+RUN_HERE = [c for c in COMMANDS if cli_layouts_command(c) is None]
+
+
+def test_docs_show_one_example_per_flow():
+    readme = [c for c, pages in SHOWN.items() if "README.md" in pages]
+    flows = {"pretrain": PRETRAIN, "slurm launch": "tandem launch slurm ", "fine-tuning": "tandem train recipes/finetune_mtp.yaml",
+             "evaluation": "tandem eval ", "serving": "tandem export "}
+    for flow, start in flows.items():
+        assert any(c.startswith(start) for c in readme), (flow, readme)
+    assert any(c.startswith("torchrun") for c in readme), readme
     assert sum(c.startswith("torchrun") for c in COMMANDS) >= 4, COMMANDS
+    # the docs' fine-tuning, eval and export examples read what the pretraining command writes
+    with open(os.path.join(ROOT, "recipes", "tiny.yaml")) as f:
+        assert f"dir: {PRETRAIN_DIR}\n" in f.read()
+
+
+def test_training_commands_fit_the_suite_budget():
+    """Each documented training command costs the suite 10-17 s: show cheap forms instead of new ones."""
+    expensive = [c for c in RUN_HERE if is_training(c)]
+    assert len(expensive) <= EXPENSIVE_BUDGET, expensive
+
+
+def test_commands_are_in_bash_blocks():
+    """A command in an unlabelled or other-language block would escape this test."""
+    for path in PAGES:
+        with open(path) as f:
+            text = f.read()
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
+            if lang in ("bash", "sh", "python"):
+                continue
+            lines = [x.strip() for x in body.splitlines()]
+            assert not any(x.startswith(("tandem ", "torchrun ")) for x in lines), (path, lang, body)
+
+
+def test_docs_torchrun_layouts_are_checked_by_the_cli_layout_test():
+    """The docs' basic torchrun layouts of the tiny recipe are run (and compared with one process) by
+    test_cli_layouts.py: at least the pp, ep, tp, tp+SP and tp x pp commands."""
+    covered = [c for c in COMMANDS if cli_layouts_command(c)]
+    assert len(covered) >= 5, covered
+
+
+def _llm_calls(tree):
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "LLM"]
+
+
+def _imports(tree):
+    return {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+def test_python_snippets_make_the_calls_the_vllm_test_runs():
+    """The serve.py snippets compile, import only what vllm_driver.py imports, and pass LLM() only keywords
+    the driver passes, with MTP speculation (test_vllm_serving.py runs the driver against real vLLM)."""
+    with open(VLLM_DRIVER) as f:
+        driver = ast.parse(f.read())
+    (driver_llm,) = _llm_calls(driver)
+    driver_keywords = {k.arg for k in driver_llm.keywords}
+    snippets = [(p, b) for p in PAGES for b in blocks("python", p)]
+    assert any("README" in p for p, _ in snippets) and any("serving" in p for p, _ in snippets), snippets
+    for path, code in snippets:
+        tree = ast.parse(compile(code, path, "exec", flags=ast.PyCF_ONLY_AST))
+        assert _imports(tree) <= _imports(driver), (path, _imports(tree) - _imports(driver))
+        calls = _llm_calls(tree)
+        assert calls, path
+        for call in calls:
+            keywords = {k.arg: k.value for k in call.keywords}
+            assert set(keywords) <= driver_keywords, (path, set(keywords) - driver_keywords)
+            spec = ast.literal_eval(keywords["speculative_config"])
+            assert spec["method"] == "mtp" and spec["num_speculative_tokens"] >= 1, (path, spec)
 
 
 def _free_port() -> int:
@@ -79,30 +178,101 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_readme_torchrun_layouts_are_checked_by_the_cli_layout_test():
-    """The README's basic torchrun layouts of the tiny recipe are run (and compared with one process) by
-    test_cli_layouts.py: at least the pp, ep, tp, tp+SP and tp x pp commands."""
-    covered = [c for c in COMMANDS if cli_layouts_command(c)]
-    assert len(covered) >= 5, covered
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A scratch directory laid out like the repository for the docs' relative paths (recipes/ linked),
+    where `runs/...` are written."""
+    ws = tmp_path_factory.mktemp("docs_workspace")
+    os.symlink(os.path.join(ROOT, "recipes"), ws / "recipes")
+    return ws
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if cli_layouts_command(c) is None])
-def test_readme_command_runs(command, tmp_path, corpus_cache):
-    argv = shlex.split(command)
-    assert argv[0] in ("tandem", "torchrun"), f"unexpected README command {command!r}"
+def _run(argv, cwd):
     if argv[0] == "torchrun":  # the same launcher, from this interpreter
         argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]
-    run_dir = tmp_path / "run"
-    argv += TINY + [f"data.cache_dir={corpus_cache}", f"run.dir={run_dir}"]
     bin_dir = os.path.dirname(sys.executable)
     # a free rendezvous port through torchrun's environment (the command line stays as written)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
                WANDB_MODE="disabled", PET_MASTER_PORT=str(_free_port()))
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _check_training(command, proc, run_dir):
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    with open(run_dir / "metrics.jsonl") as f:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     assert [r["step"] for r in records if "loss/main" in r] == [1, 2]
     evals = [r for r in records if "eval/acceptance_length" in r]
     assert len(evals) == 1 and evals[0]["step"] == 2, (command, proc.stderr[-2000:])
     assert evals[0]["eval/identical_to_autoregressive"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def pretrained(workspace, corpus_cache):
+    """The docs' pretraining command, run once: its run directory is `runs/tiny` in the workspace."""
+    assert PRETRAIN in SHOWN, f"the docs no longer show {PRETRAIN!r}, which their later examples read"
+    proc = _run(shlex.split(PRETRAIN) + TINY + [f"data.cache_dir={corpus_cache}"], workspace)
+    run_dir = workspace / PRETRAIN_DIR
+    _check_training(PRETRAIN, proc, run_dir)
+    assert any(n.startswith("step_") for n in os.listdir(run_dir / "checkpoints")), "no final checkpoint"
+    return run_dir
+
+
+def _tandem_in_process(argv, cwd, capsys):
+    """`tandem ARGS` through the console script's own entry point, in this process (no second import
+    of torch and megatron-core: these commands cost seconds, not the interpreter's start-up)."""
+    from tandem.trainer.cli import main
+
+    assert argv[0] == "tandem"
+    capsys.readouterr()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        rc = main(argv[1:])
+    except SystemExit as exc:  # argparse's --help and usage errors
+        rc = exc.code
+    finally:
+        os.chdir(here)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("command", RUN_HERE)
+def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, capsys):
+    argv = shlex.split(command)
+    assert argv[0] in ("tandem", "torchrun"), f"unexpected command {command!r} in {SHOWN[command]}"
+    if command == PRETRAIN:
+        request.getfixturevalue("pretrained")
+        return
+    if PRETRAIN_DIR in command:  # reads (or writes beside) the pretraining run
+        request.getfixturevalue("pretrained")
+    if is_training(command):  # a process of its own, as a user runs it
+        run_dir = tmp_path / "run"
+        proc = _run(argv + TINY + [f"data.cache_dir={corpus_cache}", f"run.dir={run_dir}"], workspace)
+        _check_training(command, proc, run_dir)
+        return
+    if "--help" in argv:
+        rc, out, err = _tandem_in_process(argv, workspace, capsys)
+        assert rc == 0 and "usage:" in out, err[-2000:]
+    elif argv[1:3] == ["launch", "slurm"]:
+        assert "--check" in argv or "--dry-run" in argv, f"{command!r} would submit a job"
+        rc, out, err = _tandem_in_process(argv, workspace, capsys)
+        assert rc == 0, err[-4000:]
+        assert "--dry-run" in argv or "layout ok" in out, out
+    elif argv[1] == "eval":
+        rc, out, err = _tandem_in_process(argv + EVAL_BUDGET, workspace, capsys)
+        assert rc == 0, err[-4000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert 1.0 <= result["acceptance_length"] <= 3.0, result  # TINY trains K=2
+    elif argv[1] == "export":
+        rc, out, err = _tandem_in_process(argv, workspace, capsys)
+        assert rc == 0, err[-4000:]
+        out_dir = workspace / argv[argv.index("--out") + 1]
+        assert (out_dir / "config.json").is_file(), os.listdir(out_dir)
+    elif argv[1] == "report":
+        rc, out, err = _tandem_in_process(argv, workspace, capsys)
+        assert rc == 0, err[-4000:]
+        page = out.strip().splitlines()[-1]
+        assert os.path.isfile(os.path.join(workspace, page)), out
+    else:
+        pytest.fail(f"no check for {command!r} (in {SHOWN[command]}): teach this test how to run it cheaply")
