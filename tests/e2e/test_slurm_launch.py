@@ -26,6 +26,28 @@ def _exe(path: Path, text: str) -> Path:
     return path
 
 
+class FakeSbatch:
+    """A stub `sbatch` first on PATH: it records its argv (`argv`, None if never called) and prints a
+    job id, as `sbatch --parsable` does."""
+
+    def __init__(self, tmp_path: Path, monkeypatch):
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        self.log = tmp_path / "sbatch_argv.json"
+        _exe(bin_dir / "sbatch",
+             f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(self.log)!r}, 'w'))\nprint('4242')\n")
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    @property
+    def argv(self):
+        return json.loads(self.log.read_text()) if self.log.exists() else None
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path, monkeypatch) -> FakeSbatch:
+    return FakeSbatch(tmp_path, monkeypatch)
+
+
 def _recipe(dir_: Path, run_dir: Path, name: str = "r.yaml") -> Path:
     dir_.mkdir(parents=True, exist_ok=True)
     p = dir_ / name
@@ -115,19 +137,14 @@ def test_unsafe_run_dir_rejected(tmp_path, capsys):
     assert rc == 2 and "run.dir" in capsys.readouterr().err
 
 
-def test_submit_writes_script_and_provenance(tmp_path, capsys, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "sbatch_argv.json"
-    _exe(bin_dir / "sbatch", f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(log)!r}, 'w'))\nprint('4242')\n")
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+def test_submit_writes_script_and_provenance(tmp_path, capsys, fake_sbatch):
     run_dir = tmp_path / "run"
     recipe = _recipe(tmp_path, run_dir)
     rc = launch_slurm_main([str(recipe), "train.max_steps=3", "--nodes", "1", "--procs-per-node", "2"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.strip() == "4242"
-    argv = json.loads(log.read_text())
+    argv = fake_sbatch.argv
     assert argv[0] == "--parsable" and len(argv) == 2
     script = Path(argv[1])
     assert script.parent == run_dir / "slurm" and script.name.startswith("launch_") and script.suffix == ".sbatch"
@@ -274,22 +291,17 @@ def test_agree_preemption_is_max_over_ranks(tmp_path):
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys, monkeypatch):
+def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys, monkeypatch, fake_sbatch):
     """The error `tandem train` would hit in the job's first seconds is printed now; nothing is written
-    or submitted (a stub sbatch records any call)."""
+    or submitted (the stub sbatch records any call)."""
     from tandem.trainer.cli import train_main
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    called = tmp_path / "sbatch_called"
-    _exe(bin_dir / "sbatch", f"#!/bin/bash\ntouch {called}\necho 1\n")
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     run_dir = tmp_path / "run"
     bad = ["parallel.tp=2", "parallel.pp=2", f"run.dir={run_dir}"]
     rc = launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "1", "--procs-per-node", "2"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert not called.exists() and not (run_dir / "slurm").exists()
+    assert fake_sbatch.argv is None and not (run_dir / "slurm").exists()
     # the same message as the trainer itself, started with that world size
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train_main([str(ROOT / "recipes" / "tiny.yaml"), *bad]) == 2
