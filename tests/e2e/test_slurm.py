@@ -2,8 +2,7 @@
 
 - Slurm's own pre-timeout signal (`--signal=USR1@N` from a 1-minute time limit) reaches a stub trainer
   that uses tandem.trainer.preemption under torchrun with 2 ranks: it checkpoints, requeues, resumes.
-- The real trainer (`tandem train`, 2 ranks on gloo) runs a tiny recipe to completion.
-- The real trainer is preempted mid-run with `scancel --signal=USR1 <job>` (delivered to the job
+- The real trainer (`tandem train`, 2 ranks on gloo) is preempted mid-run with `scancel --signal=USR1 <job>` (delivered to the job
   steps, the same path as the time-limit signal), requeues itself, resumes from the checkpoint and
   finishes with a continuous step count.
 
@@ -211,29 +210,14 @@ needs_trainer = pytest.mark.skipif(not TINY_RECIPE.exists(), reason="recipes/tin
 
 
 @needs_trainer
-def test_tiny_run_completes(slurm, tmp_path, corpus_cache):
-    run_dir = tmp_path / "run"
-    job_id = launch(
-        [str(TINY_RECIPE), f"run.dir={run_dir}", "train.max_steps=6", "checkpoint.interval=2",
-         f"data.cache_dir={corpus_cache}", *TINY, "--nodes", "1", "--procs-per-node", str(PROCS)],
-        _env(),
-    )
-    f = wait_job(slurm, job_id, run_dir, timeout=240)
-    logs = job_logs(run_dir, job_id)
-    assert f["JobState"] == "COMPLETED" and f["ExitCode"] == "0:0", (f, logs)
-    assert steps(run_dir) == [1, 2, 3, 4, 5, 6], logs
-    assert {2, 4, 6} <= set(checkpoint_steps(run_dir)), logs
-    assert (run_dir / "config.yaml").exists()
-    prov = json.loads(next((run_dir / "slurm").glob("launch_*.json")).read_text())
-    assert prov["job_id"] == job_id and prov["trainer_argv"][:3] == ["tandem", "train", str(TINY_RECIPE)]
-
-
-@needs_trainer
 def test_preempted_run_requeues_and_resumes(slurm, tmp_path, corpus_cache):
+    """A real run submitted by `tandem launch slurm` writes its provenance, is preempted, requeues,
+    resumes from the preemption checkpoint and completes every step once (this also covers a plain run
+    to completion: its interval checkpoints, config.yaml and the job's provenance)."""
     run_dir = tmp_path / "run"
     max_steps = 12
     job_id = launch(
-        [str(TINY_RECIPE), f"run.dir={run_dir}", f"train.max_steps={max_steps}", "checkpoint.interval=0",
+        [str(TINY_RECIPE), f"run.dir={run_dir}", f"train.max_steps={max_steps}", "checkpoint.interval=4",
          f"data.cache_dir={corpus_cache}", *TINY, "--nodes", "1", "--procs-per-node", str(PROCS)],
         _env(),
     )
@@ -259,3 +243,7 @@ def test_preempted_run_requeues_and_resumes(slurm, tmp_path, corpus_cache):
     assert "start (restart 1)" in logs
     # Every step exactly once, in order: the resumed attempt continued from the checkpoint step.
     assert steps(run_dir) == list(range(1, max_steps + 1)), logs
+    assert {8, 12} <= set(checkpoint_steps(run_dir)), logs  # the interval's, after the resume
+    assert (run_dir / "config.yaml").exists()
+    prov = json.loads(next((run_dir / "slurm").glob("launch_*.json")).read_text())
+    assert prov["job_id"] == job_id and prov["trainer_argv"][:3] == ["tandem", "train", str(TINY_RECIPE)]
