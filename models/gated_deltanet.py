@@ -40,7 +40,7 @@ Tensor parallelism (trainer/parallel/tensor_hybrid.py): in_proj_qkv and conv1d s
 groups, in_proj_z/b/a, dt_bias and A_log by value heads, out_proj is row-parallel and the gated
 norm's per-head_v_dim weight stays replicated. The module never trusts its constructor's head counts
 at run time: the local value heads are the width of in_proj_b's output and the local key heads follow
-from the fixed ratio num_v_heads / num_k_heads; `computed_params` is where a wrapper hands forward its
+from the fixed ratio num_v_heads / num_k_heads; `computed_params` is where the tensor-parallel module hands forward its
 local shards of the non-Linear parameters.
 
 Decoding follows models/state.py: the recurrent state after the token at position p lives in slot

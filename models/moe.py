@@ -9,8 +9,9 @@ syncs on CUDA). The kernel sits behind two custom ops (`tandem::grouped_mm` and 
 `tandem::grouped_mm_raw`), so `torch.compile` (`train.compile`) traces a block through it without a
 graph break. Where the grouped kernel is missing for the device/dtype (or the row strides are not
 16-byte aligned) the experts fall back to one matmul per expert over host-side counts
-(`model.expert_matmul`). Expert parallelism swaps in a dispatcher around `GroupedExperts` (see
-trainer/parallel/); the model itself holds no process groups.
+(`model.expert_matmul`). Expert parallelism replaces `GroupedExperts` by a dispatching module built
+from it with the same parameters (trainer/parallel/tensor.py `ParallelExperts`, whose `prepare` and
+`dispatch` start the exchanges); the model itself holds no process groups.
 
 Auxiliary losses (load balance, z-loss) never travel through return values: `AuxLossGrad` attaches
 their gradient to the layer's output during backward (Megatron's approach), so pipeline stages and

@@ -51,7 +51,7 @@ Tensor parallelism (trainer/parallel/tensor_hybrid.py) shards q/k/v/o by heads (
 read from projection widths at run time). The indexer stays replicated and reads the whole input on
 every rank, so every rank scores and selects the same positions. Its loss target and the recall sum
 over all heads, so the per-rank head sums (`attention_block_mass`) go through `reduce_heads` (the
-identity here, an all-reduce over tp in the TP wrapper) before they are normalised.
+identity here, an all-reduce over tp in the tensor-parallel module) before they are normalised.
 """
 
 from __future__ import annotations

@@ -160,6 +160,7 @@ def test_sharded_ngram_table_in_one_process_equals_the_plain_lookup():
         model.layers = nn.ModuleDict({"1": block})
         names = shard_ple_tables(model, init_device_mesh("cpu", (1,)), exchange_dtype=None)
         assert names == ["layers.1.ple.ple_embedding.ngram_embedding.weight"]
+        table = block.ple.ple_embedding.ngram_embedding  # the sharded table built from the model's
         assert isinstance(table, ShardedNGramTable) and table.row_starts.tolist() == [0, 37]
         for _ in range(2):  # two micro-batches: gradients accumulate
             ids = torch.randint(0, 37, (2, 5, 4))

@@ -54,7 +54,7 @@ from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum, head_cr
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu, inverse_permutation
 
 from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
-from .sharded_params import local, shard_parameter
+from .sharded_params import adopt, local, replace_child, shard_parameter, sharded_parameter
 from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
 
 
@@ -74,7 +74,8 @@ class _InFlight(NamedTuple):
 
 
 class ParallelExperts(GroupedExperts):
-    """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp.
+    """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp, built from the
+    model's layer (its parameters, under the same names, become DTensors over `expert_mesh`).
 
     Token copies arrive sorted by (global) expert with per-expert counts (a device tensor); they
     are sent to the ep rank holding their expert (counts exchanged first, then an all-to-all of the
@@ -101,13 +102,22 @@ class ParallelExperts(GroupedExperts):
     re-sends tokens nor waits on the other ranks (activation_checkpoint.py).
     """
 
-    ep_group = None
-    ep_size = 1
-    num_experts = 0
-    top_k = 1
-    ep_dispatch = "exact"
-    _exchange = None
-    _in_flight: Optional[_InFlight] = None
+    def __init__(self, experts: GroupedExperts, num_experts: int, top_k: int, ep_mesh=None, expert_mesh=None,
+                 tp: int = 1, ep_dispatch: str = "exact"):
+        nn.Module.__init__(self)
+        adopt(self, experts)
+        self.ep_size = ep_mesh.size() if ep_mesh is not None else 1
+        self.ep_group = ep_mesh.get_group() if self.ep_size > 1 else None
+        self.num_experts, self.top_k = num_experts, top_k
+        self.ep_dispatch = ep_dispatch  # parallel.ep_dispatch
+        if expert_mesh is not None:
+            ep = [Shard(0)] if self.ep_size > 1 else []
+            inter, hidden = ([Shard(1)], [Shard(2)]) if tp > 1 else ([], [])
+            self.gate_proj = sharded_parameter(experts.gate_proj, expert_mesh, ep + inter)
+            self.up_proj = sharded_parameter(experts.up_proj, expert_mesh, ep + inter)
+            self.down_proj = sharded_parameter(experts.down_proj, expert_mesh, ep + hidden)
+        self._exchange = None
+        self._in_flight: Optional[_InFlight] = None
 
     def prepare(self, counts: torch.Tensor) -> None:
         if self.ep_size > 1:
@@ -180,10 +190,25 @@ class TensorParallelMoE(MoE):
 
     The router is replicated and sees the full input. Routed outputs are partial sums, so the
     routing weights that scale them get their (partial) gradients summed over tp in backward.
+    Built from the model's layer (same submodules and names); the shared expert's weights become tp
+    shards. `switch`: the SequenceParallelSwitch under sequence parallelism (tokens are this rank's
+    sequence shard while it is on), else None.
     """
 
-    tp_group = None
-    sequence_parallel = False
+    def __init__(self, moe: MoE, tp_mesh, switch: Optional["SequenceParallelSwitch"] = None):
+        nn.Module.__init__(self)
+        adopt(self, moe)
+        self.tp_group = tp_mesh.get_group()
+        self.switch = switch
+        if self.shared_experts is not None:
+            se = self.shared_experts
+            shard_parameter(se.gate_proj, "weight", tp_mesh, [Shard(0)])
+            shard_parameter(se.up_proj, "weight", tp_mesh, [Shard(0)])
+            shard_parameter(se.down_proj, "weight", tp_mesh, [Shard(1)])
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.switch is not None and self.switch.on
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         shape = x_bsh.shape
@@ -226,31 +251,15 @@ class TensorParallelMoE(MoE):
         return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
 
 
-def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, sequence_parallel: bool = False,
-                    ep_dispatch: str = "exact") -> None:
-    """Shard one MoE layer's experts over (ep, tp) and, under tp, swap in TensorParallelMoE.
-    `ep_dispatch`: `parallel.ep_dispatch` (ParallelExperts)."""
+def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, switch: Optional["SequenceParallelSwitch"] = None,
+                    ep_dispatch: str = "exact") -> MoE:
+    """One MoE layer with its experts sharded over (ep, tp) (`ParallelExperts` replaces `moe.experts`)
+    and, under tp, the layer rebuilt as a TensorParallelMoE: returns the layer to use (the caller puts
+    it in place of `moe`). `switch`: under sequence parallelism. `ep_dispatch`: `parallel.ep_dispatch`."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    ep = ep_mesh.size() if ep_mesh is not None else 1
-    experts = moe.experts
-    experts.__class__ = ParallelExperts
-    experts.ep_size, experts.num_experts = ep, moe.cfg.num_experts
-    experts.top_k, experts.ep_dispatch = moe.cfg.top_k, ep_dispatch
-    experts.ep_group = ep_mesh.get_group() if ep > 1 else None
-    if expert_mesh is not None:
-        dims = ([Shard(0)] if ep > 1 else []), ([Shard(1)] if tp > 1 else []), ([Shard(2)] if tp > 1 else [])
-        shard_parameter(experts, "gate_proj", expert_mesh, dims[0] + dims[1])
-        shard_parameter(experts, "up_proj", expert_mesh, dims[0] + dims[1])
-        shard_parameter(experts, "down_proj", expert_mesh, dims[0] + dims[2])
-    if tp > 1:
-        moe.__class__ = TensorParallelMoE
-        moe.tp_group = tp_mesh.get_group()
-        moe.sequence_parallel = sequence_parallel
-        if moe.shared_experts is not None:
-            se = moe.shared_experts
-            shard_parameter(se.gate_proj, "weight", tp_mesh, [Shard(0)])
-            shard_parameter(se.up_proj, "weight", tp_mesh, [Shard(0)])
-            shard_parameter(se.down_proj, "weight", tp_mesh, [Shard(1)])
+    replace_child(moe, moe.experts, ParallelExperts(moe.experts, moe.cfg.num_experts, moe.cfg.top_k, ep_mesh,
+                                                    expert_mesh, tp, ep_dispatch))
+    return TensorParallelMoE(moe, tp_mesh, switch) if tp > 1 else moe
 
 
 # --- vocab-parallel output head ------------------------------------------------------------------
@@ -282,14 +291,20 @@ class VocabParallelHead(nn.Module):
     computes each chunk's gradients in forward, the weight's into this rank's vocabulary shard only.
     """
 
-    def __init__(self, weight: torch.Tensor, tp_mesh, sequence_parallel: bool = False, backward: str = "fused"):
+    def __init__(self, weight: torch.Tensor, tp_mesh, switch: Optional["SequenceParallelSwitch"] = None,
+                 backward: str = "fused"):
         super().__init__()
         self.tp_mesh = tp_mesh
-        # under SP the input arrives through `gather_along`, whose backward already sums over tp
-        self.sequence_parallel = sequence_parallel
+        # under SP (while `switch.on`) the input arrives through `gather_along`, whose backward already
+        # sums over tp
+        self.switch = switch
         self.backward = backward  # MTPConfig.loss_head_backward
         self.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
                                    requires_grad=weight.requires_grad)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.switch is not None and self.switch.on
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
         return self(h_normed)
@@ -330,12 +345,12 @@ class SequenceParallelSwitch:
     has 1..K+1 tokens per row, which cannot be split over tp, so `whole_sequences()` makes the same
     modules take and return whole, replicated activations: the embedding and row-parallel outputs
     all-reduce instead of reduce-scattering, TP-region inputs are already whole, MoE layers route
-    all tokens on every rank, and the head needs no gather. Same weights, same math."""
+    all tokens on every rank, and the head needs no gather. Same weights, same math. The parallel
+    modules (TP mixers, MoE layers and PLE layers, the vocab-parallel head, the switchable styles) take
+    the switch as a constructor argument and read `on`."""
 
     def __init__(self):
         self.on = True
-        self.flagged: List[nn.Module] = []
-        """Modules with a `sequence_parallel` attribute (TP MoE layers, the vocab-parallel head)."""
         self.models: List[nn.Module] = []
         """Models whose `gather_sequence` is set."""
 
@@ -346,16 +361,12 @@ class SequenceParallelSwitch:
             return
         saved = [(m.gather_sequence, m.sequence_shards) for m in self.models]
         self.on = False
-        for m in self.flagged:
-            m.sequence_parallel = False
         for m in self.models:
             m.gather_sequence = m.sequence_shards = None
         try:
             yield
         finally:
             self.on = True
-            for m in self.flagged:
-                m.sequence_parallel = True
             for m, (gather, shards) in zip(self.models, saved):
                 m.gather_sequence, m.sequence_shards = gather, shards
 
@@ -460,25 +471,20 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
             plan = _block_plan(block, switch if sp else None)
             if plan:
                 parallelize_module(block, tp_mesh, plan)
-            if parallelize_hybrid_mixer(block.mixer, tp_mesh, sp) and sp:
-                switch.flagged.append(block.mixer)
+            parallelize_hybrid_mixer(block, tp_mesh, switch if sp else None)
             if getattr(block, "ple", None) is not None:
-                flagged = parallelize_ple(block.ple, tp_mesh, sp)
-                if sp:
-                    switch.flagged += flagged
+                parallelize_ple(block, tp_mesh, switch if sp else None)
         if isinstance(block.mlp, MoE):
-            parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh, sp, ep_dispatch)
-            if sp:
-                switch.flagged.append(block.mlp)
+            block.mlp = parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh,
+                                        switch if sp else None, ep_dispatch)
     if tp > 1:
         if getattr(model, "embed_tokens", None) is not None:
             style = (_SwitchableRowwise(switch, input_layouts=Replicate(), output_layouts=Shard(1)) if sp
                      else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
             parallelize_module(model.embed_tokens, tp_mesh, style)
         if getattr(model, "lm_head", None) is not None:
-            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, sp, model.lm_head.backward)
-            if sp:
-                switch.flagged.append(model.lm_head)
+            model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, switch if sp else None,
+                                              model.lm_head.backward)
     if not sp:
         # Replicated weights applied to one rank's heads only (per-head q/k norms, Gated DeltaNet's gated
         # norm) or scaling its partial output (the shared expert's gate): gradients partial over tp.

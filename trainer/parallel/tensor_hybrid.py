@@ -3,13 +3,18 @@
 tensor.py applies torch's DTensor styles to full attention and dense MLPs; the hybrid token mixers
 are Megatron-style regions written with comm.py's autograd collectives instead, because they hold
 parameters that are not nn.Linear (the depthwise conv, A_log, dt_bias) and a replicated part (the
-QSA indexer) that must read the whole input as a plain tensor. A mixer's class is swapped for a
-subclass whose forward is
+QSA indexer) that must read the whole input as a plain tensor. A mixer is replaced by a parallel
+module built from it (`TensorParallelGatedDeltaNet(mixer, tp_mesh, switch)`: a subclass of the layer's
+class that adopts its parameters, buffers and submodules under the same names, so checkpoints and
+DCP resharding see the single-process names) whose forward is
 
     enter (all-gather the sequence under SP, else identity with an all-reduced input gradient)
-    -> the unchanged single-process forward on this rank's heads (`_ShardedLinear` projections
+    -> the unchanged single-process forward on this rank's heads (`ShardedLinear` projections
        compute with their local shards)
     -> exit (reduce-scatter the partial output under SP, else all-reduce it).
+
+No layer's class is reassigned and no attribute is set on a model layer: what a parallel module needs
+(its group, the sequence-parallel switch) are its constructor's arguments.
 
 * Gated DeltaNet: in_proj_qkv and the conv1d channels are stored by key-head group ([q_g | k_g | v_g],
   see models/gated_deltanet.py), so Shard(0) with linear_num_key_heads % tp == 0 gives each rank whole
@@ -44,7 +49,7 @@ subclass whose forward is
   their gradients are complete on every rank; under SP they compute on sequence shards and their
   gradients are partial over tp (`sp_partial_names` in tensor.py).
 
-Decoding switches SP off (tensor.SequenceParallelSwitch flags these modules): regions then take and
+Decoding switches SP off (the modules read `tensor.SequenceParallelSwitch.on`): regions then take and
 return whole sequences, and each rank's decoder state holds its own heads (GDN rings, QSA KV buffers);
 QSA's raw indexer keys are replicated.
 """
@@ -65,29 +70,40 @@ from tandem.models.qsa import IndexedAttention
 
 from .comm import (_all_gather_dim, _reduce_scatter_dim, all_to_all, copy_to_group, gather_along,
                    reduce_from_group, scatter_reduce_along)
-from .sharded_params import local, shard_parameter
+from .sharded_params import adopt, local, replace_child, shard_parameter, sharded_parameter
 
 
-class _ShardedLinear(nn.Linear):
-    """nn.Linear computing with its local shard: Shard(0) gives this rank's output features
-    (column-parallel), Shard(1) a partial sum over tp (row-parallel). No bias."""
+class ShardedLinear(nn.Linear):
+    """A bias-free nn.Linear computing with its local shard, built from one: weight Shard(0) gives this
+    rank's output features (column-parallel), Shard(1) a partial sum over tp (row-parallel)."""
+
+    def __init__(self, linear: nn.Linear, mesh, dim: int):
+        if linear.bias is not None:
+            raise ValueError("tensor_hybrid shards bias-free projections only")
+        nn.Module.__init__(self)
+        adopt(self, linear)
+        self.weight = sharded_parameter(linear.weight, mesh, [Shard(dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, local(self.weight))
 
 
-def _shard_linear(linear: nn.Linear, mesh, dim: int) -> None:
-    if linear.bias is not None:
-        raise ValueError("tensor_hybrid shards bias-free projections only")
-    shard_parameter(linear, "weight", mesh, [Shard(dim)])
-    linear.__class__ = _ShardedLinear
+def _sequence_parallel(switch) -> bool:
+    return switch is not None and switch.on
 
 
 class _Region:
     """A token mixer computing its own heads over the whole sequence (see the module docstring)."""
 
-    tp_group = None
-    sequence_parallel = False
+    def _init_region(self, tp_mesh, switch) -> None:
+        self.tp_group = tp_mesh.get_group()
+        self.switch = switch
+        """tensor.SequenceParallelSwitch under sequence parallelism (its `on` says whether the input is a
+        sequence shard), else None."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return _sequence_parallel(self.switch)
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
         return gather_along(x, self.tp_group, 1) if self.sequence_parallel else copy_to_group(x, self.tp_group)
@@ -97,6 +113,19 @@ class _Region:
 
 
 class TensorParallelGatedDeltaNet(_Region, GatedDeltaNet):
+    """Gated DeltaNet on this rank's key-head groups (see the module docstring)."""
+
+    def __init__(self, layer: GatedDeltaNet, tp_mesh, switch=None):
+        nn.Module.__init__(self)
+        adopt(self, layer)
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            setattr(self, name, ShardedLinear(getattr(layer, name), tp_mesh, 0))
+        self.out_proj = ShardedLinear(layer.out_proj, tp_mesh, 1)
+        shard_parameter(self.conv1d, "weight", tp_mesh, [Shard(0)])
+        self.A_log = sharded_parameter(layer.A_log, tp_mesh, [Shard(0)])
+        self.dt_bias = sharded_parameter(layer.dt_bias, tp_mesh, [Shard(0)])
+        self._init_region(tp_mesh, switch)
+
     def computed_params(self):
         return local(self.conv1d.weight), local(self.A_log), local(self.dt_bias)
 
@@ -105,6 +134,16 @@ class TensorParallelGatedDeltaNet(_Region, GatedDeltaNet):
 
 
 class TensorParallelIndexedAttention(_Region, IndexedAttention):
+    """QSA on this rank's heads with a replicated indexer (see the module docstring)."""
+
+    def __init__(self, layer: IndexedAttention, tp_mesh, switch=None):
+        nn.Module.__init__(self)
+        adopt(self, layer)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, ShardedLinear(getattr(layer, name), tp_mesh, 0))
+        self.o_proj = ShardedLinear(layer.o_proj, tp_mesh, 1)
+        self._init_region(tp_mesh, switch)
+
     def reduce_heads(self, head_sums: torch.Tensor) -> torch.Tensor:
         out = head_sums.detach().clone()  # no gradient: the indexer's target and the recall
         dist.all_reduce(out, group=self.tp_group)
@@ -166,21 +205,42 @@ class ShardedNGramTable(nn.Embedding):
     (N = B x S x ngram_heads; each tp rank asks for its 1/tp slice of the positions): one all-to-all
     of G counts, one of the ids (4 bytes each) and one of the rows back (N/tp x row x dtype bytes),
     the tp all-gather of the rows (N x row x dtype bytes received); backward the rows' gradients take
-    the same ways back."""
+    the same ways back. Built from the model's table (`shard_ple_tables`); `with_tensor_parallel` gives
+    the table that also slices the positions over tp (`parallelize_ple`)."""
 
-    group = None
-    """The process group of the weight's mesh (the stage's dp x ep x tp ranks)."""
-    row_starts = None
-    """[G + 1] first global row of each group rank's shard (and the row count)."""
-    row_start = 0
-    tp_group = None
-    tp_size = 1
-    tp_rank = 0
-    sequence_parallel = False
-    """The caller keeps one sequence shard of its output (the gradients are partial over tp)."""
-    exchange_dtype = None
-    """Rows travel (and the output is) in this dtype: the compute dtype under mixed precision, as FSDP's
-    gathered parameters would be; None: the table's."""
+    def __init__(self, table: nn.Embedding, group_mesh, exchange_dtype=None, tp_mesh=None, switch=None):
+        nn.Module.__init__(self)
+        adopt(self, table)
+        rows, size = table.weight.shape[0], group_mesh.size()
+        if not isinstance(table.weight, DTensor):
+            self.weight = sharded_parameter(table.weight, group_mesh, [Shard(0)])
+        self.group_mesh = group_mesh
+        self.group = group_mesh.get_group()
+        """The process group of the weight's mesh (the stage's dp x ep x tp ranks)."""
+        offsets = [Shard(0)._local_shard_size_and_offset(rows, size, r)[1] for r in range(size)]
+        self.row_starts = torch.tensor([min(o, rows) for o in offsets] + [rows], dtype=torch.long)
+        """[G + 1] first global row of each group rank's shard (and the row count)."""
+        self.row_start = _row_start(self.weight)
+        if self.row_start != int(self.row_starts[group_mesh.get_local_rank()]):
+            raise RuntimeError("unexpected DTensor row split of the PLE table")
+        self.exchange_dtype = exchange_dtype
+        """Rows travel (and the output is) in this dtype: the compute dtype under mixed precision, as
+        FSDP's gathered parameters would be; None: the table's."""
+        self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
+        self.tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
+        self.switch = switch
+        """tensor.SequenceParallelSwitch under sequence parallelism: while `on`, the caller keeps one
+        sequence shard of the output (the gradients are partial over tp); None without SP."""
+        self._starts_cache = None
+
+    def with_tensor_parallel(self, tp_mesh, switch=None) -> "ShardedNGramTable":
+        """This table (same parameter) looking up one 1/tp slice of the positions per tp rank."""
+        return ShardedNGramTable(self, self.group_mesh, self.exchange_dtype, tp_mesh, switch)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return _sequence_parallel(self.switch)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         S = ids.shape[1]
@@ -195,7 +255,7 @@ class ShardedNGramTable(nn.Embedding):
         return rows
 
     def _starts_on(self, device) -> torch.Tensor:
-        cached = getattr(self, "_starts_cache", None)
+        cached = self._starts_cache
         if cached is None or cached.device != device:
             cached = self._starts_cache = self.row_starts.to(device)
         return cached
@@ -228,9 +288,16 @@ class TensorParallelPLE(PLELayer):
     """PLE with a row-sharded table; under SP it runs on the gathered sequence and returns this rank's
     shard (the conv's window reaches into the previous ranks' positions)."""
 
-    tp_group = None
-    tp_rank = 0
-    sequence_parallel = False
+    def __init__(self, layer: PLELayer, tp_mesh, switch=None):
+        nn.Module.__init__(self)
+        adopt(self, layer)
+        self.tp_group, self.tp_rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
+        self.switch = switch
+        """tensor.SequenceParallelSwitch under sequence parallelism, else None."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return _sequence_parallel(self.switch)
 
     def forward(self, x_bsX, input_ids_bs, positions_bs=None, cache=None, documents=None):
         if not self.sequence_parallel:
@@ -248,24 +315,16 @@ def _row_start(weight: DTensor) -> int:
     return int(offset[0]) if offset else 0
 
 
-def parallelize_hybrid_mixer(mixer: nn.Module, tp_mesh, sequence_parallel: bool) -> bool:
-    """Shard a Gated DeltaNet or QSA mixer over tp in place; False for other mixer kinds."""
+def parallelize_hybrid_mixer(block: nn.Module, tp_mesh, switch=None) -> bool:
+    """Replace `block`'s Gated DeltaNet or QSA mixer by its tensor-parallel module; False for other mixer
+    kinds. `switch`: tensor.SequenceParallelSwitch under sequence parallelism, else None."""
+    mixer = block.mixer
     if isinstance(mixer, GatedDeltaNet):
-        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
-            _shard_linear(getattr(mixer, name), tp_mesh, 0)
-        _shard_linear(mixer.out_proj, tp_mesh, 1)
-        shard_parameter(mixer.conv1d, "weight", tp_mesh, [Shard(0)])
-        shard_parameter(mixer, "A_log", tp_mesh, [Shard(0)])
-        shard_parameter(mixer, "dt_bias", tp_mesh, [Shard(0)])
-        mixer.__class__ = TensorParallelGatedDeltaNet
+        replace_child(block, mixer, TensorParallelGatedDeltaNet(mixer, tp_mesh, switch))
     elif isinstance(mixer, IndexedAttention):
-        for name in ("q_proj", "k_proj", "v_proj"):
-            _shard_linear(getattr(mixer, name), tp_mesh, 0)
-        _shard_linear(mixer.o_proj, tp_mesh, 1)
-        mixer.__class__ = TensorParallelIndexedAttention
+        replace_child(block, mixer, TensorParallelIndexedAttention(mixer, tp_mesh, switch))
     else:
         return False
-    mixer.tp_group, mixer.sequence_parallel = tp_mesh.get_group(), sequence_parallel
     return True
 
 
@@ -274,37 +333,24 @@ def shard_ple_tables(model: nn.Module, group_mesh, exchange_dtype=None) -> List[
     dp x ep x tp ranks), before TP (`parallelize_ple` adds the tp slicing) and FSDP (which must leave the
     returned parameters alone). Returns the tables' parameter names."""
     names = []
-    group, size, rank = group_mesh.get_group(), group_mesh.size(), group_mesh.get_local_rank()
-    if rank != dist.get_rank(group):
+    if group_mesh.get_local_rank() != dist.get_rank(group_mesh.get_group()):
         raise RuntimeError("the PLE table's mesh coordinate and group rank disagree")
     for i, block in model.layers.items():
         ple = getattr(block, "ple", None)
         if ple is None:
             continue
         table = ple.ple_embedding.ngram_embedding
-        rows = table.weight.shape[0]
-        shard_parameter(table, "weight", group_mesh, [Shard(0)])
-        table.__class__ = ShardedNGramTable
-        offsets = [Shard(0)._local_shard_size_and_offset(rows, size, r)[1] for r in range(size)]
-        table.row_starts = torch.tensor([min(o, rows) for o in offsets] + [rows], dtype=torch.long)
-        table.row_start = _row_start(table.weight)
-        if table.row_start != int(table.row_starts[rank]):
-            raise RuntimeError("unexpected DTensor row split of the PLE table")
-        table.group, table.exchange_dtype = group, exchange_dtype
+        replace_child(ple.ple_embedding, table, ShardedNGramTable(table, group_mesh, exchange_dtype))
         names.append(f"layers.{i}.ple.ple_embedding.ngram_embedding.weight")
     return names
 
 
-def parallelize_ple(ple: PLELayer, tp_mesh, sequence_parallel: bool) -> List[nn.Module]:
-    """PLE under tp: the layer runs on the gathered sequence under SP, and a table sharded by
-    `shard_ple_tables` looks up one slice of the positions per tp rank. Returns the modules whose
-    `sequence_parallel` decoding flips."""
-    table = ple.ple_embedding.ngram_embedding
+def parallelize_ple(block: nn.Module, tp_mesh, switch=None) -> None:
+    """Replace `block`'s PLE layer by its tensor-parallel module: it runs on the gathered sequence under
+    SP (`switch`: tensor.SequenceParallelSwitch, else None), and its table, sharded by `shard_ple_tables`,
+    looks up one slice of the positions per tp rank."""
+    table = block.ple.ple_embedding.ngram_embedding
     if not isinstance(table, ShardedNGramTable):
         raise RuntimeError("shard_ple_tables must shard the PLE tables before tensor parallelism")
-    ple.__class__ = TensorParallelPLE
-    ple.tp_group, ple.tp_rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
-    table.tp_group, table.tp_size, table.tp_rank = ple.tp_group, tp_mesh.size(), ple.tp_rank
-    for m in (table, ple):
-        m.sequence_parallel = sequence_parallel
-    return [table, ple]
+    replace_child(block.ple.ple_embedding, table, table.with_tensor_parallel(tp_mesh, switch))
+    replace_child(block, block.ple, TensorParallelPLE(block.ple, tp_mesh, switch))
