@@ -56,7 +56,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tandem.models.moe import GroupedExperts
 
-from .sharded_params import local
+from .sharded_params import adopt, local, replace_module
 
 
 def _is_shard(placement) -> bool:
@@ -295,13 +295,20 @@ _COMPUTE_COPY_CLASSES: Dict[type, type] = {}
 
 
 def _compute_copy_class(cls: type) -> type:
-    """`cls` whose forward reads its `compute_copy_names` parameters as `compute_copy_dtype` copies.
+    """`cls` whose forward reads its `compute_copy_names` parameters as `compute_copy_dtype` copies; its
+    constructor `(module, names, dtype)` builds one from a `cls` module (same parameters, buffers,
+    submodules, settings and hooks: `adopt`), which `cast_kept_whole` puts in the module's place.
 
-    A subclass (swapped in like tensor.py's parallel classes) rather than forward hooks: torch.compile
-    shares one graph between blocks of one shape and does not guard on hooks (its default
-    `skip_nnmodule_hook_guards`), so a trunk block's graph would run a kept-whole MTP block's norms
-    without their casts; a different forward makes the MTP block trace its own."""
+    A subclass rather than forward hooks: torch.compile shares one graph between blocks of one shape
+    and does not guard on hooks (its default `skip_nnmodule_hook_guards`), so a trunk block's graph
+    would run a kept-whole MTP block's norms without their casts; a different forward makes the MTP
+    block trace its own."""
     if cls not in _COMPUTE_COPY_CLASSES:
+        def __init__(self, module: nn.Module, names: List[str], dtype: torch.dtype):
+            nn.Module.__init__(self)
+            adopt(self, module, keep_hooks=True)
+            self.compute_copy_names, self.compute_copy_dtype = names, dtype
+
         def forward(self, *args, **kwargs):
             for n in self.compute_copy_names:
                 # An instance attribute shadows the registered parameter for `self.<n>` (nn.Module looks
@@ -315,7 +322,8 @@ def _compute_copy_class(cls: type) -> type:
                 for n in self.compute_copy_names:
                     self.__dict__.pop(n, None)
 
-        _COMPUTE_COPY_CLASSES[cls] = type(f"ComputeCopy{cls.__name__}", (cls,), {"forward": forward})
+        _COMPUTE_COPY_CLASSES[cls] = type(f"ComputeCopy{cls.__name__}", (cls,),
+                                          {"__init__": __init__, "forward": forward})
     return _COMPUTE_COPY_CLASSES[cls]
 
 
@@ -337,13 +345,15 @@ def cast_kept_whole(model: nn.Module, params: Iterable[nn.Parameter], dtype: tor
     would hand fp32 activations to the sequence-parallel gathers, the expert dispatch and the next
     stage: twice the bytes of the FSDP-gathered pieces' bf16. The copy is made again at every call of
     the module (activation checkpointing's recomputation, every MTP depth), so none outlives its call
-    or goes stale after an optimizer step."""
+    or goes stale after an optimizer step. Each such module is replaced (under the same names, in every
+    module of `model` holding it) by its compute-copy version built from it (`_compute_copy_class`)."""
     wanted = {id(p) for p in params}
-    for module in model.modules():
+    for module in list(model.modules()):
         names = [n for n, p in module._parameters.items() if p is not None and id(p) in wanted]
         if names and not _autocast_computes(module):
-            module.__class__ = _compute_copy_class(type(module))
-            module.compute_copy_names, module.compute_copy_dtype = names, dtype
+            if module is model:
+                raise ValueError("cast_kept_whole: the model itself holds a kept-whole parameter")
+            replace_module(model, module, _compute_copy_class(type(module))(module, names, dtype))
 
 
 @contextlib.contextmanager
