@@ -1,11 +1,8 @@
-"""Size a recipe before launching it: FLOPs per token (flops.py), exact parameter counts and a per-rank
-memory estimate.
+"""Size a recipe before launching it (`tandem train --check`): exact parameter counts and a per-rank
+memory estimate, with the cost model's FLOPs per token (flops.py, cost.py).
 
-FLOPs: trainer/flops.py.
-
-Parameters: `layer_params` counts each trunk layer's parameters by kind from the config (tested
-against the modules on the meta device); `estimate` counts them exactly from the model built on the
-meta device (no memory). Memory per rank for the recipe's layout is an estimate:
+Parameters are counted from the model built on the meta device (no memory). Memory per rank for the
+recipe's layout is an estimate:
 - model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter this
   rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes per
   parameter, train.frozen_dtype, and keeps no activations), summed over the parameters of the pp rank
@@ -25,128 +22,45 @@ meta device (no memory). Memory per rank for the recipe's layout is an estimate:
   their own (sharded like the rest in the states above), reduce-scattered once per step: each holds an
   unsharded fp32 gradient accumulator through the step (`piece_unit_grad_bytes`);
 - with several micro-batches per step and `parallel.reshard_after_microbatch=false` (one gradient
-  sync per step, in the last micro-batch's backward; torch's pipeline stages did so before the option),
-  `single_sync_bytes`: from the first backward to that sync every FSDP-managed parameter of the rank
-  holds its unsharded fp32 gradient (in place of its sharded one: + 4 bytes x (unsharded - owned)) and
-  its gathered copy (compute dtype; beyond the two layers above). Without a pipeline the copies stand
-  between micro-batches, when the activations are freed (the next forward reshards them as it goes),
-  so they count only where they exceed the activations; a pipeline stage holds them while other
-  micro-batches' activations are in flight (counted in full). Under dp_mode=allreduce the gradients
-  are whole either way and only the copies count. The default (a reduce-scatter and reshard after
-  every micro-batch) adds nothing to the figures above;
+  sync per step, in the last micro-batch's backward), `single_sync_bytes`: from the first backward to
+  that sync every FSDP-managed parameter of the rank holds its unsharded fp32 gradient (in place of its
+  sharded one: + 4 bytes x (unsharded - owned)) and its gathered copy (compute dtype; beyond the two
+  layers above). Without a pipeline the copies stand between micro-batches, when the activations are
+  freed (the next forward reshards them as it goes), so they count only where they exceed the
+  activations; a pipeline stage holds them while other micro-batches' activations are in flight
+  (counted in full). Under dp_mode=allreduce the gradients are whole either way and only the copies
+  count. The default (a reduce-scatter and reshard after every micro-batch) adds nothing;
 - the PLE lookup (`ple_lookup_bytes`), transient, one micro-batch: the hashed ids and their sort by
   owner, the rows exchanged both ways (fp32 looked up, sent in the compute dtype) and the tp gather of
   the rows (the backward adds the rows' gradients into the table's gradient in place: no dense copy);
 - activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
   micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward (its
-  input, the grouped norm's output, the sigmoid mixing weights and the weighted streams; 4.5 measured
-  on the module in fp32): 16 * hc * s * b * h / tp; with up to `pp` micro-batches in flight on the
-  first stage under 1F1B; the last stage adds the K MTP depths and the buffers of one chunk of logits
-  (`head_chunk_bytes`: the logits and, in bf16, their fp32 softmax block), and under the
-  fused head (the default at tp=1) each loss's fp32 [vocab x hidden] weight gradient and input gradient,
-  held from its forward to its backward (`fused_head_bytes`). Gated
-  DeltaNet's and QSA's own activations are taken as an attention layer's (not modelled separately).
+  input, the grouped norm's output, the sigmoid mixing weights and the weighted streams):
+  16 * hc * s * b * h / tp; with up to `pp` micro-batches in flight on the first stage under 1F1B; the
+  last stage adds the K MTP depths and the buffers of one chunk of logits (`head_chunk_bytes`: the
+  logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1) each
+  loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
+  backward (`fused_head_bytes`). Gated DeltaNet's and QSA's own activations are taken as an attention
+  layer's (not modelled separately).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict
+from dataclasses import dataclass, field
+from typing import Dict, List, Set, Tuple
 
 import torch
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.models import TandemModel
 from tandem.models.loss import chunk_buffer_bytes
 
 from .config import TandemConfig
-from .flops import flops_by_kind, mtp_kind, training_flops_per_token
+from .flops import flops_by_kind, training_flops_per_token
+from .parallel.pipeline_plan import PipelinePlan
+from .parallel.validate import pipeline_microbatches
 
 GIB = 2**30
-
-
-# --- parameters per layer (from the config) ---------------------------------------------------------
-def _norm_params(cfg: ModelConfig) -> int:
-    """A block's two norms (plain residual) or two hyper-connections (hc_norm, down, up, inject)."""
-    if cfg.hc_count <= 1:
-        return 2 * cfg.hidden_size
-    x = cfg.hc_count * cfg.hidden_size
-    return 2 * (x + 2 * x * cfg.hc_lowrank + x * cfg.hc_count)
-
-
-def final_norm_params(cfg: ModelConfig) -> int:
-    if cfg.hc_count <= 1:
-        return cfg.hidden_size
-    x = cfg.hc_count * cfg.hidden_size
-    return x + 2 * x * cfg.hc_lowrank
-
-
-def mixer_params(cfg: ModelConfig, kind: str) -> int:
-    h, hd = cfg.hidden_size, cfg.resolved_head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    if kind == "indexed_attention":
-        i, di = cfg.indexer_heads, cfg.indexer_head_dim
-        return h * 2 * q + 2 * h * kv + q * h + 2 * hd + h * (i + 1) * di + 2 * di
-    if kind == "linear_attention":
-        nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, nv * dv
-        conv = 2 * kd + vd
-        return h * conv + h * vd + 2 * h * nv + conv * cfg.linear_conv_kernel + 2 * nv + dv + vd * h
-    bias = q + 2 * kv if cfg.attention_bias else 0
-    return h * (q + 2 * kv) + q * h + bias + (2 * hd if cfg.qk_norm else 0)
-
-
-def mlp_params(cfg: ModelConfig, moe: bool) -> Dict[str, int]:
-    """{"dense": ..., "experts": routed expert parameters}."""
-    h = cfg.hidden_size
-    if not moe:
-        return {"dense": 3 * h * cfg.intermediate_size, "experts": 0}
-    shared = 3 * h * cfg.resolved_shared_expert_size if cfg.num_shared_experts > 0 else 0
-    gate = h if cfg.shared_expert_gate and cfg.num_shared_experts > 0 else 0
-    return {"dense": cfg.num_experts * h + shared + gate,
-            "experts": cfg.num_experts * 3 * h * cfg.moe_intermediate_size}
-
-
-def ple_table_rows(cfg: ModelConfig, ple_index: int) -> int:
-    """Rows of PLE layer `ple_index`'s n-gram table (distinct primes above the base, padded)."""
-    from tandem.models.ple import ngram_tables
-
-    return ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ngram_vocab_base,
-                        cfg.ngram_vocab_multiple, cfg.ngram_seed, ple_index)[3]
-
-
-def ple_params(cfg: ModelConfig, ple_index: int) -> Dict[str, int]:
-    """{"dense": projections, norms and conv, "table": the n-gram embedding} of one PLE layer."""
-    x, h, e = cfg.hc_count * cfg.hidden_size, cfg.hidden_size, cfg.resolved_ple_embed_dim
-    heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
-    return {"dense": e * x + e * h + 3 * x + x * cfg.ple_conv_kernel,
-            "table": ple_table_rows(cfg, ple_index) * (e // heads)}
-
-
-def layer_params(cfg: ModelConfig, index: int) -> Dict[str, int]:
-    """Trunk layer `index`'s parameters by kind: `mixer`, `mlp` (dense MLP, or the MoE's router, shared
-    expert and its gate), `experts` (routed), `norms` (norms or hyper-connections), `ple`, `ple_table`."""
-    mlp = mlp_params(cfg, cfg.is_moe_layer(index))
-    out = {"mixer": mixer_params(cfg, cfg.layer_type(index)), "mlp": mlp["dense"], "experts": mlp["experts"],
-           "norms": _norm_params(cfg), "ple": 0, "ple_table": 0}
-    if index in cfg.ple_layers:
-        ple = ple_params(cfg, cfg.ple_layers.index(index))
-        out["ple"], out["ple_table"] = ple["dense"], ple["table"]
-    return out
-
-
-def mtp_layer_params(cfg: ModelConfig, mtp: MTPConfig) -> int:
-    """One physical MTP layer: combine, block (the trunk's attention kind, no PLE) and its final norm."""
-    h = cfg.hidden_size
-    combine = 0
-    if mtp.style == "looped":
-        if mtp.resolved_combine(cfg) == "qwen4_exp":
-            combine = h + cfg.hc_count * h + 2 * h * h
-        else:
-            combine = 2 * h + 2 * h * h
-    mlp = mlp_params(cfg, mtp.moe and cfg.num_experts > 0)
-    return combine + mixer_params(cfg, mtp_kind(cfg)) + mlp["dense"] + mlp["experts"] + _norm_params(cfg) \
-        + final_norm_params(cfg)
 
 
 @dataclass
@@ -279,137 +193,173 @@ def _kind(name: str) -> str:
     return "dense"
 
 
-def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
-    m, p = cfg.model, cfg.parallel
+def _zero() -> Dict[str, int]:
+    return {"dense": 0, "experts": 0, "ple_table": 0}
+
+
+@dataclass
+class _Counts:
+    """The model's parameters, counted on the meta device, by kind (`dense`, `experts`, `ple_table`)."""
+    total: int = 0
+    expert: int = 0
+    mtp: int = 0
+    ple_table: int = 0
+    per_layer: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    """Each trunk layer's counts by kind."""
+    pieces: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    """Each top-level piece's (embed_tokens, norm, lm_head, mtp) counts by kind."""
+
+
+def _count_params(cfg: TandemConfig) -> _Counts:
     with torch.device("meta"):
-        model = TandemModel(m, cfg.mtp)
-    total = expert = mtp = ple_table = 0
-    per_layer: Dict[int, Dict[str, int]] = {}
-    pieces_by_kind: Dict[str, Dict[str, int]] = {}
+        model = TandemModel(cfg.model, cfg.mtp)
+    out = _Counts()
     for name, param in model.named_parameters():  # named_parameters de-duplicates tied weights
         n, kind = param.numel(), _kind(name)
-        total += n
-        expert += n if kind == "experts" else 0
-        ple_table += n if kind == "ple_table" else 0
-        if name.startswith("mtp."):
-            mtp += n
+        out.total += n
+        out.expert += n if kind == "experts" else 0
+        out.ple_table += n if kind == "ple_table" else 0
+        out.mtp += n if name.startswith("mtp.") else 0
         top = name.split(".")[0]
-        if top == "layers":
-            layer = per_layer.setdefault(int(name.split(".")[1]), {"dense": 0, "experts": 0, "ple_table": 0})
-            layer[kind] += n
-        else:
-            piece = pieces_by_kind.setdefault(top, {"dense": 0, "experts": 0, "ple_table": 0})
-            piece[kind] += n
-    routed_share = m.top_k / m.num_experts if m.num_experts else 1.0
-    # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted experts
-    active = total - expert - ple_table + int(expert * routed_share)
-    if m.tie_embeddings and p.pp > 1:  # each holding rank keeps the head's own copy
-        pieces_by_kind["lm_head"] = dict(pieces_by_kind["embed_tokens"])
-    pieces_by_kind.setdefault("lm_head", {"dense": 0, "experts": 0, "ple_table": 0})
+        counts = (out.per_layer.setdefault(int(name.split(".")[1]), _zero()) if top == "layers"
+                  else out.pieces.setdefault(top, _zero()))
+        counts[kind] += n
+    if cfg.model.tie_embeddings and cfg.parallel.pp > 1:  # each holding rank keeps the head's own copy
+        out.pieces["lm_head"] = dict(out.pieces["embed_tokens"])
+    out.pieces.setdefault("lm_head", _zero())
+    return out
 
-    dp = p.dp or (max(world_size // (p.tp * p.pp * p.ep), 1) if world_size else 1)
-    batch = dp * p.ep
-    # each pp rank: the trunk layers of its stages plus the pieces they use (embedding, final norm, head,
-    # MTP module: pipeline_plan.PipelinePlan.stage_pieces; copies on several ranks each count)
-    plan = None
-    if p.pp > 1:
-        from .parallel.pipeline_plan import PipelinePlan
 
-        plan = PipelinePlan(cfg)
-        rank_stages = [plan.stages_of(r) for r in range(p.pp)]
-        layout = [sum(len(plan.split[s]) for s in mine) for mine in rank_stages]
-        rank_pieces = [{piece for s in mine for piece in plan.stage_pieces(s)} for mine in rank_stages]
-        rank_depths = [sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in rank_stages]
-        rank_loss_depths = [[d for s in mine for d in plan.stages[s].depths] for mine in rank_stages]
-        rank_layers = [[i for s in mine for i in plan.split[s]] for mine in rank_stages]
-        # FSDP units of their own (trainer/parallel/data.py PieceUnits): sharded, reduce-scattered once a step
-        unit_pieces = plan.shared_within_rank() if p.dp_mode == "fsdp" else []
-    else:
-        layout, rank_pieces, rank_depths = [m.num_layers], [set(pieces_by_kind)], [cfg.mtp.num_steps]
-        rank_loss_depths = [list(range(cfg.mtp.num_steps + 1))]
-        rank_layers, unit_pieces = [list(range(m.num_layers))], []
+@dataclass
+class _RankLayout:
+    """What each pp rank holds: the trunk layers of its stages and the pieces they use (embedding, final
+    norm, head, MTP module: PipelinePlan.stage_pieces; copies on several ranks each count)."""
+    layers: List[List[int]]
+    pieces: List[Set[str]]
+    depths: List[int]
+    """MTP depths run by the rank."""
+    loss_depths: List[List[int]]
+    """Depths (0: the trunk's) whose loss the rank computes."""
+    unit_pieces: List[str]
+    """Pieces that are FSDP units of their own (trainer/parallel/data.py PieceUnits: shared by two of a
+    rank's stages, sharded and reduce-scattered once a step)."""
 
-    # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table by rows over the
-    # stage's dp x ep x tp ranks; the rest over tp and FSDP over the batch ranks
-    split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
 
-    def owned(counts: Dict[str, int]) -> float:
-        return sum(counts[k] / split[k] for k in counts)
+def _rank_layout(cfg: TandemConfig, counts: _Counts) -> _RankLayout:
+    m, p, k = cfg.model, cfg.parallel, cfg.mtp.num_steps
+    if p.pp <= 1:
+        return _RankLayout([list(range(m.num_layers))], [set(counts.pieces)], [k], [list(range(k + 1))], [])
+    plan = PipelinePlan(cfg)
+    stages = [plan.stages_of(r) for r in range(p.pp)]
+    return _RankLayout(layers=[[i for s in mine for i in plan.split[s]] for mine in stages],
+                       pieces=[{piece for s in mine for piece in plan.stage_pieces(s)} for mine in stages],
+                       depths=[sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in stages],
+                       loss_depths=[[d for s in mine for d in plan.stages[s].depths] for mine in stages],
+                       unit_pieces=plan.shared_within_rank() if p.dp_mode == "fsdp" else [])
 
-    def rank_owned(r: int):
-        """(owned parameters, of which MTP, of which PLE table) of pp rank r."""
-        own = sum(owned(per_layer[i]) for i in rank_layers[r])
-        ple = sum(per_layer[i]["ple_table"] for i in rank_layers[r]) / split["ple_table"]
+
+def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout, split: Dict[str, int]) -> Tuple[float, float]:
+    """(GiB of the states of the pp rank holding the most, GiB of its PLE tables' share)."""
+
+    def owned(c: Dict[str, int]) -> float:
+        return sum(c[k] / split[k] for k in c)
+
+    def rank_states(r: int) -> Tuple[float, float]:
+        own = sum(owned(counts.per_layer[i]) for i in lay.layers[r])
+        ple = sum(counts.per_layer[i]["ple_table"] for i in lay.layers[r]) / split["ple_table"]
         mtp_own = 0.0
-        for piece in rank_pieces[r]:
-            counts = pieces_by_kind.get(piece, {"dense": 0, "experts": 0, "ple_table": 0})
-            got = owned(counts)  # two stages of this rank share it or not: sharded over dp x ep like the rest
+        for piece in lay.pieces[r]:
+            got = owned(counts.pieces.get(piece, _zero()))  # shared by two stages or not: sharded like the rest
             own += got
             mtp_own += got if piece == "mtp" else 0.0
-        return own, mtp_own, ple
-
-    def rank_states(r: int) -> tuple:
-        own, mtp_own, ple = rank_owned(r)
         if cfg.train.freeze_trunk:
             # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module (FSDP-sharded
             # like the rest) has fp32 master + gradient + AdamW moments
             return (frozen_bytes(cfg) * max(own - mtp_own, 0) + 16 * mtp_own) / GIB, frozen_bytes(cfg) * ple / GIB
         return 16 * own / GIB, 16 * ple / GIB
 
-    per_rank_states = [rank_states(r) for r in range(p.pp)]
-    states = max(x[0] for x in per_rank_states)
-    ple_states = max(x[1] for x in per_rank_states)
+    per_rank = [rank_states(r) for r in range(cfg.parallel.pp)]
+    return max(x[0] for x in per_rank), max(x[1] for x in per_rank)
 
+
+def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
+    """Peak activation GiB: the first stage's micro-batches in flight, or a rank computing losses."""
+    m, p = cfg.model, cfg.parallel
     act_bytes = 2 if cfg.device != "cpu" else 4
-    per_layer_act = 34 * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size / p.tp * act_bytes / 2
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size
+    per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
     if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
-        per_layer_act += 16 * m.hc_count * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size / p.tp * act_bytes / 2
+        per_layer += 16 * m.hc_count * tokens * m.hidden_size / p.tp * act_bytes / 2
     in_flight = p.pp if p.pp > 1 else 1
     # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's live
-    trunk_layers = [1 if cfg.train.freeze_trunk else n for n in layout]
-    first = per_layer_act * trunk_layers[0] * in_flight
-    chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, cfg.data.seq_len * cfg.train.micro_batch_size)
+    trunk_layers = [1 if cfg.train.freeze_trunk else len(layers) for layers in lay.layers]
+    first = per_layer * trunk_layers[0] * in_flight
+    chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, tokens)
     # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits chunk
-    heads = [r for r, pieces in enumerate(rank_pieces) if "lm_head" in pieces]
-    last = max(per_layer_act * (trunk_layers[r] + rank_depths[r]) + head_chunk_bytes(cfg, chunk)
-               + fused_head_bytes(cfg, rank_loss_depths[r], act_bytes) for r in heads)
-    activations = max(first, last) / GIB
+    heads = [r for r, pieces in enumerate(lay.pieces) if "lm_head" in pieces]
+    last = max(per_layer * (trunk_layers[r] + lay.depths[r]) + head_chunk_bytes(cfg, chunk)
+               + fused_head_bytes(cfg, lay.loss_depths[r], act_bytes) for r in heads)
+    return max(first, last) / GIB
 
-    gathered = ple_lookup = ple_sent = 0.0
+
+def _ple_lookup(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> Tuple[float, float]:
+    """(GiB of the PLE lookup's buffers, bytes it sends) on a rank holding a table; (0, 0) without one."""
+    holds = any(counts.per_layer[i]["ple_table"] for layers in lay.layers for i in layers)
+    if not holds:
+        return 0.0, 0.0
+    need, sent = ple_lookup_bytes(cfg)
+    return need / GIB, sent
+
+
+def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
+    """GiB of FSDP's gathered copies: a rank's two largest layers and its root pieces."""
+    p = cfg.parallel
+    width = frozen_bytes(cfg) if cfg.train.freeze_trunk else compute_bytes(cfg)
+    mtp_width = compute_bytes(cfg)
+
+    def layer_bytes(i: int) -> float:
+        c = counts.per_layer[i]
+        return width * (c["dense"] / p.tp + c["experts"] / (p.tp * p.ep))  # a PLE table is never gathered
+
+    gathered = 0.0
     for r in range(p.pp):
-        for i in rank_layers[r]:
-            if per_layer[i]["ple_table"]:
-                need, sent = ple_lookup_bytes(cfg)
-                ple_lookup, ple_sent = max(ple_lookup, need / GIB), max(ple_sent, sent)
-    if batch > 1 and p.dp_mode == "fsdp" and per_layer:
-        width = frozen_bytes(cfg) if cfg.train.freeze_trunk else compute_bytes(cfg)
-        mtp_width = compute_bytes(cfg)
+        sizes = sorted((layer_bytes(i) for i in lay.layers[r]), reverse=True)[:2]
+        roots = sum((mtp_width if x == "mtp" else width) * sum(counts.pieces.get(x, {}).values())
+                    for x in lay.pieces[r]) / p.tp
+        gathered = max(gathered, (sum(sizes) + roots) / GIB)
+    return gathered
 
-        def layer_bytes(i: int) -> float:
-            c = per_layer[i]
-            return width * (c["dense"] / p.tp + c["experts"] / (p.tp * p.ep))  # a PLE table is never gathered
 
-        for r in range(p.pp):
-            sizes = sorted((layer_bytes(i) for i in rank_layers[r]), reverse=True)[:2]
-            roots = sum((mtp_width if x == "mtp" else width) * sum(pieces_by_kind.get(x, {}).values())
-                        for x in rank_pieces[r]) / p.tp
-            gathered = max(gathered, (sum(sizes) + roots) / GIB)
+def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
+    m, p = cfg.model, cfg.parallel
+    counts = _count_params(cfg)
+    # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted experts
+    routed_share = m.top_k / m.num_experts if m.num_experts else 1.0
+    active = counts.total - counts.expert - counts.ple_table + int(counts.expert * routed_share)
+    lay = _rank_layout(cfg, counts)
+    dp = p.dp or (max(world_size // (p.tp * p.pp * p.ep), 1) if world_size else 1)
+    batch = dp * p.ep
+    # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table by rows over the
+    # stage's dp x ep x tp ranks; the rest over tp and FSDP over the batch ranks
+    split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
+    states, ple_states = _states(cfg, counts, lay, split)
+    activations = _activations(cfg, lay)
+    ple_lookup, ple_sent = _ple_lookup(cfg, counts, lay)
+    fsdp = batch > 1 and p.dp_mode == "fsdp"
+    gathered = _gathered(cfg, counts, lay) if fsdp and counts.per_layer else 0.0
     grad_buffers = 0.0
-    if batch > 1 and p.dp_mode == "fsdp":
-        grad_buffers = max(root_grad_bytes(cfg, pieces_by_kind, rank_pieces[r], unit_pieces, activations * GIB)
-                           + piece_unit_grad_bytes(cfg, pieces_by_kind, rank_pieces[r], unit_pieces)
+    if fsdp:
+        grad_buffers = max(root_grad_bytes(cfg, counts.pieces, lay.pieces[r], lay.unit_pieces, activations * GIB)
+                           + piece_unit_grad_bytes(cfg, counts.pieces, lay.pieces[r], lay.unit_pieces)
                            for r in range(p.pp)) / GIB
     single_sync = 0.0
-    if batch > 1 and per_layer:
-        from .parallel.validate import pipeline_microbatches
-
-        if pipeline_microbatches(cfg) > 1:
-            single_sync = max(single_sync_bytes(cfg, per_layer, pieces_by_kind, rank_layers[r], rank_pieces[r],
-                                                unit_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
-    accumulation = 0.0 if p.reshard_after_microbatch else single_sync
+    if batch > 1 and counts.per_layer and pipeline_microbatches(cfg) > 1:
+        single_sync = max(single_sync_bytes(cfg, counts.per_layer, counts.pieces, lay.layers[r], lay.pieces[r],
+                                            lay.unit_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
     shards = [f"dp {dp}"] + ([f"ep {p.ep}"] if p.ep > 1 else []) + ([f"tp {p.tp}"] if p.tp > 1 else [])
-    return Estimate(total, expert, active, mtp, states, activations, gathered, grad_buffers, accumulation, single_sync,
-                    ple_table_params=ple_table, ple_states_gib_per_rank=ple_states,
+    return Estimate(counts.total, counts.expert, active, counts.mtp, states, activations, gathered, grad_buffers,
+                    0.0 if p.reshard_after_microbatch else single_sync, single_sync,
+                    ple_table_params=counts.ple_table, ple_states_gib_per_rank=ple_states,
                     ple_lookup_gib_per_rank=ple_lookup, ple_exchange_bytes=ple_sent,
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),

@@ -1,4 +1,4 @@
-"""trainer/estimate.py's cost model for the Qwen4-Exp layers: Gated DeltaNet, QSA, hyper-connections,
+"""The cost model (trainer/cost.py) for the Qwen4-Exp layers: Gated DeltaNet, QSA, hyper-connections,
 PLE and the qwen4_exp drafter, by FLOPs and parameters, checked three ways: against numbers worked
 out by hand for a tiny config, against the modules themselves (parameters on the meta device, matmul
 FLOPs counted by torch's FlopCounterMode, QSA's attended tokens from its own selection), and where
@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tandem.models import TandemModel
 from tandem.models.gated_deltanet import SOLVE_BLOCK
+from tandem.trainer import cost as C
 from tandem.trainer import estimate as E
 from tandem.trainer import flops as F
 from tandem.trainer.config import load_config
@@ -42,32 +43,32 @@ def test_hand_computed_parameters_and_flops():
     m = hand_cfg().model
     # Gated DeltaNet: in_proj_qkv 16x16, z 16x8, b and a 16x2 each, conv 16x4, dt_bias and A_log 2 each,
     # gated norm 4, out_proj 8x16
-    assert E.mixer_params(m, "linear_attention") == 256 + 128 + 64 + 64 + 4 + 4 + 128 == 648
+    assert C.mixer(m, "linear_attention", 16).params == 256 + 128 + 64 + 64 + 4 + 4 + 128 == 648
     # projections 2*(256 + 128 + 64 + 128) = 1152, conv 2*16*4 = 128, the rule per value head at C = 64:
     # 6*64*4 + 4*64*4 + 6*4*4 + 2*64^2/3, times 2 heads
-    assert F.gdn_forward_flops(m, 16) == pytest.approx(1152 + 128 + 2 * (1536 + 1024 + 96 + 8192 / 3))
+    assert C.gated_deltanet(m).flops == pytest.approx(1152 + 128 + 2 * (1536 + 1024 + 96 + 8192 / 3))
     # QSA: q_proj (query + gate) 16x32, k and v 16x8 each, o 16x16, q/k norms 8 each, the indexer 16x24 + 2x8
-    assert E.mixer_params(m, "indexed_attention") == 512 + 256 + 256 + 16 + 384 + 16 == 1440
+    assert C.mixer(m, "indexed_attention", 16).params == 512 + 256 + 256 + 16 + 384 + 16 == 1440
     # S = 16: complete blocks visible to u = t+1 = 1..16 sum floor(u/4) = 28; tokens attended: every
     # visible one for u <= 11 (66), then 8 + (u mod 4) for u = 12..16 (8+9+10+11+8 = 46): mean 112/16 = 7
-    assert F.qsa_mean_blocks(m, 16) == 28 / 16 and F.qsa_mean_keys(m, 16) == 7.0
-    assert F.qsa_forward_flops(m, 16) == 2 * (512 + 256 + 256 + 384) + 2 * 2 * 8 * 28 / 16 + 4 * 16 * 7 == 3320
+    assert C.qsa_mean_blocks(m, 16) == 28 / 16 and C.qsa_mean_keys(m, 16) == 7.0
+    assert C.qsa(m, 16).flops == 2 * (512 + 256 + 256 + 384) + 2 * 2 * 8 * 28 / 16 + 4 * 16 * 7 == 3320
     # a hyper-connection over 2 x 16 channels: grouped norm 32, down 32x4, up 4x32, inject 32x2
-    assert E._norm_params(m) == 2 * (32 + 128 + 128 + 64)
-    assert F.hyper_connection_flops(m) == 2 * (128 + 128 + 64) and F.final_norm_forward_flops(m) == 2 * 256
-    assert E.final_norm_params(m) == 32 + 256
+    assert C.block_norms(m).params == 2 * (32 + 128 + 128 + 64)
+    assert C.hyper_connection(m).flops == 2 * (128 + 128 + 64) and F.final_norm_forward_flops(m) == 2 * 256
+    assert C.final_norm(m).params == 32 + 256
     # PLE: key 8x32, value 8x16, three norms of 32, conv 32x4; the table: primes 97, 101, 103, 107 (408
     # rows) padded to 512 rows of 8 / 4 heads = 2
-    assert E.ple_params(m, 0) == {"dense": 256 + 128 + 96 + 128, "table": 512 * 2}
-    assert F.ple_forward_flops(m) == 2 * (256 + 128 + 128) == 1024
+    assert (C.ple(m).params, C.ple_table(m, 0)) == (256 + 128 + 96 + 128, 512 * 2)
+    assert C.ple(m).flops == 2 * (256 + 128 + 128) == 1024
     # MoE: router 4x16, routed 4 x 3 x 16x8, shared 3 x 16x8 and its gate 16
-    assert E.mlp_params(m, True) == {"dense": 64 + 384 + 16, "experts": 1536}
-    assert F._mlp_forward_flops(m, True) == 2 * 64 + 2 * 2 * 384 + 2 * 384 + 2 * 16 == 2464
-    assert sum(E.layer_params(m, 0).values()) == 648 + 704 + 608 + 1024 + 464 + 1536
+    assert (C.mlp(m, True).params, C.mlp(m, True).experts) == (64 + 384 + 16, 1536)
+    assert C.mlp(m, True).flops == 2 * 64 + 2 * 2 * 384 + 2 * 384 + 2 * 16 == 2464
+    assert sum(C.layer_params(m, 0).values()) == 648 + 704 + 608 + 1024 + 464 + 1536
     # the drafter: two norms (16, 32), fc_embedding and fc_hidden 16x16, a QSA + MoE block with its two
     # hyper-connections and its own stream mixer
     mtp = hand_cfg().mtp
-    assert E.mtp_layer_params(m, mtp) == 16 + 32 + 512 + 1440 + 464 + 1536 + 704 + 288
+    assert C.mtp_layer_params(m, mtp) == 16 + 32 + 512 + 1440 + 464 + 1536 + 704 + 288
     assert F.mtp_layer_forward_flops(m, mtp, 16) == 2 * 256 + 2 * 2 * 256 + 3320 + 2464 + 1280 + 512
 
 
@@ -80,17 +81,17 @@ def test_parameter_counts_match_the_modules_on_the_meta_device(extra):
         model = TandemModel(m, cfg.mtp)
     count = lambda mod: sum(p.numel() for p in mod.parameters()) if mod is not None else 0  # noqa: E731
     for i, block in model.layers.items():
-        got = E.layer_params(m, int(i))
+        got = C.layer_params(m, int(i))
         table = block.ple.ple_embedding if block.ple is not None else None
         hcs = count(block.attn_hyper_connection) + count(block.mlp_hyper_connection)
         assert got == {"mixer": count(block.mixer), "mlp": count(block.mlp) - count(block.mlp.experts),
                        "experts": count(block.mlp.experts), "norms": hcs,
                        "ple": count(block.ple) - count(table), "ple_table": count(table)}, i
-    assert E.final_norm_params(m) == count(model.norm)
-    assert all(E.mtp_layer_params(m, cfg.mtp) == count(layer) for layer in model.mtp.layers)
+    assert C.final_norm(m).params == count(model.norm)
+    assert all(C.mtp_layer_params(m, cfg.mtp) == count(layer) for layer in model.mtp.layers)
     est = E.estimate(cfg)
     assert est.total_params == count(model)
-    assert est.ple_table_params == sum(E.ple_params(m, k)["table"] for k in range(len(m.ple_layers)))
+    assert est.ple_table_params == sum(C.ple_table(m, k) for k in range(len(m.ple_layers)))
     # a token reads top 2 of the 4 experts and a few rows of the PLE tables
     assert est.active_params_per_token == count(model) - est.ple_table_params - est.expert_params // 2
 
@@ -110,25 +111,25 @@ def test_flops_match_the_matmuls_torch_counts():
     pos, ids = torch.arange(s).expand(b, s), torch.randint(0, m.vocab_size, (b, s))
     gdn_block, qsa_block = model.layers["0"], model.layers["1"]
     # hyper-connections and PLE are matmuls and a conv only
-    assert sum(_per_token(lambda: gdn_block.attn_hyper_connection(xs), b * s).values()) == F.hyper_connection_flops(m)
+    assert sum(_per_token(lambda: gdn_block.attn_hyper_connection(xs), b * s).values()) == C.hyper_connection(m).flops
     assert sum(_per_token(lambda: model.norm(xs), b * s).values()) == F.final_norm_forward_flops(m)
-    assert sum(_per_token(lambda: gdn_block.ple(xs, ids, pos), b * s).values()) == F.ple_forward_flops(m)
+    assert sum(_per_token(lambda: gdn_block.ple(xs, ids, pos), b * s).values()) == C.ple(m).flops
     # Gated DeltaNet: the model counts fla's triangular inverse (2C^2/3 per token and value head); the
     # pure-PyTorch path substitutes row by row inside B x B diagonal blocks (a 1 x B by B x B product per
     # row: 2B(B-1) per token) and merges blocks of size h = B, 2B, .., C/2 by two h x h products (2h^2 per
     # token): every other matmul is the same
-    c, nv, blk = F.GDN_CHUNK, m.linear_num_value_heads, SOLVE_BLOCK
+    c, nv, blk = C.GDN_CHUNK, m.linear_num_value_heads, SOLVE_BLOCK
     merges = sum(2 * h * h for h in (blk * 2 ** i for i in range(int(math.log2(c // blk)))))
-    torch_path = F.gdn_forward_flops(m, s) + nv * (2 * blk * (blk - 1) + merges - 2 * c * c / 3)
+    torch_path = C.gated_deltanet(m).flops + nv * (2 * blk * (blk - 1) + merges - 2 * c * c / 3)
     assert sum(_per_token(lambda: gdn_block.linear_attn(x, pos), b * s).values()) == pytest.approx(torch_path, rel=1e-12)
     # QSA (mask form): the projections, and the block scores (here over all S/r blocks, visible or not)
     got = _per_token(lambda: qsa_block.self_attn(x, pos), b * s)
-    proj = F.qsa_forward_flops(m, s) - 2 * 2 * m.num_heads * m.resolved_head_dim * F.qsa_mean_keys(m, s) \
-        - 2 * m.indexer_heads * m.indexer_head_dim * F.qsa_mean_blocks(m, s)
+    proj = C.qsa(m, s).flops - 2 * 2 * m.num_heads * m.resolved_head_dim * C.qsa_mean_keys(m, s) \
+        - 2 * m.indexer_heads * m.indexer_head_dim * C.qsa_mean_blocks(m, s)
     assert got["aten.mm"] == proj
     assert got["aten.bmm"] == 2 * m.indexer_heads * m.indexer_head_dim * s / m.indexer_compress_ratio
     # the MoE: each token through the router, top_k experts, the shared expert and its gate
-    assert sum(_per_token(lambda: gdn_block.mlp(x), b * s).values()) == F._mlp_forward_flops(m, True)
+    assert sum(_per_token(lambda: gdn_block.mlp(x), b * s).values()) == C.mlp(m, True).flops
 
 
 @pytest.mark.parametrize("s,budget,ratio", [(16, 8, 4), (64, 8, 4), (67, 16, 4), (50, 12, 3), (10, 64, 4)])
@@ -141,16 +142,16 @@ def test_qsa_attended_tokens_are_its_selection(s, budget, ratio):
     scores = torch.rand(2, s, s // ratio)
     blocks, count = attn._select(scores, at)
     mask = attn._token_mask(blocks, count, at, s)
-    assert float(mask.sum(-1).double().mean()) == pytest.approx(F.qsa_mean_keys(m, s), rel=1e-12)
-    assert float(((at + 1) // ratio).double().mean()) == pytest.approx(F.qsa_mean_blocks(m, s), rel=1e-12)
+    assert float(mask.sum(-1).double().mean()) == pytest.approx(C.qsa_mean_keys(m, s), rel=1e-12)
+    assert float(((at + 1) // ratio).double().mean()) == pytest.approx(C.qsa_mean_blocks(m, s), rel=1e-12)
 
 
 def test_mfu_and_pipeline_balance_count_the_new_layers():
     cfg = hand_cfg("mtp.num_steps=2")
     m, mtp, s = cfg.model, cfg.mtp, 16
     layer = [F.trunk_layer_forward_flops(m, i, s) for i in range(m.num_layers)]
-    assert layer[0] == F.gdn_forward_flops(m, s) + F.ple_forward_flops(m) + 2 * F.hyper_connection_flops(m) + 2464
-    assert layer[1] == F.qsa_forward_flops(m, s) + 2 * F.hyper_connection_flops(m) + 2464
+    assert layer[0] == C.gated_deltanet(m).flops + C.ple(m).flops + C.block_norms(m).flops + 2464
+    assert layer[1] == C.qsa(m, s).flops + C.block_norms(m).flops + 2464
     head, valid = 2 * 16 * 320, (16 + 15 + 14) / 16
     model = 3 * (sum(layer) + F.final_norm_forward_flops(m) + 2 * F.mtp_layer_forward_flops(m, mtp, s) + head * valid)
     assert F.training_flops_per_token(m, mtp, s) == pytest.approx(model, rel=1e-12)  # MFU's: 3x, no recomputation
@@ -169,8 +170,8 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
     assert no_kl == [3 * layer[0], 3 * layer[1]]
     # a plain model keeps its costs: no hyper-connection, PLE or final-mixer term
     plain = load_config(None, ["model.hidden_size=64", "model.num_heads=4", "data.seq_len=64"]).model
-    assert F.final_norm_forward_flops(plain) == 0 and F.hyper_connection_flops(plain) == 0
-    assert F.trunk_layer_forward_flops(plain, 0, 64) == F._attention_forward_flops(plain, 64) + F._mlp_forward_flops(plain, False)
+    assert F.final_norm_forward_flops(plain) == 0 and C.block_norms(plain).flops == 0
+    assert F.trunk_layer_forward_flops(plain, 0, 64) == C.attention(plain, 64).flops + C.mlp(plain, False).flops
 
 
 def test_check_shows_the_ple_tables_share_per_rank(capsys, tmp_path):
@@ -184,7 +185,7 @@ def test_check_shows_the_ple_tables_share_per_rank(capsys, tmp_path):
     out = capsys.readouterr().out
     cfg = load_config(str(recipe), overrides)
     est = E.estimate(cfg, 8)  # dp 2 x ep 2 x pp 2: the table is in 1/4 shards on pp rank 0
-    table = E.ple_params(cfg.model, 0)["table"]
+    table = C.ple_table(cfg.model, 0)
     assert est.ple_shard == "1/4 = dp 2 x ep 2"
     assert est.ple_states_gib_per_rank == pytest.approx(16 * table / 4 / 2**30)
     # never gathered: the lookup's buffers instead (ids, exchanged rows; bf16 rows, tp 1), and FSDP's

@@ -1,4 +1,4 @@
-"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/estimate.py) against a count by hand
+"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/flops.py over trainer/cost.py) against a count by hand
 for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from them (test_eval_in_loop)."""
 
 import pytest

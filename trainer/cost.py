@@ -1,0 +1,229 @@
+"""The cost model: each layer kind's parameters and forward FLOPs per token, from one description of
+its weights.
+
+A kind is written once as the weights it applies to every token (`matmul`: a [n_in x n_out] weight,
+2 FLOPs per multiply-add, `uses` times per token), the parameters it holds without counted products
+(`vector`: norm scales, biases, decay terms) and the work that depends on the window rather than on a
+weight (`work`: attention scores over S tokens, the delta rule). Parameters and FLOPs are two sums
+over the same pieces, so a shape fixed for one is fixed for the other; tests hold the parameters
+against the modules on the meta device and the FLOPs against torch's FlopCounterMode.
+
+Users: flops.py (FLOPs per trained token: MFU, HFU, pipeline balance), estimate.py (`tandem train
+--check`) and the tests. Norms, activations and elementwise products cost no FLOPs here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from tandem.models import MTPConfig, ModelConfig
+
+GDN_CHUNK = 64
+"""Gated DeltaNet's chunk length (models/gated_deltanet.py CHUNK; fla uses the same)."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    params: int = 0
+    """Parameters, routed experts apart."""
+    experts: int = 0
+    """Routed-expert parameters (a token runs top_k of them: their FLOPs are in `flops`)."""
+    flops: float = 0
+    """Forward FLOPs per token."""
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.params + other.params, self.experts + other.experts, self.flops + other.flops)
+
+
+def matmul(n_in: int, n_out: int, uses: int = 1) -> Cost:
+    """A [n_in x n_out] weight applied `uses` times per token (a depthwise conv: channels x taps)."""
+    return Cost(params=n_in * n_out, flops=2 * n_in * n_out * uses)
+
+
+def vector(n: int) -> Cost:
+    """Parameters whose products are not counted (norm scales, biases, per-head terms)."""
+    return Cost(params=n)
+
+
+def work(flops: float) -> Cost:
+    """FLOPs per token that no parameter carries (attention scores, the delta rule)."""
+    return Cost(flops=flops)
+
+
+# --- token mixers --------------------------------------------------------------------------------------
+def attention(cfg: ModelConfig, seq_len: int) -> Cost:
+    """Full attention: q, k, v and o projections (+ bias, q/k norms) and the causal QK^T and AV over
+    S/2 keys on average."""
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    bias = q + 2 * kv if cfg.attention_bias else 0
+    return (matmul(h, q + 2 * kv) + matmul(q, h) + vector(bias + (2 * hd if cfg.qk_norm else 0))
+            + work(2 * 2 * q * (seq_len / 2)))
+
+
+def qsa_mean_blocks(cfg: ModelConfig, seq_len: int) -> float:
+    """Mean number of complete indexer blocks visible to a query of the window (what it scores)."""
+    r, s = cfg.indexer_compress_ratio, seq_len
+    q, rem = divmod(s, r)
+    return (r * q * (q - 1) / 2 + q * (rem + 1)) / s  # sum over u = t + 1 of floor(u / r)
+
+
+def qsa_mean_keys(cfg: ModelConfig, seq_len: int) -> float:
+    """Mean number of tokens a query attends to: every visible token until budget / ratio complete
+    blocks exist, then the budget plus the incomplete tail block."""
+    r, budget, s = cfg.indexer_compress_ratio, cfg.indexer_budget, seq_len
+    first = min(s, budget + r - 1)  # u = t + 1 < budget + r: every visible token
+    total = first * (first + 1) / 2
+    n2 = max(0, s - (budget + r) + 1)  # u >= budget + r: budget + (u mod r), u mod r cycling from 0
+    full, rem = divmod(n2, r)
+    total += n2 * budget + full * r * (r - 1) / 2 + rem * (rem - 1) / 2
+    return total / s
+
+
+def qsa(cfg: ModelConfig, seq_len: int) -> Cost:
+    """QSA: projections (query + gate, k, v, o; q/k norms), the indexer's I query heads and one key
+    head (+ their norms), its block scores and attention over the selected tokens only."""
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    i, di = cfg.indexer_heads, cfg.indexer_head_dim
+    proj = matmul(h, 2 * q) + matmul(h, 2 * kv) + matmul(q, h) + matmul(h, (i + 1) * di) + vector(2 * hd + 2 * di)
+    return (proj + work(2 * i * di * qsa_mean_blocks(cfg, seq_len))
+            + work(2 * 2 * q * qsa_mean_keys(cfg, seq_len)))
+
+
+def gated_deltanet(cfg: ModelConfig) -> Cost:
+    """Gated DeltaNet: qkv, z, b and a projections, the causal depthwise conv, out_proj (+ dt_bias,
+    A_log, the gated norm) and the chunked delta rule per value head at chunk C: intra-chunk K K^T,
+    q K^T, the two WY products and A V, the carried state's three products and the triangular inverse
+    as fla computes it, 2C^2/3 (the pure-PyTorch CPU path inverts otherwise, not counted)."""
+    h, nv, dk, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd, vd = cfg.linear_num_key_heads * dk, nv * dv
+    conv = 2 * kd + vd
+    c = GDN_CHUNK
+    return (matmul(h, conv) + matmul(h, vd) + matmul(h, 2 * nv) + matmul(vd, h)
+            + matmul(conv, cfg.linear_conv_kernel) + vector(2 * nv + dv)
+            + work(nv * (6 * c * dk + 4 * c * dv + 6 * dk * dv + 2 * c * c / 3)))
+
+
+def mixer(cfg: ModelConfig, kind: str, seq_len: int) -> Cost:
+    """A token mixer by kind: `attention`, `indexed_attention` (QSA) or `linear_attention` (GDN)."""
+    if kind == "indexed_attention":
+        return qsa(cfg, seq_len)
+    if kind == "linear_attention":
+        return gated_deltanet(cfg)
+    return attention(cfg, seq_len)
+
+
+# --- channel mixers, residual streams, PLE ----------------------------------------------------------------
+def mlp(cfg: ModelConfig, moe: bool) -> Cost:
+    """A dense SwiGLU MLP, or an MoE: router, top_k of the routed experts, the shared expert and its gate."""
+    h = cfg.hidden_size
+    if not moe:
+        return matmul(h, 3 * cfg.intermediate_size)
+    routed = 3 * h * cfg.moe_intermediate_size
+    out = matmul(h, cfg.num_experts) + Cost(experts=cfg.num_experts * routed, flops=cfg.top_k * 2 * routed)
+    if cfg.num_shared_experts > 0:
+        out = out + matmul(h, 3 * cfg.resolved_shared_expert_size)
+        if cfg.shared_expert_gate:
+            out = out + matmul(h, 1)
+    return out
+
+
+def hyper_connection(cfg: ModelConfig, combine: bool = True) -> Cost:
+    """One HyperConnection over X = hc_count x H channels: the grouped norm, the rank-R mixer down and
+    up and, unless it is a final mixer, the injection weights."""
+    x = cfg.hc_count * cfg.hidden_size
+    out = vector(x) + matmul(x, cfg.hc_lowrank) + matmul(cfg.hc_lowrank, x)
+    return out + matmul(x, cfg.hc_count) if combine else out
+
+
+def block_norms(cfg: ModelConfig) -> Cost:
+    """A block's two pre-norms, or its two hyper-connections."""
+    if cfg.hc_count <= 1:
+        return vector(2 * cfg.hidden_size)
+    return hyper_connection(cfg) + hyper_connection(cfg)
+
+
+def final_norm(cfg: ModelConfig) -> Cost:
+    """The head's input norm: an RMSNorm, or the final stream mixer with hyper-connections."""
+    if cfg.hc_count <= 1:
+        return vector(cfg.hidden_size)
+    return hyper_connection(cfg, combine=False)
+
+
+def ple(cfg: ModelConfig) -> Cost:
+    """PLE without its n-gram table (a gather): key and value projections of the n-gram embedding,
+    three norms and the dilated depthwise conv."""
+    x, h, e = cfg.hc_count * cfg.hidden_size, cfg.hidden_size, cfg.resolved_ple_embed_dim
+    return matmul(e, x) + matmul(e, h) + vector(3 * x) + matmul(x, cfg.ple_conv_kernel)
+
+
+def ple_table(cfg: ModelConfig, ple_index: int) -> int:
+    """Parameters of PLE layer `ple_index`'s n-gram table (rows: distinct primes above the base, padded)."""
+    from tandem.models.ple import ngram_tables  # the prime search runs only when a table is counted
+
+    rows = ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ngram_vocab_base,
+                        cfg.ngram_vocab_multiple, cfg.ngram_seed, ple_index)[3]
+    return rows * (cfg.resolved_ple_embed_dim // ((cfg.ngram_size - 1) * cfg.heads_per_ngram))
+
+
+def head(cfg: ModelConfig) -> Cost:
+    """A vocabulary head."""
+    return matmul(cfg.hidden_size, cfg.vocab_size)
+
+
+# --- layers ------------------------------------------------------------------------------------------------
+def trunk_layer_parts(cfg: ModelConfig, index: int, seq_len: int) -> Dict[str, Cost]:
+    """Trunk layer `index` by part: `mixer`, `mlp` (dense MLP or MoE), `norms`, `ple` (without its table)."""
+    parts = {"mixer": mixer(cfg, cfg.layer_type(index), seq_len), "mlp": mlp(cfg, cfg.is_moe_layer(index)),
+             "norms": block_norms(cfg)}
+    parts["ple"] = ple(cfg) if index in cfg.ple_layers else Cost()
+    return parts
+
+
+def trunk_layer(cfg: ModelConfig, index: int, seq_len: int) -> Cost:
+    parts = trunk_layer_parts(cfg, index, seq_len)
+    return parts["mixer"] + parts["mlp"] + parts["norms"] + parts["ple"]
+
+
+def mtp_kind(cfg: ModelConfig) -> str:
+    """The MTP blocks' token mixer: QSA when the trunk has it, else full attention (never PLE)."""
+    return "indexed_attention" if cfg.uses_qsa else "attention"
+
+
+def mtp_combine(cfg: ModelConfig, mtp: MTPConfig) -> Cost:
+    """The looped style's input combination: the qwen4_exp drafter's two norms, fc_embedding once and
+    the shared fc_hidden on every stream; concat_proj's two norms and eh_proj over cat(emb, h)."""
+    h = cfg.hidden_size
+    if mtp.style != "looped":
+        return Cost()
+    if mtp.resolved_combine(cfg) == "qwen4_exp":
+        return vector(h + cfg.hc_count * h) + matmul(h, h) + matmul(h, h, uses=cfg.hc_count)
+    return vector(2 * h) + matmul(2 * h, h)
+
+
+def mtp_block(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Cost:
+    """An MTP step's transformer block: the trunk's attention kind, no PLE."""
+    return mixer(cfg, mtp_kind(cfg), seq_len) + mlp(cfg, mtp.moe and cfg.num_experts > 0) + block_norms(cfg)
+
+
+def mtp_layer(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Cost:
+    """One physical MTP layer: its block, input combination and final norm (the head is `head`)."""
+    return mtp_block(cfg, mtp, seq_len) + mtp_combine(cfg, mtp) + final_norm(cfg)
+
+
+# --- parameters by part (what --check and the tests read) ---------------------------------------------------
+def layer_params(cfg: ModelConfig, index: int) -> Dict[str, int]:
+    """Trunk layer `index`'s parameters by kind: `mixer`, `mlp` (dense MLP, or the MoE's router, shared
+    expert and its gate), `experts` (routed), `norms` (norms or hyper-connections), `ple`, `ple_table`."""
+    parts = trunk_layer_parts(cfg, index, cfg.max_seq_len)
+    table = ple_table(cfg, cfg.ple_layers.index(index)) if index in cfg.ple_layers else 0
+    return {"mixer": parts["mixer"].params, "mlp": parts["mlp"].params, "experts": parts["mlp"].experts,
+            "norms": parts["norms"].params, "ple": parts["ple"].params, "ple_table": table}
+
+
+def mtp_layer_params(cfg: ModelConfig, mtp: MTPConfig) -> int:
+    """One physical MTP layer's parameters, its routed experts included."""
+    layer = mtp_layer(cfg, mtp, cfg.max_seq_len)
+    return layer.params + layer.experts
