@@ -28,7 +28,7 @@ file's tokens sum to the file's UTF-8 size (checked for every file; a tokenizer 
 byte-level fails that check by name). The cross-entropy is the checkpoint's own
 `eval.metrics.teacher_forced` main-head loss (mean over the window's S targets, times S), in fp32.
 
-Decoding (`eval.metrics.evaluate_decoding`, the in-loop evaluator's decoder): `--prompts` prompts, the
+Decoding (`eval.decode_eval.evaluate_decoding`, the in-loop evaluator's decoder): `--prompts` prompts, the
 first `prompt_len` tokens (the checkpoint's `eval.prompt_len`) of windows evenly spaced over each
 source, continued by `max_new_tokens` tokens (its `eval.max_new_tokens`) with K = its
 `mtp.num_steps` drafts per round: greedy (acceptance length, per-position rates, and distinct-2/4 of
@@ -171,7 +171,7 @@ def measure(checkpoint: str, *, num_windows: int = 128, num_prompts: int = 32, b
     `document_mask`: score the windows with files kept apart (`on`: each file read alone from its start,
     as inference reads a document), not (`off`), or as the checkpoint trained (`checkpoint`)."""
     from tandem.data_pipeline.stdlib_corpus import stdlib_files
-    from tandem.eval.cli import _tokenizer_of
+    from tandem.trainer.eval_cli import _tokenizer_of
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
 
     step_dir = resolve_checkpoint(checkpoint)

@@ -45,7 +45,7 @@ def train_one(recipe: str, objective: str, steps: int, out: str, overrides):
 
 
 def evaluate(run_dir: str, temperatures, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int):
-    from tandem.eval.cli import _tokenizer_of, _validation
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.eval.metrics import teacher_forced
     from tandem.trainer.checkpoint import load_model_from_checkpoint

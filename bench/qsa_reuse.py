@@ -4,7 +4,7 @@ round and the acceptance it costs or buys, on one Qwen4-Exp checkpoint, side by 
     python bench/qsa_reuse.py [--checkpoint runs/qwen4_exp_tiny] [--num-prompts 16] [--prompt-len 160] [--max-new-tokens 64]
 
 The same checkpoint drafts the same held-out prompts twice, with the evaluator's decoder
-(`eval.metrics.evaluate_decoding`, the checkpoint's `eval.draft_convention`):
+(`eval.decode_eval.evaluate_decoding`, the checkpoint's `eval.draft_convention`):
 
 * `reuse`: as the design documents serve it, and as a checkpoint trained with index reuse was trained:
   MTP depth 1 runs its QSA indexer, depths 2..K attend over depth 1's selection;
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from tandem.eval.cli import _tokenizer_of, _validation
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     model, cfg = load_model_from_checkpoint(args.checkpoint)

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from tandem.eval.cli import _tokenizer_of, _validation
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 

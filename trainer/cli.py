@@ -30,7 +30,7 @@ run `tandem <command> --help` for a command's options
 # command -> (module, function taking argv)
 _COMMANDS = {
     "preprocess": ("tandem.data_pipeline.preprocess", "preprocess_main"),
-    "eval": ("tandem.eval.cli", "eval_main"),
+    "eval": ("tandem.trainer.eval_cli", "eval_main"),
     "export": ("tandem.trainer.hf.export", "export_main"),
     "report": ("tandem.trainer.report", "report_main"),
 }

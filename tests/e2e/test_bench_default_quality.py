@@ -64,7 +64,7 @@ def _distinct4(outputs):
 
 
 def test_quality_bench_matches_hand_computation(checkpoint):
-    from tandem.eval.cli import _tokenizer_of
+    from tandem.trainer.eval_cli import _tokenizer_of
     from tandem.eval.spec_decode import generate
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
 

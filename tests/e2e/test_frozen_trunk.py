@@ -32,7 +32,7 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
 
-    from tandem.eval.cli import eval_main
+    from tandem.trainer.eval_cli import eval_main
     from tandem.trainer.cli import main as cli
 
     tmp = str(tmp_path)

@@ -409,7 +409,7 @@ def test_unknown_rule_is_refused():
 
 
 def test_config_and_cli_name_the_rule():
-    from tandem.eval.cli import _parser
+    from tandem.trainer.eval_cli import _parser
     from tandem.trainer.config import ConfigError, load_config
 
     assert load_config(None, ["eval.verify=block"]).eval.verify == "block"

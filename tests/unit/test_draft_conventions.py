@@ -352,7 +352,7 @@ def test_evaluator_logs_the_other_conventions_acceptance_when_it_differs():
 
 
 def test_config_key_and_cli_flag():
-    from tandem.eval.cli import _parser
+    from tandem.trainer.eval_cli import _parser
     from tandem.trainer.config import ConfigError, load_config
 
     assert load_config("recipes/tiny.yaml").eval.draft_convention == "serving"

@@ -65,7 +65,7 @@ def _load(args):
     """(model, cfg or None, tokenizer or None)."""
     if args.hf:
         try:
-            from tandem.trainer.hf.importer import load_hf_model
+            from .hf.importer import load_hf_model
         except ImportError as exc:
             raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf.importer (not available: {exc})")
         model, cfg = load_hf_model(args.hf)
@@ -77,7 +77,7 @@ def _load(args):
         except Exception:
             tok = None
         return model.to(args.device).eval(), cfg, tok
-    from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
+    from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 
     step = resolve_checkpoint(args.checkpoint)
     model, cfg = load_model_from_checkpoint(step, args.device)
@@ -201,8 +201,8 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     drafting convention's acceptance when it differs)."""
     import torch
 
-    from .decode_eval import evaluate_decoding, other_convention_figures
-    from .metrics import teacher_forced
+    from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
+    from tandem.eval.metrics import teacher_forced
 
     with torch.inference_mode():
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
@@ -219,7 +219,7 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
 
 def _write_outputs(path: str, spec, prompts) -> None:
     """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts."""
-    from .acceptance import row_metrics
+    from tandem.eval.acceptance import row_metrics
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
