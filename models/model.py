@@ -195,8 +195,27 @@ class SelectionCarry:
     value: Optional[QSASelection] = None
 
 
+class SequenceLayout(nn.Module):
+    """Where the sequence dimension of the hidden states lives between the blocks: whole, as in one
+    process (this class, the default), or one rank's shard of it under sequence parallelism
+    (trainer/parallel/tensor.py `SequenceShards`, built with the same three methods). The model asks it
+    for whole hidden states before the head and for its MTP embeddings; it holds no parameters."""
+
+    def whole(self, h_bsh: torch.Tensor) -> torch.Tensor:
+        """The whole sequence [B, S, H] from what the blocks hand on (here already whole)."""
+        return h_bsh
+
+    def embed_window(self, embed_tokens: nn.Module, ids_bl: torch.Tensor) -> torch.Tensor:
+        """The embeddings of a window of whole sequences, looked up once (`shifted_embeddings`)."""
+        return embed_tokens(ids_bl)
+
+    def rows(self, window_blh: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+        """The rows first..first+rows of an `embed_window` output that the blocks compute on."""
+        return window_blh[:, first : first + rows]
+
+
 class TandemModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, mtp: MTPConfig):
+    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, sequence: Optional[SequenceLayout] = None):
         super().__init__()
         self.cfg, self.mtp_cfg = cfg, mtp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -214,14 +233,10 @@ class TandemModel(nn.Module):
         # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own
         # next-token prediction at the target position; the trainer sets it from train.distill).
         self.distill = "none"
-        # Sequence parallelism (trainer/parallel/) sets this to an all-gather of the local sequence
-        # shard [B, S/tp, H] -> [B, S, H] applied to the normed hidden states before the head; the
-        # model itself holds no process groups. None: the hidden states are already whole.
-        self.gather_sequence = None
-        # Sequence parallelism also sets this (trainer/parallel/tensor.py `SequenceShards`): `embed_whole(ids)`
-        # looks whole sequences up on every rank and `shard(x, first, rows)` takes this rank's shard of
-        # rows first..first+rows of such a whole tensor; the trunk and the MTP steps share one lookup.
-        self.sequence_shards = None
+        # Whole sequences between the blocks (the default), or under sequence parallelism this rank's
+        # shard: the head's input is gathered whole and the trunk and MTP steps share one lookup of whole
+        # sequences, each rank reading its rows (trainer/parallel/tensor.py `SequenceShards`).
+        self.sequence = sequence if sequence is not None else SequenceLayout()
         # The gradient d total / d loss_sums[depth] the trainer's loss will send back (coefficient over
         # the depth's global target count, [num_depths], on the device), set around each step by the
         # trainer: with it the fused head keeps one weight-gradient buffer for every depth
@@ -337,9 +352,8 @@ class TandemModel(nn.Module):
         """Whether training embeds every position once and the MTP steps read it shifted
         (`shifted_embeddings`): with looped MTP steps (they embed tokens). Under sequence parallelism
         step k's shard needs k rows of the next rank's shard, so the window is looked up whole there
-        (`sequence_shards`) and each rank reads its rows of it."""
-        return (self.mtp is not None and self.mtp.chained
-                and (self.gather_sequence is None or self.sequence_shards is not None))
+        (`sequence.embed_window`) and each rank reads its rows of it (`sequence.rows`)."""
+        return self.mtp is not None and self.mtp.chained
 
     def shifted_embeddings(self, tokens_bs1: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """One embedding lookup serving the trunk (shift 0) and MTP steps `first`..`last`: row j holds
@@ -349,15 +363,13 @@ class TandemModel(nn.Module):
         all-reduce of the whole window instead of a reduce-scatter per step)."""
         s = tokens_bs1.shape[1] - 1
         ids = shifted_tokens(tokens_bs1, first, s + last - first)
-        return self.embed_tokens(ids) if self.sequence_shards is None else self.sequence_shards.embed_whole(ids)
+        return self.sequence.embed_window(self.embed_tokens, ids)
 
     def window_rows(self, emb_window: Tuple[torch.Tensor, int], shift: int, s: int) -> torch.Tensor:
         """The embedding of tokens t+shift for the S positions (this rank's shard of them under sequence
         parallelism) from a `shifted_embeddings` window (window, its first shift)."""
         window, first = emb_window
-        if self.sequence_shards is not None:
-            return self.sequence_shards.shard(window, shift - first, s)
-        return window[:, shift - first : shift - first + s]
+        return self.sequence.rows(window, shift - first, s)
 
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
@@ -437,7 +449,7 @@ class TandemModel(nn.Module):
         wanted_steps = [d for d in (range(self.num_depths) if depths is None else depths) if d > 0]
         if emb_window is None and wanted_steps and self.shared_lookup():
             emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)), chain_depth + 1)
-        whole = self.gather_sequence if self.gather_sequence is not None else (lambda h: h)
+        whole = self.sequence.whole
         counts: List[torch.Tensor] = []
         teacher_bsh = teacher_ids = None
         objective = self.mtp_cfg.loss.objective

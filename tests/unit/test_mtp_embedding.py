@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.models import MTPConfig, ModelConfig, TandemModel
-from tandem.models.model import shifted_tokens
+from tandem.models.model import SequenceLayout, shifted_tokens
 
 
 def _model(hc_count: int = 1, seed: int = 0) -> TandemModel:
@@ -71,18 +71,19 @@ def test_shared_lookup_losses_and_gradients_equal_per_step_lookups(dtype, hc_cou
     assert g_old["embed_tokens.weight"].abs().sum() > 0
 
 
-class _FakeShards:
+class _FakeShards(SequenceLayout):
     """What trainer/parallel/tensor.py `SequenceShards` does for rank `rank` of `size`, in one process:
     the whole lookup is the plain one (what the all-reduce of the vocabulary shards' lookups gives)."""
 
-    def __init__(self, model: TandemModel, rank: int, size: int):
-        self.model, self.rank, self.size, self.lookups = model, rank, size, 0
+    def __init__(self, rank: int, size: int):
+        super().__init__()
+        self.rank, self.size, self.lookups = rank, size, 0
 
-    def embed_whole(self, ids):
+    def embed_window(self, embed_tokens, ids):
         self.lookups += 1
-        return self.model.embed_tokens(ids)
+        return embed_tokens(ids)
 
-    def shard(self, x, first, rows):
+    def rows(self, x, first, rows):
         per = rows // self.size
         return x[:, first + self.rank * per : first + (self.rank + 1) * per]
 
@@ -95,9 +96,7 @@ def test_sequence_parallel_steps_read_their_shards_of_one_whole_lookup(rank):
     model = _model()
     tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(3))
     s, k = 12, model.mtp_cfg.num_steps
-    model.gather_sequence = lambda h: h  # set under SP: without sequence_shards there is no shared lookup
-    assert not model.shared_lookup()
-    model.sequence_shards = shards = _FakeShards(model, rank, 2)
+    model.sequence = shards = _FakeShards(rank, 2)  # what sequence parallelism builds
     assert model.shared_lookup()
     window = (model.shifted_embeddings(tokens, 0, k), 0)
     assert shards.lookups == 1 and window[0].shape[:2] == (2, s + k)

@@ -21,9 +21,10 @@ forward with looped MTP steps looks its window of S+K tokens up whole and each r
 of it, `SequenceShards`); attention and dense MLPs all-gather the sequence on entry (backward:
 reduce-scatter) and reduce-scatter it after the row-parallel projection (backward: all-gather). MoE
 layers route their own tokens, then all-gather tokens, weights and expert ids over tp for the
-tp-sharded experts and reduce-scatter the partial outputs. The head's input is gathered whole (`model.gather_sequence`) before the
-vocab-parallel loss. Replicated parameters that saw only a shard of the sequence (norms, routers,
-the MTP projection) get their gradients summed over tp by the GradientFinisher (`sp_partial_names`).
+tp-sharded experts and reduce-scatter the partial outputs. The head's input is gathered whole
+(`model.sequence`, built as a `SequenceShards`) before the vocab-parallel loss. Replicated
+parameters that saw only a shard of the sequence (norms, routers, the MTP projection) get their
+gradients summed over tp by the GradientFinisher (`sp_partial_names`).
 
 Sharded parameters are DTensors (over the tp mesh, the ep mesh or both) with the single-process
 names, so DCP reshards checkpoints between layouts. Model code computes on local shards
@@ -51,6 +52,7 @@ from torch.distributed.tensor.parallel import (
 from tandem.models.attention import Attention
 from tandem.models.layers import SwiGLU
 from tandem.models.loss import VocabReduce, chunked_acceptance_loss_sum, head_cross_entropy_sums
+from tandem.models.model import SequenceLayout
 from tandem.models.moe import AuxLossGrad, GroupedExperts, MoE, expert_swiglu, inverse_permutation
 
 from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
@@ -351,47 +353,50 @@ class SequenceParallelSwitch:
 
     def __init__(self):
         self.on = True
-        self.models: List[nn.Module] = []
-        """Models whose `gather_sequence` is set."""
 
     @contextlib.contextmanager
     def whole_sequences(self):
         if not self.on:
             yield
             return
-        saved = [(m.gather_sequence, m.sequence_shards) for m in self.models]
         self.on = False
-        for m in self.models:
-            m.gather_sequence = m.sequence_shards = None
         try:
             yield
         finally:
             self.on = True
-            for m, (gather, shards) in zip(self.models, saved):
-                m.gather_sequence, m.sequence_shards = gather, shards
 
 
-class SequenceShards:
-    """`model.sequence_shards` under sequence parallelism: whole sequences looked up once, each rank
-    reading its shard of them. MTP step k embeds token t+k, the trunk's embedding output shifted by k;
-    with the sequence split over tp a shifted shard needs k rows of the next rank's, so the window of
+class SequenceShards(SequenceLayout):
+    """The model's `sequence` under sequence parallelism: hidden states between the blocks are this
+    rank's shard of the sequence while the switch is on (`whole` all-gathers them for the head), and
+    whole sequences are looked up once, each rank reading its shard of them. MTP step k embeds token
+    t+k, the trunk's embedding output shifted by k; with the sequence split over tp a shifted shard
+    needs k rows of the next rank's, so the window of
     S+K rows is looked up whole (one vocabulary-parallel all-reduce forward, and one backward summing
     the rows each rank's shards used) rather than once per step (a reduce-scatter forward and an
     all-gather backward each): one lookup and two collectives instead of K+1 and 2(K+1), and at K=3
-    half the bytes."""
+    half the bytes. With the switch off (decoding) it is the one-process layout."""
 
-    def __init__(self, model: nn.Module, switch: SequenceParallelSwitch, group):
-        self.model, self.switch, self.group = model, switch, group
+    def __init__(self, switch: SequenceParallelSwitch, group):
+        super().__init__()
+        self.switch, self.group = switch, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def embed_whole(self, ids_bl: torch.Tensor) -> torch.Tensor:
+    def whole(self, h_bsh: torch.Tensor) -> torch.Tensor:
+        return gather_along(h_bsh, self.group, 1) if self.switch.on else h_bsh
+
+    def embed_window(self, embed_tokens: nn.Module, ids_bl: torch.Tensor) -> torch.Tensor:
+        if not self.switch.on:
+            return embed_tokens(ids_bl)
         with self.switch.whole_sequences():  # the embedding all-reduces (its backward keeps the gradient)
-            emb = self.model.embed_tokens(ids_bl)
+            emb = embed_tokens(ids_bl)
         return copy_to_group(emb, self.group)  # backward: each rank's rows summed over tp
 
-    def shard(self, x_blh: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+    def rows(self, window_blh: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+        if not self.switch.on:
+            return window_blh[:, first : first + rows]
         per = rows // self.size
-        return x_blh[:, first + self.rank * per : first + (self.rank + 1) * per]
+        return window_blh[:, first + self.rank * per : first + (self.rank + 1) * per]
 
 
 class _SwitchablePrepareInput(PrepareModuleInput):
@@ -490,10 +495,7 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
         # norm) or scaling its partial output (the shared expert's gate): gradients partial over tp.
         partial = (".q_norm.", ".k_norm.", ".linear_attn.norm.", ".shared_expert_gate.")
         return [name for name, _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
-    group = tp_mesh.get_group()
-    model.gather_sequence = lambda h: gather_along(h, group, 1)
-    model.sequence_shards = SequenceShards(model, switch, group)
-    switch.models.append(model)
+    model.sequence = SequenceShards(switch, tp_mesh.get_group())
     # every replicated parameter saw one sequence shard, except the QSA indexers: they read the gathered
     # sequence and take their own (identical) loss on every rank, so their gradients are already whole
     return [name for name, p in model.named_parameters() if not isinstance(p, DTensor) and ".indexer." not in name]
