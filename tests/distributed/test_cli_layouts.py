@@ -15,18 +15,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 # The tiny model and corpus slice of the distributed CLI tests (tp2 needs the 2 kv heads).
-TINY_MODEL_DATA = [
-    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
-    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
-    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-    "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
-]
+TINY_MODEL_DATA = DEBUG_MODEL + ["model.num_kv_heads=2"] + TINY_DATA + QUIET
 SMALL = TINY_MODEL_DATA + [
     "train.max_steps=3", "train.grad_accum_steps=2", "train.eps=1e-6",
     # the in-loop evaluator at the last step: speculative decoding on the sharded model as trained
@@ -39,9 +35,12 @@ SMALL = TINY_MODEL_DATA + [
 FLAGSHIP = ["parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.sequence_parallel=true",
             "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3", "parallel.pp_balance=true",
             "model.num_layers=4"]
-LAYOUTS = [(2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.tp=2"]),
-           (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (4, ["parallel.tp=2", "parallel.pp=2"]),
-           (8, FLAGSHIP)]
+# Through the CLI only the flagship: each degree alone and the other combinations are compared with one
+# process parameter by parameter in test_parallel_equivalence.py (pp=2, ep=2, tp=2, tp=2 + SP, tp=2 x
+# pp=2, ...), and the in-loop evaluator under them in test_eval_layouts.py; what the CLI adds (the
+# launcher, the data split, the run directory, evaluation in the loop) the flagship run shows, and
+# test_cli_bf16_under_fsdp_and_ep below shows it in bf16 under FSDP and ep.
+LAYOUTS = [(8, FLAGSHIP)]
 
 
 def tandem_cmd():

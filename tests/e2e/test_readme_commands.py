@@ -112,7 +112,7 @@ def test_docs_show_one_example_per_flow():
     for flow, start in flows.items():
         assert any(c.startswith(start) for c in readme), (flow, readme)
     assert any(c.startswith("torchrun") for c in readme), readme
-    assert sum(c.startswith("torchrun") for c in COMMANDS) >= 4, COMMANDS
+    assert sum(c.startswith("torchrun") for c in COMMANDS) >= 3, COMMANDS  # README, flagship, qwen4_exp
     # the docs' fine-tuning, eval and export examples read what the pretraining command writes
     with open(os.path.join(ROOT, "recipes", "tiny.yaml")) as f:
         assert f"dir: {PRETRAIN_DIR}\n" in f.read()
@@ -137,10 +137,10 @@ def test_commands_are_in_bash_blocks():
 
 
 def test_docs_torchrun_layouts_are_checked_by_the_cli_layout_test():
-    """The docs' basic torchrun layouts of the tiny recipe are run (and compared with one process) by
-    test_cli_layouts.py: at least the pp, ep, tp, tp+SP and tp x pp commands."""
+    """The docs' flagship torchrun layout of the tiny recipe is run (and compared with one process) by
+    test_cli_layouts.py, not twice."""
     covered = [c for c in COMMANDS if cli_layouts_command(c)]
-    assert len(covered) >= 5, covered
+    assert len(covered) >= 1 and all(c not in RUN_HERE for c in covered), covered
 
 
 def _llm_calls(tree):
