@@ -52,7 +52,7 @@ def make_checkpoint(out: str, shape: dict, cache: str) -> int:
     from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
     from tandem.models import MTPConfig, ModelConfig, TandemModel
     from tandem.trainer.config import load_config
-    from tandem.trainer.hf.exporter import export_hf
+    from tandem.trainer.hf.export import export_hf
 
     cfg = ModelConfig(**shape)
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ def test_layouts_materialise_only_their_shards_and_equal_one_process(tmp_path):
     import torch
 
     from tandem.models import TandemModel
-    from tandem.trainer.hf.exporter import export_hf
+    from tandem.trainer.hf.export import export_hf
 
     # a checkpoint whose trunk differs from the seeded init (and has no MTP weights: those come from the seed)
     cfg = worker.make_cfg("single", 2)

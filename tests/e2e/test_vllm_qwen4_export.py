@@ -27,7 +27,7 @@ def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
     from test_vllm_serving import vllm_python
 
     from eval_helpers import tiny_qwen4_model
-    from tandem.trainer.hf.exporter import export_hf
+    from tandem.trainer.hf.export import export_hf
     from tandem.trainer.hf.importer import CheckpointReader
 
     model = tiny_qwen4_model(3, vocab=VOCAB)  # every part on: QSA, Gated DeltaNet, hyper-connections, PLE, MoE

@@ -11,7 +11,7 @@ import torch
 
 T = pytest.importorskip("transformers")
 
-from tandem.trainer.hf.exporter import export_hf  # noqa: E402
+from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

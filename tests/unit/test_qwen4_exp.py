@@ -20,7 +20,7 @@ from tandem.eval.spec_decode import generate  # noqa: E402
 from tandem.models import TandemModel  # noqa: E402
 from tandem.models.config import MTPConfig, ModelConfig  # noqa: E402
 from tandem.models.gated_deltanet import qkv_rows_from_hf  # noqa: E402
-from tandem.trainer.hf.exporter import export_hf  # noqa: E402
+from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
 
 VOCAB, EOS, S = 96, 1, 40

@@ -13,7 +13,7 @@ import torch
 
 T = pytest.importorskip("transformers")
 hf_import = pytest.importorskip("tandem.trainer.hf.importer", reason="needs the GLM-4.5 HF import (trainer/hf/importer.py)")
-hf_export = pytest.importorskip("tandem.trainer.hf.exporter", reason="used only to learn the HF names of MTP weights")
+hf_export = pytest.importorskip("tandem.trainer.hf.export", reason="used only to learn the HF names of MTP weights")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 

@@ -1,2 +1,2 @@
-"""Hugging Face interop: import (`importer`), export (`exporter`, the `tandem export` CLI in `export`),
-the per-family name maps (`families`) and `model.init_from` (`init_from`)."""
+"""Hugging Face interop: import (`importer`), export and the `tandem export` CLI (`export`), the
+per-family name maps (`families`) and `model.init_from` (`init_from`)."""

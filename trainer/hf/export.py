@@ -1,40 +1,64 @@
-"""`tandem export --checkpoint DIR --out OUT [--family F]`: a Tandem checkpoint as a Hugging Face directory."""
+"""`tandem export --checkpoint DIR --out OUT [--family F]`: a Tandem checkpoint (or, from Python, a
+model) as a Hugging Face directory: config.json, safetensors and the tokenizer.
+
+Tensor names follow the target family (families.py): the trunk as transformers names it, the MTP
+layers as the family's MTP layout (GLM-4.5: `model.layers.{N + j}.*`; Qwen3 family and qwen4_exp:
+`mtp.*`); experts are written per expert, as transformers' save_pretrained writes them.
+
+One path for both inputs. Every tensor has a source: its shape and dtype, and a function that reads
+it (one `dcp.load` of that tensor alone from a checkpoint, a slice of the `model.init_from` reference
+for a frozen trunk, or a model parameter, gathered when it is a DTensor). Shapes and dtypes fix the
+safetensors headers before any data is read, so each file is written header first and then tensor by
+tensor, read, converted to the family's layout and dropped: the process never holds the model. The
+output is assembled in a temporary sibling directory and renamed into place, so OUT is absent, the
+old export (without `overwrite`) or the whole new one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
+import struct
 import sys
-from typing import List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from .families import FAMILIES
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from tandem.models.config import MTPConfig, ModelConfig
 
-def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
-    """The tokenizer the run trained with, when it can be found without rebuilding anything: the copy
-    the checkpoint recorded, else the run's data config's."""
-    if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
-        return os.path.join(step_dir, "tokenizer.json")
-    if cfg.data.tokenizer:
-        return cfg.data.tokenizer
-    if cfg.data.source == "stdlib":
-        import glob
-        import sys as _sys
+from ..checkpoint_dirs import resolve_checkpoint
+from ..config import load_config
+from .families import FAMILIES, UnsupportedCheckpoint, default_family, detect_family, hf_config, hf_name, meta_state
+from .importer import _ST_DTYPES, CheckpointReader, local_tensors, read_config, read_source
+from .init_from import check_reference, is_hf_dir, read_reference
 
-        ver = ".".join(map(str, _sys.version_info[:3]))
-        pattern = os.path.join(os.path.expanduser(cfg.data.cache_dir),
-                               f"stdlib-py{ver}-v{cfg.data.vocab_size}-cap{cfg.data.stdlib_max_bytes}-*", "train.tokenizer.json")
-        found = sorted(glob.glob(pattern))
-        if found:
-            return found[-1]
-    for prefix in cfg.data.paths:
-        for cand in (prefix + ".tokenizer.json", os.path.join(os.path.dirname(prefix), "tokenizer.json")):
-            if os.path.isfile(cand):
-                return cand
-    return None
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+class _Source(NamedTuple):
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    """The dtype written (the checkpoint's, the parameter's; fp32 for a norm stored with an offset)."""
+    load: Callable[[], torch.Tensor]
+
+
+class _Entry(NamedTuple):
+    """One output tensor: the Tandem tensor it comes from and which part (the expert of a stacked
+    source, the row block of a concatenated one, or None: all of it)."""
+    name: str
+    key: str
+    part: Optional[Union[int, slice]]
+    shape: List[int]
+    dtype: torch.dtype
+
+
+# --- the command -------------------------------------------------------------------------------------------
 def export_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem export",
                                      description="Write a Hugging Face checkpoint (config.json + safetensors) of a Tandem checkpoint.")
@@ -46,12 +70,6 @@ def export_main(argv: List[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
     parser.add_argument("--max-shard-mb", type=float, default=0, help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
-    from ..checkpoint_dirs import resolve_checkpoint
-    from ..config import load_config
-    from .exporter import export_hf_checkpoint
-    from .families import UnsupportedCheckpoint
-    from .init_from import check_reference, read_reference
-
     try:
         step = resolve_checkpoint(args.checkpoint)
         cfg = load_config(os.path.join(step, "config.yaml"))
@@ -67,3 +85,263 @@ def export_main(argv: List[str]) -> int:
     print(json.dumps({"out": os.path.abspath(args.out), "family": family,
                       "mtp_layers": cfg.mtp.num_layers if cfg.mtp.num_steps else 0}))
     return 0
+
+
+def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
+    """The tokenizer the run trained with, when it can be found without rebuilding anything: the copy
+    the checkpoint recorded, else the run's data config's."""
+    if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
+        return os.path.join(step_dir, "tokenizer.json")
+    if cfg.data.tokenizer:
+        return cfg.data.tokenizer
+    if cfg.data.source == "stdlib":
+        ver = ".".join(map(str, sys.version_info[:3]))
+        pattern = os.path.join(os.path.expanduser(cfg.data.cache_dir),
+                               f"stdlib-py{ver}-v{cfg.data.vocab_size}-cap{cfg.data.stdlib_max_bytes}-*", "train.tokenizer.json")
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[-1]
+    for prefix in cfg.data.paths:
+        for cand in (prefix + ".tokenizer.json", os.path.join(os.path.dirname(prefix), "tokenizer.json")):
+            if os.path.isfile(cand):
+                return cand
+    return None
+
+
+# --- the two inputs ----------------------------------------------------------------------------------------
+def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *, cfg: Optional[ModelConfig] = None,
+              mtp: Optional[MTPConfig] = None, overwrite: bool = False, tokenizer: Optional[str] = None,
+              max_shard_bytes: int = 0) -> str:
+    """Write `model` to `out` as a Hugging Face checkpoint of `family` (default: from the knobs).
+    Returns the family used. Refuses to replace an existing `out` unless `overwrite`."""
+    cfg = cfg or model.cfg
+    mtp = mtp or model.mtp_cfg
+    family = family or default_family(cfg)
+
+    def fill(tmp: str) -> None:
+        spec = hf_config(family, cfg, mtp)[1]
+        sources = {}
+        for name, t in local_tensors(model).items():
+            src = hf_name(name, cfg, mtp, spec)
+            dtype = torch.float32 if src is not None and src.plus_one else t.dtype
+            sources[name] = _Source(tuple(t.shape), dtype, lambda t=t: _full(t))
+        _write_hf(tmp, family, cfg, mtp, list(sources), sources, max_shard_bytes)
+
+    _write_export_dir(out, overwrite, tokenizer, fill)
+    return family
+
+
+def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, *, cfg: ModelConfig, mtp: MTPConfig,
+                         overwrite: bool = False, tokenizer: Optional[str] = None, max_shard_bytes: int = 0) -> str:
+    """`export_hf` of a Tandem checkpoint directory, without building the model; a frozen-trunk
+    checkpoint's trunk comes from its (fingerprint-checked) `model.init_from` reference."""
+    family = family or default_family(cfg)
+
+    def fill(tmp: str) -> None:
+        spec = hf_config(family, cfg, mtp)[1]
+        names = list(meta_state(cfg, mtp))
+        _write_hf(tmp, family, cfg, mtp, names, _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
+
+    _write_export_dir(out, overwrite, tokenizer, fill)
+    return family
+
+
+def _checkpoint_sources(step_dir: str, cfg: ModelConfig, mtp: MTPConfig, spec, names: List[str]) -> Dict[str, _Source]:
+    """The checkpoint's tensors, and those it lacks from its `model.init_from` reference."""
+    sources = _dcp_sources(step_dir)
+    ref = read_reference(step_dir)
+    if ref is not None:
+        rest = [n for n in names if n not in sources]
+        extra = _hf_sources(ref["path"], cfg, mtp, rest) if is_hf_dir(ref["path"]) else _dcp_sources(ref["path"])
+        sources.update({n: extra[n] for n in rest if n in extra})
+    # tensors the family has no name for (a softmax router's correction bias) need no source
+    missing = [n for n in names if n not in sources and hf_name(n, cfg, mtp, spec) is not None]
+    if missing:
+        raise ValueError(f"checkpoint {step_dir} lacks tensors: {', '.join(missing[:8])}")
+    return sources
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(t, "full_tensor", None)
+    return (full_tensor() if full_tensor is not None else t).detach().cpu()
+
+
+def _dcp_sources(step_dir: str) -> Dict[str, _Source]:
+    meta = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    out = {}
+    for key, md in meta.items():
+        if not key.startswith("model.") or not hasattr(md, "size"):
+            continue
+        name = key[len("model."):]
+
+        def load(name=name, md=md):
+            t = torch.empty(md.size, dtype=md.properties.dtype)
+            dcp.load({"model": {name: t}}, checkpoint_id=step_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
+            return t
+
+        out[name] = _Source(md.size, md.properties.dtype, load)
+    return out
+
+
+def _hf_sources(path: str, cfg, mtp, names) -> Dict[str, _Source]:
+    reader = CheckpointReader(path)
+    spec = detect_family(read_config(path), reader.keys())
+    full = meta_state(cfg, mtp)
+    out = {}
+    for name in names:
+        src = hf_name(name, cfg, mtp, spec)
+        if src is None or any(k not in reader._files for k in src.keys):
+            continue
+        shape = full[name]
+        dtype = torch.float32 if src.plus_one else reader.dtype(src.keys[0])
+        out[name] = _Source(shape, dtype, lambda src=src, shape=shape: read_source(
+            reader, src, tuple(slice(0, s) for s in shape), shape))
+    return out
+
+
+# --- writing -----------------------------------------------------------------------------------------------
+def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names: List[str],
+              sources: Dict[str, _Source], max_shard_bytes: int) -> None:
+    """Write config.json and the weights of `names` (in this order) into the new, empty `out_dir`."""
+    config, spec = hf_config(family, cfg, mtp)
+    for name in names:  # tensors the family has no name for must be zero
+        if hf_name(name, cfg, mtp, spec) is None and name in sources and sources[name].load().abs().max() > 0:
+            raise UnsupportedCheckpoint(
+                f"cannot export as {family}: {name} is non-zero and the family has no such tensor "
+                "(a softmax router trained with aux-free balancing; export as glm4_moe needs a sigmoid router)")
+    plan = _plan(names, sources, cfg, mtp, spec)
+    files = _shard(plan, max_shard_bytes)
+    fnames = (["model.safetensors"] if len(files) == 1 else
+              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    where = {i: fname for fname, idx in zip(fnames, files) for i in idx}
+    handles = {fname: _open_safetensors(os.path.join(out_dir, fname), [plan[i] for i in idx])
+               for fname, idx in zip(fnames, files)}
+    try:
+        i = 0
+        while i < len(plan):
+            name = plan[i].name
+            value = _to_hf(sources[name].load(), hf_name(name, cfg, mtp, spec), sources[name].dtype)
+            while i < len(plan) and plan[i].name == name:
+                part = value[plan[i].part] if plan[i].part is not None else value
+                handles[where[i]].write(part.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+                i += 1
+            del value
+    finally:
+        for f in handles.values():
+            f.close()
+    if len(fnames) > 1:
+        total = sum(_nbytes(e) for e in plan)
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
+                      f, indent=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _plan(names: List[str], sources: Dict[str, _Source], cfg, mtp, spec) -> List[_Entry]:
+    """The output tensors in write order, each source's parts together."""
+    plan = []
+    for name in names:
+        src = hf_name(name, cfg, mtp, spec)
+        if src is None:
+            continue
+        shape, dtype, _ = sources[name]
+        if src.stacked:
+            plan += [_Entry(name, key, e, list(shape[1:]), dtype) for e, key in enumerate(src.keys)]
+        elif src.concat:  # transformers' Chunk: torch.chunk's row blocks, one key each
+            step = -(-shape[0] // len(src.keys))
+            plan += [_Entry(name, key, slice(r, min(r + step, shape[0])), [min(r + step, shape[0]) - r] + list(shape[1:]),
+                            dtype) for key, r in zip(src.keys, range(0, shape[0], step))]
+        else:
+            plan.append(_Entry(name, src.keys[0], None, list(shape), dtype))
+    return plan
+
+
+def _nbytes(entry: _Entry) -> int:
+    n = entry.dtype.itemsize
+    for s in entry.shape:
+        n *= s
+    return n
+
+
+def _shard(plan: List[_Entry], max_shard_bytes: int) -> List[List[int]]:
+    """Indices of `plan` per output file: consecutive runs of at most `max_shard_bytes` (0: one file)."""
+    files: List[List[int]] = [[]]
+    size = 0
+    for i, entry in enumerate(plan):
+        if files[-1] and max_shard_bytes and size + _nbytes(entry) > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += _nbytes(entry)
+    return files
+
+
+def _open_safetensors(path: str, entries: List[_Entry]):
+    """Create a safetensors file, write its header for `entries` (in this order) and return it open
+    for their data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        header[e.key] = {"dtype": _ST_NAMES[e.dtype], "shape": e.shape, "data_offsets": [offset, offset + _nbytes(e)]}
+        offset += _nbytes(e)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f = open(path, "wb")
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    return f
+
+
+def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
+    """A Tandem tensor as the family stores it (norm offsets, MTP input halves, Gated DeltaNet's qkv row
+    order), in `dtype`."""
+    if src.plus_one:
+        value = (value.float() - 1.0).to(dtype)
+    value = src.to_checkpoint_rows(value)
+    if src.swap_halves:
+        half = value.shape[1] // 2
+        value = torch.cat([value[:, half:], value[:, :half]], dim=1)
+    return value.to(dtype)
+
+
+def _copy_tokenizer(tokenizer: Optional[str], out_dir: str) -> bool:
+    if not tokenizer:
+        return False
+    src = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+    if not os.path.isfile(src):
+        return False
+    shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
+    if os.path.isdir(tokenizer):
+        for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+            if os.path.isfile(os.path.join(tokenizer, extra)):
+                shutil.copyfile(os.path.join(tokenizer, extra), os.path.join(out_dir, extra))
+    if not os.path.isfile(os.path.join(out_dir, "tokenizer_config.json")):
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return True
+
+
+def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str], fill: Callable[[str], None]) -> None:
+    """Assemble an export in a temporary sibling directory (`fill(tmp)` writes weights and config) and
+    rename it into place: OUT is absent, the old export or the whole new one."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".tmp_export_{os.path.basename(out)}_{os.getpid()}")
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    try:
+        fill(tmp)
+        _copy_tokenizer(tokenizer, tmp)
+        if os.path.exists(out):
+            old = tmp + ".old"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
