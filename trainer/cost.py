@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict
 
 from tandem.models import MTPConfig, ModelConfig
+from tandem.models.ple import ngram_tables
 
 GDN_CHUNK = 64
 """Gated DeltaNet's chunk length (models/gated_deltanet.py CHUNK; fla uses the same)."""
@@ -161,8 +162,6 @@ def ple(cfg: ModelConfig) -> Cost:
 
 def ple_table(cfg: ModelConfig, ple_index: int) -> int:
     """Parameters of PLE layer `ple_index`'s n-gram table (rows: distinct primes above the base, padded)."""
-    from tandem.models.ple import ngram_tables  # the prime search runs only when a table is counted
-
     rows = ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ngram_vocab_base,
                         cfg.ngram_vocab_multiple, cfg.ngram_seed, ple_index)[3]
     return rows * (cfg.resolved_ple_embed_dim // ((cfg.ngram_size - 1) * cfg.heads_per_ngram))
