@@ -215,7 +215,8 @@ class SequenceLayout(nn.Module):
 
 
 class TandemModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, sequence: Optional[SequenceLayout] = None):
+    def __init__(self, cfg: ModelConfig, mtp: MTPConfig, sequence: Optional[SequenceLayout] = None,
+                 distill: str = "none"):
         super().__init__()
         self.cfg, self.mtp_cfg = cfg, mtp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -231,17 +232,12 @@ class TandemModel(nn.Module):
         self.mtp = (MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe, mtp_kind))
                     if mtp.num_steps > 0 else None)
         # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own
-        # next-token prediction at the target position; the trainer sets it from train.distill).
-        self.distill = "none"
+        # next-token prediction at the target position: train.distill).
+        self.distill = distill
         # Whole sequences between the blocks (the default), or under sequence parallelism this rank's
         # shard: the head's input is gathered whole and the trunk and MTP steps share one lookup of whole
         # sequences, each rank reading its rows (trainer/parallel/tensor.py `SequenceShards`).
         self.sequence = sequence if sequence is not None else SequenceLayout()
-        # The gradient d total / d loss_sums[depth] the trainer's loss will send back (coefficient over
-        # the depth's global target count, [num_depths], on the device), set around each step by the
-        # trainer: with it the fused head keeps one weight-gradient buffer for every depth
-        # (models/loss.py). None: the weight's gradient is recomputed in backward.
-        self.loss_grad_scales: Optional[torch.Tensor] = None
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -408,9 +404,14 @@ class TandemModel(nn.Module):
 
     # --- training -------------------------------------------------------------------------------
     def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
-                doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False) -> ModelOutput:
+                doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False,
+                loss_grad_scales: Optional[torch.Tensor] = None) -> ModelOutput:
         """Per-depth summed losses over a window of S+1 tokens (inputs are the first S). `document_mask`
-        (data.document_mask): the documents `doc_ids_bs1` delimits do not see each other."""
+        (data.document_mask): the documents `doc_ids_bs1` delimits do not see each other.
+        `loss_grad_scales`: the gradient d total / d loss_sums[depth] the caller's loss will send back
+        ([num_depths], on the device: each depth's coefficient over its global target count); with it
+        the fused head keeps one weight-gradient buffer for every depth (models/loss.py). None: the
+        weight's gradient is recomputed in backward."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
         if loss_mask_bs is None:
@@ -427,7 +428,7 @@ class TandemModel(nn.Module):
                            emb_bsh=self.window_rows(emb_window, 0, s) if emb_window is not None else None,
                            documents=documents)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window,
-                                       documents=documents)
+                                       documents=documents, loss_grad_scales=loss_grad_scales)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
                            doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor,
@@ -435,7 +436,8 @@ class TandemModel(nn.Module):
                            chain_depth: int = 0,
                            emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                            documents: Optional[Documents] = None,
-                           selection: Optional[QSASelection] = None) -> ModelOutput:
+                           selection: Optional[QSASelection] = None,
+                           loss_grad_scales: Optional[torch.Tensor] = None) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline stage
         runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
@@ -496,8 +498,8 @@ class TandemModel(nn.Module):
             ce_inputs.append(hn)
             ce_targets.append(targets_n)
         if ce_depths:
-            scales = (torch.stack([self.loss_grad_scales[d] for d in ce_depths])
-                      if self.loss_grad_scales is not None else None)
+            scales = (torch.stack([loss_grad_scales[d] for d in ce_depths])
+                      if loss_grad_scales is not None else None)
             per_depth = self.lm_head.loss_sums(torch.stack(ce_inputs), torch.stack(ce_targets), chunk, scales)
             sums.update(zip(ce_depths, per_depth.unbind(0)))
         return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain, carry.value)

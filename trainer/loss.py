@@ -42,7 +42,7 @@ def depth_coefficients(mtp: MTPConfig, step: float) -> List[float]:
 def loss_gradient(global_counts: torch.Tensor, coefficients: List[float]) -> torch.Tensor:
     """d total / d loss_sums[depth] of `combine_losses`: each depth's coefficient over its global count
     of valid targets. Known before the forward (the counts come from the batch), which lets the fused
-    head keep one weight-gradient buffer for every depth (TandemModel.loss_grad_scales)."""
+    head keep one weight-gradient buffer for every depth (TandemModel.forward's `loss_grad_scales`)."""
     # The coefficients stay Python floats: a tensor of them built on an accelerator is a host-to-device
     # copy that waits for the stream, once per micro-batch (and pipeline stage).
     counts = global_counts.clamp(min=1).float()
@@ -62,11 +62,7 @@ def one_batch_forward_backward(model, tokens_bs1: torch.Tensor, coefficients: Li
     context factory. Returns the model's output (loss sums and counts)."""
     ones = torch.ones_like(tokens_bs1[:, 1:])
     counts = torch.stack([depth_target_mask(ones, None, d).sum() for d in range(len(coefficients))]).float()
-    model.loss_grad_scales = loss_gradient(counts, coefficients)
-    try:
-        with autocast():
-            out = model(tokens_bs1)
-        combine_losses(out.loss_sums, counts, coefficients).backward()
-    finally:
-        model.loss_grad_scales = None
+    with autocast():
+        out = model(tokens_bs1, loss_grad_scales=loss_gradient(counts, coefficients))
+    combine_losses(out.loss_sums, counts, coefficients).backward()
     return out

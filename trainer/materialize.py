@@ -38,14 +38,13 @@ def build_sharded_model(cfg, pstate, device: Optional[torch.device] = None) -> n
 
     device = device or pstate.device.device
     with torch.device("meta"):
-        model = TandemModel(cfg.model, cfg.mtp)
+        model = TandemModel(cfg.model, cfg.mtp, distill=cfg.train.distill)
     if cfg.train.freeze_trunk:
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("mtp."))
         frozen = frozen_dtype(cfg, pstate.device)
         if frozen is not None:
             frozen_trunk_to_dtype(model, frozen)
-    model.distill = cfg.train.distill
     model = parallelize_model(model, cfg, pstate)
     materialize(model, cfg, device)
     return model

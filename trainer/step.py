@@ -70,15 +70,9 @@ class TrainStep:
 
     def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
         """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
-        # The gradient each depth's loss sum will receive, told to the model for this step only: the
-        # fused head then accumulates every depth's weight gradient into one buffer (models/loss.py).
-        self.model.loss_grad_scales = loss_gradient(global_counts, coefs)
-        try:
-            if self.pstate.pipeline is not None:
-                return self.pstate.pipeline.forward_backward(batches, global_counts, coefs)
-            return self._micro_batches(batches, global_counts, coefs)
-        finally:
-            self.model.loss_grad_scales = None
+        if self.pstate.pipeline is not None:
+            return self.pstate.pipeline.forward_backward(batches, global_counts, coefs)
+        return self._micro_batches(batches, global_counts, coefs)
 
     def _micro_batches(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
@@ -90,13 +84,17 @@ class TrainStep:
         # gathered in between, as torch's pipeline stages do.
         fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         every = self.cfg.parallel.reshard_after_microbatch
+        # The gradient each depth's loss sum will receive: the fused head then accumulates every
+        # depth's weight gradient into one buffer (models/loss.py).
+        scales = loss_gradient(global_counts, coefs)
         for i, b in enumerate(batches):
             sync = every or i == len(batches) - 1
             for m in fsdp:
                 m.set_requires_gradient_sync(sync, recurse=False)
                 m.set_reshard_after_backward(sync, recurse=False)
             with self.autocast():
-                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"], self.cfg.data.document_mask)
+                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"], self.cfg.data.document_mask,
+                                 loss_grad_scales=scales)
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
             sums += out.loss_sums.detach().float()

@@ -17,9 +17,9 @@ CFG = dict(vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_hea
            moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1, max_seq_len=512)
 
 
-def model(num_steps=2, seed=0, **kw):
+def model(num_steps=2, seed=0, distill="none", **kw):
     torch.manual_seed(seed)
-    return TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=num_steps, num_layers=1, **kw))
+    return TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=num_steps, num_layers=1, **kw), distill=distill)
 
 
 def test_init_from_hf_export_trunk_and_last_layer_mtp(tmp_path):
@@ -61,8 +61,7 @@ def test_distill_validated():
 
 @pytest.mark.parametrize("mode", ["argmax", "soft"])
 def test_distill_targets_are_trunk_predictions(mode):
-    m = model(num_steps=2, seed=5)
-    m.distill = mode
+    m = model(num_steps=2, seed=5, distill=mode)
     m.mtp_cfg.loss_chunk_tokens = 7  # several chunks
     tokens = torch.randint(0, 264, (2, 13))
     out = m(tokens)

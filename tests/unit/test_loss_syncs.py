@@ -37,8 +37,7 @@ def make(objective: str, mtp_moe: bool = True) -> TandemModel:
     mtp = MTPConfig(num_steps=3, num_layers=1, loss_chunk_tokens=7, loss_head_backward=head_backward, moe=mtp_moe)
     mtp.loss.objective = kind
     mtp.loss.acceptance_ce_weight = 0.5 if kind == "acceptance" else 0.0
-    model = TandemModel(cfg, mtp)
-    model.distill = distill
+    model = TandemModel(cfg, mtp, distill=distill)
     return model.train()
 
 

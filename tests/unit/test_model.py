@@ -196,7 +196,6 @@ def test_fused_head_holds_one_weight_gradient_for_every_depth():
         tokens = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(3))
         counts = torch.tensor([24.0, 22.0, 20.0, 18.0])
         coefs = [1.0, 0.3, 0.2, 0.1]
-        model.loss_grad_scales = loss_gradient(counts, coefs)
         params = {p.data_ptr() for p in model.parameters()}
         head_buffers = []
 
@@ -206,7 +205,7 @@ def test_fused_head_holds_one_weight_gradient_for_every_depth():
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out = model(tokens)
+            out = model(tokens, loss_grad_scales=loss_gradient(counts, coefs))
         combine_losses(out.loss_sums, counts, coefs).backward()
         if mode == "fused":
             assert head_buffers == [torch.float32]

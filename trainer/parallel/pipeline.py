@@ -55,7 +55,7 @@ from torch import nn
 from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
 from tandem.models.qsa import QSASelection
-from tandem.trainer.loss import combine_losses
+from tandem.trainer.loss import combine_losses, loss_gradient
 
 from .device import autocast_context
 from .pipeline_plan import PipelinePlan, StagePlan
@@ -89,6 +89,8 @@ class _StepContext:
     """dtype of the tensors between stages."""
     counts: Optional[torch.Tensor] = None
     coefs: Optional[List[float]] = None
+    grad_scales: Optional[torch.Tensor] = None
+    """d total / d loss_sums[depth] of the step (TandemModel.forward's `loss_grad_scales`)."""
     sums: Optional[torch.Tensor] = None
     document_mask: bool = False
     """data.document_mask: the stages keep packed documents apart."""
@@ -150,7 +152,7 @@ class StageModule(nn.Module):
                 h0 = h
             out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions, plan.depths,
                                                  h_chain=h, chain_depth=plan.chain_in, documents=documents,
-                                                 selection=selection)
+                                                 selection=selection, loss_grad_scales=self._ctx.grad_scales)
             selection = out.selection if mtp_here else None
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
@@ -310,6 +312,7 @@ class Pipeline:
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
+        self.ctx.grad_scales = loss_gradient(global_counts, coefs)
         self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
         args = (tokens[:, :-1].contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
