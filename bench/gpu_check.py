@@ -43,6 +43,8 @@ T0 = time.perf_counter()  # runtime_s counts the torch import too
 
 import torch  # noqa: E402
 
+from tandem.models import flavors  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -62,10 +64,10 @@ MOE_QUICK = ["model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2
              "model.num_kv_heads=1", "model.head_dim=32", "model.intermediate_size=128",
              "model.moe_intermediate_size=32", "model.num_experts=8", "model.top_k=2", "model.max_seq_len=128",
              "data.seq_len=64"]
-SPEC_QUICK = ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
-              "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
-              "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-              "train.warmup_steps=1", "model.max_seq_len=128"]
+# the test suite's `debug` model flavor (its layer count is the spec check's own), on a corpus slice
+SPEC_QUICK = flavors.overrides("debug") + [
+    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32", "train.micro_batch_size=2",
+    "train.warmup_steps=1", "model.max_seq_len=128"]
 
 FIGURES: dict = {}
 

@@ -38,7 +38,10 @@ class ModelConfig:
     first_k_dense: int = 1
     """The first k trunk layers use a dense MLP instead of MoE (DeepSeek/GLM `first_k_dense_replace`)."""
     router_score: str = "sigmoid"
-    """Router scoring function: `softmax` (Qwen3-MoE, Mixtral) or `sigmoid` (DeepSeek-V3, GLM-4.5)."""
+    """Router scoring function: `softmax` (Qwen3-MoE, Mixtral, Qwen4-Exp) or `sigmoid` (DeepSeek-V3,
+    GLM-4.5). Use the one the checkpoint you import or will export to was trained with; from scratch,
+    `sigmoid` pairs with balance=aux_free (scores independent of the other experts, so a bias shifts
+    selection without rescaling the rest)."""
     norm_topk_prob: bool = True
     """Renormalise the selected experts' scores to sum to 1."""
     routed_scaling_factor: float = 1.0
@@ -48,7 +51,10 @@ class ModelConfig:
     topk_group: int = 1
     """Groups a token may route into when n_group > 1."""
     balance: str = "aux_free"
-    """Load balancing: `aux_free` (DeepSeek-V3 bias update), `aux_loss` (switch-style loss) or `none`."""
+    """Load balancing: `aux_free` (DeepSeek-V3's per-expert routing bias, nudged each step toward even
+    loads; no gradient through the loss, so the LM objective is untouched: the default from scratch),
+    `aux_loss` (switch-style loss weighted by aux_loss_coef: what Qwen3-MoE / Qwen4-Exp trained with, so
+    use it to continue those) or `none` (fine-tuning a trained router briefly, or a dense model)."""
     aux_loss_coef: float = 1e-3
     """Weight of the load-balancing auxiliary loss when balance=aux_loss."""
     bias_update_rate: float = 1e-3
@@ -66,7 +72,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
-    """Share the output head's weight with the token embedding."""
+    """Share the output head's weight with the token embedding: for small vocab-dominated models or a
+    checkpoint that ties them; not supported with parallel.tp > 1 or loss depths spread over pipeline
+    stages."""
     max_seq_len: int = 4096
     """Longest position RoPE tables are built for (training window plus decode budget)."""
     init_std: float = 0.02
@@ -100,7 +108,8 @@ class ModelConfig:
     """Activation of Gated DeltaNet's output gate: `silu` or `sigmoid` (transformers' output_gate_type)."""
     linear_kernel: str = "auto"
     """Gated DeltaNet kernels: `torch` (pure PyTorch, every device), `fla` (flash-linear-attention's
-    CUDA kernels; an error when not installed) or `auto` (fla on CUDA when installed, else torch)."""
+    CUDA kernels; an error when not installed) or `auto` (fla on CUDA when installed, else torch). Keep
+    `auto`; set `torch` to compare against the reference form, `fla` to fail loudly where it is missing."""
     indexer_heads: int = 4
     """QSA indexer query heads (the indexer has one key head)."""
     indexer_head_dim: int = 32
@@ -110,8 +119,9 @@ class ModelConfig:
     indexer_compress_ratio: int = 4
     """QSA: consecutive tokens averaged into one indexer block key."""
     qsa_form: str = "auto"
-    """QSA training form: `mask` (masked dense attention, O(S^2) memory), `gather` (attends over the
-    gathered selected tokens, O(S x budget)) or `auto` (gather when the mask would be large)."""
+    """QSA training form (same outputs either way): `mask` (masked dense attention, O(S^2) memory; fast
+    for short windows), `gather` (attends over the gathered selected tokens, O(S x budget); long windows)
+    or `auto` (gather when the mask would be large): keep `auto` unless measuring one form."""
     indexer_loss_coef: float = 1.0
     """Weight of the QSA indexer's KL loss (DeepSeek-V3.2: the indexer learns the main attention's
     head-summed distribution); 0 disables it. Logged as `loss/indexer`."""
@@ -150,8 +160,10 @@ class ModelConfig:
     """End-of-document token: PLE's n-grams never reach across it (-1: unset; required with PLE)."""
     expert_matmul: str = "auto"
     """Routed experts' matmuls: `grouped` (one `torch._grouped_mm` per projection, torch_npu's
-    `npu_grouped_matmul` on Ascend; counts stay on the device), `loop` (one matmul per expert; needs the counts on the host) or `auto` (grouped where the
-    device/dtype/shapes support it, else loop). Numerics agree to rounding; weights are the same."""
+    `npu_grouped_matmul` on Ascend; counts stay on the device), `loop` (one matmul per expert; needs the
+    counts on the host) or `auto` (grouped where the device/dtype/shapes support it, else loop). Numerics
+    agree to rounding; weights are the same. Keep `auto` (`moe/expert_path` in metrics.jsonl says which
+    ran); `grouped` makes a missing kernel an error, `loop` is the reference to compare against."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -187,6 +199,55 @@ class ModelConfig:
     def uses_qsa(self) -> bool:
         return any(self.layer_type(i) == "indexed_attention" for i in range(self.num_layers))
 
+    def validate(self) -> None:
+        """Raise ValueError naming the offending `model.*` key for an impossible trunk shape or choice
+        (`load_config` runs it with the other sections' checks, before any work)."""
+        positive = {
+            "model.vocab_size": self.vocab_size,
+            "model.hidden_size": self.hidden_size,
+            "model.num_layers": self.num_layers,
+            "model.num_heads": self.num_heads,
+            "model.num_kv_heads": self.num_kv_heads,
+            "model.intermediate_size": self.intermediate_size,
+            "model.max_seq_len": self.max_seq_len,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{key} must be positive, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+        if self.head_dim < 0:
+            raise ValueError(f"model.head_dim must be >= 0, got {self.head_dim}")
+        if not self.head_dim and self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
+                             "set model.head_dim")
+        rot = int(self.resolved_head_dim * self.partial_rotary_factor)
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2:
+            raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must give an even rotary width "
+                             "in (0, head_dim]")
+        if self.num_experts < 0:
+            raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            if not 0 < self.top_k <= self.num_experts:
+                raise ValueError(f"model.top_k={self.top_k} must be in [1, model.num_experts={self.num_experts}]")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"model.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if self.num_experts % self.n_group:
+                raise ValueError(f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts}")
+            if not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"model.topk_group={self.topk_group} must be in [1, model.n_group={self.n_group}]")
+            if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
+        if self.expert_matmul not in ("auto", "grouped", "loop"):
+            raise ValueError(f"model.expert_matmul must be 'auto', 'grouped' or 'loop', got {self.expert_matmul!r}")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.router_score must be 'softmax' or 'sigmoid', got {self.router_score!r}")
+        if self.balance not in ("aux_free", "aux_loss", "none"):
+            raise ValueError(f"model.balance must be 'aux_free', 'aux_loss' or 'none', got {self.balance!r}")
+        if self.first_k_dense < 0:
+            raise ValueError(f"model.first_k_dense must be >= 0, got {self.first_k_dense}")
+        _validate_hybrid(self)
+
 
 @dataclass
 class MTPLossConfig:
@@ -205,9 +266,26 @@ class MTPLossConfig:
     objective: str = "ce"
     """Per-depth MTP loss: `ce` (cross-entropy on the data, or on the trunk's targets under train.distill)
     or `acceptance` (-log sum_v min(p_v, q_v): the probability that speculative sampling accepts the
-    depth's draft q against the trunk's detached distribution p at the position whose token it drafts)."""
+    depth's draft q against the trunk's detached distribution p at the position whose token it drafts).
+    Use `ce` for pretraining and greedy decoding (it won greedy acceptance and held-out loss per depth in
+    bench/mtp_objectives.py, and it shapes the trunk usefully); try `acceptance` when fine-tuning a
+    drafter for sampled decoding (it tied `ce` at T=1). Not with train.distill (its teacher is already
+    the trunk)."""
     acceptance_ce_weight: float = 0.0
     """With objective=acceptance: add this weight times the data cross-entropy to each depth's loss."""
+
+    def validate(self, num_steps: int) -> None:
+        """Raise ValueError naming the offending `mtp.loss.*` key (`num_steps`: mtp.num_steps, K)."""
+        if self.objective not in ("ce", "acceptance"):
+            raise ValueError(f"mtp.loss.objective={self.objective!r} must be ce or acceptance")
+        if self.acceptance_ce_weight < 0:
+            raise ValueError(f"mtp.loss.acceptance_ce_weight={self.acceptance_ce_weight} must be >= 0")
+        if self.weights and len(self.weights) != num_steps:
+            raise ValueError(f"mtp.loss.weights has {len(self.weights)} entries but mtp.num_steps={num_steps}")
+        if any(w < 0 for w in self.weights):
+            raise ValueError("mtp.loss.weights must be non-negative")
+        if self.decay <= 0:
+            raise ValueError(f"mtp.loss.decay must be positive, got {self.decay}")
 
 
 @dataclass
@@ -217,9 +295,13 @@ class MTPConfig:
     num_layers: int = 1
     """L: physical MTP transformer layers; step k uses layer (k-1) % L."""
     style: str = "looped"
-    """`looped` (DeepSeek-V3 / Qwen3-Next chained module) or `parallel` (Gloeckle et al. independent heads)."""
+    """`looped` (DeepSeek-V3 / Qwen3-Next chained module: depth k reads depth k-1's state and the
+    embedding of token t+k; what vLLM/SGLang serve as an MTP drafter, hence the default) or `parallel`
+    (Gloeckle et al.: K independent heads on the trunk's state, num_layers = num_steps; an ablation
+    baseline: serving stacks' MTP proposers run the looped form; not with hyper-connections)."""
     moe: bool = True
-    """MTP layers use the trunk's MoE MLP (DeepSeek-V3, GLM-4.5) rather than a dense one."""
+    """MTP layers use the trunk's MoE MLP (DeepSeek-V3, GLM-4.5, Qwen4-Exp: true, to load or export their
+    MTP weights) rather than a dense SwiGLU of model.intermediate_size (false: a cheaper drafter layer)."""
     combine: str = "auto"
     """How a looped MTP layer combines the previous depth's state with the next token's embedding:
     `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next: eh_proj(cat(enorm(emb), hnorm(h)))), `qwen4_exp`
@@ -227,9 +309,12 @@ class MTPConfig:
     `auto` (qwen4_exp with hyper-connections, else concat_proj)."""
     qsa_reuse_indices: bool = True
     """With QSA MTP layers: depth 1 runs the MTP indexer and depths 2..K reuse its selection of past
-    positions (training and drafting alike, as Qwen4-Exp is served), instead of selecting again."""
+    positions (training and drafting alike, as Qwen4-Exp is served), instead of selecting again. Keep
+    true to match serving (vLLM's set_skip_topk) and save the later depths' indexer work; false only to
+    measure what reuse costs in acceptance (bench/qsa_reuse.py)."""
     concat_order: str = "emb_hidden"
-    """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next) or `hidden_emb`."""
+    """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next: keep it, serving stacks
+    assume it) or `hidden_emb` (only to load a checkpoint trained that way)."""
     loss: MTPLossConfig = field(default_factory=MTPLossConfig)
     """The weighted multi-step loss."""
     detach_trunk: bool = False
@@ -243,10 +328,14 @@ class MTPConfig:
     `fused` (default, one-device and vocab-parallel head alike: each chunk's gradients computed in
     forward, one head matmul and one softmax fewer per chunk; all depths share one fp32
     [vocab/tp x hidden] weight-gradient buffer, pre-scaled by the loss gradients the trainer promises)
-    or `recompute` (each chunk's logits recomputed in backward: memory one chunk of logits)."""
+    or `recompute` (each chunk's logits recomputed in backward: memory one chunk of logits). Keep `fused`
+    (fewer FLOPs); use `recompute` where that buffer does not fit (`--check` counts it: 2.3 GiB at
+    vocabulary 151k x hidden 4096, tp=1)."""
     trunk_input: str = "pre_norm"
-    """Trunk state MTP step 1 reads: `pre_norm` (before the final norm) or `final_norm` (after it, as
-    DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers)."""
+    """Trunk state MTP step 1 reads: `pre_norm` (before the final norm; required by combine=qwen4_exp,
+    whose drafter reads the streams before the final mixer) or `final_norm` (after it, as DeepSeek-V3 /
+    GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers: use it for a
+    concat_proj drafter you will serve, as recipes/finetune_mtp.yaml does)."""
     init_from_last_layer: bool = False
     """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk layer."""
 
@@ -259,102 +348,47 @@ class MTPConfig:
         """Physical MTP layer used by draft step `step` (1-based)."""
         return (step - 1) % self.num_layers
 
+    def validate(self, model: "ModelConfig") -> None:
+        """Raise ValueError naming the offending `mtp.*` key, for this module on top of trunk `model`."""
+        if self.num_steps < 0:
+            raise ValueError(f"mtp.num_steps must be >= 0, got {self.num_steps}")
+        if self.num_steps > 0 and self.num_layers <= 0:
+            raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={self.num_steps} > 0, got {self.num_layers}")
+        if self.style not in ("looped", "parallel"):
+            raise ValueError(f"mtp.style must be 'looped' or 'parallel', got {self.style!r}")
+        if self.style == "parallel" and self.num_steps and self.num_layers != self.num_steps:
+            raise ValueError(f"mtp.num_layers={self.num_layers} must equal mtp.num_steps={self.num_steps} for "
+                             "mtp.style=parallel (one independent head per step)")
+        if self.combine not in ("auto", "concat_proj", "qwen4_exp"):
+            raise ValueError(f"mtp.combine must be 'auto', 'concat_proj' or 'qwen4_exp', got {self.combine!r}")
+        if self.num_steps and self.style == "looped":
+            combine = self.resolved_combine(model)
+            if combine == "concat_proj" and model.hc_count > 1:
+                raise ValueError(f"mtp.combine=concat_proj cannot read the {model.hc_count} hyper-connection streams "
+                                 "(model.hc_count > 1): use mtp.combine=qwen4_exp")
+            if combine == "qwen4_exp" and model.hc_count == 1:
+                raise ValueError("mtp.combine=qwen4_exp needs hyper-connection streams (model.hc_count > 1)")
+            if combine == "qwen4_exp" and self.trunk_input != "pre_norm":
+                raise ValueError("mtp.trunk_input must be pre_norm with mtp.combine=qwen4_exp (the drafter reads the "
+                                 "trunk's streams before the final stream mixer)")
+        if self.style == "parallel" and self.num_steps and model.hc_count > 1:
+            raise ValueError("mtp.style=parallel is not supported with hyper-connections (model.hc_count > 1)")
+        if self.concat_order not in ("emb_hidden", "hidden_emb"):
+            raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {self.concat_order!r}")
+        if self.trunk_input not in ("pre_norm", "final_norm"):
+            raise ValueError(f"mtp.trunk_input must be 'pre_norm' or 'final_norm', got {self.trunk_input!r}")
+        self.loss.validate(self.num_steps)
+        if self.loss_head_backward not in ("recompute", "fused"):
+            raise ValueError(f"mtp.loss_head_backward must be 'recompute' or 'fused', got {self.loss_head_backward!r}")
+        if self.loss_chunk_tokens <= 0:
+            raise ValueError(f"mtp.loss_chunk_tokens must be positive, got {self.loss_chunk_tokens}")
+
 
 def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
-    """Raise ValueError naming the offending key for impossible model shapes."""
-    positive = {
-        "model.vocab_size": model.vocab_size,
-        "model.hidden_size": model.hidden_size,
-        "model.num_layers": model.num_layers,
-        "model.num_heads": model.num_heads,
-        "model.num_kv_heads": model.num_kv_heads,
-        "model.intermediate_size": model.intermediate_size,
-        "model.max_seq_len": model.max_seq_len,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-    if model.num_heads % model.num_kv_heads:
-        raise ValueError(
-            f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads}"
-        )
-    if model.head_dim < 0:
-        raise ValueError(f"model.head_dim must be >= 0, got {model.head_dim}")
-    if not model.head_dim and model.hidden_size % model.num_heads:
-        raise ValueError(
-            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}; set model.head_dim"
-        )
-    rot = int(model.resolved_head_dim * model.partial_rotary_factor)
-    if not 0.0 < model.partial_rotary_factor <= 1.0 or rot % 2:
-        raise ValueError(
-            f"model.partial_rotary_factor={model.partial_rotary_factor} must give an even rotary width in (0, head_dim]"
-        )
-    if model.num_experts < 0:
-        raise ValueError(f"model.num_experts must be >= 0, got {model.num_experts}")
-    if mtp.loss.objective not in ("ce", "acceptance"):
-        raise ValueError(f"mtp.loss.objective={mtp.loss.objective!r} must be ce or acceptance")
-    if mtp.loss.acceptance_ce_weight < 0:
-        raise ValueError(f"mtp.loss.acceptance_ce_weight={mtp.loss.acceptance_ce_weight} must be >= 0")
-    if model.num_experts:
-        if not 0 < model.top_k <= model.num_experts:
-            raise ValueError(f"model.top_k={model.top_k} must be in [1, model.num_experts={model.num_experts}]")
-        if model.moe_intermediate_size <= 0:
-            raise ValueError(f"model.moe_intermediate_size must be positive, got {model.moe_intermediate_size}")
-        if model.num_experts % model.n_group:
-            raise ValueError(f"model.n_group={model.n_group} must divide model.num_experts={model.num_experts}")
-        if not 0 < model.topk_group <= model.n_group:
-            raise ValueError(f"model.topk_group={model.topk_group} must be in [1, model.n_group={model.n_group}]")
-        if model.n_group > 1 and model.top_k > model.topk_group * (model.num_experts // model.n_group):
-            raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
-    if model.expert_matmul not in ("auto", "grouped", "loop"):
-        raise ValueError(f"model.expert_matmul must be 'auto', 'grouped' or 'loop', got {model.expert_matmul!r}")
-    if model.router_score not in ("softmax", "sigmoid"):
-        raise ValueError(f"model.router_score must be 'softmax' or 'sigmoid', got {model.router_score!r}")
-    if model.balance not in ("aux_free", "aux_loss", "none"):
-        raise ValueError(f"model.balance must be 'aux_free', 'aux_loss' or 'none', got {model.balance!r}")
-    if model.first_k_dense < 0:
-        raise ValueError(f"model.first_k_dense must be >= 0, got {model.first_k_dense}")
-    _validate_hybrid(model)
-    if mtp.num_steps < 0:
-        raise ValueError(f"mtp.num_steps must be >= 0, got {mtp.num_steps}")
-    if mtp.num_steps > 0 and mtp.num_layers <= 0:
-        raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={mtp.num_steps} > 0, got {mtp.num_layers}")
-    if mtp.style not in ("looped", "parallel"):
-        raise ValueError(f"mtp.style must be 'looped' or 'parallel', got {mtp.style!r}")
-    if mtp.style == "parallel" and mtp.num_steps and mtp.num_layers != mtp.num_steps:
-        raise ValueError(
-            f"mtp.num_layers={mtp.num_layers} must equal mtp.num_steps={mtp.num_steps} for mtp.style=parallel (one independent head per step)"
-        )
-    if mtp.combine not in ("auto", "concat_proj", "qwen4_exp"):
-        raise ValueError(f"mtp.combine must be 'auto', 'concat_proj' or 'qwen4_exp', got {mtp.combine!r}")
-    if mtp.num_steps and mtp.style == "looped":
-        combine = mtp.resolved_combine(model)
-        if combine == "concat_proj" and model.hc_count > 1:
-            raise ValueError(f"mtp.combine=concat_proj cannot read the {model.hc_count} hyper-connection streams "
-                             "(model.hc_count > 1): use mtp.combine=qwen4_exp")
-        if combine == "qwen4_exp" and model.hc_count == 1:
-            raise ValueError("mtp.combine=qwen4_exp needs hyper-connection streams (model.hc_count > 1)")
-        if combine == "qwen4_exp" and mtp.trunk_input != "pre_norm":
-            raise ValueError("mtp.trunk_input must be pre_norm with mtp.combine=qwen4_exp (the drafter reads the "
-                             "trunk's streams before the final stream mixer)")
-    if mtp.style == "parallel" and mtp.num_steps and model.hc_count > 1:
-        raise ValueError("mtp.style=parallel is not supported with hyper-connections (model.hc_count > 1)")
-    if mtp.concat_order not in ("emb_hidden", "hidden_emb"):
-        raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {mtp.concat_order!r}")
-    if mtp.trunk_input not in ("pre_norm", "final_norm"):
-        raise ValueError(f"mtp.trunk_input must be 'pre_norm' or 'final_norm', got {mtp.trunk_input!r}")
-    if mtp.loss.weights and len(mtp.loss.weights) != mtp.num_steps:
-        raise ValueError(
-            f"mtp.loss.weights has {len(mtp.loss.weights)} entries but mtp.num_steps={mtp.num_steps}"
-        )
-    if any(w < 0 for w in mtp.loss.weights):
-        raise ValueError("mtp.loss.weights must be non-negative")
-    if mtp.loss.decay <= 0:
-        raise ValueError(f"mtp.loss.decay must be positive, got {mtp.loss.decay}")
-    if mtp.loss_head_backward not in ("recompute", "fused"):
-        raise ValueError(f"mtp.loss_head_backward must be 'recompute' or 'fused', got {mtp.loss_head_backward!r}")
-    if mtp.loss_chunk_tokens <= 0:
-        raise ValueError(f"mtp.loss_chunk_tokens must be positive, got {mtp.loss_chunk_tokens}")
+    """Raise ValueError naming the offending key for impossible model shapes: the trunk's checks
+    (`ModelConfig.validate`), then the MTP module's against it (`MTPConfig.validate`)."""
+    model.validate()
+    mtp.validate(model)
 
 
 LAYER_TYPES = ("attention", "linear_attention", "indexed_attention")

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tandem.models import flavors
+
 # Every process the suite starts (torchrun ranks, CLI runs, servers) inherits this: one that dies of a
 # signal prints its Python stack, where otherwise torchrun reports only an exit code
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
@@ -18,13 +20,21 @@ def fault_env(env: dict, **faults: str) -> dict:
     return {**env, **faults, "PYTHONPATH": path}
 
 
-TINY_OVERRIDES = [
-    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
-    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
-    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-    "train.warmup_steps=2", "eval.interval=0", "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
-    "mtp.num_steps=2", "model.max_seq_len=64",
+DEBUG_MODEL = flavors.overrides("debug")
+"""The suite's model: the `debug` flavor (models/flavors.py; 2 layers of width 32, 4 experts, vocabulary 512)
+as `key=value` overrides. Tests that need a variant append its changes (later overrides win)."""
+
+TINY_DATA = ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32", "train.micro_batch_size=2"]
+"""A 200 kB slice of the embedded corpus with a 512-token BPE (the flavor's vocabulary), 32-token windows,
+2 sequences per micro-batch."""
+
+QUIET = ["train.dtype=fp32", "logging.wandb=false", "logging.progress=false"]
+"""fp32 on every CPU, no wandb, no progress bar."""
+
+TINY_OVERRIDES = DEBUG_MODEL + TINY_DATA + QUIET + [
+    "train.warmup_steps=2", "eval.interval=0", "mtp.num_steps=2", "model.max_seq_len=64",
 ]
+"""The suite's seconds-long CPU job, on top of recipes/tiny.yaml: the debug model at K=2, no evaluator."""
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.models import MTPConfig, TandemModel, flavors
 
 
 def tiny_model(num_steps: int = 3, num_layers: int = 1, *, vocab: int = 64, seed: int = 0, style: str = "looped",
                init_std: float = 0.02, dtype: torch.dtype = torch.float32, moe: bool = True) -> TandemModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                      intermediate_size=64, moe_intermediate_size=32, num_experts=4 if moe else 0, top_k=2,
-                      max_seq_len=256, init_std=init_std)
+    cfg = flavors.model_config("debug", vocab_size=vocab, num_experts=4 if moe else 0, top_k=2, max_seq_len=256,
+                               init_std=init_std)
     model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=num_layers, style=style))
     return model.to(dtype).eval()
 
@@ -54,14 +53,7 @@ def tiny_qwen4_model(num_steps: int = 3, *, vocab: int = 64, seed: int = 0, reus
     shared expert) with its drafter (`mtp.combine=qwen4_exp`, one looped QSA layer; `reuse_indices`:
     mtp.qsa_reuse_indices), every parameter moved away from its init (tests/unit/test_qwen4_spec_decode.py's
     shape)."""
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True,
-                      first_k_dense=0, router_score="softmax", balance="aux_loss", zero_centered_norm=True,
-                      full_attention_interval=2, partial_rotary_factor=0.5, linear_num_key_heads=2,
-                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, indexer_heads=16,
-                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4, hc_lowrank=8,
-                      ple_layers=[0], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=1, max_seq_len=128,
-                      init_std=0.3)
+    cfg = flavors.model_config("debug_qwen4", vocab_size=vocab, init_std=0.3)
     torch.manual_seed(seed)
     model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=1, qsa_reuse_indices=reuse_indices))
     with torch.no_grad():

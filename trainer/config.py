@@ -1,8 +1,21 @@
 """The one typed config tree: omegaconf structured dataclasses, YAML recipes, `key=value` overrides.
 
 `load_config(recipe, overrides)` composes a recipe with command-line overrides, rejects unknown keys
-and wrong types with a one-line error naming the key, and validates sizes before any work starts.
+and wrong types with a one-line error naming the key, and validates before any work starts: each
+section's `validate` method, beside its fields (the model's and the MTP module's in models/config.py),
+then the checks that span sections (`TandemConfig.validate`).
 `mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
+
+Composition, lowest layer first: the dataclass defaults; for the recipe, its `base:` recipes (each
+composed the same way, in order), its model `flavor:` (models/flavors.py), its own sections; then the
+`key=value` overrides in order, where `flavor=NAME` stands for that flavor's keys at that position. Two
+top-level recipe keys compose rather than configure, and never reach the resolved config:
+
+    base: qwen38_flash_gpu.yaml      # or a list; a path relative to this recipe's directory
+    flavor: qwen38_flash             # a named model shape from models/flavors.py
+
+Mappings merge key by key through the layers (OmegaConf.merge); a list or a value replaces the one
+beneath it. The resolved config (`to_yaml`, a run's config.yaml) is complete and self-contained.
 """
 
 from __future__ import annotations
@@ -14,11 +27,20 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tandem.models.config import MTPConfig, ModelConfig, validate_model
+from tandem.models import flavors
+from tandem.models.config import MTPConfig, ModelConfig
 
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the key."""
+
+
+def _require(prefix: str, section: Any, checks: Sequence[tuple]) -> None:
+    """Raise ConfigError "config key 'prefix.name'=value why" for the first (name, ok, why) not ok."""
+    for name, ok, why in checks:
+        if not ok:
+            key = f"{prefix}.{name}" if prefix else name
+            raise ConfigError(f"config key '{key}'={getattr(section, name)!r} {why}")
 
 
 @dataclass
@@ -28,12 +50,17 @@ class RunConfig:
     name: str = ""
     """Human-readable run name (wandb run name); empty uses the run directory's basename."""
 
+    def validate(self, cfg: "TandemConfig") -> None:
+        """Nothing to check without touching the disk: whether `dir` is writable is checked at start-up
+        (trainer/run.py `prepare_run_dir`), before any expensive work."""
+
 
 @dataclass
 class DataConfig:
     source: str = "stdlib"
     """`stdlib`: the embedded default corpus (this interpreter's standard library source, prepared and
-    cached on first use); `megatron`: existing indexed datasets named in `paths`."""
+    cached on first use): for trying Tandem out, the tests and CPU recipes; `megatron`: existing indexed
+    datasets named in `paths` (`tandem preprocess` writes them): for any real pretraining run."""
     paths: List[str] = field(default_factory=list)
     """Megatron blend: prefixes (`/data/a`) or weight/prefix pairs (`0.7 /data/a 0.3 /data/b`)."""
     valid_paths: List[str] = field(default_factory=list)
@@ -65,7 +92,21 @@ class DataConfig:
     each document's start, Gated DeltaNet state and every causal convolution reset, QSA blocks and
     selection within the document, the MTP layers likewise. On: each document trains as it runs at
     inference (from position 0, from a zero state); off: later documents of a window start from the
-    previous document's context. MTP targets never cross a document either way."""
+    previous document's context. MTP targets never cross a document either way. Turn it on when
+    documents are mostly shorter than data.seq_len (chat, short web pages), where the cross-document
+    context is noise the model would otherwise learn to use; keep it off when most documents outrun
+    the window (the embedded corpus: masking cost bits per byte on both tiny recipes, docs/results.md)."""
+
+    def validate(self, cfg: "TandemConfig") -> None:
+        _require("data", self, [
+            ("source", self.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
+            ("seq_len", self.seq_len > 0, "must be positive"),
+            ("vocab_size", self.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),
+            ("paths", self.source != "megatron" or bool(self.paths), "must name dataset prefixes when data.source=megatron"),
+        ])
+        if self.source == "stdlib" and not self.tokenizer and cfg.model.vocab_size < self.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size={self.vocab_size} "
+                              "(the tokenizer's vocabulary)")
 
 
 @dataclass
@@ -110,7 +151,8 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute dtype: `auto` (bf16 autocast on a GPU/NPU with bf16 and on a CPU with bf16 instructions,
     else fp32), `bf16` (refused on accelerators without it; CPU autocast has it, emulated where not native)
-    or `fp32`."""
+    or `fp32`. Keep `auto`; pin `bf16` in cluster recipes (fail rather than silently train 2x slower in
+    fp32 on a card without it) and `fp32` for exact comparisons and the CPU tests."""
     log_interval: int = 1
     """Write a training record to metrics.jsonl every this many steps."""
     resume: bool = False
@@ -118,10 +160,13 @@ class TrainConfig:
     freeze_trunk: bool = False
     """Train only the MTP module: the trunk gets no gradients and no optimizer state, runs under
     no_grad, and checkpoints hold only the MTP module (+ optimizer) and a fingerprinted reference to
-    `model.init_from`, which resume, `tandem eval` and `tandem export` read the trunk from."""
+    `model.init_from`, which resume, `tandem eval` and `tandem export` read the trunk from. Use it to add
+    or improve a drafter on a released checkpoint without changing its outputs (recipes/finetune_mtp.yaml;
+    memory stays near inference); false trains trunk and MTP jointly (pretraining)."""
     frozen_dtype: str = "auto"
     """dtype a frozen trunk (train.freeze_trunk) is stored in: `auto` = the compute dtype (bf16 when
-    training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master."""
+    training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master. Keep
+    `auto`; set one explicitly only to compare a bf16-stored trunk against an fp32 one."""
     malloc_mmap_threshold: int = -1
     """glibc's mmap threshold (bytes) the trainer sets at start-up (mallopt; a no-op off glibc Linux and
     when MALLOC_MMAP_THRESHOLD_ is set): -1 (auto) = 65536 when fine-tuning a checkpoint (model.init_from),
@@ -130,10 +175,18 @@ class TrainConfig:
     costs page faults on every large host allocation (CPU training: the tiny recipe's steps 12x the faults)."""
     distill: str = "none"
     """MTP targets: `none` (data labels), `argmax` or `soft` (self-distillation: the trunk's own next-token
-    argmax / distribution at the target position, soft = chunked soft cross-entropy)."""
+    argmax / distribution at the target position, soft = chunked soft cross-entropy). `none` for
+    pretraining and whenever the data is what the model will generate; `soft` when fine-tuning a drafter
+    for a frozen trunk (train.freeze_trunk) on data it did not generate: the drafter learns to predict
+    the trunk, which is what acceptance measures (soft won sampled acceptance in bench/mtp_objectives.py);
+    `argmax` (the trunk's greedy choices as hard labels) when the drafter will serve greedy decoding. Not
+    with parallel.tp > 1 yet."""
     bad_step_policy: str = "skip"
     """On a non-finite loss/grad norm or a loss spike: `skip` (drop the update), `halt` (checkpoint
-    the last good state and exit non-zero) or `rewind` (reload the last checkpoint, skip the batch)."""
+    the last good state and exit non-zero) or `rewind` (reload the last checkpoint, skip the batch).
+    `skip` for unattended runs with rare bad batches; `rewind` when a bad step may already have
+    corrupted state the skip cannot undo (optimizer moments after a spike); `halt` to investigate by hand
+    (debugging, ablations where any instability invalidates the run)."""
     spike_factor: float = 0.0
     """A step whose loss exceeds this factor times the running mean is bad (0 disables)."""
     spike_window: int = 20
@@ -145,16 +198,49 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`, `full`
     (keep only each block's input) or `selective` (keep matmul and attention outputs; recompute norms,
-    activations, rotary and routing)."""
+    activations, rotary and routing). `none` when activations fit (fastest); `selective` first when they
+    do not (x0.74 of the peak memory on the tiny trunk for a little recompute); `full` when that is still
+    too much (x0.46, about one more forward per step)."""
     compile: bool = False
     """`torch.compile` each transformer block's training forward (trunk and MTP layers; regional, as
     torchtitan does) under every parallel layout (TP/SP blocks with their DTensor parameters included) and
-    activation checkpointing mode (which wraps the compiled forward). Decoding and evaluation run eager."""
+    activation checkpointing mode (which wraps the compiled forward). Decoding and evaluation run eager.
+    On for long runs on accelerators (the cluster recipes): compiled steps took 0.67-0.81 of the eager
+    time in miniature, for tens of seconds to minutes of compilation per process; off for short runs,
+    debugging and the CPU tests."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact sums of
-    the bf16-computed gradients) or `bf16` (half the traffic). Master weights, optimizer state and the
-    sum over a step's micro-batches stay fp32 (with parallel.reshard_after_microbatch=false the fp32
-    sums are cast to bf16 for the one reduce-scatter; dp_mode=allreduce then all-reduces them in fp32)."""
+    the bf16-computed gradients) or `bf16` (half the traffic: when the gradient reduction, not compute,
+    bounds the step, e.g. many data-parallel ranks over a slow inter-node network). Master weights,
+    optimizer state and the sum over a step's micro-batches stay fp32 (with
+    parallel.reshard_after_microbatch=false the fp32 sums are cast to bf16 for the one reduce-scatter;
+    dp_mode=allreduce then all-reduces them in fp32)."""
+
+    def validate(self, cfg: "TandemConfig") -> None:
+        _require("train", self, [
+            ("max_steps", self.max_steps >= 0, "must be >= 0"),
+            ("micro_batch_size", self.micro_batch_size > 0, "must be positive"),
+            ("grad_accum_steps", self.grad_accum_steps > 0, "must be positive"),
+            ("lr", self.lr > 0, "must be positive"),
+            ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, train.lr]"),
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
+            ("optimizer_kernel", self.optimizer_kernel in ("auto", "fused", "foreach"), "must be auto, fused or foreach"),
+            ("dtype", self.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
+            ("grad_reduce_dtype", self.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
+            ("log_interval", self.log_interval > 0, "must be positive"),
+            ("frozen_dtype", self.frozen_dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
+            ("malloc_mmap_threshold", self.malloc_mmap_threshold >= -1, "must be -1 (auto), 0 or a size in bytes"),
+            ("distill", self.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
+            ("distill", self.distill == "none" or cfg.mtp.loss.objective == "ce",
+             "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
+            ("activation_checkpointing", self.activation_checkpointing in ("none", "full", "selective"),
+             "must be none, full or selective"),
+            ("bad_step_policy", self.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
+            ("spike_factor", self.spike_factor == 0 or self.spike_factor > 1, "must be 0 (off) or > 1"),
+            ("spike_window", self.spike_window > 0, "must be positive"),
+            ("max_skips", self.max_skips >= 0, "must be >= 0"),
+        ])
 
 
 @dataclass
@@ -168,9 +254,16 @@ class ParallelConfig:
     dp: int = 0
     """Data-parallel size; 0 derives it as world_size / (tp * pp * ep)."""
     sequence_parallel: bool = False
-    """Shard activations along the sequence between TP regions (needs seq_len % tp == 0)."""
+    """Shard activations along the sequence between TP regions (needs seq_len % tp == 0): norms and
+    residual adds hold 1/tp of the tokens each, each TP all-reduce becoming a reduce-scatter and an
+    all-gather of the same volume. Turn it on whenever tp > 1 and activation memory matters (the
+    cluster recipes do); off only to compare against plain TP."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: `1f1b`, `interleaved_1f1b` or `gpipe`."""
+    """Pipeline schedule: `1f1b` (one stage per rank; at most pp micro-batches' activations in flight:
+    the default), `interleaved_1f1b` (pp_virtual_stages stages per rank: a smaller pipeline bubble and
+    finer stages to balance the vocabulary heads over, for one more send per extra stage; what the
+    cluster recipes use) or `gpipe` (all forwards, then all backwards: every micro-batch's activations
+    held at once; a simple reference)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 picks them: train.grad_accum_steps when >= pp, else the
     smallest split of the step's sequences into >= pp equal micro-batches (`pipeline_microbatches`)."""
@@ -201,8 +294,11 @@ class ParallelConfig:
     Decoding and other no-grad forwards always use `exact` (ep ranks may then hold different token
     counts)."""
     dp_mode: str = "fsdp"
-    """Data parallelism: `fsdp` (FSDP2 fully_shard) or `allreduce` (torch's replicate: parameters
-    replicated, gradients all-reduced per module during backward, see `reshard_after_microbatch`)."""
+    """Data parallelism: `fsdp` (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over
+    dp, gathered per block; the default, and the only choice once the model's states do not fit one
+    rank) or `allreduce` (torch's replicate: parameters replicated, gradients all-reduced per module
+    during backward, see `reshard_after_microbatch`): for a model small enough to replicate, where it
+    saves FSDP's per-step all-gathers."""
     reshard_after_microbatch: bool = True
     """With several micro-batches per step (train.grad_accum_steps, or the pipeline's micro-batches):
     true reduce-scatters (all-reduces under dp_mode=allreduce) each micro-batch's gradients into the
@@ -211,6 +307,23 @@ class ParallelConfig:
     backward to the step's single sync in the last one: n-1 fewer reduce-scatters and all-gathers
     per step of n micro-batches, for about 6 bytes (bf16) or 8 (fp32) per parameter of the rank's
     unsharded stage. `--check` counts the mode that runs."""
+
+    def validate(self, cfg: "TandemConfig") -> None:
+        """The layout's own values. How it fits the model, the batch and the world size is checked by
+        trainer/parallel/validate.py `validate_layout` once the world size is known (`tandem launch
+        slurm` and the trainer's start-up, after model.init_from has fixed the model's shape)."""
+        _require("parallel", self, [
+            ("tp", self.tp > 0, "must be positive"),
+            ("pp", self.pp > 0, "must be positive"),
+            ("ep", self.ep > 0, "must be positive"),
+            ("dp", self.dp >= 0, "must be >= 0"),
+            ("pp_schedule", self.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"), "must be 1f1b, interleaved_1f1b or gpipe"),
+            ("pp_microbatches", self.pp_microbatches >= 0, "must be >= 0 (0 picks them)"),
+            ("pp_virtual_stages", self.pp_virtual_stages > 0 or self.pp_schedule != "interleaved_1f1b",
+             "must be positive with parallel.pp_schedule=interleaved_1f1b"),
+            ("dp_mode", self.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
+            ("ep_dispatch", self.ep_dispatch in ("exact", "padded"), "must be exact or padded"),
+        ])
 
 
 @dataclass
@@ -238,13 +351,15 @@ class EvalConfig:
     """How sampled drafts are verified: `token` (token-wise speculative sampling) or `block` (block
     verification, Sun et al. 2024, eval/block_verify.py: exact as well, and accepts at least as many
     drafts on average). Greedy decoding is the same under both. At each sampled temperature the
-    evaluator also decodes with the other rule and logs it under `eval/T<t>/<rule>/` (one more decode)."""
+    evaluator also decodes with the other rule and logs it under `eval/T<t>/<rule>/` (one more decode).
+    `token` reports what today's serving stacks (vLLM's rejection sampler) give; `block` what a server
+    with block verification would."""
     draft_convention: str = "serving"
     """How MTP depths 2..K draft: `serving` (vLLM's MTP proposer: one MTP KV cache shared by the depths,
     depth k one token at position m + k - 2, the embedding zeroed at position 0 for concat_proj; the
     figure a user gets when serving) or `tandem` (one cache and hidden store per depth, as trained).
     Both are exact; the other convention's greedy acceptance is logged as `eval/<other>/acceptance_length`
-    when it differs."""
+    when it differs. Keep `serving` for figures users will see; `tandem` to study the module as trained."""
     num_samples_logged: int = 4
     """Prompts whose decoded text (prompt, greedy and sampled continuations, acceptance) each
     evaluation writes to `run.dir/eval_samples.jsonl` and a wandb table `eval/samples` (0: none)."""
@@ -252,6 +367,17 @@ class EvalConfig:
     """Prompts decoded together."""
     loss_batches: int = 4
     """Validation micro-batches for eval/loss/* (teacher-forced)."""
+
+    def validate(self, cfg: "TandemConfig") -> None:
+        _require("eval", self, [
+            ("interval", self.interval >= 0, "must be >= 0"),
+            ("num_steps", self.num_steps >= 0, "must be >= 0"),
+            ("temperatures", all(0 < t <= 2 for t in self.temperatures), "must each be in (0, 2]"),
+            ("num_samples_logged", self.num_samples_logged >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("verify", self.verify in ("token", "block"), "must be token or block"),
+            ("draft_convention", self.draft_convention in ("serving", "tandem"), "must be serving or tandem"),
+        ])
 
 
 @dataclass
@@ -273,6 +399,9 @@ class LoggingConfig:
     metrics; 0 uses the detected GPU/NPU's bf16 peak (H100/H200, A100, Ascend 910B, ...) and omits both
     when unknown (CPU)."""
 
+    def validate(self, cfg: "TandemConfig") -> None:
+        _require("logging", self, [("peak_tflops", self.peak_tflops >= 0, "must be >= 0 (0: the detected device's)")])
+
 
 @dataclass
 class CheckpointConfig:
@@ -285,7 +414,14 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint async_save): training waits
     only for the copy to host memory; the checkpoint becomes visible (complete) at the next save or
-    at the end of training."""
+    at the end of training. On when saves are large and frequent enough to stall training (cluster
+    runs) and host memory holds one more copy of the rank's state; off for small runs and tests."""
+
+    def validate(self, cfg: "TandemConfig") -> None:
+        _require("checkpoint", self, [
+            ("interval", self.interval >= 0, "must be >= 0"),
+            ("keep_last", self.keep_last >= 0, "must be >= 0"),
+        ])
 
 
 @dataclass
@@ -310,6 +446,28 @@ class TandemConfig:
     """Checkpointing."""
     device: str = "auto"
     """`auto`, `cpu`, `cuda` or `npu`."""
+
+    def validate(self) -> None:
+        """Every section's checks, each beside the code of its section (the model's and the MTP module's
+        in models/config.py), then the checks that span sections. Raises ConfigError naming the key.
+        What needs the world size, the hardware, the disk or the tokenizer is checked at start-up:
+        trainer/parallel/validate.py (layout), trainer/parallel/device.py (device, bf16),
+        trainer/run.py (run.dir writable, PLE's end-of-document token)."""
+        try:
+            self.model.validate()
+            self.mtp.validate(self.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("lambda_", "lambda")) from None
+        for section in (self.data, self.train, self.parallel, self.eval, self.logging, self.checkpoint, self.run):
+            section.validate(self)
+        _require("", self, [
+            ("device", self.device in ("auto", "cpu", "cuda", "npu"), "must be auto, cpu, cuda or npu"),
+        ])
+        # spans the model and the data: the RoPE tables must cover the window and its MTP targets
+        _require("model", self.model, [
+            ("max_seq_len", self.model.max_seq_len >= self.data.seq_len + self.mtp.num_steps + 1,
+             "must be >= data.seq_len + mtp.num_steps + 1"),
+        ])
 
 
 # Public key -> dataclass field, for names Python cannot use as fields.
@@ -347,58 +505,110 @@ def _override_key(item: str) -> str:
     return ".".join(_ALIASES.get(part, part) for part in key.split("."))
 
 
+RECIPE_KEYS = ("base", "flavor")
+"""Top-level recipe keys that compose the recipe (see the module docstring); not config keys."""
+
+
+def _read_recipe(path: str) -> dict:
+    """One recipe file as a plain dict, retired keys at their old defaults dropped. Raises ConfigError."""
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as exc:  # yaml errors carry line numbers; keep them on one line
+        raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of config sections")
+    for key in _RETIRED:
+        section, leaf = key.split(".")
+        if isinstance(raw.get(section), dict) and leaf in raw[section] and _drop_retired(key, raw[section][leaf]):
+            del raw[section][leaf]
+    return raw
+
+
+def _flavor_layer(name: Any, where: str) -> dict:
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: flavor must be the name of a model flavor, got {name!r}")
+    try:
+        return flavors.flavor(name)
+    except flavors.UnknownFlavor as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _recipe_layers(path: str, chain: Sequence[str] = ()) -> List[tuple]:
+    """[(source, layer dict)] of recipe `path`, lowest first: its bases' layers, its flavor, its body."""
+    raw = _read_recipe(path)
+    base, name = raw.pop("base", None), raw.pop("flavor", None)
+    bases = [] if base is None else [base] if isinstance(base, str) else base
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"recipe {path}: base must be a recipe path or a list of them, got {base!r}")
+    layers: List[tuple] = []
+    here = os.path.realpath(path)
+    for b in bases:
+        parent = os.path.join(os.path.dirname(path), os.path.expanduser(b))
+        if not os.path.isfile(parent):
+            raise ConfigError(f"recipe {path}: base recipe not found: {parent}")
+        if os.path.realpath(parent) in (*chain, here):
+            raise ConfigError(f"recipe {path}: base {b} includes itself")
+        layers += _recipe_layers(parent, (*chain, here))
+    if name is not None:
+        layers.append((f"model flavor {name!r} of {path}", _flavor_layer(name, f"recipe {path}")))
+    layers.append((path, _rename_keys(raw, _ALIASES)))
+    return layers
+
+
 def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemConfig:
-    """Compose defaults <- recipe YAML <- `key=value` overrides, then validate. Raises ConfigError."""
+    """Compose defaults <- recipe YAML (its bases and flavor first) <- `key=value` overrides, then
+    validate. Raises ConfigError."""
     schema = OmegaConf.structured(TandemConfig)
-    layers = []
+    layers: List[tuple] = []  # (source, a DictConfig or a plain dict)
     if recipe:
         if not os.path.isfile(recipe):
             raise ConfigError(f"recipe file not found: {recipe}")
-        try:
-            raw = OmegaConf.to_container(OmegaConf.load(recipe), resolve=False)
-        except Exception as exc:  # yaml errors carry line numbers; keep them on one line
-            raise ConfigError(f"recipe {recipe} is not valid YAML: {' '.join(str(exc).split())}") from None
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"recipe {recipe} must be a mapping of config sections")
-        for key in _RETIRED:
-            section, leaf = key.split(".")
-            if isinstance(raw.get(section), dict) and leaf in raw[section] and _drop_retired(key, raw[section][leaf]):
-                del raw[section][leaf]
-        layers.append(OmegaConf.create(_rename_keys(raw, _ALIASES)))
-    renamed, kept = [], []
+        layers += _recipe_layers(recipe)
     for item in overrides:
         key = _override_key(item)
-        if _drop_retired(key, item.split("=", 1)[1].strip()):
+        value = item.split("=", 1)[1]
+        if key == "flavor":  # the flavor's keys, at this position among the overrides
+            layers.append((f"override {item!r}", _flavor_layer(value.strip(), f"override {item!r}")))
             continue
-        renamed.append(f"{key}={item.split('=', 1)[1]}")
-        kept.append(item)
-    overrides = kept
+        if _drop_retired(key, value.strip()):
+            continue
+        try:
+            layers.append(("the overrides", OmegaConf.from_dotlist([f"{key}={value}"])))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_one_line_error(exc, recipe)) from None
+        except Exception as exc:  # YAML scanner errors on values such as `...` or unbalanced quotes
+            raise ConfigError(f"override {item!r} has a value that is not valid YAML: "
+                              f"{' '.join(str(exc).split())[:200]}") from None
     try:
-        for item, original in zip(renamed, overrides):
-            try:
-                layers.append(OmegaConf.from_dotlist([item]))
-            except OmegaConfBaseException:
-                raise
-            except Exception as exc:  # YAML scanner errors on values such as `...` or unbalanced quotes
-                raise ConfigError(f"override {original!r} has a value that is not valid YAML: "
-                                  f"{' '.join(str(exc).split())[:200]}") from None
         # One merge, applying the layers in order: merging each override into the result of the last
         # would deep-copy the whole config once per override (0.16 s for 30 overrides, on every rank).
-        merged = OmegaConf.merge(schema, *layers)
+        merged = OmegaConf.merge(schema, *[OmegaConf.create(layer) if isinstance(layer, dict) else layer
+                                          for _, layer in layers])
         cfg: TandemConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise ConfigError(_one_line_error(exc, recipe)) from None
+        raise ConfigError(_one_line_error(exc, recipe, _culprit(schema, layers))) from None
     validate(cfg)
     return cfg
 
 
-def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str]) -> str:
+def _culprit(schema: Any, layers: Sequence[tuple]) -> Optional[str]:
+    """The source of the first layer that fails to merge into the schema on its own (None: only their
+    combination fails); for an error message that says where to look."""
+    for source, layer in layers:
+        try:
+            OmegaConf.merge(schema, OmegaConf.create(layer) if isinstance(layer, dict) else layer)
+        except OmegaConfBaseException:
+            return source
+    return None
+
+
+def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str], source: Optional[str] = None) -> str:
     key = getattr(exc, "full_key", None)
     key = ".".join(_PUBLIC.get(p, p) for p in str(key).split(".")) if key else None
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = f" (in {recipe} or the overrides)" if recipe else ""
+    where = f" (in {source})" if source else f" (in {recipe} or the overrides)" if recipe else ""
     if "Key" in first and "not in" in first:
         return f"unknown config key '{key}'{where}"
     if key:
@@ -407,65 +617,9 @@ def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str]) -> str:
 
 
 def validate(cfg: TandemConfig) -> None:
-    """Check sizes and choices that no type can express. Raises ConfigError naming the key."""
-    try:
-        validate_model(cfg.model, cfg.mtp)
-    except ValueError as exc:
-        raise ConfigError(str(exc).replace("lambda_", "lambda")) from None
-    checks = [
-        ("train.max_steps", cfg.train.max_steps >= 0, "must be >= 0"),
-        ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "must be positive"),
-        ("train.grad_accum_steps", cfg.train.grad_accum_steps > 0, "must be positive"),
-        ("train.lr", cfg.train.lr > 0, "must be positive"),
-        ("train.min_lr", 0 <= cfg.train.min_lr <= cfg.train.lr, "must be in [0, train.lr]"),
-        ("train.warmup_steps", cfg.train.warmup_steps >= 0, "must be >= 0"),
-        ("train.grad_clip", cfg.train.grad_clip >= 0, "must be >= 0"),
-        ("train.optimizer_kernel", cfg.train.optimizer_kernel in ("auto", "fused", "foreach"), "must be auto, fused or foreach"),
-        ("train.dtype", cfg.train.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
-        ("train.grad_reduce_dtype", cfg.train.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
-        ("train.log_interval", cfg.train.log_interval > 0, "must be positive"),
-        ("train.frozen_dtype", cfg.train.frozen_dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
-        ("train.malloc_mmap_threshold", cfg.train.malloc_mmap_threshold >= -1, "must be -1 (auto), 0 or a size in bytes"),
-        ("train.distill", cfg.train.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
-        ("train.distill", cfg.train.distill == "none" or cfg.mtp.loss.objective == "ce",
-         "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
-        ("train.activation_checkpointing", cfg.train.activation_checkpointing in ("none", "full", "selective"),
-         "must be none, full or selective"),
-        ("train.bad_step_policy", cfg.train.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
-        ("train.spike_factor", cfg.train.spike_factor == 0 or cfg.train.spike_factor > 1, "must be 0 (off) or > 1"),
-        ("train.spike_window", cfg.train.spike_window > 0, "must be positive"),
-        ("train.max_skips", cfg.train.max_skips >= 0, "must be >= 0"),
-        ("data.source", cfg.data.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
-        ("data.seq_len", cfg.data.seq_len > 0, "must be positive"),
-        ("data.vocab_size", cfg.data.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),
-        ("data.paths", cfg.data.source != "megatron" or bool(cfg.data.paths), "must name dataset prefixes when data.source=megatron"),
-        ("parallel.tp", cfg.parallel.tp > 0, "must be positive"),
-        ("parallel.pp", cfg.parallel.pp > 0, "must be positive"),
-        ("parallel.ep", cfg.parallel.ep > 0, "must be positive"),
-        ("parallel.dp", cfg.parallel.dp >= 0, "must be >= 0"),
-        ("parallel.pp_schedule", cfg.parallel.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"), "must be 1f1b, interleaved_1f1b or gpipe"),
-        ("parallel.dp_mode", cfg.parallel.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
-        ("parallel.ep_dispatch", cfg.parallel.ep_dispatch in ("exact", "padded"), "must be exact or padded"),
-        ("eval.interval", cfg.eval.interval >= 0, "must be >= 0"),
-        ("eval.num_steps", cfg.eval.num_steps >= 0, "must be >= 0"),
-        ("eval.temperatures", all(0 < t <= 2 for t in cfg.eval.temperatures), "must each be in (0, 2]"),
-        ("eval.num_samples_logged", cfg.eval.num_samples_logged >= 0, "must be >= 0"),
-        ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
-        ("eval.verify", cfg.eval.verify in ("token", "block"), "must be token or block"),
-        ("eval.draft_convention", cfg.eval.draft_convention in ("serving", "tandem"), "must be serving or tandem"),
-        ("checkpoint.interval", cfg.checkpoint.interval >= 0, "must be >= 0"),
-        ("checkpoint.keep_last", cfg.checkpoint.keep_last >= 0, "must be >= 0"),
-        ("device", cfg.device in ("auto", "cpu", "cuda", "npu"), "must be auto, cpu, cuda or npu"),
-        ("model.max_seq_len", cfg.model.max_seq_len >= cfg.data.seq_len + cfg.mtp.num_steps + 1, "must be >= data.seq_len + mtp.num_steps + 1"),
-    ]
-    for key, ok, why in checks:
-        if not ok:
-            value = OmegaConf.select(OmegaConf.structured(cfg), key)
-            raise ConfigError(f"config key '{key}'={value!r} {why}")
-    if cfg.data.source == "stdlib" and not cfg.data.tokenizer and cfg.model.vocab_size < cfg.data.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size} (the tokenizer's vocabulary)"
-        )
+    """Check sizes and choices that no type can express, section by section (`TandemConfig.validate`).
+    Raises ConfigError naming the key."""
+    cfg.validate()
 
 
 def to_yaml(cfg: TandemConfig) -> str:

@@ -7,18 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 from tandem.trainer.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "eval.interval=0", "train.dtype=fp32",
-        "logging.wandb=false",
-        "logging.progress=false", "data.seq_len=32", "train.micro_batch_size=2"]
-TRUNK = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-         "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=32", "model.num_experts=4",
-         "mtp.num_steps=0"]
+DATA = TINY_DATA + ["eval.interval=0"] + QUIET
+TRUNK = DEBUG_MODEL + ["model.num_kv_heads=2", "mtp.num_steps=0"]
 
 
 def losses(run_dir):

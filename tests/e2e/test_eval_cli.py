@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 
 @pytest.fixture(scope="module")
@@ -13,13 +14,9 @@ def tiny_run(tmp_path_factory, one_thread):
     from tandem.trainer.loop import train
 
     root = tmp_path_factory.mktemp("evalcli")
-    overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
-                 "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-                 "model.num_kv_heads=1", "model.intermediate_size=64", "model.moe_intermediate_size=32",
-                 "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2", "eval.interval=0",
+    overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA, "eval.interval=0",
                  "eval.num_prompts=3", "eval.prompt_len=8", "eval.max_new_tokens=8", "eval.loss_batches=1",
-                 "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
-                 f"data.cache_dir={root / 'cache'}"]
+                 *QUIET, f"data.cache_dir={root / 'cache'}"]
     train(load_config("recipes/tiny.yaml", overrides))
     return root
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 
@@ -31,12 +32,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPO / "recipes" / "tiny.yaml"
 PROCS = 2
-TINY = [
-    "data.stdlib_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32",
-    "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
-    "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2",
-    "eval.interval=0", "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
-]
+TINY = DEBUG_MODEL + TINY_DATA + ["eval.interval=0"] + QUIET
 FINAL_STATES = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 

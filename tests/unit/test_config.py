@@ -54,3 +54,100 @@ def test_recipe_errors(tmp_path):
     broken.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(broken))
+
+
+# --- composition: base recipes and model flavors (trainer/config.py, models/flavors.py) -------------
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def test_base_recipe_is_composed_first_relative_to_the_recipe(tmp_path, monkeypatch):
+    _write(tmp_path / "bases" / "base.yaml",
+           "train:\n  max_steps: 7\n  lr: 0.002\nmtp:\n  loss:\n    lambda: 0.25\n    lambda_after: {10: 0.05}\n")
+    child = _write(tmp_path / "bases" / "child.yaml", "base: base.yaml\ntrain:\n  max_steps: 9\n")
+    monkeypatch.chdir(tmp_path)  # the base resolves from the recipe's directory, not the working directory
+    cfg = load_config(child, ["train.lr=0.001"])
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.mtp.loss.lambda_, cfg.mtp.loss.lambda_after) == (9, 0.001, 0.25, {10: 0.05})
+    # the resolved config is complete and self-contained: no composition keys, and it round-trips
+    text = to_yaml(cfg)
+    assert not any(line.startswith(("base:", "flavor:")) for line in text.splitlines())
+    again = _write(tmp_path / "elsewhere" / "config.yaml", text)
+    assert load_config(again) == cfg
+
+
+def test_bases_in_order_then_the_recipe(tmp_path):
+    _write(tmp_path / "a.yaml", "train:\n  max_steps: 1\n  lr: 0.002\n")
+    _write(tmp_path / "b.yaml", "base: a.yaml\ntrain:\n  max_steps: 2\n")
+    _write(tmp_path / "c.yaml", "train:\n  max_steps: 3\n  seed: 5\n")
+    cfg = load_config(_write(tmp_path / "d.yaml", "base: [b.yaml, c.yaml]\ntrain:\n  seed: 6\n"))
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.train.seed) == (3, 0.002, 6)
+
+
+def test_flavor_in_a_recipe_and_on_the_command_line():
+    from tandem.models import flavors
+
+    debug = flavors.flavor("debug")["model"]
+    cfg = load_config(None, ["data.vocab_size=512", "flavor=debug", "model.num_kv_heads=2"])
+    assert all(getattr(cfg.model, k) == v for k, v in debug.items() if k != "num_kv_heads")
+    assert cfg.model.num_kv_heads == 2  # later overrides win
+    assert load_config(None, ["model.hidden_size=64", "data.vocab_size=512", "flavor=debug"]).model.hidden_size == 32
+    # the expanded form equals the flavor
+    assert load_config(None, ["data.vocab_size=512", *flavors.overrides("debug")]) == load_config(
+        None, ["data.vocab_size=512", "flavor=debug"])
+    assert flavors.model_config("debug", vocab_size=97).hidden_size == 32
+
+
+def test_recipe_sections_win_over_its_flavor_and_its_flavor_over_its_bases(tmp_path):
+    _write(tmp_path / "base.yaml", "model:\n  hidden_size: 64\n  rope_theta: 500.0\ndata:\n  vocab_size: 512\n")
+    cfg = load_config(_write(tmp_path / "r.yaml", "base: base.yaml\nflavor: debug\nmodel:\n  num_layers: 3\n"))
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.rope_theta) == (32, 3, 500.0)
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"r.yaml": "base: missing.yaml\n"}, "base recipe not found"),
+    ({"r.yaml": "base: s.yaml\n", "s.yaml": "base: r.yaml\n"}, "includes itself"),
+    ({"r.yaml": "base: {a: 1}\n"}, "base must be a recipe path or a list of them"),
+    ({"r.yaml": "flavor: huge\n"}, "unknown model flavor 'huge'; known: debug"),
+    ({"r.yaml": "base: s.yaml\n", "s.yaml": "train:\n  max_stepz: 3\n"}, "unknown config key 'train.max_stepz' (in "),
+])
+def test_composition_errors_are_one_line(tmp_path, files, message):
+    for name, text in files.items():
+        _write(tmp_path / name, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tmp_path / "r.yaml"))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    if "max_stepz" in message:
+        assert "s.yaml" in str(err.value)  # names the base file that holds the typo
+
+
+def test_unknown_flavor_override():
+    with pytest.raises(ConfigError, match="override 'flavor=huge': unknown model flavor 'huge'"):
+        load_config(None, ["flavor=huge"])
+
+
+# --- each section validates beside its fields -------------------------------------------------------
+def test_every_section_has_its_checks():
+    from tandem.models.config import ModelConfig, MTPConfig, MTPLossConfig
+    from tandem.trainer import config
+
+    for cls in (config.RunConfig, config.DataConfig, config.TrainConfig, config.ParallelConfig, config.EvalConfig,
+                config.LoggingConfig, config.CheckpointConfig, config.TandemConfig, ModelConfig, MTPConfig,
+                MTPLossConfig):
+        assert callable(getattr(cls, "validate", None)), cls.__name__
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=0"],
+     "config key 'parallel.pp_virtual_stages'=0 must be positive with parallel.pp_schedule=interleaved_1f1b"),
+    (["parallel.pp_microbatches=-1"], "config key 'parallel.pp_microbatches'=-1 must be >= 0"),
+    (["logging.peak_tflops=-1"], "config key 'logging.peak_tflops'=-1.0 must be >= 0"),
+    (["parallel.dp_mode=ddp"], "config key 'parallel.dp_mode'='ddp' must be fsdp or allreduce"),
+    (["mtp.loss.objective=kl"], "mtp.loss.objective='kl' must be ce or acceptance"),
+    (["train.distill=soft", "mtp.loss.objective=acceptance"], "config key 'train.distill'='soft' must be none"),
+])
+def test_section_checks_at_load_time(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 from tandem.eval import in_loop
 
@@ -21,14 +22,10 @@ def _train(run_dir, cache_dir, interval, steps=4, extra=()):
     from tandem.trainer.config import load_config
     from tandem.trainer.loop import train
 
-    overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", "data.stdlib_max_bytes=200000",
-                 "data.vocab_size=512", "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2",
-                 "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
-                 "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=32",
-                 "train.micro_batch_size=2", f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
-                 "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", "train.dtype=fp32",
-                 "logging.wandb=false",
-                 "logging.progress=false", f"data.cache_dir={cache_dir}", "checkpoint.save_final=false",
+    overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", *DEBUG_MODEL, *TINY_DATA,
+                 f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
+                 "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", *QUIET,
+                 f"data.cache_dir={cache_dir}", "checkpoint.save_final=false",
                  # the recomputing head executes more FLOPs than the model's, so `hfu` and `mfu` differ
                  "mtp.loss_head_backward=recompute", *extra]
     train(load_config("recipes/tiny.yaml", overrides))
@@ -104,13 +101,9 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
     from tandem.trainer.config import load_config
     from tandem.trainer.run import build_run
 
-    overrides = [f"run.dir={tmp_path}", "train.max_steps=1", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
-                 "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-                 "model.num_kv_heads=1", "model.intermediate_size=64", "model.moe_intermediate_size=32",
-                 "model.num_experts=4", "data.seq_len=32", "train.micro_batch_size=2", "eval.interval=1",
+    overrides = [f"run.dir={tmp_path}", "train.max_steps=1", *DEBUG_MODEL, *TINY_DATA, "eval.interval=1",
                  "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperatures=[0.7]",
-                 "eval.loss_batches=1", "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
-                 f"data.cache_dir={cache_dir}"]
+                 "eval.loss_batches=1", *QUIET, f"data.cache_dir={cache_dir}"]
     trainer = build_run(load_config("recipes/tiny.yaml", overrides))
     model, ev = trainer.model, trainer.evaluator
     model.train()

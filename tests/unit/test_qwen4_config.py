@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.models import flavors
 from tandem.models.config import MTPConfig, ModelConfig, validate_model
 
 
 def qwen4(**over) -> ModelConfig:
-    kw = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-              num_experts=4, top_k=2, zero_centered_norm=True, full_attention_interval=2, partial_rotary_factor=0.5,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-              indexer_heads=2, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4,
-              hc_lowrank=8, ple_layers=[0], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=1)
-    kw.update(over)
-    return ModelConfig(**kw)
+    """The `debug_qwen4` flavor (models/flavors.py): 4 layers alternating Gated DeltaNet and QSA (head_dim 8,
+    rotary 4), 4 hyper-connection streams, PLE on layer 0 with 2 x 2 n-gram heads of the width 32."""
+    return flavors.model_config("debug_qwen4", **over)
 
 
 def test_valid_qwen4_shape_passes():

@@ -6,12 +6,16 @@ import os
 import pytest
 import torch
 
-from tandem.models import TandemModel
-from tandem.trainer.config import load_config
+from omegaconf import OmegaConf
+
+from tandem.models import TandemModel, flavors
+from tandem.models.config import validate_model
+from tandem.trainer.config import as_dict, load_config
 from tandem.trainer.estimate import estimate
 from tandem.trainer.parallel.pipeline_plan import PipelinePlan, item_flops, stage_flops
 
-RECIPES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "*.yaml")))
+RECIPE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+RECIPES = sorted(glob.glob(os.path.join(RECIPE_DIR, "*.yaml")))
 HBM_GIB = {"cuda": 80, "npu": 64}
 # a recipe whose header names a bigger device is held to that device (141 GB = 131 GiB)
 DEVICE_GIB = {"H200": 131}
@@ -65,3 +69,52 @@ def test_pipeline_stages_and_ranks_within_1_2x_of_the_mean(recipe):
     print(f"{os.path.basename(recipe)}: max stage x{stage_ratio:.3f}, max pp rank x{rank_ratio:.3f} of the mean")
     assert stage_ratio <= 1.2
     assert rank_ratio <= 1.2
+
+
+def _flat(node, prefix=""):
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + str(key)] = value
+    return out
+
+
+@pytest.mark.parametrize("gpu, ascend", [("moe_4b_mtp_gpu.yaml", "moe_4b_mtp_ascend.yaml"),
+                                         ("qwen38_flash_gpu.yaml", "qwen38_flash_ascend.yaml")])
+def test_ascend_recipe_is_the_gpu_recipe_plus_a_short_override(gpu, ascend):
+    """Each GPU/Ascend pair is one recipe: the Ascend one names the GPU one as its `base:` and sets only
+    what the device changes; everything else resolves identically."""
+    raw = OmegaConf.to_container(OmegaConf.load(os.path.join(RECIPE_DIR, ascend)))
+    assert raw.pop("base") == gpu
+    own = _flat(raw)
+    assert len(own) <= 8, own
+    g = _flat(as_dict(load_config(os.path.join(RECIPE_DIR, gpu))))
+    a = _flat(as_dict(load_config(os.path.join(RECIPE_DIR, ascend))))
+    assert a["device"] == "npu" and g["device"] == "cuda"
+    assert {k for k in g if g[k] != a[k]} == set(own)
+
+
+@pytest.mark.parametrize("name", flavors.names())
+def test_every_flavor_validates_and_reads_back_from_its_overrides(name):
+    validate_model(flavors.model_config(name), flavors.mtp_config(name))
+    # the `key=value` form parses back to the flavor's values (no data here: a megatron prefix is never read)
+    cfg = load_config(None, ["data.source=megatron", "data.paths=[/nowhere]", "data.seq_len=64", f"flavor={name}"])
+    for section, keys in flavors.flavor(name).items():
+        for key, value in keys.items():
+            assert getattr(getattr(cfg, section), key) == value, (section, key)
+    assert cfg == load_config(None, ["data.source=megatron", "data.paths=[/nowhere]", "data.seq_len=64",
+                                     *flavors.overrides(name)])
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
+def test_recipe_models_are_named_flavors(recipe):
+    """A recipe that trains a model from scratch takes its shape from a named flavor (one home for each
+    shape); fine-tuning recipes take it from model.init_from."""
+    cfg = load_config(recipe)
+    if cfg.model.init_from or "finetune" in os.path.basename(recipe):
+        return
+    matches = [name for name in flavors.names()
+               if all(getattr(cfg.model, k) == v for k, v in flavors.flavor(name)["model"].items())]
+    assert matches, "the recipe's model is no named flavor: add one to models/flavors.py"

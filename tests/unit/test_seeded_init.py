@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEBUG_MODEL
 
 from tandem.trainer import seeded_init
 from tandem.trainer.config import load_config
@@ -11,9 +12,8 @@ from tandem.trainer.run import build_model
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.device import resolve_device
 
-SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4", "mtp.num_steps=2",
-         "data.vocab_size=512", "data.seq_len=32", "device=cpu"]
+SHAPE = DEBUG_MODEL + ["model.num_heads=4", "model.num_kv_heads=2", "model.moe_intermediate_size=16", "mtp.num_steps=2",
+                       "data.vocab_size=512", "data.seq_len=32", "device=cpu"]
 
 
 @pytest.mark.parametrize("index", [(slice(0, 10), slice(0, 7)), (slice(3, 9), slice(2, 7)), (slice(7, 10), slice(0, 7)),

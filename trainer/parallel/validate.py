@@ -1,7 +1,10 @@
 """Layout validation: pure arithmetic on the config, callable without torch.distributed.
 
-`init_parallel` calls `validate_layout` before it creates any process group, so an impossible
-layout fails in one line naming the keys, not deep inside a collective.
+`load_config` checks the parallel section's own values (`ParallelConfig.validate` in trainer/config.py);
+what this module checks needs the world size and the model's final shape (which `model.init_from` may
+still change after the config loads). `init_parallel` calls `validate_layout` before it creates any
+process group, and `tandem launch slurm` before it writes a script, so an impossible layout fails in one
+line naming the keys, not deep inside a collective.
 """
 
 from __future__ import annotations
@@ -53,9 +56,7 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp.
     """
     p, m = cfg.parallel, cfg.model
-    for key in ("tp", "pp", "ep"):
-        if getattr(p, key) < 1:
-            raise ConfigError(f"config key 'parallel.{key}'={getattr(p, key)} must be positive")
+    p.validate(cfg)  # the section's own values, as load_config checked them (a config edited since included)
     model_parallel = p.tp * p.pp * p.ep
     if p.dp:
         dp = p.dp
@@ -99,9 +100,6 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
         if m.num_experts % p.ep:
             raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}")
     if p.pp > 1:
-        virtual = p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1
-        if virtual < 1:
-            raise ConfigError(f"parallel.pp_virtual_stages={virtual} must be positive")
         from .pipeline_plan import PipelinePlan
 
         PipelinePlan(cfg).check(cfg)
