@@ -29,11 +29,18 @@ from torch.distributed.constants import default_pg_timeout
 from torch import nn
 
 from ..config import TandemConfig
+from .data import (REDUCE_DTYPES, GradientFinisher, PieceUnits, apply_fsdp, cast_kept_whole, fp32_parameters,
+                   fsdp_mixed_precision)
 from .device import Device
+from .pipeline import Pipeline, prune_model
 from .state import ParallelDegrees, ParallelState
+from .tensor import SequenceParallelSwitch, apply_tensor_and_expert_parallel
+from .tensor_hybrid import shard_ple_tables
 
 
 def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
+    # looked up at call time: the distributed tests substitute a caching init_device_mesh (one mesh per
+    # shape for a whole launch, as a run builds it once)
     from torch.distributed.device_mesh import init_device_mesh
 
     p = cfg.parallel
@@ -82,92 +89,104 @@ def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    from .data import (REDUCE_DTYPES, GradientFinisher, PieceUnits, apply_fsdp, cast_kept_whole, fp32_parameters,
-                       fsdp_mixed_precision)
-    from .tensor import apply_tensor_and_expert_parallel
-
-    p, mesh = cfg.parallel, state.mesh
+    """This rank's part of `model` under the layout `state` describes (the module docstring's order);
+    sets the state's pipeline, gradient finisher and groups."""
     deg = state.degrees
-    tp, ep, dp, pp = deg.tp, deg.ep, deg.dp, deg.pp
-    pipeline = None
-    if pp > 1:
-        from .pipeline import Pipeline, prune_model
-
-        prune_model(model, cfg, mesh["pp"].get_local_rank())
-    tp_mesh = mesh["tp"] if tp > 1 else None
-    ep_mesh = mesh["ep"] if ep > 1 else None
-    expert_mesh = mesh["ep", "tp"] if (ep > 1 and tp > 1) else (ep_mesh if ep > 1 else tp_mesh)
-    sp = bool(p.sequence_parallel and tp > 1)
-    batch = dp * ep
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
-    tables = []
-    if state.stage_mesh is not None:
-        from .tensor_hybrid import shard_ple_tables
-
-        # rows travel in the dtype FSDP's policy would have gathered the table in
-        tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if batch > 1 else None)
-    switch = None
-    if sp:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
-        from .tensor import SequenceParallelSwitch
-
-        switch = state.sequence_parallel_switch = SequenceParallelSwitch()
-    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, sp, switch, p.ep_dispatch)
+    if deg.pp > 1:
+        prune_model(model, cfg, state.mesh["pp"].get_local_rank())
+    tables, sp_partial = _apply_tensor_parallel(model, cfg, state, compute_dtype)
     # pieces two stages of one rank use: FSDP units of their own (sharded over dp*ep like the rest,
     # gathered through the step, reduce-scattered once), or under the all-reduce mode kept whole
     # (summed over dp*ep by the finisher)
-    own_units = batch > 1 and p.dp_mode == "fsdp"
-    if pp > 1:
-        pipeline = Pipeline(model, cfg, mesh["pp"], state.device.device, piece_units=own_units)
-    mp_policy = None
+    own_units = deg.batch > 1 and cfg.parallel.dp_mode == "fsdp"
+    pipeline = None
+    if deg.pp > 1:
+        pipeline = Pipeline(model, cfg, state.mesh["pp"], state.device.device, piece_units=own_units)
     shared_in_rank = pipeline.plan.shared_within_rank() if pipeline is not None else []
     units = {x: getattr(model, x) for x in shared_in_rank if own_units and getattr(model, x) is not None}
     whole = [] if own_units else shared_in_rank
-    whole_params = {name: p for name, p in model.named_parameters() if name.split(".", 1)[0] in whole}
-    cast_params = list(whole_params.values())
-    if batch > 1 and compute_dtype is not None:
-        # what the recurrence and the stream mixing read stays fp32 under the bf16 policy: kept whole
-        # (summed over dp x ep by the finisher like the whole pieces), never cast (data.fp32_parameters)
-        fp32 = fp32_parameters(model)
-        cast_params = [q for n, q in whole_params.items() if n not in fp32]
-        whole_params.update(fp32)
-    if batch > 1:
-        blocks = list(model.layers.values())
-        roots = pipeline.modules if pipeline is not None else [model]
-        mp_policy, wire_dtype = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
-                                                     p.reshard_after_microbatch)
-        apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, mesh["dp"], mp_policy,
-                   keep_whole=set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables},
-                   replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype, units=units.values(),
-                   # a unit sums a whole step before its one reduce-scatter: the one-sync precision
-                   unit_precision=fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype, False))
-        if mp_policy is not None:  # the whole pieces compute in the policy's dtype too
-            cast_kept_whole(model, cast_params, mp_policy.param_dtype)
+    whole_params = {name: q for name, q in model.named_parameters() if name.split(".", 1)[0] in whole}
+    mp_policy = None
+    if deg.batch > 1:
+        mp_policy = _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, tables, compute_dtype)
     piece_units = PieceUnits(units) if units else None
+    shared = {}
     if pipeline is not None:
         pipeline.piece_units = piece_units
-    shared = {}
-    if pp > 1:
-        # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
-        shared = _shared_piece_groups(mesh, pp, pipeline.plan.holders())
-        if "mtp" in shared:  # the loop sums the MTP routers' loads over the copies too
-            state.mtp_copies_group = shared["mtp"][0]
-        # the residual stream between stages: fp32 for hyper-connection streams on every layout (they
-        # mix and inject in fp32, as one process's autocast leaves them); a plain residual takes the
-        # gathered parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and
-        # residual adds in fp32). See data.py's docstring.
-        plain_bf16 = mp_policy is not None and cfg.model.hc_count == 1
-        pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if plain_bf16 else torch.float32)
-        state.pipeline = pipeline
+        shared = _build_pipeline(model, cfg, state, pipeline, mp_policy, compute_dtype)
+    tp_group = state.mesh["tp"].get_group() if sp_partial else None
     state.gradient_finisher = GradientFinisher(
-        model, state.world_size, pp,
-        batch_group=state.dp_group, batch_size=batch, dp_group=mesh["dp"].get_group(), dp_size=dp,
-        shared=shared, replicated_names=set(whole_params),
-        sp_partial_names=sp_partial, tp_group=tp_mesh.get_group() if sp_partial else None,
+        model, state.world_size, deg.pp,
+        batch_group=state.dp_group, batch_size=deg.batch, dp_group=state.mesh["dp"].get_group(), dp_size=deg.dp,
+        shared=shared, replicated_names=set(whole_params), sp_partial_names=sp_partial, tp_group=tp_group,
         device=state.device.device, piece_units=piece_units,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
     if pipeline is not None:  # shared pieces' sums start as soon as this rank's stages using them are done
         pipeline.finisher = state.gradient_finisher
     return model
+
+
+def _apply_tensor_parallel(model: nn.Module, cfg: TandemConfig, state: ParallelState, compute_dtype):
+    """The PLE tables' row split over the stage's ranks, then TP/SP/EP: (the tables' parameter names,
+    the parameters whose gradients are partial over tp under SP)."""
+    deg, mesh = state.degrees, state.mesh
+    tables = []
+    if state.stage_mesh is not None:
+        # rows travel in the dtype FSDP's policy would have gathered the table in
+        tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if deg.batch > 1 else None)
+    switch = None
+    if state.sequence_parallel:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
+        switch = state.sequence_parallel_switch = SequenceParallelSwitch()
+    tp_mesh = mesh["tp"] if deg.tp > 1 else None
+    ep_mesh = mesh["ep"] if deg.ep > 1 else None
+    expert_mesh = mesh["ep", "tp"] if (deg.ep > 1 and deg.tp > 1) else (ep_mesh if deg.ep > 1 else tp_mesh)
+    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, state.sequence_parallel,
+                                                  switch, cfg.parallel.ep_dispatch)
+    return tables, sp_partial
+
+
+def _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, tables, compute_dtype):
+    """FSDP2 (or replicate) over the dp x ep batch ranks; `whole_params` (pieces kept out of FSDP)
+    gains what must stay fp32. Returns the mixed-precision policy (None in fp32)."""
+    p = cfg.parallel
+    cast_params = list(whole_params.values())
+    if compute_dtype is not None:
+        # what the recurrence and the stream mixing read stays fp32 under the bf16 policy: kept whole
+        # (summed over dp x ep by the finisher like the whole pieces), never cast (data.fp32_parameters)
+        fp32 = fp32_parameters(model)
+        cast_params = [q for n, q in whole_params.items() if n not in fp32]
+        whole_params.update(fp32)
+    blocks = list(model.layers.values())
+    roots = pipeline.modules if pipeline is not None else [model]
+    mp_policy, wire_dtype = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
+                                                 p.reshard_after_microbatch)
+    keep_whole = set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables}
+    apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, state.mesh["dp"], mp_policy,
+               keep_whole=keep_whole, replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype,
+               units=units.values(),
+               # a unit sums a whole step before its one reduce-scatter: the one-sync precision
+               unit_precision=fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype, False))
+    if mp_policy is not None:  # the whole pieces compute in the policy's dtype too
+        cast_kept_whole(model, cast_params, mp_policy.param_dtype)
+    return mp_policy
+
+
+def _build_pipeline(model, cfg, state, pipeline, mp_policy, compute_dtype) -> dict:
+    """The schedule, and the groups summing the gradients of pieces several pp ranks hold: {piece:
+    (group, copies)}."""
+    # copies of the embedding / norm / head / MTP module on several pp ranks: sum their gradients
+    shared = _shared_piece_groups(state.mesh, state.degrees.pp, pipeline.plan.holders())
+    if "mtp" in shared:  # the loop sums the MTP routers' loads over the copies too
+        state.mtp_copies_group = shared["mtp"][0]
+    # the residual stream between stages: fp32 for hyper-connection streams on every layout (they mix
+    # and inject in fp32, as one process's autocast leaves them); a plain residual takes the gathered
+    # parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and residual
+    # adds in fp32). See data.py's docstring.
+    plain_bf16 = mp_policy is not None and cfg.model.hc_count == 1
+    pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if plain_bf16 else torch.float32)
+    state.pipeline = pipeline
+    return shared
 
 
 def _shared_piece_groups(mesh, pp: int, holders) -> dict:
