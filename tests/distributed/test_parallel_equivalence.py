@@ -33,19 +33,18 @@ LAYOUTS = {
     "tp=2,pp=2": 4,
     "tp=2,ep=2": 4,
     "tp=2,ep=2,dp_mode=allreduce": 4,
-    "ep=2,pp=2": 4,
-    "tp=2,ep=2,pp=2": 8,
+    # ep x pp runs below with activation checkpointing, aux losses and spread depths; tp x ep x pp (8
+    # ranks) in test_compile_layout.py's eager fp32 and bf16 cases and the bf16 flagship here
     # sequence parallelism: activations sharded along the sequence between the TP regions
     "tp=2,sequence_parallel=true": 2,
     "tp=2,pp=2,sequence_parallel=true": 4,
-    "tp=2,ep=2,sequence_parallel=true": 4,
+    # (tp x ep under SP: with selective checkpointing below, and in the bf16 flagship)
     # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp
     "tp=2,model.qk_norm=true": 2,
     # the vocab-parallel head's recomputing backward (the fused one, the default, runs everywhere else)
     "tp=2,mtp.loss_head_backward=recompute": 2,
     # the acceptance objective: vocab-parallel sums over the vocabulary, teacher gathered under SP
     "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 2,
-    "tp=2,pp=2,sequence_parallel=true,mtp.loss.objective=acceptance": 4,
     # activation checkpointing recomputes blocks (and their collectives) in backward
     "ep=2,pp=2,train.activation_checkpointing=full": 4,
     "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
@@ -62,7 +61,7 @@ LAYOUTS = {
     # two stages of one rank share the head / MTP module / embedding: kept whole, summed over dp / ep
     "pp=2,dp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
-    # the teacher (the trunk's normed h_0) read on a stage before the trunk's head, under SP
+    # the teacher (the trunk's normed h_0) read on a stage before the trunk's head, under tp x pp x SP
     "tp=2,pp=2,sequence_parallel=true,pp_layout=[4:0],pp_depth_stages=[1:0:1],mtp.loss.objective=acceptance": 4,
 }
 # parallel.reshard_after_microbatch: the layouts above sync gradients every micro-batch (the default);
@@ -96,7 +95,6 @@ BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "pp=2,dp=2": 4,  # FSDP's bf16 parameters make the stages exchange bf16 activations
     "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,dp_mode=allreduce": 4,
-    "tp=2,ep=2,pp=2": 8,
     "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded": 8,  # the flagship layout, syncless dispatch
     "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,  # spread depths
     # embedding, head and MTP module kept out of FSDP (two stages of a rank share them), experts too (dp=1)
