@@ -214,24 +214,7 @@ def build_datasets(
     Returns megatron-core datasets whose items are dicts of `tokens`, `labels`, `loss_mask`,
     `position_ids` ([seq_len] each); use `get_batch` to collate.
     """
-    if data_cfg.source == "stdlib":
-        from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus, stdlib_cache_dir
-
-        train_prefix, valid_prefix, tok_path = prepare_stdlib_corpus(data_cfg)
-        tokenizer = load_tokenizer(data_cfg.tokenizer or tok_path)
-        train_blend: Tuple[List[str], Optional[List[float]]] = ([train_prefix], None)
-        valid_blend: Optional[Tuple[List[str], Optional[List[float]]]] = ([valid_prefix], None)
-        default_cache = os.path.join(stdlib_cache_dir(data_cfg), "indices")
-    elif data_cfg.source == "megatron":
-        train_blend = parse_blend(data_cfg.paths)
-        valid_blend = parse_blend(data_cfg.valid_paths) if data_cfg.valid_paths else None
-        for p in train_blend[0] + (valid_blend[0] if valid_blend else []):
-            check_prefix(p)  # missing files before loading any tokenizer
-        tokenizer = _tokenizer_for(train_blend[0], data_cfg.tokenizer)
-        default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), "indices")
-    else:
-        raise ValueError(f"data.source={data_cfg.source!r} must be stdlib or megatron")
-
+    train_blend, valid_blend, tokenizer, default_cache = _blends_and_tokenizer(data_cfg)
     if model_vocab_size is not None:
         check_vocab(tokenizer, model_vocab_size)
     all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
@@ -242,6 +225,49 @@ def build_datasets(
     from tandem.data_pipeline import megatron_compat as mc
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
+    config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed, cache_path)
+    sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
+    needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
+    with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
+        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, sizes, lambda: True, config).build()
+    if train_ds is None or len(train_ds) == 0:
+        raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty (split={data_cfg.split!r})")
+    if valid_ds is not None and len(valid_ds) == 0:
+        valid_ds = None
+    return train_ds, valid_ds, tokenizer
+
+
+_Blend = Tuple[List[str], Optional[List[float]]]
+"""(prefixes, weights or None), as `parse_blend` returns it."""
+
+
+def _blends_and_tokenizer(data_cfg) -> Tuple[_Blend, Optional[_Blend], TandemTokenizer, str]:
+    """(train blend, separate validation blend or None, tokenizer, default index cache directory) of
+    `data_cfg.source`; for `megatron`, missing dataset files fail before any tokenizer is loaded."""
+    if data_cfg.source == "stdlib":
+        from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus, stdlib_cache_dir
+
+        train_prefix, valid_prefix, tok_path = prepare_stdlib_corpus(data_cfg)
+        tokenizer = load_tokenizer(data_cfg.tokenizer or tok_path)
+        default_cache = os.path.join(stdlib_cache_dir(data_cfg), "indices")
+        return ([train_prefix], None), ([valid_prefix], None), tokenizer, default_cache
+    if data_cfg.source == "megatron":
+        train_blend = parse_blend(data_cfg.paths)
+        valid_blend = parse_blend(data_cfg.valid_paths) if data_cfg.valid_paths else None
+        for p in train_blend[0] + (valid_blend[0] if valid_blend else []):
+            check_prefix(p)  # missing files before loading any tokenizer
+        tokenizer = _tokenizer_for(train_blend[0], data_cfg.tokenizer)
+        default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), "indices")
+        return train_blend, valid_blend, tokenizer, default_cache
+    raise ValueError(f"data.source={data_cfg.source!r} must be stdlib or megatron")
+
+
+def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Blend], tokenizer: TandemTokenizer,
+                        seq_len: int, seed: int, cache_path: str):
+    """megatron-core's GPTDatasetConfig: a blend per split with a validation blend, else `data_cfg.split`
+    of the training blend."""
+    from tandem.data_pipeline import megatron_compat as mc
+
     common = dict(
         random_seed=int(seed),
         sequence_length=int(seq_len),
@@ -253,23 +279,21 @@ def build_datasets(
         create_attention_mask=False,
         mmap_bin_files=True,
     )
-    weighted = train_blend[1] is not None or (valid_blend is not None and valid_blend[1] is not None)
     if valid_blend is not None:
-        config = mc.GPTDatasetConfig(blend_per_split=[train_blend, valid_blend, None], **common)
-        sizes = [num_train_samples, num_valid_samples, None]
-    else:
-        config = mc.GPTDatasetConfig(blend=train_blend, split=data_cfg.split, **common)
-        # Tandem has no test stage: never build the test split (its share of documents stays unused).
-        config.split_matrix = [m if i < 2 else None for i, m in enumerate(config.split_matrix)]
-        sizes = [num_train_samples, num_valid_samples, 0 if weighted else None]
-    needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
-    with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
-        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, sizes, lambda: True, config).build()
-    if train_ds is None or len(train_ds) == 0:
-        raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty (split={data_cfg.split!r})")
-    if valid_ds is not None and len(valid_ds) == 0:
-        valid_ds = None
-    return train_ds, valid_ds, tokenizer
+        return mc.GPTDatasetConfig(blend_per_split=[train_blend, valid_blend, None], **common)
+    config = mc.GPTDatasetConfig(blend=train_blend, split=data_cfg.split, **common)
+    # Tandem has no test stage: never build the test split (its share of documents stays unused).
+    config.split_matrix = [m if i < 2 else None for i, m in enumerate(config.split_matrix)]
+    return config
+
+
+def _split_sizes(train_blend: _Blend, valid_blend: Optional[_Blend], num_train_samples: int,
+                 num_valid_samples: Optional[int]) -> List[Optional[int]]:
+    """The per-split sample counts (train, validation, test) for BlendedMegatronDatasetBuilder."""
+    if valid_blend is not None:
+        return [num_train_samples, num_valid_samples, None]
+    weighted = train_blend[1] is not None
+    return [num_train_samples, num_valid_samples, 0 if weighted else None]
 
 
 # ----------------------------------------------------------------------------------------------------

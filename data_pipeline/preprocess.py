@@ -262,58 +262,17 @@ def preprocess(
     if not overwrite:
         _refuse_existing(output_prefix)
     paths = _expand_inputs(inputs)  # fail on missing inputs before any work
-    tok_source = "trained byte-level BPE"
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tok_source = os.path.abspath(os.path.expanduser(str(tokenizer)))
-        tokenizer = load_tokenizer(tok_source)
-    elif isinstance(tokenizer, TandemTokenizer):
-        tok_source = tokenizer.path
-
-    out_dir = os.path.dirname(output_prefix)
-    os.makedirs(out_dir, exist_ok=True)
-    staging = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(staging)
+    tokenizer, tok_source = _resolve_tokenizer(tokenizer)
+    staging = _new_staging_dir(output_prefix)
     try:
         stats = _Stats()
         hf_cache = os.path.join(staging, "hf_cache")
-        docs_iter = iter_documents(paths, text_key, txt_sample_by, extensions, hf_cache, stats)
-        pending: List[str] = []  # documents read while sampling for BPE training, encoded first
+        docs = iter_documents(paths, text_key, txt_sample_by, extensions, hf_cache, stats)
         t_tok = 0.0
         if tokenizer is None:
-            t1 = time.time()
-            sample_bytes = 0
-            exhausted = True
-            for doc in docs_iter:
-                pending.append(doc)
-                sample_bytes += len(doc.encode("utf-8"))
-                if tokenizer_sample_bytes and sample_bytes >= tokenizer_sample_bytes:
-                    exhausted = False
-                    break
-            if not pending:
-                raise ValueError(f"no documents found in {', '.join(paths)}")
-            tokenizer = train_bpe(iter(pending), vocab_size)
-            t_tok = time.time() - t1
-            if log:
-                log(f"trained byte-level BPE (vocab {tokenizer.vocab_size}) on {sample_bytes / 1e6:.1f} MB in {t_tok:.1f}s")
-            if exhausted:
-                docs_iter = iter(())
-
-        dtype = token_dtype(tokenizer.vocab_size)
-        eod = tokenizer.eod_id
-        staged = {k: os.path.join(staging, "data" + os.path.basename(v)[len(os.path.basename(output_prefix)):])
-                  for k, v in output_paths(output_prefix).items()}
-        builder = _indexed_dataset_builder()(staged["bin"], dtype=dtype)
-        n_docs = n_tokens = 0
-        for batch in _batched(_chain(pending, docs_iter)):
-            for ids in tokenizer.encode_batch(batch):
-                arr = np.empty(len(ids) + 1, dtype=dtype)
-                arr[:-1] = ids
-                arr[-1] = eod
-                builder.add_document(arr, [arr.size])
-                n_docs += 1
-                n_tokens += arr.size
-        pending = []
-        builder.finalize(staged["idx"])
+            tokenizer, docs, t_tok = _train_bpe_on_sample(docs, paths, vocab_size, tokenizer_sample_bytes, log)
+        staged = _staged_paths(staging, output_prefix)
+        n_docs, n_tokens = _write_tokens(staged, tokenizer, docs)
         if n_docs == 0:
             raise ValueError(f"no documents found in {', '.join(paths)}")
 
@@ -321,29 +280,103 @@ def preprocess(
         if tok_json is not None:
             with open(staged["tokenizer"], "w", encoding="utf-8") as f:
                 f.write(tok_json)
-        meta = {
-            "format": META_FORMAT,
-            "prefix": output_prefix,
-            "vocab_size": tokenizer.vocab_size,
-            "eod_id": eod,
-            "eod_token": tokenizer.eod_token,
-            "dtype": np.dtype(dtype).name,
-            "documents": n_docs,
-            "tokens": n_tokens,
-            "tokenizer": os.path.basename(output_paths(output_prefix)["tokenizer"]) if tok_json is not None else None,
-            "tokenizer_source": tok_source,
-            "skipped_empty_documents": stats.skipped_empty,
-            "skipped_not_utf8_files": len(stats.skipped_not_utf8),
-            "inputs": [os.path.abspath(x) for x in paths[:32]] + ([f"... {len(paths) - 32} more"] if len(paths) > 32 else []),
-            "tokenizer_seconds": round(t_tok, 3),
-            "seconds": round(time.time() - t0, 3),
-        }
+        meta = _meta(output_prefix, tokenizer, tok_source, tok_json is not None, paths, stats, n_docs, n_tokens,
+                     t_tok, t0)
         with open(staged["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
         _commit(staged, output_paths(output_prefix), overwrite, output_prefix)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
+
+
+def _resolve_tokenizer(tokenizer: Union[None, str, TandemTokenizer]) -> Tuple[Optional[TandemTokenizer], str]:
+    """(the tokenizer to encode with, None when one is to be trained; its source for the meta file)."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tok_source = os.path.abspath(os.path.expanduser(str(tokenizer)))
+        return load_tokenizer(tok_source), tok_source
+    if isinstance(tokenizer, TandemTokenizer):
+        return tokenizer, tokenizer.path
+    return tokenizer, "trained byte-level BPE"
+
+
+def _new_staging_dir(output_prefix: str) -> str:
+    # Beside the prefix, so the final renames stay on one filesystem.
+    out_dir = os.path.dirname(output_prefix)
+    os.makedirs(out_dir, exist_ok=True)
+    staging = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(staging)
+    return staging
+
+
+def _staged_paths(staging: str, output_prefix: str) -> Dict[str, str]:
+    """`output_paths` of the prefix `<staging>/data`."""
+    return {k: os.path.join(staging, "data" + os.path.basename(v)[len(os.path.basename(output_prefix)):])
+            for k, v in output_paths(output_prefix).items()}
+
+
+def _train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int, sample_bytes_limit: int,
+                         log) -> Tuple[TandemTokenizer, Iterator[str], float]:
+    """Train a byte-level BPE on the first `sample_bytes_limit` bytes of `docs` (0 = all). Returns
+    (tokenizer, every document of `docs` in order, training seconds): the sampled documents are kept
+    and encoded first, so the corpus is read once."""
+    t1 = time.time()
+    pending: List[str] = []
+    sample_bytes = 0
+    exhausted = True
+    for doc in docs:
+        pending.append(doc)
+        sample_bytes += len(doc.encode("utf-8"))
+        if sample_bytes_limit and sample_bytes >= sample_bytes_limit:
+            exhausted = False
+            break
+    if not pending:
+        raise ValueError(f"no documents found in {', '.join(paths)}")
+    tokenizer = train_bpe(iter(pending), vocab_size)
+    t_tok = time.time() - t1
+    if log:
+        log(f"trained byte-level BPE (vocab {tokenizer.vocab_size}) on {sample_bytes / 1e6:.1f} MB in {t_tok:.1f}s")
+    return tokenizer, _chain(pending, iter(()) if exhausted else docs), t_tok
+
+
+def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer, docs: Iterable[str]) -> Tuple[int, int]:
+    """Encode `docs`, each followed by EOD, into the staged .bin/.idx; returns (documents, tokens)."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    eod = tokenizer.eod_id
+    builder = _indexed_dataset_builder()(staged["bin"], dtype=dtype)
+    n_docs = n_tokens = 0
+    for batch in _batched(docs):
+        for ids in tokenizer.encode_batch(batch):
+            arr = np.empty(len(ids) + 1, dtype=dtype)
+            arr[:-1] = ids
+            arr[-1] = eod
+            builder.add_document(arr, [arr.size])
+            n_docs += 1
+            n_tokens += arr.size
+    builder.finalize(staged["idx"])
+    return n_docs, n_tokens
+
+
+def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_file_written: bool, paths: List[str],
+          stats: _Stats, n_docs: int, n_tokens: int, t_tok: float, t0: float) -> dict:
+    """The contents of `<output_prefix>.meta.json`, also what `preprocess` returns."""
+    return {
+        "format": META_FORMAT,
+        "prefix": output_prefix,
+        "vocab_size": tokenizer.vocab_size,
+        "eod_id": tokenizer.eod_id,
+        "eod_token": tokenizer.eod_token,
+        "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
+        "documents": n_docs,
+        "tokens": n_tokens,
+        "tokenizer": os.path.basename(output_paths(output_prefix)["tokenizer"]) if tok_file_written else None,
+        "tokenizer_source": tok_source,
+        "skipped_empty_documents": stats.skipped_empty,
+        "skipped_not_utf8_files": len(stats.skipped_not_utf8),
+        "inputs": [os.path.abspath(x) for x in paths[:32]] + ([f"... {len(paths) - 32} more"] if len(paths) > 32 else []),
+        "tokenizer_seconds": round(t_tok, 3),
+        "seconds": round(time.time() - t0, 3),
+    }
 
 
 def _chain(first: List[str], rest: Iterable[str]) -> Iterator[str]:

@@ -30,7 +30,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tandem.slurm as tandem_slurm
 from tandem.trainer.config import ConfigError, load_config
@@ -191,15 +191,8 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"tandem launch slurm: invalid recipe or override: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None else args.procs_per_node)
-    if args.nodes >= 1 and world >= 1:
-        from tandem.trainer.parallel.validate import validate_layout
-
-        try:  # what `tandem train` checks before any work, for the world size the job will have
-            validate_layout(cfg, world)
-        except ConfigError as exc:
-            print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
-                  f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)
-            return 2
+    if args.nodes >= 1 and world >= 1 and not _layout_fits(cfg, args, world):
+        return 2
     run_dir = cfg.run.dir
     if args.check:
         from tandem.trainer.estimate import estimate
@@ -217,7 +210,28 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
+    script_path, provenance = _write_script(args, argv, run_dir, script)
+    return _submit(script_path, provenance)
 
+
+def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
+    """What `tandem train` checks before any work, for the world size the job will have; False after
+    printing the error."""
+    from tandem.trainer.parallel.validate import validate_layout
+
+    try:
+        validate_layout(cfg, world)
+    except ConfigError as exc:
+        print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
+              f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)
+        return False
+    return True
+
+
+def _write_script(args: argparse.Namespace, argv: Optional[Sequence[str]], run_dir: str,
+                  script: str) -> Tuple[Path, dict]:
+    """Write `<run.dir>/slurm/launch_<timestamp>.sbatch` and its provenance `.json` beside it; returns
+    (script path, provenance)."""
     out_dir = Path(os.path.abspath(run_dir)) / "slurm"
     out_dir.mkdir(parents=True, exist_ok=True)
     name = _timestamped(out_dir)
@@ -234,7 +248,13 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         "sbatch_script": str(script_path),
     }
     (out_dir / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    return script_path, provenance
 
+
+def _submit(script_path: Path, provenance: dict) -> int:
+    """`sbatch --parsable` the script, record the job id in its provenance `.json` and print it; returns
+    the exit code."""
+    out_dir = script_path.parent
     try:
         res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True)
     except FileNotFoundError:
@@ -246,7 +266,7 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     job_id = res.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
     provenance["job_id"] = job_id
-    (out_dir / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    script_path.with_suffix(".json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(job_id)
     print(f"tandem launch slurm: submitted job {job_id}; script {script_path}; logs {out_dir}/{job_id}.out", file=sys.stderr)
     return 0

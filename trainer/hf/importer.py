@@ -288,55 +288,18 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
         _check_same_shape(want, cfg, path)
         check_tokenizer(path, cfg.vocab_size)
         full = meta_state(cfg, mtp)  # the whole model, even if this rank holds a part of it
-        sources = {name: hf_name(name, cfg, mtp, spec) for name in full}
         report = LoadReport()
         mtp_keys = {k for k in keys if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
         has_mtp_weights = bool(mtp_keys)
-        needed: Dict[str, Src] = {}
-        for name, src in sources.items():
-            if src is None:
-                continue
-            if name.startswith("mtp.") and not has_mtp_weights and not strict_mtp:
-                report.fresh_mtp = True
-                continue
-            needed[name] = src
+        needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp, report)
         if has_mtp_weights and mtp is not None and mtp.num_steps and mtp.trunk_input != trunk_input_of(hf):
             raise CheckpointError(
                 f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but mtp.trunk_input={mtp.trunk_input!r}; "
                 f"set mtp.trunk_input={trunk_input_of(hf)}")
-        missing = [k for src in needed.values() for k in src.keys if k not in keys]
-        used = {k for src in needed.values() for k in src.keys}
-        unexpected = []
-        for k in sorted(keys - used):
-            if ignorable_key(k, cfg, spec):
-                report.ignored.append(k)
-            elif k in mtp_keys and (mtp is None or mtp.num_steps == 0 or mtp_layer_of_key(k, cfg) >= mtp.num_layers):
-                report.ignored.append(k)  # MTP layers this model does not have
-            else:
-                unexpected.append(k)
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
-            if unexpected:
-                parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
-            raise CheckpointError(f"{path} does not match a {spec.name} model of this shape: " + "; ".join(parts))
-        mismatched = []
-        for name, src in needed.items():
-            found = source_shape(reader, src)
-            if tuple(found) != tuple(full[name]):
-                mismatched.append(f"{src.keys[0] if not src.stacked else src.keys[0] + ' (stacked)'} -> {name}: "
-                                  f"expected {tuple(full[name])}, found {tuple(found)}")
-        if mismatched:
-            raise CheckpointError(f"shape mismatch in {path}: " + "; ".join(mismatched))
+        _check_names(path, keys, needed, mtp_keys, cfg, mtp, spec, report)
+        _check_source_shapes(path, reader, needed, full)
         targets = local_tensors(model)
-        for name, src in needed.items():
-            if name not in targets:  # another pipeline stage holds it
-                continue
-            local, index = local_target(targets[name])
-            value = read_source(reader, src, index, full[name])
-            local.copy_(value.to(local.dtype))
-            report.loaded.append(name)
+        _copy_local_shards(targets, reader, needed, full, report)
         if spec.name == "qwen3_moe":  # no correction bias in the family: routing must not use a stale one
             for name, t in targets.items():
                 if name.endswith("e_score_correction_bias"):
@@ -345,6 +308,71 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
     finally:
         if own_reader:
             reader.close()
+
+
+def _needed_sources(full: Dict[str, torch.Size], cfg: ModelConfig, mtp: Optional[MTPConfig], spec: FamilySpec,
+                    has_mtp_weights: bool, strict_mtp: bool, report: LoadReport) -> Dict[str, Src]:
+    """The checkpoint source of each model tensor to load. Without MTP weights in the checkpoint the
+    MTP tensors are left out (`report.fresh_mtp`) unless `strict_mtp`."""
+    sources = {name: hf_name(name, cfg, mtp, spec) for name in full}
+    needed: Dict[str, Src] = {}
+    for name, src in sources.items():
+        if src is None:
+            continue
+        if name.startswith("mtp.") and not has_mtp_weights and not strict_mtp:
+            report.fresh_mtp = True
+            continue
+        needed[name] = src
+    return needed
+
+
+def _check_names(path: str, keys: set, needed: Dict[str, Src], mtp_keys: set, cfg: ModelConfig,
+                 mtp: Optional[MTPConfig], spec: FamilySpec, report: LoadReport) -> None:
+    """Raise CheckpointError listing the needed tensors the checkpoint lacks and the checkpoint's
+    tensors nothing reads; those unread on purpose go to `report.ignored`."""
+    missing = [k for src in needed.values() for k in src.keys if k not in keys]
+    used = {k for src in needed.values() for k in src.keys}
+    unexpected = []
+    for k in sorted(keys - used):
+        if ignorable_key(k, cfg, spec):
+            report.ignored.append(k)
+        elif k in mtp_keys and (mtp is None or mtp.num_steps == 0 or mtp_layer_of_key(k, cfg) >= mtp.num_layers):
+            report.ignored.append(k)  # MTP layers this model does not have
+        else:
+            unexpected.append(k)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        raise CheckpointError(f"{path} does not match a {spec.name} model of this shape: " + "; ".join(parts))
+
+
+def _check_source_shapes(path: str, reader: CheckpointReader, needed: Dict[str, Src],
+                         full: Dict[str, torch.Size]) -> None:
+    """Raise CheckpointError listing every needed tensor whose checkpoint shape differs from the model's."""
+    mismatched = []
+    for name, src in needed.items():
+        found = source_shape(reader, src)
+        if tuple(found) != tuple(full[name]):
+            mismatched.append(f"{src.keys[0] if not src.stacked else src.keys[0] + ' (stacked)'} -> {name}: "
+                              f"expected {tuple(full[name])}, found {tuple(found)}")
+    if mismatched:
+        raise CheckpointError(f"shape mismatch in {path}: " + "; ".join(mismatched))
+
+
+def _copy_local_shards(targets: Dict[str, torch.Tensor], reader: CheckpointReader, needed: Dict[str, Src],
+                       full: Dict[str, torch.Size], report: LoadReport) -> None:
+    """Read this rank's slice of each needed tensor it holds (`targets`: `local_tensors`) into it;
+    the names read go to `report.loaded`."""
+    for name, src in needed.items():
+        if name not in targets:  # another pipeline stage holds it
+            continue
+        local, index = local_target(targets[name])
+        value = read_source(reader, src, index, full[name])
+        local.copy_(value.to(local.dtype))
+        report.loaded.append(name)
 
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "resolved_head_dim",
