@@ -259,7 +259,7 @@ def _fsdp_events(unit, model, pipe, n_micro, every: bool):
 def worker(out_path, layouts):
     import torch.distributed as dist
 
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_model
     from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients

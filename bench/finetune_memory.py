@@ -51,7 +51,7 @@ def make_checkpoint(out: str, shape: dict, cache: str) -> int:
 
     from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
     from tandem.models import MTPConfig, ModelConfig, TandemModel
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.hf.export import export_hf
 
     cfg = ModelConfig(**shape)
@@ -94,7 +94,7 @@ def worker(out: str, recipe: str, overrides) -> None:
     """Under torchrun: fine-tune, then record this rank's peak RSS."""
     import torch
 
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
 
     torch.set_num_threads(1)
@@ -106,7 +106,7 @@ def worker(out: str, recipe: str, overrides) -> None:
 
 def estimated_states(ckpt: str, ranks: int, cache: str) -> float:
     """trainer/estimate.py's per-rank bytes for this fine-tune (states + activations + FSDP gathers)."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
     from tandem.trainer.hf.init_from import adopt_checkpoint_config
 

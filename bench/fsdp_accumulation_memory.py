@@ -143,7 +143,7 @@ def worker(out_path: str, cases) -> None:
     import torch.distributed as dist
 
     from comm_volume import make_counter
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_model
     from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1:])
         return 0
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
 
     layouts = dict(LAYOUTS, **(PP_LAYOUTS if args.pp else {}))

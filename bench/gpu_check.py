@@ -111,7 +111,7 @@ def free_memory(device) -> None:
 # --- training steps -----------------------------------------------------------------------------
 def measure_steps(recipe: str, overrides: list, device, warmup: int, steps: int) -> dict:
     """Build the model as the trainer does and time its training step on fixed random tokens."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
     from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
     from tandem.trainer.run import build_model
@@ -167,7 +167,7 @@ def size_moe(device, args) -> list:
     """Overrides of the ~1B-active config: the most experts (64, as the recipe, then 32, 16: the active
     parameters stay ~1.2B, top-6 of any) and then the largest micro-batch whose estimate.py
     prediction for K=3 fits `--mem-fraction` of this device's memory."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
 
     base = SINGLE + [f"device={device.type}", f"mtp.num_steps={K}"] + (MOE_QUICK if args.quick else ["data.seq_len=4096"])
@@ -232,7 +232,7 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     from tandem.data_pipeline.dataset import get_batch
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.eval.metrics import distinct_n
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run
     from tandem.trainer.loop import run_training
     from tandem.trainer.parallel.device import autocast_context

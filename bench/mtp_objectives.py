@@ -33,7 +33,7 @@ OBJECTIVES = {
 
 
 def train_one(recipe: str, objective: str, steps: int, out: str, overrides):
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
 
     run_dir = os.path.join(out, objective)

@@ -77,7 +77,7 @@ from tandem.models.model import make_token_mixer  # noqa: E402
 from tandem.models.moe import GroupedExperts  # noqa: E402
 from tandem.models.ple import NGramEmbedding  # noqa: E402
 from tandem.models.qsa import IndexedAttention  # noqa: E402
-from tandem.trainer.config import load_config  # noqa: E402
+from tandem.trainer.recipe import load_config  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.parallel.device import Device, autocast_context, resolve_device  # noqa: E402
 

@@ -63,7 +63,7 @@ class Sides:
     on one process group and mesh (each model keeps its own layout handles: pipeline schedule, ...)."""
 
     def __init__(self, base: List[str], layout: str, sides: Dict[str, List[str]], vocab: int):
-        from tandem.trainer.config import load_config
+        from tandem.trainer.recipe import load_config
         from tandem.trainer.run import build_model
         from tandem.trainer.step import TrainStep
         from tandem.trainer.parallel import init_parallel

@@ -286,7 +286,7 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     """
     from tandem.models import TandemModel
 
-    from .config import load_config
+    from .recipe import load_config
     from .hf.init_from import check_reference, load_initial_weights, read_reference
     from .seeded_init import allocate
 

@@ -42,7 +42,8 @@ def train_main(argv: List[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.max_steps=100 parallel.tp=2")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in run.dir")
     args = parser.parse_args(argv)
-    from .config import ConfigError, load_config
+    from .config import ConfigError
+    from .recipe import load_config
 
     try:
         cfg = load_config(args.recipe, args.overrides)

@@ -1,33 +1,15 @@
-"""The one typed config tree: omegaconf structured dataclasses, YAML recipes, `key=value` overrides.
-
-`load_config(recipe, overrides)` composes a recipe with command-line overrides, rejects unknown keys
-and wrong types with a one-line error naming the key, and validates before any work starts: each
-section's `validate` method, beside its fields (the model's and the MTP module's in models/config.py),
-then the checks that span sections (`TandemConfig.validate`).
+"""The one typed config tree: omegaconf structured dataclasses, one section per part of the run,
+each field with its docstring and each section with its `validate` method (the model's and the MTP
+module's in models/config.py); `TandemConfig.validate` adds the checks that span sections.
 `mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
-
-Composition, lowest layer first: the dataclass defaults; for the recipe, its `base:` recipes (each
-composed the same way, in order), its model `flavor:` (models/flavors.py), its own sections; then the
-`key=value` overrides in order, where `flavor=NAME` stands for that flavor's keys at that position. Two
-top-level recipe keys compose rather than configure, and never reach the resolved config:
-
-    base: qwen38_flash_gpu.yaml      # or a list; a path relative to this recipe's directory
-    flavor: qwen38_flash             # a named model shape from models/flavors.py
-
-Mappings merge key by key through the layers (OmegaConf.merge); a list or a value replaces the one
-beneath it. The resolved config (`to_yaml`, a run's config.yaml) is complete and self-contained.
+Recipes and `key=value` overrides become a `TandemConfig` in trainer/recipe.py.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from tandem.models import flavors
 from tandem.models.config import MTPConfig, ModelConfig
 
 
@@ -470,164 +452,7 @@ class TandemConfig:
         ])
 
 
-# Public key -> dataclass field, for names Python cannot use as fields.
-_ALIASES = {"lambda": "lambda_"}
-_PUBLIC = {v: k for k, v in _ALIASES.items()}
-
-
-def _rename_keys(node: Any, table: dict) -> Any:
-    if isinstance(node, dict):
-        return {table.get(k, k) if isinstance(k, str) else k: _rename_keys(v, table) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_rename_keys(v, table) for v in node]
-    return node
-
-
-_RETIRED = {"eval.temperature": "greedy decoding always runs now; list sampled temperatures in eval.temperatures"}
-"""Keys that left the schema. A config that still holds one at its old default (the run configs that
-checkpoints saved before, `eval.temperature: 0.0`) loads with it dropped; any other value is an error
-naming the replacement."""
-
-
-def _drop_retired(key: str, value: Any) -> bool:
-    """True when `key` is retired and may be dropped; raises ConfigError when its value asked for more."""
-    if key not in _RETIRED:
-        return False
-    if value in (0, 0.0, "0", "0.0"):
-        return True
-    raise ConfigError(f"config key '{key}'={value!r} is no longer supported: {_RETIRED[key]}")
-
-
-def _override_key(item: str) -> str:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value")
-    key = item.split("=", 1)[0].lstrip("+~")
-    return ".".join(_ALIASES.get(part, part) for part in key.split("."))
-
-
-RECIPE_KEYS = ("base", "flavor")
-"""Top-level recipe keys that compose the recipe (see the module docstring); not config keys."""
-
-
-def _read_recipe(path: str) -> dict:
-    """One recipe file as a plain dict, retired keys at their old defaults dropped. Raises ConfigError."""
-    try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception as exc:  # yaml errors carry line numbers; keep them on one line
-        raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of config sections")
-    for key in _RETIRED:
-        section, leaf = key.split(".")
-        if isinstance(raw.get(section), dict) and leaf in raw[section] and _drop_retired(key, raw[section][leaf]):
-            del raw[section][leaf]
-    return raw
-
-
-def _flavor_layer(name: Any, where: str) -> dict:
-    if not isinstance(name, str):
-        raise ConfigError(f"{where}: flavor must be the name of a model flavor, got {name!r}")
-    try:
-        return flavors.flavor(name)
-    except flavors.UnknownFlavor as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-
-
-def _recipe_layers(path: str, chain: Sequence[str] = ()) -> List[tuple]:
-    """[(source, layer dict)] of recipe `path`, lowest first: its bases' layers, its flavor, its body."""
-    raw = _read_recipe(path)
-    base, name = raw.pop("base", None), raw.pop("flavor", None)
-    bases = [] if base is None else [base] if isinstance(base, str) else base
-    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
-        raise ConfigError(f"recipe {path}: base must be a recipe path or a list of them, got {base!r}")
-    layers: List[tuple] = []
-    here = os.path.realpath(path)
-    for b in bases:
-        parent = os.path.join(os.path.dirname(path), os.path.expanduser(b))
-        if not os.path.isfile(parent):
-            raise ConfigError(f"recipe {path}: base recipe not found: {parent}")
-        if os.path.realpath(parent) in (*chain, here):
-            raise ConfigError(f"recipe {path}: base {b} includes itself")
-        layers += _recipe_layers(parent, (*chain, here))
-    if name is not None:
-        layers.append((f"model flavor {name!r} of {path}", _flavor_layer(name, f"recipe {path}")))
-    layers.append((path, _rename_keys(raw, _ALIASES)))
-    return layers
-
-
-def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemConfig:
-    """Compose defaults <- recipe YAML (its bases and flavor first) <- `key=value` overrides, then
-    validate. Raises ConfigError."""
-    schema = OmegaConf.structured(TandemConfig)
-    layers: List[tuple] = []  # (source, a DictConfig or a plain dict)
-    if recipe:
-        if not os.path.isfile(recipe):
-            raise ConfigError(f"recipe file not found: {recipe}")
-        layers += _recipe_layers(recipe)
-    for item in overrides:
-        key = _override_key(item)
-        value = item.split("=", 1)[1]
-        if key == "flavor":  # the flavor's keys, at this position among the overrides
-            layers.append((f"override {item!r}", _flavor_layer(value.strip(), f"override {item!r}")))
-            continue
-        if _drop_retired(key, value.strip()):
-            continue
-        try:
-            layers.append(("the overrides", OmegaConf.from_dotlist([f"{key}={value}"])))
-        except OmegaConfBaseException as exc:
-            raise ConfigError(_one_line_error(exc, recipe)) from None
-        except Exception as exc:  # YAML scanner errors on values such as `...` or unbalanced quotes
-            raise ConfigError(f"override {item!r} has a value that is not valid YAML: "
-                              f"{' '.join(str(exc).split())[:200]}") from None
-    try:
-        # One merge, applying the layers in order: merging each override into the result of the last
-        # would deep-copy the whole config once per override (0.16 s for 30 overrides, on every rank).
-        merged = OmegaConf.merge(schema, *[OmegaConf.create(layer) if isinstance(layer, dict) else layer
-                                          for _, layer in layers])
-        cfg: TandemConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_one_line_error(exc, recipe, _culprit(schema, layers))) from None
-    validate(cfg)
-    return cfg
-
-
-def _culprit(schema: Any, layers: Sequence[tuple]) -> Optional[str]:
-    """The source of the first layer that fails to merge into the schema on its own (None: only their
-    combination fails); for an error message that says where to look."""
-    for source, layer in layers:
-        try:
-            OmegaConf.merge(schema, OmegaConf.create(layer) if isinstance(layer, dict) else layer)
-        except OmegaConfBaseException:
-            return source
-    return None
-
-
-def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str], source: Optional[str] = None) -> str:
-    key = getattr(exc, "full_key", None)
-    key = ".".join(_PUBLIC.get(p, p) for p in str(key).split(".")) if key else None
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = f" (in {source})" if source else f" (in {recipe} or the overrides)" if recipe else ""
-    if "Key" in first and "not in" in first:
-        return f"unknown config key '{key}'{where}"
-    if key:
-        return f"invalid value for config key '{key}'{where}: {first}"
-    return f"invalid config{where}: {first}"
-
-
 def validate(cfg: TandemConfig) -> None:
     """Check sizes and choices that no type can express, section by section (`TandemConfig.validate`).
     Raises ConfigError naming the key."""
     cfg.validate()
-
-
-def to_yaml(cfg: TandemConfig) -> str:
-    """The resolved config as YAML, with public key spellings (`mtp.loss.lambda`)."""
-    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    return OmegaConf.to_yaml(OmegaConf.create(_rename_keys(container, _PUBLIC)))
-
-
-def as_dict(cfg: TandemConfig) -> dict:
-    """Plain nested dict with public key spellings (for wandb and checkpoints)."""
-    return _rename_keys(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), _PUBLIC)

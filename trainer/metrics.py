@@ -15,7 +15,8 @@ import sys
 import uuid
 from typing import Optional
 
-from .config import TandemConfig, as_dict
+from .config import TandemConfig
+from .recipe import as_dict
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 SAMPLES_FILE = "eval_samples.jsonl"

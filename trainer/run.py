@@ -19,7 +19,8 @@ from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
 
 from .checkpoint import (CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint,
                          read_trainer_state)
-from .config import ConfigError, TandemConfig, to_yaml
+from .config import ConfigError, TandemConfig
+from .recipe import to_yaml
 from .flops import hardware_flops_per_token, training_flops_per_token
 from .guard import BadStepGuard
 from .hf.init_from import (adopt_checkpoint_config, check_reference, make_reference, read_reference,

@@ -76,7 +76,7 @@ def layout_overrides(layout: str) -> List[str]:
 
 
 def make_cfg(layout: str, grad_accum: int):
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
 
     cfg = load_config(None, BASE + [f"train.grad_accum_steps={grad_accum}", "run.dir=/tmp/tandem_dist_unused"]
                       + layout_overrides(layout))

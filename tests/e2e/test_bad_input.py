@@ -14,7 +14,7 @@ import torch
 
 from tandem.data_pipeline.preprocess import preprocess
 from tandem.trainer.cli import main
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.loop import train
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")

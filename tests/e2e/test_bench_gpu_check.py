@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.estimate import estimate
 from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
 

@@ -56,7 +56,7 @@ def test_qwen4_exp_trunk_bench():
     """Qwen4-Exp tiny trunk vs a full-attention trunk of equal active parameters (--quick: lengths 64 and
     128): the active parameters match within the bench's tolerance, every per-length line parses with
     positive ratios, and the selected fraction is the budget's share of the causal pairs."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
 
     proc = subprocess.run([sys.executable, "bench/qwen4_exp_trunk.py", "--quick"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -10,7 +10,7 @@ from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, one_thread):
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
 
     root = tmp_path_factory.mktemp("evalcli")

@@ -50,7 +50,7 @@ def acceptance(model, prompts, K):
 
 def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     from tandem.trainer.cli import main as cli
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run
     from tandem.trainer.loop import run_training
 
@@ -108,7 +108,7 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     gets a fresh qwen4_exp drafter: only it trains, the trunk (PLE table included) stays bit-identical,
     and the export afterwards carries the drafter in vLLM's mtp.* layout."""
     from tandem.trainer.cli import main as cli
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.hf.importer import CheckpointReader
     from tandem.trainer.run import build_run
     from tandem.trainer.loop import run_training

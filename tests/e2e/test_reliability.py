@@ -12,7 +12,7 @@ import torch
 from conftest import fault_env
 
 from tandem.trainer.checkpoint import list_checkpoints
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.guard import BadStepHalt
 from tandem.trainer import loop
 from tandem.trainer.loop import train

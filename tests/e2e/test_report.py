@@ -19,7 +19,7 @@ EVAL = ["eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_
 @pytest.fixture(scope="module")
 def two_runs(tiny_base, tmp_path_factory):
     """Two tiny runs that differ in K (2 and 1), the comparison `tandem report` exists for."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
 
     root = tmp_path_factory.mktemp("report_runs")

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tandem.trainer.checkpoint import list_checkpoints
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.loop import train
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.loop import train
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")

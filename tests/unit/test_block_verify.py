@@ -410,7 +410,8 @@ def test_unknown_rule_is_refused():
 
 def test_config_and_cli_name_the_rule():
     from tandem.trainer.eval_cli import _parser
-    from tandem.trainer.config import ConfigError, load_config
+    from tandem.trainer.config import ConfigError
+    from tandem.trainer.recipe import load_config
 
     assert load_config(None, ["eval.verify=block"]).eval.verify == "block"
     with pytest.raises(ConfigError, match=r"^config key 'eval.verify'='blocks' must be token or block$"):
@@ -426,7 +427,7 @@ def test_evaluator_logs_the_other_rule_at_each_temperature(rule, other):
     """`eval.verify` decides the plain `eval/T<t>/` keys; the other rule's figures land under
     `eval/T<t>/<other>/`, decoded from the same prompts and seeds."""
     from tandem.eval.in_loop import InLoopEvaluator
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
 
     K = 3
     cfg = load_config(None, [f"eval.verify={rule}", "eval.temperatures=[1.0,0.7]", f"eval.num_steps={K}",

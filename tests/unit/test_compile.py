@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tandem.models.attention import KVCache
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.loss import combine_losses, depth_coefficients
 from tandem.trainer.optim import build_optimizer

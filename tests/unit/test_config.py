@@ -2,7 +2,8 @@
 
 import pytest
 
-from tandem.trainer.config import ConfigError, load_config, to_yaml
+from tandem.trainer.config import ConfigError
+from tandem.trainer.recipe import load_config, to_yaml
 
 
 def test_overrides_and_lambda_alias(tmp_path):

@@ -353,7 +353,8 @@ def test_evaluator_logs_the_other_conventions_acceptance_when_it_differs():
 
 def test_config_key_and_cli_flag():
     from tandem.trainer.eval_cli import _parser
-    from tandem.trainer.config import ConfigError, load_config
+    from tandem.trainer.config import ConfigError
+    from tandem.trainer.recipe import load_config
 
     assert load_config("recipes/tiny.yaml").eval.draft_convention == "serving"
     with pytest.raises(ConfigError, match="eval.draft_convention"):

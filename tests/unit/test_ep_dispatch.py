@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.models import ModelConfig
 from tandem.models.moe import MoE
-from tandem.trainer.config import ConfigError, load_config
+from tandem.trainer.config import ConfigError
+from tandem.trainer.recipe import load_config
 from test_decode_host_sync import HostSyncs
 
 DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")

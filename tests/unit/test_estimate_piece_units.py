@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.models import TandemModel
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.estimate import GIB, estimate
 from tandem.trainer.parallel.pipeline_plan import PipelinePlan
 

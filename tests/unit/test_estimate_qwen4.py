@@ -17,7 +17,7 @@ from tandem.models.gated_deltanet import SOLVE_BLOCK
 from tandem.trainer import cost as C
 from tandem.trainer import estimate as E
 from tandem.trainer import flops as F
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.parallel.pipeline_plan import item_flops
 
 # Every Qwen4-Exp part at a size small enough to count by hand: layer 0 Gated DeltaNet with PLE, layer 1

@@ -19,7 +19,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _train(run_dir, cache_dir, interval, steps=4, extra=()):
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
 
     overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", *DEBUG_MODEL, *TINY_DATA,
@@ -71,7 +71,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert not (tmp_path / "b" / "eval_samples.jsonl").exists() or not open(tmp_path / "b" / "eval_samples.jsonl").read()
     # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads' recomputed
     # logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
 
     cfg = load_config(str(tmp_path / "b" / "config.yaml"), [])
@@ -85,7 +85,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
 
 
 def test_samples_file_truncated_on_resume(tmp_path):
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.metrics import MetricsLogger
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "logging.wandb=false", "logging.progress=false"])
@@ -98,7 +98,7 @@ def test_samples_file_truncated_on_resume(tmp_path):
 
 
 def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, monkeypatch):
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run
 
     overrides = [f"run.dir={tmp_path}", "train.max_steps=1", *DEBUG_MODEL, *TINY_DATA, "eval.interval=1",

@@ -113,7 +113,7 @@ def test_expert_paths_summary(picky_kernel):
 def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
     """A run whose expert width the kernel rejects trains on the per-expert loop and says so: one line at
     start, `moe/expert_path` in its records (before, the 8x8 probe passed and the first forward raised)."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
 
     from conftest import TINY_OVERRIDES

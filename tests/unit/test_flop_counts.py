@@ -4,7 +4,7 @@ for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from them (
 import pytest
 
 from tandem.trainer import flops as F
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 
 # V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32), layer 1 MoE (4 experts, top 2,
 # expert width 8, one shared expert of width 8); one looped concat_proj MTP depth with an MoE block; S=8.

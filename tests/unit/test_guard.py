@@ -4,7 +4,7 @@ longer count."""
 
 import math
 
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.guard import BadStepGuard
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from tandem.models import TandemModel
 from tandem.models.config import ModelConfig, MTPConfig
 from tandem.models.mtp import shifted_tokens
-from tandem.trainer.config import ConfigError, TandemConfig, load_config, to_yaml
+from tandem.trainer.config import ConfigError, TandemConfig
+from tandem.trainer.recipe import load_config, to_yaml
 from tandem.trainer.hf.export import export_hf
 from tandem.trainer.hf.init_from import adopt_checkpoint_config, load_initial_weights
 

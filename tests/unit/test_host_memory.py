@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from tandem.trainer import run
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.parallel import device as device_layer
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.models.config import ModelConfig
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_run
 from tandem.trainer.loop import run_training
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from tandem.trainer.config import ConfigError, load_config
+from tandem.trainer.config import ConfigError
+from tandem.trainer.recipe import load_config
 from tandem.trainer.optim import build_optimizer
 
 

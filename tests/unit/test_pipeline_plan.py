@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.parallel.pipeline_plan import (PipelinePlan, _partition, balanced_placement, item_flops,
                                                    stage_flops)
 

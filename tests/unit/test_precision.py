@@ -99,7 +99,7 @@ def test_bf16_refused_where_unsupported(monkeypatch):
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native):
     """`train.dtype=auto` on a CPU: bf16 only with bf16 instructions (emulated bf16 matmuls are many times
     slower than fp32's); an explicit `bf16` still runs either way. The default job's recipe uses `auto`."""
-    from tandem.trainer.config import load_config
+    from tandem.trainer.recipe import load_config
     from tandem.trainer.parallel import device as device_layer
 
     caps = {key: False for key in device_layer._CPU_BF16_FEATURES}

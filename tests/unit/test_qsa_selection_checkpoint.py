@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.models.qsa import IndexedAttention
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing

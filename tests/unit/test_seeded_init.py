@@ -7,7 +7,7 @@ import torch
 from conftest import DEBUG_MODEL
 
 from tandem.trainer import seeded_init
-from tandem.trainer.config import load_config
+from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.device import resolve_device

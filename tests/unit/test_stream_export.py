@@ -11,7 +11,7 @@ import torch
 
 from tandem.models import TandemModel
 from tandem.trainer.checkpoint import load_model_from_checkpoint, save_checkpoint
-from tandem.trainer.config import load_config, to_yaml
+from tandem.trainer.recipe import load_config, to_yaml
 from tandem.trainer.hf.export import export_hf, export_main
 
 SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",

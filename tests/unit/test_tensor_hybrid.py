@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tandem.models.gated_deltanet import qkv_rows_from_hf
-from tandem.trainer.config import ConfigError, load_config
+from tandem.trainer.config import ConfigError
+from tandem.trainer.recipe import load_config
 from tandem.trainer.hf.names import Src
 from tandem.trainer.parallel.validate import validate_layout
 
@@ -73,7 +74,8 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
     import worker  # the equivalence harness's configs (preset.qwen4) and data
 
     from tandem.models.qsa import IndexedAttention
-    from tandem.trainer.loop import Trainer, build_model
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
@@ -84,7 +86,7 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
         cfg = worker.make_cfg(layout, 1)
         pstate = init_parallel(cfg, resolve_device("cpu"))
         model = build_model(cfg, pstate)
-        tr = Trainer.for_model(cfg, model, pstate)
+        tr = TrainStep(cfg, model, pstate)
         model.train()
         tr.indexers.begin_step(cfg.model.indexer_warmup_steps)  # the sparse stage: selection and its KL
         chosen = []

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from tandem.models.config import MTPConfig, ModelConfig
 
 from ..checkpoint_dirs import resolve_checkpoint
-from ..config import load_config
+from ..recipe import load_config
 from .families import FAMILIES, UnsupportedCheckpoint, default_family, detect_family, hf_config, hf_name, meta_state
 from .importer import _ST_DTYPES, CheckpointReader, local_tensors, read_config, read_source
 from .init_from import check_reference, is_hf_dir, read_reference

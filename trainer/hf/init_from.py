@@ -56,7 +56,7 @@ def checkpoint_model_config(path: str):
         cfg = model_config_from_hf(hf, spec)
         has_mtp = any(is_mtp_key(k, cfg) for k in keys)
         return cfg, trunk_input_of(hf), has_mtp
-    from ..config import load_config
+    from ..recipe import load_config
 
     step = resolve_tandem_checkpoint(path)
     saved = load_config(os.path.join(step, "config.yaml"))
