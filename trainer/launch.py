@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tandem.slurm as tandem_slurm
-from tandem.trainer.config import ConfigError, load_config
+from tandem.trainer.config import ConfigError
+from tandem.trainer.recipe import load_config
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
 """Templates and env.d: the package data of `tandem.slurm` (the repository's slurm/); override with
