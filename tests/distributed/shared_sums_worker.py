@@ -24,11 +24,11 @@ def all_reduces(recorder: CollectiveRecorder) -> int:
 
 def second_backward(layout: str) -> str:
     """A second forward_backward before the gradient finisher ran: the error it raises (or "")."""
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     cfg = worker.make_cfg(layout, worker.GRAD_ACCUM)
     pstate = init_parallel(cfg, resolve_device("cpu"))
@@ -44,7 +44,7 @@ def second_backward(layout: str) -> str:
 
 
 def main(argv: List[str]) -> int:
-    from tandem.trainer.parallel.data import GradientFinisher
+    from tandem.trainer.parallel.gradients import GradientFinisher
     from tandem.trainer.parallel.pipeline import Pipeline
 
     out_dir, layouts = argv[0], argv[1:]

@@ -1,5 +1,5 @@
 """The gradient sums of the pipeline's shared pieces (embedding, final norm, head, MTP module held by
-several pp ranks): one all-reduce per bucket (`data.launch_gradient_sums`) instead of one per
+several pp ranks): one all-reduce per bucket (`gradients.launch_gradient_sums`) instead of one per
 parameter, started by the pipeline as soon as the stages of a rank using a piece finished their
 backward, not after the whole schedule. That the sums are right is test_parallel_equivalence.py's job
 (these layouts, and the ones with pieces kept whole over dp x ep, match one process)."""

@@ -22,11 +22,14 @@ import contextlib
 import functools
 from typing import Callable, Iterator, List
 
+import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 MODES = ("none", "full", "selective")
 

@@ -14,7 +14,6 @@ import torch
 
 from ..config import ConfigError
 
-
 # Dense bf16 peak TFLOP/s per device, matched against the device name, for MFU.
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0),
                     ("A800", 312.0), ("L40S", 362.0), ("910B", 313.0))
@@ -169,7 +168,6 @@ def npu_grouped_mm_kernels(gmm):
 
 def _use_npu_grouped_mm() -> None:
     import torch_npu
-
     from tandem.models.moe import register_grouped_mm_kernels
 
     if hasattr(torch_npu, "npu_grouped_matmul"):  # older torch_npu: the MoE's per-expert loop

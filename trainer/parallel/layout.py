@@ -25,16 +25,23 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 
 from ..config import TandemConfig
-from .data import (REDUCE_DTYPES, GradientFinisher, PieceUnits, apply_fsdp, cast_kept_whole, fp32_parameters,
-                   fsdp_mixed_precision)
+from .data import (
+    REDUCE_DTYPES,
+    PieceUnits,
+    apply_fsdp,
+    cast_kept_whole,
+    fp32_parameters,
+    fsdp_mixed_precision,
+)
 from .device import Device
+from .gradients import GradientFinisher
 from .pipeline import Pipeline, prune_model
-from .state import ParallelDegrees, ParallelState
-from .tensor import SequenceParallelSwitch, apply_tensor_and_expert_parallel
+from .state import ParallelDegrees, ParallelState, SequenceParallelSwitch
+from .tensor import apply_tensor_and_expert_parallel
 from .tensor_hybrid import shard_ple_tables
 
 

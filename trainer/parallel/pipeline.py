@@ -50,12 +50,11 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
 from tandem.models.qsa import QSASelection
 from tandem.trainer.loss import combine_losses, loss_gradient
+from torch import nn
 
 from .device import autocast_context
 from .pipeline_plan import PipelinePlan, StagePlan
@@ -222,7 +221,11 @@ class Pipeline:
         """`piece_units`: the pieces two stages of this rank share (`PipelinePlan.shared_within_rank`) are
         FSDP units of their own (data.PieceUnits, set as `self.piece_units` once sharded), so no
         stage module registers them."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         p = cfg.parallel
         self.ctx = _StepContext()

@@ -35,7 +35,7 @@ state end at each row's last real token on every stage, as in one process. While
 `RecallProbe` is active (the evaluator's teacher-forced pass), the other ranks' QSA layers measure
 their recall too and send the values to the driver, so `eval/qsa_recall` averages every layer.
 
-Sequence parallelism is switched off around decoding (tensor.SequenceParallelSwitch): decode steps
+Sequence parallelism is switched off around decoding (state.SequenceParallelSwitch): decode steps
 run the TP regions on whole sequences.
 """
 
@@ -48,11 +48,10 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
+from tandem.eval.recall import RecallProbe
 from tandem.models.documents import Documents
 from tandem.models.state import DecodeCache
-from tandem.eval.recall import RecallProbe
+from torch import nn
 
 from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 from .pipeline_plan import selection_reused

@@ -64,8 +64,12 @@ def item_flops(cfg) -> Tuple[List[float], List[float]]:
     its forward, a depth its MTP layer (3x: the qwen4_exp or concat combine, block and stream mixer)
     plus its head (4x: the memory-bounded head recomputes its logits in backward) over the depth's
     share of valid targets, and depth 0 the trunk's final norm (a stream mixer under hyper-connections)."""
-    from ..flops import (final_norm_forward_flops, head_forward_flops, mtp_layer_training_flops,
-                            trunk_layer_training_flops)
+    from ..flops import (
+        final_norm_forward_flops,
+        head_forward_flops,
+        mtp_layer_training_flops,
+        trunk_layer_training_flops,
+    )
 
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     layers = [trunk_layer_training_flops(m, i, s) for i in range(m.num_layers)]

@@ -18,12 +18,16 @@ from .state import ParallelState
 def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
     """Start the process group (under torchrun) and validate the layout against the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from .validate import validate_layout  # pure config arithmetic, before any process-group work
+    from .validate import (
+        validate_layout,  # pure config arithmetic, before any process-group work
+    )
 
     dp = validate_layout(cfg, world)
     if world == 1:
         return ParallelState(device=device)
-    from .layout import build_parallel_state  # the mesh and groups (needs torch.distributed)
+    from .layout import (
+        build_parallel_state,  # the mesh and groups (needs torch.distributed)
+    )
 
     return build_parallel_state(cfg, device, world, dp)
 

@@ -7,6 +7,7 @@ sequence-parallel switch). How the mesh is carved into pp/dp/ep/tp lives in this
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,6 +15,32 @@ import torch
 import torch.distributed as dist
 
 from .device import Device
+
+
+class SequenceParallelSwitch:
+    """`ParallelState.sequence_parallel_switch`: turns sequence splitting off around decoding.
+
+    Training runs the TP regions on sequence shards (all-gather in, reduce-scatter out). A decode step
+    has 1..K+1 tokens per row, which cannot be split over tp, so `whole_sequences()` makes the same
+    modules take and return whole, replicated activations: the embedding and row-parallel outputs
+    all-reduce instead of reduce-scattering, TP-region inputs are already whole, MoE layers route
+    all tokens on every rank, and the head needs no gather. Same weights, same math. The parallel
+    modules (TP mixers, MoE layers and PLE layers, the vocab-parallel head, the switchable styles) take
+    the switch as a constructor argument and read `on`."""
+
+    def __init__(self):
+        self.on = True
+
+    @contextlib.contextmanager
+    def whole_sequences(self):
+        if not self.on:
+            yield
+            return
+        self.on = False
+        try:
+            yield
+        finally:
+            self.on = True
 
 
 @dataclass(frozen=True)
@@ -68,9 +95,9 @@ class ParallelState:
     pipeline: Optional[object] = None
     """This rank's pipeline stages and schedule (pipeline.Pipeline), when pp > 1."""
     gradient_finisher: Optional[object] = None
-    """Completes a step's gradients and clips by the global norm (data.GradientFinisher)."""
-    sequence_parallel_switch: Optional[object] = None
-    """Turns sequence splitting off around decoding (tensor.SequenceParallelSwitch), under SP."""
+    """Completes a step's gradients and clips by the global norm (gradients.GradientFinisher)."""
+    sequence_parallel_switch: Optional[SequenceParallelSwitch] = None
+    """Turns sequence splitting off around decoding, under SP."""
 
     @property
     def is_main(self) -> bool:
