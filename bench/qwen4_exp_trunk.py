@@ -72,14 +72,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
+from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
+from tandem.models.experts import GroupedExperts  # noqa: E402
 from tandem.models.model import make_token_mixer  # noqa: E402
-from tandem.models.moe import GroupedExperts  # noqa: E402
 from tandem.models.ple import NGramEmbedding  # noqa: E402
 from tandem.models.qsa import IndexedAttention  # noqa: E402
-from tandem.trainer.recipe import load_config  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.parallel.device import Device, autocast_context, resolve_device  # noqa: E402
+from tandem.trainer.recipe import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RECIPE = os.path.join(ROOT, "recipes", "qwen4_exp_tiny.yaml")

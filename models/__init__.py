@@ -1,7 +1,7 @@
 """Plain single-device PyTorch modules: no process groups, no torch.distributed calls."""
 
 from .attention import KVCache
-from .config import MTPConfig, MTPLossConfig, ModelConfig, validate_model
+from .config import ModelConfig, MTPConfig, MTPLossConfig, validate_model
 from .model import ModelOutput, TandemModel
 from .mtp import depth_target_mask
 

@@ -32,7 +32,7 @@ import copy
 import json
 from typing import Any, Dict, List
 
-from .config import MTPConfig, ModelConfig
+from .config import ModelConfig, MTPConfig
 
 Flavor = Dict[str, Dict[str, Any]]
 

@@ -18,17 +18,28 @@ import torch
 from torch import nn
 
 from .attention import Attention, LayerKV
-from .config import MTPConfig, ModelConfig
+from .config import ModelConfig, MTPConfig
 from .documents import Documents
 from .gated_deltanet import GatedDeltaNet
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm, SwiGLU
+from .loss import (
+    IGNORE,
+    chunked_acceptance_loss_sum,
+    chunked_argmax,
+    chunked_soft_cross_entropy_sum,
+    head_cross_entropy_sums,
+)
+from .moe import MoE
+from .mtp import (
+    MTPModule,
+    depth_target_mask,
+    final_norm_module,
+    model_norm,
+    shifted_tokens,
+)
 from .ple import PLELayer
 from .qsa import IndexedAttention, QSASelection
-from .loss import (IGNORE, chunked_acceptance_loss_sum, chunked_argmax, chunked_soft_cross_entropy_sum,
-                   head_cross_entropy_sums)
-from .moe import MoE
-from .mtp import MTPModule, depth_target_mask, final_norm_module, model_norm, shifted_tokens
 
 
 def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .attention import LayerKV
-from .config import MTPConfig, ModelConfig
+from .config import ModelConfig, MTPConfig
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm
 from .qsa import IndexedAttention, SelectionShare

@@ -18,16 +18,15 @@ import json
 import os
 import random
 import shutil
-import sys
 import warnings
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,7 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .checkpoint_dirs import MARKER, checkpoints_root, latest_checkpoint, list_checkpoints, resolve_checkpoint  # noqa: F401
+from .checkpoint_dirs import (  # noqa: F401
+    MARKER,
+    checkpoints_root,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve_checkpoint,
+)
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
@@ -286,8 +291,8 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     """
     from tandem.models import TandemModel
 
-    from .recipe import load_config
     from .hf.init_from import check_reference, load_initial_weights, read_reference
+    from .recipe import load_config
     from .seeded_init import allocate
 
     path = resolve_checkpoint(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence
 
-from tandem.models.config import MTPConfig, ModelConfig
+from tandem.models.config import ModelConfig, MTPConfig
 
 
 class ConfigError(ValueError):

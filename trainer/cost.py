@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from tandem.models import MTPConfig, ModelConfig
+from tandem.models import ModelConfig, MTPConfig
 from tandem.models.ple import ngram_tables
 
 GDN_CHUNK = 64

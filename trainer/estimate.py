@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
 
 import torch
-
 from tandem.models import TandemModel
 from tandem.models.loss import chunk_buffer_bytes
 

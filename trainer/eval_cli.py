@@ -200,7 +200,6 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the other
     drafting convention's acceptance when it differs)."""
     import torch
-
     from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
     from tandem.eval.metrics import teacher_forced
 

@@ -14,9 +14,20 @@ from __future__ import annotations
 
 from typing import Dict
 
-from tandem.models import MTPConfig, ModelConfig
+from tandem.models import ModelConfig, MTPConfig
 
-from .cost import block_norms, final_norm, head, mixer, mlp, mtp_block, mtp_kind, mtp_layer, ple, trunk_layer
+from .cost import (
+    block_norms,
+    final_norm,
+    head,
+    mixer,
+    mlp,
+    mtp_block,
+    mtp_kind,
+    mtp_layer,
+    ple,
+    trunk_layer,
+)
 
 
 def qsa_indexer_target_flops(cfg: ModelConfig, seq_len: int) -> float:

@@ -10,7 +10,6 @@ from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
 
-
 FUSED_DEVICES = {"cpu", "cuda"}
 """Device types whose fused AdamW kernel `train.optimizer_kernel=auto` uses."""
 

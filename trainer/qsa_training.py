@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
-from torch import nn
-
 from tandem.models.qsa import IndexedAttention
+from torch import nn
 
 
 class IndexerTraining:

@@ -25,11 +25,9 @@ from typing import Any, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
 from tandem.models import flavors
 
 from .config import ConfigError, TandemConfig
-
 
 # Public key -> dataclass field, for names Python cannot use as fields.
 _ALIASES = {"lambda": "lambda_"}

@@ -12,22 +12,40 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tandem.data_pipeline.dataset import (
+    DataPosition,
+    build_datasets,
+    check_vocab,
+    follow_checkpoint_tokenizer,
+)
+from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
 from torch import nn
 
-from tandem.data_pipeline.dataset import DataPosition, build_datasets, check_vocab, follow_checkpoint_tokenizer
-from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
-
-from .checkpoint import (CheckpointWriter, check_compatible, latest_checkpoint, load_checkpoint,
-                         read_trainer_state)
+from .checkpoint import (
+    CheckpointWriter,
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+)
 from .config import ConfigError, TandemConfig
-from .recipe import to_yaml
 from .flops import hardware_flops_per_token, training_flops_per_token
 from .guard import BadStepGuard
-from .hf.init_from import (adopt_checkpoint_config, check_reference, make_reference, read_reference,
-                           resolve_init_from)
+from .hf.init_from import (
+    adopt_checkpoint_config,
+    check_reference,
+    make_reference,
+    read_reference,
+    resolve_init_from,
+)
 from .materialize import build_sharded_model
 from .parallel import ParallelState, init_parallel
-from .parallel.device import FINETUNE_MMAP_THRESHOLD, resolve_device, set_malloc_mmap_threshold
+from .parallel.device import (
+    FINETUNE_MMAP_THRESHOLD,
+    resolve_device,
+    set_malloc_mmap_threshold,
+)
+from .recipe import to_yaml
 from .step import TrainStep
 
 

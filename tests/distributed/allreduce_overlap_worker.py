@@ -16,7 +16,7 @@ import worker  # noqa: E402
 
 def main() -> None:
     torch.set_num_threads(1)
-    from tandem.models.moe import _grouped_mm_works
+    from tandem.models.experts import _grouped_mm_works
 
     _grouped_mm_works(torch.device("cpu"), torch.float32)  # its one-time probe runs a backward of its own
     for every in ("false", "true"):
@@ -25,11 +25,11 @@ def main() -> None:
 
 
 def count(layout: str) -> None:
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     cfg = worker.make_cfg(layout, worker.GRAD_ACCUM)
     pstate = init_parallel(cfg, resolve_device("cpu"))

@@ -9,13 +9,12 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from tandem.trainer.recipe import load_config
-from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from tandem.trainer.parallel.device import resolve_device
+from tandem.trainer.recipe import load_config
+from tandem.trainer.run import build_model as build_sharded
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def build_model(cfg):
@@ -126,7 +125,7 @@ def test_selective_recomputes_no_matmul_and_no_expert_in_bf16():
     In bf16 under autocast, with the looped MTP layer (K=2 depths on L=1 layer: one block run twice per
     forward) and the grouped kernel's one-time probe first met inside a checkpointed block, both of
     which used to break the recomputation."""
-    from tandem.models.moe import _GROUPED_MM_WORKS
+    from tandem.models.experts import _GROUPED_MM_WORKS
 
     calls = {}
     for mode in ("none", "full", "selective"):
@@ -149,7 +148,6 @@ DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def _ep_backward_ops_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     import worker  # the equivalence harness's configs and data
-
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
 

@@ -27,15 +27,28 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
+from tandem.models.config import ModelConfig, MTPConfig
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from tandem.models.config import MTPConfig, ModelConfig
-
 from ..checkpoint_dirs import resolve_checkpoint
 from ..recipe import load_config
-from .families import FAMILIES, UnsupportedCheckpoint, default_family, detect_family, hf_config, hf_name, meta_state
-from .importer import _ST_DTYPES, CheckpointReader, local_tensors, read_config, read_source
+from .families import (
+    FAMILIES,
+    UnsupportedCheckpoint,
+    default_family,
+    detect_family,
+    hf_config,
+    hf_name,
+    meta_state,
+)
+from .importer import (
+    _ST_DTYPES,
+    CheckpointReader,
+    local_tensors,
+    read_config,
+    read_source,
+)
 from .init_from import check_reference, is_hf_dir, read_reference
 
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}

@@ -24,12 +24,10 @@ along dim 0), so a reader can fetch any slice of a parameter without materialisi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
-
-from tandem.models.config import MTPConfig, ModelConfig
+from tandem.models.config import ModelConfig, MTPConfig
 
 from . import qwen4_exp
 from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)

@@ -22,15 +22,25 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from tandem.models import TandemModel
+from tandem.models.config import ModelConfig, MTPConfig, validate_model
 from torch import nn
 
-from tandem.models import TandemModel
-from tandem.models.config import MTPConfig, ModelConfig, validate_model
-
 from ..parallel.sharded_params import local_target, shard_index, unwrapped_name  # noqa: F401 (shard_index: API)
+from .families import (
+    FamilySpec,
+    Src,
+    UnsupportedCheckpoint,
+    detect_family,
+    hf_name,
+    ignorable_key,
+    is_mtp_key,
+    meta_state,
+    model_config_from_hf,
+    mtp_layer_of_key,
+    trunk_input_of,
+)
 from .qwen4_exp import is_ple_buffer
-from .families import (FamilySpec, Src, UnsupportedCheckpoint, detect_family, hf_name, ignorable_key, is_mtp_key,
-                          meta_state, model_config_from_hf, mtp_layer_of_key, trunk_input_of)
 
 
 class CheckpointError(ValueError):

@@ -44,7 +44,12 @@ def resolve_tandem_checkpoint(path: str) -> str:
 def checkpoint_model_config(path: str):
     """(ModelConfig of the checkpoint, MTP trunk_input convention or None, has MTP weights)."""
     if is_hf_dir(path):
-        from .families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
+        from .families import (
+            detect_family,
+            is_mtp_key,
+            model_config_from_hf,
+            trunk_input_of,
+        )
         from .importer import CheckpointReader, read_config
 
         hf = read_config(path)
@@ -112,7 +117,11 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the checkpoint
     has it (names and shapes must then match). Returns the names loaded."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     step = resolve_tandem_checkpoint(path)
     saved = set(dcp.FileSystemReader(step).read_metadata().state_dict_metadata)

@@ -26,7 +26,7 @@ import math
 import re
 from typing import List, Optional
 
-from tandem.models.config import MTPConfig, ModelConfig
+from tandem.models.config import ModelConfig, MTPConfig
 
 from .names import FamilySpec, Src, UnsupportedCheckpoint
 

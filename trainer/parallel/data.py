@@ -48,7 +48,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
-from tandem.models.moe import GroupedExperts
+from tandem.models.experts import GroupedExperts
 from torch import nn
 
 from .sharded_params import adopt, replace_module

@@ -168,7 +168,7 @@ def npu_grouped_mm_kernels(gmm):
 
 def _use_npu_grouped_mm() -> None:
     import torch_npu
-    from tandem.models.moe import register_grouped_mm_kernels
+    from tandem.models.experts import register_grouped_mm_kernels
 
     if hasattr(torch_npu, "npu_grouped_matmul"):  # older torch_npu: the MoE's per-expert loop
         register_grouped_mm_kernels("npu", *npu_grouped_mm_kernels(torch_npu.npu_grouped_matmul))

@@ -11,13 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from tandem.models.moe import (
-    AuxLossGrad,
-    GroupedExperts,
-    MoE,
-    expert_swiglu,
-    inverse_permutation,
-)
+from tandem.models.experts import GroupedExperts, expert_swiglu
+from tandem.models.moe import AuxLossGrad, MoE, inverse_permutation
 from torch import nn
 from torch.distributed.tensor import Shard
 
