@@ -74,7 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
 from tandem.models.experts import GroupedExperts  # noqa: E402
-from tandem.models.model import make_token_mixer  # noqa: E402
+from tandem.models.block import make_token_mixer  # noqa: E402
 from tandem.models.ple import NGramEmbedding  # noqa: E402
 from tandem.models.qsa import IndexedAttention  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402

@@ -22,7 +22,8 @@ from .attention import LayerKV
 from .config import ModelConfig, MTPConfig
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm
-from .qsa import IndexedAttention, SelectionShare
+from .qsa import IndexedAttention
+from .qsa_index import SelectionShare
 
 
 def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Tensor], depth: int) -> torch.Tensor:

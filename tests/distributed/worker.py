@@ -151,7 +151,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     # is the embedding, gathered in bf16 under FSDP's policy).
     from tandem.models.gated_deltanet import GatedDeltaNet
     from tandem.models.hyper_connection import HyperConnection
-    from tandem.models.model import TransformerBlock
+    from tandem.models.block import TransformerBlock
     from tandem.models.moe import Router
     from tandem.trainer.parallel.sharded_params import local
 
@@ -224,7 +224,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
 def _compiled_blocks(model) -> dict:
     """Evidence that training ran compiled: the blocks whose forward compile.py replaced, and the graphs
     dynamo holds for TransformerBlock.forward in this process."""
-    from tandem.models.model import TransformerBlock
+    from tandem.models.block import TransformerBlock
     from tandem.trainer.parallel.activation_checkpoint import checkpointed_blocks
 
     blocks = checkpointed_blocks(model)

@@ -326,7 +326,7 @@ def _autocast_computes(module: nn.Module) -> bool:
     """Modules whose parameters only enter matmuls that already run in the compute dtype (autocast's
     linears with its cached weight casts, the grouped experts' own cast, the vocabulary heads' chunked
     logits): a copy per call would add casts, and a chunked head would keep one per depth until backward."""
-    from tandem.models.model import OutputHead
+    from tandem.models.block import OutputHead
 
     from .tensor import VocabParallelHead
 

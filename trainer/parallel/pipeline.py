@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
-from tandem.models.qsa import QSASelection
+from tandem.models.qsa_index import QSASelection
 from tandem.trainer.loss import combine_losses, loss_gradient
 from torch import nn
 

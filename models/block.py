@@ -1,0 +1,144 @@
+"""One decoder block: a token mixer (full attention, QSA sparse attention or Gated DeltaNet, each built
+from the config) and an MLP or MoE, around the residual scheme (plain, or hyper-connections over
+`hc_count` streams), with optional PLE n-gram injection; and the shared output head."""
+
+from __future__ import annotations
+
+from typing import Optional
+import torch
+from torch import nn
+from .attention import Attention, LayerKV
+from .config import ModelConfig
+from .documents import Documents
+from .gated_deltanet import GatedDeltaNet
+from .hyper_connection import HyperConnection
+from .layers import SwiGLU
+from .loss import (
+    chunked_acceptance_loss_sum,
+    head_cross_entropy_sums,
+)
+from .moe import MoE
+from .mtp import (
+    model_norm,
+)
+from .ple import PLELayer
+from .qsa import IndexedAttention
+from .qsa_index import QSASelection
+
+
+def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
+    """The token mixer of one block: full attention, QSA sparse attention or Gated DeltaNet."""
+    if kind == "attention":
+        return Attention(cfg)
+    if kind == "indexed_attention":
+        return IndexedAttention(
+            hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.resolved_head_dim, partial_rotary_factor=cfg.partial_rotary_factor,
+            rope_theta=cfg.rope_theta, max_seq_len=cfg.max_seq_len, eps=cfg.rms_norm_eps,
+            indexer_heads=cfg.indexer_heads, indexer_head_dim=cfg.indexer_head_dim, budget=cfg.indexer_budget,
+            compress_ratio=cfg.indexer_compress_ratio, form=cfg.qsa_form)
+    if kind == "linear_attention":
+        return GatedDeltaNet(
+            hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+            head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
+            conv_kernel=cfg.linear_conv_kernel, eps=cfg.rms_norm_eps, gate_act=cfg.linear_gate_act,
+            kernel=cfg.linear_kernel)
+    raise ValueError(f"unknown token mixer {kind!r}")
+
+
+class TransformerBlock(nn.Module):
+    """A token mixer plus an MLP or MoE around a residual scheme, with optional PLE n-gram memory.
+
+    With `hc_count == 1` the residual is the plain pre-norm one (`input_layernorm`,
+    `post_attention_layernorm`). With hyper-connections (`hc_count > 1`, Qwen4-Exp) the block carries
+    `hc_count` streams [B, S, hc x H]: `attn_hyper_connection` / `mlp_hyper_connection` each mix the
+    normalised streams into the sublayer's input and inject its output back into every stream with
+    learned weights (they replace the two norms). A PLE layer adds its n-gram features to the
+    streams first; it is the only part that reads the token ids."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, kind: str = "attention", ple_index: Optional[int] = None):
+        super().__init__()
+        self.kind = kind
+        mixer = make_token_mixer(cfg, kind)
+        # transformers' names: Gated DeltaNet is `linear_attn`, every attention is `self_attn`
+        if kind == "linear_attention":
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.hc_count = cfg.hc_count
+        if cfg.hc_count > 1:
+            self.attn_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+            self.mlp_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = model_norm(cfg, cfg.hidden_size)
+            self.post_attention_layernorm = model_norm(cfg, cfg.hidden_size)
+        self.mlp = MoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.ple = None
+        if ple_index is not None:
+            self.ple = PLELayer(
+                hidden_size=cfg.hidden_size, hc_count=cfg.hc_count, embed_dim=cfg.resolved_ple_embed_dim,
+                conv_kernel=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size, heads_per_ngram=cfg.heads_per_ngram,
+                vocab_size=cfg.vocab_size, ngram_vocab_base=cfg.ngram_vocab_base,
+                ngram_vocab_multiple=cfg.ngram_vocab_multiple, seed=cfg.ngram_seed, ple_layer_index=ple_index,
+                eos_token_id=cfg.eos_token_id, eps=cfg.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn
+
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None,
+                input_ids_bs: Optional[torch.Tensor] = None, selection: Optional[QSASelection] = None,
+                return_selection: bool = False, documents: Optional[Documents] = None):
+        """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
+        (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection). They
+        are arguments and results, not module state, so activation checkpointing's recomputation and
+        pipelined micro-batches see the selection of their own forward. `documents`: packed documents
+        (models/documents.py), which every part of the block keeps apart."""
+        sel_out = None
+        extra = {} if documents is None else {"documents": documents}
+
+        def mix(h: torch.Tensor) -> torch.Tensor:
+            nonlocal sel_out
+            if not (return_selection or selection is not None):
+                return self.mixer(h, positions_bs, cache, **extra)
+            if self.kind != "indexed_attention":
+                raise ValueError(f"a QSA selection was handed to a {self.kind} block")
+            y, sel_out = self.mixer(h, positions_bs, cache, selection, True, **extra)
+            return y
+
+        if self.hc_count == 1:
+            x_bsh = x_bsh + mix(self.input_layernorm(x_bsh))
+            out = x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+            return (out, sel_out) if return_selection else out
+        if self.ple is not None:
+            if input_ids_bs is None:
+                raise ValueError("a block with PLE needs the token ids (input_ids_bs)")
+            x_bsh = x_bsh + self.ple(x_bsh, input_ids_bs, positions_bs, cache, **extra)
+        mixed, weights = self.attn_hyper_connection(x_bsh)
+        x_bsh = self.attn_hyper_connection.inject(x_bsh, mix(mixed), weights)
+        mixed, weights = self.mlp_hyper_connection(x_bsh)
+        out = self.mlp_hyper_connection.inject(x_bsh, self.mlp(mixed), weights)
+        return (out, sel_out) if return_selection else out
+
+
+class OutputHead(nn.Module):
+    """The vocabulary projection shared by the trunk and every MTP depth (tensor parallelism swaps it
+    for a vocab-parallel version with the same two methods)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, backward: str = "recompute"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.backward = backward  # MTPConfig.loss_head_backward
+
+    def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h_normed, self.weight)
+
+    def loss_sums(self, h_normed_dnh: torch.Tensor, targets_dn: torch.Tensor, chunk_tokens: int,
+                  grad_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[D] summed cross-entropies of D depths' rows in one chunked pass (`head_cross_entropy_sums`)."""
+        return head_cross_entropy_sums(h_normed_dnh, self.weight, targets_dn, chunk_tokens, self.backward,
+                                       grad_scales)
+
+    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
+                            chunk_tokens: int, ce_weight: float) -> torch.Tensor:
+        return chunked_acceptance_loss_sum(h_normed_nh, teacher_nh, self.weight, targets_n, chunk_tokens, ce_weight)
