@@ -339,21 +339,12 @@ class TandemModel(nn.Module):
         wanted_steps = [d for d in (range(self.num_depths) if depths is None else depths) if d > 0]
         if emb_window is None and wanted_steps and self.shared_lookup():
             emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)), chain_depth + 1)
-        whole = self.sequence.whole
-        counts: List[torch.Tensor] = []
-        teacher_bsh = teacher_ids = None
-        objective = self.mtp_cfg.loss.objective
-        any_mtp = any(d > 0 for d in (range(self.num_depths) if depths is None else depths))
-        if (self.distill != "none" or objective == "acceptance") and any_mtp:
-            with torch.no_grad():
-                teacher_bsh = whole(self.norm(h0_bsh.detach()))  # the trunk's normed state: its next-token head input
-                if self.distill == "argmax":
-                    flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
-                    teacher_ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens).view(h0_bsh.shape[:2])
+        teacher_bsh, teacher_ids = self._teachers(h0_bsh, bool(wanted_steps))
+        frozen_main = not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad
         chain = h0_bsh if h_chain is None else h_chain
-        chunk = self.mtp_cfg.loss_chunk_tokens
+        counts: List[torch.Tensor] = []
         sums: dict = {}
-        ce_depths, ce_inputs, ce_targets = [], [], []  # every plain cross-entropy: one pass through the head
+        ce = []  # (depth, head input, targets) of every plain cross-entropy: one pass through the head
         carry = SelectionCarry(selection)
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth,
                                                emb_window, documents, carry):
@@ -362,35 +353,54 @@ class TandemModel(nn.Module):
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose
             # data-dependent shape costs host syncs and a compiled graph). The count stays on the device.
             mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
-            valid_n = _rows(mask)
             targets_n = _rows(torch.where(mask, shifted_tokens(tokens_bs1, depth + 1, s), IGNORE))
             counts.append(mask.sum())
-            if depth == 0 and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad:
-                with torch.no_grad():  # frozen trunk: the main loss is only reported
-                    hn = _rows(whole(self.final_norm(0, h_prev)))
-                    sums[0] = self.lm_head.loss_sums(hn[None], targets_n[None], chunk)[0]
-                continue
-            hn = _rows(whole(self.final_norm(depth, h_prev)))
-            if depth > 0 and teacher_ids is not None:
-                # The trunk predicts token t+1+depth at position t+depth.
-                targets_n = _rows(torch.where(mask, shifted_tokens(teacher_ids, depth, s), IGNORE))
-            elif depth > 0 and objective == "acceptance":
-                sums[depth] = self.lm_head.acceptance_loss_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), targets_n,
-                                                               chunk, self.mtp_cfg.loss.acceptance_ce_weight)
-                continue
-            elif depth > 0 and teacher_bsh is not None:
-                sums[depth] = chunked_soft_cross_entropy_sum(hn, _rows(_teacher_at(teacher_bsh, depth)),
-                                                             self.lm_head.weight, chunk, valid_n)
-                continue
-            ce_depths.append(depth)
-            ce_inputs.append(hn)
-            ce_targets.append(targets_n)
-        if ce_depths:
+            loss, head_input = self._depth_loss(depth, h_prev, mask, targets_n, teacher_bsh, teacher_ids, frozen_main)
+            if head_input is None:
+                sums[depth] = loss
+            else:
+                ce.append((depth, *head_input))
+        if ce:
+            ce_depths = [d for d, _, _ in ce]
             scales = (torch.stack([loss_grad_scales[d] for d in ce_depths])
                       if loss_grad_scales is not None else None)
-            per_depth = self.lm_head.loss_sums(torch.stack(ce_inputs), torch.stack(ce_targets), chunk, scales)
+            per_depth = self.lm_head.loss_sums(torch.stack([h for _, h, _ in ce]), torch.stack([t for _, _, t in ce]),
+                                               self.mtp_cfg.loss_chunk_tokens, scales)
             sums.update(zip(ce_depths, per_depth.unbind(0)))
         return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain, carry.value)
+
+    def _teachers(self, h0_bsh: torch.Tensor, any_mtp: bool):
+        """(the trunk's normed h_0, its head input; under train.distill=argmax also its predicted tokens)
+        as the MTP depths' teacher, when self-distillation or the acceptance objective needs one."""
+        if not any_mtp or (self.distill == "none" and self.mtp_cfg.loss.objective != "acceptance"):
+            return None, None
+        with torch.no_grad():
+            teacher_bsh = self.sequence.whole(self.norm(h0_bsh.detach()))
+            if self.distill != "argmax":
+                return teacher_bsh, None
+            flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
+            ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens)
+            return teacher_bsh, ids.view(h0_bsh.shape[:2])
+
+    def _depth_loss(self, depth: int, h_bsh: torch.Tensor, mask: torch.Tensor, targets_n: torch.Tensor,
+                    teacher_bsh, teacher_ids, frozen_main: bool):
+        """(depth's loss sum, None), or (None, (head input, targets)) for the shared cross-entropy pass."""
+        whole, chunk, s = self.sequence.whole, self.mtp_cfg.loss_chunk_tokens, mask.shape[1]
+        if depth == 0 and frozen_main:
+            with torch.no_grad():  # frozen trunk: the main loss is only reported
+                hn = _rows(whole(self.final_norm(0, h_bsh)))
+                return self.lm_head.loss_sums(hn[None], targets_n[None], chunk)[0], None
+        hn = _rows(whole(self.final_norm(depth, h_bsh)))
+        if depth > 0 and teacher_ids is not None:
+            # The trunk predicts token t+1+depth at position t+depth.
+            return None, (hn, _rows(torch.where(mask, shifted_tokens(teacher_ids, depth, s), IGNORE)))
+        if depth > 0 and self.mtp_cfg.loss.objective == "acceptance":
+            return self.lm_head.acceptance_loss_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), targets_n, chunk,
+                                                    self.mtp_cfg.loss.acceptance_ce_weight), None
+        if depth > 0 and teacher_bsh is not None:
+            return chunked_soft_cross_entropy_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), self.lm_head.weight,
+                                                  chunk, _rows(mask)), None
+        return None, (hn, targets_n)
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def trunk_frozen(self) -> bool:
