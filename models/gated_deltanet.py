@@ -350,72 +350,96 @@ class GatedDeltaNet(nn.Module):
                 documents: Optional[Documents] = None) -> torch.Tensor:
         """`documents` (packed training rows, no cache): the conv and the state restart at each
         document's start; `positions_bs` count from it."""
-        b, s, _ = x_bsh.shape
         conv_w, a_log, dt_bias = self.computed_params()
-        dk, dv, kernel = self.head_k_dim, self.head_v_dim, conv_w.shape[-1]
+        kernel = conv_w.shape[-1]
         qkv_bsc = self.in_proj_qkv(x_bsh)
-        z_bsnv = self.in_proj_z(x_bsh).unflatten(-1, (-1, dv))
+        z_bsnv = self.in_proj_z(x_bsh).unflatten(-1, (-1, self.head_v_dim))
         b_bsn, a_bsn = self.in_proj_b(x_bsh), self.in_proj_a(x_bsh)
-        # Local head counts from the projection widths (tensor parallelism shards them by heads).
-        hv = b_bsn.shape[-1]
-        hk = hv * self.num_k_heads // self.num_v_heads
-        rows_b = torch.arange(b, device=x_bsh.device)
-
+        rings = state0_bhkv = None
         if cache is None:
             conv_in_bsc = F.pad(qkv_bsc, (0, 0, kernel - 1, 0))  # causal: left zero padding
         else:
-            # A resume reads the state after the previous position and the kernel - 1 previous conv inputs.
-            conv_ring = cache.ring_buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype, lookback=kernel - 1)
-            state_ring = cache.ring_buffer("gdn_state", (hv, dk, dv), torch.float32, lookback=1)
-            conv_slots, state_slots = conv_ring.shape[1], state_ring.shape[1]
-            start_b = positions_bs[:, 0]
-            # The previous kernel-1 conv inputs (positions start-K+1 .. start-1), zeros before position 0.
-            prev_pos_bk = start_b[:, None] + torch.arange(1 - kernel, 0, device=x_bsh.device)
-            prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % conv_slots].masked_fill((prev_pos_bk < 0)[..., None], 0)
-            conv_in_bsc = torch.cat([prev_bkc.to(qkv_bsc.dtype), qkv_bsc], 1)
-            state0_bhkv = state_ring[rows_b, (start_b - 1) % state_slots].masked_fill(
-                (start_b == 0)[:, None, None, None], 0)
+            rings, conv_in_bsc, state0_bhkv = self._resume(cache, qkv_bsc, positions_bs, kernel, b_bsn.shape[-1])
         if documents is not None and cache is None:
             mixed_bsc = F.silu(causal_conv_taps(qkv_bsc, conv_w[:, 0], positions_bs))
         else:
             mixed_bcs = F.conv1d(conv_in_bsc.transpose(1, 2), conv_w, groups=qkv_bsc.shape[-1])
             mixed_bsc = F.silu(mixed_bcs).transpose(1, 2)
+        q_bsnk, k_bsnk, v_bsnv = self._split_heads(mixed_bsc, b_bsn.shape[-1])
+        beta_bsn = b_bsn.sigmoid()
+        g_bsn = -a_log.float().exp() * F.softplus(a_bsn.float() + dt_bias)  # log decay, <= 0
+        heads = (q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
+        if cache is None:
+            out_bsnv, _ = self._chunked(*heads, None, documents)
+        elif cache.keeps_every_position(x_bsh.shape[1]):
+            out_bsnv = self._verify(heads, state0_bhkv, rings, positions_bs, qkv_bsc)
+        else:
+            out_bsnv = self._prefill(heads, state0_bhkv, rings, positions_bs, qkv_bsc, cache, kernel)
+        y_bsnv = self.norm(out_bsnv, z_bsnv)
+        return self.out_proj(y_bsnv.flatten(-2))
+
+    def _resume(self, cache, qkv_bsc: torch.Tensor, positions_bs: torch.Tensor, kernel: int, hv: int):
+        """((conv ring, state ring), the conv's input with the kernel - 1 previous inputs in front, the
+        state after the previous position): what a forward continuing from the cache reads."""
+        rows_b = torch.arange(qkv_bsc.shape[0], device=qkv_bsc.device)
+        conv_ring = cache.ring_buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype, lookback=kernel - 1)
+        state_ring = cache.ring_buffer("gdn_state", (hv, self.head_k_dim, self.head_v_dim), torch.float32,
+                                       lookback=1)
+        start_b = positions_bs[:, 0]
+        # The previous kernel-1 conv inputs (positions start-K+1 .. start-1), zeros before position 0.
+        prev_pos_bk = start_b[:, None] + torch.arange(1 - kernel, 0, device=qkv_bsc.device)
+        prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % conv_ring.shape[1]].masked_fill(
+            (prev_pos_bk < 0)[..., None], 0)
+        conv_in_bsc = torch.cat([prev_bkc.to(qkv_bsc.dtype), qkv_bsc], 1)
+        state0_bhkv = state_ring[rows_b, (start_b - 1) % state_ring.shape[1]].masked_fill(
+            (start_b == 0)[:, None, None, None], 0)
+        return (conv_ring, state_ring), conv_in_bsc, state0_bhkv
+
+    def _split_heads(self, mixed_bsc: torch.Tensor, hv: int):
+        """q, k (repeated to the value heads) and v from the conv's output. Local head counts come from
+        the projection widths (tensor parallelism shards them by heads)."""
+        b, s = mixed_bsc.shape[:2]
+        dk, dv = self.head_k_dim, self.head_v_dim
+        hk = hv * self.num_k_heads // self.num_v_heads
         # channels by key-head group: [q_g | k_g | v of the hv // hk value heads g serves]
         q_bsgk, k_bsgk, v_bsgv = mixed_bsc.unflatten(-1, (hk, -1)).split([dk, dk, hv // hk * dv], -1)
         q_bsnk, k_bsnk = (t.repeat_interleave(hv // hk, dim=2) for t in (q_bsgk, k_bsgk))
-        v_bsnv = v_bsgv.reshape(b, s, hv, dv)
-        beta_bsn = b_bsn.sigmoid()
-        g_bsn = -a_log.float().exp() * F.softplus(a_bsn.float() + dt_bias)  # log decay, <= 0
+        return q_bsnk, k_bsnk, v_bsgv.reshape(b, s, hv, dv)
 
-        if cache is None:
-            out_bsnv, _ = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, None, documents)
-        elif cache.keeps_every_position(s):
-            # Short forward (decode step or speculative verify): keep every position's state and conv
-            # input so that any accepted prefix can be resumed from (the rings' slots cover the forward
-            # plus what a resume reads before it: models/state.py).
-            q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
-            with torch.autocast(x_bsh.device.type, enabled=False):
-                out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
-            out_bsnv = out_bhtv.transpose(1, 2).to(v_bsnv.dtype)
-            state_ring[rows_b[:, None], positions_bs % state_slots] = states_bshkv.detach()
-            conv_ring[rows_b[:, None], positions_bs % conv_slots] = qkv_bsc.detach().to(conv_ring.dtype)
-        else:
-            # Long prefill: chunked form; padded tokens (past row_end) get beta = 0 and g = 0, which leaves
-            # the state untouched, so the final state is the state after each row's last real token.
-            row_end_b = cache.row_end if cache.row_end is not None else positions_bs[:, -1]
-            real_bs1 = (positions_bs <= row_end_b[:, None])[..., None]
-            out_bsnv, final_bhkv = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn * real_bs1,
-                                                 beta_bsn * real_bs1, state0_bhkv)
-            state_ring[rows_b, row_end_b % state_slots] = final_bhkv.detach()
-            # The last kernel - 1 real conv inputs (what the next forward reads); those before this
-            # forward's start keep their slots.
-            keep_pos_br = row_end_b[:, None] + torch.arange(2 - kernel, 1, device=x_bsh.device)
-            j_br = keep_pos_br - start_b[:, None]
-            fresh_br1 = (j_br >= 0)[..., None]
-            slots_br = keep_pos_br % conv_slots
-            new_brc = torch.where(fresh_br1, qkv_bsc[rows_b[:, None], j_br.clamp(0, s - 1)].to(conv_ring.dtype),
-                                  conv_ring[rows_b[:, None], slots_br])
-            conv_ring[rows_b[:, None], slots_br] = new_brc.detach()
+    def _verify(self, heads, state0_bhkv, rings, positions_bs: torch.Tensor, qkv_bsc: torch.Tensor):
+        """Short forward (decode step or speculative verify): keep every position's state and conv input
+        so that any accepted prefix can be resumed from (the rings' slots cover the forward plus what a
+        resume reads before it: models/state.py)."""
+        conv_ring, state_ring = rings
+        rows_b = torch.arange(positions_bs.shape[0], device=positions_bs.device)
+        q, k, v, g, beta = self._torch_inputs(*heads)
+        with torch.autocast(qkv_bsc.device.type, enabled=False):
+            out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
+        state_ring[rows_b[:, None], positions_bs % state_ring.shape[1]] = states_bshkv.detach()
+        conv_ring[rows_b[:, None], positions_bs % conv_ring.shape[1]] = qkv_bsc.detach().to(conv_ring.dtype)
+        return out_bhtv.transpose(1, 2).to(heads[2].dtype)
 
-        y_bsnv = self.norm(out_bsnv, z_bsnv)
-        return self.out_proj(y_bsnv.flatten(-2))
+    def _prefill(self, heads, state0_bhkv, rings, positions_bs: torch.Tensor, qkv_bsc: torch.Tensor, cache,
+                 kernel: int):
+        """Long prefill: chunked form; padded tokens (past row_end) get beta = 0 and g = 0, which leaves
+        the state untouched, so the final state is the state after each row's last real token."""
+        conv_ring, state_ring = rings
+        q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn = heads
+        s, conv_slots = qkv_bsc.shape[1], conv_ring.shape[1]
+        rows_b = torch.arange(positions_bs.shape[0], device=positions_bs.device)
+        start_b = positions_bs[:, 0]
+        row_end_b = cache.row_end if cache.row_end is not None else positions_bs[:, -1]
+        real_bs1 = (positions_bs <= row_end_b[:, None])[..., None]
+        out_bsnv, final_bhkv = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn * real_bs1, beta_bsn * real_bs1,
+                                             state0_bhkv)
+        state_ring[rows_b, row_end_b % state_ring.shape[1]] = final_bhkv.detach()
+        # The last kernel - 1 real conv inputs (what the next forward reads); those before this forward's
+        # start keep their slots.
+        keep_pos_br = row_end_b[:, None] + torch.arange(2 - kernel, 1, device=qkv_bsc.device)
+        j_br = keep_pos_br - start_b[:, None]
+        fresh_br1 = (j_br >= 0)[..., None]
+        slots_br = keep_pos_br % conv_slots
+        new_brc = torch.where(fresh_br1, qkv_bsc[rows_b[:, None], j_br.clamp(0, s - 1)].to(conv_ring.dtype),
+                              conv_ring[rows_b[:, None], slots_br])
+        conv_ring[rows_b[:, None], slots_br] = new_brc.detach()
+        return out_bsnv
