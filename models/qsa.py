@@ -276,47 +276,76 @@ class IndexedAttention(nn.Module):
 
     def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection],
                documents: Optional[Documents] = None):
-        b, h, s, d = q_bhsd.shape
-        r = self.compress_ratio
-        n = s // r
+        s = q_bhsd.shape[2]
+        n = s // self.compress_ratio
         # the dense warm-up attends to everything: a handed-over selection has nothing to restrict
-        reuse = reused is not None and not self.dense
+        reused = reused if not self.dense else None
         # a reusing depth runs no indexer, so it has no indexer loss either; a query needs a complete
         # block before the indexer has anything to learn
-        want_loss = self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0 and not reuse
+        want_loss = (self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0
+                     and reused is None)
         select = not self.dense or self.measure_recall
-        docs = None
-        if reuse and (reused.block_rows_bn is None) != (documents is None):
-            raise RuntimeError("QSA: a selection made " + ("without" if documents is not None else "with")
-                               + " packed documents was handed to a forward " + ("with" if documents is not None
-                                                                                  else "without") + " them")
-        if documents is not None:
-            # a reused selection's indices name blocks of the layout it was chosen in: read them there
-            rows_bn = reused.block_rows_bn if reuse else _DocumentBlocks.block_rows(documents.starts_bs, r)
-            docs = _DocumentBlocks.build(documents.starts_bs, rows_bn, r)
-            query_at_bs = docs.at_bs
-        else:
-            query_at_bs = torch.arange(s, device=q_bhsd.device).expand(b, s)
-        scores_bsn = blocks_bsk = count_bs = loss = None
-        if reuse:
-            if reused.blocks_bsk.shape[:2] != (b, s):
-                raise RuntimeError(f"QSA: a reused selection covers {tuple(reused.blocks_bsk.shape[:2])} queries, "
-                                   f"this forward {(b, s)}")
-            blocks_bsk, count_bs = reused.blocks_bsk, reused.counts_bs
-        else:
-            if want_loss or select:
-                with torch.set_grad_enabled(want_loss):
-                    if docs is None:
-                        scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
-                    else:
-                        raw_bmd = raw_bsd.gather(1, docs.tokens_bm[..., None].expand(-1, -1, raw_bsd.shape[-1]))
-                        scores_bsn = self._block_scores(q_idx_bsid, raw_bmd, docs.positions_bn)
-            if select:
-                blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs, None if docs is None else docs.visible(r))
+        docs, query_at_bs = self._training_layout(q_bhsd, reused, documents)
+        scores_bsn, blocks_bsk, count_bs = self._training_selection(q_idx_bsid, raw_bsd, positions_bs, reused, docs,
+                                                                    query_at_bs, want_loss, select)
 
         def selected(c0: int, c1: int) -> torch.Tensor:
             return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1], s, docs, c0)
 
+        out_bsz = self._training_attention(q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk, count_bs,
+                                           query_at_bs, selected)
+        loss = None
+        if want_loss or self.measure_recall:
+            loss = self._indexer_target(q_bhsd, k_bksd, scores_bsn, blocks_bsk, count_bs, query_at_bs, docs,
+                                        selected if select else None, want_loss)
+        used = (QSASelection(blocks_bsk, count_bs, None if docs is None else docs.rows_bn)
+                if blocks_bsk is not None and not self.dense else None)
+        return out_bsz, loss, used
+
+    def _training_layout(self, q_bhsd, reused: Optional[QSASelection], documents: Optional[Documents]):
+        """(the packed documents' block layout or None, [B, S] each query's position in its document)."""
+        b, _, s, _ = q_bhsd.shape
+        if reused is not None and (reused.block_rows_bn is None) != (documents is None):
+            raise RuntimeError("QSA: a selection made " + ("without" if documents is not None else "with")
+                               + " packed documents was handed to a forward " + ("with" if documents is not None
+                                                                                  else "without") + " them")
+        if documents is None:
+            return None, torch.arange(s, device=q_bhsd.device).expand(b, s)
+        # a reused selection's indices name blocks of the layout it was chosen in: read them there
+        r = self.compress_ratio
+        rows_bn = reused.block_rows_bn if reused is not None else _DocumentBlocks.block_rows(documents.starts_bs, r)
+        docs = _DocumentBlocks.build(documents.starts_bs, rows_bn, r)
+        return docs, docs.at_bs
+
+    def _training_selection(self, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection], docs,
+                            query_at_bs, want_loss: bool, select: bool):
+        """(block scores or None, selected blocks, their counts): a reused selection as handed over,
+        else the indexer's scores (with autograd when its loss trains) and their top blocks."""
+        b, s = query_at_bs.shape
+        if reused is not None:
+            if reused.blocks_bsk.shape[:2] != (b, s):
+                raise RuntimeError(f"QSA: a reused selection covers {tuple(reused.blocks_bsk.shape[:2])} queries, "
+                                   f"this forward {(b, s)}")
+            return None, reused.blocks_bsk, reused.counts_bs
+        r = self.compress_ratio
+        n = s // r
+        scores_bsn = blocks_bsk = count_bs = None
+        if want_loss or select:
+            with torch.set_grad_enabled(want_loss):
+                if docs is None:
+                    scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
+                else:
+                    raw_bmd = raw_bsd.gather(1, docs.tokens_bm[..., None].expand(-1, -1, raw_bsd.shape[-1]))
+                    scores_bsn = self._block_scores(q_idx_bsid, raw_bmd, docs.positions_bn)
+        if select:
+            blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs, None if docs is None else docs.visible(r))
+        return scores_bsn, blocks_bsk, count_bs
+
+    def _training_attention(self, q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk, count_bs, query_at_bs,
+                            selected) -> torch.Tensor:
+        """[B, S, heads * head_dim]: dense (the warm-up), or over the selected tokens by gathering them
+        or by a [B, S, S] mask (`selected(c0, c1)` gives query rows c0..c1 of it)."""
+        b, h, s, d = q_bhsd.shape
         groups = h // k_bksd.shape[1]
         if self.dense:
             if documents is None:
@@ -324,38 +353,41 @@ class IndexedAttention(nn.Module):
             else:
                 out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=documents.attention_mask(),
                                                      enable_gqa=groups > 1)
-            out_bsz = out.transpose(1, 2).reshape(b, s, -1)
-        elif self._use_gather(b, s):
+            return out.transpose(1, 2).reshape(b, s, -1)
+        if self._use_gather(b, s):
             idx_bsl, ok_bsl = self._token_slots(blocks_bsk, count_bs, query_at_bs, docs)
             per_query = b * idx_bsl.shape[-1] * (2 * k_bksd.shape[1] * d + h)
-            out_bsz = map_query_chunks(self._gather_attend, max(1, self.chunk_elems // per_query),
-                                       (q_bhsd.transpose(1, 2), idx_bsl, ok_bsl),
-                                       (k_bksd.transpose(1, 2), v_bksd.transpose(1, 2)))
-        else:
-            mask_b1ss = selected(0, s)[:, None]
-            out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=mask_b1ss, enable_gqa=groups > 1)
-            out_bsz = out.transpose(1, 2).reshape(b, s, -1)
+            return map_query_chunks(self._gather_attend, max(1, self.chunk_elems // per_query),
+                                    (q_bhsd.transpose(1, 2), idx_bsl, ok_bsl),
+                                    (k_bksd.transpose(1, 2), v_bksd.transpose(1, 2)))
+        mask_b1ss = selected(0, s)[:, None]
+        out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=mask_b1ss, enable_gqa=groups > 1)
+        return out.transpose(1, 2).reshape(b, s, -1)
 
-        if want_loss or self.measure_recall:
-            mass_bsn, recall_bs = attention_block_mass(
-                q_bhsd.detach(), k_bksd.detach(), r, n, self.chunk_elems, selected if select else None,
-                sparse_target=not self.dense, query_first_bs=None if docs is None else docs.first_bs,
-                block_tokens_bm=None if docs is None else docs.tokens_bm)
-            if self.measure_recall:
-                self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
-            if want_loss:
-                block = torch.arange(n, device=q_bhsd.device)
-                if self.dense:
-                    allowed_bsn = block < ((query_at_bs + 1) // r)[..., None] if docs is None else docs.visible(r)
-                else:
-                    real = torch.arange(blocks_bsk.shape[-1], device=block.device) < count_bs[..., None]
-                    allowed_bsn = torch.zeros_like(scores_bsn, dtype=torch.bool)
-                    allowed_bsn.scatter_(-1, blocks_bsk, real)
-                loss = indexer_kl(scores_bsn, self.reduce_heads(mass_bsn), allowed_bsn)
-                self.last_indexer_loss = loss.detach()
-        used = (QSASelection(blocks_bsk, count_bs, None if docs is None else docs.rows_bn)
-                if blocks_bsk is not None and not self.dense else None)
-        return out_bsz, loss, used
+    def _indexer_target(self, q_bhsd, k_bksd, scores_bsn, blocks_bsk, count_bs, query_at_bs, docs, selected,
+                        want_loss: bool):
+        """The main attention's block mass: the recall of the selection (measure_recall) and, when the
+        indexer trains, its KL loss (None otherwise)."""
+        r = self.compress_ratio
+        n = q_bhsd.shape[2] // r
+        mass_bsn, recall_bs = attention_block_mass(
+            q_bhsd.detach(), k_bksd.detach(), r, n, self.chunk_elems, selected,
+            sparse_target=not self.dense, query_first_bs=None if docs is None else docs.first_bs,
+            block_tokens_bm=None if docs is None else docs.tokens_bm)
+        if self.measure_recall:
+            self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
+        if not want_loss:
+            return None
+        block = torch.arange(n, device=q_bhsd.device)
+        if self.dense:
+            allowed_bsn = block < ((query_at_bs + 1) // r)[..., None] if docs is None else docs.visible(r)
+        else:
+            real = torch.arange(blocks_bsk.shape[-1], device=block.device) < count_bs[..., None]
+            allowed_bsn = torch.zeros_like(scores_bsn, dtype=torch.bool)
+            allowed_bsn.scatter_(-1, blocks_bsk, real)
+        loss = indexer_kl(scores_bsn, self.reduce_heads(mass_bsn), allowed_bsn)
+        self.last_indexer_loss = loss.detach()
+        return loss
 
     def _decode(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache: LayerCache):
         r = self.compress_ratio
