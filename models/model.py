@@ -340,7 +340,8 @@ class TandemModel(nn.Module):
         if emb_window is None and wanted_steps and self.shared_lookup():
             emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)), chain_depth + 1)
         teacher_bsh, teacher_ids = self._teachers(h0_bsh, bool(wanted_steps))
-        frozen_main = not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad
+        # (a pipeline stage after the trunk's head may hold no h_0)
+        frozen_main = h0_bsh is not None and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad
         chain = h0_bsh if h_chain is None else h_chain
         counts: List[torch.Tensor] = []
         sums: dict = {}

@@ -97,6 +97,9 @@ BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,ep=2,dp_mode=allreduce": 4,
     "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded": 8,  # the flagship layout, syncless dispatch
     "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,  # spread depths
+    # all-reduce data parallelism with pieces two stages of a rank share: kept whole, and computing from
+    # compute-dtype copies of their fp32 parameters (data.cast_kept_whole), as FSDP's policy gathers the rest
+    "pp=2,dp=2,dp_mode=allreduce,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     # embedding, head and MTP module kept out of FSDP (two stages of a rank share them), experts too (dp=1)
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     f"ep=2,{AUX}": 2,  # fp32 routing and aux/z-loss under bf16 experts
