@@ -51,7 +51,8 @@ from side_by_side import run_under_torchrun  # noqa: E402
 LAYOUTS = {
     "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
     "dp=2,dp_mode=allreduce": 2, "dp=2,reshard_after_microbatch=false": 2,
-    "dp=2,dp_mode=allreduce,reshard_after_microbatch=false": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4, "tp=2,ep=2,pp=2": 8,
+    "dp=2,dp_mode=allreduce,reshard_after_microbatch=false": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4,
+           "tp=2,ep=2,pp=2": 8,
     "tp=2,sequence_parallel=true": 2, "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,sequence_parallel=true": 4,
 }
@@ -259,12 +260,12 @@ def _fsdp_events(unit, model, pipe, n_micro, every: bool):
 def worker(out_path, layouts):
     import torch.distributed as dist
 
-    from tandem.trainer.recipe import load_config
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     torch.set_num_threads(1)
     results = {}

@@ -171,8 +171,8 @@ def measure(checkpoint: str, *, num_windows: int = 128, num_prompts: int = 32, b
     `document_mask`: score the windows with files kept apart (`on`: each file read alone from its start,
     as inference reads a document), not (`off`), or as the checkpoint trained (`checkpoint`)."""
     from tandem.data_pipeline.stdlib_corpus import stdlib_files
-    from tandem.trainer.eval_cli import _tokenizer_of
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
+    from tandem.trainer.eval_cli import _tokenizer_of
 
     step_dir = resolve_checkpoint(checkpoint)
     model, cfg = load_model_from_checkpoint(step_dir)

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         r = run_layout(layout, a.dtype, a.warmup, a.steps)
         print(f"layout {layout} on {r['world']} CPU ranks, {a.dtype}, {MBS * ACCUM} x {SEQ} tokens per batch rank, "
               f"{a.steps} timed steps per side (interleaved)")
-        print(f"{'side':8s} {'median s/step':>14s} {'min':>8s} {'max':>8s} {'fwd+bwd host syncs':>18s}  (rank 0, by kind)")
+        print(f"{'side':8s} {'median s/step':>14s} {'min':>8s} {'max':>8s} {'fwd+bwd host syncs':>18s}  (rank 0, by "
+              "kind)")
         for name in SIDES:
             ts, syncs = r["times"][name], r["syncs"][name]
             print(f"{name:8s} {statistics.median(ts):14.3f} {min(ts):8.3f} {max(ts):8.3f} {sum(syncs.values()):18d}  "

@@ -39,7 +39,8 @@ TINY = dict(BIG, vocab_size=1024, hidden_size=32, num_layers=2, num_heads=2, num
             moe_intermediate_size=16, num_experts=4)
 DATA = ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32"]
 RUN = ["train.max_steps=1", "train.micro_batch_size=1", "train.warmup_steps=0", "train.dtype=bf16", "eval.interval=0",
-       "logging.wandb=false", "logging.progress=false", "checkpoint.interval=0", "mtp.num_steps=1", "mtp.num_layers=1", "mtp.moe=false"]
+       "logging.wandb=false", "logging.progress=false", "checkpoint.interval=0", "mtp.num_steps=1", "mtp.num_layers=1",
+       "mtp.moe=false"]
 # The MTP layer is dense (mtp.moe=false) and fresh: a MoE layer under CPU bf16 autocast needs issue 11
 # item 1's routing fix (models/moe.py, another branch); the frozen trunk is MoE and runs in bf16.
 
@@ -50,9 +51,9 @@ def make_checkpoint(out: str, shape: dict, cache: str) -> int:
     import torch
 
     from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
-    from tandem.models import MTPConfig, ModelConfig, TandemModel
-    from tandem.trainer.recipe import load_config
+    from tandem.models import ModelConfig, MTPConfig, TandemModel
     from tandem.trainer.hf.export import export_hf
+    from tandem.trainer.recipe import load_config
 
     cfg = ModelConfig(**shape)
     torch.manual_seed(0)
@@ -94,8 +95,8 @@ def worker(out: str, recipe: str, overrides) -> None:
     """Under torchrun: fine-tune, then record this rank's peak RSS."""
     import torch
 
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
 
     torch.set_num_threads(1)
     train(load_config(recipe, overrides))
@@ -106,9 +107,9 @@ def worker(out: str, recipe: str, overrides) -> None:
 
 def estimated_states(ckpt: str, ranks: int, cache: str) -> float:
     """trainer/estimate.py's per-rank bytes for this fine-tune (states + activations + FSDP gathers)."""
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
     from tandem.trainer.hf.init_from import adopt_checkpoint_config
+    from tandem.trainer.recipe import load_config
 
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"),
                       [f"model.init_from={ckpt}", f"data.cache_dir={cache}", "device=cpu", *DATA, *RUN])
@@ -141,12 +142,15 @@ def main(argv=None) -> int:
     fp32 = 4 * n
     print(f"checkpoint: {n / 1e6:.0f}M parameters (trunk + 1 MTP layer), fp32 model {fp32 / 2**30:.2f} GiB; "
           f"fine-tune: frozen bf16 trunk, MTP trains (fp32 master + AdamW), 1 step")
-    print(f"{'ranks':>5} {'peak RSS - baseline':>20} {'x fp32 model':>12} {'estimate x fp32':>15} {'checkpoint':>11} {'x fp32 model':>12}")
+    print(f"{'ranks':>5} {'peak RSS - baseline':>20} {'x fp32 model':>12} {'estimate x fp32':>15} {'checkpoint':>11} "
+          f"{'x fp32 model':>12}")
     results = {}
     for r in ranks:
-        big = launch(r, os.path.join(work, "big"), os.path.join(work, f"run_big_{r}"), cache, os.path.join(work, f"big{r}"))
+        big = launch(r, os.path.join(work, "big"), os.path.join(work, f"run_big_{r}"), cache, os.path.join(work,
+                                                                                                           f"big{r}"))
         base = ({"peak_rss": 0} if args.quick else  # --quick: no baseline run, the whole process's peak
-                launch(r, os.path.join(work, "tiny"), os.path.join(work, f"run_tiny_{r}"), cache, os.path.join(work, f"tiny{r}")))
+                launch(r, os.path.join(work, "tiny"), os.path.join(work, f"run_tiny_{r}"), cache, os.path.join(work,
+                                                                                                               f"tiny{r}")))
         over = (big["peak_rss"] - base["peak_rss"]) / fp32
         est = estimated_states(os.path.join(work, "big"), r, cache) / fp32
         ckpt = big["checkpoint_bytes"] / fp32

@@ -21,8 +21,8 @@ running sum climbed by up to 30 MiB per step where the live storages did not.) T
 largest over the ranks, as the estimate is for the rank holding most.
 
 Printed per layout, dtype and mode: the estimate's total and its parts (states, activations, FSDP's
-gathered copies, the root group's gradient buffers, the single-sync mode's accumulation), the measured peak and measured / estimate; per
-layout and dtype the difference between the modes, estimated and measured; and per mode the bytes one
+gathered copies, the root group's gradient buffers, the single-sync mode's accumulation), the measured peak and measured
+/ estimate; per layout and dtype the difference between the modes, estimated and measured; and per mode the bytes one
 rank sends to the all-gathers and reduce-scatters of a step (bench/comm_volume.py's counter) and the
 step time (CPU, gloo, a shared 2-core machine: indicative only). Ends with
 `delta_measured_over_estimated=<worst>` and `peak_over_estimate=<min>..<max>`.
@@ -141,14 +141,14 @@ def make_live_tensor_bytes():
 # --- worker (under torchrun) -------------------------------------------------------------------------
 def worker(out_path: str, cases) -> None:
     import torch.distributed as dist
-
     from comm_volume import make_counter
-    from tandem.trainer.recipe import load_config
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
+
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     torch.set_num_threads(1)
     results = {}
@@ -185,7 +185,8 @@ def worker(out_path: str, cases) -> None:
             step(2)
         seconds = time.perf_counter() - t0
         row = {"peak": peak, "peak_fwd_bwd": tracker.peak_fwd_bwd, "base": base, "seconds": seconds,
-               "all_gather": counter.bytes.get("all_gather", 0), "reduce_scatter": counter.bytes.get("reduce_scatter", 0)}
+               "all_gather": counter.bytes.get("all_gather", 0), "reduce_scatter": counter.bytes.get("reduce_scatter",
+                                                                                                     0)}
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         results[case] = rows
@@ -205,15 +206,16 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1:])
         return 0
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
+    from tandem.trainer.recipe import load_config
 
     layouts = dict(LAYOUTS, **(PP_LAYOUTS if args.pp else {}))
     results = {}
     for layout, world in layouts.items():
         cases = [f"{layout}|{dtype}|{mode}" for dtype in ("fp32", "bf16") for mode in MODES]
         results.update(run_under_torchrun(__file__, world, cases))
-    print(f"{'layout':10s} {'dtype':5s} {'mode':5s} {'estimate MiB':>12s} {'(states act gathered grad_buf accum)':>36s} "
+    print(f"{'layout':10s} {'dtype':5s} {'mode':5s} {'estimate MiB':>12s} "
+          f"{'(states act gathered grad_buf accum)':>36s} "
           f"{'measured MiB':>12s} {'meas/est':>8s} {'AG MB':>7s} {'RS MB':>7s} {'step s':>7s}")
     ratios, deltas = [], []
     for layout, world in layouts.items():

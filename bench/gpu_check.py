@@ -111,13 +111,13 @@ def free_memory(device) -> None:
 # --- training steps -----------------------------------------------------------------------------
 def measure_steps(recipe: str, overrides: list, device, warmup: int, steps: int) -> dict:
     """Build the model as the trainer does and time its training step on fixed random tokens."""
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
     from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import ParallelState
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     cfg = load_config(recipe, overrides)
     seq, mb = cfg.data.seq_len, cfg.train.micro_batch_size
@@ -167,10 +167,11 @@ def size_moe(device, args) -> list:
     """Overrides of the ~1B-active config: the most experts (64, as the recipe, then 32, 16: the active
     parameters stay ~1.2B, top-6 of any) and then the largest micro-batch whose estimate.py
     prediction for K=3 fits `--mem-fraction` of this device's memory."""
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.estimate import estimate
+    from tandem.trainer.recipe import load_config
 
-    base = SINGLE + [f"device={device.type}", f"mtp.num_steps={K}"] + (MOE_QUICK if args.quick else ["data.seq_len=4096"])
+    base = SINGLE + [f"device={device.type}",
+                     f"mtp.num_steps={K}"] + (MOE_QUICK if args.quick else ["data.seq_len=4096"])
     budget = memory_capacity_gib(device) * args.mem_fraction
     experts = [None] if args.quick else [64, 32, 16]
     mbs = [args.micro_batch] if args.micro_batch else ([2, 1] if args.quick else [8, 4, 2, 1])
@@ -212,7 +213,8 @@ def train_pair(name: str, recipe: str, overrides: list, device, args, judged: bo
         show(f"{name}.k{k}.step_ms", 1e3 * r["step_s"], ".2f")
         show(f"{name}.k{k}.tokens_per_s", r["tokens_per_s"], ".1f")
         mfu = r["flops_per_token"] * r["tokens_per_s"] / peak if peak else None
-        show(f"{name}.k{k}.mfu", mfu, ".4g", judge(mfu, TARGETS["mfu"], True, judged) if target_config and k == K else "")
+        show(f"{name}.k{k}.mfu", mfu, ".4g", judge(mfu, TARGETS["mfu"], True,
+                                                   judged) if target_config and k == K else "")
         show(f"{name}.k{k}.peak_mem_gib", r["peak_gib"], ".4g",
              "" if device.is_accelerator else "(peak RSS growth over the RSS before the model; process-wide)")
         show(f"{name}.k{k}.est_mem_gib", r["est_gib"], ".4g")
@@ -232,10 +234,10 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     from tandem.data_pipeline.dataset import get_batch
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.eval.metrics import distinct_n
-    from tandem.trainer.recipe import load_config
-    from tandem.trainer.run import build_run
     from tandem.trainer.loop import run_training
     from tandem.trainer.parallel.device import autocast_context
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_run
 
     steps = args.spec_train_steps if args.spec_train_steps is not None else (15 if args.quick else 300)
     n_prompts, prompt_len, new = (2, 16, 12) if args.quick else (8, 64, 64)
@@ -250,7 +252,8 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     show("spec.overrides", json.dumps(overrides))
     show("spec.trunk_layers_over_mtp_layers", depth, ".1f")
     if depth < 16:
-        raise SystemExit(f"gpu_check: error: the spec-decode trunk must be >= 16x deeper than its MTP module, got {depth}")
+        raise SystemExit("gpu_check: error: the spec-decode trunk must be >= 16x deeper than its MTP module, got "
+                         f"{depth}")
     t0 = time.perf_counter()
     trainer = build_run(cfg)
     record = run_training(trainer)
@@ -309,7 +312,8 @@ def qwen4_vllm_serving(device, args, run_dir: str) -> None:
     steps = 20 if args.quick else 200
     cli = [sys.executable, "-m", "tandem.trainer.cli"]
     env = dict(os.environ, WANDB_MODE="disabled")
-    train = cli + ["train", QWEN4_RECIPE, f"run.dir={run}", "device=cuda", "train.dtype=bf16", f"train.max_steps={steps}",
+    train = cli + ["train", QWEN4_RECIPE, f"run.dir={run}", "device=cuda", "train.dtype=bf16",
+                   f"train.max_steps={steps}",
                    "eval.interval=0", f"checkpoint.interval={steps}", "logging.progress=false"]
     if args.cache_dir:
         train.append(f"data.cache_dir={args.cache_dir}")
@@ -333,7 +337,8 @@ def qwen4_vllm_serving(device, args, run_dir: str) -> None:
 
     eos = load_tokenizer(hf).eod_id
     proc = subprocess.run([py, DRIVER, hf, prompts_file, "--k", str(K), "--max-tokens", str(new),
-                           "--max-model-len", "512", "--memory", "0.3"] + (["--eos", str(eos)] if eos is not None else []),
+                           "--max-model-len", "512", "--memory", "0.3"] + (["--eos",
+                                                                            str(eos)] if eos is not None else []),
                           capture_output=True, text=True)
     line = [x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")]
     show("qwen4_serve.seconds", time.perf_counter() - t0, ".1f")
@@ -368,7 +373,8 @@ def parse_args(argv):
     p.add_argument("--cache-dir", default="", help="the stdlib corpus cache (data.cache_dir)")
     p.add_argument("--vllm-python", default="", help="interpreter of a vLLM (CUDA) environment for section 3")
     args = p.parse_args(argv)
-    for flag, value, ok in (("--steps", args.steps, args.steps >= 1), ("--micro-batch", args.micro_batch, args.micro_batch >= 0),
+    for flag, value, ok in (("--steps", args.steps, args.steps >= 1), ("--micro-batch", args.micro_batch,
+                                                                       args.micro_batch >= 0),
                             ("--mem-fraction", args.mem_fraction, 0 < args.mem_fraction <= 1),
                             ("--peak-tflops", args.peak_tflops, args.peak_tflops >= 0)):
         if not ok:

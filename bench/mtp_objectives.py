@@ -33,8 +33,8 @@ OBJECTIVES = {
 
 
 def train_one(recipe: str, objective: str, steps: int, out: str, overrides):
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
 
     run_dir = os.path.join(out, objective)
     cfg = load_config(recipe, [f"train.max_steps={steps}", f"run.dir={run_dir}", "logging.wandb=false",
@@ -45,10 +45,10 @@ def train_one(recipe: str, objective: str, steps: int, out: str, overrides):
 
 
 def evaluate(run_dir: str, temperatures, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int):
-    from tandem.trainer.eval_cli import _tokenizer_of, _validation
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.eval.metrics import teacher_forced
     from tandem.trainer.checkpoint import load_model_from_checkpoint
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
 
     model, cfg = load_model_from_checkpoint(run_dir)
     tok = _tokenizer_of(cfg)

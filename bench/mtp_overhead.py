@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
-from tandem.trainer.recipe import load_config  # noqa: E402
+from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
 from tandem.trainer.flops import hardware_flops_per_token  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.activation_checkpoint import MODES, apply_activation_checkpointing  # noqa: E402
+from tandem.trainer.recipe import load_config  # noqa: E402
 
 
 class Runner:
@@ -85,7 +85,8 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     mem_plain, mem_mtp, mem_deeper = plain.peak_memory(), mtp.peak_memory(), deeper.peak_memory()
     result = {
         "step_time_ratio": statistics.median(t_mtp) / statistics.median(t_plain),
-        "flop_ratio": hardware_flops_per_token(cfg, looped, seq_len) / hardware_flops_per_token(cfg, plain_mtp, seq_len),
+        "flop_ratio": hardware_flops_per_token(cfg, looped, seq_len) / hardware_flops_per_token(cfg, plain_mtp,
+                                                                                                seq_len),
         "peak_mem_ratio": mem_mtp / mem_plain,
         "layer_mem_ratio": (mem_plain + k * (mem_deeper - mem_plain)) / mem_plain,
     }

@@ -23,8 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tandem.trainer.recipe import load_config  # noqa: E402
 from tandem.trainer.parallel.pipeline_plan import PipelinePlan, item_flops, stage_flops  # noqa: E402
+from tandem.trainer.recipe import load_config  # noqa: E402
 
 DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes",
                               "moe_4b_mtp_gpu.yaml")

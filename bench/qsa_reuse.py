@@ -1,7 +1,8 @@
 """QSA index reuse across draft steps (`mtp.qsa_reuse_indices`): the indexer work it saves per draft
 round and the acceptance it costs or buys, on one Qwen4-Exp checkpoint, side by side.
 
-    python bench/qsa_reuse.py [--checkpoint runs/qwen4_exp_tiny] [--num-prompts 16] [--prompt-len 160] [--max-new-tokens 64]
+    python bench/qsa_reuse.py [--checkpoint runs/qwen4_exp_tiny] [--num-prompts 16] [--prompt-len 160] [--max-new-tokens
+    64]
 
 The same checkpoint drafts the same held-out prompts twice, with the evaluator's decoder
 (`eval.decode_eval.evaluate_decoding`, the checkpoint's `eval.draft_convention`):
@@ -93,8 +94,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from tandem.trainer.eval_cli import _tokenizer_of, _validation
     from tandem.trainer.checkpoint import load_model_from_checkpoint
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
 
     model, cfg = load_model_from_checkpoint(args.checkpoint)
     layers = mtp_qsa_layers(model)

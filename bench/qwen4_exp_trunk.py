@@ -73,8 +73,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
-from tandem.models.experts import GroupedExperts  # noqa: E402
 from tandem.models.block import make_token_mixer  # noqa: E402
+from tandem.models.experts import GroupedExperts  # noqa: E402
 from tandem.models.ple import NGramEmbedding  # noqa: E402
 from tandem.models.qsa import IndexedAttention  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
@@ -282,25 +282,31 @@ def main() -> None:
     if not qwen.uses_qsa:
         raise SystemExit(f"{a.recipe}: the model has no indexed_attention layer to measure")
     dense = dense_config(qwen, a.match, qwen.max_seq_len)
-    (q_trunk, q_outer), (d_trunk, d_outer) = active_params(build(qwen)), active_params(build(dense))
+    (q_trunk, q_outer), (d_trunk, _) = active_params(build(qwen)), active_params(build(dense))
     q_total = sum(p.numel() for p in build(qwen).parameters())
     d_total = sum(p.numel() for p in build(dense).parameters())
     rel = d_trunk / q_trunk - 1
-    print(f"{os.path.basename(a.recipe)} (mtp.num_steps=0): layers {[qwen.layer_type(i) for i in range(qwen.num_layers)]}, "
+    print(f"{os.path.basename(a.recipe)} (mtp.num_steps=0): layers "
+          f"{[qwen.layer_type(i) for i in range(qwen.num_layers)]}, "
           f"hidden {qwen.hidden_size}, hc_count {qwen.hc_count}, ple_layers {qwen.ple_layers}, experts "
-          f"{qwen.num_experts} top{qwen.top_k} x{qwen.moe_intermediate_size} + shared x{qwen.resolved_shared_expert_size}, "
+          f"{qwen.num_experts} top{qwen.top_k} x{qwen.moe_intermediate_size} + shared "
+          f"x{qwen.resolved_shared_expert_size}, "
           f"QSA budget {qwen.indexer_budget} / ratio {qwen.indexer_compress_ratio}", flush=True)
-    print(f"dense trunk (--match {a.match}): {dense.num_layers} x attention, heads {dense.num_heads}/{dense.num_kv_heads} x "
-          f"{dense.resolved_head_dim}, shared expert x{dense.resolved_shared_expert_size}, hc_count 1, no PLE, plain norms")
+    print(f"dense trunk (--match {a.match}): {dense.num_layers} x attention, heads "
+          f"{dense.num_heads}/{dense.num_kv_heads} x "
+          f"{dense.resolved_head_dim}, shared expert x{dense.resolved_shared_expert_size}, hc_count 1, no PLE, plain "
+          "norms")
     print(f"parameters: total qwen4_exp {q_total / 1e6:.3f}M, dense {d_total / 1e6:.3f}M; embedding row + LM head "
-          f"(active, both) {q_outer}; torch {torch.__version__}, {dev.type}, {torch.get_num_threads()} threads, {a.dtype}")
+          f"(active, both) {q_outer}; torch {torch.__version__}, {dev.type}, {torch.get_num_threads()} threads, "
+          f"{a.dtype}")
     print(f"active_params qwen4_exp={q_trunk} dense={d_trunk} rel_diff={rel:+.4f}", flush=True)
     if abs(rel) > MATCH_TOLERANCE:
         raise SystemExit(f"active parameters differ by {rel:+.1%} (> {MATCH_TOLERANCE:.0%})")
 
     forms = [("dense", "attention", "auto", 0.0)]
     for form in ("auto", "mask", "gather"):
-        forms += [(form, "indexed_attention", form, 0.0), (f"{form}_kl", "indexed_attention", form, qwen.indexer_loss_coef)]
+        forms += [(form, "indexed_attention", form, 0.0), (f"{form}_kl", "indexed_attention", form,
+                                                           qwen.indexer_loss_coef)]
     results: List[Dict[str, float]] = []
     for s in lengths:
         b = tokens // s

@@ -63,11 +63,11 @@ class Sides:
     on one process group and mesh (each model keeps its own layout handles: pipeline schedule, ...)."""
 
     def __init__(self, base: List[str], layout: str, sides: Dict[str, List[str]], vocab: int):
+        from tandem.trainer.parallel import init_parallel
+        from tandem.trainer.parallel.device import resolve_device
         from tandem.trainer.recipe import load_config
         from tandem.trainer.run import build_model
         from tandem.trainer.step import TrainStep
-        from tandem.trainer.parallel import init_parallel
-        from tandem.trainer.parallel.device import resolve_device
 
         torch.set_num_threads(1)
         parallel = [f"parallel.{kv}" for kv in layout.split(",")]

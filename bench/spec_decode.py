@@ -33,9 +33,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from tandem.trainer.eval_cli import _tokenizer_of, _validation
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.trainer.checkpoint import load_model_from_checkpoint
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
 
     model, cfg = load_model_from_checkpoint(args.checkpoint)
     tok = _tokenizer_of(cfg)
@@ -49,9 +49,10 @@ def main(argv=None) -> int:
     print(f"tokens/s spec={m['decode_tokens_per_s/spec']:.1f} ar={m['decode_tokens_per_s/ar']:.1f} "
           f"speedup={s:.3f} predicted={m['speedup_predicted']:.3f} (K={args.num_steps}, "
           f"identical_to_autoregressive={m['identical_to_autoregressive']})")
-    T, V, O = m["time_per_token/ar_ms"], m["time_per_round/verify_ms"], m["time_per_round/overhead_ms"]
+    T, V, O = m["time_per_token/ar_ms"], m["time_per_round/verify_ms"], m["time_per_round/overhead_ms"]  # noqa: E741
     print(f"verify of {args.num_steps + 1} tokens = {V / T:.3f} x one AR token: speedup/acceptance ceiling with free "
-          f"drafts T/(V+O) = {T / (V + O):.3f}; the {args.num_steps} draft steps take {m['time_per_round/draft_ms']:.2f} ms "
+          f"drafts T/(V+O) = {T / (V + O):.3f}; the {args.num_steps} draft steps take "
+          f"{m['time_per_round/draft_ms']:.2f} ms "
           f"= {m['time_per_round/draft_ms'] / T:.2f} AR tokens")
     print(f"acceptance_length={a:.4f} speedup={s:.4f} speedup_over_acceptance={s / a:.4f}")
     return 0

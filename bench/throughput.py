@@ -46,11 +46,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
-from tandem.trainer.recipe import load_config  # noqa: E402
+from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.compile import apply_compile  # noqa: E402
+from tandem.trainer.recipe import load_config  # noqa: E402
 
 
 def tandem_config(a) -> ModelConfig:

@@ -64,7 +64,8 @@ def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     missing = [p for p in (bin_path, idx_path) if not os.path.isfile(p)]
     if missing:
-        raise FileNotFoundError(f"dataset {prefix}: missing {' and '.join(missing)} (run `tandem preprocess` to create it)")
+        raise FileNotFoundError(f"dataset {prefix}: missing {' and '.join(missing)} (run `tandem preprocess` to create "
+                                "it)")
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         head = f.read(34)
@@ -72,7 +73,8 @@ def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int
             raise ValueError(f"{idx_path} is not a Megatron indexed-dataset index (bad or truncated header)")
         (version,) = struct.unpack("<Q", head[9:17])
         if version != 1:
-            raise ValueError(f"{idx_path} has index version {version}; only version 1 (megatron-core MMIDIDX) is supported")
+            raise ValueError(f"{idx_path} has index version {version}; only version 1 (megatron-core MMIDIDX) is "
+                             "supported")
         code = head[17]
         if code not in _IDX_DTYPES:
             raise ValueError(f"{idx_path} stores tokens with dtype code {code}, not an integer type (1-5, 8)")
@@ -144,7 +146,8 @@ def _check_made_with(prefix: str, tokenizer: TandemTokenizer) -> None:
     meta = read_meta(prefix)
     if meta and (meta.get("eod_id") != tokenizer.eod_id or meta.get("vocab_size") != tokenizer.vocab_size):
         raise ValueError(
-            f"dataset {prefix} was made with a tokenizer of vocab_size={meta.get('vocab_size')}, eod={meta.get('eod_id')}, "
+            f"dataset {prefix} was made with a tokenizer of vocab_size={meta.get('vocab_size')}, "
+            f"eod={meta.get('eod_id')}, "
             f"but {tokenizer.path} has vocab_size={tokenizer.vocab_size}, eod={tokenizer.eod_id}"
         )
 
@@ -203,9 +206,9 @@ def build_datasets(
     """Build `(train_ds, valid_ds, tokenizer)` for `data_cfg` (a `DataConfig`).
 
     `source=stdlib` prepares/caches the embedded corpus (`prepare_stdlib_corpus`), tokenized with its own
-    byte-level BPE, or with `data.tokenizer` when set (a fine-tuned checkpoint's tokenizer). `source=megatron` reads the blend `data_cfg.paths`, split by
-    `data_cfg.split`, or uses `data_cfg.valid_paths` as a separate validation blend; the tokenizer is
-    `data_cfg.tokenizer` or the `<prefix>.tokenizer.json` beside the first prefix.
+    byte-level BPE, or with `data.tokenizer` when set (a fine-tuned checkpoint's tokenizer). `source=megatron` reads the
+    blend `data_cfg.paths`, split by `data_cfg.split`, or uses `data_cfg.valid_paths` as a separate validation blend;
+    the tokenizer is `data_cfg.tokenizer` or the `<prefix>.tokenizer.json` beside the first prefix.
 
     Each dataset holds at least the requested number of samples (Megatron repeats epochs as needed);
     `valid_ds` is None when the split gives validation no data. Sample indices are cached under
@@ -314,7 +317,8 @@ def batch_indices(first_sample: int, micro_step: int, grad_accum_steps: int, dp_
     so the union over dp ranks and micro-steps of a step is exactly what a dp=1 run with
     dp_size*grad_accum_steps micro-batches sees (its micro-step m' = micro_step*dp_size + dp_rank).
     """
-    if not (0 <= micro_step < grad_accum_steps and 0 <= dp_rank < dp_size and micro_batch_size > 0 and first_sample >= 0):
+    if not (0 <= micro_step < grad_accum_steps and 0 <= dp_rank < dp_size and micro_batch_size > 0
+            and first_sample >= 0):
         raise ValueError(
             f"batch_indices: need 0 <= micro_step ({micro_step}) < grad_accum_steps ({grad_accum_steps}), "
             f"0 <= dp_rank ({dp_rank}) < dp_size ({dp_size}), micro_batch_size ({micro_batch_size}) > 0, "

@@ -153,7 +153,8 @@ def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str, hf_
             ds_logging.enable_progress_bar()
     key = "text" if kind == "text" else text_key
     if key not in ds.column_names:
-        raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: {', '.join(ds.column_names)}); set --text-key")
+        raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: {', '.join(ds.column_names)}); set "
+                         "--text-key")
     for batch in ds.select_columns([key]).iter(batch_size=1000):
         for text in batch[key]:
             yield "" if text is None else str(text)
@@ -373,7 +374,8 @@ def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_f
         "tokenizer_source": tok_source,
         "skipped_empty_documents": stats.skipped_empty,
         "skipped_not_utf8_files": len(stats.skipped_not_utf8),
-        "inputs": [os.path.abspath(x) for x in paths[:32]] + ([f"... {len(paths) - 32} more"] if len(paths) > 32 else []),
+        "inputs": ([os.path.abspath(x) for x in paths[:32]]
+                   + ([f"... {len(paths) - 32} more"] if len(paths) > 32 else [])),
         "tokenizer_seconds": round(t_tok, 3),
         "seconds": round(time.time() - t0, 3),
     }
@@ -418,15 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
         "PREFIX.tokenizer.json, PREFIX.meta.json).",
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each file one document), or globs")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="output path prefix (PREFIX.bin, PREFIX.idx)")
+                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each file one document), "
+                        "or globs")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                   help="output path prefix (PREFIX.bin, PREFIX.idx)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="local tokenizer.json or Hugging Face tokenizer directory; default: train a byte-level BPE")
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the trained BPE (default 4096)")
     p.add_argument("--text-key", default="text", help="field holding the text in json/parquet records (default text)")
     p.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"),
                    help=".txt files: one document per file (default), per blank-line paragraph, or per line")
-    p.add_argument("--extensions", default=None, help="directories: only files ending in these comma-separated suffixes")
+    p.add_argument("--extensions", default=None,
+                   help="directories: only files ending in these comma-separated suffixes")
     p.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
                    help="bytes of the corpus the BPE is trained on (0 = all; default 100 MB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")

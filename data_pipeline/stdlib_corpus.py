@@ -50,7 +50,8 @@ def _py_files(root: str) -> List[Tuple[str, str, int]]:
     """(relative path, absolute path, size) of every .py file under root, sorted by relative path."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages",
+                                                        "__pycache__") and not d.startswith(".")]
         for name in filenames:
             if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
@@ -79,7 +80,8 @@ def stdlib_files(max_bytes: int = 0, valid_bytes: int = VALID_MAX_BYTES) -> Tupl
     train = [f for f in files if not f[0].startswith(("test/",) + TABLE_DIRS)]
     valid = [f for f in files if f[0].startswith("test/")]
     if not train or not valid:
-        raise FileNotFoundError(f"no standard-library .py sources found under {stdlib_root()} (train {len(train)}, test {len(valid)} files)")
+        raise FileNotFoundError(f"no standard-library .py sources found under {stdlib_root()} (train {len(train)}, "
+                                f"test {len(valid)} files)")
     return _take(train, max_bytes), _take(valid, valid_bytes)
 
 

@@ -80,14 +80,16 @@ class TandemTokenizer:
         """Write `tokenizer.json` to `out_file` atomically (temp file, then rename)."""
         text = self.to_json_str()
         if text is None:
-            raise ValueError(f"tokenizer {self.path} is a slow Hugging Face tokenizer; it has no tokenizer.json to save")
+            raise ValueError(f"tokenizer {self.path} is a slow Hugging Face tokenizer; it has no tokenizer.json to "
+                             "save")
         _atomic_write_text(out_file, text)
 
     def __len__(self) -> int:
         return self.vocab_size
 
     def __repr__(self) -> str:
-        return f"TandemTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, eod={self.eod_token!r}:{self.eod_id})"
+        return (f"TandemTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, "
+                f"eod={self.eod_token!r}:{self.eod_id})")
 
 
 def _find_eod(vocab: dict, eod_token: Optional[str], hf, path: str):
@@ -216,7 +218,8 @@ def tokenizer_fingerprint(path: str) -> str:
 
     h = hashlib.sha256()
     tj = tokenizer_file(path)
-    files = [tj] if tj else [os.path.join(path, n) for n in _SLOW_TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+    files = [tj] if tj else [os.path.join(path, n) for n in _SLOW_TOKENIZER_FILES if os.path.isfile(os.path.join(path,
+                                                                                                                 n))]
     if not files:
         raise FileNotFoundError(f"tokenizer not found: {path}")
     for file in files:

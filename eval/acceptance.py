@@ -15,7 +15,6 @@ import torch
 
 from .spec_decode import DecodeStats
 
-
 INTERVAL_RESAMPLES = 2000
 """Bootstrap resamples behind each 95% interval (`acceptance_intervals`)."""
 INTERVAL_SEED = 0

@@ -117,7 +117,7 @@ def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[Decod
     ar_tps = _median([ar_tokens / max(s.decode_s, 1e-12) for s in ar_stats])
     D = _median([s.draft_s / max(s.num_rounds, 1) for s in spec_stats])
     V = _median([s.verify_s / max(s.num_rounds, 1) for s in spec_stats])
-    O = _median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])
+    O = _median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])  # noqa: E741 (the paper's symbol)
     T = _median([s.decode_s / max(s.num_rounds, 1) for s in ar_stats])
     # Batched rounds advance every row; the tokens a round yields per row is the acceptance length.
     return {

@@ -5,8 +5,10 @@ from the config) and an MLP or MoE, around the residual scheme (plain, or hyper-
 from __future__ import annotations
 
 from typing import Optional
+
 import torch
 from torch import nn
+
 from .attention import Attention, LayerKV
 from .config import ModelConfig
 from .documents import Documents
@@ -67,7 +69,8 @@ class TransformerBlock(nn.Module):
             self.self_attn = mixer
         self.hc_count = cfg.hc_count
         if cfg.hc_count > 1:
-            self.attn_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+            self.attn_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank,
+                                                         cfg.rms_norm_eps)
             self.mlp_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
         else:
             self.input_layernorm = model_norm(cfg, cfg.hidden_size)

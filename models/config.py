@@ -219,7 +219,8 @@ class ModelConfig:
         if self.head_dim < 0:
             raise ValueError(f"model.head_dim must be >= 0, got {self.head_dim}")
         if not self.head_dim and self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                             f"model.num_heads={self.num_heads}; "
                              "set model.head_dim")
         rot = int(self.resolved_head_dim * self.partial_rotary_factor)
         if not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2:
@@ -353,7 +354,8 @@ class MTPConfig:
         if self.num_steps < 0:
             raise ValueError(f"mtp.num_steps must be >= 0, got {self.num_steps}")
         if self.num_steps > 0 and self.num_layers <= 0:
-            raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={self.num_steps} > 0, got {self.num_layers}")
+            raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={self.num_steps} > 0, got "
+                             f"{self.num_layers}")
         if self.style not in ("looped", "parallel"):
             raise ValueError(f"mtp.style must be 'looped' or 'parallel', got {self.style!r}")
         if self.style == "parallel" and self.num_steps and self.num_layers != self.num_steps:
@@ -397,16 +399,19 @@ LAYER_TYPES = ("attention", "linear_attention", "indexed_attention")
 def _validate_hybrid(model: ModelConfig) -> None:
     """The Qwen4-Exp invariants transformers validates, named by our keys, before any work."""
     if model.layer_types and len(model.layer_types) != model.num_layers:
-        raise ValueError(f"model.layer_types has {len(model.layer_types)} entries but model.num_layers={model.num_layers}")
+        raise ValueError(f"model.layer_types has {len(model.layer_types)} entries but "
+                         f"model.num_layers={model.num_layers}")
     bad = sorted(set(model.layer_types) - set(LAYER_TYPES))
     if bad:
         raise ValueError(f"model.layer_types has unknown entries {bad}; each must be one of {', '.join(LAYER_TYPES)}")
     if model.full_attention_interval < 0:
         raise ValueError(f"model.full_attention_interval must be >= 0, got {model.full_attention_interval}")
     if model.hc_count < 1:
-        raise ValueError(f"model.hc_count must be >= 1 (1 = plain residual; hyper-connections need > 1), got {model.hc_count}")
+        raise ValueError("model.hc_count must be >= 1 (1 = plain residual; hyper-connections need > 1), got "
+                         f"{model.hc_count}")
     if model.hc_count > 1 and model.hc_lowrank <= 0:
-        raise ValueError(f"model.hc_lowrank must be positive with model.hc_count={model.hc_count}, got {model.hc_lowrank}")
+        raise ValueError(f"model.hc_lowrank must be positive with model.hc_count={model.hc_count}, got "
+                         f"{model.hc_lowrank}")
     types = [model.layer_type(i) for i in range(model.num_layers)]
     if "linear_attention" in types:
         for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -439,7 +444,8 @@ def _validate_hybrid(model: ModelConfig) -> None:
             raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or indexer_only")
     if model.ple_layers:
         if model.hc_count <= 1:
-            raise ValueError(f"model.ple_layers needs hyper-connections (model.hc_count > 1), got hc_count={model.hc_count}")
+            raise ValueError("model.ple_layers needs hyper-connections (model.hc_count > 1), got "
+                             f"hc_count={model.hc_count}")
         ngram_heads = (model.ngram_size - 1) * model.heads_per_ngram
         if ngram_heads <= 0 or model.resolved_ple_embed_dim % ngram_heads:
             raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive multiple of the "
@@ -448,8 +454,11 @@ def _validate_hybrid(model: ModelConfig) -> None:
             if not 0 <= i < model.num_layers:
                 raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < {model.num_layers})")
             if types[i] != "linear_attention":
-                raise ValueError(f"model.ple_layers: PLE is only supported on linear_attention layers, layer {i} is {types[i]}")
+                raise ValueError(f"model.ple_layers: PLE is only supported on linear_attention layers, layer {i} is "
+                                 f"{types[i]}")
         if model.eos_token_id < 0:
-            raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE n-grams stop at it)")
+            raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE n-grams stop at "
+                             "it)")
         if model.ple_conv_kernel <= 0 or model.ngram_vocab_base <= 1 or model.ngram_vocab_multiple <= 0:
-            raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and model.ngram_vocab_multiple must be positive")
+            raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and model.ngram_vocab_multiple must be "
+                             "positive")

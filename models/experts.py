@@ -1,7 +1,7 @@
-"""The routed experts (`GroupedExperts`: SwiGLU weights stacked per expert) and their matmuls: every expert's contiguous block of token copies in one grouped
-matmul per projection (`torch._grouped_mm` behind the custom ops `tandem::grouped_mm` and its
-backward's `tandem::grouped_mm_raw`, so `torch.compile` traces through it without a graph break), with
-the counts as a device tensor (no host sync); where the grouped kernel is missing for the device and
+"""The routed experts (`GroupedExperts`: SwiGLU weights stacked per expert) and their matmuls: every expert's contiguous
+block of token copies in one grouped matmul per projection (`torch._grouped_mm` behind the custom ops
+`tandem::grouped_mm` and its backward's `tandem::grouped_mm_raw`, so `torch.compile` traces through it without a graph
+break), with the counts as a device tensor (no host sync); where the grouped kernel is missing for the device and
 dtype, or the row strides are not 16-byte aligned, one matmul per expert over host-side counts
 (`model.expert_matmul`). `expert_paths` says which path each layer takes, at a run's start."""
 

@@ -245,7 +245,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if ctx.recompute_h or ctx.recompute_w:
             w = weight_vh.to(ctx.dtype)
             out_h = torch.empty_like(h_rh) if ctx.recompute_h else out_h
-            acc = torch.zeros(weight_vh.shape, dtype=torch.float32, device=weight_vh.device) if ctx.recompute_w else None
+            acc = torch.zeros(weight_vh.shape, dtype=torch.float32,
+                              device=weight_vh.device) if ctx.recompute_w else None
             for i, h, _, grad, rows in _head_chunks(h_rh, w, targets, ctx.chunk, ctx.red, ctx.vocab_start):
                 rows = rows.mul_(grad_rows[i : i + ctx.chunk]).unsqueeze(1)
                 if ctx.recompute_h:
@@ -313,7 +314,8 @@ def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
     total = None
     for i in range(0, h_nh.shape[0], chunk_tokens):
         args = (h_nh[i : i + chunk_tokens], teacher_nh[i : i + chunk_tokens], weight_vh, valid_n[i : i + chunk_tokens])
-        part = checkpoint(_chunk_soft_ce_sum, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_soft_ce_sum(*args)
+        part = checkpoint(_chunk_soft_ce_sum, *args,
+                          use_reentrant=False) if torch.is_grad_enabled() else _chunk_soft_ce_sum(*args)
         total = part if total is None else total + part
     return total
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .attention import LayerKV
+from .block import OutputHead, TransformerBlock
 from .config import ModelConfig, MTPConfig
 from .documents import Documents
 from .layers import RMSNorm
@@ -34,7 +35,6 @@ from .mtp import (
     shifted_tokens,
 )
 from .qsa_index import QSASelection
-from .block import OutputHead, TransformerBlock
 
 
 def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
@@ -152,7 +152,8 @@ class TandemModel(nn.Module):
             return "zeros", 0.0  # PLE's convolution starts at zero, as in transformers
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "linear_attn.out_proj.weight")):
             # GPT-2 style: residual output projections scaled down with depth.
-            return "normal", std / math.sqrt(2 * (self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp_cfg.num_steps > 0 else 0)))
+            depth = self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp_cfg.num_steps > 0 else 0)
+            return "normal", std / math.sqrt(2 * depth)
         return "normal", std
 
     @torch.no_grad()

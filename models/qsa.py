@@ -66,9 +66,9 @@ from torch.utils.checkpoint import checkpoint
 from .documents import Documents
 from .layers import RMSNorm, RotaryEmbedding
 from .moe import AuxLossGrad
+from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
 from .qsa_loss import attention_block_mass, indexer_kl
 from .state import LayerCache
-from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
 
 MASK_ELEMS_LIMIT = 1 << 26
 """`auto` switches to the gather form above this many [B, S, S] mask elements."""
@@ -251,7 +251,8 @@ class IndexedAttention(nn.Module):
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerCache] = None,
                 selection: Optional[QSASelection] = None, return_selection: bool = False,
-                documents: Optional[Documents] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
+                documents: Optional[Documents] = None) -> Union[torch.Tensor, Tuple[torch.Tensor,
+                                                                                    Optional[QSASelection]]]:
         """`selection` (training, sparse stage): attend over these blocks instead of running the indexer
         (MTP depths 2..K reusing depth 1's). `return_selection`: also return the selection attended
         (None in the dense stage, where nothing is selected). `documents` (training only): the packed

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from typing import NamedTuple, Optional
+
 import torch
 from torch import nn
+
 from .layers import RMSNorm, RotaryEmbedding
 
 

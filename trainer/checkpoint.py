@@ -120,7 +120,8 @@ class CheckpointWriter:
         if self.reference is not None:
             state["model"] = {k: v for k, v in state["model"].items() if k.startswith(TRAINABLE_PREFIX)}
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
-        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group()) if self.async_save else None
+        future = dcp.async_save(state, checkpoint_id=tmp,
+                                process_group=self._async_group()) if self.async_save else None
         if future is None:
             dcp.save(state, checkpoint_id=tmp)
         self.pending = (future, step, tmp, config_yaml, dict(trainer_state))
@@ -230,7 +231,8 @@ def check_compatible(path: str, config_yaml: str) -> None:
         "mtp", {"loss", "detach_trunk", "loss_chunk_tokens", "init_from_last_layer"})
     if shape:
         raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
-    tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source", "data.tokenizer", "data.vocab_size")]
+    tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source", "data.tokenizer",
+                                                                       "data.vocab_size")]
     if tokenizer:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: " + "; ".join(tokenizer))
 
@@ -266,7 +268,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         model_sd = get_model_state_dict(model)
         state = {"model": _only_saved(model_sd, path)}
         _dcp_load(state, path)
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
+        set_model_state_dict(model, state["model"],
+                             options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
     rng_path = os.path.join(path, "rng", f"rank{_rank()}.pt")
     if os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=True))

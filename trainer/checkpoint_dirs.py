@@ -49,5 +49,6 @@ def resolve_checkpoint(path: str) -> str:
         return path
     found = latest_checkpoint(path, report=False)
     if found is None:
-        raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run directory holding one)")
+        raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run "
+                                "directory holding one)")
     return found[1]

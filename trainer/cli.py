@@ -37,7 +37,8 @@ _COMMANDS = {
 
 
 def train_main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tandem train", description="Train from a YAML recipe with key=value overrides.")
+    parser = argparse.ArgumentParser(prog="tandem "
+                                          "train", description="Train from a YAML recipe with key=value overrides.")
     parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny.yaml)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.max_steps=100 parallel.tp=2")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in run.dir")

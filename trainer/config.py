@@ -84,10 +84,12 @@ class DataConfig:
             ("source", self.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
             ("seq_len", self.seq_len > 0, "must be positive"),
             ("vocab_size", self.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),
-            ("paths", self.source != "megatron" or bool(self.paths), "must name dataset prefixes when data.source=megatron"),
+            ("paths", self.source != "megatron" or bool(self.paths),
+             "must name dataset prefixes when data.source=megatron"),
         ])
         if self.source == "stdlib" and not self.tokenizer and cfg.model.vocab_size < self.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size={self.vocab_size} "
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than "
+                              f"data.vocab_size={self.vocab_size} "
                               "(the tokenizer's vocabulary)")
 
 
@@ -207,7 +209,8 @@ class TrainConfig:
             ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, train.lr]"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
-            ("optimizer_kernel", self.optimizer_kernel in ("auto", "fused", "foreach"), "must be auto, fused or foreach"),
+            ("optimizer_kernel", self.optimizer_kernel in ("auto", "fused", "foreach"),
+             "must be auto, fused or foreach"),
             ("dtype", self.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
             ("grad_reduce_dtype", self.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
             ("log_interval", self.log_interval > 0, "must be positive"),
@@ -299,7 +302,8 @@ class ParallelConfig:
             ("pp", self.pp > 0, "must be positive"),
             ("ep", self.ep > 0, "must be positive"),
             ("dp", self.dp >= 0, "must be >= 0"),
-            ("pp_schedule", self.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"), "must be 1f1b, interleaved_1f1b or gpipe"),
+            ("pp_schedule", self.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
+             "must be 1f1b, interleaved_1f1b or gpipe"),
             ("pp_microbatches", self.pp_microbatches >= 0, "must be >= 0 (0 picks them)"),
             ("pp_virtual_stages", self.pp_virtual_stages > 0 or self.pp_schedule != "interleaved_1f1b",
              "must be positive with parallel.pp_schedule=interleaved_1f1b"),

@@ -121,7 +121,8 @@ def render() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help=f"write the page (default {DEFAULT_OUT}) instead of printing it")
+    p.add_argument("--write", action="store_true",
+                   help=f"write the page (default {DEFAULT_OUT}) instead of printing it")
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     text = render()

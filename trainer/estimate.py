@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
 
 import torch
+
 from tandem.models import TandemModel
 from tandem.models.loss import chunk_buffer_bytes
 
@@ -170,8 +171,9 @@ def compute_bytes(cfg: TandemConfig) -> int:
 
 
 def ple_lookup_bytes(cfg: TandemConfig) -> tuple:
-    """(transient bytes, bytes sent) of one rank's lookup in a PLE table, for one micro-batch (see the module docstring and tensor_hybrid.ShardedNGramTable).
-    Each tp rank asks for the ids of 1/tp of the positions; rows travel in the compute dtype."""
+    """(transient bytes, bytes sent) of one rank's lookup in a PLE table, for one micro-batch (see the module docstring
+    and tensor_hybrid.ShardedNGramTable). Each tp rank asks for the ids of 1/tp of the positions; rows travel in the
+    compute dtype."""
     m, p = cfg.model, cfg.parallel
     tokens = cfg.data.seq_len * cfg.train.micro_batch_size
     heads = (m.ngram_size - 1) * m.heads_per_ngram
@@ -425,8 +427,8 @@ def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces, acti
 
 def single_sync_bytes(cfg: TandemConfig, per_layer: Dict[int, Dict[str, int]], pieces_by_kind,
                       layers, pieces, unit_pieces, dp: int, activation_bytes: float) -> float:
-    """Bytes a pp rank (its `layers` and `pieces`) holds beyond the default mode's figures when gradients are synced once per step
-    (parallel.reshard_after_microbatch=false; see the module docstring): 4 bytes x (unsharded - owned)
+    """Bytes a pp rank (its `layers` and `pieces`) holds beyond the default mode's figures when gradients are synced
+    once per step (parallel.reshard_after_microbatch=false; see the module docstring): 4 bytes x (unsharded - owned)
     for every trained FSDP-managed parameter (the unsharded fp32 gradient replacing the sharded one;
     none under dp_mode=allreduce, whose gradients are whole anyway) and the gathered copies of its
     layers beyond the two largest (already in the gathered figure). The PLE tables (outside FSDP) and the

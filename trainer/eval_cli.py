@@ -43,10 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
     src.add_argument("--hf", help="Hugging Face checkpoint directory (GLM-4.5-style MTP weights)")
     p.add_argument("--prompts", help="JSONL file of {\"text\": ...} prompts (default: the validation split)")
-    p.add_argument("--num-prompts", type=int, default=0, help="prompts from the validation split (default eval.num_prompts)")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="prompts from the validation split (default eval.num_prompts)")
     p.add_argument("--prompt-len", type=int, default=0, help="tokens per validation prompt (default eval.prompt_len)")
     p.add_argument("--num-steps", type=int, default=0, help="draft length K (default: the trained mtp.num_steps)")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="tokens generated per prompt (default eval.max_new_tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=0,
+                   help="tokens generated per prompt (default eval.max_new_tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 speculative sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
     p.add_argument("--verify", choices=["token", "block"], default=None,
@@ -200,6 +202,7 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the other
     drafting convention's acceptance when it differs)."""
     import torch
+
     from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
     from tandem.eval.metrics import teacher_forced
 

@@ -85,7 +85,8 @@ def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> 
     return 3 * (layers + head_flops * _valid_fraction(mtp, seq_len))
 
 
-def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, activation_checkpointing: str = "none") -> float:
+def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
+                             activation_checkpointing: str = "none") -> float:
     """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
     (4x its forward under mtp.loss_head_backward=recompute), the QSA indexer KL's no-grad dense target,
     and under full activation checkpointing a second forward of every trunk and MTP block (the target
@@ -93,7 +94,8 @@ def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, act
     layers, head_flops = forward_flops_per_token(cfg, mtp, seq_len)
     trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3 * trunk_layer_forward_flops(cfg, i, seq_len)
                       for i in range(cfg.num_layers))
-    mtp_extra = mtp.num_steps * (mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len))
+    mtp_extra = mtp.num_steps * (mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp,
+                                                                                                           seq_len))
     head_passes = 4 if mtp.loss_head_backward == "recompute" else 3
     out = 3 * layers + head_passes * head_flops * _valid_fraction(mtp, seq_len) + trunk_extra + mtp_extra
     if activation_checkpointing == "full":

@@ -69,7 +69,8 @@ class BadStepGuard:
         if self.is_main:
             print(f"bad step {step}: {why}; policy={self.t.bad_step_policy}", file=sys.stderr)
         if len(self.bad_steps) > self.t.max_skips:
-            self.last_reason = f"{why}; {len(self.bad_steps)} bad steps within {self.t.skip_window} steps (train.max_skips={self.t.max_skips})"
+            self.last_reason = (f"{why}; {len(self.bad_steps)} bad steps within {self.t.skip_window} steps "
+                                f"(train.max_skips={self.t.max_skips})")
             return "halt"
         return self.t.bad_step_policy
 

@@ -69,17 +69,20 @@ def _directive_value(name: str, value: str, allow_percent: bool = True) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tandem launch slurm",
-        description="Render an sbatch script for a recipe (torchrun per node, requeue on pre-timeout signal) and submit it.",
+        description="Render an sbatch script for a recipe (torchrun per node, requeue on pre-timeout signal) and "
+                    "submit it.",
     )
     p.add_argument("recipe", help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides passed to `tandem train`")
     p.add_argument("--nodes", type=int, required=True, help="nodes (one torchrun per node)")
     per_node = p.add_mutually_exclusive_group(required=True)
-    per_node.add_argument("--gpus-per-node", type=int, help="accelerators per node: requests gres=<gres-name>:G and starts G ranks per node")
+    per_node.add_argument("--gpus-per-node", type=int,
+                          help="accelerators per node: requests gres=<gres-name>:G and starts G ranks per node")
     per_node.add_argument("--procs-per-node", type=int, help="CPU-only: ranks per node, no gres")
     p.add_argument("--gres-name", default=None,
                         help="generic resource to request per node (default: npu for device=npu recipes, else gpu)")
-    p.add_argument("--cpus-per-task", type=int, help=f"CPUs for each node's task (default: P, or {GPU_CPUS_PER_TASK} per GPU)")
+    p.add_argument("--cpus-per-task", type=int,
+                   help=f"CPUs for each node's task (default: P, or {GPU_CPUS_PER_TASK} per GPU)")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--time", help="time limit (Slurm syntax, e.g. 04:00:00 or 2-00:00:00)")
     p.add_argument("--account", help="Slurm account")
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-dir", help="directory of *.sh files sourced before launch (default: slurm/env.d)")
     p.add_argument(
         "--sbatch-arg", action="append", default=[], metavar="ARG",
-        help="extra sbatch option written as an #SBATCH line; use the = form, e.g. --sbatch-arg=--exclusive (repeatable)",
+        help="extra sbatch option written as an #SBATCH line; use the = form, e.g. --sbatch-arg=--exclusive "
+             "(repeatable)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     p.add_argument("--check", action="store_true",
@@ -127,8 +131,10 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
     if args.signal_seconds < 0:
         raise LaunchError("--signal-seconds must be >= 0")
     workdir = os.path.abspath(workdir or os.getcwd())
-    log_dir = _directive_value("run.dir", os.path.join(os.path.abspath(os.path.join(workdir, run_dir)), "slurm"), allow_percent=False)
-    job_name = args.job_name or "tandem-" + re.sub(r"[^A-Za-z0-9_.\-]", "_", os.path.basename(os.path.normpath(run_dir)) or "run")
+    log_dir = _directive_value("run.dir", os.path.join(os.path.abspath(os.path.join(workdir, run_dir)), "slurm"),
+                               allow_percent=False)
+    job_name = args.job_name or "tandem-" + re.sub(r"[^A-Za-z0-9_.\-]", "_",
+                                                   os.path.basename(os.path.normpath(run_dir)) or "run")
 
     d = [
         f"--job-name={_directive_value('--job-name', job_name)}",
@@ -269,7 +275,8 @@ def _submit(script_path: Path, provenance: dict) -> int:
     provenance["job_id"] = job_id
     script_path.with_suffix(".json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(job_id)
-    print(f"tandem launch slurm: submitted job {job_id}; script {script_path}; logs {out_dir}/{job_id}.out", file=sys.stderr)
+    print(f"tandem launch slurm: submitted job {job_id}; script {script_path}; logs "
+          f"{out_dir}/{job_id}.out", file=sys.stderr)
     return 0
 
 

@@ -14,6 +14,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
 from tandem.data_pipeline.dataset import batch_indices, get_batch
 
 from . import preemption

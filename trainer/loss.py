@@ -6,6 +6,7 @@ from contextlib import nullcontext
 from typing import List
 
 import torch
+
 from tandem.models.config import MTPConfig
 from tandem.models.mtp import depth_target_mask
 

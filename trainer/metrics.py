@@ -93,7 +93,8 @@ class MetricsLogger:
         with open(id_path, "w") as f:
             f.write(run_id)
         if offline:
-            print(f"wandb: offline run; upload later with: wandb sync {run.dir.rsplit('/files', 1)[0]}", file=sys.stderr)
+            print("wandb: offline run; upload later with: wandb sync "
+                  f"{run.dir.rsplit('/files', 1)[0]}", file=sys.stderr)
         return run
 
     def log(self, record: dict) -> None:

@@ -98,12 +98,14 @@ def agree_preemption(group=None) -> bool:
         device = torch.device("cpu")
     else:
         acc = torch.accelerator.current_accelerator()
-        device = torch.device(acc.type, torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
+        device = torch.device(acc.type,
+                              torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
     flag = torch.tensor([1 if _requested else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     agreed = bool(flag.item())
     if agreed and _global_rank() == 0:
-        logger.warning("preemption: %s received (by this or another rank); checkpointing and requeueing", _signal_name or "signal")
+        logger.warning("preemption: %s received (by this or another rank); checkpointing and "
+                       "requeueing", _signal_name or "signal")
     return agreed
 
 
@@ -118,7 +120,8 @@ def requeue_current_job() -> bool:
         logger.error("preemption: scontrol requeue %s failed: %s", job_id, exc)
         return False
     if res.returncode != 0:
-        logger.error("preemption: scontrol requeue %s failed (exit %d): %s", job_id, res.returncode, " ".join(res.stderr.split()))
+        logger.error("preemption: scontrol requeue %s failed (exit %d): "
+                     "%s", job_id, res.returncode, " ".join(res.stderr.split()))
         return False
     logger.warning("preemption: requeued Slurm job %s; it resumes from the checkpoint when rescheduled", job_id)
     return True

@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
-from tandem.models.qsa import IndexedAttention
 from torch import nn
+
+from tandem.models.qsa import IndexedAttention
 
 
 class IndexerTraining:

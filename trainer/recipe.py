@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
 from tandem.models import flavors
 
 from .config import ConfigError, TandemConfig

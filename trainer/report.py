@@ -299,7 +299,8 @@ def write_report(runs: Sequence[Run], out_dir: str) -> Dict[str, str]:
 
 def report_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem report",
-                                     description="Plot one or more runs (overlaid) as PNGs and one self-contained HTML page.")
+                                     description="Plot one or more runs (overlaid) as PNGs and one self-contained HTML "
+                                                 "page.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
     parser.add_argument("--out", help="output directory (default: RUN_DIR/report for one run, ./report for several)")
     parser.add_argument("--labels", help="comma-separated legend labels, one per run (default: directory names)")

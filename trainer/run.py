@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from torch import nn
+
 from tandem.data_pipeline.dataset import (
     DataPosition,
     build_datasets,
@@ -19,7 +21,6 @@ from tandem.data_pipeline.dataset import (
     follow_checkpoint_tokenizer,
 )
 from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
-from torch import nn
 
 from .checkpoint import (
     CheckpointWriter,

@@ -13,10 +13,11 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from tandem.models import depth_target_mask
-from tandem.models.experts import expert_paths
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from tandem.models import depth_target_mask
+from tandem.models.experts import expert_paths
 
 from .config import TandemConfig
 from .loss import combine_losses, loss_gradient

@@ -102,11 +102,12 @@ def make_history_sensitive(model, seed: int):
 
 def evaluate(layout: str) -> dict:
     from eval_helpers import make_agreeing
+
     from tandem.eval.in_loop import InLoopEvaluator
-    from tandem.trainer.run import build_model
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
     from tandem.trainer.parallel.pipeline_decode import parallel_decoding
+    from tandem.trainer.run import build_model
 
     q4, history = is_qwen4(layout), HISTORY in layout.split(",")
     items = [kv for kv in layout.split(",") if kv != HISTORY]

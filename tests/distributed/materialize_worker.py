@@ -48,9 +48,9 @@ def main(out_dir: str, init_from: str, layouts) -> int:
     from torch.distributed.tensor import DTensor
 
     from tandem.trainer import seeded_init
-    from tandem.trainer.run import build_model
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
 
     torch.set_num_threads(1)
     seeded_init.INIT_BLOCK_ELEMS = 16  # blocks of one row: a whole tensor is never one block

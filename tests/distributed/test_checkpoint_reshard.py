@@ -23,8 +23,8 @@ import shutil
 import sys
 
 import pytest
-from omegaconf import OmegaConf
 from conftest import fault_env
+from omegaconf import OmegaConf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -5,13 +5,14 @@ expert-parallel batch ranks; full and selective checkpointing in bf16).
 
 The reference is the same layout without compile and without checkpointing, in the same launch: the
 same collectives in the same order, so what differs is compilation alone (that each eager layout trains
-like one process is test_parallel_equivalence.py's). One torchrun launch per world size runs every case (with the other equivalence modules' layouts, tests/conftest.py)
-(tests/distributed/worker.py); the graphs one case compiles serve the next (the checkpointing modes share
-their forward graphs), which keeps the test's time to one compilation per dtype and launch.
+like one process is test_parallel_equivalence.py's). One torchrun launch per world size runs every case (with the other
+equivalence modules' layouts, tests/conftest.py) (tests/distributed/worker.py); the graphs one case compiles serve the
+next (the checkpointing modes share their forward graphs), which keeps the test's time to one compilation per dtype and
+launch.
 
 Tolerances. fp32: compiling re-fuses elementwise work and reorders its reductions; measured against the
-eager layout after three AdamW steps: losses 1e-7, parameters 1.1e-5 relative (tp2 x ep2 x pp2 + SP, when it ran in fp32; the
-eager layout is itself 4.3e-5 off one process there, so the rounding is the layout's scale). A compiled
+eager layout after three AdamW steps: losses 1e-7, parameters 1.1e-5 relative (tp2 x ep2 x pp2 + SP, when it ran in
+fp32; the eager layout is itself 4.3e-5 off one process there, so the rounding is the layout's scale). A compiled
 block that lost a gradient (the SP embedding's, before compile.py waited on its asynchronous output), or
 a recomputation that replayed another graph, is off by O(1) or fails outright. bf16: the bound of
 test_parallel_equivalence.py, 4x the gap between the eager layout in bf16 and in fp32 (or one bf16
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_parallel_equivalence import (  # puts worker on sys.path
     BF16_EVIDENCE,
     BF16_GAP_FACTOR,

@@ -133,7 +133,8 @@ def assert_matches_single_process(layout, runs, reference):
 
 def q4_reference_layout(layout: str) -> str:
     """The one-process layout a Qwen4-Exp case compares with: its dotted keys and weights."""
-    return ",".join(["single"] + [kv for kv in layout.split(",") if "." in kv.split("=")[0] or kv == eval_worker.HISTORY])
+    kept = [kv for kv in layout.split(",") if "." in kv.split("=")[0] or kv == eval_worker.HISTORY]
+    return ",".join(["single"] + kept)
 
 
 class _Q4References(dict):

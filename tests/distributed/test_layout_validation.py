@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tandem.trainer.config import ConfigError
-from tandem.trainer.recipe import load_config
 from tandem.trainer.parallel.pipeline_plan import stage_layer_split
 from tandem.trainer.parallel.validate import pipeline_microbatches, validate_layout
+from tandem.trainer.recipe import load_config
 
 BASE = ["model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.num_layers=4",
         "model.vocab_size=4096", "data.seq_len=64", "train.grad_accum_steps=2"]
@@ -32,11 +32,13 @@ def cfg(*overrides):
     (["parallel.pp=3", "parallel.pp_layout=[3,1,0]", "parallel.pp_depth_stages=[1,2,1,2]"], 3,
      "MTP depths must be in pipeline order"),
     (["parallel.pp=2", "parallel.pp_balance=true", "parallel.pp_layout=[2,2]"], 2, "leave them empty"),
-    (["parallel.pp=2", "parallel.pp_depth_stages=[0,1,1,1]", "parallel.pp_layout=[4,0]", "model.tie_embeddings=true"], 2,
+    (["parallel.pp=2", "parallel.pp_depth_stages=[0,1,1,1]", "parallel.pp_layout=[4,0]", "model.tie_embeddings=true"],
+     2,
      "model.tie_embeddings=true is not supported with loss depths spread"),
     (["parallel.pp=2", "parallel.pp_layout=[4]"], 2, "has 1 entries but the pipeline has 2 stages"),
     (["parallel.pp=4", "train.micro_batch_size=1"], 4,
-     "train.micro_batch_size*train.grad_accum_steps = 1*2 = 2 sequences per step per data-parallel rank cannot be split "
+     "train.micro_batch_size*train.grad_accum_steps = 1*2 = 2 sequences per step per data-parallel rank cannot be "
+     "split "
      "into parallel.pp=4 pipeline micro-batches; make it at least 4"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micro_batch_size=3", "train.grad_accum_steps=1"],
      2, "cannot be split into parallel.pp=2 pipeline micro-batches; make it a multiple of 2"),

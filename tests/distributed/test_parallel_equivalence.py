@@ -66,7 +66,8 @@ LAYOUTS = {
 }
 # parallel.reshard_after_microbatch: the layouts above sync gradients every micro-batch (the default);
 # these keep FSDP's unsharded gradients through the step and sync once, in the last backward
-LAYOUTS.update({"dp=2,reshard_after_microbatch=false": 2, "pp=2,dp=2": 4, "pp=2,dp=2,reshard_after_microbatch=false": 4})
+LAYOUTS.update({"dp=2,reshard_after_microbatch=false": 2, "pp=2,dp=2": 4,
+                "pp=2,dp=2,reshard_after_microbatch=false": 4})
 # Load-balance and z-loss: the one-process run takes the mean aux loss over all its micro-batches, so
 # every layout must scale each micro-batch's aux gradient by 1/(micro-batches in the global step),
 # not 1/grad_accum_steps per rank (gradients are summed over dp*ep). Coefficients large enough that
@@ -124,7 +125,8 @@ RTOL = 1e-5
 # rounding of the split vocabulary flips near-ties and, after three Adam steps, reaches 1.5e-4 on a few
 # weights; with float64 parameters the same comparison gives 3.4e-6. A wrong vocab-parallel backward
 # (the softmax normaliser's gradient not summed over tp) already moves the step-2 losses by 1e-3.
-PARAM_RTOL = {"tp=2,model.qk_norm=true": 1e-4, "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 4e-4}
+PARAM_RTOL = {"tp=2,model.qk_norm=true": 1e-4,
+              "tp=2,mtp.loss.objective=acceptance,mtp.loss.acceptance_ce_weight=0.5": 4e-4}
 
 # bf16 tolerance. bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-9 = 2e-3
 # relative. The per-depth losses are means over ~100 tokens, so a run's bf16 roundings move them less;
@@ -196,7 +198,8 @@ def load(tmp_path, layout: str, world: int):
     for r in ranks:
         for name, value in r["params"].items():
             if name in params:  # replicas of one parameter (other tp/dp ranks, the embedding copy) agree
-                torch.testing.assert_close(value, params[name], rtol=RTOL, atol=1e-7, msg=f"{layout}: {name} replicas differ")
+                torch.testing.assert_close(value, params[name], rtol=RTOL, atol=1e-7, msg=f"{layout}: {name} replicas "
+                                                                                          "differ")
             params[name] = value
     return ranks[0]["losses"], params
 
@@ -237,7 +240,8 @@ def test_layout_matches_single_process(layout, runs, references):
     assert worst_loss < RTOL, f"{layout}: per-depth losses {got.tolist()} vs {ref_losses.tolist()}"
     assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
     worst = max((rel_err(params[n], ref["params"][n]), n) for n in params)
-    assert worst[0] < PARAM_RTOL.get(layout, DEFAULT_PARAM_RTOL), f"{layout}: parameter {worst[1]} relative error {worst[0]:.2e}"
+    assert worst[0] < PARAM_RTOL.get(layout, DEFAULT_PARAM_RTOL), (f"{layout}: parameter {worst[1]} relative error "
+                                                                   f"{worst[0]:.2e}")
     print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} ({worst[1]})")
 
 
@@ -258,7 +262,8 @@ def test_bf16_layout_matches_single_process(layout, runs, references):
     worst, worst0 = max_rel(losses, ref["losses"]), max_rel(losses[0], ref["losses"][0])
     assert worst0 <= max(BF16_GAP_FACTOR * gap0, BF16_ROUNDING), \
         f"{layout}: step-0 losses {worst0:.2e} off bf16 (gap to fp32 {gap0:.2e})"
-    assert worst <= max(BF16_GAP_FACTOR * gap, BF16_ROUNDING), f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 {gap:.2e})"
+    assert worst <= max(BF16_GAP_FACTOR * gap, BF16_ROUNDING), (f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 "
+                                                                f"{gap:.2e})")
     ranks = load_ranks(runs, layout, world)
     assert all(r["linear_dtypes"] == ["torch.bfloat16"] for r in ranks), [r["linear_dtypes"] for r in ranks]
     if batch_ranks(layout) > 1:
@@ -270,7 +275,8 @@ def test_bf16_layout_matches_single_process(layout, runs, references):
     norm, norm32 = ranks[0]["grad_norms"][0], ref32["grad_norms"][0]
     assert abs(norm - norm32) / norm32 > BF16_EVIDENCE, f"{layout}: step-0 grad norm {norm} ~ fp32's {norm32}"
     print(f"{layout}: max loss rel err {worst:.2e} (step 0 {worst0:.2e}) vs one-process bf16; one-process "
-          f"bf16-fp32 gap {gap:.2e} (step 0 {gap0:.2e}); step-0 grad norm off fp32 by {abs(norm - norm32) / norm32:.2e}")
+          f"bf16-fp32 gap {gap:.2e} (step 0 {gap0:.2e}); step-0 grad norm off fp32 by "
+          f"{abs(norm - norm32) / norm32:.2e}")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS) + list(BF16_LAYOUTS))

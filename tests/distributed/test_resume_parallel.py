@@ -18,8 +18,10 @@ SMALL = TINY_MODEL_DATA + ["eval.interval=0", "checkpoint.interval=2", "parallel
 
 
 def torchrun(run_dir, cache, steps, resume=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tandem.trainer.cli", "train", RECIPE, *SMALL,
-           f"train.max_steps={steps}", f"run.dir={run_dir}", f"data.cache_dir={cache}"] + (["--resume"] if resume else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "tandem.trainer.cli", "train", RECIPE, *SMALL,
+           f"train.max_steps={steps}", f"run.dir={run_dir}",
+           f"data.cache_dir={cache}"] + (["--resume"] if resume else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -14,8 +14,8 @@ routers), by class. A layout item `train.dtype=bf16` trains in bf16 (any dotted 
 from __future__ import annotations
 
 import os
-import time
 import sys
+import time
 from typing import Dict, List
 
 import torch
@@ -54,7 +54,8 @@ PRESETS = {
         "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
         "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.indexer_heads=2",
         "model.indexer_head_dim=8", "model.indexer_budget=8", "model.indexer_compress_ratio=4",
-        "model.indexer_warmup_steps=1", "model.indexer_warmup=indexer_only", "model.ple_layers=[0]", "model.heads_per_ngram=2",
+        "model.indexer_warmup_steps=1", "model.indexer_warmup=indexer_only", "model.ple_layers=[0]",
+              "model.heads_per_ngram=2",
         "model.ngram_vocab_base=97", "model.eos_token_id=1",
     ],
 }
@@ -114,12 +115,12 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     `recorder` (a collectives.CollectiveRecorder) is switched on around the training steps."""
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.optim import lr_at, set_lr
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     single = layout.split(",")[0] == "single"
     accum = GRAD_ACCUM * (batch_size_for_ref if single else 1)
@@ -141,7 +142,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     def note_dtype(module, args, out):
         if isinstance(module, torch.nn.Linear) and isinstance(out, torch.Tensor):
             linear_dtypes.add(str(out.dtype))
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and next(module.parameters(False), None) is not None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and next(module.parameters(False),
+                                                                              None) is not None:
             # a module that is an FSDP unit itself has the class FSDP<its class>: recorded by its own
             owner_dtypes.setdefault(type(module).__name__.removeprefix("FSDP"), set()).add(str(out.dtype))
 
@@ -149,9 +151,9 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     # each hyper-connection's stream norm, each router's weight: this rank's values, still the initial
     # ones), and the dtypes of the residual streams entering every trunk block but the first (whose input
     # is the embedding, gathered in bf16 under FSDP's policy).
+    from tandem.models.block import TransformerBlock
     from tandem.models.gated_deltanet import GatedDeltaNet
     from tandem.models.hyper_connection import HyperConnection
-    from tandem.models.block import TransformerBlock
     from tandem.models.moe import Router
     from tandem.trainer.parallel.sharded_params import local
 
@@ -243,11 +245,11 @@ def accumulated_gradients(layout: str) -> dict:
     sum, in any dtype, is exact: what remains is how the step accumulated its micro-batches."""
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     micro = 4
     cfg = make_cfg(layout, micro)
@@ -317,7 +319,6 @@ def reuse_device_meshes() -> None:
 
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
-
     from collectives import CollectiveRecorder
 
     out_dir, layouts = argv[0], argv[1:]

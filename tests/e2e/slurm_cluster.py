@@ -94,7 +94,8 @@ class SlurmCluster:
         return dict(os.environ, **self.env)
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env=self.full_env(), capture_output=True, text=True, check=check, timeout=timeout)
+        return subprocess.run(list(argv), env=self.full_env(), capture_output=True, text=True, check=check,
+                              timeout=timeout)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def __enter__(self) -> "SlurmCluster":
@@ -110,7 +111,8 @@ class SlurmCluster:
             self._write_files()
             self._start_munged()
             self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
-            self._wait_for(lambda: self.run("scontrol", "ping", check=False).stdout.count("UP") > 0, timeout, "slurmctld")
+            self._wait_for(lambda: self.run("scontrol", "ping", check=False).stdout.count("UP") > 0, timeout,
+                           "slurmctld")
             self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
             self._wait_for(self._node_idle, timeout, "slurmd (node idle in sinfo)")
         except BaseException:
@@ -153,7 +155,8 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for proc in self._procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}\n{self.logs()}")
+                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for "
+                                       f"{what}\n{self.logs()}")
             if pred():
                 return
             time.sleep(0.5)

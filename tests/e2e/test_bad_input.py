@@ -14,8 +14,8 @@ import torch
 
 from tandem.data_pipeline.preprocess import preprocess
 from tandem.trainer.cli import main
-from tandem.trainer.recipe import load_config
 from tandem.trainer.loop import train
+from tandem.trainer.recipe import load_config
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 
@@ -88,7 +88,8 @@ def test_bad_config_values(ctx, override, message):
 
 
 def test_unknown_recipe_path(ctx):
-    ctx.fails(["train", "recipes/no_such_recipe.yaml", f"run.dir={ctx.run}"], "recipe file not found: recipes/no_such_recipe.yaml")
+    ctx.fails(["train", "recipes/no_such_recipe.yaml", f"run.dir={ctx.run}"],
+              "recipe file not found: recipes/no_such_recipe.yaml")
 
 
 def test_recipe_with_typo(ctx, tmp_path):
@@ -100,7 +101,8 @@ def test_recipe_with_typo(ctx, tmp_path):
 def test_run_dir_not_writable(ctx, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    ctx.fails(["train", RECIPE, *ctx.base, f"run.dir={blocker}/run"], f"config key 'run.dir'='{blocker}/run' is not writable")
+    ctx.fails(["train", RECIPE, *ctx.base, f"run.dir={blocker}/run"],
+              f"config key 'run.dir'='{blocker}/run' is not writable")
 
 
 # --- hardware -----------------------------------------------------------------------------------
@@ -198,7 +200,8 @@ def test_unknown_command(capsys):
 
 
 def test_override_without_equals(ctx):
-    ctx.fails(["train", RECIPE, *ctx.base, "train.max_steps"], "override 'train.max_steps' is not of the form key=value")
+    ctx.fails(["train", RECIPE, *ctx.base, "train.max_steps"],
+              "override 'train.max_steps' is not of the form key=value")
 
 
 def test_launch_needs_slurm_word(capsys):
@@ -272,4 +275,5 @@ def test_eval_prompts_too_long(ctx, tmp_path):
 @pytest.mark.parametrize("value", ["[0]", "[0.7,2.5]"])
 def test_eval_temperatures_outside_range(ctx, value):
     ctx.fails(["train", RECIPE, *ctx.base, f"eval.temperatures={value}"],
-              f"config key 'eval.temperatures'={[float(v) for v in value.strip('[]').split(',')]!r} must each be in (0, 2]")
+              f"config key 'eval.temperatures'={[float(v) for v in value.strip('[]').split(',')]!r} must each be in "
+              "(0, 2]")

@@ -25,8 +25,8 @@ SOURCES = {"a.py": "".join(f"def f{i}(x, y={i}):\n    return [x * y + {i} for _ 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_base, one_thread):
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
 
     root = tmp_path_factory.mktemp("quality")
     overrides = tiny_base + [f"run.dir={root / 'run'}", "train.max_steps=3",
@@ -64,9 +64,9 @@ def _distinct4(outputs):
 
 
 def test_quality_bench_matches_hand_computation(checkpoint):
-    from tandem.trainer.eval_cli import _tokenizer_of
     from tandem.eval.spec_decode import generate
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
+    from tandem.trainer.eval_cli import _tokenizer_of
 
     cmd = [sys.executable, "bench/default_job_quality.py", "--checkpoint", str(checkpoint / "run"), "--windows", "100",
            "--prompts", "3", "--batch-size", "2", "--second-dir", str(checkpoint / "code")]

@@ -14,14 +14,15 @@ import sys
 import pytest
 import torch
 
-from tandem.trainer.recipe import load_config
 from tandem.trainer.estimate import estimate
 from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
+from tandem.trainer.recipe import load_config
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
-RECIPES = {"tiny": os.path.join(ROOT, "recipes", "tiny.yaml"), "1b": os.path.join(ROOT, "recipes", "moe_4b_mtp_gpu.yaml")}
+RECIPES = {"tiny": os.path.join(ROOT, "recipes", "tiny.yaml"), "1b": os.path.join(ROOT, "recipes",
+                                                                                  "moe_4b_mtp_gpu.yaml")}
 PEAK_TFLOPS = 0.01  # a made-up CPU peak, so MFU is computed (and checkable) on CPU
 K = 3
 

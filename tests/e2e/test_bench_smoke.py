@@ -70,7 +70,9 @@ def test_qwen4_exp_trunk_bench():
     assert abs(float(counts["rel_diff"]) - (dense / qwen - 1)) < 1e-4
     rows = [dict(field.split("=") for field in line.split()) for line in lines if line.startswith("seq=")]
     assert [(int(r["seq"]), int(r["batch"])) for r in rows] == [(64, 2), (128, 1)], lines
-    ratios = {"step_ratio", "step_ratio_fastest"} | {f"mem_ratio_{form}{kl}" for form in ("auto", "mask", "gather") for kl in ("", "_kl")}
+    ratios = {"step_ratio", "step_ratio_fastest"} | {f"mem_ratio_{form}{kl}" for form in ("auto", "mask",
+                                                                                          "gather") for kl in ("",
+                                                                                                               "_kl")}
     m = load_config("recipes/qwen4_exp_tiny.yaml", []).model
     blocks, r = m.indexer_budget // m.indexer_compress_ratio, m.indexer_compress_ratio
     for row in rows:

@@ -10,8 +10,8 @@ from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, one_thread):
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
 
     root = tmp_path_factory.mktemp("evalcli")
     overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA, "eval.interval=0",

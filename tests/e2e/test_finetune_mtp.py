@@ -26,7 +26,8 @@ def corpus_dir(tmp_path_factory):
 
 
 def shape_overrides(tmp, cache=None):
-    return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=64", f"data.cache_dir={cache or tmp + '/cache'}",
+    return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=64",
+            f"data.cache_dir={cache or tmp + '/cache'}",
             "train.dtype=fp32", "logging.wandb=false", "logging.progress=false", "train.micro_batch_size=8"]
 
 
@@ -50,13 +51,14 @@ def acceptance(model, prompts, K):
 
 def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     from tandem.trainer.cli import main as cli
+    from tandem.trainer.loop import run_training
     from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run
-    from tandem.trainer.loop import run_training
 
     tmp = str(tmp_path)
     pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
-           "model.num_kv_heads=2", "model.intermediate_size=128", "model.moe_intermediate_size=32", "model.num_experts=4",
+           "model.num_kv_heads=2", "model.intermediate_size=128", "model.moe_intermediate_size=32",
+           "model.num_experts=4",
            "model.max_seq_len=128", "train.max_steps=30", "train.warmup_steps=5", "eval.interval=0",
            f"run.dir={tmp}/pre"] + shape_overrides(tmp, corpus_dir)
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0
@@ -95,7 +97,8 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
 
 
 QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
-         "model.shared_expert_gate=true", "model.router_score=softmax", "model.balance=aux_loss", "model.first_k_dense=0",
+         "model.shared_expert_gate=true", "model.router_score=softmax", "model.balance=aux_loss",
+         "model.first_k_dense=0",
          "model.head_dim=16",
          "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
          "model.linear_key_head_dim=16", "model.linear_value_head_dim=16", "model.indexer_heads=2",
@@ -108,14 +111,15 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     gets a fresh qwen4_exp drafter: only it trains, the trunk (PLE table included) stays bit-identical,
     and the export afterwards carries the drafter in vLLM's mtp.* layout."""
     from tandem.trainer.cli import main as cli
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.hf.importer import CheckpointReader
-    from tandem.trainer.run import build_run
     from tandem.trainer.loop import run_training
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_run
 
     tmp = str(tmp_path)
     pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
-           "model.num_kv_heads=2", "model.intermediate_size=32", "model.moe_intermediate_size=32", "model.num_experts=4",
+           "model.num_kv_heads=2", "model.intermediate_size=32", "model.moe_intermediate_size=32",
+           "model.num_experts=4",
            "model.max_seq_len=128", "train.max_steps=10", "train.warmup_steps=2", "eval.interval=0",
            f"run.dir={tmp}/pre"] + QWEN4 + shape_overrides(tmp, corpus_dir)
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0

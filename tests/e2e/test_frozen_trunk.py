@@ -32,12 +32,13 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
 
-    from tandem.trainer.eval_cli import eval_main
     from tandem.trainer.cli import main as cli
+    from tandem.trainer.eval_cli import eval_main
 
     tmp = str(tmp_path)
     pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-           "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4",
+           "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
+           "model.num_experts=4",
            "model.max_seq_len=64", "train.max_steps=2", f"run.dir={tmp}/pre"] + common(tmp)
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0
     assert cli(["export", "--checkpoint", f"{tmp}/pre", "--out", f"{tmp}/hf"]) == 0
@@ -69,7 +70,8 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     assert all(torch.equal(v, out[k]) for k, v in trunk.items())
     assert len(out) > len(trunk)
     capsys.readouterr()
-    assert eval_main(["--checkpoint", f"{tmp}/a", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "4"]) == 0
+    assert eval_main(["--checkpoint", f"{tmp}/a", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens",
+                      "4"]) == 0
     assert "acceptance_length" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     # a changed trunk: refused by resume, eval and export in one line naming it; nothing written

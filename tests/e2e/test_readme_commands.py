@@ -107,7 +107,8 @@ RUN_HERE = [c for c in COMMANDS if cli_layouts_command(c) is None]
 
 def test_docs_show_one_example_per_flow():
     readme = [c for c, pages in SHOWN.items() if "README.md" in pages]
-    flows = {"pretrain": PRETRAIN, "slurm launch": "tandem launch slurm ", "fine-tuning": "tandem train recipes/finetune_mtp.yaml",
+    flows = {"pretrain": PRETRAIN, "slurm launch": "tandem launch slurm ",
+             "fine-tuning": "tandem train recipes/finetune_mtp.yaml",
              "evaluation": "tandem eval ", "serving": "tandem export "}
     for flow, start in flows.items():
         assert any(c.startswith(start) for c in readme), (flow, readme)

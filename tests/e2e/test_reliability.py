@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import fault_env
 
-from tandem.trainer.checkpoint import list_checkpoints
-from tandem.trainer.recipe import load_config
-from tandem.trainer.guard import BadStepHalt
 from tandem.trainer import loop
+from tandem.trainer.checkpoint import list_checkpoints
+from tandem.trainer.guard import BadStepHalt
 from tandem.trainer.loop import train
+from tandem.trainer.recipe import load_config
 from tandem.trainer.step import TrainStep
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
@@ -107,7 +107,8 @@ def params(run_dir, step):
 
 def test_skip_policy_drops_the_update(monkeypatch, tiny_overrides):
     NaNAtBatch(monkeypatch, {2})
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=1", "train.bad_step_policy=skip"])
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=1",
+                                                "train.bad_step_policy=skip"])
     train(cfg)
     recs = records(cfg.run.dir)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
@@ -130,7 +131,8 @@ def test_halt_policy_saves_last_good_state_and_reports(monkeypatch, tiny_overrid
 
 def test_rewind_policy_replays_from_checkpoint_skipping_the_batch(monkeypatch, tiny_overrides):
     injector = NaNAtBatch(monkeypatch, {3})
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", "checkpoint.interval=2", "train.bad_step_policy=rewind"])
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", "checkpoint.interval=2",
+                                                "train.bad_step_policy=rewind"])
     train(cfg)
     assert injector.hit == [3]
     recs = records(cfg.run.dir)

@@ -19,8 +19,8 @@ EVAL = ["eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_
 @pytest.fixture(scope="module")
 def two_runs(tiny_base, tmp_path_factory):
     """Two tiny runs that differ in K (2 and 1), the comparison `tandem report` exists for."""
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
 
     root = tmp_path_factory.mktemp("report_runs")
     dirs = []
@@ -58,7 +58,8 @@ def test_figures_hold_the_logged_series(two_runs):
         "losses": ["loss/main", "loss/mtp_1", "eval/loss/main", "eval/loss/mtp_1"],
         # greedy and the sampled temperatures, each its own variant line
         "acceptance": ["eval/acceptance_length", "eval/T1/acceptance_length", "eval/T0.7/acceptance_length"],
-        "accept_rate_by_position": ["eval/accept_rate/pos_1", "eval/T1/accept_rate/pos_1", "eval/T0.7/accept_rate/pos_1"],
+        "accept_rate_by_position": ["eval/accept_rate/pos_1", "eval/T1/accept_rate/pos_1",
+                                    "eval/T0.7/accept_rate/pos_1"],
         "decode_throughput": ["eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup",
                               "eval/speedup_predicted"],
     }

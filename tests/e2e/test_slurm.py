@@ -2,8 +2,8 @@
 
 - Slurm's own pre-timeout signal (`--signal=USR1@N` from a 1-minute time limit) reaches a stub trainer
   that uses tandem.trainer.preemption under torchrun with 2 ranks: it checkpoints, requeues, resumes.
-- The real trainer (`tandem train`, 2 ranks on gloo) is preempted mid-run with `scancel --signal=USR1 <job>` (delivered to the job
-  steps, the same path as the time-limit signal), requeues itself, resumes from the checkpoint and
+- The real trainer (`tandem train`, 2 ranks on gloo) is preempted mid-run with `scancel --signal=USR1 <job>` (delivered
+  to the job steps, the same path as the time-limit signal), requeues itself, resumes from the checkpoint and
   finishes with a continuous step count.
 
 The cluster starts once per session (about 2 s once Slurm is installed; installing it with apt-get
@@ -24,7 +24,6 @@ from typing import Dict, List
 
 import pytest
 from conftest import DEBUG_MODEL, QUIET, TINY_DATA
-
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slow
@@ -86,7 +85,8 @@ def wait_job(slurm: SlurmCluster, job_id: str, run_dir: Path, timeout: float) ->
             return f
         time.sleep(1)
     slurm.run("scancel", job_id, check=False)
-    pytest.fail(f"job {job_id} not done after {timeout}s: {job_fields(slurm, job_id)}\n{job_logs(run_dir, job_id)}\n{slurm.logs()}")
+    pytest.fail(f"job {job_id} not done after {timeout}s: "
+                f"{job_fields(slurm, job_id)}\n{job_logs(run_dir, job_id)}\n{slurm.logs()}")
 
 
 def job_logs(run_dir: Path, job_id: str) -> str:
@@ -134,7 +134,8 @@ sleep = float(os.environ["STUB_SLEEP_FIRST" if first else "STUB_SLEEP_AFTER"])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 ck = os.path.join(run_dir, "checkpoints")
-start = max([int(d.split("_")[1]) for d in os.listdir(ck)] if "--resume" in argv and os.path.isdir(ck) else [], default=0)
+saved = [int(d.split("_")[1]) for d in os.listdir(ck)] if "--resume" in argv and os.path.isdir(ck) else []
+start = max(saved, default=0)
 if rank == 0:
     with open(os.path.join(run_dir, "attempts.jsonl"), "a") as f:
         f.write(json.dumps({{"argv": argv, "world": dist.get_world_size(), "start": start,
@@ -178,7 +179,8 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path):
     env = _env([bin_dir], STUB_SLEEP_FIRST="0.5", STUB_SLEEP_AFTER="0.01")
     # Launch with the real CLI (bin_dir's `tandem` is the stub, so call the launcher module directly).
     res = subprocess.run(
-        [sys.executable, "-m", "tandem.trainer.launch", "slurm", str(recipe), f"run.dir={run_dir}", f"train.max_steps={max_steps}",
+        [sys.executable, "-m", "tandem.trainer.launch", "slurm", str(recipe), f"run.dir={run_dir}",
+         f"train.max_steps={max_steps}",
          "--nodes", "1", "--procs-per-node", str(PROCS), "--time", "00:01:00", "--signal-seconds", "40"],
         env=env, capture_output=True, text=True, timeout=60,
     )
@@ -189,14 +191,14 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path):
     assert f["JobState"] == "COMPLETED" and f["ExitCode"] == "0:0", (f, logs)
     assert int(f["Restarts"]) >= 1, (f, logs)
     assert steps(run_dir) == list(range(1, max_steps + 1)), logs
-    attempts = [json.loads(l) for l in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert all(a["world"] == PROCS and a["argv"][-1] == "--resume" for a in attempts)
-    preempted = [json.loads(l) for l in (run_dir / "preempted_rank0.jsonl").read_text().splitlines()]
+    preempted = [json.loads(line) for line in (run_dir / "preempted_rank0.jsonl").read_text().splitlines()]
     # Every resumed attempt started exactly at the step the previous one checkpointed.
     assert [a["start"] for a in attempts] == [0] + [p["step"] for p in preempted], (attempts, preempted)
     # Slurm signalled both ranks directly (torchrun ignored it and stayed up to supervise).
     for r in range(PROCS):
-        recs = [json.loads(l) for l in (run_dir / f"preempted_rank{r}.jsonl").read_text().splitlines()]
+        recs = [json.loads(line) for line in (run_dir / f"preempted_rank{r}.jsonl").read_text().splitlines()]
         assert recs[0]["signalled_here"] is True, (r, recs)
     assert "start (restart 1)" in logs
 

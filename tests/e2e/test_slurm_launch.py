@@ -35,7 +35,8 @@ class FakeSbatch:
         bin_dir.mkdir(exist_ok=True)
         self.log = tmp_path / "sbatch_argv.json"
         _exe(bin_dir / "sbatch",
-             f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(self.log)!r}, 'w'))\nprint('4242')\n")
+             f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(self.log)!r}, "
+             "'w'))\nprint('4242')\n")
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
 
     @property
@@ -160,7 +161,8 @@ def _stub_bin(bin_dir: Path, argv_out: Path, marker_dir: Path) -> None:
     _exe(bin_dir / "torchrun", '#!/bin/bash\nwhile [[ "$1" != --no-python ]]; do shift; done\nshift\nexec "$@"\n')
     _exe(bin_dir / "scontrol", "#!/bin/bash\necho localhost\n")
     _exe(bin_dir / "scancel", f"#!/bin/bash\necho \"$@\" >> {marker_dir}/../scancel.log\n")
-    _exe(bin_dir / "tandem", f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_out)!r}, 'w'))\n")
+    _exe(bin_dir / "tandem",
+         f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_out)!r}, 'w'))\n")
 
 
 def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatch):
@@ -207,7 +209,8 @@ def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
     started = tmp_path / "srun_started"
     _exe(tmp_path / "bin" / "srun", f"#!/bin/bash\ntouch {started}\nsleep 3\nexit 3\n")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV)
-    proc = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
     while not started.exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
@@ -284,7 +287,7 @@ def test_agree_preemption_is_max_over_ranks(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    lines = sorted(l for l in res.stdout.splitlines() if l.startswith("RESULT"))
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("RESULT"))
     assert lines == ["RESULT 0 False [False, True]", "RESULT 1 True [False, True]"], res.stdout
 
 

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from tandem.trainer.checkpoint import list_checkpoints
-from tandem.trainer.recipe import load_config
 from tandem.trainer.loop import train
+from tandem.trainer.recipe import load_config
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 

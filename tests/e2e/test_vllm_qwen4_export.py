@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +22,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
 
 
 def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
+    from eval_helpers import tiny_qwen4_model
     from test_qwen4_exp import VOCAB
     from test_vllm_serving import vllm_python
 
-    from eval_helpers import tiny_qwen4_model
     from tandem.trainer.hf.export import export_hf
     from tandem.trainer.hf.importer import CheckpointReader
 
@@ -58,7 +57,8 @@ def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
     assert trunk and all(remapped[k] is None for k in trunk)  # the draft model loads none of the trunk
 
     H, C, R = cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank
-    expect = {"mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H), "mtp.pre_fc_norm_embedding.weight": (H,),
+    expect = {"mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H), "mtp.pre_fc_norm_embedding.weight": (H,
+                                                                                                                      ),
               "mtp.pre_fc_norm_hidden.weight": (C * H,), "mtp.hyper_connection_mixer.hc_norm.weight": (C * H,),
               "mtp.hyper_connection_mixer.input_mix_weight_down.weight": (R, C * H),
               "mtp.hyper_connection_mixer.input_mix_weight_up.weight": (C * H, R)}

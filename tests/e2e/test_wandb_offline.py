@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from tandem.trainer.recipe import load_config
 from tandem.trainer.loop import train
+from tandem.trainer.recipe import load_config
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 
@@ -52,7 +52,8 @@ def wandb_history(run_file):
 def test_offline_wandb_run_holds_the_metric_series(tiny_overrides, monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials either
-    overrides = tiny_overrides + ["logging.wandb=true", "eval.interval=2", "eval.num_prompts=2", "eval.max_new_tokens=8",
+    overrides = tiny_overrides + ["logging.wandb=true", "eval.interval=2", "eval.num_prompts=2",
+                                  "eval.max_new_tokens=8",
                                   "eval.prompt_len=8", "eval.batch_size=2", "eval.loss_batches=1"]
     cfg = load_config(RECIPE, overrides + ["train.max_steps=4", "checkpoint.interval=2"])
     train(cfg)

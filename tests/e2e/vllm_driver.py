@@ -39,7 +39,8 @@ def main() -> int:
     p.add_argument("prompts")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (MTP drafts per round)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--eos", type=int, default=None, help="stop after this token id (kept in the output, as Tandem does)")
+    p.add_argument("--eos", type=int, default=None,
+                   help="stop after this token id (kept in the output, as Tandem does)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--memory", type=float, default=0.1,
                    help="gpu_memory_utilization: on the CPU build the fraction of host memory for the KV cache")

@@ -67,7 +67,7 @@ def test_disjoint_distributions_give_a_finite_loss():
 
 
 def _tiny(objective: str, ce_weight: float = 0.0):
-    from tandem.models import MTPConfig, ModelConfig, TandemModel
+    from tandem.models import ModelConfig, MTPConfig, TandemModel
 
     cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
                       intermediate_size=32, moe_intermediate_size=8, num_experts=4, top_k=2, max_seq_len=32)

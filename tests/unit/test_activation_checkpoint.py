@@ -9,12 +9,13 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from tandem.trainer.parallel.device import resolve_device
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model as build_sharded
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def build_model(cfg):
@@ -58,7 +59,7 @@ def test_same_losses_gradients_and_router_loads(mode):
     # a recomputation must not count the routed tokens a second time
     for got, ref in zip(loads, ref_loads):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    assert float(sum(l.sum() for l in loads)) > 0
+    assert float(sum(load.sum() for load in loads)) > 0
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref_model.named_parameters()]
     # the point of it: far fewer bytes saved for backward (full keeps block inputs only)
     assert saved < (0.5 if mode == "full" else 0.9) * ref_saved, (saved, ref_saved)
@@ -148,6 +149,7 @@ DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def _ep_backward_ops_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     import worker  # the equivalence harness's configs and data
+
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
 

@@ -11,11 +11,11 @@ import types
 
 import pytest
 import torch
+from eval_helpers import make_agreeing, tiny_model
 
 from tandem.eval import block_verify as bv
 from tandem.eval import spec_decode as sd
 from tandem.eval.block_verify import block_accept, block_thresholds
-from eval_helpers import make_agreeing, tiny_model
 from tandem.eval.sampling import probs_from_logits, speculative_accept
 from tandem.eval.spec_decode import generate
 
@@ -93,7 +93,10 @@ def _enumerate(P, Q):
     w, h = block_thresholds(p, q, X)
     u, mass = _cells(torch.stack([h, w[:, 1:]], -1))
     M = u.shape[1]
-    rep = lambda t: t.repeat_interleave(M, 0)
+
+    def rep(t):
+        return t.repeat_interleave(M, 0)
+
     X, p, q, u = rep(X), rep(p), rep(q), u.reshape(N * M, K)
     tau, dist = bv.block_accept(p, q, X, u)
     passes = (u < rep(h)).sum(1)
@@ -409,8 +412,8 @@ def test_unknown_rule_is_refused():
 
 
 def test_config_and_cli_name_the_rule():
-    from tandem.trainer.eval_cli import _parser
     from tandem.trainer.config import ConfigError
+    from tandem.trainer.eval_cli import _parser
     from tandem.trainer.recipe import load_config
 
     assert load_config(None, ["eval.verify=block"]).eval.verify == "block"

@@ -13,14 +13,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tandem.models.attention import KVCache
-from tandem.trainer.recipe import load_config
-from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.loss import combine_losses, depth_coefficients
 from tandem.trainer.optim import build_optimizer
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import checkpointed_blocks
 from tandem.trainer.parallel.compile import apply_compile
 from tandem.trainer.parallel.device import resolve_device
+from tandem.trainer.recipe import load_config
+from tandem.trainer.run import build_model as build_sharded
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -8,7 +8,8 @@ from tandem.trainer.recipe import load_config, to_yaml
 
 def test_overrides_and_lambda_alias(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("mtp:\n  num_steps: 2\n  loss:\n    lambda: 0.25\n    lambda_after: {10: 0.05}\ntrain:\n  max_steps: 7\n")
+    recipe.write_text("mtp:\n  num_steps: 2\n  loss:\n    lambda: 0.25\n    lambda_after: {10: 0.05}\ntrain:\n  "
+                      "max_steps: 7\n")
     cfg = load_config(str(recipe), ["train.max_steps=9", "mtp.loss.lambda=0.5"])
     assert (cfg.mtp.num_steps, cfg.train.max_steps, cfg.mtp.loss.lambda_) == (2, 9, 0.5)
     assert cfg.mtp.loss.lambda_after == {10: 0.05}
@@ -70,7 +71,8 @@ def test_base_recipe_is_composed_first_relative_to_the_recipe(tmp_path, monkeypa
     child = _write(tmp_path / "bases" / "child.yaml", "base: base.yaml\ntrain:\n  max_steps: 9\n")
     monkeypatch.chdir(tmp_path)  # the base resolves from the recipe's directory, not the working directory
     cfg = load_config(child, ["train.lr=0.001"])
-    assert (cfg.train.max_steps, cfg.train.lr, cfg.mtp.loss.lambda_, cfg.mtp.loss.lambda_after) == (9, 0.001, 0.25, {10: 0.05})
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.mtp.loss.lambda_, cfg.mtp.loss.lambda_after) == (9, 0.001, 0.25,
+                                                                                                    {10: 0.05})
     # the resolved config is complete and self-contained: no composition keys, and it round-trips
     text = to_yaml(cfg)
     assert not any(line.startswith(("base:", "flavor:")) for line in text.splitlines())

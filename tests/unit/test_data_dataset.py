@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.data_pipeline.dataset import DataPosition, batch_indices, build_datasets, check_prefix, check_vocab, get_batch, parse_blend
+from tandem.data_pipeline.dataset import (
+    DataPosition,
+    batch_indices,
+    build_datasets,
+    check_prefix,
+    check_vocab,
+    get_batch,
+    parse_blend,
+)
 from tandem.data_pipeline.preprocess import preprocess
 from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
 from tandem.trainer.config import DataConfig
@@ -231,7 +239,8 @@ def test_vocab_larger_than_model_is_rejected(corpus):
     root, tok_path, prefixes = corpus
     tok = load_tokenizer(tok_path)
     check_vocab(tok, tok.vocab_size)
-    with pytest.raises(ValueError, match=rf"tok\.json has vocab_size={tok.vocab_size}, larger than model.vocab_size=256"):
+    with pytest.raises(ValueError, match=rf"tok\.json has vocab_size={tok.vocab_size}, larger than "
+                                         r"model.vocab_size=256"):
         check_vocab(tok, 256)
     with pytest.raises(ValueError, match="256"):
         build_datasets(_cfg(root, paths=[prefixes["a"]]), 16, 0, 10, 2, model_vocab_size=256)

@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from tandem.data_pipeline.stdlib_corpus import VALID_MAX_BYTES, prepare_stdlib_corpus, stdlib_cache_dir, stdlib_files, stdlib_root
+from tandem.data_pipeline.stdlib_corpus import (
+    VALID_MAX_BYTES,
+    prepare_stdlib_corpus,
+    stdlib_cache_dir,
+    stdlib_files,
+    stdlib_root,
+)
 from tandem.trainer.config import DataConfig
 
 
@@ -52,7 +58,8 @@ print(json.dumps(sc.prepare_stdlib_corpus(DataConfig(cache_dir=sys.argv[1], voca
 def test_prepare_stdlib_corpus_concurrent_then_cached(tmp_path):
     cache = str(tmp_path / "cache")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, cache], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, cache], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
              for _ in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):

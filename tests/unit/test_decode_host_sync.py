@@ -12,10 +12,10 @@ import collections
 
 import pytest
 import torch
+from eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model
 from tandem.eval.spec_decode import SpecDecoder, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

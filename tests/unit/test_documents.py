@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from eval_helpers import tiny_model, tiny_qwen4_model
+
 from tandem.models.documents import Documents, causal_conv_taps
 from tandem.models.model import window_documents, window_positions
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model, vllm_convention_decode, vllm_convention_draft
 
 from tandem.eval.acceptance import acceptance_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.spec_decode import SpecDecoder, generate
-from eval_helpers import (make_agreeing, tiny_model, tiny_qwen4_model, vllm_convention_decode,
-                                 vllm_convention_draft)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -352,8 +351,8 @@ def test_evaluator_logs_the_other_conventions_acceptance_when_it_differs():
 
 
 def test_config_key_and_cli_flag():
-    from tandem.trainer.eval_cli import _parser
     from tandem.trainer.config import ConfigError
+    from tandem.trainer.eval_cli import _parser
     from tandem.trainer.recipe import load_config
 
     assert load_config("recipes/tiny.yaml").eval.draft_convention == "serving"

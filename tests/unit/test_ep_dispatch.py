@@ -16,12 +16,13 @@ import sys
 
 import pytest
 import torch
+from test_decode_host_sync import HostSyncs
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tandem.models import ModelConfig
 from tandem.models.moe import MoE
 from tandem.trainer.config import ConfigError
 from tandem.trainer.recipe import load_config
-from test_decode_host_sync import HostSyncs
-from torch.utils._python_dispatch import TorchDispatchMode
 
 DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
 TOKENS, HIDDEN = 12, 32  # per rank
@@ -90,11 +91,12 @@ def matmuls_while_dispatching(names) -> int:
 
 def _rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.distributed.device_mesh import init_device_mesh
+
     from tandem.trainer.parallel.compile import configure_compiler
     from tandem.trainer.parallel.expert import parallelize_moe
     from tandem.trainer.parallel.sharded_params import local
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))

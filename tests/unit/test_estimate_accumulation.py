@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tandem.models import TandemModel
-from tandem.trainer.recipe import load_config
 from tandem.trainer.estimate import GIB, estimate
+from tandem.trainer.recipe import load_config
 
 # a dense trunk of 6 equal layers, small activations (8 tokens per micro-batch) against the parameters
 BASE = ["model.vocab_size=320", "data.vocab_size=320", "model.hidden_size=64", "model.num_layers=6",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tandem.models import TandemModel
-from tandem.trainer.recipe import load_config
 from tandem.trainer.estimate import GIB, estimate
 from tandem.trainer.loss import depth_coefficients, loss_gradient
+from tandem.trainer.recipe import load_config
 
 V, H, S, B, K = 320, 32, 16, 2, 2
 BASE = [f"model.vocab_size={V}", f"data.vocab_size={V}", f"model.hidden_size={H}", "model.num_layers=2",
@@ -61,10 +61,10 @@ def test_the_trainer_promises_the_heads_gradients():
     """Trainer.forward_backward tells the head each depth's loss gradient for the step (one held weight
     gradient, not one per depth) and takes the promise back afterwards; its gradients are the
     recomputing head's."""
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.parallel import ParallelState
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     grads, held = {}, {}
     for mode in ("recompute", "fused"):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tandem.models import TandemModel
-from tandem.trainer.recipe import load_config
 from tandem.trainer.estimate import GIB, estimate
 from tandem.trainer.parallel.pipeline_plan import PipelinePlan
+from tandem.trainer.recipe import load_config
 
 # a dense trunk of 6 layers; interleaved pp=2 (4 stages), layers on stages 0 and 1, MTP depth 1 on stage
 # 1 and depth 2 on stage 3 (both pp rank 1: embedding, head and MTP module shared), the trunk's head on 2

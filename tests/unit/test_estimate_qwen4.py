@@ -17,8 +17,8 @@ from tandem.models.gated_deltanet import SOLVE_BLOCK
 from tandem.trainer import cost as C
 from tandem.trainer import estimate as E
 from tandem.trainer import flops as F
-from tandem.trainer.recipe import load_config
 from tandem.trainer.parallel.pipeline_plan import item_flops
+from tandem.trainer.recipe import load_config
 
 # Every Qwen4-Exp part at a size small enough to count by hand: layer 0 Gated DeltaNet with PLE, layer 1
 # QSA (budget 8 in blocks of 4), 2 hyper-connection streams of rank 4, 4 experts top-2 with a gated
@@ -121,7 +121,8 @@ def test_flops_match_the_matmuls_torch_counts():
     c, nv, blk = C.GDN_CHUNK, m.linear_num_value_heads, SOLVE_BLOCK
     merges = sum(2 * h * h for h in (blk * 2 ** i for i in range(int(math.log2(c // blk)))))
     torch_path = C.gated_deltanet(m).flops + nv * (2 * blk * (blk - 1) + merges - 2 * c * c / 3)
-    assert sum(_per_token(lambda: gdn_block.linear_attn(x, pos), b * s).values()) == pytest.approx(torch_path, rel=1e-12)
+    assert sum(_per_token(lambda: gdn_block.linear_attn(x, pos), b * s).values()) == pytest.approx(torch_path,
+                                                                                                   rel=1e-12)
     # QSA (mask form): the projections, and the block scores (here over all S/r blocks, visible or not)
     got = _per_token(lambda: qsa_block.self_attn(x, pos), b * s)
     proj = C.qsa(m, s).flops - 2 * 2 * m.num_heads * m.resolved_head_dim * C.qsa_mean_keys(m, s) \
@@ -160,7 +161,8 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
     indexer_target = 3 * 2 * 16 * 16
     assert F.hardware_flops_per_token(m, mtp, s) == pytest.approx(model + indexer_target, rel=1e-12)
     recomputed = hand_cfg("mtp.num_steps=2", "mtp.loss_head_backward=recompute").mtp
-    assert F.hardware_flops_per_token(m, recomputed, s) == pytest.approx(model + head * valid + indexer_target, rel=1e-12)
+    assert F.hardware_flops_per_token(m, recomputed, s) == pytest.approx(model + head * valid + indexer_target,
+                                                                         rel=1e-12)
     # pp_balance's items: the QSA layer also pays the indexer KL's dense no-grad target (2 heads x 8 x S)
     layers, depths = item_flops(cfg)
     assert layers == [3 * layer[0], 3 * layer[1] + 2 * 16 * 16]

@@ -9,7 +9,6 @@ from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 from tandem.eval import in_loop
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -19,8 +18,8 @@ def cache_dir(tmp_path_factory):
 
 
 def _train(run_dir, cache_dir, interval, steps=4, extra=()):
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
 
     overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", *DEBUG_MODEL, *TINY_DATA,
                  f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
@@ -44,18 +43,22 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert _losses(with_eval) == _losses(without)  # exact equality, not allclose
     evals = [r for r in with_eval if "eval/acceptance_length" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup", "eval/seconds",
+    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup",
+                "eval/seconds",
                 "eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup_predicted"}
     expected |= {"eval/distinct_2", "eval/distinct_4", "eval/T1/acceptance_length", "eval/T1/draft_acceptance_rate"}
     for k in range(1, 4):
-        expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}", f"eval/T1/accept_rate/pos_{k}"}
+        expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}",
+                     f"eval/T1/accept_rate/pos_{k}"}
     assert expected <= set(evals[0])
     # every acceptance figure, under every prefix, has its 95% interval beside it; no other key has one
     figures = {k for k in evals[0] if re.search(r"(acceptance_length|acceptance_rate|accept_rate/pos_\d+)$", k)}
     assert {"eval/acceptance_length", "eval/T1/accept_rate/pos_3", "eval/T1/block/draft_acceptance_rate"} <= figures
-    assert {k for k in evals[0] if k.endswith(("_lo95", "_hi95"))} == {f"{k}_{e}95" for k in figures for e in ("lo", "hi")}
+    assert {k for k in evals[0] if k.endswith(("_lo95", "_hi95"))} == {f"{k}_{e}95" for k in figures for e in ("lo",
+                                                                                                               "hi")}
     assert all(r[f"{k}_lo95"] <= r[k] <= r[f"{k}_hi95"] for r in evals for k in figures)
-    assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k) for k in evals[0])  # spec side only
+    # spec side only
+    assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k) for k in evals[0])
     for variant in ("eval", "eval/T1"):
         assert 1.0 <= evals[0][f"{variant}/acceptance_length"] <= 4.0
         assert 0.0 <= evals[0][f"{variant}/accept_rate/pos_1"] <= 1.0
@@ -68,11 +71,12 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert isinstance(first["prompt"], str) and isinstance(first["continuation"], str)
     assert isinstance(first["T1/continuation"], str) and len(first["output_ids"]) == 6
     assert 1.0 <= first["acceptance_length"] <= 4.0 and 1.0 <= first["T1/acceptance_length"] <= 4.0
-    assert not (tmp_path / "b" / "eval_samples.jsonl").exists() or not open(tmp_path / "b" / "eval_samples.jsonl").read()
+    samples = tmp_path / "b" / "eval_samples.jsonl"
+    assert not samples.exists() or not open(samples).read()
     # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads' recomputed
     # logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
+    from tandem.trainer.recipe import load_config
 
     cfg = load_config(str(tmp_path / "b" / "config.yaml"), [])
     model = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
@@ -85,8 +89,8 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
 
 
 def test_samples_file_truncated_on_resume(tmp_path):
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.metrics import MetricsLogger
+    from tandem.trainer.recipe import load_config
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "logging.wandb=false", "logging.progress=false"])
     log = MetricsLogger(cfg, True, 0, 10)
@@ -117,9 +121,9 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
     assert "eval/T0.7/acceptance_length" in out and "eval/T1/acceptance_length" not in out  # sampling ran too
     assert model.training
     assert torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(r.tokens_per_expert, l) for r, l in zip(routers, loads))
+    assert all(torch.equal(r.tokens_per_expert, load) for r, load in zip(routers, loads))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
     # Control: the restore is needed, evaluation forwards do count routed tokens.
     monkeypatch.setattr(in_loop, "RESTORE_ROUTER_LOADS", False)
     ev.run(1)
-    assert not all(torch.equal(r.tokens_per_expert, l) for r, l in zip(routers, loads))
+    assert not all(torch.equal(r.tokens_per_expert, load) for r, load in zip(routers, loads))

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.eval.metrics import teacher_forced
 from tandem.models import TandemModel
-from tandem.models.config import MTPConfig, ModelConfig
+from tandem.models.config import ModelConfig, MTPConfig
 from tandem.models.mtp import depth_target_mask, shifted_tokens
 
 VOCAB, BATCH, SEQ, CHUNK = 512, 2, 48, 16

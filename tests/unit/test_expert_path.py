@@ -10,9 +10,10 @@ import json
 
 import pytest
 import torch
+from torch import nn
+
 from tandem.models import experts as experts_module
 from tandem.models.experts import GroupedExperts, expert_path, expert_paths
-from torch import nn
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.9")]
@@ -90,7 +91,8 @@ def test_probe_is_cached_per_shape_and_dtype(picky_kernel):
     for inter in (32, 48, 32):
         expert_path(experts(inter), CPU, torch.float32)
     expert_path(experts(32), CPU, torch.bfloat16)
-    assert experts_module._GROUPED_MM_WORKS == {("cpu", torch.float32, 32, 32): True, ("cpu", torch.float32, 32, 48): False,
+    assert experts_module._GROUPED_MM_WORKS == {("cpu", torch.float32, 32, 32): True, ("cpu", torch.float32, 32,
+                                                                                       48): False,
                                      ("cpu", torch.bfloat16, 32, 32): True}
 
 
@@ -113,6 +115,7 @@ def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
     """A run whose expert width the kernel rejects trains on the per-expert loop and says so: one line at
     start, `moe/expert_path` in its records (before, the 8x8 probe passed and the first forward raised)."""
     from conftest import TINY_OVERRIDES
+
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
 

@@ -6,9 +6,11 @@ import pytest
 from tandem.trainer import flops as F
 from tandem.trainer.recipe import load_config
 
-# V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32), layer 1 MoE (4 experts, top 2,
-# expert width 8, one shared expert of width 8); one looped concat_proj MTP depth with an MoE block; S=8.
-TINY = ["model.vocab_size=320", "data.vocab_size=320", "model.hidden_size=16", "model.num_layers=2", "model.num_heads=2",
+# V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32), layer 1 MoE (4
+# experts, top 2, expert width 8, one shared expert of width 8); one looped concat_proj MTP depth with an MoE block;
+# S=8.
+TINY = ["model.vocab_size=320", "data.vocab_size=320", "model.hidden_size=16", "model.num_layers=2",
+        "model.num_heads=2",
         "model.num_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "model.num_experts=4",
         "model.top_k=2", "model.moe_intermediate_size=8", "model.num_shared_experts=1", "model.first_k_dense=1",
         "mtp.num_steps=1", "mtp.num_layers=1", "mtp.style=looped", "mtp.moe=true", "data.seq_len=8"]

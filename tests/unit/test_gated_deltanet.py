@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from tandem.models import gated_deltanet as gdn
-from tandem.models.gated_deltanet import GatedDeltaNet, chunked_gated_delta_rule, qkv_rows_from_hf, recurrent_gated_delta_rule
+from tandem.models.gated_deltanet import (
+    GatedDeltaNet,
+    chunked_gated_delta_rule,
+    qkv_rows_from_hf,
+    recurrent_gated_delta_rule,
+)
 from tandem.models.state import DecodeCache
 
 HID, HK, HV, DK, DV, KER = 32, 2, 4, 8, 16, 4

@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+
 from tandem.models import ModelConfig, MTPConfig, TandemModel
 from tandem.models.experts import _grouped_mm_works
 from tandem.models.moe import MoE, combine_expert_outputs, copy_positions, token_copies
-from torch.overrides import TorchFunctionMode
 
 pytestmark = pytest.mark.skipif(not _grouped_mm_works(torch.device("cpu"), torch.float32),
                                 reason="torch._grouped_mm not available on this CPU build")
@@ -75,9 +76,10 @@ def test_expert_loop_compiles_once_for_every_routing(fresh_dynamo):
     settings: its host-read counts become symbolic sizes, one graph serves routings with empty and full
     experts, and it computes what the grouped path does (the loop used to branch on each count: a
     graph break and a recompile per new count)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     from tandem.models.experts import expert_swiglu
     from tandem.trainer.parallel.compile import configure_compiler
-    from torch._dynamo.testing import CompileCounterWithBackend
 
     configure_compiler()
     g = torch.Generator().manual_seed(0)

@@ -4,8 +4,8 @@ longer count."""
 
 import math
 
-from tandem.trainer.recipe import load_config
 from tandem.trainer.guard import BadStepGuard
+from tandem.trainer.recipe import load_config
 
 
 def _guard(window: int) -> BadStepGuard:

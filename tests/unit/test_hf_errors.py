@@ -15,8 +15,15 @@ from tandem.models import TandemModel  # noqa: E402
 from tandem.models.config import ModelConfig, MTPConfig  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.families import Src, UnsupportedCheckpoint  # noqa: E402
-from tandem.trainer.hf.importer import (CheckpointError, CheckpointReader, PickleCheckpointError,  # noqa: E402
-                                      load_hf_model, load_hf_weights, read_source, shard_index)
+from tandem.trainer.hf.importer import (  # noqa: E402
+    CheckpointError,
+    CheckpointReader,
+    PickleCheckpointError,
+    load_hf_model,
+    load_hf_weights,
+    read_source,
+    shard_index,
+)
 
 V = 96
 
@@ -72,7 +79,8 @@ def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
     state = load_file(str(d / "model.safetensors"))
     state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(40, 32)
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight -> layers\.0\.mlp\.up_proj\.weight: "
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight -> "
+                                              r"layers\.0\.mlp\.up_proj\.weight: "
                                               r"expected \(48, 32\), found \(40, 32\)"):
         load_hf_model(str(d))
 
@@ -153,7 +161,8 @@ def test_shard_reads_only_local_slice(tmp_path, dim):
 
     torch.manual_seed(0)
     full = torch.randn(4, 6, 8)
-    save_file({f"e{e}": full[e].clone() for e in range(4)} | {"w": full[0].clone()}, str(tmp_path / "model.safetensors"))
+    save_file({f"e{e}": full[e].clone() for e in range(4)} | {"w": full[0].clone()},
+              str(tmp_path / "model.safetensors"))
     reader = CheckpointReader(str(tmp_path))
     pieces, plain = [], []
     for rank in range(2):

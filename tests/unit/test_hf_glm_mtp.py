@@ -101,7 +101,8 @@ def test_native_glm_mtp_weights_import(tmp_path):
             assert torch.equal(a[k], b[k]), k
     # K > L: one physical layer looped over 3 draft steps
     looped, cfg = load_hf_model(str(out), mtp_overrides={"num_steps": 3})
-    assert cfg.mtp.num_steps == 3 and torch.equal(looped.mtp.layers[0].eh_proj.weight, model.mtp.layers[0].eh_proj.weight)
+    assert cfg.mtp.num_steps == 3 and torch.equal(looped.mtp.layers[0].eh_proj.weight,
+                                                  model.mtp.layers[0].eh_proj.weight)
 
 
 def test_hidden_first_concat_is_permuted_on_export(tmp_path):

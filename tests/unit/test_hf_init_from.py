@@ -10,9 +10,9 @@ from tandem.models import TandemModel
 from tandem.models.config import ModelConfig, MTPConfig
 from tandem.models.mtp import shifted_tokens
 from tandem.trainer.config import ConfigError, TandemConfig
-from tandem.trainer.recipe import load_config, to_yaml
 from tandem.trainer.hf.export import export_hf
 from tandem.trainer.hf.init_from import adopt_checkpoint_config, load_initial_weights
+from tandem.trainer.recipe import load_config, to_yaml
 
 CFG = dict(vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
            moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1, max_seq_len=512)

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from tandem.trainer import run
-from tandem.trainer.recipe import load_config
 from tandem.trainer.parallel import device as device_layer
+from tandem.trainer.recipe import load_config
 
 
 class _Stop(Exception):
@@ -32,7 +32,6 @@ def _glibc() -> bool:
     (["train.malloc_mmap_threshold=1048576"], [1048576]),
 ])
 def test_trainer_sets_the_threshold_at_start_up(monkeypatch, tmp_path, overrides, expected):
-    from tandem.trainer.hf import init_from
 
     calls = []
 

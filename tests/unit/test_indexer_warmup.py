@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tandem.models.config import ModelConfig
+from tandem.trainer.loop import run_training
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_run
-from tandem.trainer.loop import run_training
 
 # A Qwen4-Exp model in miniature whose 4 steps all fall in the dense warm-up.
 QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.head_dim=16",

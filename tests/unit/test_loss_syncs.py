@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel, depth_target_mask
+from tandem.models import ModelConfig, MTPConfig, TandemModel, depth_target_mask
 from tandem.models.loss import acceptance_loss_sum
 from tandem.models.mtp import shifted_tokens
 from tandem.trainer.loss import combine_losses

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import KVCache, MTPConfig, ModelConfig, TandemModel, depth_target_mask
+from tandem.models import KVCache, ModelConfig, MTPConfig, TandemModel, depth_target_mask
 from tandem.models import loss as head_loss
 from tandem.models.loss import IGNORE, head_cross_entropy_sums
-from tandem.trainer.loss import combine_losses, loss_gradient
 from tandem.models.moe import MoE
+from tandem.trainer.loss import combine_losses, loss_gradient
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -177,7 +177,8 @@ def test_softmax_blocks_change_no_bit(monkeypatch):
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = F.linear(hh, ww).float()
-            ref = torch.stack([F.cross_entropy(logits[d], t[d], reduction="sum", ignore_index=IGNORE) for d in range(2)])
+            ref = torch.stack([F.cross_entropy(logits[d], t[d], reduction="sum",
+                                               ignore_index=IGNORE) for d in range(2)])
             (ref * torch.tensor([1.0, 0.5])).sum().backward()
             torch.testing.assert_close(results[0][0], ref.detach(), rtol=4e-3, atol=0)
             for got_grad, ref_grad in zip(results[0][1:], (hh.grad, ww.grad)):

@@ -5,7 +5,7 @@ and gradients as a lookup per step (the previous path, forced here by `shared_lo
 import pytest
 import torch
 
-from tandem.models import MTPConfig, ModelConfig, TandemModel
+from tandem.models import ModelConfig, MTPConfig, TandemModel
 from tandem.models.model import SequenceLayout, shifted_tokens
 
 

@@ -64,7 +64,8 @@ def test_rms_norm_without_grad_and_gated_norm():
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
     x, gate = torch.randn(2, 5, 16, dtype=torch.bfloat16), torch.randn(2, 5, 16, dtype=torch.bfloat16)
-    expected = (decomposed_rms_norm(x, norm.weight, 1e-6, False, 0) * torch.nn.functional.silu(gate.float())).to(x.dtype)
+    expected = (decomposed_rms_norm(x, norm.weight, 1e-6, False,
+                                    0) * torch.nn.functional.silu(gate.float())).to(x.dtype)
     with torch.no_grad():
         assert torch.equal(norm(x, gate), expected)
     assert torch.equal(norm(x, gate), expected)  # the autograd path computes the same forward

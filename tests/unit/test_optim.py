@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tandem.trainer.config import ConfigError
-from tandem.trainer.recipe import load_config
 from tandem.trainer.optim import build_optimizer
+from tandem.trainer.recipe import load_config
 
 
 def _model():

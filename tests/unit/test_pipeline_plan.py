@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
+from tandem.trainer.parallel.pipeline_plan import PipelinePlan, _partition, balanced_placement, item_flops, stage_flops
 from tandem.trainer.recipe import load_config
-from tandem.trainer.parallel.pipeline_plan import (PipelinePlan, _partition, balanced_placement, item_flops,
-                                                   stage_flops)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_RECIPE = os.path.join(ROOT, "recipes", "moe_4b_mtp_gpu.yaml")

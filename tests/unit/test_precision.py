@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem.models import TandemModel
-from tandem.models.config import MTPConfig, ModelConfig
+from tandem.models.config import ModelConfig, MTPConfig
 from tandem.models.moe import MoE
 from tandem.trainer.config import ConfigError
 from tandem.trainer.parallel.device import Device, resolve_device
@@ -99,8 +99,8 @@ def test_bf16_refused_where_unsupported(monkeypatch):
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native):
     """`train.dtype=auto` on a CPU: bf16 only with bf16 instructions (emulated bf16 matmuls are many times
     slower than fp32's); an explicit `bf16` still runs either way. The default job's recipe uses `auto`."""
-    from tandem.trainer.recipe import load_config
     from tandem.trainer.parallel import device as device_layer
+    from tandem.trainer.recipe import load_config
 
     caps = {key: False for key in device_layer._CPU_BF16_FEATURES}
     caps.update({"architecture": "x86_64", "avx2": True, "avx512_bf16": native})
@@ -138,9 +138,11 @@ def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
     for m in (kept, gathered, plain):
         apply_activation_checkpointing(m, checkpointing)
     norm_dtypes = set()  # of the pieces' norms and embedding (the trunk's blocks compute as autocast has them)
-    in_pieces = {id(m) for model in (kept, gathered, plain) for piece in pieces for m in getattr(model, piece).modules()}
+    in_pieces = {id(m) for model in (kept, gathered, plain) for piece in pieces for m in getattr(model,
+                                                                                                 piece).modules()}
     hook = torch.nn.modules.module.register_module_forward_hook(
-        lambda m, a, out: norm_dtypes.add(out.dtype) if id(m) in in_pieces and isinstance(m, (RMSNorm, torch.nn.Embedding))
+        lambda m, a, out: norm_dtypes.add(out.dtype) if id(m) in in_pieces and isinstance(m, (RMSNorm,
+                                                                                              torch.nn.Embedding))
         else None)
     tokens = torch.randint(0, 128, (2, 17))
     runs = {}

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tandem.models.documents import Documents
 from test_qsa import BUDGET, HIDDEN, RATIO
 from test_qsa import make_qsa as make_plain_qsa
 
+from tandem.models.documents import Documents
 from tandem.models.qsa import IndexedAttention
 
 # Boundaries off the block grid, a 1-token document, documents longer than the budget (selection

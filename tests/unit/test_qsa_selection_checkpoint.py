@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tandem.models.qsa import IndexedAttention
-from tandem.trainer.recipe import load_config
-from tandem.trainer.run import build_model as build_sharded
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from tandem.trainer.parallel.compile import apply_compile
 from tandem.trainer.parallel.device import resolve_device
+from tandem.trainer.recipe import load_config
+from tandem.trainer.run import build_model as build_sharded
 
 # A Qwen4-Exp trunk in miniature (Gated DeltaNet, QSA selecting 8 of 24 positions, 4 streams, PLE) with
 # its QSA drafter at K = 3, so depths 2 and 3 both reuse.

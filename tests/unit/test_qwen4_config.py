@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.models import flavors
-from tandem.models.config import MTPConfig, ModelConfig, validate_model
+from tandem.models.config import ModelConfig, MTPConfig, validate_model
 
 
 def qwen4(**over) -> ModelConfig:

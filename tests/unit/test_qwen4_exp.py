@@ -18,7 +18,7 @@ T = pytest.importorskip("transformers")
 
 from tandem.eval.spec_decode import generate  # noqa: E402
 from tandem.models import TandemModel  # noqa: E402
-from tandem.models.config import MTPConfig, ModelConfig  # noqa: E402
+from tandem.models.config import ModelConfig, MTPConfig  # noqa: E402
 from tandem.models.gated_deltanet import qkv_rows_from_hf  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
@@ -115,7 +115,8 @@ def test_import_logits_and_gradients_match_transformers(pair):
     # the experts' gate/up gradients against transformers' fused gate_up_proj
     gate_up = hf_params["model.layers.3.mlp.experts.gate_up_proj"].grad
     inner = gate_up.shape[1] // 2
-    for mine, part in (("layers.3.mlp.experts.gate_proj", gate_up[:, :inner]), ("layers.3.mlp.experts.up_proj", gate_up[:, inner:])):
+    for mine, part in (("layers.3.mlp.experts.gate_proj", gate_up[:, :inner]), ("layers.3.mlp.experts.up_proj",
+                                                                                gate_up[:, inner:])):
         assert (ours_params[mine].grad - part).abs().max() <= GRAD_RTOL * part.abs().max()
     model.zero_grad(set_to_none=True)
 

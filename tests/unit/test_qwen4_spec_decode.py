@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from eval_helpers import tiny_qwen4_model
 from test_spec_decode import greedy_decode_checked
 
-from eval_helpers import tiny_qwen4_model
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models import TandemModel
 

@@ -5,14 +5,13 @@ import os
 
 import pytest
 import torch
-
 from omegaconf import OmegaConf
 
 from tandem.models import TandemModel, flavors
 from tandem.models.config import validate_model
-from tandem.trainer.recipe import as_dict, load_config
 from tandem.trainer.estimate import estimate
 from tandem.trainer.parallel.pipeline_plan import PipelinePlan, item_flops, stage_flops
+from tandem.trainer.recipe import as_dict, load_config
 
 RECIPE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
 RECIPES = sorted(glob.glob(os.path.join(RECIPE_DIR, "*.yaml")))
@@ -27,7 +26,8 @@ SIZES = {"moe_4b": (2e9, 8e9), "qwen38_flash": (1.7e11, 1.9e11)}
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_recipe_composes_validates_and_fits(recipe):
     text = open(recipe).read()
-    assert text.startswith("#") and "ardware" in text.split("\n\n")[0].split("run:")[0], "header must state the hardware"
+    header = text.split("\n\n")[0].split("run:")[0]
+    assert text.startswith("#") and "ardware" in header, "header must state the hardware"
     cfg = load_config(recipe)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep * max(cfg.parallel.dp, 1)
     est = estimate(cfg, world)

@@ -7,10 +7,10 @@ import torch
 from conftest import DEBUG_MODEL
 
 from tandem.trainer import seeded_init
-from tandem.trainer.recipe import load_config
-from tandem.trainer.run import build_model
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.device import resolve_device
+from tandem.trainer.recipe import load_config
+from tandem.trainer.run import build_model
 
 SHAPE = DEBUG_MODEL + ["model.num_heads=4", "model.num_kv_heads=2", "model.moe_intermediate_size=16", "mtp.num_steps=2",
                        "data.vocab_size=512", "data.seq_len=32", "device=cpu"]
@@ -53,4 +53,5 @@ def test_frozen_trunk_is_kept_in_the_compute_dtype():
         trains = name.startswith("mtp.")
         assert p.requires_grad == trains and p.dtype == (torch.float32 if trains else torch.bfloat16), name
     cfg = load_config(None, SHAPE + ["train.freeze_trunk=true", "train.dtype=fp32"])
-    assert all(p.dtype == torch.float32 for p in build_model(cfg, ParallelState(device=resolve_device("cpu"))).parameters())
+    assert all(p.dtype == torch.float32 for p in build_model(cfg,
+                                                             ParallelState(device=resolve_device("cpu"))).parameters())

@@ -4,13 +4,11 @@ verification rules: tests/unit/test_block_verify.py.)"""
 
 import pytest
 import torch
-
 from eval_helpers import make_agreeing, tiny_model
+
 from tandem.eval.acceptance import acceptance_metrics
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models.mtp import shifted_tokens
-
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -206,7 +204,8 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
         mb = int(m[b])
         for layer in range(model.cfg.num_layers):
             torch.testing.assert_close(dec.trunk_cache.keys[layer][b, :, :mb], fresh.trunk_cache.keys[layer][b, :, :mb])
-            torch.testing.assert_close(dec.trunk_cache.values[layer][b, :, :mb], fresh.trunk_cache.values[layer][b, :, :mb])
+            torch.testing.assert_close(dec.trunk_cache.values[layer][b, :, :mb], fresh.trunk_cache.values[layer][b, :,
+                                                                                                                 :mb])
         torch.testing.assert_close(dec.batch.hidden[b, :mb], fresh.batch.hidden[b, :mb])
         for k in range(1, K + 1):
             v = mb - k + 1

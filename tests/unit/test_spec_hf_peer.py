@@ -12,13 +12,14 @@ import pytest
 import torch
 
 T = pytest.importorskip("transformers")
-hf_import = pytest.importorskip("tandem.trainer.hf.importer", reason="needs the GLM-4.5 HF import (trainer/hf/importer.py)")
+hf_import = pytest.importorskip("tandem.trainer.hf.importer",
+                                reason="needs the GLM-4.5 HF import (trainer/hf/importer.py)")
 hf_export = pytest.importorskip("tandem.trainer.hf.export", reason="used only to learn the HF names of MTP weights")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tandem.eval.spec_decode import generate  # noqa: E402
-from tandem.models import MTPConfig, ModelConfig, TandemModel  # noqa: E402
+from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
 
 V = 96
 

@@ -11,10 +11,11 @@ import torch
 
 from tandem.models import TandemModel
 from tandem.trainer.checkpoint import load_model_from_checkpoint, save_checkpoint
-from tandem.trainer.recipe import load_config, to_yaml
 from tandem.trainer.hf.export import export_hf, export_main
+from tandem.trainer.recipe import load_config, to_yaml
 
-SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2",
          "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4", "model.first_k_dense=1",
          "model.num_shared_experts=1", "mtp.num_steps=2", "mtp.num_layers=1", "mtp.trunk_input=final_norm",
          "data.vocab_size=512", "data.seq_len=32"]

@@ -12,9 +12,9 @@ import torch
 
 from tandem.models.gated_deltanet import qkv_rows_from_hf
 from tandem.trainer.config import ConfigError
-from tandem.trainer.recipe import load_config
 from tandem.trainer.hf.names import Src
 from tandem.trainer.parallel.validate import validate_layout
+from tandem.trainer.recipe import load_config
 
 Q4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
       "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.head_dim=8",
@@ -74,11 +74,11 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
     import worker  # the equivalence harness's configs (preset.qwen4) and data
 
     from tandem.models.qsa import IndexedAttention
-    from tandem.trainer.run import build_model
-    from tandem.trainer.step import TrainStep
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
 
     result = {}
     select = IndexedAttention._select

@@ -27,9 +27,10 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
-from tandem.models.config import ModelConfig, MTPConfig
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from tandem.models.config import ModelConfig, MTPConfig
 
 from ..checkpoint_dirs import resolve_checkpoint
 from ..recipe import load_config
@@ -74,13 +75,17 @@ class _Entry(NamedTuple):
 # --- the command -------------------------------------------------------------------------------------------
 def export_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem export",
-                                     description="Write a Hugging Face checkpoint (config.json + safetensors) of a Tandem checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="step_<N>/ directory or a run directory (newest checkpoint)")
+                                     description="Write a Hugging Face checkpoint (config.json + safetensors) of a "
+                                                 "Tandem checkpoint.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="step_<N>/ directory or a run directory (newest checkpoint)")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
     parser.add_argument("--family", choices=FAMILIES, default=None,
-                        help="target layout; default from the model's knobs (sigmoid router/shared experts -> glm4_moe)")
+                        help="target layout; default from the model's knobs (sigmoid router/shared experts -> "
+                             "glm4_moe)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
     parser.add_argument("--max-shard-mb", type=float, default=0, help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
     try:
@@ -110,7 +115,8 @@ def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
     if cfg.data.source == "stdlib":
         ver = ".".join(map(str, sys.version_info[:3]))
         pattern = os.path.join(os.path.expanduser(cfg.data.cache_dir),
-                               f"stdlib-py{ver}-v{cfg.data.vocab_size}-cap{cfg.data.stdlib_max_bytes}-*", "train.tokenizer.json")
+                               f"stdlib-py{ver}-v{cfg.data.vocab_size}-cap{cfg.data.stdlib_max_bytes}-*",
+                               "train.tokenizer.json")
         found = sorted(glob.glob(pattern))
         if found:
             return found[-1]
@@ -245,7 +251,8 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
     if len(fnames) > 1:
         total = sum(_nbytes(e) for e in plan)
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
                       f, indent=1)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -263,7 +270,8 @@ def _plan(names: List[str], sources: Dict[str, _Source], cfg, mtp, spec) -> List
             plan += [_Entry(name, key, e, list(shape[1:]), dtype) for e, key in enumerate(src.keys)]
         elif src.concat:  # transformers' Chunk: torch.chunk's row blocks, one key each
             step = -(-shape[0] // len(src.keys))
-            plan += [_Entry(name, key, slice(r, min(r + step, shape[0])), [min(r + step, shape[0]) - r] + list(shape[1:]),
+            plan += [_Entry(name, key, slice(r, min(r + step, shape[0])), [min(r + step,
+                                                                               shape[0]) - r] + list(shape[1:]),
                             dtype) for key, r in zip(src.keys, range(0, shape[0], step))]
         else:
             plan.append(_Entry(name, src.keys[0], None, list(shape), dtype))

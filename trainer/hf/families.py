@@ -27,6 +27,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
 from tandem.models.config import ModelConfig, MTPConfig
 
 from . import qwen4_exp
@@ -196,8 +197,10 @@ def hf_name(name: str, cfg: ModelConfig, mtp: MTPConfig, spec: FamilySpec) -> Op
         else:
             if mtp.num_layers != 1:
                 raise UnsupportedCheckpoint(
-                    f"the Qwen3-Next mtp.* layout has one fc/norm set, so it holds exactly 1 MTP layer (mtp.num_layers={mtp.num_layers})")
-            table = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight", "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+                    "the Qwen3-Next mtp.* layout has one fc/norm set, so it holds exactly 1 MTP layer "
+                    f"(mtp.num_layers={mtp.num_layers})")
+            table = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                     "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
                      "eh_proj.weight": "mtp.fc.weight", "norm.weight": "mtp.norm.weight"}
             src = Src([table[rest]]) if rest in table else _block(f"mtp.layers.{j}.", rest[len("block."):], cfg, spec)
         if src is not None and rest == "eh_proj.weight" and mtp.concat_order == "hidden_emb":
@@ -275,7 +278,8 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
     if trunk == "qwen3_moe":
         if cfg.num_experts == 0:
             problems.append("model.num_experts=0 (the family is MoE)")
-        for key, ok in (("router_score", cfg.router_score == "softmax"), ("num_shared_experts", cfg.num_shared_experts == 0),
+        for key, ok in (("router_score", cfg.router_score == "softmax"), ("num_shared_experts",
+                                                                          cfg.num_shared_experts == 0),
                         ("n_group", cfg.n_group == 1), ("routed_scaling_factor", cfg.routed_scaling_factor == 1.0)):
             if not ok:
                 problems.append(f"model.{key}={getattr(cfg, key)!r}")
@@ -329,7 +333,8 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
         base["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
         base.update(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", n_routed_experts=cfg.num_experts,
                     num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate_size,
-                    n_shared_experts=cfg.num_shared_experts, first_k_dense_replace=min(cfg.first_k_dense, cfg.num_layers),
+                    n_shared_experts=cfg.num_shared_experts, first_k_dense_replace=min(cfg.first_k_dense,
+                                                                                       cfg.num_layers),
                     norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
                     n_group=cfg.n_group, topk_group=cfg.topk_group, use_qk_norm=cfg.qk_norm,
                     num_nextn_predict_layers=n_mtp)

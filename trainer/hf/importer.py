@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
+
 from tandem.models import TandemModel
 from tandem.models.config import ModelConfig, MTPConfig, validate_model
-from torch import nn
 
 from ..parallel.sharded_params import local_target, shard_index, unwrapped_name  # noqa: F401 (shard_index: API)
 from .families import (
@@ -95,7 +96,8 @@ class CheckpointReader:
         download), fails here, naming the file, before any tensor is read."""
         for file in sorted(set(self._files.values()) - {f for k, f in self._files.items() if k in self._pickled}):
             if not os.path.isfile(file):
-                raise CheckpointError(f"checkpoint shard {file} is missing (named by {self.path}/model.safetensors.index.json)")
+                raise CheckpointError(f"checkpoint shard {file} is missing (named by "
+                                      f"{self.path}/model.safetensors.index.json)")
             base, header = self._header(file)
             end = base + max((v["data_offsets"][1] for v in header.values()), default=0)
             size = os.path.getsize(file)
@@ -213,11 +215,13 @@ def check_tokenizer(path: str, vocab_size: int) -> None:
     size = tokenizer_vocab_size(path)
     if size is not None and size > vocab_size:
         raise CheckpointError(
-            f"tokenizer/vocab mismatch: {path}/tokenizer.json has {size} tokens but the model's vocab_size is {vocab_size}")
+            f"tokenizer/vocab mismatch: {path}/tokenizer.json has {size} tokens but the model's vocab_size is "
+            f"{vocab_size}")
 
 
 # --------------------------------------------------------------------------------------------------
-def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], global_shape: Sequence[int]) -> torch.Tensor:
+def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...],
+                global_shape: Sequence[int]) -> torch.Tensor:
     """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
     if src.qkv_groups is not None:  # Gated DeltaNet's qkv rows: read whole (small), permute, then slice
         out = src.to_model_rows(reader.read(src.keys[0], (slice(None),)))[tuple(index)]
@@ -234,11 +238,13 @@ def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...], gl
             if lo < hi:
                 parts.append(reader.read(key, (slice(lo - start, hi - start),) + tuple(index[1:])))
             start += n
-        out = torch.cat(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:], global_shape[1:])])
+        out = torch.cat(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:],
+                                                                                                        global_shape[1:])])
     elif src.stacked:
         rows = range(*index[0].indices(len(src.keys)))
         parts = [reader.read(src.keys[e], index[1:]) for e in rows]
-        out = torch.stack(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:], global_shape[1:])])
+        out = torch.stack(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:],
+                                                                                                          global_shape[1:])])
     else:
         out = reader.read(src.keys[0], index)
     if src.plus_one:
@@ -304,7 +310,8 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
         needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp, report)
         if has_mtp_weights and mtp is not None and mtp.num_steps and mtp.trunk_input != trunk_input_of(hf):
             raise CheckpointError(
-                f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but mtp.trunk_input={mtp.trunk_input!r}; "
+                f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but "
+                f"mtp.trunk_input={mtp.trunk_input!r}; "
                 f"set mtp.trunk_input={trunk_input_of(hf)}")
         _check_names(path, keys, needed, mtp_keys, cfg, mtp, spec, report)
         _check_source_shapes(path, reader, needed, full)
@@ -421,7 +428,8 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     try:
         spec = detect_family(hf, reader.keys())
         cfg = model_config_from_hf(hf, spec, max_seq_len=max_seq_len)
-        present = {mtp_layer_of_key(k, cfg) for k in reader.keys() if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
+        present = {mtp_layer_of_key(k, cfg) for k in reader.keys() if is_mtp_key(k, cfg) and not ignorable_key(k, cfg,
+                                                                                                               spec)}
         n_mtp = len(present)
         mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0, concat_order="emb_hidden",
                         trunk_input=trunk_input_of(hf))

@@ -143,7 +143,8 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
 
 
 def load_initial_weights(model: nn.Module, path: str, *, mtp_init_from_last_layer: Optional[bool] = None,
-                         trust_pickle: bool = False, init_rest: Optional[Callable[[Set[str]], None]] = None) -> Set[str]:
+                         trust_pickle: bool = False, init_rest: Optional[Callable[[Set[str]],
+                                                                                  None]] = None) -> Set[str]:
     """Initialise `model` (plain or sharded) from `path`; see the module docstring. `init_rest(loaded)`
     initialises what the checkpoint did not provide (the trainer's seeded init), before the MTP blocks
     are copied from the last trunk layer. Returns the names loaded."""

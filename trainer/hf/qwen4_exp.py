@@ -48,7 +48,8 @@ def config_from_hf(hf: dict, rope, max_seq_len: Optional[int]) -> ModelConfig:
     if hf.get("attention_bias"):
         raise UnsupportedCheckpoint("qwen4_exp: attention_bias=true is not supported")
     if hf.get("indexer_n_heads") is None:
-        raise UnsupportedCheckpoint("qwen4_exp: checkpoints without a QSA indexer (indexer_n_heads unset) are not supported")
+        raise UnsupportedCheckpoint("qwen4_exp: checkpoints without a QSA indexer (indexer_n_heads unset) are not "
+                                    "supported")
     if int(hf.get("indexer_kv_heads") or 1) != 1:
         raise UnsupportedCheckpoint("qwen4_exp: QSA needs indexer_kv_heads=1")
     theta, partial = rope
@@ -154,14 +155,17 @@ def check_exportable(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> List[str]:
     problems = []
     types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
     if "attention" in types:
-        problems.append("model.layer_types has full `attention` layers (Qwen4-Exp layers are linear_attention or indexed_attention)")
+        problems.append("model.layer_types has full `attention` layers (Qwen4-Exp layers are linear_attention or "
+                        "indexed_attention)")
     if "indexed_attention" not in types:
         problems.append("no indexed_attention layer (the family's attention layers all carry a QSA indexer)")
     for key, ok in (("hc_count", cfg.hc_count > 1), ("zero_centered_norm", cfg.zero_centered_norm),
-                    ("router_score", cfg.router_score == "softmax"), ("num_shared_experts", cfg.num_shared_experts == 1),
+                    ("router_score", cfg.router_score == "softmax"), ("num_shared_experts",
+                                                                      cfg.num_shared_experts == 1),
                     ("shared_expert_gate", cfg.shared_expert_gate), ("first_k_dense", cfg.first_k_dense == 0),
                     ("num_experts", cfg.num_experts > 0), ("n_group", cfg.n_group == 1),
-                    ("routed_scaling_factor", cfg.routed_scaling_factor == 1.0), ("attention_bias", not cfg.attention_bias)):
+                    ("routed_scaling_factor", cfg.routed_scaling_factor == 1.0), ("attention_bias",
+                                                                                  not cfg.attention_bias)):
         if not ok:
             problems.append(f"model.{key}={getattr(cfg, key)!r}")
     if mtp is not None and mtp.num_steps > 0:
@@ -181,7 +185,8 @@ def hf_config(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> dict:
     out = {
         "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+           "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
                             "partial_rotary_factor": cfg.partial_rotary_factor},

@@ -22,7 +22,6 @@ import contextlib
 import functools
 from typing import Callable, Iterator, List
 
-import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
@@ -30,6 +29,8 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
 
 MODES = ("none", "full", "selective")
 

@@ -48,8 +48,9 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
-from tandem.models.experts import GroupedExperts
 from torch import nn
+
+from tandem.models.experts import GroupedExperts
 
 from .sharded_params import adopt, replace_module
 

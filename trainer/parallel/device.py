@@ -88,7 +88,8 @@ class Device:
         """Refuse `train.dtype=bf16` on hardware without bf16 (one line naming the key)."""
         if requested == "bf16" and not self.supports_bf16():
             name = self.module.get_device_name(self.device)
-            raise ConfigError(f"config key 'train.dtype'='bf16' but this {self.type} device ({name}) has no bf16 support; "
+            raise ConfigError(f"config key 'train.dtype'='bf16' but this {self.type} device ({name}) has no bf16 "
+                              "support; "
                               f"use train.dtype=fp32")
 
 
@@ -168,6 +169,7 @@ def npu_grouped_mm_kernels(gmm):
 
 def _use_npu_grouped_mm() -> None:
     import torch_npu
+
     from tandem.models.experts import register_grouped_mm_kernels
 
     if hasattr(torch_npu, "npu_grouped_matmul"):  # older torch_npu: the MoE's per-expert loop

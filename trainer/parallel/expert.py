@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from tandem.models.experts import GroupedExperts, expert_swiglu
-from tandem.models.moe import AuxLossGrad, MoE, inverse_permutation
 from torch import nn
 from torch.distributed.tensor import Shard
+
+from tandem.models.experts import GroupedExperts, expert_swiglu
+from tandem.models.moe import AuxLossGrad, MoE, inverse_permutation
 
 from .comm import copy_to_group, gather_along, reduce_from_group, scatter_reduce_along
 from .sharded_params import (

@@ -50,11 +50,12 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
 from tandem.models.qsa_index import QSASelection
 from tandem.trainer.loss import combine_losses, loss_gradient
-from torch import nn
 
 from .device import autocast_context
 from .pipeline_plan import PipelinePlan, StagePlan
@@ -166,7 +167,8 @@ class StageModule(nn.Module):
         if loss is not None and loss.requires_grad:
             i = next((i for i, o in enumerate(outputs) if o.requires_grad), None)
             if i is None:
-                raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but none of its outputs does")
+                raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but none of its outputs "
+                                   "does")
             outputs[i] = AuxLossGrad.apply(outputs[i], loss, 1.0)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
@@ -288,7 +290,9 @@ class Pipeline:
         # Static stage metadata: dynamic inference would run an extra forward of the first
         # micro-batch (counting its losses and router loads twice).
         b, s_len, h = self.micro_size, self.seq_len, self.hidden
-        act = lambda: torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype, requires_grad=True)  # noqa: E731
+        def act():
+            return torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype, requires_grad=True)
+
         tokens = torch.zeros(b, s_len, dtype=torch.long, device=self.device)
         stages = []
         selection = lambda: tuple(torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731

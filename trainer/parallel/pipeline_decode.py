@@ -9,8 +9,8 @@ trunk layers (a `KVCache` indexed by global layer id, allocated at a layer's fir
 the loss depths are spread): it runs eval/spec_decode.py's decoder unchanged on a `PipelinedModel` view,
 keeping the MTP caches, drafting, verifying, accepting and committing. Which stage holds MTP depth
 k is a lookup (`DecodePlan.mtp_stage`: `parallel.pp_depth_stages`, the last stage by default): a depth
-held by another rank runs there, on that rank's cache of the depth, and its hidden state comes back. Every trunk forward of the
-decoder (prefill, verify, teacher-forced) becomes one pass through the stages: the driver
+held by another rank runs there, on that rank's cache of the depth, and its hidden state comes back. Every trunk forward
+of the decoder (prefill, verify, teacher-forced) becomes one pass through the stages: the driver
 broadcasts a header over the pp group (the committed tokens and draft tokens to run, their
 positions -- i.e. where each row's accepted prefix ends -- and whether a new cache starts), the
 first stage embeds, each stage runs its layers on its caches and sends the hidden state to the
@@ -48,10 +48,11 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from tandem.eval.recall import RecallProbe
 from tandem.models.documents import Documents
 from tandem.models.state import DecodeCache
-from torch import nn
 
 from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 from .pipeline_plan import selection_reused
@@ -254,7 +255,8 @@ class ParallelDecoding:
             self.is_driver = self.plan.pp_rank == self.plan.driver
             mine = [k for k in range(1, cfg.mtp.num_steps + 1) if self.plan.mtp_rank(k) == self.plan.pp_rank]
             if mine and not self.is_driver and getattr(model, "mtp", None) is None:
-                raise ValueError(f"MTP depths {mine} are placed on pp rank {self.plan.pp_rank}, which holds no MTP module")
+                raise ValueError(f"MTP depths {mine} are placed on pp rank {self.plan.pp_rank}, which holds no MTP "
+                                 "module")
             self.stages = StagePass(model, self.plan, self.pp_group, boundary_width(cfg.model), self.dtype, self.device)
             self.model = PipelinedModel(model, self) if self.is_driver else None
         else:

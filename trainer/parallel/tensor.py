@@ -38,6 +38,15 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
 from tandem.models.attention import Attention
 from tandem.models.layers import SwiGLU
 from tandem.models.loss import (
@@ -47,14 +56,6 @@ from tandem.models.loss import (
 )
 from tandem.models.model import SequenceLayout
 from tandem.models.moe import MoE
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 from .comm import copy_to_group, gather_along, reduce_from_group
 from .expert import parallelize_moe

@@ -61,11 +61,12 @@ from typing import List
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
 from tandem.models.gated_deltanet import GatedDeltaNet
 from tandem.models.ple import PLELayer
 from tandem.models.qsa import IndexedAttention
-from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from .comm import (
     _all_gather_dim,
@@ -121,7 +122,8 @@ class _Region:
         return gather_along(x, self.tp_group, 1) if self.sequence_parallel else copy_to_group(x, self.tp_group)
 
     def _exit(self, y: torch.Tensor) -> torch.Tensor:
-        return scatter_reduce_along(y, self.tp_group, 1) if self.sequence_parallel else reduce_from_group(y, self.tp_group)
+        return scatter_reduce_along(y, self.tp_group, 1) if self.sequence_parallel else reduce_from_group(y,
+                                                                                                          self.tp_group)
 
 
 class TensorParallelGatedDeltaNet(_Region, GatedDeltaNet):

@@ -51,9 +51,10 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """Check the parallel layout against the model, the batch and the world size; return dp.
 
     Raises ConfigError (one line) for: world size not the product tp*pp*ep*dp, heads / kv heads
-    (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not divisible by ep, too few layers (or a bad pp_layout) for the
-    pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence parallelism with
-    data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp.
+    (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not divisible by ep, too few
+    layers (or a bad pp_layout) for the pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence
+    parallelism with data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP, shared expert) not
+    divisible by tp.
     """
     p, m = cfg.parallel, cfg.model
     p.validate(cfg)  # the section's own values, as load_config checked them (a config edited since included)
@@ -86,14 +87,16 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
             raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} (the shared "
                               f"expert's width) is not divisible by parallel.tp={p.tp}")
         if m.vocab_size % p.tp:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel head)")
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel "
+                              "head)")
         if m.intermediate_size % p.tp or m.moe_intermediate_size % p.tp:
             raise ConfigError(f"model.intermediate_size={m.intermediate_size} / moe_intermediate_size="
                               f"{m.moe_intermediate_size} must be divisible by parallel.tp={p.tp}")
         if m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
+        raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by "
+                          f"parallel.tp={p.tp}")
     if p.ep > 1:
         if m.num_experts <= 0:
             raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.num_experts={m.num_experts})")
