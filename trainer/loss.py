@@ -56,7 +56,7 @@ def combine_losses(loss_sums: torch.Tensor, global_counts: torch.Tensor, coeffic
 
 
 def one_batch_forward_backward(model, tokens_bs1: torch.Tensor, coefficients: List[float], autocast=nullcontext):
-    """Forward and backward of one batch in one process as `Trainer.forward_backward` runs a step's
+    """Forward and backward of one batch in one process as `TrainStep.forward_backward` runs a step's
     micro-batches (the counts are this batch's, the head told each depth's gradient beforehand), for
     benchmarks and tests that time or inspect a bare model. `autocast`: the forward's precision
     context factory. Returns the model's output (loss sums and counts)."""

@@ -58,7 +58,7 @@ def test_the_vocab_parallel_head_holds_its_shard_of_the_weight_gradient():
 
 
 def test_the_trainer_promises_the_heads_gradients():
-    """Trainer.forward_backward tells the head each depth's loss gradient for the step (one held weight
+    """TrainStep.forward_backward tells the head each depth's loss gradient for the step (one held weight
     gradient, not one per depth) and takes the promise back afterwards; its gradients are the
     recomputing head's."""
     from tandem.trainer.parallel import ParallelState

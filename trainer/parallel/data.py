@@ -267,7 +267,7 @@ def pipeline_stage_class(reshard_after_microbatch: bool):
     """The PipelineStage class for `parallel.reshard_after_microbatch`. torch's stage turns FSDP's
     gradient sync and resharding off for every micro-batch's backward and syncs once, in the
     schedule's REDUCE_GRAD after the last; with reshard_after_microbatch its full backward leaves
-    them on, so every micro-batch reduce-scatters and reshards as `Trainer.forward_backward` does
+    them on, so every micro-batch reduce-scatters and reshards as `TrainStep.forward_backward` does
     without a pipeline (REDUCE_GRAD then finds nothing left to reduce)."""
     from torch.distributed.pipelining import PipelineStage
 
