@@ -100,7 +100,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     sets the state's pipeline, gradient finisher and groups."""
     deg = state.degrees
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
-    if deg.pp > 1:
+    if state.pp_enabled:
         prune_model(model, cfg, state.mesh["pp"].get_local_rank())
     tables, sp_partial = _apply_tensor_parallel(model, cfg, state, compute_dtype)
     # pieces two stages of one rank use: FSDP units of their own (sharded over dp*ep like the rest,
@@ -108,7 +108,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     # (summed over dp*ep by the finisher)
     own_units = deg.batch > 1 and cfg.parallel.dp_mode == "fsdp"
     pipeline = None
-    if deg.pp > 1:
+    if state.pp_enabled:
         pipeline = Pipeline(model, cfg, state.mesh["pp"], state.device.device, piece_units=own_units)
     shared_in_rank = pipeline.plan.shared_within_rank() if pipeline is not None else []
     units = {x: getattr(model, x) for x in shared_in_rank if own_units and getattr(model, x) is not None}
@@ -145,9 +145,11 @@ def _apply_tensor_parallel(model: nn.Module, cfg: TandemConfig, state: ParallelS
     switch = None
     if state.sequence_parallel:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
         switch = state.sequence_parallel_switch = SequenceParallelSwitch()
-    tp_mesh = mesh["tp"] if deg.tp > 1 else None
-    ep_mesh = mesh["ep"] if deg.ep > 1 else None
-    expert_mesh = mesh["ep", "tp"] if (deg.ep > 1 and deg.tp > 1) else (ep_mesh if deg.ep > 1 else tp_mesh)
+    tp_mesh = mesh["tp"] if state.tp_enabled else None
+    ep_mesh = mesh["ep"] if state.ep_enabled else None
+    expert_mesh = ep_mesh if ep_mesh is not None else tp_mesh
+    if ep_mesh is not None and tp_mesh is not None:
+        expert_mesh = mesh["ep", "tp"]
     sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, state.sequence_parallel,
                                                   switch, cfg.parallel.ep_dispatch)
     return tables, sp_partial
