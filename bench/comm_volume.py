@@ -288,7 +288,7 @@ def worker(out_path, layouts):
                 counter = make_counter()
                 counter.__enter__()
             counts = tr.global_target_counts(batches)
-            pstate.all_reduce_dp(tr.forward_backward(batches, counts, coefs))
+            pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
             tr.clip_gradients()
             tr.update_router_biases()
             if step == 1:

@@ -95,7 +95,7 @@ class Sides:
         counts = tr.global_target_counts(batches)
         with counter or contextlib.nullcontext():
             losses = tr.forward_backward(batches, counts, depth_coefficients(cfg.mtp, i))
-        pstate.all_reduce_dp(losses)
+        pstate.all_reduce_replicas(losses)
         tr.clip_gradients()
         tr.update_router_biases()
         tr.optimizer.step()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .context import WholeWindow
 from .documents import Documents
 from .layers import RMSNorm, RotaryEmbedding
 from .state import KVCache, LayerKV  # noqa: F401  (re-exported: callers import the cache from here)
@@ -38,9 +39,12 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.rope_theta, cfg.max_seq_len)
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
-                cache: Optional[LayerKV] = None, documents: Optional[Documents] = None) -> torch.Tensor:
+                cache: Optional[LayerKV] = None, documents: Optional[Documents] = None,
+                context: Optional[WholeWindow] = None) -> torch.Tensor:
         """`documents` (packed training windows, data.document_mask): attention stays inside each
-        document (block-diagonal causal); `positions_bs` then count from each document's start."""
+        document (block-diagonal causal); `positions_bs` then count from each document's start.
+        `context` (training under context parallelism): the queries are this rank's rows of the window,
+        the keys and values every row's, gathered (models/context.py)."""
         b, s, _ = x_bsh.shape
         # Head counts come from the projection widths so tensor parallelism (which shards the
         # projections' output features) needs no change here.
@@ -51,7 +55,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q.transpose(1, 2), positions_bs), self.rotary(k.transpose(1, 2), positions_bs)
         groups = q.shape[1] // k.shape[1]
-        if cache is None and documents is not None:
+        if cache is None and context is not None and context.sharded:
+            out = self._over_window(q, k, v, context, documents, groups)
+        elif cache is None and documents is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(), enable_gqa=groups > 1)
         elif cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
@@ -62,3 +68,16 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=mask,
                                                  enable_gqa=groups > 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    @staticmethod
+    def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents], groups: int):
+        """This rank's queries over the whole window's keys and values (gathered in window order), masked
+        by window row: causal, and inside the query's document when documents are kept apart."""
+        k_all, v_all = (context.gather(t.transpose(1, 2)).transpose(1, 2) for t in (k_bhsd, v_bhsd))
+        keys = k_all.shape[2]
+        if documents is not None:
+            mask = documents.attention_mask(keys)
+        else:
+            rows = context.rows(q_bhsd.shape[2], q_bhsd.device)
+            mask = (torch.arange(keys, device=q_bhsd.device)[None, :] <= rows[:, None])[None, None]
+        return F.scaled_dot_product_attention(q_bhsd, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1)

@@ -11,6 +11,7 @@ from torch import nn
 
 from .attention import Attention, LayerKV
 from .config import ModelConfig
+from .context import WholeWindow
 from .documents import Documents
 from .gated_deltanet import GatedDeltaNet
 from .hyper_connection import HyperConnection
@@ -91,14 +92,18 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None,
                 input_ids_bs: Optional[torch.Tensor] = None, selection: Optional[QSASelection] = None,
-                return_selection: bool = False, documents: Optional[Documents] = None):
+                return_selection: bool = False, documents: Optional[Documents] = None,
+                context: Optional[WholeWindow] = None):
         """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
         (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection). They
         are arguments and results, not module state, so activation checkpointing's recomputation and
         pipelined micro-batches see the selection of their own forward. `documents`: packed documents
-        (models/documents.py), which every part of the block keeps apart."""
+        (models/documents.py), which every part of the block keeps apart. `context`: the window's split
+        over context-parallel ranks (models/context.py), which the token mixer and PLE read across."""
         sel_out = None
         extra = {} if documents is None else {"documents": documents}
+        if context is not None:
+            extra["context"] = context
 
         def mix(h: torch.Tensor) -> torch.Tensor:
             nonlocal sel_out
@@ -109,9 +114,11 @@ class TransformerBlock(nn.Module):
             y, sel_out = self.mixer(h, positions_bs, cache, selection, True, **extra)
             return y
 
+        # an MoE's auxiliary losses average over the whole window (context parallelism)
+        mlp_args = {"context": context} if context is not None and isinstance(self.mlp, MoE) else {}
         if self.hc_count == 1:
             x_bsh = x_bsh + mix(self.input_layernorm(x_bsh))
-            out = x_bsh + self.mlp(self.post_attention_layernorm(x_bsh))
+            out = x_bsh + self.mlp(self.post_attention_layernorm(x_bsh), **mlp_args)
             return (out, sel_out) if return_selection else out
         if self.ple is not None:
             if input_ids_bs is None:
@@ -120,7 +127,7 @@ class TransformerBlock(nn.Module):
         mixed, weights = self.attn_hyper_connection(x_bsh)
         x_bsh = self.attn_hyper_connection.inject(x_bsh, mix(mixed), weights)
         mixed, weights = self.mlp_hyper_connection(x_bsh)
-        out = self.mlp_hyper_connection.inject(x_bsh, self.mlp(mixed), weights)
+        out = self.mlp_hyper_connection.inject(x_bsh, self.mlp(mixed, **mlp_args), weights)
         return (out, sel_out) if return_selection else out
 
 

@@ -15,7 +15,7 @@ window holding one document, only cheaper.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -23,6 +23,9 @@ import torch
 class Documents(NamedTuple):
     starts_bs: torch.Tensor
     """[B, S] long: the row index of the first position of each position's document."""
+    rows_s: Optional[torch.Tensor] = None
+    """[S] long: the window row of each of the S rows (context parallelism: a rank's rows, `local`);
+    None: rows 0 .. S-1 of the window."""
 
     @classmethod
     def from_doc_ids(cls, doc_ids_bs: torch.Tensor) -> "Documents":
@@ -39,16 +42,28 @@ class Documents(NamedTuple):
         s = positions_bs.shape[1]
         return cls(torch.arange(s, device=positions_bs.device) - positions_bs)
 
+    def local(self, window) -> "Documents":
+        """This rank's rows of the whole window's documents (`window`: models/context.py `WholeWindow`)."""
+        if not window.sharded:
+            return self
+        return Documents(window.local(self.starts_bs), window.rows(window.local(self.starts_bs).shape[1],
+                                                                   self.starts_bs.device))
+
+    def rows(self) -> torch.Tensor:
+        """[S] the window row of each row."""
+        if self.rows_s is not None:
+            return self.rows_s
+        return torch.arange(self.starts_bs.shape[1], device=self.starts_bs.device)
+
     def positions(self) -> torch.Tensor:
         """[B, S] position of each token within its document."""
-        s = self.starts_bs.shape[1]
-        return torch.arange(s, device=self.starts_bs.device) - self.starts_bs
+        return self.rows() - self.starts_bs
 
-    def attention_mask(self) -> torch.Tensor:
-        """[B, 1, S, S] bool: query t sees key u iff u is in t's document and u <= t."""
-        s = self.starts_bs.shape[1]
-        key_u = torch.arange(s, device=self.starts_bs.device)
-        query_t = key_u[:, None]
+    def attention_mask(self, keys: Optional[int] = None) -> torch.Tensor:
+        """[B, 1, S, keys] bool: query t sees key u (a window row, `keys` of them: default S) iff u is in
+        t's document and u <= t."""
+        query_t = self.rows()[:, None]
+        key_u = torch.arange(self.starts_bs.shape[1] if keys is None else keys, device=self.starts_bs.device)
         return ((key_u[None, None, :] <= query_t[None]) & (key_u[None, None, :] >= self.starts_bs[:, :, None]))[:, None]
 
 

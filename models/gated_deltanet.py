@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context import WholeWindow
 from .documents import Documents, causal_conv_taps
 from .layers import rms_norm
 
@@ -347,14 +348,18 @@ class GatedDeltaNet(nn.Module):
                 g_bsn.float().transpose(1, 2), beta_bsn.float().transpose(1, 2))
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
-                documents: Optional[Documents] = None) -> torch.Tensor:
+                documents: Optional[Documents] = None, context: Optional[WholeWindow] = None) -> torch.Tensor:
         """`documents` (packed training rows, no cache): the conv and the state restart at each
-        document's start; `positions_bs` count from it."""
+        document's start; `positions_bs` count from it. `context` (training under context parallelism):
+        the rows are this rank's chunks of the window (`_over_chunks`)."""
         conv_w, a_log, dt_bias = self.computed_params()
         kernel = conv_w.shape[-1]
         qkv_bsc = self.in_proj_qkv(x_bsh)
         z_bsnv = self.in_proj_z(x_bsh).unflatten(-1, (-1, self.head_v_dim))
         b_bsn, a_bsn = self.in_proj_b(x_bsh), self.in_proj_a(x_bsh)
+        if cache is None and context is not None and context.sharded:
+            out_bsnv = self._over_chunks(qkv_bsc, b_bsn, a_bsn, positions_bs, documents, context)
+            return self.out_proj(self.norm(out_bsnv, z_bsnv).flatten(-2))
         rings = state0_bhkv = None
         if cache is None:
             conv_in_bsc = F.pad(qkv_bsc, (0, 0, kernel - 1, 0))  # causal: left zero padding
@@ -377,6 +382,39 @@ class GatedDeltaNet(nn.Module):
             out_bsnv = self._prefill(heads, state0_bhkv, rings, positions_bs, qkv_bsc, cache, kernel)
         y_bsnv = self.norm(out_bsnv, z_bsnv)
         return self.out_proj(y_bsnv.flatten(-2))
+
+    def _over_chunks(self, qkv_bsc, b_bsn, a_bsn, positions_bs, documents, context: WholeWindow):
+        """The rule on this rank's chunks of the window (context parallelism), each a batch row: the conv
+        reads the kernel - 1 rows before its chunk (`context.halo`), and the state entering a chunk comes
+        from every earlier chunk (`context.carry`). Each chunk runs once from the state [I | 0] with
+        values [0 | v]: the rule is linear in (state, values), so the first Dk columns follow the
+        chunk's transition M (the state it leaves when entered with X is M X + the second block, its
+        final state F from zero) and the outputs split the same way, o_t = (q_t M_t) X + o_t(0). The
+        exchange is then one (M, F) per chunk, in fp32. A document start inside a chunk zeroes M from
+        there on, which cuts the carry. The torch form runs it (fla's kernels are not used here)."""
+        conv_w, a_log, dt_bias = self.computed_params()
+        kernel = conv_w.shape[-1]
+        qkv, pos = context.split(qkv_bsc), context.split(positions_bs)
+        extended = torch.cat([context.halo(qkv, kernel - 1), qkv], 1)
+        if documents is not None:
+            ext_pos = torch.cat([pos.new_zeros(pos.shape[0], kernel - 1), pos], 1)
+            mixed = F.silu(causal_conv_taps(extended, conv_w[:, 0], ext_pos))[:, kernel - 1:]
+        else:
+            mixed = F.silu(F.conv1d(extended.transpose(1, 2), conv_w, groups=qkv.shape[-1])).transpose(1, 2)
+        b_split = context.split(b_bsn)
+        q_bsnk, k_bsnk, v_bsnv = self._split_heads(mixed, b_split.shape[-1])
+        g_bsn = -a_log.float().exp() * F.softplus(context.split(a_bsn).float() + dt_bias)
+        q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, b_split.sigmoid())
+        bc, h, length, dk = q.shape
+        eye = torch.eye(dk, device=q.device).expand(bc, h, dk, dk)
+        with torch.autocast(qkv_bsc.device.type, enabled=False):
+            out_aug, final_aug = chunked_gated_delta_rule(
+                q, k, torch.cat([v.new_zeros(bc, h, length, dk), v], -1), g, beta,
+                torch.cat([eye, v.new_zeros(bc, h, dk, v.shape[-1])], -1),
+                resets_bt=(pos == 0) if documents is not None else None)
+            entering = context.carry(final_aug[..., :dk], final_aug[..., dk:])
+            out_bhtv = out_aug[..., dk:] + out_aug[..., :dk] @ entering
+        return context.join(out_bhtv.transpose(1, 2).to(v_bsnv.dtype))
 
     def _resume(self, cache, qkv_bsc: torch.Tensor, positions_bs: torch.Tensor, kernel: int, hv: int):
         """((conv ring, state ring), the conv's input with the kernel - 1 previous inputs in front, the

@@ -20,6 +20,7 @@ from torch import nn
 from .attention import LayerKV
 from .block import OutputHead, TransformerBlock
 from .config import ModelConfig, MTPConfig
+from .context import WholeWindow
 from .documents import Documents
 from .layers import RMSNorm
 from .loss import (
@@ -104,7 +105,7 @@ class SequenceLayout(nn.Module):
 
 class TandemModel(nn.Module):
     def __init__(self, cfg: ModelConfig, mtp: MTPConfig, sequence: Optional[SequenceLayout] = None,
-                 distill: str = "none"):
+                 distill: str = "none", context: Optional[WholeWindow] = None):
         super().__init__()
         self.cfg, self.mtp_cfg = cfg, mtp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -126,6 +127,10 @@ class TandemModel(nn.Module):
         # shard: the head's input is gathered whole and the trunk and MTP steps share one lookup of whole
         # sequences, each rank reading its rows (trainer/parallel/tensor.py `SequenceShards`).
         self.sequence = sequence if sequence is not None else SequenceLayout()
+        # Which rows of a training window this rank computes: all (the default), or under context
+        # parallelism its chunks (trainer/parallel/context.py `ContextShards`). Every per-position input
+        # is built over the whole window and then cut to these rows (models/context.py).
+        self.context = context if context is not None else WholeWindow()
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -190,6 +195,8 @@ class TandemModel(nn.Module):
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
         extra = {} if documents is None else {"documents": documents}
+        if self.context.sharded:
+            extra["context"] = self.context
         for i, layer in self.layers.items():
             h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None,
                       input_ids_bs if layer.ple is not None else None, **extra)
@@ -211,6 +218,8 @@ class TandemModel(nn.Module):
         mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend over the
         one handed in; otherwise every depth selects for itself and None is passed along."""
         extra = {} if documents is None else {"documents": documents}
+        if self.context.sharded:
+            extra["context"] = self.context
         if self.mtp.selection_share is None:
             return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, **extra), None
         if step == 1:
@@ -247,13 +256,19 @@ class TandemModel(nn.Module):
         vocabulary-parallel all-reduce, instead of one per step (under sequence parallelism one
         all-reduce of the whole window instead of a reduce-scatter per step)."""
         s = tokens_bs1.shape[1] - 1
-        ids = shifted_tokens(tokens_bs1, first, s + last - first)
+        if self.context.sharded:  # this rank's rows of each shift, shift by shift
+            ids = torch.cat([self.context.local(shifted_tokens(tokens_bs1, k, s)) for k in range(first, last + 1)], 1)
+        else:
+            ids = shifted_tokens(tokens_bs1, first, s + last - first)
         return self.sequence.embed_window(self.embed_tokens, ids)
 
     def window_rows(self, emb_window: Tuple[torch.Tensor, int], shift: int, s: int) -> torch.Tensor:
         """The embedding of tokens t+shift for the S positions (this rank's shard of them under sequence
         parallelism) from a `shifted_embeddings` window (window, its first shift)."""
         window, first = emb_window
+        if self.context.sharded:  # `shifted_embeddings` laid this rank's rows out shift by shift
+            rows = self.context.local_rows(s)
+            return self.sequence.rows(window, (shift - first) * rows, rows)
         return self.sequence.rows(window, shift - first, s)
 
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
@@ -280,7 +295,8 @@ class TandemModel(nn.Module):
             if self.mtp_cfg.detach_trunk and (depth == 1 or not self.mtp.chained):
                 h_in = h_in.detach()
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
-            h, carry.value = self.mtp_train_step(depth, h_in, shifted_tokens(tokens_bs1, depth, s), positions_bs,
+            tokens = self.context.local(shifted_tokens(tokens_bs1, depth, s))
+            h, carry.value = self.mtp_train_step(depth, h_in, tokens, positions_bs,
                                                  emb_bsh=emb, selection=carry.value, documents=documents)
             yield depth, h
 
@@ -306,14 +322,16 @@ class TandemModel(nn.Module):
         if loss_mask_bs is None:
             loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
         documents = window_documents(doc_ids_bs1, s) if document_mask else None
-        positions = window_positions(documents, b, s, tokens_bs1.device)
+        # built over the whole window, then cut to this rank's rows (context parallelism; else all rows)
+        positions = self.context.local(window_positions(documents, b, s, tokens_bs1.device))
+        documents = documents.local(self.context) if documents is not None else None
         # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near inference.
         emb_window = None
         if self.shared_lookup():
             # the trunk's embedding output, shifted by k, is what MTP step k embeds: one lookup for all
             emb_window = (self.shifted_embeddings(tokens_bs1, 0, self.mtp_cfg.num_steps), 0)
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
-            h = self.trunk(tokens_bs1[:, :s], positions,
+            h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions,
                            emb_bsh=self.window_rows(emb_window, 0, s) if emb_window is not None else None,
                            documents=documents)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window,
@@ -354,8 +372,10 @@ class TandemModel(nn.Module):
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose
             # data-dependent shape costs host syncs and a compiled graph). The count stays on the device.
-            mask = depth_target_mask(loss_mask_bs, doc_ids_bs1, depth)
-            targets_n = _rows(torch.where(mask, shifted_tokens(tokens_bs1, depth + 1, s), IGNORE))
+            # the window's targets, then this rank's rows of them (context parallelism: never shifted after
+            # cutting, so a target across a chunk edge is the one one process reads)
+            mask = self.context.local(depth_target_mask(loss_mask_bs, doc_ids_bs1, depth))
+            targets_n = _rows(torch.where(mask, self.context.local(shifted_tokens(tokens_bs1, depth + 1, s)), IGNORE))
             counts.append(mask.sum())
             loss, head_input = self._depth_loss(depth, h_prev, mask, targets_n, teacher_bsh, teacher_ids, frozen_main)
             if head_input is None:

@@ -236,16 +236,31 @@ class MoE(nn.Module):
         """The shared expert's MLP (tensor parallelism computes it on its shards instead)."""
         return self.shared_experts(x_th)
 
-    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, context=None) -> torch.Tensor:
+        """`context`: the window's split over context-parallel ranks (models/context.py), over which the
+        auxiliary losses average."""
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
         weights, indices, logits = self.router(x)
         out = self.route_and_compute(x, weights, indices)
-        aux = self._aux_loss(logits, indices) if self.training and torch.is_grad_enabled() else None
-        if aux is not None:
+        if self.training and torch.is_grad_enabled() and self._needs_aux():
+            aux, scale = self._window_aux(logits, indices, self.aux_grad_scale, context)
             self.last_aux_loss = aux.detach()
-            out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
+            out = AuxLossGrad.apply(out, aux, scale)
         return out.view(shape)
+
+    def _needs_aux(self) -> bool:
+        cfg = self.cfg
+        return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
+
+    def _window_aux(self, logits: torch.Tensor, indices: torch.Tensor, scale: float, context):
+        """(aux + z loss, its gradient scale) over the micro-batch's tokens. Under context parallelism
+        they are means over every rank's rows: each cp rank computes them on the gathered logits, and
+        the gather's backward sums the cp copies of the gradient, so each copy carries 1/cp of it."""
+        if context is not None and context.sharded:
+            logits, indices = (context.gather(t[None])[0] for t in (logits, indices))
+            scale = scale / context.size
+        return self._aux_loss(logits, indices), scale
 
     def _aux_loss(self, logits: torch.Tensor, indices: torch.Tensor):
         """Balance + z loss of one micro-batch from the fp32 router logits, computed in fp32."""

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context import WholeWindow
 from .documents import Documents, causal_conv_taps
 from .layers import RMSNorm
 
@@ -234,11 +235,15 @@ class PLELayer(nn.Module):
         nn.init.zeros_(self.conv1d.weight)
 
     def forward(self, x_bsX: torch.Tensor, input_ids_bs: torch.Tensor, positions_bs: Optional[torch.Tensor] = None,
-                cache=None, documents: Optional[Documents] = None) -> torch.Tensor:
+                cache=None, documents: Optional[Documents] = None,
+                context: Optional[WholeWindow] = None) -> torch.Tensor:
         """Without a cache every row starts at position 0 (positions unused, as in transformers); with
         one, each row continues its state from position positions_bs[:, 0] (see models/state.py). With
         `documents` (packed training rows) the conv restarts at each document: its taps stop at the
-        document's start, which `positions_bs` (counted from it) tells."""
+        document's start, which `positions_bs` (counted from it) tells. `context` (training under context
+        parallelism): the rows are this rank's chunks of the window (`_over_chunks`)."""
+        if cache is None and context is not None and context.sharded:
+            return self._over_chunks(x_bsX, input_ids_bs, positions_bs, documents, context)
         B, S, _ = x_bsX.shape
         hc, h, context = self.hc_count, self.hidden_size, self.ngram_size - 1
         tokens_bc = conv_in_bwX = None
@@ -250,15 +255,7 @@ class PLELayer(nn.Module):
             tokens_bc = _read_ring(ring_tokens, first_b, context, self.ple_embedding.eos_token_id)
             conv_in_bwX = _read_ring(ring_conv, first_b, self.conv_window, 0.0)
 
-        emb_bse = self.ple_embedding(input_ids_bs, tokens_bc)
-        key_bsch = self.norm_key(self.key_proj(emb_bse)).unflatten(-1, (hc, h))
-        value_bsh = self.value_proj(emb_bse)
-        query_bsch = self.norm_query(x_bsX).unflatten(-1, (hc, h))
-        # One scalar gate per stream; the signed square root softens large dot products.
-        gate_bsc1 = (key_bsch * query_bsch).sum(dim=-1, keepdim=True) / math.sqrt(h)
-        gate_bsc1 = gate_bsc1.abs().clamp_min(1e-6).sqrt() * gate_bsc1.sign()
-        gated_bsX = (torch.sigmoid(gate_bsc1) * value_bsh.unsqueeze(-2)).flatten(-2)
-        conv_x_bsX = self.norm_conv(gated_bsX)
+        gated_bsX, conv_x_bsX = self._gated(x_bsX, self.ple_embedding(input_ids_bs, tokens_bc))
 
         if conv_in_bwX is None:  # zeros before position 0
             conv_in_bwX = conv_x_bsX.new_zeros(B, self.conv_window, hc * h)
@@ -274,3 +271,33 @@ class PLELayer(nn.Module):
             _write_ring(ring_tokens, input_ids_bs.long(), first_b, row_end_b.long())
             _write_ring(ring_conv, conv_x_bsX, first_b, row_end_b.long())
         return out_bsX
+
+    def _gated(self, x_bsX: torch.Tensor, emb_bse: torch.Tensor):
+        """(the gated n-gram values [B, S, hc * H], the conv's normalised input): per token."""
+        hc, h = self.hc_count, self.hidden_size
+        key_bsch = self.norm_key(self.key_proj(emb_bse)).unflatten(-1, (hc, h))
+        value_bsh = self.value_proj(emb_bse)
+        query_bsch = self.norm_query(x_bsX).unflatten(-1, (hc, h))
+        # One scalar gate per stream; the signed square root softens large dot products.
+        gate_bsc1 = (key_bsch * query_bsch).sum(dim=-1, keepdim=True) / math.sqrt(h)
+        gate_bsc1 = gate_bsc1.abs().clamp_min(1e-6).sqrt() * gate_bsc1.sign()
+        gated_bsX = (torch.sigmoid(gate_bsc1) * value_bsh.unsqueeze(-2)).flatten(-2)
+        return gated_bsX, self.norm_conv(gated_bsX)
+
+    def _over_chunks(self, x_bsX, input_ids_bs, positions_bs, documents, context: WholeWindow) -> torch.Tensor:
+        """PLE on this rank's chunks of the window (context parallelism), each a batch row: a chunk's
+        n-grams read the ngram_size - 1 tokens before it and its conv the conv window before it
+        (`context.halo`; EOS and zeros before the window), exactly what one process reads there."""
+        ids = context.split(input_ids_bs)
+        before = context.halo(ids, self.ngram_size - 1, fill=self.ple_embedding.eos_token_id)
+        gated_bsX, conv_x_bsX = self._gated(x_bsX, context.join(self.ple_embedding(ids, before)))
+        conv_x = context.split(conv_x_bsX)
+        n = self.conv_window
+        extended = torch.cat([context.halo(conv_x, n), conv_x], 1)
+        if documents is not None:
+            pos = context.split(positions_bs)
+            ext_pos = torch.cat([pos.new_zeros(pos.shape[0], n), pos], 1)
+            conv = causal_conv_taps(extended, self.conv1d.weight[:, 0], ext_pos, self.ngram_size)[:, n:]
+        else:
+            conv = self.conv1d(extended.transpose(1, 2)).transpose(1, 2)
+        return gated_bsX + F.silu(context.join(conv))

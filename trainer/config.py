@@ -237,7 +237,19 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size: routed experts sharded over ep ranks (carved from data parallelism)."""
     dp: int = 0
-    """Data-parallel size; 0 derives it as world_size / (tp * pp * ep)."""
+    """Data-parallel size; 0 derives it as world_size / (tp * pp * cp * ep)."""
+    cp: int = 1
+    """Context-parallel size: each sequence of a micro-batch is split along its length over cp ranks
+    (`cp_sharding`), which all read the same samples. Non-expert parameters are replicated over cp
+    (FSDP shards them over dp x cp x ep) and gradients are summed over dp x cp x ep; routed experts
+    are replicated over dp x cp (their expert-data-parallel group). Mesh order pp x dp x cp x ep x tp
+    (docs/long_context.md)."""
+    cp_sharding: str = "zigzag"
+    """How a sequence is cut over the cp ranks: `zigzag` (2 x cp equal chunks, rank r holds chunks r and
+    2cp - 1 - r: every rank gets the same share of causal attention's and the QSA indexer's quadratic
+    cost; the default) or `contiguous` (one chunk per rank, rank r's chunk r: the last rank does
+    (2cp - 1)/cp times the mean quadratic work). docs/long_context.md compares them by estimate.py's
+    per-rank FLOPs."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (needs seq_len % tp == 0): norms and
     residual adds hold 1/tp of the tokens each, each TP all-reduce becoming a reduce-scatter and an
@@ -302,6 +314,8 @@ class ParallelConfig:
             ("pp", self.pp > 0, "must be positive"),
             ("ep", self.ep > 0, "must be positive"),
             ("dp", self.dp >= 0, "must be >= 0"),
+            ("cp", self.cp > 0, "must be positive"),
+            ("cp_sharding", self.cp_sharding in ("zigzag", "contiguous"), "must be zigzag or contiguous"),
             ("pp_schedule", self.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
              "must be 1f1b, interleaved_1f1b or gpipe"),
             ("pp_microbatches", self.pp_microbatches >= 0, "must be >= 0 (0 picks them)"),

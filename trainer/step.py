@@ -170,5 +170,5 @@ class TrainStep:
         """Counts, forward/backward, the data-parallel loss sum and clipping: (per-depth loss sums
         over the global batch, global target counts, gradient norm). The update is `apply`."""
         counts = self.global_target_counts(batches)
-        sums = self.pstate.all_reduce_dp(self.forward_backward(batches, counts, coefs))
+        sums = self.pstate.all_reduce_replicas(self.forward_backward(batches, counts, coefs))
         return sums, counts, self.clip_gradients()

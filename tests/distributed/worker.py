@@ -85,26 +85,31 @@ def make_cfg(layout: str, grad_accum: int):
     return cfg
 
 
-def global_batch(step: int, n: int, edge_documents: bool = False) -> Dict[str, torch.Tensor]:
+def global_batch(step: int, n: int, edge_documents: bool = False, seq: int = SEQ) -> Dict[str, torch.Tensor]:
     """`edge_documents` (the layouts with data.document_mask): a document boundary in every row where
     layouts cut the window: a start exactly at the SP shard edge (tp=2: position SEQ/2) and one off
     either side, at position 1 and at the window's end (rows are what pipeline micro-batches and batch
-    ranks split)."""
+    ranks split); with a longer `seq` (context parallelism's chunk edges) also at seq/4 and 3seq/4 and one
+    off them."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
-    eod = torch.rand(n, SEQ + 1, generator=g) < 0.1
+    tokens = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
+    eod = torch.rand(n, seq + 1, generator=g) < 0.1
     if edge_documents:
-        ends = torch.tensor([SEQ // 2 - 1, SEQ // 2 - 2, SEQ // 2, 0, SEQ - 1])
+        ends = [seq // 2 - 1, seq // 2 - 2, seq // 2, 0, seq - 1]
+        if seq > SEQ:
+            ends += [seq // 4 - 1, seq // 4, 3 * seq // 4 - 1, 3 * seq // 4 - 2]
+        ends = torch.tensor(ends)
         eod[torch.arange(n), ends[torch.arange(n) % len(ends)]] = True
     doc_ids = torch.cumsum(eod.long(), dim=1) - eod.long()
-    loss_mask = (torch.rand(n, SEQ, generator=g) > 0.1).float()
+    loss_mask = (torch.rand(n, seq, generator=g) > 0.1).float()
     return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids}
 
 
-def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: int, edge_documents: bool = False):
+def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: int, edge_documents: bool = False,
+                       seq: int = SEQ):
     """This batch rank's micro-batches: sample j of the global batch goes to rank j // (accum*mbs)."""
     per_rank = grad_accum * MICRO_BATCH
-    full = global_batch(step, per_rank * batch_size, edge_documents)
+    full = global_batch(step, per_rank * batch_size, edge_documents, seq)
     start = batch_rank * per_rank
     return [{k: v[start + m * MICRO_BATCH: start + (m + 1) * MICRO_BATCH] for k, v in full.items()}
             for m in range(grad_accum)]
@@ -193,9 +198,10 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         set_lr(tr.optimizer, lr_at(cfg.train, step))
         coefs = depth_coefficients(cfg.mtp, step)
         tr.indexers.begin_step(step)
-        batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum, cfg.data.document_mask)
+        batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum, cfg.data.document_mask,
+                                     cfg.data.seq_len)
         counts = tr.global_target_counts(batches)
-        sums = pstate.all_reduce_dp(tr.forward_backward(batches, counts, coefs))
+        sums = pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
         norms.append(tr.clip_gradients())
         tr.update_router_biases()
         tr.indexers.before_update(step)

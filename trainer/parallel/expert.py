@@ -180,7 +180,7 @@ class TensorParallelMoE(MoE):
     def sequence_parallel(self) -> bool:
         return self.switch is not None and self.switch.on
 
-    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, context=None) -> torch.Tensor:
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
         weights, indices, logits = self.router(x)  # under SP: only this rank's tokens
@@ -204,7 +204,7 @@ class TensorParallelMoE(MoE):
                 logits = gather_along(logits, self.tp_group, 0)
                 indices = idx_tp
                 aux_scale = aux_scale / dist.get_world_size(self.tp_group)
-            aux = self._aux_loss(logits, indices)
+            aux, aux_scale = self._window_aux(logits, indices, aux_scale, context)
         if aux is not None:
             self.last_aux_loss = aux.detach()
             out = AuxLossGrad.apply(out, aux, aux_scale)
@@ -215,10 +215,6 @@ class TensorParallelMoE(MoE):
         se = self.shared_experts
         h = F.silu(F.linear(x_th, local(se.gate_proj.weight))) * F.linear(x_th, local(se.up_proj.weight))
         return F.linear(h, local(se.down_proj.weight))
-
-    def _needs_aux(self) -> bool:
-        cfg = self.cfg
-        return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
 
 
 def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, switch: Optional[SequenceParallelSwitch] = None,

@@ -1,10 +1,14 @@
 """The device mesh and how a plain model becomes this rank's part of the layout.
 
-Mesh dims (outer to inner) `pp x dp x ep x tp`, in Megatron's terms:
+Mesh dims (outer to inner) `pp x dp x cp x ep x tp`, in Megatron's terms:
 * tp: tensor parallel (innermost, the fastest links), also the vocab split of embedding and head;
 * ep: expert parallel, carved out of data parallelism: the batch is split over dp*ep ranks; routed
   experts are sharded over ep and replicated over dp (expert-data-parallel group = dp); every other
   parameter is replicated over dp*ep (Megatron's data-parallel group for dense parameters);
+* cp: context parallelism: each sequence split over cp ranks reading the same samples (context.py);
+  parameters are replicated over cp like over dp: FSDP shards over dp x cp x ep and sums gradients
+  there, and routed experts are replicated over dp x cp (Megatron carves expert data parallelism out
+  of dp x cp the same way). cp sits inside dp, next to the ep/tp ranks its chunk exchanges meet;
 * dp: the remaining (expert-)data parallelism; pp: pipeline stages (outermost).
 The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the flattened dp*ep mesh.
 
@@ -29,6 +33,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from ..config import TandemConfig
+from .context import ContextShards
 from .data import (
     REDUCE_DTYPES,
     PieceUnits,
@@ -40,6 +45,7 @@ from .data import (
 from .device import Device
 from .gradients import GradientFinisher
 from .pipeline import Pipeline, prune_model
+from .sharded_params import replace_child
 from .state import ParallelDegrees, ParallelState, SequenceParallelSwitch
 from .tensor import apply_tensor_and_expert_parallel
 from .tensor_hybrid import shard_ple_tables
@@ -53,20 +59,25 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
     p = cfg.parallel
     if not dist.is_initialized():
         init_process_group(device.process_group_backend)
-    mesh = init_device_mesh(device.type, (p.pp, dp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "ep", "tp"))
-    batch_mesh = mesh["dp", "ep"]._flatten("dp_ep")
+    mesh = init_device_mesh(device.type, (p.pp, dp, p.cp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "cp", "ep", "tp"))
+    data_mesh = mesh["dp", "ep"]._flatten("dp_ep")  # ranks reading different samples
     batch = dp * p.ep
+    degrees = ParallelDegrees(pp=p.pp, dp=dp, cp=p.cp, ep=p.ep, tp=p.tp,
+                              sequence_parallel=bool(p.sequence_parallel and p.tp > 1))
+    # the ranks holding the same parameters (FSDP's shard dimension), and those holding the same experts
+    batch_mesh = mesh["dp", "cp", "ep"]._flatten("dp_cp_ep") if p.cp > 1 else data_mesh
+    expert_data_mesh = mesh["dp", "cp"]._flatten("dp_cp") if p.cp > 1 else mesh["dp"]
     # one pipeline stage's ranks (the PLE tables' row split; the router loads' group under SP)
-    stage_mesh = mesh["dp", "ep", "tp"]._flatten("dp_ep_tp") if batch * p.tp > 1 else None
-    sp = bool(p.sequence_parallel and p.tp > 1)
+    stage_mesh = mesh["dp", "cp", "ep", "tp"]._flatten("dp_cp_ep_tp") if degrees.replicas * p.tp > 1 else None
     return ParallelState(
-        device=device, world_size=world, rank=dist.get_rank(),
-        degrees=ParallelDegrees(pp=p.pp, dp=dp, ep=p.ep, tp=p.tp, sequence_parallel=sp),
-        dp_size=batch, dp_rank=batch_mesh.get_local_rank(), dp_group=batch_mesh.get_group(), mesh=mesh,
-        batch_mesh=batch_mesh, stage_mesh=stage_mesh,
-        # Router loads are summed over the ranks that routed different tokens: the batch split,
+        device=device, world_size=world, rank=dist.get_rank(), degrees=degrees,
+        dp_size=batch, dp_rank=data_mesh.get_local_rank(), dp_group=data_mesh.get_group(), mesh=mesh,
+        batch_mesh=batch_mesh, expert_data_mesh=expert_data_mesh, stage_mesh=stage_mesh,
+        # Router loads are summed over the ranks that routed different tokens: the batch split and cp,
         # and under sequence parallelism also the tp ranks (each routes its sequence shard).
-        router_load_group=_router_load_group(mesh, batch_mesh, stage_mesh, batch, sp))
+        router_load_group=_router_load_group(mesh, batch_mesh, stage_mesh, degrees.replicas,
+                                             degrees.sequence_parallel),
+        context_group=mesh["cp"].get_group() if p.cp > 1 else None)
 
 
 def init_process_group(backend: str) -> None:
@@ -100,13 +111,15 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     sets the state's pipeline, gradient finisher and groups."""
     deg = state.degrees
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
+    if deg.cp > 1:  # each rank computes its chunks of every window (before the pipeline reads the model)
+        replace_child(model, model.context, ContextShards(state.context_group, cfg.parallel.cp_sharding))
     if state.pp_enabled:
         prune_model(model, cfg, state.mesh["pp"].get_local_rank())
     tables, sp_partial = _apply_tensor_parallel(model, cfg, state, compute_dtype)
     # pieces two stages of one rank use: FSDP units of their own (sharded over dp*ep like the rest,
     # gathered through the step, reduce-scattered once), or under the all-reduce mode kept whole
     # (summed over dp*ep by the finisher)
-    own_units = deg.batch > 1 and cfg.parallel.dp_mode == "fsdp"
+    own_units = deg.replicas > 1 and cfg.parallel.dp_mode == "fsdp"
     pipeline = None
     if state.pp_enabled:
         pipeline = Pipeline(model, cfg, state.mesh["pp"], state.device.device, piece_units=own_units)
@@ -115,7 +128,7 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     whole = [] if own_units else shared_in_rank
     whole_params = {name: q for name, q in model.named_parameters() if name.split(".", 1)[0] in whole}
     mp_policy = None
-    if deg.batch > 1:
+    if deg.replicas > 1:
         mp_policy = _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, tables, compute_dtype)
     piece_units = PieceUnits(units) if units else None
     shared = {}
@@ -125,7 +138,8 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     tp_group = state.mesh["tp"].get_group() if sp_partial else None
     state.gradient_finisher = GradientFinisher(
         model, state.world_size, deg.pp,
-        batch_group=state.dp_group, batch_size=deg.batch, dp_group=state.mesh["dp"].get_group(), dp_size=deg.dp,
+        batch_group=state.batch_mesh.get_group(), batch_size=deg.replicas,
+        dp_group=state.expert_data_mesh.get_group(), dp_size=deg.dp * deg.cp,
         shared=shared, replicated_names=set(whole_params), sp_partial_names=sp_partial, tp_group=tp_group,
         device=state.device.device, piece_units=piece_units,
         reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
@@ -141,7 +155,7 @@ def _apply_tensor_parallel(model: nn.Module, cfg: TandemConfig, state: ParallelS
     tables = []
     if state.stage_mesh is not None:
         # rows travel in the dtype FSDP's policy would have gathered the table in
-        tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if deg.batch > 1 else None)
+        tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if deg.replicas > 1 else None)
     switch = None
     if state.sequence_parallel:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
         switch = state.sequence_parallel_switch = SequenceParallelSwitch()
@@ -171,7 +185,7 @@ def _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, table
     mp_policy, wire_dtype = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
                                                  p.reshard_after_microbatch)
     keep_whole = set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables}
-    apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, state.mesh["dp"], mp_policy,
+    apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, state.expert_data_mesh, mp_policy,
                keep_whole=keep_whole, replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype,
                units=units.values(),
                # a unit sums a whole step before its one reduce-scatter: the one-sync precision

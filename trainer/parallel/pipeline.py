@@ -71,9 +71,12 @@ def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
 
 
 def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor, tokens_bs: torch.Tensor, cache=None,
-              documents=None):
-    """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE."""
+              documents=None, context=None):
+    """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE;
+    `context` only when the window is split over context-parallel ranks."""
     extra = {} if documents is None else {"documents": documents}
+    if context is not None and context.sharded:
+        extra["context"] = context
     return block(h, positions_bs, cache, tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
 
 
@@ -136,11 +139,14 @@ class StageModule(nn.Module):
         plan = self.plan
         b, s = tokens.shape[0], tokens.shape[1] - 1
         documents = window_documents(doc_ids, s) if self._ctx.document_mask else None
-        positions = window_positions(documents, b, s, tokens.device)
+        context = self._model.context  # this rank's rows of the window (all but under context parallelism)
+        positions = context.local(window_positions(documents, b, s, tokens.device))
+        documents = documents.local(context) if documents is not None else None
         with torch.no_grad() if self.trunk_frozen else nullcontext():
             h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
-                h = run_block(block, h, positions, tokens[:, :s], documents=documents)
+                h = run_block(block, h, positions, context.local(tokens[:, :s]), documents=documents,
+                              context=context)
         loss = None
         # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing selected)
         mtp_here = any(d > 0 for d in plan.depths)
@@ -230,6 +236,7 @@ class Pipeline:
         )
 
         p = cfg.parallel
+        self.context = model.context  # this rank's rows of each window (context parallelism)
         self.ctx = _StepContext()
         self.ctx.document_mask = bool(cfg.data.document_mask)
         self.ctx.cfg = cfg
@@ -243,7 +250,8 @@ class Pipeline:
         self.micro_size = cfg.train.micro_batch_size * cfg.train.grad_accum_steps // self.n_micro
         # stage boundaries carry [micro-batch, sequence (shard under SP), hc_count * hidden] activations
         sp_tp = p.tp if (p.sequence_parallel and p.tp > 1) else 1
-        self.seq_len, self.hidden = cfg.data.seq_len // sp_tp, boundary_width(cfg.model)
+        # (this rank's rows of the window under context parallelism)
+        self.seq_len, self.hidden = cfg.data.seq_len // (sp_tp * p.cp), boundary_width(cfg.model)
         self.act_dtype = torch.float32  # build_schedule sets the run's
         self.device = device
         self.plan = plan
@@ -321,7 +329,7 @@ class Pipeline:
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
         self.ctx.grad_scales = loss_gradient(global_counts, coefs)
         self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
-        args = (tokens[:, :-1].contiguous(),) if self.has_first else ()
+        args = (self.context.local(tokens[:, :-1]).contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
         if self.finisher is not None and self.finisher.unfinished():
             # the last step's shared-piece sums ran inside its backward: this step's gradients would

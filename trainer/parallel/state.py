@@ -51,6 +51,8 @@ class ParallelDegrees:
     """Pipeline stages."""
     dp: int = 1
     """Data-parallel replicas beside expert parallelism (the batch is split over dp x ep)."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence is split over them; they read the same samples."""
     ep: int = 1
     """Expert-parallel ranks (carved out of data parallelism)."""
     tp: int = 1
@@ -62,6 +64,12 @@ class ParallelDegrees:
     def batch(self) -> int:
         """Ranks that see different samples: dp x ep."""
         return self.dp * self.ep
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same non-expert parameters in a pipeline stage and tensor shard, whose
+        gradients are summed: dp x cp x ep (FSDP shards over them)."""
+        return self.dp * self.cp * self.ep
 
 
 @dataclass
@@ -81,15 +89,21 @@ class ParallelState:
     dp_rank: int = 0
     """This rank's index in the batch split."""
     dp_group: Optional[dist.ProcessGroup] = None
-    """The batch split's group: sums per-depth losses and token counts."""
+    """The batch split's group: sums the token counts (every cp rank counts its whole samples)."""
     mesh: Optional[object] = None
-    """The DeviceMesh over (pp, dp, ep, tp) when distributed."""
+    """The DeviceMesh over (pp, dp, cp, ep, tp) when distributed."""
     batch_mesh: Optional[object] = None
-    """The flattened dp x ep mesh (FSDP's shard dimension)."""
+    """The flattened dp x cp x ep mesh (FSDP's shard dimension; `degrees.replicas` ranks): the ranks
+    summing non-expert gradients and the per-depth loss sums. Without cp the batch split's mesh."""
+    expert_data_mesh: Optional[object] = None
+    """The flattened dp x cp mesh: the ranks holding the same routed experts (their gradients' sum)."""
     stage_mesh: Optional[object] = None
-    """One pipeline stage's dp x ep x tp ranks (the PLE tables' row split), when there are several."""
+    """One pipeline stage's dp x cp x ep x tp ranks (the PLE tables' row split), when there are several."""
     router_load_group: Optional[dist.ProcessGroup] = None
-    """Sums the routers' expert loads: the batch split, and under sequence parallelism also tp."""
+    """Sums the routers' expert loads: the ranks routing different tokens (dp x cp x ep), and under
+    sequence parallelism also tp."""
+    context_group: Optional[dist.ProcessGroup] = None
+    """The cp ranks sharing each sample (parallel.cp > 1)."""
     mtp_copies_group: Optional[dist.ProcessGroup] = None
     """The pp ranks holding copies of the MTP module (their routers' loads are summed)."""
     pipeline: Optional[object] = None
@@ -123,4 +137,10 @@ class ParallelState:
         """Sum over data-parallel replicas, in place; identity in a single process."""
         if self.dp_size > 1:
             dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over dp x cp x ep (what each rank computed on its own rows), in place."""
+        if self.degrees.replicas > 1:
+            dist.all_reduce(tensor, group=self.batch_mesh.get_group())
         return tensor

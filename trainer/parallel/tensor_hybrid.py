@@ -143,8 +143,10 @@ class TensorParallelGatedDeltaNet(_Region, GatedDeltaNet):
     def computed_params(self):
         return local(self.conv1d.weight), local(self.A_log), local(self.dt_bias)
 
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
-        return self._exit(GatedDeltaNet.forward(self, self._enter(x_bsh), positions_bs, cache, documents=documents))
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, documents=None,
+                context=None) -> torch.Tensor:
+        return self._exit(GatedDeltaNet.forward(self, self._enter(x_bsh), positions_bs, cache, documents=documents,
+                                                context=context))
 
 
 class TensorParallelIndexedAttention(_Region, IndexedAttention):
@@ -164,10 +166,10 @@ class TensorParallelIndexedAttention(_Region, IndexedAttention):
         return out
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, selection=None,
-                return_selection: bool = False, documents=None):
+                return_selection: bool = False, documents=None, context=None):
         # every tp rank selects the same blocks (the indexer is replicated), so a selection needs no exchange
         out = IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache, selection, True,
-                                       documents=documents)
+                                       documents=documents, context=context)
         y = self._exit(out[0])
         return (y, out[1]) if return_selection else y
 
@@ -313,12 +315,12 @@ class TensorParallelPLE(PLELayer):
     def sequence_parallel(self) -> bool:
         return _sequence_parallel(self.switch)
 
-    def forward(self, x_bsX, input_ids_bs, positions_bs=None, cache=None, documents=None):
+    def forward(self, x_bsX, input_ids_bs, positions_bs=None, cache=None, documents=None, context=None):
         if not self.sequence_parallel:
-            return PLELayer.forward(self, x_bsX, input_ids_bs, positions_bs, cache, documents)
+            return PLELayer.forward(self, x_bsX, input_ids_bs, positions_bs, cache, documents, context)
         s = x_bsX.shape[1]
         out = PLELayer.forward(self, gather_along(x_bsX, self.tp_group, 1), input_ids_bs, positions_bs, cache,
-                               documents)
+                               documents, context)
         return out[:, self.tp_rank * s:(self.tp_rank + 1) * s]
 
 

@@ -58,17 +58,19 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """
     p, m = cfg.parallel, cfg.model
     p.validate(cfg)  # the section's own values, as load_config checked them (a config edited since included)
-    model_parallel = p.tp * p.pp * p.ep
+    model_parallel = p.tp * p.pp * p.cp * p.ep
     if p.dp:
         dp = p.dp
         if dp * model_parallel != world_size:
-            raise ConfigError(f"parallel.tp*pp*ep*dp = {p.tp}*{p.pp}*{p.ep}*{dp} = {dp * model_parallel} "
+            raise ConfigError(f"parallel.tp*pp*cp*ep*dp = {p.tp}*{p.pp}*{p.cp}*{p.ep}*{dp} = {dp * model_parallel} "
                               f"does not equal the world size {world_size}")
     else:
         if world_size % model_parallel:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*pp*ep = "
-                              f"{p.tp}*{p.pp}*{p.ep} = {model_parallel}")
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*pp*cp*ep = "
+                              f"{p.tp}*{p.pp}*{p.cp}*{p.ep} = {model_parallel}")
         dp = world_size // model_parallel
+    if p.cp > 1:
+        validate_context_parallel(cfg)
     if p.tp > 1:
         if cfg.train.distill != "none":
             raise ConfigError(f"train.distill={cfg.train.distill!r} is not supported with parallel.tp={p.tp} yet "
@@ -94,9 +96,9 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
                               f"{m.moe_intermediate_size} must be divisible by parallel.tp={p.tp}")
         if m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
-    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+    if p.sequence_parallel and cfg.data.seq_len % (p.tp * p.cp):
         raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by "
-                          f"parallel.tp={p.tp}")
+                          f"parallel.tp*cp={p.tp * p.cp}")
     if p.ep > 1:
         if m.num_experts <= 0:
             raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.num_experts={m.num_experts})")
@@ -108,3 +110,38 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
         PipelinePlan(cfg).check(cfg)
         pipeline_microbatches(cfg)  # raises when the step's sequences cannot be split
     return dp
+
+
+def context_chunk(cfg: TandemConfig) -> int:
+    """Tokens per context-parallel chunk: data.seq_len over cp chunks (contiguous) or 2 x cp (zigzag)."""
+    p = cfg.parallel
+    return cfg.data.seq_len // (p.cp * (2 if p.cp_sharding == "zigzag" else 1))
+
+
+def validate_context_parallel(cfg: TandemConfig) -> None:
+    """parallel.cp > 1: the sequence splits into equal chunks, each a whole number of QSA blocks and at
+    least as long as the halo a causal convolution reads across a chunk's start."""
+    p, m = cfg.parallel, cfg.model
+    pieces = p.cp * (2 if p.cp_sharding == "zigzag" else 1)
+    if cfg.data.seq_len % pieces:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_sharding={p.cp_sharding} cuts data.seq_len="
+                          f"{cfg.data.seq_len} into {pieces} equal chunks; make data.seq_len a multiple of {pieces}")
+    if cfg.train.distill != "none" or cfg.mtp.loss.objective == "acceptance":
+        key = "train.distill" if cfg.train.distill != "none" else "mtp.loss.objective"
+        raise ConfigError(f"{key} reads the trunk's prediction K positions ahead, across a context chunk's edge; "
+                          f"it is not supported with parallel.cp={p.cp} yet")
+    chunk = context_chunk(cfg)
+    kinds = {m.layer_type(i) for i in range(m.num_layers)}
+    if m.uses_qsa and chunk % m.indexer_compress_ratio:
+        raise ConfigError(f"parallel.cp={p.cp}: each context chunk of {chunk} tokens must hold whole QSA blocks "
+                          f"(model.indexer_compress_ratio={m.indexer_compress_ratio}); make data.seq_len a multiple "
+                          f"of {pieces * m.indexer_compress_ratio}")
+    halos = []
+    if "linear_attention" in kinds:
+        halos.append(("model.linear_conv_kernel", m.linear_conv_kernel - 1))
+    if m.ple_layers:
+        halos.append(("model.ple_conv_kernel", (m.ple_conv_kernel - 1) * m.ngram_size))
+    for key, halo in halos:
+        if halo > chunk:
+            raise ConfigError(f"parallel.cp={p.cp}: a context chunk of {chunk} tokens is shorter than the "
+                              f"{halo}-token halo {key} needs; lower parallel.cp or raise data.seq_len")

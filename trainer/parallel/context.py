@@ -1,0 +1,114 @@
+"""Context parallelism: one rank's chunks of each training window (`ContextShards`, the model's `window`
+under parallel.cp > 1; models/context.py says what the model and the mixers ask of it).
+
+The window of S rows is cut into `cp * per_rank` equal chunks of L rows: zigzag (per_rank = 2, rank r
+holds chunks r and 2cp - 1 - r, so every rank gets the same share of causal attention's and the QSA
+indexer's quadratic cost) or contiguous (one chunk per rank). A rank's rows are its chunks end to end.
+Every exchange is an all-gather over the cp group whose backward is a reduce-scatter (comm.py
+`gather_along`), so gradients reach the rows' owners summed over every rank that read them:
+* `gather`: all of a tensor's rows (attention's keys and values), put back in window order;
+* `halo`: only the last n rows of each chunk travel (n = a convolution's reach back, at most L);
+* `carry`: one transition [H, Dk, Dk] and one final state [H, Dk, Dv] per chunk (fp32), folded in
+  window order on every rank (a handful of small matmuls) so each chunk's entering state is exact.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from tandem.models.context import WholeWindow
+
+from .comm import gather_along
+
+
+def chunks_of_rank(rank: int, cp: int, sharding: str) -> List[int]:
+    """The window chunks rank `rank` holds, in the order its rows hold them."""
+    return [rank, 2 * cp - 1 - rank] if sharding == "zigzag" else [rank]
+
+
+class ContextShards(WholeWindow):
+    def __init__(self, group, sharding: str = "zigzag"):
+        super().__init__()
+        self.group, self.sharding = group, sharding
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.mine = chunks_of_rank(self.rank, self.cp, sharding)
+        # the gathered rows come rank by rank, each rank's chunks in its order: the window chunk at
+        # each gathered position, and its inverse (the gathered position of each window chunk)
+        held = [c for r in range(self.cp) for c in chunks_of_rank(r, self.cp, sharding)]
+        self.total = len(held)
+        self._gathered_pos = [held.index(c) for c in range(self.total)]
+
+    @property
+    def sharded(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def size(self) -> int:
+        return self.cp
+
+    @property
+    def chunks(self) -> int:
+        return len(self.mine)
+
+    def local_rows(self, window_rows: int) -> int:
+        return window_rows // self.cp
+
+    def rows(self, local_rows: int, device) -> torch.Tensor:
+        length = local_rows // self.chunks
+        return torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in self.mine])
+
+    def local(self, x_bs: torch.Tensor) -> torch.Tensor:
+        length = x_bs.shape[1] // self.total
+        return torch.cat([x_bs[:, c * length:(c + 1) * length] for c in self.mine], dim=1)
+
+    def split(self, x_bs: torch.Tensor) -> torch.Tensor:
+        b, rows = x_bs.shape[:2]
+        return x_bs.reshape(b * self.chunks, rows // self.chunks, *x_bs.shape[2:])
+
+    def join(self, x_bs: torch.Tensor) -> torch.Tensor:
+        bc, length = x_bs.shape[:2]
+        return x_bs.reshape(bc // self.chunks, self.chunks * length, *x_bs.shape[2:])
+
+    def _window_order(self, gathered_bt: torch.Tensor) -> torch.Tensor:
+        """[B, total, ...] in gathered order -> window order (differentiable index)."""
+        index = torch.tensor(self._gathered_pos, device=gathered_bt.device)
+        return gathered_bt.index_select(1, index)
+
+    def gather(self, x_bs: torch.Tensor) -> torch.Tensor:
+        b, rows = x_bs.shape[:2]
+        length = rows // self.chunks
+        gathered = gather_along(x_bs.contiguous(), self.group, 1)  # [B, cp * rows, ...], rank by rank
+        by_chunk = gathered.reshape(b, self.total, length, *x_bs.shape[2:])
+        return self._window_order(by_chunk).reshape(b, self.total * length, *x_bs.shape[2:])
+
+    def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+        if n == 0:
+            return chunks_bl[:, :0]
+        bc, length = chunks_bl.shape[:2]
+        b = bc // self.chunks
+        if n > length:
+            raise ValueError(f"context parallelism: a {n}-row halo is longer than a {length}-row chunk")
+        tails = chunks_bl[:, length - n:].reshape(b, self.chunks * n, *chunks_bl.shape[2:])
+        gathered = gather_along(tails.contiguous(), self.group, 1).reshape(b, self.total, n, *chunks_bl.shape[2:])
+        window = self._window_order(gathered)  # [B, total, n, ...]: each window chunk's last n rows
+        before = torch.cat([torch.full_like(window[:, :1], fill), window[:, :-1]], dim=1)  # chunk c-1's tail
+        index = torch.tensor(self.mine, device=chunks_bl.device)
+        return before.index_select(1, index).reshape(bc, n, *chunks_bl.shape[2:])
+
+    def carry(self, transition_bhkk: torch.Tensor, final_bhkv: torch.Tensor) -> torch.Tensor:
+        bc = transition_bhkk.shape[0]
+        b = bc // self.chunks
+        packed = torch.cat([transition_bhkk, final_bhkv], dim=-1).float()  # [B*c, H, Dk, Dk + Dv]
+        packed = packed.reshape(b, self.chunks, *packed.shape[1:])
+        window = self._window_order(gather_along(packed.contiguous(), self.group, 1))  # [B, total, H, Dk, Dk+Dv]
+        dk = transition_bhkk.shape[-1]
+        state = torch.zeros_like(window[:, 0, ..., dk:])
+        entering = []
+        for c in range(self.total):  # state entering chunk c, then leaving it
+            entering.append(state)
+            state = window[:, c, ..., :dk] @ state + window[:, c, ..., dk:]
+        index = torch.tensor(self.mine, device=transition_bhkk.device)
+        return torch.stack(entering, 1).index_select(1, index).reshape(bc, *final_bhkv.shape[1:])
