@@ -226,3 +226,35 @@ def mtp_layer_params(cfg: ModelConfig, mtp: MTPConfig) -> int:
     """One physical MTP layer's parameters, its routed experts included."""
     layer = mtp_layer(cfg, mtp, cfg.max_seq_len)
     return layer.params + layer.experts
+
+
+# --- per-position window work (context parallelism's per-rank FLOPs: trainer/context_cost.py) ------------
+def window_work(cfg: ModelConfig, kind: str, visible):
+    """Forward FLOPs of one query that see `visible` tokens (u = position + 1; a numpy array or a
+    float): full attention's QK^T and AV over u keys; QSA's indexer scoring of its floor(u / r) complete
+    blocks (the S^2 / r term) and its attention over `qsa_mean_keys`'s per-query count (all u keys until
+    budget + r, then the budget plus the tail block); nothing for Gated DeltaNet, whose work per token is
+    fixed. Its mean over u = 1..S is what `mixer` adds to the projections (`mean_window_work`)."""
+    import numpy as np
+
+    q = cfg.num_heads * cfg.resolved_head_dim
+    u = np.asarray(visible, dtype=np.float64)
+    if kind == "attention":
+        return 2 * 2 * q * u
+    if kind == "indexed_attention":
+        r, budget = cfg.indexer_compress_ratio, cfg.indexer_budget
+        keys = np.where(u < budget + r, u, budget + np.mod(u, r))
+        return 2 * cfg.indexer_heads * cfg.indexer_head_dim * np.floor(u / r) + 2 * 2 * q * keys
+    return np.zeros_like(u)
+
+
+def mean_window_work(cfg: ModelConfig, kind: str, seq_len: int) -> float:
+    """The window work per token `mixer` counts at `seq_len` (attention's S/2 keys, QSA's
+    `qsa_mean_blocks` and `qsa_mean_keys`): subtracted from a layer's FLOPs, what every token pays alike."""
+    q = cfg.num_heads * cfg.resolved_head_dim
+    if kind == "attention":
+        return 2 * 2 * q * (seq_len / 2)
+    if kind == "indexed_attention":
+        return (2 * cfg.indexer_heads * cfg.indexer_head_dim * qsa_mean_blocks(cfg, seq_len)
+                + 2 * 2 * q * qsa_mean_keys(cfg, seq_len))
+    return 0.0

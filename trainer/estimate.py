@@ -42,7 +42,11 @@ recipe's layout is an estimate:
   logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1) each
   loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
   backward (`fused_head_bytes`). Gated DeltaNet's and QSA's own activations are taken as an attention
-  layer's (not modelled separately).
+  layer's (not modelled separately);
+- context parallelism (parallel.cp > 1): every per-token figure above (activations, the PLE lookup, the
+  fused head's input gradients) over S/cp rows, parameters sharded over dp x cp like over dp, plus what
+  the exchanges keep (gathered K/V, QSA selections, Gated DeltaNet's states, halos) and the per-rank
+  FLOPs balance of both shardings: trainer/context_cost.py.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from tandem.models import TandemModel
 from tandem.models.loss import chunk_buffer_bytes
 
 from .config import TandemConfig
+from .context_cost import context_fields
 from .flops import flops_by_kind, training_flops_per_token
 from .parallel.pipeline_plan import PipelinePlan
 from .parallel.validate import pipeline_microbatches
@@ -109,11 +114,21 @@ class Estimate:
     flops_by_kind: Dict[str, float] = None
     """Forward FLOPs per token of one layer's mixer of each kind, the block's hyper-connections, PLE and
     the MLP/MoE."""
+    context_gib_per_rank: float = 0.0
+    """What context parallelism adds (trainer/context_cost.py): gathered keys and values, QSA's
+    selections and streamed top-k, Gated DeltaNet's exchanged states and augmented values, halos."""
+    context_parts: Dict[str, float] = None
+    """`context_bytes` of the rank holding the most, by part (bytes; `sent`: per micro-batch)."""
+    cp_balance: Dict[str, float] = None
+    """Under cp > 1, the most expensive cp rank's training FLOPs over the mean, by sharding."""
+    context_note: str = ""
+    """The --check line for CP (context_cost.describe)."""
 
     @property
     def total_gib_per_rank(self) -> float:
         return (self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
-                + self.ple_lookup_gib_per_rank + self.grad_buffers_gib_per_rank + self.accumulation_gib_per_rank)
+                + self.ple_lookup_gib_per_rank + self.grad_buffers_gib_per_rank + self.accumulation_gib_per_rank
+                + self.context_gib_per_rank)
 
     def summary(self) -> str:
         out = (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
@@ -122,6 +137,7 @@ class Estimate:
                f"gathered={self.gathered_gib_per_rank:.1f} GiB grad_buffers={self.grad_buffers_gib_per_rank:.1f} GiB "
                + (f"ple_lookup={self.ple_lookup_gib_per_rank:.1f} GiB " if self.ple_table_params else "")
                + (f"accumulation={self.accumulation_gib_per_rank:.1f} GiB " if self.accumulation_gib_per_rank else "")
+               + (f"context={self.context_gib_per_rank:.1f} GiB " if self.context_parts else "")
                + f"total={self.total_gib_per_rank:.1f} GiB")
         if self.accumulation_gib_per_rank:
             out += ("\n  accumulation: unsharded fp32 gradients and gathered parameters held between micro-batches "
@@ -139,6 +155,8 @@ class Estimate:
                     f"exchange={self.ple_exchange_bytes / 2**20:.1f} MiB sent per rank per micro-batch "
                     f"(forward + backward, all-to-alls over the stage's ranks and the tp gather); counted in "
                     f"the figures above for the pp rank holding it")
+        if self.context_parts:
+            out += self.context_note
         if self.train_flops_per_token:
             kinds = " ".join(f"{k}={v / 1e6:.3g}M" for k, v in (self.flops_by_kind or {}).items())
             out += (f"\n  FLOPs/token: train={self.train_flops_per_token / 1e9:.4g} GFLOP (model FLOPs, MFU's); "
@@ -175,7 +193,7 @@ def ple_lookup_bytes(cfg: TandemConfig) -> tuple:
     and tensor_hybrid.ShardedNGramTable). Each tp rank asks for the ids of 1/tp of the positions; rows travel in the
     compute dtype."""
     m, p = cfg.model, cfg.parallel
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp  # a cp rank looks up its own rows
     heads = (m.ngram_size - 1) * m.heads_per_ngram
     e = m.resolved_ple_embed_dim
     width = compute_bytes(cfg) if p.dp_mode == "fsdp" else 4
@@ -287,7 +305,7 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     """Peak activation GiB: the first stage's micro-batches in flight, or a rank computing losses."""
     m, p = cfg.model, cfg.parallel
     act_bytes = 2 if cfg.device != "cpu" else 4
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp  # a cp rank keeps its own rows' activations
     per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
     if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
         per_layer += 16 * m.hc_count * tokens * m.hidden_size / p.tp * act_bytes / 2
@@ -331,17 +349,20 @@ def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
     return gathered
 
 
-def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
+def estimate(cfg: TandemConfig, world_size: int | None = None, counts: _Counts | None = None) -> Estimate:
+    """The figures of `tandem launch slurm --check`; `counts` (a `_count_params`) saves rebuilding the model
+    on the meta device when only the layout changes (context_cost.cp_sweep)."""
     m, p = cfg.model, cfg.parallel
-    counts = _count_params(cfg)
+    counts = counts or _count_params(cfg)
     # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted experts
     routed_share = m.top_k / m.num_experts if m.num_experts else 1.0
     active = counts.total - counts.expert - counts.ple_table + int(counts.expert * routed_share)
     lay = _rank_layout(cfg, counts)
-    dp = p.dp or (max(world_size // (p.tp * p.pp * p.ep), 1) if world_size else 1)
+    dp = p.dp or (max(world_size // (p.tp * p.pp * p.cp * p.ep), 1) if world_size else 1)
+    dp *= p.cp  # parameters are replicated over cp as over dp: FSDP shards them (and experts) over dp x cp
     batch = dp * p.ep
-    # what one rank owns of each kind: experts over ep x tp, FSDP over dp; the PLE table by rows over the
-    # stage's dp x ep x tp ranks; the rest over tp and FSDP over the batch ranks
+    # what one rank owns of each kind (dp here counts dp x cp): experts over ep x tp, FSDP over dp; the PLE
+    # table by rows over the stage's dp x cp x ep x tp ranks; the rest over tp and FSDP over dp x cp x ep
     split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
     states, ple_states = _states(cfg, counts, lay, split)
     activations = _activations(cfg, lay)
@@ -357,14 +378,15 @@ def estimate(cfg: TandemConfig, world_size: int | None = None) -> Estimate:
     if batch > 1 and counts.per_layer and pipeline_microbatches(cfg) > 1:
         single_sync = max(single_sync_bytes(cfg, counts.per_layer, counts.pieces, lay.layers[r], lay.pieces[r],
                                             lay.unit_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
-    shards = [f"dp {dp}"] + ([f"ep {p.ep}"] if p.ep > 1 else []) + ([f"tp {p.tp}"] if p.tp > 1 else [])
+    shards = [f"dp {dp // p.cp}"] + [f"{k} {n}" for k, n in (("cp", p.cp), ("ep", p.ep), ("tp", p.tp)) if n > 1]
     return Estimate(counts.total, counts.expert, active, counts.mtp, states, activations, gathered, grad_buffers,
                     0.0 if p.reshard_after_microbatch else single_sync, single_sync,
                     ple_table_params=counts.ple_table, ple_states_gib_per_rank=ple_states,
                     ple_lookup_gib_per_rank=ple_lookup, ple_exchange_bytes=ple_sent,
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
-                    flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len))
+                    flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len),
+                    **context_fields(cfg, lay.layers, lay.depths))
 
 
 def head_chunk_bytes(cfg: TandemConfig, chunk: int) -> float:
@@ -388,7 +410,8 @@ def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
     mtp_fused = cfg.mtp.loss.objective == "ce" and cfg.train.distill != "soft"
     losses = sum(1 for d in loss_depths if d == 0 or mtp_fused)
     weight = 0 if cfg.train.freeze_trunk or not losses else m.vocab_size * m.hidden_size * 4 / cfg.parallel.tp
-    return weight + losses * cfg.data.seq_len * cfg.train.micro_batch_size * m.hidden_size * act_bytes
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // cfg.parallel.cp
+    return weight + losses * tokens * m.hidden_size * act_bytes
 
 
 def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces) -> float:

@@ -202,10 +202,7 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     run_dir = cfg.run.dir
     if args.check:
-        from tandem.trainer.estimate import estimate
-
-        print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; "
-              f"{estimate(cfg, world).summary()}")
+        _print_check(cfg, args, world)
         return 0
     try:
         if args.gres_name is None and cfg.device == "npu":
@@ -219,6 +216,22 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     script_path, provenance = _write_script(args, argv, run_dir, script)
     return _submit(script_path, provenance)
+
+
+def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
+    """`--check`: the layout's parameter counts and per-rank memory, whether that fits the recipe's device,
+    the node count, and for a context-parallel recipe the same at every cp size of context_cost.CP_SIZES."""
+    from tandem.trainer.context_cost import cp_sweep, device_fit
+    from tandem.trainer.estimate import _count_params, estimate
+
+    counts = _count_params(cfg)
+    est = estimate(cfg, world, counts)
+    per_node = world // args.nodes
+    print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; {est.summary()}"
+          f"\n  per rank: {device_fit(cfg, est.total_gib_per_rank)} on {args.nodes} nodes of {per_node}")
+    if cfg.parallel.cp > 1:
+        lines = cp_sweep(cfg, per_node, lambda trial, size: estimate(trial, size, counts))
+        print("  per-rank memory by parallel.cp (the other degrees as set):\n    " + "\n    ".join(lines))
 
 
 def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
