@@ -83,6 +83,7 @@ TRAINING_LAYOUT_TABLES = {
     "test_qwen4_layouts": ("LAYOUTS", "BF16_LAYOUTS"),
     "test_compile_layout": ("EAGER", "COMPILED"),
     "test_piece_units": ("LAYOUTS", "BF16_LAYOUTS"),
+    "test_context_parallel": ("LAYOUTS", "BF16_LAYOUTS"),
 }
 
 

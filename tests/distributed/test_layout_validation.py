@@ -18,7 +18,7 @@ def cfg(*overrides):
 
 
 @pytest.mark.parametrize("overrides,world,needle", [
-    (["parallel.tp=2"], 3, "not divisible by parallel.tp*pp*ep"),
+    (["parallel.tp=2"], 3, "not divisible by parallel.tp*pp*cp*ep"),
     (["parallel.tp=2", "parallel.dp=2"], 2, "does not equal the world size 2"),
     (["parallel.tp=4", "model.num_kv_heads=2"], 4, "model.num_kv_heads=2 is not divisible by parallel.tp=4"),
     (["parallel.tp=8"], 8, "model.num_heads=4 is not divisible by parallel.tp=8"),
@@ -44,7 +44,11 @@ def cfg(*overrides):
      2, "cannot be split into parallel.pp=2 pipeline micro-batches; make it a multiple of 2"),
     (["parallel.pp=2", "parallel.pp_microbatches=1"], 2, "parallel.pp_microbatches=1 pipeline micro-batches is below"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=63", "model.max_seq_len=128"], 2,
-     "needs data.seq_len=63 divisible by parallel.tp=2"),
+     "needs data.seq_len=63 divisible by parallel.tp*cp=2"),
+    (["parallel.cp=2", "data.seq_len=30"], 2, "parallel.cp_sharding=zigzag cuts data.seq_len=30 into 4"),
+    (["parallel.cp=2", "train.distill=argmax"], 2, "train.distill reads the trunk's prediction K positions ahead"),
+    (["parallel.cp=2", "data.seq_len=16", "model.layer_types=[linear_attention,attention,linear_attention,attention]",
+      "model.linear_conv_kernel=8"], 2, "shorter than the 7-token halo model.linear_conv_kernel needs"),
     (["parallel.tp=2", "train.distill=argmax"], 2, "train.distill='argmax' is not supported with parallel.tp=2"),
 ])
 def test_impossible_layouts_are_one_line_config_errors(overrides, world, needle):

@@ -310,7 +310,7 @@ def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys
     assert train_main([str(ROOT / "recipes" / "tiny.yaml"), *bad]) == 2
     train_err = capsys.readouterr().err.strip()
     message = train_err.removeprefix("tandem train: error: ")
-    assert "world size 2 is not divisible by parallel.tp*pp*ep" in message
+    assert "world size 2 is not divisible by parallel.tp*pp*cp*ep" in message
     assert err.startswith(f"tandem launch slurm: error: {message} (world size 2 = --nodes 1 x 2 per node)")
     # the same recipe fits 2 nodes x 2 processes
     assert launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "2", "--procs-per-node", "2",
@@ -329,4 +329,4 @@ def test_check_prints_parameters_and_memory_and_submits_nothing(tmp_path, capsys
     # the flagship layout (tp2 x ep4 x pp2) does not fit 1 node of 8
     rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}", "--nodes", "1",
                             "--gpus-per-node", "8", "--check"])
-    assert rc == 2 and "not divisible by parallel.tp*pp*ep" in capsys.readouterr().err
+    assert rc == 2 and "not divisible by parallel.tp*pp*cp*ep" in capsys.readouterr().err

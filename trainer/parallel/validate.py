@@ -50,7 +50,7 @@ def pipeline_microbatches(cfg: TandemConfig) -> int:
 def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """Check the parallel layout against the model, the batch and the world size; return dp.
 
-    Raises ConfigError (one line) for: world size not the product tp*pp*ep*dp, heads / kv heads
+    Raises ConfigError (one line) for: world size not the product tp*pp*cp*ep*dp, heads / kv heads
     (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not divisible by ep, too few
     layers (or a bad pp_layout) for the pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence
     parallelism with data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP, shared expert) not

@@ -1,0 +1,97 @@
+"""Context parallelism (parallel.cp) trains like one process: three optimizer steps under cp alone and
+composed with tp + SP, ep, pp and dp (FSDP and all-reduce), with packed documents whose starts fall on
+the chunk edges and one off them (worker.global_batch), give one process's per-depth losses and
+parameters (the harness and tolerances of test_parallel_equivalence.py); and, on the model itself,
+every window position's loss at every depth equals one process's, and a cp rank holding no valid
+target contributes finite zeros and one process's gradients (context_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import context_worker  # noqa: E402
+import test_parallel_equivalence as eq  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+DOCS = "data.document_mask=true"
+LAYOUTS = {
+    f"cp=2,{DOCS}": 2,
+    "cp=2,cp_sharding=contiguous": 2,
+    f"cp=4,{DOCS}": 4,
+    f"cp=2,tp=2,sequence_parallel=true,{DOCS}": 4,
+    "cp=2,ep=2": 4,
+    "cp=2,pp=2,pp_schedule=interleaved_1f1b": 4,
+    "cp=2,dp=2,dp_mode=allreduce": 4,
+    # the flagship layout in miniature, with context parallelism: 16 ranks
+    f"tp=2,ep=2,pp=2,cp=2,sequence_parallel=true,{DOCS}": 16,
+}
+BF16_LAYOUTS = {
+    f"cp=2,{DOCS},{eq.BF16}": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(training_layout_runs):
+    """LAYOUTS and BF16_LAYOUTS trained (tests/conftest.py: one launch per world size with the other modules')."""
+    return training_layout_runs
+
+
+references = eq.references
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_layout_matches_single_process(layout, runs, references, monkeypatch):
+    monkeypatch.setattr(eq, "LAYOUTS", LAYOUTS)
+    eq.test_layout_matches_single_process(layout, runs, references)
+
+
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
+def test_context_parallel_bf16_layout_matches_single_process(layout, runs, references, monkeypatch):
+    monkeypatch.setattr(eq, "BF16_LAYOUTS", BF16_LAYOUTS)
+    eq.test_bf16_layout_matches_single_process(layout, runs, references)
+
+
+# per-token checks on the model: (layout, cp ranks)
+PER_TOKEN = {
+    f"cp=2,{DOCS}": 2,
+    f"cp=4,cp_sharding=contiguous,{DOCS}": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def per_token_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("context_per_token")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for world in sorted(set(PER_TOKEN.values())):
+        layouts = [layout for layout, w in PER_TOKEN.items() if w == world]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               os.path.join(HERE, "context_worker.py"), str(out), *layouts]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out
+
+
+@pytest.mark.parametrize("layout", list(PER_TOKEN))
+def test_per_token_per_depth_losses_and_an_empty_rank(layout, per_token_runs):
+    torch.set_num_threads(1)
+    ref = context_worker.measure(layout)
+    ranks = [torch.load(per_token_runs / f"{layout}.rank{r}.pt", weights_only=False)
+             for r in range(PER_TOKEN[layout])]
+    # every position of the window, every depth (0 = the trunk's head), on every rank's gathered copy
+    for r in ranks:
+        torch.testing.assert_close(r["per_token"], ref["per_token"], rtol=1e-5, atol=1e-5)
+    assert bool((ref["per_token"] > 0).any(dim=-1).all()), "a depth or row without a single valid target"
+    # cp rank 1 holds no valid target: finite zeros, and the sums over ranks are one process's
+    assert torch.equal(ranks[1]["loss_sums"], torch.zeros_like(ranks[1]["loss_sums"]))
+    torch.testing.assert_close(sum(r["loss_sums"] for r in ranks), ref["loss_sums"], rtol=1e-5, atol=1e-5)
+    for name, g in ref["grads"].items():
+        assert bool(g.abs().sum() > 0), f"{name}: no gradient in the reference"
+        torch.testing.assert_close(ranks[0]["grads"][name], g, rtol=1e-4, atol=1e-8, msg=name)
