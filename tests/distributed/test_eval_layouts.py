@@ -33,6 +33,10 @@ LAYOUTS = {
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],eval.draft_convention=tandem": 2,
     "tp=2,pp=2,sequence_parallel=true": 4,
     "ep=2,pp=2": 4,
+    # context parallelism: the cp ranks decode as extra replicas (whole sequences), the teacher-forced
+    # losses run on whole windows (the switch turns the chunks off around evaluation)
+    "cp=2": 2,
+    "cp=2,tp=2,sequence_parallel=true": 4,
     # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved with 3 stages per rank,
     # layers and depths placed by pp_balance), 8 ranks
     "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,pp_balance=true": 8,

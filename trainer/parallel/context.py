@@ -30,9 +30,11 @@ def chunks_of_rank(rank: int, cp: int, sharding: str) -> List[int]:
 
 
 class ContextShards(WholeWindow):
-    def __init__(self, group, sharding: str = "zigzag"):
+    def __init__(self, group, sharding: str = "zigzag", switch=None):
+        """`switch`: state.WholeSequenceSwitch; while it is off (evaluation) the model computes whole
+        windows, as one process."""
         super().__init__()
-        self.group, self.sharding = group, sharding
+        self.group, self.sharding, self.switch = group, sharding, switch
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.mine = chunks_of_rank(self.rank, self.cp, sharding)
         # the gathered rows come rank by rank, each rank's chunks in its order: the window chunk at
@@ -43,7 +45,7 @@ class ContextShards(WholeWindow):
 
     @property
     def sharded(self) -> bool:
-        return self.cp > 1
+        return self.cp > 1 and (self.switch is None or self.switch.on)
 
     @property
     def size(self) -> int:
@@ -51,16 +53,21 @@ class ContextShards(WholeWindow):
 
     @property
     def chunks(self) -> int:
-        return len(self.mine)
+        return len(self.mine) if self.sharded else 1
 
+    # With the switch off (evaluation) the window is whole: what the model asks is WholeWindow's answer.
     def local_rows(self, window_rows: int) -> int:
-        return window_rows // self.cp
+        return window_rows // self.cp if self.sharded else window_rows
 
     def rows(self, local_rows: int, device) -> torch.Tensor:
+        if not self.sharded:
+            return super().rows(local_rows, device)
         length = local_rows // self.chunks
         return torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in self.mine])
 
     def local(self, x_bs: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return x_bs
         length = x_bs.shape[1] // self.total
         return torch.cat([x_bs[:, c * length:(c + 1) * length] for c in self.mine], dim=1)
 

@@ -25,7 +25,7 @@ from .sharded_params import (
     shard_parameter,
     sharded_parameter,
 )
-from .state import SequenceParallelSwitch
+from .state import WholeSequenceSwitch
 
 
 # --- experts -------------------------------------------------------------------------------------
@@ -161,11 +161,11 @@ class TensorParallelMoE(MoE):
     The router is replicated and sees the full input. Routed outputs are partial sums, so the
     routing weights that scale them get their (partial) gradients summed over tp in backward.
     Built from the model's layer (same submodules and names); the shared expert's weights become tp
-    shards. `switch`: the SequenceParallelSwitch under sequence parallelism (tokens are this rank's
+    shards. `switch`: the WholeSequenceSwitch under sequence parallelism (tokens are this rank's
     sequence shard while it is on), else None.
     """
 
-    def __init__(self, moe: MoE, tp_mesh, switch: Optional[SequenceParallelSwitch] = None):
+    def __init__(self, moe: MoE, tp_mesh, switch: Optional[WholeSequenceSwitch] = None):
         nn.Module.__init__(self)
         adopt(self, moe)
         self.tp_group = tp_mesh.get_group()
@@ -217,7 +217,7 @@ class TensorParallelMoE(MoE):
         return F.linear(h, local(se.down_proj.weight))
 
 
-def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, switch: Optional[SequenceParallelSwitch] = None,
+def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, switch: Optional[WholeSequenceSwitch] = None,
                     ep_dispatch: str = "exact") -> MoE:
     """One MoE layer with its experts sharded over (ep, tp) (`ParallelExperts` replaces `moe.experts`)
     and, under tp, the layer rebuilt as a TensorParallelMoE: returns the layer to use (the caller puts

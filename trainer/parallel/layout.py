@@ -18,7 +18,7 @@ gradients complete without a dp reduction), TP/EP (DTensor shards + dispatch), F
 replicate for `dp_mode=allreduce`; a piece two pipeline stages of one rank share is an FSDP unit of
 its own, data.PieceUnits), then sets the state's optional pieces: `pipeline`, `gradient_finisher`
 (gradient sync + true global norm), `mtp_copies_group` and, under sequence parallelism,
-`sequence_parallel_switch` (decoding runs the TP regions on whole sequences).
+`whole_sequence_switch` (decoding runs the TP regions on whole sequences).
 Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
 regions (tensor.py); the router loads are then summed over tp as well.
 """
@@ -46,7 +46,7 @@ from .device import Device
 from .gradients import GradientFinisher
 from .pipeline import Pipeline, prune_model
 from .sharded_params import replace_child
-from .state import ParallelDegrees, ParallelState, SequenceParallelSwitch
+from .state import ParallelDegrees, ParallelState, WholeSequenceSwitch
 from .tensor import apply_tensor_and_expert_parallel
 from .tensor_hybrid import shard_ple_tables
 
@@ -111,8 +111,11 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     sets the state's pipeline, gradient finisher and groups."""
     deg = state.degrees
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
+    if state.sequence_parallel or deg.cp > 1:  # sequences split in training, whole in evaluation
+        state.whole_sequence_switch = WholeSequenceSwitch()
     if deg.cp > 1:  # each rank computes its chunks of every window (before the pipeline reads the model)
-        replace_child(model, model.context, ContextShards(state.context_group, cfg.parallel.cp_sharding))
+        replace_child(model, model.context, ContextShards(state.context_group, cfg.parallel.cp_sharding,
+                                                          state.whole_sequence_switch))
     if state.pp_enabled:
         prune_model(model, cfg, state.mesh["pp"].get_local_rank())
     tables, sp_partial = _apply_tensor_parallel(model, cfg, state, compute_dtype)
@@ -156,9 +159,8 @@ def _apply_tensor_parallel(model: nn.Module, cfg: TandemConfig, state: ParallelS
     if state.stage_mesh is not None:
         # rows travel in the dtype FSDP's policy would have gathered the table in
         tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if deg.replicas > 1 else None)
-    switch = None
-    if state.sequence_parallel:  # decoding runs the TP regions on whole sequences (the evaluator flips it)
-        switch = state.sequence_parallel_switch = SequenceParallelSwitch()
+    # decoding runs the TP regions on whole sequences (the evaluator flips the switch set up with CP)
+    switch = state.whole_sequence_switch if state.sequence_parallel else None
     tp_mesh = mesh["tp"] if state.tp_enabled else None
     ep_mesh = mesh["ep"] if state.ep_enabled else None
     expert_mesh = ep_mesh if ep_mesh is not None else tp_mesh

@@ -35,7 +35,7 @@ state end at each row's last real token on every stage, as in one process. While
 `RecallProbe` is active (the evaluator's teacher-forced pass), the other ranks' QSA layers measure
 their recall too and send the values to the driver, so `eval/qsa_recall` averages every layer.
 
-Sequence parallelism is switched off around decoding (state.SequenceParallelSwitch): decode steps
+Sequence parallelism is switched off around decoding (state.WholeSequenceSwitch): decode steps
 run the TP regions on whole sequences.
 """
 
@@ -247,7 +247,11 @@ class ParallelDecoding:
         self.device = pstate.device.device
         self.pipeline = pstate.pipeline
         self.dtype = next(model.parameters()).dtype
-        self.replicas, self.replica = pstate.dp_size, pstate.dp_rank
+        # replicas: the ranks holding the same parameters (dp x cp x ep; the cp ranks decode prompts of
+        # their own, whole sequences, as extra replicas), in lockstep for FSDP's gathers over them
+        self.replicas = pstate.degrees.replicas
+        self.replica = pstate.batch_mesh.get_local_rank() if self.replicas > 1 else 0
+        self.replica_group = pstate.batch_mesh.get_group() if self.replicas > 1 else None
         if self.pipeline is not None:
             pp_mesh = pstate.mesh["pp"]
             self.pp_group = pp_mesh.get_group()
@@ -269,7 +273,7 @@ class ParallelDecoding:
         model pieces directly, bypassing the roots' pre-forward hooks; blocks gather in theirs)."""
         from torch.distributed.fsdp import FSDPModule
 
-        switch = self.pstate.sequence_parallel_switch
+        switch = self.pstate.whole_sequence_switch
         roots = [self.base] + (self.pipeline.fsdp_roots() if self.pipeline is not None else [])
         roots = [r for r in roots if isinstance(r, FSDPModule)]
         with switch.whole_sequences() if switch is not None else contextlib.nullcontext():
@@ -395,7 +399,7 @@ class ParallelDecoding:
 
         def reduce(local: bool) -> bool:
             flag = torch.tensor([int(local)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pstate.dp_group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
             return bool(flag.item())
 
         return reduce
@@ -405,5 +409,5 @@ class ParallelDecoding:
         if self.replicas == 1:
             return sorted(results, key=lambda r: r[0])
         parts = [None] * self.replicas
-        dist.all_gather_object(parts, results, group=self.pstate.dp_group)
+        dist.all_gather_object(parts, results, group=self.replica_group)
         return sorted((r for part in parts for r in part), key=lambda r: r[0])

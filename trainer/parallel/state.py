@@ -17,16 +17,20 @@ import torch.distributed as dist
 from .device import Device
 
 
-class SequenceParallelSwitch:
-    """`ParallelState.sequence_parallel_switch`: turns sequence splitting off around decoding.
+class WholeSequenceSwitch:
+    """`ParallelState.whole_sequence_switch`: turns sequence splitting (sequence and context
+    parallelism) off around decoding and evaluation.
 
-    Training runs the TP regions on sequence shards (all-gather in, reduce-scatter out). A decode step
-    has 1..K+1 tokens per row, which cannot be split over tp, so `whole_sequences()` makes the same
-    modules take and return whole, replicated activations: the embedding and row-parallel outputs
-    all-reduce instead of reduce-scattering, TP-region inputs are already whole, MoE layers route
-    all tokens on every rank, and the head needs no gather. Same weights, same math. The parallel
-    modules (TP mixers, MoE layers and PLE layers, the vocab-parallel head, the switchable styles) take
-    the switch as a constructor argument and read `on`."""
+    Under context parallelism, training forwards compute this rank's chunks of each window; with the
+    switch off the model computes whole windows (the evaluator's teacher-forced losses), and the cp
+    ranks decode as extra batch replicas (trainer/parallel/context.py `ContextShards.sharded`).
+    Under sequence parallelism, training runs the TP regions on sequence shards (all-gather in,
+    reduce-scatter out). A decode step has 1..K+1 tokens per row, which cannot be split over tp, so
+    `whole_sequences()` makes the same modules take and return whole, replicated activations: the
+    embedding and row-parallel outputs all-reduce instead of reduce-scattering, TP-region inputs are
+    already whole, MoE layers route all tokens on every rank, and the head needs no gather. Same
+    weights, same math. The parallel modules (TP mixers, MoE layers and PLE layers, the vocab-parallel
+    head, the switchable styles, the context shards) take the switch as a constructor argument and read `on`."""
 
     def __init__(self):
         self.on = True
@@ -110,8 +114,8 @@ class ParallelState:
     """This rank's pipeline stages and schedule (pipeline.Pipeline), when pp > 1."""
     gradient_finisher: Optional[object] = None
     """Completes a step's gradients and clips by the global norm (gradients.GradientFinisher)."""
-    sequence_parallel_switch: Optional[SequenceParallelSwitch] = None
-    """Turns sequence splitting off around decoding, under SP."""
+    whole_sequence_switch: Optional[WholeSequenceSwitch] = None
+    """Turns sequence splitting off around decoding and evaluation, under SP or CP."""
 
     @property
     def is_main(self) -> bool:

@@ -60,7 +60,7 @@ from tandem.models.moe import MoE
 from .comm import copy_to_group, gather_along, reduce_from_group
 from .expert import parallelize_moe
 from .sharded_params import local
-from .state import SequenceParallelSwitch
+from .state import WholeSequenceSwitch
 from .tensor_hybrid import parallelize_hybrid_mixer, parallelize_ple
 
 
@@ -93,7 +93,7 @@ class VocabParallelHead(nn.Module):
     computes each chunk's gradients in forward, the weight's into this rank's vocabulary shard only.
     """
 
-    def __init__(self, weight: torch.Tensor, tp_mesh, switch: Optional[SequenceParallelSwitch] = None,
+    def __init__(self, weight: torch.Tensor, tp_mesh, switch: Optional[WholeSequenceSwitch] = None,
                  backward: str = "fused"):
         super().__init__()
         self.tp_mesh = tp_mesh
@@ -151,7 +151,7 @@ class SequenceShards(SequenceLayout):
     all-gather backward each): one lookup and two collectives instead of K+1 and 2(K+1), and at K=3
     half the bytes. With the switch off (decoding) it is the one-process layout."""
 
-    def __init__(self, switch: SequenceParallelSwitch, group):
+    def __init__(self, switch: WholeSequenceSwitch, group):
         super().__init__()
         self.switch, self.group = switch, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
@@ -176,7 +176,7 @@ class SequenceShards(SequenceLayout):
 class _SwitchablePrepareInput(PrepareModuleInput):
     """PrepareModuleInput whose input is a sequence shard only while the switch is on."""
 
-    def __init__(self, switch: SequenceParallelSwitch, **kwargs):
+    def __init__(self, switch: WholeSequenceSwitch, **kwargs):
         super().__init__(**kwargs)
         self.switch, self.sp_layouts = switch, self.input_layouts
 
@@ -188,7 +188,7 @@ class _SwitchablePrepareInput(PrepareModuleInput):
 class _SwitchableRowwise(RowwiseParallel):
     """RowwiseParallel that reduce-scatters its output while the switch is on, all-reduces when off."""
 
-    def __init__(self, switch: SequenceParallelSwitch, **kwargs):
+    def __init__(self, switch: WholeSequenceSwitch, **kwargs):
         super().__init__(**kwargs)
         self.switch = switch
 
@@ -198,7 +198,7 @@ class _SwitchableRowwise(RowwiseParallel):
 
 
 # --- the whole model -----------------------------------------------------------------------------
-def _block_plan(block, switch: Optional[SequenceParallelSwitch] = None) -> dict:
+def _block_plan(block, switch: Optional[WholeSequenceSwitch] = None) -> dict:
     # without SP the block input is whole on every rank; with SP it is the rank's sequence shard
     # (dim 1), gathered on entry to each TP region and reduce-scattered on exit
     if switch is None:
@@ -229,7 +229,7 @@ def _block_plan(block, switch: Optional[SequenceParallelSwitch] = None) -> dict:
 
 def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_mesh,
                                      sequence_parallel: bool = False,
-                                     switch: Optional[SequenceParallelSwitch] = None,
+                                     switch: Optional[WholeSequenceSwitch] = None,
                                      ep_dispatch: str = "exact") -> List[str]:
     """TP over `tp_mesh` (None = off) and EP over `ep_mesh` (None = off), in place, on whatever
     parts of the model this rank holds (pipeline stages prune first). Returns the names of the
@@ -240,7 +240,7 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
     tp = tp_mesh.size() if tp_mesh is not None else 1
     sp = sequence_parallel and tp > 1
     if sp and switch is None:
-        switch = SequenceParallelSwitch()
+        switch = WholeSequenceSwitch()
     blocks = [b for b in model.layers.values()]
     if getattr(model, "mtp", None) is not None:
         blocks += [layer.block for layer in model.mtp.layers]

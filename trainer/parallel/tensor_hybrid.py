@@ -49,7 +49,7 @@ No layer's class is reassigned and no attribute is set on a model layer: what a 
   their gradients are complete on every rank; under SP they compute on sequence shards and their
   gradients are partial over tp (`sp_partial_names` in tensor.py).
 
-Decoding switches SP off (the modules read `state.SequenceParallelSwitch.on`): regions then take and
+Decoding switches SP off (the modules read `state.WholeSequenceSwitch.on`): regions then take and
 return whole sequences, and each rank's decoder state holds its own heads (GDN rings, QSA KV buffers);
 QSA's raw indexer keys are replicated.
 """
@@ -111,7 +111,7 @@ class _Region:
     def _init_region(self, tp_mesh, switch) -> None:
         self.tp_group = tp_mesh.get_group()
         self.switch = switch
-        """state.SequenceParallelSwitch under sequence parallelism (its `on` says whether the input is a
+        """state.WholeSequenceSwitch under sequence parallelism (its `on` says whether the input is a
         sequence shard), else None."""
 
     @property
@@ -246,7 +246,7 @@ class ShardedNGramTable(nn.Embedding):
         self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
         self.tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
         self.switch = switch
-        """state.SequenceParallelSwitch under sequence parallelism: while `on`, the caller keeps one
+        """state.WholeSequenceSwitch under sequence parallelism: while `on`, the caller keeps one
         sequence shard of the output (the gradients are partial over tp); None without SP."""
         self._starts_cache = None
 
@@ -309,7 +309,7 @@ class TensorParallelPLE(PLELayer):
         adopt(self, layer)
         self.tp_group, self.tp_rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
         self.switch = switch
-        """state.SequenceParallelSwitch under sequence parallelism, else None."""
+        """state.WholeSequenceSwitch under sequence parallelism, else None."""
 
     @property
     def sequence_parallel(self) -> bool:
@@ -333,7 +333,7 @@ def _row_start(weight: DTensor) -> int:
 
 def parallelize_hybrid_mixer(block: nn.Module, tp_mesh, switch=None) -> bool:
     """Replace `block`'s Gated DeltaNet or QSA mixer by its tensor-parallel module; False for other mixer
-    kinds. `switch`: state.SequenceParallelSwitch under sequence parallelism, else None."""
+    kinds. `switch`: state.WholeSequenceSwitch under sequence parallelism, else None."""
     mixer = block.mixer
     if isinstance(mixer, GatedDeltaNet):
         replace_child(block, mixer, TensorParallelGatedDeltaNet(mixer, tp_mesh, switch))
@@ -363,7 +363,7 @@ def shard_ple_tables(model: nn.Module, group_mesh, exchange_dtype=None) -> List[
 
 def parallelize_ple(block: nn.Module, tp_mesh, switch=None) -> None:
     """Replace `block`'s PLE layer by its tensor-parallel module: it runs on the gathered sequence under
-    SP (`switch`: state.SequenceParallelSwitch, else None), and its table, sharded by `shard_ple_tables`,
+    SP (`switch`: state.WholeSequenceSwitch, else None), and its table, sharded by `shard_ple_tables`,
     looks up one slice of the positions per tp rank."""
     table = block.ple.ple_embedding.ngram_embedding
     if not isinstance(table, ShardedNGramTable):
