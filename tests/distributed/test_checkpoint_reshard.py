@@ -188,3 +188,28 @@ def test_checkpoint_saved_with_spread_loss_depths_resumes_in_one_process(tmp_pat
     _assert_losses_close(main_losses(run_dir), ref, [3, 4], "resume_single from spread depths")
     _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), _params(ref_dir / "checkpoints" / "step_4"),
                          "resume_single from spread depths at step 4")
+
+
+def test_checkpoint_saved_at_cp4_resumes_at_cp2_and_in_one_process(tmp_path):
+    """Context parallelism changes no sample and no parameter's placement beyond FSDP's shards: a
+    checkpoint of cp=4 (4 ranks splitting each sequence, FSDP over them) resumes at cp=2 and in one
+    process, each continuing the uninterrupted single-process run."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0",
+                                         "train.grad_accum_steps=4"]
+    ref_dir = tmp_path / "single_4steps"
+    _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "checkpoint.interval=2"], env)
+    ref = main_losses(ref_dir)
+    saved_dir = tmp_path / "cp4"
+    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=4"], env)
+    _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "cp=4 before the checkpoint")
+    ckpt = saved_dir / "checkpoints" / "step_2"
+    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"), "cp=4 at step 2")
+    ref_params4 = _params(ref_dir / "checkpoints" / "step_4")
+    for name, world, extra in (("resume_cp2", 2, ["parallel.cp=2"]), ("resume_single", 1, [])):
+        run_dir = tmp_path / name
+        os.makedirs(run_dir / "checkpoints")
+        shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
+        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], env)
+        _assert_losses_close(main_losses(run_dir), ref, [3, 4], f"{name} from cp=4")
+        _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), ref_params4, f"{name} from cp=4 at step 4")
