@@ -47,8 +47,6 @@ def cfg(*overrides):
      "needs data.seq_len=63 divisible by parallel.tp*cp=2"),
     (["parallel.cp=2", "data.seq_len=30"], 2, "parallel.cp_sharding=zigzag cuts data.seq_len=30 into 4"),
     (["parallel.cp=2", "train.distill=argmax"], 2, "train.distill reads the trunk's prediction K positions ahead"),
-    (["parallel.cp=2", "data.seq_len=16", "model.layer_types=[linear_attention,attention,linear_attention,attention]",
-      "model.linear_conv_kernel=8"], 2, "shorter than the 7-token halo model.linear_conv_kernel needs"),
     (["parallel.tp=2", "train.distill=argmax"], 2, "train.distill='argmax' is not supported with parallel.tp=2"),
 ])
 def test_impossible_layouts_are_one_line_config_errors(overrides, world, needle):

@@ -7,7 +7,8 @@ indexer's quadratic cost) or contiguous (one chunk per rank). A rank's rows are 
 Every exchange is an all-gather over the cp group whose backward is a reduce-scatter (comm.py
 `gather_along`), so gradients reach the rows' owners summed over every rank that read them:
 * `gather`: all of a tensor's rows (attention's keys and values), put back in window order;
-* `halo`: only the last n rows of each chunk travel (n = a convolution's reach back, at most L);
+* `halo`: only the last n rows of each chunk travel (n = a convolution's reach back; whole chunks when
+  n > L, for a window cut finer than a convolution reaches);
 * `carry`: one transition [H, Dk, Dk] and one final state [H, Dk, Dv] per chunk (fp32), folded in
   window order on every rank (a handful of small matmuls) so each chunk's entering state is exact.
 """
@@ -95,15 +96,16 @@ class ContextShards(WholeWindow):
         if n == 0:
             return chunks_bl[:, :0]
         bc, length = chunks_bl.shape[:2]
-        b = bc // self.chunks
-        if n > length:
-            raise ValueError(f"context parallelism: a {n}-row halo is longer than a {length}-row chunk")
-        tails = chunks_bl[:, length - n:].reshape(b, self.chunks * n, *chunks_bl.shape[2:])
-        gathered = gather_along(tails.contiguous(), self.group, 1).reshape(b, self.total, n, *chunks_bl.shape[2:])
-        window = self._window_order(gathered)  # [B, total, n, ...]: each window chunk's last n rows
-        before = torch.cat([torch.full_like(window[:, :1], fill), window[:, :-1]], dim=1)  # chunk c-1's tail
-        index = torch.tensor(self.mine, device=chunks_bl.device)
-        return before.index_select(1, index).reshape(bc, n, *chunks_bl.shape[2:])
+        b, rest = bc // self.chunks, chunks_bl.shape[2:]
+        m = min(n, length)  # rows each chunk sends: its last n, or all of it when the halo is longer
+        tails = chunks_bl[:, length - m:].reshape(b, self.chunks * m, *rest)
+        gathered = gather_along(tails.contiguous(), self.group, 1).reshape(b, self.total, m, *rest)
+        window = self._window_order(gathered).reshape(b, self.total * m, *rest)  # chunk by chunk, in order
+        # the rows before chunk c end at row c * m of `window`; `fill` stands before the window's start
+        padded = torch.cat([window.new_full((b, n, *rest), fill), window], dim=1)
+        before = [padded[:, c * m: c * m + n] if m == n else padded[:, c * length: c * length + n]
+                  for c in self.mine]
+        return torch.stack(before, 1).reshape(bc, n, *rest)
 
     def carry(self, transition_bhkk: torch.Tensor, final_bhkv: torch.Tensor) -> torch.Tensor:
         bc = transition_bhkk.shape[0]

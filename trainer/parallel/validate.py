@@ -119,8 +119,8 @@ def context_chunk(cfg: TandemConfig) -> int:
 
 
 def validate_context_parallel(cfg: TandemConfig) -> None:
-    """parallel.cp > 1: the sequence splits into equal chunks, each a whole number of QSA blocks and at
-    least as long as the halo a causal convolution reads across a chunk's start."""
+    """parallel.cp > 1: the sequence splits into equal chunks, each a whole number of QSA blocks, and
+    nothing reads the trunk's predictions ahead across a chunk's edge."""
     p, m = cfg.parallel, cfg.model
     pieces = p.cp * (2 if p.cp_sharding == "zigzag" else 1)
     if cfg.data.seq_len % pieces:
@@ -131,17 +131,7 @@ def validate_context_parallel(cfg: TandemConfig) -> None:
         raise ConfigError(f"{key} reads the trunk's prediction K positions ahead, across a context chunk's edge; "
                           f"it is not supported with parallel.cp={p.cp} yet")
     chunk = context_chunk(cfg)
-    kinds = {m.layer_type(i) for i in range(m.num_layers)}
     if m.uses_qsa and chunk % m.indexer_compress_ratio:
         raise ConfigError(f"parallel.cp={p.cp}: each context chunk of {chunk} tokens must hold whole QSA blocks "
                           f"(model.indexer_compress_ratio={m.indexer_compress_ratio}); make data.seq_len a multiple "
                           f"of {pieces * m.indexer_compress_ratio}")
-    halos = []
-    if "linear_attention" in kinds:
-        halos.append(("model.linear_conv_kernel", m.linear_conv_kernel - 1))
-    if m.ple_layers:
-        halos.append(("model.ple_conv_kernel", (m.ple_conv_kernel - 1) * m.ngram_size))
-    for key, halo in halos:
-        if halo > chunk:
-            raise ConfigError(f"parallel.cp={p.cp}: a context chunk of {chunk} tokens is shorter than the "
-                              f"{halo}-token halo {key} needs; lower parallel.cp or raise data.seq_len")
