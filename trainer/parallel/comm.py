@@ -71,7 +71,7 @@ def _reduce_scatter_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = dist.get_world_size(group)
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // world,) + tuple(x0.shape[1:]))
-    dist.reduce_scatter_tensor(out, x0, group=group)
+    dist.reduce_scatter_single(out, x0, group=group)
     return out.movedim(0, dim)
 
 
