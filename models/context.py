@@ -6,12 +6,14 @@ r and 2cp - 1 - r; contiguous: chunk r), laid end to end in its rows. The model 
 per-position input over the whole window, which each rank has in full since only token ids and
 masks are involved (positions, the documents' starts, each MTP depth's tokens and targets, the loss
 masks), and keeps its own rows (`local`), so no label is ever shifted after sharding. Per-token parts
-(norms, MLP, MoE, hyper-connections, the head) need nothing more. The token mixers read across chunk
-edges through three exchanges, each the identity in one process:
+(norms, MLP, MoE routing, hyper-connections, the head) need nothing more. The token mixers read
+across chunk edges, and the MoE's auxiliary losses average over the window, through four exchanges,
+each the identity in one process:
 
 * `gather`: a tensor's rows of the whole window, in window order (attention's keys and values, QSA's
   indexer keys);
 * `halo`: the n rows before each of this rank's chunks (a causal convolution's reach);
+* `sum`: a few numbers summed over the ranks (the MoE's auxiliary-loss statistics);
 * `carry`: Gated DeltaNet's state entering each chunk, folded from every earlier chunk's final state
   and transition (models/gated_deltanet.py).
 
@@ -69,6 +71,11 @@ class WholeWindow(nn.Module):
         """[B, S, ...]: `x_bs`'s rows of the whole window in window order, from every rank's rows
         (differentiable: each rank's rows get the gradient every rank sent them)."""
         return x_bs
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks splitting the window (differentiable: the backward sums each rank's
+        gradient too, as every rank computes the same loss from it)."""
+        return x
 
     def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:
         """[B * chunks, n, ...]: the n window rows before each chunk of `chunks_bl` (a `split` tensor),

@@ -255,27 +255,37 @@ class MoE(nn.Module):
 
     def _window_aux(self, logits: torch.Tensor, indices: torch.Tensor, scale: float, context):
         """(aux + z loss, its gradient scale) over the micro-batch's tokens. Under context parallelism
-        they are means over every rank's rows: each cp rank computes them on the gathered logits, and
-        the gather's backward sums the cp copies of the gradient, so each copy carries 1/cp of it."""
-        if context is not None and context.sharded:
-            logits, indices = (context.gather(t[None])[0] for t in (logits, indices))
-            scale = scale / context.size
-        return self._aux_loss(logits, indices), scale
-
-    def _aux_loss(self, logits: torch.Tensor, indices: torch.Tensor):
-        """Balance + z loss of one micro-batch from the fp32 router logits, computed in fp32."""
+        they are means over every cp rank's rows: the per-expert sums they are built from are summed over
+        the ranks (`context.sum`: E numbers, not the [tokens x E] logits), every rank computes the same
+        loss, and the sum's backward adds the cp copies of its gradient, so each carries 1/cp of it."""
+        window = context if context is not None and context.sharded else None
         with torch.autocast(logits.device.type, enabled=False):
-            return self._aux_terms(logits.float(), indices)
+            sums = self._aux_sums(logits.float(), indices)
+            if window is not None:
+                sums = window.sum(sums)
+                scale = scale / window.size
+            return self._aux_terms(sums), scale
 
-    def _aux_terms(self, logits: torch.Tensor, indices: torch.Tensor):
+    def _aux_sums(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """[2E + 3] fp32 sums over the tokens the losses average: each expert's normalised routing
+        probability and its routed copies (no gradient), then the routed copies of all experts, the
+        squared logsumexp of the logits, and the token count."""
         cfg = self.cfg
+        probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
+        probs = probs / probs.sum(-1, keepdim=True)
+        counts = expert_counts(indices.flatten(), cfg.num_experts).float()
+        z = torch.logsumexp(logits, dim=-1).pow(2).sum() if cfg.z_loss_coef > 0 else logits.new_zeros(())
+        sizes = logits.new_tensor([float(indices.numel()), 0.0, float(logits.shape[0])])
+        return torch.cat([probs.sum(0), counts, sizes[:1], z[None], sizes[2:]])
+
+    def _aux_terms(self, sums: torch.Tensor):
+        """Switch/DeepSeek balance loss E * sum_i f_i * P_i (f_i the routed fraction x E/k, P_i the mean
+        probability) and the z-loss mean(logsumexp^2), from `_aux_sums`."""
+        cfg, e = self.cfg, self.cfg.num_experts
+        prob_sum, counts, copies, z_sum, tokens = sums[:e], sums[e:2 * e], sums[2 * e], sums[2 * e + 1], sums[2 * e + 2]
         terms = []
         if cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0:
-            # Switch/DeepSeek balance loss: E * sum_i f_i * P_i, f_i the routed fraction (x E/k), P_i mean prob.
-            probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
-            probs = probs / probs.sum(-1, keepdim=True)
-            frac = expert_counts(indices.flatten(), cfg.num_experts).float() / indices.numel()
-            terms.append(cfg.aux_loss_coef * cfg.num_experts * (frac * probs.mean(0)).sum())
+            terms.append(cfg.aux_loss_coef * e * ((counts / copies) * (prob_sum / tokens)).sum())
         if cfg.z_loss_coef > 0:
-            terms.append(cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean())
+            terms.append(cfg.z_loss_coef * z_sum / tokens)
         return sum(terms) if terms else None

@@ -92,6 +92,11 @@ class ContextShards(WholeWindow):
         by_chunk = gathered.reshape(b, self.total, length, *x_bs.shape[2:])
         return self._window_order(by_chunk).reshape(b, self.total * length, *x_bs.shape[2:])
 
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(x, group=self.group)
+
     def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:
         if n == 0:
             return chunks_bl[:, :0]
