@@ -72,12 +72,19 @@ class Attention(nn.Module):
     @staticmethod
     def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents], groups: int):
         """This rank's queries over the whole window's keys and values (gathered in window order), masked
-        by window row: causal, and inside the query's document when documents are kept apart."""
+        by window row: causal, and inside the query's document when documents are kept apart. Chunk by
+        chunk, each over the keys up to its own end only (zigzag's early chunk reads few)."""
         k_all, v_all = (context.gather(t.transpose(1, 2)).transpose(1, 2) for t in (k_bhsd, v_bhsd))
-        keys = k_all.shape[2]
-        if documents is not None:
-            mask = documents.attention_mask(keys)
-        else:
-            rows = context.rows(q_bhsd.shape[2], q_bhsd.device)
-            mask = (torch.arange(keys, device=q_bhsd.device)[None, :] <= rows[:, None])[None, None]
-        return F.scaled_dot_product_attention(q_bhsd, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1)
+        local = q_bhsd.shape[2]
+        rows = context.rows(local, q_bhsd.device)
+        length = local // context.chunks
+        out = []
+        for j, end in enumerate(context.chunk_ends(local)):
+            mine = slice(j * length, (j + 1) * length)
+            key_u = torch.arange(end, device=q_bhsd.device)
+            mask = (key_u[None, :] <= rows[mine, None])[None]
+            if documents is not None:
+                mask = mask & (key_u[None, None, :] >= documents.starts_bs[:, mine, None])
+            out.append(F.scaled_dot_product_attention(q_bhsd[:, :, mine], k_all[:, :, :end], v_all[:, :, :end],
+                                                      attn_mask=mask[:, None], enable_gqa=groups > 1))
+        return torch.cat(out, dim=2)

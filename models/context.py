@@ -55,6 +55,10 @@ class WholeWindow(nn.Module):
         """[local_rows] long: the window row of each of this rank's rows."""
         return torch.arange(local_rows, device=device)
 
+    def chunk_ends(self, local_rows: int) -> list:
+        """The window row just past each of this rank's chunks, in its order (host ints)."""
+        return [local_rows]
+
     def local(self, x_bs: torch.Tensor) -> torch.Tensor:
         """This rank's rows (dim 1) of a tensor built over the whole window."""
         return x_bs

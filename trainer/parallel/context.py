@@ -66,6 +66,12 @@ class ContextShards(WholeWindow):
         length = local_rows // self.chunks
         return torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in self.mine])
 
+    def chunk_ends(self, local_rows: int) -> list:
+        if not self.sharded:
+            return super().chunk_ends(local_rows)
+        length = local_rows // self.chunks
+        return [(c + 1) * length for c in self.mine]
+
     def local(self, x_bs: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return x_bs
