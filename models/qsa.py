@@ -25,7 +25,10 @@ blocks of its own document visible at its position p, attends them plus its docu
 [(p+1)//r*r, p], and the dense warm-up, the indexer's KL target and the recall are block-diagonal
 causal. Without documents a row is one document and the blocks are [j*r, (j+1)*r) of the row.
 
-Two vectorised training forms give identical results; both pay O(B * S^2 / r) for the block scores:
+Two vectorised training forms give identical results; both pay O(B * S^2 / r) compute for the block
+scores, never the memory: selection and the indexer's target stream (models/qsa_stream.py), a chunk of
+queries and, within it, of blocks at a time with a running top-k, and the sparse stage's KL covers
+only the K = budget / r selected blocks, so no [B, S, S / r] tensor exists.
 * `mask`: a [B, S, S] selection mask and one masked SDPA call. O(B * S^2) mask memory, dense
   O(B * H * S^2 * d) compute, but a fused attention kernel.
 * `gather`: each query gathers its L = budget + r - 1 candidate key/value rows (invalid slots masked)
@@ -35,6 +38,26 @@ Two vectorised training forms give identical results; both pay O(B * S^2 / r) fo
   `chunk_elems` instead of growing with S^2.
 `auto` uses gather once the mask would exceed 2^26 elements (an 8k-token row) and the candidates are
 at most a quarter of the sequence; below that the fused masked kernel is both smaller and faster.
+
+Context parallelism (`context` a sharded models/context.py window, training only): x holds a rank's
+S / cp rows of the window of S. Keys and values (after norm and RoPE), the indexer's raw keys, the
+positions and the documents' starts are gathered over the window (`context.gather`; its backward
+sums key and value gradients back to their owners); the rank's queries score every block of the
+window, so each selects, attends and learns exactly as in one process (the same scores, ties and
+budget; the dense warm-up masks keys after the query's window row). The indexer's KL sums this rank's
+queries' terms and divides by the window's count of queries with a candidate block, so the ranks'
+losses (and so their indexer gradients) sum to one process's; `last_indexer_loss` is the rank's
+share, `last_recall` the rank's mean (equal row counts: the ranks' recalls average to the window's).
+A handed-over `QSASelection` holds the rank's queries and the window's block layout.
+
+Peak memory of one layer's training step, per rank (bytes, fp32; B rows, D_i indexer width, E =
+`chunk_elems`, A = hidden + 4 * heads * head_dim + (I + 1) * D_i the per-row activations):
+    B * (S / cp) * (8 * K + 9 * L + 4 * A)            selection, gather slots, activations
+  + 4 * B * S * (4 * kvh * head_dim + 2 * D_i)        the gathered window's keys, values, raw keys, grads
+  + about 16 * E                                      one chunk's transients
+in the gather form (the mask form adds its B * (S / cp) * S bool mask). The path before streaming
+added about 36 * B * S * S / r (scores, their gradient, int64 top-k keys, the KL's [B, S, N] tensors);
+bench/qsa_memory.py measures both against these terms.
 
 Decoding (`cache` given) writes keys/values with `cache.update` and the raw indexer keys into the
 full-length buffer `qsa_index_keys` [B, max_len, D_i] at their positions. Block keys are recomputed
@@ -56,36 +79,22 @@ identity here, an all-reduce over tp in the tensor-parallel module) before they 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from .context import WholeWindow
 from .documents import Documents
 from .layers import RMSNorm, RotaryEmbedding
 from .moe import AuxLossGrad
 from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
-from .qsa_loss import attention_block_mass, indexer_kl
+from .qsa_stream import map_query_chunks, selection_keys, stream_select, stream_target
 from .state import LayerCache
 
 MASK_ELEMS_LIMIT = 1 << 26
 """`auto` switches to the gather form above this many [B, S, S] mask elements."""
-
-
-def map_query_chunks(fn: Callable, chunk: int, sliced: Tuple[torch.Tensor, ...], shared: Tuple = ()):
-    """fn(*sliced, *shared) with `sliced` cut along dim 1 (queries) into chunks, concatenated back.
-    Chunks are recomputed in backward, so only one chunk's intermediates are alive at a time."""
-    s = sliced[0].shape[1]
-    if chunk >= s:
-        return fn(*sliced, *shared)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*sliced, *shared) if torch.is_tensor(t))
-    outs = []
-    for c0 in range(0, s, chunk):
-        part = tuple(t[:, c0:c0 + chunk] for t in sliced)
-        outs.append(checkpoint(fn, *part, *shared, use_reentrant=False) if grad else fn(*part, *shared))
-    return torch.cat(outs, 1)
 
 
 class IndexedAttention(nn.Module):
@@ -164,19 +173,16 @@ class IndexedAttention(nn.Module):
         """Top blocks per query among its complete visible ones: indices [B, S, K] and how many of the
         K slots are real, min(budget / r, complete blocks) [B, S]. `query_at_bs`: positions (within the
         document); `visible_bsn`: the selectable blocks under packed documents (there are (p+1) // r
-        of them), else blocks 0 .. (p+1) // r - 1."""
+        of them), else blocks 0 .. (p+1) // r - 1. Ties break toward the earlier block and the unused
+        slots name the earliest unselectable blocks (qsa_stream.selection_keys)."""
         r, n = self.compress_ratio, scores_bsn.shape[-1]
         complete_bs = (query_at_bs + 1) // r
         k = min(self.budget // r, n)
         if k == 0:
             return query_at_bs.new_zeros(*query_at_bs.shape, 0), complete_bs * 0
-        # Scores are >= 0, so their fp32 bit patterns order like the values; the block index in the low
-        # bits makes every key unique (ties -> the earlier block) and the top-k exactly reproducible.
-        bits = scores_bsn.detach().float().contiguous().view(torch.int32).long()
-        block = torch.arange(n, device=scores_bsn.device)
         if visible_bsn is None:
-            visible_bsn = block < complete_bs[..., None]
-        key = torch.where(visible_bsn, (bits << 31) | (2**31 - 1 - block), -1)
+            visible_bsn = torch.arange(n, device=scores_bsn.device) < complete_bs[..., None]
+        key = selection_keys(scores_bsn, 0, visible_bsn)
         return key.topk(k, dim=-1).indices, complete_bs.clamp(max=k)
 
     def _token_mask(self, blocks_bsk, count_bs, query_at_bs, num_keys: int,
@@ -243,32 +249,44 @@ class IndexedAttention(nn.Module):
             out = torch.einsum("bckgl,bclkd->bckgd", att, v_g.to(acc))
         return out.reshape(b, c, h * d).to(q_bshd.dtype)
 
-    def _use_gather(self, b: int, s: int) -> bool:
+    def _use_gather(self, b: int, s_q: int, s: Optional[int] = None) -> bool:
+        """Whether `s_q` queries over `s` keys (default s_q) attend by gathering (the docstring's `auto`)."""
         if self.form != "auto":
             return self.form == "gather"
-        return b * s * s > MASK_ELEMS_LIMIT and 4 * (self.budget + self.compress_ratio - 1) <= s
+        s = s_q if s is None else s
+        return b * s_q * s > MASK_ELEMS_LIMIT and 4 * (self.budget + self.compress_ratio - 1) <= s
 
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerCache] = None,
                 selection: Optional[QSASelection] = None, return_selection: bool = False,
-                documents: Optional[Documents] = None) -> Union[torch.Tensor, Tuple[torch.Tensor,
-                                                                                    Optional[QSASelection]]]:
+                documents: Optional[Documents] = None, context: Optional[WholeWindow] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
         """`selection` (training, sparse stage): attend over these blocks instead of running the indexer
         (MTP depths 2..K reusing depth 1's). `return_selection`: also return the selection attended
         (None in the dense stage, where nothing is selected). `documents` (training only): the packed
         documents each row holds, kept apart; `positions_bs` then count from each document's start
-        (`documents.positions()`). None: each row is one document."""
+        (`documents.positions()`). None: each row is one document. `context` (training only): which rows
+        of the window x holds (models/context.py); when sharded, keys, values and indexer keys are
+        gathered over the window and `documents` is `Documents.local(context)`."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
         # The selection carries no gradient and the indexer learns only from its own loss.
         q_idx_bsid, raw_bsd = self.indexer(x_bsh.detach(), positions_bs, self.rotary)
         used = None
+        sharded = context is not None and context.sharded
         if cache is not None:
-            if documents is not None:
-                raise ValueError("QSA decodes one document per row: documents are for training forwards")
+            if documents is not None or sharded:
+                raise ValueError("QSA decodes one whole document per row: documents and a sharded context are "
+                                 "for training forwards")
             out_bsz, loss = self._decode(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache), None
         else:
+            window = None
+            if sharded:  # every rank's keys, values, indexer keys and layout, in window order
+                k_bksd = context.gather(k_bksd.transpose(1, 2)).transpose(1, 2)
+                v_bksd = context.gather(v_bksd.transpose(1, 2)).transpose(1, 2)
+                raw_bsd, positions_bs = context.gather(raw_bsd), context.gather(positions_bs)
+                window = (context, None if documents is None else context.gather(documents.starts_bs))
             out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, selection,
-                                              documents)
+                                              documents, window)
         y_bsh = self.o_proj(out_bsz * torch.sigmoid(gate_bsz))
         if loss is not None:
             # gradient injected in backward (as the MoE's aux loss): return values stay unchanged
@@ -276,9 +294,11 @@ class IndexedAttention(nn.Module):
         return (y_bsh, used) if return_selection else y_bsh
 
     def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection],
-               documents: Optional[Documents] = None):
-        s = q_bhsd.shape[2]
-        n = s // self.compress_ratio
+               documents: Optional[Documents] = None, window=None):
+        """Queries are q's rows, keys the window's (k, v, raw keys, positions: all S rows). `window`:
+        (sharded context, the window's document starts or None) under context parallelism, else None."""
+        r, s = self.compress_ratio, k_bksd.shape[2]
+        n = s // r
         # the dense warm-up attends to everything: a handed-over selection has nothing to restrict
         reused = reused if not self.dense else None
         # a reusing depth runs no indexer, so it has no indexer loss either; a query needs a complete
@@ -286,107 +306,127 @@ class IndexedAttention(nn.Module):
         want_loss = (self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled() and n > 0
                      and reused is None)
         select = not self.dense or self.measure_recall
-        docs, query_at_bs = self._training_layout(q_bhsd, reused, documents)
-        scores_bsn, blocks_bsk, count_bs = self._training_selection(q_idx_bsid, raw_bsd, positions_bs, reused, docs,
-                                                                    query_at_bs, want_loss, select)
+        docs, query_at_bs, rows_s = self._training_layout(q_bhsd, s, reused, documents, window)
+        visible = self._visible_fn(docs, query_at_bs)
+        k_bnd = None
+        if (want_loss or select) and reused is None:
+            with torch.set_grad_enabled(want_loss):
+                k_bnd = self._training_block_keys(raw_bsd, positions_bs, docs)
+        blocks_bsk, count_bs = self._training_selection(q_idx_bsid, k_bnd, reused, docs, query_at_bs, select,
+                                                        visible)
 
         def selected(c0: int, c1: int) -> torch.Tensor:
             return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1], s, docs, c0)
 
         out_bsz = self._training_attention(q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk, count_bs,
-                                           query_at_bs, selected)
+                                           query_at_bs, selected, rows_s)
         loss = None
         if want_loss or self.measure_recall:
-            loss = self._indexer_target(q_bhsd, k_bksd, scores_bsn, blocks_bsk, count_bs, query_at_bs, docs,
-                                        selected if select else None, want_loss)
+            loss = self._indexer_target(q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, query_at_bs, docs,
+                                        selected if select else None, want_loss, visible, rows_s, window)
         used = (QSASelection(blocks_bsk, count_bs, None if docs is None else docs.rows_bn)
                 if blocks_bsk is not None and not self.dense else None)
         return out_bsz, loss, used
 
-    def _training_layout(self, q_bhsd, reused: Optional[QSASelection], documents: Optional[Documents]):
-        """(the packed documents' block layout or None, [B, S] each query's position in its document)."""
-        b, _, s, _ = q_bhsd.shape
+    def _training_layout(self, q_bhsd, s: int, reused: Optional[QSASelection], documents: Optional[Documents],
+                         window):
+        """(the packed documents' block layout or None, [B, S_q] each query's position in its document,
+        [S_q] each query's window row or None when the queries are the window's S rows)."""
+        b, s_q = q_bhsd.shape[0], q_bhsd.shape[2]
         if reused is not None and (reused.block_rows_bn is None) != (documents is None):
             raise RuntimeError("QSA: a selection made " + ("without" if documents is not None else "with")
                                + " packed documents was handed to a forward " + ("with" if documents is not None
                                                                                   else "without") + " them")
+        rows_s = None if window is None else window[0].rows(s_q, q_bhsd.device)
         if documents is None:
-            return None, torch.arange(s, device=q_bhsd.device).expand(b, s)
+            return None, (torch.arange(s, device=q_bhsd.device) if rows_s is None else rows_s).expand(b, s_q), rows_s
         # a reused selection's indices name blocks of the layout it was chosen in: read them there
         r = self.compress_ratio
-        rows_bn = reused.block_rows_bn if reused is not None else _DocumentBlocks.block_rows(documents.starts_bs, r)
-        docs = _DocumentBlocks.build(documents.starts_bs, rows_bn, r)
-        return docs, docs.at_bs
+        starts_bs = documents.starts_bs if window is None else window[1]
+        rows_bn = reused.block_rows_bn if reused is not None else _DocumentBlocks.block_rows(starts_bs, r)
+        docs = _DocumentBlocks.build(starts_bs, rows_bn, r)
+        if rows_s is not None:  # the queries are this rank's rows
+            docs = docs._replace(first_bs=documents.starts_bs, at_bs=documents.positions(), query_rows_s=rows_s)
+        return docs, docs.at_bs, rows_s
 
-    def _training_selection(self, q_idx_bsid, raw_bsd, positions_bs, reused: Optional[QSASelection], docs,
-                            query_at_bs, want_loss: bool, select: bool):
-        """(block scores or None, selected blocks, their counts): a reused selection as handed over,
-        else the indexer's scores (with autograd when its loss trains) and their top blocks."""
-        b, s = query_at_bs.shape
-        if reused is not None:
-            if reused.blocks_bsk.shape[:2] != (b, s):
-                raise RuntimeError(f"QSA: a reused selection covers {tuple(reused.blocks_bsk.shape[:2])} queries, "
-                                   f"this forward {(b, s)}")
-            return None, reused.blocks_bsk, reused.counts_bs
+    def _visible_fn(self, docs: Optional[_DocumentBlocks], query_at_bs):
+        """visible(c0, c1, n0, n1) [B, C, n1 - n0]: which of blocks n0..n1 queries c0..c1 may select."""
         r = self.compress_ratio
-        n = s // r
-        scores_bsn = blocks_bsk = count_bs = None
-        if want_loss or select:
-            with torch.set_grad_enabled(want_loss):
-                if docs is None:
-                    scores_bsn = self._block_scores(q_idx_bsid, raw_bsd[:, : n * r], positions_bs[:, : n * r : r])
-                else:
-                    raw_bmd = raw_bsd.gather(1, docs.tokens_bm[..., None].expand(-1, -1, raw_bsd.shape[-1]))
-                    scores_bsn = self._block_scores(q_idx_bsid, raw_bmd, docs.positions_bn)
-        if select:
-            blocks_bsk, count_bs = self._select(scores_bsn, query_at_bs, None if docs is None else docs.visible(r))
-        return scores_bsn, blocks_bsk, count_bs
+        if docs is not None:
+            return lambda c0, c1, n0, n1: docs.visible(r, c0, c1, n0, n1)
+        complete_bs = (query_at_bs + 1) // r
+        return lambda c0, c1, n0, n1: (torch.arange(n0, n1, device=complete_bs.device)
+                                       < complete_bs[:, c0:c1, None])
+
+    def _training_block_keys(self, raw_bsd, positions_bs, docs: Optional[_DocumentBlocks]) -> torch.Tensor:
+        """[B, N, D_i] the window's block keys (N = S // r; padding blocks under packed documents)."""
+        r = self.compress_ratio
+        n = raw_bsd.shape[1] // r
+        if n == 0:
+            return raw_bsd.new_zeros(raw_bsd.shape[0], 0, raw_bsd.shape[-1])
+        if docs is None:
+            return self.indexer.block_keys(raw_bsd[:, : n * r], positions_bs[:, : n * r : r], self.rotary)
+        raw_bmd = raw_bsd.gather(1, docs.tokens_bm[..., None].expand(-1, -1, raw_bsd.shape[-1]))
+        return self.indexer.block_keys(raw_bmd, docs.positions_bn, self.rotary)
+
+    def _training_selection(self, q_idx_bsid, k_bnd, reused: Optional[QSASelection], docs, query_at_bs,
+                            select: bool, visible):
+        """(selected blocks, their counts), or (None, None) when nothing selects: a reused selection as
+        handed over, else the streamed top blocks of the indexer's scores."""
+        b, s_q = query_at_bs.shape
+        if reused is not None:
+            if reused.blocks_bsk.shape[:2] != (b, s_q):
+                raise RuntimeError(f"QSA: a reused selection covers {tuple(reused.blocks_bsk.shape[:2])} queries, "
+                                   f"this forward {(b, s_q)}")
+            return reused.blocks_bsk, reused.counts_bs
+        if not select:
+            return None, None
+        reach_bs = (query_at_bs + 1) // self.compress_ratio if docs is None else docs.reach(self.compress_ratio)
+        return stream_select(self, q_idx_bsid, k_bnd, query_at_bs, reach_bs, visible)
 
     def _training_attention(self, q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk, count_bs, query_at_bs,
-                            selected) -> torch.Tensor:
-        """[B, S, heads * head_dim]: dense (the warm-up), or over the selected tokens by gathering them
-        or by a [B, S, S] mask (`selected(c0, c1)` gives query rows c0..c1 of it)."""
-        b, h, s, d = q_bhsd.shape
+                            selected, rows_s=None) -> torch.Tensor:
+        """[B, S_q, heads * head_dim]: dense (the warm-up), or over the selected tokens by gathering them
+        or by a [B, S_q, S] mask (`selected(c0, c1)` gives query rows c0..c1 of it)."""
+        b, h, s_q, d = q_bhsd.shape
+        s = k_bksd.shape[2]
         groups = h // k_bksd.shape[1]
         if self.dense:
-            if documents is None:
+            if documents is not None:
+                mask = documents.attention_mask(keys=s)
+            elif rows_s is not None:
+                mask = torch.arange(s, device=rows_s.device) <= rows_s[:, None]
+            if documents is None and rows_s is None:
                 out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, is_causal=True, enable_gqa=groups > 1)
             else:
-                out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=documents.attention_mask(),
-                                                     enable_gqa=groups > 1)
-            return out.transpose(1, 2).reshape(b, s, -1)
-        if self._use_gather(b, s):
+                out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=mask, enable_gqa=groups > 1)
+            return out.transpose(1, 2).reshape(b, s_q, -1)
+        if self._use_gather(b, s_q, s):
             idx_bsl, ok_bsl = self._token_slots(blocks_bsk, count_bs, query_at_bs, docs)
             per_query = b * idx_bsl.shape[-1] * (2 * k_bksd.shape[1] * d + h)
             return map_query_chunks(self._gather_attend, max(1, self.chunk_elems // per_query),
                                     (q_bhsd.transpose(1, 2), idx_bsl, ok_bsl),
                                     (k_bksd.transpose(1, 2), v_bksd.transpose(1, 2)))
-        mask_b1ss = selected(0, s)[:, None]
+        mask_b1ss = selected(0, s_q)[:, None]
         out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=mask_b1ss, enable_gqa=groups > 1)
-        return out.transpose(1, 2).reshape(b, s, -1)
+        return out.transpose(1, 2).reshape(b, s_q, -1)
 
-    def _indexer_target(self, q_bhsd, k_bksd, scores_bsn, blocks_bsk, count_bs, query_at_bs, docs, selected,
-                        want_loss: bool):
-        """The main attention's block mass: the recall of the selection (measure_recall) and, when the
-        indexer trains, its KL loss (None otherwise)."""
-        r = self.compress_ratio
-        n = q_bhsd.shape[2] // r
-        mass_bsn, recall_bs = attention_block_mass(
-            q_bhsd.detach(), k_bksd.detach(), r, n, self.chunk_elems, selected,
-            sparse_target=not self.dense, query_first_bs=None if docs is None else docs.first_bs,
-            block_tokens_bm=None if docs is None else docs.tokens_bm)
+    def _indexer_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, query_at_bs, docs, selected,
+                        want_loss: bool, visible, rows_s, window):
+        """The main attention's block mass, streamed (qsa_stream.stream_target): the recall of the
+        selection (measure_recall) and, when the indexer trains, its KL loss (None otherwise): the mean
+        over the window's queries with a candidate block, of which this forward holds `q`'s rows."""
+        total, recall_bs = stream_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, docs,
+                                         selected, want_loss, visible, rows_s)
         if self.measure_recall:
+            # under context parallelism a rank's mean: every rank holds as many queries, so their mean is the window's
             self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
         if not want_loss:
             return None
-        block = torch.arange(n, device=q_bhsd.device)
-        if self.dense:
-            allowed_bsn = block < ((query_at_bs + 1) // r)[..., None] if docs is None else docs.visible(r)
-        else:
-            real = torch.arange(blocks_bsk.shape[-1], device=block.device) < count_bs[..., None]
-            allowed_bsn = torch.zeros_like(scores_bsn, dtype=torch.bool)
-            allowed_bsn.scatter_(-1, blocks_bsk, real)
-        loss = indexer_kl(scores_bsn, self.reduce_heads(mass_bsn), allowed_bsn)
+        has_bs = ((query_at_bs + 1) // self.compress_ratio > 0).long()  # a complete visible block to learn from
+        if window is not None:
+            has_bs = window[0].gather(has_bs)
+        loss = total / has_bs.sum().clamp_min(1)
         self.last_indexer_loss = loss.detach()
         return loss
 

@@ -45,6 +45,9 @@ class _DocumentBlocks(NamedTuple):
     """[B, S] row where each query's document starts."""
     at_bs: torch.Tensor
     """[B, S] each query's position within its document."""
+    query_rows_s: Optional[torch.Tensor] = None
+    """Context parallelism: the window row of each query (a rank's rows; `first_bs` and `at_bs` are then
+    those queries', the other fields the whole window's). None: the queries are the window's rows."""
 
     @staticmethod
     def block_rows(starts_bs: torch.Tensor, r: int) -> torch.Tensor:
@@ -76,13 +79,26 @@ class _DocumentBlocks(NamedTuple):
                            torch.arange(n, device=dev).repeat_interleave(r).expand(b, n * r))
         return cls(rows_bn, tokens_bnr.clamp(max=s - 1).flatten(1), positions_bn, key_block[:, :s], starts_bs, at_bs)
 
-    def visible(self, r: int) -> torch.Tensor:
-        """[B, S, N]: the blocks a query may select, the complete ones of its document ending at or
-        before it (a real block never straddles documents, so lying within [document start, query] is
-        enough)."""
-        query_t = torch.arange(self.first_bs.shape[1], device=self.rows_bn.device)[:, None]
-        rows = self.rows_bn[:, None, :]
-        return (rows >= self.first_bs[..., None]) & (rows + r - 1 <= query_t)
+    def query_rows(self) -> torch.Tensor:
+        """[S_q] the window row of each query."""
+        if self.query_rows_s is not None:
+            return self.query_rows_s
+        return torch.arange(self.first_bs.shape[1], device=self.first_bs.device)
+
+    def visible(self, r: int, c0: int = 0, c1: Optional[int] = None, n0: int = 0,
+                n1: Optional[int] = None) -> torch.Tensor:
+        """[B, S, N] (queries c0..c1, blocks n0..n1 of it): the blocks a query may select, the complete
+        ones of its document ending at or before it (a real block never straddles documents, so lying
+        within [document start, query] is enough)."""
+        query_t = self.query_rows()[c0:c1, None]
+        rows = self.rows_bn[:, None, n0:n1]
+        return (rows >= self.first_bs[:, c0:c1, None]) & (rows + r - 1 <= query_t)
+
+    def reach(self, r: int) -> torch.Tensor:
+        """[B, S_q] how many leading blocks may be visible to each query (rows_bn is ascending): every
+        block it may select lies before this, so a streamed selection reads no further."""
+        query_b = self.query_rows().expand(self.rows_bn.shape[0], -1).contiguous()
+        return torch.searchsorted(self.rows_bn.contiguous(), query_b - (r - 1), right=True)
 
 
 class SelectionShare:

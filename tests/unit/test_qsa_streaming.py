@@ -1,0 +1,141 @@
+"""QSA's streamed training form (models/qsa_stream.py) against the path before it, which held the whole
+[B, S, S / r] score matrix (bench/qsa_memory.py `MaterialisedIndexedAttention`): the same selection slot
+for slot, and outputs, input and parameter gradients and the indexer KL within fp32 rounding, on data
+with many tied scores (relu zeros, long runs of one token), packed documents, both forms and stages,
+with chunks small enough that queries and blocks stream in many pieces."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tandem.models.documents import Documents
+from tandem.models.qsa import IndexedAttention
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from qsa_memory import MaterialisedIndexedAttention  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2, 8, 2, 16, 16, 4
+B, S = 2, 48
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def pair(seed: int, form: str, dense: bool = False, chunk_elems: int = 200, ties: bool = True):
+    """The streamed layer and the reference with the same weights. `ties`: indexer queries pointing
+    away from the key head, so most relu(q . k) are 0 and many blocks tie."""
+    torch.manual_seed(seed)
+    layers = []
+    for cls in (IndexedAttention, MaterialisedIndexedAttention):
+        layers.append(cls(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS, IDX_DIM, BUDGET,
+                          RATIO, form=form).train())
+    with torch.no_grad():
+        for p in layers[0].parameters():
+            p.normal_(0, 0.3)
+        if ties:
+            w = layers[0].indexer.index_qk_proj.weight.view(IDX_HEADS + 1, IDX_DIM, HIDDEN)
+            w[:-1] = -w[-1] + 0.2 * w[:-1]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for layer in layers:
+        layer.indexer_loss_coef, layer.dense, layer.measure_recall, layer.chunk_elems = 0.5, dense, True, chunk_elems
+    return layers
+
+
+def inputs(seed: int, runs: bool = True, dtype=torch.float32):
+    """x [B, S, HIDDEN]; `runs`: row 0 repeats one token for 20 rows (identical block keys)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, HIDDEN, generator=g) + 1.5 * torch.randn(HIDDEN, generator=g)
+    if runs:
+        x[0, 8:28] = x[0, 8]
+    return x.to(dtype).requires_grad_(), torch.arange(S).expand(B, S)
+
+
+def run(layer, x, pos, documents=None, grad_seed: int = 0):
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y, sel = layer(x, pos, return_selection=True, documents=documents)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed)).to(y.dtype)
+    (y * g).sum().backward()
+    grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    return y, sel, x.grad, grads, layer.last_indexer_loss, layer.last_recall
+
+
+def assert_same(got, want, tol=1e-5):
+    y, sel, gx, grads, loss, recall = got
+    y_r, sel_r, gx_r, grads_r, loss_r, recall_r = want
+    if sel_r is not None:
+        assert torch.equal(sel.blocks_bsk, sel_r.blocks_bsk) and torch.equal(sel.counts_bs, sel_r.counts_bs)
+    torch.testing.assert_close(y, y_r, rtol=tol, atol=tol)
+    torch.testing.assert_close(gx, gx_r, rtol=tol, atol=tol)
+    assert grads.keys() == grads_r.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_r[name], rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(loss, loss_r, rtol=tol, atol=tol)
+    torch.testing.assert_close(recall, recall_r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
+@pytest.mark.parametrize("chunk_elems", [24, 200, 1 << 20])  # 24: blocks merged in 6-block pieces; 200: query chunks
+def test_streamed_equals_the_materialised_path(form, dense, chunk_elems):
+    streamed, reference = pair(1, form, dense, chunk_elems)
+    x, pos = inputs(1)
+    assert_same(run(streamed, x, pos), run(reference, x, pos))
+
+
+@pytest.mark.parametrize("form", ["mask", "gather"])
+def test_streamed_equals_the_materialised_path_on_packed_documents(form):
+    """Boundaries off the block grid, a 1-token document, one cut by the window's end, one run of a token."""
+    streamed, reference = pair(2, form, chunk_elems=24)
+    x, pos = inputs(2)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r))
+                       for r in ([7, 13, 1, 27], [3, 22, 23])])
+    docs = Documents.from_doc_ids(ids)
+    assert_same(run(streamed, x, docs.positions(), docs), run(reference, x, docs.positions(), docs))
+
+
+def test_ties_are_many_and_break_toward_the_earlier_block():
+    """The data above does tie (so the comparison means something), and ties go to the earlier block
+    in the streamed merge exactly as in one top-k over the whole row."""
+    streamed, _ = pair(1, "mask", chunk_elems=24)
+    x, pos = inputs(1)
+    q_idx, raw = streamed.indexer(x, pos, streamed.rotary)
+    k_bnd = streamed._training_block_keys(raw, pos, None)
+    scores = streamed.indexer.block_scores(q_idx, k_bnd)
+    complete = (pos + 1) // RATIO
+    visible = torch.arange(S // RATIO) < complete[..., None]
+    assert (scores[visible] == 0).float().mean() > 0.3
+    blocks, count = streamed._training_selection(q_idx, k_bnd, None, None, pos, True,
+                                                 streamed._visible_fn(None, pos))
+    # the literal top-k of the path before streaming (unselectable blocks all -1): the real slots agree
+    bits = scores.float().contiguous().view(torch.int32).long()
+    block = torch.arange(S // RATIO)
+    key = torch.where(visible, (bits << 31) | (2**31 - 1 - block), -1)
+    want = key.topk(BUDGET // RATIO, dim=-1).indices
+    real = torch.arange(BUDGET // RATIO) < count[..., None]
+    assert torch.equal(blocks[real], want[real])
+    # every tie among a query's selectable blocks is broken toward the earlier one
+    for b in range(B):
+        for t in range(S):
+            chosen = blocks[b, t, : count[b, t]].tolist()
+            cutoff = scores[b, t, chosen].min() if chosen else None
+            for j in range(int(complete[b, t])):
+                if j not in chosen and cutoff is not None and scores[b, t, j] == cutoff:
+                    assert all(c < j for c in chosen if scores[b, t, c] == cutoff)
+
+
+def test_bf16_streamed_equals_the_materialised_path():
+    streamed, reference = pair(3, "gather", chunk_elems=300)
+    streamed.to(torch.bfloat16), reference.to(torch.bfloat16)
+    x, pos = inputs(3, dtype=torch.bfloat16)
+    got, want = run(streamed, x, pos), run(reference, x, pos)
+    assert torch.equal(got[1].blocks_bsk, want[1].blocks_bsk)  # the scores are fp32 either way
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # the same selection, the same attention
+    torch.testing.assert_close(got[4], want[4], rtol=1e-4, atol=1e-5)
+    for name, g in got[3].items():
+        torch.testing.assert_close(g.float(), want[3][name].float(), rtol=2e-2, atol=2e-2)
