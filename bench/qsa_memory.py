@@ -91,7 +91,7 @@ def formula_bytes(seq: int, cp: int = 1, batch: int = BATCH, chunk_elems: int = 
     d = DIMS
     k, span = d["budget"] // d["ratio"], d["budget"] + d["ratio"] - 1
     rows = 4 * (d["hidden"] + 4 * d["heads"] * d["head_dim"] + (d["idx_heads"] + 1) * d["idx_dim"])
-    local = batch * seq / cp * (8 * k + 9 * span + rows)
+    local = batch * seq / cp * (8 * k + 33 * span + rows)
     window = batch * seq * 4 * (4 * d["kv_heads"] * d["head_dim"] + 2 * d["idx_dim"])
     return local + window + 4 * 4 * chunk_elems
 

@@ -52,7 +52,7 @@ A handed-over `QSASelection` holds the rank's queries and the window's block lay
 
 Peak memory of one layer's training step, per rank (bytes, fp32; B rows, D_i indexer width, E =
 `chunk_elems`, A = hidden + 4 * heads * head_dim + (I + 1) * D_i the per-row activations):
-    B * (S / cp) * (8 * K + 9 * L + 4 * A)            selection, gather slots, activations
+    B * (S / cp) * (8 * K + 33 * L + 4 * A)           selection, gather slots (and their making), activations
   + 4 * B * S * (4 * kvh * head_dim + 2 * D_i)        the gathered window's keys, values, raw keys, grads
   + about 16 * E                                      one chunk's transients
 in the gather form (the mask form adds its B * (S / cp) * S bool mask). The path before streaming

@@ -88,10 +88,10 @@ def test_streamed_equals_the_materialised_path(form, dense, chunk_elems):
     assert_same(run(streamed, x, pos), run(reference, x, pos))
 
 
-@pytest.mark.parametrize("form", ["mask", "gather"])
-def test_streamed_equals_the_materialised_path_on_packed_documents(form):
+@pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
+def test_streamed_equals_the_materialised_path_on_packed_documents(form, dense):
     """Boundaries off the block grid, a 1-token document, one cut by the window's end, one run of a token."""
-    streamed, reference = pair(2, form, chunk_elems=24)
+    streamed, reference = pair(2, form, dense, chunk_elems=24)
     x, pos = inputs(2)
     ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r))
                        for r in ([7, 13, 1, 27], [3, 22, 23])])
