@@ -217,6 +217,13 @@ def build_datasets(
     Returns megatron-core datasets whose items are dicts of `tokens`, `labels`, `loss_mask`,
     `position_ids` ([seq_len] each); use `get_batch` to collate.
     """
+    if data_cfg.source == "jsonl":  # records tokenised here, packed or padded (data_pipeline/chat_dataset.py)
+        from tandem.data_pipeline.chat_dataset import build_chat_datasets
+
+        train_ds, valid_ds, tokenizer = build_chat_datasets(data_cfg, seq_len, seed)
+        if model_vocab_size is not None:
+            check_vocab(tokenizer, model_vocab_size)
+        return train_ds, valid_ds, tokenizer
     train_blend, valid_blend, tokenizer, default_cache = _blends_and_tokenizer(data_cfg)
     if model_vocab_size is not None:
         check_vocab(tokenizer, model_vocab_size)
@@ -231,8 +238,10 @@ def build_datasets(
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed, cache_path)
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
+    # a loss-mask channel (`tandem preprocess --chat`) is read alongside the tokens
+    cls = mc.LossMaskGPTDataset if any(mc.has_loss_mask_channel(p) for p in all_prefixes) else mc.GPTDataset
     with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
-        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, sizes, lambda: True, config).build()
+        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     if train_ds is None or len(train_ds) == 0:
         raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty (split={data_cfg.split!r})")
     if valid_ds is not None and len(valid_ds) == 0:
@@ -262,7 +271,7 @@ def _blends_and_tokenizer(data_cfg) -> Tuple[_Blend, Optional[_Blend], TandemTok
         tokenizer = _tokenizer_for(train_blend[0], data_cfg.tokenizer)
         default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), "indices")
         return train_blend, valid_blend, tokenizer, default_cache
-    raise ValueError(f"data.source={data_cfg.source!r} must be stdlib or megatron")
+    raise ValueError(f"data.source={data_cfg.source!r} must be stdlib, megatron or jsonl")
 
 
 def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Blend], tokenizer: TandemTokenizer,
@@ -424,25 +433,21 @@ def get_batch(dataset, sample_indices: Sequence[int], eod_id: Optional[int] = No
     * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts. Megatron semantics:
       0 for padding, and with `eod_mask_loss` 0 where the *input* token tokens[:, t] is EOD.
     * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in the
-      window; positions i, j belong to the same document iff doc_ids are equal.
+      window; positions i, j belong to the same document iff doc_ids are equal. Samples that carry their
+      own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD counts) keep them.
 
     A pure function of the indices: no loader state.
     """
-    if eod_id is None:
-        eod_id = _eod_of(dataset)
     n = len(dataset)
-    tokens, masks = [], []
-    for i in sample_indices:
-        sample = dataset[int(i) % n]
-        tokens.append(torch.cat([sample["tokens"], sample["labels"][-1:]]))
-        masks.append(sample["loss_mask"])
-    tokens_t = torch.stack(tokens).long()
-    is_eod = (tokens_t == eod_id).long()
-    return {
-        "tokens": tokens_t,
-        "loss_mask": torch.stack(masks).float(),
-        "doc_ids": torch.cumsum(is_eod, dim=1) - is_eod,
-    }
+    samples = [dataset[int(i) % n] for i in sample_indices]
+    tokens_t = torch.stack([torch.cat([s["tokens"], s["labels"][-1:]]) for s in samples]).long()
+    if all("doc_ids" in s for s in samples):
+        doc_ids = torch.stack([s["doc_ids"] for s in samples]).long()
+    else:
+        is_eod = (tokens_t == (_eod_of(dataset) if eod_id is None else eod_id)).long()
+        doc_ids = torch.cumsum(is_eod, dim=1) - is_eod
+    return {"tokens": tokens_t, "loss_mask": torch.stack([s["loss_mask"] for s in samples]).float(),
+            "doc_ids": doc_ids}
 
 
 def follow_checkpoint_tokenizer(data_cfg, checkpoint: str, checkpoint_tok: Optional[str]) -> Optional[str]:

@@ -20,7 +20,15 @@ with warnings.catch_warnings():
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
     from megatron.core.tokenizers import MegatronTokenizerBase
 
+import os
+
+import numpy as np
+import torch
+
 from tandem.data_pipeline.tokenizer import TandemTokenizer
+
+LOSS_MASK_SUFFIX = "_loss_mask"
+"""`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the tokens."""
 
 __all__ = [
     "BlendedDataset",
@@ -29,6 +37,8 @@ __all__ = [
     "GPTDataset",
     "GPTDatasetConfig",
     "IndexedDataset",
+    "LOSS_MASK_SUFFIX",
+    "LossMaskGPTDataset",
     "MegatronTokenizerAdapter",
 ]
 
@@ -72,3 +82,57 @@ class MegatronTokenizerAdapter(MegatronTokenizerBase):
 
     def apply_chat_template(self, *args, **kwargs):
         raise NotImplementedError("Tandem pretraining tokenizers have no chat template")
+
+
+def has_loss_mask_channel(prefix: str) -> bool:
+    """Whether `prefix` has a loss-mask channel (`<prefix>_loss_mask.bin` and `.idx`)."""
+    return all(os.path.isfile(prefix + LOSS_MASK_SUFFIX + ext) for ext in (".bin", ".idx"))
+
+
+class LossMaskGPTDataset(GPTDataset):
+    """A `GPTDataset` whose samples also read the loss-mask channel: a second indexed dataset of uint8
+    flags with the tokens' document lengths, read over the same document/sample/shuffle indices.
+
+    Each sample gains `doc_ids` ([seq_len+1]: the ordinal of the stored document each token belongs to,
+    from megatron's own boundaries, not from EOD counting: a chat template may hold the EOD token inside
+    a record) and its `loss_mask` is multiplied by the flag of each target. A prefix without a channel
+    counts every target (its flags are ones)."""
+
+    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config) -> None:
+        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+        self.mask_dataset = None
+        if dataset_path and has_loss_mask_channel(dataset_path):
+            self.mask_dataset = IndexedDataset(dataset_path + LOSS_MASK_SUFFIX, mmap=config.mmap_bin_files)
+
+    def __getitem__(self, idx):
+        sample = super().__getitem__(idx)  # also memory-maps the indices _flags_and_documents reads
+        flags, doc_ids = self._flags_and_documents(0 if idx is None else idx)
+        sample["loss_mask"] = sample["loss_mask"] * torch.from_numpy(flags[1:]).float()
+        sample["doc_ids"] = torch.from_numpy(doc_ids)
+        return sample
+
+    def _flags_and_documents(self, idx: int):
+        """(flags uint8, doc ordinals int64) of sample `idx`'s seq_len+1 tokens: the walk of
+        `GPTDataset._query_document_sample_shuffle_indices` over the channel; padding gets flag 0 and
+        an ordinal of its own."""
+        idx = self.shuffle_index[idx]
+        beg, beg_offset = self.sample_index[idx]
+        end, end_offset = self.sample_index[idx + 1]
+        extra = self.config.add_extra_token_to_sequence
+        flags, docs = [], []
+        for ordinal, i in enumerate(range(beg, end + 1)):
+            doc = self.document_index[i]
+            offset = int(beg_offset) if i == beg else 0
+            length = None if i < end else int(end_offset) + extra - offset
+            if self.mask_dataset is not None:
+                part = self.mask_dataset.get(doc, offset=offset, length=length)
+            else:
+                part = np.ones(self.dataset.sequence_lengths[doc] - offset if length is None else length, np.uint8)
+            flags.append(np.asarray(part, dtype=np.uint8))
+            docs.append(np.full(len(part), ordinal, dtype=np.int64))
+        want = self.config.sequence_length + extra
+        have = sum(map(len, flags))
+        if have < want:
+            flags.append(np.zeros(want - have, np.uint8))
+            docs.append(np.full(want - have, len(docs), dtype=np.int64))
+        return np.concatenate(flags), np.concatenate(docs)

@@ -42,13 +42,22 @@ class DataConfig:
     source: str = "stdlib"
     """`stdlib`: the embedded default corpus (this interpreter's standard library source, prepared and
     cached on first use): for trying Tandem out, the tests and CPU recipes; `megatron`: existing indexed
-    datasets named in `paths` (`tandem preprocess` writes them): for any real pretraining run."""
+    datasets named in `paths` (`tandem preprocess` writes them; a loss-mask channel written by
+    `tandem preprocess --chat` is read when present): for any real pretraining run; `jsonl`: prompt /
+    response, chat (`messages`) or `tandem generate` records in the JSONL, parquet files or `datasets`
+    directories of `paths`, tokenised at start-up with the loss on responses only (docs/data.md)."""
     paths: List[str] = field(default_factory=list)
-    """Megatron blend: prefixes (`/data/a`) or weight/prefix pairs (`0.7 /data/a 0.3 /data/b`)."""
+    """Megatron blend: prefixes (`/data/a`) or weight/prefix pairs (`0.7 /data/a 0.3 /data/b`); with
+    source=jsonl the record files (.jsonl, .json, .parquet, `datasets` directories, globs)."""
     valid_paths: List[str] = field(default_factory=list)
-    """Optional separate validation blend; empty splits `paths` by `split`."""
+    """Optional separate validation blend (source=jsonl: record files); empty splits `paths` by `split`."""
     split: str = "98,2,0"
-    """train,valid,test split of `paths` when `valid_paths` is empty (Megatron syntax)."""
+    """train,valid,test split of `paths` when `valid_paths` is empty (Megatron syntax; source=jsonl
+    splits its shuffled records by the same weights)."""
+    packing: str = "pack"
+    """source=jsonl: `pack` puts records back to back (each ending in EOD, kept apart by their doc ids:
+    no target crosses a record; see document_mask), `pad` gives each record a window of its own padded
+    with EOD (a record longer than seq_len is refused). source=megatron always packs."""
     tokenizer: str = ""
     """Local tokenizer (a tokenizer.json file or a Hugging Face tokenizer directory); empty uses the
     tokenizer of `model.init_from` when it has one (a Hugging Face directory's, the one a Tandem
@@ -81,11 +90,16 @@ class DataConfig:
 
     def validate(self, cfg: "TandemConfig") -> None:
         _require("data", self, [
-            ("source", self.source in ("stdlib", "megatron"), "must be stdlib or megatron"),
+            ("source", self.source in ("stdlib", "megatron", "jsonl"), "must be stdlib, megatron or jsonl"),
             ("seq_len", self.seq_len > 0, "must be positive"),
             ("vocab_size", self.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),
             ("paths", self.source != "megatron" or bool(self.paths),
              "must name dataset prefixes when data.source=megatron"),
+            ("paths", self.source != "jsonl" or bool(self.paths), "must name record files when data.source=jsonl"),
+            ("tokenizer", self.source != "jsonl" or bool(self.tokenizer or cfg.model.init_from),
+             "must name a local tokenizer when data.source=jsonl (or set model.init_from)"),
+            ("packing", self.packing in ("pack", "pad"), "must be pack or pad"),
+            ("packing", self.packing == "pack" or self.source == "jsonl", "pad needs data.source=jsonl"),
         ])
         if self.source == "stdlib" and not self.tokenizer and cfg.model.vocab_size < self.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than "

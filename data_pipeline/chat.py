@@ -1,0 +1,241 @@
+"""Prompt/response and chat records -> token ids with a per-token response flag (the loss mask's source).
+
+Records (one per JSONL line, parquet row or `datasets` row), first matching form wins:
+  * `{"messages": [{"role", "content"}, ...]}`: rendered with the tokenizer's chat template (a local
+    Hugging Face tokenizer directory's `tokenizer_config.json` / `chat_template.jinja`); the loss is on
+    the assistant turns (their content and the template's end-of-turn text), nothing else.
+  * `{"prompt_ids", "response_ids"}` (what `tandem generate` writes beside the text): the token ids as
+    written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the response.
+  * `{"prompt", "response"}`: with a chat template, one user turn and one assistant turn (as
+    `messages`); without one, prompt and response are tokenised separately and joined (ids of the
+    prompt, then ids of the response), so the boundary is exact and matches how `tandem generate`
+    continues a prompt. The loss is on the response.
+  * `{"text"}`: a plain document, every token counted (pretraining text mixed into the data).
+Each record then ends with the tokenizer's EOD (appended unless it already ends with it), whose flag is
+the last token's: a response's end is learnt, so generation stops.
+
+`encode_record` returns `(ids, response)`: int64 token ids and a uint8 flag per token, 1 where the token
+is a target that counts. The loss mask of a window is the flag of each *target* (token t+1); the data
+layer pairs it with record ordinals as `doc_ids`, so no target (any MTP depth) crosses into another
+record (models/mtp.py `depth_target_mask`). Bad records raise `ValueError("FILE:LINE: ...")`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tandem.data_pipeline.tokenizer import TandemTokenizer
+
+_JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_PARQUET_EXT = (".parquet",)
+FORMS = "{prompt, response}, {messages: [...]}, {prompt_ids, response_ids} or {text}"
+
+
+def expand_paths(paths: Sequence[str]) -> List[str]:
+    """Files, `datasets` directories and globs -> existing paths in order; FileNotFoundError names a miss."""
+    out: List[str] = []
+    for item in paths:
+        item = os.path.expanduser(str(item))
+        if os.path.exists(item):
+            out.append(item)
+            continue
+        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else []
+        if not matches:
+            raise FileNotFoundError(f"data file not found: {item}")
+        out.extend(matches)
+    if not out:
+        raise ValueError("no chat data files given (data.paths)")
+    return out
+
+
+def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
+    """Yield `(where, record)` of every record: `where` is `FILE:LINE` (JSONL) or `FILE:row N`."""
+    for path in expand_paths(paths):
+        low = path.lower()
+        if os.path.isdir(path):
+            yield from _dataset_dir_records(path)
+        elif low.endswith(_PARQUET_EXT):
+            yield from _parquet_records(path)
+        elif low.endswith(_JSON_EXT):
+            yield from _jsonl_records(path)
+        else:
+            raise ValueError(f"{path}: not a chat data file (.jsonl, .json, .parquet or a `datasets` directory)")
+
+
+def _jsonl_records(path: str) -> Iterator[Tuple[str, object]]:
+    import gzip
+
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+
+
+def _parquet_records(path: str) -> Iterator[Tuple[str, object]]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", rec
+
+
+def _dataset_dir_records(path: str) -> Iterator[Tuple[str, object]]:
+    """A directory `datasets.Dataset.save_to_disk` wrote (a DatasetDict's `train` split)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as exc:  # datasets raises FileNotFoundError for a directory it did not write
+        raise ValueError(f"{path}: not a `datasets` directory ({str(exc).splitlines()[0]})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{path}: a DatasetDict without a train split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    for row, rec in enumerate(ds, 1):
+        yield f"{path}:row {row}", rec
+
+
+def record_form(where: str, rec) -> str:
+    """The form of `rec` (`messages`, `ids`, `prompt`, `text`), or ValueError naming `where`."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object with {FORMS}")
+    if rec.get("messages") is not None:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise ValueError(f"{where}: messages must be a list of {{role, content}} objects with string values")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError(f"{where}: messages have no assistant turn (nothing to train on)")
+        return "messages"
+    if rec.get("prompt_ids") is not None and rec.get("response_ids") is not None:
+        if not all(isinstance(x, list) and all(isinstance(i, int) for i in x)
+                   for x in (rec["prompt_ids"], rec["response_ids"])):
+            raise ValueError(f"{where}: prompt_ids and response_ids must be lists of integers")
+        return "ids"
+    if rec.get("prompt") is not None and rec.get("response") is not None:
+        if not (isinstance(rec["prompt"], str) and isinstance(rec["response"], str)):
+            raise ValueError(f"{where}: prompt and response must be strings")
+        return "prompt"
+    if isinstance(rec.get("text"), str):
+        return "text"
+    raise ValueError(f"{where}: a record needs {FORMS}; found keys: {', '.join(map(str, rec)) or 'none'}")
+
+
+def load_chat_template(tokenizer_path: str):
+    """The Hugging Face tokenizer that renders chat at a local tokenizer directory (None when the path
+    is a bare tokenizer.json or the directory's tokenizer has no chat template). Never downloads."""
+    path = os.path.expanduser(str(tokenizer_path or ""))
+    if not os.path.isdir(path):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # a directory with only tokenizer.json: no template to read
+        return None
+    return hf if getattr(hf, "chat_template", None) else None
+
+
+class ChatEncoder:
+    """Encodes records of every form with one tokenizer and (optionally) its chat template."""
+
+    def __init__(self, tokenizer: TandemTokenizer, template=None) -> None:
+        self.tokenizer = tokenizer
+        self.template = template  # a transformers tokenizer with a chat_template, or None
+        self._special_aware = None
+        if template is not None:
+            if tokenizer.backend is None:
+                raise ValueError(f"tokenizer {tokenizer.path}: chat data needs a fast tokenizer (tokenizer.json)")
+            from tokenizers import Tokenizer
+
+            # Rendered templates hold special tokens as text that must become their ids, unlike documents
+            # (TandemTokenizer encodes literal special-token strings as plain text).
+            self._special_aware = Tokenizer.from_str(tokenizer.backend.to_str())
+            self._special_aware.encode_special_tokens = False
+
+    def check(self, where: str, form: str) -> None:
+        """Raise before any tokenising when `form` needs a chat template this tokenizer lacks."""
+        if form == "messages" and self.template is None:
+            raise ValueError(f"{where}: messages need a chat template, and tokenizer {self.tokenizer.path} has none "
+                             "(use a Hugging Face tokenizer directory whose tokenizer_config.json has chat_template)")
+
+    def encode(self, where: str, rec: dict, form: str) -> Tuple[np.ndarray, np.ndarray]:
+        """(ids int64, response flags uint8) of one record, EOD-terminated."""
+        if form == "messages" or (form == "prompt" and self.template is not None):
+            msgs = rec["messages"] if form == "messages" else [{"role": "user", "content": rec["prompt"]},
+                                                               {"role": "assistant", "content": rec["response"]}]
+            ids, flags = self._render(where, msgs)
+        elif form == "ids":
+            ids = list(rec["prompt_ids"]) + list(rec["response_ids"])
+            flags = [0] * len(rec["prompt_ids"]) + [1] * len(rec["response_ids"])
+            bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+            if bad:
+                raise ValueError(f"{where}: token id {bad[0]} is outside tokenizer {self.tokenizer.path}'s "
+                                 f"vocabulary of {self.tokenizer.vocab_size}")
+        elif form == "prompt":
+            prompt, response = self.tokenizer.encode_batch([rec["prompt"], rec["response"]])
+            ids, flags = prompt + response, [0] * len(prompt) + [1] * len(response)
+        else:
+            ids = self.tokenizer.encode(rec["text"])
+            flags = [1] * len(ids)
+        if not ids or ids[-1] != self.tokenizer.eod_id:
+            flags = flags + [flags[-1] if flags else 0]
+            ids = ids + [self.tokenizer.eod_id]
+        return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)
+
+    def _render(self, where: str, msgs: List[dict]) -> Tuple[List[int], List[int]]:
+        """Render with the template; each assistant turn's span is the text that rendering the turn adds
+        after the conversation before it with the generation prompt (so the header is not learnt).
+        Tokens whose first character lies in a span are response tokens."""
+        render = self.template.apply_chat_template
+        full = render(msgs, tokenize=False)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            before = render(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            upto = render(msgs[: i + 1], tokenize=False)
+            if not (full.startswith(upto) and upto.startswith(before)):
+                raise ValueError(f"{where}: the chat template of {self.tokenizer.path} does not render a "
+                                 "conversation's turns as prefixes of it (e.g. it rewrites earlier turns); "
+                                 "cannot tell which tokens are the assistant's")
+            spans.append((len(before), len(upto)))
+        enc = self._special_aware.encode(full, add_special_tokens=False)
+        flags = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
+        return list(enc.ids), flags
+
+
+def check_files(paths: Sequence[str], encoder: ChatEncoder) -> int:
+    """Read and check every record of `paths` (form, template) without tokenising: a bad line fails in one
+    line before any expensive work. Returns the number of records."""
+    count = 0
+    for where, rec in iter_records(paths):
+        encoder.check(where, record_form(where, rec))
+        count += 1
+    if not count:
+        raise ValueError(f"no records in {', '.join(map(str, paths))}")
+    return count
+
+
+def iter_encoded(paths: Sequence[str], encoder: ChatEncoder) -> Iterator[Tuple[str, np.ndarray, np.ndarray]]:
+    """`(where, ids, flags)` of every record of `paths`, in order (run `check_files` first)."""
+    for where, rec in iter_records(paths):
+        yield (where, *encoder.encode(where, rec, record_form(where, rec)))
+
+
+def chat_encoder(tokenizer: TandemTokenizer, tokenizer_path: Optional[str]) -> ChatEncoder:
+    """A `ChatEncoder` for `tokenizer`, with the chat template of the directory it came from if any."""
+    return ChatEncoder(tokenizer, load_chat_template(tokenizer_path or tokenizer.path))

@@ -1,0 +1,120 @@
+"""`data.source=jsonl`: prompt/response and chat records tokenised in the loop, packed or padded into
+windows of `data.seq_len + 1` tokens with the loss on responses only (data_pipeline/chat.py).
+
+* `data.packing=pack`: records (each ending in EOD) back to back; window i is tokens
+  [i*seq_len, i*seq_len + seq_len + 1) of the stream (Megatron's one-token overlap), the last one padded.
+* `data.packing=pad`: one record per window, padded; a record longer than the window is refused, naming
+  its file and line, before any window is built.
+Every sample carries `doc_ids` (the record ordinal of each token, counted from the window's first record,
+padding one more), so `get_batch` passes record boundaries to the model as they are, and no target of
+any MTP depth crosses from one record into the next; padding is EOD with loss mask 0.
+
+Records are shuffled once with `train.seed` (train and validation are drawn from the shuffled records
+when `data.valid_paths` is empty, by `data.split`); sample i of a run past the end wraps around
+(`get_batch` takes indices modulo the length). For corpora too large to tokenise at start-up, write a
+Megatron dataset with `tandem preprocess --chat` and train with `data.source=megatron`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from tandem.data_pipeline.chat import chat_encoder, check_files, iter_encoded
+from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer
+
+Encoded = Tuple[str, np.ndarray, np.ndarray]
+"""(where, ids, response flags) of one record, as `chat.iter_encoded` yields it."""
+
+
+class ChatWindows:
+    """Windows of seq_len+1 tokens over encoded records; item i is a dict of `tokens`, `labels`,
+    `loss_mask`, `position_ids` ([seq_len]) and `doc_ids` ([seq_len+1])."""
+
+    def __init__(self, records: Sequence[Encoded], seq_len: int, packing: str, eod_id: int) -> None:
+        if packing not in ("pack", "pad"):
+            raise ValueError(f"data.packing={packing!r} must be pack or pad")
+        self.seq_len, self.eod_id = int(seq_len), int(eod_id)
+        width = self.seq_len + 1
+        if packing == "pad":
+            for where, ids, _ in records:
+                if len(ids) > width:
+                    raise ValueError(f"{where}: a record of {len(ids)} tokens (with its EOD) is longer than "
+                                     f"data.seq_len={seq_len} + 1; use data.packing=pack or a larger data.seq_len")
+            self.tokens, self.flags, self.docs = self._padded(records, width)
+        else:
+            self.tokens, self.flags, self.docs = self._packed(records, width)
+
+    def _padded(self, records: Sequence[Encoded], width: int):
+        n = len(records)
+        tokens = np.full((n, width), self.eod_id, dtype=np.int64)
+        flags = np.zeros((n, width), dtype=np.uint8)
+        docs = np.ones((n, width), dtype=np.int64)  # padding: a document of its own after the record
+        for row, (_, ids, resp) in enumerate(records):
+            tokens[row, : len(ids)], flags[row, : len(ids)], docs[row, : len(ids)] = ids, resp, 0
+        return tokens, flags, docs
+
+    def _packed(self, records: Sequence[Encoded], width: int):
+        ids = np.concatenate([r[1] for r in records])
+        resp = np.concatenate([r[2] for r in records])
+        ordinals = np.repeat(np.arange(len(records), dtype=np.int64), [len(r[1]) for r in records])
+        n = max(1, -(-(len(ids) - 1) // self.seq_len))  # ceil: the last window is padded
+        total = n * self.seq_len + 1
+        pad = total - len(ids)
+        ids = np.concatenate([ids, np.full(pad, self.eod_id, dtype=np.int64)])
+        resp = np.concatenate([resp, np.zeros(pad, dtype=np.uint8)])
+        ordinals = np.concatenate([ordinals, np.full(pad, len(records), dtype=np.int64)])
+        starts = np.arange(n)[:, None] * self.seq_len + np.arange(width)[None, :]
+        docs = ordinals[starts]
+        return ids[starts], resp[starts], docs - docs[:, :1]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        window = torch.from_numpy(self.tokens[i])
+        return {
+            "tokens": window[:-1],
+            "labels": window[1:],
+            # the flag of each target (token t+1): prompts, padding and other records' text never count
+            "loss_mask": torch.from_numpy(self.flags[i][1:].astype(np.float32)),
+            "position_ids": torch.arange(self.seq_len),
+            "doc_ids": torch.from_numpy(self.docs[i]),
+        }
+
+
+def split_records(records: List[Encoded], split: str, seed: int) -> Tuple[List[Encoded], List[Encoded]]:
+    """(train, validation) records: shuffled with `seed`, validation the `split` share (Megatron's
+    "train,valid,test" weights; the test share is left unused)."""
+    weights = ([float(w) for w in str(split).replace("/", ",").split(",")] + [0.0, 0.0])[:3]
+    order = np.random.default_rng(int(seed)).permutation(len(records))
+    shuffled = [records[i] for i in order]
+    n_valid, n_test = (int(round(len(records) * w / max(sum(weights), 1e-9))) for w in weights[1:])
+    n_train = max(len(records) - n_valid - n_test, 0)
+    return shuffled[:n_train], shuffled[n_train: n_train + n_valid]
+
+
+def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows, Optional[ChatWindows],
+                                                                      TandemTokenizer]:
+    """`(train_ds, valid_ds or None, tokenizer)` of `data.source=jsonl`: `data_cfg.paths` (and
+    `valid_paths`) read, every record checked, then tokenised (see the module docstring)."""
+    if not data_cfg.tokenizer:
+        raise ValueError("data.source=jsonl needs data.tokenizer (or model.init_from with a tokenizer)")
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    encoder = chat_encoder(tokenizer, data_cfg.tokenizer)
+    for paths in (data_cfg.paths, data_cfg.valid_paths):
+        if paths:
+            check_files(paths, encoder)  # every line's form before any tokenising
+    records = list(iter_encoded(data_cfg.paths, encoder))
+    if data_cfg.valid_paths:
+        order = np.random.default_rng(int(seed)).permutation(len(records))
+        train = [records[i] for i in order]
+        valid = list(iter_encoded(data_cfg.valid_paths, encoder))
+    else:
+        train, valid = split_records(records, data_cfg.split, seed)
+    if not train:
+        raise ValueError(f"the training split of {', '.join(data_cfg.paths)} is empty (split={data_cfg.split!r})")
+    make = lambda recs: ChatWindows(recs, seq_len, data_cfg.packing, tokenizer.eod_id)  # noqa: E731
+    return make(train), (make(valid) if valid else None), tokenizer

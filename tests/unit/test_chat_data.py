@@ -1,0 +1,181 @@
+"""Chat data with prompt masking (data.source=jsonl): records -> windows whose loss mask and doc ids keep
+every depth's targets on response tokens of their own record, checked against hand-counted cases with a
+word-level tokenizer where one word is one token."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tandem.data_pipeline.chat import chat_encoder, check_files, iter_encoded
+from tandem.data_pipeline.chat_dataset import ChatWindows
+from tandem.data_pipeline.dataset import build_datasets, get_batch
+from tandem.data_pipeline.tokenizer import load_tokenizer
+from tandem.models.mtp import depth_target_mask
+from tandem.trainer.config import ConfigError, TandemConfig
+
+SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+WORDS = "p1 p2 r1 r2 q1 s1 s2 u1 a1 u2 a2".split()
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def make_tokenizer(directory, template: bool) -> str:
+    """A word-level tokenizer directory (id 0 = EOD); with `template`, a chat template in its config."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    if template:
+        config["chat_template"] = TEMPLATE
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(directory)
+
+
+def write_jsonl(path, records) -> str:
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def kept(batch, depth):
+    """Positions t whose depth-`depth` target (token t+1+depth) counts, as the model decides it."""
+    mask = depth_target_mask(batch["loss_mask"], batch["doc_ids"], depth)[0]
+    return [t for t in range(mask.shape[0]) if mask[t]]
+
+
+def encoded(tok_dir, path):
+    encoder = chat_encoder(load_tokenizer(tok_dir), tok_dir)
+    check_files([path], encoder)
+    return list(iter_encoded([path], encoder))
+
+
+def test_prompt_response_packed_hand_counted(tmp_path):
+    """No template: prompt ids then response ids then EOD. Stream (seq_len 8, one window):
+        t:      0  1  2  3  4  5  6  7  8
+        token:  p1 p2 r1 r2 E  q1 s1 s2 E      doc: 0 0 0 0 0 1 1 1 1
+    depth 0 keeps targets r1 r2 E (t=1,2,3) and s1 s2 E (t=5,6,7), never q1 (prompt);
+    depth 1 (target t+2): t=0,1,2 (r1 r2 E) and 5,6 (s2 E); t=4 -> s1 crosses records, t=3 -> q1 prompt;
+    depth 2 (target t+3): t=0,1 (r2 E) and 5 (E); t=3,4 would reach s1/s2 from record one."""
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1 p2", "response": "r1 r2"},
+                                              {"prompt": "q1", "response": "s1 s2"}])
+    ds = ChatWindows(encoded(tok, path), seq_len=8, packing="pack", eod_id=0)
+    batch = get_batch(ds, [0])
+    words = SPECIALS + WORDS
+    assert [words[i] for i in batch["tokens"][0]] == "<|endoftext|>".join(["p1 p2 r1 r2 ", " q1 s1 s2 ", ""]).split()
+    assert batch["doc_ids"][0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert kept(batch, 0) == [1, 2, 3, 5, 6, 7]
+    assert kept(batch, 1) == [0, 1, 2, 5, 6]
+    assert kept(batch, 2) == [0, 1, 5]
+
+
+def test_messages_with_template_hand_counted(tmp_path):
+    """Template render of [user u1, assistant a1, user u2, assistant a2]:
+        <|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> <|assistant|> a2 <|end|> E
+    The loss is on a1 <|end|> and a2 <|end|> E (each turn's content and end-of-turn, not its header);
+    depth 1 keeps only targets two tokens after a position inside the record that are assistant tokens."""
+    tok = make_tokenizer(tmp_path / "tok", template=True)
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}])
+    ((_, ids, flags),) = encoded(tok, path)
+    words = SPECIALS + WORDS
+    assert [words[i] for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
+                                       "<|assistant|> a2 <|end|> <|endoftext|>").split()
+    assert flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+    ds = ChatWindows([("x", ids, flags)], seq_len=12, packing="pad", eod_id=0)
+    batch = get_batch(ds, [0])
+    assert kept(batch, 0) == [3, 4, 9, 10, 11]
+    assert kept(batch, 1) == [2, 3, 8, 9, 10]
+    assert kept(batch, 2) == [1, 2, 7, 8, 9]
+
+
+def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):
+    """With a template a prompt/response record is one user and one assistant turn; records carrying
+    `tandem generate`'s ids train on exactly those ids."""
+    tok = make_tokenizer(tmp_path / "tok", template=True)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1", "response": "r1"},
+                                              {"prompt": "x", "response": "y", "prompt_ids": [4, 5],
+                                               "response_ids": [6, 0]}])
+    (_, ids1, flags1), (_, ids2, flags2) = encoded(tok, path)
+    assert ids1.tolist() == [1, 4, 3, 2, 6, 3, 0] and flags1.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert ids2.tolist() == [4, 5, 6, 0] and flags2.tolist() == [0, 0, 1, 1]  # already EOD-terminated
+
+
+def test_padding_keeps_records_apart(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1", "response": "r1"},
+                                              {"prompt": "q1", "response": "s1 s2"}])
+    ds = ChatWindows(encoded(tok, path), seq_len=6, packing="pad", eod_id=0)
+    batch = get_batch(ds, [0, 1])
+    assert batch["tokens"][0].tolist() == [4, 6, 0, 0, 0, 0, 0]
+    assert batch["loss_mask"][0].tolist() == [1, 1, 0, 0, 0, 0]
+    assert batch["doc_ids"][1].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert kept(batch, 1) == [0]  # r1 -> E; nothing in the padding
+
+
+@pytest.mark.parametrize("line, expected", [
+    ({"question": "q"}, "d.jsonl:2: a record needs"),
+    ({"messages": [{"role": "user", "content": "u1"}]}, "d.jsonl:2: messages have no assistant turn"),
+    ({"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]},
+     "d.jsonl:2: messages need a chat template"),
+    ("not json", "d.jsonl:2: not valid JSON"),
+])
+def test_bad_records_name_file_and_line(tmp_path, line, expected):
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "p1", "response": "r1"}) + "\n"
+                    + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+    encoder = chat_encoder(load_tokenizer(tok), tok)
+    with pytest.raises(ValueError, match=expected):
+        check_files([str(path)], encoder)
+
+
+def test_record_longer_than_window_when_padding(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1 p2 p1 p2", "response": "r1 r2"}])
+    with pytest.raises(ValueError, match=r"d.jsonl:1: a record of 7 tokens .* longer than data.seq_len=4"):
+        ChatWindows(encoded(tok, path), seq_len=4, packing="pad", eod_id=0)
+
+
+def test_build_datasets_reads_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = make_tokenizer(tmp_path / "tok", template=True)
+    rows = [{"prompt": "p1 p2", "response": "r1 r2"}] * 6
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "valid.parquet")
+    cfg = TandemConfig()
+    cfg.data.source, cfg.data.paths, cfg.data.tokenizer = "jsonl", [train], tok
+    cfg.data.valid_paths, cfg.data.packing = [str(tmp_path / "valid.parquet")], "pad"
+    train_ds, valid_ds, tokenizer = build_datasets(cfg.data, 16, 1234, 8, 2, model_vocab_size=64)
+    assert len(train_ds) == 6 and len(valid_ds) == 2 and tokenizer.eod_id == 0
+    batch = get_batch(valid_ds, [0])
+    assert batch["loss_mask"][0, :8].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]  # targets p1 p2 <|end|> <|assistant|>: 0
+    assert torch.equal(get_batch(train_ds, [0])["tokens"], batch["tokens"])
+
+
+def test_config_keys():
+    cfg = TandemConfig()
+    cfg.data.source = "jsonl"
+    with pytest.raises(ConfigError, match="data.paths"):
+        cfg.data.validate(cfg)
+    cfg.data.paths, cfg.data.packing = ["x.jsonl"], "pad"
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        cfg.data.validate(cfg)
+    cfg.data.tokenizer = "tok"
+    cfg.data.validate(cfg)
+    cfg.data.source = "megatron"
+    with pytest.raises(ConfigError, match="pad needs data.source=jsonl"):
+        cfg.data.validate(cfg)
