@@ -33,6 +33,8 @@ from tandem.data_pipeline.tokenizer import TandemTokenizer
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _PARQUET_EXT = (".parquet",)
+LOSS_MASK_SUFFIX = "_loss_mask"
+"""`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the tokens."""
 FORMS = "{prompt, response}, {messages: [...]}, {prompt_ids, response_ids} or {text}"
 
 

@@ -231,6 +231,10 @@ def build_datasets(
     for p in all_prefixes:
         check_prefix(p, tokenizer.vocab_size)
         _check_made_with(p, tokenizer)
+        if os.path.isfile(p + "_loss_mask.idx"):
+            from tandem.data_pipeline.chat_preprocess import check_loss_mask_channel
+
+            check_loss_mask_channel(p)
 
     from tandem.data_pipeline import megatron_compat as mc
 

@@ -4,13 +4,18 @@ lazy step (megatron-core takes seconds to import and warns about Transformer Eng
 `MegatronTokenizerAdapter` presents a `TandemTokenizer` as the `MegatronTokenizerBase` that
 `GPTDatasetConfig(tokenizer=...)` expects: `vocab_size`, `eod`, `unique_identifiers` (hashed into the
 sample-index cache key), `tokenize`/`detokenize`. It has no `pad`, so GPTDataset pads with -1 (never a
-real id) and masks padding out of the loss.
+real id) and masks padding out of the loss. `LossMaskGPTDataset` is the GPTDataset that also reads a
+prefix's loss-mask channel (`tandem preprocess --chat`) and gives each sample per-record `doc_ids`.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import OrderedDict
+
+import numpy as np
+import torch
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -20,15 +25,8 @@ with warnings.catch_warnings():
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
     from megatron.core.tokenizers import MegatronTokenizerBase
 
-import os
-
-import numpy as np
-import torch
-
+from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
 from tandem.data_pipeline.tokenizer import TandemTokenizer
-
-LOSS_MASK_SUFFIX = "_loss_mask"
-"""`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the tokens."""
 
 __all__ = [
     "BlendedDataset",

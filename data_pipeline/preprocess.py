@@ -400,9 +400,11 @@ def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, pref
         _refuse_existing(prefix)  # another process may have finished meanwhile
     else:
         # Remove the markers of completeness first so a crash mid-way never pairs old and new files.
-        for key in ("meta", "idx", "bin", "tokenizer"):
-            if os.path.exists(final[key]):
-                os.unlink(final[key])
+        # (and a loss-mask channel `--chat` wrote, which would mask the new tokens)
+        for path in [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + [prefix + "_loss_mask.bin",
+                                                                                 prefix + "_loss_mask.idx"]:
+            if os.path.exists(path):
+                os.unlink(path)
     for key in ("tokenizer", "bin", "idx", "meta"):
         if os.path.exists(staged[key]):
             os.replace(staged[key], final[key])
@@ -435,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
                    help="bytes of the corpus the BPE is trained on (0 = all; default 100 MB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
+    p.add_argument("--chat", action="store_true",
+                   help="records are {prompt, response}, {messages} or `tandem generate` output: also write the "
+                        "loss-mask channel PREFIX_loss_mask (loss on responses only; docs/data.md)")
     return p
 
 
@@ -444,6 +449,8 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     exts = [e.strip() for e in args.extensions.split(",") if e.strip()] if args.extensions else None
+    if args.chat:
+        return _preprocess_chat_main(parser, args)
     try:
         meta = preprocess(
             args.input,
@@ -464,6 +471,20 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
         f"(vocab {meta['vocab_size']}, eod {meta['eod_id']}, {meta['dtype']}) -> {meta['prefix']}.bin/.idx "
         f"in {meta['seconds']:.1f}s"
     )
+    return 0
+
+
+def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
+    """`tandem preprocess --chat ...` (data_pipeline/chat_preprocess.py)."""
+    from tandem.data_pipeline.chat_preprocess import preprocess_chat, summary_line
+
+    try:
+        meta = preprocess_chat(args.input, args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                               overwrite=args.overwrite, tokenizer_sample_bytes=args.tokenizer_sample_bytes,
+                               log=lambda msg: print(msg, file=sys.stderr))
+    except (OSError, ValueError) as exc:
+        parser.exit(1, f"tandem preprocess: error: {exc}\n")
+    print(summary_line(meta))
     return 0
 
 
