@@ -77,6 +77,16 @@ def test_prompt_response_packed_hand_counted(tmp_path):
     assert kept(batch, 0) == [1, 2, 3, 5, 6, 7]
     assert kept(batch, 1) == [0, 1, 2, 5, 6]
     assert kept(batch, 2) == [0, 1, 5]
+    # the model counts the same targets per depth (main head, MTP 1, MTP 2), masked or not by document
+    from tandem.models import ModelConfig, MTPConfig, TandemModel
+
+    torch.manual_seed(0)
+    model = TandemModel(ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=16, moe_intermediate_size=8, num_experts=2, top_k=1,
+                                    first_k_dense=1, max_seq_len=16), MTPConfig(num_steps=2, num_layers=1))
+    for document_mask in (False, True):
+        out = model(batch["tokens"], batch["loss_mask"], batch["doc_ids"], document_mask)
+        assert out.token_counts.tolist() == [6, 5, 3]
 
 
 def test_messages_with_template_hand_counted(tmp_path):
