@@ -11,6 +11,7 @@ overrides appended. A command shown on several pages runs once.
 - `tandem train recipes/tiny.yaml` is the pretraining run the other flows start from: it writes
   `runs/tiny` (the recipe's own run.dir) in the scratch directory, where the fine-tuning, eval, export
   and report commands find it as written.
+- `tandem preprocess` runs as written on the example data under docs/ (linked into the scratch directory);
 - `tandem eval` gets a 2-prompt budget appended; `tandem launch slurm` must carry `--check` or
   `--dry-run` (nothing is submitted); `--help` runs as is. These cheap commands run in this process
   through the console script's entry point (`tandem.trainer.cli.main`), training commands in their own.
@@ -185,6 +186,7 @@ def workspace(tmp_path_factory):
     where `runs/...` are written."""
     ws = tmp_path_factory.mktemp("docs_workspace")
     os.symlink(os.path.join(ROOT, "recipes"), ws / "recipes")
+    os.symlink(os.path.join(ROOT, "docs"), ws / "docs")  # the example data the docs' commands read
     return ws
 
 
@@ -270,6 +272,11 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         assert rc == 0, err[-4000:]
         out_dir = workspace / argv[argv.index("--out") + 1]
         assert (out_dir / "config.json").is_file(), os.listdir(out_dir)
+    elif argv[1] == "preprocess":
+        rc, out, err = _tandem_in_process(argv, workspace, capsys)
+        assert rc == 0 and out.startswith("preprocessed "), err[-4000:]
+        prefix = workspace / argv[argv.index("--output-prefix") + 1]
+        assert os.path.isfile(f"{prefix}.bin") and ("--chat" not in argv or os.path.isfile(f"{prefix}_loss_mask.bin"))
     elif argv[1] == "report":
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
         assert rc == 0, err[-4000:]
