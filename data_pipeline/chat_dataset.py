@@ -29,6 +29,14 @@ Encoded = Tuple[str, np.ndarray, np.ndarray]
 """(where, ids, response flags) of one record, as `chat.iter_encoded` yields it."""
 
 
+def check_fit(records: Sequence[Encoded], seq_len: int) -> None:
+    """Padding: raise ValueError naming the first record (in file order) longer than a window."""
+    for where, ids, _ in records:
+        if len(ids) > seq_len + 1:
+            raise ValueError(f"{where}: a record of {len(ids)} tokens (with its EOD) is longer than "
+                             f"data.seq_len={seq_len} + 1; use data.packing=pack or a larger data.seq_len")
+
+
 class ChatWindows:
     """Windows of seq_len+1 tokens over encoded records; item i is a dict of `tokens`, `labels`,
     `loss_mask`, `position_ids` ([seq_len]) and `doc_ids` ([seq_len+1])."""
@@ -39,10 +47,7 @@ class ChatWindows:
         self.seq_len, self.eod_id = int(seq_len), int(eod_id)
         width = self.seq_len + 1
         if packing == "pad":
-            for where, ids, _ in records:
-                if len(ids) > width:
-                    raise ValueError(f"{where}: a record of {len(ids)} tokens (with its EOD) is longer than "
-                                     f"data.seq_len={seq_len} + 1; use data.packing=pack or a larger data.seq_len")
+            check_fit(records, self.seq_len)
             self.tokens, self.flags, self.docs = self._padded(records, width)
         else:
             self.tokens, self.flags, self.docs = self._packed(records, width)
@@ -108,10 +113,12 @@ def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows,
         if paths:
             check_files(paths, encoder)  # every line's form before any tokenising
     records = list(iter_encoded(data_cfg.paths, encoder))
+    valid = list(iter_encoded(data_cfg.valid_paths, encoder)) if data_cfg.valid_paths else []
+    if data_cfg.packing == "pad":
+        check_fit(records + valid, seq_len)  # before shuffling: the first too-long line of the files
     if data_cfg.valid_paths:
         order = np.random.default_rng(int(seed)).permutation(len(records))
         train = [records[i] for i in order]
-        valid = list(iter_encoded(data_cfg.valid_paths, encoder))
     else:
         train, valid = split_records(records, data_cfg.split, seed)
     if not train:

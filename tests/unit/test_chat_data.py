@@ -189,3 +189,17 @@ def test_config_keys():
     cfg.data.source = "megatron"
     with pytest.raises(ConfigError, match="pad needs data.source=jsonl"):
         cfg.data.validate(cfg)
+
+
+def test_datasets_directory_records(tmp_path):
+    """A `datasets` directory (save_to_disk) reads as records, bad rows named by row."""
+    import datasets
+
+    from tandem.data_pipeline.chat import iter_records
+
+    datasets.Dataset.from_list([{"prompt": "p1", "response": "r1"}, {"prompt": "q1", "response": None}]).save_to_disk(
+        str(tmp_path / "ds"))
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    assert [w.rsplit(":", 1)[1] for w, _ in iter_records([str(tmp_path / "ds")])] == ["row 1", "row 2"]
+    with pytest.raises(ValueError, match=r"ds:row 2: a record needs"):
+        check_files([str(tmp_path / "ds")], chat_encoder(load_tokenizer(tok), tok))
