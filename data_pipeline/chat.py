@@ -5,7 +5,8 @@ Records (one per JSONL line, parquet row or `datasets` row), first matching form
     Hugging Face tokenizer directory's `tokenizer_config.json` / `chat_template.jinja`); the loss is on
     the assistant turns (their content and the template's end-of-turn text), nothing else.
   * `{"prompt_ids", "response_ids"}` (what `tandem generate` writes beside the text): the token ids as
-    written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the response.
+    written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the response
+    (and on the EOD appended after it unless the record says `"finished": false`: cut off, not ended).
   * `{"prompt", "response"}`: with a chat template, one user turn and one assistant turn (as
     `messages`); without one, prompt and response are tokenised separately and joined (ids of the
     prompt, then ids of the response), so the boundary is exact and matches how `tandem generate`
@@ -194,7 +195,9 @@ class ChatEncoder:
             ids = self.tokenizer.encode(rec["text"])
             flags = [1] * len(ids)
         if not ids or ids[-1] != self.tokenizer.eod_id:
-            flags = flags + [flags[-1] if flags else 0]
+            # a response cut off by generate's token budget (`finished: false`) did not end there
+            ends = bool(flags and flags[-1]) and rec.get("finished", True) is not False
+            flags = flags + [int(ends)]
             ids = ids + [self.tokenizer.eod_id]
         return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)
 

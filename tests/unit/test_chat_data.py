@@ -116,8 +116,10 @@ def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", template=True)
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1", "response": "r1"},
                                               {"prompt": "x", "response": "y", "prompt_ids": [4, 5],
-                                               "response_ids": [6, 0]}])
-    (_, ids1, flags1), (_, ids2, flags2) = encoded(tok, path)
+                                               "response_ids": [6, 0]},
+                                              {"prompt_ids": [4], "response_ids": [6, 7], "finished": False}])
+    (_, ids1, flags1), (_, ids2, flags2), (_, ids3, flags3) = encoded(tok, path)
+    assert ids3.tolist() == [4, 6, 7, 0] and flags3.tolist() == [0, 1, 1, 0]  # cut off: its end is not learnt
     assert ids1.tolist() == [1, 4, 3, 2, 6, 3, 0] and flags1.tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert ids2.tolist() == [4, 5, 6, 0] and flags2.tolist() == [0, 0, 1, 1]  # already EOD-terminated
 
