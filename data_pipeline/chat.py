@@ -205,22 +205,45 @@ class ChatEncoder:
         """Render with the template; each assistant turn's span is the text that rendering the turn adds
         after the conversation before it with the generation prompt (so the header is not learnt).
         Tokens whose first character lies in a span are response tokens."""
-        render = self.template.apply_chat_template
-        full = render(msgs, tokenize=False)
-        spans = []
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            before = render(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
-            upto = render(msgs[: i + 1], tokenize=False)
-            if not (full.startswith(upto) and upto.startswith(before)):
-                raise ValueError(f"{where}: the chat template of {self.tokenizer.path} does not render a "
-                                 "conversation's turns as prefixes of it (e.g. it rewrites earlier turns); "
-                                 "cannot tell which tokens are the assistant's")
-            spans.append((len(before), len(upto)))
+        try:
+            full = self._text(msgs, False)
+            spans, cursor = [], 0
+            for i, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                before = self._text(msgs[:i], True) if i else ""
+                upto = self._text(msgs[: i + 1], False)
+                span = ((len(before), len(upto)) if full.startswith(upto) and upto.startswith(before)
+                        else _turn_in(full, cursor, m["content"], upto))
+                if span is None:
+                    raise ValueError(f"{where}: cannot find assistant turn {i + 1} in the conversation the chat "
+                                     f"template of {self.tokenizer.path} renders")
+                spans.append(span)
+                cursor = span[1]
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja's TemplateError, raise_exception() of the template itself
+            raise ValueError(f"{where}: the chat template failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                             ) from None
         enc = self._special_aware.encode(full, add_special_tokens=False)
         flags = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
         return list(enc.ids), flags
+
+    def _text(self, msgs: List[dict], generation_prompt: bool) -> str:
+        return self.template.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _turn_in(full: str, cursor: int, content: str, upto: str) -> Optional[Tuple[int, int]]:
+    """An assistant turn's span in `full` when the template renders it otherwise as the last turn than
+    as an earlier one (Qwen3 drops the reasoning block of earlier turns, so the conversation before a
+    turn is no prefix of the whole): the turn's content, searched from `cursor`, plus the end-of-turn
+    text that follows it when it is last (`upto`'s tail after the content)."""
+    pos = full.find(content, cursor) if content else -1
+    if pos < 0:
+        return None
+    end = pos + len(content)
+    tail = upto[upto.rfind(content) + len(content):]
+    return pos, end + (len(tail) if tail and full.startswith(tail, end) else 0)
 
 
 def check_files(paths: Sequence[str], encoder: ChatEncoder) -> int:

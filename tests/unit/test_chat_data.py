@@ -23,19 +23,20 @@ TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% 
             "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
 
-def make_tokenizer(directory, template: bool) -> str:
-    """A word-level tokenizer directory (id 0 = EOD); with `template`, a chat template in its config."""
+def make_tokenizer(directory, template) -> str:
+    """A word-level tokenizer directory (id 0 = EOD); with `template` (True: TEMPLATE, or a template's
+    text), a chat template in its config."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS + ["<think>"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS + ["<think>"]])
     os.makedirs(directory, exist_ok=True)
     tok.save(os.path.join(directory, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     if template:
-        config["chat_template"] = TEMPLATE
+        config["chat_template"] = TEMPLATE if template is True else template
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
     return str(directory)
@@ -108,6 +109,22 @@ def test_messages_with_template_hand_counted(tmp_path):
     assert kept(batch, 0) == [3, 4, 9, 10, 11]
     assert kept(batch, 1) == [2, 3, 8, 9, 10]
     assert kept(batch, 2) == [1, 2, 7, 8, 9]
+
+
+def test_template_that_rewrites_earlier_turns(tmp_path):
+    """A Qwen3-like template marks only the last assistant turn (`<think>`): the earlier turn's span is
+    found by its content plus the end-of-turn text, the last one's includes the marker it generates."""
+    last_only = ("{% for m in messages %}<|{{ m.role }}|> {% if m.role == 'assistant' and loop.last %}<think> "
+                 "{% endif %}{{ m.content }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    tok = make_tokenizer(tmp_path / "tok", template=last_only)
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    ((_, ids, flags),) = encoded(tok, write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}]))
+    words = SPECIALS + WORDS + ["<think>"]
+    assert [words[i] for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
+                                       "<|assistant|> <think> a2 <|end|> <|endoftext|>").split()
+    assert flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):
