@@ -6,4 +6,7 @@ Modules (import what you need; megatron-core is only imported by `preprocess` wr
   preprocess     `preprocess`, `preprocess_main` (`tandem preprocess`)
   stdlib_corpus  `prepare_stdlib_corpus`
   dataset        `build_datasets`, `get_batch`, `batch_indices`, `DataPosition`, `check_vocab`, `check_prefix`
+  chat           prompt/response and chat records -> ids and response flags (`ChatEncoder`, `iter_records`)
+  chat_dataset   `data.source=jsonl`: `ChatWindows` (pack or pad), `build_chat_datasets`
+  chat_preprocess `tandem preprocess --chat`: tokens plus the loss-mask channel `PREFIX_loss_mask`
 """
