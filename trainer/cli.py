@@ -1,4 +1,4 @@
-"""`tandem` console script: train, preprocess, eval, export, launch, report.
+"""`tandem` console script: train, preprocess, eval, generate, export, launch, report.
 
 Each subcommand's module is imported only when it runs, so `tandem train` does not pay for
 `transformers`, and `tandem --help` is instant.
@@ -19,6 +19,8 @@ commands:
   preprocess --input PATH ... --output-prefix PREFIX [--tokenizer PATH]
                                             tokenize local text into a Megatron indexed dataset
   eval --checkpoint DIR [options]           speculative decoding + acceptance metrics (one JSON object)
+  generate --checkpoint DIR --prompts FILE --out FILE [options]
+                                            the trunk's own continuations of a prompt set (JSONL, resumable)
   export --checkpoint DIR --out OUT         write a Hugging Face checkpoint (trunk + MTP weights)
   launch slurm RECIPE [key=value ...] --nodes N ...
                                             render and submit an sbatch script
@@ -31,6 +33,7 @@ run `tandem <command> --help` for a command's options
 _COMMANDS = {
     "preprocess": ("tandem.data_pipeline.preprocess", "preprocess_main"),
     "eval": ("tandem.trainer.eval_cli", "eval_main"),
+    "generate": ("tandem.trainer.generate", "generate_main"),
     "export": ("tandem.trainer.hf.export", "export_main"),
     "report": ("tandem.trainer.report", "report_main"),
 }

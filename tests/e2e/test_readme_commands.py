@@ -12,9 +12,10 @@ overrides appended. A command shown on several pages runs once.
   `runs/tiny` (the recipe's own run.dir) in the scratch directory, where the fine-tuning, eval, export
   and report commands find it as written.
 - `tandem preprocess` runs as written on the example data under docs/ (linked into the scratch directory);
-- `tandem eval` gets a 2-prompt budget appended; `tandem launch slurm` must carry `--check` or
-  `--dry-run` (nothing is submitted); `--help` runs as is. These cheap commands run in this process
-  through the console script's entry point (`tandem.trainer.cli.main`), training commands in their own.
+- `tandem eval` gets a 2-prompt budget appended, `tandem generate` a 6-token one (and its prompt file);
+  `tandem launch slurm` must carry `--check` or `--dry-run` (nothing is submitted); `--help` runs as is.
+  These cheap commands run in this process through the console script's entry point
+  (`tandem.trainer.cli.main`), training commands in their own.
 - ```python blocks (vLLM's serve.py) need vLLM in its own environment: they must compile and make only
   the calls `tests/e2e/vllm_driver.py` makes, which `tests/e2e/test_vllm_serving.py` runs against a
   real vLLM server. ```sh blocks are for hardware the suite does not have (bench/gpu_check.py, whose
@@ -53,6 +54,10 @@ TINY = TINY_OVERRIDES + [
     "eval.loss_batches=1",
 ]
 EVAL_BUDGET = ["--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6", "--batch-size", "2"]
+GENERATE_BUDGET = ["--max-new-tokens", "6", "--batch-size", "2"]
+GENERATE_PROMPTS = '{"text": "def main():\\n"}\n{"text": "import os\\n"}\n'
+"""The prompt file a documented `tandem generate` reads, written into the workspace when missing (the
+docs show its lines in a json block: the default job's tokenizer has no chat template, so text only)."""
 PRETRAIN = "tandem train recipes/tiny.yaml"
 PRETRAIN_DIR = "runs/tiny"  # recipes/tiny.yaml's run.dir, which the docs' later commands read
 EXPENSIVE_BUDGET = 4  # training commands this file may run (each ~10-17 s on 2 cores)
@@ -267,6 +272,14 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         assert rc == 0, err[-4000:]
         result = json.loads(out.strip().splitlines()[-1])
         assert 1.0 <= result["acceptance_length"] <= 3.0, result  # TINY trains K=2
+    elif argv[1] == "generate":
+        prompts = workspace / argv[argv.index("--prompts") + 1]
+        if not prompts.exists():
+            prompts.write_text(GENERATE_PROMPTS)
+        rc, out, err = _tandem_in_process(argv + GENERATE_BUDGET, workspace, capsys)
+        assert rc == 0, err[-4000:]
+        records = (workspace / argv[argv.index("--out") + 1]).read_text().splitlines()
+        assert len(records) == 2 and all(json.loads(r)["response_ids"] for r in records), records
     elif argv[1] == "export":
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
         assert rc == 0, err[-4000:]

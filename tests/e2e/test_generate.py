@@ -1,0 +1,150 @@
+"""`tandem generate` on a tiny checkpoint (2 training steps), in this process through the console entry point.
+
+Greedy records are the trunk's autoregressive tokens; sampled ones repeat for a seed; a killed run
+(a torn last line, a batch cut short) resumes to the uninterrupted run's file; a rerun with other
+settings (OUT.meta.json) refuses; bad input is one line naming FILE:LINE before the model loads; chat prompts use the
+checkpoint's chat template; a parquet column reads like the JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import TINY_OVERRIDES
+
+pytestmark = [pytest.mark.slow]
+
+PROMPTS = ["def main():\n", "import os\nimport sys\n", "class Foo:", "x = 1\n"]
+BUDGET = ["--max-new-tokens", "6", "--batch-size", "2"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, corpus_cache, one_thread):
+    """A tiny run directory (K=2 MTP) and a prompts file."""
+    from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
+
+    root = tmp_path_factory.mktemp("generate")
+    train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [
+        f"run.dir={root / 'run'}", "train.max_steps=2", f"data.cache_dir={corpus_cache}"]))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS))
+    return root
+
+
+def generate(argv, capsys):
+    """(exit status, records, settings sidecar, stderr) of `tandem generate ARGV`."""
+    from tandem.trainer.cli import main
+
+    capsys.readouterr()
+    rc = main(["generate", *argv])
+    err = capsys.readouterr().err
+    out = argv[argv.index("--out") + 1]
+    if rc != 0:
+        return rc, [], None, err
+    with open(f"{out}.meta.json") as f:
+        meta = json.load(f)
+    return rc, [json.loads(x) for x in open(out).read().splitlines()], meta, err
+
+
+def test_greedy_records_are_the_trunks_autoregressive_tokens(ckpt, tmp_path, capsys):
+    from tandem.eval.spec_decode import generate as decode
+    from tandem.trainer.checkpoint import load_model_from_checkpoint
+
+    out = tmp_path / "gen.jsonl"
+    rc, records, header, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts", str(ckpt / "prompts.jsonl"),
+                                         "--out", str(out), *BUDGET], capsys)
+    assert rc == 0, err
+    assert "tok/s=" in err and "acc_len=" in err  # the progress bar
+    assert header["num_steps"] == 2 and header["temperature"] == 0.0 and len(header["checkpoint_fingerprint"]) >= 64
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(i, 0) for i in range(len(PROMPTS))]
+    model, _ = load_model_from_checkpoint(str(ckpt / "run"))
+    for r in records:
+        assert r["prompt"] == PROMPTS[r["prompt_index"]]
+        ar = decode(model, [r["prompt_ids"]], 6, 0, eos_id=header["eos_id"]).outputs[0]
+        assert r["response_ids"] == ar and 1 <= len(ar) <= 6
+
+
+def test_killed_run_resumes_to_the_uninterrupted_file(ckpt, tmp_path, capsys):
+    """Sampled (T=0.9, top-k 50, 2 samples a prompt: 4 batches of 2 rows). A kill mid-batch leaves
+    batch 0, half of batch 1 and a torn line: the rerun keeps batch 0, decodes 1..3 with their own
+    seeds, and the file equals the uninterrupted one (nothing duplicated, nothing lost)."""
+    args = ["--checkpoint", str(ckpt / "run"), "--prompts", str(ckpt / "prompts.jsonl"), *BUDGET,
+            "--temperature", "0.9", "--top-k", "50", "--samples-per-prompt", "2", "--seed", "5"]
+    full, again = tmp_path / "full.jsonl", tmp_path / "again.jsonl"
+    assert generate(args + ["--out", str(full)], capsys)[0] == 0
+    assert generate(args + ["--out", str(again)], capsys)[0] == 0
+    assert full.read_text() == again.read_text()  # the seed fixes the samples
+    lines = full.read_text().splitlines(keepends=True)
+    assert len(lines) == 2 * len(PROMPTS)
+    killed = tmp_path / "killed.jsonl"
+    (tmp_path / "killed.jsonl.meta.json").write_text((tmp_path / "full.jsonl.meta.json").read_text())
+    killed.write_text("".join(lines[:3]) + lines[3][:40])
+    rc, records, _, err = generate(args + ["--out", str(killed)], capsys)
+    assert rc == 0 and "resuming" in err and "2 rows written, 6 to go" in err, err
+    assert killed.read_text() == full.read_text()
+    other_seed = tmp_path / "seed6.jsonl"
+    rc, records6, _, _ = generate([a if a != "5" else "6" for a in args] + ["--out", str(other_seed)], capsys)
+    assert rc == 0 and [r["response_ids"] for r in records6] != [r["response_ids"] for r in records]
+
+
+def test_rerun_with_other_settings_refuses(ckpt, tmp_path, capsys):
+    args = ["--checkpoint", str(ckpt / "run"), "--prompts", str(ckpt / "prompts.jsonl"), "--out",
+            str(tmp_path / "g.jsonl"), "--batch-size", "2"]
+    assert generate(args + ["--max-new-tokens", "3"], capsys)[0] == 0
+    before = (tmp_path / "g.jsonl").read_text()
+    rc, _, _, err = generate(args + ["--max-new-tokens", "4"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "max_new_tokens differ" in err, err
+    assert (tmp_path / "g.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "ok"}\n{"text": "a", \n', ":2: not valid JSON"),
+    ('{"text": "ok"}\n\n{"prompt": "a"}\n', ":3: neither"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', ":1: a chat prompt"),
+    ('{"text": "ok"}\n' + json.dumps({"text": "x = 1\n" * 200}) + "\n", ":2: prompt is"),
+], ids=["invalid_json", "neither_form", "chat_without_template", "too_long"])
+def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, monkeypatch, line, message):
+    from tandem.trainer import generate as gen
+
+    monkeypatch.setattr(gen, "load_one_process", lambda *a: pytest.fail("the model loaded before the check"))
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(line)
+    rc, _, _, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts", str(prompts), "--out",
+                              str(tmp_path / "o.jsonl"), *BUDGET], capsys)
+    assert rc == 2 and err.count("\n") == 1 and f"{prompts}{message}" in err, err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.meta.json").exists()
+
+
+def test_chat_template_and_parquet_column(ckpt, tmp_path, capsys):
+    """Messages render with tokenizer_config.json's template (its bos_token, the end-of-document token,
+    becomes that one special id); a parquet column gives the JSONL's records."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt / "run", run)
+    step = next(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    (step / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
+                                                            "bos_token": "<|endoftext|>"}))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Write a loop."}]}) + "\n")
+    rc, records, header, err = generate(["--checkpoint", str(run), "--prompts", str(chat), "--out",
+                                         str(tmp_path / "c.jsonl"), *BUDGET], capsys)
+    assert rc == 0, err
+    assert records[0]["prompt"] == "<|endoftext|>user: Write a loop.\nassistant:"
+    assert records[0]["prompt_ids"][0] == header["eos_id"] and records[0]["prompt_ids"][1] != header["eos_id"]
+    table = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"question": PROMPTS}), table)
+    common = ["--checkpoint", str(ckpt / "run"), *BUDGET]
+    rc, from_table, _, err = generate(common + ["--prompts", str(table), "--column", "question", "--out",
+                                                str(tmp_path / "t.jsonl")], capsys)
+    assert rc == 0, err
+    _, from_jsonl, _, _ = generate(common + ["--prompts", str(ckpt / "prompts.jsonl"), "--out",
+                                             str(tmp_path / "j.jsonl")], capsys)
+    assert from_table == from_jsonl
+    rc, _, _, err = generate(common + ["--prompts", str(table), "--out", str(tmp_path / "n.jsonl")], capsys)
+    assert rc == 2 and "no column 'text'" in err, err

@@ -1,0 +1,410 @@
+"""`tandem generate`: the trunk's own continuations of a prompt set, for MTP self-distillation.
+
+    tandem generate (--checkpoint DIR | --hf DIR) --prompts FILE --out FILE [--column NAME]
+                    [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N]
+                    [--samples-per-prompt M] [--batch-size B] [--seed S] [--device D]
+    torchrun --nproc-per-node N --no-python tandem generate --checkpoint DIR ... [--tp T] [--pp P] [--ep E]
+
+Decoding is the evaluator's (eval/decode_eval.py evaluate_decoding, speculative side only): with the
+checkpoint's MTP module it is speculative decoding, exact, so the tokens are the trunk's own (at T = 0
+the autoregressive greedy tokens; for T > 0 distributed as sampling from the trunk); without one, plain
+autoregressive decoding. Work is (prompt, sample) rows in prompt order, cut into batches of
+`--batch-size` rows; batch i samples with a generator seeded `seed + i`, as the evaluator seeds its
+batches, so the records do not depend on the layout, on the number of processes or on a resume.
+The records go to OUT (JSONL, what `data.source=jsonl` reads), their settings to OUT.meta.json.
+`--top-k` keeps each head's k largest logits (trunk and drafts alike, so speculative sampling stays
+exact for the top-k distribution).
+
+Under torchrun the model is sharded as in training (`--tp`, `--pp`, `--ep`; dp = the rest of the
+world) and the batches are dealt over the data-parallel replicas by the in-loop evaluator's layout
+adapter (trainer/parallel/pipeline_decode.py ParallelDecoding): replicas decode a batch each in
+lockstep, and after every round of batches one process writes them all. `--hf` runs in one process.
+
+Files, resume and bad input: trainer/generate_io.py. Every input problem is one line naming FILE:LINE,
+reported before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .generate_io import (
+    GenerateError,
+    chat_template_in,
+    prompts_digest,
+    read_output,
+    read_prompts,
+    rewrite_output,
+    tokenize_prompts,
+    write_lines,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's options (module docstring)."""
+    p = argparse.ArgumentParser(prog="tandem generate", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
+    src.add_argument("--hf", help="Hugging Face checkpoint directory (one process)")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL of {\"text\": ...} or {\"messages\": [...]}, a parquet file or a datasets directory")
+    p.add_argument("--column", default="text", help="the prompt column of a parquet file or datasets directory")
+    p.add_argument("--out", required=True,
+                   help="output JSONL, one record per row, its settings in OUT.meta.json; resumed")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per response at most")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt")
+    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
+    p.add_argument("--seed", type=int, default=0, help="batch i samples with a generator seeded seed + i")
+    p.add_argument("--num-steps", type=int, default=0, help="draft length K (default: the trained mtp.num_steps)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, npu or auto (default cpu)")
+    for degree in ("tp", "pp", "ep"):
+        p.add_argument(f"--{degree}", type=int, default=1, help=f"parallel.{degree} under torchrun (default 1)")
+    return p
+
+
+@dataclass
+class Source:
+    """What is known of the checkpoint before its weights load."""
+
+    path: str
+    """The step directory (Tandem) or the Hugging Face directory."""
+    cfg: object
+    """The Tandem checkpoint's TandemConfig (None for --hf)."""
+    max_seq_len: int
+    num_steps: int
+    """K the decoder drafts (0: autoregressive)."""
+    tokenizer: object
+    chat: Optional[dict]
+    """The chat template (generate_io.chat_template_in), None when the checkpoint has none."""
+    fingerprint: str
+
+
+def _hf_source(args) -> Source:
+    """A Hugging Face directory: its shape, MTP depth count, tokenizer and chat template, without weights."""
+    from tandem.data_pipeline.tokenizer import load_tokenizer
+
+    from .hf.importer import read_config
+    from .hf.init_from import checkpoint_model_config, fingerprint
+
+    model_cfg, _, has_mtp = checkpoint_model_config(args.hf)
+    hf = read_config(args.hf)
+    trained = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 0) if has_mtp else 0
+    return Source(args.hf, None, model_cfg.max_seq_len, args.num_steps or trained, load_tokenizer(args.hf),
+                  chat_template_in([args.hf]), fingerprint(args.hf))
+
+
+def _checkpoint_source(args) -> Source:
+    """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, without weights."""
+    from .checkpoint_dirs import resolve_checkpoint
+    from .eval_cli import _tokenizer_of
+    from .hf.init_from import fingerprint, read_reference
+    from .recipe import load_config
+
+    step = resolve_checkpoint(args.checkpoint)
+    cfg = load_config(os.path.join(step, "config.yaml"))
+    tok = _tokenizer_of(cfg, step)
+    if tok is None:
+        raise GenerateError(f"--checkpoint {step}: no tokenizer recorded for this checkpoint")
+    ref = read_reference(step)
+    # a frozen-trunk fine-tune holds the MTP module only: the trunk it points at is part of its identity
+    fp = fingerprint(step) + (f"+{ref.get('fingerprint', '')}" if ref else "")
+    tok_dir = cfg.data.tokenizer if os.path.isdir(cfg.data.tokenizer or "") else os.path.dirname(cfg.data.tokenizer)
+    chat = chat_template_in([step, tok_dir, ref["path"] if ref else cfg.model.init_from])
+    K = args.num_steps or cfg.mtp.num_steps
+    return Source(step, cfg, cfg.model.max_seq_len, K, tok, chat, fp)
+
+
+@dataclass
+class Plan:
+    """The rows to decode: (prompt, sample) in prompt order, cut into batches of `batch_size`."""
+
+    texts: List[str]
+    ids: List[List[int]]
+    samples: int
+    batch_size: int
+    rows: List[tuple] = field(init=False)
+
+    def __post_init__(self):
+        self.rows = [(p, s) for p in range(len(self.ids)) for s in range(self.samples)]
+
+    @property
+    def num_batches(self) -> int:
+        """Batches of the whole set (the last may be short)."""
+        return -(-len(self.rows) // self.batch_size)
+
+    def batch(self, i: int) -> List[tuple]:
+        """The (prompt, sample) rows of batch i."""
+        return self.rows[i * self.batch_size:(i + 1) * self.batch_size]
+
+
+def _settings(args, src: Source) -> dict:
+    """decode_eval.DecodeSettings' fields (the seed is set per group of batches)."""
+    ev = getattr(src.cfg, "eval", None)
+    return dict(num_steps=src.num_steps, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                eos_id=src.tokenizer.eod_id, temperature=args.temperature, top_p=args.top_p,
+                verify=getattr(ev, "verify", "token"), draft_convention=getattr(ev, "draft_convention", "serving"))
+
+
+def _meta(args, src: Source, settings: dict, ids: List[List[int]]) -> dict:
+    """What the records depend on (OUT.meta.json): a rerun with any of it changed must not append."""
+    return {"checkpoint": os.path.abspath(src.path), "checkpoint_fingerprint": src.fingerprint,
+            "prompts_sha256": prompts_digest(ids), "num_prompts": len(ids),
+            "samples_per_prompt": args.samples_per_prompt, "seed": args.seed, "top_k": args.top_k, **settings}
+
+
+def _check_args(args) -> None:
+    """Option ranges, in one line, before anything is read."""
+    if args.max_new_tokens < 1 or args.samples_per_prompt < 1 or args.batch_size < 1:
+        raise GenerateError("--max-new-tokens, --samples-per-prompt and --batch-size must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise GenerateError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+
+
+def prepare(args):
+    """Everything before the model loads: (source, plan, meta, records kept, done batches). Raises
+    GenerateError for bad input and for an --out written with other settings."""
+    from .eval_cli import prompt_limit
+
+    _check_args(args)
+    prompts = read_prompts(args.prompts, args.column)
+    src = _hf_source(args) if args.hf else _checkpoint_source(args)
+    limit = prompt_limit(src.max_seq_len, args.max_new_tokens, src.num_steps)
+    note = (f"model.max_seq_len={src.max_seq_len} - --max-new-tokens {args.max_new_tokens} - draft margin "
+            f"4K+5={4 * src.num_steps + 5}")
+    texts, ids = tokenize_prompts(prompts, src.tokenizer, src.chat, limit, note)
+    plan = Plan(texts, ids, args.samples_per_prompt, args.batch_size)
+    settings = _settings(args, src)
+    meta = _meta(args, src, settings, ids)
+    records, torn = read_output(args.out, meta)
+    done = _complete_batches(plan, records)
+    kept = [r for r in records if _batch_of(plan, r) in done]
+    return src, plan, settings, meta, kept, done, torn or len(kept) != len(records)
+
+
+def _batch_of(plan: Plan, rec: dict) -> int:
+    """The batch a written record belongs to."""
+    return (rec["prompt_index"] * plan.samples + rec["sample_index"]) // plan.batch_size
+
+
+def _complete_batches(plan: Plan, records: List[dict]) -> set:
+    """Batches whose every row is in `records` (a batch cut short by a kill is decoded again whole, with
+    its own seed, so the file ends as an uninterrupted run's)."""
+    seen = {}
+    for r in records:
+        seen.setdefault(_batch_of(plan, r), set()).add((r["prompt_index"], r["sample_index"]))
+    return {b for b, rows in seen.items() if b < plan.num_batches and rows == set(plan.batch(b))}
+
+
+# --- the model --------------------------------------------------------------------------------------
+class TopKLogits:
+    """The decoder's model with every head's logits cut to their k largest (the rest -inf): the trunk's
+    target and the drafts alike, so speculative sampling is exact for the top-k distribution."""
+
+    def __init__(self, model, k: int):
+        self._model, self._k = model, k
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def logits(self, depth: int, h):
+        """The wrapped model's logits of `depth` with all but the k largest per row set to -inf."""
+        out = self._model.logits(depth, h)
+        kth = out.topk(min(self._k, out.shape[-1]), dim=-1).values[..., -1:]
+        return out.masked_fill(out < kth, float("-inf"))
+
+
+def load_on_layout(args, src: Source):
+    """(model, ParallelDecoding) of this rank's part of the checkpoint on the torchrun layout: built as
+    training builds it (meta device, parallelized, only this rank's shards read from the checkpoint)."""
+    from .checkpoint import load_checkpoint
+    from .hf.init_from import check_reference, read_reference
+    from .materialize import build_sharded_model
+    from .parallel import init_parallel
+    from .parallel.device import resolve_device
+    from .parallel.pipeline_decode import ParallelDecoding
+
+    if src.cfg is None:
+        raise GenerateError("--hf runs in one process; under torchrun pass a Tandem --checkpoint")
+    cfg, step = src.cfg, src.path
+    ref = read_reference(step)
+    if ref is not None:
+        check_reference(ref, step)
+    p = cfg.parallel
+    p.tp, p.pp, p.ep, p.dp, p.cp, p.sequence_parallel = args.tp, args.pp, args.ep, 0, 1, False
+    # fp32 weights and no training-only wrappers: every layout then decodes as one process does
+    cfg.train.dtype, cfg.train.freeze_trunk, cfg.train.compile = "fp32", False, False
+    cfg.train.activation_checkpointing = "none"
+    cfg.model.init_from = ref["path"] if ref is not None else step
+    pstate = init_parallel(cfg, resolve_device(args.device, dtype="fp32"))
+    model = build_sharded_model(cfg, pstate)
+    if ref is not None:  # the MTP module of a frozen-trunk fine-tune
+        load_checkpoint(step, model, None)
+    model.eval()
+    return model, ParallelDecoding(cfg, model, pstate)
+
+
+def load_one_process(args, src: Source):
+    """The model in this process, as `tandem eval` loads it."""
+    from .eval_cli import _load
+
+    eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None, device=args.device)
+    model, _, _ = _load(eval_args)
+    return model
+
+
+def _writer_rank(decoding) -> int:
+    """The process that writes: the lowest rank among replica 0's decoder drivers (it holds every
+    replica's gathered results)."""
+    import torch.distributed as dist
+
+    if decoding is None:
+        return 0
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(decoding.is_driver and decoding.replica == 0))
+    return flags.index(True)
+
+
+# --- decoding -----------------------------------------------------------------------------------------
+def _groups(todo: List[int], size: int) -> List[List[int]]:
+    """Consecutive runs of at most `size` batches (one per replica): evaluate_decoding seeds its i-th
+    batch `seed + i`, so a group's batches must be consecutive for batch b to get `seed + b`."""
+    out = []
+    for b in todo:
+        if out and out[-1][-1] == b - 1 and len(out[-1]) < size:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+def _records(plan: Plan, batch: int, result, tok, eos_id: Optional[int]) -> List[dict]:
+    """The output records of one decoded batch (generate_io module docstring)."""
+    from tandem.eval.acceptance import row_metrics
+
+    out = []
+    for r, ((p, s), ids) in enumerate(zip(plan.batch(batch), result.outputs)):
+        finished = eos_id is not None and bool(ids) and ids[-1] == eos_id
+        text = tok.decode(ids[:-1] if finished else ids)
+        out.append({"prompt_index": p, "sample_index": s, "prompt": plan.texts[p], "response": text,
+                    "prompt_ids": plan.ids[p], "response_ids": ids, "finished": finished,
+                    "acceptance_length": row_metrics(result.stats, r)["acceptance_length"]})
+    return out
+
+
+class Progress:
+    """stderr progress bar on the writing process: rows, tokens/s and acceptance length so far."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="generate", unit="row", dynamic_ncols=True, file=sys.stderr,
+                        disable=not enabled)
+        self.t0, self.tokens, self.rounds, self.accepted = time.perf_counter(), 0, 0, 0
+
+    def add(self, results) -> None:
+        """Count a written group's decode results."""
+        for res in results:
+            self.tokens += sum(len(o) for o in res.outputs)
+            self.rounds += int(res.stats.rounds.sum())
+            self.accepted += int(res.stats.accepted.sum())
+            self.bar.update(len(res.outputs))
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix({"tok/s": f"{rate:.1f}", "acc_len": f"{1 + self.accepted / max(self.rounds, 1):.2f}"})
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], model, decoding, writer: bool) -> None:
+    """Decode the batches in `todo` group by group (one batch per replica), the writer appending each
+    group's records, durably, before the next group starts."""
+    from tandem.eval.decode_eval import evaluate_decoding
+
+    replicas = decoding.replicas if decoding is not None else 1
+    progress = Progress(sum(len(plan.batch(b)) for b in todo), writer)
+    try:
+        for group in _groups(todo, replicas):
+            prompts = [plan.ids[p] for b in group for p, _ in plan.batch(b)]
+            _, results, _ = evaluate_decoding(model, prompts, replicas=decoding, autoregressive=False,
+                                              seed=args.seed + group[0], **settings)
+            if writer:
+                rows = [r for b, res in zip(group, results) for r in _records(plan, b, res, src.tokenizer,
+                                                                            settings["eos_id"])]
+                write_lines(args.out, rows, "a")
+                progress.add(results)
+    finally:
+        progress.close()
+
+
+def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
+    """This rank's part: drivers decode (and one writes), pipeline followers serve their stages."""
+    view = decoding.model if decoding is not None else model
+    if args.top_k > 0 and args.temperature > 0 and view is not None:
+        view = TopKLogits(view, args.top_k)
+    with decoding.context() if decoding is not None else contextlib.nullcontext():
+        if decoding is None or decoding.is_driver:
+            decode_and_write(args, src, plan, settings, todo, view, decoding, writer)
+            if decoding is not None:
+                decoding.stop()
+        else:
+            decoding.follow()
+
+
+def _start(args, rank: int, world: int):
+    """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair, model,
+    decoding). Every input problem raises before the model loads."""
+    src, plan, settings, meta, kept, done, repair = prepare(args)
+    if world > 1:
+        model, decoding = load_on_layout(args, src)
+    else:
+        model, decoding = load_one_process(args, src), None
+        if src.num_steps > 0 and model.mtp is None:
+            raise GenerateError(f"--num-steps {src.num_steps}: the checkpoint has no MTP module")
+    todo = [b for b in range(plan.num_batches) if b not in done]
+    return src, plan, settings, meta, kept, todo, repair, model, decoding
+
+
+def generate_main(argv: Optional[List[str]] = None) -> int:
+    """`tandem generate ARGV`: 0 when every row is written, 2 after a one-line error."""
+    import torch.distributed as dist
+
+    args = _parser().parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    owns_group = world > 1 and not dist.is_initialized()  # a caller's process group outlives this command
+    try:
+        src, plan, settings, meta, kept, todo, repair, model, decoding = _start(args, rank, world)
+    except (GenerateError, FileNotFoundError, ValueError) as exc:
+        if rank == 0:
+            print(f"tandem generate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    writer = _writer_rank(decoding) == rank
+    left = sum(len(plan.batch(b)) for b in todo)
+    if writer:
+        if repair or not kept:  # the sidecar, and the records up to the last complete batch
+            rewrite_output(args.out, meta, kept)
+        if kept:
+            print(f"tandem generate: resuming {args.out}: {len(kept)} rows written, {left} to go", file=sys.stderr)
+    if decoding is not None:
+        dist.barrier()  # the file is repaired before anyone appends
+    run(args, src, plan, settings, todo, decoding, model, writer)
+    if writer:
+        print(json.dumps({"out": args.out, "rows": len(plan.rows), "decoded": left}))
+    if decoding is not None:
+        dist.barrier()
+        if owns_group:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(generate_main())
