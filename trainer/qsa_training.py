@@ -29,8 +29,11 @@ from tandem.models.qsa import IndexedAttention
 
 class IndexerTraining:
     def __init__(self, model: nn.Module, coef: float, warmup_steps: int, grad_scale: float,
-                 warmup: str = "joint"):
-        """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup)."""
+                 warmup: str = "joint", context_group=None):
+        """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup). `context_group`: the
+        cp ranks splitting each window (parallel.cp > 1), whose indexer losses are shares of the
+        window's (models/qsa.py) and are summed for the logged figure."""
+        self.context_group = context_group
         self.layers: List[IndexedAttention] = [m for m in model.modules() if isinstance(m, IndexedAttention)]
         self.coef, self.warmup_steps, self.grad_scale = coef, warmup_steps, grad_scale
         self.indexer_only = warmup == "indexer_only"
@@ -62,4 +65,8 @@ class IndexerTraining:
         losses = [layer.last_indexer_loss for layer in self.layers if layer.last_indexer_loss is not None]
         if not losses:
             return {}
-        return {"loss/indexer": float(torch.stack([x.float() for x in losses]).mean())}
+        value = torch.stack([x.float() for x in losses]).mean()
+        if self.context_group is not None:
+            value = value.clone()
+            torch.distributed.all_reduce(value, group=self.context_group)
+        return {"loss/indexer": float(value)}

@@ -54,7 +54,7 @@ class TrainStep:
             moe.aux_grad_scale = aux_grad_scale
         m = cfg.model
         self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
-                                        aux_grad_scale, m.resolved_indexer_warmup)
+                                        aux_grad_scale, m.resolved_indexer_warmup, pstate.context_group)
 
     # --- the step's pieces, in order -------------------------------------------------------------
     def global_target_counts(self, batches) -> torch.Tensor:

@@ -64,6 +64,9 @@ def measure(layout: str) -> Dict[str, object]:
 
         model.context = ContextShards(dist.group.WORLD, cfg.parallel.cp_sharding)
     model.train()
+    from tandem.trainer.qsa_training import IndexerTraining
+
+    IndexerTraining(model, 1.0, 0, 1.0).begin_step(0)  # QSA's sparse stage with the indexer's KL on
     seq = cfg.data.seq_len
     batch = worker.global_batch(0, 2, edge_documents=True, seq=seq)
     with torch.no_grad():

@@ -196,10 +196,12 @@ class StageModule(nn.Module):
 def selection_shapes(cfg, micro_batch: int) -> List[tuple]:
     """Shapes of the long tensors carrying MTP depth 1's QSA selection across a stage boundary: its
     blocks [B, S, k], their counts [B, S] and, with packed documents, each block's first row [B, S / r].
-    The whole window's (the QSA mixer selects over the gathered sequence under SP)."""
+    The whole window's (the QSA mixer selects over the gathered sequence under SP), or under context
+    parallelism this rank's queries (S / cp) over the window's blocks."""
     m, s = cfg.model, cfg.data.seq_len
     n = s // m.indexer_compress_ratio
-    shapes = [(micro_batch, s, min(m.indexer_budget // m.indexer_compress_ratio, n)), (micro_batch, s)]
+    queries = s // cfg.parallel.cp
+    shapes = [(micro_batch, queries, min(m.indexer_budget // m.indexer_compress_ratio, n)), (micro_batch, queries)]
     return shapes + ([(micro_batch, n)] if cfg.data.document_mask else [])
 
 
