@@ -397,31 +397,35 @@ class TandemModel(nn.Module):
         if not any_mtp or (self.distill == "none" and self.mtp_cfg.loss.objective != "acceptance"):
             return None, None
         with torch.no_grad():
+            # depth k at t reads the teacher at t + k, on another rank's rows near a context chunk's
+            # edge: the teacher is the whole window's (gathered), each depth then takes its own rows
             teacher_bsh = self.sequence.whole(self.norm(h0_bsh.detach()))
             if self.distill != "argmax":
-                return teacher_bsh, None
+                return self.context.gather(teacher_bsh), None
             flat = teacher_bsh.reshape(-1, teacher_bsh.shape[-1])
             ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens)
-            return teacher_bsh, ids.view(h0_bsh.shape[:2])
+            return teacher_bsh, self.context.gather(ids.view(teacher_bsh.shape[:2]))
 
     def _depth_loss(self, depth: int, h_bsh: torch.Tensor, mask: torch.Tensor, targets_n: torch.Tensor,
                     teacher_bsh, teacher_ids, frozen_main: bool):
         """(depth's loss sum, None), or (None, (head input, targets)) for the shared cross-entropy pass."""
-        whole, chunk, s = self.sequence.whole, self.mtp_cfg.loss_chunk_tokens, mask.shape[1]
+        whole, chunk = self.sequence.whole, self.mtp_cfg.loss_chunk_tokens
         if depth == 0 and frozen_main:
             with torch.no_grad():  # frozen trunk: the main loss is only reported
                 hn = _rows(whole(self.final_norm(0, h_bsh)))
                 return self.lm_head.loss_sums(hn[None], targets_n[None], chunk)[0], None
         hn = _rows(whole(self.final_norm(depth, h_bsh)))
+        local = self.context.local  # the teachers are the whole window's (`_teachers`)
         if depth > 0 and teacher_ids is not None:
             # The trunk predicts token t+1+depth at position t+depth.
-            return None, (hn, _rows(torch.where(mask, shifted_tokens(teacher_ids, depth, s), IGNORE)))
+            window = teacher_ids.shape[1]
+            return None, (hn, _rows(torch.where(mask, local(shifted_tokens(teacher_ids, depth, window)), IGNORE)))
         if depth > 0 and self.mtp_cfg.loss.objective == "acceptance":
-            return self.lm_head.acceptance_loss_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), targets_n, chunk,
-                                                    self.mtp_cfg.loss.acceptance_ce_weight), None
+            return self.lm_head.acceptance_loss_sum(hn, _rows(local(_teacher_at(teacher_bsh, depth))), targets_n,
+                                                    chunk, self.mtp_cfg.loss.acceptance_ce_weight), None
         if depth > 0 and teacher_bsh is not None:
-            return chunked_soft_cross_entropy_sum(hn, _rows(_teacher_at(teacher_bsh, depth)), self.lm_head.weight,
-                                                  chunk, _rows(mask)), None
+            teacher_nh = _rows(local(_teacher_at(teacher_bsh, depth)))
+            return chunked_soft_cross_entropy_sum(hn, teacher_nh, self.lm_head.weight, chunk, _rows(mask)), None
         return None, (hn, targets_n)
 
     # --- bookkeeping ----------------------------------------------------------------------------

@@ -28,6 +28,9 @@ LAYOUTS = {
     # recomputed blocks repeat their exchanges in backward
     "cp=2,cp_sharding=contiguous,train.activation_checkpointing=full": 2,
     f"cp=4,{DOCS}": 4,
+    # the teachers are the whole window's: depth k at t reads the trunk's at t + k, across chunk edges
+    f"cp=2,train.distill=argmax,{DOCS}": 2,
+    "cp=2,mtp.loss.objective=acceptance": 2,
     f"cp=2,tp=2,sequence_parallel=true,{DOCS}": 4,
     "cp=2,ep=2": 4,
     "cp=2,pp=2,pp_schedule=interleaved_1f1b": 4,

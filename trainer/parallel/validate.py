@@ -119,17 +119,12 @@ def context_chunk(cfg: TandemConfig) -> int:
 
 
 def validate_context_parallel(cfg: TandemConfig) -> None:
-    """parallel.cp > 1: the sequence splits into equal chunks, each a whole number of QSA blocks, and
-    nothing reads the trunk's predictions ahead across a chunk's edge."""
+    """parallel.cp > 1: the sequence splits into equal chunks, each a whole number of QSA blocks."""
     p, m = cfg.parallel, cfg.model
     pieces = p.cp * (2 if p.cp_sharding == "zigzag" else 1)
     if cfg.data.seq_len % pieces:
         raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_sharding={p.cp_sharding} cuts data.seq_len="
                           f"{cfg.data.seq_len} into {pieces} equal chunks; make data.seq_len a multiple of {pieces}")
-    if cfg.train.distill != "none" or cfg.mtp.loss.objective == "acceptance":
-        key = "train.distill" if cfg.train.distill != "none" else "mtp.loss.objective"
-        raise ConfigError(f"{key} reads the trunk's prediction K positions ahead, across a context chunk's edge; "
-                          f"it is not supported with parallel.cp={p.cp} yet")
     chunk = context_chunk(cfg)
     if m.uses_qsa and chunk % m.indexer_compress_ratio:
         raise ConfigError(f"parallel.cp={p.cp}: each context chunk of {chunk} tokens must hold whole QSA blocks "
