@@ -385,13 +385,13 @@ class GatedDeltaNet(nn.Module):
 
     def _over_chunks(self, qkv_bsc, b_bsn, a_bsn, positions_bs, documents, context: WholeWindow):
         """The rule on this rank's chunks of the window (context parallelism), each a batch row: the conv
-        reads the kernel - 1 rows before its chunk (`context.halo`), and the state entering a chunk comes
-        from every earlier chunk (`context.carry`). Each chunk runs once from the state [I | 0] with
-        values [0 | v]: the rule is linear in (state, values), so the first Dk columns follow the
-        chunk's transition M (the state it leaves when entered with X is M X + the second block, its
-        final state F from zero) and the outputs split the same way, o_t = (q_t M_t) X + o_t(0). The
-        exchange is then one (M, F) per chunk, in fp32. A document start inside a chunk zeroes M from
-        there on, which cuts the carry. The torch form runs it (fla's kernels are not used here)."""
+        reads the kernel - 1 rows before its chunk (`context.halo`), the entering state comes from every
+        earlier chunk (`context.carry`). Each chunk runs once from the state [I | 0] with values [0 | v]:
+        the rule is linear in (state, values), so the first Dk columns follow the chunk's transition M
+        (entered with X it leaves M X + F, F its final state from zero) and the outputs split alike,
+        o_t = (q_t M_t) X + o_t(0); one (M, F) per chunk is exchanged, fp32. A document start zeroes M
+        from there on (the carry is cut). fla's kernel runs it on CUDA without packed documents (its
+        variable-length form restarts documents from zero, not from a carried state)."""
         conv_w, a_log, dt_bias = self.computed_params()
         kernel = conv_w.shape[-1]
         qkv, pos = context.split(qkv_bsc), context.split(positions_bs)
@@ -404,6 +404,8 @@ class GatedDeltaNet(nn.Module):
         b_split = context.split(b_bsn)
         q_bsnk, k_bsnk, v_bsnv = self._split_heads(mixed, b_split.shape[-1])
         g_bsn = -a_log.float().exp() * F.softplus(context.split(a_bsn).float() + dt_bias)
+        if self._use_fla(v_bsnv) and documents is None:
+            return context.join(self._fla_over_chunk(q_bsnk, k_bsnk, v_bsnv, g_bsn, b_split.sigmoid(), context))
         q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, b_split.sigmoid())
         bc, h, length, dk = q.shape
         eye = torch.eye(dk, device=q.device).expand(bc, h, dk, dk)
@@ -415,6 +417,21 @@ class GatedDeltaNet(nn.Module):
             entering = context.carry(final_aug[..., :dk], final_aug[..., dk:])
             out_bhtv = out_aug[..., dk:] + out_aug[..., :dk] @ entering
         return context.join(out_bhtv.transpose(1, 2).to(v_bsnv.dtype))
+
+    def _fla_over_chunk(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, context: WholeWindow):
+        """`_over_chunks`' rule through fla's kernel: [B*c, L, H, dim] inputs, the same augmented values
+        and entering state, outputs [B*c, L, H, Dv] in v's dtype."""
+        bc, length, h, dk = k_bsnk.shape
+        eye = torch.eye(dk, device=v_bsnv.device).expand(bc, h, dk, dk)
+        state0 = torch.cat([eye, eye.new_zeros(bc, h, dk, v_bsnv.shape[-1])], -1)
+        v_aug = torch.cat([v_bsnv.new_zeros(bc, length, h, dk), v_bsnv], -1)
+        out, final = _fla_chunk(q_bsnk, k_bsnk, v_aug, g_bsn, beta_bsn.to(v_bsnv.dtype), scale=dk ** -0.5,
+                                initial_state=state0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        final = final.float()
+        entering = context.carry(final[..., :dk], final[..., dk:])  # [B*c, H, Dk, Dv]
+        with torch.autocast(v_bsnv.device.type, enabled=False):
+            out = out[..., dk:].float() + torch.einsum("blhk,bhkv->blhv", out[..., :dk].float(), entering)
+        return out.to(v_bsnv.dtype)
 
     def _resume(self, cache, qkv_bsc: torch.Tensor, positions_bs: torch.Tensor, kernel: int, hv: int):
         """((conv ring, state ring), the conv's input with the kernel - 1 previous inputs in front, the
