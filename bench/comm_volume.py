@@ -55,7 +55,11 @@ LAYOUTS = {
            "tp=2,ep=2,pp=2": 8,
     "tp=2,sequence_parallel=true": 2, "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,sequence_parallel=true": 4,
+    "cp=2": 2, "cp=2,cp_sharding=contiguous": 2, "cp=2,tp=2,sequence_parallel=true": 4,
+    "qwen4:cp=2": 2, "qwen4:cp=2,cp_sharding=contiguous": 2, "qwen4:cp=4": 4,
 }
+"""`qwen4:` layouts train QWEN4 (Gated DeltaNet, QSA, PLE, hyper-connections, MoE with the aux loss) instead
+(without tp: its SP regions are not counted here)."""
 MBS, ACCUM, SEQ, VOCAB, H = 2, 2, 64, 1024, 128
 BASE = [
     f"model.hidden_size={H}", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
@@ -65,7 +69,18 @@ BASE = [
     f"train.micro_batch_size={MBS}", f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32", "logging.wandb=false",
     "eval.interval=0", "device=cpu", "run.dir=/tmp/tandem_bench_unused",
 ]
+QWEN4 = [  # recipes/qwen4_exp_tiny.yaml's model at narrow widths, in QSA's sparse stage (bench/context_scaling.py)
+    "flavor=qwen4_exp_tiny", "model.hidden_size=32", "model.head_dim=8", "model.linear_key_head_dim=8",
+    "model.linear_value_head_dim=8", "model.indexer_head_dim=8", "model.intermediate_size=32",
+    "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32", "model.ple_embed_dim=16",
+    "model.hc_lowrank=8", f"data.vocab_size={VOCAB}", "model.indexer_budget=16", "model.indexer_warmup_steps=0",
+    "model.max_seq_len=128",
+    "mtp.num_steps=2", "mtp.num_layers=1", "mtp.style=looped", f"data.seq_len={SEQ}", f"train.micro_batch_size={MBS}",
+    f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32", "logging.wandb=false", "eval.interval=0", "device=cpu",
+    "run.dir=/tmp/tandem_bench_unused",
+]
 F32 = 4
+I64 = 8
 
 
 def batch(step, n):
@@ -94,9 +109,10 @@ def make_counter():
             self.calls = defaultdict(int)
 
         def add(self, kind, n):
-            if os.environ.get("BENCH_DEBUG") and n >= 100000:
+            if os.environ.get("BENCH_DEBUG") and n >= int(os.environ.get("BENCH_DEBUG_MIN", 100000)) and (
+                    os.environ.get("RANK", "0") == os.environ.get("BENCH_DEBUG_RANK", "0")):
                 import traceback
-                print(kind, n, "".join(traceback.format_stack(limit=12)[:-3])[-1500:], flush=True)
+                print(kind, n, "".join(traceback.format_stack(limit=24)[:-3])[-3000:], flush=True)
             self.bytes[kind] += n
             self.calls[kind] += 1
 
@@ -131,7 +147,7 @@ def analytic(cfg, model, pstate, batches):
 
     from tandem.models.moe import MoE
 
-    tp, ep, dp = pstate.degrees.tp, pstate.degrees.ep, pstate.degrees.dp
+    tp, ep, dp, cp = pstate.degrees.tp, pstate.degrees.ep, pstate.degrees.dp, pstate.degrees.cp
     m, K, k = cfg.model, cfg.mtp.num_steps, cfg.model.top_k
     E, Hh = m.num_experts, m.hidden_size
     out = defaultdict(float)
@@ -145,7 +161,7 @@ def analytic(cfg, model, pstate, batches):
     if has_last:
         execs += [isinstance(model.mtp.layer_for_step(s).block.mlp, MoE) for s in range(1, K + 1)]
     n_micro = len(batches)
-    T = MBS * SEQ
+    T = MBS * SEQ // cp  # this rank's rows of each micro-batch
     sp = bool(cfg.parallel.sequence_parallel and tp > 1)
     ce = 3 if cfg.mtp.loss_head_backward == "fused" else 6  # the head's per-row reductions, fwd (+ recompute)
     for b in batches:
@@ -161,8 +177,8 @@ def analytic(cfg, model, pstate, batches):
             # the embedding: the trunk and the MTP steps read one lookup of the whole S+K window, all-reduced
             # forward and backward (`SequenceShards`); under a pipeline the first stage reduce-scatters its
             # S tokens' lookup (all-gather backward) and the depth stage all-reduces a window of S+K-1 rows
-            if pipe is None:
-                out["all_reduce"] += 2 * F32 * MBS * (SEQ + K) * Hh
+            if pipe is None:  # under cp the rank's rows of each of the K + 1 shifts
+                out["all_reduce"] += 2 * F32 * MBS * ((K + 1) * SEQ // cp if cp > 1 else SEQ + K) * Hh
             else:
                 out["reduce_scatter"] += F32 * T * Hh * (1 if has_first else 0)
                 out["all_gather"] += F32 * T * Hh * (1 if has_first else 0)
@@ -178,7 +194,8 @@ def analytic(cfg, model, pstate, batches):
             # the embedding: one lookup per forward, the MTP steps reading it shifted (S+K rows per
             # sequence); under a pipeline the first stage looks up its S tokens and the stage holding the
             # MTP depths one window of S+K-1 rows for them all (models/model.py `shared_lookup`)
-            rows = SEQ + K if pipe is None else (SEQ if has_first else 0) + (SEQ + K - 1 if has_last and K else 0)
+            window = (K + 1) * SEQ // cp if cp > 1 else SEQ + K
+            rows = window if pipe is None else (SEQ if has_first else 0) + (SEQ + K - 1 if has_last and K else 0)
             out["all_reduce"] += F32 * MBS * rows * Hh
             if has_last:
                 out["all_reduce"] += F32 * (ce * T + T * Hh) * (K + 1)  # all T rows per depth, as above
@@ -191,7 +208,7 @@ def analytic(cfg, model, pstate, batches):
         for name, p in model.named_parameters():
             if name in finisher.sp_partial:
                 out["all_reduce"] += F32 * (p.to_local() if isinstance(p, DTensor) else p).numel()
-        if dp * ep == 1:  # router loads summed over tp (otherwise counted with the batch ranks')
+        if dp * cp * ep == 1:  # router loads summed over tp (otherwise counted with the batch ranks')
             out["all_reduce"] += F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
     act = T * Hh // (tp if sp else 1)
     if pipe is not None:
@@ -204,9 +221,13 @@ def analytic(cfg, model, pstate, batches):
             w = model.embed_tokens.weight
             out["all_reduce"] += F32 * (w.to_local() if isinstance(w, DTensor) else w).numel()
         out["all_reduce"] += F32 * (K + 1)  # the per-depth loss sums, each from the rank holding its depth
-    batch_ranks = dp * ep
-    if batch_ranks > 1:
-        out["all_reduce"] += 2 * F32 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
+    if cp > 1:
+        for kind, n in context_exchanges(cfg, model, pstate).items():
+            out[kind] += n_micro * n
+    if dp * ep > 1:  # the valid-target counts over the batch split (every cp rank counts whole samples)
+        out["all_reduce"] += F32 * (K + 1)
+    if dp * cp * ep > 1:  # the loss sums and router loads over the ranks computing different rows
+        out["all_reduce"] += F32 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
         from torch.distributed.fsdp import FSDPModule
 
         replicate = cfg.parallel.dp_mode == "allreduce"  # torch's replicate: FSDP2's units, all-reduced
@@ -238,6 +259,74 @@ def analytic(cfg, model, pstate, batches):
     return dict(out)
 
 
+def context_exchanges(cfg, model, pstate):
+    """This rank's bytes per micro-batch for the cp exchanges (trainer/parallel/context.py), each an
+    all-gather (output bytes: the whole window's) whose backward reduce-scatters as many bytes where
+    the tensor has a gradient (not token ids, positions or expert ids), per mixer execution:
+      attention  K and V [B, S, kv_heads / tp, head_dim];
+      QSA        K, V and the indexer's raw keys [B, S, D_i], positions [B, S] int64 (no gradient); where
+                 the indexer trains by its KL (the layers that select), the raw keys' gradient and the
+                 count of queries with a visible block ([B, S] int64);
+      GDN        the conv input's halo, kernel - 1 rows of [conv width / tp] per window chunk, and the
+                 carry: one [H / tp, dk, dk + dv] fp32 per window chunk;
+      PLE        the n-gram ids' halo (ngram_size - 1 int64 per chunk, no gradient) and the conv
+                 input's, conv_window rows of [hc x H] per chunk;
+      MoE        with the aux / z loss, an all-reduce of its 2E + 3 fp32 sums forward and backward.
+    Chunks: 2 cp (zigzag) or cp (contiguous); S, B the micro-batch's window and rows. Plus, with PLE, the
+    n-gram table's row split over the stage's ranks (cp among them): per PLE layer, the send counts
+    (int64 per rank), this rank's ids (int32, S / cp x ngram heads per row) and their rows back and
+    their gradients (fp32, embed_dim / ngram heads each; the rows' all-to-all input is data-dependent
+    per rank, its sum over ranks is not)."""
+    from tandem.models.moe import MoE
+
+    m, p, K = cfg.model, cfg.parallel, cfg.mtp.num_steps
+    tp, cp = p.tp, p.cp
+    chunks = 2 * cp if p.cp_sharding == "zigzag" else cp
+    rows, length = MBS * SEQ, SEQ // chunks
+    kv = m.num_kv_heads // tp * m.resolved_head_dim
+    mtp_kind = "indexed_attention" if m.uses_qsa else "attention"
+    kinds = [m.layer_type(int(i)) for i in model.layers] + [mtp_kind] * K
+    # QSA layers that select (MTP depths after the first reuse its selection under mtp.qsa_reuse_indices)
+    # train their indexer by the KL: their raw keys get a gradient, and they gather the window's
+    # count of queries with a visible block (int64 [B, S]); the others' raw keys get none
+    reusing = max(K - 1, 0) if (cfg.mtp.qsa_reuse_indices and mtp_kind == "indexed_attention") else 0
+    kl = sum(k == "indexed_attention" for k in kinds) - reusing if m.indexer_loss_coef > 0 else 0
+    ag, rs = I64 * rows * kl, F32 * rows * m.indexer_head_dim * kl
+    for kind in kinds:
+        if kind == "attention":
+            ag += 2 * F32 * rows * kv
+            rs += 2 * F32 * rows * kv
+        elif kind == "indexed_attention":
+            ag += F32 * rows * (2 * kv + m.indexer_head_dim) + I64 * rows
+            rs += F32 * rows * 2 * kv
+        elif kind == "linear_attention":
+            nk, nv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+            dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+            conv = 2 * nk * dk + nv * dv
+            halo = F32 * MBS * chunks * min(m.linear_conv_kernel - 1, length) * conv
+            state = F32 * MBS * chunks * nv * dk * (dk + dv)
+            ag += halo + state
+            rs += halo + state
+    for i in model.layers:
+        if int(i) in m.ple_layers:
+            ag += I64 * MBS * chunks * min(m.ngram_size - 1, length)
+            conv_window = min((m.ple_conv_kernel - 1) * m.ngram_size, length)  # a chunk sends at most itself
+            ag += F32 * MBS * chunks * conv_window * m.hc_count * m.hidden_size
+            rs += F32 * MBS * chunks * conv_window * m.hc_count * m.hidden_size
+    ar, a2a = 0.0, 0.0
+    if m.ple_layers and pstate.world_size > 1:
+        heads = (m.ngram_size - 1) * m.heads_per_ngram
+        ids = MBS * SEQ // cp * heads
+        a2a += len([i for i in model.layers if int(i) in m.ple_layers]) * (
+            8 * pstate.world_size + 4 * ids + 2 * F32 * ids * (m.ple_embed_dim // heads))
+    aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
+    if aux:  # the aux / z loss's per-expert sums, all-reduced forward and backward (`context.sum`)
+        moe = sum(isinstance(model.layers[i].mlp, MoE) for i in model.layers)
+        moe += K * isinstance(model.mtp.layer_for_step(1).block.mlp, MoE) if K else 0
+        ar += moe * 2 * F32 * (2 * m.num_experts + 3)
+    return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "all_to_all": a2a}
+
+
 def _inside_mtp(unit, model) -> bool:
     mtp = getattr(model, "mtp", None)
     return mtp is not None and unit is not model and any(unit is x for x in mtp.modules())
@@ -256,6 +345,38 @@ def _fsdp_events(unit, model, pipe, n_micro, every: bool):
     return (1 if is_root else n_micro + 1), 1
 
 
+def _count_context_exchanges() -> dict:
+    """Wraps the cp exchanges (trainer/parallel/context.py): counts the all-gathers' output bytes and
+    their gradients' (the backward reduce-scatters' input) as `gather`, and `ContextShards.sum`'s
+    all-reduced bytes forward and backward as `sum`, while `on`."""
+    from tandem.trainer.parallel import context
+
+    seen = defaultdict(float)
+
+    def on_grad(kind, y):
+        if y.requires_grad:
+            y.register_hook(lambda g: seen.__setitem__(kind, seen[kind] + _bytes(g)))
+
+    inner_gather, inner_sum = context.gather_along, context.ContextShards.sum
+
+    def gather(x, group, dim):
+        y = inner_gather(x, group, dim)
+        if seen["on"]:
+            seen["gather"] += _bytes(y)
+            on_grad("gather", y)
+        return y
+
+    def summed(self, x):
+        y = inner_sum(self, x)
+        if seen["on"]:
+            seen["sum"] += _bytes(y)
+            on_grad("sum", y)
+        return y
+
+    context.gather_along, context.ContextShards.sum = gather, summed
+    return seen
+
+
 # --- worker (under torchrun) -------------------------------------------------------------------------
 def worker(out_path, layouts):
     import torch.distributed as dist
@@ -268,9 +389,11 @@ def worker(out_path, layouts):
     from tandem.trainer.step import TrainStep
 
     torch.set_num_threads(1)
+    exchanged = _count_context_exchanges()
     results = {}
     for layout in layouts:
-        cfg = load_config(None, BASE + [f"parallel.{kv}" for kv in layout.split(",")])
+        base, spec = (QWEN4, layout[len("qwen4:"):]) if layout.startswith("qwen4:") else (BASE, layout)
+        cfg = load_config(None, base + [f"parallel.{kv}" for kv in spec.split(",")])
         cfg.model.vocab_size = VOCAB
         device = resolve_device("cpu")
         pstate = init_parallel(cfg, device)
@@ -287,16 +410,27 @@ def worker(out_path, layouts):
             if step == 1:
                 counter = make_counter()
                 counter.__enter__()
+                exchanged.clear()
+                exchanged["on"] = 1
+            tr.indexers.begin_step(step)  # QSA's stage and indexer loss, as the training loop sets them
             counts = tr.global_target_counts(batches)
             pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
             tr.clip_gradients()
             tr.update_router_biases()
             if step == 1:
                 counter.__exit__(None, None, None)
+                exchanged["on"] = 0
             tr.optimizer.step()
             tr.optimizer.zero_grad(set_to_none=True)
         measured = dict(counter.bytes)
         expected = analytic(cfg, model, pstate, batches)
+        if cfg.parallel.cp > 1:  # the cp exchanges alone, beside context_cost's count of the bytes a rank sends
+            from tandem.trainer.context_cost import context_bytes
+
+            share = (cfg.parallel.cp - 1) / cfg.parallel.cp  # of an all-gather's output / a reduce-scatter's input
+            # a ring all-gather / reduce-scatter sends `share` of its output / input, an all-reduce twice that
+            measured["cp_sent"] = share * (exchanged["gather"] + 2 * exchanged["sum"]) / ACCUM
+            expected["cp_sent"] = context_bytes(cfg, list(range(cfg.model.num_layers)), cfg.mtp.num_steps, F32)["sent"]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (measured, expected))
         results[layout] = gathered
@@ -316,7 +450,7 @@ def main(only=()):
     results = {}
     for world, layouts in sorted(by_world.items()):
         results.update(run_under_torchrun(__file__, world, layouts))
-    worst = 0.0
+    worst, worst_sent = 0.0, 0.0
     print(f"{'layout':36s} {'collective':16s} {'measured MB':>12s} {'analytic MB':>12s} {'ratio':>7s}")
     for layout in selected:
         meas, ana = defaultdict(float), defaultdict(float)
@@ -325,13 +459,20 @@ def main(only=()):
                 meas[k] += v
             for k, v in a_rank.items():
                 ana[k] += v
-        for kind in sorted(set(meas) | set(ana)):
+        for kind in sorted(k for k in (set(meas) | set(ana)) - {"cp_sent"} if meas[k] or ana[k]):
             ratio = meas[kind] / ana[kind] if ana[kind] else float("inf")
             worst = max(worst, ratio)
             print(f"{layout:36s} {kind:16s} {meas[kind] / 1e6:12.4f} {ana[kind] / 1e6:12.4f} {ratio:7.3f}")
+        sent_m, sent_a = meas.pop("cp_sent", 0.0), ana.pop("cp_sent", 0.0)
         total_m, total_a = sum(meas.values()), sum(ana.values())
         print(f"{layout:36s} {'TOTAL':16s} {total_m / 1e6:12.4f} {total_a / 1e6:12.4f} {total_m / total_a:7.3f}")
+        if sent_a:  # per micro-batch, summed over ranks
+            worst_sent = max(worst_sent, abs(sent_m / sent_a - 1))
+            print(f"{layout:36s} {'cp sent/microb.':16s} {sent_m / 1e6:12.4f} {sent_a / 1e6:12.4f} "
+                  f"{sent_m / sent_a:7.3f}  (context_cost.context_bytes 'sent')")
     print(f"max_measured_over_analytic={worst:.4f}")
+    if any("cp=" in layout for layout in selected):
+        print(f"context_cost_sent_max_deviation={worst_sent:.4f}")
 
 
 if __name__ == "__main__":

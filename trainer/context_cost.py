@@ -100,8 +100,9 @@ def balance(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, cp: int, sharding: s
 def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[str, float]:
     """Bytes CP adds to a rank holding trunk `layers` and `depths` MTP depths, per micro-batch in flight
     (kept for backward), by part; `stream`: QSA's transient top-k block; `sent`: bytes the rank sends
-    per micro-batch, forward and backward (all-gathers of K/V, indexer keys and GDN states with their
-    gradients' reduce-scatters, halo exchanges)."""
+    per micro-batch, forward and backward (all-gathers of K/V, indexer keys, GDN states and the MoE aux
+    loss's router logits with their gradients' reduce-scatters, QSA's positions, halo exchanges), as
+    bench/comm_volume.py measures them (a ring's (cp - 1)/cp of each all-gather's output)."""
     m, p = cfg.model, cfg.parallel
     if p.cp <= 1:
         return {}
@@ -126,7 +127,28 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     }
     out["stream"] = QSA_STREAM_ELEMS * (4 + 8) if n_qsa else 0.0
     share = (cp - 1) / cp  # an all-gather (and its gradient's reduce-scatter) sends this much of the whole
-    out["sent"] = 2 * (share * (out["gathered_kv"] + out["gdn_states"]) + out["halos"])
+    # sent once, forward (no gradient): QSA's gathered positions (and the documents' starts), PLE's n-gram
+    # ids halo; the MoE aux / z loss's 2E + 3 fp32 sums, all-reduced forward and backward (a ring
+    # all-reduce sends twice `share` of it)
+    ids = n_qsa * b * s * 8 * (2 if cfg.data.document_mask else 1)
+    # the QSA layers whose indexer learns by its KL (MTP depths after the first reuse depth 1's selection
+    # under mtp.qsa_reuse_indices) send their raw keys' gradient and gather the window's count of
+    # queries with a visible block ([B, S] int64); the others' raw keys get no gradient
+    reusing = max(depths - 1, 0) if cfg.mtp.qsa_reuse_indices and mtp_kind(m) == "indexed_attention" else 0
+    kl = n_qsa - reusing if m.indexer_loss_coef > 0 else 0
+    ids += kl * b * s * 8 - (n_qsa - kl) * b * s * m.indexer_head_dim * act_bytes  # (the latter: sent once)
+    ple_ids = chunks * b * 8 * min(m.ngram_size - 1, s // (cp * chunks)) * sum(i in m.ple_layers for i in layers)
+    aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
+    n_moe = sum(m.is_moe_layer(i) for i in layers) + (depths if cfg.mtp.moe and m.num_experts > 0 else 0)
+    router = n_moe * 2 * 2 * 4 * (2 * m.num_experts + 3) if aux else 0
+    # a halo's all-gather sends the rank's own tails (the size of the halo it receives) to each other rank
+    # (a chunk shorter than a halo sends all its rows, and the halo is made of several chunks' rows)
+    length = s // (cp * chunks)
+    halo_rows = n_gdn * min(m.linear_conv_kernel - 1, length) * conv + sum(
+        min((m.ple_conv_kernel - 1) * m.ngram_size, length) * m.hc_count * m.hidden_size
+        for i in layers if i in m.ple_layers)
+    out["sent"] = share * (2 * (out["gathered_kv"] + out["gdn_states"]) + ids + router) + (cp - 1) * (
+        2 * chunks * b * act_bytes * halo_rows + ple_ids)
     return out
 
 
