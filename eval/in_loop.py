@@ -4,7 +4,9 @@ It runs real speculative decoding (and plain autoregressive decoding for the spe
 fixed set of held-out prompts (the first `eval.prompt_len` tokens of the first `eval.num_prompts`
 samples of the validation split -- never the training split: `valid_ds` is build_datasets' held-out
 split, the stdlib corpus's `test/` files or the megatron blend's validation share / `data.valid_paths`)
-plus teacher-forced losses/accuracies on validation micro-batches, and returns `eval/*` metrics:
+plus teacher-forced losses/accuracies on validation micro-batches, and returns `eval/*` metrics. With
+`eval.suite` set the decoded prompts are a public prompt set's instead (eval/suites.py: spread over
+the suite, `eval.num_prompts` of each), read offline from an installed package:
 
 * greedy decoding (always): `acceptance_length`, `accept_rate/pos_k`, `draft_acceptance_rate`, the
   speed figures, and `distinct_2` / `distinct_4` of the greedy continuations (metrics.distinct_n: a
@@ -114,6 +116,28 @@ class InLoopEvaluator:
             prompt_len = max(1, min(e.prompt_len, cfg.data.seq_len))
             tokens = get_batch(valid_ds, list(range(e.num_prompts)))["tokens"]
             self.prompts = [row[:prompt_len].tolist() for row in tokens]
+        if getattr(e, "suite", ""):
+            self.prompts = self._suite_prompts(cfg, tokenizer)
+
+    def _suite_prompts(self, cfg, tokenizer) -> List[List[int]]:
+        """`eval.num_prompts` prompts spread over each suite of `eval.suite` (eval/suites.py), each cut
+        to the decoder's room (its last tokens: the text the continuation follows). Public prompt sets
+        put the in-loop figure on the scale papers report; the teacher-forced losses stay held-out."""
+        import os
+
+        from tandem.trainer.eval_cli import prompt_limit
+        from tandem.trainer.generate_io import chat_template_in
+
+        from .suites import load_suites, tokenize_suite
+
+        e = cfg.eval
+        if tokenizer is None:
+            raise ValueError(f"eval.suite={e.suite!r} needs the run's tokenizer")
+        tok = cfg.data.tokenizer or ""
+        chat = chat_template_in([tok if os.path.isdir(tok) else os.path.dirname(tok), cfg.model.init_from or ""])
+        limit = prompt_limit(cfg.model.max_seq_len, e.max_new_tokens, self.num_steps)
+        prompts, _ = tokenize_suite(load_suites(e.suite, e.num_prompts), tokenizer, chat, limit)
+        return prompts
 
     def _say_once(self, message: str) -> None:
         if not self._warned and self.pstate.is_main:

