@@ -339,6 +339,10 @@ class MTPConfig:
     concat_proj drafter you will serve, as recipes/finetune_mtp.yaml does)."""
     init_from_last_layer: bool = False
     """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk layer."""
+    init_from: str = ""
+    """A Tandem checkpoint (step_<N>/ or run directory) whose MTP module (its `mtp.*` weights only) replaces
+    this run's after the trunk is loaded from model.init_from: an MTP refresh puts the drafter of an
+    earlier checkpoint on a trunk fine-tuned without it (recipes/mtp_refresh.yaml). Empty: none."""
 
     def resolved_combine(self, model: "ModelConfig") -> str:
         if self.combine != "auto":
@@ -377,6 +381,8 @@ class MTPConfig:
             raise ValueError("mtp.style=parallel is not supported with hyper-connections (model.hc_count > 1)")
         if self.concat_order not in ("emb_hidden", "hidden_emb"):
             raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {self.concat_order!r}")
+        if self.init_from and not self.num_steps:
+            raise ValueError("mtp.init_from needs an MTP module to load into (mtp.num_steps > 0)")
         if self.trunk_input not in ("pre_norm", "final_norm"):
             raise ValueError(f"mtp.trunk_input must be 'pre_norm' or 'final_norm', got {self.trunk_input!r}")
         self.loss.validate(self.num_steps)

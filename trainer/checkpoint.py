@@ -228,7 +228,8 @@ def check_compatible(path: str, config_yaml: str) -> None:
         return out
 
     shape = differences("model", {"init_from"}) + differences(
-        "mtp", {"loss", "detach_trunk", "loss_chunk_tokens", "init_from_last_layer"})
+        "mtp", {"loss", "detach_trunk", "loss_chunk_tokens", "init_from_last_layer",
+                 "init_from"})
     if shape:
         raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
     tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source", "data.tokenizer",

@@ -8,6 +8,8 @@ allocates only this rank's shards (`to_empty`) and fills them:
   (one process and every layout start from identical weights);
 * `model.init_from` tensors are read slice by slice straight into the shards (trainer/hf/init_from);
   whatever the checkpoint lacks (new MTP layers) gets the seeded init.
+* `mtp.init_from` then overwrites the MTP module (only `mtp.*`) with another checkpoint's: an MTP refresh
+  puts the old drafter on a trunk fine-tuned without it (recipes/mtp_refresh.yaml).
 * buffers (rotary tables, router biases, load counts) are recomputed: `to_empty` leaves garbage.
 * with `train.freeze_trunk` the trunk is materialised in `train.frozen_dtype` (the compute dtype).
 """
@@ -69,3 +71,90 @@ def materialize(model: nn.Module, cfg, device) -> None:
                              init_rest=lambda loaded: init_seeded(model, cfg.train.seed, skip=loaded))
     else:
         init_seeded(model, cfg.train.seed)
+    if cfg.mtp.init_from:  # after the trunk, so it wins over whatever MTP weights model.init_from had
+        load_mtp_weights(model, cfg.mtp.init_from)
+
+
+def mtp_checkpoint_keys(path: str) -> dict:
+    """{name: global shape} of the `mtp.*` model tensors of the Tandem checkpoint at `path` (a step or
+    run directory). ConfigError naming `mtp.init_from` when it is no checkpoint or holds no MTP module."""
+    import torch.distributed.checkpoint as dcp
+
+    from .checkpoint_dirs import resolve_checkpoint
+    from .config import ConfigError
+
+    try:
+        step = resolve_checkpoint(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config key 'mtp.init_from'={path!r} is not a Tandem checkpoint (step_<N>/ with "
+                          "COMPLETE, or a run directory holding one)") from None
+    meta = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    found = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
+             if k.startswith("model.mtp.") and hasattr(v, "size")}
+    if not found:
+        raise ConfigError(f"config key 'mtp.init_from'={path!r}: {step} holds no MTP weights (mtp.* tensors)")
+    return found
+
+
+# MTPConfig fields that describe an MTP module's weights and wiring: a refresh takes them from mtp.init_from
+_MTP_WIRING = ("num_layers", "style", "moe", "combine", "concat_order", "trunk_input")
+
+
+def adopt_mtp_init_from(cfg) -> list:
+    """With mtp.init_from: check it holds an MTP module (before anything loads) and make this run's MTP
+    wiring its (a trunk checkpoint without MTP weights leaves e.g. mtp.trunk_input at the recipe's,
+    which the old drafter may not have been trained with). Returns the changes (also printed)."""
+    if not cfg.mtp.init_from:
+        return []
+    import os
+    import sys
+
+    from .checkpoint_dirs import resolve_checkpoint
+    from .config import ConfigError, validate
+    from .recipe import load_config
+
+    mtp_checkpoint_keys(cfg.mtp.init_from)
+    saved = load_config(os.path.join(resolve_checkpoint(cfg.mtp.init_from), "config.yaml")).mtp
+    changed = []
+    for key in _MTP_WIRING:
+        if getattr(cfg.mtp, key) != getattr(saved, key):
+            changed.append(f"mtp.{key}: {getattr(cfg.mtp, key)!r} -> {getattr(saved, key)!r}")
+            setattr(cfg.mtp, key, getattr(saved, key))
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"after taking the MTP module's wiring from mtp.init_from: {exc}") from None
+    if changed and int(os.environ.get("RANK", "0")) == 0:
+        print(f"mtp.init_from: MTP wiring from {cfg.mtp.init_from}: " + "; ".join(changed), file=sys.stderr)
+    return changed
+
+
+@torch.no_grad()
+def load_mtp_weights(model: nn.Module, path: str) -> list:
+    """Read exactly the `mtp.*` parameters of `model` (plain or sharded) from the checkpoint at `path`;
+    the trunk is left as loaded. Every MTP tensor must be there with this run's shape, else one-line
+    ConfigError naming `mtp.init_from`. Returns the names loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from .checkpoint_dirs import resolve_checkpoint
+    from .config import ConfigError
+
+    saved = mtp_checkpoint_keys(path)
+    wanted = {k: v for k, v in get_model_state_dict(model).items() if k.startswith("mtp.")}
+    if not wanted:
+        raise ConfigError(f"config key 'mtp.init_from'={path!r} is set but this run has no MTP module "
+                          "(mtp.num_steps=0)")
+    bad = [f"{k} missing" for k in sorted(wanted) if k not in saved]
+    bad += [f"{k} {saved[k]} vs {tuple(v.shape)}" for k, v in sorted(wanted.items())
+            if k in saved and saved[k] != tuple(v.shape)]
+    if bad:
+        raise ConfigError(f"config key 'mtp.init_from'={path!r}: its MTP module does not fit this run's "
+                          f"(match mtp.num_layers / mtp.moe and the trunk's shape): {'; '.join(bad[:3])}")
+    dcp.load({"model": wanted}, checkpoint_id=resolve_checkpoint(path))
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+    return sorted(wanted)

@@ -39,7 +39,7 @@ from .hf.init_from import (
     read_reference,
     resolve_init_from,
 )
-from .materialize import build_sharded_model
+from .materialize import adopt_mtp_init_from, build_sharded_model
 from .parallel import ParallelState, init_parallel
 from .parallel.device import (
     FINETUNE_MMAP_THRESHOLD,
@@ -153,12 +153,14 @@ def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
     if threshold > 0:
         set_malloc_mmap_threshold(threshold)
     if not cfg.model.init_from:
+        adopt_mtp_init_from(cfg)
         return None
     source = resolve_init_from(cfg.model.init_from)
     adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from, checkpoint_tokenizer(source))
     if adopted and int(os.environ.get("RANK", "0")) == 0:
         print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)", file=sys.stderr)
     adopt_checkpoint_config(cfg)
+    adopt_mtp_init_from(cfg)  # after the trunk's: the MTP module's wiring is mtp.init_from's
     return make_reference(cfg.model.init_from) if cfg.train.freeze_trunk else None
 
 

@@ -10,7 +10,8 @@ overrides appended. A command shown on several pages runs once.
   `tests/distributed/test_cli_layouts.py` runs (and compares with one process) are not run twice.
 - `tandem train recipes/tiny.yaml` is the pretraining run the other flows start from: it writes
   `runs/tiny` (the recipe's own run.dir) in the scratch directory, where the fine-tuning, eval, export
-  and report commands find it as written.
+  and report commands find it as written. A fine-tune of it writes its recipe's run.dir there too (the
+  docs evaluate and export it), after the documented `tandem generate` that writes its `data.paths`.
 - `tandem preprocess` runs as written on the example data under docs/ (linked into the scratch directory);
 - `tandem eval` gets a 2-prompt budget appended, `tandem generate` a 6-token one (and its prompt file);
   `tandem launch slurm` must carry `--check` or `--dry-run` (nothing is submitted); `--help` runs as is.
@@ -111,10 +112,25 @@ def is_training(command: str) -> bool:
 RUN_HERE = [c for c in COMMANDS if cli_layouts_command(c) is None]
 
 
+def recipe_run_dir(command: str):
+    """The run.dir of a `tandem train RECIPE` command's recipe (no run.dir override), else None."""
+    import yaml
+
+    argv = shlex.split(command)
+    if argv[:2] != ["tandem", "train"] or any(a.startswith("run.dir=") for a in argv):
+        return None
+    with open(os.path.join(ROOT, argv[2])) as f:
+        return (yaml.safe_load(f).get("run") or {}).get("dir")
+
+
+FINETUNES = {d: c for c in COMMANDS if is_training(c) and PRETRAIN_DIR in c and (d := recipe_run_dir(c))}
+"""{run dir: the documented fine-tune of the pretraining run that writes it}: later commands read it."""
+
+
 def test_docs_show_one_example_per_flow():
     readme = [c for c, pages in SHOWN.items() if "README.md" in pages]
     flows = {"pretrain": PRETRAIN, "slurm launch": "tandem launch slurm ",
-             "fine-tuning": "tandem train recipes/finetune_mtp.yaml",
+             "generate": "tandem generate ", "fine-tuning": "tandem train recipes/finetune_mtp_selfdistill.yaml",
              "evaluation": "tandem eval ", "serving": "tandem export "}
     for flow, start in flows.items():
         assert any(c.startswith(start) for c in readme), (flow, readme)
@@ -123,6 +139,12 @@ def test_docs_show_one_example_per_flow():
     # the docs' fine-tuning, eval and export examples read what the pretraining command writes
     with open(os.path.join(ROOT, "recipes", "tiny.yaml")) as f:
         assert f"dir: {PRETRAIN_DIR}\n" in f.read()
+    # the README's fine-tuning flow: generate -> fine-tune on what it wrote -> evaluate -> export that run
+    (ft_dir, ft), = [(d, c) for d, c in FINETUNES.items() if c.startswith(flows["fine-tuning"])]
+    gen = [c for c in readme if c.startswith("tandem generate ")]
+    assert any(f"data.paths=[{shlex.split(g)[shlex.split(g).index('--out') + 1]}]" in ft for g in gen), (gen, ft)
+    for flow in ("tandem eval --checkpoint ", "tandem export --checkpoint "):
+        assert any(c.startswith(flow + ft_dir) for c in readme), (flow, ft_dir)
 
 
 def test_training_commands_fit_the_suite_budget():
@@ -245,6 +267,39 @@ def _tandem_in_process(argv, cwd, capsys):
     return rc, out, err
 
 
+def _generate(command, workspace, capsys):
+    """A documented `tandem generate`, with its prompt file written when missing (rerunning it resumes)."""
+    argv = shlex.split(command)
+    prompts = workspace / argv[argv.index("--prompts") + 1]
+    if not prompts.exists():
+        prompts.write_text(GENERATE_PROMPTS)
+    rc, out, err = _tandem_in_process(argv + GENERATE_BUDGET, workspace, capsys)
+    assert rc == 0, err[-4000:]
+    return (workspace / argv[argv.index("--out") + 1]).read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def finetuned(workspace, corpus_cache, pretrained):
+    """Runs a documented fine-tune once, into its recipe's run.dir in the workspace (the docs' eval and
+    export read it there), after the documented generate that writes its data.paths."""
+    done = {}
+
+    def run(run_dir, capsys):
+        if run_dir not in done:
+            command = FINETUNES[run_dir]
+            for g in (c for c in COMMANDS if c.startswith("tandem generate ")):
+                out = shlex.split(g)[shlex.split(g).index("--out") + 1]
+                if f"data.paths=[{out}]" in command and not (workspace / out).exists():
+                    _generate(g, workspace, capsys)
+            # the 2 generated records give the default 98/2 split no validation record: half and half
+            proc = _run(shlex.split(command) + TINY + [f"data.cache_dir={corpus_cache}", "data.split=50,50,0"],
+                        workspace)
+            _check_training(command, proc, workspace / run_dir)
+            done[run_dir] = True
+
+    return run
+
+
 @pytest.mark.parametrize("command", RUN_HERE)
 def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, capsys):
     argv = shlex.split(command)
@@ -254,6 +309,11 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         return
     if PRETRAIN_DIR in command:  # reads (or writes beside) the pretraining run
         request.getfixturevalue("pretrained")
+    for run_dir in FINETUNES:  # a documented fine-tune, or a command that reads what it wrote
+        if command == FINETUNES[run_dir] or run_dir in argv[1:] or f"{run_dir}/" in command:
+            request.getfixturevalue("finetuned")(run_dir, capsys)
+    if command in FINETUNES.values():
+        return
     if is_training(command):  # a process of its own, as a user runs it
         run_dir = tmp_path / "run"
         proc = _run(argv + TINY + [f"data.cache_dir={corpus_cache}", f"run.dir={run_dir}"], workspace)
@@ -273,12 +333,7 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         result = json.loads(out.strip().splitlines()[-1])
         assert 1.0 <= result["acceptance_length"] <= 3.0, result  # TINY trains K=2
     elif argv[1] == "generate":
-        prompts = workspace / argv[argv.index("--prompts") + 1]
-        if not prompts.exists():
-            prompts.write_text(GENERATE_PROMPTS)
-        rc, out, err = _tandem_in_process(argv + GENERATE_BUDGET, workspace, capsys)
-        assert rc == 0, err[-4000:]
-        records = (workspace / argv[argv.index("--out") + 1]).read_text().splitlines()
+        records = _generate(command, workspace, capsys)
         assert len(records) == 2 and all(json.loads(r)["response_ids"] for r in records), records
     elif argv[1] == "export":
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
