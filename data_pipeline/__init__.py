@@ -3,7 +3,8 @@ megatron-core GPT datasets with a batch sampler indexed by consumed samples.
 
 Modules (import what you need; megatron-core is only imported by `preprocess` writing and `dataset`):
   tokenizer      `load_tokenizer`, `train_bpe`, `TandemTokenizer`
-  preprocess     `preprocess`, `preprocess_main` (`tandem preprocess`)
+  preprocess     `preprocess` (text corpora -> indexed datasets)
+  preprocess_cli `preprocess_main` (`tandem preprocess`, with `--chat`)
   stdlib_corpus  `prepare_stdlib_corpus`
   dataset        `build_datasets`, `get_batch`, `batch_indices`, `DataPosition`, `check_vocab`, `check_prefix`
   chat           prompt/response and chat records -> ids and response flags (`ChatEncoder`, `iter_records`)

@@ -50,17 +50,6 @@ def loss_mask_paths(prefix: str) -> dict:
     return {"bin": prefix + LOSS_MASK_SUFFIX + ".bin", "idx": prefix + LOSS_MASK_SUFFIX + ".idx"}
 
 
-def check_loss_mask_channel(prefix: str) -> None:
-    """Raise ValueError when `prefix`'s loss-mask channel does not describe its tokens' documents."""
-    from tandem.data_pipeline.dataset import check_prefix
-
-    tokens, flags = check_prefix(prefix), check_prefix(prefix + LOSS_MASK_SUFFIX)
-    if (tokens["sequences"], tokens["tokens"]) != (flags["sequences"], flags["tokens"]):
-        raise ValueError(f"{prefix}{LOSS_MASK_SUFFIX}.idx describes {flags['sequences']} documents of "
-                         f"{flags['tokens']} tokens, but {prefix}.idx {tokens['sequences']} of {tokens['tokens']}; "
-                         "re-run `tandem preprocess --chat`")
-
-
 def _texts_for_bpe(paths: Sequence[str]) -> Iterator[str]:
     """The text of every record, for training a byte-level BPE when no tokenizer is given; records that
     need a tokenizer (messages: its chat template; generate ids: the tokenizer that wrote them) fail."""

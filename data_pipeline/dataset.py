@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
 from tandem.data_pipeline.preprocess import output_paths, read_meta
 from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer
 
@@ -100,6 +101,15 @@ def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int
         raise ValueError(f"{idx_path} stores {dtype.name} tokens, too narrow for a vocabulary of {vocab_size}")
     return {"sequences": int(n_seq), "documents": int(n_doc - 1), "tokens": tokens, "itemsize": dtype.itemsize}
 
+
+
+def check_loss_mask_channel(prefix: str) -> None:
+    """Raise ValueError when `prefix`'s loss-mask channel does not describe its tokens' documents."""
+    tokens, flags = check_prefix(prefix), check_prefix(prefix + LOSS_MASK_SUFFIX)
+    if (tokens["sequences"], tokens["tokens"]) != (flags["sequences"], flags["tokens"]):
+        raise ValueError(f"{prefix}{LOSS_MASK_SUFFIX}.idx describes {flags['sequences']} documents of "
+                         f"{flags['tokens']} tokens, but {prefix}.idx {tokens['sequences']} of {tokens['tokens']}; "
+                         "re-run `tandem preprocess --chat`")
 
 def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
     """Megatron blend syntax -> (prefixes, weights or None).
@@ -232,7 +242,6 @@ def build_datasets(
         check_prefix(p, tokenizer.vocab_size)
         _check_made_with(p, tokenizer)
         if os.path.isfile(p + "_loss_mask.idx"):
-            from tandem.data_pipeline.chat_preprocess import check_loss_mask_channel
 
             check_loss_mask_channel(p)
 

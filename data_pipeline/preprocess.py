@@ -25,7 +25,6 @@ import glob
 import json
 import os
 import shutil
-import sys
 import time
 import uuid
 import warnings
@@ -441,52 +440,3 @@ def build_parser() -> argparse.ArgumentParser:
                    help="records are {prompt, response}, {messages} or `tandem generate` output: also write the "
                         "loss-mask channel PREFIX_loss_mask (loss on responses only; docs/data.md)")
     return p
-
-
-def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
-    """`tandem preprocess ...`: parse `argv`, run `preprocess`, print a one-line summary; returns 0.
-    Errors exit with status 1 and a one-line message."""
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    exts = [e.strip() for e in args.extensions.split(",") if e.strip()] if args.extensions else None
-    if args.chat:
-        return _preprocess_chat_main(parser, args)
-    try:
-        meta = preprocess(
-            args.input,
-            args.output_prefix,
-            tokenizer=args.tokenizer,
-            vocab_size=args.vocab_size,
-            text_key=args.text_key,
-            overwrite=args.overwrite,
-            tokenizer_sample_bytes=args.tokenizer_sample_bytes,
-            txt_sample_by=args.txt_sample_by,
-            extensions=exts,
-            log=lambda msg: print(msg, file=sys.stderr),
-        )
-    except (OSError, ValueError) as exc:
-        parser.exit(1, f"tandem preprocess: error: {exc}\n")
-    print(
-        f"preprocessed {meta['documents']} documents, {meta['tokens']} tokens "
-        f"(vocab {meta['vocab_size']}, eod {meta['eod_id']}, {meta['dtype']}) -> {meta['prefix']}.bin/.idx "
-        f"in {meta['seconds']:.1f}s"
-    )
-    return 0
-
-
-def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
-    """`tandem preprocess --chat ...` (data_pipeline/chat_preprocess.py)."""
-    from tandem.data_pipeline.chat_preprocess import preprocess_chat, summary_line
-
-    try:
-        meta = preprocess_chat(args.input, args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                               overwrite=args.overwrite, tokenizer_sample_bytes=args.tokenizer_sample_bytes,
-                               log=lambda msg: print(msg, file=sys.stderr))
-    except (OSError, ValueError) as exc:
-        parser.exit(1, f"tandem preprocess: error: {exc}\n")
-    print(summary_line(meta))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(preprocess_main())

@@ -31,7 +31,7 @@ run `tandem <command> --help` for a command's options
 
 # command -> (module, function taking argv)
 _COMMANDS = {
-    "preprocess": ("tandem.data_pipeline.preprocess", "preprocess_main"),
+    "preprocess": ("tandem.data_pipeline.preprocess_cli", "preprocess_main"),
     "eval": ("tandem.trainer.eval_cli", "eval_main"),
     "generate": ("tandem.trainer.generate", "generate_main"),
     "export": ("tandem.trainer.hf.export", "export_main"),

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from test_chat_data import SPECIALS, WORDS, make_tokenizer, write_jsonl  # noqa: E402
 
 from tandem.data_pipeline.dataset import build_datasets, get_batch  # noqa: E402
-from tandem.data_pipeline.preprocess import preprocess_main  # noqa: E402
+from tandem.data_pipeline.preprocess_cli import preprocess_main  # noqa: E402
 from tandem.models.mtp import depth_target_mask  # noqa: E402
 from tandem.trainer.config import TandemConfig  # noqa: E402
 

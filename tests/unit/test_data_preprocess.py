@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tandem.data_pipeline import preprocess as pp
-from tandem.data_pipeline.preprocess import preprocess, preprocess_main, read_meta
+from tandem.data_pipeline.preprocess import preprocess, read_meta
+from tandem.data_pipeline.preprocess_cli import preprocess_main
 from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
 
 DOCS = [
