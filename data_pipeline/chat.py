@@ -23,13 +23,13 @@ record (models/mtp.py `depth_target_mask`). Bad records raise `ValueError("FILE:
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tandem.data_pipeline import preprocess
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -41,19 +41,7 @@ FORMS = "{prompt, response}, {messages: [...]}, {prompt_ids, response_ids} or {t
 
 def expand_paths(paths: Sequence[str]) -> List[str]:
     """Files, `datasets` directories and globs -> existing paths in order; FileNotFoundError names a miss."""
-    out: List[str] = []
-    for item in paths:
-        item = os.path.expanduser(str(item))
-        if os.path.exists(item):
-            out.append(item)
-            continue
-        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else []
-        if not matches:
-            raise FileNotFoundError(f"data file not found: {item}")
-        out.extend(matches)
-    if not out:
-        raise ValueError("no chat data files given (data.paths)")
-    return out
+    return preprocess.expand_paths(paths, "data file not found", "no chat data files given (data.paths)")
 
 
 def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:

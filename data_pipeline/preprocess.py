@@ -73,7 +73,10 @@ def read_meta(prefix: str) -> Optional[dict]:
 # Reading documents
 
 
-def _expand_inputs(inputs: Union[str, Sequence[str]]) -> List[str]:
+def expand_paths(inputs: Union[str, Sequence[str]], missing: str = "input not found",
+                 empty: str = "no inputs given") -> List[str]:
+    """Files, directories and globs -> existing paths in order: FileNotFoundError "`missing`: PATH" for
+    a path that is not there and matches nothing, ValueError `empty` when nothing is given."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     out: List[str] = []
@@ -84,10 +87,10 @@ def _expand_inputs(inputs: Union[str, Sequence[str]]) -> List[str]:
             continue
         matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else []
         if not matches:
-            raise FileNotFoundError(f"input not found: {item}")
+            raise FileNotFoundError(f"{missing}: {item}")
         out.extend(matches)
     if not out:
-        raise ValueError("no inputs given")
+        raise ValueError(empty)
     return out
 
 
@@ -171,7 +174,7 @@ def iter_documents(
     documents and non-UTF-8 files are skipped. `hf_cache` is where HF `datasets` may write its Arrow
     cache (a temporary directory is used and removed when None)."""
     stats = stats or _Stats()
-    paths = _expand_inputs(inputs)
+    paths = expand_paths(inputs)
     own_cache = hf_cache is None
     if own_cache:
         import tempfile
@@ -261,7 +264,7 @@ def preprocess(
         raise ValueError(f"txt_sample_by={txt_sample_by!r} must be document, paragraph or line")
     if not overwrite:
         _refuse_existing(output_prefix)
-    paths = _expand_inputs(inputs)  # fail on missing inputs before any work
+    paths = expand_paths(inputs)  # fail on missing inputs before any work
     tokenizer, tok_source = _resolve_tokenizer(tokenizer)
     staging = _new_staging_dir(output_prefix)
     try:
