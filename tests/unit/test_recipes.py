@@ -21,6 +21,16 @@ DEVICE_GIB = {"H200": 131}
 # what each cluster recipe is: the DeepSeek-V3-like recipes are "a few billion" parameters, the
 # Qwen3.8-Flash-Next ones its published ~179B
 SIZES = {"moe_4b": (2e9, 8e9), "qwen38_flash": (1.7e11, 1.9e11)}
+# the keys a recipe's header says its command line gives (paths of the user's checkpoints and data)
+COMMAND_LINE = {
+    "finetune_mtp_selfdistill.yaml": ["model.init_from=runs/tiny", "data.paths=[runs/tiny-gen.jsonl]"],
+    "mtp_refresh.yaml": ["model.init_from=runs/trunk_ft", "mtp.init_from=runs/tiny",
+                         "data.paths=[runs/trunk_ft-gen.jsonl]"],
+}
+
+
+def _load(recipe: str):
+    return load_config(recipe, COMMAND_LINE.get(os.path.basename(recipe), []))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
@@ -28,10 +38,10 @@ def test_recipe_composes_validates_and_fits(recipe):
     text = open(recipe).read()
     header = text.split("\n\n")[0].split("run:")[0]
     assert text.startswith("#") and "ardware" in header, "header must state the hardware"
-    cfg = load_config(recipe)
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep * max(cfg.parallel.dp, 1)
+    cfg = _load(recipe)
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.ep * max(cfg.parallel.dp, 1)
     est = estimate(cfg, world)
-    print(f"{os.path.basename(recipe)}: world={world} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
+    print(f"{os.path.basename(recipe)}: world={world} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp} "
           f"ep={cfg.parallel.ep}) {est.summary()}")
     assert est.total_params > 0 and est.active_params_per_token <= est.total_params
     if cfg.device in HBM_GIB:
@@ -58,7 +68,7 @@ def test_pipeline_stages_and_ranks_within_1_2x_of_the_mean(recipe):
     schedule), carries more than 1.2x the mean training FLOPs (trainer/estimate.py's, as
     bench/pipeline_balance.py prints them), the Qwen3.8-Flash recipes' drafter depths included: with
     mtp.qsa_reuse_indices depth 1's QSA selection travels to the later depths' stages."""
-    cfg = load_config(recipe)
+    cfg = _load(recipe)
     plan = PipelinePlan(cfg)
     plan.check(cfg)
     layers, depths = item_flops(cfg)
@@ -112,7 +122,7 @@ def test_every_flavor_validates_and_reads_back_from_its_overrides(name):
 def test_recipe_models_are_named_flavors(recipe):
     """A recipe that trains a model from scratch takes its shape from a named flavor (one home for each
     shape); fine-tuning recipes take it from model.init_from."""
-    cfg = load_config(recipe)
+    cfg = _load(recipe)
     if cfg.model.init_from or "finetune" in os.path.basename(recipe):
         return
     matches = [name for name in flavors.names()
