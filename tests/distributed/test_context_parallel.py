@@ -41,6 +41,7 @@ LAYOUTS = {
     # (and its KL over the rank's queries), PLE's n-gram and conv halos, the aux loss over the window
     f"cp=2,{Q4},{DOCS}": 2,
     f"cp=2,tp=2,sequence_parallel=true,{Q4},{DOCS}": 4,
+    f"cp=2,ep=2,{Q4},{DOCS}": 4,
     # MTP depth 1's QSA selection (this rank's queries over the window's blocks) crosses a stage boundary
     f"cp=2,pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],{Q4},{DOCS}": 4,
     f"tp=2,ep=2,pp=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 16,
@@ -48,6 +49,8 @@ LAYOUTS = {
 BF16_LAYOUTS = {
     f"cp=2,{DOCS},{eq.BF16}": 2,
     f"cp=2,{Q4},{eq.BF16}": 2,
+    f"cp=2,tp=2,sequence_parallel=true,{DOCS},{eq.BF16}": 4,
+    f"cp=2,ep=2,{Q4},{eq.BF16}": 4,
 }
 
 
