@@ -37,11 +37,11 @@ def test_router_computes_in_fp32_under_autocast(score, n_group):
     ref_w, ref_idx, ref_logits = moe.router(x)  # plain fp32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         w, idx, logits = moe.router(x)
-        aux = moe._aux_loss(logits, idx)
+        aux, _ = moe._window_aux(logits, idx, 1.0, None)
     assert logits.dtype == w.dtype == aux.dtype == torch.float32
     # bit-identical to the fp32 computation: autocast did not turn the router's matmul into bf16
     assert torch.equal(logits, ref_logits) and torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
-    assert torch.equal(aux, moe._aux_loss(ref_logits, ref_idx))
+    assert torch.equal(aux, moe._window_aux(ref_logits, ref_idx, 1.0, None)[0])
     # a bf16 router would not be: its logits carry bf16 rounding
     bf16_logits = torch.nn.functional.linear(x.bfloat16(), moe.router.weight.bfloat16()).float()
     assert (bf16_logits - ref_logits).abs().max() > 1e-4
