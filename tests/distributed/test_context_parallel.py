@@ -8,7 +8,6 @@ target contributes finite zeros and one process's gradients (context_worker.py).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -90,13 +89,8 @@ PER_TOKEN = {
 @pytest.fixture(scope="module")
 def per_token_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_per_token")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for world in sorted(set(PER_TOKEN.values())):
-        layouts = [layout for layout, w in PER_TOKEN.items() if w == world]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               os.path.join(HERE, "context_worker.py"), str(out), *layouts]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        eq.launch(out, world, [layout for layout, w in PER_TOKEN.items() if w == world], "context_worker.py")
     return out
 
 

@@ -180,10 +180,11 @@ def batch_ranks(layout: str) -> int:
     return int(kv.get("dp", 1)) * int(kv.get("ep", 1)) if "dp" in kv else int(kv.get("ep", 1))
 
 
-def launch(tmp_path, world: int, layouts):
+def launch(tmp_path, world: int, layouts, script: str = "worker.py"):
+    """`script` (a worker of this folder) under torchrun on `world` ranks, writing into `tmp_path`."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.join(HERE, "worker.py"), str(tmp_path), *layouts]
+           os.path.join(HERE, script), str(tmp_path), *layouts]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
