@@ -114,8 +114,7 @@ class ContextShards(WholeWindow):
         window = self._window_order(gathered).reshape(b, self.total * m, *rest)  # chunk by chunk, in order
         # the rows before chunk c end at row c * m of `window`; `fill` stands before the window's start
         padded = torch.cat([window.new_full((b, n, *rest), fill), window], dim=1)
-        before = [padded[:, c * m: c * m + n] if m == n else padded[:, c * length: c * length + n]
-                  for c in self.mine]
+        before = [padded[:, c * m: c * m + n] for c in self.mine]
         return torch.stack(before, 1).reshape(bc, n, *rest)
 
     def carry(self, transition_bhkk: torch.Tensor, final_bhkv: torch.Tensor) -> torch.Tensor:
