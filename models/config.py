@@ -420,51 +420,63 @@ def _validate_hybrid(model: ModelConfig) -> None:
                          f"{model.hc_lowrank}")
     types = [model.layer_type(i) for i in range(model.num_layers)]
     if "linear_attention" in types:
-        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                    "linear_conv_kernel"):
-            if getattr(model, key) <= 0:
-                raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
-        if model.linear_num_value_heads % model.linear_num_key_heads:
-            raise ValueError(f"model.linear_num_key_heads={model.linear_num_key_heads} must divide "
-                             f"model.linear_num_value_heads={model.linear_num_value_heads}")
-        if model.linear_gate_act not in ("silu", "sigmoid"):
-            raise ValueError(f"model.linear_gate_act must be 'silu' or 'sigmoid', got {model.linear_gate_act!r}")
-        if model.linear_kernel not in ("auto", "torch", "fla"):
-            raise ValueError(f"model.linear_kernel must be 'auto', 'torch' or 'fla', got {model.linear_kernel!r}")
+        _validate_linear_attention(model)
     if "indexed_attention" in types:
-        for key in ("indexer_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"):
-            if getattr(model, key) <= 0:
-                raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
-        if model.indexer_budget % model.indexer_compress_ratio:
-            raise ValueError(f"model.indexer_budget={model.indexer_budget} must be divisible by "
-                             f"model.indexer_compress_ratio={model.indexer_compress_ratio}")
-        rot = int(model.resolved_head_dim * model.partial_rotary_factor)
-        if rot > model.indexer_head_dim:
-            raise ValueError(f"model.indexer_head_dim={model.indexer_head_dim} must hold the attention's rotary width "
-                             f"{rot} (head_dim x partial_rotary_factor)")
-        if model.qsa_form not in ("auto", "mask", "gather"):
-            raise ValueError(f"model.qsa_form must be 'auto', 'mask' or 'gather', got {model.qsa_form!r}")
-        if model.indexer_loss_coef < 0 or model.indexer_warmup_steps < 0:
-            raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
-        if model.indexer_warmup not in ("auto", "joint", "indexer_only"):
-            raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or indexer_only")
+        _validate_indexed_attention(model)
     if model.ple_layers:
-        if model.hc_count <= 1:
-            raise ValueError("model.ple_layers needs hyper-connections (model.hc_count > 1), got "
-                             f"hc_count={model.hc_count}")
-        ngram_heads = (model.ngram_size - 1) * model.heads_per_ngram
-        if ngram_heads <= 0 or model.resolved_ple_embed_dim % ngram_heads:
-            raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive multiple of the "
-                             f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x model.heads_per_ngram)")
-        for i in model.ple_layers:
-            if not 0 <= i < model.num_layers:
-                raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < {model.num_layers})")
-            if types[i] != "linear_attention":
-                raise ValueError(f"model.ple_layers: PLE is only supported on linear_attention layers, layer {i} is "
-                                 f"{types[i]}")
-        if model.eos_token_id < 0:
-            raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE n-grams stop at "
-                             "it)")
-        if model.ple_conv_kernel <= 0 or model.ngram_vocab_base <= 1 or model.ngram_vocab_multiple <= 0:
-            raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and model.ngram_vocab_multiple must be "
-                             "positive")
+        _validate_ple(model, types)
+
+
+def _validate_linear_attention(model: ModelConfig) -> None:
+    for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel"):
+        if getattr(model, key) <= 0:
+            raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
+    if model.linear_num_value_heads % model.linear_num_key_heads:
+        raise ValueError(f"model.linear_num_key_heads={model.linear_num_key_heads} must divide "
+                         f"model.linear_num_value_heads={model.linear_num_value_heads}")
+    if model.linear_gate_act not in ("silu", "sigmoid"):
+        raise ValueError(f"model.linear_gate_act must be 'silu' or 'sigmoid', got {model.linear_gate_act!r}")
+    if model.linear_kernel not in ("auto", "torch", "fla"):
+        raise ValueError(f"model.linear_kernel must be 'auto', 'torch' or 'fla', got {model.linear_kernel!r}")
+
+
+def _validate_indexed_attention(model: ModelConfig) -> None:
+    for key in ("indexer_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"):
+        if getattr(model, key) <= 0:
+            raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
+    if model.indexer_budget % model.indexer_compress_ratio:
+        raise ValueError(f"model.indexer_budget={model.indexer_budget} must be divisible by "
+                         f"model.indexer_compress_ratio={model.indexer_compress_ratio}")
+    rot = int(model.resolved_head_dim * model.partial_rotary_factor)
+    if rot > model.indexer_head_dim:
+        raise ValueError(f"model.indexer_head_dim={model.indexer_head_dim} must hold the attention's rotary width "
+                         f"{rot} (head_dim x partial_rotary_factor)")
+    if model.qsa_form not in ("auto", "mask", "gather"):
+        raise ValueError(f"model.qsa_form must be 'auto', 'mask' or 'gather', got {model.qsa_form!r}")
+    if model.indexer_loss_coef < 0 or model.indexer_warmup_steps < 0:
+        raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
+    if model.indexer_warmup not in ("auto", "joint", "indexer_only"):
+        raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or indexer_only")
+
+
+def _validate_ple(model: ModelConfig, types: List[str]) -> None:
+    if model.hc_count <= 1:
+        raise ValueError("model.ple_layers needs hyper-connections (model.hc_count > 1), got "
+                         f"hc_count={model.hc_count}")
+    ngram_heads = (model.ngram_size - 1) * model.heads_per_ngram
+    if ngram_heads <= 0 or model.resolved_ple_embed_dim % ngram_heads:
+        raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive multiple of the "
+                         f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x model.heads_per_ngram)")
+    for i in model.ple_layers:
+        if not 0 <= i < model.num_layers:
+            raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < {model.num_layers})")
+        if types[i] != "linear_attention":
+            raise ValueError(f"model.ple_layers: PLE is only supported on linear_attention layers, layer {i} is "
+                             f"{types[i]}")
+    if model.eos_token_id < 0:
+        raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE n-grams stop at "
+                         "it)")
+    if model.ple_conv_kernel <= 0 or model.ngram_vocab_base <= 1 or model.ngram_vocab_multiple <= 0:
+        raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and model.ngram_vocab_multiple must be "
+                         "positive")

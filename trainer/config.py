@@ -497,8 +497,3 @@ class TandemConfig:
              "must be >= data.seq_len + mtp.num_steps + 1"),
         ])
 
-
-def validate(cfg: TandemConfig) -> None:
-    """Check sizes and choices that no type can express, section by section (`TandemConfig.validate`).
-    Raises ConfigError naming the key."""
-    cfg.validate()

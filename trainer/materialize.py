@@ -110,7 +110,7 @@ def adopt_mtp_init_from(cfg) -> list:
     import sys
 
     from .checkpoint_dirs import resolve_checkpoint
-    from .config import ConfigError, validate
+    from .config import ConfigError
     from .recipe import load_config
 
     mtp_checkpoint_keys(cfg.mtp.init_from)
@@ -121,7 +121,7 @@ def adopt_mtp_init_from(cfg) -> list:
             changed.append(f"mtp.{key}: {getattr(cfg.mtp, key)!r} -> {getattr(saved, key)!r}")
             setattr(cfg.mtp, key, getattr(saved, key))
     try:
-        validate(cfg)
+        cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"after taking the MTP module's wiring from mtp.init_from: {exc}") from None
     if changed and int(os.environ.get("RANK", "0")) == 0:

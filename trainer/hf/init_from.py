@@ -71,7 +71,7 @@ def checkpoint_model_config(path: str):
 def adopt_checkpoint_config(cfg) -> List[str]:
     """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP weights)
     with the checkpoint's; revalidate; return the keys that changed (also printed)."""
-    from ..config import ConfigError, validate
+    from ..config import ConfigError
 
     ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
@@ -85,7 +85,7 @@ def adopt_checkpoint_config(cfg) -> List[str]:
         changed.append(f"mtp.trunk_input: {cfg.mtp.trunk_input!r} -> {trunk_input!r}")
         cfg.mtp.trunk_input = trunk_input
     try:
-        validate(cfg)
+        cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"after taking the model shape from model.init_from: {exc}") from None
     if changed and int(os.environ.get("RANK", "0")) == 0:

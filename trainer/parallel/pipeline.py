@@ -224,6 +224,25 @@ def prune_model(model: nn.Module, cfg, pp_rank: int) -> None:
             setattr(model, piece, None)
 
 
+def _shared_piece_units(model: nn.Module, plan, mine) -> List[tuple]:
+    """The shared pieces this rank holds, in units of the same holder ranks (one pp group each), as
+    (pieces, this rank's stages using them), in one order on every rank: a unit's gradient sums start
+    once this rank's stages using it are done (`Pipeline._stage_done`) and every unit before it started,
+    so the groups' buckets are issued in the same order everywhere."""
+    holders, units = plan.holders(), []
+    for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
+        if getattr(model, piece, None) is None:
+            continue
+        unit = next((u for u in units if holders[u[0][0]] == holders[piece]), None)
+        if unit is None:
+            units.append(([piece], set()))
+        else:
+            unit[0].append(piece)
+    for pieces, stages in units:
+        stages.update(s for s in mine if set(pieces) & set(plan.stage_pieces(s)))
+    return units
+
+
 class Pipeline:
     """`ParallelState.pipeline`: runs one step's micro-batches through the schedule on this rank."""
 
@@ -270,20 +289,7 @@ class Pipeline:
 
         self._kinds = (_notifying(pipeline_stage_class(p.reshard_after_microbatch)), Schedule1F1B, ScheduleGPipe,
                        ScheduleInterleaved1F1B)
-        # Shared pieces in units of the same holder ranks (one pp group each), in one order on every
-        # rank: a unit's gradient sums start once this rank's stages using it are done (`_stage_done`)
-        # and every unit before it started, so the groups' buckets are issued in the same order everywhere.
-        holders, self._units = plan.holders(), []
-        for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
-            if getattr(model, piece, None) is None:
-                continue
-            unit = next((u for u in self._units if holders[u[0][0]] == holders[piece]), None)
-            if unit is None:
-                self._units.append(([piece], set()))
-            else:
-                unit[0].append(piece)
-        for pieces, stages in self._units:
-            stages.update(s for s in mine if set(pieces) & set(plan.stage_pieces(s)))
+        self._units = _shared_piece_units(model, plan, mine)
         self.finisher = None
         """The GradientFinisher: `start(pieces)` once a unit's gradients on this rank are final."""
         self._waiting: List[set] = []

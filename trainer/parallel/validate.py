@@ -72,30 +72,7 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     if p.cp > 1:
         validate_context_parallel(cfg)
     if p.tp > 1:
-        if cfg.train.distill != "none":
-            raise ConfigError(f"train.distill={cfg.train.distill!r} is not supported with parallel.tp={p.tp} yet "
-                              "(the teacher reads the whole output head); use tp=1 with ep/pp/dp")
-        if m.num_heads % p.tp:
-            raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}")
-        if m.num_kv_heads % p.tp:
-            raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={p.tp}")
-        if any(m.layer_type(i) == "linear_attention" for i in range(m.num_layers)):
-            # Gated DeltaNet shards whole key-head groups (q_g, k_g and the value heads g serves)
-            for key in ("linear_num_key_heads", "linear_num_value_heads"):
-                if getattr(m, key) % p.tp:
-                    raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={p.tp} "
-                                      "(Gated DeltaNet heads are split over tp)")
-        if m.num_experts > 0 and m.num_shared_experts > 0 and m.resolved_shared_expert_size % p.tp:
-            raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} (the shared "
-                              f"expert's width) is not divisible by parallel.tp={p.tp}")
-        if m.vocab_size % p.tp:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel "
-                              "head)")
-        if m.intermediate_size % p.tp or m.moe_intermediate_size % p.tp:
-            raise ConfigError(f"model.intermediate_size={m.intermediate_size} / moe_intermediate_size="
-                              f"{m.moe_intermediate_size} must be divisible by parallel.tp={p.tp}")
-        if m.tie_embeddings:
-            raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
+        _validate_tensor_parallel(cfg, p.tp)
     if p.sequence_parallel and cfg.data.seq_len % (p.tp * p.cp):
         raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by "
                           f"parallel.tp*cp={p.tp * p.cp}")
@@ -110,6 +87,35 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
         PipelinePlan(cfg).check(cfg)
         pipeline_microbatches(cfg)  # raises when the step's sequences cannot be split
     return dp
+
+
+def _validate_tensor_parallel(cfg: TandemConfig, tp: int) -> None:
+    """Every width tensor parallelism splits must divide by tp."""
+    m = cfg.model
+    if cfg.train.distill != "none":
+        raise ConfigError(f"train.distill={cfg.train.distill!r} is not supported with parallel.tp={tp} yet "
+                          "(the teacher reads the whole output head); use tp=1 with ep/pp/dp")
+    if m.num_heads % tp:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={tp}")
+    if m.num_kv_heads % tp:
+        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={tp}")
+    if any(m.layer_type(i) == "linear_attention" for i in range(m.num_layers)):
+        # Gated DeltaNet shards whole key-head groups (q_g, k_g and the value heads g serves)
+        for key in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(m, key) % tp:
+                raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={tp} "
+                                  "(Gated DeltaNet heads are split over tp)")
+    if m.num_experts > 0 and m.num_shared_experts > 0 and m.resolved_shared_expert_size % tp:
+        raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} (the shared "
+                          f"expert's width) is not divisible by parallel.tp={tp}")
+    if m.vocab_size % tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (vocab-parallel "
+                          "head)")
+    if m.intermediate_size % tp or m.moe_intermediate_size % tp:
+        raise ConfigError(f"model.intermediate_size={m.intermediate_size} / moe_intermediate_size="
+                          f"{m.moe_intermediate_size} must be divisible by parallel.tp={tp}")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true is not supported with parallel.tp > 1")
 
 
 def context_chunk(cfg: TandemConfig) -> int:
