@@ -93,17 +93,16 @@ def training_layout_runs(request, tmp_path_factory):
     torchrun launch per world size (tests/distributed/worker.py) into one directory: each launch starts
     its ranks, imports torch and forms the process group once, which on a 2-core machine costs as much
     as several layouts. Compiled layouts run last in their launch (they switch dynamo settings)."""
-    import sys
+    from tests.distributed.test_parallel_equivalence import launch
 
-    from test_parallel_equivalence import launch
-
-    collected = {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items
+    # the collected modules by their last dotted name (tests.distributed.test_x -> test_x)
+    collected = {item.module.__name__.rsplit(".", 1)[-1]: item.module for item in request.session.items
                  if getattr(item, "module", None) is not None}
     by_world = {}
     for name, tables in TRAINING_LAYOUT_TABLES.items():
-        if name not in collected:
+        module = collected.get(name)
+        if module is None:
             continue
-        module = sys.modules[next(m for m in sys.modules if m.rsplit(".", 1)[-1] == name)]
         for table in tables:
             for layout, world in getattr(module, table).items():
                 if layout not in by_world.setdefault(world, []):  # a layout two modules check trains once

@@ -4,14 +4,12 @@ while autograd was running that micro-batch's backward, for each `parallel.resha
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import worker  # noqa: E402
+from tests.distributed import worker
 
 
 def main() -> None:

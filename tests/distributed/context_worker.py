@@ -1,7 +1,7 @@
 """Per-token, per-depth checks of context parallelism, on the model itself (no FSDP around it).
 
-Run under torchrun (`torchrun --nproc-per-node CP context_worker.py OUT LAYOUT...`) or import `measure`
-for the one-process reference. Every rank builds the same seeded model, the cp ranks split each window
+Run under torchrun (`torchrun --nproc-per-node CP -m tests.distributed.context_worker OUT LAYOUT...`) or
+import `measure` for the one-process reference. Every rank builds the same seeded model, the cp ranks split each window
 (`ContextShards` put in place of the model's window, as apply_parallelism does), and for a batch with
 document starts on, and one off, every chunk edge each rank writes `OUT/<layout>.rank<r>.pt`:
 * `per_token`: [depths, B, S] cross-entropy of every window position at every depth (targets masked
@@ -21,8 +21,7 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import worker  # noqa: E402
+from tests.distributed import worker
 
 
 def _per_token(model, batch, document_mask: bool) -> torch.Tensor:

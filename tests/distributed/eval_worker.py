@@ -1,8 +1,8 @@
 """The in-loop evaluator on a parallel layout: speculative decoding of fixed prompts with weights that
 make the MTP drafts mostly right (tests/eval_helpers.make_agreeing on the plain model, before it is
-sharded), so acceptance is exercised. Run under torchrun (`eval_worker.py OUT LAYOUT...`, layouts as
-in worker.py), or `evaluate("single")` in one process for the reference. Rank 0 writes
-`OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens of every prompt.
+sharded), so acceptance is exercised. Run under torchrun (`-m tests.distributed.eval_worker OUT
+LAYOUT...`, torchrun.py; layouts as in worker.py), or `evaluate("single")` in one process for the
+reference. Rank 0 writes `OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens of every prompt.
 
 Every rank writes its Python stack (every thread) to `OUT/stacks/rank<r>.txt` if it dies of a fatal
 signal (SIGSEGV, SIGABRT, ...) or is stopped by torchrun's SIGTERM after another rank died, so a
@@ -19,10 +19,7 @@ from typing import List
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: eval_helpers
-import worker  # noqa: E402
+from tests.distributed import worker
 
 # 5 prompts in batches of 2: three batches, so two replicas split them unevenly (one pads a slot)
 EVAL = ["eval.num_prompts=5", "eval.batch_size=2", "eval.max_new_tokens=14", "eval.loss_batches=1", "eval.interval=1"]
@@ -101,13 +98,12 @@ def make_history_sensitive(model, seed: int):
 
 
 def evaluate(layout: str) -> dict:
-    from eval_helpers import make_agreeing
-
     from tandem.eval.in_loop import InLoopEvaluator
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
     from tandem.trainer.parallel.pipeline_decode import parallel_decoding
     from tandem.trainer.run import build_model
+    from tests.eval_helpers import make_agreeing
 
     q4, history = is_qwen4(layout), HISTORY in layout.split(",")
     items = [kv for kv in layout.split(",") if kv != HISTORY]

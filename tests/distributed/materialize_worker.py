@@ -14,8 +14,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import worker  # noqa: E402
+from tests.distributed import worker
 
 
 class LargestAllocation(TorchDispatchMode):

@@ -12,10 +12,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import worker  # noqa: E402
-from collectives import CollectiveRecorder  # noqa: E402
+from tests.distributed import worker
+from tests.distributed.collectives import CollectiveRecorder
 
 
 def all_reduces(recorder: CollectiveRecorder) -> int:

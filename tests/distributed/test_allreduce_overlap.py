@@ -7,22 +7,17 @@ all-reduce layout matches one process, in both modes)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from tests.distributed import torchrun
+
 pytestmark = [pytest.mark.distributed]
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_allreduce_mode_overlaps_each_backward_or_the_last_only():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "allreduce_overlap_worker.py")]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-                          capture_output=True, text=True, timeout=300)
+    proc = torchrun.run(2, "tests.distributed.allreduce_overlap_worker", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     found = re.findall(r"rank\d every=(True|False) micro_batches=(\d+) blocks=(\d+) all_reduces_in_backward=([\d,]+)",
                        proc.stdout)

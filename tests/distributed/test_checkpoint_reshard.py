@@ -23,12 +23,10 @@ import shutil
 import sys
 
 import pytest
-from conftest import fault_env
 from omegaconf import OmegaConf
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from test_cli_layouts import RECIPE, SMALL, main_losses, run, tandem_cmd  # noqa: E402
+from tests.conftest import fault_env
+from tests.distributed.test_cli_layouts import RECIPE, SMALL, main_losses, run, tandem_cmd
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEBUG_MODEL, QUIET, TINY_DATA
+
+from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parallel_equivalence import (  # puts worker on sys.path
+
+from tests.distributed.test_parallel_equivalence import (
     BF16_EVIDENCE,
     BF16_GAP_FACTOR,
     BF16_ROUNDING,

@@ -7,16 +7,11 @@ target contributes finite zeros and one process's gradients (context_worker.py).
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import context_worker  # noqa: E402
-import test_parallel_equivalence as eq  # noqa: E402
+from tests.distributed import context_worker
+from tests.distributed import test_parallel_equivalence as eq
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -90,7 +85,7 @@ PER_TOKEN = {
 def per_token_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_per_token")
     for world in sorted(set(PER_TOKEN.values())):
-        eq.launch(out, world, [layout for layout, w in PER_TOKEN.items() if w == world], "context_worker.py")
+        eq.launch(out, world, [layout for layout, w in PER_TOKEN.items() if w == world], context_worker.__name__)
     return out
 
 

@@ -9,16 +9,12 @@ them padding a slot) and data parallelism (FSDP), one torchrun launch per world 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import eval_worker  # noqa: E402
+from tests.distributed import eval_worker, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -83,11 +79,8 @@ def runs(tmp_path_factory):
     by_world = {}
     for layout, world in {**LAYOUTS, **Q4_LAYOUTS}.items():
         by_world.setdefault(world, []).append(layout)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for world, layouts in sorted(by_world.items()):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               os.path.join(HERE, "eval_worker.py"), str(out), *layouts]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        proc = torchrun.run(world, eval_worker.__name__, out, *layouts)
         assert proc.returncode == 0, crash_report(proc, out)
     return out
 

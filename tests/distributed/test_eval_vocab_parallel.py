@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-UNIT = os.path.join(os.path.dirname(HERE), "unit")
+from tests.distributed import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_vocab_parallel_teacher_forced(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.abspath(__file__),
-           str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun.run(2, "tests.distributed.test_eval_vocab_parallel", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
@@ -53,11 +47,9 @@ def main(out_dir: str) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    sys.path.insert(0, UNIT)
-    import test_eval_teacher_forced as unit  # noqa: E402
-
     from tandem.eval.metrics import teacher_forced
     from tandem.trainer.parallel.tensor import VocabParallelHead
+    from tests.unit import test_eval_teacher_forced as unit
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

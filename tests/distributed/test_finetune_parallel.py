@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 from tandem.trainer.cli import main
+from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -29,12 +29,10 @@ def _args(ckpt: str, prompts: str, case: str, out: str) -> list:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus_cache, one_thread):
     """A tiny checkpoint (2 kv heads for tp2), the prompts, and one process's file of each case."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from conftest import TINY_OVERRIDES
-
     from tandem.trainer.generate import generate_main
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
+    from tests.conftest import TINY_OVERRIDES
 
     root = tmp_path_factory.mktemp("generate_layouts")
     train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [

@@ -5,15 +5,9 @@ one-process build's exactly, and no tensor it allocated while building exceeded 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import worker  # noqa: E402
+from tests.distributed import torchrun, worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,10 +25,7 @@ def test_layouts_materialise_only_their_shards_and_equal_one_process(tmp_path):
     torch.manual_seed(7)
     mtp = type(cfg.mtp)(num_steps=0)
     export_hf(TandemModel(cfg.model, mtp), str(tmp_path / "hf"), "glm4_moe", cfg=cfg.model, mtp=mtp)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(HERE, "materialize_worker.py"), str(tmp_path), str(tmp_path / "hf"), *LAYOUTS]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun.run(4, "tests.distributed.materialize_worker", tmp_path, tmp_path / "hf", *LAYOUTS)
     assert proc.returncode == 0, proc.stderr[-6000:]
     for layout in LAYOUTS:
         for r in range(4):

@@ -9,16 +9,10 @@ steps is checked for device tensors and no float64.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import worker  # noqa: E402
+from tests.distributed import torchrun, worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -180,12 +174,9 @@ def batch_ranks(layout: str) -> int:
     return int(kv.get("dp", 1)) * int(kv.get("ep", 1)) if "dp" in kv else int(kv.get("ep", 1))
 
 
-def launch(tmp_path, world: int, layouts, script: str = "worker.py"):
-    """`script` (a worker of this folder) under torchrun on `world` ranks, writing into `tmp_path`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.join(HERE, script), str(tmp_path), *layouts]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+def launch(tmp_path, world: int, layouts, module: str = "tests.distributed.worker"):
+    """`module` (a worker of this package) under torchrun on `world` ranks, writing into `tmp_path`."""
+    proc = torchrun.run(world, module, tmp_path, *layouts)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 

@@ -9,15 +9,11 @@ included. The layouts train in the shared launch of tests/conftest.py."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import test_parallel_equivalence as eq  # noqa: E402
-import worker  # noqa: E402
+from tests.distributed import test_parallel_equivalence as eq
+from tests.distributed import worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -5,15 +5,10 @@ overrides on its tiny base config."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import test_parallel_equivalence as eq  # noqa: E402
+from tests.distributed import test_parallel_equivalence as eq
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

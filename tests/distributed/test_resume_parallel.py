@@ -8,11 +8,9 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+from tests.distributed.test_cli_layouts import RECIPE, ROOT, TINY_MODEL_DATA
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from test_cli_layouts import RECIPE, ROOT, TINY_MODEL_DATA  # noqa: E402
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SMALL = TINY_MODEL_DATA + ["eval.interval=0", "checkpoint.interval=2", "parallel.ep=2"]
 

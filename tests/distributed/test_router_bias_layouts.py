@@ -13,14 +13,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import worker  # noqa: E402
+from tests.distributed import torchrun, worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -35,11 +32,10 @@ PARAM_RTOL = 1e-4
 
 
 def test_pp_rank_without_moe_layers_trains_like_one_process(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "worker.py"), str(tmp_path), LAYOUT]
+    cmd = torchrun.command(2, "tests.distributed.worker", tmp_path, LAYOUT)
     with open(tmp_path / "log", "w+") as log:  # a file, not a pipe: stuck workers cannot block the reader
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=torchrun.ROOT, env=dict(os.environ, **torchrun.ENV), stdout=log,
+                                stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -6,16 +6,10 @@ backward, not after the whole schedule. That the sums are right is test_parallel
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import worker  # noqa: E402
+from tests.distributed import torchrun, worker
 
 pytestmark = [pytest.mark.distributed]
 
@@ -29,10 +23,7 @@ PIECES = ("embed_tokens", "norm", "lm_head", "mtp")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("shared_sums")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "shared_sums_worker.py"), str(out), SPREAD, INTERLEAVED]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-                          capture_output=True, text=True, timeout=600)
+    proc = torchrun.run(2, "tests.distributed.shared_sums_worker", out, SPREAD, INTERLEAVED)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out
 

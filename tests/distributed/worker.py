@@ -1,9 +1,10 @@
 """Train a tiny MoE+MTP model for a few steps under one or more parallel layouts and dump the results.
 
-Run under torchrun (`torchrun --standalone --nproc-per-node N tests/distributed/worker.py OUT LAYOUT...`,
-each LAYOUT a comma-separated list of overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`),
-or import `run_layout` in one process for the single-process reference. Data is synthetic (a pure
-function of the step), split over the batch ranks exactly as the trainer splits a global batch.
+Run under torchrun from the repository root (`torchrun --standalone --nproc-per-node N -m
+tests.distributed.worker OUT LAYOUT...`, as torchrun.py starts it; each LAYOUT a comma-separated list of
+overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`), or import `run_layout` in one process for
+the single-process reference. Data is synthetic (a pure function of the step), split over the batch
+ranks exactly as the trainer splits a global batch.
 Each rank writes `OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full
 (gathered) parameters and router biases it holds after the last step; what its training steps handed
 the collectives (op, device, dtype; see collectives.py), the dtypes its nn.Linear layers computed
@@ -325,7 +326,8 @@ def reuse_device_meshes() -> None:
 
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
-    from collectives import CollectiveRecorder
+
+    from tests.distributed.collectives import CollectiveRecorder
 
     out_dir, layouts = argv[0], argv[1:]
     torch.set_num_threads(1)

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEBUG_MODEL, QUIET, TINY_DATA
+
+from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 
 @pytest.fixture(scope="module")

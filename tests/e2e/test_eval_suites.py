@@ -8,7 +8,8 @@ import importlib
 import json
 
 import pytest
-from conftest import DEBUG_MODEL, QUIET, TINY_DATA
+
+from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import json
 import shutil
 
 import pytest
-from conftest import TINY_OVERRIDES
+
+from tests.conftest import TINY_OVERRIDES
 
 pytestmark = [pytest.mark.slow]
 

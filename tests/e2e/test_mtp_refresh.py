@@ -10,7 +10,8 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_OVERRIDES
+
+from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
 

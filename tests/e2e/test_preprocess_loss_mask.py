@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit"))
-from test_chat_data import SPECIALS, WORDS, make_tokenizer, write_jsonl  # noqa: E402
-
-from tandem.data_pipeline.dataset import build_datasets, get_batch  # noqa: E402
+from tandem.data_pipeline.dataset import build_datasets, get_batch
 from tandem.data_pipeline.preprocess_cli import preprocess_main  # noqa: E402
 from tandem.models.mtp import depth_target_mask  # noqa: E402
 from tandem.trainer.config import TandemConfig  # noqa: E402
+from tests.unit.test_chat_data import SPECIALS, WORDS, make_tokenizer, write_jsonl
 
 RESPONSE_WORDS = {"r1", "r2", "s1", "s2", "<|endoftext|>"}  # a response's EOD is learnt (it ends the answer)
 

@@ -39,7 +39,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY_OVERRIDES
+
+from tests.conftest import TINY_OVERRIDES
 
 pytestmark = [pytest.mark.slow]
 
@@ -93,8 +94,7 @@ def cli_layouts_command(command: str):
     """The torchrun layout of `tests/distributed/test_cli_layouts.py` this command is, if any: that test
     runs the same launcher, recipe and parallel flags (tiny overrides appended, 3 steps and an
     evaluation) and checks losses and acceptance against one process, so it is not run here too."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
-    from test_cli_layouts import LAYOUTS, RECIPE
+    from tests.distributed.test_cli_layouts import LAYOUTS, RECIPE
 
     argv = shlex.split(command)
     prefix = ["torchrun", "--nproc-per-node"]

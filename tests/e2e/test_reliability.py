@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from conftest import fault_env
 
 from tandem.trainer import loop
 from tandem.trainer.checkpoint import list_checkpoints
@@ -17,6 +16,7 @@ from tandem.trainer.guard import BadStepHalt
 from tandem.trainer.loop import train
 from tandem.trainer.recipe import load_config
 from tandem.trainer.step import TrainStep
+from tests.conftest import fault_env
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 

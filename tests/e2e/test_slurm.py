@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import DEBUG_MODEL, QUIET, TINY_DATA
-from slurm_cluster import SlurmCluster, SlurmUnavailable
+
+from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
+from tests.e2e.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slow
 

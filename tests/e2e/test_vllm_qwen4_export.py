@@ -10,24 +10,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
 
 
 def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
-    from eval_helpers import tiny_qwen4_model
-    from test_qwen4_exp import VOCAB
-    from test_vllm_serving import vllm_python
-
     from tandem.trainer.hf.export import export_hf
     from tandem.trainer.hf.importer import CheckpointReader
+    from tests.e2e.test_vllm_serving import vllm_python
+    from tests.eval_helpers import tiny_qwen4_model
+    from tests.unit.test_qwen4_exp import VOCAB
 
     model = tiny_qwen4_model(3, vocab=VOCAB)  # every part on: QSA, Gated DeltaNet, hyper-connections, PLE, MoE
     cfg, mtp = model.cfg, model.mtp_cfg

@@ -72,11 +72,10 @@ def vllm_python() -> str:
 @pytest.mark.slow
 def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thread):
     py = vllm_python()  # first: a broken install fails before any training
-    from eval_helpers import vllm_convention_decode
-
     from tandem.data_pipeline.tokenizer import load_tokenizer
     from tandem.eval.spec_decode import generate
     from tandem.trainer.checkpoint import load_model_from_checkpoint
+    from tests.eval_helpers import vllm_convention_decode
 
     run, hf = str(tmp_path / "run"), str(tmp_path / "hf")
     env = dict(os.environ, OMP_NUM_THREADS="1")  # more threads only thrash 2 shared cores

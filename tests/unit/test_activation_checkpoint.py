@@ -4,8 +4,6 @@ saved activations, unchanged parameter names."""
 from __future__ import annotations
 
 import collections
-import os
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from tandem.trainer.parallel.activation_checkpoint import apply_activation_check
 from tandem.trainer.parallel.device import resolve_device
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model as build_sharded
+from tests.distributed import worker
 
 
 def build_model(cfg):
@@ -143,12 +142,8 @@ def test_selective_recomputes_no_matmul_and_no_expert_in_bf16():
 
 
 # --- expert parallelism: the dispatch's all-to-alls are kept (2 processes on gloo) ------------------
-DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
-
-
 def _ep_backward_ops_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
-    import worker  # the equivalence harness's configs and data
 
     from tandem.trainer.parallel import init_parallel
     from tandem.trainer.parallel.device import resolve_device
@@ -174,9 +169,6 @@ def test_selective_keeps_the_expert_dispatch_under_ep(tmp_path):
     """ep=2, bf16: under `selective` the backward runs the same all-to-alls (the exchanges' own
     backward) and matmuls as without checkpointing: neither the count exchange nor the token dispatch
     and combine, nor the experts, run again; under `full` they all do."""
-    sys.path.insert(0, DIST)
-    import worker
-
     out = str(tmp_path / "result.pt")
     worker.spawn_ranks(_ep_backward_ops_rank, 2, out)
     calls = torch.load(out, weights_only=False)

@@ -11,13 +11,13 @@ import types
 
 import pytest
 import torch
-from eval_helpers import make_agreeing, tiny_model
 
 from tandem.eval import block_verify as bv
 from tandem.eval import spec_decode as sd
 from tandem.eval.block_verify import block_accept, block_thresholds
 from tandem.eval.sampling import probs_from_logits, speculative_accept
 from tandem.eval.spec_decode import generate
+from tests.eval_helpers import make_agreeing, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

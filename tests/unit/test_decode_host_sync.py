@@ -12,11 +12,11 @@ import collections
 
 import pytest
 import torch
-from eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.eval.spec_decode import SpecDecoder, generate
+from tests.eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval_helpers import tiny_model, tiny_qwen4_model
 
 from tandem.models.documents import Documents, causal_conv_taps
 from tandem.models.model import window_documents, window_positions
+from tests.eval_helpers import tiny_model, tiny_qwen4_model
 
 EOS = 1
 LENGTHS = [7, 13, 1, 22, 9]  # boundaries off the QSA block grid (r = 4), a 1-token document, one past the budget

@@ -21,11 +21,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model, vllm_convention_decode, vllm_convention_draft
 
 from tandem.eval.acceptance import acceptance_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.spec_decode import SpecDecoder, generate
+from tests.eval_helpers import (
+    make_agreeing,
+    tiny_model,
+    tiny_qwen4_model,
+    vllm_convention_decode,
+    vllm_convention_draft,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

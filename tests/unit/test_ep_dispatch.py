@@ -11,20 +11,17 @@ top_k=3 of 4 experts, 2 per rank: a token sends up to 2 copies to one rank, so `
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-from test_decode_host_sync import HostSyncs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.models import ModelConfig
 from tandem.models.moe import MoE
 from tandem.trainer.config import ConfigError
 from tandem.trainer.recipe import load_config
+from tests.distributed import worker
+from tests.unit.test_decode_host_sync import HostSyncs
 
-DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
 TOKENS, HIDDEN = 12, 32  # per rank
 ROUTINGS = 3  # compiled runs, on inputs routed differently (`routing_inputs`)
 # (dispatch, model.expert_matmul): the grouped kernel, and the per-expert loop (devices without the
@@ -138,9 +135,6 @@ def _rank(rank: int, world: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_padded_dispatch_is_exact_and_syncless(tmp_path):
-    sys.path.insert(0, DIST)
-    import worker
-
     out = str(tmp_path / "result")
     worker.spawn_ranks(_rank, 2, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]

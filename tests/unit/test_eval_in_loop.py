@@ -5,9 +5,9 @@ import re
 
 import pytest
 import torch
-from conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 from tandem.eval import in_loop
+from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

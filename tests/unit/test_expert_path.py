@@ -114,10 +114,9 @@ def test_expert_paths_summary(picky_kernel):
 def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
     """A run whose expert width the kernel rejects trains on the per-expert loop and says so: one line at
     start, `moe/expert_path` in its records (before, the 8x8 probe passed and the first forward raised)."""
-    from conftest import TINY_OVERRIDES
-
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
+    from tests.conftest import TINY_OVERRIDES
 
     picky_kernel["rejected"] = {32}  # model.moe_intermediate_size
     run = tmp_path / "run"

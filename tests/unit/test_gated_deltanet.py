@@ -335,7 +335,7 @@ def test_hybrid_model_rollback_inside_a_long_verify_forward(width):
     next forward starts right after a short accepted prefix of it. PLE's dilated conv reads the 9 positions
     before a resume (ple_conv_kernel 4 x ngram_size 3 - 3) and Gated DeltaNet's conv 3, so a ring that
     only holds `ring` slots lets the verify forward overwrite what the resume reads."""
-    from eval_helpers import tiny_qwen4_model
+    from tests.eval_helpers import tiny_qwen4_model
 
     model = tiny_qwen4_model(0, seed=2)
     cfg = model.cfg

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_qsa import BUDGET, HIDDEN, RATIO
-from test_qsa import make_qsa as make_plain_qsa
 
 from tandem.models.documents import Documents
 from tandem.models.qsa import IndexedAttention
+from tests.unit.test_qsa import BUDGET, HIDDEN, RATIO
+from tests.unit.test_qsa import make_qsa as make_plain_qsa
 
 # Boundaries off the block grid, a 1-token document, documents longer than the budget (selection
 # active) and, in row 1, a document cut by the window's end inside a block.

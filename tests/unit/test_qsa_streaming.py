@@ -6,17 +6,12 @@ with chunks small enough that queries and blocks stream in many pieces."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
+from bench.qsa_memory import MaterialisedIndexedAttention
 from tandem.models.documents import Documents
 from tandem.models.qsa import IndexedAttention
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from qsa_memory import MaterialisedIndexedAttention  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2, 8, 2, 16, 16, 4
 B, S = 2, 48

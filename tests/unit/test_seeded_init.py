@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEBUG_MODEL
 
 from tandem.trainer import seeded_init
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.device import resolve_device
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model
+from tests.conftest import DEBUG_MODEL
 
 SHAPE = DEBUG_MODEL + ["model.num_heads=4", "model.num_kv_heads=2", "model.moe_intermediate_size=16", "mtp.num_steps=2",
                        "data.vocab_size=512", "data.seq_len=32", "device=cpu"]

@@ -4,11 +4,11 @@ verification rules: tests/unit/test_block_verify.py.)"""
 
 import pytest
 import torch
-from eval_helpers import make_agreeing, tiny_model
 
 from tandem.eval.acceptance import acceptance_metrics
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models.mtp import shifted_tokens
+from tests.eval_helpers import make_agreeing, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

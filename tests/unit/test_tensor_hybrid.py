@@ -4,9 +4,6 @@ the Hugging Face interop undoes. Equivalence to one process is tests/distributed
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ from tandem.trainer.config import ConfigError
 from tandem.trainer.hf.names import Src
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config
+from tests.distributed import worker
 
 Q4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
       "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.head_dim=8",
@@ -65,13 +63,11 @@ def test_group_order_makes_tp_shards_whole_groups_and_round_trips():
 
 
 # --- two tp ranks select alike (2 processes on gloo) -------------------------------------------------
-DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed")
 TP_LAYOUTS = ["tp=2,preset.qwen4=1", "tp=2,sequence_parallel=true,preset.qwen4=1"]
 
 
 def _select_alike_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
-    import worker  # the equivalence harness's configs (preset.qwen4) and data
 
     from tandem.models.qsa import IndexedAttention
     from tandem.trainer.loss import depth_coefficients
@@ -123,9 +119,6 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
 def test_tp_ranks_select_the_same_qsa_positions(tmp_path):
     """The replicated indexer reads the whole input on every rank: both tp ranks select the same blocks in
     every QSA layer (trunk and MTP), and the indexers' finished gradients are bitwise equal."""
-    sys.path.insert(0, DIST)
-    import worker
-
     out = str(tmp_path / "result.pt")
     worker.spawn_ranks(_select_alike_rank, 2, out)
     result = torch.load(out, weights_only=False)

@@ -1,0 +1,1 @@
+"""Multi-process tests: torchrun workers on gloo, started as modules of this package (torchrun.py)."""
