@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -44,8 +43,8 @@ def _batches(step: int, dp_rank: int, dp_size: int):
 def worker(out_path: str, layout: str, dtype: str, warmup: int, steps: int) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
-    from test_decode_host_sync import HostSyncs
+    sys.path.insert(0, ROOT)  # the tests package (its helpers import `tests.eval_helpers`)
+    from tests.unit.test_decode_host_sync import HostSyncs
 
     sides = Sides(MODEL + [f"train.dtype={dtype}"], layout,
                   {name: [f"parallel.ep_dispatch={name}"] for name in SIDES}, VOCAB)
