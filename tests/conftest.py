@@ -111,3 +111,16 @@ def training_layout_runs(request, tmp_path_factory):
     for world, layouts in sorted(by_world.items()):
         launch(out, world, sorted(layouts, key=lambda layout: "train.compile=true" in layout))
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml): one worker
+    takes each test file whole, so a module-scoped fixture (a trained run, a torchrun launch) runs once,
+    and the training-equivalence modules share one worker, as they share `training_layout_runs`. While
+    one worker waits on a launch's collectives, a Slurm timer or a server, the other runs."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        module = os.path.splitext(os.path.basename(path))[0]
+        group = "training_layouts" if module in TRAINING_LAYOUT_TABLES else path
+        item.add_marker(pytest.mark.xdist_group(group))
+

@@ -106,7 +106,22 @@ def _records(run_dir):
         return {r["step"]: r for r in map(json.loads, f) if "loss/main" in r}
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted single-process run of 4 steps of 8 samples, checkpointed at steps 2 and 4, and its
+    per-step loss/main."""
+    tmp = tmp_path_factory.mktemp("reshard_reference")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    ref_dir = tmp / "single_4steps"
+    _launch(1, ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp / 'cache'}", f"run.dir={ref_dir}",
+                                            "train.max_steps=4", "train.grad_accum_steps=4", "checkpoint.interval=2"],
+            env)
+    ref = main_losses(ref_dir)
+    assert sorted(ref) == [1, 2, 3, 4]
+    return ref_dir, ref
+
+
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(tmp_path, reference):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     common = [RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0"]
     train = ["train"] + common
@@ -115,12 +130,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
         os.makedirs(tmp_path / "reads" / name)
         return fault_env(env, TANDEM_TEST_SAMPLE_LOG=str(tmp_path / "reads" / name))
 
-    ref_dir = tmp_path / "single_4steps"
-    _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "train.grad_accum_steps=4",
-                        "checkpoint.interval=2"], env)
-    ref = main_losses(ref_dir)
-    assert sorted(ref) == [1, 2, 3, 4]
-
+    ref_dir, ref = reference
     saved_dir = tmp_path / "tp2pp2"
     _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=4",
                         "parallel.tp=2", "parallel.pp=2"], logged("tp2pp2"))
@@ -163,51 +173,28 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
                          "tp1xep2 on 4 ranks vs one process at step 4")
 
 
-def test_checkpoint_saved_with_spread_loss_depths_resumes_in_one_process(tmp_path):
-    """Loss depths spread over interleaved stages (pp_balance) with FSDP over dp=2: the embedding, head
-    and MTP module have copies on both pp ranks, some kept whole (two stages of a rank share them)
-    beside FSDP shards. The DCP checkpoint holds each once and resumes in a single process exactly."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0"]
-    ref_dir = tmp_path / "single_4steps"
-    _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "train.grad_accum_steps=4",
-                        "checkpoint.interval=2"], env)
-    ref = main_losses(ref_dir)
-    saved_dir = tmp_path / "spread"
-    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=2", "parallel.pp=2",
-                        "parallel.dp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
-    _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "spread depths before the checkpoint")
-    ckpt = saved_dir / "checkpoints" / "step_2"
-    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"), "spread depths at step 2")
-    run_dir = tmp_path / "resume_single"
-    os.makedirs(run_dir / "checkpoints")
-    shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
-    _launch(1, train + [f"run.dir={run_dir}", "train.max_steps=4", "train.grad_accum_steps=4", "--resume"], env)
-    _assert_losses_close(main_losses(run_dir), ref, [3, 4], "resume_single from spread depths")
-    _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), _params(ref_dir / "checkpoints" / "step_4"),
-                         "resume_single from spread depths at step 4")
-
-
-def test_checkpoint_saved_at_cp4_resumes_at_cp2_and_in_one_process(tmp_path):
-    """Context parallelism changes no sample and no parameter's placement beyond FSDP's shards: a
-    checkpoint of cp=4 (4 ranks splitting each sequence, FSDP over them) resumes at cp=2 and in one
-    process, each continuing the uninterrupted single-process run."""
+def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_one_process(tmp_path, reference):
+    """Context parallelism changes no sample and no parameter's placement beyond FSDP's shards, and loss
+    depths spread over interleaved stages (pp_balance) give the embedding, head and MTP module copies on
+    both pp ranks, kept whole (two stages of a rank share them) beside FSDP's shards over the cp ranks.
+    The DCP checkpoint of cp2 x pp2 holds each once, and resumes at cp=2 and in one process, each
+    continuing the uninterrupted single-process run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0",
                                          "train.grad_accum_steps=4"]
-    ref_dir = tmp_path / "single_4steps"
-    _launch(1, train + [f"run.dir={ref_dir}", "train.max_steps=4", "checkpoint.interval=2"], env)
-    ref = main_losses(ref_dir)
-    saved_dir = tmp_path / "cp4"
-    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=4"], env)
-    _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "cp=4 before the checkpoint")
+    ref_dir, ref = reference
+    saved_dir = tmp_path / "cp2pp2"
+    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=2", "parallel.pp=2",
+                        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
+    _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "cp2 x pp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"
-    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"), "cp=4 at step 2")
+    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"), "cp2 x pp2 at step 2")
     ref_params4 = _params(ref_dir / "checkpoints" / "step_4")
     for name, world, extra in (("resume_cp2", 2, ["parallel.cp=2"]), ("resume_single", 1, [])):
         run_dir = tmp_path / name
         os.makedirs(run_dir / "checkpoints")
         shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
         _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], env)
-        _assert_losses_close(main_losses(run_dir), ref, [3, 4], f"{name} from cp=4")
-        _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), ref_params4, f"{name} from cp=4 at step 4")
+        _assert_losses_close(main_losses(run_dir), ref, [3, 4], f"{name} from cp2 x pp2")
+        _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), ref_params4,
+                             f"{name} from cp2 x pp2 at step 4")

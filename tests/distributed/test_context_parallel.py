@@ -29,8 +29,6 @@ LAYOUTS = {
     "cp=2,ep=2": 4,
     "cp=2,pp=2,pp_schedule=interleaved_1f1b": 4,
     "cp=2,dp=2,dp_mode=allreduce": 4,
-    # the flagship layout in miniature, with context parallelism: 16 ranks
-    f"tp=2,ep=2,pp=2,cp=2,sequence_parallel=true,{DOCS}": 16,
     # Qwen4-Exp: the chunks' Gated DeltaNet carry and conv halos, QSA selecting over the gathered window
     # (and its KL over the rank's queries), PLE's n-gram and conv halos, the aux loss over the window
     f"cp=2,{Q4},{DOCS}": 2,
@@ -38,6 +36,8 @@ LAYOUTS = {
     f"cp=2,ep=2,{Q4},{DOCS}": 4,
     # MTP depth 1's QSA selection (this rank's queries over the window's blocks) crosses a stage boundary
     f"cp=2,pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],{Q4},{DOCS}": 4,
+    # the flagship layout in miniature, with context parallelism: 16 ranks, on the seed model (every layer
+    # kind; the full-attention families' pieces are each in a layout above)
     f"tp=2,ep=2,pp=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 16,
 }
 BF16_LAYOUTS = {

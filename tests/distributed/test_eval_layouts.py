@@ -18,9 +18,10 @@ from tests.distributed import eval_worker, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+# Each path in the fewest layouts that check it (the suite's budget); what covers a left-out layout is named.
+# (dp=2: ep=2,pp=2 decodes on replicas in lockstep with FSDP over its batch ranks, and Qwen4-Exp's ep=2;
+# the plain interleaved schedule: the flagship shape below)
 LAYOUTS = {
-    "dp=2": 2,
-    "pp=2,pp_schedule=interleaved_1f1b": 2,
     # loss depths spread (layout lists separated by `:`): MTP depth 1 on the trunk's stage, the head
     # (the driver) and depth 2 on the next, so the decoder routes depth 1 to the other rank ...
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
@@ -30,8 +31,7 @@ LAYOUTS = {
     "tp=2,pp=2,sequence_parallel=true": 4,
     "ep=2,pp=2": 4,
     # context parallelism: the cp ranks decode as extra replicas (whole sequences), the teacher-forced
-    # losses run on whole windows (the switch turns the chunks off around evaluation)
-    "cp=2": 2,
+    # losses run on whole windows (the switch turns the chunks off around evaluation, and SP's with them)
     "cp=2,tp=2,sequence_parallel=true": 4,
     # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved with 3 stages per rank,
     # layers and depths placed by pp_balance), 8 ranks
@@ -49,12 +49,12 @@ Q4_LAYOUTS = {
     f"pp=2,preset.qwen4=1,{eval_worker.HISTORY}": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0],preset.qwen4=1,eval.draft_convention=tandem": 2,
     # tensor parallelism: each rank's decoder state holds its own Gated DeltaNet / QSA heads, the QSA
-    # indexer keys and selections are replicated; under SP the decode steps run on whole sequences
-    "tp=2,preset.qwen4=1": 2,
+    # indexer keys and selections are replicated; under SP the decode steps run on whole sequences (plain
+    # tp=2 runs the same decode steps)
     f"tp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 2,
-    # data parallelism (FSDP-sharded hybrid layers, PLE tables sharded outside it) and expert parallelism
-    # (replicas decoding different prompts in lockstep through the all-to-alls and the PLE lookup)
-    "dp=2,preset.qwen4=1": 2,
+    # expert parallelism: replicas decoding different prompts in lockstep through the all-to-alls and the
+    # PLE lookup, the hybrid layers FSDP-sharded over the batch ranks, PLE tables sharded outside it (which
+    # covers dp=2)
     "ep=2,preset.qwen4=1": 2,
     # the flagship layout shape: tp x ep x pp + SP
     f"tp=2,ep=2,pp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 8,

@@ -18,9 +18,8 @@ LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     "dp=2": 2,
     # all-reduce data parallelism (torch's replicate): the hybrid layers' parameters whole on each rank
     "dp=2,dp_mode=allreduce": 2,
-    "ep=2": 2,
-    # pipeline: the hc_count x hidden stream crosses the boundary, PLE's stage hashes the token ids
-    "pp=2": 2,
+    # (plain ep=2: ep=2,pp=2 below; plain pp=2, where the hc_count x hidden stream crosses the boundary and
+    # PLE's stage hashes the token ids: pp=2 with packed documents below)
     # checkpointed under pipelined micro-batches: each recomputed MTP depth reuses its own micro-batch's
     # QSA selection (handed over as a value, not module state)
     "pp=2,pp_schedule=interleaved_1f1b,train.activation_checkpointing=full": 2,
@@ -38,8 +37,7 @@ LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     # replicated, its KL target summed over tp); SP gathers the sequence into them. The PLE table's rows
     # are split over the stage's dp x ep x tp ranks (never gathered, out of FSDP): every layout above
     # and below with more than one rank per stage looks its ids up through the all-to-alls
-    "tp=2": 2,
-    "tp=2,sequence_parallel=true": 2,
+    "tp=2": 2,  # (tp=2 + SP: with packed documents below)
     "tp=2,ep=2,sequence_parallel=true": 4,
     # packed documents kept apart (data.document_mask), with starts at the SP shard edge, one off it,
     # at position 1 and at the window's end (worker.global_batch): SP's gathered sequence, the stage
