@@ -113,6 +113,7 @@ def training_layout_runs(request, tmp_path_factory):
     return out
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml): one worker
     takes each test file whole, so a module-scoped fixture (a trained run, a torchrun launch) runs once,
