@@ -21,6 +21,12 @@
    when it imports vllm) on the same prompt ids: PASS when the greedy tokens are identical and vLLM's
    draft and accepted-token counters equal the evaluator's counted as vLLM counts them. Its time is
    reported apart from `runtime_s` (vLLM's start-up dominates it).
+4. Speed next to acceptance (`bench/verify_cost.py`'s measurement, apart from `runtime_s`): for qwen4_exp
+   (Gated DeltaNet + QSA) and the full-attention MoE family at their published widths (8 and 16 layers, 64
+   experts; `--quick`: the test flavors), bf16 on an accelerator, batch 1 and 16, K=3, the evaluator's own
+   decoder timing a 4-token verify forward against a 1-token forward per layer kind (`verify.<family>.b<B>.
+   <kind>_ratio`), the drafter's step over a 1-token forward, and the break-even acceptance length
+   (K * draft step + verify) / 1-token forward with the speedup at full acceptance.
 
 Every figure is printed as `name = value` on its own line; targets (issue 13) get PASS/FAIL, judged
 only on cuda/npu (n/a on CPU). The last line is `summary: key=value ...`. `--device cpu --quick`
@@ -358,6 +364,42 @@ def qwen4_vllm_serving(device, args, run_dir: str) -> None:
          f"Tandem {tandem_counts})")
 
 
+def verify_cost(device, args) -> None:
+    """Section 4: per-layer-kind cost of a (K+1)-token verify over a 1-token forward, and break-even."""
+    from bench.verify_cost import KINDS, build, cost_model, measure
+
+    t0 = time.perf_counter()
+    size, prompt_len, reps = ("tiny", 32, 3) if args.quick else ("real", 4096, 20)
+    dtype = torch.bfloat16 if device.is_accelerator else torch.float32
+    for family in ("qwen4_exp", "moe"):
+        model, _ = build(family, size, prompt_len + 4 * K + 16, device.device, dtype)
+        for batch in (1, 16):
+            try:
+                m = measure(model, batch, [K], prompt_len, reps, 2, device.device)
+            except RuntimeError as exc:
+                if not is_oom(exc):
+                    raise
+                show(f"verify.{family}.b{batch}.break_even", None, verdict="n/a (out of memory)")
+                free_memory(device)
+                continue
+            name = f"verify.{family}.b{batch}"
+            one, ver = m["split"][0], m["split"][K]
+            for kind in (*KINDS, "total"):
+                if m["layers"].get(kind) or kind in ("head", "total"):
+                    show(f"{name}.{kind}_ratio", ver[kind] / max(one[kind], 1e-12))
+            c1, cd, cv = m["one"], m["draft_step"], m["verify"][K]
+            be, top = cost_model(c1, cd, cv, K)
+            show(f"{name}.one_ms", 1e3 * c1, ".3f")
+            show(f"{name}.verify_over_one", cv / c1)
+            show(f"{name}.draft_step_over_one", cd / c1)
+            show(f"{name}.break_even", be, ".4f", f"(acceptance length at which K={K} pays; at most {K + 1})")
+            show(f"{name}.max_speedup", top)
+            show(f"{name}.rollback_exact", int(m["rollback_exact"]))
+        del model
+        free_memory(device)
+    show("verify.seconds", time.perf_counter() - t0, ".1f")
+
+
 # --- entry point --------------------------------------------------------------------------------
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -412,13 +454,15 @@ def main(argv=None) -> int:
     show("runtime_s", runtime, ".1f", judge(runtime, TARGETS["runtime_s"], False, judged and not args.quick))
     with tempfile.TemporaryDirectory(prefix="gpu_check_q4_") as run_dir:
         qwen4_vllm_serving(device, args, run_dir)
+    verify_cost(device, args)
     keys = {"mfu_1b": "1b.k3.mfu", "mfu_1b_k0": "1b.k0.mfu", "tokens_per_s_1b_k0": "1b.k0.tokens_per_s",
             "tokens_per_s_1b_k3": "1b.k3.tokens_per_s", "flop_ratio_1b": "1b.flop_ratio_k3_over_k0",
             "k3_step_over_flop_ratio": "1b.k3_step_over_flop_ratio", "mem_over_estimate_1b": "1b.k3.mem_over_estimate",
             "acceptance_length": "spec.acceptance_length", "speedup": "spec.speedup",
             "speedup_over_acceptance": "spec.speedup_over_acceptance",
             "identical_to_autoregressive": "spec.identical_to_autoregressive", "runtime_s": "runtime_s",
-            "qwen4_vllm_serving": "qwen4_serve.verdict"}
+            "qwen4_vllm_serving": "qwen4_serve.verdict",
+            **{f"break_even_{f}_b{b}": f"verify.{f}.b{b}.break_even" for f in ("qwen4_exp", "moe") for b in (1, 16)}}
     print("summary: " + " ".join(
         f"{k}={'n/a' if FIGURES[v] is None else (f'{FIGURES[v]:.4g}' if isinstance(FIGURES[v], float) else FIGURES[v])}"
         for k, v in keys.items()), flush=True)
