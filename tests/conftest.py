@@ -118,10 +118,19 @@ def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml): one worker
     takes each test file whole, so a module-scoped fixture (a trained run, a torchrun launch) runs once,
     and the training-equivalence modules share one worker, as they share `training_layout_runs`. While
-    one worker waits on a launch's collectives, a Slurm timer or a server, the other runs."""
+    one worker waits on a launch's collectives, a Slurm timer or a server, the other runs.
+    The longest files go first (the training layouts, then every file with a slow or distributed
+    test), so that the quick ones fill the gaps at the end instead of a long one starting last."""
+    groups = {}
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         module = os.path.splitext(os.path.basename(path))[0]
         group = "training_layouts" if module in TRAINING_LAYOUT_TABLES else path
         item.add_marker(pytest.mark.xdist_group(group))
+        slow = any(item.get_closest_marker(m) for m in ("slow", "distributed"))
+        groups[group] = min(groups.get(group, 2), 0 if group == "training_layouts" else 1 if slow else 2)
+        item.stash[_GROUP] = group
+    items.sort(key=lambda item: groups[item.stash[_GROUP]])  # stable: file order kept within each rank
 
+
+_GROUP = pytest.StashKey[str]()
