@@ -115,22 +115,23 @@ def training_layout_runs(request, tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml): one worker
-    takes each test file whole, so a module-scoped fixture (a trained run, a torchrun launch) runs once,
-    and the training-equivalence modules share one worker, as they share `training_layout_runs`. While
-    one worker waits on a launch's collectives, a Slurm timer or a server, the other runs.
-    The longest files go first (the training layouts, then every file with a slow or distributed
-    test), so that the quick ones fill the gaps at the end instead of a long one starting last."""
-    groups = {}
+    """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml). Every file of
+    tests/distributed is one group, run in file order on one worker: two torchrun launches at once put
+    twice as many ranks on the two cores, and a launch whose ranks meet in many small collectives (the
+    evaluator's decode steps) then waits on the scheduler for every one of them (measured: an evaluator
+    launch ran past its 10-minute limit beside an 8-rank one). The other worker takes the remaining files,
+    each whole, so a module-scoped fixture (a trained run) runs once; the distributed group goes first,
+    as the longest, and the training-equivalence modules first within it, as they share
+    `training_layout_runs`. Files with slow tests come before the quick ones, which fill the end."""
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         module = os.path.splitext(os.path.basename(path))[0]
-        group = "training_layouts" if module in TRAINING_LAYOUT_TABLES else path
+        group = "distributed" if path.startswith("tests/distributed/") else path
         item.add_marker(pytest.mark.xdist_group(group))
         slow = any(item.get_closest_marker(m) for m in ("slow", "distributed"))
-        groups[group] = min(groups.get(group, 2), 0 if group == "training_layouts" else 1 if slow else 2)
-        item.stash[_GROUP] = group
-    items.sort(key=lambda item: groups[item.stash[_GROUP]])  # stable: file order kept within each rank
+        rank = 0 if module in TRAINING_LAYOUT_TABLES else 1 if group == "distributed" else 2 if slow else 3
+        item.stash[_RANK] = rank
+    items.sort(key=lambda item: item.stash[_RANK])  # stable: file order kept within each rank
 
 
-_GROUP = pytest.StashKey[str]()
+_RANK = pytest.StashKey[int]()
