@@ -102,6 +102,13 @@ def main() -> None:
             _check(sharding)
     finally:
         dist.destroy_process_group()
+    # Every check passed. Leave without the interpreter's finalisation: in 2 of 5 suite runs one rank of
+    # this worker aborted there ("terminate called without an active exception", no Python frame left),
+    # after its checks, while gloo's objects were torn down (cause not found; pytorch#179291 describes
+    # the same abort when a process group outlives the interpreter).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("cp,shardings", [(2, "zigzag,contiguous"), (4, "zigzag")])
