@@ -39,7 +39,21 @@ _COMMANDS = {
 }
 
 
-def train_main(argv: List[str]) -> int:
+def train_main(argv: List[str], whole_process: bool = False) -> int:
+    """`tandem train`. `whole_process`: this call is the process's entry point (the console script),
+    so the preemption signals are caught from before the run is built until the process exits."""
+    if not whole_process:
+        return _train(argv)
+    from . import preemption
+
+    preemption.install_preemption_handler()
+    try:
+        return _train(argv)
+    finally:
+        preemption.ignore_preemption_signals()
+
+
+def _train(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem "
                                           "train", description="Train from a YAML recipe with key=value overrides.")
     parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny.yaml)")
@@ -82,13 +96,14 @@ def launch_main(argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    whole_process = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
-        return train_main(rest)
+        return train_main(rest, whole_process)
     if command == "launch":
         return launch_main(rest)
     if command in _COMMANDS:

@@ -13,7 +13,9 @@ The functions, used by the training loop like this::
 `install_preemption_handler(signals=(SIGUSR1, SIGTERM)) -> previous handlers`
     Clears the flag and installs a handler that only sets it (no I/O, no collectives, nothing that
     could deadlock or corrupt state when it interrupts the step). Must be called from the main thread.
-    `restore_signal_handlers(previous)` puts the earlier handlers back when training ends.
+    `restore_signal_handlers(previous)` puts the earlier handlers back when training ends;
+    `ignore_preemption_signals()` ignores the signals from then until the process exits (what
+    `tandem train` does, so that a late signal cannot fail a finished job).
 `preemption_requested() -> bool`
     This process's flag: a signal arrived since installation.
 `agree_preemption(group=None) -> bool`
@@ -43,6 +45,8 @@ from typing import Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
 _requested = False
 _signal_name: Optional[str] = None
 
@@ -53,21 +57,36 @@ def _handler(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
     _signal_name = signal.Signals(signum).name
 
 
-def install_preemption_handler(signals: Iterable[signal.Signals] = (signal.SIGUSR1, signal.SIGTERM)) -> dict:
+def install_preemption_handler(signals: Iterable[signal.Signals] = PREEMPTION_SIGNALS) -> dict:
     """Route `signals` to a handler that only records that preemption was requested.
 
-    A training run starts un-preempted, so this also clears the flag. Returns the previous handlers
-    for `restore_signal_handlers` (an in-process caller such as a test or notebook gets its own
-    SIGTERM behaviour back when training ends)."""
+    A training run starts un-preempted, so this clears the flag, unless the signals were routed here
+    already (the `tandem train` process installs the handler before it builds the run, and a signal
+    that came during the build must still preempt the run). Returns the previous handlers for
+    `restore_signal_handlers` (an in-process caller such as a test or notebook gets its own SIGTERM
+    behaviour back when training ends)."""
     global _requested, _signal_name
-    _requested, _signal_name = False, None
-    return {sig: signal.signal(sig, _handler) for sig in signals}
+    previous = {sig: signal.signal(sig, _handler) for sig in signals}
+    if not all(handler is _handler for handler in previous.values()):
+        _requested, _signal_name = False, None
+    return previous
 
 
 def restore_signal_handlers(previous: dict) -> None:
     """Put back the handlers `install_preemption_handler` replaced."""
     for sig, handler in previous.items():
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def ignore_preemption_signals(signals: Iterable[signal.Signals] = PREEMPTION_SIGNALS) -> None:
+    """Training is over: ignore `signals` until the process exits.
+
+    A signal that arrives now has nothing left to checkpoint, and its default action would turn a
+    finished (or already checkpointed and requeued) job into a failed one. A Python handler does not
+    cover the whole exit: interpreter finalisation puts SIG_DFL back for every signal with a Python
+    handler, but leaves SIG_IGN in place. Only for a process's own entry point (`tandem train`)."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def preemption_requested() -> bool:

@@ -157,8 +157,10 @@ for step in range(start + 1, max_steps + 1):
         with open(os.path.join(run_dir, f"preempted_rank{{rank}}.jsonl"), "a") as f:
             f.write(json.dumps({{"step": step, "signalled_here": P.preemption_requested()}}) + "\\n")
         P.requeue_current_job()
+        P.ignore_preemption_signals()
         sys.exit(0)
 save(max_steps)
+P.ignore_preemption_signals()  # as `tandem train` does: a late signal must not fail a finished job
 dist.destroy_process_group()
 '''
 

@@ -261,6 +261,36 @@ def test_preemption_sigterm_sets_flag(preemption):
     assert preemption.preemption_requested()
 
 
+def test_preemption_signal_during_the_build_is_kept(preemption):
+    """The `tandem train` process routes the signals before it builds the run; the loop's own install
+    must not clear a signal that came in between."""
+    preemption.install_preemption_handler()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    preemption.install_preemption_handler()
+    assert preemption.preemption_requested()
+
+
+_LATE_SIGNAL = """
+import os, signal, sys
+from tandem.trainer.cli import main
+sys.argv = ["tandem", "train", sys.argv[1]]
+rc = main()  # the console script's call: the process's own entry point
+os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's time-limit warning, after training is over
+os.kill(os.getpid(), signal.SIGTERM)
+os.write(1, f"RC {rc}\\n".encode())
+"""
+
+
+def test_train_process_survives_a_preemption_signal_after_training(tmp_path):
+    """A finished (here: refused) `tandem train` ignores a late SIGUSR1/SIGTERM until it exits, so Slurm
+    does not mark a job FAILED that had finished or had checkpointed and requeued."""
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_SIGNAL)
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "missing.yaml")], capture_output=True,
+                         text=True, timeout=120)
+    assert (res.returncode, res.stdout.strip()) == (0, "RC 2"), res.stderr[-2000:]
+
+
 _AGREE = """
 import os, signal, sys
 import torch.distributed as dist
