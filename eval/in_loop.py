@@ -125,9 +125,9 @@ class InLoopEvaluator:
         put the in-loop figure on the scale papers report; the teacher-forced losses stay held-out."""
         import os
 
-        from tandem.trainer.eval_cli import prompt_limit
-        from tandem.trainer.generate_io import chat_template_in
+        from tandem.data_pipeline.prompts import chat_template_in
 
+        from .spec_decode import prompt_limit
         from .suites import load_suites, tokenize_suite
 
         e = cfg.eval

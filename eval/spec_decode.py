@@ -98,6 +98,12 @@ def _check_model(model: nn.Module, num_steps: int) -> None:
                          "parallel-style MTP module (only the looped style can run longer than it was trained)")
 
 
+def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:
+    """Most prompt tokens that fit: SpecDecoder's caches need prompt + max_new_tokens + 4K + 5 positions
+    (its margin below, plus the K tokens a last round may draft past the budget)."""
+    return max_seq_len - max_new_tokens - 4 * num_steps - 5
+
+
 class SpecDecoder:
     """Caches and per-row state for decoding one batch (num_steps=0 is plain autoregressive): the trunk's
     KV cache, the shared `batch` and the drafter of `draft_convention` (`serving`: as vLLM's proposer;

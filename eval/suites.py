@@ -132,8 +132,8 @@ def load_suites(spec: str, num_prompts: int = 0) -> List[SuitePrompt]:
 
 def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit: int) -> Tuple[List[List[int]], int]:
     """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use the
-    chat template (trainer/generate_io.tokenize_prompts), or their text when there is none."""
-    from tandem.trainer.generate_io import Prompt, tokenize_prompts
+    chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none."""
+    from tandem.data_pipeline.prompts import Prompt, tokenize_prompts
 
     as_prompts = []
     for p in prompts:

@@ -21,7 +21,7 @@ acceptance differs. `--output` records carry each row's budget-exact counts (`dr
 Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
 (eval/acceptance.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
 
---prompts FILE: what `tandem generate` reads (trainer/generate_io.read_prompts): JSONL of {"text": ...}
+--prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts): JSONL of {"text": ...}
 or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a datasets
 directory with a `text` column. A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5)
 tokens: the decoder's caches hold the prompt, the new tokens and a margin for the K drafts of a round
@@ -43,6 +43,8 @@ import json
 import os
 import sys
 from typing import List, Optional, Tuple
+
+from tandem.eval.spec_decode import prompt_limit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,10 +140,10 @@ def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]]
 
 
 def read_prompt_file(path: str) -> list:
-    """The prompts of a --prompts file (trainer/generate_io.read_prompts: JSONL of {"text"} or
+    """The prompts of a --prompts file (data_pipeline/prompts.read_prompts: JSONL of {"text"} or
     {"messages"}, parquet, a datasets directory); ValueError naming FILE:LINE otherwise. A JSONL line
     that is not a JSON object is reported as such, before the shared reader would call it invalid JSON."""
-    from .generate_io import read_prompts
+    from tandem.data_pipeline.prompts import read_prompts
 
     if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):
         try:
@@ -157,11 +159,6 @@ def read_prompt_file(path: str) -> list:
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" string or \"messages\" list")
     return read_prompts(path)
-
-
-def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:
-    """Most prompt tokens that fit: SpecDecoder's caches need prompt + max_new_tokens + 4K + 5 positions."""
-    return max_seq_len - max_new_tokens - 4 * num_steps - 5
 
 
 class _Fail(Exception):
@@ -189,8 +186,8 @@ def _settings(args, model, cfg, tok) -> dict:
 
 
 def _chat_template(args, cfg):
-    """The checkpoint's chat template (generate_io.chat_template_in), None when it has none."""
-    from .generate_io import chat_template_in
+    """The checkpoint's chat template (data_pipeline/prompts.chat_template_in), None when it has none."""
+    from tandem.data_pipeline.prompts import chat_template_in
 
     if args.hf:
         return chat_template_in([args.hf])
@@ -206,7 +203,7 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     prompts read before the checkpoint loaded), else the validation split's."""
     import torch
 
-    from .generate_io import tokenize_prompts
+    from tandem.data_pipeline.prompts import tokenize_prompts
 
     if not source:
         if cfg is None or not hasattr(cfg, "data"):

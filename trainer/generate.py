@@ -35,16 +35,10 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .generate_io import (
-    GenerateError,
-    chat_template_in,
-    prompts_digest,
-    read_output,
-    read_prompts,
-    rewrite_output,
-    tokenize_prompts,
-    write_lines,
-)
+from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
+from tandem.eval.spec_decode import prompt_limit
+
+from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,7 +79,7 @@ class Source:
     """K the decoder drafts (0: autoregressive)."""
     tokenizer: object
     chat: Optional[dict]
-    """The chat template (generate_io.chat_template_in), None when the checkpoint has none."""
+    """The chat template (data_pipeline/prompts.chat_template_in), None when the checkpoint has none."""
     fingerprint: str
 
 
@@ -173,7 +167,6 @@ def _check_args(args) -> None:
 def prepare(args):
     """Everything before the model loads: (source, plan, meta, records kept, done batches). Raises
     GenerateError for bad input and for an --out written with other settings."""
-    from .eval_cli import prompt_limit
 
     _check_args(args)
     prompts = read_prompts(args.prompts, args.column)

@@ -1,12 +1,6 @@
-"""`tandem generate`'s files: the prompt set it reads and the JSONL it writes (and resumes).
+"""`tandem generate`'s output: the JSONL it writes (and resumes).
 
-Prompts. A JSONL file of `{"text": ...}` or `{"messages": [{"role": ..., "content": ...}, ...]}` per
-line (blank lines skipped), or a parquet file / a local `datasets` directory (`save_to_disk`; a
-DatasetDict's train split) whose `column` holds a string (text) or a list of messages per row, read
-as `data.source=jsonl` reads its records. Chat prompts are rendered with the
-checkpoint's chat template (`chat_template` of a `tokenizer_config.json`: jinja2 in a sandbox, as
-transformers renders it, with the generation prompt added) and tokenized with the template's special
-tokens recognised. Every problem is one line naming FILE:LINE (`FILE:row N` for a table).
+Prompts: data_pipeline/prompts.py (what `tandem eval --prompts` reads too).
 
 Output. One record per line: `prompt_index`, `sample_index`, `prompt` (a chat prompt's rendered
 text), `response`, `prompt_ids`, `response_ids` (ending with the end-of-document token when the
@@ -22,160 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
-
-PromptValue = Union[str, List[dict]]
+from typing import List, Tuple
 
 
 class GenerateError(ValueError):
-    """A problem `tandem generate` reports in one line (exit status 2)."""
-
-
-@dataclass
-class Prompt:
-    """One prompt of the set: where it came from and what it is."""
-
-    where: str
-    """`FILE:LINE` (JSONL) or `FILE:row N` (a table): where error messages point."""
-    value: PromptValue
-    """The text, or the chat messages."""
-
-    @property
-    def is_chat(self) -> bool:
-        return not isinstance(self.value, str)
-
-
-def _check_messages(value, where: str) -> List[dict]:
-    """`value` if it is a non-empty list of {role, content} string objects."""
-    if not isinstance(value, list) or not value:
-        raise GenerateError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
-    for msg in value:
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise GenerateError(f"{where}: each message must be an object with string \"role\" and \"content\"")
-    return value
-
-
-def _prompt_of(value, where: str) -> PromptValue:
-    """A table cell or a JSON field as a prompt: a non-empty string, or a messages list."""
-    if isinstance(value, str):
-        if not value:
-            raise GenerateError(f"{where}: empty prompt text")
-        return value
-    if hasattr(value, "tolist"):  # a numpy array of messages from parquet
-        value = value.tolist()
-    return _check_messages(value, where)
-
-
-def _jsonl_prompt(rec, where: str) -> PromptValue:
-    """A JSONL record's prompt: its `messages`, else its `text`."""
-    if isinstance(rec, dict) and "messages" in rec:
-        return _check_messages(rec["messages"], where)
-    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-        return _prompt_of(rec["text"], where)
-    raise GenerateError(f"{where}: neither {{\"text\": string}} nor {{\"messages\": [...]}}")
-
-
-def read_prompts(path: str, column: str = "text") -> List[Prompt]:
-    """The prompt set of `path` (JSONL, parquet or a `datasets` directory, read as `data.source=jsonl`
-    reads records: data_pipeline/chat.py iter_records); GenerateError naming FILE:LINE otherwise."""
-    from tandem.data_pipeline.chat import iter_records
-
-    if not os.path.exists(path):
-        raise GenerateError(f"--prompts {path}: no such file or directory")
-    table = os.path.isdir(path) or path.lower().endswith(".parquet")
-    out = []
-    try:
-        for where, rec in iter_records([path]):
-            if not table:
-                out.append(Prompt(where, _jsonl_prompt(rec, where)))
-            elif column not in rec:
-                raise GenerateError(f"--prompts {path}: no column {column!r} (columns: {', '.join(rec)}); "
-                                    "pass --column")
-            else:
-                out.append(Prompt(where, _prompt_of(rec[column], where)))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GenerateError(f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
-    if not out:
-        raise GenerateError(f"--prompts {path}: holds no prompts")
-    return out
-
-
-# --- chat template ----------------------------------------------------------------------------------
-def chat_template_in(dirs: Sequence[str]) -> Optional[dict]:
-    """The first `tokenizer_config.json` among `dirs` that has a chat template: {"template", the special
-    tokens the template may name (bos_token, eos_token), "path"}; None when none has one."""
-    for d in dirs:
-        path = os.path.join(d, "tokenizer_config.json") if d else ""
-        if not path or not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            conf = json.load(f)
-        template = conf.get("chat_template")
-        if isinstance(template, list):  # named templates: transformers picks "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if template:
-            special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token")}
-            return {"template": template, "path": path, **special}
-    return None
-
-
-def _token_text(tok) -> str:
-    return tok.get("content", "") if isinstance(tok, dict) else (tok or "")
-
-
-def render_chat(chat: dict, messages: List[dict]) -> str:
-    """The prompt text of `messages` under the chat template, ending with the assistant's turn opening."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(chat["template"]).render(messages=messages, add_generation_prompt=True,
-                                                    bos_token=chat["bos_token"], eos_token=chat["eos_token"])
-
-
-def encode_with_specials(tok, text: str) -> List[int]:
-    """Token ids of a rendered chat prompt, its special-token strings (`<|im_start|>`) as special tokens
-    (TandemTokenizer.encode treats them as plain text, as a document's text must be)."""
-    backend = tok.backend
-    if backend is None:
-        return list(tok._hf.encode(text, add_special_tokens=False))
-    saved = backend.encode_special_tokens
-    backend.encode_special_tokens = False
-    try:
-        return backend.encode(text, add_special_tokens=False).ids
-    finally:
-        backend.encode_special_tokens = saved
-
-
-def tokenize_prompts(prompts: List[Prompt], tok, chat: Optional[dict], limit: int,
-                     limit_note: str) -> Tuple[List[str], List[List[int]]]:
-    """(prompt texts, token ids) of every prompt; a chat prompt without a template, an empty one or one
-    longer than `limit` tokens is a GenerateError naming FILE:LINE."""
-    texts, ids = [], []
-    for p in prompts:
-        where = p.where
-        if p.is_chat:
-            if chat is None:
-                raise GenerateError(f"{where}: a chat prompt (\"messages\"), but the checkpoint's tokenizer has no "
-                                    "chat template (no \"chat_template\" in a tokenizer_config.json)")
-            try:
-                text = render_chat(chat, p.value)
-            except Exception as exc:
-                raise GenerateError(f"{where}: the chat template ({chat['path']}) failed: "
-                                    f"{' '.join(str(exc).split())[:200]}") from None
-            row = encode_with_specials(tok, text)
-        else:
-            text, row = p.value, tok.encode(p.value)
-        if not row or len(row) > limit:
-            raise GenerateError(f"{where}: prompt is {len(row)} tokens; 1 to {limit} fit ({limit_note})")
-        texts.append(text)
-        ids.append(row)
-    return texts, ids
+    """A problem with `tandem generate`'s output file, in one line (exit status 2)."""
 
 
 def prompts_digest(ids: List[List[int]]) -> str:
