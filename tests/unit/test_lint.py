@@ -14,3 +14,39 @@ def test_ruff_check_passes():
     cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
     done = subprocess.run(cmd + ["check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+# The layers, lowest first: a module may import from its own layer and the ones before it. eval/ gets
+# what it needs from the run passed in (ARCHITECTURE.md), so it never reaches up into trainer/.
+LAYERS = ["models", "data_pipeline", "eval", "trainer"]
+
+
+def _imported_layers(path):
+    import ast
+
+    package = ["tandem"] + os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):  # `from ..trainer import x` counts as `tandem.trainer`
+            base = package[: len(package) - node.level + 1] if node.level else []
+            names = [".".join(base + ([node.module] if node.module else []))]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tandem" and len(parts) > 1 and parts[1] in LAYERS:
+                yield parts[1], node.lineno
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    wrong = []
+    for rank, layer in enumerate(LAYERS):
+        for folder, _, files in os.walk(os.path.join(ROOT, layer)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    wrong += [f"{os.path.relpath(path, ROOT)}:{line} imports tandem.{up}"
+                              for up, line in _imported_layers(path) if LAYERS.index(up) > rank]
+    assert not wrong, "\n".join(wrong)
