@@ -3,13 +3,16 @@
 * `acceptance_metrics`: mean acceptance length, per-position acceptance rates and the draft
   acceptance rate of a DecodeStats, each with `<key>_lo95` / `<key>_hi95` (`acceptance_intervals`: a
   bootstrap over prompts at Hesterberg's expanded percentile levels);
-* `row_metrics`: one prompt's figures (for `tandem eval --output` and the logged samples).
+* `row_metrics`: one prompt's figures (for `tandem eval --output` and the logged samples);
+* `resample_weights` (the bootstrap's draws, shared with eval/seed_comparison.py's paired comparison over
+  seeds) and `t_quantile` (Student's t, behind the expanded levels and that comparison's intervals).
 """
 
 from __future__ import annotations
 
 import math
 from statistics import NormalDist
+from typing import Iterator
 
 import torch
 
@@ -39,6 +42,16 @@ def _ratio_figures(sums: torch.Tensor, K: int) -> dict:
     return out
 
 
+def t_quantile(df: float, level: float = 0.95) -> float:
+    """Student's t quantile of a two-sided `level` interval at `df` degrees of freedom (real df > 0), from
+    the Cornish-Fisher series (Abramowitz & Stegun 26.7.5): 4.27 at df = 2 (exact 4.30), within 0.1% from
+    df = 3 on, 11% low at df = 1."""
+    z, v = NormalDist().inv_cdf(0.5 + level / 2), df
+    return (z + (z ** 3 + z) / 4 / v + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96 / v ** 2
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384 / v ** 3
+            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160 / v ** 4)
+
+
 def _expanded_levels(n: int, level: float = 0.95) -> tuple:
     """The quantiles (lo, hi) of the bootstrap distribution that give a `level` interval from n rows.
 
@@ -46,17 +59,26 @@ def _expanded_levels(n: int, level: float = 0.95) -> tuple:
     the unbiased variance divides by n - 1, and it uses normal quantiles where Student's t applies.
     Hesterberg's expanded percentile interval reads the percentiles at the normal tail whose quantile
     is sqrt(n / (n - 1)) * t_{n-1}; it tends to the plain percentiles as n grows. t_{n-1} comes from
-    the Cornish-Fisher series (Abramowitz & Stegun 26.7.5), close to exact from 3 degrees of freedom
-    on; below that the tail is near 0 either way and the interval spans the resamples' range."""
+    `t_quantile`, close to exact from 3 degrees of freedom on; below that the tail is near 0 either way
+    and the interval spans the resamples' range."""
     if n < 2:
         return 0.0, 1.0
-    normal = NormalDist()
-    z, v = normal.inv_cdf(0.5 + level / 2), n - 1
-    t = (z + (z ** 3 + z) / 4 / v + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96 / v ** 2
-         + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384 / v ** 3
-         + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160 / v ** 4)
-    tail = normal.cdf(-math.sqrt(n / v) * t)
+    tail = NormalDist().cdf(-math.sqrt(n / (n - 1)) * t_quantile(n - 1, level))
     return tail, 1.0 - tail
+
+
+def resample_weights(n: int, resamples: int = INTERVAL_RESAMPLES, seed: int = INTERVAL_SEED) -> Iterator[torch.Tensor]:
+    """The bootstrap over n prompts, in chunks: [r, n] float64 matrices, row j holding how often each prompt
+    is drawn (with replacement, n draws) in resample j; `resamples` rows in all. A resample's summed
+    counts are then one matmul with the [n, ...] per-prompt counts, and every statistic that multiplies
+    the same chunks resamples the same prompts (a paired bootstrap). The generator is private and
+    fixed-seed: the global RNG is untouched and a rerun draws the same resamples."""
+    g = torch.Generator().manual_seed(seed)
+    chunk = max(1, (1 << 22) // n)  # bounds the [chunk, n] weight matrix when there are many prompts
+    for start in range(0, resamples, chunk):
+        r = min(chunk, resamples - start)
+        idx = torch.randint(n, (r, n), generator=g)
+        yield torch.zeros(r, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(r, n, dtype=torch.float64))
 
 
 def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES,
@@ -74,16 +96,7 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     n, K = counts.shape[0], stats.num_steps
     if n == 0:
         return {}
-    g = torch.Generator().manual_seed(seed)
-    chunk = max(1, (1 << 22) // n)  # bounds the [chunk, n] weight matrix when there are many prompts
-    parts = []
-    for start in range(0, resamples, chunk):
-        r = min(chunk, resamples - start)
-        idx = torch.randint(n, (r, n), generator=g)
-        # how often each row is drawn in each resample; the resample's sums are then one matmul
-        weights = torch.zeros(r, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(r, n, dtype=torch.float64))
-        parts.append(weights @ counts)
-    figures = _ratio_figures(torch.cat(parts), K)
+    figures = _ratio_figures(torch.cat([w @ counts for w in resample_weights(n, resamples, seed)]), K)
     q = torch.tensor(_expanded_levels(n), dtype=torch.float64)
     out = {}
     for key, values in figures.items():

@@ -62,7 +62,9 @@ class Replicas(Protocol):
         """Every replica's (batch index, result) pairs, in batch order."""
 
 
-def _merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
+def merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
+    """One DecodeStats of several decode calls: rows concatenated in order, times and rounds summed (a whole
+    prompt set's figures and intervals, e.g. from the per-batch results `evaluate_decoding` returns)."""
     merged = DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
                          torch.cat([s.accepted_at for s in stats]), K)
     for name in ("draft_s", "verify_s", "overhead_s", "prefill_s", "decode_s", "num_rounds"):
@@ -110,7 +112,7 @@ def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[Decod
                    spec_stats: List[DecodeStats], acceptance_length: float) -> dict:
     """Tokens/s of both sides, measured and predicted speedup and per-round phase times (medians over
     repetitions)."""
-    ar_stats = [_merge_stats([r.stats for r in run], 0) for run in runs_ar]
+    ar_stats = [merge_stats([r.stats for r in run], 0) for run in runs_ar]
     spec_tokens = sum(r.decoded_tokens for r in runs_spec[0])
     ar_tokens = sum(r.decoded_tokens for r in runs_ar[0])
     spec_tps = _median([spec_tokens / max(s.decode_s, 1e-12) for s in spec_stats])
@@ -153,7 +155,7 @@ def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, replicas: Opti
     runs = [_decode_batches(model, batches, s, replicas, autoregressive, r) for r in range(repeats)]
     runs_spec, runs_ar = [spec for spec, _ in runs], [ar for _, ar in runs]
     # every replica's rows, in batch order: the figures and their bootstrap intervals equal one process's
-    spec_stats = [_merge_stats([r.stats for r in run], s.num_steps) for run in runs_spec]
+    spec_stats = [merge_stats([r.stats for r in run], s.num_steps) for run in runs_spec]
     metrics = acceptance_metrics(spec_stats[0])
     if not autoregressive:
         return metrics, runs_spec[0], []
