@@ -10,7 +10,7 @@
 `run` (every training and generation step is the real `tandem` command, in a subprocess):
 
 1. the checkpoint: `--checkpoint DIR`, else `recipes/tiny.yaml` trained for `--pretrain-steps` into
-   WORK/tiny (the recipe's 750 steps take ~7 minutes on 2 cores);
+   WORK/seed_<seed>/tiny (the recipe's 750 steps take ~7 minutes on 2 cores);
 2. self-distillation: from the same checkpoint, the MTP module alone (frozen trunk, K=3) fine-tuned for
    `--ft-steps` steps of the same micro-batch and seq_len (equal steps and tokens) on
    (a) the stdlib corpus (recipes/finetune_mtp.yaml),
@@ -24,9 +24,16 @@
    exact acceptance length and per-position rates, 95% intervals over prompts), on prompts no model
    trained on: pip/_internal's sources for step 2, setuptools' held-out files for step 3.
 
+Steps 1, 2 and 4 run once per training seed (`--seeds`, default 3: `train.seed` = the recipe's seed +
+0..N-1 for the pretraining, the fine-tunes and the T=0.8 generation; every seed's models decode the same
+held-out prompts). Then (b) - (a), (c) - (a) and (a) - before are compared over seeds and prompts
+(tandem.eval.seed_comparison: per-seed figures, mean [lo, hi], difference [lo, hi], significant=yes|no),
+greedy and at T=1; the run ends with their key=value line. The refresh (step 3) runs for the first seed.
+
 Recovery = (refreshed - stale) / (before - stale), where `before` is the old trunk with its own MTP
 module on the same prompts. Figures and the command are in docs/finetuning.md. The issue's targets
-(b or c >= a + 0.10 greedy; recovery >= 80%) are reported as met or not; nothing here is tuned to them.
+(b or c >= a + 0.10 greedy; recovery >= 80%) are reported as met or not (the first on the mean over seeds,
+and whether that difference is significant); nothing here is tuned to them.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from default_job_quality import code_files, pip_internal_dir  # noqa: E402
+from seeded_runs import add_seed_flags, compare, decode, seed_values  # noqa: E402
 
 QUIET = ["logging.wandb=false", "logging.progress=false"]
 
@@ -138,10 +146,10 @@ def finetune_args(recipe: str, work: str, name: str, init: str, a, extra=()) -> 
             f"mtp.num_steps={a.K}", *QUIET, *extra]
 
 
-def generate(work: str, ckpt: str, prompts: str, name: str, a, temperature: float) -> str:
+def generate(work: str, ckpt: str, prompts: str, name: str, a, temperature: float, seed: int = 1) -> str:
     out = os.path.join(work, f"{name}.jsonl")
     tandem(["generate", "--checkpoint", ckpt, "--prompts", prompts, "--out", out, "--temperature", str(temperature),
-            "--seed", "1", "--max-new-tokens", str(a.gen_tokens), "--batch-size", "16"],
+            "--seed", str(seed), "--max-new-tokens", str(a.gen_tokens), "--batch-size", "16"],
            os.path.join(work, f"{name}.log"))
     return out
 
@@ -171,16 +179,16 @@ def eval_prompts(tok, files: Sequence[str], count: int, length: int) -> List[Lis
     return [stream[(i * n // count) * length:(i * n // count + 1) * length] for i in range(min(count, n))]
 
 
-def acceptance(model, prompts, a, eos_id: int) -> Dict[str, dict]:
-    """Greedy and T=1 figures of evaluate_decoding (speculative side only)."""
-    from tandem.eval.decode_eval import evaluate_decoding
-
+def acceptance(model, prompts, a, eos_id: int, stats: Optional[dict] = None) -> Dict[str, dict]:
+    """Greedy and T=1 figures of evaluate_decoding (speculative side only); each decode's DecodeStats go
+    to `stats[mode]` when given (for the comparison over seeds)."""
     out = {}
-    common = dict(num_steps=a.K, max_new_tokens=a.eval_tokens, batch_size=8, eos_id=eos_id, seed=0,
-                  autoregressive=False)
+    common = dict(num_steps=a.K, max_new_tokens=a.eval_tokens, batch_size=8, eos_id=eos_id, seed=0)
     with torch.inference_mode():
         for label, temp in (("greedy", 0.0), ("T1", 1.0)):
-            out[label] = evaluate_decoding(model, prompts, temperature=temp, **common)[0]
+            out[label], st, _ = decode(model, prompts, temperature=temp, **common)
+            if stats is not None:
+                stats[label] = st
     return out
 
 
@@ -218,47 +226,75 @@ HEADER = ("| MTP module | greedy acceptance length [95%] | greedy per position |
 # --------------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------------
-def pretrained(a, work: str) -> str:
+def pretrained(a, work: str, seed: int) -> str:
     if a.checkpoint:
         return a.checkpoint
     ckpt = os.path.join(work, "tiny")
     secs = tandem(["train", "recipes/tiny.yaml", f"run.dir={ckpt}", f"train.max_steps={a.pretrain_steps}",
-                   f"checkpoint.interval={a.pretrain_steps}", "eval.interval=0", *corpus(a), *QUIET,
-                   *a.pretrain_overrides.split()], os.path.join(work, "tiny.log"))
-    print(f"pretrained recipes/tiny.yaml for {a.pretrain_steps} steps in {secs:.0f} s -> {ckpt}", flush=True)
+                   f"checkpoint.interval={a.pretrain_steps}", "eval.interval=0", f"train.seed={seed}", *corpus(a),
+                   *QUIET, *a.pretrain_overrides.split()], os.path.join(work, "tiny.log"))
+    print(f"pretrained recipes/tiny.yaml (train.seed={seed}) for {a.pretrain_steps} steps in {secs:.0f} s -> {ckpt}",
+          flush=True)
     return ckpt
 
 
-def self_distillation(a, work: str, ckpt: str, tok) -> List[str]:
-    """Fine-tunes (a), (b), (c) and their acceptance on pip's sources; the table's lines."""
+VARIANTS = ("before fine-tuning", "(a) stdlib corpus", "(b) own greedy continuations", "(c) own continuations at T=0.8")
+COMPARED = (("(b)", "(a)"), ("(c)", "(a)"), ("(a)", "before"))
+"""The pairs compared over seeds: each self-distilled module against the corpus one, and the corpus
+fine-tune against no fine-tuning."""
+
+
+def self_distillation(a, work: str, ckpt: str, tok, seed: int, held, stats: dict) -> List[str]:
+    """Fine-tunes (a), (b), (c) of one training seed and their acceptance on pip's held-out prompts `held`;
+    the seed's table lines. Each variant's DecodeStats go to stats[variant][mode]."""
     from tandem.data_pipeline.stdlib_corpus import stdlib_files
 
     prompts = write_jsonl(os.path.join(work, "stdlib_prompts.jsonl"),
                           [{"text": p} for p in make_prompts(stdlib_files()[1], a.gen_prompts, a.prompt_chars)])
-    runs = {"(a) stdlib corpus": ("recipes/finetune_mtp.yaml", "ft_corpus", corpus(a))}
+    runs = {VARIANTS[1]: ("recipes/finetune_mtp.yaml", "ft_corpus", corpus(a))}
     notes = []
-    for label, name, temp in (("(b) own greedy continuations", "gen_greedy", 0.0),
-                              ("(c) own continuations at T=0.8", "gen_t08", 0.8)):
+    for label, name, temp in ((VARIANTS[2], "gen_greedy", 0.0), (VARIANTS[3], "gen_t08", 0.8)):
         t0 = time.perf_counter()
-        data = generate(work, ckpt, prompts, name, a, temp)
+        data = generate(work, ckpt, prompts, name, a, temp, seed)
         print(f"generated {name} in {time.perf_counter() - t0:.0f} s: {describe(data)}", flush=True)
         notes.append(f"{label[:3]} data: {describe(data)}.")
         runs[label] = ("recipes/finetune_mtp_selfdistill.yaml", f"ft_{name}", [f"data.paths=[{data}]"])
-    held = eval_prompts(tok, code_files(pip_internal_dir(), a.eval_bytes), a.eval_prompts, a.prompt_len)
-    lines = [f"Held-out: {len(held)} prompts of {a.prompt_len} tokens from pip/_internal, {a.eval_tokens} new "
-             f"tokens, K={a.K}.", "", HEADER,
-             row("before fine-tuning", acceptance(load(ckpt), held, a, tok.eod_id), a.K)]
-    greedy = {}
+    lines = [f"train.seed={seed}:", "", HEADER,
+             row(VARIANTS[0], acceptance(load(ckpt), held, a, tok.eod_id, stats[VARIANTS[0]]), a.K)]
     for label, (recipe, name, extra) in runs.items():
-        secs = tandem(finetune_args(recipe, work, name, ckpt, a, extra), os.path.join(work, f"{name}.log"))
-        figs = acceptance(load(os.path.join(work, name)), held, a, tok.eod_id)
-        greedy[label[:3]] = figs["greedy"]["acceptance_length"]
-        lines.append(row(label, figs, a.K))
+        secs = tandem(finetune_args(recipe, work, name, ckpt, a, [f"train.seed={seed}", *extra]),
+                      os.path.join(work, f"{name}.log"))
+        lines.append(row(label, acceptance(load(os.path.join(work, name)), held, a, tok.eod_id, stats[label]), a.K))
         print(f"{label}: {a.ft_steps} steps in {secs:.0f} s; {lines[-1]}", flush=True)
-    gain = max(greedy["(b)"], greedy["(c)"]) - greedy["(a)"]
-    lines += ["", f"Best self-distilled minus corpus, greedy acceptance length: {gain:+.3f} "
-              f"(target >= +0.10: {'met' if gain >= 0.10 else 'not met'}). " + " ".join(notes)]
-    return lines
+    return lines + ["", " ".join(notes)]
+
+
+def over_seeds(a, stats: dict, n_seeds: int) -> Tuple[List[str], Dict[str, str]]:
+    """The comparison over seeds and prompts of each pair in COMPARED, greedy and T=1: the table's lines and
+    the key=value summary."""
+    short = {v[:3] if v.startswith("(") else v.split()[0]: v for v in VARIANTS}
+    lines = [f"Over {n_seeds} training seeds (mean over seeds [95% interval over seeds and prompts]; "
+             "difference [95%], significant when the interval excludes 0):", "",
+             "| comparison | greedy difference [95%] | significant | T=1 difference [95%] | significant |",
+             "|---|---|---|---|---|"]
+    summary, means = {}, {}
+    for x, y in COMPARED:
+        cells = [f"{x} - {y}"]
+        for mode in ("greedy", "T1"):
+            c = compare(x, [s[mode] for s in stats[short[x]]], y, [s[mode] for s in stats[short[y]]], mode)
+            means.setdefault(short[x], {})[mode], means.setdefault(short[y], {})[mode] = c.mean_a, c.mean_b
+            cells += [str(c.diff), "yes" if c.significant else "no"]
+            key = f"{x.strip('()')}_minus_{y.strip('()')}_{mode}"
+            summary[key], summary[f"{key}_significant"] = f"{c.diff.value:+.3f}", "yes" if c.significant else "no"
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| MTP module | greedy mean [95%] | T=1 mean [95%] |", "|---|---|---|"]
+    lines += [f"| {v} | {means[v]['greedy']} | {means[v]['T1']} |" for v in VARIANTS]
+    gain = max(float(summary["b_minus_a_greedy"]), float(summary["c_minus_a_greedy"]))
+    sig = any(summary[f"{v}_minus_a_greedy_significant"] == "yes" and float(summary[f"{v}_minus_a_greedy"]) >= 0.10
+              for v in "bc")
+    lines += ["", f"Best self-distilled minus corpus, greedy acceptance length: {gain:+.3f} (target >= +0.10: "
+              f"{'met' if gain >= 0.10 else 'not met'} on the mean; {'significant' if sig else 'not significant'})."]
+    return lines, summary
 
 
 def refresh(a, work: str, ckpt: str, tok) -> List[str]:
@@ -308,20 +344,37 @@ def run(a) -> int:
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     work = os.path.abspath(a.work)
-    os.makedirs(work, exist_ok=True)
-    ckpt = os.path.abspath(pretrained(a, work))
-    step = resolve_checkpoint(ckpt)
-    tok = _tokenizer_of(load_config(os.path.join(step, "config.yaml")), step)
+    seeds = seed_values("recipes/tiny.yaml", a.pretrain_overrides.split(), a.seeds)
     cpu = platform.processor() or platform.machine()
     lines = [f"`python bench/self_distill.py run {shlex.join(sys.argv[2:])}` on {cpu}"
-             f" ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}; checkpoint {ckpt}; fine-tunes of {a.ft_steps} "
-             f"steps x {a.batch} x {a.seq_len} tokens each; generation: {a.gen_prompts} prompts, {a.gen_tokens} new "
-             "tokens.", ""]
-    lines += self_distillation(a, work, ckpt, tok)
+             f" ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}; "
+             + (f"checkpoint {a.checkpoint}" if a.checkpoint else f"pretraining {a.pretrain_steps} steps per seed")
+             + f"; fine-tunes of {a.ft_steps} steps x {a.batch} x {a.seq_len} tokens each; generation: "
+             f"{a.gen_prompts} prompts, {a.gen_tokens} new tokens; train.seed {', '.join(map(str, seeds))}.", ""]
+    stats = {v: [] for v in VARIANTS}  # variant -> per seed {mode: DecodeStats}
+    held, first = None, None
+    for seed in seeds:
+        seed_work = os.path.join(work, f"seed_{seed}")
+        os.makedirs(seed_work, exist_ok=True)
+        ckpt = os.path.abspath(pretrained(a, seed_work, seed))
+        step = resolve_checkpoint(ckpt)
+        tok = _tokenizer_of(load_config(os.path.join(step, "config.yaml")), step)
+        if held is None:  # one prompt set for every seed: the comparison is paired by prompt
+            held = eval_prompts(tok, code_files(pip_internal_dir(), a.eval_bytes), a.eval_prompts, a.prompt_len)
+            lines += [f"Held-out: {len(held)} prompts of {a.prompt_len} tokens from pip/_internal, {a.eval_tokens} "
+                      f"new tokens, K={a.K}.", ""]
+            first = (seed_work, ckpt, tok)
+        seed_stats = {v: {} for v in VARIANTS}
+        lines += self_distillation(a, seed_work, ckpt, tok, seed, held, seed_stats) + [""]
+        for v in VARIANTS:
+            stats[v].append(seed_stats[v])
+    table, summary = over_seeds(a, stats, len(seeds))
+    lines += table
     if a.trunk_steps > 0:
-        lines += ["", "Refresh:", ""] + refresh(a, work, ckpt, tok)
+        lines += ["", f"Refresh (train.seed={seeds[0]} only):", ""] + refresh(a, *first)
     lines += ["", f"Wall time {(time.perf_counter() - t0) / 60:.1f} min."]
     print("\n" + "\n".join(lines))
+    print(" ".join(f"{k}={v}" for k, v in summary.items()))
     return 0
 
 
@@ -334,7 +387,10 @@ def main(argv=None) -> int:
     pr.add_argument("--source-dir", default="", help=".py files to cut from (default: the stdlib test split)")
     pr.add_argument("--prompt-chars", type=int, default=200, help="whole lines until this many characters")
     r = sub.add_parser("run", help="the measurement (module docstring)")
-    r.add_argument("--checkpoint", default="", help="default: train recipes/tiny.yaml into WORK/tiny first")
+    r.add_argument("--checkpoint", default="",
+                   help="default: train recipes/tiny.yaml into WORK/seed_<seed>/tiny first, once per seed (with a "
+                        "checkpoint, the seeds vary the fine-tunes and the sampled generation only)")
+    add_seed_flags(r, reuse=False)
     r.add_argument("--work", default="runs/self_distill", help="where the runs and generations go")
     r.add_argument("--pretrain-steps", type=int, default=750)
     r.add_argument("--pretrain-overrides", default="", help="key=value ... for a smaller pretraining (flavor=debug)")

@@ -14,20 +14,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_mtp_objectives_bench(tiny_base, tmp_path):
-    cmd = [sys.executable, "bench/mtp_objectives.py", "--steps", "2", "--objectives", "ce,acceptance,soft",
-           "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6", "--out", str(tmp_path), *tiny_base]
+    """Looped MTP (`ce`) against parallel heads over 2 seeds: every run trains, each variant's mean row
+    parses, the pair and block-vs-token verification are compared with intervals and a verdict, and the
+    summary line names the best variant with its significance."""
+    cmd = [sys.executable, "bench/mtp_objectives.py", "--steps", "2", "--seeds", "2",
+           "--objectives", "ce,parallel_heads", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6",
+           "--out", str(tmp_path), *tiny_base]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    rows = {line.split()[0]: line.split() for line in lines if line.split()[0] in ("ce", "acceptance", "soft")}
-    assert set(rows) == {"ce", "acceptance", "soft"}
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[0] in ("ce", "parallel_heads")}
+    assert set(rows) == {"ce", "parallel_heads"}
     for row in rows.values():
         greedy, sampled = float(row[1]), float(row[2])
         assert 1.0 <= greedy <= 3.0 and 1.0 <= sampled <= 3.0  # K=2: at most 3 tokens per verify
-    assert lines[-1].startswith("best_greedy=") and " best_t1=" in lines[-1]
-    for objective in ("ce", "acceptance", "soft"):
-        assert os.path.isdir(tmp_path / objective / "checkpoints")
+    assert "[greedy] acceptance_length: ce vs parallel_heads (2 seeds x 2 prompts)" in lines
+    verdicts = [line for line in lines if line.lstrip().startswith("difference ")]
+    assert len(verdicts) == 4 and all(v.endswith(("significant=yes", "significant=no")) for v in verdicts)
+    summary = dict(field.split("=") for field in lines[-1].split())
+    assert summary["best_greedy"] in rows and summary["best_t1"] in rows
+    assert {summary["best_greedy_significant"], summary["ce.block_minus_token_t1_significant"]} <= {"yes", "no"}
+    for objective in ("ce", "parallel_heads"):
+        for seed in (1234, 1235):  # the recipe's train.seed, then the next
+            assert os.path.isdir(tmp_path / objective / f"seed_{seed}" / "checkpoints")
 
 
 @pytest.mark.parametrize("flags", [[], ["--dtype", "bf16", "--compile", "--head-backward", "fused"]])
@@ -84,26 +94,27 @@ def test_qwen4_exp_trunk_bench():
 
 
 def test_qsa_reuse_bench(tmp_path, corpus_cache):
-    """QSA index reuse on a 2-step qwen4_exp_tiny checkpoint: with reuse the drafter runs its indexer once
-    per round (depth 1), without it at each of the K depths; block scoring shrinks accordingly, and both
-    decode exactly what autoregressive decoding gives."""
-    run = tmp_path / "q4"
-    train = [sys.executable, "-m", "tandem.trainer.cli", "train", "recipes/qwen4_exp_tiny.yaml", f"run.dir={run}",
-             f"data.cache_dir={corpus_cache}", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
-             "model.vocab_size=512", "data.seq_len=64", "train.max_steps=2", "train.warmup_steps=1",
-             "eval.interval=0", "checkpoint.interval=2", "logging.progress=false", "train.dtype=fp32"]
+    """QSA index reuse on 2-step qwen4_exp_tiny checkpoints of 2 training seeds, trained by the bench: with
+    reuse the drafter runs its indexer once per round (depth 1), without it at each of the K depths; block
+    scoring shrinks accordingly, both decode exactly what autoregressive decoding gives, and reuse vs own
+    is compared over the seeds with a verdict."""
+    cmd = [sys.executable, "bench/qsa_reuse.py", "--seeds", "2", "--steps", "2", "--out", str(tmp_path / "q4"),
+           "--num-prompts", "2", "--prompt-len", "24", "--max-new-tokens", "8", "--batch-size", "2",
+           f"data.cache_dir={corpus_cache}", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
+           "model.vocab_size=512", "data.seq_len=64", "train.warmup_steps=1", "train.dtype=fp32"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "bench/qsa_reuse.py", "--checkpoint", str(run), "--num-prompts", "2",
-                           "--prompt-len", "24", "--max-new-tokens", "8", "--batch-size", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = dict(field.split("=") for field in proc.stdout.strip().splitlines()[-1].split())
+    lines = proc.stdout.strip().splitlines()
+    line = dict(field.split("=") for field in lines[-1].split())
     assert float(line["indexer_calls_per_round_reuse"]) == 1.0 and float(line["indexer_calls_per_round_own"]) == 3.0
     saved = 1 - float(line["indexer_macs_per_round_reuse"]) / float(line["indexer_macs_per_round_own"])
     assert 0 < saved < 1 and abs(saved - float(line["indexer_work_saved"])) < 1e-3
     assert line["identical_to_autoregressive_reuse"] == line["identical_to_autoregressive_own"] == "1.0000"
+    assert "[acceptance_greedy] acceptance_length: reuse vs own (2 seeds x 2 prompts)" in lines
+    assert line["reuse_minus_own_acceptance_greedy_significant"] in ("yes", "no")
+    assert line["block_minus_token_T1_reuse_significant"] in ("yes", "no")
+    assert all(os.path.isdir(tmp_path / "q4" / f"seed_{s}" / "checkpoints") for s in (1234, 1235))
 
 
 def test_gdn_chunk_solve_bench():
