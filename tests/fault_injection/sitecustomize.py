@@ -7,7 +7,9 @@ Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
   (the shards written, nothing else) or `before_marker` (everything but the completion marker), so a
   test can kill -9 the process mid-save;
 * TANDEM_TEST_SAMPLE_LOG=<dir>: append the training samples each rank reads for each 1-based step
-  to <dir>/rank<R>.jsonl.
+  to <dir>/rank<R>.jsonl;
+* TANDEM_TEST_SLOW_FIRST_ATTEMPT=<seconds>: every optimizer step takes that much longer on a Slurm
+  job's first attempt (SLURM_RESTART_COUNT unset or 0), so a short time limit reaches a tiny run.
 Python imports `sitecustomize` at start-up; nothing is imported or patched without these variables.
 """
 
@@ -20,6 +22,7 @@ import time
 _KILL = os.environ.get("TANDEM_TEST_KILL_AT_STEP")
 _PAUSE = os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT")
 _SAMPLES = os.environ.get("TANDEM_TEST_SAMPLE_LOG")
+_SLOW = os.environ.get("TANDEM_TEST_SLOW_FIRST_ATTEMPT")
 
 
 def _rank() -> int:
@@ -41,6 +44,20 @@ def _kill_at_step(spec: str) -> None:
         return out
 
     DataPosition.advance = advance_then_maybe_die
+
+
+def _slow_first_attempt(seconds: str) -> None:
+    from tandem.data_pipeline.dataset import DataPosition
+
+    if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        return
+    advance = DataPosition.advance
+
+    def advance_slowly(self, *args, **kwargs):
+        time.sleep(float(seconds))
+        return advance(self, *args, **kwargs)
+
+    DataPosition.advance = advance_slowly
 
 
 def _pause_checkpoint(spec: str) -> None:
@@ -89,3 +106,5 @@ if _PAUSE:
     _pause_checkpoint(_PAUSE)
 if _SAMPLES:
     _log_samples(_SAMPLES)
+if _SLOW:
+    _slow_first_attempt(_SLOW)
