@@ -77,32 +77,6 @@ def test_eval_suites_per_suite_and_category(suite_run, fake_mt_bench, capsys):
     assert "4 of 4 suite prompts keep their last 8 tokens" in err  # --prompt-len cuts suite prompts
 
 
-def test_speed_bench_measures_each_suite_apart(suite_run, fake_mt_bench, capsys):
-    """bench/spec_decode.py --suite decodes and times each suite on its own: its acceptance per suite
-    equals `tandem eval --suite`'s for the same prompts, and each suite gets a measured and a predicted
-    speedup."""
-    import importlib.util
-    from pathlib import Path
-
-    budget = ["--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "1", "--prompt-len", "8"]
-    rc, out, err = _eval(["--checkpoint", str(suite_run), "--suite", "humaneval,mt_bench", *budget], capsys)
-    assert rc == 0, err
-    expected = json.loads(out.strip().splitlines()[-1])["suites"]
-    path = Path(__file__).resolve().parents[2] / "bench" / "spec_decode.py"
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--checkpoint", str(suite_run), "--suite", "humaneval,mt_bench",
-                       "--repeats", "1", *budget]) == 0
-    out = capsys.readouterr().out
-    summary = dict(pair.split("=") for pair in out.strip().splitlines()[-1].split())
-    assert out.count("identical_to_autoregressive=True") == 2
-    for suite in ("humaneval", "mt_bench"):
-        assert float(summary[f"{suite}/acceptance_length"]) == pytest.approx(expected[suite]["acceptance_length"],
-                                                                             abs=1e-4)
-        assert float(summary[f"{suite}/speedup"]) > 0 and float(summary[f"{suite}/speedup_predicted"]) > 0
-
-
 def test_missing_package_is_one_line(suite_run, capsys, monkeypatch):
     from tandem.eval import suites
 
