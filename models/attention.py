@@ -18,7 +18,7 @@ from torch import nn
 from .config import ModelConfig
 from .context import WholeWindow
 from .documents import Documents
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
 from .state import KVCache, LayerKV  # noqa: F401  (re-exported: callers import the cache from here)
 
 
@@ -37,6 +37,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.rope_theta, cfg.max_seq_len)
+
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        return ("normal", scales.residual_std) if name == "o_proj.weight" else None
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
                 cache: Optional[LayerKV] = None, documents: Optional[Documents] = None,

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .layers import InitRule, InitScales
+
 
 def _base_aligned(t: torch.Tensor) -> torch.Tensor:
     # the grouped kernel needs 16-byte aligned base pointers; a view at an odd offset gets a fresh copy
@@ -253,6 +255,9 @@ class GroupedExperts(nn.Module):
         """Called with the gathered token copies before `forward`, so a dispatcher (expert parallelism)
         can start sending them while the caller computes something else (the shared expert). Nothing
         to do in one process."""
+
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        return ("normal", scales.residual_std) if name == "down_proj" else None
 
     def forward(self, x_sorted_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x rows are grouped by expert in order (counts[e] rows for expert e, an int64 tensor on

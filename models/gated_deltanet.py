@@ -63,7 +63,7 @@ from torch import nn
 
 from .context import WholeWindow
 from .documents import Documents, causal_conv_taps
-from .layers import rms_norm
+from .layers import InitRule, InitScales, rms_norm
 
 try:  # optional CUDA kernels; the pure-PyTorch path below computes the same thing
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -247,6 +247,9 @@ class GatedRMSNorm(nn.Module):
         self.eps, self.act = eps, act
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        return "ones", 0.0
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # The cast order matches transformers (w * x_hat in the input dtype, the gate in fp32) so bf16
         # checkpoints reproduce the reference bit for bit where the math allows.
@@ -346,6 +349,11 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalize(k_bsnk.float())
         return (q.transpose(1, 2), k.transpose(1, 2), v_bsnv.float().transpose(1, 2),
                 g_bsn.float().transpose(1, 2), beta_bsn.float().transpose(1, 2))
+
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        """As `reset_parameters` (transformers' values), and the output projection as every residual one."""
+        return {"A_log": ("a_log", 0.0), "dt_bias": ("ones", 0.0),
+                "out_proj.weight": ("normal", scales.residual_std)}.get(name)
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
                 documents: Optional[Documents] = None, context: Optional[WholeWindow] = None) -> torch.Tensor:

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+InitRule = Tuple[str, float]
+"""How a parameter starts: ("ones" | "zeros" | "normal" | "a_log", std). `a_log` is Gated DeltaNet's
+decay rate log(uniform(0.01, 16)), as transformers initialises it."""
+
+
+@dataclass(frozen=True)
+class InitScales:
+    """The model-wide scales a module's `param_init` draws from."""
+
+    std: float
+    """Every weight no module names otherwise: normal(0, model.init_std)."""
+    residual_std: float
+    """Residual output projections (attention and linear attention outputs, MLP and expert down
+    projections): init_std / sqrt(2 x layers), GPT-2 style, so the residual stream does not grow
+    with depth."""
 
 
 def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, group_size: int):
@@ -85,6 +104,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centered, self.group_size)
+
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        """The scale starts at 1 (stored as 0 when zero-centred)."""
+        return ("zeros" if self.zero_centered else "ones"), 0.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -168,3 +191,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        return ("normal", scales.residual_std) if name == "down_proj.weight" else None

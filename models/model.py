@@ -22,7 +22,7 @@ from .block import OutputHead, TransformerBlock
 from .config import ModelConfig, MTPConfig
 from .context import WholeWindow
 from .documents import Documents
-from .layers import RMSNorm
+from .layers import InitRule, InitScales
 from .loss import (
     IGNORE,
     chunked_argmax,
@@ -139,27 +139,24 @@ class TandemModel(nn.Module):
     def num_depths(self) -> int:
         return 1 + (self.mtp_cfg.num_steps if self.mtp is not None else 0)
 
-    def init_rule(self, name: str) -> Tuple[str, float]:
-        """How parameter `name` starts: ("ones" | "zeros" | "normal" | "a_log", std). The one definition
-        of the initial distribution: `reset_parameters` draws it from the global RNG; the trainer draws
-        it shard by shard from per-parameter seeds (trainer/materialize.py). `a_log` is Gated DeltaNet's
-        decay rate log(uniform(0.01, 16)), as transformers initialises it."""
-        std = self.cfg.init_std
-        owner_name, _, leaf = name.rpartition(".")
-        owner = self.get_submodule(owner_name) if owner_name else self
-        if isinstance(owner, RMSNorm):
-            return ("zeros" if owner.zero_centered else "ones"), 0.0
-        if leaf == "A_log":
-            return "a_log", 0.0
-        if leaf == "dt_bias" or name.endswith("norm.weight") or "layernorm" in name:
-            return "ones", 0.0
-        if name.endswith("bias") or name.endswith("ple.conv1d.weight"):
-            return "zeros", 0.0  # PLE's convolution starts at zero, as in transformers
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "linear_attn.out_proj.weight")):
-            # GPT-2 style: residual output projections scaled down with depth.
-            depth = self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp_cfg.num_steps > 0 else 0)
-            return "normal", std / math.sqrt(2 * depth)
-        return "normal", std
+    @property
+    def init_scales(self) -> InitScales:
+        depth = self.cfg.num_layers + (self.mtp_cfg.num_layers if self.mtp_cfg.num_steps > 0 else 0)
+        return InitScales(self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * depth))
+
+    def init_rule(self, name: str) -> InitRule:
+        """How parameter `name` starts: what the closest module holding it says (its `param_init`,
+        asked with the name relative to it: `out_proj.weight` for a Gated DeltaNet layer's output
+        projection), else zeros for a bias and normal(0, model.init_std) for everything else. The one
+        definition of the initial distribution: `reset_parameters` draws it from the global RNG; the
+        trainer draws it shard by shard from per-parameter seeds (trainer/seeded_init.py)."""
+        scales, parts = self.init_scales, name.split(".")
+        for cut in range(len(parts) - 1, -1, -1):
+            param_init = getattr(self.get_submodule(".".join(parts[:cut])), "param_init", None)
+            rule = param_init(".".join(parts[cut:]), scales) if param_init is not None else None
+            if rule is not None:
+                return rule
+        return ("zeros", 0.0) if parts[-1] == "bias" else ("normal", scales.std)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -87,7 +87,7 @@ from torch import nn
 
 from .context import WholeWindow
 from .documents import Documents
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
 from .moe import AuxLossGrad
 from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
 from .qsa_stream import map_query_chunks, selection_keys, stream_select, stream_target
@@ -257,6 +257,9 @@ class IndexedAttention(nn.Module):
         return b * s_q * s > MASK_ELEMS_LIMIT and 4 * (self.budget + self.compress_ratio - 1) <= s
 
     # ---- forward ------------------------------------------------------------------------------------
+    def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
+        return ("normal", scales.residual_std) if name == "o_proj.weight" else None
+
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerCache] = None,
                 selection: Optional[QSASelection] = None, return_selection: bool = False,
                 documents: Optional[Documents] = None, context: Optional[WholeWindow] = None

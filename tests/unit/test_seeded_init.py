@@ -55,3 +55,42 @@ def test_frozen_trunk_is_kept_in_the_compute_dtype():
     cfg = load_config(None, SHAPE + ["train.freeze_trunk=true", "train.dtype=fp32"])
     assert all(p.dtype == torch.float32 for p in build_model(cfg,
                                                              ParallelState(device=resolve_device("cpu"))).parameters())
+
+
+def test_each_module_declares_how_its_parameters_start():
+    """The rule of a parameter comes from the closest module holding it (`param_init`), hand-checked on
+    Qwen4-Exp's debug flavor: 4 trunk layers + 1 MTP layer, so residual projections start at
+    0.02 / sqrt(2 * 5)."""
+    import math
+
+    from tandem.models import flavors
+    from tandem.models.model import TandemModel
+
+    with torch.device("meta"):
+        model = TandemModel(flavors.model_config("debug_qwen4"), flavors.mtp_config("debug_qwen4"))
+        plain = TandemModel(flavors.model_config("debug", attention_bias=True), flavors.mtp_config("debug"))
+    assert plain.init_rule("layers.0.self_attn.q_proj.bias") == ("zeros", 0.0)  # a bias no module names
+    cfg = model.cfg
+    assert (cfg.num_layers, model.mtp_cfg.num_layers, cfg.init_std) == (4, 1, 0.02)
+    residual = ("normal", 0.02 / math.sqrt(10))
+    names = dict(model.named_parameters())
+    gdn = next(n.split(".")[1] for n in names if n.endswith("linear_attn.A_log"))
+    qsa = next(n.split(".")[1] for n in names if n.startswith("layers.") and n.endswith("self_attn.o_proj.weight"))
+    expected = {
+        f"layers.{gdn}.linear_attn.A_log": ("a_log", 0.0),          # GatedDeltaNet
+        f"layers.{gdn}.linear_attn.dt_bias": ("ones", 0.0),         # GatedDeltaNet, not "a bias"
+        f"layers.{gdn}.linear_attn.out_proj.weight": residual,      # GatedDeltaNet
+        f"layers.{gdn}.linear_attn.norm.weight": ("ones", 0.0),     # GatedRMSNorm (not zero-centred)
+        f"layers.{gdn}.linear_attn.in_proj_qkv.weight": ("normal", 0.02),
+        f"layers.{qsa}.self_attn.o_proj.weight": residual,          # IndexedAttention
+        f"layers.{gdn}.attn_hyper_connection.hc_norm.weight": ("zeros", 0.0),  # RMSNorm, zero-centred
+        f"layers.{gdn}.mlp.experts.down_proj": residual,            # GroupedExperts
+        f"layers.{gdn}.mlp.shared_experts.down_proj.weight": residual,  # SwiGLU
+        "mtp.layers.0.block.self_attn.o_proj.weight": residual,
+        "embed_tokens.weight": ("normal", 0.02),
+    }
+    ple = [n for n, _ in model.named_parameters() if n.endswith("ple.conv1d.weight")]
+    assert ple and all(model.init_rule(n) == ("zeros", 0.0) for n in ple)  # PLELayer
+    for name, rule in expected.items():
+        assert name in names, name
+        assert model.init_rule(name) == rule, name
