@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.distributed import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -51,9 +52,7 @@ def test_layout_writes_what_one_process_writes(layout, reference):
     root, files = reference
     out = root / layout
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           str(root / "run"), str(root / "prompts.jsonl"), str(out), *LAYOUTS[layout]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = torchrun.run(2, __name__, root / "run", root / "prompts.jsonl", out, *LAYOUTS[layout], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     for case, single in files.items():
         got = (out / f"{case}.jsonl").read_text()

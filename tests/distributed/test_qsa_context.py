@@ -8,10 +8,11 @@ chunk edges and one row either side of them. This file is also the torchrun work
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.distributed import torchrun
 
 pytestmark = [pytest.mark.distributed]
 
@@ -113,10 +114,7 @@ def main() -> None:
 
 @pytest.mark.parametrize("cp,shardings", [(2, "zigzag,contiguous"), (4, "zigzag")])
 def test_qsa_under_context_parallelism_equals_one_process(cp, shardings):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-           os.path.abspath(__file__), shardings]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-                          capture_output=True, text=True, timeout=300)
+    proc = torchrun.run(cp, __name__, shardings, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
