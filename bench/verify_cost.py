@@ -322,6 +322,8 @@ def suites(args, device: torch.device) -> None:
         r = json.loads(out.getvalue().strip().splitlines()[-1])
         L = r["acceptance_length"]
         print(f"suite name={suite} prompts={r['num_prompts']} K={K} acceptance_length={L:.4f} "
+              f"acceptance_length_lo95={r['acceptance_length_lo95']:.4f} "
+              f"acceptance_length_hi95={r['acceptance_length_hi95']:.4f} "
               f"speedup={r['speedup']:.4f} speedup_predicted_eval={r['speedup_predicted']:.4f} "
               f"speedup_predicted_cost={predicted_speedup(L, c1, cd, cv, K):.4f} "
               f"break_even={cost_model(c1, cd, cv, K)[0]:.4f} "

@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from bench.verify_cost import main as verify_cost
+from bench.verify_cost import predicted_speedup
 from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = pytest.mark.slow
@@ -75,6 +77,32 @@ def test_eval_suites_per_suite_and_category(suite_run, fake_mt_bench, capsys):
         assert 1.0 <= fig["acceptance_length"] <= 3.0
     assert "humaneval acceptance_length: " in err and "mt_bench/coding acceptance_length: " in err
     assert "4 of 4 suite prompts keep their last 8 tokens" in err  # --prompt-len cuts suite prompts
+
+
+def test_speed_per_suite_bench(suite_run, fake_mt_bench, capsys):
+    """bench/verify_cost.py --checkpoint --suites: each suite's acceptance (with its interval) is
+    `tandem eval --suite`'s for that suite alone, and its cost-model prediction is the model applied to
+    the costs the bench printed for this checkpoint."""
+    budget = ["--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "1"]
+    assert verify_cost(["--checkpoint", str(suite_run), "--suites", "humaneval,mt_bench", "--suite-prompts", "2",
+                        "--max-new-tokens", "6", "--prompt-len", "16", "--reps", "2", "--warmup", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    costs = dict(kv.split("=") for kv in next(line for line in lines if line.startswith("breakeven")).split()[1:])
+    suites = {f["name"]: f for f in (dict(kv.split("=") for kv in line.split()[1:])
+                                     for line in lines if line.startswith("suite "))}
+    assert set(suites) == {"humaneval", "mt_bench"}
+    for name, f in suites.items():
+        rc, out, err = _eval(["--checkpoint", str(suite_run), "--suite", name, *budget], capsys)
+        assert rc == 0, err
+        alone = json.loads(out.strip().splitlines()[-1])
+        assert f["identical_to_autoregressive"] == "1"
+        for key in ("acceptance_length", "acceptance_length_lo95", "acceptance_length_hi95"):
+            assert float(f[key]) == pytest.approx(alone[key], abs=1e-4), (name, key)
+        L, K = float(f["acceptance_length"]), int(f["K"])
+        expected = predicted_speedup(L, float(costs["c1_ms"]), float(costs["draft_step_ms"]),
+                                     float(costs["verify_ms"]), K)
+        assert float(f["speedup_predicted_cost"]) == pytest.approx(expected, rel=1e-3)
+        assert float(f["speedup"]) > 0 and float(f["speedup_predicted_eval"]) > 0
 
 
 def test_missing_package_is_one_line(suite_run, capsys, monkeypatch):
