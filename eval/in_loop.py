@@ -49,18 +49,22 @@ plus the teacher-forced losses).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import Any, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
+from tandem.data_pipeline.prompts import chat_template_in
+
 from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES
 from .decode_eval import Replicas, evaluate_decoding, other_convention_figures
 from .metrics import distinct_n, teacher_forced, temperature_label
 from .recall import RecallProbe
-from .spec_decode import unwrap
+from .spec_decode import prompt_limit, unwrap
+from .suites import load_suites, tokenize_suite
 
 DISTINCT_N = (2, 4)
 """n-gram orders of the `eval/distinct_n` repetition figures."""
@@ -123,12 +127,8 @@ class InLoopEvaluator:
         """`eval.num_prompts` prompts spread over each suite of `eval.suite` (eval/suites.py), each cut
         to the decoder's room (its last tokens: the text the continuation follows). Public prompt sets
         put the in-loop figure on the scale papers report; the teacher-forced losses stay held-out."""
-        import os
 
-        from tandem.data_pipeline.prompts import chat_template_in
 
-        from .spec_decode import prompt_limit
-        from .suites import load_suites, tokenize_suite
 
         e = cfg.eval
         if tokenizer is None:

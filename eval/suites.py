@@ -26,6 +26,14 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
+from tandem.data_pipeline.chat import iter_records
+from tandem.data_pipeline.prompts import Prompt, tokenize_prompts
+
+from .acceptance import acceptance_metrics
+from .spec_decode import DecodeStats
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -104,7 +112,6 @@ def suite_file(name: str) -> str:
 
 def load_suite(name: str) -> List[SuitePrompt]:
     """Every prompt of suite `name`, in file order."""
-    from tandem.data_pipeline.chat import iter_records
 
     suite, path = SUITES[name], suite_file(name)
     out = []
@@ -133,7 +140,6 @@ def load_suites(spec: str, num_prompts: int = 0) -> List[SuitePrompt]:
 def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit: int) -> Tuple[List[List[int]], int]:
     """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use the
     chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none."""
-    from tandem.data_pipeline.prompts import Prompt, tokenize_prompts
 
     as_prompts = []
     for p in prompts:
@@ -148,9 +154,7 @@ def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit:
 
 def _subset(stats, rows: List[int]):
     """The DecodeStats of `rows` only (acceptance counts; the times are not per row)."""
-    import torch
 
-    from .spec_decode import DecodeStats
 
     idx = torch.tensor(rows, dtype=torch.long)
     return DecodeStats(stats.rounds[idx], stats.accepted[idx], stats.accepted_at[idx], stats.num_steps)
@@ -158,9 +162,7 @@ def _subset(stats, rows: List[int]):
 
 def merged_stats(results) -> object:
     """One DecodeStats holding every row of `results` (per-batch DecodeResults, in prompt order)."""
-    import torch
 
-    from .spec_decode import DecodeStats
 
     stats = [r.stats for r in results]
     return DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
@@ -171,7 +173,6 @@ def grouped_figures(results, prompts: List[SuitePrompt]) -> dict:
     """{suite: {acceptance figures with their intervals, num_prompts, categories: {category: {...}}}}
     of a decode of `prompts`: each group's figures and bootstrap interval (eval/acceptance.py) from
     its own rows, so a category's interval reflects how few prompts it has."""
-    from .acceptance import acceptance_metrics
 
     stats = merged_stats(results)
     out: dict = {}

@@ -44,7 +44,16 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
+import torch
+
+from tandem.data_pipeline.dataset import build_datasets, get_batch
+from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
+from tandem.eval.acceptance import row_metrics
+from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
+from tandem.eval.metrics import teacher_forced
 from tandem.eval.spec_decode import prompt_limit
+
+from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,7 +104,6 @@ def _load(args):
         except Exception:
             tok = None
         return model.to(args.device).eval(), cfg, tok
-    from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 
     step = resolve_checkpoint(args.checkpoint)
     model, cfg = load_model_from_checkpoint(step, args.device)
@@ -125,7 +133,6 @@ def _tokenizer_of(cfg, step_dir: str = ""):
 
 
 def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]], List[dict]]:
-    from tandem.data_pipeline.dataset import build_datasets, get_batch
 
     n = max(num_prompts, cfg.eval.loss_batches * cfg.train.micro_batch_size)
     _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
@@ -143,7 +150,6 @@ def read_prompt_file(path: str) -> list:
     """The prompts of a --prompts file (data_pipeline/prompts.read_prompts: JSONL of {"text"} or
     {"messages"}, parquet, a datasets directory); ValueError naming FILE:LINE otherwise. A JSONL line
     that is not a JSON object is reported as such, before the shared reader would call it invalid JSON."""
-    from tandem.data_pipeline.prompts import read_prompts
 
     if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):
         try:
@@ -187,11 +193,9 @@ def _settings(args, model, cfg, tok) -> dict:
 
 def _chat_template(args, cfg):
     """The checkpoint's chat template (data_pipeline/prompts.chat_template_in), None when it has none."""
-    from tandem.data_pipeline.prompts import chat_template_in
 
     if args.hf:
         return chat_template_in([args.hf])
-    from .checkpoint import resolve_checkpoint
 
     tok = cfg.data.tokenizer or ""
     return chat_template_in([resolve_checkpoint(args.checkpoint), tok if os.path.isdir(tok) else os.path.dirname(tok),
@@ -201,9 +205,7 @@ def _chat_template(args, cfg):
 def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     """(prompt token ids, teacher-forced batches): the --prompts file's or the suites' (`source`: the
     prompts read before the checkpoint loaded), else the validation split's."""
-    import torch
 
-    from tandem.data_pipeline.prompts import tokenize_prompts
 
     if not source:
         if cfg is None or not hasattr(cfg, "data"):
@@ -232,10 +234,7 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
 def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the other
     drafting convention's acceptance when it differs)."""
-    import torch
 
-    from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
-    from tandem.eval.metrics import teacher_forced
 
     with torch.inference_mode():
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
@@ -252,7 +251,6 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
 
 def _write_outputs(path: str, spec, prompts) -> None:
     """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts."""
-    from tandem.eval.acceptance import row_metrics
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -35,10 +35,25 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import torch.distributed as dist
+
 from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
+from tandem.data_pipeline.tokenizer import load_tokenizer
+from tandem.eval.acceptance import row_metrics
+from tandem.eval.decode_eval import evaluate_decoding
 from tandem.eval.spec_decode import prompt_limit
 
+from .checkpoint import load_checkpoint
+from .checkpoint_dirs import resolve_checkpoint
+from .eval_cli import _load, _tokenizer_of
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
+from .hf.importer import read_config
+from .hf.init_from import check_reference, checkpoint_model_config, fingerprint, read_reference
+from .materialize import build_sharded_model
+from .parallel import init_parallel
+from .parallel.device import resolve_device
+from .parallel.pipeline_decode import ParallelDecoding
+from .recipe import load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,10 +100,7 @@ class Source:
 
 def _hf_source(args) -> Source:
     """A Hugging Face directory: its shape, MTP depth count, tokenizer and chat template, without weights."""
-    from tandem.data_pipeline.tokenizer import load_tokenizer
 
-    from .hf.importer import read_config
-    from .hf.init_from import checkpoint_model_config, fingerprint
 
     model_cfg, _, has_mtp = checkpoint_model_config(args.hf)
     hf = read_config(args.hf)
@@ -99,10 +111,6 @@ def _hf_source(args) -> Source:
 
 def _checkpoint_source(args) -> Source:
     """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, without weights."""
-    from .checkpoint_dirs import resolve_checkpoint
-    from .eval_cli import _tokenizer_of
-    from .hf.init_from import fingerprint, read_reference
-    from .recipe import load_config
 
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
@@ -219,12 +227,6 @@ class TopKLogits:
 def load_on_layout(args, src: Source):
     """(model, ParallelDecoding) of this rank's part of the checkpoint on the torchrun layout: built as
     training builds it (meta device, parallelized, only this rank's shards read from the checkpoint)."""
-    from .checkpoint import load_checkpoint
-    from .hf.init_from import check_reference, read_reference
-    from .materialize import build_sharded_model
-    from .parallel import init_parallel
-    from .parallel.device import resolve_device
-    from .parallel.pipeline_decode import ParallelDecoding
 
     if src.cfg is None:
         raise GenerateError("--hf runs in one process; under torchrun pass a Tandem --checkpoint")
@@ -248,7 +250,6 @@ def load_on_layout(args, src: Source):
 
 def load_one_process(args, src: Source):
     """The model in this process, as `tandem eval` loads it."""
-    from .eval_cli import _load
 
     eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None, device=args.device)
     model, _, _ = _load(eval_args)
@@ -258,7 +259,6 @@ def load_one_process(args, src: Source):
 def _writer_rank(decoding) -> int:
     """The process that writes: the lowest rank among replica 0's decoder drivers (it holds every
     replica's gathered results)."""
-    import torch.distributed as dist
 
     if decoding is None:
         return 0
@@ -282,7 +282,6 @@ def _groups(todo: List[int], size: int) -> List[List[int]]:
 
 def _records(plan: Plan, batch: int, result, tok, eos_id: Optional[int]) -> List[dict]:
     """The output records of one decoded batch (generate_io module docstring)."""
-    from tandem.eval.acceptance import row_metrics
 
     out = []
     for r, ((p, s), ids) in enumerate(zip(plan.batch(batch), result.outputs)):
@@ -321,7 +320,6 @@ class Progress:
 def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], model, decoding, writer: bool) -> None:
     """Decode the batches in `todo` group by group (one batch per replica), the writer appending each
     group's records, durably, before the next group starts."""
-    from tandem.eval.decode_eval import evaluate_decoding
 
     replicas = decoding.replicas if decoding is not None else 1
     progress = Progress(sum(len(plan.batch(b)) for b in todo), writer)
@@ -369,7 +367,6 @@ def _start(args, rank: int, world: int):
 
 def generate_main(argv: Optional[List[str]] = None) -> int:
     """`tandem generate ARGV`: 0 when every row is written, 2 after a one-line error."""
-    import torch.distributed as dist
 
     args = _parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

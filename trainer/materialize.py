@@ -16,11 +16,25 @@ allocates only this rank's shards (`to_empty`) and fills them:
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
+from tandem.models import TandemModel
+
+from .checkpoint_dirs import resolve_checkpoint
+from .config import ConfigError
+from .parallel import parallelize_model
+from .recipe import load_config
 from .seeded_init import allocate, init_seeded
 
 
@@ -34,9 +48,7 @@ def frozen_trunk_to_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 def build_sharded_model(cfg, pstate, device: Optional[torch.device] = None) -> nn.Module:
     """This rank's part of the model, parallelized and initialised (or loaded from model.init_from)."""
-    from tandem.models import TandemModel
 
-    from .parallel import parallelize_model
 
     device = device or pstate.device.device
     with torch.device("meta"):
@@ -78,10 +90,7 @@ def materialize(model: nn.Module, cfg, device) -> None:
 def mtp_checkpoint_keys(path: str) -> dict:
     """{name: global shape} of the `mtp.*` model tensors of the Tandem checkpoint at `path` (a step or
     run directory). ConfigError naming `mtp.init_from` when it is no checkpoint or holds no MTP module."""
-    import torch.distributed.checkpoint as dcp
 
-    from .checkpoint_dirs import resolve_checkpoint
-    from .config import ConfigError
 
     try:
         step = resolve_checkpoint(path)
@@ -106,12 +115,7 @@ def adopt_mtp_init_from(cfg) -> list:
     which the old drafter may not have been trained with). Returns the changes (also printed)."""
     if not cfg.mtp.init_from:
         return []
-    import os
-    import sys
 
-    from .checkpoint_dirs import resolve_checkpoint
-    from .config import ConfigError
-    from .recipe import load_config
 
     mtp_checkpoint_keys(cfg.mtp.init_from)
     saved = load_config(os.path.join(resolve_checkpoint(cfg.mtp.init_from), "config.yaml")).mtp
@@ -134,15 +138,7 @@ def load_mtp_weights(model: nn.Module, path: str) -> list:
     """Read exactly the `mtp.*` parameters of `model` (plain or sharded) from the checkpoint at `path`;
     the trunk is left as loaded. Every MTP tensor must be there with this run's shape, else one-line
     ConfigError naming `mtp.init_from`. Returns the names loaded."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
 
-    from .checkpoint_dirs import resolve_checkpoint
-    from .config import ConfigError
 
     saved = mtp_checkpoint_keys(path)
     # empty on pipeline stages without the MTP module: they still join dcp.load's collective planning

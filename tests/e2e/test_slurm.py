@@ -126,10 +126,10 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus
     `--signal=USR1@40` (it fires 20-50 s in: slurmctld checks limits every ~30 s). Its first attempt is
     slowed to 2 s a step from outside (tests/fault_injection), so it would need 80 s: only a working
     preemption path finishes the job (a requeued attempt signalled again before it finishes requeues
-    once more; every attempt still continues from the last one's checkpoint). Slurm signals the job step; torchrun ignores SIGUSR1 and each
-    rank's handler catches it; the run checkpoints, requeues, resumes from that checkpoint and
-    completes every step once, and the requeued attempt survives the exit (this also covers a plain
-    run's interval checkpoints, config.yaml and the job's provenance)."""
+    once more; every attempt continues from the last one's checkpoint). Slurm signals the job step;
+    torchrun ignores SIGUSR1 and each rank's handler catches it; the run checkpoints, requeues, resumes
+    from that checkpoint and completes every step once, and the requeued attempt survives the exit
+    (this also covers a plain run's interval checkpoints, config.yaml and the job's provenance)."""
     run_dir = tmp_path / "run"
     max_steps = 40
     job_id = launch(

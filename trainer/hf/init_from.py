@@ -13,12 +13,25 @@ materialised) model, slice by slice; what the checkpoint lacks is initialised by
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from typing import Callable, List, Optional, Set
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from ..checkpoint_dirs import resolve_checkpoint
+from ..config import ConfigError
+from ..recipe import load_config
+from .importer import local_tensors
 
 # Fields that describe the weights (taken from the checkpoint); the rest of model.* stays the run's.
 _KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate", "z_loss_coef",
@@ -31,7 +44,6 @@ def is_hf_dir(path: str) -> bool:
 
 
 def resolve_tandem_checkpoint(path: str) -> str:
-    from ..checkpoint_dirs import resolve_checkpoint
 
     try:
         return resolve_checkpoint(path)
@@ -61,7 +73,6 @@ def checkpoint_model_config(path: str):
         cfg = model_config_from_hf(hf, spec)
         has_mtp = any(is_mtp_key(k, cfg) for k in keys)
         return cfg, trunk_input_of(hf), has_mtp
-    from ..recipe import load_config
 
     step = resolve_tandem_checkpoint(path)
     saved = load_config(os.path.join(step, "config.yaml"))
@@ -71,7 +82,6 @@ def checkpoint_model_config(path: str):
 def adopt_checkpoint_config(cfg) -> List[str]:
     """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP weights)
     with the checkpoint's; revalidate; return the keys that changed (also printed)."""
-    from ..config import ConfigError
 
     ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
@@ -96,7 +106,6 @@ def adopt_checkpoint_config(cfg) -> List[str]:
 @torch.no_grad()
 def init_mtp_from_last_layer(model: nn.Module) -> None:
     """Copy the last trunk layer's weights into every MTP block (same names under `block.`)."""
-    from .importer import local_tensors
 
     tensors = local_tensors(model)
     last = max(int(n.split(".")[1]) for n in tensors if n.startswith("layers."))
@@ -116,12 +125,6 @@ def init_mtp_from_last_layer(model: nn.Module) -> None:
 def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the checkpoint
     has it (names and shapes must then match). Returns the names loaded."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
 
     step = resolve_tandem_checkpoint(path)
     saved = set(dcp.FileSystemReader(step).read_metadata().state_dict_metadata)
@@ -192,7 +195,6 @@ def fingerprint(path: str) -> str:
     samples plus the last 4 KiB. Any re-save of other weights (fine-tuned values, other shapes, a
     truncated copy) changes it; copying the directory elsewhere (new mtimes) does not. It reads
     well under 1 MiB per file, so a 200 GB checkpoint is fingerprinted in a moment."""
-    import hashlib
 
     h = hashlib.sha256()
     for name in _weight_files(path):
@@ -222,7 +224,6 @@ def make_reference(init_from: str) -> dict:
 
 def read_reference(step_dir: str) -> Optional[dict]:
     """The frozen-trunk reference a checkpoint holds (None: the checkpoint is whole)."""
-    import json
 
     file = os.path.join(step_dir, REFERENCE_FILE)
     if not os.path.isfile(file):
