@@ -127,9 +127,6 @@ class InLoopEvaluator:
         """`eval.num_prompts` prompts spread over each suite of `eval.suite` (eval/suites.py), each cut
         to the decoder's room (its last tokens: the text the continuation follows). Public prompt sets
         put the in-loop figure on the scale papers report; the teacher-forced losses stay held-out."""
-
-
-
         e = cfg.eval
         if tokenizer is None:
             raise ValueError(f"eval.suite={e.suite!r} needs the run's tokenizer")

@@ -112,7 +112,6 @@ def suite_file(name: str) -> str:
 
 def load_suite(name: str) -> List[SuitePrompt]:
     """Every prompt of suite `name`, in file order."""
-
     suite, path = SUITES[name], suite_file(name)
     out = []
     for where, rec in iter_records([path]):
@@ -140,7 +139,6 @@ def load_suites(spec: str, num_prompts: int = 0) -> List[SuitePrompt]:
 def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit: int) -> Tuple[List[List[int]], int]:
     """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use the
     chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none."""
-
     as_prompts = []
     for p in prompts:
         value = p.value
@@ -154,16 +152,12 @@ def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit:
 
 def _subset(stats, rows: List[int]):
     """The DecodeStats of `rows` only (acceptance counts; the times are not per row)."""
-
-
     idx = torch.tensor(rows, dtype=torch.long)
     return DecodeStats(stats.rounds[idx], stats.accepted[idx], stats.accepted_at[idx], stats.num_steps)
 
 
 def merged_stats(results) -> object:
     """One DecodeStats holding every row of `results` (per-batch DecodeResults, in prompt order)."""
-
-
     stats = [r.stats for r in results]
     return DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
                        torch.cat([s.accepted_at for s in stats]), stats[0].num_steps)
@@ -173,7 +167,6 @@ def grouped_figures(results, prompts: List[SuitePrompt]) -> dict:
     """{suite: {acceptance figures with their intervals, num_prompts, categories: {category: {...}}}}
     of a decode of `prompts`: each group's figures and bootstrap interval (eval/acceptance.py) from
     its own rows, so a category's interval reflects how few prompts it has."""
-
     stats = merged_stats(results)
     out: dict = {}
     for suite in dict.fromkeys(p.suite for p in prompts):

@@ -133,7 +133,6 @@ def _tokenizer_of(cfg, step_dir: str = ""):
 
 
 def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]], List[dict]]:
-
     n = max(num_prompts, cfg.eval.loss_batches * cfg.train.micro_batch_size)
     _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
                                     num_valid_samples=n)
@@ -150,7 +149,6 @@ def read_prompt_file(path: str) -> list:
     """The prompts of a --prompts file (data_pipeline/prompts.read_prompts: JSONL of {"text"} or
     {"messages"}, parquet, a datasets directory); ValueError naming FILE:LINE otherwise. A JSONL line
     that is not a JSON object is reported as such, before the shared reader would call it invalid JSON."""
-
     if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):
         try:
             with open(path, encoding="utf-8") as f:
@@ -193,7 +191,6 @@ def _settings(args, model, cfg, tok) -> dict:
 
 def _chat_template(args, cfg):
     """The checkpoint's chat template (data_pipeline/prompts.chat_template_in), None when it has none."""
-
     if args.hf:
         return chat_template_in([args.hf])
 
@@ -205,8 +202,6 @@ def _chat_template(args, cfg):
 def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     """(prompt token ids, teacher-forced batches): the --prompts file's or the suites' (`source`: the
     prompts read before the checkpoint loaded), else the validation split's."""
-
-
     if not source:
         if cfg is None or not hasattr(cfg, "data"):
             raise _Fail("no validation split for this checkpoint; pass --prompts or --suite")
@@ -234,8 +229,6 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
 def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the other
     drafting convention's acceptance when it differs)."""
-
-
     with torch.inference_mode():
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
         metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
@@ -251,7 +244,6 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
 
 def _write_outputs(path: str, spec, prompts) -> None:
     """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts."""
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         i = 0

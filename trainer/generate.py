@@ -100,8 +100,6 @@ class Source:
 
 def _hf_source(args) -> Source:
     """A Hugging Face directory: its shape, MTP depth count, tokenizer and chat template, without weights."""
-
-
     model_cfg, _, has_mtp = checkpoint_model_config(args.hf)
     hf = read_config(args.hf)
     trained = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 0) if has_mtp else 0
@@ -111,7 +109,6 @@ def _hf_source(args) -> Source:
 
 def _checkpoint_source(args) -> Source:
     """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, without weights."""
-
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
     tok = _tokenizer_of(cfg, step)
@@ -227,7 +224,6 @@ class TopKLogits:
 def load_on_layout(args, src: Source):
     """(model, ParallelDecoding) of this rank's part of the checkpoint on the torchrun layout: built as
     training builds it (meta device, parallelized, only this rank's shards read from the checkpoint)."""
-
     if src.cfg is None:
         raise GenerateError("--hf runs in one process; under torchrun pass a Tandem --checkpoint")
     cfg, step = src.cfg, src.path
@@ -250,7 +246,6 @@ def load_on_layout(args, src: Source):
 
 def load_one_process(args, src: Source):
     """The model in this process, as `tandem eval` loads it."""
-
     eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None, device=args.device)
     model, _, _ = _load(eval_args)
     return model
@@ -259,7 +254,6 @@ def load_one_process(args, src: Source):
 def _writer_rank(decoding) -> int:
     """The process that writes: the lowest rank among replica 0's decoder drivers (it holds every
     replica's gathered results)."""
-
     if decoding is None:
         return 0
     flags = [None] * dist.get_world_size()
@@ -282,7 +276,6 @@ def _groups(todo: List[int], size: int) -> List[List[int]]:
 
 def _records(plan: Plan, batch: int, result, tok, eos_id: Optional[int]) -> List[dict]:
     """The output records of one decoded batch (generate_io module docstring)."""
-
     out = []
     for r, ((p, s), ids) in enumerate(zip(plan.batch(batch), result.outputs)):
         finished = eos_id is not None and bool(ids) and ids[-1] == eos_id
@@ -320,7 +313,6 @@ class Progress:
 def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], model, decoding, writer: bool) -> None:
     """Decode the batches in `todo` group by group (one batch per replica), the writer appending each
     group's records, durably, before the next group starts."""
-
     replicas = decoding.replicas if decoding is not None else 1
     progress = Progress(sum(len(plan.batch(b)) for b in todo), writer)
     try:
@@ -367,7 +359,6 @@ def _start(args, rank: int, world: int):
 
 def generate_main(argv: Optional[List[str]] = None) -> int:
     """`tandem generate ARGV`: 0 when every row is written, 2 after a one-line error."""
-
     args = _parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     owns_group = world > 1 and not dist.is_initialized()  # a caller's process group outlives this command

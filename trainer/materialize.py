@@ -48,8 +48,6 @@ def frozen_trunk_to_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 def build_sharded_model(cfg, pstate, device: Optional[torch.device] = None) -> nn.Module:
     """This rank's part of the model, parallelized and initialised (or loaded from model.init_from)."""
-
-
     device = device or pstate.device.device
     with torch.device("meta"):
         model = TandemModel(cfg.model, cfg.mtp, distill=cfg.train.distill)
@@ -90,8 +88,6 @@ def materialize(model: nn.Module, cfg, device) -> None:
 def mtp_checkpoint_keys(path: str) -> dict:
     """{name: global shape} of the `mtp.*` model tensors of the Tandem checkpoint at `path` (a step or
     run directory). ConfigError naming `mtp.init_from` when it is no checkpoint or holds no MTP module."""
-
-
     try:
         step = resolve_checkpoint(path)
     except FileNotFoundError:
@@ -116,7 +112,6 @@ def adopt_mtp_init_from(cfg) -> list:
     if not cfg.mtp.init_from:
         return []
 
-
     mtp_checkpoint_keys(cfg.mtp.init_from)
     saved = load_config(os.path.join(resolve_checkpoint(cfg.mtp.init_from), "config.yaml")).mtp
     changed = []
@@ -138,8 +133,6 @@ def load_mtp_weights(model: nn.Module, path: str) -> list:
     """Read exactly the `mtp.*` parameters of `model` (plain or sharded) from the checkpoint at `path`;
     the trunk is left as loaded. Every MTP tensor must be there with this run's shape, else one-line
     ConfigError naming `mtp.init_from`. Returns the names loaded."""
-
-
     saved = mtp_checkpoint_keys(path)
     # empty on pipeline stages without the MTP module: they still join dcp.load's collective planning
     wanted = {k: v for k, v in get_model_state_dict(model).items() if k.startswith("mtp.")}

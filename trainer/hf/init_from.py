@@ -44,7 +44,6 @@ def is_hf_dir(path: str) -> bool:
 
 
 def resolve_tandem_checkpoint(path: str) -> str:
-
     try:
         return resolve_checkpoint(path)
     except FileNotFoundError:
@@ -82,7 +81,6 @@ def checkpoint_model_config(path: str):
 def adopt_checkpoint_config(cfg) -> List[str]:
     """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP weights)
     with the checkpoint's; revalidate; return the keys that changed (also printed)."""
-
     ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
     for key, value in vars(ckpt).items():
@@ -106,7 +104,6 @@ def adopt_checkpoint_config(cfg) -> List[str]:
 @torch.no_grad()
 def init_mtp_from_last_layer(model: nn.Module) -> None:
     """Copy the last trunk layer's weights into every MTP block (same names under `block.`)."""
-
     tensors = local_tensors(model)
     last = max(int(n.split(".")[1]) for n in tensors if n.startswith("layers."))
     prefix = f"layers.{last}."
@@ -125,7 +122,6 @@ def init_mtp_from_last_layer(model: nn.Module) -> None:
 def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the checkpoint
     has it (names and shapes must then match). Returns the names loaded."""
-
     step = resolve_tandem_checkpoint(path)
     saved = set(dcp.FileSystemReader(step).read_metadata().state_dict_metadata)
     saved = {k[len("model."):] for k in saved if k.startswith("model.")}
@@ -195,7 +191,6 @@ def fingerprint(path: str) -> str:
     samples plus the last 4 KiB. Any re-save of other weights (fine-tuned values, other shapes, a
     truncated copy) changes it; copying the directory elsewhere (new mtimes) does not. It reads
     well under 1 MiB per file, so a 200 GB checkpoint is fingerprinted in a moment."""
-
     h = hashlib.sha256()
     for name in _weight_files(path):
         file = os.path.join(path, name)
@@ -224,7 +219,6 @@ def make_reference(init_from: str) -> dict:
 
 def read_reference(step_dir: str) -> Optional[dict]:
     """The frozen-trunk reference a checkpoint holds (None: the checkpoint is whole)."""
-
     file = os.path.join(step_dir, REFERENCE_FILE)
     if not os.path.isfile(file):
         return None
