@@ -32,6 +32,7 @@ from tandem.data_pipeline.chat import iter_records
 from tandem.data_pipeline.prompts import Prompt, tokenize_prompts
 
 from .acceptance import acceptance_metrics
+from .decode_eval import merge_stats
 from .spec_decode import DecodeStats
 
 
@@ -156,18 +157,11 @@ def _subset(stats, rows: List[int]):
     return DecodeStats(stats.rounds[idx], stats.accepted[idx], stats.accepted_at[idx], stats.num_steps)
 
 
-def merged_stats(results) -> object:
-    """One DecodeStats holding every row of `results` (per-batch DecodeResults, in prompt order)."""
-    stats = [r.stats for r in results]
-    return DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
-                       torch.cat([s.accepted_at for s in stats]), stats[0].num_steps)
-
-
 def grouped_figures(results, prompts: List[SuitePrompt]) -> dict:
     """{suite: {acceptance figures with their intervals, num_prompts, categories: {category: {...}}}}
     of a decode of `prompts`: each group's figures and bootstrap interval (eval/acceptance.py) from
     its own rows, so a category's interval reflects how few prompts it has."""
-    stats = merged_stats(results)
+    stats = merge_stats([r.stats for r in results], results[0].stats.num_steps)
     out: dict = {}
     for suite in dict.fromkeys(p.suite for p in prompts):
         rows = [i for i, p in enumerate(prompts) if p.suite == suite]
