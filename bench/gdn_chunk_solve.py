@@ -2,8 +2,8 @@
 forward + backward time at training shapes, for three ways of computing it side by side in one run.
 
   power:    the series (I - A)(I + A^2)(I + A^4)... in log2(C) batched matmuls, autograd backward
-            (what models/gated_deltanet.py used before; kept here only as the baseline)
-  blocked:  models/gated_deltanet.unit_lower_inverse: forward substitution in 16 x 16 diagonal blocks,
+            (what models/delta_rule.py used before; kept here only as the baseline)
+  blocked:  models/delta_rule.unit_lower_inverse: forward substitution in 16 x 16 diagonal blocks,
             exact block-inverse merges, closed-form backward dA = -tril(T^T dT T^T, -1)
   trsolve:  torch.linalg.solve_triangular(I + A, I, unitriangular), torch's own backward
   trsolve+: the same forward with blocked's closed-form backward
@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tandem.models import gated_deltanet as gdn  # noqa: E402
+from tandem.models import delta_rule  # noqa: E402
 
-CHUNK = gdn.CHUNK
+CHUNK = delta_rule.CHUNK
 
 
 def power_series_inverse(a: torch.Tensor) -> torch.Tensor:
@@ -71,12 +71,12 @@ class _TrsolveClosedForm(torch.autograd.Function):
         ctx.save_for_backward(t)
         return t
 
-    backward = gdn._UnitLowerInverse.backward
+    backward = delta_rule._UnitLowerInverse.backward
 
 
 METHODS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "power": power_series_inverse,
-    "blocked": gdn.unit_lower_inverse,
+    "blocked": delta_rule.unit_lower_inverse,
     "trsolve": trsolve_inverse,
     "trsolve+": _TrsolveClosedForm.apply,
 }
@@ -84,12 +84,12 @@ METHODS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def with_solve(solve, fn, *args):
     """Run fn with the module's chunk solve replaced (the chunked rule looks it up at call time)."""
-    saved = gdn.unit_lower_inverse
-    gdn.unit_lower_inverse = solve
+    saved = delta_rule.unit_lower_inverse
+    delta_rule.unit_lower_inverse = solve
     try:
         return fn(*args)
     finally:
-        gdn.unit_lower_inverse = saved
+        delta_rule.unit_lower_inverse = saved
 
 
 def adversarial(kind: str, hk: int, hv: int, s: int, d: int, device, seed: int = 0):
@@ -111,8 +111,8 @@ def adversarial(kind: str, hk: int, hv: int, s: int, d: int, device, seed: int =
         beta, g = torch.full((1, hv, s), 0.9), torch.full((1, hv, s), -0.01)
     elif kind != "random":
         raise ValueError(kind)
-    q = gdn.l2_normalize(q.repeat_interleave(hv // hk, 1)) * d ** -0.5
-    k = gdn.l2_normalize(k.repeat_interleave(hv // hk, 1))
+    q = delta_rule.l2_normalize(q.repeat_interleave(hv // hk, 1)) * d ** -0.5
+    k = delta_rule.l2_normalize(k.repeat_interleave(hv // hk, 1))
     return tuple(x.to(device) for x in (q, k, v, g, beta))
 
 
@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     print(f"{'input':<11}" + "".join(f"{m:>11}" for m in ("power", "blocked", "trsolve")))
     for kind in ("random", "run", "run_slow", "periodic", "correlated"):
         q, k, v, g, beta = adversarial(kind, 16, 32, 256, 128, device)
-        ref, _, _ = gdn.recurrent_gated_delta_rule(q, k, v, g, beta)
-        errs = [rel_err(with_solve(METHODS[m], gdn.chunked_gated_delta_rule, q, k, v, g, beta)[0], ref)
+        ref, _, _ = delta_rule.recurrent_gated_delta_rule(q, k, v, g, beta)
+        errs = [rel_err(with_solve(METHODS[m], delta_rule.chunked_gated_delta_rule, q, k, v, g, beta)[0], ref)
                 for m in ("power", "blocked", "trsolve")]
         print(f"{kind:<11}" + "".join(f"{e:>11.1e}" for e in errs))
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     print(f"(b) solve forward+backward: A [{b}, {h}, {n}, {CHUNK}, {CHUNK}] fp32, {device}, "
           f"threads={torch.get_num_threads()}, median of {args.reps}")
     gen = torch.Generator().manual_seed(1)
-    k = gdn.l2_normalize(torch.randn(b, h, n, CHUNK, 128, generator=gen)).to(device)
+    k = delta_rule.l2_normalize(torch.randn(b, h, n, CHUNK, 128, generator=gen)).to(device)
     a = (0.5 * k @ k.transpose(-1, -2)).tril(-1)
     grad = torch.randn(a.shape, generator=gen).to(device)
 
@@ -174,15 +174,15 @@ def main(argv=None) -> int:
     rule = {}
     if not args.no_rule:
         d = 128
-        q = (gdn.l2_normalize(torch.randn(b, h, args.seq, d, generator=gen)) * d ** -0.5).to(device)
-        kk = gdn.l2_normalize(torch.randn(b, h, args.seq, d, generator=gen)).to(device)
+        q = (delta_rule.l2_normalize(torch.randn(b, h, args.seq, d, generator=gen)) * d ** -0.5).to(device)
+        kk = delta_rule.l2_normalize(torch.randn(b, h, args.seq, d, generator=gen)).to(device)
         v = torch.randn(b, h, args.seq, d, generator=gen).to(device)
         g = (-0.1 * torch.rand(b, h, args.seq, generator=gen)).to(device)
         beta = torch.rand(b, h, args.seq, generator=gen).to(device)
 
         def rule_step(solve):
             xs = [x.clone().requires_grad_() for x in (q, kk, v, g, beta)]
-            out, final = with_solve(solve, gdn.chunked_gated_delta_rule, *xs)
+            out, final = with_solve(solve, delta_rule.chunked_gated_delta_rule, *xs)
             (out.sum() + final.sum()).backward()
 
         rt = {m: [] for m in ("power", "blocked")}

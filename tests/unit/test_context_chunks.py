@@ -12,8 +12,9 @@ import torch
 
 from tandem.models import gated_deltanet as gdn
 from tandem.models.context import WholeWindow
+from tandem.models.delta_rule import chunked_gated_delta_rule, l2_normalize
 from tandem.models.documents import Documents
-from tandem.models.gated_deltanet import GatedDeltaNet, chunked_gated_delta_rule, l2_normalize
+from tandem.models.gated_deltanet import GatedDeltaNet
 
 
 class LocalChunks(WholeWindow):

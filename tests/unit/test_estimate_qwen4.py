@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tandem.models import TandemModel
-from tandem.models.gated_deltanet import SOLVE_BLOCK
+from tandem.models.delta_rule import SOLVE_BLOCK
 from tandem.trainer import cost as C
 from tandem.trainer import estimate as E
 from tandem.trainer import flops as F

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from tandem.models import gated_deltanet as gdn
-from tandem.models.gated_deltanet import (
-    GatedDeltaNet,
-    chunked_gated_delta_rule,
-    qkv_rows_from_hf,
-    recurrent_gated_delta_rule,
-)
+from tandem.models.delta_rule import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+from tandem.models.gated_deltanet import GatedDeltaNet, qkv_rows_from_hf
 from tandem.models.state import DecodeCache
 
 HID, HK, HV, DK, DV, KER = 32, 2, 4, 8, 16, 4
@@ -96,8 +92,8 @@ def test_matches_transformers(gate):
 def test_chunked_equals_recurrent():
     torch.manual_seed(0)
     b, h, t = 2, 3, 150
-    q = gdn.l2_normalize(torch.randn(b, h, t, DK)) * DK ** -0.5
-    k = gdn.l2_normalize(torch.randn(b, h, t, DK))
+    q = l2_normalize(torch.randn(b, h, t, DK)) * DK ** -0.5
+    k = l2_normalize(torch.randn(b, h, t, DK))
     v = torch.randn(b, h, t, DV)
     g = -torch.rand(b, h, t) * torch.tensor([0.01, 0.3, 3.0])[None, :, None]
     beta = torch.rand(b, h, t)
@@ -137,8 +133,8 @@ def adversarial(kind, heads=2, s=ADV_S, dk=ADV_DK, seed=0):
         k = rnd(1, heads, 1, dk) + 0.5 * rnd(1, heads, s, dk)
         beta = torch.full((1, heads, s), 0.9 if kind == "correlated" else 0.99)
         g = torch.full((1, heads, s), -0.01 if kind == "correlated" else -0.001)
-    q = gdn.l2_normalize(q) * dk ** -0.5
-    return q, gdn.l2_normalize(k), v, g, beta, rnd(1, heads, dk, dk) * 0.1
+    q = l2_normalize(q) * dk ** -0.5
+    return q, l2_normalize(k), v, g, beta, rnd(1, heads, dk, dk) * 0.1
 
 
 ADVERSARIAL = ["run", "run_slow", "periodic3", "periodic4", "correlated", "beta_near_one"]
