@@ -1,16 +1,18 @@
-"""Bytes moved by each collective in one training step, per parallel layout, beside the analytic volume.
+"""Bytes moved by each collective in one training step, per parallel layout, beside the analytic
+volume.
 
 `python bench/comm_volume.py` launches each layout under torchrun (gloo, CPU), trains one warm-up
 step, then counts every collective of the second step (forward, backward, gradient sync, norm,
 router-load and loss reductions) with a TorchDispatchMode that sees both c10d ops (process-group
 calls, FSDP2, pipelining p2p) and functional collectives (DTensor). Payload convention per call and
 rank: all-reduce / broadcast = tensor bytes, all-to-all = input bytes, all-gather = output bytes,
-reduce-scatter = input bytes, p2p = bytes sent. The analytic volume of each rank is computed from the
-model dims and the rank's micro-batches, summed over ranks:
+reduce-scatter = input bytes, p2p = bytes sent. The analytic volume of each rank is computed from
+the model dims and the rank's micro-batches, summed over ranks:
 
   TP  per block execution and micro-batch: attention 2*T*H (o_proj all-reduce fwd, input-grad
       all-reduce bwd); dense MLP 2*T*H; MoE 2*T*H + T*k (routing-weight grads); embedding one
-      lookup of B*(S+K) rows x H shared by the MTP steps (a pipeline's first stage B*S, its depth stage
+      lookup of B*(S+K) rows x H shared by the MTP steps
+          (a pipeline's first stage B*S, its depth stage
       B*(S+K-1)); vocab-parallel CE per depth: 3*T (max, sum-exp, target logit) with the fused head
       backward (the default; 6*T with `recompute`, which reduces again in backward) + T*H: every row
       is kept, one without a valid target masked (IGNORE): no data-dependent shapes.
@@ -28,8 +30,10 @@ model dims and the rank's micro-batches, summed over ranks:
       embedding gradient (V/tp*H) summed between first and last stage; (K+1) loss sums all-reduced.
   DP  FSDP2: unsharded (padded) bytes of each FSDP unit per all-gather and reduce-scatter; the
       all-reduce mode (replicate, FSDP2's units unsharded): each unit's gradients over its group, in
-      every micro-batch's backward (`parallel.reshard_after_microbatch`, the default) or once per step
-      (=false, the `...,reshard_after_microbatch=false` layouts: `_fsdp_events`). Plus counts / loss sums (K+1 each),
+      every micro-batch's backward (`parallel.reshard_after_microbatch`, the default) or once per
+          step
+      (=false, the `...,reshard_after_microbatch=false` layouts: `_fsdp_events`). Plus counts / loss
+          sums (K+1 each),
       router loads (E per MoE layer) and the grad-norm scalar.
 Ends with `max_measured_over_analytic=<x>`.
 """
@@ -51,33 +55,41 @@ from side_by_side import run_under_torchrun  # noqa: E402
 LAYOUTS = {
     "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
     "dp=2,dp_mode=allreduce": 2, "dp=2,reshard_after_microbatch=false": 2,
-    "dp=2,dp_mode=allreduce,reshard_after_microbatch=false": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4, "ep=2,pp=2": 4,
+    "dp=2,dp_mode=allreduce,reshard_after_microbatch=false": 2, "tp=2,pp=2": 4, "tp=2,ep=2": 4,
+    "ep=2,pp=2": 4,
            "tp=2,ep=2,pp=2": 8,
     "tp=2,sequence_parallel=true": 2, "tp=2,pp=2,sequence_parallel=true": 4,
     "tp=2,ep=2,sequence_parallel=true": 4,
     "cp=2": 2, "cp=2,cp_sharding=contiguous": 2, "cp=2,tp=2,sequence_parallel=true": 4,
     "qwen4:cp=2": 2, "qwen4:cp=2,cp_sharding=contiguous": 2, "qwen4:cp=4": 4,
 }
-"""`qwen4:` layouts train QWEN4 (Gated DeltaNet, QSA, PLE, hyper-connections, MoE with the aux loss) instead
-(without tp: its SP regions are not counted here)."""
+"""`qwen4:` layouts train QWEN4 (Gated DeltaNet, QSA, PLE, hyper-connections, MoE with the aux loss)
+instead (without tp: its SP regions are not counted here)."""
 MBS, ACCUM, SEQ, VOCAB, H = 2, 2, 64, 1024, 128
 BASE = [
     f"model.hidden_size={H}", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.intermediate_size=256", "model.moe_intermediate_size=64", "model.num_experts=4", "model.top_k=2",
-    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.max_seq_len=128",
-    "mtp.num_steps=2", "mtp.num_layers=1", "mtp.loss_chunk_tokens=64", f"data.seq_len={SEQ}",
-    f"train.micro_batch_size={MBS}", f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32", "logging.wandb=false",
-    "eval.interval=0", "device=cpu", "run.dir=/tmp/tandem_bench_unused",
-]
-QWEN4 = [  # recipes/qwen4_exp_tiny.yaml's model at narrow widths, in QSA's sparse stage (bench/context_scaling.py)
-    "flavor=qwen4_exp_tiny", "model.hidden_size=32", "model.head_dim=8", "model.linear_key_head_dim=8",
-    "model.linear_value_head_dim=8", "model.indexer_head_dim=8", "model.intermediate_size=32",
-    "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32", "model.ple_embed_dim=16",
-    "model.hc_lowrank=8", f"data.vocab_size={VOCAB}", "model.indexer_budget=16", "model.indexer_warmup_steps=0",
+    "model.intermediate_size=256", "model.moe_intermediate_size=64", "model.num_experts=4",
+    "model.top_k=2",
+    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free",
     "model.max_seq_len=128",
-    "mtp.num_steps=2", "mtp.num_layers=1", "mtp.style=looped", f"data.seq_len={SEQ}", f"train.micro_batch_size={MBS}",
-    f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32", "logging.wandb=false", "eval.interval=0", "device=cpu",
-    "run.dir=/tmp/tandem_bench_unused",
+    "mtp.num_steps=2", "mtp.num_layers=1", "mtp.loss_chunk_tokens=64", f"data.seq_len={SEQ}",
+    f"train.micro_batch_size={MBS}", f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32",
+    "logging.wandb=false", "eval.interval=0", "device=cpu", "run.dir=/tmp/tandem_bench_unused",
+]
+# recipes/qwen4_exp_tiny.yaml's model at narrow widths, in QSA's sparse stage
+# (bench/context_scaling.py)
+QWEN4 = [
+    "flavor=qwen4_exp_tiny", "model.hidden_size=32", "model.head_dim=8",
+    "model.linear_key_head_dim=8",
+    "model.linear_value_head_dim=8", "model.indexer_head_dim=8", "model.intermediate_size=32",
+    "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32",
+    "model.ple_embed_dim=16",
+    "model.hc_lowrank=8", f"data.vocab_size={VOCAB}", "model.indexer_budget=16",
+    "model.indexer_warmup_steps=0", "model.max_seq_len=128",
+    "mtp.num_steps=2", "mtp.num_layers=1", "mtp.style=looped", f"data.seq_len={SEQ}",
+    f"train.micro_batch_size={MBS}",
+    f"train.grad_accum_steps={ACCUM}", "train.dtype=fp32", "logging.wandb=false", "eval.interval=0",
+    "device=cpu", "run.dir=/tmp/tandem_bench_unused",
 ]
 F32 = 4
 I64 = 8
@@ -87,7 +99,8 @@ def batch(step, n):
     g = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     eod = torch.rand(n, SEQ + 1, generator=g) < 0.05
-    return {"tokens": tokens, "loss_mask": torch.ones(n, SEQ), "doc_ids": torch.cumsum(eod.long(), 1) - eod.long()}
+    return {"tokens": tokens, "loss_mask": torch.ones(n, SEQ),
+            "doc_ids": torch.cumsum(eod.long(), 1) - eod.long()}
 
 
 # --- counting ------------------------------------------------------------------------------------
@@ -109,7 +122,8 @@ def make_counter():
             self.calls = defaultdict(int)
 
         def add(self, kind, n):
-            if os.environ.get("BENCH_DEBUG") and n >= int(os.environ.get("BENCH_DEBUG_MIN", 100000)) and (
+            if os.environ.get("BENCH_DEBUG") and n >= int(os.environ.get("BENCH_DEBUG_MIN",
+                                                                         100000)) and (
                     os.environ.get("RANK", "0") == os.environ.get("BENCH_DEBUG_RANK", "0")):
                 import traceback
                 print(kind, n, "".join(traceback.format_stack(limit=24)[:-3])[-3000:], flush=True)
@@ -119,7 +133,8 @@ def make_counter():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = f"{func.namespace}.{func.__name__.split('.')[0]}"
             a = args
-            if name in ("c10d.allreduce_", "_c10d_functional.all_reduce", "_c10d_functional.all_reduce_"):
+            if name in ("c10d.allreduce_", "_c10d_functional.all_reduce",
+                        "_c10d_functional.all_reduce_"):
                 self.add("all_reduce", _bytes(a[0]))
             elif name in ("c10d.alltoall_base_", "_c10d_functional.all_to_all_single"):
                 self.add("all_to_all", _bytes(a[1] if name.startswith("c10d") else a[0]))
@@ -133,14 +148,15 @@ def make_counter():
                 self.add("p2p", _bytes(a[0]))
             elif name == "c10d.broadcast_":
                 self.add("broadcast", _bytes(a[0]))
-            elif name.startswith("c10d.") and name not in ("c10d.recv_", "c10d.barrier", "c10d.monitored_barrier_"):
+            elif name.startswith("c10d.") and name not in ("c10d.recv_", "c10d.barrier",
+                                                           "c10d.monitored_barrier_"):
                 self.add("other:" + name, _bytes(a[0]))
             return func(*args, **(kwargs or {}))
 
     return Counter()
 
 
-# --- analytic --------------------------------------------------------------------------------------
+# --- analytic -------------------------------------------------------------------------------------
 def analytic(cfg, model, pstate, batches):
     """This rank's expected bytes per collective kind for one step."""
     from torch.distributed.tensor import DTensor
@@ -163,7 +179,8 @@ def analytic(cfg, model, pstate, batches):
     n_micro = len(batches)
     T = MBS * SEQ // cp  # this rank's rows of each micro-batch
     sp = bool(cfg.parallel.sequence_parallel and tp > 1)
-    ce = 3 if cfg.mtp.loss_head_backward == "fused" else 6  # the head's per-row reductions, fwd (+ recompute)
+    # the head's per-row reductions, fwd (+ recompute)
+    ce = 3 if cfg.mtp.loss_head_backward == "fused" else 6
     for b in batches:
         if sp:
             aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
@@ -172,17 +189,23 @@ def analytic(cfg, model, pstate, batches):
                 out["all_gather"] += F32 * 2 * T * Hh * regions
                 out["reduce_scatter"] += F32 * 2 * T * Hh * regions
                 if is_moe:
-                    out["all_gather"] += F32 * 2 * T * Hh + F32 * T * k + 8 * T * k + (F32 * T * E if aux else 0)
-                    out["reduce_scatter"] += F32 * 2 * T * Hh + F32 * T * k + (F32 * T * E if aux else 0)
-            # the embedding: the trunk and the MTP steps read one lookup of the whole S+K window, all-reduced
-            # forward and backward (`SequenceShards`); under a pipeline the first stage reduce-scatters its
-            # S tokens' lookup (all-gather backward) and the depth stage all-reduces a window of S+K-1 rows
+                    out["all_gather"] += F32 * 2 * T * Hh + F32 * T * k + 8 * T * k + (F32 * T * E
+                                                                                       if aux
+                                                                                       else 0)
+                    out["reduce_scatter"] += F32 * 2 * T * Hh + F32 * T * k + (F32 * T * E if aux
+                                                                               else 0)
+            # the embedding: the trunk and the MTP steps read one lookup of the whole S+K window,
+            # all-reduced forward and backward (`SequenceShards`); under a pipeline the first stage
+            # reduce-scatters its S tokens' lookup (all-gather backward) and the depth stage
+            # all-reduces a window of S+K-1 rows
             if pipe is None:  # under cp the rank's rows of each of the K + 1 shifts
-                out["all_reduce"] += 2 * F32 * MBS * ((K + 1) * SEQ // cp if cp > 1 else SEQ + K) * Hh
+                out["all_reduce"] += 2 * F32 * MBS * ((K + 1) * SEQ // cp if cp > 1
+                                                      else SEQ + K) * Hh
             else:
                 out["reduce_scatter"] += F32 * T * Hh * (1 if has_first else 0)
                 out["all_gather"] += F32 * T * Hh * (1 if has_first else 0)
-                out["all_reduce"] += 2 * F32 * MBS * (SEQ + K - 1) * Hh * (1 if has_last and K else 0)
+                out["all_reduce"] += 2 * F32 * MBS * (SEQ + K - 1) * Hh * (1 if has_last and K
+                                                                           else 0)
             if has_last:
                 out["all_gather"] += F32 * T * Hh * (K + 1)
                 out["reduce_scatter"] += F32 * T * Hh * (K + 1)
@@ -192,13 +215,16 @@ def analytic(cfg, model, pstate, batches):
             for is_moe in execs:
                 out["all_reduce"] += F32 * (2 * T * Hh + 2 * T * Hh + (T * k if is_moe else 0))
             # the embedding: one lookup per forward, the MTP steps reading it shifted (S+K rows per
-            # sequence); under a pipeline the first stage looks up its S tokens and the stage holding the
-            # MTP depths one window of S+K-1 rows for them all (models/model.py `shared_lookup`)
+            # sequence); under a pipeline the first stage looks up its S tokens and the stage
+            # holding the MTP depths one window of S+K-1 rows for them all (models/model.py
+            # `shared_lookup`)
             window = (K + 1) * SEQ // cp if cp > 1 else SEQ + K
-            rows = window if pipe is None else (SEQ if has_first else 0) + (SEQ + K - 1 if has_last and K else 0)
+            rows = window if pipe is None else (SEQ if has_first else 0) + (SEQ + K - 1 if has_last
+                                                                            and K else 0)
             out["all_reduce"] += F32 * MBS * rows * Hh
             if has_last:
-                out["all_reduce"] += F32 * (ce * T + T * Hh) * (K + 1)  # all T rows per depth, as above
+                # all T rows per depth, as above
+                out["all_reduce"] += F32 * (ce * T + T * Hh) * (K + 1)
         if ep > 1:
             for is_moe in execs:
                 if is_moe:
@@ -208,7 +234,8 @@ def analytic(cfg, model, pstate, batches):
         for name, p in model.named_parameters():
             if name in finisher.sp_partial:
                 out["all_reduce"] += F32 * (p.to_local() if isinstance(p, DTensor) else p).numel()
-        if dp * cp * ep == 1:  # router loads summed over tp (otherwise counted with the batch ranks')
+        # router loads summed over tp (otherwise counted with the batch ranks')
+        if dp * cp * ep == 1:
             out["all_reduce"] += F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
     act = T * Hh // (tp if sp else 1)
     if pipe is not None:
@@ -217,20 +244,25 @@ def analytic(cfg, model, pstate, batches):
                 out["p2p"] += F32 * n_micro * act
             if s != 0:
                 out["p2p"] += F32 * n_micro * act
-        if has_first or has_last:  # the shared-embedding gradient, as held locally (tp / fsdp shard)
+        # the shared-embedding gradient, as held locally (tp / fsdp shard)
+        if has_first or has_last:
             w = model.embed_tokens.weight
             out["all_reduce"] += F32 * (w.to_local() if isinstance(w, DTensor) else w).numel()
-        out["all_reduce"] += F32 * (K + 1)  # the per-depth loss sums, each from the rank holding its depth
+        # the per-depth loss sums, each from the rank holding its depth
+        out["all_reduce"] += F32 * (K + 1)
     if cp > 1:
         for kind, n in context_exchanges(cfg, model, pstate).items():
             out[kind] += n_micro * n
-    if dp * ep > 1:  # the valid-target counts over the batch split (every cp rank counts whole samples)
+    # the valid-target counts over the batch split (every cp rank counts whole samples)
+    if dp * ep > 1:
         out["all_reduce"] += F32 * (K + 1)
     if dp * cp * ep > 1:  # the loss sums and router loads over the ranks computing different rows
-        out["all_reduce"] += F32 * (K + 1) + F32 * E * len([x for x in model.modules() if isinstance(x, MoE)])
+        out["all_reduce"] += F32 * (K + 1) + F32 * E * len([x for x in model.modules()
+                                                            if isinstance(x, MoE)])
         from torch.distributed.fsdp import FSDPModule
 
-        replicate = cfg.parallel.dp_mode == "allreduce"  # torch's replicate: FSDP2's units, all-reduced
+        # torch's replicate: FSDP2's units, all-reduced
+        replicate = cfg.parallel.dp_mode == "allreduce"
         for unit in model.modules() if pipe is None else list(model.modules()) + pipe.modules:
             if not isinstance(unit, FSDPModule):
                 continue
@@ -243,11 +275,12 @@ def analytic(cfg, model, pstate, batches):
                 every = cfg.parallel.reshard_after_microbatch
                 gathers, scatters = _fsdp_events(unit, model, pipe, n_micro, every)
                 if pipe is None and _inside_mtp(unit, model):
-                    # run once per MTP step: gathered each time. Its post-backward hook fires K times per
-                    # backward, the first before any of its gradients exist: with a sync in every
-                    # micro-batch that one finds nothing to reduce (one reduce-scatter per micro-batch);
-                    # with reshard_after_microbatch=false the last micro-batch's first hook reduces what
-                    # the earlier micro-batches accumulated, the later ones the rest (K per step, K=2 here)
+                    # run once per MTP step: gathered each time. Its post-backward hook fires K
+                    # times per backward, the first before any of its gradients exist: with a sync
+                    # in every micro-batch that one finds nothing to reduce (one reduce-scatter per
+                    # micro-batch); with reshard_after_microbatch=false the last micro-batch's first
+                    # hook reduces what the earlier micro-batches accumulated, the later ones the
+                    # rest (K per step, K=2 here)
                     gathers *= K
                     scatters = n_micro if every else K
                 if replicate:
@@ -264,19 +297,22 @@ def context_exchanges(cfg, model, pstate):
     all-gather (output bytes: the whole window's) whose backward reduce-scatters as many bytes where
     the tensor has a gradient (not token ids, positions or expert ids), per mixer execution:
       attention  K and V [B, S, kv_heads / tp, head_dim];
-      QSA        K, V and the indexer's raw keys [B, S, D_i], positions [B, S] int64 (no gradient); where
-                 the indexer trains by its KL (the layers that select), the raw keys' gradient and the
+      QSA        K, V and the indexer's raw keys [B, S, D_i], positions [B, S] int64 (no gradient);
+                 where
+                 the indexer trains by its KL (the layers that select), the raw keys' gradient and
+                     the
                  count of queries with a visible block ([B, S] int64);
-      GDN        the conv input's halo, kernel - 1 rows of [conv width / tp] per window chunk, and the
+      GDN        the conv input's halo, kernel - 1 rows of [conv width / tp] per window chunk, and
+                 the
                  carry: one [H / tp, dk, dk + dv] fp32 per window chunk;
       PLE        the n-gram ids' halo (ngram_size - 1 int64 per chunk, no gradient) and the conv
                  input's, conv_window rows of [hc x H] per chunk;
       MoE        with the aux / z loss, an all-reduce of its 2E + 3 fp32 sums forward and backward.
-    Chunks: 2 cp (zigzag) or cp (contiguous); S, B the micro-batch's window and rows. Plus, with PLE, the
-    n-gram table's row split over the stage's ranks (cp among them): per PLE layer, the send counts
-    (int64 per rank), this rank's ids (int32, S / cp x ngram heads per row) and their rows back and
-    their gradients (fp32, embed_dim / ngram heads each; the rows' all-to-all input is data-dependent
-    per rank, its sum over ranks is not)."""
+    Chunks: 2 cp (zigzag) or cp (contiguous); S, B the micro-batch's window and rows. Plus, with
+    PLE, the n-gram table's row split over the stage's ranks (cp among them): per PLE layer, the
+    send counts (int64 per rank), this rank's ids (int32, S / cp x ngram heads per row) and their
+    rows back and their gradients (fp32, embed_dim / ngram heads each; the rows' all-to-all input is
+    data-dependent per rank, its sum over ranks is not)."""
     from tandem.models.moe import MoE
 
     m, p, K = cfg.model, cfg.parallel, cfg.mtp.num_steps
@@ -286,10 +322,12 @@ def context_exchanges(cfg, model, pstate):
     kv = m.num_kv_heads // tp * m.resolved_head_dim
     mtp_kind = "indexed_attention" if m.uses_qsa else "attention"
     kinds = [m.layer_type(int(i)) for i in model.layers] + [mtp_kind] * K
-    # QSA layers that select (MTP depths after the first reuse its selection under mtp.qsa_reuse_indices)
-    # train their indexer by the KL: their raw keys get a gradient, and they gather the window's
-    # count of queries with a visible block (int64 [B, S]); the others' raw keys get none
-    reusing = max(K - 1, 0) if (cfg.mtp.qsa_reuse_indices and mtp_kind == "indexed_attention") else 0
+    # QSA layers that select (MTP depths after the first reuse its selection under
+    # mtp.qsa_reuse_indices) train their indexer by the KL: their raw keys get a gradient, and they
+    # gather the window's count of queries with a visible block (int64 [B, S]); the others' raw keys
+    # get none
+    reusing = max(K - 1,
+                  0) if (cfg.mtp.qsa_reuse_indices and mtp_kind == "indexed_attention") else 0
     kl = sum(k == "indexed_attention" for k in kinds) - reusing if m.indexer_loss_coef > 0 else 0
     ag, rs = I64 * rows * kl, F32 * rows * m.indexer_head_dim * kl
     for kind in kinds:
@@ -310,7 +348,8 @@ def context_exchanges(cfg, model, pstate):
     for i in model.layers:
         if int(i) in m.ple_layers:
             ag += I64 * MBS * chunks * min(m.ngram_size - 1, length)
-            conv_window = min((m.ple_conv_kernel - 1) * m.ngram_size, length)  # a chunk sends at most itself
+            # a chunk sends at most itself
+            conv_window = min((m.ple_conv_kernel - 1) * m.ngram_size, length)
             ag += F32 * MBS * chunks * conv_window * m.hc_count * m.hidden_size
             rs += F32 * MBS * chunks * conv_window * m.hc_count * m.hidden_size
     ar, a2a = 0.0, 0.0
@@ -336,19 +375,19 @@ def _fsdp_events(unit, model, pipe, n_micro, every: bool):
     """(all-gathers, reduce-scatters) of one FSDP unit per step."""
     is_root = unit is model or (pipe is not None and unit in pipe.modules)
     if every:
-        # parallel.reshard_after_microbatch (the default): each micro-batch's backward reduce-scatters
-        # and reshards: blocks gather in every forward and every backward, the root (not resharded
-        # after forward) once per micro-batch.
+        # parallel.reshard_after_microbatch (the default): each micro-batch's backward
+        # reduce-scatters and reshards: blocks gather in every forward and every backward, the root
+        # (not resharded after forward) once per micro-batch.
         return (n_micro if is_root else 2 * n_micro), n_micro
-    # gradient sync (and the resharding after backward) only on the last micro-batch: blocks gather in
-    # the first forward and in every backward, the root once; one reduce-scatter per step.
+    # gradient sync (and the resharding after backward) only on the last micro-batch: blocks gather
+    # in the first forward and in every backward, the root once; one reduce-scatter per step.
     return (1 if is_root else n_micro + 1), 1
 
 
 def _count_context_exchanges() -> dict:
-    """Wraps the cp exchanges (trainer/parallel/context.py): counts the all-gathers' output bytes and
-    their gradients' (the backward reduce-scatters' input) as `gather`, and `ContextShards.sum`'s
-    all-reduced bytes forward and backward as `sum`, while `on`."""
+    """Wraps the cp exchanges (trainer/parallel/context.py): counts the all-gathers' output bytes
+    and their gradients' (the backward reduce-scatters' input) as `gather`, and
+    `ContextShards.sum`'s all-reduced bytes forward and backward as `sum`, while `on`."""
     from tandem.trainer.parallel import context
 
     seen = defaultdict(float)
@@ -377,7 +416,7 @@ def _count_context_exchanges() -> dict:
     return seen
 
 
-# --- worker (under torchrun) -------------------------------------------------------------------------
+# --- worker (under torchrun) ----------------------------------------------------------------------
 def worker(out_path, layouts):
     import torch.distributed as dist
 
@@ -392,7 +431,8 @@ def worker(out_path, layouts):
     exchanged = _count_context_exchanges()
     results = {}
     for layout in layouts:
-        base, spec = (QWEN4, layout[len("qwen4:"):]) if layout.startswith("qwen4:") else (BASE, layout)
+        base, spec = (QWEN4, layout[len("qwen4:"):]) if layout.startswith("qwen4:") else (BASE,
+                                                                                          layout)
         cfg = load_config(None, base + [f"parallel.{kv}" for kv in spec.split(",")])
         cfg.model.vocab_size = VOCAB
         device = resolve_device("cpu")
@@ -412,7 +452,8 @@ def worker(out_path, layouts):
                 counter.__enter__()
                 exchanged.clear()
                 exchanged["on"] = 1
-            tr.indexers.begin_step(step)  # QSA's stage and indexer loss, as the training loop sets them
+            # QSA's stage and indexer loss, as the training loop sets them
+            tr.indexers.begin_step(step)
             counts = tr.global_target_counts(batches)
             pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
             tr.clip_gradients()
@@ -424,13 +465,17 @@ def worker(out_path, layouts):
             tr.optimizer.zero_grad(set_to_none=True)
         measured = dict(counter.bytes)
         expected = analytic(cfg, model, pstate, batches)
-        if cfg.parallel.cp > 1:  # the cp exchanges alone, beside context_cost's count of the bytes a rank sends
+        # the cp exchanges alone, beside context_cost's count of the bytes a rank sends
+        if cfg.parallel.cp > 1:
             from tandem.trainer.context_cost import context_bytes
 
-            share = (cfg.parallel.cp - 1) / cfg.parallel.cp  # of an all-gather's output / a reduce-scatter's input
-            # a ring all-gather / reduce-scatter sends `share` of its output / input, an all-reduce twice that
+            # of an all-gather's output / a reduce-scatter's input
+            share = (cfg.parallel.cp - 1) / cfg.parallel.cp
+            # a ring all-gather / reduce-scatter sends `share` of its output / input, an all-reduce
+            # twice that
             measured["cp_sent"] = share * (exchanged["gather"] + 2 * exchanged["sum"]) / ACCUM
-            expected["cp_sent"] = context_bytes(cfg, list(range(cfg.model.num_layers)), cfg.mtp.num_steps, F32)["sent"]
+            expected["cp_sent"] = context_bytes(cfg, list(range(cfg.model.num_layers)),
+                                                cfg.mtp.num_steps, F32)["sent"]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (measured, expected))
         results[layout] = gathered
@@ -451,7 +496,8 @@ def main(only=()):
     for world, layouts in sorted(by_world.items()):
         results.update(run_under_torchrun(__file__, world, layouts))
     worst, worst_sent = 0.0, 0.0
-    print(f"{'layout':36s} {'collective':16s} {'measured MB':>12s} {'analytic MB':>12s} {'ratio':>7s}")
+    print(f"{'layout':36s} {'collective':16s} {'measured MB':>12s} {'analytic MB':>12s} "
+          f"{'ratio':>7s}")
     for layout in selected:
         meas, ana = defaultdict(float), defaultdict(float)
         for m_rank, a_rank in results[layout]:
@@ -462,10 +508,12 @@ def main(only=()):
         for kind in sorted(k for k in (set(meas) | set(ana)) - {"cp_sent"} if meas[k] or ana[k]):
             ratio = meas[kind] / ana[kind] if ana[kind] else float("inf")
             worst = max(worst, ratio)
-            print(f"{layout:36s} {kind:16s} {meas[kind] / 1e6:12.4f} {ana[kind] / 1e6:12.4f} {ratio:7.3f}")
+            print(f"{layout:36s} {kind:16s} {meas[kind] / 1e6:12.4f} {ana[kind] / 1e6:12.4f} "
+                  f"{ratio:7.3f}")
         sent_m, sent_a = meas.pop("cp_sent", 0.0), ana.pop("cp_sent", 0.0)
         total_m, total_a = sum(meas.values()), sum(ana.values())
-        print(f"{layout:36s} {'TOTAL':16s} {total_m / 1e6:12.4f} {total_a / 1e6:12.4f} {total_m / total_a:7.3f}")
+        print(f"{layout:36s} {'TOTAL':16s} {total_m / 1e6:12.4f} {total_a / 1e6:12.4f} "
+              f"{total_m / total_a:7.3f}")
         if sent_a:  # per micro-batch, summed over ranks
             worst_sent = max(worst_sent, abs(sent_m / sent_a - 1))
             print(f"{layout:36s} {'cp sent/microb.':16s} {sent_m / 1e6:12.4f} {sent_a / 1e6:12.4f} "

@@ -1,22 +1,25 @@
-"""Expert parallelism's two dispatches (`parallel.ep_dispatch`) side by side: step time and host syncs.
+"""Expert parallelism's two dispatches (`parallel.ep_dispatch`) side by side: step time and host
+syncs.
 
-`python bench/ep_dispatch.py` launches a small MoE model's training step under ep=2 (2 CPU ranks) and
-then tp2 x ep2 + SP (4 ranks) under torchrun (gloo). Every rank builds the model twice, `exact` (split
-sizes read back by the host, one sync per MoE layer per forward) and `padded` (fixed-capacity blocks,
-counts on the device), warms both up, then times training steps of the two alternately, so machine
-noise hits both alike. A step is the trainer's forward_backward over the rank's micro-batches, gradient
-clipping, router-bias update and AdamW, between two barriers; rank 0 reports the median of each. One
-more (untimed) step per side counts rank 0's device-to-host syncs in forward_backward (all the model's
-and the loss's, not only the dispatch's; tests/unit/test_decode_host_sync.py `HostSyncs`).
+`python bench/ep_dispatch.py` launches a small MoE model's training step under ep=2 (2 CPU ranks)
+and then tp2 x ep2 + SP (4 ranks) under torchrun (gloo). Every rank builds the model twice, `exact`
+(split sizes read back by the host, one sync per MoE layer per forward) and `padded` (fixed-capacity
+blocks, counts on the device), warms both up, then times training steps of the two alternately, so
+machine noise hits both alike. A step is the trainer's forward_backward over the rank's
+micro-batches, gradient clipping, router-bias update and AdamW, between two barriers; rank 0 reports
+the median of each. One more (untimed) step per side counts rank 0's device-to-host syncs in
+forward_backward (all the model's and the loss's, not only the dispatch's;
+tests/unit/test_decode_host_sync.py `HostSyncs`).
 
-CPU figures on gloo say little about an accelerator: a CPU never waits on a "device", so the host syncs
-cost nothing here, while `padded`'s larger all-to-all (ep x the rows when experts per rank >= top_k)
-and its padding's memory traffic do cost; on a GPU the syncs stall the host's launch queue (the
-pipeline schedule's thread included) and `padded` removes them. The figure to trust on a GPU is this
-script's ratio measured there. Shared machines make single runs noisy: the spread (min..max) of each
-side is printed beside its median.
+CPU figures on gloo say little about an accelerator: a CPU never waits on a "device", so the host
+syncs cost nothing here, while `padded`'s larger all-to-all (ep x the rows when experts per rank >=
+top_k) and its padding's memory traffic do cost; on a GPU the syncs stall the host's launch queue
+(the pipeline schedule's thread included) and `padded` removes them. The figure to trust on a GPU is
+this script's ratio measured there. Shared machines make single runs noisy: the spread (min..max) of
+each side is printed beside its median.
 
-    python bench/ep_dispatch.py [--steps 6] [--warmup 2] [--dtype fp32|bf16] [--layouts ep=2 tp=2,ep=2,...]
+    python bench/ep_dispatch.py [--steps 6] [--warmup 2] [--dtype fp32|bf16]
+        [--layouts ep=2 tp=2,ep=2,...]
 ends with one line per layout: padded_over_exact_step_time[<layout>]=<median padded / median exact>
 """
 
@@ -39,7 +42,7 @@ def _batches(step: int, dp_rank: int, dp_size: int):
     return synthetic_batches(step, dp_rank, dp_size, MBS, ACCUM, SEQ, VOCAB)
 
 
-# --- worker (under torchrun) -------------------------------------------------------------------------
+# --- worker (under torchrun) ----------------------------------------------------------------------
 def worker(out_path: str, layout: str, dtype: str, warmup: int, steps: int) -> None:
     import torch.distributed as dist
 
@@ -73,7 +76,8 @@ def run_layout(layout: str, dtype: str, warmup: int, steps: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layouts", nargs="+", default=LAYOUTS, help="parallel.* items, comma-separated, per run")
+    ap.add_argument("--layouts", nargs="+", default=LAYOUTS,
+                    help="parallel.* items, comma-separated, per run")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per side")
@@ -86,15 +90,19 @@ def main(argv=None) -> int:
     ratios = []
     for layout in a.layouts:
         r = run_layout(layout, a.dtype, a.warmup, a.steps)
-        print(f"layout {layout} on {r['world']} CPU ranks, {a.dtype}, {MBS * ACCUM} x {SEQ} tokens per batch rank, "
+        print(f"layout {layout} on {r['world']} CPU ranks, {a.dtype}, {MBS * ACCUM} x {SEQ} tokens "
+              "per batch rank, "
               f"{a.steps} timed steps per side (interleaved)")
-        print(f"{'side':8s} {'median s/step':>14s} {'min':>8s} {'max':>8s} {'fwd+bwd host syncs':>18s}  (rank 0, by "
+        print(f"{'side':8s} {'median s/step':>14s} {'min':>8s} {'max':>8s} "
+              f"{'fwd+bwd host syncs':>18s}  (rank 0, by "
               "kind)")
         for name in SIDES:
             ts, syncs = r["times"][name], r["syncs"][name]
-            print(f"{name:8s} {statistics.median(ts):14.3f} {min(ts):8.3f} {max(ts):8.3f} {sum(syncs.values()):18d}  "
+            print(f"{name:8s} {statistics.median(ts):14.3f} {min(ts):8.3f} {max(ts):8.3f} "
+                  f"{sum(syncs.values()):18d}  "
                   f"{syncs}")
-        ratios.append((layout, statistics.median(r["times"]["padded"]) / statistics.median(r["times"]["exact"])))
+        ratios.append((layout, statistics.median(r["times"]["padded"])
+                       / statistics.median(r["times"]["exact"])))
     for layout, ratio in ratios:
         print(f"padded_over_exact_step_time[{layout}]={ratio:.3f}")
     return 0

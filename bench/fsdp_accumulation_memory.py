@@ -1,31 +1,33 @@
-"""FSDP memory under gradient accumulation: trainer/estimate.py's per-rank figure beside the measured
-peak, in both `parallel.reshard_after_microbatch` modes, and what each mode communicates.
+"""FSDP memory under gradient accumulation: trainer/estimate.py's per-rank figure beside the
+measured peak, in both `parallel.reshard_after_microbatch` modes, and what each mode communicates.
 
-`python bench/fsdp_accumulation_memory.py [--pp]` trains a small MoE + MTP model (about 9M parameters,
-parameter memory well above its activations, so the modes' difference is visible) for two steps of 4
-micro-batches under torchrun (gloo, CPU) at dp=2 (FSDP over two ranks; `--pp` adds pp=2 x dp=2 on four),
-each in fp32 and bf16, each with a sync every micro-batch (`every`, the default) and one per step
-(`once`, reshard_after_microbatch=false).
+`python bench/fsdp_accumulation_memory.py [--pp]` trains a small MoE + MTP model (about 9M
+parameters, parameter memory well above its activations, so the modes' difference is visible) for
+two steps of 4 micro-batches under torchrun (gloo, CPU) at dp=2 (FSDP over two ranks; `--pp` adds
+pp=2 x dp=2 on four), each in fp32 and bf16, each with a sync every micro-batch (`every`, the
+default) and one per step (`once`, reshard_after_microbatch=false).
 
 How the peak is measured: the second step (AdamW's state already exists, as in steady training) runs
 under `LiveTensorBytes`, a TorchDispatchMode that counts every storage an op returns (forward and
-autograd's backward, FSDP's gathers, reduce-scatter buffers, optimizer temporaries) from its creation
-until the storage is freed (a weakref on the storage), follows `UntypedStorage.resize_` (FSDP2 frees
-and refills its unsharded parameters that way) and starts from every tensor storage alive in the
-process when the step begins (sharded parameters, buffers, AdamW's moments). Tensor bytes only: what
-torch.cuda.max_memory_allocated would report on a GPU, without allocator slack or the process's other
-memory (its RSS would add glibc's heap retention, page granularity and the libraries). It is exact
-and repeatable. (The CPU allocator's profiler events, which bench/qwen4_exp_trunk.py sums, miss frees
-made outside the profiled thread here (gloo's work threads drop the collectives' buffers): their
-running sum climbed by up to 30 MiB per step where the live storages did not.) The peak is the
-largest over the ranks, as the estimate is for the rank holding most.
+autograd's backward, FSDP's gathers, reduce-scatter buffers, optimizer temporaries) from its
+creation until the storage is freed (a weakref on the storage), follows `UntypedStorage.resize_`
+(FSDP2 frees and refills its unsharded parameters that way) and starts from every tensor storage
+alive in the process when the step begins (sharded parameters, buffers, AdamW's moments). Tensor
+bytes only: what torch.cuda.max_memory_allocated would report on a GPU, without allocator slack or
+the process's other memory (its RSS would add glibc's heap retention, page granularity and the
+libraries). It is exact and repeatable. (The CPU allocator's profiler events, which
+bench/qwen4_exp_trunk.py sums, miss frees made outside the profiled thread here (gloo's work threads
+drop the collectives' buffers): their running sum climbed by up to 30 MiB per step where the live
+storages did not.) The peak is the largest over the ranks, as the estimate is for the rank holding
+most.
 
 Printed per layout, dtype and mode: the estimate's total and its parts (states, activations, FSDP's
-gathered copies, the root group's gradient buffers, the single-sync mode's accumulation), the measured peak and measured
-/ estimate; per layout and dtype the difference between the modes, estimated and measured; and per mode the bytes one
-rank sends to the all-gathers and reduce-scatters of a step (bench/comm_volume.py's counter) and the
-step time (CPU, gloo, a shared 2-core machine: indicative only). Ends with
-`delta_measured_over_estimated=<worst>` and `peak_over_estimate=<min>..<max>`.
+gathered copies, the root group's gradient buffers, the single-sync mode's accumulation), the
+measured peak and measured / estimate; per layout and dtype the difference between the modes,
+estimated and measured; and per mode the bytes one rank sends to the all-gathers and reduce-scatters
+of a step (bench/comm_volume.py's counter) and the step time (CPU, gloo, a shared 2-core machine:
+indicative only). Ends with `delta_measured_over_estimated=<worst>` and
+`peak_over_estimate=<min>..<max>`.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ from side_by_side import run_under_torchrun  # noqa: E402
 MBS, ACCUM, SEQ, VOCAB = 2, 4, 64, 4096
 BASE = [
     "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.intermediate_size=1024", "model.moe_intermediate_size=256", "model.num_experts=4", "model.top_k=2",
-    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.max_seq_len=128",
+    "model.intermediate_size=1024", "model.moe_intermediate_size=256", "model.num_experts=4",
+    "model.top_k=2",
+    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free",
+    "model.max_seq_len=128",
     f"model.vocab_size={VOCAB}", "mtp.num_steps=1", "mtp.num_layers=1", "mtp.loss_chunk_tokens=128",
-    f"data.seq_len={SEQ}", f"train.micro_batch_size={MBS}", f"train.grad_accum_steps={ACCUM}", "train.grad_clip=1.0",
+    f"data.seq_len={SEQ}", f"train.micro_batch_size={MBS}", f"train.grad_accum_steps={ACCUM}",
+    "train.grad_clip=1.0",
     "logging.wandb=false", "eval.interval=0", "device=cpu", "run.dir=/tmp/tandem_bench_unused",
 ]
 LAYOUTS = {"dp=2": 2}
@@ -72,8 +77,8 @@ def batches(step: int, pstate):
 
 
 def make_live_tensor_bytes():
-    """`LiveTensorBytes()`: a dispatch mode whose `.peak` is the most bytes of tensor storage alive at
-    once while it is active (see the module docstring)."""
+    """`LiveTensorBytes()`: a dispatch mode whose `.peak` is the most bytes of tensor storage alive
+    at once while it is active (see the module docstring)."""
     import gc
     import weakref
 
@@ -126,7 +131,8 @@ def make_live_tensor_bytes():
             return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t is DTensor for t in types):  # let DTensor desugar into the local ops seen below
+            # let DTensor desugar into the local ops seen below
+            if any(t is DTensor for t in types):
                 return NotImplemented
             out = func(*args, **(kwargs or {}))
             for t in torch.utils._pytree.tree_leaves(out):
@@ -138,7 +144,7 @@ def make_live_tensor_bytes():
     return LiveTensorBytes()
 
 
-# --- worker (under torchrun) -------------------------------------------------------------------------
+# --- worker (under torchrun) ----------------------------------------------------------------------
 def worker(out_path: str, cases) -> None:
     import torch.distributed as dist
     from comm_volume import make_counter
@@ -184,9 +190,14 @@ def worker(out_path: str, cases) -> None:
         with counter:
             step(2)
         seconds = time.perf_counter() - t0
-        row = {"peak": peak, "peak_fwd_bwd": tracker.peak_fwd_bwd, "base": base, "seconds": seconds,
-               "all_gather": counter.bytes.get("all_gather", 0), "reduce_scatter": counter.bytes.get("reduce_scatter",
-                                                                                                     0)}
+        row = {
+            "peak": peak,
+            "peak_fwd_bwd": tracker.peak_fwd_bwd,
+            "base": base,
+            "seconds": seconds,
+            "all_gather": counter.bytes.get("all_gather", 0),
+            "reduce_scatter": counter.bytes.get("reduce_scatter", 0),
+        }
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         results[case] = rows
@@ -197,7 +208,7 @@ def worker(out_path: str, cases) -> None:
     dist.destroy_process_group()
 
 
-# --- driver ------------------------------------------------------------------------------------------
+# --- driver ---------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", action="store_true", help="also pp=2 x dp=2 (4 processes)")
@@ -226,20 +237,25 @@ def main(argv=None) -> int:
                 rows = results[f"{layout}|{dtype}|{mode}"]
                 est[mode], meas[mode] = e.total_gib_per_rank * 2**30, max(r["peak"] for r in rows)
                 ratios.append(meas[mode] / est[mode])
-                parts = " ".join(f"{x * 1024:.1f}" for x in (e.states_gib_per_rank, e.activations_gib_per_rank,
-                                                             e.gathered_gib_per_rank, e.grad_buffers_gib_per_rank,
+                parts = " ".join(f"{x * 1024:.1f}" for x in (e.states_gib_per_rank,
+                                                             e.activations_gib_per_rank,
+                                                             e.gathered_gib_per_rank,
+                                                             e.grad_buffers_gib_per_rank,
                                                              e.accumulation_gib_per_rank))
                 ag = max(r["all_gather"] for r in rows) / 1e6
                 rs = max(r["reduce_scatter"] for r in rows) / 1e6
                 secs = max(r["seconds"] for r in rows)
                 print(f"{layout:10s} {dtype:5s} {mode:5s} {est[mode] / MIB:12.1f} {parts:>36s} "
-                      f"{meas[mode] / MIB:12.1f} {meas[mode] / est[mode]:8.3f} {ag:7.2f} {rs:7.2f} {secs:7.2f}")
+                      f"{meas[mode] / MIB:12.1f} {meas[mode] / est[mode]:8.3f} {ag:7.2f} {rs:7.2f} "
+                      f"{secs:7.2f}")
             d_est, d_meas = est["once"] - est["every"], meas["once"] - meas["every"]
             deltas.append(d_meas / d_est)
-            print(f"{layout:10s} {dtype:5s} once - every: estimated {d_est / MIB:+.1f} MiB, measured "
+            print(f"{layout:10s} {dtype:5s} once - every: estimated {d_est / MIB:+.1f} MiB, "
+                  "measured "
                   f"{d_meas / MIB:+.1f} MiB (measured / estimated {d_meas / d_est:.3f})")
     worst = max(deltas, key=lambda x: abs(x - 1))
-    print(f"delta_measured_over_estimated={worst:.3f} peak_over_estimate={min(ratios):.3f}..{max(ratios):.3f}")
+    print(f"delta_measured_over_estimated={worst:.3f} "
+          f"peak_over_estimate={min(ratios):.3f}..{max(ratios):.3f}")
     return 0
 
 

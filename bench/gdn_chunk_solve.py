@@ -1,5 +1,6 @@
-"""Gated DeltaNet's per-chunk solve T = (I + A)^-1: accuracy on what real data puts into a chunk, and
-forward + backward time at training shapes, for three ways of computing it side by side in one run.
+"""Gated DeltaNet's per-chunk solve T = (I + A)^-1: accuracy on what real data puts into a chunk,
+and forward + backward time at training shapes, for three ways of computing it side by side in one
+run.
 
   power:    the series (I - A)(I + A^2)(I + A^4)... in log2(C) batched matmuls, autograd backward
             (what models/delta_rule.py used before; kept here only as the baseline)
@@ -17,13 +18,14 @@ of dim 128 (each key head serves two value heads), batch 1, S = 256 (four chunks
   periodic   a period-3 token sequence, A in [0.001, 0.05]
   correlated keys around one direction (cosine ~0.8), beta 0.9, g = -0.01
 (b) Time: forward + backward of the solve alone on A [B, H, T / C, C, C], A taken from random keys
-(the cost does not depend on the values), fp32; one warm-up, then `--reps` repetitions alternating the
-methods; medians, and `ratio = method / blocked` (> 1: slower than blocked). Then the whole chunked
-rule (q, k, v of dim 128) forward + backward with the power series against blocked.
+(the cost does not depend on the values), fp32; one warm-up, then `--reps` repetitions alternating
+the methods; medians, and `ratio = method / blocked` (> 1: slower than blocked). Then the whole
+chunked rule (q, k, v of dim 128) forward + backward with the power series against blocked.
 
     python bench/gdn_chunk_solve.py [--heads 32] [--seq 4096] [--batch 1] [--reps 3] [--threads 1]
         [--device cpu|cuda] [--no-rule]
-Last lines: `solve_fwd_bwd_s power=.. blocked=.. trsolve=.. trsolve+=..`, then the ratios to blocked.
+Last lines: `solve_fwd_bwd_s power=.. blocked=.. trsolve=.. trsolve+=..`, then the ratios to
+blocked.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ CHUNK = delta_rule.CHUNK
 
 
 def power_series_inverse(a: torch.Tensor) -> torch.Tensor:
-    """The baseline: (I + A)^-1 = sum_k (-A)^k through repeated squaring (exact in exact arithmetic)."""
+    """The baseline: (I + A)^-1 = sum_k (-A)^k through repeated squaring (exact in exact
+    arithmetic)."""
     n = -a
     inv = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device) + n
     power, span = n, 2
@@ -59,7 +62,8 @@ def power_series_inverse(a: torch.Tensor) -> torch.Tensor:
 
 def trsolve_inverse(a: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve_triangular(eye + a, eye.expand(a.shape), upper=False, unitriangular=True)
+    return torch.linalg.solve_triangular(eye + a, eye.expand(a.shape), upper=False,
+                                         unitriangular=True)
 
 
 class _TrsolveClosedForm(torch.autograd.Function):
@@ -93,13 +97,15 @@ def with_solve(solve, fn, *args):
 
 
 def adversarial(kind: str, hk: int, hv: int, s: int, d: int, device, seed: int = 0):
-    """(q, k, v, g, beta) [1, hv, s, ...] with q/k normalised (q scaled), keys shared by hv // hk heads."""
+    """(q, k, v, g, beta) [1, hv, s, ...] with q/k normalised (q scaled), keys shared by hv // hk
+    heads."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     q, k, v = rnd(1, hk, s, d), rnd(1, hk, s, d), rnd(1, hv, s, d)
     beta = torch.rand(1, hv, s, generator=gen)
     low, high = (0.001, 0.05) if kind in ("run_slow", "periodic") else (0.01, 0.3)
-    g = -torch.empty(hv).uniform_(low, high, generator=gen)[None, :, None] * F.softplus(rnd(1, hv, s))
+    g = -torch.empty(hv).uniform_(low, high, generator=gen)[None, :,
+                                                            None] * F.softplus(rnd(1, hv, s))
     if kind in ("run", "run_slow"):
         for x in (q, k, v, beta, g):
             x[:, :, 40:140] = x[:, :, 40:41]
@@ -142,12 +148,14 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)  # noqa: E731
 
-    print("(a) chunked vs recurrent, rel error of the outputs: 16 key / 32 value heads, dim 128, S=256, fp32")
+    print("(a) chunked vs recurrent, rel error of the outputs: 16 key / 32 value heads, dim 128, "
+          "S=256, fp32")
     print(f"{'input':<11}" + "".join(f"{m:>11}" for m in ("power", "blocked", "trsolve")))
     for kind in ("random", "run", "run_slow", "periodic", "correlated"):
         q, k, v, g, beta = adversarial(kind, 16, 32, 256, 128, device)
         ref, _, _ = delta_rule.recurrent_gated_delta_rule(q, k, v, g, beta)
-        errs = [rel_err(with_solve(METHODS[m], delta_rule.chunked_gated_delta_rule, q, k, v, g, beta)[0], ref)
+        errs = [rel_err(with_solve(METHODS[m], delta_rule.chunked_gated_delta_rule, q, k, v, g,
+                                   beta)[0], ref)
                 for m in ("power", "blocked", "trsolve")]
         print(f"{kind:<11}" + "".join(f"{e:>11.1e}" for e in errs))
 
@@ -174,7 +182,8 @@ def main(argv=None) -> int:
     rule = {}
     if not args.no_rule:
         d = 128
-        q = (delta_rule.l2_normalize(torch.randn(b, h, args.seq, d, generator=gen)) * d ** -0.5).to(device)
+        q = (delta_rule.l2_normalize(torch.randn(b, h, args.seq, d,
+                                                 generator=gen)) * d ** -0.5).to(device)
         kk = delta_rule.l2_normalize(torch.randn(b, h, args.seq, d, generator=gen)).to(device)
         v = torch.randn(b, h, args.seq, d, generator=gen).to(device)
         g = (-0.1 * torch.rand(b, h, args.seq, generator=gen)).to(device)
@@ -194,9 +203,11 @@ def main(argv=None) -> int:
         rule = {m: statistics.median(ts) for m, ts in rt.items()}
 
     print("solve_fwd_bwd_s " + " ".join(f"{m}={t:.3f}" for m, t in med.items()))
-    print("solve_ratio_to_blocked " + " ".join(f"{m}={t / med['blocked']:.2f}" for m, t in med.items()))
+    print("solve_ratio_to_blocked " + " ".join(f"{m}={t / med['blocked']:.2f}" for m,
+                                               t in med.items()))
     if rule:
-        print(f"rule_fwd_bwd_s (dim 128, S={args.seq}) power={rule['power']:.3f} blocked={rule['blocked']:.3f} "
+        print(f"rule_fwd_bwd_s (dim 128, S={args.seq}) power={rule['power']:.3f} "
+              f"blocked={rule['blocked']:.3f} "
               f"ratio power/blocked={rule['power'] / rule['blocked']:.2f}")
     return 0
 

@@ -4,12 +4,12 @@ Measured side by side in one run (steps interleaved, medians), next to what coun
 - flop_ratio: FLOPs a training step executes for the K-step model over the plain LM's (flops.py's
   hardware FLOPs: matmuls and attention; a head costs 3x its forward with the default fused head
   backward, 4x where it recomputes its logits);
-- layer_mem_ratio: the peak memory of the plain LM plus K extra trunk layers, measured as K times the
-  peak-memory growth from adding one trunk layer (that layer's activations and its states), i.e. what
-  MTP would cost if its depths were just K more layers with no K x vocab logits resident.
+- layer_mem_ratio: the peak memory of the plain LM plus K extra trunk layers, measured as K times
+  the peak-memory growth from adding one trunk layer (that layer's activations and its states), i.e.
+  what MTP would cost if its depths were just K more layers with no K x vocab logits resident.
 
-Peak memory is the allocator-level peak of live tensors (params, grads, optimizer state, activations,
-temporaries) tracked by torch.distributed._tools.MemTracker, so it is exact on CPU too.
+Peak memory is the allocator-level peak of live tensors (params, grads, optimizer state,
+activations, temporaries) tracked by torch.distributed._tools.MemTracker, so it is exact on CPU too.
 
 Then, for the K-step model, the same step under each `train.activation_checkpointing` mode (none,
 full, selective): peak memory and step time relative to none.
@@ -47,7 +47,8 @@ class Runner:
         torch.manual_seed(seed)
         self.model = apply_activation_checkpointing(TandemModel(cfg, mtp), checkpointing).train()
         self.optimizer = build_optimizer(self.model, load_config(None, []).train)
-        self.tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(1))
+        self.tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1),
+                                    generator=torch.Generator().manual_seed(1))
         self.mtp = mtp
 
     def step(self) -> None:
@@ -75,7 +76,8 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     plain_mtp = MTPConfig(num_steps=0)
     looped = MTPConfig(num_steps=k, num_layers=1, style="looped")
     plain, mtp = Runner(cfg, plain_mtp, batch, seq_len), Runner(cfg, looped, batch, seq_len)
-    deeper = Runner(dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), plain_mtp, batch, seq_len)
+    deeper = Runner(dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), plain_mtp, batch,
+                    seq_len)
     for r in (plain, mtp):
         r.step()  # warm-up
     t_plain, t_mtp = [], []
@@ -85,8 +87,8 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     mem_plain, mem_mtp, mem_deeper = plain.peak_memory(), mtp.peak_memory(), deeper.peak_memory()
     result = {
         "step_time_ratio": statistics.median(t_mtp) / statistics.median(t_plain),
-        "flop_ratio": hardware_flops_per_token(cfg, looped, seq_len) / hardware_flops_per_token(cfg, plain_mtp,
-                                                                                                seq_len),
+        "flop_ratio": hardware_flops_per_token(cfg, looped, seq_len)
+        / hardware_flops_per_token(cfg, plain_mtp, seq_len),
         "peak_mem_ratio": mem_mtp / mem_plain,
         "layer_mem_ratio": (mem_plain + k * (mem_deeper - mem_plain)) / mem_plain,
     }
@@ -97,7 +99,8 @@ def measure(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps
     return result
 
 
-def measure_checkpointing(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int, steps: int) -> None:
+def measure_checkpointing(name: str, cfg: ModelConfig, k: int, batch: int, seq_len: int,
+                          steps: int) -> None:
     looped = MTPConfig(num_steps=k, num_layers=1, style="looped")
     runners = {mode: Runner(cfg, looped, batch, seq_len, checkpointing=mode) for mode in MODES}
     times = {mode: [] for mode in MODES}
@@ -118,8 +121,10 @@ def main() -> None:
     parser.add_argument("--trunk", choices=["tiny", "deep", "both"], default="both")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--no-checkpointing", action="store_true", help="skip the activation-checkpointing modes")
-    parser.add_argument("--recipe", default=os.path.join(os.path.dirname(__file__), "..", "recipes", "tiny.yaml"))
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="skip the activation-checkpointing modes")
+    parser.add_argument("--recipe", default=os.path.join(os.path.dirname(__file__), "..", "recipes",
+                                                         "tiny.yaml"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     recipe = load_config(args.recipe)
@@ -134,7 +139,8 @@ def main() -> None:
         result = measure(name, cfg, k, args.batch, seq_len, args.steps)
         if not args.no_checkpointing:
             measure_checkpointing(name, cfg, k, args.batch, seq_len, args.steps)
-        print(f"{name}: " + " ".join(f"{key}={value:.3f}" for key, value in result.items()), flush=True)
+        print(f"{name}: " + " ".join(f"{key}={value:.3f}" for key, value in result.items()),
+              flush=True)
     print(" ".join(f"{key}={value:.3f}" for key, value in result.items()))
 
 

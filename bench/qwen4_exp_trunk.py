@@ -1,5 +1,6 @@
 """Qwen4-Exp trunk vs a full-attention trunk of equal active parameters: training step time, the QSA
-layer's peak training memory against dense attention, and the indexer's selected fraction, per length.
+layer's peak training memory against dense attention, and the indexer's selected fraction, per
+length.
 
 (a) Step time. The qwen4_exp trunk is the model section of `--recipe` (recipes/qwen4_exp_tiny.yaml:
 Gated DeltaNet x3 + one QSA layer, 4 hyper-connection streams, PLE, zero-centred norms) with MTP off
@@ -10,18 +11,20 @@ active parameters match the qwen4_exp trunk's (`--match`):
   shared_expert (default): the dense trunk's shared-expert width grows; its attention keeps the
       recipe's heads (4 x 32, 2 KV heads, the same shape as the QSA layer's), so the long-sequence
       cost of full attention is not inflated by extra heads;
-  heads: the dense trunk's query heads grow (a multiple of the KV heads), the MoE stays exactly the recipe's.
-Active parameters count every parameter one token's forward reads, once: the routed experts at
-top_k / num_experts of their weights, embedding tables (the token embedding, PLE's n-gram table) at
-the rows one token reads (PLE: one row per n-gram head). They are matched and printed for the trunk
-(blocks plus the final norm or hyper-connection mixer); the token embedding's row and the LM head are
-identical on both sides and printed apart. A step is forward + backward of the language-model loss
-(the MoE balance loss and, with QSA, the indexer's KL as the trainer's sparse stage runs them:
+  heads: the dense trunk's query heads grow (a multiple of the KV heads), the MoE stays exactly the
+      recipe's.
+Active parameters count every parameter one token's forward reads, once: the routed experts at top_k
+/ num_experts of their weights, embedding tables (the token embedding, PLE's n-gram table) at the
+rows one token reads (PLE: one row per n-gram head). They are matched and printed for the trunk
+(blocks plus the final norm or hyper-connection mixer); the token embedding's row and the LM head
+are identical on both sides and printed apart. A step is forward + backward of the language-model
+loss (the MoE balance loss and, with QSA, the indexer's KL as the trainer's sparse stage runs them:
 indexer_loss_coef from the recipe, no dense warm-up), with no optimizer step; fp32 by default,
 `--dtype bf16` under autocast with fp32 weights (as train.dtype=bf16). Every length has the same
 tokens per step (`--tokens`, default the longest length: 16x256, 4x1024, 1x4096). Lengths run one
 after another; at each, one warm-up step per trunk, then `--reps` repetitions alternating the two
-trunks; medians are reported: `ratio = qwen4_exp / dense` step time (< 1: the hybrid trunk is faster).
+trunks; medians are reported: `ratio = qwen4_exp / dense` step time (< 1: the hybrid trunk is
+faster).
 
 (b) Peak memory of one layer's training step (forward + backward of a fixed random output gradient,
 the input requiring grad): one IndexedAttention layer built as the recipe's QSA layer, in each form
@@ -30,16 +33,16 @@ heads x 32, 2 KV heads, q/k norms, partial RoPE), at the same lengths and batche
 form is measured with the indexer's KL (the trainer's sparse stage, `_kl`) and without it (the
 attention alone, indexer_loss_coef 0): the KL's target is the main attention's distribution, which
 attention_block_mass materialises a chunk of queries at a time ([B, heads, chunk, S] fp32, chunk
-bounded by the layer's chunk_elems), so it can dominate the layer's memory.
-How memory is measured: on CPU, torch.profiler with profile_memory records every allocation and free
-the c10 CPU allocator makes (sizes in bytes, whatever the thread, autograd's backward included); the
-peak is the maximum of their running sum over the step, counted from zero at its start (parameters,
-the input and the output gradient already exist and are not counted; parameter gradients and every
-activation and temporary are). It is exact and repeatable, unlike the process's RSS (page-granular,
-glibc keeps freed heap), and counts torch tensors only: library-internal scratch (e.g. oneDNN's) is
-not seen. On CUDA it is torch.cuda's max_memory_allocated over the step minus memory_allocated at its
-start (through the device layer). One warm-up step runs before each measurement; `ratio = layer /
-dense attention` peak.
+bounded by the layer's chunk_elems), so it can dominate the layer's memory. How memory is measured:
+on CPU, torch.profiler with profile_memory records every allocation and free the c10 CPU allocator
+makes (sizes in bytes, whatever the thread, autograd's backward included); the peak is the maximum
+of their running sum over the step, counted from zero at its start (parameters, the input and the
+output gradient already exist and are not counted; parameter gradients and every activation and
+temporary are). It is exact and repeatable, unlike the process's RSS (page-granular, glibc keeps
+freed heap), and counts torch tensors only: library-internal scratch (e.g. oneDNN's) is not seen. On
+CUDA it is torch.cuda's max_memory_allocated over the step minus memory_allocated at its start
+(through the device layer). One warm-up step runs before each measurement; `ratio = layer / dense
+attention` peak.
 
 (c) The selected fraction: the QSA layer's selection (top budget / ratio complete blocks plus the
 incomplete tail, per query, from the layer's own indexer at its random initialisation) counted as
@@ -48,12 +51,13 @@ is about 64 / ((S + 1) / 2) once S >> budget; at random init it depends on how m
 selected, not which.
 
     python bench/qwen4_exp_trunk.py [--recipe recipes/qwen4_exp_tiny.yaml] [--lengths 256,1024,4096]
-        [--tokens 4096] [--reps 3] [--dtype fp32|bf16] [--device cpu|cuda|auto] [--match shared_expert|heads]
-        [--threads N] [--quick]
+        [--tokens 4096] [--reps 3] [--dtype fp32|bf16] [--device cpu|cuda|auto] [--match
+        shared_expert|heads] [--threads N] [--quick]
 On a shared CPU, `--threads 1` keeps OpenMP threads from spinning against other processes' work.
-`--quick` (CI smoke): lengths 64,128, 128 tokens per step, 1 repetition. Per length the last lines are
-  seq=S batch=B step_ratio=R step_ratio_fastest=R' mem_ratio_auto=.. mem_ratio_mask=.. mem_ratio_gather=..
-  (each also _kl) selected_fraction=F
+`--quick` (CI smoke): lengths 64,128, 128 tokens per step, 1 repetition. Per length the last lines
+are
+  seq=S batch=B step_ratio=R step_ratio_fastest=R' mem_ratio_auto=.. mem_ratio_mask=..
+  mem_ratio_gather=.. (each also _kl) selected_fraction=F
 after one `active_params qwen4_exp=N dense=M rel_diff=D` line.
 """
 
@@ -84,7 +88,8 @@ from tandem.trainer.recipe import load_config  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RECIPE = os.path.join(ROOT, "recipes", "qwen4_exp_tiny.yaml")
 MATCH_TOLERANCE = 0.03
-"""The dense trunk's active parameters must be within this relative distance of the qwen4_exp trunk's."""
+"""The dense trunk's active parameters must be within this relative distance of the qwen4_exp
+trunk's."""
 MIB = 2**20
 
 
@@ -123,10 +128,11 @@ def build(cfg: ModelConfig, device: str = "meta") -> TandemModel:
 
 
 def dense_config(qwen: ModelConfig, match: str, max_len: int) -> ModelConfig:
-    """The full-attention trunk with the qwen4_exp trunk's active parameters (see the module docstring)."""
+    """The full-attention trunk with the qwen4_exp trunk's active parameters (see the module
+    docstring)."""
     base = dataclasses.replace(
-        qwen, layer_types=["attention"] * qwen.num_layers, full_attention_interval=0, hc_count=1, ple_layers=[],
-        zero_centered_norm=False, qk_norm=True, max_seq_len=max_len)
+        qwen, layer_types=["attention"] * qwen.num_layers, full_attention_interval=0, hc_count=1,
+        ple_layers=[], zero_centered_norm=False, qk_norm=True, max_seq_len=max_len)
     target = active_params(build(qwen))[0]
 
     def active(**kw) -> int:
@@ -134,25 +140,30 @@ def dense_config(qwen: ModelConfig, match: str, max_len: int) -> ModelConfig:
 
     if match == "shared_expert":
         w0 = base.resolved_shared_expert_size
-        a0, a1 = active(shared_expert_intermediate_size=w0), active(shared_expert_intermediate_size=w0 + 1)
+        a0, a1 = (
+            active(shared_expert_intermediate_size=w0),
+            active(shared_expert_intermediate_size=w0 + 1),
+        )
         width = max(1, round(w0 + (target - a0) / (a1 - a0)))
         return dataclasses.replace(base, shared_expert_intermediate_size=width,
                                    num_shared_experts=max(1, base.num_shared_experts))
     if match == "heads":
         hd, kv = base.resolved_head_dim, base.num_kv_heads
-        heads = min(range(kv, 64 * kv + 1, kv), key=lambda h: abs(active(num_heads=h, head_dim=hd) - target))
+        heads = min(range(kv, 64 * kv + 1, kv),
+                    key=lambda h: abs(active(num_heads=h, head_dim=hd) - target))
         return dataclasses.replace(base, num_heads=heads, head_dim=hd)
     raise SystemExit(f"--match={match!r}: expected shared_expert or heads")
 
 
 def set_qsa_training(model: nn.Module, coef: float) -> None:
-    """The trainer's sparse stage (trainer/qsa_training.py, after the dense warm-up), one micro-batch."""
+    """The trainer's sparse stage (trainer/qsa_training.py, after the dense warm-up), one
+    micro-batch."""
     for m in model.modules():
         if isinstance(m, IndexedAttention):
             m.dense, m.indexer_loss_coef = False, coef
 
 
-# ---- (a) step time ---------------------------------------------------------------------------------
+# ---- (a) step time -------------------------------------------------------------------------------
 class StepRunner:
     def __init__(self, cfg: ModelConfig, dev: Device, dtype, tokens_bs1: torch.Tensor):
         torch.manual_seed(0)
@@ -171,9 +182,10 @@ class StepRunner:
         return time.perf_counter() - t0
 
 
-# ---- (b) peak memory --------------------------------------------------------------------------------
+# ---- (b) peak memory -----------------------------------------------------------------------------
 def cpu_peak_bytes(fn: Callable[[], None]) -> int:
-    """Peak of the running sum of the CPU allocator's allocations and frees while fn runs (profiler)."""
+    """Peak of the running sum of the CPU allocator's allocations and frees while fn runs
+    (profiler)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -205,7 +217,8 @@ def peak_bytes(dev: Device, fn: Callable[[], None]) -> int:
     return dev.module.max_memory_allocated(dev.device) - base
 
 
-def make_layer(cfg: ModelConfig, kind: str, dev: Device, form: str = "auto", kl_coef: float = 0.0) -> nn.Module:
+def make_layer(cfg: ModelConfig, kind: str, dev: Device, form: str = "auto",
+               kl_coef: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     layer = make_token_mixer(dataclasses.replace(cfg, qsa_form=form), kind).to(dev.device).train()
     if isinstance(layer, IndexedAttention):
@@ -233,10 +246,11 @@ def layer_peak(layer: nn.Module, dev: Device, dtype, b: int, s: int, hidden: int
     return peak
 
 
-# ---- (c) selected fraction --------------------------------------------------------------------------
+# ---- (c) selected fraction -----------------------------------------------------------------------
 @torch.no_grad()
 def selected_fraction(layer: IndexedAttention, dev: Device, b: int, s: int, hidden: int) -> float:
-    """Selected (query, key) pairs over causal pairs, from the layer's own selection (the mask form's)."""
+    """Selected (query, key) pairs over causal pairs, from the layer's own selection (the mask
+    form's)."""
     x = torch.randn(b, s, hidden, generator=torch.Generator().manual_seed(3)).to(dev.device)
     positions = torch.arange(s, device=dev.device).expand(b, s)
     r = layer.compress_ratio
@@ -251,20 +265,27 @@ def selected_fraction(layer: IndexedAttention, dev: Device, b: int, s: int, hidd
     return float(mask_bss.sum()) / (b * s * (s + 1) / 2)
 
 
-# ---- main -------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default=DEFAULT_RECIPE)
-    p.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) applied to the recipe")
+    p.add_argument("--set", nargs="*", default=[],
+                   help="config overrides (key=value) applied to the recipe")
     p.add_argument("--lengths", default="256,1024,4096", help="comma-separated sequence lengths")
-    p.add_argument("--tokens", type=int, default=0, help="tokens per step at every length (0: the longest length)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per trunk and length (median)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 weights")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, npu or auto (the device layer's names)")
+    p.add_argument("--tokens", type=int, default=0,
+                   help="tokens per step at every length (0: the longest length)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed repetitions per trunk and length (median)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: autocast, fp32 weights")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, npu or auto (the device layer's names)")
     p.add_argument("--match", default="shared_expert", choices=["shared_expert", "heads"],
                    help="the dense trunk's knob widened to match active parameters")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--quick", action="store_true", help="CI smoke: lengths 64,128, 128 tokens per step, 1 rep")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke: lengths 64,128, 128 tokens per step, 1 rep")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -288,16 +309,20 @@ def main() -> None:
     rel = d_trunk / q_trunk - 1
     print(f"{os.path.basename(a.recipe)} (mtp.num_steps=0): layers "
           f"{[qwen.layer_type(i) for i in range(qwen.num_layers)]}, "
-          f"hidden {qwen.hidden_size}, hc_count {qwen.hc_count}, ple_layers {qwen.ple_layers}, experts "
+          f"hidden {qwen.hidden_size}, hc_count {qwen.hc_count}, ple_layers {qwen.ple_layers}, "
+          "experts "
           f"{qwen.num_experts} top{qwen.top_k} x{qwen.moe_intermediate_size} + shared "
           f"x{qwen.resolved_shared_expert_size}, "
           f"QSA budget {qwen.indexer_budget} / ratio {qwen.indexer_compress_ratio}", flush=True)
     print(f"dense trunk (--match {a.match}): {dense.num_layers} x attention, heads "
           f"{dense.num_heads}/{dense.num_kv_heads} x "
-          f"{dense.resolved_head_dim}, shared expert x{dense.resolved_shared_expert_size}, hc_count 1, no PLE, plain "
+          f"{dense.resolved_head_dim}, shared expert x{dense.resolved_shared_expert_size}, "
+          "hc_count 1, no PLE, plain "
           "norms")
-    print(f"parameters: total qwen4_exp {q_total / 1e6:.3f}M, dense {d_total / 1e6:.3f}M; embedding row + LM head "
-          f"(active, both) {q_outer}; torch {torch.__version__}, {dev.type}, {torch.get_num_threads()} threads, "
+    print(f"parameters: total qwen4_exp {q_total / 1e6:.3f}M, dense {d_total / 1e6:.3f}M; "
+          "embedding row + LM head "
+          f"(active, both) {q_outer}; torch {torch.__version__}, {dev.type}, "
+          f"{torch.get_num_threads()} threads, "
           f"{a.dtype}")
     print(f"active_params qwen4_exp={q_trunk} dense={d_trunk} rel_diff={rel:+.4f}", flush=True)
     if abs(rel) > MATCH_TOLERANCE:
@@ -310,8 +335,10 @@ def main() -> None:
     results: List[Dict[str, float]] = []
     for s in lengths:
         b = tokens // s
-        toks = torch.randint(0, qwen.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(1))
-        runners = {"qwen4_exp": StepRunner(qwen, dev, dtype, toks), "dense": StepRunner(dense, dev, dtype, toks)}
+        toks = torch.randint(0, qwen.vocab_size, (b, s + 1),
+                             generator=torch.Generator().manual_seed(1))
+        runners = {"qwen4_exp": StepRunner(qwen, dev, dtype, toks),
+                   "dense": StepRunner(dense, dev, dtype, toks)}
         for r in runners.values():
             r.step()  # warm-up
         times: Dict[str, List[float]] = {name: [] for name in runners}
@@ -320,7 +347,8 @@ def main() -> None:
                 times[name].append(r.step())
         del runners
         med = {name: statistics.median(t) for name, t in times.items()}
-        # on a shared machine the fastest repetitions are the least disturbed: their ratio as a cross-check
+        # on a shared machine the fastest repetitions are the least disturbed: their ratio as a
+        # cross-check
         row = {"seq": s, "batch": b, "step_ratio": med["qwen4_exp"] / med["dense"],
                "step_ratio_fastest": min(times["qwen4_exp"]) / min(times["dense"])}
         print(f"seq {s} x batch {b}: step qwen4_exp {med['qwen4_exp'] * 1e3:.1f} ms "
@@ -338,17 +366,22 @@ def main() -> None:
         for name in peaks:
             if name != "dense":
                 row[f"mem_ratio_{name}"] = peaks[name] / peaks["dense"]
-        row["selected_fraction"] = selected_fraction(make_layer(qwen, "indexed_attention", dev), dev, b, s,
-                                                     qwen.hidden_size)
-        print(f"seq {s} x batch {b}: peak MiB dense attention {peaks['dense'] / MIB:.2f}; QSA " + ", ".join(
-            f"{name}{'(' + auto_form + ')' if name.startswith('auto') else ''} {peaks[name] / MIB:.2f}"
-            for name in peaks if name != "dense") + f"; selected fraction {row['selected_fraction']:.4f}", flush=True)
+        row["selected_fraction"] = selected_fraction(make_layer(qwen, "indexed_attention", dev),
+                                                     dev, b, s, qwen.hidden_size)
+        print(f"seq {s} x batch {b}: peak MiB dense attention {peaks['dense'] / MIB:.2f}; QSA "
+              + ", ".join(
+            f"{name}{'(' + auto_form + ')' if name.startswith('auto') else ''} "
+            f"{peaks[name] / MIB:.2f}"
+            for name in peaks
+            if name != "dense") + f"; selected fraction {row['selected_fraction']:.4f}", flush=True)
         results.append(row)
 
-    print(f"summary ({a.dtype}, {dev.type}, {tokens} tokens per step, median of {a.reps}; ratios qwen4_exp/dense "
+    print(f"summary ({a.dtype}, {dev.type}, {tokens} tokens per step, median of {a.reps}; ratios "
+          "qwen4_exp/dense "
           "step time and QSA layer/dense attention peak memory, _kl with the indexer's KL):")
     for row in results:
-        print(" ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in row.items()))
+        print(" ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k,
+                       v in row.items()))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""What the comparison benches share (mtp_objectives.py, qsa_reuse.py, self_distill.py): one recipe trained
-at several `train.seed` values, every model decoding the same prompts, and each pair of settings compared
-over seeds and prompts (tandem.eval.seed_comparison: per-seed figures, mean [lo, hi] over seeds, the
-paired difference [lo, hi] and whether it is significant).
+"""What the comparison benches share (mtp_objectives.py, qsa_reuse.py, self_distill.py): one recipe
+trained at several `train.seed` values, every model decoding the same prompts, and each pair of
+settings compared over seeds and prompts (tandem.eval.seed_comparison: per-seed figures, mean [lo,
+hi] over seeds, the paired difference [lo, hi] and whether it is significant).
 
-A claim that one setting drafts better needs more than one seed: two runs of one setting with different
-seeds differ by as much as two settings often do.
+A claim that one setting drafts better needs more than one seed: two runs of one setting with
+different seeds differ by as much as two settings often do.
 """
 
 from __future__ import annotations
@@ -19,16 +19,20 @@ with room to spare (2 degrees of freedom)."""
 
 def add_seed_flags(parser, reuse: bool = True) -> None:
     parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
-                        help="training seeds per setting: train.seed = the recipe's seed + 0..N-1 (1: no interval "
+                        help="training seeds per setting: train.seed = the recipe's seed + 0..N-1 "
+                             "(1: no interval "
                              "over seeds, prompts only)")
     if reuse:
         parser.add_argument("--reuse", action="store_true",
-                            help="keep a run directory that already holds this run's final checkpoint under the "
-                                 "same resolved config (resume a cut-short comparison without retraining)")
+                            help="keep a run directory that already holds this run's final "
+                                 "checkpoint under the "
+                                 "same resolved config (resume a cut-short comparison without "
+                                 "retraining)")
 
 
 def seed_values(recipe: str, overrides: Sequence[str], n: int) -> List[int]:
-    """The `train.seed` of each of n runs: the recipe's own first, so seed 0 reproduces a one-seed run."""
+    """The `train.seed` of each of n runs: the recipe's own first, so seed 0 reproduces a one-seed
+    run."""
     from tandem.trainer.recipe import load_config
 
     if n < 1:
@@ -45,13 +49,15 @@ def _finished(run_dir: str, steps: int, cfg) -> bool:
     return os.path.isfile(saved) and to_yaml(load_config(saved)) == to_yaml(cfg)
 
 
-def train_run(recipe: str, run_dir: str, steps: int, overrides: Sequence[str], reuse: bool = False) -> str:
-    """Train `recipe` for `steps` steps into run_dir (no evaluator, one final checkpoint), in this process;
-    with `reuse`, a finished run of the same resolved config is kept instead."""
+def train_run(recipe: str, run_dir: str, steps: int, overrides: Sequence[str],
+              reuse: bool = False) -> str:
+    """Train `recipe` for `steps` steps into run_dir (no evaluator, one final checkpoint), in this
+    process; with `reuse`, a finished run of the same resolved config is kept instead."""
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
 
-    cfg = load_config(recipe, [f"train.max_steps={steps}", f"run.dir={run_dir}", "logging.wandb=false",
+    cfg = load_config(recipe,
+                      [f"train.max_steps={steps}", f"run.dir={run_dir}", "logging.wandb=false",
                                "logging.progress=false", "eval.interval=0", "checkpoint.interval=0",
                                "checkpoint.save_final=true", *overrides])
     if reuse and _finished(run_dir, steps, cfg):
@@ -62,8 +68,9 @@ def train_run(recipe: str, run_dir: str, steps: int, overrides: Sequence[str], r
 
 
 def decode(model, prompts, **settings) -> Tuple[dict, object, list]:
-    """The speculative side of `evaluate_decoding` (no autoregressive decode): (acceptance figures with
-    their intervals over prompts, the DecodeStats of every prompt's row, the per-batch results)."""
+    """The speculative side of `evaluate_decoding` (no autoregressive decode): (acceptance figures
+    with their intervals over prompts, the DecodeStats of every prompt's row, the per-batch
+    results)."""
     from tandem.eval.decode_eval import evaluate_decoding, merge_stats
 
     metrics, spec, _ = evaluate_decoding(model, prompts, autoregressive=False, **settings)
@@ -72,8 +79,8 @@ def decode(model, prompts, **settings) -> Tuple[dict, object, list]:
 
 def compare(name_a: str, a: Sequence, name_b: str, b: Sequence, label: str,
             key: str = "acceptance_length"):
-    """Print the comparison of A and B's `key` (one DecodeStats per seed each, the same prompts) under a
-    heading `label`; returns the SeedComparison."""
+    """Print the comparison of A and B's `key` (one DecodeStats per seed each, the same prompts)
+    under a heading `label`; returns the SeedComparison."""
     from tandem.eval.seed_comparison import compare_over_seeds
 
     c = compare_over_seeds(list(a), list(b))[key]

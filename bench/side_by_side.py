@@ -1,9 +1,9 @@
-"""What the layout benches share: a torchrun launch of a bench's own worker, and two builds of one model
-trained alternately on the same ranks (bench/ep_dispatch.py, bench/layout_compile.py; the launch also
-serves bench/comm_volume.py and bench/fsdp_accumulation_memory.py).
+"""What the layout benches share: a torchrun launch of a bench's own worker, and two builds of one
+model trained alternately on the same ranks (bench/ep_dispatch.py, bench/layout_compile.py; the
+launch also serves bench/comm_volume.py and bench/fsdp_accumulation_memory.py).
 
-A worker is the bench script itself run as `script --worker OUT ARGS...` on every rank; rank 0 writes
-its result to OUT as JSON, which `run_under_torchrun` returns to the driver.
+A worker is the bench script itself run as `script --worker OUT ARGS...` on every rank; rank 0
+writes its result to OUT as JSON, which `run_under_torchrun` returns to the driver.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_under_torchrun(script: str, world: int, args: Sequence[str]):
-    """`script --worker OUT *args` on `world` CPU ranks (gloo, one thread each); rank 0's JSON result."""
+    """`script --worker OUT *args` on `world` CPU ranks (gloo, one thread each); rank 0's JSON
+    result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}",
                os.path.abspath(script), "--worker", out, *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -39,28 +41,37 @@ def run_under_torchrun(script: str, world: int, args: Sequence[str]):
 
 
 def moe_model(seq: int, mbs: int, accum: int, mtp_steps: int) -> list:
-    """The layout benches' model: hidden 256, 4 layers (the first dense), 8 experts top-2 with a shared
-    one, one looped MTP layer over `mtp_steps` depths, on CPU without logging or evaluation."""
-    return ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=2",
-            "model.intermediate_size=512", "model.moe_intermediate_size=128", "model.num_experts=8", "model.top_k=2",
-            "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.max_seq_len=256",
-            f"mtp.num_steps={mtp_steps}", "mtp.num_layers=1", f"data.seq_len={seq}", f"train.micro_batch_size={mbs}",
-            f"train.grad_accum_steps={accum}", "logging.wandb=false", "eval.interval=0", "device=cpu",
-            "run.dir=/tmp/tandem_bench_unused"]
+    """The layout benches' model: hidden 256, 4 layers (the first dense), 8 experts top-2 with a
+    shared one, one looped MTP layer over `mtp_steps` depths, on CPU without logging or
+    evaluation."""
+    return ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8",
+            "model.num_kv_heads=2",
+            "model.intermediate_size=512", "model.moe_intermediate_size=128", "model.num_experts=8",
+            "model.top_k=2",
+            "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free",
+            "model.max_seq_len=256",
+            f"mtp.num_steps={mtp_steps}", "mtp.num_layers=1", f"data.seq_len={seq}",
+            f"train.micro_batch_size={mbs}",
+            f"train.grad_accum_steps={accum}", "logging.wandb=false", "eval.interval=0",
+            "device=cpu", "run.dir=/tmp/tandem_bench_unused"]
 
 
-def synthetic_batches(step: int, dp_rank: int, dp_size: int, mbs: int, accum: int, seq: int, vocab: int):
-    """This batch rank's micro-batches of step `step`: random tokens, every target counted, one document."""
+def synthetic_batches(step: int, dp_rank: int, dp_size: int, mbs: int, accum: int, seq: int,
+                      vocab: int):
+    """This batch rank's micro-batches of step `step`: random tokens, every target counted, one
+    document."""
     g = torch.Generator().manual_seed(step)
     n = mbs * accum
-    tokens = torch.randint(0, vocab, (n * dp_size, seq + 1), generator=g)[dp_rank * n:(dp_rank + 1) * n]
+    tokens = torch.randint(0, vocab, (n * dp_size, seq + 1),
+                           generator=g)[dp_rank * n:(dp_rank + 1) * n]
     return [{"tokens": tokens[i * mbs:(i + 1) * mbs], "loss_mask": torch.ones(mbs, seq),
              "doc_ids": torch.zeros(mbs, seq + 1, dtype=torch.long)} for i in range(accum)]
 
 
 class Sides:
-    """One model per side, each built from `base` + the layout's `parallel.*` items + its own overrides,
-    on one process group and mesh (each model keeps its own layout handles: pipeline schedule, ...)."""
+    """One model per side, each built from `base` + the layout's `parallel.*` items + its own
+    overrides, on one process group and mesh (each model keeps its own layout handles: pipeline
+    schedule, ...)."""
 
     def __init__(self, base: List[str], layout: str, sides: Dict[str, List[str]], vocab: int):
         from tandem.trainer.parallel import init_parallel
@@ -104,8 +115,8 @@ class Sides:
         return time.perf_counter() - start
 
     def alternate(self, warmup: int, steps: int, batches_for: Callable) -> Dict[str, List[float]]:
-        """`warmup` untimed then `steps` timed steps per side, the sides taking turns step by step, so
-        drift in the machine's load hits them alike: {side: timed seconds}."""
+        """`warmup` untimed then `steps` timed steps per side, the sides taking turns step by step,
+        so drift in the machine's load hits them alike: {side: timed seconds}."""
         times = {name: [] for name in self.sides}
         for i in range(warmup + steps):
             for name in self.sides:

@@ -1,59 +1,64 @@
-"""Speed next to acceptance: what a (K+1)-token verify forward costs over a 1-token forward, per layer kind,
-and the acceptance length at which speculative decoding pays for itself.
+"""Speed next to acceptance: what a (K+1)-token verify forward costs over a 1-token forward, per
+layer kind, and the acceptance length at which speculative decoding pays for itself.
 
     python bench/verify_cost.py [--families qwen4_exp,moe] [--size small|tiny|real] [--batches 1,16]
-        [--ks 1,2,3] [--prompt-len N] [--reps 15] [--threads 1] [--device cpu|cuda|auto] [--dtype fp32|bf16]
-        [--checkpoint DIR --suites humaneval,mt_bench] [--quick]
+        [--ks 1,2,3] [--prompt-len N] [--reps 15] [--threads 1] [--device cpu|cuda|auto] [--dtype
+        fp32|bf16] [--checkpoint DIR --suites humaneval,mt_bench] [--quick]
 
-Everything runs through the evaluator's own decode path (eval/spec_decode.py `SpecDecoder`): one decoder
-per (family, batch) prefills `--prompt-len` random tokens per row, drafts once (the drafter's depth 1
-catches up over the prompt), and then, from that state and without committing anything, times
+Everything runs through the evaluator's own decode path (eval/spec_decode.py `SpecDecoder`): one
+decoder per (family, batch) prefills `--prompt-len` random tokens per row, drafts once (the
+drafter's depth 1 catches up over the prompt), and then, from that state and without committing
+anything, times
 
 * the 1-token forward (`c_1`): `SpecDecoder.verify` at K=0, i.e. one autoregressive step (trunk over
   the newest token, final norm, head, argmax);
-* the (K+1)-token verify (`c_verify(K)`): `SpecDecoder.verify` with its K set to k, over [x_m, d_1..d_k]
-  (trunk, head, greedy acceptance), for every k of `--ks`; Gated DeltaNet runs its recurrent form here
-  (models/gated_deltanet.py `_verify`: k+1 sequential state updates, every state kept for rollback);
-* the draft round (`SpecDecoder.draft`, the `serving` convention: depth 1 over the one position committed
-  since the last draft, depths 2..K one token each); `c_draft` = its time / K_max.
+* the (K+1)-token verify (`c_verify(K)`): `SpecDecoder.verify` with its K set to k, over [x_m,
+  d_1..d_k] (trunk, head, greedy acceptance), for every k of `--ks`; Gated DeltaNet runs its
+  recurrent form here (models/gated_deltanet.py `_verify`: k+1 sequential state updates, every state
+  kept for rollback);
+* the draft round (`SpecDecoder.draft`, the `serving` convention: depth 1 over the one position
+  committed since the last draft, depths 2..K one token each); `c_draft` = its time / K_max.
 
 Nothing is committed, so every repetition starts from the same decoder state (the rollback contract,
 models/state.py: a forward writes only positions past the committed prefix); the run checks it
-(`rollback_exact`: the 1-token logits after all the verify forwards equal the first ones) and counts the
-recurrent steps each Gated DeltaNet layer runs per forward (`recurrent_steps`).
+(`rollback_exact`: the 1-token logits after all the verify forwards equal the first ones) and counts
+the recurrent steps each Gated DeltaNet layer runs per forward (`recurrent_steps`).
 
-Per layer kind: forward hooks on the trunk's blocks, their token mixers (`linear_attention` = Gated DeltaNet,
-`indexed_attention` = QSA, `full_attention`), their MLPs (`moe`, `dense_mlp`), PLE and the embedding time
-each module call (with a device synchronize around it on an accelerator), summed by kind over the layers;
-`residual` is the blocks' time outside those (hyper-connections or norms), `head` the call's time outside
-the blocks and embedding (final norm, LM head, argmax, acceptance); each kind's figure is its median over
-the repetitions and the split's `total` their sum. Totals for the cost model are timed without hooks.
-Repetitions interleave every forward; medians. One thread by default (`torch.set_num_threads`): the ops of
-one decode step are too small to share out, and a shared CPU's other work stays out.
+Per layer kind: forward hooks on the trunk's blocks, their token mixers (`linear_attention` = Gated
+DeltaNet, `indexed_attention` = QSA, `full_attention`), their MLPs (`moe`, `dense_mlp`), PLE and the
+embedding time each module call (with a device synchronize around it on an accelerator), summed by
+kind over the layers; `residual` is the blocks' time outside those (hyper-connections or norms),
+`head` the call's time outside the blocks and embedding (final norm, LM head, argmax, acceptance);
+each kind's figure is its median over the repetitions and the split's `total` their sum. Totals for
+the cost model are timed without hooks. Repetitions interleave every forward; medians. One thread by
+default (`torch.set_num_threads`): the ops of one decode step are too small to share out, and a
+shared CPU's other work stays out.
 
-Cost model (per round of K drafts, one verify; host overhead such as the commit and the per-round host read
-left out): speedup(L) = L * c_1 / (K * c_draft + c_verify(K)), L the acceptance length (tokens a round
-yields per row, 1 <= L <= K+1); break-even L* = (K * c_draft + c_verify(K)) / c_1; `max_speedup` = speedup
-at L = K+1 (every draft accepted). L* > K+1 means drafting K tokens can never pay here.
+Cost model (per round of K drafts, one verify; host overhead such as the commit and the per-round
+host read left out): speedup(L) = L * c_1 / (K * c_draft + c_verify(K)), L the acceptance length
+(tokens a round yields per row, 1 <= L <= K+1); break-even L* = (K * c_draft + c_verify(K)) / c_1;
+`max_speedup` = speedup at L = K+1 (every draft accepted). L* > K+1 means drafting K tokens can
+never pay here.
 
-Families (`--size`): `qwen4_exp` (Gated DeltaNet x3 then QSA, hyper-connections, PLE, MoE with a gated shared
-expert; its drafter one QSA + MoE layer) and `moe` (the full-attention MoE family: DeepSeek-V3-like, sigmoid
-router, GQA; its drafter one attention + MoE layer), each at
-  tiny:  the test flavors `debug_qwen4` / `debug` (--quick);
-  small: the published shapes (`qwen38_flash`, `moe_4b` in models/flavors.py) at a quarter of every width
-         (hidden 640 / 512, heads or head dims halved twice over), 8 layers, 128 / 64 experts: seconds per
-         forward on one CPU thread;
+Families (`--size`): `qwen4_exp` (Gated DeltaNet x3 then QSA, hyper-connections, PLE, MoE with a
+gated shared expert; its drafter one QSA + MoE layer) and `moe` (the full-attention MoE family:
+DeepSeek-V3-like, sigmoid router, GQA; its drafter one attention + MoE layer), each at
+  tiny:  the test flavors `debug_qwen4` / `debug` (--quick); small: the published shapes
+  (`qwen38_flash`, `moe_4b` in models/flavors.py) at a quarter of every width
+         (hidden 640 / 512, heads or head dims halved twice over), 8 layers, 128 / 64 experts:
+         seconds per forward on one CPU thread;
   real:  the published widths, 8 / 16 layers, 64 experts (an accelerator).
-`L*@depth` rescales the measured blocks' share of c_1 and c_verify to the flavor's own layer count (48 / 16;
-the drafter stays one layer): an estimate, printed beside the measured figure.
+`L*@depth` rescales the measured blocks' share of c_1 and c_verify to the flavor's own layer count
+(48 / 16; the drafter stays one layer): an estimate, printed beside the measured figure.
 
-`--checkpoint DIR --suites humaneval,mt_bench`: the checkpoint's model is measured the same way at batch 1,
-then `tandem eval --suite S` decodes each suite speculatively and autoregressively (batch 1, greedy); each
-suite's line puts the measured speedup next to the evaluator's prediction (its measured phase times) and the
-cost model's (the acceptance length measured there, the costs measured here).
+`--checkpoint DIR --suites humaneval,mt_bench`: the checkpoint's model is measured the same way at
+batch 1, then `tandem eval --suite S` decodes each suite speculatively and autoregressively (batch
+1, greedy); each suite's line puts the measured speedup next to the evaluator's prediction (its
+measured phase times) and the cost model's (the acceptance length measured there, the costs measured
+here).
 
-Output: `cost ...`, `breakeven ...`, `suite ...` lines of key=value pairs (what the test parses), then
-`summary: ...`.
+Output: `cost ...`, `breakeven ...`, `suite ...` lines of key=value pairs (what the test parses),
+then `summary: ...`.
 """
 
 from __future__ import annotations
@@ -77,8 +82,8 @@ from tandem.eval.spec_decode import SpecDecoder, synchronize  # noqa: E402
 from tandem.models import MTPConfig, TandemModel, flavors, gated_deltanet  # noqa: E402
 from tandem.models.moe import MoE  # noqa: E402
 
-KINDS = ("linear_attention", "indexed_attention", "full_attention", "moe", "dense_mlp", "ple", "residual", "embed",
-         "head")
+KINDS = ("linear_attention", "indexed_attention", "full_attention", "moe", "dense_mlp", "ple",
+         "residual", "embed", "head")
 """Where a forward's time goes (module docstring); `total` is their sum."""
 MIXER_KIND = {"linear_attention": "linear_attention", "indexed_attention": "indexed_attention",
               "attention": "full_attention"}
@@ -86,14 +91,17 @@ MIXER_KIND = {"linear_attention": "linear_attention", "indexed_attention": "inde
 # A quarter of the published widths (heads and head dims each halved where both exist), 8 layers.
 SMALL = {
     "qwen4_exp": ("qwen38_flash", dict(
-        hidden_size=640, num_layers=8, num_heads=12, num_kv_heads=1, head_dim=128, intermediate_size=160,
-        moe_intermediate_size=160, shared_expert_intermediate_size=160, num_experts=128, linear_num_key_heads=8,
-        linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64, indexer_heads=2,
-        indexer_head_dim=64, indexer_budget=64, hc_lowrank=80, ngram_vocab_base=100003, vocab_size=62080,
-        eos_token_id=0)),
+        hidden_size=640, num_layers=8, num_heads=12, num_kv_heads=1, head_dim=128,
+        intermediate_size=160,
+        moe_intermediate_size=160, shared_expert_intermediate_size=160, num_experts=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+        indexer_heads=2,
+        indexer_head_dim=64, indexer_budget=64, hc_lowrank=80, ngram_vocab_base=100003,
+        vocab_size=62080, eos_token_id=0)),
     "moe": ("moe_4b", dict(
-        hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=2736,
-        moe_intermediate_size=176, vocab_size=25600)),
+        hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
+        intermediate_size=2736, moe_intermediate_size=176, vocab_size=25600)),
 }
 REAL = {"qwen4_exp": ("qwen38_flash", dict(num_layers=8, num_experts=64, ngram_vocab_base=1000003)),
         "moe": ("moe_4b", dict())}
@@ -102,9 +110,10 @@ FLAVOR_DEPTH = {"qwen4_exp": flavors.model_config("qwen38_flash").num_layers,
                 "moe": flavors.model_config("moe_4b").num_layers}
 
 
-def build(family: str, size: str, max_len: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A TandemModel of `family` at `size` (module docstring) with a K=3 looped 1-layer MTP drafter, in eval
-    mode; (model, the flavor's own trunk depth)."""
+def build(family: str, size: str, max_len: int, device: torch.device, dtype: torch.dtype,
+          seed: int = 0):
+    """A TandemModel of `family` at `size` (module docstring) with a K=3 looped 1-layer MTP drafter,
+    in eval mode; (model, the flavor's own trunk depth)."""
     name, changes = {"tiny": TINY, "small": SMALL, "real": REAL}[size][family]
     base = flavors.model_config(name)
     cfg = flavors.model_config(name, **{**changes, "max_seq_len": max(max_len, base.max_seq_len)})
@@ -115,7 +124,8 @@ def build(family: str, size: str, max_len: int, device: torch.device, dtype: tor
 
 
 class KindTimer:
-    """Forward hooks on the trunk's modules, timing each call by layer kind while `hooked()` is open."""
+    """Forward hooks on the trunk's modules, timing each call by layer kind while `hooked()` is
+    open."""
 
     def __init__(self, model: TandemModel, device: torch.device):
         self.device = device
@@ -162,7 +172,8 @@ class KindTimer:
             total = timed(fn, self.device)
         parts = {k: self.seconds.get(k, 0.0) for k in KINDS}
         blocks = self.seconds.get("block", 0.0)
-        parts["residual"] = blocks - sum(parts[k] for k in ("linear_attention", "indexed_attention", "full_attention",
+        parts["residual"] = blocks - sum(parts[k] for k in ("linear_attention", "indexed_attention",
+                                                            "full_attention",
                                                              "moe", "dense_mlp", "ple"))
         parts["head"] = total - blocks - parts["embed"]
         parts["total"] = total
@@ -196,9 +207,9 @@ def counting_recurrent_steps(counts: List[int]):
 @torch.inference_mode()
 def measure(model: TandemModel, batch: int, ks: List[int], prompt_len: int, reps: int, warmup: int,
             device: torch.device, seed: int = 0) -> dict:
-    """Costs of one decoder state of `model` at `batch` rows: medians over `reps` of the unhooked totals
-    (`one`, `verify[k]`, `draft_step`) and of the hooked per-kind splits (`split_one`, `split_verify[k]`),
-    the recurrent steps per Gated DeltaNet call and the rollback check."""
+    """Costs of one decoder state of `model` at `batch` rows: medians over `reps` of the unhooked
+    totals (`one`, `verify[k]`, `draft_step`) and of the hooked per-kind splits (`split_one`,
+    `split_verify[k]`), the recurrent steps per Gated DeltaNet call and the rollback check."""
     K = max(ks)
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -206,10 +217,12 @@ def measure(model: TandemModel, batch: int, ks: List[int], prompt_len: int, reps
     dec = SpecDecoder(model, K, batch, prompt_len + 2 * K + 8)
     dec.prefill(prompts)
     dec.read_lengths()
-    drafts, _, _ = dec.draft()  # depth 1 catches up over the prompt; later drafts see one new position
+    # depth 1 catches up over the prompt; later drafts see one new position
+    drafts, _, _ = dec.draft()
 
     def forward(k: int):
-        """SpecDecoder.verify with K = k: the trunk over [x_m, d_1..d_k], head, greedy acceptance."""
+        """SpecDecoder.verify with K = k: the trunk over [x_m, d_1..d_k], head, greedy
+        acceptance."""
         dec.K = k
         try:
             return dec.verify(drafts[:, :k], None)
@@ -247,7 +260,8 @@ def measure(model: TandemModel, batch: int, ks: List[int], prompt_len: int, reps
     split = {k: {kind: med([s[kind] for s in splits[k]]) for kind in KINDS} for k in [0] + ks}
     for parts in split.values():
         parts["total"] = sum(parts.values())  # medians per kind, so that the split adds up
-    return {"one": med(raw["v0"]), "verify": {k: med(raw[f"v{k}"]) for k in ks}, "draft_step": med(raw["draft"]) / K,
+    return {"one": med(raw["v0"]), "verify": {k: med(raw[f"v{k}"]) for k in ks},
+            "draft_step": med(raw["draft"]) / K,
             "split": split, "layers": dict(timer.layers), "steps": steps, "K": K,
             "rollback_exact": bool(torch.equal(before, after))}
 
@@ -276,8 +290,10 @@ def report(family: str, batch: int, m: dict, ks: List[int], depth: int, bench_de
             one, ver = m["split"][0][kind], m["split"][k][kind]
             if kind not in ("residual", "head", "total", "embed") and not layers.get(kind):
                 continue
-            print(f"cost family={family} batch={batch} K={k} kind={kind} layers={layers.get(kind, 0)} "
-                  f"one_ms={1e3 * one:.6f} verify_ms={1e3 * ver:.6f} ratio={ver / max(one, 1e-12):.4f}")
+            print(f"cost family={family} batch={batch} K={k} kind={kind} "
+                  f"layers={layers.get(kind, 0)} "
+                  f"one_ms={1e3 * one:.6f} verify_ms={1e3 * ver:.6f} "
+                  f"ratio={ver / max(one, 1e-12):.4f}")
     steps = m["steps"]
     gdn = layers.get("linear_attention", 0)
     for k in [0] + ks:
@@ -290,9 +306,12 @@ def report(family: str, batch: int, m: dict, ks: List[int], depth: int, bench_de
         be, top = cost_model(c1, cd, cv, k)
         c1_deep, cv_deep = at_depth(m["split"][0], c1, scale), at_depth(m["split"][k], cv, scale)
         be_deep, top_deep = cost_model(c1_deep, cd, cv_deep, k)
-        print(f"breakeven family={family} batch={batch} K={k} c1_ms={1e3 * c1:.6f} draft_step_ms={1e3 * cd:.6f} "
-              f"verify_ms={1e3 * cv:.6f} verify_over_one={cv / c1:.4f} draft_over_one={cd / c1:.4f} "
-              f"break_even={be:.4f} max_speedup={top:.4f} depth={depth} break_even_at_depth={be_deep:.4f} "
+        print(f"breakeven family={family} batch={batch} K={k} c1_ms={1e3 * c1:.6f} "
+              f"draft_step_ms={1e3 * cd:.6f} "
+              f"verify_ms={1e3 * cv:.6f} verify_over_one={cv / c1:.4f} "
+              f"draft_over_one={cd / c1:.4f} "
+              f"break_even={be:.4f} max_speedup={top:.4f} depth={depth} "
+              f"break_even_at_depth={be_deep:.4f} "
               f"max_speedup_at_depth={top_deep:.4f} rollback_exact={int(m['rollback_exact'])}")
         out[k] = be
     return out
@@ -311,9 +330,10 @@ def suites(args, device: torch.device) -> None:
     c1, cd, cv = m["one"], m["draft_step"], m["verify"][K]
     for suite in args.suites.split(","):
         out = io.StringIO()
-        argv = ["--checkpoint", args.checkpoint, "--suite", suite, "--num-prompts", str(args.suite_prompts),
-                "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "1", "--num-steps", str(K),
-                "--device", str(device)]
+        argv = ["--checkpoint", args.checkpoint, "--suite", suite, "--num-prompts",
+                str(args.suite_prompts),
+                "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "1", "--num-steps",
+                str(K), "--device", str(device)]
         with contextlib.redirect_stdout(out):
             rc = eval_main(argv)
         if rc != 0:
@@ -336,17 +356,22 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=["tiny", "small", "real"], default="small")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--ks", default="1,2,3", help="draft lengths K whose verify forward is timed")
-    p.add_argument("--prompt-len", type=int, default=256, help="committed tokens per row before the timed forwards")
+    p.add_argument("--prompt-len", type=int, default=256,
+                   help="committed tokens per row before the timed forwards")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (1: stable on a shared CPU)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on CPU (1: stable on a shared CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--checkpoint", default="", help="with --suites: a trained run or step directory")
-    p.add_argument("--suites", default="", help="with --checkpoint: suites of `tandem eval --suite`")
+    p.add_argument("--checkpoint", default="",
+                   help="with --suites: a trained run or step directory")
+    p.add_argument("--suites", default="",
+                   help="with --checkpoint: suites of `tandem eval --suite`")
     p.add_argument("--suite-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--quick", action="store_true", help="tiny flavors, 32-token prompts, 3 repetitions (CI)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny flavors, 32-token prompts, 3 repetitions (CI)")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.prompt_len, args.reps, args.warmup = "tiny", 32, 3, 1
@@ -362,7 +387,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ks = [int(k) for k in args.ks.split(",")]
-    print(f"verify_cost: device={device} dtype={args.dtype} threads={torch.get_num_threads()} size={args.size} "
+    print(f"verify_cost: device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"size={args.size} "
           f"prompt_len={args.prompt_len} reps={args.reps} torch={torch.__version__}", flush=True)
     if args.checkpoint:
         suites(args, device)

@@ -1,24 +1,27 @@
-"""Prompt/response and chat records -> token ids with a per-token response flag (the loss mask's source).
+"""Prompt/response and chat records -> token ids with a per-token response flag (the loss mask's
+source).
 
 Records (one per JSONL line, parquet row or `datasets` row), first matching form wins:
   * `{"messages": [{"role", "content"}, ...]}`: rendered with the tokenizer's chat template (a local
-    Hugging Face tokenizer directory's `tokenizer_config.json` / `chat_template.jinja`); the loss is on
-    the assistant turns (their content and the template's end-of-turn text), nothing else.
-  * `{"prompt_ids", "response_ids"}` (what `tandem generate` writes beside the text): the token ids as
-    written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the response
-    (and on the EOD appended after it unless the record says `"finished": false`: cut off, not ended).
+    Hugging Face tokenizer directory's `tokenizer_config.json` / `chat_template.jinja`); the loss is
+    on the assistant turns (their content and the template's end-of-turn text), nothing else.
+  * `{"prompt_ids", "response_ids"}` (what `tandem generate` writes beside the text): the token ids
+    as written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the
+    response (and on the EOD appended after it unless the record says `"finished": false`: cut off,
+    not ended).
   * `{"prompt", "response"}`: with a chat template, one user turn and one assistant turn (as
     `messages`); without one, prompt and response are tokenised separately and joined (ids of the
     prompt, then ids of the response), so the boundary is exact and matches how `tandem generate`
     continues a prompt. The loss is on the response.
   * `{"text"}`: a plain document, every token counted (pretraining text mixed into the data).
-Each record then ends with the tokenizer's EOD (appended unless it already ends with it), whose flag is
-the last token's: a response's end is learnt, so generation stops.
+Each record then ends with the tokenizer's EOD (appended unless it already ends with it), whose flag
+is the last token's: a response's end is learnt, so generation stops.
 
-`encode_record` returns `(ids, response)`: int64 token ids and a uint8 flag per token, 1 where the token
-is a target that counts. The loss mask of a window is the flag of each *target* (token t+1); the data
-layer pairs it with record ordinals as `doc_ids`, so no target (any MTP depth) crosses into another
-record (models/mtp.py `depth_target_mask`). Bad records raise `ValueError("FILE:LINE: ...")`.
+`encode_record` returns `(ids, response)`: int64 token ids and a uint8 flag per token, 1 where the
+token is a target that counts. The loss mask of a window is the flag of each *target* (token t+1);
+the data layer pairs it with record ordinals as `doc_ids`, so no target (any MTP depth) crosses into
+another record (models/mtp.py `depth_target_mask`). Bad records raise `ValueError("FILE:LINE:
+...")`.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ from tandem.data_pipeline.tokenizer import TandemTokenizer
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _PARQUET_EXT = (".parquet",)
 LOSS_MASK_SUFFIX = "_loss_mask"
-"""`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the tokens."""
+"""`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the
+tokens."""
 FORMS = "{prompt, response}, {messages: [...]}, {prompt_ids, response_ids} or {text}"
 
 
 def expand_paths(paths: Sequence[str]) -> List[str]:
-    """Files, `datasets` directories and globs -> existing paths in order; FileNotFoundError names a miss."""
-    return preprocess.expand_paths(paths, "data file not found", "no chat data files given (data.paths)")
+    """Files, `datasets` directories and globs -> existing paths in order; FileNotFoundError names a
+    miss."""
+    return preprocess.expand_paths(paths, "data file not found",
+                                   "no chat data files given (data.paths)")
 
 
 def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
@@ -55,7 +61,8 @@ def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
         elif low.endswith(_JSON_EXT):
             yield from _jsonl_records(path)
         else:
-            raise ValueError(f"{path}: not a chat data file (.jsonl, .json, .parquet or a `datasets` directory)")
+            raise ValueError(f"{path}: not a chat data file (.jsonl, .json, .parquet or a "
+                             "`datasets` directory)")
 
 
 def _jsonl_records(path: str) -> Iterator[Tuple[str, object]]:
@@ -89,10 +96,13 @@ def _dataset_dir_records(path: str) -> Iterator[Tuple[str, object]]:
     try:
         ds = datasets.load_from_disk(path)
     except Exception as exc:  # datasets raises FileNotFoundError for a directory it did not write
-        raise ValueError(f"{path}: not a `datasets` directory ({str(exc).splitlines()[0]})") from None
+        raise ValueError(
+            f"{path}: not a `datasets` directory ({str(exc).splitlines()[0]})"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ValueError(f"{path}: a DatasetDict without a train split (splits: {', '.join(ds)})")
+            raise ValueError(f"{path}: a DatasetDict without a train split (splits: "
+                             f"{', '.join(ds)})")
         ds = ds["train"]
     for row, rec in enumerate(ds, 1):
         yield f"{path}:row {row}", rec
@@ -105,9 +115,11 @@ def record_form(where: str, rec) -> str:
     if rec.get("messages") is not None:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"),
+                                                   str) and isinstance(m.get("content"), str)
                 for m in msgs):
-            raise ValueError(f"{where}: messages must be a list of {{role, content}} objects with string values")
+            raise ValueError(f"{where}: messages must be a list of {{role, content}} objects with "
+                             "string values")
         if not any(m["role"] == "assistant" for m in msgs):
             raise ValueError(f"{where}: messages have no assistant turn (nothing to train on)")
         return "messages"
@@ -122,12 +134,14 @@ def record_form(where: str, rec) -> str:
         return "prompt"
     if isinstance(rec.get("text"), str):
         return "text"
-    raise ValueError(f"{where}: a record needs {FORMS}; found keys: {', '.join(map(str, rec)) or 'none'}")
+    raise ValueError(f"{where}: a record needs {FORMS}; found keys: "
+                     f"{', '.join(map(str, rec)) or 'none'}")
 
 
 def load_chat_template(tokenizer_path: str):
-    """The Hugging Face tokenizer that renders chat at a local tokenizer directory (None when the path
-    is a bare tokenizer.json or the directory's tokenizer has no chat template). Never downloads."""
+    """The Hugging Face tokenizer that renders chat at a local tokenizer directory (None when the
+    path is a bare tokenizer.json or the directory's tokenizer has no chat template). Never
+    downloads."""
     path = os.path.expanduser(str(tokenizer_path or ""))
     if not os.path.isdir(path):
         return None
@@ -149,32 +163,38 @@ class ChatEncoder:
         self._special_aware = None
         if template is not None:
             if tokenizer.backend is None:
-                raise ValueError(f"tokenizer {tokenizer.path}: chat data needs a fast tokenizer (tokenizer.json)")
+                raise ValueError(f"tokenizer {tokenizer.path}: chat data needs a fast tokenizer "
+                                 "(tokenizer.json)")
             from tokenizers import Tokenizer
 
-            # Rendered templates hold special tokens as text that must become their ids, unlike documents
-            # (TandemTokenizer encodes literal special-token strings as plain text).
+            # Rendered templates hold special tokens as text that must become their ids, unlike
+            # documents (TandemTokenizer encodes literal special-token strings as plain text).
             self._special_aware = Tokenizer.from_str(tokenizer.backend.to_str())
             self._special_aware.encode_special_tokens = False
 
     def check(self, where: str, form: str) -> None:
         """Raise before any tokenising when `form` needs a chat template this tokenizer lacks."""
         if form == "messages" and self.template is None:
-            raise ValueError(f"{where}: messages need a chat template, and tokenizer {self.tokenizer.path} has none "
-                             "(use a Hugging Face tokenizer directory whose tokenizer_config.json has chat_template)")
+            raise ValueError(f"{where}: messages need a chat template, and tokenizer "
+                             f"{self.tokenizer.path} has none "
+                             "(use a Hugging Face tokenizer directory whose tokenizer_config.json "
+                             "has chat_template)")
 
     def encode(self, where: str, rec: dict, form: str) -> Tuple[np.ndarray, np.ndarray]:
         """(ids int64, response flags uint8) of one record, EOD-terminated."""
         if form == "messages" or (form == "prompt" and self.template is not None):
-            msgs = rec["messages"] if form == "messages" else [{"role": "user", "content": rec["prompt"]},
-                                                               {"role": "assistant", "content": rec["response"]}]
+            msgs = rec["messages"] if form == "messages" else [{"role": "user",
+                                                                "content": rec["prompt"]},
+                                                               {"role": "assistant",
+                                                                "content": rec["response"]}]
             ids, flags = self._render(where, msgs)
         elif form == "ids":
             ids = list(rec["prompt_ids"]) + list(rec["response_ids"])
             flags = [0] * len(rec["prompt_ids"]) + [1] * len(rec["response_ids"])
             bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
             if bad:
-                raise ValueError(f"{where}: token id {bad[0]} is outside tokenizer {self.tokenizer.path}'s "
+                raise ValueError(f"{where}: token id {bad[0]} is outside tokenizer "
+                                 f"{self.tokenizer.path}'s "
                                  f"vocabulary of {self.tokenizer.vocab_size}")
         elif form == "prompt":
             prompt, response = self.tokenizer.encode_batch([rec["prompt"], rec["response"]])
@@ -190,9 +210,9 @@ class ChatEncoder:
         return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)
 
     def _render(self, where: str, msgs: List[dict]) -> Tuple[List[int], List[int]]:
-        """Render with the template; each assistant turn's span is the text that rendering the turn adds
-        after the conversation before it with the generation prompt (so the header is not learnt).
-        Tokens whose first character lies in a span are response tokens."""
+        """Render with the template; each assistant turn's span is the text that rendering the turn
+        adds after the conversation before it with the generation prompt (so the header is not
+        learnt). Tokens whose first character lies in a span are response tokens."""
         try:
             full = self._text(msgs, False)
             spans, cursor = [], 0
@@ -201,31 +221,35 @@ class ChatEncoder:
                     continue
                 before = self._text(msgs[:i], True) if i else ""
                 upto = self._text(msgs[: i + 1], False)
-                span = ((len(before), len(upto)) if full.startswith(upto) and upto.startswith(before)
+                span = ((len(before),
+                         len(upto)) if full.startswith(upto) and upto.startswith(before)
                         else _turn_in(full, cursor, m["content"], upto))
                 if span is None:
-                    raise ValueError(f"{where}: cannot find assistant turn {i + 1} in the conversation the chat "
+                    raise ValueError(f"{where}: cannot find assistant turn {i + 1} in the "
+                                     "conversation the chat "
                                      f"template of {self.tokenizer.path} renders")
                 spans.append(span)
                 cursor = span[1]
         except ValueError:
             raise
         except Exception as exc:  # jinja's TemplateError, raise_exception() of the template itself
-            raise ValueError(f"{where}: the chat template failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+            raise ValueError(f"{where}: the chat template failed: "
+                             f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
                              ) from None
         enc = self._special_aware.encode(full, add_special_tokens=False)
         flags = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
         return list(enc.ids), flags
 
     def _text(self, msgs: List[dict], generation_prompt: bool) -> str:
-        return self.template.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.template.apply_chat_template(msgs, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
 
 
 def _turn_in(full: str, cursor: int, content: str, upto: str) -> Optional[Tuple[int, int]]:
-    """An assistant turn's span in `full` when the template renders it otherwise as the last turn than
-    as an earlier one (Qwen3 drops the reasoning block of earlier turns, so the conversation before a
-    turn is no prefix of the whole): the turn's content, searched from `cursor`, plus the end-of-turn
-    text that follows it when it is last (`upto`'s tail after the content)."""
+    """An assistant turn's span in `full` when the template renders it otherwise as the last turn
+    than as an earlier one (Qwen3 drops the reasoning block of earlier turns, so the conversation
+    before a turn is no prefix of the whole): the turn's content, searched from `cursor`, plus the
+    end-of-turn text that follows it when it is last (`upto`'s tail after the content)."""
     pos = full.find(content, cursor) if content else -1
     if pos < 0:
         return None
@@ -235,8 +259,8 @@ def _turn_in(full: str, cursor: int, content: str, upto: str) -> Optional[Tuple[
 
 
 def check_files(paths: Sequence[str], encoder: ChatEncoder) -> int:
-    """Read and check every record of `paths` (form, template) without tokenising: a bad line fails in one
-    line before any expensive work. Returns the number of records."""
+    """Read and check every record of `paths` (form, template) without tokenising: a bad line fails
+    in one line before any expensive work. Returns the number of records."""
     count = 0
     for where, rec in iter_records(paths):
         encoder.check(where, record_form(where, rec))
@@ -246,12 +270,14 @@ def check_files(paths: Sequence[str], encoder: ChatEncoder) -> int:
     return count
 
 
-def iter_encoded(paths: Sequence[str], encoder: ChatEncoder) -> Iterator[Tuple[str, np.ndarray, np.ndarray]]:
+def iter_encoded(paths: Sequence[str],
+                 encoder: ChatEncoder) -> Iterator[Tuple[str, np.ndarray, np.ndarray]]:
     """`(where, ids, flags)` of every record of `paths`, in order (run `check_files` first)."""
     for where, rec in iter_records(paths):
         yield (where, *encoder.encode(where, rec, record_form(where, rec)))
 
 
 def chat_encoder(tokenizer: TandemTokenizer, tokenizer_path: Optional[str]) -> ChatEncoder:
-    """A `ChatEncoder` for `tokenizer`, with the chat template of the directory it came from if any."""
+    """A `ChatEncoder` for `tokenizer`, with the chat template of the directory it came from if
+    any."""
     return ChatEncoder(tokenizer, load_chat_template(tokenizer_path or tokenizer.path))

@@ -1,18 +1,18 @@
-"""`data.source=jsonl`: prompt/response and chat records tokenised in the loop, packed or padded into
-windows of `data.seq_len + 1` tokens with the loss on responses only (data_pipeline/chat.py).
+"""`data.source=jsonl`: prompt/response and chat records tokenised in the loop, packed or padded
+into windows of `data.seq_len + 1` tokens with the loss on responses only (data_pipeline/chat.py).
 
-* `data.packing=pack`: records (each ending in EOD) back to back; window i is tokens
-  [i*seq_len, i*seq_len + seq_len + 1) of the stream (Megatron's one-token overlap), the last one padded.
-* `data.packing=pad`: one record per window, padded; a record longer than the window is refused, naming
-  its file and line, before any window is built.
-Every sample carries `doc_ids` (the record ordinal of each token, counted from the window's first record,
-padding one more), so `get_batch` passes record boundaries to the model as they are, and no target of
-any MTP depth crosses from one record into the next; padding is EOD with loss mask 0.
+* `data.packing=pack`: records (each ending in EOD) back to back; window i is tokens [i*seq_len,
+  i*seq_len + seq_len + 1) of the stream (Megatron's one-token overlap), the last one padded.
+* `data.packing=pad`: one record per window, padded; a record longer than the window is refused,
+  naming its file and line, before any window is built.
+Every sample carries `doc_ids` (the record ordinal of each token, counted from the window's first
+record, padding one more), so `get_batch` passes record boundaries to the model as they are, and no
+target of any MTP depth crosses from one record into the next; padding is EOD with loss mask 0.
 
-Records are shuffled once with `train.seed` (train and validation are drawn from the shuffled records
-when `data.valid_paths` is empty, by `data.split`); sample i of a run past the end wraps around
-(`get_batch` takes indices modulo the length). For corpora too large to tokenise at start-up, write a
-Megatron dataset with `tandem preprocess --chat` and train with `data.source=megatron`.
+Records are shuffled once with `train.seed` (train and validation are drawn from the shuffled
+records when `data.valid_paths` is empty, by `data.split`); sample i of a run past the end wraps
+around (`get_batch` takes indices modulo the length). For corpora too large to tokenise at start-up,
+write a Megatron dataset with `tandem preprocess --chat` and train with `data.source=megatron`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def check_fit(records: Sequence[Encoded], seq_len: int) -> None:
     """Padding: raise ValueError naming the first record (in file order) longer than a window."""
     for where, ids, _ in records:
         if len(ids) > seq_len + 1:
-            raise ValueError(f"{where}: a record of {len(ids)} tokens (with its EOD) is longer than "
-                             f"data.seq_len={seq_len} + 1; use data.packing=pack or a larger data.seq_len")
+            raise ValueError(f"{where}: a record of {len(ids)} tokens (with its EOD) is longer "
+                             "than "
+                             f"data.seq_len={seq_len} + 1; use data.packing=pack or a larger "
+                             "data.seq_len")
 
 
 class ChatWindows:
@@ -56,7 +58,8 @@ class ChatWindows:
         n = len(records)
         tokens = np.full((n, width), self.eod_id, dtype=np.int64)
         flags = np.zeros((n, width), dtype=np.uint8)
-        docs = np.ones((n, width), dtype=np.int64)  # padding: a document of its own after the record
+        # padding: a document of its own after the record
+        docs = np.ones((n, width), dtype=np.int64)
         for row, (_, ids, resp) in enumerate(records):
             tokens[row, : len(ids)], flags[row, : len(ids)], docs[row, : len(ids)] = ids, resp, 0
         return tokens, flags, docs
@@ -83,14 +86,16 @@ class ChatWindows:
         return {
             "tokens": window[:-1],
             "labels": window[1:],
-            # the flag of each target (token t+1): prompts, padding and other records' text never count
+            # the flag of each target (token t+1): prompts, padding and other records' text never
+            # count
             "loss_mask": torch.from_numpy(self.flags[i][1:].astype(np.float32)),
             "position_ids": torch.arange(self.seq_len),
             "doc_ids": torch.from_numpy(self.docs[i]),
         }
 
 
-def split_records(records: List[Encoded], split: str, seed: int) -> Tuple[List[Encoded], List[Encoded]]:
+def split_records(records: List[Encoded], split: str, seed: int) -> Tuple[List[Encoded],
+                                                                          List[Encoded]]:
     """(train, validation) records: shuffled with `seed`, validation the `split` share (Megatron's
     "train,valid,test" weights; the test share is left unused)."""
     weights = ([float(w) for w in str(split).replace("/", ",").split(",")] + [0.0, 0.0])[:3]
@@ -101,12 +106,14 @@ def split_records(records: List[Encoded], split: str, seed: int) -> Tuple[List[E
     return shuffled[:n_train], shuffled[n_train: n_train + n_valid]
 
 
-def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows, Optional[ChatWindows],
+def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows,
+                                                                    Optional[ChatWindows],
                                                                       TandemTokenizer]:
     """`(train_ds, valid_ds or None, tokenizer)` of `data.source=jsonl`: `data_cfg.paths` (and
     `valid_paths`) read, every record checked, then tokenised (see the module docstring)."""
     if not data_cfg.tokenizer:
-        raise ValueError("data.source=jsonl needs data.tokenizer (or model.init_from with a tokenizer)")
+        raise ValueError("data.source=jsonl needs data.tokenizer (or model.init_from with a "
+                         "tokenizer)")
     tokenizer = load_tokenizer(data_cfg.tokenizer)
     encoder = chat_encoder(tokenizer, data_cfg.tokenizer)
     for paths in (data_cfg.paths, data_cfg.valid_paths):
@@ -115,13 +122,15 @@ def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows,
     records = list(iter_encoded(data_cfg.paths, encoder))
     valid = list(iter_encoded(data_cfg.valid_paths, encoder)) if data_cfg.valid_paths else []
     if data_cfg.packing == "pad":
-        check_fit(records + valid, seq_len)  # before shuffling: the first too-long line of the files
+        # before shuffling: the first too-long line of the files
+        check_fit(records + valid, seq_len)
     if data_cfg.valid_paths:
         order = np.random.default_rng(int(seed)).permutation(len(records))
         train = [records[i] for i in order]
     else:
         train, valid = split_records(records, data_cfg.split, seed)
     if not train:
-        raise ValueError(f"the training split of {', '.join(data_cfg.paths)} is empty (split={data_cfg.split!r})")
+        raise ValueError(f"the training split of {', '.join(data_cfg.paths)} is empty "
+                         f"(split={data_cfg.split!r})")
     make = lambda recs: ChatWindows(recs, seq_len, data_cfg.packing, tokenizer.eod_id)  # noqa: E731
     return make(train), (make(valid) if valid else None), tokenizer

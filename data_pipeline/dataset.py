@@ -1,16 +1,16 @@
-"""Training and validation datasets: megatron-core `GPTDataset`s built by `BlendedMegatronDatasetBuilder`,
-plus the batch sampler.
+"""Training and validation datasets: megatron-core `GPTDataset`s built by
+`BlendedMegatronDatasetBuilder`, plus the batch sampler.
 
-`build_datasets(data_cfg, seq_len, seed, num_train_samples, num_valid_samples)` returns
-`(train_ds, valid_ds, tokenizer)`. Sample `i` of a dataset is a fixed window of `seq_len + 1` tokens
-(Megatron's document/sample/shuffle indices, seeded by `seed`, cached as .npy files under `cache_path`).
-`get_batch(ds, batch_indices(first_sample, micro_step, ...))` turns indices into tensors; a run's place
-in the sample stream is its consumed-sample count (`DataPosition`, kept in checkpoints), so a resume
-needs no loader state and continues at the next unconsumed sample under any global batch.
+`build_datasets(data_cfg, seq_len, seed, num_train_samples, num_valid_samples)` returns `(train_ds,
+valid_ds, tokenizer)`. Sample `i` of a dataset is a fixed window of `seq_len + 1` tokens (Megatron's
+document/sample/shuffle indices, seeded by `seed`, cached as .npy files under `cache_path`).
+`get_batch(ds, batch_indices(first_sample, micro_step, ...))` turns indices into tensors; a run's
+place in the sample stream is its consumed-sample count (`DataPosition`, kept in checkpoints), so a
+resume needs no loader state and continues at the next unconsumed sample under any global batch.
 
-Under torchrun every rank calls `build_datasets`; megatron-core builds the sample-index cache on global
-rank 0 first, then a barrier, then the other ranks load it (so the cache directory must be shared by
-all nodes). Without a process group everything runs in-process.
+Under torchrun every rank calls `build_datasets`; megatron-core builds the sample-index cache on
+global rank 0 first, then a barrier, then the other ranks load it (so the cache directory must be
+shared by all nodes). Without a process group everything runs in-process.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Checks that fail fast with one-line messages
 
 
@@ -41,7 +41,8 @@ def check_vocab(tokenizer: TandemTokenizer, model_vocab_size: int) -> None:
     if tokenizer.vocab_size > int(model_vocab_size):
         raise ValueError(
             f"tokenizer {tokenizer.path} has vocab_size={tokenizer.vocab_size}, larger than "
-            f"model.vocab_size={model_vocab_size}; raise model.vocab_size or use a smaller tokenizer"
+            f"model.vocab_size={model_vocab_size}; raise model.vocab_size or use a smaller "
+            "tokenizer"
         )
 
 
@@ -55,67 +56,80 @@ def normalize_prefix(path: str) -> str:
 
 
 def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int]:
-    """Validate an indexed dataset without loading it; return {sequences, documents, tokens, itemsize}.
+    """Validate an indexed dataset without loading it; return {sequences, documents, tokens,
+    itemsize}.
 
     FileNotFoundError names a missing .bin/.idx; ValueError names a truncated/corrupt .idx or .bin
-    (the .bin size must equal what the .idx describes), an .idx of another version or token dtype, or a
-    token dtype too narrow for `vocab_size`.
+    (the .bin size must equal what the .idx describes), an .idx of another version or token dtype,
+    or a token dtype too narrow for `vocab_size`.
     """
     prefix = normalize_prefix(prefix)
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     missing = [p for p in (bin_path, idx_path) if not os.path.isfile(p)]
     if missing:
-        raise FileNotFoundError(f"dataset {prefix}: missing {' and '.join(missing)} (run `tandem preprocess` to create "
+        raise FileNotFoundError(f"dataset {prefix}: missing {' and '.join(missing)} (run `tandem "
+                                "preprocess` to create "
                                 "it)")
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         head = f.read(34)
         if len(head) < 34 or head[:9] != _IDX_MAGIC:
-            raise ValueError(f"{idx_path} is not a Megatron indexed-dataset index (bad or truncated header)")
+            raise ValueError(f"{idx_path} is not a Megatron indexed-dataset index (bad or "
+                             "truncated header)")
         (version,) = struct.unpack("<Q", head[9:17])
         if version != 1:
-            raise ValueError(f"{idx_path} has index version {version}; only version 1 (megatron-core MMIDIDX) is "
+            raise ValueError(f"{idx_path} has index version {version}; only version 1 "
+                             "(megatron-core MMIDIDX) is "
                              "supported")
         code = head[17]
         if code not in _IDX_DTYPES:
-            raise ValueError(f"{idx_path} stores tokens with dtype code {code}, not an integer type (1-5, 8)")
+            raise ValueError(f"{idx_path} stores tokens with dtype code {code}, not an integer "
+                             "type (1-5, 8)")
         n_seq, n_doc = struct.unpack("<QQ", head[18:34])
         need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         if idx_size < need:
-            raise ValueError(f"{idx_path} is truncated: {idx_size} bytes, its header describes {need}")
+            raise ValueError(f"{idx_path} is truncated: {idx_size} bytes, its header describes "
+                             f"{need}")
         lengths = np.fromfile(f, dtype=np.int32, count=n_seq)
         f.seek(34 + n_seq * 12)
         doc_idx = np.fromfile(f, dtype=np.int64, count=n_doc)
     if n_doc < 1 or doc_idx[0] != 0 or doc_idx[-1] != n_seq:
-        raise ValueError(f"{idx_path} is corrupt: its document index does not cover its {n_seq} sequences")
+        raise ValueError(f"{idx_path} is corrupt: its document index does not cover its {n_seq} "
+                         "sequences")
     dtype = np.dtype(_IDX_DTYPES[code])
     tokens = int(lengths.sum(dtype=np.int64))
     expect = tokens * dtype.itemsize
     actual = os.path.getsize(bin_path)
     if actual != expect:
         raise ValueError(
-            f"{bin_path} is truncated or corrupt: {actual} bytes, but {idx_path} describes {tokens} {dtype.name} "
+            f"{bin_path} is truncated or corrupt: {actual} bytes, but {idx_path} describes "
+            f"{tokens} {dtype.name} "
             f"tokens = {expect} bytes; re-run `tandem preprocess`"
         )
     if vocab_size is not None and int(vocab_size) - 1 > np.iinfo(dtype).max:
-        raise ValueError(f"{idx_path} stores {dtype.name} tokens, too narrow for a vocabulary of {vocab_size}")
-    return {"sequences": int(n_seq), "documents": int(n_doc - 1), "tokens": tokens, "itemsize": dtype.itemsize}
+        raise ValueError(f"{idx_path} stores {dtype.name} tokens, too narrow for a vocabulary of "
+                         f"{vocab_size}")
+    return {"sequences": int(n_seq), "documents": int(n_doc - 1), "tokens": tokens,
+            "itemsize": dtype.itemsize}
 
 
 
 def check_loss_mask_channel(prefix: str) -> None:
-    """Raise ValueError when `prefix`'s loss-mask channel does not describe its tokens' documents."""
+    """Raise ValueError when `prefix`'s loss-mask channel does not describe its tokens'
+    documents."""
     tokens, flags = check_prefix(prefix), check_prefix(prefix + LOSS_MASK_SUFFIX)
     if (tokens["sequences"], tokens["tokens"]) != (flags["sequences"], flags["tokens"]):
-        raise ValueError(f"{prefix}{LOSS_MASK_SUFFIX}.idx describes {flags['sequences']} documents of "
-                         f"{flags['tokens']} tokens, but {prefix}.idx {tokens['sequences']} of {tokens['tokens']}; "
+        raise ValueError(f"{prefix}{LOSS_MASK_SUFFIX}.idx describes {flags['sequences']} documents "
+                         "of "
+                         f"{flags['tokens']} tokens, but {prefix}.idx {tokens['sequences']} of "
+                         f"{tokens['tokens']}; "
                          "re-run `tandem preprocess --chat`")
 
 def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
     """Megatron blend syntax -> (prefixes, weights or None).
 
-    `["/p/a", "/p/b"]` (weights from dataset sizes) or `["0.7", "/p/a", "0.3", "/p/b"]`; an element may
-    also hold several whitespace-separated items (`"0.7 /p/a 0.3 /p/b"`).
+    `["/p/a", "/p/b"]` (weights from dataset sizes) or `["0.7", "/p/a", "0.3", "/p/b"]`; an element
+    may also hold several whitespace-separated items (`"0.7 /p/a 0.3 /p/b"`).
     """
     items = [tok for p in paths for tok in str(p).split()]
     if not items:
@@ -128,13 +142,15 @@ def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]
         except ValueError:
             return False
 
-    if len(items) % 2 == 0 and all(is_number(w) for w in items[0::2]) and not any(is_number(p) for p in items[1::2]):
+    if len(items) % 2 == 0 and all(is_number(w) for w in items[0::2]) and not any(is_number(p) for p
+                                                                                  in items[1::2]):
         weights = [float(w) for w in items[0::2]]
         if any(w <= 0 for w in weights):
             raise ValueError(f"blend weights must be positive: {' '.join(items)}")
         return [normalize_prefix(p) for p in items[1::2]], weights
     if any(is_number(p) for p in items):
-        raise ValueError(f"cannot parse dataset blend {' '.join(items)!r}: use prefixes or weight/prefix pairs")
+        raise ValueError(f"cannot parse dataset blend {' '.join(items)!r}: use prefixes or "
+                         "weight/prefix pairs")
     return [normalize_prefix(p) for p in items], None
 
 
@@ -148,13 +164,15 @@ def _tokenizer_for(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
         source = meta.get("tokenizer_source") if meta else None
         if source and os.path.exists(source):
             return load_tokenizer(source, eod_token=eod_token)
-        raise FileNotFoundError(f"no tokenizer for dataset {prefixes[0]}: {beside} not found; set data.tokenizer")
+        raise FileNotFoundError(f"no tokenizer for dataset {prefixes[0]}: {beside} not found; set "
+                                "data.tokenizer")
     return load_tokenizer(beside, eod_token=eod_token)
 
 
 def _check_made_with(prefix: str, tokenizer: TandemTokenizer) -> None:
     meta = read_meta(prefix)
-    if meta and (meta.get("eod_id") != tokenizer.eod_id or meta.get("vocab_size") != tokenizer.vocab_size):
+    if meta and (meta.get("eod_id") != tokenizer.eod_id
+                 or meta.get("vocab_size") != tokenizer.vocab_size):
         raise ValueError(
             f"dataset {prefix} was made with a tokenizer of vocab_size={meta.get('vocab_size')}, "
             f"eod={meta.get('eod_id')}, "
@@ -162,14 +180,14 @@ def _check_made_with(prefix: str, tokenizer: TandemTokenizer) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Building
 
 
 @contextlib.contextmanager
 def _single_process_group_if_needed(needed: bool):
-    """megatron-core's BlendedDataset calls torch.distributed.get_rank() even in one process; give it a
-    throw-away world of one (gloo, in-memory store) when no process group exists."""
+    """megatron-core's BlendedDataset calls torch.distributed.get_rank() even in one process; give
+    it a throw-away world of one (gloo, in-memory store) when no process group exists."""
     import torch.distributed as dist
 
     if not needed or not dist.is_available() or dist.is_initialized():
@@ -185,8 +203,8 @@ def _single_process_group_if_needed(needed: bool):
 @contextlib.contextmanager
 def _index_build_lock(cache_path: str):
     """megatron-core writes its .npy sample indices in place; serialise builders of *different* jobs
-    sharing `cache_path` with an fcntl lock. Only global rank 0 (or a lone process) takes it: the other
-    ranks of a job wait for rank 0 at megatron's own barrier."""
+    sharing `cache_path` with an fcntl lock. Only global rank 0 (or a lone process) takes it: the
+    other ranks of a job wait for rank 0 at megatron's own barrier."""
     import fcntl
 
     import torch.distributed as dist
@@ -215,10 +233,11 @@ def build_datasets(
 ):
     """Build `(train_ds, valid_ds, tokenizer)` for `data_cfg` (a `DataConfig`).
 
-    `source=stdlib` prepares/caches the embedded corpus (`prepare_stdlib_corpus`), tokenized with its own
-    byte-level BPE, or with `data.tokenizer` when set (a fine-tuned checkpoint's tokenizer). `source=megatron` reads the
-    blend `data_cfg.paths`, split by `data_cfg.split`, or uses `data_cfg.valid_paths` as a separate validation blend;
-    the tokenizer is `data_cfg.tokenizer` or the `<prefix>.tokenizer.json` beside the first prefix.
+    `source=stdlib` prepares/caches the embedded corpus (`prepare_stdlib_corpus`), tokenized with
+    its own byte-level BPE, or with `data.tokenizer` when set (a fine-tuned checkpoint's tokenizer).
+    `source=megatron` reads the blend `data_cfg.paths`, split by `data_cfg.split`, or uses
+    `data_cfg.valid_paths` as a separate validation blend; the tokenizer is `data_cfg.tokenizer` or
+    the `<prefix>.tokenizer.json` beside the first prefix.
 
     Each dataset holds at least the requested number of samples (Megatron repeats epochs as needed);
     `valid_ds` is None when the split gives validation no data. Sample indices are cached under
@@ -227,7 +246,8 @@ def build_datasets(
     Returns megatron-core datasets whose items are dicts of `tokens`, `labels`, `loss_mask`,
     `position_ids` ([seq_len] each); use `get_batch` to collate.
     """
-    if data_cfg.source == "jsonl":  # records tokenised here, packed or padded (data_pipeline/chat_dataset.py)
+    # records tokenised here, packed or padded (data_pipeline/chat_dataset.py)
+    if data_cfg.source == "jsonl":
         from tandem.data_pipeline.chat_dataset import build_chat_datasets
 
         train_ds, valid_ds, tokenizer = build_chat_datasets(data_cfg, seq_len, seed)
@@ -248,15 +268,19 @@ def build_datasets(
     from tandem.data_pipeline import megatron_compat as mc
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
-    config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed, cache_path)
+    config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
+                                 cache_path)
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
     # a loss-mask channel (`tandem preprocess --chat`) is read alongside the tokens
-    cls = mc.LossMaskGPTDataset if any(mc.has_loss_mask_channel(p) for p in all_prefixes) else mc.GPTDataset
+    cls = mc.LossMaskGPTDataset if any(mc.has_loss_mask_channel(p)
+                                       for p in all_prefixes) else mc.GPTDataset
     with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
-        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True,
+                                                                 config).build()
     if train_ds is None or len(train_ds) == 0:
-        raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty (split={data_cfg.split!r})")
+        raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty "
+                         f"(split={data_cfg.split!r})")
     if valid_ds is not None and len(valid_ds) == 0:
         valid_ds = None
     return train_ds, valid_ds, tokenizer
@@ -282,15 +306,16 @@ def _blends_and_tokenizer(data_cfg) -> Tuple[_Blend, Optional[_Blend], TandemTok
         for p in train_blend[0] + (valid_blend[0] if valid_blend else []):
             check_prefix(p)  # missing files before loading any tokenizer
         tokenizer = _tokenizer_for(train_blend[0], data_cfg.tokenizer)
-        default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), "indices")
+        default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)),
+                                     "indices")
         return train_blend, valid_blend, tokenizer, default_cache
     raise ValueError(f"data.source={data_cfg.source!r} must be stdlib, megatron or jsonl")
 
 
-def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Blend], tokenizer: TandemTokenizer,
-                        seq_len: int, seed: int, cache_path: str):
-    """megatron-core's GPTDatasetConfig: a blend per split with a validation blend, else `data_cfg.split`
-    of the training blend."""
+def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Blend],
+                        tokenizer: TandemTokenizer, seq_len: int, seed: int, cache_path: str):
+    """megatron-core's GPTDatasetConfig: a blend per split with a validation blend, else
+    `data_cfg.split` of the training blend."""
     from tandem.data_pipeline import megatron_compat as mc
 
     common = dict(
@@ -321,14 +346,14 @@ def _split_sizes(train_blend: _Blend, valid_blend: Optional[_Blend], num_train_s
     return [num_train_samples, num_valid_samples, 0 if weighted else None]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sampling
 
 
-def batch_indices(first_sample: int, micro_step: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
-                  micro_batch_size: int) -> List[int]:
-    """Global sample indices of one micro-batch on one data-parallel rank, in the optimizer step whose
-    first sample is `first_sample` (`DataPosition.next_sample()`).
+def batch_indices(first_sample: int, micro_step: int, grad_accum_steps: int, dp_rank: int,
+                  dp_size: int, micro_batch_size: int) -> List[int]:
+    """Global sample indices of one micro-batch on one data-parallel rank, in the optimizer step
+    whose first sample is `first_sample` (`DataPosition.next_sample()`).
 
     With G = micro_batch_size * grad_accum_steps * dp_size, the step consumes samples
     [first_sample, first_sample + G), ordered micro-step-major, then dp rank, then sample:
@@ -342,8 +367,10 @@ def batch_indices(first_sample: int, micro_step: int, grad_accum_steps: int, dp_
     if not (0 <= micro_step < grad_accum_steps and 0 <= dp_rank < dp_size and micro_batch_size > 0
             and first_sample >= 0):
         raise ValueError(
-            f"batch_indices: need 0 <= micro_step ({micro_step}) < grad_accum_steps ({grad_accum_steps}), "
-            f"0 <= dp_rank ({dp_rank}) < dp_size ({dp_size}), micro_batch_size ({micro_batch_size}) > 0, "
+            f"batch_indices: need 0 <= micro_step ({micro_step}) < grad_accum_steps "
+            f"({grad_accum_steps}), "
+            f"0 <= dp_rank ({dp_rank}) < dp_size ({dp_size}), micro_batch_size "
+            f"({micro_batch_size}) > 0, "
             f"first_sample ({first_sample}) >= 0"
         )
     start = first_sample + (micro_step * dp_size + dp_rank) * micro_batch_size
@@ -355,16 +382,17 @@ class DataPosition:
     checkpoint's trainer_state.json.
 
     * `consumed_samples`, `consumed_tokens`: what the run's optimizer steps have drawn (a step whose
-      update the `skip` policy dropped counts: its batch was drawn), summed step by step, so they stay
-      right across resumes under another global batch.
+      update the `skip` policy dropped counts: its batch was drawn), summed step by step, so they
+      stay right across resumes under another global batch.
     * `skipped`: [start, end) sample ranges passed over by the `rewind` policy (a bad step's batch).
-    * `next_sample()`: the first sample of the next step: `consumed_samples` plus every skipped range at
-      or before it. A resume continues from exactly there whatever its global batch (another layout,
-      micro-batch size or accumulation); `step x global batch` would skip or repeat samples.
+    * `next_sample()`: the first sample of the next step: `consumed_samples` plus every skipped
+      range at or before it. A resume continues from exactly there whatever its global batch
+      (another layout, micro-batch size or accumulation); `step x global batch` would skip or repeat
+      samples.
     * `schedule_batch`: the global batch of the run's first step, kept across resumes. The LR
       schedule's step counts are measured in it and the LR follows `schedule_step()` = consumed
-      samples / schedule_batch, so it stays in step with the tokens seen when the global batch changes
-      (it equals the step number while the global batch does not).
+      samples / schedule_batch, so it stays in step with the tokens seen when the global batch
+      changes (it equals the step number while the global batch does not).
     """
 
     def __init__(self, global_batch: int, seq_len: int):
@@ -400,8 +428,8 @@ class DataPosition:
         return self.consumed_samples / self.schedule_batch
 
     def resume_note(self, saved: dict) -> str:
-        """What a resume from trainer state `saved` changes about the data, for its start-up line: empty
-        under the same global batch."""
+        """What a resume from trainer state `saved` changes about the data, for its start-up line:
+        empty under the same global batch."""
         old = int(saved.get("global_batch", self.schedule_batch))
         if old == self.global_batch:
             return ""
@@ -415,18 +443,25 @@ class DataPosition:
                 "skipped_samples": [list(r) for r in self.skipped]}
 
     def load_state(self, state: dict) -> None:
-        """Restore from a checkpoint's trainer state. One written before consumed samples were kept holds
-        its step count, `tokens_seen` (step x global batch x seq_len) and skipped batch numbers: converted
-        at the global batch it ran with."""
+        """Restore from a checkpoint's trainer state. One written before consumed samples were kept
+        holds its step count, `tokens_seen` (step x global batch x seq_len) and skipped batch
+        numbers: converted at the global batch it ran with."""
         if "consumed_samples" in state:
-            self.consumed_samples, self.consumed_tokens = int(state["consumed_samples"]), int(state["consumed_tokens"])
+            self.consumed_samples, self.consumed_tokens = (
+                int(state["consumed_samples"]),
+                int(state["consumed_tokens"]),
+            )
             self.schedule_batch = int(state["schedule_global_batch"])
             self.skipped = []
             self.skip(state["skipped_samples"])
             return
         step, tokens = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
         batch = tokens // (step * self.seq_len) if step and tokens else self.global_batch
-        self.consumed_samples, self.consumed_tokens, self.schedule_batch = step * batch, tokens, batch
+        self.consumed_samples, self.consumed_tokens, self.schedule_batch = (
+            step * batch,
+            tokens,
+            batch,
+        )
         self.skipped = []
         self.skip((b * batch, (b + 1) * batch) for b in state.get("skipped_batches", []))
 
@@ -435,19 +470,27 @@ def _eod_of(dataset) -> int:
     config = getattr(dataset, "config", None)
     tok = getattr(config, "tokenizer", None)
     if tok is None:
-        raise ValueError("get_batch: pass eod_id= for a dataset without a megatron config tokenizer")
+        raise ValueError(
+            "get_batch: pass eod_id= for a dataset without a megatron config tokenizer"
+        )
     return int(tok.eod)
 
 
-def get_batch(dataset, sample_indices: Sequence[int], eod_id: Optional[int] = None) -> Dict[str, torch.Tensor]:
+def get_batch(dataset, sample_indices: Sequence[int],
+              eod_id: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Collate samples `sample_indices` (taken modulo len(dataset)) into CPU tensors.
 
-    * `tokens`    LongTensor [B, seq_len+1]: the full window (inputs are tokens[:, :-1], targets tokens[:, 1:])
-    * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts. Megatron semantics:
-      0 for padding, and with `eod_mask_loss` 0 where the *input* token tokens[:, t] is EOD.
-    * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in the
-      window; positions i, j belong to the same document iff doc_ids are equal. Samples that carry their
-      own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD counts) keep them.
+    * `tokens`    LongTensor [B, seq_len+1]: the full window
+                  (inputs are tokens[:, :-1], targets tokens[:, 1:])
+    * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts. Megatron
+      semantics: 0 for padding, and with `eod_mask_loss` 0 where the *input* token tokens[:, t] is
+      EOD.
+    * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in
+                  the
+      window; positions i, j belong to the same document iff doc_ids are equal. Samples that carry
+          their
+      own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD counts) keep
+          them.
 
     A pure function of the indices: no loader state.
     """
@@ -463,10 +506,11 @@ def get_batch(dataset, sample_indices: Sequence[int], eod_id: Optional[int] = No
             "doc_ids": doc_ids}
 
 
-def follow_checkpoint_tokenizer(data_cfg, checkpoint: str, checkpoint_tok: Optional[str]) -> Optional[str]:
-    """Tokenizer follows the checkpoint being fine-tuned: with no tokenizer of its own (`data.tokenizer`
-    empty; for `source=megatron` the one beside the dataset counts) the run takes `checkpoint_tok`;
-    one that differs from it (content fingerprint) is refused, naming both, unless
+def follow_checkpoint_tokenizer(data_cfg, checkpoint: str,
+                                checkpoint_tok: Optional[str]) -> Optional[str]:
+    """Tokenizer follows the checkpoint being fine-tuned: with no tokenizer of its own
+    (`data.tokenizer` empty; for `source=megatron` the one beside the dataset counts) the run takes
+    `checkpoint_tok`; one that differs from it (content fingerprint) is refused, naming both, unless
     `data.force_tokenizer`. Returns the tokenizer now in `data.tokenizer` when it was adopted."""
     from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
 
@@ -475,7 +519,11 @@ def follow_checkpoint_tokenizer(data_cfg, checkpoint: str, checkpoint_tok: Optio
     chosen, key = data_cfg.tokenizer, "data.tokenizer"
     if not chosen and data_cfg.source == "megatron" and data_cfg.paths:
         beside = output_paths(parse_blend(data_cfg.paths)[0][0])["tokenizer"]
-        chosen, key = (beside, f"the tokenizer of dataset {data_cfg.paths[0]}") if os.path.isfile(beside) else ("", key)
+        chosen, key = (
+            (beside, f"the tokenizer of dataset {data_cfg.paths[0]}")
+            if os.path.isfile(beside)
+            else ("", key)
+        )
     if not chosen:
         data_cfg.tokenizer = checkpoint_tok
         return checkpoint_tok
@@ -484,7 +532,8 @@ def follow_checkpoint_tokenizer(data_cfg, checkpoint: str, checkpoint_tok: Optio
     if not os.path.exists(os.path.expanduser(chosen)):
         raise FileNotFoundError(f"config key 'data.tokenizer'={chosen!r} does not exist")
     if tokenizer_fingerprint(chosen) != tokenizer_fingerprint(checkpoint_tok):
-        raise ValueError(f"tokenizer mismatch: {key}={chosen} differs from {checkpoint_tok}, the tokenizer of "
+        raise ValueError(f"tokenizer mismatch: {key}={chosen} differs from {checkpoint_tok}, the "
+                         "tokenizer of "
                          f"model.init_from={checkpoint}; drop it to use the checkpoint's, or set "
                          "data.force_tokenizer=true")
     return None

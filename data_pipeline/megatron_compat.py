@@ -2,10 +2,11 @@
 lazy step (megatron-core takes seconds to import and warns about Transformer Engine/Apex).
 
 `MegatronTokenizerAdapter` presents a `TandemTokenizer` as the `MegatronTokenizerBase` that
-`GPTDatasetConfig(tokenizer=...)` expects: `vocab_size`, `eod`, `unique_identifiers` (hashed into the
-sample-index cache key), `tokenize`/`detokenize`. It has no `pad`, so GPTDataset pads with -1 (never a
-real id) and masks padding out of the loss. `LossMaskGPTDataset` is the GPTDataset that also reads a
-prefix's loss-mask channel (`tandem preprocess --chat`) and gives each sample per-record `doc_ids`.
+`GPTDatasetConfig(tokenizer=...)` expects: `vocab_size`, `eod`, `unique_identifiers` (hashed into
+the sample-index cache key), `tokenize`/`detokenize`. It has no `pad`, so GPTDataset pads with -1
+(never a real id) and masks padding out of the loss. `LossMaskGPTDataset` is the GPTDataset that
+also reads a prefix's loss-mask channel (`tandem preprocess --chat`) and gives each sample
+per-record `doc_ids`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets.blended_dataset import BlendedDataset
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
     from megatron.core.tokenizers import MegatronTokenizerBase
@@ -88,19 +91,23 @@ def has_loss_mask_channel(prefix: str) -> bool:
 
 
 class LossMaskGPTDataset(GPTDataset):
-    """A `GPTDataset` whose samples also read the loss-mask channel: a second indexed dataset of uint8
-    flags with the tokens' document lengths, read over the same document/sample/shuffle indices.
+    """A `GPTDataset` whose samples also read the loss-mask channel: a second indexed dataset of
+    uint8 flags with the tokens' document lengths, read over the same document/sample/shuffle
+    indices.
 
-    Each sample gains `doc_ids` ([seq_len+1]: the ordinal of the stored document each token belongs to,
-    from megatron's own boundaries, not from EOD counting: a chat template may hold the EOD token inside
-    a record) and its `loss_mask` is multiplied by the flag of each target. A prefix without a channel
-    counts every target (its flags are ones)."""
+    Each sample gains `doc_ids` ([seq_len+1]: the ordinal of the stored document each token belongs
+    to, from megatron's own boundaries, not from EOD counting: a chat template may hold the EOD
+    token inside a record) and its `loss_mask` is multiplied by the flag of each target. A prefix
+    without a channel counts every target (its flags are ones)."""
 
-    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config) -> None:
-        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split,
+                 config) -> None:
+        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split,
+                         config)
         self.mask_dataset = None
         if dataset_path and has_loss_mask_channel(dataset_path):
-            self.mask_dataset = IndexedDataset(dataset_path + LOSS_MASK_SUFFIX, mmap=config.mmap_bin_files)
+            self.mask_dataset = IndexedDataset(dataset_path + LOSS_MASK_SUFFIX,
+                                               mmap=config.mmap_bin_files)
 
     def __getitem__(self, idx):
         sample = super().__getitem__(idx)  # also memory-maps the indices _flags_and_documents reads
@@ -111,8 +118,8 @@ class LossMaskGPTDataset(GPTDataset):
 
     def _flags_and_documents(self, idx: int):
         """(flags uint8, doc ordinals int64) of sample `idx`'s seq_len+1 tokens: the walk of
-        `GPTDataset._query_document_sample_shuffle_indices` over the channel; padding gets flag 0 and
-        an ordinal of its own."""
+        `GPTDataset._query_document_sample_shuffle_indices` over the channel; padding gets flag 0
+        and an ordinal of its own."""
         idx = self.shuffle_index[idx]
         beg, beg_offset = self.sample_index[idx]
         end, end_offset = self.sample_index[idx + 1]
@@ -125,7 +132,8 @@ class LossMaskGPTDataset(GPTDataset):
             if self.mask_dataset is not None:
                 part = self.mask_dataset.get(doc, offset=offset, length=length)
             else:
-                part = np.ones(self.dataset.sequence_lengths[doc] - offset if length is None else length, np.uint8)
+                part = np.ones(self.dataset.sequence_lengths[doc] - offset if length is None
+                               else length, np.uint8)
             flags.append(np.asarray(part, dtype=np.uint8))
             docs.append(np.full(len(part), ordinal, dtype=np.int64))
         want = self.config.sequence_length + extra

@@ -1,21 +1,25 @@
-"""Text -> Megatron indexed dataset (`<prefix>.bin` / `<prefix>.idx`), the `tandem preprocess` command.
+"""Text -> Megatron indexed dataset (`<prefix>.bin` / `<prefix>.idx`), the `tandem preprocess`
+command.
 
 Inputs (one or more paths, globs allowed):
-  * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key` (HF `datasets` "json")
+  * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key` (HF `datasets`
+    "json")
   * `.parquet`: one document per row, text under `text_key` (HF `datasets` "parquet")
   * `.txt`: one document per file by default (`txt_sample_by="document"`; or "paragraph", "line")
   * a directory: every regular file below it (sorted, hidden and `__pycache__` skipped, optionally
     filtered by `extensions`) is one document, e.g. a tree of source files
   * any other file: one document
 Each document is tokenized (batched, `TandemTokenizer.encode_batch`), followed by the EOD token and
-written with megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is below
-65500, else int32). Empty documents and files that are not UTF-8 are skipped (counted in the summary).
+written with megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is
+below 65500, else int32). Empty documents and files that are not UTF-8 are skipped (counted in the
+summary).
 
-Outputs beside the prefix: `<prefix>.bin`, `<prefix>.idx`, `<prefix>.tokenizer.json` (the tokenizer the
-data was made with; training finds it there) and `<prefix>.meta.json` (vocab size, EOD id, dtype,
-document/token counts). Everything is written into a staging directory next to the prefix and renamed
-into place at the end, `.idx` after `.bin` and `.meta.json` last, so an interrupted run never leaves a
-prefix that looks complete. An existing dataset is only replaced with `overwrite=True`.
+Outputs beside the prefix: `<prefix>.bin`, `<prefix>.idx`, `<prefix>.tokenizer.json` (the tokenizer
+the data was made with; training finds it there) and `<prefix>.meta.json` (vocab size, EOD id,
+dtype, document/token counts). Everything is written into a staging directory next to the prefix and
+renamed into place at the end, `.idx` after `.bin` and `.meta.json` last, so an interrupted run
+never leaves a prefix that looks complete. An existing dataset is only replaced with
+`overwrite=True`.
 """
 
 from __future__ import annotations
@@ -69,14 +73,14 @@ def read_meta(prefix: str) -> Optional[dict]:
         return json.load(f)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reading documents
 
 
 def expand_paths(inputs: Union[str, Sequence[str]], missing: str = "input not found",
                  empty: str = "no inputs given") -> List[str]:
-    """Files, directories and globs -> existing paths in order: FileNotFoundError "`missing`: PATH" for
-    a path that is not there and matches nothing, ValueError `empty` when nothing is given."""
+    """Files, directories and globs -> existing paths in order: FileNotFoundError "`missing`: PATH"
+    for a path that is not there and matches nothing, ValueError `empty` when nothing is given."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     out: List[str] = []
@@ -138,7 +142,8 @@ def _read_file_doc(path: str, stats: _Stats) -> Optional[str]:
         return None
 
 
-def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str, hf_cache: str) -> Iterator[str]:
+def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str,
+             hf_cache: str) -> Iterator[str]:
     import datasets
     from datasets.utils import logging as ds_logging
 
@@ -146,16 +151,20 @@ def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str, hf_
     was_enabled = ds_logging.is_progress_bar_enabled()
     ds_logging.disable_progress_bar()
     try:
-        ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache, **kwargs)
+        ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache,
+                                   **kwargs)
     except Exception as exc:
         msg = " ".join(str(exc).split()) or type(exc).__name__
-        raise ValueError(f"cannot read {kind} input {files[0] if len(files) == 1 else files}: {msg}") from None
+        raise ValueError(
+            f"cannot read {kind} input {files[0] if len(files) == 1 else files}: {msg}"
+        ) from None
     finally:
         if was_enabled:
             ds_logging.enable_progress_bar()
     key = "text" if kind == "text" else text_key
     if key not in ds.column_names:
-        raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: {', '.join(ds.column_names)}); set "
+        raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: "
+                         f"{', '.join(ds.column_names)}); set "
                          "--text-key")
     for batch in ds.select_columns([key]).iter(batch_size=1000):
         for text in batch[key]:
@@ -191,7 +200,8 @@ def iter_documents(
                 groups.append((k, [p]))
         for kind, files in groups:
             if kind in ("json", "parquet", "text"):
-                docs: Iterable[Optional[str]] = _hf_docs(kind, files, text_key, txt_sample_by, hf_cache)
+                docs: Iterable[Optional[str]] = _hf_docs(kind, files, text_key, txt_sample_by,
+                                                         hf_cache)
             elif kind == "dir":
                 docs = (_read_file_doc(f, stats) for f in _walk_files(files[0], extensions))
             else:
@@ -208,7 +218,8 @@ def iter_documents(
             shutil.rmtree(hf_cache, ignore_errors=True)
 
 
-def _batched(docs: Iterable[str], max_docs: int = 512, max_chars: int = 8_000_000) -> Iterator[List[str]]:
+def _batched(docs: Iterable[str], max_docs: int = 512,
+             max_chars: int = 8_000_000) -> Iterator[List[str]]:
     batch: List[str] = []
     size = 0
     for doc in docs:
@@ -221,13 +232,14 @@ def _batched(docs: Iterable[str], max_docs: int = 512, max_chars: int = 8_000_00
         yield batch
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Writing
 
 
 def _indexed_dataset_builder():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core warns about Transformer Engine/Apex at import
+        # megatron-core warns about Transformer Engine/Apex at import
+        warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     return IndexedDatasetBuilder
 
@@ -251,12 +263,13 @@ def preprocess(
     extensions: Optional[Sequence[str]] = None,
     log=None,
 ) -> dict:
-    """Tokenize `inputs` into the Megatron indexed dataset `output_prefix` (.bin/.idx) and return the
-    summary that is also written to `<output_prefix>.meta.json`.
+    """Tokenize `inputs` into the Megatron indexed dataset `output_prefix` (.bin/.idx) and return
+    the summary that is also written to `<output_prefix>.meta.json`.
 
-    `tokenizer`: a path (tokenizer.json or HF directory), a loaded `TandemTokenizer`, or None to train
-    a byte-level BPE of `vocab_size` on the first `tokenizer_sample_bytes` bytes of the corpus (0 = all).
-    Raises FileExistsError if the dataset exists and `overwrite` is False (the files are left as they are).
+    `tokenizer`: a path (tokenizer.json or HF directory), a loaded `TandemTokenizer`, or None to
+    train a byte-level BPE of `vocab_size` on the first `tokenizer_sample_bytes` bytes of the corpus
+    (0 = all). Raises FileExistsError if the dataset exists and `overwrite` is False (the files are
+    left as they are).
     """
     t0 = time.time()
     output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
@@ -273,7 +286,8 @@ def preprocess(
         docs = iter_documents(paths, text_key, txt_sample_by, extensions, hf_cache, stats)
         t_tok = 0.0
         if tokenizer is None:
-            tokenizer, docs, t_tok = _train_bpe_on_sample(docs, paths, vocab_size, tokenizer_sample_bytes, log)
+            tokenizer, docs, t_tok = _train_bpe_on_sample(docs, paths, vocab_size,
+                                                          tokenizer_sample_bytes, log)
         staged = _staged_paths(staging, output_prefix)
         n_docs, n_tokens = _write_tokens(staged, tokenizer, docs)
         if n_docs == 0:
@@ -283,8 +297,8 @@ def preprocess(
         if tok_json is not None:
             with open(staged["tokenizer"], "w", encoding="utf-8") as f:
                 f.write(tok_json)
-        meta = _meta(output_prefix, tokenizer, tok_source, tok_json is not None, paths, stats, n_docs, n_tokens,
-                     t_tok, t0)
+        meta = _meta(output_prefix, tokenizer, tok_source, tok_json is not None, paths, stats,
+                     n_docs, n_tokens, t_tok, t0)
         with open(staged["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
         _commit(staged, output_paths(output_prefix), overwrite, output_prefix)
@@ -293,8 +307,10 @@ def preprocess(
     return meta
 
 
-def _resolve_tokenizer(tokenizer: Union[None, str, TandemTokenizer]) -> Tuple[Optional[TandemTokenizer], str]:
-    """(the tokenizer to encode with, None when one is to be trained; its source for the meta file)."""
+def _resolve_tokenizer(tokenizer: Union[None, str,
+                                        TandemTokenizer]) -> Tuple[Optional[TandemTokenizer], str]:
+    """(the tokenizer to encode with, None when one is to be trained; its source for the meta
+    file)."""
     if isinstance(tokenizer, (str, os.PathLike)):
         tok_source = os.path.abspath(os.path.expanduser(str(tokenizer)))
         return load_tokenizer(tok_source), tok_source
@@ -307,18 +323,22 @@ def _new_staging_dir(output_prefix: str) -> str:
     # Beside the prefix, so the final renames stay on one filesystem.
     out_dir = os.path.dirname(output_prefix)
     os.makedirs(out_dir, exist_ok=True)
-    staging = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging = os.path.join(out_dir,
+                           f".{os.path.basename(output_prefix)}.staging-{os.getpid()}"
+                           f"-{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     return staging
 
 
 def _staged_paths(staging: str, output_prefix: str) -> Dict[str, str]:
     """`output_paths` of the prefix `<staging>/data`."""
-    return {k: os.path.join(staging, "data" + os.path.basename(v)[len(os.path.basename(output_prefix)):])
+    return {k: os.path.join(staging,
+                            "data" + os.path.basename(v)[len(os.path.basename(output_prefix)):])
             for k, v in output_paths(output_prefix).items()}
 
 
-def _train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int, sample_bytes_limit: int,
+def _train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int,
+                         sample_bytes_limit: int,
                          log) -> Tuple[TandemTokenizer, Iterator[str], float]:
     """Train a byte-level BPE on the first `sample_bytes_limit` bytes of `docs` (0 = all). Returns
     (tokenizer, every document of `docs` in order, training seconds): the sampled documents are kept
@@ -338,12 +358,15 @@ def _train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int,
     tokenizer = train_bpe(iter(pending), vocab_size)
     t_tok = time.time() - t1
     if log:
-        log(f"trained byte-level BPE (vocab {tokenizer.vocab_size}) on {sample_bytes / 1e6:.1f} MB in {t_tok:.1f}s")
+        log(f"trained byte-level BPE (vocab {tokenizer.vocab_size}) on {sample_bytes / 1e6:.1f} MB "
+            f"in {t_tok:.1f}s")
     return tokenizer, _chain(pending, iter(()) if exhausted else docs), t_tok
 
 
-def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer, docs: Iterable[str]) -> Tuple[int, int]:
-    """Encode `docs`, each followed by EOD, into the staged .bin/.idx; returns (documents, tokens)."""
+def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer,
+                  docs: Iterable[str]) -> Tuple[int, int]:
+    """Encode `docs`, each followed by EOD, into the staged .bin/.idx; returns (documents,
+    tokens)."""
     dtype = token_dtype(tokenizer.vocab_size)
     eod = tokenizer.eod_id
     builder = _indexed_dataset_builder()(staged["bin"], dtype=dtype)
@@ -360,7 +383,8 @@ def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer, docs: Iter
     return n_docs, n_tokens
 
 
-def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_file_written: bool, paths: List[str],
+def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_file_written: bool,
+          paths: List[str],
           stats: _Stats, n_docs: int, n_tokens: int, t_tok: float, t0: float) -> dict:
     """The contents of `<output_prefix>.meta.json`, also what `preprocess` returns."""
     return {
@@ -372,8 +396,8 @@ def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_f
         "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
         "documents": n_docs,
         "tokens": n_tokens,
-        "tokenizer": os.path.basename(output_paths(output_prefix)["tokenizer"]) if tok_file_written else None,
-        "tokenizer_source": tok_source,
+        "tokenizer": os.path.basename(output_paths(output_prefix)["tokenizer"]) if tok_file_written
+        else None, "tokenizer_source": tok_source,
         "skipped_empty_documents": stats.skipped_empty,
         "skipped_not_utf8_files": len(stats.skipped_not_utf8),
         "inputs": ([os.path.abspath(x) for x in paths[:32]]
@@ -392,7 +416,8 @@ def _refuse_existing(prefix: str) -> None:
     existing = existing_outputs(prefix)
     if existing:
         raise FileExistsError(
-            f"dataset {prefix} already exists ({', '.join(os.path.basename(p) for p in existing)}); "
+            f"dataset {prefix} already exists "
+            f"({', '.join(os.path.basename(p) for p in existing)}); "
             "pass overwrite=True (--overwrite) to replace it"
         )
 
@@ -403,8 +428,10 @@ def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, pref
     else:
         # Remove the markers of completeness first so a crash mid-way never pairs old and new files.
         # (and a loss-mask channel `--chat` wrote, which would mask the new tokens)
-        for path in [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + [prefix + "_loss_mask.bin",
-                                                                                 prefix + "_loss_mask.idx"]:
+        for path in [final[k] for k in ("meta", "idx", "bin",
+                                        "tokenizer")] + [prefix + "_loss_mask.bin",
+                                                                                 prefix
+                                                         + "_loss_mask.idx"]:
             if os.path.exists(path):
                 os.unlink(path)
     for key in ("tokenizer", "bin", "idx", "meta"):
@@ -412,7 +439,7 @@ def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, pref
             os.replace(staged[key], final[key])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -424,22 +451,28 @@ def build_parser() -> argparse.ArgumentParser:
         "PREFIX.tokenizer.json, PREFIX.meta.json).",
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each file one document), "
+                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each "
+                        "file one document), "
                         "or globs")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="output path prefix (PREFIX.bin, PREFIX.idx)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="local tokenizer.json or Hugging Face tokenizer directory; default: train a byte-level BPE")
-    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the trained BPE (default 4096)")
-    p.add_argument("--text-key", default="text", help="field holding the text in json/parquet records (default text)")
+                   help="local tokenizer.json or Hugging Face tokenizer directory; default: train "
+                        "a byte-level BPE")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary of the trained BPE (default 4096)")
+    p.add_argument("--text-key", default="text",
+                   help="field holding the text in json/parquet records (default text)")
     p.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"),
-                   help=".txt files: one document per file (default), per blank-line paragraph, or per line")
+                   help=".txt files: one document per file (default), per blank-line paragraph, or "
+                        "per line")
     p.add_argument("--extensions", default=None,
                    help="directories: only files ending in these comma-separated suffixes")
     p.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
                    help="bytes of the corpus the BPE is trained on (0 = all; default 100 MB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
     p.add_argument("--chat", action="store_true",
-                   help="records are {prompt, response}, {messages} or `tandem generate` output: also write the "
+                   help="records are {prompt, response}, {messages} or `tandem generate` output: "
+                        "also write the "
                         "loss-mask channel PREFIX_loss_mask (loss on responses only; docs/data.md)")
     return p

@@ -1,6 +1,6 @@
 """`tandem preprocess`: the command line over `preprocess.preprocess` (text corpora) and
-`chat_preprocess.preprocess_chat` (`--chat`: records with a loss-mask channel). Its own module so the
-two writers stay below it (neither imports the other's command)."""
+`chat_preprocess.preprocess_chat` (`--chat`: records with a loss-mask channel). Its own module so
+the two writers stay below it (neither imports the other's command)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
         parser.exit(1, f"tandem preprocess: error: {exc}\n")
     print(
         f"preprocessed {meta['documents']} documents, {meta['tokens']} tokens "
-        f"(vocab {meta['vocab_size']}, eod {meta['eod_id']}, {meta['dtype']}) -> {meta['prefix']}.bin/.idx "
+        f"(vocab {meta['vocab_size']}, eod {meta['eod_id']}, {meta['dtype']}) -> "
+        f"{meta['prefix']}.bin/.idx "
         f"in {meta['seconds']:.1f}s"
     )
     return 0
@@ -46,8 +47,10 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
 def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
     """`tandem preprocess --chat ...` (data_pipeline/chat_preprocess.py)."""
     try:
-        meta = preprocess_chat(args.input, args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                               overwrite=args.overwrite, tokenizer_sample_bytes=args.tokenizer_sample_bytes,
+        meta = preprocess_chat(args.input, args.output_prefix, tokenizer=args.tokenizer,
+                               vocab_size=args.vocab_size,
+                               overwrite=args.overwrite,
+                               tokenizer_sample_bytes=args.tokenizer_sample_bytes,
                                log=lambda msg: print(msg, file=sys.stderr))
     except (OSError, ValueError) as exc:
         parser.exit(1, f"tandem preprocess: error: {exc}\n")

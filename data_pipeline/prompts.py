@@ -1,4 +1,5 @@
-"""Prompt sets: what `tandem generate`, `tandem eval --prompts` and the evaluator's public suites read.
+"""Prompt sets: what `tandem generate`, `tandem eval --prompts` and the evaluator's public suites
+read.
 
 A JSONL file of `{"text": ...}` or `{"messages": [{"role": ..., "content": ...}, ...]}` per line
 (blank lines skipped), or a parquet file / a local `datasets` directory (`save_to_disk`; a
@@ -42,10 +43,14 @@ class Prompt:
 def _check_messages(value, where: str) -> List[dict]:
     """`value` if it is a non-empty list of {role, content} string objects."""
     if not isinstance(value, list) or not value:
-        raise PromptError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+        raise PromptError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", "
+                          "\"content\"} objects")
     for msg in value:
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise PromptError(f"{where}: each message must be an object with string \"role\" and \"content\"")
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"),
+                                                       str) or not isinstance(msg.get("content"),
+                                                                              str):
+            raise PromptError(f"{where}: each message must be an object with string \"role\" and "
+                              "\"content\"")
     return value
 
 
@@ -70,8 +75,9 @@ def _jsonl_prompt(rec, where: str) -> PromptValue:
 
 
 def read_prompts(path: str, column: str = "text") -> List[Prompt]:
-    """The prompt set of `path` (JSONL, parquet or a `datasets` directory, read as `data.source=jsonl`
-    reads records: chat.iter_records); PromptError naming FILE:LINE otherwise."""
+    """The prompt set of `path` (JSONL, parquet or a `datasets` directory, read as
+    `data.source=jsonl` reads records: chat.iter_records); PromptError naming FILE:LINE
+    otherwise."""
     if not os.path.exists(path):
         raise PromptError(f"--prompts {path}: no such file or directory")
     table = os.path.isdir(path) or path.lower().endswith(".parquet")
@@ -81,21 +87,24 @@ def read_prompts(path: str, column: str = "text") -> List[Prompt]:
             if not table:
                 out.append(Prompt(where, _jsonl_prompt(rec, where)))
             elif column not in rec:
-                raise PromptError(f"--prompts {path}: no column {column!r} (columns: {', '.join(rec)}); "
+                raise PromptError(f"--prompts {path}: no column {column!r} (columns: "
+                                  f"{', '.join(rec)}); "
                                     "pass --column")
             else:
                 out.append(Prompt(where, _prompt_of(rec[column], where)))
     except (OSError, UnicodeDecodeError) as exc:
-        raise PromptError(f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
+        raise PromptError(
+            f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})"
+        ) from None
     if not out:
         raise PromptError(f"--prompts {path}: holds no prompts")
     return out
 
 
-# --- chat template ----------------------------------------------------------------------------------
+# --- chat template --------------------------------------------------------------------------------
 def chat_template_in(dirs: Sequence[str]) -> Optional[dict]:
-    """The first `tokenizer_config.json` among `dirs` that has a chat template: {"template", the special
-    tokens the template may name (bos_token, eos_token), "path"}; None when none has one."""
+    """The first `tokenizer_config.json` among `dirs` that has a chat template: {"template", the
+    special tokens the template may name (bos_token, eos_token), "path"}; None when none has one."""
     for d in dirs:
         path = os.path.join(d, "tokenizer_config.json") if d else ""
         if not path or not os.path.isfile(path):
@@ -116,7 +125,8 @@ def _token_text(tok) -> str:
 
 
 def render_chat(chat: dict, messages: List[dict]) -> str:
-    """The prompt text of `messages` under the chat template, ending with the assistant's turn opening."""
+    """The prompt text of `messages` under the chat template, ending with the assistant's turn
+    opening."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -126,12 +136,13 @@ def render_chat(chat: dict, messages: List[dict]) -> str:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(chat["template"]).render(messages=messages, add_generation_prompt=True,
-                                                    bos_token=chat["bos_token"], eos_token=chat["eos_token"])
+                                                    bos_token=chat["bos_token"],
+                                                    eos_token=chat["eos_token"])
 
 
 def encode_with_specials(tok, text: str) -> List[int]:
-    """Token ids of a rendered chat prompt, its special-token strings (`<|im_start|>`) as special tokens
-    (TandemTokenizer.encode treats them as plain text, as a document's text must be)."""
+    """Token ids of a rendered chat prompt, its special-token strings (`<|im_start|>`) as special
+    tokens (TandemTokenizer.encode treats them as plain text, as a document's text must be)."""
     backend = tok.backend
     if backend is None:
         return list(tok._hf.encode(text, add_special_tokens=False))
@@ -145,15 +156,17 @@ def encode_with_specials(tok, text: str) -> List[int]:
 
 def tokenize_prompts(prompts: List[Prompt], tok, chat: Optional[dict], limit: int,
                      limit_note: str) -> Tuple[List[str], List[List[int]]]:
-    """(prompt texts, token ids) of every prompt; a chat prompt without a template, an empty one or one
-    longer than `limit` tokens is a PromptError naming FILE:LINE."""
+    """(prompt texts, token ids) of every prompt; a chat prompt without a template, an empty one or
+    one longer than `limit` tokens is a PromptError naming FILE:LINE."""
     texts, ids = [], []
     for p in prompts:
         where = p.where
         if p.is_chat:
             if chat is None:
-                raise PromptError(f"{where}: a chat prompt (\"messages\"), but the checkpoint's tokenizer has no "
-                                    "chat template (no \"chat_template\" in a tokenizer_config.json)")
+                raise PromptError(f"{where}: a chat prompt (\"messages\"), but the checkpoint's "
+                                  "tokenizer has no "
+                                    "chat template (no \"chat_template\" in a "
+                                    "tokenizer_config.json)")
             try:
                 text = render_chat(chat, p.value)
             except Exception as exc:
@@ -163,7 +176,8 @@ def tokenize_prompts(prompts: List[Prompt], tok, chat: Optional[dict], limit: in
         else:
             text, row = p.value, tok.encode(p.value)
         if not row or len(row) > limit:
-            raise PromptError(f"{where}: prompt is {len(row)} tokens; 1 to {limit} fit ({limit_note})")
+            raise PromptError(f"{where}: prompt is {len(row)} tokens; 1 to {limit} fit "
+                              f"({limit_note})")
         texts.append(text)
         ids.append(row)
     return texts, ids

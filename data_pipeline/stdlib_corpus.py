@@ -1,16 +1,15 @@
 """The embedded default corpus: the running interpreter's standard-library Python source.
 
-Training documents are the stdlib's `.py` files outside `test/` (sorted relative paths; site-packages
-and `__pycache__` skipped, and the data tables of `TABLE_DIRS`; optionally capped at
-`DataConfig.stdlib_max_bytes`); validation documents are
-the first ~1.5 MB of the sorted `.py` files under `test/`. Each file is one document. Files that are not
-UTF-8 are skipped.
+Training documents are the stdlib's `.py` files outside `test/` (sorted relative paths;
+site-packages and `__pycache__` skipped, and the data tables of `TABLE_DIRS`; optionally capped at
+`DataConfig.stdlib_max_bytes`); validation documents are the first ~1.5 MB of the sorted `.py` files
+under `test/`. Each file is one document. Files that are not UTF-8 are skipped.
 
-`prepare_stdlib_corpus(data_cfg)` trains a byte-level BPE (`data_cfg.vocab_size`) on the training files,
-writes `train` and `valid` indexed datasets and caches them under
-`<data_cfg.cache_dir>/stdlib-py<X.Y.Z>-v<vocab>-cap<bytes>-<format>/`. A second call returns at once.
-Concurrent callers (torchrun ranks, several runs) serialise on an `fcntl` lock file beside that
-directory: one prepares, the others wait and then reuse the result.
+`prepare_stdlib_corpus(data_cfg)` trains a byte-level BPE (`data_cfg.vocab_size`) on the training
+files, writes `train` and `valid` indexed datasets and caches them under
+`<data_cfg.cache_dir>/stdlib-py<X.Y.Z>-v<vocab>-cap<bytes>-<format>/`. A second call returns at
+once. Concurrent callers (torchrun ranks, several runs) serialise on an `fcntl` lock file beside
+that directory: one prepares, the others wait and then reuse the result.
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ CACHE_FORMAT = "f2"
 """Bumped whenever the corpus selection or on-disk layout changes, so old caches are not reused."""
 
 TABLE_DIRS = ("encodings/", "pydoc_data/", "lib2to3/tests/data/")
-"""Training-split directories left out: data written as Python rather than code (the codecs' 256-entry
-character-map tables, 12% of the stdlib's tokens; pydoc's 750 KB of help-topic prose, 4.5%; lib2to3's
-deliberately odd test inputs): 16.5% of the tokens a short run would otherwise sample go to code
-instead. The held-out `test/` split is unaffected."""
+"""Training-split directories left out: data written as Python rather than code (the codecs'
+256-entry character-map tables, 12% of the stdlib's tokens; pydoc's 750 KB of help-topic prose,
+4.5%; lib2to3's deliberately odd test inputs): 16.5% of the tokens a short run would otherwise
+sample go to code instead. The held-out `test/` split is unaffected."""
 
 VALID_MAX_BYTES = 1_500_000
 """Bytes of `test/` source used for validation (keeps preprocessing fast)."""
@@ -47,7 +46,8 @@ def stdlib_root() -> str:
 
 
 def _py_files(root: str) -> List[Tuple[str, str, int]]:
-    """(relative path, absolute path, size) of every .py file under root, sorted by relative path."""
+    """(relative path, absolute path, size) of every .py file under root, sorted by relative
+    path."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages",
@@ -56,7 +56,8 @@ def _py_files(root: str) -> List[Tuple[str, str, int]]:
             if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
                 if os.path.isfile(path):
-                    out.append((os.path.relpath(path, root).replace(os.sep, "/"), path, os.path.getsize(path)))
+                    out.append((os.path.relpath(path, root).replace(os.sep, "/"), path,
+                                os.path.getsize(path)))
     out.sort()
     return out
 
@@ -74,13 +75,16 @@ def _take(files: List[Tuple[str, str, int]], max_bytes: int) -> List[str]:
     return taken
 
 
-def stdlib_files(max_bytes: int = 0, valid_bytes: int = VALID_MAX_BYTES) -> Tuple[List[str], List[str]]:
-    """(training files, validation files) of the embedded corpus, deterministic for one interpreter."""
+def stdlib_files(max_bytes: int = 0, valid_bytes: int = VALID_MAX_BYTES) -> Tuple[List[str],
+                                                                                  List[str]]:
+    """(training files, validation files) of the embedded corpus, deterministic for one
+    interpreter."""
     files = _py_files(stdlib_root())
     train = [f for f in files if not f[0].startswith(("test/",) + TABLE_DIRS)]
     valid = [f for f in files if f[0].startswith("test/")]
     if not train or not valid:
-        raise FileNotFoundError(f"no standard-library .py sources found under {stdlib_root()} (train {len(train)}, "
+        raise FileNotFoundError(f"no standard-library .py sources found under {stdlib_root()} "
+                                f"(train {len(train)}, "
                                 f"test {len(valid)} files)")
     return _take(train, max_bytes), _take(valid, valid_bytes)
 
@@ -88,11 +92,13 @@ def stdlib_files(max_bytes: int = 0, valid_bytes: int = VALID_MAX_BYTES) -> Tupl
 def stdlib_cache_dir(data_cfg) -> str:
     """The cache directory of the embedded corpus for this interpreter, vocab size and byte cap."""
     vocab = f"v{int(data_cfg.vocab_size)}"
-    if getattr(data_cfg, "tokenizer", ""):  # tokenized with a given tokenizer (a fine-tuned checkpoint's)
+    # tokenized with a given tokenizer (a fine-tuned checkpoint's)
+    if getattr(data_cfg, "tokenizer", ""):
         from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
 
         vocab = f"tok{tokenizer_fingerprint(data_cfg.tokenizer)[:16]}"
-    key = f"stdlib-py{platform.python_version()}-{vocab}-cap{int(data_cfg.stdlib_max_bytes)}-{CACHE_FORMAT}"
+    key = (f"stdlib-py{platform.python_version()}-{vocab}-cap{int(data_cfg.stdlib_max_bytes)}"
+           f"-{CACHE_FORMAT}")
     return os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), key)
 
 
@@ -122,9 +128,11 @@ def _result(cache: str) -> Tuple[str, str, str]:
 
 
 def prepare_stdlib_corpus(data_cfg) -> Tuple[str, str, str]:
-    """Prepare (once) and return `(train_prefix, valid_prefix, tokenizer_path)` of the embedded corpus.
+    """Prepare (once) and return `(train_prefix, valid_prefix, tokenizer_path)` of the embedded
+    corpus.
 
-    Safe to call from many processes at once: the first to take the lock prepares, the rest wait for it.
+    Safe to call from many processes at once: the first to take the lock prepares, the rest wait for
+    it.
     """
     cache = _same_as_trained_bpe(data_cfg) or stdlib_cache_dir(data_cfg)
     if os.path.isfile(os.path.join(cache, _READY)):
@@ -144,12 +152,14 @@ def _prepare(data_cfg, cache: str) -> None:
     t0 = time.time()
     os.makedirs(cache, exist_ok=True)
     train_files, valid_files = stdlib_files(int(data_cfg.stdlib_max_bytes))
-    print(f"preparing the embedded stdlib corpus ({len(train_files)} train / {len(valid_files)} valid files, "
+    print(f"preparing the embedded stdlib corpus ({len(train_files)} train / {len(valid_files)} "
+          "valid files, "
           f"vocab {data_cfg.vocab_size}) in {cache}", file=sys.stderr, flush=True)
     train_prefix, valid_prefix, tok_path = _result(cache)
     # overwrite=True: anything here without READY.json is a leftover of an interrupted preparation.
     given = getattr(data_cfg, "tokenizer", "") or None
-    train = preprocess(train_files, train_prefix, tokenizer=given, vocab_size=int(data_cfg.vocab_size),
+    train = preprocess(train_files, train_prefix, tokenizer=given,
+                       vocab_size=int(data_cfg.vocab_size),
                        tokenizer_sample_bytes=0, overwrite=True)
     valid = preprocess(valid_files, valid_prefix, tokenizer=given or tok_path, overwrite=True)
     ready = {
@@ -167,5 +177,6 @@ def _prepare(data_cfg, cache: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(ready, f, indent=2)
     os.replace(tmp, os.path.join(cache, _READY))
-    print(f"prepared the embedded stdlib corpus: {train['tokens']} train / {valid['tokens']} valid tokens "
+    print(f"prepared the embedded stdlib corpus: {train['tokens']} train / {valid['tokens']} valid "
+          "tokens "
           f"in {ready['seconds']:.1f}s", file=sys.stderr, flush=True)

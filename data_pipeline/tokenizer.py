@@ -1,8 +1,8 @@
 """The one tokenizer wrapper Tandem uses everywhere (preprocessing, datasets, evaluator).
 
 `load_tokenizer(path)` reads a local `tokenizer.json` (Hugging Face `tokenizers`) or a local Hugging
-Face tokenizer directory; `train_bpe(texts, vocab_size, out_file)` trains the byte-level BPE used for
-the embedded corpus. Both return a `TandemTokenizer`: `vocab_size`, `eod_id`, `encode`,
+Face tokenizer directory; `train_bpe(texts, vocab_size, out_file)` trains the byte-level BPE used
+for the embedded corpus. Both return a `TandemTokenizer`: `vocab_size`, `eod_id`, `encode`,
 `encode_batch`, `decode`, `save`.
 
 Text is encoded without BOS/EOS post-processing and with special-token strings treated as plain text
@@ -24,7 +24,8 @@ _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|
 
 
 class TandemTokenizer:
-    """A thin wrapper over a `tokenizers.Tokenizer` (or, for slow HF tokenizers, a transformers one).
+    """A thin wrapper over a `tokenizers.Tokenizer` (or, for slow HF tokenizers, a transformers
+    one).
 
     Attributes: `path` (where it was loaded from, for error messages), `vocab_size` (ids are in
     [0, vocab_size), specials included), `eod_id` / `eod_token` (end-of-document).
@@ -32,7 +33,8 @@ class TandemTokenizer:
 
     def __init__(self, backend, eod_token: Optional[str] = None, path: str = "", hf=None) -> None:
         self.path = path
-        self._backend = backend  # tokenizers.Tokenizer, or None when only a slow HF tokenizer exists
+        # tokenizers.Tokenizer, or None when only a slow HF tokenizer exists
+        self._backend = backend
         self._hf = hf if backend is None else None
         vocab = self._get_vocab()
         self.vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1)
@@ -60,7 +62,8 @@ class TandemTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
         if self._backend is not None:
-            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+            return [e.ids for e in self._backend.encode_batch(list(texts),
+                                                              add_special_tokens=False)]
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -71,7 +74,8 @@ class TandemTokenizer:
         return self._hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def to_json_str(self) -> Optional[str]:
-        """The `tokenizer.json` text, or None for a slow Hugging Face tokenizer (nothing to save)."""
+        """The `tokenizer.json` text, or None for a slow Hugging Face tokenizer (nothing to
+        save)."""
         if self._backend is None:
             return None
         return self._backend.to_str()
@@ -80,7 +84,8 @@ class TandemTokenizer:
         """Write `tokenizer.json` to `out_file` atomically (temp file, then rename)."""
         text = self.to_json_str()
         if text is None:
-            raise ValueError(f"tokenizer {self.path} is a slow Hugging Face tokenizer; it has no tokenizer.json to "
+            raise ValueError(f"tokenizer {self.path} is a slow Hugging Face tokenizer; it has no "
+                             "tokenizer.json to "
                              "save")
         _atomic_write_text(out_file, text)
 
@@ -95,7 +100,8 @@ class TandemTokenizer:
 def _find_eod(vocab: dict, eod_token: Optional[str], hf, path: str):
     if eod_token is not None:
         if eod_token not in vocab:
-            raise ValueError(f"tokenizer {path}: end-of-document token {eod_token!r} is not in its vocabulary")
+            raise ValueError(f"tokenizer {path}: end-of-document token {eod_token!r} is not in its "
+                             "vocabulary")
         return eod_token, vocab[eod_token]
     if hf is not None and getattr(hf, "eos_token", None) in vocab:
         return hf.eos_token, vocab[hf.eos_token]
@@ -109,11 +115,12 @@ def _find_eod(vocab: dict, eod_token: Optional[str], hf, path: str):
 
 
 def load_tokenizer(path: str, eod_token: Optional[str] = None) -> TandemTokenizer:
-    """Load a local `tokenizer.json` file or a local Hugging Face tokenizer directory (never downloads).
+    """Load a local `tokenizer.json` file or a local Hugging Face tokenizer directory (never
+    downloads).
 
-    `eod_token` overrides the end-of-document token; by default it is the tokenizer's EOS token or the
-    first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` present. Raises FileNotFoundError or
-    ValueError with a one-line message naming the path.
+    `eod_token` overrides the end-of-document token; by default it is the tokenizer's EOS token or
+    the first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` present. Raises
+    FileNotFoundError or ValueError with a one-line message naming the path.
     """
     from tokenizers import Tokenizer
 
@@ -134,24 +141,31 @@ def load_tokenizer(path: str, eod_token: Optional[str] = None) -> TandemTokenize
         tj = os.path.join(path, "tokenizer.json")
         if os.path.isfile(tj):  # a bare directory holding only tokenizer.json
             return load_tokenizer(tj, eod_token)
-        raise ValueError(f"cannot load Hugging Face tokenizer directory {path}: {_first_line(exc)}") from None
+        raise ValueError(
+            f"cannot load Hugging Face tokenizer directory {path}: {_first_line(exc)}"
+        ) from None
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is not None:
-        backend = Tokenizer.from_str(backend.to_str())  # our own copy: we change encode_special_tokens
+        # our own copy: we change encode_special_tokens
+        backend = Tokenizer.from_str(backend.to_str())
         return TandemTokenizer(backend, eod_token, path, hf=hf)
     return TandemTokenizer(None, eod_token, path, hf=hf)
 
 
-def train_bpe(text_iterator: Iterable[str], vocab_size: int, out_file: Optional[str] = None) -> TandemTokenizer:
+def train_bpe(text_iterator: Iterable[str], vocab_size: int,
+              out_file: Optional[str] = None) -> TandemTokenizer:
     """Train a byte-level BPE (GPT-2 style: ByteLevel pre-tokenizer and decoder, 256-byte initial
-    alphabet, so any text round-trips) with `<|endoftext|>` as its only special token (id 0, the EOD).
+    alphabet, so any text round-trips) with `<|endoftext|>` as its only special token (id 0, the
+    EOD).
 
-    Deterministic for the same texts in the same order. Writes `out_file` (tokenizer.json) when given.
+    Deterministic for the same texts in the same order. Writes `out_file` (tokenizer.json) when
+    given.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 258:
-        raise ValueError(f"BPE vocab_size={vocab_size} must be >= 258 (256 bytes, EOD and one merge)")
+        raise ValueError(f"BPE vocab_size={vocab_size} must be >= 258 (256 bytes, EOD and one "
+                         "merge)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -188,8 +202,8 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-_SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "tokenizer_config.json",
-                         "special_tokens_map.json", "added_tokens.json")
+_SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
+                         "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def tokenizer_file(path: str) -> Optional[str]:
@@ -203,7 +217,8 @@ def tokenizer_file(path: str) -> Optional[str]:
 
 
 def checkpoint_tokenizer(path: str) -> Optional[str]:
-    """The tokenizer shipped with a checkpoint directory (Hugging Face or a Tandem step), or None."""
+    """The tokenizer shipped with a checkpoint directory (Hugging Face or a Tandem step), or
+    None."""
     if tokenizer_file(path):
         return os.path.abspath(path)
     if any(os.path.isfile(os.path.join(path, n)) for n in _SLOW_TOKENIZER_FILES[:4]):
@@ -212,14 +227,22 @@ def checkpoint_tokenizer(path: str) -> Optional[str]:
 
 
 def tokenizer_fingerprint(path: str) -> str:
-    """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it, or
-    the directory holding it, has the same fingerprint), else a slow tokenizer's vocabulary files."""
+    """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it,
+    or the directory holding it, has the same fingerprint), else a slow tokenizer's vocabulary
+    files."""
     import hashlib
 
     h = hashlib.sha256()
     tj = tokenizer_file(path)
-    files = [tj] if tj else [os.path.join(path, n) for n in _SLOW_TOKENIZER_FILES if os.path.isfile(os.path.join(path,
-                                                                                                                 n))]
+    files = (
+        [tj]
+        if tj
+        else [
+            os.path.join(path, n)
+            for n in _SLOW_TOKENIZER_FILES
+            if os.path.isfile(os.path.join(path, n))
+        ]
+    )
     if not files:
         raise FileNotFoundError(f"tokenizer not found: {path}")
     for file in files:

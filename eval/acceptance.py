@@ -4,8 +4,9 @@
   acceptance rate of a DecodeStats, each with `<key>_lo95` / `<key>_hi95` (`acceptance_intervals`: a
   bootstrap over prompts at Hesterberg's expanded percentile levels);
 * `row_metrics`: one prompt's figures (for `tandem eval --output` and the logged samples);
-* `resample_weights` (the bootstrap's draws, shared with eval/seed_comparison.py's paired comparison over
-  seeds) and `t_quantile` (Student's t, behind the expanded levels and that comparison's intervals).
+* `resample_weights` (the bootstrap's draws, shared with eval/seed_comparison.py's paired comparison
+  over seeds) and `t_quantile` (Student's t, behind the expanded levels and that comparison's
+  intervals).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .spec_decode import DecodeStats
 INTERVAL_RESAMPLES = 2000
 """Bootstrap resamples behind each 95% interval (`acceptance_intervals`)."""
 INTERVAL_SEED = 0
-"""Seed of the resampling generator: the same rows give the same interval in every run and layout."""
+"""Seed of the resampling generator: the same rows give the same interval in every run and
+layout."""
 
 
 def _row_counts(stats: DecodeStats) -> torch.Tensor:
@@ -43,42 +45,49 @@ def _ratio_figures(sums: torch.Tensor, K: int) -> dict:
 
 
 def t_quantile(df: float, level: float = 0.95) -> float:
-    """Student's t quantile of a two-sided `level` interval at `df` degrees of freedom (real df > 0), from
-    the Cornish-Fisher series (Abramowitz & Stegun 26.7.5): 4.27 at df = 2 (exact 4.30), within 0.1% from
-    df = 3 on, 11% low at df = 1."""
+    """Student's t quantile of a two-sided `level` interval at `df` degrees of freedom (real df >
+    0), from the Cornish-Fisher series (Abramowitz & Stegun 26.7.5): 4.27 at df = 2 (exact 4.30),
+    within 0.1% from df = 3 on, 11% low at df = 1."""
     z, v = NormalDist().inv_cdf(0.5 + level / 2), df
     return (z + (z ** 3 + z) / 4 / v + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96 / v ** 2
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384 / v ** 3
-            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160 / v ** 4)
+            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160
+            / v ** 4)
 
 
 def _expanded_levels(n: int, level: float = 0.95) -> tuple:
-    """The quantiles (lo, hi) of the bootstrap distribution that give a `level` interval from n rows.
+    """The quantiles (lo, hi) of the bootstrap distribution that give a `level` interval from n
+    rows.
 
-    A plain percentile interval is too narrow for few prompts: the bootstrap spread divides by n where
-    the unbiased variance divides by n - 1, and it uses normal quantiles where Student's t applies.
-    Hesterberg's expanded percentile interval reads the percentiles at the normal tail whose quantile
-    is sqrt(n / (n - 1)) * t_{n-1}; it tends to the plain percentiles as n grows. t_{n-1} comes from
-    `t_quantile`, close to exact from 3 degrees of freedom on; below that the tail is near 0 either way
-    and the interval spans the resamples' range."""
+    A plain percentile interval is too narrow for few prompts: the bootstrap spread divides by n
+    where the unbiased variance divides by n - 1, and it uses normal quantiles where Student's t
+    applies. Hesterberg's expanded percentile interval reads the percentiles at the normal tail
+    whose quantile is sqrt(n / (n - 1)) * t_{n-1}; it tends to the plain percentiles as n grows.
+    t_{n-1} comes from `t_quantile`, close to exact from 3 degrees of freedom on; below that the
+    tail is near 0 either way and the interval spans the resamples' range."""
     if n < 2:
         return 0.0, 1.0
     tail = NormalDist().cdf(-math.sqrt(n / (n - 1)) * t_quantile(n - 1, level))
     return tail, 1.0 - tail
 
 
-def resample_weights(n: int, resamples: int = INTERVAL_RESAMPLES, seed: int = INTERVAL_SEED) -> Iterator[torch.Tensor]:
-    """The bootstrap over n prompts, in chunks: [r, n] float64 matrices, row j holding how often each prompt
-    is drawn (with replacement, n draws) in resample j; `resamples` rows in all. A resample's summed
-    counts are then one matmul with the [n, ...] per-prompt counts, and every statistic that multiplies
-    the same chunks resamples the same prompts (a paired bootstrap). The generator is private and
-    fixed-seed: the global RNG is untouched and a rerun draws the same resamples."""
+def resample_weights(n: int, resamples: int = INTERVAL_RESAMPLES,
+                     seed: int = INTERVAL_SEED) -> Iterator[torch.Tensor]:
+    """The bootstrap over n prompts, in chunks: [r, n] float64 matrices, row j holding how often
+    each prompt is drawn (with replacement, n draws) in resample j; `resamples` rows in all. A
+    resample's summed counts are then one matmul with the [n, ...] per-prompt counts, and every
+    statistic that multiplies the same chunks resamples the same prompts (a paired bootstrap). The
+    generator is private and fixed-seed: the global RNG is untouched and a rerun draws the same
+    resamples."""
     g = torch.Generator().manual_seed(seed)
-    chunk = max(1, (1 << 22) // n)  # bounds the [chunk, n] weight matrix when there are many prompts
+    # bounds the [chunk, n] weight matrix when there are many prompts
+    chunk = max(1, (1 << 22) // n)
     for start in range(0, resamples, chunk):
         r = min(chunk, resamples - start)
         idx = torch.randint(n, (r, n), generator=g)
-        yield torch.zeros(r, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(r, n, dtype=torch.float64))
+        yield torch.zeros(r, n, dtype=torch.float64).scatter_add_(1, idx,
+                                                                  torch.ones(r, n,
+                                                                             dtype=torch.float64))
 
 
 def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES,
@@ -87,16 +96,17 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     `<key>_hi95`, its percentiles read at the expanded levels of `_expanded_levels`.
 
     The unit resampled is the row (one prompt): rows are drawn with replacement and each figure is
-    recomputed as the ratio of the resample's summed counts, as the point estimate is. Rounds within a
-    prompt share its text and are correlated, so resampling rounds would understate the width. Under
-    data parallelism `stats` must hold every replica's rows (evaluate_decoding gathers them in batch
-    order), so the interval equals one process's. The generator is private and fixed-seed: the global
-    RNG is untouched and a rerun reproduces the interval."""
+    recomputed as the ratio of the resample's summed counts, as the point estimate is. Rounds within
+    a prompt share its text and are correlated, so resampling rounds would understate the width.
+    Under data parallelism `stats` must hold every replica's rows (evaluate_decoding gathers them in
+    batch order), so the interval equals one process's. The generator is private and fixed-seed: the
+    global RNG is untouched and a rerun reproduces the interval."""
     counts = _row_counts(stats)
     n, K = counts.shape[0], stats.num_steps
     if n == 0:
         return {}
-    figures = _ratio_figures(torch.cat([w @ counts for w in resample_weights(n, resamples, seed)]), K)
+    figures = _ratio_figures(torch.cat([w @ counts for w in resample_weights(n, resamples, seed)]),
+                             K)
     q = torch.tensor(_expanded_levels(n), dtype=torch.float64)
     out = {}
     for key, values in figures.items():
@@ -106,18 +116,20 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
 
 
 def acceptance_metrics(stats: DecodeStats) -> dict:
-    """vLLM definitions: mean acceptance length = 1 + accepted / drafts (draft = one K-token round of
-    one sequence; includes the bonus token), per-position rate = accepted at position i / drafts,
+    """vLLM definitions: mean acceptance length = 1 + accepted / drafts (draft = one K-token round
+    of one sequence; includes the bonus token), per-position rate = accepted at position i / drafts,
     draft acceptance rate = accepted / drafted tokens. Accepted counts are budget-exact (drafts past
     max_new_tokens or EOS do not count), so acceptance length = decoded tokens / rounds. Each figure
-    is followed by its 95% interval over prompts (`acceptance_intervals`: `<key>_lo95`, `<key>_hi95`)."""
+    is followed by its 95% interval over prompts (`acceptance_intervals`: `<key>_lo95`,
+    `<key>_hi95`)."""
     point = _ratio_figures(_row_counts(stats).sum(0), stats.num_steps)
     intervals = acceptance_intervals(stats)
     out = {}
     for key, value in point.items():
         out[key] = float(value)
         if intervals:
-            out[f"{key}_lo95"], out[f"{key}_hi95"] = intervals[f"{key}_lo95"], intervals[f"{key}_hi95"]
+            out[f"{key}_lo95"], out[f"{key}_hi95"] = intervals[f"{key}_lo95"], intervals[f"{key}"
+                                                                                         "_hi95"]
     return out
 
 

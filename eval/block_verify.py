@@ -43,11 +43,14 @@ from typing import Tuple
 import torch
 
 VERIFY_RULES = ("token", "block")
-"""Values of `eval.verify` / `tandem eval --verify`: token-wise speculative sampling or block verification."""
+"""Values of `eval.verify` / `tandem eval --verify`: token-wise speculative sampling or block
+verification."""
 
 
-def block_thresholds(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(w [B,K+1], h [B,K]): the prefix weights w_0..w_K and the thresholds h_1..h_K (module docstring).
+def block_thresholds(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> Tuple[torch.Tensor,
+                                                                                      torch.Tensor]:
+    """(w [B,K+1], h [B,K]): the prefix weights w_0..w_K and the thresholds h_1..h_K (module
+    docstring).
 
     p [B,K+1,V] target probabilities at the verify positions, q [B,K,V] the draft probabilities the
     drafts [B,K] were sampled from. Computed in p's dtype."""
@@ -65,7 +68,8 @@ def block_thresholds(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> 
         wi = w[:, 1:K]
         r = (wi.unsqueeze(-1) * p[:, 1:K] - q[:, 1:K].to(p.dtype)).clamp(min=0.0).sum(-1)
         den = r + (1.0 - wi)
-        h[:, : K - 1] = torch.where(den > 0, r / den.clamp(min=torch.finfo(p.dtype).tiny), torch.ones_like(r))
+        h[:, : K - 1] = torch.where(den > 0, r / den.clamp(min=torch.finfo(p.dtype).tiny),
+                                    torch.ones_like(r))
     h[:, K - 1] = w[:, K]
     return w, h
 
@@ -81,7 +85,8 @@ def block_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torc
     V = p.shape[-1]
     w, h = block_thresholds(p, q, drafts)
     steps = torch.arange(1, K + 1, device=drafts.device)
-    tau = torch.where(u.to(h.dtype) < h, steps, 0).amax(1)  # the last position that passes, 0 if none
+    # the last position that passes, 0 if none
+    tau = torch.where(u.to(h.dtype) < h, steps, 0).amax(1)
     p_t = p.gather(1, tau.view(B, 1, 1).expand(B, 1, V)).squeeze(1)
     q_t = q.gather(1, tau.clamp(max=K - 1).view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(p.dtype)
     w_t = w.gather(1, tau.view(B, 1))

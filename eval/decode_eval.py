@@ -1,5 +1,5 @@
-"""Real speculative decoding against plain autoregressive decoding of the same model on the same prompts,
-for the in-loop evaluator, `tandem eval` and the benchmarks.
+"""Real speculative decoding against plain autoregressive decoding of the same model on the same
+prompts, for the in-loop evaluator, `tandem eval` and the benchmarks.
 
 * `evaluate_decoding`: acceptance (vLLM definitions, each figure with its 95% interval over prompts:
   eval/acceptance.py), decode tokens/s of both sides, measured and predicted speedup
@@ -49,8 +49,9 @@ class DecodeSettings:
 
 
 class Replicas(Protocol):
-    """Data-parallel replicas decoding a share of the batches each (trainer/parallel/pipeline_decode.py's
-    ParallelDecoding implements it; the evaluator receives it from the caller)."""
+    """Data-parallel replicas decoding a share of the batches each
+    (trainer/parallel/pipeline_decode.py's ParallelDecoding implements it; the evaluator receives it
+    from the caller)."""
 
     def my_batches(self, n_batches: int) -> List[Optional[int]]:
         """Global indices of the batches this replica decodes, None for padding slots."""
@@ -63,9 +64,11 @@ class Replicas(Protocol):
 
 
 def merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
-    """One DecodeStats of several decode calls: rows concatenated in order, times and rounds summed (a whole
-    prompt set's figures and intervals, e.g. from the per-batch results `evaluate_decoding` returns)."""
-    merged = DecodeStats(torch.cat([s.rounds for s in stats]), torch.cat([s.accepted for s in stats]),
+    """One DecodeStats of several decode calls: rows concatenated in order, times and rounds summed
+    (a whole prompt set's figures and intervals, e.g. from the per-batch results `evaluate_decoding`
+    returns)."""
+    merged = DecodeStats(torch.cat([s.rounds for s in stats]),
+                         torch.cat([s.accepted for s in stats]),
                          torch.cat([s.accepted_at for s in stats]), K)
     for name in ("draft_s", "verify_s", "overhead_s", "prefill_s", "decode_s", "num_rounds"):
         setattr(merged, name, sum(getattr(s, name) for s in stats))
@@ -81,10 +84,11 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def _decode_batches(model, batches: List[list], s: DecodeSettings, replicas: Optional[Replicas],
-                    autoregressive: bool, repeat: int) -> Tuple[List[DecodeResult], List[DecodeResult]]:
-    """One pass over the batches (this replica's share, gathered): (speculative, autoregressive) results
-    in batch order. The two sides are interleaved batch by batch, their order alternating, so machine
-    noise hits both alike."""
+                    autoregressive: bool, repeat: int) -> Tuple[List[DecodeResult],
+                                                                List[DecodeResult]]:
+    """One pass over the batches (this replica's share, gathered): (speculative, autoregressive)
+    results in batch order. The two sides are interleaved batch by batch, their order alternating,
+    so machine noise hits both alike."""
     slots = replicas.my_batches(len(batches)) if replicas is not None else list(range(len(batches)))
     lockstep = {"any_active": replicas.any_active()} if replicas is not None else {}
     device = unwrap(model).embed_tokens.weight.device
@@ -96,8 +100,10 @@ def _decode_batches(model, batches: List[list], s: DecodeSettings, replicas: Opt
         for which in order if autoregressive else (0,):
             # the batch's own seed: sampling draws as in one process, whichever replica decodes it
             g = torch.Generator(device=device).manual_seed(s.seed + (i or 0))
-            res[which] = generate(model, batch, s.max_new_tokens, s.num_steps if which == 0 else 0, eos_id=s.eos_id,
-                                  temperature=s.temperature, top_p=s.top_p, generator=g, padding=i is None,
+            res[which] = generate(model, batch, s.max_new_tokens, s.num_steps if which == 0 else 0,
+                                  eos_id=s.eos_id,
+                                  temperature=s.temperature, top_p=s.top_p, generator=g,
+                                  padding=i is None,
                                   verify=s.verify, draft_convention=s.draft_convention, **lockstep)
         if i is not None:
             spec.append((i, res[0]))
@@ -110,8 +116,8 @@ def _decode_batches(model, batches: List[list], s: DecodeSettings, replicas: Opt
 
 def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[DecodeResult]],
                    spec_stats: List[DecodeStats], acceptance_length: float) -> dict:
-    """Tokens/s of both sides, measured and predicted speedup and per-round phase times (medians over
-    repetitions)."""
+    """Tokens/s of both sides, measured and predicted speedup and per-round phase times (medians
+    over repetitions)."""
     ar_stats = [merge_stats([r.stats for r in run], 0) for run in runs_ar]
     spec_tokens = sum(r.decoded_tokens for r in runs_spec[0])
     ar_tokens = sum(r.decoded_tokens for r in runs_ar[0])
@@ -134,27 +140,32 @@ def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[Decod
     }
 
 
-def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *, replicas: Optional[Replicas] = None,
-                      autoregressive: bool = True, warmup: bool = False, repeats: int = 1, **settings):
-    """Speculative and autoregressive decoding of `prompts` in batches, as `settings` (DecodeSettings'
-    fields) say. Returns (metrics, spec results, AR results) with per-batch DecodeResults; with `repeats`
-    > 1 the times are medians over repetitions. `autoregressive=False` skips the AR decode (needed only
-    for the speed figures): the metrics are then the acceptance figures alone and the AR results an
-    empty list. `warmup` decodes one short prompt both ways first.
+def evaluate_decoding(model, prompts: Sequence[Sequence[int]], *,
+                      replicas: Optional[Replicas] = None,
+                      autoregressive: bool = True, warmup: bool = False, repeats: int = 1,
+                      **settings):
+    """Speculative and autoregressive decoding of `prompts` in batches, as `settings`
+    (DecodeSettings' fields) say. Returns (metrics, spec results, AR results) with per-batch
+    DecodeResults; with `repeats` > 1 the times are medians over repetitions. `autoregressive=False`
+    skips the AR decode (needed only for the speed figures): the metrics are then the acceptance
+    figures alone and the AR results an empty list. `warmup` decodes one short prompt both ways
+    first.
 
-    `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to data-parallel
-    replicas, keeps them in lockstep and gathers every replica's results before the figures are
-    computed (times add up over replicas, so tokens/s is one replica's rate, as in one process);
-    None decodes every batch here."""
+    `replicas` (trainer/parallel/pipeline_decode.ParallelDecoding) deals the batches to
+    data-parallel replicas, keeps them in lockstep and gathers every replica's results before the
+    figures are computed (times add up over replicas, so tokens/s is one replica's rate, as in one
+    process); None decodes every batch here."""
     s = DecodeSettings(**settings)
     batches = [list(prompts[i : i + s.batch_size]) for i in range(0, len(prompts), s.batch_size)]
     if warmup:
         n = min(4, s.max_new_tokens)
-        generate(model, batches[0][:1], n, s.num_steps, eos_id=s.eos_id, draft_convention=s.draft_convention)
+        generate(model, batches[0][:1], n, s.num_steps, eos_id=s.eos_id,
+                 draft_convention=s.draft_convention)
         generate(model, batches[0][:1], n, 0, eos_id=s.eos_id)
     runs = [_decode_batches(model, batches, s, replicas, autoregressive, r) for r in range(repeats)]
     runs_spec, runs_ar = [spec for spec, _ in runs], [ar for _, ar in runs]
-    # every replica's rows, in batch order: the figures and their bootstrap intervals equal one process's
+    # every replica's rows, in batch order: the figures and their bootstrap intervals equal one
+    # process's
     spec_stats = [merge_stats([r.stats for r in run], s.num_steps) for run in runs_spec]
     metrics = acceptance_metrics(spec_stats[0])
     if not autoregressive:
@@ -180,16 +191,19 @@ def other_convention(model, num_steps: int, convention: str) -> Optional[str]:
 
 def other_convention_figures(model, prompts: Sequence[Sequence[int]], metrics: dict, *,
                              replicas: Optional[Replicas] = None, **settings) -> dict:
-    """`<other>/acceptance_length` (`tandem/...` or `serving/...`, with its interval) of a greedy decode
-    of `prompts` under the other drafting convention than `settings`' (speculative side only), when it
-    differs from `metrics["acceptance_length"]` (this convention's): what each convention gives on
-    this model. Empty when sampling, or when the conventions draft alike here."""
+    """`<other>/acceptance_length` (`tandem/...` or `serving/...`, with its interval) of a greedy
+    decode of `prompts` under the other drafting convention than `settings`' (speculative side
+    only), when it differs from `metrics["acceptance_length"]` (this convention's): what each
+    convention gives on this model. Empty when sampling, or when the conventions draft alike
+    here."""
     s = DecodeSettings(**settings)
     other = other_convention(model, s.num_steps, s.draft_convention)
     if other is None or s.temperature > 0:
         return {}
-    alt_settings = dataclasses.asdict(dataclasses.replace(s, draft_convention=other, temperature=0.0, top_p=1.0))
-    alt, _, _ = evaluate_decoding(model, prompts, replicas=replicas, autoregressive=False, **alt_settings)
+    alt_settings = dataclasses.asdict(dataclasses.replace(s, draft_convention=other,
+                                                          temperature=0.0, top_p=1.0))
+    alt, _, _ = evaluate_decoding(model, prompts, replicas=replicas, autoregressive=False,
+                                  **alt_settings)
     if alt["acceptance_length"] == metrics["acceptance_length"]:
         return {}
     return {f"{other}/{k}": alt[k] for k in alt if k.startswith("acceptance_length")}

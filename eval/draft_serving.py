@@ -30,16 +30,17 @@ rows are rewritten by depths 2..K or by the next round before a query at or afte
 QSA index reuse (`mtp.qsa_reuse_indices`, vLLM's `index_share_for_mtp_iteration`): depth 1 runs the
 MTP layer's indexer and records each query's selection (position-indexed, over committed inputs);
 depth k reuses the selection of depth 1's query at m - 1 (the row vLLM's `compact_topk_indices`
-keeps: the last accepted token's), read k - 1 positions before its own (`SelectionShare.read_offset`),
-and attends exactly what vLLM attends there: that query's whole row, its selected blocks and ITS tail
-[m // r * r, m - 1] (r: the compress ratio). vLLM's row is a packed list of token indices
-(`vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py`, `_expand_qsa_indices_kernel`: blocks' tokens,
-then the tail of the query's own position), `QSAIndexer.forward` returns it untouched under
-`skip_topk` (`nvidia/indexer_qsa.py`), and `qsa_sparse_paged_attention` attends only the listed
-tokens. So depth k at m + k - 2 attends no block completed after m - 1, nothing at m..m+k-2 (depths
-2..k-1's entries) and not its own key: with r = 4, m - 1 = 6 and k = 3, positions 0..6, not 7 or 8.
-That gap is serving's, kept here so the acceptance measured is the one serving gets
-(tests/unit/test_draft_conventions.py checks it against a cache-free re-derivation).
+keeps: the last accepted token's), read k - 1 positions before its own
+(`SelectionShare.read_offset`), and attends exactly what vLLM attends there: that query's whole row,
+its selected blocks and ITS tail [m // r * r, m - 1] (r: the compress ratio). vLLM's row is a packed
+list of token indices (`vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py`,
+`_expand_qsa_indices_kernel`: blocks' tokens, then the tail of the query's own position),
+`QSAIndexer.forward` returns it untouched under `skip_topk` (`nvidia/indexer_qsa.py`), and
+`qsa_sparse_paged_attention` attends only the listed tokens. So depth k at m + k - 2 attends no
+block completed after m - 1, nothing at m..m+k-2 (depths 2..k-1's entries) and not its own key: with
+r = 4, m - 1 = 6 and k = 3, positions 0..6, not 7 or 8. That gap is serving's, kept here so the
+acceptance measured is the one serving gets (tests/unit/test_draft_conventions.py checks it against
+a cache-free re-derivation).
 
 The convention is defined for the looped style with one physical MTP layer (every recipe's, and
 what vLLM's proposer fills: with L > 1 its later layers' caches are never written for the earlier
@@ -58,23 +59,25 @@ from .decode_batch import DecodeBatch
 
 
 class ServingDrafter:
-    """The serving convention's draft state for one DecodeBatch: one KV cache of the MTP layer and the
-    depth-1 valid prefix per row. Implements drafting.Drafter."""
+    """The serving convention's draft state for one DecodeBatch: one KV cache of the MTP layer and
+    the depth-1 valid prefix per row. Implements drafting.Drafter."""
 
     def __init__(self, batch: DecodeBatch):
         self.batch = batch
         model = batch.model
-        self.cache = DecodeCache(1, batch.B, batch.cap, batch.dtype, batch.device, ring=batch.ring).layer(0)
+        self.cache = DecodeCache(1, batch.B, batch.cap, batch.dtype, batch.device,
+                                 ring=batch.ring).layer(0)
         self.valid = torch.full((batch.B,), -1, dtype=torch.long, device=batch.device)
         """[B] last position whose shared-cache entry depth 1 computed from committed inputs."""
         self.zero_first = model.mtp.layer_for_step(1).combine_style == "concat_proj"
         self.final_norm = model.mtp_cfg.trunk_input == "final_norm"
 
-    def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+    def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+             span: int) -> torch.Tensor:
         """MTP depth k on the shared cache (TandemModel.mtp_step plus the serving engine's zeroed
         embedding at position 0 for the concat_proj combine, and depth k's reused QSA selection read
-        from depth 1's query at m - 1, k - 1 positions back, attended with that query's tail, as vLLM
-        does). `span`: the cache's key prefix (host int)."""
+        from depth 1's query at m - 1, k - 1 positions back, attended with that query's tail, as
+        vLLM does). `span`: the cache's key prefix (host int)."""
         model = self.batch.model
         self.cache.cache.span = span
         if k == 1 and self.final_norm:
@@ -90,10 +93,12 @@ class ServingDrafter:
         try:
             return model.mtp.layer_for_step(k)(h_prev, emb, pos, self.cache)
         finally:
-            share.read_offset = 0  # the tandem convention and training read at the query's own position
+            # the tandem convention and training read at the query's own position
+            share.read_offset = 0
 
     def depth_logits(self) -> Iterator[torch.Tensor]:
-        """Depth 1 over the committed positions it has not seen, then depth k = 2..K one token each."""
+        """Depth 1 over the committed positions it has not seen, then depth k = 2..K one token
+        each."""
         b = self.batch
         model, B, H, m = b.model, b.B, b.H, b.m
         start = torch.minimum(self.valid + 1, m - 1)

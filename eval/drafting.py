@@ -36,38 +36,45 @@ from .decode_batch import DecodeBatch
 from .draft_serving import ServingDrafter
 
 DRAFT_CONVENTIONS = ("serving", "tandem")
-"""`serving`: vLLM's proposer (eval/draft_serving.py); `tandem`: one cache and hidden store per depth, as trained."""
+"""`serving`: vLLM's proposer (eval/draft_serving.py); `tandem`: one cache and hidden store per
+depth, as trained."""
 
 
 class Drafter(Protocol):
     """How MTP depths 1..K draft a round for one DecodeBatch."""
 
     def depth_logits(self) -> Iterator[torch.Tensor]:
-        """One round after the batch's committed tokens: yields depth k's draft logits [B, V] at each
-        row's newest position, for k = 1..K in order. Before asking for depth k + 1 the caller writes
-        draft d_k to `batch.seq[:, m + k]`, which depth k + 1 reads. When the iteration ends, the
-        drafter's state is valid up to what the committed tokens determine (rollback: lowering m)."""
+        """One round after the batch's committed tokens: yields depth k's draft logits [B, V] at
+        each row's newest position, for k = 1..K in order. Before asking for depth k + 1 the caller
+        writes draft d_k to `batch.seq[:, m + k]`, which depth k + 1 reads. When the iteration ends,
+        the drafter's state is valid up to what the committed tokens determine (rollback: lowering
+        m)."""
         ...
 
 
 class TrunkDrafter:
-    """The `tandem` convention: one KV cache and one hidden store per depth, each depth drafting over
-    the positions it has not seen, as it was trained (module docstring)."""
+    """The `tandem` convention: one KV cache and one hidden store per depth, each depth drafting
+    over the positions it has not seen, as it was trained (module docstring)."""
 
     def __init__(self, batch: DecodeBatch):
         self.batch = batch
         B, K, cap = batch.B, batch.K, batch.cap
         self.chained = batch.model.mtp.chained
         extra = K - 1 if self.chained else 0
-        self.hidden = [batch.hidden] + [torch.zeros(B, cap, batch.H, dtype=batch.dtype, device=batch.device)
+        self.hidden = [batch.hidden] + [torch.zeros(B, cap, batch.H, dtype=batch.dtype,
+                                                    device=batch.device)
                                         for _ in range(extra)]
-        """hidden[k]: depth k's output per position (hidden[0] the trunk's), the input of depth k + 1."""
+        """hidden[k]: depth k's output per position (hidden[0] the trunk's), the input of depth k +
+        1."""
         self.shared = {}
-        """The depths' caches share the store of QSA index reuse (depth 1's selection, read by depths 2..K)."""
+        """The depths' caches share the store of QSA index reuse (depth 1's selection, read by
+        depths 2..K)."""
         self.caches = [KVCache(1, B, cap, batch.dtype, batch.device, shared=self.shared).layer(0)
-                       for _ in range(K)]  # one cache per depth: depths share layer weights, not states
+                       # one cache per depth: depths share layer weights, not states
+                       for _ in range(K)]
         self.valid = torch.full((K, B), -1, dtype=torch.long, device=batch.device)
-        """[K, B] valid[k-1]: the last position whose depth-k cache entry came from committed inputs."""
+        """[K, B] valid[k-1]: the last position whose depth-k cache entry came from committed
+        inputs."""
 
     def depth_logits(self) -> Iterator[torch.Tensor]:
         b = self.batch
@@ -80,7 +87,8 @@ class TrunkDrafter:
             idx = pos.unsqueeze(-1).expand(B, R, H)
             src = self.hidden[k - 1] if self.chained else self.hidden[0]
             self.caches[k - 1].cache.span = b.range_span(R)
-            out = model.mtp_step(k, src.gather(1, idx), b.seq.gather(1, pos + k), pos, self.caches[k - 1])
+            out = model.mtp_step(k, src.gather(1, idx), b.seq.gather(1, pos + k), pos,
+                                 self.caches[k - 1])
             if self.chained and k < b.K:
                 self.hidden[k].scatter_(1, idx, out.to(self.hidden[k].dtype))  # bf16 under autocast
             last = out.gather(1, (r - 1).view(B, 1, 1).expand(B, 1, H))
@@ -90,18 +98,19 @@ class TrunkDrafter:
 
 def resolve_convention(model: nn.Module, convention: str, num_steps: int) -> str:
     """The convention a decode of `model` with K=num_steps really uses: `serving` needs a looped MTP
-    with one physical layer held by the drafting process (else it drafts as trained: `tandem`, e.g. a
-    pipeline placement whose head stage holds no MTP depth). ValueError for an unknown name."""
+    with one physical layer held by the drafting process (else it drafts as trained: `tandem`, e.g.
+    a pipeline placement whose head stage holds no MTP depth). ValueError for an unknown name."""
     if convention not in DRAFT_CONVENTIONS:
-        raise ValueError(f"draft_convention={convention!r}: must be one of {', '.join(DRAFT_CONVENTIONS)}")
+        raise ValueError(f"draft_convention={convention!r}: must be one of "
+                         f"{', '.join(DRAFT_CONVENTIONS)}")
     mtp = getattr(model, "mtp", None)
     if convention == "tandem" or num_steps <= 0 or mtp is None:
         return convention
     if not mtp.chained or len(mtp.layers) != 1:
         return "tandem"
     if not isinstance(mtp.layers[0], nn.Module):
-        # a pipeline placement whose head stage holds no MTP depth: the serving cache would have to live
-        # where every depth runs, which no rank does here, so the decoder drafts as trained
+        # a pipeline placement whose head stage holds no MTP depth: the serving cache would have to
+        # live where every depth runs, which no rank does here, so the decoder drafts as trained
         return "tandem"
     return "serving"
 

@@ -3,10 +3,11 @@
 It runs real speculative decoding (and plain autoregressive decoding for the speed comparison) on a
 fixed set of held-out prompts (the first `eval.prompt_len` tokens of the first `eval.num_prompts`
 samples of the validation split -- never the training split: `valid_ds` is build_datasets' held-out
-split, the stdlib corpus's `test/` files or the megatron blend's validation share / `data.valid_paths`)
-plus teacher-forced losses/accuracies on validation micro-batches, and returns `eval/*` metrics. With
-`eval.suite` set the decoded prompts are a public prompt set's instead (eval/suites.py: spread over
-the suite, `eval.num_prompts` of each), read offline from an installed package:
+split, the stdlib corpus's `test/` files or the megatron blend's validation share /
+`data.valid_paths`) plus teacher-forced losses/accuracies on validation micro-batches, and returns
+`eval/*` metrics. With `eval.suite` set the decoded prompts are a public prompt set's instead
+(eval/suites.py: spread over the suite, `eval.num_prompts` of each), read offline from an installed
+package:
 
 * greedy decoding (always): `acceptance_length`, `accept_rate/pos_k`, `draft_acceptance_rate`, the
   speed figures, and `distinct_2` / `distinct_4` of the greedy continuations (metrics.distinct_n: a
@@ -23,10 +24,10 @@ the suite, `eval.num_prompts` of each), read offline from an installed package:
   Only the speculative side is decoded (AR decoding is needed for the speed figures alone, which the
   greedy run gives), so each T costs two decodes. Greedy decoding is the same under both rules.
 
-Every acceptance figure above, under each of these prefixes, is logged with its 95% interval beside it
-(`eval/acceptance_length_lo95`, `eval/T1/accept_rate/pos_2_hi95`): a bootstrap over the prompts
-(acceptance.acceptance_intervals), since with `eval.num_prompts` prompts a change in acceptance between
-two evaluations may be noise.
+Every acceptance figure above, under each of these prefixes, is logged with its 95% interval beside
+it (`eval/acceptance_length_lo95`, `eval/T1/accept_rate/pos_2_hi95`): a bootstrap over the prompts
+(acceptance.acceptance_intervals), since with `eval.num_prompts` prompts a change in acceptance
+between two evaluations may be noise.
 
 `last_samples` holds the first `eval.num_samples_logged` prompts' decoded text and acceptance (the
 training loop hands them to MetricsLogger.log_samples).
@@ -95,11 +96,18 @@ class LayoutDecoding(Replicas, Protocol):
 
 
 class InLoopEvaluator:
-    """`run(step)`: the eval/* figures of the model now. `decoding`: the layout's LayoutDecoding, None in
-    one process."""
+    """`run(step)`: the eval/* figures of the model now. `decoding`: the layout's LayoutDecoding,
+    None in one process."""
 
-    def __init__(self, cfg, model, valid_ds, tokenizer, pstate, decoding: Optional[LayoutDecoding] = None):
-        self.cfg, self.model, self.valid_ds, self.tokenizer, self.pstate = cfg, model, valid_ds, tokenizer, pstate
+    def __init__(self, cfg, model, valid_ds, tokenizer, pstate,
+                 decoding: Optional[LayoutDecoding] = None):
+        self.cfg, self.model, self.valid_ds, self.tokenizer, self.pstate = (
+            cfg,
+            model,
+            valid_ds,
+            tokenizer,
+            pstate,
+        )
         if decoding is None and pstate.world_size > 1:
             raise ValueError("InLoopEvaluator on several processes needs the layout's decoding "
                              "(trainer/parallel/pipeline_decode.parallel_decoding)")
@@ -124,14 +132,16 @@ class InLoopEvaluator:
             self.prompts = self._suite_prompts(cfg, tokenizer)
 
     def _suite_prompts(self, cfg, tokenizer) -> List[List[int]]:
-        """`eval.num_prompts` prompts spread over each suite of `eval.suite` (eval/suites.py), each cut
-        to the decoder's room (its last tokens: the text the continuation follows). Public prompt sets
-        put the in-loop figure on the scale papers report; the teacher-forced losses stay held-out."""
+        """`eval.num_prompts` prompts spread over each suite of `eval.suite` (eval/suites.py), each
+        cut to the decoder's room (its last tokens: the text the continuation follows). Public
+        prompt sets put the in-loop figure on the scale papers report; the teacher-forced losses
+        stay held-out."""
         e = cfg.eval
         if tokenizer is None:
             raise ValueError(f"eval.suite={e.suite!r} needs the run's tokenizer")
         tok = cfg.data.tokenizer or ""
-        chat = chat_template_in([tok if os.path.isdir(tok) else os.path.dirname(tok), cfg.model.init_from or ""])
+        chat = chat_template_in([tok if os.path.isdir(tok) else os.path.dirname(tok),
+                                 cfg.model.init_from or ""])
         limit = prompt_limit(cfg.model.max_seq_len, e.max_new_tokens, self.num_steps)
         prompts, _ = tokenize_suite(load_suites(e.suite, e.num_prompts), tokenizer, chat, limit)
         return prompts
@@ -143,12 +153,14 @@ class InLoopEvaluator:
 
     def run(self, step: int) -> Dict[str, float]:
         if not self.prompts:
-            self._say_once("eval: no validation split (data gives validation no samples); evaluator skipped")
+            self._say_once("eval: no validation split (data gives validation no samples); "
+                           "evaluator skipped")
             return {}
         t0 = time.perf_counter()
         model, d = self.model, self.decoding
         device = self.pstate.device.device
-        routers = [m.router for m in unwrap(model).moe_layers()] if hasattr(unwrap(model), "moe_layers") else []
+        routers = [m.router for m in unwrap(model).moe_layers()] if hasattr(unwrap(model),
+                                                                            "moe_layers") else []
         saved_loads = [r.tokens_per_expert.clone() for r in routers]
         was_training = model.training
         devices = [] if device.type == "cpu" else [device]
@@ -177,18 +189,22 @@ class InLoopEvaluator:
         return {f"eval/{k}": v for k, v in keep.items()}
 
     def _evaluate(self, m) -> dict:
-        """The driver's figures on model (view) `m`: teacher-forced losses, greedy decoding both ways,
-        then each sampled temperature; plus the greedy `outputs` and the logged `samples`."""
+        """The driver's figures on model (view) `m`: teacher-forced losses, greedy decoding both
+        ways, then each sampled temperature; plus the greedy `outputs` and the logged `samples`."""
         e, d = self.cfg.eval, self.decoding
         with RecallProbe(m) as recall:
-            out = teacher_forced(m, self.loss_batches, self.pstate.device.device, self.cfg.data.document_mask)
+            out = teacher_forced(m, self.loss_batches, self.pstate.device.device,
+                                 self.cfg.data.document_mask)
         if recall.value() is not None:
             out["qsa_recall"] = recall.value()
-        common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                      eos_id=self.eos_id, seed=self.cfg.train.seed, draft_convention=e.draft_convention)
+        common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens,
+                      batch_size=e.batch_size,
+                      eos_id=self.eos_id, seed=self.cfg.train.seed,
+                      draft_convention=e.draft_convention)
         dec, spec, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=0.0, **common)
         out.update(dec)
-        out.update(other_convention_figures(m, self.prompts, dec, replicas=d, temperature=0.0, **common))
+        out.update(other_convention_figures(m, self.prompts, dec, replicas=d, temperature=0.0,
+                                            **common))
         greedy = [o for r in spec for o in r.outputs]
         for n in DISTINCT_N:
             value = distinct_n(greedy, n)
@@ -200,26 +216,29 @@ class InLoopEvaluator:
         return out
 
     def _sampled(self, m, common: dict, out: dict) -> list:
-        """Speculative sampling at each `eval.temperatures` T under the configured rule (`T<t>/` keys)
-        and the other rule (`T<t>/<rule>/`), figures added to `out`; returns the (label, results) of
-        the configured rule's decodes."""
+        """Speculative sampling at each `eval.temperatures` T under the configured rule (`T<t>/`
+        keys) and the other rule (`T<t>/<rule>/`), figures added to `out`; returns the (label,
+        results) of the configured rule's decodes."""
         e, d = self.cfg.eval, self.decoding
         other = next(r for r in VERIFY_RULES if r != e.verify)
         variants = []
         for t in e.temperatures:
             label = temperature_label(t)
-            dec_t, spec_t, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=t, top_p=e.top_p,
+            dec_t, spec_t, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=t,
+                                                 top_p=e.top_p,
                                                  autoregressive=False, verify=e.verify, **common)
             out.update({f"{label}/{k}": v for k, v in dec_t.items()})
             variants.append((label, spec_t))
-            dec_o, _, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=t, top_p=e.top_p,
+            dec_o, _, _ = evaluate_decoding(m, self.prompts, replicas=d, temperature=t,
+                                            top_p=e.top_p,
                                             autoregressive=False, verify=other, **common)
             out.update({f"{label}/{other}/{k}": v for k, v in dec_o.items()})
         return variants
 
     def _samples(self, variants) -> List[dict]:
-        """Token ids and per-row acceptance of the first `eval.num_samples_logged` prompts, for every
-        variant ("" greedy, then `T<t>`), as plain lists (they travel to rank 0 with the figures)."""
+        """Token ids and per-row acceptance of the first `eval.num_samples_logged` prompts, for
+        every variant ("" greedy, then `T<t>`), as plain lists (they travel to rank 0 with the
+        figures)."""
         n = min(self.cfg.eval.num_samples_logged, len(self.prompts))
         rows = [{"prompt_ids": list(self.prompts[i])} for i in range(n)]
         for label, results in variants:
@@ -229,7 +248,8 @@ class InLoopEvaluator:
                 for b, ids in enumerate(res.outputs):
                     if i < n:
                         rows[i][f"{pre}output_ids"] = list(ids)
-                        rows[i][f"{pre}acceptance_length"] = row_metrics(res.stats, b)["acceptance_length"]
+                        rows[i][f"{pre}acceptance_length"] = row_metrics(res.stats,
+                                                                         b)["acceptance_length"]
                     i += 1
         return rows
 

@@ -27,9 +27,10 @@ from .spec_decode import unwrap
 
 @contextlib.contextmanager
 def _head_inputs(head):
-    """Inside, `model.logits(depth, h)` returns the head's input (depth's final-normed state, [n x hidden])
-    instead of [n x vocab] logits: the model (or a pipeline's driver view, which runs a depth's norm on
-    the rank holding it) keeps deciding where each norm runs, and the head then runs chunk by chunk."""
+    """Inside, `model.logits(depth, h)` returns the head's input (depth's final-normed state, [n x
+    hidden]) instead of [n x vocab] logits: the model (or a pipeline's driver view, which runs a
+    depth's norm on the rank holding it) keeps deciding where each norm runs, and the head then runs
+    chunk by chunk."""
     head.logits = lambda h_normed: h_normed  # an instance attribute shadows the method
     try:
         yield
@@ -39,9 +40,9 @@ def _head_inputs(head):
 
 def _head_argmax(head, h_nh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Top-1 token of the output head per row, one [chunk x vocab] slice of logits at a time. A
-    vocab-parallel head (trainer/parallel/tensor.py: `weight` a Shard(0) DTensor over `tp_mesh`) keeps
-    its vocabulary shard: each chunk's largest logit is all-reduced over tp, then the smallest vocab id
-    reaching it, which is the first index argmax over the gathered vocabulary picks."""
+    vocab-parallel head (trainer/parallel/tensor.py: `weight` a Shard(0) DTensor over `tp_mesh`)
+    keeps its vocabulary shard: each chunk's largest logit is all-reduced over tp, then the smallest
+    vocab id reaching it, which is the first index argmax over the gathered vocabulary picks."""
     tp_mesh = getattr(head, "tp_mesh", None)
     if tp_mesh is None:
         return chunked_argmax(h_nh, head.weight, chunk_tokens)
@@ -52,7 +53,8 @@ def _head_argmax(head, h_nh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         best, idx = F.linear(h_nh[i : i + chunk_tokens], w).float().max(dim=-1)
         top = best.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        first = torch.where(best == top, idx + start, torch.full_like(idx, torch.iinfo(torch.long).max))
+        first = torch.where(best == top, idx + start,
+                            torch.full_like(idx, torch.iinfo(torch.long).max))
         dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
         out[i : i + chunk_tokens] = first
     return out
@@ -64,8 +66,8 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
     """Mean cross-entropy (`loss/main`, `loss/mtp_k`) and top-1 accuracy (`tf_acc/mtp_k`) per depth,
     from the same hidden states the training forward computes (`TandemModel.depth_states`; packed
     documents kept apart with `document_mask`, as data.document_mask trains). The head runs
-    `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP), so no
-    [tokens x vocab] logits exist, nor a gathered vocabulary."""
+    `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP), so
+    no [tokens x vocab] logits exist, nor a gathered vocabulary."""
     m = unwrap(model)
     depths = m.num_depths
     head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens
@@ -103,9 +105,9 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
 
 
 def distinct_n(outputs: Sequence[Sequence[int]], n: int) -> Optional[float]:
-    """Mean over continuations of (distinct n-grams / total n-grams) of each one's token ids: 1.0 when
-    no n-gram repeats, near 1/len when the text loops on one token. Continuations shorter than n have
-    no n-gram and are left out of the mean; None when none has one."""
+    """Mean over continuations of (distinct n-grams / total n-grams) of each one's token ids: 1.0
+    when no n-gram repeats, near 1/len when the text loops on one token. Continuations shorter than
+    n have no n-gram and are left out of the mean; None when none has one."""
     ratios = []
     for out in outputs:
         grams = [tuple(out[i : i + n]) for i in range(len(out) - n + 1)]

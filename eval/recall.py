@@ -13,12 +13,14 @@ from tandem.models.qsa import IndexedAttention
 
 class RecallProbe:
     """Context that makes every QSA layer measure its recall (the share of the dense attention's
-    probability mass inside its selection) on each forward it runs, e.g. the evaluator's teacher-forced
-    pass; `value()` is the mean over layers and forwards (None when no QSA layer ran)."""
+    probability mass inside its selection) on each forward it runs, e.g. the evaluator's
+    teacher-forced pass; `value()` is the mean over layers and forwards (None when no QSA layer
+    ran)."""
 
     active = None
-    """The probe currently entered in this process (None: none): a pipeline's decoding driver adds the
-    values the other stages' QSA layers measured (trainer/parallel/pipeline_decode.py reads it)."""
+    """The probe currently entered in this process (None: none): a pipeline's decoding driver adds
+    the values the other stages' QSA layers measured (trainer/parallel/pipeline_decode.py reads
+    it)."""
 
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, IndexedAttention)]

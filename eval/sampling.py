@@ -1,6 +1,6 @@
-"""Token choice for the speculative decoder: the tempered nucleus distribution, a `TokenChooser` that
-draws from it (or takes the argmax at temperature 0), and the token-wise speculative-sampling rule.
-Block verification, the other rule, is eval/block_verify.py."""
+"""Token choice for the speculative decoder: the tempered nucleus distribution, a `TokenChooser`
+that draws from it (or takes the argmax at temperature 0), and the token-wise speculative-sampling
+rule. Block verification, the other rule, is eval/block_verify.py."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 
 class TokenChooser:
-    """How a decode picks a token from logits: greedy at temperature 0, else a draw from the tempered
-    top-p distribution with the decode's generator. The trunk's tokens and the drafts are chosen
-    alike (so temperature and top-p apply identically to the target p and the draft q)."""
+    """How a decode picks a token from logits: greedy at temperature 0, else a draw from the
+    tempered top-p distribution with the decode's generator. The trunk's tokens and the drafts are
+    chosen alike (so temperature and top-p apply identically to the target p and the draft q)."""
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None):
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None):
         self.temperature, self.top_p, self.generator = float(temperature), float(top_p), generator
 
     @property

@@ -1,4 +1,5 @@
-"""Speculative decoding with the model's own MTP module: draft K tokens, verify in one trunk forward.
+"""Speculative decoding with the model's own MTP module: draft K tokens, verify in one trunk
+forward.
 
 A round (per row b, vectorised over the batch): the drafter (eval/drafting.py: the `Drafter`
 protocol, conventions `serving` and `tandem`) yields each depth's draft logits after the committed
@@ -14,11 +15,11 @@ makes the bounds exact with the loop's one host read per round (`read_lengths`, 
 
 With temperature > 0 drafts are sampled from q (the MTP distribution) and verified with the standard
 speculative-sampling rule (accept with min(1, p/q), on rejection resample from norm(max(p - q, 0)),
-bonus from p), temperature and top-p applied identically to p and q (eval/sampling.py), so the output
-is distributed exactly as sampling from the trunk alone. `verify="block"` verifies the K drafts as
-one block instead (eval/block_verify.py: Sun et al. 2024's block verification, also exact and
-accepting at least as many drafts on average); at temperature 0 both rules are greedy exact-match
-acceptance. The acceptance figures of a decode are eval/acceptance.py's.
+bonus from p), temperature and top-p applied identically to p and q (eval/sampling.py), so the
+output is distributed exactly as sampling from the trunk alone. `verify="block"` verifies the K
+drafts as one block instead (eval/block_verify.py: Sun et al. 2024's block verification, also exact
+and accepting at least as many drafts on average); at temperature 0 both rules are greedy
+exact-match acceptance. The acceptance figures of a decode are eval/acceptance.py's.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class DecodeStats:
     num_rounds: int = 0
     """Batched rounds (one verify forward each)."""
     accepted_all: Optional[torch.Tensor] = None
-    """[B] every draft the trunk accepted, also past max_new_tokens or EOS in a row's last round: what
-    vLLM's scheduler counts (`accepted` is budget-exact)."""
+    """[B] every draft the trunk accepted, also past max_new_tokens or EOS in a row's last round:
+    what vLLM's scheduler counts (`accepted` is budget-exact)."""
     accepted_all_at: Optional[torch.Tensor] = None
     """[B,K] the same per draft position."""
 
@@ -94,32 +95,37 @@ def _check_model(model: nn.Module, num_steps: int) -> None:
     if num_steps > 0 and model.mtp is None:
         raise ValueError("speculative decoding needs an MTP module (mtp.num_steps > 0)")
     if num_steps > 0 and not model.mtp.chained and num_steps > len(model.mtp.layers):
-        raise ValueError(f"num_steps={num_steps} exceeds the {len(model.mtp.layers)} independent heads of the "
-                         "parallel-style MTP module (only the looped style can run longer than it was trained)")
+        raise ValueError(f"num_steps={num_steps} exceeds the {len(model.mtp.layers)} independent "
+                         "heads of the "
+                         "parallel-style MTP module (only the looped style can run longer than it "
+                         "was trained)")
 
 
 def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:
-    """Most prompt tokens that fit: SpecDecoder's caches need prompt + max_new_tokens + 4K + 5 positions
-    (its margin below, plus the K tokens a last round may draft past the budget)."""
+    """Most prompt tokens that fit: SpecDecoder's caches need prompt + max_new_tokens + 4K + 5
+    positions (its margin below, plus the K tokens a last round may draft past the budget)."""
     return max_seq_len - max_new_tokens - 4 * num_steps - 5
 
 
 class SpecDecoder:
-    """Caches and per-row state for decoding one batch (num_steps=0 is plain autoregressive): the trunk's
-    KV cache, the shared `batch` and the drafter of `draft_convention` (`serving`: as vLLM's proposer;
-    `tandem`: as trained; eval/drafting.py)."""
+    """Caches and per-row state for decoding one batch (num_steps=0 is plain autoregressive): the
+    trunk's KV cache, the shared `batch` and the drafter of `draft_convention` (`serving`: as vLLM's
+    proposer; `tandem`: as trained; eval/drafting.py)."""
 
     def __init__(self, model: nn.Module, num_steps: int, batch: int, max_positions: int, *,
-                 temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+                 temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None,
                  verify: str = "token", draft_convention: str = "serving"):
         self.model = m = unwrap(model)
         self.K = num_steps
         _check_model(m, num_steps)
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify={verify!r}: must be one of {', '.join(VERIFY_RULES)}")
-        self.verify_rule = verify  # sampled drafts: `token` (speculative_accept) or `block` (block_accept)
+        # sampled drafts: `token` (speculative_accept) or `block` (block_accept)
+        self.verify_rule = verify
         self.chooser = TokenChooser(temperature, top_p, generator)
-        self.convention = resolve_convention(m, draft_convention, num_steps)  # `tandem` where serving is undefined
+        # `tandem` where serving is undefined
+        self.convention = resolve_convention(m, draft_convention, num_steps)
         # Margin: pad positions of a batched range may run up to ~2K past a row's end.
         cap = int(max_positions) + 3 * num_steps + 4
         if cap > m.cfg.max_seq_len:
@@ -145,20 +151,24 @@ class SpecDecoder:
         return self.batch.read_lengths(*flags)
 
     def choose(self, logits: torch.Tensor):
-        """(token [B], probs [B,V] or None) from logits [B,V]: the trunk's first token and every draft."""
+        """(token [B], probs [B,V] or None) from logits [B,V]: the trunk's first token and every
+        draft."""
         return self.chooser.choose(logits)
 
-    # --- phases ------------------------------------------------------------------------------------
-    def prefill(self, prompts: Sequence[Sequence[int]], first_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # --- phases -----------------------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]],
+                first_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the trunk over the prompts; commit the first generated token (or `first_tokens`)."""
         b = self.batch
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        n = max(len(p) for p in prompts)  # from the host's list: lens.max() would read the device back
+        # from the host's list: lens.max() would read the device back
+        n = max(len(p) for p in prompts)
         tokens = torch.zeros(b.B, n, dtype=torch.long, device=self.device)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         pos = b.arange[:n].unsqueeze(0).expand(b.B, n)
-        self.trunk_cache.row_end = lens - 1  # shorter prompts are padded: their state ends at their last token
+        # shorter prompts are padded: their state ends at their last token
+        self.trunk_cache.row_end = lens - 1
         self.trunk_cache.span = n
         h = self.model.trunk(tokens, pos, self.trunk_cache)
         self.trunk_cache.row_end = None
@@ -194,8 +204,8 @@ class SpecDecoder:
         return torch.stack(drafts, 1), q, all_logits
 
     def verify(self, drafts: torch.Tensor, q: Optional[torch.Tensor]):
-        """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B]). Greedy: the
-        exact-match prefix; sampling: `self.verify_rule`'s acceptance (token-wise or block)."""
+        """One trunk forward over [x_m, d_1..d_K]; returns (accepted n [B], next token [B]). Greedy:
+        the exact-match prefix; sampling: `self.verify_rule`'s acceptance (token-wise or block)."""
         b, K, chooser = self.batch, self.K, self.chooser
         pos = b.m.unsqueeze(1) + b.arange[: K + 1].unsqueeze(0)
         self.trunk_cache.span = b.span_to(b.m_hi + K)
@@ -227,11 +237,12 @@ class SpecDecoder:
 
 
 def emitted_tokens(old_m: torch.Tensor, new_m: torch.Tensor, limit: torch.Tensor,
-                   new_tok: Optional[torch.Tensor] = None, eos_id: Optional[int] = None) -> torch.Tensor:
-    """[B] tokens a round adds to the outputs: of the new_m - old_m it committed (accepted drafts and
-    the bonus), those up to the row's budget (m index `limit`) and up to its first EOS (`new_tok`
-    [B,K+1] holds seq[old_m + 1 ..]). Drafts past either end are never seen by a user, so they are
-    not counted as accepted."""
+                   new_tok: Optional[torch.Tensor] = None,
+                   eos_id: Optional[int] = None) -> torch.Tensor:
+    """[B] tokens a round adds to the outputs: of the new_m - old_m it committed (accepted drafts
+    and the bonus), those up to the row's budget (m index `limit`) and up to its first EOS
+    (`new_tok` [B,K+1] holds seq[old_m + 1 ..]). Drafts past either end are never seen by a user, so
+    they are not counted as accepted."""
     out = torch.minimum(new_m - old_m, (limit - old_m).clamp(min=0))
     if eos_id is not None and new_tok is not None:
         window = torch.arange(1, new_tok.shape[1] + 1, device=new_tok.device)
@@ -251,7 +262,8 @@ class _Counts:
         self.pos_ids = torch.arange(1, K + 1, device=device)
 
     def add(self, active: torch.Tensor, n: torch.Tensor, emitted: torch.Tensor) -> None:
-        """A round: `n` [B] drafts the trunk accepted, `emitted` [B] tokens it added to the outputs."""
+        """A round: `n` [B] drafts the trunk accepted, `emitted` [B] tokens it added to the
+        outputs."""
         self.rounds += active
         if self.K == 0:
             return
@@ -266,7 +278,8 @@ class _Counts:
     def stats(self) -> DecodeStats:
         K = self.K
         return DecodeStats(self.rounds.cpu(), self.accepted.cpu(), self.accepted_at[:, :K].cpu(), K,
-                           accepted_all=self.accepted_all.cpu(), accepted_all_at=self.accepted_all_at[:, :K].cpu())
+                           accepted_all=self.accepted_all.cpu(),
+                           accepted_all_at=self.accepted_all_at[:, :K].cpu())
 
 
 def _finished(old_m, new_m, limit, new_tok, eos_id, window) -> torch.Tensor:
@@ -278,14 +291,16 @@ def _finished(old_m, new_m, limit, new_tok, eos_id, window) -> torch.Tensor:
     return done
 
 
-def _decode_rounds(dec: SpecDecoder, active: torch.Tensor, limit: torch.Tensor, eos_id: Optional[int],
+def _decode_rounds(dec: SpecDecoder, active: torch.Tensor, limit: torch.Tensor,
+                   eos_id: Optional[int],
                    counts: _Counts, any_active: Callable[[bool], bool]) -> dict:
-    """Draft, verify and commit until no row (of any process in lockstep) is active; returns the phase
-    times (`draft_s`, `verify_s`, `overhead_s`) and `num_rounds`."""
+    """Draft, verify and commit until no row (of any process in lockstep) is active; returns the
+    phase times (`draft_s`, `verify_s`, `overhead_s`) and `num_rounds`."""
     K, dev = dec.K, dec.device
     window = torch.arange(1, K + 2, device=dev)
     times = {"draft_s": 0.0, "verify_s": 0.0, "overhead_s": 0.0, "num_rounds": 0}
-    # the round's one host read: whether a row is still active, with the lengths that size its forwards
+    # the round's one host read: whether a row is still active, with the lengths that size its
+    # forwards
     while any_active(bool(dec.read_lengths(active.any())[0])):
         ta = time.perf_counter()
         drafts, q, _ = dec.draft() if K > 0 else (None, None, None)
@@ -308,7 +323,8 @@ def _decode_rounds(dec: SpecDecoder, active: torch.Tensor, limit: torch.Tensor, 
     return times
 
 
-def _outputs(dec: SpecDecoder, lens: List[int], max_new_tokens: int, eos_id: Optional[int]) -> List[List[int]]:
+def _outputs(dec: SpecDecoder, lens: List[int], max_new_tokens: int,
+             eos_id: Optional[int]) -> List[List[int]]:
     """Each row's continuation: at most max_new_tokens, up to and including its first EOS."""
     seq, m = dec.seq.cpu(), dec.m.cpu()
     outputs = []
@@ -321,13 +337,17 @@ def _outputs(dec: SpecDecoder, lens: List[int], max_new_tokens: int, eos_id: Opt
 
 
 @torch.inference_mode()
-def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_steps: int, *,
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             num_steps: int, *,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-             generator: Optional[torch.Generator] = None, padding: bool = False, verify: str = "token",
-             any_active: Optional[Callable[[bool], bool]] = None, draft_convention: str = "serving") -> DecodeResult:
+             generator: Optional[torch.Generator] = None, padding: bool = False,
+             verify: str = "token",
+             any_active: Optional[Callable[[bool], bool]] = None,
+             draft_convention: str = "serving") -> DecodeResult:
     """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
-    `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under both);
-    `draft_convention` how depths 2..K draft (`serving`: as vLLM's proposer; `tandem`: as trained).
+    `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under
+    both); `draft_convention` how depths 2..K draft (`serving`: as vLLM's proposer; `tandem`: as
+    trained).
 
     Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
     returns whether any process still has an active row, and the loop runs until none has (rows
@@ -339,10 +359,12 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     lens = [len(p) for p in prompts]
     if min(lens) < 1:
         raise ValueError("every prompt needs at least one token")
-    dec = SpecDecoder(model, K, B, max(lens) + max_new_tokens + K + 1, temperature=temperature, top_p=top_p,
+    dec = SpecDecoder(model, K, B, max(lens) + max_new_tokens + K + 1, temperature=temperature,
+                      top_p=top_p,
                       generator=generator, verify=verify, draft_convention=draft_convention)
     dev = dec.device
-    limit = torch.tensor(lens, dtype=torch.long, device=dev) + max_new_tokens - 1  # m at max_new_tokens
+    # m at max_new_tokens
+    limit = torch.tensor(lens, dtype=torch.long, device=dev) + max_new_tokens - 1
     synchronize(dev)
     t0 = time.perf_counter()
     first = dec.prefill(prompts)

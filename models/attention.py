@@ -46,8 +46,8 @@ class Attention(nn.Module):
                 context: Optional[WholeWindow] = None) -> torch.Tensor:
         """`documents` (packed training windows, data.document_mask): attention stays inside each
         document (block-diagonal causal); `positions_bs` then count from each document's start.
-        `context` (training under context parallelism): the queries are this rank's rows of the window,
-        the keys and values every row's, gathered (models/context.py)."""
+        `context` (training under context parallelism): the queries are this rank's rows of the
+        window, the keys and values every row's, gathered (models/context.py)."""
         b, s, _ = x_bsh.shape
         # Head counts come from the projection widths so tensor parallelism (which shards the
         # projections' output features) needs no change here.
@@ -56,27 +56,31 @@ class Attention(nn.Module):
         v = self.v_proj(x_bsh).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:  # per head, on the projections' contiguous rows
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q.transpose(1, 2), positions_bs), self.rotary(k.transpose(1, 2), positions_bs)
+        q, k = self.rotary(q.transpose(1, 2), positions_bs), self.rotary(k.transpose(1, 2),
+                                                                         positions_bs)
         groups = q.shape[1] // k.shape[1]
         if cache is None and context is not None and context.sharded:
             out = self._over_window(q, k, v, context, documents, groups)
         elif cache is None and documents is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(), enable_gqa=groups > 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(),
+                                                 enable_gqa=groups > 1)
         elif cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
         else:
             k_all, v_all = cache.update(k, v, positions_bs)
             key_pos = torch.arange(k_all.shape[2], device=x_bsh.device)
             mask = key_pos[None, None, None, :] <= positions_bs[:, None, :, None]
-            out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=mask,
-                                                 enable_gqa=groups > 1)
+            out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype),
+                                                 attn_mask=mask, enable_gqa=groups > 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     @staticmethod
-    def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents], groups: int):
-        """This rank's queries over the whole window's keys and values (gathered in window order), masked
-        by window row: causal, and inside the query's document when documents are kept apart. Chunk by
-        chunk, each over the keys up to its own end only (zigzag's early chunk reads few)."""
+    def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents],
+                     groups: int):
+        """This rank's queries over the whole window's keys and values (gathered in window order),
+        masked by window row: causal, and inside the query's document when documents are kept apart.
+        Chunk by chunk, each over the keys up to its own end only (zigzag's early chunk reads
+        few)."""
         k_all, v_all = (context.gather(t.transpose(1, 2)).transpose(1, 2) for t in (k_bhsd, v_bhsd))
         local = q_bhsd.shape[2]
         rows = context.rows(local, q_bhsd.device)
@@ -88,6 +92,8 @@ class Attention(nn.Module):
             mask = (key_u[None, :] <= rows[mine, None])[None]
             if documents is not None:
                 mask = mask & (key_u[None, None, :] >= documents.starts_bs[:, mine, None])
-            out.append(F.scaled_dot_product_attention(q_bhsd[:, :, mine], k_all[:, :, :end], v_all[:, :, :end],
-                                                      attn_mask=mask[:, None], enable_gqa=groups > 1))
+            out.append(F.scaled_dot_product_attention(q_bhsd[:, :, mine], k_all[:, :, :end],
+                                                      v_all[:, :, :end],
+                                                      attn_mask=mask[:, None],
+                                                      enable_gqa=groups > 1))
         return torch.cat(out, dim=2)

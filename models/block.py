@@ -1,6 +1,6 @@
-"""One decoder block: a token mixer (full attention, QSA sparse attention or Gated DeltaNet, each built
-from the config) and an MLP or MoE, around the residual scheme (plain, or hyper-connections over
-`hc_count` streams), with optional PLE n-gram injection; and the shared output head."""
+"""One decoder block: a token mixer (full attention, QSA sparse attention or Gated DeltaNet, each
+built from the config) and an MLP or MoE, around the residual scheme (plain, or hyper-connections
+over `hc_count` streams), with optional PLE n-gram injection; and the shared output head."""
 
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
             hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.resolved_head_dim, partial_rotary_factor=cfg.partial_rotary_factor,
             rope_theta=cfg.rope_theta, max_seq_len=cfg.max_seq_len, eps=cfg.rms_norm_eps,
-            indexer_heads=cfg.indexer_heads, indexer_head_dim=cfg.indexer_head_dim, budget=cfg.indexer_budget,
-            compress_ratio=cfg.indexer_compress_ratio, form=cfg.qsa_form)
+            indexer_heads=cfg.indexer_heads, indexer_head_dim=cfg.indexer_head_dim,
+            budget=cfg.indexer_budget, compress_ratio=cfg.indexer_compress_ratio, form=cfg.qsa_form)
     if kind == "linear_attention":
         return GatedDeltaNet(
-            hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+            hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads,
+            num_v_heads=cfg.linear_num_value_heads,
             head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
             conv_kernel=cfg.linear_conv_kernel, eps=cfg.rms_norm_eps, gate_act=cfg.linear_gate_act,
             kernel=cfg.linear_kernel)
@@ -53,13 +54,14 @@ class TransformerBlock(nn.Module):
     """A token mixer plus an MLP or MoE around a residual scheme, with optional PLE n-gram memory.
 
     With `hc_count == 1` the residual is the plain pre-norm one (`input_layernorm`,
-    `post_attention_layernorm`). With hyper-connections (`hc_count > 1`, Qwen4-Exp) the block carries
-    `hc_count` streams [B, S, hc x H]: `attn_hyper_connection` / `mlp_hyper_connection` each mix the
-    normalised streams into the sublayer's input and inject its output back into every stream with
-    learned weights (they replace the two norms). A PLE layer adds its n-gram features to the
-    streams first; it is the only part that reads the token ids."""
+    `post_attention_layernorm`). With hyper-connections (`hc_count > 1`, Qwen4-Exp) the block
+    carries `hc_count` streams [B, S, hc x H]: `attn_hyper_connection` / `mlp_hyper_connection` each
+    mix the normalised streams into the sublayer's input and inject its output back into every
+    stream with learned weights (they replace the two norms). A PLE layer adds its n-gram features
+    to the streams first; it is the only part that reads the token ids."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, kind: str = "attention", ple_index: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, moe: bool, kind: str = "attention",
+                 ple_index: Optional[int] = None):
         super().__init__()
         self.kind = kind
         mixer = make_token_mixer(cfg, kind)
@@ -70,9 +72,10 @@ class TransformerBlock(nn.Module):
             self.self_attn = mixer
         self.hc_count = cfg.hc_count
         if cfg.hc_count > 1:
-            self.attn_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank,
-                                                         cfg.rms_norm_eps)
-            self.mlp_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+            self.attn_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count,
+                                                         cfg.hc_lowrank, cfg.rms_norm_eps)
+            self.mlp_hyper_connection = HyperConnection(cfg.hidden_size, cfg.hc_count,
+                                                        cfg.hc_lowrank, cfg.rms_norm_eps)
         else:
             self.input_layernorm = model_norm(cfg, cfg.hidden_size)
             self.post_attention_layernorm = model_norm(cfg, cfg.hidden_size)
@@ -80,26 +83,31 @@ class TransformerBlock(nn.Module):
         self.ple = None
         if ple_index is not None:
             self.ple = PLELayer(
-                hidden_size=cfg.hidden_size, hc_count=cfg.hc_count, embed_dim=cfg.resolved_ple_embed_dim,
-                conv_kernel=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size, heads_per_ngram=cfg.heads_per_ngram,
+                hidden_size=cfg.hidden_size, hc_count=cfg.hc_count,
+                embed_dim=cfg.resolved_ple_embed_dim,
+                conv_kernel=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size,
+                heads_per_ngram=cfg.heads_per_ngram,
                 vocab_size=cfg.vocab_size, ngram_vocab_base=cfg.ngram_vocab_base,
-                ngram_vocab_multiple=cfg.ngram_vocab_multiple, seed=cfg.ngram_seed, ple_layer_index=ple_index,
-                eos_token_id=cfg.eos_token_id, eps=cfg.rms_norm_eps)
+                ngram_vocab_multiple=cfg.ngram_vocab_multiple, seed=cfg.ngram_seed,
+                ple_layer_index=ple_index, eos_token_id=cfg.eos_token_id, eps=cfg.rms_norm_eps)
 
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.kind == "linear_attention" else self.self_attn
 
-    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache: Optional[LayerKV] = None,
-                input_ids_bs: Optional[torch.Tensor] = None, selection: Optional[QSASelection] = None,
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
+                cache: Optional[LayerKV] = None,
+                input_ids_bs: Optional[torch.Tensor] = None,
+                selection: Optional[QSASelection] = None,
                 return_selection: bool = False, documents: Optional[Documents] = None,
                 context: Optional[WholeWindow] = None):
         """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
-        (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection). They
-        are arguments and results, not module state, so activation checkpointing's recomputation and
-        pipelined micro-batches see the selection of their own forward. `documents`: packed documents
-        (models/documents.py), which every part of the block keeps apart. `context`: the window's split
-        over context-parallel ranks (models/context.py), which the token mixer and PLE read across."""
+        (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection).
+        They are arguments and results, not module state, so activation checkpointing's
+        recomputation and pipelined micro-batches see the selection of their own forward.
+        `documents`: packed documents (models/documents.py), which every part of the block keeps
+        apart. `context`: the window's split over context-parallel ranks (models/context.py), which
+        the token mixer and PLE read across."""
         sel_out = None
         extra = {} if documents is None else {"documents": documents}
         if context is not None:
@@ -132,8 +140,8 @@ class TransformerBlock(nn.Module):
 
 
 class OutputHead(nn.Module):
-    """The vocabulary projection shared by the trunk and every MTP depth (tensor parallelism swaps it
-    for a vocab-parallel version with the same two methods)."""
+    """The vocabulary projection shared by the trunk and every MTP depth (tensor parallelism swaps
+    it for a vocab-parallel version with the same two methods)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, backward: str = "recompute"):
         super().__init__()
@@ -145,10 +153,13 @@ class OutputHead(nn.Module):
 
     def loss_sums(self, h_normed_dnh: torch.Tensor, targets_dn: torch.Tensor, chunk_tokens: int,
                   grad_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[D] summed cross-entropies of D depths' rows in one chunked pass (`head_cross_entropy_sums`)."""
-        return head_cross_entropy_sums(h_normed_dnh, self.weight, targets_dn, chunk_tokens, self.backward,
-                                       grad_scales)
+        """[D] summed cross-entropies of D depths' rows in one chunked pass
+        (`head_cross_entropy_sums`)."""
+        return head_cross_entropy_sums(h_normed_dnh, self.weight, targets_dn, chunk_tokens,
+                                       self.backward, grad_scales)
 
-    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
+    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor,
+                            targets_n: torch.Tensor,
                             chunk_tokens: int, ce_weight: float) -> torch.Tensor:
-        return chunked_acceptance_loss_sum(h_normed_nh, teacher_nh, self.weight, targets_n, chunk_tokens, ce_weight)
+        return chunked_acceptance_loss_sum(h_normed_nh, teacher_nh, self.weight, targets_n,
+                                           chunk_tokens, ce_weight)

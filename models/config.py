@@ -36,12 +36,13 @@ class ModelConfig:
     num_shared_experts: int = 1
     """Always-on shared experts per MoE layer (their widths add up into one SwiGLU)."""
     first_k_dense: int = 1
-    """The first k trunk layers use a dense MLP instead of MoE (DeepSeek/GLM `first_k_dense_replace`)."""
+    """The first k trunk layers use a dense MLP instead of MoE (DeepSeek/GLM
+    `first_k_dense_replace`)."""
     router_score: str = "sigmoid"
     """Router scoring function: `softmax` (Qwen3-MoE, Mixtral, Qwen4-Exp) or `sigmoid` (DeepSeek-V3,
-    GLM-4.5). Use the one the checkpoint you import or will export to was trained with; from scratch,
-    `sigmoid` pairs with balance=aux_free (scores independent of the other experts, so a bias shifts
-    selection without rescaling the rest)."""
+    GLM-4.5). Use the one the checkpoint you import or will export to was trained with; from
+    scratch, `sigmoid` pairs with balance=aux_free (scores independent of the other experts, so a
+    bias shifts selection without rescaling the rest)."""
     norm_topk_prob: bool = True
     """Renormalise the selected experts' scores to sum to 1."""
     routed_scaling_factor: float = 1.0
@@ -51,10 +52,11 @@ class ModelConfig:
     topk_group: int = 1
     """Groups a token may route into when n_group > 1."""
     balance: str = "aux_free"
-    """Load balancing: `aux_free` (DeepSeek-V3's per-expert routing bias, nudged each step toward even
-    loads; no gradient through the loss, so the LM objective is untouched: the default from scratch),
-    `aux_loss` (switch-style loss weighted by aux_loss_coef: what Qwen3-MoE / Qwen4-Exp trained with, so
-    use it to continue those) or `none` (fine-tuning a trained router briefly, or a dense model)."""
+    """Load balancing: `aux_free` (DeepSeek-V3's per-expert routing bias, nudged each step toward
+    even loads; no gradient through the loss, so the LM objective is untouched: the default from
+    scratch), `aux_loss` (switch-style loss weighted by aux_loss_coef: what Qwen3-MoE / Qwen4-Exp
+    trained with, so use it to continue those) or `none` (fine-tuning a trained router briefly, or a
+    dense model)."""
     aux_loss_coef: float = 1e-3
     """Weight of the load-balancing auxiliary loss when balance=aux_loss."""
     bias_update_rate: float = 1e-3
@@ -72,9 +74,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
-    """Share the output head's weight with the token embedding: for small vocab-dominated models or a
-    checkpoint that ties them; not supported with parallel.tp > 1 or loss depths spread over pipeline
-    stages."""
+    """Share the output head's weight with the token embedding: for small vocab-dominated models or
+    a checkpoint that ties them; not supported with parallel.tp > 1 or loss depths spread over
+    pipeline stages."""
     max_seq_len: int = 4096
     """Longest position RoPE tables are built for (training window plus decode budget)."""
     init_std: float = 0.02
@@ -89,15 +91,18 @@ class ModelConfig:
     """With `layer_types` empty and n > 0: layers n, 2n, ... (1-based) are `indexed_attention`, the
     others `linear_attention` (Qwen3-Next / Qwen4-Exp's hybrid schedule)."""
     zero_centered_norm: bool = False
-    """RMSNorm weights hold w - 1 (output x_hat * (1 + w), initialised to 0), as Qwen3-Next / Qwen4-Exp."""
+    """RMSNorm weights hold w - 1 (output x_hat * (1 + w), initialised to 0), as Qwen3-Next /
+    Qwen4-Exp."""
     shared_expert_intermediate_size: int = 0
     """Width of the shared expert's SwiGLU; 0 means num_shared_experts x moe_intermediate_size."""
     shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(shared_expert_gate(x)) (Qwen3-Next / Qwen4-Exp)."""
+    """Scale the shared expert's output by sigmoid(shared_expert_gate(x)) (Qwen3-Next /
+    Qwen4-Exp)."""
     linear_num_key_heads: int = 2
     """Gated DeltaNet query/key heads."""
     linear_num_value_heads: int = 4
-    """Gated DeltaNet value heads (a multiple of linear_num_key_heads; each q/k head serves a group)."""
+    """Gated DeltaNet value heads (a multiple of linear_num_key_heads; each q/k head serves a
+    group)."""
     linear_key_head_dim: int = 32
     """Gated DeltaNet query/key head width."""
     linear_value_head_dim: int = 32
@@ -105,11 +110,13 @@ class ModelConfig:
     linear_conv_kernel: int = 4
     """Width of Gated DeltaNet's causal depthwise convolution over q, k and v."""
     linear_gate_act: str = "silu"
-    """Activation of Gated DeltaNet's output gate: `silu` or `sigmoid` (transformers' output_gate_type)."""
+    """Activation of Gated DeltaNet's output gate: `silu` or `sigmoid` (transformers'
+    output_gate_type)."""
     linear_kernel: str = "auto"
     """Gated DeltaNet kernels: `torch` (pure PyTorch, every device), `fla` (flash-linear-attention's
-    CUDA kernels; an error when not installed) or `auto` (fla on CUDA when installed, else torch). Keep
-    `auto`; set `torch` to compare against the reference form, `fla` to fail loudly where it is missing."""
+    CUDA kernels; an error when not installed) or `auto` (fla on CUDA when installed, else torch).
+    Keep `auto`; set `torch` to compare against the reference form, `fla` to fail loudly where it is
+    missing."""
     indexer_heads: int = 4
     """QSA indexer query heads (the indexer has one key head)."""
     indexer_head_dim: int = 32
@@ -119,29 +126,31 @@ class ModelConfig:
     indexer_compress_ratio: int = 4
     """QSA: consecutive tokens averaged into one indexer block key."""
     qsa_form: str = "auto"
-    """QSA training form (same outputs either way): `mask` (masked dense attention, O(S^2) memory; fast
-    for short windows), `gather` (attends over the gathered selected tokens, O(S x budget); long windows)
-    or `auto` (gather when the mask would be large): keep `auto` unless measuring one form."""
+    """QSA training form (same outputs either way): `mask` (masked dense attention, O(S^2) memory;
+    fast for short windows), `gather` (attends over the gathered selected tokens, O(S x budget);
+    long windows) or `auto` (gather when the mask would be large): keep `auto` unless measuring one
+    form."""
     indexer_loss_coef: float = 1.0
     """Weight of the QSA indexer's KL loss (DeepSeek-V3.2: the indexer learns the main attention's
     head-summed distribution); 0 disables it. Logged as `loss/indexer`."""
     indexer_warmup_steps: int = 0
     """QSA dense warm-up: the first N training steps (of the run's first global batch: the warm-up
-    follows consumed samples, as the LR does) attend densely while the indexers learn by their KL over
-    every visible block; afterwards attention is sparse and the KL covers the selected blocks only."""
+    follows consumed samples, as the LR does) attend densely while the indexers learn by their KL
+    over every visible block; afterwards attention is sparse and the KL covers the selected blocks
+    only."""
     indexer_warmup: str = "auto"
-    """What trains during the dense warm-up. `joint`: every parameter (the indexer by its KL alone, its
-    input detached), for a model trained from scratch, whose first steps would otherwise be thrown
-    away while the indexer imitates a random network's attention. `indexer_only`: only the indexers
-    (DeepSeek-V3.2's recipe), for continued pretraining of a dense-trained trunk. `auto`: indexer_only
-    when `model.init_from` brings a trunk, joint otherwise."""
+    """What trains during the dense warm-up. `joint`: every parameter (the indexer by its KL alone,
+    its input detached), for a model trained from scratch, whose first steps would otherwise be
+    thrown away while the indexer imitates a random network's attention. `indexer_only`: only the
+    indexers (DeepSeek-V3.2's recipe), for continued pretraining of a dense-trained trunk. `auto`:
+    indexer_only when `model.init_from` brings a trunk, joint otherwise."""
     hc_count: int = 1
     """Residual streams (hyper-connections, Qwen4-Exp); 1 is the plain residual."""
     hc_lowrank: int = 32
     """Rank of each hyper-connection's input mixer."""
     ple_layers: List[int] = field(default_factory=list)
-    """Trunk layers (0-based) with PLE n-gram memory (transformers' one-based `ple_layer_ids` minus 1);
-    only `linear_attention` layers may carry it."""
+    """Trunk layers (0-based) with PLE n-gram memory (transformers' one-based `ple_layer_ids` minus
+    1); only `linear_attention` layers may carry it."""
     ple_embed_dim: int = 0
     """Width of each PLE layer's concatenated n-gram embedding; 0 means hidden_size."""
     ple_conv_kernel: int = 4
@@ -160,10 +169,11 @@ class ModelConfig:
     """End-of-document token: PLE's n-grams never reach across it (-1: unset; required with PLE)."""
     expert_matmul: str = "auto"
     """Routed experts' matmuls: `grouped` (one `torch._grouped_mm` per projection, torch_npu's
-    `npu_grouped_matmul` on Ascend; counts stay on the device), `loop` (one matmul per expert; needs the
-    counts on the host) or `auto` (grouped where the device/dtype/shapes support it, else loop). Numerics
-    agree to rounding; weights are the same. Keep `auto` (`moe/expert_path` in metrics.jsonl says which
-    ran); `grouped` makes a missing kernel an error, `loop` is the reference to compare against."""
+    `npu_grouped_matmul` on Ascend; counts stay on the device), `loop` (one matmul per expert; needs
+    the counts on the host) or `auto` (grouped where the device/dtype/shapes support it, else loop).
+    Numerics agree to rounding; weights are the same. Keep `auto` (`moe/expert_path` in
+    metrics.jsonl says which ran); `grouped` makes a missing kernel an error, `loop` is the
+    reference to compare against."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -174,7 +184,8 @@ class ModelConfig:
 
     @property
     def resolved_indexer_warmup(self) -> str:
-        """`indexer_warmup` with `auto` resolved: indexer_only when init_from brings a trained trunk."""
+        """`indexer_warmup` with `auto` resolved: indexer_only when init_from brings a trained
+        trunk."""
         if self.indexer_warmup != "auto":
             return self.indexer_warmup
         return "indexer_only" if self.init_from else "joint"
@@ -184,12 +195,19 @@ class ModelConfig:
         if self.layer_types:
             return self.layer_types[layer_index]
         if self.full_attention_interval > 0:
-            return "indexed_attention" if (layer_index + 1) % self.full_attention_interval == 0 else "linear_attention"
+            return (
+                "indexed_attention"
+                if (layer_index + 1) % self.full_attention_interval == 0
+                else "linear_attention"
+            )
         return "attention"
 
     @property
     def resolved_shared_expert_size(self) -> int:
-        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.num_shared_experts
+        return (
+            self.shared_expert_intermediate_size
+            or self.moe_intermediate_size * self.num_shared_experts
+        )
 
     @property
     def resolved_ple_embed_dim(self) -> int:
@@ -200,8 +218,8 @@ class ModelConfig:
         return any(self.layer_type(i) == "indexed_attention" for i in range(self.num_layers))
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending `model.*` key for an impossible trunk shape or choice
-        (`load_config` runs it with the other sections' checks, before any work)."""
+        """Raise ValueError naming the offending `model.*` key for an impossible trunk shape or
+        choice (`load_config` runs it with the other sections' checks, before any work)."""
         positive = {
             "model.vocab_size": self.vocab_size,
             "model.hidden_size": self.hidden_size,
@@ -215,7 +233,8 @@ class ModelConfig:
             if value <= 0:
                 raise ValueError(f"{key} must be positive, got {value}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
+                             f"model.num_heads={self.num_heads}")
         if self.head_dim < 0:
             raise ValueError(f"model.head_dim must be >= 0, got {self.head_dim}")
         if not self.head_dim and self.hidden_size % self.num_heads:
@@ -224,27 +243,37 @@ class ModelConfig:
                              "set model.head_dim")
         rot = int(self.resolved_head_dim * self.partial_rotary_factor)
         if not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2:
-            raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must give an even rotary width "
+            raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must give "
+                             "an even rotary width "
                              "in (0, head_dim]")
         if self.num_experts < 0:
             raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts:
             if not 0 < self.top_k <= self.num_experts:
-                raise ValueError(f"model.top_k={self.top_k} must be in [1, model.num_experts={self.num_experts}]")
+                raise ValueError(f"model.top_k={self.top_k} must be in [1, "
+                                 f"model.num_experts={self.num_experts}]")
             if self.moe_intermediate_size <= 0:
-                raise ValueError(f"model.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+                raise ValueError("model.moe_intermediate_size must be positive, got "
+                                 f"{self.moe_intermediate_size}")
             if self.num_experts % self.n_group:
-                raise ValueError(f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts}")
+                raise ValueError(f"model.n_group={self.n_group} must divide "
+                                 f"model.num_experts={self.num_experts}")
             if not 0 < self.topk_group <= self.n_group:
-                raise ValueError(f"model.topk_group={self.topk_group} must be in [1, model.n_group={self.n_group}]")
-            if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
-                raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
+                raise ValueError(f"model.topk_group={self.topk_group} must be in [1, "
+                                 f"model.n_group={self.n_group}]")
+            if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts
+                                                                    // self.n_group):
+                raise ValueError("model.top_k exceeds the experts reachable in model.topk_group "
+                                 "groups")
         if self.expert_matmul not in ("auto", "grouped", "loop"):
-            raise ValueError(f"model.expert_matmul must be 'auto', 'grouped' or 'loop', got {self.expert_matmul!r}")
+            raise ValueError("model.expert_matmul must be 'auto', 'grouped' or 'loop', got "
+                             f"{self.expert_matmul!r}")
         if self.router_score not in ("softmax", "sigmoid"):
-            raise ValueError(f"model.router_score must be 'softmax' or 'sigmoid', got {self.router_score!r}")
+            raise ValueError("model.router_score must be 'softmax' or 'sigmoid', got "
+                             f"{self.router_score!r}")
         if self.balance not in ("aux_free", "aux_loss", "none"):
-            raise ValueError(f"model.balance must be 'aux_free', 'aux_loss' or 'none', got {self.balance!r}")
+            raise ValueError("model.balance must be 'aux_free', 'aux_loss' or 'none', got "
+                             f"{self.balance!r}")
         if self.first_k_dense < 0:
             raise ValueError(f"model.first_k_dense must be >= 0, got {self.first_k_dense}")
         _validate_hybrid(self)
@@ -261,28 +290,32 @@ class MTPLossConfig:
     lambda_: float = 0.3
     """MTP loss weight lambda at step 0 (written `mtp.loss.lambda` in recipes and overrides)."""
     lambda_after: Dict[int, float] = field(default_factory=dict)
-    """Piecewise-constant schedule: from step s on, lambda = value (DeepSeek-V3: 0.3 then 0.1). Steps
-    count samples seen in units of the run's first global batch, as the LR schedule's do, so a resume
-    under another global batch keeps the milestone at the same point of the data."""
+    """Piecewise-constant schedule: from step s on, lambda = value (DeepSeek-V3: 0.3 then 0.1).
+    Steps count samples seen in units of the run's first global batch, as the LR schedule's do, so a
+    resume under another global batch keeps the milestone at the same point of the data."""
     objective: str = "ce"
-    """Per-depth MTP loss: `ce` (cross-entropy on the data, or on the trunk's targets under train.distill)
-    or `acceptance` (-log sum_v min(p_v, q_v): the probability that speculative sampling accepts the
-    depth's draft q against the trunk's detached distribution p at the position whose token it drafts).
-    Use `ce` for pretraining and greedy decoding (it won greedy acceptance and held-out loss per depth in
-    bench/mtp_objectives.py, and it shapes the trunk usefully); try `acceptance` when fine-tuning a
-    drafter for sampled decoding (it tied `ce` at T=1). Not with train.distill (its teacher is already
-    the trunk)."""
+    """Per-depth MTP loss: `ce` (cross-entropy on the data, or on the trunk's targets under
+    train.distill) or `acceptance` (-log sum_v min(p_v, q_v): the probability that speculative
+    sampling accepts the depth's draft q against the trunk's detached distribution p at the position
+    whose token it drafts). Use `ce` for pretraining and greedy decoding (it won greedy acceptance
+    and held-out loss per depth in bench/mtp_objectives.py, and it shapes the trunk usefully); try
+    `acceptance` when fine-tuning a drafter for sampled decoding (it tied `ce` at T=1). Not with
+    train.distill (its teacher is already the trunk)."""
     acceptance_ce_weight: float = 0.0
-    """With objective=acceptance: add this weight times the data cross-entropy to each depth's loss."""
+    """With objective=acceptance: add this weight times the data cross-entropy to each depth's
+    loss."""
 
     def validate(self, num_steps: int) -> None:
-        """Raise ValueError naming the offending `mtp.loss.*` key (`num_steps`: mtp.num_steps, K)."""
+        """Raise ValueError naming the offending `mtp.loss.*` key (`num_steps`: mtp.num_steps,
+        K)."""
         if self.objective not in ("ce", "acceptance"):
             raise ValueError(f"mtp.loss.objective={self.objective!r} must be ce or acceptance")
         if self.acceptance_ce_weight < 0:
-            raise ValueError(f"mtp.loss.acceptance_ce_weight={self.acceptance_ce_weight} must be >= 0")
+            raise ValueError(f"mtp.loss.acceptance_ce_weight={self.acceptance_ce_weight} must be "
+                             ">= 0")
         if self.weights and len(self.weights) != num_steps:
-            raise ValueError(f"mtp.loss.weights has {len(self.weights)} entries but mtp.num_steps={num_steps}")
+            raise ValueError(f"mtp.loss.weights has {len(self.weights)} entries but "
+                             f"mtp.num_steps={num_steps}")
         if any(w < 0 for w in self.weights):
             raise ValueError("mtp.loss.weights must be non-negative")
         if self.decay <= 0:
@@ -297,52 +330,58 @@ class MTPConfig:
     """L: physical MTP transformer layers; step k uses layer (k-1) % L."""
     style: str = "looped"
     """`looped` (DeepSeek-V3 / Qwen3-Next chained module: depth k reads depth k-1's state and the
-    embedding of token t+k; what vLLM/SGLang serve as an MTP drafter, hence the default) or `parallel`
-    (Gloeckle et al.: K independent heads on the trunk's state, num_layers = num_steps; an ablation
-    baseline: serving stacks' MTP proposers run the looped form; not with hyper-connections)."""
+    embedding of token t+k; what vLLM/SGLang serve as an MTP drafter, hence the default) or
+    `parallel` (Gloeckle et al.: K independent heads on the trunk's state, num_layers = num_steps;
+    an ablation baseline: serving stacks' MTP proposers run the looped form; not with
+    hyper-connections)."""
     moe: bool = True
-    """MTP layers use the trunk's MoE MLP (DeepSeek-V3, GLM-4.5, Qwen4-Exp: true, to load or export their
-    MTP weights) rather than a dense SwiGLU of model.intermediate_size (false: a cheaper drafter layer)."""
+    """MTP layers use the trunk's MoE MLP (DeepSeek-V3, GLM-4.5, Qwen4-Exp: true, to load or export
+    their MTP weights) rather than a dense SwiGLU of model.intermediate_size (false: a cheaper
+    drafter layer)."""
     combine: str = "auto"
     """How a looped MTP layer combines the previous depth's state with the next token's embedding:
-    `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next: eh_proj(cat(enorm(emb), hnorm(h)))), `qwen4_exp`
-    (Qwen4-Exp's drafter: fc_embedding plus an fc_hidden shared by the hyper-connection streams) or
-    `auto` (qwen4_exp with hyper-connections, else concat_proj)."""
+    `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next: eh_proj(cat(enorm(emb), hnorm(h)))),
+    `qwen4_exp` (Qwen4-Exp's drafter: fc_embedding plus an fc_hidden shared by the hyper-connection
+    streams) or `auto` (qwen4_exp with hyper-connections, else concat_proj)."""
     qsa_reuse_indices: bool = True
     """With QSA MTP layers: depth 1 runs the MTP indexer and depths 2..K reuse its selection of past
-    positions (training and drafting alike, as Qwen4-Exp is served), instead of selecting again. Keep
-    true to match serving (vLLM's set_skip_topk) and save the later depths' indexer work; false only to
-    measure what reuse costs in acceptance (bench/qsa_reuse.py)."""
+    positions (training and drafting alike, as Qwen4-Exp is served), instead of selecting again.
+    Keep true to match serving (vLLM's set_skip_topk) and save the later depths' indexer work; false
+    only to measure what reuse costs in acceptance (bench/qsa_reuse.py)."""
     concat_order: str = "emb_hidden"
-    """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next: keep it, serving stacks
-    assume it) or `hidden_emb` (only to load a checkpoint trained that way)."""
+    """Order in proj(cat(...)): `emb_hidden` (DeepSeek-V3, GLM-4.5, Qwen3-Next: keep it, serving
+    stacks assume it) or `hidden_emb` (only to load a checkpoint trained that way)."""
     loss: MTPLossConfig = field(default_factory=MTPLossConfig)
     """The weighted multi-step loss."""
     detach_trunk: bool = False
     """Stop MTP gradients from reaching the trunk's blocks (the shared embedding and head still get
-    them): the MTP module learns without pulling the trunk's representations toward drafting. A frozen
-    trunk (train.freeze_trunk) needs no detach: it runs without autograd."""
+    them): the MTP module learns without pulling the trunk's representations toward drafting. A
+    frozen trunk (train.freeze_trunk) needs no detach: it runs without autograd."""
     loss_chunk_tokens: int = 2048
-    """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab] logits)."""
+    """Tokens per chunk of the memory-bounded cross-entropy (never a full [tokens x vocab]
+    logits)."""
     loss_head_backward: str = "fused"
-    """How the head's cross-entropy (trunk and `ce` MTP depths, one chunked pass) gets its gradients:
-    `fused` (default, one-device and vocab-parallel head alike: each chunk's gradients computed in
-    forward, one head matmul and one softmax fewer per chunk; all depths share one fp32
-    [vocab/tp x hidden] weight-gradient buffer, pre-scaled by the loss gradients the trainer promises)
-    or `recompute` (each chunk's logits recomputed in backward: memory one chunk of logits). Keep `fused`
-    (fewer FLOPs); use `recompute` where that buffer does not fit (`--check` counts it: 2.3 GiB at
-    vocabulary 151k x hidden 4096, tp=1)."""
+    """How the head's cross-entropy (trunk and `ce` MTP depths, one chunked pass) gets its
+    gradients: `fused` (default, one-device and vocab-parallel head alike: each chunk's gradients
+    computed in forward, one head matmul and one softmax fewer per chunk; all depths share one fp32
+    [vocab/tp x hidden] weight-gradient buffer, pre-scaled by the loss gradients the trainer
+    promises) or `recompute` (each chunk's logits recomputed in backward: memory one chunk of
+    logits). Keep `fused` (fewer FLOPs); use `recompute` where that buffer does not fit (`--check`
+    counts it: 2.3 GiB at vocabulary 151k x hidden 4096, tp=1)."""
     trunk_input: str = "pre_norm"
-    """Trunk state MTP step 1 reads: `pre_norm` (before the final norm; required by combine=qwen4_exp,
-    whose drafter reads the streams before the final mixer) or `final_norm` (after it, as DeepSeek-V3 /
-    GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron and transformers: use it for a
-    concat_proj drafter you will serve, as recipes/finetune_mtp.yaml does)."""
+    """Trunk state MTP step 1 reads: `pre_norm` (before the final norm; required by
+    combine=qwen4_exp, whose drafter reads the streams before the final mixer) or `final_norm`
+    (after it, as DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP weights expect in vLLM, SGLang, Megatron
+    and transformers: use it for a concat_proj drafter you will serve, as recipes/finetune_mtp.yaml
+    does)."""
     init_from_last_layer: bool = False
-    """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk layer."""
+    """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk
+    layer."""
     init_from: str = ""
-    """A Tandem checkpoint (step_<N>/ or run directory) whose MTP module (its `mtp.*` weights only) replaces
-    this run's after the trunk is loaded from model.init_from: an MTP refresh puts the drafter of an
-    earlier checkpoint on a trunk fine-tuned without it (recipes/mtp_refresh.yaml). Empty: none."""
+    """A Tandem checkpoint (step_<N>/ or run directory) whose MTP module (its `mtp.*` weights only)
+    replaces this run's after the trunk is loaded from model.init_from: an MTP refresh puts the
+    drafter of an earlier checkpoint on a trunk fine-tuned without it (recipes/mtp_refresh.yaml).
+    Empty: none."""
 
     def resolved_combine(self, model: "ModelConfig") -> str:
         if self.combine != "auto":
@@ -354,42 +393,55 @@ class MTPConfig:
         return (step - 1) % self.num_layers
 
     def validate(self, model: "ModelConfig") -> None:
-        """Raise ValueError naming the offending `mtp.*` key, for this module on top of trunk `model`."""
+        """Raise ValueError naming the offending `mtp.*` key, for this module on top of trunk
+        `model`."""
         if self.num_steps < 0:
             raise ValueError(f"mtp.num_steps must be >= 0, got {self.num_steps}")
         if self.num_steps > 0 and self.num_layers <= 0:
-            raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={self.num_steps} > 0, got "
+            raise ValueError(f"mtp.num_layers must be positive when mtp.num_steps={self.num_steps} "
+                             "> 0, got "
                              f"{self.num_layers}")
         if self.style not in ("looped", "parallel"):
             raise ValueError(f"mtp.style must be 'looped' or 'parallel', got {self.style!r}")
         if self.style == "parallel" and self.num_steps and self.num_layers != self.num_steps:
-            raise ValueError(f"mtp.num_layers={self.num_layers} must equal mtp.num_steps={self.num_steps} for "
+            raise ValueError(f"mtp.num_layers={self.num_layers} must equal "
+                             f"mtp.num_steps={self.num_steps} for "
                              "mtp.style=parallel (one independent head per step)")
         if self.combine not in ("auto", "concat_proj", "qwen4_exp"):
-            raise ValueError(f"mtp.combine must be 'auto', 'concat_proj' or 'qwen4_exp', got {self.combine!r}")
+            raise ValueError("mtp.combine must be 'auto', 'concat_proj' or 'qwen4_exp', got "
+                             f"{self.combine!r}")
         if self.num_steps and self.style == "looped":
             combine = self.resolved_combine(model)
             if combine == "concat_proj" and model.hc_count > 1:
-                raise ValueError(f"mtp.combine=concat_proj cannot read the {model.hc_count} hyper-connection streams "
+                raise ValueError(f"mtp.combine=concat_proj cannot read the {model.hc_count} "
+                                 "hyper-connection streams "
                                  "(model.hc_count > 1): use mtp.combine=qwen4_exp")
             if combine == "qwen4_exp" and model.hc_count == 1:
-                raise ValueError("mtp.combine=qwen4_exp needs hyper-connection streams (model.hc_count > 1)")
+                raise ValueError("mtp.combine=qwen4_exp needs hyper-connection streams "
+                                 "(model.hc_count > 1)")
             if combine == "qwen4_exp" and self.trunk_input != "pre_norm":
-                raise ValueError("mtp.trunk_input must be pre_norm with mtp.combine=qwen4_exp (the drafter reads the "
+                raise ValueError("mtp.trunk_input must be pre_norm with mtp.combine=qwen4_exp (the "
+                                 "drafter reads the "
                                  "trunk's streams before the final stream mixer)")
         if self.style == "parallel" and self.num_steps and model.hc_count > 1:
-            raise ValueError("mtp.style=parallel is not supported with hyper-connections (model.hc_count > 1)")
+            raise ValueError("mtp.style=parallel is not supported with hyper-connections "
+                             "(model.hc_count > 1)")
         if self.concat_order not in ("emb_hidden", "hidden_emb"):
-            raise ValueError(f"mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got {self.concat_order!r}")
+            raise ValueError("mtp.concat_order must be 'emb_hidden' or 'hidden_emb', got "
+                             f"{self.concat_order!r}")
         if self.init_from and not self.num_steps:
             raise ValueError("mtp.init_from needs an MTP module to load into (mtp.num_steps > 0)")
         if self.trunk_input not in ("pre_norm", "final_norm"):
-            raise ValueError(f"mtp.trunk_input must be 'pre_norm' or 'final_norm', got {self.trunk_input!r}")
+            raise ValueError("mtp.trunk_input must be 'pre_norm' or 'final_norm', got "
+                             f"{self.trunk_input!r}")
         self.loss.validate(self.num_steps)
         if self.loss_head_backward not in ("recompute", "fused"):
-            raise ValueError(f"mtp.loss_head_backward must be 'recompute' or 'fused', got {self.loss_head_backward!r}")
+            raise ValueError("mtp.loss_head_backward must be 'recompute' or 'fused', got "
+                             f"{self.loss_head_backward!r}")
         if self.loss_chunk_tokens <= 0:
-            raise ValueError(f"mtp.loss_chunk_tokens must be positive, got {self.loss_chunk_tokens}")
+            raise ValueError(
+                f"mtp.loss_chunk_tokens must be positive, got {self.loss_chunk_tokens}"
+            )
 
 
 def validate_model(model: ModelConfig, mtp: MTPConfig) -> None:
@@ -409,14 +461,18 @@ def _validate_hybrid(model: ModelConfig) -> None:
                          f"model.num_layers={model.num_layers}")
     bad = sorted(set(model.layer_types) - set(LAYER_TYPES))
     if bad:
-        raise ValueError(f"model.layer_types has unknown entries {bad}; each must be one of {', '.join(LAYER_TYPES)}")
+        raise ValueError(f"model.layer_types has unknown entries {bad}; each must be one of "
+                         f"{', '.join(LAYER_TYPES)}")
     if model.full_attention_interval < 0:
-        raise ValueError(f"model.full_attention_interval must be >= 0, got {model.full_attention_interval}")
+        raise ValueError("model.full_attention_interval must be >= 0, got "
+                         f"{model.full_attention_interval}")
     if model.hc_count < 1:
-        raise ValueError("model.hc_count must be >= 1 (1 = plain residual; hyper-connections need > 1), got "
+        raise ValueError("model.hc_count must be >= 1 (1 = plain residual; hyper-connections need "
+                         "> 1), got "
                          f"{model.hc_count}")
     if model.hc_count > 1 and model.hc_lowrank <= 0:
-        raise ValueError(f"model.hc_lowrank must be positive with model.hc_count={model.hc_count}, got "
+        raise ValueError(f"model.hc_lowrank must be positive with model.hc_count={model.hc_count}, "
+                         "got "
                          f"{model.hc_lowrank}")
     types = [model.layer_type(i) for i in range(model.num_layers)]
     if "linear_attention" in types:
@@ -428,17 +484,19 @@ def _validate_hybrid(model: ModelConfig) -> None:
 
 
 def _validate_linear_attention(model: ModelConfig) -> None:
-    for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel"):
+    for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel"):
         if getattr(model, key) <= 0:
             raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
     if model.linear_num_value_heads % model.linear_num_key_heads:
         raise ValueError(f"model.linear_num_key_heads={model.linear_num_key_heads} must divide "
                          f"model.linear_num_value_heads={model.linear_num_value_heads}")
     if model.linear_gate_act not in ("silu", "sigmoid"):
-        raise ValueError(f"model.linear_gate_act must be 'silu' or 'sigmoid', got {model.linear_gate_act!r}")
+        raise ValueError("model.linear_gate_act must be 'silu' or 'sigmoid', got "
+                         f"{model.linear_gate_act!r}")
     if model.linear_kernel not in ("auto", "torch", "fla"):
-        raise ValueError(f"model.linear_kernel must be 'auto', 'torch' or 'fla', got {model.linear_kernel!r}")
+        raise ValueError("model.linear_kernel must be 'auto', 'torch' or 'fla', got "
+                         f"{model.linear_kernel!r}")
 
 
 def _validate_indexed_attention(model: ModelConfig) -> None:
@@ -450,14 +508,17 @@ def _validate_indexed_attention(model: ModelConfig) -> None:
                          f"model.indexer_compress_ratio={model.indexer_compress_ratio}")
     rot = int(model.resolved_head_dim * model.partial_rotary_factor)
     if rot > model.indexer_head_dim:
-        raise ValueError(f"model.indexer_head_dim={model.indexer_head_dim} must hold the attention's rotary width "
+        raise ValueError(f"model.indexer_head_dim={model.indexer_head_dim} must hold the "
+                         "attention's rotary width "
                          f"{rot} (head_dim x partial_rotary_factor)")
     if model.qsa_form not in ("auto", "mask", "gather"):
-        raise ValueError(f"model.qsa_form must be 'auto', 'mask' or 'gather', got {model.qsa_form!r}")
+        raise ValueError("model.qsa_form must be 'auto', 'mask' or 'gather', got "
+                         f"{model.qsa_form!r}")
     if model.indexer_loss_coef < 0 or model.indexer_warmup_steps < 0:
         raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
     if model.indexer_warmup not in ("auto", "joint", "indexer_only"):
-        raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or indexer_only")
+        raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or "
+                         "indexer_only")
 
 
 def _validate_ple(model: ModelConfig, types: List[str]) -> None:
@@ -466,17 +527,23 @@ def _validate_ple(model: ModelConfig, types: List[str]) -> None:
                          f"hc_count={model.hc_count}")
     ngram_heads = (model.ngram_size - 1) * model.heads_per_ngram
     if ngram_heads <= 0 or model.resolved_ple_embed_dim % ngram_heads:
-        raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive multiple of the "
-                         f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x model.heads_per_ngram)")
+        raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive "
+                         "multiple of the "
+                         f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x "
+                         "model.heads_per_ngram)")
     for i in model.ple_layers:
         if not 0 <= i < model.num_layers:
-            raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < {model.num_layers})")
+            raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < "
+                             f"{model.num_layers})")
         if types[i] != "linear_attention":
-            raise ValueError(f"model.ple_layers: PLE is only supported on linear_attention layers, layer {i} is "
+            raise ValueError("model.ple_layers: PLE is only supported on linear_attention layers, "
+                             f"layer {i} is "
                              f"{types[i]}")
     if model.eos_token_id < 0:
-        raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE n-grams stop at "
+        raise ValueError("model.eos_token_id must be set when model.ple_layers is not empty (PLE "
+                         "n-grams stop at "
                          "it)")
     if model.ple_conv_kernel <= 0 or model.ngram_vocab_base <= 1 or model.ngram_vocab_multiple <= 0:
-        raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and model.ngram_vocab_multiple must be "
+        raise ValueError("model.ple_conv_kernel, model.ngram_vocab_base and "
+                         "model.ngram_vocab_multiple must be "
                          "positive")

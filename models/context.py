@@ -1,14 +1,14 @@
 """Which rows of a training window this rank computes: all of them (`WholeWindow`, one process), or
 under context parallelism one rank's chunks of it (trainer/parallel/context.py `ContextShards`).
 
-The window of S positions is cut into equal chunks, and a rank holds `chunks` of them (zigzag: chunks
-r and 2cp - 1 - r; contiguous: chunk r), laid end to end in its rows. The model builds every
-per-position input over the whole window, which each rank has in full since only token ids and
-masks are involved (positions, the documents' starts, each MTP depth's tokens and targets, the loss
-masks), and keeps its own rows (`local`), so no label is ever shifted after sharding. Per-token parts
-(norms, MLP, MoE routing, hyper-connections, the head) need nothing more. The token mixers read
-across chunk edges, and the MoE's auxiliary losses average over the window, through four exchanges,
-each the identity in one process:
+The window of S positions is cut into equal chunks, and a rank holds `chunks` of them (zigzag:
+chunks r and 2cp - 1 - r; contiguous: chunk r), laid end to end in its rows. The model builds every
+per-position input over the whole window, which each rank has in full since only token ids and masks
+are involved (positions, the documents' starts, each MTP depth's tokens and targets, the loss
+masks), and keeps its own rows (`local`), so no label is ever shifted after sharding. Per-token
+parts (norms, MLP, MoE routing, hyper-connections, the head) need nothing more. The token mixers
+read across chunk edges, and the MoE's auxiliary losses average over the window, through four
+exchanges, each the identity in one process:
 
 * `gather`: a tensor's rows of the whole window, in window order (attention's keys and values, QSA's
   indexer keys);
@@ -17,8 +17,8 @@ each the identity in one process:
 * `carry`: Gated DeltaNet's state entering each chunk, folded from every earlier chunk's final state
   and transition (models/gated_deltanet.py).
 
-Mixers work on chunks as batch rows (`split` [B, c*L, ...] -> [B*c, L, ...], `join` back), so a chunk
-with its halo or entering state computes exactly what one process computes for those rows.
+Mixers work on chunks as batch rows (`split` [B, c*L, ...] -> [B*c, L, ...], `join` back), so a
+chunk with its halo or entering state computes exactly what one process computes for those rows.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class WholeWindow(nn.Module):
 
     @property
     def sharded(self) -> bool:
-        """Whether the window is split over several ranks (the mixers' exchanges are not identities)."""
+        """Whether the window is split over several ranks (the mixers' exchanges are not
+        identities)."""
         return False
 
     @property
@@ -77,17 +78,18 @@ class WholeWindow(nn.Module):
         return x_bs
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` summed over the ranks splitting the window (differentiable: the backward sums each rank's
-        gradient too, as every rank computes the same loss from it)."""
+        """`x` summed over the ranks splitting the window (differentiable: the backward sums each
+        rank's gradient too, as every rank computes the same loss from it)."""
         return x
 
     def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-        """[B * chunks, n, ...]: the n window rows before each chunk of `chunks_bl` (a `split` tensor),
-        `fill` before the window's first row (differentiable)."""
+        """[B * chunks, n, ...]: the n window rows before each chunk of `chunks_bl` (a `split`
+        tensor), `fill` before the window's first row (differentiable)."""
         return chunks_bl.new_full((chunks_bl.shape[0], n, *chunks_bl.shape[2:]), fill)
 
-    def carry(self, transition_bhkk: torch.Tensor, final_bhkv: torch.Tensor) -> Optional[torch.Tensor]:
-        """Gated DeltaNet's state entering each chunk (`split` rows), from each chunk's transition M and
-        final state F when entered with zero: a chunk entered with state X leaves M X + F. None here:
-        the only chunk starts the window, from zero."""
+    def carry(self, transition_bhkk: torch.Tensor,
+              final_bhkv: torch.Tensor) -> Optional[torch.Tensor]:
+        """Gated DeltaNet's state entering each chunk (`split` rows), from each chunk's transition M
+        and final state F when entered with zero: a chunk entered with state X leaves M X + F. None
+        here: the only chunk starts the window, from zero."""
         return None

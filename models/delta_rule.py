@@ -1,18 +1,20 @@
 """The gated delta rule of Gated DeltaNet (models/gated_deltanet.py), in two forms.
 
-Two forms of the same rule, both in fp32, autocast or not (the recurrence is where rounding builds up):
-* recurrent: token by token, O(T * Dk * Dv) per head and only the state in memory; used for decoding.
+Two forms of the same rule, both in fp32, autocast or not (the recurrence is where rounding builds
+up):
+* recurrent: token by token, O(T * Dk * Dv) per head and only the state in memory; used for
+  decoding.
 * chunked (training and long prefills): the sequence is cut into chunks of C = 64 tokens. Inside a
   chunk the C sequential writes are folded into one unit-lower-triangular solve (the WY / UT form),
   so all chunks are processed in parallel with matmuls, and only a loop over T / C chunks carries
-  the state. Per head: compute O(T*C*(Dk+Dv) + T*Dk*Dv), activations O(T*(C+Dk+Dv)) plus one
-  Dk x Dv state per chunk kept for backward. The solve is by substitution (`unit_lower_inverse`):
-  what real text puts into a chunk (runs of one token, periodic tokens, near-duplicate keys, slow
-  decay) makes the powers of the chunk's matrix huge while its inverse stays bounded, so any series in
-  those powers loses everything in fp32 (tests/unit/test_gated_deltanet.py's adversarial cases).
-  fla's Triton kernels (flash-linear-attention) do the same in fused form and are used when
-  available on CUDA (`kernel="auto"`). Ascend (and CPU) runs this pure-PyTorch chunked form:
-  torch_npu ships no Gated DeltaNet kernel this module is written against.
+  the state. Per head: compute O(T*C*(Dk+Dv) + T*Dk*Dv), activations O(T*(C+Dk+Dv)) plus one Dk x Dv
+  state per chunk kept for backward. The solve is by substitution (`unit_lower_inverse`): what real
+  text puts into a chunk (runs of one token, periodic tokens, near-duplicate keys, slow decay) makes
+  the powers of the chunk's matrix huge while its inverse stays bounded, so any series in those
+  powers loses everything in fp32 (tests/unit/test_gated_deltanet.py's adversarial cases). fla's
+  Triton kernels (flash-linear-attention) do the same in fused form and are used when available on
+  CUDA (`kernel="auto"`). Ascend (and CPU) runs this pure-PyTorch chunked form: torch_npu ships no
+  Gated DeltaNet kernel this module is written against.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None, keep_states=False,
-                               resets_bt=None):
+def recurrent_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv=None,
+                               keep_states=False, resets_bt=None):
     """Token-by-token rule (fp32 inputs; q/k normalised and q scaled already). Returns the outputs
     [B, H, T, Dv], the final state [B, H, Dk, Dv] and, with keep_states, every step's state
     [B, T, H, Dk, Dv] (the decoder writes each one to its ring slot). `resets_bt` [B, T] bool: a
@@ -96,22 +98,25 @@ class _UnitLowerInverse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_t):
-        # dT = -T dA T, so dL/dA = -T^T (dL/dT) T^T, of which only the strictly-lower part is an input.
+        # dT = -T dA T, so dL/dA = -T^T (dL/dT) T^T, of which only the strictly-lower part is an
+        # input.
         (t_ncc,) = ctx.saved_tensors
         t_t = t_ncc.transpose(-1, -2)
         return -(t_t @ grad_t @ t_t).tril(-1)
 
 
 def unit_lower_inverse(a_ncc: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (any C; batched over the leading dims).
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (any C; batched over the leading
+    dims).
 
-    The delta rule's A (beta * decayed dot products of L2-normalised keys) has |A_ij| < 1, but inside a
-    run of one token, periodic text or near-duplicate keys its powers grow binomially (~1e17 at C = 64)
-    while the inverse stays bounded, so a series in powers of A ((I - A)(I + A^2)(I + A^4)...) cancels
-    to nothing in fp32. This solves by substitution instead, which never forms a power of A: forward
-    substitution in 16 x 16 diagonal blocks, then exact block-inverse merges, all batched matmuls and
-    elementwise ops (so it runs wherever matmul does: CUDA, NPU, CPU, with no LAPACK triangular solve).
-    Backward is the closed form from the saved inverse, which is as well conditioned as the forward."""
+    The delta rule's A (beta * decayed dot products of L2-normalised keys) has |A_ij| < 1, but
+    inside a run of one token, periodic text or near-duplicate keys its powers grow binomially
+    (~1e17 at C = 64) while the inverse stays bounded, so a series in powers of A ((I - A)(I +
+    A^2)(I + A^4)...) cancels to nothing in fp32. This solves by substitution instead, which never
+    forms a power of A: forward substitution in 16 x 16 diagonal blocks, then exact block-inverse
+    merges, all batched matmuls and elementwise ops (so it runs wherever matmul does: CUDA, NPU,
+    CPU, with no LAPACK triangular solve). Backward is the closed form from the saved inverse, which
+    is as well conditioned as the forward."""
     return _UnitLowerInverse.apply(a_ncc)
 
 
@@ -119,17 +124,18 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
                              resets_bt=None):
     """The same rule, C = `chunk` tokens at a time. Returns (outputs [B, H, T, Dv], final state).
 
-    Inside a chunk write G_i = g_1 + ... + g_i (log decay since the chunk start) and S_0 for the state
-    entering it. Unrolling the recurrence, S_i = e^{G_i} S_0 + sum_{j<=i} e^{G_i-G_j} k_j u_j^T with
-    the written errors u_j = beta_j (v_j - e^{G_j} S_0^T k_j - sum_{m<j} e^{G_j-G_m} (k_j.k_m) u_m).
-    That is a unit-lower-triangular system (I + A) U = beta V - beta e^G K S_0 (T = (I + A)^-1 from
-    `unit_lower_inverse`), so U = W - Kc S_0 with W, Kc independent of the state: one batched solve for
-    all chunks, then a short loop over chunks that only needs matmuls with the carried state.
+    Inside a chunk write G_i = g_1 + ... + g_i (log decay since the chunk start) and S_0 for the
+    state entering it. Unrolling the recurrence, S_i = e^{G_i} S_0 + sum_{j<=i} e^{G_i-G_j} k_j
+    u_j^T with the written errors u_j = beta_j (v_j - e^{G_j} S_0^T k_j - sum_{m<j} e^{G_j-G_m}
+    (k_j.k_m) u_m). That is a unit-lower-triangular system (I + A) U = beta V - beta e^G K S_0 (T =
+    (I + A)^-1 from `unit_lower_inverse`), so U = W - Kc S_0 with W, Kc independent of the state:
+    one batched solve for all chunks, then a short loop over chunks that only needs matmuls with the
+    carried state.
 
-    `resets_bt` [B, T] bool (packed documents): the state entering a reset token is zero. Inside a chunk
-    the tokens fall into segments between resets; a token reads and writes only within its segment
-    (the decay between segments is 0, so the segment's G differences stay exact), only the first
-    segment reads the entering state and only the last one's writes carry to the next chunk.
+    `resets_bt` [B, T] bool (packed documents): the state entering a reset token is zero. Inside a
+    chunk the tokens fall into segments between resets; a token reads and writes only within its
+    segment (the decay between segments is 0, so the segment's G differences stay exact), only the
+    first segment reads the entering state and only the last one's writes carry to the next chunk.
     """
     b, h, t, dk = k_bhtk.shape
     dv = v_bhtv.shape[-1]
@@ -144,12 +150,15 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     G_bhnc = g.cumsum(-1)
     visible = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     if resets_bt is not None:
-        seg_b1nc = F.pad(resets_bt, (0, pad)).view(b, 1, n, chunk).long().cumsum(-1)  # segment within chunk
+        # segment within chunk
+        seg_b1nc = F.pad(resets_bt, (0, pad)).view(b, 1, n, chunk).long().cumsum(-1)
         visible = visible & (seg_b1nc[..., :, None] == seg_b1nc[..., None, :])
         reads_start_b1nc1 = (seg_b1nc == 0)[..., None]
         writes_end_b1nc1 = (seg_b1nc == seg_b1nc[..., -1:])[..., None]
-    # e^{G_i - G_j} for j <= i; masked before exp because G_i - G_j > 0 above the diagonal may overflow.
-    decay_bhncc = (G_bhnc[..., :, None] - G_bhnc[..., None, :]).masked_fill(~visible, float("-inf")).exp()
+    # e^{G_i - G_j} for j <= i; masked before exp because G_i - G_j > 0 above the diagonal may
+    # overflow.
+    decay_bhncc = (G_bhnc[..., :, None] - G_bhnc[..., None, :]).masked_fill(~visible,
+                                                                            float("-inf")).exp()
     k_beta = k * beta[..., None]
     A_bhncc = ((k_beta @ k.transpose(-1, -2)) * decay_bhncc).tril(-1)
     T_bhncc = unit_lower_inverse(A_bhncc)
@@ -162,9 +171,11 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
         to_end = to_end * writes_end_b1nc1
         chunk_decay_bhn11 = chunk_decay_bhn11 * (seg_b1nc[..., -1] == 0)[..., None, None]
     Kc_bhnck = T_bhncc @ (k_beta * from_start)
-    attn_bhncc = (q @ k.transpose(-1, -2)) * decay_bhncc          # intra-chunk reads, diagonal included
+    # intra-chunk reads, diagonal included
+    attn_bhncc = (q @ k.transpose(-1, -2)) * decay_bhncc
     q_from_start = q * from_start                                    # reads of the entering state
-    k_to_end = k * to_end                                            # writes decayed to the chunk end
+    # writes decayed to the chunk end
+    k_to_end = k * to_end
 
     s = state_bhkv if state_bhkv is not None else q.new_zeros(b, h, dk, dv)
     outs = []

@@ -3,14 +3,14 @@
 A window of S positions may hold several documents back to back. With the mask on, every layer kind
 restarts at each document, so a document inside a window computes exactly what it computes alone at
 position 0: attention is block-diagonal causal, positions (RoPE, QSA's blocks) count from the
-document's first token, Gated DeltaNet's state and every causal convolution (Gated DeltaNet's, PLE's)
-start from zero, and the MTP layers, built from the same blocks, do the same.
+document's first token, Gated DeltaNet's state and every causal convolution (Gated DeltaNet's,
+PLE's) start from zero, and the MTP layers, built from the same blocks, do the same.
 
 Everything follows from one tensor, the row index where each position's document starts. A module
 given `Documents` derives what it needs from it (a causal convolution's tap j reaches back into the
-same document iff the position within the document is >= j; Gated DeltaNet resets where that position
-is 0). Without it (None) a module runs its plain causal form, which is the same computation for a
-window holding one document, only cheaper.
+same document iff the position within the document is >= j; Gated DeltaNet resets where that
+position is 0). Without it (None) a module runs its plain causal form, which is the same computation
+for a window holding one document, only cheaper.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Documents(NamedTuple):
 
     @classmethod
     def from_doc_ids(cls, doc_ids_bs: torch.Tensor) -> "Documents":
-        """From the data's `doc_ids` [B, S] (non-decreasing along a row, equal within a document)."""
+        """From the data's `doc_ids` [B, S] (non-decreasing along a row, equal within a
+        document)."""
         s = doc_ids_bs.shape[1]
         index = torch.arange(s, device=doc_ids_bs.device).expand_as(doc_ids_bs)
         first = torch.ones_like(doc_ids_bs, dtype=torch.bool)
@@ -43,10 +44,12 @@ class Documents(NamedTuple):
         return cls(torch.arange(s, device=positions_bs.device) - positions_bs)
 
     def local(self, window) -> "Documents":
-        """This rank's rows of the whole window's documents (`window`: models/context.py `WholeWindow`)."""
+        """This rank's rows of the whole window's documents (`window`: models/context.py
+        `WholeWindow`)."""
         if not window.sharded:
             return self
-        return Documents(window.local(self.starts_bs), window.rows(window.local(self.starts_bs).shape[1],
+        return Documents(window.local(self.starts_bs),
+                         window.rows(window.local(self.starts_bs).shape[1],
                                                                    self.starts_bs.device))
 
     def rows(self) -> torch.Tensor:
@@ -60,11 +63,13 @@ class Documents(NamedTuple):
         return self.rows() - self.starts_bs
 
     def attention_mask(self, keys: Optional[int] = None) -> torch.Tensor:
-        """[B, 1, S, keys] bool: query t sees key u (a window row, `keys` of them: default S) iff u is in
-        t's document and u <= t."""
+        """[B, 1, S, keys] bool: query t sees key u (a window row, `keys` of them: default S) iff u
+        is in t's document and u <= t."""
         query_t = self.rows()[:, None]
-        key_u = torch.arange(self.starts_bs.shape[1] if keys is None else keys, device=self.starts_bs.device)
-        return ((key_u[None, None, :] <= query_t[None]) & (key_u[None, None, :] >= self.starts_bs[:, :, None]))[:, None]
+        key_u = torch.arange(self.starts_bs.shape[1] if keys is None else keys,
+                             device=self.starts_bs.device)
+        return ((key_u[None, None, :] <= query_t[None])
+                & (key_u[None, None, :] >= self.starts_bs[:, :, None]))[:, None]
 
 
 def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs: torch.Tensor,

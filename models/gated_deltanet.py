@@ -27,18 +27,19 @@ rows (`qkv_rows_from_hf`); checkpoints of transformers keep its order.
 Tensor parallelism (trainer/parallel/tensor_hybrid.py): in_proj_qkv and conv1d shard by key-head
 groups, in_proj_z/b/a, dt_bias and A_log by value heads, out_proj is row-parallel and the gated
 norm's per-head_v_dim weight stays replicated. The module never trusts its constructor's head counts
-at run time: the local value heads are the width of in_proj_b's output and the local key heads follow
-from the fixed ratio num_v_heads / num_k_heads; `computed_params` is where the tensor-parallel module hands forward its
-local shards of the non-Linear parameters.
+at run time: the local value heads are the width of in_proj_b's output and the local key heads
+follow from the fixed ratio num_v_heads / num_k_heads; `computed_params` is where the
+tensor-parallel module hands forward its local shards of the non-Linear parameters.
 
-Decoding follows models/state.py: the recurrent state after the token at position p lives in slot
-p % (ring + 1) of the `gdn_state` ring [B, ring + 1, Hv, Dk, Dv] (fp32), the conv input of position p
+Decoding follows models/state.py: the recurrent state after the token at position p lives in slot p
+% (ring + 1) of the `gdn_state` ring [B, ring + 1, Hv, Dk, Dv] (fp32), the conv input of position p
 in slot p % (ring + conv_kernel - 1) of `gdn_conv` [B, ring + conv_kernel - 1, conv channels] (a
 resume reads one state and conv_kernel - 1 conv inputs). A forward over R <= ring tokens runs the
 recurrent form and writes every position (so a speculative verify can resume from any accepted
-prefix); a longer one (a prefill) runs the chunked form with padded tokens made inert and writes only
-the state after `row_end` and the last conv_kernel - 1 real conv inputs. fla is used for the chunked
-form only; the short cached forwards always run the torch recurrence (they need every step's state).
+prefix); a longer one (a prefill) runs the chunked form with padded tokens made inert and writes
+only the state after `row_end` and the last conv_kernel - 1 real conv inputs. fla is used for the
+chunked form only; the short cached forwards always run the torch recurrence (they need every step's
+state).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ except Exception:  # noqa: BLE001  (missing package, or triton/CUDA unusable)
     _fla_chunk = None
 
 
-def qkv_rows_from_hf(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
-    """Row permutation p of in_proj_qkv / conv1d with ours = theirs[p]: transformers' [q | k | v] order to
-    this module's key-head-group order [q_g | k_g | v_g] (see the module docstring); theirs[p] = ours
-    exports back."""
+def qkv_rows_from_hf(num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                     head_v_dim: int) -> torch.Tensor:
+    """Row permutation p of in_proj_qkv / conv1d with ours = theirs[p]: transformers' [q | k | v]
+    order to this module's key-head-group order [q_g | k_g | v_g] (see the module docstring);
+    theirs[p] = ours exports back."""
     key_dim, group_v = num_k_heads * head_k_dim, num_v_heads // num_k_heads * head_v_dim
     rows = []
     for g in range(num_k_heads):
@@ -74,7 +76,8 @@ def qkv_rows_from_hf(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm times act(gate): plain `w * x_hat` (not zero-centred), normalised in fp32."""
+    """Per-head RMSNorm times act(gate): plain `w * x_hat` (not zero-centred), normalised in
+    fp32."""
 
     def __init__(self, dim: int, eps: float, act: str):
         super().__init__()
@@ -85,38 +88,44 @@ class GatedRMSNorm(nn.Module):
         return "ones", 0.0
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # The cast order matches transformers (w * x_hat in the input dtype, the gate in fp32) so bf16
-        # checkpoints reproduce the reference bit for bit where the math allows.
+        # The cast order matches transformers (w * x_hat in the input dtype, the gate in fp32) so
+        # bf16 checkpoints reproduce the reference bit for bit where the math allows.
         y = rms_norm(x, self.weight, self.eps)
         g32 = F.silu(gate.float()) if self.act == "silu" else torch.sigmoid(gate.float())
         return (y * g32).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int,
                  conv_kernel: int, eps: float = 1e-6, gate_act: str = "silu", kernel: str = "auto"):
         super().__init__()
         if num_v_heads % num_k_heads:
-            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads "
+                             f"{num_k_heads}")
         if gate_act not in ("silu", "sigmoid"):
-            raise ValueError(f"Gated DeltaNet output gate must be silu or sigmoid, got {gate_act!r}")
+            raise ValueError(
+                f"Gated DeltaNet output gate must be silu or sigmoid, got {gate_act!r}"
+            )
         if kernel not in ("auto", "fla", "torch"):
             raise ValueError(f"model.linear_kernel must be auto, fla or torch, got {kernel!r}")
         if kernel == "fla" and _fla_chunk is None:
             raise ValueError("model.linear_kernel=fla needs flash-linear-attention (pip install "
-                             "flash-linear-attention), which is not importable here; use auto or torch")
+                             "flash-linear-attention), which is not importable here; use auto or "
+                             "torch")
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.conv_kernel, self.kernel = conv_kernel, kernel
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         conv_dim = 2 * key_dim + value_dim
-        # output rows by key-head group [q_g | k_g | v_g] (transformers: [q | k | v]; qkv_rows_from_hf)
+        # output rows by key-head group [q_g | k_g | v_g] (transformers: [q | k | v];
+        # qkv_rows_from_hf)
         self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
-        # Applied through F.conv1d with groups = the local channel count (see forward), never through
-        # the module's own groups, so a channel-sharded weight needs no change here.
+        # Applied through F.conv1d with groups = the local channel count (see forward), never
+        # through the module's own groups, so a channel-sharded weight needs no change here.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
@@ -133,21 +142,22 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight.fill_(1.0)
 
     def computed_params(self):
-        """(conv1d weight, A_log, dt_bias) as forward computes with them: the parameters themselves here;
-        the tensor-parallel wrapper returns its local head shards."""
+        """(conv1d weight, A_log, dt_bias) as forward computes with them: the parameters themselves
+        here; the tensor-parallel wrapper returns its local head shards."""
         return self.conv1d.weight, self.A_log, self.dt_bias
 
     def _use_fla(self, x: torch.Tensor) -> bool:
-        # fla is Triton (CUDA only) and some versions reject fp32 inputs: "auto" keeps those on torch.
+        # fla is Triton (CUDA only) and some versions reject fp32 inputs: "auto" keeps those on
+        # torch.
         if self.kernel == "fla":
             return True
         return (self.kernel == "auto" and _fla_chunk is not None and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16))
 
     def _chunked(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, state_bhkv, documents=None):
-        """Chunked rule on [B, S, heads, dim] inputs (q/k heads already grouped up to the value heads).
-        Returns (outputs [B, S, Hv, Dv] in v's dtype, final fp32 state). `documents`: the state resets
-        at each document's start (training rows; no final state is needed then)."""
+        """Chunked rule on [B, S, heads, dim] inputs (q/k heads already grouped up to the value
+        heads). Returns (outputs [B, S, Hv, Dv] in v's dtype, final fp32 state). `documents`: the
+        state resets at each document's start (training rows; no final state is needed then)."""
         if self._use_fla(v_bsnv):
             if documents is not None:
                 return self._fla_varlen(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, documents), None
@@ -157,10 +167,11 @@ class GatedDeltaNet(nn.Module):
             return out.to(v_bsnv.dtype), final.float()
         q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn)
         resets = documents.positions() == 0 if documents is not None else None
-        # fp32 matmuls even under bf16 autocast: the chunk solve and the carried state are the recurrence
-        # (a bf16 state drifts over thousands of tokens; fla keeps its state in fp32 too)
+        # fp32 matmuls even under bf16 autocast: the chunk solve and the carried state are the
+        # recurrence (a bf16 state drifts over thousands of tokens; fla keeps its state in fp32 too)
         with torch.autocast(v_bsnv.device.type, enabled=False):
-            out_bhtv, final = chunked_gated_delta_rule(q, k, v, g, beta, state_bhkv, resets_bt=resets)
+            out_bhtv, final = chunked_gated_delta_rule(q, k, v, g, beta, state_bhkv,
+                                                       resets_bt=resets)
         return out_bhtv.transpose(1, 2).to(v_bsnv.dtype), final
 
     def _fla_varlen(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, documents):
@@ -172,9 +183,10 @@ class GatedDeltaNet(nn.Module):
         starts = first.nonzero().flatten()
         cu_seqlens = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
         flat = lambda x: x.reshape(1, b * s, *x.shape[2:])  # noqa: E731
-        out, _ = _fla_chunk(flat(q_bsnk), flat(k_bsnk), flat(v_bsnv), flat(g_bsn), flat(beta_bsn.to(v_bsnv.dtype)),
-                            scale=self.head_k_dim ** -0.5, output_final_state=False, use_qk_l2norm_in_kernel=True,
-                            cu_seqlens=cu_seqlens)
+        out, _ = _fla_chunk(flat(q_bsnk), flat(k_bsnk), flat(v_bsnv), flat(g_bsn),
+                            flat(beta_bsn.to(v_bsnv.dtype)),
+                            scale=self.head_k_dim ** -0.5, output_final_state=False,
+                            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
         return out.reshape(b, s, *out.shape[2:]).to(v_bsnv.dtype)
 
     def _torch_inputs(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn):
@@ -185,15 +197,17 @@ class GatedDeltaNet(nn.Module):
                 g_bsn.float().transpose(1, 2), beta_bsn.float().transpose(1, 2))
 
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
-        """As `reset_parameters` (transformers' values), and the output projection as every residual one."""
+        """As `reset_parameters` (transformers' values), and the output projection as every residual
+        one."""
         return {"A_log": ("a_log", 0.0), "dt_bias": ("ones", 0.0),
                 "out_proj.weight": ("normal", scales.residual_std)}.get(name)
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
-                documents: Optional[Documents] = None, context: Optional[WholeWindow] = None) -> torch.Tensor:
+                documents: Optional[Documents] = None,
+                context: Optional[WholeWindow] = None) -> torch.Tensor:
         """`documents` (packed training rows, no cache): the conv and the state restart at each
-        document's start; `positions_bs` count from it. `context` (training under context parallelism):
-        the rows are this rank's chunks of the window (`_over_chunks`)."""
+        document's start; `positions_bs` count from it. `context` (training under context
+        parallelism): the rows are this rank's chunks of the window (`_over_chunks`)."""
         conv_w, a_log, dt_bias = self.computed_params()
         kernel = conv_w.shape[-1]
         qkv_bsc = self.in_proj_qkv(x_bsh)
@@ -206,7 +220,8 @@ class GatedDeltaNet(nn.Module):
         if cache is None:
             conv_in_bsc = F.pad(qkv_bsc, (0, 0, kernel - 1, 0))  # causal: left zero padding
         else:
-            rings, conv_in_bsc, state0_bhkv = self._resume(cache, qkv_bsc, positions_bs, kernel, b_bsn.shape[-1])
+            rings, conv_in_bsc, state0_bhkv = self._resume(cache, qkv_bsc, positions_bs, kernel,
+                                                           b_bsn.shape[-1])
         if documents is not None and cache is None:
             mixed_bsc = F.silu(causal_conv_taps(qkv_bsc, conv_w[:, 0], positions_bs))
         else:
@@ -221,19 +236,21 @@ class GatedDeltaNet(nn.Module):
         elif cache.keeps_every_position(x_bsh.shape[1]):
             out_bsnv = self._verify(heads, state0_bhkv, rings, positions_bs, qkv_bsc)
         else:
-            out_bsnv = self._prefill(heads, state0_bhkv, rings, positions_bs, qkv_bsc, cache, kernel)
+            out_bsnv = self._prefill(heads, state0_bhkv, rings, positions_bs, qkv_bsc, cache,
+                                     kernel)
         y_bsnv = self.norm(out_bsnv, z_bsnv)
         return self.out_proj(y_bsnv.flatten(-2))
 
     def _over_chunks(self, qkv_bsc, b_bsn, a_bsn, positions_bs, documents, context: WholeWindow):
-        """The rule on this rank's chunks of the window (context parallelism), each a batch row: the conv
-        reads the kernel - 1 rows before its chunk (`context.halo`), the entering state comes from every
-        earlier chunk (`context.carry`). Each chunk runs once from the state [I | 0] with values [0 | v]:
-        the rule is linear in (state, values), so the first Dk columns follow the chunk's transition M
-        (entered with X it leaves M X + F, F its final state from zero) and the outputs split alike,
-        o_t = (q_t M_t) X + o_t(0); one (M, F) per chunk is exchanged, fp32. A document start zeroes M
-        from there on (the carry is cut). fla's kernel runs it on CUDA without packed documents (its
-        variable-length form restarts documents from zero, not from a carried state)."""
+        """The rule on this rank's chunks of the window (context parallelism), each a batch row: the
+        conv reads the kernel - 1 rows before its chunk (`context.halo`), the entering state comes
+        from every earlier chunk (`context.carry`). Each chunk runs once from the state [I | 0] with
+        values [0 | v]: the rule is linear in (state, values), so the first Dk columns follow the
+        chunk's transition M (entered with X it leaves M X + F, F its final state from zero) and the
+        outputs split alike, o_t = (q_t M_t) X + o_t(0); one (M, F) per chunk is exchanged, fp32. A
+        document start zeroes M from there on (the carry is cut). fla's kernel runs it on CUDA
+        without packed documents (its variable-length form restarts documents from zero, not from a
+        carried state)."""
         conv_w, a_log, dt_bias = self.computed_params()
         kernel = conv_w.shape[-1]
         qkv, pos = context.split(qkv_bsc), context.split(positions_bs)
@@ -242,12 +259,14 @@ class GatedDeltaNet(nn.Module):
             ext_pos = torch.cat([pos.new_zeros(pos.shape[0], kernel - 1), pos], 1)
             mixed = F.silu(causal_conv_taps(extended, conv_w[:, 0], ext_pos))[:, kernel - 1:]
         else:
-            mixed = F.silu(F.conv1d(extended.transpose(1, 2), conv_w, groups=qkv.shape[-1])).transpose(1, 2)
+            mixed = F.silu(F.conv1d(extended.transpose(1, 2), conv_w,
+                                    groups=qkv.shape[-1])).transpose(1, 2)
         b_split = context.split(b_bsn)
         q_bsnk, k_bsnk, v_bsnv = self._split_heads(mixed, b_split.shape[-1])
         g_bsn = -a_log.float().exp() * F.softplus(context.split(a_bsn).float() + dt_bias)
         if self._use_fla(v_bsnv) and documents is None:
-            return context.join(self._fla_over_chunk(q_bsnk, k_bsnk, v_bsnv, g_bsn, b_split.sigmoid(), context))
+            return context.join(self._fla_over_chunk(q_bsnk, k_bsnk, v_bsnv, g_bsn,
+                                                     b_split.sigmoid(), context))
         q, k, v, g, beta = self._torch_inputs(q_bsnk, k_bsnk, v_bsnv, g_bsn, b_split.sigmoid())
         bc, h, length, dk = q.shape
         eye = torch.eye(dk, device=q.device).expand(bc, h, dk, dk)
@@ -261,29 +280,35 @@ class GatedDeltaNet(nn.Module):
         return context.join(out_bhtv.transpose(1, 2).to(v_bsnv.dtype))
 
     def _fla_over_chunk(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, context: WholeWindow):
-        """`_over_chunks`' rule through fla's kernel: [B*c, L, H, dim] inputs, the same augmented values
-        and entering state, outputs [B*c, L, H, Dv] in v's dtype."""
+        """`_over_chunks`' rule through fla's kernel: [B*c, L, H, dim] inputs, the same augmented
+        values and entering state, outputs [B*c, L, H, Dv] in v's dtype."""
         bc, length, h, dk = k_bsnk.shape
         eye = torch.eye(dk, device=v_bsnv.device).expand(bc, h, dk, dk)
         state0 = torch.cat([eye, eye.new_zeros(bc, h, dk, v_bsnv.shape[-1])], -1)
         v_aug = torch.cat([v_bsnv.new_zeros(bc, length, h, dk), v_bsnv], -1)
-        out, final = _fla_chunk(q_bsnk, k_bsnk, v_aug, g_bsn, beta_bsn.to(v_bsnv.dtype), scale=dk ** -0.5,
-                                initial_state=state0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out, final = _fla_chunk(q_bsnk, k_bsnk, v_aug, g_bsn, beta_bsn.to(v_bsnv.dtype),
+                                scale=dk ** -0.5,
+                                initial_state=state0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
         final = final.float()
         entering = context.carry(final[..., :dk], final[..., dk:])  # [B*c, H, Dk, Dv]
         with torch.autocast(v_bsnv.device.type, enabled=False):
-            out = out[..., dk:].float() + torch.einsum("blhk,bhkv->blhv", out[..., :dk].float(), entering)
+            out = out[..., dk:].float() + torch.einsum("blhk,bhkv->blhv", out[..., :dk].float(),
+                                                       entering)
         return out.to(v_bsnv.dtype)
 
-    def _resume(self, cache, qkv_bsc: torch.Tensor, positions_bs: torch.Tensor, kernel: int, hv: int):
-        """((conv ring, state ring), the conv's input with the kernel - 1 previous inputs in front, the
-        state after the previous position): what a forward continuing from the cache reads."""
+    def _resume(self, cache, qkv_bsc: torch.Tensor, positions_bs: torch.Tensor, kernel: int,
+                hv: int):
+        """((conv ring, state ring), the conv's input with the kernel - 1 previous inputs in front,
+        the state after the previous position): what a forward continuing from the cache reads."""
         rows_b = torch.arange(qkv_bsc.shape[0], device=qkv_bsc.device)
-        conv_ring = cache.ring_buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype, lookback=kernel - 1)
-        state_ring = cache.ring_buffer("gdn_state", (hv, self.head_k_dim, self.head_v_dim), torch.float32,
-                                       lookback=1)
+        conv_ring = cache.ring_buffer("gdn_conv", (qkv_bsc.shape[-1],), qkv_bsc.dtype,
+                                      lookback=kernel - 1)
+        state_ring = cache.ring_buffer("gdn_state", (hv, self.head_k_dim, self.head_v_dim),
+                                       torch.float32, lookback=1)
         start_b = positions_bs[:, 0]
-        # The previous kernel-1 conv inputs (positions start-K+1 .. start-1), zeros before position 0.
+        # The previous kernel-1 conv inputs (positions start-K+1 .. start-1), zeros before position
+        # 0.
         prev_pos_bk = start_b[:, None] + torch.arange(1 - kernel, 0, device=qkv_bsc.device)
         prev_bkc = conv_ring[rows_b[:, None], prev_pos_bk % conv_ring.shape[1]].masked_fill(
             (prev_pos_bk < 0)[..., None], 0)
@@ -293,33 +318,37 @@ class GatedDeltaNet(nn.Module):
         return (conv_ring, state_ring), conv_in_bsc, state0_bhkv
 
     def _split_heads(self, mixed_bsc: torch.Tensor, hv: int):
-        """q, k (repeated to the value heads) and v from the conv's output. Local head counts come from
-        the projection widths (tensor parallelism shards them by heads)."""
+        """q, k (repeated to the value heads) and v from the conv's output. Local head counts come
+        from the projection widths (tensor parallelism shards them by heads)."""
         b, s = mixed_bsc.shape[:2]
         dk, dv = self.head_k_dim, self.head_v_dim
         hk = hv * self.num_k_heads // self.num_v_heads
         # channels by key-head group: [q_g | k_g | v of the hv // hk value heads g serves]
-        q_bsgk, k_bsgk, v_bsgv = mixed_bsc.unflatten(-1, (hk, -1)).split([dk, dk, hv // hk * dv], -1)
+        q_bsgk, k_bsgk, v_bsgv = mixed_bsc.unflatten(-1, (hk, -1)).split([dk, dk, hv // hk * dv],
+                                                                         -1)
         q_bsnk, k_bsnk = (t.repeat_interleave(hv // hk, dim=2) for t in (q_bsgk, k_bsgk))
         return q_bsnk, k_bsnk, v_bsgv.reshape(b, s, hv, dv)
 
     def _verify(self, heads, state0_bhkv, rings, positions_bs: torch.Tensor, qkv_bsc: torch.Tensor):
-        """Short forward (decode step or speculative verify): keep every position's state and conv input
-        so that any accepted prefix can be resumed from (the rings' slots cover the forward plus what a
-        resume reads before it: models/state.py)."""
+        """Short forward (decode step or speculative verify): keep every position's state and conv
+        input so that any accepted prefix can be resumed from (the rings' slots cover the forward
+        plus what a resume reads before it: models/state.py)."""
         conv_ring, state_ring = rings
         rows_b = torch.arange(positions_bs.shape[0], device=positions_bs.device)
         q, k, v, g, beta = self._torch_inputs(*heads)
         with torch.autocast(qkv_bsc.device.type, enabled=False):
-            out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv, keep_states=True)
+            out_bhtv, _, states_bshkv = recurrent_gated_delta_rule(q, k, v, g, beta, state0_bhkv,
+                                                                   keep_states=True)
         state_ring[rows_b[:, None], positions_bs % state_ring.shape[1]] = states_bshkv.detach()
-        conv_ring[rows_b[:, None], positions_bs % conv_ring.shape[1]] = qkv_bsc.detach().to(conv_ring.dtype)
+        conv_ring[rows_b[:, None],
+                  positions_bs % conv_ring.shape[1]] = qkv_bsc.detach().to(conv_ring.dtype)
         return out_bhtv.transpose(1, 2).to(heads[2].dtype)
 
-    def _prefill(self, heads, state0_bhkv, rings, positions_bs: torch.Tensor, qkv_bsc: torch.Tensor, cache,
-                 kernel: int):
-        """Long prefill: chunked form; padded tokens (past row_end) get beta = 0 and g = 0, which leaves
-        the state untouched, so the final state is the state after each row's last real token."""
+    def _prefill(self, heads, state0_bhkv, rings, positions_bs: torch.Tensor, qkv_bsc: torch.Tensor,
+                 cache, kernel: int):
+        """Long prefill: chunked form; padded tokens (past row_end) get beta = 0 and g = 0, which
+        leaves the state untouched, so the final state is the state after each row's last real
+        token."""
         conv_ring, state_ring = rings
         q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn = heads
         s, conv_slots = qkv_bsc.shape[1], conv_ring.shape[1]
@@ -327,16 +356,17 @@ class GatedDeltaNet(nn.Module):
         start_b = positions_bs[:, 0]
         row_end_b = cache.row_end if cache.row_end is not None else positions_bs[:, -1]
         real_bs1 = (positions_bs <= row_end_b[:, None])[..., None]
-        out_bsnv, final_bhkv = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn * real_bs1, beta_bsn * real_bs1,
-                                             state0_bhkv)
+        out_bsnv, final_bhkv = self._chunked(q_bsnk, k_bsnk, v_bsnv, g_bsn * real_bs1,
+                                             beta_bsn * real_bs1, state0_bhkv)
         state_ring[rows_b, row_end_b % state_ring.shape[1]] = final_bhkv.detach()
-        # The last kernel - 1 real conv inputs (what the next forward reads); those before this forward's
-        # start keep their slots.
+        # The last kernel - 1 real conv inputs (what the next forward reads); those before this
+        # forward's start keep their slots.
         keep_pos_br = row_end_b[:, None] + torch.arange(2 - kernel, 1, device=qkv_bsc.device)
         j_br = keep_pos_br - start_b[:, None]
         fresh_br1 = (j_br >= 0)[..., None]
         slots_br = keep_pos_br % conv_slots
-        new_brc = torch.where(fresh_br1, qkv_bsc[rows_b[:, None], j_br.clamp(0, s - 1)].to(conv_ring.dtype),
+        new_brc = torch.where(fresh_br1,
+                              qkv_bsc[rows_b[:, None], j_br.clamp(0, s - 1)].to(conv_ring.dtype),
                               conv_ring[rows_b[:, None], slots_br])
         conv_ring[rows_b[:, None], slots_br] = new_brc.detach()
         return out_bsnv

@@ -26,10 +26,12 @@ class InitScales:
     with depth."""
 
 
-def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, group_size: int):
-    """(RMSNorm's output, rstd): x normalised in fp32 (as Llama/Qwen/GLM do) over its last dimension or
-    over groups of `group_size` channels, rstd [..., groups, 1] the fp32 reciprocal RMS. The arithmetic is
-    transformers' (pow, mean, rsqrt, then the weight in its own dtype), so outputs match it bit for bit."""
+def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+                   group_size: int):
+    """(RMSNorm's output, rstd): x normalised in fp32 (as Llama/Qwen/GLM do) over its last dimension
+    or over groups of `group_size` channels, rstd [..., groups, 1] the fp32 reciprocal RMS. The
+    arithmetic is transformers' (pow, mean, rsqrt, then the weight in its own dtype), so outputs
+    match it bit for bit."""
     x32 = x.float()
     if group_size:
         x32 = x32.unflatten(-1, (-1, group_size))
@@ -41,23 +43,26 @@ def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cente
         return x_hat.mul_(1.0 + weight.float()).to(x.dtype), rstd
     x_hat = x_hat.to(x.dtype)
     if x_hat.dtype == torch.promote_types(x_hat.dtype, weight.dtype):
-        return x_hat.mul_(weight), rstd  # a product is exact either way round; no second [.., dim] buffer
+        # a product is exact either way round; no second [.., dim] buffer
+        return x_hat.mul_(weight), rstd
     return weight * x_hat, rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a hand-written backward. Autograd's backward of the decomposed forward (pow, mean,
-    rsqrt, two products, casts) makes about a dozen passes over [tokens x dim], each into a fresh buffer,
-    and keeps fp32 x and x_hat alive from forward. On a CPU these passes run at memory speed: fwd + bwd of
-    a 2048 x 256 fp32 norm took 2.6-3.0 ms, 1.7-1.9 ms this way, and bench/throughput.py's step runs 17 of
-    them. This keeps x (its own dtype) and rstd, and takes both gradients from the one product g * x (two
-    reductions over it), then writes d x in place over g * w: three full-size buffers. Gradients are
-    summed in fp32; the weight's arrives in its own dtype."""
+    """RMSNorm with a hand-written backward. Autograd's backward of the decomposed forward (pow,
+    mean, rsqrt, two products, casts) makes about a dozen passes over [tokens x dim], each into a
+    fresh buffer, and keeps fp32 x and x_hat alive from forward. On a CPU these passes run at memory
+    speed: fwd + bwd of a 2048 x 256 fp32 norm took 2.6-3.0 ms, 1.7-1.9 ms this way, and
+    bench/throughput.py's step runs 17 of them. This keeps x (its own dtype) and rstd, and takes
+    both gradients from the one product g * x (two reductions over it), then writes d x in place
+    over g * w: three full-size buffers. Gradients are summed in fp32; the weight's arrives in its
+    own dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool, group_size: int):
         out, rstd = _rms_normalize(x, weight, eps, zero_centered, group_size)
-        ctx.save_for_backward(x, weight, rstd if group_size else rstd.unsqueeze(-2))  # [..., groups, 1]
+        # [..., groups, 1]
+        ctx.save_for_backward(x, weight, rstd if group_size else rstd.unsqueeze(-2))
         ctx.zero_centered, ctx.group_size = zero_centered, group_size
         return out
 
@@ -66,7 +71,8 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for an fp64 run
         gs = ctx.group_size or x.shape[-1]
-        w = (weight.to(acc) + 1.0 if ctx.zero_centered else weight.to(acc)).view(-1, gs)  # [groups, group]
+        # [groups, group]
+        w = (weight.to(acc) + 1.0 if ctx.zero_centered else weight.to(acc)).view(-1, gs)
         x3 = x.to(acc).reshape(-1, w.shape[0], gs)  # [rows, groups, group]
         g3 = grad_out.to(acc).reshape(x3.shape)
         r = rstd.to(acc).reshape(x3.shape[:2])
@@ -78,7 +84,8 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             coef = torch.einsum("ngi,gi->ng", g_x, w).mul_(r.pow(3)).div_(gs).unsqueeze(-1)
-            grad_x = (g3 * w).mul_(r.unsqueeze(-1)).addcmul_(x3, coef, value=-1.0).view(x.shape).to(x.dtype)
+            grad_x = (g3 * w).mul_(r.unsqueeze(-1)).addcmul_(x3, coef,
+                                                             value=-1.0).view(x.shape).to(x.dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -95,10 +102,13 @@ class RMSNorm(nn.Module):
     hyper-connection stream). `zero_centered` (Qwen3-Next / Qwen3.5 / Qwen4-Exp) stores w - 1: the
     output is x_hat * (1 + w), computed in fp32 before the cast back, and w starts at 0."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, zero_centered: bool = False, group_size: int = 0):
+    def __init__(self, dim: int, eps: float = 1e-6, *, zero_centered: bool = False,
+                 group_size: int = 0):
         super().__init__()
         if group_size and dim % group_size:
-            raise ValueError(f"RMSNorm width {dim} is not a multiple of its group size {group_size}")
+            raise ValueError(
+                f"RMSNorm width {dim} is not a multiple of its group size {group_size}"
+            )
         self.eps, self.zero_centered, self.group_size = eps, zero_centered, group_size
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
@@ -126,7 +136,8 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Fill the cos/sin tables (again after `to_empty`: non-persistent buffers are not loaded)."""
+        """Fill the cos/sin tables (again after `to_empty`: non-persistent buffers are not
+        loaded)."""
         if self.cos.is_meta:
             return
         r = self.rotary_dim
@@ -144,16 +155,20 @@ class RotaryEmbedding(nn.Module):
         return rotate(x_bnsd, cos, sin)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """x with its first R = cos.shape[-1] channels rotated: x cos + rotate_half(x) sin, rotate_half(x) =
-    [-x_b, x_a] for the halves x_a, x_b (the rest passes through); `transpose` applies the transposed
-    rotation, g cos + [g_b, -g_a] sin, which is its backward. Written into one output of x's layout with
-    no concatenated or negated copies; the same roundings as the concatenating form (a - b = a + (-b))."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           transpose: bool = False) -> torch.Tensor:
+    """x with its first R = cos.shape[-1] channels rotated: x cos + rotate_half(x) sin,
+    rotate_half(x) = [-x_b, x_a] for the halves x_a, x_b (the rest passes through); `transpose`
+    applies the transposed rotation, g cos + [g_b, -g_a] sin, which is its backward. Written into
+    one output of x's layout with no concatenated or negated copies; the same roundings as the
+    concatenating form (a - b = a + (-b))."""
     r = cos.shape[-1]
     h = r // 2
     if r == x.shape[-1]:
         out = x * cos
-    else:  # the rest passes through (no `out=` into a strided slice: torch.compile would break its graph there)
+    # the rest passes through (no `out=` into a strided slice: torch.compile would break its graph
+    # there)
+    else:
         out = x.clone()
         out[..., :r].mul_(cos)
     if transpose:

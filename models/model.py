@@ -39,13 +39,15 @@ from .qsa_index import QSASelection
 
 
 def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
-    """The trunk's head input at position t+depth, aligned to position t: MTP depth k at t drafts token
-    t+1+k, which the trunk predicts at t+k. The wrapped-around tail is masked by the depth's mask."""
+    """The trunk's head input at position t+depth, aligned to position t: MTP depth k at t drafts
+    token t+1+k, which the trunk predicts at t+k. The wrapped-around tail is masked by the depth's
+    mask."""
     return torch.cat([teacher_bsh[:, depth:], teacher_bsh[:, :depth]], dim=1)
 
 
 def _rows(x_bs: torch.Tensor) -> torch.Tensor:
-    """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take them."""
+    """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take
+    them."""
     return x_bs.reshape(-1, *x_bs.shape[2:])
 
 
@@ -72,8 +74,8 @@ class ModelOutput:
     """The MTP chain's last hidden state computed (h_0 when no MTP step ran): what a pipeline stage
     passes on to the stage holding the next depths."""
     selection: Optional[QSASelection] = None
-    """MTP depth 1's QSA selection after the depths run (mtp.qsa_reuse_indices): what a pipeline stage
-    passes on with the chain when a later stage holds depths that reuse it."""
+    """MTP depth 1's QSA selection after the depths run (mtp.qsa_reuse_indices): what a pipeline
+    stage passes on with the chain when a later stage holds depths that reuse it."""
 
 
 @dataclass
@@ -87,8 +89,9 @@ class SelectionCarry:
 class SequenceLayout(nn.Module):
     """Where the sequence dimension of the hidden states lives between the blocks: whole, as in one
     process (this class, the default), or one rank's shard of it under sequence parallelism
-    (trainer/parallel/tensor.py `SequenceShards`, built with the same three methods). The model asks it
-    for whole hidden states before the head and for its MTP embeddings; it holds no parameters."""
+    (trainer/parallel/tensor.py `SequenceShards`, built with the same three methods). The model asks
+    it for whole hidden states before the head and for its MTP embeddings; it holds no
+    parameters."""
 
     def whole(self, h_bsh: torch.Tensor) -> torch.Tensor:
         """The whole sequence [B, S, H] from what the blocks hand on (here already whole)."""
@@ -120,16 +123,17 @@ class TandemModel(nn.Module):
         mtp_kind = "indexed_attention" if cfg.uses_qsa else "attention"
         self.mtp = (MTPModule(cfg, mtp, lambda: TransformerBlock(cfg, mtp_moe, mtp_kind))
                     if mtp.num_steps > 0 else None)
-        # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's own
-        # next-token prediction at the target position: train.distill).
+        # MTP targets: `none` (data labels), `argmax` / `soft` (self-distillation from the trunk's
+        # own next-token prediction at the target position: train.distill).
         self.distill = distill
-        # Whole sequences between the blocks (the default), or under sequence parallelism this rank's
-        # shard: the head's input is gathered whole and the trunk and MTP steps share one lookup of whole
-        # sequences, each rank reading its rows (trainer/parallel/tensor.py `SequenceShards`).
+        # Whole sequences between the blocks (the default), or under sequence parallelism this
+        # rank's shard: the head's input is gathered whole and the trunk and MTP steps share one
+        # lookup of whole sequences, each rank reading its rows (trainer/parallel/tensor.py
+        # `SequenceShards`).
         self.sequence = sequence if sequence is not None else SequenceLayout()
         # Which rows of a training window this rank computes: all (the default), or under context
-        # parallelism its chunks (trainer/parallel/context.py `ContextShards`). Every per-position input
-        # is built over the whole window and then cut to these rows (models/context.py).
+        # parallelism its chunks (trainer/parallel/context.py `ContextShards`). Every per-position
+        # input is built over the whole window and then cut to these rows (models/context.py).
         self.context = context if context is not None else WholeWindow()
         self.reset_parameters()
         if cfg.tie_embeddings:
@@ -147,9 +151,9 @@ class TandemModel(nn.Module):
     def init_rule(self, name: str) -> InitRule:
         """How parameter `name` starts: what the closest module holding it says (its `param_init`,
         asked with the name relative to it: `out_proj.weight` for a Gated DeltaNet layer's output
-        projection), else zeros for a bias and normal(0, model.init_std) for everything else. The one
-        definition of the initial distribution: `reset_parameters` draws it from the global RNG; the
-        trainer draws it shard by shard from per-parameter seeds (trainer/seeded_init.py)."""
+        projection), else zeros for a bias and normal(0, model.init_std) for everything else. The
+        one definition of the initial distribution: `reset_parameters` draws it from the global RNG;
+        the trainer draws it shard by shard from per-parameter seeds (trainer/seeded_init.py)."""
         scales, parts = self.init_scales, name.split(".")
         for cut in range(len(parts) - 1, -1, -1):
             param_init = getattr(self.get_submodule(".".join(parts[:cut])), "param_init", None)
@@ -184,7 +188,8 @@ class TandemModel(nn.Module):
 
     # --- pieces shared by training and decoding -------------------------------------------------
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None,
-              emb_bsh: Optional[torch.Tensor] = None, documents: Optional[Documents] = None) -> torch.Tensor:
+              emb_bsh: Optional[torch.Tensor] = None,
+              documents: Optional[Documents] = None) -> torch.Tensor:
         """Trunk hidden states before the final norm (h_0 of the MTP chain). `emb_bsh`: the tokens'
         embedding when the caller already looked it up (`shifted_embeddings`). `documents`: packed
         documents kept apart (then `positions_bs` count from each document's start)."""
@@ -199,33 +204,39 @@ class TandemModel(nn.Module):
                       input_ids_bs if layer.ple is not None else None, **extra)
         return h
 
-    def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor, positions_bs: torch.Tensor,
+    def mtp_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor,
+                 positions_bs: torch.Tensor,
                  cache: Optional[LayerKV] = None, emb_bsh: Optional[torch.Tensor] = None):
-        """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token t+step.
-        `emb_bsh`: the embedding of tokens t+step when already looked up (training reuses one lookup).
-        Decoding (`cache` given) shares QSA selections through the depths' caches (`select_for_step`);
-        training chains them explicitly (`mtp_train_step`)."""
+        """MTP step `step` (1-based): h_step from h_{step-1} (h_0 for the parallel style) and token
+        t+step. `emb_bsh`: the embedding of tokens t+step when already looked up (training reuses
+        one lookup). Decoding (`cache` given) shares QSA selections through the depths' caches
+        (`select_for_step`); training chains them explicitly (`mtp_train_step`)."""
         self.mtp.select_for_step(step)
         return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh)
 
     def mtp_train_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor,
                        positions_bs: torch.Tensor, emb_bsh: Optional[torch.Tensor] = None,
-                       selection: Optional[QSASelection] = None, documents: Optional[Documents] = None):
-        """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse). With
-        mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend over the
-        one handed in; otherwise every depth selects for itself and None is passed along."""
+                       selection: Optional[QSASelection] = None,
+                       documents: Optional[Documents] = None):
+        """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse).
+        With mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend
+        over the one handed in; otherwise every depth selects for itself and None is passed
+        along."""
         extra = {} if documents is None else {"documents": documents}
         if self.context.sharded:
             extra["context"] = self.context
         if self.mtp.selection_share is None:
-            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, **extra), None
+            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
+                                   **extra), None
         if step == 1:
-            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, return_selection=True,
-                                   **extra)
+            return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
+                                   return_selection=True, **extra)
         if selection is None and not self._qsa_dense():
-            raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that reuse its "
+            raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that "
+                               "reuse its "
                                "QSA selection, and hand it on")
-        h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh, selection=selection, **extra)
+        h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
+                            selection=selection, **extra)
         return h, selection
 
     def _qsa_dense(self) -> bool:
@@ -235,50 +246,55 @@ class TandemModel(nn.Module):
     def _mtp_layer(self, step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh, **block_args):
         layer = self.mtp.layer_for_step(step)
         if self.mtp_cfg.trunk_input == "final_norm" and (step == 1 or not self.mtp.chained):
-            h_prev_bsh = self.norm(h_prev_bsh)  # h_0 is the trunk's normed output in this convention
-        emb = (self.embed_tokens(tokens_bs) if emb_bsh is None else emb_bsh) if layer.combine else None
+            # h_0 is the trunk's normed output in this convention
+            h_prev_bsh = self.norm(h_prev_bsh)
+        emb = (self.embed_tokens(tokens_bs) if emb_bsh is None
+               else emb_bsh) if layer.combine else None
         return layer(h_prev_bsh, emb, positions_bs, cache, **block_args)
 
     def shared_lookup(self) -> bool:
         """Whether training embeds every position once and the MTP steps read it shifted
-        (`shifted_embeddings`): with looped MTP steps (they embed tokens). Under sequence parallelism
-        step k's shard needs k rows of the next rank's shard, so the window is looked up whole there
-        (`sequence.embed_window`) and each rank reads its rows of it (`sequence.rows`)."""
+        (`shifted_embeddings`): with looped MTP steps (they embed tokens). Under sequence
+        parallelism step k's shard needs k rows of the next rank's shard, so the window is looked up
+        whole there (`sequence.embed_window`) and each rank reads its rows of it
+        (`sequence.rows`)."""
         return self.mtp is not None and self.mtp.chained
 
     def shifted_embeddings(self, tokens_bs1: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        """One embedding lookup serving the trunk (shift 0) and MTP steps `first`..`last`: row j holds
-        token j+first (token 0 past the window, as `shifted_tokens` pads), so shift k reads rows
-        [k-first, k-first+S) (`window_rows`). One lookup, and under tensor parallelism one
+        """One embedding lookup serving the trunk (shift 0) and MTP steps `first`..`last`: row j
+        holds token j+first (token 0 past the window, as `shifted_tokens` pads), so shift k reads
+        rows [k-first, k-first+S) (`window_rows`). One lookup, and under tensor parallelism one
         vocabulary-parallel all-reduce, instead of one per step (under sequence parallelism one
         all-reduce of the whole window instead of a reduce-scatter per step)."""
         s = tokens_bs1.shape[1] - 1
         if self.context.sharded:  # this rank's rows of each shift, shift by shift
-            ids = torch.cat([self.context.local(shifted_tokens(tokens_bs1, k, s)) for k in range(first, last + 1)], 1)
+            ids = torch.cat([self.context.local(shifted_tokens(tokens_bs1, k, s))
+                             for k in range(first, last + 1)], 1)
         else:
             ids = shifted_tokens(tokens_bs1, first, s + last - first)
         return self.sequence.embed_window(self.embed_tokens, ids)
 
     def window_rows(self, emb_window: Tuple[torch.Tensor, int], shift: int, s: int) -> torch.Tensor:
-        """The embedding of tokens t+shift for the S positions (this rank's shard of them under sequence
-        parallelism) from a `shifted_embeddings` window (window, its first shift)."""
+        """The embedding of tokens t+shift for the S positions (this rank's shard of them under
+        sequence parallelism) from a `shifted_embeddings` window (window, its first shift)."""
         window, first = emb_window
         if self.context.sharded:  # `shifted_embeddings` laid this rank's rows out shift by shift
             rows = self.context.local_rows(s)
             return self.sequence.rows(window, (shift - first) * rows, rows)
         return self.sequence.rows(window, shift - first, s)
 
-    def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, positions_bs: torch.Tensor,
+    def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
+                     positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                      chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                      documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None):
-        """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order, teacher-forced on
-        the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token t+k. The chain may
-        start later (a pipeline stage after the one that ran depth `chain_depth`): `h_chain` is then
-        h_{chain_depth}. With mtp.detach_trunk no MTP gradient reaches the trunk. `emb_window`:
-        (`shifted_embeddings` output, its first shift) covering every step run; without it each step
-        looks its tokens up. `carry`: depth 1's QSA selection in and out (a chain started after depth
-        1 reuses the one it brings)."""
+        """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order,
+        teacher-forced on the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token
+        t+k. The chain may start later (a pipeline stage after the one that ran depth
+        `chain_depth`): `h_chain` is then h_{chain_depth}. With mtp.detach_trunk no MTP gradient
+        reaches the trunk. `emb_window`: (`shifted_embeddings` output, its first shift) covering
+        every step run; without it each step looks its tokens up. `carry`: depth 1's QSA selection
+        in and out (a chain started after depth 1 reuses the one it brings)."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
@@ -294,7 +310,8 @@ class TandemModel(nn.Module):
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
             tokens = self.context.local(shifted_tokens(tokens_bs1, depth, s))
             h, carry.value = self.mtp_train_step(depth, h_in, tokens, positions_bs,
-                                                 emb_bsh=emb, selection=carry.value, documents=documents)
+                                                 emb_bsh=emb, selection=carry.value,
+                                                 documents=documents)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -308,73 +325,89 @@ class TandemModel(nn.Module):
     def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
                 doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False,
                 loss_grad_scales: Optional[torch.Tensor] = None) -> ModelOutput:
-        """Per-depth summed losses over a window of S+1 tokens (inputs are the first S). `document_mask`
-        (data.document_mask): the documents `doc_ids_bs1` delimits do not see each other.
-        `loss_grad_scales`: the gradient d total / d loss_sums[depth] the caller's loss will send back
-        ([num_depths], on the device: each depth's coefficient over its global target count); with it
-        the fused head keeps one weight-gradient buffer for every depth (models/loss.py). None: the
-        weight's gradient is recomputed in backward."""
+        """Per-depth summed losses over a window of S+1 tokens (inputs are the first S).
+        `document_mask` (data.document_mask): the documents `doc_ids_bs1` delimits do not see each
+        other. `loss_grad_scales`: the gradient d total / d loss_sums[depth] the caller's loss will
+        send back ([num_depths], on the device: each depth's coefficient over its global target
+        count); with it the fused head keeps one weight-gradient buffer for every depth
+        (models/loss.py). None: the weight's gradient is recomputed in backward."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
         if loss_mask_bs is None:
             loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
         documents = window_documents(doc_ids_bs1, s) if document_mask else None
-        # built over the whole window, then cut to this rank's rows (context parallelism; else all rows)
+        # built over the whole window, then cut to this rank's rows (context parallelism; else all
+        # rows)
         positions = self.context.local(window_positions(documents, b, s, tokens_bs1.device))
         documents = documents.local(self.context) if documents is not None else None
-        # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near inference.
+        # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near
+        # inference.
         emb_window = None
         if self.shared_lookup():
-            # the trunk's embedding output, shifted by k, is what MTP step k embeds: one lookup for all
+            # the trunk's embedding output, shifted by k, is what MTP step k embeds: one lookup for
+            # all
             emb_window = (self.shifted_embeddings(tokens_bs1, 0, self.mtp_cfg.num_steps), 0)
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
             h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions,
-                           emb_bsh=self.window_rows(emb_window, 0, s) if emb_window is not None else None,
+                           emb_bsh=self.window_rows(emb_window, 0,
+                                                    s) if emb_window is not None else None,
                            documents=documents)
-        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions, emb_window=emb_window,
+        return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions,
+                                       emb_window=emb_window,
                                        documents=documents, loss_grad_scales=loss_grad_scales)
 
-    def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor, loss_mask_bs: torch.Tensor,
+    def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
+                           loss_mask_bs: torch.Tensor,
                            doc_ids_bs1: Optional[torch.Tensor], positions_bs: torch.Tensor,
-                           depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
-                           chain_depth: int = 0,
+                           depths: Optional[Sequence[int]] = None,
+                           h_chain: Optional[torch.Tensor] = None, chain_depth: int = 0,
                            emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                            documents: Optional[Documents] = None,
                            selection: Optional[QSASelection] = None,
                            loss_grad_scales: Optional[torch.Tensor] = None) -> ModelOutput:
-        """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline stage
-        runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
+        """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline
+        stage runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
-        parallelism h0 is this rank's shard of the sequence; the MTP chain stays sharded and only the
-        head inputs are gathered. `emb_window`: see `depth_states`; without it (a pipeline stage after
-        the trunk's first: the trunk's embedding output is on another rank, and sending it would add a
-        boundary tensor per micro-batch) the steps run here share one lookup of their own.
-        `selection`: depth 1's QSA selection when an earlier stage ran depth 1 (mtp.qsa_reuse_indices).
+        parallelism h0 is this rank's shard of the sequence; the MTP chain stays sharded and only
+        the head inputs are gathered. `emb_window`: see `depth_states`; without it (a pipeline stage
+        after the trunk's first: the trunk's embedding output is on another rank, and sending it
+        would add a boundary tensor per micro-batch) the steps run here share one lookup of their
+        own. `selection`: depth 1's QSA selection when an earlier stage ran depth 1
+        (mtp.qsa_reuse_indices).
         """
         s = tokens_bs1.shape[1] - 1
         wanted_steps = [d for d in (range(self.num_depths) if depths is None else depths) if d > 0]
         if emb_window is None and wanted_steps and self.shared_lookup():
-            emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)), chain_depth + 1)
+            emb_window = (self.shifted_embeddings(tokens_bs1, chain_depth + 1, max(wanted_steps)),
+                          chain_depth + 1)
         teacher_bsh, teacher_ids = self._teachers(h0_bsh, bool(wanted_steps))
         # (a pipeline stage after the trunk's head may hold no h_0)
-        frozen_main = h0_bsh is not None and not h0_bsh.requires_grad and not self.lm_head.weight.requires_grad
+        frozen_main = (
+            h0_bsh is not None
+            and not h0_bsh.requires_grad
+            and not self.lm_head.weight.requires_grad
+        )
         chain = h0_bsh if h_chain is None else h_chain
         counts: List[torch.Tensor] = []
         sums: dict = {}
-        ce = []  # (depth, head input, targets) of every plain cross-entropy: one pass through the head
+        # (depth, head input, targets) of every plain cross-entropy: one pass through the head
+        ce = []
         carry = SelectionCarry(selection)
-        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain, chain_depth,
-                                               emb_window, documents, carry):
+        for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain,
+                                               chain_depth, emb_window, documents, carry):
             if depth > 0:
                 chain = h_prev
-            # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask], whose
-            # data-dependent shape costs host syncs and a compiled graph). The count stays on the device.
-            # the window's targets, then this rank's rows of them (context parallelism: never shifted after
-            # cutting, so a target across a chunk edge is the one one process reads)
+            # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask],
+            # whose data-dependent shape costs host syncs and a compiled graph). The count stays on
+            # the device. the window's targets, then this rank's rows of them (context parallelism:
+            # never shifted after cutting, so a target across a chunk edge is the one one process
+            # reads)
             mask = self.context.local(depth_target_mask(loss_mask_bs, doc_ids_bs1, depth))
-            targets_n = _rows(torch.where(mask, self.context.local(shifted_tokens(tokens_bs1, depth + 1, s)), IGNORE))
+            targets_n = _rows(torch.where(mask, self.context.local(shifted_tokens(tokens_bs1, depth
+                                                                                  + 1, s)), IGNORE))
             counts.append(mask.sum())
-            loss, head_input = self._depth_loss(depth, h_prev, mask, targets_n, teacher_bsh, teacher_ids, frozen_main)
+            loss, head_input = self._depth_loss(depth, h_prev, mask, targets_n, teacher_bsh,
+                                                teacher_ids, frozen_main)
             if head_input is None:
                 sums[depth] = loss
             else:
@@ -383,14 +416,17 @@ class TandemModel(nn.Module):
             ce_depths = [d for d, _, _ in ce]
             scales = (torch.stack([loss_grad_scales[d] for d in ce_depths])
                       if loss_grad_scales is not None else None)
-            per_depth = self.lm_head.loss_sums(torch.stack([h for _, h, _ in ce]), torch.stack([t for _, _, t in ce]),
+            per_depth = self.lm_head.loss_sums(torch.stack([h for _, h, _ in ce]),
+                                               torch.stack([t for _, _, t in ce]),
                                                self.mtp_cfg.loss_chunk_tokens, scales)
             sums.update(zip(ce_depths, per_depth.unbind(0)))
-        return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain, carry.value)
+        return ModelOutput(torch.stack([sums[d] for d in sorted(sums)]), torch.stack(counts), chain,
+                           carry.value)
 
     def _teachers(self, h0_bsh: torch.Tensor, any_mtp: bool):
-        """(the trunk's normed h_0, its head input; under train.distill=argmax also its predicted tokens)
-        as the MTP depths' teacher, when self-distillation or the acceptance objective needs one."""
+        """(the trunk's normed h_0, its head input; under train.distill=argmax also its predicted
+        tokens) as the MTP depths' teacher, when self-distillation or the acceptance objective needs
+        one."""
         if not any_mtp or (self.distill == "none" and self.mtp_cfg.loss.objective != "acceptance"):
             return None, None
         with torch.no_grad():
@@ -403,9 +439,10 @@ class TandemModel(nn.Module):
             ids = chunked_argmax(flat, self.lm_head.weight, self.mtp_cfg.loss_chunk_tokens)
             return teacher_bsh, self.context.gather(ids.view(teacher_bsh.shape[:2]))
 
-    def _depth_loss(self, depth: int, h_bsh: torch.Tensor, mask: torch.Tensor, targets_n: torch.Tensor,
-                    teacher_bsh, teacher_ids, frozen_main: bool):
-        """(depth's loss sum, None), or (None, (head input, targets)) for the shared cross-entropy pass."""
+    def _depth_loss(self, depth: int, h_bsh: torch.Tensor, mask: torch.Tensor,
+                    targets_n: torch.Tensor, teacher_bsh, teacher_ids, frozen_main: bool):
+        """(depth's loss sum, None), or (None, (head input, targets)) for the shared cross-entropy
+        pass."""
         whole, chunk = self.sequence.whole, self.mtp_cfg.loss_chunk_tokens
         if depth == 0 and frozen_main:
             with torch.no_grad():  # frozen trunk: the main loss is only reported
@@ -416,19 +453,24 @@ class TandemModel(nn.Module):
         if depth > 0 and teacher_ids is not None:
             # The trunk predicts token t+1+depth at position t+depth.
             window = teacher_ids.shape[1]
-            return None, (hn, _rows(torch.where(mask, local(shifted_tokens(teacher_ids, depth, window)), IGNORE)))
+            return None, (hn, _rows(torch.where(mask, local(shifted_tokens(teacher_ids, depth,
+                                                                           window)), IGNORE)))
         if depth > 0 and self.mtp_cfg.loss.objective == "acceptance":
-            return self.lm_head.acceptance_loss_sum(hn, _rows(local(_teacher_at(teacher_bsh, depth))), targets_n,
-                                                    chunk, self.mtp_cfg.loss.acceptance_ce_weight), None
+            return self.lm_head.acceptance_loss_sum(hn, _rows(local(_teacher_at(teacher_bsh,
+                                                                                depth))), targets_n,
+                                                    chunk,
+                                                    self.mtp_cfg.loss.acceptance_ce_weight), None
         if depth > 0 and teacher_bsh is not None:
             teacher_nh = _rows(local(_teacher_at(teacher_bsh, depth)))
-            return chunked_soft_cross_entropy_sum(hn, teacher_nh, self.lm_head.weight, chunk, _rows(mask)), None
+            return chunked_soft_cross_entropy_sum(hn, teacher_nh, self.lm_head.weight, chunk,
+                                                  _rows(mask)), None
         return None, (hn, targets_n)
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def trunk_frozen(self) -> bool:
         """True when no trunk parameter trains (train.freeze_trunk)."""
-        return not any(p.requires_grad for name, p in self.named_parameters() if not name.startswith("mtp."))
+        return not any(p.requires_grad for name,
+                       p in self.named_parameters() if not name.startswith("mtp."))
 
     def moe_layers(self) -> List[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

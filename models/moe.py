@@ -1,22 +1,23 @@
 """Mixture-of-experts MLP: top-k router, grouped experts, optional shared experts.
 
 Routing follows DeepSeek-V3 / GLM-4.5 (sigmoid scores, a selection-only correction bias, optional
-group-limited routing, routed scaling) and Qwen3-MoE / Mixtral (softmax scores). Experts run grouped:
-token copies are sorted by expert, and one `torch._grouped_mm` per projection computes every expert's
-contiguous block from the per-expert counts as a device tensor, so a one-process MoE forward never
-waits for the host (no `.tolist()`/`.item()`; counts come from `scatter_add_`, not `bincount`, which
-syncs on CUDA). The kernel sits behind two custom ops (`tandem::grouped_mm` and its backward's
-`tandem::grouped_mm_raw`), so `torch.compile` (`train.compile`) traces a block through it without a
-graph break. Where the grouped kernel is missing for the device/dtype (or the row strides are not
-16-byte aligned) the experts fall back to one matmul per expert over host-side counts
-(`model.expert_matmul`). Expert parallelism replaces `GroupedExperts` by a dispatching module built
-from it with the same parameters (trainer/parallel/tensor.py `ParallelExperts`, whose `prepare` and
-`dispatch` start the exchanges); the model itself holds no process groups.
+group-limited routing, routed scaling) and Qwen3-MoE / Mixtral (softmax scores). Experts run
+grouped: token copies are sorted by expert, and one `torch._grouped_mm` per projection computes
+every expert's contiguous block from the per-expert counts as a device tensor, so a one-process MoE
+forward never waits for the host (no `.tolist()`/`.item()`; counts come from `scatter_add_`, not
+`bincount`, which syncs on CUDA). The kernel sits behind two custom ops (`tandem::grouped_mm` and
+its backward's `tandem::grouped_mm_raw`), so `torch.compile` (`train.compile`) traces a block
+through it without a graph break. Where the grouped kernel is missing for the device/dtype (or the
+row strides are not 16-byte aligned) the experts fall back to one matmul per expert over host-side
+counts (`model.expert_matmul`). Expert parallelism replaces `GroupedExperts` by a dispatching module
+built from it with the same parameters (trainer/parallel/tensor.py `ParallelExperts`, whose
+`prepare` and `dispatch` start the exchanges); the model itself holds no process groups.
 
 Auxiliary losses (load balance, z-loss) never travel through return values: `AuxLossGrad` attaches
 their gradient to the layer's output during backward (Megatron's approach), so pipeline stages and
 the loss code need not know about them. Their values are kept for logging in `last_aux_loss` (a
-detached tensor: converting it to a Python float here would be a host sync per layer per micro-batch).
+detached tensor: converting it to a Python float here would be a host sync per layer per
+micro-batch).
 
 Precision: routing (logits, scores, top-k, the correction-bias comparison and the aux/z-losses)
 always computes in fp32, with autocast disabled locally, as Megatron and the reference
@@ -71,16 +72,18 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 
 class _WeightedCombine(torch.autograd.Function):
-    """out[t] = sum over j = 0..k-1, in that order, of w[t, j] * y[pos[t, j]], accumulated in fp32 and
-    cast once to y's dtype. A scatter-add (`index_add_`) would sum the copies in y's dtype (bf16 under
-    autocast: a rounding per copy) and, on CUDA, in whatever order its atomics land (runs that differ
-    bit for bit). Written as a Function so that backward keeps only y in its own dtype (as the product
-    `y * w` did) and the fp32 products stay one [T, H] slice at a time, never [T, k, H]."""
+    """out[t] = sum over j = 0..k-1, in that order, of w[t, j] * y[pos[t, j]], accumulated in fp32
+    and cast once to y's dtype. A scatter-add (`index_add_`) would sum the copies in y's dtype (bf16
+    under autocast: a rounding per copy) and, on CUDA, in whatever order its atomics land (runs that
+    differ bit for bit). Written as a Function so that backward keeps only y in its own dtype (as
+    the product `y * w` did) and the fp32 products stay one [T, H] slice at a time, never [T, k,
+    H]."""
 
     @staticmethod
     def forward(ctx, y_nh: torch.Tensor, w_tk: torch.Tensor, pos_tk: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y_nh, w_tk, pos_tk)
-        acc = ctx.acc = torch.promote_types(y_nh.dtype, torch.float32)  # fp32, or fp64 for an fp64 run
+        # fp32, or fp64 for an fp64 run
+        acc = ctx.acc = torch.promote_types(y_nh.dtype, torch.float32)
         w = w_tk.to(acc)
         out = torch.zeros(w.shape[0], y_nh.shape[1], dtype=acc, device=y_nh.device)
         for j in range(w.shape[1]):
@@ -102,17 +105,18 @@ class _WeightedCombine(torch.autograd.Function):
 
 
 def copy_positions(order: torch.Tensor, k: int) -> torch.Tensor:
-    """pos [T, k]: the expert-sorted row of token t's j-th copy (order[pos[t, j]] = t * k + j), which
-    both `token_copies`' backward and `combine_expert_outputs` gather by; computed once per layer."""
+    """pos [T, k]: the expert-sorted row of token t's j-th copy (order[pos[t, j]] = t * k + j),
+    which both `token_copies`' backward and `combine_expert_outputs` gather by; computed once per
+    layer."""
     return inverse_permutation(order).view(-1, k)
 
 
 class _TokenCopies(torch.autograd.Function):
     """x[order // k]: every token's k copies in expert-sorted order (copy (t, j) is row pos[t, j]).
-    Backward sums each token's k copy gradients in a fixed order (j = 0..k-1) in fp32 and casts once,
-    like `combine_expert_outputs`: bitwise reproducible on every device, where indexing's backward (an
-    accumulating index_put; index_select's index_add_ uses atomics on CUDA) sums them in the copies'
-    dtype, and about 7x faster on CPU than the accumulating index_put."""
+    Backward sums each token's k copy gradients in a fixed order (j = 0..k-1) in fp32 and casts
+    once, like `combine_expert_outputs`: bitwise reproducible on every device, where indexing's
+    backward (an accumulating index_put; index_select's index_add_ uses atomics on CUDA) sums them
+    in the copies' dtype, and about 7x faster on CPU than the accumulating index_put."""
 
     @staticmethod
     def forward(ctx, x_th: torch.Tensor, order: torch.Tensor, pos_tk: torch.Tensor) -> torch.Tensor:
@@ -122,7 +126,8 @@ class _TokenCopies(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nh: torch.Tensor):
         (pos,) = ctx.saved_tensors
-        grad = grad_nh.index_select(0, pos[:, 0]).to(torch.promote_types(grad_nh.dtype, torch.float32))
+        grad = grad_nh.index_select(0,
+                                    pos[:, 0]).to(torch.promote_types(grad_nh.dtype, torch.float32))
         for j in range(1, pos.shape[1]):
             grad.add_(grad_nh.index_select(0, pos[:, j]))
         return grad.to(grad_nh.dtype), None, None
@@ -134,7 +139,8 @@ def token_copies(x_th: torch.Tensor, order: torch.Tensor, pos_tk: torch.Tensor) 
     return _TokenCopies.apply(x_th, order, pos_tk)
 
 
-def combine_expert_outputs(y_sorted_nh: torch.Tensor, pos_tk: torch.Tensor, weights_tk: torch.Tensor) -> torch.Tensor:
+def combine_expert_outputs(y_sorted_nh: torch.Tensor, pos_tk: torch.Tensor,
+                           weights_tk: torch.Tensor) -> torch.Tensor:
     """Each token's routed output, sum_j weights[t, j] * (its j-th copy's expert output), from the
     copies' outputs in expert-sorted order (copy (t, j) is row pos[t, j] of y, `copy_positions`).
     fp32 accumulation in a fixed order (j = 0..k-1, whatever the experts): bitwise reproducible on
@@ -150,9 +156,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         # Selection-only bias of aux-loss-free balancing (DeepSeek-V3 `e_score_correction_bias`).
         # A buffer: it is updated by the load rule, never by gradients, and is checkpointed.
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
-        # Routed token copies per expert since the last bias update (load-balance metrics, aux-free rule).
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # Routed token copies per expert since the last bias update (load-balance metrics, aux-free
+        # rule).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32),
+                             persistent=False)
 
     def forward(self, x_th: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return (weights [T,k], expert indices [T,k], router logits [T,E] in fp32)."""
@@ -183,7 +192,8 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
-        """Aux-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones."""
+        """Aux-free balancing step: raise the bias of under-loaded experts, lower over-loaded
+        ones."""
         load = tokens_per_expert.float()
         self.e_score_correction_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
 
@@ -196,22 +206,25 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.expert_matmul)
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.resolved_shared_expert_size) if cfg.num_shared_experts > 0 else None
+            SwiGLU(cfg.hidden_size,
+                   cfg.resolved_shared_expert_size) if cfg.num_shared_experts > 0 else None
         )
         # Qwen3-Next / Qwen4-Exp scale the shared expert per token by sigmoid(gate(x)).
         self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
-                                   if cfg.shared_expert_gate and self.shared_experts is not None else None)
+                                   if cfg.shared_expert_gate and self.shared_experts is not None
+                                   else None)
         # Gradient scale of the auxiliary losses per forward; the trainer sets 1/micro-batches.
         self.aux_grad_scale = 1.0
         # The last micro-batch's aux + z loss (detached tensor, None until one is computed).
         self.last_aux_loss = None
 
-    def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sort token copies by expert, run the experts grouped, combine each token's weighted outputs
-        (`combine_expert_outputs`: fp32, fixed order), and add the shared expert's output on `x_th`.
-        The shared expert runs between `dispatch` and the routed experts: under expert parallelism its
-        matmuls are issued while the token copies are in flight (the all-to-all is asynchronous until
-        the experts read its output)."""
+    def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor,
+                          indices: torch.Tensor) -> torch.Tensor:
+        """Sort token copies by expert, run the experts grouped, combine each token's weighted
+        outputs (`combine_expert_outputs`: fp32, fixed order), and add the shared expert's output on
+        `x_th`. The shared expert runs between `dispatch` and the routed experts: under expert
+        parallelism its matmuls are issued while the token copies are in flight (the all-to-all is
+        asynchronous until the experts read its output)."""
         k = indices.shape[1]
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
@@ -237,8 +250,8 @@ class MoE(nn.Module):
         return self.shared_experts(x_th)
 
     def forward(self, x_bsh: torch.Tensor, context=None) -> torch.Tensor:
-        """`context`: the window's split over context-parallel ranks (models/context.py), over which the
-        auxiliary losses average."""
+        """`context`: the window's split over context-parallel ranks (models/context.py), over which
+        the auxiliary losses average."""
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
         weights, indices, logits = self.router(x)
@@ -254,10 +267,11 @@ class MoE(nn.Module):
         return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
 
     def _window_aux(self, logits: torch.Tensor, indices: torch.Tensor, scale: float, context):
-        """(aux + z loss, its gradient scale) over the micro-batch's tokens. Under context parallelism
-        they are means over every cp rank's rows: the per-expert sums they are built from are summed over
-        the ranks (`context.sum`: E numbers, not the [tokens x E] logits), every rank computes the same
-        loss, and the sum's backward adds the cp copies of its gradient, so each carries 1/cp of it."""
+        """(aux + z loss, its gradient scale) over the micro-batch's tokens. Under context
+        parallelism they are means over every cp rank's rows: the per-expert sums they are built
+        from are summed over the ranks (`context.sum`: E numbers, not the [tokens x E] logits),
+        every rank computes the same loss, and the sum's backward adds the cp copies of its
+        gradient, so each carries 1/cp of it."""
         window = context if context is not None and context.sharded else None
         with torch.autocast(logits.device.type, enabled=False):
             sums = self._aux_sums(logits.float(), indices)
@@ -274,15 +288,22 @@ class MoE(nn.Module):
         probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
         probs = probs / probs.sum(-1, keepdim=True)
         counts = expert_counts(indices.flatten(), cfg.num_experts).float()
-        z = torch.logsumexp(logits, dim=-1).pow(2).sum() if cfg.z_loss_coef > 0 else logits.new_zeros(())
+        z = torch.logsumexp(logits,
+                            dim=-1).pow(2).sum() if cfg.z_loss_coef > 0 else logits.new_zeros(())
         sizes = logits.new_tensor([float(indices.numel()), 0.0, float(logits.shape[0])])
         return torch.cat([probs.sum(0), counts, sizes[:1], z[None], sizes[2:]])
 
     def _aux_terms(self, sums: torch.Tensor):
-        """Switch/DeepSeek balance loss E * sum_i f_i * P_i (f_i the routed fraction x E/k, P_i the mean
-        probability) and the z-loss mean(logsumexp^2), from `_aux_sums`."""
+        """Switch/DeepSeek balance loss E * sum_i f_i * P_i (f_i the routed fraction x E/k, P_i the
+        mean probability) and the z-loss mean(logsumexp^2), from `_aux_sums`."""
         cfg, e = self.cfg, self.cfg.num_experts
-        prob_sum, counts, copies, z_sum, tokens = sums[:e], sums[e:2 * e], sums[2 * e], sums[2 * e + 1], sums[2 * e + 2]
+        prob_sum, counts, copies, z_sum, tokens = (
+            sums[:e],
+            sums[e : 2 * e],
+            sums[2 * e],
+            sums[2 * e + 1],
+            sums[2 * e + 2],
+        )
         terms = []
         if cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0:
             terms.append(cfg.aux_loss_coef * e * ((counts / copies) * (prob_sum / tokens)).sum())

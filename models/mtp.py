@@ -26,12 +26,13 @@ from .qsa import IndexedAttention
 from .qsa_index import SelectionShare
 
 
-def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Tensor], depth: int) -> torch.Tensor:
+def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Tensor],
+                      depth: int) -> torch.Tensor:
     """Bool [B,S]: whether depth `depth` has a valid target at each position.
 
     Valid iff the target t+1+depth lies inside the window (no wrapped tokens), the data loss mask of
-    that target is set, and no document boundary separates token t from its target (packed documents;
-    doc_ids[b, i] counts end-of-document tokens strictly before i).
+    that target is set, and no document boundary separates token t from its target (packed
+    documents; doc_ids[b, i] counts end-of-document tokens strictly before i).
     """
     b, s = loss_mask_bs.shape
     mask = torch.zeros(b, s, dtype=torch.bool, device=loss_mask_bs.device)
@@ -46,7 +47,8 @@ def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Te
 
 
 def shifted_tokens(tokens_bs1: torch.Tensor, shift: int, length: int) -> torch.Tensor:
-    """tokens[:, t + shift] for t < length, zero-padded past the window (those positions are masked)."""
+    """tokens[:, t + shift] for t < length, zero-padded past the window (those positions are
+    masked)."""
     out = tokens_bs1[:, shift : shift + length]
     pad = length - out.shape[1]
     if pad > 0:
@@ -60,10 +62,12 @@ def model_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
 
 
 def final_norm_module(cfg: ModelConfig) -> nn.Module:
-    """What turns a block stack's output into the head's input: an RMSNorm, or with hyper-connections
-    the stream mixer that collapses the hc_count streams (transformers' `hyper_connection_mixer`)."""
+    """What turns a block stack's output into the head's input: an RMSNorm, or with
+    hyper-connections the stream mixer that collapses the hc_count streams (transformers'
+    `hyper_connection_mixer`)."""
     if cfg.hc_count > 1:
-        return HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps, combine=False)
+        return HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps,
+                               combine=False)
     return model_norm(cfg, cfg.hidden_size)
 
 
@@ -71,13 +75,14 @@ class MTPLayer(nn.Module):
     """One physical MTP layer: input combination (looped style), a transformer block, a final norm.
 
     Two combinations (`mtp.combine`):
-    * `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next): x = eh_proj(cat(enorm(emb), hnorm(h_prev))).
+    * `concat_proj` (DeepSeek-V3 / GLM-4.5 / Qwen3-Next): x = eh_proj(cat(enorm(emb),
+      hnorm(h_prev))).
     * `qwen4_exp` (Qwen4-Exp's drafter, vLLM's `Qwen4ExpMTP`): h_prev is the previous depth's
       multi-stream state [B, S, hc x H] (the trunk's, before its final stream mixer, at depth 1);
-      `pre_fc_norm_hidden` normalises it over all hc x H channels, `fc_hidden` (one H x H matrix shared
-      by the streams) projects each stream, and fc_embedding(pre_fc_norm_embedding(emb)) is added to
-      every stream with unit weight. The block keeps the streams; its output is the next depth's
-      h_prev, and the layer's own stream mixer (`norm`) collapses it for the head.
+      `pre_fc_norm_hidden` normalises it over all hc x H channels, `fc_hidden` (one H x H matrix
+      shared by the streams) projects each stream, and fc_embedding(pre_fc_norm_embedding(emb)) is
+      added to every stream with unit weight. The block keeps the streams; its output is the next
+      depth's h_prev, and the layer's own stream mixer (`norm`) collapses it for the head.
     """
 
     def __init__(self, cfg: ModelConfig, mtp: MTPConfig, block: nn.Module):
@@ -98,23 +103,26 @@ class MTPLayer(nn.Module):
         self.block = block
         self.norm = final_norm_module(cfg)
 
-    def forward(self, h_prev_bsh: torch.Tensor, emb_bsh: Optional[torch.Tensor], positions_bs: torch.Tensor,
-                cache: Optional[LayerKV] = None, **block_args):
-        """`block_args`: the block's QSA selection hand-over and documents (`TransformerBlock.forward`)."""
+    def forward(self, h_prev_bsh: torch.Tensor, emb_bsh: Optional[torch.Tensor],
+                positions_bs: torch.Tensor, cache: Optional[LayerKV] = None, **block_args):
+        """`block_args`: the block's QSA selection hand-over and documents
+        (`TransformerBlock.forward`)."""
         if self.combine_style == "concat_proj":
             e, h = self.enorm(emb_bsh), self.hnorm(h_prev_bsh)
             x = self.eh_proj(torch.cat([e, h] if self.emb_first else [h, e], dim=-1))
         elif self.combine_style == "qwen4_exp":
-            streams = self.pre_fc_norm_hidden(h_prev_bsh).unflatten(-1, (self.hc_count, self.hidden_size))
+            streams = self.pre_fc_norm_hidden(h_prev_bsh).unflatten(-1, (self.hc_count,
+                                                                         self.hidden_size))
             e = self.fc_embedding(self.pre_fc_norm_embedding(emb_bsh))
             x = (self.fc_hidden(streams) + e.unsqueeze(-2)).flatten(-2)
         else:
             x = h_prev_bsh
-        # The block's residual stream stays in the trunk's dtype: under autocast the projection returns
-        # bf16 while the trunk's stream is fp32 (fp32 embedding, fp32 residual adds). Without the cast the
-        # MTP chain would add its residuals in bf16 in one process but in fp32 once a pipeline boundary
-        # cast it, and a compiled MTP block would need its own graph (its input dtype differs from the
-        # trunk blocks'): one more compilation of the same block per run.
+        # The block's residual stream stays in the trunk's dtype: under autocast the projection
+        # returns bf16 while the trunk's stream is fp32 (fp32 embedding, fp32 residual adds).
+        # Without the cast the MTP chain would add its residuals in bf16 in one process but in fp32
+        # once a pipeline boundary cast it, and a compiled MTP block would need its own graph (its
+        # input dtype differs from the trunk blocks'): one more compilation of the same block per
+        # run.
         return self.block(x.to(h_prev_bsh.dtype), positions_bs, cache, **block_args)
 
 

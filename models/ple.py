@@ -1,29 +1,30 @@
 """PLE: hashed n-gram memory injected into the hyper-connection streams (Qwen4-Exp).
 
-Each token's preceding context is hashed into a huge embedding table: for every n-gram order
-n = 2..ngram_size and each of `heads_per_ngram` heads, the last n tokens are multiplied by fixed odd
+Each token's preceding context is hashed into a huge embedding table: for every n-gram order n =
+2..ngram_size and each of `heads_per_ngram` heads, the last n tokens are multiplied by fixed odd
 per-layer constants, XOR-ed together, and reduced modulo that head's own prime table size. All heads
-of a layer share one concatenated table (each head at its offset, the total padded to a multiple), and
-the looked-up rows are concatenated into a `embed_dim` vector per token.
+of a layer share one concatenated table (each head at its offset, the total padded to a multiple),
+and the looked-up rows are concatenated into a `embed_dim` vector per token.
 
 N-grams never reach across a document boundary: a context token at or before the last EOS strictly
 before the current position reads as EOS, and the sequence start is padded with EOS. So the ids at a
 position depend only on the ngram_size - 1 tokens before it, which is all decoding has to keep.
 
-The n-gram vector gives one value (H wide) and one key per stream; each stream's normalised activation
-queries its key, a signed-square-root sigmoid gate scales the value for that stream, and a causal
-dilated depthwise conv (dilation ngram_size, zero-initialised) over the normalised gated values adds
-local context. The result is added to the streams by the caller, before the block's hyper-connection.
+The n-gram vector gives one value (H wide) and one key per stream; each stream's normalised
+activation queries its key, a signed-square-root sigmoid gate scales the value for that stream, and
+a causal dilated depthwise conv (dilation ngram_size, zero-initialised) over the normalised gated
+values adds local context. The result is added to the streams by the caller, before the block's
+hyper-connection.
 
 The hashing is a pure function (`ngram_ids`) separate from the table, so a sharded table can be put
 around it and the ids can be checked for the real 20M base without allocating the table. (The real
 tables are tens of GiB per layer; transformers shards `ngram_embedding` along its embedding dim,
 Tandem splits its rows over every rank of the pipeline stage: trainer/parallel/tensor_hybrid.py.)
 
-Decoding keeps two rings in the layer's DecodeCache slot (models/state.py): `ple_tokens` (the token id
-at position p: the n-gram context; ngram_size - 1 slots beyond the cache's `ring`) and `ple_conv` (the
-conv's normalised input at p; (conv_kernel - 1) * ngram_size slots beyond it), each entry in slot
-p % (its ring's length).
+Decoding keeps two rings in the layer's DecodeCache slot (models/state.py): `ple_tokens` (the token
+id at position p: the n-gram context; ngram_size - 1 slots beyond the cache's `ring`) and `ple_conv`
+(the conv's normalised input at p; (conv_kernel - 1) * ngram_size slots beyond it), each entry in
+slot p % (its ring's length).
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def _splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def layer_multipliers(vocab_size: int, ngram_size: int, ple_layer_index: int, seed: int) -> List[int]:
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_layer_index: int,
+                      seed: int) -> List[int]:
     """One odd multiplier per n-gram slot, small enough that token * multiplier fits in int64."""
     half_bound = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
     base_seed = seed + _LAYER_STRIDE * ple_layer_index
-    return [2 * (_splitmix64((base_seed + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(ngram_size)]
+    return [2 * (_splitmix64((base_seed + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1
+            for i in range(ngram_size)]
 
 
 def _is_prime(n: int) -> bool:
@@ -86,7 +89,8 @@ _PRIMES_FROM: Dict[int, List[int]] = {}
 
 
 def _primes_from(start: int, count: int) -> List[int]:
-    """The first `count` primes >= start (cached: every PLE layer asks for a prefix of the same list)."""
+    """The first `count` primes >= start (cached: every PLE layer asks for a prefix of the same
+    list)."""
     found = _PRIMES_FROM.setdefault(start, [])
     n = found[-1] + 1 if found else start
     while len(found) < count:
@@ -99,8 +103,9 @@ def _primes_from(start: int, count: int) -> List[int]:
 
 def ngram_tables(vocab_size: int, ngram_size: int, heads_per_ngram: int, ngram_vocab_base: int,
                  ngram_vocab_multiple: int, seed: int, ple_layer_index: int):
-    """(multipliers, head vocab sizes, head offsets, padded table rows) of one PLE layer. Every head of
-    every layer has its own prime size: the primes >= ngram_vocab_base, taken in order, layer by layer."""
+    """(multipliers, head vocab sizes, head offsets, padded table rows) of one PLE layer. Every head
+    of every layer has its own prime size: the primes >= ngram_vocab_base, taken in order, layer by
+    layer."""
     heads = (ngram_size - 1) * heads_per_ngram
     sizes = _primes_from(ngram_vocab_base, (ple_layer_index + 1) * heads)[-heads:]
     offsets = [sum(sizes[:i]) for i in range(heads)]
@@ -108,13 +113,14 @@ def ngram_tables(vocab_size: int, ngram_size: int, heads_per_ngram: int, ngram_v
     return layer_multipliers(vocab_size, ngram_size, ple_layer_index, seed), sizes, offsets, padded
 
 
-def ngram_ids(token_history_bt: torch.Tensor, multipliers: torch.Tensor, head_vocab_sizes: torch.Tensor,
+def ngram_ids(token_history_bt: torch.Tensor, multipliers: torch.Tensor,
+              head_vocab_sizes: torch.Tensor,
               head_offsets: torch.Tensor, heads_per_ngram: int, eos_token_id: int) -> torch.Tensor:
     """Table rows [B, T, (ngram_size - 1) * heads_per_ngram] of every position of a token history.
 
-    ngram_size = len(multipliers). Positions before the history's start, and context at or before the
-    last EOS strictly before a position, read as EOS, so a history prefixed with the ngram_size - 1
-    tokens before it gives, at its later positions, exactly the ids of the whole sequence."""
+    ngram_size = len(multipliers). Positions before the history's start, and context at or before
+    the last EOS strictly before a position, read as EOS, so a history prefixed with the ngram_size
+    - 1 tokens before it gives, at its later positions, exactly the ids of the whole sequence."""
     tokens_bt = token_history_bt.long()
     B, T = tokens_bt.shape
     pos_t = torch.arange(T, device=tokens_bt.device)
@@ -132,32 +138,47 @@ def ngram_ids(token_history_bt: torch.Tensor, multipliers: torch.Tensor, head_vo
         if shift == 0:
             continue  # orders start at bigrams
         block = slice((shift - 1) * heads_per_ngram, shift * heads_per_ngram)
-        ids.append(torch.remainder(hashed[..., None], head_vocab_sizes[block]) + head_offsets[block])
+        ids.append(torch.remainder(hashed[..., None],
+                                   head_vocab_sizes[block]) + head_offsets[block])
     return torch.cat(ids, dim=-1)
 
 
 class NGramEmbedding(nn.Module):
-    """The hashed n-gram table of one PLE layer: tokens (+ the tokens before them) -> [B, S, embed_dim]."""
+    """The hashed n-gram table of one PLE layer: tokens (+ the tokens before them) -> [B, S,
+    embed_dim]."""
 
-    def __init__(self, vocab_size: int, embed_dim: int, ngram_size: int, heads_per_ngram: int, ngram_vocab_base: int,
+    def __init__(self, vocab_size: int, embed_dim: int, ngram_size: int, heads_per_ngram: int,
+                 ngram_vocab_base: int,
                  ngram_vocab_multiple: int, seed: int, ple_layer_index: int, eos_token_id: int):
         super().__init__()
         self.ngram_heads = (ngram_size - 1) * heads_per_ngram
         if ngram_size < 2 or embed_dim % self.ngram_heads:
-            raise ValueError(f"PLE embed_dim {embed_dim} must be a multiple of its {self.ngram_heads} n-gram heads")
-        self.vocab_size, self.ngram_size, self.heads_per_ngram = vocab_size, ngram_size, heads_per_ngram
+            raise ValueError(f"PLE embed_dim {embed_dim} must be a multiple of its "
+                             f"{self.ngram_heads} n-gram heads")
+        self.vocab_size, self.ngram_size, self.heads_per_ngram = (
+            vocab_size,
+            ngram_size,
+            heads_per_ngram,
+        )
         self.ngram_vocab_base, self.ngram_vocab_multiple = ngram_vocab_base, ngram_vocab_multiple
-        self.seed, self.ple_layer_index, self.eos_token_id = seed, ple_layer_index, int(eos_token_id)
+        self.seed, self.ple_layer_index, self.eos_token_id = (
+            seed,
+            ple_layer_index,
+            int(eos_token_id),
+        )
         rows = self._tables()[3]
         self.ngram_embedding = nn.Embedding(rows, embed_dim // self.ngram_heads)
-        # Persistent (as in transformers, so checkpoints match by name), recomputed by reset_buffers.
+        # Persistent (as in transformers, so checkpoints match by name), recomputed by
+        # reset_buffers.
         self.register_buffer("layer_multipliers", torch.zeros(ngram_size, dtype=torch.long))
-        self.register_buffer("ngram_heads_vocab_sizes", torch.zeros(self.ngram_heads, dtype=torch.long))
+        self.register_buffer("ngram_heads_vocab_sizes",
+                             torch.zeros(self.ngram_heads, dtype=torch.long))
         self.register_buffer("ngram_heads_offsets", torch.zeros(self.ngram_heads, dtype=torch.long))
         self.reset_buffers()
 
     def _tables(self):
-        return ngram_tables(self.vocab_size, self.ngram_size, self.heads_per_ngram, self.ngram_vocab_base,
+        return ngram_tables(self.vocab_size, self.ngram_size, self.heads_per_ngram,
+                            self.ngram_vocab_base,
                             self.ngram_vocab_multiple, self.seed, self.ple_layer_index)
 
     @torch.no_grad()
@@ -166,26 +187,31 @@ class NGramEmbedding(nn.Module):
         if self.layer_multipliers.is_meta:
             return
         multipliers, sizes, offsets, _ = self._tables()
-        for buf, values in ((self.layer_multipliers, multipliers), (self.ngram_heads_vocab_sizes, sizes),
+        for buf, values in ((self.layer_multipliers, multipliers),
+                            (self.ngram_heads_vocab_sizes, sizes),
                             (self.ngram_heads_offsets, offsets)):
             buf.copy_(torch.tensor(values, dtype=torch.long))
 
-    def ids(self, input_ids_bs: torch.Tensor, context_bc: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Table rows [B, S, ngram_heads]; context_bc: the ngram_size - 1 tokens before (None: EOS)."""
+    def ids(self, input_ids_bs: torch.Tensor,
+            context_bc: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Table rows [B, S, ngram_heads]; context_bc: the ngram_size - 1 tokens before (None:
+        EOS)."""
         if context_bc is None:
-            context_bc = input_ids_bs.new_full((input_ids_bs.shape[0], self.ngram_size - 1), self.eos_token_id)
+            context_bc = input_ids_bs.new_full((input_ids_bs.shape[0], self.ngram_size - 1),
+                                               self.eos_token_id)
         history_bt = torch.cat([context_bc.long(), input_ids_bs.long()], dim=1)
-        ids_btn = ngram_ids(history_bt, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
-                            self.heads_per_ngram, self.eos_token_id)
+        ids_btn = ngram_ids(history_bt, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                            self.ngram_heads_offsets, self.heads_per_ngram, self.eos_token_id)
         return ids_btn[:, context_bc.shape[1]:]
 
-    def forward(self, input_ids_bs: torch.Tensor, context_bc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids_bs: torch.Tensor,
+                context_bc: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.ngram_embedding(self.ids(input_ids_bs, context_bc)).flatten(-2)
 
 
 def _read_ring(ring: torch.Tensor, first_pos_b: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """The entries [B, n, ...] of the n positions before each row's first position (`fill` before 0);
-    the ring has room for them (`LayerCache.ring_buffer` with lookback n)."""
+    """The entries [B, n, ...] of the n positions before each row's first position (`fill` before
+    0); the ring has room for them (`LayerCache.ring_buffer` with lookback n)."""
     pos_bn = first_pos_b[:, None] - n + torch.arange(n, device=ring.device)
     idx = torch.remainder(pos_bn, ring.shape[1]).view(*pos_bn.shape, *([1] * (ring.dim() - 2)))
     got = ring.gather(1, idx.expand(-1, -1, *ring.shape[2:]))
@@ -193,10 +219,12 @@ def _read_ring(ring: torch.Tensor, first_pos_b: torch.Tensor, n: int, fill) -> t
     return torch.where(valid, got, torch.as_tensor(fill, dtype=ring.dtype, device=ring.device))
 
 
-def _write_ring(ring: torch.Tensor, values_bs: torch.Tensor, first_pos_b: torch.Tensor, row_end_b: torch.Tensor):
-    """Store values at position p in slot p % slots, for each row's last min(S, slots) real positions
-    (p <= row_end); every other slot keeps its content (a rewrite with its own value). A forward of at
-    most the cache's `ring` tokens so writes all of them without reusing a slot a resume inside it reads."""
+def _write_ring(ring: torch.Tensor, values_bs: torch.Tensor, first_pos_b: torch.Tensor,
+                row_end_b: torch.Tensor):
+    """Store values at position p in slot p % slots, for each row's last min(S, slots) real
+    positions (p <= row_end); every other slot keeps its content (a rewrite with its own value). A
+    forward of at most the cache's `ring` tokens so writes all of them without reusing a slot a
+    resume inside it reads."""
     R, S = ring.shape[1], values_bs.shape[1]
     n = min(S, R)
     pos_bn = row_end_b[:, None] - n + 1 + torch.arange(n, device=ring.device)
@@ -205,27 +233,34 @@ def _write_ring(ring: torch.Tensor, values_bs: torch.Tensor, first_pos_b: torch.
     slot = torch.remainder(pos_bn, R).view(*pos_bn.shape, *tail).expand(-1, -1, *ring.shape[2:])
     src = j_bn.clamp(0, S - 1).view(*pos_bn.shape, *tail).expand(-1, -1, *ring.shape[2:])
     fresh = (j_bn >= 0).view(*pos_bn.shape, *tail)
-    ring.scatter_(1, slot, torch.where(fresh, values_bs.detach().to(ring.dtype).gather(1, src), ring.gather(1, slot)))
+    ring.scatter_(1, slot, torch.where(fresh, values_bs.detach().to(ring.dtype).gather(1, src),
+                                       ring.gather(1, slot)))
 
 
 class PLELayer(nn.Module):
-    """Per-layer n-gram memory: forward(x_bsX, input_ids_bs, positions_bs, cache) -> addition [B, S, X]."""
+    """Per-layer n-gram memory: forward(x_bsX, input_ids_bs, positions_bs, cache) -> addition [B, S,
+    X]."""
 
-    def __init__(self, hidden_size: int, hc_count: int, embed_dim: int, conv_kernel: int, ngram_size: int,
-                 heads_per_ngram: int, vocab_size: int, ngram_vocab_base: int, ngram_vocab_multiple: int, seed: int,
+    def __init__(self, hidden_size: int, hc_count: int, embed_dim: int, conv_kernel: int,
+                 ngram_size: int,
+                 heads_per_ngram: int, vocab_size: int, ngram_vocab_base: int,
+                 ngram_vocab_multiple: int, seed: int,
                  ple_layer_index: int, eos_token_id: int, eps: float = 1e-6):
         super().__init__()
         self.hidden_size, self.hc_count, self.ngram_size = hidden_size, hc_count, ngram_size
         width = hc_count * hidden_size
-        self.ple_embedding = NGramEmbedding(vocab_size, embed_dim, ngram_size, heads_per_ngram, ngram_vocab_base,
-                                            ngram_vocab_multiple, seed, ple_layer_index, eos_token_id)
+        self.ple_embedding = NGramEmbedding(vocab_size, embed_dim, ngram_size, heads_per_ngram,
+                                            ngram_vocab_base,
+                                            ngram_vocab_multiple, seed, ple_layer_index,
+                                            eos_token_id)
         self.key_proj = nn.Linear(embed_dim, width, bias=False)
         self.value_proj = nn.Linear(embed_dim, hidden_size, bias=False)
         self.norm_key = RMSNorm(width, eps, zero_centered=True, group_size=hidden_size)
         self.norm_query = RMSNorm(width, eps, zero_centered=True, group_size=hidden_size)
         self.norm_conv = RMSNorm(width, eps, zero_centered=True, group_size=hidden_size)
         # Dilation ngram_size: the conv sees the same slot of the previous n-gram windows.
-        self.conv1d = nn.Conv1d(width, width, conv_kernel, groups=width, dilation=ngram_size, bias=False)
+        self.conv1d = nn.Conv1d(width, width, conv_kernel, groups=width, dilation=ngram_size,
+                                bias=False)
         self.conv_window = (conv_kernel - 1) * ngram_size  # previous positions the conv reads
         self.reset_parameters()
 
@@ -237,14 +272,16 @@ class PLELayer(nn.Module):
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
         return ("zeros", 0.0) if name == "conv1d.weight" else None  # as reset_parameters
 
-    def forward(self, x_bsX: torch.Tensor, input_ids_bs: torch.Tensor, positions_bs: Optional[torch.Tensor] = None,
+    def forward(self, x_bsX: torch.Tensor, input_ids_bs: torch.Tensor,
+                positions_bs: Optional[torch.Tensor] = None,
                 cache=None, documents: Optional[Documents] = None,
                 context: Optional[WholeWindow] = None) -> torch.Tensor:
-        """Without a cache every row starts at position 0 (positions unused, as in transformers); with
-        one, each row continues its state from position positions_bs[:, 0] (see models/state.py). With
-        `documents` (packed training rows) the conv restarts at each document: its taps stop at the
-        document's start, which `positions_bs` (counted from it) tells. `context` (training under context
-        parallelism): the rows are this rank's chunks of the window (`_over_chunks`)."""
+        """Without a cache every row starts at position 0 (positions unused, as in transformers);
+        with one, each row continues its state from position positions_bs[:, 0] (see
+        models/state.py). With `documents` (packed training rows) the conv restarts at each
+        document: its taps stop at the document's start, which `positions_bs` (counted from it)
+        tells. `context` (training under context parallelism): the rows are this rank's chunks of
+        the window (`_over_chunks`)."""
         if cache is None and context is not None and context.sharded:
             return self._over_chunks(x_bsX, input_ids_bs, positions_bs, documents, context)
         B, S, _ = x_bsX.shape
@@ -252,7 +289,8 @@ class PLELayer(nn.Module):
         tokens_bc = conv_in_bwX = None
         if cache is not None:
             first_b = positions_bs[:, 0].long()
-            # A resume reads the n-gram context (ngram_size - 1 tokens) and the dilated conv's window.
+            # A resume reads the n-gram context (ngram_size - 1 tokens) and the dilated conv's
+            # window.
             ring_tokens = cache.ring_buffer("ple_tokens", (), torch.long, lookback=context)
             ring_conv = cache.ring_buffer("ple_conv", (hc * h,), lookback=self.conv_window)
             tokens_bc = _read_ring(ring_tokens, first_b, context, self.ple_embedding.eos_token_id)
@@ -263,10 +301,12 @@ class PLELayer(nn.Module):
         if conv_in_bwX is None:  # zeros before position 0
             conv_in_bwX = conv_x_bsX.new_zeros(B, self.conv_window, hc * h)
         if documents is not None and cache is None:
-            conv_bsX = causal_conv_taps(conv_x_bsX, self.conv1d.weight[:, 0], positions_bs, self.ngram_size)
+            conv_bsX = causal_conv_taps(conv_x_bsX, self.conv1d.weight[:, 0], positions_bs,
+                                        self.ngram_size)
             out_bsX = gated_bsX + F.silu(conv_bsX)
         else:
-            conv_in = torch.cat([conv_in_bwX.to(conv_x_bsX.dtype), conv_x_bsX], dim=1).transpose(1, 2)
+            conv_in = torch.cat([conv_in_bwX.to(conv_x_bsX.dtype), conv_x_bsX], dim=1).transpose(1,
+                                                                                                 2)
             out_bsX = gated_bsX + F.silu(self.conv1d(conv_in)).transpose(1, 2)
 
         if cache is not None:
@@ -287,10 +327,12 @@ class PLELayer(nn.Module):
         gated_bsX = (torch.sigmoid(gate_bsc1) * value_bsh.unsqueeze(-2)).flatten(-2)
         return gated_bsX, self.norm_conv(gated_bsX)
 
-    def _over_chunks(self, x_bsX, input_ids_bs, positions_bs, documents, context: WholeWindow) -> torch.Tensor:
-        """PLE on this rank's chunks of the window (context parallelism), each a batch row: a chunk's
-        n-grams read the ngram_size - 1 tokens before it and its conv the conv window before it
-        (`context.halo`; EOS and zeros before the window), exactly what one process reads there."""
+    def _over_chunks(self, x_bsX, input_ids_bs, positions_bs, documents,
+                     context: WholeWindow) -> torch.Tensor:
+        """PLE on this rank's chunks of the window (context parallelism), each a batch row: a
+        chunk's n-grams read the ngram_size - 1 tokens before it and its conv the conv window before
+        it (`context.halo`; EOS and zeros before the window), exactly what one process reads
+        there."""
         ids = context.split(input_ids_bs)
         before = context.halo(ids, self.ngram_size - 1, fill=self.ple_embedding.eos_token_id)
         gated_bsX, conv_x_bsX = self._gated(x_bsX, context.join(self.ple_embedding(ids, before)))
@@ -300,7 +342,8 @@ class PLELayer(nn.Module):
         if documents is not None:
             pos = context.split(positions_bs)
             ext_pos = torch.cat([pos.new_zeros(pos.shape[0], n), pos], 1)
-            conv = causal_conv_taps(extended, self.conv1d.weight[:, 0], ext_pos, self.ngram_size)[:, n:]
+            conv = causal_conv_taps(extended, self.conv1d.weight[:, 0], ext_pos,
+                                    self.ngram_size)[:, n:]
         else:
             conv = self.conv1d(extended.transpose(1, 2)).transpose(1, 2)
         return gated_bsX + F.silu(context.join(conv))

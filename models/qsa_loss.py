@@ -18,10 +18,10 @@ With packed documents a query's visible tokens and candidate blocks are those of
 (blocks aligned to the document's start), so each document's target is what it would be alone.
 
 Everything here needs probabilities [B, heads, S, S]; they are computed a chunk of queries at a time
-under no_grad so memory stays bounded (`block_mass_chunk`; models/qsa_stream.py also computes the KL a
-chunk at a time, over the selected blocks only in the sparse stage, so no [B, S, S / r] tensor exists).
-Under tensor parallelism a rank holds only its own heads: the
-head sums returned by `attention_block_mass` are the quantities to all-reduce before normalising
+under no_grad so memory stays bounded (`block_mass_chunk`; models/qsa_stream.py also computes the KL
+a chunk at a time, over the selected blocks only in the sparse stage, so no [B, S, S / r] tensor
+exists). Under tensor parallelism a rank holds only its own heads: the head sums returned by
+`attention_block_mass` are the quantities to all-reduce before normalising
 (`IndexedAttention.reduce_heads`, which the TP wrapper makes an all-reduce over tp).
 """
 
@@ -33,23 +33,33 @@ import torch
 
 
 @torch.no_grad()
-def attention_block_mass(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int, num_blocks: int,
-                         chunk_elems: int, selected_fn: Optional[Callable[[int, int], torch.Tensor]] = None,
-                         sparse_target: bool = False, query_first_bs: Optional[torch.Tensor] = None,
-                         block_tokens_bm: Optional[torch.Tensor] = None,
-                         query_rows_s: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def attention_block_mass(
+    q_bhsd: torch.Tensor,
+    k_bksd: torch.Tensor,
+    ratio: int,
+    num_blocks: int,
+    chunk_elems: int,
+    selected_fn: Optional[Callable[[int, int], torch.Tensor]] = None,
+    sparse_target: bool = False,
+    query_first_bs: Optional[torch.Tensor] = None,
+    block_tokens_bm: Optional[torch.Tensor] = None,
+    query_rows_s: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal attention of q over k, a chunk of queries at a time (`block_mass_chunk` says what).
 
-    Returns (mass_bsn, recall_bs): the head-summed probability of each complete block's tokens
-    [B, S, num_blocks] fp32 and the head-summed dense mass on the selected tokens [B, S] (None without
-    `selected_fn`). The training forward streams `block_mass_chunk` instead (models/qsa_stream.py), so
-    it never holds [B, S, num_blocks]; this whole-window form is the reference its tests compare to."""
+    Returns (mass_bsn, recall_bs): the head-summed probability of each complete block's tokens [B,
+    S, num_blocks] fp32 and the head-summed dense mass on the selected tokens [B, S] (None without
+    `selected_fn`). The training forward streams `block_mass_chunk` instead (models/qsa_stream.py),
+    so it never holds [B, S, num_blocks]; this whole-window form is the reference its tests compare
+    to."""
     b, h, s_q, _ = q_bhsd.shape
     chunk = max(1, chunk_elems // (b * h * k_bksd.shape[2]))
     masses, recalls = [], []
     for c0 in range(0, s_q, chunk):
-        mass, recall = block_mass_chunk(q_bhsd, k_bksd, ratio, num_blocks, c0, min(s_q, c0 + chunk), selected_fn,
-                                        sparse_target, query_first_bs, block_tokens_bm, query_rows_s)
+        mass, recall = block_mass_chunk(q_bhsd, k_bksd, ratio, num_blocks, c0, min(s_q, c0 + chunk),
+                                        selected_fn,
+                                        sparse_target, query_first_bs, block_tokens_bm,
+                                        query_rows_s)
         masses.append(mass)
         if recall is not None:
             recalls.append(recall)
@@ -57,34 +67,42 @@ def attention_block_mass(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int,
 
 
 @torch.no_grad()
-def block_mass_chunk(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int, num_blocks: int, c0: int, c1: int,
-                     selected_fn: Optional[Callable[[int, int], torch.Tensor]] = None, sparse_target: bool = False,
-                     query_first_bs: Optional[torch.Tensor] = None, block_tokens_bm: Optional[torch.Tensor] = None,
-                     query_rows_s: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Queries c0..c1 of q's causal attention over k (GQA): (mass [B, C, num_blocks], recall [B, C] or None).
+def block_mass_chunk(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int, num_blocks: int,
+                     c0: int, c1: int,
+                     selected_fn: Optional[Callable[[int, int], torch.Tensor]] = None,
+                     sparse_target: bool = False,
+                     query_first_bs: Optional[torch.Tensor] = None,
+                     block_tokens_bm: Optional[torch.Tensor] = None,
+                     query_rows_s: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor,
+                                                                           Optional[torch.Tensor]]:
+    """Queries c0..c1 of q's causal attention over k (GQA): (mass [B, C, num_blocks], recall [B, C]
+    or None).
 
     mass: the head-summed probability of each complete block's tokens, fp32, from the attention
-    restricted to `selected_fn(c0, c1)` [B, C, S_k] when `sparse_target`, else the dense one; recall:
-    the head-summed dense mass on the selected tokens (None without `selected_fn`).
+    restricted to `selected_fn(c0, c1)` [B, C, S_k] when `sparse_target`, else the dense one;
+    recall: the head-summed dense mass on the selected tokens (None without `selected_fn`).
 
-    Query i is key row `query_rows_s[i]` (context parallelism: a rank's rows of the window, whose keys
-    k holds in full; None: row i). Packed documents (both given, or neither): `query_first_bs` [B, S_q]
-    is the row where each query's document starts, so the dense attention is block-diagonal causal,
-    and `block_tokens_bm` [B, num_blocks * ratio] lists the key rows of each block's tokens (block j's
-    are entries [j * ratio, (j + 1) * ratio)). Without them block j covers rows [j * ratio, (j + 1) *
-    ratio). The mass of a padding block (its listed rows are arbitrary) means nothing: the caller never
-    allows it."""
+    Query i is key row `query_rows_s[i]` (context parallelism: a rank's rows of the window, whose
+    keys k holds in full; None: row i). Packed documents (both given, or neither): `query_first_bs`
+    [B, S_q] is the row where each query's document starts, so the dense attention is block-diagonal
+    causal, and `block_tokens_bm` [B, num_blocks * ratio] lists the key rows of each block's tokens
+    (block j's are entries [j * ratio, (j + 1) * ratio)). Without them block j covers rows [j *
+    ratio, (j + 1) * ratio). The mass of a padding block (its listed rows are arbitrary) means
+    nothing: the caller never allows it."""
     b, h, _, d = q_bhsd.shape
     s_k = k_bksd.shape[2]
     k_bhsd = k_bksd.repeat_interleave(h // k_bksd.shape[1], dim=1)
     key_u = torch.arange(s_k, device=q_bhsd.device)
-    query_c = (torch.arange(c0, c1, device=key_u.device) if query_rows_s is None else query_rows_s[c0:c1])
+    query_c = (torch.arange(c0, c1,
+                            device=key_u.device) if query_rows_s is None else query_rows_s[c0:c1])
     with torch.autocast(q_bhsd.device.type, enabled=False):
-        logits = torch.matmul(q_bhsd[:, :, c0:c1].float(), k_bhsd.float().transpose(-1, -2)) * d ** -0.5
+        logits = torch.matmul(q_bhsd[:, :, c0:c1].float(),
+                              k_bhsd.float().transpose(-1, -2)) * d ** -0.5
     causal_cs = key_u[None, :] <= query_c[:, None]
     if query_first_bs is not None:  # [B, C, S]: nor any key before the query's document
         causal_cs = causal_cs & (key_u >= query_first_bs[:, c0:c1, None])
-    dense_bcs = logits.masked_fill(~causal_cs.unsqueeze(-3), float("-inf")).softmax(-1).sum(1)  # summed over heads
+    # summed over heads
+    dense_bcs = logits.masked_fill(~causal_cs.unsqueeze(-3), float("-inf")).softmax(-1).sum(1)
     mass, recall = dense_bcs, None
     if selected_fn is not None:
         sel_bcs = selected_fn(c0, c1)
@@ -100,19 +118,22 @@ def block_mass_chunk(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, ratio: int, num
 
 def indexer_kl_terms(scores_bsn: torch.Tensor, mass_bsn: torch.Tensor,
                      allowed_bsn: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per query: (KL(mass renormalised over allowed || softmax(scores) over allowed) [B, S], whether it
-    has an allowed block [B, S]). The last dim may be every block or only some (the selected ones):
-    the disallowed columns contribute exactly 0 either way. Differentiable in `scores_bsn` only; fp32."""
+    """Per query: (KL(mass renormalised over allowed || softmax(scores) over allowed) [B, S],
+    whether it has an allowed block [B, S]). The last dim may be every block or only some (the
+    selected ones): the disallowed columns contribute exactly 0 either way. Differentiable in
+    `scores_bsn` only; fp32."""
     target = mass_bsn.float().masked_fill(~allowed_bsn, 0.0)
     target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    # A finite fill (not -inf) keeps rows without any allowed block NaN-free in forward and backward.
+    # A finite fill (not -inf) keeps rows without any allowed block NaN-free in forward and
+    # backward.
     logp = scores_bsn.float().masked_fill(~allowed_bsn, -1e30).log_softmax(-1)
     has_bs = allowed_bsn.any(-1)
     return (torch.xlogy(target, target) - target * logp).sum(-1) * has_bs, has_bs
 
 
-def indexer_kl(scores_bsn: torch.Tensor, mass_bsn: torch.Tensor, allowed_bsn: torch.Tensor) -> torch.Tensor:
-    """Mean over queries with an allowed block of KL(mass renormalised over allowed || softmax(scores)
-    over allowed). Differentiable in `scores_bsn` only; fp32."""
+def indexer_kl(scores_bsn: torch.Tensor, mass_bsn: torch.Tensor,
+               allowed_bsn: torch.Tensor) -> torch.Tensor:
+    """Mean over queries with an allowed block of KL(mass renormalised over allowed ||
+    softmax(scores) over allowed). Differentiable in `scores_bsn` only; fp32."""
     kl_bs, has_bs = indexer_kl_terms(scores_bsn, mass_bsn, allowed_bsn)
     return kl_bs.sum() / has_bs.sum().clamp_min(1)

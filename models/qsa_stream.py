@@ -1,4 +1,5 @@
-"""QSA's training-time selection and indexer target, streamed so no [B, S, S / r] tensor ever exists.
+"""QSA's training-time selection and indexer target, streamed so no [B, S, S / r] tensor ever
+exists.
 
 `stream_select` scores a chunk of queries at a time against the blocks that can be visible to them,
 and within a chunk, block chunk by block chunk, keeps a running top-k: the keys of the running top
@@ -26,29 +27,34 @@ from torch.utils.checkpoint import checkpoint
 from .qsa_loss import block_mass_chunk, indexer_kl_terms
 
 
-def map_query_chunks(fn: Callable, chunk: int, sliced: Tuple[torch.Tensor, ...], shared: Tuple = ()):
+def map_query_chunks(fn: Callable, chunk: int, sliced: Tuple[torch.Tensor, ...],
+                     shared: Tuple = ()):
     """fn(*sliced, *shared) with `sliced` cut along dim 1 (queries) into chunks, concatenated back.
-    Chunks are recomputed in backward, so only one chunk's intermediates are alive at a time (fn draws
-    no random numbers: no RNG state is kept per chunk)."""
+    Chunks are recomputed in backward, so only one chunk's intermediates are alive at a time (fn
+    draws no random numbers: no RNG state is kept per chunk)."""
     s = sliced[0].shape[1]
     if chunk >= s:
         return fn(*sliced, *shared)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*sliced, *shared) if torch.is_tensor(t))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*sliced,
+                                                                     *shared) if torch.is_tensor(t))
     outs = []
     for c0 in range(0, s, chunk):
         part = tuple(t[:, c0:c0 + chunk] for t in sliced)
-        outs.append(checkpoint(fn, *part, *shared, use_reentrant=False, preserve_rng_state=False) if grad
+        outs.append(checkpoint(fn, *part, *shared, use_reentrant=False,
+                               preserve_rng_state=False) if grad
                     else fn(*part, *shared))
     return torch.cat(outs, 1)
 
 
-def selection_keys(scores_bcn: torch.Tensor, block0: int, visible_bcn: torch.Tensor) -> torch.Tensor:
+def selection_keys(scores_bcn: torch.Tensor, block0: int,
+                   visible_bcn: torch.Tensor) -> torch.Tensor:
     """int64 keys whose top-k is the selection, for blocks block0 .. block0 + n - 1 of a row.
 
-    Scores are >= 0, so their fp32 bit patterns order like the values; the block index in the low bits
-    makes every key unique (ties -> the earlier block). Blocks a query may not select get -1 - block
-    (below every selectable one, the earlier first), so the unused slots of a query with fewer than k
-    selectable blocks name the earliest unselectable blocks: still unique, and the same in every form."""
+    Scores are >= 0, so their fp32 bit patterns order like the values; the block index in the low
+    bits makes every key unique (ties -> the earlier block). Blocks a query may not select get -1 -
+    block (below every selectable one, the earlier first), so the unused slots of a query with fewer
+    than k selectable blocks name the earliest unselectable blocks: still unique, and the same in
+    every form."""
     bits = scores_bcn.detach().float().contiguous().view(torch.int32).long()
     block = torch.arange(block0, block0 + scores_bcn.shape[-1], device=scores_bcn.device)
     return torch.where(visible_bcn, (bits << 31) | (2**31 - 1 - block), -1 - block)
@@ -61,10 +67,12 @@ def _chunks(total: int, size: int):
 @torch.no_grad()
 def stream_select(attn, q_idx_bsid: torch.Tensor, k_bnd: torch.Tensor, query_at_bs: torch.Tensor,
                   reach_bs: torch.Tensor, visible_fn: Callable[[int, int, int, int], torch.Tensor]):
-    """(blocks [B, S_q, k], counts [B, S_q]) as `attn._select` gives them over the whole score matrix.
+    """(blocks [B, S_q, k], counts [B, S_q]) as `attn._select` gives them over the whole score
+    matrix.
 
-    `reach_bs`: how many leading blocks may be visible to each query (later ones are never selected);
-    `visible_fn(c0, c1, n0, n1)` [B, C, n1 - n0]: which of blocks n0..n1 queries c0..c1 may select."""
+    `reach_bs`: how many leading blocks may be visible to each query (later ones are never
+    selected); `visible_fn(c0, c1, n0, n1)` [B, C, n1 - n0]: which of blocks n0..n1 queries c0..c1
+    may select."""
     b, s_q, i, _ = q_idx_bsid.shape
     r, n = attn.compress_ratio, k_bnd.shape[1]
     k = min(attn.budget // r, n)
@@ -85,7 +93,8 @@ def stream_select(attn, q_idx_bsid: torch.Tensor, k_bnd: torch.Tensor, query_at_
             continue
         top_key = top_block = None
         for n0, n1 in _chunks(n_c, width):
-            key = selection_keys(attn.indexer.block_scores(q_c, k_bnd[:, n0:n1]), n0, visible_fn(c0, c1, n0, n1))
+            key = selection_keys(attn.indexer.block_scores(q_c, k_bnd[:, n0:n1]), n0,
+                                 visible_fn(c0, c1, n0, n1))
             block = torch.arange(n0, n1, device=key.device).expand_as(key)
             if top_key is not None:
                 key, block = torch.cat([top_key, key], -1), torch.cat([top_block, block], -1)
@@ -95,10 +104,13 @@ def stream_select(attn, q_idx_bsid: torch.Tensor, k_bnd: torch.Tensor, query_at_
     return torch.cat(out, 1), count_bs
 
 
-def selected_scores(q_bcid: torch.Tensor, blocks_bck: torch.Tensor, k_bnd: torch.Tensor) -> torch.Tensor:
-    """Block scores [B, C, k] of the blocks each query selected (QSAIndexer.block_scores' value), fp32."""
+def selected_scores(q_bcid: torch.Tensor, blocks_bck: torch.Tensor,
+                    k_bnd: torch.Tensor) -> torch.Tensor:
+    """Block scores [B, C, k] of the blocks each query selected (QSAIndexer.block_scores' value),
+    fp32."""
     b, c, i, d = q_bcid.shape
-    rows = (blocks_bck + torch.arange(b, device=blocks_bck.device)[:, None, None] * k_bnd.shape[1]).reshape(-1)
+    rows = (blocks_bck + torch.arange(b, device=blocks_bck.device)[:, None, None]
+            * k_bnd.shape[1]).reshape(-1)
     with torch.autocast(q_bcid.device.type, enabled=False):
         k_g = k_bnd.float().reshape(-1, d).index_select(0, rows).view(b, c, -1, d)
         dots = torch.einsum("bcid,bckd->bcik", q_bcid.float(), k_g)
@@ -115,43 +127,49 @@ def _dense_kl(indexer, q_bcid, mass_bcn, allowed_bcn, k_bnd):
 
 def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, docs,
                   selected: Optional[Callable[[int, int], torch.Tensor]], want_loss: bool,
-                  visible_fn: Callable[[int, int, int, int], torch.Tensor], rows_s: Optional[torch.Tensor]):
-    """(sum over this forward's queries of their KL terms, or None; recall [B, S_q] or None). The caller
-    divides the sum by the number of queries with a candidate block (the window's, under context
-    parallelism, so the ranks' losses sum to one process's).
+                  visible_fn: Callable[[int, int, int, int], torch.Tensor],
+                  rows_s: Optional[torch.Tensor]):
+    """(sum over this forward's queries of their KL terms, or None; recall [B, S_q] or None). The
+    caller divides the sum by the number of queries with a candidate block (the window's, under
+    context parallelism, so the ranks' losses sum to one process's).
 
     Queries go in KL chunks sized by the KL's own intermediates (scores [B, C, I, columns], columns
-    the K selected blocks or, dense, all N), each one checkpointed: few checkpoints, whose bookkeeping
-    would otherwise grow with S^2 / chunk_elems; within one, the mass is computed in smaller pieces
-    bounded by their logits [B, H, C, S]."""
+    the K selected blocks or, dense, all N), each one checkpointed: few checkpoints, whose
+    bookkeeping would otherwise grow with S^2 / chunk_elems; within one, the mass is computed in
+    smaller pieces bounded by their logits [B, H, C, S]."""
     b, h, s_q, _ = q_bhsd.shape
     s_k, r = k_bksd.shape[2], attn.compress_ratio
     n = s_k // r
     cols = n if attn.dense else max(1, blocks_bsk.shape[-1])
     mass_rows = max(1, attn.chunk_elems // (b * h * s_k))
-    kl_rows = max(1, attn.chunk_elems // (b * q_idx_bsid.shape[2] * cols * 4)) if want_loss else mass_rows
+    kl_rows = max(1, attn.chunk_elems
+                  // (b * q_idx_bsid.shape[2] * cols * 4)) if want_loss else mass_rows
     grad = want_loss and torch.is_grad_enabled()
     total, recalls = None, []
     for c0, c1 in _chunks(s_q, kl_rows):
         masses = []
         for m0, m1 in _chunks(c1 - c0, mass_rows):
             mass, recall = block_mass_chunk(
-                q_bhsd.detach(), k_bksd.detach(), r, n, c0 + m0, c0 + m1, selected, sparse_target=not attn.dense,
+                q_bhsd.detach(), k_bksd.detach(), r, n, c0 + m0, c0 + m1, selected,
+                sparse_target=not attn.dense,
                 query_first_bs=None if docs is None else docs.first_bs,
                 block_tokens_bm=None if docs is None else docs.tokens_bm, query_rows_s=rows_s)
             if recall is not None:
                 recalls.append(recall)
             if want_loss:  # the sparse stage needs the selected blocks' mass only
-                masses.append(mass if attn.dense else mass.gather(-1, blocks_bsk[:, c0 + m0:c0 + m1]))
+                masses.append(mass if attn.dense else mass.gather(-1,
+                                                                  blocks_bsk[:, c0 + m0:c0 + m1]))
         if not want_loss:
             continue
         mass = attn.reduce_heads(torch.cat(masses, 1))
         if attn.dense:
-            args, fn = (attn.indexer, q_idx_bsid[:, c0:c1], mass, visible_fn(c0, c1, 0, n), k_bnd), _dense_kl
+            args, fn = (attn.indexer, q_idx_bsid[:, c0:c1], mass, visible_fn(c0, c1, 0, n),
+                        k_bnd), _dense_kl
         else:
             blocks = blocks_bsk[:, c0:c1]
             real = torch.arange(blocks.shape[-1], device=blocks.device) < count_bs[:, c0:c1, None]
             args, fn = (q_idx_bsid[:, c0:c1], blocks, mass, real, k_bnd), _sparse_kl
-        kl = (checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False) if grad else fn(*args)).sum()
+        kl = (checkpoint(fn, *args, use_reentrant=False,
+                         preserve_rng_state=False) if grad else fn(*args)).sum()
         total = kl if total is None else total + kl
     return total, (torch.cat(recalls, 1) if recalls else None)

@@ -40,7 +40,8 @@ class DecodeCache:
     position-indexed buffers). Buffers are allocated at a layer's first write, shaped like what the
     layer holds: under tensor parallelism a rank keeps only its own heads."""
 
-    def __init__(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, num_layers: int, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device,
                  ring: int = 32, shared: Optional[Dict[str, torch.Tensor]] = None):
         self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
         self.values: List[Optional[torch.Tensor]] = [None] * num_layers
@@ -49,12 +50,13 @@ class DecodeCache:
         if int(ring) < 1:
             raise ValueError(f"DecodeCache ring must be positive, got {ring}")
         self.ring = int(ring)
-        """The longest forward that keeps every position's recurrent state (see the module docstring)."""
+        """The longest forward that keeps every position's recurrent state (see the module
+        docstring)."""
         self.row_end: Optional[torch.Tensor] = None
         """[B] last real position of each row in the current forward (None: all real)."""
         self.span: Optional[int] = None
-        """One past the largest position the current forward writes, as its caller knows it on the host
-        (an upper bound is enough); None: the whole buffer (max_len), which is never wrong."""
+        """One past the largest position the current forward writes, as its caller knows it on the
+        host (an upper bound is enough); None: the whole buffer (max_len), which is never wrong."""
         self.shared: Dict[str, torch.Tensor] = {} if shared is None else shared
         """Buffers several caches of one decoder share (the MTP depths' caches: QSA index reuse)."""
 
@@ -87,8 +89,9 @@ class LayerCache:
 
     def buffer(self, name: str, tail: Sequence[int], dtype: Optional[torch.dtype] = None,
                length: Optional[int] = None) -> torch.Tensor:
-        """This layer's buffer `name` [B, length, *tail] (length defaults to the ring size), zeros at its
-        first use. Modules index it by position (full-length buffers) or by position % length (rings)."""
+        """This layer's buffer `name` [B, length, *tail] (length defaults to the ring size), zeros
+        at its first use. Modules index it by position (full-length buffers) or by position % length
+        (rings)."""
         store = self.cache.buffers[self.index]
         if name not in store:
             n = self.cache.ring if length is None else int(length)
@@ -97,19 +100,21 @@ class LayerCache:
         return store[name]
 
     def keeps_every_position(self, tokens: int) -> bool:
-        """Whether a forward over `tokens` positions must keep every position's recurrent state (so any
-        prefix of it can be resumed from) or only the state after each row's `row_end` (a prefill)."""
+        """Whether a forward over `tokens` positions must keep every position's recurrent state (so
+        any prefix of it can be resumed from) or only the state after each row's `row_end` (a
+        prefill)."""
         return tokens <= self.cache.ring
 
     def ring_buffer(self, name: str, tail: Sequence[int], dtype: Optional[torch.dtype] = None,
                     lookback: int = 1) -> torch.Tensor:
-        """This layer's ring `name` [B, ring + lookback, *tail] (zeros at first use), the entry of position p
-        in slot p % (ring + lookback); `lookback`: how many positions before its first one a forward reads."""
+        """This layer's ring `name` [B, ring + lookback, *tail] (zeros at first use), the entry of
+        position p in slot p % (ring + lookback); `lookback`: how many positions before its first
+        one a forward reads."""
         return self.buffer(name, tail, dtype, length=self.cache.ring + int(lookback))
 
     def shared_buffer(self, name: str, tail: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A full-length buffer [B, max_len, *tail] in the store shared with the decoder's other caches
-        (zeros at first use), indexed by position like every other piece of state."""
+        """A full-length buffer [B, max_len, *tail] in the store shared with the decoder's other
+        caches (zeros at first use), indexed by position like every other piece of state."""
         store = self.cache.shared
         if name not in store:
             store[name] = torch.zeros((self.cache.batch, self.cache.max_len, *tail), dtype=dtype,
@@ -121,7 +126,8 @@ class LayerCache:
         if self.cache.keys[self.index] is None:
             self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1])
         keys, values = self.cache.keys[self.index], self.cache.values[self.index]
-        # the prefix length comes from the host (`span`): int(positions.max()) here would stall every layer
+        # the prefix length comes from the host (`span`): int(positions.max()) here would stall
+        # every layer
         span = self.cache.max_len if self.cache.span is None else self.cache.span
         if span > self.cache.max_len:
             raise RuntimeError(f"KV cache overflow: span {span} > max_len {self.cache.max_len}")

@@ -1,1 +1,2 @@
-"""sbatch templates and site environment hooks for `tandem launch slurm`, shipped as package data."""
+"""sbatch templates and site environment hooks for `tandem launch slurm`, shipped as package
+data."""

@@ -6,27 +6,30 @@ import pytest
 
 from tandem.models import flavors
 
-# Every process the suite starts (torchrun ranks, CLI runs, servers) inherits this: one that dies of a
-# signal prints its Python stack, where otherwise torchrun reports only an exit code
+# Every process the suite starts (torchrun ranks, CLI runs, servers) inherits this: one that dies of
+# a signal prints its Python stack, where otherwise torchrun reports only an exit code
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 FAULT_INJECTION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection")
 
 
 def fault_env(env: dict, **faults: str) -> dict:
-    """`env` for a tandem process with faults injected from outside (fault_injection/sitecustomize.py
-    reads the TANDEM_TEST_* variables `faults` sets)."""
-    path = os.pathsep.join([FAULT_INJECTION] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    """`env` for a tandem process with faults injected from outside
+    (fault_injection/sitecustomize.py reads the TANDEM_TEST_* variables `faults` sets)."""
+    path = os.pathsep.join([FAULT_INJECTION] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                else []))
     return {**env, **faults, "PYTHONPATH": path}
 
 
 DEBUG_MODEL = flavors.overrides("debug")
-"""The suite's model: the `debug` flavor (models/flavors.py; 2 layers of width 32, 4 experts, vocabulary 512)
-as `key=value` overrides. Tests that need a variant append its changes (later overrides win)."""
+"""The suite's model: the `debug` flavor (models/flavors.py; 2 layers of width 32, 4 experts,
+vocabulary 512) as `key=value` overrides. Tests that need a variant append its changes (later
+overrides win)."""
 
-TINY_DATA = ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32", "train.micro_batch_size=2"]
-"""A 200 kB slice of the embedded corpus with a 512-token BPE (the flavor's vocabulary), 32-token windows,
-2 sequences per micro-batch."""
+TINY_DATA = ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32",
+             "train.micro_batch_size=2"]
+"""A 200 kB slice of the embedded corpus with a 512-token BPE (the flavor's vocabulary), 32-token
+windows, 2 sequences per micro-batch."""
 
 QUIET = ["train.dtype=fp32", "logging.wandb=false", "logging.progress=false"]
 """fp32 on every CPU, no wandb, no progress bar."""
@@ -34,12 +37,14 @@ QUIET = ["train.dtype=fp32", "logging.wandb=false", "logging.progress=false"]
 TINY_OVERRIDES = DEBUG_MODEL + TINY_DATA + QUIET + [
     "train.warmup_steps=2", "eval.interval=0", "mtp.num_steps=2", "model.max_seq_len=64",
 ]
-"""The suite's seconds-long CPU job, on top of recipes/tiny.yaml: the debug model at K=2, no evaluator."""
+"""The suite's seconds-long CPU job, on top of recipes/tiny.yaml: the debug model at K=2, no
+evaluator."""
 
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny decode ops: intra-op threads only add overhead (and thrash on a shared 2-core machine)."""
+    """Tiny decode ops: intra-op threads only add overhead (and thrash on a shared 2-core
+    machine)."""
     import torch
 
     before = torch.get_num_threads()
@@ -63,13 +68,15 @@ def tiny_base(corpus_cache):
 @pytest.fixture
 def tiny_overrides(corpus_cache, tmp_path):
     """Overrides for a seconds-long CPU run in a fresh run directory."""
-    return TINY_OVERRIDES + [f"data.cache_dir={corpus_cache}", f"run.dir={os.path.join(str(tmp_path), 'run')}"]
+    return TINY_OVERRIDES + [f"data.cache_dir={corpus_cache}",
+                             f"run.dir={os.path.join(str(tmp_path), 'run')}"]
 
 
 @pytest.fixture
 def fresh_dynamo():
     """An empty dynamo cache: the suite compiles blocks of many shapes in one process, and a code
-    object past dynamo's recompile limit silently runs eager, which changes what a compile test sees."""
+    object past dynamo's recompile limit silently runs eager, which changes what a compile test
+    sees."""
     import torch
 
     torch._dynamo.reset()
@@ -89,14 +96,16 @@ TRAINING_LAYOUT_TABLES = {
 
 @pytest.fixture(scope="session")
 def training_layout_runs(request, tmp_path_factory):
-    """The layouts of every training-equivalence module of tests/distributed collected in this session, trained by one
-    torchrun launch per world size (tests/distributed/worker.py) into one directory: each launch starts
-    its ranks, imports torch and forms the process group once, which on a 2-core machine costs as much
-    as several layouts. Compiled layouts run last in their launch (they switch dynamo settings)."""
+    """The layouts of every training-equivalence module of tests/distributed collected in this
+    session, trained by one torchrun launch per world size (tests/distributed/worker.py) into one
+    directory: each launch starts its ranks, imports torch and forms the process group once, which
+    on a 2-core machine costs as much as several layouts. Compiled layouts run last in their launch
+    (they switch dynamo settings)."""
     from tests.distributed.test_parallel_equivalence import launch
 
     # the collected modules by their last dotted name (tests.distributed.test_x -> test_x)
-    collected = {item.module.__name__.rsplit(".", 1)[-1]: item.module for item in request.session.items
+    collected = {item.module.__name__.rsplit(".",
+                                             1)[-1]: item.module for item in request.session.items
                  if getattr(item, "module", None) is not None}
     by_world = {}
     for name, tables in TRAINING_LAYOUT_TABLES.items():
@@ -105,7 +114,8 @@ def training_layout_runs(request, tmp_path_factory):
             continue
         for table in tables:
             for layout, world in getattr(module, table).items():
-                if layout not in by_world.setdefault(world, []):  # a layout two modules check trains once
+                # a layout two modules check trains once
+                if layout not in by_world.setdefault(world, []):
                     by_world[world].append(layout)
     out = tmp_path_factory.mktemp("layouts")
     for world, layouts in sorted(by_world.items()):
@@ -115,21 +125,30 @@ def training_layout_runs(request, tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml). Every file of
-    tests/distributed is one group, run in file order on one worker: two torchrun launches at once put
-    twice as many ranks on the two cores, and a launch whose ranks meet in many small collectives (the
-    evaluator's decode steps) then waits on the scheduler for every one of them (measured: an evaluator
-    launch ran past its 10-minute limit beside an 8-rank one). The other worker takes the remaining files,
-    each whole, so a module-scoped fixture (a trained run) runs once; the distributed group goes first,
-    as the longest, and the training-equivalence modules first within it, as they share
-    `training_layout_runs`. Files with slow tests come before the quick ones, which fill the end."""
+    """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml). Every
+    file of tests/distributed is one group, run in file order on one worker: two torchrun launches
+    at once put twice as many ranks on the two cores, and a launch whose ranks meet in many small
+    collectives (the evaluator's decode steps) then waits on the scheduler for every one of them
+    (measured: an evaluator launch ran past its 10-minute limit beside an 8-rank one). The other
+    worker takes the remaining files, each whole, so a module-scoped fixture (a trained run) runs
+    once; the distributed group goes first, as the longest, and the training-equivalence modules
+    first within it, as they share `training_layout_runs`. Files with slow tests come before the
+    quick ones, which fill the end."""
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         module = os.path.splitext(os.path.basename(path))[0]
         group = "distributed" if path.startswith("tests/distributed/") else path
         item.add_marker(pytest.mark.xdist_group(group))
         slow = any(item.get_closest_marker(m) for m in ("slow", "distributed"))
-        rank = 0 if module in TRAINING_LAYOUT_TABLES else 1 if group == "distributed" else 2 if slow else 3
+        rank = (
+            0
+            if module in TRAINING_LAYOUT_TABLES
+            else 1
+            if group == "distributed"
+            else 2
+            if slow
+            else 3
+        )
         item.stash[_RANK] = rank
     items.sort(key=lambda item: item.stash[_RANK])  # stable: file order kept within each rank
 

@@ -10,11 +10,13 @@ import torch
 from tandem.models import MTPConfig, TandemModel, flavors
 
 
-def tiny_model(num_steps: int = 3, num_layers: int = 1, *, vocab: int = 64, seed: int = 0, style: str = "looped",
-               init_std: float = 0.02, dtype: torch.dtype = torch.float32, moe: bool = True) -> TandemModel:
+def tiny_model(num_steps: int = 3, num_layers: int = 1, *, vocab: int = 64, seed: int = 0,
+               style: str = "looped",
+               init_std: float = 0.02, dtype: torch.dtype = torch.float32,
+               moe: bool = True) -> TandemModel:
     torch.manual_seed(seed)
-    cfg = flavors.model_config("debug", vocab_size=vocab, num_experts=4 if moe else 0, top_k=2, max_seq_len=256,
-                               init_std=init_std)
+    cfg = flavors.model_config("debug", vocab_size=vocab, num_experts=4 if moe else 0, top_k=2,
+                               max_seq_len=256, init_std=init_std)
     model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=num_layers, style=style))
     return model.to(dtype).eval()
 
@@ -48,14 +50,16 @@ def make_agreeing(model: TandemModel, noise: float = 0.0, seed: int = 0) -> Tand
     return model
 
 
-def tiny_qwen4_model(num_steps: int = 3, *, vocab: int = 64, seed: int = 0, reuse_indices: bool = True) -> TandemModel:
+def tiny_qwen4_model(num_steps: int = 3, *, vocab: int = 64, seed: int = 0,
+                     reuse_indices: bool = True) -> TandemModel:
     """A tiny Qwen4-Exp hybrid (Gated DeltaNet, QSA, hyper-connection streams, PLE, MoE with a gated
     shared expert) with its drafter (`mtp.combine=qwen4_exp`, one looped QSA layer; `reuse_indices`:
-    mtp.qsa_reuse_indices), every parameter moved away from its init (tests/unit/test_qwen4_spec_decode.py's
-    shape)."""
+    mtp.qsa_reuse_indices), every parameter moved away from its init
+    (tests/unit/test_qwen4_spec_decode.py's shape)."""
     cfg = flavors.model_config("debug_qwen4", vocab_size=vocab, init_std=0.3)
     torch.manual_seed(seed)
-    model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=1, qsa_reuse_indices=reuse_indices))
+    model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=1,
+                                       qsa_reuse_indices=reuse_indices))
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -65,13 +69,14 @@ def tiny_qwen4_model(num_steps: int = 3, *, vocab: int = 64, seed: int = 0, reus
 @torch.inference_mode()
 def vllm_convention_draft(model, seq, k, force=None):
     """Depths 1..k's draft logits ([k] tensors [V]) and drafts after the committed tokens `seq`
-    (x_0..x_m, x_m the newest), drafted as vLLM's MTP proposer does, with no cache: the MTP layer runs
-    over one causal sequence whose rows 0..m-1 hold the depth-1 inputs (trunk state t -- normed under
-    mtp.trunk_input=final_norm --, token t+1; the embedding zeroed at position 0 for the concat_proj
-    combine, as GLM-4.5's and DeepSeek-V3's MTP layers do, not for Qwen4-Exp's) and whose rows m,
-    m+1, .. hold depth 2, 3, ..'s single input (the previous depth's output and draft), which is
-    exactly what vLLM's one draft KV cache holds. `force` [k] replaces the drafts fed onwards.
-    Independent of eval/draft_serving.py, which drafts the same way on position-indexed caches."""
+    (x_0..x_m, x_m the newest), drafted as vLLM's MTP proposer does, with no cache: the MTP layer
+    runs over one causal sequence whose rows 0..m-1 hold the depth-1 inputs (trunk state t -- normed
+    under mtp.trunk_input=final_norm --, token t+1; the embedding zeroed at position 0 for the
+    concat_proj combine, as GLM-4.5's and DeepSeek-V3's MTP layers do, not for Qwen4-Exp's) and
+    whose rows m, m+1, .. hold depth 2, 3, ..'s single input (the previous depth's output and
+    draft), which is exactly what vLLM's one draft KV cache holds. `force` [k] replaces the drafts
+    fed onwards. Independent of eval/draft_serving.py, which drafts the same way on position-indexed
+    caches."""
     m = len(seq) - 1
     pos_all = torch.arange(m + k + 1).unsqueeze(0)
     h_in = model.trunk(torch.tensor([list(seq[:m])]), pos_all[:, :m])
@@ -81,9 +86,11 @@ def vllm_convention_draft(model, seq, k, force=None):
     if model.mtp.layer_for_step(1).combine_style == "concat_proj":
         e_in[:, 0] = 0.0  # GLM-4.5 / DeepSeek-V3 zero the MTP embedding input at position 0
     if getattr(model.mtp, "selection_share", None) is not None:
-        # vLLM's reusing steps attend depth 1's packed row at m - 1 verbatim, which no cache-free training
-        # forward reproduces; tests/unit/test_draft_conventions.py re-derives that case itself
-        raise ValueError("vllm_convention_draft does not re-derive QSA index reuse (mtp.qsa_reuse_indices)")
+        # vLLM's reusing steps attend depth 1's packed row at m - 1 verbatim, which no cache-free
+        # training forward reproduces; tests/unit/test_draft_conventions.py re-derives that case
+        # itself
+        raise ValueError("vllm_convention_draft does not re-derive QSA index reuse "
+                         "(mtp.qsa_reuse_indices)")
     logits, drafts = [], []
     for depth in range(1, k + 1):
         last = model.mtp.layer_for_step(depth)(h_in, e_in, pos_all[:, : h_in.shape[1]])[:, -1:]
@@ -100,9 +107,9 @@ def vllm_convention_decode(model, prompt, max_new, k, eos=None):
     """Greedy speculative decode of one prompt with the drafting and counting of vLLM 0.32's MTP
     proposer (`llm_base_proposer.py` with `Glm4MoeMTP` / `DeepSeekMTP` / `Qwen4ExpMTP`; drafting:
     `vllm_convention_draft`). Returns (tokens, counts, budget-exact counts); counts are [drafts,
-    accepted, accepted at position 1..k]: vLLM's (every accepted draft of a round, also past max_tokens
-    or the stop token) and Tandem's budget-exact ones (only drafts that reach the output). No caches:
-    each forward recomputes the whole prefix."""
+    accepted, accepted at position 1..k]: vLLM's (every accepted draft of a round, also past
+    max_tokens or the stop token) and Tandem's budget-exact ones (only drafts that reach the
+    output). No caches: each forward recomputes the whole prefix."""
     seq = list(prompt)
     pos_all = torch.arange(len(prompt) + max_new + k + 2).unsqueeze(0)
 

@@ -45,8 +45,10 @@ from .checkpoint_dirs import (  # noqa: F401
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
-# DCP warns on every single-process save/load that it assumes a single process; that is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# DCP warns on every single-process save/load that it assumes a single process; that is intended
+# here.
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _rank() -> int:
@@ -75,33 +77,37 @@ def _set_rng_state(state: dict) -> None:
             getattr(torch, kind).set_rng_state(state[kind])
 
 
-def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+def save_checkpoint(run_dir: str, step: int, model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer],
                     config_yaml: str, trainer_state: dict, keep_last: int = 0) -> str:
     """Collective: every rank calls it; synchronous. Returns the final directory."""
-    return CheckpointWriter(run_dir, keep_last).save(step, model, optimizer, config_yaml, trainer_state)
+    return CheckpointWriter(run_dir, keep_last).save(step, model, optimizer, config_yaml,
+                                                     trainer_state)
 
 
 class CheckpointWriter:
     """Writes checkpoints synchronously or, with `async_save`, through DCP's async_save: the call
     blocks only while the state is copied to host memory, and the shards are written by a background
     thread. At most one save is in flight; it is committed (marker written last, directory renamed
-    into place, old ones pruned) by `finish()`, which the next `save()` and the end of training call,
-    so an interrupted background write leaves only an ignored `.tmp_step_<N>/`."""
+    into place, old ones pruned) by `finish()`, which the next `save()` and the end of training
+    call, so an interrupted background write leaves only an ignored `.tmp_step_<N>/`."""
 
-    def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False, reference: Optional[dict] = None,
-                 tokenizer: Optional[str] = None):
+    def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False,
+                 reference: Optional[dict] = None, tokenizer: Optional[str] = None):
         self.run_dir, self.keep_last, self.async_save = run_dir, keep_last, async_save
-        # The run's tokenizer is recorded in every checkpoint (a copy of its tokenizer.json): a fine-tune,
-        # `tandem eval` and `tandem export` of the checkpoint use it (data_pipeline/dataset.py).
+        # The run's tokenizer is recorded in every checkpoint (a copy of its tokenizer.json): a
+        # fine-tune, `tandem eval` and `tandem export` of the checkpoint use it
+        # (data_pipeline/dataset.py).
         self.tokenizer = tokenizer
-        # Frozen trunk (train.freeze_trunk with model.init_from): save only the trainable MTP module and
-        # this reference to the trunk's checkpoint (path + content fingerprint, trainer/hf/init_from.py).
+        # Frozen trunk (train.freeze_trunk with model.init_from): save only the trainable MTP module
+        # and this reference to the trunk's checkpoint (path + content fingerprint,
+        # trainer/hf/init_from.py).
         self.reference = reference
         self.pending = None
         self._gloo_group = None
 
-    def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config_yaml: str,
-             trainer_state: dict) -> str:
+    def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             config_yaml: str, trainer_state: dict) -> str:
         """Start (async) or write (sync) checkpoint `step`; returns the directory it will have."""
         self.finish()
         root = checkpoints_root(self.run_dir)
@@ -118,7 +124,8 @@ class CheckpointWriter:
         else:
             state = {"model": get_model_state_dict(model)}
         if self.reference is not None:
-            state["model"] = {k: v for k, v in state["model"].items() if k.startswith(TRAINABLE_PREFIX)}
+            state["model"] = {k: v for k,
+                              v in state["model"].items() if k.startswith(TRAINABLE_PREFIX)}
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
         future = dcp.async_save(state, checkpoint_id=tmp,
                                 process_group=self._async_group()) if self.async_save else None
@@ -130,10 +137,10 @@ class CheckpointWriter:
         return os.path.join(root, f"step_{step}")
 
     def _async_group(self):
-        """The group async_save coordinates over: it needs a CPU backend (torch 2.13 raises "A CPU backend
-        must be enabled for async save" otherwise). Tandem's default group has one on every device
-        (`Device.process_group_backend`); a default group created elsewhere with a device backend only
-        gets a gloo group of its own, made once (collectively: every rank saves)."""
+        """The group async_save coordinates over: it needs a CPU backend (torch 2.13 raises "A CPU
+        backend must be enabled for async save" otherwise). Tandem's default group has one on every
+        device (`Device.process_group_backend`); a default group created elsewhere with a device
+        backend only gets a gloo group of its own, made once (collectively: every rank saves)."""
         if not dist.is_initialized():
             return None
         default = dist.distributed_c10d._get_default_group()
@@ -161,7 +168,8 @@ class CheckpointWriter:
         return final
 
     def _write_metadata(self, tmp: str, step: int, config_yaml: str, trainer_state: dict) -> None:
-        """Beside the shards: the config, the trainer state, the tokenizer and the frozen trunk's reference."""
+        """Beside the shards: the config, the trainer state, the tokenizer and the frozen trunk's
+        reference."""
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(config_yaml)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -174,7 +182,8 @@ class CheckpointWriter:
                 json.dump(self.reference, f, indent=1)
 
     def _publish(self, tmp: str, final: str, step: int) -> None:
-        """Mark the checkpoint complete (fsynced), move it into place, drop the oldest beyond keep_last."""
+        """Mark the checkpoint complete (fsynced), move it into place, drop the oldest beyond
+        keep_last."""
         with open(os.path.join(tmp, MARKER), "w") as f:
             f.write(f"{step}\n")
             f.flush()
@@ -222,7 +231,8 @@ def check_compatible(path: str, config_yaml: str) -> None:
             if key in skip:
                 continue
             # a key newer than the checkpoint was saved with counts as its default value
-            old = OmegaConf.select(saved, f"{section}.{key}", default=OmegaConf.select(defaults, f"{section}.{key}"))
+            old = OmegaConf.select(saved, f"{section}.{key}",
+                                   default=OmegaConf.select(defaults, f"{section}.{key}"))
             if old != value:
                 out.append(f"{section}.{key}: checkpoint {old!r} vs config {value!r}")
         return out
@@ -232,10 +242,12 @@ def check_compatible(path: str, config_yaml: str) -> None:
                  "init_from"})
     if shape:
         raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
-    tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source", "data.tokenizer",
+    tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source",
+                                                                       "data.tokenizer",
                                                                        "data.vocab_size")]
     if tokenizer:
-        raise ValueError(f"checkpoint {path} was trained with a different tokenizer: " + "; ".join(tokenizer))
+        raise ValueError(f"checkpoint {path} was trained with a different tokenizer: "
+                         + "; ".join(tokenizer))
 
 
 def _saved_model_keys(path: str) -> set:
@@ -244,7 +256,8 @@ def _saved_model_keys(path: str) -> set:
 
 
 def _only_saved(model_sd: dict, path: str) -> dict:
-    """A frozen-trunk checkpoint holds only the MTP module: restrict to it (all of it must be there)."""
+    """A frozen-trunk checkpoint holds only the MTP module: restrict to it (all of it must be
+    there)."""
     from .hf.init_from import read_reference
 
     if read_reference(path) is None:
@@ -256,15 +269,18 @@ def _only_saved(model_sd: dict, path: str) -> dict:
     return {k: v for k, v in model_sd.items() if k in saved}
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
+def load_checkpoint(path: str, model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer]) -> dict:
     """Collective: load model (+ optimizer) shards in place, restore this rank's RNG; return trainer
-    state. A frozen-trunk checkpoint loads the MTP module only (the trunk came from model.init_from)."""
+    state. A frozen-trunk checkpoint loads the MTP module only (the trunk came from
+    model.init_from)."""
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": _only_saved(model_sd, path), "optim": optim_sd}
         _dcp_load(state, path)
         opts = StateDictOptions(strict=len(state["model"]) == len(model_sd))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=opts)
     else:
         model_sd = get_model_state_dict(model)
         state = {"model": _only_saved(model_sd, path)}
@@ -278,9 +294,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
 
 
 def read_trainer_state(path: str) -> dict:
-    """A checkpoint's trainer state: `step`, the data position (`consumed_samples`, `consumed_tokens`,
-    the `global_batch` it ran with, `schedule_global_batch`, `skipped_samples`: DataPosition.state())
-    and the bad-step guard's counters. Read without loading any tensor."""
+    """A checkpoint's trainer state: `step`, the data position (`consumed_samples`,
+    `consumed_tokens`, the `global_batch` it ran with, `schedule_global_batch`, `skipped_samples`:
+    DataPosition.state()) and the bad-step guard's counters. Read without loading any tensor."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
 
@@ -288,10 +304,10 @@ def read_trainer_state(path: str) -> dict:
 def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     """Single-process: rebuild the model a checkpoint was trained with and load its weights.
 
-    `path` is a step directory or a run directory (its newest complete checkpoint). The model is built
-    on the meta device and its storage filled straight from the checkpoint (no random init, no second
-    copy); a frozen-trunk checkpoint's trunk is read from its (fingerprint-checked) reference.
-    Returns (model in eval mode, TandemConfig).
+    `path` is a step directory or a run directory (its newest complete checkpoint). The model is
+    built on the meta device and its storage filled straight from the checkpoint (no random init, no
+    second copy); a frozen-trunk checkpoint's trunk is read from its (fingerprint-checked)
+    reference. Returns (model in eval mode, TandemConfig).
     """
     from tandem.models import TandemModel
 
@@ -320,6 +336,8 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
 def _dcp_load(state: dict, path: str) -> None:
     try:
         dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException; keep one line
+    # CheckpointException is a BaseException; keep one line
+    except (Exception, CheckpointException) as exc:
         cause = " ".join(str(exc).split())[:300]
-        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: {cause})") from None
+        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: "
+                         f"{cause})") from None

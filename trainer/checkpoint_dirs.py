@@ -1,5 +1,5 @@
-"""Where a run's checkpoints live and which of them are complete: the directory layout alone, read by
-the trainer's checkpointing (checkpoint.py) and by `model.init_from` (hf/init_from.py)."""
+"""Where a run's checkpoints live and which of them are complete: the directory layout alone, read
+by the trainer's checkpointing (checkpoint.py) and by `model.init_from` (hf/init_from.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def list_checkpoints(run_dir: str) -> Tuple[List[Tuple[int, str]], List[str]]:
 def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, str]]:
     complete, incomplete = list_checkpoints(run_dir)
     if incomplete and report and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"checkpoint: ignoring incomplete checkpoint(s): {', '.join(incomplete)}", file=sys.stderr)
+        print(f"checkpoint: ignoring incomplete checkpoint(s): {', '.join(incomplete)}",
+              file=sys.stderr)
     return complete[-1] if complete else None
 
 
@@ -49,6 +50,7 @@ def resolve_checkpoint(path: str) -> str:
         return path
     found = latest_checkpoint(path, report=False)
     if found is None:
-        raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with {MARKER}, or a run "
+        raise FileNotFoundError(f"no complete checkpoint at {path} (expected a step_<N>/ with "
+                                f"{MARKER}, or a run "
                                 "directory holding one)")
     return found[1]

@@ -18,13 +18,16 @@ commands:
   train RECIPE [key=value ...] [--resume]   pretrain / fine-tune from a YAML recipe
   preprocess --input PATH ... --output-prefix PREFIX [--tokenizer PATH]
                                             tokenize local text into a Megatron indexed dataset
-  eval --checkpoint DIR [options]           speculative decoding + acceptance metrics (one JSON object)
+  eval --checkpoint DIR [options]           speculative decoding + acceptance metrics
+                                            (one JSON object)
   generate --checkpoint DIR --prompts FILE --out FILE [options]
-                                            the trunk's own continuations of a prompt set (JSONL, resumable)
+                                            the trunk's own continuations of a prompt set
+                                            (JSONL, resumable)
   export --checkpoint DIR --out OUT         write a Hugging Face checkpoint (trunk + MTP weights)
   launch slurm RECIPE [key=value ...] --nodes N ...
                                             render and submit an sbatch script
-  report RUN_DIR [RUN_DIR ...] [--out DIR]  plot runs (overlaid): PNGs + one self-contained HTML page
+  report RUN_DIR [RUN_DIR ...] [--out DIR]  plot runs (overlaid): PNGs + one self-contained
+                                            HTML page
 
 run `tandem <command> --help` for a command's options
 """
@@ -55,10 +58,14 @@ def train_main(argv: List[str], whole_process: bool = False) -> int:
 
 def _train(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem "
-                                          "train", description="Train from a YAML recipe with key=value overrides.")
+                                          "train",
+                                     description="Train from a YAML recipe with key=value "
+                                                 "overrides.")
     parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny.yaml)")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.max_steps=100 parallel.tp=2")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in run.dir")
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides, e.g. train.max_steps=100 parallel.tp=2")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in run.dir")
     args = parser.parse_args(argv)
     from .config import ConfigError
     from .recipe import load_config

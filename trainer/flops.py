@@ -1,6 +1,7 @@
-"""FLOPs per trained token of a config, from the cost model's forward FLOPs (cost.py): what MFU counts
-(`training_flops_per_token`), what a step executes (`hardware_flops_per_token`), and the per-layer
-and per-depth training costs that `parallel.pp_balance` places by (parallel/pipeline_plan.py).
+"""FLOPs per trained token of a config, from the cost model's forward FLOPs (cost.py): what MFU
+counts (`training_flops_per_token`), what a step executes (`hardware_flops_per_token`), and the
+per-layer and per-depth training costs that `parallel.pp_balance` places by
+(parallel/pipeline_plan.py).
 
 Model FLOPs: 3x the forward (forward + backward), each head over its depth's share of valid targets
 (S - d of S). Hardware FLOPs add what the step recomputes or computes beside the model: each head 4x
@@ -31,8 +32,8 @@ from .cost import (
 
 
 def qsa_indexer_target_flops(cfg: ModelConfig, seq_len: int) -> float:
-    """Per token, the indexer KL's target: every head's dense QK^T over the window, no grad (training
-    only, with model.indexer_loss_coef > 0; a cost of the step, not a model FLOP)."""
+    """Per token, the indexer KL's target: every head's dense QK^T over the window, no grad
+    (training only, with model.indexer_loss_coef > 0; a cost of the step, not a model FLOP)."""
     return 2 * cfg.num_heads * cfg.resolved_head_dim * seq_len if cfg.indexer_loss_coef > 0 else 0.0
 
 
@@ -43,7 +44,11 @@ def trunk_layer_forward_flops(cfg: ModelConfig, index: int, seq_len: int) -> flo
 def trunk_layer_training_flops(cfg: ModelConfig, index: int, seq_len: int) -> float:
     """Training FLOPs per token of trunk layer `index`: 3x its forward, plus the QSA indexer KL's
     no-grad target (what a pipeline stage spends; MFU counts the 3x forward only)."""
-    extra = qsa_indexer_target_flops(cfg, seq_len) if cfg.layer_type(index) == "indexed_attention" else 0.0
+    extra = (
+        qsa_indexer_target_flops(cfg, seq_len)
+        if cfg.layer_type(index) == "indexed_attention"
+        else 0.0
+    )
     return 3 * trunk_layer_forward_flops(cfg, index, seq_len) + extra
 
 
@@ -88,18 +93,22 @@ def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> 
 def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
                              activation_checkpointing: str = "none") -> float:
     """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
-    (4x its forward under mtp.loss_head_backward=recompute), the QSA indexer KL's no-grad dense target,
-    and under full activation checkpointing a second forward of every trunk and MTP block (the target
-    included): HFU's."""
+    (4x its forward under mtp.loss_head_backward=recompute), the QSA indexer KL's no-grad dense
+    target, and under full activation checkpointing a second forward of every trunk and MTP block
+    (the target included): HFU's."""
     layers, head_flops = forward_flops_per_token(cfg, mtp, seq_len)
-    trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3 * trunk_layer_forward_flops(cfg, i, seq_len)
+    trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3
+                      * trunk_layer_forward_flops(cfg, i, seq_len)
                       for i in range(cfg.num_layers))
-    mtp_extra = mtp.num_steps * (mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp,
-                                                                                                           seq_len))
+    mtp_extra = mtp.num_steps * (
+        mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len)
+    )
     head_passes = 4 if mtp.loss_head_backward == "recompute" else 3
-    out = 3 * layers + head_passes * head_flops * _valid_fraction(mtp, seq_len) + trunk_extra + mtp_extra
+    out = 3 * layers + head_passes * head_flops * _valid_fraction(mtp,
+                                                                  seq_len) + trunk_extra + mtp_extra
     if activation_checkpointing == "full":
-        out += (sum(trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers)) + trunk_extra
+        out += (sum(trunk_layer_forward_flops(cfg, i,
+                                              seq_len) for i in range(cfg.num_layers)) + trunk_extra
                 + mtp.num_steps * mtp_block(cfg, mtp, seq_len).flops + mtp_extra)
     return out
 

@@ -3,15 +3,16 @@
     tandem generate (--checkpoint DIR | --hf DIR) --prompts FILE --out FILE [--column NAME]
                     [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N]
                     [--samples-per-prompt M] [--batch-size B] [--seed S] [--device D]
-    torchrun --nproc-per-node N --no-python tandem generate --checkpoint DIR ... [--tp T] [--pp P] [--ep E]
+    torchrun --nproc-per-node N --no-python tandem generate --checkpoint DIR ... [--tp T] [--pp P]
+        [--ep E]
 
 Decoding is the evaluator's (eval/decode_eval.py evaluate_decoding, speculative side only): with the
-checkpoint's MTP module it is speculative decoding, exact, so the tokens are the trunk's own (at T = 0
-the autoregressive greedy tokens; for T > 0 distributed as sampling from the trunk); without one, plain
-autoregressive decoding. Work is (prompt, sample) rows in prompt order, cut into batches of
+checkpoint's MTP module it is speculative decoding, exact, so the tokens are the trunk's own (at T =
+0 the autoregressive greedy tokens; for T > 0 distributed as sampling from the trunk); without one,
+plain autoregressive decoding. Work is (prompt, sample) rows in prompt order, cut into batches of
 `--batch-size` rows; batch i samples with a generator seeded `seed + i`, as the evaluator seeds its
-batches, so the records do not depend on the layout, on the number of processes or on a resume.
-The records go to OUT (JSONL, what `data.source=jsonl` reads), their settings to OUT.meta.json.
+batches, so the records do not depend on the layout, on the number of processes or on a resume. The
+records go to OUT (JSONL, what `data.source=jsonl` reads), their settings to OUT.meta.json.
 `--top-k` keeps each head's k largest logits (trunk and drafts alike, so speculative sampling stays
 exact for the top-k distribution).
 
@@ -20,8 +21,8 @@ world) and the batches are dealt over the data-parallel replicas by the in-loop 
 adapter (trainer/parallel/pipeline_decode.py ParallelDecoding): replicas decode a batch each in
 lockstep, and after every round of batches one process writes them all. `--hf` runs in one process.
 
-Files, resume and bad input: trainer/generate_io.py. Every input problem is one line naming FILE:LINE,
-reported before the model loads.
+Files, resume and bad input: trainer/generate_io.py. Every input problem is one line naming
+FILE:LINE, reported before the model loads.
 """
 
 from __future__ import annotations
@@ -63,21 +64,29 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
     src.add_argument("--hf", help="Hugging Face checkpoint directory (one process)")
     p.add_argument("--prompts", required=True,
-                   help="JSONL of {\"text\": ...} or {\"messages\": [...]}, a parquet file or a datasets directory")
-    p.add_argument("--column", default="text", help="the prompt column of a parquet file or datasets directory")
+                   help="JSONL of {\"text\": ...} or {\"messages\": [...]}, a parquet file or a "
+                        "datasets directory")
+    p.add_argument("--column", default="text",
+                   help="the prompt column of a parquet file or datasets directory")
     p.add_argument("--out", required=True,
                    help="output JSONL, one record per row, its settings in OUT.meta.json; resumed")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per response at most")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep the k most likely tokens when sampling (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens generated per response at most")
     p.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
-    p.add_argument("--seed", type=int, default=0, help="batch i samples with a generator seeded seed + i")
-    p.add_argument("--num-steps", type=int, default=0, help="draft length K (default: the trained mtp.num_steps)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, npu or auto (default cpu)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="batch i samples with a generator seeded seed + i")
+    p.add_argument("--num-steps", type=int, default=0,
+                   help="draft length K (default: the trained mtp.num_steps)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device: cpu, cuda, npu or auto (default cpu)")
     for degree in ("tp", "pp", "ep"):
-        p.add_argument(f"--{degree}", type=int, default=1, help=f"parallel.{degree} under torchrun (default 1)")
+        p.add_argument(f"--{degree}", type=int, default=1,
+                       help=f"parallel.{degree} under torchrun (default 1)")
     return p
 
 
@@ -94,30 +103,36 @@ class Source:
     """K the decoder drafts (0: autoregressive)."""
     tokenizer: object
     chat: Optional[dict]
-    """The chat template (data_pipeline/prompts.chat_template_in), None when the checkpoint has none."""
+    """The chat template (data_pipeline/prompts.chat_template_in), None when the checkpoint has
+    none."""
     fingerprint: str
 
 
 def _hf_source(args) -> Source:
-    """A Hugging Face directory: its shape, MTP depth count, tokenizer and chat template, without weights."""
+    """A Hugging Face directory: its shape, MTP depth count, tokenizer and chat template, without
+    weights."""
     model_cfg, _, has_mtp = checkpoint_model_config(args.hf)
     hf = read_config(args.hf)
-    trained = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 0) if has_mtp else 0
-    return Source(args.hf, None, model_cfg.max_seq_len, args.num_steps or trained, load_tokenizer(args.hf),
-                  chat_template_in([args.hf]), fingerprint(args.hf))
+    trained = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers")
+                  or 0) if has_mtp else 0
+    return Source(args.hf, None, model_cfg.max_seq_len, args.num_steps or trained,
+                  load_tokenizer(args.hf), chat_template_in([args.hf]), fingerprint(args.hf))
 
 
 def _checkpoint_source(args) -> Source:
-    """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, without weights."""
+    """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, without
+    weights."""
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
     tok = _tokenizer_of(cfg, step)
     if tok is None:
         raise GenerateError(f"--checkpoint {step}: no tokenizer recorded for this checkpoint")
     ref = read_reference(step)
-    # a frozen-trunk fine-tune holds the MTP module only: the trunk it points at is part of its identity
+    # a frozen-trunk fine-tune holds the MTP module only: the trunk it points at is part of its
+    # identity
     fp = fingerprint(step) + (f"+{ref.get('fingerprint', '')}" if ref else "")
-    tok_dir = cfg.data.tokenizer if os.path.isdir(cfg.data.tokenizer or "") else os.path.dirname(cfg.data.tokenizer)
+    tok_dir = cfg.data.tokenizer if os.path.isdir(cfg.data.tokenizer
+                                                  or "") else os.path.dirname(cfg.data.tokenizer)
     chat = chat_template_in([step, tok_dir, ref["path"] if ref else cfg.model.init_from])
     K = args.num_steps or cfg.mtp.num_steps
     return Source(step, cfg, cfg.model.max_seq_len, K, tok, chat, fp)
@@ -149,16 +164,20 @@ class Plan:
 def _settings(args, src: Source) -> dict:
     """decode_eval.DecodeSettings' fields (the seed is set per group of batches)."""
     ev = getattr(src.cfg, "eval", None)
-    return dict(num_steps=src.num_steps, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+    return dict(num_steps=src.num_steps, max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
                 eos_id=src.tokenizer.eod_id, temperature=args.temperature, top_p=args.top_p,
-                verify=getattr(ev, "verify", "token"), draft_convention=getattr(ev, "draft_convention", "serving"))
+                verify=getattr(ev, "verify", "token"),
+                draft_convention=getattr(ev, "draft_convention", "serving"))
 
 
 def _meta(args, src: Source, settings: dict, ids: List[List[int]]) -> dict:
-    """What the records depend on (OUT.meta.json): a rerun with any of it changed must not append."""
+    """What the records depend on (OUT.meta.json): a rerun with any of it changed must not
+    append."""
     return {"checkpoint": os.path.abspath(src.path), "checkpoint_fingerprint": src.fingerprint,
             "prompts_sha256": prompts_digest(ids), "num_prompts": len(ids),
-            "samples_per_prompt": args.samples_per_prompt, "seed": args.seed, "top_k": args.top_k, **settings}
+            "samples_per_prompt": args.samples_per_prompt, "seed": args.seed, "top_k": args.top_k,
+            **settings}
 
 
 def _check_args(args) -> None:
@@ -177,7 +196,8 @@ def prepare(args):
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
     limit = prompt_limit(src.max_seq_len, args.max_new_tokens, src.num_steps)
-    note = (f"model.max_seq_len={src.max_seq_len} - --max-new-tokens {args.max_new_tokens} - draft margin "
+    note = (f"model.max_seq_len={src.max_seq_len} - --max-new-tokens {args.max_new_tokens} - draft "
+            "margin "
             f"4K+5={4 * src.num_steps + 5}")
     texts, ids = tokenize_prompts(prompts, src.tokenizer, src.chat, limit, note)
     plan = Plan(texts, ids, args.samples_per_prompt, args.batch_size)
@@ -195,18 +215,19 @@ def _batch_of(plan: Plan, rec: dict) -> int:
 
 
 def _complete_batches(plan: Plan, records: List[dict]) -> set:
-    """Batches whose every row is in `records` (a batch cut short by a kill is decoded again whole, with
-    its own seed, so the file ends as an uninterrupted run's)."""
+    """Batches whose every row is in `records` (a batch cut short by a kill is decoded again whole,
+    with its own seed, so the file ends as an uninterrupted run's)."""
     seen = {}
     for r in records:
         seen.setdefault(_batch_of(plan, r), set()).add((r["prompt_index"], r["sample_index"]))
     return {b for b, rows in seen.items() if b < plan.num_batches and rows == set(plan.batch(b))}
 
 
-# --- the model --------------------------------------------------------------------------------------
+# --- the model ------------------------------------------------------------------------------------
 class TopKLogits:
-    """The decoder's model with every head's logits cut to their k largest (the rest -inf): the trunk's
-    target and the drafts alike, so speculative sampling is exact for the top-k distribution."""
+    """The decoder's model with every head's logits cut to their k largest (the rest -inf): the
+    trunk's target and the drafts alike, so speculative sampling is exact for the top-k
+    distribution."""
 
     def __init__(self, model, k: int):
         self._model, self._k = model, k
@@ -222,8 +243,9 @@ class TopKLogits:
 
 
 def load_on_layout(args, src: Source):
-    """(model, ParallelDecoding) of this rank's part of the checkpoint on the torchrun layout: built as
-    training builds it (meta device, parallelized, only this rank's shards read from the checkpoint)."""
+    """(model, ParallelDecoding) of this rank's part of the checkpoint on the torchrun layout: built
+    as training builds it (meta device, parallelized, only this rank's shards read from the
+    checkpoint)."""
     if src.cfg is None:
         raise GenerateError("--hf runs in one process; under torchrun pass a Tandem --checkpoint")
     cfg, step = src.cfg, src.path
@@ -246,7 +268,8 @@ def load_on_layout(args, src: Source):
 
 def load_one_process(args, src: Source):
     """The model in this process, as `tandem eval` loads it."""
-    eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None, device=args.device)
+    eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None,
+                                   device=args.device)
     model, _, _ = _load(eval_args)
     return model
 
@@ -261,10 +284,11 @@ def _writer_rank(decoding) -> int:
     return flags.index(True)
 
 
-# --- decoding -----------------------------------------------------------------------------------------
+# --- decoding -------------------------------------------------------------------------------------
 def _groups(todo: List[int], size: int) -> List[List[int]]:
-    """Consecutive runs of at most `size` batches (one per replica): evaluate_decoding seeds its i-th
-    batch `seed + i`, so a group's batches must be consecutive for batch b to get `seed + b`."""
+    """Consecutive runs of at most `size` batches (one per replica): evaluate_decoding seeds its
+    i-th batch `seed + i`, so a group's batches must be consecutive for batch b to get `seed +
+    b`."""
     out = []
     for b in todo:
         if out and out[-1][-1] == b - 1 and len(out[-1]) < size:
@@ -292,8 +316,8 @@ class Progress:
     def __init__(self, total: int, enabled: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc="generate", unit="row", dynamic_ncols=True, file=sys.stderr,
-                        disable=not enabled)
+        self.bar = tqdm(total=total, desc="generate", unit="row", dynamic_ncols=True,
+                        file=sys.stderr, disable=not enabled)
         self.t0, self.tokens, self.rounds, self.accepted = time.perf_counter(), 0, 0, 0
 
     def add(self, results) -> None:
@@ -304,24 +328,28 @@ class Progress:
             self.accepted += int(res.stats.accepted.sum())
             self.bar.update(len(res.outputs))
         rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix({"tok/s": f"{rate:.1f}", "acc_len": f"{1 + self.accepted / max(self.rounds, 1):.2f}"})
+        self.bar.set_postfix({"tok/s": f"{rate:.1f}",
+                              "acc_len": f"{1 + self.accepted / max(self.rounds, 1):.2f}"})
 
     def close(self) -> None:
         self.bar.close()
 
 
-def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], model, decoding, writer: bool) -> None:
-    """Decode the batches in `todo` group by group (one batch per replica), the writer appending each
-    group's records, durably, before the next group starts."""
+def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], model, decoding,
+                     writer: bool) -> None:
+    """Decode the batches in `todo` group by group (one batch per replica), the writer appending
+    each group's records, durably, before the next group starts."""
     replicas = decoding.replicas if decoding is not None else 1
     progress = Progress(sum(len(plan.batch(b)) for b in todo), writer)
     try:
         for group in _groups(todo, replicas):
             prompts = [plan.ids[p] for b in group for p, _ in plan.batch(b)]
-            _, results, _ = evaluate_decoding(model, prompts, replicas=decoding, autoregressive=False,
+            _, results, _ = evaluate_decoding(model, prompts, replicas=decoding,
+                                              autoregressive=False,
                                               seed=args.seed + group[0], **settings)
             if writer:
-                rows = [r for b, res in zip(group, results) for r in _records(plan, b, res, src.tokenizer,
+                rows = [r for b,
+                        res in zip(group, results) for r in _records(plan, b, res, src.tokenizer,
                                                                             settings["eos_id"])]
                 write_lines(args.out, rows, "a")
                 progress.add(results)
@@ -344,8 +372,8 @@ def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
 
 
 def _start(args, rank: int, world: int):
-    """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair, model,
-    decoding). Every input problem raises before the model loads."""
+    """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair,
+    model, decoding). Every input problem raises before the model loads."""
     src, plan, settings, meta, kept, done, repair = prepare(args)
     if world > 1:
         model, decoding = load_on_layout(args, src)
@@ -361,7 +389,8 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
     """`tandem generate ARGV`: 0 when every row is written, 2 after a one-line error."""
     args = _parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    owns_group = world > 1 and not dist.is_initialized()  # a caller's process group outlives this command
+    # a caller's process group outlives this command
+    owns_group = world > 1 and not dist.is_initialized()
     try:
         src, plan, settings, meta, kept, todo, repair, model, decoding = _start(args, rank, world)
     except (GenerateError, FileNotFoundError, ValueError) as exc:
@@ -374,7 +403,8 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         if repair or not kept:  # the sidecar, and the records up to the last complete batch
             rewrite_output(args.out, meta, kept)
         if kept:
-            print(f"tandem generate: resuming {args.out}: {len(kept)} rows written, {left} to go", file=sys.stderr)
+            print(f"tandem generate: resuming {args.out}: {len(kept)} rows written, {left} to go",
+                  file=sys.stderr)
     if decoding is not None:
         dist.barrier()  # the file is repaired before anyone appends
     run(args, src, plan, settings, todo, decoding, model, writer)

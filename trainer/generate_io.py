@@ -4,11 +4,11 @@ Prompts: data_pipeline/prompts.py (what `tandem eval --prompts` reads too).
 
 Output. One record per line: `prompt_index`, `sample_index`, `prompt` (a chat prompt's rendered
 text), `response`, `prompt_ids`, `response_ids` (ending with the end-of-document token when the
-response finished), `finished` and the row's `acceptance_length`: what `data.source=jsonl` reads (its
-`{prompt_ids, response_ids}` form). The sidecar `OUT.meta.json` holds what the records depend on: the
-sampling settings, the checkpoint's fingerprint and a digest of the tokenized prompts. A rerun
-refuses when the sidecar differs (other settings, checkpoint or prompts), drops a torn last line, and
-continues after the records already there.
+response finished), `finished` and the row's `acceptance_length`: what `data.source=jsonl` reads
+(its `{prompt_ids, response_ids}` form). The sidecar `OUT.meta.json` holds what the records depend
+on: the sampling settings, the checkpoint's fingerprint and a digest of the tokenized prompts. A
+rerun refuses when the sidecar differs (other settings, checkpoint or prompts), drops a torn last
+line, and continues after the records already there.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def prompts_digest(ids: List[List[int]]) -> str:
     return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
 
 
-# --- the output file ----------------------------------------------------------------------------------
+# --- the output file ------------------------------------------------------------------------------
 INFORMATIONAL = ("checkpoint",)
-"""Header keys a rerun may change: the checkpoint's path (a copied checkpoint has the same fingerprint)."""
+"""Header keys a rerun may change: the checkpoint's path (a copied checkpoint has the same
+fingerprint)."""
 
 
 def meta_path(out: str) -> str:
@@ -40,23 +41,28 @@ def meta_path(out: str) -> str:
 
 def read_output(path: str, header: dict) -> Tuple[List[dict], bool]:
     """(records already in `path`, whether its last line was torn); ([], False) when there are none.
-    GenerateError when `path.meta.json` differs from `header` (other settings, checkpoint or prompts),
-    or when `path` holds records but no sidecar (not this command's file)."""
+    GenerateError when `path.meta.json` differs from `header` (other settings, checkpoint or
+    prompts), or when `path` holds records but no sidecar (not this command's file)."""
     has_records = os.path.exists(path) and os.path.getsize(path) > 0
     meta = meta_path(path)
     if not os.path.exists(meta):
         if has_records:
-            raise GenerateError(f"--out {path}: exists without {meta} (not written by tandem generate); "
+            raise GenerateError(f"--out {path}: exists without {meta} (not written by tandem "
+                                "generate); "
                                 "pass another --out")
         return [], False
     try:
         with open(meta, encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
-        raise GenerateError(f"{meta}: unreadable ({exc.__class__.__name__}); pass another --out") from None
-    diff = sorted(k for k in set(saved) | set(header) if k not in INFORMATIONAL and saved.get(k) != header.get(k))
+        raise GenerateError(
+            f"{meta}: unreadable ({exc.__class__.__name__}); pass another --out"
+        ) from None
+    diff = sorted(k for k in set(saved) | set(header) if k not in INFORMATIONAL
+                  and saved.get(k) != header.get(k))
     if diff:
-        raise GenerateError(f"--out {path} was written with other settings or checkpoint ({', '.join(diff)} "
+        raise GenerateError(f"--out {path} was written with other settings or checkpoint "
+                            f"({', '.join(diff)} "
                             f"differ in {meta}); pass another --out or the same settings")
     if not has_records:
         return [], False
@@ -68,13 +74,15 @@ def read_output(path: str, header: dict) -> Tuple[List[dict], bool]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            raise GenerateError(f"{path}:{n}: not a JSON record (only the last line may be torn)") from None
+            raise GenerateError(
+                f"{path}:{n}: not a JSON record (only the last line may be torn)"
+            ) from None
     return records, torn
 
 
 def write_lines(path: str, rows: List[dict], mode: str) -> None:
-    """Write (`w`) or append (`a`) JSON lines and make them durable before returning: a kill after this
-    loses nothing written here."""
+    """Write (`w`) or append (`a`) JSON lines and make them durable before returning: a kill after
+    this loses nothing written here."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, mode, encoding="utf-8") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -83,10 +91,11 @@ def write_lines(path: str, rows: List[dict], mode: str) -> None:
 
 
 def rewrite_output(path: str, header: dict, records: List[dict]) -> None:
-    """Write the sidecar, then replace `path` by `records`, each atomically (a kill leaves the old or
-    the new file, never a part)."""
+    """Write the sidecar, then replace `path` by `records`, each atomically (a kill leaves the old
+    or the new file, never a part)."""
     for target, write in ((meta_path(path), lambda f: json.dump(header, f, indent=1)),
-                          (path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records)))):
+                          (path,
+                           lambda f: f.write("".join(json.dumps(r) + "\n" for r in records)))):
         tmp = f"{target}.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:

@@ -1,7 +1,8 @@
 """Bad-step handling: non-finite loss or grad norm, or a loss spike, before the update is applied.
 
 Policies (`train.bad_step_policy`):
-- `skip`: drop the update (weights, optimizer moments and router biases untouched), log and count it.
+- `skip`: drop the update (weights, optimizer moments and router biases untouched), log and count
+  it.
 - `halt`: checkpoint the last good state (the weights before this update) and stop with a report
   naming the step and every depth's loss; the CLI exits non-zero.
 - `rewind`: reload the newest checkpoint and replay from there, skipping the offending batch.
@@ -23,10 +24,10 @@ class BadStepHalt(RuntimeError):
 
 
 class BadStepGuard:
-    """Decides what a step's losses and gradient norm allow. It acts on the run only through the data
-    position and two callbacks: `save(steps_done)` (a blocking checkpoint of the last good state)
-    and `restore()` (load the newest checkpoint into the model and optimizer: its trainer state,
-    or None when there is none)."""
+    """Decides what a step's losses and gradient norm allow. It acts on the run only through the
+    data position and two callbacks: `save(steps_done)` (a blocking checkpoint of the last good
+    state) and `restore()` (load the newest checkpoint into the model and optimizer: its trainer
+    state, or None when there is none)."""
 
     def __init__(self, train_cfg, is_main: bool, data_position, save: Callable[[int], None],
                  restore: Callable[[], Optional[dict]]):
@@ -54,7 +55,8 @@ class BadStepGuard:
         if self.t.spike_factor > 0 and len(self.recent_losses) >= min(5, self.t.spike_window):
             mean = sum(self.recent_losses) / len(self.recent_losses)
             if record["loss"] > self.t.spike_factor * mean:
-                return f"loss spike ({record['loss']:.4g} > {self.t.spike_factor} x running mean {mean:.4g})"
+                return (f"loss spike ({record['loss']:.4g} > {self.t.spike_factor} x running mean "
+                        f"{mean:.4g})")
         return ""
 
     def inspect(self, step: int, record: dict, grad_norm: float) -> str:
@@ -69,7 +71,8 @@ class BadStepGuard:
         if self.is_main:
             print(f"bad step {step}: {why}; policy={self.t.bad_step_policy}", file=sys.stderr)
         if len(self.bad_steps) > self.t.max_skips:
-            self.last_reason = (f"{why}; {len(self.bad_steps)} bad steps within {self.t.skip_window} steps "
+            self.last_reason = (f"{why}; {len(self.bad_steps)} bad steps within "
+                                f"{self.t.skip_window} steps "
                                 f"(train.max_skips={self.t.max_skips})")
             return "halt"
         return self.t.bad_step_policy
@@ -84,7 +87,8 @@ class BadStepGuard:
                           f"last good state saved as checkpoint step_{steps_done}")
 
     def rewind(self, steps_done: int) -> int:
-        """Reload the newest checkpoint and skip the batch of the bad step; return the step to resume at."""
+        """Reload the newest checkpoint and skip the batch of the bad step; return the step to
+        resume at."""
         data = self.data
         bad = data.next_batch()
         state = self.restore()
@@ -97,6 +101,7 @@ class BadStepGuard:
         data.skip(skipped)
         self.recent_losses.clear()
         if self.is_main:
-            print(f"rewound to checkpoint step {state['step']}; skipping samples {bad[0]}..{bad[1] - 1}",
+            print(f"rewound to checkpoint step {state['step']}; skipping samples "
+                  f"{bad[0]}..{bad[1] - 1}",
                   file=sys.stderr)
         return int(state["step"])

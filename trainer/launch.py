@@ -8,15 +8,16 @@ The recipe and overrides are validated with `load_config` first, then the parall
 against the job's world size (nodes x processes per node) exactly as `tandem train` checks them: a
 ConfigError prints one line and exits 2, before anything is written or submitted. `--check` also
 builds the model on the meta device (trainer/estimate.py) and prints parameter counts and per-rank
-memory, then stops. The script is rendered from `slurm/train.sbatch.tmpl` (see its header for how the pre-timeout
-SIGUSR1 reaches every trainer rank), written to `<run.dir>/slurm/launch_<timestamp>.sbatch` with the
-trainer's exact argv beside it (`launch_<timestamp>.json`), and submitted with `sbatch --parsable`; the
-job id is printed. `--dry-run` prints the script and writes and submits nothing.
+memory, then stops. The script is rendered from `slurm/train.sbatch.tmpl` (see its header for how
+the pre-timeout SIGUSR1 reaches every trainer rank), written to
+`<run.dir>/slurm/launch_<timestamp>.sbatch` with the trainer's exact argv beside it
+(`launch_<timestamp>.json`), and submitted with `sbatch --parsable`; the job id is printed.
+`--dry-run` prints the script and writes and submits nothing.
 
-Quoting: every value that reaches the shell is `shlex.quote`d, so a recipe path or override containing
-`$(...)`, backticks, quotes, `;` or newlines arrives literally in the trainer's argv. `#SBATCH` lines
-are not shell code (sbatch parses them itself), so values placed there are restricted to a safe
-character set and anything else is rejected before rendering.
+Quoting: every value that reaches the shell is `shlex.quote`d, so a recipe path or override
+containing `$(...)`, backticks, quotes, `;` or newlines arrives literally in the trainer's argv.
+`#SBATCH` lines are not shell code (sbatch parses them itself), so values placed there are
+restricted to a safe character set and anything else is rejected before rendering.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ DEFAULT_SIGNAL_SECONDS = 120
 GPU_CPUS_PER_TASK = 8
 """Default CPUs per GPU rank when --cpus-per-task is not given (CPU-only runs get one per rank)."""
 
-# Values that go on `#SBATCH` lines: sbatch parses these itself (no shell), and splits on whitespace.
+# Values that go on `#SBATCH` lines: sbatch parses these itself (no shell), and splits on
+# whitespace.
 _DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_@%:/.,=+\-~\[\]]+$")
 
 
@@ -60,7 +62,8 @@ def _directive_value(name: str, value: str, allow_percent: bool = True) -> str:
     value = str(value)
     if not value or not _DIRECTIVE_SAFE.match(value) or (not allow_percent and "%" in value):
         raise LaunchError(
-            f"{name}={value!r} cannot go on an #SBATCH line: use letters, digits and _@:/.,=+-~[] only"
+            f"{name}={value!r} cannot go on an #SBATCH line: use letters, digits and _@:/.,=+-~[] "
+            "only"
             + ("" if allow_percent else " (no %, Slurm expands it in file names)")
         )
     return value
@@ -69,18 +72,22 @@ def _directive_value(name: str, value: str, allow_percent: bool = True) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tandem launch slurm",
-        description="Render an sbatch script for a recipe (torchrun per node, requeue on pre-timeout signal) and "
+        description="Render an sbatch script for a recipe (torchrun per node, requeue on "
+                    "pre-timeout signal) and "
                     "submit it.",
     )
     p.add_argument("recipe", help="recipe YAML")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides passed to `tandem train`")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides passed to `tandem train`")
     p.add_argument("--nodes", type=int, required=True, help="nodes (one torchrun per node)")
     per_node = p.add_mutually_exclusive_group(required=True)
     per_node.add_argument("--gpus-per-node", type=int,
-                          help="accelerators per node: requests gres=<gres-name>:G and starts G ranks per node")
+                          help="accelerators per node: requests gres=<gres-name>:G and starts G "
+                               "ranks per node")
     per_node.add_argument("--procs-per-node", type=int, help="CPU-only: ranks per node, no gres")
     p.add_argument("--gres-name", default=None,
-                        help="generic resource to request per node (default: npu for device=npu recipes, else gpu)")
+                        help="generic resource to request per node (default: npu for device=npu "
+                             "recipes, else gpu)")
     p.add_argument("--cpus-per-task", type=int,
                    help=f"CPUs for each node's task (default: P, or {GPU_CPUS_PER_TASK} per GPU)")
     p.add_argument("--partition", help="Slurm partition")
@@ -89,17 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-name", help="job name (default: tandem-<basename of run.dir>)")
     p.add_argument(
         "--signal-seconds", type=int, default=DEFAULT_SIGNAL_SECONDS,
-        help=f"send SIGUSR1 to the trainer this many seconds before the time limit (default {DEFAULT_SIGNAL_SECONDS})",
+        help="send SIGUSR1 to the trainer this many seconds before the time limit (default "
+             f"{DEFAULT_SIGNAL_SECONDS})",
     )
-    p.add_argument("--env-dir", help="directory of *.sh files sourced before launch (default: slurm/env.d)")
+    p.add_argument("--env-dir",
+                   help="directory of *.sh files sourced before launch (default: slurm/env.d)")
     p.add_argument(
         "--sbatch-arg", action="append", default=[], metavar="ARG",
-        help="extra sbatch option written as an #SBATCH line; use the = form, e.g. --sbatch-arg=--exclusive "
+        help="extra sbatch option written as an #SBATCH line; use the = form, e.g. "
+             "--sbatch-arg=--exclusive "
              "(repeatable)",
     )
-    p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the script; write and submit nothing")
     p.add_argument("--check", action="store_true",
-                   help="validate, build the model on the meta device and print parameter counts and per-rank "
+                   help="validate, build the model on the meta device and print parameter counts "
+                        "and per-rank "
                         "memory for this world size; write and submit nothing")
     return p
 
@@ -125,16 +137,20 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
     nproc = gpus if gpus is not None else args.procs_per_node
     if nproc is None or nproc < 1:
         raise LaunchError("--gpus-per-node / --procs-per-node must be >= 1")
-    cpus = args.cpus_per_task if args.cpus_per_task is not None else (nproc * GPU_CPUS_PER_TASK if gpus else nproc)
+    cpus = args.cpus_per_task if args.cpus_per_task is not None else (nproc * GPU_CPUS_PER_TASK
+                                                                      if gpus else nproc)
     if cpus < 1:
         raise LaunchError("--cpus-per-task must be >= 1")
     if args.signal_seconds < 0:
         raise LaunchError("--signal-seconds must be >= 0")
     workdir = os.path.abspath(workdir or os.getcwd())
-    log_dir = _directive_value("run.dir", os.path.join(os.path.abspath(os.path.join(workdir, run_dir)), "slurm"),
+    log_dir = _directive_value("run.dir",
+                               os.path.join(os.path.abspath(os.path.join(workdir, run_dir)),
+                                            "slurm"),
                                allow_percent=False)
     job_name = args.job_name or "tandem-" + re.sub(r"[^A-Za-z0-9_.\-]", "_",
-                                                   os.path.basename(os.path.normpath(run_dir)) or "run")
+                                                   os.path.basename(os.path.normpath(run_dir))
+                                                   or "run")
 
     d = [
         f"--job-name={_directive_value('--job-name', job_name)}",
@@ -159,7 +175,8 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
     ]
     for extra in args.sbatch_arg:
         if not extra.startswith("-") or any(c.isspace() for c in extra):
-            raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, no whitespace)")
+            raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, "
+                              "no whitespace)")
         d.append(extra)
 
     env_d = args.env_dir or str(_slurm_dir() / "env.d")
@@ -171,7 +188,8 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
             "workdir": shlex.quote(workdir),
             "env_d": shlex.quote(os.path.abspath(env_d)),
             "nproc_per_node": str(int(nproc)),
-            "train_argv": " ".join(shlex.quote(a) for a in trainer_argv(args.recipe, args.overrides)),
+            "train_argv": " ".join(shlex.quote(a) for a in trainer_argv(args.recipe,
+                                                                        args.overrides)),
         },
     )
 
@@ -186,7 +204,8 @@ def _timestamped(dir_: Path) -> str:
 
 
 def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point for `tandem launch slurm ...` (argv is what follows `slurm`). Returns an exit code."""
+    """Entry point for `tandem launch slurm ...` (argv is what follows `slurm`). Returns an exit
+    code."""
     parser = build_parser()
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
     try:
@@ -194,10 +213,13 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:  # one line even when a path in the message holds a newline
         print(f"tandem launch slurm: {str(exc).replace(chr(10), chr(92) + 'n')}", file=sys.stderr)
         return 2
-    except Exception as exc:  # e.g. a YAML scanner error from an override value; keep it to one line
-        print(f"tandem launch slurm: invalid recipe or override: {' '.join(str(exc).split())}", file=sys.stderr)
+    # e.g. a YAML scanner error from an override value; keep it to one line
+    except Exception as exc:
+        print(f"tandem launch slurm: invalid recipe or override: {' '.join(str(exc).split())}",
+              file=sys.stderr)
         return 2
-    world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None else args.procs_per_node)
+    world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None
+                          else args.procs_per_node)
     if args.nodes >= 1 and world >= 1 and not _layout_fits(cfg, args, world):
         return 2
     run_dir = cfg.run.dir
@@ -219,19 +241,23 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
-    """`--check`: the layout's parameter counts and per-rank memory, whether that fits the recipe's device,
-    the node count, and for a context-parallel recipe the same at every cp size of context_cost.CP_SIZES."""
+    """`--check`: the layout's parameter counts and per-rank memory, whether that fits the recipe's
+    device, the node count, and for a context-parallel recipe the same at every cp size of
+    context_cost.CP_SIZES."""
     from tandem.trainer.context_cost import cp_sweep, device_fit
     from tandem.trainer.estimate import _count_params, estimate
 
     counts = _count_params(cfg)
     est = estimate(cfg, world, counts)
     per_node = world // args.nodes
-    print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; {est.summary()}"
-          f"\n  per rank: {device_fit(cfg, est.total_gib_per_rank)} on {args.nodes} nodes of {per_node}")
+    print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; "
+          f"{est.summary()}"
+          f"\n  per rank: {device_fit(cfg, est.total_gib_per_rank)} on {args.nodes} nodes of "
+          f"{per_node}")
     if cfg.parallel.cp > 1:
         lines = cp_sweep(cfg, per_node, lambda trial, size: estimate(trial, size, counts))
-        print("  per-rank memory by parallel.cp (the other degrees as set):\n    " + "\n    ".join(lines))
+        print("  per-rank memory by parallel.cp (the other degrees as set):\n    "
+              + "\n    ".join(lines))
 
 
 def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
@@ -250,8 +276,8 @@ def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
 
 def _write_script(args: argparse.Namespace, argv: Optional[Sequence[str]], run_dir: str,
                   script: str) -> Tuple[Path, dict]:
-    """Write `<run.dir>/slurm/launch_<timestamp>.sbatch` and its provenance `.json` beside it; returns
-    (script path, provenance)."""
+    """Write `<run.dir>/slurm/launch_<timestamp>.sbatch` and its provenance `.json` beside it;
+    returns (script path, provenance)."""
     out_dir = Path(os.path.abspath(run_dir)) / "slurm"
     out_dir.mkdir(parents=True, exist_ok=True)
     name = _timestamped(out_dir)
@@ -272,13 +298,15 @@ def _write_script(args: argparse.Namespace, argv: Optional[Sequence[str]], run_d
 
 
 def _submit(script_path: Path, provenance: dict) -> int:
-    """`sbatch --parsable` the script, record the job id in its provenance `.json` and print it; returns
-    the exit code."""
+    """`sbatch --parsable` the script, record the job id in its provenance `.json` and print it;
+    returns the exit code."""
     out_dir = script_path.parent
     try:
-        res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True)
+        res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True,
+                             text=True)
     except FileNotFoundError:
-        print("tandem launch slurm: sbatch not found on PATH (script written to " f"{script_path})", file=sys.stderr)
+        print("tandem launch slurm: sbatch not found on PATH (script written to " f"{script_path})",
+              file=sys.stderr)
         return 1
     if res.returncode != 0:
         msg = " ".join(res.stderr.split()) or f"exit code {res.returncode}"

@@ -2,9 +2,9 @@
 
 One optimizer step (step.py's TrainStep) per iteration, then the bad-step guard's decision, the
 step's record, evaluation, checkpointing and preemption. Data order and the learning rate are pure
-functions of the consumed-sample count (DataPosition), the MTP loss schedule of the step number, so a
-resume needs only those two, the weights, the optimizer and the RNG states, and continues at the next
-unconsumed sample under any global batch.
+functions of the consumed-sample count (DataPosition), the MTP loss schedule of the step number, so
+a resume needs only those two, the weights, the optimizer and the RNG states, and continues at the
+next unconsumed sample under any global batch.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def micro_batches(run: Run, step: int) -> List[Dict[str, torch.Tensor]]:
     first = run.data_position.next_sample()
     out = []
     for micro in range(t.grad_accum_steps):
-        idx = batch_indices(first, micro, t.grad_accum_steps, run.pstate.dp_rank, run.pstate.dp_size,
-                            t.micro_batch_size)
+        idx = batch_indices(first, micro, t.grad_accum_steps, run.pstate.dp_rank,
+                            run.pstate.dp_size, t.micro_batch_size)
         out.append({k: v.to(run.device.device) for k, v in get_batch(run.train_ds, idx).items()})
     return out
 
@@ -62,7 +62,9 @@ def optimizer_step(run: Run, step: int) -> Tuple[int, Optional[dict]]:
     record.update({f"loss/mtp_{k}": per_depth[k] for k in range(1, cfg.mtp.num_steps + 1)})
     # The bad-step guard decides before the update touches weights or router biases.
     action = run.guard.inspect(step + 1, record, grad_norm)
-    moe_metrics = run.step.apply(schedule_step) if action == "ok" else run.step.discard_router_loads()
+    moe_metrics = (
+        run.step.apply(schedule_step) if action == "ok" else run.step.discard_router_loads()
+    )
     run.optimizer.zero_grad(set_to_none=True)
     if action == "halt":
         run.guard.halt(step, record)  # checkpoints the last good state, raises
@@ -73,8 +75,10 @@ def optimizer_step(run: Run, step: int) -> Tuple[int, Optional[dict]]:
     run.device.synchronize()
     run.data_position.advance()
     expert_path = {"moe/expert_path": run.step.expert_path} if run.step.expert_path else {}
-    record.update({"lr": lr, "grad_norm": grad_norm, "mtp/lambda": lambda_at(cfg.mtp, schedule_step),
-                   **moe_metrics, **run.step.indexers.metrics(), **expert_path, **run.guard.metrics()})
+    record.update({"lr": lr, "grad_norm": grad_norm,
+                   "mtp/lambda": lambda_at(cfg.mtp, schedule_step),
+                   **moe_metrics, **run.step.indexers.metrics(), **expert_path,
+                   **run.guard.metrics()})
     return step + 1, record
 
 
@@ -82,10 +86,12 @@ def throughput(run: Run, seconds: float) -> dict:
     """The step's speed, utilisation, data position and memory figures."""
     tokens_per_s = run.global_batch * run.cfg.data.seq_len / seconds
     out = {"tokens_per_s": tokens_per_s, "consumed_samples": run.data_position.consumed_samples,
-           "consumed_tokens": run.data_position.consumed_tokens, "mem/peak_gb": run.device.peak_memory_gb()}
+           "consumed_tokens": run.data_position.consumed_tokens,
+           "mem/peak_gb": run.device.peak_memory_gb()}
     if run.peak_flops:
         per_flop = tokens_per_s / (run.pstate.world_size * run.peak_flops)
-        out.update({"mfu": run.flops_per_token * per_flop, "hfu": run.hardware_flops_per_token * per_flop})
+        out.update({"mfu": run.flops_per_token * per_flop,
+                    "hfu": run.hardware_flops_per_token * per_flop})
     return out
 
 
@@ -104,14 +110,20 @@ def run_training(run: Run) -> Optional[dict]:
                 continue
             record.update(throughput(run, time.perf_counter() - started))
             if run.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
-                with run.step.autocast():  # the precision it trains in (FSDP may hold bf16 parameters)
+                # the precision it trains in (FSDP may hold bf16 parameters)
+                with run.step.autocast():
                     record.update(run.evaluator.run(step))
                 logger.log_samples(step, run.evaluator.last_samples)
-            if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/") for k in record):
+            if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/")
+                                                                        for k in record):
                 logger.log(record)
             logger.progress(step, record)
             last_record = record
-            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < t.max_steps:
+            if (
+                cfg.checkpoint.interval
+                and step % cfg.checkpoint.interval == 0
+                and step < t.max_steps
+            ):
                 run.save(step)
             if preemption.agree_preemption():
                 _preempt(run, step)
@@ -133,7 +145,8 @@ def _preempt(run: Run, step: int) -> None:
 def _save_final(run: Run, step: int) -> None:
     """The last step's checkpoint (checkpoint.save_final), unless it is saved already."""
     pending = run.checkpoints.pending
-    saved = pending[1] if pending else (latest_checkpoint(run.cfg.run.dir, report=False) or (0, ""))[0]
+    saved = pending[1] if pending else (latest_checkpoint(run.cfg.run.dir, report=False) or (0,
+                                                                                             ""))[0]
     if run.cfg.checkpoint.save_final and run.cfg.train.max_steps > 0 and saved < step:
         run.save(step)
     run.checkpoints.finish()

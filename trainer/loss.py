@@ -12,11 +12,13 @@ from tandem.models.mtp import depth_target_mask
 
 
 def depth_weights(mtp: MTPConfig) -> List[float]:
-    """w_1..w_K: the explicit list, or geometric decay**(k-1); divided by their sum when normalize."""
+    """w_1..w_K: the explicit list, or geometric decay**(k-1); divided by their sum when
+    normalize."""
     k = mtp.num_steps
     if k == 0:
         return []
-    weights = list(mtp.loss.weights) if mtp.loss.weights else [mtp.loss.decay ** i for i in range(k)]
+    weights = list(mtp.loss.weights) if mtp.loss.weights else [mtp.loss.decay ** i
+                                                               for i in range(k)]
     if mtp.loss.normalize:
         total = sum(weights)
         weights = [w / total for w in weights] if total > 0 else weights
@@ -24,8 +26,8 @@ def depth_weights(mtp: MTPConfig) -> List[float]:
 
 
 def lambda_at(mtp: MTPConfig, step: float) -> float:
-    """Piecewise-constant lambda: the initial value, replaced at each `lambda_after` milestone reached
-    (`step`: the schedule step, samples seen in steps of the run's first global batch)."""
+    """Piecewise-constant lambda: the initial value, replaced at each `lambda_after` milestone
+    reached (`step`: the schedule step, samples seen in steps of the run's first global batch)."""
     value = mtp.loss.lambda_
     for milestone in sorted(mtp.loss.lambda_after):
         if step >= milestone:
@@ -40,28 +42,33 @@ def depth_coefficients(mtp: MTPConfig, step: float) -> List[float]:
 
 
 def loss_gradient(global_counts: torch.Tensor, coefficients: List[float]) -> torch.Tensor:
-    """d total / d loss_sums[depth] of `combine_losses`: each depth's coefficient over its global count
-    of valid targets. Known before the forward (the counts come from the batch), which lets the fused
-    head keep one weight-gradient buffer for every depth (TandemModel.forward's `loss_grad_scales`)."""
-    # The coefficients stay Python floats: a tensor of them built on an accelerator is a host-to-device
-    # copy that waits for the stream, once per micro-batch (and pipeline stage).
+    """d total / d loss_sums[depth] of `combine_losses`: each depth's coefficient over its global
+    count of valid targets. Known before the forward (the counts come from the batch), which lets
+    the fused head keep one weight-gradient buffer for every depth (TandemModel.forward's
+    `loss_grad_scales`)."""
+    # The coefficients stay Python floats: a tensor of them built on an accelerator is a
+    # host-to-device copy that waits for the stream, once per micro-batch (and pipeline stage).
     counts = global_counts.clamp(min=1).float()
     return torch.stack([c / n for c, n in zip(coefficients, counts.unbind(0))])
 
 
-def combine_losses(loss_sums: torch.Tensor, global_counts: torch.Tensor, coefficients: List[float]) -> torch.Tensor:
-    """Weighted total from per-depth summed losses, each normalised by the global (all micro-batches,
-    all data-parallel ranks) count of valid targets, so every layout optimises the same objective."""
+def combine_losses(loss_sums: torch.Tensor, global_counts: torch.Tensor,
+                   coefficients: List[float]) -> torch.Tensor:
+    """Weighted total from per-depth summed losses, each normalised by the global (all
+    micro-batches, all data-parallel ranks) count of valid targets, so every layout optimises the
+    same objective."""
     return (loss_sums * loss_gradient(global_counts, coefficients).to(loss_sums.dtype)).sum()
 
 
-def one_batch_forward_backward(model, tokens_bs1: torch.Tensor, coefficients: List[float], autocast=nullcontext):
-    """Forward and backward of one batch in one process as `TrainStep.forward_backward` runs a step's
-    micro-batches (the counts are this batch's, the head told each depth's gradient beforehand), for
-    benchmarks and tests that time or inspect a bare model. `autocast`: the forward's precision
-    context factory. Returns the model's output (loss sums and counts)."""
+def one_batch_forward_backward(model, tokens_bs1: torch.Tensor, coefficients: List[float],
+                               autocast=nullcontext):
+    """Forward and backward of one batch in one process as `TrainStep.forward_backward` runs a
+    step's micro-batches (the counts are this batch's, the head told each depth's gradient
+    beforehand), for benchmarks and tests that time or inspect a bare model. `autocast`: the
+    forward's precision context factory. Returns the model's output (loss sums and counts)."""
     ones = torch.ones_like(tokens_bs1[:, 1:])
-    counts = torch.stack([depth_target_mask(ones, None, d).sum() for d in range(len(coefficients))]).float()
+    counts = torch.stack([depth_target_mask(ones, None,
+                                            d).sum() for d in range(len(coefficients))]).float()
     with autocast():
         out = model(tokens_bs1, loss_grad_scales=loss_gradient(counts, coefficients))
     combine_losses(out.loss_sums, counts, coefficients).backward()

@@ -8,8 +8,8 @@ allocates only this rank's shards (`to_empty`) and fills them:
   (one process and every layout start from identical weights);
 * `model.init_from` tensors are read slice by slice straight into the shards (trainer/hf/init_from);
   whatever the checkpoint lacks (new MTP layers) gets the seeded init.
-* `mtp.init_from` then overwrites the MTP module (only `mtp.*`) with another checkpoint's: an MTP refresh
-  puts the old drafter on a trunk fine-tuned without it (recipes/mtp_refresh.yaml).
+* `mtp.init_from` then overwrites the MTP module (only `mtp.*`) with another checkpoint's: an MTP
+  refresh puts the old drafter on a trunk fine-tuned without it (recipes/mtp_refresh.yaml).
 * buffers (rotary tables, router biases, load counts) are recomputed: `to_empty` leaves garbage.
 * with `train.freeze_trunk` the trunk is materialised in `train.frozen_dtype` (the compute dtype).
 """
@@ -47,7 +47,8 @@ def frozen_trunk_to_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def build_sharded_model(cfg, pstate, device: Optional[torch.device] = None) -> nn.Module:
-    """This rank's part of the model, parallelized and initialised (or loaded from model.init_from)."""
+    """This rank's part of the model, parallelized and initialised (or loaded from
+    model.init_from)."""
     device = device or pstate.device.device
     with torch.device("meta"):
         model = TandemModel(cfg.model, cfg.mtp, distill=cfg.train.distill)
@@ -72,43 +73,52 @@ def frozen_dtype(cfg, device) -> Optional[torch.dtype]:
 
 @torch.no_grad()
 def materialize(model: nn.Module, cfg, device) -> None:
-    """Allocate this rank's shards of a meta model on `device` and fill them (see module docstring)."""
+    """Allocate this rank's shards of a meta model on `device` and fill them (see module
+    docstring)."""
     allocate(model, device)
     if cfg.model.init_from:
         from .hf.init_from import load_initial_weights
 
-        load_initial_weights(model, cfg.model.init_from, mtp_init_from_last_layer=cfg.mtp.init_from_last_layer,
-                             init_rest=lambda loaded: init_seeded(model, cfg.train.seed, skip=loaded))
+        load_initial_weights(model, cfg.model.init_from,
+                             mtp_init_from_last_layer=cfg.mtp.init_from_last_layer,
+                             init_rest=lambda loaded: init_seeded(model, cfg.train.seed,
+                                                                  skip=loaded))
     else:
         init_seeded(model, cfg.train.seed)
-    if cfg.mtp.init_from:  # after the trunk, so it wins over whatever MTP weights model.init_from had
+    # after the trunk, so it wins over whatever MTP weights model.init_from had
+    if cfg.mtp.init_from:
         load_mtp_weights(model, cfg.mtp.init_from)
 
 
 def mtp_checkpoint_keys(path: str) -> dict:
-    """{name: global shape} of the `mtp.*` model tensors of the Tandem checkpoint at `path` (a step or
-    run directory). ConfigError naming `mtp.init_from` when it is no checkpoint or holds no MTP module."""
+    """{name: global shape} of the `mtp.*` model tensors of the Tandem checkpoint at `path` (a step
+    or run directory). ConfigError naming `mtp.init_from` when it is no checkpoint or holds no MTP
+    module."""
     try:
         step = resolve_checkpoint(path)
     except FileNotFoundError:
-        raise ConfigError(f"config key 'mtp.init_from'={path!r} is not a Tandem checkpoint (step_<N>/ with "
+        raise ConfigError(f"config key 'mtp.init_from'={path!r} is not a Tandem checkpoint "
+                          "(step_<N>/ with "
                           "COMPLETE, or a run directory holding one)") from None
     meta = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
     found = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
              if k.startswith("model.mtp.") and hasattr(v, "size")}
     if not found:
-        raise ConfigError(f"config key 'mtp.init_from'={path!r}: {step} holds no MTP weights (mtp.* tensors)")
+        raise ConfigError(f"config key 'mtp.init_from'={path!r}: {step} holds no MTP weights "
+                          "(mtp.* tensors)")
     return found
 
 
-# MTPConfig fields that describe an MTP module's weights and wiring: a refresh takes them from mtp.init_from
+# MTPConfig fields that describe an MTP module's weights and wiring: a refresh takes them from
+# mtp.init_from
 _MTP_WIRING = ("num_layers", "style", "moe", "combine", "concat_order", "trunk_input")
 
 
 def adopt_mtp_init_from(cfg) -> list:
-    """With mtp.init_from: check it holds an MTP module (before anything loads) and make this run's MTP
-    wiring its (a trunk checkpoint without MTP weights leaves e.g. mtp.trunk_input at the recipe's,
-    which the old drafter may not have been trained with). Returns the changes (also printed)."""
+    """With mtp.init_from: check it holds an MTP module (before anything loads) and make this run's
+    MTP wiring its (a trunk checkpoint without MTP weights leaves e.g. mtp.trunk_input at the
+    recipe's, which the old drafter may not have been trained with). Returns the changes (also
+    printed)."""
     if not cfg.mtp.init_from:
         return []
 
@@ -122,26 +132,32 @@ def adopt_mtp_init_from(cfg) -> list:
     try:
         cfg.validate()
     except ConfigError as exc:
-        raise ConfigError(f"after taking the MTP module's wiring from mtp.init_from: {exc}") from None
+        raise ConfigError(
+            f"after taking the MTP module's wiring from mtp.init_from: {exc}"
+        ) from None
     if changed and int(os.environ.get("RANK", "0")) == 0:
-        print(f"mtp.init_from: MTP wiring from {cfg.mtp.init_from}: " + "; ".join(changed), file=sys.stderr)
+        print(f"mtp.init_from: MTP wiring from {cfg.mtp.init_from}: " + "; ".join(changed),
+              file=sys.stderr)
     return changed
 
 
 @torch.no_grad()
 def load_mtp_weights(model: nn.Module, path: str) -> list:
-    """Read exactly the `mtp.*` parameters of `model` (plain or sharded) from the checkpoint at `path`;
-    the trunk is left as loaded. Every MTP tensor must be there with this run's shape, else one-line
-    ConfigError naming `mtp.init_from`. Returns the names loaded."""
+    """Read exactly the `mtp.*` parameters of `model` (plain or sharded) from the checkpoint at
+    `path`; the trunk is left as loaded. Every MTP tensor must be there with this run's shape, else
+    one-line ConfigError naming `mtp.init_from`. Returns the names loaded."""
     saved = mtp_checkpoint_keys(path)
-    # empty on pipeline stages without the MTP module: they still join dcp.load's collective planning
+    # empty on pipeline stages without the MTP module: they still join dcp.load's collective
+    # planning
     wanted = {k: v for k, v in get_model_state_dict(model).items() if k.startswith("mtp.")}
     bad = [f"{k} missing" for k in sorted(wanted) if k not in saved]
     bad += [f"{k} {saved[k]} vs {tuple(v.shape)}" for k, v in sorted(wanted.items())
             if k in saved and saved[k] != tuple(v.shape)]
     if bad:
-        raise ConfigError(f"config key 'mtp.init_from'={path!r}: its MTP module does not fit this run's "
-                          f"(match mtp.num_layers / mtp.moe and the trunk's shape): {'; '.join(bad[:3])}")
+        raise ConfigError(f"config key 'mtp.init_from'={path!r}: its MTP module does not fit this "
+                          "run's "
+                          "(match mtp.num_layers / mtp.moe and the trunk's shape): "
+                          f"{'; '.join(bad[:3])}")
     dcp.load({"model": wanted}, checkpoint_id=resolve_checkpoint(path))
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return sorted(wanted)

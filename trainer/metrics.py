@@ -1,5 +1,6 @@
 """Run tracking: metrics.jsonl in the run directory, wandb with the same keys, a progress bar, and
-the evaluator's decoded samples (eval_samples.jsonl beside metrics.jsonl, a wandb table `eval/samples`).
+the evaluator's decoded samples (eval_samples.jsonl beside metrics.jsonl, a wandb table
+`eval/samples`).
 
 Only global rank 0 writes. wandb runs offline when no API key is available (and prints the
 `wandb sync` hint); its run id is kept in the run directory so a resumed job continues the same
@@ -21,8 +22,8 @@ from .recipe import as_dict
 WANDB_ID_FILE = "wandb_run_id.txt"
 SAMPLES_FILE = "eval_samples.jsonl"
 """One record per logged prompt and evaluation: step, prompt, continuation (greedy),
-acceptance_length, then `T<t>/continuation`, `T<t>/acceptance_length` per sampled temperature, and the
-token ids of each (`prompt_ids`, `output_ids`, `T<t>/output_ids`)."""
+acceptance_length, then `T<t>/continuation`, `T<t>/acceptance_length` per sampled temperature, and
+the token ids of each (`prompt_ids`, `output_ids`, `T<t>/output_ids`)."""
 
 
 def _wandb_has_credentials() -> bool:
@@ -38,7 +39,8 @@ def _wandb_has_credentials() -> bool:
 
 
 def truncate_metrics(path: str, last_step: int) -> None:
-    """Drop records past `last_step` (written after the checkpoint a resume starts from), atomically."""
+    """Drop records past `last_step` (written after the checkpoint a resume starts from),
+    atomically."""
     if not os.path.exists(path):
         return
     kept = []
@@ -66,7 +68,8 @@ class MetricsLogger:
             return
         truncate_metrics(self.path, start_step)
         self.samples_path = os.path.join(cfg.run.dir, SAMPLES_FILE)
-        truncate_metrics(self.samples_path, start_step)  # a resume drops samples past its checkpoint too
+        # a resume drops samples past its checkpoint too
+        truncate_metrics(self.samples_path, start_step)
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb:
             self.wandb_run = self._init_wandb()
@@ -85,8 +88,10 @@ class MetricsLogger:
         offline = not _wandb_has_credentials() or os.environ.get("WANDB_MODE") == "offline"
         lg = self.cfg.logging
         run = wandb.init(
-            project=lg.project, entity=lg.entity or None, group=lg.group or None, tags=list(lg.tags) or None,
-            name=self.cfg.run.name or os.path.basename(os.path.abspath(run_dir)), id=run_id, resume="allow",
+            project=lg.project, entity=lg.entity or None, group=lg.group or None,
+            tags=list(lg.tags) or None,
+            name=self.cfg.run.name or os.path.basename(os.path.abspath(run_dir)), id=run_id,
+            resume="allow",
             dir=run_dir, config=as_dict(self.cfg), mode="offline" if offline else "online",
             settings=wandb.Settings(silent=True, console="off"),
         )
@@ -115,7 +120,8 @@ class MetricsLogger:
             return
         with open(self.samples_path, "a") as f:
             for rec in samples:
-                f.write(json.dumps({"step": step, **{k: v for k, v in rec.items() if k != "step"}}) + "\n")
+                f.write(json.dumps({"step": step,
+                                    **{k: v for k, v in rec.items() if k != "step"}}) + "\n")
         if self.wandb_run is not None:
             import wandb
 

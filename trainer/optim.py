@@ -16,21 +16,25 @@ FUSED_DEVICES = {"cpu", "cuda"}
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over trainable parameters only (a frozen trunk gets no optimizer state); no weight
-    decay on norms and biases (1-D tensors); `train.optimizer_kernel` picks the fused or foreach kernel."""
+    decay on norms and biases (1-D tensors); `train.optimizer_kernel` picks the fused or foreach
+    kernel."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
     kinds = {p.device.type for group in groups for p in group["params"]}
-    fused = cfg.optimizer_kernel == "fused" or (cfg.optimizer_kernel == "auto" and kinds <= FUSED_DEVICES)
+    fused = cfg.optimizer_kernel == "fused" or (cfg.optimizer_kernel == "auto"
+                                                and kinds <= FUSED_DEVICES)
     return MultiTensorAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             fused=fused or None, foreach=not fused)
 
 
 class MultiTensorAdamW(torch.optim.AdamW):
-    """AdamW on a multi-tensor kernel (fused or foreach) for any mix of plain and DTensor parameters.
+    """AdamW on a multi-tensor kernel (fused or foreach) for any mix of plain and DTensor
+    parameters.
 
     torch's fused and foreach kernels take DTensors of different meshes and placements in one call
     (each element's update depends on that element alone, so a sharded parameter's update equals the

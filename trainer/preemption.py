@@ -12,27 +12,28 @@ The functions, used by the training loop like this::
 
 `install_preemption_handler(signals=(SIGUSR1, SIGTERM)) -> previous handlers`
     Clears the flag and installs a handler that only sets it (no I/O, no collectives, nothing that
-    could deadlock or corrupt state when it interrupts the step). Must be called from the main thread.
-    `restore_signal_handlers(previous)` puts the earlier handlers back when training ends;
+    could deadlock or corrupt state when it interrupts the step). Must be called from the main
+    thread. `restore_signal_handlers(previous)` puts the earlier handlers back when training ends;
     `ignore_preemption_signals()` ignores the signals from then until the process exits (what
     `tandem train` does, so that a late signal cannot fail a finished job).
 `preemption_requested() -> bool`
     This process's flag: a signal arrived since installation.
 `agree_preemption(group=None) -> bool`
     The flag agreed over the process group: an all-reduce MAX of the local flag, so if any rank was
-    signalled, every rank returns True at the same step and they all checkpoint the same step. Without
-    an initialised torch.distributed it is just `preemption_requested()`. The tensor lives on the CPU
-    for gloo and on the current accelerator (torch.accelerator) for NCCL/HCCL.
+    signalled, every rank returns True at the same step and they all checkpoint the same step.
+    Without an initialised torch.distributed it is just `preemption_requested()`. The tensor lives
+    on the CPU for gloo and on the current accelerator (torch.accelerator) for NCCL/HCCL.
 `requeue_current_job() -> bool`
     On global rank 0, when SLURM_JOB_ID is set, runs `scontrol requeue $SLURM_JOB_ID` and logs the
-    outcome; returns True when the requeue was accepted. Other ranks and non-Slurm runs return False.
-    The requeue makes Slurm end this allocation (SIGTERM to every process, which the handler turns into
-    the flag, then SIGKILL after KillWait), so call it only after the checkpoint is complete on all
-    ranks, and exit promptly. The job must be requeueable (`#SBATCH --requeue`, which the launcher sets).
+    outcome; returns True when the requeue was accepted. Other ranks and non-Slurm runs return
+    False. The requeue makes Slurm end this allocation (SIGTERM to every process, which the handler
+    turns into the flag, then SIGKILL after KillWait), so call it only after the checkpoint is
+    complete on all ranks, and exit promptly. The job must be requeueable (`#SBATCH --requeue`,
+    which the launcher sets).
 
 How the signal arrives under `tandem launch slurm`: see slurm/train.sbatch.tmpl. In short, slurmctld
-sends SIGUSR1 (`--signal=USR1@N`) to every process of the job step on every node; torchrun ignores it
-(the step starts torchrun with SIGUSR1 set to SIG_IGN) and each trainer rank catches it here.
+sends SIGUSR1 (`--signal=USR1@N`) to every process of the job step on every node; torchrun ignores
+it (the step starts torchrun with SIGUSR1 set to SIG_IGN) and each trainer rank catches it here.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def _global_rank() -> int:
 
 
 def agree_preemption(group=None) -> bool:
-    """All-reduce MAX of the local flag over `group` (default: world); every rank gets the same answer."""
+    """All-reduce MAX of the local flag over `group` (default: world); every rank gets the same
+    answer."""
     import torch
     import torch.distributed as dist
 
@@ -117,8 +119,11 @@ def agree_preemption(group=None) -> bool:
         device = torch.device("cpu")
     else:
         acc = torch.accelerator.current_accelerator()
-        device = torch.device(acc.type,
-                              torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
+        device = (
+            torch.device(acc.type, torch.accelerator.current_device_index())
+            if acc is not None
+            else torch.device("cpu")
+        )
     flag = torch.tensor([1 if _requested else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     agreed = bool(flag.item())
@@ -129,12 +134,14 @@ def agree_preemption(group=None) -> bool:
 
 
 def requeue_current_job() -> bool:
-    """On global rank 0 of a Slurm job, `scontrol requeue $SLURM_JOB_ID`; log and return whether it worked."""
+    """On global rank 0 of a Slurm job, `scontrol requeue $SLURM_JOB_ID`; log and return whether it
+    worked."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id or _global_rank() != 0:
         return False
     try:
-        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         logger.error("preemption: scontrol requeue %s failed: %s", job_id, exc)
         return False
@@ -142,5 +149,6 @@ def requeue_current_job() -> bool:
         logger.error("preemption: scontrol requeue %s failed (exit %d): "
                      "%s", job_id, res.returncode, " ".join(res.stderr.split()))
         return False
-    logger.warning("preemption: requeued Slurm job %s; it resumes from the checkpoint when rescheduled", job_id)
+    logger.warning("preemption: requeued Slurm job %s; it resumes from the checkpoint when "
+                   "rescheduled", job_id)
     return True

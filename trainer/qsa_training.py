@@ -7,14 +7,15 @@ consumed samples over the run's first global batch, as the LR and the MTP weight
 * dense warm-up: attention is dense and the indexers learn by KL(p_main || p_indexer) from the main
   attention's head-summed distribution over every visible complete block to the indexer's.
   `model.indexer_warmup=joint` (a model trained from scratch) trains everything else by the language
-  model loss meanwhile; `indexer_only` (DeepSeek-V3.2, which started from a dense-trained checkpoint)
-  drops every other gradient before the optimizer step, so nothing else moves;
-* sparse stage: attention reads only the selected tokens, the KL is restricted to the selected blocks
-  and the indexer's input is detached, so the indexer learns from its KL alone and the language-model
-  loss trains everything else.
+  model loss meanwhile; `indexer_only` (DeepSeek-V3.2, which started from a dense-trained
+  checkpoint) drops every other gradient before the optimizer step, so nothing else moves;
+* sparse stage: attention reads only the selected tokens, the KL is restricted to the selected
+  blocks and the indexer's input is detached, so the indexer learns from its KL alone and the
+  language-model loss trains everything else.
 
-The KL enters each QSA layer's backward through `AuxLossGrad` (as the MoE's balance loss does), scaled
-like that loss to the mean over the global step's micro-batches; `loss/indexer` logs its mean over layers.
+The KL enters each QSA layer's backward through `AuxLossGrad` (as the MoE's balance loss does),
+scaled like that loss to the mean over the global step's micro-batches; `loss/indexer` logs its mean
+over layers.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from tandem.models.qsa import IndexedAttention
 class IndexerTraining:
     def __init__(self, model: nn.Module, coef: float, warmup_steps: int, grad_scale: float,
                  warmup: str = "joint", context_group=None):
-        """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup). `context_group`: the
-        cp ranks splitting each window (parallel.cp > 1), whose indexer losses are shares of the
-        window's (models/qsa.py) and are summed for the logged figure."""
+        """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup).
+        `context_group`: the cp ranks splitting each window (parallel.cp > 1), whose indexer losses
+        are shares of the window's (models/qsa.py) and are summed for the logged figure."""
         self.context_group = context_group
-        self.layers: List[IndexedAttention] = [m for m in model.modules() if isinstance(m, IndexedAttention)]
+        self.layers: List[IndexedAttention] = [m for m in model.modules()
+                                               if isinstance(m, IndexedAttention)]
         self.coef, self.warmup_steps, self.grad_scale = coef, warmup_steps, grad_scale
         self.indexer_only = warmup == "indexer_only"
         indexer = {id(p) for layer in self.layers for p in layer.indexer.parameters()}
@@ -44,8 +46,8 @@ class IndexerTraining:
         return bool(self.layers)
 
     def dense(self, schedule_step: float) -> bool:
-        """Whether the step starting at `schedule_step` (consumed samples / first global batch) is in
-        the warm-up."""
+        """Whether the step starting at `schedule_step` (consumed samples / first global batch) is
+        in the warm-up."""
         return schedule_step < self.warmup_steps
 
     def begin_step(self, schedule_step: float) -> None:
@@ -55,14 +57,15 @@ class IndexerTraining:
             layer.indexer_loss_coef = self.coef * self.grad_scale
 
     def before_update(self, schedule_step: float) -> None:
-        """With `indexer_only`, only the indexers learn in the dense warm-up: drop every other gradient
-        (the optimizer then skips those parameters entirely, weight decay included)."""
+        """With `indexer_only`, only the indexers learn in the dense warm-up: drop every other
+        gradient (the optimizer then skips those parameters entirely, weight decay included)."""
         if self.indexer_only and self.dense(schedule_step):
             for p in self.main_params:
                 p.grad = None
 
     def metrics(self) -> Dict[str, float]:
-        losses = [layer.last_indexer_loss for layer in self.layers if layer.last_indexer_loss is not None]
+        losses = [layer.last_indexer_loss for layer in self.layers
+                  if layer.last_indexer_loss is not None]
         if not losses:
             return {}
         value = torch.stack([x.float() for x in losses]).mean()

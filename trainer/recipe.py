@@ -1,15 +1,17 @@
-"""Recipes and overrides into the typed config tree (trainer/config.py), and the resolved config out.
+"""Recipes and overrides into the typed config tree (trainer/config.py), and the resolved config
+out.
 
 `load_config(recipe, overrides)` composes a recipe with command-line overrides, rejects unknown keys
 and wrong types with a one-line error naming the key, and validates before any work starts: each
-section's `validate` method, beside its fields (the model's and the MTP module's in models/config.py),
-then the checks that span sections (`TandemConfig.validate`).
-`mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
+section's `validate` method, beside its fields (the model's and the MTP module's in
+models/config.py), then the checks that span sections (`TandemConfig.validate`). `mtp.loss.lambda`
+is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
 
 Composition, lowest layer first: the dataclass defaults; for the recipe, its `base:` recipes (each
-composed the same way, in order), its model `flavor:` (models/flavors.py), its own sections; then the
-`key=value` overrides in order, where `flavor=NAME` stands for that flavor's keys at that position. Two
-top-level recipe keys compose rather than configure, and never reach the resolved config:
+composed the same way, in order), its model `flavor:` (models/flavors.py), its own sections; then
+the `key=value` overrides in order, where `flavor=NAME` stands for that flavor's keys at that
+position. Two top-level recipe keys compose rather than configure, and never reach the resolved
+config:
 
     base: qwen38_flash_gpu.yaml      # or a list; a path relative to this recipe's directory
     flavor: qwen38_flash             # a named model shape from models/flavors.py
@@ -37,20 +39,23 @@ _PUBLIC = {v: k for k, v in _ALIASES.items()}
 
 def _rename_keys(node: Any, table: dict) -> Any:
     if isinstance(node, dict):
-        return {table.get(k, k) if isinstance(k, str) else k: _rename_keys(v, table) for k, v in node.items()}
+        return {table.get(k, k) if isinstance(k, str) else k: _rename_keys(v, table) for k,
+                v in node.items()}
     if isinstance(node, list):
         return [_rename_keys(v, table) for v in node]
     return node
 
 
-_RETIRED = {"eval.temperature": "greedy decoding always runs now; list sampled temperatures in eval.temperatures"}
+_RETIRED = {"eval.temperature": "greedy decoding always runs now; list sampled temperatures in "
+                                "eval.temperatures"}
 """Keys that left the schema. A config that still holds one at its old default (the run configs that
-checkpoints saved before, `eval.temperature: 0.0`) loads with it dropped; any other value is an error
-naming the replacement."""
+checkpoints saved before, `eval.temperature: 0.0`) loads with it dropped; any other value is an
+error naming the replacement."""
 
 
 def _drop_retired(key: str, value: Any) -> bool:
-    """True when `key` is retired and may be dropped; raises ConfigError when its value asked for more."""
+    """True when `key` is retired and may be dropped; raises ConfigError when its value asked for
+    more."""
     if key not in _RETIRED:
         return False
     if value in (0, 0.0, "0", "0.0"):
@@ -70,18 +75,22 @@ RECIPE_KEYS = ("base", "flavor")
 
 
 def _read_recipe(path: str) -> dict:
-    """One recipe file as a plain dict, retired keys at their old defaults dropped. Raises ConfigError."""
+    """One recipe file as a plain dict, retired keys at their old defaults dropped. Raises
+    ConfigError."""
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as exc:  # yaml errors carry line numbers; keep them on one line
-        raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ConfigError(
+            f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}"
+        ) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path} must be a mapping of config sections")
     for key in _RETIRED:
         section, leaf = key.split(".")
-        if isinstance(raw.get(section), dict) and leaf in raw[section] and _drop_retired(key, raw[section][leaf]):
+        if isinstance(raw.get(section),
+                      dict) and leaf in raw[section] and _drop_retired(key, raw[section][leaf]):
             del raw[section][leaf]
     return raw
 
@@ -96,12 +105,14 @@ def _flavor_layer(name: Any, where: str) -> dict:
 
 
 def _recipe_layers(path: str, chain: Sequence[str] = ()) -> List[tuple]:
-    """[(source, layer dict)] of recipe `path`, lowest first: its bases' layers, its flavor, its body."""
+    """[(source, layer dict)] of recipe `path`, lowest first: its bases' layers, its flavor, its
+    body."""
     raw = _read_recipe(path)
     base, name = raw.pop("base", None), raw.pop("flavor", None)
     bases = [] if base is None else [base] if isinstance(base, str) else base
     if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
-        raise ConfigError(f"recipe {path}: base must be a recipe path or a list of them, got {base!r}")
+        raise ConfigError(f"recipe {path}: base must be a recipe path or a list of them, got "
+                          f"{base!r}")
     layers: List[tuple] = []
     here = os.path.realpath(path)
     for b in bases:
@@ -130,7 +141,8 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
         key = _override_key(item)
         value = item.split("=", 1)[1]
         if key == "flavor":  # the flavor's keys, at this position among the overrides
-            layers.append((f"override {item!r}", _flavor_layer(value.strip(), f"override {item!r}")))
+            layers.append((f"override {item!r}",
+                           _flavor_layer(value.strip(), f"override {item!r}")))
             continue
         if _drop_retired(key, value.strip()):
             continue
@@ -143,8 +155,10 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
                               f"{' '.join(str(exc).split())[:200]}") from None
     try:
         # One merge, applying the layers in order: merging each override into the result of the last
-        # would deep-copy the whole config once per override (0.16 s for 30 overrides, on every rank).
-        merged = OmegaConf.merge(schema, *[OmegaConf.create(layer) if isinstance(layer, dict) else layer
+        # would deep-copy the whole config once per override (0.16 s for 30 overrides, on every
+        # rank).
+        merged = OmegaConf.merge(schema,
+                                 *[OmegaConf.create(layer) if isinstance(layer, dict) else layer
                                           for _, layer in layers])
         cfg: TandemConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -154,8 +168,8 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
 
 
 def _culprit(schema: Any, layers: Sequence[tuple]) -> Optional[str]:
-    """The source of the first layer that fails to merge into the schema on its own (None: only their
-    combination fails); for an error message that says where to look."""
+    """The source of the first layer that fails to merge into the schema on its own (None: only
+    their combination fails); for an error message that says where to look."""
     for source, layer in layers:
         try:
             OmegaConf.merge(schema, OmegaConf.create(layer) if isinstance(layer, dict) else layer)
@@ -164,7 +178,8 @@ def _culprit(schema: Any, layers: Sequence[tuple]) -> Optional[str]:
     return None
 
 
-def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str], source: Optional[str] = None) -> str:
+def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str],
+                    source: Optional[str] = None) -> str:
     key = getattr(exc, "full_key", None)
     key = ".".join(_PUBLIC.get(p, p) for p in str(key).split(".")) if key else None
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -18,8 +18,8 @@ Figures (one PNG each, and inline SVG in `report.html`, which needs no other fil
   against the one the per-round timings predict.
 
 The page also holds the final figures of every run with their intervals and, when runs are overlaid,
-which differences are significant (report_stats: a normal test on the difference, each run's standard
-error read from its interval's half-width), also printed on stdout above the page's path.
+which differences are significant (report_stats: a normal test on the difference, each run's
+standard error read from its interval's half-width), also printed on stdout above the page's path.
 
 Variants are read from the key names: `eval/acceptance_length` and `eval/accept_rate/pos_k` are the
 evaluator's greedy decoding; a key with an extra segment before the leaf
@@ -45,7 +45,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .report_stats import differences, ema, final_rows, html_tables, interval, shifts, text_table
 
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
-POS_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?accept_rate/pos_(?P<k>\d+)$")
+POS_RE = re.compile(
+    r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?accept_rate/pos_(?P<k>\d+)$"
+)
 ACC_RE = re.compile(r"^eval/(?:(?P<variant>[^/]+(?:/(?:token|block))?)/)?acceptance_length$")
 LOSS_RE = re.compile(r"^(?P<prefix>eval/)?loss/(?P<depth>main|mtp_(?P<k>\d+))$")
 
@@ -133,26 +135,30 @@ def _plot(ax, run: Run, key: str, label: str, color, style: str = "-") -> bool:
     if not steps:
         return False
     marker = "o" if len(steps) <= 12 else None
-    ax.plot(steps, values, style, color=color, label=label, gid=f"{run.label}|{key}", marker=marker, markersize=3)
+    ax.plot(steps, values, style, color=color, label=label, gid=f"{run.label}|{key}", marker=marker,
+            markersize=3)
     return True
 
 
 def _plot_train(ax, run: Run, key: str, label: str, color, span: int) -> bool:
     """A training curve: the logged points faint (gid `label|key`), their EMA (`--ema-span`) drawn
-    over them (gid `label|key|ema`), so per-step noise does not hide the trend nor the trend the data."""
+    over them (gid `label|key|ema`), so per-step noise does not hide the trend nor the trend the
+    data."""
     steps, values = run.series(key)
     if not steps:
         return False
     if span <= 1:
         return _plot(ax, run, key, label, color)
     ax.plot(steps, values, "-", color=color, alpha=0.25, lw=0.8, gid=f"{run.label}|{key}")
-    ax.plot(steps, ema(values, span), "-", color=color, label=f"{label} (EMA {span})", gid=f"{run.label}|{key}|ema")
+    ax.plot(steps, ema(values, span), "-", color=color, label=f"{label} (EMA {span})",
+            gid=f"{run.label}|{key}|ema")
     return True
 
 
 def _plot_eval(ax, run: Run, key: str, label: str, color, style: str = "-") -> bool:
-    """An evaluator series: its line, its 95% interval as a band (gid `label|key|band`) and a star on
-    each evaluation whose interval does not overlap the previous one's (gid `label|key|shift`)."""
+    """An evaluator series: its line, its 95% interval as a band (gid `label|key|band`) and a star
+    on each evaluation whose interval does not overlap the previous one's (gid
+    `label|key|shift`)."""
     if not _plot(ax, run, key, label, color, style):
         return False
     steps, _, lo, hi = interval(run, key)
@@ -161,7 +167,8 @@ def _plot_eval(ax, run: Run, key: str, label: str, color, style: str = "-") -> b
         moved = shifts(lo, hi)
         if moved:
             by_step = dict(zip(*run.series(key)))
-            ax.plot([steps[i] for i in moved], [by_step[steps[i]] for i in moved], "*", color=color, markersize=10,
+            ax.plot([steps[i] for i in moved], [by_step[steps[i]] for i in moved], "*", color=color,
+                    markersize=10,
                     markeredgecolor="black", markeredgewidth=0.5, gid=f"{run.label}|{key}|shift")
     return True
 
@@ -173,7 +180,8 @@ def loss_figure(runs: Sequence[Run], ema_span: int = 0):
                     key=lambda d: -1 if d == "main" else int(d.split("_")[1]))
     if not depths:
         return None
-    fig, axes = plt.subplots(1, len(depths), figsize=(4 * len(depths), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(depths), figsize=(4 * len(depths), 3.4), squeeze=False,
+                             sharey=True)
     for ax, depth in zip(axes[0], depths):
         for run, color in zip(runs, _colors(len(runs))):
             _plot_train(ax, run, f"loss/{depth}", f"{run.label} train", color, ema_span)
@@ -230,10 +238,12 @@ def position_figure(runs: Sequence[Run]):
     import matplotlib.pyplot as plt
 
     lines = _variant_lines(runs, POS_RE)
-    positions = sorted({int(POS_RE.match(k).group("k")) for _, _, keys, _, _ in lines for k in keys})
+    positions = sorted({int(POS_RE.match(k).group("k")) for _, _, keys, _,
+                        _ in lines for k in keys})
     if not positions:
         return None
-    fig, axes = plt.subplots(1, len(positions), figsize=(4 * len(positions), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(positions), figsize=(4 * len(positions), 3.4), squeeze=False,
+                             sharey=True)
     for ax, k in zip(axes[0], positions):
         for run, variant, keys, color, style in lines:
             for key in keys:
@@ -257,7 +267,8 @@ def throughput_figure(runs: Sequence[Run]):
     fig, (ax_tps, ax_speed) = plt.subplots(1, 2, figsize=(10, 3.6))
     for run, color in zip(runs, _colors(len(runs))):
         _plot(ax_tps, run, "eval/decode_tokens_per_s/spec", f"{run.label} speculative", color)
-        _plot(ax_tps, run, "eval/decode_tokens_per_s/ar", f"{run.label} autoregressive", color, "--")
+        _plot(ax_tps, run, "eval/decode_tokens_per_s/ar", f"{run.label} autoregressive", color,
+              "--")
         _plot(ax_speed, run, "eval/speedup", f"{run.label} measured", color)
         _plot(ax_speed, run, "eval/speedup_predicted", f"{run.label} predicted", color, ":")
     ax_tps.set_ylabel("decode tokens/s")
@@ -278,8 +289,8 @@ FIGURES = (("losses", loss_figure), ("acceptance", acceptance_figure),
 
 
 def make_figures(runs: Sequence[Run], ema_span: int = DEFAULT_EMA_SPAN) -> Dict[str, object]:
-    """name -> matplotlib Figure, for every figure the runs have data for (training curves smoothed by an
-    EMA of span `ema_span`; <= 1: raw)."""
+    """name -> matplotlib Figure, for every figure the runs have data for (training curves smoothed
+    by an EMA of span `ema_span`; <= 1: raw)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,16 +309,18 @@ def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
         loss_cfg = mtp.get("loss", {}) if isinstance(mtp.get("loss"), dict) else {}
         last = run.records[-1]
         accept = run.series("eval/acceptance_length")[1]
-        rows.append([run.label, run.path, str(mtp.get("num_steps", "")), str(mtp.get("num_layers", "")),
-                     str(loss_cfg.get("objective", "ce")), str(loss_cfg.get("lambda", "")), str(last["step"]),
-                     f"{last['loss/main']:.4f}" if "loss/main" in last else "",
+        rows.append([run.label, run.path, str(mtp.get("num_steps", "")),
+                     str(mtp.get("num_layers", "")),
+                     str(loss_cfg.get("objective", "ce")), str(loss_cfg.get("lambda", "")),
+                     str(last["step"]), f"{last['loss/main']:.4f}" if "loss/main" in last else "",
                      f"{accept[-1]:.3f}" if accept else "not evaluated"])
     return rows
 
 
 def _inline_svg(fig) -> str:
     """The figure as inline SVG: vector, self-contained, and each series findable by its gid (the
-    `<g id="run|key|band">` of an interval band), which a PNG cannot show a test or a reader's search."""
+    `<g id="run|key|band">` of an interval band), which a PNG cannot show a test or a reader's
+    search."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg")
     text = buf.getvalue()
@@ -318,7 +331,8 @@ def final_keys(runs: Sequence[Run]) -> List[str]:
     """The figures of the final-figures table: acceptance length of every variant, then the greedy
     draft acceptance rate."""
     keys = {k: None for r in runs for k in r.keys() if ACC_RE.match(k)}
-    return sorted(keys, key=lambda k: (k != "eval/acceptance_length", k)) + ["eval/draft_acceptance_rate"]
+    return sorted(keys,
+                  key=lambda k: (k != "eval/acceptance_length", k)) + ["eval/draft_acceptance_rate"]
 
 
 def _shift_list(runs: Sequence[Run]) -> str:
@@ -328,25 +342,31 @@ def _shift_list(runs: Sequence[Run]) -> str:
         for key in [k for k in run.keys() if ACC_RE.match(k)]:
             steps, values, lo, hi = interval(run, key)
             for i in shifts(lo, hi):
-                items.append(f"<li>{html.escape(run.label)} {html.escape(key)}: step {steps[i - 1]} "
-                             f"{values[i - 1]:.3f} [{lo[i - 1]:.3f}, {hi[i - 1]:.3f}] &rarr; step {steps[i]} "
+                items.append(f"<li>{html.escape(run.label)} {html.escape(key)}: step "
+                             f"{steps[i - 1]} "
+                             f"{values[i - 1]:.3f} [{lo[i - 1]:.3f}, {hi[i - 1]:.3f}] &rarr; step "
+                             f"{steps[i]} "
                              f"{values[i]:.3f} [{lo[i]:.3f}, {hi[i]:.3f}]</li>")
     if not items:
         return ""
-    return ("<h2>evaluations that moved</h2>\n<p>Acceptance whose 95% interval does not overlap the previous "
+    return ("<h2>evaluations that moved</h2>\n<p>Acceptance whose 95% interval does not overlap "
+            "the previous "
             "evaluation's (starred in the figures).</p>\n<ul>\n" + "\n".join(items) + "\n</ul>")
 
 
 def _summary_table(runs: Sequence[Run]) -> str:
-    header = ["run", "directory", "K", "L", "objective", "lambda", "last step", "loss/main", "acceptance length"]
+    header = ["run", "directory", "K", "L", "objective", "lambda", "last step", "loss/main",
+              "acceptance length"]
     return "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>\n" + "\n".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _summary_rows(runs))
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+        for row in _summary_rows(runs))
 
 
-def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_SPAN) -> Dict[str, str]:
-    """Write one PNG per figure and `report.html` (figures inline as SVG, the final figures and their
-    significance, the evaluations that moved) into `out_dir`; return name -> path, plus "table": the
-    final-figures text `tandem report` prints."""
+def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_SPAN) -> Dict[str,
+                                                                                              str]:
+    """Write one PNG per figure and `report.html` (figures inline as SVG, the final figures and
+    their significance, the evaluations that moved) into `out_dir`; return name -> path, plus
+    "table": the final-figures text `tandem report` prints."""
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
@@ -356,20 +376,24 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
         path = os.path.join(out_dir, f"{name}.png")
         fig.savefig(path, dpi=110)
         sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
-                        f'<div class="figure" id="figure-{html.escape(name)}">{_inline_svg(fig)}</div>')
+                        '<div class="figure" '
+                        f'id="figure-{html.escape(name)}">{_inline_svg(fig)}</div>')
         plt.close(fig)
         paths[name] = path
     if not any(name != "losses" for name in figures):
-        sections.append("<p>No evaluator records: these runs had <code>eval.interval=0</code> or no MTP module.</p>")
+        sections.append("<p>No evaluator records: these runs had <code>eval.interval=0</code> or "
+                        "no MTP module.</p>")
     finals = final_rows(runs, final_keys(runs))
     diffs = differences(finals) if len(runs) > 1 else []
     tables = html_tables(finals, diffs, html.escape)
     page = (
         "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Tandem report</title>\n"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px}svg{max-width:100%;height:auto}</style></head><body>\n"
+        "td,th{border:1px solid #ccc;padding:4px "
+        "8px}svg{max-width:100%;height:auto}</style></head><body>\n"
         f"<h1>Tandem report: {html.escape(', '.join(r.label for r in runs))}</h1>\n"
-        f"<table>\n{_summary_table(runs)}\n</table>\n" + (tables or "") + "\n" + _shift_list(runs) + "\n"
+        f"<table>\n{_summary_table(runs)}\n</table>\n" + (tables
+                                                          or "") + "\n" + _shift_list(runs) + "\n"
         + "\n".join(sections) + "\n</body></html>\n")
     html_path = os.path.join(out_dir, "report.html")
     tmp = html_path + ".tmp"
@@ -383,18 +407,26 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
 
 def report_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem report",
-                                     description="Plot one or more runs (overlaid) as PNGs and one self-contained HTML "
+                                     description="Plot one or more runs (overlaid) as PNGs and one "
+                                                 "self-contained HTML "
                                                  "page.")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
-    parser.add_argument("--out", help="output directory (default: RUN_DIR/report for one run, ./report for several)")
-    parser.add_argument("--labels", help="comma-separated legend labels, one per run (default: directory names)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="run directories (each with metrics.jsonl)")
+    parser.add_argument("--out",
+                        help="output directory (default: RUN_DIR/report for one run, ./report for "
+                             "several)")
+    parser.add_argument(
+        "--labels", help="comma-separated legend labels, one per run (default: directory names)"
+    )
     parser.add_argument("--ema-span", type=int, default=DEFAULT_EMA_SPAN,
-                        help="span (in logged records) of the EMA drawn over the training curves, raw points "
+                        help="span (in logged records) of the EMA drawn over the training curves, "
+                             "raw points "
                              f"kept faint; 1 or 0 draws them raw (default {DEFAULT_EMA_SPAN})")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [None] * len(args.run_dirs)
     if len(labels) != len(args.run_dirs):
-        print(f"tandem report: error: --labels has {len(labels)} entries for {len(args.run_dirs)} run directories",
+        print(f"tandem report: error: --labels has {len(labels)} entries for {len(args.run_dirs)} "
+              "run directories",
               file=sys.stderr)
         return 2
     try:

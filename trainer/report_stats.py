@@ -1,20 +1,21 @@
-"""The statistics behind `tandem report`: smoothed training curves, the evaluator's 95% intervals, the
-evaluations that moved, and which runs' final figures differ.
+"""The statistics behind `tandem report`: smoothed training curves, the evaluator's 95% intervals,
+the evaluations that moved, and which runs' final figures differ.
 
 * `ema`: an exponential moving average of a training curve (pandas' `ewm(span=N, adjust=False)`: the
   weight of a point decays by 2 / (N + 1) a record), so noisy per-step losses read as a trend;
-* `interval`: the `<key>_lo95` / `<key>_hi95` series the evaluator logs beside each acceptance figure;
+* `interval`: the `<key>_lo95` / `<key>_hi95` series the evaluator logs beside each acceptance
+  figure;
 * `shifts`: evaluations whose interval does not overlap the previous evaluation's (a change a reader
   can trust; overlapping intervals do not prove there is none);
-* `final_rows` / `differences`: the last evaluation of each overlaid run with its interval, and a test
-  of each pair of runs' difference.
+* `final_rows` / `differences`: the last evaluation of each overlaid run with its interval, and a
+  test of each pair of runs' difference.
 
 The test of a difference. Non-overlapping 95% intervals is a valid but conservative test (two
-intervals can overlap while the difference is significant at 5%: it rejects at about 0.6%
-for equal widths). Instead each run's standard error is read from its logged interval, half-width /
-1.96 (the bootstrap interval over prompts, eval/acceptance.py), and the difference b - a is tested
-with the normal statistic z = (b - a) / sqrt(se_a^2 + se_b^2), two-sided, at 5%. The runs are treated
-as independent. They are evaluated on the same prompts, and prompts that are easy for one model are
+intervals can overlap while the difference is significant at 5%: it rejects at about 0.6% for equal
+widths). Instead each run's standard error is read from its logged interval, half-width / 1.96 (the
+bootstrap interval over prompts, eval/acceptance.py), and the difference b - a is tested with the
+normal statistic z = (b - a) / sqrt(se_a^2 + se_b^2), two-sided, at 5%. The runs are treated as
+independent. They are evaluated on the same prompts, and prompts that are easy for one model are
 usually easy for the other, so the true variance of the difference is smaller: the test errs on the
 side of "not significant". A paired bootstrap would need both runs' per-prompt rows, which
 metrics.jsonl does not hold. An asymmetric interval is summarised by its half-width.
@@ -45,8 +46,10 @@ def ema(values: Sequence[float], span: int) -> List[float]:
 
 def interval(run, key: str) -> Tuple[List[int], List[float], List[float], List[float]]:
     """(steps, values, lo, hi) of the records of `run` that hold `key` and its 95% interval."""
-    rows = [(r["step"], float(r[key]), float(r[f"{key}_lo95"]), float(r[f"{key}_hi95"])) for r in run.records
-            if r.get(key) is not None and r.get(f"{key}_lo95") is not None and r.get(f"{key}_hi95") is not None]
+    rows = [(r["step"], float(r[key]), float(r[f"{key}_lo95"]),
+             float(r[f"{key}_hi95"])) for r in run.records
+            if r.get(key) is not None and r.get(f"{key}_lo95") is not None
+            and r.get(f"{key}_hi95") is not None]
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
 
 
@@ -116,7 +119,8 @@ def differences(finals: Sequence[Final]) -> List[Difference]:
     for key in keys:
         rows = [f for f in finals if f.key == key]
         for a, b in itertools.combinations(rows, 2):
-            out.append(Difference(key, a, b, b.value - a.value, _p_value(a, b), not (a.lo > b.hi or b.lo > a.hi)))
+            out.append(Difference(key, a, b, b.value - a.value, _p_value(a, b),
+                                  not (a.lo > b.hi or b.lo > a.hi)))
     return out
 
 
@@ -147,19 +151,25 @@ def html_tables(finals: Sequence[Final], diffs: Sequence[Difference], escape) ->
 
     def table(header, rows):
         head = "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"
-        body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>\n" for row in rows)
+        body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>\n"
+                       for row in rows)
         return f'<table class="significance">\n{head}\n{body}</table>'
 
     parts = ["<h2>final figures</h2>",
              table(["figure", "run", "step", "value", "95% interval"],
-                   [[f.key, f.run, f.step, f"{f.value:.3f}", f"[{f.lo:.3f}, {f.hi:.3f}]"] for f in finals])]
+                   [[f.key, f.run, f.step, f"{f.value:.3f}",
+                     f"[{f.lo:.3f}, {f.hi:.3f}]"] for f in finals])]
     if diffs:
         parts += ["<h2>significance</h2>",
-                  "<p>Difference of the final figures, two-sided normal test with each run's standard error "
-                  f"taken from its logged 95% interval (half-width / {Z95:.2f}); significant when p &lt; "
-                  f"{ALPHA:g}. Runs are treated as independent, which is conservative for runs evaluated on the "
+                  "<p>Difference of the final figures, two-sided normal test with each run's "
+                  "standard error "
+                  f"taken from its logged 95% interval (half-width / {Z95:.2f}); significant when "
+                  "p &lt; "
+                  f"{ALPHA:g}. Runs are treated as independent, which is conservative for runs "
+                  "evaluated on the "
                   "same prompts.</p>",
                   table(["figure", "runs", "difference", "p", "verdict"],
-                        [[d.key, f"{d.b.run} - {d.a.run}", f"{d.diff:+.3f}", f"{d.p:.3g}", verdict(d)]
+                        [[d.key, f"{d.b.run} - {d.a.run}", f"{d.diff:+.3f}", f"{d.p:.3g}",
+                          verdict(d)]
                          for d in diffs])]
     return "\n".join(parts)

@@ -114,7 +114,9 @@ def prepare_run_dir(run_dir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as exc:
-        raise ConfigError(f"config key 'run.dir'={run_dir!r} is not writable: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"config key 'run.dir'={run_dir!r} is not writable: {exc.strerror or exc}"
+        ) from None
 
 
 def write_config(run_dir: str, config_yaml: str) -> None:
@@ -156,7 +158,8 @@ def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
         adopt_mtp_init_from(cfg)
         return None
     source = resolve_init_from(cfg.model.init_from)
-    adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from, checkpoint_tokenizer(source))
+    adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from,
+                                          checkpoint_tokenizer(source))
     if adopted and int(os.environ.get("RANK", "0")) == 0:
         print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)", file=sys.stderr)
     adopt_checkpoint_config(cfg)
@@ -183,11 +186,13 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
     if cfg.model.ple_layers and eod is not None and cfg.model.eos_token_id != eod:
         # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents
         raise ConfigError(f"config key 'model.eos_token_id'={cfg.model.eos_token_id} is not the "
-                          f"end-of-document token of {tokenizer.path} (id {eod}); PLE's n-grams must stop at it")
+                          f"end-of-document token of {tokenizer.path} (id {eod}); PLE's n-grams "
+                          "must stop at it")
     return position, global_batch, train_ds, valid_ds, tokenizer
 
 
-def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer, pstate: ParallelState):
+def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
+                    pstate: ParallelState):
     """The in-loop evaluator, or None when the run has no MTP module or eval.interval=0."""
     if cfg.eval.interval <= 0 or cfg.mtp.num_steps <= 0:
         return None
@@ -202,7 +207,8 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer, ps
 def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     """Make this rank's run. A torchrun restart (--max-restarts) of a failed job resumes from the
     last checkpoint, as `resume` and train.resume do."""
-    resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                              "0")) > 0
     prepare_run_dir(cfg.run.dir)
     reference = _adopt_init_from(cfg)
     config_yaml = to_yaml(cfg)
@@ -219,11 +225,12 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     run = Run(cfg, config_yaml, pstate, position, global_batch, train_ds, valid_ds, tokenizer, step,
               checkpoints, guard=None, evaluator=None,
               flops_per_token=training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len),
-              hardware_flops_per_token=hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+              hardware_flops_per_token=hardware_flops_per_token(cfg.model, cfg.mtp,
+                                                                cfg.data.seq_len,
                                                                 cfg.train.activation_checkpointing),
               peak_flops=(cfg.logging.peak_tflops or pstate.device.peak_tflops()) * 1e12)
-    run.guard = BadStepGuard(cfg.train, pstate.is_main, position, save=lambda s: run.save(s, wait=True),
-                             restore=run.restore_latest)
+    run.guard = BadStepGuard(cfg.train, pstate.is_main, position,
+                             save=lambda s: run.save(s, wait=True), restore=run.restore_latest)
     if found is not None:
         state = load_checkpoint(found[1], run.model, run.optimizer)
         run.start_step = int(state["step"])

@@ -9,8 +9,8 @@ process, every layout and every pipeline copy of a parameter (the last stage's e
 start from identical weights. *What* each parameter's distribution is stays in
 `TandemModel.init_rule` (plain PyTorch).
 
-`allocate` gives a meta model storage (ties kept, buffers recomputed) before anything fills it. Used by
-materialize.py (the trainer's sharded build), hf/importer.py (a model built from a Hugging Face
+`allocate` gives a meta model storage (ties kept, buffers recomputed) before anything fills it. Used
+by materialize.py (the trainer's sharded build), hf/importer.py (a model built from a Hugging Face
 directory) and checkpoint.py (a model rebuilt from a Tandem checkpoint).
 """
 
@@ -34,8 +34,8 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def seeded_slice(name: str, global_shape: Sequence[int], index: Tuple[slice, ...], rule: Tuple[str, float],
-                 seed: int) -> torch.Tensor:
+def seeded_slice(name: str, global_shape: Sequence[int], index: Tuple[slice, ...],
+                 rule: Tuple[str, float], seed: int) -> torch.Tensor:
     """fp32 CPU values of `name`'s global slice `index` under `rule` (see TandemModel.init_rule)."""
     kind, std = rule
     local_shape = [len(range(*s.indices(g))) for s, g in zip(index, global_shape)]
@@ -74,7 +74,8 @@ def _init_name(name: str, model: nn.Module) -> str:
 
 @torch.no_grad()
 def init_seeded(model: nn.Module, seed: int, skip: Iterable[str] = ()) -> None:
-    """Seeded, layout-independent initialisation of every parameter this rank holds except `skip`."""
+    """Seeded, layout-independent initialisation of every parameter this rank holds except
+    `skip`."""
     skip = set(skip)
     for raw, p in model.named_parameters():
         name = unwrapped_name(raw)

@@ -37,24 +37,26 @@ class TrainStep:
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules()
                            if hasattr(m, "router") and hasattr(m.router, "update_bias")]
-        # which kernel the routed experts run (probed at this rank's layer widths): a silent fall-back
-        # to the per-expert loop costs a host sync per layer, so the run says it at start and in its
-        # records
+        # which kernel the routed experts run (probed at this rank's layer widths): a silent
+        # fall-back to the per-expert loop costs a host sync per layer, so the run says it at start
+        # and in its records
         self.expert_path, line = expert_paths(model, self.device.device, self.autocast_dtype)
         if line and pstate.is_main:
             print(line, file=sys.stderr)
-        # The one-process objective is the mean aux/z-loss over every micro-batch of the global step.
-        # Gradients are summed over the batch ranks (dp*ep), so each micro-batch's aux gradient is
-        # 1/(micro-batches per rank * batch ranks); pipeline ranks split their share into
-        # parallel.pp_microbatches instead of grad_accum_steps. (TP ranks compute the aux gradient
-        # replicated; under SP it is computed on the gathered logits and scaled in TensorParallelMoE.)
+        # The one-process objective is the mean aux/z-loss over every micro-batch of the global
+        # step. Gradients are summed over the batch ranks (dp*ep), so each micro-batch's aux
+        # gradient is 1/(micro-batches per rank * batch ranks); pipeline ranks split their share
+        # into parallel.pp_microbatches instead of grad_accum_steps. (TP ranks compute the aux
+        # gradient replicated; under SP it is computed on the gathered logits and scaled in
+        # TensorParallelMoE.)
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
         aux_grad_scale = 1.0 / (micro * pstate.dp_size)
         for moe in self.moe_layers:
             moe.aux_grad_scale = aux_grad_scale
         m = cfg.model
         self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
-                                        aux_grad_scale, m.resolved_indexer_warmup, pstate.context_group)
+                                        aux_grad_scale, m.resolved_indexer_warmup,
+                                        pstate.context_group)
 
     # --- the step's pieces, in order -------------------------------------------------------------
     def global_target_counts(self, batches) -> torch.Tensor:
@@ -68,20 +70,22 @@ class TrainStep:
                 counts[d] += depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum()
         return self.pstate.all_reduce_dp(counts)
 
-    def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
+    def forward_backward(self, batches, global_counts: torch.Tensor,
+                         coefs: List[float]) -> torch.Tensor:
         """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
         if self.pstate.pipeline is not None:
             return self.pstate.pipeline.forward_backward(batches, global_counts, coefs)
         return self._micro_batches(batches, global_counts, coefs)
 
-    def _micro_batches(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
+    def _micro_batches(self, batches, global_counts: torch.Tensor,
+                       coefs: List[float]) -> torch.Tensor:
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
         sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
         # FSDP2 (parallel.reshard_after_microbatch): by default every micro-batch's backward
         # reduce-scatters into the sharded fp32 gradients and reshards, as torchtitan does; false
-        # accumulates unsharded gradients locally and reduce-scatters once, in the last micro-batch's
-        # backward (one collective per step instead of per micro-batch), keeping the parameters
-        # gathered in between, as torch's pipeline stages do.
+        # accumulates unsharded gradients locally and reduce-scatters once, in the last
+        # micro-batch's backward (one collective per step instead of per micro-batch), keeping the
+        # parameters gathered in between, as torch's pipeline stages do.
         fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         every = self.cfg.parallel.reshard_after_microbatch
         # The gradient each depth's loss sum will receive: the fused head then accumulates every
@@ -93,8 +97,8 @@ class TrainStep:
                 m.set_requires_gradient_sync(sync, recurse=False)
                 m.set_reshard_after_backward(sync, recurse=False)
             with self.autocast():
-                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"], self.cfg.data.document_mask,
-                                 loss_grad_scales=scales)
+                out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"],
+                                 self.cfg.data.document_mask, loss_grad_scales=scales)
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
             sums += out.loss_sums.detach().float()
@@ -115,11 +119,12 @@ class TrainStep:
     def update_router_biases(self) -> Dict[str, float]:
         """Aux-free bias step from the step's expert loads (summed over every rank that routed
         different tokens); returns load-balance metrics. Every all-reduce runs wherever its group
-        exists, also on a rank with no MoE layer (a pipeline stage of dense layers beside a copy of a
-        dense MTP module): its peers wait in the same collectives."""
+        exists, also on a rank with no MoE layer (a pipeline stage of dense layers beside a copy of
+        a dense MTP module): its peers wait in the same collectives."""
         loads = self._expert_loads()
         for moe, load in zip(self.moe_layers, loads):
-            # A frozen router (train.freeze_trunk) keeps its bias too: the trunk stays bit-identical.
+            # A frozen router (train.freeze_trunk) keeps its bias too: the trunk stays
+            # bit-identical.
             if moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
                 moe.router.update_bias(load)
             moe.router.tokens_per_expert.zero_()
@@ -140,7 +145,8 @@ class TrainStep:
         else:
             loads = torch.zeros(0, self.cfg.model.num_experts, device=self.device.device)
         copies = self.pstate.mtp_copies_group
-        if copies is not None:  # MTP depths spread over pp ranks: each copy routed its depths' tokens
+        # MTP depths spread over pp ranks: each copy routed its depths' tokens
+        if copies is not None:
             mtp = {id(m) for m in self.model.mtp.modules()}
             rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp],
                                 dtype=torch.long, device=loads.device)

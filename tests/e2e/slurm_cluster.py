@@ -4,17 +4,19 @@
 slurm-wlm munge`, needs root), then runs everything from one temporary directory so that nothing in
 /etc or /var is used or changed:
 
-- munged with its own key, socket, pid, seed and log files (`AuthInfo=socket=...` points Slurm at it);
+- munged with its own key, socket, pid, seed and log files (`AuthInfo=socket=...` points Slurm at
+  it);
 - slurm.conf for one node named after `hostname -s` with the real CPU count and memory,
   `ProctrackType=proctrack/linuxproc` and `TaskPlugin=task/none` (no cgroups, no systemd: this works
   inside containers and gVisor), no accounting daemon, state and spool dirs under the temp dir;
 - slurmctld and slurmd in the foreground (`-D`) as child processes of this one.
 
-`env` is what client commands need (`SLURM_CONF`); `start()` waits until `sinfo` reports the node idle.
-`stop()` terminates exactly the daemons it started, by pid (and their process groups, which they lead).
+`env` is what client commands need (`SLURM_CONF`); `start()` waits until `sinfo` reports the node
+idle. `stop()` terminates exactly the daemons it started, by pid (and their process groups, which
+they lead).
 
-Run it by hand with `python tests/e2e/slurm_cluster.py` (starts, prints `export SLURM_CONF=...`, waits
-for Ctrl-C, stops).
+Run it by hand with `python tests/e2e/slurm_cluster.py` (starts, prints `export SLURM_CONF=...`,
+waits for Ctrl-C, stops).
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class SlurmUnavailable(RuntimeError):
 
 
 def ensure_slurm_installed() -> None:
-    """Install slurm-wlm and munge from Debian when slurmctld is missing. Raises SlurmUnavailable."""
+    """Install slurm-wlm and munge from Debian when slurmctld is missing. Raises
+    SlurmUnavailable."""
     if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
         return
     if os.geteuid() != 0:
-        raise SlurmUnavailable("slurmctld is not installed and this is not root (cannot apt-get install)")
+        raise SlurmUnavailable("slurmctld is not installed and this is not root (cannot apt-get "
+                               "install)")
     if not shutil.which("apt-get"):
         raise SlurmUnavailable("slurmctld is not installed and apt-get is not available")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -52,7 +56,8 @@ def ensure_slurm_installed() -> None:
         res = subprocess.run(install, env=env, capture_output=True, text=True)
         if res.returncode != 0:
             tail = (update.stderr + res.stderr).strip().splitlines()[-3:]
-            raise SlurmUnavailable(f"apt-get install {' '.join(APT_PACKAGES)} failed: {' | '.join(tail)}")
+            raise SlurmUnavailable(f"apt-get install {' '.join(APT_PACKAGES)} failed: "
+                                   f"{' | '.join(tail)}")
     if not shutil.which("slurmctld"):
         raise SlurmUnavailable("slurmctld still missing after apt-get install")
 
@@ -78,7 +83,8 @@ class SlurmCluster:
         self.root = Path(root or tempfile.mkdtemp(prefix="tandem-slurm-"))
         self.host = socket.gethostname().split(".")[0]
         self.cpus = os.cpu_count() or 1
-        # Leave a little headroom: slurmd drains a node whose configured memory exceeds what it sees.
+        # Leave a little headroom: slurmd drains a node whose configured memory exceeds what it
+        # sees.
         self.memory_mb = max(256, int(_real_memory_mb() * 0.9))
         self.conf = self.root / "etc" / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
@@ -93,11 +99,12 @@ class SlurmCluster:
     def full_env(self) -> Dict[str, str]:
         return dict(os.environ, **self.env)
 
-    def run(self, *argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env=self.full_env(), capture_output=True, text=True, check=check,
-                              timeout=timeout)
+    def run(self, *argv: str, check: bool = True,
+            timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(list(argv), env=self.full_env(), capture_output=True, text=True,
+                              check=check, timeout=timeout)
 
-    # -- lifecycle ----------------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> "SlurmCluster":
         self.start()
         return self
@@ -111,8 +118,8 @@ class SlurmCluster:
             self._write_files()
             self._start_munged()
             self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
-            self._wait_for(lambda: self.run("scontrol", "ping", check=False).stdout.count("UP") > 0, timeout,
-                           "slurmctld")
+            self._wait_for(lambda: self.run("scontrol", "ping", check=False).stdout.count("UP") > 0,
+                           timeout, "slurmctld")
             self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
             self._wait_for(self._node_idle, timeout, "slurmd (node idle in sinfo)")
         except BaseException:
@@ -139,13 +146,15 @@ class SlurmCluster:
     def logs(self) -> str:
         """Tail of every daemon log (for assertion messages)."""
         out = []
-        for name in ("slurmctld.log", "slurmd.log", "munged.log", "slurmctld.stdout", "slurmd.stdout", "munged.stdout"):
+        for name in ("slurmctld.log", "slurmd.log", "munged.log", "slurmctld.stdout",
+                     "slurmd.stdout", "munged.stdout"):
             p = self.root / "log" / name
             if p.exists():
-                out.append(f"--- {name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]))
+                out.append(f"--- {name}\n"
+                           + "\n".join(p.read_text(errors="replace").splitlines()[-30:]))
         return "\n".join(out)
 
-    # -- internals ----------------------------------------------------------------------------------
+    # -- internals ---------------------------------------------------------------------------------
     def _node_idle(self) -> bool:
         res = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
         return res.returncode == 0 and res.stdout.strip().startswith("idle")
@@ -155,7 +164,8 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for proc in self._procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for "
+                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while "
+                                       "waiting for "
                                        f"{what}\n{self.logs()}")
             if pred():
                 return
@@ -166,7 +176,8 @@ class SlurmCluster:
         log = open(self.root / "log" / f"{name}.stdout", "ab")
         self._logs.append(log)
         # Own session: the daemon and anything it forks stay out of pytest's process group.
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.full_env(), start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.full_env(),
+                                start_new_session=True)
         self._procs.append(proc)
         return proc
 
@@ -189,7 +200,8 @@ class SlurmCluster:
     def _write_files(self) -> None:
         for sub in ("etc", "munge", "log", "state", f"spool/slurmd-{self.host}", "run"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        (self.root / "munge").chmod(0o755)  # clients need to reach the socket; the key itself is 0400
+        # clients need to reach the socket; the key itself is 0400
+        (self.root / "munge").chmod(0o755)
         r = self.root
         ctld_port, slurmd_port = _free_port(), _free_port()
         conf = f"""\

@@ -43,7 +43,8 @@ def dataset(tmp_path_factory):
     """A small Megatron indexed dataset with its own 300-token BPE."""
     root = tmp_path_factory.mktemp("data")
     docs = root / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n" for i in range(40)))
+    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n"
+                            for i in range(40)))
     preprocess([str(docs)], str(root / "corpus"), vocab_size=300)
     return str(root / "corpus")
 
@@ -108,7 +109,8 @@ def test_run_dir_not_writable(ctx, tmp_path):
 # --- hardware -----------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_requested_where_none_is_visible(ctx):
-    ctx.fails(["train", RECIPE, *ctx.base, "device=cuda"], "config key 'device'='cuda' but no CUDA device is visible")
+    ctx.fails(["train", RECIPE, *ctx.base, "device=cuda"],
+              "config key 'device'='cuda' but no CUDA device is visible")
 
 
 def test_npu_requested_where_none_is_visible(ctx):
@@ -123,7 +125,8 @@ def test_bf16_on_a_gpu_without_bf16(ctx, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     ctx.fails(["train", RECIPE, *ctx.base, "device=cuda", "train.dtype=bf16"],
-              "config key 'train.dtype'='bf16' but this cuda device (Tesla V100-SXM2-16GB) has no bf16 support")
+              "config key 'train.dtype'='bf16' but this cuda device (Tesla V100-SXM2-16GB) has no "
+              "bf16 support")
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -137,7 +140,8 @@ def test_truncated_bin(ctx, dataset, tmp_path):
         shutil.copy(dataset + ext, str(tmp_path / "cut") + ext)
     with open(str(tmp_path / "cut.bin"), "r+b") as f:
         f.truncate(os.path.getsize(dataset + ".bin") // 2)
-    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{tmp_path}/cut]"], "cut.bin")
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{tmp_path}/cut]"],
+              "cut.bin")
 
 
 def test_idx_from_another_dtype(ctx, dataset, tmp_path):
@@ -146,12 +150,13 @@ def test_idx_from_another_dtype(ctx, dataset, tmp_path):
     with open(str(tmp_path / "mixed.idx"), "r+b") as f:
         f.seek(17)
         f.write(bytes([4]))  # claims int32 tokens while the .bin holds uint16
-    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{tmp_path}/mixed]"], "mixed")
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron",
+               f"data.paths=[{tmp_path}/mixed]"], "mixed")
 
 
 def test_tokenizer_larger_than_model_vocab(ctx, dataset):
-    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{dataset}]", "model.vocab_size=200",
-               "data.vocab_size=300"], "larger than model.vocab_size=200")
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{dataset}]",
+               "model.vocab_size=200", "data.vocab_size=300"], "larger than model.vocab_size=200")
 
 
 def test_preprocess_refuses_to_overwrite(dataset, capsys):
@@ -165,7 +170,8 @@ def test_preprocess_refuses_to_overwrite(dataset, capsys):
 
 def test_preprocess_missing_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["preprocess", "--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "out")])
+        main(["preprocess", "--input", str(tmp_path / "absent.jsonl"), "--output-prefix",
+              str(tmp_path / "out")])
     assert "absent.jsonl" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
@@ -177,12 +183,14 @@ def test_resume_with_different_model_shape(ctx):
 
 
 def test_resume_with_different_mtp_depth(ctx):
-    ctx.fails(["train", RECIPE, *ctx.base, "mtp.num_steps=3", "--resume"], "mtp.num_steps: checkpoint 2 vs config 3")
+    ctx.fails(["train", RECIPE, *ctx.base, "mtp.num_steps=3", "--resume"],
+              "mtp.num_steps: checkpoint 2 vs config 3")
 
 
 def test_resume_into_a_different_tokenizer(ctx):
     ctx.fails(["train", RECIPE, *ctx.base, "data.vocab_size=400", "--resume"],
-              "was trained with a different tokenizer: data.vocab_size: checkpoint 512 vs config 400")
+              "was trained with a different tokenizer: data.vocab_size: checkpoint 512 vs config "
+              "400")
 
 
 def test_resume_from_corrupt_checkpoint(ctx):
@@ -190,7 +198,8 @@ def test_resume_from_corrupt_checkpoint(ctx):
     shard = next(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
     os.remove(os.path.join(ckpt, shard))
     ctx.before = snapshot(ctx.run)
-    ctx.fails(["train", RECIPE, *ctx.base, "--resume"], "checkpoints/step_2 is unreadable or corrupt")
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
+              "checkpoints/step_2 is unreadable or corrupt")
 
 
 # --- CLI ----------------------------------------------------------------------------------------
@@ -209,12 +218,14 @@ def test_launch_needs_slurm_word(capsys):
     assert "usage: tandem launch slurm" in capsys.readouterr().err
 
 
-# --- fine-tuning from a checkpoint (issue 11: model.init_from shards, tokenizer) -------------------
+# --- fine-tuning from a checkpoint (issue 11: model.init_from shards, tokenizer) ------------------
 @pytest.fixture(scope="module")
 def sharded_export(earlier_run, tmp_path_factory):
-    """The earlier run exported as a sharded Hugging Face checkpoint (index + several files + tokenizer)."""
+    """The earlier run exported as a sharded Hugging Face checkpoint (index + several files +
+    tokenizer)."""
     out = str(tmp_path_factory.mktemp("hf") / "hf")
-    assert main(["export", "--checkpoint", earlier_run, "--out", out, "--max-shard-mb", "0.05"]) == 0
+    assert main(["export", "--checkpoint", earlier_run, "--out", out, "--max-shard-mb",
+                 "0.05"]) == 0
     return out
 
 
@@ -236,17 +247,19 @@ def test_init_from_partial_shard(ctx, sharded_export, tmp_path):
     shutil.copytree(sharded_export, hf)
     shard = os.path.join(hf, _shards(hf)[0])
     os.truncate(shard, os.path.getsize(shard) - 100)
-    ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"], f"checkpoint shard {shard} is partial")
+    ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"],
+              f"checkpoint shard {shard} is partial")
 
 
 def test_finetune_with_another_tokenizer_than_the_checkpoint(ctx, sharded_export, dataset):
     other = dataset + ".tokenizer.json"
-    line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={sharded_export}", f"data.tokenizer={other}"],
+    line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={sharded_export}",
+                      f"data.tokenizer={other}"],
                      "tokenizer mismatch: data.tokenizer=")
     assert other in line and sharded_export in line and "data.force_tokenizer=true" in line
 
 
-# --- evaluation inputs (issue 14: --prompts texts, eval.temperatures) --------------------------------
+# --- evaluation inputs (issue 14: --prompts texts, eval.temperatures) -----------------------------
 def _prompts_file(tmp_path, texts):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n")
@@ -261,11 +274,13 @@ def test_eval_prompts_empty_text(ctx, tmp_path):
 def test_eval_prompts_not_json(ctx, tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"text": "a"}) + "\n\n" + "text: b\n")
-    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", str(path)], f"{path}:3: not a JSON object")
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", str(path)],
+              f"{path}:3: not a JSON object")
 
 
 def test_eval_prompts_too_long(ctx, tmp_path):
-    # tiny_base: model.max_seq_len=64, K=2: with 8 new tokens a prompt fits in 64 - 8 - 13 = 43 tokens
+    # tiny_base: model.max_seq_len=64, K=2: with 8 new tokens a prompt fits in 64 - 8 - 13 = 43
+    # tokens
     path = _prompts_file(tmp_path, ["x = 1\n", "x = 1\n" * 40])
     line = ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", path, "--max-new-tokens", "8"],
                      f"{path}:2: prompt is ")
@@ -275,5 +290,7 @@ def test_eval_prompts_too_long(ctx, tmp_path):
 @pytest.mark.parametrize("value", ["[0]", "[0.7,2.5]"])
 def test_eval_temperatures_outside_range(ctx, value):
     ctx.fails(["train", RECIPE, *ctx.base, f"eval.temperatures={value}"],
-              f"config key 'eval.temperatures'={[float(v) for v in value.strip('[]').split(',')]!r} must each be in "
+              "config key "
+              f"'eval.temperatures'={[float(v) for v in value.strip('[]').split(',')]!r} must each "
+              "be in "
               "(0, 2]")

@@ -15,11 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_finetune_memory_bench_quick(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "finetune_memory.py"), "--quick",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "finetune_memory.py"),
+                           "--quick",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"peak_rss_over_fp32_model=(-?[\d.]+) checkpoint_over_fp32_model=([\d.]+)", last)
+    m = re.fullmatch(r"peak_rss_over_fp32_model=(-?[\d.]+) checkpoint_over_fp32_model=([\d.]+)",
+                     last)
     assert m, last
     assert 0 < float(m.group(2)) < 0.5  # MTP module + its optimizer state only

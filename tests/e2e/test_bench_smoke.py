@@ -14,46 +14,52 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_mtp_objectives_bench(tiny_base, tmp_path):
-    """Looped MTP (`ce`) against parallel heads over 2 seeds: every run trains, each variant's mean row
-    parses, the pair and block-vs-token verification are compared with intervals and a verdict, and the
-    summary line names the best variant with its significance."""
+    """Looped MTP (`ce`) against parallel heads over 2 seeds: every run trains, each variant's mean
+    row parses, the pair and block-vs-token verification are compared with intervals and a verdict,
+    and the summary line names the best variant with its significance."""
     cmd = [sys.executable, "bench/mtp_objectives.py", "--steps", "2", "--seeds", "2",
-           "--objectives", "ce,parallel_heads", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6",
-           "--out", str(tmp_path), *tiny_base]
+           "--objectives", "ce,parallel_heads", "--num-prompts", "2", "--prompt-len", "8",
+           "--max-new-tokens", "6", "--out", str(tmp_path), *tiny_base]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    rows = {line.split()[0]: line.split() for line in lines if line.split()[0] in ("ce", "parallel_heads")}
+    rows = {line.split()[0]: line.split() for line in lines
+            if line.split()[0] in ("ce", "parallel_heads")}
     assert set(rows) == {"ce", "parallel_heads"}
     for row in rows.values():
         greedy, sampled = float(row[1]), float(row[2])
         assert 1.0 <= greedy <= 3.0 and 1.0 <= sampled <= 3.0  # K=2: at most 3 tokens per verify
     assert "[greedy] acceptance_length: ce vs parallel_heads (2 seeds x 2 prompts)" in lines
     verdicts = [line for line in lines if line.lstrip().startswith("difference ")]
-    assert len(verdicts) == 4 and all(v.endswith(("significant=yes", "significant=no")) for v in verdicts)
+    assert len(verdicts) == 4 and all(v.endswith(("significant=yes",
+                                                  "significant=no")) for v in verdicts)
     summary = dict(field.split("=") for field in lines[-1].split())
     assert summary["best_greedy"] in rows and summary["best_t1"] in rows
-    assert {summary["best_greedy_significant"], summary["ce.block_minus_token_t1_significant"]} <= {"yes", "no"}
+    assert {summary["best_greedy_significant"],
+            summary["ce.block_minus_token_t1_significant"]} <= {"yes", "no"}
     for objective in ("ce", "parallel_heads"):
         for seed in (1234, 1235):  # the recipe's train.seed, then the next
             assert os.path.isdir(tmp_path / objective / f"seed_{seed}" / "checkpoints")
 
 
-@pytest.mark.parametrize("flags", [[], ["--dtype", "bf16", "--compile", "--head-backward", "fused"]])
+@pytest.mark.parametrize("flags",
+                         [[], ["--dtype", "bf16", "--compile", "--head-backward", "fused"]])
 def test_throughput_bench(flags):
-    """Tandem vs transformers' Qwen3-MoE at tiny sizes: same parameter count (the config mapping holds),
-    every runner steps (fp32; bf16 autocast with Tandem's blocks compiled), and the ratio lines are
-    printed last."""
-    cmd = [sys.executable, "bench/throughput.py", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
-           "--experts", "4", "--moe-width", "32", "--vocab", "128", "--seq-len", "16", "--batch", "2",
-           "--steps", "1", "--k", "2", *flags]
+    """Tandem vs transformers' Qwen3-MoE at tiny sizes: same parameter count (the config mapping
+    holds), every runner steps (fp32; bf16 autocast with Tandem's blocks compiled), and the ratio
+    lines are printed last."""
+    cmd = [sys.executable, "bench/throughput.py", "--layers", "1", "--hidden", "64", "--heads", "2",
+           "--kv-heads", "1",
+           "--experts", "4", "--moe-width", "32", "--vocab", "128", "--seq-len", "16", "--batch",
+           "2", "--steps", "1", "--k", "2", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert "parameters tandem 0.05M, transformers 0.05M" in lines[0]
-    runners = {"tandem_k0", "tandem_k2", "transformers"} | ({"tandem_k0_compiled"} if flags else set())
+    runners = {"tandem_k0", "tandem_k2",
+               "transformers"} | ({"tandem_k0_compiled"} if flags else set())
     assert {line.split(":")[0] for line in lines[1:1 + len(runners)]} == runners
     assert lines[-4 - bool(flags)].startswith("fastest-step ratios: ")
     ratios = [line.split("=")[0] for line in lines[-3 - bool(flags):-1]]
@@ -63,12 +69,14 @@ def test_throughput_bench(flags):
 
 
 def test_qwen4_exp_trunk_bench():
-    """Qwen4-Exp tiny trunk vs a full-attention trunk of equal active parameters (--quick: lengths 64 and
-    128): the active parameters match within the bench's tolerance, every per-length line parses with
-    positive ratios, and the selected fraction is the budget's share of the causal pairs."""
+    """Qwen4-Exp tiny trunk vs a full-attention trunk of equal active parameters (--quick: lengths
+    64 and 128): the active parameters match within the bench's tolerance, every per-length line
+    parses with positive ratios, and the selected fraction is the budget's share of the causal
+    pairs."""
     from tandem.trainer.recipe import load_config
 
-    proc = subprocess.run([sys.executable, "bench/qwen4_exp_trunk.py", "--quick"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "bench/qwen4_exp_trunk.py", "--quick"], cwd=ROOT,
+                          capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -78,27 +86,30 @@ def test_qwen4_exp_trunk_bench():
     qwen, dense = int(counts["qwen4_exp"]), int(counts["dense"])
     assert qwen > 0 and abs(dense / qwen - 1) <= 0.03
     assert abs(float(counts["rel_diff"]) - (dense / qwen - 1)) < 1e-4
-    rows = [dict(field.split("=") for field in line.split()) for line in lines if line.startswith("seq=")]
+    rows = [dict(field.split("=") for field in line.split()) for line in lines
+            if line.startswith("seq=")]
     assert [(int(r["seq"]), int(r["batch"])) for r in rows] == [(64, 2), (128, 1)], lines
-    ratios = {"step_ratio", "step_ratio_fastest"} | {f"mem_ratio_{form}{kl}" for form in ("auto", "mask",
-                                                                                          "gather") for kl in ("",
-                                                                                                               "_kl")}
+    ratios = {"step_ratio", "step_ratio_fastest"} | {
+        f"mem_ratio_{form}{kl}" for form in ("auto", "mask", "gather") for kl in ("", "_kl")
+    }
     m = load_config("recipes/qwen4_exp_tiny.yaml", []).model
     blocks, r = m.indexer_budget // m.indexer_compress_ratio, m.indexer_compress_ratio
     for row in rows:
         assert ratios | {"selected_fraction"} <= set(row), row
         assert all(float(row[k]) > 0 for k in ratios), row
-        s = int(row["seq"])  # each query: min(budget / r, complete blocks) blocks plus its incomplete tail
+        # each query: min(budget / r, complete blocks) blocks plus its incomplete tail
+        s = int(row["seq"])
         selected = sum(min(blocks, (t + 1) // r) * r + (t + 1) % r for t in range(s))
         assert abs(float(row["selected_fraction"]) - selected / (s * (s + 1) / 2)) < 1e-3, row
 
 
 def test_qsa_reuse_bench(tmp_path, corpus_cache):
-    """QSA index reuse on 2-step qwen4_exp_tiny checkpoints of 2 training seeds, trained by the bench: with
-    reuse the drafter runs its indexer once per round (depth 1), without it at each of the K depths; block
-    scoring shrinks accordingly, both decode exactly what autoregressive decoding gives, and reuse vs own
-    is compared over the seeds with a verdict."""
-    cmd = [sys.executable, "bench/qsa_reuse.py", "--seeds", "2", "--steps", "2", "--out", str(tmp_path / "q4"),
+    """QSA index reuse on 2-step qwen4_exp_tiny checkpoints of 2 training seeds, trained by the
+    bench: with reuse the drafter runs its indexer once per round (depth 1), without it at each of
+    the K depths; block scoring shrinks accordingly, both decode exactly what autoregressive
+    decoding gives, and reuse vs own is compared over the seeds with a verdict."""
+    cmd = [sys.executable, "bench/qsa_reuse.py", "--seeds", "2", "--steps", "2", "--out",
+           str(tmp_path / "q4"),
            "--num-prompts", "2", "--prompt-len", "24", "--max-new-tokens", "8", "--batch-size", "2",
            f"data.cache_dir={corpus_cache}", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
            "model.vocab_size=512", "data.seq_len=64", "train.warmup_steps=1", "train.dtype=fp32"]
@@ -107,10 +118,19 @@ def test_qsa_reuse_bench(tmp_path, corpus_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     line = dict(field.split("=") for field in lines[-1].split())
-    assert float(line["indexer_calls_per_round_reuse"]) == 1.0 and float(line["indexer_calls_per_round_own"]) == 3.0
-    saved = 1 - float(line["indexer_macs_per_round_reuse"]) / float(line["indexer_macs_per_round_own"])
+    assert (
+        float(line["indexer_calls_per_round_reuse"]) == 1.0
+        and float(line["indexer_calls_per_round_own"]) == 3.0
+    )
+    saved = 1 - float(line["indexer_macs_per_round_reuse"]) / float(
+        line["indexer_macs_per_round_own"]
+    )
     assert 0 < saved < 1 and abs(saved - float(line["indexer_work_saved"])) < 1e-3
-    assert line["identical_to_autoregressive_reuse"] == line["identical_to_autoregressive_own"] == "1.0000"
+    assert (
+        line["identical_to_autoregressive_reuse"]
+        == line["identical_to_autoregressive_own"]
+        == "1.0000"
+    )
     assert "[acceptance_greedy] acceptance_length: reuse vs own (2 seeds x 2 prompts)" in lines
     assert line["reuse_minus_own_acceptance_greedy_significant"] in ("yes", "no")
     assert line["block_minus_token_T1_reuse_significant"] in ("yes", "no")
@@ -118,14 +138,16 @@ def test_qsa_reuse_bench(tmp_path, corpus_cache):
 
 
 def test_gdn_chunk_solve_bench():
-    """The chunk-solve bench runs at a tiny size and its accuracy table shows the fix: the blocked solve
-    within 1e-5 of the recurrence on every adversarial input, the old power series far off."""
-    cmd = [sys.executable, "bench/gdn_chunk_solve.py", "--heads", "2", "--seq", "128", "--reps", "1", "--no-rule"]
+    """The chunk-solve bench runs at a tiny size and its accuracy table shows the fix: the blocked
+    solve within 1e-5 of the recurrence on every adversarial input, the old power series far off."""
+    cmd = [sys.executable, "bench/gdn_chunk_solve.py", "--heads", "2", "--seq", "128", "--reps",
+           "1", "--no-rule"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
-            if line.split() and line.split()[0] in ("random", "run", "run_slow", "periodic", "correlated")}
+            if line.split() and line.split()[0] in ("random", "run", "run_slow", "periodic",
+                                                    "correlated")}
     assert len(rows) == 5 and all(float(blocked) < 1e-5 for _, blocked, _ in rows.values())
     assert float(rows["correlated"][0]) > 1.0
     assert proc.stdout.strip().splitlines()[-1].startswith("solve_ratio_to_blocked ")

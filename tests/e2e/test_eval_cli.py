@@ -1,4 +1,5 @@
-"""`tandem eval` on a tiny checkpoint trained for 2 steps prints one JSON object with the metrics."""
+"""`tandem eval` on a tiny checkpoint trained for 2 steps prints one JSON object with the
+metrics."""
 
 import json
 import subprocess
@@ -15,21 +16,25 @@ def tiny_run(tmp_path_factory, one_thread):
     from tandem.trainer.recipe import load_config
 
     root = tmp_path_factory.mktemp("evalcli")
-    overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA, "eval.interval=0",
-                 "eval.num_prompts=3", "eval.prompt_len=8", "eval.max_new_tokens=8", "eval.loss_batches=1",
+    overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA,
+                 "eval.interval=0",
+                 "eval.num_prompts=3", "eval.prompt_len=8", "eval.max_new_tokens=8",
+                 "eval.loss_batches=1",
                  *QUIET, f"data.cache_dir={root / 'cache'}"]
     train(load_config("recipes/tiny.yaml", overrides))
     return root
 
 
 def _eval(args):
-    proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", *args],
+                          capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
     res = json.loads(lines[0])
-    # each acceptance figure's 95% interval: in the JSON beside it, and one `figure ± half-width` line on stderr
+    # each acceptance figure's 95% interval: in the JSON beside it, and one `figure ± half-width`
+    # line on stderr
     for key in [k for k in res if f"{k}_lo95" in res]:
         lo, hi = res[f"{key}_lo95"], res[f"{key}_hi95"]
         assert lo <= res[key] <= hi, key
@@ -39,30 +44,39 @@ def _eval(args):
 
 def test_eval_cli_validation_prompts_greedy(tiny_run, tmp_path):
     out_file = tmp_path / "out.jsonl"
-    res = _eval(["--checkpoint", str(tiny_run / "run"), "--max-new-tokens", "6", "--batch-size", "2",
-                 "--output", str(out_file)])
-    for key in ["loss/main", "acceptance_length", "draft_acceptance_rate", "decode_tokens_per_s/spec",
+    res = _eval(["--checkpoint", str(tiny_run / "run"), "--max-new-tokens", "6", "--batch-size",
+                 "2", "--output", str(out_file)])
+    for key in ["loss/main", "acceptance_length", "draft_acceptance_rate",
+                "decode_tokens_per_s/spec",
                 "decode_tokens_per_s/ar", "speedup", "speedup_predicted"] + [
             f"{p}_{k}" for k in (1, 2, 3) for p in ("loss/mtp", "accept_rate/pos", "tf_acc/mtp")]:
         assert key in res, key
-    for key in ["acceptance_length", "draft_acceptance_rate"] + [f"accept_rate/pos_{k}" for k in (1, 2, 3)]:
+    for key in ["acceptance_length",
+                "draft_acceptance_rate"] + [f"accept_rate/pos_{k}" for k in (1, 2, 3)]:
         assert f"{key}_lo95" in res and f"{key}_hi95" in res, key
-    assert not any(k.startswith(("loss/", "tf_acc/", "speedup", "decode_")) and k.endswith("95") for k in res)
+    assert not any(k.startswith(("loss/", "tf_acc/", "speedup",
+                                 "decode_")) and k.endswith("95") for k in res)
     assert res["identical_to_autoregressive"] is True
     assert 1.0 <= res["acceptance_length"] <= 4.0
     records = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert len(records) == 3
-    assert all(len(r["prompt_ids"]) == 8 and 1 <= len(r["output_ids"]) <= 6 and "acceptance_length" in r
+    assert all(len(r["prompt_ids"]) == 8 and 1 <= len(r["output_ids"]) <= 6
+               and "acceptance_length" in r
                for r in records)
 
 
 def test_eval_cli_prompts_file_longer_k_and_sampling(tiny_run, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"text": t}) for t in ["def main():\n", "import os\nimport sys\n"]))
-    res = _eval(["--checkpoint", str(tiny_run / "run"), "--prompts", str(prompts), "--num-steps", "5",
-                 "--max-new-tokens", "5"])
-    assert res["num_steps"] == 5 and "accept_rate/pos_5" in res and res["identical_to_autoregressive"] is True
-    res = _eval(["--checkpoint", str(tiny_run / "run"), "--prompts", str(prompts), "--temperature", "0.8",
-                 "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3"])
+    prompts.write_text("\n".join(json.dumps({"text": t}) for t in ["def main():\n",
+                                                                   "import os\nimport sys\n"]))
+    res = _eval(["--checkpoint", str(tiny_run / "run"), "--prompts", str(prompts), "--num-steps",
+                 "5", "--max-new-tokens", "5"])
+    assert (
+        res["num_steps"] == 5
+        and "accept_rate/pos_5" in res
+        and res["identical_to_autoregressive"] is True
+    )
+    res = _eval(["--checkpoint", str(tiny_run / "run"), "--prompts", str(prompts), "--temperature",
+                 "0.8", "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3"])
     assert "identical_to_autoregressive" not in res and 1.0 <= res["acceptance_length"] <= 4.0
     assert "accept_rate/pos_3_hi95" in res  # sampled decoding's figures have intervals too

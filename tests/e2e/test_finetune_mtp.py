@@ -1,8 +1,8 @@
-"""MTP fine-tuning end to end: pretrain a tiny trunk here without MTP, export it to Hugging Face layout,
-fine-tune with recipes/finetune_mtp.yaml model.init_from=<export>. Only MTP parameters train (trunk
-tensors bit-identical, optimizer state only for mtp.*), and the acceptance length (this project's
-speculative decoder, tandem.eval.spec_decode; teacher-forced MTP top-1 accuracy if it is absent)
-rises above the freshly initialised head's."""
+"""MTP fine-tuning end to end: pretrain a tiny trunk here without MTP, export it to Hugging Face
+layout, fine-tune with recipes/finetune_mtp.yaml model.init_from=<export>. Only MTP parameters train
+(trunk tensors bit-identical, optimizer state only for mtp.*), and the acceptance length (this
+project's speculative decoder, tandem.eval.spec_decode; teacher-forced MTP top-1 accuracy if it is
+absent) rises above the freshly initialised head's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The recipe's in-loop evaluator at the last step, on a budget that keeps the test quick.
-EVAL_BUDGET = ["eval.num_prompts=4", "eval.max_new_tokens=16", "eval.temperatures=[]", "eval.loss_batches=1"]
+EVAL_BUDGET = ["eval.num_prompts=4", "eval.max_new_tokens=16", "eval.temperatures=[]",
+               "eval.loss_batches=1"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def corpus_dir(tmp_path_factory):
 def shape_overrides(tmp, cache=None):
     return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=64",
             f"data.cache_dir={cache or tmp + '/cache'}",
-            "train.dtype=fp32", "logging.wandb=false", "logging.progress=false", "train.micro_batch_size=8"]
+            "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
+            "train.micro_batch_size=8"]
 
 
 def acceptance(model, prompts, K):
@@ -50,7 +52,8 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     from tandem.trainer.run import build_run
 
     tmp = str(tmp_path)
-    pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+    pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
+           "model.num_heads=4",
            "model.num_kv_heads=2", "model.intermediate_size=128", "model.moe_intermediate_size=32",
            "model.num_experts=4",
            "model.max_seq_len=128", "train.max_steps=30", "train.warmup_steps=5", "eval.interval=0",
@@ -60,10 +63,12 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     assert os.path.isfile(f"{tmp}/hf/config.json") and os.path.isfile(f"{tmp}/hf/model.safetensors")
 
     ft = [f"model.init_from={tmp}/hf", f"run.dir={tmp}/ft", "train.max_steps=40", "train.lr=3e-3",
-          "train.warmup_steps=5", "checkpoint.interval=0", *EVAL_BUDGET] + shape_overrides(tmp, corpus_dir)
+          "train.warmup_steps=5", "checkpoint.interval=0",
+          *EVAL_BUDGET] + shape_overrides(tmp, corpus_dir)
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
     trainer = build_run(cfg)
-    assert trainer.cfg.model.hidden_size == 64 and trainer.cfg.model.num_experts == 4  # shape from the export
+    # shape from the export
+    assert trainer.cfg.model.hidden_size == 64 and trainer.cfg.model.num_experts == 4
     model = trainer.model
     trunk_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
     fresh = copy.deepcopy(model)
@@ -91,20 +96,23 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     assert final["step"] == 40 and final["eval/identical_to_autoregressive"] == 1.0
 
 
-QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
+QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8",
+         "model.zero_centered_norm=true",
          "model.shared_expert_gate=true", "model.router_score=softmax", "model.balance=aux_loss",
          "model.first_k_dense=0",
          "model.head_dim=16",
-         "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+         "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2",
+         "model.linear_num_value_heads=4",
          "model.linear_key_head_dim=16", "model.linear_value_head_dim=16", "model.indexer_heads=2",
          "model.indexer_head_dim=16", "model.indexer_budget=16", "model.indexer_compress_ratio=4",
-         "model.ple_layers=[0]", "model.heads_per_ngram=2", "model.ngram_vocab_base=509", "model.eos_token_id=0"]
+         "model.ple_layers=[0]", "model.heads_per_ngram=2", "model.ngram_vocab_base=509",
+         "model.eos_token_id=0"]
 
 
 def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     """A Qwen4-Exp trunk exported in transformers' layout (PLE table in shards, no mtp.* weights)
-    gets a fresh qwen4_exp drafter: only it trains, the trunk (PLE table included) stays bit-identical,
-    and the export afterwards carries the drafter in vLLM's mtp.* layout."""
+    gets a fresh qwen4_exp drafter: only it trains, the trunk (PLE table included) stays
+    bit-identical, and the export afterwards carries the drafter in vLLM's mtp.* layout."""
     from tandem.trainer.cli import main as cli
     from tandem.trainer.hf.importer import CheckpointReader
     from tandem.trainer.loop import run_training
@@ -112,7 +120,8 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     from tandem.trainer.run import build_run
 
     tmp = str(tmp_path)
-    pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+    pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
+           "model.num_heads=4",
            "model.num_kv_heads=2", "model.intermediate_size=32", "model.moe_intermediate_size=32",
            "model.num_experts=4",
            "model.max_seq_len=128", "train.max_steps=10", "train.warmup_steps=2", "eval.interval=0",
@@ -120,12 +129,14 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0
     assert cli(["export", "--checkpoint", f"{tmp}/pre", "--out", f"{tmp}/hf"]) == 0
     keys = CheckpointReader(f"{tmp}/hf").keys()
-    assert any(".ngram_embedding.shard_" in k for k in keys) and not any(k.startswith("mtp.") for k in keys)
+    assert any(".ngram_embedding.shard_" in k for k in keys) and not any(k.startswith("mtp.")
+                                                                         for k in keys)
 
     # balancing is the run's choice: the drafter's softmax router must not grow an aux-free bias the
     # qwen4_exp layout cannot store
     ft = [f"model.init_from={tmp}/hf", f"run.dir={tmp}/ft", "train.max_steps=20", "train.lr=3e-3",
-          "train.warmup_steps=2", "checkpoint.interval=0", "eval.interval=0", "model.balance=aux_loss"
+          "train.warmup_steps=2", "checkpoint.interval=0", "eval.interval=0",
+          "model.balance=aux_loss"
           ] + shape_overrides(tmp, corpus_dir)
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
     trainer = build_run(cfg)
@@ -138,11 +149,15 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
         assert torch.equal(v, model.state_dict()[k]), f"trunk tensor {k} changed"
     import json
 
-    losses = [json.loads(x)["loss/mtp_1"] for x in open(f"{tmp}/ft/metrics.jsonl") if '"loss/mtp_1"' in x]
+    losses = [json.loads(x)["loss/mtp_1"] for x in open(f"{tmp}/ft/metrics.jsonl")
+              if '"loss/mtp_1"' in x]
     assert losses[-1] < losses[0], losses
-    assert cli(["export", "--checkpoint", f"{tmp}/ft", "--out", f"{tmp}/hf_mtp", "--family", "qwen4_exp"]) == 0
+    assert cli(["export", "--checkpoint", f"{tmp}/ft", "--out", f"{tmp}/hf_mtp", "--family",
+                "qwen4_exp"]) == 0
     keys = CheckpointReader(f"{tmp}/hf_mtp").keys()
-    for name in ("mtp.fc_embedding.weight", "mtp.fc_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
+    for name in ("mtp.fc_embedding.weight", "mtp.fc_hidden.weight",
+                 "mtp.pre_fc_norm_embedding.weight",
                  "mtp.pre_fc_norm_hidden.weight", "mtp.hyper_connection_mixer.hc_norm.weight",
-                 "mtp.layers.0.self_attn.indexer.index_qk_proj.weight", "mtp.layers.0.mlp.experts.0.gate_proj.weight"):
+                 "mtp.layers.0.self_attn.indexer.index_qk_proj.weight",
+                 "mtp.layers.0.mlp.experts.0.gate_proj.weight"):
         assert name in keys, name

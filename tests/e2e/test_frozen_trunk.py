@@ -1,7 +1,8 @@
-"""MTP fine-tuning with a frozen trunk, as users run it: the run takes the checkpoint's tokenizer, its
-checkpoints hold only the MTP module (+ optimizer) and a fingerprinted reference to `model.init_from`,
-resume / `tandem eval` / `tandem export` reassemble the model from both, and a changed or vanished
-reference (or another tokenizer) is refused in one line naming the path, with nothing written."""
+"""MTP fine-tuning with a frozen trunk, as users run it: the run takes the checkpoint's tokenizer,
+its checkpoints hold only the MTP module (+ optimizer) and a fingerprinted reference to
+`model.init_from`, resume / `tandem eval` / `tandem export` reassemble the model from both, and a
+changed or vanished reference (or another tokenizer) is refused in one line naming the path, with
+nothing written."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def common(tmp):
-    return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32", f"data.cache_dir={tmp}/cache",
+    return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32",
+            f"data.cache_dir={tmp}/cache",
             "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
             "train.micro_batch_size=2", "eval.interval=0"]
 
@@ -36,7 +38,8 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     from tandem.trainer.eval_cli import eval_main
 
     tmp = str(tmp_path)
-    pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+    pre = ["mtp.num_steps=0", "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2",
+           "model.num_heads=2",
            "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
            "model.num_experts=4",
            "model.max_seq_len=64", "train.max_steps=2", f"run.dir={tmp}/pre"] + common(tmp)
@@ -46,14 +49,18 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     assert os.path.isfile(hf_tok)
 
     recipe = os.path.join(ROOT, "recipes", "finetune_mtp.yaml")
-    ft = [f"model.init_from={tmp}/hf", "train.max_steps=2", "checkpoint.interval=1", "mtp.num_steps=2"] + common(tmp)
+    ft = [f"model.init_from={tmp}/hf", "train.max_steps=2", "checkpoint.interval=1",
+          "mtp.num_steps=2"] + common(tmp)
     assert cli(["train", recipe, *ft, f"run.dir={tmp}/a"]) == 0
     step = os.path.join(tmp, "a", "checkpoints", "step_2")
     ref = json.load(open(os.path.join(step, "frozen_trunk.json")))
     assert ref["path"] == os.path.abspath(f"{tmp}/hf") and len(ref["fingerprint"]) == 64
-    saved = [k for k in dcp.FileSystemReader(step).read_metadata().state_dict_metadata if k.startswith("model.")]
-    assert saved and all(k.startswith("model.mtp.") for k in saved)  # the trunk is not in the checkpoint
-    assert open(os.path.join(step, "tokenizer.json")).read() == open(hf_tok).read()  # the checkpoint's tokenizer
+    saved = [k for k in dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+             if k.startswith("model.")]
+    # the trunk is not in the checkpoint
+    assert saved and all(k.startswith("model.mtp.") for k in saved)
+    # the checkpoint's tokenizer
+    assert open(os.path.join(step, "tokenizer.json")).read() == open(hf_tok).read()
 
     # resume from step 1 reassembles trunk + MTP + optimizer: step 2 equals the uninterrupted run's
     shutil.copytree(f"{tmp}/a", f"{tmp}/b")
@@ -70,8 +77,8 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     assert all(torch.equal(v, out[k]) for k, v in trunk.items())
     assert len(out) > len(trunk)
     capsys.readouterr()
-    assert eval_main(["--checkpoint", f"{tmp}/a", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens",
-                      "4"]) == 0
+    assert eval_main(["--checkpoint", f"{tmp}/a", "--num-prompts", "2", "--prompt-len", "8",
+                      "--max-new-tokens", "4"]) == 0
     assert "acceptance_length" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     # a changed trunk: refused by resume, eval and export in one line naming it; nothing written
@@ -83,7 +90,8 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     assert eval_main(["--checkpoint", f"{tmp}/a"]) == 2
     assert cli(["export", "--checkpoint", f"{tmp}/a", "--out", f"{tmp}/out2"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 3 and all(os.path.abspath(f"{tmp}/hf") in e and "changed" in e for e in errors), errors
+    assert len(errors) == 3 and all(os.path.abspath(f"{tmp}/hf") in e and "changed" in e
+                                    for e in errors), errors
     assert listing(f"{tmp}/a") == before and not os.path.exists(f"{tmp}/out2")
     os.rename(f"{tmp}/hf", f"{tmp}/hf_moved")
     assert eval_main(["--checkpoint", f"{tmp}/a"]) == 2
@@ -94,7 +102,8 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
     from tandem.data_pipeline.tokenizer import train_bpe
 
     other = os.path.join(tmp, "other.json")
-    train_bpe(["def f(x):\n    return x + 1\n" * 50, "import os\nprint(os.getcwd())\n" * 50], 300, other)
+    train_bpe(["def f(x):\n    return x + 1\n" * 50, "import os\nprint(os.getcwd())\n" * 50], 300,
+              other)
     capsys.readouterr()
     assert cli(["train", recipe, *ft, f"run.dir={tmp}/c", f"data.tokenizer={other}"]) == 2
     err = capsys.readouterr().err

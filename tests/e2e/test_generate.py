@@ -1,9 +1,10 @@
-"""`tandem generate` on a tiny checkpoint (2 training steps), in this process through the console entry point.
+"""`tandem generate` on a tiny checkpoint (2 training steps), in this process through the console
+entry point.
 
 Greedy records are the trunk's autoregressive tokens; sampled ones repeat for a seed; a killed run
 (a torn last line, a batch cut short) resumes to the uninterrupted run's file; a rerun with other
-settings (OUT.meta.json) refuses; bad input is one line naming FILE:LINE before the model loads; chat prompts use the
-checkpoint's chat template; a parquet column reads like the JSONL.
+settings (OUT.meta.json) refuses; bad input is one line naming FILE:LINE before the model loads;
+chat prompts use the checkpoint's chat template; a parquet column reads like the JSONL.
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def test_greedy_records_are_the_trunks_autoregressive_tokens(ckpt, tmp_path, cap
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     out = tmp_path / "gen.jsonl"
-    rc, records, header, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts", str(ckpt / "prompts.jsonl"),
+    rc, records, header, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts",
+                                         str(ckpt / "prompts.jsonl"),
                                          "--out", str(out), *BUDGET], capsys)
     assert rc == 0, err
     assert "tok/s=" in err and "acc_len=" in err  # the progress bar
-    assert header["num_steps"] == 2 and header["temperature"] == 0.0 and len(header["checkpoint_fingerprint"]) >= 64
-    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(i, 0) for i in range(len(PROMPTS))]
+    assert (
+        header["num_steps"] == 2
+        and header["temperature"] == 0.0
+        and len(header["checkpoint_fingerprint"]) >= 64
+    )
+    assert [(r["prompt_index"],
+             r["sample_index"]) for r in records] == [(i, 0) for i in range(len(PROMPTS))]
     model, _ = load_model_from_checkpoint(str(ckpt / "run"))
     for r in records:
         assert r["prompt"] == PROMPTS[r["prompt_index"]]
@@ -82,13 +89,15 @@ def test_killed_run_resumes_to_the_uninterrupted_file(ckpt, tmp_path, capsys):
     lines = full.read_text().splitlines(keepends=True)
     assert len(lines) == 2 * len(PROMPTS)
     killed = tmp_path / "killed.jsonl"
-    (tmp_path / "killed.jsonl.meta.json").write_text((tmp_path / "full.jsonl.meta.json").read_text())
+    (tmp_path
+     / "killed.jsonl.meta.json").write_text((tmp_path / "full.jsonl.meta.json").read_text())
     killed.write_text("".join(lines[:3]) + lines[3][:40])
     rc, records, _, err = generate(args + ["--out", str(killed)], capsys)
     assert rc == 0 and "resuming" in err and "2 rows written, 6 to go" in err, err
     assert killed.read_text() == full.read_text()
     other_seed = tmp_path / "seed6.jsonl"
-    rc, records6, _, _ = generate([a if a != "5" else "6" for a in args] + ["--out", str(other_seed)], capsys)
+    rc, records6, _, _ = generate([a if a != "5" else "6"
+                                   for a in args] + ["--out", str(other_seed)], capsys)
     assert rc == 0 and [r["response_ids"] for r in records6] != [r["response_ids"] for r in records]
 
 
@@ -108,10 +117,12 @@ def test_rerun_with_other_settings_refuses(ckpt, tmp_path, capsys):
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', ":1: a chat prompt"),
     ('{"text": "ok"}\n' + json.dumps({"text": "x = 1\n" * 200}) + "\n", ":2: prompt is"),
 ], ids=["invalid_json", "neither_form", "chat_without_template", "too_long"])
-def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, monkeypatch, line, message):
+def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, monkeypatch, line,
+                                                      message):
     from tandem.trainer import generate as gen
 
-    monkeypatch.setattr(gen, "load_one_process", lambda *a: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(gen, "load_one_process",
+                        lambda *a: pytest.fail("the model loaded before the check"))
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text(line)
     rc, _, _, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts", str(prompts), "--out",
@@ -121,8 +132,8 @@ def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, mo
 
 
 def test_chat_template_and_parquet_column(ckpt, tmp_path, capsys):
-    """Messages render with tokenizer_config.json's template (its bos_token, the end-of-document token,
-    becomes that one special id); a parquet column gives the JSONL's records."""
+    """Messages render with tokenizer_config.json's template (its bos_token, the end-of-document
+    token, becomes that one special id); a parquet column gives the JSONL's records."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -137,15 +148,20 @@ def test_chat_template_and_parquet_column(ckpt, tmp_path, capsys):
                                          str(tmp_path / "c.jsonl"), *BUDGET], capsys)
     assert rc == 0, err
     assert records[0]["prompt"] == "<|endoftext|>user: Write a loop.\nassistant:"
-    assert records[0]["prompt_ids"][0] == header["eos_id"] and records[0]["prompt_ids"][1] != header["eos_id"]
+    assert (
+        records[0]["prompt_ids"][0] == header["eos_id"]
+        and records[0]["prompt_ids"][1] != header["eos_id"]
+    )
     table = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"question": PROMPTS}), table)
     common = ["--checkpoint", str(ckpt / "run"), *BUDGET]
-    rc, from_table, _, err = generate(common + ["--prompts", str(table), "--column", "question", "--out",
+    rc, from_table, _, err = generate(common + ["--prompts", str(table), "--column", "question",
+                                                "--out",
                                                 str(tmp_path / "t.jsonl")], capsys)
     assert rc == 0, err
     _, from_jsonl, _, _ = generate(common + ["--prompts", str(ckpt / "prompts.jsonl"), "--out",
                                              str(tmp_path / "j.jsonl")], capsys)
     assert from_table == from_jsonl
-    rc, _, _, err = generate(common + ["--prompts", str(table), "--out", str(tmp_path / "n.jsonl")], capsys)
+    rc, _, _, err = generate(common + ["--prompts", str(table), "--out", str(tmp_path / "n.jsonl")],
+                             capsys)
     assert rc == 2 and "no column 'text'" in err, err

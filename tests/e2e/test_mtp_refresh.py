@@ -1,8 +1,8 @@
-"""`mtp.init_from` (recipes/mtp_refresh.yaml): the trunk comes from `model.init_from`, the MTP module, and
-only it, from another checkpoint. Two tiny runs trained from different seeds give a trunk and an MTP
-module that differ everywhere; a refresh run with lr 1e-20 (it must be positive) must then hold exactly
-the one's trunk and the other's MTP parameters. A directory without MTP weights, or with MTP shapes that
-do not fit, is a one-line ConfigError naming the key."""
+"""`mtp.init_from` (recipes/mtp_refresh.yaml): the trunk comes from `model.init_from`, the MTP
+module, and only it, from another checkpoint. Two tiny runs trained from different seeds give a
+trunk and an MTP module that differ everywhere; a refresh run with lr 1e-20 (it must be positive)
+must then hold exactly the one's trunk and the other's MTP parameters. A directory without MTP
+weights, or with MTP shapes that do not fit, is a one-line ConfigError naming the key."""
 
 from __future__ import annotations
 
@@ -49,27 +49,32 @@ def _state(path, parameters_only=False):
 
 def _refresh_args(runs, run_dir, mtp_from, cache, *extra):
     return [f"model.init_from={runs['new']}", f"mtp.init_from={mtp_from}", f"run.dir={run_dir}",
-            "data.source=stdlib", f"data.cache_dir={cache}", "data.stdlib_max_bytes=200000", "data.seq_len=32",
-            "train.micro_batch_size=2", "train.max_steps=1", "train.warmup_steps=1", "train.lr=1e-20",
-            "train.min_lr=1e-20",
+            "data.source=stdlib", f"data.cache_dir={cache}", "data.stdlib_max_bytes=200000",
+            "data.seq_len=32",
+            "train.micro_batch_size=2", "train.max_steps=1", "train.warmup_steps=1",
+            "train.lr=1e-20", "train.min_lr=1e-20",
             "train.dtype=fp32", "train.frozen_dtype=fp32", "mtp.num_steps=2", "eval.interval=0",
             "checkpoint.interval=1", "logging.wandb=false", "logging.progress=false", *extra]
 
 
-def test_refresh_loads_the_trunk_of_one_and_the_mtp_module_of_the_other(runs, corpus_cache, tmp_path):
+def test_refresh_loads_the_trunk_of_one_and_the_mtp_module_of_the_other(runs, corpus_cache,
+                                                                        tmp_path):
     from tandem.trainer.cli import main as cli
 
     run_dir = str(tmp_path / "refresh")
     assert cli(["train", REFRESH, *_refresh_args(runs, run_dir, runs["old"], corpus_cache)]) == 0
-    # parameters: the training step moves the MoE routers' balancing biases (buffers) even at lr 1e-20
+    # parameters: the training step moves the MoE routers' balancing biases (buffers) even at lr
+    # 1e-20
     old, new, got = (_state(p, parameters_only=True) for p in (runs["old"], runs["new"], run_dir))
     assert set(got) == set(old) == set(new)
     mtp = [k for k in got if k.startswith("mtp.")]
     assert mtp and len(mtp) < len(got)
     for k, v in got.items():
         want = old[k] if k.startswith("mtp.") else new[k]
-        torch.testing.assert_close(v, want, rtol=0, atol=1e-12, msg=k)  # one step of lr 1e-20: no change
-        if v.numel() > 1 and "norm" not in k and "bias" not in k:  # the two sources differ, so this tells
+        # one step of lr 1e-20: no change
+        torch.testing.assert_close(v, want, rtol=0, atol=1e-12, msg=k)
+        # the two sources differ, so this tells
+        if v.numel() > 1 and "norm" not in k and "bias" not in k:
             assert not torch.equal(old[k], new[k]), k
 
 
@@ -90,10 +95,12 @@ def test_load_mtp_weights_in_process_and_its_errors(runs):
     for k, v in got.items():
         assert torch.equal(v.float(), old[k] if k.startswith("mtp.") else new[k]), k
 
-    with pytest.raises(ConfigError, match=r"^config key 'mtp.init_from'=.*holds no MTP weights") as exc:
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'mtp.init_from'=.*holds no MTP weights") as exc:
         load_mtp_weights(model, runs["plain"])
     assert "\n" not in str(exc.value)
-    with pytest.raises(ConfigError, match=r"^config key 'mtp.init_from'=.*is not a Tandem checkpoint"):
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'mtp.init_from'=.*is not a Tandem checkpoint"):
         load_mtp_weights(model, os.path.dirname(runs["plain"]) + "/nowhere")
     cfg.model.hidden_size *= 2  # a trunk of another width: the old MTP module does not fit it
     wide = TandemModel(cfg.model, cfg.mtp)
@@ -102,7 +109,8 @@ def test_load_mtp_weights_in_process_and_its_errors(runs):
     assert "\n" not in str(exc.value)
 
 
-def test_refresh_from_a_checkpoint_without_mtp_fails_before_loading(runs, corpus_cache, tmp_path, capsys):
+def test_refresh_from_a_checkpoint_without_mtp_fails_before_loading(runs, corpus_cache, tmp_path,
+                                                                    capsys):
     from tandem.trainer.cli import main as cli
 
     run_dir = tmp_path / "refresh"

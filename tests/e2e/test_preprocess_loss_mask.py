@@ -1,6 +1,7 @@
-"""`tandem preprocess --chat` writes the tokens and a loss-mask channel; `data.source=megatron` reads both
-over megatron-core's shuffled samples, with the loss on response tokens only and record boundaries as
-doc ids (so no MTP depth's target crosses records); bad input fails in one line naming file and line."""
+"""`tandem preprocess --chat` writes the tokens and a loss-mask channel; `data.source=megatron`
+reads both over megatron-core's shuffled samples, with the loss on response tokens only and record
+boundaries as doc ids (so no MTP depth's target crosses records); bad input fails in one line naming
+file and line."""
 
 from __future__ import annotations
 
@@ -15,18 +16,25 @@ from tandem.models.mtp import depth_target_mask  # noqa: E402
 from tandem.trainer.config import TandemConfig  # noqa: E402
 from tests.unit.test_chat_data import SPECIALS, WORDS, make_tokenizer, write_jsonl
 
-RESPONSE_WORDS = {"r1", "r2", "s1", "s2", "<|endoftext|>"}  # a response's EOD is learnt (it ends the answer)
+# a response's EOD is learnt (it ends the answer)
+RESPONSE_WORDS = {"r1", "r2", "s1", "s2", "<|endoftext|>"}
 
 
 def records(n: int):
-    """Prompt words and response words never overlap, so each target's expected flag is its word's."""
+    """Prompt words and response words never overlap, so each target's expected flag is its
+    word's."""
     prompts, responses = ["p1 p2", "q1", "p2 q1 p1"], ["r1 r2", "s1 s2 s1", "r2"]
     return [{"prompt": prompts[i % 3], "response": responses[(i // 3) % 3]} for i in range(n)]
 
 
 def megatron_cfg(prefix: str, tok: str):
     cfg = TandemConfig()
-    cfg.data.source, cfg.data.paths, cfg.data.tokenizer, cfg.data.split = "megatron", [prefix], tok, "80,20,0"
+    cfg.data.source, cfg.data.paths, cfg.data.tokenizer, cfg.data.split = (
+        "megatron",
+        [prefix],
+        tok,
+        "80,20,0",
+    )
     cfg.data.cache_dir = os.path.dirname(prefix)
     return cfg
 
@@ -35,7 +43,8 @@ def test_preprocess_chat_then_megatron_windows(tmp_path, capsys):
     tok = make_tokenizer(tmp_path / "tok", template=False)
     data = write_jsonl(tmp_path / "chat.jsonl", records(30))
     prefix = str(tmp_path / "out" / "chat")
-    assert preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer", tok]) == 0
+    assert preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer",
+                            tok]) == 0
     assert "with loss mask" in capsys.readouterr().out
     for ext in (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx", ".meta.json"):
         assert os.path.isfile(prefix + ext), ext
@@ -53,7 +62,8 @@ def test_preprocess_chat_then_megatron_windows(tmp_path, capsys):
         for depth in range(3):
             keep = depth_target_mask(mask[None], docs[None], depth)[0]
             for t in keep.nonzero().flatten().tolist():
-                assert docs[t] == docs[t + depth + 1] and words[int(tokens[t + depth + 1])] in RESPONSE_WORDS
+                assert docs[t] == docs[t + depth
+                                       + 1] and words[int(tokens[t + depth + 1])] in RESPONSE_WORDS
     assert valid_ds is not None
 
 
@@ -61,9 +71,11 @@ def test_plain_overwrite_drops_the_channel(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", template=False)
     data = write_jsonl(tmp_path / "chat.jsonl", records(6))
     prefix = str(tmp_path / "chat")
-    assert preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer", tok]) == 0
+    assert preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer",
+                            tok]) == 0
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "p1 r1"}])
-    assert preprocess_main(["--input", text, "--output-prefix", prefix, "--tokenizer", tok, "--overwrite"]) == 0
+    assert preprocess_main(["--input", text, "--output-prefix", prefix, "--tokenizer", tok,
+                            "--overwrite"]) == 0
     assert not os.path.exists(prefix + "_loss_mask.bin")
 
 
@@ -86,9 +98,11 @@ def test_bad_record_is_one_line_before_any_output(tmp_path, capsys, bad, expecte
 def test_meta_records_the_channel(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", template=True)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "u1"},
-                                                               {"role": "assistant", "content": "a1"}]}])
+                                                               {"role": "assistant",
+                                                                "content": "a1"}]}])
     prefix = str(tmp_path / "chat")
-    assert preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer", tok]) == 0
+    assert preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer",
+                            tok]) == 0
     with open(prefix + ".meta.json") as f:
         meta = json.load(f)
     # <|user|> u1 <|end|> <|assistant|> a1 <|end|> E: a1 <|end|> E are the response

@@ -1,26 +1,30 @@
-"""Every command the README and the docs site (docs/*.md) show runs, so the documentation cannot rot.
+"""Every command the README and the docs site (docs/*.md) show runs, so the documentation cannot
+rot.
 
 The ```bash blocks of README.md and docs/*.md are parsed; each `tandem` / `torchrun` command runs as
 written, from a scratch directory that links the repository's recipes/, with only tiny-model
 overrides appended. A command shown on several pages runs once.
 
-- `pip install ... && X` lines test X; `python -m pytest` is what this suite is, and is not recursed into.
-- `tandem train` / `torchrun` commands train 2 steps with an evaluation at step 2 (small prompt set), so
-  each documented layout also shows it logs `eval/*`. The torchrun layouts that
+- `pip install ... && X` lines test X; `python -m pytest` is what this suite is, and is not recursed
+  into.
+- `tandem train` / `torchrun` commands train 2 steps with an evaluation at step 2 (small prompt
+  set), so each documented layout also shows it logs `eval/*`. The torchrun layouts that
   `tests/distributed/test_cli_layouts.py` runs (and compares with one process) are not run twice.
 - `tandem train recipes/tiny.yaml` is the pretraining run the other flows start from: it writes
-  `runs/tiny` (the recipe's own run.dir) in the scratch directory, where the fine-tuning, eval, export
-  and report commands find it as written. A fine-tune of it writes its recipe's run.dir there too (the
-  docs evaluate and export it), after the documented `tandem generate` that writes its `data.paths`.
-- `tandem preprocess` runs as written on the example data under docs/ (linked into the scratch directory);
-- `tandem eval` gets a 2-prompt budget appended, `tandem generate` a 6-token one (and its prompt file);
-  `tandem launch slurm` must carry `--check` or `--dry-run` (nothing is submitted); `--help` runs as is.
-  These cheap commands run in this process through the console script's entry point
+  `runs/tiny` (the recipe's own run.dir) in the scratch directory, where the fine-tuning, eval,
+  export and report commands find it as written. A fine-tune of it writes its recipe's run.dir there
+  too (the docs evaluate and export it), after the documented `tandem generate` that writes its
+  `data.paths`.
+- `tandem preprocess` runs as written on the example data under docs/ (linked into the scratch
+  directory);
+- `tandem eval` gets a 2-prompt budget appended, `tandem generate` a 6-token one (and its prompt
+  file); `tandem launch slurm` must carry `--check` or `--dry-run` (nothing is submitted); `--help`
+  runs as is. These cheap commands run in this process through the console script's entry point
   (`tandem.trainer.cli.main`), training commands in their own.
-- ```python blocks (vLLM's serve.py) need vLLM in its own environment: they must compile and make only
-  the calls `tests/e2e/vllm_driver.py` makes, which `tests/e2e/test_vllm_serving.py` runs against a
-  real vLLM server. ```sh blocks are for hardware the suite does not have (bench/gpu_check.py, whose
-  CPU form `tests/e2e/test_bench_gpu_check.py` runs).
+- ```python blocks (vLLM's serve.py) need vLLM in its own environment: they must compile and make
+  only the calls `tests/e2e/vllm_driver.py` makes, which `tests/e2e/test_vllm_serving.py` runs
+  against a real vLLM server. ```sh blocks are for hardware the suite does not have
+  (bench/gpu_check.py, whose CPU form `tests/e2e/test_bench_gpu_check.py` runs).
 
 The suite runs on 2 cores over its time budget, so the docs show cheap forms (`--check`, `--help`)
 where they can, and at most EXPENSIVE_BUDGET distinct training commands run here.
@@ -52,14 +56,16 @@ VLLM_DRIVER = os.path.join(ROOT, "tests", "e2e", "vllm_driver.py")
 # an evaluation at step 2 (later overrides win)
 TINY = TINY_OVERRIDES + [
     "model.num_kv_heads=2", "train.warmup_steps=1", "train.max_steps=2", "checkpoint.interval=0",
-    "eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.batch_size=2",
-    "eval.loss_batches=1",
+    "eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6",
+    "eval.batch_size=2", "eval.loss_batches=1",
 ]
-EVAL_BUDGET = ["--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6", "--batch-size", "2"]
+EVAL_BUDGET = ["--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6", "--batch-size",
+               "2"]
 GENERATE_BUDGET = ["--max-new-tokens", "6", "--batch-size", "2"]
 GENERATE_PROMPTS = '{"text": "def main():\\n"}\n{"text": "import os\\n"}\n'
-"""The prompt file a documented `tandem generate` reads, written into the workspace when missing (the
-docs show its lines in a json block: the default job's tokenizer has no chat template, so text only)."""
+"""The prompt file a documented `tandem generate` reads, written into the workspace when missing
+(the docs show its lines in a json block: the default job's tokenizer has no chat template, so text
+only)."""
 PRETRAIN = "tandem train recipes/tiny.yaml"
 PRETRAIN_DIR = "runs/tiny"  # recipes/tiny.yaml's run.dir, which the docs' later commands read
 EXPENSIVE_BUDGET = 4  # training commands this file may run (each ~10-17 s on 2 cores)
@@ -71,7 +77,8 @@ def blocks(lang: str, path: str):
 
 
 def doc_commands():
-    """{command: [pages showing it]} of the runnable commands of the bash blocks, as written, in order."""
+    """{command: [pages showing it]} of the runnable commands of the bash blocks, as written, in
+    order."""
     out = {}
     for path in PAGES:
         for block in blocks("bash", path):
@@ -91,14 +98,15 @@ COMMANDS = list(SHOWN)
 
 
 def cli_layouts_command(command: str):
-    """The torchrun layout of `tests/distributed/test_cli_layouts.py` this command is, if any: that test
-    runs the same launcher, recipe and parallel flags (tiny overrides appended, 3 steps and an
+    """The torchrun layout of `tests/distributed/test_cli_layouts.py` this command is, if any: that
+    test runs the same launcher, recipe and parallel flags (tiny overrides appended, 3 steps and an
     evaluation) and checks losses and acceptance against one process, so it is not run here too."""
     from tests.distributed.test_cli_layouts import LAYOUTS, RECIPE
 
     argv = shlex.split(command)
     prefix = ["torchrun", "--nproc-per-node"]
-    if argv[:2] != prefix or argv[3:7] != ["--no-python", "tandem", "train", os.path.relpath(RECIPE, ROOT)]:
+    if argv[:2] != prefix or argv[3:7] != ["--no-python", "tandem", "train",
+                                           os.path.relpath(RECIPE, ROOT)]:
         return None
     world, flags = int(argv[2]), argv[7:]
     return next(((w, o) for w, o in LAYOUTS if w == world and o == flags), None)
@@ -123,32 +131,39 @@ def recipe_run_dir(command: str):
         return (yaml.safe_load(f).get("run") or {}).get("dir")
 
 
-FINETUNES = {d: c for c in COMMANDS if is_training(c) and PRETRAIN_DIR in c and (d := recipe_run_dir(c))}
-"""{run dir: the documented fine-tune of the pretraining run that writes it}: later commands read it."""
+FINETUNES = {d: c for c in COMMANDS if is_training(c) and PRETRAIN_DIR in c
+             and (d := recipe_run_dir(c))}
+"""{run dir: the documented fine-tune of the pretraining run that writes it}: later commands read
+it."""
 
 
 def test_docs_show_one_example_per_flow():
     readme = [c for c, pages in SHOWN.items() if "README.md" in pages]
     flows = {"pretrain": PRETRAIN, "slurm launch": "tandem launch slurm ",
-             "generate": "tandem generate ", "fine-tuning": "tandem train recipes/finetune_mtp_selfdistill.yaml",
+             "generate": "tandem generate ",
+             "fine-tuning": "tandem train recipes/finetune_mtp_selfdistill.yaml",
              "evaluation": "tandem eval ", "serving": "tandem export "}
     for flow, start in flows.items():
         assert any(c.startswith(start) for c in readme), (flow, readme)
     assert any(c.startswith("torchrun") for c in readme), readme
-    assert sum(c.startswith("torchrun") for c in COMMANDS) >= 3, COMMANDS  # README, flagship, qwen4_exp
+    # README, flagship, qwen4_exp
+    assert sum(c.startswith("torchrun") for c in COMMANDS) >= 3, COMMANDS
     # the docs' fine-tuning, eval and export examples read what the pretraining command writes
     with open(os.path.join(ROOT, "recipes", "tiny.yaml")) as f:
         assert f"dir: {PRETRAIN_DIR}\n" in f.read()
-    # the README's fine-tuning flow: generate -> fine-tune on what it wrote -> evaluate -> export that run
+    # the README's fine-tuning flow: generate -> fine-tune on what it wrote -> evaluate -> export
+    # that run
     (ft_dir, ft), = [(d, c) for d, c in FINETUNES.items() if c.startswith(flows["fine-tuning"])]
     gen = [c for c in readme if c.startswith("tandem generate ")]
-    assert any(f"data.paths=[{shlex.split(g)[shlex.split(g).index('--out') + 1]}]" in ft for g in gen), (gen, ft)
+    assert any(f"data.paths=[{shlex.split(g)[shlex.split(g).index('--out') + 1]}]" in ft
+               for g in gen), (gen, ft)
     for flow in ("tandem eval --checkpoint ", "tandem export --checkpoint "):
         assert any(c.startswith(flow + ft_dir) for c in readme), (flow, ft_dir)
 
 
 def test_training_commands_fit_the_suite_budget():
-    """Each documented training command costs the suite 10-17 s: show cheap forms instead of new ones."""
+    """Each documented training command costs the suite 10-17 s: show cheap forms instead of new
+    ones."""
     expensive = [c for c in RUN_HERE if is_training(c)]
     assert len(expensive) <= EXPENSIVE_BUDGET, expensive
 
@@ -162,33 +177,38 @@ def test_commands_are_in_bash_blocks():
             if lang in ("bash", "sh", "python"):
                 continue
             lines = [x.strip() for x in body.splitlines()]
-            assert not any(x.startswith(("tandem ", "torchrun ")) for x in lines), (path, lang, body)
+            assert not any(x.startswith(("tandem ", "torchrun ")) for x in lines), (path, lang,
+                                                                                    body)
 
 
 def test_docs_torchrun_layouts_are_checked_by_the_cli_layout_test():
-    """The docs' flagship torchrun layout of the tiny recipe is run (and compared with one process) by
-    test_cli_layouts.py, not twice."""
+    """The docs' flagship torchrun layout of the tiny recipe is run (and compared with one process)
+    by test_cli_layouts.py, not twice."""
     covered = [c for c in COMMANDS if cli_layouts_command(c)]
     assert len(covered) >= 1 and all(c not in RUN_HERE for c in covered), covered
 
 
 def _llm_calls(tree):
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "LLM"]
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id",
+                                                                             None) == "LLM"]
 
 
 def _imports(tree):
-    return {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return {(n.module,
+             a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
 
 
 def test_python_snippets_make_the_calls_the_vllm_test_runs():
-    """The serve.py snippets compile, import only what vllm_driver.py imports, and pass LLM() only keywords
-    the driver passes, with MTP speculation (test_vllm_serving.py runs the driver against real vLLM)."""
+    """The serve.py snippets compile, import only what vllm_driver.py imports, and pass LLM() only
+    keywords the driver passes, with MTP speculation (test_vllm_serving.py runs the driver against
+    real vLLM)."""
     with open(VLLM_DRIVER) as f:
         driver = ast.parse(f.read())
     (driver_llm,) = _llm_calls(driver)
     driver_keywords = {k.arg for k in driver_llm.keywords}
     snippets = [(p, b) for p in PAGES for b in blocks("python", p)]
-    assert any("README" in p for p, _ in snippets) and any("serving" in p for p, _ in snippets), snippets
+    assert any("README" in p for p, _ in snippets) and any("serving" in p for p,
+                                                           _ in snippets), snippets
     for path, code in snippets:
         tree = ast.parse(compile(code, path, "exec", flags=ast.PyCF_ONLY_AST))
         assert _imports(tree) <= _imports(driver), (path, _imports(tree) - _imports(driver))
@@ -209,8 +229,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A scratch directory laid out like the repository for the docs' relative paths (recipes/ linked),
-    where `runs/...` are written."""
+    """A scratch directory laid out like the repository for the docs' relative paths (recipes/
+    linked), where `runs/...` are written."""
     ws = tmp_path_factory.mktemp("docs_workspace")
     os.symlink(os.path.join(ROOT, "recipes"), ws / "recipes")
     os.symlink(os.path.join(ROOT, "docs"), ws / "docs")  # the example data the docs' commands read
@@ -222,7 +242,8 @@ def _run(argv, cwd):
         argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]
     bin_dir = os.path.dirname(sys.executable)
     # a free rendezvous port through torchrun's environment (the command line stays as written)
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+               OMP_NUM_THREADS="1",
                WANDB_MODE="disabled", PET_MASTER_PORT=str(_free_port()))
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
@@ -239,12 +260,15 @@ def _check_training(command, proc, run_dir):
 
 @pytest.fixture(scope="module")
 def pretrained(workspace, corpus_cache):
-    """The docs' pretraining command, run once: its run directory is `runs/tiny` in the workspace."""
-    assert PRETRAIN in SHOWN, f"the docs no longer show {PRETRAIN!r}, which their later examples read"
+    """The docs' pretraining command, run once: its run directory is `runs/tiny` in the
+    workspace."""
+    assert PRETRAIN in SHOWN, (f"the docs no longer show {PRETRAIN!r}, which their later examples "
+                               "read")
     proc = _run(shlex.split(PRETRAIN) + TINY + [f"data.cache_dir={corpus_cache}"], workspace)
     run_dir = workspace / PRETRAIN_DIR
     _check_training(PRETRAIN, proc, run_dir)
-    assert any(n.startswith("step_") for n in os.listdir(run_dir / "checkpoints")), "no final checkpoint"
+    assert any(n.startswith("step_")
+               for n in os.listdir(run_dir / "checkpoints")), "no final checkpoint"
     return run_dir
 
 
@@ -268,7 +292,8 @@ def _tandem_in_process(argv, cwd, capsys):
 
 
 def _generate(command, workspace, capsys):
-    """A documented `tandem generate`, with its prompt file written when missing (rerunning it resumes)."""
+    """A documented `tandem generate`, with its prompt file written when missing (rerunning it
+    resumes)."""
     argv = shlex.split(command)
     prompts = workspace / argv[argv.index("--prompts") + 1]
     if not prompts.exists():
@@ -280,8 +305,8 @@ def _generate(command, workspace, capsys):
 
 @pytest.fixture(scope="module")
 def finetuned(workspace, corpus_cache, pretrained):
-    """Runs a documented fine-tune once, into its recipe's run.dir in the workspace (the docs' eval and
-    export read it there), after the documented generate that writes its data.paths."""
+    """Runs a documented fine-tune once, into its recipe's run.dir in the workspace (the docs' eval
+    and export read it there), after the documented generate that writes its data.paths."""
     done = {}
 
     def run(run_dir, capsys):
@@ -291,8 +316,10 @@ def finetuned(workspace, corpus_cache, pretrained):
                 out = shlex.split(g)[shlex.split(g).index("--out") + 1]
                 if f"data.paths=[{out}]" in command and not (workspace / out).exists():
                     _generate(g, workspace, capsys)
-            # the 2 generated records give the default 98/2 split no validation record: half and half
-            proc = _run(shlex.split(command) + TINY + [f"data.cache_dir={corpus_cache}", "data.split=50,50,0"],
+            # the 2 generated records give the default 98/2 split no validation record: half and
+            # half
+            proc = _run(shlex.split(command) + TINY + [f"data.cache_dir={corpus_cache}",
+                                                       "data.split=50,50,0"],
                         workspace)
             _check_training(command, proc, workspace / run_dir)
             done[run_dir] = True
@@ -316,7 +343,8 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         return
     if is_training(command):  # a process of its own, as a user runs it
         run_dir = tmp_path / "run"
-        proc = _run(argv + TINY + [f"data.cache_dir={corpus_cache}", f"run.dir={run_dir}"], workspace)
+        proc = _run(argv + TINY + [f"data.cache_dir={corpus_cache}", f"run.dir={run_dir}"],
+                    workspace)
         _check_training(command, proc, run_dir)
         return
     if "--help" in argv:
@@ -344,11 +372,13 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
         assert rc == 0 and out.startswith("preprocessed "), err[-4000:]
         prefix = workspace / argv[argv.index("--output-prefix") + 1]
-        assert os.path.isfile(f"{prefix}.bin") and ("--chat" not in argv or os.path.isfile(f"{prefix}_loss_mask.bin"))
+        assert os.path.isfile(f"{prefix}.bin") and ("--chat" not in argv
+                                                    or os.path.isfile(f"{prefix}_loss_mask.bin"))
     elif argv[1] == "report":
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
         assert rc == 0, err[-4000:]
         page = out.strip().splitlines()[-1]
         assert os.path.isfile(os.path.join(workspace, page)), out
     else:
-        pytest.fail(f"no check for {command!r} (in {SHOWN[command]}): teach this test how to run it cheaply")
+        pytest.fail(f"no check for {command!r} (in {SHOWN[command]}): teach this test how to run "
+                    "it cheaply")

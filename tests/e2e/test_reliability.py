@@ -1,4 +1,5 @@
-"""Crash safety: kill -9 mid-checkpoint, bad-step policies under NaN injection, torchrun restarts."""
+"""Crash safety: kill -9 mid-checkpoint, bad-step policies under NaN injection, torchrun
+restarts."""
 
 import json
 import os
@@ -31,13 +32,15 @@ def losses(run_dir):
 
 
 def cli(args, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "tandem.trainer.cli", *args], env={**os.environ, **(env or {})},
+    return subprocess.Popen([sys.executable, "-m", "tandem.trainer.cli", *args],
+                            env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def uninterrupted_losses(tiny_overrides, run_dir, accum: int = 1):
     """Losses of an uninterrupted 6-step single-process run (`accum` micro-batches per step)."""
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"train.grad_accum_steps={accum}",
+    cfg = load_config(RECIPE,
+                      tiny_overrides + ["train.max_steps=6", f"train.grad_accum_steps={accum}",
                                                 f"run.dir={run_dir}"])
     train(cfg)
     return losses(cfg.run.dir)
@@ -53,7 +56,8 @@ def reference(tiny_overrides, tmp_path):
 @pytest.mark.parametrize("point", ["after_shards", "before_marker"])
 def test_kill_9_mid_checkpoint_resumes_from_previous(point, tiny_overrides, tmp_path, reference):
     run = str(tmp_path / "killed")
-    args = ["train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2", f"run.dir={run}"]
+    args = ["train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2",
+            f"run.dir={run}"]
     proc = cli(args, env=fault_env(os.environ, TANDEM_TEST_PAUSE_CHECKPOINT=f"{point}:4"))
     deadline = time.time() + 120
     for line in proc.stderr:
@@ -79,7 +83,8 @@ class NaNAtBatch:
         read, step = loop.micro_batches, TrainStep.forward_backward
         injector = self
 
-        def micro_batches(run, i):  # the data batch this step reads (the position is not yet advanced)
+        # the data batch this step reads (the position is not yet advanced)
+        def micro_batches(run, i):
             injector.current = run.data_position.next_sample() // run.global_batch
             return read(run, i)
 
@@ -115,7 +120,8 @@ def test_skip_policy_drops_the_update(monkeypatch, tiny_overrides):
     assert recs[2].get("skipped") == 1.0 and recs[2]["bad_steps/total"] == 1.0
     assert all("skipped" not in r for r in recs[:2] + recs[3:])
     before, after = params(cfg.run.dir, 2), params(cfg.run.dir, 3)
-    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and router biases untouched
+    # weights and router biases untouched
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_halt_policy_saves_last_good_state_and_reports(monkeypatch, tiny_overrides):
@@ -124,7 +130,11 @@ def test_halt_policy_saves_last_good_state_and_reports(monkeypatch, tiny_overrid
     with pytest.raises(BadStepHalt) as err:
         train(cfg)
     message = str(err.value)
-    assert "halted at step 3" in message and "non-finite loss" in message and "loss/mtp_2=nan" in message
+    assert (
+        "halted at step 3" in message
+        and "non-finite loss" in message
+        and "loss/mtp_2=nan" in message
+    )
     complete, _ = list_checkpoints(cfg.run.dir)
     assert [s for s, _ in complete] == [2]
 
@@ -137,14 +147,16 @@ def test_rewind_policy_replays_from_checkpoint_skipping_the_batch(monkeypatch, t
     assert injector.hit == [3]
     recs = records(cfg.run.dir)
     assert [r["step"] for r in recs if "skipped" not in r][-4:] == [3, 4, 5, 6]
-    state = json.load(open(os.path.join(cfg.run.dir, "checkpoints", "step_6", "trainer_state.json")))
+    state = json.load(open(os.path.join(cfg.run.dir, "checkpoints", "step_6",
+                                        "trainer_state.json")))
     G = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
     assert state["skipped_samples"] == [[3 * G, 4 * G]] and state["consumed_samples"] == 6 * G
 
 
 def test_too_many_bad_steps_halt_any_policy(monkeypatch, tiny_overrides):
     NaNAtBatch(monkeypatch, {1, 2})
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=5", "train.bad_step_policy=skip", "train.max_skips=1"])
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=5", "train.bad_step_policy=skip",
+                                                "train.max_skips=1"])
     with pytest.raises(BadStepHalt, match=r"2 bad steps within 100 steps \(train.max_skips=1\)"):
         train(cfg)
 
@@ -159,7 +171,8 @@ def test_loss_spike_is_a_bad_step(monkeypatch, tiny_overrides):
         return sums * 10 if len(calls) == 7 else sums
 
     monkeypatch.setattr(TrainStep, "forward_backward", spiky)
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=8", "train.spike_factor=3", "train.spike_window=5"])
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=8", "train.spike_factor=3",
+                                                "train.spike_window=5"])
     train(cfg)
     recs = records(cfg.run.dir)
     assert [r.get("skipped", 0.0) for r in recs] == [0, 0, 0, 0, 0, 0, 1, 0]
@@ -170,20 +183,23 @@ def test_torchrun_restart_resumes_after_a_rank_dies(tiny_overrides, tmp_path):
     """A rank SIGKILLed after step 3 makes torchrun restart the group, which resumes from step 2.
 
     The restart re-forms the gloo group in torchrun's shared store, where a restarted rank once read
-    the dead attempt's peer addresses (see trainer/parallel/layout.py:init_process_group). One process
-    restarting would show nothing more: a resume is bit-exact (test_train_resume.py)."""
+    the dead attempt's peer addresses (see trainer/parallel/layout.py:init_process_group). One
+    process restarting would show nothing more: a resume is bit-exact (test_train_resume.py)."""
     nproc, layout, victim = 2, ["parallel.ep=2"], "3:1"  # rank 1 dies after step 3
     run = str(tmp_path / "elastic")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", "1", "-m", "tandem.trainer.cli", "train", RECIPE, *tiny_overrides, *layout,
-           "train.max_steps=6", "checkpoint.interval=2", f"run.dir={run}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc),
+           "--max-restarts", "1", "-m", "tandem.trainer.cli", "train", RECIPE, *tiny_overrides,
+           *layout, "train.max_steps=6", "checkpoint.interval=2", f"run.dir={run}"]
     env = fault_env(os.environ, TANDEM_TEST_KILL_AT_STEP=victim)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "at step 2" in done.stderr
     got = losses(run)
-    # n ranks split a batch n times as large: one process accumulating n micro-batches sees the same data.
+    # n ranks split a batch n times as large: one process accumulating n micro-batches sees the same
+    # data.
     want = uninterrupted_losses(tiny_overrides, tmp_path / "reference", accum=nproc)
-    # ep2 sums in another order than one process, so agreement is to 1e-5 (as tests/distributed checks).
+    # ep2 sums in another order than one process, so agreement is to 1e-5 (as tests/distributed
+    # checks).
     assert [r[0] for r in got] == [r[0] for r in want] == list(range(1, 7))
     assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

@@ -11,8 +11,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-EVAL = ["eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.batch_size=2",
-        "eval.loss_batches=1", "train.max_steps=4", "train.log_interval=1", "eval.temperatures=[1.0,0.7]"]
+EVAL = ["eval.interval=2", "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6",
+        "eval.batch_size=2",
+        "eval.loss_batches=1", "train.max_steps=4", "train.log_interval=1",
+        "eval.temperatures=[1.0,0.7]"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,8 @@ def two_runs(tiny_base, tmp_path_factory):
     dirs = []
     for k in (2, 1):
         run_dir = str(root / f"k{k}")
-        train(load_config("recipes/tiny.yaml", tiny_base + EVAL + [f"mtp.num_steps={k}", f"run.dir={run_dir}"]))
+        train(load_config("recipes/tiny.yaml",
+                          tiny_base + EVAL + [f"mtp.num_steps={k}", f"run.dir={run_dir}"]))
         dirs.append(run_dir)
     return dirs
 
@@ -56,11 +59,12 @@ def test_figures_hold_the_logged_series(two_runs):
     expected = {
         "losses": ["loss/main", "loss/mtp_1", "eval/loss/main", "eval/loss/mtp_1"],
         # greedy and the sampled temperatures, each its own variant line
-        "acceptance": ["eval/acceptance_length", "eval/T1/acceptance_length", "eval/T0.7/acceptance_length"],
+        "acceptance": ["eval/acceptance_length", "eval/T1/acceptance_length",
+                       "eval/T0.7/acceptance_length"],
         "accept_rate_by_position": ["eval/accept_rate/pos_1", "eval/T1/accept_rate/pos_1",
                                     "eval/T0.7/accept_rate/pos_1"],
-        "decode_throughput": ["eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup",
-                              "eval/speedup_predicted"],
+        "decode_throughput": ["eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar",
+                              "eval/speedup", "eval/speedup_predicted"],
     }
     for name, keys in expected.items():
         lines = _lines_by_gid(figures[name])
@@ -77,20 +81,22 @@ def test_figures_hold_the_logged_series(two_runs):
     assert len(figures["accept_rate_by_position"].axes) == 2
     labels = {line.get_label() for line in figures["acceptance"].axes[0].get_lines()}
     assert {"k2 greedy", "k2 T1", "k2 T0.7", "k1 greedy"} <= labels
-    assert [ax.get_title() for ax in figures["losses"].axes] == ["main head", "MTP depth 1", "MTP depth 2"]
+    assert [ax.get_title() for ax in figures["losses"].axes] == ["main head", "MTP depth 1",
+                                                                 "MTP depth 2"]
     for fig in figures.values():
         plt.close(fig)
 
 
 def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run(["tandem", "report", *two_runs, "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(["tandem", "report", *two_runs, "--out", str(out)], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out / "report.html")
     assert "final figures (95% interval):" in proc.stdout  # the table printed above the page's path
     pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
-    assert pngs == ["accept_rate_by_position.png", "acceptance.png", "decode_throughput.png", "losses.png"]
+    assert pngs == ["accept_rate_by_position.png", "acceptance.png", "decode_throughput.png",
+                    "losses.png"]
     page = (out / "report.html").read_text()
     assert "src=\"http" not in page and "<script" not in page  # nothing fetched from elsewhere
     for png in pngs:
@@ -101,7 +107,9 @@ def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
 
 
 def test_bad_run_dir_is_one_line(tmp_path):
-    proc = subprocess.run(["tandem", "report", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["tandem", "report", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"tandem report: error: run directory {str(tmp_path)!r} has no metrics.jsonl"
+    assert proc.stderr.strip() == (f"tandem report: error: run directory {str(tmp_path)!r} has no "
+                                   "metrics.jsonl")
     assert not (tmp_path / "report").exists()

@@ -1,6 +1,6 @@
-"""`tandem report` on two synthetic runs' metrics.jsonl: the evaluator's intervals are drawn as bands,
-the training curves as an EMA over faint raw points, evaluations that moved are starred, and the
-final figures with their significance are printed and tabled."""
+"""`tandem report` on two synthetic runs' metrics.jsonl: the evaluator's intervals are drawn as
+bands, the training curves as an EMA over faint raw points, evaluations that moved are starred, and
+the final figures with their significance are printed and tabled."""
 
 from __future__ import annotations
 
@@ -24,13 +24,16 @@ def _write_run(path, evals, offset: float):
     path.mkdir()
     with open(path / "metrics.jsonl", "w") as f:
         for step in range(1, 31):  # a noisy training loss every step
-            f.write(json.dumps({"step": step, "loss/main": 5.0 - 0.05 * step + offset * (-1) ** step,
+            f.write(json.dumps({"step": step,
+                                "loss/main": 5.0 - 0.05 * step + offset * (-1) ** step,
                                 "loss/mtp_1": 5.5 - 0.04 * step}) + "\n")
             for s, value, half in evals:
                 if s == step:
                     rec = {"step": step, "eval/loss/main": 4.0}
-                    for key, v in (("eval/acceptance_length", value), ("eval/T1/acceptance_length", 2.3),
-                                   ("eval/accept_rate/pos_1", value / 4), ("eval/draft_acceptance_rate", value / 4)):
+                    for key, v in (("eval/acceptance_length", value),
+                                   ("eval/T1/acceptance_length", 2.3),
+                                   ("eval/accept_rate/pos_1", value / 4),
+                                   ("eval/draft_acceptance_rate", value / 4)):
                         rec.update({key: v, f"{key}_lo95": v - half, f"{key}_hi95": v + half})
                     f.write(json.dumps(rec) + "\n")
     return str(path)
@@ -38,7 +41,8 @@ def _write_run(path, evals, offset: float):
 
 @pytest.fixture
 def runs(tmp_path):
-    return [_write_run(tmp_path / "a", EVALS["a"], 0.3), _write_run(tmp_path / "b", EVALS["b"], 0.0)]
+    return [_write_run(tmp_path / "a", EVALS["a"], 0.3),
+            _write_run(tmp_path / "b", EVALS["b"], 0.0)]
 
 
 def _svg_group(page: str, gid: str) -> str:
@@ -58,7 +62,8 @@ def test_report_bands_ema_shifts_and_significance(runs, tmp_path):
     page = (out / "report.html").read_text()
     # bands: a filled path for each run's greedy acceptance interval, and for draft position 1
     for run in ("a", "b"):
-        for key in ("eval/acceptance_length", "eval/T1/acceptance_length", "eval/accept_rate/pos_1"):
+        for key in ("eval/acceptance_length", "eval/T1/acceptance_length",
+                    "eval/accept_rate/pos_1"):
             band = _svg_group(page, f"{run}|{key}|band")
             assert "<path" in band and "fill" in band
         # the EMA line over the faint raw loss
@@ -67,9 +72,11 @@ def test_report_bands_ema_shifts_and_significance(runs, tmp_path):
     # run a's step-20 evaluation does not overlap step 10's: starred and listed; run b never moved
     assert "<use" in _svg_group(page, "a|eval/acceptance_length|shift")
     assert 'id="b|eval/acceptance_length|shift"' not in page
-    assert "a eval/acceptance_length: step 10 2.000 [1.900, 2.100] &rarr; step 20 2.600 [2.500, 2.700]" in page
+    assert ("a eval/acceptance_length: step 10 2.000 [1.900, 2.100] &rarr; step 20 2.600 [2.500, "
+            "2.700]") in page
     # the final figures with intervals, and the verdicts
-    assert "<td>eval/acceptance_length</td><td>a</td><td>30</td><td>2.620</td><td>[2.520, 2.720]</td>" in page
+    assert ("<td>eval/acceptance_length</td><td>a</td><td>30</td><td>2.620</td><td>[2.520, "
+            "2.720]</td>") in page
     text = "\n".join(stdout)
     assert "eval/acceptance_length  b - a = -0.620" in text and "significant: a higher" in text
     t1 = next(line for line in stdout if "eval/T1/acceptance_length  b - a" in line)
@@ -94,7 +101,8 @@ def test_difference_test_units():
 
     assert shifts([1.0, 1.5, 1.4], [1.2, 1.7, 1.6]) == [1]
     assert ema([0.0, 1.0], 3) == [0.0, 0.5]  # alpha = 2 / (3 + 1)
-    # equal intervals of half-width 0.196 (se 0.1): a gap of 0.3 overlaps yet is significant (z 2.12)
+    # equal intervals of half-width 0.196 (se 0.1): a gap of 0.3 overlaps yet is significant (z
+    # 2.12)
     a, b = Final("a", "k", 1, 2.0, 1.804, 2.196), Final("b", "k", 1, 2.3, 2.104, 2.496)
     (d,) = differences([a, b])
     assert d.overlap and d.significant and d.p == pytest.approx(0.0339, abs=1e-3)

@@ -1,8 +1,8 @@
 """`tandem launch slurm` against a real one-node Slurm cluster (tests/e2e/slurm_cluster.py).
 
-Slurm's own pre-timeout signal (`--signal=USR1@N` from a 1-minute time limit) reaches the real trainer
-(`tandem train`, 2 ranks on gloo under torchrun): it checkpoints, requeues itself, resumes from the
-checkpoint and finishes with a continuous step count.
+Slurm's own pre-timeout signal (`--signal=USR1@N` from a 1-minute time limit) reaches the real
+trainer (`tandem train`, 2 ranks on gloo under torchrun): it checkpoints, requeues itself, resumes
+from the checkpoint and finishes with a continuous step count.
 
 The cluster starts once per session (about 2 s once Slurm is installed; installing it with apt-get
 takes longer). The module skips only when Slurm is missing and cannot be installed.
@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPO / "recipes" / "tiny.yaml"
 PROCS = 2
 TINY = DEBUG_MODEL + TINY_DATA + ["eval.interval=0"] + QUIET
-FINAL_STATES = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+FINAL_STATES = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE"}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,8 @@ def slurm():
 
 
 def _env(extra_path: List[Path] = (), **kw) -> Dict[str, str]:
-    # The interpreter's own bin dir first: `torchrun`/`tandem` resolve to real scripts, not pyenv shims
-    # (a shim re-prepends its bin dir to PATH, which would hide a stub `tandem`).
+    # The interpreter's own bin dir first: `torchrun`/`tandem` resolve to real scripts, not pyenv
+    # shims (a shim re-prepends its bin dir to PATH, which would hide a stub `tandem`).
     path = [str(p) for p in extra_path] + [os.path.dirname(sys.executable), os.environ["PATH"]]
     return dict(os.environ, PATH=":".join(path), **kw)
 
@@ -64,7 +65,8 @@ def _env(extra_path: List[Path] = (), **kw) -> Dict[str, str]:
 def launch(argv: List[str], env: Dict[str, str]) -> str:
     tandem = shutil.which("tandem", path=env["PATH"])
     cmd = [tandem] if tandem else [sys.executable, "-m", "tandem.trainer.cli"]
-    res = subprocess.run(cmd + ["launch", "slurm", *argv], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(cmd + ["launch", "slurm", *argv], env=env, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     job_id = res.stdout.strip()
     assert job_id.isdigit(), res.stdout
@@ -92,7 +94,8 @@ def job_logs(run_dir: Path, job_id: str) -> str:
     parts = []
     for ext in ("out", "err"):
         p = run_dir / "slurm" / f"{job_id}.{ext}"
-        parts.append(f"--- {p.name}\n" + (p.read_text(errors="replace")[-6000:] if p.exists() else "(missing)"))
+        parts.append(f"--- {p.name}\n" + (p.read_text(errors="replace")[-6000:] if p.exists()
+                                          else "(missing)"))
     return "\n".join(parts)
 
 
@@ -116,24 +119,26 @@ def checkpoint_steps(run_dir: Path) -> List[int]:
     return sorted(int(p.name.split("_")[1]) for p in ck.glob("step_*")) if ck.is_dir() else []
 
 
-# -- the real trainer ------------------------------------------------------------------------------------
+# -- the real trainer ------------------------------------------------------------------------------
 needs_trainer = pytest.mark.skipif(not TINY_RECIPE.exists(), reason="recipes/tiny.yaml not present")
 
 
 @needs_trainer
 def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus_cache):
     """A real run submitted by `tandem launch slurm` with a 1-minute limit and Slurm's own
-    `--signal=USR1@40` (it fires 20-50 s in: slurmctld checks limits every ~30 s). Its first attempt is
-    slowed to 2 s a step from outside (tests/fault_injection), so it would need 80 s: only a working
-    preemption path finishes the job (a requeued attempt signalled again before it finishes requeues
-    once more; every attempt continues from the last one's checkpoint). Slurm signals the job step;
-    torchrun ignores SIGUSR1 and each rank's handler catches it; the run checkpoints, requeues, resumes
-    from that checkpoint and completes every step once, and the requeued attempt survives the exit
-    (this also covers a plain run's interval checkpoints, config.yaml and the job's provenance)."""
+    `--signal=USR1@40` (it fires 20-50 s in: slurmctld checks limits every ~30 s). Its first attempt
+    is slowed to 2 s a step from outside (tests/fault_injection), so it would need 80 s: only a
+    working preemption path finishes the job (a requeued attempt signalled again before it finishes
+    requeues once more; every attempt continues from the last one's checkpoint). Slurm signals the
+    job step; torchrun ignores SIGUSR1 and each rank's handler catches it; the run checkpoints,
+    requeues, resumes from that checkpoint and completes every step once, and the requeued attempt
+    survives the exit (this also covers a plain run's interval checkpoints, config.yaml and the
+    job's provenance)."""
     run_dir = tmp_path / "run"
     max_steps = 40
     job_id = launch(
-        [str(TINY_RECIPE), f"run.dir={run_dir}", f"train.max_steps={max_steps}", "checkpoint.interval=20",
+        [str(TINY_RECIPE), f"run.dir={run_dir}", f"train.max_steps={max_steps}",
+         "checkpoint.interval=20",
          f"data.cache_dir={corpus_cache}", *TINY, "--nodes", "1", "--procs-per-node", str(PROCS),
          "--time", "00:01:00", "--signal-seconds", "40"],
         fault_env(_env(), TANDEM_TEST_SLOW_FIRST_ATTEMPT="2"),
@@ -141,7 +146,8 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus
     f = wait_job(slurm, job_id, run_dir, timeout=240)
     logs = job_logs(run_dir, job_id)
     assert f["JobState"] == "COMPLETED" and f["ExitCode"] == "0:0", (f, logs)
-    assert int(f["Restarts"]) >= 1, ("the job finished before the preemption signal took effect", f, logs)
+    assert int(f["Restarts"]) >= 1, ("the job finished before the preemption signal took effect", f,
+                                     logs)
     assert "preemption: SIGUSR1 received" in logs, logs
     m = re.search(r"preempted: checkpointed step (\d+)", logs)
     assert m, logs
@@ -155,4 +161,5 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus
     assert {20, 40} <= set(checkpoint_steps(run_dir)), logs  # the interval's and the final one
     assert (run_dir / "config.yaml").exists()
     prov = json.loads(next((run_dir / "slurm").glob("launch_*.json")).read_text())
-    assert prov["job_id"] == job_id and prov["trainer_argv"][:3] == ["tandem", "train", str(TINY_RECIPE)]
+    assert prov["job_id"] == job_id and prov["trainer_argv"][:3] == ["tandem", "train",
+                                                                     str(TINY_RECIPE)]

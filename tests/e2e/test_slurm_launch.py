@@ -1,6 +1,6 @@
-"""`tandem launch slurm` without a cluster: rendering, quoting (the script is really executed by bash with
-stub srun/torchrun/tandem), submission through a stub sbatch, the batch-shell signal relay, and the
-preemption API (including the all-reduce agreement on two gloo processes)."""
+"""`tandem launch slurm` without a cluster: rendering, quoting (the script is really executed by
+bash with stub srun/torchrun/tandem), submission through a stub sbatch, the batch-shell signal
+relay, and the preemption API (including the all-reduce agreement on two gloo processes)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 from tandem.trainer.launch import launch_slurm_main
 
-SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_CPUS_PER_TASK": "2"}
+SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
+             "SLURM_CPUS_PER_TASK": "2"}
 
 
 def _exe(path: Path, text: str) -> Path:
@@ -27,15 +28,16 @@ def _exe(path: Path, text: str) -> Path:
 
 
 class FakeSbatch:
-    """A stub `sbatch` first on PATH: it records its argv (`argv`, None if never called) and prints a
-    job id, as `sbatch --parsable` does."""
+    """A stub `sbatch` first on PATH: it records its argv (`argv`, None if never called) and prints
+    a job id, as `sbatch --parsable` does."""
 
     def __init__(self, tmp_path: Path, monkeypatch):
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir(exist_ok=True)
         self.log = tmp_path / "sbatch_argv.json"
         _exe(bin_dir / "sbatch",
-             f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(self.log)!r}, "
+             f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], "
+             f"open({str(self.log)!r}, "
              "'w'))\nprint('4242')\n")
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
 
@@ -70,17 +72,23 @@ def _directives(script: str):
 def test_dry_run_cpu(tmp_path, capsys):
     run_dir = tmp_path / "run"
     recipe = _recipe(tmp_path, run_dir)
-    out = _dry_run(capsys, [str(recipe), "train.max_steps=6", "--nodes", "2", "--procs-per-node", "2",
-                            "--partition", "debug", "--time", "00:10:00", "--account", "proj1", "--job-name", "tiny"])
+    out = _dry_run(capsys,
+                   [str(recipe), "train.max_steps=6", "--nodes", "2", "--procs-per-node", "2",
+                            "--partition", "debug", "--time", "00:10:00", "--account", "proj1",
+                    "--job-name", "tiny"])
     d = _directives(out)
-    for want in ["--job-name=tiny", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2", "--time=00:10:00",
+    for want in ["--job-name=tiny", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2",
+                 "--time=00:10:00",
                  "--partition=debug", "--account=proj1", f"--output={run_dir}/slurm/%j.out",
-                 f"--error={run_dir}/slurm/%j.err", "--signal=USR1@120", "--requeue", "--open-mode=append"]:
+                 f"--error={run_dir}/slurm/%j.err", "--signal=USR1@120", "--requeue",
+                 "--open-mode=append"]:
         assert want in d, (want, d)
     assert not any("gres" in x or "gpu" in x for x in d), d
     assert "--nproc-per-node=2" in out
     assert '--nnodes="$SLURM_NNODES"' in out and "--rdzv-backend=c10d" in out
-    assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in out and '--rdzv-id="$SLURM_JOB_ID"' in out
+    assert (
+        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in out and '--rdzv-id="$SLURM_JOB_ID"' in out
+    )
     assert f"--no-python tandem train {recipe} train.max_steps=6 --resume" in out
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in out
     assert not run_dir.exists(), "--dry-run must not write anything"
@@ -88,7 +96,8 @@ def test_dry_run_cpu(tmp_path, capsys):
 
 def test_dry_run_gpu_and_extras(tmp_path, capsys):
     recipe = _recipe(tmp_path, tmp_path / "run")
-    out = _dry_run(capsys, [str(recipe), "--nodes", "4", "--gpus-per-node", "8", "--signal-seconds", "300",
+    out = _dry_run(capsys,
+                   [str(recipe), "--nodes", "4", "--gpus-per-node", "8", "--signal-seconds", "300",
                             "--sbatch-arg=--exclusive", "--sbatch-arg=--qos=high"])
     d = _directives(out)
     assert "--gres=gpu:8" in d and "--cpus-per-task=64" in d and "--signal=USR1@300" in d
@@ -97,17 +106,20 @@ def test_dry_run_gpu_and_extras(tmp_path, capsys):
 
 
 def test_ascend_recipe_requests_npus(capsys):
-    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "moe_4b_mtp_ascend.yaml")
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes",
+                          "moe_4b_mtp_ascend.yaml")
     d = _directives(_dry_run(capsys, [recipe, "--nodes", "2", "--gpus-per-node", "8"]))
     assert "--gres=npu:8" in d and not any(x.startswith("--gres=gpu") for x in d)
-    d = _directives(_dry_run(capsys, [recipe, "--nodes", "2", "--gpus-per-node", "8", "--gres-name", "gpu"]))
+    d = _directives(_dry_run(capsys, [recipe, "--nodes", "2", "--gpus-per-node", "8", "--gres-name",
+                                      "gpu"]))
     assert "--gres=gpu:8" in d
 
 
 def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
     recipe = _recipe(tmp_path, tmp_path / "run")
     with pytest.raises(SystemExit):
-        launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "2", "--gpus-per-node", "2"])
+        launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "2", "--gpus-per-node",
+                           "2"])
 
 
 @pytest.mark.parametrize(
@@ -121,7 +133,8 @@ def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
     recipe = _recipe(tmp_path, tmp_path / "run")
-    rc = launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "1", "--dry-run", *extra])
+    rc = launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "1", "--dry-run",
+                            *extra])
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""
     assert needle in err and len(err.strip().splitlines()) == 1, err
@@ -141,14 +154,19 @@ def test_unsafe_run_dir_rejected(tmp_path, capsys):
 def test_submit_writes_script_and_provenance(tmp_path, capsys, fake_sbatch):
     run_dir = tmp_path / "run"
     recipe = _recipe(tmp_path, run_dir)
-    rc = launch_slurm_main([str(recipe), "train.max_steps=3", "--nodes", "1", "--procs-per-node", "2"])
+    rc = launch_slurm_main([str(recipe), "train.max_steps=3", "--nodes", "1", "--procs-per-node",
+                            "2"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.strip() == "4242"
     argv = fake_sbatch.argv
     assert argv[0] == "--parsable" and len(argv) == 2
     script = Path(argv[1])
-    assert script.parent == run_dir / "slurm" and script.name.startswith("launch_") and script.suffix == ".sbatch"
+    assert (
+        script.parent == run_dir / "slurm"
+        and script.name.startswith("launch_")
+        and script.suffix == ".sbatch"
+    )
     prov = json.loads(script.with_suffix(".json").read_text())
     assert prov["trainer_argv"] == ["tandem", "train", str(recipe), "train.max_steps=3", "--resume"]
     assert prov["job_id"] == "4242" and prov["sbatch_script"] == str(script)
@@ -158,21 +176,26 @@ def _stub_bin(bin_dir: Path, argv_out: Path, marker_dir: Path) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     # srun/torchrun: drop their own options and exec the command they were given.
     _exe(bin_dir / "srun", '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
-    _exe(bin_dir / "torchrun", '#!/bin/bash\nwhile [[ "$1" != --no-python ]]; do shift; done\nshift\nexec "$@"\n')
+    _exe(bin_dir / "torchrun",
+         '#!/bin/bash\nwhile [[ "$1" != --no-python ]]; do shift; done\nshift\nexec "$@"\n')
     _exe(bin_dir / "scontrol", "#!/bin/bash\necho localhost\n")
     _exe(bin_dir / "scancel", f"#!/bin/bash\necho \"$@\" >> {marker_dir}/../scancel.log\n")
     _exe(bin_dir / "tandem",
-         f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_out)!r}, 'w'))\n")
+         f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_out)!r}, "
+         "'w'))\n")
 
 
 def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatch):
-    """Render with a hostile recipe path, working directory and overrides, then run the script with bash."""
+    """Render with a hostile recipe path, working directory and overrides, then run the script with
+    bash."""
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir()
     m = str(marker_dir)
-    # File names cannot hold "/", so the path parts use relative markers (PWNED_*), looked for everywhere.
+    # File names cannot hold "/", so the path parts use relative markers (PWNED_*), looked for
+    # everywhere.
     hostile_dir = tmp_path / "w $(touch PWNED_d1) `touch PWNED_d2` 'q\" ;touch PWNED_d3\nnl"
-    recipe = _recipe(hostile_dir, tmp_path / "run", name="r$(touch PWNED_r1);`touch PWNED_r2`'\".yaml")
+    recipe = _recipe(hostile_dir, tmp_path / "run",
+                     name="r$(touch PWNED_r1);`touch PWNED_r2`'\".yaml")
     overrides = [
         f"run.name=$(touch {m}/o1)",
         f"run.name=a`touch {m}/o2`b",
@@ -189,7 +212,8 @@ def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatc
     argv_out = tmp_path / "argv.json"
     _stub_bin(tmp_path / "bin", argv_out, marker_dir)
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV)
-    res = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads(argv_out.read_text()) == ["train", str(recipe), *overrides, "--resume"]
     assert sorted(os.listdir(marker_dir)) == [], "a hostile value was executed"
@@ -198,8 +222,8 @@ def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatc
 
 
 def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
-    """`scancel --batch --signal=USR1` reaches only the batch shell: it must relay to the steps (scancel
-    without --batch) and go on waiting for srun, exiting with srun's status."""
+    """`scancel --batch --signal=USR1` reaches only the batch shell: it must relay to the steps
+    (scancel without --batch) and go on waiting for srun, exiting with srun's status."""
     recipe = _recipe(tmp_path, tmp_path / "run")
     script_path = tmp_path / "job.sbatch"
     script_path.write_text(_dry_run(capsys, [str(recipe), "--nodes", "1", "--procs-per-node", "1"]))
@@ -209,8 +233,8 @@ def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
     started = tmp_path / "srun_started"
     _exe(tmp_path / "bin" / "srun", f"#!/bin/bash\ntouch {started}\nsleep 3\nexit 3\n")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV)
-    proc = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
     while not started.exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
@@ -222,7 +246,7 @@ def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
     assert (tmp_path / "scancel.log").read_text().split() == ["--signal=USR1", "77"]
 
 
-# -- preemption API ---------------------------------------------------------------------------------
+# -- preemption API --------------------------------------------------------------------------------
 @pytest.fixture
 def preemption(monkeypatch):
     import importlib
@@ -262,8 +286,8 @@ def test_preemption_sigterm_sets_flag(preemption):
 
 
 def test_preemption_signal_during_the_build_is_kept(preemption):
-    """The `tandem train` process routes the signals before it builds the run; the loop's own install
-    must not clear a signal that came in between."""
+    """The `tandem train` process routes the signals before it builds the run; the loop's own
+    install must not clear a signal that came in between."""
     preemption.install_preemption_handler()
     os.kill(os.getpid(), signal.SIGUSR1)
     preemption.install_preemption_handler()
@@ -282,12 +306,12 @@ os.write(1, f"RC {rc}\\n".encode())
 
 
 def test_train_process_survives_a_preemption_signal_after_training(tmp_path):
-    """A finished (here: refused) `tandem train` ignores a late SIGUSR1/SIGTERM until it exits, so Slurm
-    does not mark a job FAILED that had finished or had checkpointed and requeued."""
+    """A finished (here: refused) `tandem train` ignores a late SIGUSR1/SIGTERM until it exits, so
+    Slurm does not mark a job FAILED that had finished or had checkpointed and requeued."""
     script = tmp_path / "late.py"
     script.write_text(_LATE_SIGNAL)
-    res = subprocess.run([sys.executable, str(script), str(tmp_path / "missing.yaml")], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, timeout=120)
     assert (res.returncode, res.stdout.strip()) == (0, "RC 2"), res.stderr[-2000:]
 
 
@@ -295,14 +319,16 @@ _AGREE = """
 import os, signal, sys
 import torch.distributed as dist
 from tandem.trainer import preemption as P
-P.install_preemption_handler(signals=(signal.SIGUSR1,))  # SIGTERM stays fatal: a timed-out test can kill it
+# SIGTERM stays fatal: a timed-out test can kill it
+P.install_preemption_handler(signals=(signal.SIGUSR1,))
 dist.init_process_group("gloo")
 r = dist.get_rank()
 seen = [P.agree_preemption()]
 if r == 1:
     os.kill(os.getpid(), signal.SIGUSR1)
 seen.append(P.agree_preemption())
-# one write(2) of a short line: atomic on the pipe both ranks share (print may split it and interleave)
+# one write(2) of a short line: atomic on the pipe both ranks share (print may split it and
+# interleave)
 os.write(1, f"RESULT {r} {P.preemption_requested()} {seen}\\n".encode())
 dist.destroy_process_group()
 """
@@ -313,7 +339,8 @@ def test_agree_preemption_is_max_over_ranks(tmp_path):
     script = tmp_path / "agree.py"
     script.write_text(_AGREE)
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script)],
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -324,14 +351,16 @@ def test_agree_preemption_is_max_over_ranks(tmp_path):
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys, monkeypatch, fake_sbatch):
-    """The error `tandem train` would hit in the job's first seconds is printed now; nothing is written
-    or submitted (the stub sbatch records any call)."""
+def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys, monkeypatch,
+                                                                fake_sbatch):
+    """The error `tandem train` would hit in the job's first seconds is printed now; nothing is
+    written or submitted (the stub sbatch records any call)."""
     from tandem.trainer.cli import train_main
 
     run_dir = tmp_path / "run"
     bad = ["parallel.tp=2", "parallel.pp=2", f"run.dir={run_dir}"]
-    rc = launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "1", "--procs-per-node", "2"])
+    rc = launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "1",
+                            "--procs-per-node", "2"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert fake_sbatch.argv is None and not (run_dir / "slurm").exists()
@@ -341,22 +370,25 @@ def test_bad_layout_for_the_world_size_is_refused_before_sbatch(tmp_path, capsys
     train_err = capsys.readouterr().err.strip()
     message = train_err.removeprefix("tandem train: error: ")
     assert "world size 2 is not divisible by parallel.tp*pp*cp*ep" in message
-    assert err.startswith(f"tandem launch slurm: error: {message} (world size 2 = --nodes 1 x 2 per node)")
+    assert err.startswith(f"tandem launch slurm: error: {message} (world size 2 = --nodes 1 x 2 "
+                          "per node)")
     # the same recipe fits 2 nodes x 2 processes
-    assert launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "2", "--procs-per-node", "2",
-                              "--dry-run"]) == 0
+    assert launch_slurm_main([str(ROOT / "recipes" / "tiny.yaml"), *bad, "--nodes", "2",
+                              "--procs-per-node", "2", "--dry-run"]) == 0
     capsys.readouterr()
 
 
 def test_check_prints_parameters_and_memory_and_submits_nothing(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
-    rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}", "--nodes", "2",
-                            "--gpus-per-node", "8", "--check"])
+    rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}",
+                            "--nodes", "2", "--gpus-per-node", "8", "--check"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "world size 16: layout ok" in out and "params total=" in out and "per-rank memory" in out, out
+    assert (
+        "world size 16: layout ok" in out and "params total=" in out and "per-rank memory" in out
+    ), out
     assert not run_dir.exists()
     # the flagship layout (tp2 x ep4 x pp2) does not fit 1 node of 8
-    rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}", "--nodes", "1",
-                            "--gpus-per-node", "8", "--check"])
+    rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}",
+                            "--nodes", "1", "--gpus-per-node", "8", "--check"])
     assert rc == 2 and "not divisible by parallel.tp*pp*cp*ep" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""End-to-end training: losses fall at every depth; resume continues the same trajectory bit for bit."""
+"""End-to-end training: losses fall at every depth; resume continues the same trajectory bit for
+bit."""
 
 import json
 import os
@@ -19,7 +20,8 @@ def records(run_dir):
 
 @pytest.mark.slow
 def test_every_depth_learns(tiny_overrides):
-    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=40", "train.lr=1e-2", "mtp.num_steps=3"])
+    cfg = load_config(RECIPE,
+                      tiny_overrides + ["train.max_steps=40", "train.lr=1e-2", "mtp.num_steps=3"])
     train(cfg)
     recs = records(cfg.run.dir)
     assert [r["step"] for r in recs] == list(range(1, 41))
@@ -37,24 +39,30 @@ def test_every_depth_learns(tiny_overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_resume_is_bit_exact(tiny_overrides, tmp_path, async_save):
-    full = load_config(RECIPE, tiny_overrides + ["train.max_steps=6", f"run.dir={tmp_path / 'full'}"])
+    full = load_config(RECIPE,
+                       tiny_overrides + ["train.max_steps=6", f"run.dir={tmp_path / 'full'}"])
     train(full)
-    saving = [f"checkpoint.async_save={async_save}", "checkpoint.interval=1", "checkpoint.keep_last=2"]
-    part = load_config(RECIPE, tiny_overrides + saving + ["train.max_steps=3", f"run.dir={tmp_path / 'part'}"])
+    saving = [f"checkpoint.async_save={async_save}", "checkpoint.interval=1",
+              "checkpoint.keep_last=2"]
+    part = load_config(RECIPE, tiny_overrides + saving + ["train.max_steps=3",
+                                                          f"run.dir={tmp_path / 'part'}"])
     train(part)
     complete, incomplete = list_checkpoints(part.run.dir)
-    assert [s for s, _ in complete] == [2, 3] and not incomplete  # committed, pruned after completion
+    # committed, pruned after completion
+    assert [s for s, _ in complete] == [2, 3] and not incomplete
     # a crash after step 3's checkpoint would leave later records; the resume must drop them
     with open(os.path.join(part.run.dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 4, "loss": 123.0}) + "\n")
-    resumed = load_config(RECIPE, tiny_overrides + saving + ["train.max_steps=6", f"run.dir={tmp_path / 'part'}"])
+    resumed = load_config(RECIPE, tiny_overrides + saving + ["train.max_steps=6",
+                                                             f"run.dir={tmp_path / 'part'}"])
     train(resumed, resume=True)
     a, b = records(full.run.dir), records(part.run.dir)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert [r["consumed_samples"] for r in b] == [2, 4, 6, 8, 10, 12]  # micro-batch 2, one rank
     for ra, rb in zip(a, b):
         for key in ra:
-            if key.startswith("loss") or key in ("grad_norm", "lr", "moe/max_over_mean_load", "consumed_samples",
+            if key.startswith("loss") or key in ("grad_norm", "lr", "moe/max_over_mean_load",
+                                                 "consumed_samples",
                                                   "consumed_tokens"):
                 assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
 
@@ -66,12 +74,14 @@ def test_resume_on_empty_run_dir_starts_fresh(tiny_overrides):
 
 
 @pytest.mark.slow
-def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_overrides, monkeypatch):
+def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_overrides,
+                                                                        monkeypatch):
     """3 steps of 2 samples, then a resume at 3 micro-batches of 2 (6 samples per step): the resumed
     steps read samples 6..11 and 12..17, none skipped or repeated, and the learning rate and the MTP
-    weight follow the samples seen: the schedule is laid out in steps of the run's first global batch
-    (2 samples), so step 5, starting at sample 12, is at schedule step 6, past the end of its decay
-    (min_lr) and past the lambda milestone at 5 (counted in steps it would still be at step 4)."""
+    weight follow the samples seen: the schedule is laid out in steps of the run's first global
+    batch (2 samples), so step 5, starting at sample 12, is at schedule step 6, past the end of its
+    decay (min_lr) and past the lambda milestone at 5 (counted in steps it would still be at step
+    4)."""
     import tandem.trainer.loop as loop
 
     reads, get_batch = [], loop.get_batch
@@ -81,8 +91,8 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
         return get_batch(ds, indices, eod_id)
 
     monkeypatch.setattr(loop, "get_batch", recording_get_batch)
-    schedule = ["train.warmup_steps=2", "train.max_steps=5", "checkpoint.interval=3", "mtp.loss.lambda=0.3",
-                "mtp.loss.lambda_after={5: 0.1}"]
+    schedule = ["train.warmup_steps=2", "train.max_steps=5", "checkpoint.interval=3",
+                "mtp.loss.lambda=0.3", "mtp.loss.lambda_after={5: 0.1}"]
     first = load_config(RECIPE, tiny_overrides + schedule + ["train.max_steps=3"])
     train(first)
     assert reads == [[0, 1], [2, 3], [4, 5]]
@@ -95,8 +105,9 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
     assert [r["consumed_samples"] for r in recs] == [2, 4, 6, 12, 18]
     assert [r["consumed_tokens"] for r in recs] == [64, 128, 192, 384, 576]  # data.seq_len=32
     t = resumed.train
-    # cosine decay over max_steps - warmup_steps = 3 schedule steps: step 4 starts at sample 6 (schedule
-    # step 3, a third of the decay: cos(pi/3) = 1/2), step 5 at sample 12 (schedule step 6: decay over)
+    # cosine decay over max_steps - warmup_steps = 3 schedule steps: step 4 starts at sample 6
+    # (schedule step 3, a third of the decay: cos(pi/3) = 1/2), step 5 at sample 12 (schedule step
+    # 6: decay over)
     lrs = [r["lr"] for r in recs[3:]]
     assert lrs == [pytest.approx(t.min_lr + 0.75 * (t.lr - t.min_lr), rel=1e-12), t.min_lr], lrs
     assert [r["mtp/lambda"] for r in recs] == [0.3, 0.3, 0.3, 0.3, 0.1]

@@ -1,8 +1,9 @@
-"""Served by vLLM with the same tokens and acceptance (slow: installs vLLM's CPU build in its own venv).
+"""Served by vLLM with the same tokens and acceptance (slow: installs vLLM's CPU build in its own
+venv).
 
-Trains a tiny GLM-4.5-shaped MoE with a looped MTP layer, exports it (`tandem export --family glm4_moe`),
-serves it with vLLM (MTP speculation, K=3, greedy, token-id prompts) in a separate virtual environment,
-and checks:
+Trains a tiny GLM-4.5-shaped MoE with a looped MTP layer, exports it (`tandem export --family
+glm4_moe`), serves it with vLLM (MTP speculation, K=3, greedy, token-id prompts) in a separate
+virtual environment, and checks:
 
 * the greedy tokens equal Tandem's speculative decoder's (and so the trunk's plain greedy decode);
 * vLLM's spec-decode counters (drafts, accepted tokens, accepted per position) equal, exactly, those
@@ -13,11 +14,11 @@ and checks:
   the stop check trims it). So the in-loop figure and the served one are the same by construction;
 * Tandem's own figure is budget-exact (only drafts that reach the output: 1 + accepted = tokens
   emitted per round), which is vLLM's minus the drafts it counts past the budget;
-* both agree with a cache-free re-derivation of vLLM's proposer (tests/eval_helpers.vllm_convention_decode)
-  as a cross-check.
+* both agree with a cache-free re-derivation of vLLM's proposer
+  (tests/eval_helpers.vllm_convention_decode) as a cross-check.
 
-The figures printed: vLLM's acceptance length, Tandem's serving convention counted both ways, and the
-`tandem` convention's (as trained: one cache per depth) when it differs.
+The figures printed: vLLM's acceptance length, Tandem's serving convention counted both ways, and
+the `tandem` convention's (as trained: one cache per depth) when it differs.
 """
 
 import json
@@ -36,10 +37,12 @@ K, MAX_NEW, NUM_PROMPTS, PROMPT_LEN = 3, 32, 8, 48
 # head_dim 32 (vLLM's CPU attention needs one of its supported sizes), GLM-4.5 MoE shape, MTP fed
 # the trunk's normed output as vLLM's proposer does (mtp.trunk_input=final_norm).
 OVERRIDES = [
-    "data.stdlib_max_bytes=200000", "data.vocab_size=1024", "model.vocab_size=1024", "data.seq_len=128",
-    "train.micro_batch_size=4", "model.num_layers=2", "model.num_experts=4", "model.max_seq_len=256",
-    "train.max_steps=60", "train.warmup_steps=10", "eval.interval=0", "train.dtype=fp32", "logging.wandb=false",
-    "logging.progress=false",
+    "data.stdlib_max_bytes=200000", "data.vocab_size=1024", "model.vocab_size=1024",
+    "data.seq_len=128",
+    "train.micro_batch_size=4", "model.num_layers=2", "model.num_experts=4",
+    "model.max_seq_len=256",
+    "train.max_steps=60", "train.warmup_steps=10", "eval.interval=0", "train.dtype=fp32",
+    "logging.wandb=false", "logging.progress=false",
     "checkpoint.interval=60", "mtp.trunk_input=final_norm",
 ]
 
@@ -55,11 +58,12 @@ def vllm_python() -> str:
     t0 = time.time()
     try:
         subprocess.run([sys.executable, "-m", "venv", VENV], check=True, timeout=120)
-        subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--timeout", "60",
-                        "--retries", "3", VLLM_PIN], check=True, timeout=900)
+        subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        "--timeout", "60", "--retries", "3", VLLM_PIN], check=True, timeout=900)
         # PyPI's torchvision/torchaudio/torchcodec do not load against the CPU torch
         # (`operator torchvision::nms does not exist`); text serving needs none of them.
-        subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                        "torchcodec"],
                        check=True, timeout=120)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         shutil.rmtree(VENV, ignore_errors=True)
@@ -79,17 +83,21 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
 
     run, hf = str(tmp_path / "run"), str(tmp_path / "hf")
     env = dict(os.environ, OMP_NUM_THREADS="1")  # more threads only thrash 2 shared cores
-    subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "train", "recipes/tiny.yaml", f"run.dir={run}",
+    subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "train", "recipes/tiny.yaml",
+                    f"run.dir={run}",
                     f"data.cache_dir={corpus_cache}"] + OVERRIDES, check=True, timeout=600, env=env,
                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "export", "--checkpoint", run, "--out", hf,
-                    "--family", "glm4_moe"], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "export", "--checkpoint", run,
+                    "--out", hf, "--family", "glm4_moe"], check=True, timeout=300)
 
-    # Tandem's figures as a user gets them: `tandem eval` on the held-out split, one record per prompt.
+    # Tandem's figures as a user gets them: `tandem eval` on the held-out split, one record per
+    # prompt.
     records = tmp_path / "eval.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", "--checkpoint", run, "--num-prompts",
+    proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", "--checkpoint", run,
+                           "--num-prompts",
                            str(NUM_PROMPTS), "--prompt-len", str(PROMPT_LEN), "--num-steps", str(K),
-                           "--max-new-tokens", str(MAX_NEW), "--draft-convention", "serving", "--output", str(records)],
+                           "--max-new-tokens", str(MAX_NEW), "--draft-convention", "serving",
+                           "--output", str(records)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -105,7 +113,8 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
         sum(round(r[f"accept_rate/pos_{i + 1}"] * r["drafts"]) for r in rows) for i in range(K)]
 
     model, _ = load_model_from_checkpoint(run)
-    assert generate(model, prompts, MAX_NEW, 0, eos_id=eos).outputs == outputs  # = the trunk's plain greedy decode
+    # = the trunk's plain greedy decode
+    assert generate(model, prompts, MAX_NEW, 0, eos_id=eos).outputs == outputs
     ref = [vllm_convention_decode(model, p, MAX_NEW, K, eos) for p in prompts]
     assert [r[0] for r in ref] == outputs
     ref_raw = [sum(r[1][i] for r in ref) for i in range(K + 2)]
@@ -114,7 +123,8 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     t0 = time.time()
-    proc = subprocess.run([py, DRIVER, hf, str(prompts_file), "--k", str(K), "--max-tokens", str(MAX_NEW)]
+    proc = subprocess.run([py, DRIVER, hf, str(prompts_file), "--k", str(K), "--max-tokens",
+                           str(MAX_NEW)]
                           + (["--eos", str(eos)] if eos is not None else []),
                           capture_output=True, text=True, timeout=600)
     line = [x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")]
@@ -126,23 +136,40 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thre
     def length(c):
         return round(1 + c[1] / max(c[0], 1), 4)
 
-    print(json.dumps({"serve_s": round(time.time() - t0, 1), "vllm_load_s": round(got["load_s"], 1),
-                      "counts [drafts, accepted, per position]": {
-                          "vllm": vllm, "tandem serving (vLLM counting)": tandem_vllm_counting,
-                          "tandem serving (budget-exact)": tandem_budget_exact,
-                          "reference (vLLM counting)": ref_raw, "reference (budget-exact)": ref_exact},
-                      "acceptance_length": {"vllm": length(vllm), "tandem serving, vLLM counting":
-                                            length(tandem_vllm_counting),
-                                            "tandem serving (tandem eval)": summary["acceptance_length"],
-                                            "tandem convention (tandem eval)": summary.get(
-                                                "tandem/acceptance_length", summary["acceptance_length"])},
-                      "tandem_eval": {k: v for k, v in summary.items() if "accept" in k}}))
+    print(
+        json.dumps(
+            {
+                "serve_s": round(time.time() - t0, 1),
+                "vllm_load_s": round(got["load_s"], 1),
+                "counts [drafts, accepted, per position]": {
+                    "vllm": vllm,
+                    "tandem serving (vLLM counting)": tandem_vllm_counting,
+                    "tandem serving (budget-exact)": tandem_budget_exact,
+                    "reference (vLLM counting)": ref_raw,
+                    "reference (budget-exact)": ref_exact,
+                },
+                "acceptance_length": {
+                    "vllm": length(vllm),
+                    "tandem serving, vLLM counting": length(tandem_vllm_counting),
+                    "tandem serving (tandem eval)": summary["acceptance_length"],
+                    "tandem convention (tandem eval)": summary.get(
+                        "tandem/acceptance_length", summary["acceptance_length"]
+                    ),
+                },
+                "tandem_eval": {k: v for k, v in summary.items() if "accept" in k},
+            }
+        )
+    )
 
     assert got["outputs"] == outputs  # identical greedy tokens
     assert vm["num_draft_tokens"] == K * vm["num_drafts"]
-    assert vllm == tandem_vllm_counting  # the served counters = the evaluator's serving convention, exactly
-    assert tandem_vllm_counting == ref_raw  # cross-check: the cache-free re-derivation of vLLM's proposer
+    # the served counters = the evaluator's serving convention, exactly
+    assert vllm == tandem_vllm_counting
+    # cross-check: the cache-free re-derivation of vLLM's proposer
+    assert tandem_vllm_counting == ref_raw
     assert tandem_budget_exact == ref_exact
     emitted = sum(len(o) - 1 for o in outputs)  # tokens after the prefill's
-    assert tandem_budget_exact[1] == emitted - drafts  # budget-exact: 1 + accepted = tokens emitted per round
-    assert abs(summary["acceptance_length"] - (1 + tandem_budget_exact[1] / drafts)) < 1e-12  # what it logs
+    # budget-exact: 1 + accepted = tokens emitted per round
+    assert tandem_budget_exact[1] == emitted - drafts
+    # what it logs
+    assert abs(summary["acceptance_length"] - (1 + tandem_budget_exact[1] / drafts)) < 1e-12

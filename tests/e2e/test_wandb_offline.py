@@ -1,5 +1,6 @@
 """wandb without an API key: an offline run in the run directory holding the same series as
-metrics.jsonl (per-depth losses, acceptance length), resumed under the same run id, no key logged."""
+metrics.jsonl (per-depth losses, acceptance length), resumed under the same run id, no key
+logged."""
 
 import glob
 import json
@@ -90,7 +91,8 @@ def test_api_key_never_reaches_the_run_directory(tiny_overrides, monkeypatch):
     secret = "sk-test-0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("WANDB_API_KEY", secret)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1", "logging.entity=mtp-team"])
+    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1",
+                                                "logging.entity=mtp-team"])
     train(cfg)
     # logging.entity names the wandb team the run belongs to
     (run_file,) = glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*", "run-*.wandb"))

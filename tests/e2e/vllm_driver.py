@@ -43,28 +43,35 @@ def main() -> int:
                    help="stop after this token id (kept in the output, as Tandem does)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--memory", type=float, default=0.1,
-                   help="gpu_memory_utilization: on the CPU build the fraction of host memory for the KV cache")
+                   help="gpu_memory_utilization: on the CPU build the fraction of host memory for "
+                        "the KV cache")
     args = p.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
     if not prompts or not all(isinstance(x, list) and x for x in prompts):
-        print(f"vllm_driver: {args.prompts} must hold a non-empty list of non-empty token-id lists", file=sys.stderr)
+        print(f"vllm_driver: {args.prompts} must hold a non-empty list of non-empty token-id lists",
+              file=sys.stderr)
         return 2
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
-              gpu_memory_utilization=args.memory, enforce_eager=True, disable_log_stats=False, seed=0,
-              speculative_config={"method": "mtp", "num_speculative_tokens": args.k} if args.k else None)
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
+              max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.memory, enforce_eager=True, disable_log_stats=False,
+              seed=0,
+              speculative_config={"method": "mtp",
+                                  "num_speculative_tokens": args.k} if args.k else None)
     t1 = time.perf_counter()
-    # No tokenizer is loaded, so the end token comes in as a stop token id (None: run to max_tokens).
+    # No tokenizer is loaded, so the end token comes in as a stop token id (None: run to
+    # max_tokens).
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False,
                             stop_token_ids=[args.eos] if args.eos is not None else None)
-    results = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], params, use_tqdm=False)
+    results = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], params,
+                           use_tqdm=False)
     t2 = time.perf_counter()
-    out = {"outputs": [list(r.outputs[0].token_ids) for r in results], "metrics": counters(llm.get_metrics()),
-           "load_s": t1 - t0, "generate_s": t2 - t1}
+    out = {"outputs": [list(r.outputs[0].token_ids) for r in results],
+           "metrics": counters(llm.get_metrics()), "load_s": t1 - t0, "generate_s": t2 - t1}
     print("VLLM_RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -1,7 +1,8 @@
-"""Map every tensor name of an exported Qwen4-Exp checkpoint through vLLM's own drafter loader remapping
-(`_remap_mtp_weight_name` of `vllm/models/qwen4_exp/nvidia/mtp.py`, the function `Qwen4ExpMTP.load_weights`
-applies) and print one JSON object {"names": {checkpoint name: vLLM draft-model name or null},
-"speculative_config_keys": [the identifier-like string constants of vLLM's speculative config]}.
+"""Map every tensor name of an exported Qwen4-Exp checkpoint through vLLM's own drafter loader
+remapping (`_remap_mtp_weight_name` of `vllm/models/qwen4_exp/nvidia/mtp.py`, the function
+`Qwen4ExpMTP.load_weights` applies) and print one JSON object {"names": {checkpoint name: vLLM
+draft-model name or null}, "speculative_config_keys": [the identifier-like string constants of
+vLLM's speculative config]}.
 
 Run with the Python of the vLLM virtual environment (never imports tandem):
     python vllm_qwen4_names.py EXPORT_DIR
@@ -24,16 +25,17 @@ def checkpoint_names(path):
 
 
 def vllm_remap():
-    """`_remap_mtp_weight_name` as vLLM ships it. Importing its module pulls in vLLM's multimodal models
-    (torchvision, which the CPU venv cannot load), so the function's own source is taken from the
-    installed file and run alone: it is a pure function of the name."""
+    """`_remap_mtp_weight_name` as vLLM ships it. Importing its module pulls in vLLM's multimodal
+    models (torchvision, which the CPU venv cannot load), so the function's own source is taken from
+    the installed file and run alone: it is a pure function of the name."""
     import ast
     import importlib.util
 
     root = importlib.util.find_spec("vllm").submodule_search_locations[0]
     path = os.path.join(root, "models", "qwen4_exp", "nvidia", "mtp.py")
     tree = ast.parse(open(path).read())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_remap_mtp_weight_name")
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+              and n.name == "_remap_mtp_weight_name")
     namespace = {}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), namespace)
     return namespace["_remap_mtp_weight_name"]
@@ -47,7 +49,8 @@ def speculative_config_keys():
 
     root = importlib.util.find_spec("vllm").submodule_search_locations[0]
     tree = ast.parse(open(os.path.join(root, "config", "speculative.py")).read())
-    return sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    return sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                   and isinstance(n.value, str)
                    and n.value.isidentifier()})
 
 

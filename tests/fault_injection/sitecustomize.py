@@ -65,7 +65,8 @@ def _pause_checkpoint(spec: str) -> None:
 
     point, _, at = spec.partition(":")
     # _write_metadata(tmp, step, ...) and _publish(tmp, final, step): where each takes the step
-    method, step_arg = {"after_shards": ("_write_metadata", 1), "before_marker": ("_publish", 2)}[point]
+    method, step_arg = {"after_shards": ("_write_metadata", 1),
+                        "before_marker": ("_publish", 2)}[point]
     original = getattr(CheckpointWriter, method)
 
     def paused(self, *args):

@@ -1,6 +1,6 @@
 """mtp.loss.objective=acceptance: -log sum_v min(p_v, q_v), checked against a hand-computed case, a
-naive full-vocabulary formula, and the model's own logits. The loss computes in fp32 whatever the input
-dtype (like the cross-entropy), hence fp32 tolerances against float64 references."""
+naive full-vocabulary formula, and the model's own logits. The loss computes in fp32 whatever the
+input dtype (like the cross-entropy), hence fp32 tolerances against float64 references."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def test_hand_computed_value_and_gradient():
     p = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
     q = torch.tensor([[0.2, 0.25, 0.55]], dtype=torch.float64)
     h = q.log().requires_grad_(True)
-    loss = acceptance_loss_sum(h, p.log(), torch.eye(3, dtype=torch.float64), torch.tensor([0]), 0.0)
+    loss = acceptance_loss_sum(h, p.log(), torch.eye(3, dtype=torch.float64), torch.tensor([0]),
+                               0.0)
     # a = min(.5,.2) + min(.3,.25) + min(.2,.55) = 0.65
     assert float(loss.detach()) == pytest.approx(-math.log(0.65), abs=1e-6)
     loss.backward()
@@ -36,7 +37,8 @@ def test_hand_computed_value_and_gradient():
 def test_mixed_cross_entropy_hand_computed():
     p = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
     q = torch.tensor([[0.2, 0.25, 0.55]], dtype=torch.float64)
-    loss = acceptance_loss_sum(q.log(), p.log(), torch.eye(3, dtype=torch.float64), torch.tensor([2]), 0.5)
+    loss = acceptance_loss_sum(q.log(), p.log(), torch.eye(3, dtype=torch.float64),
+                               torch.tensor([2]), 0.5)
     assert float(loss) == pytest.approx(-math.log(0.65) - 0.5 * math.log(0.55), abs=1e-6)
 
 
@@ -60,7 +62,8 @@ def test_chunked_matches_naive_formula_and_gradients(chunk):
 def test_disjoint_distributions_give_a_finite_loss():
     # p and q put their mass on different tokens: a ~ e^-60, -log a ~ 60, no inf / nan
     h = torch.tensor([[30.0, -30.0]], requires_grad=True)
-    loss = acceptance_loss_sum(h, torch.tensor([[-30.0, 30.0]]), torch.eye(2), torch.tensor([0]), 0.0)
+    loss = acceptance_loss_sum(h, torch.tensor([[-30.0, 30.0]]), torch.eye(2), torch.tensor([0]),
+                               0.0)
     assert math.isfinite(float(loss)) and 55 < float(loss) < 65
     loss.backward()
     assert torch.isfinite(h.grad).all()
@@ -70,7 +73,8 @@ def _tiny(objective: str, ce_weight: float = 0.0):
     from tandem.models import ModelConfig, MTPConfig, TandemModel
 
     cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
-                      intermediate_size=32, moe_intermediate_size=8, num_experts=4, top_k=2, max_seq_len=32)
+                      intermediate_size=32, moe_intermediate_size=8, num_experts=4, top_k=2,
+                      max_seq_len=32)
     mtp = MTPConfig(num_steps=2, num_layers=1)
     mtp.loss.objective, mtp.loss.acceptance_ce_weight = objective, ce_weight
     torch.manual_seed(0)
@@ -78,8 +82,9 @@ def _tiny(objective: str, ce_weight: float = 0.0):
 
 
 def test_model_depth_losses_equal_acceptance_of_its_own_logits():
-    """Each MTP depth's loss is -log sum_v min(p, q) with q the depth's distribution at position t and
-    p the trunk's at t+k (the position whose next token depth k drafts), from the model's logits."""
+    """Each MTP depth's loss is -log sum_v min(p, q) with q the depth's distribution at position t
+    and p the trunk's at t+k (the position whose next token depth k drafts), from the model's
+    logits."""
     from tandem.models.mtp import depth_target_mask
 
     model = _tiny("acceptance")
@@ -89,7 +94,8 @@ def test_model_depth_losses_equal_acceptance_of_its_own_logits():
     tokens = torch.randint(0, 50, (2, 13), generator=g)
     mask = torch.ones(2, 12)
     out, out_ce = model(tokens, mask), ce(tokens, mask)
-    assert float(out.loss_sums[0]) == pytest.approx(float(out_ce.loss_sums[0]), rel=1e-6)  # the main head: CE
+    # the main head: CE
+    assert float(out.loss_sums[0]) == pytest.approx(float(out_ce.loss_sums[0]), rel=1e-6)
     positions = torch.arange(12).expand(2, 12)
     with torch.no_grad():
         h0 = model.trunk(tokens[:, :12], positions)
@@ -106,8 +112,8 @@ def test_model_depth_losses_equal_acceptance_of_its_own_logits():
 
 
 def test_acceptance_gradient_reaches_mtp_not_the_teacher():
-    """The trunk's final norm shapes only the teacher p (the MTP chain reads the pre-norm h_0), so with
-    p detached the MTP losses give it no gradient, while the MTP layer gets one."""
+    """The trunk's final norm shapes only the teacher p (the MTP chain reads the pre-norm h_0), so
+    with p detached the MTP losses give it no gradient, while the MTP layer gets one."""
     model = _tiny("acceptance")
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(2))
     out = model(tokens)
@@ -123,6 +129,8 @@ def test_config_keys_are_validated():
     with pytest.raises(ConfigError, match="mtp.loss.objective='kl' must be ce or acceptance"):
         load_config("recipes/tiny.yaml", ["mtp.loss.objective=kl"])
     with pytest.raises(ConfigError, match="mtp.loss.acceptance_ce_weight=-1.0 must be >= 0"):
-        load_config("recipes/tiny.yaml", ["mtp.loss.objective=acceptance", "mtp.loss.acceptance_ce_weight=-1"])
-    with pytest.raises(ConfigError, match="train.distill.*must be none with mtp.loss.objective=acceptance"):
+        load_config("recipes/tiny.yaml",
+                    ["mtp.loss.objective=acceptance", "mtp.loss.acceptance_ce_weight=-1"])
+    with pytest.raises(ConfigError,
+                       match="train.distill.*must be none with mtp.loss.objective=acceptance"):
         load_config("recipes/tiny.yaml", ["mtp.loss.objective=acceptance", "train.distill=soft"])

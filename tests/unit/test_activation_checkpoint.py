@@ -21,10 +21,13 @@ def build_model(cfg):
     """The trainer's one-process build (which applies cfg.train.activation_checkpointing itself)."""
     return build_sharded(cfg, ParallelState(device=resolve_device("cpu")))
 
-OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
+OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3",
+             "model.num_heads=4",
              "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
-             "model.num_experts=4", "model.first_k_dense=1", "model.max_seq_len=64", "mtp.num_steps=2",
-             "data.vocab_size=260", "data.seq_len=24", "model.balance=aux_loss", "model.z_loss_coef=0.001"]
+             "model.num_experts=4", "model.first_k_dense=1", "model.max_seq_len=64",
+             "mtp.num_steps=2",
+             "data.vocab_size=260", "data.seq_len=24", "model.balance=aux_loss",
+             "model.z_loss_coef=0.001"]
 
 
 def _run(mode: str):
@@ -81,20 +84,22 @@ def test_mtp_blocks_are_wrapped_and_eval_bypasses_checkpointing():
 def test_bad_mode_is_a_config_error():
     from tandem.trainer.config import ConfigError
 
-    with pytest.raises(ConfigError, match="train.activation_checkpointing.*must be none, full or selective"):
+    with pytest.raises(ConfigError,
+                       match="train.activation_checkpointing.*must be none, full or selective"):
         load_config(None, OVERRIDES + ["train.activation_checkpointing=some"])
 
 
 # --- what runs again in backward ------------------------------------------------------------------
-# The ops worth not recomputing: the matmuls (dense and the routed experts' custom op) and the expert
-# dispatch's exchanges (functional all-to-alls; an in-place c10d all-to-all would show as alltoall_base_).
-COUNTED = ("aten.mm", "aten.addmm", "aten.bmm", "tandem.grouped_mm", "_c10d_functional.all_to_all_single",
-           "c10d.alltoall_base_")
+# The ops worth not recomputing: the matmuls (dense and the routed experts' custom op) and the
+# expert dispatch's exchanges (functional all-to-alls; an in-place c10d all-to-all would show as
+# alltoall_base_).
+COUNTED = ("aten.mm", "aten.addmm", "aten.bmm", "tandem.grouped_mm",
+           "_c10d_functional.all_to_all_single", "c10d.alltoall_base_")
 
 
 class BackwardOps(TorchDispatchMode):
-    """Counts the COUNTED ops that run while autograd's engine runs a backward (recomputations included;
-    an op that selective checkpointing answers from its cache never reaches this mode)."""
+    """Counts the COUNTED ops that run while autograd's engine runs a backward (recomputations
+    included; an op that selective checkpointing answers from its cache never reaches this mode)."""
 
     def __init__(self):
         super().__init__()
@@ -119,12 +124,12 @@ def _backward_ops(model, tokens) -> collections.Counter:
 
 
 def test_selective_recomputes_no_matmul_and_no_expert_in_bf16():
-    """`selective` keeps the routed experts' outputs (the custom op `tandem::grouped_mm`, which is what
-    the policy sees) and every dense matmul's: its backward runs exactly the matmuls a run without
-    checkpointing runs (their gradients), where `full` runs each block's forward matmuls once more.
-    In bf16 under autocast, with the looped MTP layer (K=2 depths on L=1 layer: one block run twice per
-    forward) and the grouped kernel's one-time probe first met inside a checkpointed block, both of
-    which used to break the recomputation."""
+    """`selective` keeps the routed experts' outputs (the custom op `tandem::grouped_mm`, which is
+    what the policy sees) and every dense matmul's: its backward runs exactly the matmuls a run
+    without checkpointing runs (their gradients), where `full` runs each block's forward matmuls
+    once more. In bf16 under autocast, with the looped MTP layer (K=2 depths on L=1 layer: one block
+    run twice per forward) and the grouped kernel's one-time probe first met inside a checkpointed
+    block, both of which used to break the recomputation."""
     from tandem.models.experts import _GROUPED_MM_WORKS
 
     calls = {}
@@ -136,12 +141,13 @@ def test_selective_recomputes_no_matmul_and_no_expert_in_bf16():
         calls[mode] = _backward_ops(model, tokens)
     moe_forwards = 2 + 2  # trunk layers 1 and 2, the MTP block at depths 1 and 2
     assert calls["none"]["tandem.grouped_mm"] == 0
-    assert calls["full"]["tandem.grouped_mm"] == 3 * moe_forwards, calls["full"]  # gate, up, down again
+    # gate, up, down again
+    assert calls["full"]["tandem.grouped_mm"] == 3 * moe_forwards, calls["full"]
     assert calls["full"]["aten.mm"] > calls["none"]["aten.mm"] > 0, calls
     assert calls["selective"] == calls["none"], calls
 
 
-# --- expert parallelism: the dispatch's all-to-alls are kept (2 processes on gloo) ------------------
+# --- expert parallelism: the dispatch's all-to-alls are kept (2 processes on gloo) ----------------
 def _ep_backward_ops_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -167,8 +173,8 @@ def _ep_backward_ops_rank(rank: int, world: int, out: str) -> None:
 @pytest.mark.distributed
 def test_selective_keeps_the_expert_dispatch_under_ep(tmp_path):
     """ep=2, bf16: under `selective` the backward runs the same all-to-alls (the exchanges' own
-    backward) and matmuls as without checkpointing: neither the count exchange nor the token dispatch
-    and combine, nor the experts, run again; under `full` they all do."""
+    backward) and matmuls as without checkpointing: neither the count exchange nor the token
+    dispatch and combine, nor the experts, run again; under `full` they all do."""
     out = str(tmp_path / "result.pt")
     worker.spawn_ranks(_ep_backward_ops_rank, 2, out)
     calls = torch.load(out, weights_only=False)
@@ -176,6 +182,7 @@ def test_selective_keeps_the_expert_dispatch_under_ep(tmp_path):
     moe_forwards = 3 + 2  # worker.BASE: trunk layers 1..3, the MTP block at depths 1 and 2
     assert calls["none"][a2a] == 2 * moe_forwards, calls["none"]  # dispatch and combine, reversed
     assert calls["none"]["c10d.alltoall_base_"] == 0, calls["none"]
-    assert calls["full"][a2a] == calls["none"][a2a] + 3 * moe_forwards, calls["full"]  # counts, tokens out, back
+    # counts, tokens out, back
+    assert calls["full"][a2a] == calls["none"][a2a] + 3 * moe_forwards, calls["full"]
     assert calls["full"]["tandem.grouped_mm"] == 3 * moe_forwards, calls["full"]
     assert calls["selective"] == calls["none"], calls

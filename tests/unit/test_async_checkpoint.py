@@ -34,7 +34,8 @@ def test_default_group_gets_a_cpu_backend(monkeypatch, kind, backend, expected):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", fake_init)
-    cfg = types.SimpleNamespace(parallel=types.SimpleNamespace(pp=1, dp=2, ep=1, tp=1, sequence_parallel=False))
+    cfg = types.SimpleNamespace(parallel=types.SimpleNamespace(pp=1, dp=2, ep=1, tp=1,
+                                                               sequence_parallel=False))
     with pytest.raises(_Stop):
         layout.build_parallel_state(cfg, Device(kind, backend, torch.device("cpu")), 2, 2)
     assert seen["backend"] == expected

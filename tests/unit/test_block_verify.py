@@ -1,7 +1,7 @@
 """Block verification (eval/block_verify.py) and the sampled decoder's output distribution: exact
-output distribution by enumeration over every draft block and every cell of the uniforms (blocks where
-several thresholds pass included, so the choice of tau is tested), with rules that pick another
-passing index failing the same computation; chi-square tests through the decoder for both
+output distribution by enumeration over every draft block and every cell of the uniforms (blocks
+where several thresholds pass included, so the choice of tau is tested), with rules that pick
+another passing index failing the same computation; chi-square tests through the decoder for both
 verification rules at the recipes' K = 3 and T = 0.7 and at K = 2, T = 1 with top-p, with broken
 samplers the same test rejects; expected accepted length >= token-wise verification's (computed
 exactly); greedy identity; wiring."""
@@ -24,19 +24,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64
 
 
-# --- small-vocabulary draft/target tables ------------------------------------------------------------
+# --- small-vocabulary draft/target tables ---------------------------------------------------------
 
 def _tables(V, K, seed, sharp=2.0):
-    """Random target tables P[i] [V^i, V] (i = 0..K) and draft tables Q[i] [V^i, V] (i = 0..K-1): row
-    `prefix` (base-V index of the i tokens after the context) holds the next-token distribution."""
+    """Random target tables P[i] [V^i, V] (i = 0..K) and draft tables Q[i] [V^i, V] (i = 0..K-1):
+    row `prefix` (base-V index of the i tokens after the context) holds the next-token
+    distribution."""
     g = torch.Generator().manual_seed(seed)
-    P = [torch.softmax(sharp * torch.randn(V ** i, V, generator=g, dtype=F64), -1) for i in range(K + 1)]
-    Q = [torch.softmax(sharp * torch.randn(V ** i, V, generator=g, dtype=F64), -1) for i in range(K)]
+    P = [torch.softmax(sharp * torch.randn(V ** i, V, generator=g, dtype=F64),
+                       -1) for i in range(K + 1)]
+    Q = [torch.softmax(sharp * torch.randn(V ** i, V, generator=g, dtype=F64),
+                       -1) for i in range(K)]
     return P, Q
 
 
 def _with_zeros(T, seed):
-    """The tables with one random token per row zeroed and renormalised (as top-p truncation does)."""
+    """The tables with one random token per row zeroed and renormalised (as top-p truncation
+    does)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for t in T:
@@ -49,7 +53,11 @@ def _with_zeros(T, seed):
 def _row(tokens, V):
     """Base-V index of each row's prefix tokens [N, i]."""
     i = tokens.shape[1]
-    return (tokens * V ** torch.arange(i - 1, -1, -1)).sum(1) if i else torch.zeros(tokens.shape[0], dtype=torch.long)
+    return (
+        (tokens * V ** torch.arange(i - 1, -1, -1)).sum(1)
+        if i
+        else torch.zeros(tokens.shape[0], dtype=torch.long)
+    )
 
 
 def _verify_inputs(P, Q, X):
@@ -61,7 +69,8 @@ def _verify_inputs(P, Q, X):
 
 
 def _all_drafts(P, Q):
-    """Every draft sequence X [V^K, K] with its probability under the drafter, and the verify inputs."""
+    """Every draft sequence X [V^K, K] with its probability under the drafter, and the verify
+    inputs."""
     V, K = P[0].shape[1], len(Q)
     X = torch.tensor(list(itertools.product(range(V), repeat=K)))
     p, q = _verify_inputs(P, Q, X)
@@ -69,14 +78,16 @@ def _all_drafts(P, Q):
 
 
 def _cells(cuts):
-    """Partition of the uniforms' cube [0,1)^K for each of N rows: cuts [N, K, C] are the points where
-    a rule's decision about u_i can change (its thresholds h_i). Returns (u [N, M, K] one point inside
-    each cell, mass [N, M] the cell's volume), M = (C+1)^K; a rule that compares each u_i only with
-    these cuts is constant on every cell, so the cells enumerate its randomness exactly."""
+    """Partition of the uniforms' cube [0,1)^K for each of N rows: cuts [N, K, C] are the points
+    where a rule's decision about u_i can change (its thresholds h_i). Returns (u [N, M, K] one
+    point inside each cell, mass [N, M] the cell's volume), M = (C+1)^K; a rule that compares each
+    u_i only with these cuts is constant on every cell, so the cells enumerate its randomness
+    exactly."""
     N, K, C = cuts.shape
     edges = torch.cat([torch.zeros(N, K, 1, dtype=F64), cuts.clamp(0, 1).sort(-1).values,
                        torch.ones(N, K, 1, dtype=F64)], -1)
-    mid, length = (edges[..., 1:] + edges[..., :-1]) / 2, edges[..., 1:] - edges[..., :-1]  # [N, K, C+1]
+    # [N, K, C+1]
+    mid, length = (edges[..., 1:] + edges[..., :-1]) / 2, edges[..., 1:] - edges[..., :-1]
     idx = torch.tensor(list(itertools.product(range(C + 1), repeat=K)))  # [M, K]
     u = torch.stack([mid[:, i, idx[:, i]] for i in range(K)], -1)
     mass = torch.stack([length[:, i, idx[:, i]] for i in range(K)], -1).prod(-1)
@@ -84,10 +95,10 @@ def _cells(cuts):
 
 
 def _enumerate(P, Q):
-    """Every (draft sequence, uniforms cell) with its probability, run through `bv.block_accept` (looked
-    up at call time, so a test can swap in a mutant): (X [R,K] drafts, weight [R], tau [R],
-    dist [R,V], passes [R] how many i have u_i < h_i, the block thresholds). The cells cut each u_i at
-    the block threshold h_i and at the prefix weight w_i (the naive rule's threshold)."""
+    """Every (draft sequence, uniforms cell) with its probability, run through `bv.block_accept`
+    (looked up at call time, so a test can swap in a mutant): (X [R,K] drafts, weight [R], tau [R],
+    dist [R,V], passes [R] how many i have u_i < h_i, the block thresholds). The cells cut each u_i
+    at the block threshold h_i and at the prefix weight w_i (the naive rule's threshold)."""
     X, qx, p, q = _all_drafts(P, Q)
     N, K = X.shape
     w, h = block_thresholds(p, q, X)
@@ -104,14 +115,15 @@ def _enumerate(P, Q):
 
 
 def _exact_output(P, Q):
-    """(exact distribution over y in V^(K+1) of the sampler, the target's, the probability that two or
-    more u_i pass): drafts ~ Q, uniforms ~ U[0,1)^K, `bv.block_accept`'s tau and next-token distribution,
-    then the target's own continuation up to K+1 tokens. The sampler's own tau is used: nothing here
-    assumes which passing index the rule picks."""
+    """(exact distribution over y in V^(K+1) of the sampler, the target's, the probability that two
+    or more u_i pass): drafts ~ Q, uniforms ~ U[0,1)^K, `bv.block_accept`'s tau and next-token
+    distribution, then the target's own continuation up to K+1 tokens. The sampler's own tau is
+    used: nothing here assumes which passing index the rule picks."""
     V, K = P[0].shape[1], len(Q)
     X, wt, tau, dist, passes = _enumerate(P, Q)
     Y = torch.tensor(list(itertools.product(range(V), repeat=K + 1)))
-    step = torch.stack([P[i][_row(Y[:, :i], V)].gather(1, Y[:, i : i + 1]).squeeze(1) for i in range(K + 1)])
+    step = torch.stack([P[i][_row(Y[:, :i],
+                                  V)].gather(1, Y[:, i : i + 1]).squeeze(1) for i in range(K + 1)])
     out = torch.zeros(len(Y), dtype=F64)
     for t in range(K + 1):
         r = tau == t
@@ -133,7 +145,7 @@ def _expected_lengths(P, Q):
     return float(token), float((wt * tau).sum())
 
 
-# --- deliberately broken rules: the negative controls ----------------------------------------------------
+# --- deliberately broken rules: the negative controls ---------------------------------------------
 
 def naive_block_accept(p, q, drafts, u):
     """h_i = w_i: "keep the longest prefix whose capped likelihood ratio beats a uniform" -- drops
@@ -146,12 +158,13 @@ def naive_block_accept(p, q, drafts, u):
     q_t = q.gather(1, tau.clamp(max=K - 1).view(B, 1, 1).expand(B, 1, V)).squeeze(1)
     resid = (w.gather(1, tau.view(B, 1)) * p_t - q_t).clamp(min=0.0)
     total = resid.sum(-1, keepdim=True)
-    return tau, torch.where((tau < K).unsqueeze(-1) & (total > 0), resid / total.clamp(min=1e-30), p_t)
+    return tau, torch.where((tau < K).unsqueeze(-1) & (total > 0), resid / total.clamp(min=1e-30),
+                            p_t)
 
 
 def _tau_mutant(real, pick):
-    """The real thresholds and residual, but tau = pick(passes [B,K] bool): the real `block_accept` run
-    on uniforms rewritten so that only u_tau passes (u_tau = 0, every other u = 1 > h)."""
+    """The real thresholds and residual, but tau = pick(passes [B,K] bool): the real `block_accept`
+    run on uniforms rewritten so that only u_tau passes (u_tau = 0, every other u = 1 > h)."""
     def accept(p, q, drafts, u):
         h = block_thresholds(p, q, drafts)[1]
         tau = pick(u.to(h.dtype) < h)
@@ -168,7 +181,7 @@ MUTANTS = {
 }
 
 
-# --- exact distribution ---------------------------------------------------------------------------------
+# --- exact distribution ---------------------------------------------------------------------------
 
 # (V, K, seed, sharpness): tables where two or more uniforms pass in 10-50% of the blocks (sharper
 # tables make drafter and target disagree so much that the thresholds are rarely passed at all)
@@ -199,7 +212,7 @@ def test_output_distribution_is_the_target_exactly(V, K, seed, sharp, zeros, mon
     assert 0.5 * float((_exact_output(P, Q)[0] - target).abs().sum()) > 0.01
 
 
-# --- chi-square through the decoder -----------------------------------------------------------------------
+# --- chi-square through the decoder ---------------------------------------------------------------
 
 def _chi2_pvalue(obs, exp):
     """Pearson chi-square p-value; cells with expected count < 5 are pooled into one."""
@@ -230,9 +243,10 @@ def _trunk_probs(model, prefixes, temperature, top_p):
 
 
 def _decoder_model(K):
-    """An 8-token model whose MTP drafts partly agree with the trunk (make_agreeing), its shared head
-    scaled down so that both sample broadly at T = 0.7..1: about one draft in three is accepted, and
-    every acceptance count 0..K, several passing block thresholds included, is common."""
+    """An 8-token model whose MTP drafts partly agree with the trunk (make_agreeing), its shared
+    head scaled down so that both sample broadly at T = 0.7..1: about one draft in three is
+    accepted, and every acceptance count 0..K, several passing block thresholds included, is
+    common."""
     model = make_agreeing(tiny_model(K, 1, vocab=8, seed=11, moe=False), 0.1, seed=1)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.15)
@@ -240,10 +254,10 @@ def _decoder_model(K):
 
 
 def _decoder_pvalues(verify, K, T, top_p, n=2000):
-    """generate(verify=...) of K+1 tokens with K drafts: the first token comes from prefill, the next K
-    from the first verify round (and from later rounds after a rejection). Chi-square p-values of every
-    adjacent pair (t_i, t_i+1) and triple of the output against the trunk's exact joint (from the trunk
-    alone, over every continuation)."""
+    """generate(verify=...) of K+1 tokens with K drafts: the first token comes from prefill, the
+    next K from the first verify round (and from later rounds after a rejection). Chi-square
+    p-values of every adjacent pair (t_i, t_i+1) and triple of the output against the trunk's exact
+    joint (from the trunk alone, over every continuation)."""
     V, L, prompt = 8, K + 1, [1, 2, 3]
     model = _decoder_model(K)
     g = torch.Generator().manual_seed(4321)
@@ -251,7 +265,8 @@ def _decoder_pvalues(verify, K, T, top_p, n=2000):
                                 verify=verify).outputs)
     joint = torch.ones(1, dtype=F64)
     for i in range(L):
-        probs = _trunk_probs(model, [prompt + list(c) for c in itertools.product(range(V), repeat=i)], T, top_p)
+        probs = _trunk_probs(model, [prompt + list(c)
+                                     for c in itertools.product(range(V), repeat=i)], T, top_p)
         joint = (joint.unsqueeze(1) * probs).reshape(-1)
     joint = joint.view([V] * L)
     ps = []
@@ -305,7 +320,8 @@ def _drafts_at_t1(monkeypatch):
     monkeypatch.setattr(sd.SpecDecoder, "choose", mutant)
 
 
-@pytest.mark.parametrize("verify,broken", [("token", "residual"), ("block", "residual"), ("block", "draft T"),
+@pytest.mark.parametrize("verify,broken",
+                         [("token", "residual"), ("block", "residual"), ("block", "draft T"),
                                            ("block", "first passing index")])
 def test_broken_sampler_fails_the_decoder_chi_square(verify, broken, monkeypatch):
     """The same test at K = 3, T = 0.7 and the same sample size rejects a broken sampler: the target
@@ -324,7 +340,7 @@ def test_broken_sampler_fails_the_decoder_chi_square(verify, broken, monkeypatch
     print(f"decoder, {verify}, {broken}: chi-square p = {min(ps):.3g}")
 
 
-# --- expected accepted length -----------------------------------------------------------------------------
+# --- expected accepted length ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("V,K", [(3, 2), (3, 3), (4, 2), (4, 3)])
 def test_expected_accepted_length_at_least_token_wise_exact(V, K):
@@ -345,7 +361,8 @@ def test_block_strictly_longer_in_constructed_case():
     that neither proposes, so V=3), K=2. Token-wise accepts 2/3 + (2/3)^2 = 10/9 drafts on average;
     block verification keeps (B, A) whole, since A pays back the ratio B lost: 11/9."""
     V, K = 3, 2
-    tgt, drf = torch.tensor([2 / 3, 1 / 3, 0.0], dtype=F64), torch.tensor([1 / 3, 2 / 3, 0.0], dtype=F64)
+    tgt, drf = torch.tensor([2 / 3, 1 / 3, 0.0], dtype=F64), torch.tensor([1 / 3, 2 / 3, 0.0],
+                                                                          dtype=F64)
     P = [tgt.expand(V ** i, V) for i in range(K + 1)]
     Q = [drf.expand(V ** i, V) for i in range(K)]
     token, block = _expected_lengths(P, Q)
@@ -356,13 +373,15 @@ def test_block_strictly_longer_in_constructed_case():
     P3, Q3 = P + [tgt.expand(V ** 3, V)], Q + [drf.expand(V ** 2, V)]
     token3, block3 = _expected_lengths(P3, Q3)
     assert block3 > token3 + 0.1, (token3, block3)
-    print(f"K=2: token {token:.6f} (10/9), block {block:.6f} (11/9); K=3: token {token3:.6f}, block {block3:.6f}")
+    print(f"K=2: token {token:.6f} (10/9), block {block:.6f} (11/9); K=3: token {token3:.6f}, "
+          f"block {block3:.6f}")
 
 
-# --- special cases ----------------------------------------------------------------------------------------
+# --- special cases --------------------------------------------------------------------------------
 
 def test_k1_is_token_wise_speculative_sampling():
-    """With one draft the block rule is the token-wise rule: same acceptance, same next-token distribution."""
+    """With one draft the block rule is the token-wise rule: same acceptance, same next-token
+    distribution."""
     g = torch.Generator().manual_seed(0)
     B, V = 2000, 6
     p = torch.softmax(2 * torch.randn(B, 2, V, generator=g, dtype=F64), -1)
@@ -376,12 +395,14 @@ def test_k1_is_token_wise_speculative_sampling():
 
 
 def test_one_hot_distributions_reduce_to_exact_match():
-    """The temperature-0 limit: one-hot target and draft distributions make block verification accept
-    exactly the prefix that matches the target's argmax and draw the argmax next, whatever the uniforms."""
+    """The temperature-0 limit: one-hot target and draft distributions make block verification
+    accept exactly the prefix that matches the target's argmax and draw the argmax next, whatever
+    the uniforms."""
     g = torch.Generator().manual_seed(1)
     B, K, V = 512, 3, 4
     a = torch.randint(0, V, (B, K + 1), generator=g)  # target argmax at each verify position
-    drafts = torch.where(torch.rand(B, K, generator=g) < 0.7, a[:, :K], torch.randint(0, V, (B, K), generator=g))
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.7, a[:, :K],
+                         torch.randint(0, V, (B, K), generator=g))
     p = torch.nn.functional.one_hot(a, V).double()
     q = torch.nn.functional.one_hot(drafts, V).double()
     n, dist = block_accept(p, q, drafts, torch.rand(B, K, generator=g, dtype=F64))
@@ -401,8 +422,10 @@ def test_greedy_block_equals_token_and_autoregressive(noise):
     tok = generate(model, PROMPTS, 20, 3, verify="token")
     blk = generate(model, PROMPTS, 20, 3, verify="block")
     assert blk.outputs == tok.outputs == ar.outputs
-    assert torch.equal(blk.stats.accepted, tok.stats.accepted) and torch.equal(blk.stats.rounds, tok.stats.rounds)
-    assert torch.equal(blk.stats.accepted_at, tok.stats.accepted_at) and int(blk.stats.accepted.sum()) > 0
+    assert torch.equal(blk.stats.accepted, tok.stats.accepted) and torch.equal(blk.stats.rounds,
+                                                                               tok.stats.rounds)
+    assert torch.equal(blk.stats.accepted_at,
+                       tok.stats.accepted_at) and int(blk.stats.accepted.sum()) > 0
 
 
 def test_unknown_rule_is_refused():
@@ -417,7 +440,8 @@ def test_config_and_cli_name_the_rule():
     from tandem.trainer.recipe import load_config
 
     assert load_config(None, ["eval.verify=block"]).eval.verify == "block"
-    with pytest.raises(ConfigError, match=r"^config key 'eval.verify'='blocks' must be token or block$"):
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'eval.verify'='blocks' must be token or block$"):
         load_config(None, ["eval.verify=blocks"])
     assert _parser().parse_args(["--checkpoint", "x", "--verify", "block"]).verify == "block"
     assert _parser().parse_args(["--checkpoint", "x"]).verify is None
@@ -433,26 +457,32 @@ def test_evaluator_logs_the_other_rule_at_each_temperature(rule, other):
     from tandem.trainer.recipe import load_config
 
     K = 3
-    cfg = load_config(None, [f"eval.verify={rule}", "eval.temperatures=[1.0,0.7]", f"eval.num_steps={K}",
-                             "eval.max_new_tokens=12", "eval.batch_size=2", "eval.num_samples_logged=1",
+    cfg = load_config(None,
+                      [f"eval.verify={rule}", "eval.temperatures=[1.0,0.7]", f"eval.num_steps={K}",
+                             "eval.max_new_tokens=12", "eval.batch_size=2",
+                       "eval.num_samples_logged=1",
                              "logging.wandb=false"])
     model = make_agreeing(tiny_model(K, 1, seed=2), 0.05, seed=2)
-    pstate = types.SimpleNamespace(world_size=1, is_main=True, device=types.SimpleNamespace(device=torch.device("cpu")))
+    pstate = types.SimpleNamespace(world_size=1, is_main=True,
+                                   device=types.SimpleNamespace(device=torch.device("cpu")))
     ev = InLoopEvaluator(cfg, model, None, None, pstate)
     ev.prompts = PROMPTS
     out = ev.run(1)
     for t in ("T1", "T0.7"):
-        for key in ["acceptance_length", "draft_acceptance_rate"] + [f"accept_rate/pos_{k}" for k in range(1, K + 1)]:
+        for key in ["acceptance_length",
+                    "draft_acceptance_rate"] + [f"accept_rate/pos_{k}" for k in range(1, K + 1)]:
             assert f"eval/{t}/{key}" in out and f"eval/{t}/{other}/{key}" in out, (t, key)
         assert f"eval/{t}/{rule}/acceptance_length" not in out
-    assert not any(k.startswith(f"eval/{other}/") for k in out)  # greedy: one rule, no duplicate keys
+    # greedy: one rule, no duplicate keys
+    assert not any(k.startswith(f"eval/{other}/") for k in out)
     # the figures are those of evaluate_decoding with each rule, at each temperature
     from tandem.eval.decode_eval import evaluate_decoding
 
     for t, temp in (("T1", 1.0), ("T0.7", 0.7)):
-        common = dict(num_steps=K, max_new_tokens=12, batch_size=2, seed=cfg.train.seed, temperature=temp,
-                      autoregressive=False)
+        common = dict(num_steps=K, max_new_tokens=12, batch_size=2, seed=cfg.train.seed,
+                      temperature=temp, autoregressive=False)
         ref_rule = evaluate_decoding(model, PROMPTS, verify=rule, **common)[0]["acceptance_length"]
-        ref_other = evaluate_decoding(model, PROMPTS, verify=other, **common)[0]["acceptance_length"]
+        ref_other = evaluate_decoding(model, PROMPTS, verify=other,
+                                      **common)[0]["acceptance_length"]
         assert out[f"eval/{t}/acceptance_length"] == pytest.approx(ref_rule)
         assert out[f"eval/{t}/{other}/acceptance_length"] == pytest.approx(ref_other)

@@ -1,6 +1,6 @@
-"""Chat data with prompt masking (data.source=jsonl): records -> windows whose loss mask and doc ids keep
-every depth's targets on response tokens of their own record, checked against hand-counted cases with a
-word-level tokenizer where one word is one token."""
+"""Chat data with prompt masking (data.source=jsonl): records -> windows whose loss mask and doc ids
+keep every depth's targets on response tokens of their own record, checked against hand-counted
+cases with a word-level tokenizer where one word is one token."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% 
 
 
 def make_tokenizer(directory, template) -> str:
-    """A word-level tokenizer directory (id 0 = EOD); with `template` (True: TEMPLATE, or a template's
-    text), a chat template in its config."""
+    """A word-level tokenizer directory (id 0 = EOD); with `template` (True: TEMPLATE, or a
+    template's text), a chat template in its config."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS + ["<think>"])}
@@ -64,8 +64,8 @@ def test_prompt_response_packed_hand_counted(tmp_path):
     """No template: prompt ids then response ids then EOD. Stream (seq_len 8, one window):
         t:      0  1  2  3  4  5  6  7  8
         token:  p1 p2 r1 r2 E  q1 s1 s2 E      doc: 0 0 0 0 0 1 1 1 1
-    depth 0 keeps targets r1 r2 E (t=1,2,3) and s1 s2 E (t=5,6,7), never q1 (prompt);
-    depth 1 (target t+2): t=0,1,2 (r1 r2 E) and 5,6 (s2 E); t=4 -> s1 crosses records, t=3 -> q1 prompt;
+    depth 0 keeps targets r1 r2 E (t=1,2,3) and s1 s2 E (t=5,6,7), never q1 (prompt); depth 1
+    (target t+2): t=0,1,2 (r1 r2 E) and 5,6 (s2 E); t=4 -> s1 crosses records, t=3 -> q1 prompt;
     depth 2 (target t+3): t=0,1 (r2 E) and 5 (E); t=3,4 would reach s1/s2 from record one."""
     tok = make_tokenizer(tmp_path / "tok", template=False)
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1 p2", "response": "r1 r2"},
@@ -73,18 +73,24 @@ def test_prompt_response_packed_hand_counted(tmp_path):
     ds = ChatWindows(encoded(tok, path), seq_len=8, packing="pack", eod_id=0)
     batch = get_batch(ds, [0])
     words = SPECIALS + WORDS
-    assert [words[i] for i in batch["tokens"][0]] == "<|endoftext|>".join(["p1 p2 r1 r2 ", " q1 s1 s2 ", ""]).split()
+    assert [words[i] for i in batch["tokens"][0]] == "<|endoftext|>".join(["p1 p2 r1 r2 ",
+                                                                           " q1 s1 s2 ",
+                                                                           ""]).split()
     assert batch["doc_ids"][0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
     assert kept(batch, 0) == [1, 2, 3, 5, 6, 7]
     assert kept(batch, 1) == [0, 1, 2, 5, 6]
     assert kept(batch, 2) == [0, 1, 5]
-    # the model counts the same targets per depth (main head, MTP 1, MTP 2), masked or not by document
+    # the model counts the same targets per depth (main head, MTP 1, MTP 2), masked or not by
+    # document
     from tandem.models import ModelConfig, MTPConfig, TandemModel
 
     torch.manual_seed(0)
-    model = TandemModel(ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                                    intermediate_size=16, moe_intermediate_size=8, num_experts=2, top_k=1,
-                                    first_k_dense=1, max_seq_len=16), MTPConfig(num_steps=2, num_layers=1))
+    model = TandemModel(ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2,
+                                    num_kv_heads=1,
+                                    intermediate_size=16, moe_intermediate_size=8, num_experts=2,
+                                    top_k=1,
+                                    first_k_dense=1, max_seq_len=16),
+                        MTPConfig(num_steps=2, num_layers=1))
     for document_mask in (False, True):
         out = model(batch["tokens"], batch["loss_mask"], batch["doc_ids"], document_mask)
         assert out.token_counts.tolist() == [6, 5, 3]
@@ -93,15 +99,17 @@ def test_prompt_response_packed_hand_counted(tmp_path):
 def test_messages_with_template_hand_counted(tmp_path):
     """Template render of [user u1, assistant a1, user u2, assistant a2]:
         <|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> <|assistant|> a2 <|end|> E
-    The loss is on a1 <|end|> and a2 <|end|> E (each turn's content and end-of-turn, not its header);
-    depth 1 keeps only targets two tokens after a position inside the record that are assistant tokens."""
+    The loss is on a1 <|end|> and a2 <|end|> E (each turn's content and end-of-turn, not its
+    header); depth 1 keeps only targets two tokens after a position inside the record that are
+    assistant tokens."""
     tok = make_tokenizer(tmp_path / "tok", template=True)
     msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
             {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}])
     ((_, ids, flags),) = encoded(tok, path)
     words = SPECIALS + WORDS
-    assert [words[i] for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
+    assert [words[i]
+            for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
                                        "<|assistant|> a2 <|end|> <|endoftext|>").split()
     assert flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
     ds = ChatWindows([("x", ids, flags)], seq_len=12, packing="pad", eod_id=0)
@@ -112,9 +120,11 @@ def test_messages_with_template_hand_counted(tmp_path):
 
 
 def test_template_that_rewrites_earlier_turns(tmp_path):
-    """A Qwen3-like template marks only the last assistant turn (`<think>`): the earlier turn's span is
-    found by its content plus the end-of-turn text, the last one's includes the marker it generates."""
-    last_only = ("{% for m in messages %}<|{{ m.role }}|> {% if m.role == 'assistant' and loop.last %}<think> "
+    """A Qwen3-like template marks only the last assistant turn (`<think>`): the earlier turn's span
+    is found by its content plus the end-of-turn text, the last one's includes the marker it
+    generates."""
+    last_only = ("{% for m in messages %}<|{{ m.role }}|> {% if m.role == 'assistant' and "
+                 "loop.last %}<think> "
                  "{% endif %}{{ m.content }} <|end|> {% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|> {% endif %}")
     tok = make_tokenizer(tmp_path / "tok", template=last_only)
@@ -122,7 +132,8 @@ def test_template_that_rewrites_earlier_turns(tmp_path):
             {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
     ((_, ids, flags),) = encoded(tok, write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}]))
     words = SPECIALS + WORDS + ["<think>"]
-    assert [words[i] for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
+    assert [words[i]
+            for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
                                        "<|assistant|> <think> a2 <|end|> <|endoftext|>").split()
     assert flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
 
@@ -134,11 +145,14 @@ def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1", "response": "r1"},
                                               {"prompt": "x", "response": "y", "prompt_ids": [4, 5],
                                                "response_ids": [6, 0]},
-                                              {"prompt_ids": [4], "response_ids": [6, 7], "finished": False}])
+                                              {"prompt_ids": [4], "response_ids": [6, 7],
+                                               "finished": False}])
     (_, ids1, flags1), (_, ids2, flags2), (_, ids3, flags3) = encoded(tok, path)
-    assert ids3.tolist() == [4, 6, 7, 0] and flags3.tolist() == [0, 1, 1, 0]  # cut off: its end is not learnt
+    # cut off: its end is not learnt
+    assert ids3.tolist() == [4, 6, 7, 0] and flags3.tolist() == [0, 1, 1, 0]
     assert ids1.tolist() == [1, 4, 3, 2, 6, 3, 0] and flags1.tolist() == [0, 0, 0, 0, 1, 1, 1]
-    assert ids2.tolist() == [4, 5, 6, 0] and flags2.tolist() == [0, 0, 1, 1]  # already EOD-terminated
+    # already EOD-terminated
+    assert ids2.tolist() == [4, 5, 6, 0] and flags2.tolist() == [0, 0, 1, 1]
 
 
 def test_padding_keeps_records_apart(tmp_path):
@@ -155,7 +169,8 @@ def test_padding_keeps_records_apart(tmp_path):
 
 @pytest.mark.parametrize("line, expected", [
     ({"question": "q"}, "d.jsonl:2: a record needs"),
-    ({"messages": [{"role": "user", "content": "u1"}]}, "d.jsonl:2: messages have no assistant turn"),
+    ({"messages": [{"role": "user", "content": "u1"}]},
+     "d.jsonl:2: messages have no assistant turn"),
     ({"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]},
      "d.jsonl:2: messages need a chat template"),
     ("not json", "d.jsonl:2: not valid JSON"),
@@ -173,7 +188,8 @@ def test_bad_records_name_file_and_line(tmp_path, line, expected):
 def test_record_longer_than_window_when_padding(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", template=False)
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1 p2 p1 p2", "response": "r1 r2"}])
-    with pytest.raises(ValueError, match=r"d.jsonl:1: a record of 7 tokens .* longer than data.seq_len=4"):
+    with pytest.raises(ValueError,
+                       match=r"d.jsonl:1: a record of 7 tokens .* longer than data.seq_len=4"):
         ChatWindows(encoded(tok, path), seq_len=4, packing="pad", eod_id=0)
 
 
@@ -191,7 +207,8 @@ def test_build_datasets_reads_jsonl_and_parquet(tmp_path):
     train_ds, valid_ds, tokenizer = build_datasets(cfg.data, 16, 1234, 8, 2, model_vocab_size=64)
     assert len(train_ds) == 6 and len(valid_ds) == 2 and tokenizer.eod_id == 0
     batch = get_batch(valid_ds, [0])
-    assert batch["loss_mask"][0, :8].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]  # targets p1 p2 <|end|> <|assistant|>: 0
+    # targets p1 p2 <|end|> <|assistant|>: 0
+    assert batch["loss_mask"][0, :8].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert torch.equal(get_batch(train_ds, [0])["tokens"], batch["tokens"])
 
 
@@ -216,9 +233,11 @@ def test_datasets_directory_records(tmp_path):
 
     from tandem.data_pipeline.chat import iter_records
 
-    datasets.Dataset.from_list([{"prompt": "p1", "response": "r1"}, {"prompt": "q1", "response": None}]).save_to_disk(
+    datasets.Dataset.from_list([{"prompt": "p1", "response": "r1"},
+                                {"prompt": "q1", "response": None}]).save_to_disk(
         str(tmp_path / "ds"))
     tok = make_tokenizer(tmp_path / "tok", template=False)
-    assert [w.rsplit(":", 1)[1] for w, _ in iter_records([str(tmp_path / "ds")])] == ["row 1", "row 2"]
+    assert [w.rsplit(":", 1)[1] for w, _ in iter_records([str(tmp_path / "ds")])] == ["row 1",
+                                                                                      "row 2"]
     with pytest.raises(ValueError, match=r"ds:row 2: a record needs"):
         check_files([str(tmp_path / "ds")], chat_encoder(load_tokenizer(tok), tok))

@@ -1,6 +1,7 @@
-"""train.compile: compiled blocks train like eager ones (fp32 and bf16 autocast), keep their parameter
-names, leave decoding eager (no recompiles), and compose with activation checkpointing (the recomputation
-reruns the compiled forward under `full` and none of it under `selective`, the routers count once)."""
+"""train.compile: compiled blocks train like eager ones (fp32 and bf16 autocast), keep their
+parameter names, leave decoding eager (no recompiles), and compose with activation checkpointing
+(the recomputation reruns the compiled forward under `full` and none of it under `selective`, the
+routers count once)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from tandem.trainer.run import build_model as build_sharded
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
+OVERRIDES = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=3",
+             "model.num_heads=4",
              "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
-             "model.num_experts=4", "model.first_k_dense=1", "model.max_seq_len=64", "mtp.num_steps=3",
-             "data.vocab_size=260", "data.seq_len=24", "model.balance=aux_loss", "model.z_loss_coef=0.001",
-             "train.lr=0.01", "train.warmup_steps=0", "train.eps=1e-6"]
+             "model.num_experts=4", "model.first_k_dense=1", "model.max_seq_len=64",
+             "mtp.num_steps=3",
+             "data.vocab_size=260", "data.seq_len=24", "model.balance=aux_loss",
+             "model.z_loss_coef=0.001", "train.lr=0.01", "train.warmup_steps=0", "train.eps=1e-6"]
 STEPS = 3
 
 
@@ -45,7 +48,8 @@ def _train(compile_: bool, bf16: bool):
         tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(step))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(tokens)
-        loss = combine_losses(out.loss_sums, out.token_counts.float(), depth_coefficients(cfg.mtp, step))
+        loss = combine_losses(out.loss_sums, out.token_counts.float(),
+                              depth_coefficients(cfg.mtp, step))
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -55,18 +59,19 @@ def _train(compile_: bool, bf16: bool):
     return model, torch.stack(losses), grads
 
 
-# Tolerances. fp32: inductor fuses the norms, rotary, SwiGLU and routing elementwise work and reorders
-# their reductions, so results differ from eager by fp32 rounding (measured: losses 8e-8, per-parameter
-# gradients 4.4e-6 relative). bf16: the fused kernels keep intermediates in fp32 where eager rounds
-# each op's output to bf16 (2^-8 = 3.9e-3 relative each); measured losses 1.4e-4 (three steps),
-# gradients 8.2e-3 relative per parameter. The tolerances leave 4-10x margin; a wrong gradient (a
-# missing term, a dropped MTP depth, an expert's rows mixed up) is off by O(1).
+# Tolerances. fp32: inductor fuses the norms, rotary, SwiGLU and routing elementwise work and
+# reorders their reductions, so results differ from eager by fp32 rounding (measured: losses 8e-8,
+# per-parameter gradients 4.4e-6 relative). bf16: the fused kernels keep intermediates in fp32 where
+# eager rounds each op's output to bf16 (2^-8 = 3.9e-3 relative each); measured losses 1.4e-4 (three
+# steps), gradients 8.2e-3 relative per parameter. The tolerances leave 4-10x margin; a wrong
+# gradient (a missing term, a dropped MTP depth, an expert's rows mixed up) is off by O(1).
 @pytest.mark.parametrize("bf16,loss_rtol,grad_rtol", [(False, 1e-6, 3e-5), (True, 2e-3, 3e-2)])
 def test_compiled_training_matches_eager(bf16, loss_rtol, grad_rtol):
     _, eager_losses, eager_grads = _train(False, bf16)
     model, losses, grads = _train(True, bf16)
     blocks = checkpointed_blocks(model)
-    assert len(blocks) == 4 and all(getattr(b, "_tandem_compiled", False) for b in blocks)  # 3 trunk + 1 MTP
+    # 3 trunk + 1 MTP
+    assert len(blocks) == 4 and all(getattr(b, "_tandem_compiled", False) for b in blocks)
     assert grads.keys() == eager_grads.keys()  # same parameters, same names (checkpoints unchanged)
     assert [n for n, _ in model.named_parameters()] == list(eager_grads)
     loss_err = float(((losses - eager_losses).abs() / eager_losses.abs()).max())
@@ -77,8 +82,8 @@ def test_compiled_training_matches_eager(bf16, loss_rtol, grad_rtol):
 
 
 def test_decoding_runs_eager_and_never_compiles():
-    """Forwards with a KV cache, or without autograd, take the original forward: no graph is compiled
-    however the shapes vary; a training forward compiles."""
+    """Forwards with a KV cache, or without autograd, take the original forward: no graph is
+    compiled however the shapes vary; a training forward compiles."""
     compiled_graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -90,7 +95,8 @@ def test_decoding_runs_eager_and_never_compiles():
     apply_compile(model, True, backend=counting_backend)
     with torch.no_grad():
         cache = KVCache(cfg.model.num_layers, 1, 40, torch.float32, torch.device("cpu"))
-        for start, length in ((0, 7), (7, 1), (8, 4), (12, 1)):  # prefill, then decode steps of varying size
+        # prefill, then decode steps of varying size
+        for start, length in ((0, 7), (7, 1), (8, 4), (12, 1)):
             tokens = torch.randint(0, 300, (1, length))
             model.trunk(tokens, torch.arange(start, start + length).unsqueeze(0), cache)
         model(torch.randint(0, 300, (2, 25)))  # teacher-forced evaluation loss
@@ -100,19 +106,22 @@ def test_decoding_runs_eager_and_never_compiles():
 
 
 def test_bf16_mtp_block_reuses_the_trunk_block_graph():
-    """Under bf16 autocast the MTP block's residual stream is the trunk's (fp32), so the MTP block, a MoE
-    block like the trunk's, runs the graph the trunk's MoE blocks compiled: two graphs (the dense first
-    block, the MoE blocks), not a third for a bf16 input (what the MTP input projection returns)."""
+    """Under bf16 autocast the MTP block's residual stream is the trunk's (fp32), so the MTP block,
+    a MoE block like the trunk's, runs the graph the trunk's MoE blocks compiled: two graphs (the
+    dense first block, the MoE blocks), not a third for a bf16 input (what the MTP input projection
+    returns)."""
     graphs = []
 
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    model = build_sharded(load_config(None, OVERRIDES), ParallelState(device=resolve_device("cpu"))).train()
+    model = build_sharded(load_config(None, OVERRIDES),
+                          ParallelState(device=resolve_device("cpu"))).train()
     apply_compile(model, True, backend=counting_backend)
     block_inputs = []
-    model.mtp.layers[0].block.register_forward_pre_hook(lambda m, args: block_inputs.append(args[0].dtype))
+    model.mtp.layers[0].block.register_forward_pre_hook(lambda m,
+                                                        args: block_inputs.append(args[0].dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.randint(0, 300, (2, 25)))
     out.loss_sums.sum().backward()
@@ -126,7 +135,8 @@ def _checkpointed_step(mode: str, compile_: bool):
     that ran during backward."""
     torch.manual_seed(0)
     cfg = load_config(None, OVERRIDES + [f"train.compile={str(compile_).lower()}",
-                                         f"train.activation_checkpointing={mode}", "model.balance=aux_free"])
+                                         f"train.activation_checkpointing={mode}",
+                                         "model.balance=aux_free"])
     model = build_sharded(cfg, ParallelState(device=resolve_device("cpu"))).train()
     tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(0))
     out = model(tokens)
@@ -141,28 +151,32 @@ def _checkpointed_step(mode: str, compile_: bool):
 
 
 def test_checkpointing_wraps_the_compiled_forward():
-    """Compiled blocks under `full` and `selective` checkpointing: losses, gradients and router loads
-    as eager training without checkpointing (a recomputation's counter updates undone, not counted
-    twice). In backward, `full` reruns every compiled forward's matmuls, `selective` none: each compiled
-    region is kept whole (its own partitioner already kept the products), so its backward runs the
-    matmuls a run without checkpointing runs, no more."""
+    """Compiled blocks under `full` and `selective` checkpointing: losses, gradients and router
+    loads as eager training without checkpointing (a recomputation's counter updates undone, not
+    counted twice). In backward, `full` reruns every compiled forward's matmuls, `selective` none:
+    each compiled region is kept whole (its own partitioner already kept the products), so its
+    backward runs the matmuls a run without checkpointing runs, no more."""
     losses, grads, loads, _ = _checkpointed_step("none", False)
     for mode in ("full", "selective"):
         got_losses, got_grads, got_loads, _ = _checkpointed_step(mode, True)
         torch.testing.assert_close(got_losses, losses, rtol=1e-6, atol=0)
-        assert got_loads.keys() == loads.keys() and all(torch.equal(got_loads[n], loads[n]) for n in loads), mode
+        assert got_loads.keys() == loads.keys() and all(torch.equal(got_loads[n],
+                                                                    loads[n]) for n in loads), mode
         worst = max(float((got_grads[n] - grads[n]).norm() / grads[n].norm()) for n in grads)
-        assert got_grads.keys() == grads.keys() and worst <= 3e-5, (mode, worst)  # fp32 fusion: 4.4e-6 measured
-    # The counts in a fresh interpreter, each mode's second step: the first step of a mode that compiles
-    # a graph compiles its backward during that backward, and the profiler counts the matmuls compilation
-    # traces (on fake tensors) as if they ran; with inductor's on-disk cache cold (a new CI machine) the
-    # compiled backward without checkpointing counted 281 for 221, with it warm 221.
-    proc = subprocess.run([sys.executable, __file__, "--count-backward-matmuls"], capture_output=True, text=True,
-                          timeout=600)
+        # fp32 fusion: 4.4e-6 measured
+        assert got_grads.keys() == grads.keys() and worst <= 3e-5, (mode, worst)
+    # The counts in a fresh interpreter, each mode's second step: the first step of a mode that
+    # compiles a graph compiles its backward during that backward, and the profiler counts the
+    # matmuls compilation traces (on fake tensors) as if they ran; with inductor's on-disk cache
+    # cold (a new CI machine) the compiled backward without checkpointing counted 281 for 221, with
+    # it warm 221.
+    proc = subprocess.run([sys.executable, __file__, "--count-backward-matmuls"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     matmuls = json.loads(proc.stdout.strip().splitlines()[-1])
     plain = matmuls["none"]
-    print(f"matmuls in backward: no checkpointing {plain}, selective {matmuls['selective']}, full {matmuls['full']}")
+    print(f"matmuls in backward: no checkpointing {plain}, selective {matmuls['selective']}, full "
+          f"{matmuls['full']}")
     assert plain > 0 and matmuls["selective"] == plain
     assert matmuls["full"] > plain
 

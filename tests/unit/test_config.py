@@ -8,7 +8,8 @@ from tandem.trainer.recipe import load_config, to_yaml
 
 def test_overrides_and_lambda_alias(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("mtp:\n  num_steps: 2\n  loss:\n    lambda: 0.25\n    lambda_after: {10: 0.05}\ntrain:\n  "
+    recipe.write_text("mtp:\n  num_steps: 2\n  loss:\n    lambda: 0.25\n    lambda_after: {10: "
+                      "0.05}\ntrain:\n  "
                       "max_steps: 7\n")
     cfg = load_config(str(recipe), ["train.max_steps=9", "mtp.loss.lambda=0.5"])
     assert (cfg.mtp.num_steps, cfg.train.max_steps, cfg.mtp.loss.lambda_) == (2, 9, 0.5)
@@ -26,12 +27,15 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
     (["mtp.num_steps=-1"], "mtp.num_steps must be >= 0"),
     (["mtp.num_steps=2", "mtp.num_layers=0"], "mtp.num_layers must be positive"),
-    (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"], "mtp.loss.weights has 2 entries but mtp.num_steps=3"),
+    (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"],
+     "mtp.loss.weights has 2 entries but mtp.num_steps=3"),
     (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads"),
     (["model.top_k=9", "model.num_experts=8"], "model.top_k=9"),
     (["mtp.style=fancy"], "mtp.style"),
-    (["mtp.style=parallel", "mtp.num_steps=3", "mtp.num_layers=1"], "mtp.num_layers=1 must equal mtp.num_steps=3"),
-    (["model.vocab_size=1000", "data.vocab_size=4096"], "model.vocab_size=1000 is smaller than data.vocab_size=4096"),
+    (["mtp.style=parallel", "mtp.num_steps=3", "mtp.num_layers=1"],
+     "mtp.num_layers=1 must equal mtp.num_steps=3"),
+    (["model.vocab_size=1000", "data.vocab_size=4096"],
+     "model.vocab_size=1000 is smaller than data.vocab_size=4096"),
     (["data.seq_len=4096", "model.max_seq_len=1024"], "model.max_seq_len"),
     (["device=tpu"], "config key 'device'"),
     (["mtp.loss.lambda=oops"], "mtp.loss.lambda"),
@@ -58,7 +62,7 @@ def test_recipe_errors(tmp_path):
         load_config(str(broken))
 
 
-# --- composition: base recipes and model flavors (trainer/config.py, models/flavors.py) -------------
+# --- composition: base recipes and model flavors (trainer/config.py, models/flavors.py) -----------
 def _write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -67,12 +71,18 @@ def _write(path, text):
 
 def test_base_recipe_is_composed_first_relative_to_the_recipe(tmp_path, monkeypatch):
     _write(tmp_path / "bases" / "base.yaml",
-           "train:\n  max_steps: 7\n  lr: 0.002\nmtp:\n  loss:\n    lambda: 0.25\n    lambda_after: {10: 0.05}\n")
+           "train:\n  max_steps: 7\n  lr: 0.002\nmtp:\n  loss:\n    lambda: 0.25\n    "
+           "lambda_after: {10: 0.05}\n")
     child = _write(tmp_path / "bases" / "child.yaml", "base: base.yaml\ntrain:\n  max_steps: 9\n")
-    monkeypatch.chdir(tmp_path)  # the base resolves from the recipe's directory, not the working directory
+    # the base resolves from the recipe's directory, not the working directory
+    monkeypatch.chdir(tmp_path)
     cfg = load_config(child, ["train.lr=0.001"])
-    assert (cfg.train.max_steps, cfg.train.lr, cfg.mtp.loss.lambda_, cfg.mtp.loss.lambda_after) == (9, 0.001, 0.25,
-                                                                                                    {10: 0.05})
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.mtp.loss.lambda_, cfg.mtp.loss.lambda_after) == (
+        9,
+        0.001,
+        0.25,
+        {10: 0.05},
+    )
     # the resolved config is complete and self-contained: no composition keys, and it round-trips
     text = to_yaml(cfg)
     assert not any(line.startswith(("base:", "flavor:")) for line in text.splitlines())
@@ -95,7 +105,8 @@ def test_flavor_in_a_recipe_and_on_the_command_line():
     cfg = load_config(None, ["data.vocab_size=512", "flavor=debug", "model.num_kv_heads=2"])
     assert all(getattr(cfg.model, k) == v for k, v in debug.items() if k != "num_kv_heads")
     assert cfg.model.num_kv_heads == 2  # later overrides win
-    assert load_config(None, ["model.hidden_size=64", "data.vocab_size=512", "flavor=debug"]).model.hidden_size == 32
+    assert load_config(None, ["model.hidden_size=64", "data.vocab_size=512",
+                              "flavor=debug"]).model.hidden_size == 32
     # the expanded form equals the flavor
     assert load_config(None, ["data.vocab_size=512", *flavors.overrides("debug")]) == load_config(
         None, ["data.vocab_size=512", "flavor=debug"])
@@ -103,8 +114,10 @@ def test_flavor_in_a_recipe_and_on_the_command_line():
 
 
 def test_recipe_sections_win_over_its_flavor_and_its_flavor_over_its_bases(tmp_path):
-    _write(tmp_path / "base.yaml", "model:\n  hidden_size: 64\n  rope_theta: 500.0\ndata:\n  vocab_size: 512\n")
-    cfg = load_config(_write(tmp_path / "r.yaml", "base: base.yaml\nflavor: debug\nmodel:\n  num_layers: 3\n"))
+    _write(tmp_path / "base.yaml",
+           "model:\n  hidden_size: 64\n  rope_theta: 500.0\ndata:\n  vocab_size: 512\n")
+    cfg = load_config(_write(tmp_path / "r.yaml",
+                             "base: base.yaml\nflavor: debug\nmodel:\n  num_layers: 3\n"))
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.rope_theta) == (32, 3, 500.0)
 
 
@@ -113,7 +126,8 @@ def test_recipe_sections_win_over_its_flavor_and_its_flavor_over_its_bases(tmp_p
     ({"r.yaml": "base: s.yaml\n", "s.yaml": "base: r.yaml\n"}, "includes itself"),
     ({"r.yaml": "base: {a: 1}\n"}, "base must be a recipe path or a list of them"),
     ({"r.yaml": "flavor: huge\n"}, "unknown model flavor 'huge'; known: debug"),
-    ({"r.yaml": "base: s.yaml\n", "s.yaml": "train:\n  max_stepz: 3\n"}, "unknown config key 'train.max_stepz' (in "),
+    ({"r.yaml": "base: s.yaml\n", "s.yaml": "train:\n  max_stepz: 3\n"},
+     "unknown config key 'train.max_stepz' (in "),
 ])
 def test_composition_errors_are_one_line(tmp_path, files, message):
     for name, text in files.items():
@@ -130,25 +144,28 @@ def test_unknown_flavor_override():
         load_config(None, ["flavor=huge"])
 
 
-# --- each section validates beside its fields -------------------------------------------------------
+# --- each section validates beside its fields -----------------------------------------------------
 def test_every_section_has_its_checks():
     from tandem.models.config import ModelConfig, MTPConfig, MTPLossConfig
     from tandem.trainer import config
 
-    for cls in (config.RunConfig, config.DataConfig, config.TrainConfig, config.ParallelConfig, config.EvalConfig,
-                config.LoggingConfig, config.CheckpointConfig, config.TandemConfig, ModelConfig, MTPConfig,
-                MTPLossConfig):
+    for cls in (config.RunConfig, config.DataConfig, config.TrainConfig, config.ParallelConfig,
+                config.EvalConfig,
+                config.LoggingConfig, config.CheckpointConfig, config.TandemConfig, ModelConfig,
+                MTPConfig, MTPLossConfig):
         assert callable(getattr(cls, "validate", None)), cls.__name__
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=0"],
-     "config key 'parallel.pp_virtual_stages'=0 must be positive with parallel.pp_schedule=interleaved_1f1b"),
+     "config key 'parallel.pp_virtual_stages'=0 must be positive with "
+     "parallel.pp_schedule=interleaved_1f1b"),
     (["parallel.pp_microbatches=-1"], "config key 'parallel.pp_microbatches'=-1 must be >= 0"),
     (["logging.peak_tflops=-1"], "config key 'logging.peak_tflops'=-1.0 must be >= 0"),
     (["parallel.dp_mode=ddp"], "config key 'parallel.dp_mode'='ddp' must be fsdp or allreduce"),
     (["mtp.loss.objective=kl"], "mtp.loss.objective='kl' must be ce or acceptance"),
-    (["train.distill=soft", "mtp.loss.objective=acceptance"], "config key 'train.distill'='soft' must be none"),
+    (["train.distill=soft", "mtp.loss.objective=acceptance"],
+     "config key 'train.distill'='soft' must be none"),
 ])
 def test_section_checks_at_load_time(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -1,9 +1,10 @@
-"""The token mixers' context-parallel forms (models/context.py) in one process: a window cut into chunks
-that this process holds all of (`LocalChunks`: the halo read from the chunk before, the Gated DeltaNet
-carry folded over the chunks here) computes what the plain forward computes, outputs and gradients,
-on real-data shapes: runs of one token, packed documents with starts on chunk edges and one off them,
-slow decay. The distributed exchanges themselves are checked in tests/distributed/test_context_parallel.py;
-this checks the chunk arithmetic, and the fla-kernel branch through a torch stand-in for fla."""
+"""The token mixers' context-parallel forms (models/context.py) in one process: a window cut into
+chunks that this process holds all of (`LocalChunks`: the halo read from the chunk before, the Gated
+DeltaNet carry folded over the chunks here) computes what the plain forward computes, outputs and
+gradients, on real-data shapes: runs of one token, packed documents with starts on chunk edges and
+one off them, slow decay. The distributed exchanges themselves are checked in
+tests/distributed/test_context_parallel.py; this checks the chunk arithmetic, and the fla-kernel
+branch through a torch stand-in for fla."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tandem.models.gated_deltanet import GatedDeltaNet
 
 
 class LocalChunks(WholeWindow):
-    """Every chunk of the window held here, in window order (so `local` and `gather` are identities)."""
+    """Every chunk of the window held here, in window order (so `local` and `gather` are
+    identities)."""
 
     def __init__(self, chunks: int):
         super().__init__()
@@ -45,12 +47,14 @@ class LocalChunks(WholeWindow):
         whole = self.join(chunks_bl)
         padded = torch.cat([whole.new_full((whole.shape[0], n, *whole.shape[2:]), fill), whole], 1)
         length = chunks_bl.shape[1]
-        return torch.stack([padded[:, c * length: c * length + n] for c in range(self.n)], 1).reshape(
+        return torch.stack([padded[:, c * length: c * length + n] for c in range(self.n)],
+                           1).reshape(
             chunks_bl.shape[0], n, *chunks_bl.shape[2:])
 
     def carry(self, transition, final):
         b = transition.shape[0] // self.n
-        m, f = transition.view(b, self.n, *transition.shape[1:]), final.view(b, self.n, *final.shape[1:])
+        m, f = transition.view(b, self.n, *transition.shape[1:]), final.view(b, self.n,
+                                                                             *final.shape[1:])
         state, entering = torch.zeros_like(f[:, 0]), []
         for c in range(self.n):
             entering.append(state)
@@ -60,10 +64,12 @@ class LocalChunks(WholeWindow):
 
 def _fla_stand_in(q, k, v, g, beta, scale, initial_state=None, output_final_state=True,
                   use_qk_l2norm_in_kernel=True, cu_seqlens=None):
-    """fla's chunk_gated_delta_rule contract ([B, T, H, dim] in and out), computed by the torch rule."""
+    """fla's chunk_gated_delta_rule contract ([B, T, H, dim] in and out), computed by the torch
+    rule."""
     assert cu_seqlens is None and use_qk_l2norm_in_kernel
     t = lambda x: x.float().transpose(1, 2)  # noqa: E731
-    out, final = chunked_gated_delta_rule(t(l2_normalize(q.float()) * scale), t(l2_normalize(k.float())), t(v),
+    out, final = chunked_gated_delta_rule(t(l2_normalize(q.float()) * scale),
+                                          t(l2_normalize(k.float())), t(v),
                                           t(g), t(beta), initial_state)
     return out.transpose(1, 2).to(v.dtype), final
 

@@ -40,7 +40,8 @@ def corpus(tmp_path_factory):
         src = root / f"{name}.jsonl"
         import json
 
-        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(n, seed)), encoding="utf-8")
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(n, seed)),
+                       encoding="utf-8")
         prefixes[name] = str(root / name)
         preprocess([str(src)], prefixes[name], tokenizer=tok_path)
     return root, tok_path, prefixes
@@ -51,7 +52,8 @@ def _cfg(root, **kw):
 
 
 def _concat_in_document_order(ds):
-    """The corpus as GPTDataset walks it: documents in its (shuffled, epoch-repeated) document index."""
+    """The corpus as GPTDataset walks it: documents in its (shuffled, epoch-repeated) document
+    index."""
     docs = [ds.dataset[int(d)] for d in ds.document_index]
     starts = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
     return np.concatenate(docs).astype(np.int64), starts
@@ -60,7 +62,8 @@ def _concat_in_document_order(ds):
 def test_samples_are_contiguous_windows_of_the_corpus(corpus):
     root, _, prefixes = corpus
     seq_len = 16
-    train, valid, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], split="90,10,0"), seq_len, 7, 200, 10)
+    train, valid, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], split="90,10,0"), seq_len,
+                                       7, 200, 10)
     assert len(train) >= 200 and len(valid) >= 10
     flat, starts = _concat_in_document_order(train)
     for i in range(0, len(train), 7):
@@ -76,7 +79,8 @@ def test_samples_are_contiguous_windows_of_the_corpus(corpus):
 
 def test_get_batch_shapes_masks_and_doc_ids(corpus):
     root, _, prefixes = corpus
-    train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], eod_mask_loss=True), 32, 1, 64, 4)
+    train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], eod_mask_loss=True), 32, 1, 64,
+                                   4)
     b = get_batch(train, batch_indices(4, 0, 1, 0, 1, 4))
     assert b["tokens"].dtype == torch.long and b["tokens"].shape == (4, 33)
     assert b["loss_mask"].dtype == torch.float32 and b["loss_mask"].shape == (4, 32)
@@ -105,8 +109,10 @@ def test_doc_ids_hand_case():
     eod = 0
     ds = _Fixed([[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 0]])
     b = get_batch(ds, [0, 1, 2], eod_id=eod)  # index 2 wraps to 0
-    assert b["tokens"].tolist() == [[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 0], [5, 0, 7, 8, 0, 0, 9]]
-    assert b["doc_ids"].tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 2, 3]]
+    assert b["tokens"].tolist() == [[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 0],
+                                    [5, 0, 7, 8, 0, 0, 9]]
+    assert b["doc_ids"].tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0],
+                                     [0, 0, 1, 1, 1, 2, 3]]
     assert b["loss_mask"].shape == (3, 6)
 
 
@@ -153,9 +159,11 @@ def test_data_position_continues_the_stream_under_another_global_batch():
 
 def test_data_position_reads_a_checkpoint_from_before_consumed_samples():
     """trainer_state.json of step 5 at 6 samples per step (tokens_seen = 5 x 6 x 32) with batch 2
-    skipped by a rewind: its steps read batches 0, 1, 3, 4 and 5, so it continues at batch 6, sample 36."""
+    skipped by a rewind: its steps read batches 0, 1, 3, 4 and 5, so it continues at batch 6, sample
+    36."""
     pos = DataPosition(4, seq_len=32)
-    pos.load_state({"step": 5, "tokens_seen": 5 * 6 * 32, "skipped_batches": [2], "bad_steps_total": 1})
+    pos.load_state({"step": 5, "tokens_seen": 5 * 6 * 32, "skipped_batches": [2],
+                    "bad_steps_total": 1})
     assert (pos.consumed_samples, pos.schedule_batch, pos.skipped) == (30, 6, [(12, 18)])
     assert pos.next_sample() == 36 and pos.schedule_step() == 5.0
 
@@ -164,7 +172,8 @@ def test_weighted_blend_and_separate_valid_paths(corpus):
     import torch.distributed as dist
 
     root, _, prefixes = corpus
-    cfg = _cfg(root, paths=["0.7", prefixes["a"], "0.3", prefixes["b"]], valid_paths=[prefixes["v"]])
+    cfg = _cfg(root, paths=["0.7", prefixes["a"], "0.3", prefixes["b"]],
+               valid_paths=[prefixes["v"]])
     train, valid, _ = build_datasets(cfg, 16, 3, 100, 8)
     assert type(train).__name__ == "BlendedDataset" and len(train) == 100
     assert type(valid).__name__ == "GPTDataset" and valid.dataset.path_prefix == prefixes["v"]
@@ -184,7 +193,7 @@ def test_parse_blend():
         parse_blend(["0.7", "/p/a", "/p/b"])
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Errors, before any expensive work
 
 

@@ -1,4 +1,5 @@
-"""Preprocessing: text -> .bin/.idx round trips for every input kind, outputs, overwrite refusal, CLI."""
+"""Preprocessing: text -> .bin/.idx round trips for every input kind, outputs, overwrite refusal,
+CLI."""
 
 import json
 import os
@@ -44,7 +45,8 @@ def _write_inputs(root, kind):
     root.mkdir(parents=True, exist_ok=True)
     if kind == "jsonl":
         p = root / "docs.jsonl"
-        p.write_text("".join(json.dumps({"text": d, "meta": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8")
+        p.write_text("".join(json.dumps({"text": d, "meta": i}) + "\n" for i, d in enumerate(DOCS)),
+                     encoding="utf-8")
         return [str(p)], DOCS
     if kind == "parquet":
         import pyarrow as pa
@@ -89,7 +91,8 @@ def test_round_trip_matches_direct_tokenization(tmp_path, tok_path, kind):
     saved = load_tokenizer(prefix + ".tokenizer.json")
     assert saved.encode(DOCS[1]) == tok.encode(DOCS[1])
     # nothing but the four outputs is left beside the prefix (no staging directories)
-    assert sorted(os.listdir(tmp_path / "out")) == ["data.bin", "data.idx", "data.meta.json", "data.tokenizer.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["data.bin", "data.idx", "data.meta.json",
+                                                    "data.tokenizer.json"]
 
 
 def test_txt_by_line_and_multiple_inputs_keep_order(tmp_path, tok_path):
@@ -108,7 +111,9 @@ def test_trains_bpe_when_no_tokenizer_given(tmp_path):
     prefix = str(tmp_path / "trained")
     meta = preprocess(inputs, prefix, vocab_size=300)
     tok = load_tokenizer(prefix + ".tokenizer.json")
-    assert meta["vocab_size"] == tok.vocab_size <= 300 and meta["tokenizer_source"] == "trained byte-level BPE"
+    assert meta["vocab_size"] == tok.vocab_size <= 300 and meta["tokenizer_source"] == (
+        "trained byte-level BPE"
+    )
     got, _ = _read_back(prefix)
     assert got == _expected(tok, docs)
     assert [tok.decode(ids[:-1]) for ids in got] == docs
@@ -125,7 +130,8 @@ def test_refuses_to_overwrite_and_leaves_files_untouched(tmp_path, tok_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         preprocess([str(other)], prefix, tokenizer=tok_path)
     assert {f: (open(f, "rb").read(), os.stat(f).st_mtime_ns) for f in files} == before
-    assert sorted(os.listdir(tmp_path)) == sorted(["in", "other.txt"] + [os.path.basename(f) for f in files])
+    assert sorted(os.listdir(tmp_path)) == sorted(["in", "other.txt"] + [os.path.basename(f)
+                                                                         for f in files])
 
     preprocess([str(other)], prefix, tokenizer=tok_path, overwrite=True)
     got, _ = _read_back(prefix)
@@ -158,14 +164,16 @@ def test_missing_input_and_missing_text_key_are_clear(tmp_path, tok_path):
 def test_cli_prints_summary_and_refuses_overwrite(tmp_path, tok_path, capsys):
     inputs, docs = _write_inputs(tmp_path / "in", "jsonl")
     prefix = str(tmp_path / "cli")
-    assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer", tok_path]) == 0
+    assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer",
+                            tok_path]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and f"{len(docs)} documents" in out[0] and prefix in out[0]
     with pytest.raises(SystemExit) as exc:
         preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer", tok_path])
     assert exc.value.code == 1
     assert "already exists" in capsys.readouterr().err
-    assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--vocab-size", "300", "--overwrite"]) == 0
+    assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--vocab-size", "300",
+                            "--overwrite"]) == 0
 
 
 def test_large_vocab_uses_int32():

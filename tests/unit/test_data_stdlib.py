@@ -1,4 +1,5 @@
-"""The embedded stdlib corpus: deterministic file selection, and (slow) cached, lock-protected preparation."""
+"""The embedded stdlib corpus: deterministic file selection, and (slow) cached, lock-protected
+preparation."""
 
 import json
 import os
@@ -24,8 +25,10 @@ def test_file_selection_is_deterministic_and_split_by_test_dir():
     assert (train, valid) == stdlib_files()
     rel = lambda ps: [os.path.relpath(p, root).replace(os.sep, "/") for p in ps]  # noqa: E731
     assert rel(train) == sorted(rel(train)) and rel(valid) == sorted(rel(valid))
-    assert all(r.endswith(".py") and not r.startswith("test/") and "site-packages" not in r for r in rel(train))
-    assert not any(r.startswith(("encodings/", "pydoc_data/")) for r in rel(train))  # data tables left out
+    assert all(r.endswith(".py") and not r.startswith("test/") and "site-packages" not in r
+               for r in rel(train))
+    # data tables left out
+    assert not any(r.startswith(("encodings/", "pydoc_data/")) for r in rel(train))
     assert "argparse.py" in rel(train) and "json/decoder.py" in rel(train)
     assert all(r.startswith("test/") for r in rel(valid))
     assert sum(map(os.path.getsize, valid)) <= VALID_MAX_BYTES
@@ -50,7 +53,8 @@ def traced(*a, **k):
     print("PREPARED", flush=True)
     return real(*a, **k)
 sc._prepare = traced
-print(json.dumps(sc.prepare_stdlib_corpus(DataConfig(cache_dir=sys.argv[1], vocab_size=512, stdlib_max_bytes=300_000))))
+cfg = DataConfig(cache_dir=sys.argv[1], vocab_size=512, stdlib_max_bytes=300_000)
+print(json.dumps(sc.prepare_stdlib_corpus(cfg)))
 """
 
 
@@ -58,13 +62,14 @@ print(json.dumps(sc.prepare_stdlib_corpus(DataConfig(cache_dir=sys.argv[1], voca
 def test_prepare_stdlib_corpus_concurrent_then_cached(tmp_path):
     cache = str(tmp_path / "cache")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, cache], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env)
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, cache], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
-    assert sum(out.count("PREPARED") for out, _ in outs) == 1  # one process prepared, the other waited
+    # one process prepared, the other waited
+    assert sum(out.count("PREPARED") for out, _ in outs) == 1
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert results[0] == results[1]
 
@@ -74,7 +79,11 @@ def test_prepare_stdlib_corpus_concurrent_then_cached(tmp_path):
     assert time.time() - t < 0.5
     assert [train_prefix, valid_prefix, tok_path] == results[0]
     ready = json.load(open(os.path.join(stdlib_cache_dir(cfg), "READY.json")))
-    assert ready["vocab_size"] == 512 and ready["train"]["tokens"] > 10_000 and ready["valid"]["documents"] > 0
+    assert (
+        ready["vocab_size"] == 512
+        and ready["train"]["tokens"] > 10_000
+        and ready["valid"]["documents"] > 0
+    )
 
     from tandem.data_pipeline.dataset import batch_indices, build_datasets, get_batch
 

@@ -35,7 +35,8 @@ def test_bpe_round_trips_arbitrary_text(bpe):
     tok, _ = bpe
     rng = random.Random(0)
     texts = [_random_text(rng, rng.randint(0, 200)) for _ in range(200)]
-    texts += ["", " ", "\n\n", "  leading spaces", "trailing  ", EOD_TOKEN, f"a{EOD_TOKEN}b"] + CORPUS[:3]
+    texts += ["", " ", "\n\n", "  leading spaces", "trailing  ", EOD_TOKEN,
+              f"a{EOD_TOKEN}b"] + CORPUS[:3]
     for text in texts:
         ids = tok.encode(text)
         assert all(0 <= i < tok.vocab_size for i in ids)
@@ -74,7 +75,8 @@ def test_load_tokenizer_file_and_directories(tmp_path, bpe):
     from transformers import PreTrainedTokenizerFast
 
     hf_dir = tmp_path / "hf"
-    PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOD_TOKEN).save_pretrained(str(hf_dir))
+    PreTrainedTokenizerFast(tokenizer_file=str(path),
+                            eos_token=EOD_TOKEN).save_pretrained(str(hf_dir))
     hf = load_tokenizer(str(hf_dir))
     assert hf.encode(text) == tok.encode(text)
     assert hf.eod_id == tok.eod_id and hf.decode(hf.encode(text)) == text

@@ -1,6 +1,6 @@
-"""Host syncs in decoding: drafting and verifying read nothing back from the device, and the decode loop
-reads it once per round (the lengths that size the next forwards travel with its "still active" flag),
-so `eval/speedup` on a GPU times the model, not one device-to-host round trip per layer.
+"""Host syncs in decoding: drafting and verifying read nothing back from the device, and the decode
+loop reads it once per round (the lengths that size the next forwards travel with its "still active"
+flag), so `eval/speedup` on a GPU times the model, not one device-to-host round trip per layer.
 
 The counter sees every device-to-host read on any device, CPU included: tensor -> Python conversions
 (`.item()`, `int()`, `bool()`, `.tolist()`, slicing with a tensor bound) and the ops that size their
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 3]]
 
 # aten ops that wait for the device: scalar reads, and outputs sized by the data
-_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "bincount",
-             "_unique", "_unique2", "unique_dim", "unique_consecutive", "histc"}
+_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select",
+             "bincount", "_unique", "_unique2", "unique_dim", "unique_consecutive", "histc"}
 
 
 class _OpSyncs(TorchDispatchMode):
@@ -41,7 +41,8 @@ class _OpSyncs(TorchDispatchMode):
             elif name in ("index", "index_put", "index_put_") and any(
                     isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
                 self.counts[f"{name}[bool]"] += 1
-            elif name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1 \
+            elif name == "repeat_interleave" and isinstance(args[0],
+                                                            torch.Tensor) and args[0].dim() == 1 \
                     and kwargs.get("output_size") is None and func.__name__.endswith("Tensor"):
                 self.counts["repeat_interleave[tensor]"] += 1
             elif name in ("_to_copy", "copy_") and self._to_host(args, kwargs, name):
@@ -91,7 +92,8 @@ class HostSyncs(TorchFunctionMode):
 def test_counter_sees_every_kind_of_host_read():
     """The counter the tests below rely on: each of these reads the device back once."""
     t = torch.arange(6)
-    reads = [lambda: int(t.max()), lambda: t.sum().item(), lambda: bool(t.any()), lambda: t.tolist(),
+    reads = [lambda: int(t.max()), lambda: t.sum().item(), lambda: bool(t.any()),
+             lambda: t.tolist(),
              lambda: t[: t.max()], lambda: t[t.argmax()], lambda: t[t > 2], lambda: t.nonzero(),
              lambda: torch.bincount(t), lambda: t.repeat_interleave(t)]
     for read in reads:
@@ -105,16 +107,17 @@ def test_counter_sees_every_kind_of_host_read():
 
 MODELS = {
     "moe_bf16": lambda K: make_agreeing(tiny_model(K, 1, seed=3), 0.05, seed=3).to(torch.bfloat16),
-    "qwen4_exp": lambda K: tiny_qwen4_model(K),  # Gated DeltaNet, QSA (+ index reuse), PLE, hyper-connections
+    # Gated DeltaNet, QSA (+ index reuse), PLE, hyper-connections
+    "qwen4_exp": lambda K: tiny_qwen4_model(K),
 }
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("convention", ["serving", "tandem"])
 def test_draft_and_verify_read_nothing_back(family, convention):
-    """Every drafting forward and the verify forward of several rounds (rows of different lengths, so
-    the batched ranges are padded) run without a host read; today's code read the positions back in
-    every attention layer's cache update and the draft range's length at every depth."""
+    """Every drafting forward and the verify forward of several rounds (rows of different lengths,
+    so the batched ranges are padded) run without a host read; today's code read the positions back
+    in every attention layer's cache update and the draft range's length at every depth."""
     K = 3
     model = MODELS[family](K)
     dec = SpecDecoder(model, K, len(PROMPTS), 48, draft_convention=convention)
@@ -133,8 +136,9 @@ def test_draft_and_verify_read_nothing_back(family, convention):
 
 @pytest.mark.parametrize("K", [0, 3])
 def test_generate_reads_the_device_once_per_round(K):
-    """A whole decode: one host read per round of the loop (its `active` flag with the lengths), plus
-    one to stop, plus the outputs' read-back at the end (a copy per row of the tokens and m)."""
+    """A whole decode: one host read per round of the loop (its `active` flag with the lengths),
+    plus one to stop, plus the outputs' read-back at the end (a copy per row of the tokens and
+    m)."""
     model = tiny_qwen4_model(3)
     with HostSyncs() as syncs:
         result = generate(model, PROMPTS, 12, K)

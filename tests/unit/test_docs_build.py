@@ -29,7 +29,8 @@ def test_mkdocs_build_strict(tmp_path):
 def test_readme_test_command_is_what_ci_runs():
     """.ci/run runs exactly the README's test command; a change to either must change both."""
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        ci = f.read().split("# --- README test command (keep identical to README.md) ---\n", 1)[1].strip()
+        ci = f.read().split("# --- README test command (keep identical to README.md) ---\n",
+                            1)[1].strip()
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert f"```bash\n{ci}\n```" in readme, ci

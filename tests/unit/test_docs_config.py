@@ -1,5 +1,6 @@
-"""docs/configuration.md is generated from the config docstrings (tandem.trainer.config_docs) and must
-stay current: every key of the typed tree, with its type, default and docstring, as the code has it."""
+"""docs/configuration.md is generated from the config docstrings (tandem.trainer.config_docs) and
+must stay current: every key of the typed tree, with its type, default and docstring, as the code
+has it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_committed_page_equals_the_generated_one():
     with open(PAGE) as f:
         committed = f.read()
     assert committed == config_docs.render(), (
-        "docs/configuration.md is stale: run `python -m tandem.trainer.config_docs --write` and commit it")
+        "docs/configuration.md is stale: run `python -m tandem.trainer.config_docs --write` and "
+        "commit it")
 
 
 def test_every_key_is_rendered_with_its_docstring():

@@ -1,8 +1,8 @@
 """data.document_mask: a document packed into a window computes, per token and per depth, what it
 computes alone at position 0 (every layer kind: Gated DeltaNet's state and conv, QSA's blocks and
-selection, PLE's conv, attention, positions, the MTP chain), and the trainer's packed loss equals the
-lone documents' losses summed. The lone document itself is the sequence the transformers parity tests
-(test_qwen4_exp.py) check Tandem on."""
+selection, PLE's conv, attention, positions, the MTP chain), and the trainer's packed loss equals
+the lone documents' losses summed. The lone document itself is the sequence the transformers parity
+tests (test_qwen4_exp.py) check Tandem on."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from tandem.models.model import window_documents, window_positions
 from tests.eval_helpers import tiny_model, tiny_qwen4_model
 
 EOS = 1
-LENGTHS = [7, 13, 1, 22, 9]  # boundaries off the QSA block grid (r = 4), a 1-token document, one past the budget
+# boundaries off the QSA block grid (r = 4), a 1-token document, one past the budget
+LENGTHS = [7, 13, 1, 22, 9]
 
 
 def _packed(vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    docs = [torch.cat([torch.randint(2, vocab, (n - 1,), generator=g), torch.tensor([EOS])]) for n in LENGTHS]
+    docs = [torch.cat([torch.randint(2, vocab, (n - 1,), generator=g),
+                       torch.tensor([EOS])]) for n in LENGTHS]
     # a run of one token inside the long document: Gated DeltaNet's hardest input
     docs[3][4:14] = 5
     tokens = torch.cat(docs)[None]
@@ -55,15 +57,18 @@ def test_packed_document_equals_lone_document(family):
         if n >= 2:
             lone = _depth_logits(model, doc[None])
             for depth, logits in enumerate(lone):
-                valid = n - 1 - depth  # positions whose depth-`depth` target lies inside the document
+                # positions whose depth-`depth` target lies inside the document
+                valid = n - 1 - depth
                 if valid <= 0:
                     continue
                 got = packed[depth][0, start : start + valid]
                 torch.testing.assert_close(got, logits[0, :valid], rtol=1e-4, atol=1e-5,
                                            msg=f"document {d_i} depth {depth}")
                 compared += valid
-                if d_i > 0 and depth == 0:  # without the mask a later document sees the earlier ones
-                    assert (unmasked[0][0, start : start + valid] - logits[0, :valid]).abs().max() > 1e-3
+                # without the mask a later document sees the earlier ones
+                if d_i > 0 and depth == 0:
+                    assert (unmasked[0][0, start : start + valid]
+                            - logits[0, :valid]).abs().max() > 1e-3
         start += n
     assert compared > 60
 
@@ -79,14 +84,14 @@ def test_documents_from_doc_ids_and_positions():
 
 
 def test_conv_taps_equal_conv1d_within_a_document():
-    """One document: the tap form is F.conv1d with left zero padding (dilation 1 and 3); two documents:
-    each restarts from zeros."""
+    """One document: the tap form is F.conv1d with left zero padding (dilation 1 and 3); two
+    documents: each restarts from zeros."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 20, 6, generator=g), torch.randn(6, 1, 4, generator=g)
     for dilation in (1, 3):
         pad = (w.shape[-1] - 1) * dilation
-        ref = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (pad, 0)), w, groups=6,
-                                         dilation=dilation).transpose(1, 2)
+        ref = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (pad, 0)), w,
+                                         groups=6, dilation=dilation).transpose(1, 2)
         pos = torch.arange(20).expand(2, 20)
         torch.testing.assert_close(causal_conv_taps(x, w[:, 0], pos, dilation), ref)
         split = torch.cat([torch.arange(8), torch.arange(12)]).expand(2, 20)

@@ -1,13 +1,15 @@
-"""Expert parallelism's two dispatches (`parallel.ep_dispatch`, trainer/parallel/tensor.py ParallelExperts)
-on one MoE layer over ep=2 (2 processes on gloo): both equal the one-process layer (outputs, input and
-parameter gradients); `padded` waits for the device nowhere in forward or backward while `exact` reads
-its split sizes back; the shared expert's matmuls are issued while the token copies are in flight; and
-each, compiled with train.compile's settings, traces into one graph (no break, no recompile) that serves
-inputs whose split sizes differ, matching the one-process layer on each. Each dispatch runs with the
-grouped expert kernel and with the per-expert loop (`model.expert_matmul=loop`).
+"""Expert parallelism's two dispatches (`parallel.ep_dispatch`, trainer/parallel/tensor.py
+ParallelExperts) on one MoE layer over ep=2 (2 processes on gloo): both equal the one-process layer
+(outputs, input and parameter gradients); `padded` waits for the device nowhere in forward or
+backward while `exact` reads its split sizes back; the shared expert's matmuls are issued while the
+token copies are in flight; and each, compiled with train.compile's settings, traces into one graph
+(no break, no recompile) that serves inputs whose split sizes differ, matching the one-process layer
+on each. Each dispatch runs with the grouped expert kernel and with the per-expert loop
+(`model.expert_matmul=loop`).
 
 top_k=3 of 4 experts, 2 per rank: a token sends up to 2 copies to one rank, so `padded`'s capacity
-(tokens x min(top_k, experts per rank)) is tighter than every copy (tokens x top_k) and is reached."""
+(tokens x min(top_k, experts per rank)) is tighter than every copy (tokens x top_k) and is
+reached."""
 
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def case_name(mode: str, matmul: str) -> str:
 
 
 def make_moe(expert_matmul: str = "auto") -> MoE:
-    cfg = ModelConfig(hidden_size=HIDDEN, moe_intermediate_size=16, num_experts=4, top_k=3, num_shared_experts=1,
-                      expert_matmul=expert_matmul)
+    cfg = ModelConfig(hidden_size=HIDDEN, moe_intermediate_size=16, num_experts=4, top_k=3,
+                      num_shared_experts=1, expert_matmul=expert_matmul)
     moe = MoE(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -47,11 +49,13 @@ def make_moe(expert_matmul: str = "auto") -> MoE:
 
 def data(world: int):
     g = torch.Generator().manual_seed(1)
-    return torch.randn(world * TOKENS, HIDDEN, generator=g), torch.randn(world * TOKENS, HIDDEN, generator=g)
+    return torch.randn(world * TOKENS, HIDDEN, generator=g), torch.randn(world * TOKENS, HIDDEN,
+                                                                         generator=g)
 
 
 def routing_inputs(world: int) -> list:
-    """The compiled runs' inputs (all ranks' rows): the test's data, its negation, and fresh draws."""
+    """The compiled runs' inputs (all ranks' rows): the test's data, its negation, and fresh
+    draws."""
     x_all = data(world)[0]
     g = torch.Generator().manual_seed(2)
     return [x_all, -x_all] + [torch.randn(x_all.shape, generator=g) for _ in range(ROUTINGS - 2)]
@@ -63,7 +67,8 @@ def copies_per_source_and_destination(moe: MoE, x_all: torch.Tensor) -> tuple:
     with torch.no_grad():
         _, indices, _ = moe.router(x_all)
     dest = indices // 2
-    return tuple(int((dest[r * TOKENS:(r + 1) * TOKENS] == d).sum()) for r in range(2) for d in range(2))
+    return tuple(int((dest[r * TOKENS:(r + 1) * TOKENS] == d).sum()) for r in range(2)
+                 for d in range(2))
 
 
 class OpOrder(TorchDispatchMode):
@@ -110,13 +115,15 @@ def _rank(rank: int, world: int, out: str) -> None:
         with HostSyncs() as syncs:
             y2 = moe(x)
             (y2 * grad_all[rows]).sum().backward()
-        result[mode] = {"syncs": dict(syncs.counts), "y": y.detach(), "y2": y2.detach(), "grad_x": x.grad,
+        result[mode] = {"syncs": dict(syncs.counts), "y": y.detach(), "y2": y2.detach(),
+                        "grad_x": x.grad,
                         "grads": {n: local(p.grad).clone() for n, p in moe.named_parameters()},
-                        "overlapped_matmuls": matmuls_while_dispatching(order.names) if matmul != "loop" else None}
-        # compiled as train.compile compiles (fullgraph off, which dynamo also reads as "graph-break on
-        # `.tolist()`" unless configured otherwise): one graph, no break, for every routing; the inputs
-        # below send different numbers of copies to each rank, which a graph specialised on the split sizes
-        # would recompile for
+                        "overlapped_matmuls": matmuls_while_dispatching(order.names)
+                        if matmul != "loop" else None}
+        # compiled as train.compile compiles (fullgraph off, which dynamo also reads as "graph-break
+        # on `.tolist()`" unless configured otherwise): one graph, no break, for every routing; the
+        # inputs below send different numbers of copies to each rank, which a graph specialised on
+        # the split sizes would recompile for
         configure_compiler()
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(moe.forward, backend=counter)
@@ -147,9 +154,12 @@ def test_padded_dispatch_is_exact_and_syncless(tmp_path):
     (y_ref * grad_all).sum().backward()
     for mode in (case_name(*case) for case in CASES):
         got = [r[mode] for r in ranks]
-        torch.testing.assert_close(torch.cat([g["y"] for g in got]), y_ref.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.cat([g["y2"] for g in got]), y_ref.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.cat([g["grad_x"] for g in got]), x_all.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.cat([g["y"] for g in got]), y_ref.detach(), rtol=1e-5,
+                                   atol=1e-6)
+        torch.testing.assert_close(torch.cat([g["y2"] for g in got]), y_ref.detach(), rtol=1e-5,
+                                   atol=1e-6)
+        torch.testing.assert_close(torch.cat([g["grad_x"] for g in got]), x_all.grad, rtol=1e-5,
+                                   atol=1e-6)
         for name, p in ref.named_parameters():
             if name.startswith("experts."):  # expert-sharded: rank r holds experts 2r, 2r+1
                 grad = torch.cat([g["grads"][name] for g in got])
@@ -158,24 +168,31 @@ def test_padded_dispatch_is_exact_and_syncless(tmp_path):
             torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
         # the shared expert's gate, up and down projections run while the copies travel
         if "loop" not in mode:  # (the loop's own matmuls are aten.mm too)
-            assert all(g["overlapped_matmuls"] == 3 for g in got), [g["overlapped_matmuls"] for g in got]
+            assert all(g["overlapped_matmuls"] == 3 for g in got), [g["overlapped_matmuls"]
+                                                                    for g in got]
         # compiled: one graph for all routings, equal to the one-process layer on each
-        assert [g["compiled"]["frames"] for g in got] == [1, 1], (mode, [g["compiled"]["frames"] for g in got])
+        assert [g["compiled"]["frames"]
+                for g in got] == [1, 1], (mode, [g["compiled"]["frames"] for g in got])
         splits = set()
         for i, x_routed in enumerate(routing_inputs(2)):
             xs = x_routed.clone().requires_grad_()
             ys = ref_routed(xs)
             (ys * grad_all).sum().backward()
             splits.add(copies_per_source_and_destination(ref_routed, xs.detach()))
-            torch.testing.assert_close(torch.cat([g["compiled"]["outs"][i][0] for g in got]), ys.detach(),
+            torch.testing.assert_close(torch.cat([g["compiled"]["outs"][i][0] for g in got]),
+                                       ys.detach(),
                                        rtol=1e-5, atol=1e-6, msg=f"{mode} compiled, input {i}")
-            torch.testing.assert_close(torch.cat([g["compiled"]["outs"][i][1] for g in got]), xs.grad,
-                                       rtol=1e-5, atol=1e-6, msg=f"{mode} compiled input grad, input {i}")
+            torch.testing.assert_close(torch.cat([g["compiled"]["outs"][i][1] for g in got]),
+                                       xs.grad,
+                                       rtol=1e-5, atol=1e-6,
+                                       msg=f"{mode} compiled input grad, input {i}")
         assert len(splits) == ROUTINGS, splits  # the all-to-alls' sizes differ between the runs
     assert all(r["padded"]["syncs"] == {} for r in ranks), [r["padded"]["syncs"] for r in ranks]
-    assert all(r["exact"]["syncs"].get("tolist", 0) > 0 for r in ranks), [r["exact"]["syncs"] for r in ranks]
+    assert all(r["exact"]["syncs"].get("tolist",
+                                       0) > 0 for r in ranks), [r["exact"]["syncs"] for r in ranks]
 
 
 def test_unknown_dispatch_is_a_one_line_error_naming_the_key():
-    with pytest.raises(ConfigError, match=r"^config key 'parallel.ep_dispatch'='fast' must be exact or padded$"):
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'parallel.ep_dispatch'='fast' must be exact or padded$"):
         load_config(None, ["parallel.ep_dispatch=fast"])

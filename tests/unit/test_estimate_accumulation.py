@@ -1,8 +1,8 @@
-"""--check's memory in both gradient-sync modes (`parallel.reshard_after_microbatch`): one sync per step
-holds every FSDP-managed parameter's unsharded fp32 gradient and gathered copy between micro-batches,
-which the default (reduce-scatter and reshard every micro-batch) does not. The difference is worked out
-here by hand from the parameter counts of the model itself (on the meta device); the estimate's figures
-against measured peaks are bench/fsdp_accumulation_memory.py's."""
+"""--check's memory in both gradient-sync modes (`parallel.reshard_after_microbatch`): one sync per
+step holds every FSDP-managed parameter's unsharded fp32 gradient and gathered copy between
+micro-batches, which the default (reduce-scatter and reshard every micro-batch) does not. The
+difference is worked out here by hand from the parameter counts of the model itself (on the meta
+device); the estimate's figures against measured peaks are bench/fsdp_accumulation_memory.py's."""
 
 from __future__ import annotations
 
@@ -13,22 +13,28 @@ from tandem.models import TandemModel
 from tandem.trainer.estimate import GIB, estimate
 from tandem.trainer.recipe import load_config
 
-# a dense trunk of 6 equal layers, small activations (8 tokens per micro-batch) against the parameters
+# a dense trunk of 6 equal layers, small activations (8 tokens per micro-batch) against the
+# parameters
 BASE = ["model.vocab_size=320", "data.vocab_size=320", "model.hidden_size=64", "model.num_layers=6",
-        "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=256", "model.num_experts=0",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=256",
+        "model.num_experts=0",
         "model.max_seq_len=64", "mtp.num_steps=1", "data.seq_len=8", "train.micro_batch_size=1",
         "train.grad_accum_steps=4", "train.dtype=bf16", "device=cpu"]
 
 
 def both_modes(*extra, world: int):
-    """(default estimate, one-sync estimate, the model's parameter counts by top-level piece / layer)."""
-    est = {every: estimate(load_config(None, BASE + list(extra) + [f"parallel.reshard_after_microbatch={every}"]),
+    """(default estimate, one-sync estimate, the model's parameter counts by top-level piece /
+    layer)."""
+    est = {every: estimate(load_config(None, BASE + list(extra)
+                                       + [f"parallel.reshard_after_microbatch={every}"]),
                            world) for every in ("true", "false")}
     with torch.device("meta"):
         model = TandemModel(load_config(None, BASE).model, load_config(None, BASE).mtp)
     counts = {}
     for name, p in model.named_parameters():
-        key = name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
+        key = (
+            name.split(".")[0] if not name.startswith("layers.") else ".".join(name.split(".")[:2])
+        )
         counts[key] = counts.get(key, 0) + p.numel()
     return est["true"], est["false"], counts
 
@@ -39,14 +45,18 @@ def test_one_sync_holds_unsharded_fp32_gradients_and_gathered_layers_dp2():
     layer = n["layers.0"]
     assert all(n[f"layers.{i}"] == layer for i in range(6))
     act = every.activations_gib_per_rank * GIB
-    # fp32 gradients of every parameter unsharded instead of in halves: 4 x (total - total / 2) bytes;
-    # bf16 copies of the 4 layers beyond the two the default already counts gathered, which stand
-    # between micro-batches where the activations are freed: only their excess over the activations
+    # fp32 gradients of every parameter unsharded instead of in halves: 4 x (total - total / 2)
+    # bytes; bf16 copies of the 4 layers beyond the two the default already counts gathered, which
+    # stand between micro-batches where the activations are freed: only their excess over the
+    # activations
     grads = 4 * (total - total / 2)
     held = 2 * 4 * layer - act
     assert held > 0  # the case exercises both terms
     want = (grads + held) / GIB
-    assert once.accumulation_gib_per_rank == pytest.approx(want, rel=1e-9) and every.accumulation_gib_per_rank == 0
+    assert (
+        once.accumulation_gib_per_rank == pytest.approx(want, rel=1e-9)
+        and every.accumulation_gib_per_rank == 0
+    )
     # the root group's bf16 gradients through backward and its fp32 reduce-scatter input after the
     # activations, the same in both modes (bf16 compute, fp32 reduce)
     root = n["embed_tokens"] + n["norm"] + n["lm_head"] + n["mtp"]
@@ -61,9 +71,9 @@ def test_one_sync_holds_unsharded_fp32_gradients_and_gathered_layers_dp2():
 
 
 def test_one_sync_under_a_pipeline_counts_the_stage_holding_most():
-    """pp=2 x dp=2: layers 0-2 and the embedding on pp rank 0; layers 3-5, the final norm, the head, the
-    MTP module and the embedding's copy on pp rank 1. A stage keeps other micro-batches' activations in
-    flight while its gathered copies stand, so they count in full."""
+    """pp=2 x dp=2: layers 0-2 and the embedding on pp rank 0; layers 3-5, the final norm, the head,
+    the MTP module and the embedding's copy on pp rank 1. A stage keeps other micro-batches'
+    activations in flight while its gathered copies stand, so they count in full."""
     every, once, n = both_modes("parallel.pp=2", world=4)
     layer = n["layers.0"]
     last = [f"layers.{i}" for i in (3, 4, 5)] + ["embed_tokens", "norm", "lm_head", "mtp"]
@@ -74,7 +84,8 @@ def test_one_sync_under_a_pipeline_counts_the_stage_holding_most():
     act = every.activations_gib_per_rank * GIB
     assert every.grad_buffers_gib_per_rank == once.grad_buffers_gib_per_rank == \
         pytest.approx((2 * root + max(0, 4 * root - act)) / GIB, rel=1e-9)
-    assert once.total_gib_per_rank - every.total_gib_per_rank == pytest.approx(max(per_rank) / GIB, rel=1e-9)
+    assert once.total_gib_per_rank - every.total_gib_per_rank == pytest.approx(max(per_rank) / GIB,
+                                                                               rel=1e-9)
 
 
 def test_allreduce_mode_holds_only_the_gathered_copies():
@@ -88,4 +99,6 @@ def test_allreduce_mode_holds_only_the_gathered_copies():
 @pytest.mark.parametrize("extra,world", [(("train.grad_accum_steps=1",), 2), ((), 1)])
 def test_modes_agree_with_one_micro_batch_or_no_data_parallelism(extra, world):
     every, once, _ = both_modes(*extra, world=world)
-    assert once.total_gib_per_rank == every.total_gib_per_rank and every.single_sync_gib_per_rank == 0
+    assert (
+        once.total_gib_per_rank == every.total_gib_per_rank and every.single_sync_gib_per_rank == 0
+    )

@@ -1,6 +1,7 @@
-"""Context parallelism in the cost model (trainer/context_cost.py, trainer/estimate.py): which rows each
-cp rank holds, its FLOPs under zigzag and contiguous sharding (the choice docs/long_context.md makes),
-what CP adds to a rank's memory, and the 256k recipes' `--check` (fit, node count, the cp sweep)."""
+"""Context parallelism in the cost model (trainer/context_cost.py, trainer/estimate.py): which rows
+each cp rank holds, its FLOPs under zigzag and contiguous sharding (the choice docs/long_context.md
+makes), what CP adds to a rank's memory, and the 256k recipes' `--check` (fit, node count, the cp
+sweep)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def qwen38_256k():
 @pytest.fixture(scope="module")
 def moe_4b_32k():
     """The full-attention family at 32k tokens."""
-    return load_config(os.path.join(RECIPES, "moe_4b_mtp_gpu.yaml"), ["data.seq_len=32768", "model.max_seq_len=32832"])
+    return load_config(os.path.join(RECIPES, "moe_4b_mtp_gpu.yaml"),
+                       ["data.seq_len=32768", "model.max_seq_len=32832"])
 
 
 @pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
@@ -42,7 +44,8 @@ def test_rank_chunks_cover_the_window_once(sharding):
 
 
 def test_ranks_sum_to_the_cost_model_at_cp_1(qwen38_256k):
-    """One rank's FLOPs are the window's: 3x the forward per token (every head over every row) x S."""
+    """One rank's FLOPs are the window's: 3x the forward per token (every head over every row) x
+    S."""
     cfg = qwen38_256k
     s = cfg.data.seq_len
     layers, head = forward_flops_per_token(cfg.model, cfg.mtp, s)
@@ -55,9 +58,9 @@ def test_ranks_sum_to_the_cost_model_at_cp_1(qwen38_256k):
 
 @pytest.mark.parametrize("family", ["qwen38_256k", "moe_4b_32k"])
 def test_zigzag_keeps_every_cp_rank_within_1_15_of_the_mean(family, request):
-    """The sharding choice: zigzag's most expensive rank is within 1.15x of the mean at every cp size
-    considered, for the 256k recipe (QSA's S^2 / r scoring) and for full attention at 32k; contiguous
-    gives the last rank more (for full attention beyond 1.15x from cp = 2 on)."""
+    """The sharding choice: zigzag's most expensive rank is within 1.15x of the mean at every cp
+    size considered, for the 256k recipe (QSA's S^2 / r scoring) and for full attention at 32k;
+    contiguous gives the last rank more (for full attention beyond 1.15x from cp = 2 on)."""
     cfg = request.getfixturevalue(family)
     s = cfg.data.seq_len
     for cp in CP_CONSIDERED:
@@ -92,21 +95,25 @@ def test_memory_per_rank_falls_with_cp(qwen38_256k):
 
 
 def test_context_bytes_by_hand():
-    """qwen4_exp_tiny (Gated DeltaNet and QSA layers, a QSA drafter) at cp=2, zigzag, fp32 on the CPU: the
-    gathered K, V and indexer keys over the whole window, and 2 x cp chunk states per GDN layer; none at cp=1."""
-    cfg = load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml"), ["parallel.cp=2", "data.seq_len=64"])
+    """qwen4_exp_tiny (Gated DeltaNet and QSA layers, a QSA drafter) at cp=2, zigzag, fp32 on the
+    CPU: the gathered K, V and indexer keys over the whole window, and 2 x cp chunk states per GDN
+    layer; none at cp=1."""
+    cfg = load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml"),
+                      ["parallel.cp=2", "data.seq_len=64"])
     m = cfg.model
     b, s = cfg.train.micro_batch_size, 64
     layers = list(range(m.num_layers))
     parts = X.context_bytes(cfg, layers, cfg.mtp.num_steps, 4)
     kinds = [m.layer_type(i) for i in layers]
-    attn = sum(k != "linear_attention" for k in kinds) + cfg.mtp.num_steps  # the drafter's depths run QSA
+    # the drafter's depths run QSA
+    attn = sum(k != "linear_attention" for k in kinds) + cfg.mtp.num_steps
     gdn = kinds.count("linear_attention")
     kv = m.num_kv_heads * m.resolved_head_dim
     assert parts["gathered_kv"] == attn * b * s * (2 * kv + m.indexer_head_dim) * 4
     dk, dv, nv = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_value_heads
     assert parts["gdn_states"] == gdn * b * 4 * nv * dk * (dk + dv) * 4  # 2 chunks x 2 ranks, fp32
-    assert X.context_bytes(load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml")), layers, 1, 4) == {}
+    assert X.context_bytes(load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml")), layers, 1,
+                           4) == {}
 
 
 def test_cp_1_estimates_have_no_context_part():
@@ -114,9 +121,11 @@ def test_cp_1_estimates_have_no_context_part():
     assert est.context_gib_per_rank == 0 and not est.cp_balance and "context" not in est.summary()
 
 
-@pytest.mark.parametrize("recipe, nodes, device", [(GPU_256K, 16, "H200"), (ASCEND_256K, 128, "Ascend 910B")])
+@pytest.mark.parametrize("recipe, nodes, device",
+                         [(GPU_256K, 16, "H200"), (ASCEND_256K, 128, "Ascend 910B")])
 def test_256k_recipes_check_fits_and_prints_nodes_and_the_cp_sweep(recipe, nodes, device, capsys):
-    assert launch_slurm_main([recipe, "--nodes", str(nodes), "--gpus-per-node", "8", "--check"]) == 0
+    assert launch_slurm_main([recipe, "--nodes", str(nodes), "--gpus-per-node", "8",
+                              "--check"]) == 0
     out = capsys.readouterr().out
     assert "layout ok" in out and f"fits on {nodes} nodes of 8" in out and device in out, out
     assert "zigzag=1.00" in out

@@ -1,5 +1,5 @@
-"""The in-loop evaluator's prompts and teacher-forced batches come from the held-out split, never the
-training split, as the trainer wires it (data.source=megatron and stdlib); plus the distinct-n
+"""The in-loop evaluator's prompts and teacher-forced batches come from the held-out split, never
+the training split, as the trainer wires it (data.source=megatron and stdlib); plus the distinct-n
 figure and the temperature labels on hand-computed cases, and the eval config keys' checks."""
 
 import json
@@ -43,10 +43,12 @@ def test_megatron_split_eval_reads_validation_documents_only(tmp_path, tiny_base
     train_ids = {t for d in docs[:80] for t in tok.encode(d)}
     valid_ids = {t for d in docs[80:] for t in tok.encode(d)} - train_ids
     assert len(valid_ids) > 5  # the two splits are told apart by their tokens
-    overrides = tiny_base + [f"run.dir={tmp_path / 'run'}", "data.source=megatron", f"data.paths=[{tmp_path / 'c'}]",
-                             "data.split=80,20,0", f"data.tokenizer={tok_path}", f"data.cache_dir={tmp_path / 'cache'}",
-                             "eval.interval=1", "eval.num_prompts=4", "eval.prompt_len=16", "eval.loss_batches=2",
-                             "train.max_steps=1"]
+    overrides = tiny_base + [f"run.dir={tmp_path / 'run'}", "data.source=megatron",
+                             f"data.paths=[{tmp_path / 'c'}]",
+                             "data.split=80,20,0", f"data.tokenizer={tok_path}",
+                             f"data.cache_dir={tmp_path / 'cache'}",
+                             "eval.interval=1", "eval.num_prompts=4", "eval.prompt_len=16",
+                             "eval.loss_batches=2", "train.max_steps=1"]
     ev, prompts, batches = _tokens(build_run(load_config("recipes/tiny.yaml", overrides)))
     assert len(ev.prompts) == 4 and len(ev.loss_batches) == 2
     seen = set(prompts) | set(batches)
@@ -55,7 +57,8 @@ def test_megatron_split_eval_reads_validation_documents_only(tmp_path, tiny_base
 
 
 def _stream(indexed):
-    return np.concatenate([np.asarray(indexed[i]) for i in range(len(indexed))]).astype(np.int32).tobytes()
+    return np.concatenate([np.asarray(indexed[i])
+                           for i in range(len(indexed))]).astype(np.int32).tobytes()
 
 
 def _pieces(window, eod):
@@ -80,7 +83,8 @@ def test_stdlib_eval_reads_the_test_split(tmp_path, tiny_base):
     ev = trainer.evaluator
     eod = trainer.tokenizer.eod_id
     train, valid = _stream(trainer.train_ds.dataset), _stream(trainer.valid_ds.dataset)
-    windows = [list(p) for p in ev.prompts] + [row.tolist() for b in ev.loss_batches for row in b["tokens"]]
+    windows = [list(p) for p in ev.prompts] + [row.tolist() for b in ev.loss_batches
+                                               for row in b["tokens"]]
     long_pieces = [p for w in windows for p in _pieces(w, eod) if len(p) >= 4 * 12]
     assert len(long_pieces) >= 4
     # every piece is text of the held-out test/ files; (nearly) none is also training text
@@ -89,7 +93,8 @@ def test_stdlib_eval_reads_the_test_split(tmp_path, tiny_base):
 
 
 def test_distinct_n_hand_computed():
-    # [1,2,1,2,1]: 2-grams (1,2),(2,1),(1,2),(2,1) -> 2 of 4; [5,6,7]: 2 of 2; [9]: no 2-gram, left out
+    # [1,2,1,2,1]: 2-grams (1,2),(2,1),(1,2),(2,1) -> 2 of 4; [5,6,7]: 2 of 2; [9]: no 2-gram, left
+    # out
     assert distinct_n([[1, 2, 1, 2, 1], [5, 6, 7], [9]], 2) == pytest.approx((0.5 + 1.0) / 2)
     # 4-grams of [3,3,3,3,3,3]: three, all (3,3,3,3) -> 1/3
     assert distinct_n([[3] * 6], 4) == pytest.approx(1 / 3)
@@ -107,7 +112,8 @@ def test_temperatures_outside_range_name_the_key(bad):
 
 
 def test_retired_eval_temperature():
-    assert load_config(None, ["eval.temperature=0"]).eval.temperatures == [1.0]  # old run configs still load
+    # old run configs still load
+    assert load_config(None, ["eval.temperature=0"]).eval.temperatures == [1.0]
     with pytest.raises(ConfigError, match=r"eval\.temperature'=.*eval\.temperatures"):
         load_config(None, ["eval.temperature=0.7"])
 

@@ -25,7 +25,8 @@ def _train(run_dir, cache_dir, interval, steps=4, extra=()):
                  f"eval.interval={interval}", "eval.num_prompts=3", "eval.prompt_len=8",
                  "eval.max_new_tokens=6", "eval.batch_size=2", "eval.loss_batches=1", *QUIET,
                  f"data.cache_dir={cache_dir}", "checkpoint.save_final=false",
-                 # the recomputing head executes more FLOPs than the model's, so `hfu` and `mfu` differ
+                 # the recomputing head executes more FLOPs than the model's, so `hfu` and `mfu`
+                 # differ
                  "mtp.loss_head_backward=recompute", *extra]
     train(load_config("recipes/tiny.yaml", overrides))
     return [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
@@ -43,22 +44,29 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert _losses(with_eval) == _losses(without)  # exact equality, not allclose
     evals = [r for r in with_eval if "eval/acceptance_length" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate", "eval/speedup",
-                "eval/seconds",
-                "eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar", "eval/speedup_predicted"}
-    expected |= {"eval/distinct_2", "eval/distinct_4", "eval/T1/acceptance_length", "eval/T1/draft_acceptance_rate"}
+    expected = {"eval/loss/main", "eval/acceptance_length", "eval/draft_acceptance_rate",
+                "eval/speedup", "eval/seconds",
+                "eval/decode_tokens_per_s/spec", "eval/decode_tokens_per_s/ar",
+                "eval/speedup_predicted"}
+    expected |= {"eval/distinct_2", "eval/distinct_4", "eval/T1/acceptance_length",
+                 "eval/T1/draft_acceptance_rate"}
     for k in range(1, 4):
         expected |= {f"eval/loss/mtp_{k}", f"eval/accept_rate/pos_{k}", f"eval/tf_acc/mtp_{k}",
                      f"eval/T1/accept_rate/pos_{k}"}
     assert expected <= set(evals[0])
-    # every acceptance figure, under every prefix, has its 95% interval beside it; no other key has one
-    figures = {k for k in evals[0] if re.search(r"(acceptance_length|acceptance_rate|accept_rate/pos_\d+)$", k)}
-    assert {"eval/acceptance_length", "eval/T1/accept_rate/pos_3", "eval/T1/block/draft_acceptance_rate"} <= figures
-    assert {k for k in evals[0] if k.endswith(("_lo95", "_hi95"))} == {f"{k}_{e}95" for k in figures for e in ("lo",
-                                                                                                               "hi")}
+    # every acceptance figure, under every prefix, has its 95% interval beside it; no other key has
+    # one
+    figures = {k for k in evals[0]
+               if re.search(r"(acceptance_length|acceptance_rate|accept_rate/pos_\d+)$", k)}
+    assert {"eval/acceptance_length", "eval/T1/accept_rate/pos_3",
+            "eval/T1/block/draft_acceptance_rate"} <= figures
+    assert {k for k in evals[0] if k.endswith(("_lo95", "_hi95"))} == {
+        f"{k}_{e}95" for k in figures for e in ("lo", "hi")
+    }
     assert all(r[f"{k}_lo95"] <= r[k] <= r[f"{k}_hi95"] for r in evals for k in figures)
     # spec side only
-    assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k) for k in evals[0])
+    assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k)
+                   for k in evals[0])
     for variant in ("eval", "eval/T1"):
         assert 1.0 <= evals[0][f"{variant}/acceptance_length"] <= 4.0
         assert 0.0 <= evals[0][f"{variant}/accept_rate/pos_1"] <= 1.0
@@ -66,21 +74,23 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_
     assert evals[0]["eval/identical_to_autoregressive"] == 1.0
     assert not any(k.startswith("eval/") for r in without for k in r)
     samples = [json.loads(line) for line in open(tmp_path / "a" / "eval_samples.jsonl")]
-    assert [s["step"] for s in samples] == [2, 2, 2, 4, 4, 4]  # eval.num_samples_logged=4 > 3 prompts
+    # eval.num_samples_logged=4 > 3 prompts
+    assert [s["step"] for s in samples] == [2, 2, 2, 4, 4, 4]
     first = samples[0]
     assert isinstance(first["prompt"], str) and isinstance(first["continuation"], str)
     assert isinstance(first["T1/continuation"], str) and len(first["output_ids"]) == 6
     assert 1.0 <= first["acceptance_length"] <= 4.0 and 1.0 <= first["T1/acceptance_length"] <= 4.0
     samples = tmp_path / "b" / "eval_samples.jsonl"
     assert not samples.exists() or not open(samples).read()
-    # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads' recomputed
-    # logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
+    # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads'
+    # recomputed logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
     from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
     from tandem.trainer.recipe import load_config
 
     cfg = load_config(str(tmp_path / "b" / "config.yaml"), [])
     model = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
-    hardware = hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, cfg.train.activation_checkpointing)
+    hardware = hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                        cfg.train.activation_checkpointing)
     assert hardware > model
     for r in without:
         assert r["mfu"] == pytest.approx(model * r["tokens_per_s"] / 1e9, rel=1e-9)
@@ -92,21 +102,26 @@ def test_samples_file_truncated_on_resume(tmp_path):
     from tandem.trainer.metrics import MetricsLogger
     from tandem.trainer.recipe import load_config
 
-    cfg = load_config(None, [f"run.dir={tmp_path}", "logging.wandb=false", "logging.progress=false"])
+    cfg = load_config(None,
+                      [f"run.dir={tmp_path}", "logging.wandb=false", "logging.progress=false"])
     log = MetricsLogger(cfg, True, 0, 10)
     for step in (2, 4, 6):
-        log.log_samples(step, [{"prompt": "a", "continuation": "b"}, {"prompt": "c", "continuation": "d"}])
+        log.log_samples(step, [{"prompt": "a", "continuation": "b"},
+                               {"prompt": "c", "continuation": "d"}])
     log.close()
     MetricsLogger(cfg, True, 4, 10).close()  # resumed from the step-4 checkpoint
-    assert [json.loads(line)["step"] for line in open(tmp_path / "eval_samples.jsonl")] == [2, 2, 4, 4]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "eval_samples.jsonl")] == [2, 2, 4,
+                                                                                            4]
 
 
 def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, monkeypatch):
     from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run
 
-    overrides = [f"run.dir={tmp_path}", "train.max_steps=1", *DEBUG_MODEL, *TINY_DATA, "eval.interval=1",
-                 "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4", "eval.temperatures=[0.7]",
+    overrides = [f"run.dir={tmp_path}", "train.max_steps=1", *DEBUG_MODEL, *TINY_DATA,
+                 "eval.interval=1",
+                 "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4",
+                 "eval.temperatures=[0.7]",
                  "eval.loss_batches=1", *QUIET, f"data.cache_dir={cache_dir}"]
     trainer = build_run(load_config("recipes/tiny.yaml", overrides))
     model, ev = trainer.model, trainer.evaluator
@@ -118,7 +133,8 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     out = ev.run(1)
-    assert "eval/T0.7/acceptance_length" in out and "eval/T1/acceptance_length" not in out  # sampling ran too
+    # sampling ran too
+    assert "eval/T0.7/acceptance_length" in out and "eval/T1/acceptance_length" not in out
     assert model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(r.tokens_per_expert, load) for r, load in zip(routers, loads))

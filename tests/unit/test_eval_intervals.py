@@ -6,18 +6,20 @@ from tandem.eval.acceptance import acceptance_metrics
 from tandem.eval.spec_decode import DecodeStats
 
 K = 3
-FIGURES = ["acceptance_length", "draft_acceptance_rate"] + [f"accept_rate/pos_{i}" for i in range(1, K + 1)]
+FIGURES = ["acceptance_length",
+           "draft_acceptance_rate"] + [f"accept_rate/pos_{i}" for i in range(1, K + 1)]
 
 
 def population(n: int, seed: int) -> DecodeStats:
-    """Per-prompt counts as greedy decoding makes them: each prompt has its own acceptance probability
-    (the source of between-prompt spread) and a number of rounds; a round accepts drafts 1..j while
-    each independent draw succeeds."""
+    """Per-prompt counts as greedy decoding makes them: each prompt has its own acceptance
+    probability (the source of between-prompt spread) and a number of rounds; a round accepts drafts
+    1..j while each independent draw succeeds."""
     g = torch.Generator().manual_seed(seed)
     p = 0.25 + 0.6 * torch.rand(n, 1, 1, generator=g, dtype=torch.float64)
     rounds = torch.randint(6, 30, (n,), generator=g)
     hits = (torch.rand(n, 30, K, generator=g, dtype=torch.float64) < p).long().cumprod(2)
-    hits *= (torch.arange(30).view(1, 30, 1) < rounds.view(n, 1, 1)).long()  # rounds past the row's end
+    # rounds past the row's end
+    hits *= (torch.arange(30).view(1, 30, 1) < rounds.view(n, 1, 1)).long()
     accepted_at = hits.sum(1)
     return DecodeStats(rounds, accepted_at.sum(1), accepted_at, K)
 
@@ -32,7 +34,8 @@ def test_interval_holds_the_figure_and_narrows_with_more_prompts():
     m = acceptance_metrics(st)
     assert torch.equal(torch.get_rng_state(), rng)  # a private generator: training's RNG untouched
     assert acceptance_metrics(st) == m  # fixed seed: reproducible
-    four = acceptance_metrics(rows(st, torch.arange(16).repeat(4)))  # every prompt 4x: same figures, 4x n
+    # every prompt 4x: same figures, 4x n
+    four = acceptance_metrics(rows(st, torch.arange(16).repeat(4)))
     for key in FIGURES:
         assert m[f"{key}_lo95"] < m[key] < m[f"{key}_hi95"], key
         assert four[key] == m[key]
@@ -42,13 +45,19 @@ def test_interval_holds_the_figure_and_narrows_with_more_prompts():
 
 
 def test_interval_resamples_counts_not_per_prompt_ratios():
-    """Five long prompts that accept nothing, five one-round prompts that accept everything: the figure
-    is 1 + 15/505 (ratio of summed counts); a mean of per-prompt ratios would be 2.5."""
+    """Five long prompts that accept nothing, five one-round prompts that accept everything: the
+    figure is 1 + 15/505 (ratio of summed counts); a mean of per-prompt ratios would be 2.5."""
     st = DecodeStats(torch.tensor([100] * 5 + [1] * 5), torch.tensor([0] * 5 + [3] * 5),
                      torch.tensor([[0, 0, 0]] * 5 + [[1, 1, 1]] * 5), K)
     m = acceptance_metrics(st)
     assert m["acceptance_length"] == 1 + 15 / 505
-    assert 1.0 <= m["acceptance_length_lo95"] < m["acceptance_length"] < m["acceptance_length_hi95"] < 1.2
+    assert (
+        1.0
+        <= m["acceptance_length_lo95"]
+        < m["acceptance_length"]
+        < m["acceptance_length_hi95"]
+        < 1.2
+    )
 
 
 def test_coverage_on_disjoint_prompt_sets_of_the_default_size():
@@ -67,8 +76,21 @@ def test_coverage_on_disjoint_prompt_sets_of_the_default_size():
 
 
 def test_degenerate_inputs():
-    one = acceptance_metrics(DecodeStats(torch.tensor([4]), torch.tensor([6]), torch.tensor([[3, 2, 1]]), K))
-    assert one["acceptance_length_lo95"] == one["acceptance_length"] == one["acceptance_length_hi95"] == 2.5
-    idle = acceptance_metrics(DecodeStats(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
-                                          torch.zeros(3, K, dtype=torch.long), K))  # every prompt ended at prefill
-    assert idle["acceptance_length"] == idle["acceptance_length_lo95"] == idle["acceptance_length_hi95"] == 1.0
+    one = acceptance_metrics(DecodeStats(torch.tensor([4]), torch.tensor([6]),
+                                         torch.tensor([[3, 2, 1]]), K))
+    assert (
+        one["acceptance_length_lo95"]
+        == one["acceptance_length"]
+        == one["acceptance_length_hi95"]
+        == 2.5
+    )
+    idle = acceptance_metrics(DecodeStats(torch.zeros(3, dtype=torch.long),
+                                          torch.zeros(3, dtype=torch.long),
+                                          # every prompt ended at prefill
+                                          torch.zeros(3, K, dtype=torch.long), K))
+    assert (
+        idle["acceptance_length"]
+        == idle["acceptance_length_lo95"]
+        == idle["acceptance_length_hi95"]
+        == 1.0
+    )

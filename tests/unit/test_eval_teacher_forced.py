@@ -1,6 +1,6 @@
-"""The evaluator's teacher-forced figures (eval/metrics.py `teacher_forced`) run the head chunk by chunk
-(issue 20, item 4): the same losses and top-1 accuracies as full-vocabulary logits gave, while no
-tensor of [more than one chunk x vocab] is ever allocated."""
+"""The evaluator's teacher-forced figures (eval/metrics.py `teacher_forced`) run the head chunk by
+chunk (issue 20, item 4): the same losses and top-1 accuracies as full-vocabulary logits gave, while
+no tensor of [more than one chunk x vocab] is ever allocated."""
 
 import pytest
 import torch
@@ -30,8 +30,8 @@ def trained_model() -> TandemModel:
     accuracies sit well inside (0, 1) and an argmax that differed anywhere would show."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=64, moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1,
-                      first_k_dense=1, max_seq_len=64)
+                      intermediate_size=64, moe_intermediate_size=16, num_experts=4, top_k=2,
+                      num_shared_experts=1, first_k_dense=1, max_seq_len=64)
     model = TandemModel(cfg, MTPConfig(num_steps=2, num_layers=1, loss_chunk_tokens=CHUNK))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(3)
@@ -50,14 +50,16 @@ def batches():
         tokens = counting(torch.randint(0, VOCAB, (BATCH, 1), generator=g))
         tokens[:, SEQ // 2] = 7  # a break in the count
         eod = torch.rand(BATCH, SEQ + 1, generator=g) < 0.05
-        out.append({"tokens": tokens, "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.1).float(),
+        out.append({"tokens": tokens,
+                    "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.1).float(),
                     "doc_ids": torch.cumsum(eod.long(), dim=1) - eod.long()})
     return out
 
 
 @torch.no_grad()
 def full_vocab_teacher_forced(m, data):
-    """The evaluator before chunking: [tokens x vocab] logits per depth, cross-entropy and argmax."""
+    """The evaluator before chunking: [tokens x vocab] logits per depth, cross-entropy and
+    argmax."""
     loss, correct, count = (torch.zeros(m.num_depths, dtype=torch.float64) for _ in range(3))
     for batch in data:
         tokens = batch["tokens"]
@@ -85,7 +87,8 @@ class LargestVocabTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view:  # views allocate nothing (e.g. the head weight's transpose, [hidden x vocab])
+        # views allocate nothing (e.g. the head weight's transpose, [hidden x vocab])
+        if func.is_view:
             return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == VOCAB:

@@ -16,7 +16,8 @@ from tandem.models import experts as experts_module
 from tandem.models.experts import GroupedExperts, expert_path, expert_paths
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.9")]
+              pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                 reason="torch._grouped_mm needs torch >= 2.9")]
 
 CPU = torch.device("cpu")
 
@@ -30,7 +31,8 @@ def picky_kernel(monkeypatch):
 
     def grouped_mm(a, b, offs=None, **kw):
         if {*a.shape, *b.shape} & state["rejected"]:
-            raise RuntimeError(f"grouped matmul: unsupported shape {tuple(a.shape)} x {tuple(b.shape)}")
+            raise RuntimeError(f"grouped matmul: unsupported shape {tuple(a.shape)} x "
+                               f"{tuple(b.shape)}")
         state["calls"] += 1
         return real(a, b, offs=offs, **kw)
 
@@ -67,8 +69,8 @@ def loop_reference(layer: GroupedExperts, x, counts):
     ({8}, {32: "grouped", 48: "grouped"}),  # the tiny probe fails, the real widths run
 ])
 def test_probe_at_each_layers_widths(picky_kernel, rejected, expect):
-    """Each layer takes the path its own widths allow: forward and backward run (the rejected width on
-    the per-expert loop, the others on the grouped kernel) and equal the per-expert loop."""
+    """Each layer takes the path its own widths allow: forward and backward run (the rejected width
+    on the per-expert loop, the others on the grouped kernel) and equal the per-expert loop."""
     picky_kernel["rejected"] = rejected
     x, counts = routed_input()
     for inter, path in expect.items():
@@ -91,7 +93,8 @@ def test_probe_is_cached_per_shape_and_dtype(picky_kernel):
     for inter in (32, 48, 32):
         expert_path(experts(inter), CPU, torch.float32)
     expert_path(experts(32), CPU, torch.bfloat16)
-    assert experts_module._GROUPED_MM_WORKS == {("cpu", torch.float32, 32, 32): True, ("cpu", torch.float32, 32,
+    assert experts_module._GROUPED_MM_WORKS == {("cpu", torch.float32, 32, 32): True,
+                                                ("cpu", torch.float32, 32,
                                                                                        48): False,
                                      ("cpu", torch.bfloat16, 32, 32): True}
 
@@ -101,19 +104,23 @@ def test_expert_paths_summary(picky_kernel):
     model = nn.ModuleList([experts(32), experts(48), experts(48), experts(16, matmul="loop")])
     value, line = expert_paths(model, CPU, torch.bfloat16)
     assert value == "mixed"
-    assert line == ("MoE experts on cpu: grouped matmul in 1 of 4 layers, per-expert loop (a host sync per layer) "
-                    "in 3: model.expert_matmul=loop; the grouped kernel does not run hidden 32 x expert width 48 "
+    assert line == ("MoE experts on cpu: grouped matmul in 1 of 4 layers, per-expert loop (a host "
+                    "sync per layer) "
+                    "in 3: model.expert_matmul=loop; the grouped kernel does not run hidden 32 x "
+                    "expert width 48 "
                     "in bfloat16")
     assert expert_paths(nn.ModuleList([experts(32), experts(64)]), CPU, None)[0] == "grouped"
     assert expert_paths(nn.ModuleList([experts(48)]), CPU, None)[0] == "loop"
     assert expert_paths(nn.Linear(2, 2), CPU, None) == ("", "")
-    with pytest.raises(RuntimeError, match="model.expert_matmul=grouped: .* hidden 32 / expert width 48"):
+    with pytest.raises(RuntimeError,
+                       match="model.expert_matmul=grouped: .* hidden 32 / expert width 48"):
         expert_paths(nn.ModuleList([experts(48, matmul="grouped")]), CPU, None)
 
 
 def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
-    """A run whose expert width the kernel rejects trains on the per-expert loop and says so: one line at
-    start, `moe/expert_path` in its records (before, the 8x8 probe passed and the first forward raised)."""
+    """A run whose expert width the kernel rejects trains on the per-expert loop and says so: one
+    line at start, `moe/expert_path` in its records (before, the 8x8 probe passed and the first
+    forward raised)."""
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
     from tests.conftest import TINY_OVERRIDES
@@ -121,7 +128,8 @@ def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
     picky_kernel["rejected"] = {32}  # model.moe_intermediate_size
     run = tmp_path / "run"
     train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [
-        f"run.dir={run}", "train.max_steps=1", f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.save_final=false"]))
+        f"run.dir={run}", "train.max_steps=1", f"data.cache_dir={tmp_path / 'cache'}",
+        "checkpoint.save_final=false"]))
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert records[-1]["moe/expert_path"] == "loop"
     err = capfd.readouterr().err

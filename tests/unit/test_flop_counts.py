@@ -1,22 +1,26 @@
-"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/flops.py over trainer/cost.py) against a count by hand
-for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from them (test_eval_in_loop)."""
+"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/flops.py over trainer/cost.py)
+against a count by hand for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from
+them (test_eval_in_loop)."""
 
 import pytest
 
 from tandem.trainer import flops as F
 from tandem.trainer.recipe import load_config
 
-# V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32), layer 1 MoE (4
-# experts, top 2, expert width 8, one shared expert of width 8); one looped concat_proj MTP depth with an MoE block;
-# S=8.
+# V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32),
+# layer 1 MoE (4 experts, top 2, expert width 8, one shared expert of width 8); one looped
+# concat_proj MTP depth with an MoE block; S=8.
 TINY = ["model.vocab_size=320", "data.vocab_size=320", "model.hidden_size=16", "model.num_layers=2",
         "model.num_heads=2",
-        "model.num_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "model.num_experts=4",
-        "model.top_k=2", "model.moe_intermediate_size=8", "model.num_shared_experts=1", "model.first_k_dense=1",
+        "model.num_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32",
+        "model.num_experts=4",
+        "model.top_k=2", "model.moe_intermediate_size=8", "model.num_shared_experts=1",
+        "model.first_k_dense=1",
         "mtp.num_steps=1", "mtp.num_layers=1", "mtp.style=looped", "mtp.moe=true", "data.seq_len=8"]
 
 # forward FLOPs per token, 2 per multiply-add
-ATTN = 2 * 16 * (16 + 2 * 8) + 2 * 16 * 16 + 4 * 16 * (8 / 2)  # q,k,v + o + causal QK^T and AV = 1792
+# q,k,v + o + causal QK^T and AV = 1792
+ATTN = 2 * 16 * (16 + 2 * 8) + 2 * 16 * 16 + 4 * 16 * (8 / 2)
 MLP = 6 * 16 * 32  # 3072
 MOE = 2 * 16 * 4 + 2 * 6 * 16 * 8 + 6 * 16 * 8  # router + 2 routed experts + shared = 2432
 MTP_COMBINE = 2 * (2 * 16) * 16  # eh_proj over cat(emb, h): 1024
@@ -35,7 +39,8 @@ def test_model_flops_count_every_head_at_three_times_its_forward():
 @pytest.mark.parametrize("head_backward,head_passes", [("recompute", 4), ("fused", 3)])
 @pytest.mark.parametrize("checkpointing,recompute", [("none", 0), ("selective", 0),
                                                       ("full", 2 * ATTN + MLP + MOE + ATTN + MOE)])
-def test_hardware_flops_add_the_heads_recompute_and_full_checkpointing(checkpointing, recompute, head_backward,
+def test_hardware_flops_add_the_heads_recompute_and_full_checkpointing(checkpointing, recompute,
+                                                                       head_backward,
                                                                         head_passes):
     """The recomputing head's logits run again in backward (4x its forward; the fused head computes
     its gradients with the forward: 3x); full checkpointing runs every trunk and MTP block forward
@@ -51,9 +56,12 @@ def test_flagship_mfu_no_longer_counts_the_head_recompute():
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     model = F.training_flops_per_token(m, mtp, s)
     hardware = F.hardware_flops_per_token(m, mtp, s, "none")
-    recomputed = load_config("recipes/moe_4b_mtp_gpu.yaml", ["mtp.loss_head_backward=recompute"]).mtp
+    recomputed = load_config("recipes/moe_4b_mtp_gpu.yaml",
+                             ["mtp.loss_head_backward=recompute"]).mtp
     recompute_hardware = F.hardware_flops_per_token(m, recomputed, s, "none")
     layers, head = F.forward_flops_per_token(m, mtp, s)
-    assert model == pytest.approx(3 * layers + 3 * head * sum((s - d) / s for d in range(1 + mtp.num_steps)))
+    assert model == pytest.approx(3 * layers + 3 * head * sum((s - d) / s
+                                                              for d in range(1 + mtp.num_steps)))
     assert recompute_hardware / model == pytest.approx(1.146, abs=5e-4)
-    assert hardware == pytest.approx(model, rel=1e-12)  # the fused head (default) executes model FLOPs
+    # the fused head (default) executes model FLOPs
+    assert hardware == pytest.approx(model, rel=1e-12)

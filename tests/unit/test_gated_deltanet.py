@@ -1,7 +1,8 @@
-"""Gated DeltaNet: parity with transformers' Qwen4-Exp module, chunked == recurrent (random inputs and what
-real text puts into a chunk: runs of one token, periodic tokens, correlated keys, beta near 1, slow
-decay; outputs, gradients, bf16 autocast), and the decoder state contract of models/state.py (prefill +
-steps, ragged rows, rollback to an accepted prefix, also inside a long verify forward of a PLE model)."""
+"""Gated DeltaNet: parity with transformers' Qwen4-Exp module, chunked == recurrent (random inputs
+and what real text puts into a chunk: runs of one token, periodic tokens, correlated keys, beta near
+1, slow decay; outputs, gradients, bf16 autocast), and the decoder state contract of models/state.py
+(prefill + steps, ragged rows, rollback to an accepted prefix, also inside a long verify forward of
+a PLE model)."""
 
 import copy
 
@@ -9,7 +10,11 @@ import pytest
 import torch
 
 from tandem.models import gated_deltanet as gdn
-from tandem.models.delta_rule import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+from tandem.models.delta_rule import (
+    chunked_gated_delta_rule,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+)
 from tandem.models.gated_deltanet import GatedDeltaNet, qkv_rows_from_hf
 from tandem.models.state import DecodeCache
 
@@ -24,12 +29,13 @@ def make(gate_act="silu", seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     m = GatedDeltaNet(HID, HK, HV, DK, DV, KER, gate_act=gate_act, kernel="torch")
     with torch.no_grad():
-        # nn.Linear / Conv1d drew their rows in transformers' [q | k | v] order: store them by key-head
-        # group, so the module computes the same function as one built with that order
+        # nn.Linear / Conv1d drew their rows in transformers' [q | k | v] order: store them by
+        # key-head group, so the module computes the same function as one built with that order
         rows = qkv_rows_from_hf(HK, HV, DK, DV)
         m.in_proj_qkv.weight.copy_(m.in_proj_qkv.weight[rows].clone())
         m.conv1d.weight.copy_(m.conv1d.weight[rows].clone())
-        # Decays from slow to fast so the state matters across chunk boundaries, and a non-trivial norm.
+        # Decays from slow to fast so the state matters across chunk boundaries, and a non-trivial
+        # norm.
         m.A_log.copy_(torch.tensor([0.01, 0.1, 0.5, 3.0]).log())
         m.dt_bias.uniform_(-1.0, 1.0)
         m.norm.weight.uniform_(0.5, 1.5)
@@ -45,7 +51,7 @@ def _one_thread(one_thread):
     yield
 
 
-# --- parity with the reference ---------------------------------------------------------------------
+# --- parity with the reference --------------------------------------------------------------------
 @pytest.mark.parametrize("gate", ["silu", "sigmoid"])
 def test_matches_transformers(gate):
     hf = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
@@ -61,8 +67,8 @@ def test_matches_transformers(gate):
     ours = make(gate)
     ref = hf.Qwen4ExpTextGatedDeltaNet(cfg, 0)
     assert ref.norm.activation == gate
-    # a checkpoint is a name copy, both ways, except that in_proj_qkv rows and conv1d channels are stored
-    # by key-head group here ([q_g | k_g | v_g]) and [q | k | v] in transformers
+    # a checkpoint is a name copy, both ways, except that in_proj_qkv rows and conv1d channels are
+    # stored by key-head group here ([q_g | k_g | v_g]) and [q | k | v] in transformers
     rows = qkv_rows_from_hf(HK, HV, DK, DV)
     permuted = ("in_proj_qkv.weight", "conv1d.weight")
     theirs = {k: v.clone() for k, v in ours.state_dict().items()}
@@ -86,7 +92,8 @@ def test_matches_transformers(gate):
     # bf16 follows the reference's casts (measured bit-identical on CPU).
     ours.bfloat16(), ref.bfloat16()
     with torch.no_grad():
-        assert rel_err(ours(x.bfloat16(), positions(2, 70)).float(), ref(x.bfloat16()).float()) < 1e-2
+        assert rel_err(ours(x.bfloat16(), positions(2, 70)).float(),
+                       ref(x.bfloat16()).float()) < 1e-2
 
 
 def test_chunked_equals_recurrent():
@@ -103,11 +110,12 @@ def test_chunked_equals_recurrent():
     assert rel_err(o_c, o_r) < 1e-5 and rel_err(s_c, s_r) < 1e-5
 
 
-# What real data puts into one chunk: runs of one token, periodic text, near-duplicate keys, learning
-# rates near 1 and decay near 0. The strictly-lower A of a chunk then has powers that grow to ~1e17
-# before they cancel (a run of C identical keys gives binomial coefficients), while (I + A)^-1 stays
-# bounded; a solve that goes through powers of A keeps nothing in fp32. Head dim 128 as in the real
-# models (the dot products of longer keys concentrate), S = 256: four chunks, state carried across.
+# What real data puts into one chunk: runs of one token, periodic text, near-duplicate keys,
+# learning rates near 1 and decay near 0. The strictly-lower A of a chunk then has powers that grow
+# to ~1e17 before they cancel (a run of C identical keys gives binomial coefficients), while (I +
+# A)^-1 stays bounded; a solve that goes through powers of A keeps nothing in fp32. Head dim 128 as
+# in the real models (the dot products of longer keys concentrate), S = 256: four chunks, state
+# carried across.
 ADV_DK, ADV_S = 128, 256
 
 
@@ -121,13 +129,15 @@ def adversarial(kind, heads=2, s=ADV_S, dk=ADV_DK, seed=0):
     decay_rate = torch.empty(heads).uniform_(low, high, generator=gen)  # A = exp(A_log)
     g = -decay_rate[None, :, None] * torch.nn.functional.softplus(rnd(1, heads, s))
     if kind in ("run", "run_slow"):
-        # one token repeated at positions 40..139: chunk boundaries at 64 and 128 fall inside the run
+        # one token repeated at positions 40..139: chunk boundaries at 64 and 128 fall inside the
+        # run
         for x in (q, k, v, beta, g):
             x[:, :, 40:140] = x[:, :, 40:41]
     elif kind.startswith("periodic"):
         period = int(kind[-1])
         for x in (q, k, v, beta, g):
-            x[:, :, period:] = x[:, :, :period].repeat(1, 1, s // period, *([1] * (x.dim() - 3)))[:, :, :s - period]
+            x[:, :, period:] = x[:, :, :period].repeat(1, 1, s // period,
+                                                       *([1] * (x.dim() - 3)))[:, :, :s - period]
     elif kind in ("correlated", "beta_near_one"):
         # keys around one direction with pairwise cosine ~0.8, constant learning rate and slow decay
         k = rnd(1, heads, 1, dk) + 0.5 * rnd(1, heads, s, dk)
@@ -166,8 +176,8 @@ def test_chunked_gradients_equal_recurrent_on_a_run_of_one_token():
 
 
 def test_chunked_under_bf16_autocast_on_a_run_of_one_token():
-    """bf16 inputs under autocast (how a bf16 training step reaches the torch path) stay at bf16 rounding
-    of the fp32 recurrence, not amplified by the chunk solve."""
+    """bf16 inputs under autocast (how a bf16 training step reaches the torch path) stay at bf16
+    rounding of the fp32 recurrence, not amplified by the chunk solve."""
     q, k, v, g, beta, s0 = (x.bfloat16() for x in adversarial("run_slow"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, s0)
@@ -187,7 +197,8 @@ def test_meta_construction_and_tensor_parallel_shards():
     total = 0
     for r in range(2):
         shard = copy.deepcopy(m)
-        # rows are stored by key-head group, so a rank's rows are one contiguous block (a plain Shard(0))
+        # rows are stored by key-head group, so a rank's rows are one contiguous block (a plain
+        # Shard(0))
         rows = torch.arange(r * (2 * kd + vd) // 2, (r + 1) * (2 * kd + vd) // 2)
         heads, vcols = slice(r * HV // 2, (r + 1) * HV // 2), slice(r * vd // 2, (r + 1) * vd // 2)
         shard.in_proj_qkv.weight = torch.nn.Parameter(m.in_proj_qkv.weight[rows])
@@ -195,7 +206,10 @@ def test_meta_construction_and_tensor_parallel_shards():
         shard.in_proj_z.weight = torch.nn.Parameter(m.in_proj_z.weight[vcols])
         for name in ("in_proj_b", "in_proj_a"):
             getattr(shard, name).weight = torch.nn.Parameter(getattr(m, name).weight[heads])
-        shard.dt_bias, shard.A_log = torch.nn.Parameter(m.dt_bias[heads]), torch.nn.Parameter(m.A_log[heads])
+        shard.dt_bias, shard.A_log = (
+            torch.nn.Parameter(m.dt_bias[heads]),
+            torch.nn.Parameter(m.A_log[heads]),
+        )
         shard.out_proj.weight = torch.nn.Parameter(m.out_proj.weight[:, vcols])
         total = total + shard(x, positions(1, 9))
     assert rel_err(total, full) < 1e-5
@@ -203,9 +217,9 @@ def test_meta_construction_and_tensor_parallel_shards():
 
 # --- decoding -------------------------------------------------------------------------------------
 def run_schedule(m, streams, schedule, ring=8):
-    """Feed each row's token stream through cached forwards. `schedule` is a list of forwards, each a list
-    of (start, n_real) per row plus the forward's width R (short rows are padded with junk). Returns the
-    cache and, per row, {position: output} for its real tokens."""
+    """Feed each row's token stream through cached forwards. `schedule` is a list of forwards, each
+    a list of (start, n_real) per row plus the forward's width R (short rows are padded with junk).
+    Returns the cache and, per row, {position: output} for its real tokens."""
     b = len(streams)
     cache = DecodeCache(1, b, 128, torch.float32, torch.device("cpu"), ring=ring)
     outs = [dict() for _ in range(b)]
@@ -237,7 +251,8 @@ def test_prefill_then_steps_equals_training_forward():
     m = make()
     streams = [torch.randn(30, HID), torch.randn(30, HID)]
     # 20-token prefill (chunked path: 20 > ring), then steps of 1, 1, 3 and 1 tokens (recurrent).
-    sched = [([(0, 20)] * 2, 20), ([(20, 1)] * 2, 1), ([(21, 1)] * 2, 1), ([(22, 3)] * 2, 3), ([(25, 1)] * 2, 1)]
+    sched = [([(0, 20)] * 2, 20), ([(20, 1)] * 2, 1), ([(21, 1)] * 2, 1), ([(22, 3)] * 2, 3),
+             ([(25, 1)] * 2, 1)]
     _, outs = run_schedule(m, streams, sched)
     check_against_full(m, streams, outs)
     # A short prompt takes the recurrent path from position 0.
@@ -252,7 +267,8 @@ def test_ragged_rows():
         ([(0, 20), (0, 13)], 20),    # prompts of 20 and 13 tokens (chunked path, row 1 padded)
         ([(20, 1), (13, 1)], 1),     # rows now at different positions
         ([(21, 3), (14, 2)], 3),     # short ragged forward (recurrent path, row 1 padded)
-        ([(24, 10), (16, 2)], 10),   # long ragged forward: row 1 keeps older conv inputs from the ring
+        # long ragged forward: row 1 keeps older conv inputs from the ring
+        ([(24, 10), (16, 2)], 10),
         ([(34, 1), (18, 1)], 1),
     ]
     _, outs = run_schedule(m, streams, sched)
@@ -260,8 +276,9 @@ def test_ragged_rows():
 
 
 def test_rollback_to_accepted_prefix():
-    """A verify forward over 4 tokens, then each row continues right after its accepted prefix (row 0
-    accepts 1 draft, row 1 accepts 3): outputs and states equal a fresh pass over the committed tokens."""
+    """A verify forward over 4 tokens, then each row continues right after its accepted prefix (row
+    0 accepts 1 draft, row 1 accepts 3): outputs and states equal a fresh pass over the committed
+    tokens."""
     m = make()
     torch.manual_seed(1)
     prompt = torch.randn(2, 12, HID)
@@ -278,7 +295,8 @@ def test_rollback_to_accepted_prefix():
                 y = m(x, pos, cache.layer(0))
         return cache, y
 
-    # Spec path: verify 4 tokens, roll back by simply starting the next forward after the accepted prefix.
+    # Spec path: verify 4 tokens, roll back by simply starting the next forward after the accepted
+    # prefix.
     nstart = torch.tensor([start + a for a in accepted])
     cont_pos = nstart[:, None] + torch.arange(2)
     spec_cache, spec_y = fresh([(verify, positions(2, 4, start)), (nxt, cont_pos)])
@@ -295,7 +313,8 @@ def test_rollback_to_accepted_prefix():
             slots = cache.buffers[0][name].shape[1]  # ring + what a resume reads (models/state.py)
             for p in range(last - back + 1, last + 1):
                 torch.testing.assert_close(spec_cache.buffers[0][name][i, p % slots],
-                                           cache.buffers[0][name][0, p % slots], rtol=1e-6, atol=1e-6)
+                                           cache.buffers[0][name][0, p % slots], rtol=1e-6,
+                                           atol=1e-6)
 
 
 # --- kernels and precision ------------------------------------------------------------------------
@@ -327,10 +346,11 @@ def test_bf16_close_to_fp32():
 
 @pytest.mark.parametrize("width", [25, 28])
 def test_hybrid_model_rollback_inside_a_long_verify_forward(width):
-    """A PLE + Gated DeltaNet model under the default ring: a 25-28 token forward after a prefill, then the
-    next forward starts right after a short accepted prefix of it. PLE's dilated conv reads the 9 positions
-    before a resume (ple_conv_kernel 4 x ngram_size 3 - 3) and Gated DeltaNet's conv 3, so a ring that
-    only holds `ring` slots lets the verify forward overwrite what the resume reads."""
+    """A PLE + Gated DeltaNet model under the default ring: a 25-28 token forward after a prefill,
+    then the next forward starts right after a short accepted prefix of it. PLE's dilated conv reads
+    the 9 positions before a resume (ple_conv_kernel 4 x ngram_size 3 - 3) and Gated DeltaNet's conv
+    3, so a ring that only holds `ring` slots lets the verify forward overwrite what the resume
+    reads."""
     from tests.eval_helpers import tiny_qwen4_model
 
     model = tiny_qwen4_model(0, seed=2)
@@ -342,7 +362,8 @@ def test_hybrid_model_rollback_inside_a_long_verify_forward(width):
     prompt, accepted, cont = 20, 1, 4
 
     def cache():
-        return DecodeCache(cfg.num_layers, 1, 64, torch.float32, torch.device("cpu"))  # the default ring
+        # the default ring
+        return DecodeCache(cfg.num_layers, 1, 64, torch.float32, torch.device("cpu"))
 
     def run(c, lo, hi, ids=None):
         ids = true[:, lo:hi] if ids is None else ids
@@ -363,10 +384,10 @@ def test_hybrid_model_rollback_inside_a_long_verify_forward(width):
 
 
 def test_document_resets_chunked_equal_recurrent_and_lone_documents():
-    """Packed documents (data.document_mask): the state entering each document's first token is zero.
-    The chunked form with resets equals the recurrent form with resets (boundaries inside chunks, at a
-    chunk edge, a 1-token document, a run of one token straddling a boundary), and the module's output
-    on a packed row equals each document run alone (conv and state restarted)."""
+    """Packed documents (data.document_mask): the state entering each document's first token is
+    zero. The chunked form with resets equals the recurrent form with resets (boundaries inside
+    chunks, at a chunk edge, a 1-token document, a run of one token straddling a boundary), and the
+    module's output on a packed row equals each document run alone (conv and state restarted)."""
     from tandem.models.documents import Documents
 
     q, k, v, g, beta, _ = adversarial("run_slow", heads=2, s=200)
@@ -381,7 +402,8 @@ def test_document_resets_chunked_equal_recurrent_and_lone_documents():
     m = make()
     lengths = [7, 13, 1, 70, 9]
     x = torch.randn(1, sum(lengths), HID, generator=torch.Generator().manual_seed(3))
-    docs = Documents.from_doc_ids(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None])
+    docs = Documents.from_doc_ids(torch.repeat_interleave(torch.arange(len(lengths)),
+                                                          torch.tensor(lengths))[None])
     with torch.no_grad():
         packed = m(x, docs.positions(), documents=docs)
         start = 0

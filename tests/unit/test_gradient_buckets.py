@@ -31,14 +31,17 @@ def test_buckets_split_by_size_group_and_dtype(monkeypatch):
         half = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
         half.grad = torch.ones(3, dtype=torch.bfloat16)
         entries = [(p, group) for p in params] + [(half, group)]
-        # 80 bytes: [10, 10] fill the first fp32 bucket, 30 is a bucket of its own, 5 the next; bf16 apart
+        # 80 bytes: [10, 10] fill the first fp32 bucket, 30 is a bucket of its own, 5 the next; bf16
+        # apart
         gradients.finish_gradient_sums(gradients.launch_gradient_sums(entries, bucket_bytes=80))
-        assert calls == [(20, torch.float32), (30, torch.float32), (5, torch.float32), (3, torch.bfloat16)]
+        assert calls == [(20, torch.float32), (30, torch.float32), (5, torch.float32),
+                         (3, torch.bfloat16)]
         assert torch.equal(params[3].grad, torch.zeros(5))  # never reached by backward: zeros
         assert torch.equal(params[2].grad, torch.full((30,), 1.0 + 3 * 2.0**-12))
         calls.clear()
         # a reduce dtype: every bucket sent in it, the sums written back in the gradients' dtype
-        gradients.finish_gradient_sums(gradients.launch_gradient_sums(entries[:3], torch.bfloat16, bucket_bytes=40))
+        gradients.finish_gradient_sums(gradients.launch_gradient_sums(entries[:3], torch.bfloat16,
+                                                                      bucket_bytes=40))
         assert calls == [(20, torch.bfloat16), (30, torch.bfloat16)]
         assert params[0].grad.dtype == torch.float32 and torch.equal(params[0].grad, torch.ones(10))
     finally:

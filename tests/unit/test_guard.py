@@ -9,7 +9,8 @@ from tandem.trainer.recipe import load_config
 
 
 def _guard(window: int) -> BadStepGuard:
-    t = load_config(None, ["train.bad_step_policy=skip", "train.max_skips=1", f"train.skip_window={window}"]).train
+    t = load_config(None, ["train.bad_step_policy=skip", "train.max_skips=1",
+                           f"train.skip_window={window}"]).train
     return BadStepGuard(t, False, data_position=None, save=None, restore=None)
 
 

@@ -30,7 +30,8 @@ V = 96
 
 def tiny_qwen3(tmp_path, name="q"):
     torch.manual_seed(0)
-    cfg = T.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    cfg = T.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / name)
     return tmp_path / name
@@ -49,14 +50,15 @@ def test_unsupported_architecture_named(tmp_path):
 
 
 def test_deepseek_v3_mla_is_not_supported_yet(tmp_path):
-    d = write_config(tmp_path / "dsv3", architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-                     kv_lora_rank=512, q_lora_rank=1536)
+    d = write_config(tmp_path / "dsv3", architectures=["DeepseekV3ForCausalLM"],
+                     model_type="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536)
     with pytest.raises(UnsupportedCheckpoint, match="MLA attention is not supported yet"):
         load_hf_model(str(d))
 
 
 def test_qwen3_next_trunk_rejected(tmp_path):
-    d = write_config(tmp_path / "qn", architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next")
+    d = write_config(tmp_path / "qn", architectures=["Qwen3NextForCausalLM"],
+                     model_type="qwen3_next")
     with pytest.raises(UnsupportedCheckpoint, match="linear attention"):
         load_hf_model(str(d))
 
@@ -90,12 +92,14 @@ def test_vocab_mismatch(tmp_path):
     model, _ = load_hf_model(str(d))
     cfg = ModelConfig(**{**model.cfg.__dict__, "vocab_size": 128})
     other = TandemModel(cfg, MTPConfig(num_steps=0))
-    with pytest.raises(CheckpointError, match="vocab mismatch.*vocab_size=96.*model.vocab_size=128"):
+    with pytest.raises(CheckpointError,
+                       match="vocab mismatch.*vocab_size=96.*model.vocab_size=128"):
         load_hf_weights(other, str(d))
     # a tokenizer beside the checkpoint that is larger than the embedding table
     from tokenizers import Tokenizer, models
 
-    Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0")).save(str(d / "tokenizer.json"))
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)},
+                               unk_token="w0")).save(str(d / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="tokenizer/vocab mismatch.*200 tokens"):
         load_hf_model(str(d))
 
@@ -112,14 +116,17 @@ def test_pickle_needs_trust(tmp_path):
 
 
 def test_qwen3_next_mtp_naming_round_trip(tmp_path):
-    """A Qwen3 trunk with a Qwen3-Next-style mtp.* block: export names, zero-centred norm conversion, re-import."""
+    """A Qwen3 trunk with a Qwen3-Next-style mtp.* block: export names, zero-centred norm
+    conversion, re-import."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                      num_experts=0, qk_norm=True, max_seq_len=64)
-    model = TandemModel(cfg, MTPConfig(num_steps=2, num_layers=1, moe=False, trunk_input="final_norm")).eval()
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48, num_experts=0, qk_norm=True, max_seq_len=64)
+    model = TandemModel(cfg, MTPConfig(num_steps=2, num_layers=1, moe=False,
+                                       trunk_input="final_norm")).eval()
     assert export_hf(model, str(tmp_path / "qn"), family="qwen3_next_mtp") == "qwen3_next_mtp"
     keys = set(load_file(str(tmp_path / "qn" / "model.safetensors")))
-    for k in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+    for k in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+              "mtp.norm.weight",
               "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate_proj.weight",
               "mtp.layers.0.input_layernorm.weight"):
         assert k in keys, k
@@ -141,7 +148,8 @@ def test_zero_centred_norm_conversion(tmp_path):
 
 
 class FakeMesh:
-    """Just enough of a DeviceMesh for compute_local_shape_and_global_offset: rank `coord` of a 1-D mesh."""
+    """Just enough of a DeviceMesh for compute_local_shape_and_global_offset: rank `coord` of a 1-D
+    mesh."""
 
     def __init__(self, size, coord):
         self.shape, self._coord = (size,), [coord]
@@ -155,8 +163,9 @@ class FakeMesh:
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_shard_reads_only_local_slice(tmp_path, dim):
-    """Two fake ranks of a Shard(dim) placement each read exactly their half, for a plain tensor and for
-    per-expert tensors stacked along dim 0 (expert parallelism reads only its experts' files)."""
+    """Two fake ranks of a Shard(dim) placement each read exactly their half, for a plain tensor and
+    for per-expert tensors stacked along dim 0 (expert parallelism reads only its experts'
+    files)."""
     from torch.distributed.tensor import Shard
 
     torch.manual_seed(0)
@@ -168,7 +177,8 @@ def test_shard_reads_only_local_slice(tmp_path, dim):
     for rank in range(2):
         idx = shard_index(full.shape, FakeMesh(2, rank), [Shard(dim)])
         assert idx[dim] == slice(rank * full.shape[dim] // 2, (rank + 1) * full.shape[dim] // 2)
-        pieces.append(read_source(reader, Src([f"e{e}" for e in range(4)], stacked=True), idx, full.shape))
+        pieces.append(read_source(reader, Src([f"e{e}" for e in range(4)], stacked=True), idx,
+                                  full.shape))
         idx2 = shard_index(full[0].shape, FakeMesh(2, rank), [Shard(dim)])
         plain.append(read_source(reader, Src(["w"]), idx2, full[0].shape))
     assert torch.equal(torch.cat(pieces, dim), full)
@@ -196,9 +206,11 @@ def test_real_dtensor_world_size_one(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         model = TandemModel(ref.cfg, ref.mtp_cfg)
         attn = model.layers["0"].self_attn
-        attn.q_proj.weight = torch.nn.Parameter(distribute_tensor(attn.q_proj.weight.data, mesh, [Shard(0)]))
+        attn.q_proj.weight = torch.nn.Parameter(distribute_tensor(attn.q_proj.weight.data, mesh,
+                                                                  [Shard(0)]))
         load_hf_weights(model, str(d))
-        assert torch.equal(attn.q_proj.weight.full_tensor(), ref.layers["0"].self_attn.q_proj.weight)
+        assert torch.equal(attn.q_proj.weight.full_tensor(),
+                           ref.layers["0"].self_attn.q_proj.weight)
     finally:
         if created:
             dist.destroy_process_group()

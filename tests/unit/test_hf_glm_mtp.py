@@ -1,6 +1,7 @@
-"""GLM-4.5 layout MTP: draft logits equal transformers' MtpModel; a model built here, exported, gives the
-same greedy tokens under transformers' generate(use_mtp=True), plain greedy generate and this project's
-speculative decoder; GLM/DeepSeek-style native MTP weights import (extra shared copies ignored)."""
+"""GLM-4.5 layout MTP: draft logits equal transformers' MtpModel; a model built here, exported,
+gives the same greedy tokens under transformers' generate(use_mtp=True), plain greedy generate and
+this project's speculative decoder; GLM/DeepSeek-style native MTP weights import (extra shared
+copies ignored)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
 V = 96
 
 
-def glm_like(trunk_input: str, num_layers: int = 1, num_steps: int = 1, seed: int = 0) -> TandemModel:
+def glm_like(trunk_input: str, num_layers: int = 1, num_steps: int = 1,
+             seed: int = 0) -> TandemModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1,
-                      partial_rotary_factor=0.5, routed_scaling_factor=1.5, max_seq_len=128, init_std=0.2)
-    model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=num_layers, trunk_input=trunk_input)).eval()
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48,
+                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1,
+                      first_k_dense=1,
+                      partial_rotary_factor=0.5, routed_scaling_factor=1.5, max_seq_len=128,
+                      init_std=0.2)
+    model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=num_layers,
+                                       trunk_input=trunk_input)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
@@ -36,11 +42,12 @@ def glm_like(trunk_input: str, num_layers: int = 1, num_steps: int = 1, seed: in
 
 @pytest.fixture
 def glm_mtp_index(monkeypatch):
-    """Glm4Moe finds its MTP layers through `_keys_to_ignore_on_load_unexpected` (model.layers.46/92 for the
-    released sizes); point it at the tiny model's layer index."""
+    """Glm4Moe finds its MTP layers through `_keys_to_ignore_on_load_unexpected` (model.layers.46/92
+    for the released sizes); point it at the tiny model's layer index."""
     from transformers.models.glm4_moe import modeling_glm4_moe as G
 
-    monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.2.*"])
+    monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.2.*"])
 
 
 @pytest.mark.parametrize("trunk_input", ["final_norm", "pre_norm"])
@@ -58,7 +65,8 @@ def test_mtp_draft_logits_match_transformers(trunk_input, tmp_path, glm_mtp_inde
         res = hf(ids, output_hidden_states=True)
         h_hf = res.hidden_states[-1]  # what MTPCandidateGenerator feeds the MTP layer
         # MTP layer 0 at positions t = 0..s-1 combines h_t with the embedding of token t+1.
-        hf_h = mtp.forward_layer(0, h_hf[:, :s], torch.arange(1, s + 1)[None], None, input_ids=ids[:, 1:])
+        hf_h = mtp.forward_layer(0, h_hf[:, :s], torch.arange(1, s + 1)[None], None,
+                                 input_ids=ids[:, 1:])
         hf_logits = mtp._project_to_logits(hf_h)
         pos = torch.arange(s + 1)[None]
         h0 = model.trunk(ids, pos)
@@ -87,13 +95,16 @@ def test_native_glm_mtp_weights_import(tmp_path):
     model = glm_like("final_norm", num_layers=1)
     out = tmp_path / "glm"
     export_hf(model, str(out))
-    # Released GLM-4.5 / DeepSeek-V3 checkpoints also store copies of the embedding and head in the MTP layer.
+    # Released GLM-4.5 / DeepSeek-V3 checkpoints also store copies of the embedding and head in the
+    # MTP layer.
     state = load_file(str(out / "model.safetensors"))
     state["model.layers.2.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
     state["model.layers.2.shared_head.head.weight"] = state["lm_head.weight"].clone()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     again, cfg = load_hf_model(str(out))
-    assert cfg.mtp.num_layers == 1 and cfg.mtp.num_steps == 1 and cfg.mtp.trunk_input == "final_norm"
+    assert (
+        cfg.mtp.num_layers == 1 and cfg.mtp.num_steps == 1 and cfg.mtp.trunk_input == "final_norm"
+    )
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys()
     for k in a:
@@ -107,8 +118,10 @@ def test_native_glm_mtp_weights_import(tmp_path):
 
 def test_hidden_first_concat_is_permuted_on_export(tmp_path):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, max_seq_len=64)
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48,
+                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1,
+                      max_seq_len=64)
     model = TandemModel(cfg, MTPConfig(num_steps=1, num_layers=1, concat_order="hidden_emb")).eval()
     export_hf(model, str(tmp_path / "x"))
     again, tcfg = load_hf_model(str(tmp_path / "x"))

@@ -1,4 +1,5 @@
-"""model.init_from (HF dir / Tandem checkpoint, MTP from the last trunk layer) and self-distillation targets."""
+"""model.init_from (HF dir / Tandem checkpoint, MTP from the last trunk layer) and self-distillation
+targets."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from tandem.trainer.hf.export import export_hf
 from tandem.trainer.hf.init_from import adopt_checkpoint_config, load_initial_weights
 from tandem.trainer.recipe import load_config, to_yaml
 
-CFG = dict(vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-           moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1, max_seq_len=512)
+CFG = dict(vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+           intermediate_size=48,
+           moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1,
+           max_seq_len=512)
 
 
 def model(num_steps=2, seed=0, distill="none", **kw):
     torch.manual_seed(seed)
-    return TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=num_steps, num_layers=1, **kw), distill=distill)
+    return TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=num_steps, num_layers=1, **kw),
+                       distill=distill)
 
 
 def test_init_from_hf_export_trunk_and_last_layer_mtp(tmp_path):
@@ -49,7 +53,8 @@ def test_init_from_tandem_checkpoint(tmp_path):
     for name, p in src.state_dict().items():
         assert torch.equal(p, dst.state_dict()[name]), name
     # a run config of another shape adopts the checkpoint's trunk
-    run = load_config(None, [f"model.init_from={step}", "model.hidden_size=64", "data.vocab_size=260",
+    run = load_config(None,
+                      [f"model.init_from={step}", "model.hidden_size=64", "data.vocab_size=260",
                              "model.vocab_size=264", "model.max_seq_len=512"])
     changed = adopt_checkpoint_config(run)
     assert run.model.hidden_size == 32 and any(c.startswith("model.hidden_size") for c in changed)
@@ -77,7 +82,8 @@ def test_distill_targets_are_trunk_predictions(mode):
             student = m.logits(k, h)[:, : s - k]
             t = teacher[:, k:]
             if mode == "argmax":
-                ref = F.cross_entropy(student.reshape(-1, 264), t.argmax(-1).reshape(-1), reduction="sum")
+                ref = F.cross_entropy(student.reshape(-1, 264), t.argmax(-1).reshape(-1),
+                                      reduction="sum")
             else:
                 ref = -(t.softmax(-1) * student.log_softmax(-1)).sum()
             assert torch.allclose(out.loss_sums[k], ref, rtol=1e-4), (k, out.loss_sums[k], ref)

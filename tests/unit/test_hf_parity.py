@@ -1,5 +1,6 @@
 """Parity with transformers on tiny random models (fp32, built locally from its config classes):
-logits after import match within 1e-4, and import -> export -> transformers load gives identical tensors."""
+logits after import match within 1e-4, and import -> export -> transformers load gives identical
+tensors."""
 
 from __future__ import annotations
 
@@ -14,20 +15,22 @@ T = pytest.importorskip("transformers")
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
 
-COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 
 
 def family_configs():
     return {
         "llama": T.LlamaConfig(**COMMON),
         "qwen3": T.Qwen3Config(**COMMON),
-        "qwen3_moe": T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=16, num_experts_per_tok=2, num_experts=4,
-                                      norm_topk_prob=True, mlp_only_layers=[0]),
-        "glm4_moe": T.Glm4MoeConfig(**COMMON, moe_intermediate_size=16, num_experts_per_tok=2, n_routed_experts=8,
-                                    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                                    routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
-                                    num_nextn_predict_layers=0),
+        "qwen3_moe": T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=16, num_experts_per_tok=2,
+                                      num_experts=4, norm_topk_prob=True, mlp_only_layers=[0]),
+        "glm4_moe": T.Glm4MoeConfig(**COMMON, moe_intermediate_size=16, num_experts_per_tok=2,
+                                    n_routed_experts=8,
+                                    n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                    topk_group=1,
+                                    routed_scaling_factor=2.5, attention_bias=True,
+                                    use_qk_norm=True, num_nextn_predict_layers=0),
     }
 
 
@@ -54,7 +57,8 @@ def test_logits_match_transformers_and_round_trip(family, tmp_path):
     src = tmp_path / "src"
     hf.save_pretrained(src)
     model, cfg = load_hf_model(str(src))
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
         ours = model.logits(0, model.trunk(ids, torch.arange(12).expand(2, 12)))
@@ -76,7 +80,8 @@ def test_sharded_checkpoint_import(tmp_path):
     model, _ = load_hf_model(str(tmp_path / "src"))
     export_hf(model, str(tmp_path / "sharded"), max_shard_bytes=20_000)
     assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
-    assert len(json.load(open(tmp_path / "sharded" / "model.safetensors.index.json"))["weight_map"]) > 0
+    assert len(json.load(open(tmp_path / "sharded"
+                              / "model.safetensors.index.json"))["weight_map"]) > 0
     again, _ = load_hf_model(str(tmp_path / "sharded"))
     for (n1, p1), (n2, p2) in zip(model.state_dict().items(), again.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2), n1

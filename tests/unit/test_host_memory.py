@@ -1,6 +1,6 @@
-"""MTP fine-tuning's host memory without an environment variable (issue 20, item 10): the trainer fixes
-glibc's mmap threshold itself when it fine-tunes a checkpoint (model.init_from), so freed read and
-all-gather buffers go back to the system instead of staying in the heap."""
+"""MTP fine-tuning's host memory without an environment variable (issue 20, item 10): the trainer
+fixes glibc's mmap threshold itself when it fine-tunes a checkpoint (model.init_from), so freed read
+and all-gather buffers go back to the system instead of staying in the heap."""
 
 import os
 import subprocess
@@ -59,7 +59,8 @@ def test_user_setting_and_other_platforms_win(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeLibc())
     monkeypatch.setattr(os, "confstr", lambda name: "glibc 2.36")
-    assert device_layer.set_malloc_mmap_threshold(65536) and calls == [(-3, 65536)]  # M_MMAP_THRESHOLD
+    # M_MMAP_THRESHOLD
+    assert device_layer.set_malloc_mmap_threshold(65536) and calls == [(-3, 65536)]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # glibc applied the user's own at start
     assert not device_layer.set_malloc_mmap_threshold(65536) and len(calls) == 1
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
@@ -73,9 +74,10 @@ def test_user_setting_and_other_platforms_win(monkeypatch):
 
 @pytest.mark.skipif(not _glibc(), reason="glibc only")
 def test_fixed_threshold_returns_freed_blocks():
-    """In a fresh process: 1 MiB blocks allocated, touched and freed 32 times. glibc's dynamic threshold
-    rises past 1 MiB at the first free and serves the rest from the heap (few page faults); fixed at
-    64 KiB, every block is mmapped and unmapped (its pages faulted in each time)."""
+    """In a fresh process: 1 MiB blocks allocated, touched and freed 32 times. glibc's dynamic
+    threshold rises past 1 MiB at the first free and serves the rest from the heap (few page
+    faults); fixed at 64 KiB, every block is mmapped and unmapped (its pages faulted in each
+    time)."""
     script = textwrap.dedent("""
         import ctypes, resource, sys
         from tandem.trainer.parallel.device import set_malloc_mmap_threshold
@@ -92,6 +94,8 @@ def test_fixed_threshold_returns_freed_blocks():
         print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     """)
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    faults = {mode: int(subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True, text=True,
-                                       check=True, timeout=120).stdout) for mode in ("default", "fixed")}
+    faults = {mode: int(subprocess.run([sys.executable, "-c", script, mode], env=env,
+                                       capture_output=True, text=True,
+                                       check=True, timeout=120).stdout) for mode in ("default",
+                                                                                     "fixed")}
     assert faults["fixed"] >= 31 * 256 > 8 * faults["default"], faults  # 256 4-KiB pages per block

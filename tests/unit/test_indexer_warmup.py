@@ -16,17 +16,21 @@ from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_run
 
 # A Qwen4-Exp model in miniature whose 4 steps all fall in the dense warm-up.
-QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.head_dim=16",
-         "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=2",
+QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8",
+         "model.head_dim=16",
+         "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2",
+         "model.linear_num_value_heads=2",
          "model.linear_key_head_dim=16", "model.linear_value_head_dim=16", "model.indexer_heads=2",
          "model.indexer_head_dim=16", "model.indexer_budget=8", "model.indexer_compress_ratio=4",
-         "model.indexer_warmup_steps=10", "train.max_steps=4", "train.lr=1e-2", "checkpoint.interval=0"]
+         "model.indexer_warmup_steps=10", "train.max_steps=4", "train.lr=1e-2",
+         "checkpoint.interval=0"]
 
 
 def test_auto_resolves_from_init_from():
     assert ModelConfig().resolved_indexer_warmup == "joint"
     assert ModelConfig(init_from="/some/trunk").resolved_indexer_warmup == "indexer_only"
-    assert ModelConfig(init_from="/some/trunk", indexer_warmup="joint").resolved_indexer_warmup == "joint"
+    assert ModelConfig(init_from="/some/trunk",
+                       indexer_warmup="joint").resolved_indexer_warmup == "joint"
     with pytest.raises(ValueError, match="model.indexer_warmup"):
         load_config(None, QWEN4 + ["model.indexer_warmup=frozen"])
 

@@ -12,12 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_ruff_check_passes():
     ruff = shutil.which("ruff")
     cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
-    done = subprocess.run(cmd + ["check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd + ["check", "--no-cache", "."], cwd=ROOT, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-# The layers, lowest first: a module may import from its own layer and the ones before it. eval/ gets
-# what it needs from the run passed in (ARCHITECTURE.md), so it never reaches up into trainer/.
+# The layers, lowest first: a module may import from its own layer and the ones before it. eval/
+# gets what it needs from the run passed in (ARCHITECTURE.md), so it never reaches up into trainer/.
 LAYERS = ["models", "data_pipeline", "eval", "trainer"]
 
 

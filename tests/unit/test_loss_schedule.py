@@ -24,7 +24,8 @@ def test_geometric_weights():
 
 def test_lambda_schedule_deepseek_style():
     cfg = mtp(lambda_=0.3, lambda_after={100: 0.1, 50: 0.2})
-    assert [lambda_at(cfg, s) for s in (0, 49, 50, 99, 100, 10**6)] == [0.3, 0.3, 0.2, 0.2, 0.1, 0.1]
+    assert [lambda_at(cfg, s) for s in (0, 49, 50, 99, 100, 10**6)] == [0.3, 0.3, 0.2, 0.2, 0.1,
+                                                                        0.1]
     assert depth_coefficients(cfg, 100) == pytest.approx([1.0, 0.1 / 3, 0.1 / 3, 0.1 / 3])
     assert depth_coefficients(MTPConfig(num_steps=0), 5) == [1.0]
 

@@ -1,6 +1,6 @@
-"""The per-depth losses keep every row and mask the targets (models/loss.py IGNORE): no host sync in the
-loss, and the loss region traces into one graph; the values and gradients are those of the loss over
-the valid rows only (the reference below selects them, as the model did before)."""
+"""The per-depth losses keep every row and mask the targets (models/loss.py IGNORE): no host sync in
+the loss, and the loss region traces into one graph; the values and gradients are those of the loss
+over the valid rows only (the reference below selects them, as the model did before)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def make(objective: str, mtp_moe: bool = True) -> TandemModel:
     kind, distill, head_backward = OBJECTIVES[objective]
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2, first_k_dense=1,
-                      max_seq_len=64)
-    mtp = MTPConfig(num_steps=3, num_layers=1, loss_chunk_tokens=7, loss_head_backward=head_backward, moe=mtp_moe)
+                      intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2,
+                      first_k_dense=1, max_seq_len=64)
+    mtp = MTPConfig(num_steps=3, num_layers=1, loss_chunk_tokens=7,
+                    loss_head_backward=head_backward, moe=mtp_moe)
     mtp.loss.objective = kind
     mtp.loss.acceptance_ce_weight = 0.5 if kind == "acceptance" else 0.0
     model = TandemModel(cfg, mtp, distill=distill)
@@ -53,16 +54,17 @@ def batch():
     return tokens, loss_mask, doc_ids
 
 
-# --- host syncs ------------------------------------------------------------------------------------
+# --- host syncs -----------------------------------------------------------------------------------
 class SyncingOps(TorchDispatchMode):
     """Counts the ops that make the host wait for an accelerator: reading a value (`.item()`,
     `.tolist()`, `bool(t)`), an output whose size depends on the data (boolean-mask indexing and its
-    backward's scatter, `nonzero`, `masked_select`, `repeat_interleave` without `output_size`, `unique`),
-    and a tensor built from host data (`torch.tensor(list, device=...)`: a blocking host-to-device copy).
-    On a CPU these run without waiting; the count is what an accelerator would wait for."""
+    backward's scatter, `nonzero`, `masked_select`, `repeat_interleave` without `output_size`,
+    `unique`), and a tensor built from host data (`torch.tensor(list, device=...)`: a blocking
+    host-to-device copy). On a CPU these run without waiting; the count is what an accelerator would
+    wait for."""
 
-    DATA_SIZED = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique", "aten._unique2",
-                  "aten.unique_consecutive", "aten.unique_dim")
+    DATA_SIZED = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
+                  "aten._unique2", "aten.unique_consecutive", "aten.unique_dim")
 
     def __init__(self):
         super().__init__()
@@ -97,10 +99,11 @@ def test_the_loss_makes_no_host_sync(objective):
     assert not counter.calls, dict(counter.calls)
 
 
-# --- values and gradients: the valid rows' loss ----------------------------------------------------
+# --- values and gradients: the valid rows' loss ---------------------------------------------------
 def reference_sums(model: TandemModel, tokens, loss_mask, doc_ids) -> torch.Tensor:
-    """Per-depth loss sums over the valid rows only, selected by boolean mask, each objective written
-    out from its definition (cross-entropy, soft cross-entropy, the acceptance loss's own function)."""
+    """Per-depth loss sums over the valid rows only, selected by boolean mask, each objective
+    written out from its definition (cross-entropy, soft cross-entropy, the acceptance loss's own
+    function)."""
     pos = torch.arange(S).expand(2, S)
     h0 = model.trunk(tokens[:, :S], pos)
     teacher = model.norm(h0.detach()).detach()
@@ -111,7 +114,8 @@ def reference_sums(model: TandemModel, tokens, loss_mask, doc_ids) -> torch.Tens
         mask = depth_target_mask(loss_mask, doc_ids, depth)
         hn = model.final_norm(depth, h)[mask]
         targets = shifted_tokens(tokens, depth + 1, S)[mask]
-        teach = torch.cat([teacher[:, depth:], teacher[:, :depth]], dim=1)[mask]  # the trunk at t+depth
+        # the trunk at t+depth
+        teach = torch.cat([teacher[:, depth:], teacher[:, :depth]], dim=1)[mask]
         if depth == 0:
             sums.append(F.cross_entropy(F.linear(hn, w).float(), targets, reduction="sum"))
         elif model.distill == "argmax":
@@ -138,11 +142,13 @@ def test_losses_and_gradients_are_the_valid_rows_ones(objective):
         else:
             sums = reference_sums(model, tokens, loss_mask, doc_ids)
         (sums * torch.tensor([1.0, 0.5, 0.25, 0.125])).sum().backward()
-        results.append((sums.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        results.append((sums.detach(),
+                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (got, got_grads), (ref, ref_grads) = results
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert set(got_grads) == set(ref_grads)
-    for name, g in got_grads.items():  # fp32 sums in another order: absolute error scales with the gradient
+    # fp32 sums in another order: absolute error scales with the gradient
+    for name, g in got_grads.items():
         scale = max(1.0, ref_grads[name].abs().max().item())
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
 
@@ -155,12 +161,13 @@ def test_token_counts_stay_on_the_device_and_count_valid_targets():
     assert out.token_counts.tolist() == expected and expected[3] < expected[0] < 2 * S
 
 
-# --- one graph ----------------------------------------------------------------------------------------
+# --- one graph ------------------------------------------------------------------------------------
 def test_the_loss_region_compiles_into_one_graph():
-    """torch.compile(fullgraph=True) traces the loss region (the MTP depths, the chunked head losses,
-    the counts) forward and backward: boolean-mask selection broke it (a data-dependent shape). Values
-    and gradients as eager. The MTP block is dense here: tracing a MoE block is the regional compile's
-    business (trainer/parallel/compile.py) and would only make this test slower."""
+    """torch.compile(fullgraph=True) traces the loss region (the MTP depths, the chunked head
+    losses, the counts) forward and backward: boolean-mask selection broke it (a data-dependent
+    shape). Values and gradients as eager. The MTP block is dense here: tracing a MoE block is the
+    regional compile's business (trainer/parallel/compile.py) and would only make this test
+    slower."""
     tokens, loss_mask, doc_ids = batch()
     pos = torch.arange(S).expand(2, S)
     results = []
@@ -168,7 +175,8 @@ def test_the_loss_region_compiles_into_one_graph():
         torch._dynamo.reset()
         model = make("ce", mtp_moe=False)
         h0 = model.trunk(tokens[:, :S], pos)
-        fn = torch.compile(model.losses_from_hidden, fullgraph=True, backend="aot_eager") if compiled \
+        fn = torch.compile(model.losses_from_hidden, fullgraph=True,
+                           backend="aot_eager") if compiled \
             else model.losses_from_hidden
         out = fn(h0, tokens, loss_mask, doc_ids, pos)
         combine_losses(out.loss_sums, out.token_counts, [1.0, 0.5, 0.25, 0.125]).backward()

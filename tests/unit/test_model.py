@@ -14,7 +14,8 @@ from tandem.trainer.loss import combine_losses, loss_gradient
 
 
 def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=48,
+    base = dict(vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                intermediate_size=48,
                 moe_intermediate_size=16, num_experts=4, top_k=2, first_k_dense=1, max_seq_len=64)
     base.update(kw)
     return ModelConfig(**base)
@@ -56,15 +57,18 @@ def test_looped_losses_match_hand_composed_reference():
     pos = torch.arange(s).expand(2, s)
     h0 = model.trunk(tokens[:, :s], pos)
     layer = model.mtp.layers[0]
-    ref = [F.cross_entropy(model.lm_head.logits(model.norm(h0))[:, :s].reshape(-1, 97), tokens[:, 1:].reshape(-1),
+    ref = [F.cross_entropy(model.lm_head.logits(model.norm(h0))[:, :s].reshape(-1, 97),
+                           tokens[:, 1:].reshape(-1),
                            reduction="sum")]
     h = h0
     for k in (1, 2):
         emb = model.embed_tokens(F.pad(tokens[:, k:], (0, k - 1))[:, :s])
-        x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], -1))  # embedding first (DeepSeek-V3)
+        # embedding first (DeepSeek-V3)
+        x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], -1))
         h = layer.block(x, pos)
         logits = model.lm_head.logits(layer.norm(h))[:, : s - k]
-        ref.append(F.cross_entropy(logits.reshape(-1, 97), tokens[:, 1 + k :].reshape(-1), reduction="sum"))
+        ref.append(F.cross_entropy(logits.reshape(-1, 97), tokens[:, 1 + k :].reshape(-1),
+                                   reduction="sum"))
     torch.testing.assert_close(out.loss_sums, torch.stack(ref), rtol=1e-5, atol=1e-5)
     assert out.token_counts.tolist() == [20, 18, 16]
 
@@ -75,12 +79,14 @@ def test_k0_is_a_plain_lm_with_no_overhead():
     assert plain.mtp is None
     trunk_params = {n for n, _ in with_mtp.named_parameters() if not n.startswith("mtp.")}
     assert {n for n, _ in plain.named_parameters()} == trunk_params
-    plain.load_state_dict({k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")})
+    plain.load_state_dict({k: v for k,
+                           v in with_mtp.state_dict().items() if not k.startswith("mtp.")})
     tokens = torch.randint(0, 97, (2, 13))
     out0, out3 = plain(tokens), with_mtp(tokens)
     assert out0.loss_sums.shape == (1,)
     # plain causal LM reference: next-token CE of the trunk's logits
-    logits = plain.lm_head.logits(plain.norm(plain.trunk(tokens[:, :12], torch.arange(12).expand(2, 12))))
+    logits = plain.lm_head.logits(plain.norm(plain.trunk(tokens[:, :12],
+                                                         torch.arange(12).expand(2, 12))))
     ref = F.cross_entropy(logits.reshape(-1, 97), tokens[:, 1:].reshape(-1), reduction="sum")
     torch.testing.assert_close(out0.loss_sums[0], ref)
     torch.testing.assert_close(out3.loss_sums[0], out0.loss_sums[0])
@@ -103,10 +109,11 @@ def test_parallel_style_heads_read_the_trunk_state():
 @pytest.mark.parametrize("backward", ["recompute", "fused", "fused_promised"])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_head_cross_entropy_sums_match_full(chunk, backward, block_rows, monkeypatch):
-    """Three depths' rows in one pass against F.cross_entropy per depth, under incoming gradients that
-    differ per depth (one of them 0, as a depth whose lambda is 0): `fused_promised` is told them up to
-    a factor (the trainer's `loss_grad_scales`) and keeps one weight-gradient buffer for all depths.
-    `block_rows`: the softmax in blocks of 3 rows of a chunk (the last one shorter), or one block."""
+    """Three depths' rows in one pass against F.cross_entropy per depth, under incoming gradients
+    that differ per depth (one of them 0, as a depth whose lambda is 0): `fused_promised` is told
+    them up to a factor (the trainer's `loss_grad_scales`) and keeps one weight-gradient buffer for
+    all depths. `block_rows`: the softmax in blocks of 3 rows of a chunk (the last one shorter), or
+    one block."""
     if block_rows:
         monkeypatch.setattr(head_loss, "CPU_SOFTMAX_BLOCK_BYTES", block_rows * 50 * 4)
     torch.manual_seed(0)
@@ -120,7 +127,8 @@ def test_head_cross_entropy_sums_match_full(chunk, backward, block_rows, monkeyp
     (got * g).sum().backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
-    ref = torch.stack([F.cross_entropy(h[d] @ w.t(), t[d], reduction="sum", ignore_index=IGNORE) for d in range(3)])
+    ref = torch.stack([F.cross_entropy(h[d] @ w.t(), t[d], reduction="sum",
+                                       ignore_index=IGNORE) for d in range(3)])
     (ref * g).sum().backward()
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(gh, h.grad)
@@ -128,17 +136,19 @@ def test_head_cross_entropy_sums_match_full(chunk, backward, block_rows, monkeyp
 
 
 def test_cpu_head_buffers_are_kept_between_passes():
-    """On a CPU a pass through the head reuses the last pass's buffers when its shape is the same (no
-    fresh pages to fault in every step), makes new ones when it is not, and what a pass computes does not
-    depend on which buffers it got: a pass of another shape in between leaves the next one's losses and
-    gradients bit for bit those of the first (the fused mode's gradient overwrites the kept logits)."""
+    """On a CPU a pass through the head reuses the last pass's buffers when its shape is the same
+    (no fresh pages to fault in every step), makes new ones when it is not, and what a pass computes
+    does not depend on which buffers it got: a pass of another shape in between leaves the next
+    one's losses and gradients bit for bit those of the first (the fused mode's gradient overwrites
+    the kept logits)."""
     torch.manual_seed(0)
     h, w, t = torch.randn(2, 37, 32), torch.randn(300, 32) * 0.3, torch.randint(0, 300, (2, 37))
     scales = torch.tensor([1.0, 0.5])
 
     def one_pass(rows, chunk, backward):
         hh, ww = h[:, :rows].clone().requires_grad_(), w.clone().requires_grad_()
-        got = head_cross_entropy_sums(hh, ww, t[:, :rows], chunk, backward, scales if backward == "fused" else None)
+        got = head_cross_entropy_sums(hh, ww, t[:, :rows], chunk, backward,
+                                      scales if backward == "fused" else None)
         (got * scales).sum().backward()
         return got.detach(), hh.grad, ww.grad, head_loss._CPU_KEPT_BUFFERS["buffers"]
 
@@ -164,7 +174,8 @@ def test_softmax_blocks_change_no_bit(monkeypatch):
     t[0, ::5] = IGNORE
     for bf16 in (False, True):
         results = []
-        for block_bytes in (300 * 4 * 4, 1 << 30):  # blocks of 4 rows (9 and a part per chunk), one block
+        # blocks of 4 rows (9 and a part per chunk), one block
+        for block_bytes in (300 * 4 * 4, 1 << 30):
             monkeypatch.setattr(head_loss, "CPU_SOFTMAX_BLOCK_BYTES", block_bytes)
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -173,7 +184,8 @@ def test_softmax_blocks_change_no_bit(monkeypatch):
             results.append((got.detach(), hh.grad, ww.grad))
         for a, b in zip(*results):
             assert torch.equal(a, b), bf16
-        if bf16:  # against autograd through the bf16 logits: a rounding apart (measured 2e-3 on gradients)
+        # against autograd through the bf16 logits: a rounding apart (measured 2e-3 on gradients)
+        if bf16:
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = F.linear(hh, ww).float()
@@ -216,9 +228,9 @@ def test_fused_head_holds_one_weight_gradient_for_every_depth():
 
 
 def test_fused_head_backward_trains_like_recompute():
-    """mtp.loss_head_backward=fused: every depth's loss and every parameter's gradient as `recompute`
-    (fp32: rounding only, measured 3.4e-7 on gradients; bf16 autocast: the same bf16 matmuls summed in
-    another order, measured 4.6e-3, one bf16 rounding being 3.9e-3)."""
+    """mtp.loss_head_backward=fused: every depth's loss and every parameter's gradient as
+    `recompute` (fp32: rounding only, measured 3.4e-7 on gradients; bf16 autocast: the same bf16
+    matmuls summed in another order, measured 4.6e-3, one bf16 rounding being 3.9e-3)."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         grads = []
         for mode in ("recompute", "fused"):
@@ -280,7 +292,8 @@ def test_aux_free_bias_moves_against_the_load():
     cfg = tiny_cfg(num_experts=4, top_k=1, balance="aux_free", bias_update_rate=0.01)
     moe = MoE(cfg)
     moe.router.update_bias(torch.tensor([10.0, 0.0, 2.0, 4.0]))  # mean 4
-    torch.testing.assert_close(moe.router.e_score_correction_bias, torch.tensor([-0.01, 0.01, 0.01, 0.0]))
+    torch.testing.assert_close(moe.router.e_score_correction_bias,
+                               torch.tensor([-0.01, 0.01, 0.01, 0.0]))
     # Iterating the rule evens out a router that sends everything to one expert.
     torch.manual_seed(0)
     torch.nn.init.normal_(moe.router.weight, std=0.02)
@@ -300,7 +313,8 @@ def test_aux_free_bias_moves_against_the_load():
 
 
 def test_aux_loss_gradient_reaches_the_router():
-    cfg = tiny_cfg(num_experts=4, top_k=2, balance="aux_loss", aux_loss_coef=1.0, router_score="softmax")
+    cfg = tiny_cfg(num_experts=4, top_k=2, balance="aux_loss", aux_loss_coef=1.0,
+                   router_score="softmax")
     torch.manual_seed(0)
     moe = MoE(cfg).train()
     for p in moe.parameters():
@@ -337,14 +351,17 @@ def test_param_count_grows_by_mtp_layers_only():
 @pytest.mark.parametrize("style", ["looped", "parallel"])
 def test_detach_trunk_keeps_mtp_gradients_out_of_the_trunk(style):
     """mtp.detach_trunk: the MTP depths' losses train the MTP module (and the shared embedding and
-    head) but send nothing into the trunk's blocks; without it they do. The main loss is unchanged."""
+    head) but send nothing into the trunk's blocks; without it they do. The main loss is
+    unchanged."""
     tokens = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(3))
     grads = {}
     for detach in (False, True):
         torch.manual_seed(0)
-        model = TandemModel(tiny_cfg(), MTPConfig(num_steps=2, num_layers=1, style=style, detach_trunk=detach))
+        model = TandemModel(tiny_cfg(),
+                            MTPConfig(num_steps=2, num_layers=1, style=style, detach_trunk=detach))
         out = model(tokens)
-        combine_losses(out.loss_sums, out.token_counts, [0.0, 1.0, 1.0]).backward()  # the MTP depths only
+        # the MTP depths only
+        combine_losses(out.loss_sums, out.token_counts, [0.0, 1.0, 1.0]).backward()
         grads[detach] = {n: (p.grad.abs().sum().item() if p.grad is not None else 0.0)
                          for n, p in model.named_parameters()}
         grads[detach, "main"] = out.loss_sums[0].item()

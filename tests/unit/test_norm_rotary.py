@@ -1,5 +1,6 @@
-"""RMSNorm and rotary embeddings with hand-written backwards (models/layers.py): forward bit for bit as the
-decomposed formulas transformers uses, gradients as autograd's of those formulas in float64."""
+"""RMSNorm and rotary embeddings with hand-written backwards (models/layers.py): forward bit for bit
+as the decomposed formulas transformers uses, gradients as autograd's of those formulas in
+float64."""
 
 import pytest
 import torch
@@ -40,10 +41,17 @@ def test_rms_norm_forward_bitwise_and_gradients(dtype, zero_centered, group_size
     norm = RMSNorm(dim, 1e-6, zero_centered=zero_centered, group_size=group_size)
     with torch.no_grad():
         norm.weight.normal_(0.0 if zero_centered else 1.0, 0.3)
-    x = torch.randn(3, 10, 4, 16, dtype=dtype).transpose(1, 2) if transposed else torch.randn(3, 10, dim, dtype=dtype)
+    x = (
+        torch.randn(3, 10, 4, 16, dtype=dtype).transpose(1, 2)
+        if transposed
+        else torch.randn(3, 10, dim, dtype=dtype)
+    )
     x = (x * 3.0).requires_grad_()  # a per-row scale away from 1, so rstd matters
     out = norm(x)
-    x_ref, w_ref = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    x_ref, w_ref = (
+        x.detach().clone().requires_grad_(),
+        norm.weight.detach().clone().requires_grad_(),
+    )
     ref = decomposed_rms_norm(x_ref, w_ref, 1e-6, zero_centered, group_size)
     assert out.dtype == ref.dtype and torch.equal(out, ref)
     g = torch.randn(out.shape, dtype=out.dtype)
@@ -63,7 +71,8 @@ def test_rms_norm_without_grad_and_gated_norm():
     norm = GatedRMSNorm(16, 1e-6, "silu")
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
-    x, gate = torch.randn(2, 5, 16, dtype=torch.bfloat16), torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    x, gate = torch.randn(2, 5, 16, dtype=torch.bfloat16), torch.randn(2, 5, 16,
+                                                                       dtype=torch.bfloat16)
     expected = (decomposed_rms_norm(x, norm.weight, 1e-6, False,
                                     0) * torch.nn.functional.silu(gate.float())).to(x.dtype)
     with torch.no_grad():
@@ -118,4 +127,5 @@ def test_rms_norm_keeps_only_its_input_and_rstd_for_backward(dtype):
     x = torch.randn(32, 64, dtype=dtype, requires_grad=True)
     expected = x.numel() * x.element_size() + 32 * 4 + norm.weight.numel() * 4
     assert saved_bytes(norm, x) == expected
-    assert saved_bytes(decomposed_rms_norm, x, norm.weight, 1e-6, False, 0) > expected + x.numel() * 2
+    assert saved_bytes(decomposed_rms_norm, x, norm.weight, 1e-6, False,
+                       0) > expected + x.numel() * 2

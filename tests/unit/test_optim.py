@@ -1,5 +1,5 @@
-"""AdamW's kernels: the fused kernel (`auto`'s choice on CPU and CUDA) and the foreach one take the same
-steps as torch's per-parameter AdamW (the independent reference) within float rounding, on the
+"""AdamW's kernels: the fused kernel (`auto`'s choice on CPU and CUDA) and the foreach one take the
+same steps as torch's per-parameter AdamW (the independent reference) within float rounding, on the
 trainer's two groups (decay and no-decay)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from tandem.trainer.recipe import load_config
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 4))
 
 
 def _train(model, optimizer, steps=4):
@@ -54,7 +55,8 @@ def test_auto_is_fused_on_cpu_and_a_bad_kernel_is_refused():
     cfg = load_config(None, []).train
     assert cfg.optimizer_kernel == "auto"
     assert build_optimizer(_model(), cfg).defaults["fused"] is True
-    with pytest.raises(ConfigError, match="'train.optimizer_kernel'='adam8bit' must be auto, fused or foreach"):
+    with pytest.raises(ConfigError,
+                       match="'train.optimizer_kernel'='adam8bit' must be auto, fused or foreach"):
         load_config(None, ["train.optimizer_kernel=adam8bit"])
 
 
@@ -63,8 +65,8 @@ def test_decay_steps_sets_the_cosine_length_apart_from_max_steps():
     max_steps - warmup_steps), then min_lr to the end; checked against the formula by hand."""
     from tandem.trainer.optim import lr_at
 
-    t = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2", "train.max_steps=100",
-                           "train.decay_steps=10"]).train
+    t = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2",
+                           "train.max_steps=100", "train.decay_steps=10"]).train
     assert lr_at(t, 0) == pytest.approx(0.5) and lr_at(t, 1) == pytest.approx(1.0)
     assert lr_at(t, 2) == pytest.approx(1.0)
     assert lr_at(t, 7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))  # halfway: 0.55

@@ -23,11 +23,14 @@ def _one_thread(one_thread):
 
 
 def ref_config(**overrides):
-    kw = dict(vocab_size=VOCAB, hidden_size=H, hc_count=HC, hc_lowrank=LOWRANK, ple_layer_ids=[1, 2],
-              ple_embed_dim=EMBED, ple_conv_kernel_size=KERNEL, ngram_size=NGRAM, heads_per_ngram=HEADS,
-              ngram_vocab_size_base=BASE, eos_token_id=EOS, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, shared_expert_intermediate_size=8,
-              num_experts=4, num_experts_per_tok=2)
+    kw = dict(vocab_size=VOCAB, hidden_size=H, hc_count=HC, hc_lowrank=LOWRANK,
+              ple_layer_ids=[1, 2],
+              ple_embed_dim=EMBED, ple_conv_kernel_size=KERNEL, ngram_size=NGRAM,
+              heads_per_ngram=HEADS,
+              ngram_vocab_size_base=BASE, eos_token_id=EOS, num_hidden_layers=2,
+              num_attention_heads=2,
+              num_key_value_heads=1, head_dim=8, moe_intermediate_size=8,
+              shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
     kw.update(overrides)
     return M.Qwen4ExpTextConfig(**kw)
 
@@ -51,7 +54,8 @@ def assert_grads_close(ours: nn.Module, ref: nn.Module, atol: float):
         torch.testing.assert_close(g_ours[n], g_ref[n], atol=atol, rtol=0, msg=n)
 
 
-def assert_backward_matches(out, out_ref, x_ours, x_ref, ours: nn.Module, ref: nn.Module, seed: int):
+def assert_backward_matches(out, out_ref, x_ours, x_ref, ours: nn.Module, ref: nn.Module,
+                            seed: int):
     """One random cotangent through both: input and parameter gradients agree."""
     cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     (out_ref * cot).sum().backward()
@@ -60,7 +64,8 @@ def assert_backward_matches(out, out_ref, x_ours, x_ref, ours: nn.Module, ref: n
     assert_grads_close(ours, ref, atol=1e-5)
 
 
-def tokens_with_eos(batch: int, length: int, vocab: int, eos: int, seed: int, every: int = 7) -> torch.Tensor:
+def tokens_with_eos(batch: int, length: int, vocab: int, eos: int, seed: int,
+                    every: int = 7) -> torch.Tensor:
     """Random ids with EOS at the start of row 0, twice in a row, and every few positions."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, length), generator=g)
@@ -86,7 +91,8 @@ def test_hyper_connection_matches_reference(combine):
 
     if combine:
         mixed_ref, residual, w_ref = ref(x_ref)
-        out_ref = residual + (torch.tanh(mixed_ref @ proj).unsqueeze(-2) * w_ref.unsqueeze(-1)).flatten(-2)
+        out_ref = residual + (torch.tanh(mixed_ref @ proj).unsqueeze(-2)
+                              * w_ref.unsqueeze(-1)).flatten(-2)
         mixed, w = ours(x_ours)
         out = ours.inject(x_ours, torch.tanh(mixed @ proj), w)
         torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
@@ -115,7 +121,8 @@ class _IdsOut(nn.Module):
 @pytest.mark.parametrize("ple_layer_index", [0, 1])
 def test_ngram_ids_match_reference_real_base(ple_layer_index):
     vocab, eos = 248320, 248044
-    cfg = ref_config(vocab_size=vocab, eos_token_id=eos, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
+    cfg = ref_config(vocab_size=vocab, eos_token_id=eos, heads_per_ngram=8,
+                     ngram_vocab_size_base=20_000_000,
                      ple_embed_dim=16, make_ngram_vocab_size_divisible_by=128)
     ids_in = tokens_with_eos(3, 40, vocab, eos, seed=5)
 
@@ -127,7 +134,8 @@ def test_ngram_ids_match_reference_real_base(ple_layer_index):
     ref.to_empty(device="cpu")
     ours.to_empty(device="cpu")
     with torch.no_grad():  # the reference's own buffer init (_init_weights)
-        ref.layer_multipliers.copy_(M._build_layer_multipliers(vocab, NGRAM, ple_layer_index, cfg.seed))
+        ref.layer_multipliers.copy_(M._build_layer_multipliers(vocab, NGRAM, ple_layer_index,
+                                                               cfg.seed))
         ref.ngram_heads_vocab_sizes.copy_(torch.tensor(ref.head_vocab_sizes))
         ref.ngram_heads_offsets.copy_(torch.tensor(ref.head_offsets))
     ours.reset_buffers()
@@ -138,9 +146,11 @@ def test_ngram_ids_match_reference_real_base(ple_layer_index):
     assert torch.equal(ours(ids_in), expected)
 
     # The pure function: a history of the 2 tokens before a position gives the whole sequence's ids.
-    mult, sizes, offsets, _ = ngram_tables(vocab, NGRAM, 8, 20_000_000, 128, cfg.seed, ple_layer_index)
+    mult, sizes, offsets, _ = ngram_tables(vocab, NGRAM, 8, 20_000_000, 128, cfg.seed,
+                                           ple_layer_index)
     for k in (2, 11, 12, 13, 25):
-        window = ngram_ids(ids_in[:, k - 2:], torch.tensor(mult), torch.tensor(sizes), torch.tensor(offsets), 8, eos)
+        window = ngram_ids(ids_in[:, k - 2:], torch.tensor(mult), torch.tensor(sizes),
+                           torch.tensor(offsets), 8, eos)
         assert torch.equal(window[:, 2:], expected[:, k:]), k
     assert torch.equal(ours.ids(ids_in[:, 12:], context_bc=ids_in[:, 10:12]), expected[:, 12:])
 
@@ -151,7 +161,8 @@ def test_ngram_ids_match_reference_real_base(ple_layer_index):
 def make_ple(seed=7, ple_layer_index=1):
     ref = M.Qwen4ExpTextPLELayer(ref_config(), layer_idx=0, ple_layer_index=ple_layer_index)
     randomize(ref, seed)
-    ours = PLELayer(H, HC, EMBED, KERNEL, NGRAM, HEADS, VOCAB, BASE, 128, ref_config().seed, ple_layer_index, EOS)
+    ours = PLELayer(H, HC, EMBED, KERNEL, NGRAM, HEADS, VOCAB, BASE, 128, ref_config().seed,
+                    ple_layer_index, EOS)
     ours.load_state_dict(ref.state_dict())  # buffers too: the hash constants must already agree
     return ours, ref
 
@@ -177,7 +188,7 @@ def test_ple_reset_parameters_zeroes_conv():
     assert ours.conv1d.weight.eq(0).all()
 
 
-# ---------------------------------------------------------------- decoding (models/state.py contract)
+# -------------------------------------------------------------- decoding (models/state.py contract)
 
 
 def decode_setup(B=2, T=40, ring=16, seed=11):
@@ -186,7 +197,8 @@ def decode_setup(B=2, T=40, ring=16, seed=11):
     x = torch.randn(B, T, HC * H, generator=torch.Generator().manual_seed(seed + 2))
     with torch.no_grad():
         full = ours(x, ids)
-    cache = DecodeCache(1, B, max_len=T + 8, dtype=torch.float32, device=torch.device("cpu"), ring=ring)
+    cache = DecodeCache(1, B, max_len=T + 8, dtype=torch.float32, device=torch.device("cpu"),
+                        ring=ring)
     return ours, ids, x, full, cache
 
 
@@ -227,30 +239,35 @@ def test_ple_decode_rollback_equals_fresh_pass():
     v_x = torch.where(keep[..., None], x[:, P:P + K], torch.randn(3, K, HC * H))
     out = step(ple, cache, v_x, v_ids, torch.full((3,), P))
     for b in range(3):  # the accepted prefix's outputs are already right
-        torch.testing.assert_close(out[b, :accepted[b]], full[b, P:P + accepted[b]], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[b, :accepted[b]], full[b, P:P + accepted[b]], atol=1e-5,
+                                   rtol=0)
     first = P + accepted
     out = step(ple, cache, take(x, first, K), take(ids, first, K), first)
     torch.testing.assert_close(out, take(full, first, K), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("lengths", [(10, 7), (24, 19)])  # a ragged prefill within and beyond the ring
+# a ragged prefill within and beyond the ring
+@pytest.mark.parametrize("lengths", [(10, 7), (24, 19)])
 def test_ple_decode_ragged_rows(lengths):
     ple, ids, x, full, cache = decode_setup()
     S = max(lengths)
     row_end = torch.tensor(lengths) - 1
     junk = (ids[:, :S] + 29) % VOCAB
     pad = torch.arange(S)[None, :] > row_end[:, None]
-    out = step(ple, cache, torch.where(pad[..., None], -x[:, :S], x[:, :S]), torch.where(pad, junk, ids[:, :S]),
-               torch.zeros(2, dtype=torch.long), row_end)
+    out = step(ple, cache, torch.where(pad[..., None], -x[:, :S], x[:, :S]),
+               torch.where(pad, junk, ids[:, :S]), torch.zeros(2, dtype=torch.long), row_end)
     for b, n in enumerate(lengths):
         torch.testing.assert_close(out[b, :n], full[b, :n], atol=1e-5, rtol=0)
-    # A ragged verify-sized forward: row 1 has only 2 real tokens, its padding must not clobber the ring.
+    # A ragged verify-sized forward: row 1 has only 2 real tokens, its padding must not clobber the
+    # ring.
     first = row_end + 1
     real = torch.tensor([4, 2])
     pad = torch.arange(4)[None, :] >= real[:, None]
-    out = step(ple, cache, take(x, first, 4), torch.where(pad, EOS, take(ids, first, 4)), first, first + real - 1)
+    out = step(ple, cache, take(x, first, 4), torch.where(pad, EOS, take(ids, first, 4)), first,
+               first + real - 1)
     for b in range(2):
-        torch.testing.assert_close(out[b, :real[b]], take(full, first, 4)[b, :real[b]], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[b, :real[b]], take(full, first, 4)[b, :real[b]], atol=1e-5,
+                                   rtol=0)
     first = first + real
     for _ in range(3):
         out = step(ple, cache, take(x, first, 2), take(ids, first, 2), first)
@@ -259,7 +276,8 @@ def test_ple_decode_ragged_rows(lengths):
 
 
 def test_ple_decode_ring_shorter_than_the_conv_window():
-    # The ring bounds a forward's length; the layer's rings add its own look-back (9 positions) to it.
+    # The ring bounds a forward's length; the layer's rings add its own look-back (9 positions) to
+    # it.
     ple, ids, x, full, cache = decode_setup(ring=4)
     outs = [step(ple, cache, x[:, :3], ids[:, :3], torch.zeros(2, dtype=torch.long))]
     for t in range(3, 20, 4):
@@ -281,6 +299,7 @@ def test_bf16_smoke():
         ple16, hc16, x16 = ple.to(torch.bfloat16), hc.to(torch.bfloat16), x.to(torch.bfloat16)
         out = hc16.inject(x16, *hc16(x16 + ple16(x16, ids)))
         mixed = HyperConnection(H, HC, LOWRANK, combine=False).to(torch.bfloat16)(out)
-    assert out.dtype == torch.bfloat16 and mixed.dtype == torch.bfloat16 and mixed.shape == (2, 12, H)
+    assert out.dtype == torch.bfloat16 and mixed.dtype == torch.bfloat16 and mixed.shape == (2, 12,
+                                                                                             H)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref_out, atol=0.1, rtol=0.05)

@@ -14,8 +14,10 @@ from tandem.trainer.parallel.device import Device, resolve_device
 
 
 def moe_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                moe_intermediate_size=16, num_experts=8, top_k=2, num_shared_experts=1, first_k_dense=1,
+    base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=64,
+                moe_intermediate_size=16, num_experts=8, top_k=2, num_shared_experts=1,
+                first_k_dense=1,
                 max_seq_len=64, balance="aux_loss", aux_loss_coef=0.1, z_loss_coef=0.01)
     base.update(kw)
     return ModelConfig(**base)
@@ -80,7 +82,8 @@ def test_model_trains_under_bf16_autocast():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_missing_cuda_is_a_config_error():
-    with pytest.raises(ConfigError, match="config key 'device'='cuda' but no CUDA device is visible"):
+    with pytest.raises(ConfigError,
+                       match="config key 'device'='cuda' but no CUDA device is visible"):
         resolve_device("cuda")
 
 
@@ -88,17 +91,20 @@ def test_bf16_refused_where_unsupported(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     device = Device("cuda", "nccl", torch.device("cuda", 0))
-    with pytest.raises(ConfigError, match=r"config key 'train.dtype'='bf16' but this cuda device \(Tesla V100"):
+    with pytest.raises(ConfigError,
+                       match=r"config key 'train.dtype'='bf16' but this cuda device \(Tesla V100"):
         device.check_dtype("bf16")
     device.check_dtype("fp32")
     assert device.autocast_dtype("auto") is None  # auto falls back to fp32 there
-    assert resolve_device("cpu", dtype="bf16").autocast_dtype("bf16") == torch.bfloat16  # CPU autocast has bf16
+    # CPU autocast has bf16
+    assert resolve_device("cpu", dtype="bf16").autocast_dtype("bf16") == torch.bfloat16
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native):
-    """`train.dtype=auto` on a CPU: bf16 only with bf16 instructions (emulated bf16 matmuls are many times
-    slower than fp32's); an explicit `bf16` still runs either way. The default job's recipe uses `auto`."""
+    """`train.dtype=auto` on a CPU: bf16 only with bf16 instructions (emulated bf16 matmuls are many
+    times slower than fp32's); an explicit `bf16` still runs either way. The default job's recipe
+    uses `auto`."""
     from tandem.trainer.parallel import device as device_layer
     from tandem.trainer.recipe import load_config
 
@@ -115,11 +121,12 @@ def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native):
 
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
-    """`cast_kept_whole` (trainer/parallel/data.py) on the pieces a pipeline keeps out of FSDP (embedding,
-    final norm, head, MTP module): under bf16 autocast the model computes exactly as the same model with
-    those pieces' parameters in bf16, i.e. as FSDP's policy gathers them (losses bit for bit, gradients
-    to bf16 rounding), their norms and embedding lookups hand on bf16, and the parameters stay the fp32
-    leaves the optimizer and checkpoints see. Also with their blocks recomputed in backward."""
+    """`cast_kept_whole` (trainer/parallel/data.py) on the pieces a pipeline keeps out of FSDP
+    (embedding, final norm, head, MTP module): under bf16 autocast the model computes exactly as the
+    same model with those pieces' parameters in bf16, i.e. as FSDP's policy gathers them (losses bit
+    for bit, gradients to bf16 rounding), their norms and embedding lookups hand on bf16, and the
+    parameters stay the fp32 leaves the optimizer and checkpoints see. Also with their blocks
+    recomputed in backward."""
     import copy
 
     from tandem.models.layers import RMSNorm
@@ -132,18 +139,27 @@ def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
         torch.nn.init.normal_(p, mean=0.5, std=0.3)
     gathered, plain = copy.deepcopy(kept), copy.deepcopy(kept)
     pieces = ("embed_tokens", "norm", "lm_head", "mtp")
-    cast_kept_whole(kept, [p for n, p in kept.named_parameters() if n.split(".")[0] in pieces], torch.bfloat16)
+    cast_kept_whole(kept, [p for n, p in kept.named_parameters() if n.split(".")[0] in pieces],
+                    torch.bfloat16)
     for piece in pieces:
         getattr(gathered, piece).to(torch.bfloat16)
     for m in (kept, gathered, plain):
         apply_activation_checkpointing(m, checkpointing)
-    norm_dtypes = set()  # of the pieces' norms and embedding (the trunk's blocks compute as autocast has them)
-    in_pieces = {id(m) for model in (kept, gathered, plain) for piece in pieces for m in getattr(model,
-                                                                                                 piece).modules()}
+    # of the pieces' norms and embedding (the trunk's blocks compute as autocast has them)
+    norm_dtypes = set()
+    in_pieces = {
+        id(m)
+        for model in (kept, gathered, plain)
+        for piece in pieces
+        for m in getattr(model, piece).modules()
+    }
     hook = torch.nn.modules.module.register_module_forward_hook(
-        lambda m, a, out: norm_dtypes.add(out.dtype) if id(m) in in_pieces and isinstance(m, (RMSNorm,
-                                                                                              torch.nn.Embedding))
-        else None)
+        lambda m, a, out: (
+            norm_dtypes.add(out.dtype)
+            if id(m) in in_pieces and isinstance(m, (RMSNorm, torch.nn.Embedding))
+            else None
+        )
+    )
     tokens = torch.randint(0, 128, (2, 17))
     runs = {}
     for name, m in (("kept", kept), ("gathered", gathered), ("plain", plain)):
@@ -154,20 +170,27 @@ def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
         runs[name] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()}, set(norm_dtypes))
     hook.remove()
     assert torch.equal(runs["kept"][0], runs["gathered"][0])
-    assert not torch.equal(runs["plain"][0], runs["gathered"][0])  # autocast alone: fp32 norms, embedding
+    # autocast alone: fp32 norms, embedding
+    assert not torch.equal(runs["plain"][0], runs["gathered"][0])
     assert runs["kept"][2] == {torch.bfloat16} and torch.float32 in runs["plain"][2]
     for n, p in kept.named_parameters():
-        assert type(p) is torch.nn.Parameter and p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
+        assert (
+            type(p) is torch.nn.Parameter
+            and p.dtype == torch.float32
+            and p.grad.dtype == torch.float32
+        ), n
         ref = runs["gathered"][1][n].float()
         assert (p.grad - ref).abs().max() <= 2e-2 * ref.abs().max() + 1e-6, n
-    assert "weight" not in vars(kept.norm) and kept.norm.weight is kept.norm._parameters["weight"]  # no copy left
+    # no copy left
+    assert "weight" not in vars(kept.norm) and kept.norm.weight is kept.norm._parameters["weight"]
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_pieces_kept_out_of_fsdp_keep_their_casts_in_compiled_blocks():
-    """Under `train.compile` a kept-whole MTP block must not run the graph compiled for a trunk block of
-    the same shape (dynamo shares graphs between blocks and does not guard on module hooks): compiled
-    and eager training forwards give the same losses bit for bit (aot_eager: no kernel fusion)."""
+    """Under `train.compile` a kept-whole MTP block must not run the graph compiled for a trunk
+    block of the same shape (dynamo shares graphs between blocks and does not guard on module
+    hooks): compiled and eager training forwards give the same losses bit for bit (aot_eager: no
+    kernel fusion)."""
     import copy
 
     from tandem.trainer.parallel.compile import apply_compile
@@ -187,9 +210,9 @@ def test_pieces_kept_out_of_fsdp_keep_their_casts_in_compiled_blocks():
 
 
 def test_hyper_connection_streams_stay_fp32_under_autocast():
-    """Under bf16 autocast the streams leave a mixer fp32 even when they arrived bf16 (FSDP's gathered
-    embedding), while the sublayer's input is handed on in bf16; `fp32_parameters` names what the
-    recurrence and the stream mixing read, which FSDP's bf16 policy keeps whole in fp32."""
+    """Under bf16 autocast the streams leave a mixer fp32 even when they arrived bf16 (FSDP's
+    gathered embedding), while the sublayer's input is handed on in bf16; `fp32_parameters` names
+    what the recurrence and the stream mixing read, which FSDP's bf16 policy keeps whole in fp32."""
     from tandem.models.hyper_connection import HyperConnection
     from tandem.trainer.parallel.data import fp32_parameters
 
@@ -204,4 +227,5 @@ def test_hyper_connection_streams_stay_fp32_under_autocast():
                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
     names = set(fp32_parameters(TandemModel(cfg, MTPConfig(num_steps=1, num_layers=1))))
     kinds = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in names}
-    assert kinds == {"linear_attn.A_log", "linear_attn.dt_bias", "hc_norm.weight", "router.weight"}, kinds
+    assert kinds == {"linear_attn.A_log", "linear_attn.dt_bias", "hc_norm.weight",
+                     "router.weight"}, kinds

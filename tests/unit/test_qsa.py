@@ -1,5 +1,6 @@
-"""QSA (indexed attention): parity with transformers' Qwen4-Exp, mask form == gather form, decoding and
-rollback == a fresh full pass, and the indexer's DeepSeek-V3.2 training signals (KL loss, recall)."""
+"""QSA (indexed attention): parity with transformers' Qwen4-Exp, mask form == gather form, decoding
+and rollback == a fresh full pass, and the indexer's DeepSeek-V3.2 training signals (KL loss,
+recall)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ def _one_thread(one_thread):
 
 
 def make_qsa(seed: int = 1, budget: int = BUDGET, form: str = "mask") -> IndexedAttention:
-    """Random weights (larger than init so differences show). The indexer's query heads are close to its
-    key head, so block scores are positive and distinct: no top-k ties for the reference to break its way."""
+    """Random weights (larger than init so differences show). The indexer's query heads are close to
+    its key head, so block scores are positive and distinct: no top-k ties for the reference to
+    break its way."""
     torch.manual_seed(seed)
-    attn = IndexedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS, IDX_DIM,
-                            budget, RATIO, form=form)
+    attn = IndexedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS,
+                            IDX_DIM, budget, RATIO, form=form)
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(0, 0.3)
@@ -61,7 +63,7 @@ def scores_and_selection(attn, x, pos):
     return scores, attn._select(scores, pos)
 
 
-# ---- parity with transformers ------------------------------------------------------------------------
+# ---- parity with transformers --------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["mask", "gather"])
 def test_parity_with_transformers(form):
@@ -69,10 +71,14 @@ def test_parity_with_transformers(form):
     from transformers.models.qwen4_exp import modeling_qwen4_exp as M
 
     cfg = T.Qwen4ExpTextConfig(
-        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        num_hidden_layers=1, layer_types=["indexed_attention"], max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        indexer_n_heads=IDX_HEADS, indexer_kv_heads=1, indexer_head_dim=IDX_DIM, indexer_budget=BUDGET,
+        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=1, layer_types=["indexed_attention"], max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        indexer_n_heads=IDX_HEADS, indexer_kv_heads=1, indexer_head_dim=IDX_DIM,
+        indexer_budget=BUDGET,
         indexer_compress_ratio=RATIO, vocab_size=64, intermediate_size=64, moe_intermediate_size=16,
         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
     cfg._attn_implementation = "sdpa"
@@ -82,16 +88,19 @@ def test_parity_with_transformers(form):
     ref.load_state_dict(ours.state_dict())
 
     x, pos = inputs()
-    # Precondition: no near-tie at any query's top-k boundary (the reference breaks ties its own way).
+    # Precondition: no near-tie at any query's top-k boundary (the reference breaks ties its own
+    # way).
     scores, _ = scores_and_selection(ours, x, pos)
     complete = (pos + 1) // RATIO
-    ranked = scores.masked_fill(torch.arange(S // RATIO) >= complete[..., None], -1).sort(-1, descending=True).values
+    ranked = scores.masked_fill(torch.arange(S // RATIO) >= complete[..., None],
+                                -1).sort(-1, descending=True).values
     k = (BUDGET // RATIO)
     boundary = complete > k
     assert (ranked[..., k - 1] - ranked[..., k])[boundary].min() > 1e-3
 
     rope = M.Qwen4ExpTextRotaryEmbedding(cfg)
-    cos, sin = rope(x, pos[None].expand(3, B, S))  # the three mrope rows equal: plain text positions
+    # the three mrope rows equal: plain text positions
+    cos, sin = rope(x, pos[None].expand(3, B, S))
     causal = torch.ones(S, S, dtype=torch.bool).tril()[None, None].expand(B, 1, S, S)
     g = torch.randn(B, S, HIDDEN)
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -100,20 +109,22 @@ def test_parity_with_transformers(form):
     assert rel(y_ours, y_ref) < 1e-5
     g_ref, g_ours = grads(ref, x_ref, y_ref, g), grads(ours, x_ours, y_ours, g)
     for name, want in g_ref.items():
-        if want is None:  # the indexer: the top-k selection carries no gradient, in either implementation
+        # the indexer: the top-k selection carries no gradient, in either implementation
+        if want is None:
             assert g_ours[name] is None, name
         else:
             assert rel(g_ours[name], want) < 1e-4, name
 
 
-# ---- the two training forms ----------------------------------------------------------------------------
+# ---- the two training forms ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_mask_form_equals_gather_form(dense):
     x, pos = inputs(2)
     g = torch.randn(B, S, HIDDEN)
     results = []
-    for form, chunk_elems in (("mask", 1 << 26), ("gather", 1 << 26), ("gather", 2000)):  # 2000: many chunks
+    # 2000: many chunks
+    for form, chunk_elems in (("mask", 1 << 26), ("gather", 1 << 26), ("gather", 2000)):
         attn = make_qsa(3, form=form)
         attn.indexer_loss_coef, attn.dense, attn.chunk_elems = 0.5, dense, chunk_elems
         xi = x.clone().requires_grad_()
@@ -144,7 +155,7 @@ def test_selection_is_a_top_k_and_ties_break_to_earlier_blocks():
     assert blocks.tolist() == [[[0, 1], [1, 3], [0, 1]]]  # block 3 is not complete at position 14
 
 
-# ---- decoding ----------------------------------------------------------------------------------------------
+# ---- decoding ------------------------------------------------------------------------------------
 
 def test_decode_token_by_token_equals_full_forward():
     attn = make_qsa(4).eval()
@@ -188,16 +199,18 @@ def test_verify_then_rollback_equals_fresh_pass():
     with torch.no_grad():
         cache = DecodeCache(1, B, 64, torch.float32, torch.device("cpu")).layer(0)
         attn(x[:, :22], pos[:, :22], cache)
-        # verify 4 tokens at positions 22..25 (block 5 = 20..23 completes inside), accept the first one
+        # verify 4 tokens at positions 22..25 (block 5 = 20..23 completes inside), accept the first
+        # one
         attn(torch.cat([x[:, 22:23], drafts[:, 1:]], 1), pos[:, 22:26], cache)
-        outs = [attn(x[:, 23:27], pos[:, 23:27], cache)]  # the next verify forward, from position 23
+        # the next verify forward, from position 23
+        outs = [attn(x[:, 23:27], pos[:, 23:27], cache)]
         for t in range(27, S):
             outs.append(attn(x[:, t:t + 1], pos[:, t:t + 1], cache))
         full = attn(x, pos)
     assert rel(torch.cat(outs, 1), full[:, 23:]) < 1e-5
 
 
-# ---- the indexer's training signals -----------------------------------------------------------------------
+# ---- the indexer's training signals --------------------------------------------------------------
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_indexer_loss_trains_only_the_indexer(dense):
@@ -237,12 +250,18 @@ def test_kl_is_zero_when_the_indexer_matches_the_target():
 @pytest.mark.parametrize("dense", [False, True])
 def test_indexer_loss_and_recall_match_a_direct_computation(dense):
     attn = make_qsa(7).train()
-    attn.indexer_loss_coef, attn.dense, attn.measure_recall, attn.chunk_elems = 1.0, dense, True, 3000
+    attn.indexer_loss_coef, attn.dense, attn.measure_recall, attn.chunk_elems = (
+        1.0,
+        dense,
+        True,
+        3000,
+    )
     x, pos = inputs(7)
     attn(x, pos)
     with torch.no_grad():
         q, k, _, _ = attn._qkv(x, pos)
-        logits = q @ k.repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        logits = q @ k.repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1,
+                                                                         -2) / math.sqrt(HEAD_DIM)
         causal = torch.ones(S, S, dtype=torch.bool).tril()
         scores, (blocks, count) = scores_and_selection(attn, x, pos)
         selected = attn._token_mask(blocks, count, pos, S)
@@ -273,7 +292,7 @@ def test_recall_is_one_when_the_budget_covers_the_sequence():
     assert abs(attn.last_recall.item() - 1.0) < 1e-6
 
 
-# ---- precision and construction --------------------------------------------------------------------------------
+# ---- precision and construction ------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["mask", "gather"])
 def test_bf16_smoke(form):
@@ -298,8 +317,8 @@ def test_block_scores_stay_fp32_under_autocast():
 
 def test_meta_construction_then_materialise():
     with torch.device("meta"):
-        attn = IndexedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS, IDX_DIM,
-                                BUDGET, RATIO)
+        attn = IndexedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6,
+                                IDX_HEADS, IDX_DIM, BUDGET, RATIO)
     attn.to_empty(device="cpu")
     attn.rotary.reset_buffers()
     assert not any(n.startswith("rotary") for n in attn.state_dict())  # non-persistent tables
@@ -307,11 +326,13 @@ def test_meta_construction_then_materialise():
 
 
 def test_bf16_gather_form_logits_in_fp32_and_agrees_with_mask_form():
-    """In bf16 the gather form computes logits, softmax and sum in fp32 from the bf16 rows, as the mask
-    form's SDPA does, so `auto`'s switch of form (at MASK_ELEMS_LIMIT) does not change the numerics."""
+    """In bf16 the gather form computes logits, softmax and sum in fp32 from the bf16 rows, as the
+    mask form's SDPA does, so `auto`'s switch of form (at MASK_ELEMS_LIMIT) does not change the
+    numerics."""
     g = torch.Generator().manual_seed(5)
     b, c, s, L, h, kvh, d = 1, 6, 12, 12, 4, 2, 16
-    q = (4 * torch.randn(b, c, h, d, generator=g)).to(torch.bfloat16)  # logits of tens: bf16 steps of 1/8+
+    # logits of tens: bf16 steps of 1/8+
+    q = (4 * torch.randn(b, c, h, d, generator=g)).to(torch.bfloat16)
     k = (4 * torch.randn(b, s, kvh, d, generator=g)).to(torch.bfloat16)
     v = torch.randn(b, s, kvh, d, generator=g).to(torch.bfloat16)
     idx = torch.randperm(s, generator=g)[:L].expand(b, c, L).contiguous()
@@ -325,7 +346,8 @@ def test_bf16_gather_form_logits_in_fp32_and_agrees_with_mask_form():
     want = torch.einsum("bckgl,blkd->bckgd", att, vg).reshape(b, c, h * d)
     assert out.dtype == torch.bfloat16
     ulp = want.abs().clamp(min=1e-3) * 2.0 ** -8  # half a bf16 step (8 significant bits), doubled
-    assert ((out.double() - want).abs() <= ulp).all(), float(((out.double() - want).abs() / ulp).max())
+    assert ((out.double() - want).abs()
+            <= ulp).all(), float(((out.double() - want).abs() / ulp).max())
     # the whole module in bf16: the two forms agree within the output's bf16 rounding
     x, pos = inputs(4)
     ys = []

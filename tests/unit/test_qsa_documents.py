@@ -1,7 +1,7 @@
-"""QSA over packed documents (`documents=`): each document of a packed row computes, token for token,
-what it computes alone from position 0 (blocks aligned to its start, selection within it, block-diagonal
-attention, the indexer's target and recall per document), in every training form, and a row holding a
-single document gives exactly the plain (documents=None) forward."""
+"""QSA over packed documents (`documents=`): each document of a packed row computes, token for
+token, what it computes alone from position 0 (blocks aligned to its start, selection within it,
+block-diagonal attention, the indexer's target and recall per document), in every training form, and
+a row holding a single document gives exactly the plain (documents=None) forward."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def make_qsa(seed: int, form: str = "mask") -> IndexedAttention:
 def packed(seed: int = 1, lengths=LENGTHS):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(len(lengths), S, HIDDEN, generator=g) + 1.5 * torch.randn(HIDDEN, generator=g)
-    ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)),
+                                               torch.tensor(row)) for row in lengths])
     docs = Documents.from_doc_ids(ids)
     return x, docs
 
@@ -91,7 +92,8 @@ def test_selection_stays_in_the_query_document():
     at = docs.positions()[..., None]
     first = docs.starts_bs[..., None]
     assert sel.counts_bs.max() == BUDGET // RATIO  # the budget binds somewhere
-    assert ((rows >= first) & ((rows - first) % RATIO == 0) & (rows - first + RATIO - 1 <= at))[real].all()
+    assert ((rows >= first) & ((rows - first) % RATIO == 0)
+            & (rows - first + RATIO - 1 <= at))[real].all()
     assert torch.equal(sel.counts_bs, ((at[..., 0] + 1) // RATIO).clamp(max=BUDGET // RATIO))
 
 
@@ -115,11 +117,16 @@ def test_a_handed_over_selection_is_read_in_its_documents(form):
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_indexer_loss_and_recall_per_document(dense):
-    """The KL averages over queries with a candidate block (L - r + 1 of a document of L >= r tokens)
-    and the recall over all queries: the packed row's values are those weighted means of each
-    document's own."""
+    """The KL averages over queries with a candidate block (L - r + 1 of a document of L >= r
+    tokens) and the recall over all queries: the packed row's values are those weighted means of
+    each document's own."""
     attn = make_qsa(6).train()
-    attn.indexer_loss_coef, attn.dense, attn.measure_recall, attn.chunk_elems = 1.0, dense, True, 1500
+    attn.indexer_loss_coef, attn.dense, attn.measure_recall, attn.chunk_elems = (
+        1.0,
+        dense,
+        True,
+        1500,
+    )
     x, docs = packed(6)
     attn(x, docs.positions(), documents=docs)
     got_loss, got_recall = attn.last_indexer_loss, attn.last_recall
@@ -137,8 +144,8 @@ def test_indexer_loss_and_recall_per_document(dense):
 
 @pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
 def test_one_document_per_row_equals_the_plain_forward(form, dense):
-    """documents=None is the single-document row: the documents path reproduces it (bit for bit where the
-    same kernels run), outputs, gradients, the indexer's loss and the recall."""
+    """documents=None is the single-document row: the documents path reproduces it (bit for bit
+    where the same kernels run), outputs, gradients, the indexer's loss and the recall."""
     attn = make_qsa(7, form).train()
     attn.indexer_loss_coef, attn.dense, attn.measure_recall = 1.0, dense, True
     x, docs = packed(7, [[S], [S]])
@@ -149,8 +156,8 @@ def test_one_document_per_row_equals_the_plain_forward(form, dense):
         xi = x.clone().requires_grad_()
         y, sel = attn(xi, docs.positions(), return_selection=True, **kwargs)
         (y * g).sum().backward()
-        out[key] = (y.detach(), xi.grad, attn.indexer.index_qk_proj.weight.grad, attn.last_indexer_loss,
-                    attn.last_recall, sel)
+        out[key] = (y.detach(), xi.grad, attn.indexer.index_qk_proj.weight.grad,
+                    attn.last_indexer_loss, attn.last_recall, sel)
     plain, documents = out["plain"], out["documents"]
     # dense: is_causal SDPA against the document mask, another kernel; same values to rounding
     same = (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)) if dense else \
@@ -159,4 +166,5 @@ def test_one_document_per_row_equals_the_plain_forward(form, dense):
         same(a, b)
     if not dense:
         assert torch.equal(documents[5].blocks_bsk, plain[5].blocks_bsk)
-        assert torch.equal(documents[5].block_rows_bn, torch.arange(S // RATIO).expand(2, -1) * RATIO)
+        assert torch.equal(documents[5].block_rows_bn,
+                           torch.arange(S // RATIO).expand(2, -1) * RATIO)

@@ -1,8 +1,8 @@
-"""QSA's streamed training form (models/qsa_stream.py) against the path before it, which held the whole
-[B, S, S / r] score matrix (bench/qsa_memory.py `MaterialisedIndexedAttention`): the same selection slot
-for slot, and outputs, input and parameter gradients and the indexer KL within fp32 rounding, on data
-with many tied scores (relu zeros, long runs of one token), packed documents, both forms and stages,
-with chunks small enough that queries and blocks stream in many pieces."""
+"""QSA's streamed training form (models/qsa_stream.py) against the path before it, which held the
+whole [B, S, S / r] score matrix (bench/qsa_memory.py `MaterialisedIndexedAttention`): the same
+selection slot for slot, and outputs, input and parameter gradients and the indexer KL within fp32
+rounding, on data with many tied scores (relu zeros, long runs of one token), packed documents, both
+forms and stages, with chunks small enough that queries and blocks stream in many pieces."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def pair(seed: int, form: str, dense: bool = False, chunk_elems: int = 200, ties
     torch.manual_seed(seed)
     layers = []
     for cls in (IndexedAttention, MaterialisedIndexedAttention):
-        layers.append(cls(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS, IDX_DIM, BUDGET,
-                          RATIO, form=form).train())
+        layers.append(cls(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS,
+                          IDX_DIM, BUDGET, RATIO, form=form).train())
     with torch.no_grad():
         for p in layers[0].parameters():
             p.normal_(0, 0.3)
@@ -38,7 +38,12 @@ def pair(seed: int, form: str, dense: bool = False, chunk_elems: int = 200, ties
             w[:-1] = -w[-1] + 0.2 * w[:-1]
     layers[1].load_state_dict(layers[0].state_dict())
     for layer in layers:
-        layer.indexer_loss_coef, layer.dense, layer.measure_recall, layer.chunk_elems = 0.5, dense, True, chunk_elems
+        layer.indexer_loss_coef, layer.dense, layer.measure_recall, layer.chunk_elems = (
+            0.5,
+            dense,
+            True,
+            chunk_elems,
+        )
     return layers
 
 
@@ -65,18 +70,21 @@ def assert_same(got, want, tol=1e-5):
     y, sel, gx, grads, loss, recall = got
     y_r, sel_r, gx_r, grads_r, loss_r, recall_r = want
     if sel_r is not None:
-        assert torch.equal(sel.blocks_bsk, sel_r.blocks_bsk) and torch.equal(sel.counts_bs, sel_r.counts_bs)
+        assert torch.equal(sel.blocks_bsk, sel_r.blocks_bsk) and torch.equal(sel.counts_bs,
+                                                                             sel_r.counts_bs)
     torch.testing.assert_close(y, y_r, rtol=tol, atol=tol)
     torch.testing.assert_close(gx, gx_r, rtol=tol, atol=tol)
     assert grads.keys() == grads_r.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], grads_r[name], rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], grads_r[name], rtol=tol, atol=tol,
+                                   msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(loss, loss_r, rtol=tol, atol=tol)
     torch.testing.assert_close(recall, recall_r, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
-@pytest.mark.parametrize("chunk_elems", [24, 200, 1 << 20])  # 24: blocks merged in 6-block pieces; 200: query chunks
+# 24: blocks merged in 6-block pieces; 200: query chunks
+@pytest.mark.parametrize("chunk_elems", [24, 200, 1 << 20])
 def test_streamed_equals_the_materialised_path(form, dense, chunk_elems):
     streamed, reference = pair(1, form, dense, chunk_elems)
     x, pos = inputs(1)
@@ -85,7 +93,8 @@ def test_streamed_equals_the_materialised_path(form, dense, chunk_elems):
 
 @pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
 def test_streamed_equals_the_materialised_path_on_packed_documents(form, dense):
-    """Boundaries off the block grid, a 1-token document, one cut by the window's end, one run of a token."""
+    """Boundaries off the block grid, a 1-token document, one cut by the window's end, one run of a
+    token."""
     streamed, reference = pair(2, form, dense, chunk_elems=24)
     x, pos = inputs(2)
     ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r))
@@ -107,7 +116,8 @@ def test_ties_are_many_and_break_toward_the_earlier_block():
     assert (scores[visible] == 0).float().mean() > 0.3
     blocks, count = streamed._training_selection(q_idx, k_bnd, None, None, pos, True,
                                                  streamed._visible_fn(None, pos))
-    # the literal top-k of the path before streaming (unselectable blocks all -1): the real slots agree
+    # the literal top-k of the path before streaming (unselectable blocks all -1): the real slots
+    # agree
     bits = scores.float().contiguous().view(torch.int32).long()
     block = torch.arange(S // RATIO)
     key = torch.where(visible, (bits << 31) | (2**31 - 1 - block), -1)
@@ -130,7 +140,8 @@ def test_bf16_streamed_equals_the_materialised_path():
     x, pos = inputs(3, dtype=torch.bfloat16)
     got, want = run(streamed, x, pos), run(reference, x, pos)
     assert torch.equal(got[1].blocks_bsk, want[1].blocks_bsk)  # the scores are fp32 either way
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # the same selection, the same attention
+    # the same selection, the same attention
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[4], want[4], rtol=1e-4, atol=1e-5)
     for name, g in got[3].items():
         torch.testing.assert_close(g.float(), want[3][name].float(), rtol=2e-2, atol=2e-2)

@@ -1,5 +1,5 @@
-"""Bad Qwen4-Exp shapes fail before any work with one line naming the key (the invariants transformers'
-Qwen4ExpTextConfig validates, in Tandem's keys)."""
+"""Bad Qwen4-Exp shapes fail before any work with one line naming the key (the invariants
+transformers' Qwen4ExpTextConfig validates, in Tandem's keys)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from tandem.models.config import ModelConfig, MTPConfig, validate_model
 
 
 def qwen4(**over) -> ModelConfig:
-    """The `debug_qwen4` flavor (models/flavors.py): 4 layers alternating Gated DeltaNet and QSA (head_dim 8,
-    rotary 4), 4 hyper-connection streams, PLE on layer 0 with 2 x 2 n-gram heads of the width 32."""
+    """The `debug_qwen4` flavor (models/flavors.py): 4 layers alternating Gated DeltaNet and QSA
+    (head_dim 8, rotary 4), 4 hyper-connection streams, PLE on layer 0 with 2 x 2 n-gram heads of
+    the width 32."""
     return flavors.model_config("debug_qwen4", **over)
 
 
@@ -20,7 +21,8 @@ def test_valid_qwen4_shape_passes():
 
 
 @pytest.mark.parametrize("over,key", [
-    (dict(ple_layers=[1]), "model.ple_layers"),  # layer 1 is QSA: PLE only on linear_attention layers
+    # layer 1 is QSA: PLE only on linear_attention layers
+    (dict(ple_layers=[1]), "model.ple_layers"),
     (dict(indexer_budget=10), "model.indexer_budget"),  # not divisible by the compress ratio
     (dict(indexer_head_dim=2), "model.indexer_head_dim"),  # rotary width 4 does not fit
     (dict(hc_count=1, ple_layers=[]), "mtp.combine"),  # the drafter needs hyper-connection streams

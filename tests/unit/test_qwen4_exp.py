@@ -1,12 +1,14 @@
-"""Qwen4-Exp trunk parity with transformers' `Qwen4ExpForCausalLM` (the independent oracle), on a tiny
-random config that switches every part on: Gated DeltaNet layers, QSA layers whose budget is well below
-the sequence length (selection active), PLE n-gram memory on two layers, 4 hyper-connection streams and
-a 512-expert-style MoE in miniature (softmax router, gated shared expert). fp32.
+"""Qwen4-Exp trunk parity with transformers' `Qwen4ExpForCausalLM` (the independent oracle), on a
+tiny random config that switches every part on: Gated DeltaNet layers, QSA layers whose budget is
+well below the sequence length (selection active), PLE n-gram memory on two layers, 4
+hyper-connection streams and a 512-expert-style MoE in miniature (softmax router, gated shared
+expert). fp32.
 
 - a transformers-saved directory (PLE tables split into shards) imports into Tandem: logits within
   1e-5 relative, gradients of a loss within 2e-4;
 - greedy decoding with Tandem's decoder state gives transformers' generated tokens;
-- a Tandem-built model exports (`--family qwen4_exp`) into what transformers loads with the same logits.
+- a Tandem-built model exports (`--family qwen4_exp`) into what transformers loads with the same
+  logits.
 """
 
 from __future__ import annotations
@@ -27,21 +29,25 @@ VOCAB, EOS, S = 96, 1, 40
 
 
 def hf_config(**over):
-    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2,
               head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-              linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
-              num_experts_per_tok=2, hc_count=4, hc_lowrank=8, ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2,
+              linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+              num_experts=6,
+              num_experts_per_tok=2, hc_count=4, hc_lowrank=8, ple_layer_ids=[1, 3], ngram_size=3,
+              heads_per_ngram=2,
               ngram_vocab_size_base=97, split_ngram_parts=4, indexer_n_heads=16, indexer_kv_heads=1,
-              indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, full_attention_interval=2,
-              eos_token_id=EOS, max_position_embeddings=128,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+              indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
+              full_attention_interval=2, eos_token_id=EOS, max_position_embeddings=128,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.5})
     kw.update(over)
     return T.Qwen4ExpTextConfig(**kw)
 
 
 # 16 indexer heads: a block's score is a sum of ReLUs, exactly 0 when every head's dot product is
-# negative; with few heads such ties (which transformers breaks arbitrarily, Tandem towards the earlier
-# block) would decide the selection.
+# negative; with few heads such ties (which transformers breaks arbitrarily, Tandem towards the
+# earlier block) would decide the selection.
 def make_hf(seed=0, **over):
     torch.manual_seed(seed)
     model = T.Qwen4ExpForCausalLM(hf_config(**over)).eval()
@@ -69,15 +75,16 @@ def pair(tmp_path_factory):
     return hf, model, cfg, path
 
 
-# fp32 gradients of sums over every token differ by their summation order: the routed experts are combined
-# in fp32 in a fixed order here (models/moe.py) and by index_add_ in transformers, and the difference
-# reaches 1.24e-4 of the largest element of a hyper-connection weight's gradient (cancelling sums); a
-# wrong formula is off by O(1)
+# fp32 gradients of sums over every token differ by their summation order: the routed experts are
+# combined in fp32 in a fixed order here (models/moe.py) and by index_add_ in transformers, and the
+# difference reaches 1.24e-4 of the largest element of a hyper-connection weight's gradient
+# (cancelling sums); a wrong formula is off by O(1)
 GRAD_RTOL = 2e-4
 
 def test_import_logits_and_gradients_match_transformers(pair):
     hf, model, cfg, _ = pair
-    assert [cfg.model.layer_type(i) for i in range(4)] == ["linear_attention", "indexed_attention"] * 2
+    assert [cfg.model.layer_type(i) for i in range(4)] == ["linear_attention",
+                                                           "indexed_attention"] * 2
     assert cfg.model.ple_layers == [0, 2] and cfg.model.hc_count == 4
     ids = tokens(2, S)
     pos = torch.arange(S).expand(2, S)
@@ -89,11 +96,14 @@ def test_import_logits_and_gradients_match_transformers(pair):
     (ours * weight).sum().backward()
     hf_params = dict(hf.named_parameters())
     pairs = {
-        "embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
-        "norm.input_mix_weight_up.weight": "model.hyper_connection_mixer.input_mix_weight_up.weight",
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "lm_head.weight": "lm_head.weight",
+        "norm.input_mix_weight_up.weight":
+            "model.hyper_connection_mixer.input_mix_weight_up.weight",
         "layers.0.linear_attn.A_log": "model.layers.0.linear_attn.A_log",
         "layers.0.linear_attn.in_proj_qkv.weight": "model.layers.0.linear_attn.in_proj_qkv.weight",
-        "layers.0.ple.ple_embedding.ngram_embedding.weight": "model.layers.0.ple.ple_embedding.ngram_embedding.weight",
+        "layers.0.ple.ple_embedding.ngram_embedding.weight":
+            "model.layers.0.ple.ple_embedding.ngram_embedding.weight",
         "layers.0.ple.conv1d.weight": "model.layers.0.ple.conv1d.weight",
         "layers.1.self_attn.q_proj.weight": "model.layers.1.self_attn.q_proj.weight",
         "layers.1.self_attn.q_norm.weight": "model.layers.1.self_attn.q_norm.weight",
@@ -115,8 +125,10 @@ def test_import_logits_and_gradients_match_transformers(pair):
     # the experts' gate/up gradients against transformers' fused gate_up_proj
     gate_up = hf_params["model.layers.3.mlp.experts.gate_up_proj"].grad
     inner = gate_up.shape[1] // 2
-    for mine, part in (("layers.3.mlp.experts.gate_proj", gate_up[:, :inner]), ("layers.3.mlp.experts.up_proj",
-                                                                                gate_up[:, inner:])):
+    for mine, part in (("layers.3.mlp.experts.gate_proj", gate_up[:, :inner]),
+                       ("layers.3.mlp.experts.up_proj",
+                                                                                gate_up[:,
+                                                                                        inner:])):
         assert (ours_params[mine].grad - part).abs().max() <= GRAD_RTOL * part.abs().max()
     model.zero_grad(set_to_none=True)
 
@@ -126,15 +138,15 @@ def test_greedy_decoding_with_state_matches_transformers_generate(pair):
     prompt = tokens(1, 13, seed=3)[0].tolist()
     new = 12
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         out = generate(model, [prompt], new, num_steps=0).outputs
     assert out[0][:new] == ref
 
 
 def run_tokens(b, s, seed):
-    """Token ids with what real text puts into a linear-attention chunk: a 100-token run of one token
-    across two chunk boundaries (positions 30..129) and a period-3 stretch after it."""
+    """Token ids with what real text puts into a linear-attention chunk: a 100-token run of one
+    token across two chunk boundaries (positions 30..129) and a period-3 stretch after it."""
     ids = tokens(b, s, seed=seed)
     ids[:, 30:130] = ids[:, 30:31]
     ids[:, 133:] = ids[:, 130:133].repeat(1, s // 3)[:, :s - 133]
@@ -143,8 +155,8 @@ def run_tokens(b, s, seed):
 
 @pytest.fixture(scope="module")
 def slow_pair(tmp_path_factory):
-    """The tiny model with slow linear-attention decay, A = exp(A_log) ~ U(0.001, 0.05), so the state
-    carries across chunks and the chunk solve sees strongly coupled tokens."""
+    """The tiny model with slow linear-attention decay, A = exp(A_log) ~ U(0.001, 0.05), so the
+    state carries across chunks and the chunk solve sees strongly coupled tokens."""
     hf = make_hf(seed=4, max_position_embeddings=256)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -170,24 +182,31 @@ def test_logits_match_transformers_past_several_chunks_on_runs_of_one_token(slow
 
 def test_greedy_decoding_after_a_long_run_matches_transformers_generate(slow_pair):
     hf, model = slow_pair
-    prompt = run_tokens(1, 140, seed=7)[0].tolist()  # the run, then the periodic stretch: chunked prefill
+    # the run, then the periodic stretch: chunked prefill
+    prompt = run_tokens(1, 140, seed=7)[0].tolist()
     new = 12
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         out = generate(model, [prompt], new, num_steps=0).outputs
     assert out[0][:new] == ref
 
 
 def test_export_loads_in_transformers_with_same_logits(tmp_path):
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6, top_k=2,
-                      num_shared_experts=1, shared_expert_gate=True, first_k_dense=0, router_score="softmax",
-                      balance="aux_loss", zero_centered_norm=True, full_attention_interval=2, partial_rotary_factor=0.5,
-                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                      indexer_heads=16, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, hc_count=4,
-                      hc_lowrank=8, ple_layers=[0, 2], heads_per_ngram=2, ngram_vocab_base=97, eos_token_id=EOS,
-                      max_seq_len=128)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                      head_dim=8,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
+                      top_k=2,
+                      num_shared_experts=1, shared_expert_gate=True, first_k_dense=0,
+                      router_score="softmax",
+                      balance="aux_loss", zero_centered_norm=True, full_attention_interval=2,
+                      partial_rotary_factor=0.5,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8,
+                      indexer_heads=16, indexer_head_dim=8, indexer_budget=8,
+                      indexer_compress_ratio=4, hc_count=4,
+                      hc_lowrank=8, ple_layers=[0, 2], heads_per_ngram=2, ngram_vocab_base=97,
+                      eos_token_id=EOS, max_seq_len=128)
     mtp = MTPConfig(num_steps=2, num_layers=1)
     torch.manual_seed(0)
     model = TandemModel(cfg, mtp).eval()
@@ -203,9 +222,10 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
         ours = model.logits(0, model.trunk(ids, torch.arange(S).expand(2, S)))
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
     prompt = tokens(1, 11, seed=5)[0].tolist()
-    with torch.no_grad():  # greedy tokens: transformers on the export = Tandem's own decoder, spec and AR
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+    # greedy tokens: transformers on the export = Tandem's own decoder, spec and AR
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert generate(model, [prompt], 10, 0).outputs[0] == theirs
         assert generate(model, [prompt], 10, 2).outputs[0] == theirs
     # ... and the exported directory imports back with its MTP drafter

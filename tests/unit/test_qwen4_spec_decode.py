@@ -1,9 +1,10 @@
-"""Speculative decoding on the hybrid Qwen4-Exp model: after every verify round, every piece of decoder
-state (Gated DeltaNet recurrent and conv states, PLE n-gram context and conv inputs, QSA raw indexer
-keys, attention KV caches, the hidden states handed to the drafter) equals the state of a fresh
-autoregressive pass over the committed tokens, and greedy speculative output equals autoregressive
-decoding exactly (fp32). Rounds with every acceptance count 0..K are forced by feeding the decoder
-drafts taken from the autoregressive continuation with a chosen number of them corrupted."""
+"""Speculative decoding on the hybrid Qwen4-Exp model: after every verify round, every piece of
+decoder state (Gated DeltaNet recurrent and conv states, PLE n-gram context and conv inputs, QSA raw
+indexer keys, attention KV caches, the hidden states handed to the drafter) equals the state of a
+fresh autoregressive pass over the committed tokens, and greedy speculative output equals
+autoregressive decoding exactly (fp32). Rounds with every acceptance count 0..K are forced by
+feeding the decoder drafts taken from the autoregressive continuation with a chosen number of them
+corrupted."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 K = 3
 VOCAB = 64
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27, 28, 29, 30]]  # 1 = EOS
+# 1 = EOS
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 
 
 def qwen4_tiny(seed=0) -> TandemModel:
@@ -27,10 +29,10 @@ def qwen4_tiny(seed=0) -> TandemModel:
 
 
 def test_greedy_speculative_equals_autoregressive():
-    """Greedy speculative output equals autoregressive output, and every round commits 1 + the number
-    of drafts (the argmax of the round's draft logits) that match the greedy continuation, counted
-    without the verifier. (This random drafter's drafts do not match here, so the count says one
-    token per round; the forced rounds below cover every acceptance count.)"""
+    """Greedy speculative output equals autoregressive output, and every round commits 1 + the
+    number of drafts (the argmax of the round's draft logits) that match the greedy continuation,
+    counted without the verifier. (This random drafter's drafts do not match here, so the count says
+    one token per round; the forced rounds below cover every acceptance count.)"""
     model = qwen4_tiny()
     with torch.no_grad():
         greedy_decode_checked(model, PROMPTS, 20, K)
@@ -47,18 +49,25 @@ def _assert_same_state(dec: SpecDecoder, fresh: SpecDecoder, model: TandemModel,
         a, f = dec.trunk_cache.buffers[i], fresh.trunk_cache.buffers[i]
         kind = model.cfg.layer_type(i)
         if kind == "linear_attention":
-            torch.testing.assert_close(_ring_rows(a["gdn_state"], b, [m - 1]), _ring_rows(f["gdn_state"], b, [m - 1]))
+            torch.testing.assert_close(_ring_rows(a["gdn_state"], b, [m - 1]),
+                                       _ring_rows(f["gdn_state"], b, [m - 1]))
             window = [p for p in range(m - model.cfg.linear_conv_kernel + 1, m) if p >= 0]
-            torch.testing.assert_close(_ring_rows(a["gdn_conv"], b, window), _ring_rows(f["gdn_conv"], b, window))
+            torch.testing.assert_close(_ring_rows(a["gdn_conv"], b, window),
+                                       _ring_rows(f["gdn_conv"], b, window))
         if i in model.cfg.ple_layers:
             ctx = [p for p in range(m - model.cfg.ngram_size + 1, m) if p >= 0]
-            assert torch.equal(_ring_rows(a["ple_tokens"], b, ctx), _ring_rows(f["ple_tokens"], b, ctx))
-            conv = [p for p in range(m - (model.cfg.ple_conv_kernel - 1) * model.cfg.ngram_size, m) if p >= 0]
-            torch.testing.assert_close(_ring_rows(a["ple_conv"], b, conv), _ring_rows(f["ple_conv"], b, conv))
+            assert torch.equal(_ring_rows(a["ple_tokens"], b, ctx),
+                               _ring_rows(f["ple_tokens"], b, ctx))
+            conv = [p for p in range(m - (model.cfg.ple_conv_kernel - 1) * model.cfg.ngram_size,
+                                     m) if p >= 0]
+            torch.testing.assert_close(_ring_rows(a["ple_conv"], b, conv),
+                                       _ring_rows(f["ple_conv"], b, conv))
         if kind == "indexed_attention":
             torch.testing.assert_close(a["qsa_index_keys"][b, :m], f["qsa_index_keys"][b, :m])
-            torch.testing.assert_close(dec.trunk_cache.keys[i][b, :, :m], fresh.trunk_cache.keys[i][b, :, :m])
-            torch.testing.assert_close(dec.trunk_cache.values[i][b, :, :m], fresh.trunk_cache.values[i][b, :, :m])
+            torch.testing.assert_close(dec.trunk_cache.keys[i][b, :, :m],
+                                       fresh.trunk_cache.keys[i][b, :, :m])
+            torch.testing.assert_close(dec.trunk_cache.values[i][b, :, :m],
+                                       fresh.trunk_cache.values[i][b, :, :m])
     torch.testing.assert_close(dec.batch.hidden[b, :m], fresh.batch.hidden[b, :m])
 
 
@@ -66,7 +75,8 @@ def test_state_after_each_round_equals_a_fresh_autoregressive_pass():
     model = qwen4_tiny(seed=1)
     B = len(PROMPTS)
     with torch.no_grad():
-        ar = generate(model, PROMPTS, 24, 0).outputs  # the greedy continuation, first token included
+        # the greedy continuation, first token included
+        ar = generate(model, PROMPTS, 24, 0).outputs
         dec = SpecDecoder(model, K, B, 60)
         dec.prefill(PROMPTS)
         lens = torch.tensor([len(p) for p in PROMPTS])
@@ -74,7 +84,8 @@ def test_state_after_each_round_equals_a_fresh_autoregressive_pass():
         seen = set()
         for r in range(7):
             m = dec.m
-            # drafts d_1..d_K for seq[m+1..m+K]: the true continuation with the last `wrong` corrupted
+            # drafts d_1..d_K for seq[m+1..m+K]: the true continuation with the last `wrong`
+            # corrupted
             wrong = torch.tensor([(r + b) % (K + 1) for b in range(B)])
             force = torch.zeros(B, K, dtype=torch.long)
             for b in range(B):
@@ -98,7 +109,8 @@ def test_state_after_each_round_equals_a_fresh_autoregressive_pass():
 
 
 def _training_logits(model, tokens):
-    """Per-depth logits of the training forward: depth 1 records its QSA selection, depths 2..K reuse it."""
+    """Per-depth logits of the training forward: depth 1 records its QSA selection, depths 2..K
+    reuse it."""
     from tandem.models.mtp import shifted_tokens
 
     b, s1 = tokens.shape
@@ -107,40 +119,47 @@ def _training_logits(model, tokens):
     h = model.trunk(tokens[:, :s], pos)
     out, selection = [model.logits(0, h)], None
     for k in range(1, model.num_depths):
-        h, selection = model.mtp_train_step(k, h, shifted_tokens(tokens, k, s), pos, selection=selection)
+        h, selection = model.mtp_train_step(k, h, shifted_tokens(tokens, k, s), pos,
+                                            selection=selection)
         out.append(model.logits(k, h))
     return out
 
 
 @torch.no_grad()
 def test_qsa_index_reuse_drafts_as_trained():
-    """mtp.qsa_reuse_indices: drafting reuses depth 1's selection at the position whose content lines
-    up, through rollbacks of every size, and gives exactly the training forward's logits per depth;
-    reuse really changes depths 2..K (the selection is active), not depth 1."""
+    """mtp.qsa_reuse_indices: drafting reuses depth 1's selection at the position whose content
+    lines up, through rollbacks of every size, and gives exactly the training forward's logits per
+    depth; reuse really changes depths 2..K (the selection is active), not depth 1."""
     model = qwen4_tiny(seed=2)
     assert model.mtp.selection_share is not None
     g = torch.Generator().manual_seed(0)
     S = 40
     tokens = torch.randint(2, VOCAB, (3, S + 1), generator=g)
     train = _training_logits(model, tokens)
-    share, model.mtp.selection_share = model.mtp.selection_share, None  # every depth selects for itself
+    # every depth selects for itself
+    share, model.mtp.selection_share = model.mtp.selection_share, None
     own = _training_logits(model, tokens)
     model.mtp.selection_share = share
     assert torch.equal(train[1], own[1])
     assert all((train[k] - own[k]).abs().max() > 1e-4 for k in range(2, K + 1))
     n0 = [4, 9, 2]
     dec = SpecDecoder(model, K, 3, S + 2 * K + 4, draft_convention="tandem")
-    dec.prefill([tokens[b, : n0[b]].tolist() for b in range(3)], first_tokens=tokens[torch.arange(3), n0])
+    dec.prefill([tokens[b, : n0[b]].tolist() for b in range(3)],
+                first_tokens=tokens[torch.arange(3), n0])
     active = torch.ones(3, dtype=torch.bool)
     checked = 0
     while int(dec.m.max()) + 2 * K + 1 < S:
         m = dec.m
-        drafts, _, logits = dec.draft(force=tokens.gather(1, m.unsqueeze(1) + torch.arange(1, K + 1)), keep_logits=True)
+        drafts, _, logits = dec.draft(force=tokens.gather(1,
+                                                          m.unsqueeze(1) + torch.arange(1, K + 1)),
+                                      keep_logits=True)
         for k in range(1, K + 1):
             for b in range(3):
-                torch.testing.assert_close(logits[k - 1][b], train[k][b, int(m[b]) - 1], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(logits[k - 1][b], train[k][b, int(m[b]) - 1], rtol=1e-5,
+                                           atol=1e-5)
                 checked += 1
         dec.verify(drafts, None)
-        n = torch.randint(0, K + 1, (3,), generator=g)  # accept a random true prefix: rollbacks of every size
+        # accept a random true prefix: rollbacks of every size
+        n = torch.randint(0, K + 1, (3,), generator=g)
         dec.commit(n, tokens.gather(1, (m + n + 1).unsqueeze(1)).squeeze(1), active)
     assert checked > 10 * K

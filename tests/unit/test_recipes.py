@@ -23,7 +23,8 @@ DEVICE_GIB = {"H200": 131}
 SIZES = {"moe_4b": (2e9, 8e9), "qwen38_flash": (1.7e11, 1.9e11)}
 # the keys a recipe's header says its command line gives (paths of the user's checkpoints and data)
 COMMAND_LINE = {
-    "finetune_mtp_selfdistill.yaml": ["model.init_from=runs/tiny", "data.paths=[runs/tiny-gen.jsonl]"],
+    "finetune_mtp_selfdistill.yaml": ["model.init_from=runs/tiny",
+                                      "data.paths=[runs/tiny-gen.jsonl]"],
     "mtp_refresh.yaml": ["model.init_from=runs/trunk_ft", "mtp.init_from=runs/tiny",
                          "data.paths=[runs/trunk_ft-gen.jsonl]"],
 }
@@ -39,16 +40,25 @@ def test_recipe_composes_validates_and_fits(recipe):
     header = text.split("\n\n")[0].split("run:")[0]
     assert text.startswith("#") and "ardware" in header, "header must state the hardware"
     cfg = _load(recipe)
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.ep * max(cfg.parallel.dp, 1)
+    world = (
+        cfg.parallel.tp
+        * cfg.parallel.pp
+        * cfg.parallel.cp
+        * cfg.parallel.ep
+        * max(cfg.parallel.dp, 1)
+    )
     est = estimate(cfg, world)
-    print(f"{os.path.basename(recipe)}: world={world} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp} "
+    print(f"{os.path.basename(recipe)}: world={world} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
+          f"cp={cfg.parallel.cp} "
           f"ep={cfg.parallel.ep}) {est.summary()}")
     assert est.total_params > 0 and est.active_params_per_token <= est.total_params
     if cfg.device in HBM_GIB:
-        low, high = next(size for key, size in SIZES.items() if os.path.basename(recipe).startswith(key))
+        low, high = next(size for key,
+                         size in SIZES.items() if os.path.basename(recipe).startswith(key))
         assert low <= est.total_params <= high
         header = text.split("run:")[0]
-        hbm = next((gib for name, gib in DEVICE_GIB.items() if name in header and cfg.device == "cuda"),
+        hbm = next((gib for name,
+                    gib in DEVICE_GIB.items() if name in header and cfg.device == "cuda"),
                    HBM_GIB[cfg.device])
         assert est.total_gib_per_rank < 0.9 * hbm
 
@@ -64,8 +74,8 @@ def test_parameter_count_is_exact():
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_pipeline_stages_and_ranks_within_1_2x_of_the_mean(recipe):
-    """No pipeline stage, and no pp rank (which runs its stages one after another under the interleaved
-    schedule), carries more than 1.2x the mean training FLOPs (trainer/estimate.py's, as
+    """No pipeline stage, and no pp rank (which runs its stages one after another under the
+    interleaved schedule), carries more than 1.2x the mean training FLOPs (trainer/estimate.py's, as
     bench/pipeline_balance.py prints them), the Qwen3.8-Flash recipes' drafter depths included: with
     mtp.qsa_reuse_indices depth 1's QSA selection travels to the later depths' stages."""
     cfg = _load(recipe)
@@ -76,7 +86,8 @@ def test_pipeline_stages_and_ranks_within_1_2x_of_the_mean(recipe):
     ranks = [sum(flops[s] for s in plan.stages_of(r)) for r in range(plan.pp)]
     stage_ratio = max(flops) / (sum(flops) / len(flops))
     rank_ratio = max(ranks) / (sum(ranks) / len(ranks))
-    print(f"{os.path.basename(recipe)}: max stage x{stage_ratio:.3f}, max pp rank x{rank_ratio:.3f} of the mean")
+    print(f"{os.path.basename(recipe)}: max stage x{stage_ratio:.3f}, max pp rank "
+          f"x{rank_ratio:.3f} of the mean")
     assert stage_ratio <= 1.2
     assert rank_ratio <= 1.2
 
@@ -94,8 +105,8 @@ def _flat(node, prefix=""):
 @pytest.mark.parametrize("gpu, ascend", [("moe_4b_mtp_gpu.yaml", "moe_4b_mtp_ascend.yaml"),
                                          ("qwen38_flash_gpu.yaml", "qwen38_flash_ascend.yaml")])
 def test_ascend_recipe_is_the_gpu_recipe_plus_a_short_override(gpu, ascend):
-    """Each GPU/Ascend pair is one recipe: the Ascend one names the GPU one as its `base:` and sets only
-    what the device changes; everything else resolves identically."""
+    """Each GPU/Ascend pair is one recipe: the Ascend one names the GPU one as its `base:` and sets
+    only what the device changes; everything else resolves identically."""
     raw = OmegaConf.to_container(OmegaConf.load(os.path.join(RECIPE_DIR, ascend)))
     assert raw.pop("base") == gpu
     own = _flat(raw)
@@ -109,19 +120,22 @@ def test_ascend_recipe_is_the_gpu_recipe_plus_a_short_override(gpu, ascend):
 @pytest.mark.parametrize("name", flavors.names())
 def test_every_flavor_validates_and_reads_back_from_its_overrides(name):
     validate_model(flavors.model_config(name), flavors.mtp_config(name))
-    # the `key=value` form parses back to the flavor's values (no data here: a megatron prefix is never read)
-    cfg = load_config(None, ["data.source=megatron", "data.paths=[/nowhere]", "data.seq_len=64", f"flavor={name}"])
+    # the `key=value` form parses back to the flavor's values (no data here: a megatron prefix is
+    # never read)
+    cfg = load_config(None, ["data.source=megatron", "data.paths=[/nowhere]", "data.seq_len=64",
+                             f"flavor={name}"])
     for section, keys in flavors.flavor(name).items():
         for key, value in keys.items():
             assert getattr(getattr(cfg, section), key) == value, (section, key)
-    assert cfg == load_config(None, ["data.source=megatron", "data.paths=[/nowhere]", "data.seq_len=64",
+    assert cfg == load_config(None,
+                              ["data.source=megatron", "data.paths=[/nowhere]", "data.seq_len=64",
                                      *flavors.overrides(name)])
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_recipe_models_are_named_flavors(recipe):
-    """A recipe that trains a model from scratch takes its shape from a named flavor (one home for each
-    shape); fine-tuning recipes take it from model.init_from."""
+    """A recipe that trains a model from scratch takes its shape from a named flavor (one home for
+    each shape); fine-tuning recipes take it from model.init_from."""
     cfg = _load(recipe)
     if cfg.model.init_from or "finetune" in os.path.basename(recipe):
         return

@@ -1,7 +1,7 @@
-"""eval/seed_comparison.py: two settings compared over training seeds and prompts. A hand-computed case
-(no prompt noise: Student's t over 3 seeds), a planted difference found, and equal settings called
-significant in at most 10% of synthetic trials (nominal 5%) when the prompts dominate the noise and when
-the seeds do."""
+"""eval/seed_comparison.py: two settings compared over training seeds and prompts. A hand-computed
+case (no prompt noise: Student's t over 3 seeds), a planted difference found, and equal settings
+called significant in at most 10% of synthetic trials (nominal 5%) when the prompts dominate the
+noise and when the seeds do."""
 
 from __future__ import annotations
 
@@ -24,32 +24,34 @@ def stats_of(accepted_at: torch.Tensor, rounds: int) -> DecodeStats:
 
 
 def uniform(accepted: int, prompts: int = 8, rounds: int = 10) -> DecodeStats:
-    """Every prompt alike: `accepted` drafts accepted at position 1 in `rounds` rounds (no prompt noise)."""
+    """Every prompt alike: `accepted` drafts accepted at position 1 in `rounds` rounds (no prompt
+    noise)."""
     at = torch.zeros(prompts, K, dtype=torch.float64)
     at[:, 0] = accepted
     return stats_of(at, rounds)
 
 
-def population(g: torch.Generator, prompt_effect: torch.Tensor, shift: float, seed_sd: float, noise_sd: float,
-               seeds: int = 3, rounds: int = 16):
+def population(g: torch.Generator, prompt_effect: torch.Tensor, shift: float, seed_sd: float,
+               noise_sd: float, seeds: int = 3, rounds: int = 16):
     """One setting's decodes over `seeds` seeds of a synthetic population: per-draft acceptance
-    sigmoid(0.5 + shift + seed effect + prompt effect + seed x prompt noise), position i accepted with
-    probability q^i in each round. The prompt effect is shared by every seed and both settings (the same
-    prompts)."""
+    sigmoid(0.5 + shift + seed effect + prompt effect + seed x prompt noise), position i accepted
+    with probability q^i in each round. The prompt effect is shared by every seed and both settings
+    (the same prompts)."""
     out = []
     for _ in range(seeds):
         logit = 0.5 + shift + float(torch.randn((), generator=g)) * seed_sd + prompt_effect \
             + torch.randn(prompt_effect.shape, generator=g) * noise_sd
         q = torch.sigmoid(logit).double()
         r = torch.full(prompt_effect.shape, float(rounds), dtype=torch.float64)
-        out.append(stats_of(torch.stack([torch.binomial(r, q ** (i + 1), generator=g) for i in range(K)], 1), rounds))
+        out.append(stats_of(torch.stack([torch.binomial(r, q ** (i + 1), generator=g)
+                                         for i in range(K)], 1), rounds))
     return out
 
 
 def test_hand_computed_seed_interval():
-    """No prompt varies, so the prompt bootstrap has no spread and the interval is Student's over seeds:
-    mean +- t_2 * sd / sqrt(3). A: acceptance length 1.0, 1.5, 2.0 (mean 1.5, sd 0.5); B: 1.1, 1.2, 1.3, so
-    A - B = -0.1, 0.3, 0.7 (mean 0.3, sd 0.4)."""
+    """No prompt varies, so the prompt bootstrap has no spread and the interval is Student's over
+    seeds: mean +- t_2 * sd / sqrt(3). A: acceptance length 1.0, 1.5, 2.0 (mean 1.5, sd 0.5); B:
+    1.1, 1.2, 1.3, so A - B = -0.1, 0.3, 0.7 (mean 0.3, sd 0.4)."""
     a = [uniform(0), uniform(5), uniform(10)]
     b = [uniform(1), uniform(2), uniform(3)]
     c = compare_over_seeds(a, b, resamples=200)["acceptance_length"]
@@ -60,12 +62,18 @@ def test_hand_computed_seed_interval():
     assert c.mean_a.value == pytest.approx(1.5) and c.mean_b.value == pytest.approx(1.2)
     assert c.mean_a.hi - c.mean_a.value == pytest.approx(t2 * 0.5 / math.sqrt(3))
     assert c.diff.value == pytest.approx(0.3)
-    assert (c.diff.lo, c.diff.hi) == pytest.approx((0.3 - t2 * 0.4 / math.sqrt(3), 0.3 + t2 * 0.4 / math.sqrt(3)))
+    assert (c.diff.lo, c.diff.hi) == pytest.approx((0.3 - t2 * 0.4 / math.sqrt(3),
+                                                    0.3 + t2 * 0.4 / math.sqrt(3)))
     assert c.df == pytest.approx(2.0) and not c.significant  # 0.3 +- 0.99 spans 0
     # A seed-constant gap is certain: the paired differences do not vary
-    same = compare_over_seeds([uniform(6), uniform(7), uniform(8)], [uniform(2), uniform(3), uniform(4)],
+    same = compare_over_seeds([uniform(6), uniform(7), uniform(8)],
+                              [uniform(2), uniform(3), uniform(4)],
                               resamples=200)["acceptance_length"]
-    assert same.diff.value == pytest.approx(0.4) and same.diff.lo == pytest.approx(0.4) and same.significant
+    assert (
+        same.diff.value == pytest.approx(0.4)
+        and same.diff.lo == pytest.approx(0.4)
+        and same.significant
+    )
     assert "significant=yes" in same.report("x", "y")[-1]
 
 
@@ -77,11 +85,13 @@ def test_per_seed_rows_are_the_evaluators_figures():
     for key in ("acceptance_length", "draft_acceptance_rate", "accept_rate/pos_3"):
         for stats, row in zip(a, c[key].seeds_a):
             m = acceptance_metrics(stats)
-            assert (row.value, row.lo, row.hi) == pytest.approx((m[key], m[f"{key}_lo95"], m[f"{key}_hi95"]))
+            assert (row.value, row.lo,
+                    row.hi) == pytest.approx((m[key], m[f"{key}_lo95"], m[f"{key}_hi95"]))
         assert c[key].mean_a.value == pytest.approx(sum(acceptance_metrics(s)[key] for s in a) / 3)
 
 
-@pytest.mark.parametrize("seed_sd,noise_sd", [(0.1, 0.3), (0.5, 0.05)], ids=["prompts-dominate", "seeds-dominate"])
+@pytest.mark.parametrize("seed_sd,noise_sd", [(0.1, 0.3), (0.5, 0.05)],
+                         ids=["prompts-dominate", "seeds-dominate"])
 def test_equal_settings_rarely_significant(seed_sd, noise_sd):
     g = torch.Generator().manual_seed(0)
     trials, hits = 60, 0
@@ -93,8 +103,8 @@ def test_equal_settings_rarely_significant(seed_sd, noise_sd):
 
 
 def test_planted_difference_found():
-    """A drafts with a per-draft logit 1.0 higher (about +0.7 acceptance length): significant in at least
-    90% of trials, and the difference's interval holds the population's gap."""
+    """A drafts with a per-draft logit 1.0 higher (about +0.7 acceptance length): significant in at
+    least 90% of trials, and the difference's interval holds the population's gap."""
     g = torch.Generator().manual_seed(0)
     trials, hits = 30, 0
     for _ in range(trials):
@@ -108,9 +118,14 @@ def test_planted_difference_found():
 def test_one_seed_is_over_prompts_only_and_mismatches_fail():
     g = torch.Generator().manual_seed(2)
     pe = torch.randn(16, generator=g) * 0.5
-    c = compare_over_seeds(population(g, pe, 0.0, 0.1, 0.3, seeds=1), population(g, pe, 0.0, 0.1, 0.3, seeds=1),
+    c = compare_over_seeds(population(g, pe, 0.0, 0.1, 0.3, seeds=1),
+                           population(g, pe, 0.0, 0.1, 0.3, seeds=1),
                            resamples=200)["acceptance_length"]
-    assert c.df > 2 and c.diff.lo < c.diff.value < c.diff.hi and "over prompts only" in c.report("a", "b")[0]
+    assert (
+        c.df > 2
+        and c.diff.lo < c.diff.value < c.diff.hi
+        and "over prompts only" in c.report("a", "b")[0]
+    )
     with pytest.raises(ValueError, match="same seeds"):
         compare_over_seeds([uniform(1)], [uniform(1), uniform(2)])
     with pytest.raises(ValueError, match="same prompts"):

@@ -1,4 +1,5 @@
-"""Meta-device construction and the layout-independent seeded init (trainer/seeded_init.py, trainer/materialize.py)."""
+"""Meta-device construction and the layout-independent seeded init (trainer/seeded_init.py,
+trainer/materialize.py)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,24 @@ from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model
 from tests.conftest import DEBUG_MODEL
 
-SHAPE = DEBUG_MODEL + ["model.num_heads=4", "model.num_kv_heads=2", "model.moe_intermediate_size=16", "mtp.num_steps=2",
+SHAPE = DEBUG_MODEL + ["model.num_heads=4", "model.num_kv_heads=2",
+                       "model.moe_intermediate_size=16", "mtp.num_steps=2",
                        "data.vocab_size=512", "data.seq_len=32", "device=cpu"]
 
 
-@pytest.mark.parametrize("index", [(slice(0, 10), slice(0, 7)), (slice(3, 9), slice(2, 7)), (slice(7, 10), slice(0, 7)),
-                                   (slice(0, 0), slice(0, 7))])
+@pytest.mark.parametrize("index", [(slice(0, 10), slice(0, 7)), (slice(3, 9), slice(2, 7)),
+                                   (slice(7, 10), slice(0, 7)), (slice(0, 0), slice(0, 7))])
 def test_any_slice_equals_that_slice_of_the_whole(monkeypatch, index):
-    monkeypatch.setattr(seeded_init, "INIT_BLOCK_ELEMS", 14)  # blocks of 2 rows: slices cross block edges
+    # blocks of 2 rows: slices cross block edges
+    monkeypatch.setattr(seeded_init, "INIT_BLOCK_ELEMS", 14)
     rule = ("normal", 0.5)
     whole = seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=3)
     part = seeded_init.seeded_slice("w", (10, 7), index, rule, seed=3)
     assert torch.equal(part, whole[index])
     assert abs(float(whole.std()) - 0.5) < 0.15
-    assert not torch.equal(whole, seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=4))
+    assert not torch.equal(whole,
+                           seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule,
+                                                    seed=4))
 
 
 def test_one_process_build_is_seeded_tied_and_initialised_by_rule():
@@ -51,16 +56,19 @@ def test_frozen_trunk_is_kept_in_the_compute_dtype():
     model = build_model(cfg, ParallelState(device=resolve_device("cpu")))
     for name, p in model.named_parameters():
         trains = name.startswith("mtp.")
-        assert p.requires_grad == trains and p.dtype == (torch.float32 if trains else torch.bfloat16), name
+        assert p.requires_grad == trains and p.dtype == (torch.float32 if trains
+                                                         else torch.bfloat16), name
     cfg = load_config(None, SHAPE + ["train.freeze_trunk=true", "train.dtype=fp32"])
-    assert all(p.dtype == torch.float32 for p in build_model(cfg,
-                                                             ParallelState(device=resolve_device("cpu"))).parameters())
+    assert all(
+        p.dtype == torch.float32
+        for p in build_model(cfg, ParallelState(device=resolve_device("cpu"))).parameters()
+    )
 
 
 def test_each_module_declares_how_its_parameters_start():
-    """The rule of a parameter comes from the closest module holding it (`param_init`), hand-checked on
-    Qwen4-Exp's debug flavor: 4 trunk layers + 1 MTP layer, so residual projections start at
-    0.02 / sqrt(2 * 5)."""
+    """The rule of a parameter comes from the closest module holding it (`param_init`), hand-checked
+    on Qwen4-Exp's debug flavor: 4 trunk layers + 1 MTP layer, so residual projections start at 0.02
+    / sqrt(2 * 5)."""
     import math
 
     from tandem.models import flavors
@@ -68,22 +76,27 @@ def test_each_module_declares_how_its_parameters_start():
 
     with torch.device("meta"):
         model = TandemModel(flavors.model_config("debug_qwen4"), flavors.mtp_config("debug_qwen4"))
-        plain = TandemModel(flavors.model_config("debug", attention_bias=True), flavors.mtp_config("debug"))
-    assert plain.init_rule("layers.0.self_attn.q_proj.bias") == ("zeros", 0.0)  # a bias no module names
+        plain = TandemModel(flavors.model_config("debug", attention_bias=True),
+                            flavors.mtp_config("debug"))
+    # a bias no module names
+    assert plain.init_rule("layers.0.self_attn.q_proj.bias") == ("zeros", 0.0)
     cfg = model.cfg
     assert (cfg.num_layers, model.mtp_cfg.num_layers, cfg.init_std) == (4, 1, 0.02)
     residual = ("normal", 0.02 / math.sqrt(10))
     names = dict(model.named_parameters())
     gdn = next(n.split(".")[1] for n in names if n.endswith("linear_attn.A_log"))
-    qsa = next(n.split(".")[1] for n in names if n.startswith("layers.") and n.endswith("self_attn.o_proj.weight"))
+    qsa = next(n.split(".")[1] for n in names if n.startswith("layers.")
+               and n.endswith("self_attn.o_proj.weight"))
     expected = {
         f"layers.{gdn}.linear_attn.A_log": ("a_log", 0.0),          # GatedDeltaNet
         f"layers.{gdn}.linear_attn.dt_bias": ("ones", 0.0),         # GatedDeltaNet, not "a bias"
         f"layers.{gdn}.linear_attn.out_proj.weight": residual,      # GatedDeltaNet
-        f"layers.{gdn}.linear_attn.norm.weight": ("ones", 0.0),     # GatedRMSNorm (not zero-centred)
+        # GatedRMSNorm (not zero-centred)
+        f"layers.{gdn}.linear_attn.norm.weight": ("ones", 0.0),
         f"layers.{gdn}.linear_attn.in_proj_qkv.weight": ("normal", 0.02),
         f"layers.{qsa}.self_attn.o_proj.weight": residual,          # IndexedAttention
-        f"layers.{gdn}.attn_hyper_connection.hc_norm.weight": ("zeros", 0.0),  # RMSNorm, zero-centred
+        # RMSNorm, zero-centred
+        f"layers.{gdn}.attn_hyper_connection.hc_norm.weight": ("zeros", 0.0),
         f"layers.{gdn}.mlp.experts.down_proj": residual,            # GroupedExperts
         f"layers.{gdn}.mlp.shared_experts.down_proj.weight": residual,  # SwiGLU
         "mtp.layers.0.block.self_attn.o_proj.weight": residual,

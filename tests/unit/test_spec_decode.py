@@ -1,6 +1,6 @@
-"""Speculative decoding: greedy identity with AR, acceptance counted independently of verification, draft
-logits = training logits, KV rollback, budget-exact counting. (Sampled decoding's distribution, both
-verification rules: tests/unit/test_block_verify.py.)"""
+"""Speculative decoding: greedy identity with AR, acceptance counted independently of verification,
+draft logits = training logits, KV rollback, budget-exact counting. (Sampled decoding's
+distribution, both verification rules: tests/unit/test_block_verify.py.)"""
 
 import pytest
 import torch
@@ -17,14 +17,16 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 3], [40, 41,
 
 
 def greedy_decode_checked(model, prompts, max_new_tokens, K, **kw):
-    """generate(model, prompts, max_new_tokens, K) at temperature 0, checked round by round against a
-    count made without the verifier: the drafts are the argmax of each round's draft logits (recorded
-    from SpecDecoder.draft), the reference is greedy autoregressive decoding, and a round must commit
-    1 + L tokens, L = the length of the longest prefix of the drafts that matches the greedy
-    continuation. The decode's outputs must be the greedy ones, and its counters (rounds, accepted
-    budget-exact and all, per position, acceptance length) the sums of that count. Returns the result."""
+    """generate(model, prompts, max_new_tokens, K) at temperature 0, checked round by round against
+    a count made without the verifier: the drafts are the argmax of each round's draft logits
+    (recorded from SpecDecoder.draft), the reference is greedy autoregressive decoding, and a round
+    must commit 1 + L tokens, L = the length of the longest prefix of the drafts that matches the
+    greedy continuation. The decode's outputs must be the greedy ones, and its counters (rounds,
+    accepted budget-exact and all, per position, acceptance length) the sums of that count. Returns
+    the result."""
     lens = [len(p) for p in prompts]
-    ref = generate(model, prompts, max_new_tokens + K + 1, 0, **kw).outputs  # drafts may run past the budget
+    # drafts may run past the budget
+    ref = generate(model, prompts, max_new_tokens + K + 1, 0, **kw).outputs
     rounds = []  # (m [B] before the round, drafts [B,K] from the draft logits)
     draft = SpecDecoder.draft
 
@@ -47,7 +49,8 @@ def greedy_decode_checked(model, prompts, max_new_tokens, K, **kw):
         for b in range(B):
             done = int(m[b]) - lens[b] + 1  # tokens output so far (seq[lens[b] .. m])
             if done >= max_new_tokens:
-                assert r + 1 == len(rounds) or int(rounds[r + 1][0][b]) == int(m[b])  # finished rows stay put
+                # finished rows stay put
+                assert r + 1 == len(rounds) or int(rounds[r + 1][0][b]) == int(m[b])
                 continue
             cont = ref[b][done : done + K]  # greedy tokens after seq[m]
             L = 0
@@ -61,10 +64,15 @@ def greedy_decode_checked(model, prompts, max_new_tokens, K, **kw):
             acc_all[b] += L
             acc_at[b, : emitted - 1] += 1
     st = res.stats
-    assert st.rounds.tolist() == n_rounds and st.accepted.tolist() == acc and st.accepted_all.tolist() == acc_all
+    assert (
+        st.rounds.tolist() == n_rounds
+        and st.accepted.tolist() == acc
+        and st.accepted_all.tolist() == acc_all
+    )
     assert torch.equal(st.accepted_at, acc_at)
     assert res.decoded_tokens == sum(acc) + sum(n_rounds)
-    assert acceptance_metrics(st)["acceptance_length"] == pytest.approx(1 + sum(acc) / sum(n_rounds))
+    assert acceptance_metrics(st)["acceptance_length"] == pytest.approx(1 + sum(acc)
+                                                                        / sum(n_rounds))
     return res
 
 
@@ -84,16 +92,19 @@ def test_greedy_spec_equals_ar(K, L, noise):
 
 
 def test_independent_count_rejects_a_verifier_that_accepts_one_draft_too_few(monkeypatch):
-    """A verifier that keeps one matching draft fewer than it may (and takes the greedy token after the
-    shorter prefix) still reproduces greedy output exactly: only the round-by-round count sees it."""
+    """A verifier that keeps one matching draft fewer than it may (and takes the greedy token after
+    the shorter prefix) still reproduces greedy output exactly: only the round-by-round count sees
+    it."""
     verify = SpecDecoder.verify
 
     def short(self, drafts, q):
         n, _ = verify(self, drafts, q)
         n = (n - 1).clamp(min=0)
         b = self.batch
-        pos = b.m.unsqueeze(1) + b.arange[: self.K + 1].unsqueeze(0)  # the verify forward's hidden states
-        a = self.model.logits(0, b.hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, b.H))).argmax(-1)
+        # the verify forward's hidden states
+        pos = b.m.unsqueeze(1) + b.arange[: self.K + 1].unsqueeze(0)
+        a = self.model.logits(0,
+                              b.hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, b.H))).argmax(-1)
         return n, a.gather(1, n.unsqueeze(1)).squeeze(1)
 
     model = make_agreeing(tiny_model(3, 1, seed=7, dtype=torch.float64), 0.0)
@@ -104,9 +115,10 @@ def test_independent_count_rejects_a_verifier_that_accepts_one_draft_too_few(mon
 
 
 def test_greedy_spec_equals_ar_under_bf16_autocast():
-    """The in-loop evaluator decodes under the training precision: with bf16 autocast the decoder's fp32
-    hidden stores take bf16 layer outputs (a dtype mismatch once failed the first draft), and greedy
-    speculative output still equals greedy autoregressive output computed under the same autocast."""
+    """The in-loop evaluator decodes under the training precision: with bf16 autocast the decoder's
+    fp32 hidden stores take bf16 layer outputs (a dtype mismatch once failed the first draft), and
+    greedy speculative output still equals greedy autoregressive output computed under the same
+    autocast."""
     model = make_agreeing(tiny_model(3, 1, seed=5), 0.05, seed=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ar = generate(model, PROMPTS, 16, 0)
@@ -161,7 +173,8 @@ def test_draft_logits_equal_training_logits(K, L, style):
     train_logits = _training_logits(model, tokens)
     n0 = [4, 7, 2]
     dec = SpecDecoder(model, K, 3, S + 2 * K + 4, draft_convention="tandem")  # drafting as trained
-    dec.prefill([tokens[b, : n0[b]].tolist() for b in range(3)], first_tokens=tokens[torch.arange(3), n0])
+    dec.prefill([tokens[b, : n0[b]].tolist() for b in range(3)],
+                first_tokens=tokens[torch.arange(3), n0])
     active = torch.ones(3, dtype=torch.bool)
     checked = 0
     while int(dec.m.max()) + 2 * K + 1 < S:
@@ -184,7 +197,8 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
     K = 3
     model = make_agreeing(tiny_model(K, 2, dtype=torch.float64, seed=2), 0.05, seed=1)
     prompts = PROMPTS[:3]
-    dec = SpecDecoder(model, K, 3, 80, draft_convention="tandem")  # per-depth caches and hidden stores
+    # per-depth caches and hidden stores
+    dec = SpecDecoder(model, K, 3, 80, draft_convention="tandem")
     dec.prefill(prompts)
     active = torch.ones(3, dtype=torch.bool)
     total_acc, partial = 0, False
@@ -198,14 +212,17 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
     dec.draft()  # catch every depth up on the committed tokens
     m = dec.m
     fresh = SpecDecoder(model, K, 3, 80, draft_convention="tandem")
-    fresh.prefill([dec.seq[b, : int(m[b])].tolist() for b in range(3)], first_tokens=dec.seq[torch.arange(3), m])
+    fresh.prefill([dec.seq[b, : int(m[b])].tolist() for b in range(3)],
+                  first_tokens=dec.seq[torch.arange(3), m])
     fresh.draft()
     for b in range(3):
         mb = int(m[b])
         for layer in range(model.cfg.num_layers):
-            torch.testing.assert_close(dec.trunk_cache.keys[layer][b, :, :mb], fresh.trunk_cache.keys[layer][b, :, :mb])
-            torch.testing.assert_close(dec.trunk_cache.values[layer][b, :, :mb], fresh.trunk_cache.values[layer][b, :,
-                                                                                                                 :mb])
+            torch.testing.assert_close(dec.trunk_cache.keys[layer][b, :, :mb],
+                                       fresh.trunk_cache.keys[layer][b, :, :mb])
+            torch.testing.assert_close(
+                dec.trunk_cache.values[layer][b, :, :mb], fresh.trunk_cache.values[layer][b, :, :mb]
+            )
         torch.testing.assert_close(dec.batch.hidden[b, :mb], fresh.batch.hidden[b, :mb])
         for k in range(1, K + 1):
             v = mb - k + 1
@@ -213,19 +230,24 @@ def test_rollback_cache_equals_cache_of_accepted_prefix():
             torch.testing.assert_close(c.cache.keys[0][b, :, :v], f.cache.keys[0][b, :, :v])
             torch.testing.assert_close(c.cache.values[0][b, :, :v], f.cache.values[0][b, :, :v])
             if k < K:
-                torch.testing.assert_close(dec.drafter.hidden[k][b, :v], fresh.drafter.hidden[k][b, :v])
-    assert torch.equal(dec.seq[torch.arange(3), m + 1], fresh.seq[torch.arange(3), m + 1])  # same drafts
+                torch.testing.assert_close(dec.drafter.hidden[k][b, :v],
+                                           fresh.drafter.hidden[k][b, :v])
+    # same drafts
+    assert torch.equal(dec.seq[torch.arange(3), m + 1], fresh.seq[torch.arange(3), m + 1])
 
 
 def test_budget_exact_counting_hand_computed():
     """Drafts always agree (K=3): prefill emits 1 token, round 1 emits 4 (3 accepted). Round 2 has
     room for max_new_tokens - 5 tokens: with 6 it emits 1 (0 accepted, not the 3 committed), with 7
-    it emits 2 (1 accepted). An EOS as the 3rd output token ends round 1 after 2 emitted (1 accepted)."""
+    it emits 2 (1 accepted). An EOS as the 3rd output token ends round 1 after 2 emitted (1
+    accepted)."""
     model = make_agreeing(tiny_model(3, 1, dtype=torch.float64), 0.0)
     prompt = [PROMPTS[0]]
-    for budget, accepted, pos in [(6, 3, [1.0 / 2, 1.0 / 2, 1.0 / 2]), (7, 4, [1.0, 1.0 / 2, 1.0 / 2])]:
+    for budget, accepted, pos in [(6, 3, [1.0 / 2, 1.0 / 2, 1.0 / 2]),
+                                  (7, 4, [1.0, 1.0 / 2, 1.0 / 2])]:
         res = generate(model, prompt, budget, 3)
-        assert res.outputs == generate(model, prompt, budget, 0).outputs and len(res.outputs[0]) == budget
+        assert res.outputs == generate(model, prompt, budget,
+                                       0).outputs and len(res.outputs[0]) == budget
         assert int(res.stats.rounds[0]) == 2 and int(res.stats.accepted[0]) == accepted
         m = acceptance_metrics(res.stats)
         assert m["acceptance_length"] == 1 + accepted / 2 == res.decoded_tokens / 2

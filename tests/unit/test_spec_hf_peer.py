@@ -2,8 +2,9 @@
 
 A tiny GLM-4.5-MoE model is created by transformers itself (random init of `Glm4MoeForCausalLM`) and
 given random MTP weights at `model.layers.{num_hidden_layers}.*`, saved in HF layout, imported with
-`tandem.trainer.hf.importer.load_hf_model`, and decoded greedily by this project's speculative decoder:
-the tokens must equal transformers' plain greedy `generate` and its `generate(use_mtp=True)`.
+`tandem.trainer.hf.importer.load_hf_model`, and decoded greedily by this project's speculative
+decoder: the tokens must equal transformers' plain greedy `generate` and its
+`generate(use_mtp=True)`.
 """
 
 import json
@@ -14,7 +15,8 @@ import torch
 T = pytest.importorskip("transformers")
 hf_import = pytest.importorskip("tandem.trainer.hf.importer",
                                 reason="needs the GLM-4.5 HF import (trainer/hf/importer.py)")
-hf_export = pytest.importorskip("tandem.trainer.hf.export", reason="used only to learn the HF names of MTP weights")
+hf_export = pytest.importorskip("tandem.trainer.hf.export",
+                                reason="used only to learn the HF names of MTP weights")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -29,7 +31,8 @@ def _setup(monkeypatch):
     from transformers.models.glm4_moe import modeling_glm4_moe as G
 
     # transformers finds MTP layers through this pattern (layers 46/92 of the released models).
-    monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.2.*"])
+    monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.2.*"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -38,11 +41,13 @@ def _setup(monkeypatch):
 
 def _mtp_names(tmp_path):
     """HF names and shapes of one GLM MTP layer (from an export of a same-shaped Tandem model)."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1,
-                      partial_rotary_factor=0.5, max_seq_len=128)
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48,
+                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1,
+                      first_k_dense=1, partial_rotary_factor=0.5, max_seq_len=128)
     out = tmp_path / "shape"
-    hf_export.export_hf(TandemModel(cfg, MTPConfig(num_steps=1, num_layers=1, trunk_input="final_norm")), str(out))
+    hf_export.export_hf(TandemModel(cfg, MTPConfig(num_steps=1, num_layers=1,
+                                                   trunk_input="final_norm")), str(out))
     tensors = {}
     for f in out.glob("*.safetensors"):
         tensors.update(load_file(str(f)))
@@ -62,7 +67,8 @@ def test_spec_decoder_matches_transformers_generate_use_mtp(tmp_path):
     out = tmp_path / "glm"
     hf.save_pretrained(str(out))
     g = torch.Generator().manual_seed(1)
-    extra = {k: (torch.rand(s, generator=g) + 0.5) if len(s) == 1 else 0.2 * torch.randn(s, generator=g)
+    extra = {k: (torch.rand(s, generator=g) + 0.5) if len(s) == 1
+             else 0.2 * torch.randn(s, generator=g)
              for k, s in mtp_shapes.items()}
     files = sorted(out.glob("*.safetensors"))
     assert len(files) == 1
@@ -78,7 +84,8 @@ def test_spec_decoder_matches_transformers_generate_use_mtp(tmp_path):
     model.eval()
     assert model.mtp is not None
     # the import took the MTP weights written above (not a fresh init)
-    torch.testing.assert_close(model.mtp.layers[0].eh_proj.weight, extra["model.layers.2.eh_proj.weight"])
+    torch.testing.assert_close(model.mtp.layers[0].eh_proj.weight,
+                               extra["model.layers.2.eh_proj.weight"])
     prompts = [torch.randint(0, V, (1, n), generator=g) for n in (8, 5)]
     for prompt in prompts:
         plain = hf.generate(prompt, max_new_tokens=20, do_sample=False)

@@ -16,9 +16,10 @@ from tandem.trainer.recipe import load_config, to_yaml
 
 SHAPE = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2",
-         "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4", "model.first_k_dense=1",
-         "model.num_shared_experts=1", "mtp.num_steps=2", "mtp.num_layers=1", "mtp.trunk_input=final_norm",
-         "data.vocab_size=512", "data.seq_len=32"]
+         "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4",
+         "model.first_k_dense=1",
+         "model.num_shared_experts=1", "mtp.num_steps=2", "mtp.num_layers=1",
+         "mtp.trunk_input=final_norm", "data.vocab_size=512", "data.seq_len=32"]
 
 
 def _read(out):
@@ -41,7 +42,8 @@ def test_streamed_export_equals_in_memory_export(tmp_path, dtype, shard_mb):
             if name.endswith("e_score_correction_bias"):
                 b.normal_()
     save_checkpoint(str(tmp_path / "run"), 1, model, None, to_yaml(cfg), {})
-    args = ["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "streamed"), "--family", "glm4_moe"]
+    args = ["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "streamed"), "--family",
+            "glm4_moe"]
     assert export_main(args + (["--max-shard-mb", str(shard_mb)] if shard_mb else [])) == 0
     loaded, _ = load_model_from_checkpoint(str(tmp_path / "run"))
     export_hf(loaded.to(dtype), str(tmp_path / "memory"), "glm4_moe")

@@ -1,6 +1,7 @@
 """Tensor parallelism for Qwen4-Exp's layers, the parts checkable in one process: the layout checks
-(one line naming the key, before any work) and the Gated DeltaNet row order the TP shards rely on and
-the Hugging Face interop undoes. Equivalence to one process is tests/distributed/test_qwen4_layouts.py."""
+(one line naming the key, before any work) and the Gated DeltaNet row order the TP shards rely on
+and the Hugging Face interop undoes. Equivalence to one process is
+tests/distributed/test_qwen4_layouts.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config
 from tests.distributed import worker
 
-Q4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
-      "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4", "model.head_dim=8",
-      "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
-      "model.vocab_size=4096", "data.seq_len=64"]
+Q4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8",
+      "model.zero_centered_norm=true",
+      "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2", "model.num_experts=4",
+      "model.head_dim=8",
+      "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2",
+      "model.linear_num_value_heads=4", "model.vocab_size=4096", "data.seq_len=64"]
 
 
 def cfg(*overrides):
@@ -26,10 +29,12 @@ def cfg(*overrides):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["model.linear_num_key_heads=1", "model.linear_num_value_heads=4"],
-     "model.linear_num_key_heads=1 is not divisible by parallel.tp=2 (Gated DeltaNet heads are split over tp)"),
-    (["model.shared_expert_intermediate_size=18", "parallel.tp=4", "model.num_heads=8", "model.num_kv_heads=4",
-      "model.linear_num_key_heads=4", "model.linear_num_value_heads=8"],
-     "model.shared_expert_intermediate_size=18 (the shared expert's width) is not divisible by parallel.tp=4"),
+     "model.linear_num_key_heads=1 is not divisible by parallel.tp=2 (Gated DeltaNet heads are "
+     "split over tp)"),
+    (["model.shared_expert_intermediate_size=18", "parallel.tp=4", "model.num_heads=8",
+      "model.num_kv_heads=4", "model.linear_num_key_heads=4", "model.linear_num_value_heads=8"],
+     "model.shared_expert_intermediate_size=18 (the shared expert's width) is not divisible by "
+     "parallel.tp=4"),
     (["model.num_kv_heads=1"], "model.num_kv_heads=1 is not divisible by parallel.tp=2"),
 ])
 def test_head_counts_not_divisible_by_tp_are_one_line_errors(overrides, needle):
@@ -41,7 +46,8 @@ def test_head_counts_not_divisible_by_tp_are_one_line_errors(overrides, needle):
 
 def test_qwen4_tp_layouts_validate():
     assert validate_layout(cfg("parallel.tp=2", "parallel.sequence_parallel=true"), 2) == 1
-    assert validate_layout(cfg("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"), 4) == 1
+    assert validate_layout(cfg("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"),
+                           4) == 1
 
 
 def test_group_order_makes_tp_shards_whole_groups_and_round_trips():
@@ -51,10 +57,13 @@ def test_group_order_makes_tp_shards_whole_groups_and_round_trips():
     theirs = torch.arange(2 * key_dim + value_dim)  # each row labelled by its transformers index
     ours = theirs[rows]
     per_rank = ours.numel() // tp
-    for r in range(tp):  # a plain Shard(0) block is [q_g | k_g | v_g] for this rank's groups, in order
+    # a plain Shard(0) block is [q_g | k_g | v_g] for this rank's groups, in order
+    for r in range(tp):
         groups = range(r * hk // tp, (r + 1) * hk // tp)
-        want = torch.cat([torch.cat([torch.arange(g * dk, (g + 1) * dk), key_dim + torch.arange(g * dk, (g + 1) * dk),
-                                     2 * key_dim + torch.arange(g * 2 * dv, (g + 1) * 2 * dv)]) for g in groups])
+        want = torch.cat([torch.cat([torch.arange(g * dk, (g + 1) * dk),
+                                     key_dim + torch.arange(g * dk, (g + 1) * dk),
+                                     2 * key_dim + torch.arange(g * 2 * dv, (g + 1) * 2 * dv)])
+                          for g in groups])
         assert torch.equal(ours[r * per_rank:(r + 1) * per_rank], want)
     src = Src(["w"], qkv_groups=(hk, hv, dk, dv))
     w = torch.randn(theirs.numel(), 7)
@@ -62,7 +71,7 @@ def test_group_order_makes_tp_shards_whole_groups_and_round_trips():
     assert torch.equal(src.to_checkpoint_rows(src.to_model_rows(w)), w)
 
 
-# --- two tp ranks select alike (2 processes on gloo) -------------------------------------------------
+# --- two tp ranks select alike (2 processes on gloo) ----------------------------------------------
 TP_LAYOUTS = ["tp=2,preset.qwen4=1", "tp=2,sequence_parallel=true,preset.qwen4=1"]
 
 
@@ -84,7 +93,8 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
         model = build_model(cfg, pstate)
         tr = TrainStep(cfg, model, pstate)
         model.train()
-        tr.indexers.begin_step(cfg.model.indexer_warmup_steps)  # the sparse stage: selection and its KL
+        # the sparse stage: selection and its KL
+        tr.indexers.begin_step(cfg.model.indexer_warmup_steps)
         chosen = []
 
         def recording(self, scores_bsn, query_at_bs, *layout):
@@ -95,12 +105,14 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
         IndexedAttention._select = recording
         try:
             batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, 1)
-            tr.forward_backward(batches, tr.global_target_counts(batches), depth_coefficients(cfg.mtp, 1))
+            tr.forward_backward(batches, tr.global_target_counts(batches),
+                                depth_coefficients(cfg.mtp, 1))
         finally:
             IndexedAttention._select = select
         tr.clip_gradients()  # finishes the gradients (tp sums) as a training step does
         mine = [torch.cat(chosen).double(),
-                torch.cat([p.grad.flatten() for n, p in model.named_parameters() if ".indexer." in n]).double()]
+                torch.cat([p.grad.flatten() for n,
+                           p in model.named_parameters() if ".indexer." in n]).double()]
         same = []
         for t in mine:
             copies = [torch.empty_like(t) for _ in range(world)]
@@ -117,22 +129,24 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp_ranks_select_the_same_qsa_positions(tmp_path):
-    """The replicated indexer reads the whole input on every rank: both tp ranks select the same blocks in
-    every QSA layer (trunk and MTP), and the indexers' finished gradients are bitwise equal."""
+    """The replicated indexer reads the whole input on every rank: both tp ranks select the same
+    blocks in every QSA layer (trunk and MTP), and the indexers' finished gradients are bitwise
+    equal."""
     out = str(tmp_path / "result.pt")
     worker.spawn_ranks(_select_alike_rank, 2, out)
     result = torch.load(out, weights_only=False)
     for layout in TP_LAYOUTS:
         r = result[layout]
-        assert r["layers"] >= 3 and r["selected"] > 0, (layout, r)  # trunk QSA layers 1, 3 and the MTP's
+        # trunk QSA layers 1, 3 and the MTP's
+        assert r["layers"] >= 3 and r["selected"] > 0, (layout, r)
         assert r["selections_equal"] and r["indexer_grads_equal"], (layout, r)
 
 
 def test_sharded_ngram_table_in_one_process_equals_the_plain_lookup():
-    """The PLE table sharded over a (one-rank) stage group: the owner sort, the all-to-alls and their
-    inverse give the plain embedding's rows, and the backward adds the rows' gradients into `.grad` in
-    place, accumulating over micro-batches like autograd's dense gradient. The multi-rank lookups are
-    tests/distributed/test_qwen4_layouts.py's."""
+    """The PLE table sharded over a (one-rank) stage group: the owner sort, the all-to-alls and
+    their inverse give the plain embedding's rows, and the backward adds the rows' gradients into
+    `.grad` in place, accumulating over micro-batches like autograd's dense gradient. The multi-rank
+    lookups are tests/distributed/test_qwen4_layouts.py's."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh

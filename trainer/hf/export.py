@@ -6,12 +6,12 @@ layers as the family's MTP layout (GLM-4.5: `model.layers.{N + j}.*`; Qwen3 fami
 `mtp.*`); experts are written per expert, as transformers' save_pretrained writes them.
 
 One path for both inputs. Every tensor has a source: its shape and dtype, and a function that reads
-it (one `dcp.load` of that tensor alone from a checkpoint, a slice of the `model.init_from` reference
-for a frozen trunk, or a model parameter, gathered when it is a DTensor). Shapes and dtypes fix the
-safetensors headers before any data is read, so each file is written header first and then tensor by
-tensor, read, converted to the family's layout and dropped: the process never holds the model. The
-output is assembled in a temporary sibling directory and renamed into place, so OUT is absent, the
-old export (without `overwrite`) or the whole new one.
+it (one `dcp.load` of that tensor alone from a checkpoint, a slice of the `model.init_from`
+reference for a frozen trunk, or a model parameter, gathered when it is a DTensor). Shapes and
+dtypes fix the safetensors headers before any data is read, so each file is written header first and
+then tensor by tensor, read, converted to the family's layout and dropped: the process never holds
+the model. The output is assembled in a temporary sibling directory and renamed into place, so OUT
+is absent, the old export (without `overwrite`) or the whole new one.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 class _Source(NamedTuple):
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    """The dtype written (the checkpoint's, the parameter's; fp32 for a norm stored with an offset)."""
+    """The dtype written (the checkpoint's, the parameter's; fp32 for a norm stored with an
+    offset)."""
     load: Callable[[], torch.Tensor]
 
 
@@ -72,21 +73,27 @@ class _Entry(NamedTuple):
     dtype: torch.dtype
 
 
-# --- the command -------------------------------------------------------------------------------------------
+# --- the command ----------------------------------------------------------------------------------
 def export_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem export",
-                                     description="Write a Hugging Face checkpoint (config.json + safetensors) of a "
+                                     description="Write a Hugging Face checkpoint (config.json + "
+                                                 "safetensors) of a "
                                                  "Tandem checkpoint.")
     parser.add_argument("--checkpoint", required=True,
                         help="step_<N>/ directory or a run directory (newest checkpoint)")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
     parser.add_argument("--family", choices=FAMILIES, default=None,
-                        help="target layout; default from the model's knobs (sigmoid router/shared experts -> "
+                        help="target layout; default from the model's knobs (sigmoid router/shared "
+                             "experts -> "
                              "glm4_moe)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json or HF tokenizer directory to copy (default: the run's)")
-    parser.add_argument("--max-shard-mb", type=float, default=0, help="split the safetensors into shards of this size")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or HF tokenizer directory to copy (default: the run's)",
+    )
+    parser.add_argument("--max-shard-mb", type=float, default=0,
+                        help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
     try:
         step = resolve_checkpoint(args.checkpoint)
@@ -94,7 +101,8 @@ def export_main(argv: List[str]) -> int:
         ref = read_reference(step)
         if ref is not None:
             check_reference(ref, step)
-        family = export_hf_checkpoint(step, args.out, args.family, cfg=cfg.model, mtp=cfg.mtp, overwrite=args.overwrite,
+        family = export_hf_checkpoint(step, args.out, args.family, cfg=cfg.model, mtp=cfg.mtp,
+                                      overwrite=args.overwrite,
                                       tokenizer=args.tokenizer or _tokenizer_for(cfg, step),
                                       max_shard_bytes=int(args.max_shard_mb * 2**20))
     except (FileNotFoundError, FileExistsError, UnsupportedCheckpoint, ValueError) as exc:
@@ -106,8 +114,8 @@ def export_main(argv: List[str]) -> int:
 
 
 def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
-    """The tokenizer the run trained with, when it can be found without rebuilding anything: the copy
-    the checkpoint recorded, else the run's data config's."""
+    """The tokenizer the run trained with, when it can be found without rebuilding anything: the
+    copy the checkpoint recorded, else the run's data config's."""
     if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
         return os.path.join(step_dir, "tokenizer.json")
     if cfg.data.tokenizer:
@@ -115,22 +123,25 @@ def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
     if cfg.data.source == "stdlib":
         ver = ".".join(map(str, sys.version_info[:3]))
         pattern = os.path.join(os.path.expanduser(cfg.data.cache_dir),
-                               f"stdlib-py{ver}-v{cfg.data.vocab_size}-cap{cfg.data.stdlib_max_bytes}-*",
+                               f"stdlib-py{ver}-v{cfg.data.vocab_size}"
+                               f"-cap{cfg.data.stdlib_max_bytes}-*",
                                "train.tokenizer.json")
         found = sorted(glob.glob(pattern))
         if found:
             return found[-1]
     for prefix in cfg.data.paths:
-        for cand in (prefix + ".tokenizer.json", os.path.join(os.path.dirname(prefix), "tokenizer.json")):
+        for cand in (prefix + ".tokenizer.json",
+                     os.path.join(os.path.dirname(prefix), "tokenizer.json")):
             if os.path.isfile(cand):
                 return cand
     return None
 
 
-# --- the two inputs ----------------------------------------------------------------------------------------
-def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *, cfg: Optional[ModelConfig] = None,
-              mtp: Optional[MTPConfig] = None, overwrite: bool = False, tokenizer: Optional[str] = None,
-              max_shard_bytes: int = 0) -> str:
+# --- the two inputs -------------------------------------------------------------------------------
+def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *,
+              cfg: Optional[ModelConfig] = None,
+              mtp: Optional[MTPConfig] = None, overwrite: bool = False,
+              tokenizer: Optional[str] = None, max_shard_bytes: int = 0) -> str:
     """Write `model` to `out` as a Hugging Face checkpoint of `family` (default: from the knobs).
     Returns the family used. Refuses to replace an existing `out` unless `overwrite`."""
     cfg = cfg or model.cfg
@@ -150,8 +161,10 @@ def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *, cfg: 
     return family
 
 
-def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, *, cfg: ModelConfig, mtp: MTPConfig,
-                         overwrite: bool = False, tokenizer: Optional[str] = None, max_shard_bytes: int = 0) -> str:
+def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, *, cfg: ModelConfig,
+                         mtp: MTPConfig,
+                         overwrite: bool = False, tokenizer: Optional[str] = None,
+                         max_shard_bytes: int = 0) -> str:
     """`export_hf` of a Tandem checkpoint directory, without building the model; a frozen-trunk
     checkpoint's trunk comes from its (fingerprint-checked) `model.init_from` reference."""
     family = family or default_family(cfg)
@@ -159,19 +172,22 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
     def fill(tmp: str) -> None:
         spec = hf_config(family, cfg, mtp)[1]
         names = list(meta_state(cfg, mtp))
-        _write_hf(tmp, family, cfg, mtp, names, _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
+        _write_hf(tmp, family, cfg, mtp, names,
+                  _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
 
     _write_export_dir(out, overwrite, tokenizer, fill)
     return family
 
 
-def _checkpoint_sources(step_dir: str, cfg: ModelConfig, mtp: MTPConfig, spec, names: List[str]) -> Dict[str, _Source]:
+def _checkpoint_sources(step_dir: str, cfg: ModelConfig, mtp: MTPConfig, spec,
+                        names: List[str]) -> Dict[str, _Source]:
     """The checkpoint's tensors, and those it lacks from its `model.init_from` reference."""
     sources = _dcp_sources(step_dir)
     ref = read_reference(step_dir)
     if ref is not None:
         rest = [n for n in names if n not in sources]
-        extra = _hf_sources(ref["path"], cfg, mtp, rest) if is_hf_dir(ref["path"]) else _dcp_sources(ref["path"])
+        extra = _hf_sources(ref["path"], cfg, mtp,
+                            rest) if is_hf_dir(ref["path"]) else _dcp_sources(ref["path"])
         sources.update({n: extra[n] for n in rest if n in extra})
     # tensors the family has no name for (a softmax router's correction bias) need no source
     missing = [n for n in names if n not in sources and hf_name(n, cfg, mtp, spec) is not None]
@@ -195,7 +211,8 @@ def _dcp_sources(step_dir: str) -> Dict[str, _Source]:
 
         def load(name=name, md=md):
             t = torch.empty(md.size, dtype=md.properties.dtype)
-            dcp.load({"model": {name: t}}, checkpoint_id=step_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
+            dcp.load({"model": {name: t}}, checkpoint_id=step_dir,
+                     planner=DefaultLoadPlanner(allow_partial_load=True))
             return t
 
         out[name] = _Source(md.size, md.properties.dtype, load)
@@ -218,16 +235,19 @@ def _hf_sources(path: str, cfg, mtp, names) -> Dict[str, _Source]:
     return out
 
 
-# --- writing -----------------------------------------------------------------------------------------------
+# --- writing --------------------------------------------------------------------------------------
 def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names: List[str],
               sources: Dict[str, _Source], max_shard_bytes: int) -> None:
-    """Write config.json and the weights of `names` (in this order) into the new, empty `out_dir`."""
+    """Write config.json and the weights of `names` (in this order) into the new, empty
+    `out_dir`."""
     config, spec = hf_config(family, cfg, mtp)
     for name in names:  # tensors the family has no name for must be zero
-        if hf_name(name, cfg, mtp, spec) is None and name in sources and sources[name].load().abs().max() > 0:
+        if hf_name(name, cfg, mtp,
+                   spec) is None and name in sources and sources[name].load().abs().max() > 0:
             raise UnsupportedCheckpoint(
                 f"cannot export as {family}: {name} is non-zero and the family has no such tensor "
-                "(a softmax router trained with aux-free balancing; export as glm4_moe needs a sigmoid router)")
+                "(a softmax router trained with aux-free balancing; export as glm4_moe needs a "
+                "sigmoid router)")
     plan = _plan(names, sources, cfg, mtp, spec)
     files = _shard(plan, max_shard_bytes)
     fnames = (["model.safetensors"] if len(files) == 1 else
@@ -242,7 +262,9 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
             value = _to_hf(sources[name].load(), hf_name(name, cfg, mtp, spec), sources[name].dtype)
             while i < len(plan) and plan[i].name == name:
                 part = value[plan[i].part] if plan[i].part is not None else value
-                handles[where[i]].write(part.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+                handles[where[i]].write(
+                    part.contiguous().view(torch.uint8).reshape(-1).numpy().data
+                )
                 i += 1
             del value
     finally:
@@ -271,7 +293,8 @@ def _plan(names: List[str], sources: Dict[str, _Source], cfg, mtp, spec) -> List
         elif src.concat:  # transformers' Chunk: torch.chunk's row blocks, one key each
             step = -(-shape[0] // len(src.keys))
             plan += [_Entry(name, key, slice(r, min(r + step, shape[0])), [min(r + step,
-                                                                               shape[0]) - r] + list(shape[1:]),
+                                                                               shape[0]) - r]
+                            + list(shape[1:]),
                             dtype) for key, r in zip(src.keys, range(0, shape[0], step))]
         else:
             plan.append(_Entry(name, src.keys[0], None, list(shape), dtype))
@@ -286,7 +309,8 @@ def _nbytes(entry: _Entry) -> int:
 
 
 def _shard(plan: List[_Entry], max_shard_bytes: int) -> List[List[int]]:
-    """Indices of `plan` per output file: consecutive runs of at most `max_shard_bytes` (0: one file)."""
+    """Indices of `plan` per output file: consecutive runs of at most `max_shard_bytes` (0: one
+    file)."""
     files: List[List[int]] = [[]]
     size = 0
     for i, entry in enumerate(plan):
@@ -303,7 +327,8 @@ def _open_safetensors(path: str, entries: List[_Entry]):
     for their data."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for e in entries:
-        header[e.key] = {"dtype": _ST_NAMES[e.dtype], "shape": e.shape, "data_offsets": [offset, offset + _nbytes(e)]}
+        header[e.key] = {"dtype": _ST_NAMES[e.dtype], "shape": e.shape,
+                         "data_offsets": [offset, offset + _nbytes(e)]}
         offset += _nbytes(e)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -313,8 +338,8 @@ def _open_safetensors(path: str, entries: List[_Entry]):
 
 
 def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
-    """A Tandem tensor as the family stores it (norm offsets, MTP input halves, Gated DeltaNet's qkv row
-    order), in `dtype`."""
+    """A Tandem tensor as the family stores it (norm offsets, MTP input halves, Gated DeltaNet's qkv
+    row order), in `dtype`."""
     if src.plus_one:
         value = (value.float() - 1.0).to(dtype)
     value = src.to_checkpoint_rows(value)
@@ -341,9 +366,10 @@ def _copy_tokenizer(tokenizer: Optional[str], out_dir: str) -> bool:
     return True
 
 
-def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str], fill: Callable[[str], None]) -> None:
-    """Assemble an export in a temporary sibling directory (`fill(tmp)` writes weights and config) and
-    rename it into place: OUT is absent, the old export or the whole new one."""
+def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
+                      fill: Callable[[str], None]) -> None:
+    """Assemble an export in a temporary sibling directory (`fill(tmp)` writes weights and config)
+    and rename it into place: OUT is absent, the old export or the whole new one."""
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")

@@ -7,13 +7,13 @@ sigmoid router with `e_score_correction_bias`, group-limited routing, shared exp
 
 - GLM-4.5-MoE rotary: `apply_rotary_pos_emb` rotates the first `rotary_dim` channels with
   rotate_half (not interleaved), exactly this project's `RotaryEmbedding`.
-- MTP layouts. `glm` (GLM-4.5, DeepSeek-V3): layer j at `model.layers.{N + j}.{enorm, hnorm, eh_proj,
-  shared_head.norm, <decoder block>}`, input `eh_proj(cat(enorm(emb), hnorm(h)))`, output head shared
-  with `lm_head` (`shared_head.head` / `embed_tokens` copies are ignored on import, not written).
-  `qwen3_next` (Qwen3-Next / Qwen3.5, `mtp.*`): `mtp.fc` = eh_proj with the same embedding-first
-  order, `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm,
-  `mtp.layers.0.*` = block, `mtp.norm` = final norm; Qwen3-Next's RMSNorms are zero-centred
-  (`x * (1 + w)`), so norm weights gain +1 on import and lose it on export for those model types.
+- MTP layouts. `glm` (GLM-4.5, DeepSeek-V3): layer j at `model.layers.{N + j}.{enorm, hnorm,
+  eh_proj, shared_head.norm, <decoder block>}`, input `eh_proj(cat(enorm(emb), hnorm(h)))`, output
+  head shared with `lm_head` (`shared_head.head` / `embed_tokens` copies are ignored on import, not
+  written). `qwen3_next` (Qwen3-Next / Qwen3.5, `mtp.*`): `mtp.fc` = eh_proj with the same
+  embedding-first order, `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm,
+  `mtp.layers.0.*` = block, `mtp.norm` = final norm; Qwen3-Next's RMSNorms are zero-centred (`x * (1
+  + w)`), so norm weights gain +1 on import and lose it on export for those model types.
 - Qwen3-Next / Qwen3.5 trunks (Gated DeltaNet linear attention, gated attention) and MLA attention
   (DeepSeek-V2/V3) are rejected with a clear error.
 
@@ -34,7 +34,8 @@ from . import qwen4_exp
 from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "qwen3_next_mtp", "qwen4_exp")
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite",
+              "glm_moe_dsa")
 _LINEAR_ATTN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
 
@@ -58,60 +59,74 @@ def detect_family(hf: dict, mtp_keys: Optional[List[str]] = None) -> FamilySpec:
     arch = archs[0] if archs else mtype
     if mtype in _MLA_TYPES or "kv_lora_rank" in hf or "q_lora_rank" in hf:
         raise UnsupportedCheckpoint(
-            f"{arch}: MLA attention is not supported yet (its MoE and MTP naming is; the attention is not)")
+            f"{arch}: MLA attention is not supported yet (its MoE and MTP naming is; the attention "
+            "is not)")
     if mtype in qwen4_exp.MODEL_TYPES:
         return qwen4_exp.spec_from_hf(hf)
     if mtype == "qwen4_exp":
-        raise UnsupportedCheckpoint(f"{arch}: the multimodal Qwen4-Exp checkpoint is not supported; use its text "
+        raise UnsupportedCheckpoint(f"{arch}: the multimodal Qwen4-Exp checkpoint is not "
+                                    "supported; use its text "
                                     "model (model_type qwen4_exp_text, Qwen4ExpForCausalLM)")
     if mtype in _LINEAR_ATTN_TYPES:
         raise UnsupportedCheckpoint(
-            f"{arch}: the Qwen3-Next/Qwen3.5 trunk uses linear attention (Gated DeltaNet) and gated attention, "
+            f"{arch}: the Qwen3-Next/Qwen3.5 trunk uses linear attention (Gated DeltaNet) and "
+            "gated attention, "
             "which this model lacks; only its mtp.* naming is supported (on a Qwen3-family trunk)")
     has_qwen_mtp = any(k.startswith("mtp.") for k in (mtp_keys or []))
     layout = "qwen3_next" if has_qwen_mtp else "glm"
-    n_mtp = int(hf.get("num_nextn_predict_layers", hf.get("mtp_num_hidden_layers", hf.get("num_mtp_layers", 0))) or 0)
+    n_mtp = int(hf.get("num_nextn_predict_layers",
+                       hf.get("mtp_num_hidden_layers", hf.get("num_mtp_layers", 0))) or 0)
     if mtype == "llama":
         return FamilySpec("llama", layout, num_mtp_layers=n_mtp)
     if mtype == "qwen3":
-        return FamilySpec("qwen3_next_mtp" if has_qwen_mtp else "qwen3", layout, num_mtp_layers=n_mtp)
+        return FamilySpec("qwen3_next_mtp" if has_qwen_mtp else "qwen3", layout,
+                          num_mtp_layers=n_mtp)
     if mtype == "qwen3_moe":
         return FamilySpec("qwen3_moe", layout, num_mtp_layers=n_mtp)
     if mtype == "glm4_moe":
         return FamilySpec("glm4_moe", layout, router_bias=True, num_mtp_layers=n_mtp)
     raise UnsupportedCheckpoint(
-        f"unsupported architecture {arch!r} (model_type={mtype!r}); supported: LlamaForCausalLM, Qwen3ForCausalLM, "
+        f"unsupported architecture {arch!r} (model_type={mtype!r}); supported: LlamaForCausalLM, "
+        "Qwen3ForCausalLM, "
         "Qwen3MoeForCausalLM, Glm4MoeForCausalLM (+ Qwen3-Next-style mtp.* weights)")
 
 
-def model_config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int] = None) -> ModelConfig:
+def model_config_from_hf(hf: dict, spec: FamilySpec,
+                         max_seq_len: Optional[int] = None) -> ModelConfig:
     """The trunk config of a Hugging Face config.json (raises UnsupportedCheckpoint for options
     this model lacks)."""
     name = spec.name
     if name == "qwen4_exp":
         return qwen4_exp.config_from_hf(hf, _rope(hf), max_seq_len)
     if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedCheckpoint(f"hidden_act={hf.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
+        raise UnsupportedCheckpoint(f"hidden_act={hf.get('hidden_act')!r} is not supported "
+                                    "(SwiGLU/silu only)")
     if hf.get("mlp_bias"):
         raise UnsupportedCheckpoint("mlp_bias=true is not supported")
     if hf.get("use_sliding_window"):
-        raise UnsupportedCheckpoint("use_sliding_window=true is not supported (full causal attention only)")
+        raise UnsupportedCheckpoint("use_sliding_window=true is not supported (full causal "
+                                    "attention only)")
     attention_bias = bool(hf.get("attention_bias", False))
     if attention_bias and name != "glm4_moe":
-        raise UnsupportedCheckpoint(f"{name}: attention_bias=true also biases o_proj there, which this model lacks")
+        raise UnsupportedCheckpoint(f"{name}: attention_bias=true also biases o_proj there, which "
+                                    "this model lacks")
     theta, partial = _rope(hf)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or hidden // heads)
     mpe = int(hf.get("max_position_embeddings", 4096))
     cfg = ModelConfig(
-        vocab_size=int(hf["vocab_size"]), hidden_size=hidden, num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+        num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=0 if head_dim * heads == hidden else head_dim,
-        intermediate_size=int(hf["intermediate_size"]), rope_theta=theta, partial_rotary_factor=partial,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        intermediate_size=int(hf["intermediate_size"]), rope_theta=theta,
+        partial_rotary_factor=partial,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or min(mpe, 4096), attention_bias=attention_bias, num_experts=0,
-        num_shared_experts=0, first_k_dense=0, qk_norm=name in ("qwen3", "qwen3_moe", "qwen3_next_mtp"),
+        num_shared_experts=0, first_k_dense=0,
+        qk_norm=name in ("qwen3", "qwen3_moe", "qwen3_next_mtp"),
     )
     if name == "qwen3_moe":
         experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
@@ -120,7 +135,8 @@ def model_config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int] 
                        {i for i in range(cfg.num_layers) if step > 1 and (i + 1) % step})
         if dense != list(range(len(dense))):
             raise UnsupportedCheckpoint(
-                f"qwen3_moe: dense layers {dense} (from mlp_only_layers/decoder_sparse_step) are not a leading block; "
+                f"qwen3_moe: dense layers {dense} (from mlp_only_layers/decoder_sparse_step) are "
+                "not a leading block; "
                 "only first_k_dense is supported")
         cfg.num_experts, cfg.first_k_dense = experts, len(dense)
         cfg.top_k = int(hf["num_experts_per_tok"])
@@ -136,10 +152,12 @@ def model_config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int] 
         cfg.first_k_dense = int(hf.get("first_k_dense_replace", 1))
         cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", True))
         cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
-        cfg.n_group, cfg.topk_group = int(hf.get("n_group", 1) or 1), int(hf.get("topk_group", 1) or 1)
+        cfg.n_group, cfg.topk_group = int(hf.get("n_group", 1) or 1), int(hf.get("topk_group",
+                                                                                 1) or 1)
         cfg.router_score, cfg.balance = "sigmoid", "aux_free"
         cfg.qk_norm = bool(hf.get("use_qk_norm", False))
-        if "partial_rotary_factor" not in (hf.get("rope_parameters") or {}) and "partial_rotary_factor" not in hf:
+        if "partial_rotary_factor" not in (hf.get("rope_parameters")
+                                           or {}) and "partial_rotary_factor" not in hf:
             cfg.partial_rotary_factor = 0.5  # Glm4MoeConfig's default
         if cfg.num_shared_experts < 1:
             raise UnsupportedCheckpoint("glm4_moe: n_shared_experts must be >= 1")
@@ -155,7 +173,8 @@ _EXPERT_PARAM = re.compile(r"^mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Optional[Src]:
     m = _EXPERT_PARAM.match(rest)
     if m:
-        return Src([f"{prefix}mlp.experts.{e}.{m.group(1)}.weight" for e in range(cfg.num_experts)], stacked=True)
+        return Src([f"{prefix}mlp.experts.{e}.{m.group(1)}.weight" for e in range(cfg.num_experts)],
+                   stacked=True)
     if rest == "mlp.router.weight":
         return Src([prefix + "mlp.gate.weight"])
     if rest == "mlp.router.e_score_correction_bias":
@@ -164,8 +183,8 @@ def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Option
 
 
 def trunk_input_of(hf: dict) -> str:
-    """MTP input convention of a checkpoint: `final_norm` unless config.json says otherwise (Qwen4-Exp's
-    drafter always reads the trunk's streams before the final mixer)."""
+    """MTP input convention of a checkpoint: `final_norm` unless config.json says otherwise
+    (Qwen4-Exp's drafter always reads the trunk's streams before the final mixer)."""
     if hf.get("model_type") in qwen4_exp.MODEL_TYPES:
         return "pre_norm"
     return "pre_norm" if hf.get("tie_last_hidden_states") is False else "final_norm"
@@ -193,16 +212,20 @@ def hf_name(name: str, cfg: ModelConfig, mtp: MTPConfig, spec: FamilySpec) -> Op
             prefix = f"model.layers.{n + j}."
             table = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
                      "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
-            src = Src([prefix + table[rest]]) if rest in table else _block(prefix, rest[len("block."):], cfg, spec)
+            src = Src([prefix + table[rest]]) if rest in table else _block(prefix,
+                                                                           rest[len("block."):],
+                                                                           cfg, spec)
         else:
             if mtp.num_layers != 1:
                 raise UnsupportedCheckpoint(
-                    "the Qwen3-Next mtp.* layout has one fc/norm set, so it holds exactly 1 MTP layer "
+                    "the Qwen3-Next mtp.* layout has one fc/norm set, so it holds exactly 1 MTP "
+                    "layer "
                     f"(mtp.num_layers={mtp.num_layers})")
             table = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
                      "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
                      "eh_proj.weight": "mtp.fc.weight", "norm.weight": "mtp.norm.weight"}
-            src = Src([table[rest]]) if rest in table else _block(f"mtp.layers.{j}.", rest[len("block."):], cfg, spec)
+            src = Src([table[rest]]) if rest in table else _block(f"mtp.layers.{j}.",
+                                                                  rest[len("block."):], cfg, spec)
         if src is not None and rest == "eh_proj.weight" and mtp.concat_order == "hidden_emb":
             src.swap_halves = True
     else:
@@ -213,7 +236,8 @@ def hf_name(name: str, cfg: ModelConfig, mtp: MTPConfig, spec: FamilySpec) -> Op
 
 
 def ignorable_key(key: str, cfg: ModelConfig, spec: FamilySpec) -> bool:
-    """Checkpoint keys that are deliberately not loaded (duplicated shared tensors, rotary caches)."""
+    """Checkpoint keys that are deliberately not loaded (duplicated shared tensors, rotary
+    caches)."""
     if key.endswith("rotary_emb.inv_freq"):
         return True
     m = re.match(r"^model\.layers\.(\d+)\.(shared_head\.head\.weight|embed_tokens\.weight)$", key)
@@ -245,8 +269,10 @@ def default_family(cfg: ModelConfig) -> str:
         return "qwen4_exp"
     if cfg.num_experts == 0:
         return "qwen3" if cfg.qk_norm else "llama"
-    if (cfg.router_score == "softmax" and cfg.num_shared_experts == 0 and cfg.qk_norm and cfg.n_group == 1
-            and cfg.routed_scaling_factor == 1.0 and cfg.partial_rotary_factor == 1.0 and not cfg.attention_bias):
+    if (cfg.router_score == "softmax" and cfg.num_shared_experts == 0 and cfg.qk_norm
+        and cfg.n_group == 1
+            and cfg.routed_scaling_factor == 1.0 and cfg.partial_rotary_factor == 1.0
+        and not cfg.attention_bias):
         return "qwen3_moe"
     return "glm4_moe"
 
@@ -255,14 +281,16 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
     """Raise UnsupportedCheckpoint listing every knob the target family cannot express."""
     problems = []
     if family not in FAMILIES:
-        raise UnsupportedCheckpoint(f"unknown export family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise UnsupportedCheckpoint(f"unknown export family {family!r}; choose one of "
+                                    f"{', '.join(FAMILIES)}")
     if family == "qwen4_exp":
         problems = qwen4_exp.check_exportable(cfg, mtp)
         if problems:
             raise UnsupportedCheckpoint(f"cannot export as {family}: " + "; ".join(problems))
         return
     if cfg.hc_count > 1 or any(cfg.layer_type(i) != "attention" for i in range(cfg.num_layers)):
-        raise UnsupportedCheckpoint(f"cannot export as {family}: the trunk has hyper-connections or non-attention "
+        raise UnsupportedCheckpoint(f"cannot export as {family}: the trunk has hyper-connections "
+                                    "or non-attention "
                                     "token mixers (Qwen4-Exp layers); export as qwen4_exp")
     trunk = "qwen3_moe" if family == "qwen3_next_mtp" and cfg.num_experts else (
         "qwen3" if family == "qwen3_next_mtp" else family)
@@ -270,7 +298,9 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
         if cfg.attention_bias:
             problems.append("model.attention_bias=true (the family would also bias o_proj)")
         if cfg.partial_rotary_factor != 1.0:
-            problems.append(f"model.partial_rotary_factor={cfg.partial_rotary_factor} (must be 1.0)")
+            problems.append(
+                f"model.partial_rotary_factor={cfg.partial_rotary_factor} (must be 1.0)"
+            )
         if cfg.qk_norm != (trunk != "llama"):
             problems.append(f"model.qk_norm={cfg.qk_norm} (must be {trunk != 'llama'})")
     if trunk in ("llama", "qwen3") and cfg.num_experts:
@@ -279,22 +309,27 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
         if cfg.num_experts == 0:
             problems.append("model.num_experts=0 (the family is MoE)")
         for key, ok in (("router_score", cfg.router_score == "softmax"), ("num_shared_experts",
-                                                                          cfg.num_shared_experts == 0),
-                        ("n_group", cfg.n_group == 1), ("routed_scaling_factor", cfg.routed_scaling_factor == 1.0)):
+                                                                          cfg.num_shared_experts
+                                                                          == 0),
+                        ("n_group", cfg.n_group == 1),
+                        ("routed_scaling_factor", cfg.routed_scaling_factor == 1.0)):
             if not ok:
                 problems.append(f"model.{key}={getattr(cfg, key)!r}")
     if trunk == "glm4_moe":
         if cfg.num_experts == 0:
             problems.append("model.num_experts=0 (the family is MoE)")
         if cfg.router_score != "sigmoid":
-            problems.append(f"model.router_score={cfg.router_score!r} (GLM-4.5 routes with sigmoid)")
+            problems.append(
+                f"model.router_score={cfg.router_score!r} (GLM-4.5 routes with sigmoid)"
+            )
         if cfg.num_shared_experts < 1:
             problems.append("model.num_shared_experts=0 (GLM-4.5 always has a shared expert)")
         if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
             problems.append("fewer than 2 experts per group (GLM group scores sum the top-2)")
         if mtp is not None and mtp.num_steps > 0:
             if mtp.style != "looped":
-                problems.append("mtp.style=parallel (GLM MTP layers combine embedding and hidden state)")
+                problems.append("mtp.style=parallel (GLM MTP layers combine embedding and hidden "
+                                "state)")
             if not mtp.moe:
                 problems.append("mtp.moe=false (GLM MTP layers are MoE layers)")
     if family == "qwen3_next_mtp" and mtp is not None and mtp.num_steps > 0 and mtp.num_layers != 1:
@@ -311,38 +346,52 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
         return hf, qwen4_exp.spec_from_hf(hf)
     n_mtp = mtp.num_layers if mtp is not None and mtp.num_steps > 0 else 0
     base = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias, "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "use_cache": True, "dtype": "float32",
     }
     if family == "llama":
         base.update(architectures=["LlamaForCausalLM"], model_type="llama", mlp_bias=False)
     elif family in ("qwen3", "qwen3_next_mtp") and cfg.num_experts == 0:
-        base.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False)
+        base.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                    use_sliding_window=False)
     elif family in ("qwen3_moe", "qwen3_next_mtp"):
-        base.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=cfg.num_experts,
+        base.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                    num_experts=cfg.num_experts,
                     num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate_size,
                     norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
-                    mlp_only_layers=list(range(min(cfg.first_k_dense, cfg.num_layers))), use_sliding_window=False,
-                    router_aux_loss_coef=cfg.aux_loss_coef)
+                    mlp_only_layers=list(range(min(cfg.first_k_dense, cfg.num_layers))),
+                    use_sliding_window=False, router_aux_loss_coef=cfg.aux_loss_coef)
     else:
         base["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
-        base.update(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", n_routed_experts=cfg.num_experts,
-                    num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate_size,
-                    n_shared_experts=cfg.num_shared_experts, first_k_dense_replace=min(cfg.first_k_dense,
-                                                                                       cfg.num_layers),
-                    norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-                    n_group=cfg.n_group, topk_group=cfg.topk_group, use_qk_norm=cfg.qk_norm,
-                    num_nextn_predict_layers=n_mtp)
+        base.update(
+            architectures=["Glm4MoeForCausalLM"],
+            model_type="glm4_moe",
+            n_routed_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            n_shared_experts=cfg.num_shared_experts,
+            first_k_dense_replace=min(cfg.first_k_dense, cfg.num_layers),
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            use_qk_norm=cfg.qk_norm,
+            num_nextn_predict_layers=n_mtp,
+        )
     layout = "glm" if family == "glm4_moe" else "qwen3_next"
     if n_mtp and layout == "qwen3_next":
         base["mtp_num_hidden_layers"] = n_mtp
     if n_mtp and mtp.trunk_input == "pre_norm":
-        # transformers' MTP drafting reads hidden_states[-1]; untied, that is the pre-norm trunk state.
+        # transformers' MTP drafting reads hidden_states[-1]; untied, that is the pre-norm trunk
+        # state.
         base["tie_last_hidden_states"] = False
     spec = FamilySpec(family, layout, router_bias=family == "glm4_moe", num_mtp_layers=n_mtp)
     return base, spec

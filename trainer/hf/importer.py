@@ -1,15 +1,16 @@
-"""Import Hugging Face checkpoints (config.json + safetensors, sharded index included) into TandemModel.
+"""Import Hugging Face checkpoints (config.json + safetensors, sharded index included) into
+TandemModel.
 
     model, cfg = load_hf_model(dir)            # builds the model from config.json
     report = load_hf_weights(model, dir)       # loads into an existing (possibly sharded) model
 
-Only safetensors are read by default; a pickle checkpoint (`*.bin`, `*.pt`) needs `trust_pickle=True`
-(`--trust-pickle`), because unpickling runs arbitrary code. Every tensor is read slice by slice with
-plain reads of its byte ranges (no memory map): a DTensor parameter (TP/EP/FSDP-sharded) reads only its local
-shard (`compute_local_shape_and_global_offset`), a plain tensor reads everything, and a pipeline
-stage that holds a subset of the layers reads only those. Errors name what is wrong: the
-architecture, missing/unexpected tensor names (listed), shapes (name, expected, found) and a
-tokenizer larger than the embedding table.
+Only safetensors are read by default; a pickle checkpoint (`*.bin`, `*.pt`) needs
+`trust_pickle=True` (`--trust-pickle`), because unpickling runs arbitrary code. Every tensor is read
+slice by slice with plain reads of its byte ranges (no memory map): a DTensor parameter
+(TP/EP/FSDP-sharded) reads only its local shard (`compute_local_shape_and_global_offset`), a plain
+tensor reads everything, and a pipeline stage that holds a subset of the layers reads only those.
+Errors name what is wrong: the architecture, missing/unexpected tensor names (listed), shapes (name,
+expected, found) and a tokenizer larger than the embedding table.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from .qwen4_exp import is_ple_buffer
 
 
 class CheckpointError(ValueError):
-    """A checkpoint does not match the model (names, shapes, vocabulary) or cannot be read safely."""
+    """A checkpoint does not match the model (names, shapes, vocabulary) or cannot be read
+    safely."""
 
 
 class PickleCheckpointError(CheckpointError):
@@ -67,21 +69,26 @@ class CheckpointReader:
         st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if os.path.isfile(index):
             with open(index) as f:
-                self._files = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+                self._files = {k: os.path.join(path, v) for k,
+                               v in json.load(f)["weight_map"].items()}
         elif st_files:
             for file in st_files:
                 for key in self._header(file)[1]:
                     self._files[key] = file
         else:
-            pickles = sorted(glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt")) +
+            pickles = sorted(glob.glob(os.path.join(path, "*.bin"))
+                             + glob.glob(os.path.join(path, "*.pt")) +
                              glob.glob(os.path.join(path, "*.pth")))
             if not pickles:
-                raise CheckpointError(f"no *.safetensors (or model.safetensors.index.json) in {path}")
+                raise CheckpointError("no *.safetensors (or model.safetensors.index.json) in "
+                                      f"{path}")
             if not trust_pickle:
                 names = ", ".join(os.path.basename(p) for p in pickles)
                 raise PickleCheckpointError(
-                    f"{path} holds a pickle checkpoint ({names}); unpickling can run arbitrary code, so it is refused "
-                    "unless you trust it: pass trust_pickle=True (--trust-pickle), or convert it to safetensors")
+                    f"{path} holds a pickle checkpoint ({names}); unpickling can run arbitrary "
+                    "code, so it is refused "
+                    "unless you trust it: pass trust_pickle=True (--trust-pickle), or convert it "
+                    "to safetensors")
             for file in pickles:
                 state = torch.load(file, map_location="cpu", weights_only=False)
                 for key, value in state.items():
@@ -94,7 +101,8 @@ class CheckpointReader:
     def _check_files(self) -> None:
         """A shard named by the index but absent, or shorter than its header says (a partial copy or
         download), fails here, naming the file, before any tensor is read."""
-        for file in sorted(set(self._files.values()) - {f for k, f in self._files.items() if k in self._pickled}):
+        for file in sorted(set(self._files.values()) - {f for k, f in self._files.items()
+                                                        if k in self._pickled}):
             if not os.path.isfile(file):
                 raise CheckpointError(f"checkpoint shard {file} is missing (named by "
                                       f"{self.path}/model.safetensors.index.json)")
@@ -102,7 +110,8 @@ class CheckpointReader:
             end = base + max((v["data_offsets"][1] for v in header.values()), default=0)
             size = os.path.getsize(file)
             if size < end:
-                raise CheckpointError(f"checkpoint shard {file} is partial: {size} bytes, its header describes {end}")
+                raise CheckpointError(f"checkpoint shard {file} is partial: {size} bytes, its "
+                                      f"header describes {end}")
 
     def keys(self) -> List[str]:
         return sorted(self._files)
@@ -123,8 +132,8 @@ class CheckpointReader:
         return _ST_DTYPES[self._header(self._files[key])[1][key]["dtype"]]
 
     def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
-        """tensor[index] of `key`, reading only that slice from disk (safetensors). Plain reads, not a
-        memory map: the pages of the rest of the file never count against this process."""
+        """tensor[index] of `key`, reading only that slice from disk (safetensors). Plain reads, not
+        a memory map: the pages of the rest of the file never count against this process."""
         if key in self._pickled:
             return self._pickled[key][index]
         file = self._files[key]
@@ -146,11 +155,13 @@ class CheckpointReader:
         out = torch.empty([b - a for a, b in bounds], dtype=dtype)
         if out.numel() == 0:
             return out
-        # whole rows: one read; a column slice: blocks of rows (bounded memory), each cut to the slice
+        # whole rows: one read; a column slice: blocks of rows (bounded memory), each cut to the
+        # slice
         step = max(r1 - r0, 1) if whole_rows else max(1, _READ_BLOCK_BYTES // max(row_bytes, 1))
         for a in range(r0, r1, step):
             b = min(r1, a + step)
-            rows = _pread(file, start + a * row_bytes, (b - a) * row_bytes, dtype).view([b - a] + shape[1:])
+            rows = _pread(file, start + a * row_bytes, (b - a) * row_bytes,
+                          dtype).view([b - a] + shape[1:])
             out[a - r0: b - r0] = rows if whole_rows else rows[(slice(None),) + rest]
         return out
 
@@ -158,8 +169,10 @@ class CheckpointReader:
         self._handles.clear()
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _READ_BLOCK_BYTES = 64 << 20
 
@@ -188,7 +201,8 @@ def _pread(file: str, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Ten
         f.seek(offset)
         got = f.readinto(buf)
     if got != nbytes:
-        raise CheckpointError(f"{file} is truncated: {nbytes} bytes wanted at offset {offset}, {got} there")
+        raise CheckpointError(f"{file} is truncated: {nbytes} bytes wanted at offset {offset}, "
+                              f"{got} there")
     return torch.frombuffer(buf, dtype=dtype)
 
 
@@ -215,7 +229,8 @@ def check_tokenizer(path: str, vocab_size: int) -> None:
     size = tokenizer_vocab_size(path)
     if size is not None and size > vocab_size:
         raise CheckpointError(
-            f"tokenizer/vocab mismatch: {path}/tokenizer.json has {size} tokens but the model's vocab_size is "
+            f"tokenizer/vocab mismatch: {path}/tokenizer.json has {size} tokens but the model's "
+            "vocab_size is "
             f"{vocab_size}")
 
 
@@ -223,9 +238,11 @@ def check_tokenizer(path: str, vocab_size: int) -> None:
 def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...],
                 global_shape: Sequence[int]) -> torch.Tensor:
     """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
-    if src.qkv_groups is not None:  # Gated DeltaNet's qkv rows: read whole (small), permute, then slice
+    # Gated DeltaNet's qkv rows: read whole (small), permute, then slice
+    if src.qkv_groups is not None:
         out = src.to_model_rows(reader.read(src.keys[0], (slice(None),)))[tuple(index)]
-    elif src.swap_halves:  # eh_proj: read this shard's rows whole, swap the column halves, then slice
+    # eh_proj: read this shard's rows whole, swap the column halves, then slice
+    elif src.swap_halves:
         rows = reader.read(src.keys[0], (index[0],))
         half = rows.shape[1] // 2
         out = torch.cat([rows[:, half:], rows[:, :half]], dim=1)[(slice(None),) + tuple(index[1:])]
@@ -238,13 +255,23 @@ def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...],
             if lo < hi:
                 parts.append(reader.read(key, (slice(lo - start, hi - start),) + tuple(index[1:])))
             start += n
-        out = torch.cat(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:],
-                                                                                                        global_shape[1:])])
+        out = (
+            torch.cat(parts)
+            if parts
+            else torch.empty(
+                0, *[len(range(*s.indices(g))) for s, g in zip(index[1:], global_shape[1:])]
+            )
+        )
     elif src.stacked:
         rows = range(*index[0].indices(len(src.keys)))
         parts = [reader.read(src.keys[e], index[1:]) for e in rows]
-        out = torch.stack(parts) if parts else torch.empty(0, *[len(range(*s.indices(g))) for s, g in zip(index[1:],
-                                                                                                          global_shape[1:])])
+        out = (
+            torch.stack(parts)
+            if parts
+            else torch.empty(
+                0, *[len(range(*s.indices(g))) for s, g in zip(index[1:], global_shape[1:])]
+            )
+        )
     else:
         out = reader.read(src.keys[0], index)
     if src.plus_one:
@@ -284,12 +311,14 @@ def local_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] = None, trust_pickle: bool = False,
-                    cfg: Optional[ModelConfig] = None, mtp: Optional[MTPConfig] = None, strict_mtp: bool = False,
+def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] = None,
+                    trust_pickle: bool = False,
+                    cfg: Optional[ModelConfig] = None, mtp: Optional[MTPConfig] = None,
+                    strict_mtp: bool = False,
                     reader: Optional[CheckpointReader] = None) -> LoadReport:
-    """Load an HF checkpoint into `model` (a TandemModel, possibly sharded/partial). Trunk tensors are
-    strict; MTP tensors load when the checkpoint has them, else the MTP module keeps its fresh init
-    (`strict_mtp=True` makes their absence an error)."""
+    """Load an HF checkpoint into `model` (a TandemModel, possibly sharded/partial). Trunk tensors
+    are strict; MTP tensors load when the checkpoint has them, else the MTP module keeps its fresh
+    init (`strict_mtp=True` makes their absence an error)."""
     hf = read_config(path)
     detect_family(hf)
     own_reader = reader is None
@@ -308,7 +337,12 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
         mtp_keys = {k for k in keys if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
         has_mtp_weights = bool(mtp_keys)
         needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp, report)
-        if has_mtp_weights and mtp is not None and mtp.num_steps and mtp.trunk_input != trunk_input_of(hf):
+        if (
+            has_mtp_weights
+            and mtp is not None
+            and mtp.num_steps
+            and mtp.trunk_input != trunk_input_of(hf)
+        ):
             raise CheckpointError(
                 f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but "
                 f"mtp.trunk_input={mtp.trunk_input!r}; "
@@ -317,7 +351,8 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
         _check_source_shapes(path, reader, needed, full)
         targets = local_tensors(model)
         _copy_local_shards(targets, reader, needed, full, report)
-        if spec.name == "qwen3_moe":  # no correction bias in the family: routing must not use a stale one
+        # no correction bias in the family: routing must not use a stale one
+        if spec.name == "qwen3_moe":
             for name, t in targets.items():
                 if name.endswith("e_score_correction_bias"):
                     local_target(t)[0].zero_()
@@ -327,7 +362,8 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
             reader.close()
 
 
-def _needed_sources(full: Dict[str, torch.Size], cfg: ModelConfig, mtp: Optional[MTPConfig], spec: FamilySpec,
+def _needed_sources(full: Dict[str, torch.Size], cfg: ModelConfig, mtp: Optional[MTPConfig],
+                    spec: FamilySpec,
                     has_mtp_weights: bool, strict_mtp: bool, report: LoadReport) -> Dict[str, Src]:
     """The checkpoint source of each model tensor to load. Without MTP weights in the checkpoint the
     MTP tensors are left out (`report.fresh_mtp`) unless `strict_mtp`."""
@@ -353,7 +389,8 @@ def _check_names(path: str, keys: set, needed: Dict[str, Src], mtp_keys: set, cf
     for k in sorted(keys - used):
         if ignorable_key(k, cfg, spec):
             report.ignored.append(k)
-        elif k in mtp_keys and (mtp is None or mtp.num_steps == 0 or mtp_layer_of_key(k, cfg) >= mtp.num_layers):
+        elif k in mtp_keys and (mtp is None or mtp.num_steps == 0
+                                or mtp_layer_of_key(k, cfg) >= mtp.num_layers):
             report.ignored.append(k)  # MTP layers this model does not have
         else:
             unexpected.append(k)
@@ -363,23 +400,27 @@ def _check_names(path: str, keys: set, needed: Dict[str, Src], mtp_keys: set, cf
             parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
-        raise CheckpointError(f"{path} does not match a {spec.name} model of this shape: " + "; ".join(parts))
+        raise CheckpointError(f"{path} does not match a {spec.name} model of this shape: "
+                              + "; ".join(parts))
 
 
 def _check_source_shapes(path: str, reader: CheckpointReader, needed: Dict[str, Src],
                          full: Dict[str, torch.Size]) -> None:
-    """Raise CheckpointError listing every needed tensor whose checkpoint shape differs from the model's."""
+    """Raise CheckpointError listing every needed tensor whose checkpoint shape differs from the
+    model's."""
     mismatched = []
     for name, src in needed.items():
         found = source_shape(reader, src)
         if tuple(found) != tuple(full[name]):
-            mismatched.append(f"{src.keys[0] if not src.stacked else src.keys[0] + ' (stacked)'} -> {name}: "
+            mismatched.append(f"{src.keys[0] if not src.stacked else src.keys[0] + ' (stacked)'} "
+                              f"-> {name}: "
                               f"expected {tuple(full[name])}, found {tuple(found)}")
     if mismatched:
         raise CheckpointError(f"shape mismatch in {path}: " + "; ".join(mismatched))
 
 
-def _copy_local_shards(targets: Dict[str, torch.Tensor], reader: CheckpointReader, needed: Dict[str, Src],
+def _copy_local_shards(targets: Dict[str, torch.Tensor], reader: CheckpointReader,
+                       needed: Dict[str, Src],
                        full: Dict[str, torch.Size], report: LoadReport) -> None:
     """Read this rank's slice of each needed tensor it holds (`targets`: `local_tensors`) into it;
     the names read go to `report.loaded`."""
@@ -392,17 +433,19 @@ def _copy_local_shards(targets: Dict[str, torch.Tensor], reader: CheckpointReade
         report.loaded.append(name)
 
 
-_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "resolved_head_dim",
-                 "intermediate_size", "num_experts", "moe_intermediate_size", "num_shared_experts", "first_k_dense",
-                 "qk_norm", "attention_bias", "tie_embeddings")
-_MATH_FIELDS = ("top_k", "router_score", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
-                "rope_theta", "partial_rotary_factor")
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "resolved_head_dim",
+                 "intermediate_size", "num_experts", "moe_intermediate_size", "num_shared_experts",
+                 "first_k_dense", "qk_norm", "attention_bias", "tie_embeddings")
+_MATH_FIELDS = ("top_k", "router_score", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                "topk_group", "rope_theta", "partial_rotary_factor")
 
 
 def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str) -> None:
     if want.vocab_size != have.vocab_size:
         raise CheckpointError(
-            f"tokenizer/vocab mismatch: {path} has vocab_size={want.vocab_size} but model.vocab_size={have.vocab_size}")
+            f"tokenizer/vocab mismatch: {path} has vocab_size={want.vocab_size} but "
+            f"model.vocab_size={have.vocab_size}")
     diffs = []
     for key in _SHAPE_FIELDS + (_MATH_FIELDS if want.num_experts else _MATH_FIELDS[-2:]):
         a, b = getattr(want, key), getattr(have, key)
@@ -428,12 +471,16 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     try:
         spec = detect_family(hf, reader.keys())
         cfg = model_config_from_hf(hf, spec, max_seq_len=max_seq_len)
-        present = {mtp_layer_of_key(k, cfg) for k in reader.keys() if is_mtp_key(k, cfg) and not ignorable_key(k, cfg,
-                                                                                                               spec)}
+        present = {
+            mtp_layer_of_key(k, cfg)
+            for k in reader.keys()
+            if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)
+        }
         n_mtp = len(present)
-        mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0, concat_order="emb_hidden",
-                        trunk_input=trunk_input_of(hf))
-        if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.") for k in reader.keys()) \
+        mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0,
+                        concat_order="emb_hidden", trunk_input=trunk_input_of(hf))
+        if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.")
+                             for k in reader.keys()) \
                 and not any(k.startswith("mtp.layers.0.mlp.experts.") for k in reader.keys()):
             mtp.moe = False
         for key, value in (mtp_overrides or {}).items():
@@ -449,13 +496,15 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
             model = TandemModel(cfg, mtp)
         allocate(model, torch.device(device))
         report = load_hf_weights(model, path, spec=spec, cfg=cfg, mtp=mtp, reader=reader)
-        init_seeded(model, 0, skip=set(report.loaded))  # a fresh MTP module, when the checkpoint has none
+        # a fresh MTP module, when the checkpoint has none
+        init_seeded(model, 0, skip=set(report.loaded))
         if report.fresh_mtp and mtp.num_steps:
-            print(f"hf import: {path} has no MTP weights; the MTP module is freshly initialised", file=sys.stderr)
+            print(f"hf import: {path} has no MTP weights; the MTP module is freshly initialised",
+                  file=sys.stderr)
     finally:
         reader.close()
     return model.to(device).eval(), tcfg
 
 
-__all__ = ["load_hf_model", "load_hf_weights", "CheckpointError", "PickleCheckpointError", "UnsupportedCheckpoint",
-           "CheckpointReader", "shard_index", "read_source", "LoadReport"]
+__all__ = ["load_hf_model", "load_hf_weights", "CheckpointError", "PickleCheckpointError",
+           "UnsupportedCheckpoint", "CheckpointReader", "shard_index", "read_source", "LoadReport"]

@@ -2,13 +2,14 @@
 
 DIR is either a Hugging Face directory (config.json + safetensors: see importer) or a Tandem
 checkpoint (a `step_<N>/` directory with DCP shards, or a run directory: its newest complete one).
-The trunk is loaded strictly; the MTP module is loaded when the checkpoint has MTP weights, otherwise
-it keeps its fresh initialisation, or (`mtp.init_from_last_layer=true`) each MTP block starts as a copy
-of the last trunk layer. `adopt_checkpoint_config` first makes the run's trunk shape the checkpoint's,
-so a fine-tuning recipe does not need to repeat it. Reads go straight into the (sharded, freshly
-materialised) model, slice by slice; what the checkpoint lacks is initialised by the caller
-(`init_rest`). A frozen-trunk run's checkpoints point back here through `make_reference`
-(path + content `fingerprint`), which `check_reference` verifies before resume, eval and export.
+The trunk is loaded strictly; the MTP module is loaded when the checkpoint has MTP weights,
+otherwise it keeps its fresh initialisation, or (`mtp.init_from_last_layer=true`) each MTP block
+starts as a copy of the last trunk layer. `adopt_checkpoint_config` first makes the run's trunk
+shape the checkpoint's, so a fine-tuning recipe does not need to repeat it. Reads go straight into
+the (sharded, freshly materialised) model, slice by slice; what the checkpoint lacks is initialised
+by the caller (`init_rest`). A frozen-trunk run's checkpoints point back here through
+`make_reference` (path + content `fingerprint`), which `check_reference` verifies before resume,
+eval and export.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from ..recipe import load_config
 from .importer import local_tensors
 
 # Fields that describe the weights (taken from the checkpoint); the rest of model.* stays the run's.
-_KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate", "z_loss_coef",
+_KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate",
+         "z_loss_coef",
          "expert_matmul", "linear_kernel", "qsa_form", "indexer_loss_coef", "indexer_warmup_steps",
          "indexer_warmup"}
 
@@ -48,7 +50,8 @@ def resolve_tandem_checkpoint(path: str) -> str:
         return resolve_checkpoint(path)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"model.init_from={path!r} is neither a Hugging Face directory (config.json) nor a Tandem checkpoint "
+            f"model.init_from={path!r} is neither a Hugging Face directory (config.json) nor a "
+            "Tandem checkpoint "
             "(step_<N>/ with COMPLETE, or a run directory holding one)") from None
 
 
@@ -79,8 +82,8 @@ def checkpoint_model_config(path: str):
 
 
 def adopt_checkpoint_config(cfg) -> List[str]:
-    """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP weights)
-    with the checkpoint's; revalidate; return the keys that changed (also printed)."""
+    """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP
+    weights) with the checkpoint's; revalidate; return the keys that changed (also printed)."""
     ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
     for key, value in vars(ckpt).items():
@@ -88,7 +91,8 @@ def adopt_checkpoint_config(cfg) -> List[str]:
             continue
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
-    # Qwen4-Exp's drafter always reads the pre-mixer streams, with or without MTP weights in the checkpoint
+    # Qwen4-Exp's drafter always reads the pre-mixer streams, with or without MTP weights in the
+    # checkpoint
     if (has_mtp or ckpt.hc_count > 1) and cfg.mtp.trunk_input != trunk_input:
         changed.append(f"mtp.trunk_input: {cfg.mtp.trunk_input!r} -> {trunk_input!r}")
         cfg.mtp.trunk_input = trunk_input
@@ -97,7 +101,8 @@ def adopt_checkpoint_config(cfg) -> List[str]:
     except ConfigError as exc:
         raise ConfigError(f"after taking the model shape from model.init_from: {exc}") from None
     if changed and int(os.environ.get("RANK", "0")) == 0:
-        print(f"init_from: model shape from {cfg.model.init_from}: " + "; ".join(changed), file=sys.stderr)
+        print(f"init_from: model shape from {cfg.model.init_from}: " + "; ".join(changed),
+              file=sys.stderr)
     return changed
 
 
@@ -112,16 +117,18 @@ def init_mtp_from_last_layer(model: nn.Module) -> None:
             continue
         src = prefix + name.split(".block.", 1)[1]
         if src not in tensors:
-            raise ValueError(f"mtp.init_from_last_layer: {name} has no counterpart {src} (MTP block and last trunk "
+            raise ValueError(f"mtp.init_from_last_layer: {name} has no counterpart {src} (MTP "
+                             "block and last trunk "
                              "layer differ: dense vs MoE? set mtp.moe to match)")
         if tensors[src].shape != t.shape:
-            raise ValueError(f"mtp.init_from_last_layer: {src} {tuple(tensors[src].shape)} vs {name} {tuple(t.shape)}")
+            raise ValueError(f"mtp.init_from_last_layer: {src} {tuple(tensors[src].shape)} vs "
+                             f"{name} {tuple(t.shape)}")
         t.copy_(tensors[src])
 
 
 def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
-    """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the checkpoint
-    has it (names and shapes must then match). Returns the names loaded."""
+    """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the
+    checkpoint has it (names and shapes must then match). Returns the names loaded."""
     step = resolve_tandem_checkpoint(path)
     saved = set(dcp.FileSystemReader(step).read_metadata().state_dict_metadata)
     saved = {k[len("model."):] for k in saved if k.startswith("model.")}
@@ -134,21 +141,28 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     if has_mtp:
         mtp_missing = [k for k in wanted if k.startswith("mtp.") and k not in saved]
         if mtp_missing:
-            raise ValueError(f"{step}'s MTP module differs from this run's (missing {', '.join(sorted(mtp_missing))}); "
+            raise ValueError(f"{step}'s MTP module differs from this run's (missing "
+                             f"{', '.join(sorted(mtp_missing))}); "
                              "match mtp.num_layers / mtp.moe or start from an export without MTP")
     dcp.load({"model": wanted}, checkpoint_id=step)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return list(wanted)
 
 
-def load_initial_weights(model: nn.Module, path: str, *, mtp_init_from_last_layer: Optional[bool] = None,
-                         trust_pickle: bool = False, init_rest: Optional[Callable[[Set[str]],
-                                                                                  None]] = None) -> Set[str]:
-    """Initialise `model` (plain or sharded) from `path`; see the module docstring. `init_rest(loaded)`
-    initialises what the checkpoint did not provide (the trainer's seeded init), before the MTP blocks
-    are copied from the last trunk layer. Returns the names loaded."""
+def load_initial_weights(
+    model: nn.Module,
+    path: str,
+    *,
+    mtp_init_from_last_layer: Optional[bool] = None,
+    trust_pickle: bool = False,
+    init_rest: Optional[Callable[[Set[str]], None]] = None,
+) -> Set[str]:
+    """Initialise `model` (plain or sharded) from `path`; see the module docstring.
+    `init_rest(loaded)` initialises what the checkpoint did not provide (the trainer's seeded init),
+    before the MTP blocks are copied from the last trunk layer. Returns the names loaded."""
     if mtp_init_from_last_layer is None:
-        mtp_init_from_last_layer = getattr(getattr(model, "mtp_cfg", None), "init_from_last_layer", False)
+        mtp_init_from_last_layer = getattr(getattr(model, "mtp_cfg", None), "init_from_last_layer",
+                                           False)
     if is_hf_dir(path):
         from .importer import load_hf_weights
 
@@ -163,7 +177,11 @@ def load_initial_weights(model: nn.Module, path: str, *, mtp_init_from_last_laye
         if mtp_init_from_last_layer:
             init_mtp_from_last_layer(model)
         if int(os.environ.get("RANK", "0")) == 0:
-            how = "copied from the last trunk layer" if mtp_init_from_last_layer else "freshly initialised"
+            how = (
+                "copied from the last trunk layer"
+                if mtp_init_from_last_layer
+                else ("freshly initialised")
+            )
             print(f"init_from: {path} has no MTP weights; the MTP module is {how}", file=sys.stderr)
     return loaded
 
@@ -186,10 +204,10 @@ def _weight_files(path: str) -> List[str]:
 
 def fingerprint(path: str) -> str:
     """A cheap content fingerprint of the weights in `path` (an HF directory or a Tandem step
-    directory): sha256 over each weight file's name, size, first 64 KiB (the safetensors header: every
-    name, dtype, shape and offset; DCP's metadata file is hashed whole) and 16 evenly spaced 4 KiB
-    samples plus the last 4 KiB. Any re-save of other weights (fine-tuned values, other shapes, a
-    truncated copy) changes it; copying the directory elsewhere (new mtimes) does not. It reads
+    directory): sha256 over each weight file's name, size, first 64 KiB (the safetensors header:
+    every name, dtype, shape and offset; DCP's metadata file is hashed whole) and 16 evenly spaced 4
+    KiB samples plus the last 4 KiB. Any re-save of other weights (fine-tuned values, other shapes,
+    a truncated copy) changes it; copying the directory elsewhere (new mtimes) does not. It reads
     well under 1 MiB per file, so a 200 GB checkpoint is fingerprinted in a moment."""
     h = hashlib.sha256()
     for name in _weight_files(path):
@@ -208,7 +226,8 @@ def fingerprint(path: str) -> str:
 
 
 def resolve_init_from(path: str) -> str:
-    """The directory whose weights `model.init_from=path` reads (a run directory's newest checkpoint)."""
+    """The directory whose weights `model.init_from=path` reads (a run directory's newest
+    checkpoint)."""
     return os.path.abspath(path if is_hf_dir(path) else resolve_tandem_checkpoint(path))
 
 
@@ -230,8 +249,11 @@ def check_reference(ref: dict, checkpoint: str) -> None:
     """Refuse, in one line naming the path, a reference whose checkpoint is gone or changed."""
     path = ref["path"]
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk "
+        raise FileNotFoundError(f"checkpoint {checkpoint} holds only the MTP module; its frozen "
+                                "trunk "
                                 f"{path} (model.init_from) is gone")
     if fingerprint(path) != ref["fingerprint"]:
-        raise ValueError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk {path} "
-                         "(model.init_from) changed since it was saved (content fingerprint differs)")
+        raise ValueError(f"checkpoint {checkpoint} holds only the MTP module; its frozen trunk "
+                         f"{path} "
+                         "(model.init_from) changed since it was saved (content fingerprint "
+                         "differs)")

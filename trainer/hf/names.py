@@ -1,5 +1,6 @@
-"""The vocabulary of checkpoint name mapping shared by every family: a family's spec, where one tensor
-of this model lives in a checkpoint (`Src`), and the error for what a family cannot express."""
+"""The vocabulary of checkpoint name mapping shared by every family: a family's spec, where one
+tensor of this model lives in a checkpoint (`Src`), and the error for what a family cannot
+express."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ class UnsupportedCheckpoint(ValueError):
 @dataclass
 class FamilySpec:
     name: str
-    """One of FAMILIES (the trunk family; `qwen3_next_mtp` is a Qwen3 trunk with `mtp.*` weights)."""
+    """One of FAMILIES (the trunk family; `qwen3_next_mtp` is a Qwen3 trunk with `mtp.*`
+    weights)."""
     mtp_layout: str = "glm"
     """`glm` (model.layers.{N+j}.*) or `qwen3_next` (mtp.*)."""
     zero_centered_norm: bool = False
@@ -34,16 +36,17 @@ class Src:
     stacked: bool = False
     """keys[e] is row e of dim 0 (per-expert tensors of a grouped expert weight)."""
     concat: bool = False
-    """keys are consecutive row blocks of dim 0 (transformers' `split_ngram_parts` PLE table shards)."""
+    """keys are consecutive row blocks of dim 0 (transformers' `split_ngram_parts` PLE table
+    shards)."""
     plus_one: bool = False
     """Zero-centred norm: ours = checkpoint + 1."""
     swap_halves: bool = False
     """eh_proj stored embedding-first while this model concatenates hidden-first: swap the two
     column halves."""
     qkv_groups: Optional[Tuple[int, int, int, int]] = None
-    """Gated DeltaNet's in_proj_qkv / conv1d: (num_k_heads, num_v_heads, head_k_dim, head_v_dim). The
-    checkpoint stores rows [q | k | v], this model by key-head group (`qkv_rows_from_hf`); the tensor is
-    small, so it is read whole and permuted."""
+    """Gated DeltaNet's in_proj_qkv / conv1d: (num_k_heads, num_v_heads, head_k_dim, head_v_dim).
+    The checkpoint stores rows [q | k | v], this model by key-head group (`qkv_rows_from_hf`); the
+    tensor is small, so it is read whole and permuted."""
 
     def to_model_rows(self, value):
         """Checkpoint row order -> this model's (identity unless `qkv_groups`)."""

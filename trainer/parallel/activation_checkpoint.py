@@ -1,4 +1,5 @@
-"""Activation checkpointing (`train.activation_checkpointing`), applied to a plain model from outside.
+"""Activation checkpointing (`train.activation_checkpointing`), applied to a plain model from
+outside.
 
 Per transformer block, trunk and MTP layers alike:
 * `full`: the block keeps only its input; everything inside is recomputed in backward.
@@ -8,8 +9,8 @@ Per transformer block, trunk and MTP layers alike:
   token gathers) — torchtitan's op-level selective policy.
 
 The block's `forward` is wrapped in place, so parameter names, and with them checkpoints, are the
-same with and without it, and the wrapping composes with TP/EP/FSDP hooks and pipeline stages. Without
-autograd (evaluation, a frozen trunk under no_grad) the block runs as it is.
+same with and without it, and the wrapping composes with TP/EP/FSDP hooks and pipeline stages.
+Without autograd (evaluation, a frozen trunk under no_grad) the block runs as it is.
 
 A recomputation replays the forward's side effects too: the MoE routers' load counters (the aux-free
 balancing rule and the load metrics read them) are restored after each recomputation so a step's
@@ -36,9 +37,10 @@ MODES = ("none", "full", "selective")
 
 # Outputs worth keeping under `selective`: the FLOP-heavy products and the expert dispatch's
 # exchanges. Everything else is recomputed. The routed experts run as the custom op
-# `tandem::grouped_mm` (models/moe.py), which is what the policy sees, not the aten kernel inside it.
-# Expert parallelism's all-to-alls are functional collectives (trainer/parallel/tensor.py), whose
-# outputs can be kept like any op's: a recomputation then neither re-sends tokens nor waits on peers.
+# `tandem::grouped_mm` (models/moe.py), which is what the policy sees, not the aten kernel inside
+# it. Expert parallelism's all-to-alls are functional collectives (trainer/parallel/tensor.py),
+# whose outputs can be kept like any op's: a recomputation then neither re-sends tokens nor waits on
+# peers.
 _SAVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
          torch.ops.aten._scaled_dot_product_flash_attention.default,
          torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -47,8 +49,8 @@ _SAVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten
          torch.ops._c10d_functional.all_to_all_single.default]
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE.append(torch.ops.aten._grouped_mm.default)
-# A region compiled by train.compile (compile.py) is one op to the policy; its own partitioner already
-# keeps the products and recomputes the elementwise work inside it in backward.
+# A region compiled by train.compile (compile.py) is one op to the policy; its own partitioner
+# already keeps the products and recomputes the elementwise work inside it in backward.
 _SAVE.append(torch._higher_order_ops.inductor_compiled_code)
 _SAVE_SET = frozenset(_SAVE)
 
@@ -71,15 +73,16 @@ def _keep_router_loads(block: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _recomputing(block: nn.Module, sac_recompute_ctx) -> Iterator[None]:
-    with _keep_router_loads(block), sac_recompute_ctx:  # its clone/copy_ stay outside the SAC replay
+    # its clone/copy_ stay outside the SAC replay
+    with _keep_router_loads(block), sac_recompute_ctx:
         yield
 
 
 def _contexts(block: nn.Module, selective: bool):
     """checkpoint's context_fn: (context of the forward, context of the recomputation)."""
     if selective:
-        # a compiled block's kept regions return the routers' load counters, which later calls and the
-        # recomputation's restore update in place (compile.py)
+        # a compiled block's kept regions return the routers' load counters, which later calls and
+        # the recomputation's restore update in place (compile.py)
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
             _selective_policy, allow_cache_entry_mutation=getattr(block, "_tandem_compiled", False))
     else:
@@ -89,12 +92,12 @@ def _contexts(block: nn.Module, selective: bool):
 
 @contextlib.contextmanager
 def _autocast_cache_off() -> Iterator[None]:
-    # Autocast caches its casts of weights until the outermost autocast exits, so a block run twice in
-    # one forward (a looped MTP layer serving several depths) casts its weights only the first time,
-    # while each recomputation in backward starts with an empty cache and casts again. The selective
-    # policy's replay matches ops by count and would fail on the extra casts; with the cache off, the
-    # forward and the recomputation (which inherits this setting) cast alike. The casts are recomputed
-    # under `selective` anyway, so nothing more is kept.
+    # Autocast caches its casts of weights until the outermost autocast exits, so a block run twice
+    # in one forward (a looped MTP layer serving several depths) casts its weights only the first
+    # time, while each recomputation in backward starts with an empty cache and casts again. The
+    # selective policy's replay matches ops by count and would fail on the extra casts; with the
+    # cache off, the forward and the recomputation (which inherits this setting) cast alike. The
+    # casts are recomputed under `selective` anyway, so nothing more is kept.
     was = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
@@ -112,7 +115,8 @@ def _checkpointed(forward: Callable, block: nn.Module, selective: bool, *args, *
 
 
 def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
-    """The blocks that get wrapped: every trunk layer this rank holds and every MTP layer's block."""
+    """The blocks that get wrapped: every trunk layer this rank holds and every MTP layer's
+    block."""
     blocks = list(model.layers.values()) if getattr(model, "layers", None) is not None else []
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
@@ -124,7 +128,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
     if mode not in MODES:
-        raise ValueError(f"train.activation_checkpointing={mode!r} must be one of {', '.join(MODES)}")
+        raise ValueError(f"train.activation_checkpointing={mode!r} must be one of "
+                         f"{', '.join(MODES)}")
     for block in checkpointed_blocks(model):
         if getattr(block, "_tandem_checkpointed", False):
             continue

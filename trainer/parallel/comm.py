@@ -98,14 +98,16 @@ class _ScatterReduceAlong(torch.autograd.Function):
 
 
 def gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """All-gather the rank-ordered shards along `dim`; backward reduce-scatters (sums) the gradient."""
+    """All-gather the rank-ordered shards along `dim`; backward reduce-scatters (sums) the
+    gradient."""
     if not x.requires_grad:
         return _all_gather_dim(x, group, dim)
     return _GatherAlong.apply(x, group, dim)
 
 
 def scatter_reduce_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Sum partial results over the group and keep this rank's shard along `dim`; backward all-gathers."""
+    """Sum partial results over the group and keep this rank's shard along `dim`; backward
+    all-gathers."""
     return _ScatterReduceAlong.apply(x, group, dim)
 
 
@@ -119,6 +121,7 @@ def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromGroup.apply(x, group)
 
 
-def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int],
+               group) -> torch.Tensor:
     """Variable-size all-to-all of rows (dim 0); backward is the reverse exchange."""
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)

@@ -24,22 +24,24 @@ Two details make TP blocks compile:
   dispatch waits on it first, differentiably (`_Waited`).
 * Expert parallelism's `exact` dispatch (the default) reads its split sizes back to the host with
   `.tolist()`. Dynamo captures those reads as unbacked symbolic sizes (`capture_scalar_outputs`, as
-  torchtitan sets for its token-choice MoE), so a MoE block still traces whole and one graph serves every
-  step's token counts; the read is still a host sync when the graph runs. Otherwise the read breaks the
-  graph and the resumed frame guards on each received size: a recompile per new count, past dynamo's
-  recompile limit at ep=4 (the block then runs eager). `parallel.ep_dispatch=padded` keeps the sizes
-  static and the counts on the device. Either dispatch over ep=2 compiles into one graph that serves
-  every routing and matches the one-process layer (tests/unit/test_ep_dispatch.py).
+  torchtitan sets for its token-choice MoE), so a MoE block still traces whole and one graph serves
+  every step's token counts; the read is still a host sync when the graph runs. Otherwise the read
+  breaks the graph and the resumed frame guards on each received size: a recompile per new count,
+  past dynamo's recompile limit at ep=4 (the block then runs eager). `parallel.ep_dispatch=padded`
+  keeps the sizes static and the counts on the device. Either dispatch over ep=2 compiles into one
+  graph that serves every routing and matches the one-process layer
+  (tests/unit/test_ep_dispatch.py).
 
 Activation checkpointing wraps the compiled forward (`parallelize_model` applies compile first, then
-activation_checkpoint.py's per-block wrapper): AC(compile(block)), torchtitan's order for MoE blocks.
-Compiling the checkpoint instead (compile(AC(block))) cannot trace Tandem's MoE blocks, whose forward
-updates the routers' load counters and records the aux loss (side effects a checkpoint region may not
-have under dynamo); it falls back to an eager checkpoint that replays the counters (counted twice).
-* `full`: the block keeps its input; backward reruns the compiled forward. The recomputation must run
-  the graph the forward ran, so a frame's compiled graphs are taken in the order they were compiled,
-  not most-recently-used first (dynamo's LRU order picks another valid graph whose saved tensors
-  differ: PyTorch issue 166926, torchtitan's fix).
+activation_checkpoint.py's per-block wrapper): AC(compile(block)), torchtitan's order for MoE
+blocks. Compiling the checkpoint instead (compile(AC(block))) cannot trace Tandem's MoE blocks,
+whose forward updates the routers' load counters and records the aux loss (side effects a checkpoint
+region may not have under dynamo); it falls back to an eager checkpoint that replays the counters
+(counted twice).
+* `full`: the block keeps its input; backward reruns the compiled forward. The recomputation must
+  run the graph the forward ran, so a frame's compiled graphs are taken in the order they were
+  compiled, not most-recently-used first (dynamo's LRU order picks another valid graph whose saved
+  tensors differ: PyTorch issue 166926, torchtitan's fix).
 * `selective`: each compiled region is one op to the selective policy (inductor's
   `wrap_inductor_compiled_regions`), and the policy keeps it: inside it, inductor's own partitioner
   already keeps the matmul outputs and recomputes the fused elementwise work in backward, which is
@@ -49,9 +51,9 @@ have under dynamo); it falls back to an eager checkpoint that replays the counte
 The routers' load counters are restored after each recomputation by the checkpoint wrapper, compiled
 or not.
 
-Layouts: one process, data parallelism (FSDP2 or all-reduce), tensor and sequence parallelism, expert
-parallelism, pipeline stages and their combinations (the flagship tp x ep x pp + SP), with each
-activation checkpointing mode, run compiled and train like eager one-process training
+Layouts: one process, data parallelism (FSDP2 or all-reduce), tensor and sequence parallelism,
+expert parallelism, pipeline stages and their combinations (the flagship tp x ep x pp + SP), with
+each activation checkpointing mode, run compiled and train like eager one-process training
 (tests/distributed/test_compile_layout.py).
 """
 
@@ -80,14 +82,15 @@ class _Waited(torch.autograd.Function):
         return grad
 
 
-def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
-              input_ids_bs=None, **block_args):
+def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
+              cache=None, input_ids_bs=None, **block_args):
     if cache is None and torch.is_grad_enabled():
         if isinstance(x_bsh, AsyncCollectiveTensor):
             x_bsh = _Waited.apply(x_bsh)
-        # Autocast's weight-cast cache is part of the global state a compiled graph is guarded on, and
-        # selective checkpointing turns it off around its blocks: off here always, so every checkpointing
-        # mode, and a recomputation, runs the same graphs (casts inside a graph are planned by inductor).
+        # Autocast's weight-cast cache is part of the global state a compiled graph is guarded on,
+        # and selective checkpointing turns it off around its blocks: off here always, so every
+        # checkpointing mode, and a recomputation, runs the same graphs (casts inside a graph are
+        # planned by inductor).
         was = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
         try:
@@ -98,14 +101,16 @@ def _dispatch(compiled: Callable, eager: Callable, x_bsh: torch.Tensor, position
 
 
 def configure_compiler() -> None:
-    """The process-wide compiler settings Tandem's compiled blocks rely on (`apply_compile` sets them)."""
+    """The process-wide compiler settings Tandem's compiled blocks rely on (`apply_compile` sets
+    them)."""
     # the recomputation of a checkpointed block replays the graph its forward ran (issue 166926)
     torch._C._dynamo.eval_frame._set_lru_cache(False)
     # the selective checkpointing policy sees (and keeps) each compiled region as one op
     torch._inductor.config.wrap_inductor_compiled_regions = True
-    # the exact expert dispatch's split sizes, read with `.tolist()`, become symbolic (unbacked) sizes in
-    # the graph instead of a graph break whose resumed frame guards on every size: one graph then serves
-    # every step's token counts (without it, each new count recompiles until dynamo's limit is reached)
+    # the exact expert dispatch's split sizes, read with `.tolist()`, become symbolic (unbacked)
+    # sizes in the graph instead of a graph break whose resumed frame guards on every size: one
+    # graph then serves every step's token counts (without it, each new count recompiles until
+    # dynamo's limit is reached)
     torch._dynamo.config.capture_scalar_outputs = True
 
 

@@ -1,14 +1,14 @@
-"""Context parallelism: one rank's chunks of each training window (`ContextShards`, the model's `window`
-under parallel.cp > 1; models/context.py says what the model and the mixers ask of it).
+"""Context parallelism: one rank's chunks of each training window (`ContextShards`, the model's
+`window` under parallel.cp > 1; models/context.py says what the model and the mixers ask of it).
 
-The window of S rows is cut into `cp * per_rank` equal chunks of L rows: zigzag (per_rank = 2, rank r
-holds chunks r and 2cp - 1 - r, so every rank gets the same share of causal attention's and the QSA
-indexer's quadratic cost) or contiguous (one chunk per rank). A rank's rows are its chunks end to end.
-Every exchange is an all-gather over the cp group whose backward is a reduce-scatter (comm.py
-`gather_along`), so gradients reach the rows' owners summed over every rank that read them:
+The window of S rows is cut into `cp * per_rank` equal chunks of L rows: zigzag (per_rank = 2, rank
+r holds chunks r and 2cp - 1 - r, so every rank gets the same share of causal attention's and the
+QSA indexer's quadratic cost) or contiguous (one chunk per rank). A rank's rows are its chunks end
+to end. Every exchange is an all-gather over the cp group whose backward is a reduce-scatter
+(comm.py `gather_along`), so gradients reach the rows' owners summed over every rank that read them:
 * `gather`: all of a tensor's rows (attention's keys and values), put back in window order;
-* `halo`: only the last n rows of each chunk travel (n = a convolution's reach back; whole chunks when
-  n > L, for a window cut finer than a convolution reaches);
+* `halo`: only the last n rows of each chunk travel (n = a convolution's reach back; whole chunks
+  when n > L, for a window cut finer than a convolution reaches);
 * `carry`: one transition [H, Dk, Dk] and one final state [H, Dk, Dv] per chunk (fp32), folded in
   window order on every rank (a handful of small matmuls) so each chunk's entering state is exact.
 """
@@ -32,8 +32,8 @@ def chunks_of_rank(rank: int, cp: int, sharding: str) -> List[int]:
 
 class ContextShards(WholeWindow):
     def __init__(self, group, sharding: str = "zigzag", switch=None):
-        """`switch`: state.WholeSequenceSwitch; while it is off (evaluation) the model computes whole
-        windows, as one process."""
+        """`switch`: state.WholeSequenceSwitch; while it is off (evaluation) the model computes
+        whole windows, as one process."""
         super().__init__()
         self.group, self.sharding, self.switch = group, sharding, switch
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -56,7 +56,8 @@ class ContextShards(WholeWindow):
     def chunks(self) -> int:
         return len(self.mine) if self.sharded else 1
 
-    # With the switch off (evaluation) the window is whole: what the model asks is WholeWindow's answer.
+    # With the switch off (evaluation) the window is whole: what the model asks is WholeWindow's
+    # answer.
     def local_rows(self, window_rows: int) -> int:
         return window_rows // self.cp if self.sharded else window_rows
 
@@ -64,7 +65,8 @@ class ContextShards(WholeWindow):
         if not self.sharded:
             return super().rows(local_rows, device)
         length = local_rows // self.chunks
-        return torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in self.mine])
+        return torch.cat([torch.arange(c * length, (c + 1) * length,
+                                       device=device) for c in self.mine])
 
     def chunk_ends(self, local_rows: int) -> list:
         if not self.sharded:
@@ -94,7 +96,8 @@ class ContextShards(WholeWindow):
     def gather(self, x_bs: torch.Tensor) -> torch.Tensor:
         b, rows = x_bs.shape[:2]
         length = rows // self.chunks
-        gathered = gather_along(x_bs.contiguous(), self.group, 1)  # [B, cp * rows, ...], rank by rank
+        # [B, cp * rows, ...], rank by rank
+        gathered = gather_along(x_bs.contiguous(), self.group, 1)
         by_chunk = gathered.reshape(b, self.total, length, *x_bs.shape[2:])
         return self._window_order(by_chunk).reshape(b, self.total * length, *x_bs.shape[2:])
 
@@ -108,11 +111,14 @@ class ContextShards(WholeWindow):
             return chunks_bl[:, :0]
         bc, length = chunks_bl.shape[:2]
         b, rest = bc // self.chunks, chunks_bl.shape[2:]
-        m = min(n, length)  # rows each chunk sends: its last n, or all of it when the halo is longer
+        # rows each chunk sends: its last n, or all of it when the halo is longer
+        m = min(n, length)
         tails = chunks_bl[:, length - m:].reshape(b, self.chunks * m, *rest)
         gathered = gather_along(tails.contiguous(), self.group, 1).reshape(b, self.total, m, *rest)
-        window = self._window_order(gathered).reshape(b, self.total * m, *rest)  # chunk by chunk, in order
-        # the rows before chunk c end at row c * m of `window`; `fill` stands before the window's start
+        # chunk by chunk, in order
+        window = self._window_order(gathered).reshape(b, self.total * m, *rest)
+        # the rows before chunk c end at row c * m of `window`; `fill` stands before the window's
+        # start
         padded = torch.cat([window.new_full((b, n, *rest), fill), window], dim=1)
         before = [padded[:, c * m: c * m + n] for c in self.mine]
         return torch.stack(before, 1).reshape(bc, n, *rest)
@@ -122,7 +128,8 @@ class ContextShards(WholeWindow):
         b = bc // self.chunks
         packed = torch.cat([transition_bhkk, final_bhkv], dim=-1).float()  # [B*c, H, Dk, Dk + Dv]
         packed = packed.reshape(b, self.chunks, *packed.shape[1:])
-        window = self._window_order(gather_along(packed.contiguous(), self.group, 1))  # [B, total, H, Dk, Dk+Dv]
+        # [B, total, H, Dk, Dk+Dv]
+        window = self._window_order(gather_along(packed.contiguous(), self.group, 1))
         dk = transition_bhkk.shape[-1]
         state = torch.zeros_like(window[:, 0, ..., dk:])
         entering = []

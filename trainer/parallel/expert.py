@@ -1,7 +1,8 @@
-"""Expert parallelism (and the experts' tensor-parallel split): routed experts sharded over (ep, tp), tokens
-dispatched to their experts' ranks by all-to-all and back, dropless (`parallel.ep_dispatch`: exact
-counts, or fixed-capacity padded blocks with the counts on the device); under tp the MoE layer's
-partial outputs are reduced (reduce-scattered under sequence parallelism)."""
+"""Expert parallelism (and the experts' tensor-parallel split): routed experts sharded over (ep,
+tp), tokens dispatched to their experts' ranks by all-to-all and back, dropless
+(`parallel.ep_dispatch`: exact counts, or fixed-capacity padded blocks with the counts on the
+device); under tp the MoE layer's partial outputs are reduced (reduce-scattered under sequence
+parallelism)."""
 
 from __future__ import annotations
 
@@ -44,35 +45,36 @@ class _InFlight(NamedTuple):
 
 
 class ParallelExperts(GroupedExperts):
-    """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp, built from the
-    model's layer (its parameters, under the same names, become DTensors over `expert_mesh`).
+    """GroupedExperts whose expert dim is sharded over ep and intermediate dim over tp, built from
+    the model's layer (its parameters, under the same names, become DTensors over `expert_mesh`).
 
-    Token copies arrive sorted by (global) expert with per-expert counts (a device tensor); they
-    are sent to the ep rank holding their expert (counts exchanged first, then an all-to-all of the
+    Token copies arrive sorted by (global) expert with per-expert counts (a device tensor); they are
+    sent to the ep rank holding their expert (counts exchanged first, then an all-to-all of the
     copies: dropless), regrouped expert-major on the device, computed on the local shards, and sent
     back in the original order. The count exchange starts in `prepare`, before the caller gathers
-    the token copies; the copies' all-to-all starts in `dispatch`, and the caller computes the shared
-    expert before `forward` reads what arrived. Under tp the output is a partial sum (the caller
-    reduces it once per layer).
+    the token copies; the copies' all-to-all starts in `dispatch`, and the caller computes the
+    shared expert before `forward` reads what arrived. Under tp the output is a partial sum (the
+    caller reduces it once per layer).
 
     Two dispatches (`parallel.ep_dispatch`), equal in outputs and gradients:
     * `exact`: each destination gets exactly its copies, a variable-size all-to-all whose split
       sizes the host reads back: the layer's one device-to-host sync (traced as symbolic sizes under
       `train.compile`).
-    * `padded` (training forwards): each destination gets a block of `capacity` rows, the most copies
-      one destination can receive from this rank (each token's top-k experts are distinct, so at most
-      min(top_k, experts per rank) of its copies share a rank), which makes the block size a static
-      shape; rows past the counts are padding. The receiver finds each row's expert from the
-      exchanged counts with device-side index maths, computes the valid rows only (the grouped matmul's
-      offsets end at the valid rows; the padding rows' outputs are never read), and the results go
-      back the same way. No host sync.
+    * `padded` (training forwards): each destination gets a block of `capacity` rows, the most
+      copies one destination can receive from this rank (each token's top-k experts are distinct, so
+      at most min(top_k, experts per rank) of its copies share a rank), which makes the block size a
+      static shape; rows past the counts are padding. The receiver finds each row's expert from the
+      exchanged counts with device-side index maths, computes the valid rows only (the grouped
+      matmul's offsets end at the valid rows; the padding rows' outputs are never read), and the
+      results go back the same way. No host sync.
 
     The exchanges are functional collectives (an op with an output, not an in-place write), so
     selective activation checkpointing keeps their outputs and a recomputation in backward neither
     re-sends tokens nor waits on the other ranks (activation_checkpoint.py).
     """
 
-    def __init__(self, experts: GroupedExperts, num_experts: int, top_k: int, ep_mesh=None, expert_mesh=None,
+    def __init__(self, experts: GroupedExperts, num_experts: int, top_k: int, ep_mesh=None,
+                 expert_mesh=None,
                  tp: int = 1, ep_dispatch: str = "exact"):
         nn.Module.__init__(self)
         adopt(self, experts)
@@ -106,13 +108,15 @@ class ParallelExperts(GroupedExperts):
         if self.ep_dispatch == "padded" and torch.is_grad_enabled():
             ep, n_local = send_ct.shape
             capacity = x_sorted_nh.shape[0] // self.top_k * min(self.top_k, n_local)
-            # sorted copy i goes to destination d (its expert's rank), row i - (d's first copy) of block d
+            # sorted copy i goes to destination d (its expert's rank), row i - (d's first copy) of
+            # block d
             dest_ct = send_ct.sum(1)
             dest_end = dest_ct.cumsum(0)
             i = torch.arange(x_sorted_nh.shape[0], device=x_sorted_nh.device)
             d = torch.searchsorted(dest_end, i, right=True)
             pos = d * capacity + i - (dest_end - dest_ct)[d]
-            send = x_sorted_nh.new_zeros(ep * capacity, x_sorted_nh.shape[1]).index_copy(0, pos, x_sorted_nh)
+            send = x_sorted_nh.new_zeros(ep * capacity,
+                                         x_sorted_nh.shape[1]).index_copy(0, pos, x_sorted_nh)
             x = funcol.all_to_all_single_autograd(send, None, None, group)
             self._in_flight = _InFlight(x, recv_ct, pos, None)
         else:
@@ -127,27 +131,32 @@ class ParallelExperts(GroupedExperts):
         if self._in_flight is None:  # a caller that skipped `dispatch`
             self.dispatch(x_sorted_nh, counts)
         (x, recv_ct, pos, back_splits), self._in_flight = self._in_flight, None
-        # the local shards are taken after the dispatch: where a host read breaks a compiled forward (the
-        # exact dispatch's split sizes without dynamo's scalar capture, the expert loop's counts), a view of
-        # a DTensor parameter's shard handed across the break makes the shard itself require grad (torch
-        # 2.13), so the block's next compiled run, and a checkpoint's recomputation, would pick another graph
+        # the local shards are taken after the dispatch: where a host read breaks a compiled forward
+        # (the exact dispatch's split sizes without dynamo's scalar capture, the expert loop's
+        # counts), a view of a DTensor parameter's shard handed across the break makes the shard
+        # itself require grad (torch 2.13), so the block's next compiled run, and a checkpoint's
+        # recomputation, would pick another graph
         gate, up, down = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
-        # received rows are source-major ([src][local expert], padded blocks: valid rows first); regroup
-        # them expert-major (stable within a block, padding last) by a device-side sort of each row's
-        # (expert, source) key
+        # received rows are source-major ([src][local expert], padded blocks: valid rows first);
+        # regroup them expert-major (stable within a block, padding last) by a device-side sort of
+        # each row's (expert, source) key
         ep, n_local = recv_ct.shape
         if pos is None:  # exact: blocks packed back to back
-            block = torch.repeat_interleave(torch.arange(ep * n_local, device=recv_ct.device), recv_ct.flatten(),
-                                            output_size=x.shape[0])
+            block = torch.repeat_interleave(torch.arange(ep * n_local, device=recv_ct.device),
+                                            recv_ct.flatten(), output_size=x.shape[0])
             src, expert = block // n_local, block % n_local
-        else:  # padded: block s is rows s*capacity.., its row p belongs to the first expert whose count ends past p
+        # padded: block s is rows s*capacity.., its row p belongs to the first expert whose count
+        # ends past p
+        else:
             capacity = x.shape[0] // ep
             rows = torch.arange(x.shape[0], device=recv_ct.device)
             src = rows // capacity
-            expert = torch.searchsorted(recv_ct.cumsum(1), (rows % capacity).view(ep, capacity), right=True).flatten()
-        perm = torch.argsort(expert * ep + src, stable=True)  # padding rows (expert == n_local) sort last
-        # index_select, not indexing: a permutation's gradient is a gather too (each row written once), where
-        # indexing's backward is an accumulating index_put, several times slower on CPU
+            expert = torch.searchsorted(recv_ct.cumsum(1), (rows % capacity).view(ep, capacity),
+                                        right=True).flatten()
+        # padding rows (expert == n_local) sort last
+        perm = torch.argsort(expert * ep + src, stable=True)
+        # index_select, not indexing: a permutation's gradient is a gather too (each row written
+        # once), where indexing's backward is an accumulating index_put, several times slower on CPU
         y = expert_swiglu(x.index_select(0, perm), recv_ct.sum(0), gate, up, down, self.matmul)
         y = y.index_select(0, inverse_permutation(perm))
         if pos is None:
@@ -188,9 +197,14 @@ class TensorParallelMoE(MoE):
         if self.sequence_parallel:
             # the experts are tp-sharded: every tp rank computes its slice for all tp ranks' tokens
             g = self.tp_group
-            x_tp, w_tp, idx_tp = gather_along(x, g, 0), gather_along(weights, g, 0), gather_along(indices, g, 0)
+            x_tp, w_tp, idx_tp = gather_along(x, g, 0), gather_along(weights, g,
+                                                                     0), gather_along(indices, g, 0)
         else:
-            x_tp, w_tp, idx_tp = copy_to_group(x, self.tp_group), copy_to_group(weights, self.tp_group), indices
+            x_tp, w_tp, idx_tp = (
+                copy_to_group(x, self.tp_group),
+                copy_to_group(weights, self.tp_group),
+                indices,
+            )
         out = self.route_and_compute(x_tp, w_tp, idx_tp)  # routed + shared (partial sums over tp)
         if self.sequence_parallel:
             out = scatter_reduce_along(out, self.tp_group, 0)
@@ -213,16 +227,20 @@ class TensorParallelMoE(MoE):
     def shared_mlp(self, x_th: torch.Tensor) -> torch.Tensor:
         """This rank's partial shared-expert output (its tp shard of the intermediate width)."""
         se = self.shared_experts
-        h = F.silu(F.linear(x_th, local(se.gate_proj.weight))) * F.linear(x_th, local(se.up_proj.weight))
+        h = F.silu(F.linear(x_th, local(se.gate_proj.weight))) * F.linear(x_th,
+                                                                          local(se.up_proj.weight))
         return F.linear(h, local(se.down_proj.weight))
 
 
-def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh, switch: Optional[WholeSequenceSwitch] = None,
+def parallelize_moe(moe: MoE, tp_mesh, ep_mesh, expert_mesh,
+                    switch: Optional[WholeSequenceSwitch] = None,
                     ep_dispatch: str = "exact") -> MoE:
-    """One MoE layer with its experts sharded over (ep, tp) (`ParallelExperts` replaces `moe.experts`)
-    and, under tp, the layer rebuilt as a TensorParallelMoE: returns the layer to use (the caller puts
-    it in place of `moe`). `switch`: under sequence parallelism. `ep_dispatch`: `parallel.ep_dispatch`."""
+    """One MoE layer with its experts sharded over (ep, tp) (`ParallelExperts` replaces
+    `moe.experts`) and, under tp, the layer rebuilt as a TensorParallelMoE: returns the layer to use
+    (the caller puts it in place of `moe`). `switch`: under sequence parallelism. `ep_dispatch`:
+    `parallel.ep_dispatch`."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    replace_child(moe, moe.experts, ParallelExperts(moe.experts, moe.cfg.num_experts, moe.cfg.top_k, ep_mesh,
+    replace_child(moe, moe.experts,
+                  ParallelExperts(moe.experts, moe.cfg.num_experts, moe.cfg.top_k, ep_mesh,
                                                     expert_mesh, tp, ep_dispatch))
     return TensorParallelMoE(moe, tp_mesh, switch) if tp > 1 else moe

@@ -1,6 +1,7 @@
-"""Completing a step's gradients: the sums over the ranks that hold copies of a parameter (data-parallel
-replicas kept whole, pipeline ranks sharing a piece, tp ranks under sequence parallelism), bucketed and
-overlapped with the rest of backward, then the true global norm and clipping (GradientFinisher)."""
+"""Completing a step's gradients: the sums over the ranks that hold copies of a parameter
+(data-parallel replicas kept whole, pipeline ranks sharing a piece, tp ranks under sequence
+parallelism), bucketed and overlapped with the rest of backward, then the true global norm and
+clipping (GradientFinisher)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ embedding and heads are GiBs)."""
 @torch.no_grad()
 def launch_gradient_sums(entries, reduce_dtype: Optional[torch.dtype] = None,
                          bucket_bytes: int = GRAD_BUCKET_BYTES) -> list:
-    """Start summing the gradients of `entries` ((parameter, process group) pairs) over their groups:
-    per group and dtype, in the entries' order, flat buckets of at most `bucket_bytes` (one parameter
-    larger than that is a bucket of its own), each one asynchronous all-reduce in `reduce_dtype` (None:
-    the gradient's dtype). Parameters backward never reached count as zeros. `finish_gradient_sums`
-    waits and writes the sums back; every rank of a group must pass its entries in the same order."""
+    """Start summing the gradients of `entries` ((parameter, process group) pairs) over their
+    groups: per group and dtype, in the entries' order, flat buckets of at most `bucket_bytes` (one
+    parameter larger than that is a bucket of its own), each one asynchronous all-reduce in
+    `reduce_dtype` (None: the gradient's dtype). Parameters backward never reached count as zeros.
+    `finish_gradient_sums` waits and writes the sums back; every rank of a group must pass its
+    entries in the same order."""
     groups: Dict[tuple, list] = {}
     for p, group in entries:
         if p.grad is None:
@@ -81,7 +83,8 @@ def sum_gradients(entries, reduce_dtype: torch.dtype) -> None:
 
 
 class GradientFinisher:
-    """`ParallelState.gradient_finisher`: completes this step's gradients, then clips by the global norm.
+    """`ParallelState.gradient_finisher`: completes this step's gradients, then clips by the global
+    norm.
 
     1. Data parallelism is FSDP2's (`dp_mode=fsdp`: reduce-scatter) or its replicate (`allreduce`:
        per-module all-reduces overlapped with backward), both issued by torch during every
@@ -102,15 +105,18 @@ class GradientFinisher:
     """
 
     def __init__(self, model: nn.Module, world: int, pp: int, batch_group, batch_size: int,
-                 dp_group, dp_size: int, shared: Optional[Dict[str, tuple]] = None, replicated_names=(),
+                 dp_group, dp_size: int, shared: Optional[Dict[str, tuple]] = None,
+                 replicated_names=(),
                  sp_partial_names=(), tp_group=None, device: Optional[torch.device] = None,
-                 reduce_dtype: torch.dtype = torch.float32, piece_units: Optional[PieceUnits] = None):
+                 reduce_dtype: torch.dtype = torch.float32,
+                 piece_units: Optional[PieceUnits] = None):
         self.model, self.world, self.pp = model, world, pp
         # collectives need device tensors even on a rank with no gradients (a frozen pp stage)
         self.device = device if device is not None else next(model.parameters()).device
         # dtype of the whole pieces' gradient sums (train.grad_reduce_dtype)
         self.reduce_dtype = reduce_dtype
-        # sequence parallelism: replicated parameters that saw one sequence shard (names survive FSDP)
+        # sequence parallelism: replicated parameters that saw one sequence shard (names survive
+        # FSDP)
         self.sp_partial, self.tp_group = set(sp_partial_names), tp_group
         self.batch_group, self.batch_size = batch_group, batch_size
         self.dp_group, self.dp_size = dp_group, dp_size
@@ -124,7 +130,8 @@ class GradientFinisher:
             yield p, is_expert, piece
 
     def _named_params(self):
-        """(name, parameter, is a routed expert, shared piece or None) of every trained parameter."""
+        """(name, parameter, is a routed expert, shared piece or None) of every trained
+        parameter."""
         experts = {id(p) for p in expert_parameters(self.model)}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
@@ -135,11 +142,12 @@ class GradientFinisher:
     def start(self, pieces: Iterable[str]) -> None:
         """Complete what this rank can of `pieces`' gradients and start their pipeline-group sums
         (asynchronous buckets, waited for in `sync`): the pipeline calls it once every stage of this
-        rank using them finished its step's backward (FSDP's reduction included), so the sums overlap
-        the backward left on this rank's other stages. Each group's pieces arrive in one call, in the
-        same order of groups on every rank (`Pipeline`)."""
+        rank using them finished its step's backward (FSDP's reduction included), so the sums
+        overlap the backward left on this rank's other stages. Each group's pieces arrive in one
+        call, in the same order of groups on every rank (`Pipeline`)."""
         pieces = set(pieces)
-        if self.piece_units is not None:  # the step's dp x ep reduce-scatter first: it swaps the sharded
+        # the step's dp x ep reduce-scatter first: it swaps the sharded
+        if self.piece_units is not None:
             self.piece_units.reduce(pieces)  # parameters (and their gradients) back into the model
         self._start([entry for entry in self._named_params()
                      if entry[0].split(".", 1)[0] in pieces and entry[0] not in self._started])
@@ -159,15 +167,18 @@ class GradientFinisher:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(local(p.grad), group=self.tp_group)
-        whole = [(p, self.dp_group if is_expert else self.batch_group) for name, p, is_expert, _ in params
-                 if name in self.replicated and (self.dp_size if is_expert else self.batch_size) > 1]
+        whole = [(p, self.dp_group if is_expert else self.batch_group) for name, p, is_expert,
+                 _ in params
+                 if name in self.replicated
+                 and (self.dp_size if is_expert else self.batch_size) > 1]
         copies = [(p, self.shared[piece][0]) for _, p, _, piece in params if piece is not None]
         if whole and copies:  # the pp sum reads the dp sum
             sum_gradients(whole, self.reduce_dtype)
         elif whole:
             self._pending += launch_gradient_sums(whole, self.reduce_dtype)
         # copies on several pp ranks, in the gradients' dtype; every holder walks its parameters in
-        # the model's order, so the buckets of a holder group are issued in the same order everywhere
+        # the model's order, so the buckets of a holder group are issued in the same order
+        # everywhere
         self._pending += launch_gradient_sums(copies)
 
     @torch.no_grad()
@@ -189,7 +200,8 @@ class GradientFinisher:
             g = p.grad
             shards = 1
             if isinstance(g, DTensor):
-                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
+                shards = math.prod(g.device_mesh.size(i) for i,
+                                   pl in enumerate(g.placements) if _is_shard(pl))
             copies = holders * (self.shared[piece][1] if piece is not None else 1) / shards
             # fp32 sums (no fp64 on accelerators): the norm only sets the clipping coefficient
             sq = local(g).float().pow(2).sum() / copies

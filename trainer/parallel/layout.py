@@ -14,13 +14,13 @@ The loop's `dp_size`/`dp_rank`/`dp_group` describe the batch split, i.e. the fla
 
 `apply_parallelism` runs, in order: pipeline pruning (PP), the PLE n-gram tables' row split over the
 stage's dp x ep x tp ranks (tensor_hybrid.shard_ple_tables: never gathered, kept out of FSDP, their
-gradients complete without a dp reduction), TP/EP (DTensor shards + dispatch), FSDP2 (fully_shard, or
-replicate for `dp_mode=allreduce`; a piece two pipeline stages of one rank share is an FSDP unit of
-its own, data.PieceUnits), then sets the state's optional pieces: `pipeline`, `gradient_finisher`
+gradients complete without a dp reduction), TP/EP (DTensor shards + dispatch), FSDP2 (fully_shard,
+or replicate for `dp_mode=allreduce`; a piece two pipeline stages of one rank share is an FSDP unit
+of its own, data.PieceUnits), then sets the state's optional pieces: `pipeline`, `gradient_finisher`
 (gradient sync + true global norm), `mtp_copies_group` and, under sequence parallelism,
-`whole_sequence_switch` (decoding runs the TP regions on whole sequences).
-Sequence parallelism (tp > 1) keeps activations sharded along the sequence over tp between the TP
-regions (tensor.py); the router loads are then summed over tp as well.
+`whole_sequence_switch` (decoding runs the TP regions on whole sequences). Sequence parallelism (tp
+> 1) keeps activations sharded along the sequence over tp between the TP regions (tensor.py); the
+router loads are then summed over tp as well.
 """
 
 from __future__ import annotations
@@ -52,29 +52,32 @@ from .tensor_hybrid import shard_ple_tables
 
 
 def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
-    # looked up at call time: the distributed tests substitute a caching init_device_mesh (one mesh per
-    # shape for a whole launch, as a run builds it once)
+    # looked up at call time: the distributed tests substitute a caching init_device_mesh (one mesh
+    # per shape for a whole launch, as a run builds it once)
     from torch.distributed.device_mesh import init_device_mesh
 
     p = cfg.parallel
     if not dist.is_initialized():
         init_process_group(device.process_group_backend)
-    mesh = init_device_mesh(device.type, (p.pp, dp, p.cp, p.ep, p.tp), mesh_dim_names=("pp", "dp", "cp", "ep", "tp"))
+    mesh = init_device_mesh(device.type, (p.pp, dp, p.cp, p.ep, p.tp),
+                            mesh_dim_names=("pp", "dp", "cp", "ep", "tp"))
     data_mesh = mesh["dp", "ep"]._flatten("dp_ep")  # ranks reading different samples
     batch = dp * p.ep
     degrees = ParallelDegrees(pp=p.pp, dp=dp, cp=p.cp, ep=p.ep, tp=p.tp,
                               sequence_parallel=bool(p.sequence_parallel and p.tp > 1))
-    # the ranks holding the same parameters (FSDP's shard dimension), and those holding the same experts
+    # the ranks holding the same parameters (FSDP's shard dimension), and those holding the same
+    # experts
     batch_mesh = mesh["dp", "cp", "ep"]._flatten("dp_cp_ep") if p.cp > 1 else data_mesh
     expert_data_mesh = mesh["dp", "cp"]._flatten("dp_cp") if p.cp > 1 else mesh["dp"]
     # one pipeline stage's ranks (the PLE tables' row split; the router loads' group under SP)
-    stage_mesh = mesh["dp", "cp", "ep", "tp"]._flatten("dp_cp_ep_tp") if degrees.replicas * p.tp > 1 else None
+    stage_mesh = mesh["dp", "cp", "ep",
+                      "tp"]._flatten("dp_cp_ep_tp") if degrees.replicas * p.tp > 1 else None
     return ParallelState(
         device=device, world_size=world, rank=dist.get_rank(), degrees=degrees,
-        dp_size=batch, dp_rank=data_mesh.get_local_rank(), dp_group=data_mesh.get_group(), mesh=mesh,
-        batch_mesh=batch_mesh, expert_data_mesh=expert_data_mesh, stage_mesh=stage_mesh,
-        # Router loads are summed over the ranks that routed different tokens: the batch split and cp,
-        # and under sequence parallelism also the tp ranks (each routes its sequence shard).
+        dp_size=batch, dp_rank=data_mesh.get_local_rank(), dp_group=data_mesh.get_group(),
+        mesh=mesh, batch_mesh=batch_mesh, expert_data_mesh=expert_data_mesh, stage_mesh=stage_mesh,
+        # Router loads are summed over the ranks that routed different tokens: the batch split and
+        # cp, and under sequence parallelism also the tp ranks (each routes its sequence shard).
         router_load_group=_router_load_group(mesh, batch_mesh, stage_mesh, degrees.replicas,
                                              degrees.sequence_parallel),
         context_group=mesh["cp"].get_group() if p.cp > 1 else None)
@@ -83,20 +86,21 @@ def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int)
 def init_process_group(backend: str) -> None:
     """`dist.init_process_group` from the launcher's environment, with restart attempts kept apart.
 
-    torchrun's c10d rendezvous shares its TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE) and
-    torch (2.13) keeps every restart attempt's keys in it unprefixed (pytorch/pytorch#135712, #167288):
-    a worker restarted after a rank died can read the dead attempt's peer addresses and fail in gloo's
-    connectFullMesh ("Connection refused") or wait forever on a stale key. Under an agent store the
-    process group therefore gets its own key prefix per attempt (TORCHELASTIC_RESTART_COUNT, which
-    every worker of a restarted group shares)."""
+    torchrun's c10d rendezvous shares its TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE)
+    and torch (2.13) keeps every restart attempt's keys in it unprefixed (pytorch/pytorch#135712,
+    #167288): a worker restarted after a rank died can read the dead attempt's peer addresses and
+    fail in gloo's connectFullMesh ("Connection refused") or wait forever on a stale key. Under an
+    agent store the process group therefore gets its own key prefix per attempt
+    (TORCHELASTIC_RESTART_COUNT, which every worker of a restarted group shares)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend)
         return
     world = int(os.environ["WORLD_SIZE"])
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                                timeout=default_pg_timeout)
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"tandem/attempt_{attempt}", agent_store),
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                is_master=False, timeout=default_pg_timeout)
+    dist.init_process_group(backend=backend,
+                            store=dist.PrefixStore(f"tandem/attempt_{attempt}", agent_store),
                             rank=int(os.environ["RANK"]), world_size=world)
 
 
@@ -107,14 +111,16 @@ def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
 
 
 def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
-    """This rank's part of `model` under the layout `state` describes (the module docstring's order);
-    sets the state's pipeline, gradient finisher and groups."""
+    """This rank's part of `model` under the layout `state` describes (the module docstring's
+    order); sets the state's pipeline, gradient finisher and groups."""
     deg = state.degrees
     compute_dtype = state.device.autocast_dtype(cfg.train.dtype)  # None: fp32
     if state.sequence_parallel or deg.cp > 1:  # sequences split in training, whole in evaluation
         state.whole_sequence_switch = WholeSequenceSwitch()
-    if deg.cp > 1:  # each rank computes its chunks of every window (before the pipeline reads the model)
-        replace_child(model, model.context, ContextShards(state.context_group, cfg.parallel.cp_sharding,
+    # each rank computes its chunks of every window (before the pipeline reads the model)
+    if deg.cp > 1:
+        replace_child(model, model.context,
+                      ContextShards(state.context_group, cfg.parallel.cp_sharding,
                                                           state.whole_sequence_switch))
     if state.pp_enabled:
         prune_model(model, cfg, state.mesh["pp"].get_local_rank())
@@ -125,14 +131,18 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
     own_units = deg.replicas > 1 and cfg.parallel.dp_mode == "fsdp"
     pipeline = None
     if state.pp_enabled:
-        pipeline = Pipeline(model, cfg, state.mesh["pp"], state.device.device, piece_units=own_units)
+        pipeline = Pipeline(model, cfg, state.mesh["pp"], state.device.device,
+                            piece_units=own_units)
     shared_in_rank = pipeline.plan.shared_within_rank() if pipeline is not None else []
-    units = {x: getattr(model, x) for x in shared_in_rank if own_units and getattr(model, x) is not None}
+    units = {x: getattr(model, x) for x in shared_in_rank if own_units and getattr(model,
+                                                                                   x) is not None}
     whole = [] if own_units else shared_in_rank
-    whole_params = {name: q for name, q in model.named_parameters() if name.split(".", 1)[0] in whole}
+    whole_params = {name: q for name,
+                    q in model.named_parameters() if name.split(".", 1)[0] in whole}
     mp_policy = None
     if deg.replicas > 1:
-        mp_policy = _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, tables, compute_dtype)
+        mp_policy = _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, tables,
+                                         compute_dtype)
     piece_units = PieceUnits(units) if units else None
     shared = {}
     if pipeline is not None:
@@ -143,30 +153,36 @@ def apply_parallelism(model: nn.Module, cfg: TandemConfig, state: ParallelState)
         model, state.world_size, deg.pp,
         batch_group=state.batch_mesh.get_group(), batch_size=deg.replicas,
         dp_group=state.expert_data_mesh.get_group(), dp_size=deg.dp * deg.cp,
-        shared=shared, replicated_names=set(whole_params), sp_partial_names=sp_partial, tp_group=tp_group,
-        device=state.device.device, piece_units=piece_units,
-        reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None else torch.float32)
-    if pipeline is not None:  # shared pieces' sums start as soon as this rank's stages using them are done
+        shared=shared, replicated_names=set(whole_params), sp_partial_names=sp_partial,
+        tp_group=tp_group, device=state.device.device, piece_units=piece_units,
+        reduce_dtype=REDUCE_DTYPES[cfg.train.grad_reduce_dtype] if compute_dtype is not None
+        else torch.float32)
+    # shared pieces' sums start as soon as this rank's stages using them are done
+    if pipeline is not None:
         pipeline.finisher = state.gradient_finisher
     return model
 
 
-def _apply_tensor_parallel(model: nn.Module, cfg: TandemConfig, state: ParallelState, compute_dtype):
-    """The PLE tables' row split over the stage's ranks, then TP/SP/EP: (the tables' parameter names,
-    the parameters whose gradients are partial over tp under SP)."""
+def _apply_tensor_parallel(model: nn.Module, cfg: TandemConfig, state: ParallelState,
+                           compute_dtype):
+    """The PLE tables' row split over the stage's ranks, then TP/SP/EP: (the tables' parameter
+    names, the parameters whose gradients are partial over tp under SP)."""
     deg, mesh = state.degrees, state.mesh
     tables = []
     if state.stage_mesh is not None:
         # rows travel in the dtype FSDP's policy would have gathered the table in
-        tables = shard_ple_tables(model, state.stage_mesh, compute_dtype if deg.replicas > 1 else None)
-    # decoding runs the TP regions on whole sequences (the evaluator flips the switch set up with CP)
+        tables = shard_ple_tables(model, state.stage_mesh,
+                                  compute_dtype if deg.replicas > 1 else None)
+    # decoding runs the TP regions on whole sequences (the evaluator flips the switch set up with
+    # CP)
     switch = state.whole_sequence_switch if state.sequence_parallel else None
     tp_mesh = mesh["tp"] if state.tp_enabled else None
     ep_mesh = mesh["ep"] if state.ep_enabled else None
     expert_mesh = ep_mesh if ep_mesh is not None else tp_mesh
     if ep_mesh is not None and tp_mesh is not None:
         expert_mesh = mesh["ep", "tp"]
-    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh, state.sequence_parallel,
+    sp_partial = apply_tensor_and_expert_parallel(model, tp_mesh, ep_mesh, expert_mesh,
+                                                  state.sequence_parallel,
                                                   switch, cfg.parallel.ep_dispatch)
     return tables, sp_partial
 
@@ -177,8 +193,9 @@ def _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, table
     p = cfg.parallel
     cast_params = list(whole_params.values())
     if compute_dtype is not None:
-        # what the recurrence and the stream mixing read stays fp32 under the bf16 policy: kept whole
-        # (summed over dp x ep by the finisher like the whole pieces), never cast (data.fp32_parameters)
+        # what the recurrence and the stream mixing read stays fp32 under the bf16 policy: kept
+        # whole (summed over dp x ep by the finisher like the whole pieces), never cast
+        # (data.fp32_parameters)
         fp32 = fp32_parameters(model)
         cast_params = [q for n, q in whole_params.items() if n not in fp32]
         whole_params.update(fp32)
@@ -186,12 +203,15 @@ def _apply_data_parallel(model, cfg, state, pipeline, units, whole_params, table
     roots = pipeline.modules if pipeline is not None else [model]
     mp_policy, wire_dtype = fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
                                                  p.reshard_after_microbatch)
-    keep_whole = set(whole_params.values()) | {q for n, q in model.named_parameters() if n in tables}
-    apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, state.expert_data_mesh, mp_policy,
+    keep_whole = set(whole_params.values()) | {q for n,
+                                               q in model.named_parameters() if n in tables}
+    apply_fsdp(blocks, roots, [model] + list(roots), state.batch_mesh, state.expert_data_mesh,
+               mp_policy,
                keep_whole=keep_whole, replicated=p.dp_mode == "allreduce", wire_dtype=wire_dtype,
                units=units.values(),
                # a unit sums a whole step before its one reduce-scatter: the one-sync precision
-               unit_precision=fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype, False))
+               unit_precision=fsdp_mixed_precision(compute_dtype, cfg.train.grad_reduce_dtype,
+                                                   False))
     if mp_policy is not None:  # the whole pieces compute in the policy's dtype too
         cast_kept_whole(model, cast_params, mp_policy.param_dtype)
     return mp_policy
@@ -204,10 +224,10 @@ def _build_pipeline(model, cfg, state, pipeline, mp_policy, compute_dtype) -> di
     shared = _shared_piece_groups(state.mesh, state.degrees.pp, pipeline.plan.holders())
     if "mtp" in shared:  # the loop sums the MTP routers' loads over the copies too
         state.mtp_copies_group = shared["mtp"][0]
-    # the residual stream between stages: fp32 for hyper-connection streams on every layout (they mix
-    # and inject in fp32, as one process's autocast leaves them); a plain residual takes the gathered
-    # parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and residual
-    # adds in fp32). See data.py's docstring.
+    # the residual stream between stages: fp32 for hyper-connection streams on every layout (they
+    # mix and inject in fp32, as one process's autocast leaves them); a plain residual takes the
+    # gathered parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and
+    # residual adds in fp32). See data.py's docstring.
     plain_bf16 = mp_policy is not None and cfg.model.hc_count == 1
     pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if plain_bf16 else torch.float32)
     state.pipeline = pipeline
@@ -228,8 +248,9 @@ def _shared_piece_groups(mesh, pp: int, holders) -> dict:
             continue
         if members not in made:
             # a group of its own even when every pp rank holds the piece, never the pipeline's: the
-            # sums start while the schedule's sends and receives still run, and one NCCL communicator
-            # runs its operations in issue order (rank 1's early sum would wait behind rank 0's sends)
+            # sums start while the schedule's sends and receives still run, and one NCCL
+            # communicator runs its operations in issue order (rank 1's early sum would wait behind
+            # rank 0's sends)
             mine = None
             for col in range(ranks.shape[1]):
                 group_ranks = [int(ranks[r, col]) for r in members]

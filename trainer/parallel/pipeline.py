@@ -1,7 +1,7 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
-The trunk's layers are split over `pp * virtual` stages (evenly, or by `parallel.pp_layout`); stage s
-lives on pp rank s % pp (so the interleaved schedule gets `virtual` chunks per rank). The model on
+The trunk's layers are split over `pp * virtual` stages (evenly, or by `parallel.pp_layout`); stage
+s lives on pp rank s % pp (so the interleaved schedule gets `virtual` chunks per rank). The model on
 each rank is pruned in place to what its stages hold, keeping the single-process parameter names
 (`layers.<global index>`), so DCP checkpoints stay portable between layouts.
 
@@ -12,15 +12,16 @@ holds the output head, the final norm (where a depth reads it), the MTP module a
 token embedding (the MTP steps embed tokens t+k). Copies on several pp ranks start identical (the
 same seeded init or checkpoint slice) and stay identical because their gradients are summed over the
 ranks holding them (Megatron's shared-embedding all-reduce, generalised); they are saved under the
-same keys: identical replicas, deduplicated by DCP. Those sums run in flat buckets (GradientFinisher),
-started per unit of pieces with the same holders as soon as this rank's stages using them finished
-the step's backward (each stage reports its REDUCE_GRAD, `_notifying`), so they overlap the backward
-still to run on the rank's other stages; the optimizer step waits for them. They sum FSDP shards: a
-piece in a stage's FSDP root is reduce-scattered with that root; a piece two stages of this rank use
-(the interleaved schedule's first stage and an MTP stage both embed tokens, two depth stages share the
-head and MTP module) is registered in neither root but is an FSDP unit of its own (data.PieceUnits):
-gathered before the step's first forward, its gradient accumulated in fp32 after each backward of a
-stage using it, and reduce-scattered once, right before its pp sum starts.
+same keys: identical replicas, deduplicated by DCP. Those sums run in flat buckets
+(GradientFinisher), started per unit of pieces with the same holders as soon as this rank's stages
+using them finished the step's backward (each stage reports its REDUCE_GRAD, `_notifying`), so they
+overlap the backward still to run on the rank's other stages; the optimizer step waits for them.
+They sum FSDP shards: a piece in a stage's FSDP root is reduce-scattered with that root; a piece two
+stages of this rank use (the interleaved schedule's first stage and an MTP stage both embed tokens,
+two depth stages share the head and MTP module) is registered in neither root but is an FSDP unit of
+its own (data.PieceUnits): gathered before the step's first forward, its gradient accumulated in
+fp32 after each backward of a stage using it, and reduce-scattered once, right before its pp sum
+starts.
 
 Qwen4-Exp (hyper-connections, PLE): the state between blocks is the `hc_count` residual streams
 [B, S, hc_count * H], so every boundary (trunk stages, the MTP chain after the trunk, h_0 beside it)
@@ -32,15 +33,15 @@ output (AuxLossGrad) inside the stage's graph, like the MoE's balance loss.
 
 A stage holding depths computes their per-depth loss sums (`model.losses_from_hidden`, continuing
 the MTP chain from the hidden state it received). The last stage returns its combined share of the
-loss and the schedule backpropagates it unscaled (`scale_grads=False`: the loss is already normalised
-by the global target count); an earlier stage attaches its share to an output with `AuxLossGrad` (the
-MoE's device for its auxiliary losses, at gradient scale 1), so it
-is differentiated when that output's gradient comes back. Every stage receives the micro-batch's
-tokens / loss mask / doc ids as kwargs.
+loss and the schedule backpropagates it unscaled (`scale_grads=False`: the loss is already
+normalised by the global target count); an earlier stage attaches its share to an output with
+`AuxLossGrad` (the MoE's device for its auxiliary losses, at gradient scale 1), so it is
+differentiated when that output's gradient comes back. Every stage receives the micro-batch's tokens
+/ loss mask / doc ids as kwargs.
 
 Precision: every stage's forward runs under the loop's autocast (bf16 compute), and stages exchange
-the residual stream in one dtype: fp32 under autocast alone (the embedding and the residual adds stay
-fp32), bf16 when FSDP's mixed-precision policy hands the stages bf16 parameters.
+the residual stream in one dtype: fp32 under autocast alone (the embedding and the residual adds
+stay fp32), bf16 when FSDP's mixed-precision policy hands the stages bf16 parameters.
 """
 
 from __future__ import annotations
@@ -63,21 +64,23 @@ from .validate import pipeline_microbatches
 
 
 def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
-    """The first stage's input to the trunk blocks: the token embedding, repeated into the `hc_count`
-    residual streams under hyper-connections ([B, S, hc_count * H]), as `TandemModel.trunk` starts."""
+    """The first stage's input to the trunk blocks: the token embedding, repeated into the
+    `hc_count` residual streams under hyper-connections ([B, S, hc_count * H]), as
+    `TandemModel.trunk` starts."""
     h = model.embed_tokens(tokens_bs)
     hc = model.cfg.hc_count
     return h.repeat(1, 1, hc) if hc > 1 else h
 
 
-def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor, tokens_bs: torch.Tensor, cache=None,
-              documents=None, context=None):
+def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor,
+              tokens_bs: torch.Tensor, cache=None, documents=None, context=None):
     """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE;
     `context` only when the window is split over context-parallel ranks."""
     extra = {} if documents is None else {"documents": documents}
     if context is not None and context.sharded:
         extra["context"] = context
-    return block(h, positions_bs, cache, tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
+    return block(h, positions_bs, cache,
+                 tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
 
 
 def boundary_width(model_cfg) -> int:
@@ -108,21 +111,24 @@ class StageModule(nn.Module):
     residual stream, or after the trunk the MTP chain's state -- plus h_0 when the plan sends it
     separately. Outputs: the same for the next stage, or the combined loss on the last stage."""
 
-    def __init__(self, model: nn.Module, plan: StagePlan, pieces: List[str], last: bool, ctx: _StepContext):
+    def __init__(self, model: nn.Module, plan: StagePlan, pieces: List[str], last: bool,
+                 ctx: _StepContext):
         super().__init__()
         self.plan, self.first, self.last = plan, plan.index == 0, last
         self.blocks = nn.ModuleList([model.layers[str(i)] for i in plan.layers])
-        # the shared pieces it uses, registered so that this stage's FSDP root covers them (not those
-        # that are FSDP units of their own: another stage of this rank uses them too, `Pipeline`)
+        # the shared pieces it uses, registered so that this stage's FSDP root covers them (not
+        # those that are FSDP units of their own: another stage of this rank uses them too,
+        # `Pipeline`)
         self.pieces = nn.ModuleDict({piece: getattr(model, piece) for piece in pieces})
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_ctx", ctx)
-        # A frozen trunk (MTP fine-tuning) runs under no_grad on every stage: no activations kept, and
-        # no activation gradients sent back (the received activation's gradient stays None).
+        # A frozen trunk (MTP fine-tuning) runs under no_grad on every stage: no activations kept,
+        # and no activation gradients sent back (the received activation's gradient stays None).
         self.trunk_frozen = model.trunk_frozen()
 
     def _depth_index(self, device: torch.device) -> torch.Tensor:
-        """This stage's depths as an index tensor, made once (not a host-to-device copy per micro-batch)."""
+        """This stage's depths as an index tensor, made once (not a host-to-device copy per
+        micro-batch)."""
         if getattr(self, "_depth_idx", None) is None or self._depth_idx.device != device:
             self._depth_idx = torch.tensor(self.plan.depths, device=device)
         return self._depth_idx
@@ -139,16 +145,18 @@ class StageModule(nn.Module):
         plan = self.plan
         b, s = tokens.shape[0], tokens.shape[1] - 1
         documents = window_documents(doc_ids, s) if self._ctx.document_mask else None
-        context = self._model.context  # this rank's rows of the window (all but under context parallelism)
+        # this rank's rows of the window (all but under context parallelism)
+        context = self._model.context
         positions = context.local(window_positions(documents, b, s, tokens.device))
         documents = documents.local(context) if documents is not None else None
         with torch.no_grad() if self.trunk_frozen else nullcontext():
             h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
-                h = run_block(block, h, positions, context.local(tokens[:, :s]), documents=documents,
-                              context=context)
+                h = run_block(block, h, positions, context.local(tokens[:, :s]),
+                              documents=documents, context=context)
         loss = None
-        # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing selected)
+        # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing
+        # selected)
         mtp_here = any(d > 0 for d in plan.depths)
         selection = None
         if selection_in and mtp_here and not self._model._qsa_dense():
@@ -156,33 +164,40 @@ class StageModule(nn.Module):
         if plan.depths:
             if plan.chain_in == 0:
                 h0 = h
-            out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions, plan.depths,
-                                                 h_chain=h, chain_depth=plan.chain_in, documents=documents,
-                                                 selection=selection, loss_grad_scales=self._ctx.grad_scales)
+            out = self._model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, positions,
+                                                 plan.depths,
+                                                 h_chain=h, chain_depth=plan.chain_in,
+                                                 documents=documents,
+                                                 selection=selection,
+                                                 loss_grad_scales=self._ctx.grad_scales)
             selection = out.selection if mtp_here else None
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
-            loss = combine_losses(out.loss_sums, self._ctx.counts[idx], [self._ctx.coefs[d] for d in plan.depths])
+            loss = combine_losses(out.loss_sums, self._ctx.counts[idx],
+                                  [self._ctx.coefs[d] for d in plan.depths])
             h = out.chain
         if self.last:
             return loss
         outputs = [h] + ([h0] if plan.send_h0 else [])
-        outputs = [o.to(self._ctx.act_dtype) for o in outputs]  # the dtype the next stage's buffers expect
+        # the dtype the next stage's buffers expect
+        outputs = [o.to(self._ctx.act_dtype) for o in outputs]
         if plan.send_selection:
             outputs += self._selection_tensors(selection, selection_in, b)
         if loss is not None and loss.requires_grad:
             i = next((i for i, o in enumerate(outputs) if o.requires_grad), None)
             if i is None:
-                raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but none of its outputs "
+                raise RuntimeError(f"pipeline stage {plan.index}: its loss needs a gradient but "
+                                   "none of its outputs "
                                    "does")
             outputs[i] = AuxLossGrad.apply(outputs[i], loss, 1.0)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
     def _selection_tensors(self, selection, received, b: int) -> List[torch.Tensor]:
-        """What this stage sends on of depth 1's QSA selection: the one its MTP depths left, else the one
-        it received (it runs no MTP depth, or the dense warm-up selected nothing), else zeros (the dense
-        warm-up on depth 1's stage: the receiving stage knows the warm-up and ignores them)."""
+        """What this stage sends on of depth 1's QSA selection: the one its MTP depths left, else
+        the one it received (it runs no MTP depth, or the dense warm-up selected nothing), else
+        zeros (the dense warm-up on depth 1's stage: the receiving stage knows the warm-up and
+        ignores them)."""
         if selection is not None:  # (top-k indices come out strided; a send needs them contiguous)
             parts = [selection.blocks_bsk, selection.counts_bs]
             parts += [selection.block_rows_bn] if self._ctx.document_mask else []
@@ -195,13 +210,14 @@ class StageModule(nn.Module):
 
 def selection_shapes(cfg, micro_batch: int) -> List[tuple]:
     """Shapes of the long tensors carrying MTP depth 1's QSA selection across a stage boundary: its
-    blocks [B, S, k], their counts [B, S] and, with packed documents, each block's first row [B, S / r].
-    The whole window's (the QSA mixer selects over the gathered sequence under SP), or under context
-    parallelism this rank's queries (S / cp) over the window's blocks."""
+    blocks [B, S, k], their counts [B, S] and, with packed documents, each block's first row [B, S /
+    r]. The whole window's (the QSA mixer selects over the gathered sequence under SP), or under
+    context parallelism this rank's queries (S / cp) over the window's blocks."""
     m, s = cfg.model, cfg.data.seq_len
     n = s // m.indexer_compress_ratio
     queries = s // cfg.parallel.cp
-    shapes = [(micro_batch, queries, min(m.indexer_budget // m.indexer_compress_ratio, n)), (micro_batch, queries)]
+    shapes = [(micro_batch, queries, min(m.indexer_budget // m.indexer_compress_ratio, n)),
+              (micro_batch, queries)]
     return shapes + ([(micro_batch, n)] if cfg.data.document_mask else [])
 
 
@@ -226,9 +242,9 @@ def prune_model(model: nn.Module, cfg, pp_rank: int) -> None:
 
 def _shared_piece_units(model: nn.Module, plan, mine) -> List[tuple]:
     """The shared pieces this rank holds, in units of the same holder ranks (one pp group each), as
-    (pieces, this rank's stages using them), in one order on every rank: a unit's gradient sums start
-    once this rank's stages using it are done (`Pipeline._stage_done`) and every unit before it started,
-    so the groups' buckets are issued in the same order everywhere."""
+    (pieces, this rank's stages using them), in one order on every rank: a unit's gradient sums
+    start once this rank's stages using it are done (`Pipeline._stage_done`) and every unit before
+    it started, so the groups' buckets are issued in the same order everywhere."""
     holders, units = plan.holders(), []
     for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
         if getattr(model, piece, None) is None:
@@ -246,10 +262,11 @@ def _shared_piece_units(model: nn.Module, plan, mine) -> List[tuple]:
 class Pipeline:
     """`ParallelState.pipeline`: runs one step's micro-batches through the schedule on this rank."""
 
-    def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device, piece_units: bool = False):
-        """`piece_units`: the pieces two stages of this rank share (`PipelinePlan.shared_within_rank`) are
-        FSDP units of their own (data.PieceUnits, set as `self.piece_units` once sharded), so no
-        stage module registers them."""
+    def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device,
+                 piece_units: bool = False):
+        """`piece_units`: the pieces two stages of this rank share
+        (`PipelinePlan.shared_within_rank`) are FSDP units of their own (data.PieceUnits, set as
+        `self.piece_units` once sharded), so no stage module registers them."""
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
@@ -269,7 +286,8 @@ class Pipeline:
         self.n_micro = pipeline_microbatches(cfg)
         self.num_depths = 1 + cfg.mtp.num_steps
         self.micro_size = cfg.train.micro_batch_size * cfg.train.grad_accum_steps // self.n_micro
-        # stage boundaries carry [micro-batch, sequence (shard under SP), hc_count * hidden] activations
+        # stage boundaries carry [micro-batch, sequence (shard under SP), hc_count * hidden]
+        # activations
         sp_tp = p.tp if (p.sequence_parallel and p.tp > 1) else 1
         # (this rank's rows of the window under context parallelism)
         self.seq_len, self.hidden = cfg.data.seq_len // (sp_tp * p.cp), boundary_width(cfg.model)
@@ -277,9 +295,11 @@ class Pipeline:
         self.device = device
         self.plan = plan
         own = set(plan.shared_within_rank()) if piece_units else set()
-        # this rank's stages -> the pieces of their own each uses (gradients accumulated after its backward)
+        # this rank's stages -> the pieces of their own each uses (gradients accumulated after its
+        # backward)
         self._stage_units = {s: [x for x in plan.stage_pieces(s) if x in own] for s in mine}
-        self.modules = [StageModule(model, plan.stages[s], [x for x in plan.stage_pieces(s) if x not in own],
+        self.modules = [StageModule(model, plan.stages[s],
+                                    [x for x in plan.stage_pieces(s) if x not in own],
                                     s == n_stages - 1, self.ctx) for s in mine]
         self.piece_units = None
         """data.PieceUnits of the pieces above (layout.py sets it after FSDP)."""
@@ -287,8 +307,8 @@ class Pipeline:
         self._mine, self._n_stages = mine, n_stages
         from .data import pipeline_stage_class
 
-        self._kinds = (_notifying(pipeline_stage_class(p.reshard_after_microbatch)), Schedule1F1B, ScheduleGPipe,
-                       ScheduleInterleaved1F1B)
+        self._kinds = (_notifying(pipeline_stage_class(p.reshard_after_microbatch)), Schedule1F1B,
+                       ScheduleGPipe, ScheduleInterleaved1F1B)
         self._units = _shared_piece_units(model, plan, mine)
         self.finisher = None
         """The GradientFinisher: `start(pieces)` once a unit's gradients on this rank are final."""
@@ -307,7 +327,8 @@ class Pipeline:
         # micro-batch (counting its losses and router loads twice).
         b, s_len, h = self.micro_size, self.seq_len, self.hidden
         def act():
-            return torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype, requires_grad=True)
+            return torch.empty(b, s_len, h, device=self.device, dtype=self.act_dtype,
+                               requires_grad=True)
 
         tokens = torch.zeros(b, s_len, dtype=torch.long, device=self.device)
         stages = []
@@ -316,21 +337,25 @@ class Pipeline:
         for m, s in zip(self.modules, self._mine):
             st = self.plan.stages[s]
             inputs = (tokens,) if s == 0 else \
-                (act(),) + ((act(),) if st.recv_h0 else ()) + (selection() if st.recv_selection else ())
+                (act(),) + ((act(),) if st.recv_h0 else ()) + (selection() if st.recv_selection
+                                                               else ())
             outputs = (torch.empty((), device=self.device),) if s == self._n_stages - 1 else \
-                (act(),) + ((act(),) if st.send_h0 else ()) + (selection() if st.send_selection else ())
+                (act(),) + ((act(),) if st.send_h0 else ()) + (selection() if st.send_selection
+                                                               else ())
             stages.append(PipelineStage(m, s, self._n_stages, self.device, group=self.pp_group,
                                         input_args=inputs, output_args=outputs))
             stages[-1].on_grads_done = self._stage_done
             stages[-1].on_backward_done = self._backward_done
         loss_fn = lambda out, target: out  # noqa: E731  (the last stage already returns the loss)
         if self.schedule_name == "interleaved_1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(stages, self.n_micro, loss_fn=loss_fn,
+                                                    scale_grads=False)
         else:
             kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
             self.schedule = kind(stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
 
-    def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float]) -> torch.Tensor:
+    def forward_backward(self, batches, global_counts: torch.Tensor,
+                         coefs: List[float]) -> torch.Tensor:
         tokens = torch.cat([b["tokens"] for b in batches])
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
@@ -342,10 +367,13 @@ class Pipeline:
         if self.finisher is not None and self.finisher.unfinished():
             # the last step's shared-piece sums ran inside its backward: this step's gradients would
             # add to sums already taken (checked before any of the step's communication)
-            raise RuntimeError("pipeline forward_backward ran again before clip_gradients finished the last one's "
-                               "gradients (ParallelState.gradient_finisher): call it after every forward_backward")
+            raise RuntimeError("pipeline forward_backward ran again before clip_gradients finished "
+                               "the last one's "
+                               "gradients (ParallelState.gradient_finisher): call it after every "
+                               "forward_backward")
         self._waiting = [set(stages) for _, stages in self._units]
-        if self.piece_units is not None:  # gathered from the step's first forward to their reduce-scatter
+        # gathered from the step's first forward to their reduce-scatter
+        if self.piece_units is not None:
             self.piece_units.begin_step()
         self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         sums = self.ctx.sums  # each depth's sum lives on the rank holding it (zeros elsewhere)
@@ -353,18 +381,20 @@ class Pipeline:
         return sums
 
     def fsdp_roots(self) -> List[nn.Module]:
-        """This rank's FSDP roots: the stage modules and the pieces that are units of their own (code
-        calling the model's pieces directly unshards them, as the in-loop decoder does)."""
-        return list(self.modules) + (self.piece_units.roots() if self.piece_units is not None else [])
+        """This rank's FSDP roots: the stage modules and the pieces that are units of their own
+        (code calling the model's pieces directly unshards them, as the in-loop decoder does)."""
+        return list(self.modules) + (self.piece_units.roots() if self.piece_units is not None
+                                     else [])
 
     def _backward_done(self, stage: int) -> None:
-        """A backward of one of this rank's stages ran: fold the gradients of the pieces of their own it
-        uses into their step's accumulators."""
+        """A backward of one of this rank's stages ran: fold the gradients of the pieces of their
+        own it uses into their step's accumulators."""
         if self.piece_units is not None:
             self.piece_units.accumulate(self._stage_units[stage])
 
     def _stage_done(self, stage: int) -> None:
-        """A stage of this rank finished its step's backward: start the sums of the units now complete."""
+        """A stage of this rank finished its step's backward: start the sums of the units now
+        complete."""
         for waiting in self._waiting:
             waiting.discard(stage)
         while self._waiting and not self._waiting[0] and self.finisher is not None:
@@ -383,7 +413,8 @@ def _notifying(stage_class):
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
             out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            # a split input-only backward (zero-bubble schedules) leaves the weights' gradients to its "weight" pass
+            # a split input-only backward (zero-bubble schedules) leaves the weights' gradients to
+            # its "weight" pass
             if self.on_backward_done is not None and backward_type != "input":
                 self.on_backward_done(self.stage_index)
             return out

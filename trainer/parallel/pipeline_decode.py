@@ -2,21 +2,21 @@
 replicas, lockstep for the collectives inside the model.
 
 Pipeline. The training schedule (torch.distributed.pipelining) moves micro-batches of whole
-sequences; decoding is a latency-bound loop of tiny forwards whose inputs depend on the last one,
-so it has its own plain send/recv path over the pp group. Each rank keeps the KV caches of its own
+sequences; decoding is a latency-bound loop of tiny forwards whose inputs depend on the last one, so
+it has its own plain send/recv path over the pp group. Each rank keeps the KV caches of its own
 trunk layers (a `KVCache` indexed by global layer id, allocated at a layer's first write). The
 *driver* is the rank holding the stage with the trunk's head (`DecodePlan`; the last stage unless
-the loss depths are spread): it runs eval/spec_decode.py's decoder unchanged on a `PipelinedModel` view,
-keeping the MTP caches, drafting, verifying, accepting and committing. Which stage holds MTP depth
-k is a lookup (`DecodePlan.mtp_stage`: `parallel.pp_depth_stages`, the last stage by default): a depth
-held by another rank runs there, on that rank's cache of the depth, and its hidden state comes back. Every trunk forward
-of the decoder (prefill, verify, teacher-forced) becomes one pass through the stages: the driver
-broadcasts a header over the pp group (the committed tokens and draft tokens to run, their
-positions -- i.e. where each row's accepted prefix ends -- and whether a new cache starts), the
-first stage embeds, each stage runs its layers on its caches and sends the hidden state to the
-next stage's rank, the output of the trunk's last stage lands on the driver. Stage s lives on pp rank s % pp,
-so under the interleaved placement the hidden state goes around the ring `virtual` times. The
-other ranks (*followers*) only answer headers until the driver says stop.
+the loss depths are spread): it runs eval/spec_decode.py's decoder unchanged on a `PipelinedModel`
+view, keeping the MTP caches, drafting, verifying, accepting and committing. Which stage holds MTP
+depth k is a lookup (`DecodePlan.mtp_stage`: `parallel.pp_depth_stages`, the last stage by default):
+a depth held by another rank runs there, on that rank's cache of the depth, and its hidden state
+comes back. Every trunk forward of the decoder (prefill, verify, teacher-forced) becomes one pass
+through the stages: the driver broadcasts a header over the pp group (the committed tokens and draft
+tokens to run, their positions -- i.e. where each row's accepted prefix ends -- and whether a new
+cache starts), the first stage embeds, each stage runs its layers on its caches and sends the hidden
+state to the next stage's rank, the output of the trunk's last stage lands on the driver. Stage s
+lives on pp rank s % pp, so under the interleaved placement the hidden state goes around the ring
+`virtual` times. The other ranks (*followers*) only answer headers until the driver says stop.
 
 Data parallelism. The prompt batches (eval.batch_size prompts each, formed as one process forms
 them) are dealt round-robin to the batch replicas (dp x ep), so each batch is computed exactly as
@@ -25,13 +25,13 @@ process's. The collectives inside the model (expert all-to-all over ep, FSDP par
 dp x ep) need every replica to run the same sequence of forwards: decoding loops run while any
 replica has an active row (`any_active`), and a replica with no batch left decodes a padding batch.
 
-Hybrid models (Qwen4-Exp). The hidden state between stages is every hyper-connection stream
-[B, S, hc_count * H] (an MTP depth's final norm, a stream mixer, returns H); the first stage repeats
-the embedding into the streams and a PLE block reads the forward's token ids (the header's body
-carries them to every stage). Each stage's cache is a `models.state.DecodeCache` with the driver's
-ring size (the decoder sizes its rings for the verify width and padding), and a prefill of padded rows
-hands every stage the rows' last real positions (`row_end`), so Gated DeltaNet's and PLE's recurrent
-state end at each row's last real token on every stage, as in one process. While the driver's
+Hybrid models (Qwen4-Exp). The hidden state between stages is every hyper-connection stream [B, S,
+hc_count * H] (an MTP depth's final norm, a stream mixer, returns H); the first stage repeats the
+embedding into the streams and a PLE block reads the forward's token ids (the header's body carries
+them to every stage). Each stage's cache is a `models.state.DecodeCache` with the driver's ring size
+(the decoder sizes its rings for the verify width and padding), and a prefill of padded rows hands
+every stage the rows' last real positions (`row_end`), so Gated DeltaNet's and PLE's recurrent state
+end at each row's last real token on every stage, as in one process. While the driver's
 `RecallProbe` is active (the evaluator's teacher-forced pass), the other ranks' QSA layers measure
 their recall too and send the values to the driver, so `eval/qsa_recall` averages every layer.
 
@@ -58,14 +58,15 @@ from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 from .pipeline_plan import selection_reused
 
 _STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM = 0, 1, 2, 3, 4, 5
-# header flags: the body carries row_end; QSA layers measure their recall; the positions count from each
-# packed document's start, which the stages keep apart (data.document_mask)
+# header flags: the body carries row_end; QSA layers measure their recall; the positions count from
+# each packed document's start, which the stages keep apart (data.document_mask)
 _ROW_END, _RECALL, _DOCUMENTS = 1, 2, 4
 HEADER = 7  # cmd, batch, length, cache length, depth, ring slots, flags
 
 
 class DecodePlan:
-    """Where the decoder's pieces live: trunk stages on pp ranks, the head and each MTP depth on a stage."""
+    """Where the decoder's pieces live: trunk stages on pp ranks, the head and each MTP depth on a
+    stage."""
 
     def __init__(self, cfg, pp_rank: int):
         self.pp = cfg.parallel.pp
@@ -76,12 +77,13 @@ class DecodePlan:
         self.head_stage = plan.depth_stage[0]
         self._depth_stage = list(plan.depth_stage)
         if selection_reused(cfg):
-            # Decoding shares depth 1's QSA selection through the depths' caches on one rank, so every
-            # depth drafts where depth 1 does (that stage holds the whole MTP module: the depths loop
-            # over its layers), wherever training spread them.
+            # Decoding shares depth 1's QSA selection through the depths' caches on one rank, so
+            # every depth drafts where depth 1 does (that stage holds the whole MTP module: the
+            # depths loop over its layers), wherever training spread them.
             self._depth_stage[1:] = [plan.depth_stage[1]] * (len(plan.depth_stage) - 1)
         m = cfg.model
-        qsa = [s for s in range(self.trunk_end + 1) for i in plan.split[s] if m.layer_type(i) == "indexed_attention"]
+        qsa = [s for s in range(self.trunk_end + 1) for i in plan.split[s]
+               if m.layer_type(i) == "indexed_attention"]
         self.qsa_layers = len(qsa)
         """QSA layers in the trunk: the most recall values one rank sends per forward."""
         self.recall_ranks = sorted({self.stage_rank(s) for s in qsa} - {self.driver})
@@ -92,7 +94,8 @@ class DecodePlan:
         return stage % self.pp
 
     def mtp_stage(self, depth: int) -> int:
-        """The stage holding MTP depth `depth` (1-based): `parallel.pp_depth_stages`, the last by default."""
+        """The stage holding MTP depth `depth` (1-based): `parallel.pp_depth_stages`, the last by
+        default."""
         return self._depth_stage[depth]
 
     def mtp_rank(self, depth: int) -> int:
@@ -112,7 +115,8 @@ class StagePass:
         self.model, self.plan, self.group = model, plan, group
         self.hidden, self.dtype, self.device = hidden, dtype, device  # hidden: the boundary width
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache], documents=None):
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache],
+            documents=None):
         """Trunk stages 0 .. trunk_end in order; the trunk's output lands on the driver."""
         plan, (b, s) = self.plan, positions.shape
         end, driver = plan.trunk_end, plan.driver
@@ -128,8 +132,10 @@ class StagePass:
                 h = run_block(self.model.layers[str(i)], h, positions, tokens,
                               cache.layer(i) if cache is not None else None, documents)
             dst = plan.stage_rank(stage + 1) if stage < end else driver
-            if dst != plan.pp_rank:  # before the trunk's end the next stage is always on another rank
-                # one agreed dtype on the wire (the receiver allocates before it knows what autocast made)
+            # before the trunk's end the next stage is always on another rank
+            if dst != plan.pp_rank:
+                # one agreed dtype on the wire (the receiver allocates before it knows what autocast
+                # made)
                 dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=dst)
         if plan.pp_rank == driver and plan.stage_rank(end) != driver:
             h = self._recv(b, s, plan.stage_rank(end))
@@ -159,8 +165,8 @@ class PipelinedModel:
         self.mtp = model.mtp if model.mtp is not None else _MTPShape(decoding.cfg.mtp)
         self.num_depths = 1 + decoding.cfg.mtp.num_steps
         if model.embed_tokens is None:
-            # a driver holding only the head (the trunk and every MTP depth elsewhere): the decoder reads
-            # just the embedding's device and dtype, which the head's weight shares
+            # a driver holding only the head (the trunk and every MTP depth elsewhere): the decoder
+            # reads just the embedding's device and dtype, which the head's weight shares
             self.embed_tokens = SimpleNamespace(weight=model.lm_head.weight)
 
     def __getattr__(self, name):
@@ -190,38 +196,43 @@ class PipelinedModel:
         """TandemModel.mtp_step routed to the rank holding the step. `emb_bsh` is always None here:
         depth_states above passes no shared embedding window, so each step looks its tokens up."""
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
-            return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh=emb_bsh)
+            return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache,
+                                        emb_bsh=emb_bsh)
         return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, cache is not None)
 
-    def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None, selection=None,
-                       documents=None):
-        """TandemModel.mtp_train_step (the teacher-forced chain of `depth_states`) routed like `mtp_step`.
-        A remote rank keeps the QSA selection its depth 1 made for the later depths it serves (with
-        mtp.qsa_reuse_indices the decoder keeps the depths on depth 1's stage), so None comes back here."""
+    def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None,
+                       selection=None, documents=None):
+        """TandemModel.mtp_train_step (the teacher-forced chain of `depth_states`) routed like
+        `mtp_step`. A remote rank keeps the QSA selection its depth 1 made for the later depths it
+        serves (with mtp.qsa_reuse_indices the decoder keeps the depths on depth 1's stage), so None
+        comes back here."""
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
-            return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh, selection,
-                                              documents)
-        return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, False, documents=documents), None
+            return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh,
+                                              selection, documents)
+        return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, False,
+                            documents=documents), None
 
     def logits(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
         if depth == 0 or self._decoding.plan.mtp_rank(depth) == self._decoding.plan.pp_rank:
             return self._model.logits(depth, h_bsh)
-        flat = h_bsh.reshape(-1, 1, h_bsh.shape[-1])  # the depth's final norm runs where its layer is
+        # the depth's final norm runs where its layer is
+        flat = h_bsh.reshape(-1, 1, h_bsh.shape[-1])
         zeros = torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device)
         # the norm of a hyper-connection model is a stream mixer: hc_count * H in, H out
         width = self._decoding.cfg.model.hidden_size
         normed = self._remote(_MTP_NORM, depth, flat, zeros, zeros, False, out_width=width)
         return self._model.lm_head.logits(normed.view(*h_bsh.shape[:-1], -1))
 
-    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[DecodeCache] = None,
-              documents=None):
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor,
+              cache: Optional[DecodeCache] = None, documents=None):
         if cache is None:
             cmd = _NO_CACHE
         else:
             cmd = _SAME_CACHE if cache is self._cache else _NEW_CACHE
             self._cache = cache
         d = self._decoding
-        recall = cache is None and RecallProbe.active is not None  # QSA measures recall in uncached forwards
+        # QSA measures recall in uncached forwards
+        recall = cache is None and RecallProbe.active is not None
         row_end = cache.row_end if cache is not None else None
         flags = (_RECALL if recall else 0) | (_DOCUMENTS if documents is not None else 0)
         d.send_header(cmd, tokens, positions, cache.max_len if cache is not None else 0,
@@ -233,13 +244,15 @@ class PipelinedModel:
 
 
 def parallel_decoding(cfg, model: nn.Module, pstate) -> Optional["ParallelDecoding"]:
-    """What the trainer hands the in-loop evaluator for decoding on its layout: None in one process."""
+    """What the trainer hands the in-loop evaluator for decoding on its layout: None in one
+    process."""
     return ParallelDecoding(cfg, model, pstate) if pstate.world_size > 1 else None
 
 
 class ParallelDecoding:
     """What the in-loop evaluator needs to decode on this rank's part of a parallel layout (the
-    evaluator's `LayoutDecoding` protocol, eval/in_loop.py; the trainer builds it and passes it in)."""
+    evaluator's `LayoutDecoding` protocol, eval/in_loop.py; the trainer builds it and passes it
+    in)."""
 
     def __init__(self, cfg, model: nn.Module, pstate):
         self.cfg, self.pstate, self.base = cfg, pstate, model
@@ -247,8 +260,9 @@ class ParallelDecoding:
         self.device = pstate.device.device
         self.pipeline = pstate.pipeline
         self.dtype = next(model.parameters()).dtype
-        # replicas: the ranks holding the same parameters (dp x cp x ep; the cp ranks decode prompts of
-        # their own, whole sequences, as extra replicas), in lockstep for FSDP's gathers over them
+        # replicas: the ranks holding the same parameters (dp x cp x ep; the cp ranks decode prompts
+        # of their own, whole sequences, as extra replicas), in lockstep for FSDP's gathers over
+        # them
         self.replicas = pstate.degrees.replicas
         self.replica = pstate.batch_mesh.get_local_rank() if self.replicas > 1 else 0
         self.replica_group = pstate.batch_mesh.get_group() if self.replicas > 1 else None
@@ -257,11 +271,14 @@ class ParallelDecoding:
             self.pp_group = pp_mesh.get_group()
             self.plan = DecodePlan(cfg, pp_mesh.get_local_rank())
             self.is_driver = self.plan.pp_rank == self.plan.driver
-            mine = [k for k in range(1, cfg.mtp.num_steps + 1) if self.plan.mtp_rank(k) == self.plan.pp_rank]
+            mine = [k for k in range(1, cfg.mtp.num_steps + 1)
+                    if self.plan.mtp_rank(k) == self.plan.pp_rank]
             if mine and not self.is_driver and getattr(model, "mtp", None) is None:
-                raise ValueError(f"MTP depths {mine} are placed on pp rank {self.plan.pp_rank}, which holds no MTP "
+                raise ValueError(f"MTP depths {mine} are placed on pp rank {self.plan.pp_rank}, "
+                                 "which holds no MTP "
                                  "module")
-            self.stages = StagePass(model, self.plan, self.pp_group, boundary_width(cfg.model), self.dtype, self.device)
+            self.stages = StagePass(model, self.plan, self.pp_group, boundary_width(cfg.model),
+                                    self.dtype, self.device)
             self.model = PipelinedModel(model, self) if self.is_driver else None
         else:
             self.plan, self.is_driver, self.model = None, True, model
@@ -294,17 +311,24 @@ class ParallelDecoding:
         return box[0]
 
     # --- the pipeline protocol -------------------------------------------------------------------
-    def send_header(self, cmd: int, tokens=None, positions=None, cap: int = 0, depth: int = 0, ring: int = 0,
-                    row_end: Optional[torch.Tensor] = None, flags: int = 0) -> None:
-        """Driver: announce a forward. The body is [3, B, S]: token ids (every stage: PLE hashes them),
-        positions, and each row's last real position (row_end, repeated along S; zeros when unset)."""
+    def send_header(self, cmd: int, tokens=None, positions=None, cap: int = 0, depth: int = 0,
+                    ring: int = 0, row_end: Optional[torch.Tensor] = None, flags: int = 0) -> None:
+        """Driver: announce a forward. The body is [3, B, S]: token ids (every stage: PLE hashes
+        them), positions, and each row's last real position (row_end, repeated along S; zeros when
+        unset)."""
         b, s = positions.shape if positions is not None else (0, 0)
         flags |= _ROW_END if row_end is not None else 0
-        head = torch.tensor([cmd, b, s, cap, depth, ring, flags], dtype=torch.long, device=self.device)
+        head = torch.tensor([cmd, b, s, cap, depth, ring, flags], dtype=torch.long,
+                            device=self.device)
         dist.broadcast(head, group=self.pp_group, group_src=self.plan.driver)
         if cmd != _STOP:
-            ends = row_end.to(torch.long)[:, None].expand(b, s) if row_end is not None else torch.zeros_like(positions)
-            body = torch.stack([tokens.to(torch.long), positions.to(torch.long), ends.to(positions.device, torch.long)])
+            ends = (
+                row_end.to(torch.long)[:, None].expand(b, s)
+                if row_end is not None
+                else torch.zeros_like(positions)
+            )
+            body = torch.stack([tokens.to(torch.long), positions.to(torch.long),
+                                ends.to(positions.device, torch.long)])
             dist.broadcast(body.contiguous(), group=self.pp_group, group_src=self.plan.driver)
 
     def send_recall(self, probe: RecallProbe) -> None:
@@ -318,9 +342,11 @@ class ParallelDecoding:
         dist.send(msg, group=self.pp_group, group_dst=self.plan.driver)
 
     def receive_recall(self, ranks) -> None:
-        """Driver: add the other ranks' recall values of the forward that just ran to the active probe."""
+        """Driver: add the other ranks' recall values of the forward that just ran to the active
+        probe."""
         for src in ranks:
-            msg = torch.empty(1 + max(self.plan.qsa_layers, 1), dtype=torch.float32, device=self.device)
+            msg = torch.empty(1 + max(self.plan.qsa_layers, 1), dtype=torch.float32,
+                              device=self.device)
             dist.recv(msg, group=self.pp_group, group_src=src)
             if RecallProbe.active is not None:
                 RecallProbe.active.values.extend(msg[1:1 + int(msg[0])].unbind())
@@ -331,7 +357,8 @@ class ParallelDecoding:
             self.send_header(_STOP)
 
     def follow(self) -> None:
-        """Follower: run this rank's stages for every forward the driver announces, until it stops."""
+        """Follower: run this rank's stages for every forward the driver announces, until it
+        stops."""
         cache, mtp_caches, plan = None, {}, self.plan
         while True:
             head = torch.empty(HEADER, dtype=torch.long, device=self.device)
@@ -347,8 +374,10 @@ class ParallelDecoding:
                 if plan.mtp_rank(depth) == plan.pp_rank:
                     self._serve_depth(cmd, depth, body, cap, mtp_caches, cache, recall, documents)
                 continue
-            if cmd == _NEW_CACHE:  # the decoder's ring size: recurrent state must outlast a verify forward
-                cache = DecodeCache(self.cfg.model.num_layers, b, cap, self.dtype, self.device, ring=ring)
+            # the decoder's ring size: recurrent state must outlast a verify forward
+            if cmd == _NEW_CACHE:
+                cache = DecodeCache(self.cfg.model.num_layers, b, cap, self.dtype, self.device,
+                                    ring=ring)
                 mtp_caches = {}
             if cache is not None:
                 cache.row_end = body[2, :, 0].clone() if flags & _ROW_END else None
@@ -360,7 +389,8 @@ class ParallelDecoding:
     def _serve_depth(self, cmd: int, depth: int, body, with_cache: int, mtp_caches: dict, cache,
                      recall: bool = False, documents=None) -> None:
         """Run MTP depth `depth` (its step, with this rank's cache of that depth, or its final norm)
-        on a hidden state from the driver and send the result back (then its QSA recall, if asked)."""
+        on a hidden state from the driver and send the result back (then its QSA recall, if
+        asked)."""
         b, s = body.shape[1:]
         h = torch.empty(b, s, boundary_width(self.cfg.model), dtype=self.dtype, device=self.device)
         dist.recv(h, group=self.pp_group, group_src=self.plan.driver)
@@ -369,17 +399,25 @@ class ParallelDecoding:
         else:
             layer = None
             if with_cache:
-                if depth not in mtp_caches:  # one cache per depth (depths share weights, not states)
-                    mtp_caches[depth] = DecodeCache(1, b, cache.max_len, self.dtype, self.device, ring=cache.ring,
+                # one cache per depth (depths share weights, not states)
+                if depth not in mtp_caches:
+                    mtp_caches[depth] = DecodeCache(1, b, cache.max_len, self.dtype, self.device,
+                                                    ring=cache.ring,
                                                     shared=cache.shared).layer(0)  # QSA index reuse
                 layer = mtp_caches[depth]
-            with RecallProbe(self.base.mtp.layer_for_step(depth)) if recall else contextlib.nullcontext() as probe:
+            with (
+                RecallProbe(self.base.mtp.layer_for_step(depth))
+                if recall
+                else contextlib.nullcontext() as probe
+            ):
                 if layer is None:
-                    # a teacher-forced chain (no cache): depth 1's QSA selection is handed to the later
-                    # depths the driver asks for next, as in the one-process forward (`depth_states`)
+                    # a teacher-forced chain (no cache): depth 1's QSA selection is handed to the
+                    # later depths the driver asks for next, as in the one-process forward
+                    # (`depth_states`)
                     selection = self._tf_selection if depth > 1 else None
                     out, self._tf_selection = self.base.mtp_train_step(depth, h, body[0], body[1],
-                                                                       selection=selection, documents=documents)
+                                                                       selection=selection,
+                                                                       documents=documents)
                 else:
                     out = self.base.mtp_step(depth, h, body[0], body[1], layer)
         dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)
@@ -391,7 +429,8 @@ class ParallelDecoding:
         """Global indices of the prompt batches this replica decodes, None for padding slots (every
         replica runs the same number of slots)."""
         per = math.ceil(n_batches / self.replicas)
-        return [i if i < n_batches else None for i in (self.replica + j * self.replicas for j in range(per))]
+        return [i if i < n_batches else None
+                for i in (self.replica + j * self.replicas for j in range(per))]
 
     def any_active(self) -> Callable[[bool], bool]:
         if self.replicas == 1:

@@ -3,14 +3,16 @@ each stage boundary.
 
 A pipeline has `pp * virtual` stages; stage s lives on pp rank s % pp. The trunk's layers are split
 over the stages (`parallel.pp_layout`, even by default). The loss *depths* -- depth 0 is the trunk's
-own head, depth k the MTP step k with its head -- are placed on stages too (`parallel.pp_depth_stages`,
-all on the last stage by default, Megatron's placement). A depth's loss is computed where it lives.
+own head, depth k the MTP step k with its head -- are placed on stages too
+(`parallel.pp_depth_stages`, all on the last stage by default, Megatron's placement). A depth's loss
+is computed where it lives.
 
 Why spread the depths: every depth ends in a vocabulary head, and with a large vocabulary one head
 costs several transformer layers (the GPU recipe: one head 1.68 GFLOP per token to train, one MoE
 layer 0.32). With all K+1 heads and the K MTP layers on the last stage, that stage bounds the whole
-pipeline. Spread, the MTP chain continues through the stages after the trunk: a stage computing depth
-k receives h_{k-1} from the stage before it, exactly as trunk stages receive the residual stream.
+pipeline. Spread, the MTP chain continues through the stages after the trunk: a stage computing
+depth k receives h_{k-1} from the stage before it, exactly as trunk stages receive the residual
+stream.
 
 The rules (checked by `check`): depths sit at or after the stage holding the trunk's last layer,
 MTP depths in order (depth k needs h_{k-1}), the last stage holds a depth, and no stage is empty.
@@ -25,8 +27,8 @@ trunk's head, for the parallel MTP style (every depth reads h_0) and for the tea
 
 Stages that compute depths hold the output head, the final norm where needed, the token embedding
 (MTP steps embed tokens t+k) and the MTP module; copies on several pp ranks are kept identical by
-summing their gradients over the ranks that hold them (the shared-embedding rule generalised). A piece
-two stages of one rank use is an FSDP unit of its own (`shared_within_rank`).
+summing their gradients over the ranks that hold them (the shared-embedding rule generalised). A
+piece two stages of one rank use is an FSDP unit of its own (`shared_within_rank`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from ..config import ConfigError
 
 
 def stage_layer_split(num_layers: int, num_stages: int, layout: List[int]) -> List[List[int]]:
-    """Global trunk-layer indices of each pipeline stage (explicit layout, or as even as possible)."""
+    """Global trunk-layer indices of each pipeline stage (explicit layout, or as even as
+    possible)."""
     if layout:
         counts = list(layout)
     else:
@@ -56,14 +59,15 @@ def num_stages(cfg) -> int:
     return p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1)
 
 
-# --- balancing -------------------------------------------------------------------------------------
+# --- balancing ------------------------------------------------------------------------------------
 def item_flops(cfg) -> Tuple[List[float], List[float]]:
     """Training FLOPs per token of (each trunk layer, each depth 0..K) by estimate.py's accounting,
     each layer by its own kind (attention, QSA over its selected tokens, Gated DeltaNet, with its
-    hyper-connections and PLE; a QSA layer also pays its indexer KL's dense no-grad target): a layer 3x
-    its forward, a depth its MTP layer (3x: the qwen4_exp or concat combine, block and stream mixer)
-    plus its head (4x: the memory-bounded head recomputes its logits in backward) over the depth's
-    share of valid targets, and depth 0 the trunk's final norm (a stream mixer under hyper-connections)."""
+    hyper-connections and PLE; a QSA layer also pays its indexer KL's dense no-grad target): a layer
+    3x its forward, a depth its MTP layer (3x: the qwen4_exp or concat combine, block and stream
+    mixer) plus its head (4x: the memory-bounded head recomputes its logits in backward) over the
+    depth's share of valid targets, and depth 0 the trunk's final norm (a stream mixer under
+    hyper-connections)."""
     from ..flops import (
         final_norm_forward_flops,
         head_forward_flops,
@@ -74,13 +78,15 @@ def item_flops(cfg) -> Tuple[List[float], List[float]]:
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     layers = [trunk_layer_training_flops(m, i, s) for i in range(m.num_layers)]
     head = head_forward_flops(m)
-    depths = [4 * head * (s - d) / s + (mtp_layer_training_flops(m, mtp, s) if d else 3 * final_norm_forward_flops(m))
+    depths = [4 * head * (s - d) / s + (mtp_layer_training_flops(m, mtp, s) if d
+                                        else 3 * final_norm_forward_flops(m))
               for d in range(1 + mtp.num_steps)]
     return layers, depths
 
 
 def _partition(weights: Sequence[float], parts: int) -> Optional[List[int]]:
-    """Sizes of `parts` contiguous non-empty groups of `weights` minimising the largest group sum."""
+    """Sizes of `parts` contiguous non-empty groups of `weights` minimising the largest group
+    sum."""
     n = len(weights)
     if n < parts:
         return None
@@ -105,8 +111,9 @@ def _partition(weights: Sequence[float], parts: int) -> Optional[List[int]]:
 
 
 def selection_reused(cfg) -> bool:
-    """Whether MTP depths 2..K reuse depth 1's QSA selection (mtp.qsa_reuse_indices with QSA MTP layers):
-    the selection travels with the MTP chain, across a stage boundary where the depths are spread."""
+    """Whether MTP depths 2..K reuse depth 1's QSA selection (mtp.qsa_reuse_indices with QSA MTP
+    layers): the selection travels with the MTP chain, across a stage boundary where the depths are
+    spread."""
     return bool(cfg.mtp.qsa_reuse_indices and cfg.mtp.num_steps >= 2 and cfg.model.uses_qsa)
 
 
@@ -116,7 +123,8 @@ def balanced_placement(cfg, stages: int) -> Tuple[List[int], List[int]]:
     k = len(depths) - 1
     groups = [[d] for d in range(1, k + 1)]
     best = None
-    for slot in range(len(groups) + 1):  # depth 0 goes before MTP group slot+1 (slot = len: after the last)
+    # depth 0 goes before MTP group slot+1 (slot = len: after the last)
+    for slot in range(len(groups) + 1):
         order = list(groups)
         order.insert(slot, [0])
         sizes = _partition(layers + [sum(depths[d] for d in group) for group in order], stages)
@@ -135,7 +143,8 @@ def balanced_placement(cfg, stages: int) -> Tuple[List[int], List[int]]:
         if best is None or cost < best[0] - 1e-9:
             best = (cost, layout, depth_stage)
     if best is None:
-        raise ConfigError(f"parallel.pp_balance: {stages} pipeline stages exceed the {len(layers)} trunk layers "
+        raise ConfigError(f"parallel.pp_balance: {stages} pipeline stages exceed the {len(layers)} "
+                          "trunk layers "
                           f"plus {k + 1} loss depths there are to place")
     return best[1], best[2]
 
@@ -144,12 +153,13 @@ def stage_flops(layers: Sequence[float], depths: Sequence[float], layout: Sequen
                 depth_stage: Sequence[int]) -> List[float]:
     out, start = [], 0
     for stage, count in enumerate(layout):
-        out.append(sum(layers[start:start + count]) + sum(f for d, f in enumerate(depths) if depth_stage[d] == stage))
+        out.append(sum(layers[start:start + count]) + sum(f for d, f in enumerate(depths)
+                                                          if depth_stage[d] == stage))
         start += count
     return out
 
 
-# --- the plan --------------------------------------------------------------------------------------
+# --- the plan -------------------------------------------------------------------------------------
 @dataclass
 class StagePlan:
     index: int
@@ -164,8 +174,8 @@ class StagePlan:
     one still needs it)."""
     send_h0: bool
     recv_selection: bool = False
-    """Whether MTP depth 1's QSA selection arrives after the hidden states (mtp.qsa_reuse_indices with
-    depth 1 on an earlier stage and a reusing depth here or later)."""
+    """Whether MTP depth 1's QSA selection arrives after the hidden states (mtp.qsa_reuse_indices
+    with depth 1 on an earlier stage and a reusing depth here or later)."""
     send_selection: bool = False
 
 
@@ -182,11 +192,15 @@ class PipelinePlan:
             depth_stage = list(p.pp_depth_stages) or [self.n_stages - 1] * self.num_depths
         self.layout = layout or [len(s) for s in stage_layer_split(m.num_layers, self.n_stages, [])]
         if len(self.layout) != self.n_stages:
-            raise ConfigError(f"parallel.pp_layout has {len(self.layout)} entries but the pipeline has "
-                              f"{self.n_stages} stages (parallel.pp={p.pp} x {self.n_stages // p.pp} virtual)")
+            raise ConfigError(f"parallel.pp_layout has {len(self.layout)} entries but the pipeline "
+                              "has "
+                              f"{self.n_stages} stages (parallel.pp={p.pp} x "
+                              f"{self.n_stages // p.pp} virtual)")
         if len(depth_stage) != self.num_depths:
-            raise ConfigError(f"parallel.pp_depth_stages has {len(depth_stage)} entries but there are "
-                              f"{self.num_depths} loss depths (the trunk's head and mtp.num_steps={mtp.num_steps})")
+            raise ConfigError(f"parallel.pp_depth_stages has {len(depth_stage)} entries but there "
+                              "are "
+                              f"{self.num_depths} loss depths (the trunk's head and "
+                              f"mtp.num_steps={mtp.num_steps})")
         self.split = stage_layer_split(m.num_layers, self.n_stages, self.layout)
         self.depth_stage = depth_stage
         self.trunk_end = max((s for s in range(self.n_stages) if self.split[s]), default=0)
@@ -213,7 +227,8 @@ class PipelinePlan:
         for s in range(1, self.n_stages):
             self.stages[s].recv_h0 = self.stages[s - 1].send_h0
         if selection_reused(cfg):
-            # the selection crosses every boundary between depth 1's stage and the last reusing depth's
+            # the selection crosses every boundary between depth 1's stage and the last reusing
+            # depth's
             last_reuse = max(depth_stage[2:])
             for s in range(depth_stage[1], last_reuse):
                 self.stages[s].send_selection = self.stages[s + 1].recv_selection = True
@@ -225,9 +240,9 @@ class PipelinePlan:
         return [s for s in range(self.n_stages) if s % self.pp == pp_rank]
 
     def stage_pieces(self, stage: int) -> List[str]:
-        """The shared model pieces stage `stage` uses: `embed_tokens` (the first stage; the looped MTP
-        steps embed tokens t+k), `norm` (the trunk's head, the teacher, `mtp.trunk_input=final_norm`),
-        `lm_head` and `mtp`."""
+        """The shared model pieces stage `stage` uses: `embed_tokens` (the first stage; the looped
+        MTP steps embed tokens t+k), `norm` (the trunk's head, the teacher,
+        `mtp.trunk_input=final_norm`), `lm_head` and `mtp`."""
         st, pieces = self.stages[stage], []
         if stage == 0 or (any(st.depths) and not self.parallel_style):
             pieces.append("embed_tokens")
@@ -249,13 +264,15 @@ class PipelinePlan:
         return {k: sorted(v) for k, v in out.items()}
 
     def shared_within_rank(self) -> List[str]:
-        """Pieces that two stages of one rank use (on any rank, so that every copy is held alike): FSDP
-        cannot put them in both stages' roots, so each is an FSDP unit of its own, gathered through
-        the step and reduce-scattered once after the rank's last stage using it (data.PieceUnits);
-        under dp_mode=allreduce they stay whole (replicated, summed like the all-reduce mode)."""
+        """Pieces that two stages of one rank use (on any rank, so that every copy is held alike):
+        FSDP cannot put them in both stages' roots, so each is an FSDP unit of its own, gathered
+        through the step and reduce-scattered once after the rank's last stage using it
+        (data.PieceUnits); under dp_mode=allreduce they stay whole (replicated, summed like the
+        all-reduce mode)."""
         out = []
         for piece in ("embed_tokens", "norm", "lm_head", "mtp"):
-            per_rank = [sum(piece in self.stage_pieces(s) for s in self.stages_of(r)) for r in range(self.pp)]
+            per_rank = [sum(piece in self.stage_pieces(s) for s in self.stages_of(r))
+                        for r in range(self.pp)]
             if max(per_rank) > 1:
                 out.append(piece)
         return out
@@ -265,22 +282,29 @@ class PipelinePlan:
         p, m = cfg.parallel, cfg.model
         n, k = self.n_stages, self.num_depths - 1
         if p.pp_balance and (p.pp_layout or p.pp_depth_stages):
-            raise ConfigError("parallel.pp_balance=true computes parallel.pp_layout and parallel.pp_depth_stages; "
+            raise ConfigError("parallel.pp_balance=true computes parallel.pp_layout and "
+                              "parallel.pp_depth_stages; "
                               "leave them empty")
         if sum(self.layout) != m.num_layers or min(self.layout) < 0 or self.layout[0] < 1:
-            raise ConfigError(f"parallel.pp_layout={list(self.layout)} must sum to model.num_layers={m.num_layers}, "
+            raise ConfigError(f"parallel.pp_layout={list(self.layout)} must sum to "
+                              f"model.num_layers={m.num_layers}, "
                               "with at least one layer on the first stage and none negative")
         ds = self.depth_stage
         if min(ds) < self.trunk_end or max(ds) != n - 1:
-            raise ConfigError(f"parallel.pp_depth_stages={list(ds)} must place every depth at or after stage "
-                              f"{self.trunk_end} (the trunk's last layer) and one on the last stage {n - 1}")
+            raise ConfigError(f"parallel.pp_depth_stages={list(ds)} must place every depth at or "
+                              "after stage "
+                              f"{self.trunk_end} (the trunk's last layer) and one on the last "
+                              f"stage {n - 1}")
         if any(ds[d] > ds[d + 1] for d in range(1, k)):
-            raise ConfigError(f"parallel.pp_depth_stages={list(ds)}: MTP depths must be in pipeline order "
+            raise ConfigError(f"parallel.pp_depth_stages={list(ds)}: MTP depths must be in "
+                              "pipeline order "
                               "(depth k reads depth k-1's hidden state)")
         empty = [st.index for st in self.stages if not st.layers and not st.depths]
         if empty:
             raise ConfigError(f"pipeline stage(s) {empty} hold no trunk layer and no loss depth "
-                              f"(parallel.pp_layout={list(self.layout)}, parallel.pp_depth_stages={list(ds)})")
+                              f"(parallel.pp_layout={list(self.layout)}, "
+                              f"parallel.pp_depth_stages={list(ds)})")
         if self.spread and m.tie_embeddings:
-            raise ConfigError("model.tie_embeddings=true is not supported with loss depths spread over pipeline "
+            raise ConfigError("model.tie_embeddings=true is not supported with loss depths spread "
+                              "over pipeline "
                               "stages (parallel.pp_depth_stages / pp_balance)")

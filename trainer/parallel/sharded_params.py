@@ -36,20 +36,22 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 def adopt(new: nn.Module, layer: nn.Module, keep_hooks: bool = False) -> None:
     """Build a parallel module from a model layer: `new` (a subclass of the layer's class whose
-    constructor calls this right after `nn.Module.__init__`) takes the layer's parameters, buffers and
-    submodules under the same names, so state-dict keys, checkpoints and initialisation rules are those
-    of the single-process model, and its settings (plain attributes: config, sizes, flags). The parallel
-    constructor then replaces what it shards and adds its own arguments (groups, meshes, switches).
-    The layer must not carry hooks yet (parallel modules are built before FSDP, compile and checkpointing),
-    unless `keep_hooks`: `new` then runs the layer's hooks (tensor-parallel styles' input and output
-    functions). Never a module FSDP manages (its state is keyed by the module)."""
+    constructor calls this right after `nn.Module.__init__`) takes the layer's parameters, buffers
+    and submodules under the same names, so state-dict keys, checkpoints and initialisation rules
+    are those of the single-process model, and its settings (plain attributes: config, sizes,
+    flags). The parallel constructor then replaces what it shards and adds its own arguments
+    (groups, meshes, switches). The layer must not carry hooks yet (parallel modules are built
+    before FSDP, compile and checkpointing), unless `keep_hooks`: `new` then runs the layer's hooks
+    (tensor-parallel styles' input and output functions). Never a module FSDP manages (its state is
+    keyed by the module)."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(layer, FSDPModule):
         raise RuntimeError(f"{type(layer).__name__} is an FSDP module: it cannot be rebuilt")
     hooks = [k for k in vars(layer) if k.endswith("hooks") and getattr(layer, k)]
     if hooks and not keep_hooks:
-        raise RuntimeError(f"{type(layer).__name__} already has {', '.join(hooks)}: build parallel modules first")
+        raise RuntimeError(f"{type(layer).__name__} already has {', '.join(hooks)}: build parallel "
+                           "modules first")
     object.__setattr__(new, "training", layer.training)
     for name, p in layer._parameters.items():
         new.register_parameter(name, p)
@@ -58,13 +60,15 @@ def adopt(new: nn.Module, layer: nn.Module, keep_hooks: bool = False) -> None:
     for name, m in layer._modules.items():
         new.add_module(name, m)
     for name, value in vars(layer).items():
-        if name not in _MODULE_INTERNALS or (keep_hooks and name.endswith(("hooks", "hooks_with_kwargs",
-                                                                            "hooks_always_called"))):
+        if name not in _MODULE_INTERNALS or (
+            keep_hooks and name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
+        ):
             object.__setattr__(new, name, value)
 
 
 def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
-    """Put `new` wherever a module under `root` (or `root` itself) holds `old` as a direct submodule."""
+    """Put `new` wherever a module under `root` (or `root` itself) holds `old` as a direct
+    submodule."""
     parents = [m for m in root.modules() if any(c is old for c in m._modules.values())]
     if not parents:
         raise ValueError(f"{type(old).__name__} is not under {type(root).__name__}")
@@ -104,7 +108,9 @@ def local_target(t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[slice, ...]]:
 
 
 def unwrapped_name(name: str) -> str:
-    """A parameter's name without the wrappers' prefixes (compile, activation checkpointing, FSDP1, DDP)."""
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module."):
+    """A parameter's name without the wrappers' prefixes (compile, activation checkpointing, FSDP1,
+    DDP)."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.",
+                    "module."):
         name = name.replace(wrapper, "")
     return name

@@ -29,8 +29,9 @@ class WholeSequenceSwitch:
     `whole_sequences()` makes the same modules take and return whole, replicated activations: the
     embedding and row-parallel outputs all-reduce instead of reduce-scattering, TP-region inputs are
     already whole, MoE layers route all tokens on every rank, and the head needs no gather. Same
-    weights, same math. The parallel modules (TP mixers, MoE layers and PLE layers, the vocab-parallel
-    head, the switchable styles, the context shards) take the switch as a constructor argument and read `on`."""
+    weights, same math. The parallel modules (TP mixers, MoE layers and PLE layers, the
+    vocab-parallel head, the switchable styles, the context shards) take the switch as a constructor
+    argument and read `on`."""
 
     def __init__(self):
         self.on = True
@@ -100,9 +101,11 @@ class ParallelState:
     """The flattened dp x cp x ep mesh (FSDP's shard dimension; `degrees.replicas` ranks): the ranks
     summing non-expert gradients and the per-depth loss sums. Without cp the batch split's mesh."""
     expert_data_mesh: Optional[object] = None
-    """The flattened dp x cp mesh: the ranks holding the same routed experts (their gradients' sum)."""
+    """The flattened dp x cp mesh: the ranks holding the same routed experts (their gradients'
+    sum)."""
     stage_mesh: Optional[object] = None
-    """One pipeline stage's dp x cp x ep x tp ranks (the PLE tables' row split), when there are several."""
+    """One pipeline stage's dp x cp x ep x tp ranks (the PLE tables' row split), when there are
+    several."""
     router_load_group: Optional[dist.ProcessGroup] = None
     """Sums the routers' expert loads: the ranks routing different tokens (dp x cp x ep), and under
     sequence parallelism also tp."""

@@ -88,20 +88,22 @@ class VocabParallelHead(nn.Module):
 
     Same `.logits()` / `.loss_sums()` as `OutputHead`; both go through `forward` so FSDP hooks fire.
     The loss never materialises full logits: per chunk, the max and the (sum of exponentials, target
-    logit) pair are all-reduced over tp (Megatron's vocab-parallel cross-entropy, in two collectives),
-    with the same `mtp.loss_head_backward` modes as the one-device head (models/loss.py): `fused`
-    computes each chunk's gradients in forward, the weight's into this rank's vocabulary shard only.
+    logit) pair are all-reduced over tp (Megatron's vocab-parallel cross-entropy, in two
+    collectives), with the same `mtp.loss_head_backward` modes as the one-device head
+    (models/loss.py): `fused` computes each chunk's gradients in forward, the weight's into this
+    rank's vocabulary shard only.
     """
 
     def __init__(self, weight: torch.Tensor, tp_mesh, switch: Optional[WholeSequenceSwitch] = None,
                  backward: str = "fused"):
         super().__init__()
         self.tp_mesh = tp_mesh
-        # under SP (while `switch.on`) the input arrives through `gather_along`, whose backward already
-        # sums over tp
+        # under SP (while `switch.on`) the input arrives through `gather_along`, whose backward
+        # already sums over tp
         self.switch = switch
         self.backward = backward  # MTPConfig.loss_head_backward
-        self.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
+        self.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)],
+                                                     src_data_rank=None),
                                    requires_grad=weight.requires_grad)
 
     @property
@@ -115,11 +117,13 @@ class VocabParallelHead(nn.Module):
                   grad_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self(h_normed_dnh, targets_dn, chunk_tokens, grad_scales=grad_scales)
 
-    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor, targets_n: torch.Tensor,
+    def acceptance_loss_sum(self, h_normed_nh: torch.Tensor, teacher_nh: torch.Tensor,
+                            targets_n: torch.Tensor,
                             chunk_tokens: int, ce_weight: float) -> torch.Tensor:
         return self(h_normed_nh, targets_n, chunk_tokens, teacher=teacher_nh, ce_weight=ce_weight)
 
-    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None, chunk_tokens: int = 0,
+    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                chunk_tokens: int = 0,
                 teacher: Optional[torch.Tensor] = None, ce_weight: float = 0.0,
                 grad_scales: Optional[torch.Tensor] = None):
         group = self.tp_mesh.get_group()
@@ -130,7 +134,8 @@ class VocabParallelHead(nn.Module):
         vocab_start = self.tp_mesh.get_local_rank() * w.shape[0]
         if not self.sequence_parallel:
             h = copy_to_group(h, group)
-        if teacher is not None:  # the acceptance objective: its sums over the vocabulary all-reduce over tp
+        # the acceptance objective: its sums over the vocabulary all-reduce over tp
+        if teacher is not None:
             if h.shape[0] == 0:
                 return (h.sum() + w.sum()) * 0.0
             return chunked_acceptance_loss_sum(h, teacher, w, targets, chunk_tokens, ce_weight,
@@ -145,11 +150,11 @@ class SequenceShards(SequenceLayout):
     rank's shard of the sequence while the switch is on (`whole` all-gathers them for the head), and
     whole sequences are looked up once, each rank reading its shard of them. MTP step k embeds token
     t+k, the trunk's embedding output shifted by k; with the sequence split over tp a shifted shard
-    needs k rows of the next rank's, so the window of
-    S+K rows is looked up whole (one vocabulary-parallel all-reduce forward, and one backward summing
-    the rows each rank's shards used) rather than once per step (a reduce-scatter forward and an
-    all-gather backward each): one lookup and two collectives instead of K+1 and 2(K+1), and at K=3
-    half the bytes. With the switch off (decoding) it is the one-process layout."""
+    needs k rows of the next rank's, so the window of S+K rows is looked up whole (one
+    vocabulary-parallel all-reduce forward, and one backward summing the rows each rank's shards
+    used) rather than once per step (a reduce-scatter forward and an all-gather backward each): one
+    lookup and two collectives instead of K+1 and 2(K+1), and at K=3 half the bytes. With the switch
+    off (decoding) it is the one-process layout."""
 
     def __init__(self, switch: WholeSequenceSwitch, group):
         super().__init__()
@@ -162,7 +167,8 @@ class SequenceShards(SequenceLayout):
     def embed_window(self, embed_tokens: nn.Module, ids_bl: torch.Tensor) -> torch.Tensor:
         if not self.switch.on:
             return embed_tokens(ids_bl)
-        with self.switch.whole_sequences():  # the embedding all-reduces (its backward keeps the gradient)
+        # the embedding all-reduces (its backward keeps the gradient)
+        with self.switch.whole_sequences():
             emb = embed_tokens(ids_bl)
         return copy_to_group(emb, self.group)  # backward: each rank's rows summed over tp
 
@@ -186,7 +192,8 @@ class _SwitchablePrepareInput(PrepareModuleInput):
 
 
 class _SwitchableRowwise(RowwiseParallel):
-    """RowwiseParallel that reduce-scatters its output while the switch is on, all-reduces when off."""
+    """RowwiseParallel that reduce-scatters its output while the switch is on, all-reduces when
+    off."""
 
     def __init__(self, switch: WholeSequenceSwitch, **kwargs):
         super().__init__(**kwargs)
@@ -194,7 +201,8 @@ class _SwitchableRowwise(RowwiseParallel):
 
     def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
         layouts = output_layouts if self.switch.on else (Replicate(),)
-        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs,
+                                                  device_mesh)
 
 
 # --- the whole model -----------------------------------------------------------------------------
@@ -208,10 +216,12 @@ def _block_plan(block, switch: Optional[WholeSequenceSwitch] = None) -> dict:
         rowwise = lambda **kw: _SwitchableRowwise(switch, **kw)  # noqa: E731
         inp, out = Shard(1), Shard(1)
     plan = {}
-    if isinstance(getattr(block, "self_attn", None), Attention):  # QSA / Gated DeltaNet: tensor_hybrid.py
+    # QSA / Gated DeltaNet: tensor_hybrid.py
+    if isinstance(getattr(block, "self_attn", None), Attention):
         plan.update({
             "self_attn": prepare(input_layouts=(inp, None, None),
-                                 desired_input_layouts=(Replicate(), None, None), use_local_output=False),
+                                 desired_input_layouts=(Replicate(), None, None),
+                                 use_local_output=False),
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
@@ -219,7 +229,8 @@ def _block_plan(block, switch: Optional[WholeSequenceSwitch] = None) -> dict:
         })
     if isinstance(block.mlp, SwiGLU):
         plan.update({
-            "mlp": prepare(input_layouts=(inp,), desired_input_layouts=(Replicate(),), use_local_output=False),
+            "mlp": prepare(input_layouts=(inp,), desired_input_layouts=(Replicate(),),
+                           use_local_output=False),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": rowwise(output_layouts=out),
@@ -254,22 +265,27 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
             if getattr(block, "ple", None) is not None:
                 parallelize_ple(block, tp_mesh, switch if sp else None)
         if isinstance(block.mlp, MoE):
-            block.mlp = parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh, expert_mesh,
-                                        switch if sp else None, ep_dispatch)
+            block.mlp = parallelize_moe(block.mlp, tp_mesh if tp > 1 else None, ep_mesh,
+                                        expert_mesh, switch if sp else None, ep_dispatch)
     if tp > 1:
         if getattr(model, "embed_tokens", None) is not None:
-            style = (_SwitchableRowwise(switch, input_layouts=Replicate(), output_layouts=Shard(1)) if sp
+            style = (_SwitchableRowwise(switch, input_layouts=Replicate(),
+                                        output_layouts=Shard(1)) if sp
                      else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
             parallelize_module(model.embed_tokens, tp_mesh, style)
         if getattr(model, "lm_head", None) is not None:
             model.lm_head = VocabParallelHead(model.lm_head.weight, tp_mesh, switch if sp else None,
                                               model.lm_head.backward)
     if not sp:
-        # Replicated weights applied to one rank's heads only (per-head q/k norms, Gated DeltaNet's gated
-        # norm) or scaling its partial output (the shared expert's gate): gradients partial over tp.
+        # Replicated weights applied to one rank's heads only (per-head q/k norms, Gated DeltaNet's
+        # gated norm) or scaling its partial output (the shared expert's gate): gradients partial
+        # over tp.
         partial = (".q_norm.", ".k_norm.", ".linear_attn.norm.", ".shared_expert_gate.")
-        return [name for name, _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
+        return [name for name,
+                _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
     model.sequence = SequenceShards(switch, tp_mesh.get_group())
-    # every replicated parameter saw one sequence shard, except the QSA indexers: they read the gathered
-    # sequence and take their own (identical) loss on every rank, so their gradients are already whole
-    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor) and ".indexer." not in name]
+    # every replicated parameter saw one sequence shard, except the QSA indexers: they read the
+    # gathered sequence and take their own (identical) loss on every rank, so their gradients are
+    # already whole
+    return [name for name,
+            p in model.named_parameters() if not isinstance(p, DTensor) and ".indexer." not in name]

@@ -1,10 +1,10 @@
 """Layout validation: pure arithmetic on the config, callable without torch.distributed.
 
-`load_config` checks the parallel section's own values (`ParallelConfig.validate` in trainer/config.py);
-what this module checks needs the world size and the model's final shape (which `model.init_from` may
-still change after the config loads). `init_parallel` calls `validate_layout` before it creates any
-process group, and `tandem launch slurm` before it writes a script, so an impossible layout fails in one
-line naming the keys, not deep inside a collective.
+`load_config` checks the parallel section's own values (`ParallelConfig.validate` in
+trainer/config.py); what this module checks needs the world size and the model's final shape (which
+`model.init_from` may still change after the config loads). `init_parallel` calls `validate_layout`
+before it creates any process group, and `tandem launch slurm` before it writes a script, so an
+impossible layout fails in one line naming the keys, not deep inside a collective.
 """
 
 from __future__ import annotations
@@ -16,23 +16,26 @@ def pipeline_microbatches(cfg: TandemConfig) -> int:
     """Pipeline micro-batches per step on one data-parallel rank (the schedule splits the rank's
     train.micro_batch_size * train.grad_accum_steps sequences into this many equal chunks).
 
-    `parallel.pp_microbatches` when set; otherwise train.grad_accum_steps when that already fills the
-    pipeline, else the smallest divisor of the step's sequences that is >= parallel.pp (a multiple of
-    pp for the interleaved schedule). Raises ConfigError (one line naming the keys and the fix) when
-    the sequences cannot be split so."""
+    `parallel.pp_microbatches` when set; otherwise train.grad_accum_steps when that already fills
+    the pipeline, else the smallest divisor of the step's sequences that is >= parallel.pp (a
+    multiple of pp for the interleaved schedule). Raises ConfigError (one line naming the keys and
+    the fix) when the sequences cannot be split so."""
     p, t = cfg.parallel, cfg.train
     total = t.micro_batch_size * t.grad_accum_steps
     interleaved = p.pp_schedule == "interleaved_1f1b"
     if p.pp_microbatches:
         n = p.pp_microbatches
         if n < p.pp:
-            raise ConfigError(f"parallel.pp_microbatches={n} pipeline micro-batches is below the pipeline depth "
+            raise ConfigError(f"parallel.pp_microbatches={n} pipeline micro-batches is below the "
+                              "pipeline depth "
                               f"parallel.pp={p.pp}")
         if total % n:
-            raise ConfigError(f"parallel.pp_microbatches={n} does not divide the {total} samples per step per "
+            raise ConfigError(f"parallel.pp_microbatches={n} does not divide the {total} samples "
+                              "per step per "
                               "data-parallel rank")
         if interleaved and n % p.pp:
-            raise ConfigError(f"interleaved 1F1B needs the micro-batch count {n} divisible by parallel.pp={p.pp}")
+            raise ConfigError(f"interleaved 1F1B needs the micro-batch count {n} divisible by "
+                              f"parallel.pp={p.pp}")
         return n
     ok = lambda n: n >= p.pp and total % n == 0 and not (interleaved and n % p.pp)  # noqa: E731
     if p.pp <= 1 or ok(t.grad_accum_steps):
@@ -41,9 +44,12 @@ def pipeline_microbatches(cfg: TandemConfig) -> int:
         if ok(n):
             return n
     need = "a multiple of" if interleaved else "at least"
-    raise ConfigError(f"train.micro_batch_size*train.grad_accum_steps = {t.micro_batch_size}*{t.grad_accum_steps} = "
-                      f"{total} sequences per step per data-parallel rank cannot be split into parallel.pp={p.pp} "
-                      f"pipeline micro-batches; make it {need} {p.pp} (raise train.micro_batch_size or "
+    raise ConfigError("train.micro_batch_size*train.grad_accum_steps = "
+                      f"{t.micro_batch_size}*{t.grad_accum_steps} = "
+                      f"{total} sequences per step per data-parallel rank cannot be split into "
+                      f"parallel.pp={p.pp} "
+                      f"pipeline micro-batches; make it {need} {p.pp} (raise "
+                      "train.micro_batch_size or "
                       "train.grad_accum_steps)")
 
 
@@ -51,18 +57,20 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """Check the parallel layout against the model, the batch and the world size; return dp.
 
     Raises ConfigError (one line) for: world size not the product tp*pp*cp*ep*dp, heads / kv heads
-    (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not divisible by ep, too few
-    layers (or a bad pp_layout) for the pipeline stages, fewer pipeline micro-batches than the pipeline depth, sequence
-    parallelism with data.seq_len not divisible by tp, and tensor-parallel widths (vocab, MLP, shared expert) not
-    divisible by tp.
+    (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not
+    divisible by ep, too few layers (or a bad pp_layout) for the pipeline stages, fewer pipeline
+    micro-batches than the pipeline depth, sequence parallelism with data.seq_len not divisible by
+    tp, and tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp.
     """
     p, m = cfg.parallel, cfg.model
-    p.validate(cfg)  # the section's own values, as load_config checked them (a config edited since included)
+    # the section's own values, as load_config checked them (a config edited since included)
+    p.validate(cfg)
     model_parallel = p.tp * p.pp * p.cp * p.ep
     if p.dp:
         dp = p.dp
         if dp * model_parallel != world_size:
-            raise ConfigError(f"parallel.tp*pp*cp*ep*dp = {p.tp}*{p.pp}*{p.cp}*{p.ep}*{dp} = {dp * model_parallel} "
+            raise ConfigError(f"parallel.tp*pp*cp*ep*dp = {p.tp}*{p.pp}*{p.cp}*{p.ep}*{dp} = "
+                              f"{dp * model_parallel} "
                               f"does not equal the world size {world_size}")
     else:
         if world_size % model_parallel:
@@ -74,13 +82,16 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     if p.tp > 1:
         _validate_tensor_parallel(cfg, p.tp)
     if p.sequence_parallel and cfg.data.seq_len % (p.tp * p.cp):
-        raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by "
+        raise ConfigError(f"parallel.sequence_parallel needs data.seq_len={cfg.data.seq_len} "
+                          "divisible by "
                           f"parallel.tp*cp={p.tp * p.cp}")
     if p.ep > 1:
         if m.num_experts <= 0:
-            raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.num_experts={m.num_experts})")
+            raise ConfigError(f"parallel.ep={p.ep} needs an MoE model "
+                              f"(model.num_experts={m.num_experts})")
         if m.num_experts % p.ep:
-            raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}")
+            raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by "
+                              f"parallel.ep={p.ep}")
     if p.pp > 1:
         from .pipeline_plan import PipelinePlan
 
@@ -93,23 +104,28 @@ def _validate_tensor_parallel(cfg: TandemConfig, tp: int) -> None:
     """Every width tensor parallelism splits must divide by tp."""
     m = cfg.model
     if cfg.train.distill != "none":
-        raise ConfigError(f"train.distill={cfg.train.distill!r} is not supported with parallel.tp={tp} yet "
+        raise ConfigError(f"train.distill={cfg.train.distill!r} is not supported with "
+                          f"parallel.tp={tp} yet "
                           "(the teacher reads the whole output head); use tp=1 with ep/pp/dp")
     if m.num_heads % tp:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={tp}")
     if m.num_kv_heads % tp:
-        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={tp}")
+        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by "
+                          f"parallel.tp={tp}")
     if any(m.layer_type(i) == "linear_attention" for i in range(m.num_layers)):
         # Gated DeltaNet shards whole key-head groups (q_g, k_g and the value heads g serves)
         for key in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(m, key) % tp:
-                raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={tp} "
+                raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by "
+                                  f"parallel.tp={tp} "
                                   "(Gated DeltaNet heads are split over tp)")
     if m.num_experts > 0 and m.num_shared_experts > 0 and m.resolved_shared_expert_size % tp:
-        raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} (the shared "
+        raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} "
+                          "(the shared "
                           f"expert's width) is not divisible by parallel.tp={tp}")
     if m.vocab_size % tp:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (vocab-parallel "
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} "
+                          "(vocab-parallel "
                           "head)")
     if m.intermediate_size % tp or m.moe_intermediate_size % tp:
         raise ConfigError(f"model.intermediate_size={m.intermediate_size} / moe_intermediate_size="
@@ -119,7 +135,8 @@ def _validate_tensor_parallel(cfg: TandemConfig, tp: int) -> None:
 
 
 def context_chunk(cfg: TandemConfig) -> int:
-    """Tokens per context-parallel chunk: data.seq_len over cp chunks (contiguous) or 2 x cp (zigzag)."""
+    """Tokens per context-parallel chunk: data.seq_len over cp chunks (contiguous) or 2 x cp
+    (zigzag)."""
     p = cfg.parallel
     return cfg.data.seq_len // (p.cp * (2 if p.cp_sharding == "zigzag" else 1))
 
@@ -129,10 +146,14 @@ def validate_context_parallel(cfg: TandemConfig) -> None:
     p, m = cfg.parallel, cfg.model
     pieces = p.cp * (2 if p.cp_sharding == "zigzag" else 1)
     if cfg.data.seq_len % pieces:
-        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_sharding={p.cp_sharding} cuts data.seq_len="
-                          f"{cfg.data.seq_len} into {pieces} equal chunks; make data.seq_len a multiple of {pieces}")
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_sharding={p.cp_sharding} cuts "
+                          "data.seq_len="
+                          f"{cfg.data.seq_len} into {pieces} equal chunks; make data.seq_len a "
+                          f"multiple of {pieces}")
     chunk = context_chunk(cfg)
     if m.uses_qsa and chunk % m.indexer_compress_ratio:
-        raise ConfigError(f"parallel.cp={p.cp}: each context chunk of {chunk} tokens must hold whole QSA blocks "
-                          f"(model.indexer_compress_ratio={m.indexer_compress_ratio}); make data.seq_len a multiple "
+        raise ConfigError(f"parallel.cp={p.cp}: each context chunk of {chunk} tokens must hold "
+                          "whole QSA blocks "
+                          f"(model.indexer_compress_ratio={m.indexer_compress_ratio}); make "
+                          "data.seq_len a multiple "
                           f"of {pieces * m.indexer_compress_ratio}")
