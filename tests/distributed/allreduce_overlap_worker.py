@@ -1,22 +1,22 @@
 """Under torchrun (2 ranks, gloo): `dp_mode=allreduce` is torch's replicate (FSDP2's machinery with
-replicated parameters). Prints, per micro-batch of one step, how many gradient all-reduces torch issued
-while autograd was running that micro-batch's backward, for each `parallel.reshard_after_microbatch`."""
+replicated parameters). Prints, per micro-batch of one step, how many gradient all-reduces torch
+issued while autograd was running that micro-batch's backward, for each
+`parallel.reshard_after_microbatch`."""
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.distributed as dist
 
-from tests.distributed import worker
+from tests.distributed import torchrun, worker
 
 
 def main() -> None:
     torch.set_num_threads(1)
     from tandem.models.experts import _grouped_mm_works
 
-    _grouped_mm_works(torch.device("cpu"), torch.float32)  # its one-time probe runs a backward of its own
+    # its one-time probe runs a backward of its own
+    _grouped_mm_works(torch.device("cpu"), torch.float32)
     for every in ("false", "true"):
         count(f"dp=2,dp_mode=allreduce,reshard_after_microbatch={every}")
     dist.destroy_process_group()
@@ -58,9 +58,10 @@ def count(layout: str) -> None:
     tr.clip_gradients()  # completes the step's gradient sync (nothing left in flight at teardown)
     dist.barrier()
     blocks = len(model.layers)
-    print(f"rank{dist.get_rank()} every={cfg.parallel.reshard_after_microbatch} micro_batches={len(batches)} "
+    print(f"rank{dist.get_rank()} every={cfg.parallel.reshard_after_microbatch} "
+          f"micro_batches={len(batches)} "
           f"blocks={blocks} all_reduces_in_backward={','.join(map(str, in_backward))}", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    torchrun.finish(main)

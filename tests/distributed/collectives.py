@@ -17,15 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-DIST_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-            "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather", "scatter",
-            "all_to_all", "all_to_all_single", "send", "recv")
+DIST_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+            "reduce_scatter",
+            "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather",
+            "scatter", "all_to_all", "all_to_all_single", "send", "recv")
 # isend/irecv (pipelining's activations) are recorded where every one of them is described: the
 # construction of a `P2POp`. Wrapping them instead would make P2POp reject the wrapper as "not
 # isend or irecv", and the schedules call the P2POp's own reference to them.
 FUNCOL_OPS = ("all_reduce", "all_reduce_inplace", "all_reduce_coalesced", "all_gather_tensor",
               "all_gather_tensor_autograd", "all_gather_single", "all_gather_inplace",
-              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+              "reduce_scatter_tensor_autograd",
               "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "all_to_all_single",
               "all_to_all_single_autograd", "broadcast", "permute_tensor")
 
@@ -56,7 +58,8 @@ class CollectiveRecorder:
                 fn = getattr(module, name, None)
                 if fn is not None:
                     self._originals.append((module, name, fn))
-                    setattr(module, name, self._wrap(f"{module.__name__.split('.')[-1]}.{name}", fn))
+                    setattr(module, name,
+                            self._wrap(f"{module.__name__.split('.')[-1]}.{name}", fn))
 
         init = dist.P2POp.__init__
         self._originals.append((dist.P2POp, "__init__", init))
@@ -64,7 +67,8 @@ class CollectiveRecorder:
         @functools.wraps(init)
         def p2p_init(op_self, op, tensor, *args, **kwargs):
             if self.active:
-                self.calls[(f"distributed.{getattr(op, '__name__', op)}", str(tensor.device), str(tensor.dtype))] += 1
+                self.calls[(f"distributed.{getattr(op, '__name__', op)}", str(tensor.device),
+                            str(tensor.dtype))] += 1
             return init(op_self, op, tensor, *args, **kwargs)
 
         dist.P2POp.__init__ = p2p_init

@@ -1,15 +1,16 @@
 """Per-token, per-depth checks of context parallelism, on the model itself (no FSDP around it).
 
-Run under torchrun (`torchrun --nproc-per-node CP -m tests.distributed.context_worker OUT LAYOUT...`) or
-import `measure` for the one-process reference. Every rank builds the same seeded model, the cp ranks split each window
-(`ContextShards` put in place of the model's window, as apply_parallelism does), and for a batch with
-document starts on, and one off, every chunk edge each rank writes `OUT/<layout>.rank<r>.pt`:
+Run under torchrun (`torchrun --nproc-per-node CP -m tests.distributed.context_worker OUT
+LAYOUT...`) or import `measure` for the one-process reference. Every rank builds the same seeded
+model, the cp ranks split each window (`ContextShards` put in place of the model's window, as
+apply_parallelism does), and for a batch with document starts on, and one off, every chunk edge each
+rank writes `OUT/<layout>.rank<r>.pt`:
 * `per_token`: [depths, B, S] cross-entropy of every window position at every depth (targets masked
   out are 0), gathered into window order: a target shifted after cutting the window, or a hidden row
   paired with the wrong target, shows at the chunk edges even where the totals barely move;
-* `loss_sums` and `grads`: the per-depth loss sums and every parameter's gradient (summed over the cp
-  ranks) for a batch whose loss mask is zero on all of cp rank 1's rows: that rank has no valid target,
-  and must contribute finite zeros and the gradient one process computes.
+* `loss_sums` and `grads`: the per-depth loss sums and every parameter's gradient (summed over the
+  cp ranks) for a batch whose loss mask is zero on all of cp rank 1's rows: that rank has no valid
+  target, and must contribute finite zeros and the gradient one process computes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import worker
+from tests.distributed import torchrun, worker
 
 
 def _per_token(model, batch, document_mask: bool) -> torch.Tensor:
@@ -41,7 +42,8 @@ def _per_token(model, batch, document_mask: bool) -> torch.Tensor:
         logits = model.logits(depth, h).float()
         mask = window.local(depth_target_mask(loss_mask, doc_ids, depth))
         targets = window.local(shifted_tokens(tokens, depth + 1, s))
-        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(b, -1) * mask
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                             reduction="none").view(b, -1) * mask
         per_depth.append(window.gather(ce))
     return torch.stack(per_depth)
 
@@ -73,9 +75,11 @@ def measure(layout: str) -> Dict[str, object]:
     # cp rank 1's rows hold no valid target
     from tandem.trainer.parallel.context import chunks_of_rank
 
-    layout_cp, sharding = cfg.parallel.cp, cfg.parallel.cp_sharding  # (the reference reads them too)
+    # (the reference reads them too)
+    layout_cp, sharding = cfg.parallel.cp, cfg.parallel.cp_sharding
     length = seq // (2 * layout_cp if sharding == "zigzag" else layout_cp)
-    for chunk in chunks_of_rank(1, layout_cp, sharding):  # (MTP depth k's target at t is masked by t + k)
+    # (MTP depth k's target at t is masked by t + k)
+    for chunk in chunks_of_rank(1, layout_cp, sharding):
         batch["loss_mask"][:, chunk * length:(chunk + 1) * length + cfg.mtp.num_steps] = 0
     from tandem.models import depth_target_mask
 
@@ -106,4 +110,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    torchrun.finish(lambda: main(sys.argv[1:]))

@@ -1,8 +1,9 @@
-"""The in-loop evaluator on a parallel layout: speculative decoding of fixed prompts with weights that
-make the MTP drafts mostly right (tests/eval_helpers.make_agreeing on the plain model, before it is
-sharded), so acceptance is exercised. Run under torchrun (`-m tests.distributed.eval_worker OUT
-LAYOUT...`, torchrun.py; layouts as in worker.py), or `evaluate("single")` in one process for the
-reference. Rank 0 writes `OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens of every prompt.
+"""The in-loop evaluator on a parallel layout: speculative decoding of fixed prompts with weights
+that make the MTP drafts mostly right (tests/eval_helpers.make_agreeing on the plain model, before
+it is sharded), so acceptance is exercised. Run under torchrun (`-m tests.distributed.eval_worker
+OUT LAYOUT...`, torchrun.py; layouts as in worker.py), or `evaluate("single")` in one process for
+the reference. Rank 0 writes `OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens
+of every prompt.
 
 Every rank writes its Python stack (every thread) to `OUT/stacks/rank<r>.txt` if it dies of a fatal
 signal (SIGSEGV, SIGABRT, ...) or is stopped by torchrun's SIGTERM after another rank died, so a
@@ -15,18 +16,20 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from typing import List
 
 import torch
 
-from tests.distributed import worker
+from tests.distributed import torchrun, worker
 
 # 5 prompts in batches of 2: three batches, so two replicas split them unevenly (one pads a slot)
-EVAL = ["eval.num_prompts=5", "eval.batch_size=2", "eval.max_new_tokens=14", "eval.loss_batches=1", "eval.interval=1"]
+EVAL = ["eval.num_prompts=5", "eval.batch_size=2", "eval.max_new_tokens=14", "eval.loss_batches=1",
+        "eval.interval=1"]
 # Qwen4-Exp (worker.PRESETS["qwen4"]): prompts of 40 and 41 tokens batched with short ones, so the
-# prefill is longer than the decoder's recurrent rings allow a stepwise forward (ring 4K+32 = 40 slots
-# minus the conv window): Gated DeltaNet takes its chunked form and every stage needs the short rows'
-# row_end. Positions reach 41 + 14 + the draft margin, past the base's max_seq_len 64.
+# prefill is longer than the decoder's recurrent rings allow a stepwise forward (ring 4K+32 = 40
+# slots minus the conv window): Gated DeltaNet takes its chunked form and every stage needs the
+# short rows' row_end. Positions reach 41 + 14 + the draft margin, past the base's max_seq_len 64.
 QWEN4_EVAL = ["model.max_seq_len=96"]
 QWEN4_PROMPT_LENS = (40, 5, 6, 41, 7)
 HISTORY = "weights=history"
@@ -46,15 +49,16 @@ def prompts(lens=(4, 5, 6, 7, 8)) -> List[List[int]]:
 @torch.no_grad()
 def make_agreeing_streams(model, noise: float, seed: int):
     """eval_helpers.make_agreeing for the hyper-connection model with the qwen4_exp drafter: every
-    residual branch (attention / QSA / Gated DeltaNet outputs, MLP and expert outputs, PLE values) is
-    scaled by `noise`, so the streams stay near the repeated embedding and the trunk's next token is
-    about f(x_t); each MTP layer reads only the embedding (fc_embedding = I, fc_hidden = noise) and
-    mixes its streams with the trunk's final mixer, so depth k drafts about f(x_{t+k}) (the mixers'
-    per-stream norm makes the drafter's normalised embedding and the trunk's raw one agree)."""
+    residual branch (attention / QSA / Gated DeltaNet outputs, MLP and expert outputs, PLE values)
+    is scaled by `noise`, so the streams stay near the repeated embedding and the trunk's next token
+    is about f(x_t); each MTP layer reads only the embedding (fc_embedding = I, fc_hidden = noise)
+    and mixes its streams with the trunk's final mixer, so depth k drafts about f(x_{t+k}) (the
+    mixers' per-stream norm makes the drafter's normalised embedding and the trunk's raw one
+    agree)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "linear_attn.out_proj.weight",
-                          "ple.value_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj",
+                          "linear_attn.out_proj.weight", "ple.value_proj.weight")):
             p.mul_(noise)
     model.embed_tokens.weight.copy_(torch.randn(model.embed_tokens.weight.shape, generator=g))
     model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g))
@@ -68,7 +72,8 @@ def make_agreeing_streams(model, noise: float, seed: int):
 
 @torch.no_grad()
 def load_full_weights(model, full_state: dict):
-    """Copy one-process weights into this rank's shards (TP/EP DTensors, FSDP shards, pipeline stages)."""
+    """Copy one-process weights into this rank's shards (TP/EP DTensors, FSDP shards, pipeline
+    stages)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, p in model.named_parameters():
@@ -81,11 +86,12 @@ def load_full_weights(model, full_state: dict):
 
 @torch.no_grad()
 def make_history_sensitive(model, seed: int):
-    """Qwen4-Exp weights whose greedy tokens depend on the distant past: Gated DeltaNet's memory decays
-    slowly (A = exp(-3): about 6% per token), every matrix is 10x its initial scale, and the embedding
-    and head are well spread. Dropping the padded prefill's row_end on a stage (the short rows' state
-    restarting from zero) changes the tokens here, where the agreeing weights hide it (measured: the
-    hidden state moves by 1e-4 of its size). Drafts are rarely accepted (acceptance length ~1.05)."""
+    """Qwen4-Exp weights whose greedy tokens depend on the distant past: Gated DeltaNet's memory
+    decays slowly (A = exp(-3): about 6% per token), every matrix is 10x its initial scale, and the
+    embedding and head are well spread. Dropping the padded prefill's row_end on a stage (the short
+    rows' state restarting from zero) changes the tokens here, where the agreeing weights hide it
+    (measured: the hidden state moves by 1e-4 of its size). Drafts are rarely accepted (acceptance
+    length ~1.05)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
@@ -116,7 +122,8 @@ def evaluate(layout: str) -> dict:
     else:
         agree = make_agreeing_streams if q4 else make_agreeing
         full = agree(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
-    model = full if pstate is single else load_full_weights(build_model(cfg, pstate), full.state_dict())
+    model = full if pstate is single else load_full_weights(build_model(cfg, pstate),
+                                                            full.state_dict())
     model.train()
     ev = InLoopEvaluator(cfg, model, None, None, pstate, parallel_decoding(cfg, model, pstate))
     ev.prompts = prompts(QWEN4_PROMPT_LENS) if q4 else prompts()
@@ -126,8 +133,8 @@ def evaluate(layout: str) -> dict:
 
 
 def record_stacks(out_dir: str):
-    """This rank's stack file (module docstring): faulthandler on fatal signals and on SIGTERM, which
-    torchrun sends the surviving ranks when one fails (chained: the rank still terminates)."""
+    """This rank's stack file (module docstring): faulthandler on fatal signals and on SIGTERM,
+    which torchrun sends the surviving ranks when one fails (chained: the rank still terminates)."""
     stacks = os.path.join(out_dir, "stacks")
     os.makedirs(stacks, exist_ok=True)
     f = open(os.path.join(stacks, f"rank{os.environ.get('RANK', '0')}.txt"), "w")
@@ -145,7 +152,9 @@ def main(argv: List[str]) -> int:
     for layout in layouts:
         stack_file.write(f"layout {layout}\n")  # which one a stack below belongs to
         stack_file.flush()
+        start = time.perf_counter()
         result = evaluate(layout)
+        result["seconds"] = time.perf_counter() - start  # what each layout costs the shared launch
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(out_dir, f"{layout}.pt"))
         dist.barrier()
@@ -154,4 +163,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    torchrun.finish(lambda: main(sys.argv[1:]))

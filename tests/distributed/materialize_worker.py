@@ -14,7 +14,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed import worker
+from tests.distributed import torchrun, worker
 
 
 class LargestAllocation(TorchDispatchMode):
@@ -26,8 +26,14 @@ class LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.set_,) or torch.Tag.view_copy in func.tags or func.is_view:
-            return out  # binds or views existing memory (set_: safetensors' mmap of the file), allocates nothing
+        if (
+            func.overloadpacket in (torch.ops.aten.set_,)
+            or torch.Tag.view_copy in func.tags
+            or func.is_view
+        ):
+            # binds or views existing memory (set_: safetensors' mmap of the file), allocates
+            # nothing
+            return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
             # a DTensor's size is global; its local tensor is produced by an op of its own
             if type(t) is torch.Tensor and not t.is_meta and t.numel() > self.largest:
@@ -70,7 +76,8 @@ def main(out_dir: str, init_from: str, layouts) -> int:
             row = max(1, p[0].numel()) if p.dim() > 1 else 1
             bound = max(bound, local.numel(), row)
         if probe.largest > bound:
-            failures.append(f"{layout}: allocated a tensor of {probe.largest} elements ({probe.op}); "
+            failures.append(f"{layout}: allocated a tensor of {probe.largest} elements "
+                            f"({probe.op}); "
                             f"its largest shard has {bound}")
         got = full_params(model)
         for name, value in got.items():
@@ -88,4 +95,5 @@ def main(out_dir: str, init_from: str, layouts) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2] if sys.argv[2] != "-" else "", sys.argv[3:]))
+    init_from = sys.argv[2] if sys.argv[2] != "-" else ""
+    torchrun.finish(lambda: main(sys.argv[1], init_from, sys.argv[3:]))

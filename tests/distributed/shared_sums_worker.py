@@ -12,7 +12,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from tests.distributed import worker
+from tests.distributed import torchrun, worker
 from tests.distributed.collectives import CollectiveRecorder
 
 
@@ -58,7 +58,8 @@ def main(argv: List[str]) -> int:
                 return fn(self, *args)
             finally:
                 recorder.active = False
-                events.append((kind, sorted(args[0]) if args else None, all_reduces(recorder) - before))
+                events.append((kind, sorted(args[0]) if args else None,
+                               all_reduces(recorder) - before))
         return wrapper
 
     GradientFinisher.start = recorded("start", GradientFinisher.start)
@@ -73,7 +74,8 @@ def main(argv: List[str]) -> int:
     for layout in layouts:
         events.clear()
         result = worker.run_layout(layout)
-        torch.save({"events": list(events), "losses": result["losses"], "second_backward": second_backward(layout)},
+        torch.save({"events": list(events), "losses": result["losses"],
+                    "second_backward": second_backward(layout)},
                    os.path.join(out_dir, f"{layout}.rank{dist.get_rank()}.pt"))
         dist.barrier()
     dist.destroy_process_group()
@@ -81,4 +83,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    torchrun.finish(lambda: main(sys.argv[1:]))

@@ -1,9 +1,10 @@
 """`parallel.dp_mode=allreduce` runs on torch's own replicate (FSDP2's machinery with replicated
-parameters): gradients are all-reduced per module *during* backward, as soon as each block's gradients
-are final: in every micro-batch's backward by default (`parallel.reshard_after_microbatch`), or only in
-the last one's with reshard_after_microbatch=false (the earlier micro-batches' gradients accumulate
-locally, no communication). That the sums are right is test_parallel_equivalence.py's job (every
-all-reduce layout matches one process, in both modes)."""
+parameters): gradients are all-reduced per module *during* backward, as soon as each block's
+gradients are final: in every micro-batch's backward by default
+(`parallel.reshard_after_microbatch`), or only in the last one's with reshard_after_microbatch=false
+(the earlier micro-batches' gradients accumulate locally, no communication). That the sums are right
+is test_parallel_equivalence.py's job (every all-reduce layout matches one process, in both
+modes)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.distributed]
 def test_allreduce_mode_overlaps_each_backward_or_the_last_only():
     proc = torchrun.run(2, "tests.distributed.allreduce_overlap_worker", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    found = re.findall(r"rank\d every=(True|False) micro_batches=(\d+) blocks=(\d+) all_reduces_in_backward=([\d,]+)",
+    found = re.findall(r"rank\d every=(True|False) micro_batches=(\d+) blocks=(\d+) "
+                       r"all_reduces_in_backward=([\d,]+)",
                        proc.stdout)
     assert sorted(every for every, *_ in found) == ["False", "False", "True", "True"], proc.stdout
     for every, micro, blocks, per_backward in found:

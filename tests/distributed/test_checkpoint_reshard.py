@@ -1,18 +1,19 @@
 """A checkpoint saved under one parallel layout resumes under another, through the real CLI.
 
-tp2 x pp2 (4 processes, the pipeline's embedding copy and vocab-parallel DTensors) trains 2 steps of 8
-samples and checkpoints. Every run must match one uninterrupted single-process run of 4 steps:
+tp2 x pp2 (4 processes, the pipeline's embedding copy and vocab-parallel DTensors) trains 2 steps of
+8 samples and checkpoints. Every run must match one uninterrupted single-process run of 4 steps:
 per-step loss/main within 1e-5 relative, and the saved parameters of steps 2 and 4 (read back in one
 process from the DCP shards) within the same tolerance.
 
-The reshard of docs/parallelism.md, resuming at tp1 x ep2 on 4 ranks (dp2 x ep2: 4 batch ranks; ep is carved out of
-data parallelism), changes the global batch: 2 x 2 on each of 4 batch ranks = 16 samples per step.
-It must continue the sample stream exactly where the checkpoint left it (step 3 reads samples 16..31,
-step 4 32..47: each rank's reads are logged sample by sample), and its learning rate follows the
-samples seen (step 4 starts at sample 32, schedule step 32 / 8 = 4), equal to one process resuming
-with the same 16-sample batch. Resumed with the checkpoint's own 8-sample batch in one process, the
-run continues the uninterrupted one exactly. All steps lie in the warm-up, so the learning rate does
-not depend on train.max_steps and the 2-step run sees exactly the first two steps of the 4-step run.
+The reshard of docs/parallelism.md, resuming at tp1 x ep2 on 4 ranks (dp2 x ep2: 4 batch ranks; ep
+is carved out of data parallelism), changes the global batch: 2 x 2 on each of 4 batch ranks = 16
+samples per step. It must continue the sample stream exactly where the checkpoint left it (step 3
+reads samples 16..31, step 4 32..47: each rank's reads are logged sample by sample), and its
+learning rate follows the samples seen (step 4 starts at sample 32, schedule step 32 / 8 = 4), equal
+to one process resuming with the same 16-sample batch. Resumed with the checkpoint's own 8-sample
+batch in one process, the run continues the uninterrupted one exactly. All steps lie in the warm-up,
+so the learning rate does not depend on train.max_steps and the 2-step run sees exactly the first
+two steps of the 4-step run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _launch(world, args, env):
     exe = tandem_cmd()
     if world == 1:
         return run(exe + args, env)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world}"]
     launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
     run(launcher + args, env)
 
@@ -46,13 +48,15 @@ def _params(step_dir):
     from tandem.trainer.checkpoint import load_model_from_checkpoint
 
     model, _ = load_model_from_checkpoint(str(step_dir))
-    return {n: p.detach().clone() for n, p in list(model.named_parameters()) + list(model.named_buffers())
+    return {n: p.detach().clone() for n,
+            p in list(model.named_parameters()) + list(model.named_buffers())
             if "rotary" not in n and "tokens_per_expert" not in n}
 
 
 def _assert_params_close(got, ref, what):
     assert set(got) == set(ref), set(got) ^ set(ref)
-    worst = max((float((got[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp(min=1e-30)), n)
+    worst = max((float((got[n].double() - ref[n].double()).norm()
+                       / ref[n].double().norm().clamp(min=1e-30)), n)
                 for n in ref)
     assert worst[0] < RTOL, f"{what}: parameter {worst[1]} relative error {worst[0]:.2e}"
 
@@ -86,7 +90,8 @@ def _assert_reads(log_dir, expected, what):
     for step, want in expected.items():
         read, want = got[step], list(want)
         skipped = sorted(set(want) - set(read))
-        assert read == want, (f"{what}: step {step} read samples {_spans(read)}, expected {_spans(want)}; "
+        assert read == want, (f"{what}: step {step} read samples {_spans(read)}, expected "
+                              f"{_spans(want)}; "
                               f"{len(skipped)} never read: {_spans(skipped)}")
 
 
@@ -108,20 +113,22 @@ def _records(run_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted single-process run of 4 steps of 8 samples, checkpointed at steps 2 and 4, and its
-    per-step loss/main."""
+    """The uninterrupted single-process run of 4 steps of 8 samples, checkpointed at steps 2 and 4,
+    and its per-step loss/main."""
     tmp = tmp_path_factory.mktemp("reshard_reference")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     ref_dir = tmp / "single_4steps"
     _launch(1, ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp / 'cache'}", f"run.dir={ref_dir}",
-                                            "train.max_steps=4", "train.grad_accum_steps=4", "checkpoint.interval=2"],
+                                            "train.max_steps=4", "train.grad_accum_steps=4",
+                                            "checkpoint.interval=2"],
             env)
     ref = main_losses(ref_dir)
     assert sorted(ref) == [1, 2, 3, 4]
     return ref_dir, ref
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(tmp_path, reference):
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(tmp_path,
+                                                                                      reference):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     common = [RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0"]
     train = ["train"] + common
@@ -138,21 +145,25 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "tp2xpp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"
     ref_params2 = _params(ref_dir / "checkpoints" / "step_2")
-    _assert_params_close(_params(ckpt), ref_params2, "tp2xpp2 checkpoint vs single process at step 2")
+    _assert_params_close(_params(ckpt), ref_params2,
+                         "tp2xpp2 checkpoint vs single process at step 2")
     ref_params4 = _params(ref_dir / "checkpoints" / "step_4")
 
     def resume(name, world, extra):
         run_dir = tmp_path / name
         os.makedirs(run_dir / "checkpoints")
         shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
-        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], logged(name))
+        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"],
+                logged(name))
         return run_dir
 
     # the checkpoint's own global batch (8) in one process: the uninterrupted run, exactly
     same = resume("resume_single", 1, ["train.grad_accum_steps=4"])
-    _assert_reads(tmp_path / "reads" / "resume_single", {3: range(16, 24), 4: range(24, 32)}, "resume_single")
+    _assert_reads(tmp_path / "reads" / "resume_single", {3: range(16, 24), 4: range(24, 32)},
+                  "resume_single")
     _assert_losses_close(main_losses(same), ref, [3, 4], "resume_single")
-    _assert_params_close(_params(same / "checkpoints" / "step_4"), ref_params4, "resume_single at step 4")
+    _assert_params_close(_params(same / "checkpoints" / "step_4"), ref_params4,
+                         "resume_single at step 4")
 
     # the README's reshard, tp1 x ep2 on 4 ranks: 16 samples per step, from sample 16 on
     resharded = resume("resume_tp1_ep2_4ranks", 4, ["parallel.ep=2", "train.grad_accum_steps=2"])
@@ -163,32 +174,40 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
     assert [got[s]["consumed_samples"] for s in (3, 4)] == [32, 48]
     assert [got[s]["consumed_tokens"] for s in (3, 4)] == [32 * 32, 48 * 32]  # data.seq_len=32
     # the learning rate follows samples: step 3 starts at sample 16 (schedule step 2, as the
-    # uninterrupted run's step 3), step 4 at sample 32 (schedule step 4: warm-up lr * 5 / warmup_steps)
+    # uninterrupted run's step 3), step 4 at sample 32 (schedule step 4: warm-up lr * 5 /
+    # warmup_steps)
     cfg = OmegaConf.load(resharded / "config.yaml").train
     assert got[3]["lr"] == before[3]["lr"]
-    assert got[4]["lr"] == pytest.approx(cfg.lr * 5 / cfg.warmup_steps, rel=1e-12), (got[4]["lr"], before[4]["lr"])
-    _assert_losses_close({s: got[s]["loss/main"] for s in got}, {s: want[s]["loss/main"] for s in want}, [3, 4],
+    assert got[4]["lr"] == pytest.approx(cfg.lr * 5 / cfg.warmup_steps,
+                                         rel=1e-12), (got[4]["lr"], before[4]["lr"])
+    _assert_losses_close({s: got[s]["loss/main"] for s in got},
+                         {s: want[s]["loss/main"] for s in want}, [3, 4],
                          "tp1xep2 on 4 ranks vs one process, both at 16 samples per step")
-    _assert_params_close(_params(resharded / "checkpoints" / "step_4"), _params(one_process / "checkpoints" / "step_4"),
+    _assert_params_close(_params(resharded / "checkpoints" / "step_4"),
+                         _params(one_process / "checkpoints" / "step_4"),
                          "tp1xep2 on 4 ranks vs one process at step 4")
 
 
-def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_one_process(tmp_path, reference):
-    """Context parallelism changes no sample and no parameter's placement beyond FSDP's shards, and loss
-    depths spread over interleaved stages (pp_balance) give the embedding, head and MTP module copies on
-    both pp ranks, kept whole (two stages of a rank share them) beside FSDP's shards over the cp ranks.
-    The DCP checkpoint of cp2 x pp2 holds each once, and resumes at cp=2 and in one process, each
-    continuing the uninterrupted single-process run."""
+def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_one_process(
+    tmp_path, reference
+):
+    """Context parallelism changes no sample and no parameter's placement beyond FSDP's shards, and
+    loss depths spread over interleaved stages (pp_balance) give the embedding, head and MTP module
+    copies on both pp ranks, kept whole (two stages of a rank share them) beside FSDP's shards over
+    the cp ranks. The DCP checkpoint of cp2 x pp2 holds each once, and resumes at cp=2 and in one
+    process, each continuing the uninterrupted single-process run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0",
-                                         "train.grad_accum_steps=4"]
+    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}",
+                                         "checkpoint.interval=0", "train.grad_accum_steps=4"]
     ref_dir, ref = reference
     saved_dir = tmp_path / "cp2pp2"
-    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=2", "parallel.pp=2",
+    _launch(4,
+            train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=2", "parallel.pp=2",
                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "cp2 x pp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"
-    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"), "cp2 x pp2 at step 2")
+    _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"),
+                         "cp2 x pp2 at step 2")
     ref_params4 = _params(ref_dir / "checkpoints" / "step_4")
     for name, world, extra in (("resume_cp2", 2, ["parallel.cp=2"]), ("resume_single", 1, [])):
         run_dir = tmp_path / name

@@ -27,20 +27,20 @@ TINY_MODEL_DATA = DEBUG_MODEL + ["model.num_kv_heads=2"] + TINY_DATA + QUIET
 SMALL = TINY_MODEL_DATA + [
     "train.max_steps=3", "train.grad_accum_steps=2", "train.eps=1e-6",
     # the in-loop evaluator at the last step: speculative decoding on the sharded model as trained
-    "eval.interval=3", "eval.num_prompts=2", "eval.prompt_len=12", "eval.max_new_tokens=12", "eval.batch_size=2",
-    "eval.loss_batches=1",
+    "eval.interval=3", "eval.num_prompts=2", "eval.prompt_len=12", "eval.max_new_tokens=12",
+    "eval.batch_size=2", "eval.loss_batches=1",
 ]
-# The flagship recipe in miniature: its layout shape (tp x ep x pp, SP, interleaved 1F1B with 3 stages
-# per rank, layers and loss depths placed by pp_balance) at 8 ranks (tp2 x ep2 x pp2 instead of
-# tp2 x ep4 x pp2: 16 processes are too many for a 2-core CI machine), with 4 layers.
+# The flagship recipe in miniature: its layout shape (tp x ep x pp, SP, interleaved 1F1B with 3
+# stages per rank, layers and loss depths placed by pp_balance) at 8 ranks (tp2 x ep2 x pp2 instead
+# of tp2 x ep4 x pp2: 16 processes are too many for a 2-core CI machine), with 4 layers.
 FLAGSHIP = ["parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.sequence_parallel=true",
-            "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3", "parallel.pp_balance=true",
-            "model.num_layers=4"]
-# Through the CLI only the flagship: each degree alone and the other combinations are compared with one
-# process parameter by parameter in test_parallel_equivalence.py (pp=2, ep=2, tp=2, tp=2 + SP, tp=2 x
-# pp=2, ...), and the in-loop evaluator under them in test_eval_layouts.py; what the CLI adds (the
-# launcher, the data split, the run directory, evaluation in the loop) the flagship run shows, and
-# test_cli_bf16_under_fsdp_and_ep below shows it in bf16 under FSDP and ep.
+            "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3",
+            "parallel.pp_balance=true", "model.num_layers=4"]
+# Through the CLI only the flagship: each degree alone and the other combinations are compared with
+# one process parameter by parameter in test_parallel_equivalence.py (pp=2, ep=2, tp=2, tp=2 + SP,
+# tp=2 x pp=2, ...), and the in-loop evaluator under them in test_eval_layouts.py; what the CLI adds
+# (the launcher, the data split, the run directory, evaluation in the loop) the flagship run shows,
+# and test_cli_bf16_under_fsdp_and_ep below shows it in bf16 under FSDP and ep.
 LAYOUTS = [(8, FLAGSHIP)]
 
 
@@ -63,10 +63,11 @@ def main_losses(run_dir):
     return {r["step"]: r["loss/main"] for r in records(run_dir) if "loss/main" in r}
 
 
-EVAL_EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/identical_to_autoregressive"]
+EVAL_EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate",
+              "eval/identical_to_autoregressive"]
 # bf16 vs fp32 through the CLI (tiny recipe, 3 warm-up steps): measured 1e-6..1e-5 relative on the
-# losses and eval losses; 10x that. fp32 layouts agree with one process to ~1e-7, so a gap > 1e-6 shows
-# bf16 in effect.
+# losses and eval losses; 10x that. fp32 layouts agree with one process to ~1e-7, so a gap > 1e-6
+# shows bf16 in effect.
 BF16_CLI_RTOL = 1e-4
 EVAL_CLOSE = ["eval/loss/main", "eval/loss/mtp_1", "eval/loss/mtp_2", "eval/tf_acc/mtp_1"]
 
@@ -85,9 +86,10 @@ class _References:
     def losses(self, accum: int, model=()):
         key = (accum, tuple(model))
         if key not in self.runs:
-            run_dir = self.root / f"single_accum{accum}{''.join(m.replace('model.', '_') for m in model)}"
-            run(tandem_cmd() + ["train", RECIPE, f"run.dir={run_dir}", *self.common, f"train.grad_accum_steps={accum}",
-                                *model], self.env)
+            run_dir = self.root / (f"single_accum{accum}"
+                                   f"{''.join(m.replace('model.', '_') for m in model)}")
+            run(tandem_cmd() + ["train", RECIPE, f"run.dir={run_dir}", *self.common,
+                                f"train.grad_accum_steps={accum}", *model], self.env)
             self.runs[key] = (main_losses(run_dir), eval_record(run_dir))
         return self.runs[key]
 
@@ -99,13 +101,16 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("world,overrides", LAYOUTS, ids=[" ".join(o) for _, o in LAYOUTS])
 def test_cli_layout_matches_single_process(world, overrides, references):
-    """Losses and every eval/* acceptance figure as one process (the evaluator decodes under each layout)."""
+    """Losses and every eval/* acceptance figure as one process (the evaluator decodes under each
+    layout)."""
     batch_ranks = 2 if "parallel.ep=2" in overrides else 1
-    ref, ref_eval = references.losses(2 * batch_ranks, [o for o in overrides if o.startswith("model.")])
+    ref, ref_eval = references.losses(2 * batch_ranks,
+                                      [o for o in overrides if o.startswith("model.")])
     root, env, common = references.root, references.env, references.common
     run_dir = root / ("_".join(o.replace("parallel.", "").replace("=", "") for o in overrides))
     exe = tandem_cmd()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world}"]
     launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
     run(launcher + ["train", RECIPE, f"run.dir={run_dir}", *common, *overrides], env)
     got = main_losses(run_dir)
@@ -118,24 +123,28 @@ def test_cli_layout_matches_single_process(world, overrides, references):
     for key in EVAL_EXACT:
         assert got_eval[key] == ref_eval[key], (key, got_eval[key], ref_eval[key])
     for key in EVAL_CLOSE:
-        assert abs(got_eval[key] - ref_eval[key]) <= 1e-5 * max(abs(ref_eval[key]), 1e-3), (key, got_eval, ref_eval)
+        assert abs(got_eval[key] - ref_eval[key]) <= 1e-5 * max(abs(ref_eval[key]),
+                                                                1e-3), (key, got_eval, ref_eval)
 
 
 def test_cli_bf16_under_fsdp_and_ep(references):
     """`train.dtype=bf16` through the real CLI: FSDP2 gathers bf16 parameters while the ep-sharded
-    experts (kept out of FSDP at dp=1) stay fp32, and the in-loop evaluator decodes on that model under
-    the same autocast. Losses and eval losses are bf16 roundings of the fp32 run's (BF16_CLI_RTOL)."""
+    experts (kept out of FSDP at dp=1) stay fp32, and the in-loop evaluator decodes on that model
+    under the same autocast. Losses and eval losses are bf16 roundings of the fp32 run's
+    (BF16_CLI_RTOL)."""
     ref, ref_eval = references.losses(4)
     root, env, common = references.root, references.env, references.common
     run_dir = root / "ep2_bf16"
     exe = tandem_cmd()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
-    run(launcher + ["train", RECIPE, f"run.dir={run_dir}", *common, "parallel.ep=2", "train.dtype=bf16"], env)
+    run(launcher + ["train", RECIPE, f"run.dir={run_dir}", *common, "parallel.ep=2",
+                    "train.dtype=bf16"], env)
     got, got_eval = main_losses(run_dir), eval_record(run_dir)
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     gaps = [abs(got[s] - ref[s]) / abs(ref[s]) for s in ref]
-    gaps += [abs(got_eval[k] - ref_eval[k]) / abs(ref_eval[k]) for k in EVAL_CLOSE if k.startswith("eval/loss")]
+    gaps += [abs(got_eval[k] - ref_eval[k]) / abs(ref_eval[k]) for k in EVAL_CLOSE
+             if k.startswith("eval/loss")]
     print(f"bf16 vs fp32 CLI gaps: {['%.1e' % g for g in gaps]}")
     assert max(gaps) < BF16_CLI_RTOL, gaps
     assert max(gaps) > 1e-6, "bf16 run identical to fp32: bf16 not in effect"

@@ -1,9 +1,9 @@
-"""Context parallelism (parallel.cp) trains like one process: three optimizer steps under cp alone and
-composed with tp + SP, ep, pp and dp (FSDP and all-reduce), with packed documents whose starts fall on
-the chunk edges and one off them (worker.global_batch), give one process's per-depth losses and
-parameters (the harness and tolerances of test_parallel_equivalence.py); and, on the model itself,
-every window position's loss at every depth equals one process's, and a cp rank holding no valid
-target contributes finite zeros and one process's gradients (context_worker.py)."""
+"""Context parallelism (parallel.cp) trains like one process: three optimizer steps under cp alone
+and composed with tp + SP, ep, pp and dp (FSDP and all-reduce), with packed documents whose starts
+fall on the chunk edges and one off them (worker.global_batch), give one process's per-depth losses
+and parameters (the harness and tolerances of test_parallel_equivalence.py); and, on the model
+itself, every window position's loss at every depth equals one process's, and a cp rank holding no
+valid target contributes finite zeros and one process's gradients (context_worker.py)."""
 
 from __future__ import annotations
 
@@ -16,28 +16,32 @@ from tests.distributed import test_parallel_equivalence as eq
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 DOCS = "data.document_mask=true"
-Q4 = "preset.qwen4=1"  # worker.PRESETS["qwen4"]: Gated DeltaNet, QSA (selecting), PLE, hyper-connections
+# worker.PRESETS["qwen4"]: Gated DeltaNet, QSA (selecting), PLE, hyper-connections
+Q4 = "preset.qwen4=1"
 LAYOUTS = {
     f"cp=2,{DOCS}": 2,
     # recomputed blocks repeat their exchanges in backward
     "cp=2,cp_sharding=contiguous,train.activation_checkpointing=full": 2,
     f"cp=4,{DOCS}": 4,
-    # the teachers are the whole window's: depth k at t reads the trunk's at t + k, across chunk edges
+    # the teachers are the whole window's: depth k at t reads the trunk's at t + k, across chunk
+    # edges
     f"cp=2,train.distill=argmax,{DOCS}": 2,
     "cp=2,mtp.loss.objective=acceptance": 2,
     f"cp=2,tp=2,sequence_parallel=true,{DOCS}": 4,
     "cp=2,ep=2": 4,
     "cp=2,pp=2,pp_schedule=interleaved_1f1b": 4,
     "cp=2,dp=2,dp_mode=allreduce": 4,
-    # Qwen4-Exp: the chunks' Gated DeltaNet carry and conv halos, QSA selecting over the gathered window
-    # (and its KL over the rank's queries), PLE's n-gram and conv halos, the aux loss over the window
+    # Qwen4-Exp: the chunks' Gated DeltaNet carry and conv halos, QSA selecting over the gathered
+    # window (and its KL over the rank's queries), PLE's n-gram and conv halos, the aux loss over
+    # the window
     f"cp=2,{Q4},{DOCS}": 2,
     f"cp=2,tp=2,sequence_parallel=true,{Q4},{DOCS}": 4,
     f"cp=2,ep=2,{Q4},{DOCS}": 4,
-    # MTP depth 1's QSA selection (this rank's queries over the window's blocks) crosses a stage boundary
+    # MTP depth 1's QSA selection (this rank's queries over the window's blocks) crosses a stage
+    # boundary
     f"cp=2,pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],{Q4},{DOCS}": 4,
-    # the flagship layout in miniature, with context parallelism: 16 ranks, on the seed model (every layer
-    # kind; the full-attention families' pieces are each in a layout above)
+    # the flagship layout in miniature, with context parallelism: 16 ranks, on the seed model (every
+    # layer kind; the full-attention families' pieces are each in a layout above)
     f"tp=2,ep=2,pp=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 16,
 }
 BF16_LAYOUTS = {
@@ -50,7 +54,8 @@ BF16_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(training_layout_runs):
-    """LAYOUTS and BF16_LAYOUTS trained (tests/conftest.py: one launch per world size with the other modules')."""
+    """LAYOUTS and BF16_LAYOUTS trained (tests/conftest.py: one launch per world size with the other
+    modules')."""
     return training_layout_runs
 
 
@@ -66,7 +71,8 @@ def test_context_parallel_layout_matches_single_process(layout, runs, references
 @pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
 def test_context_parallel_bf16_layout_matches_single_process(layout, runs, references, monkeypatch):
     monkeypatch.setattr(eq, "BF16_LAYOUTS", BF16_LAYOUTS)
-    if Q4 in layout:  # the hyper-connections normalise the fp32 streams in fp32 (test_qwen4_layouts.py)
+    # the hyper-connections normalise the fp32 streams in fp32 (test_qwen4_layouts.py)
+    if Q4 in layout:
         monkeypatch.setattr(eq, "FP32_OUTPUTS", eq.FP32_OUTPUTS | {"RMSNorm"})
     eq.test_bf16_layout_matches_single_process(layout, runs, references)
 
@@ -85,7 +91,8 @@ PER_TOKEN = {
 def per_token_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_per_token")
     for world in sorted(set(PER_TOKEN.values())):
-        eq.launch(out, world, [layout for layout, w in PER_TOKEN.items() if w == world], context_worker.__name__)
+        eq.launch(out, world, [layout for layout, w in PER_TOKEN.items() if w == world],
+                  context_worker.__name__)
     return out
 
 
@@ -95,16 +102,21 @@ def test_per_token_per_depth_losses_and_an_empty_rank(layout, per_token_runs):
     ref = context_worker.measure(layout)
     ranks = [torch.load(per_token_runs / f"{layout}.rank{r}.pt", weights_only=False)
              for r in range(PER_TOKEN[layout])]
-    # every position of the window, every depth (0 = the trunk's head), on every rank's gathered copy
+    # every position of the window, every depth (0 = the trunk's head), on every rank's gathered
+    # copy
     for r in ranks:
         torch.testing.assert_close(r["per_token"], ref["per_token"], rtol=1e-5, atol=1e-5)
-    assert bool((ref["per_token"] > 0).any(dim=-1).all()), "a depth or row without a single valid target"
+    assert bool((ref["per_token"]
+                 > 0).any(dim=-1).all()), "a depth or row without a single valid target"
     # cp rank 1 holds no valid target: finite zeros, and the sums over ranks are one process's
     assert torch.equal(ranks[1]["loss_sums"], torch.zeros_like(ranks[1]["loss_sums"]))
-    torch.testing.assert_close(sum(r["loss_sums"] for r in ranks), ref["loss_sums"], rtol=1e-5, atol=1e-5)
-    # (a zero-initialised PLE conv passes no gradient to its input norm at step 0: nearly all others do)
+    torch.testing.assert_close(sum(r["loss_sums"] for r in ranks), ref["loss_sums"], rtol=1e-5,
+                               atol=1e-5)
+    # (a zero-initialised PLE conv passes no gradient to its input norm at step 0: nearly all others
+    # do)
     flowing = [name for name, g in ref["grads"].items() if bool(g.abs().sum() > 0)]
     assert len(flowing) >= 0.95 * len(ref["grads"]), sorted(set(ref["grads"]) - set(flowing))
-    for name, g in ref["grads"].items():  # (per parameter: fp32 sums in another order move single elements)
+    # (per parameter: fp32 sums in another order move single elements)
+    for name, g in ref["grads"].items():
         err = float((ranks[0]["grads"][name].double() - g.double()).norm())
         assert err <= 1e-4 * float(g.double().norm()) + 1e-10, f"{name}: gradient off by {err:.2e}"

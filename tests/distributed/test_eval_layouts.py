@@ -18,53 +18,55 @@ from tests.distributed import eval_worker, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# Each path in the fewest layouts that check it (the suite's budget); what covers a left-out layout is named.
-# (dp=2: ep=2,pp=2 decodes on replicas in lockstep with FSDP over its batch ranks, and Qwen4-Exp's ep=2;
-# the plain interleaved schedule: the flagship shape below)
+# Each path in the fewest layouts that check it (the suite's budget); what covers a left-out layout
+# is named. dp=2 and ep=2,pp=2: the flagship shapes below decode on replicas in lockstep with FSDP
+# over their batch ranks, and so does Qwen4-Exp's ep=2; tp=2,pp=2 + SP (1F1B): Qwen4-Exp's flagship
+# shape; the plain interleaved schedule: the flagship shape below.
 LAYOUTS = {
     # loss depths spread (layout lists separated by `:`): MTP depth 1 on the trunk's stage, the head
     # (the driver) and depth 2 on the next, so the decoder routes depth 1 to the other rank ...
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
-    # ... and the head on the trunk's stage with both MTP depths on the other rank (no MTP layer where the
-    # head is: the decoder drafts as trained, so its reference does too)
+    # ... and the head on the trunk's stage with both MTP depths on the other rank (no MTP layer
+    # where the head is: the decoder drafts as trained, so its reference does too)
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],eval.draft_convention=tandem": 2,
-    "tp=2,pp=2,sequence_parallel=true": 4,
-    "ep=2,pp=2": 4,
-    # context parallelism: the cp ranks decode as extra replicas (whole sequences), the teacher-forced
-    # losses run on whole windows (the switch turns the chunks off around evaluation, and SP's with them)
+    # context parallelism: the cp ranks decode as extra replicas (whole sequences), the
+    # teacher-forced losses run on whole windows (the switch turns the chunks off around evaluation,
+    # and SP's with them)
     "cp=2,tp=2,sequence_parallel=true": 4,
     # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved with 3 stages per rank,
     # layers and depths placed by pp_balance), 8 ranks
-    "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,pp_balance=true": 8,
+    "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,"
+    "pp_balance=true": 8,
 }
-# Qwen4-Exp (eval_worker.QWEN4_*; its own one-process reference): the hc_count x hidden streams between
-# stages, PLE's token ids on every stage, stage caches with the decoder's ring size and row_end for a
-# padded prefill longer than a ring (Gated DeltaNet's chunked form), QSA recall from every rank's layers;
-# weights that make the tokens depend on every layer's recurrent state (eval_worker.HISTORY) on the
-# even split (Gated DeltaNet + PLE and QSA on the follower); agreeing weights with the depths spread:
-# the driver holds the head only, the trunk and both MTP depths (one stage: they reuse depth 1's QSA
-# selection) with their stream mixer run on the other rank (drafting as trained: the serving
-# convention needs the MTP layer where the head is).
+# Qwen4-Exp (eval_worker.QWEN4_*; its own one-process reference): the hc_count x hidden streams
+# between stages, PLE's token ids on every stage, stage caches with the decoder's ring size and
+# row_end for a padded prefill longer than a ring (Gated DeltaNet's chunked form), QSA recall from
+# every rank's layers; weights that make the tokens depend on every layer's recurrent state
+# (eval_worker.HISTORY) on the even split (Gated DeltaNet + PLE and QSA on the follower); agreeing
+# weights with the depths spread: the driver holds the head only, the trunk and both MTP depths (one
+# stage: they reuse depth 1's QSA selection) with their stream mixer run on the other rank (drafting
+# as trained: the serving convention needs the MTP layer where the head is).
 Q4_LAYOUTS = {
     f"pp=2,preset.qwen4=1,{eval_worker.HISTORY}": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0],preset.qwen4=1,eval.draft_convention=tandem": 2,
-    # tensor parallelism: each rank's decoder state holds its own Gated DeltaNet / QSA heads, the QSA
-    # indexer keys and selections are replicated; under SP the decode steps run on whole sequences (plain
-    # tp=2 runs the same decode steps)
-    f"tp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 2,
-    # expert parallelism: replicas decoding different prompts in lockstep through the all-to-alls and the
-    # PLE lookup, the hybrid layers FSDP-sharded over the batch ranks, PLE tables sharded outside it (which
-    # covers dp=2)
+    # expert parallelism: replicas decoding different prompts in lockstep through the all-to-alls
+    # and the PLE lookup, the hybrid layers FSDP-sharded over the batch ranks, PLE tables sharded
+    # outside it (which covers dp=2)
     "ep=2,preset.qwen4=1": 2,
-    # the flagship layout shape: tp x ep x pp + SP
+    # the flagship layout shape, tp x ep x pp + SP (1F1B), which covers tp=2 + SP: each rank's
+    # decoder state holds its own Gated DeltaNet / QSA heads, the QSA indexer keys and selections
+    # are replicated, and under SP the decode steps run on whole sequences
     f"tp=2,ep=2,pp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 8,
 }
-EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1", "eval/accept_rate/pos_2",
+EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1",
+         "eval/accept_rate/pos_2",
          "eval/identical_to_autoregressive", "eval/distinct_2", "eval/distinct_4",
-         # speculative sampling at T=1 (eval.temperatures default), seeded per batch: the same draws anywhere
+         # speculative sampling at T=1 (eval.temperatures default), seeded per batch: the same draws
+         # anywhere
          "eval/T1/acceptance_length", "eval/T1/draft_acceptance_rate", "eval/T1/accept_rate/pos_1",
          "eval/T1/accept_rate/pos_2"]
-CLOSE = ["eval/loss/main", "eval/loss/mtp_1", "eval/loss/mtp_2", "eval/tf_acc/mtp_1", "eval/tf_acc/mtp_2"]
+CLOSE = ["eval/loss/main", "eval/loss/mtp_1", "eval/loss/mtp_2", "eval/tf_acc/mtp_1",
+         "eval/tf_acc/mtp_2"]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +89,9 @@ def runs(tmp_path_factory):
 
 def crash_report(proc: subprocess.CompletedProcess, out) -> str:
     """A failed launch's output tail, then every rank's stack file (eval_worker.record_stacks: the
-    layout each rank was on and, if it died of a signal or was stopped by torchrun after another rank
-    died, where each thread was). No relaunch: a crash is a defect to find, not a flake to retry."""
+    layout each rank was on and, if it died of a signal or was stopped by torchrun after another
+    rank died, where each thread was). No relaunch: a crash is a defect to find, not a flake to
+    retry."""
     report = [proc.stdout[-3000:], proc.stderr[-6000:]]
     for path in sorted((out / "stacks").glob("rank*.txt")) if (out / "stacks").is_dir() else []:
         report.append(f"--- {path.name} ---\n{path.read_text()[-4000:]}")

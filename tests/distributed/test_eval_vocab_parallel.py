@@ -1,11 +1,11 @@
-"""The evaluator's teacher-forced figures under tensor parallelism (issue 20, item 4): the vocab-parallel
-head keeps its vocabulary shard (no gathered [tokens x vocab] logits, no tensor wider than a chunk of
-the shard) and gives one device's losses and top-1 accuracies, ties included (the first vocab id wins,
-as argmax over the whole vocabulary picks it).
+"""The evaluator's teacher-forced figures under tensor parallelism (issue 20, item 4): the
+vocab-parallel head keeps its vocabulary shard (no gathered [tokens x vocab] logits, no tensor wider
+than a chunk of the shard) and gives one device's losses and top-1 accuracies, ties included (the
+first vocab id wins, as argmax over the whole vocabulary picks it).
 
 Run by pytest, this file launches itself under torchrun on 2 gloo ranks (tp=2); each rank builds
-tests/unit/test_eval_teacher_forced.py's trained tiny model and swaps its head for the vocab-parallel
-one trainer/parallel/tensor.py installs."""
+tests/unit/test_eval_teacher_forced.py's trained tiny model and swaps its head for the
+vocab-parallel one trainer/parallel/tensor.py installs."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def main(out_dir: str) -> int:
     trained = unit.trained_model()  # identical weights on both ranks
     data = unit.batches()
     ties = copy.deepcopy(trained)
-    with torch.no_grad():  # every logit of the second shard equals the first's: argmax ties across ranks,
+    # every logit of the second shard equals the first's: argmax ties across ranks,
+    with torch.no_grad():
         # which one device resolves to the first half (targets in the second are never predicted)
         half = unit.VOCAB // 2
         ties.lm_head.weight[half:] = ties.lm_head.weight[:half]
@@ -69,7 +70,9 @@ def main(out_dir: str) -> int:
             out = func(*args, **(kwargs or {}))
             if not func.is_view:
                 for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in (unit.VOCAB, unit.VOCAB // 2):
+                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in (unit.VOCAB,
+                                                                                        unit.VOCAB
+                                                                                        // 2):
                         largest["any"] = max(largest["any"], t.numel())
                         if t.shape[-1] == unit.VOCAB:
                             largest["full"] = max(largest["full"], t.numel())
@@ -82,13 +85,17 @@ def main(out_dir: str) -> int:
         with Widest():
             tp = teacher_forced(model, data)
         result[name] = {"one_device": one, "tp": tp}
-    result["largest_vocab_tensor"], result["largest_full_vocab_tensor"] = largest["any"], largest["full"]
+    result["largest_vocab_tensor"], result["largest_full_vocab_tensor"] = (
+        largest["any"],
+        largest["full"],
+    )
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()  # both ranks done before the group goes (a rank tearing down early aborts its peer)
+    # both ranks done before the group goes (a rank tearing down early aborts its peer)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    torchrun.finish(lambda: main(sys.argv[1]))

@@ -1,5 +1,5 @@
-"""MTP fine-tuning from a Hugging Face export under tensor parallelism: the weights are read into the
-already-sharded model (each rank reads its own slices) and training matches one process."""
+"""MTP fine-tuning from a Hugging Face export under tensor parallelism: the weights are read into
+the already-sharded model (each rank reads its own slices) and training matches one process."""
 
 import json
 import os
@@ -25,16 +25,19 @@ def losses(run_dir):
 
 def test_finetune_from_hf_export_under_tp2_matches_one_process(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    assert main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *DATA, *TRUNK, cache, "train.max_steps=3",
-                 f"run.dir={tmp_path / 'pretrain'}"]) == 0
-    assert main(["export", "--checkpoint", str(tmp_path / "pretrain"), "--out", str(tmp_path / "hf")]) == 0
-    finetune = [os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), *DATA, cache, "train.max_steps=2",
+    assert main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *DATA, *TRUNK, cache,
+                 "train.max_steps=3", f"run.dir={tmp_path / 'pretrain'}"]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "pretrain"), "--out",
+                 str(tmp_path / "hf")]) == 0
+    finetune = [os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), *DATA, cache,
+                "train.max_steps=2",
                 f"model.init_from={tmp_path / 'hf'}", "checkpoint.save_final=false"]
     assert main(["train", *finetune, f"run.dir={tmp_path / 'single'}"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m",
            "tandem.trainer.cli", "train", *finetune, f"run.dir={tmp_path / 'tp2'}", "parallel.tp=2"]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"), capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     single, tp2 = losses(tmp_path / "single"), losses(tmp_path / "tp2")
     assert [r["step"] for r in tp2] == [r["step"] for r in single] == [1, 2]

@@ -20,12 +20,14 @@ def test_layouts_materialise_only_their_shards_and_equal_one_process(tmp_path):
     from tandem.models import TandemModel
     from tandem.trainer.hf.export import export_hf
 
-    # a checkpoint whose trunk differs from the seeded init (and has no MTP weights: those come from the seed)
+    # a checkpoint whose trunk differs from the seeded init (and has no MTP weights: those come from
+    # the seed)
     cfg = worker.make_cfg("single", 2)
     torch.manual_seed(7)
     mtp = type(cfg.mtp)(num_steps=0)
     export_hf(TandemModel(cfg.model, mtp), str(tmp_path / "hf"), "glm4_moe", cfg=cfg.model, mtp=mtp)
-    proc = torchrun.run(4, "tests.distributed.materialize_worker", tmp_path, tmp_path / "hf", *LAYOUTS)
+    proc = torchrun.run(4, "tests.distributed.materialize_worker", tmp_path, tmp_path / "hf",
+                        *LAYOUTS)
     assert proc.returncode == 0, proc.stderr[-6000:]
     for layout in LAYOUTS:
         for r in range(4):

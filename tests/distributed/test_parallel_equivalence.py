@@ -16,51 +16,56 @@ from tests.distributed import torchrun, worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# layout -> world size; batch ranks (dp*ep) decide which single-process reference applies. Each feature runs
-# in the fewest layouts that check it (the suite's budget): a layout another one covers is left out, and
-# the comment says which covers it.
-# Load-balance and z-loss: the one-process run takes the mean aux loss over all its micro-batches, so
-# every layout must scale each micro-batch's aux gradient by 1/(micro-batches in the global step),
-# not 1/grad_accum_steps per rank (gradients are summed over dp*ep). Coefficients large enough that
-# the old per-rank scale moves parameters by 0.39 relative (dp=2) instead of rounding noise.
+# layout -> world size; batch ranks (dp*ep) decide which single-process reference applies. Each
+# feature runs in the fewest layouts that check it (the suite's budget): a layout another one covers
+# is left out, and the comment says which covers it. Load-balance and z-loss: the one-process run
+# takes the mean aux loss over all its micro-batches, so every layout must scale each micro-batch's
+# aux gradient by 1/(micro-batches in the global step), not 1/grad_accum_steps per rank (gradients
+# are summed over dp*ep). Coefficients large enough that the old per-rank scale moves parameters by
+# 0.39 relative (dp=2) instead of rounding noise.
 AUX = "model.balance=aux_loss,model.aux_loss_coef=0.1,model.z_loss_coef=0.01"
 LAYOUTS = {
-    # tp, ep, dp and pp each alone, with the aux and z losses on: these also cover the plain tp=2, ep=2 and
-    # pp=2 (the default aux-free balance runs in every layout below)
+    # tp, ep, dp and pp each alone, with the aux and z losses on: these also cover the plain tp=2,
+    # ep=2 and pp=2 (the default aux-free balance runs in every layout below)
     f"dp=2,{AUX}": 2,
-    f"ep=2,{AUX}": 2,  # (fixed-capacity `ep_dispatch=padded`: the bf16 flagship, and exact in test_ep_dispatch)
+    # (fixed-capacity `ep_dispatch=padded`: the bf16 flagship, and exact in test_ep_dispatch)
+    f"ep=2,{AUX}": 2,
     f"tp=2,{AUX}": 2,  # aux computed replicated on each tp rank: no tp factor
-    f"tp=2,sequence_parallel=true,{AUX}": 2,  # aux on the gathered logits, router grads summed over tp
+    # aux on the gathered logits, router grads summed over tp
+    f"tp=2,sequence_parallel=true,{AUX}": 2,
     f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
     f"ep=2,pp=2,{AUX}": 4,
-    "tp=2,ep=2,dp_mode=allreduce": 4,  # (plain tp x ep: this and the selective-checkpointing one below)
-    # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp; with the
-    # vocab-parallel head's recomputing backward (the fused one, the default, runs everywhere else)
+    # (plain tp x ep: this and the selective-checkpointing one below)
+    "tp=2,ep=2,dp_mode=allreduce": 4,
+    # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp;
+    # with the vocab-parallel head's recomputing backward (the fused one, the default, runs
+    # everywhere else)
     "tp=2,model.qk_norm=true,mtp.loss_head_backward=recompute": 2,
     # activation checkpointing recomputes blocks (and their collectives) in backward
     "ep=2,pp=2,train.activation_checkpointing=full": 4,
     "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
-    # the trunk under no_grad on every stage, several stages per rank (also covers the plain interleaved
-    # schedule; pp_balance: test_cli_layouts' flagship and test_qwen4_layouts)
+    # the trunk under no_grad on every stage, several stages per rank (also covers the plain
+    # interleaved schedule; pp_balance: test_cli_layouts' flagship and test_qwen4_layouts)
     "pp=2,pp_schedule=interleaved_1f1b,train.freeze_trunk=true": 2,
     # loss depths spread over the stages (pipeline_plan.py; list items separated by `:`): depth 1 on
     # the trunk's stage, the trunk's head and depth 2 after it (h_0 travels beside the chain)
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
-    # a pipeline rank with no gradients at all (the frozen trunk and its head on stage 0): the global
-    # norm's collective
+    # a pipeline rank with no gradients at all (the frozen trunk and its head on stage 0): the
+    # global norm's collective
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],train.freeze_trunk=true": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:0:1],mtp.style=parallel,mtp.num_layers=2": 2,
-    # two stages of one rank share the head / MTP module / embedding: kept whole, summed over dp / ep
-    # (also covers plain pp x dp)
+    # two stages of one rank share the head / MTP module / embedding: kept whole, summed over dp /
+    # ep (also covers plain pp x dp)
     "pp=2,dp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
-    # the teacher (the trunk's normed h_0) read on a stage before the trunk's head, under tp x pp x SP
-    # (covers plain tp x pp with and without SP, and the acceptance objective's vocab-parallel sums; at tp=2
-    # alone it runs under context parallelism, test_context_parallel)
-    "tp=2,pp=2,sequence_parallel=true,pp_layout=[4:0],pp_depth_stages=[1:0:1],mtp.loss.objective=acceptance": 4,
-    # parallel.reshard_after_microbatch: the layouts above sync gradients every micro-batch (the default);
-    # these keep FSDP's unsharded gradients through the step and sync once, in the last backward; their
-    # every-micro-batch twins are the other side of test_sync_modes_differ
+    # the teacher (the trunk's normed h_0) read on a stage before the trunk's head, under tp x pp x
+    # SP (covers plain tp x pp with and without SP, and the acceptance objective's vocab-parallel
+    # sums; at tp=2 alone it runs under context parallelism, test_context_parallel)
+    "tp=2,pp=2,sequence_parallel=true,pp_layout=[4:0],pp_depth_stages=[1:0:1],"
+    "mtp.loss.objective=acceptance": 4,
+    # parallel.reshard_after_microbatch: the layouts above sync gradients every micro-batch (the
+    # default); these keep FSDP's unsharded gradients through the step and sync once, in the last
+    # backward; their every-micro-batch twins are the other side of test_sync_modes_differ
     "dp=2,reshard_after_microbatch=false": 2,
     "pp=2,dp=2,reshard_after_microbatch=false": 4,
     "dp=2": 2,
@@ -70,26 +75,31 @@ LAYOUTS = {
 BF16 = "train.dtype=bf16"
 BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,sequence_parallel=true": 2,  # (plain tp: the flagship below)
-    "pp=2,pp_schedule=gpipe": 2,  # (1F1B: the pp x dp layouts; interleaved: the spread depths below)
+    # (1F1B: the pp x dp layouts; interleaved: the spread depths below)
+    "pp=2,pp_schedule=gpipe": 2,
     "dp=2": 2,  # FSDP2 MixedPrecisionPolicy: bf16 all-gather, fp32 reduce-scatter
     "dp=2,dp_mode=allreduce": 2,
     "pp=2,dp=2": 4,  # FSDP's bf16 parameters make the stages exchange bf16 activations
     "tp=2,ep=2,dp_mode=allreduce": 4,
     # the flagship layout, syncless dispatch (covers tp x ep and tp x pp + SP)
     "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded": 8,
-    "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,  # spread depths
-    # all-reduce data parallelism with pieces two stages of a rank share: kept whole, and computing from
-    # compute-dtype copies of their fp32 parameters (data.cast_kept_whole), as FSDP's policy gathers the rest
-    "pp=2,dp=2,dp_mode=allreduce,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
-    # embedding, head and MTP module kept out of FSDP (two stages of a rank share them), experts too (dp=1)
+    # spread depths
+    "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,
+    # all-reduce data parallelism with pieces two stages of a rank share: kept whole, and computing
+    # from compute-dtype copies of their fp32 parameters (data.cast_kept_whole), as FSDP's policy
+    # gathers the rest
+    "pp=2,dp=2,dp_mode=allreduce,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],"
+    "pp_depth_stages=[2:1:3]": 4,
+    # embedding, head and MTP module kept out of FSDP (two stages of a rank share them), experts too
+    # (dp=1)
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     f"ep=2,{AUX}": 2,  # fp32 routing and aux/z-loss under bf16 experts (covers plain ep)
     "dp=2,reshard_after_microbatch=false": 2,  # one sync per step: fp32 unsharded accumulation
     # ... with bf16 reduce-scatters: accumulated in fp32, cast to bf16 for the one reduce-scatter
     "dp=2,reshard_after_microbatch=false,train.grad_reduce_dtype=bf16": 2,
 }.items()}
-# train.grad_reduce_dtype=bf16 sums a step's micro-batches in fp32 in both sync modes (FSDP2 kept the
-# unsharded running sum in bf16 when the reduce and parameter dtypes matched): see
+# train.grad_reduce_dtype=bf16 sums a step's micro-batches in fp32 in both sync modes (FSDP2 kept
+# the unsharded running sum in bf16 when the reduce and parameter dtypes matched): see
 # test_bf16_reduce_accumulates_micro_batches_in_fp32. One MTP step: a module called K times per
 # forward reduces its gradient in parts (one per backward hook that finds one), which adds roundings
 # of its own to the one-sync mode.
@@ -97,46 +107,47 @@ ACCUMULATION = {f"{worker.ACCUM_CHECK}dp=2,{BF16},train.grad_reduce_dtype=bf16,m
                 f"reshard_after_microbatch={every}": 2 for every in ("true", "false")}
 RTOL = 1e-5
 # qk_norm sharpens attention, and fp32 rounding of the split matmuls then reaches ~4e-5 on a few
-# weights after three Adam steps; run in float64 the same comparison gives 2e-6 (the norms and router
-# still compute in fp32), so the gap is rounding. The bug this layout guards against (q/k-norm
-# gradients not summed over tp) makes the replicas on the two tp ranks differ, which the replica check
-# in `load` catches at RTOL.
+# weights after three Adam steps; run in float64 the same comparison gives 2e-6 (the norms and
+# router still compute in fp32), so the gap is rounding. The bug this layout guards against
+# (q/k-norm gradients not summed over tp) makes the replicas on the two tp ranks differ, which the
+# replica check in `load` catches at RTOL.
 PARAM_RTOL = {"tp=2,model.qk_norm=true,mtp.loss_head_backward=recompute": 1e-4}
 
 # bf16 tolerance. bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-9 = 2e-3
-# relative. The per-depth losses are means over ~100 tokens, so a run's bf16 roundings move them less;
-# that scale is measured in the test as the gap between the one-process bf16 and fp32 runs. It is one
-# sample of rounding noise and depends on the weights: 2.7e-4 over the 3 steps with the earlier
-# torch.manual_seed init, 6.7e-5 with the seeded per-parameter init (3e-5 at step 0, where only the
-# forward's roundings differ). Re-splitting one bf16 process's 8 samples from 4 micro-batches of 2 into
-# 2 of 4 already moves them by 1.2e-4 (fp32: 1e-7). A parallel layout rounds in other places: TP
-# rounds its partial sums to bf16 before the all-reduce, and FSDP's bf16 parameters keep the residual
-# stream in bf16 where autocast alone keeps it fp32, so FSDP layouts round *more* than one process
-# does (measured up to 5.4e-4: dp, ep, pp+dp; tp+SP 5.2e-4; pp and all-reduce DP 0 to 1e-5). The
-# tolerance is the larger of 4x the measured gap and one bf16 rounding of the loss itself (2^-9), at
-# step 0 and over all steps separately: a layout inside it is indistinguishable from bf16 noise, while
-# a plumbing error this test exists for (a gradient not summed, a micro-batch scaled twice) moves the
-# step-2/3 losses by 1e-2 or more. Whether bf16 is in effect at all is checked separately (below).
-# Parameters are not compared: after a few steps bf16 rounding flips discrete decisions (which expert
-# a near-tie token routes to, the sign in the aux-free bias rule, Adam's first updates ~ lr*sign(g)
-# for tiny gradients), so even the one-process bf16 and fp32 runs end 0.09-1.0 apart (relative) on
-# router weights and biases; replicas of a parameter across ranks must still agree (RTOL, in `load`).
+# relative. The per-depth losses are means over ~100 tokens, so a run's bf16 roundings move them
+# less; that scale is measured in the test as the gap between the one-process bf16 and fp32 runs. It
+# is one sample of rounding noise and depends on the weights: 2.7e-4 over the 3 steps with the
+# earlier torch.manual_seed init, 6.7e-5 with the seeded per-parameter init (3e-5 at step 0, where
+# only the forward's roundings differ). Re-splitting one bf16 process's 8 samples from 4
+# micro-batches of 2 into 2 of 4 already moves them by 1.2e-4 (fp32: 1e-7). A parallel layout rounds
+# in other places: TP rounds its partial sums to bf16 before the all-reduce, and FSDP's bf16
+# parameters keep the residual stream in bf16 where autocast alone keeps it fp32, so FSDP layouts
+# round *more* than one process does (measured up to 5.4e-4: dp, ep, pp+dp; tp+SP 5.2e-4; pp and
+# all-reduce DP 0 to 1e-5). The tolerance is the larger of 4x the measured gap and one bf16 rounding
+# of the loss itself (2^-9), at step 0 and over all steps separately: a layout inside it is
+# indistinguishable from bf16 noise, while a plumbing error this test exists for (a gradient not
+# summed, a micro-batch scaled twice) moves the step-2/3 losses by 1e-2 or more. Whether bf16 is in
+# effect at all is checked separately (below). Parameters are not compared: after a few steps bf16
+# rounding flips discrete decisions (which expert a near-tie token routes to, the sign in the
+# aux-free bias rule, Adam's first updates ~ lr*sign(g) for tiny gradients), so even the one-process
+# bf16 and fp32 runs end 0.09-1.0 apart (relative) on router weights and biases; replicas of a
+# parameter across ranks must still agree (RTOL, in `load`).
 BF16_GAP_FACTOR = 4.0
 BF16_ROUNDING = 2.0**-9
-# bf16 is in effect: every nn.Linear computed in bf16 on every rank, and the step-0 gradient norm (of
-# identical weights) is off the fp32 run's by more than 2e-5 relative, 13x the fp32 layouts' own
-# deviation over all steps (<1.5e-6); measured 8.9e-5..1.5e-3 (the pipeline layouts' 8.9e-5 since the
-# fused head, the default, sums its bf16 weight gradient in fp32 over chunks: 1.1e-3 when recomputed,
-# summed in bf16). Under FSDP's policy (dp x ep > 1) every
-# other module holding parameters (norms, embeddings, experts) outputs bf16 too, FSDP-gathered or kept
-# whole, and no expert dispatch moves fp32 (the vocabulary heads return fp32 loss sums by design; an
-# fp32 norm weight of a piece kept whole made its activations and their all-to-alls fp32).
+# bf16 is in effect: every nn.Linear computed in bf16 on every rank, and the step-0 gradient norm
+# (of identical weights) is off the fp32 run's by more than 2e-5 relative, 13x the fp32 layouts' own
+# deviation over all steps (<1.5e-6); measured 8.9e-5..1.5e-3 (the pipeline layouts' 8.9e-5 since
+# the fused head, the default, sums its bf16 weight gradient in fp32 over chunks: 1.1e-3 when
+# recomputed, summed in bf16). Under FSDP's policy (dp x ep > 1) every other module holding
+# parameters (norms, embeddings, experts) outputs bf16 too, FSDP-gathered or kept whole, and no
+# expert dispatch moves fp32 (the vocabulary heads return fp32 loss sums by design; an fp32 norm
+# weight of a piece kept whole made its activations and their all-to-alls fp32).
 BF16_EVIDENCE = 2e-5
-# Modules holding parameters whose outputs may be fp32 under FSDP's bf16 policy (the vocabulary heads'
-# loss sums; test_qwen4_layouts adds the hyper-connections' norms over the fp32 streams)
+# Modules holding parameters whose outputs may be fp32 under FSDP's bf16 policy (the vocabulary
+# heads' loss sums; test_qwen4_layouts adds the hyper-connections' norms over the fp32 streams)
 FP32_OUTPUTS = {"OutputHead", "VocabParallelHead"}
-# Parameters after three Adam steps: tp layouts reach 1.7e-5 on the vocab-parallel embedding from the
-# seeded per-parameter init (its rarely-seen rows have gradients near Adam's eps, where the tp
+# Parameters after three Adam steps: tp layouts reach 1.7e-5 on the vocab-parallel embedding from
+# the seeded per-parameter init (its rarely-seen rows have gradients near Adam's eps, where the tp
 # all-reduce's rounding is amplified); the same tp=2 comparison in float64 gives 8.6e-7 on every
 # parameter, so this is fp32 rounding. A real layout bug (a missing gradient sum, a wrong shard) is
 # orders of magnitude larger.
@@ -146,7 +157,8 @@ DEFAULT_PARAM_RTOL = 3e-5
 def model_overrides(layout: str, drop=()) -> str:
     """The non-parallel part of a layout (`model.qk_norm=true`), which its reference run shares
     (minus the keys in `drop`)."""
-    keys = [kv for kv in layout.split(",") if "." in kv.split("=")[0] and kv.split("=")[0] not in drop]
+    keys = [kv for kv in layout.split(",") if "." in kv.split("=")[0]
+            and kv.split("=")[0] not in drop]
     return ",".join(keys)
 
 
@@ -156,7 +168,8 @@ def batch_ranks(layout: str) -> int:
 
 
 def launch(tmp_path, world: int, layouts, module: str = "tests.distributed.worker"):
-    """`module` (a worker of this package) under torchrun on `world` ranks, writing into `tmp_path`."""
+    """`module` (a worker of this package) under torchrun on `world` ranks, writing into
+    `tmp_path`."""
     proc = torchrun.run(world, module, tmp_path, *layouts)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -170,8 +183,10 @@ def load(tmp_path, layout: str, world: int):
     params = {}
     for r in ranks:
         for name, value in r["params"].items():
-            if name in params:  # replicas of one parameter (other tp/dp ranks, the embedding copy) agree
-                torch.testing.assert_close(value, params[name], rtol=RTOL, atol=1e-7, msg=f"{layout}: {name} replicas "
+            # replicas of one parameter (other tp/dp ranks, the embedding copy) agree
+            if name in params:
+                torch.testing.assert_close(value, params[name], rtol=RTOL, atol=1e-7,
+                                           msg=f"{layout}: {name} replicas "
                                                                                           "differ")
             params[name] = value
     return ranks[0]["losses"], params
@@ -187,7 +202,8 @@ class _References(dict):
     def __missing__(self, key):
         batch, model = key
         torch.set_num_threads(1)
-        self[key] = worker.run_layout(",".join(["single"] + ([model] if model else [])), batch_size_for_ref=batch)
+        self[key] = worker.run_layout(",".join(["single"] + ([model] if model else [])),
+                                      batch_size_for_ref=batch)
         return self[key]
 
 
@@ -198,7 +214,8 @@ def references():
 
 @pytest.fixture(scope="module")
 def runs(training_layout_runs):
-    """LAYOUTS, BF16_LAYOUTS and ACCUMULATION trained (tests/conftest.py: one launch per world size)."""
+    """LAYOUTS, BF16_LAYOUTS and ACCUMULATION trained (tests/conftest.py: one launch per world
+    size)."""
     return training_layout_runs
 
 
@@ -213,9 +230,12 @@ def test_layout_matches_single_process(layout, runs, references):
     assert worst_loss < RTOL, f"{layout}: per-depth losses {got.tolist()} vs {ref_losses.tolist()}"
     assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
     worst = max((rel_err(params[n], ref["params"][n]), n) for n in params)
-    assert worst[0] < PARAM_RTOL.get(layout, DEFAULT_PARAM_RTOL), (f"{layout}: parameter {worst[1]} relative error "
+    assert worst[0] < PARAM_RTOL.get(layout,
+                                     DEFAULT_PARAM_RTOL), (f"{layout}: parameter {worst[1]} "
+                                                           "relative error "
                                                                    f"{worst[0]:.2e}")
-    print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} ({worst[1]})")
+    print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} "
+          f"({worst[1]})")
 
 
 def max_rel(a, b) -> float:
@@ -230,37 +250,46 @@ def test_bf16_layout_matches_single_process(layout, runs, references):
     ref32 = references[batch_ranks(layout), model_overrides(layout, drop=("train.dtype",))]
     losses, params = load(runs, layout, world)  # also: replicas agree
     assert set(params) == set(ref["params"]), set(params) ^ set(ref["params"])
-    gap, gap0 = max_rel(ref["losses"], ref32["losses"]), max_rel(ref["losses"][0], ref32["losses"][0])
+    gap, gap0 = max_rel(ref["losses"], ref32["losses"]), max_rel(ref["losses"][0],
+                                                                 ref32["losses"][0])
     assert 0 < gap < 1e-2, f"one-process bf16 vs fp32 gap {gap:.2e}"
     worst, worst0 = max_rel(losses, ref["losses"]), max_rel(losses[0], ref["losses"][0])
     assert worst0 <= max(BF16_GAP_FACTOR * gap0, BF16_ROUNDING), \
         f"{layout}: step-0 losses {worst0:.2e} off bf16 (gap to fp32 {gap0:.2e})"
-    assert worst <= max(BF16_GAP_FACTOR * gap, BF16_ROUNDING), (f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 "
+    assert worst <= max(BF16_GAP_FACTOR * gap,
+                        BF16_ROUNDING), (f"{layout}: losses {worst:.2e} off bf16 (gap to fp32 "
                                                                 f"{gap:.2e})")
     ranks = load_ranks(runs, layout, world)
-    assert all(r["linear_dtypes"] == ["torch.bfloat16"] for r in ranks), [r["linear_dtypes"] for r in ranks]
+    assert all(r["linear_dtypes"] == ["torch.bfloat16"] for r in ranks), [r["linear_dtypes"]
+                                                                          for r in ranks]
     if batch_ranks(layout) > 1:
         for r in ranks:
-            fp32 = {kind for kind, dtypes in r["owner_dtypes"].items() if dtypes != ["torch.bfloat16"]}
+            fp32 = {kind for kind,
+                    dtypes in r["owner_dtypes"].items() if dtypes != ["torch.bfloat16"]}
             assert fp32 <= FP32_OUTPUTS, f"{layout}: outside bf16: {r['owner_dtypes']}"
-            dispatch = {key for key in r["collectives"] if "all_to_all" in key[0] and key[2] == "torch.float32"}
+            dispatch = {key for key in r["collectives"] if "all_to_all" in key[0]
+                        and key[2] == "torch.float32"}
             assert not dispatch, f"{layout}: fp32 all-to-alls {dispatch}"
     norm, norm32 = ranks[0]["grad_norms"][0], ref32["grad_norms"][0]
-    assert abs(norm - norm32) / norm32 > BF16_EVIDENCE, f"{layout}: step-0 grad norm {norm} ~ fp32's {norm32}"
-    print(f"{layout}: max loss rel err {worst:.2e} (step 0 {worst0:.2e}) vs one-process bf16; one-process "
+    assert abs(norm
+               - norm32) / norm32 > BF16_EVIDENCE, (f"{layout}: step-0 grad norm {norm} ~ fp32's "
+                                                    f"{norm32}")
+    print(f"{layout}: max loss rel err {worst:.2e} (step 0 {worst0:.2e}) vs one-process bf16; "
+          "one-process "
           f"bf16-fp32 gap {gap:.2e} (step 0 {gap0:.2e}); step-0 grad norm off fp32 by "
           f"{abs(norm - norm32) / norm32:.2e}")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS) + list(BF16_LAYOUTS))
 def test_collectives_take_device_tensors(layout, runs):
-    """NCCL/HCCL take only tensors on the rank's device, and Ascend has no fp64: what every collective
-    of the training steps received (recorded on every rank) is checked here on gloo."""
+    """NCCL/HCCL take only tensors on the rank's device, and Ascend has no fp64: what every
+    collective of the training steps received (recorded on every rank) is checked here on gloo."""
     world = {**LAYOUTS, **BF16_LAYOUTS}[layout]
     seen = {}
     for r in load_ranks(runs, layout, world):
         for (op, device, dtype), n in r["collectives"].items():
-            assert device == r["device"], f"{layout}: {op} got a tensor on {device}, the run is on {r['device']}"
+            assert device == r["device"], (f"{layout}: {op} got a tensor on {device}, the run is "
+                                           f"on {r['device']}")
             assert dtype != "torch.float64", f"{layout}: {op} got a float64 tensor"
             seen[op] = seen.get(op, 0) + n
             seen[(op, dtype)] = seen.get((op, dtype), 0) + n
@@ -281,11 +310,12 @@ def test_collectives_take_device_tensors(layout, runs):
 @pytest.mark.parametrize("every,once", [("dp=2", "dp=2,reshard_after_microbatch=false"),
                                         ("pp=2,dp=2", "pp=2,dp=2,reshard_after_microbatch=false")])
 def test_sync_modes_differ(every, once, runs):
-    """The two parallel.reshard_after_microbatch modes really run differently (their sums agree, above):
-    syncing every micro-batch reduce-scatters, and gathers again after resharding, more often than
-    the one sync per step (GRAD_ACCUM = 2 micro-batches per step)."""
+    """The two parallel.reshard_after_microbatch modes really run differently (their sums agree,
+    above): syncing every micro-batch reduce-scatters, and gathers again after resharding, more
+    often than the one sync per step (GRAD_ACCUM = 2 micro-batches per step)."""
     def count(layout, op):
-        return sum(n for (name, _, _), n in load_ranks(runs, layout, LAYOUTS[layout])[0]["collectives"].items()
+        return sum(n for (name, _, _),
+                   n in load_ranks(runs, layout, LAYOUTS[layout])[0]["collectives"].items()
                    if name == f"distributed.{op}")
     for op in ("reduce_scatter_single", "all_gather_single"):
         assert count(every, op) > count(once, op) > 0, (op, count(every, op), count(once, op))
@@ -293,19 +323,20 @@ def test_sync_modes_differ(every, once, runs):
 
 def kept_fp32(name: str) -> bool:
     """Parameters a bf16 layout keeps whole in fp32 (trainer/parallel/data.fp32_parameters: what the
-    recurrence and the stream mixing read): their gradients are fp32, summed by the gradient finisher."""
+    recurrence and the stream mixing read): their gradients are fp32, summed by the gradient
+    finisher."""
     return name.endswith(("router.weight", "A_log", "dt_bias", "hc_norm.weight"))
 
 
 @pytest.mark.parametrize("layout", list(ACCUMULATION))
 def test_bf16_reduce_accumulates_micro_batches_in_fp32(layout, runs):
     """Under bf16 reduce-scatters, a step's gradient is its micro-batches' gradients summed in fp32:
-    exactly their fp32 sum with a sync every micro-batch (each micro-batch's bf16 reduction accumulated
-    into the fp32 shards), and that sum rounded to bf16 once with one sync per step (the wire dtype of
-    the step's one reduce-scatter). Rank 1 contributes exact zeros (worker.accumulated_gradients), so
-    the data-parallel sums round nothing of their own. Summing in bf16, as FSDP2 did for one sync per
-    step, leaves 19427 of 63424 elements off (measured); fp32 rounding of the reference's sum would be
-    1e-7 relative."""
+    exactly their fp32 sum with a sync every micro-batch (each micro-batch's bf16 reduction
+    accumulated into the fp32 shards), and that sum rounded to bf16 once with one sync per step (the
+    wire dtype of the step's one reduce-scatter). Rank 1 contributes exact zeros
+    (worker.accumulated_gradients), so the data-parallel sums round nothing of their own. Summing in
+    bf16, as FSDP2 did for one sync per step, leaves 19427 of 63424 elements off (measured); fp32
+    rounding of the reference's sum would be 1e-7 relative."""
     got = torch.load(runs / f"{layout}.rank0.pt", weights_only=False)
     once = layout.endswith("reshard_after_microbatch=false")
     singles, step = got["singles"], got["step"]
@@ -317,7 +348,8 @@ def test_bf16_reduce_accumulates_micro_batches_in_fp32(layout, runs):
         if kept_fp32(name):  # fp32 values, summed in fp32 outside FSDP
             torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-9, msg=f"{layout}: {name}")
             continue
-        assert all(torch.equal(s[name], s[name].bfloat16().float()) for s in singles), name  # bf16 values
+        # bf16 values
+        assert all(torch.equal(s[name], s[name].bfloat16().float()) for s in singles), name
         if once:
             want = want.bfloat16().float()
         torch.testing.assert_close(grad, want, rtol=1e-6, atol=0, msg=f"{layout}: {name}")

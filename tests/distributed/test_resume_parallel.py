@@ -1,5 +1,6 @@
 """Resume is bit-exact under a parallel layout (ep2 on gloo): a job stopped after step 2 and resumed
-gives the uninterrupted job's losses, grad norms, learning rates and consumed samples bit for bit."""
+gives the uninterrupted job's losses, grad norms, learning rates and consumed samples bit for
+bit."""
 
 import json
 import os
@@ -16,8 +17,8 @@ SMALL = TINY_MODEL_DATA + ["eval.interval=0", "checkpoint.interval=2", "parallel
 
 
 def torchrun(run_dir, cache, steps, resume=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "tandem.trainer.cli", "train", RECIPE, *SMALL,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tandem.trainer.cli", "train", RECIPE, *SMALL,
            f"train.max_steps={steps}", f"run.dir={run_dir}",
            f"data.cache_dir={cache}"] + (["--resume"] if resume else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
@@ -29,7 +30,8 @@ def torchrun(run_dir, cache, steps, resume=False):
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
-    return [(r["step"], r["loss"], r["loss/main"], r["loss/mtp_1"], r["loss/mtp_2"], r["loss/mtp_3"], r["grad_norm"],
+    return [(r["step"], r["loss"], r["loss/main"], r["loss/mtp_1"], r["loss/mtp_2"],
+             r["loss/mtp_3"], r["grad_norm"],
              r["lr"], r["consumed_samples"], r["consumed_tokens"]) for r in recs]
 
 

@@ -25,21 +25,24 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # trunk's head and MTP depth 2 on a dense MTP layer
 LAYOUT = "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],mtp.moe=false"
 TIMEOUT_S = 180  # the run takes ~15 s on 2 busy cores
-# Parameters after three Adam steps: measured 3.1e-5 relative at most (layer 0's q_proj; 1.0e-5 for the
-# same placement with an MoE MTP layer, 2e-7 without spread depths); with float64 parameters the same
-# comparison gives 3.7e-8, so this is fp32 rounding of the copies' summed gradients, amplified by Adam.
+# Parameters after three Adam steps: measured 3.1e-5 relative at most (layer 0's q_proj; 1.0e-5 for
+# the same placement with an MoE MTP layer, 2e-7 without spread depths); with float64 parameters the
+# same comparison gives 3.7e-8, so this is fp32 rounding of the copies' summed gradients, amplified
+# by Adam.
 PARAM_RTOL = 1e-4
 
 
 def test_pp_rank_without_moe_layers_trains_like_one_process(tmp_path):
     cmd = torchrun.command(2, "tests.distributed.worker", tmp_path, LAYOUT)
-    with open(tmp_path / "log", "w+") as log:  # a file, not a pipe: stuck workers cannot block the reader
-        proc = subprocess.Popen(cmd, cwd=torchrun.ROOT, env=dict(os.environ, **torchrun.ENV), stdout=log,
-                                stderr=subprocess.STDOUT)
+    # a file, not a pipe: stuck workers cannot block the reader
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=torchrun.ROOT, env=dict(os.environ, **torchrun.ENV),
+                                stdout=log, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # torchrun stops its workers (their own sessions), then exits
+            # torchrun stops its workers (their own sessions), then exits
+            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -53,12 +56,14 @@ def test_pp_rank_without_moe_layers_trains_like_one_process(tmp_path):
     losses = torch.tensor(ranks[0]["losses"], dtype=torch.float64)
     ref_losses = torch.tensor(ref["losses"], dtype=torch.float64)
     assert losses.shape == ref_losses.shape
-    assert float(((losses - ref_losses).abs() / ref_losses.abs()).max()) < 1e-5, (losses, ref_losses)
+    assert float(((losses - ref_losses).abs() / ref_losses.abs()).max()) < 1e-5, (losses,
+                                                                                  ref_losses)
     params = {}
     for r in ranks:
         params.update(r["params"])
     assert set(params) == set(ref["params"])
-    for name, value in params.items():  # relative error of each tensor, as test_parallel_equivalence.py checks
+    # relative error of each tensor, as test_parallel_equivalence.py checks
+    for name, value in params.items():
         want = ref["params"][name].double()
         err = float((value.double() - want).norm() / want.norm().clamp(min=1e-30))
         assert err < PARAM_RTOL, f"{name}: relative error {err:.2e}"

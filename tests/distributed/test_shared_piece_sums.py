@@ -1,8 +1,8 @@
-"""The gradient sums of the pipeline's shared pieces (embedding, final norm, head, MTP module held by
-several pp ranks): one all-reduce per bucket (`gradients.launch_gradient_sums`) instead of one per
-parameter, started by the pipeline as soon as the stages of a rank using a piece finished their
-backward, not after the whole schedule. That the sums are right is test_parallel_equivalence.py's job
-(these layouts, and the ones with pieces kept whole over dp x ep, match one process)."""
+"""The gradient sums of the pipeline's shared pieces (embedding, final norm, head, MTP module held
+by several pp ranks): one all-reduce per bucket (`gradients.launch_gradient_sums`) instead of one
+per parameter, started by the pipeline as soon as the stages of a rank using a piece finished their
+backward, not after the whole schedule. That the sums are right is test_parallel_equivalence.py's
+job (these layouts, and the ones with pieces kept whole over dp x ep, match one process)."""
 
 from __future__ import annotations
 
@@ -52,12 +52,14 @@ def test_shared_piece_sums_are_bucketed(layout, runs):
 def test_shared_piece_sums_start_before_the_schedule_ends(runs):
     """Interleaved: rank 1 holds stages 1 and 3, the embedding's copy only on stage 3 (the MTP steps
     embed tokens t+k); its pp sum starts when stage 3's backward is done, while stage 1's last
-    backward is still to run, and every shared piece's sum is started by the pipeline, not `sync`."""
+    backward is still to run, and every shared piece's sum is started by the pipeline, not
+    `sync`."""
     events = torch.load(runs / f"{INTERLEAVED}.rank1.pt", weights_only=False)["events"]
     step = events[:events.index(next(e for e in events if e[0] == "sync"))]
     order = [(kind, what) for kind, what, _ in step]
     assert order.index(("start", ["embed_tokens"])) < order.index(("stage_done", 1)), order
-    assert [what for kind, what in order if kind == "start"] == [["embed_tokens"], ["lm_head", "mtp", "norm"]], order
+    assert [what for kind, what in order if kind == "start"] == [["embed_tokens"],
+                                                                 ["lm_head", "mtp", "norm"]], order
 
 
 @pytest.mark.parametrize("layout", [SPREAD, INTERLEAVED])
@@ -65,5 +67,6 @@ def test_a_second_backward_before_the_finisher_is_an_error(layout, runs):
     """The pipeline starts the shared pieces' sums inside its backward: a second forward_backward
     before clip_gradients would sum the first one's gradients twice, so it stops with a one-line
     error instead, on every rank holding a shared piece, before the step communicates."""
-    errors = [torch.load(runs / f"{layout}.rank{r}.pt", weights_only=False)["second_backward"] for r in range(2)]
+    errors = [torch.load(runs / f"{layout}.rank{r}.pt",
+                         weights_only=False)["second_backward"] for r in range(2)]
     assert all("call it after every forward_backward" in e for e in errors), errors

@@ -1,15 +1,17 @@
 """Starting a worker of this package under torchrun: the one place that builds the command line.
 
-A worker runs as a module (`python -m torch.distributed.run ... -m tests.distributed.worker ...`) from
-the repository root, so it imports its helpers by the same dotted names as the test modules do
-(`from tests.distributed import worker`, `from tests.eval_helpers import ...`), with no sys.path edits."""
+A worker runs as a module (`python -m torch.distributed.run ... -m tests.distributed.worker ...`)
+from the repository root, so it imports its helpers by the same dotted names as the test modules do
+(`from tests.distributed import worker`, `from tests.eval_helpers import ...`), with no sys.path
+edits."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from typing import List
+import traceback
+from typing import Callable, List, NoReturn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,13 +21,35 @@ warnings repeated by every rank."""
 
 
 def command(world: int, module: str, *args) -> List[str]:
-    """torchrun on `world` gloo ranks, each running `python -m module args...`; run it with cwd=ROOT."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", module, *map(str, args)]
+    """torchrun on `world` gloo ranks, each running `python -m module args...`; run it with
+    cwd=ROOT."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world}", "-m", module, *map(str, args)]
 
 
-def run(world: int, module: str, *args, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`command(world, module, *args)` from the repository root, its output captured; the caller checks
-    the return code (and what it reports on failure)."""
-    return subprocess.run(command(world, module, *args), cwd=ROOT, env=dict(env or os.environ, **ENV),
+def run(world: int, module: str, *args, timeout: float = 600,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    """`command(world, module, *args)` from the repository root, its output captured; the caller
+    checks the return code (and what it reports on failure)."""
+    return subprocess.run(command(world, module, *args), cwd=ROOT,
+                          env=dict(env or os.environ, **ENV),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def finish(main: Callable[[], int | None]) -> NoReturn:
+    """A worker's entry point: run `main` and leave with its code (1 and the traceback if it raised)
+    without the interpreter's finalisation. A rank that had destroyed its process group and passed
+    every check sometimes aborted during finalisation ("terminate called without an active
+    exception", no Python frame left, while gloo's objects were torn down: seen in
+    test_qsa_context's and test_eval_vocab_parallel's workers; pytorch#179291 describes the same
+    abort), and torchrun then failed the launch whose results were already written."""
+    try:
+        code = main() or 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the traceback is the report
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

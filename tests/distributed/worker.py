@@ -1,14 +1,15 @@
-"""Train a tiny MoE+MTP model for a few steps under one or more parallel layouts and dump the results.
+"""Train a tiny MoE+MTP model for a few steps under one or more parallel layouts and dump the
+results.
 
 Run under torchrun from the repository root (`torchrun --standalone --nproc-per-node N -m
-tests.distributed.worker OUT LAYOUT...`, as torchrun.py starts it; each LAYOUT a comma-separated list of
-overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`), or import `run_layout` in one process for
-the single-process reference. Data is synthetic (a pure function of the step), split over the batch
-ranks exactly as the trainer splits a global batch.
-Each rank writes `OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full
-(gathered) parameters and router biases it holds after the last step; what its training steps handed
-the collectives (op, device, dtype; see collectives.py), the dtypes its nn.Linear layers computed
-in (bf16 evidence) and those of every module holding parameters itself (norms, embeddings, experts,
+tests.distributed.worker OUT LAYOUT...`, as torchrun.py starts it; each LAYOUT a comma-separated
+list of overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`), or import `run_layout` in one
+process for the single-process reference. Data is synthetic (a pure function of the step), split
+over the batch ranks exactly as the trainer splits a global batch. Each rank writes
+`OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full (gathered)
+parameters and router biases it holds after the last step; what its training steps handed the
+collectives (op, device, dtype; see collectives.py), the dtypes its nn.Linear layers computed in
+(bf16 evidence) and those of every module holding parameters itself (norms, embeddings, experts,
 routers), by class. A layout item `train.dtype=bf16` trains in bf16 (any dotted key passes through).
 """
 
@@ -21,38 +22,46 @@ from typing import Dict, List
 
 import torch
 
+from tests.distributed import torchrun
+
 STEPS = 3
 MICRO_BATCH = 2
 GRAD_ACCUM = 2
 SEQ = 16
 VOCAB = 128
 
-# Adam eps 1e-6 (not 1e-8): elements whose gradient is ~1e-8 would otherwise turn fp32 rounding noise
-# (a different summation order) into O(lr) update differences.
+# Adam eps 1e-6 (not 1e-8): elements whose gradient is ~1e-8 would otherwise turn fp32 rounding
+# noise (a different summation order) into O(lr) update differences.
 BASE = [
     "model.hidden_size=32", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4", "model.top_k=2",
-    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free", "model.bias_update_rate=0.01",
+    "model.intermediate_size=64", "model.moe_intermediate_size=16", "model.num_experts=4",
+    "model.top_k=2",
+    "model.num_shared_experts=1", "model.first_k_dense=1", "model.balance=aux_free",
+    "model.bias_update_rate=0.01",
     "model.max_seq_len=64", "mtp.num_steps=2", "mtp.num_layers=1", "mtp.loss_chunk_tokens=24",
-    f"data.seq_len={SEQ}", f"train.micro_batch_size={MICRO_BATCH}", "train.lr=0.01", "train.min_lr=0.001",
-    "train.warmup_steps=0", "train.eps=1e-6", f"train.max_steps={STEPS}", "train.dtype=fp32", "train.grad_clip=1.0",
-    "logging.wandb=false", "eval.interval=0", "device=cpu",
+    f"data.seq_len={SEQ}", f"train.micro_batch_size={MICRO_BATCH}", "train.lr=0.01",
+    "train.min_lr=0.001",
+    "train.warmup_steps=0", "train.eps=1e-6", f"train.max_steps={STEPS}", "train.dtype=fp32",
+    "train.grad_clip=1.0", "logging.wandb=false", "eval.interval=0", "device=cpu",
 ]
 
 
-# Named model presets a layout can carry as `preset.<name>=1` (dotted, so the single-process reference
-# shares it; expanded here, so layout names and the files named after them stay short).
+# Named model presets a layout can carry as `preset.<name>=1` (dotted, so the single-process
+# reference shares it; expanded here, so layout names and the files named after them stay short).
 PRESETS = {
     # Qwen4-Exp: layers 1 and 3 QSA (budget 8 of 16 positions: selection active), 0 and 2 Gated
-    # DeltaNet, PLE on layer 0, 4 hyper-connection streams, the qwen4_exp drafter, one dense warm-up step
-    # in which only the indexers learn (model.indexer_warmup=indexer_only: a joint step updates every
-    # parameter once more, and Adam turns the fp32 summation-order noise of elements whose gradient is
-    # near its eps into parameter differences of 1e-4..1e-3 after three steps; the warm-up mode is a
-    # trainer choice of which gradients to keep, the same on every layout).
+    # DeltaNet, PLE on layer 0, 4 hyper-connection streams, the qwen4_exp drafter, one dense warm-up
+    # step in which only the indexers learn (model.indexer_warmup=indexer_only: a joint step updates
+    # every parameter once more, and Adam turns the fp32 summation-order noise of elements whose
+    # gradient is near its eps into parameter differences of 1e-4..1e-3 after three steps; the
+    # warm-up mode is a trainer choice of which gradients to keep, the same on every layout).
     "qwen4": [
-        "model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8", "model.zero_centered_norm=true",
-        "model.shared_expert_gate=true", "model.router_score=softmax", "model.first_k_dense=0", "model.head_dim=8",
-        "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+        "model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowrank=8",
+        "model.zero_centered_norm=true",
+        "model.shared_expert_gate=true", "model.router_score=softmax", "model.first_k_dense=0",
+        "model.head_dim=8",
+        "model.partial_rotary_factor=0.5", "model.linear_num_key_heads=2",
+        "model.linear_num_value_heads=4",
         "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.indexer_heads=2",
         "model.indexer_head_dim=8", "model.indexer_budget=8", "model.indexer_compress_ratio=4",
         "model.indexer_warmup_steps=1", "model.indexer_warmup=indexer_only", "model.ple_layers=[0]",
@@ -64,7 +73,8 @@ PRESETS = {
 
 def layout_overrides(layout: str) -> List[str]:
     """`tp=2,pp=2` -> parallel.* overrides; items with a dot (`model.qk_norm=true`) are full keys;
-    list items are separated by `:` (`pp_layout=[4:0]`); `preset.<name>=1` expands to PRESETS[name]."""
+    list items are separated by `:` (`pp_layout=[4:0]`); `preset.<name>=1` expands to
+    PRESETS[name]."""
     out = []
     for kv in layout.split(","):
         if not kv or kv == "single":
@@ -80,18 +90,20 @@ def layout_overrides(layout: str) -> List[str]:
 def make_cfg(layout: str, grad_accum: int):
     from tandem.trainer.recipe import load_config
 
-    cfg = load_config(None, BASE + [f"train.grad_accum_steps={grad_accum}", "run.dir=/tmp/tandem_dist_unused"]
+    cfg = load_config(None, BASE + [f"train.grad_accum_steps={grad_accum}",
+                                    "run.dir=/tmp/tandem_dist_unused"]
                       + layout_overrides(layout))
     cfg.model.vocab_size = VOCAB  # below the stdlib tokenizer's minimum; the data here is synthetic
     return cfg
 
 
-def global_batch(step: int, n: int, edge_documents: bool = False, seq: int = SEQ) -> Dict[str, torch.Tensor]:
-    """`edge_documents` (the layouts with data.document_mask): a document boundary in every row where
-    layouts cut the window: a start exactly at the SP shard edge (tp=2: position SEQ/2) and one off
-    either side, at position 1 and at the window's end (rows are what pipeline micro-batches and batch
-    ranks split); with a longer `seq` (context parallelism's chunk edges) also at seq/4 and 3seq/4 and one
-    off them."""
+def global_batch(step: int, n: int, edge_documents: bool = False,
+                 seq: int = SEQ) -> Dict[str, torch.Tensor]:
+    """`edge_documents` (the layouts with data.document_mask): a document boundary in every row
+    where layouts cut the window: a start exactly at the SP shard edge (tp=2: position SEQ/2) and
+    one off either side, at position 1 and at the window's end (rows are what pipeline micro-batches
+    and batch ranks split); with a longer `seq` (context parallelism's chunk edges) also at seq/4
+    and 3seq/4 and one off them."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
     eod = torch.rand(n, seq + 1, generator=g) < 0.1
@@ -106,9 +118,10 @@ def global_batch(step: int, n: int, edge_documents: bool = False, seq: int = SEQ
     return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids}
 
 
-def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: int, edge_documents: bool = False,
-                       seq: int = SEQ):
-    """This batch rank's micro-batches: sample j of the global batch goes to rank j // (accum*mbs)."""
+def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: int,
+                       edge_documents: bool = False, seq: int = SEQ):
+    """This batch rank's micro-batches: sample j of the global batch goes to rank j //
+    (accum*mbs)."""
     per_rank = grad_accum * MICRO_BATCH
     full = global_batch(step, per_rank * batch_size, edge_documents, seq)
     start = batch_rank * per_rank
@@ -143,20 +156,24 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     model.train()
     losses, norms = [], []
     linear_dtypes = set()
-    owner_dtypes: Dict[str, set] = {}  # class of a module holding parameters itself -> its outputs' dtypes
+    # class of a module holding parameters itself -> its outputs' dtypes
+    owner_dtypes: Dict[str, set] = {}
 
     def note_dtype(module, args, out):
         if isinstance(module, torch.nn.Linear) and isinstance(out, torch.Tensor):
             linear_dtypes.add(str(out.dtype))
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and next(module.parameters(False),
+        if isinstance(out,
+                      torch.Tensor) and out.is_floating_point() and next(module.parameters(False),
                                                                               None) is not None:
-            # a module that is an FSDP unit itself has the class FSDP<its class>: recorded by its own
-            owner_dtypes.setdefault(type(module).__name__.removeprefix("FSDP"), set()).add(str(out.dtype))
+            # a module that is an FSDP unit itself has the class FSDP<its class>: recorded by its
+            # own
+            owner_dtypes.setdefault(type(module).__name__.removeprefix("FSDP"),
+                                    set()).add(str(out.dtype))
 
-    # What the first forward's recurrence and stream mixing read (Gated DeltaNet's exp(A_log) and dt_bias,
-    # each hyper-connection's stream norm, each router's weight: this rank's values, still the initial
-    # ones), and the dtypes of the residual streams entering every trunk block but the first (whose input
-    # is the embedding, gathered in bf16 under FSDP's policy).
+    # What the first forward's recurrence and stream mixing read (Gated DeltaNet's exp(A_log) and
+    # dt_bias, each hyper-connection's stream norm, each router's weight: this rank's values, still
+    # the initial ones), and the dtypes of the residual streams entering every trunk block but the
+    # first (whose input is the embedding, gathered in bf16 under FSDP's policy).
     from tandem.models.block import TransformerBlock
     from tandem.models.gated_deltanet import GatedDeltaNet
     from tandem.models.hyper_connection import HyperConnection
@@ -171,7 +188,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         name = module_names.get(id(module))
         if name is None or not torch.is_grad_enabled():
             return
-        if isinstance(module, TransformerBlock) and name.startswith("layers.") and name != "layers.0":
+        if isinstance(module,
+                      TransformerBlock) and name.startswith("layers.") and name != "layers.0":
             stream_dtypes.add(str(args[0].dtype))
         seen = {}
         if isinstance(module, GatedDeltaNet):
@@ -187,10 +205,13 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     # torch.compile would trace the hook and guard on what it recorded (a recompile per new entry)
     compiled = "train.compile=true" in layout
     hook = None if compiled else torch.nn.modules.module.register_module_forward_hook(note_dtype)
-    pre_hook = None if compiled else torch.nn.modules.module.register_module_forward_pre_hook(note_inputs)
+    pre_hook = (
+        None if compiled else torch.nn.modules.module.register_module_forward_pre_hook(note_inputs)
+    )
     if compiled:
-        # every case of a launch adds graphs of TransformerBlock.forward (new models, dtypes, checkpointing
-        # modes); past dynamo's limit it would run the block eagerly without a word: fail instead
+        # every case of a launch adds graphs of TransformerBlock.forward (new models, dtypes,
+        # checkpointing modes); past dynamo's limit it would run the block eagerly without a word:
+        # fail instead
         torch._dynamo.config.recompile_limit = 64
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     if recorder is not None:
@@ -199,8 +220,8 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         set_lr(tr.optimizer, lr_at(cfg.train, step))
         coefs = depth_coefficients(cfg.mtp, step)
         tr.indexers.begin_step(step)
-        batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum, cfg.data.document_mask,
-                                     cfg.data.seq_len)
+        batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum,
+                                     cfg.data.document_mask, cfg.data.seq_len)
         counts = tr.global_target_counts(batches)
         sums = pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
         norms.append(tr.clip_gradients())
@@ -216,13 +237,15 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         recorder.active = False
     params = {}
     # what this rank holds of each parameter (FSDP / TP / EP shards: fewer elements than the whole)
-    local_numel = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()}
+    local_numel = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n,
+                   p in model.named_parameters()}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if "tokens_per_expert" in name or "rotary" in name:
             continue
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().clone()
-    return {"losses": losses, "grad_norms": norms, "params": params, "linear_dtypes": sorted(linear_dtypes),
+    return {"losses": losses, "grad_norms": norms, "params": params,
+            "linear_dtypes": sorted(linear_dtypes),
             "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
             "fp32_seen": fp32_seen, "stream_dtypes": sorted(stream_dtypes),
             "compiled": _compiled_blocks(model) if compiled else None,
@@ -231,14 +254,19 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
 
 
 def _compiled_blocks(model) -> dict:
-    """Evidence that training ran compiled: the blocks whose forward compile.py replaced, and the graphs
-    dynamo holds for TransformerBlock.forward in this process."""
+    """Evidence that training ran compiled: the blocks whose forward compile.py replaced, and the
+    graphs dynamo holds for TransformerBlock.forward in this process."""
     from tandem.models.block import TransformerBlock
     from tandem.trainer.parallel.activation_checkpoint import checkpointed_blocks
 
     blocks = checkpointed_blocks(model)
-    return {"blocks": len(blocks), "compiled_blocks": sum(getattr(b, "_tandem_compiled", False) for b in blocks),
-            "graphs": len(torch._dynamo.eval_frame._debug_get_cache_entry_list(TransformerBlock.forward.__code__))}
+    return {
+        "blocks": len(blocks),
+        "compiled_blocks": sum(getattr(b, "_tandem_compiled", False) for b in blocks),
+        "graphs": len(
+            torch._dynamo.eval_frame._debug_get_cache_entry_list(TransformerBlock.forward.__code__)
+        ),
+    }
 
 
 ACCUM_CHECK = "accumulation:"
@@ -247,9 +275,10 @@ ACCUM_CHECK = "accumulation:"
 
 def accumulated_gradients(layout: str) -> dict:
     """One step's gradients under `layout` (dp=2), accumulated over 4 micro-batches, beside each
-    micro-batch's gradient computed alone (a step of one micro-batch, the same global target counts).
-    Rank 1's micro-batches have no targets, so its gradients are exactly zero and every data-parallel
-    sum, in any dtype, is exact: what remains is how the step accumulated its micro-batches."""
+    micro-batch's gradient computed alone (a step of one micro-batch, the same global target
+    counts). Rank 1's micro-batches have no targets, so its gradients are exactly zero and every
+    data-parallel sum, in any dtype, is exact: what remains is how the step accumulated its
+    micro-batches."""
     from torch.distributed.tensor import DTensor
 
     from tandem.trainer.loss import depth_coefficients
@@ -286,15 +315,15 @@ def accumulated_gradients(layout: str) -> dict:
 
 
 def _as_rank(rank: int, fn, world: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     fn(rank, world, out)
 
 
 def spawn_ranks(fn, world: int, out: str) -> None:
-    """Run `fn(rank, world, out)` in `world` processes joined as one torch.distributed job (gloo, a free
-    port): for unit tests that need a small collective job without torchrun."""
+    """Run `fn(rank, world, out)` in `world` processes joined as one torch.distributed job (gloo, a
+    free port): for unit tests that need a small collective job without torchrun."""
     import socket
 
     import torch.multiprocessing as mp
@@ -306,17 +335,19 @@ def spawn_ranks(fn, world: int, out: str) -> None:
 
 
 def reuse_device_meshes() -> None:
-    """One DeviceMesh, with its process groups, per mesh shape for the whole launch. A compiled block
-    guards on the names of the process groups its collectives use, so a compiled case reuses the graphs
-    an earlier case of the same shape compiled (test_compile_layout.py: the checkpointing modes share
-    them) only if it gets the same groups; a run builds its mesh once, as the trainer does."""
+    """One DeviceMesh, with its process groups, per mesh shape for the whole launch. A compiled
+    block guards on the names of the process groups its collectives use, so a compiled case reuses
+    the graphs an earlier case of the same shape compiled (test_compile_layout.py: the checkpointing
+    modes share them) only if it gets the same groups; a run builds its mesh once, as the trainer
+    does."""
     from torch.distributed import device_mesh
 
     made = {}
     build = device_mesh.init_device_mesh
 
     def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, **kwargs):
-        key = (device_type, tuple(mesh_shape), tuple(mesh_dim_names or ()), tuple(sorted(kwargs.items())))
+        key = (device_type, tuple(mesh_shape), tuple(mesh_dim_names or ()),
+               tuple(sorted(kwargs.items())))
         if key not in made:
             made[key] = build(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
         return made[key]
@@ -334,8 +365,8 @@ def main(argv: List[str]) -> int:
     reuse_device_meshes()
     for layout in layouts:
         start = time.perf_counter()
-        # the recorder's wrappers keep Python state that torch.compile would guard on (a recompile per
-        # call); compiled layouts are compared on losses and parameters only
+        # the recorder's wrappers keep Python state that torch.compile would guard on (a recompile
+        # per call); compiled layouts are compared on losses and parameters only
         recorder = None if "train.compile=true" in layout else CollectiveRecorder().install()
         if layout.startswith(ACCUM_CHECK):
             result = accumulated_gradients(layout[len(ACCUM_CHECK):])
@@ -352,4 +383,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    torchrun.finish(lambda: main(sys.argv[1:]))
