@@ -53,7 +53,7 @@ OBJECTIVES = {
 
 
 def variant_overrides(recipe: str, objective: str, overrides) -> list:
-    """The objective's overrides; parallel heads also need one layer per depth (models/config.py
+    """The objective's overrides; parallel heads also need one layer per depth (models/mtp_config.py
     checks it)."""
     extra = list(OBJECTIVES[objective])
     if "mtp.style=parallel" in extra:

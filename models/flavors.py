@@ -34,7 +34,8 @@ import copy
 import json
 from typing import Any, Dict, List
 
-from .config import ModelConfig, MTPConfig
+from .config import ModelConfig
+from .mtp_config import MTPConfig
 
 Flavor = Dict[str, Dict[str, Any]]
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .attention import LayerKV
 from .block import OutputHead, TransformerBlock
-from .config import ModelConfig, MTPConfig
+from .config import ModelConfig
 from .context import WholeWindow
 from .documents import Documents
 from .layers import InitRule, InitScales
@@ -35,6 +35,7 @@ from .mtp import (
     final_norm_module,
     shifted_tokens,
 )
+from .mtp_config import MTPConfig
 from .qsa_index import QSASelection
 
 

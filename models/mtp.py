@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from .attention import LayerKV
-from .config import ModelConfig, MTPConfig
+from .config import ModelConfig
 from .hyper_connection import HyperConnection
 from .layers import RMSNorm
+from .mtp_config import MTPConfig
 from .qsa import IndexedAttention
 from .qsa_index import SelectionShare
 

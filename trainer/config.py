@@ -1,8 +1,9 @@
 """The one typed config tree: omegaconf structured dataclasses, one section per part of the run,
-each field with its docstring and each section with its `validate` method (the model's and the MTP
-module's in models/config.py); `TandemConfig.validate` adds the checks that span sections.
-`mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a
-field). Recipes and `key=value` overrides become a `TandemConfig` in trainer/recipe.py.
+each field with its docstring and each section with its `validate` method (the model's in
+models/config.py, the MTP module's in models/mtp_config.py); `TandemConfig.validate` adds the checks
+that span sections. `mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python
+keyword cannot be a field). Recipes and `key=value` overrides become a `TandemConfig` in
+trainer/recipe.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence
 
-from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
 
 
 class ConfigError(ValueError):
@@ -512,11 +514,12 @@ class TandemConfig:
     """`auto`, `cpu`, `cuda` or `npu`."""
 
     def validate(self) -> None:
-        """Every section's checks, each beside the code of its section (the model's and the MTP
-        module's in models/config.py), then the checks that span sections. Raises ConfigError naming
-        the key. What needs the world size, the hardware, the disk or the tokenizer is checked at
-        start-up: trainer/parallel/validate.py (layout), trainer/parallel/device.py (device, bf16),
-        trainer/run.py (run.dir writable, PLE's end-of-document token)."""
+        """Every section's checks, each beside the code of its section (the model's in
+        models/config.py, the MTP module's in models/mtp_config.py), then the checks that span
+        sections. Raises ConfigError naming the key. What needs the world size, the hardware, the
+        disk or the tokenizer is checked at start-up: trainer/parallel/validate.py (layout),
+        trainer/parallel/device.py (device, bf16), trainer/run.py (run.dir writable, PLE's
+        end-of-document token)."""
         try:
             self.model.validate()
             self.mtp.validate(self.model)

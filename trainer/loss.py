@@ -7,8 +7,8 @@ from typing import List
 
 import torch
 
-from tandem.models.config import MTPConfig
 from tandem.models.mtp import depth_target_mask
+from tandem.models.mtp_config import MTPConfig
 
 
 def depth_weights(mtp: MTPConfig) -> List[float]:

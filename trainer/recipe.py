@@ -3,9 +3,10 @@ out.
 
 `load_config(recipe, overrides)` composes a recipe with command-line overrides, rejects unknown keys
 and wrong types with a one-line error naming the key, and validates before any work starts: each
-section's `validate` method, beside its fields (the model's and the MTP module's in
-models/config.py), then the checks that span sections (`TandemConfig.validate`). `mtp.loss.lambda`
-is the public spelling of the field `lambda_` (a Python keyword cannot be a field).
+section's `validate` method, beside its fields (the model's in models/config.py, the MTP module's
+in models/mtp_config.py), then the checks that span sections (`TandemConfig.validate`).
+`mtp.loss.lambda` is the public spelling of the field `lambda_` (a Python keyword cannot be a
+field).
 
 Composition, lowest layer first: the dataclass defaults; for the recipe, its `base:` recipes (each
 composed the same way, in order), its model `flavor:` (models/flavors.py), its own sections; then

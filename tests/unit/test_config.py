@@ -146,7 +146,8 @@ def test_unknown_flavor_override():
 
 # --- each section validates beside its fields -----------------------------------------------------
 def test_every_section_has_its_checks():
-    from tandem.models.config import ModelConfig, MTPConfig, MTPLossConfig
+    from tandem.models.config import ModelConfig
+    from tandem.models.mtp_config import MTPConfig, MTPLossConfig
     from tandem.trainer import config
 
     for cls in (config.RunConfig, config.DataConfig, config.TrainConfig, config.ParallelConfig,

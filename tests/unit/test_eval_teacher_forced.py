@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.eval.metrics import teacher_forced
 from tandem.models import TandemModel
-from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.config import ModelConfig
 from tandem.models.mtp import depth_target_mask, shifted_tokens
+from tandem.models.mtp_config import MTPConfig
 
 VOCAB, BATCH, SEQ, CHUNK = 512, 2, 48, 16
 

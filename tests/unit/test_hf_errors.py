@@ -12,7 +12,8 @@ T = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tandem.models import TandemModel  # noqa: E402
-from tandem.models.config import ModelConfig, MTPConfig  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.mtp_config import MTPConfig  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.families import Src, UnsupportedCheckpoint  # noqa: E402
 from tandem.trainer.hf.importer import (  # noqa: E402

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models import TandemModel
-from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.config import ModelConfig
 from tandem.models.mtp import shifted_tokens
+from tandem.models.mtp_config import MTPConfig
 from tandem.trainer.config import ConfigError, TandemConfig
 from tandem.trainer.hf.export import export_hf
 from tandem.trainer.hf.init_from import adopt_checkpoint_config, load_initial_weights

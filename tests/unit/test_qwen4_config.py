@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.models import flavors
-from tandem.models.config import ModelConfig, MTPConfig, validate_model
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig, validate_model
 
 
 def qwen4(**over) -> ModelConfig:

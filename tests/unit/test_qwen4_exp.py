@@ -20,8 +20,9 @@ T = pytest.importorskip("transformers")
 
 from tandem.eval.spec_decode import generate  # noqa: E402
 from tandem.models import TandemModel  # noqa: E402
-from tandem.models.config import ModelConfig, MTPConfig  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
 from tandem.models.gated_deltanet import qkv_rows_from_hf  # noqa: E402
+from tandem.models.mtp_config import MTPConfig  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
 

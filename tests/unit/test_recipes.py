@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tandem.models import TandemModel, flavors
-from tandem.models.config import validate_model
+from tandem.models.mtp_config import validate_model
 from tandem.trainer.estimate import estimate
 from tandem.trainer.parallel.pipeline_plan import PipelinePlan, item_flops, stage_flops
 from tandem.trainer.recipe import as_dict, load_config

@@ -30,7 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
 
 from ..checkpoint_dirs import resolve_checkpoint
 from ..recipe import load_config

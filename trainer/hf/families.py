@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
 
 from . import qwen4_exp
 from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)

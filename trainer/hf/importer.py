@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from tandem.models import TandemModel
-from tandem.models.config import ModelConfig, MTPConfig, validate_model
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig, validate_model
 
 from ..parallel.sharded_params import local_target, shard_index, unwrapped_name  # noqa: F401 (shard_index: API)
 from .families import (

@@ -29,7 +29,8 @@ import math
 import re
 from typing import List, Optional
 
-from tandem.models.config import ModelConfig, MTPConfig
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
 
 from .names import FamilySpec, Src, UnsupportedCheckpoint
 
