@@ -479,7 +479,7 @@ def main(argv=None) -> int:
     p, args = parse_args(argv)
     if args.device not in ("auto", "cpu", "cuda", "npu"):
         p.exit(2, f"gpu_check: error: --device {args.device!r} must be auto, cpu, cuda or npu\n")
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
     from tandem.trainer.parallel.device import resolve_device
 
     try:

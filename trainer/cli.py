@@ -67,7 +67,7 @@ def _train(argv: List[str]) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in run.dir")
     args = parser.parse_args(argv)
-    from .config import ConfigError
+    from .config_checks import ConfigError
     from .recipe import load_config
 
     try:

@@ -199,7 +199,7 @@ def cp_sweep(cfg, per_node: int, estimate_fn, sizes=CP_SIZES) -> List[str]:
     """Per-rank memory and node count of the recipe's layout at each cp size (dp, tp, pp, ep kept),
     one line each: `estimate_fn(cfg, world)` is trainer/estimate.py's estimate (parameters counted
     once)."""
-    from .config import ConfigError
+    from .config_checks import ConfigError
     from .parallel.validate import validate_context_parallel
 
     lines = []

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tandem.slurm as tandem_slurm
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.recipe import load_config
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent

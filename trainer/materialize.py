@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tandem.models import TandemModel
 
 from .checkpoint_dirs import resolve_checkpoint
-from .config import ConfigError
+from .config_checks import ConfigError
 from .parallel import parallelize_model
 from .recipe import load_config
 from .seeded_init import allocate, init_seeded

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .config import TrainConfig
+from .train_config import TrainConfig
 
 FUSED_DEVICES = {"cpu", "cuda"}
 """Device types whose fused AdamW kernel `train.optimizer_kernel=auto` uses."""

@@ -31,7 +31,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tandem.models import flavors
 
-from .config import ConfigError, TandemConfig
+from .config import TandemConfig
+from .config_checks import ConfigError
 
 # Public key -> dataclass field, for names Python cannot use as fields.
 _ALIASES = {"lambda": "lambda_"}

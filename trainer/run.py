@@ -29,7 +29,8 @@ from .checkpoint import (
     load_checkpoint,
     read_trainer_state,
 )
-from .config import ConfigError, TandemConfig
+from .config import TandemConfig
+from .config_checks import ConfigError
 from .flops import hardware_flops_per_token, training_flops_per_token
 from .guard import BadStepGuard
 from .hf.init_from import (

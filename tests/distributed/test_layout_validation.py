@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.parallel.pipeline_plan import stage_layer_split
 from tandem.trainer.parallel.validate import pipeline_microbatches, validate_layout
 from tandem.trainer.recipe import load_config

@@ -146,7 +146,7 @@ def test_missing_package_is_one_line(suite_run, capsys, monkeypatch):
 
 
 def test_config_rejects_unknown_suite():
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
     from tandem.trainer.recipe import load_config
 
     with pytest.raises(ConfigError, match="config key 'eval.suite'='nope': unknown suite 'nope'"):

@@ -82,7 +82,7 @@ def test_load_mtp_weights_in_process_and_its_errors(runs):
     """The loader alone, on a plain model: exactly the mtp.* tensors change; the error cases."""
     from tandem.models import TandemModel
     from tandem.trainer.checkpoint import resolve_checkpoint
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
     from tandem.trainer.materialize import load_mtp_weights
     from tandem.trainer.recipe import load_config
 

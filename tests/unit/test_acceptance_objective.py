@@ -123,7 +123,7 @@ def test_acceptance_gradient_reaches_mtp_not_the_teacher():
 
 
 def test_config_keys_are_validated():
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
     from tandem.trainer.recipe import load_config
 
     with pytest.raises(ConfigError, match="mtp.loss.objective='kl' must be ce or acceptance"):

@@ -82,7 +82,7 @@ def test_mtp_blocks_are_wrapped_and_eval_bypasses_checkpointing():
 
 
 def test_bad_mode_is_a_config_error():
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
 
     with pytest.raises(ConfigError,
                        match="train.activation_checkpointing.*must be none, full or selective"):

@@ -435,7 +435,7 @@ def test_unknown_rule_is_refused():
 
 
 def test_config_and_cli_name_the_rule():
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
     from tandem.trainer.eval_cli import _parser
     from tandem.trainer.recipe import load_config
 

@@ -15,7 +15,8 @@ from tandem.data_pipeline.chat_dataset import ChatWindows
 from tandem.data_pipeline.dataset import build_datasets, get_batch
 from tandem.data_pipeline.tokenizer import load_tokenizer
 from tandem.models.mtp import depth_target_mask
-from tandem.trainer.config import ConfigError, TandemConfig
+from tandem.trainer.config import TandemConfig
+from tandem.trainer.config_checks import ConfigError
 
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 WORDS = "p1 p2 r1 r2 q1 s1 s2 u1 a1 u2 a2".split()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.recipe import load_config, to_yaml
 
 
@@ -149,8 +149,9 @@ def test_every_section_has_its_checks():
     from tandem.models.config import ModelConfig
     from tandem.models.mtp_config import MTPConfig, MTPLossConfig
     from tandem.trainer import config
+    from tandem.trainer.train_config import TrainConfig
 
-    for cls in (config.RunConfig, config.DataConfig, config.TrainConfig, config.ParallelConfig,
+    for cls in (config.RunConfig, config.DataConfig, TrainConfig, config.ParallelConfig,
                 config.EvalConfig,
                 config.LoggingConfig, config.CheckpointConfig, config.TandemConfig, ModelConfig,
                 MTPConfig, MTPLossConfig):

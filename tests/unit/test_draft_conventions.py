@@ -383,7 +383,7 @@ def test_evaluator_logs_the_other_conventions_acceptance_when_it_differs():
 
 
 def test_config_key_and_cli_flag():
-    from tandem.trainer.config import ConfigError
+    from tandem.trainer.config_checks import ConfigError
     from tandem.trainer.eval_cli import _parser
     from tandem.trainer.recipe import load_config
 

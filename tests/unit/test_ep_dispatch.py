@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.models import ModelConfig
 from tandem.models.moe import MoE
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.recipe import load_config
 from tests.distributed import worker
 from tests.unit.test_decode_host_sync import HostSyncs

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tandem.eval.metrics import distinct_n, temperature_label
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.recipe import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

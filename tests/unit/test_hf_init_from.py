@@ -11,7 +11,8 @@ from tandem.models import TandemModel
 from tandem.models.config import ModelConfig
 from tandem.models.mtp import shifted_tokens
 from tandem.models.mtp_config import MTPConfig
-from tandem.trainer.config import ConfigError, TandemConfig
+from tandem.trainer.config import TandemConfig
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.hf.export import export_hf
 from tandem.trainer.hf.init_from import adopt_checkpoint_config, load_initial_weights
 from tandem.trainer.recipe import load_config, to_yaml

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.optim import build_optimizer
 from tandem.trainer.recipe import load_config
 

@@ -10,7 +10,7 @@ from tandem.models import TandemModel
 from tandem.models.config import ModelConfig
 from tandem.models.moe import MoE
 from tandem.models.mtp_config import MTPConfig
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.parallel.device import Device, resolve_device
 
 

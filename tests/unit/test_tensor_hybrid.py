@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.models.gated_deltanet import qkv_rows_from_hf
-from tandem.trainer.config import ConfigError
+from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.hf.names import Src
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config

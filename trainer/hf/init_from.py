@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..checkpoint_dirs import resolve_checkpoint
-from ..config import ConfigError
+from ..config_checks import ConfigError
 from ..recipe import load_config
 from .importer import local_tensors
 

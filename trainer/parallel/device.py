@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError
+from ..config_checks import ConfigError
 
 # Dense bf16 peak TFLOP/s per device, matched against the device name, for MFU.
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0),

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..config import ConfigError
+from ..config_checks import ConfigError
 
 
 def stage_layer_split(num_layers: int, num_stages: int, layout: List[int]) -> List[List[int]]:

@@ -9,7 +9,8 @@ impossible layout fails in one line naming the keys, not deep inside a collectiv
 
 from __future__ import annotations
 
-from ..config import ConfigError, TandemConfig
+from ..config import TandemConfig
+from ..config_checks import ConfigError
 
 
 def pipeline_microbatches(cfg: TandemConfig) -> int:
