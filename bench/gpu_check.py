@@ -258,7 +258,7 @@ def train_pair(name: str, recipe: str, overrides: list, device, args, judged: bo
 def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     """Train the 16-layer trunk + 1-layer MTP briefly with the real training loop, then decode with
     it."""
-    from tandem.data_pipeline.dataset import get_batch
+    from tandem.data_pipeline.batches import get_batch
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.eval.metrics import distinct_n
     from tandem.trainer.loop import run_training

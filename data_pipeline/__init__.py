@@ -7,8 +7,8 @@ Modules (import what you need; megatron-core is only imported by `preprocess` wr
   preprocess     `preprocess` (text corpora -> indexed datasets)
   preprocess_cli `preprocess_main` (`tandem preprocess`, with `--chat`)
   stdlib_corpus  `prepare_stdlib_corpus`
-  dataset        `build_datasets`, `get_batch`, `batch_indices`, `DataPosition`, `check_vocab`,
-                 `check_prefix`
+  dataset        `build_datasets`, `check_vocab`, `check_prefix`
+  batches        `get_batch`, `batch_indices`, `DataPosition`
   chat           prompt/response and chat records -> ids and response flags
                  (`ChatEncoder`, `iter_records`)
   chat_dataset   `data.source=jsonl`: `ChatWindows` (pack or pad), `build_chat_datasets`

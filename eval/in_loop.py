@@ -120,7 +120,7 @@ class InLoopEvaluator:
         self.prompts: List[List[int]] = []
         self.loss_batches: List[Dict[str, torch.Tensor]] = []
         if valid_ds is not None:
-            from tandem.data_pipeline.dataset import get_batch
+            from tandem.data_pipeline.batches import get_batch
 
             mb = cfg.train.micro_batch_size
             for i in range(e.loss_batches):

@@ -48,7 +48,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tandem.data_pipeline.dataset import build_datasets, get_batch
+from tandem.data_pipeline.batches import get_batch
+from tandem.data_pipeline.dataset import build_datasets
 from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures

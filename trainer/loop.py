@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from tandem.data_pipeline.dataset import batch_indices, get_batch
+from tandem.data_pipeline.batches import batch_indices, get_batch
 
 from . import preemption
 from .checkpoint import latest_checkpoint

@@ -14,12 +14,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from tandem.data_pipeline.dataset import (
-    DataPosition,
-    build_datasets,
-    check_vocab,
-    follow_checkpoint_tokenizer,
-)
+from tandem.data_pipeline.batches import DataPosition
+from tandem.data_pipeline.dataset import build_datasets, check_vocab, follow_checkpoint_tokenizer
 from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
 
 from .checkpoint import (

@@ -73,7 +73,7 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
     trunk_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
     fresh = copy.deepcopy(model)
     K = cfg.mtp.num_steps
-    from tandem.data_pipeline.dataset import get_batch
+    from tandem.data_pipeline.batches import get_batch
 
     prompts = get_batch(trainer.valid_ds, list(range(4)))["tokens"]
     record = run_training(trainer)

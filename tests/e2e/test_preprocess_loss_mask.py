@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from tandem.data_pipeline.dataset import build_datasets, get_batch
+from tandem.data_pipeline.batches import get_batch
+from tandem.data_pipeline.dataset import build_datasets
 from tandem.data_pipeline.preprocess_cli import preprocess_main  # noqa: E402
 from tandem.models.mtp import depth_target_mask  # noqa: E402
 from tandem.trainer.config import TandemConfig  # noqa: E402

@@ -30,7 +30,7 @@ def _rank() -> int:
 
 
 def _kill_at_step(spec: str) -> None:
-    from tandem.data_pipeline.dataset import DataPosition
+    from tandem.data_pipeline.batches import DataPosition
 
     at, _, who = spec.partition(":")
     advance, done = DataPosition.advance, []
@@ -47,7 +47,7 @@ def _kill_at_step(spec: str) -> None:
 
 
 def _slow_first_attempt(seconds: str) -> None:
-    from tandem.data_pipeline.dataset import DataPosition
+    from tandem.data_pipeline.batches import DataPosition
 
     if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
         return

@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
+from tandem.data_pipeline.batches import get_batch
 from tandem.data_pipeline.chat import chat_encoder, check_files, iter_encoded
 from tandem.data_pipeline.chat_dataset import ChatWindows
-from tandem.data_pipeline.dataset import build_datasets, get_batch
+from tandem.data_pipeline.dataset import build_datasets
 from tandem.data_pipeline.tokenizer import load_tokenizer
 from tandem.models.mtp import depth_target_mask
 from tandem.trainer.config import TandemConfig

@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.data_pipeline.dataset import (
-    DataPosition,
-    batch_indices,
-    build_datasets,
-    check_prefix,
-    check_vocab,
-    get_batch,
-    parse_blend,
-)
+from tandem.data_pipeline.batches import DataPosition, batch_indices, get_batch
+from tandem.data_pipeline.dataset import build_datasets, check_prefix, check_vocab, parse_blend
 from tandem.data_pipeline.preprocess import preprocess
 from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
 from tandem.trainer.config import DataConfig

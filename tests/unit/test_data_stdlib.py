@@ -85,7 +85,8 @@ def test_prepare_stdlib_corpus_concurrent_then_cached(tmp_path):
         and ready["valid"]["documents"] > 0
     )
 
-    from tandem.data_pipeline.dataset import batch_indices, build_datasets, get_batch
+    from tandem.data_pipeline.batches import batch_indices, get_batch
+    from tandem.data_pipeline.dataset import build_datasets
 
     train, valid, tok = build_datasets(cfg, 64, 0, 32, 8)
     assert tok.vocab_size == 512 and len(train) >= 32 and len(valid) >= 8
