@@ -109,7 +109,7 @@ def test_the_head_chunk_is_counted_as_the_buffers_the_head_allocates(dtype, devi
     softmax block (the whole chunk on an accelerator, at most CPU_SOFTMAX_BLOCK_BYTES on a CPU).
     Sized so that the CPU block is smaller than the chunk."""
     from tandem.models.loss import _ChunkBuffers
-    from tandem.trainer.estimate import head_chunk_bytes
+    from tandem.trainer.estimate_bytes import head_chunk_bytes
 
     cfg = load_config(None,
                       BASE + [f"train.dtype={dtype}", f"device={device}", "model.vocab_size=65536",
