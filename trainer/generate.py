@@ -48,8 +48,8 @@ from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
 from .eval_cli import _load, _tokenizer_of
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
-from .hf.importer import read_config
 from .hf.init_from import check_reference, checkpoint_model_config, fingerprint, read_reference
+from .hf.reader import read_config
 from .materialize import build_sharded_model
 from .parallel import init_parallel
 from .parallel.device import resolve_device

@@ -114,7 +114,7 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     gets a fresh qwen4_exp drafter: only it trains, the trunk (PLE table included) stays
     bit-identical, and the export afterwards carries the drafter in vLLM's mtp.* layout."""
     from tandem.trainer.cli import main as cli
-    from tandem.trainer.hf.importer import CheckpointReader
+    from tandem.trainer.hf.reader import CheckpointReader
     from tandem.trainer.loop import run_training
     from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run

@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_exported_drafter_names_follow_vllm_remapping(tmp_path):
     from tandem.trainer.hf.export import export_hf
-    from tandem.trainer.hf.importer import CheckpointReader
+    from tandem.trainer.hf.reader import CheckpointReader
     from tests.e2e.test_vllm_serving import vllm_python
     from tests.eval_helpers import tiny_qwen4_model
     from tests.unit.test_qwen4_exp import VOCAB

@@ -17,13 +17,15 @@ from tandem.models.mtp_config import MTPConfig  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.families import Src, UnsupportedCheckpoint  # noqa: E402
 from tandem.trainer.hf.importer import (  # noqa: E402
-    CheckpointError,
-    CheckpointReader,
-    PickleCheckpointError,
     load_hf_model,
     load_hf_weights,
     read_source,
     shard_index,
+)
+from tandem.trainer.hf.reader import (  # noqa: E402
+    CheckpointError,
+    CheckpointReader,
+    PickleCheckpointError,
 )
 
 V = 96

@@ -44,16 +44,11 @@ from .families import (
     hf_name,
     meta_state,
 )
-from .importer import (
-    _ST_DTYPES,
-    CheckpointReader,
-    local_tensors,
-    read_config,
-    read_source,
-)
+from .importer import local_tensors, read_source
 from .init_from import check_reference, is_hf_dir, read_reference
+from .reader import ST_DTYPES, CheckpointReader, read_config
 
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
 class _Source(NamedTuple):

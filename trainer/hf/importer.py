@@ -10,13 +10,12 @@ slice by slice with plain reads of its byte ranges (no memory map): a DTensor pa
 (TP/EP/FSDP-sharded) reads only its local shard (`compute_local_shape_and_global_offset`), a plain
 tensor reads everything, and a pipeline stage that holds a subset of the layers reads only those.
 Errors name what is wrong: the architecture, missing/unexpected tensor names (listed), shapes (name,
-expected, found) and a tokenizer larger than the embedding table.
+expected, found) and a tokenizer larger than the embedding table. The reading itself (files, byte
+ranges, pickle refusal, `CheckpointError`) is trainer/hf/reader.py's.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -44,176 +43,7 @@ from .families import (
     trunk_input_of,
 )
 from .qwen4_exp import is_ple_buffer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model (names, shapes, vocabulary) or cannot be read
-    safely."""
-
-
-class PickleCheckpointError(CheckpointError):
-    """The checkpoint is stored as pickle and trust_pickle was not given."""
-
-
-# --------------------------------------------------------------------------------------------------
-# reading
-# --------------------------------------------------------------------------------------------------
-class CheckpointReader:
-    """Lazy, slice-wise access to a local checkpoint directory's tensors."""
-
-    def __init__(self, path: str, trust_pickle: bool = False):
-        self.path = path
-        self._files: Dict[str, str] = {}  # key -> file
-        self._handles: Dict[str, object] = {}
-        self._pickled: Dict[str, torch.Tensor] = {}
-        index = os.path.join(path, "model.safetensors.index.json")
-        st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if os.path.isfile(index):
-            with open(index) as f:
-                self._files = {k: os.path.join(path, v) for k,
-                               v in json.load(f)["weight_map"].items()}
-        elif st_files:
-            for file in st_files:
-                for key in self._header(file)[1]:
-                    self._files[key] = file
-        else:
-            pickles = sorted(glob.glob(os.path.join(path, "*.bin"))
-                             + glob.glob(os.path.join(path, "*.pt")) +
-                             glob.glob(os.path.join(path, "*.pth")))
-            if not pickles:
-                raise CheckpointError("no *.safetensors (or model.safetensors.index.json) in "
-                                      f"{path}")
-            if not trust_pickle:
-                names = ", ".join(os.path.basename(p) for p in pickles)
-                raise PickleCheckpointError(
-                    f"{path} holds a pickle checkpoint ({names}); unpickling can run arbitrary "
-                    "code, so it is refused "
-                    "unless you trust it: pass trust_pickle=True (--trust-pickle), or convert it "
-                    "to safetensors")
-            for file in pickles:
-                state = torch.load(file, map_location="cpu", weights_only=False)
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        self._pickled[key] = value
-                        self._files[key] = file
-
-        self._check_files()
-
-    def _check_files(self) -> None:
-        """A shard named by the index but absent, or shorter than its header says (a partial copy or
-        download), fails here, naming the file, before any tensor is read."""
-        for file in sorted(set(self._files.values()) - {f for k, f in self._files.items()
-                                                        if k in self._pickled}):
-            if not os.path.isfile(file):
-                raise CheckpointError(f"checkpoint shard {file} is missing (named by "
-                                      f"{self.path}/model.safetensors.index.json)")
-            base, header = self._header(file)
-            end = base + max((v["data_offsets"][1] for v in header.values()), default=0)
-            size = os.path.getsize(file)
-            if size < end:
-                raise CheckpointError(f"checkpoint shard {file} is partial: {size} bytes, its "
-                                      f"header describes {end}")
-
-    def keys(self) -> List[str]:
-        return sorted(self._files)
-
-    def _header(self, file: str) -> Tuple[int, dict]:
-        if file not in self._handles:
-            self._handles[file] = safetensors_header(file)
-        return self._handles[file]
-
-    def shape(self, key: str) -> Tuple[int, ...]:
-        if key in self._pickled:
-            return tuple(self._pickled[key].shape)
-        return tuple(self._header(self._files[key])[1][key]["shape"])
-
-    def dtype(self, key: str) -> torch.dtype:
-        if key in self._pickled:
-            return self._pickled[key].dtype
-        return _ST_DTYPES[self._header(self._files[key])[1][key]["dtype"]]
-
-    def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
-        """tensor[index] of `key`, reading only that slice from disk (safetensors). Plain reads, not
-        a memory map: the pages of the rest of the file never count against this process."""
-        if key in self._pickled:
-            return self._pickled[key][index]
-        file = self._files[key]
-        base, header = self._header(file)
-        info = header[key]
-        shape, dtype = list(info["shape"]), _ST_DTYPES[info["dtype"]]
-        start = base + info["data_offsets"][0]
-        if not shape:
-            return _pread(file, start, dtype.itemsize, dtype).reshape(())
-        index = tuple(index) + tuple(slice(None) for _ in range(len(shape) - len(index)))
-        bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
-        r0, r1 = bounds[0]
-        row_elems = 1
-        for n in shape[1:]:
-            row_elems *= n
-        row_bytes = row_elems * dtype.itemsize
-        rest = tuple(slice(a, b) for a, b in bounds[1:])
-        whole_rows = all(a == 0 and b == n for (a, b), n in zip(bounds[1:], shape[1:]))
-        out = torch.empty([b - a for a, b in bounds], dtype=dtype)
-        if out.numel() == 0:
-            return out
-        # whole rows: one read; a column slice: blocks of rows (bounded memory), each cut to the
-        # slice
-        step = max(r1 - r0, 1) if whole_rows else max(1, _READ_BLOCK_BYTES // max(row_bytes, 1))
-        for a in range(r0, r1, step):
-            b = min(r1, a + step)
-            rows = _pread(file, start + a * row_bytes, (b - a) * row_bytes,
-                          dtype).view([b - a] + shape[1:])
-            out[a - r0: b - r0] = rows if whole_rows else rows[(slice(None),) + rest]
-        return out
-
-    def close(self) -> None:
-        self._handles.clear()
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-              "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_READ_BLOCK_BYTES = 64 << 20
-
-
-def safetensors_header(file: str) -> Tuple[int, dict]:
-    """(byte offset of the data section, the JSON header) of a safetensors file."""
-    import struct
-
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file} is truncated (no safetensors header)")
-        (n,) = struct.unpack("<Q", head)
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError:
-        raise CheckpointError(f"{file} is not a safetensors file (unreadable header)") from None
-    header.pop("__metadata__", None)
-    return 8 + n, header
-
-
-def _pread(file: str, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-    buf = bytearray(nbytes)
-    with open(file, "rb") as f:
-        f.seek(offset)
-        got = f.readinto(buf)
-    if got != nbytes:
-        raise CheckpointError(f"{file} is truncated: {nbytes} bytes wanted at offset {offset}, "
-                              f"{got} there")
-    return torch.frombuffer(buf, dtype=dtype)
-
-
-def read_config(path: str) -> dict:
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise CheckpointError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
-    with open(cfg_file) as f:
-        hf = json.load(f)
-    return hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
+from .reader import CheckpointError, CheckpointReader, read_config
 
 
 def tokenizer_vocab_size(path: str) -> Optional[int]:
@@ -507,5 +337,5 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     return model.to(device).eval(), tcfg
 
 
-__all__ = ["load_hf_model", "load_hf_weights", "CheckpointError", "PickleCheckpointError",
-           "UnsupportedCheckpoint", "CheckpointReader", "shard_index", "read_source", "LoadReport"]
+__all__ = ["load_hf_model", "load_hf_weights", "UnsupportedCheckpoint", "shard_index",
+           "read_source", "LoadReport"]

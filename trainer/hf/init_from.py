@@ -64,7 +64,7 @@ def checkpoint_model_config(path: str):
             model_config_from_hf,
             trunk_input_of,
         )
-        from .importer import CheckpointReader, read_config
+        from .reader import CheckpointReader, read_config
 
         hf = read_config(path)
         detect_family(hf)
