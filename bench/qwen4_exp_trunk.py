@@ -81,6 +81,7 @@ from tandem.models.block import make_token_mixer  # noqa: E402
 from tandem.models.experts import GroupedExperts  # noqa: E402
 from tandem.models.ple import NGramEmbedding  # noqa: E402
 from tandem.models.qsa import IndexedAttention  # noqa: E402
+from tandem.models.qsa_tokens import token_mask  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.parallel.device import Device, autocast_context, resolve_device  # noqa: E402
 from tandem.trainer.recipe import load_config  # noqa: E402
@@ -258,7 +259,7 @@ def selected_fraction(layer: IndexedAttention, dev: Device, b: int, s: int, hidd
     q_idx, raw = layer.indexer(x, positions, layer.rotary)
     scores = layer._block_scores(q_idx, raw[:, : n * r], positions[:, : n * r: r])
     blocks, count = layer._select(scores, positions)
-    mask_bss = layer._token_mask(blocks, count, positions, s)
+    mask_bss = token_mask(r, blocks, count, positions, s)
     causal = torch.ones(s, s, dtype=torch.bool, device=dev.device).tril()
     if (mask_bss & ~causal).any():
         raise RuntimeError("the QSA selection holds a non-causal (query, key) pair")

@@ -93,6 +93,7 @@ from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
 from .moe import AuxLossGrad
 from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
 from .qsa_stream import map_query_chunks, selection_keys, stream_select, stream_target
+from .qsa_tokens import gather_attend, token_mask, token_slots
 from .state import LayerCache
 
 MASK_ELEMS_LIMIT = 1 << 26
@@ -199,73 +200,7 @@ class IndexedAttention(nn.Module):
         key = selection_keys(scores_bsn, 0, visible_bsn)
         return key.topk(k, dim=-1).indices, complete_bs.clamp(max=k)
 
-    def _token_mask(self, blocks_bsk, count_bs, query_at_bs, num_keys: int,
-                    docs: Optional[_DocumentBlocks] = None, c0: int = 0) -> torch.Tensor:
-        """[B, S, num_keys]: tokens of the selected blocks plus the visible tail. `docs`: packed
-        documents' blocks; the queries are then rows c0 .. c0 + S - 1 of its window."""
-        r = self.compress_ratio
-        key_u = torch.arange(num_keys, device=query_at_bs.device)
-        at = query_at_bs[..., None]
-        if docs is None:
-            mask = (key_u >= (at + 1) // r * r) & (key_u <= at)
-        else:
-            first = docs.first_bs[:, c0:c0 + query_at_bs.shape[1], None]
-            mask = (key_u >= first + (at + 1) // r * r) & (key_u <= first + at)
-        n, k = num_keys // r, blocks_bsk.shape[-1]
-        if k:
-            real = torch.arange(k, device=key_u.device) < count_bs[..., None]
-            chosen = blocks_bsk.new_zeros(*blocks_bsk.shape[:-1], n + 1, dtype=torch.bool)
-            # unused slots land in column n
-            chosen.scatter_(-1, torch.where(real, blocks_bsk, n), True)
-            if docs is None:
-                mask[..., : n * r] |= chosen[..., :n].repeat_interleave(r, dim=-1)
-            else:
-                chosen[..., n] = False  # the column of the tokens in no block
-                mask |= chosen.gather(-1, docs.key_block_bs[:, None].expand(-1, mask.shape[1], -1))
-        return mask
-
-    def _token_slots(self, blocks_bsk, count_bs, query_at_bs,
-                     docs: Optional[_DocumentBlocks] = None):
-        """The gather form's candidates: token indices [B, S, L] (L <= budget + r - 1) and validity.
-        `docs`: packed documents' blocks (the indices are rows; the queries, the window's S
-        rows)."""
-        r, k = self.compress_ratio, blocks_bsk.shape[-1]
-        dev = query_at_bs.device
-        if docs is None:
-            block_row = blocks_bsk * r
-            tail_row, last_row = (query_at_bs + 1) // r * r, query_at_bs
-        else:
-            block_row = docs.rows_bn.gather(1, blocks_bsk.flatten(1)).view_as(blocks_bsk)
-            tail_row = docs.first_bs + (query_at_bs + 1) // r * r
-            last_row = docs.first_bs + query_at_bs
-        block_tok = (block_row[..., None] + torch.arange(r, device=dev)).flatten(-2)
-        block_ok = (torch.arange(k, device=dev) < count_bs[..., None]).repeat_interleave(r, dim=-1)
-        tail_tok = tail_row[..., None] + torch.arange(r - 1, device=dev)
-        tail_ok = tail_tok <= last_row[..., None]
-        ok = torch.cat([block_ok, tail_ok], -1)
-        return torch.where(ok, torch.cat([block_tok, tail_tok], -1), 0), ok
-
     # ---- attention forms -------------------------------------------------------------------------
-    @staticmethod
-    def _gather_attend(q_bshd, idx_bsl, ok_bsl, k_bskd, v_bskd):
-        """Each query attends over its own gathered key/value rows (the gather form)."""
-        b, c, h, d = q_bshd.shape
-        s, kvh, L = k_bskd.shape[1], k_bskd.shape[2], idx_bsl.shape[-1]
-        rows = (idx_bsl + torch.arange(b, device=idx_bsl.device)[:, None, None] * s).reshape(-1)
-        k_g = k_bskd.reshape(b * s, kvh * d).index_select(0, rows).view(b, c, L, kvh, d)
-        v_g = v_bskd.reshape(b * s, kvh * d).index_select(0, rows).view(b, c, L, kvh, d)
-        q5 = q_bshd.reshape(b, c, kvh, h // kvh, d)
-        # Logits, softmax and the weighted sum in fp32 from the (bf16) rows, as the mask form's SDPA
-        # accumulates: a bf16 einsum rounded every logit to bf16 first, so `auto`'s switch of form
-        # at MASK_ELEMS_LIMIT changed the numerics. The fp32 copies live for one checkpointed query
-        # chunk; autocast is off around them (einsum's bmm would cast them back).
-        acc = torch.promote_types(q_bshd.dtype, torch.float32)
-        with torch.autocast(q_bshd.device.type, enabled=False):
-            att = torch.einsum("bckgd,bclkd->bckgl", q5.to(acc), k_g.to(acc)) * d ** -0.5
-            att = att.masked_fill(~ok_bsl[:, :, None, None, :], float("-inf")).softmax(-1)
-            out = torch.einsum("bckgl,bclkd->bckgd", att, v_g.to(acc))
-        return out.reshape(b, c, h * d).to(q_bshd.dtype)
-
     def _use_gather(self, b: int, s_q: int, s: Optional[int] = None) -> bool:
         """Whether `s_q` queries over `s` keys (default s_q) attend by gathering (the docstring's
         `auto`)."""
@@ -344,8 +279,8 @@ class IndexedAttention(nn.Module):
                                                         query_at_bs, select, visible)
 
         def selected(c0: int, c1: int) -> torch.Tensor:
-            return self._token_mask(blocks_bsk[:, c0:c1], count_bs[:, c0:c1], query_at_bs[:, c0:c1],
-                                    s, docs, c0)
+            return token_mask(self.compress_ratio, blocks_bsk[:, c0:c1], count_bs[:, c0:c1],
+                              query_at_bs[:, c0:c1], s, docs, c0)
 
         out_bsz = self._training_attention(q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk,
                                            count_bs, query_at_bs, selected, rows_s)
@@ -449,9 +384,10 @@ class IndexedAttention(nn.Module):
                                                      enable_gqa=groups > 1)
             return out.transpose(1, 2).reshape(b, s_q, -1)
         if self._use_gather(b, s_q, s):
-            idx_bsl, ok_bsl = self._token_slots(blocks_bsk, count_bs, query_at_bs, docs)
+            idx_bsl, ok_bsl = token_slots(self.compress_ratio, blocks_bsk, count_bs, query_at_bs,
+                                          docs)
             per_query = b * idx_bsl.shape[-1] * (2 * k_bksd.shape[1] * d + h)
-            return map_query_chunks(self._gather_attend, max(1, self.chunk_elems // per_query),
+            return map_query_chunks(gather_attend, max(1, self.chunk_elems // per_query),
                                     (q_bhsd.transpose(1, 2), idx_bsl, ok_bsl),
                                     (k_bksd.transpose(1, 2), v_bksd.transpose(1, 2)))
         mask_b1ss = selected(0, s_q)[:, None]
@@ -517,7 +453,7 @@ class IndexedAttention(nn.Module):
                 blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
                 if share is not None and share.mode == "record":
                     self._record(cache, positions_bs, blocks_bsk, count_bs)
-            mask_bts = self._token_mask(blocks_bsk, count_bs, tail_at_bs, span)
+            mask_bts = token_mask(self.compress_ratio, blocks_bsk, count_bs, tail_at_bs, span)
         groups = q_bhsd.shape[1] // k_all.shape[1]
         out = F.scaled_dot_product_attention(q_bhsd, k_all.to(q_bhsd.dtype), v_all.to(q_bhsd.dtype),
                                              attn_mask=mask_bts[:, None], enable_gqa=groups > 1)

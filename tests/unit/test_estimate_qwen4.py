@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tandem.models import TandemModel
 from tandem.models.delta_rule import SOLVE_BLOCK
+from tandem.models.qsa_tokens import token_mask
 from tandem.trainer import cost as C
 from tandem.trainer import estimate as E
 from tandem.trainer import flops as F
@@ -164,7 +165,7 @@ def test_qsa_attended_tokens_are_its_selection(s, budget, ratio):
     at = torch.arange(s).expand(2, s)
     scores = torch.rand(2, s, s // ratio)
     blocks, count = attn._select(scores, at)
-    mask = attn._token_mask(blocks, count, at, s)
+    mask = token_mask(attn.compress_ratio, blocks, count, at, s)
     assert float(mask.sum(-1).double().mean()) == pytest.approx(C.qsa_mean_keys(m, s), rel=1e-12)
     assert float(((at + 1) // ratio).double().mean()) == pytest.approx(C.qsa_mean_blocks(m, s),
                                                                        rel=1e-12)

@@ -11,6 +11,7 @@ import torch
 
 from tandem.models.qsa import IndexedAttention
 from tandem.models.qsa_loss import indexer_kl
+from tandem.models.qsa_tokens import gather_attend, token_mask
 from tandem.models.state import DecodeCache
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2, 16, 2, 16, 8, 4
@@ -264,7 +265,7 @@ def test_indexer_loss_and_recall_match_a_direct_computation(dense):
                                                                          -2) / math.sqrt(HEAD_DIM)
         causal = torch.ones(S, S, dtype=torch.bool).tril()
         scores, (blocks, count) = scores_and_selection(attn, x, pos)
-        selected = attn._token_mask(blocks, count, pos, S)
+        selected = token_mask(attn.compress_ratio, blocks, count, pos, S)
         p_dense = logits.masked_fill(~causal, -math.inf).softmax(-1)  # [B, H, S, S]
         p_main = p_dense if dense else logits.masked_fill(~selected[:, None], -math.inf).softmax(-1)
         kls, recall = [], []
@@ -338,7 +339,7 @@ def test_bf16_gather_form_logits_in_fp32_and_agrees_with_mask_form():
     idx = torch.randperm(s, generator=g)[:L].expand(b, c, L).contiguous()
     ok = torch.ones(b, c, L, dtype=torch.bool)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = IndexedAttention._gather_attend(q, idx, ok, k, v)
+        out = gather_attend(q, idx, ok, k, v)
     # exact attention over the same bf16 rows (fp64): only the output's bf16 rounding may remain
     q5 = q.double().view(b, c, kvh, h // kvh, d)
     kg, vg = k.double()[:, idx[0, 0]], v.double()[:, idx[0, 0]]
