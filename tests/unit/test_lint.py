@@ -1,5 +1,6 @@
 """`ruff check .` with the project's configuration (pyproject.toml [tool.ruff]) passes: pyflakes,
-import order and line length hold in every file, product code, tests and benchmarks alike."""
+import order and line length hold in every file, product code, tests and benchmarks alike. Product
+modules import only from their own layer and those below it, and none is over 500 lines."""
 
 import os
 import shutil
@@ -51,3 +52,18 @@ def test_no_module_imports_from_a_layer_above_its_own():
                     wrong += [f"{os.path.relpath(path, ROOT)}:{line} imports tandem.{up}"
                               for up, line in _imported_layers(path) if LAYERS.index(up) > rank]
     assert not wrong, "\n".join(wrong)
+
+
+MAX_PRODUCT_LINES = 500
+"""Files a reader can hold (ARCHITECTURE.md): no product module over 500 lines."""
+
+
+def test_no_product_file_is_over_500_lines():
+    product = [os.path.join(dirpath, name)
+               for layer in LAYERS + ["slurm"]
+               for dirpath, _, names in os.walk(os.path.join(ROOT, layer))
+               for name in names if name.endswith(".py")]
+    assert len(product) > 50  # the walk found the package
+    long = {os.path.relpath(p, ROOT): n for p in product
+            if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_PRODUCT_LINES}
+    assert not long, f"over {MAX_PRODUCT_LINES} lines (split them): {long}"
