@@ -100,14 +100,15 @@ class TransformerBlock(nn.Module):
                 input_ids_bs: Optional[torch.Tensor] = None,
                 selection: Optional[QSASelection] = None,
                 return_selection: bool = False, documents: Optional[Documents] = None,
-                context: Optional[WholeWindow] = None):
+                context: Optional[WholeWindow] = None, aux_grad_scale: float = 1.0):
         """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
         (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection).
         They are arguments and results, not module state, so activation checkpointing's
         recomputation and pipelined micro-batches see the selection of their own forward.
         `documents`: packed documents (models/documents.py), which every part of the block keeps
         apart. `context`: the window's split over context-parallel ranks (models/context.py), which
-        the token mixer and PLE read across."""
+        the token mixer and PLE read across. `aux_grad_scale`: the gradient an MoE's auxiliary
+        losses get (`MoE.forward`)."""
         sel_out = None
         extra = {} if documents is None else {"documents": documents}
         if context is not None:
@@ -122,8 +123,13 @@ class TransformerBlock(nn.Module):
             y, sel_out = self.mixer(h, positions_bs, cache, selection, True, **extra)
             return y
 
-        # an MoE's auxiliary losses average over the whole window (context parallelism)
-        mlp_args = {"context": context} if context is not None and isinstance(self.mlp, MoE) else {}
+        # an MoE's auxiliary losses average over the whole window (context parallelism), with the
+        # gradient the caller's objective gives them
+        mlp_args = {}
+        if isinstance(self.mlp, MoE):
+            mlp_args = {"aux_grad_scale": aux_grad_scale}
+            if context is not None:
+                mlp_args["context"] = context
         if self.hc_count == 1:
             x_bsh = x_bsh + mix(self.input_layernorm(x_bsh))
             out = x_bsh + self.mlp(self.post_attention_layernorm(x_bsh), **mlp_args)

@@ -190,14 +190,17 @@ class TandemModel(nn.Module):
     # --- pieces shared by training and decoding -------------------------------------------------
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None,
               emb_bsh: Optional[torch.Tensor] = None,
-              documents: Optional[Documents] = None) -> torch.Tensor:
+              documents: Optional[Documents] = None, aux_grad_scale: float = 1.0) -> torch.Tensor:
         """Trunk hidden states before the final norm (h_0 of the MTP chain). `emb_bsh`: the tokens'
         embedding when the caller already looked it up (`shifted_embeddings`). `documents`: packed
-        documents kept apart (then `positions_bs` count from each document's start)."""
+        documents kept apart (then `positions_bs` count from each document's start).
+        `aux_grad_scale`: see `forward`."""
         h = self.embed_tokens(input_ids_bs) if emb_bsh is None else emb_bsh
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
         extra = {} if documents is None else {"documents": documents}
+        if aux_grad_scale != 1.0:
+            extra["aux_grad_scale"] = aux_grad_scale
         if self.context.sharded:
             extra["context"] = self.context
         for i, layer in self.layers.items():
@@ -218,12 +221,14 @@ class TandemModel(nn.Module):
     def mtp_train_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor,
                        positions_bs: torch.Tensor, emb_bsh: Optional[torch.Tensor] = None,
                        selection: Optional[QSASelection] = None,
-                       documents: Optional[Documents] = None):
+                       documents: Optional[Documents] = None, aux_grad_scale: float = 1.0):
         """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse).
         With mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend
         over the one handed in; otherwise every depth selects for itself and None is passed
         along."""
         extra = {} if documents is None else {"documents": documents}
+        if aux_grad_scale != 1.0:
+            extra["aux_grad_scale"] = aux_grad_scale
         if self.context.sharded:
             extra["context"] = self.context
         if self.mtp.selection_share is None:
@@ -288,14 +293,16 @@ class TandemModel(nn.Module):
                      positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                      chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
-                     documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None):
+                     documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None,
+                     aux_grad_scale: float = 1.0):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order,
         teacher-forced on the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token
         t+k. The chain may start later (a pipeline stage after the one that ran depth
         `chain_depth`): `h_chain` is then h_{chain_depth}. With mtp.detach_trunk no MTP gradient
         reaches the trunk. `emb_window`: (`shifted_embeddings` output, its first shift) covering
         every step run; without it each step looks its tokens up. `carry`: depth 1's QSA selection
-        in and out (a chain started after depth 1 reuses the one it brings)."""
+        in and out (a chain started after depth 1 reuses the one it brings). `aux_grad_scale`: see
+        `forward`."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
@@ -312,7 +319,8 @@ class TandemModel(nn.Module):
             tokens = self.context.local(shifted_tokens(tokens_bs1, depth, s))
             h, carry.value = self.mtp_train_step(depth, h_in, tokens, positions_bs,
                                                  emb_bsh=emb, selection=carry.value,
-                                                 documents=documents)
+                                                 documents=documents,
+                                                 aux_grad_scale=aux_grad_scale)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -325,13 +333,16 @@ class TandemModel(nn.Module):
     # --- training -------------------------------------------------------------------------------
     def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
                 doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False,
-                loss_grad_scales: Optional[torch.Tensor] = None) -> ModelOutput:
+                loss_grad_scales: Optional[torch.Tensor] = None,
+                aux_grad_scale: float = 1.0) -> ModelOutput:
         """Per-depth summed losses over a window of S+1 tokens (inputs are the first S).
         `document_mask` (data.document_mask): the documents `doc_ids_bs1` delimits do not see each
         other. `loss_grad_scales`: the gradient d total / d loss_sums[depth] the caller's loss will
         send back ([num_depths], on the device: each depth's coefficient over its global target
         count); with it the fused head keeps one weight-gradient buffer for every depth
-        (models/loss.py). None: the weight's gradient is recomputed in backward."""
+        (models/loss.py). None: the weight's gradient is recomputed in backward. `aux_grad_scale`:
+        the gradient the caller's objective gives each MoE layer's auxiliary (balance + z) loss of
+        this forward (the trainer's: 1 / the micro-batches of its global step)."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
         if loss_mask_bs is None:
@@ -349,13 +360,13 @@ class TandemModel(nn.Module):
             # all
             emb_window = (self.shifted_embeddings(tokens_bs1, 0, self.mtp_cfg.num_steps), 0)
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
-            h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions,
-                           emb_bsh=self.window_rows(emb_window, 0,
-                                                    s) if emb_window is not None else None,
-                           documents=documents)
+            emb = self.window_rows(emb_window, 0, s) if emb_window is not None else None
+            h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions, emb_bsh=emb,
+                           documents=documents, aux_grad_scale=aux_grad_scale)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions,
-                                       emb_window=emb_window,
-                                       documents=documents, loss_grad_scales=loss_grad_scales)
+                                       emb_window=emb_window, documents=documents,
+                                       loss_grad_scales=loss_grad_scales,
+                                       aux_grad_scale=aux_grad_scale)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
                            loss_mask_bs: torch.Tensor,
@@ -365,7 +376,8 @@ class TandemModel(nn.Module):
                            emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                            documents: Optional[Documents] = None,
                            selection: Optional[QSASelection] = None,
-                           loss_grad_scales: Optional[torch.Tensor] = None) -> ModelOutput:
+                           loss_grad_scales: Optional[torch.Tensor] = None,
+                           aux_grad_scale: float = 1.0) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline
         stage runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
@@ -395,7 +407,8 @@ class TandemModel(nn.Module):
         ce = []
         carry = SelectionCarry(selection)
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain,
-                                               chain_depth, emb_window, documents, carry):
+                                               chain_depth, emb_window, documents, carry,
+                                               aux_grad_scale=aux_grad_scale):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask],

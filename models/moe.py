@@ -213,8 +213,6 @@ class MoE(nn.Module):
         self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
                                    if cfg.shared_expert_gate and self.shared_experts is not None
                                    else None)
-        # Gradient scale of the auxiliary losses per forward; the trainer sets 1/micro-batches.
-        self.aux_grad_scale = 1.0
         # The last micro-batch's aux + z loss (detached tensor, None until one is computed).
         self.last_aux_loss = None
 
@@ -249,15 +247,18 @@ class MoE(nn.Module):
         """The shared expert's MLP (tensor parallelism computes it on its shards instead)."""
         return self.shared_experts(x_th)
 
-    def forward(self, x_bsh: torch.Tensor, context=None) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, context=None,
+                aux_grad_scale: float = 1.0) -> torch.Tensor:
         """`context`: the window's split over context-parallel ranks (models/context.py), over which
-        the auxiliary losses average."""
+        the auxiliary losses average. `aux_grad_scale`: the gradient the caller's objective gives
+        this forward's aux + z loss (the trainer's: 1 / the micro-batches of its global step, so
+        that the step optimises their mean)."""
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
         weights, indices, logits = self.router(x)
         out = self.route_and_compute(x, weights, indices)
         if self.training and torch.is_grad_enabled() and self._needs_aux():
-            aux, scale = self._window_aux(logits, indices, self.aux_grad_scale, context)
+            aux, scale = self._window_aux(logits, indices, aux_grad_scale, context)
             self.last_aux_loss = aux.detach()
             out = AuxLossGrad.apply(out, aux, scale)
         return out.view(shape)

@@ -48,14 +48,12 @@ class TrainStep:
         # gradient is 1/(micro-batches per rank * batch ranks); pipeline ranks split their share
         # into parallel.pp_microbatches instead of grad_accum_steps. (TP ranks compute the aux
         # gradient replicated; under SP it is computed on the gathered logits and scaled in
-        # TensorParallelMoE.)
+        # TensorParallelMoE.) Every forward passes it to the model (TandemModel.forward).
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
-        aux_grad_scale = 1.0 / (micro * pstate.dp_size)
-        for moe in self.moe_layers:
-            moe.aux_grad_scale = aux_grad_scale
+        self.aux_grad_scale = 1.0 / (micro * pstate.dp_size)
         m = cfg.model
         self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
-                                        aux_grad_scale, m.resolved_indexer_warmup,
+                                        self.aux_grad_scale, m.resolved_indexer_warmup,
                                         pstate.context_group)
 
     # --- the step's pieces, in order -------------------------------------------------------------
@@ -74,7 +72,8 @@ class TrainStep:
                          coefs: List[float]) -> torch.Tensor:
         """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
         if self.pstate.pipeline is not None:
-            return self.pstate.pipeline.forward_backward(batches, global_counts, coefs)
+            return self.pstate.pipeline.forward_backward(batches, global_counts, coefs,
+                                                         self.aux_grad_scale)
         return self._micro_batches(batches, global_counts, coefs)
 
     def _micro_batches(self, batches, global_counts: torch.Tensor,
@@ -98,7 +97,8 @@ class TrainStep:
                 m.set_reshard_after_backward(sync, recurse=False)
             with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"],
-                                 self.cfg.data.document_mask, loss_grad_scales=scales)
+                                 self.cfg.data.document_mask, loss_grad_scales=scales,
+                                 aux_grad_scale=self.aux_grad_scale)
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
             sums += out.loss_sums.detach().float()

@@ -189,16 +189,17 @@ class TensorParallelMoE(MoE):
     def sequence_parallel(self) -> bool:
         return self.switch is not None and self.switch.on
 
-    def forward(self, x_bsh: torch.Tensor, context=None) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, context=None,
+                aux_grad_scale: float = 1.0) -> torch.Tensor:
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
         weights, indices, logits = self.router(x)  # under SP: only this rank's tokens
-        aux_scale = self.aux_grad_scale
+        aux_scale = aux_grad_scale
         if self.sequence_parallel:
             # the experts are tp-sharded: every tp rank computes its slice for all tp ranks' tokens
             g = self.tp_group
-            x_tp, w_tp, idx_tp = gather_along(x, g, 0), gather_along(weights, g,
-                                                                     0), gather_along(indices, g, 0)
+            x_tp, w_tp, idx_tp = (gather_along(x, g, 0), gather_along(weights, g, 0),
+                                  gather_along(indices, g, 0))
         else:
             x_tp, w_tp, idx_tp = (
                 copy_to_group(x, self.tp_group),

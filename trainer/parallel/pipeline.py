@@ -73,10 +73,13 @@ def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
 
 
 def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor,
-              tokens_bs: torch.Tensor, cache=None, documents=None, context=None):
+              tokens_bs: torch.Tensor, cache=None, documents=None, context=None,
+              aux_grad_scale: float = 1.0):
     """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE;
     `context` only when the window is split over context-parallel ranks."""
     extra = {} if documents is None else {"documents": documents}
+    if aux_grad_scale != 1.0:
+        extra["aux_grad_scale"] = aux_grad_scale
     if context is not None and context.sharded:
         extra["context"] = context
     return block(h, positions_bs, cache,
@@ -97,6 +100,8 @@ class _StepContext:
     coefs: Optional[List[float]] = None
     grad_scales: Optional[torch.Tensor] = None
     """d total / d loss_sums[depth] of the step (TandemModel.forward's `loss_grad_scales`)."""
+    aux_grad_scale: float = 1.0
+    """The gradient of each micro-batch's MoE auxiliary losses (TandemModel.forward's)."""
     sums: Optional[torch.Tensor] = None
     document_mask: bool = False
     """data.document_mask: the stages keep packed documents apart."""
@@ -153,7 +158,8 @@ class StageModule(nn.Module):
             h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
                 h = run_block(block, h, positions, context.local(tokens[:, :s]),
-                              documents=documents, context=context)
+                              documents=documents, context=context,
+                              aux_grad_scale=self._ctx.aux_grad_scale)
         loss = None
         # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing
         # selected)
@@ -169,7 +175,8 @@ class StageModule(nn.Module):
                                                  h_chain=h, chain_depth=plan.chain_in,
                                                  documents=documents,
                                                  selection=selection,
-                                                 loss_grad_scales=self._ctx.grad_scales)
+                                                 loss_grad_scales=self._ctx.grad_scales,
+                                                 aux_grad_scale=self._ctx.aux_grad_scale)
             selection = out.selection if mtp_here else None
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
@@ -354,13 +361,16 @@ class Pipeline:
             kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
             self.schedule = kind(stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
 
-    def forward_backward(self, batches, global_counts: torch.Tensor,
-                         coefs: List[float]) -> torch.Tensor:
+    def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float],
+                         aux_grad_scale: float = 1.0) -> torch.Tensor:
+        """Every micro-batch of the step through the schedule; returns the per-depth loss sums.
+        `aux_grad_scale`: TandemModel.forward's, for every micro-batch."""
         tokens = torch.cat([b["tokens"] for b in batches])
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
         self.ctx.grad_scales = loss_gradient(global_counts, coefs)
+        self.ctx.aux_grad_scale = aux_grad_scale
         self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
         args = (self.context.local(tokens[:, :-1]).contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
@@ -368,9 +378,8 @@ class Pipeline:
             # the last step's shared-piece sums ran inside its backward: this step's gradients would
             # add to sums already taken (checked before any of the step's communication)
             raise RuntimeError("pipeline forward_backward ran again before clip_gradients finished "
-                               "the last one's "
-                               "gradients (ParallelState.gradient_finisher): call it after every "
-                               "forward_backward")
+                               "the last one's gradients (ParallelState.gradient_finisher): call "
+                               "it after every forward_backward")
         self._waiting = [set(stages) for _, stages in self._units]
         # gathered from the step's first forward to their reduce-scatter
         if self.piece_units is not None:
