@@ -59,8 +59,16 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def corpus_cache(tmp_path_factory):
-    """One cache of the small embedded-corpus slice for the whole session."""
-    return str(tmp_path_factory.mktemp("tandem_cache"))
+    """One cache of the embedded-corpus slices (each slice's tokenizer and token files, keyed by
+    its settings) for the whole run, shared by both xdist workers and every process they start: a
+    slice is prepared once (3-5 s each time otherwise) under a file lock, so the worker or process
+    that comes second waits for it and reads it (test_data_stdlib.py checks the concurrency)."""
+    base = tmp_path_factory.getbasetemp()
+    # a worker's base temp is popen-gwN/ under the run's own directory, which both workers share
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / "tandem_cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -112,13 +112,13 @@ def _records(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, corpus_cache):
     """The uninterrupted single-process run of 4 steps of 8 samples, checkpointed at steps 2 and 4,
     and its per-step loss/main."""
     tmp = tmp_path_factory.mktemp("reshard_reference")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     ref_dir = tmp / "single_4steps"
-    _launch(1, ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp / 'cache'}", f"run.dir={ref_dir}",
+    _launch(1, ["train", RECIPE] + SMALL + [f"data.cache_dir={corpus_cache}", f"run.dir={ref_dir}",
                                             "train.max_steps=4", "train.grad_accum_steps=4",
                                             "checkpoint.interval=2"],
             env)
@@ -127,10 +127,11 @@ def reference(tmp_path_factory):
     return ref_dir, ref
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(tmp_path,
-                                                                                      reference):
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_process(
+    tmp_path, reference, corpus_cache
+):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    common = [RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=0"]
+    common = [RECIPE] + SMALL + [f"data.cache_dir={corpus_cache}", "checkpoint.interval=0"]
     train = ["train"] + common
 
     def logged(name):
@@ -180,7 +181,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
 
 
 def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_one_process(
-    tmp_path, reference
+    tmp_path, reference, corpus_cache
 ):
     """Context parallelism changes no sample and no parameter's placement beyond FSDP's shards, and
     loss depths spread over interleaved stages (pp_balance) give the embedding, head and MTP module
@@ -188,7 +189,7 @@ def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_on
     the cp ranks. The DCP checkpoint of cp2 x pp2 holds each once, and resumes at cp=2 and in one
     process, each continuing the uninterrupted single-process run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={tmp_path / 'cache'}",
+    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={corpus_cache}",
                                          "checkpoint.interval=0", "train.grad_accum_steps=4"]
     ref_dir, ref = reference
     saved_dir = tmp_path / "cp2pp2"

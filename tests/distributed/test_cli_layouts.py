@@ -77,11 +77,11 @@ def eval_record(run_dir):
 
 
 class _References:
-    def __init__(self, root):
+    def __init__(self, root, cache):
         self.root, self.runs = root, {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
         # the final checkpoint is saved too: DCP over the sharded parameters must work
-        self.common = SMALL + [f"data.cache_dir={root / 'cache'}"]
+        self.common = SMALL + [f"data.cache_dir={cache}"]
 
     def losses(self, accum: int, model=()):
         key = (accum, tuple(model))
@@ -95,8 +95,8 @@ class _References:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return _References(tmp_path_factory.mktemp("cli"))
+def references(tmp_path_factory, corpus_cache):
+    return _References(tmp_path_factory.mktemp("cli"), corpus_cache)
 
 
 @pytest.mark.parametrize("world,overrides", LAYOUTS, ids=[" ".join(o) for _, o in LAYOUTS])

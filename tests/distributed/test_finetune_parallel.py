@@ -23,8 +23,8 @@ def losses(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_finetune_from_hf_export_under_tp2_matches_one_process(tmp_path):
-    cache = f"data.cache_dir={tmp_path / 'cache'}"
+def test_finetune_from_hf_export_under_tp2_matches_one_process(tmp_path, corpus_cache):
+    cache = f"data.cache_dir={corpus_cache}"
     assert main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *DATA, *TRUNK, cache,
                  "train.max_steps=3", f"run.dir={tmp_path / 'pretrain'}"]) == 0
     assert main(["export", "--checkpoint", str(tmp_path / "pretrain"), "--out",

@@ -36,16 +36,16 @@ def losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, corpus_cache):
     root = tmp_path_factory.mktemp("resume_ep2")
-    torchrun(root / "full", root / "cache", 5)
+    torchrun(root / "full", corpus_cache, 5)
     return root, losses(root / "full")
 
 
-def test_stopped_and_resumed_ep2_is_bit_exact(uninterrupted):
+def test_stopped_and_resumed_ep2_is_bit_exact(uninterrupted, corpus_cache):
     root, reference = uninterrupted
-    torchrun(root / "resumed", root / "cache", 2)
-    err = torchrun(root / "resumed", root / "cache", 5, resume=True)
+    torchrun(root / "resumed", corpus_cache, 2)
+    err = torchrun(root / "resumed", corpus_cache, 5, resume=True)
     assert "at step 2" in err and "global batch" not in err  # the same 8 samples per step: no note
     assert losses(root / "resumed") == reference
     assert [r[-2] for r in reference] == [4, 8, 12, 16, 20]  # micro-batch 2 on each of 2 ep ranks

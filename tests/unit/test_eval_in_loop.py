@@ -12,11 +12,6 @@ from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus"))
-
-
 def _train(run_dir, cache_dir, interval, steps=4, extra=()):
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
@@ -37,10 +32,10 @@ def _losses(records):
     return [(r["step"],) + tuple(r[k] for k in keys) for r in records]
 
 
-def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, cache_dir):
-    with_eval = _train(tmp_path / "a", cache_dir, interval=2)
+def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, corpus_cache):
+    with_eval = _train(tmp_path / "a", corpus_cache, interval=2)
     # a made-up CPU peak (1 GFLOP/s) so the run also logs `mfu` and `hfu` (checked below)
-    without = _train(tmp_path / "b", cache_dir, interval=0, extra=["logging.peak_tflops=0.001"])
+    without = _train(tmp_path / "b", corpus_cache, interval=0, extra=["logging.peak_tflops=0.001"])
     assert _losses(with_eval) == _losses(without)  # exact equality, not allclose
     evals = [r for r in with_eval if "eval/acceptance_length" in r]
     assert [r["step"] for r in evals] == [2, 4]
@@ -114,7 +109,7 @@ def test_samples_file_truncated_on_resume(tmp_path):
                                                                                             4]
 
 
-def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, monkeypatch):
+def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, corpus_cache, monkeypatch):
     from tandem.trainer.recipe import load_config
     from tandem.trainer.run import build_run
 
@@ -122,7 +117,7 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, cache_dir, mon
                  "eval.interval=1",
                  "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=4",
                  "eval.temperatures=[0.7]",
-                 "eval.loss_batches=1", *QUIET, f"data.cache_dir={cache_dir}"]
+                 "eval.loss_batches=1", *QUIET, f"data.cache_dir={corpus_cache}"]
     trainer = build_run(load_config("recipes/tiny.yaml", overrides))
     model, ev = trainer.model, trainer.evaluator
     model.train()

@@ -117,7 +117,7 @@ def test_expert_paths_summary(picky_kernel):
         expert_paths(nn.ModuleList([experts(48, matmul="grouped")]), CPU, None)
 
 
-def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
+def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd, corpus_cache):
     """A run whose expert width the kernel rejects trains on the per-expert loop and says so: one
     line at start, `moe/expert_path` in its records (before, the 8x8 probe passed and the first
     forward raised)."""
@@ -128,7 +128,7 @@ def test_training_run_reports_its_expert_path(picky_kernel, tmp_path, capfd):
     picky_kernel["rejected"] = {32}  # model.moe_intermediate_size
     run = tmp_path / "run"
     train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [
-        f"run.dir={run}", "train.max_steps=1", f"data.cache_dir={tmp_path / 'cache'}",
+        f"run.dir={run}", "train.max_steps=1", f"data.cache_dir={corpus_cache}",
         "checkpoint.save_final=false"]))
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert records[-1]["moe/expert_path"] == "loop"
