@@ -112,10 +112,10 @@ class MTPConfig:
     """Fine-tuning a checkpoint without MTP weights: initialise each MTP block from the last trunk
     layer."""
     init_from: str = ""
-    """A Tandem checkpoint (step_<N>/ or run directory) whose MTP module (its `mtp.*` weights only)
-    replaces this run's after the trunk is loaded from model.init_from: an MTP refresh puts the
-    drafter of an earlier checkpoint on a trunk fine-tuned without it (recipes/mtp_refresh.yaml).
-    Empty: none."""
+    """A Tandem checkpoint (step_<N>/ or run directory) or a Hugging Face directory (a released
+    model's, with its MTP weights) whose MTP module (its MTP weights only) replaces this run's after
+    the trunk is loaded from model.init_from: an MTP refresh puts the drafter of an earlier
+    checkpoint on a trunk fine-tuned without it (recipes/mtp_refresh.yaml). Empty: none."""
 
     def resolved_combine(self, model: "ModelConfig") -> str:
         if self.combine != "auto":

@@ -8,8 +8,9 @@ allocates only this rank's shards (`to_empty`) and fills them:
   (one process and every layout start from identical weights);
 * `model.init_from` tensors are read slice by slice straight into the shards (trainer/hf/init_from);
   whatever the checkpoint lacks (new MTP layers) gets the seeded init.
-* `mtp.init_from` then overwrites the MTP module (only `mtp.*`) with another checkpoint's: an MTP
-  refresh puts the old drafter on a trunk fine-tuned without it (recipes/mtp_refresh.yaml).
+* `mtp.init_from` then overwrites the MTP module (only `mtp.*`) with another checkpoint's, a Tandem
+  checkpoint's or a Hugging Face directory's: an MTP refresh puts the old drafter on a trunk
+  fine-tuned without it (recipes/mtp_refresh.yaml).
 * buffers (rotary tables, router biases, load counts) are recomputed: `to_empty` leaves garbage.
 * with `train.freeze_trunk` the trunk is materialised in `train.frozen_dtype` (the compute dtype).
 """
@@ -33,6 +34,8 @@ from tandem.models import TandemModel
 
 from .checkpoint_dirs import resolve_checkpoint
 from .config_checks import ConfigError
+from .hf.importer import load_hf_weights
+from .hf.init_from import checkpoint_model_config, is_hf_dir
 from .parallel import parallelize_model
 from .recipe import load_config
 from .seeded_init import allocate, init_seeded
@@ -121,14 +124,24 @@ def adopt_mtp_init_from(cfg) -> list:
     printed)."""
     if not cfg.mtp.init_from:
         return []
-
-    mtp_checkpoint_keys(cfg.mtp.init_from)
-    saved = load_config(os.path.join(resolve_checkpoint(cfg.mtp.init_from), "config.yaml")).mtp
+    path = cfg.mtp.init_from
+    if is_hf_dir(path):
+        # a Hugging Face directory: its MTP input convention (the rest of the MTP wiring is the
+        # family's, which the load checks tensor by tensor), as model.init_from takes it
+        _, trunk_input, has_mtp = checkpoint_model_config(path)
+        if not has_mtp:
+            raise ConfigError(f"config key 'mtp.init_from'={path!r}: its safetensors hold no MTP "
+                              "weights")
+        wiring = {"trunk_input": trunk_input}
+    else:
+        mtp_checkpoint_keys(path)
+        saved = load_config(os.path.join(resolve_checkpoint(path), "config.yaml")).mtp
+        wiring = {key: getattr(saved, key) for key in _MTP_WIRING}
     changed = []
-    for key in _MTP_WIRING:
-        if getattr(cfg.mtp, key) != getattr(saved, key):
-            changed.append(f"mtp.{key}: {getattr(cfg.mtp, key)!r} -> {getattr(saved, key)!r}")
-            setattr(cfg.mtp, key, getattr(saved, key))
+    for key, value in wiring.items():
+        if getattr(cfg.mtp, key) != value:
+            changed.append(f"mtp.{key}: {getattr(cfg.mtp, key)!r} -> {value!r}")
+            setattr(cfg.mtp, key, value)
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -144,8 +157,15 @@ def adopt_mtp_init_from(cfg) -> list:
 @torch.no_grad()
 def load_mtp_weights(model: nn.Module, path: str) -> list:
     """Read exactly the `mtp.*` parameters of `model` (plain or sharded) from the checkpoint at
-    `path`; the trunk is left as loaded. Every MTP tensor must be there with this run's shape, else
-    one-line ConfigError naming `mtp.init_from`. Returns the names loaded."""
+    `path`, a Tandem checkpoint or a Hugging Face directory (a released model's MTP weights); the
+    trunk is left as loaded. Every MTP tensor must be there with this run's shape, else one-line
+    ConfigError naming `mtp.init_from`. Returns the names loaded."""
+    if is_hf_dir(path):
+        try:
+            report = load_hf_weights(model, path, mtp_only=True)
+        except ValueError as exc:  # CheckpointError and the family checks' errors
+            raise ConfigError(f"config key 'mtp.init_from'={path!r}: {exc}") from None
+        return sorted(report.loaded)
     saved = mtp_checkpoint_keys(path)
     # empty on pipeline stages without the MTP module: they still join dcp.load's collective
     # planning

@@ -1,8 +1,9 @@
 """`mtp.init_from` (recipes/mtp_refresh.yaml): the trunk comes from `model.init_from`, the MTP
 module, and only it, from another checkpoint. Two tiny runs trained from different seeds give a
 trunk and an MTP module that differ everywhere; a refresh run with lr 1e-20 (it must be positive)
-must then hold exactly the one's trunk and the other's MTP parameters. A directory without MTP
-weights, or with MTP shapes that do not fit, is a one-line ConfigError naming the key."""
+must then hold exactly the one's trunk and the other's MTP parameters, whether the MTP module comes
+from a Tandem checkpoint or from its Hugging Face export. A directory without MTP weights, or with
+MTP shapes that do not fit, is a one-line ConfigError naming the key."""
 
 from __future__ import annotations
 
@@ -118,3 +119,30 @@ def test_refresh_from_a_checkpoint_without_mtp_fails_before_loading(runs, corpus
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and "mtp.init_from" in err[-1] and "holds no MTP weights" in err[-1], err[-3:]
     assert not os.path.exists(run_dir / "checkpoints")
+
+
+def test_refresh_from_a_hugging_face_directory(runs, corpus_cache, tmp_path, capsys):
+    """A released model's own MTP weights as `mtp.init_from`: the old run exported to Hugging Face
+    layout (`tandem export`) gives exactly its MTP tensors, and nothing of its trunk."""
+    from tandem.trainer.cli import main as cli
+
+    hf = str(tmp_path / "old_hf")
+    assert cli(["export", "--checkpoint", runs["old"], "--out", hf]) == 0
+    run_dir = str(tmp_path / "refresh")
+    assert cli(["train", REFRESH, *_refresh_args(runs, run_dir, hf, corpus_cache)]) == 0
+    old, new, got = (_state(p, parameters_only=True) for p in (runs["old"], runs["new"], run_dir))
+    assert set(got) == set(old)
+    assert any(k.startswith("mtp.") for k in got)
+    for k, v in got.items():
+        torch.testing.assert_close(v, old[k] if k.startswith("mtp.") else new[k], rtol=0,
+                                   atol=1e-12, msg=k)
+
+    plain_hf = str(tmp_path / "plain_hf")  # a trunk-only export: a one-line error, nothing written
+    assert cli(["export", "--checkpoint", runs["plain"], "--out", plain_hf]) == 0
+    refused = tmp_path / "refused"
+    capsys.readouterr()
+    rc = cli(["train", REFRESH, *_refresh_args(runs, str(refused), plain_hf, corpus_cache)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and err[-1].endswith(f"config key 'mtp.init_from'={plain_hf!r}: its safetensors "
+                                        "hold no MTP weights"), err[-3:]
+    assert not (refused / "checkpoints").exists()

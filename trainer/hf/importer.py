@@ -145,11 +145,13 @@ def local_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] = None,
                     trust_pickle: bool = False,
                     cfg: Optional[ModelConfig] = None, mtp: Optional[MTPConfig] = None,
-                    strict_mtp: bool = False,
+                    strict_mtp: bool = False, mtp_only: bool = False,
                     reader: Optional[CheckpointReader] = None) -> LoadReport:
     """Load an HF checkpoint into `model` (a TandemModel, possibly sharded/partial). Trunk tensors
     are strict; MTP tensors load when the checkpoint has them, else the MTP module keeps its fresh
-    init (`strict_mtp=True` makes their absence an error)."""
+    init (`strict_mtp=True` makes their absence an error). `mtp_only`: the checkpoint is checked
+    as a whole against this model's shape, but only its MTP tensors are read (an MTP refresh,
+    `mtp.init_from`: the trunk is another's); their absence is an error."""
     hf = read_config(path)
     detect_family(hf)
     own_reader = reader is None
@@ -167,7 +169,10 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
         report = LoadReport()
         mtp_keys = {k for k in keys if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
         has_mtp_weights = bool(mtp_keys)
-        needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp, report)
+        if mtp_only and not has_mtp_weights:
+            raise CheckpointError(f"{path} holds no MTP weights ({spec.name} MTP tensors)")
+        needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp or mtp_only,
+                                 report)
         if (
             has_mtp_weights
             and mtp is not None
@@ -179,13 +184,16 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
                 f"mtp.trunk_input={mtp.trunk_input!r}; "
                 f"set mtp.trunk_input={trunk_input_of(hf)}")
         _check_names(path, keys, needed, mtp_keys, cfg, mtp, spec, report)
+        if mtp_only:
+            needed = {name: src for name, src in needed.items() if name.startswith("mtp.")}
         _check_source_shapes(path, reader, needed, full)
         targets = local_tensors(model)
         _copy_local_shards(targets, reader, needed, full, report)
         # no correction bias in the family: routing must not use a stale one
         if spec.name == "qwen3_moe":
             for name, t in targets.items():
-                if name.endswith("e_score_correction_bias"):
+                read_here = not mtp_only or name.startswith("mtp.")
+                if name.endswith("e_score_correction_bias") and read_here:
                     local_target(t)[0].zero_()
         return report
     finally:
