@@ -26,6 +26,7 @@ another record (models/mtp.py `depth_target_mask`). Bad records raise `ValueErro
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -66,7 +67,6 @@ def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
 
 
 def _jsonl_records(path: str) -> Iterator[Tuple[str, object]]:
-    import gzip
 
     opener = gzip.open if path.lower().endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:

@@ -15,15 +15,18 @@ shared by all nodes). Without a process group everything runs in-process.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch.distributed as dist
 
+from tandem.data_pipeline import megatron_compat as mc
 from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
 from tandem.data_pipeline.preprocess import output_paths, read_meta
-from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer
+from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, tokenizer_fingerprint
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 # megatron-core DType codes of integer token types -> numpy dtype
@@ -186,7 +189,6 @@ def _check_made_with(prefix: str, tokenizer: TandemTokenizer) -> None:
 def _single_process_group_if_needed(needed: bool):
     """megatron-core's BlendedDataset calls torch.distributed.get_rank() even in one process; give
     it a throw-away world of one (gloo, in-memory store) when no process group exists."""
-    import torch.distributed as dist
 
     if not needed or not dist.is_available() or dist.is_initialized():
         yield
@@ -203,9 +205,7 @@ def _index_build_lock(cache_path: str):
     """megatron-core writes its .npy sample indices in place; serialise builders of *different* jobs
     sharing `cache_path` with an fcntl lock. Only global rank 0 (or a lone process) takes it: the
     other ranks of a job wait for rank 0 at megatron's own barrier."""
-    import fcntl
 
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         yield
@@ -263,7 +263,6 @@ def build_datasets(
 
             check_loss_mask_channel(p)
 
-    from tandem.data_pipeline import megatron_compat as mc
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
@@ -314,7 +313,6 @@ def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Bl
                         tokenizer: TandemTokenizer, seq_len: int, seed: int, cache_path: str):
     """megatron-core's GPTDatasetConfig: a blend per split with a validation blend, else
     `data_cfg.split` of the training blend."""
-    from tandem.data_pipeline import megatron_compat as mc
 
     common = dict(
         random_seed=int(seed),
@@ -350,7 +348,6 @@ def follow_checkpoint_tokenizer(data_cfg, checkpoint: str,
     (`data.tokenizer` empty; for `source=megatron` the one beside the dataset counts) the run takes
     `checkpoint_tok`; one that differs from it (content fingerprint) is refused, naming both, unless
     `data.force_tokenizer`. Returns the tokenizer now in `data.tokenizer` when it was adopted."""
-    from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
 
     if not checkpoint_tok:
         return None

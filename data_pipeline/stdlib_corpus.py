@@ -21,9 +21,11 @@ import platform
 import sys
 import sysconfig
 import time
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
 from tandem.data_pipeline.preprocess import output_paths, preprocess
+from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
 
 CACHE_FORMAT = "f2"
 """Bumped whenever the corpus selection or on-disk layout changes, so old caches are not reused."""
@@ -107,9 +109,7 @@ def _same_as_trained_bpe(data_cfg) -> Optional[str]:
     trained on this corpus hands its tokenizer back): no second preparation."""
     if not getattr(data_cfg, "tokenizer", ""):
         return None
-    from dataclasses import replace
 
-    from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
 
     try:
         own = stdlib_cache_dir(replace(data_cfg, tokenizer=""))

@@ -12,6 +12,7 @@ data pipeline appends `eod_id` after each document itself.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import Iterable, List, Optional, Sequence
@@ -230,7 +231,6 @@ def tokenizer_fingerprint(path: str) -> str:
     """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it,
     or the directory holding it, has the same fingerprint), else a slow tokenizer's vocabulary
     files."""
-    import hashlib
 
     h = hashlib.sha256()
     tj = tokenizer_file(path)

@@ -35,6 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from tandem.data_pipeline.tokenizer import tokenizer_file
+from tandem.models import TandemModel
+
 from .checkpoint_dirs import (  # noqa: F401
     MARKER,
     checkpoints_root,
@@ -42,6 +45,10 @@ from .checkpoint_dirs import (  # noqa: F401
     list_checkpoints,
     resolve_checkpoint,
 )
+from .config import TandemConfig
+from .hf.init_from import check_reference, load_initial_weights, read_reference
+from .recipe import load_config
+from .seeded_init import allocate
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
@@ -202,7 +209,6 @@ class CheckpointWriter:
 def _record_tokenizer(tokenizer: Optional[str], step_dir: str) -> None:
     if not tokenizer:
         return
-    from tandem.data_pipeline.tokenizer import tokenizer_file
 
     src = tokenizer_file(tokenizer)
     if src is not None:
@@ -219,7 +225,6 @@ def _fsync_dir(path: str) -> None:
 
 def check_compatible(path: str, config_yaml: str) -> None:
     """Refuse a checkpoint whose model shape differs from the current config (names the keys)."""
-    from .config import TandemConfig
 
     saved = OmegaConf.load(os.path.join(path, "config.yaml"))
     current = OmegaConf.create(config_yaml)
@@ -258,7 +263,6 @@ def _saved_model_keys(path: str) -> set:
 def _only_saved(model_sd: dict, path: str) -> dict:
     """A frozen-trunk checkpoint holds only the MTP module: restrict to it (all of it must be
     there)."""
-    from .hf.init_from import read_reference
 
     if read_reference(path) is None:
         return model_sd
@@ -309,11 +313,7 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     second copy); a frozen-trunk checkpoint's trunk is read from its (fingerprint-checked)
     reference. Returns (model in eval mode, TandemConfig).
     """
-    from tandem.models import TandemModel
 
-    from .hf.init_from import check_reference, load_initial_weights, read_reference
-    from .recipe import load_config
-    from .seeded_init import allocate
 
     path = resolve_checkpoint(path)
     cfg = load_config(os.path.join(path, "config.yaml"))

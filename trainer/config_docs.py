@@ -23,6 +23,8 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Tuple
 
+from tandem.trainer.config import TandemConfig
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "docs", "configuration.md")
 
@@ -105,7 +107,6 @@ def sections(root: Any, prefix: str = "") -> List[Tuple[str, str, List[Tuple[str
 
 
 def render() -> str:
-    from tandem.trainer.config import TandemConfig
 
     lines = [HEADER]
     for key, doc, rows in sections(TandemConfig()):

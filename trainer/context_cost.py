@@ -31,8 +31,10 @@ import numpy as np
 
 from tandem.models import ModelConfig, MTPConfig
 
-from .cost import mean_window_work, mtp_kind, window_work
+from .config_checks import ConfigError
+from .cost import GDN_CHUNK, mean_window_work, mtp_kind, window_work
 from .flops import forward_flops_per_token
+from .parallel.validate import validate_context_parallel
 
 CP_SIZES = (4, 8, 16, 32, 64, 128)
 """The cp sizes `tandem launch slurm --check` sizes a CP recipe at (docs/long_context.md)."""
@@ -68,7 +70,6 @@ def gdn_context_flops(cfg: ModelConfig, tokens: int, last_chunk: int) -> float:
     applied to each row (q S and k S: 4 dk dv), and the fold of `last_chunk` predecessors' states (T
     S: 2 dk^2 dv)."""
     nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    from .cost import GDN_CHUNK
 
     per_token = nv * (4 * GDN_CHUNK * dk + 6 * dk * dk + 4 * dk * dv)
     return tokens * per_token + last_chunk * nv * 2 * dk * dk * dv
@@ -199,8 +200,6 @@ def cp_sweep(cfg, per_node: int, estimate_fn, sizes=CP_SIZES) -> List[str]:
     """Per-rank memory and node count of the recipe's layout at each cp size (dp, tp, pp, ep kept),
     one line each: `estimate_fn(cfg, world)` is trainer/estimate.py's estimate (parameters counted
     once)."""
-    from .config_checks import ConfigError
-    from .parallel.validate import validate_context_parallel
 
     lines = []
     for size in sizes:

@@ -49,7 +49,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from tandem.data_pipeline.batches import get_batch
-from tandem.data_pipeline.dataset import build_datasets
+from tandem.data_pipeline.dataset import _tokenizer_for, build_datasets, parse_blend
 from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
@@ -140,7 +140,6 @@ def _tokenizer_of(cfg, step_dir: str = ""):
             from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 
             return load_tokenizer(prepare_stdlib_corpus(cfg.data)[2])
-        from tandem.data_pipeline.dataset import _tokenizer_for, parse_blend
 
         return _tokenizer_for(parse_blend(cfg.data.paths)[0], cfg.data.tokenizer)
     except Exception as exc:  # the model can still be evaluated on validation prompts or token ids

@@ -35,6 +35,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import tandem.slurm as tandem_slurm
 from tandem.trainer.config_checks import ConfigError
+from tandem.trainer.context_cost import cp_sweep, device_fit
+from tandem.trainer.estimate import _count_params, estimate
+from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
@@ -244,8 +247,6 @@ def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
     """`--check`: the layout's parameter counts and per-rank memory, whether that fits the recipe's
     device, the node count, and for a context-parallel recipe the same at every cp size of
     context_cost.CP_SIZES."""
-    from tandem.trainer.context_cost import cp_sweep, device_fit
-    from tandem.trainer.estimate import _count_params, estimate
 
     counts = _count_params(cfg)
     est = estimate(cfg, world, counts)
@@ -263,7 +264,6 @@ def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
 def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
     """What `tandem train` checks before any work, for the world size the job will have; False after
     printing the error."""
-    from tandem.trainer.parallel.validate import validate_layout
 
     try:
         validate_layout(cfg, world)

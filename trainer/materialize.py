@@ -35,7 +35,7 @@ from tandem.models import TandemModel
 from .checkpoint_dirs import resolve_checkpoint
 from .config_checks import ConfigError
 from .hf.importer import load_hf_weights
-from .hf.init_from import checkpoint_model_config, is_hf_dir
+from .hf.init_from import checkpoint_model_config, is_hf_dir, load_initial_weights
 from .parallel import parallelize_model
 from .recipe import load_config
 from .seeded_init import allocate, init_seeded
@@ -80,8 +80,6 @@ def materialize(model: nn.Module, cfg, device) -> None:
     docstring)."""
     allocate(model, device)
     if cfg.model.init_from:
-        from .hf.init_from import load_initial_weights
-
         load_initial_weights(model, cfg.model.init_from,
                              mtp_init_from_last_layer=cfg.mtp.init_from_last_layer,
                              init_rest=lambda loaded: init_seeded(model, cfg.train.seed,

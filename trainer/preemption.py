@@ -44,6 +44,9 @@ import signal
 import subprocess
 from typing import Iterable, Optional
 
+import torch
+import torch.distributed as dist
+
 logger = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -109,8 +112,6 @@ def _global_rank() -> int:
 def agree_preemption(group=None) -> bool:
     """All-reduce MAX of the local flag over `group` (default: world); every rank gets the same
     answer."""
-    import torch
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return _requested

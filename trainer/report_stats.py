@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import List, Optional, Sequence, Tuple
 
+import pandas as pd
+
 Z95 = NormalDist().inv_cdf(0.975)
 """The normal quantile of a two-sided 95% interval (1.96)."""
 ALPHA = 0.05
@@ -39,7 +41,6 @@ def ema(values: Sequence[float], span: int) -> List[float]:
     """The EMA of `values` with pandas' span `span` (span <= 1 returns them unchanged)."""
     if span <= 1 or not values:
         return list(values)
-    import pandas as pd
 
     return pd.Series(list(values), dtype="float64").ewm(span=span, adjust=False).mean().tolist()
 

@@ -17,6 +17,7 @@ from torch import nn
 from tandem.data_pipeline.batches import DataPosition
 from tandem.data_pipeline.dataset import build_datasets, check_vocab, follow_checkpoint_tokenizer
 from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
+from tandem.eval.in_loop import InLoopEvaluator
 
 from .checkpoint import (
     CheckpointWriter,
@@ -43,6 +44,7 @@ from .parallel.device import (
     resolve_device,
     set_malloc_mmap_threshold,
 )
+from .parallel.pipeline_decode import parallel_decoding
 from .recipe import to_yaml
 from .step import TrainStep
 
@@ -193,9 +195,7 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
     """The in-loop evaluator, or None when the run has no MTP module or eval.interval=0."""
     if cfg.eval.interval <= 0 or cfg.mtp.num_steps <= 0:
         return None
-    from tandem.eval.in_loop import InLoopEvaluator
 
-    from .parallel.pipeline_decode import parallel_decoding
 
     decoding = parallel_decoding(cfg, model, pstate)  # how the evaluator decodes on this layout
     return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding)

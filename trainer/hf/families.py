@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from tandem.models import TandemModel
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
@@ -401,7 +402,6 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
 def meta_state(cfg: ModelConfig, mtp: MTPConfig) -> Dict[str, torch.Size]:
     """Every parameter and persistent buffer of the full (unsharded) model with its shape, built
     on the meta device (nothing allocated)."""
-    from tandem.models import TandemModel
 
     with torch.device("meta"):
         model = TandemModel(cfg, mtp)

@@ -28,7 +28,9 @@ from tandem.models import TandemModel
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig, validate_model
 
+from ..config import TandemConfig
 from ..parallel.sharded_params import local_target, shard_index, unwrapped_name  # noqa: F401 (shard_index: API)
+from ..seeded_init import allocate, init_seeded
 from .families import (
     FamilySpec,
     Src,
@@ -302,7 +304,6 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     `mtp_overrides` (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that.
     Returns (model in eval mode, TandemConfig).
     """
-    from ..config import TandemConfig
 
     hf = read_config(path)
     detect_family(hf)  # an unsupported architecture fails before any file is opened
@@ -329,7 +330,6 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
         validate_model(cfg, mtp)
         tcfg = TandemConfig()
         tcfg.model, tcfg.mtp = cfg, mtp
-        from ..seeded_init import allocate, init_seeded
 
         with torch.device("meta"):  # storage only for the loaded weights: no random init pass
             model = TandemModel(cfg, mtp)

@@ -32,7 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
 from ..checkpoint_dirs import resolve_checkpoint
 from ..config_checks import ConfigError
 from ..recipe import load_config
-from .importer import local_tensors
+from .families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
+from .importer import load_hf_weights, local_tensors
+from .reader import CheckpointReader, read_config
 
 # Fields that describe the weights (taken from the checkpoint); the rest of model.* stays the run's.
 _KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate",
@@ -58,14 +60,6 @@ def resolve_tandem_checkpoint(path: str) -> str:
 def checkpoint_model_config(path: str):
     """(ModelConfig of the checkpoint, MTP trunk_input convention or None, has MTP weights)."""
     if is_hf_dir(path):
-        from .families import (
-            detect_family,
-            is_mtp_key,
-            model_config_from_hf,
-            trunk_input_of,
-        )
-        from .reader import CheckpointReader, read_config
-
         hf = read_config(path)
         detect_family(hf)
         reader = CheckpointReader(path)
@@ -164,8 +158,6 @@ def load_initial_weights(
         mtp_init_from_last_layer = getattr(getattr(model, "mtp_cfg", None), "init_from_last_layer",
                                            False)
     if is_hf_dir(path):
-        from .importer import load_hf_weights
-
         report = load_hf_weights(model, path, trust_pickle=trust_pickle)
         loaded, has_mtp = set(report.loaded), not report.fresh_mtp
     else:

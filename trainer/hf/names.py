@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from tandem.models.gated_deltanet import qkv_rows_from_hf
+
 
 class UnsupportedCheckpoint(ValueError):
     """The checkpoint's architecture (or one of its options) cannot be represented by this model."""
@@ -52,7 +54,6 @@ class Src:
         """Checkpoint row order -> this model's (identity unless `qkv_groups`)."""
         if self.qkv_groups is None:
             return value
-        from tandem.models.gated_deltanet import qkv_rows_from_hf
 
         return value[qkv_rows_from_hf(*self.qkv_groups)]
 
@@ -60,7 +61,6 @@ class Src:
         """This model's row order -> the checkpoint's."""
         if self.qkv_groups is None:
             return value
-        from tandem.models.gated_deltanet import qkv_rows_from_hf
 
         out = value.clone()
         out[qkv_rows_from_hf(*self.qkv_groups)] = value

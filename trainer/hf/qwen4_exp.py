@@ -31,6 +31,7 @@ from typing import List, Optional
 
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
+from tandem.models.ple import ngram_tables
 
 from .names import FamilySpec, Src, UnsupportedCheckpoint
 
@@ -160,7 +161,6 @@ def split_parts(cfg: ModelConfig) -> int:
     """`split_ngram_parts` for an export: transformers chunks every PLE table into that many row
     blocks with torch.chunk, so pick a count that divides every table's rows exactly (tables are
     padded to `ngram_vocab_multiple`), at most transformers' default 512."""
-    from tandem.models.ple import ngram_tables
 
     parts = 512
     for index in range(len(cfg.ple_layers)):

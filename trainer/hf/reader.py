@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from typing import Dict, List, Tuple
 
 import torch
@@ -146,7 +147,6 @@ _READ_BLOCK_BYTES = 64 << 20
 
 def safetensors_header(file: str) -> Tuple[int, dict]:
     """(byte offset of the data section, the JSON header) of a safetensors file."""
-    import struct
 
     with open(file, "rb") as f:
         head = f.read(8)

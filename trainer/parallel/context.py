@@ -19,6 +19,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce
 
 from tandem.models.context import WholeWindow
 
@@ -102,7 +103,6 @@ class ContextShards(WholeWindow):
         return self._window_order(by_chunk).reshape(b, self.total * length, *x_bs.shape[2:])
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_reduce
 
         return all_reduce(x, group=self.group)
 

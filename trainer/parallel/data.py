@@ -50,10 +50,20 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 
+from tandem.models.block import OutputHead
 from tandem.models.experts import GroupedExperts
+from tandem.models.gated_deltanet import GatedDeltaNet
+from tandem.models.hyper_connection import HyperConnection
+from tandem.models.moe import Router
 
 from .sharded_params import adopt, replace_module
+from .tensor import VocabParallelHead
 
 
 def _is_shard(placement) -> bool:
@@ -82,7 +92,6 @@ def fsdp_mixed_precision(compute_dtype: Optional[torch.dtype], grad_reduce_dtype
     (`CastingReduceScatter`). The wire dtype is None where the policy's own is used."""
     if compute_dtype is None:
         return None, None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     reduce = REDUCE_DTYPES[grad_reduce_dtype]
     # No cast of a unit's forward inputs: the hyper-connection streams a block receives stay fp32,
@@ -98,9 +107,6 @@ def fp32_parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
     """name -> parameter for those the recurrence and the stream mixing read as fp32 values (see the
     module docstring): Gated DeltaNet's A_log and dt_bias, each hyper-connection's stream norm, each
     MoE router's weight. Under a bf16 policy they are kept whole in fp32 (`apply_parallelism`)."""
-    from tandem.models.gated_deltanet import GatedDeltaNet
-    from tandem.models.hyper_connection import HyperConnection
-    from tandem.models.moe import Router
 
     wanted = set()
     for m in model.modules():
@@ -116,7 +122,6 @@ def fp32_parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
 def _casting_reduce_scatter(wire_dtype: torch.dtype):
     """FSDP2's reduce-scatter with its fp32 input sent as `wire_dtype` (the output cast back to
     fp32)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     class CastingReduceScatter(ReduceScatter):
         def allocate(self, size, *, dtype, device):
@@ -149,8 +154,6 @@ def apply_fsdp(blocks: Iterable[nn.Module], roots: Iterable[nn.Module],
     over dp) that `PieceUnits` drives; they accumulate a whole step before their one reduce-scatter,
     so they take `unit_precision`, `fsdp_mixed_precision(..., reshard_after_microbatch=False)`'s
     (policy, wire dtype)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     units = list(units)
     if units and replicated:
@@ -286,13 +289,11 @@ def pipeline_stage_class(reshard_after_microbatch: bool):
     schedule's REDUCE_GRAD after the last; with reshard_after_microbatch its full backward leaves
     them on, so every micro-batch reduce-scatters and reshards as `TrainStep.forward_backward` does
     without a pipeline (REDUCE_GRAD then finds nothing left to reduce)."""
-    from torch.distributed.pipelining import PipelineStage
 
     if not reshard_after_microbatch:
         return PipelineStage
     # torch's own full backward, without the no-sync switches around it (a private helper: the
     # pipeline equivalence tests run both modes)
-    from torch.distributed.pipelining._backward import stage_backward
 
     class ReshardingPipelineStage(PipelineStage):
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
@@ -348,9 +349,7 @@ def _autocast_computes(module: nn.Module) -> bool:
     linears with its cached weight casts, the grouped experts' own cast, the vocabulary heads'
     chunked logits): a copy per call would add casts, and a chunked head would keep one per depth
     until backward."""
-    from tandem.models.block import OutputHead
 
-    from .tensor import VocabParallelHead
 
     return isinstance(module, (nn.Linear, GroupedExperts, OutputHead, VocabParallelHead))
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.models.experts import register_grouped_mm_kernels
+
 from ..config_checks import ConfigError
 
 # Dense bf16 peak TFLOP/s per device, matched against the device name, for MFU.
@@ -183,7 +185,6 @@ def npu_grouped_mm_kernels(gmm):
 def _use_npu_grouped_mm() -> None:
     import torch_npu
 
-    from tandem.models.experts import register_grouped_mm_kernels
 
     if hasattr(torch_npu, "npu_grouped_matmul"):  # older torch_npu: the MoE's per-expert loop
         register_grouped_mm_kernels("npu", *npu_grouped_mm_kernels(torch_npu.npu_grouped_matmul))

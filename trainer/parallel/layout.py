@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import TandemConfig
 from .context import ContextShards
@@ -54,7 +55,6 @@ from .tensor_hybrid import shard_ple_tables
 def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
     # looked up at call time: the distributed tests substitute a caching init_device_mesh (one mesh
     # per shape for a whole launch, as a run builds it once)
-    from torch.distributed.device_mesh import init_device_mesh
 
     p = cfg.parallel
     if not dist.is_initialized():

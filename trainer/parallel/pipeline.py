@@ -58,6 +58,7 @@ from tandem.models.moe import AuxLossGrad
 from tandem.models.qsa_index import QSASelection
 from tandem.trainer.loss import combine_losses, loss_gradient
 
+from .data import pipeline_stage_class
 from .device import autocast_context
 from .pipeline_plan import PipelinePlan, StagePlan
 from .validate import pipeline_microbatches
@@ -312,7 +313,6 @@ class Pipeline:
         """data.PieceUnits of the pieces above (layout.py sets it after FSDP)."""
         self.has_first, self.has_last = 0 in mine, (n_stages - 1) in mine
         self._mine, self._n_stages = mine, n_stages
-        from .data import pipeline_stage_class
 
         self._kinds = (_notifying(pipeline_stage_class(p.reshard_after_microbatch)), Schedule1F1B,
                        ScheduleGPipe, ScheduleInterleaved1F1B)

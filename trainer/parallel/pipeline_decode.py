@@ -49,8 +49,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from tandem.eval.recall import RecallProbe
+from tandem.models import TandemModel
 from tandem.models.documents import Documents
 from tandem.models.state import DecodeCache
 
@@ -173,7 +175,6 @@ class PipelinedModel:
         return getattr(self._model, name)
 
     def depth_states(self, h0_bsh, tokens_bs1, positions_bs, documents=None):
-        from tandem.models import TandemModel
 
         return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs,
                                         documents=documents)  # with the routed steps
@@ -289,7 +290,6 @@ class ParallelDecoding:
     def context(self):
         """Whole-sequence TP regions and the FSDP roots' own parameters gathered (the decoder calls
         model pieces directly, bypassing the roots' pre-forward hooks; blocks gather in theirs)."""
-        from torch.distributed.fsdp import FSDPModule
 
         switch = self.pstate.whole_sequence_switch
         roots = [self.base] + (self.pipeline.fsdp_roots() if self.pipeline is not None else [])

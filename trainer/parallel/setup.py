@@ -11,7 +11,10 @@ import os
 from torch import nn
 
 from ..config import TandemConfig
+from .activation_checkpoint import apply_activation_checkpointing
+from .compile import apply_compile
 from .device import Device
+from .layout import apply_parallelism
 from .state import ParallelState
 
 
@@ -35,13 +38,10 @@ def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
 def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
     """Apply regional compilation and activation checkpointing, then TP/EP/PP/FSDP, to a plain model
     for this rank (in a single process only the first two; compile.py explains the order)."""
-    from .activation_checkpoint import apply_activation_checkpointing
-    from .compile import apply_compile
 
     apply_compile(model, cfg.train.compile)  # first: checkpointing wraps the compiled forward
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if state.world_size == 1:
         return model
-    from .layout import apply_parallelism
 
     return apply_parallelism(model, cfg, state)

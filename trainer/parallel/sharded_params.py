@@ -12,7 +12,9 @@ from typing import Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +46,6 @@ def adopt(new: nn.Module, layer: nn.Module, keep_hooks: bool = False) -> None:
     before FSDP, compile and checkpointing), unless `keep_hooks`: `new` then runs the layer's hooks
     (tensor-parallel styles' input and output functions). Never a module FSDP manages (its state is
     keyed by the module)."""
-    from torch.distributed.fsdp import FSDPModule
 
     if isinstance(layer, FSDPModule):
         raise RuntimeError(f"{type(layer).__name__} is an FSDP module: it cannot be rebuilt")
@@ -92,7 +93,6 @@ def shard_index(global_shape: Sequence[int], mesh=None, placements=None) -> Tupl
     `mesh` is None). Works with any object shaped like a DeviceMesh (tests use a fake one)."""
     if mesh is None:
         return tuple(slice(0, s) for s in global_shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
     if not offset:  # this rank is not part of the mesh

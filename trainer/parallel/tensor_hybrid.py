@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tandem.models.gated_deltanet import GatedDeltaNet
 from tandem.models.ple import PLELayer
@@ -337,7 +338,6 @@ class TensorParallelPLE(PLELayer):
 
 
 def _row_start(weight: DTensor) -> int:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
                                                       weight.placements)
