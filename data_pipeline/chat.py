@@ -3,8 +3,9 @@ source).
 
 Records (one per JSONL line, parquet row or `datasets` row), first matching form wins:
   * `{"messages": [{"role", "content"}, ...]}`: rendered with the tokenizer's chat template (a local
-    Hugging Face tokenizer directory's `tokenizer_config.json` / `chat_template.jinja`); the loss is
-    on the assistant turns (their content and the template's end-of-turn text), nothing else.
+    Hugging Face tokenizer directory's `chat_template.jinja` / `tokenizer_config.json`, rendered by
+    data_pipeline/chat_template.py as prompt sets are); the loss is on the assistant turns (their
+    content and the template's end-of-turn text), nothing else.
   * `{"prompt_ids", "response_ids"}` (what `tandem generate` writes beside the text): the token ids
     as written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the
     response (and on the EOD appended after it unless the record says `"finished": false`: cut off,
@@ -34,6 +35,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tandem.data_pipeline import preprocess
+from tandem.data_pipeline.chat_template import chat_template_in, render_chat
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -138,28 +140,12 @@ def record_form(where: str, rec) -> str:
                      f"{', '.join(map(str, rec)) or 'none'}")
 
 
-def load_chat_template(tokenizer_path: str):
-    """The Hugging Face tokenizer that renders chat at a local tokenizer directory (None when the
-    path is a bare tokenizer.json or the directory's tokenizer has no chat template). Never
-    downloads."""
-    path = os.path.expanduser(str(tokenizer_path or ""))
-    if not os.path.isdir(path):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:  # a directory with only tokenizer.json: no template to read
-        return None
-    return hf if getattr(hf, "chat_template", None) else None
-
-
 class ChatEncoder:
     """Encodes records of every form with one tokenizer and (optionally) its chat template."""
 
-    def __init__(self, tokenizer: TandemTokenizer, template=None) -> None:
+    def __init__(self, tokenizer: TandemTokenizer, template: Optional[dict] = None) -> None:
         self.tokenizer = tokenizer
-        self.template = template  # a transformers tokenizer with a chat_template, or None
+        self.template = template  # data_pipeline/chat_template.chat_template_in's, or None
         self._special_aware = None
         if template is not None:
             if tokenizer.backend is None:
@@ -241,8 +227,7 @@ class ChatEncoder:
         return list(enc.ids), flags
 
     def _text(self, msgs: List[dict], generation_prompt: bool) -> str:
-        return self.template.apply_chat_template(msgs, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+        return render_chat(self.template, msgs, generation_prompt)
 
 
 def _turn_in(full: str, cursor: int, content: str, upto: str) -> Optional[Tuple[int, int]]:
@@ -280,4 +265,6 @@ def iter_encoded(paths: Sequence[str],
 def chat_encoder(tokenizer: TandemTokenizer, tokenizer_path: Optional[str]) -> ChatEncoder:
     """A `ChatEncoder` for `tokenizer`, with the chat template of the directory it came from if
     any."""
-    return ChatEncoder(tokenizer, load_chat_template(tokenizer_path or tokenizer.path))
+    path = os.path.expanduser(str(tokenizer_path or tokenizer.path or ""))
+    # a tokenizer directory's chat template (a bare tokenizer.json has none)
+    return ChatEncoder(tokenizer, chat_template_in([path]) if os.path.isdir(path) else None)

@@ -5,19 +5,19 @@ A JSONL file of `{"text": ...}` or `{"messages": [{"role": ..., "content": ...},
 (blank lines skipped), or a parquet file / a local `datasets` directory (`save_to_disk`; a
 DatasetDict's train split) whose `column` holds a string (text) or a list of messages per row, read
 as `data.source=jsonl` reads its records. Chat prompts are rendered with the checkpoint's chat
-template (`chat_template` of a `tokenizer_config.json`: jinja2 in a sandbox, as transformers renders
-it, with the generation prompt added) and tokenized with the template's special tokens recognised.
+template (data_pipeline/chat_template.py, as training records are, with the generation prompt
+added) and tokenized with the template's special tokens recognised.
 Every problem is a PromptError of one line naming FILE:LINE (`FILE:row N` for a table).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 from .chat import iter_records
+from .chat_template import render_chat
 
 PromptValue = Union[str, List[dict]]
 
@@ -99,45 +99,6 @@ def read_prompts(path: str, column: str = "text") -> List[Prompt]:
     if not out:
         raise PromptError(f"--prompts {path}: holds no prompts")
     return out
-
-
-# --- chat template --------------------------------------------------------------------------------
-def chat_template_in(dirs: Sequence[str]) -> Optional[dict]:
-    """The first `tokenizer_config.json` among `dirs` that has a chat template: {"template", the
-    special tokens the template may name (bos_token, eos_token), "path"}; None when none has one."""
-    for d in dirs:
-        path = os.path.join(d, "tokenizer_config.json") if d else ""
-        if not path or not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            conf = json.load(f)
-        template = conf.get("chat_template")
-        if isinstance(template, list):  # named templates: transformers picks "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if template:
-            special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token")}
-            return {"template": template, "path": path, **special}
-    return None
-
-
-def _token_text(tok) -> str:
-    return tok.get("content", "") if isinstance(tok, dict) else (tok or "")
-
-
-def render_chat(chat: dict, messages: List[dict]) -> str:
-    """The prompt text of `messages` under the chat template, ending with the assistant's turn
-    opening."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(chat["template"]).render(messages=messages, add_generation_prompt=True,
-                                                    bos_token=chat["bos_token"],
-                                                    eos_token=chat["eos_token"])
 
 
 def encode_with_specials(tok, text: str) -> List[int]:

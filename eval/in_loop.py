@@ -57,7 +57,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
-from tandem.data_pipeline.prompts import chat_template_in
+from tandem.data_pipeline.chat_template import chat_template_in
 
 from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES

@@ -49,8 +49,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from tandem.data_pipeline.batches import get_batch
+from tandem.data_pipeline.chat_template import chat_template_in
 from tandem.data_pipeline.dataset import _tokenizer_for, build_datasets, parse_blend
-from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
+from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.metrics import teacher_forced
@@ -216,7 +217,7 @@ def _settings(args, model, cfg, tok) -> dict:
 
 
 def _chat_template(args, cfg):
-    """The checkpoint's chat template (data_pipeline/prompts.chat_template_in), None when it has
+    """The checkpoint's chat template (data_pipeline/chat_template.py), None when it has
     none."""
     if args.hf:
         return chat_template_in([args.hf])

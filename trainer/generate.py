@@ -38,7 +38,8 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from tandem.data_pipeline.prompts import chat_template_in, read_prompts, tokenize_prompts
+from tandem.data_pipeline.chat_template import chat_template_in
+from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.data_pipeline.tokenizer import load_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding
@@ -103,7 +104,7 @@ class Source:
     """K the decoder drafts (0: autoregressive)."""
     tokenizer: object
     chat: Optional[dict]
-    """The chat template (data_pipeline/prompts.chat_template_in), None when the checkpoint has
+    """The chat template (data_pipeline/chat_template.py), None when the checkpoint has
     none."""
     fingerprint: str
 

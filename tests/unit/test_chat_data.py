@@ -243,3 +243,33 @@ def test_datasets_directory_records(tmp_path):
                                                                                       "row 2"]
     with pytest.raises(ValueError, match=r"ds:row 2: a record needs"):
         check_files([str(tmp_path / "ds")], chat_encoder(load_tokenizer(tok), tok))
+
+
+QWEN_LIKE = (
+    "{%- for m in messages %}{%- if m.role == 'system' %}<|system|> {{ m.content }} <|end|>\n"
+    "{%- elif m.role == 'user' %}<|user|> {{ m.content }} <|end|>\n"
+    "{%- else %}<|assistant|> {% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}"
+    "{% endif %}{{ m.content }} <|end|>\n{%- endif %}"
+    "{%- if loop.index > 8 %}{% break %}{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, QWEN_LIKE], ids=["plain", "qwen_like"])
+def test_renderer_equals_transformers(tmp_path, template):
+    """data_pipeline/chat_template.render_chat renders as transformers' apply_chat_template does
+    (the independent reference), with and without the generation prompt: whitespace control, loop
+    controls, `tojson` of non-ASCII text, the template read from the tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    from tandem.data_pipeline.chat_template import chat_template_in, render_chat
+
+    tok = make_tokenizer(tmp_path / "tok", template=template)
+    hf = AutoTokenizer.from_pretrained(tok, local_files_only=True)
+    chat = chat_template_in([tok])
+    msgs = [{"role": "system", "content": "s1"}, {"role": "user", "content": "u1 é"},
+            {"role": "assistant", "content": "a1", "tool_calls": [{"name": "f", "arg": "ü"}]},
+            {"role": "user", "content": "u2"}]
+    for generation_prompt in (False, True):
+        want = hf.apply_chat_template(msgs, tokenize=False,
+                                      add_generation_prompt=generation_prompt)
+        assert render_chat(chat, msgs, generation_prompt) == want
