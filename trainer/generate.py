@@ -3,8 +3,8 @@
     tandem generate (--checkpoint DIR | --hf DIR) --prompts FILE --out FILE [--column NAME]
                     [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N]
                     [--samples-per-prompt M] [--batch-size B] [--seed S] [--device D]
-    torchrun --nproc-per-node N --no-python tandem generate --checkpoint DIR ... [--tp T] [--pp P]
-        [--ep E]
+    torchrun --nproc-per-node N --no-python tandem generate (--checkpoint DIR | --hf DIR) ...
+        [--tp T] [--pp P] [--ep E]
 
 Decoding is the evaluator's (eval/decode_eval.py evaluate_decoding, speculative side only): with the
 checkpoint's MTP module it is speculative decoding, exact, so the tokens are the trunk's own (at T =
@@ -19,7 +19,8 @@ exact for the top-k distribution).
 Under torchrun the model is sharded as in training (`--tp`, `--pp`, `--ep`; dp = the rest of the
 world) and the batches are dealt over the data-parallel replicas by the in-loop evaluator's layout
 adapter (trainer/parallel/pipeline_decode.py ParallelDecoding): replicas decode a batch each in
-lockstep, and after every round of batches one process writes them all. `--hf` runs in one process.
+lockstep, and after every round of batches one process writes them all. A Hugging Face directory
+is sharded the same way: each rank reads only its shards of the safetensors (`model.init_from`).
 
 Files, resume and bad input: trainer/generate_io.py. Every input problem is one line naming
 FILE:LINE, reported before the model loads.
@@ -49,8 +50,8 @@ from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
 from .eval_cli import _load, _tokenizer_of
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
-from .hf.init_from import check_reference, checkpoint_model_config, fingerprint, read_reference
-from .hf.reader import read_config
+from .hf.importer import hf_config
+from .hf.init_from import check_reference, fingerprint, read_reference
 from .materialize import build_sharded_model
 from .parallel import init_parallel
 from .parallel.device import resolve_device
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem generate", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="Tandem run directory or checkpoints/step_<N> directory")
-    src.add_argument("--hf", help="Hugging Face checkpoint directory (one process)")
+    src.add_argument("--hf", help="Hugging Face checkpoint directory")
     p.add_argument("--prompts", required=True,
                    help="JSONL of {\"text\": ...} or {\"messages\": [...]}, a parquet file or a "
                         "datasets directory")
@@ -98,7 +99,7 @@ class Source:
     path: str
     """The step directory (Tandem) or the Hugging Face directory."""
     cfg: object
-    """The Tandem checkpoint's TandemConfig (None for --hf)."""
+    """The Tandem checkpoint's TandemConfig, or the Hugging Face directory's (hf_config)."""
     max_seq_len: int
     num_steps: int
     """K the decoder drafts (0: autoregressive)."""
@@ -110,13 +111,10 @@ class Source:
 
 
 def _hf_source(args) -> Source:
-    """A Hugging Face directory: its shape, MTP depth count, tokenizer and chat template, without
-    weights."""
-    model_cfg, _, has_mtp = checkpoint_model_config(args.hf)
-    hf = read_config(args.hf)
-    trained = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers")
-                  or 0) if has_mtp else 0
-    return Source(args.hf, None, model_cfg.max_seq_len, args.num_steps or trained,
+    """A Hugging Face directory: its config (trunk shape, the MTP module its weights hold),
+    tokenizer and chat template, without weights."""
+    cfg, _ = hf_config(args.hf)
+    return Source(args.hf, cfg, cfg.model.max_seq_len, args.num_steps or cfg.mtp.num_steps,
                   load_tokenizer(args.hf), chat_template_in([args.hf]), fingerprint(args.hf))
 
 
@@ -244,13 +242,11 @@ class TopKLogits:
 
 
 def load_on_layout(args, src: Source):
-    """(model, ParallelDecoding) of this rank's part of the checkpoint on the torchrun layout: built
-    as training builds it (meta device, parallelized, only this rank's shards read from the
-    checkpoint)."""
-    if src.cfg is None:
-        raise GenerateError("--hf runs in one process; under torchrun pass a Tandem --checkpoint")
+    """(model, ParallelDecoding) of this rank's part of the checkpoint (a Tandem one or a Hugging
+    Face directory) on the torchrun layout: built as training builds it (meta device, parallelized,
+    only this rank's shards read from the checkpoint, `model.init_from`)."""
     cfg, step = src.cfg, src.path
-    ref = read_reference(step)
+    ref = None if args.hf else read_reference(step)
     if ref is not None:
         check_reference(ref, step)
     p = cfg.parallel

@@ -1,7 +1,8 @@
 """`tandem generate` under torchrun (dp2: batches dealt over two replicas, one padding slot; tp2:
 the model sharded over two ranks) writes byte for byte the file one process writes, greedy and
-sampled (same seed). Run as a script, this file is the torchrun worker: one process group, both
-decodes.
+sampled (same seed), from a Tandem checkpoint and (tp2) from its Hugging Face export, each rank
+reading only its shards of the safetensors. Run as a script, this file is the torchrun worker: one
+process group, every decode.
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ CASES = {"greedy": [],
          "sampled": ["--temperature", "0.8", "--top-p", "0.9", "--samples-per-prompt", "2",
                                    "--seed", "3"]}
 LAYOUTS = {"dp2": [], "tp2": ["--tp", "2"]}
+SOURCES = {"checkpoint": ("dp2", "tp2"), "hf": ("tp2",)}
+"""Where each source runs: a Tandem checkpoint on both layouts, its Hugging Face export sharded
+over tp (the one-process --hf load is tests/e2e/test_generate.py's)."""
 
 
-def _args(ckpt: str, prompts: str, case: str, out: str) -> list:
-    return ["--checkpoint", ckpt, "--prompts", prompts, *COMMON, *CASES[case], "--out", out]
+def _args(source: str, path: str, prompts: str, case: str, out: str) -> list:
+    return [f"--{source}", path, "--prompts", prompts, *COMMON, *CASES[case], "--out", out]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus_cache, one_thread):
-    """A tiny checkpoint (2 kv heads for tp2), the prompts, and one process's file of each case."""
+    """A tiny checkpoint (2 kv heads for tp2) and its Hugging Face export, the prompts, and one
+    process's file of each source and case."""
+    from tandem.trainer.cli import main as cli
     from tandem.trainer.generate import generate_main
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
@@ -41,12 +47,16 @@ def reference(tmp_path_factory, corpus_cache, one_thread):
     train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [
         f"run.dir={root / 'run'}", "train.max_steps=2", "model.num_kv_heads=2",
         f"data.cache_dir={corpus_cache}"]))
+    assert cli(["export", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS))
     files = {}
-    for case in CASES:
-        files[case] = root / f"single_{case}.jsonl"
-        assert generate_main(_args(str(root / "run"), str(prompts), case, str(files[case]))) == 0
+    for source in SOURCES:
+        for case in CASES:
+            files[source, case] = root / f"single_{source}_{case}.jsonl"
+            args = _args(source, str(root / ("run" if source == "checkpoint" else "hf")),
+                         str(prompts), case, str(files[source, case]))
+            assert generate_main(args) == 0
     return root, files
 
 
@@ -55,17 +65,20 @@ def test_layout_writes_what_one_process_writes(layout, reference):
     root, files = reference
     out = root / layout
     out.mkdir()
-    proc = torchrun.run(2, __name__, root / "run", root / "prompts.jsonl", out, *LAYOUTS[layout],
-                        timeout=300)
+    sources = [s for s, layouts in SOURCES.items() if layout in layouts]
+    proc = torchrun.run(2, __name__, root, out, ",".join(sources), *LAYOUTS[layout], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    for case, single in files.items():
-        got = (out / f"{case}.jsonl").read_text()
-        assert len(got.splitlines()) == len(PROMPTS) * (2 if case == "sampled" else 1)
-        assert got == single.read_text(), case
-        assert (out / f"{case}.jsonl.meta.json").read_text() == open(f"{single}.meta.json").read()
+    for source in sources:
+        for case in CASES:
+            single = files[source, case]
+            got = (out / f"{source}_{case}.jsonl").read_text()
+            assert len(got.splitlines()) == len(PROMPTS) * (2 if case == "sampled" else 1)
+            assert got == single.read_text(), (source, case)
+            meta = (out / f"{source}_{case}.jsonl.meta.json").read_text()
+            assert meta == open(f"{single}.meta.json").read(), (source, case)
 
 
-def _worker(ckpt: str, prompts: str, out: str, *layout: str) -> int:
+def _worker(root: str, out: str, sources: str, *layout: str) -> int:
     import torch
     import torch.distributed as dist
 
@@ -73,10 +86,12 @@ def _worker(ckpt: str, prompts: str, out: str, *layout: str) -> int:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    for case in CASES:
-        rc = generate_main(_args(ckpt, prompts, case,
-                                 os.path.join(out, f"{case}.jsonl")) + list(layout))
-        assert rc == 0, (case, rc)
+    for source in sources.split(","):
+        path = os.path.join(root, "run" if source == "checkpoint" else "hf")
+        for case in CASES:
+            rc = generate_main(_args(source, path, os.path.join(root, "prompts.jsonl"), case,
+                                     os.path.join(out, f"{source}_{case}.jsonl")) + list(layout))
+            assert rc == 0, (source, case, rc)
     dist.destroy_process_group()
     return 0
 

@@ -296,41 +296,49 @@ def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str) -> None:
         raise CheckpointError(f"{path} has a different model shape: " + "; ".join(diffs))
 
 
-def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,
-                  max_seq_len: Optional[int] = None, device: str = "cpu"):
-    """Build a TandemModel from an HF directory's config.json and load its weights.
-
-    MTP: the checkpoint's own MTP layers when it has them (num_nextn_predict_layers / mtp.*), K = L;
-    `mtp_overrides` (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that.
-    Returns (model in eval mode, TandemConfig).
-    """
-
+def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,
+              max_seq_len: Optional[int] = None, reader: Optional[CheckpointReader] = None):
+    """(TandemConfig, FamilySpec) of an HF directory: the trunk from its config.json, the MTP module
+    its weights hold (num_nextn_predict_layers / mtp.*: K = L of them, or none); `mtp_overrides`
+    (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that. Reads the
+    tensor names, not the weights."""
     hf = read_config(path)
     detect_family(hf)  # an unsupported architecture fails before any file is opened
+    own_reader = reader is None
+    reader = reader or CheckpointReader(path, trust_pickle=trust_pickle)
+    try:
+        keys = reader.keys()
+        spec = detect_family(hf, keys)
+        cfg = model_config_from_hf(hf, spec, max_seq_len=max_seq_len)
+    finally:
+        if own_reader:
+            reader.close()
+    n_mtp = len({mtp_layer_of_key(k, cfg) for k in keys
+                 if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)})
+    mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0,
+                    concat_order="emb_hidden", trunk_input=trunk_input_of(hf))
+    if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.")
+                         or k.startswith("mtp.layers.0.mlp.experts.") for k in keys):
+        mtp.moe = False
+    for key, value in (mtp_overrides or {}).items():
+        if not hasattr(mtp, key):
+            raise KeyError(f"unknown MTPConfig field {key!r}")
+        setattr(mtp, key, value)
+    validate_model(cfg, mtp)
+    tcfg = TandemConfig()
+    tcfg.model, tcfg.mtp = cfg, mtp
+    return tcfg, spec
+
+
+def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,
+                  max_seq_len: Optional[int] = None, device: str = "cpu"):
+    """Build a TandemModel from an HF directory's config.json (`hf_config`) and load its weights.
+    Returns (model in eval mode, TandemConfig)."""
+    detect_family(read_config(path))  # an unsupported architecture fails before any file is opened
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
     try:
-        spec = detect_family(hf, reader.keys())
-        cfg = model_config_from_hf(hf, spec, max_seq_len=max_seq_len)
-        present = {
-            mtp_layer_of_key(k, cfg)
-            for k in reader.keys()
-            if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)
-        }
-        n_mtp = len(present)
-        mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0,
-                        concat_order="emb_hidden", trunk_input=trunk_input_of(hf))
-        if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.")
-                             for k in reader.keys()) \
-                and not any(k.startswith("mtp.layers.0.mlp.experts.") for k in reader.keys()):
-            mtp.moe = False
-        for key, value in (mtp_overrides or {}).items():
-            if not hasattr(mtp, key):
-                raise KeyError(f"unknown MTPConfig field {key!r}")
-            setattr(mtp, key, value)
-        validate_model(cfg, mtp)
-        tcfg = TandemConfig()
-        tcfg.model, tcfg.mtp = cfg, mtp
-
+        tcfg, spec = hf_config(path, mtp_overrides, max_seq_len=max_seq_len, reader=reader)
+        cfg, mtp = tcfg.model, tcfg.mtp
         with torch.device("meta"):  # storage only for the loaded weights: no random init pass
             model = TandemModel(cfg, mtp)
         allocate(model, torch.device(device))
