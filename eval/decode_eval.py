@@ -40,6 +40,8 @@ class DecodeSettings:
     """0: greedy; > 0 speculative sampling."""
     top_p: float = 1.0
     """Nucleus threshold when sampling."""
+    top_k: int = 0
+    """When sampling, only each head's k largest logits (0: all)."""
     seed: int = 0
     """Batch i's sampling generator is seeded with seed + i, on both sides and any replica."""
     verify: str = "token"
@@ -102,7 +104,8 @@ def _decode_batches(model, batches: List[list], s: DecodeSettings, replicas: Opt
             g = torch.Generator(device=device).manual_seed(s.seed + (i or 0))
             res[which] = generate(model, batch, s.max_new_tokens, s.num_steps if which == 0 else 0,
                                   eos_id=s.eos_id,
-                                  temperature=s.temperature, top_p=s.top_p, generator=g,
+                                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  generator=g,
                                   padding=i is None,
                                   verify=s.verify, draft_convention=s.draft_convention, **lockstep)
         if i is not None:

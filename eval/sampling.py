@@ -1,6 +1,6 @@
-"""Token choice for the speculative decoder: the tempered nucleus distribution, a `TokenChooser`
-that draws from it (or takes the argmax at temperature 0), and the token-wise speculative-sampling
-rule. Block verification, the other rule, is eval/block_verify.py."""
+"""Token choice for the speculative decoder: the tempered top-k / nucleus distribution, a
+`TokenChooser` that draws from it (or takes the argmax at temperature 0), and the token-wise
+speculative-sampling rule. Block verification, the other rule, is eval/block_verify.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ from typing import Optional, Tuple
 import torch
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Softmax(logits / T) restricted to the top-p nucleus and renormalised (fp32)."""
-    p = torch.softmax(logits.float() / temperature, dim=-1)
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float,
+                      top_k: int = 0) -> torch.Tensor:
+    """Softmax(logits / T) restricted to the `top_k` largest logits (0: all; ties with the k-th are
+    kept) and then to the top-p nucleus, renormalised (fp32)."""
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    p = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = p.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
@@ -23,12 +29,14 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 class TokenChooser:
     """How a decode picks a token from logits: greedy at temperature 0, else a draw from the
-    tempered top-p distribution with the decode's generator. The trunk's tokens and the drafts are
-    chosen alike (so temperature and top-p apply identically to the target p and the draft q)."""
+    tempered top-k / top-p distribution with the decode's generator. The trunk's tokens and the
+    drafts are chosen alike (so temperature, top-k and top-p apply identically to the target p and
+    the draft q, and speculative sampling is exact for that distribution)."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, top_k: int = 0):
         self.temperature, self.top_p, self.generator = float(temperature), float(top_p), generator
+        self.top_k = int(top_k)
 
     @property
     def greedy(self) -> bool:
@@ -36,7 +44,7 @@ class TokenChooser:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution tokens are drawn from (sampling only)."""
-        return probs_from_logits(logits, self.temperature, self.top_p)
+        return probs_from_logits(logits, self.temperature, self.top_p, self.top_k)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row of `probs` [B, V] -> [B]."""

@@ -115,7 +115,7 @@ class SpecDecoder:
     def __init__(self, model: nn.Module, num_steps: int, batch: int, max_positions: int, *,
                  temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None,
-                 verify: str = "token", draft_convention: str = "serving"):
+                 verify: str = "token", draft_convention: str = "serving", top_k: int = 0):
         self.model = m = unwrap(model)
         self.K = num_steps
         _check_model(m, num_steps)
@@ -123,7 +123,7 @@ class SpecDecoder:
             raise ValueError(f"verify={verify!r}: must be one of {', '.join(VERIFY_RULES)}")
         # sampled drafts: `token` (speculative_accept) or `block` (block_accept)
         self.verify_rule = verify
-        self.chooser = TokenChooser(temperature, top_p, generator)
+        self.chooser = TokenChooser(temperature, top_p, generator, top_k)
         # `tandem` where serving is undefined
         self.convention = resolve_convention(m, draft_convention, num_steps)
         # Margin: pad positions of a batched range may run up to ~2K past a row's end.
@@ -343,11 +343,11 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
              generator: Optional[torch.Generator] = None, padding: bool = False,
              verify: str = "token",
              any_active: Optional[Callable[[bool], bool]] = None,
-             draft_convention: str = "serving") -> DecodeResult:
+             draft_convention: str = "serving", top_k: int = 0) -> DecodeResult:
     """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
     `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under
     both); `draft_convention` how depths 2..K draft (`serving`: as vLLM's proposer; `tandem`: as
-    trained).
+    trained); `top_k` > 0 samples from each head's k largest logits (`TokenChooser`).
 
     Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
     returns whether any process still has an active row, and the loop runs until none has (rows
@@ -360,8 +360,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     if min(lens) < 1:
         raise ValueError("every prompt needs at least one token")
     dec = SpecDecoder(model, K, B, max(lens) + max_new_tokens + K + 1, temperature=temperature,
-                      top_p=top_p,
-                      generator=generator, verify=verify, draft_convention=draft_convention)
+                      top_p=top_p, top_k=top_k, generator=generator, verify=verify,
+                      draft_convention=draft_convention)
     dev = dec.device
     # m at max_new_tokens
     limit = torch.tensor(lens, dtype=torch.long, device=dev) + max_new_tokens - 1

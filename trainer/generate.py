@@ -166,6 +166,7 @@ def _settings(args, src: Source) -> dict:
     return dict(num_steps=src.num_steps, max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
                 eos_id=src.tokenizer.eod_id, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k,
                 verify=getattr(ev, "verify", "token"),
                 draft_convention=getattr(ev, "draft_convention", "serving"))
 
@@ -223,24 +224,6 @@ def _complete_batches(plan: Plan, records: List[dict]) -> set:
 
 
 # --- the model ------------------------------------------------------------------------------------
-class TopKLogits:
-    """The decoder's model with every head's logits cut to their k largest (the rest -inf): the
-    trunk's target and the drafts alike, so speculative sampling is exact for the top-k
-    distribution."""
-
-    def __init__(self, model, k: int):
-        self._model, self._k = model, k
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def logits(self, depth: int, h):
-        """The wrapped model's logits of `depth` with all but the k largest per row set to -inf."""
-        out = self._model.logits(depth, h)
-        kth = out.topk(min(self._k, out.shape[-1]), dim=-1).values[..., -1:]
-        return out.masked_fill(out < kth, float("-inf"))
-
-
 def load_on_layout(args, src: Source):
     """(model, ParallelDecoding) of this rank's part of the checkpoint (a Tandem one or a Hugging
     Face directory) on the torchrun layout: built as training builds it (meta device, parallelized,
@@ -357,8 +340,6 @@ def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], mod
 def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
     """This rank's part: drivers decode (and one writes), pipeline followers serve their stages."""
     view = decoding.model if decoding is not None else model
-    if args.top_k > 0 and args.temperature > 0 and view is not None:
-        view = TopKLogits(view, args.top_k)
     with decoding.context() if decoding is not None else contextlib.nullcontext():
         if decoding is None or decoding.is_driver:
             decode_and_write(args, src, plan, settings, todo, view, decoding, writer)

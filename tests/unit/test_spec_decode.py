@@ -260,3 +260,42 @@ def test_budget_exact_counting_hand_computed():
     assert int(res.stats.rounds[0]) == 1 and int(res.stats.accepted[0]) == 1
     assert acceptance_metrics(res.stats)["acceptance_length"] == 2.0
     assert [int(x) for x in res.stats.accepted_at[0]] == [1, 0, 0]
+
+
+def test_top_k_keeps_the_k_largest_logits_hand_computed():
+    from tandem.eval.sampling import probs_from_logits
+
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    # k=2: 3 and both 2s (ties with the k-th are kept), softmax over them only
+    want = torch.tensor([[torch.e ** 3, 0, torch.e ** 2, torch.e ** 2, 0]])
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, 1.0, top_k=2), want / want.sum())
+    one_hot = torch.tensor([[1.0, 0, 0, 0, 0]])
+    torch.testing.assert_close(probs_from_logits(logits, 0.7, 1.0, top_k=1), one_hot)
+    # then the nucleus of what is left: p(3) = e/(e+2) = 0.58 < 0.6, so one 2 joins it
+    p = probs_from_logits(logits, 1.0, 0.6, top_k=3)
+    assert (p > 0).sum() == 2 and p[0, 0] > p[0, 2] > 0 and p[0, 3] == 0
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, 1.0, top_k=0),
+                               torch.softmax(logits, -1))
+
+
+@pytest.mark.parametrize("K", [0, 2])
+def test_top_k_applies_to_the_trunk_and_the_drafts(K):
+    """Sampling from each head's top 1 is greedy decoding, speculative or not: the target p and
+    the drafts q are both cut (a draft outside the trunk's top k is always rejected). With k = 2
+    every emitted token is one of the trunk's two largest logits at its position."""
+    model = tiny_model(max(K, 1), 1, seed=5, dtype=torch.float64)
+    make_agreeing(model, 0.05, seed=2)
+    greedy = generate(model, PROMPTS, 16, K).outputs
+    g = torch.Generator().manual_seed(0)
+    assert generate(model, PROMPTS, 16, K, temperature=1.0, top_k=1, generator=g).outputs == greedy
+    g = torch.Generator().manual_seed(1)
+    sampled = generate(model, PROMPTS, 16, K, temperature=1.5, top_k=2, generator=g).outputs
+    assert sampled != greedy  # it did sample
+    for prompt, out in zip(PROMPTS, sampled):
+        assert len(out) == 16
+        seq = torch.tensor([list(prompt) + list(out)])
+        s = seq.shape[1] - 1
+        h = model.trunk(seq[:, :s], torch.arange(s).expand(1, s))
+        top2 = model.logits(0, h).topk(2, dim=-1).indices[0]  # [s, 2]: after each position
+        emitted = range(len(prompt) - 1, s)  # positions whose next token the decode chose
+        assert all(seq[0, t + 1] in top2[t] for t in emitted)
