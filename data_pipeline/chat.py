@@ -69,7 +69,6 @@ def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
 
 
 def _jsonl_records(path: str) -> Iterator[Tuple[str, object]]:
-
     opener = gzip.open if path.lower().endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -23,7 +23,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch.distributed as dist
 
-from tandem.data_pipeline import megatron_compat as mc
 from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
 from tandem.data_pipeline.preprocess import output_paths, read_meta
 from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, tokenizer_fingerprint
@@ -206,7 +205,6 @@ def _index_build_lock(cache_path: str):
     sharing `cache_path` with an fcntl lock. Only global rank 0 (or a lone process) takes it: the
     other ranks of a job wait for rank 0 at megatron's own barrier."""
 
-
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         yield
         return
@@ -260,15 +258,17 @@ def build_datasets(
         check_prefix(p, tokenizer.vocab_size)
         _check_made_with(p, tokenizer)
         if os.path.isfile(p + "_loss_mask.idx"):
-
             check_loss_mask_channel(p)
-
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
                                  cache_path)
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
+    # megatron-core costs seconds to import: only here, where its datasets are built (every module
+    # that merely imports this one, `tandem eval` and `tandem generate` among them, skips it)
+    from tandem.data_pipeline import megatron_compat as mc
+
     # a loss-mask channel (`tandem preprocess --chat`) is read alongside the tokens
     cls = mc.LossMaskGPTDataset if any(mc.has_loss_mask_channel(p)
                                        for p in all_prefixes) else mc.GPTDataset
@@ -313,6 +313,7 @@ def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Bl
                         tokenizer: TandemTokenizer, seq_len: int, seed: int, cache_path: str):
     """megatron-core's GPTDatasetConfig: a blend per split with a validation blend, else
     `data_cfg.split` of the training blend."""
+    from tandem.data_pipeline import megatron_compat as mc  # (lazily: see build_datasets)
 
     common = dict(
         random_seed=int(seed),

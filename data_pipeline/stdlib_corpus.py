@@ -110,7 +110,6 @@ def _same_as_trained_bpe(data_cfg) -> Optional[str]:
     if not getattr(data_cfg, "tokenizer", ""):
         return None
 
-
     try:
         own = stdlib_cache_dir(replace(data_cfg, tokenizer=""))
     except TypeError:  # not a dataclass (an omegaconf node): compare nothing

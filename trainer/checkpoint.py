@@ -314,7 +314,6 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     reference. Returns (model in eval mode, TandemConfig).
     """
 
-
     path = resolve_checkpoint(path)
     cfg = load_config(os.path.join(path, "config.yaml"))
     ref = read_reference(path)

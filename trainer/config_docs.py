@@ -107,7 +107,6 @@ def sections(root: Any, prefix: str = "") -> List[Tuple[str, str, List[Tuple[str
 
 
 def render() -> str:
-
     lines = [HEADER]
     for key, doc, rows in sections(TandemConfig()):
         lines.append(f"## `{key}`" if key else "## Top level")

@@ -196,7 +196,6 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
     if cfg.eval.interval <= 0 or cfg.mtp.num_steps <= 0:
         return None
 
-
     decoding = parallel_decoding(cfg, model, pstate)  # how the evaluator decodes on this layout
     return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding)
 

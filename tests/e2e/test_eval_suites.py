@@ -127,7 +127,9 @@ def test_speed_per_suite_bench(suite_run, fake_mt_bench, capsys):
         L, K = float(f["acceptance_length"]), int(f["K"])
         expected = predicted_speedup(L, float(costs["c1_ms"]), float(costs["draft_step_ms"]),
                                      float(costs["verify_ms"]), K)
-        assert float(f["speedup_predicted_cost"]) == pytest.approx(expected, rel=1e-3)
+        # printed to 4 decimals: half a unit of the last is its rounding (a slow shared machine
+        # measured a speedup of 0.0264 once, where 1e-3 relative alone is finer than the print)
+        assert float(f["speedup_predicted_cost"]) == pytest.approx(expected, rel=1e-3, abs=5e-5)
         assert float(f["speedup"]) > 0 and float(f["speedup_predicted_eval"]) > 0
 
 

@@ -32,7 +32,6 @@ def _glibc() -> bool:
     (["train.malloc_mmap_threshold=1048576"], [1048576]),
 ])
 def test_trainer_sets_the_threshold_at_start_up(monkeypatch, tmp_path, overrides, expected):
-
     calls = []
 
     def stop(*args, **kwargs):

@@ -103,7 +103,6 @@ class ContextShards(WholeWindow):
         return self._window_order(by_chunk).reshape(b, self.total * length, *x_bs.shape[2:])
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-
         return all_reduce(x, group=self.group)
 
     def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:

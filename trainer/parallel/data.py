@@ -350,7 +350,6 @@ def _autocast_computes(module: nn.Module) -> bool:
     chunked logits): a copy per call would add casts, and a chunked head would keep one per depth
     until backward."""
 
-
     return isinstance(module, (nn.Linear, GroupedExperts, OutputHead, VocabParallelHead))
 
 

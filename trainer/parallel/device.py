@@ -185,7 +185,6 @@ def npu_grouped_mm_kernels(gmm):
 def _use_npu_grouped_mm() -> None:
     import torch_npu
 
-
     if hasattr(torch_npu, "npu_grouped_matmul"):  # older torch_npu: the MoE's per-expert loop
         register_grouped_mm_kernels("npu", *npu_grouped_mm_kernels(torch_npu.npu_grouped_matmul))
 

@@ -200,7 +200,6 @@ class StageModule(nn.Module):
             outputs[i] = AuxLossGrad.apply(outputs[i], loss, 1.0)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
-
     def _selection_tensors(self, selection, received, b: int) -> List[torch.Tensor]:
         """What this stage sends on of depth 1's QSA selection: the one its MTP depths left, else
         the one it received (it runs no MTP depth, or the dense warm-up selected nothing), else

@@ -175,7 +175,6 @@ class PipelinedModel:
         return getattr(self._model, name)
 
     def depth_states(self, h0_bsh, tokens_bs1, positions_bs, documents=None):
-
         return TandemModel.depth_states(self, h0_bsh, tokens_bs1, positions_bs,
                                         documents=documents)  # with the routed steps
 

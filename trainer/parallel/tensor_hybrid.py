@@ -338,7 +338,6 @@ class TensorParallelPLE(PLELayer):
 
 
 def _row_start(weight: DTensor) -> int:
-
     _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
                                                       weight.placements)
     return int(offset[0]) if offset else 0
