@@ -145,17 +145,9 @@ class ChatEncoder:
     def __init__(self, tokenizer: TandemTokenizer, template: Optional[dict] = None) -> None:
         self.tokenizer = tokenizer
         self.template = template  # data_pipeline/chat_template.chat_template_in's, or None
-        self._special_aware = None
-        if template is not None:
-            if tokenizer.backend is None:
-                raise ValueError(f"tokenizer {tokenizer.path}: chat data needs a fast tokenizer "
-                                 "(tokenizer.json)")
-            from tokenizers import Tokenizer
-
-            # Rendered templates hold special tokens as text that must become their ids, unlike
-            # documents (TandemTokenizer encodes literal special-token strings as plain text).
-            self._special_aware = Tokenizer.from_str(tokenizer.backend.to_str())
-            self._special_aware.encode_special_tokens = False
+        if template is not None and tokenizer.backend is None:
+            raise ValueError(f"tokenizer {tokenizer.path}: chat data needs a fast tokenizer "
+                             "(tokenizer.json)")
 
     def check(self, where: str, form: str) -> None:
         """Raise before any tokenising when `form` needs a chat template this tokenizer lacks."""
@@ -221,9 +213,8 @@ class ChatEncoder:
             raise ValueError(f"{where}: the chat template failed: "
                              f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
                              ) from None
-        enc = self._special_aware.encode(full, add_special_tokens=False)
-        flags = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
-        return list(enc.ids), flags
+        ids, starts = self.tokenizer.encode_rendered(full)
+        return ids, [int(any(a <= start < b for a, b in spans)) for start in starts]
 
     def _text(self, msgs: List[dict], generation_prompt: bool) -> str:
         return render_chat(self.template, msgs, generation_prompt)

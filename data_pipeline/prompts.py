@@ -101,20 +101,6 @@ def read_prompts(path: str, column: str = "text") -> List[Prompt]:
     return out
 
 
-def encode_with_specials(tok, text: str) -> List[int]:
-    """Token ids of a rendered chat prompt, its special-token strings (`<|im_start|>`) as special
-    tokens (TandemTokenizer.encode treats them as plain text, as a document's text must be)."""
-    backend = tok.backend
-    if backend is None:
-        return list(tok._hf.encode(text, add_special_tokens=False))
-    saved = backend.encode_special_tokens
-    backend.encode_special_tokens = False
-    try:
-        return backend.encode(text, add_special_tokens=False).ids
-    finally:
-        backend.encode_special_tokens = saved
-
-
 def tokenize_prompts(prompts: List[Prompt], tok, chat: Optional[dict], limit: int,
                      limit_note: str) -> Tuple[List[str], List[List[int]]]:
     """(prompt texts, token ids) of every prompt; a chat prompt without a template, an empty one or
@@ -133,7 +119,7 @@ def tokenize_prompts(prompts: List[Prompt], tok, chat: Optional[dict], limit: in
             except Exception as exc:
                 raise PromptError(f"{where}: the chat template ({chat['path']}) failed: "
                                     f"{' '.join(str(exc).split())[:200]}") from None
-            row = encode_with_specials(tok, text)
+            row = tok.encode_rendered(text)[0]
         else:
             text, row = p.value, tok.encode(p.value)
         if not row or len(row) > limit:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 EOD_TOKEN = "<|endoftext|>"
 """The end-of-document special token of the byte-level BPE trained by `train_bpe`."""
@@ -37,6 +37,7 @@ class TandemTokenizer:
         # tokenizers.Tokenizer, or None when only a slow HF tokenizer exists
         self._backend = backend
         self._hf = hf if backend is None else None
+        self._rendered = None  # `encode_rendered`'s copy of the backend
         vocab = self._get_vocab()
         self.vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1)
         self.eod_token, self.eod_id = _find_eod(vocab, eod_token, hf, path)
@@ -66,6 +67,19 @@ class TandemTokenizer:
             return [e.ids for e in self._backend.encode_batch(list(texts),
                                                               add_special_tokens=False)]
         return [self.encode(t) for t in texts]
+
+    def encode_rendered(self, text: str) -> Tuple[List[int], List[int]]:
+        """(token ids, each token's first character offset) of a rendered chat template, whose
+        special-token strings (`<|im_start|>`) become their special tokens, unlike `encode`, which
+        keeps a document's literal special-token strings as text."""
+        if self._backend is None:
+            enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
+        if self._rendered is None:  # a copy, so `encode` is never switched under another caller
+            self._rendered = type(self._backend).from_str(self._backend.to_str())
+            self._rendered.encode_special_tokens = False
+        enc = self._rendered.encode(text, add_special_tokens=False)
+        return list(enc.ids), [a for a, _ in enc.offsets]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens (EOD) are kept as their strings."""

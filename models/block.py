@@ -50,6 +50,20 @@ def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
     raise ValueError(f"unknown token mixer {kind!r}")
 
 
+def block_kwargs(documents: Optional[Documents] = None, context: Optional[WholeWindow] = None,
+                 aux_grad_scale: float = 1.0) -> dict:
+    """The keyword arguments every caller of a block (the trunk, the MTP chain, a pipeline stage)
+    hands it: the packed documents, the window's context-parallel split when it is split, and the
+    gradient scale of an MoE's auxiliary losses; each only when it differs from the block's
+    default, so an unsplit, unpacked forward calls the block exactly as decoding does."""
+    kwargs = {} if documents is None else {"documents": documents}
+    if aux_grad_scale != 1.0:
+        kwargs["aux_grad_scale"] = aux_grad_scale
+    if context is not None and context.sharded:
+        kwargs["context"] = context
+    return kwargs
+
+
 class TransformerBlock(nn.Module):
     """A token mixer plus an MLP or MoE around a residual scheme, with optional PLE n-gram memory.
 

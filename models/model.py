@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import LayerKV
-from .block import OutputHead, TransformerBlock
+from .block import OutputHead, TransformerBlock, block_kwargs
 from .config import ModelConfig
 from .context import WholeWindow
 from .documents import Documents
@@ -198,11 +198,7 @@ class TandemModel(nn.Module):
         h = self.embed_tokens(input_ids_bs) if emb_bsh is None else emb_bsh
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
-        extra = {} if documents is None else {"documents": documents}
-        if aux_grad_scale != 1.0:
-            extra["aux_grad_scale"] = aux_grad_scale
-        if self.context.sharded:
-            extra["context"] = self.context
+        extra = block_kwargs(documents, self.context, aux_grad_scale)
         for i, layer in self.layers.items():
             h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None,
                       input_ids_bs if layer.ple is not None else None, **extra)
@@ -226,11 +222,7 @@ class TandemModel(nn.Module):
         With mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend
         over the one handed in; otherwise every depth selects for itself and None is passed
         along."""
-        extra = {} if documents is None else {"documents": documents}
-        if aux_grad_scale != 1.0:
-            extra["aux_grad_scale"] = aux_grad_scale
-        if self.context.sharded:
-            extra["context"] = self.context
+        extra = block_kwargs(documents, self.context, aux_grad_scale)
         if self.mtp.selection_share is None:
             return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
                                    **extra), None

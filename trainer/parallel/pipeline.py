@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.models.block import block_kwargs
 from tandem.models.model import window_documents, window_positions
 from tandem.models.moe import AuxLossGrad
 from tandem.models.qsa_index import QSASelection
@@ -78,11 +79,7 @@ def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor,
               aux_grad_scale: float = 1.0):
     """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE;
     `context` only when the window is split over context-parallel ranks."""
-    extra = {} if documents is None else {"documents": documents}
-    if aux_grad_scale != 1.0:
-        extra["aux_grad_scale"] = aux_grad_scale
-    if context is not None and context.sharded:
-        extra["context"] = context
+    extra = block_kwargs(documents, context, aux_grad_scale)
     return block(h, positions_bs, cache,
                  tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
 
