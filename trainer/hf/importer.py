@@ -297,12 +297,14 @@ def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str) -> None:
 
 
 def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,
-              max_seq_len: Optional[int] = None, reader: Optional[CheckpointReader] = None):
+              max_seq_len: Optional[int] = None, reader: Optional[CheckpointReader] = None,
+              hf: Optional[dict] = None):
     """(TandemConfig, FamilySpec) of an HF directory: the trunk from its config.json, the MTP module
     its weights hold (num_nextn_predict_layers / mtp.*: K = L of them, or none); `mtp_overrides`
     (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that. Reads the
-    tensor names, not the weights."""
-    hf = read_config(path)
+    tensor names, not the weights. `reader` / `hf`: the caller's open reader and config.json's
+    contents (`read_config`), when it has them."""
+    hf = read_config(path) if hf is None else hf
     detect_family(hf)  # an unsupported architecture fails before any file is opened
     own_reader = reader is None
     reader = reader or CheckpointReader(path, trust_pickle=trust_pickle)
@@ -334,10 +336,11 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
                   max_seq_len: Optional[int] = None, device: str = "cpu"):
     """Build a TandemModel from an HF directory's config.json (`hf_config`) and load its weights.
     Returns (model in eval mode, TandemConfig)."""
-    detect_family(read_config(path))  # an unsupported architecture fails before any file is opened
+    hf = read_config(path)
+    detect_family(hf)  # an unsupported architecture fails before any file is opened
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
     try:
-        tcfg, spec = hf_config(path, mtp_overrides, max_seq_len=max_seq_len, reader=reader)
+        tcfg, spec = hf_config(path, mtp_overrides, max_seq_len=max_seq_len, reader=reader, hf=hf)
         cfg, mtp = tcfg.model, tcfg.mtp
         with torch.device("meta"):  # storage only for the loaded weights: no random init pass
             model = TandemModel(cfg, mtp)
