@@ -45,18 +45,6 @@ TINY_OVERRIDES = DEBUG_MODEL + TINY_DATA + QUIET + [
 evaluator."""
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny decode ops: intra-op threads only add overhead (and thrash on a shared 2-core
-    machine)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def corpus_cache(tmp_path_factory):
     """One cache of the embedded-corpus slices (each slice's tokenizer and token files, keyed by

@@ -34,7 +34,7 @@ def _args(source: str, path: str, prompts: str, case: str, out: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus_cache, one_thread):
+def reference(tmp_path_factory, corpus_cache):
     """A tiny checkpoint (2 kv heads for tp2) and its Hugging Face export, the prompts, and one
     process's file of each source and case."""
     from tandem.trainer.cli import main as cli

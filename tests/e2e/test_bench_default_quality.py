@@ -25,7 +25,7 @@ SOURCES = {"a.py": "".join(f"def f{i}(x, y={i}):\n    return [x * y + {i} for _ 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_base, one_thread):
+def checkpoint(tmp_path_factory, tiny_base):
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
 

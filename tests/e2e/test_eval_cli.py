@@ -11,7 +11,7 @@ from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, one_thread, corpus_cache):
+def tiny_run(tmp_path_factory, corpus_cache):
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config
 

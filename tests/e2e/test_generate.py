@@ -25,7 +25,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.conte
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, corpus_cache, one_thread):
+def ckpt(tmp_path_factory, corpus_cache):
     """A tiny run directory (K=2 MTP) and a prompts file."""
     from tandem.trainer.loop import train
     from tandem.trainer.recipe import load_config

@@ -74,7 +74,7 @@ def vllm_python() -> str:
 
 
 @pytest.mark.slow
-def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache, one_thread):
+def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache):
     py = vllm_python()  # first: a broken install fails before any training
     from tandem.data_pipeline.tokenizer import load_tokenizer
     from tandem.eval.spec_decode import generate

@@ -19,8 +19,6 @@ from tandem.eval.sampling import probs_from_logits, speculative_accept
 from tandem.eval.spec_decode import generate
 from tests.eval_helpers import make_agreeing, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 F64 = torch.float64
 
 

@@ -18,8 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tests.eval_helpers import make_agreeing, tiny_model, tiny_qwen4_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 3]]
 
 # aten ops that wait for the device: scalar reads, and outputs sized by the data

@@ -34,8 +34,6 @@ from tests.eval_helpers import (
     vllm_convention_draft,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 K = 3
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 3], [40, 41, 42], [6]]
 Q4_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27, 28, 29, 30]]

@@ -12,8 +12,6 @@ from tandem.eval.metrics import distinct_n, temperature_label
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.recipe import load_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TRAIN_WORDS = "alpha beta gamma delta epsilon zeta eta theta".split()
 VALID_WORDS = "QUUX ZORP BLIX FNORD GRAULT WALDO".split()
 

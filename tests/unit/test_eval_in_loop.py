@@ -9,8 +9,6 @@ import torch
 from tandem.eval import in_loop
 from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _train(run_dir, cache_dir, interval, steps=4, extra=()):
     from tandem.trainer.loop import train

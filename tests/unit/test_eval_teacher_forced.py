@@ -22,7 +22,7 @@ def counting(start: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def model(one_thread):
+def model():
     return trained_model()
 
 

@@ -15,9 +15,8 @@ from torch import nn
 from tandem.models import experts as experts_module
 from tandem.models.experts import GroupedExperts, expert_path, expert_paths
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
-                                 reason="torch._grouped_mm needs torch >= 2.9")]
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                reason="torch._grouped_mm needs torch >= 2.9")
 
 CPU = torch.device("cpu")
 

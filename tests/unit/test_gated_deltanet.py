@@ -46,11 +46,6 @@ def positions(b, s, start=0):
     return torch.arange(start, start + s).expand(b, s)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 # --- parity with the reference --------------------------------------------------------------------
 @pytest.mark.parametrize("gate", ["silu", "sigmoid"])
 def test_matches_transformers(gate):

@@ -17,11 +17,6 @@ from tandem.models.state import DecodeCache  # noqa: E402
 H, HC, LOWRANK, EMBED, KERNEL, NGRAM, HEADS, VOCAB, BASE, EOS = 16, 4, 8, 16, 4, 3, 2, 64, 97, 5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 def ref_config(**overrides):
     kw = dict(vocab_size=VOCAB, hidden_size=H, hc_count=HC, hc_lowrank=LOWRANK,
               ple_layer_ids=[1, 2],

@@ -18,11 +18,6 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2,
 B, S = 2, 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 def make_qsa(seed: int = 1, budget: int = BUDGET, form: str = "mask") -> IndexedAttention:
     """Random weights (larger than init so differences show). The indexer's query heads are close to
     its key head, so block scores are positive and distinct: no top-k ties for the reference to

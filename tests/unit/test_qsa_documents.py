@@ -19,11 +19,6 @@ LENGTHS = [[7, 13, 1, 19], [3, 22, 15]]
 S = 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 def make_qsa(seed: int, form: str = "mask") -> IndexedAttention:
     """test_qsa.py's QSA layer (its shape, its weights drawn so selection is decided by content)."""
     return make_plain_qsa(seed, form=form)

@@ -17,11 +17,6 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2,
 B, S = 2, 48
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 def pair(seed: int, form: str, dense: bool = False, chunk_elems: int = 200, ties: bool = True):
     """The streamed layer and the reference with the same weights. `ties`: indexer queries pointing
     away from the key head, so most relu(q . k) are 0 and many blocks tie."""

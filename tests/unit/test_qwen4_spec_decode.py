@@ -8,15 +8,12 @@ corrupted."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models import TandemModel
 from tests.eval_helpers import tiny_qwen4_model
 from tests.unit.test_spec_decode import greedy_decode_checked
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 K = 3
 VOCAB = 64

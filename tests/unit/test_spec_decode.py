@@ -10,9 +10,6 @@ from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models.mtp import shifted_tokens
 from tests.eval_helpers import make_agreeing, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 3], [40, 41, 42]]
 
 

@@ -33,10 +33,7 @@ def _setup(monkeypatch):
     # transformers finds MTP layers through this pattern (layers 46/92 of the released models).
     monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected",
                         [r"model\.layers\.2.*"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
 
 
 def _mtp_names(tmp_path):
