@@ -115,8 +115,17 @@ _GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype, int, int], bool] = {}
 """Probe results by (device type, dtype, hidden width, expert width)."""
 
 
+def _constant_under_compile(fn: Callable) -> Callable:
+    """`torch._dynamo.assume_constant_result`: torch.compile calls `fn` eagerly while tracing and
+    keeps its result as a constant. Written out (it sets this one attribute) so that importing the
+    model does not import dynamo, 0.6 s in every process, compiled or not;
+    tests/unit/test_expert_path.py holds the two equal."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # under torch.compile: probed eagerly while tracing, a constant after
-@torch._dynamo.assume_constant_result
+@_constant_under_compile
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype, hidden: int = 8,
                       inter: int = 8) -> bool:
     """Whether the grouped kernel runs an expert layer of these widths (rows of `hidden` features,

@@ -93,9 +93,25 @@ def test_probe_is_cached_per_shape_and_dtype(picky_kernel):
         expert_path(experts(inter), CPU, torch.float32)
     expert_path(experts(32), CPU, torch.bfloat16)
     assert experts_module._GROUPED_MM_WORKS == {("cpu", torch.float32, 32, 32): True,
-                                                ("cpu", torch.float32, 32,
-                                                                                       48): False,
-                                     ("cpu", torch.bfloat16, 32, 32): True}
+                                                ("cpu", torch.float32, 32, 48): False,
+                                                ("cpu", torch.bfloat16, 32, 32): True}
+
+
+def test_probe_is_marked_as_dynamo_marks_a_constant_result():
+    """The probe is marked for torch.compile without importing dynamo (experts
+    `_constant_under_compile`): what dynamo's own decorator sets, and nothing else."""
+    import torch._dynamo
+
+    def probe():
+        return True
+
+    def written_out():
+        return True
+
+    torch._dynamo.assume_constant_result(probe)
+    experts_module._constant_under_compile(written_out)
+    assert vars(probe) == vars(written_out) == {"_dynamo_marked_constant": True}
+    assert experts_module._grouped_mm_works._dynamo_marked_constant is True
 
 
 def test_expert_paths_summary(picky_kernel):

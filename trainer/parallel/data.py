@@ -53,8 +53,6 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import stage_backward
 
 from tandem.models.block import OutputHead
 from tandem.models.experts import GroupedExperts
@@ -281,29 +279,6 @@ class PieceUnits:
                 group.post_backward()
             unit._get_fsdp_state()._root_post_backward_final_callback()  # waits for the reductions
             self._reduced.add(piece)
-
-
-def pipeline_stage_class(reshard_after_microbatch: bool):
-    """The PipelineStage class for `parallel.reshard_after_microbatch`. torch's stage turns FSDP's
-    gradient sync and resharding off for every micro-batch's backward and syncs once, in the
-    schedule's REDUCE_GRAD after the last; with reshard_after_microbatch its full backward leaves
-    them on, so every micro-batch reduce-scatters and reshards as `TrainStep.forward_backward` does
-    without a pipeline (REDUCE_GRAD then finds nothing left to reduce)."""
-
-    if not reshard_after_microbatch:
-        return PipelineStage
-    # torch's own full backward, without the no-sync switches around it (a private helper: the
-    # pipeline equivalence tests run both modes)
-
-    class ReshardingPipelineStage(PipelineStage):
-        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-            if backward_type != "full":  # split input/weight backward (zero-bubble schedules)
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                   bwd_kwargs["input_values"])
-            return grads, None
-
-    return ReshardingPipelineStage
 
 
 _COMPUTE_COPY_CLASSES: Dict[type, type] = {}

@@ -59,7 +59,6 @@ from tandem.models.moe import AuxLossGrad
 from tandem.models.qsa_index import QSASelection
 from tandem.trainer.loss import combine_losses, loss_gradient
 
-from .data import pipeline_stage_class
 from .device import autocast_context
 from .pipeline_plan import PipelinePlan, StagePlan
 from .validate import pipeline_microbatches
@@ -263,6 +262,31 @@ def _shared_piece_units(model: nn.Module, plan, mine) -> List[tuple]:
     return units
 
 
+def pipeline_stage_class(reshard_after_microbatch: bool):
+    """The PipelineStage class for `parallel.reshard_after_microbatch`. torch's stage turns FSDP's
+    gradient sync and resharding off for every micro-batch's backward and syncs once, in the
+    schedule's REDUCE_GRAD after the last; with reshard_after_microbatch its full backward leaves
+    them on, so every micro-batch reduce-scatters and reshards as `TrainStep.forward_backward` does
+    without a pipeline (REDUCE_GRAD then finds nothing left to reduce)."""
+    from torch.distributed.pipelining import PipelineStage  # see `Pipeline.__init__`
+    from torch.distributed.pipelining._backward import stage_backward
+
+    if not reshard_after_microbatch:
+        return PipelineStage
+    # torch's own full backward, without the no-sync switches around it (a private helper: the
+    # pipeline equivalence tests run both modes)
+
+    class ReshardingPipelineStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            if backward_type != "full":  # split input/weight backward (zero-bubble schedules)
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                   bwd_kwargs["input_values"])
+            return grads, None
+
+    return ReshardingPipelineStage
+
+
 class Pipeline:
     """`ParallelState.pipeline`: runs one step's micro-batches through the schedule on this rank."""
 
@@ -271,6 +295,8 @@ class Pipeline:
         """`piece_units`: the pieces two stages of this rank share
         (`PipelinePlan.shared_within_rank`) are FSDP units of their own (data.PieceUnits, set as
         `self.piece_units` once sharded), so no stage module registers them."""
+        # imported here, not at the top: torch's pipelining imports dynamo (0.6 s in every process
+        # that imports the trainer, on one core), which only a pipelined run needs
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
