@@ -91,36 +91,55 @@ TRAINING_LAYOUT_TABLES = {
     "test_compile_layout": ("EAGER", "COMPILED"),
     "test_piece_units": ("LAYOUTS", "BF16_LAYOUTS"),
     "test_context_parallel": ("LAYOUTS", "BF16_LAYOUTS"),
+    "test_router_bias_layouts": ("LAYOUTS",),
 }
 
 
 @pytest.fixture(scope="session")
-def training_layout_runs(request, tmp_path_factory):
-    """The layouts of every training-equivalence module of tests/distributed collected in this
-    session, trained by one torchrun launch per world size (tests/distributed/worker.py) into one
-    directory: each launch starts its ranks, imports torch and forms the process group once, which
-    on a 2-core machine costs as much as several layouts. Compiled layouts run last in their launch
-    (they switch dynamo settings)."""
-    from tests.distributed.test_parallel_equivalence import launch
+def shared_launches(request, tmp_path_factory):
+    """One torchrun launch per world size for the workers of every tests/distributed module
+    collected in this session (tests/distributed/shared_launch.py): the jobs modules declare
+    (`SHARED_JOBS`: (world, worker module, arguments)), then the layouts of the
+    training-equivalence tables above, trained by worker.py into one directory ("training"; a layout
+    two modules check trains once; compiled layouts last, as they switch dynamo settings). Each
+    launch starts its ranks, imports torch and forms the process group once, which on a 2-core
+    machine costs as much as several of the jobs."""
+    from tests.distributed.shared_launch import SharedLaunches
 
     # the collected modules by their last dotted name (tests.distributed.test_x -> test_x)
-    collected = {item.module.__name__.rsplit(".",
-                                             1)[-1]: item.module for item in request.session.items
-                 if getattr(item, "module", None) is not None}
+    collected = {item.module.__name__.rsplit(".", 1)[-1]: item.module
+                 for item in request.session.items if getattr(item, "module", None) is not None}
     by_world = {}
+    for name, module in collected.items():
+        for world, worker, args in getattr(module, "SHARED_JOBS", ()):
+            by_world.setdefault(world, []).append((name, worker, list(args)))
+    training = {}
     for name, tables in TRAINING_LAYOUT_TABLES.items():
         module = collected.get(name)
         if module is None:
             continue
         for table in tables:
             for layout, world in getattr(module, table).items():
-                # a layout two modules check trains once
-                if layout not in by_world.setdefault(world, []):
-                    by_world[world].append(layout)
-    out = tmp_path_factory.mktemp("layouts")
-    for world, layouts in sorted(by_world.items()):
-        launch(out, world, sorted(layouts, key=lambda layout: "train.compile=true" in layout))
-    return out
+                if layout not in training.setdefault(world, []):
+                    training[world].append(layout)
+    for world, layouts in training.items():
+        layouts.sort(key=lambda layout: "train.compile=true" in layout)
+        by_world.setdefault(world, []).append(("training", "tests.distributed.worker", layouts))
+    launches = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    launches.run(by_world)
+    return launches
+
+
+@pytest.fixture(scope="session")
+def training_layout_runs(shared_launches):
+    """The directory of every training-equivalence layout's per-rank results."""
+    return shared_launches.check("training")
+
+
+@pytest.fixture(scope="module")
+def shared_jobs(request, shared_launches):
+    """The requesting module's directory, once its `SHARED_JOBS` ran to their end."""
+    return shared_launches.check(request.module.__name__.rsplit(".", 1)[-1])
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids

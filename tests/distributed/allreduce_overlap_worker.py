@@ -5,13 +5,16 @@ issued while autograd was running that micro-batch's backward, for each
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
 from tests.distributed import torchrun, worker
 
 
-def main() -> None:
+def main(argv) -> int:
+    """argv: the output directory (unused: the counts are printed)."""
     torch.set_num_threads(1)
     from tandem.models.experts import _grouped_mm_works
 
@@ -20,6 +23,7 @@ def main() -> None:
     for every in ("false", "true"):
         count(f"dp=2,dp_mode=allreduce,reshard_after_microbatch={every}")
     dist.destroy_process_group()
+    return 0
 
 
 def count(layout: str) -> None:
@@ -64,4 +68,4 @@ def count(layout: str) -> None:
 
 
 if __name__ == "__main__":
-    torchrun.finish(main)
+    torchrun.finish(lambda: main(sys.argv[1:]))

@@ -12,18 +12,19 @@ import re
 
 import pytest
 
-from tests.distributed import torchrun
-
 pytestmark = [pytest.mark.distributed]
 
+WORKER = "tests.distributed.allreduce_overlap_worker"
+SHARED_JOBS = [(2, WORKER, [])]  # the suite's shared 2-rank launch (shared_launch.py)
 
-def test_allreduce_mode_overlaps_each_backward_or_the_last_only():
-    proc = torchrun.run(2, "tests.distributed.allreduce_overlap_worker", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+def test_allreduce_mode_overlaps_each_backward_or_the_last_only(shared_jobs):
+    printed = "".join((shared_jobs / f"stdout.allreduce_overlap_worker.rank{r}").read_text()
+                      for r in range(2))
     found = re.findall(r"rank\d every=(True|False) micro_batches=(\d+) blocks=(\d+) "
                        r"all_reduces_in_backward=([\d,]+)",
-                       proc.stdout)
-    assert sorted(every for every, *_ in found) == ["False", "False", "True", "True"], proc.stdout
+                       printed)
+    assert sorted(every for every, *_ in found) == ["False", "False", "True", "True"], printed
     for every, micro, blocks, per_backward in found:
         per_backward = [int(n) for n in per_backward.split(",")]
         assert len(per_backward) == int(micro) >= 2, per_backward

@@ -87,13 +87,15 @@ PER_TOKEN = {
 }
 
 
+# in the suite's shared launches (shared_launch.py)
+SHARED_JOBS = [(world, context_worker.__name__,
+                [layout for layout, w in PER_TOKEN.items() if w == world])
+               for world in sorted(set(PER_TOKEN.values()))]
+
+
 @pytest.fixture(scope="module")
-def per_token_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("context_per_token")
-    for world in sorted(set(PER_TOKEN.values())):
-        eq.launch(out, world, [layout for layout, w in PER_TOKEN.items() if w == world],
-                  context_worker.__name__)
-    return out
+def per_token_runs(shared_jobs):
+    return shared_jobs
 
 
 @pytest.mark.parametrize("layout", list(PER_TOKEN))

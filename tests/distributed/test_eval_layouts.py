@@ -3,18 +3,16 @@ and every eval/* acceptance figure identical, teacher-forced losses within fp32 
 
 Pipeline (1F1B and interleaved placements), sequence parallelism (decode steps on whole sequences),
 expert parallelism (replicas decoding different prompts in lockstep for the all-to-alls, one of
-them padding a slot) and data parallelism (FSDP), one torchrun launch per world size
-(tests/distributed/eval_worker.py); the single-process reference runs here.
+them padding a slot) and data parallelism (FSDP), in the suite's one torchrun launch per world size
+(tests/distributed/eval_worker.py, shared_launch.py); the single-process reference runs here.
 """
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
-from tests.distributed import eval_worker, torchrun
+from tests.distributed import eval_worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -75,24 +73,31 @@ def reference():
     return eval_worker.evaluate("single")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval_layouts")
+def _by_world() -> dict:
     by_world = {}
     for layout, world in {**LAYOUTS, **Q4_LAYOUTS}.items():
         by_world.setdefault(world, []).append(layout)
-    for world, layouts in sorted(by_world.items()):
-        proc = torchrun.run(world, eval_worker.__name__, out, *layouts)
-        assert proc.returncode == 0, crash_report(proc, out)
-    return out
+    return by_world
 
 
-def crash_report(proc: subprocess.CompletedProcess, out) -> str:
-    """A failed launch's output tail, then every rank's stack file (eval_worker.record_stacks: the
-    layout each rank was on and, if it died of a signal or was stopped by torchrun after another
-    rank died, where each thread was). No relaunch: a crash is a defect to find, not a flake to
-    retry."""
-    report = [proc.stdout[-3000:], proc.stderr[-6000:]]
+# one job per world size in the suite's shared launches (tests/distributed/shared_launch.py)
+SHARED_JOBS = [(world, eval_worker.__name__, layouts) for world, layouts in _by_world().items()]
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launches):
+    name = __name__.rsplit(".", 1)[-1]
+    try:
+        return shared_launches.check(name)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack_report(shared_launches.dir(name))}") from None
+
+
+def stack_report(out) -> str:
+    """Every rank's stack file (eval_worker.record_stacks: the layout each rank was on and, if it
+    died of a signal or was stopped by torchrun after another rank died, where each thread was). No
+    relaunch: a crash is a defect to find, not a flake to retry."""
+    report = []
     for path in sorted((out / "stacks").glob("rank*.txt")) if (out / "stacks").is_dir() else []:
         report.append(f"--- {path.name} ---\n{path.read_text()[-4000:]}")
     return "\n".join(report)

@@ -3,7 +3,7 @@ vocab-parallel head keeps its vocabulary shard (no gathered [tokens x vocab] log
 than a chunk of the shard) and gives one device's losses and top-1 accuracies, ties included (the
 first vocab id wins, as argmax over the whole vocabulary picks it).
 
-Run by pytest, this file launches itself under torchrun on 2 gloo ranks (tp=2); each rank builds
+This file is also the worker, run in the suite's shared 2-rank launch (tp=2); each rank builds
 tests/unit/test_eval_teacher_forced.py's trained tiny model and swaps its head for the
 vocab-parallel one trainer/parallel/tensor.py installs."""
 
@@ -20,11 +20,12 @@ from tests.distributed import torchrun
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_vocab_parallel_teacher_forced(tmp_path):
-    proc = torchrun.run(2, "tests.distributed.test_eval_vocab_parallel", tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+SHARED_JOBS = [(2, __name__, [])]  # the suite's shared 2-rank launch (shared_launch.py)
+
+
+def test_vocab_parallel_teacher_forced(shared_jobs):
     for rank in range(2):
-        with open(tmp_path / f"rank{rank}.json") as f:
+        with open(shared_jobs / f"rank{rank}.json") as f:
             r = json.load(f)
         for variant in ("trained", "ties"):
             want, got = r[variant]["one_device"], r[variant]["tp"]
@@ -40,7 +41,8 @@ def test_vocab_parallel_teacher_forced(tmp_path):
         assert r["largest_full_vocab_tensor"] == 0, r
 
 
-def main(out_dir: str) -> int:
+def main(argv) -> int:
+    out_dir = argv[0]
     import copy
 
     import torch
@@ -98,4 +100,4 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1]))
+    torchrun.finish(lambda: main(sys.argv[1:]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import torchrun, worker
+from tests.distributed import worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -165,13 +165,6 @@ def model_overrides(layout: str, drop=()) -> str:
 def batch_ranks(layout: str) -> int:
     kv = dict(item.split("=") for item in layout.split(",") if "." not in item.split("=")[0])
     return int(kv.get("dp", 1)) * int(kv.get("ep", 1)) if "dp" in kv else int(kv.get("ep", 1))
-
-
-def launch(tmp_path, world: int, layouts, module: str = "tests.distributed.worker"):
-    """`module` (a worker of this package) under torchrun on `world` ranks, writing into
-    `tmp_path`."""
-    proc = torchrun.run(world, module, tmp_path, *layouts)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def load_ranks(tmp_path, layout: str, world: int):

@@ -107,24 +107,30 @@ def _check(sharding: str) -> None:
                                            msg=lambda m: f"{where} {key}: {m}")
 
 
-def main() -> None:
+def main(argv) -> int:
+    """argv: the output directory (unused: the checks run here), the shardings to check."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        for sharding in sys.argv[1].split(","):
+        for sharding in argv[1].split(","):
             _check(sharding)
     finally:
         dist.destroy_process_group()
+    return 0
 
 
-@pytest.mark.parametrize("cp,shardings", [(2, "zigzag,contiguous"), (4, "zigzag")])
-def test_qsa_under_context_parallelism_equals_one_process(cp, shardings):
-    proc = torchrun.run(cp, __name__, shardings, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+CASES_BY_CP = {2: "zigzag,contiguous", 4: "zigzag"}
+# in the suite's shared launches (shared_launch.py): each rank checks its rows
+SHARED_JOBS = [(cp, __name__, [shardings]) for cp, shardings in CASES_BY_CP.items()]
+
+
+@pytest.mark.parametrize("cp", list(CASES_BY_CP))
+def test_qsa_under_context_parallelism_equals_one_process(cp, shared_launches):
+    shared_launches.check(__name__.rsplit(".", 1)[-1], cp)
 
 
 if __name__ == "__main__":
-    torchrun.finish(main)
+    torchrun.finish(lambda: main(sys.argv[1:]))

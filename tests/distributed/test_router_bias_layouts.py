@@ -4,27 +4,24 @@ Loss depths spread over the stages put a copy of the MTP module on both pp ranks
 the loop sums over those copies; with a dense MTP layer (`mtp.moe=false`) and every trunk layer on
 stage 0, stage 1 holds no MoE layer at all. It used to return before that all-reduce while stage 0
 waited in it: a deadlock (or, on gloo, a collective matched with the next step's gradient sum). The
-launch runs under a timeout, so a hang fails the test instead of stalling the suite; the result must
-then equal one process's, like every layout in test_parallel_equivalence.py.
+shared launch that trains it runs under a timeout (tests/distributed/shared_launch.py), so a hang
+fails the test instead of stalling the suite; the result must then equal one process's, like every
+layout in test_parallel_equivalence.py.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-
 import pytest
 import torch
 
-from tests.distributed import torchrun, worker
+from tests.distributed import worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # stage 0: layers 0 (dense, first_k_dense=1) to 3 and MTP depth 1; stage 1: no trunk layer, the
 # trunk's head and MTP depth 2 on a dense MTP layer
 LAYOUT = "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],mtp.moe=false"
-TIMEOUT_S = 180  # the run takes ~15 s on 2 busy cores
+LAYOUTS = {LAYOUT: 2}  # trained in the suite's shared 2-rank launch (tests/conftest.py)
 # Parameters after three Adam steps: measured 3.1e-5 relative at most (layer 0's q_proj; 1.0e-5 for
 # the same placement with an MoE MTP layer, 2e-7 without spread depths); with float64 parameters the
 # same comparison gives 3.7e-8, so this is fp32 rounding of the copies' summed gradients, amplified
@@ -32,25 +29,9 @@ TIMEOUT_S = 180  # the run takes ~15 s on 2 busy cores
 PARAM_RTOL = 1e-4
 
 
-def test_pp_rank_without_moe_layers_trains_like_one_process(tmp_path):
-    cmd = torchrun.command(2, "tests.distributed.worker", tmp_path, LAYOUT)
-    # a file, not a pipe: stuck workers cannot block the reader
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=torchrun.ROOT, env=dict(os.environ, **torchrun.ENV),
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            # torchrun stops its workers (their own sessions), then exits
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            pytest.fail(f"{LAYOUT}: no result within {TIMEOUT_S} s (the ranks deadlocked)")
-        log.seek(0)
-        assert proc.returncode == 0, log.read()[-8000:]
-    ranks = [torch.load(tmp_path / f"{LAYOUT}.rank{r}.pt", weights_only=False) for r in range(2)]
+def test_pp_rank_without_moe_layers_trains_like_one_process(training_layout_runs):
+    ranks = [torch.load(training_layout_runs / f"{LAYOUT}.rank{r}.pt", weights_only=False)
+             for r in range(2)]
     torch.set_num_threads(1)
     ref = worker.run_layout("single,mtp.moe=false")
     losses = torch.tensor(ranks[0]["losses"], dtype=torch.float64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import torchrun, worker
+from tests.distributed import worker
 
 pytestmark = [pytest.mark.distributed]
 
@@ -20,12 +20,13 @@ INTERLEAVED = "pp=2,pp_schedule=interleaved_1f1b,train.dtype=bf16"
 PIECES = ("embed_tokens", "norm", "lm_head", "mtp")
 
 
+# the suite's shared 2-rank launch (shared_launch.py)
+SHARED_JOBS = [(2, "tests.distributed.shared_sums_worker", [SPREAD, INTERLEAVED])]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shared_sums")
-    proc = torchrun.run(2, "tests.distributed.shared_sums_worker", out, SPREAD, INTERLEAVED)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out
+def runs(shared_jobs):
+    return shared_jobs
 
 
 def plan(layout):

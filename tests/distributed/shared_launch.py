@@ -1,0 +1,150 @@
+"""Several workers of this package in one torchrun launch per world size.
+
+Starting a launch costs more than most of the checks it runs: torchrun's agent, then every rank
+importing torch and the trainer and forming the gloo group (measured on the suite's 2 cores: 7 s
+for 2 ranks, 11 s for 4, 18 s for 8, most of it CPU that the other xdist worker then lacks). So the
+test modules of tests/distributed that need nothing prepared before their launch declare their
+workers' jobs (`SHARED_JOBS`, and the training-equivalence tables of tests/conftest.py), and one
+launch per world size runs them all in turn (`launch`), each writing into its test module's
+directory.
+
+Each job is a worker module's `main(argv)` with argv[0] its output directory. The group is formed
+once, here: a worker's own `dist.init_process_group` finds it formed and its
+`dist.destroy_process_group` leaves it (a group destroyed and formed again in one launch hangs
+under torchrun's shared store). A job's stdout goes to `stdout.<worker>.rank<r>` in its directory.
+After a job every rank writes `<worker>.w<world>.rank<r>.done`, or `.error` with the traceback
+(the launch then stops: the other ranks would wait in a collective that never comes), so each test
+module checks its own jobs (`check`) and a failure is reported by the module that caused it."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from tests.distributed import torchrun
+
+Job = Tuple[int, str, List[str]]
+"""(world size, worker module, arguments after the output directory)."""
+
+TIMEOUT_S = 1800
+"""One launch runs many jobs (the 2-rank launch about five minutes of them on 2 busy cores)."""
+
+
+def marker(directory, module: str, world: int, rank: int, kind: str) -> Path:
+    return Path(directory) / f"{module.rsplit('.', 1)[-1]}.w{world}.rank{rank}.{kind}"
+
+
+def launch(world: int, jobs: List[Tuple[Path, str, List[str]]], spec_dir: Path
+           ) -> subprocess.CompletedProcess:
+    """Run `jobs` ((output directory, worker module, arguments)) in order in one launch of `world`
+    ranks; the caller reads each job's markers (`check`)."""
+    spec = spec_dir / f"jobs.w{world}.json"
+    spec.write_text(json.dumps([{"dir": str(d), "module": m, "args": [str(a) for a in args]}
+                                for d, m, args in jobs]))
+    cmd = torchrun.command(world, __name__, spec)
+    # output to a file, not a pipe: ranks stuck in a collective cannot block the reader
+    with open(spec_dir / f"log.w{world}", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=torchrun.ROOT, env=dict(os.environ, **torchrun.ENV),
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # a deadlock: torchrun stops its ranks, then exits
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            code = f"none: stopped after {TIMEOUT_S} s"
+        log.seek(0)
+        return subprocess.CompletedProcess(cmd, code, log.read(), "")
+
+
+def check(directory, module: str, world: int, proc: subprocess.CompletedProcess) -> None:
+    """Assert that `module`'s job of the `world`-rank launch finished on every rank; else its
+    ranks' tracebacks, or (it never ran: an earlier job stopped the launch) the launch's output."""
+    done = [marker(directory, module, world, r, "done").exists() for r in range(world)]
+    if all(done):
+        return
+    errors = [marker(directory, module, world, r, "error") for r in range(world)]
+    report = [f"--- rank {r} ---\n{e.read_text()[-4000:]}" for r, e in enumerate(errors)
+              if e.exists()]
+    if not report:
+        report = [f"{module} did not run to its end in the {world}-rank launch "
+                  f"(exit code {proc.returncode}):", proc.stdout[-8000:]]
+    raise AssertionError("\n".join(report))
+
+
+class SharedLaunches:
+    """The session's shared launches (tests/conftest.py `shared_launches`): which test module's
+    jobs ran in which launch, and where each module's directory is."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.jobs: Dict[str, List[Tuple[int, str]]] = {}
+        self.procs: Dict[int, subprocess.CompletedProcess] = {}
+
+    def run(self, by_world: Dict[int, List[Tuple[str, str, List[str]]]]) -> None:
+        """One launch per world size, smallest first, of its (test module, worker, args) jobs."""
+        for world in sorted(by_world):
+            jobs = [(self.dir(name), module, args) for name, module, args in by_world[world]]
+            self.procs[world] = launch(world, jobs, self.root)
+            for name, module, _ in by_world[world]:
+                self.jobs.setdefault(name, []).append((world, module))
+
+    def dir(self, name: str) -> Path:
+        return self.root / name
+
+    def check(self, name: str, world: int | None = None) -> Path:
+        """Assert that test module `name`'s jobs (of the `world`-rank launch only, when given) ran
+        to their end; returns the module's directory."""
+        for job_world, module in self.jobs.get(name, []):
+            if world in (None, job_world):
+                check(self.dir(name), module, job_world, self.procs[job_world])
+        return self.dir(name)
+
+
+def main(argv: List[str]) -> int:
+    import torch.distributed as dist
+
+    jobs: List[Dict] = json.loads(Path(argv[0]).read_text())
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    form, destroy = dist.init_process_group, dist.destroy_process_group
+
+    def keep_formed(*args, **kwargs):
+        if not dist.is_initialized():
+            form(*args, **kwargs)
+
+    def keep_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    dist.init_process_group, dist.destroy_process_group = keep_formed, keep_default
+    for job in jobs:
+        module = job["module"]
+        os.makedirs(job["dir"], exist_ok=True)
+        out = Path(job["dir"]) / f"stdout.{module.rsplit('.', 1)[-1]}.rank{rank}"
+        try:
+            with open(out, "w") as f, contextlib.redirect_stdout(f):
+                code = importlib.import_module(module).main([job["dir"], *job["args"]])
+            if code:
+                raise RuntimeError(f"{module} returned {code}")
+        except BaseException:
+            marker(job["dir"], module, world, rank, "error").write_text(traceback.format_exc())
+            raise
+        marker(job["dir"], module, world, rank, "done").touch()
+        dist.barrier()  # every rank done with a job before the next starts
+    destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    torchrun.finish(lambda: main(sys.argv[1:]))
