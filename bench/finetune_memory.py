@@ -1,6 +1,6 @@
 """Host memory and checkpoint size of MTP fine-tuning a Hugging Face MoE checkpoint, per FSDP rank.
 
-    python bench/finetune_memory.py [--ranks 1,2,4] [--quick] [--workdir DIR]
+    python bench/finetune_memory.py [--ranks 1,2,4] [--quick] [--workdir DIR] [--cache-dir DIR]
 
 Builds a ~430M-parameter GLM-4.5-style MoE checkpoint locally (random weights, bf16 safetensors in
 the `glm4_moe` layout `transformers` loads, the embedded corpus's tokenizer), then fine-tunes MTP
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--quick", action="store_true", help="small model at 2 ranks (for the test)")
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--cache-dir", default="",
+                    help="the embedded corpus's cache (default: WORKDIR/cache)")
     ap.add_argument("--glibc-default", action="store_true",
                     help="run the ranks with glibc's dynamic mmap threshold "
                          "(train.malloc_mmap_threshold=0; "
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     GLIBC_DEFAULT = args.glibc_default
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
     work = args.workdir or tempfile.mkdtemp(prefix="tandem_ftmem_")
-    cache = os.path.join(work, "cache")
+    cache = args.cache_dir or os.path.join(work, "cache")
     n = make_checkpoint(os.path.join(work, "big"), QUICK if args.quick else BIG, cache)
     if not args.quick:
         make_checkpoint(os.path.join(work, "tiny"), TINY, cache)

@@ -98,10 +98,10 @@ TRAINING_LAYOUT_TABLES = {
 @pytest.fixture(scope="session")
 def shared_launches(request, tmp_path_factory):
     """One torchrun launch per world size for the workers of every tests/distributed module
-    collected in this session (tests/distributed/shared_launch.py): the jobs modules declare
-    (`SHARED_JOBS`: (world, worker module, arguments)), then the layouts of the
+    collected in this session (tests/distributed/shared_launch.py): the layouts of the
     training-equivalence tables above, trained by worker.py into one directory ("training"; a layout
-    two modules check trains once; compiled layouts last, as they switch dynamo settings). Each
+    two modules check trains once; compiled layouts last, as they switch dynamo settings), then the
+    jobs modules declare (`SHARED_JOBS`: (world, worker module, arguments)). Each
     launch starts its ranks, imports torch and forms the process group once, which on a 2-core
     machine costs as much as several of the jobs."""
     from tests.distributed.shared_launch import SharedLaunches
@@ -124,7 +124,9 @@ def shared_launches(request, tmp_path_factory):
                     training[world].append(layout)
     for world, layouts in training.items():
         layouts.sort(key=lambda layout: "train.compile=true" in layout)
-        by_world.setdefault(world, []).append(("training", "tests.distributed.worker", layouts))
+        # first: the training layouts ran 20-45% slower after the other jobs than before them
+        # (measured, 2 ranks; the cause is not found), and nothing the other jobs run is compiled
+        by_world.setdefault(world, []).insert(0, ("training", "tests.distributed.worker", layouts))
     launches = SharedLaunches(tmp_path_factory.mktemp("launches"))
     launches.run(by_world)
     return launches

@@ -14,10 +14,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_finetune_memory_bench_quick(tmp_path):
+def test_finetune_memory_bench_quick(tmp_path, corpus_cache):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "finetune_memory.py"),
-                           "--quick",
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                           "--quick", "--workdir", str(tmp_path), "--cache-dir", corpus_cache],
+                          capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
