@@ -53,7 +53,7 @@ from torch import nn
 from .context import WholeWindow
 from .delta_rule import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
 from .documents import Documents, causal_conv_taps
-from .layers import InitRule, InitScales, rms_norm
+from .layers import InitRule, InitScales, draw_init, rms_norm
 
 try:  # optional CUDA kernels; the pure-PyTorch path below computes the same thing
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -136,10 +136,10 @@ class GatedDeltaNet(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """dt_bias = 1 and A = exp(A_log) ~ U(0.01, 16), as transformers initialises them (the lower
-        bound keeps log A finite). In place, so it is a no-op on the meta device."""
-        self.dt_bias.fill_(1.0)
-        self.A_log.uniform_(0.01, 16.0).log_()
-        self.norm.weight.fill_(1.0)
+        bound keeps log A finite; `param_init`). In place, so it is a no-op on the meta device."""
+        for name in ("dt_bias", "A_log"):
+            draw_init(getattr(self, name), self.param_init(name, None))
+        draw_init(self.norm.weight, self.norm.param_init("weight", None))
 
     def computed_params(self):
         """(conv1d weight, A_log, dt_bias) as forward computes with them: the parameters themselves
@@ -197,10 +197,10 @@ class GatedDeltaNet(nn.Module):
                 g_bsn.float().transpose(1, 2), beta_bsn.float().transpose(1, 2))
 
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
-        """As `reset_parameters` (transformers' values), and the output projection as every residual
-        one."""
-        return {"A_log": ("a_log", 0.0), "dt_bias": ("ones", 0.0),
-                "out_proj.weight": ("normal", scales.residual_std)}.get(name)
+        """transformers' values, and the output projection as every residual one."""
+        if name == "out_proj.weight":
+            return "normal", scales.residual_std
+        return {"A_log": ("a_log", 0.0), "dt_bias": ("ones", 0.0)}.get(name)
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None,
                 documents: Optional[Documents] = None,

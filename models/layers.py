@@ -26,6 +26,22 @@ class InitScales:
     with depth."""
 
 
+@torch.no_grad()
+def draw_init(p: torch.Tensor, rule: InitRule) -> None:
+    """Draw `p` in place from the global RNG as `rule` says (a no-op on the meta device); the
+    trainer draws the same rules shard by shard from per-parameter seeds
+    (trainer/seeded_init.py)."""
+    kind, std = rule
+    if kind == "ones":
+        p.fill_(1.0)
+    elif kind == "zeros":
+        p.zero_()
+    elif kind == "a_log":
+        p.uniform_(0.01, 16.0).log_()
+    else:
+        p.normal_(0.0, std)
+
+
 def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
                    group_size: int):
     """(RMSNorm's output, rstd): x normalised in fp32 (as Llama/Qwen/GLM do) over its last dimension

@@ -22,7 +22,7 @@ from .block import OutputHead, TransformerBlock, block_kwargs
 from .config import ModelConfig
 from .context import WholeWindow
 from .documents import Documents
-from .layers import InitRule, InitScales
+from .layers import InitRule, InitScales, draw_init
 from .loss import (
     IGNORE,
     chunked_argmax,
@@ -166,15 +166,7 @@ class TandemModel(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for name, p in self.named_parameters():
-            kind, std = self.init_rule(name)
-            if kind == "ones":
-                p.fill_(1.0)
-            elif kind == "zeros":
-                p.zero_()
-            elif kind == "a_log":
-                p.uniform_(0.01, 16.0).log_()
-            else:
-                p.normal_(0.0, std)
+            draw_init(p, self.init_rule(name))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

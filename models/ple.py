@@ -38,7 +38,7 @@ from torch import nn
 
 from .context import WholeWindow
 from .documents import Documents, causal_conv_taps
-from .layers import InitRule, InitScales, RMSNorm
+from .layers import InitRule, InitScales, RMSNorm, draw_init
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
@@ -266,11 +266,12 @@ class PLELayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The conv starts at zero (as in Qwen4-Exp), so a fresh PLE adds only its gated values."""
-        nn.init.zeros_(self.conv1d.weight)
+        """The conv starts at zero (`param_init`)."""
+        draw_init(self.conv1d.weight, self.param_init("conv1d.weight", None))
 
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
-        return ("zeros", 0.0) if name == "conv1d.weight" else None  # as reset_parameters
+        """The conv starts at zero (as in Qwen4-Exp), so a fresh PLE adds only its gated values."""
+        return ("zeros", 0.0) if name == "conv1d.weight" else None
 
     def forward(self, x_bsX: torch.Tensor, input_ids_bs: torch.Tensor,
                 positions_bs: Optional[torch.Tensor] = None,

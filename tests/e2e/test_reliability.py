@@ -46,10 +46,10 @@ def uninterrupted_losses(tiny_overrides, run_dir, accum: int = 1):
     return losses(cfg.run.dir)
 
 
-@pytest.fixture
-def reference(tiny_overrides, tmp_path):
-    """An uninterrupted 6-step run to compare recoveries against."""
-    return uninterrupted_losses(tiny_overrides, tmp_path / "reference")
+@pytest.fixture(scope="module")
+def reference(tiny_base, tmp_path_factory):
+    """An uninterrupted 6-step run to compare recoveries against (one for every kill point)."""
+    return uninterrupted_losses(tiny_base, tmp_path_factory.mktemp("reference") / "run")
 
 
 @pytest.mark.slow
