@@ -165,7 +165,7 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
         cfg = cfg or base
         mtp = mtp or getattr(model, "mtp_cfg", None)
         want = model_config_from_hf(hf, spec, max_seq_len=cfg.max_seq_len)
-        _check_same_shape(want, cfg, path)
+        _check_same_shape(want, cfg, path, mtp)
         check_tokenizer(path, cfg.vocab_size)
         full = meta_state(cfg, mtp)  # the whole model, even if this rank holds a part of it
         report = LoadReport()
@@ -282,13 +282,28 @@ _MATH_FIELDS = ("top_k", "router_score", "norm_topk_prob", "routed_scaling_facto
                 "topk_group", "rope_theta", "partial_rotary_factor")
 
 
-def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str) -> None:
+def _fields_in_use(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[str, ...]:
+    """The shape and routing fields that some tensor or op of this model depends on: without routed
+    experts none of the MoE ones, and the dense MLP width only where a dense MLP is (a dense trunk,
+    its first_k_dense layers, a dense MTP layer). A checkpoint that differs only in a field no
+    tensor uses (Hugging Face configs fill them differently from Tandem's defaults) fits."""
+    moe = cfg.num_experts > 0
+    dense_mlp = not moe or cfg.first_k_dense > 0 or bool(mtp and mtp.num_steps and not mtp.moe)
+    unused = set() if moe else {"moe_intermediate_size", "num_shared_experts", "first_k_dense",
+                                *_MATH_FIELDS[:-2]}
+    if not dense_mlp:
+        unused.add("intermediate_size")
+    return tuple(f for f in _SHAPE_FIELDS + _MATH_FIELDS if f not in unused)
+
+
+def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str,
+                      mtp: Optional[MTPConfig] = None) -> None:
     if want.vocab_size != have.vocab_size:
         raise CheckpointError(
             f"tokenizer/vocab mismatch: {path} has vocab_size={want.vocab_size} but "
             f"model.vocab_size={have.vocab_size}")
     diffs = []
-    for key in _SHAPE_FIELDS + (_MATH_FIELDS if want.num_experts else _MATH_FIELDS[-2:]):
+    for key in _fields_in_use(have, mtp):
         a, b = getattr(want, key), getattr(have, key)
         if a != b and not (isinstance(a, float) and abs(a - b) < 1e-9 * max(1.0, abs(a))):
             diffs.append(f"model.{key}: checkpoint {a!r} vs model {b!r}")
