@@ -22,7 +22,6 @@ import contextlib
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import traceback
@@ -30,9 +29,6 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from tests.distributed import torchrun
-
-Job = Tuple[int, str, List[str]]
-"""(world size, worker module, arguments after the output directory)."""
 
 TIMEOUT_S = 1800
 """One launch runs many jobs (the 2-rank launch about five minutes of them on 2 busy cores)."""
@@ -49,22 +45,7 @@ def launch(world: int, jobs: List[Tuple[Path, str, List[str]]], spec_dir: Path
     spec = spec_dir / f"jobs.w{world}.json"
     spec.write_text(json.dumps([{"dir": str(d), "module": m, "args": [str(a) for a in args]}
                                 for d, m, args in jobs]))
-    cmd = torchrun.command(world, __name__, spec)
-    # output to a file, not a pipe: ranks stuck in a collective cannot block the reader
-    with open(spec_dir / f"log.w{world}", "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=torchrun.ROOT, env=dict(os.environ, **torchrun.ENV),
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            code = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:  # a deadlock: torchrun stops its ranks, then exits
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            code = f"none: stopped after {TIMEOUT_S} s"
-        log.seek(0)
-        return subprocess.CompletedProcess(cmd, code, log.read(), "")
+    return torchrun.run(world, __name__, spec, timeout=TIMEOUT_S)
 
 
 def check(directory, module: str, world: int, proc: subprocess.CompletedProcess) -> None:

@@ -67,7 +67,7 @@ def launched(reference):
     for layout in LAYOUTS:
         (root / layout).mkdir()
     proc = torchrun.run(2, __name__, root, *LAYOUTS, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-7000:]
     return root
 
 

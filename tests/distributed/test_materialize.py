@@ -28,7 +28,7 @@ def test_layouts_materialise_only_their_shards_and_equal_one_process(tmp_path):
     export_hf(TandemModel(cfg.model, mtp), str(tmp_path / "hf"), "glm4_moe", cfg=cfg.model, mtp=mtp)
     proc = torchrun.run(4, "tests.distributed.materialize_worker", tmp_path, tmp_path / "hf",
                         *LAYOUTS)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stdout[-6000:]
     for layout in LAYOUTS:
         for r in range(4):
             assert (tmp_path / f"{layout}.rank{r}.ok").exists(), layout

@@ -8,8 +8,10 @@ edits."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import traceback
 from typing import Callable, List, NoReturn
 
@@ -29,11 +31,27 @@ def command(world: int, module: str, *args) -> List[str]:
 
 def run(world: int, module: str, *args, timeout: float = 600,
         env: dict | None = None) -> subprocess.CompletedProcess:
-    """`command(world, module, *args)` from the repository root, its output captured; the caller
-    checks the return code (and what it reports on failure)."""
-    return subprocess.run(command(world, module, *args), cwd=ROOT,
-                          env=dict(env or os.environ, **ENV),
-                          capture_output=True, text=True, timeout=timeout)
+    """`command(world, module, *args)` from the repository root; the caller checks the return code
+    (and what it reports on failure). Output and errors come back together in `stdout`, through a
+    file, not a pipe, so ranks stuck in a collective cannot block the reader. Past `timeout` (a
+    deadlock) torchrun is sent SIGTERM, which stops its ranks before it exits, and the return code
+    is -1."""
+    cmd = command(world, module, *args)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env or os.environ, **ENV), stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            code = -1
+            log.write(f"\nstopped: no exit within {timeout} s\n")
+        log.seek(0)
+        return subprocess.CompletedProcess(cmd, code, log.read(), "")
 
 
 def finish(main: Callable[[], int | None]) -> NoReturn:
