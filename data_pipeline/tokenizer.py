@@ -68,13 +68,13 @@ class TandemTokenizer:
                                                               add_special_tokens=False)]
         return [self.encode(t) for t in texts]
 
-    def encode_rendered(self, text: str) -> Tuple[List[int], List[int]]:
+    def encode_rendered(self, text: str) -> Tuple[List[int], Optional[List[int]]]:
         """(token ids, each token's first character offset) of a rendered chat template, whose
         special-token strings (`<|im_start|>`) become their special tokens, unlike `encode`, which
-        keeps a document's literal special-token strings as text."""
+        keeps a document's literal special-token strings as text. A slow Hugging Face tokenizer has
+        no offsets (None): prompts need none, chat training data a fast tokenizer (ChatEncoder)."""
         if self._backend is None:
-            enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
-            return list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
+            return list(self._hf.encode(text, add_special_tokens=False)), None
         if self._rendered is None:  # a copy, so `encode` is never switched under another caller
             self._rendered = type(self._backend).from_str(self._backend.to_str())
             self._rendered.encode_special_tokens = False
