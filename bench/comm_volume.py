@@ -452,10 +452,10 @@ def worker(out_path, layouts):
                 counter.__enter__()
                 exchanged.clear()
                 exchanged["on"] = 1
-            # QSA's stage and indexer loss, as the training loop sets them
-            tr.indexers.begin_step(step)
             counts = tr.global_target_counts(batches)
-            pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
+            # QSA's stage, as the training loop passes it
+            pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs,
+                                                           tr.indexers.dense(step)))
             tr.clip_gradients()
             tr.update_router_biases()
             if step == 1:

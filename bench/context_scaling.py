@@ -9,9 +9,8 @@ chain, the gradient sync and FSDP over cp included; no optimizer step). The mode
 MoE with the aux loss, looped MTP K=3) in its sparse stage (`model.indexer_warmup_steps=0`, as the
 256k recipes: the dense warm-up's KL target is quadratic in S) with QSA's gather form
 (`model.qsa_form=gather`: `auto` switches to it at 8k tokens; the mask form's [S/cp, S] mask would
-grow with S^2), fp32. The indexer's KL is off unless `--indexer-kl` (TrainStep alone does not attach
-it; the training loop's `begin_step` does), as its streamed target makes a 32k-token step several
-times slower on this CPU.
+grow with S^2), fp32. The indexer's KL is off (`model.indexer_loss_coef=0`) unless `--indexer-kl`,
+as its streamed target makes a 32k-token step several times slower on this CPU.
 
 Memory: each rank's peak resident set during the step minus its resident set just before it (Linux
 VmHWM, reset through /proc/self/clear_refs before each step), with glibc's mmap threshold fixed at
@@ -57,8 +56,9 @@ CPS = (1, 2, 4)
 K = 3
 
 
-def overrides(flavor: str, seq: int, cp: int, extra) -> list:
+def overrides(flavor: str, seq: int, cp: int, extra, indexer_kl: bool = False) -> list:
     return [f"flavor={flavor}", f"data.seq_len={seq}", f"model.max_seq_len={seq + 256}",
+            f"model.indexer_loss_coef={1.0 if indexer_kl else 0.0}",
             "model.qsa_form=gather",
             "model.indexer_warmup_steps=0", f"mtp.num_steps={K}", "mtp.num_layers=1",
             "mtp.style=looped",
@@ -104,7 +104,8 @@ def worker(out_path, args):
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     results = {}
     for seq in [opts["seqs"][0]] + opts["seqs"]:  # the first length twice: a warm-up, not reported
-        cfg = load_config(None, overrides(opts["flavor"], seq, cp, opts["set"]))
+        cfg = load_config(None, overrides(opts["flavor"], seq, cp, opts["set"],
+                                          opts["indexer_kl"]))
         pstate = init_parallel(cfg, resolve_device("cpu"))
         torch.manual_seed(0)
         model = build_model(cfg, pstate)
@@ -119,8 +120,6 @@ def worker(out_path, args):
         batches = [{"tokens": tokens, "loss_mask": torch.ones(1, seq),
                     "doc_ids": torch.zeros(1, seq + 1).long()}]
         coefs = depth_coefficients(cfg.mtp, 0)
-        if opts["indexer_kl"]:  # the sparse stage with its indexer KL, as the training loop sets it
-            tr.indexers.begin_step(cfg.model.indexer_warmup_steps)
         counts = tr.global_target_counts(batches)
         if dist.is_initialized():
             dist.barrier()

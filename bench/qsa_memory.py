@@ -57,19 +57,20 @@ def _reference_class():
                                 None if docs is None else docs.visible(self.compress_ratio))
 
         def _indexer_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
-                            query_at_bs, docs, selected, want_loss, visible, rows_s, window):
+                            query_at_bs, docs, selected, want_loss, visible, rows_s, window, dense,
+                            measure_recall):
             assert window is None, "the reference runs in one process"
             r, n = self.compress_ratio, k_bnd.shape[1]
             mass_bsn, recall_bs = attention_block_mass(
                 q_bhsd.detach(), k_bksd.detach(), r, n, self.chunk_elems, selected,
-                sparse_target=not self.dense,
+                sparse_target=not dense,
                 query_first_bs=None if docs is None else docs.first_bs,
                 block_tokens_bm=None if docs is None else docs.tokens_bm)
-            if self.measure_recall:
+            if measure_recall:
                 self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
             if not want_loss:
                 return None
-            if self.dense:
+            if dense:
                 allowed_bsn = visible(0, query_at_bs.shape[1], 0, n)
             else:
                 real = torch.arange(blocks_bsk.shape[-1], device=blocks_bsk.device) < count_bs[...,
@@ -91,10 +92,11 @@ def __getattr__(name):
 
 
 def make_layer(cls, seq: int, form: str = "gather"):
+    """The layer measured: the indexer's KL on (coefficient 1)."""
     d = DIMS
     return cls(d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], 0.5, 10000.0, seq, 1e-6,
-               d["idx_heads"],
-               d["idx_dim"], d["budget"], d["ratio"], form=form)
+               d["idx_heads"], d["idx_dim"], d["budget"], d["ratio"], form=form,
+               indexer_loss_coef=1.0)
 
 
 def formula_bytes(seq: int, cp: int = 1, batch: int = BATCH,
@@ -124,7 +126,7 @@ def one(seq: int, path: str) -> int:
     torch.manual_seed(0)
     cls = IndexedAttention if path == "streamed" else _reference_class()
     layer = make_layer(cls, seq).train()
-    layer.indexer_loss_coef, layer.chunk_elems = 1.0, CHUNK_ELEMS
+    layer.chunk_elems = CHUNK_ELEMS
     x = torch.randn(BATCH, seq, DIMS["hidden"], requires_grad=True)
     pos = torch.arange(seq).expand(BATCH, seq)
     layer(x[:, :64], pos[:, :64]).sum().backward()  # allocator and autograd warm-up at a small size

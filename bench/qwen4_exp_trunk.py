@@ -156,21 +156,14 @@ def dense_config(qwen: ModelConfig, match: str, max_len: int) -> ModelConfig:
     raise SystemExit(f"--match={match!r}: expected shared_expert or heads")
 
 
-def set_qsa_training(model: nn.Module, coef: float) -> None:
-    """The trainer's sparse stage (trainer/qsa_training.py, after the dense warm-up), one
-    micro-batch."""
-    for m in model.modules():
-        if isinstance(m, IndexedAttention):
-            m.dense, m.indexer_loss_coef = False, coef
-
-
 # ---- (a) step time -------------------------------------------------------------------------------
 class StepRunner:
     def __init__(self, cfg: ModelConfig, dev: Device, dtype, tokens_bs1: torch.Tensor):
         torch.manual_seed(0)
         self.mtp = MTPConfig(num_steps=0)
+        # the trainer's sparse stage (forward's default) with the config's indexer KL, one
+        # micro-batch
         self.model = TandemModel(cfg, self.mtp).to(dev.device).train()
-        set_qsa_training(self.model, cfg.indexer_loss_coef)
         self.dev, self.dtype, self.tokens = dev, dtype, tokens_bs1.to(dev.device)
 
     def step(self) -> float:
@@ -221,10 +214,8 @@ def peak_bytes(dev: Device, fn: Callable[[], None]) -> int:
 def make_layer(cfg: ModelConfig, kind: str, dev: Device, form: str = "auto",
                kl_coef: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
-    layer = make_token_mixer(dataclasses.replace(cfg, qsa_form=form), kind).to(dev.device).train()
-    if isinstance(layer, IndexedAttention):
-        layer.dense, layer.indexer_loss_coef = False, kl_coef
-    return layer
+    layer_cfg = dataclasses.replace(cfg, qsa_form=form, indexer_loss_coef=kl_coef)
+    return make_token_mixer(layer_cfg, kind).to(dev.device).train()
 
 
 def layer_peak(layer: nn.Module, dev: Device, dtype, b: int, s: int, hidden: int) -> int:

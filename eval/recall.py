@@ -8,7 +8,7 @@ from typing import List
 import torch
 from torch import nn
 
-from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa import IndexedAttention, measuring_recall
 
 
 class RecallProbe:
@@ -28,21 +28,20 @@ class RecallProbe:
         self._hooks = []
 
     def _keep(self, layer, _inputs, _output) -> None:
-        if layer.last_recall is not None:
+        if layer.last_recall is not None:  # each forward sets or clears it
             self.values.append(layer.last_recall.float())
-            layer.last_recall = None
 
     def __enter__(self):
+        self._mode = measuring_recall()
+        self._mode.__enter__()
         for layer in self.layers:
-            layer.measure_recall, layer.last_recall = True, None
             self._hooks.append(layer.register_forward_hook(self._keep))
         RecallProbe.active = self
         return self
 
     def __exit__(self, *exc):
         RecallProbe.active = None
-        for layer in self.layers:
-            layer.measure_recall = False
+        self._mode.__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()

@@ -39,7 +39,8 @@ def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
             head_dim=cfg.resolved_head_dim, partial_rotary_factor=cfg.partial_rotary_factor,
             rope_theta=cfg.rope_theta, max_seq_len=cfg.max_seq_len, eps=cfg.rms_norm_eps,
             indexer_heads=cfg.indexer_heads, indexer_head_dim=cfg.indexer_head_dim,
-            budget=cfg.indexer_budget, compress_ratio=cfg.indexer_compress_ratio, form=cfg.qsa_form)
+            budget=cfg.indexer_budget, compress_ratio=cfg.indexer_compress_ratio, form=cfg.qsa_form,
+            indexer_loss_coef=cfg.indexer_loss_coef)
     if kind == "linear_attention":
         return GatedDeltaNet(
             hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads,
@@ -51,16 +52,19 @@ def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
 
 
 def block_kwargs(documents: Optional[Documents] = None, context: Optional[WholeWindow] = None,
-                 aux_grad_scale: float = 1.0) -> dict:
+                 aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> dict:
     """The keyword arguments every caller of a block (the trunk, the MTP chain, a pipeline stage)
-    hands it: the packed documents, the window's context-parallel split when it is split, and the
-    gradient scale of an MoE's auxiliary losses; each only when it differs from the block's
-    default, so an unsplit, unpacked forward calls the block exactly as decoding does."""
+    hands it: the packed documents, the window's context-parallel split when it is split, the
+    gradient scale of the auxiliary losses and QSA's dense warm-up; each only when it differs from
+    the block's default, so an unsplit, unpacked forward calls the block exactly as decoding
+    does."""
     kwargs = {} if documents is None else {"documents": documents}
     if aux_grad_scale != 1.0:
         kwargs["aux_grad_scale"] = aux_grad_scale
     if context is not None and context.sharded:
         kwargs["context"] = context
+    if qsa_dense:
+        kwargs["qsa_dense"] = True
     return kwargs
 
 
@@ -114,7 +118,8 @@ class TransformerBlock(nn.Module):
                 input_ids_bs: Optional[torch.Tensor] = None,
                 selection: Optional[QSASelection] = None,
                 return_selection: bool = False, documents: Optional[Documents] = None,
-                context: Optional[WholeWindow] = None, aux_grad_scale: float = 1.0):
+                context: Optional[WholeWindow] = None, aux_grad_scale: float = 1.0,
+                qsa_dense: bool = False):
         """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
         (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection).
         They are arguments and results, not module state, so activation checkpointing's
@@ -122,19 +127,23 @@ class TransformerBlock(nn.Module):
         `documents`: packed documents (models/documents.py), which every part of the block keeps
         apart. `context`: the window's split over context-parallel ranks (models/context.py), which
         the token mixer and PLE read across. `aux_grad_scale`: the gradient an MoE's auxiliary
-        losses get (`MoE.forward`)."""
+        losses and a QSA indexer's KL get (`MoE.forward`, `IndexedAttention.forward`). `qsa_dense`:
+        QSA's dense warm-up stage (training only; other token mixers ignore it)."""
         sel_out = None
         extra = {} if documents is None else {"documents": documents}
         if context is not None:
             extra["context"] = context
+        mixer_args = dict(extra)
+        if self.kind == "indexed_attention" and (qsa_dense or aux_grad_scale != 1.0):
+            mixer_args.update(dense=qsa_dense, aux_grad_scale=aux_grad_scale)
 
         def mix(h: torch.Tensor) -> torch.Tensor:
             nonlocal sel_out
             if not (return_selection or selection is not None):
-                return self.mixer(h, positions_bs, cache, **extra)
+                return self.mixer(h, positions_bs, cache, **mixer_args)
             if self.kind != "indexed_attention":
                 raise ValueError(f"a QSA selection was handed to a {self.kind} block")
-            y, sel_out = self.mixer(h, positions_bs, cache, selection, True, **extra)
+            y, sel_out = self.mixer(h, positions_bs, cache, selection, True, **mixer_args)
             return y
 
         # an MoE's auxiliary losses average over the whole window (context parallelism), with the

@@ -182,15 +182,16 @@ class TandemModel(nn.Module):
     # --- pieces shared by training and decoding -------------------------------------------------
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None,
               emb_bsh: Optional[torch.Tensor] = None,
-              documents: Optional[Documents] = None, aux_grad_scale: float = 1.0) -> torch.Tensor:
+              documents: Optional[Documents] = None, aux_grad_scale: float = 1.0,
+              qsa_dense: bool = False) -> torch.Tensor:
         """Trunk hidden states before the final norm (h_0 of the MTP chain). `emb_bsh`: the tokens'
         embedding when the caller already looked it up (`shifted_embeddings`). `documents`: packed
         documents kept apart (then `positions_bs` count from each document's start).
-        `aux_grad_scale`: see `forward`."""
+        `aux_grad_scale`, `qsa_dense`: see `forward`."""
         h = self.embed_tokens(input_ids_bs) if emb_bsh is None else emb_bsh
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
-        extra = block_kwargs(documents, self.context, aux_grad_scale)
+        extra = block_kwargs(documents, self.context, aux_grad_scale, qsa_dense)
         for i, layer in self.layers.items():
             h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None,
                       input_ids_bs if layer.ple is not None else None, **extra)
@@ -209,29 +210,26 @@ class TandemModel(nn.Module):
     def mtp_train_step(self, step: int, h_prev_bsh: torch.Tensor, tokens_bs: torch.Tensor,
                        positions_bs: torch.Tensor, emb_bsh: Optional[torch.Tensor] = None,
                        selection: Optional[QSASelection] = None,
-                       documents: Optional[Documents] = None, aux_grad_scale: float = 1.0):
+                       documents: Optional[Documents] = None, aux_grad_scale: float = 1.0,
+                       qsa_dense: bool = False):
         """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse).
         With mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend
-        over the one handed in; otherwise every depth selects for itself and None is passed
-        along."""
-        extra = block_kwargs(documents, self.context, aux_grad_scale)
+        over the one handed in (none in the dense warm-up, which selects nothing); otherwise every
+        depth selects for itself and None is passed along."""
+        extra = block_kwargs(documents, self.context, aux_grad_scale, qsa_dense)
         if self.mtp.selection_share is None:
             return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
                                    **extra), None
         if step == 1:
             return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
                                    return_selection=True, **extra)
-        if selection is None and not self._qsa_dense():
+        if selection is None and not qsa_dense:
             raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that "
                                "reuse its "
                                "QSA selection, and hand it on")
         h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
                             selection=selection, **extra)
         return h, selection
-
-    def _qsa_dense(self) -> bool:
-        """Whether the MTP's QSA layers are in the dense warm-up (no selection to hand on)."""
-        return all(getattr(layer.block.self_attn, "dense", False) for layer in self.mtp.layers)
 
     def _mtp_layer(self, step, h_prev_bsh, tokens_bs, positions_bs, cache, emb_bsh, **block_args):
         layer = self.mtp.layer_for_step(step)
@@ -278,15 +276,15 @@ class TandemModel(nn.Module):
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                      chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                      documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None,
-                     aux_grad_scale: float = 1.0):
+                     aux_grad_scale: float = 1.0, qsa_dense: bool = False):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order,
         teacher-forced on the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token
         t+k. The chain may start later (a pipeline stage after the one that ran depth
         `chain_depth`): `h_chain` is then h_{chain_depth}. With mtp.detach_trunk no MTP gradient
         reaches the trunk. `emb_window`: (`shifted_embeddings` output, its first shift) covering
         every step run; without it each step looks its tokens up. `carry`: depth 1's QSA selection
-        in and out (a chain started after depth 1 reuses the one it brings). `aux_grad_scale`: see
-        `forward`."""
+        in and out (a chain started after depth 1 reuses the one it brings). `aux_grad_scale`,
+        `qsa_dense`: see `forward`."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
@@ -304,7 +302,8 @@ class TandemModel(nn.Module):
             h, carry.value = self.mtp_train_step(depth, h_in, tokens, positions_bs,
                                                  emb_bsh=emb, selection=carry.value,
                                                  documents=documents,
-                                                 aux_grad_scale=aux_grad_scale)
+                                                 aux_grad_scale=aux_grad_scale,
+                                                 qsa_dense=qsa_dense)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -318,15 +317,16 @@ class TandemModel(nn.Module):
     def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
                 doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False,
                 loss_grad_scales: Optional[torch.Tensor] = None,
-                aux_grad_scale: float = 1.0) -> ModelOutput:
+                aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> ModelOutput:
         """Per-depth summed losses over a window of S+1 tokens (inputs are the first S).
         `document_mask` (data.document_mask): the documents `doc_ids_bs1` delimits do not see each
         other. `loss_grad_scales`: the gradient d total / d loss_sums[depth] the caller's loss will
         send back ([num_depths], on the device: each depth's coefficient over its global target
         count); with it the fused head keeps one weight-gradient buffer for every depth
         (models/loss.py). None: the weight's gradient is recomputed in backward. `aux_grad_scale`:
-        the gradient the caller's objective gives each MoE layer's auxiliary (balance + z) loss of
-        this forward (the trainer's: 1 / the micro-batches of its global step)."""
+        the gradient the caller's objective gives each auxiliary loss of this forward, an MoE
+        layer's balance + z loss and a QSA indexer's KL (the trainer's: 1 / the micro-batches of its
+        global step). `qsa_dense`: QSA's dense warm-up stage (trainer/qsa_training.py)."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
         if loss_mask_bs is None:
@@ -346,11 +346,12 @@ class TandemModel(nn.Module):
         with torch.no_grad() if self.trunk_frozen() else nullcontext():
             emb = self.window_rows(emb_window, 0, s) if emb_window is not None else None
             h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions, emb_bsh=emb,
-                           documents=documents, aux_grad_scale=aux_grad_scale)
+                           documents=documents, aux_grad_scale=aux_grad_scale,
+                           qsa_dense=qsa_dense)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions,
                                        emb_window=emb_window, documents=documents,
                                        loss_grad_scales=loss_grad_scales,
-                                       aux_grad_scale=aux_grad_scale)
+                                       aux_grad_scale=aux_grad_scale, qsa_dense=qsa_dense)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
                            loss_mask_bs: torch.Tensor,
@@ -361,7 +362,7 @@ class TandemModel(nn.Module):
                            documents: Optional[Documents] = None,
                            selection: Optional[QSASelection] = None,
                            loss_grad_scales: Optional[torch.Tensor] = None,
-                           aux_grad_scale: float = 1.0) -> ModelOutput:
+                           aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline
         stage runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
@@ -392,7 +393,8 @@ class TandemModel(nn.Module):
         carry = SelectionCarry(selection)
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain,
                                                chain_depth, emb_window, documents, carry,
-                                               aux_grad_scale=aux_grad_scale):
+                                               aux_grad_scale=aux_grad_scale,
+                                               qsa_dense=qsa_dense):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask],

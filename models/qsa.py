@@ -66,11 +66,13 @@ full-length buffer `qsa_index_keys` [B, max_len, D_i] at their positions. Block 
 from the cached prefix in every forward, using only blocks complete at the query ((j+1)*r - 1 <= p),
 so rolling back to an accepted prefix needs nothing beyond the caller lowering its lengths.
 
-Indexer training (DeepSeek-V3.2; the reference has none) is set by the trainer through attributes:
-`indexer_loss_coef` > 0 attaches KL(main attention || indexer) (see qsa_loss.py) with `AuxLossGrad`;
-`dense` is the warm-up stage (dense attention, KL over every complete visible block); otherwise the
-KL covers the selected blocks. The indexer always reads detached hidden states: its only gradient
-is its own loss (the top-k selection carries none), and that loss never reaches the trunk.
+Indexer training (DeepSeek-V3.2; the reference has none): `indexer_loss_coef` > 0 (a constructor
+argument, model.indexer_loss_coef) attaches KL(main attention || indexer) (see qsa_loss.py) with
+`AuxLossGrad`, weighted by the coefficient times the forward's `aux_grad_scale`; the forward
+argument `dense` is the warm-up stage (dense attention, KL over every complete visible block);
+otherwise the KL covers the selected blocks. Decoding is always sparse, the form that is served.
+The indexer always reads detached hidden states: its only gradient is its own loss (the top-k
+selection carries none), and that loss never reaches the trunk.
 
 Tensor parallelism (trainer/parallel/tensor_hybrid.py) shards q/k/v/o by heads (head counts are
 read from projection widths at run time). The indexer stays replicated and reads the whole input on
@@ -81,6 +83,7 @@ identity here, an all-reduce over tp in the tensor-parallel module) before they 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -99,6 +102,27 @@ from .state import LayerCache
 MASK_ELEMS_LIMIT = 1 << 26
 """`auto` switches to the gather form above this many [B, S, S] mask elements."""
 
+_RECALL_MEASURED = False  # a global read in forward: dynamo guards on it (`measuring_recall`)
+
+
+@contextlib.contextmanager
+def measuring_recall():
+    """Within it, every uncached QSA forward also measures its recall, the share of the dense
+    attention's probability mass inside its selection (`IndexedAttention.last_recall`). A mode of
+    the forwards run inside it, as `torch.no_grad` is: evaluation only (a backward's recomputation
+    outside it would not measure)."""
+    global _RECALL_MEASURED
+    before, _RECALL_MEASURED = _RECALL_MEASURED, True
+    try:
+        yield
+    finally:
+        _RECALL_MEASURED = before
+
+
+def recall_measured() -> bool:
+    """Whether QSA forwards measure their recall now (`measuring_recall`)."""
+    return _RECALL_MEASURED
+
 
 class IndexedAttention(nn.Module):
     """transformers' `Qwen4ExpTextAttention`: forward(x [B, S, hidden], positions [B, S],
@@ -110,7 +134,7 @@ class IndexedAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  partial_rotary_factor: float, rope_theta: float, max_seq_len: int, eps: float,
                  indexer_heads: int, indexer_head_dim: int, budget: int, compress_ratio: int,
-                 form: str = "auto"):
+                 form: str = "auto", indexer_loss_coef: float = 0.0):
         super().__init__()
         rotary_dim = int(head_dim * partial_rotary_factor)
         if budget % compress_ratio or budget <= 0:
@@ -137,14 +161,8 @@ class IndexedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, zero_centered=True)
         self.indexer = QSAIndexer(hidden_size, indexer_heads, indexer_head_dim, eps)
         self.rotary = RotaryEmbedding(head_dim, rotary_dim, rope_theta, max_seq_len)
-        # Set by the trainer / evaluator (plain attributes, not config):
-        self.indexer_loss_coef: float = 0.0
-        """Weight of the indexer's KL loss (0: none)."""
-        self.dense: bool = False
-        """Dense warm-up stage: attend to every visible token; the KL covers all complete blocks."""
-        self.measure_recall: bool = False
-        """Compute `last_recall` (dense attention mass inside the selection) in uncached
-        forwards."""
+        self.indexer_loss_coef = indexer_loss_coef
+        """Weight of the indexer's KL loss in training forwards (0: none)."""
         self.selection_share: Optional[SelectionShare] = None
         """Set on the MTP's QSA layers with mtp.qsa_reuse_indices, for decoding: depth 1 records its
         selection, later depths reuse it instead of running the indexer (None: every forward selects
@@ -216,7 +234,8 @@ class IndexedAttention(nn.Module):
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
                 cache: Optional[LayerCache] = None,
                 selection: Optional[QSASelection] = None, return_selection: bool = False,
-                documents: Optional[Documents] = None, context: Optional[WholeWindow] = None
+                documents: Optional[Documents] = None, context: Optional[WholeWindow] = None,
+                dense: bool = False, aux_grad_scale: float = 1.0
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
         """`selection` (training, sparse stage): attend over these blocks instead of running the
         indexer (MTP depths 2..K reusing depth 1's). `return_selection`: also return the selection
@@ -225,17 +244,19 @@ class IndexedAttention(nn.Module):
         document's start (`documents.positions()`). None: each row is one document. `context`
         (training only): which rows of the window x holds (models/context.py); when sharded, keys,
         values and indexer keys are gathered over the window and `documents` is
-        `Documents.local(context)`."""
+        `Documents.local(context)`. `dense` (training only): the warm-up stage, which attends to
+        every visible token. `aux_grad_scale`: the gradient the caller's objective gives the
+        indexer's KL per unit of `indexer_loss_coef` (as `MoE.forward`'s)."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
         # The selection carries no gradient and the indexer learns only from its own loss.
         q_idx_bsid, raw_bsd = self.indexer(x_bsh.detach(), positions_bs, self.rotary)
         used = None
         sharded = context is not None and context.sharded
+        self.last_recall = None
         if cache is not None:
-            if documents is not None or sharded:
-                raise ValueError("QSA decodes one whole document per row: documents and a sharded "
-                                 "context are "
-                                 "for training forwards")
+            if documents is not None or sharded or dense:
+                raise ValueError("QSA decodes one whole document per row, sparse: documents, a "
+                                 "sharded context and the dense warm-up are for training forwards")
             out_bsz, loss = self._decode(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs,
                                          cache), None
         else:
@@ -247,28 +268,30 @@ class IndexedAttention(nn.Module):
                 window = (context,
                           None if documents is None else context.gather(documents.starts_bs))
             out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd,
-                                              positions_bs, selection, documents, window)
+                                              positions_bs, selection, documents, window, dense)
         y_bsh = self.o_proj(out_bsz * torch.sigmoid(gate_bsz))
         if loss is not None:
             # gradient injected in backward (as the MoE's aux loss): return values stay unchanged
-            y_bsh = AuxLossGrad.apply(y_bsh, loss, float(self.indexer_loss_coef))
+            y_bsh = AuxLossGrad.apply(y_bsh, loss, float(self.indexer_loss_coef * aux_grad_scale))
         return (y_bsh, used) if return_selection else y_bsh
 
     def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs,
-               reused: Optional[QSASelection], documents: Optional[Documents] = None, window=None):
+               reused: Optional[QSASelection], documents: Optional[Documents] = None, window=None,
+               dense: bool = False):
         """Queries are q's rows, keys the window's (k, v, raw keys, positions: all S rows).
         `window`: (sharded context, the window's document starts or None) under context parallelism,
-        else None."""
+        else None. `dense`: the warm-up stage (`forward`)."""
         r, s = self.compress_ratio, k_bksd.shape[2]
         n = s // r
+        measure_recall = recall_measured()
         # the dense warm-up attends to everything: a handed-over selection has nothing to restrict
-        reused = reused if not self.dense else None
+        reused = reused if not dense else None
         # a reusing depth runs no indexer, so it has no indexer loss either; a query needs a
         # complete block before the indexer has anything to learn
         want_loss = (self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled()
                      and n > 0
                      and reused is None)
-        select = not self.dense or self.measure_recall
+        select = not dense or measure_recall
         docs, query_at_bs, rows_s = self._training_layout(q_bhsd, s, reused, documents, window)
         visible = self._visible_fn(docs, query_at_bs)
         k_bnd = None
@@ -283,15 +306,15 @@ class IndexedAttention(nn.Module):
                               query_at_bs[:, c0:c1], s, docs, c0)
 
         out_bsz = self._training_attention(q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk,
-                                           count_bs, query_at_bs, selected, rows_s)
+                                           count_bs, query_at_bs, selected, rows_s, dense)
         loss = None
-        if want_loss or self.measure_recall:
+        if want_loss or measure_recall:
             loss = self._indexer_target(q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
                                         query_at_bs, docs,
                                         selected if select else None, want_loss, visible, rows_s,
-                                        window)
+                                        window, dense, measure_recall)
         used = (QSASelection(blocks_bsk, count_bs, None if docs is None else docs.rows_bn)
-                if blocks_bsk is not None and not self.dense else None)
+                if blocks_bsk is not None and not dense else None)
         return out_bsz, loss, used
 
     def _training_layout(self, q_bhsd, s: int, reused: Optional[QSASelection],
@@ -365,13 +388,14 @@ class IndexedAttention(nn.Module):
         return stream_select(self, q_idx_bsid, k_bnd, query_at_bs, reach_bs, visible)
 
     def _training_attention(self, q_bhsd, k_bksd, v_bksd, documents, docs, blocks_bsk, count_bs,
-                            query_at_bs, selected, rows_s=None) -> torch.Tensor:
+                            query_at_bs, selected, rows_s=None, dense: bool = False
+                            ) -> torch.Tensor:
         """[B, S_q, heads * head_dim]: dense (the warm-up), or over the selected tokens by gathering
         them or by a [B, S_q, S] mask (`selected(c0, c1)` gives query rows c0..c1 of it)."""
         b, h, s_q, d = q_bhsd.shape
         s = k_bksd.shape[2]
         groups = h // k_bksd.shape[1]
-        if self.dense:
+        if dense:
             if documents is not None:
                 mask = documents.attention_mask(keys=s)
             elif rows_s is not None:
@@ -396,14 +420,16 @@ class IndexedAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s_q, -1)
 
     def _indexer_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, query_at_bs,
-                        docs, selected, want_loss: bool, visible, rows_s, window):
+                        docs, selected, want_loss: bool, visible, rows_s, window, dense: bool,
+                        measure_recall: bool):
         """The main attention's block mass, streamed (qsa_stream.stream_target): the recall of the
         selection (measure_recall) and, when the indexer trains, its KL loss (None otherwise): the
         mean over the window's queries with a candidate block, of which this forward holds `q`'s
         rows."""
         total, recall_bs = stream_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk,
-                                         count_bs, docs, selected, want_loss, visible, rows_s)
-        if self.measure_recall:
+                                         count_bs, docs, selected, want_loss, visible, rows_s,
+                                         dense)
+        if measure_recall:
             # under context parallelism a rank's mean: every rank holds as many queries, so their
             # mean is the window's
             self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
@@ -424,36 +450,33 @@ class IndexedAttention(nn.Module):
         keys_bld = cache.buffer("qsa_index_keys", (raw_bsd.shape[-1],), length=cache.max_len)
         keys_bld.scatter_(1, positions_bs[..., None].expand(-1, -1, raw_bsd.shape[-1]),
                           raw_bsd.to(keys_bld.dtype))
-        if self.dense:
-            mask_bts = torch.arange(span, device=positions_bs.device) <= positions_bs[..., None]
+        # Block keys from the cached prefix every time: a block is used only by queries at or
+        # after its last token, which this forward (or an earlier one) has just written, so
+        # rollback is free.
+        share = self.selection_share
+        tail_at_bs = positions_bs  # the query whose tail [(t+1) // r * r, t] is attended
+        if share is not None and share.mode == "reuse":
+            # A reusing query attends the source query's whole selection row, its blocks AND its
+            # tail, as vLLM 0.32 does: its reusing draft steps (`set_skip_topk(True)`) attend
+            # verbatim the packed token-index row depth 1's query at m - 1 wrote
+            # (`expand_qsa_block_indices`: the blocks' tokens, then that query's tail), kept by
+            # `compact_topk_indices`. With read_offset k - 1 (the serving convention) depth k at
+            # m + k - 2 therefore attends nothing at m or later (not even its own key) and no
+            # block completed after m - 1: serving's gap, kept so the acceptance measured here
+            # is what serving gets. With read_offset 0 (training, the tandem convention) the
+            # source is the query itself.
+            tail_at_bs = (positions_bs - share.read_offset).clamp(min=0)
+            blocks_bsk, count_bs = self._reused(cache, tail_at_bs)
         else:
-            # Block keys from the cached prefix every time: a block is used only by queries at or
-            # after its last token, which this forward (or an earlier one) has just written, so
-            # rollback is free.
-            share = self.selection_share
-            tail_at_bs = positions_bs  # the query whose tail [(t+1) // r * r, t] is attended
-            if share is not None and share.mode == "reuse":
-                # A reusing query attends the source query's whole selection row, its blocks AND its
-                # tail, as vLLM 0.32 does: its reusing draft steps (`set_skip_topk(True)`) attend
-                # verbatim the packed token-index row depth 1's query at m - 1 wrote
-                # (`expand_qsa_block_indices`: the blocks' tokens, then that query's tail), kept by
-                # `compact_topk_indices`. With read_offset k - 1 (the serving convention) depth k at
-                # m + k - 2 therefore attends nothing at m or later (not even its own key) and no
-                # block completed after m - 1: serving's gap, kept so the acceptance measured here
-                # is what serving gets. With read_offset 0 (training, the tandem convention) the
-                # source is the query itself.
-                tail_at_bs = (positions_bs - share.read_offset).clamp(min=0)
-                blocks_bsk, count_bs = self._reused(cache, tail_at_bs)
-            else:
-                n = span // r
-                starts_bn = (torch.arange(n, device=positions_bs.device)
-                             * r).expand(positions_bs.shape[0], n)
-                scores_bsn = self._block_scores(q_idx_bsid, keys_bld[:, : n * r].to(raw_bsd.dtype),
-                                                starts_bn)
-                blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
-                if share is not None and share.mode == "record":
-                    self._record(cache, positions_bs, blocks_bsk, count_bs)
-            mask_bts = token_mask(self.compress_ratio, blocks_bsk, count_bs, tail_at_bs, span)
+            n = span // r
+            starts_bn = (torch.arange(n, device=positions_bs.device)
+                         * r).expand(positions_bs.shape[0], n)
+            scores_bsn = self._block_scores(q_idx_bsid, keys_bld[:, : n * r].to(raw_bsd.dtype),
+                                            starts_bn)
+            blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
+            if share is not None and share.mode == "record":
+                self._record(cache, positions_bs, blocks_bsk, count_bs)
+        mask_bts = token_mask(self.compress_ratio, blocks_bsk, count_bs, tail_at_bs, span)
         groups = q_bhsd.shape[1] // k_all.shape[1]
         out = F.scaled_dot_product_attention(q_bhsd, k_all.to(q_bhsd.dtype), v_all.to(q_bhsd.dtype),
                                              attn_mask=mask_bts[:, None], enable_gqa=groups > 1)

@@ -128,10 +128,11 @@ def _dense_kl(indexer, q_bcid, mass_bcn, allowed_bcn, k_bnd):
 def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, docs,
                   selected: Optional[Callable[[int, int], torch.Tensor]], want_loss: bool,
                   visible_fn: Callable[[int, int, int, int], torch.Tensor],
-                  rows_s: Optional[torch.Tensor]):
+                  rows_s: Optional[torch.Tensor], dense: bool = False):
     """(sum over this forward's queries of their KL terms, or None; recall [B, S_q] or None). The
     caller divides the sum by the number of queries with a candidate block (the window's, under
-    context parallelism, so the ranks' losses sum to one process's).
+    context parallelism, so the ranks' losses sum to one process's). `dense`: the warm-up's target,
+    over every complete visible block instead of the selected ones.
 
     Queries go in KL chunks sized by the KL's own intermediates (scores [B, C, I, columns], columns
     the K selected blocks or, dense, all N), each one checkpointed: few checkpoints, whose
@@ -140,7 +141,7 @@ def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
     b, h, s_q, _ = q_bhsd.shape
     s_k, r = k_bksd.shape[2], attn.compress_ratio
     n = s_k // r
-    cols = n if attn.dense else max(1, blocks_bsk.shape[-1])
+    cols = n if dense else max(1, blocks_bsk.shape[-1])
     mass_rows = max(1, attn.chunk_elems // (b * h * s_k))
     kl_rows = max(1, attn.chunk_elems
                   // (b * q_idx_bsid.shape[2] * cols * 4)) if want_loss else mass_rows
@@ -151,18 +152,18 @@ def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
         for m0, m1 in _chunks(c1 - c0, mass_rows):
             mass, recall = block_mass_chunk(
                 q_bhsd.detach(), k_bksd.detach(), r, n, c0 + m0, c0 + m1, selected,
-                sparse_target=not attn.dense,
+                sparse_target=not dense,
                 query_first_bs=None if docs is None else docs.first_bs,
                 block_tokens_bm=None if docs is None else docs.tokens_bm, query_rows_s=rows_s)
             if recall is not None:
                 recalls.append(recall)
             if want_loss:  # the sparse stage needs the selected blocks' mass only
-                masses.append(mass if attn.dense else mass.gather(-1,
+                masses.append(mass if dense else mass.gather(-1,
                                                                   blocks_bsk[:, c0 + m0:c0 + m1]))
         if not want_loss:
             continue
         mass = attn.reduce_heads(torch.cat(masses, 1))
-        if attn.dense:
+        if dense:
             args, fn = (attn.indexer, q_idx_bsid[:, c0:c1], mass, visible_fn(c0, c1, 0, n),
                         k_bnd), _dense_kl
         else:

@@ -54,8 +54,7 @@ def optimizer_step(run: Run, step: int) -> Tuple[int, Optional[dict]]:
     lr = lr_at(t, schedule_step)
     set_lr(run.optimizer, lr)
     coefs = depth_coefficients(cfg.mtp, schedule_step)
-    run.step.indexers.begin_step(schedule_step)
-    sums, counts, grad_norm = run.step(micro_batches(run, step), coefs)
+    sums, counts, grad_norm = run.step(micro_batches(run, step), coefs, schedule_step)
     per_depth = (sums / counts.clamp(min=1)).tolist()
     record = {"step": step + 1, "loss": float(sum(c * v for c, v in zip(coefs, per_depth))),
               "loss/main": per_depth[0]}

@@ -13,9 +13,11 @@ consumed samples over the run's first global batch, as the LR and the MTP weight
   blocks and the indexer's input is detached, so the indexer learns from its KL alone and the
   language-model loss trains everything else.
 
-The KL enters each QSA layer's backward through `AuxLossGrad` (as the MoE's balance loss does),
-scaled like that loss to the mean over the global step's micro-batches; `loss/indexer` logs its mean
-over layers.
+The stage is a forward argument (`TandemModel.forward(qsa_dense=...)`, which `TrainStep` passes
+from `dense` here). The KL's weight is the layers' own `indexer_loss_coef`
+(model.indexer_loss_coef); it enters each QSA layer's backward through `AuxLossGrad` (as the MoE's
+balance loss does), scaled like that loss by the forward's `aux_grad_scale` to the mean over the
+global step's micro-batches; `loss/indexer` logs its mean over layers.
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ from tandem.models.qsa import IndexedAttention
 
 
 class IndexerTraining:
-    def __init__(self, model: nn.Module, coef: float, warmup_steps: int, grad_scale: float,
-                 warmup: str = "joint", context_group=None):
+    def __init__(self, model: nn.Module, warmup_steps: int, warmup: str = "joint",
+                 context_group=None):
         """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup).
         `context_group`: the cp ranks splitting each window (parallel.cp > 1), whose indexer losses
         are shares of the window's (models/qsa.py) and are summed for the logged figure."""
         self.context_group = context_group
         self.layers: List[IndexedAttention] = [m for m in model.modules()
                                                if isinstance(m, IndexedAttention)]
-        self.coef, self.warmup_steps, self.grad_scale = coef, warmup_steps, grad_scale
+        self.warmup_steps = warmup_steps
         self.indexer_only = warmup == "indexer_only"
         indexer = {id(p) for layer in self.layers for p in layer.indexer.parameters()}
         self.main_params = [p for p in model.parameters() if id(p) not in indexer]
@@ -47,14 +49,8 @@ class IndexerTraining:
 
     def dense(self, schedule_step: float) -> bool:
         """Whether the step starting at `schedule_step` (consumed samples / first global batch) is
-        in the warm-up."""
-        return schedule_step < self.warmup_steps
-
-    def begin_step(self, schedule_step: float) -> None:
-        """Stage and loss weight of the layers for the step starting at `schedule_step`."""
-        for layer in self.layers:
-            layer.dense = self.dense(schedule_step)
-            layer.indexer_loss_coef = self.coef * self.grad_scale
+        in the warm-up (never without a QSA layer)."""
+        return bool(self.layers) and schedule_step < self.warmup_steps
 
     def before_update(self, schedule_step: float) -> None:
         """With `indexer_only`, only the indexers learn in the dense warm-up: drop every other

@@ -52,8 +52,7 @@ class TrainStep:
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
         self.aux_grad_scale = 1.0 / (micro * pstate.dp_size)
         m = cfg.model
-        self.indexers = IndexerTraining(model, m.indexer_loss_coef, m.indexer_warmup_steps,
-                                        self.aux_grad_scale, m.resolved_indexer_warmup,
+        self.indexers = IndexerTraining(model, m.indexer_warmup_steps, m.resolved_indexer_warmup,
                                         pstate.context_group)
 
     # --- the step's pieces, in order -------------------------------------------------------------
@@ -68,16 +67,17 @@ class TrainStep:
                 counts[d] += depth_target_mask(b["loss_mask"], b["doc_ids"], d).sum()
         return self.pstate.all_reduce_dp(counts)
 
-    def forward_backward(self, batches, global_counts: torch.Tensor,
-                         coefs: List[float]) -> torch.Tensor:
-        """Run every micro-batch; return per-depth loss sums over this rank's data (detached)."""
+    def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float],
+                         qsa_dense: bool = False) -> torch.Tensor:
+        """Run every micro-batch; return per-depth loss sums over this rank's data (detached).
+        `qsa_dense`: the step is in QSA's dense warm-up (`self.indexers.dense`)."""
         if self.pstate.pipeline is not None:
             return self.pstate.pipeline.forward_backward(batches, global_counts, coefs,
-                                                         self.aux_grad_scale)
-        return self._micro_batches(batches, global_counts, coefs)
+                                                         self.aux_grad_scale, qsa_dense)
+        return self._micro_batches(batches, global_counts, coefs, qsa_dense)
 
-    def _micro_batches(self, batches, global_counts: torch.Tensor,
-                       coefs: List[float]) -> torch.Tensor:
+    def _micro_batches(self, batches, global_counts: torch.Tensor, coefs: List[float],
+                       qsa_dense: bool) -> torch.Tensor:
         # Loss sums are fp32 (as the losses themselves; no fp64 on accelerators): logged only.
         sums = torch.zeros(len(coefs), dtype=torch.float32, device=self.device.device)
         # FSDP2 (parallel.reshard_after_microbatch): by default every micro-batch's backward
@@ -98,7 +98,7 @@ class TrainStep:
             with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"],
                                  self.cfg.data.document_mask, loss_grad_scales=scales,
-                                 aux_grad_scale=self.aux_grad_scale)
+                                 aux_grad_scale=self.aux_grad_scale, qsa_dense=qsa_dense)
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
             sums += out.loss_sums.detach().float()
@@ -172,9 +172,12 @@ class TrainStep:
         self.optimizer.step()
         return metrics
 
-    def __call__(self, batches, coefs: List[float]):
+    def __call__(self, batches, coefs: List[float], schedule_step: float = float("inf")):
         """Counts, forward/backward, the data-parallel loss sum and clipping: (per-depth loss sums
-        over the global batch, global target counts, gradient norm). The update is `apply`."""
+        over the global batch, global target counts, gradient norm). `schedule_step`: where the
+        step starts (consumed samples / the first global batch; the default is past every
+        warm-up). The update is `apply`."""
         counts = self.global_target_counts(batches)
-        sums = self.pstate.all_reduce_replicas(self.forward_backward(batches, counts, coefs))
+        sums = self.pstate.all_reduce_replicas(
+            self.forward_backward(batches, counts, coefs, self.indexers.dense(schedule_step)))
         return sums, counts, self.clip_gradients()

@@ -64,10 +64,7 @@ def measure(layout: str) -> Dict[str, object]:
         from tandem.trainer.parallel.context import ContextShards
 
         model.context = ContextShards(dist.group.WORLD, cfg.parallel.cp_sharding)
-    model.train()
-    from tandem.trainer.qsa_training import IndexerTraining
-
-    IndexerTraining(model, 1.0, 0, 1.0).begin_step(0)  # QSA's sparse stage with the indexer's KL on
+    model.train()  # QSA's sparse stage (the default), with the indexer's KL on (coefficient 1)
     seq = cfg.data.seq_len
     batch = worker.global_batch(0, 2, edge_documents=True, seq=seq)
     with torch.no_grad():

@@ -22,36 +22,36 @@ LENGTHS = ([8, 8, 9, 7], [7, 10, 15])
 CASES = [("mask", False), ("gather", False), ("mask", True)]
 
 
-def _layer(seed: int, form: str, dense: bool):
+def _layer(seed: int, form: str):
     import torch
 
     from tandem.models.qsa import IndexedAttention
 
     torch.manual_seed(seed)
     layer = IndexedAttention(HIDDEN, 4, 2, 8, 0.5, 10000.0, 64, 1e-6, 2, 16, BUDGET, RATIO,
-                             form=form).train()
+                             form=form, indexer_loss_coef=0.5).train()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
-    layer.indexer_loss_coef, layer.dense, layer.measure_recall, layer.chunk_elems = (
-        0.5,
-        dense,
-        True,
-        300,
-    )
+    layer.chunk_elems = 300
     return layer
 
 
-def _step(layers, x, pos, g, documents, context, local):
+def _step(layers, x, pos, g, documents, context, local, dense):
     """Both layers' forward and backward (the second reusing the first's selection) on `local`'s
-    rows."""
+    rows, measuring the first's recall."""
     import torch
+
+    from tandem.models.qsa import measuring_recall
 
     x = local(x).detach().requires_grad_()
     for layer in layers:
         layer.zero_grad(set_to_none=True)
-    y1, sel = layers[0](x, local(pos), return_selection=True, documents=documents, context=context)
-    y2 = layers[1](x, local(pos), selection=sel, documents=documents, context=context)
+    with measuring_recall():
+        y1, sel = layers[0](x, local(pos), return_selection=True, documents=documents,
+                            context=context, dense=dense)
+        y2 = layers[1](x, local(pos), selection=sel, documents=documents, context=context,
+                       dense=dense)
     ((y1 + y2) * local(g)).sum().backward()
     # a reusing indexer: none
     grads = torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten()
@@ -85,11 +85,11 @@ def _check(sharding: str) -> None:
         pos = docs.positions() if packed else torch.arange(S).expand(B, S)
         for form, dense in CASES:
             def layers():
-                return [_layer(1, form, dense), _layer(2, form, dense)]
+                return [_layer(1, form), _layer(2, form)]
 
-            want = _step(layers(), x, pos, grad_out, docs, None, lambda t: t)
+            want = _step(layers(), x, pos, grad_out, docs, None, lambda t: t, dense)
             got = _step(layers(), x, pos, grad_out, None if docs is None else docs.local(ctx), ctx,
-                        ctx.local)
+                        ctx.local, dense)
             where = f"{sharding} cp={cp} packed={packed} form={form} dense={dense}"
             if want["sel"] is not None:
                 n = B * S * (BUDGET // RATIO)

@@ -219,11 +219,11 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     for step in range(STEPS):
         set_lr(tr.optimizer, lr_at(cfg.train, step))
         coefs = depth_coefficients(cfg.mtp, step)
-        tr.indexers.begin_step(step)
         batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum,
                                      cfg.data.document_mask, cfg.data.seq_len)
         counts = tr.global_target_counts(batches)
-        sums = pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs))
+        sums = pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs,
+                                                              tr.indexers.dense(step)))
         norms.append(tr.clip_gradients())
         tr.update_router_biases()
         tr.indexers.before_update(step)

@@ -45,9 +45,6 @@ def test_packed_document_equals_lone_document(family):
         model = tiny_model(num_steps=3, vocab=64)
     else:
         model = tiny_qwen4_model(3, vocab=64, reuse_indices=family == "qwen4")
-    for layer in model.modules():  # the QSA layers select (the sparse stage)
-        if hasattr(layer, "dense"):
-            layer.dense = False
     docs, tokens, doc_ids = _packed(64)
     packed = _depth_logits(model, tokens, doc_ids)
     unmasked = _depth_logits(model, tokens)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.models.config import ModelConfig
+from tandem.models.qsa import IndexedAttention
 from tandem.trainer.loop import run_training
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_run
@@ -57,3 +58,21 @@ def test_joint_trains_everything_and_indexer_only_only_the_indexers(tiny_overrid
     assert moved and all(".indexer." in n for n in moved), sorted(moved)
     assert main_frozen[-1] > main[-1]
 
+
+
+def test_the_loop_runs_the_warm_up_dense_and_the_rest_sparse(tiny_overrides):
+    """The trainer hands the stage to every QSA forward of a step: dense for the warm-up's steps,
+    sparse after them (in-loop evaluation off: training forwards only)."""
+    cfg = load_config(None, tiny_overrides + QWEN4 + ["model.indexer_warmup_steps=2",
+                                                      "eval.interval=0"])
+    run = build_run(cfg)
+    stages = []
+    for layer in run.model.modules():
+        if isinstance(layer, IndexedAttention):
+            layer.register_forward_pre_hook(
+                lambda _m, _args, kwargs: stages.append(kwargs.get("dense", False)),
+                with_kwargs=True)
+    run_training(run)
+    per_step = len(stages) // 4
+    assert per_step > 0 and len(stages) == 4 * per_step
+    assert stages == [True] * (2 * per_step) + [False] * (2 * per_step)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa import IndexedAttention, measuring_recall
 from tandem.models.qsa_loss import indexer_kl
 from tandem.models.qsa_tokens import gather_attend, token_mask
 from tandem.models.state import DecodeCache
@@ -18,13 +18,15 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2,
 B, S = 2, 40
 
 
-def make_qsa(seed: int = 1, budget: int = BUDGET, form: str = "mask") -> IndexedAttention:
+def make_qsa(seed: int = 1, budget: int = BUDGET, form: str = "mask",
+             indexer_loss_coef: float = 0.0) -> IndexedAttention:
     """Random weights (larger than init so differences show). The indexer's query heads are close to
     its key head, so block scores are positive and distinct: no top-k ties for the reference to
     break its way."""
     torch.manual_seed(seed)
     attn = IndexedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS,
-                            IDX_DIM, budget, RATIO, form=form)
+                            IDX_DIM, budget, RATIO, form=form,
+                            indexer_loss_coef=indexer_loss_coef)
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(0, 0.3)
@@ -121,10 +123,10 @@ def test_mask_form_equals_gather_form(dense):
     results = []
     # 2000: many chunks
     for form, chunk_elems in (("mask", 1 << 26), ("gather", 1 << 26), ("gather", 2000)):
-        attn = make_qsa(3, form=form)
-        attn.indexer_loss_coef, attn.dense, attn.chunk_elems = 0.5, dense, chunk_elems
+        attn = make_qsa(3, form=form, indexer_loss_coef=0.5)
+        attn.chunk_elems = chunk_elems
         xi = x.clone().requires_grad_()
-        y = attn(xi, pos)
+        y = attn(xi, pos, dense=dense)
         results.append((y, grads(attn, xi, y, g), attn.last_indexer_loss))
     (y0, g0, l0) = results[0]
     for y, gr, loss in results[1:]:
@@ -214,10 +216,9 @@ def test_indexer_loss_trains_only_the_indexer(dense):
     g = torch.randn(B, S, HIDDEN)
     out = {}
     for coef in (0.0, 1.0):
-        attn = make_qsa(6).train()
-        attn.indexer_loss_coef, attn.dense = coef, dense
+        attn = make_qsa(6, indexer_loss_coef=coef).train()
         xi = x.clone().requires_grad_()
-        y = attn(xi, pos)
+        y = attn(xi, pos, dense=dense)
         out[coef] = (y.detach(), grads(attn, xi, y, g))
         if coef:
             assert attn.last_indexer_loss.item() > 0 and not attn.last_indexer_loss.requires_grad
@@ -245,15 +246,11 @@ def test_kl_is_zero_when_the_indexer_matches_the_target():
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_indexer_loss_and_recall_match_a_direct_computation(dense):
-    attn = make_qsa(7).train()
-    attn.indexer_loss_coef, attn.dense, attn.measure_recall, attn.chunk_elems = (
-        1.0,
-        dense,
-        True,
-        3000,
-    )
+    attn = make_qsa(7, indexer_loss_coef=1.0).train()
+    attn.chunk_elems = 3000
     x, pos = inputs(7)
-    attn(x, pos)
+    with measuring_recall():
+        attn(x, pos, dense=dense)
     with torch.no_grad():
         q, k, _, _ = attn._qkv(x, pos)
         logits = q @ k.repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1,
@@ -281,9 +278,8 @@ def test_indexer_loss_and_recall_match_a_direct_computation(dense):
 
 def test_recall_is_one_when_the_budget_covers_the_sequence():
     attn = make_qsa(8, budget=48).eval()
-    attn.measure_recall = True
     x, pos = inputs(8)
-    with torch.no_grad():
+    with torch.no_grad(), measuring_recall():
         attn(x, pos)
     assert abs(attn.last_recall.item() - 1.0) < 1e-6
 
@@ -292,11 +288,11 @@ def test_recall_is_one_when_the_budget_covers_the_sequence():
 
 @pytest.mark.parametrize("form", ["mask", "gather"])
 def test_bf16_smoke(form):
-    attn = make_qsa(9, form=form).to(torch.bfloat16).train()
-    attn.indexer_loss_coef, attn.measure_recall = 1.0, True
+    attn = make_qsa(9, form=form, indexer_loss_coef=1.0).to(torch.bfloat16).train()
     x, pos = inputs(9)
     x = x.to(torch.bfloat16).requires_grad_()
-    y = attn(x, pos)
+    with measuring_recall():
+        y = attn(x, pos)
     y.float().pow(2).mean().backward()
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     assert torch.isfinite(attn.last_indexer_loss) and 0 < attn.last_recall <= 1.0001

@@ -5,11 +5,13 @@ a row holding a single document gives exactly the plain (documents=None) forward
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from tandem.models.documents import Documents
-from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa import IndexedAttention, measuring_recall
 from tests.unit.test_qsa import BUDGET, HIDDEN, RATIO
 from tests.unit.test_qsa import make_qsa as make_plain_qsa
 
@@ -19,9 +21,9 @@ LENGTHS = [[7, 13, 1, 19], [3, 22, 15]]
 S = 40
 
 
-def make_qsa(seed: int, form: str = "mask") -> IndexedAttention:
+def make_qsa(seed: int, form: str = "mask", indexer_loss_coef: float = 0.0) -> IndexedAttention:
     """test_qsa.py's QSA layer (its shape, its weights drawn so selection is decided by content)."""
-    return make_plain_qsa(seed, form=form)
+    return make_plain_qsa(seed, form=form, indexer_loss_coef=indexer_loss_coef)
 
 
 def packed(seed: int = 1, lengths=LENGTHS):
@@ -55,8 +57,8 @@ def assert_per_document(y_packed, run_alone, lengths=LENGTHS):
 
 @pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
 def test_each_document_computes_what_it_computes_alone(form, dense):
-    attn = make_qsa(1, form).train()
-    attn.dense = dense
+    layer = make_qsa(1, form).train()
+    attn = functools.partial(layer, dense=dense)
     x, docs = packed(1)
     g = torch.randn_like(x)
     xp = x.clone().requires_grad_()
@@ -115,19 +117,16 @@ def test_indexer_loss_and_recall_per_document(dense):
     """The KL averages over queries with a candidate block (L - r + 1 of a document of L >= r
     tokens) and the recall over all queries: the packed row's values are those weighted means of
     each document's own."""
-    attn = make_qsa(6).train()
-    attn.indexer_loss_coef, attn.dense, attn.measure_recall, attn.chunk_elems = (
-        1.0,
-        dense,
-        True,
-        1500,
-    )
+    attn = make_qsa(6, indexer_loss_coef=1.0).train()
+    attn.chunk_elems = 1500
     x, docs = packed(6)
-    attn(x, docs.positions(), documents=docs)
+    with measuring_recall():
+        attn(x, docs.positions(), documents=docs, dense=dense)
     got_loss, got_recall = attn.last_indexer_loss, attn.last_recall
     kl = queries = recall = 0.0
     for b, s0, n in spans():
-        attn(*alone(x, b, s0, n))
+        with measuring_recall():
+            attn(*alone(x, b, s0, n), dense=dense)
         recall += attn.last_recall * n
         if n >= RATIO:
             kl += attn.last_indexer_loss * (n - RATIO + 1)
@@ -141,15 +140,15 @@ def test_indexer_loss_and_recall_per_document(dense):
 def test_one_document_per_row_equals_the_plain_forward(form, dense):
     """documents=None is the single-document row: the documents path reproduces it (bit for bit
     where the same kernels run), outputs, gradients, the indexer's loss and the recall."""
-    attn = make_qsa(7, form).train()
-    attn.indexer_loss_coef, attn.dense, attn.measure_recall = 1.0, dense, True
+    attn = make_qsa(7, form, indexer_loss_coef=1.0).train()
     x, docs = packed(7, [[S], [S]])
     g = torch.randn_like(x)
     out = {}
     for key, kwargs in (("plain", {}), ("documents", {"documents": docs})):
         attn.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        y, sel = attn(xi, docs.positions(), return_selection=True, **kwargs)
+        with measuring_recall():
+            y, sel = attn(xi, docs.positions(), return_selection=True, dense=dense, **kwargs)
         (y * g).sum().backward()
         out[key] = (y.detach(), xi.grad, attn.indexer.index_qk_proj.weight.grad,
                     attn.last_indexer_loss, attn.last_recall, sel)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.models.qsa import IndexedAttention
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from tandem.trainer.parallel.compile import apply_compile
@@ -38,18 +37,16 @@ OVERRIDES = [
 
 
 def _run(mode: str, reuse: bool, dense: bool, compiled: bool):
-    cfg = load_config(None, OVERRIDES + [f"mtp.qsa_reuse_indices={str(reuse).lower()}"])
+    # the indexer's KL rides on each QSA layer's backward
+    cfg = load_config(None, OVERRIDES + [f"mtp.qsa_reuse_indices={str(reuse).lower()}",
+                                         "model.indexer_loss_coef=0.1"])
     torch.manual_seed(0)
     model = build_sharded(cfg, ParallelState(device=resolve_device("cpu")))
     apply_compile(model, compiled, backend="eager")  # dynamo capture, as train.compile
     apply_activation_checkpointing(model, mode)
     model.train()
-    for layer in model.modules():
-        if isinstance(layer, IndexedAttention):
-            # the KL rides on each layer's backward
-            layer.dense, layer.indexer_loss_coef = dense, 0.1
     tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(0))
-    out = model(tokens)
+    out = model(tokens, qsa_dense=dense)
     out.loss_sums.sum().backward()
     return out.loss_sums.detach(), {n: p.grad.clone() for n,
                                     p in model.named_parameters() if p.grad is not None}

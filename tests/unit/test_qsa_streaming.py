@@ -11,20 +11,20 @@ import torch
 
 from bench.qsa_memory import MaterialisedIndexedAttention
 from tandem.models.documents import Documents
-from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa import IndexedAttention, measuring_recall
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2, 8, 2, 16, 16, 4
 B, S = 2, 48
 
 
-def pair(seed: int, form: str, dense: bool = False, chunk_elems: int = 200, ties: bool = True):
+def pair(seed: int, form: str, chunk_elems: int = 200, ties: bool = True):
     """The streamed layer and the reference with the same weights. `ties`: indexer queries pointing
     away from the key head, so most relu(q . k) are 0 and many blocks tie."""
     torch.manual_seed(seed)
     layers = []
     for cls in (IndexedAttention, MaterialisedIndexedAttention):
         layers.append(cls(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 0.5, 10000.0, 64, 1e-6, IDX_HEADS,
-                          IDX_DIM, BUDGET, RATIO, form=form).train())
+                          IDX_DIM, BUDGET, RATIO, form=form, indexer_loss_coef=0.5).train())
     with torch.no_grad():
         for p in layers[0].parameters():
             p.normal_(0, 0.3)
@@ -33,12 +33,7 @@ def pair(seed: int, form: str, dense: bool = False, chunk_elems: int = 200, ties
             w[:-1] = -w[-1] + 0.2 * w[:-1]
     layers[1].load_state_dict(layers[0].state_dict())
     for layer in layers:
-        layer.indexer_loss_coef, layer.dense, layer.measure_recall, layer.chunk_elems = (
-            0.5,
-            dense,
-            True,
-            chunk_elems,
-        )
+        layer.chunk_elems = chunk_elems
     return layers
 
 
@@ -51,10 +46,13 @@ def inputs(seed: int, runs: bool = True, dtype=torch.float32):
     return x.to(dtype).requires_grad_(), torch.arange(S).expand(B, S)
 
 
-def run(layer, x, pos, documents=None, grad_seed: int = 0):
+def run(layer, x, pos, documents=None, grad_seed: int = 0, dense: bool = False):
+    """One training forward and backward, measuring the recall: (output, selection, input gradient,
+    parameter gradients, indexer loss, recall)."""
     x = x.detach().clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
-    y, sel = layer(x, pos, return_selection=True, documents=documents)
+    with measuring_recall():
+        y, sel = layer(x, pos, return_selection=True, documents=documents, dense=dense)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed)).to(y.dtype)
     (y * g).sum().backward()
     grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
@@ -81,21 +79,22 @@ def assert_same(got, want, tol=1e-5):
 # 24: blocks merged in 6-block pieces; 200: query chunks
 @pytest.mark.parametrize("chunk_elems", [24, 200, 1 << 20])
 def test_streamed_equals_the_materialised_path(form, dense, chunk_elems):
-    streamed, reference = pair(1, form, dense, chunk_elems)
+    streamed, reference = pair(1, form, chunk_elems)
     x, pos = inputs(1)
-    assert_same(run(streamed, x, pos), run(reference, x, pos))
+    assert_same(run(streamed, x, pos, dense=dense), run(reference, x, pos, dense=dense))
 
 
 @pytest.mark.parametrize("form,dense", [("mask", False), ("gather", False), ("mask", True)])
 def test_streamed_equals_the_materialised_path_on_packed_documents(form, dense):
     """Boundaries off the block grid, a 1-token document, one cut by the window's end, one run of a
     token."""
-    streamed, reference = pair(2, form, dense, chunk_elems=24)
+    streamed, reference = pair(2, form, chunk_elems=24)
     x, pos = inputs(2)
     ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r))
                        for r in ([7, 13, 1, 27], [3, 22, 23])])
     docs = Documents.from_doc_ids(ids)
-    assert_same(run(streamed, x, docs.positions(), docs), run(reference, x, docs.positions(), docs))
+    assert_same(run(streamed, x, docs.positions(), docs, dense=dense),
+                run(reference, x, docs.positions(), docs, dense=dense))
 
 
 def test_ties_are_many_and_break_toward_the_earlier_block():

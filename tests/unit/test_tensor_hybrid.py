@@ -92,9 +92,7 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
         pstate = init_parallel(cfg, resolve_device("cpu"))
         model = build_model(cfg, pstate)
         tr = TrainStep(cfg, model, pstate)
-        model.train()
-        # the sparse stage: selection and its KL
-        tr.indexers.begin_step(cfg.model.indexer_warmup_steps)
+        model.train()  # forward_backward's default stage is the sparse one: selection and its KL
         chosen = []
 
         def recording(self, scores_bsn, query_at_bs, *layout):

@@ -75,10 +75,10 @@ def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
 
 def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor,
               tokens_bs: torch.Tensor, cache=None, documents=None, context=None,
-              aux_grad_scale: float = 1.0):
+              aux_grad_scale: float = 1.0, qsa_dense: bool = False):
     """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE;
     `context` only when the window is split over context-parallel ranks."""
-    extra = block_kwargs(documents, context, aux_grad_scale)
+    extra = block_kwargs(documents, context, aux_grad_scale, qsa_dense)
     return block(h, positions_bs, cache,
                  tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
 
@@ -98,7 +98,9 @@ class _StepContext:
     grad_scales: Optional[torch.Tensor] = None
     """d total / d loss_sums[depth] of the step (TandemModel.forward's `loss_grad_scales`)."""
     aux_grad_scale: float = 1.0
-    """The gradient of each micro-batch's MoE auxiliary losses (TandemModel.forward's)."""
+    """The gradient of each micro-batch's auxiliary losses (TandemModel.forward's)."""
+    qsa_dense: bool = False
+    """QSA's dense warm-up stage (TandemModel.forward's)."""
     sums: Optional[torch.Tensor] = None
     document_mask: bool = False
     """data.document_mask: the stages keep packed documents apart."""
@@ -156,13 +158,14 @@ class StageModule(nn.Module):
             for block in self.blocks:
                 h = run_block(block, h, positions, context.local(tokens[:, :s]),
                               documents=documents, context=context,
-                              aux_grad_scale=self._ctx.aux_grad_scale)
+                              aux_grad_scale=self._ctx.aux_grad_scale,
+                              qsa_dense=self._ctx.qsa_dense)
         loss = None
         # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing
         # selected)
         mtp_here = any(d > 0 for d in plan.depths)
         selection = None
-        if selection_in and mtp_here and not self._model._qsa_dense():
+        if selection_in and mtp_here and not self._ctx.qsa_dense:
             selection = QSASelection(*selection_in)
         if plan.depths:
             if plan.chain_in == 0:
@@ -173,7 +176,8 @@ class StageModule(nn.Module):
                                                  documents=documents,
                                                  selection=selection,
                                                  loss_grad_scales=self._ctx.grad_scales,
-                                                 aux_grad_scale=self._ctx.aux_grad_scale)
+                                                 aux_grad_scale=self._ctx.aux_grad_scale,
+                                                 qsa_dense=self._ctx.qsa_dense)
             selection = out.selection if mtp_here else None
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
@@ -384,15 +388,15 @@ class Pipeline:
             self.schedule = kind(stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
 
     def forward_backward(self, batches, global_counts: torch.Tensor, coefs: List[float],
-                         aux_grad_scale: float = 1.0) -> torch.Tensor:
+                         aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> torch.Tensor:
         """Every micro-batch of the step through the schedule; returns the per-depth loss sums.
-        `aux_grad_scale`: TandemModel.forward's, for every micro-batch."""
+        `aux_grad_scale`, `qsa_dense`: TandemModel.forward's, for every micro-batch."""
         tokens = torch.cat([b["tokens"] for b in batches])
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
         self.ctx.grad_scales = loss_gradient(global_counts, coefs)
-        self.ctx.aux_grad_scale = aux_grad_scale
+        self.ctx.aux_grad_scale, self.ctx.qsa_dense = aux_grad_scale, qsa_dense
         self.ctx.sums = torch.zeros(self.num_depths, dtype=torch.float32, device=tokens.device)
         args = (self.context.local(tokens[:, :-1]).contiguous(),) if self.has_first else ()
         target = torch.zeros(tokens.shape[0], device=tokens.device) if self.has_last else None
