@@ -8,7 +8,8 @@ from typing import List
 import torch
 from torch import nn
 
-from tandem.models.qsa import IndexedAttention, measuring_recall
+from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa_loss import measuring_recall
 
 
 class RecallProbe:

@@ -57,9 +57,8 @@ Peak memory of one layer's training step, per rank (bytes, fp32; B rows, D_i ind
   + 4 * B * S * (4 * kvh * head_dim + 2 * D_i)        the gathered window's keys, values, raw keys,
                                                       grads
   + about 16 * E                                      one chunk's transients
-in the gather form (the mask form adds its B * (S / cp) * S bool mask). The path before streaming
-added about 36 * B * S * S / r (scores, their gradient, int64 top-k keys, the KL's [B, S, N]
-tensors); bench/qsa_memory.py measures both against these terms.
+in the gather form (the mask form adds its B * (S / cp) * S bool mask); bench/qsa_memory.py measures
+it against these terms.
 
 Decoding (`cache` given) writes keys/values with `cache.update` and the raw indexer keys into the
 full-length buffer `qsa_index_keys` [B, max_len, D_i] at their positions. Block keys are recomputed
@@ -83,7 +82,6 @@ identity here, an all-reduce over tp in the tensor-parallel module) before they 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -95,34 +93,13 @@ from .documents import Documents
 from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
 from .moe import AuxLossGrad
 from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
+from .qsa_loss import recall_measured
 from .qsa_stream import map_query_chunks, selection_keys, stream_select, stream_target
 from .qsa_tokens import gather_attend, token_mask, token_slots
 from .state import LayerCache
 
 MASK_ELEMS_LIMIT = 1 << 26
 """`auto` switches to the gather form above this many [B, S, S] mask elements."""
-
-_RECALL_MEASURED = False  # a global read in forward: dynamo guards on it (`measuring_recall`)
-
-
-@contextlib.contextmanager
-def measuring_recall():
-    """Within it, every uncached QSA forward also measures its recall, the share of the dense
-    attention's probability mass inside its selection (`IndexedAttention.last_recall`). A mode of
-    the forwards run inside it, as `torch.no_grad` is: evaluation only (a backward's recomputation
-    outside it would not measure)."""
-    global _RECALL_MEASURED
-    before, _RECALL_MEASURED = _RECALL_MEASURED, True
-    try:
-        yield
-    finally:
-        _RECALL_MEASURED = before
-
-
-def recall_measured() -> bool:
-    """Whether QSA forwards measure their recall now (`measuring_recall`)."""
-    return _RECALL_MEASURED
-
 
 class IndexedAttention(nn.Module):
     """transformers' `Qwen4ExpTextAttention`: forward(x [B, S, hidden], positions [B, S],

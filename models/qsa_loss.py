@@ -27,9 +27,31 @@ exists). Under tensor parallelism a rank holds only its own heads: the head sums
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
+
+_RECALL_MEASURED = False  # a global read in forward: dynamo guards on it (`measuring_recall`)
+
+
+@contextlib.contextmanager
+def measuring_recall():
+    """Within it, every uncached QSA forward also measures its recall, the share of the dense
+    attention's probability mass inside its selection (`IndexedAttention.last_recall`). A mode of
+    the forwards run inside it, as `torch.no_grad` is: evaluation only (a backward's recomputation
+    outside it would not measure)."""
+    global _RECALL_MEASURED
+    before, _RECALL_MEASURED = _RECALL_MEASURED, True
+    try:
+        yield
+    finally:
+        _RECALL_MEASURED = before
+
+
+def recall_measured() -> bool:
+    """Whether QSA forwards measure their recall now (`measuring_recall`)."""
+    return _RECALL_MEASURED
 
 
 @torch.no_grad()

@@ -31,15 +31,17 @@ from tandem.models.qsa import IndexedAttention
 
 
 class IndexerTraining:
-    def __init__(self, model: nn.Module, warmup_steps: int, warmup: str = "joint",
+    def __init__(self, model: nn.Module, uses_qsa: bool, warmup_steps: int, warmup: str = "joint",
                  context_group=None):
-        """`warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup).
+        """`uses_qsa`: the model has QSA layers (ModelConfig.uses_qsa; `model` may be a pipeline
+        rank's stages, holding none of them, whose steps are warm-up steps all the same).
+        `warmup`: `joint` or `indexer_only` (ModelConfig.resolved_indexer_warmup).
         `context_group`: the cp ranks splitting each window (parallel.cp > 1), whose indexer losses
         are shares of the window's (models/qsa.py) and are summed for the logged figure."""
         self.context_group = context_group
         self.layers: List[IndexedAttention] = [m for m in model.modules()
                                                if isinstance(m, IndexedAttention)]
-        self.warmup_steps = warmup_steps
+        self.uses_qsa, self.warmup_steps = uses_qsa, warmup_steps
         self.indexer_only = warmup == "indexer_only"
         indexer = {id(p) for layer in self.layers for p in layer.indexer.parameters()}
         self.main_params = [p for p in model.parameters() if id(p) not in indexer]
@@ -49,8 +51,8 @@ class IndexerTraining:
 
     def dense(self, schedule_step: float) -> bool:
         """Whether the step starting at `schedule_step` (consumed samples / first global batch) is
-        in the warm-up (never without a QSA layer)."""
-        return bool(self.layers) and schedule_step < self.warmup_steps
+        in the warm-up (never for a model without QSA layers)."""
+        return self.uses_qsa and schedule_step < self.warmup_steps
 
     def before_update(self, schedule_step: float) -> None:
         """With `indexer_only`, only the indexers learn in the dense warm-up: drop every other

@@ -52,8 +52,8 @@ class TrainStep:
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
         self.aux_grad_scale = 1.0 / (micro * pstate.dp_size)
         m = cfg.model
-        self.indexers = IndexerTraining(model, m.indexer_warmup_steps, m.resolved_indexer_warmup,
-                                        pstate.context_group)
+        self.indexers = IndexerTraining(model, m.uses_qsa, m.indexer_warmup_steps,
+                                        m.resolved_indexer_warmup, pstate.context_group)
 
     # --- the step's pieces, in order -------------------------------------------------------------
     def global_target_counts(self, batches) -> torch.Tensor:

@@ -88,8 +88,8 @@ class NaNAtBatch:
             injector.current = run.data_position.next_sample() // run.global_batch
             return read(run, i)
 
-        def forward_backward(train_step, batches_, counts, coefs):
-            sums = step(train_step, batches_, counts, coefs)
+        def forward_backward(train_step, batches_, counts, coefs, qsa_dense=False):
+            sums = step(train_step, batches_, counts, coefs, qsa_dense)
             if injector.current in injector.batches:
                 injector.batches.discard(injector.current)
                 injector.hit.append(injector.current)
@@ -165,8 +165,8 @@ def test_loss_spike_is_a_bad_step(monkeypatch, tiny_overrides):
     original = TrainStep.forward_backward
     calls = []
 
-    def spiky(train_step, batches, counts, coefs):
-        sums = original(train_step, batches, counts, coefs)
+    def spiky(train_step, batches, counts, coefs, qsa_dense=False):
+        sums = original(train_step, batches, counts, coefs, qsa_dense)
         calls.append(1)
         return sums * 10 if len(calls) == 7 else sums
 

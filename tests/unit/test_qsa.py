@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tandem.models.qsa import IndexedAttention, measuring_recall
-from tandem.models.qsa_loss import indexer_kl
+from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa_loss import indexer_kl, measuring_recall
 from tandem.models.qsa_tokens import gather_attend, token_mask
 from tandem.models.state import DecodeCache
 

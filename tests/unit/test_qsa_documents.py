@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tandem.models.documents import Documents
-from tandem.models.qsa import IndexedAttention, measuring_recall
+from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa_loss import measuring_recall
 from tests.unit.test_qsa import BUDGET, HIDDEN, RATIO
 from tests.unit.test_qsa import make_qsa as make_plain_qsa
 

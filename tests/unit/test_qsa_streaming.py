@@ -11,7 +11,8 @@ import torch
 
 from bench.qsa_memory import MaterialisedIndexedAttention
 from tandem.models.documents import Documents
-from tandem.models.qsa import IndexedAttention, measuring_recall
+from tandem.models.qsa import IndexedAttention
+from tandem.models.qsa_loss import measuring_recall
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, IDX_HEADS, IDX_DIM, BUDGET, RATIO = 32, 4, 2, 8, 2, 16, 16, 4
 B, S = 2, 48
