@@ -42,7 +42,7 @@ def _step(layers, x, pos, g, documents, context, local, dense):
     rows, measuring the first's recall."""
     import torch
 
-    from tandem.models.qsa import measuring_recall
+    from tandem.models.qsa_loss import measuring_recall
 
     x = local(x).detach().requires_grad_()
     for layer in layers:
