@@ -70,10 +70,6 @@ from .suites import load_suites, tokenize_suite
 DISTINCT_N = (2, 4)
 """n-gram orders of the `eval/distinct_n` repetition figures."""
 
-RESTORE_ROUTER_LOADS = True
-"""Tests switch this off to show that the restore is what keeps training unchanged."""
-
-
 class LayoutDecoding(Replicas, Protocol):
     """What the evaluator needs to decode on this rank's part of a parallel layout."""
 
@@ -180,7 +176,7 @@ class InLoopEvaluator:
         finally:
             model.train(was_training)
             with torch.no_grad():
-                for r, saved in zip(routers, saved_loads if RESTORE_ROUTER_LOADS else []):
+                for r, saved in zip(routers, saved_loads):
                     r.tokens_per_expert.copy_(saved)
         self.last_outputs = out.pop("outputs")  # the speculative greedy tokens (tests compare them)
         self.last_samples = [{"step": step, **self._texts(r)} for r in out.pop("samples")]

@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 
-from tandem.eval import in_loop
 from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 
@@ -125,14 +124,21 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, corpus_cache, 
     loads = [r.tokens_per_expert.clone() for r in routers]
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
+    # Control, read from outside at the end of the evaluation's forwards (before the restore):
+    # they do count routed tokens, so the restore is what keeps training's loads unchanged
+    evaluate, during = ev._evaluate, []
+
+    def evaluate_and_read_loads(m):
+        out = evaluate(m)
+        during.extend(r.tokens_per_expert.clone() for r in routers)
+        return out
+
+    monkeypatch.setattr(ev, "_evaluate", evaluate_and_read_loads)
     out = ev.run(1)
+    assert not all(torch.equal(now, load) for now, load in zip(during, loads))
     # sampling ran too
     assert "eval/T0.7/acceptance_length" in out and "eval/T1/acceptance_length" not in out
     assert model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(r.tokens_per_expert, load) for r, load in zip(routers, loads))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
-    # Control: the restore is needed, evaluation forwards do count routed tokens.
-    monkeypatch.setattr(in_loop, "RESTORE_ROUTER_LOADS", False)
-    ev.run(1)
-    assert not all(torch.equal(r.tokens_per_expert, load) for r, load in zip(routers, loads))
