@@ -134,6 +134,33 @@ def _render(template: str, values: Dict[str, str]) -> str:
 
 def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str] = None) -> str:
     """The batch script for parsed launcher args and the resolved run.dir. Raises LaunchError."""
+    gpus, nproc, cpus = _task_sizes(args)
+    workdir = os.path.abspath(workdir or os.getcwd())
+    log_dir = _directive_value("run.dir",
+                               os.path.join(os.path.abspath(os.path.join(workdir, run_dir)),
+                                            "slurm"),
+                               allow_percent=False)
+    job_name = args.job_name or "tandem-" + re.sub(r"[^A-Za-z0-9_.\-]", "_",
+                                                   os.path.basename(os.path.normpath(run_dir))
+                                                   or "run")
+    directives = _sbatch_directives(args, job_name, gpus, cpus, log_dir)
+    env_d = args.env_dir or str(_slurm_dir() / "env.d")
+    template = (_slurm_dir() / "train.sbatch.tmpl").read_text()
+    return _render(
+        template,
+        {
+            "sbatch_directives": "\n".join(f"#SBATCH {x}" for x in directives),
+            "workdir": shlex.quote(workdir),
+            "env_d": shlex.quote(os.path.abspath(env_d)),
+            "nproc_per_node": str(int(nproc)),
+            "train_argv": " ".join(shlex.quote(a) for a in trainer_argv(args.recipe,
+                                                                        args.overrides)),
+        },
+    )
+
+
+def _task_sizes(args: argparse.Namespace) -> Tuple[Optional[int], int, int]:
+    """(GPUs per node or None, processes per node, CPUs of the node's one task), checked."""
     if args.nodes < 1:
         raise LaunchError("--nodes must be >= 1")
     gpus = args.gpus_per_node
@@ -146,15 +173,12 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
         raise LaunchError("--cpus-per-task must be >= 1")
     if args.signal_seconds < 0:
         raise LaunchError("--signal-seconds must be >= 0")
-    workdir = os.path.abspath(workdir or os.getcwd())
-    log_dir = _directive_value("run.dir",
-                               os.path.join(os.path.abspath(os.path.join(workdir, run_dir)),
-                                            "slurm"),
-                               allow_percent=False)
-    job_name = args.job_name or "tandem-" + re.sub(r"[^A-Za-z0-9_.\-]", "_",
-                                                   os.path.basename(os.path.normpath(run_dir))
-                                                   or "run")
+    return gpus, nproc, cpus
 
+
+def _sbatch_directives(args: argparse.Namespace, job_name: str, gpus: Optional[int], cpus: int,
+                       log_dir: str) -> List[str]:
+    """The #SBATCH options: one task per node (torchrun starts the ranks), requeue on USR1."""
     d = [
         f"--job-name={_directive_value('--job-name', job_name)}",
         f"--nodes={args.nodes}",
@@ -181,20 +205,7 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
             raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, "
                               "no whitespace)")
         d.append(extra)
-
-    env_d = args.env_dir or str(_slurm_dir() / "env.d")
-    template = (_slurm_dir() / "train.sbatch.tmpl").read_text()
-    return _render(
-        template,
-        {
-            "sbatch_directives": "\n".join(f"#SBATCH {x}" for x in d),
-            "workdir": shlex.quote(workdir),
-            "env_d": shlex.quote(os.path.abspath(env_d)),
-            "nproc_per_node": str(int(nproc)),
-            "train_argv": " ".join(shlex.quote(a) for a in trainer_argv(args.recipe,
-                                                                        args.overrides)),
-        },
-    )
+    return d
 
 
 def _timestamped(dir_: Path) -> str:

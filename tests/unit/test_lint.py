@@ -1,6 +1,7 @@
 """`ruff check .` with the project's configuration (pyproject.toml [tool.ruff]) passes: pyflakes,
 import order and line length hold in every file, product code, tests and benchmarks alike. Product
-modules import only from their own layer and those below it, and none is over 500 lines."""
+modules import only from their own layer and those below it, none is over 500 lines and no
+function in them over 60."""
 
 import os
 import shutil
@@ -67,3 +68,32 @@ def test_no_product_file_is_over_500_lines():
     long = {os.path.relpath(p, ROOT): n for p in product
             if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_PRODUCT_LINES}
     assert not long, f"over {MAX_PRODUCT_LINES} lines (split them): {long}"
+
+
+MAX_FUNCTION_LINES = 60
+"""A function a reader can follow: at most 60 lines of body after its docstring (ARCHITECTURE.md;
+a table longer than that would be data, named here if one ever needs to be)."""
+
+
+def _function_lengths(path):
+    import ast
+
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if (len(body) > 1 and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                body = body[1:]  # the docstring
+            yield node.name, node.lineno, node.end_lineno - body[0].lineno + 1
+
+
+def test_no_product_function_is_over_60_lines():
+    long = [f"{os.path.relpath(os.path.join(dirpath, name), ROOT)}:{line} {func} ({n} lines)"
+            for layer in LAYERS + ["slurm"]
+            for dirpath, _, names in os.walk(os.path.join(ROOT, layer))
+            for name in names if name.endswith(".py")
+            for func, line, n in _function_lengths(os.path.join(dirpath, name))
+            if n > MAX_FUNCTION_LINES]
+    assert not long, "split them:\n" + "\n".join(long)

@@ -131,39 +131,48 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
         qk_norm=name in ("qwen3", "qwen3_moe", "qwen3_next_mtp"),
     )
     if name == "qwen3_moe":
-        experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
-        step = int(hf.get("decoder_sparse_step", 1))
-        dense = sorted({int(i) for i in hf.get("mlp_only_layers", [])} |
-                       {i for i in range(cfg.num_layers) if step > 1 and (i + 1) % step})
-        if dense != list(range(len(dense))):
-            raise UnsupportedCheckpoint(
-                f"qwen3_moe: dense layers {dense} (from mlp_only_layers/decoder_sparse_step) are "
-                "not a leading block; "
-                "only first_k_dense is supported")
-        cfg.num_experts, cfg.first_k_dense = experts, len(dense)
-        cfg.top_k = int(hf["num_experts_per_tok"])
-        cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
-        cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
-        cfg.router_score, cfg.balance = "softmax", "aux_loss"
-        cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", 1e-3))
+        _qwen3_moe_fields(hf, cfg)
     elif name == "glm4_moe":
-        cfg.num_experts = int(hf.get("n_routed_experts", hf.get("num_local_experts", 0)))
-        cfg.top_k = int(hf["num_experts_per_tok"])
-        cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
-        cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
-        cfg.first_k_dense = int(hf.get("first_k_dense_replace", 1))
-        cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", True))
-        cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
-        cfg.n_group, cfg.topk_group = int(hf.get("n_group", 1) or 1), int(hf.get("topk_group",
-                                                                                 1) or 1)
-        cfg.router_score, cfg.balance = "sigmoid", "aux_free"
-        cfg.qk_norm = bool(hf.get("use_qk_norm", False))
-        if "partial_rotary_factor" not in (hf.get("rope_parameters")
-                                           or {}) and "partial_rotary_factor" not in hf:
-            cfg.partial_rotary_factor = 0.5  # Glm4MoeConfig's default
-        if cfg.num_shared_experts < 1:
-            raise UnsupportedCheckpoint("glm4_moe: n_shared_experts must be >= 1")
+        _glm4_moe_fields(hf, cfg)
     return cfg
+
+
+def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
+    """Qwen3-MoE's experts: softmax routing with an auxiliary balance loss, dense layers first."""
+    experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = sorted({int(i) for i in hf.get("mlp_only_layers", [])} |
+                   {i for i in range(cfg.num_layers) if step > 1 and (i + 1) % step})
+    if dense != list(range(len(dense))):
+        raise UnsupportedCheckpoint(
+            f"qwen3_moe: dense layers {dense} (from mlp_only_layers/decoder_sparse_step) are "
+            "not a leading block; only first_k_dense is supported")
+    cfg.num_experts, cfg.first_k_dense = experts, len(dense)
+    cfg.top_k = int(hf["num_experts_per_tok"])
+    cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
+    cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+    cfg.router_score, cfg.balance = "softmax", "aux_loss"
+    cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", 1e-3))
+
+
+def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
+    """GLM-4.5's experts: grouped sigmoid routing, shared experts, aux-free balancing."""
+    cfg.num_experts = int(hf.get("n_routed_experts", hf.get("num_local_experts", 0)))
+    cfg.top_k = int(hf["num_experts_per_tok"])
+    cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
+    cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
+    cfg.first_k_dense = int(hf.get("first_k_dense_replace", 1))
+    cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", True))
+    cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
+    cfg.n_group = int(hf.get("n_group", 1) or 1)
+    cfg.topk_group = int(hf.get("topk_group", 1) or 1)
+    cfg.router_score, cfg.balance = "sigmoid", "aux_free"
+    cfg.qk_norm = bool(hf.get("use_qk_norm", False))
+    rope = hf.get("rope_parameters") or {}
+    if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in hf:
+        cfg.partial_rotary_factor = 0.5  # Glm4MoeConfig's default
+    if cfg.num_shared_experts < 1:
+        raise UnsupportedCheckpoint("glm4_moe: n_shared_experts must be >= 1")
 
 
 # --------------------------------------------------------------------------------------------------
