@@ -24,7 +24,9 @@ import numpy as np
 import torch.distributed as dist
 
 from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
+from tandem.data_pipeline.chat_dataset import build_chat_datasets
 from tandem.data_pipeline.preprocess import output_paths, read_meta
+from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus, stdlib_cache_dir
 from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, tokenizer_fingerprint
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -244,8 +246,6 @@ def build_datasets(
     """
     # records tokenised here, packed or padded (data_pipeline/chat_dataset.py)
     if data_cfg.source == "jsonl":
-        from tandem.data_pipeline.chat_dataset import build_chat_datasets
-
         train_ds, valid_ds, tokenizer = build_chat_datasets(data_cfg, seq_len, seed)
         if model_vocab_size is not None:
             check_vocab(tokenizer, model_vocab_size)
@@ -291,8 +291,6 @@ def _blends_and_tokenizer(data_cfg) -> Tuple[_Blend, Optional[_Blend], TandemTok
     """(train blend, separate validation blend or None, tokenizer, default index cache directory) of
     `data_cfg.source`; for `megatron`, missing dataset files fail before any tokenizer is loaded."""
     if data_cfg.source == "stdlib":
-        from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus, stdlib_cache_dir
-
         train_prefix, valid_prefix, tok_path = prepare_stdlib_corpus(data_cfg)
         tokenizer = load_tokenizer(data_cfg.tokenizer or tok_path)
         default_cache = os.path.join(stdlib_cache_dir(data_cfg), "indices")

@@ -96,8 +96,6 @@ def stdlib_cache_dir(data_cfg) -> str:
     vocab = f"v{int(data_cfg.vocab_size)}"
     # tokenized with a given tokenizer (a fine-tuned checkpoint's)
     if getattr(data_cfg, "tokenizer", ""):
-        from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
-
         vocab = f"tok{tokenizer_fingerprint(data_cfg.tokenizer)[:16]}"
     key = (f"stdlib-py{platform.python_version()}-{vocab}-cap{int(data_cfg.stdlib_max_bytes)}"
            f"-{CACHE_FORMAT}")

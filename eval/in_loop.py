@@ -57,6 +57,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
+from tandem.data_pipeline.batches import get_batch
 from tandem.data_pipeline.chat_template import chat_template_in
 
 from .acceptance import row_metrics
@@ -116,8 +117,6 @@ class InLoopEvaluator:
         self.prompts: List[List[int]] = []
         self.loss_batches: List[Dict[str, torch.Tensor]] = []
         if valid_ds is not None:
-            from tandem.data_pipeline.batches import get_batch
-
             mb = cfg.train.micro_batch_size
             for i in range(e.loss_batches):
                 self.loss_batches.append(get_batch(valid_ds, list(range(i * mb, (i + 1) * mb))))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from tandem.eval.suites import SuiteError, parse_suites, suite_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
@@ -271,8 +272,6 @@ class EvalConfig:
 
     def validate(self, cfg: "TandemConfig") -> None:
         if self.suite:
-            from tandem.eval.suites import SuiteError, parse_suites, suite_file
-
             try:
                 for name in parse_suites(self.suite):
                     suite_file(name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..config import TandemConfig
 from ..config_checks import ConfigError
+from .pipeline_plan import PipelinePlan
 
 
 def pipeline_microbatches(cfg: TandemConfig) -> int:
@@ -94,8 +95,6 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
             raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by "
                               f"parallel.ep={p.ep}")
     if p.pp > 1:
-        from .pipeline_plan import PipelinePlan
-
         PipelinePlan(cfg).check(cfg)
         pipeline_microbatches(cfg)  # raises when the step's sequences cannot be split
     return dp
