@@ -52,10 +52,13 @@ from tandem.data_pipeline.batches import get_batch
 from tandem.data_pipeline.chat_template import chat_template_in
 from tandem.data_pipeline.dataset import _tokenizer_for, build_datasets, parse_blend
 from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
+from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
+from tandem.data_pipeline.tokenizer import load_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.metrics import teacher_forced
 from tandem.eval.spec_decode import prompt_limit
+from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 
@@ -114,8 +117,6 @@ def _load(args):
         model, cfg = load_hf_model(args.hf)
         tok = None
         try:
-            from tandem.data_pipeline.tokenizer import load_tokenizer
-
             tok = load_tokenizer(args.hf)
         except Exception:
             tok = None
@@ -130,16 +131,12 @@ def _tokenizer_of(cfg, step_dir: str = ""):
     """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data
     config's."""
     try:
-        from tandem.data_pipeline.tokenizer import load_tokenizer
-
         recorded = os.path.join(step_dir, "tokenizer.json") if step_dir else ""
         if recorded and os.path.isfile(recorded):
             return load_tokenizer(recorded)
         if cfg.data.tokenizer:
             return load_tokenizer(cfg.data.tokenizer)
         if cfg.data.source == "stdlib":
-            from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
-
             return load_tokenizer(prepare_stdlib_corpus(cfg.data)[2])
 
         return _tokenizer_for(parse_blend(cfg.data.paths)[0], cfg.data.tokenizer)
@@ -243,8 +240,6 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     chat = _chat_template(args, cfg)
     limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
     if args.suite:
-        from tandem.eval.suites import tokenize_suite
-
         keep = min(limit, args.prompt_len or limit)
         prompts, cut = tokenize_suite(source, tok, chat, keep)
         if cut:
@@ -293,8 +288,6 @@ def _read_source(args) -> list:
     if args.prompts:
         return read_prompt_file(args.prompts)
     if args.suite:
-        from tandem.eval.suites import load_suites
-
         return load_suites(args.suite, args.num_prompts)
     return []
 
@@ -309,8 +302,6 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
                                        settings["max_new_tokens"])
         metrics, spec = _evaluate(args, model, cfg, prompts, tf_batches, settings)
         if args.suite:
-            from tandem.eval.suites import describe, grouped_figures
-
             metrics["suites"] = grouped_figures(spec, source)
     except (_Fail, ValueError) as exc:
         print(f"tandem eval: error: {exc}", file=sys.stderr)
