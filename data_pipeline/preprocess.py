@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 import warnings
@@ -186,8 +187,6 @@ def iter_documents(
     paths = expand_paths(inputs)
     own_cache = hf_cache is None
     if own_cache:
-        import tempfile
-
         hf_cache = tempfile.mkdtemp(prefix="tandem-hf-")
     try:
         # Group consecutive files of the same HF kind into one load_dataset call.

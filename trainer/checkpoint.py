@@ -46,7 +46,7 @@ from .checkpoint_dirs import (  # noqa: F401
     resolve_checkpoint,
 )
 from .config import TandemConfig
-from .hf.init_from import check_reference, load_initial_weights, read_reference
+from .hf.init_from import REFERENCE_FILE, check_reference, load_initial_weights, read_reference
 from .recipe import load_config
 from .seeded_init import allocate
 
@@ -183,8 +183,6 @@ class CheckpointWriter:
             json.dump({"step": step, **trainer_state}, f, indent=1)
         _record_tokenizer(self.tokenizer, tmp)
         if self.reference is not None:
-            from .hf.init_from import REFERENCE_FILE
-
             with open(os.path.join(tmp, REFERENCE_FILE), "w") as f:
                 json.dump(self.reference, f, indent=1)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
+import numpy as np
+
 from tandem.models import ModelConfig, MTPConfig
 from tandem.models.ple import ngram_tables
 
@@ -256,8 +258,6 @@ def window_work(cfg: ModelConfig, kind: str, visible):
     u keys until budget + r, then the budget plus the tail block); nothing for Gated DeltaNet, whose
     work per token is fixed. Its mean over u = 1..S is what `mixer` adds to the projections
     (`mean_window_work`)."""
-    import numpy as np
-
     q = cfg.num_heads * cfg.resolved_head_dim
     u = np.asarray(visible, dtype=np.float64)
     if kind == "attention":

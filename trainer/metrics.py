@@ -11,6 +11,7 @@ which has no field for it.
 from __future__ import annotations
 
 import json
+import netrc
 import os
 import sys
 import uuid
@@ -30,8 +31,6 @@ def _wandb_has_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
-        import netrc
-
         path = os.path.expanduser("~/.netrc")
         return os.path.exists(path) and netrc.netrc(path).authenticators("api.wandb.ai") is not None
     except Exception:

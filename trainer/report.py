@@ -42,6 +42,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from omegaconf import OmegaConf
+
 from .report_stats import differences, ema, final_rows, html_tables, interval, shifts, text_table
 
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
@@ -107,8 +109,6 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
     config = {}
     cfg_path = os.path.join(path, "config.yaml")
     if os.path.isfile(cfg_path):
-        from omegaconf import OmegaConf
-
         config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
     return Run(label or os.path.basename(os.path.normpath(path)), path, records, config)
 

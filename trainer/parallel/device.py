@@ -6,6 +6,7 @@ Nothing else in Tandem calls `torch.cuda` (or `torch.npu`) directly; it asks thi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 from dataclasses import dataclass
@@ -135,8 +136,6 @@ def set_malloc_mmap_threshold(threshold: int) -> bool:
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):  # glibc only (musl, macOS: ValueError / None)
             return False
-        import ctypes
-
         return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
     except (ValueError, OSError, AttributeError):
         return False

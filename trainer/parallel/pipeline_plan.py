@@ -37,6 +37,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config_checks import ConfigError
+from ..flops import (
+    final_norm_forward_flops,
+    head_forward_flops,
+    mtp_layer_training_flops,
+    trunk_layer_training_flops,
+)
 
 
 def stage_layer_split(num_layers: int, num_stages: int, layout: List[int]) -> List[List[int]]:
@@ -68,13 +74,6 @@ def item_flops(cfg) -> Tuple[List[float], List[float]]:
     mixer) plus its head (4x: the memory-bounded head recomputes its logits in backward) over the
     depth's share of valid targets, and depth 0 the trunk's final norm (a stream mixer under
     hyper-connections)."""
-    from ..flops import (
-        final_norm_forward_flops,
-        head_forward_flops,
-        mtp_layer_training_flops,
-        trunk_layer_training_flops,
-    )
-
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     layers = [trunk_layer_training_flops(m, i, s) for i in range(m.num_layers)]
     head = head_forward_flops(m)

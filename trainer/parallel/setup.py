@@ -14,24 +14,17 @@ from ..config import TandemConfig
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .device import Device
-from .layout import apply_parallelism
+from .layout import apply_parallelism, build_parallel_state
 from .state import ParallelState
+from .validate import validate_layout
 
 
 def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
     """Start the process group (under torchrun) and validate the layout against the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from .validate import (
-        validate_layout,  # pure config arithmetic, before any process-group work
-    )
-
-    dp = validate_layout(cfg, world)
+    dp = validate_layout(cfg, world)  # config arithmetic, before any process-group work
     if world == 1:
         return ParallelState(device=device)
-    from .layout import (
-        build_parallel_state,  # the mesh and groups (needs torch.distributed)
-    )
-
     return build_parallel_state(cfg, device, world, dp)
 
 
