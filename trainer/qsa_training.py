@@ -46,9 +46,6 @@ class IndexerTraining:
         indexer = {id(p) for layer in self.layers for p in layer.indexer.parameters()}
         self.main_params = [p for p in model.parameters() if id(p) not in indexer]
 
-    def __bool__(self) -> bool:
-        return bool(self.layers)
-
     def dense(self, schedule_step: float) -> bool:
         """Whether the step starting at `schedule_step` (consumed samples / first global batch) is
         in the warm-up (never for a model without QSA layers)."""

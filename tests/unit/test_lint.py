@@ -59,11 +59,15 @@ MAX_PRODUCT_LINES = 500
 """Files a reader can hold (ARCHITECTURE.md): no product module over 500 lines."""
 
 
+def _product_files():
+    return [os.path.join(dirpath, name)
+            for layer in LAYERS + ["slurm"]
+            for dirpath, _, names in os.walk(os.path.join(ROOT, layer))
+            for name in names if name.endswith(".py")]
+
+
 def test_no_product_file_is_over_500_lines():
-    product = [os.path.join(dirpath, name)
-               for layer in LAYERS + ["slurm"]
-               for dirpath, _, names in os.walk(os.path.join(ROOT, layer))
-               for name in names if name.endswith(".py")]
+    product = _product_files()
     assert len(product) > 50  # the walk found the package
     long = {os.path.relpath(p, ROOT): n for p in product
             if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_PRODUCT_LINES}
@@ -90,10 +94,7 @@ def _function_lengths(path):
 
 
 def test_no_product_function_is_over_60_lines():
-    long = [f"{os.path.relpath(os.path.join(dirpath, name), ROOT)}:{line} {func} ({n} lines)"
-            for layer in LAYERS + ["slurm"]
-            for dirpath, _, names in os.walk(os.path.join(ROOT, layer))
-            for name in names if name.endswith(".py")
-            for func, line, n in _function_lengths(os.path.join(dirpath, name))
-            if n > MAX_FUNCTION_LINES]
+    long = [f"{os.path.relpath(path, ROOT)}:{line} {func} ({n} lines)"
+            for path in _product_files()
+            for func, line, n in _function_lengths(path) if n > MAX_FUNCTION_LINES]
     assert not long, "split them:\n" + "\n".join(long)
