@@ -23,13 +23,17 @@ import torch
 
 from tests.distributed import torchrun, worker
 
+MAX_NEW_TOKENS = 8
+"""Tokens each prompt decodes: 3-4 rounds of K=2 drafts with the agreeing weights, every round a
+rollback with the history-sensitive ones (decode steps are most of a layout's seconds: 8 tokens
+instead of 14 took the 4-rank cp=2 x tp=2 layout from 28 s to 18 s)."""
 # 5 prompts in batches of 2: three batches, so two replicas split them unevenly (one pads a slot)
-EVAL = ["eval.num_prompts=5", "eval.batch_size=2", "eval.max_new_tokens=14", "eval.loss_batches=1",
-        "eval.interval=1"]
+EVAL = ["eval.num_prompts=5", "eval.batch_size=2", f"eval.max_new_tokens={MAX_NEW_TOKENS}",
+        "eval.loss_batches=1", "eval.interval=1"]
 # Qwen4-Exp (worker.PRESETS["qwen4"]): prompts of 40 and 41 tokens batched with short ones, so the
 # prefill is longer than the decoder's recurrent rings allow a stepwise forward (ring 4K+32 = 40
 # slots minus the conv window): Gated DeltaNet takes its chunked form and every stage needs the
-# short rows' row_end. Positions reach 41 + 14 + the draft margin, past the base's max_seq_len 64.
+# short rows' row_end. Positions reach 41 + 8 + the draft margin, near the base's max_seq_len 64.
 QWEN4_EVAL = ["model.max_seq_len=96"]
 QWEN4_PROMPT_LENS = (40, 5, 6, 41, 7)
 HISTORY = "weights=history"

@@ -1,20 +1,20 @@
-"""Under torchrun: build the model for each layout the way the trainer does (meta -> parallelize ->
-materialise) and check, on every rank, (1) its gathered weights equal the one-process build's and
-(2) no tensor it allocated while building was larger than its own shards (so no rank ever held a
-whole sharded parameter). A layout ending in `+init` builds from the checkpoint INIT_DIR instead of
-the seed (its missing MTP module from the seed).
-Exits non-zero (with the offending names) on a failure; writes OUT/<layout>.rank<r>.ok otherwise.
-"""
+"""In the suite's shared 4-rank launch (test_materialize.py, shared_launch.py): build the model for
+each layout the way the trainer does (meta -> parallelize -> materialise) and check, on every rank,
+(1) its gathered weights equal the one-process build's and (2) no tensor it allocated while
+building was larger than its own shards (so no rank ever held a whole sharded parameter). A layout
+ending in `+init` builds from the checkpoint OUT/hf instead of the seed (its missing MTP module
+from the seed), which rank 0 exports first. Raises with the offending names on a failure; writes
+OUT/<layout>.rank<r>.ok otherwise."""
 
 from __future__ import annotations
 
 import os
-import sys
+from typing import List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed import torchrun, worker
+from tests.distributed import worker
 
 
 class LargestAllocation(TorchDispatchMode):
@@ -48,17 +48,48 @@ def full_params(model):
             for n, p in list(model.named_parameters()) + list(model.named_buffers())}
 
 
-def main(out_dir: str, init_from: str, layouts) -> int:
+def export_init_checkpoint(path: str) -> None:
+    """A glm4_moe export whose trunk differs from the seeded init (and has no MTP weights: those
+    come from the seed)."""
+    from tandem.models import TandemModel
+    from tandem.trainer.hf.export import export_hf
+
+    cfg = worker.make_cfg("single", 2)
+    torch.manual_seed(7)
+    mtp = type(cfg.mtp)(num_steps=0)
+    export_hf(TandemModel(cfg.model, mtp), path, "glm4_moe", cfg=cfg.model, mtp=mtp)
+
+
+def main(argv: List[str]) -> int:
+    import torch.distributed as dist
+
+    from tandem.trainer import seeded_init
+
+    out_dir, layouts = argv[0], argv[1:]
+    init_from = os.path.join(out_dir, "hf")
+    torch.set_num_threads(1)
+    if dist.get_rank() == 0:
+        export_init_checkpoint(init_from)
+    dist.barrier()
+    block_elems = seeded_init.INIT_BLOCK_ELEMS
+    seeded_init.INIT_BLOCK_ELEMS = 16  # blocks of one row: a whole tensor is never one block
+    try:
+        failures = check_layouts(out_dir, init_from, layouts)
+    finally:  # the launch's later jobs build models as the trainer does
+        seeded_init.INIT_BLOCK_ELEMS = block_elems
+    if failures:
+        raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(failures))
+    return 0
+
+
+def check_layouts(out_dir: str, init_from: str, layouts: List[str]) -> List[str]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer import seeded_init
     from tandem.trainer.parallel import ParallelState, init_parallel
     from tandem.trainer.parallel.device import resolve_device
     from tandem.trainer.run import build_model
 
-    torch.set_num_threads(1)
-    seeded_init.INIT_BLOCK_ELEMS = 16  # blocks of one row: a whole tensor is never one block
     device = resolve_device("cpu")
     failures = []
     for layout in layouts:
@@ -88,12 +119,4 @@ def main(out_dir: str, init_from: str, layouts) -> int:
         if not failures:
             open(os.path.join(out_dir, f"{layout}.rank{dist.get_rank()}.ok"), "w").close()
         dist.barrier()
-    dist.destroy_process_group()
-    for f in failures:
-        print(f"rank {int(os.environ['RANK'])}: {f}", file=sys.stderr)
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    init_from = sys.argv[2] if sys.argv[2] != "-" else ""
-    torchrun.finish(lambda: main(sys.argv[1], init_from, sys.argv[3:]))
+    return failures
