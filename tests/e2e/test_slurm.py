@@ -143,7 +143,9 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus
          "--time", "00:01:00", "--signal-seconds", "40"],
         fault_env(_env(), TANDEM_TEST_SLOW_FIRST_ATTEMPT="2"),
     )
-    f = wait_job(slurm, job_id, run_dir, timeout=240)
+    # alone one requeue (57 s); beside the suite's largest torchrun launches a requeued attempt
+    # can be signalled again before it finishes (181 s measured), each attempt one ~60 s cycle
+    f = wait_job(slurm, job_id, run_dir, timeout=480)
     logs = job_logs(run_dir, job_id)
     assert f["JobState"] == "COMPLETED" and f["ExitCode"] == "0:0", (f, logs)
     assert int(f["Restarts"]) >= 1, ("the job finished before the preemption signal took effect", f,
