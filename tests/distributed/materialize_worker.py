@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from typing import List
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -71,12 +72,10 @@ def main(argv: List[str]) -> int:
     if dist.get_rank() == 0:
         export_init_checkpoint(init_from)
     dist.barrier()
-    block_elems = seeded_init.INIT_BLOCK_ELEMS
-    seeded_init.INIT_BLOCK_ELEMS = 16  # blocks of one row: a whole tensor is never one block
-    try:
+    # blocks of one row, so a whole tensor is never one block; restored on leaving, as the launch's
+    # later jobs build models as the trainer does
+    with mock.patch.object(seeded_init, "INIT_BLOCK_ELEMS", 16):
         failures = check_layouts(out_dir, init_from, layouts)
-    finally:  # the launch's later jobs build models as the trainer does
-        seeded_init.INIT_BLOCK_ELEMS = block_elems
     if failures:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(failures))
     return 0
