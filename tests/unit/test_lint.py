@@ -3,6 +3,7 @@ import order and line length hold in every file, product code, tests and benchma
 modules import only from their own layer and those below it, none is over 500 lines and no
 function in them over 60."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -80,8 +81,6 @@ a table longer than that would be data, named here if one ever needs to be)."""
 
 
 def _function_lengths(path):
-    import ast
-
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
