@@ -91,10 +91,13 @@ def wait_job(slurm: SlurmCluster, job_id: str, run_dir: Path, timeout: float) ->
 
 
 def job_logs(run_dir: Path, job_id: str) -> str:
+    """The job's whole stdout and stderr: every attempt appends to them (`--open-mode=append`), and
+    a job requeued three times under load writes past 6 kB of tracebacks, so a tail can lose the
+    first attempt's lines the checks look for."""
     parts = []
     for ext in ("out", "err"):
         p = run_dir / "slurm" / f"{job_id}.{ext}"
-        parts.append(f"--- {p.name}\n" + (p.read_text(errors="replace")[-6000:] if p.exists()
+        parts.append(f"--- {p.name}\n" + (p.read_text(errors="replace") if p.exists()
                                           else "(missing)"))
     return "\n".join(parts)
 
