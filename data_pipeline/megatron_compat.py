@@ -1,5 +1,5 @@
-"""The megatron-core imports of the data layer, kept in one module so importing it is a deliberate,
-lazy step (megatron-core takes seconds to import and warns about Transformer Engine/Apex).
+"""The megatron-core classes of the data layer, kept in one module so importing it is a deliberate,
+lazy step (megatron_import.py imports them).
 
 `MegatronTokenizerAdapter` presents a `TandemTokenizer` as the `MegatronTokenizerBase` that
 `GPTDatasetConfig(tokenizer=...)` expects: `vocab_size`, `eod`, `unique_identifiers` (hashed into
@@ -12,23 +12,21 @@ per-record `doc_ids`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.blended_dataset import BlendedDataset
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
-    from megatron.core.tokenizers import MegatronTokenizerBase
-
 from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
+from tandem.data_pipeline.megatron_import import (
+    BlendedDataset,
+    BlendedMegatronDatasetBuilder,
+    DType,
+    GPTDataset,
+    GPTDatasetConfig,
+    IndexedDataset,
+    MegatronTokenizerBase,
+)
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
 __all__ = [

@@ -32,7 +32,6 @@ import shutil
 import tempfile
 import time
 import uuid
-import warnings
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -236,10 +235,8 @@ def _batched(docs: Iterable[str], max_docs: int = 512,
 
 
 def _indexed_dataset_builder():
-    with warnings.catch_warnings():
-        # megatron-core warns about Transformer Engine/Apex at import
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tandem.data_pipeline.megatron_import import IndexedDatasetBuilder  # lazily: seconds
+
     return IndexedDatasetBuilder
 
 
