@@ -32,6 +32,9 @@ from tests.distributed.test_cli_layouts import RECIPE, SMALL, main_losses, run, 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 RTOL = 1e-5
+# test_cli_layouts' small job without its in-loop evaluation (that test checks it under layouts;
+# here it would only add decoding to every run)
+RUN = SMALL + ["eval.interval=0"]
 
 
 def _launch(world, args, env):
@@ -118,7 +121,7 @@ def reference(tmp_path_factory, corpus_cache):
     tmp = tmp_path_factory.mktemp("reshard_reference")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     ref_dir = tmp / "single_4steps"
-    _launch(1, ["train", RECIPE] + SMALL + [f"data.cache_dir={corpus_cache}", f"run.dir={ref_dir}",
+    _launch(1, ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", f"run.dir={ref_dir}",
                                             "train.max_steps=4", "train.grad_accum_steps=4",
                                             "checkpoint.interval=2"],
             env)
@@ -131,7 +134,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
     tmp_path, reference, corpus_cache
 ):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    common = [RECIPE] + SMALL + [f"data.cache_dir={corpus_cache}", "checkpoint.interval=0"]
+    common = [RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", "checkpoint.interval=0"]
     train = ["train"] + common
 
     def logged(name):
@@ -189,7 +192,7 @@ def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_on
     the cp ranks. The DCP checkpoint of cp2 x pp2 holds each once, and resumes at cp=2 and in one
     process, each continuing the uninterrupted single-process run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    train = ["train", RECIPE] + SMALL + [f"data.cache_dir={corpus_cache}",
+    train = ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}",
                                          "checkpoint.interval=0", "train.grad_accum_steps=4"]
     ref_dir, ref = reference
     saved_dir = tmp_path / "cp2pp2"
