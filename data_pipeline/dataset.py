@@ -265,8 +265,9 @@ def build_datasets(
                                  cache_path)
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
-    # megatron-core costs seconds to import: only here, where its datasets are built (every module
-    # that merely imports this one, `tandem eval` and `tandem generate` among them, skips it)
+    # megatron-core's dataset layer costs about a second to import (megatron_import.py): only here,
+    # where its datasets are built (`tandem eval` and `tandem generate`, which import this module,
+    # skip it)
     from tandem.data_pipeline import megatron_compat as mc
 
     # a loss-mask channel (`tandem preprocess --chat`) is read alongside the tokens
