@@ -210,10 +210,12 @@ def train_pair(name: str, recipe: str, overrides: list, device, args, judged: bo
                target_config: bool) -> None:
     """K=0 and K=3 of one config at the same micro-batch; an out-of-memory halves it and starts
     over."""
+    from tandem.trainer.recipe import load_config
+
     warmup, steps = (1, 2) if args.quick else (2, args.steps)
     while True:
-        mb = next(int(o.split("=")[1]) for o in reversed(overrides)
-                  if o.startswith("train.micro_batch_size="))
+        # the recipe's own micro-batch unless overridden (the tiny recipe's, off --quick)
+        mb = load_config(recipe, overrides).train.micro_batch_size
         try:
             runs = {k: measure_steps(recipe, overrides + [f"mtp.num_steps={k}"], device, warmup,
                                      steps) for k in (0, K)}
