@@ -1,6 +1,6 @@
 """Parallelism applied from outside the model: device layer, mesh, TP/SP, EP, PP, FSDP."""
 
-from .setup import init_parallel, parallelize_model
+from .layout import init_parallel, parallelize_model
 from .state import ParallelState
 
 __all__ = ["ParallelState", "init_parallel", "parallelize_model"]

@@ -34,6 +34,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import TandemConfig
+from .activation_checkpoint import apply_activation_checkpointing
+from .compile import apply_compile
 from .context import ContextShards
 from .data import (
     REDUCE_DTYPES,
@@ -50,6 +52,28 @@ from .sharded_params import replace_child
 from .state import ParallelDegrees, ParallelState, WholeSequenceSwitch
 from .tensor import apply_tensor_and_expert_parallel
 from .tensor_hybrid import shard_ple_tables
+from .validate import validate_layout
+
+
+def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
+    """Start the process group (under torchrun) and validate the layout against the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = validate_layout(cfg, world)  # config arithmetic, before any process-group work
+    if world == 1:
+        return ParallelState(device=device)
+    return build_parallel_state(cfg, device, world, dp)
+
+
+def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
+    """Apply regional compilation and activation checkpointing, then TP/EP/PP/FSDP, to a plain model
+    for this rank (in a single process only the first two; compile.py explains the order)."""
+    if cfg.train.compile:  # first: checkpointing then wraps the compiled forward
+        apply_compile(model, True)
+    if cfg.train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if state.world_size == 1:
+        return model
+    return apply_parallelism(model, cfg, state)
 
 
 def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
