@@ -124,8 +124,8 @@ def free_memory(device) -> None:
 # --- training steps -----------------------------------------------------------------------------
 def measure_steps(recipe: str, overrides: list, device, warmup: int, steps: int) -> dict:
     """Build the model as the trainer does and time its training step on fixed random tokens."""
+    from tandem.trainer.cost import hardware_flops_per_token, training_flops_per_token
     from tandem.trainer.estimate import estimate
-    from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.parallel import ParallelState
     from tandem.trainer.recipe import load_config

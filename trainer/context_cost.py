@@ -32,8 +32,7 @@ import numpy as np
 from tandem.models import ModelConfig, MTPConfig
 
 from .config_checks import ConfigError
-from .cost import GDN_CHUNK, mean_window_work, mtp_kind, window_work
-from .flops import forward_flops_per_token
+from .cost import GDN_CHUNK, forward_flops_per_token, mean_window_work, mtp_kind, window_work
 from .parallel.validate import validate_context_parallel
 
 CP_SIZES = (4, 8, 16, 32, 64, 128)

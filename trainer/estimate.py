@@ -1,5 +1,5 @@
 """Size a recipe before launching it (`tandem train --check`): exact parameter counts and a per-rank
-memory estimate, with the cost model's FLOPs per token (flops.py, cost.py).
+memory estimate, with the cost model's FLOPs per token (cost.py).
 
 Parameters are counted from the model built on the meta device (no memory). Memory per rank for the
 recipe's layout is an estimate:
@@ -63,6 +63,7 @@ from tandem.models import TandemModel
 
 from .config import TandemConfig
 from .context_cost import context_fields
+from .cost import flops_by_kind, training_flops_per_token
 from .estimate_bytes import (
     compute_bytes,
     frozen_bytes,
@@ -73,7 +74,6 @@ from .estimate_bytes import (
     root_grad_bytes,
     single_sync_bytes,
 )
-from .flops import flops_by_kind, training_flops_per_token
 from .parallel.pipeline_plan import PipelinePlan
 from .parallel.validate import pipeline_microbatches
 

@@ -28,7 +28,7 @@ from .checkpoint import (
 )
 from .config import TandemConfig
 from .config_checks import ConfigError
-from .flops import hardware_flops_per_token, training_flops_per_token
+from .cost import hardware_flops_per_token, training_flops_per_token
 from .guard import BadStepGuard
 from .hf.init_from import (
     adopt_checkpoint_config,

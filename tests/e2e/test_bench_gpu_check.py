@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
+from tandem.trainer.cost import hardware_flops_per_token, training_flops_per_token
 from tandem.trainer.estimate import estimate
-from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
 from tandem.trainer.recipe import load_config
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from tandem.trainer import context_cost as X
+from tandem.trainer.cost import forward_flops_per_token
 from tandem.trainer.estimate import _count_params, estimate
-from tandem.trainer.flops import forward_flops_per_token
 from tandem.trainer.launch import launch_slurm_main
 from tandem.trainer.recipe import load_config
 

@@ -17,8 +17,8 @@ from tandem.models import TandemModel
 from tandem.models.delta_rule import SOLVE_BLOCK
 from tandem.models.qsa_tokens import token_mask
 from tandem.trainer import cost as C
+from tandem.trainer import cost as F
 from tandem.trainer import estimate as E
-from tandem.trainer import flops as F
 from tandem.trainer.parallel.pipeline_plan import item_flops
 from tandem.trainer.recipe import load_config
 

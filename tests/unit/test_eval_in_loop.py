@@ -76,7 +76,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, corpus
     assert not samples.exists() or not open(samples).read()
     # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads'
     # recomputed logits too) per token x tokens/s over the peak; no peak known on a CPU: neither key
-    from tandem.trainer.flops import hardware_flops_per_token, training_flops_per_token
+    from tandem.trainer.cost import hardware_flops_per_token, training_flops_per_token
     from tandem.trainer.recipe import load_config
 
     cfg = load_config(str(tmp_path / "b" / "config.yaml"), [])

@@ -1,10 +1,10 @@
-"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/flops.py over trainer/cost.py)
+"""MFU's model FLOPs and HFU's hardware FLOPs per token (trainer/cost.py)
 against a count by hand for a tiny GLM-style config, and the loop's `mfu` / `hfu` keys built from
 them (test_eval_in_loop)."""
 
 import pytest
 
-from tandem.trainer import flops as F
+from tandem.trainer import cost as F
 from tandem.trainer.recipe import load_config
 
 # V=320 (the smallest tokenizer), H=16, 2 heads x 8 (q=16), 1 kv head (kv=8); layer 0 dense (I=32),

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config_checks import ConfigError
-from ..flops import (
+from ..cost import (
     final_norm_forward_flops,
     head_forward_flops,
     mtp_layer_training_flops,
