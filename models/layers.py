@@ -30,7 +30,7 @@ class InitScales:
 def draw_init(p: torch.Tensor, rule: InitRule) -> None:
     """Draw `p` in place from the global RNG as `rule` says (a no-op on the meta device); the
     trainer draws the same rules shard by shard from per-parameter seeds
-    (trainer/seeded_init.py)."""
+    (trainer/parallel/sharded_params.py)."""
     kind, std = rule
     if kind == "ones":
         p.fill_(1.0)

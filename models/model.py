@@ -154,7 +154,8 @@ class TandemModel(nn.Module):
         asked with the name relative to it: `out_proj.weight` for a Gated DeltaNet layer's output
         projection), else zeros for a bias and normal(0, model.init_std) for everything else. The
         one definition of the initial distribution: `reset_parameters` draws it from the global RNG;
-        the trainer draws it shard by shard from per-parameter seeds (trainer/seeded_init.py)."""
+        the trainer draws it shard by shard from per-parameter seeds
+        (trainer/parallel/sharded_params.py)."""
         scales, parts = self.init_scales, name.split(".")
         for cut in range(len(parts) - 1, -1, -1):
             param_init = getattr(self.get_submodule(".".join(parts[:cut])), "param_init", None)

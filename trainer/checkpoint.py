@@ -47,8 +47,8 @@ from .checkpoint_dirs import (  # noqa: F401
 )
 from .config import TandemConfig
 from .hf.init_from import REFERENCE_FILE, check_reference, load_initial_weights, read_reference
+from .parallel.sharded_params import allocate
 from .recipe import load_config
-from .seeded_init import allocate
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""

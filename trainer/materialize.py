@@ -4,8 +4,8 @@
 applies the layout (pipeline pruning, TP/EP DTensor shards, FSDP2) while it is still meta, then
 allocates only this rank's shards (`to_empty`) and fills them:
 
-* parameters not read from `model.init_from` get seeded_init.py's layout-independent initialisation
-  (one process and every layout start from identical weights);
+* parameters not read from `model.init_from` get the layout-independent initialisation of
+  parallel/sharded_params.py (one process and every layout start from identical weights);
 * `model.init_from` tensors are read slice by slice straight into the shards (trainer/hf/init_from);
   whatever the checkpoint lacks (new MTP layers) gets the seeded init.
 * `mtp.init_from` then overwrites the MTP module (only `mtp.*`) with another checkpoint's, a Tandem
@@ -37,8 +37,8 @@ from .config_checks import ConfigError
 from .hf.importer import load_hf_weights
 from .hf.init_from import checkpoint_model_config, is_hf_dir, load_initial_weights
 from .parallel import parallelize_model
+from .parallel.sharded_params import allocate, init_seeded
 from .recipe import load_config
-from .seeded_init import allocate, init_seeded
 
 
 def frozen_trunk_to_dtype(model: nn.Module, dtype: torch.dtype) -> None:

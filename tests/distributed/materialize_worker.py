@@ -64,7 +64,7 @@ def export_init_checkpoint(path: str) -> None:
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
-    from tandem.trainer import seeded_init
+    from tandem.trainer.parallel import sharded_params
 
     out_dir, layouts = argv[0], argv[1:]
     init_from = os.path.join(out_dir, "hf")
@@ -74,7 +74,7 @@ def main(argv: List[str]) -> int:
     dist.barrier()
     # blocks of one row, so a whole tensor is never one block; restored on leaving, as the launch's
     # later jobs build models as the trainer does
-    with mock.patch.object(seeded_init, "INIT_BLOCK_ELEMS", 16):
+    with mock.patch.object(sharded_params, "INIT_BLOCK_ELEMS", 16):
         failures = check_layouts(out_dir, init_from, layouts)
     if failures:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(failures))

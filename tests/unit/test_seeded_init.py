@@ -1,13 +1,12 @@
-"""Meta-device construction and the layout-independent seeded init (trainer/seeded_init.py,
-trainer/materialize.py)."""
+"""Meta-device construction and the layout-independent seeded init
+(trainer/parallel/sharded_params.py, trainer/materialize.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.trainer import seeded_init
-from tandem.trainer.parallel import ParallelState
+from tandem.trainer.parallel import ParallelState, sharded_params
 from tandem.trainer.parallel.device import resolve_device
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_model
@@ -22,15 +21,14 @@ SHAPE = DEBUG_MODEL + ["model.num_heads=4", "model.num_kv_heads=2",
                                    (slice(7, 10), slice(0, 7)), (slice(0, 0), slice(0, 7))])
 def test_any_slice_equals_that_slice_of_the_whole(monkeypatch, index):
     # blocks of 2 rows: slices cross block edges
-    monkeypatch.setattr(seeded_init, "INIT_BLOCK_ELEMS", 14)
+    monkeypatch.setattr(sharded_params, "INIT_BLOCK_ELEMS", 14)
     rule = ("normal", 0.5)
-    whole = seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=3)
-    part = seeded_init.seeded_slice("w", (10, 7), index, rule, seed=3)
+    whole = sharded_params.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=3)
+    part = sharded_params.seeded_slice("w", (10, 7), index, rule, seed=3)
     assert torch.equal(part, whole[index])
     assert abs(float(whole.std()) - 0.5) < 0.15
-    assert not torch.equal(whole,
-                           seeded_init.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule,
-                                                    seed=4))
+    other = sharded_params.seeded_slice("w", (10, 7), (slice(0, 10), slice(0, 7)), rule, seed=4)
+    assert not torch.equal(whole, other)
 
 
 def test_one_process_build_is_seeded_tied_and_initialised_by_rule():

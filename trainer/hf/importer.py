@@ -29,8 +29,13 @@ from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig, validate_model
 
 from ..config import TandemConfig
-from ..parallel.sharded_params import local_target, shard_index, unwrapped_name  # noqa: F401 (shard_index: API)
-from ..seeded_init import allocate, init_seeded
+from ..parallel.sharded_params import (  # noqa: F401 (shard_index: API)
+    allocate,
+    init_seeded,
+    local_target,
+    shard_index,
+    unwrapped_name,
+)
 from .families import (
     FamilySpec,
     Src,
