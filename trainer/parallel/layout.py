@@ -1,4 +1,6 @@
-"""The device mesh and how a plain model becomes this rank's part of the layout.
+"""The device mesh and how a plain model becomes this rank's part of the layout: the trainer's two
+entry points, `init_parallel` (process group, mesh and the typed `ParallelState`) and
+`parallelize_model`.
 
 Mesh dims (outer to inner) `pp x dp x cp x ep x tp`, in Megatron's terms:
 * tp: tensor parallel (innermost, the fastest links), also the vocab split of embedding and head;
