@@ -2,14 +2,13 @@
 tokenizer base) imported without running the package's `__init__`.
 
 That `__init__` imports the whole library: its model, optimizer and inference layers, wandb, and 24
-`torch.compile` decorators that load inductor. It costs about 1.8 s of CPU, 30% of a tiny `tandem
-train` run (measured on the 2-core CPU: 6.0 s -> 4.2 s per process, every rank), and warns about
-Transformer Engine and Apex. The data layer needs none of it. So `megatron.core` is first made a
-package whose `__init__` has not run (`_PackageShell`); the dataset modules import into it, and its
-`__init__` runs on the first attribute it lacks, so `from megatron.core import X` elsewhere still
-works. If the package was already imported, it is used as it is. A release whose dataset modules
-need that `__init__` to have run fails the shell import; the shell is then dropped and the ordinary
-import runs.
+`torch.compile` decorators that load inductor. That is seconds of CPU in every rank of every run
+(docs/data.md has the figure), and warnings about Transformer Engine and Apex. The data layer needs
+none of it. So `megatron.core` is first made a package whose `__init__` has not run
+(`_PackageShell`); the dataset modules import into it, and its `__init__` runs on the first
+attribute it lacks, so `from megatron.core import X` elsewhere still works. If the package was
+already imported, it is used as it is. A release whose dataset modules need that `__init__` to have
+run fails the shell import; the shell is then dropped and the ordinary import runs.
 """
 
 from __future__ import annotations
