@@ -2,8 +2,8 @@
 which global slice a rank holds (`shard_index`, `local_target`) under which unwrapped name.
 
 Shared by the tensor-parallel plans (tensor.py, tensor_hybrid.py), FSDP's gradient finishing
-(data.py), the seeded initialisation and the checkpoint readers, which all meet parameters that may
-or may not be DTensors.
+(data.py), the seeded initialisation below and the checkpoint readers, which all meet parameters
+that may or may not be DTensors.
 
 **Seeded initialisation** (the second half): parameters not read from a checkpoint get a seeded
 initialisation that does not depend on the layout: each parameter is cut into blocks of rows along
