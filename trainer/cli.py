@@ -103,8 +103,20 @@ def launch_main(argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    whole_process = argv is None
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one command. Without `argv` this is the process's entry point (the console script,
+    `python -m tandem.trainer.cli`): a rank of a multi-process launch then leaves through
+    `leave_distributed_process`, which explains why."""
+    if argv is not None:
+        return run_command(argv)
+    code = run_command(sys.argv[1:], whole_process=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .parallel.layout import leave_distributed_process
+
+        leave_distributed_process(code)
+    return code
+
+
+def run_command(argv: List[str], whole_process: bool = False) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0

@@ -15,6 +15,8 @@ import tempfile
 import traceback
 from typing import Callable, List, NoReturn
 
+from tandem.trainer.parallel.layout import leave_distributed_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -56,11 +58,8 @@ def run(world: int, module: str, *args, timeout: float = 600,
 
 def finish(main: Callable[[], int | None]) -> NoReturn:
     """A worker's entry point: run `main` and leave with its code (1 and the traceback if it raised)
-    without the interpreter's finalisation. A rank that had destroyed its process group and passed
-    every check sometimes aborted during finalisation ("terminate called without an active
-    exception", no Python frame left, while gloo's objects were torn down: seen in
-    test_qsa_context's and test_eval_vocab_parallel's workers; pytorch#179291 describes the same
-    abort), and torchrun then failed the launch whose results were already written."""
+    the way a rank of `tandem` leaves, through `leave_distributed_process` (no interpreter
+    finalisation, where gloo's threads can abort a rank whose results are already written)."""
     try:
         code = main() or 0
     except SystemExit as exc:
@@ -68,6 +67,4 @@ def finish(main: Callable[[], int | None]) -> NoReturn:
     except BaseException:  # noqa: BLE001 - the traceback is the report
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_distributed_process(code)

@@ -27,7 +27,10 @@ router loads are then summed over tp as well.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -126,6 +129,26 @@ def init_process_group(backend: str) -> None:
     dist.init_process_group(backend=backend,
                             store=dist.PrefixStore(f"tandem/attempt_{attempt}", agent_store),
                             rank=int(os.environ["RANK"]), world_size=world)
+
+
+def leave_distributed_process(code: int) -> NoReturn:
+    """End a rank's process after its command returned `code`: destroy the process group, run the
+    exit handlers (wandb, logging), flush, and exit without the interpreter's finalisation.
+
+    Finalisation is not safe after gloo collectives (torch 2.13, pytorch/pytorch#190489): a gloo
+    worker thread can still hold the last reference to a finished collective's tensors when the
+    main thread, released by that collective, reaches finalisation; dropping them then takes the
+    GIL from a finalising interpreter and the process aborts ("terminate called without an active
+    exception", SIGABRT), so torchrun fails a run whose results are written. destroy_process_group
+    does not stop these threads: torch's DTensor caches keep the meshes, and so the groups, alive
+    until finalisation. Seen on rank 1 of a resumed ep2 run in CI, and in about 1 of 40 such runs
+    on an overloaded 2-core machine."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
