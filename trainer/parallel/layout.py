@@ -141,8 +141,7 @@ def leave_distributed_process(code: int) -> NoReturn:
     GIL from a finalising interpreter and the process aborts ("terminate called without an active
     exception", SIGABRT), so torchrun fails a run whose results are written. destroy_process_group
     does not stop these threads: torch's DTensor caches keep the meshes, and so the groups, alive
-    until finalisation. Seen on rank 1 of a resumed ep2 run in CI, and in about 1 of 40 such runs
-    on an overloaded 2-core machine."""
+    until finalisation (docs/parallelism.md, "How a rank exits")."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     atexit._run_exitfuncs()
