@@ -145,8 +145,11 @@ def leave_distributed_process(code: int) -> NoReturn:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, a closed stream: exit all the same
+            pass
     os._exit(code)
 
 
