@@ -1,0 +1,32 @@
+"""A rank that ends as a finished run ends (`-m tests.distributed.exit_worker [--leave]` under
+torchrun): a gloo all_gather over the group of a device mesh that stays alive, as torch's DTensor
+caches keep a run's meshes alive, then either `tandem`'s exit (`--leave`:
+leave_distributed_process) or destroy_process_group and the interpreter's own exit, which often
+aborts a rank (docs/parallelism.md, "How a rank exits", has the rates)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tandem.trainer.parallel.layout import leave_distributed_process
+
+
+def gather_over_a_kept_mesh():
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    gathered = [torch.empty(1) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([float(dist.get_rank())]), group=mesh.get_group())
+    assert [int(t) for t in gathered] == list(range(world)), gathered
+    return mesh
+
+
+if __name__ == "__main__":
+    KEPT = gather_over_a_kept_mesh()
+    if "--leave" in sys.argv:
+        leave_distributed_process(0)
+    dist.destroy_process_group()
