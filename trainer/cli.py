@@ -117,6 +117,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run_command(argv: List[str], whole_process: bool = False) -> int:
+    """The command `argv` names, run in this process: its exit code. `whole_process` as in
+    `train_main`."""
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
