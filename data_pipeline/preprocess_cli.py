@@ -57,6 +57,3 @@ def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
     print(summary_line(meta))
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(preprocess_main())

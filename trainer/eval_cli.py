@@ -317,6 +317,3 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps(metrics))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(eval_main())

@@ -394,6 +394,3 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
             dist.destroy_process_group()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(generate_main())

@@ -331,13 +331,3 @@ def _submit(script_path: Path, provenance: dict) -> int:
           f"{out_dir}/{job_id}.out", file=sys.stderr)
     return 0
 
-
-def main() -> None:  # `python -m tandem.trainer.launch slurm ...` until the CLI dispatches here
-    argv = sys.argv[1:]
-    if argv[:1] == ["slurm"]:
-        argv = argv[1:]
-    sys.exit(launch_slurm_main(argv))
-
-
-if __name__ == "__main__":
-    main()
