@@ -27,6 +27,28 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float,
     return p
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension, taken on fp32 logits: the same token (the conversion is
+    exact and both take the first of tied maxima), but bf16's CPU argmax is several times slower
+    than the cast and fp32's together."""
+    return logits.float().argmax(-1)
+
+
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One draw per row of `probs` [..., V] (non-negative weights, any positive total) -> [...], by
+    inverse CDF: the first token whose cumulative weight exceeds a uniform on [0, total).
+
+    The same distribution as `torch.multinomial(probs, 1)`, which is many times slower on CPU at
+    the evaluator's batch and vocabulary (bench/sampling_draw.py measures both side by side).
+    A token of weight 0 is never drawn: the uniform stays below the row's total, and the first
+    cumulative weight above it is where the weight jumps."""
+    cdf = probs.float().cumsum(-1)
+    total = cdf[..., -1:]
+    u = torch.rand(total.shape, generator=generator, device=cdf.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
 class TokenChooser:
     """How a decode picks a token from logits: greedy at temperature 0, else a draw from the
     tempered top-k / top-p distribution with the decode's generator. The trunk's tokens and the
@@ -47,13 +69,13 @@ class TokenChooser:
         return probs_from_logits(logits, self.temperature, self.top_p, self.top_k)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """One draw per row of `probs` [B, V] -> [B]."""
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        """One draw per row of `probs` [B, V] (non-negative, any positive total) -> [B]."""
+        return draw(probs, self.generator)
 
     def choose(self, logits: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(token [B], probs [B,V] or None when greedy) from logits [B,V]."""
         if self.greedy:
-            return logits.argmax(-1), None
+            return greedy_tokens(logits), None
         probs = self.probs(logits)
         return self.sample(probs), probs
 

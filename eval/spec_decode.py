@@ -36,7 +36,7 @@ from tandem.models.attention import KVCache
 from .block_verify import VERIFY_RULES, block_accept
 from .decode_batch import DecodeBatch
 from .drafting import make_drafter, resolve_convention
-from .sampling import TokenChooser, speculative_accept
+from .sampling import TokenChooser, greedy_tokens, speculative_accept
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -213,7 +213,7 @@ class SpecDecoder:
         b.hidden.scatter_(1, pos.unsqueeze(-1).expand_as(h), h.to(b.hidden.dtype))
         logits = self.model.logits(0, h)
         if chooser.greedy:
-            a = logits.argmax(-1)
+            a = greedy_tokens(logits)
             if K == 0:
                 return torch.zeros_like(b.m), a[:, 0]
             n = (drafts == a[:, :K]).long().cumprod(1).sum(1)

@@ -60,10 +60,10 @@ class DecodeCache:
         self.shared: Dict[str, torch.Tensor] = {} if shared is None else shared
         """Buffers several caches of one decoder share (the MTP depths' caches: QSA index reuse)."""
 
-    def _allocate(self, index: int, heads: int, head_dim: int) -> None:
+    def _allocate(self, index: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
         shape = (self.batch, heads, self.max_len, head_dim)
-        self.keys[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.keys[index] = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values[index] = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def layer(self, index: int) -> "LayerCache":
         return LayerCache(self, index)
@@ -122,18 +122,25 @@ class LayerCache:
         return store[name]
 
     def update(self, k_bnsd: torch.Tensor, v_bnsd: torch.Tensor, positions_bs: torch.Tensor):
-        """Write new keys/values at their positions; return the cache prefix covering them."""
+        """Write new keys/values at their positions; return the cache prefix covering them.
+
+        The buffers hold the dtype of the first keys written, which is the dtype attention computes
+        in (the queries'): under bf16 autocast they are bf16, as the attention reads them, rather
+        than the parameters' fp32, which would double their memory and cast the whole prefix back
+        at every layer of every forward for the same values."""
         if self.cache.keys[self.index] is None:
-            self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1])
+            self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1], k_bnsd.dtype)
         keys, values = self.cache.keys[self.index], self.cache.values[self.index]
         # the prefix length comes from the host (`span`): int(positions.max()) here would stall
         # every layer
         span = self.cache.max_len if self.cache.span is None else self.cache.span
         if span > self.cache.max_len:
             raise RuntimeError(f"KV cache overflow: span {span} > max_len {self.cache.max_len}")
-        idx = positions_bs[:, None, :, None].expand(-1, k_bnsd.shape[1], -1, k_bnsd.shape[-1])
-        keys.scatter_(2, idx, k_bnsd.to(keys.dtype))
-        values.scatter_(2, idx, v_bnsd.to(values.dtype))
+        # indexed assignment over (row, position) pairs: on CPU several times faster than scatter_
+        # with an index expanded over heads and channels
+        rows = torch.arange(positions_bs.shape[0], device=positions_bs.device)[:, None]
+        keys.transpose(1, 2)[rows, positions_bs] = k_bnsd.transpose(1, 2).to(keys.dtype)
+        values.transpose(1, 2)[rows, positions_bs] = v_bnsd.transpose(1, 2).to(values.dtype)
         return keys[:, :, :span], values[:, :, :span]
 
 

@@ -124,6 +124,37 @@ def test_greedy_spec_equals_ar_under_bf16_autocast():
     assert acceptance_metrics(sp.stats)["acceptance_length"] > 1.2
 
 
+def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(monkeypatch):
+    """Under bf16 autocast the KV buffers hold bf16, the dtype attention reads (models/state.py),
+    not the parameters' fp32: the same keys reach attention, so greedy and sampled decodes (tokens,
+    acceptance counters) equal those of fp32 buffers, forced here as the reference."""
+    from tandem.models.state import DecodeCache
+
+    model = make_agreeing(tiny_model(3, 1, seed=6), 0.05, seed=6)
+    allocate = DecodeCache._allocate
+    dtypes = []
+
+    def recording(self, index, heads, head_dim, dtype):
+        dtypes.append(dtype)
+        allocate(self, index, heads, head_dim, dtype)
+
+    def decodes():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return [generate(model, PROMPTS, 16, 3, temperature=t,
+                             generator=torch.Generator().manual_seed(0)) for t in (0.0, 1.0)]
+
+    monkeypatch.setattr(DecodeCache, "_allocate", recording)
+    ours = decodes()
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    monkeypatch.setattr(DecodeCache, "_allocate",
+                        lambda self, i, h, d, dtype: allocate(self, i, h, d, torch.float32))
+    fp32 = decodes()
+    for a, b in zip(ours, fp32):
+        assert a.outputs == b.outputs
+        assert torch.equal(a.stats.accepted_at, b.stats.accepted_at)
+        assert a.stats.rounds.tolist() == b.stats.rounds.tolist()
+
+
 def test_greedy_parallel_style_and_eos():
     model = make_agreeing(tiny_model(3, 3, style="parallel", dtype=torch.float64), 0.0)
     ar = generate(model, PROMPTS, 16, 0)
