@@ -46,7 +46,9 @@ def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> to
     total = cdf[..., -1:]
     u = torch.rand(total.shape, generator=generator, device=cdf.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # a row of NaN (a diverged model) would index past the vocabulary: its token is then the last
+    # one, without the host sync a check would cost every draw
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 class TokenChooser:

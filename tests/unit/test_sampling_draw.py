@@ -46,6 +46,12 @@ def test_draw_keeps_leading_dimensions_and_follows_each_row():
     assert set(draws[:, 2].flatten().tolist()) == {1, 2}
 
 
+def test_a_row_of_nan_draws_a_token_inside_the_vocabulary():
+    weights = torch.tensor([[0.2, 0.8, 0.0], [float("nan")] * 3])
+    tokens = draw(weights, torch.Generator().manual_seed(3))
+    assert tokens[0] in (0, 1) and 0 <= int(tokens[1]) < 3
+
+
 def test_a_sampling_chooser_draws_from_its_tempered_distribution():
     """TokenChooser at T=2 over fixed logits: the draws' frequencies are softmax(logits / 2)'s."""
     logits = torch.tensor([[2.0, 0.0, -1.0, 1.0]]).expand(200_000, -1)
