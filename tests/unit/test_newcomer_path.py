@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -89,3 +90,24 @@ def test_the_path_to_the_first_loss_calls_only_downward_through_few_files(tiny_o
     assert not up, f"calls up a layer: {up}"
     assert len(files) <= MAX_FILES, (f"{len(files)} files on the path, {MAX_FILES} before:\n"
                                      + "\n".join(files))
+    _check_the_reading_order(files)
+
+
+def _check_the_reading_order(files):
+    """docs/index.md names every file of the path once: the fifteen that tell the story, then the
+    rest."""
+    page = open(os.path.join(ROOT, "docs", "index.md"), encoding="utf-8").read()
+    story, rest = page.split("Fifteen of them tell the story")[1].split("## Next")[0].split(
+        "The other ")
+    named = {part: re.findall(r"`([\w/]+\.py)`", text) for part, text in (("story", story),
+                                                                           ("rest", rest))}
+    assert len(named["story"]) == 15, named["story"]
+
+    def traced(name):
+        hits = [f for f in files if f == name or f.endswith("/" + name)]
+        assert len(hits) == 1, f"docs/index.md names {name}: on the path {hits}"
+        return hits[0]
+
+    shown = [traced(name) for name in named["story"] + named["rest"]]
+    assert sorted(shown) == sorted(files), set(files) ^ set(shown)
+    assert f"The other {len(files) - 15} " in page
