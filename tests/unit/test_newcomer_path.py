@@ -5,7 +5,7 @@ Traced with `sys.setprofile` in a fresh interpreter, from `cli.main()` to the re
 `TrainStep.__call__`; a file counts when a function in it runs (module bodies run by imports do
 not). No call may go up a layer (models and data_pipeline below eval, eval below trainer), and the
 number of files may not grow unnoticed: a file added to the path raises MAX_FILES in the same
-change."""
+change, and takes its place in docs/index.md's reading order, which names each file once."""
 
 from __future__ import annotations
 
