@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from tandem.trainer.parallel.layout import run_as_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ~430M parameters: 10 layers (1 dense + 9 MoE with 16 experts of 704, top-2, 1 shared), vocab 32768
@@ -190,4 +192,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
+    sys.exit(run_as_process(main))

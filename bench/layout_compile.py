@@ -29,6 +29,8 @@ import sys
 
 from side_by_side import Sides, moe_model, run_under_torchrun, synthetic_batches
 
+from tandem.trainer.parallel.layout import run_as_process
+
 FLAGSHIP = "tp=2,ep=2,pp=2,sequence_parallel=true"
 MBS, ACCUM, SEQ, VOCAB = 2, 4, 128, 2048
 MODEL = moe_model(SEQ, MBS, ACCUM, mtp_steps=3)
@@ -81,4 +83,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
+    sys.exit(run_as_process(main))

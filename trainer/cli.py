@@ -108,12 +108,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     `leave_distributed_process`, which explains why."""
     if argv is not None:
         return run_command(argv)
-    code = run_command(sys.argv[1:], whole_process=True)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from .parallel.layout import leave_distributed_process
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # run_as_process's single-process case,
+        return run_command(sys.argv[1:], whole_process=True)  # without importing torch for --help
+    from .parallel.layout import run_as_process
 
-        leave_distributed_process(code)
-    return code
+    return run_as_process(lambda: run_command(sys.argv[1:], whole_process=True))
 
 
 def run_command(argv: List[str], whole_process: bool = False) -> int:

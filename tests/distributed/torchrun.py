@@ -12,10 +12,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 from typing import Callable, List, NoReturn
 
-from tandem.trainer.parallel.layout import leave_distributed_process
+from tandem.trainer.parallel.layout import leave_distributed_process, run_as_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,14 +56,7 @@ def run(world: int, module: str, *args, timeout: float = 600,
 
 
 def finish(main: Callable[[], int | None]) -> NoReturn:
-    """A worker's entry point: run `main` and leave with its code (1 and the traceback if it raised)
-    the way a rank of `tandem` leaves, through `leave_distributed_process` (no interpreter
-    finalisation, where gloo's threads can abort a rank whose results are already written)."""
-    try:
-        code = main() or 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the traceback is the report
-        traceback.print_exc()
-        code = 1
-    leave_distributed_process(code)
+    """A worker's entry point: `main` run the way a rank of `tandem` runs its command
+    (`run_as_process`: no interpreter finalisation, where gloo's threads can abort a rank whose
+    results are already written); at world size 1 it leaves the same way with main's code."""
+    leave_distributed_process(run_as_process(main))

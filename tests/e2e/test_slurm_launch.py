@@ -330,7 +330,9 @@ seen.append(P.agree_preemption())
 # one write(2) of a short line: atomic on the pipe both ranks share (print may split it and
 # interleave)
 os.write(1, f"RESULT {r} {P.preemption_requested()} {seen}\\n".encode())
-dist.destroy_process_group()
+# leave as a rank of tandem does: finalisation after gloo collectives can abort (pytorch#190489)
+from tandem.trainer.parallel.layout import leave_distributed_process
+leave_distributed_process(0)
 """
 
 

@@ -1,6 +1,8 @@
 """A rank of a multi-process `tandem` launch leaves without the interpreter's finalisation, where
 gloo's threads can abort a finished run (trainer/parallel/layout.leave_distributed_process): its
-exit code, exit handlers and output stay those of a normal exit; a single process exits normally."""
+exit code, exit handlers and output stay those of a normal exit, a failing rank's too
+(`run_as_process`, the entry of `tandem` and of the bench and test workers); a single process
+exits normally."""
 
 import os
 import subprocess
@@ -38,3 +40,31 @@ def test_a_single_process_exits_normally():
     proc = _run("1")
     assert proc.returncode == 2
     assert proc.stdout.split() == ["exit", "handler", "finalised"]
+
+
+RAISING = """
+import atexit, sys
+class Finalised:
+    def __del__(self):
+        print("finalised", flush=True)
+KEEP = Finalised()
+atexit.register(lambda: print("exit handler", flush=True))
+from tandem.trainer.parallel.layout import run_as_process
+def main():
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the command failed")
+    raise SystemExit("bench.py: the layout failed under torchrun")
+sys.exit(run_as_process(main))
+"""
+
+
+def test_a_failing_rank_reports_its_error_and_leaves_with_code_1_without_finalisation():
+    for how, message in (("raise", "RuntimeError: the command failed"),
+                         ("exit", "bench.py: the layout failed under torchrun")):
+        proc = subprocess.run([sys.executable, "-c", RAISING, how], cwd=ROOT, capture_output=True,
+                              text=True, env=dict(os.environ, WORLD_SIZE="2"), timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert message in proc.stderr
+        assert proc.stdout.split() == ["exit", "handler"]
+        if how == "raise":
+            assert "Traceback" in proc.stderr

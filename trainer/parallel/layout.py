@@ -30,7 +30,8 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from typing import NoReturn
+import traceback
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,6 +152,26 @@ def leave_distributed_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a reader that went away, a closed stream: exit all the same
             pass
     os._exit(code)
+
+
+def run_as_process(main: Callable[[], Optional[int]]) -> int:
+    """`main()` as this process's entry point (`tandem`, the bench and test workers): its exit
+    code. A rank of a multi-process launch (WORLD_SIZE > 1) does not return: it leaves through
+    `leave_distributed_process` with that code, or with an exception's (its traceback printed, 1;
+    a SystemExit's own code), so a failing rank is not aborted in finalisation either. A single
+    process returns the code and lets exceptions propagate, as Python's entry points do."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return main() or 0
+    try:
+        code = main() or 0
+    except SystemExit as exc:  # sys.exit(...) / parser.exit(...): the code Python would exit with
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the traceback is the report, as the interpreter prints it
+        traceback.print_exc()
+        code = 1
+    leave_distributed_process(code)
 
 
 def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
