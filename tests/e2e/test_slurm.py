@@ -128,10 +128,12 @@ needs_trainer = pytest.mark.skipif(not TINY_RECIPE.exists(), reason="recipes/tin
 
 @needs_trainer
 def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus_cache):
-    """A real run submitted by `tandem launch slurm` with a 1-minute limit and Slurm's own
-    `--signal=USR1@40` (it fires 20-50 s in: slurmctld checks limits every ~30 s). Its first attempt
-    is slowed to 2 s a step from outside (tests/fault_injection), so it would need 80 s: only a
-    working preemption path finishes the job (a requeued attempt signalled again before it finishes
+    """A real run submitted by `tandem launch slurm` with a 2-minute limit and Slurm's own
+    `--signal=USR1@100` (it fires 20-50 s in: slurmctld checks limits every ~30 s, and the 100 s
+    before the limit leave room for a check that a loaded machine delays: with a 1-minute limit and
+    USR1@40 one run was killed at its limit without the signal). Its first attempt is slowed to 4 s
+    a step from outside (tests/fault_injection), so it would need 160 s: only a working preemption
+    path finishes the job (a requeued attempt signalled again before it finishes
     requeues once more; every attempt continues from the last one's checkpoint). Slurm signals the
     job step; torchrun ignores SIGUSR1 and each rank's handler catches it; the run checkpoints,
     requeues, resumes from that checkpoint and completes every step once, and the requeued attempt
@@ -143,11 +145,11 @@ def test_time_limit_signal_preempts_requeues_and_resumes(slurm, tmp_path, corpus
         [str(TINY_RECIPE), f"run.dir={run_dir}", f"train.max_steps={max_steps}",
          "checkpoint.interval=20",
          f"data.cache_dir={corpus_cache}", *TINY, "--nodes", "1", "--procs-per-node", str(PROCS),
-         "--time", "00:01:00", "--signal-seconds", "40"],
-        fault_env(_env(), TANDEM_TEST_SLOW_FIRST_ATTEMPT="2"),
+         "--time", "00:02:00", "--signal-seconds", "100"],
+        fault_env(_env(), TANDEM_TEST_SLOW_FIRST_ATTEMPT="4"),
     )
-    # alone one requeue (57 s); beside the suite's largest torchrun launches a requeued attempt
-    # can be signalled again before it finishes (181 s measured), each attempt one ~60 s cycle
+    # alone one requeue (about a minute); beside the suite's largest torchrun launches a requeued
+    # attempt can be signalled again before it finishes, each attempt a cycle of 20-50 s
     f = wait_job(slurm, job_id, run_dir, timeout=480)
     logs = job_logs(run_dir, job_id)
     assert f["JobState"] == "COMPLETED" and f["ExitCode"] == "0:0", (f, logs)
