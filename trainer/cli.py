@@ -105,7 +105,7 @@ def launch_main(argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command. Without `argv` this is the process's entry point (the console script,
     `python -m tandem.trainer.cli`): a rank of a multi-process launch then leaves through
-    `leave_distributed_process`, which explains why."""
+    `run_as_process` (trainer/parallel/layout.py), which explains why."""
     if argv is not None:
         return run_command(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # run_as_process's single-process case,
