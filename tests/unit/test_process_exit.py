@@ -11,22 +11,25 @@ import sys
 from tests.distributed.torchrun import ROOT
 
 # an exit handler (wandb's, logging's) and a finaliser that only interpreter shutdown runs
-SCRIPT = """
+HANDLERS = """
 import atexit, sys
 class Finalised:
     def __del__(self):
         print("finalised", flush=True)
 KEEP = Finalised()
 atexit.register(lambda: print("exit handler", flush=True))
+"""
+
+SCRIPT = HANDLERS + """
 sys.argv = ["tandem", "no-such-command"]
 from tandem.trainer.cli import main
 sys.exit(main())
 """
 
 
-def _run(world: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, WORLD_SIZE=world), timeout=120)
+def _run(world: str, script: str = SCRIPT, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, WORLD_SIZE=world), timeout=120)
 
 
 def test_a_rank_of_a_launch_skips_finalisation_but_keeps_its_code_and_exit_handlers():
@@ -42,13 +45,7 @@ def test_a_single_process_exits_normally():
     assert proc.stdout.split() == ["exit", "handler", "finalised"]
 
 
-RAISING = """
-import atexit, sys
-class Finalised:
-    def __del__(self):
-        print("finalised", flush=True)
-KEEP = Finalised()
-atexit.register(lambda: print("exit handler", flush=True))
+RAISING = HANDLERS + """
 from tandem.trainer.parallel.layout import run_as_process
 def main():
     if sys.argv[1] == "raise":
@@ -61,8 +58,7 @@ sys.exit(run_as_process(main))
 def test_a_failing_rank_reports_its_error_and_leaves_with_code_1_without_finalisation():
     for how, message in (("raise", "RuntimeError: the command failed"),
                          ("exit", "bench.py: the layout failed under torchrun")):
-        proc = subprocess.run([sys.executable, "-c", RAISING, how], cwd=ROOT, capture_output=True,
-                              text=True, env=dict(os.environ, WORLD_SIZE="2"), timeout=120)
+        proc = _run("2", RAISING, how)
         assert proc.returncode == 1, proc.stderr
         assert message in proc.stderr
         assert proc.stdout.split() == ["exit", "handler"]
