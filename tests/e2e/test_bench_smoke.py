@@ -151,3 +151,34 @@ def test_gdn_chunk_solve_bench():
     assert len(rows) == 5 and all(float(blocked) < 1e-5 for _, blocked, _ in rows.values())
     assert float(rows["correlated"][0]) > 1.0
     assert proc.stdout.strip().splitlines()[-1].startswith("solve_ratio_to_blocked ")
+
+
+def test_ep_dispatch_bench():
+    """bench/ep_dispatch.py at ep=2 for one step: both dispatches step, and the host syncs it counts
+    are the dispatches' own: the exact one reads its split sizes back (`tolist`), the padded one
+    never does."""
+    proc = subprocess.run([sys.executable, "bench/ep_dispatch.py", "--layouts", "ep=2", "--warmup",
+                           "0", "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines
+            if line.split()[0] in ("exact", "padded")}
+    assert int(rows["exact"][4]) > 0 and "tolist" in " ".join(rows["exact"][5:]), lines
+    assert int(rows["padded"][4]) == 0 and rows["padded"][5] == "{}", lines
+    assert lines[-1].startswith("padded_over_exact_step_time[ep=2]=")
+    assert float(lines[-1].rsplit("=", 1)[1]) > 0
+
+
+def test_fsdp_accumulation_memory_bench():
+    """bench/fsdp_accumulation_memory.py at dp=2: every case's measured peak is within 30% of
+    trainer/estimate.py's (0.94-0.95 measured here), and so is the extra memory of reducing the
+    gradients once per step instead of every micro-batch."""
+    proc = subprocess.run([sys.executable, "bench/fsdp_accumulation_memory.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = dict(field.split("=") for field in proc.stdout.strip().splitlines()[-1].split())
+    low, high = (float(x) for x in summary["peak_over_estimate"].split(".."))
+    assert 0.7 <= low <= high <= 1.3, summary
+    assert 0.7 <= float(summary["delta_measured_over_estimated"]) <= 1.3, summary
