@@ -3,7 +3,7 @@
 in distribution.
 
     python bench/sampling_draw.py [--rows 128] [--vocab 2048] [--reps 200] [--threads 2]
-        [--device cpu|cuda]
+        [--device cpu|cuda|npu|auto]
 
 Rows of a peaked softmax (logits ~ N(0, 3^2)), as a trained model's tempered distributions are.
 Agreement: 200k draws of each from one row; the largest gap between their empirical frequencies and
@@ -19,18 +19,17 @@ import time
 import torch
 
 from tandem.eval.sampling import draw
+from tandem.trainer.parallel.device import Device, resolve_device
 
 
-def _seconds(fn, reps: int, device: torch.device) -> float:
+def _seconds(fn, reps: int, device: Device) -> float:
     for _ in range(5):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    device.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    device.synchronize()
     return (time.perf_counter() - start) / reps
 
 
@@ -40,14 +39,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, npu or auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    dev = resolve_device(args.device)
+    device = dev.device
     gen = torch.Generator(device=device).manual_seed(0)
     probs = torch.softmax(3 * torch.randn(args.rows, args.vocab, generator=gen, device=device), -1)
-    multinomial = _seconds(lambda: torch.multinomial(probs, 1, generator=gen), args.reps, device)
-    inverse_cdf = _seconds(lambda: draw(probs, gen), args.reps, device)
+    multinomial = _seconds(lambda: torch.multinomial(probs, 1, generator=gen), args.reps, dev)
+    inverse_cdf = _seconds(lambda: draw(probs, gen), args.reps, dev)
     row = probs[:1].expand(200_000, -1)
     gaps = {}
     for name, tokens in (("multinomial", torch.multinomial(row, 1, generator=gen).squeeze(-1)),
