@@ -48,11 +48,9 @@ from collections import defaultdict
 
 import torch
 
-from tandem.trainer.parallel.layout import run_as_process
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from side_by_side import run_under_torchrun  # noqa: E402
+from side_by_side import run_bench, run_under_torchrun  # noqa: E402
 
 LAYOUTS = {
     "tp=2": 2, "ep=2": 2, "pp=2": 2, "pp=2,pp_schedule=interleaved_1f1b": 2, "dp=2": 2,
@@ -525,15 +523,5 @@ def main(only=()):
         print(f"context_cost_sent_max_deviation={worst_sent:.4f}")
 
 
-def _entry() -> int:
-    """A torchrun rank's worker (`--worker OUT ...`), else the driver."""
-    if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], sys.argv[3:])
-    else:
-        main(sys.argv[1:])
-    return 0
-
-
 if __name__ == "__main__":
-    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
-    sys.exit(run_as_process(_entry))
+    run_bench(lambda: main(sys.argv[1:]), worker)

@@ -38,11 +38,9 @@ import time
 
 import torch
 
-from tandem.trainer.parallel.layout import run_as_process
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from side_by_side import run_under_torchrun  # noqa: E402
+from side_by_side import run_bench, run_under_torchrun  # noqa: E402
 
 NARROW = [f"model.{kv}" for kv in (
     "hidden_size=32", "head_dim=8", "linear_key_head_dim=8", "linear_value_head_dim=8",
@@ -229,15 +227,5 @@ def run_single(out, opts):
         raise SystemExit("context_scaling.py cp=1 failed")
 
 
-def _entry() -> int:
-    """A torchrun rank's worker (`--worker OUT ...`), else the driver."""
-    if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], sys.argv[3:])
-    else:
-        main(sys.argv[1:])
-    return 0
-
-
 if __name__ == "__main__":
-    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
-    sys.exit(run_as_process(_entry))
+    run_bench(lambda: main(sys.argv[1:]), worker)

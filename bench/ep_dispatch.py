@@ -30,9 +30,7 @@ import json
 import statistics
 import sys
 
-from side_by_side import ROOT, Sides, moe_model, run_under_torchrun, synthetic_batches
-
-from tandem.trainer.parallel.layout import run_as_process
+from side_by_side import ROOT, Sides, moe_model, run_bench, run_under_torchrun, synthetic_batches
 
 LAYOUTS = ["ep=2", "tp=2,ep=2,sequence_parallel=true"]
 MBS, ACCUM, SEQ, VOCAB = 2, 2, 128, 2048
@@ -111,5 +109,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
-    sys.exit(run_as_process(main))
+    run_bench(main)

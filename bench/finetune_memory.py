@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from tandem.trainer.parallel.layout import run_as_process
+from side_by_side import run_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,5 +192,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
-    sys.exit(run_as_process(main))
+    run_bench(main)

@@ -40,11 +40,9 @@ import time
 
 import torch
 
-from tandem.trainer.parallel.layout import run_as_process
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from side_by_side import run_under_torchrun  # noqa: E402
+from side_by_side import run_bench, run_under_torchrun  # noqa: E402
 
 MBS, ACCUM, SEQ, VOCAB = 2, 4, 64, 4096
 BASE = [
@@ -262,5 +260,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
-    sys.exit(run_as_process(main))
+    run_bench(main)

@@ -25,11 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
-from side_by_side import Sides, moe_model, run_under_torchrun, synthetic_batches
-
-from tandem.trainer.parallel.layout import run_as_process
+from side_by_side import Sides, moe_model, run_bench, run_under_torchrun, synthetic_batches
 
 FLAGSHIP = "tp=2,ep=2,pp=2,sequence_parallel=true"
 MBS, ACCUM, SEQ, VOCAB = 2, 4, 128, 2048
@@ -83,5 +80,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # a torchrun rank leaves as tandem's do (run_as_process: gloo's threads can abort finalisation)
-    sys.exit(run_as_process(main))
+    run_bench(main)

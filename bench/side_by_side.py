@@ -3,7 +3,8 @@ model trained alternately on the same ranks (bench/ep_dispatch.py, bench/layout_
 launch also serves bench/comm_volume.py and bench/fsdp_accumulation_memory.py).
 
 A worker is the bench script itself run as `script --worker OUT ARGS...` on every rank; rank 0
-writes its result to OUT as JSON, which `run_under_torchrun` returns to the driver.
+writes its result to OUT as JSON, which `run_under_torchrun` returns to the driver. `run_bench` is
+every such script's `__main__`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, NoReturn, Optional, Sequence
 
 import torch
+
+from tandem.trainer.parallel.layout import run_as_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +41,24 @@ def run_under_torchrun(script: str, world: int, args: Sequence[str]):
             raise SystemExit(f"{os.path.basename(script)} {' '.join(args)} failed under torchrun")
         with open(out) as f:
             return json.load(f)
+
+
+def run_bench(main: Callable[[], object],
+              worker: Optional[Callable[[str, List[str]], None]] = None) -> NoReturn:
+    """A bench script's `__main__`: `worker(OUT, ARGS)` for a rank started as `script --worker OUT
+    ARGS...` when the script passes its worker here (others parse `--worker` in `main`), else
+    `main()`, whose int return is the exit code (0 for anything else). A torchrun rank leaves as
+    `tandem`'s do (`run_as_process`: after gloo collectives the interpreter's finalisation can
+    abort a rank whose results are already written)."""
+
+    def entry() -> int:
+        if worker is not None and sys.argv[1:2] == ["--worker"]:
+            worker(sys.argv[2], sys.argv[3:])
+            return 0
+        code = main()
+        return code if isinstance(code, int) else 0
+
+    sys.exit(run_as_process(entry))
 
 
 def moe_model(seq: int, mbs: int, accum: int, mtp_steps: int) -> list:
