@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -231,7 +232,13 @@ def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
     marker_dir.mkdir()
     _stub_bin(tmp_path / "bin", tmp_path / "argv.json", marker_dir)
     started = tmp_path / "srun_started"
-    _exe(tmp_path / "bin" / "srun", f"#!/bin/bash\ntouch {started}\nsleep 3\nexit 3\n")
+    # srun runs until the relay reached scancel (at most 30 s), however late a loaded machine
+    # delivers the signal, then exits 3: the shell must still be waiting for it
+    relayed = tmp_path / "scancel.log"
+    _exe(tmp_path / "bin" / "srun",
+         f"#!/bin/bash\ntouch {shlex.quote(str(started))}\nfor _ in $(seq 300); do "
+         f"[ -e {shlex.quote(str(relayed))} ] && break; "
+         "sleep 0.1; done\nexit 3\n")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV)
     proc = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -243,7 +250,7 @@ def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 3, out
     assert "relaying to the job steps" in out and "srun exited with 3" in out
-    assert (tmp_path / "scancel.log").read_text().split() == ["--signal=USR1", "77"]
+    assert relayed.read_text().split() == ["--signal=USR1", "77"]
 
 
 # -- preemption API --------------------------------------------------------------------------------
