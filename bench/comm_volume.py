@@ -297,14 +297,12 @@ def context_exchanges(cfg, model, pstate):
     all-gather (output bytes: the whole window's) whose backward reduce-scatters as many bytes where
     the tensor has a gradient (not token ids, positions or expert ids), per mixer execution:
       attention  K and V [B, S, kv_heads / tp, head_dim];
-      QSA        K, V and the indexer's raw keys [B, S, D_i], positions [B, S] int64 (no gradient);
-                 where
-                 the indexer trains by its KL (the layers that select), the raw keys' gradient and
-                     the
-                 count of queries with a visible block ([B, S] int64);
+      QSA        K, V and positions [B, S] int64 (no gradient); the layers that select (not the
+                 MTP depths reusing depth 1's selection) also the indexer's raw keys [B, S, D_i],
+                 and where the indexer trains by its KL, the raw keys' gradient and the count of
+                 queries with a visible block ([B, S] int64);
       GDN        the conv input's halo, kernel - 1 rows of [conv width / tp] per window chunk, and
-                 the
-                 carry: one [H / tp, dk, dk + dv] fp32 per window chunk;
+                 the carry: one [H / tp, dk, dk + dv] fp32 per window chunk;
       PLE        the n-gram ids' halo (ngram_size - 1 int64 per chunk, no gradient) and the conv
                  input's, conv_window rows of [hc x H] per chunk;
       MoE        with the aux / z loss, an all-reduce of its 2E + 3 fp32 sums forward and backward.
@@ -322,20 +320,22 @@ def context_exchanges(cfg, model, pstate):
     kv = m.num_kv_heads // tp * m.resolved_head_dim
     mtp_kind = "indexed_attention" if m.uses_qsa else "attention"
     kinds = [m.layer_type(int(i)) for i in model.layers] + [mtp_kind] * K
-    # QSA layers that select (MTP depths after the first reuse its selection under
-    # mtp.qsa_reuse_indices) train their indexer by the KL: their raw keys get a gradient, and they
-    # gather the window's count of queries with a visible block (int64 [B, S]); the others' raw keys
-    # get none
+    # QSA layers that select run their indexer and gather its raw keys (MTP depths after the first
+    # reuse depth 1's selection under mtp.qsa_reuse_indices, and run none); with the KL they train
+    # it: their raw keys get a gradient, and they gather the window's count of queries with a
+    # visible block (int64 [B, S])
     reusing = max(K - 1,
                   0) if (cfg.mtp.qsa_reuse_indices and mtp_kind == "indexed_attention") else 0
-    kl = sum(k == "indexed_attention" for k in kinds) - reusing if m.indexer_loss_coef > 0 else 0
-    ag, rs = I64 * rows * kl, F32 * rows * m.indexer_head_dim * kl
+    selecting = sum(k == "indexed_attention" for k in kinds) - reusing
+    kl = selecting if m.indexer_loss_coef > 0 else 0
+    ag = F32 * rows * m.indexer_head_dim * selecting + I64 * rows * kl
+    rs = F32 * rows * m.indexer_head_dim * kl
     for kind in kinds:
         if kind == "attention":
             ag += 2 * F32 * rows * kv
             rs += 2 * F32 * rows * kv
         elif kind == "indexed_attention":
-            ag += F32 * rows * (2 * kv + m.indexer_head_dim) + I64 * rows
+            ag += F32 * rows * 2 * kv + I64 * rows
             rs += F32 * rows * 2 * kv
         elif kind == "linear_attention":
             nk, nv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp

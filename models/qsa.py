@@ -48,7 +48,9 @@ budget; the dense warm-up masks keys after the query's window row). The indexer'
 rank's queries' terms and divides by the window's count of queries with a candidate block, so the
 ranks' losses (and so their indexer gradients) sum to one process's; `last_indexer_loss` is the
 rank's share, `last_recall` the rank's mean (equal row counts: the ranks' recalls average to the
-window's). A handed-over `QSASelection` holds the rank's queries and the window's block layout.
+window's). A handed-over `QSASelection` holds the rank's queries and the window's block layout; a
+sparse-stage forward given one (an MTP depth reusing depth 1's) runs no indexer and gathers no raw
+keys.
 
 Peak memory of one layer's training step, per rank (bytes, fp32; B rows, D_i indexer width, E =
 `chunk_elems`, A = hidden + 4 * heads * head_dim + (I + 1) * D_i the per-row activations):
@@ -225,8 +227,12 @@ class IndexedAttention(nn.Module):
         every visible token. `aux_grad_scale`: the gradient the caller's objective gives the
         indexer's KL per unit of `indexer_loss_coef` (as `MoE.forward`'s)."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
+        # a training forward handed a selection (sparse stage) has no use for the indexer, unless
+        # it measures recall
+        reusing = cache is None and selection is not None and not dense and not recall_measured()
         # The selection carries no gradient and the indexer learns only from its own loss.
-        q_idx_bsid, raw_bsd = self.indexer(x_bsh.detach(), positions_bs, self.rotary)
+        q_idx_bsid, raw_bsd = ((None, None) if reusing else
+                               self.indexer(x_bsh.detach(), positions_bs, self.rotary))
         used = None
         sharded = context is not None and context.sharded
         self.last_recall = None
@@ -241,7 +247,8 @@ class IndexedAttention(nn.Module):
             if sharded:  # every rank's keys, values, indexer keys and layout, in window order
                 k_bksd = context.gather(k_bksd.transpose(1, 2)).transpose(1, 2)
                 v_bksd = context.gather(v_bksd.transpose(1, 2)).transpose(1, 2)
-                raw_bsd, positions_bs = context.gather(raw_bsd), context.gather(positions_bs)
+                raw_bsd = None if reusing else context.gather(raw_bsd)
+                positions_bs = context.gather(positions_bs)
                 window = (context,
                           None if documents is None else context.gather(documents.starts_bs))
             out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd,

@@ -125,8 +125,13 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     conv = (2 * m.linear_num_key_heads * dk + m.linear_num_value_heads * dv) // p.tp
     k_sel = m.indexer_budget // m.indexer_compress_ratio
     slots = m.indexer_budget + m.indexer_compress_ratio - 1
+    # MTP depths after the first reuse depth 1's selection under mtp.qsa_reuse_indices: they run no
+    # indexer, so they gather no raw indexer keys
+    reusing = max(depths - 1,
+                  0) if cfg.mtp.qsa_reuse_indices and mtp_kind(m) == "indexed_attention" else 0
+    indexing = n_qsa - reusing
     out = {
-        "gathered_kv": n_attn * b * s * 2 * kv * act_bytes + n_qsa * b * s * m.indexer_head_dim
+        "gathered_kv": n_attn * b * s * 2 * kv * act_bytes + indexing * b * s * m.indexer_head_dim
         * act_bytes, "qsa_selection": n_qsa * b * (s / cp) * (k_sel + slots) * 8,
         "gdn_states": n_gdn * b * chunks * cp * nv * dk * (dk + dv) * 4,
         "gdn_width": n_gdn * 2 * b * (s / cp) * nv * dk * act_bytes,
@@ -141,14 +146,11 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     # n-gram ids halo; the MoE aux / z loss's 2E + 3 fp32 sums, all-reduced forward and backward (a
     # ring all-reduce sends twice `share` of it)
     ids = n_qsa * b * s * 8 * (2 if cfg.data.document_mask else 1)
-    # the QSA layers whose indexer learns by its KL (MTP depths after the first reuse depth 1's
-    # selection under mtp.qsa_reuse_indices) send their raw keys' gradient and gather the window's
-    # count of queries with a visible block ([B, S] int64); the others' raw keys get no gradient
-    reusing = max(depths - 1,
-                  0) if cfg.mtp.qsa_reuse_indices and mtp_kind(m) == "indexed_attention" else 0
-    kl = n_qsa - reusing if m.indexer_loss_coef > 0 else 0
-    # (the latter: sent once)
-    ids += kl * b * s * 8 - (n_qsa - kl) * b * s * m.indexer_head_dim * act_bytes
+    # the indexing QSA layers whose indexer learns by its KL send their raw keys' gradient and
+    # gather the window's count of queries with a visible block ([B, S] int64, sent once); the
+    # other indexing layers' raw keys get no gradient
+    kl = indexing if m.indexer_loss_coef > 0 else 0
+    ids += kl * b * s * 8 - (indexing - kl) * b * s * m.indexer_head_dim * act_bytes
     ple_ids = chunks * b * 8 * min(m.ngram_size - 1,
                                    s // (cp * chunks)) * sum(i in m.ple_layers for i in layers)
     aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0

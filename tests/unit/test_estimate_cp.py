@@ -109,7 +109,9 @@ def test_context_bytes_by_hand():
     attn = sum(k != "linear_attention" for k in kinds) + cfg.mtp.num_steps
     gdn = kinds.count("linear_attention")
     kv = m.num_kv_heads * m.resolved_head_dim
-    assert parts["gathered_kv"] == attn * b * s * (2 * kv + m.indexer_head_dim) * 4
+    # depths 2..K reuse depth 1's selection (mtp.qsa_reuse_indices): no indexer keys to gather
+    indexing = attn - (cfg.mtp.num_steps - 1)
+    assert parts["gathered_kv"] == (attn * 2 * kv + indexing * m.indexer_head_dim) * b * s * 4
     dk, dv, nv = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_value_heads
     assert parts["gdn_states"] == gdn * b * 4 * nv * dk * (dk + dv) * 4  # 2 chunks x 2 ranks, fp32
     assert X.context_bytes(load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml")), layers, 1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.models.qsa_loss import measuring_recall
 from tandem.trainer.parallel import ParallelState
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from tandem.trainer.parallel.compile import apply_compile
@@ -36,20 +37,27 @@ OVERRIDES = [
 ]
 
 
-def _run(mode: str, reuse: bool, dense: bool, compiled: bool):
+def _model(reuse: bool):
     # the indexer's KL rides on each QSA layer's backward
     cfg = load_config(None, OVERRIDES + [f"mtp.qsa_reuse_indices={str(reuse).lower()}",
                                          "model.indexer_loss_coef=0.1"])
     torch.manual_seed(0)
-    model = build_sharded(cfg, ParallelState(device=resolve_device("cpu")))
-    apply_compile(model, compiled, backend="eager")  # dynamo capture, as train.compile
-    apply_activation_checkpointing(model, mode)
-    model.train()
+    return build_sharded(cfg, ParallelState(device=resolve_device("cpu"))).train()
+
+
+def _step(model, dense: bool = False):
     tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(0))
     out = model(tokens, qsa_dense=dense)
     out.loss_sums.sum().backward()
     return out.loss_sums.detach(), {n: p.grad.clone() for n,
                                     p in model.named_parameters() if p.grad is not None}
+
+
+def _run(mode: str, reuse: bool, dense: bool, compiled: bool):
+    model = _model(reuse)
+    apply_compile(model, compiled, backend="eager")  # dynamo capture, as train.compile
+    apply_activation_checkpointing(model, mode)
+    return _step(model, dense)
 
 
 @pytest.mark.parametrize("reuse", [True, False])
@@ -80,3 +88,23 @@ def test_reuse_changes_the_later_depths():
     own, _ = _run("none", False, False, False)
     assert torch.equal(with_reuse[:2], own[:2])
     assert all(abs(float(with_reuse[d] - own[d])) > 1e-6 for d in (2, 3))
+
+
+def test_reusing_depths_run_no_indexer():
+    """In the sparse stage depths 2 and 3, handed depth 1's selection, run no indexer (nor, under
+    context parallelism, gather its keys: tests/e2e/test_context_bench.py counts the bytes), and
+    nothing changes for it: the losses and gradients equal those of a forward whose every depth runs
+    the indexer (measuring recall, which scores it, makes them)."""
+    model = _model(reuse=True)
+    calls = []
+    model.mtp.layers[0].block.self_attn.indexer.register_forward_hook(lambda *_: calls.append(1))
+    losses, grads = _step(model)
+    assert len(calls) == 1
+    model.zero_grad(set_to_none=True)
+    with measuring_recall():
+        all_losses, all_grads = _step(model)
+    assert len(calls) == 1 + 3
+    torch.testing.assert_close(losses, all_losses, rtol=0, atol=0)
+    assert set(grads) == set(all_grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], all_grads[name], rtol=0, atol=0, msg=name)
