@@ -32,7 +32,15 @@ import numpy as np
 from tandem.models import ModelConfig, MTPConfig
 
 from .config_checks import ConfigError
-from .cost import GDN_CHUNK, forward_flops_per_token, mean_window_work, mtp_kind, window_work
+from .cost import (
+    GDN_CHUNK,
+    forward_flops_per_token,
+    mean_window_work,
+    mtp_kind,
+    mtp_reuses_selection,
+    qsa_score_work,
+    window_work,
+)
 from .parallel.validate import validate_context_parallel
 
 CP_SIZES = (4, 8, 16, 32, 64, 128)
@@ -81,10 +89,14 @@ def rank_training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, cp: int,
     work."""
     layers, head = forward_flops_per_token(cfg, mtp, seq_len)
     counts = mixer_counts(cfg, mtp)
-    flat = layers + (1 + mtp.num_steps) * head - sum(n * mean_window_work(cfg, k, seq_len) for k,
-                                                     n in counts.items())
+    # the MTP depths reusing depth 1's QSA selection score no blocks (their forward FLOPs leave the
+    # indexer out): their window work is QSA's without the scores
+    reused = sum(mtp_reuses_selection(cfg, mtp, d) for d in range(1, mtp.num_steps + 1))
     visible = np.arange(1, seq_len + 1, dtype=np.float64)
-    work = sum(n * window_work(cfg, k, visible) for k, n in counts.items())
+    scores = reused * qsa_score_work(cfg, visible)
+    flat = layers + (1 + mtp.num_steps) * head - sum(n * mean_window_work(cfg, k, seq_len) for k,
+                                                     n in counts.items()) + float(scores.mean())
+    work = sum(n * window_work(cfg, k, visible) for k, n in counts.items()) - scores
     cum = np.concatenate([[0.0], np.cumsum(work)])
     gdn = counts.get("linear_attention", 0) if cp > 1 else 0
     out = []

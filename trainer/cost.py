@@ -97,19 +97,20 @@ def qsa_mean_keys(cfg: ModelConfig, seq_len: int) -> float:
     return total / s
 
 
+def qsa_indexer(cfg: ModelConfig, seq_len: int) -> Cost:
+    """QSA's indexer: its I query heads and one key head (+ their norms) and its block scores."""
+    i, di = cfg.indexer_heads, cfg.indexer_head_dim
+    return (matmul(cfg.hidden_size, (i + 1) * di) + vector(2 * di)
+            + work(2 * i * di * qsa_mean_blocks(cfg, seq_len)))
+
+
 def qsa(cfg: ModelConfig, seq_len: int) -> Cost:
-    """QSA: projections (query + gate, k, v, o; q/k norms), the indexer's I query heads and one key
-    head (+ their norms), its block scores and attention over the selected tokens only."""
+    """QSA: projections (query + gate, k, v, o; q/k norms), the indexer and attention over the
+    selected tokens only."""
     h, hd = cfg.hidden_size, cfg.resolved_head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    i, di = cfg.indexer_heads, cfg.indexer_head_dim
-    proj = matmul(h, 2 * q) + matmul(h, 2 * kv) + matmul(q, h) + matmul(h,
-                                                                        (i + 1) * di) + vector(2
-                                                                                               * hd
-                                                                                               + 2
-                                                                                               * di)
-    return (proj + work(2 * i * di * qsa_mean_blocks(cfg, seq_len))
-            + work(2 * 2 * q * qsa_mean_keys(cfg, seq_len)))
+    proj = matmul(h, 2 * q) + matmul(h, 2 * kv) + matmul(q, h) + vector(2 * hd)
+    return proj + qsa_indexer(cfg, seq_len) + work(2 * 2 * q * qsa_mean_keys(cfg, seq_len))
 
 
 def gated_deltanet(cfg: ModelConfig) -> Cost:
@@ -220,6 +221,13 @@ def mtp_kind(cfg: ModelConfig) -> str:
     return "indexed_attention" if cfg.uses_qsa else "attention"
 
 
+def mtp_reuses_selection(cfg: ModelConfig, mtp: MTPConfig, depth: int) -> bool:
+    """Whether MTP depth `depth` (1..K) reuses depth 1's QSA selection (mtp.qsa_reuse_indices,
+    depths 2..K): it runs no indexer, so it pays neither its projections, its block scores nor its
+    KL target."""
+    return depth > 1 and mtp.qsa_reuse_indices and mtp_kind(cfg) == "indexed_attention"
+
+
 def mtp_combine(cfg: ModelConfig, mtp: MTPConfig) -> Cost:
     """The looped style's input combination: the qwen4_exp drafter's two norms, fc_embedding once
     and the shared fc_hidden on every stream; concat_proj's two norms and eh_proj over cat(emb,
@@ -276,8 +284,15 @@ def window_work(cfg: ModelConfig, kind: str, visible):
     if kind == "indexed_attention":
         r, budget = cfg.indexer_compress_ratio, cfg.indexer_budget
         keys = np.where(u < budget + r, u, budget + np.mod(u, r))
-        return 2 * cfg.indexer_heads * cfg.indexer_head_dim * np.floor(u / r) + 2 * 2 * q * keys
+        return qsa_score_work(cfg, u) + 2 * 2 * q * keys
     return np.zeros_like(u)
+
+
+def qsa_score_work(cfg: ModelConfig, visible):
+    """The QSA indexer's block scores for one query that sees `visible` tokens: floor(u / r)
+    complete blocks (`window_work`'s S^2 / r term)."""
+    u = np.asarray(visible, dtype=np.float64)
+    return 2 * cfg.indexer_heads * cfg.indexer_head_dim * np.floor(u / cfg.indexer_compress_ratio)
 
 
 def mean_window_work(cfg: ModelConfig, kind: str, seq_len: int) -> float:
@@ -318,13 +333,19 @@ def trunk_layer_training_flops(cfg: ModelConfig, index: int, seq_len: int) -> fl
     return 3 * trunk_layer_forward_flops(cfg, index, seq_len) + extra
 
 
-def mtp_layer_forward_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
-    return mtp_layer(cfg, mtp, seq_len).flops
+def mtp_layer_forward_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
+                            depth: int = 1) -> float:
+    """MTP depth `depth`'s forward FLOPs per token: its layer's, less the indexer where the depth
+    reuses depth 1's selection."""
+    skipped = qsa_indexer(cfg, seq_len).flops if mtp_reuses_selection(cfg, mtp, depth) else 0.0
+    return mtp_layer(cfg, mtp, seq_len).flops - skipped
 
 
-def mtp_layer_training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
-    extra = qsa_indexer_target_flops(cfg, seq_len) if mtp_kind(cfg) == "indexed_attention" else 0.0
-    return 3 * mtp_layer_forward_flops(cfg, mtp, seq_len) + extra
+def mtp_layer_training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
+                             depth: int = 1) -> float:
+    selects = mtp_kind(cfg) == "indexed_attention" and not mtp_reuses_selection(cfg, mtp, depth)
+    extra = qsa_indexer_target_flops(cfg, seq_len) if selects else 0.0
+    return 3 * mtp_layer_forward_flops(cfg, mtp, seq_len, depth) + extra
 
 
 def final_norm_forward_flops(cfg: ModelConfig) -> float:
@@ -340,7 +361,8 @@ def forward_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> t
     forward FLOPs of one head)."""
     layers = sum(trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
     layers += final_norm_forward_flops(cfg)
-    layers += mtp.num_steps * mtp_layer_forward_flops(cfg, mtp, seq_len)
+    layers += sum(mtp_layer_forward_flops(cfg, mtp, seq_len, d)
+                  for d in range(1, mtp.num_steps + 1))
     return layers, head_forward_flops(cfg)
 
 
@@ -360,22 +382,26 @@ def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
                              activation_checkpointing: str = "none") -> float:
     """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
     (4x its forward under mtp.loss_head_backward=recompute), the QSA indexer KL's no-grad dense
-    target, and under full activation checkpointing a second forward of every trunk and MTP block
-    (the target included): HFU's."""
+    target (where a layer or MTP depth selects), and under full activation checkpointing a second
+    forward of every trunk and MTP block (the target included): HFU's."""
     layers, head_flops = forward_flops_per_token(cfg, mtp, seq_len)
     trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3
                       * trunk_layer_forward_flops(cfg, i, seq_len)
                       for i in range(cfg.num_layers))
-    mtp_extra = mtp.num_steps * (
-        mtp_layer_training_flops(cfg, mtp, seq_len) - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len)
-    )
+    depths = range(1, mtp.num_steps + 1)
+    mtp_extra = sum(mtp_layer_training_flops(cfg, mtp, seq_len, d)
+                    - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len, d) for d in depths)
     head_passes = 4 if mtp.loss_head_backward == "recompute" else 3
     out = 3 * layers + head_passes * head_flops * _valid_fraction(mtp,
                                                                   seq_len) + trunk_extra + mtp_extra
     if activation_checkpointing == "full":
+        # the MTP blocks' recomputation, each without the indexer where its depth reuses a selection
+        skipped = qsa_indexer(cfg, seq_len).flops
+        mtp_blocks = sum(mtp_block(cfg, mtp, seq_len).flops
+                         - (skipped if mtp_reuses_selection(cfg, mtp, d) else 0.0) for d in depths)
         out += (sum(trunk_layer_forward_flops(cfg, i,
                                               seq_len) for i in range(cfg.num_layers)) + trunk_extra
-                + mtp.num_steps * mtp_block(cfg, mtp, seq_len).flops + mtp_extra)
+                + mtp_blocks + mtp_extra)
     return out
 
 

@@ -180,13 +180,22 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
     assert layer[0] == C.gated_deltanet(m).flops + C.ple(m).flops + C.block_norms(m).flops + 2464
     assert layer[1] == C.qsa(m, s).flops + C.block_norms(m).flops + 2464
     head, valid = 2 * 16 * 320, (16 + 15 + 14) / 16
-    model = 3 * (sum(layer) + F.final_norm_forward_flops(m) + 2
-                 * F.mtp_layer_forward_flops(m, mtp, s) + head * valid)
+    # depth 2 reuses depth 1's QSA selection (mtp.qsa_reuse_indices): it runs no indexer, neither
+    # its 16x24 projection nor its scores of 28/16 blocks (2 * 384 + 2 * 2 * 8 * 28 / 16 = 824)
+    depth1 = F.mtp_layer_forward_flops(m, mtp, s)
+    assert F.mtp_layer_forward_flops(m, mtp, s, 2) == depth1 - 824
+    model = 3 * (sum(layer) + F.final_norm_forward_flops(m) + 2 * depth1 - 824 + head * valid)
     # MFU's: 3x, no recomputation
     assert F.training_flops_per_token(m, mtp, s) == pytest.approx(model, rel=1e-12)
-    # HFU's: the indexer KL's target in the QSA layer and both depths, and under the recomputing
-    # head each head's logits again in backward (4x)
-    indexer_target = 3 * 2 * 16 * 16
+    # without reuse depth 2 selects for itself, as depth 1
+    own = hand_cfg("mtp.num_steps=2", "mtp.qsa_reuse_indices=false").mtp
+    assert F.training_flops_per_token(m, own, s) == pytest.approx(model + 3 * 824, rel=1e-12)
+    assert F.hardware_flops_per_token(m, own, s) == pytest.approx(model + 3 * 824 + 3 * 512,
+                                                                  rel=1e-12)
+    # HFU's: the indexer KL's target (2 heads x 8 x S = 512) in the QSA layer and depth 1 (depth
+    # 2 has no indexer loss), and under the recomputing head each head's logits again in backward
+    # (4x)
+    indexer_target = 2 * 2 * 16 * 16
     assert F.hardware_flops_per_token(m, mtp, s) == pytest.approx(model + indexer_target, rel=1e-12)
     recomputed = hand_cfg("mtp.num_steps=2", "mtp.loss_head_backward=recompute").mtp
     assert F.hardware_flops_per_token(m, recomputed,
@@ -197,8 +206,8 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
     layers, depths = item_flops(cfg)
     assert layers == [3 * layer[0], 3 * layer[1] + 2 * 16 * 16]
     assert depths[0] == pytest.approx(4 * head + 3 * F.final_norm_forward_flops(m))
-    assert depths[1] == pytest.approx(4 * head * 15 / 16 + 3 * F.mtp_layer_forward_flops(m, mtp, s)
-                                      + 2 * 16 * 16)
+    assert depths[1] == pytest.approx(4 * head * 15 / 16 + 3 * depth1 + 2 * 16 * 16)
+    assert depths[2] == pytest.approx(4 * head * 14 / 16 + 3 * (depth1 - 824))
     no_kl = item_flops(hand_cfg("model.indexer_loss_coef=0"))[0]
     assert no_kl == [3 * layer[0], 3 * layer[1]]
     # a plain model keeps its costs: no hyper-connection, PLE or final-mixer term

@@ -71,13 +71,13 @@ def item_flops(cfg) -> Tuple[List[float], List[float]]:
     each layer by its own kind (attention, QSA over its selected tokens, Gated DeltaNet, with its
     hyper-connections and PLE; a QSA layer also pays its indexer KL's dense no-grad target): a layer
     3x its forward, a depth its MTP layer (3x: the qwen4_exp or concat combine, block and stream
-    mixer) plus its head (4x: the memory-bounded head recomputes its logits in backward) over the
-    depth's share of valid targets, and depth 0 the trunk's final norm (a stream mixer under
-    hyper-connections)."""
+    mixer; no indexer or KL target where it reuses depth 1's QSA selection) plus its head (4x: the
+    memory-bounded head recomputes its logits in backward) over the depth's share of valid targets,
+    and depth 0 the trunk's final norm (a stream mixer under hyper-connections)."""
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     layers = [trunk_layer_training_flops(m, i, s) for i in range(m.num_layers)]
     head = head_forward_flops(m)
-    depths = [4 * head * (s - d) / s + (mtp_layer_training_flops(m, mtp, s) if d
+    depths = [4 * head * (s - d) / s + (mtp_layer_training_flops(m, mtp, s, d) if d
                                         else 3 * final_norm_forward_flops(m))
               for d in range(1 + mtp.num_steps)]
     return layers, depths
