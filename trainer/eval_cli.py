@@ -188,6 +188,18 @@ class _Fail(Exception):
     """A problem `tandem eval` reports in one line, exit status 2."""
 
 
+def _check_flags(args) -> None:
+    """Option ranges, in one line, before anything is read (0 picks the checkpoint's value)."""
+    if args.temperature < 0:
+        raise _Fail(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+    if not 0 < args.top_p <= 1:
+        raise _Fail(f"--top-p {args.top_p} must be in (0, 1]")
+    for flag in ("num_prompts", "prompt_len", "num_steps", "max_new_tokens", "batch_size"):
+        if getattr(args, flag) < 0:
+            raise _Fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0: the "
+                        "checkpoint's value)")
+
+
 def _load_checked(args):
     try:
         return _load(args)
@@ -295,6 +307,7 @@ def _read_source(args) -> list:
 def eval_main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_flags(args)
         source = _read_source(args)
         model, cfg, tok = _load_checked(args)
         settings = _settings(args, model, cfg, tok)

@@ -80,3 +80,19 @@ def test_eval_cli_prompts_file_longer_k_and_sampling(tiny_run, tmp_path):
                  "0.8", "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3"])
     assert "identical_to_autoregressive" not in res and 1.0 <= res["acceptance_length"] <= 4.0
     assert "accept_rate/pos_3_hi95" in res  # sampled decoding's figures have intervals too
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--temperature", "-1"], "--temperature -1.0 must be >= 0"),
+    (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--num-steps", "-2"], "--num-steps -2 must be >= 0"),
+    (["--batch-size", "-1"], "--batch-size -1 must be >= 0"),
+])
+def test_bad_flags_fail_in_one_line_before_the_checkpoint_is_read(flags, needle, tmp_path, capsys):
+    """A negative temperature once decoded greedily and reported temperature -1.0; the checkpoint
+    named here does not exist, so a message about it would mean the flags were checked too late."""
+    from tandem.trainer.eval_cli import eval_main
+
+    assert eval_main(["--checkpoint", str(tmp_path / "missing"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err, err
