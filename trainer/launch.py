@@ -223,6 +223,11 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
     try:
+        _task_sizes(args)  # the job's sizes, before the recipe's layout is checked against them
+    except LaunchError as exc:
+        print(f"tandem launch slurm: {exc}", file=sys.stderr)
+        return 2
+    try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as exc:  # one line even when a path in the message holds a newline
         print(f"tandem launch slurm: {str(exc).replace(chr(10), chr(92) + 'n')}", file=sys.stderr)
@@ -234,7 +239,7 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None
                           else args.procs_per_node)
-    if args.nodes >= 1 and world >= 1 and not _layout_fits(cfg, args, world):
+    if not _layout_fits(cfg, args, world):
         return 2
     run_dir = cfg.run.dir
     if args.check:

@@ -294,3 +294,14 @@ def test_eval_temperatures_outside_range(ctx, value):
               f"'eval.temperatures'={[float(v) for v in value.strip('[]').split(',')]!r} must each "
               "be in "
               "(0, 2]")
+
+
+def test_export_refuses_a_negative_shard_size(tmp_path, capsys):
+    """A negative --max-shard-mb once wrote one file per tensor (156 for the tiny model); it now
+    fails before the checkpoint is read (the one named here does not exist) and writes nothing."""
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(out),
+                 "--max-shard-mb", "-5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tandem export: error: --max-shard-mb -5.0 must be >= 0 (0: one file)"
+    assert not out.exists()

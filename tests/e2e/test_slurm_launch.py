@@ -141,6 +141,19 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("sizes, needle", [
+    (["--nodes", "-1", "--gpus-per-node", "8"], "--nodes must be >= 1"),
+    (["--nodes", "1", "--gpus-per-node", "0"], "--gpus-per-node / --procs-per-node must be >= 1"),
+])
+def test_check_refuses_impossible_job_sizes(tmp_path, capsys, sizes, needle):
+    """`--check` once sized a job of -1 nodes (or 0 GPUs each) and printed its memory per rank."""
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    rc = launch_slurm_main([str(recipe), *sizes, "--check"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_missing_recipe_exits_2(tmp_path, capsys):
     rc = launch_slurm_main([str(tmp_path / "nope.yaml"), "--nodes", "1", "--procs-per-node", "1"])
     assert rc == 2 and "recipe file not found" in capsys.readouterr().err
