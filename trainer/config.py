@@ -280,6 +280,10 @@ class EvalConfig:
         require("eval", self, [
             ("interval", self.interval >= 0, "must be >= 0"),
             ("num_steps", self.num_steps >= 0, "must be >= 0"),
+            ("num_prompts", self.num_prompts >= 1, "must be >= 1"),
+            ("prompt_len", self.prompt_len >= 1, "must be >= 1"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
             ("temperatures", all(0 < t <= 2 for t in self.temperatures), "must each be in (0, 2]"),
             ("num_samples_logged", self.num_samples_logged >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),

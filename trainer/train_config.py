@@ -132,6 +132,7 @@ class TrainConfig:
             ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, train.lr]"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
+            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
             ("optimizer_kernel", self.optimizer_kernel in ("auto", "fused", "foreach"),
              "must be auto, fused or foreach"),
             ("dtype", self.dtype in ("auto", "bf16", "fp32"), "must be auto, bf16 or fp32"),

@@ -25,6 +25,11 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["train.max_stepz=3"], "unknown config key 'train.max_stepz'"),
     (["train.max_steps=abc"], "config key 'train.max_steps'"),
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
+    # these three once passed: a negative decay trained, a prompt-less evaluation crashed in its
+    # first run after training, a token-less one failed with an unnamed key
+    (["train.weight_decay=-1"], "config key 'train.weight_decay'=-1.0 must be >= 0"),
+    (["eval.num_prompts=0"], "config key 'eval.num_prompts'=0 must be >= 1"),
+    (["eval.max_new_tokens=0"], "config key 'eval.max_new_tokens'=0 must be >= 1"),
     (["mtp.num_steps=-1"], "mtp.num_steps must be >= 0"),
     (["mtp.num_steps=2", "mtp.num_layers=0"], "mtp.num_layers must be positive"),
     (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"],
