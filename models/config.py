@@ -230,9 +230,13 @@ class ModelConfig:
             "model.intermediate_size": self.intermediate_size,
             "model.max_seq_len": self.max_seq_len,
         }
+        positive.update({"model.rope_theta": self.rope_theta,
+                         "model.rms_norm_eps": self.rms_norm_eps})
         for key, value in positive.items():
-            if value <= 0:
+            if not value > 0:
                 raise ValueError(f"{key} must be positive, got {value}")
+        if not self.init_std >= 0:
+            raise ValueError(f"model.init_std must be >= 0, got {self.init_std}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
                              f"model.num_heads={self.num_heads}")
@@ -250,22 +254,7 @@ class ModelConfig:
         if self.num_experts < 0:
             raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts:
-            if not 0 < self.top_k <= self.num_experts:
-                raise ValueError(f"model.top_k={self.top_k} must be in [1, "
-                                 f"model.num_experts={self.num_experts}]")
-            if self.moe_intermediate_size <= 0:
-                raise ValueError("model.moe_intermediate_size must be positive, got "
-                                 f"{self.moe_intermediate_size}")
-            if self.num_experts % self.n_group:
-                raise ValueError(f"model.n_group={self.n_group} must divide "
-                                 f"model.num_experts={self.num_experts}")
-            if not 0 < self.topk_group <= self.n_group:
-                raise ValueError(f"model.topk_group={self.topk_group} must be in [1, "
-                                 f"model.n_group={self.n_group}]")
-            if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts
-                                                                    // self.n_group):
-                raise ValueError("model.top_k exceeds the experts reachable in model.topk_group "
-                                 "groups")
+            _validate_moe(self)
         if self.expert_matmul not in ("auto", "grouped", "loop"):
             raise ValueError("model.expert_matmul must be 'auto', 'grouped' or 'loop', got "
                              f"{self.expert_matmul!r}")
@@ -278,6 +267,24 @@ class ModelConfig:
         if self.first_k_dense < 0:
             raise ValueError(f"model.first_k_dense must be >= 0, got {self.first_k_dense}")
         _validate_hybrid(self)
+
+
+def _validate_moe(model: ModelConfig) -> None:
+    """The routed experts' sizes and grouping (model.num_experts > 0)."""
+    if not 0 < model.top_k <= model.num_experts:
+        raise ValueError(f"model.top_k={model.top_k} must be in [1, "
+                         f"model.num_experts={model.num_experts}]")
+    if model.moe_intermediate_size <= 0:
+        raise ValueError("model.moe_intermediate_size must be positive, got "
+                         f"{model.moe_intermediate_size}")
+    if model.num_experts % model.n_group:
+        raise ValueError(f"model.n_group={model.n_group} must divide "
+                         f"model.num_experts={model.num_experts}")
+    if not 0 < model.topk_group <= model.n_group:
+        raise ValueError(f"model.topk_group={model.topk_group} must be in [1, "
+                         f"model.n_group={model.n_group}]")
+    if model.n_group > 1 and model.top_k > model.topk_group * (model.num_experts // model.n_group):
+        raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
 
 
 LAYER_TYPES = ("attention", "linear_attention", "indexed_attention")

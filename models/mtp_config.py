@@ -54,6 +54,11 @@ class MTPLossConfig:
             raise ValueError("mtp.loss.weights must be non-negative")
         if self.decay <= 0:
             raise ValueError(f"mtp.loss.decay must be positive, got {self.decay}")
+        weights = [("mtp.loss.lambda", self.lambda_)] + [
+            (f"mtp.loss.lambda_after[{step}]", value) for step, value in self.lambda_after.items()]
+        for key, value in weights:  # a negative weight trains the MTP module to predict worse
+            if not value >= 0:
+                raise ValueError(f"{key} must be >= 0, got {value}")
 
 
 @dataclass

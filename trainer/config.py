@@ -9,6 +9,7 @@ trainer/recipe.py.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import List
 
@@ -98,6 +99,9 @@ class DataConfig:
              "must name dataset prefixes when data.source=megatron"),
             ("paths", self.source != "jsonl" or bool(self.paths),
              "must name record files when data.source=jsonl"),
+            ("paths", self.source != "stdlib" or not (self.paths or self.valid_paths),
+             "is not read with data.source=stdlib (the embedded corpus); set data.source=jsonl "
+             "or megatron"),
             ("tokenizer", self.source != "jsonl" or bool(self.tokenizer or cfg.model.init_from),
              "must name a local tokenizer when data.source=jsonl (or set model.init_from)"),
             ("packing", self.packing in ("pack", "pad"), "must be pack or pad"),
@@ -372,7 +376,8 @@ class TandemConfig:
             self.model.validate()
             self.mtp.validate(self.model)
         except ValueError as exc:
-            raise ConfigError(str(exc).replace("lambda_", "lambda")) from None
+            # the field `lambda_` is written `lambda` (not `lambda_after`'s underscore)
+            raise ConfigError(re.sub(r"\blambda_\b", "lambda", str(exc))) from None
         for section in (self.data, self.train, self.parallel, self.eval, self.logging,
                         self.checkpoint, self.run):
             section.validate(self)
@@ -384,5 +389,9 @@ class TandemConfig:
         require("model", self.model, [
             ("max_seq_len", self.model.max_seq_len >= self.data.seq_len + self.mtp.num_steps + 1,
              "must be >= data.seq_len + mtp.num_steps + 1"),
+        ])
+        # MTP depth k has data.seq_len - k targets per window: none would log a loss of 0
+        require("data", self.data, [
+            ("seq_len", self.data.seq_len > self.mtp.num_steps, "must be > mtp.num_steps"),
         ])
 

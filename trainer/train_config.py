@@ -126,6 +126,7 @@ class TrainConfig:
     def validate(self, cfg: Any) -> None:
         require("train", self, [
             ("max_steps", self.max_steps >= 0, "must be >= 0"),
+            ("seed", 0 <= self.seed < 2**32, "must be in [0, 2**32)"),
             ("micro_batch_size", self.micro_batch_size > 0, "must be positive"),
             ("grad_accum_steps", self.grad_accum_steps > 0, "must be positive"),
             ("lr", self.lr > 0, "must be positive"),

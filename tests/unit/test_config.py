@@ -30,6 +30,19 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["train.weight_decay=-1"], "config key 'train.weight_decay'=-1.0 must be >= 0"),
     (["eval.num_prompts=0"], "config key 'eval.num_prompts'=0 must be >= 1"),
     (["eval.max_new_tokens=0"], "config key 'eval.max_new_tokens'=0 must be >= 1"),
+    # and these trained: NaN losses (rope_theta, rms_norm_eps), a crash at initialisation
+    # (init_std), an MTP module trained to predict worse (lambda), depth 3 logging a loss of 0
+    # with no target (seq_len), an unseeded error without its key (seed), and data.paths quietly
+    # ignored for the embedded corpus
+    (["model.rope_theta=-1"], "model.rope_theta must be positive, got -1.0"),
+    (["model.rms_norm_eps=0"], "model.rms_norm_eps must be positive, got 0.0"),
+    (["model.init_std=-1"], "model.init_std must be >= 0, got -1.0"),
+    (["mtp.loss.lambda=-1"], "mtp.loss.lambda must be >= 0, got -1.0"),
+    (["mtp.loss.lambda_after={5: -0.1}"], "mtp.loss.lambda_after[5] must be >= 0, got -0.1"),
+    (["mtp.num_steps=3", "data.seq_len=3", "model.max_seq_len=16"],
+     "config key 'data.seq_len'=3 must be > mtp.num_steps"),
+    (["train.seed=-1"], "config key 'train.seed'=-1 must be in [0, 2**32)"),
+    (["data.paths=[/data/a]"], "'data.paths'=['/data/a'] is not read with data.source=stdlib"),
     (["mtp.num_steps=-1"], "mtp.num_steps must be >= 0"),
     (["mtp.num_steps=2", "mtp.num_layers=0"], "mtp.num_layers must be positive"),
     (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"],
