@@ -270,7 +270,14 @@ class ModelConfig:
 
 
 def _validate_moe(model: ModelConfig) -> None:
-    """The routed experts' sizes and grouping (model.num_experts > 0)."""
+    """The routed experts' sizes, grouping and loss weights (model.num_experts > 0)."""
+    for key in ("num_shared_experts", "shared_expert_intermediate_size", "aux_loss_coef",
+                "z_loss_coef", "bias_update_rate"):
+        if not getattr(model, key) >= 0:
+            raise ValueError(f"model.{key} must be >= 0, got {getattr(model, key)}")
+    for key in ("n_group", "routed_scaling_factor"):
+        if not getattr(model, key) > 0:
+            raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
     if not 0 < model.top_k <= model.num_experts:
         raise ValueError(f"model.top_k={model.top_k} must be in [1, "
                          f"model.num_experts={model.num_experts}]")

@@ -132,6 +132,7 @@ class TrainConfig:
             ("lr", self.lr > 0, "must be positive"),
             ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, train.lr]"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("decay_steps", self.decay_steps >= 0, "must be >= 0 (0: the rest of max_steps)"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
             ("optimizer_kernel", self.optimizer_kernel in ("auto", "fused", "foreach"),

@@ -43,6 +43,14 @@ def test_overrides_and_lambda_alias(tmp_path):
      "config key 'data.seq_len'=3 must be > mtp.num_steps"),
     (["train.seed=-1"], "config key 'train.seed'=-1 must be in [0, 2**32)"),
     (["data.paths=[/data/a]"], "'data.paths'=['/data/a'] is not read with data.source=stdlib"),
+    # the MoE's: n_group=0 divided by zero, a negative shared width crashed at construction, the
+    # rest trained with a negative weight
+    (["model.n_group=0"], "model.n_group must be positive, got 0"),
+    (["model.shared_expert_intermediate_size=-1"],
+     "model.shared_expert_intermediate_size must be >= 0, got -1"),
+    (["model.aux_loss_coef=-1"], "model.aux_loss_coef must be >= 0, got -1.0"),
+    (["model.routed_scaling_factor=-1"], "model.routed_scaling_factor must be positive"),
+    (["train.decay_steps=-1"], "config key 'train.decay_steps'=-1 must be >= 0"),
     (["mtp.num_steps=-1"], "mtp.num_steps must be >= 0"),
     (["mtp.num_steps=2", "mtp.num_layers=0"], "mtp.num_layers must be positive"),
     (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"],
