@@ -368,8 +368,11 @@ def _validate_ple(model: ModelConfig, types: List[str]) -> None:
     if model.hc_count <= 1:
         raise ValueError("model.ple_layers needs hyper-connections (model.hc_count > 1), got "
                          f"hc_count={model.hc_count}")
+    if model.ngram_size < 2 or model.heads_per_ngram < 1:
+        raise ValueError(f"model.ngram_size={model.ngram_size} must be >= 2 (PLE hashes orders "
+                         f"2..n) and model.heads_per_ngram={model.heads_per_ngram} >= 1")
     ngram_heads = (model.ngram_size - 1) * model.heads_per_ngram
-    if ngram_heads <= 0 or model.resolved_ple_embed_dim % ngram_heads:
+    if model.resolved_ple_embed_dim % ngram_heads:
         raise ValueError(f"model.ple_embed_dim={model.resolved_ple_embed_dim} must be a positive "
                          "multiple of the "
                          f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x "

@@ -51,6 +51,7 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["model.aux_loss_coef=-1"], "model.aux_loss_coef must be >= 0, got -1.0"),
     (["model.routed_scaling_factor=-1"], "model.routed_scaling_factor must be positive"),
     (["train.decay_steps=-1"], "config key 'train.decay_steps'=-1 must be >= 0"),
+    (["flavor=qwen4_exp_tiny", "model.ngram_size=0"], "model.ngram_size=0 must be >= 2"),
     (["mtp.num_steps=-1"], "mtp.num_steps must be >= 0"),
     (["mtp.num_steps=2", "mtp.num_layers=0"], "mtp.num_layers must be positive"),
     (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"],
