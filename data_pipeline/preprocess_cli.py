@@ -17,6 +17,9 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
     Errors exit with status 1 and a one-line message."""
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.tokenizer_sample_bytes < 0:
+        parser.exit(1, f"tandem preprocess: error: --tokenizer-sample-bytes "
+                       f"{args.tokenizer_sample_bytes} must be >= 0 (0: all)\n")
     exts = [e.strip() for e in args.extensions.split(",") if e.strip()] if args.extensions else None
     if args.chat:
         return _preprocess_chat_main(parser, args)

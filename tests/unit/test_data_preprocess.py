@@ -176,6 +176,18 @@ def test_cli_prints_summary_and_refuses_overwrite(tmp_path, tok_path, capsys):
                             "--overwrite"]) == 0
 
 
+def test_cli_refuses_a_negative_tokenizer_sample(tmp_path, capsys):
+    """A negative --tokenizer-sample-bytes once trained a BPE anyway; it fails before any file is
+    read or written."""
+    with pytest.raises(SystemExit) as exc:
+        preprocess_main(["--input", str(tmp_path / "none.jsonl"), "--output-prefix",
+                         str(tmp_path / "x"), "--tokenizer-sample-bytes", "-1"])
+    assert exc.value.code == 1
+    assert capsys.readouterr().err.strip() == ("tandem preprocess: error: "
+                                               "--tokenizer-sample-bytes -1 must be >= 0 (0: all)")
+    assert os.listdir(tmp_path) == []
+
+
 def test_large_vocab_uses_int32():
     assert pp.token_dtype(4096) == np.uint16
     assert pp.token_dtype(65499) == np.uint16
