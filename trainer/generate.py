@@ -186,6 +186,9 @@ def _check_args(args) -> None:
         raise GenerateError("--max-new-tokens, --samples-per-prompt and --batch-size must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise GenerateError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    if args.num_steps < 0 or min(args.tp, args.pp, args.ep) < 1:
+        raise GenerateError("--num-steps must be >= 0 (0: the trained K), --tp, --pp and --ep "
+                            ">= 1")
 
 
 def prepare(args):

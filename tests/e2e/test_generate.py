@@ -131,6 +131,18 @@ def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, mo
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.meta.json").exists()
 
 
+@pytest.mark.parametrize("flags", [["--num-steps", "-1"], ["--tp", "0"]])
+def test_bad_flags_fail_before_anything_is_written(tmp_path, capsys, flags):
+    """`--num-steps -1` once wrote its settings beside --out, then failed in decoding (a
+    RuntimeError), and the settings left behind refused every later run into that --out."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "ok"}\n')
+    rc, _, _, err = generate(["--checkpoint", str(tmp_path / "missing"), "--prompts", str(prompts),
+                              "--out", str(tmp_path / "o.jsonl"), *flags], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "--num-steps must be >= 0" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+
+
 def test_chat_template_and_parquet_column(ckpt, tmp_path, capsys):
     """Messages render with tokenizer_config.json's template (its bos_token, the end-of-document
     token, becomes that one special id); a parquet column gives the JSONL's records."""
