@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,7 @@ GLIBC_DEFAULT = False
 
 
 def launch(ranks: int, ckpt: str, run_dir: str, cache: str, out: str) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)  # this bench's own run: a rerun measures afresh
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}",
            os.path.abspath(__file__), "--worker", out,

@@ -10,6 +10,7 @@ different seeds differ by as much as two settings often do.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Dict, List, Sequence, Tuple
 
 DEFAULT_SEEDS = 3
@@ -63,6 +64,7 @@ def train_run(recipe: str, run_dir: str, steps: int, overrides: Sequence[str],
     if reuse and _finished(run_dir, steps, cfg):
         print(f"reusing {run_dir} (finished, same config)", flush=True)
         return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)  # this bench's own run, trained afresh
     train(cfg)
     return run_dir
 

@@ -118,6 +118,16 @@ def prepare_run_dir(run_dir: str) -> None:
         ) from None
 
 
+def _refuse_an_earlier_run(run_dir: str) -> None:
+    """A fresh run would replace an earlier run's config.yaml and metrics beside checkpoints it did
+    not write (which a later resume would then mix up): one line, before anything is changed."""
+    found = latest_checkpoint(run_dir, report=False)
+    if found is not None:
+        raise ConfigError(f"config key 'run.dir'={run_dir!r} holds an earlier run (newest "
+                          f"checkpoint {os.path.basename(found[1])}); pass --resume to continue it "
+                          "or choose another run.dir")
+
+
 def write_config(run_dir: str, config_yaml: str) -> None:
     tmp = os.path.join(run_dir, "config.yaml.tmp")
     with open(tmp, "w") as f:
@@ -206,6 +216,8 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
+    if not resume:
+        _refuse_an_earlier_run(cfg.run.dir)
     reference = _adopt_init_from(cfg)
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
