@@ -216,8 +216,6 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
-    if not resume:
-        _refuse_an_earlier_run(cfg.run.dir)
     reference = _adopt_init_from(cfg)
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
@@ -227,6 +225,8 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     if found is not None:  # every check on the checkpoint before the model is built
         check_compatible(found[1], config_yaml)
         check_frozen_reference(found[1], reference)
+    if not resume:  # the last check before the model is built
+        _refuse_an_earlier_run(cfg.run.dir)
     step = TrainStep(cfg, build_model(cfg, pstate), pstate)
     checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                    reference, tokenizer=tokenizer.path)

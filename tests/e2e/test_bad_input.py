@@ -88,6 +88,13 @@ def test_bad_config_values(ctx, override, message):
     ctx.fails(["train", RECIPE, *ctx.base, override], message)
 
 
+def test_fresh_run_into_an_earlier_run(ctx):
+    """Without --resume a run once started afresh here: it replaced the earlier run's config.yaml,
+    truncated its metrics and wrote its checkpoints beside the earlier run's."""
+    ctx.fails(["train", RECIPE, *ctx.base],
+              "holds an earlier run (newest checkpoint step_2); pass --resume to continue it")
+
+
 def test_unknown_recipe_path(ctx):
     ctx.fails(["train", "recipes/no_such_recipe.yaml", f"run.dir={ctx.run}"],
               "recipe file not found: recipes/no_such_recipe.yaml")
