@@ -137,11 +137,8 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     conv = (2 * m.linear_num_key_heads * dk + m.linear_num_value_heads * dv) // p.tp
     k_sel = m.indexer_budget // m.indexer_compress_ratio
     slots = m.indexer_budget + m.indexer_compress_ratio - 1
-    # MTP depths after the first reuse depth 1's selection under mtp.qsa_reuse_indices: they run no
-    # indexer, so they gather no raw indexer keys
-    reusing = max(depths - 1,
-                  0) if cfg.mtp.qsa_reuse_indices and mtp_kind(m) == "indexed_attention" else 0
-    indexing = n_qsa - reusing
+    # MTP depths reusing depth 1's selection run no indexer, so they gather no raw indexer keys
+    indexing = n_qsa - sum(mtp_reuses_selection(m, cfg.mtp, d) for d in range(1, depths + 1))
     out = {
         "gathered_kv": n_attn * b * s * 2 * kv * act_bytes + indexing * b * s * m.indexer_head_dim
         * act_bytes, "qsa_selection": n_qsa * b * (s / cp) * (k_sel + slots) * 8,
