@@ -1,6 +1,6 @@
-"""A shared-launch job (shared_launch.py) that counts its runs and can kill rank 0 with SIGSEGV, as
-a native crash inside torch would: `main([dir, mode])`, mode `steady` (never), `crash_once` (on
-its first run only) or `crash` (on every run)."""
+"""A shared-launch job (shared_launch.py) whose rank 0 dies of SIGSEGV, as a native crash inside
+torch would, while rank 1 waits in an all-reduce: `main([dir, mode])`, mode `crash` or `steady`
+(the all-reduce only)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ import torch
 import torch.distributed as dist
 
 
+def rank_zero_dies() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)  # faulthandler prints the stack, then the signal kills
+
+
 def main(argv: List[str]) -> int:
     out, mode = Path(argv[0]), argv[1]
     rank = dist.get_rank()
-    runs = out / f"runs.rank{rank}"
-    with open(runs, "a") as f:
-        f.write("run\n")
-    first = len(runs.read_text().splitlines()) == 1
-    if rank == 0 and (mode == "crash" or (mode == "crash_once" and first)):
-        os.kill(os.getpid(), signal.SIGSEGV)  # faulthandler prints the stack, then the signal kills
+    (out / f"ran.rank{rank}").touch()
+    if rank == 0 and mode == "crash":
+        rank_zero_dies()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     assert total.item() == dist.get_world_size() * (dist.get_world_size() + 1) / 2, total

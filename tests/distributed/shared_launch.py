@@ -14,9 +14,9 @@ once, here: a worker's own `dist.init_process_group` finds it formed and its
 under torchrun's shared store). A job's stdout goes to `stdout.<worker>.rank<r>` in its directory.
 After a job every rank writes `<worker>.w<world>.rank<r>.done`, or `.error` with the traceback
 (the launch then stops: the other ranks would wait in a collective that never comes), so each test
-module checks its own jobs (`check`) and a failure is reported by the module that caused it. A
-launch that lost a rank to a signal runs its unfinished jobs once more
-(`relaunch_after_a_crash`)."""
+module checks its own jobs (`check`) and a failure is reported by the module that caused it. A rank
+that died of a signal left neither marker: its jobs' reports carry the launch's output, where
+faulthandler wrote its stack. Nothing is retried: a crash fails its tests."""
 
 from __future__ import annotations
 
@@ -24,12 +24,9 @@ import contextlib
 import importlib
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -63,44 +60,14 @@ def check(directory, module: str, world: int, proc: subprocess.CompletedProcess)
     report = [f"--- rank {r} ---\n{e.read_text()[-4000:]}" for r, e in enumerate(errors)
               if e.exists()]
     if any(not d and not e.exists() for d, e in zip(done, errors)):
-        # a rank with neither marker died (a signal: its faulthandler stack is in the launch's
-        # output) or never reached this job; the others' tracebacks are then only the echo of it
+        # a rank with neither marker died (a signal) or never reached this job; the others'
+        # tracebacks are then only the echo of it. A dead rank's faulthandler stack is in the
+        # launch's output, ahead of the other ranks' tracebacks and torchrun's summary: shown last
+        fatal = proc.stdout.find("Fatal Python error")
         report += [f"{module} did not run to its end on every rank of the {world}-rank launch "
-                   f"(exit code {proc.returncode}):", proc.stdout[-8000:]]
+                   f"(exit code {proc.returncode}):",
+                   proc.stdout[fatal:fatal + 6000] if fatal >= 0 else proc.stdout[-8000:]]
     raise AssertionError("\n".join(report))
-
-
-CRASH = re.compile(r"exitcode\s*:\s*-(\d+)")
-"""torchrun's report of a rank that died of signal N ("exitcode  : -11"). torchrun itself stops the
-other ranks with SIGTERM, so that one is not a crash."""
-
-
-def relaunch_after_a_crash(world: int, jobs: List[Tuple[Path, str, List[str]]],
-                           proc: subprocess.CompletedProcess, spec_dir: Path
-                           ) -> subprocess.CompletedProcess:
-    """`proc` again, or, when a rank of it died of a signal other than torchrun's own SIGTERM (CI
-    once met a SIGSEGV inside torch's gloo collectives on one rank, not reproduced in 10 launches of
-    the same jobs; the one crash failed 145 tests that shared its launch), the launch of its
-    unfinished jobs, once, in a fresh process group. A crash of the code under test crashes again
-    there and fails its tests as before. The first launch's output is kept beside the jobs
-    (`crash.w<world>.log`) and named in a warning the session's summary shows."""
-    signals = {int(s) for s in CRASH.findall(proc.stdout)} - {signal.SIGTERM}
-    unfinished = [(d, m, a) for d, m, a in jobs
-                  if not all(marker(d, m, world, r, "done").exists() for r in range(world))]
-    if not signals or not unfinished:
-        return proc
-    log = spec_dir / f"crash.w{world}.log"
-    log.write_text(proc.stdout)
-    fatal = [line for line in proc.stdout.splitlines() if line.startswith("Fatal Python error")]
-    warnings.warn(f"the {world}-rank shared launch lost a rank to signal "
-                  f"{', '.join(map(str, sorted(signals)))} ({'; '.join(fatal) or 'no stack'}); "
-                  f"its {len(unfinished)} unfinished jobs ran again in a fresh launch. Its output: "
-                  f"{log}")
-    for d, m, _ in unfinished:
-        for r in range(world):
-            for kind in ("done", "error"):
-                marker(d, m, world, r, kind).unlink(missing_ok=True)
-    return launch(world, unfinished, spec_dir)
 
 
 class SharedLaunches:
@@ -113,13 +80,10 @@ class SharedLaunches:
         self.procs: Dict[int, subprocess.CompletedProcess] = {}
 
     def run(self, by_world: Dict[int, List[Tuple[str, str, List[str]]]]) -> None:
-        """One launch per world size, smallest first, of its (test module, worker, args) jobs. A
-        launch a rank of which died of a signal runs its unfinished jobs once more in a fresh
-        launch (`relaunch_after_a_crash`)."""
+        """One launch per world size, smallest first, of its (test module, worker, args) jobs."""
         for world in sorted(by_world):
             jobs = [(self.dir(name), module, args) for name, module, args in by_world[world]]
             self.procs[world] = launch(world, jobs, self.root)
-            self.procs[world] = relaunch_after_a_crash(world, jobs, self.procs[world], self.root)
             for name, module, _ in by_world[world]:
                 self.jobs.setdefault(name, []).append((world, module))
 
