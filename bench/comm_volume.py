@@ -279,7 +279,12 @@ def analytic(cfg, model, pstate, batches):
                     # in every micro-batch that one finds nothing to reduce (one reduce-scatter per
                     # micro-batch); with reshard_after_microbatch=false the last micro-batch's first
                     # hook reduces what the earlier micro-batches accumulated, the later ones the
-                    # rest (K per step, K=2 here)
+                    # rest (K per step, K=2 here). Under cp x ep, experts sharded over cp (not
+                    # among LAYOUTS), autograd reaches depth 1's experts before depth 2's
+                    # post-backward: the unit is still unsharded there and fires one post-backward,
+                    # so a backward gathers it once, not K times (one gather per rank and
+                    # micro-batch less than counted here; the layout equals one process,
+                    # test_context_parallel.py)
                     gathers *= K
                     scatters = n_micro if every else K
                 if replicate:
