@@ -229,9 +229,9 @@ class ModelConfig:
             "model.num_kv_heads": self.num_kv_heads,
             "model.intermediate_size": self.intermediate_size,
             "model.max_seq_len": self.max_seq_len,
+            "model.rope_theta": self.rope_theta,
+            "model.rms_norm_eps": self.rms_norm_eps,
         }
-        positive.update({"model.rope_theta": self.rope_theta,
-                         "model.rms_norm_eps": self.rms_norm_eps})
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be positive, got {value}")
@@ -275,15 +275,12 @@ def _validate_moe(model: ModelConfig) -> None:
                 "z_loss_coef", "bias_update_rate"):
         if not getattr(model, key) >= 0:
             raise ValueError(f"model.{key} must be >= 0, got {getattr(model, key)}")
-    for key in ("n_group", "routed_scaling_factor"):
+    for key in ("moe_intermediate_size", "n_group", "routed_scaling_factor"):
         if not getattr(model, key) > 0:
             raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
     if not 0 < model.top_k <= model.num_experts:
         raise ValueError(f"model.top_k={model.top_k} must be in [1, "
                          f"model.num_experts={model.num_experts}]")
-    if model.moe_intermediate_size <= 0:
-        raise ValueError("model.moe_intermediate_size must be positive, got "
-                         f"{model.moe_intermediate_size}")
     if model.num_experts % model.n_group:
         raise ValueError(f"model.n_group={model.n_group} must divide "
                          f"model.num_experts={model.num_experts}")
