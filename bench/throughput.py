@@ -88,7 +88,9 @@ class TandemRunner:
         torch.manual_seed(0)
         self.mtp = MTPConfig(num_steps=k, num_layers=1, style="looped",
                              loss_head_backward=head_backward)
-        self.model = apply_compile(TandemModel(cfg, self.mtp).train(), compiled)
+        self.model = TandemModel(cfg, self.mtp).train()
+        if compiled:
+            apply_compile(self.model)
         self.optimizer = build_optimizer(self.model, load_config(None, []).train)
         self.tokens, self.bf16 = tokens, bf16
 

@@ -92,7 +92,7 @@ def test_decoding_runs_eager_and_never_compiles():
 
     cfg = load_config(None, OVERRIDES)
     model = build_sharded(cfg, ParallelState(device=resolve_device("cpu"))).train()
-    apply_compile(model, True, backend=counting_backend)
+    apply_compile(model, backend=counting_backend)
     with torch.no_grad():
         cache = KVCache(cfg.model.num_layers, 1, 40, torch.float32, torch.device("cpu"))
         # prefill, then decode steps of varying size
@@ -118,7 +118,7 @@ def test_bf16_mtp_block_reuses_the_trunk_block_graph():
 
     model = build_sharded(load_config(None, OVERRIDES),
                           ParallelState(device=resolve_device("cpu"))).train()
-    apply_compile(model, True, backend=counting_backend)
+    apply_compile(model, backend=counting_backend)
     block_inputs = []
     model.mtp.layers[0].block.register_forward_pre_hook(lambda m,
                                                         args: block_inputs.append(args[0].dtype))

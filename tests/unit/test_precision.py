@@ -144,7 +144,7 @@ def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
                     torch.bfloat16)
     for piece in pieces:
         getattr(gathered, piece).to(torch.bfloat16)
-    for m in (kept, gathered, plain):
+    for m in (kept, gathered, plain) if checkpointing != "none" else ():
         apply_activation_checkpointing(m, checkpointing)
     # of the pieces' norms and embedding (the trunk's blocks compute as autocast has them)
     norm_dtypes = set()
@@ -204,7 +204,7 @@ def test_pieces_kept_out_of_fsdp_keep_their_casts_in_compiled_blocks():
     compiled = copy.deepcopy(eager)
     for m in (eager, compiled):  # the embedding too, so the trunk blocks also see bf16 inputs
         cast_kept_whole(m, [*m.mtp.parameters(), *m.embed_tokens.parameters()], torch.bfloat16)
-    apply_compile(compiled, True, backend="aot_eager")
+    apply_compile(compiled, backend="aot_eager")
     tokens = torch.randint(0, 128, (2, 17))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(eager(tokens).loss_sums, compiled(tokens).loss_sums)

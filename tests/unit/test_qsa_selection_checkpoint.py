@@ -55,8 +55,10 @@ def _step(model, dense: bool = False):
 
 def _run(mode: str, reuse: bool, dense: bool, compiled: bool):
     model = _model(reuse)
-    apply_compile(model, compiled, backend="eager")  # dynamo capture, as train.compile
-    apply_activation_checkpointing(model, mode)
+    if compiled:
+        apply_compile(model, backend="eager")  # dynamo capture, as train.compile
+    if mode != "none":
+        apply_activation_checkpointing(model, mode)
     return _step(model, dense)
 
 

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
 
 import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
 
-MODES = ("none", "full", "selective")
+MODES = ("full", "selective")
 
 # Outputs worth keeping under `selective`: the FLOP-heavy products and the expert dispatch's
 # exchanges. Everything else is recomputed. The routed experts run as the custom op
@@ -125,8 +125,7 @@ def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
-    if mode == "none":
-        return model
+    """Wrap every block's forward (`checkpointed_blocks`) in `mode`, `full` or `selective`."""
     if mode not in MODES:
         raise ValueError(f"train.activation_checkpointing={mode!r} must be one of "
                          f"{', '.join(MODES)}")

@@ -114,12 +114,10 @@ def configure_compiler() -> None:
     torch._dynamo.config.capture_scalar_outputs = True
 
 
-def apply_compile(model: nn.Module, enabled: bool, backend=None) -> nn.Module:
-    """Compile every block's training forward in place (see the module docstring); a no-op when off.
-    Apply before activation checkpointing, which then wraps the compiled forward.
+def apply_compile(model: nn.Module, backend=None) -> nn.Module:
+    """Compile every block's training forward in place (see the module docstring). Apply before
+    activation checkpointing, which then wraps the compiled forward.
     `backend`: torch.compile's (default inductor; tests pass a counting one)."""
-    if not enabled:
-        return model
     configure_compiler()
     for block in checkpointed_blocks(model):
         if getattr(block, "_tandem_compiled", False):

@@ -73,8 +73,10 @@ def init_parallel(cfg: TandemConfig, device: Device) -> ParallelState:
 def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState) -> nn.Module:
     """Apply regional compilation and activation checkpointing, then TP/EP/PP/FSDP, to a plain model
     for this rank (in a single process only the first two; compile.py explains the order)."""
-    apply_compile(model, cfg.train.compile)  # first: checkpointing then wraps the compiled forward
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:  # first: checkpointing then wraps the compiled forward
+        apply_compile(model)
+    if cfg.train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if state.world_size == 1:
         return model
     return apply_parallelism(model, cfg, state)
