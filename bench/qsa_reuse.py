@@ -43,21 +43,30 @@ from seeded_runs import add_seed_flags, compare, decode, mean_over_seeds, seed_v
 
 
 class IndexerCounter:
-    """Counts the block-scoring work of the given QSA layers (calls and multiply-adds)."""
+    """Counts the indexer work of the given QSA layers: block-scoring calls, their multiply-adds
+    and the query rows they score, and the rows the indexer's projection (its queries and raw keys)
+    runs on."""
 
     def __init__(self, layers):
-        self.calls = 0
-        self.macs = 0
+        self.reset()
         for attn in layers:
-            inner = attn._block_scores
+            inner, project = attn._block_scores, attn.indexer.forward
 
             def counted(q_bsid, keys, starts_bn, inner=inner):
                 b, s, i, d = q_bsid.shape
                 self.calls += 1
                 self.macs += b * s * i * starts_bn.shape[1] * d
+                self.scored_rows += b * s
                 return inner(q_bsid, keys, starts_bn)
 
-            attn._block_scores = counted
+            def projected(x_bsh, *args, project=project):
+                self.projected_rows += x_bsh.shape[0] * x_bsh.shape[1]
+                return project(x_bsh, *args)
+
+            attn._block_scores, attn.indexer.forward = counted, projected
+
+    def reset(self) -> None:
+        self.calls = self.macs = self.scored_rows = self.projected_rows = 0
 
 
 def mtp_qsa_layers(model):
@@ -78,7 +87,7 @@ def decode_figures(model, prompts, cfg, eos_id, args, counter: IndexerCounter):
                   eos_id=eos_id, draft_convention=cfg.eval.draft_convention)
     # warm-up: first calls are slow
     evaluate_decoding(model, prompts[:1], **{**common, "max_new_tokens": 4})
-    counter.calls = counter.macs = 0
+    counter.reset()
     greedy, spec, _ = evaluate_decoding(model, prompts, **common)
 
     rounds = sum(r.stats.num_rounds for r in spec)
@@ -88,6 +97,8 @@ def decode_figures(model, prompts, cfg, eos_id, args, counter: IndexerCounter):
         "distinct_4": distinct_n([o for r in spec for o in r.outputs], 4),
         "indexer_calls_per_round": counter.calls / max(rounds, 1),
         "indexer_macs_per_round": counter.macs / max(rounds, 1),
+        "indexer_scored_rows_per_round": counter.scored_rows / max(rounds, 1),
+        "indexer_projected_rows_per_round": counter.projected_rows / max(rounds, 1),
         "draft_ms_per_round": greedy["time_per_round/draft_ms"],
     }
     stats = {"acceptance_greedy": merge_stats([r.stats for r in spec], K)}

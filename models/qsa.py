@@ -227,9 +227,14 @@ class IndexedAttention(nn.Module):
         every visible token. `aux_grad_scale`: the gradient the caller's objective gives the
         indexer's KL per unit of `indexer_loss_coef` (as `MoE.forward`'s)."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
-        # a training forward handed a selection (sparse stage) has no use for the indexer, unless
-        # it measures recall
-        reusing = cache is None and selection is not None and not dense and not recall_measured()
+        # A forward that attends over a handed-over selection has no use for the indexer: in
+        # training one given a selection (sparse stage, unless it measures recall), in decoding a
+        # depth reusing depth 1's (whose indexer keys no query ever reads: depth 1 selects over
+        # keys it wrote itself, see `_decode`).
+        if cache is None:
+            reusing = selection is not None and not dense and not recall_measured()
+        else:
+            reusing = self.selection_share is not None and self.selection_share.mode == "reuse"
         # The selection carries no gradient and the indexer learns only from its own loss.
         q_idx_bsid, raw_bsd = ((None, None) if reusing else
                                self.indexer(x_bsh.detach(), positions_bs, self.rotary))
@@ -431,15 +436,9 @@ class IndexedAttention(nn.Module):
         r = self.compress_ratio
         k_all, v_all = cache.update(k_bksd, v_bksd, positions_bs)  # [B, kvh, span, d]
         span = k_all.shape[2]
-        keys_bld = cache.buffer("qsa_index_keys", (raw_bsd.shape[-1],), length=cache.max_len)
-        keys_bld.scatter_(1, positions_bs[..., None].expand(-1, -1, raw_bsd.shape[-1]),
-                          raw_bsd.to(keys_bld.dtype))
-        # Block keys from the cached prefix every time: a block is used only by queries at or
-        # after its last token, which this forward (or an earlier one) has just written, so
-        # rollback is free.
         share = self.selection_share
         tail_at_bs = positions_bs  # the query whose tail [(t+1) // r * r, t] is attended
-        if share is not None and share.mode == "reuse":
+        if raw_bsd is None:  # a depth reusing depth 1's selection: no indexer ran (`forward`)
             # A reusing query attends the source query's whole selection row, its blocks AND its
             # tail, as vLLM 0.32 does: its reusing draft steps (`set_skip_topk(True)`) attend
             # verbatim the packed token-index row depth 1's query at m - 1 wrote
@@ -452,6 +451,13 @@ class IndexedAttention(nn.Module):
             tail_at_bs = (positions_bs - share.read_offset).clamp(min=0)
             blocks_bsk, count_bs = self._reused(cache, tail_at_bs)
         else:
+            # Block keys from the cached prefix every time: a block is used only by queries at or
+            # after its last token, which this forward (or an earlier one) has just written, so
+            # rollback is free. Only a selecting query writes them (depth 1 on a cache the depths
+            # share, serving's convention, writes every position it later reads).
+            keys_bld = cache.buffer("qsa_index_keys", (raw_bsd.shape[-1],), length=cache.max_len)
+            keys_bld.scatter_(1, positions_bs[..., None].expand(-1, -1, raw_bsd.shape[-1]),
+                              raw_bsd.to(keys_bld.dtype))
             n = span // r
             starts_bn = (torch.arange(n, device=positions_bs.device)
                          * r).expand(positions_bs.shape[0], n)

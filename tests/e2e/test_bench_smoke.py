@@ -106,8 +106,9 @@ def test_qwen4_exp_trunk_bench():
 def test_qsa_reuse_bench(tmp_path, corpus_cache):
     """QSA index reuse on 2-step qwen4_exp_tiny checkpoints of 2 training seeds, trained by the
     bench: with reuse the drafter runs its indexer once per round (depth 1), without it at each of
-    the K depths; block scoring shrinks accordingly, both decode exactly what autoregressive
-    decoding gives, and reuse vs own is compared over the seeds with a verdict."""
+    the K depths; block scoring and the indexer's projection shrink accordingly, both decode
+    exactly what autoregressive decoding gives, and reuse vs own is compared over the seeds with a
+    verdict."""
     cmd = [sys.executable, "bench/qsa_reuse.py", "--seeds", "2", "--steps", "2", "--out",
            str(tmp_path / "q4"),
            "--num-prompts", "2", "--prompt-len", "24", "--max-new-tokens", "8", "--batch-size", "2",
@@ -126,6 +127,10 @@ def test_qsa_reuse_bench(tmp_path, corpus_cache):
         line["indexer_macs_per_round_own"]
     )
     assert 0 < saved < 1 and abs(saved - float(line["indexer_work_saved"])) < 1e-3
+    # the indexer's projection runs only on the rows it scores: a reusing depth runs neither
+    for name in ("reuse", "own"):
+        assert (line[f"indexer_projected_rows_per_round_{name}"]
+                == line[f"indexer_scored_rows_per_round_{name}"]), line
     assert (
         line["identical_to_autoregressive_reuse"]
         == line["identical_to_autoregressive_own"]
