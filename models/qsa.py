@@ -62,10 +62,11 @@ Peak memory of one layer's training step, per rank (bytes, fp32; B rows, D_i ind
 in the gather form (the mask form adds its B * (S / cp) * S bool mask); bench/qsa_memory.py measures
 it against these terms.
 
-Decoding (`cache` given) writes keys/values with `cache.update` and the raw indexer keys into the
-full-length buffer `qsa_index_keys` [B, max_len, D_i] at their positions. Block keys are recomputed
-from the cached prefix in every forward, using only blocks complete at the query ((j+1)*r - 1 <= p),
-so rolling back to an accepted prefix needs nothing beyond the caller lowering its lengths.
+Decoding (`cache` given) writes keys/values with `cache.update` and, where the query selects (not
+an MTP depth reusing depth 1's selection), the raw indexer keys into the full-length buffer
+`qsa_index_keys` [B, max_len, D_i] at their positions. Block keys are recomputed from the cached
+prefix in every forward, using only blocks complete at the query ((j+1)*r - 1 <= p), so rolling back
+to an accepted prefix needs nothing beyond the caller lowering its lengths.
 
 Indexer training (DeepSeek-V3.2; the reference has none): `indexer_loss_coef` > 0 (a constructor
 argument, model.indexer_loss_coef) attaches KL(main attention || indexer) (see qsa_loss.py) with
