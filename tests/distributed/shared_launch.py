@@ -11,7 +11,8 @@ directory.
 Each job is a worker module's `main(argv)` with argv[0] its output directory. The group is formed
 once, here: a worker's own `dist.init_process_group` finds it formed and its
 `dist.destroy_process_group` leaves it (a group destroyed and formed again in one launch hangs
-under torchrun's shared store). A job's stdout goes to `stdout.<worker>.rank<r>` in its directory.
+under torchrun's shared store). Device meshes are built once per shape for the whole launch
+(`worker.reuse_device_meshes`). A job's stdout goes to `stdout.<worker>.rank<r>` in its directory.
 After a job every rank writes `<worker>.w<world>.rank<r>.done`, or `.error` with the traceback
 (the launch then stops: the other ranks would wait in a collective that never comes), so each test
 module checks its own jobs (`check`) and a failure is reported by the module that caused it. A rank
@@ -30,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from tests.distributed import torchrun
+from tests.distributed import torchrun, worker
 
 TIMEOUT_S = 1800
 """One launch runs many jobs (the 2-rank launch about five minutes of them on 2 busy cores)."""
@@ -116,6 +117,7 @@ def main(argv: List[str]) -> int:
             destroy(group)
 
     dist.init_process_group, dist.destroy_process_group = keep_formed, keep_default
+    worker.reuse_device_meshes()  # one mesh per shape for every job, as a run builds one
     for job in jobs:
         module = job["module"]
         os.makedirs(job["dir"], exist_ok=True)

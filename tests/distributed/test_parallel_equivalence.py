@@ -314,6 +314,23 @@ def test_sync_modes_differ(every, once, runs):
         assert count(every, op) > count(once, op) > 0, (op, count(every, op), count(once, op))
 
 
+def test_layouts_of_one_mesh_shape_form_its_groups_once(runs):
+    """The launch builds one device mesh per shape (worker.reuse_device_meshes), as a run builds its
+    mesh once: of the layouts that share a shape, only the first forms process groups. A mesh per
+    layout formed eight more gloo groups each time (12 threads and their sockets per rank), some
+    thousands of threads by the end of a launch, and left compiled cases without the graphs an
+    earlier case compiled. Pipeline layouts are left out: each forms its shared pieces' group."""
+    formed = {}
+    for layout, world in {**LAYOUTS, **BF16_LAYOUTS, **ACCUMULATION}.items():
+        p = worker.make_cfg(layout.removeprefix(worker.ACCUM_CHECK), 1).parallel
+        if p.pp == 1:
+            before, after = load_ranks(runs, layout, world)[0]["process_groups"]
+            shape = (world, p.cp, p.ep, p.tp)  # dp is what the world leaves
+            formed.setdefault(shape, []).append(after > before)
+    shared = {shape: f for shape, f in formed.items() if len(f) > 1}
+    assert len(shared) >= 3 and all(sum(f) <= 1 for f in shared.values()), formed
+
+
 def kept_fp32(name: str) -> bool:
     """Parameters a bf16 layout keeps whole in fp32 (trainer/parallel/data.fp32_parameters: what the
     recurrence and the stream mixing read): their gradients are fp32, summed by the gradient

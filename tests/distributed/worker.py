@@ -335,15 +335,19 @@ def spawn_ranks(fn, world: int, out: str) -> None:
 
 
 def reuse_device_meshes() -> None:
-    """One DeviceMesh, with its process groups, per mesh shape for the whole launch. A compiled
-    block guards on the names of the process groups its collectives use, so a compiled case reuses
-    the graphs an earlier case of the same shape compiled (test_compile_layout.py: the checkpointing
-    modes share them) only if it gets the same groups; a run builds its mesh once, as the trainer
-    does."""
-    from torch.distributed import device_mesh
+    """One DeviceMesh, with its process groups, per mesh shape for the whole launch, as a run builds
+    its mesh once. Without it every layout of a launch builds a mesh of its own: eight more gloo
+    groups (12 threads and their sockets per rank) per layout, thousands of threads by the end of a
+    shared launch. And a compiled block guards on the names of the process groups its collectives
+    use, so a compiled case reuses the graphs an earlier case of the same shape compiled
+    (test_compile_layout.py: the checkpointing modes share them) only if it gets the same groups.
+    Replaces the `init_device_mesh` that trainer/parallel/layout.py calls; idempotent."""
+    from tandem.trainer.parallel import layout
 
+    build = layout.init_device_mesh
+    if getattr(build, "reuses_meshes", False):
+        return
     made = {}
-    build = device_mesh.init_device_mesh
 
     def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, **kwargs):
         key = (device_type, tuple(mesh_shape), tuple(mesh_dim_names or ()),
@@ -352,7 +356,16 @@ def reuse_device_meshes() -> None:
             made[key] = build(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
         return made[key]
 
-    device_mesh.init_device_mesh = init_device_mesh
+    init_device_mesh.reuses_meshes = True
+    layout.init_device_mesh = init_device_mesh
+
+
+def process_group_count() -> int:
+    """The process groups this rank has formed so far (each gloo group holds threads and
+    sockets)."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
 
 
 def main(argv: List[str]) -> int:
@@ -364,7 +377,7 @@ def main(argv: List[str]) -> int:
     torch.set_num_threads(1)
     reuse_device_meshes()
     for layout in layouts:
-        start = time.perf_counter()
+        start, groups = time.perf_counter(), process_group_count()
         # the recorder's wrappers keep Python state that torch.compile would guard on (a recompile
         # per call); compiled layouts are compared on losses and parameters only
         recorder = None if "train.compile=true" in layout else CollectiveRecorder().install()
@@ -376,6 +389,7 @@ def main(argv: List[str]) -> int:
             recorder.uninstall()
         rank = dist.get_rank()
         result["seconds"] = time.perf_counter() - start  # what each layout costs the shared launch
+        result["process_groups"] = (groups, process_group_count())  # before and after it ran
         torch.save(result, os.path.join(out_dir, f"{layout}.rank{rank}.pt"))
         dist.barrier()
     dist.destroy_process_group()

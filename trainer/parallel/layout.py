@@ -83,9 +83,6 @@ def parallelize_model(model: nn.Module, cfg: TandemConfig, state: ParallelState)
 
 
 def build_parallel_state(cfg: TandemConfig, device: Device, world: int, dp: int) -> ParallelState:
-    # looked up at call time: the distributed tests substitute a caching init_device_mesh (one mesh
-    # per shape for a whole launch, as a run builds it once)
-
     p = cfg.parallel
     if not dist.is_initialized():
         init_process_group(device.process_group_backend)
