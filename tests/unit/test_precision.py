@@ -144,8 +144,9 @@ def test_pieces_kept_out_of_fsdp_compute_as_fsdp_gathers_them(checkpointing):
                     torch.bfloat16)
     for piece in pieces:
         getattr(gathered, piece).to(torch.bfloat16)
-    for m in (kept, gathered, plain) if checkpointing != "none" else ():
-        apply_activation_checkpointing(m, checkpointing)
+    if checkpointing != "none":
+        for m in (kept, gathered, plain):
+            apply_activation_checkpointing(m, checkpointing)
     # of the pieces' norms and embedding (the trunk's blocks compute as autocast has them)
     norm_dtypes = set()
     in_pieces = {
