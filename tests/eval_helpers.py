@@ -23,13 +23,16 @@ def tiny_model(num_steps: int = 3, num_layers: int = 1, *, vocab: int = 64, seed
 
 @torch.no_grad()
 def make_agreeing(model: TandemModel, noise: float = 0.0, seed: int = 0) -> TandemModel:
-    """Make the MTP drafts agree with the trunk: the trunk's residual branches are scaled by `noise`
-    (so with noise=0 its next token is a function f(x_t) of the current token), and every MTP layer
-    projects only the token embedding (eh_proj = [I, 0] plus noise) so step k predicts f(x_{t+k}).
-    With noise=0 every draft is accepted; small noise gives partial acceptance."""
+    """Make the MTP drafts agree with the trunk: the trunk's residual branches (attention, Gated
+    DeltaNet, MLP and PLE outputs) are scaled by `noise` (so with noise=0 its next token is a
+    function f(x_t) of the current token), and every MTP layer passes on only the token embedding
+    (eh_proj = [I, 0] plus noise; Qwen4-Exp's drafter: fc_embedding = I plus noise, fc_hidden scaled
+    by noise) so step k predicts f(x_{t+k}). With noise=0 every draft is accepted; small noise gives
+    partial acceptance."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        if name.endswith(("o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight",
+                          "experts.down_proj", "ple.value_proj.weight")):
             p.mul_(noise)
     # A well-spread embedding and head so f is far from ties.
     H = model.cfg.hidden_size
@@ -37,7 +40,16 @@ def make_agreeing(model: TandemModel, noise: float = 0.0, seed: int = 0) -> Tand
     model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g))
     if model.mtp is not None:
         for layer in model.mtp.layers:
-            if not layer.combine:
+            if layer.combine_style == "qwen4_exp":
+                # the streams stay near the repeated embedding; the layer mixes them with the
+                # trunk's final mixer (its per-stream norm makes the drafter's normalised embedding
+                # and the trunk's raw one agree)
+                fc = (torch.eye(H) + noise * torch.randn(H, H, generator=g),
+                      noise * torch.randn(H, H, generator=g))
+                layer.fc_embedding.weight.copy_(fc[0].to(layer.fc_embedding.weight.dtype))
+                layer.fc_hidden.weight.copy_(fc[1].to(layer.fc_hidden.weight.dtype))
+                layer.norm.load_state_dict(model.norm.state_dict())
+            if layer.combine_style != "concat_proj":
                 continue
             w = torch.zeros(H, 2 * H)
             eye = torch.eye(H)
@@ -140,3 +152,35 @@ def vllm_convention_decode(model, prompt, max_new, k, eos=None):
         out += new
     out = out[:max_new]
     return (out[: out.index(eos) + 1] if eos in out else out), raw, exact
+
+
+@torch.no_grad()
+def transformers_mtp_decode(hf, prompt: torch.Tensor, max_new_tokens: int):
+    """transformers' own greedy MTP decoding (`generate(use_mtp=True)`) of one prompt [1, n]: its
+    new tokens, and how many of its drafts were accepted: each round's drafts, recorded as its
+    `MTPCandidateGenerator` returns them, counted up to the first that differs from the token
+    generated at its position. A last round's draft that lands on the budget's last token counts,
+    as in `DecodeStats.accepted_all` (the budget-exact `accepted` counts that token as the
+    verifier's)."""
+    from transformers.generation import candidate_generator
+
+    cls = candidate_generator.MTPCandidateGenerator
+    original, drafts = cls.get_candidates, []
+
+    def recording(self, input_ids, *args, **kwargs):
+        ids, logits = original(self, input_ids, *args, **kwargs)
+        drafts.append((input_ids.shape[1], ids[0, input_ids.shape[1]:].tolist()))
+        return ids, logits
+
+    cls.get_candidates = recording
+    try:
+        out = hf.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, use_mtp=True)
+    finally:
+        cls.get_candidates = original
+    out, accepted = out[0].tolist(), 0
+    for start, tokens in drafts:
+        for i, token in enumerate(tokens):
+            if start + i >= len(out) or out[start + i] != token:
+                break
+            accepted += 1
+    return out[prompt.shape[1]:], accepted

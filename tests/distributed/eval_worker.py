@@ -53,30 +53,6 @@ def prompts(lens=(4, 5, 6, 7, 8)) -> List[List[int]]:
 
 
 @torch.no_grad()
-def make_agreeing_streams(model, noise: float, seed: int):
-    """eval_helpers.make_agreeing for the hyper-connection model with the qwen4_exp drafter: every
-    residual branch (attention / QSA / Gated DeltaNet outputs, MLP and expert outputs, PLE values)
-    is scaled by `noise`, so the streams stay near the repeated embedding and the trunk's next token
-    is about f(x_t); each MTP layer reads only the embedding (fc_embedding = I, fc_hidden = noise)
-    and mixes its streams with the trunk's final mixer, so depth k drafts about f(x_{t+k}) (the
-    mixers' per-stream norm makes the drafter's normalised embedding and the trunk's raw one
-    agree)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj",
-                          "linear_attn.out_proj.weight", "ple.value_proj.weight")):
-            p.mul_(noise)
-    model.embed_tokens.weight.copy_(torch.randn(model.embed_tokens.weight.shape, generator=g))
-    model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g))
-    h = model.cfg.hidden_size
-    for layer in model.mtp.layers:
-        layer.fc_embedding.weight.copy_(torch.eye(h) + noise * torch.randn(h, h, generator=g))
-        layer.fc_hidden.weight.copy_(noise * torch.randn(h, h, generator=g))
-        layer.norm.load_state_dict(model.norm.state_dict())
-    return model
-
-
-@torch.no_grad()
 def load_full_weights(model, full_state: dict):
     """Copy one-process weights into this rank's shards (TP/EP DTensors, FSDP shards, pipeline
     stages)."""
@@ -126,8 +102,7 @@ def evaluate(layout: str) -> dict:
     if history:
         full = make_history_sensitive(build_model(cfg, single), seed=1)
     else:
-        agree = make_agreeing_streams if q4 else make_agreeing
-        full = agree(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
+        full = make_agreeing(build_model(cfg, single), 0.05, seed=1)  # the one-process weights
     model = full if pstate is single else load_full_weights(build_model(cfg, pstate),
                                                             full.state_dict())
     model.train()

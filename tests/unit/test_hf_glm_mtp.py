@@ -17,6 +17,7 @@ from tandem.models.config import ModelConfig  # noqa: E402
 from tandem.models.mtp_config import MTPConfig  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
+from tests.eval_helpers import make_agreeing, transformers_mtp_decode  # noqa: E402
 
 V = 96
 
@@ -78,18 +79,22 @@ def test_mtp_draft_logits_match_transformers(trunk_input, tmp_path, glm_mtp_inde
 
 
 def test_generate_use_mtp_matches_greedy_and_spec_decoder(tmp_path, glm_mtp_index):
-    model = glm_like("pre_norm")  # pretrained here: this project's default MTP convention
+    """Drafts that are partly right (make_agreeing), so the count of accepted drafts, not only the
+    tokens (greedy speculative decoding gives the greedy tokens whatever it drafts), is compared
+    with transformers' own MTP decoding of the exported checkpoint."""
+    model = make_agreeing(glm_like("pre_norm"), 0.02, seed=1)  # this project's default convention
     out = tmp_path / "glm"
     export_hf(model, str(out))
     hf = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     prompt = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(5))
     plain = hf.generate(prompt, max_new_tokens=24, do_sample=False)
-    drafted = hf.generate(prompt, max_new_tokens=24, do_sample=False, use_mtp=True)
-    assert torch.equal(plain, drafted)
+    theirs, accepted = transformers_mtp_decode(hf, prompt, 24)
+    assert theirs == plain[0, 8:].tolist()
     spec = pytest.importorskip("tandem.eval.spec_decode")
     with torch.no_grad():
         ours = spec.generate(model, [prompt[0].tolist()], max_new_tokens=24, num_steps=1)
-    assert ours.outputs[0] == plain[0, 8:].tolist()
+    assert ours.outputs[0] == theirs
+    assert int(ours.stats.accepted_all[0]) == accepted > 0
 
 
 def test_native_glm_mtp_weights_import(tmp_path):
