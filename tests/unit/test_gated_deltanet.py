@@ -84,11 +84,13 @@ def test_matches_transformers(gate):
     for name, p in ours.named_parameters():
         theirs = ref_params[name].grad[rows] if name in permuted else ref_params[name].grad
         assert rel_err(p.grad, theirs) < 1e-4, name
-    # bf16 follows the reference's casts (measured bit-identical on CPU).
+    # bf16 follows the reference's casts: measured bit-identical on CPU; allowed one bf16 step per
+    # element (another CPU's kernels may round a matmul differently), where computing a stage in
+    # another precision moves many elements by several
     ours.bfloat16(), ref.bfloat16()
     with torch.no_grad():
-        assert rel_err(ours(x.bfloat16(), positions(2, 70)).float(),
-                       ref(x.bfloat16()).float()) < 1e-2
+        y16, r16 = ours(x.bfloat16(), positions(2, 70)).float(), ref(x.bfloat16()).float()
+    assert ((y16 - r16).abs() <= 2**-7 * r16.abs() + 2**-14 * r16.abs().max()).all()
 
 
 def test_chunked_equals_recurrent():

@@ -4,6 +4,7 @@ recall)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -286,17 +287,42 @@ def test_recall_is_one_when_the_budget_covers_the_sequence():
 
 # ---- precision and construction ------------------------------------------------------------------
 
-@pytest.mark.parametrize("form", ["mask", "gather"])
-def test_bf16_smoke(form):
-    attn = make_qsa(9, form=form, indexer_loss_coef=1.0).to(torch.bfloat16).train()
+def _fp32_and_bf16(form, budget):
+    """One QSA module's fp32 and bf16 copies on the same input: (output, indexer loss, recall,
+    parameter gradients, input gradient) of each, training with the indexer loss."""
+    runs = []
+    attn = make_qsa(9, budget, form=form, indexer_loss_coef=1.0).train()
     x, pos = inputs(9)
-    x = x.to(torch.bfloat16).requires_grad_()
-    with measuring_recall():
-        y = attn(x, pos)
-    y.float().pow(2).mean().backward()
-    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    assert torch.isfinite(attn.last_indexer_loss) and 0 < attn.last_recall <= 1.0001
-    assert all(torch.isfinite(p.grad).all() for p in attn.parameters())
+    for dtype in (torch.float32, torch.bfloat16):
+        module = copy.deepcopy(attn).to(dtype)
+        xd = x.to(dtype).detach().requires_grad_()
+        with measuring_recall():
+            y = module(xd, pos)
+        y.float().pow(2).mean().backward()
+        runs.append((y.float(), module.last_indexer_loss.float(), float(module.last_recall),
+                     {n: p.grad.float() for n, p in module.named_parameters()}, xd.grad.float()))
+    return runs
+
+
+@pytest.mark.parametrize("form", ["mask", "gather"])
+def test_bf16_close_to_fp32(form):
+    """bf16 against the same module in fp32, per token. With a budget that covers the sequence no
+    selection can flip, and every output row, the indexer loss and every gradient stay within bf16's
+    precision (measured 0.5% / 0.4% / 1.1% of their scale); at a budget of 8 a bf16 rounding can
+    flip a block at a selection's edge (the worst row then moves 15%), so there the typical row and
+    the recall are compared."""
+    (y32, l32, _, g32, x32), (y16, l16, r16, g16, x16) = _fp32_and_bf16(form, 48)
+    assert r16 == 1.0
+    per_row = (y16 - y32).abs().amax(-1) / y32.abs().amax()
+    assert per_row.max() < 2e-2, per_row.max()
+    assert abs(l16 - l32) < 1e-2 * l32
+    assert rel(x16, x32) < 2e-2
+    for name, g in g32.items():
+        assert rel(g16[name], g) < 3e-2, name
+    (y32, l32, r32, _, _), (y16, l16, r16, g16, _) = _fp32_and_bf16(form, BUDGET)
+    per_row = (y16 - y32).abs().amax(-1) / y32.abs().amax()
+    assert per_row.median() < 1e-2 and abs(r16 - r32) < 1e-2 and abs(l16 - l32) < 2e-2 * l32
+    assert all(torch.isfinite(g).all() for g in g16.values())
 
 
 def test_block_scores_stay_fp32_under_autocast():
