@@ -484,3 +484,7 @@ def test_evaluator_logs_the_other_rule_at_each_temperature(rule, other):
                                       **common)[0]["acceptance_length"]
         assert out[f"eval/{t}/acceptance_length"] == pytest.approx(ref_rule)
         assert out[f"eval/{t}/{other}/acceptance_length"] == pytest.approx(ref_other)
+    greedy, _, _ = evaluate_decoding(model, PROMPTS, num_steps=K, max_new_tokens=12, batch_size=2,
+                                     seed=cfg.train.seed, autoregressive=False)
+    for key in ["acceptance_length"] + [f"accept_rate/pos_{k}" for k in range(1, K + 1)]:
+        assert out[f"eval/{key}"] == pytest.approx(greedy[key]), key

@@ -59,10 +59,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, corpus
     # spec side only
     assert not any(k.startswith("eval/T1/") and ("speed" in k or "tokens_per_s" in k)
                    for k in evals[0])
-    for variant in ("eval", "eval/T1"):
-        assert 1.0 <= evals[0][f"{variant}/acceptance_length"] <= 4.0
-        assert 0.0 <= evals[0][f"{variant}/accept_rate/pos_1"] <= 1.0
-    assert 0.0 < evals[0]["eval/distinct_4"] <= 1.0
+    # the figures' values: test_block_verify's evaluator test compares them with evaluate_decoding
     assert evals[0]["eval/identical_to_autoregressive"] == 1.0
     assert not any(k.startswith("eval/") for r in without for k in r)
     samples = [json.loads(line) for line in open(tmp_path / "a" / "eval_samples.jsonl")]
@@ -71,7 +68,7 @@ def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, corpus
     first = samples[0]
     assert isinstance(first["prompt"], str) and isinstance(first["continuation"], str)
     assert isinstance(first["T1/continuation"], str) and len(first["output_ids"]) == 6
-    assert 1.0 <= first["acceptance_length"] <= 4.0 and 1.0 <= first["T1/acceptance_length"] <= 4.0
+    assert {"acceptance_length", "T1/acceptance_length"} <= set(first)
     samples = tmp_path / "b" / "eval_samples.jsonl"
     assert not samples.exists() or not open(samples).read()
     # utilisation: model FLOPs (3x the forward, heads included) and hardware FLOPs (the heads'

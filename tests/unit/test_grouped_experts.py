@@ -151,7 +151,7 @@ def test_moe_forward_and_backward_have_no_host_sync(router_score, n_group):
     with _NoHostSync():
         out = moe(x)
         out.sum().backward()
-    assert x.grad is not None and moe.last_aux_loss is not None or n_group == 2
+    assert x.grad is not None and torch.isfinite(x.grad).all() and moe.last_aux_loss is not None
 
 
 def _documented_npu_grouped_matmul(x, weight, *, group_list, split_item, group_type,
