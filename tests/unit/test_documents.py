@@ -70,6 +70,21 @@ def test_packed_document_equals_lone_document(family):
     assert compared > 60
 
 
+@pytest.mark.parametrize("family", ["qwen4", "dense"])
+def test_packed_loss_equals_the_lone_documents_losses_summed(family):
+    """The training forward's per-depth loss sums and target counts over the packed window, under
+    data.document_mask, are those of each document trained alone, summed."""
+    model = tiny_model(3, vocab=64) if family == "dense" else tiny_qwen4_model(3, vocab=64)
+    docs, tokens, doc_ids = _packed(64)
+    with torch.no_grad():
+        packed = model(tokens, doc_ids_bs1=doc_ids, document_mask=True)
+        lone = [model(doc[None]) for doc in docs if len(doc) >= 2]
+    counts = sum(out.token_counts for out in lone)
+    assert torch.equal(packed.token_counts, counts) and counts[-1] > 0
+    torch.testing.assert_close(packed.loss_sums, sum(out.loss_sums for out in lone), rtol=1e-5,
+                               atol=1e-4)
+
+
 def test_documents_from_doc_ids_and_positions():
     doc_ids = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]])
     docs = Documents.from_doc_ids(doc_ids)

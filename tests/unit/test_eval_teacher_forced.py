@@ -112,6 +112,25 @@ def test_chunked_figures_equal_full_vocabulary_figures(model, dtype):
     assert 0.05 < want["tf_acc/mtp_1"] < 0.95 and 0.05 < want["tf_acc/mtp_2"] < 0.95
 
 
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_losses_equal_the_training_forwards(model, document_mask):
+    """Per depth, the evaluator's mean loss is the training forward's loss sum over its target
+    count (models/loss.py: another path to the same sums), with packed documents kept apart or
+    not; and the two settings differ (the batches hold document boundaries)."""
+    data = batches()
+    got = teacher_forced(model, data, document_mask=document_mask)
+    with torch.no_grad():
+        outs = [model(b["tokens"], b["loss_mask"], b["doc_ids"], document_mask=document_mask)
+                for b in data]
+    sums = sum(o.loss_sums.double() for o in outs)
+    counts = sum(o.token_counts.double() for o in outs)
+    keys = ["loss/main"] + [f"loss/mtp_{d}" for d in range(1, model.num_depths)]
+    for d, key in enumerate(keys):
+        assert got[key] == pytest.approx(float(sums[d] / counts[d]), rel=1e-5), key
+    other = teacher_forced(model, data, document_mask=not document_mask)
+    assert all(abs(other[key] - got[key]) > 1e-4 for key in keys)
+
+
 def test_no_tensor_larger_than_a_chunk_of_logits(model):
     data = batches()
     tokens_per_depth = BATCH * SEQ  # rows of one depth's logits before chunking (at most)
