@@ -61,6 +61,9 @@ TINY = TINY_OVERRIDES + [
 ]
 EVAL_BUDGET = ["--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6", "--batch-size",
                "2"]
+QWEN4_TINY = ["model.num_layers=4", "model.indexer_budget=8", "model.indexer_warmup_steps=1"]
+"""On top of TINY for a Qwen4-Exp recipe: its hybrid schedule's QSA layer (every 4th) kept, a
+selection smaller than the 32-token window, and the sparse stage reached at step 2."""
 GENERATE_BUDGET = ["--max-new-tokens", "6", "--batch-size", "2"]
 GENERATE_PROMPTS = '{"text": "def main():\\n"}\n{"text": "import os\\n"}\n'
 """The prompt file a documented `tandem generate` reads, written into the workspace when missing
@@ -169,16 +172,27 @@ def test_training_commands_fit_the_suite_budget():
 
 
 def test_commands_are_in_bash_blocks():
-    """A command in an unlabelled or other-language block would escape this test."""
+    """A command in an unlabelled or other-language block would escape this test. `sh` blocks
+    show the benchmarks in their full (hardware or hours) form: no `tandem` or `torchrun` line may
+    stand there, and each script they run is run by a test of its own in a budgeted form."""
+    tests_text = "\n".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "tests", "**",
+                                                                          "*.py"), recursive=True))
     for path in PAGES:
         with open(path) as f:
             text = f.read()
         for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
-            if lang in ("bash", "sh", "python"):
+            if lang in ("bash", "python"):
                 continue
             lines = [x.strip() for x in body.splitlines()]
             assert not any(x.startswith(("tandem ", "torchrun ")) for x in lines), (path, lang,
                                                                                     body)
+            if lang != "sh":
+                continue
+            for line in lines:
+                script = re.match(r"python (bench/\w+\.py)", line)
+                assert script or not line, f"{path}: an sh block runs {line!r}, not a bench script"
+                assert script is None or os.path.exists(os.path.join(ROOT, script[1])), line
+                assert script is None or script[1] in tests_text, f"{path}: no test runs {line!r}"
 
 
 def test_docs_torchrun_layouts_are_checked_by_the_cli_layout_test():
@@ -256,6 +270,7 @@ def _check_training(command, proc, run_dir):
     evals = [r for r in records if "eval/acceptance_length" in r]
     assert len(evals) == 1 and evals[0]["step"] == 2, (command, proc.stderr[-2000:])
     assert evals[0]["eval/identical_to_autoregressive"] == 1.0
+    return evals
 
 
 @pytest.fixture(scope="module")
@@ -343,9 +358,12 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         return
     if is_training(command):  # a process of its own, as a user runs it
         run_dir = tmp_path / "run"
-        proc = _run(argv + TINY + [f"data.cache_dir={corpus_cache}", f"run.dir={run_dir}"],
-                    workspace)
-        _check_training(command, proc, run_dir)
+        qwen4 = QWEN4_TINY if "qwen4" in command else []
+        proc = _run(argv + TINY + qwen4 + [f"data.cache_dir={corpus_cache}",
+                                          f"run.dir={run_dir}"], workspace)
+        evals = _check_training(command, proc, run_dir)
+        if qwen4:  # the QSA layer selects: its recall is logged, below 1
+            assert 0 < evals[0]["eval/qsa_recall"] < 1, evals[0]
         return
     if "--help" in argv:
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
