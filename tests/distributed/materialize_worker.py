@@ -115,6 +115,12 @@ def check_layouts(out_dir: str, init_from: str, layouts: List[str]) -> List[str]
                 continue
             if name not in ref or not torch.equal(ref[name], value):
                 failures.append(f"{layout}: {name} differs from the one-process build")
+        # every tensor is built on some rank (a pipeline rank holds its stage's only)
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, set(got))
+        missing = set(ref) - set().union(*held)
+        if missing:
+            failures.append(f"{layout}: no rank built {sorted(missing)}")
         if not failures:
             open(os.path.join(out_dir, f"{layout}.rank{dist.get_rank()}.ok"), "w").close()
         dist.barrier()

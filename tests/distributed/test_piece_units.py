@@ -83,6 +83,6 @@ def test_bf16_layout_matches_single_process(layout, runs, references, monkeypatc
 
 
 @pytest.mark.parametrize("layout", NEW_BF16)
-def test_collectives_take_device_tensors(layout, runs, monkeypatch):
+def test_collectives_carry_no_float64_and_show_each_mechanism(layout, runs, monkeypatch):
     monkeypatch.setattr(eq, "BF16_LAYOUTS", BF16_LAYOUTS)
-    eq.test_collectives_take_device_tensors(layout, runs)
+    eq.test_collectives_carry_no_float64_and_show_each_mechanism(layout, runs)
