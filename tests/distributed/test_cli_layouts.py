@@ -63,6 +63,12 @@ def main_losses(run_dir):
     return {r["step"]: r["loss/main"] for r in records(run_dir) if "loss/main" in r}
 
 
+def grad_norms(run_dir):
+    """step -> the logged gradient norm before clipping: the tiny recipe clips at 1.0, below
+    every step's norm, and clipping and Adam cancel a gradient's constant factor in the losses."""
+    return {r["step"]: r["grad_norm"] for r in records(run_dir) if "grad_norm" in r}
+
+
 EVAL_EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate",
               "eval/identical_to_autoregressive"]
 # bf16 vs fp32 through the CLI (tiny recipe, 3 warm-up steps): measured 1e-6..1e-5 relative on the
@@ -78,7 +84,7 @@ def eval_record(run_dir):
 
 class _References:
     def __init__(self, root, cache):
-        self.root, self.runs = root, {}
+        self.root, self.runs, self.dirs = root, {}, {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
         # the final checkpoint is saved too: DCP over the sharded parameters must work
         self.common = SMALL + [f"data.cache_dir={cache}"]
@@ -90,8 +96,12 @@ class _References:
                                    f"{''.join(m.replace('model.', '_') for m in model)}")
             run(tandem_cmd() + ["train", RECIPE, f"run.dir={run_dir}", *self.common,
                                 f"train.grad_accum_steps={accum}", *model], self.env)
-            self.runs[key] = (main_losses(run_dir), eval_record(run_dir))
+            self.runs[key], self.dirs[key] = (main_losses(run_dir), eval_record(run_dir)), run_dir
         return self.runs[key]
+
+    def norms(self, accum: int, model=()):
+        self.losses(accum, model)
+        return grad_norms(self.dirs[(accum, tuple(model))])
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +127,11 @@ def test_cli_layout_matches_single_process(world, overrides, references):
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     for step in ref:
         assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, got, ref)
+    got, ref = grad_norms(run_dir), references.norms(2 * batch_ranks, [o for o in overrides
+                                                                     if o.startswith("model.")])
+    assert sorted(got) == sorted(ref) == [1, 2, 3]
+    for step in ref:
+        assert abs(got[step] - ref[step]) <= 1e-5 * ref[step], (step, got, ref)
     got_eval = eval_record(run_dir)
     assert ref_eval is not None and got_eval is not None and got_eval["step"] == 3
     assert got_eval["eval/identical_to_autoregressive"] == 1.0
