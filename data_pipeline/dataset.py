@@ -250,12 +250,16 @@ def build_datasets(
         if model_vocab_size is not None:
             check_vocab(tokenizer, model_vocab_size)
         return train_ds, valid_ds, tokenizer
+    if data_cfg.source == "stdlib" and data_cfg.tokenizer and model_vocab_size is not None:
+        # a given tokenizer tokenizes the embedded corpus: checked before that is prepared
+        check_vocab(load_tokenizer(data_cfg.tokenizer), model_vocab_size)
     train_blend, valid_blend, tokenizer, default_cache = _blends_and_tokenizer(data_cfg)
     if model_vocab_size is not None:
         check_vocab(tokenizer, model_vocab_size)
     all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
+    sequences = {}
     for p in all_prefixes:
-        check_prefix(p, tokenizer.vocab_size)
+        sequences[p] = check_prefix(p, tokenizer.vocab_size)["sequences"]
         _check_made_with(p, tokenizer)
         if os.path.isfile(p + "_loss_mask.idx"):
             check_loss_mask_channel(p)
@@ -264,6 +268,8 @@ def build_datasets(
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
                                  cache_path)
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
+    if valid_blend is None:
+        _check_split_shares(data_cfg.split, config.split_matrix, sizes, sequences)
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
     # megatron-core's dataset layer costs about a second to import (megatron_import.py): only here,
     # where its datasets are built (`tandem eval` and `tandem generate`, which import this module,
@@ -282,6 +288,21 @@ def build_datasets(
     if valid_ds is not None and len(valid_ds) == 0:
         valid_ds = None
     return train_ds, valid_ds, tokenizer
+
+
+def _check_split_shares(split: str, split_matrix, sizes, sequences: Dict[str, int]) -> None:
+    """Every split that is asked for samples gets some of each prefix's sequences, cut as
+    megatron-core cuts them (`round(bookend x sequences)`): an empty one would never fill its
+    samples (megatron-core counts epochs of zero tokens forever)."""
+    for i, name in enumerate(("training", "validation")):
+        bookends = split_matrix[i]
+        if bookends is None or not sizes[i]:
+            continue
+        for prefix, n in sequences.items():
+            if round(bookends[1] * n) <= round(bookends[0] * n):
+                raise ValueError(f"config key 'data.split'={split!r} gives the {name} split none "
+                                 f"of the {n} sequences of {prefix}; use a larger dataset, "
+                                 "data.valid_paths, or another split (100,0,0: no validation)")
 
 
 _Blend = Tuple[List[str], Optional[List[float]]]

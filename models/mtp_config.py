@@ -59,6 +59,9 @@ class MTPLossConfig:
         for key, value in weights:  # a negative weight trains the MTP module to predict worse
             if not value >= 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")
+        for step in self.lambda_after:
+            if step < 0:
+                raise ValueError(f"mtp.loss.lambda_after[{step}]: a step must be >= 0")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List
 
+from tandem.eval.spec_decode import prompt_limit
 from tandem.eval.suites import SuiteError, parse_suites, suite_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
@@ -31,6 +32,10 @@ class RunConfig:
     def validate(self, cfg: "TandemConfig") -> None:
         """Nothing to check without touching the disk: whether `dir` is writable is checked at
         start-up (trainer/run.py `prepare_run_dir`), before any expensive work."""
+
+
+_SPLIT = re.compile(r"\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*")
+"""data.split: one to three weights, comma- or slash-separated."""
 
 
 @dataclass
@@ -107,6 +112,11 @@ class DataConfig:
             ("packing", self.packing in ("pack", "pad"), "must be pack or pad"),
             ("packing", self.packing == "pack" or self.source == "jsonl",
              "pad needs data.source=jsonl"),
+            ("split", _SPLIT.fullmatch(str(self.split)) is not None
+             and float(re.split(r"\s*[,/]\s*", str(self.split).strip())[0]) > 0,
+             "must be up to three non-negative weights train,valid,test (Megatron's syntax: "
+             "98,2,0) with a positive training share"),
+            ("stdlib_max_bytes", self.stdlib_max_bytes >= 0, "must be >= 0 (0: all)"),
         ])
         if (
             self.source == "stdlib"
@@ -288,6 +298,7 @@ class EvalConfig:
             ("prompt_len", self.prompt_len >= 1, "must be >= 1"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
             ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("loss_batches", self.loss_batches >= 1, "must be >= 1"),
             ("temperatures", all(0 < t <= 2 for t in self.temperatures), "must each be in (0, 2]"),
             ("num_samples_logged", self.num_samples_logged >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -295,6 +306,22 @@ class EvalConfig:
             ("draft_convention", self.draft_convention in ("serving", "tandem"),
              "must be serving or tandem"),
         ])
+
+    def check_decoding_fits(self, cfg: "TandemConfig") -> None:
+        """The in-loop evaluator's prompts, continuations and draft margin fit the model's
+        positions: checked here, not at the first evaluation `eval.interval` steps into the run."""
+        k = self.num_steps or cfg.mtp.num_steps
+        if self.interval <= 0 or k <= 0:
+            return
+        room = prompt_limit(cfg.model.max_seq_len, self.max_new_tokens, k)
+        # a suite's prompts are cut to the room; the split's are eval.prompt_len (at most seq_len)
+        prompt = 1 if self.suite else min(self.prompt_len, cfg.data.seq_len)
+        if prompt > room:
+            raise ConfigError(
+                f"config keys eval.prompt_len={self.prompt_len} + eval.max_new_tokens="
+                f"{self.max_new_tokens} + the draft margin 4K+5={4 * k + 5} (K={k}) exceed "
+                f"model.max_seq_len={cfg.model.max_seq_len}: the in-loop evaluator could not "
+                f"decode; shorten them or set eval.interval=0")
 
 
 @dataclass
@@ -394,4 +421,5 @@ class TandemConfig:
         require("data", self.data, [
             ("seq_len", self.data.seq_len > self.mtp.num_steps, "must be > mtp.num_steps"),
         ])
+        self.eval.check_decoding_fits(self)
 

@@ -24,9 +24,10 @@ beneath it. The resolved config (`to_yaml`, a run's config.yaml) is complete and
 from __future__ import annotations
 
 import os
+from dataclasses import is_dataclass
 from typing import Any, List, Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tandem.models import flavors
@@ -69,7 +70,19 @@ def _override_key(item: str) -> str:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
     key = item.split("=", 1)[0].lstrip("+~")
+    if not all(key.split(".")):
+        raise ConfigError(f"override {item!r} names no key, or a key with an empty part "
+                          "(the form is section.key=value)")
     return ".".join(_ALIASES.get(part, part) for part in key.split("."))
+
+
+def _refuse_a_section_value(schema: Any, key: str, value: str) -> None:
+    """`train=5` would reach omegaconf's merge and fail there with a message naming a class."""
+    node = OmegaConf.select(schema, key, default=None)
+    if (isinstance(node, DictConfig) and is_dataclass(OmegaConf.get_type(node))
+            and not value.strip().startswith("{")):
+        raise ConfigError(f"config key '{key}' is a section, not a value: set its keys "
+                          f"({key}.KEY=VALUE)")
 
 
 RECIPE_KEYS = ("base", "flavor")
@@ -148,6 +161,7 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
             continue
         if _drop_retired(key, value.strip()):
             continue
+        _refuse_a_section_value(schema, key, value)
         try:
             layers.append(("the overrides", OmegaConf.from_dotlist([f"{key}={value}"])))
         except OmegaConfBaseException as exc:

@@ -26,6 +26,7 @@ from .checkpoint import (
     load_checkpoint,
     read_trainer_state,
 )
+from .checkpoint_dirs import list_checkpoints
 from .config import TandemConfig
 from .config_checks import ConfigError
 from .cost import hardware_flops_per_token, training_flops_per_token
@@ -119,13 +120,24 @@ def prepare_run_dir(run_dir: str) -> None:
 
 
 def _refuse_an_earlier_run(run_dir: str) -> None:
-    """A fresh run would replace an earlier run's config.yaml and metrics beside checkpoints it did
-    not write (which a later resume would then mix up): one line, before anything is changed."""
-    found = latest_checkpoint(run_dir, report=False)
-    if found is not None:
-        raise ConfigError(f"config key 'run.dir'={run_dir!r} holds an earlier run (newest "
-                          f"checkpoint {os.path.basename(found[1])}); pass --resume to continue it "
-                          "or choose another run.dir")
+    """A fresh run would replace an earlier run's config.yaml and metrics and write checkpoints
+    beside ones it did not write (which a later resume would then mix up): one line, before
+    anything is changed. An earlier run is any of them, whether or not it saved a complete
+    checkpoint."""
+    complete, incomplete = list_checkpoints(run_dir)
+    if complete:
+        held = f"newest checkpoint {os.path.basename(complete[-1][1])}"
+        how = "pass --resume to continue it"
+    else:
+        held = [name for name in ("config.yaml", "metrics.jsonl")
+                if os.path.exists(os.path.join(run_dir, name))]
+        held += [f"{os.path.relpath(path, run_dir)} (incomplete)" for path in incomplete]
+        if not held:
+            return
+        held = f"{', '.join(held)}; no complete checkpoint"
+        how = "pass --resume to start it again from step 0"
+    raise ConfigError(f"config key 'run.dir'={run_dir!r} holds an earlier run ({held}); {how} or "
+                      "choose another run.dir")
 
 
 def write_config(run_dir: str, config_yaml: str) -> None:
@@ -220,11 +232,11 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
     found = latest_checkpoint(cfg.run.dir) if resume else None
-    saved = read_trainer_state(found[1]) if found is not None else {}
-    position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
-    if found is not None:  # every check on the checkpoint before the model is built
+    if found is not None:  # every check on the checkpoint before the data and the model
         check_compatible(found[1], config_yaml)
         check_frozen_reference(found[1], reference)
+    saved = read_trainer_state(found[1]) if found is not None else {}
+    position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
     if not resume:  # the last check before the model is built
         _refuse_an_earlier_run(cfg.run.dir)
     step = TrainStep(cfg, build_model(cfg, pstate), pstate)

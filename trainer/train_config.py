@@ -131,6 +131,9 @@ class TrainConfig:
             ("grad_accum_steps", self.grad_accum_steps > 0, "must be positive"),
             ("lr", self.lr > 0, "must be positive"),
             ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, train.lr]"),
+            ("beta1", 0 <= self.beta1 < 1, "must be in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "must be in [0, 1)"),
+            ("eps", self.eps > 0, "must be positive"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
             ("decay_steps", self.decay_steps >= 0, "must be >= 0 (0: the rest of max_steps)"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
@@ -157,4 +160,5 @@ class TrainConfig:
              "must be 0 (off) or > 1"),
             ("spike_window", self.spike_window > 0, "must be positive"),
             ("max_skips", self.max_skips >= 0, "must be >= 0"),
+            ("skip_window", self.skip_window > 0, "must be positive"),
         ])

@@ -83,9 +83,16 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     ("train.bad_step_policy=ignore", "config key 'train.bad_step_policy'='ignore'"),
     ("model.router_score=relu", "model.router_score must be 'softmax' or 'sigmoid'"),
     ("train.typo_key=1", "unknown config key 'train.typo_key'"),
+    ("train.beta1=2", "config key 'train.beta1'=2.0 must be in [0, 1)"),
+    ("train.eps=-1", "config key 'train.eps'=-1.0 must be positive"),
+    ("data.split=50,50,0,0", "config key 'data.split'='50,50,0,0' must be up to three"),
+    ("data.stdlib_max_bytes=-1", "config key 'data.stdlib_max_bytes'=-1 must be >= 0"),
+    # the in-loop evaluator's decoding, refused here rather than eval.interval steps into the run
+    ("eval.interval=2 eval.prompt_len=60", "the draft margin 4K+5=13 (K=2) exceed "
+                                           "model.max_seq_len=64"),
 ])
 def test_bad_config_values(ctx, override, message):
-    ctx.fails(["train", RECIPE, *ctx.base, override], message)
+    ctx.fails(["train", RECIPE, *ctx.base, *override.split()], message)
 
 
 def test_fresh_run_into_an_earlier_run(ctx):
@@ -93,6 +100,16 @@ def test_fresh_run_into_an_earlier_run(ctx):
     truncated its metrics and wrote its checkpoints beside the earlier run's."""
     ctx.fails(["train", RECIPE, *ctx.base],
               "holds an earlier run (newest checkpoint step_2); pass --resume to continue it")
+
+
+def test_fresh_run_into_an_earlier_run_without_a_complete_checkpoint(ctx):
+    """An earlier run killed while saving (or one that saved none) still has a config.yaml and
+    metrics a fresh start would replace."""
+    os.remove(os.path.join(ctx.run, "checkpoints", "step_2", "COMPLETE"))
+    ctx.before = snapshot(ctx.run)
+    ctx.fails(["train", RECIPE, *ctx.base],
+              "holds an earlier run (config.yaml, metrics.jsonl, checkpoints/step_2 (incomplete); "
+              "no complete checkpoint); pass --resume to start it again from step 0")
 
 
 def test_unknown_recipe_path(ctx):
@@ -164,6 +181,26 @@ def test_idx_from_another_dtype(ctx, dataset, tmp_path):
 def test_tokenizer_larger_than_model_vocab(ctx, dataset):
     ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{dataset}]",
                "model.vocab_size=200", "data.vocab_size=300"], "larger than model.vocab_size=200")
+
+
+def test_split_that_leaves_a_split_no_sequences(ctx, dataset):
+    """megatron-core would count epochs of zero tokens forever (the run hung, printing nothing)."""
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{dataset}]",
+               "data.vocab_size=300", "data.split=99.9,0.1,0"],
+              "config key 'data.split'='99.9,0.1,0' gives the validation split none of the 40 "
+              "sequences")
+
+
+def test_checks_before_the_corpus_is_prepared(ctx, dataset, tmp_path):
+    """A resume into another model shape, and a tokenizer that does not fit, fail before the
+    embedded corpus is prepared into a fresh cache."""
+    cache = tmp_path / "fresh_cache"
+    ctx.fails(["train", RECIPE, *ctx.base, f"data.cache_dir={cache}", "model.hidden_size=48",
+               "--resume"], "has a different model shape")
+    ctx.fails(["train", RECIPE, *ctx.base, f"data.cache_dir={cache}",
+               f"data.tokenizer={dataset}.tokenizer.json", "model.vocab_size=280",
+               "data.vocab_size=280"], "has vocab_size=300, larger than model.vocab_size=280")
+    assert not cache.exists()
 
 
 def test_preprocess_refuses_to_overwrite(dataset, capsys):
