@@ -1,8 +1,12 @@
-"""HF import: clear errors, the Qwen3-Next `mtp.*` naming, and shard-wise (DTensor) slicing."""
+"""HF import and export: clear errors (malformed files named, long lists cut short, `tandem export`
+refusing an OUT or tokenizer that would lose data or ship a wrong tokenizer), the Qwen3-Next `mtp.*`
+naming, and shard-wise (DTensor) slicing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -14,7 +18,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tandem.models import TandemModel  # noqa: E402
 from tandem.models.config import ModelConfig  # noqa: E402
 from tandem.models.mtp_config import MTPConfig  # noqa: E402
-from tandem.trainer.hf.export import export_hf  # noqa: E402
+from tandem.trainer.checkpoint import save_checkpoint  # noqa: E402
+from tandem.trainer.hf.export import export_hf, export_main  # noqa: E402
 from tandem.trainer.hf.families import Src, UnsupportedCheckpoint  # noqa: E402
 from tandem.trainer.hf.importer import (  # noqa: E402
     load_hf_model,
@@ -27,6 +32,7 @@ from tandem.trainer.hf.reader import (  # noqa: E402
     CheckpointReader,
     PickleCheckpointError,
 )
+from tandem.trainer.recipe import load_config, to_yaml  # noqa: E402
 
 V = 96
 
@@ -217,3 +223,141 @@ def test_real_dtensor_world_size_one(tmp_path):
     finally:
         if created:
             dist.destroy_process_group()
+
+
+# --- malformed Hugging Face directories: one line naming the file -------------------------------
+def test_random_bytes_safetensors_named(tmp_path):
+    d = tiny_qwen3(tmp_path)
+    (d / "model.safetensors").write_bytes(os.urandom(4096))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a safetensors file"):
+        load_hf_model(str(d))
+
+
+def test_config_not_json_named(tmp_path):
+    d = tiny_qwen3(tmp_path)
+    (d / "config.json").write_text("not json")
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        load_hf_model(str(d))
+
+
+def test_corrupt_tokenizer_named_by_eval(tmp_path, capsys):
+    from tandem.trainer.cli import main
+
+    d = tiny_qwen3(tmp_path)
+    (d / "tokenizer.json").write_text("garbage")
+    with pytest.raises(CheckpointError, match=r"cannot read tokenizer file .*tokenizer\.json"):
+        load_hf_model(str(d))
+    assert main(["eval", "--hf", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tandem eval: error: cannot read tokenizer file ")
+    assert err[-1].endswith("tokenizer.json: expected value at line 1 column 1")
+
+
+def test_shape_mismatch_message_stays_short(tmp_path):
+    """Every tensor of a wider config.json mismatches; the error names the first few and counts."""
+    d = tiny_qwen3(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64}))
+    with pytest.raises(CheckpointError) as exc:
+        load_hf_model(str(d))
+    msg = str(exc.value)
+    assert msg.startswith(f"shape mismatch in {d} (") and "model.embed_tokens.weight" in msg
+    assert len(msg) < 600 and msg.endswith("more") and "\n" not in msg
+
+
+# --- `tandem export`: refused before anything is read or lost -----------------------------------
+def snapshot(root):
+    """sha256 of every file under `root`, by relative path."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run directory as training leaves it: checkpoints/step_1, config.yaml, metrics.jsonl."""
+    cfg = load_config(None, ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=1",
+                             "model.num_heads=4", "model.num_kv_heads=2",
+                             "model.intermediate_size=48", "model.num_experts=0",
+                             "mtp.num_steps=0", "data.vocab_size=512",
+                             f"run.dir={tmp_path}/run"])
+    torch.manual_seed(0)
+    save_checkpoint(str(tmp_path / "run"), 1, TandemModel(cfg.model, cfg.mtp), None,
+                    to_yaml(cfg), {})
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    return tmp_path / "run"
+
+
+def export_error(capsys, *argv):
+    """The one stderr line of a refused `tandem export`."""
+    assert export_main(list(argv)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tandem export: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["run", "step", "inside", "parent"])
+def test_export_out_never_overlaps_the_run(run, capsys, where):
+    out = {"run": run, "step": run / "checkpoints" / "step_1", "inside": run / "hf",
+           "parent": run.parent}[where]
+    before = snapshot(run.parent)
+    for checkpoint in (run, run / "checkpoints" / "step_1"):
+        err = export_error(capsys, "--checkpoint", str(checkpoint), "--out", str(out),
+                           "--overwrite")
+        assert f"--out {out} " in err and f"the checkpoint's run directory {run};" in err
+    assert snapshot(run.parent) == before and not (run / "hf").exists()
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    err = export_error(capsys, "--checkpoint", str(run), "--out", str(out))
+    assert err.endswith(f"{out} exists; pass --overwrite to replace it")
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    err = export_error(capsys, "--checkpoint", str(run), "--out", str(out), "--overwrite")
+    assert f"holds {out / 'notes.txt'}, which no export writes" in err
+    assert snapshot(out) == before
+    (out / "notes.txt").unlink()
+    assert export_main(["--checkpoint", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def _tokenizer(path, size):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0")).save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("bad", ["missing", "directory", "not_a_tokenizer", "too_large"])
+def test_export_tokenizer_checked_first(run, tmp_path, capsys, bad):
+    tok = {"missing": tmp_path / "nope.json", "directory": tmp_path,
+           "not_a_tokenizer": tmp_path / "data.jsonl",
+           "too_large": _tokenizer(tmp_path / "big.json", 600)}[bad]
+    (tmp_path / "data.jsonl").write_text('{"text": "hi"}\n')
+    before = snapshot(tmp_path)
+    err = export_error(capsys, "--checkpoint", str(run), "--out", str(tmp_path / "hf"),
+                       "--tokenizer", str(tok))
+    # tokenizers' own reason follows the file's name: only that much is asserted
+    assert err[len("tandem export: error: "):].startswith({
+        "missing": f"--tokenizer {tok} does not exist",
+        "directory": f"--tokenizer {tok} holds no tokenizer.json",
+        "not_a_tokenizer": f"cannot read tokenizer file {tok}: ",
+        "too_large": f"tokenizer {tok} has vocab_size=600, larger than model.vocab_size=512; "
+                     "raise model.vocab_size or use a smaller tokenizer"}[bad])
+    assert snapshot(tmp_path) == before and not (tmp_path / "hf").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_export")]
+
+
+def test_export_copies_a_fitting_tokenizer(run, tmp_path):
+    tok = _tokenizer(tmp_path / "small.json", 100)
+    assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "hf"),
+                        "--tokenizer", str(tok)]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tok.read_bytes()

@@ -97,6 +97,12 @@ def test_export_refuses_to_clobber(tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_hf(model, str(out))
     assert (out / "keep.txt").exists()
+    # --overwrite replaces only an earlier export: a file no export writes would be lost
+    with pytest.raises(FileExistsError, match="keep.txt"):
+        export_hf(model, str(out), overwrite=True)
+    assert (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
     export_hf(model, str(out), overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    export_hf(model, str(out), overwrite=True)  # over the earlier export
+    assert (out / "config.json").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_export")]

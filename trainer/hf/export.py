@@ -11,7 +11,9 @@ reference for a frozen trunk, or a model parameter, gathered when it is a DTenso
 dtypes fix the safetensors headers before any data is read, so each file is written header first and
 then tensor by tensor, read, converted to the family's layout and dropped: the process never holds
 the model. The output is assembled in a temporary sibling directory and renamed into place, so OUT
-is absent, the old export (without `overwrite`) or the whole new one.
+is absent, the old export (without `overwrite`) or the whole new one. Before anything is read, an
+OUT that overlaps the run it exports, or holds anything but an earlier export's files, is refused,
+and so is a tokenizer that does not load or is larger than the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -30,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from tandem.data_pipeline.dataset import check_vocab
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
@@ -44,7 +48,7 @@ from .families import (
     hf_name,
     meta_state,
 )
-from .importer import local_tensors, read_source
+from .importer import local_tensors, read_source, tokenizer_file_size
 from .init_from import check_reference, is_hf_dir, read_reference
 from .reader import ST_DTYPES, CheckpointReader, read_config
 
@@ -97,8 +101,9 @@ def export_main(argv: List[str]) -> int:
         return 2
     try:
         step = resolve_checkpoint(args.checkpoint)
-        cfg = load_config(os.path.join(step, "config.yaml"))
         ref = read_reference(step)
+        check_out(args.out, args.overwrite, _read_dirs(step, ref))
+        cfg = load_config(os.path.join(step, "config.yaml"))
         if ref is not None:
             check_reference(ref, step)
         family = export_hf_checkpoint(step, args.out, args.family, cfg=cfg.model, mtp=cfg.mtp,
@@ -106,6 +111,7 @@ def export_main(argv: List[str]) -> int:
                                       tokenizer=args.tokenizer or _tokenizer_for(cfg, step),
                                       max_shard_bytes=int(args.max_shard_mb * 2**20))
     except (FileNotFoundError, FileExistsError, UnsupportedCheckpoint, ValueError) as exc:
+        # CheckpointError is a ValueError: a malformed tokenizer or reference lands here too
         print(f"tandem export: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(json.dumps({"out": os.path.abspath(args.out), "family": family,
@@ -118,7 +124,7 @@ def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
     copy the checkpoint recorded, else the run's data config's."""
     if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
         return os.path.join(step_dir, "tokenizer.json")
-    if cfg.data.tokenizer:
+    if cfg.data.tokenizer and os.path.isfile(_tokenizer_json(cfg.data.tokenizer)):
         return cfg.data.tokenizer
     if cfg.data.source == "stdlib":
         ver = ".".join(map(str, sys.version_info[:3]))
@@ -157,7 +163,7 @@ def export_hf(model: nn.Module, out: str, family: Optional[str] = None, *,
             sources[name] = _Source(tuple(t.shape), dtype, lambda t=t: _full(t))
         _write_hf(tmp, family, cfg, mtp, list(sources), sources, max_shard_bytes)
 
-    _write_export_dir(out, overwrite, tokenizer, fill)
+    _write_export_dir(out, overwrite, tokenizer, fill, cfg.vocab_size)
     return family
 
 
@@ -168,6 +174,7 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
     """`export_hf` of a Tandem checkpoint directory, without building the model; a frozen-trunk
     checkpoint's trunk comes from its (fingerprint-checked) `model.init_from` reference."""
     family = family or default_family(cfg)
+    check_out(out, overwrite, _read_dirs(step_dir, read_reference(step_dir)))
 
     def fill(tmp: str) -> None:
         spec = hf_config(family, cfg, mtp)[1]
@@ -175,7 +182,7 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
         _write_hf(tmp, family, cfg, mtp, names,
                   _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
 
-    _write_export_dir(out, overwrite, tokenizer, fill)
+    _write_export_dir(out, overwrite, tokenizer, fill, cfg.vocab_size)
     return family
 
 
@@ -349,13 +356,27 @@ def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
     return value.to(dtype)
 
 
-def _copy_tokenizer(tokenizer: Optional[str], out_dir: str) -> bool:
-    if not tokenizer:
-        return False
-    src = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+def _tokenizer_json(tokenizer: str) -> str:
+    tokenizer = os.path.expanduser(tokenizer)
+    return os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+
+
+def check_tokenizer_file(tokenizer: str, vocab_size: int) -> str:
+    """The tokenizer.json of `tokenizer` (a file or an HF tokenizer directory), checked to load and
+    to fit the model's embedding table: an export must not ship a tokenizer it cannot serve."""
+    src = _tokenizer_json(tokenizer)
     if not os.path.isfile(src):
-        return False
+        where = "holds no tokenizer.json" if os.path.isdir(tokenizer) else "does not exist"
+        raise FileNotFoundError(f"--tokenizer {tokenizer} {where}")
+    # check_vocab reads the tokenizer's path and size only: a tokenizer without an end-of-document
+    # token (which load_tokenizer requires for training) still exports
+    check_vocab(argparse.Namespace(path=src, vocab_size=tokenizer_file_size(src)), vocab_size)
+    return src
+
+
+def _copy_tokenizer(tokenizer: str, src: str, out_dir: str) -> None:
     shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
+    tokenizer = os.path.expanduser(tokenizer)
     if os.path.isdir(tokenizer):
         for extra in ("tokenizer_config.json", "special_tokens_map.json"):
             if os.path.isfile(os.path.join(tokenizer, extra)):
@@ -363,16 +384,61 @@ def _copy_tokenizer(tokenizer: Optional[str], out_dir: str) -> bool:
     if not os.path.isfile(os.path.join(out_dir, "tokenizer_config.json")):
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
-    return True
+
+
+# what an export writes: --overwrite replaces a directory holding only these
+_EXPORT_FILES = re.compile(r"config\.json|model(-\d+-of-\d+)?\.safetensors|"
+                           r"model\.safetensors\.index\.json|tokenizer\.json|"
+                           r"tokenizer_config\.json|special_tokens_map\.json")
+
+
+def _read_dirs(step_dir: str, ref: Optional[dict]) -> Dict[str, str]:
+    """What exporting `step_dir` reads, by what it is: the run a `RUN/checkpoints/step_<N>` belongs
+    to (a lone step directory: itself), and a frozen-trunk checkpoint's `model.init_from`."""
+    step_dir = os.path.abspath(step_dir)
+    parent = os.path.dirname(step_dir)
+    found = ({"the checkpoint's run directory": os.path.dirname(parent)}
+             if os.path.basename(parent) == "checkpoints" else {"the checkpoint": step_dir})
+    if ref is not None:
+        found["its frozen trunk (model.init_from)"] = ref["path"]
+    return found
+
+
+def check_out(out: str, overwrite: bool, inputs: Optional[Dict[str, str]] = None) -> None:
+    """Refuse an OUT whose replacement would lose data, before anything is read: one that is, holds
+    or lies inside a directory the export reads (`inputs`: what it is -> path), an existing one
+    without `overwrite`, and one holding anything an export does not write."""
+    real = os.path.realpath(out)
+    for label, src in (inputs or {}).items():
+        src = os.path.realpath(src)
+        common = os.path.commonpath([real, src])
+        if common in (real, src):
+            what = "is" if real == src else ("lies inside" if common == src else "holds")
+            raise ValueError(f"--out {out} {what} {label} {src}; choose an --out outside it (an "
+                             "export there could delete what it reads)")
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{os.path.abspath(out)} exists; pass --overwrite to replace it")
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise FileExistsError(f"--out {out} is a file or a link, not a directory; --overwrite "
+                              "replaces only an earlier export")
+    other = sorted(n for n in os.listdir(out) if not (_EXPORT_FILES.fullmatch(n) and os.path.isfile(
+        os.path.join(out, n))))
+    if other:
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise FileExistsError(f"--out {out} holds {os.path.join(out, other[0])}{more}, which no "
+                              "export writes; --overwrite replaces only an earlier export, so it "
+                              "would be lost: move it or choose another --out")
 
 
 def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
-                      fill: Callable[[str], None]) -> None:
+                      fill: Callable[[str], None], vocab_size: int) -> None:
     """Assemble an export in a temporary sibling directory (`fill(tmp)` writes weights and config)
     and rename it into place: OUT is absent, the old export or the whole new one."""
+    check_out(out, overwrite)
+    tok_src = check_tokenizer_file(tokenizer, vocab_size) if tokenizer else None
     out = os.path.abspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp_export_{os.path.basename(out)}_{os.getpid()}")
@@ -381,7 +447,8 @@ def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
     os.makedirs(tmp)
     try:
         fill(tmp)
-        _copy_tokenizer(tokenizer, tmp)
+        if tok_src:
+            _copy_tokenizer(tokenizer, tok_src, tmp)
         if os.path.exists(out):
             old = tmp + ".old"
             os.rename(out, old)

@@ -9,8 +9,9 @@ Only safetensors are read by default; a pickle checkpoint (`*.bin`, `*.pt`) need
 slice by slice with plain reads of its byte ranges (no memory map): a DTensor parameter
 (TP/EP/FSDP-sharded) reads only its local shard (`compute_local_shape_and_global_offset`), a plain
 tensor reads everything, and a pipeline stage that holds a subset of the layers reads only those.
-Errors name what is wrong: the architecture, missing/unexpected tensor names (listed), shapes (name,
-expected, found) and a tokenizer larger than the embedding table. The reading itself (files, byte
+Errors name what is wrong: the architecture, missing/unexpected tensor names, shapes (name,
+expected, found; the first few of each list, and how many more) and a tokenizer that does not load
+or is larger than the embedding table. The reading itself (files, byte
 ranges, pickle refusal, `CheckpointError`) is trainer/hf/reader.py's.
 """
 
@@ -53,14 +54,23 @@ from .qwen4_exp import is_ple_buffer
 from .reader import CheckpointError, CheckpointReader, read_config
 
 
+def tokenizer_file_size(file: str) -> int:
+    """Vocabulary size (ids are below it, added tokens included) of a tokenizer.json;
+    CheckpointError naming the file if it is not one."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(file).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot read tokenizer file {file}: {first}") from None
+    return max(len(vocab), max(vocab.values(), default=-1) + 1)
+
+
 def tokenizer_vocab_size(path: str) -> Optional[int]:
     """Vocabulary size of a tokenizer saved beside the checkpoint (None if there is none)."""
     tj = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tj):
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(tj).get_vocab_size(with_added_tokens=True)
+    return tokenizer_file_size(tj) if os.path.isfile(tj) else None
 
 
 def check_tokenizer(path: str, vocab_size: int) -> None:
@@ -70,6 +80,13 @@ def check_tokenizer(path: str, vocab_size: int) -> None:
             f"tokenizer/vocab mismatch: {path}/tokenizer.json has {size} tokens but the model's "
             "vocab_size is "
             f"{vocab_size}")
+
+
+def listed(items: Sequence[str], limit: int = 4, sep: str = ", ") -> str:
+    """The first `limit` of `items`, comma-separated, then how many more: an error stays one
+    readable line however many tensors are wrong."""
+    more = len(items) - limit
+    return sep.join(items[:limit]) + (f"{sep}and {more} more" if more > 0 else "")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,17 +260,17 @@ def _check_names(path: str, keys: set, needed: Dict[str, Src], mtp_keys: set, cf
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+            parts.append(f"missing tensors ({len(missing)}): {listed(missing)}")
         if unexpected:
-            parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+            parts.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
         raise CheckpointError(f"{path} does not match a {spec.name} model of this shape: "
                               + "; ".join(parts))
 
 
 def _check_source_shapes(path: str, reader: CheckpointReader, needed: Dict[str, Src],
                          full: Dict[str, torch.Size]) -> None:
-    """Raise CheckpointError listing every needed tensor whose checkpoint shape differs from the
-    model's."""
+    """Raise CheckpointError naming the first needed tensors whose checkpoint shape differs from the
+    model's, and how many more."""
     mismatched = []
     for name, src in needed.items():
         found = source_shape(reader, src)
@@ -262,7 +279,8 @@ def _check_source_shapes(path: str, reader: CheckpointReader, needed: Dict[str, 
                               f"-> {name}: "
                               f"expected {tuple(full[name])}, found {tuple(found)}")
     if mismatched:
-        raise CheckpointError(f"shape mismatch in {path}: " + "; ".join(mismatched))
+        raise CheckpointError(f"shape mismatch in {path} ({len(mismatched)} tensors): "
+                              + listed(mismatched, 3, "; "))
 
 
 def _copy_local_shards(targets: Dict[str, torch.Tensor], reader: CheckpointReader,
@@ -313,7 +331,7 @@ def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str,
         if a != b and not (isinstance(a, float) and abs(a - b) < 1e-9 * max(1.0, abs(a))):
             diffs.append(f"model.{key}: checkpoint {a!r} vs model {b!r}")
     if diffs:
-        raise CheckpointError(f"{path} has a different model shape: " + "; ".join(diffs))
+        raise CheckpointError(f"{path} has a different model shape: " + listed(diffs, 6, "; "))
 
 
 def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,

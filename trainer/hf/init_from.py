@@ -15,7 +15,6 @@ eval and export.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from typing import Callable, List, Optional, Set
@@ -33,8 +32,8 @@ from ..checkpoint_dirs import resolve_checkpoint
 from ..config_checks import ConfigError
 from ..recipe import load_config
 from .families import detect_family, is_mtp_key, model_config_from_hf, trunk_input_of
-from .importer import load_hf_weights, local_tensors
-from .reader import CheckpointReader, read_config
+from .importer import listed, load_hf_weights, local_tensors
+from .reader import CheckpointReader, read_config, read_json
 
 # Fields that describe the weights (taken from the checkpoint); the rest of model.* stays the run's.
 _KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bias_update_rate",
@@ -129,14 +128,15 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     state = get_model_state_dict(model)
     trunk_missing = [k for k in state if not k.startswith("mtp.") and k not in saved]
     if trunk_missing:
-        raise ValueError(f"{step} lacks trunk tensors: {', '.join(sorted(trunk_missing))}")
+        raise ValueError(f"{step} lacks trunk tensors ({len(trunk_missing)}): "
+                         f"{listed(sorted(trunk_missing))}")
     has_mtp = any(k.startswith("mtp.") for k in saved)
     wanted = {k: v for k, v in state.items() if not k.startswith("mtp.") or has_mtp}
     if has_mtp:
         mtp_missing = [k for k in wanted if k.startswith("mtp.") and k not in saved]
         if mtp_missing:
             raise ValueError(f"{step}'s MTP module differs from this run's (missing "
-                             f"{', '.join(sorted(mtp_missing))}); "
+                             f"{listed(sorted(mtp_missing))}); "
                              "match mtp.num_layers / mtp.moe or start from an export without MTP")
     dcp.load({"model": wanted}, checkpoint_id=step)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
@@ -233,8 +233,7 @@ def read_reference(step_dir: str) -> Optional[dict]:
     file = os.path.join(step_dir, REFERENCE_FILE)
     if not os.path.isfile(file):
         return None
-    with open(file) as f:
-        return json.load(f)
+    return read_json(file)
 
 
 def check_reference(ref: dict, checkpoint: str) -> None:

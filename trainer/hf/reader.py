@@ -36,9 +36,10 @@ class CheckpointReader:
         index = os.path.join(path, "model.safetensors.index.json")
         st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if os.path.isfile(index):
-            with open(index) as f:
-                self._files = {k: os.path.join(path, v) for k,
-                               v in json.load(f)["weight_map"].items()}
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no \"weight_map\" object")
+            self._files = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif st_files:
             for file in st_files:
                 for key in self._header(file)[1]:
@@ -97,7 +98,7 @@ class CheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         if key in self._pickled:
             return self._pickled[key].dtype
-        return ST_DTYPES[self._header(self._files[key])[1][key]["dtype"]]
+        return _st_dtype(self._files[key], key, self._header(self._files[key])[1][key]["dtype"])
 
     def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
         """tensor[index] of `key`, reading only that slice from disk (safetensors). Plain reads, not
@@ -107,7 +108,7 @@ class CheckpointReader:
         file = self._files[key]
         base, header = self._header(file)
         info = header[key]
-        shape, dtype = list(info["shape"]), ST_DTYPES[info["dtype"]]
+        shape, dtype = list(info["shape"]), _st_dtype(file, key, info["dtype"])
         start = base + info["data_offsets"][0]
         if not shape:
             return _pread(file, start, dtype.itemsize, dtype).reshape(())
@@ -147,19 +148,39 @@ _READ_BLOCK_BYTES = 64 << 20
 
 def safetensors_header(file: str) -> Tuple[int, dict]:
     """(byte offset of the data section, the JSON header) of a safetensors file."""
-
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{file} is truncated (no safetensors header)")
         (n,) = struct.unpack("<Q", head)
+        # any other file's first 8 bytes read as a length are huge: check before reading that much
+        if n > size - 8:
+            raise CheckpointError(f"{file} is not a safetensors file, or is truncated (its header "
+                                  f"length {n} exceeds the file's {size} bytes)")
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except ValueError:
         raise CheckpointError(f"{file} is not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} is not a safetensors file (its header is not an object)")
     header.pop("__metadata__", None)
+    for key, info in header.items():
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+                and isinstance(info.get("shape"), list)
+                and isinstance(info.get("data_offsets"), list)
+                and len(info["data_offsets"]) == 2):
+            raise CheckpointError(f"{file} is not a safetensors file (tensor {key} has no "
+                                  "dtype/shape/data_offsets in its header)")
     return 8 + n, header
+
+
+def _st_dtype(file: str, key: str, name: str) -> torch.dtype:
+    if name not in ST_DTYPES:
+        raise CheckpointError(f"{file}: tensor {key} has dtype {name}, which Tandem cannot read "
+                              f"(readable: {', '.join(ST_DTYPES)})")
+    return ST_DTYPES[name]
 
 
 def _pread(file: str, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -173,10 +194,21 @@ def _pread(file: str, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Ten
     return torch.frombuffer(buf, dtype=dtype)
 
 
+def read_json(file: str) -> dict:
+    """A JSON object file's contents; CheckpointError naming the file if it is not one."""
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} is not a JSON object")
+    return data
+
+
 def read_config(path: str) -> dict:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise CheckpointError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
-    with open(cfg_file) as f:
-        hf = json.load(f)
+    hf = read_json(cfg_file)
     return hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
