@@ -19,7 +19,9 @@ draft: `serving` (as vLLM's MTP proposer, eval/draft_serving.py: the served figu
 trained); default the checkpoint's `eval.draft_convention`, else `serving`. The JSON names it under
 `draft_convention`, and greedy decoding adds `<other>/acceptance_length` when the other convention's
 acceptance differs. `--output` records carry each row's budget-exact counts (`drafts`, `accepted`,
-`accept_rate/pos_k`) and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget).
+`accept_rate/pos_k`) and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget);
+it replaces an earlier `--output`, while an input, a directory or any other existing file is refused
+before the checkpoint loads. `--device` resolves as `tandem train` resolves its `device` key.
 Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
 (eval/acceptance.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import List, Optional, Tuple
@@ -61,6 +64,8 @@ from tandem.eval.spec_decode import prompt_limit
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
+from .config_checks import ConfigError
+from .parallel.device import resolve_device
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,9 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=0,
                    help="prompts decoded together (default eval.batch_size)")
     p.add_argument("--output",
-                   help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance")
+                   help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance "
+                        "(an earlier --output is replaced; any other file is refused)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device: cpu, cuda, npu, auto or cuda:N / npu:N (default cpu)")
     return p
 
 
@@ -188,8 +195,27 @@ class _Fail(Exception):
     """A problem `tandem eval` reports in one line, exit status 2."""
 
 
+def resolve_device_flag(requested: str) -> str:
+    """The torch device a `--device` flag names, resolved as `tandem train` resolves its `device`
+    key (parallel/device.py resolve_device: auto is cuda, then npu, then cpu); `cuda:N` / `npu:N`
+    pick device N. ValueError in one line naming the flag when that device is not one of these or
+    not visible here, so no checkpoint is read for a device that cannot hold it."""
+    kind, _, index = requested.partition(":")
+    if index and not (index.isdigit() and kind in ("cuda", "npu")):
+        raise ValueError(f"--device {requested} must be auto, cpu, cuda, npu, cuda:N or npu:N")
+    try:
+        return str(resolve_device(kind, local_rank=int(index) if index else None).device)
+    except ConfigError as exc:
+        raise ValueError(str(exc).replace(f"config key 'device'={kind!r}",
+                                          f"--device {requested}")) from None
+    except RuntimeError as exc:  # cuda:N / npu:N past the devices there are
+        raise ValueError(f"--device {requested}: {str(exc).strip().splitlines()[0]}") from None
+
+
 def _check_flags(args) -> None:
     """Option ranges, in one line, before anything is read (0 picks the checkpoint's value)."""
+    if not math.isfinite(args.temperature):  # nan < 0 is False: the range check lets it by
+        raise _Fail(f"--temperature {args.temperature} must be a finite number")
     if args.temperature < 0:
         raise _Fail(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
     if not 0 < args.top_p <= 1:
@@ -282,16 +308,64 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     return metrics, spec
 
 
+OUTPUT_KEYS = ("prompt_ids", "output_ids", "acceptance_length")
+"""Keys every `--output` record holds: a file whose records all hold them is an earlier output."""
+
+
+def _is_eval_output(path: str) -> bool:
+    """Whether `path` is empty or an earlier `--output` (JSONL records holding OUTPUT_KEYS)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1)
+            if head and head != b"{":  # e.g. a parquet file: not read whole to find that out
+                return False
+            f.seek(0)
+            lines = [line for line in f.read().decode("utf-8").splitlines() if line.strip()]
+        records = [json.loads(line) for line in lines]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return all(isinstance(r, dict) and all(k in r for k in OUTPUT_KEYS) for r in records)
+
+
+def _check_output(args) -> None:
+    """Refuse, before anything is read, an --output whose writing would lose a file or fail after
+    decoding: an input, a directory, a file that is not an earlier `--output` (that one is replaced,
+    as a re-run replaces it), or a path under no writable directory."""
+    path = args.output
+    if not path:
+        return
+    exists = os.path.exists(path)
+    for flag in ("prompts", "checkpoint", "hf"):
+        given = getattr(args, flag)
+        if exists and given and os.path.exists(given) and os.path.samefile(given, path):
+            raise _Fail(f"--output {path} is the --{flag} input; pass another file")
+    if os.path.isdir(path):
+        raise _Fail(f"--output {path} is a directory; pass a file path")
+    if exists and not _is_eval_output(path):
+        raise _Fail(f"--output {path} exists and is not an earlier tandem eval --output (JSONL "
+                    f"records with {', '.join(OUTPUT_KEYS)}); pass another file")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise _Fail(f"--output {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _Fail(f"--output {path}: directory {parent} is not writable")
+
+
 def _write_outputs(path: str, spec, prompts) -> None:
-    """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts."""
+    """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts.
+    Written beside `path` and renamed over it, so a kill leaves the earlier file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         i = 0
         for res in spec:
             for b, out in enumerate(res.outputs):
                 rec = {"prompt_ids": prompts[i], "output_ids": out, **row_metrics(res.stats, b)}
                 f.write(json.dumps(rec) + "\n")
                 i += 1
+    os.replace(tmp, path)
 
 
 def _read_source(args) -> list:
@@ -308,6 +382,8 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_flags(args)
+        _check_output(args)
+        args.device = resolve_device_flag(args.device)
         source = _read_source(args)
         model, cfg, tok = _load_checked(args)
         settings = _settings(args, model, cfg, tok)

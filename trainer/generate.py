@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ from tandem.eval.spec_decode import prompt_limit
 
 from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
-from .eval_cli import _load, _tokenizer_of
+from .eval_cli import _load, _tokenizer_of, resolve_device_flag
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 from .hf.importer import hf_config
 from .hf.init_from import check_reference, fingerprint, read_reference
@@ -85,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-steps", type=int, default=0,
                    help="draft length K (default: the trained mtp.num_steps)")
     p.add_argument("--device", default="cpu",
-                   help="torch device: cpu, cuda, npu or auto (default cpu)")
+                   help="torch device: cpu, cuda, npu, auto or cuda:N / npu:N (default cpu; under "
+                        "torchrun each rank takes its LOCAL_RANK's)")
     for degree in ("tp", "pp", "ep"):
         p.add_argument(f"--{degree}", type=int, default=1,
                        help=f"parallel.{degree} under torchrun (default 1)")
@@ -181,11 +183,18 @@ def _meta(args, src: Source, settings: dict, ids: List[List[int]]) -> dict:
 
 
 def _check_args(args) -> None:
-    """Option ranges, in one line, before anything is read."""
-    if args.max_new_tokens < 1 or args.samples_per_prompt < 1 or args.batch_size < 1:
-        raise GenerateError("--max-new-tokens, --samples-per-prompt and --batch-size must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise GenerateError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    """Option ranges, in one line naming the flag and its value, before anything is read."""
+    for flag in ("max_new_tokens", "samples_per_prompt", "batch_size"):
+        if getattr(args, flag) < 1:
+            raise GenerateError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    if not math.isfinite(args.temperature):  # nan < 0 is False: the range check lets it by
+        raise GenerateError(f"--temperature {args.temperature} must be a finite number")
+    if args.temperature < 0:
+        raise GenerateError(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+    if not 0 < args.top_p <= 1:
+        raise GenerateError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.top_k < 0:
+        raise GenerateError(f"--top-k {args.top_k} must be >= 0 (0: all)")
     if args.num_steps < 0 or min(args.tp, args.pp, args.ep) < 1:
         raise GenerateError("--num-steps must be >= 0 (0: the trained K), --tp, --pp and --ep "
                             ">= 1")
@@ -196,6 +205,7 @@ def prepare(args):
     GenerateError for bad input and for an --out written with other settings."""
 
     _check_args(args)
+    args.device = resolve_device_flag(args.device)
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
     limit = prompt_limit(src.max_seq_len, args.max_new_tokens, src.num_steps)
@@ -241,7 +251,8 @@ def load_on_layout(args, src: Source):
     cfg.train.dtype, cfg.train.freeze_trunk, cfg.train.compile = "fp32", False, False
     cfg.train.activation_checkpointing = "none"
     cfg.model.init_from = ref["path"] if ref is not None else step
-    pstate = init_parallel(cfg, resolve_device(args.device, dtype="fp32"))
+    # the rank's own device: its LOCAL_RANK's (args.device is already resolved, to this process's)
+    pstate = init_parallel(cfg, resolve_device(args.device.partition(":")[0], dtype="fp32"))
     model = build_sharded_model(cfg, pstate)
     if ref is not None:  # the MTP module of a frozen-trunk fine-tune
         load_checkpoint(step, model, None)

@@ -54,10 +54,13 @@ def read_output(path: str, header: dict) -> Tuple[List[dict], bool]:
     try:
         with open(meta, encoding="utf-8") as f:
             saved = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise GenerateError(
             f"{meta}: unreadable ({exc.__class__.__name__}); pass another --out"
         ) from None
+    if not isinstance(saved, dict):
+        raise GenerateError(f"{meta}: not a JSON object (not written by tandem generate); pass "
+                            "another --out")
     diff = sorted(k for k in set(saved) | set(header) if k not in INFORMATIONAL
                   and saved.get(k) != header.get(k))
     if diff:

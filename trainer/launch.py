@@ -6,7 +6,9 @@
 
 The recipe and overrides are validated with `load_config` first, then the parallel layout and batch
 against the job's world size (nodes x processes per node) exactly as `tandem train` checks them: a
-ConfigError prints one line and exits 2, before anything is written or submitted. `--check` also
+ConfigError prints one line and exits 2, before anything is written or submitted. The job always
+resumes, so a newest checkpoint in run.dir that `tandem train --resume` would refuse (another model
+shape or tokenizer) is refused here too, and run.dir must be writable. `--check` also
 builds the model on the meta device (trainer/estimate.py) and prints parameter counts and per-rank
 memory, then stops. The script is rendered from `slurm/train.sbatch.tmpl` (see its header for how
 the pre-timeout SIGUSR1 reaches every trainer rank), written to
@@ -34,11 +36,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tandem.slurm as tandem_slurm
+from tandem.trainer.checkpoint import check_compatible
+from tandem.trainer.checkpoint_dirs import latest_checkpoint
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.context_cost import cp_sweep, device_fit
 from tandem.trainer.estimate import _count_params, estimate
 from tandem.trainer.parallel.validate import validate_layout
-from tandem.trainer.recipe import load_config
+from tandem.trainer.recipe import load_config, to_yaml
+from tandem.trainer.run import prepare_run_dir
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
 """Templates and env.d: the package data of `tandem.slurm` (the repository's slurm/); override with
@@ -242,6 +247,8 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if not _layout_fits(cfg, args, world):
         return 2
     run_dir = cfg.run.dir
+    if not _resumable(cfg):
+        return 2
     if args.check:
         _print_check(cfg, args, world)
         return 0
@@ -255,6 +262,11 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
+    try:  # the check `tandem train` makes first; the script and its logs go under run.dir too
+        prepare_run_dir(run_dir)
+    except ConfigError as exc:
+        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
+        return 2
     script_path, provenance = _write_script(args, argv, run_dir, script)
     return _submit(script_path, provenance)
 
@@ -275,6 +287,24 @@ def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
         lines = cp_sweep(cfg, per_node, lambda trial, size: estimate(trial, size, counts))
         print("  per-rank memory by parallel.cp (the other degrees as set):\n    "
               + "\n    ".join(lines))
+
+
+def _resumable(cfg) -> bool:
+    """The job always passes --resume: refuse now what `tandem train --resume` would refuse on the
+    cluster, a newest complete checkpoint in run.dir of another model shape or tokenizer
+    (checkpoint.check_compatible); False after printing the error. A recipe with model.init_from or
+    mtp.init_from takes its shape from that checkpoint when the job starts, so it is left to the
+    job."""
+    found = latest_checkpoint(cfg.run.dir, report=False)
+    if found is None or cfg.model.init_from or cfg.mtp.init_from:
+        return True
+    try:
+        check_compatible(found[1], to_yaml(cfg))
+    except (ValueError, OSError) as exc:
+        print(f"tandem launch slurm: error: {' '.join(str(exc).split())} (the job runs tandem "
+              "train --resume); choose another run.dir; nothing submitted", file=sys.stderr)
+        return False
+    return True
 
 
 def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:

@@ -405,6 +405,22 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
     return paths
 
 
+def _check_args(args, labels: list, out: str) -> None:
+    """ReportError in one line naming the flag, before any run is read: a --labels count that is
+    not the runs', a negative --ema-span, an output directory that is a file or under one."""
+    if len(labels) != len(args.run_dirs):
+        raise ReportError(f"--labels has {len(labels)} entries for {len(args.run_dirs)} run "
+                          "directories")
+    if args.ema_span < 0:
+        raise ReportError(f"--ema-span {args.ema_span} must be >= 0 (0 or 1: raw points)")
+    blocker = os.path.abspath(out)
+    while not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if not os.path.isdir(blocker):
+        where = "is" if blocker == os.path.abspath(out) else f"is under {blocker},"
+        raise ReportError(f"--out {out} {where} a file, not a directory; pass another --out")
+
+
 def report_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem report",
                                      description="Plot one or more runs (overlaid) as PNGs and one "
@@ -424,12 +440,10 @@ def report_main(argv: List[str]) -> int:
                              f"kept faint; 1 or 0 draws them raw (default {DEFAULT_EMA_SPAN})")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [None] * len(args.run_dirs)
-    if len(labels) != len(args.run_dirs):
-        print(f"tandem report: error: --labels has {len(labels)} entries for {len(args.run_dirs)} "
-              "run directories",
-              file=sys.stderr)
-        return 2
+    out = args.out or (os.path.join(args.run_dirs[0], "report") if len(args.run_dirs) == 1
+                       else "report")
     try:
+        _check_args(args, labels, out)
         runs = [read_run(path, label) for path, label in zip(args.run_dirs, labels)]
         seen: Dict[str, int] = {}
         for run in runs:  # two runs named alike (…/a/run, …/b/run) still get their own legend entry
@@ -439,7 +453,6 @@ def report_main(argv: List[str]) -> int:
     except ReportError as exc:
         print(f"tandem report: error: {exc}", file=sys.stderr)
         return 2
-    out = args.out or (os.path.join(args.run_dirs[0], "report") if len(runs) == 1 else "report")
     paths = write_report(runs, out, args.ema_span)
     if paths["table"]:
         print(paths["table"])

@@ -1,0 +1,197 @@
+"""Bad input to the tools around training (eval, generate, report, launch slurm): a one-line error
+naming the flag, file or key, before the checkpoint is read or a job submitted, and nothing on disk
+changed. The cases run the `tandem` CLI in-process against a copy of one tiny 2-step run
+(test_bad_input.py's fixtures)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tandem.trainer import eval_cli
+from tandem.trainer import generate as gen
+from tandem.trainer.cli import main
+from tests.e2e import test_bad_input, test_slurm_launch
+from tests.e2e.test_bad_input import RECIPE
+
+# their fixtures, used here: a copy of the earlier tiny run per test (`ctx`), a stub sbatch on PATH
+earlier_run, ctx = test_bad_input.earlier_run, test_bad_input.ctx
+fake_sbatch = test_slurm_launch.fake_sbatch
+
+EVAL_RECORD = {"prompt_ids": [1, 2], "output_ids": [3], "acceptance_length": 1.0}
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"text": "def f(x):\n"}) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The checkpoint's weights must not be read before the refusal."""
+    monkeypatch.setattr(eval_cli, "_load", lambda *a: pytest.fail("eval read the checkpoint"))
+    monkeypatch.setattr(gen, "load_one_process",
+                        lambda *a: pytest.fail("generate read the checkpoint"))
+
+
+def _unseen_devices():
+    """(flag value, message) for devices that cannot be used here."""
+    cases = [("banana", "--device banana must be auto, cpu, cuda or npu"),
+             ("meta", "--device meta must be auto, cpu, cuda or npu"),
+             ("cuda:x", "--device cuda:x must be auto, cpu, cuda, npu, cuda:N or npu:N"),
+             ("npu", "--device npu but torch_npu is not installed or no NPU is visible")]
+    if not torch.cuda.is_available():
+        cases.append(("cuda", "--device cuda but no CUDA device is visible"))
+    return cases
+
+
+# --- --device -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device, message", _unseen_devices())
+def test_eval_unusable_device(ctx, no_model, prompts, device, message):
+    line = ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--device", device],
+                     message)
+    assert line.startswith("tandem eval: error: ")
+
+
+@pytest.mark.parametrize("device, message", _unseen_devices())
+def test_generate_unusable_device(ctx, no_model, prompts, tmp_path, device, message):
+    out = tmp_path / "g.jsonl"
+    line = ctx.fails(["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out", str(out),
+                      "--device", device], message)
+    assert line.startswith("tandem generate: error: ") and not os.path.exists(f"{out}.meta.json")
+
+
+def test_generate_device_auto_is_the_trainers(ctx, prompts, tmp_path, capsys):
+    """`auto` resolves as `tandem train` resolves it (it once reached torch as a device name)."""
+    out = tmp_path / "g.jsonl"
+    assert main(["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out", str(out),
+                 "--max-new-tokens", "3", "--device", "auto"]) == 0, capsys.readouterr().err
+    meta = json.loads((tmp_path / "g.jsonl.meta.json").read_text())
+    assert meta["num_prompts"] == 1 and len(out.read_text().splitlines()) == 1
+
+
+# --- eval --output --------------------------------------------------------------------------------
+def test_eval_output_is_the_prompts_file(ctx, no_model, prompts, tmp_path):
+    before = open(prompts, "rb").read()
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--output", prompts],
+              f"--output {prompts} is the --prompts input; pass another file")
+    assert open(prompts, "rb").read() == before
+
+
+def test_eval_output_is_a_directory(ctx, no_model, prompts, tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--output", str(out)],
+              f"--output {out} is a directory; pass a file path")
+    assert (out / "keep.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("content", ["notes, not results\n", json.dumps({"text": "a"}) + "\n",
+                                     json.dumps(EVAL_RECORD) + "\n[1, 2]\n"],
+                         ids=["text", "prompts_jsonl", "one_foreign_line"])
+def test_eval_output_is_someone_elses_file(ctx, no_model, prompts, tmp_path, content):
+    out = tmp_path / "precious.jsonl"
+    out.write_text(content)
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--output", str(out)],
+              f"--output {out} exists and is not an earlier tandem eval --output (JSONL records "
+              "with prompt_ids, output_ids, acceptance_length); pass another file")
+    assert out.read_text() == content
+
+
+def test_eval_output_under_a_file(ctx, no_model, prompts, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--output",
+               f"{blocker}/out.jsonl"],
+              f"--output {blocker}/out.jsonl: {blocker} is a file, not a directory")
+    assert blocker.read_text() == "x"
+
+
+def test_eval_rerun_replaces_an_earlier_output_on_device_auto(ctx, prompts, tmp_path, capsys):
+    """The re-run flow: an earlier --output is replaced; `--device auto` resolves as training's."""
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps(EVAL_RECORD) + "\n" + json.dumps(EVAL_RECORD) + "\n")
+    assert main(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--max-new-tokens", "3",
+                 "--output", str(out), "--device", "auto"]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 1 and records[0]["output_ids"] != EVAL_RECORD["output_ids"]
+    assert not os.path.exists(f"{out}.tmp")
+
+
+# --- sampling flags -------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["eval", "generate"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_temperature(ctx, no_model, prompts, tmp_path, command, value):
+    out = ["--out", str(tmp_path / "g.jsonl")] if command == "generate" else []
+    ctx.fails([command, "--checkpoint", ctx.run, "--prompts", prompts, *out, "--temperature",
+               value], f"--temperature {value} must be a finite number")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "-1", "--temperature -1.0 must be >= 0 (0: greedy)"),
+    ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
+    ("--samples-per-prompt", "-2", "--samples-per-prompt -2 must be >= 1"),
+    ("--batch-size", "0", "--batch-size 0 must be >= 1"),
+    ("--top-p", "1.5", "--top-p 1.5 must be in (0, 1]"),
+    ("--top-k", "-1", "--top-k -1 must be >= 0 (0: all)"),
+])
+def test_generate_names_the_bad_flag(ctx, no_model, prompts, tmp_path, flag, value, message):
+    ctx.fails(["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out",
+               str(tmp_path / "g.jsonl"), flag, value], message)
+    assert not os.path.exists(tmp_path / "g.jsonl.meta.json")
+
+
+def test_generate_sidecar_not_an_object(ctx, no_model, prompts, tmp_path):
+    out = tmp_path / "g.jsonl"
+    meta = tmp_path / "g.jsonl.meta.json"
+    meta.write_text("[1, 2]\n")
+    ctx.fails(["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out", str(out),
+               "--max-new-tokens", "4"],
+              f"{meta}: not a JSON object (not written by tandem generate); pass another --out")
+    assert meta.read_text() == "[1, 2]\n" and not out.exists()
+
+
+# --- report ---------------------------------------------------------------------------------------
+def test_report_out_is_a_file(ctx, tmp_path):
+    out = tmp_path / "report.html"
+    out.write_text("an old page")
+    ctx.fails(["report", ctx.run, "--out", str(out)],
+              f"--out {out} is a file, not a directory; pass another --out")
+    ctx.fails(["report", ctx.run, "--out", f"{out}/sub"],
+              f"--out {out}/sub is under {out}, a file, not a directory")
+    assert out.read_text() == "an old page"
+
+
+def test_report_negative_ema_span(ctx):
+    ctx.fails(["report", ctx.run, "--ema-span", "-3"], "--ema-span -3 must be >= 0")
+
+
+# --- launch slurm ---------------------------------------------------------------------------------
+SIZES = ["--nodes", "1", "--procs-per-node", "1"]
+
+
+def test_launch_run_dir_not_writable(ctx, fake_sbatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    ctx.fails(["launch", "slurm", RECIPE, *ctx.base, f"run.dir={blocker}/run", *SIZES],
+              f"config key 'run.dir'='{blocker}/run' is not writable")
+    assert fake_sbatch.argv is None and blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("mode", [[], ["--check"], ["--dry-run"]], ids=["submit", "check", "dry"])
+def test_launch_into_checkpoints_of_another_shape(ctx, fake_sbatch, mode):
+    """The job always resumes: `tandem train --resume` would refuse these checkpoints on the
+    cluster, so the launcher refuses now with its message."""
+    line = ctx.fails(["launch", "slurm", RECIPE, *ctx.base, "model.hidden_size=48", *SIZES, *mode],
+                     "has a different model shape: model.hidden_size: checkpoint 32 vs config 48")
+    assert line.startswith("tandem launch slurm: error: checkpoint ") and "step_2" in line
+    assert fake_sbatch.argv is None
+
+
+def test_launch_into_a_matching_run_submits(ctx, fake_sbatch, capsys):
+    assert main(["launch", "slurm", RECIPE, *ctx.base, *SIZES]) == 0, capsys.readouterr().err
+    assert fake_sbatch.argv is not None and capsys.readouterr().out.strip() == "4242"
