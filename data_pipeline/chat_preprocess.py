@@ -40,6 +40,7 @@ from tandem.data_pipeline.preprocess import (
     _resolve_tokenizer,
     _staged_paths,
     _train_bpe_on_sample,
+    checked_prefix,
     output_paths,
     token_dtype,
 )
@@ -79,7 +80,7 @@ def preprocess_chat(
     summary also written to `<output_prefix>.meta.json`. `tokenizer` as in `preprocess` (None trains
     a BPE on the records' text, for prompt/response and text records only)."""
     t0 = time.time()
-    output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
+    output_prefix = checked_prefix(output_prefix)
     paths: List[str] = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not overwrite:
         _refuse_existing(output_prefix)

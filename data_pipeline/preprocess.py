@@ -1,9 +1,9 @@
-"""Text -> Megatron indexed dataset (`<prefix>.bin` / `<prefix>.idx`), the `tandem preprocess`
-command.
+"""Text -> Megatron indexed dataset (`<prefix>.bin` / `<prefix>.idx`), what `tandem preprocess`
+runs (its command line: data_pipeline/preprocess_cli.py).
 
 Inputs (one or more paths, globs allowed):
   * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key` (HF `datasets`
-    "json")
+    "json"); every record is read and checked (an object whose text is a string or null) first
   * `.parquet`: one document per row, text under `text_key` (HF `datasets` "parquet")
   * `.txt`: one document per file by default (`txt_sample_by="document"`; or "paragraph", "line")
   * a directory: every regular file below it (sorted, hidden and `__pycache__` skipped, optionally
@@ -24,8 +24,8 @@ never leaves a prefix that looks complete. An existing dataset is only replaced 
 
 from __future__ import annotations
 
-import argparse
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -56,12 +56,8 @@ def token_dtype(vocab_size: int):
 
 def output_paths(prefix: str) -> Dict[str, str]:
     """The files `preprocess` writes for `prefix`: keys bin, idx, tokenizer, meta."""
-    return {
-        "bin": prefix + ".bin",
-        "idx": prefix + ".idx",
-        "tokenizer": prefix + ".tokenizer.json",
-        "meta": prefix + ".meta.json",
-    }
+    return {"bin": prefix + ".bin", "idx": prefix + ".idx", "tokenizer": prefix + ".tokenizer.json",
+            "meta": prefix + ".meta.json"}
 
 
 def read_meta(prefix: str) -> Optional[dict]:
@@ -116,9 +112,7 @@ def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
         for name in sorted(filenames):
-            if name.startswith("."):
-                continue
-            if extensions and not name.endswith(tuple(extensions)):
+            if name.startswith(".") or (extensions and not name.endswith(tuple(extensions))):
                 continue
             path = os.path.join(dirpath, name)
             if os.path.isfile(path):
@@ -135,8 +129,7 @@ class _Stats:
 def _read_file_doc(path: str, stats: _Stats) -> Optional[str]:
     try:
         with open(path, "rb") as f:
-            data = f.read()
-        return data.decode("utf-8")
+            return f.read().decode("utf-8")
     except UnicodeDecodeError:
         stats.skipped_not_utf8.append(path)
         return None
@@ -148,54 +141,123 @@ def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str,
     from datasets.utils import logging as ds_logging
 
     kwargs = {"sample_by": txt_sample_by} if kind == "text" else {}
-    was_enabled = ds_logging.is_progress_bar_enabled()
+    was_enabled, verbosity = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
     ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)  # its own error lines would precede ours
     try:
         ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache,
                                    **kwargs)
     except Exception as exc:
         msg = " ".join(str(exc).split()) or type(exc).__name__
-        raise ValueError(
-            f"cannot read {kind} input {files[0] if len(files) == 1 else files}: {msg}"
-        ) from None
+        raise ValueError(f"cannot read {kind} input {files[0] if len(files) == 1 else files}: "
+                         f"{msg}") from None
     finally:
+        ds_logging.set_verbosity(verbosity)
         if was_enabled:
             ds_logging.enable_progress_bar()
     key = "text" if kind == "text" else text_key
     if key not in ds.column_names:
         raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: "
-                         f"{', '.join(ds.column_names)}); set "
-                         "--text-key")
+                         f"{', '.join(ds.column_names)}); set --text-key")
+    dtype = getattr(ds.features[key], "dtype", None)
+    if kind == "parquet" and dtype not in ("string", "large_string", "null"):
+        raise ValueError(f"{', '.join(files)}: column '{key}' holds {dtype}, not strings")
     for batch in ds.select_columns([key]).iter(batch_size=1000):
         for text in batch[key]:
             yield "" if text is None else str(text)
 
 
-def iter_documents(
-    inputs: Union[str, Sequence[str]],
-    text_key: str = "text",
-    txt_sample_by: str = "document",
-    extensions: Optional[Sequence[str]] = None,
-    hf_cache: Optional[str] = None,
-    stats: Optional[_Stats] = None,
-) -> Iterator[str]:
-    """Yield the documents of `inputs` in order (see the module docstring for formats). Empty
-    documents and non-UTF-8 files are skipped. `hf_cache` is where HF `datasets` may write its Arrow
-    cache (a temporary directory is used and removed when None)."""
-    stats = stats or _Stats()
-    paths = expand_paths(inputs)
+def _json_records(path: str) -> Iterator[Tuple[str, object]]:
+    """`(where, record)` of a .json/.jsonl file as HF `datasets` reads it: JSON Lines (`where` is
+    FILE:LINE), or a .json file holding one array of records (FILE:record N) or one object."""
+    whole = not path.lower().endswith((".jsonl", ".jsonl.gz"))
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8-sig") as f:
+        if not (whole and f.read(4096).lstrip().startswith("[")):
+            f.seek(0)
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    if whole and lineno == 1:  # may open one object over several lines
+                        break
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                yield f"{path}:{lineno}", rec
+            else:
+                return
+        f.seek(0)
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    records = value if isinstance(value, list) else [value]
+    yield from ((f"{path}:record {i}" if records is value else path, rec)
+                for i, rec in enumerate(records, 1))
+
+
+def _check_json_files(files: List[str], text_key: str) -> List[str]:
+    """Check every record of `files`: ValueError `FILE:LINE: ...` for a line that is not JSON, a
+    record that is not an object, a `text_key` neither string nor null (`datasets` would turn 5 into
+    "5"). Returns the files that hold records (`datasets` fails on a lone empty file)."""
+    kept = []
+    for path in files:
+        if path.lower().endswith(".zst"):  # only `datasets` reads these
+            kept.append(path)
+            continue
+        count = 0
+        try:
+            for where, rec in _json_records(path):
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{where}: not a JSON object")
+                text = rec.get(text_key)
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"{where}: '{text_key}' is not a string (found "
+                                     f"{json.dumps(text)[:40]})")
+                count += 1
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+        if count:
+            kept.append(path)
+    return kept
+
+
+def _groups(paths: List[str], text_key: str, txt_sample_by: str) -> List[Tuple[str, List[str]]]:
+    """`(kind, files)` in order: consecutive files of one HF kind share a load_dataset call. Every
+    JSON record is read and checked here, before anything is tokenized."""
+    groups: List[Tuple[str, List[str]]] = []
+    for p in paths:
+        k = _kind(p, txt_sample_by)
+        if groups and groups[-1][0] == k and k in ("json", "parquet", "text"):
+            groups[-1][1].append(p)
+        else:
+            groups.append((k, [p]))
+    groups = [(k, _check_json_files(files, text_key) if k == "json" else files)
+              for k, files in groups]
+    if not any(files for _, files in groups):
+        raise ValueError(f"no documents found in {', '.join(paths)}")
+    return [(k, files) for k, files in groups if files]
+
+
+def iter_documents(inputs: Union[str, Sequence[str]], text_key: str = "text",
+                   txt_sample_by: str = "document", extensions: Optional[Sequence[str]] = None,
+                   hf_cache: Optional[str] = None, stats: Optional[_Stats] = None) -> Iterator[str]:
+    """The documents of `inputs` in order (see the module docstring for formats). Empty documents
+    and non-UTF-8 files are skipped. JSON records are checked when this is called (ValueError
+    naming the file and line). `hf_cache` is where HF `datasets` may write its Arrow cache (a
+    temporary directory is used and removed when None)."""
+    groups = _groups(expand_paths(inputs), text_key, txt_sample_by)
+    return _iter_groups(groups, text_key, txt_sample_by, extensions, hf_cache, stats or _Stats())
+
+
+def _iter_groups(groups: List[Tuple[str, List[str]]], text_key: str, txt_sample_by: str,
+                 extensions: Optional[Sequence[str]], hf_cache: Optional[str],
+                 stats: _Stats) -> Iterator[str]:
     own_cache = hf_cache is None
     if own_cache:
         hf_cache = tempfile.mkdtemp(prefix="tandem-hf-")
     try:
-        # Group consecutive files of the same HF kind into one load_dataset call.
-        groups: List[Tuple[str, List[str]]] = []
-        for p in paths:
-            k = _kind(p, txt_sample_by)
-            if groups and groups[-1][0] == k and k in ("json", "parquet", "text"):
-                groups[-1][1].append(p)
-            else:
-                groups.append((k, [p]))
         for kind, files in groups:
             if kind in ("json", "parquet", "text"):
                 docs: Iterable[Optional[str]] = _hf_docs(kind, files, text_key, txt_sample_by,
@@ -246,19 +308,26 @@ def existing_outputs(prefix: str) -> List[str]:
     return [paths[k] for k in ("bin", "idx", "meta") if os.path.exists(paths[k])]
 
 
-def preprocess(
-    inputs: Union[str, Sequence[str]],
-    output_prefix: str,
-    tokenizer: Union[None, str, TandemTokenizer] = None,
-    vocab_size: int = 4096,
-    text_key: str = "text",
-    *,
-    overwrite: bool = False,
-    tokenizer_sample_bytes: int = 100_000_000,
-    txt_sample_by: str = "document",
-    extensions: Optional[Sequence[str]] = None,
-    log=None,
-) -> dict:
+def checked_prefix(prefix: str) -> str:
+    """`prefix` as an absolute path. ValueError for one that would put the files beside a directory
+    rather than in it: "" (the working directory), one ending in "/", an existing directory."""
+    given = os.path.expanduser(str(prefix))
+    path = os.path.abspath(given)
+    problem = ("is empty" if not given.strip() else
+               f"ends in {given[-1]!r}" if given.endswith(("/", os.sep)) else
+               "is a directory" if os.path.isdir(path) else "")
+    if problem:
+        raise ValueError(f"output prefix {str(prefix)!r} (--output-prefix) {problem}: the files "
+                         "are named PREFIX.bin, PREFIX.idx, ...; give e.g. "
+                         f"{os.path.join(given or '.', 'corpus')}")
+    return path
+
+
+def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
+               tokenizer: Union[None, str, TandemTokenizer] = None, vocab_size: int = 4096,
+               text_key: str = "text", *, overwrite: bool = False,
+               tokenizer_sample_bytes: int = 100_000_000, txt_sample_by: str = "document",
+               extensions: Optional[Sequence[str]] = None, log=None) -> dict:
     """Tokenize `inputs` into the Megatron indexed dataset `output_prefix` (.bin/.idx) and return
     the summary that is also written to `<output_prefix>.meta.json`.
 
@@ -268,18 +337,19 @@ def preprocess(
     left as they are).
     """
     t0 = time.time()
-    output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
+    output_prefix = checked_prefix(output_prefix)
     if txt_sample_by not in ("document", "paragraph", "line"):
         raise ValueError(f"txt_sample_by={txt_sample_by!r} must be document, paragraph or line")
     if not overwrite:
         _refuse_existing(output_prefix)
     paths = expand_paths(inputs)  # fail on missing inputs before any work
+    groups = _groups(paths, text_key, txt_sample_by)  # and on a bad JSON record
     tokenizer, tok_source = _resolve_tokenizer(tokenizer)
     staging = _new_staging_dir(output_prefix)
     try:
         stats = _Stats()
-        hf_cache = os.path.join(staging, "hf_cache")
-        docs = iter_documents(paths, text_key, txt_sample_by, extensions, hf_cache, stats)
+        docs = _iter_groups(groups, text_key, txt_sample_by, extensions,
+                            os.path.join(staging, "hf_cache"), stats)
         t_tok = 0.0
         if tokenizer is None:
             tokenizer, docs, t_tok = _train_bpe_on_sample(docs, paths, vocab_size,
@@ -303,8 +373,7 @@ def preprocess(
     return meta
 
 
-def _resolve_tokenizer(tokenizer: Union[None, str,
-                                        TandemTokenizer]) -> Tuple[Optional[TandemTokenizer], str]:
+def _resolve_tokenizer(tokenizer) -> Tuple[Optional[TandemTokenizer], str]:
     """(the tokenizer to encode with, None when one is to be trained; its source for the meta
     file)."""
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -380,8 +449,8 @@ def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer,
 
 
 def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_file_written: bool,
-          paths: List[str],
-          stats: _Stats, n_docs: int, n_tokens: int, t_tok: float, t0: float) -> dict:
+          paths: List[str], stats: _Stats, n_docs: int, n_tokens: int, t_tok: float,
+          t0: float) -> dict:
     """The contents of `<output_prefix>.meta.json`, also what `preprocess` returns."""
     return {
         "format": META_FORMAT,
@@ -411,11 +480,9 @@ def _chain(first: List[str], rest: Iterable[str]) -> Iterator[str]:
 def _refuse_existing(prefix: str) -> None:
     existing = existing_outputs(prefix)
     if existing:
-        raise FileExistsError(
-            f"dataset {prefix} already exists "
-            f"({', '.join(os.path.basename(p) for p in existing)}); "
-            "pass overwrite=True (--overwrite) to replace it"
-        )
+        raise FileExistsError(f"dataset {prefix} already exists "
+                              f"({', '.join(os.path.basename(p) for p in existing)}); "
+                              "pass overwrite=True (--overwrite) to replace it")
 
 
 def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, prefix: str) -> None:
@@ -424,51 +491,10 @@ def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, pref
     else:
         # Remove the markers of completeness first so a crash mid-way never pairs old and new files.
         # (and a loss-mask channel `--chat` wrote, which would mask the new tokens)
-        for path in [final[k] for k in ("meta", "idx", "bin",
-                                        "tokenizer")] + [prefix + "_loss_mask.bin",
-                                                                                 prefix
-                                                         + "_loss_mask.idx"]:
+        for path in [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + [
+                prefix + "_loss_mask.bin", prefix + "_loss_mask.idx"]:
             if os.path.exists(path):
                 os.unlink(path)
     for key in ("tokenizer", "bin", "idx", "meta"):
         if os.path.exists(staged[key]):
             os.replace(staged[key], final[key])
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `tandem preprocess` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="tandem preprocess",
-        description="Tokenize local text into a Megatron indexed dataset (PREFIX.bin/.idx, "
-        "PREFIX.tokenizer.json, PREFIX.meta.json).",
-    )
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each "
-                        "file one document), "
-                        "or globs")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
-                   help="output path prefix (PREFIX.bin, PREFIX.idx)")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="local tokenizer.json or Hugging Face tokenizer directory; default: train "
-                        "a byte-level BPE")
-    p.add_argument("--vocab-size", type=int, default=4096,
-                   help="vocabulary of the trained BPE (default 4096)")
-    p.add_argument("--text-key", default="text",
-                   help="field holding the text in json/parquet records (default text)")
-    p.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"),
-                   help=".txt files: one document per file (default), per blank-line paragraph, or "
-                        "per line")
-    p.add_argument("--extensions", default=None,
-                   help="directories: only files ending in these comma-separated suffixes")
-    p.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
-                   help="bytes of the corpus the BPE is trained on (0 = all; default 100 MB)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
-    p.add_argument("--chat", action="store_true",
-                   help="records are {prompt, response}, {messages} or `tandem generate` output: "
-                        "also write the "
-                        "loss-mask channel PREFIX_loss_mask (loss on responses only; docs/data.md)")
-    return p

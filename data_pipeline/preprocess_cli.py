@@ -9,7 +9,7 @@ import sys
 from typing import Optional, Sequence
 
 from tandem.data_pipeline.chat_preprocess import preprocess_chat, summary_line
-from tandem.data_pipeline.preprocess import build_parser, preprocess
+from tandem.data_pipeline.preprocess import preprocess
 
 
 def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -60,3 +60,37 @@ def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
     print(summary_line(meta))
     return 0
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tandem preprocess` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="tandem preprocess",
+        description="Tokenize local text into a Megatron indexed dataset (PREFIX.bin/.idx, "
+        "PREFIX.tokenizer.json, PREFIX.meta.json).",
+    )
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each "
+                        "file one document), "
+                        "or globs")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                   help="output path prefix (PREFIX.bin, PREFIX.idx)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="local tokenizer.json or Hugging Face tokenizer directory; default: train "
+                        "a byte-level BPE")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary of the trained BPE (default 4096)")
+    p.add_argument("--text-key", default="text",
+                   help="field holding the text in json/parquet records (default text)")
+    p.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"),
+                   help=".txt files: one document per file (default), per blank-line paragraph, or "
+                        "per line")
+    p.add_argument("--extensions", default=None,
+                   help="directories: only files ending in these comma-separated suffixes")
+    p.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
+                   help="bytes of the corpus the BPE is trained on (0 = all; default 100 MB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
+    p.add_argument("--chat", action="store_true",
+                   help="records are {prompt, response}, {messages} or `tandem generate` output: "
+                        "also write the "
+                        "loss-mask channel PREFIX_loss_mask (loss on responses only; docs/data.md)")
+    return p

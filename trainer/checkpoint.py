@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -223,8 +223,7 @@ def _fsync_dir(path: str) -> None:
 
 def check_compatible(path: str, config_yaml: str) -> None:
     """Refuse a checkpoint whose model shape differs from the current config (names the keys)."""
-
-    saved = OmegaConf.load(os.path.join(path, "config.yaml"))
+    saved = _saved_config(path)
     current = OmegaConf.create(config_yaml)
     defaults = OmegaConf.structured(TandemConfig)
 
@@ -251,6 +250,19 @@ def check_compatible(path: str, config_yaml: str) -> None:
     if tokenizer:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: "
                          + "; ".join(tokenizer))
+
+
+def _saved_config(path: str) -> DictConfig:
+    """The checkpoint's config.yaml; ValueError naming the file when it is not a YAML mapping."""
+    file = os.path.join(path, "config.yaml")
+    try:
+        saved = OmegaConf.load(file)
+    except Exception as exc:  # yaml errors carry line numbers; keep them on one line
+        raise ValueError(f"checkpoint config {file} is not valid YAML: "
+                         f"{' '.join(str(exc).split())}") from None
+    if not isinstance(saved, DictConfig):
+        raise ValueError(f"checkpoint config {file} is not a mapping of config sections")
+    return saved
 
 
 def _saved_model_keys(path: str) -> set:
@@ -298,9 +310,19 @@ def load_checkpoint(path: str, model: nn.Module,
 def read_trainer_state(path: str) -> dict:
     """A checkpoint's trainer state: `step`, the data position (`consumed_samples`,
     `consumed_tokens`, the `global_batch` it ran with, `schedule_global_batch`, `skipped_samples`:
-    DataPosition.state()) and the bad-step guard's counters. Read without loading any tensor."""
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+    DataPosition.state()) and the bad-step guard's counters. Read without loading any tensor;
+    ValueError naming the file (and line) when it is not a JSON object with an integer step."""
+    file = os.path.join(path, "trainer_state.json")
+    with open(file, encoding="utf-8") as f:
+        try:
+            state = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{file}: not UTF-8 text") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{file}: not a JSON object with an integer 'step'")
+    return state
 
 
 def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):

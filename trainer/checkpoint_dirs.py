@@ -1,5 +1,8 @@
 """Where a run's checkpoints live and which of them are complete: the directory layout alone, read
-by the trainer's checkpointing (checkpoint.py) and by `model.init_from` (hf/init_from.py)."""
+by the trainer's checkpointing (checkpoint.py) and by `model.init_from` (hf/init_from.py). A
+directory marked complete must also hold DCP's index of its shards; one that lacks it is refused
+(naming the file) when it would be used, rather than skipped, so a resume never silently goes back
+to an older checkpoint or starts afresh."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import torch.distributed as dist
 
 MARKER = "COMPLETE"
 """File whose presence marks a checkpoint directory as complete (written last)."""
+DCP_INDEX = ".metadata"
+"""DCP's index of a checkpoint's shards (dcp.save writes it before the marker)."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -21,7 +26,10 @@ def checkpoints_root(run_dir: str) -> str:
 
 def list_checkpoints(run_dir: str) -> Tuple[List[Tuple[int, str]], List[str]]:
     """(complete checkpoints sorted by step, incomplete directories)."""
-    root = checkpoints_root(run_dir)
+    return _scan(checkpoints_root(run_dir))
+
+
+def _scan(root: str) -> Tuple[List[Tuple[int, str]], List[str]]:
     complete, incomplete = [], []
     if not os.path.isdir(root):
         return complete, incomplete
@@ -41,12 +49,15 @@ def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, 
     if incomplete and report and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"checkpoint: ignoring incomplete checkpoint(s): {', '.join(incomplete)}",
               file=sys.stderr)
+    if complete:
+        check_index(complete[-1][1])
     return complete[-1] if complete else None
 
 
 def resolve_checkpoint(path: str) -> str:
     """A step directory, or a run directory's newest complete checkpoint."""
     if os.path.exists(os.path.join(path, MARKER)):
+        check_index(path)
         return path
     found = latest_checkpoint(path, report=False)
     if found is None:
@@ -54,3 +65,21 @@ def resolve_checkpoint(path: str) -> str:
                                 f"{MARKER}, or a run "
                                 "directory holding one)")
     return found[1]
+
+
+def check_index(path: str) -> None:
+    """Refuse the checkpoint `path`, marked complete, when DCP's index of its shards is missing
+    (DCP would fail only after the model is built): ValueError naming the file and the newest older
+    complete checkpoint, if there is one."""
+    path = os.path.normpath(path)
+    index = os.path.join(path, DCP_INDEX)
+    if os.path.isfile(index):
+        return
+    match = _STEP_DIR.match(os.path.basename(path))
+    older = [p for step, p in _scan(os.path.dirname(path))[0]
+             if match and step < int(match.group(1)) and os.path.isfile(os.path.join(p, DCP_INDEX))]
+    hint = (f"the newest older complete checkpoint is {older[-1]}: move {path} out of "
+            f"{os.path.dirname(path)} to use it" if older else
+            "no older complete checkpoint exists")
+    raise ValueError(f"checkpoint {path} is marked {MARKER} but lacks {index} (DCP's index of "
+                     f"its shards); {hint}")

@@ -193,3 +193,72 @@ def test_large_vocab_uses_int32():
     assert pp.token_dtype(65499) == np.uint16
     assert pp.token_dtype(65500) == np.int32
     assert pp.token_dtype(151_000) == np.int32
+
+
+def _listing(root):
+    return sorted(os.path.relpath(os.path.join(d, x), root) for d, ds, fs in os.walk(root)
+                  for x in ds + fs)
+
+
+def _cli_fails(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        preprocess_main(argv)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("chat", [[], ["--chat"]])
+@pytest.mark.parametrize("prefix, problem, example", [
+    ("", "is empty", "./corpus"),
+    ("out/", "ends in '/'", "out/corpus"),
+    ("out", "is a directory", "out/corpus"),
+])
+def test_output_prefix_naming_a_directory_is_refused(tmp_path, tok_path, capsys, monkeypatch,
+                                                     prefix, problem, example, chat):
+    """`--output-prefix ""` once wrote `<cwd>.bin` and friends beside the working directory, and
+    `out/` wrote `out.bin` beside the folder."""
+    inputs, _ = _write_inputs(tmp_path / "work" / "in", "jsonl")
+    (tmp_path / "work" / "out").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    before = _listing(tmp_path)
+    line = _cli_fails(["--input", *inputs, "--output-prefix", prefix, "--tokenizer", tok_path,
+                       *chat], capsys)
+    assert line == (f"tandem preprocess: error: output prefix {prefix!r} (--output-prefix) "
+                    f"{problem}: the files are named PREFIX.bin, PREFIX.idx, ...; give e.g. "
+                    f"{example}")
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("name, body, message", [
+    ("empty.jsonl", "", "no documents found in {path}"),
+    ("blank.jsonl", "\n  \n\n", "no documents found in {path}"),
+    ("bad.jsonl", '{"text": "a"}\n\n{oops\n', "{path}:3: not valid JSON (Expecting property name"),
+    ("number.jsonl", '{"text": "a"}\n{"text": 5}\n', "{path}:2: 'text' is not a string (found 5)"),
+    ("list.json", "[1,2,3]", "{path}:record 1: not a JSON object"),
+    ("line.jsonl", '"just a string"\n', "{path}:1: not a JSON object"),
+])
+def test_bad_json_records_are_named_before_tokenizer_training(tmp_path, capsys, monkeypatch, name,
+                                                              body, message):
+    """These once gave `StopIteration`, megatron's 'Instruction "train" corresponds to no data!', a
+    two-line message without a line number, or were read as the text "5"."""
+    path = tmp_path / name
+    path.write_text(body, encoding="utf-8")
+    monkeypatch.setattr(pp, "train_bpe", lambda *a, **k: pytest.fail("tokenizer trained"))
+    before = _listing(tmp_path)
+    line = _cli_fails(["--input", str(path), "--output-prefix", str(tmp_path / "out" / "ds")],
+                      capsys)
+    assert line.startswith("tandem preprocess: error: " + message.format(path=path)), line
+    assert _listing(tmp_path) == before
+
+
+def test_json_arrays_objects_and_empty_files_beside_others_still_read(tmp_path, tok_path):
+    (tmp_path / "array.json").write_text('[\n{"text": "a"},\n{"text": null},\n{"text": "b"}\n]\n')
+    (tmp_path / "object.json").write_text('{\n  "text": "c"\n}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    inputs = [str(tmp_path / n) for n in ("array.json", "empty.jsonl", "object.json")]
+    meta = preprocess(inputs, str(tmp_path / "ds"), tokenizer=tok_path)
+    got, _ = _read_back(str(tmp_path / "ds"))
+    assert got == _expected(load_tokenizer(tok_path), ["a", "b", "c"])
+    assert meta["skipped_empty_documents"] == 1

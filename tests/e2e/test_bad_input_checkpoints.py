@@ -1,0 +1,74 @@
+"""Bad input in a checkpoint's side files: `--resume` and `tandem eval --checkpoint` give one line
+naming the file (and line), before the model is built, and leave the run directory as it was.
+"""
+
+import os
+import shutil
+
+import pytest
+
+import tandem.trainer.run as run_module
+from tests.e2e import test_bad_input as bad_input
+
+RECIPE, snapshot = bad_input.RECIPE, bad_input.snapshot
+ctx, earlier_run = bad_input.ctx, bad_input.earlier_run  # the fixtures, registered here
+
+
+def _step(ctx, n=2):
+    return os.path.join(ctx.run, "checkpoints", f"step_{n}")
+
+
+def _damage(ctx, name, text):
+    with open(os.path.join(_step(ctx), name), "w") as f:
+        f.write(text)
+    ctx.before = snapshot(ctx.run)
+    return os.path.join(_step(ctx), name)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Every refusal here comes before the model is built."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the checkpoint was checked")
+
+    monkeypatch.setattr(run_module, "build_model", refuse)
+
+
+def test_resume_with_corrupt_checkpoint_config(ctx, no_model):
+    path = _damage(ctx, "config.yaml", "x: [\n")
+    line = ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
+                     f"checkpoint config {path} is not valid YAML")
+    assert "line 2" in line
+
+
+def test_resume_with_corrupt_trainer_state(ctx, no_model):
+    path = _damage(ctx, "trainer_state.json", '{"step": 2,\n oops}\n')
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
+              f"{path}:2: not valid JSON (Expecting property name enclosed in double quotes)")
+
+
+def test_resume_with_trainer_state_without_step(ctx, no_model):
+    path = _damage(ctx, "trainer_state.json", "[2]\n")
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
+              f"{path}: not a JSON object with an integer 'step'")
+
+
+def test_resume_from_a_complete_checkpoint_without_dcp_index(ctx, no_model):
+    """COMPLETE without DCP's .metadata once failed inside DCP after the model was built, with a
+    traceback and a 414-character line."""
+    index = os.path.join(_step(ctx), ".metadata")
+    os.remove(index)
+    ctx.before = snapshot(ctx.run)
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
+              f"checkpoint {_step(ctx)} is marked COMPLETE but lacks {index} (DCP's index of its "
+              "shards); no older complete checkpoint exists")
+
+
+def test_missing_dcp_index_names_the_older_complete_checkpoint(ctx, no_model):
+    shutil.copytree(_step(ctx), _step(ctx, 1))
+    os.remove(os.path.join(_step(ctx), ".metadata"))
+    ctx.before = snapshot(ctx.run)
+    for argv in (["train", RECIPE, *ctx.base, "--resume"], ["eval", "--checkpoint", ctx.run]):
+        line = ctx.fails(argv, f"lacks {os.path.join(_step(ctx), '.metadata')}")
+        assert f"the newest older complete checkpoint is {_step(ctx, 1)}" in line
