@@ -65,9 +65,10 @@ TARGETS = {"mfu": 0.40, "k3_step_over_flop_ratio": 1.10, "speedup_over_acceptanc
            "runtime_s": 480.0}
 
 # One device, no parallelism, one micro-batch per step, bf16 autocast (fp32 master weights and
-# AdamW).
+# AdamW); the training step alone (no in-loop evaluator, whose decoding a shrunk
+# model.max_seq_len may not fit).
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.dp=1",
-          "parallel.sequence_parallel=false",
+          "parallel.sequence_parallel=false", "eval.interval=0",
           "train.grad_accum_steps=1", "train.dtype=bf16", "train.activation_checkpointing=none"]
 # --quick: the same recipes shrunk until a 2-core CPU steps them in milliseconds.
 TINY_QUICK = ["data.seq_len=64", "train.micro_batch_size=2"]
