@@ -78,8 +78,8 @@ def check_index(path: str) -> None:
     match = _STEP_DIR.match(os.path.basename(path))
     older = [p for step, p in _scan(os.path.dirname(path))[0]
              if match and step < int(match.group(1)) and os.path.isfile(os.path.join(p, DCP_INDEX))]
-    hint = (f"the newest older complete checkpoint is {older[-1]}: move {path} out of "
-            f"{os.path.dirname(path)} to use it" if older else
+    hint = (f"the newest older complete checkpoint is {os.path.basename(older[-1])}: move "
+            f"{os.path.basename(path)} out of {os.path.dirname(path)} to use it" if older else
             "no older complete checkpoint exists")
-    raise ValueError(f"checkpoint {path} is marked {MARKER} but lacks {index} (DCP's index of "
-                     f"its shards); {hint}")
+    raise ValueError(f"checkpoint {path} is marked {MARKER} but lacks its {DCP_INDEX} (DCP's "
+                     f"index of its shards); {hint}")

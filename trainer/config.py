@@ -309,7 +309,9 @@ class EvalConfig:
 
     def check_decoding_fits(self, cfg: "TandemConfig") -> None:
         """The in-loop evaluator's prompts, continuations and draft margin fit the model's
-        positions: checked here, not at the first evaluation `eval.interval` steps into the run."""
+        positions. A training run checks it at start-up (trainer/run.py), not at its first
+        evaluation `eval.interval` steps in; not part of `validate`, since a config that never
+        trains (an estimate, a model built for a test) need not fit the evaluator's defaults."""
         k = self.num_steps or cfg.mtp.num_steps
         if self.interval <= 0 or k <= 0:
             return
@@ -421,5 +423,4 @@ class TandemConfig:
         require("data", self.data, [
             ("seq_len", self.data.seq_len > self.mtp.num_steps, "must be > mtp.num_steps"),
         ])
-        self.eval.check_decoding_fits(self)
 

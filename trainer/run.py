@@ -228,6 +228,7 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
+    cfg.eval.check_decoding_fits(cfg)
     reference = _adopt_init_from(cfg)
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))

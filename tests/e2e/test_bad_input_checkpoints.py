@@ -57,12 +57,11 @@ def test_resume_with_trainer_state_without_step(ctx, no_model):
 def test_resume_from_a_complete_checkpoint_without_dcp_index(ctx, no_model):
     """COMPLETE without DCP's .metadata once failed inside DCP after the model was built, with a
     traceback and a 414-character line."""
-    index = os.path.join(_step(ctx), ".metadata")
-    os.remove(index)
+    os.remove(os.path.join(_step(ctx), ".metadata"))
     ctx.before = snapshot(ctx.run)
     ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
-              f"checkpoint {_step(ctx)} is marked COMPLETE but lacks {index} (DCP's index of its "
-              "shards); no older complete checkpoint exists")
+              f"checkpoint {_step(ctx)} is marked COMPLETE but lacks its .metadata (DCP's index of "
+              "its shards); no older complete checkpoint exists")
 
 
 def test_missing_dcp_index_names_the_older_complete_checkpoint(ctx, no_model):
@@ -70,5 +69,7 @@ def test_missing_dcp_index_names_the_older_complete_checkpoint(ctx, no_model):
     os.remove(os.path.join(_step(ctx), ".metadata"))
     ctx.before = snapshot(ctx.run)
     for argv in (["train", RECIPE, *ctx.base, "--resume"], ["eval", "--checkpoint", ctx.run]):
-        line = ctx.fails(argv, f"lacks {os.path.join(_step(ctx), '.metadata')}")
-        assert f"the newest older complete checkpoint is {_step(ctx, 1)}" in line
+        line = ctx.fails(argv, f"checkpoint {_step(ctx)} is marked COMPLETE but lacks its "
+                               ".metadata")
+        assert (f"the newest older complete checkpoint is {os.path.basename(_step(ctx, 1))}: move "
+                f"{os.path.basename(_step(ctx))} out of ") in line

@@ -46,7 +46,7 @@ def test_megatron_split_eval_reads_validation_documents_only(tmp_path, tiny_base
                              "data.split=80,20,0", f"data.tokenizer={tok_path}",
                              f"data.cache_dir={tmp_path / 'cache'}",
                              "eval.interval=1", "eval.num_prompts=4", "eval.prompt_len=16",
-                             "eval.loss_batches=2", "train.max_steps=1"]
+                             "eval.max_new_tokens=8", "eval.loss_batches=2", "train.max_steps=1"]
     ev, prompts, batches = _tokens(build_run(load_config("recipes/tiny.yaml", overrides)))
     assert len(ev.prompts) == 4 and len(ev.loss_batches) == 2
     seen = set(prompts) | set(batches)
@@ -76,7 +76,8 @@ def test_stdlib_eval_reads_the_test_split(tmp_path, tiny_base):
     from tandem.trainer.run import build_run
 
     overrides = tiny_base + [f"run.dir={tmp_path / 'run'}", "eval.interval=1", "eval.num_prompts=4",
-                             "eval.prompt_len=16", "eval.loss_batches=2", "train.max_steps=1"]
+                             "eval.prompt_len=16", "eval.max_new_tokens=8", "eval.loss_batches=2",
+                             "train.max_steps=1"]
     trainer = build_run(load_config("recipes/tiny.yaml", overrides))
     ev = trainer.evaluator
     eod = trainer.tokenizer.eod_id
