@@ -212,14 +212,23 @@ def resolve_device_flag(requested: str) -> str:
         raise ValueError(f"--device {requested}: {str(exc).strip().splitlines()[0]}") from None
 
 
+def sampling_flag_problem(temperature: float, top_p: float) -> Optional[str]:
+    """What is wrong with `--temperature` / `--top-p` (eval's and generate's), in one line, or
+    None."""
+    if not math.isfinite(temperature):  # nan < 0 is False: the range check lets it by
+        return f"--temperature {temperature} must be a finite number"
+    if temperature < 0:
+        return f"--temperature {temperature} must be >= 0 (0: greedy)"
+    if not 0 < top_p <= 1:
+        return f"--top-p {top_p} must be in (0, 1]"
+    return None
+
+
 def _check_flags(args) -> None:
     """Option ranges, in one line, before anything is read (0 picks the checkpoint's value)."""
-    if not math.isfinite(args.temperature):  # nan < 0 is False: the range check lets it by
-        raise _Fail(f"--temperature {args.temperature} must be a finite number")
-    if args.temperature < 0:
-        raise _Fail(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
-    if not 0 < args.top_p <= 1:
-        raise _Fail(f"--top-p {args.top_p} must be in (0, 1]")
+    problem = sampling_flag_problem(args.temperature, args.top_p)
+    if problem:
+        raise _Fail(problem)
     for flag in ("num_prompts", "prompt_len", "num_steps", "max_new_tokens", "batch_size"):
         if getattr(args, flag) < 0:
             raise _Fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0: the "

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -49,7 +48,7 @@ from tandem.eval.spec_decode import prompt_limit
 
 from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
-from .eval_cli import _load, _tokenizer_of, resolve_device_flag
+from .eval_cli import _load, _tokenizer_of, resolve_device_flag, sampling_flag_problem
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 from .hf.importer import hf_config
 from .hf.init_from import check_reference, fingerprint, read_reference
@@ -187,12 +186,9 @@ def _check_args(args) -> None:
     for flag in ("max_new_tokens", "samples_per_prompt", "batch_size"):
         if getattr(args, flag) < 1:
             raise GenerateError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
-    if not math.isfinite(args.temperature):  # nan < 0 is False: the range check lets it by
-        raise GenerateError(f"--temperature {args.temperature} must be a finite number")
-    if args.temperature < 0:
-        raise GenerateError(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
-    if not 0 < args.top_p <= 1:
-        raise GenerateError(f"--top-p {args.top_p} must be in (0, 1]")
+    problem = sampling_flag_problem(args.temperature, args.top_p)
+    if problem:
+        raise GenerateError(problem)
     if args.top_k < 0:
         raise GenerateError(f"--top-k {args.top_k} must be >= 0 (0: all)")
     if args.num_steps < 0 or min(args.tp, args.pp, args.ep) < 1:

@@ -4,7 +4,6 @@ naming, and shard-wise (DTensor) slicing."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -33,6 +32,7 @@ from tandem.trainer.hf.reader import (  # noqa: E402
     PickleCheckpointError,
 )
 from tandem.trainer.recipe import load_config, to_yaml  # noqa: E402
+from tests.e2e.test_bad_input import snapshot  # noqa: E402
 
 V = 96
 
@@ -266,17 +266,6 @@ def test_shape_mismatch_message_stays_short(tmp_path):
 
 
 # --- `tandem export`: refused before anything is read or lost -----------------------------------
-def snapshot(root):
-    """sha256 of every file under `root`, by relative path."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 @pytest.fixture
 def run(tmp_path):
     """A run directory as training leaves it: checkpoints/step_1, config.yaml, metrics.jsonl."""
