@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tandem.data_pipeline.dataset import check_vocab
+from tandem.data_pipeline.tokenizer import tokenizer_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
@@ -102,6 +103,7 @@ def export_main(argv: List[str]) -> int:
     try:
         step = resolve_checkpoint(args.checkpoint)
         ref = read_reference(step)
+        # before the frozen trunk's fingerprint is computed (check_reference hashes it)
         check_out(args.out, args.overwrite, _read_dirs(step, ref))
         cfg = load_config(os.path.join(step, "config.yaml"))
         if ref is not None:
@@ -124,7 +126,7 @@ def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
     copy the checkpoint recorded, else the run's data config's."""
     if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
         return os.path.join(step_dir, "tokenizer.json")
-    if cfg.data.tokenizer and os.path.isfile(_tokenizer_json(cfg.data.tokenizer)):
+    if cfg.data.tokenizer and tokenizer_file(cfg.data.tokenizer):
         return cfg.data.tokenizer
     if cfg.data.source == "stdlib":
         ver = ".".join(map(str, sys.version_info[:3]))
@@ -174,7 +176,6 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
     """`export_hf` of a Tandem checkpoint directory, without building the model; a frozen-trunk
     checkpoint's trunk comes from its (fingerprint-checked) `model.init_from` reference."""
     family = family or default_family(cfg)
-    check_out(out, overwrite, _read_dirs(step_dir, read_reference(step_dir)))
 
     def fill(tmp: str) -> None:
         spec = hf_config(family, cfg, mtp)[1]
@@ -182,7 +183,8 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
         _write_hf(tmp, family, cfg, mtp, names,
                   _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
 
-    _write_export_dir(out, overwrite, tokenizer, fill, cfg.vocab_size)
+    _write_export_dir(out, overwrite, tokenizer, fill, cfg.vocab_size,
+                      _read_dirs(step_dir, read_reference(step_dir)))
     return family
 
 
@@ -356,16 +358,11 @@ def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
     return value.to(dtype)
 
 
-def _tokenizer_json(tokenizer: str) -> str:
-    tokenizer = os.path.expanduser(tokenizer)
-    return os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
-
-
 def check_tokenizer_file(tokenizer: str, vocab_size: int) -> str:
     """The tokenizer.json of `tokenizer` (a file or an HF tokenizer directory), checked to load and
     to fit the model's embedding table: an export must not ship a tokenizer it cannot serve."""
-    src = _tokenizer_json(tokenizer)
-    if not os.path.isfile(src):
+    src = tokenizer_file(tokenizer)
+    if src is None:
         where = "holds no tokenizer.json" if os.path.isdir(tokenizer) else "does not exist"
         raise FileNotFoundError(f"--tokenizer {tokenizer} {where}")
     # check_vocab reads the tokenizer's path and size only: a tokenizer without an end-of-document
@@ -433,10 +430,12 @@ def check_out(out: str, overwrite: bool, inputs: Optional[Dict[str, str]] = None
 
 
 def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
-                      fill: Callable[[str], None], vocab_size: int) -> None:
+                      fill: Callable[[str], None], vocab_size: int,
+                      inputs: Optional[Dict[str, str]] = None) -> None:
     """Assemble an export in a temporary sibling directory (`fill(tmp)` writes weights and config)
-    and rename it into place: OUT is absent, the old export or the whole new one."""
-    check_out(out, overwrite)
+    and rename it into place: OUT is absent, the old export or the whole new one. OUT is checked
+    first (`check_out`, with `inputs`: what the export reads)."""
+    check_out(out, overwrite, inputs)
     tok_src = check_tokenizer_file(tokenizer, vocab_size) if tokenizer else None
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
