@@ -129,12 +129,12 @@ def _refuse_an_earlier_run(run_dir: str) -> None:
         held = f"newest checkpoint {os.path.basename(complete[-1][1])}"
         how = "pass --resume to continue it"
     else:
-        held = [name for name in ("config.yaml", "metrics.jsonl")
-                if os.path.exists(os.path.join(run_dir, name))]
-        held += [f"{os.path.relpath(path, run_dir)} (incomplete)" for path in incomplete]
-        if not held:
+        files = [name for name in ("config.yaml", "metrics.jsonl")
+                 if os.path.exists(os.path.join(run_dir, name))]
+        files += [f"{os.path.relpath(path, run_dir)} (incomplete)" for path in incomplete]
+        if not files:
             return
-        held = f"{', '.join(held)}; no complete checkpoint"
+        held = f"{', '.join(files)}; no complete checkpoint"
         how = "pass --resume to start it again from step 0"
     raise ConfigError(f"config key 'run.dir'={run_dir!r} holds an earlier run ({held}); {how} or "
                       "choose another run.dir")
