@@ -18,7 +18,7 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.tokenizer_sample_bytes < 0:
-        parser.exit(1, f"tandem preprocess: error: --tokenizer-sample-bytes "
+        parser.exit(2, f"tandem preprocess: error: --tokenizer-sample-bytes "
                        f"{args.tokenizer_sample_bytes} must be >= 0 (0: all)\n")
     exts = [e.strip() for e in args.extensions.split(",") if e.strip()] if args.extensions else None
     if args.chat:
@@ -37,7 +37,7 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
             log=lambda msg: print(msg, file=sys.stderr),
         )
     except (OSError, ValueError) as exc:
-        parser.exit(1, f"tandem preprocess: error: {exc}\n")
+        parser.exit(2, f"tandem preprocess: error: {exc}\n")
     print(
         f"preprocessed {meta['documents']} documents, {meta['tokens']} tokens "
         f"(vocab {meta['vocab_size']}, eod {meta['eod_id']}, {meta['dtype']}) -> "
@@ -56,7 +56,7 @@ def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
                                tokenizer_sample_bytes=args.tokenizer_sample_bytes,
                                log=lambda msg: print(msg, file=sys.stderr))
     except (OSError, ValueError) as exc:
-        parser.exit(1, f"tandem preprocess: error: {exc}\n")
+        parser.exit(2, f"tandem preprocess: error: {exc}\n")
     print(summary_line(meta))
     return 0
 

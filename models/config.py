@@ -264,8 +264,9 @@ class ModelConfig:
         if self.balance not in ("aux_free", "aux_loss", "none"):
             raise ValueError("model.balance must be 'aux_free', 'aux_loss' or 'none', got "
                              f"{self.balance!r}")
-        if self.first_k_dense < 0:
-            raise ValueError(f"model.first_k_dense must be >= 0, got {self.first_k_dense}")
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            raise ValueError(f"model.first_k_dense must be in [0, model.num_layers="
+                             f"{self.num_layers}], got {self.first_k_dense}")
         _validate_hybrid(self)
 
 

@@ -194,6 +194,12 @@ def _check_args(args) -> None:
     if args.num_steps < 0 or min(args.tp, args.pp, args.ep) < 1:
         raise GenerateError("--num-steps must be >= 0 (0: the trained K), --tp, --pp and --ep "
                             ">= 1")
+    world, degrees = int(os.environ.get("WORLD_SIZE", "1")), args.tp * args.pp * args.ep
+    if world % degrees:
+        # one process would otherwise decode unsharded, the layout flags silently dropped
+        raise GenerateError(f"--tp {args.tp} --pp {args.pp} --ep {args.ep} need a multiple of "
+                            f"{degrees} processes, not {world}: launch with torchrun "
+                            f"--nproc-per-node {degrees}")
 
 
 def prepare(args):
@@ -242,6 +248,8 @@ def load_on_layout(args, src: Source):
     if ref is not None:
         check_reference(ref, step)
     p = cfg.parallel
+    if args.pp != p.pp:  # the trained stages' placement does not fit another pipeline depth
+        p.pp_layout, p.pp_depth_stages, p.pp_balance = [], [], p.pp_balance and args.pp > 1
     p.tp, p.pp, p.ep, p.dp, p.cp, p.sequence_parallel = args.tp, args.pp, args.ep, 0, 1, False
     # fp32 weights and no training-only wrappers: every layout then decodes as one process does
     cfg.train.dtype, cfg.train.freeze_trunk, cfg.train.compile = "fp32", False, False

@@ -178,6 +178,10 @@ def _task_sizes(args: argparse.Namespace) -> Tuple[Optional[int], int, int]:
         raise LaunchError("--cpus-per-task must be >= 1")
     if args.signal_seconds < 0:
         raise LaunchError("--signal-seconds must be >= 0")
+    limit = _time_limit_seconds(args.time) if args.time else None
+    if limit is not None and args.signal_seconds >= limit:
+        raise LaunchError(f"--signal-seconds {args.signal_seconds} is not below --time "
+                          f"{args.time} ({limit} s): the checkpoint signal would come at once")
     return gpus, nproc, cpus
 
 
@@ -205,12 +209,53 @@ def _sbatch_directives(args: argparse.Namespace, job_name: str, gpus: Optional[i
         "--requeue",
         "--open-mode=append",
     ]
-    for extra in args.sbatch_arg:
-        if not extra.startswith("-") or any(c.isspace() for c in extra):
-            raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, "
-                              "no whitespace)")
-        d.append(extra)
+    d += [_checked_sbatch_arg(extra) for extra in args.sbatch_arg]
     return d
+
+
+LAUNCHER_SETS = {"--nodes": "--nodes", "-N": "--nodes", "--ntasks-per-node": None,
+                 "--cpus-per-task": "--cpus-per-task", "-c": "--cpus-per-task",
+                 "--gres": "--gpus-per-node and --gres-name", "--time": "--time", "-t": "--time",
+                 "--partition": "--partition", "-p": "--partition", "--account": "--account",
+                 "-A": "--account", "--job-name": "--job-name", "-J": "--job-name",
+                 "--output": None, "-o": None, "--error": None, "-e": None,
+                 "--signal": "--signal-seconds", "--requeue": None, "--open-mode": None}
+"""The sbatch options the script already sets, each with the launcher flag that sets it (None: fixed
+by the launcher): a repeat in --sbatch-arg would contradict what was checked."""
+
+
+def _checked_sbatch_arg(extra: str) -> str:
+    """One --sbatch-arg: a single option that the launcher does not already set."""
+    if not extra.startswith("-") or any(c.isspace() for c in extra):
+        raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, "
+                          "no whitespace)")
+    option = extra.split("=")[0] if extra.startswith("--") else extra[:2]
+    if option in LAUNCHER_SETS:
+        flag = LAUNCHER_SETS[option]
+        how = f"use {flag}" if flag else "the launcher needs its own value"
+        raise LaunchError(f"--sbatch-arg {extra!r} repeats {option}, which the script already "
+                          f"sets ({how})")
+    return extra
+
+
+SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def _time_limit_seconds(time: str) -> Optional[int]:
+    """Seconds in a Slurm --time value (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S), None for unlimited;
+    raises LaunchError for anything else."""
+    if time.lower() in ("unlimited", "infinite"):
+        return None
+    match = SLURM_TIME.fullmatch(time)
+    if not match:
+        raise LaunchError(f"--time {time!r} is not a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M "
+                          "or D-H:M:S)")
+    days, first, second, third = (int(g) if g else 0 for g in match.groups())
+    if match.group(1) is not None:  # D-H[:M[:S]]
+        return ((days * 24 + first) * 60 + second) * 60 + third
+    if match.group(4) is not None:  # H:M:S
+        return (first * 60 + second) * 60 + third
+    return first * 60 + second  # M or M:S
 
 
 def _timestamped(dir_: Path) -> str:

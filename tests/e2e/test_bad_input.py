@@ -87,6 +87,9 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     ("train.eps=-1", "config key 'train.eps'=-1.0 must be positive"),
     ("data.split=50,50,0,0", "config key 'data.split'='50,50,0,0' must be up to three"),
     ("data.stdlib_max_bytes=-1", "config key 'data.stdlib_max_bytes'=-1 must be >= 0"),
+    ("model.first_k_dense=3", "model.first_k_dense must be in [0, model.num_layers=2], got 3"),
+    ("parallel.pp_layout=[1,1]", "parallel.pp_layout=[1, 1] places pipeline stages, but "
+                                 "parallel.pp=1 has one"),
     # the in-loop evaluator's decoding, refused here rather than eval.interval steps into the run
     ("eval.interval=2 eval.prompt_len=60", "the draft margin 4K+5=13 (K=2) exceed "
                                            "model.max_seq_len=64"),
@@ -207,13 +210,13 @@ def test_preprocess_refuses_to_overwrite(dataset, capsys):
     before = snapshot(os.path.dirname(dataset))
     with pytest.raises(SystemExit) as exit_:
         main(["preprocess", "--input", dataset + ".meta.json", "--output-prefix", dataset])
-    assert exit_.value.code == 1
+    assert exit_.value.code == 2  # as every other command's bad input
     assert "already exists" in capsys.readouterr().err
     assert snapshot(os.path.dirname(dataset)) == before
 
 
 def test_preprocess_missing_input(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         main(["preprocess", "--input", str(tmp_path / "absent.jsonl"), "--output-prefix",
               str(tmp_path / "out")])
     assert "absent.jsonl" in capsys.readouterr().err

@@ -138,6 +138,8 @@ def test_non_finite_temperature(ctx, no_model, prompts, tmp_path, command, value
     ("--batch-size", "0", "--batch-size 0 must be >= 1"),
     ("--top-p", "1.5", "--top-p 1.5 must be in (0, 1]"),
     ("--top-k", "-1", "--top-k -1 must be >= 0 (0: all)"),
+    ("--tp", "2", "--tp 2 --pp 1 --ep 1 need a multiple of 2 processes, not 1: launch with "
+     "torchrun --nproc-per-node 2"),
 ])
 def test_generate_names_the_bad_flag(ctx, no_model, prompts, tmp_path, flag, value, message):
     ctx.fails(["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out",

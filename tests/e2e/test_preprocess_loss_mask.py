@@ -92,7 +92,7 @@ def test_bad_record_is_one_line_before_any_output(tmp_path, capsys, bad, expecte
     with pytest.raises(SystemExit) as exc:
         preprocess_main(["--chat", "--input", data, "--output-prefix", prefix, "--tokenizer", tok])
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 1 and len(err.splitlines()) == 1 and expected in err, err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and expected in err, err
     assert sorted(os.listdir(tmp_path)) == ["chat.jsonl", "tok"]  # nothing written, no staging left
 
 

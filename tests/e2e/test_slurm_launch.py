@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.trainer.launch import launch_slurm_main
+from tandem.trainer.launch import _time_limit_seconds, launch_slurm_main
 
 SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
              "SLURM_CPUS_PER_TASK": "2"}
@@ -130,6 +130,11 @@ def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
         (["--job-name", "a b"], "--job-name"),
         (["--sbatch-arg=--comment=x\n#SBATCH --wrap=id"], "--sbatch-arg"),
         (["--time", "1:00\n#SBATCH --x"], "--time"),
+        (["--time", "4h"], "--time '4h' is not a Slurm time limit"),
+        (["--time", "00:01:30", "--signal-seconds", "90"], "is not below --time 00:01:30 (90 s)"),
+        (["--sbatch-arg=--nodes=5"], "repeats --nodes, which the script already sets (use --nodes"),
+        (["--sbatch-arg=-t10"], "repeats -t, which the script already sets (use --time"),
+        (["--sbatch-arg=--output=x.log"], "(the launcher needs its own value)"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
@@ -414,3 +419,12 @@ def test_check_prints_parameters_and_memory_and_submits_nothing(tmp_path, capsys
     rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}",
                             "--nodes", "1", "--gpus-per-node", "8", "--check"])
     assert rc == 2 and "not divisible by parallel.tp*pp*cp*ep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("time, seconds", [
+    ("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-2", 93600), ("1-2:30", 95400),
+    ("1-0:0:5", 86405), ("UNLIMITED", None),
+])
+def test_time_limits_read_as_slurm_reads_them(time, seconds):
+    """Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (sbatch(1)), hand-converted."""
+    assert _time_limit_seconds(time) == seconds

@@ -170,7 +170,7 @@ def test_cli_prints_summary_and_refuses_overwrite(tmp_path, tok_path, capsys):
     assert len(out) == 1 and f"{len(docs)} documents" in out[0] and prefix in out[0]
     with pytest.raises(SystemExit) as exc:
         preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer", tok_path])
-    assert exc.value.code == 1
+    assert exc.value.code == 2
     assert "already exists" in capsys.readouterr().err
     assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--vocab-size", "300",
                             "--overwrite"]) == 0
@@ -182,7 +182,7 @@ def test_cli_refuses_a_negative_tokenizer_sample(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         preprocess_main(["--input", str(tmp_path / "none.jsonl"), "--output-prefix",
                          str(tmp_path / "x"), "--tokenizer-sample-bytes", "-1"])
-    assert exc.value.code == 1
+    assert exc.value.code == 2
     assert capsys.readouterr().err.strip() == ("tandem preprocess: error: "
                                                "--tokenizer-sample-bytes -1 must be >= 0 (0: all)")
     assert os.listdir(tmp_path) == []
@@ -203,7 +203,7 @@ def _listing(root):
 def _cli_fails(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         preprocess_main(argv)
-    assert exc.value.code == 1
+    assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     return err[0]

@@ -60,7 +60,8 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
 
     Raises ConfigError (one line) for: world size not the product tp*pp*cp*ep*dp, heads / kv heads
     (attention and QSA) or Gated DeltaNet key / value heads not divisible by tp, experts not
-    divisible by ep, too few layers (or a bad pp_layout) for the pipeline stages, fewer pipeline
+    divisible by ep, too few layers (or a bad pp_layout) for the pipeline stages, a stage placement
+    (pp_layout, pp_depth_stages, pp_balance) without a pipeline, fewer pipeline
     micro-batches than the pipeline depth, sequence parallelism with data.seq_len not divisible by
     tp, and tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp.
     """
@@ -94,6 +95,11 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
         if m.num_experts % p.ep:
             raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by "
                               f"parallel.ep={p.ep}")
+    placement = [key for key in ("pp_layout", "pp_depth_stages", "pp_balance")
+                 if getattr(p, key)]
+    if p.pp == 1 and placement:
+        raise ConfigError(f"parallel.{placement[0]}={getattr(p, placement[0])!r} places pipeline "
+                          "stages, but parallel.pp=1 has one; set parallel.pp or drop it")
     if p.pp > 1:
         PipelinePlan(cfg).check(cfg)
         pipeline_microbatches(cfg)  # raises when the step's sequences cannot be split
