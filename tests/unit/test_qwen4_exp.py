@@ -13,6 +13,8 @@ expert). fp32.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ from tandem.models.gated_deltanet import qkv_rows_from_hf  # noqa: E402
 from tandem.models.mtp_config import MTPConfig  # noqa: E402
 from tandem.trainer.hf.export import export_hf  # noqa: E402
 from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
+from tests.eval_helpers import make_agreeing  # noqa: E402
 
 VOCAB, EOS, S = 96, 1, 40
 
@@ -228,7 +231,17 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert generate(model, [prompt], 10, 0).outputs[0] == theirs
-        assert generate(model, [prompt], 10, 2).outputs[0] == theirs
+    # ... and speculative decoding with drafts the trunk partly accepts (this random drafter's are
+    # all rejected), on the export of a model whose drafter agrees with its trunk
+    agreeing = make_agreeing(copy.deepcopy(model), 0.05, seed=2)
+    export_hf(agreeing, str(tmp_path / "agreeing"), "qwen4_exp", cfg=cfg, mtp=mtp)
+    hf_agreeing = T.AutoModelForCausalLM.from_pretrained(tmp_path / "agreeing").eval()
+    with torch.no_grad():
+        theirs = hf_agreeing.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        spec = generate(agreeing, [prompt], 10, 2)
+    assert spec.outputs[0] == theirs
+    assert spec.stats.accepted_at[0].min() > 0, spec.stats.accepted_at  # at both depths
     # ... and the exported directory imports back with its MTP drafter
     back, bcfg = load_hf_model(str(out))
     assert bcfg.mtp.num_steps == 1 and bcfg.mtp.resolved_combine(bcfg.model) == "qwen4_exp"
