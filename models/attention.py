@@ -18,7 +18,7 @@ from torch import nn
 from .config import ModelConfig
 from .context import WholeWindow
 from .documents import Documents
-from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
+from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding, cached_attention
 from .state import KVCache, LayerKV  # noqa: F401  (re-exported: callers import the cache from here)
 
 
@@ -69,9 +69,8 @@ class Attention(nn.Module):
         else:
             k_all, v_all = cache.update(k, v, positions_bs)
             key_pos = torch.arange(k_all.shape[2], device=x_bsh.device)
-            mask = key_pos[None, None, None, :] <= positions_bs[:, None, :, None]
-            out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype),
-                                                 attn_mask=mask, enable_gqa=groups > 1)
+            mask = key_pos[None, None, :] <= positions_bs[..., None]
+            out = cached_attention(q, k_all, v_all, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU MLP."""
+"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU MLP, attention over a decoding
+cache."""
 
 from __future__ import annotations
 
@@ -194,6 +195,43 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         out[..., :h].sub_(x[..., h:r] * sin[..., :h])
         out[..., h:r].add_(x[..., :h] * sin[..., h:])
     return out
+
+
+def cached_attention(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
+                     mask_bts: torch.Tensor) -> torch.Tensor:
+    """Decoding's attention of a few new queries per row over a cache prefix: queries [B, Hq, T,
+    D], keys and values [B, Hk, S, D] (any dtype; read in the queries'), `mask_bts` [B, T, S] True
+    where a query attends. On CPU the kernel behind `enable_gqa=True` is up to several times slower
+    at batched decoding's shapes than `folded_attention`'s layout, which then runs instead (the same
+    values; `folds_query_heads` says where, bench/decode_attention.py measures both)."""
+    if folds_query_heads(q_bhsd, k_bksd):
+        return folded_attention(q_bhsd, k_bksd, v_bksd, mask_bts)
+    return F.scaled_dot_product_attention(q_bhsd, k_bksd.to(q_bhsd.dtype), v_bksd.to(q_bhsd.dtype),
+                                          attn_mask=mask_bts[:, None],
+                                          enable_gqa=q_bhsd.shape[1] > k_bksd.shape[1])
+
+
+def folds_query_heads(q_bhsd: torch.Tensor, k_bksd: torch.Tensor) -> bool:
+    """Whether `cached_attention` runs `folded_attention`: grouped heads and several rows on CPU,
+    in bf16 / fp16, or in fp32 with several queries per row (fp32's one-query kernel is faster
+    as it is, and so is one row's; on accelerators the fused kernels' own grouping is kept)."""
+    b, hq, t = q_bhsd.shape[:3]
+    return (hq > k_bksd.shape[1] and b > 1 and q_bhsd.device.type == "cpu"
+            and (t > 1 or q_bhsd.dtype != torch.float32))
+
+
+def folded_attention(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
+                     mask_bts: torch.Tensor) -> torch.Tensor:
+    """`cached_attention` with the Hq / Hk query heads that share a key head folded into the query
+    length ([B, Hk, Hq / Hk x T, D]): each row reads its key head once, none is expanded per query
+    head."""
+    b, hq, t, d = q_bhsd.shape
+    hk = k_bksd.shape[1]
+    groups = hq // hk
+    out = F.scaled_dot_product_attention(q_bhsd.reshape(b, hk, groups * t, d),
+                                         k_bksd.to(q_bhsd.dtype), v_bksd.to(q_bhsd.dtype),
+                                         attn_mask=mask_bts[:, None].repeat(1, 1, groups, 1))
+    return out.view(b, hq, t, d)
 
 
 class _RotaryFunction(torch.autograd.Function):

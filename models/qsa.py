@@ -93,7 +93,7 @@ from torch import nn
 
 from .context import WholeWindow
 from .documents import Documents
-from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
+from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding, cached_attention
 from .moe import AuxLossGrad
 from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
 from .qsa_loss import recall_measured
@@ -468,9 +468,7 @@ class IndexedAttention(nn.Module):
             if share is not None and share.mode == "record":
                 self._record(cache, positions_bs, blocks_bsk, count_bs)
         mask_bts = token_mask(self.compress_ratio, blocks_bsk, count_bs, tail_at_bs, span)
-        groups = q_bhsd.shape[1] // k_all.shape[1]
-        out = F.scaled_dot_product_attention(q_bhsd, k_all.to(q_bhsd.dtype), v_all.to(q_bhsd.dtype),
-                                             attn_mask=mask_bts[:, None], enable_gqa=groups > 1)
+        out = cached_attention(q_bhsd, k_all, v_all, mask_bts)
         return out.transpose(1, 2).reshape(q_bhsd.shape[0], q_bhsd.shape[2], -1)
 
     def _record(self, cache: LayerCache, positions_bs, blocks_bsk, count_bs) -> None:
