@@ -38,11 +38,12 @@ _IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8
 # Checks that fail fast with one-line messages
 
 
-def check_vocab(tokenizer: TandemTokenizer, model_vocab_size: int) -> None:
-    """Raise ValueError if the tokenizer's ids do not fit the model's embedding table."""
-    if tokenizer.vocab_size > int(model_vocab_size):
+def check_vocab(path: str, vocab_size: int, model_vocab_size: int) -> None:
+    """Raise ValueError if the ids of the tokenizer at `path` (`vocab_size` of them) do not fit the
+    model's embedding table."""
+    if vocab_size > int(model_vocab_size):
         raise ValueError(
-            f"tokenizer {tokenizer.path} has vocab_size={tokenizer.vocab_size}, larger than "
+            f"tokenizer {path} has vocab_size={vocab_size}, larger than "
             f"model.vocab_size={model_vocab_size}; raise model.vocab_size or use a smaller "
             "tokenizer"
         )
@@ -248,14 +249,15 @@ def build_datasets(
     if data_cfg.source == "jsonl":
         train_ds, valid_ds, tokenizer = build_chat_datasets(data_cfg, seq_len, seed)
         if model_vocab_size is not None:
-            check_vocab(tokenizer, model_vocab_size)
+            check_vocab(tokenizer.path, tokenizer.vocab_size, model_vocab_size)
         return train_ds, valid_ds, tokenizer
     if data_cfg.source == "stdlib" and data_cfg.tokenizer and model_vocab_size is not None:
         # a given tokenizer tokenizes the embedded corpus: checked before that is prepared
-        check_vocab(load_tokenizer(data_cfg.tokenizer), model_vocab_size)
+        given = load_tokenizer(data_cfg.tokenizer)
+        check_vocab(given.path, given.vocab_size, model_vocab_size)
     train_blend, valid_blend, tokenizer, default_cache = _blends_and_tokenizer(data_cfg)
     if model_vocab_size is not None:
-        check_vocab(tokenizer, model_vocab_size)
+        check_vocab(tokenizer.path, tokenizer.vocab_size, model_vocab_size)
     all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
     sequences = {}
     for p in all_prefixes:

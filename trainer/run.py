@@ -15,7 +15,7 @@ from typing import Any, Optional
 from torch import nn
 
 from tandem.data_pipeline.batches import DataPosition
-from tandem.data_pipeline.dataset import build_datasets, check_vocab, follow_checkpoint_tokenizer
+from tandem.data_pipeline.dataset import build_datasets, follow_checkpoint_tokenizer
 from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
 from tandem.eval.in_loop import InLoopEvaluator
 
@@ -202,7 +202,6 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
         num_train_samples=position.next_sample() + (steps_left + t.max_skips + 1) * global_batch,
         num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
         model_vocab_size=cfg.model.vocab_size)
-    check_vocab(tokenizer, cfg.model.vocab_size)
     eod = getattr(tokenizer, "eod_id", None)
     if cfg.model.ple_layers and eod is not None and cfg.model.eos_token_id != eod:
         # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents

@@ -240,10 +240,10 @@ def test_idx_with_other_version_or_dtype_is_rejected(corpus, tmp_path):
 def test_vocab_larger_than_model_is_rejected(corpus):
     root, tok_path, prefixes = corpus
     tok = load_tokenizer(tok_path)
-    check_vocab(tok, tok.vocab_size)
+    check_vocab(tok.path, tok.vocab_size, tok.vocab_size)
     with pytest.raises(ValueError, match=rf"tok\.json has vocab_size={tok.vocab_size}, larger than "
                                          r"model.vocab_size=256"):
-        check_vocab(tok, 256)
+        check_vocab(tok.path, tok.vocab_size, 256)
     with pytest.raises(ValueError, match="256"):
         build_datasets(_cfg(root, paths=[prefixes["a"]]), 16, 0, 10, 2, model_vocab_size=256)
 

@@ -365,9 +365,9 @@ def check_tokenizer_file(tokenizer: str, vocab_size: int) -> str:
     if src is None:
         where = "holds no tokenizer.json" if os.path.isdir(tokenizer) else "does not exist"
         raise FileNotFoundError(f"--tokenizer {tokenizer} {where}")
-    # check_vocab reads the tokenizer's path and size only: a tokenizer without an end-of-document
-    # token (which load_tokenizer requires for training) still exports
-    check_vocab(argparse.Namespace(path=src, vocab_size=tokenizer_file_size(src)), vocab_size)
+    # the file's size, not load_tokenizer's: a tokenizer without an end-of-document token (which
+    # training requires) still exports
+    check_vocab(src, tokenizer_file_size(src), vocab_size)
     return src
 
 
