@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +26,10 @@ import torch.nn.functional as F
 from tandem.models.layers import folded_attention, folds_query_heads
 from tandem.trainer.parallel.device import Device, resolve_device
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sampling_draw import seconds_per_call  # noqa: E402
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _ms(fn, reps: int, device: Device) -> float:
-    for _ in range(3):
-        fn()
-    device.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    device.synchronize()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def _compare(args, dtype: torch.dtype, B: int, queries: int, dev: Device) -> dict:
@@ -61,7 +54,7 @@ def _compare(args, dtype: torch.dtype, B: int, queries: int, dev: Device) -> dic
     def gqa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
-    ms_gqa, ms_folded = _ms(gqa, args.reps, dev), _ms(folded, args.reps, dev)
+    ms_gqa, ms_folded = (1e3 * seconds_per_call(fn, args.reps, dev) for fn in (gqa, folded))
     return {"rows": B, "queries_per_row": queries, "ms_enable_gqa": round(ms_gqa, 3),
             "ms_folded": round(ms_folded, 3), "speedup": round(ms_gqa / ms_folded, 2),
             "max_abs_diff": float((folded().float() - gqa().float()).abs().max()),

@@ -22,7 +22,9 @@ from tandem.eval.sampling import draw
 from tandem.trainer.parallel.device import Device, resolve_device
 
 
-def _seconds(fn, reps: int, device: Device) -> float:
+def seconds_per_call(fn, reps: int, device: Device) -> float:
+    """Mean seconds of `fn()` over `reps` calls after 5 warm-up calls, the device synchronised
+    around them (bench/decode_attention.py times its layouts with it too)."""
     for _ in range(5):
         fn()
     device.synchronize()
@@ -46,8 +48,9 @@ def main() -> None:
     device = dev.device
     gen = torch.Generator(device=device).manual_seed(0)
     probs = torch.softmax(3 * torch.randn(args.rows, args.vocab, generator=gen, device=device), -1)
-    multinomial = _seconds(lambda: torch.multinomial(probs, 1, generator=gen), args.reps, dev)
-    inverse_cdf = _seconds(lambda: draw(probs, gen), args.reps, dev)
+    multinomial = seconds_per_call(lambda: torch.multinomial(probs, 1, generator=gen), args.reps,
+                                   dev)
+    inverse_cdf = seconds_per_call(lambda: draw(probs, gen), args.reps, dev)
     row = probs[:1].expand(200_000, -1)
     gaps = {}
     for name, tokens in (("multinomial", torch.multinomial(row, 1, generator=gen).squeeze(-1)),
