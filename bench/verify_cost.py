@@ -209,8 +209,8 @@ def counting_recurrent_steps(counts: List[int]):
 def measure(model: TandemModel, batch: int, ks: List[int], prompt_len: int, reps: int, warmup: int,
             device: torch.device, seed: int = 0) -> dict:
     """Costs of one decoder state of `model` at `batch` rows: medians over `reps` of the unhooked
-    totals (`one`, `verify[k]`, `draft_step`) and of the hooked per-kind splits (`split_one`,
-    `split_verify[k]`), the recurrent steps per Gated DeltaNet call and the rollback check."""
+    totals (`one`, `verify[k]`, `draft_step`) and of the hooked per-kind splits (`split[k]`, k = 0
+    for one token), the recurrent steps per Gated DeltaNet call and the rollback check."""
     K = max(ks)
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
