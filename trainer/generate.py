@@ -248,7 +248,9 @@ def load_on_layout(args, src: Source):
     if ref is not None:
         check_reference(ref, step)
     p = cfg.parallel
-    if args.pp != p.pp:  # the trained stages' placement does not fit another pipeline depth
+    # the trained stages' placement fits neither another pipeline depth nor none (a run saved
+    # before pp=1 refused one)
+    if args.pp != p.pp or args.pp == 1:
         p.pp_layout, p.pp_depth_stages, p.pp_balance = [], [], p.pp_balance and args.pp > 1
     p.tp, p.pp, p.ep, p.dp, p.cp, p.sequence_parallel = args.tp, args.pp, args.ep, 0, 1, False
     # fp32 weights and no training-only wrappers: every layout then decodes as one process does

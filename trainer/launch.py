@@ -209,32 +209,51 @@ def _sbatch_directives(args: argparse.Namespace, job_name: str, gpus: Optional[i
         "--requeue",
         "--open-mode=append",
     ]
-    d += [_checked_sbatch_arg(extra) for extra in args.sbatch_arg]
-    return d
+    return d + [_checked_sbatch_arg(extra, d) for extra in args.sbatch_arg]
 
 
-LAUNCHER_SETS = {"--nodes": "--nodes", "-N": "--nodes", "--ntasks-per-node": None,
-                 "--cpus-per-task": "--cpus-per-task", "-c": "--cpus-per-task",
-                 "--gres": "--gpus-per-node and --gres-name", "--time": "--time", "-t": "--time",
-                 "--partition": "--partition", "-p": "--partition", "--account": "--account",
-                 "-A": "--account", "--job-name": "--job-name", "-J": "--job-name",
-                 "--output": None, "-o": None, "--error": None, "-e": None,
-                 "--signal": "--signal-seconds", "--requeue": None, "--open-mode": None}
-"""The sbatch options the script already sets, each with the launcher flag that sets it (None: fixed
-by the launcher): a repeat in --sbatch-arg would contradict what was checked."""
+SCRIPT_OPTIONS = {
+    "--job-name": (("-J",), "--job-name"), "--nodes": (("-N",), "--nodes"),
+    "--ntasks-per-node": (("--ntasks", "-n"), None),
+    "--cpus-per-task": (("-c",), "--cpus-per-task"),
+    "--gres": (("--gpus", "-G", "--gpus-per-node", "--gpus-per-task"),
+               "--gpus-per-node and --gres-name"),
+    "--time": (("-t",), "--time"), "--partition": (("-p",), "--partition"),
+    "--account": (("-A",), "--account"), "--output": (("-o",), None), "--error": (("-e",), None),
+    "--signal": ((), "--signal-seconds"), "--requeue": (("--no-requeue",), None),
+    "--open-mode": ((), None),
+}
+"""Each sbatch option the script may write: (its other spellings and the options that contradict it,
+the launcher flag that sets it or None when the launcher fixes it). One the script writes may not be
+repeated by --sbatch-arg: it would contradict what was checked."""
+
+SHORT_FLAGS = set("HhOQsVvW")
+"""sbatch's short options that take no value: in a bundle such as `-Qp gpu` the next letter is
+another option."""
 
 
-def _checked_sbatch_arg(extra: str) -> str:
-    """One --sbatch-arg: a single option that the launcher does not already set."""
+def _checked_sbatch_arg(extra: str, written: List[str]) -> str:
+    """One --sbatch-arg: a single option that contradicts none of the `written` directives (long
+    options also as getopt's abbreviations, short ones also inside a bundle)."""
     if not extra.startswith("-") or any(c.isspace() for c in extra):
         raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, "
                           "no whitespace)")
-    option = extra.split("=")[0] if extra.startswith("--") else extra[:2]
-    if option in LAUNCHER_SETS:
-        flag = LAUNCHER_SETS[option]
-        how = f"use {flag}" if flag else "the launcher needs its own value"
-        raise LaunchError(f"--sbatch-arg {extra!r} repeats {option}, which the script already "
-                          f"sets ({how})")
+    if extra.startswith("--"):
+        given = [extra.split("=")[0]]
+    else:
+        given = []
+        for letter in extra[1:]:
+            given.append(f"-{letter}")
+            if letter not in SHORT_FLAGS:  # the rest is its value
+                break
+    for option in {d.split("=")[0] for d in written} & SCRIPT_OPTIONS.keys():
+        spellings, flag = SCRIPT_OPTIONS[option]
+        for name in given:
+            if any(s == name or (name.startswith("--") and s.startswith(name))
+                   for s in (option, *spellings)):
+                how = f"use {flag}" if flag else "the launcher needs its own value"
+                raise LaunchError(f"--sbatch-arg {extra!r} contradicts {option}, which the script "
+                                  f"already sets ({how})")
     return extra
 
 
@@ -242,8 +261,8 @@ SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
 def _time_limit_seconds(time: str) -> Optional[int]:
-    """Seconds in a Slurm --time value (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S), None for unlimited;
-    raises LaunchError for anything else."""
+    """Seconds in a Slurm --time value (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S), None for no limit
+    (UNLIMITED, INFINITE, or 0 as sbatch reads it); raises LaunchError for anything else."""
     if time.lower() in ("unlimited", "infinite"):
         return None
     match = SLURM_TIME.fullmatch(time)
@@ -252,10 +271,12 @@ def _time_limit_seconds(time: str) -> Optional[int]:
                           "or D-H:M:S)")
     days, first, second, third = (int(g) if g else 0 for g in match.groups())
     if match.group(1) is not None:  # D-H[:M[:S]]
-        return ((days * 24 + first) * 60 + second) * 60 + third
-    if match.group(4) is not None:  # H:M:S
-        return (first * 60 + second) * 60 + third
-    return first * 60 + second  # M or M:S
+        seconds = ((days * 24 + first) * 60 + second) * 60 + third
+    elif match.group(4) is not None:  # H:M:S
+        seconds = (first * 60 + second) * 60 + third
+    else:  # M or M:S
+        seconds = first * 60 + second
+    return seconds or None
 
 
 def _timestamped(dir_: Path) -> str:

@@ -132,9 +132,13 @@ def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
         (["--time", "1:00\n#SBATCH --x"], "--time"),
         (["--time", "4h"], "--time '4h' is not a Slurm time limit"),
         (["--time", "00:01:30", "--signal-seconds", "90"], "is not below --time 00:01:30 (90 s)"),
-        (["--sbatch-arg=--nodes=5"], "repeats --nodes, which the script already sets (use --nodes"),
-        (["--sbatch-arg=-t10"], "repeats -t, which the script already sets (use --time"),
-        (["--sbatch-arg=--output=x.log"], "(the launcher needs its own value)"),
+        (["--sbatch-arg=--nodes=5"], "contradicts --nodes, which the script already sets (use "
+                                     "--nodes"),
+        (["--sbatch-arg=--nod=5"], "contradicts --nodes"),  # getopt's abbreviation
+        (["--sbatch-arg=-Qpgpu", "--partition", "a"], "contradicts --partition"),  # a bundle
+        (["--sbatch-arg=--no-requeue"], "contradicts --requeue, which the script already sets "
+                                        "(the launcher needs its own value)"),
+        (["--sbatch-arg=-n4"], "contradicts --ntasks-per-node"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
@@ -423,8 +427,22 @@ def test_check_prints_parameters_and_memory_and_submits_nothing(tmp_path, capsys
 
 @pytest.mark.parametrize("time, seconds", [
     ("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-2", 93600), ("1-2:30", 95400),
-    ("1-0:0:5", 86405), ("UNLIMITED", None),
+    ("1-0:0:5", 86405), ("UNLIMITED", None), ("0", None), ("00:00:00", None),
 ])
 def test_time_limits_read_as_slurm_reads_them(time, seconds):
-    """Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (sbatch(1)), hand-converted."""
+    """Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (sbatch(1)), hand-converted; 0 is
+    no limit."""
     assert _time_limit_seconds(time) == seconds
+
+
+@pytest.mark.parametrize("extra", [
+    ["--sbatch-arg=--gres=nvme:1"],  # a CPU job writes no --gres
+    ["--sbatch-arg=--time-min=30"], ["--sbatch-arg=--gres-flags=enforce-binding"],
+    ["--sbatch-arg=-Q"], ["--time=0"],
+])
+def test_sbatch_args_the_script_does_not_contradict_pass(tmp_path, capsys, extra):
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    rc = launch_slurm_main([str(recipe), "--nodes", "1", "--procs-per-node", "1", "--dry-run",
+                            *extra])
+    assert rc == 0, capsys.readouterr().err
+    assert f"#SBATCH {extra[0].split('--sbatch-arg=')[-1]}\n" in capsys.readouterr().out

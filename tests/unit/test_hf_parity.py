@@ -106,3 +106,25 @@ def test_export_refuses_to_clobber(tmp_path):
     export_hf(model, str(out), overwrite=True)  # over the earlier export
     assert (out / "config.json").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_export")]
+
+
+@pytest.mark.parametrize("family, dense_past_the_end", [
+    ("qwen3_moe", dict(mlp_only_layers=[0, 1, 2])),
+    ("glm4_moe", dict(first_k_dense_replace=3)),
+])
+def test_dense_layers_named_past_the_last_layer_import(family, dense_past_the_end, tmp_path):
+    """A truncated config may name dense layers past its last one; transformers builds every layer
+    dense, and so does the import (first_k_dense = num_layers), with the same logits."""
+    config = family_configs()[family]
+    for key, value in dense_past_the_end.items():
+        setattr(config, key, value)
+    hf = make_hf(config)
+    hf.save_pretrained(tmp_path / "src")
+    model, cfg = load_hf_model(str(tmp_path / "src"))
+    assert cfg.model.first_k_dense == COMMON["num_hidden_layers"]
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model.logits(0, model.trunk(ids, torch.arange(12).expand(2, 12)))
+    assert (ref - ours).abs().max().item() < 1e-4

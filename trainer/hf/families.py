@@ -141,7 +141,8 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """Qwen3-MoE's experts: softmax routing with an auxiliary balance loss, dense layers first."""
     experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
     step = int(hf.get("decoder_sparse_step", 1))
-    dense = sorted({int(i) for i in hf.get("mlp_only_layers", [])} |
+    # transformers reads an index past the last layer as nothing to do (a truncated config)
+    dense = sorted({int(i) for i in hf.get("mlp_only_layers", []) if int(i) < cfg.num_layers} |
                    {i for i in range(cfg.num_layers) if step > 1 and (i + 1) % step})
     if dense != list(range(len(dense))):
         raise UnsupportedCheckpoint(
@@ -161,7 +162,8 @@ def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     cfg.top_k = int(hf["num_experts_per_tok"])
     cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
     cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
-    cfg.first_k_dense = int(hf.get("first_k_dense_replace", 1))
+    # past the last layer it means every layer is dense, as first_k_dense = num_layers says
+    cfg.first_k_dense = min(int(hf.get("first_k_dense_replace", 1)), cfg.num_layers)
     cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", True))
     cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
     cfg.n_group = int(hf.get("n_group", 1) or 1)
