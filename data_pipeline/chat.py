@@ -18,11 +18,11 @@ Records (one per JSONL line, parquet row or `datasets` row), first matching form
 Each record then ends with the tokenizer's EOD (appended unless it already ends with it), whose flag
 is the last token's: a response's end is learnt, so generation stops.
 
-`ChatEncoder.encode` returns `(ids, response)`: int64 token ids and a uint8 flag per token, 1 where the
-token is a target that counts. The loss mask of a window is the flag of each *target* (token t+1);
-the data layer pairs it with record ordinals as `doc_ids`, so no target (any MTP depth) crosses into
-another record (models/mtp.py `depth_target_mask`). Bad records raise `ValueError("FILE:LINE:
-...")`.
+`ChatEncoder.encode` returns `(ids, response)`: int64 token ids and a uint8 flag per token, 1 where
+the token is a target that counts. The loss mask of a window is the flag of each *target* (token
+t+1); the data layer pairs it with record ordinals as `doc_ids`, so no target (any MTP depth)
+crosses into another record (models/mtp.py `depth_target_mask`). Bad records raise
+`ValueError("FILE:LINE: ...")`.
 """
 
 from __future__ import annotations
