@@ -355,7 +355,7 @@ def _validate_indexed_attention(model: ModelConfig) -> None:
     if model.qsa_form not in ("auto", "mask", "gather"):
         raise ValueError("model.qsa_form must be 'auto', 'mask' or 'gather', got "
                          f"{model.qsa_form!r}")
-    if model.indexer_loss_coef < 0 or model.indexer_warmup_steps < 0:
+    if not (model.indexer_loss_coef >= 0 and model.indexer_warmup_steps >= 0):  # NaN fails too
         raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
     if model.indexer_warmup not in ("auto", "joint", "indexer_only"):
         raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or "

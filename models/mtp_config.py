@@ -44,16 +44,16 @@ class MTPLossConfig:
         K)."""
         if self.objective not in ("ce", "acceptance"):
             raise ValueError(f"mtp.loss.objective={self.objective!r} must be ce or acceptance")
-        if self.acceptance_ce_weight < 0:
+        if not self.acceptance_ce_weight >= 0:  # `not >=`: NaN fails it too
             raise ValueError(f"mtp.loss.acceptance_ce_weight={self.acceptance_ce_weight} must be "
                              ">= 0")
         if self.weights and len(self.weights) != num_steps:
             raise ValueError(f"mtp.loss.weights has {len(self.weights)} entries but "
                              f"mtp.num_steps={num_steps}")
-        if any(w < 0 for w in self.weights):
+        if not all(w >= 0 for w in self.weights):
             raise ValueError("mtp.loss.weights must be non-negative")
-        if self.decay <= 0:
-            raise ValueError(f"mtp.loss.decay must be positive, got {self.decay}")
+        if not 0 < self.decay < float("inf"):
+            raise ValueError(f"mtp.loss.decay must be positive and finite, got {self.decay}")
         weights = [("mtp.loss.lambda", self.lambda_)] + [
             (f"mtp.loss.lambda_after[{step}]", value) for step, value in self.lambda_after.items()]
         for key, value in weights:  # a negative weight trains the MTP module to predict worse

@@ -223,9 +223,7 @@ class ParallelConfig:
             ("pp_schedule", self.pp_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
              "must be 1f1b, interleaved_1f1b or gpipe"),
             ("pp_microbatches", self.pp_microbatches >= 0, "must be >= 0 (0 picks them)"),
-            ("pp_virtual_stages",
-             self.pp_virtual_stages > 0 or self.pp_schedule != "interleaved_1f1b",
-             "must be positive with parallel.pp_schedule=interleaved_1f1b"),
+            ("pp_virtual_stages", self.pp_virtual_stages > 0, "must be positive"),
             ("dp_mode", self.dp_mode in ("fsdp", "allreduce"), "must be fsdp or allreduce"),
             ("ep_dispatch", self.ep_dispatch in ("exact", "padded"), "must be exact or padded"),
         ])

@@ -88,6 +88,10 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     ("data.split=50,50,0,0", "config key 'data.split'='50,50,0,0' must be up to three"),
     ("data.stdlib_max_bytes=-1", "config key 'data.stdlib_max_bytes'=-1 must be >= 0"),
     ("model.first_k_dense=3", "model.first_k_dense must be in [0, model.num_layers=2], got 3"),
+    # NaN passed `x < 0` checks: a NaN decay trained on with every step skipped as non-finite
+    ("mtp.loss.decay=nan", "mtp.loss.decay must be positive and finite, got nan"),
+    ("mtp.loss.acceptance_ce_weight=nan", "mtp.loss.acceptance_ce_weight=nan must be >= 0"),
+    ("parallel.pp_virtual_stages=-1", "'parallel.pp_virtual_stages'=-1 must be positive"),
     ("parallel.pp_layout=[1,1]", "parallel.pp_layout=[1, 1] places pipeline stages, but "
                                  "parallel.pp=1 has one"),
     # the in-loop evaluator's decoding, refused here rather than eval.interval steps into the run
