@@ -233,8 +233,8 @@ class ModelConfig:
             "model.rms_norm_eps": self.rms_norm_eps,
         }
         for key, value in positive.items():
-            if not value > 0:
-                raise ValueError(f"{key} must be positive, got {value}")
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{key} must be positive and finite, got {value}")
         if not self.init_std >= 0:
             raise ValueError(f"model.init_std must be >= 0, got {self.init_std}")
         if self.num_heads % self.num_kv_heads:
@@ -274,11 +274,11 @@ def _validate_moe(model: ModelConfig) -> None:
     """The routed experts' sizes, grouping and loss weights (model.num_experts > 0)."""
     for key in ("num_shared_experts", "shared_expert_intermediate_size", "aux_loss_coef",
                 "z_loss_coef", "bias_update_rate"):
-        if not getattr(model, key) >= 0:
-            raise ValueError(f"model.{key} must be >= 0, got {getattr(model, key)}")
+        if not 0 <= getattr(model, key) < float("inf"):
+            raise ValueError(f"model.{key} must be >= 0 and finite, got {getattr(model, key)}")
     for key in ("moe_intermediate_size", "n_group", "routed_scaling_factor"):
-        if not getattr(model, key) > 0:
-            raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
+        if not 0 < getattr(model, key) < float("inf"):
+            raise ValueError(f"model.{key} must be positive and finite, got {getattr(model, key)}")
     if not 0 < model.top_k <= model.num_experts:
         raise ValueError(f"model.top_k={model.top_k} must be in [1, "
                          f"model.num_experts={model.num_experts}]")

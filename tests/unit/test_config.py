@@ -34,8 +34,8 @@ def test_overrides_and_lambda_alias(tmp_path):
     # (init_std), an MTP module trained to predict worse (lambda), depth 3 logging a loss of 0
     # with no target (seq_len), an unseeded error without its key (seed), and data.paths quietly
     # ignored for the embedded corpus
-    (["model.rope_theta=-1"], "model.rope_theta must be positive, got -1.0"),
-    (["model.rms_norm_eps=0"], "model.rms_norm_eps must be positive, got 0.0"),
+    (["model.rope_theta=-1"], "model.rope_theta must be positive and finite, got -1.0"),
+    (["model.rms_norm_eps=0"], "model.rms_norm_eps must be positive and finite, got 0.0"),
     (["model.init_std=-1"], "model.init_std must be >= 0, got -1.0"),
     (["mtp.loss.lambda=-1"], "mtp.loss.lambda must be >= 0, got -1.0"),
     (["mtp.loss.lambda_after={5: -0.1}"], "mtp.loss.lambda_after[5] must be >= 0, got -0.1"),
@@ -45,10 +45,12 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["data.paths=[/data/a]"], "'data.paths'=['/data/a'] is not read with data.source=stdlib"),
     # the MoE's: n_group=0 divided by zero, a negative shared width crashed at construction, the
     # rest trained with a negative weight
-    (["model.n_group=0"], "model.n_group must be positive, got 0"),
+    (["model.n_group=0"], "model.n_group must be positive and finite, got 0"),
     (["model.shared_expert_intermediate_size=-1"],
-     "model.shared_expert_intermediate_size must be >= 0, got -1"),
-    (["model.aux_loss_coef=-1"], "model.aux_loss_coef must be >= 0, got -1.0"),
+     "model.shared_expert_intermediate_size must be >= 0 and finite, got -1"),
+    (["model.aux_loss_coef=-1"], "model.aux_loss_coef must be >= 0 and finite, got -1.0"),
+    (["model.routed_scaling_factor=inf"], "model.routed_scaling_factor must be positive and "
+                                          "finite, got inf"),
     (["model.routed_scaling_factor=-1"], "model.routed_scaling_factor must be positive"),
     (["train.decay_steps=-1"], "config key 'train.decay_steps'=-1 must be >= 0"),
     (["flavor=qwen4_exp_tiny", "model.ngram_size=0"], "model.ngram_size=0 must be >= 2"),
