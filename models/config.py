@@ -294,6 +294,12 @@ def _validate_moe(model: ModelConfig) -> None:
 
 LAYER_TYPES = ("attention", "linear_attention", "indexed_attention")
 
+HYBRID_CHOICES = {"linear_gate_act": ("silu", "sigmoid"), "linear_kernel": ("auto", "torch", "fla"),
+                  "qsa_form": ("auto", "mask", "gather"),
+                  "indexer_warmup": ("auto", "joint", "indexer_only")}
+"""The hybrid layers' keys that name a choice: checked whatever the layer types, so a misspelt one
+fails in every recipe, not only once a layer that reads it is added."""
+
 
 def _validate_hybrid(model: ModelConfig) -> None:
     """The Qwen4-Exp invariants transformers validates, named by our keys, before any work."""
@@ -315,6 +321,10 @@ def _validate_hybrid(model: ModelConfig) -> None:
         raise ValueError(f"model.hc_lowrank must be positive with model.hc_count={model.hc_count}, "
                          "got "
                          f"{model.hc_lowrank}")
+    for key, choices in HYBRID_CHOICES.items():
+        if getattr(model, key) not in choices:
+            raise ValueError(f"model.{key}={getattr(model, key)!r} must be one of "
+                             f"{', '.join(choices)}")
     types = [model.layer_type(i) for i in range(model.num_layers)]
     if "linear_attention" in types:
         _validate_linear_attention(model)
@@ -332,12 +342,6 @@ def _validate_linear_attention(model: ModelConfig) -> None:
     if model.linear_num_value_heads % model.linear_num_key_heads:
         raise ValueError(f"model.linear_num_key_heads={model.linear_num_key_heads} must divide "
                          f"model.linear_num_value_heads={model.linear_num_value_heads}")
-    if model.linear_gate_act not in ("silu", "sigmoid"):
-        raise ValueError("model.linear_gate_act must be 'silu' or 'sigmoid', got "
-                         f"{model.linear_gate_act!r}")
-    if model.linear_kernel not in ("auto", "torch", "fla"):
-        raise ValueError("model.linear_kernel must be 'auto', 'torch' or 'fla', got "
-                         f"{model.linear_kernel!r}")
 
 
 def _validate_indexed_attention(model: ModelConfig) -> None:
@@ -352,14 +356,8 @@ def _validate_indexed_attention(model: ModelConfig) -> None:
         raise ValueError(f"model.indexer_head_dim={model.indexer_head_dim} must hold the "
                          "attention's rotary width "
                          f"{rot} (head_dim x partial_rotary_factor)")
-    if model.qsa_form not in ("auto", "mask", "gather"):
-        raise ValueError("model.qsa_form must be 'auto', 'mask' or 'gather', got "
-                         f"{model.qsa_form!r}")
     if not (model.indexer_loss_coef >= 0 and model.indexer_warmup_steps >= 0):  # NaN fails too
         raise ValueError("model.indexer_loss_coef and model.indexer_warmup_steps must be >= 0")
-    if model.indexer_warmup not in ("auto", "joint", "indexer_only"):
-        raise ValueError(f"model.indexer_warmup={model.indexer_warmup!r} must be auto, joint or "
-                         "indexer_only")
 
 
 def _validate_ple(model: ModelConfig, types: List[str]) -> None:

@@ -82,6 +82,8 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     ("train.lr=fast", "invalid value for config key 'train.lr'"),
     ("train.bad_step_policy=ignore", "config key 'train.bad_step_policy'='ignore'"),
     ("model.router_score=relu", "model.router_score must be 'softmax' or 'sigmoid'"),
+    # a hybrid layer's choice is checked though this model has no such layer
+    ("model.linear_kernel=fla2", "model.linear_kernel='fla2' must be one of auto, torch, fla"),
     ("train.typo_key=1", "unknown config key 'train.typo_key'"),
     ("train.beta1=2", "config key 'train.beta1'=2.0 must be in [0, 1)"),
     ("train.eps=-1", "config key 'train.eps'=-1.0 must be positive"),
