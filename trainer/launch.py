@@ -238,6 +238,11 @@ def _checked_sbatch_arg(extra: str, written: List[str]) -> str:
     if not extra.startswith("-") or any(c.isspace() for c in extra):
         raise LaunchError(f"--sbatch-arg {extra!r} must be one sbatch option (starting with -, "
                           "no whitespace)")
+    if any(c in extra for c in "'\"\\#"):
+        # sbatch's #SBATCH parser drops quotes and backslashes and ends the line at #: it would
+        # read another option than the one checked here (`--"output"=x` is --output)
+        raise LaunchError(f"--sbatch-arg {extra!r} holds a quote, backslash or #, which sbatch "
+                          "reads differently in the script; write the option plainly")
     if extra.startswith("--"):
         given = [extra.split("=")[0]]
     else:

@@ -139,6 +139,10 @@ def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
         (["--sbatch-arg=--no-requeue"], "contradicts --requeue, which the script already sets "
                                         "(the launcher needs its own value)"),
         (["--sbatch-arg=-n4"], "contradicts --ntasks-per-node"),
+        # sbatch's #SBATCH parser strips quotes and backslashes: this one is --output
+        (["--sbatch-arg=--\"output\"=/tmp/x.out"], "holds a quote, backslash or #"),
+        (["--sbatch-arg=--no-req\\ueue"], "holds a quote, backslash or #"),
+        (["--sbatch-arg=--comment=a#b"], "holds a quote, backslash or #"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
