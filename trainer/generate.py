@@ -181,8 +181,9 @@ def _meta(args, src: Source, settings: dict, ids: List[List[int]]) -> dict:
             **settings}
 
 
-def _check_args(args) -> None:
-    """Option ranges, in one line naming the flag and its value, before anything is read."""
+def _check_args(args, world: int) -> None:
+    """Option ranges, in one line naming the flag and its value, before anything is read (`world`:
+    the processes torchrun started)."""
     for flag in ("max_new_tokens", "samples_per_prompt", "batch_size"):
         if getattr(args, flag) < 1:
             raise GenerateError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
@@ -194,7 +195,7 @@ def _check_args(args) -> None:
     if args.num_steps < 0 or min(args.tp, args.pp, args.ep) < 1:
         raise GenerateError("--num-steps must be >= 0 (0: the trained K), --tp, --pp and --ep "
                             ">= 1")
-    world, degrees = int(os.environ.get("WORLD_SIZE", "1")), args.tp * args.pp * args.ep
+    degrees = args.tp * args.pp * args.ep
     if world % degrees:
         # one process would otherwise decode unsharded, the layout flags silently dropped
         raise GenerateError(f"--tp {args.tp} --pp {args.pp} --ep {args.ep} need a multiple of "
@@ -202,11 +203,11 @@ def _check_args(args) -> None:
                             f"--nproc-per-node {degrees}")
 
 
-def prepare(args):
+def prepare(args, world: int):
     """Everything before the model loads: (source, plan, meta, records kept, done batches). Raises
     GenerateError for bad input and for an --out written with other settings."""
 
-    _check_args(args)
+    _check_args(args, world)
     args.device = resolve_device_flag(args.device)
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
@@ -372,7 +373,7 @@ def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
 def _start(args, rank: int, world: int):
     """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair,
     model, decoding). Every input problem raises before the model loads."""
-    src, plan, settings, meta, kept, done, repair = prepare(args)
+    src, plan, settings, meta, kept, done, repair = prepare(args, world)
     if world > 1:
         model, decoding = load_on_layout(args, src)
     else:
