@@ -189,7 +189,9 @@ class ChatEncoder:
     def _render(self, where: str, msgs: List[dict]) -> Tuple[List[int], List[int]]:
         """Render with the template; each assistant turn's span is the text that rendering the turn
         adds after the conversation before it with the generation prompt (so the header is not
-        learnt). Tokens whose first character lies in a span are response tokens."""
+        learnt). Tokens that overlap a span are response tokens: a byte-level BPE joins a word to
+        the space before it, so a response's first token starts where a header ending in a space
+        ends (`<|assistant|> `), one character before the span."""
         try:
             full = self._text(msgs, False)
             spans, cursor = [], 0
@@ -213,8 +215,8 @@ class ChatEncoder:
             raise ValueError(f"{where}: the chat template failed: "
                              f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
                              ) from None
-        ids, starts = self.tokenizer.encode_rendered(full)
-        return ids, [int(any(a <= start < b for a, b in spans)) for start in starts]
+        ids, offsets = self.tokenizer.encode_rendered(full)
+        return ids, [int(any(start < b and a < end for a, b in spans)) for start, end in offsets]
 
     def _text(self, msgs: List[dict], generation_prompt: bool) -> str:
         return render_chat(self.template, msgs, generation_prompt)

@@ -68,18 +68,19 @@ class TandemTokenizer:
                                                               add_special_tokens=False)]
         return [self.encode(t) for t in texts]
 
-    def encode_rendered(self, text: str) -> Tuple[List[int], Optional[List[int]]]:
-        """(token ids, each token's first character offset) of a rendered chat template, whose
-        special-token strings (`<|im_start|>`) become their special tokens, unlike `encode`, which
-        keeps a document's literal special-token strings as text. A slow Hugging Face tokenizer has
-        no offsets (None): prompts need none, chat training data a fast tokenizer (ChatEncoder)."""
+    def encode_rendered(self, text: str) -> Tuple[List[int], Optional[List[Tuple[int, int]]]]:
+        """(token ids, each token's (start, end) character offsets) of a rendered chat template,
+        whose special-token strings (`<|im_start|>`) become their special tokens, unlike `encode`,
+        which keeps a document's literal special-token strings as text. A slow Hugging Face
+        tokenizer has no offsets (None): prompts need none, chat training data a fast tokenizer
+        (ChatEncoder)."""
         if self._backend is None:
             return list(self._hf.encode(text, add_special_tokens=False)), None
         if self._rendered is None:  # a copy, so `encode` is never switched under another caller
             self._rendered = type(self._backend).from_str(self._backend.to_str())
             self._rendered.encode_special_tokens = False
         enc = self._rendered.encode(text, add_special_tokens=False)
-        return list(enc.ids), [a for a, _ in enc.offsets]
+        return list(enc.ids), [(a, b) for a, b in enc.offsets]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens (EOD) are kept as their strings."""

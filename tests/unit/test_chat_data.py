@@ -121,6 +121,34 @@ def test_messages_with_template_hand_counted(tmp_path):
     assert kept(batch, 2) == [1, 2, 7, 8, 9]
 
 
+def test_byte_level_bpe_trains_a_responses_first_word(tmp_path):
+    """A byte-level BPE joins a word to the space before it: after the header `<|assistant|> ` the
+    response's first token is ` forty`, which starts one character before the assistant span. It is
+    a response token (it was left out when only a token's first character counted); the header and
+    the user's words are not."""
+    from tokenizers import AddedToken
+
+    from tandem.data_pipeline.tokenizer import train_bpe
+
+    texts = ["hello world the answer is forty two", "what is the answer please tell me"] * 50
+    backend = train_bpe(iter(texts), 300).backend
+    backend.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS[1:]])
+    directory = tmp_path / "bpe"
+    directory.mkdir()
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+         "chat_template": TEMPLATE}))
+    tok = load_tokenizer(str(directory))
+    msgs = [{"role": "user", "content": "what is the answer"},
+            {"role": "assistant", "content": "forty two"}]
+    ids, flags = chat_encoder(tok, str(directory)).encode("x", {"messages": msgs}, "messages")
+    pieces = [tok.decode([i]) for i in ids.tolist()]
+    trained = [p.strip() for p, f in zip(pieces, flags.tolist()) if f and p.strip()]
+    assert pieces[pieces.index("<|assistant|>") + 1] == " forty", pieces
+    assert trained == ["forty", "two", "<|end|>", "<|endoftext|>"], list(zip(pieces, flags))
+
+
 def test_template_that_rewrites_earlier_turns(tmp_path):
     """A Qwen3-like template marks only the last assistant turn (`<think>`): the earlier turn's span
     is found by its content plus the end-of-turn text, the last one's includes the marker it
