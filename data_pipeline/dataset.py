@@ -341,7 +341,8 @@ def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Bl
         random_seed=int(seed),
         sequence_length=int(seq_len),
         path_to_cache=cache_path,
-        tokenizer=mc.MegatronTokenizerAdapter(tokenizer),
+        tokenizer=mc.MegatronTokenizerAdapter(
+            tokenizer, train_blend[0] + (valid_blend[0] if valid_blend else [])),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=bool(data_cfg.eod_mask_loss),

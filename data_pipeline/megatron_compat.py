@@ -3,16 +3,17 @@ lazy step (megatron_import.py imports them).
 
 `MegatronTokenizerAdapter` presents a `TandemTokenizer` as the `MegatronTokenizerBase` that
 `GPTDatasetConfig(tokenizer=...)` expects: `vocab_size`, `eod`, `unique_identifiers` (hashed into
-the sample-index cache key), `tokenize`/`detokenize`. It has no `pad`, so GPTDataset pads with -1
-(never a real id) and masks padding out of the loss. `LossMaskGPTDataset` is the GPTDataset that
-also reads a prefix's loss-mask channel (`tandem preprocess --chat`) and gives each sample
-per-record `doc_ids`.
+the sample-index cache key, with the data files' `data_fingerprint`), `tokenize`/`detokenize`. It
+has no `pad`, so GPTDataset pads with -1 (never a real id) and masks padding out of the loss.
+`LossMaskGPTDataset` is the GPTDataset that also reads a prefix's loss-mask channel (`tandem
+preprocess --chat`) and gives each sample per-record `doc_ids`.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from typing import List, Sequence
 
 import numpy as np
 import torch
@@ -42,10 +43,25 @@ __all__ = [
 ]
 
 
+def data_fingerprint(prefixes: Sequence[str]) -> List[list]:
+    """[prefix, .idx size, .idx mtime in ns] of each prefix. megatron-core keys its sample-index
+    cache on a dataset's path and settings, not on its files: after `tandem preprocess --overwrite`
+    rewrote a prefix, a run reused the old document, sample and shuffle indices (windows cut at the
+    old documents' lengths, or most of an appended corpus never read). The indices depend only on
+    the .idx file (the documents' lengths), so its size and modification time join the key; a copy
+    that does not keep modification times rebuilds the indices once."""
+    out = []
+    for prefix in prefixes:
+        st = os.stat(prefix + ".idx")
+        out.append([prefix, st.st_size, st.st_mtime_ns])
+    return out
+
+
 class MegatronTokenizerAdapter(MegatronTokenizerBase):
     """A `TandemTokenizer` in the shape megatron-core's GPT dataset config accepts."""
 
-    def __init__(self, tokenizer: TandemTokenizer) -> None:
+    def __init__(self, tokenizer: TandemTokenizer, prefixes: Sequence[str] = ()) -> None:
+        """`prefixes`: the datasets built with this config, whose files join the cache key."""
         super().__init__(tokenizer.path, {})
         self.tokenizer = tokenizer
         self.unique_identifiers = OrderedDict(
@@ -54,6 +70,7 @@ class MegatronTokenizerAdapter(MegatronTokenizerBase):
                 ("tokenizer_path", str(tokenizer.path)),
                 ("vocab_size", tokenizer.vocab_size),
                 ("eod", tokenizer.eod_id),
+                ("data_files", data_fingerprint(prefixes)),
             ]
         )
 

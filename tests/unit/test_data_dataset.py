@@ -177,6 +177,26 @@ def test_weighted_blend_and_separate_valid_paths(corpus):
     assert torch.equal(get_batch(train, range(10))["tokens"], get_batch(again, range(10))["tokens"])
 
 
+def test_a_preprocessed_again_prefix_rebuilds_its_cached_indices(corpus, tmp_path):
+    """`tandem preprocess --overwrite` of a prefix with more documents, then a run with the same
+    cache directory: its samples come from every new document, as with a fresh cache (megatron-core
+    keyed its cached indices on the path alone, and the run kept reading the first 20)."""
+    root, tok_path, _ = corpus
+    src, prefix = tmp_path / "grow.jsonl", str(tmp_path / "grow")
+    first, more = _docs(20, 5), _docs(180, 6)
+    for docs in (first, first + more):
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+        preprocess([str(src)], prefix, tokenizer=tok_path, overwrite=True)
+        train, _, _ = build_datasets(_cfg(tmp_path, paths=[prefix], split="100,0,0",
+                                          tokenizer=tok_path), 16, 1, 100, None)
+        assert sorted(set(int(d) for d in train.document_index)) == list(range(len(docs)))
+        stream, starts = _concat_in_document_order(train)
+        for i in (0, len(train) - 1):
+            doc, offset = train.sample_index[train.shuffle_index[i]]
+            want = stream[starts[doc] + offset: starts[doc] + offset + 17]
+            assert get_batch(train, [i])["tokens"][0].tolist() == want.tolist()
+
+
 def test_parse_blend():
     assert parse_blend(["/p/a"]) == (["/p/a"], None)
     assert parse_blend(["/p/a.bin", "/p/b"]) == (["/p/a", "/p/b"], None)
