@@ -5,7 +5,7 @@ Inputs (one or more paths, globs allowed):
   * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key` (HF `datasets`
     "json"); every record is read and checked (an object whose text is a string or null) first
   * `.parquet`: one document per row, text under `text_key` (HF `datasets` "parquet")
-  * `.txt`: one document per file by default (`txt_sample_by="document"`; or "paragraph", "line")
+  * `.txt`, `.txt.gz`: a document per file (`txt_sample_by="document"`), paragraph or line
   * a directory: every regular file below it (sorted, hidden and `__pycache__` skipped, optionally
     filtered by `extensions`) is one document, e.g. a tree of source files
   * any other file: one document
@@ -127,8 +127,8 @@ class _Stats:
 
 
 def _read_file_doc(path: str, stats: _Stats) -> Optional[str]:
-    try:
-        with open(path, "rb") as f:
+    try:  # a whole `.txt.gz` (or any `.gz`) file is one document too, decompressed
+        with (gzip.open if path.lower().endswith(".gz") else open)(path, "rb") as f:
             return f.read().decode("utf-8")
     except UnicodeDecodeError:
         stats.skipped_not_utf8.append(path)

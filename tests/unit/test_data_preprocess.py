@@ -106,6 +106,23 @@ def test_txt_by_line_and_multiple_inputs_keep_order(tmp_path, tok_path):
     assert got == _expected(tok, ["first line", "second line", "third", "from json"])
 
 
+def test_a_gzipped_text_file_is_one_document(tmp_path, tok_path):
+    """`.txt.gz` under the default `txt_sample_by="document"`: decompressed, one document, as by
+    paragraph or line (its compressed bytes were skipped as a file that is not UTF-8)."""
+    import gzip
+
+    with gzip.open(tmp_path / "a.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("compressed text\n\nsecond paragraph\n")
+    (tmp_path / "b.txt").write_text("plain text\n", encoding="utf-8")
+    prefix = str(tmp_path / "gz")
+    meta = preprocess([str(tmp_path / "a.txt.gz"), str(tmp_path / "b.txt")], prefix,
+                      tokenizer=tok_path)
+    got, _ = _read_back(prefix)
+    assert got == _expected(load_tokenizer(tok_path), ["compressed text\n\nsecond paragraph\n",
+                                                       "plain text\n"])
+    assert meta["documents"] == 2
+
+
 def test_trains_bpe_when_no_tokenizer_given(tmp_path):
     inputs, docs = _write_inputs(tmp_path / "in", "jsonl")
     prefix = str(tmp_path / "trained")
