@@ -60,8 +60,8 @@ class MultiTensorAdamW(torch.optim.AdamW):
 def lr_at(cfg: TrainConfig, step: float) -> float:
     """Learning rate at schedule step `step` (0-based; the loop passes consumed samples / the run's
     first global batch, `DataPosition.schedule_step()`: fractional after a global-batch change)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.warmup_steps and step < cfg.warmup_steps:  # never above lr between steps W-1 and W
+        return cfg.lr * min(step + 1, cfg.warmup_steps) / cfg.warmup_steps
     decay_steps = cfg.decay_steps or max(cfg.max_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))

@@ -69,6 +69,8 @@ def test_decay_steps_sets_the_cosine_length_apart_from_max_steps():
                            "train.max_steps=100", "train.decay_steps=10"]).train
     assert lr_at(t, 0) == pytest.approx(0.5) and lr_at(t, 1) == pytest.approx(1.0)
     assert lr_at(t, 2) == pytest.approx(1.0)
+    # a schedule step between W - 1 and W (after a resume under another global batch) stays at lr
+    assert lr_at(t, 0.5) == pytest.approx(0.75) and lr_at(t, 1.5) == pytest.approx(1.0)
     assert lr_at(t, 7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))  # halfway: 0.55
     assert lr_at(t, 12) == pytest.approx(0.1) and lr_at(t, 60) == pytest.approx(0.1)
     default = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2",
