@@ -12,31 +12,27 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 
-def batch_indices(first_sample: int, micro_step: int, grad_accum_steps: int, dp_rank: int,
-                  dp_size: int, micro_batch_size: int) -> List[int]:
-    """Global sample indices of one micro-batch on one data-parallel rank, in the optimizer step
-    whose first sample is `first_sample` (`DataPosition.next_sample()`).
+def batch_indices(step_samples: Sequence[int], micro_step: int, grad_accum_steps: int,
+                  dp_rank: int, dp_size: int, micro_batch_size: int) -> List[int]:
+    """Dataset indices of one micro-batch on one data-parallel rank, in the optimizer step that
+    reads `step_samples` (`DataPosition.step_samples()`: G = micro_batch_size * grad_accum_steps *
+    dp_size indices), ordered micro-step-major, then dp rank, then sample:
 
-    With G = micro_batch_size * grad_accum_steps * dp_size, the step consumes samples
-    [first_sample, first_sample + G), ordered micro-step-major, then dp rank, then sample:
-
-        start = first_sample + (micro_step*dp_size + dp_rank) * micro_batch_size
-        indices = [start, start + micro_batch_size)
+        start = (micro_step*dp_size + dp_rank) * micro_batch_size
+        indices = step_samples[start : start + micro_batch_size]
 
     so the union over dp ranks and micro-steps of a step is exactly what a dp=1 run with
     dp_size*grad_accum_steps micro-batches sees (its micro-step m' = micro_step*dp_size + dp_rank).
     """
     if not (0 <= micro_step < grad_accum_steps and 0 <= dp_rank < dp_size and micro_batch_size > 0
-            and first_sample >= 0):
+            and len(step_samples) == micro_batch_size * grad_accum_steps * dp_size):
         raise ValueError(
             f"batch_indices: need 0 <= micro_step ({micro_step}) < grad_accum_steps "
-            f"({grad_accum_steps}), "
-            f"0 <= dp_rank ({dp_rank}) < dp_size ({dp_size}), micro_batch_size "
-            f"({micro_batch_size}) > 0, "
-            f"first_sample ({first_sample}) >= 0"
-        )
-    start = first_sample + (micro_step * dp_size + dp_rank) * micro_batch_size
-    return list(range(start, start + micro_batch_size))
+            f"({grad_accum_steps}), 0 <= dp_rank ({dp_rank}) < dp_size ({dp_size}), "
+            f"micro_batch_size ({micro_batch_size}) > 0 and their product of step samples, not "
+            f"{len(step_samples)}")
+    start = (micro_step * dp_size + dp_rank) * micro_batch_size
+    return [int(i) for i in step_samples[start:start + micro_batch_size]]
 
 
 class DataPosition:
@@ -46,11 +42,16 @@ class DataPosition:
     * `consumed_samples`, `consumed_tokens`: what the run's optimizer steps have drawn (a step whose
       update the `skip` policy dropped counts: its batch was drawn), summed step by step, so they
       stay right across resumes under another global batch.
-    * `skipped`: [start, end) sample ranges passed over by the `rewind` policy (a bad step's batch).
-    * `next_sample()`: the first sample of the next step: `consumed_samples` plus every skipped
-      range at or before it. A resume continues from exactly there whatever its global batch
-      (another layout, micro-batch size or accumulation); `step x global batch` would skip or repeat
-      samples.
+    * `skipped`: [start, end) dataset-index ranges passed over by the `rewind` policy (the samples
+      of a bad step), sorted and disjoint.
+    * `step_samples()`: the dataset indices the next step reads: the `global_batch` samples of the
+      stream from `consumed_samples` on, where the stream is the dataset's samples in order with the
+      skipped ranges left out. A resume continues from exactly there whatever its global batch
+      (another layout, micro-batch size or accumulation), even where a step of the new global batch
+      reaches across a skipped range; `step x global batch` would skip or repeat samples.
+    * `stream_samples`: the number of samples the training dataset was built with, kept across
+      resumes: megatron-core orders the samples by how many are asked for (the epochs they take),
+      so a resume that asked for another number would read another order (trainer/run.py).
     * `schedule_batch`: the global batch of the run's first step, kept across resumes. The LR
       schedule's step counts are measured in it and the LR follows `schedule_step()` = consumed
       samples / schedule_batch, so it stays in step with the tokens seen when the global batch
@@ -62,19 +63,41 @@ class DataPosition:
         self.consumed_samples = 0
         self.consumed_tokens = 0
         self.schedule_batch = self.global_batch
+        self.stream_samples = 0
         self.skipped: List[Tuple[int, int]] = []
 
-    def next_sample(self) -> int:
-        position = self.consumed_samples
-        for start, end in self.skipped:  # sorted
-            if start <= position:
-                position += end - start
-        return position
+    def sample_at(self, position: int) -> int:
+        """The dataset index of the stream's sample `position` (skipped ranges left out)."""
+        index = int(position)
+        for start, end in self.skipped:  # sorted and disjoint
+            if start > index:
+                break
+            index += end - start
+        return index
 
-    def next_batch(self) -> Tuple[int, int]:
-        """[start, end) of the samples the next step reads."""
-        start = self.next_sample()
-        return start, start + self.global_batch
+    def next_sample(self) -> int:
+        """The dataset index of the next step's first sample."""
+        return self.sample_at(self.consumed_samples)
+
+    def step_samples(self) -> List[int]:
+        """The dataset indices the next step reads."""
+        return [self.sample_at(c) for c in range(self.consumed_samples,
+                                                 self.consumed_samples + self.global_batch)]
+
+    def step_ranges(self) -> List[Tuple[int, int]]:
+        """`step_samples()` as [start, end) ranges: one, unless the step reaches across a skipped
+        range."""
+        ranges: List[Tuple[int, int]] = []
+        for i in self.step_samples():
+            if ranges and ranges[-1][1] == i:
+                ranges[-1] = (ranges[-1][0], i + 1)
+            else:
+                ranges.append((i, i + 1))
+        return ranges
+
+    def end_sample(self, steps: int) -> int:
+        """One past the last dataset index the next `steps` steps read."""
+        return self.sample_at(self.consumed_samples + steps * self.global_batch - 1) + 1
 
     def advance(self) -> None:
         """An optimizer step drew its global batch."""
@@ -82,8 +105,14 @@ class DataPosition:
         self.consumed_tokens += self.global_batch * self.seq_len
 
     def skip(self, ranges) -> None:
-        """Pass over these [start, end) sample ranges when the stream reaches them."""
-        self.skipped = sorted(set(self.skipped) | {(int(a), int(b)) for a, b in ranges})
+        """Pass over these [start, end) dataset-index ranges when the stream reaches them."""
+        merged: List[Tuple[int, int]] = []
+        for a, b in sorted({(int(a), int(b)) for a, b in ranges} | set(self.skipped)):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.skipped = merged
 
     def schedule_step(self) -> float:
         """Position in the LR schedule, in steps of `schedule_batch` samples."""
@@ -102,7 +131,8 @@ class DataPosition:
     def state(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens,
                 "global_batch": self.global_batch, "schedule_global_batch": self.schedule_batch,
-                "skipped_samples": [list(r) for r in self.skipped]}
+                "skipped_samples": [list(r) for r in self.skipped],
+                "stream_samples": self.stream_samples}
 
     def load_state(self, state: dict) -> None:
         """Restore from a checkpoint's trainer state. One written before consumed samples were kept
@@ -114,6 +144,7 @@ class DataPosition:
                 int(state["consumed_tokens"]),
             )
             self.schedule_batch = int(state["schedule_global_batch"])
+            self.stream_samples = int(state.get("stream_samples", 0))
             self.skipped = []
             self.skip(state["skipped_samples"])
             return
@@ -148,11 +179,9 @@ def get_batch(dataset, sample_indices: Sequence[int],
       semantics: 0 for padding, and with `eod_mask_loss` 0 where the *input* token tokens[:, t] is
       EOD.
     * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in
-                  the
-      window; positions i, j belong to the same document iff doc_ids are equal. Samples that carry
-          their
-      own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD counts) keep
-          them.
+      the window; positions i, j belong to the same document iff doc_ids are equal. Samples that
+      carry their own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD
+      counts) keep them.
 
     A pure function of the indices: no loader state.
     """

@@ -259,12 +259,15 @@ def build_datasets(
     if model_vocab_size is not None:
         check_vocab(tokenizer.path, tokenizer.vocab_size, model_vocab_size)
     all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
-    sequences = {}
+    sequences, tokens = {}, {}
     for p in all_prefixes:
-        sequences[p] = check_prefix(p, tokenizer.vocab_size)["sequences"]
+        found = check_prefix(p, tokenizer.vocab_size)
+        sequences[p], tokens[p] = found["sequences"], found["tokens"]
         _check_made_with(p, tokenizer)
         if os.path.isfile(p + "_loss_mask.idx"):
             check_loss_mask_channel(p)
+    train_blend, valid_blend = (_weighted_by_size(b, tokens) if b else b
+                                for b in (train_blend, valid_blend))
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
@@ -290,6 +293,16 @@ def build_datasets(
     if valid_ds is not None and len(valid_ds) == 0:
         valid_ds = None
     return train_ds, valid_ds, tokenizer
+
+
+def _weighted_by_size(blend: _Blend, tokens: Dict[str, int]) -> _Blend:
+    """A blend of several prefixes without weights, weighted by their tokens: megatron-core builds
+    an unweighted blend as one epoch of each prefix whatever the samples asked for (a run then
+    read that epoch again in the same order), a weighted one with the samples asked for."""
+    prefixes, weights = blend
+    if weights is not None or len(prefixes) == 1:
+        return blend
+    return prefixes, [float(tokens[p]) for p in prefixes]
 
 
 def _check_split_shares(split: str, split_matrix, sizes, sequences: Dict[str, int]) -> None:

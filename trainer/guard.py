@@ -19,6 +19,13 @@ from collections import deque
 from typing import Callable, Dict, List, Optional
 
 
+def rewind_headroom(train_cfg, steps: int) -> int:
+    """The most bad steps, and so global batches the `rewind` policy passes over, in a run of
+    `steps` steps: more than `max_skips` within `skip_window` steps halt it (counted under any
+    policy, so a resume under another policy reads the same sample order)."""
+    return train_cfg.max_skips * -(-int(steps) // train_cfg.skip_window)
+
+
 class BadStepHalt(RuntimeError):
     """Training stopped on a bad step; the message is the report."""
 
@@ -40,10 +47,16 @@ class BadStepGuard:
 
     # -- state kept in checkpoints -------------------------------------------------------------
     def state(self) -> dict:
-        return {"bad_steps_total": self.total_bad}
+        """What the guard's next decisions depend on: a resumed run spots the same spikes and
+        counts the same bad steps towards `train.max_skips` as the run it continues."""
+        return {"bad_steps_total": self.total_bad, "bad_steps_recent": list(self.bad_steps),
+                "recent_losses": list(self.recent_losses)}
 
     def load_state(self, state: dict) -> None:
         self.total_bad = int(state.get("bad_steps_total", 0))
+        self.bad_steps = [int(s) for s in state.get("bad_steps_recent", [])]
+        self.recent_losses.clear()
+        self.recent_losses.extend(float(v) for v in state.get("recent_losses", []))
 
     # -- per-step decision ---------------------------------------------------------------------
     def reason(self, record: dict, grad_norm: float) -> str:
@@ -90,18 +103,21 @@ class BadStepGuard:
         """Reload the newest checkpoint and skip the batch of the bad step; return the step to
         resume at."""
         data = self.data
-        bad = data.next_batch()
+        bad = data.step_ranges()
         state = self.restore()
         if state is None:
-            data.skip([bad])
+            data.skip(bad)
             return steps_done  # nothing to rewind to: the update was dropped, move past the batch
-        skipped = data.skipped + [bad]  # the checkpoint may predate earlier rewinds' skips
+        skipped = data.skipped + bad  # the checkpoint may predate earlier rewinds' skips
+        # the bad steps seen since that checkpoint still count (towards max_skips and the total);
+        # the loss window restarts from the checkpoint's, before the steps that are replayed
+        total, recent = self.total_bad, self.bad_steps
         self.load_state(state)
+        self.total_bad, self.bad_steps = total, recent
         data.load_state(state)
         data.skip(skipped)
-        self.recent_losses.clear()
         if self.is_main:
-            print(f"rewound to checkpoint step {state['step']}; skipping samples "
-                  f"{bad[0]}..{bad[1] - 1}",
+            samples = ", ".join(f"{a}..{b - 1}" for a, b in bad)
+            print(f"rewound to checkpoint step {state['step']}; skipping samples {samples}",
                   file=sys.stderr)
         return int(state["step"])

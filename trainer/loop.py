@@ -34,10 +34,15 @@ def train(cfg: TandemConfig, resume: bool = False) -> Optional[dict]:
 def micro_batches(run: Run, step: int) -> List[Dict[str, torch.Tensor]]:
     """This rank's micro-batches of the global batch at the data position (`step`: 0-based)."""
     t = run.cfg.train
-    first = run.data_position.next_sample()
+    samples = run.data_position.step_samples()
+    if run.data_position.stream_samples and samples[-1] >= len(run.train_ds):
+        # past the samples the dataset was built with, get_batch would start its order again
+        raise RuntimeError(f"the training data ends at sample {len(run.train_ds)}; step {step + 1} "
+                           f"reads up to sample {samples[-1]} (rewinds passed over more batches "
+                           "than the dataset was sized for)")
     out = []
     for micro in range(t.grad_accum_steps):
-        idx = batch_indices(first, micro, t.grad_accum_steps, run.pstate.dp_rank,
+        idx = batch_indices(samples, micro, t.grad_accum_steps, run.pstate.dp_rank,
                             run.pstate.dp_size, t.micro_batch_size)
         out.append({k: v.to(run.device.device) for k, v in get_batch(run.train_ds, idx).items()})
     return out

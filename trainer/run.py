@@ -30,7 +30,7 @@ from .checkpoint_dirs import list_checkpoints
 from .config import TandemConfig
 from .config_checks import ConfigError
 from .cost import hardware_flops_per_token, training_flops_per_token
-from .guard import BadStepGuard
+from .guard import BadStepGuard, rewind_headroom
 from .hf.init_from import (
     adopt_checkpoint_config,
     check_reference,
@@ -190,18 +190,41 @@ def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
 
 def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
     """(data position, global batch, train, valid, tokenizer), the position at the checkpoint's
-    consumed samples whatever global batch it ran with."""
+    consumed samples whatever global batch it ran with.
+
+    The training dataset is built with the samples the run needs (`_samples_needed`) and keeps that
+    number across resumes (`DataPosition.stream_samples`): megatron-core orders the samples by the
+    number asked for, so another number would be another order, and the samples after the
+    checkpoint would not be the ones the run had yet to read. Only a resume that needs more samples
+    than that dataset holds (a larger `train.max_steps` or global batch) builds it again."""
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum_steps * pstate.dp_size
     position = DataPosition(global_batch, cfg.data.seq_len)
     if saved:
         position.load_state(saved)
-    steps_left = max(t.max_steps - int(saved.get("step", 0)), 1)
-    train_ds, valid_ds, tokenizer = build_datasets(
-        cfg.data, cfg.data.seq_len, t.seed,
-        num_train_samples=position.next_sample() + (steps_left + t.max_skips + 1) * global_batch,
-        num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size, cfg.eval.num_prompts, 1),
-        model_vocab_size=cfg.model.vocab_size)
+    needed = _samples_needed(position, max(t.max_steps - int(saved.get("step", 0)), 1), t,
+                             int(saved.get("bad_steps_total", 0)))
+
+    def build(samples: int):
+        return build_datasets(
+            cfg.data, cfg.data.seq_len, t.seed, num_train_samples=samples,
+            num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size,
+                                  cfg.eval.num_prompts, 1),
+            model_vocab_size=cfg.model.vocab_size)
+
+    samples = position.stream_samples or needed
+    train_ds, valid_ds, tokenizer = build(samples)
+    if cfg.data.source == "jsonl":
+        samples = 0  # chat windows: a fixed set that later steps read again (get_batch wraps)
+    elif len(train_ds) < needed:
+        if pstate.is_main:
+            print(f"data: the rest of the run reads up to sample {needed}, its dataset holds "
+                  f"{len(train_ds)} (train.max_steps or the global batch grew); it is built again "
+                  f"for {needed} samples, and megatron-core may order samples "
+                  f"{position.next_sample()} on differently", file=sys.stderr)
+        samples = needed
+        train_ds, valid_ds, tokenizer = build(samples)
+    position.stream_samples = samples
     eod = getattr(tokenizer, "eod_id", None)
     if cfg.model.ple_layers and eod is not None and cfg.model.eos_token_id != eod:
         # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents
@@ -209,6 +232,13 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
                           f"end-of-document token of {tokenizer.path} (id {eod}); PLE's n-grams "
                           "must stop at it")
     return position, global_batch, train_ds, valid_ds, tokenizer
+
+
+def _samples_needed(position: DataPosition, steps_left: int, t, bad_steps: int) -> int:
+    """One past the last sample the rest of the run can read: its remaining steps, and as many
+    global batches as the rewinds still allowed after `bad_steps` can pass over."""
+    rewinds_left = max(rewind_headroom(t, t.max_steps) - bad_steps, 0)
+    return position.end_sample(steps_left) + rewinds_left * position.global_batch
 
 
 def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,

@@ -74,7 +74,7 @@ def test_get_batch_shapes_masks_and_doc_ids(corpus):
     root, _, prefixes = corpus
     train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], eod_mask_loss=True), 32, 1, 64,
                                    4)
-    b = get_batch(train, batch_indices(4, 0, 1, 0, 1, 4))
+    b = get_batch(train, range(4, 8))
     assert b["tokens"].dtype == torch.long and b["tokens"].shape == (4, 33)
     assert b["loss_mask"].dtype == torch.float32 and b["loss_mask"].shape == (4, 32)
     assert b["doc_ids"].dtype == torch.long and b["doc_ids"].shape == (4, 33)
@@ -113,15 +113,18 @@ def test_doc_ids_hand_case():
 def test_batch_indices_union_equals_single_rank_run(dp, ga, mbs):
     G = mbs * ga * dp
     for first in (0, G, 5 * G, 7):
+        step = list(range(first, first + G))
         union = []
         for micro in range(ga):
             for rank in range(dp):
-                union += batch_indices(first, micro, ga, rank, dp, mbs)
-        assert union == list(range(first, first + G))  # micro-major, then rank, then sample
-        single = [i for m in range(dp * ga) for i in batch_indices(first, m, dp * ga, 0, 1, mbs)]
+                union += batch_indices(step, micro, ga, rank, dp, mbs)
+        assert union == step  # micro-major, then rank, then sample
+        single = [i for m in range(dp * ga) for i in batch_indices(step, m, dp * ga, 0, 1, mbs)]
         assert sorted(union) == single
     with pytest.raises(ValueError):
-        batch_indices(0, ga, ga, 0, dp, mbs)
+        batch_indices(list(range(G)), ga, ga, 0, dp, mbs)
+    with pytest.raises(ValueError):
+        batch_indices(list(range(G + 1)), 0, ga, 0, dp, mbs)
 
 
 def test_data_position_continues_the_stream_under_another_global_batch():
@@ -130,24 +133,73 @@ def test_data_position_continues_the_stream_under_another_global_batch():
     pos = DataPosition(8, seq_len=32)
     reads = []
     for _ in range(2):
-        reads.append(pos.next_batch())
+        reads.append(pos.step_ranges())
         pos.advance()
-    pos.skip([pos.next_batch()])  # rewind: samples 16..23 passed over
-    reads.append(pos.next_batch())
+    pos.skip(pos.step_ranges())  # rewind: samples 16..23 passed over
+    reads.append(pos.step_ranges())
     pos.advance()
     saved = json.loads(json.dumps(pos.state()))  # through trainer_state.json
     assert saved == {"consumed_samples": 24, "consumed_tokens": 24 * 32, "global_batch": 8,
-                     "schedule_global_batch": 8, "skipped_samples": [[16, 24]]}
+                     "schedule_global_batch": 8, "skipped_samples": [[16, 24]],
+                     "stream_samples": 0}
     for batch, schedule_step in ((12, 3.0), (4, 4.5)):
         pos = DataPosition(batch, seq_len=32)
         pos.load_state(saved)
         assert pos.schedule_step() == schedule_step  # 24 then 36 samples in steps of 8
-        reads.append(pos.next_batch())
+        reads.append(pos.step_ranges())
         pos.advance()
         saved = pos.state()
-    assert reads == [(0, 8), (8, 16), (24, 32), (32, 44), (44, 48)]
+    assert reads == [[(0, 8)], [(8, 16)], [(24, 32)], [(32, 44)], [(44, 48)]]
     assert saved["consumed_samples"] == 24 + 12 + 4 and saved["consumed_tokens"] == 40 * 32
     assert saved["schedule_global_batch"] == 8 and saved["global_batch"] == 4
+
+
+def test_a_step_reaching_across_a_skipped_range_reads_around_it():
+    """A checkpoint saved while a rewind replays the steps before its bad batch (a preemption, a
+    halt) lies before the skipped range; resumed under a global batch of 12, a step reaches across
+    it. The stream leaves the range out and reads every other sample once, in order: 72..95 and
+    104..127 for 4 steps of 12 (hand-counted), not the bad 88..95, not one good sample lost."""
+    pos = DataPosition(8, seq_len=4)
+    pos.consumed_samples = 72
+    pos.skip([(88, 96)])
+    resumed = DataPosition(12, seq_len=4)
+    resumed.load_state(json.loads(json.dumps(pos.state())))
+    read = []
+    for _ in range(4):
+        read += resumed.step_samples()
+        resumed.advance()
+    assert read == list(range(72, 88)) + list(range(96, 128))
+    assert resumed.step_ranges() == [(128, 140)]
+    resumed.consumed_samples = 84  # the step across the range: two pieces, a rewind skips both
+    assert resumed.step_ranges() == [(84, 88), (96, 104)]
+    resumed.skip(resumed.step_ranges())
+    assert resumed.skipped == [(84, 104)]  # merged with the range it touches
+    assert resumed.sample_at(84) == 104 and resumed.end_sample(2) == 128
+
+
+def test_a_resume_asks_for_the_samples_its_run_was_built_with():
+    """megatron-core orders a dataset's samples by how many are asked for, so a resume must ask for
+    the number its run was built with. 78 steps of 2 samples with up to 5 rewinds: 156 + 10. After
+    a rewind over step 3's batch and a checkpoint at step 5, the rest of the run still ends by
+    sample 166 (it asked for 170 when the skipped batch was added on top: another order once that
+    crossed an epoch). A global batch of 6 from there needs more: 10 + 73 x 6 + 2 skipped, + 4
+    rewinds of 6."""
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import _samples_needed
+
+    t = load_config(None, ["train.max_steps=78", "train.max_skips=5",
+                           "train.skip_window=100"]).train
+    pos = DataPosition(2, seq_len=4)
+    assert _samples_needed(pos, 78, t, bad_steps=0) == 166
+    for _ in range(2):
+        pos.advance()
+    pos.skip(pos.step_ranges())
+    for _ in range(3):
+        pos.advance()
+    assert _samples_needed(pos, 78 - 5, t, bad_steps=1) == 166
+    wider = DataPosition(6, seq_len=4)
+    wider.load_state(pos.state())
+    assert _samples_needed(wider, 73, t, bad_steps=1) == 10 + 73 * 6 + 2 + 4 * 6
 
 
 def test_data_position_reads_a_checkpoint_from_before_consumed_samples():
@@ -175,6 +227,19 @@ def test_weighted_blend_and_separate_valid_paths(corpus):
     assert not dist.is_initialized()  # the throw-away single-process group is gone
     again, _, _ = build_datasets(cfg, 16, 3, 100, 8)  # cached indices: identical samples
     assert torch.equal(get_batch(train, range(10))["tokens"], get_batch(again, range(10))["tokens"])
+
+
+def test_an_unweighted_blend_holds_the_samples_asked_for(corpus):
+    """Two prefixes without weights are weighted by their tokens and hold the samples asked for
+    (megatron-core built one epoch of each, 20 here, and a run then read it again in the same
+    order)."""
+    root, _, prefixes = corpus
+    a, b = (check_prefix(prefixes[k])["tokens"] for k in ("a", "b"))
+    train, _, _ = build_datasets(_cfg(root, paths=[prefixes["a"], prefixes["b"]],
+                                      split="90,10,0"), 16, 3, 500, 8)
+    assert len(train) >= 500
+    share_a = np.mean(np.asarray(train.dataset_index) == 0)
+    assert abs(share_a - a / (a + b)) < 0.01, (share_a, a / (a + b))
 
 
 def test_a_preprocessed_again_prefix_rebuilds_its_cached_indices(corpus, tmp_path):

@@ -8,9 +8,10 @@ from tandem.trainer.guard import BadStepGuard
 from tandem.trainer.recipe import load_config
 
 
-def _guard(window: int) -> BadStepGuard:
+def _guard(window: int, spike_factor: float = 0.0) -> BadStepGuard:
     t = load_config(None, ["train.bad_step_policy=skip", "train.max_skips=1",
-                           f"train.skip_window={window}"]).train
+                           f"train.skip_window={window}",
+                           f"train.spike_factor={spike_factor}"]).train
     return BadStepGuard(t, False, data_position=None, save=None, restore=None)
 
 
@@ -31,3 +32,53 @@ def test_bad_steps_apart_by_more_than_the_window_are_skipped():
 def test_bad_steps_within_the_window_halt():
     actions = _actions(_guard(window=10), {2, 8}, 8)
     assert actions[1] == "skip" and actions[7] == "halt"
+
+
+def test_a_resumed_guard_decides_as_the_run_it_continues():
+    """The guard's state goes through trainer_state.json: a run stopped after step 4 and resumed
+    halts at step 7, as the uninterrupted run does (its window held step 2's bad step, which the
+    resumed guard had forgotten), and spots the spike at step 9 against the losses before it."""
+    import json
+
+    whole = _guard(window=10)
+    assert _actions(whole, {2, 7}, 7)[-1] == "halt"
+    first = _guard(window=10)
+    _actions(first, {2}, 4)
+    resumed = _guard(window=10)
+    resumed.load_state(json.loads(json.dumps(first.state())))
+    assert resumed.state() == first.state()
+    assert resumed.inspect(7, {"step": 7, "loss": math.nan}, 1.0) == "halt"
+
+    spiky = _guard(window=10, spike_factor=3.0)
+    _actions(spiky, set(), 8)
+    later = _guard(window=10, spike_factor=3.0)
+    later.load_state(json.loads(json.dumps(spiky.state())))
+    assert later.reason({"loss": 50.0}, 1.0).startswith("loss spike")
+
+
+class _Position:
+    """A data position with one step of samples 8..15 and a record of what it was told."""
+
+    def __init__(self):
+        self.skipped = []
+
+    def step_ranges(self):
+        return [(8, 16)]
+
+    def load_state(self, state):
+        self.skipped = [tuple(r) for r in state["skipped_samples"]]
+
+    def skip(self, ranges):
+        self.skipped = sorted(set(self.skipped) | set(ranges))
+
+
+def test_a_rewind_keeps_the_bad_step_it_rewinds_over_counted():
+    """`rewind` reloads a checkpoint saved before the bad step: the bad step still counts in the
+    total and in the window (the checkpoint's state had 0), and its samples are skipped."""
+    t = load_config(None, ["train.bad_step_policy=rewind", "train.max_skips=1"]).train
+    checkpoint = {"step": 2, "bad_steps_total": 0, "skipped_samples": []}
+    guard = BadStepGuard(t, False, _Position(), save=None, restore=lambda: checkpoint)
+    assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "rewind"
+    assert guard.rewind(2) == 2
+    assert guard.state()["bad_steps_total"] == 1 and guard.data.skipped == [(8, 16)]
+    assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "halt"  # 2 within the window
