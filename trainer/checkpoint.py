@@ -193,11 +193,14 @@ class CheckpointWriter:
             f.write(f"{step}\n")
             f.flush()
             os.fsync(f.fileno())
-        if os.path.exists(final):  # a stale copy of the same step (e.g. rewind); replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
         root = os.path.dirname(final)
+        stale = os.path.join(root, f".stale_step_{step}")
+        if os.path.exists(final):  # a stale copy of the same step (e.g. rewind): moved aside, and
+            shutil.rmtree(stale, ignore_errors=True)  # deleted only once the new one is in place
+            os.rename(final, stale)
+        os.rename(tmp, final)
         _fsync_dir(root)
+        shutil.rmtree(stale, ignore_errors=True)
         if self.keep_last > 0:
             complete, _ = list_checkpoints(self.run_dir)
             for _, old in complete[:-self.keep_last]:

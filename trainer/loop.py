@@ -129,7 +129,7 @@ def run_training(run: Run) -> Optional[dict]:
                 and step < t.max_steps
             ):
                 run.save(step)
-            if preemption.agree_preemption():
+            if step < t.max_steps and preemption.agree_preemption():  # a finished run just ends
                 _preempt(run, step)
                 return last_record
         _save_final(run, step)
@@ -139,8 +139,18 @@ def run_training(run: Run) -> Optional[dict]:
     return last_record
 
 
+def _saved_step(run: Run) -> int:
+    """The step of the newest checkpoint, saved or being saved (0: none)."""
+    pending = run.checkpoints.pending
+    if pending:
+        return pending[1]
+    return (latest_checkpoint(run.cfg.run.dir, report=False) or (0, ""))[0]
+
+
 def _preempt(run: Run, step: int) -> None:
-    run.save(step, wait=True)
+    if _saved_step(run) < step:  # not when the interval has just saved it
+        run.save(step, wait=True)
+    run.checkpoints.finish()
     preemption.requeue_current_job()
     if run.pstate.is_main:
         print(f"preempted: checkpointed step {step} and asked Slurm to requeue", file=sys.stderr)
@@ -148,9 +158,6 @@ def _preempt(run: Run, step: int) -> None:
 
 def _save_final(run: Run, step: int) -> None:
     """The last step's checkpoint (checkpoint.save_final), unless it is saved already."""
-    pending = run.checkpoints.pending
-    saved = pending[1] if pending else (latest_checkpoint(run.cfg.run.dir, report=False) or (0,
-                                                                                             ""))[0]
-    if run.cfg.checkpoint.save_final and run.cfg.train.max_steps > 0 and saved < step:
+    if run.cfg.checkpoint.save_final and run.cfg.train.max_steps > 0 and _saved_step(run) < step:
         run.save(step)
     run.checkpoints.finish()

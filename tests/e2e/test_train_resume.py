@@ -117,3 +117,40 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
     last = recs[4]
     depths = [w * last[f"loss/mtp_{k}"] for k, w in enumerate(depth_weights(resumed.mtp), start=1)]
     assert last["loss"] == pytest.approx(last["loss/main"] + 0.1 * sum(depths), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides, tmp_path,
+                                                                   monkeypatch):
+    """SIGUSR1, Slurm's pre-timeout signal, during step 2, which the interval checkpoints: the run
+    stops after step 2 with that one checkpoint (saving it twice left no complete checkpoint of it
+    while the copy was replaced) and asks Slurm to requeue it. The signal during a run's last step:
+    it finishes with its final checkpoint and asks for no requeue (Slurm would run the finished job
+    again)."""
+    import signal
+
+    from tandem.trainer import checkpoint, loop, preemption
+
+    requeues, saves = [], []
+    monkeypatch.setattr(preemption, "requeue_current_job", lambda: requeues.append(True))
+    save, optimizer_step = checkpoint.CheckpointWriter.save, loop.optimizer_step
+
+    def counted_save(self, step, *args, **kwargs):
+        saves.append(step)
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "save", counted_save)
+    for signalled, name in ((2, "stopped"), (4, "finished")):
+        def step_then_signal(run, step, at=signalled):
+            out = optimizer_step(run, step)
+            if out[0] == at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return out
+
+        monkeypatch.setattr(loop, "optimizer_step", step_then_signal)
+        del requeues[:], saves[:]
+        cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=2",
+                                                    f"run.dir={tmp_path / name}"])
+        assert train(cfg)["step"] == signalled
+        assert saves == [2, 4][: signalled // 2] and requeues == ([True] if signalled < 4 else [])
+        assert [s for s, _ in list_checkpoints(cfg.run.dir)[0]] == saves
