@@ -102,9 +102,14 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     batch order), so the interval equals one process's. The generator is private and fixed-seed: the
     global RNG is untouched and a rerun reproduces the interval."""
     counts = _row_counts(stats)
-    n, K = counts.shape[0], stats.num_steps
-    if n == 0:
+    K = stats.num_steps
+    if counts.shape[0] == 0:
         return {}
+    # A prompt that ended at its prefill (its first token EOS) drafted nothing and adds nothing to
+    # any figure; resamples of only such prompts would read 1.0 and 0.0, figures no prompt showed.
+    if bool((counts[:, 0] > 0).any()):
+        counts = counts[counts[:, 0] > 0]
+    n = counts.shape[0]
     figures = _ratio_figures(torch.cat([w @ counts for w in resample_weights(n, resamples, seed)]),
                              K)
     q = torch.tensor(_expanded_levels(n), dtype=torch.float64)

@@ -94,3 +94,18 @@ def test_degenerate_inputs():
         == idle["acceptance_length_hi95"]
         == 1.0
     )
+
+
+def test_prompts_that_ended_at_prefill_leave_the_interval_as_it_was():
+    """Two prompts that drafted (acceptance lengths 2.4 and 2.5) and six that ended at their prefill
+    (no round, nothing to any figure): the interval is the two prompts' alone. Resampled with them,
+    a draw of only idle prompts read acceptance length 1.0 and rates 0, and the lower bound fell
+    there (1.0 for a figure of 2.45)."""
+    active = DecodeStats(torch.tensor([5, 4]), torch.tensor([7, 6]),
+                         torch.tensor([[3, 2, 2], [3, 2, 1]]), K)
+    zeros = torch.zeros(6, dtype=torch.long)
+    mixed = DecodeStats(torch.cat([active.rounds, zeros]), torch.cat([active.accepted, zeros]),
+                        torch.cat([active.accepted_at, torch.zeros(6, K, dtype=torch.long)]), K)
+    alone, both = acceptance_metrics(active), acceptance_metrics(mixed)
+    assert both == alone
+    assert 2.4 <= both["acceptance_length_lo95"] < both["acceptance_length_hi95"] <= 2.5
