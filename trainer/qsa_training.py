@@ -51,10 +51,16 @@ class IndexerTraining:
         in the warm-up (never for a model without QSA layers)."""
         return self.uses_qsa and schedule_step < self.warmup_steps
 
-    def before_update(self, schedule_step: float) -> None:
-        """With `indexer_only`, only the indexers learn in the dense warm-up: drop every other
-        gradient (the optimizer then skips those parameters entirely, weight decay included)."""
-        if self.indexer_only and self.dense(schedule_step):
+    def freezes_the_rest(self, schedule_step: float) -> bool:
+        """Whether only the indexers learn in the step starting at `schedule_step`: `indexer_only`
+        in the dense warm-up (the MoE routers' biases stay as well, TrainStep.apply)."""
+        return self.indexer_only and self.dense(schedule_step)
+
+    def drop_frozen_gradients(self, schedule_step: float) -> None:
+        """Drop every gradient but the indexers' when only they learn: before clipping, so the
+        clipping norm is theirs, and the optimizer then skips the other parameters entirely,
+        weight decay included."""
+        if self.freezes_the_rest(schedule_step):
             for p in self.main_params:
                 p.grad = None
 

@@ -116,16 +116,17 @@ class TrainStep:
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
-    def update_router_biases(self) -> Dict[str, float]:
+    def update_router_biases(self, move: bool = True) -> Dict[str, float]:
         """Aux-free bias step from the step's expert loads (summed over every rank that routed
-        different tokens); returns load-balance metrics. Every all-reduce runs wherever its group
-        exists, also on a rank with no MoE layer (a pipeline stage of dense layers beside a copy of
-        a dense MTP module): its peers wait in the same collectives."""
+        different tokens; `move=False` only reads them); returns load-balance metrics. Every
+        all-reduce runs wherever its group exists, also on a rank with no MoE layer (a pipeline
+        stage of dense layers beside a copy of a dense MTP module): its peers wait in the same
+        collectives."""
         loads = self._expert_loads()
         for moe, load in zip(self.moe_layers, loads):
             # A frozen router (train.freeze_trunk) keeps its bias too: the trunk stays
             # bit-identical.
-            if moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
+            if move and moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
                 moe.router.update_bias(load)
             moe.router.tokens_per_expert.zero_()
         if not self.moe_layers:
@@ -165,10 +166,10 @@ class TrainStep:
         return {}
 
     def apply(self, schedule_step: float) -> Dict[str, float]:
-        """The update: router biases, the indexer warm-up's gradient filter, AdamW. Returns the
+        """The update: router biases (not while only the indexers learn), AdamW. Returns the
         load-balance metrics."""
-        metrics = self.update_router_biases()
-        self.indexers.before_update(schedule_step)
+        metrics = self.update_router_biases(
+            move=not self.indexers.freezes_the_rest(schedule_step))
         self.optimizer.step()
         return metrics
 
@@ -180,4 +181,5 @@ class TrainStep:
         counts = self.global_target_counts(batches)
         sums = self.pstate.all_reduce_replicas(
             self.forward_backward(batches, counts, coefs, self.indexers.dense(schedule_step)))
+        self.indexers.drop_frozen_gradients(schedule_step)
         return sums, counts, self.clip_gradients()

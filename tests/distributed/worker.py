@@ -221,13 +221,9 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
         coefs = depth_coefficients(cfg.mtp, step)
         batches = rank_micro_batches(step, pstate.dp_rank, pstate.dp_size, accum,
                                      cfg.data.document_mask, cfg.data.seq_len)
-        counts = tr.global_target_counts(batches)
-        sums = pstate.all_reduce_replicas(tr.forward_backward(batches, counts, coefs,
-                                                              tr.indexers.dense(step)))
-        norms.append(tr.clip_gradients())
-        tr.update_router_biases()
-        tr.indexers.before_update(step)
-        tr.optimizer.step()
+        sums, counts, norm = tr(batches, coefs, step)  # the training loop's step
+        norms.append(norm)
+        tr.apply(step)
         tr.optimizer.zero_grad(set_to_none=True)
         losses.append((sums / counts.clamp(min=1)).tolist())
     if hook is not None:

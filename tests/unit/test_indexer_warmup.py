@@ -39,9 +39,11 @@ def test_auto_resolves_from_init_from():
 def _train(overrides, mode):
     cfg = load_config(None, overrides + QWEN4 + [f"model.indexer_warmup={mode}"])
     tr = build_run(cfg)
-    start = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    # the MoE routers' aux-free biases are buffers: they decide the routing, so they count too
+    state = lambda: dict(tr.model.named_parameters(), **dict(tr.model.named_buffers()))  # noqa: E731
+    start = {n: p.detach().clone() for n, p in state().items()}
     run_training(tr)
-    moved = {n for n, p in tr.model.named_parameters() if not torch.equal(p.detach(), start[n])}
+    moved = {n for n, p in state().items() if not torch.equal(p.detach(), start[n])}
     with open(os.path.join(cfg.run.dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"loss/main"' in line]
     return moved, [r["loss/main"] for r in records], [r.get("loss/indexer") for r in records]
