@@ -200,8 +200,11 @@ class ChatEncoder:
                     continue
                 before = self._text(msgs[:i], True) if i else ""
                 upto = self._text(msgs[: i + 1], False)
-                span = ((len(before),
-                         len(upto)) if full.startswith(upto) and upto.startswith(before)
+                # a template that ignores add_generation_prompt renders the header in the turn:
+                # the turn is then its content (and end-of-turn), as _turn_in finds it
+                prompted = not i or before != self._text(msgs[:i], False)
+                span = ((len(before), len(upto))
+                        if prompted and full.startswith(upto) and upto.startswith(before)
                         else _turn_in(full, cursor, m["content"], upto))
                 if span is None:
                     raise ValueError(f"{where}: cannot find assistant turn {i + 1} in the "

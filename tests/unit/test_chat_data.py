@@ -121,6 +121,17 @@ def test_messages_with_template_hand_counted(tmp_path):
     assert kept(batch, 2) == [1, 2, 7, 8, 9]
 
 
+def test_a_template_without_a_generation_prompt_does_not_train_the_header(tmp_path):
+    """A template that ignores add_generation_prompt renders `<|assistant|>` as part of the turn:
+    the loss is still on each turn's content and end-of-turn only, as in the hand-counted case
+    above (the header was a target)."""
+    tok = make_tokenizer(tmp_path / "tok", template=TEMPLATE.split("{% if")[0])
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    ((_, ids, flags),) = encoded(tok, write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}]))
+    assert len(ids) == 13 and flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+
+
 def test_byte_level_bpe_trains_a_responses_first_word(tmp_path):
     """A byte-level BPE joins a word to the space before it: after the header `<|assistant|> ` the
     response's first token is ` forty`, which starts one character before the assistant span. It is
