@@ -57,9 +57,9 @@ class IndexerTraining:
         return self.indexer_only and self.dense(schedule_step)
 
     def drop_frozen_gradients(self, schedule_step: float) -> None:
-        """Drop every gradient but the indexers' when only they learn: before clipping, so the
-        clipping norm is theirs, and the optimizer then skips the other parameters entirely,
-        weight decay included."""
+        """Drop every gradient but the indexers' when only they learn: the optimizer then skips
+        the other parameters entirely, weight decay included. After clipping, whose norm is then
+        every gradient's: a layout's gradient finisher completes (and so writes) them all there."""
         if self.freezes_the_rest(schedule_step):
             for p in self.main_params:
                 p.grad = None

@@ -166,10 +166,11 @@ class TrainStep:
         return {}
 
     def apply(self, schedule_step: float) -> Dict[str, float]:
-        """The update: router biases (not while only the indexers learn), AdamW. Returns the
-        load-balance metrics."""
+        """The update: router biases and every gradient but the indexers' kept only when
+        everything learns, AdamW. Returns the load-balance metrics."""
         metrics = self.update_router_biases(
             move=not self.indexers.freezes_the_rest(schedule_step))
+        self.indexers.drop_frozen_gradients(schedule_step)
         self.optimizer.step()
         return metrics
 
@@ -181,5 +182,4 @@ class TrainStep:
         counts = self.global_target_counts(batches)
         sums = self.pstate.all_reduce_replicas(
             self.forward_backward(batches, counts, coefs, self.indexers.dense(schedule_step)))
-        self.indexers.drop_frozen_gradients(schedule_step)
         return sums, counts, self.clip_gradients()
