@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -230,6 +231,40 @@ def tokenizer_file(path: str) -> Optional[str]:
         return path
     tj = os.path.join(path, "tokenizer.json")
     return tj if os.path.isfile(tj) else None
+
+
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""What a Hugging Face tokenizer directory holds beside tokenizer.json: its EOS token (the
+end-of-document token a run trains with) and chat template."""
+
+
+def copy_tokenizer(path: str, out_dir: str) -> None:
+    """Copy the tokenizer at `path` (a tokenizer.json, or a directory holding one) into `out_dir`:
+    tokenizer.json and the side files beside it. A bare tokenizer.json would load with the first
+    default end-of-document token, not the EOS its directory names (`<|im_end|>` for Qwen3), and
+    without its chat template."""
+    path = os.path.expanduser(str(path))
+    src = tokenizer_file(path)
+    if src is None:
+        raise FileNotFoundError(f"tokenizer not found: {path}")
+    shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
+    if os.path.basename(src) != "tokenizer.json":  # a Megatron prefix's <prefix>.tokenizer.json
+        return
+    for name in TOKENIZER_SIDE_FILES:
+        side = os.path.join(os.path.dirname(src), name)
+        if os.path.isfile(side) and os.path.dirname(os.path.abspath(side)) != os.path.abspath(
+                out_dir):
+            shutil.copyfile(side, os.path.join(out_dir, name))
+
+
+def saved_tokenizer(directory: str) -> Optional[str]:
+    """What to load for the tokenizer `copy_tokenizer` wrote into `directory` (a checkpoint): the
+    directory when side files came with it, else its bare tokenizer.json; None without one."""
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return None
+    if os.path.isfile(os.path.join(directory, TOKENIZER_SIDE_FILES[0])):
+        return directory
+    return os.path.join(directory, "tokenizer.json")
 
 
 def checkpoint_tokenizer(path: str) -> Optional[str]:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tandem.data_pipeline.tokenizer import tokenizer_file
+from tandem.data_pipeline.tokenizer import copy_tokenizer, tokenizer_file
 from tandem.models import TandemModel
 
 from .checkpoint_dirs import (  # noqa: F401
@@ -208,12 +208,8 @@ class CheckpointWriter:
 
 
 def _record_tokenizer(tokenizer: Optional[str], step_dir: str) -> None:
-    if not tokenizer:
-        return
-
-    src = tokenizer_file(tokenizer)
-    if src is not None:
-        shutil.copyfile(src, os.path.join(step_dir, "tokenizer.json"))
+    if tokenizer and tokenizer_file(tokenizer) is not None:
+        copy_tokenizer(tokenizer, step_dir)
 
 
 def _fsync_dir(path: str) -> None:

@@ -56,7 +56,7 @@ from tandem.data_pipeline.chat_template import chat_template_in
 from tandem.data_pipeline.dataset import _tokenizer_for, build_datasets, parse_blend
 from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
-from tandem.data_pipeline.tokenizer import load_tokenizer
+from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.metrics import teacher_forced
@@ -138,8 +138,8 @@ def _tokenizer_of(cfg, step_dir: str = ""):
     """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data
     config's."""
     try:
-        recorded = os.path.join(step_dir, "tokenizer.json") if step_dir else ""
-        if recorded and os.path.isfile(recorded):
+        recorded = saved_tokenizer(step_dir) if step_dir else None
+        if recorded:
             return load_tokenizer(recorded)
         if cfg.data.tokenizer:
             return load_tokenizer(cfg.data.tokenizer)

@@ -100,3 +100,45 @@ def test_unknown_eod_token_is_a_clear_error(bpe):
     _, path = bpe
     with pytest.raises(ValueError, match="<nope>"):
         load_tokenizer(str(path), eod_token="<nope>")
+
+
+def test_a_checkpoint_keeps_its_tokenizers_eos_and_chat_template(tmp_path):
+    """A run whose tokenizer directory names `<|im_end|>` its EOS (Qwen3's) trains with that
+    end-of-document token. Its checkpoint records the directory's side files with tokenizer.json,
+    so `tandem eval` / `tandem generate --checkpoint` stop at that token too, and an export ships
+    the EOS and the chat template (a bare tokenizer.json fell back to `<|endoftext|>`, without
+    a template)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from tandem.data_pipeline.chat_template import chat_template_in
+    from tandem.data_pipeline.tokenizer import copy_tokenizer, saved_tokenizer
+    from tandem.trainer.eval_cli import _tokenizer_of
+    from tandem.trainer.recipe import load_config
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.WordLevel({s: i for i, s in enumerate(specials + ["a", "b"])},
+                                         unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    source, step = tmp_path / "qwen_tokenizer", tmp_path / "step_1"
+    source.mkdir()
+    step.mkdir()
+    backend.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}))
+    (source / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}"
+                                                "{% endfor %}")
+    assert load_tokenizer(str(source)).eod_token == "<|im_end|>"
+
+    copy_tokenizer(str(source), str(step))
+    assert saved_tokenizer(str(step)) == str(step)
+    assert load_tokenizer(saved_tokenizer(str(step))).eod_id == 2
+    assert chat_template_in([str(step)]) is not None
+    cfg = load_config(None, [f"data.tokenizer={source}"])
+    assert _tokenizer_of(cfg, str(step)).eod_token == "<|im_end|>"
+    bare = tmp_path / "bare_step"  # a checkpoint from before: its bare tokenizer.json still loads
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text((source / "tokenizer.json").read_text())
+    assert saved_tokenizer(str(bare)) == str(bare / "tokenizer.json")

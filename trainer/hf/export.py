@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tandem.data_pipeline.dataset import check_vocab
-from tandem.data_pipeline.tokenizer import tokenizer_file
+from tandem.data_pipeline.tokenizer import copy_tokenizer, saved_tokenizer, tokenizer_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
@@ -124,8 +124,8 @@ def export_main(argv: List[str]) -> int:
 def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
     """The tokenizer the run trained with, when it can be found without rebuilding anything: the
     copy the checkpoint recorded, else the run's data config's."""
-    if step_dir and os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
-        return os.path.join(step_dir, "tokenizer.json")
+    if step_dir and saved_tokenizer(step_dir):
+        return saved_tokenizer(step_dir)
     if cfg.data.tokenizer and tokenizer_file(cfg.data.tokenizer):
         return cfg.data.tokenizer
     if cfg.data.source == "stdlib":
@@ -371,13 +371,8 @@ def check_tokenizer_file(tokenizer: str, vocab_size: int) -> str:
     return src
 
 
-def _copy_tokenizer(tokenizer: str, src: str, out_dir: str) -> None:
-    shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
-    tokenizer = os.path.expanduser(tokenizer)
-    if os.path.isdir(tokenizer):
-        for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-            if os.path.isfile(os.path.join(tokenizer, extra)):
-                shutil.copyfile(os.path.join(tokenizer, extra), os.path.join(out_dir, extra))
+def _copy_tokenizer(tokenizer: str, out_dir: str) -> None:
+    copy_tokenizer(tokenizer, out_dir)
     if not os.path.isfile(os.path.join(out_dir, "tokenizer_config.json")):
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
@@ -386,7 +381,7 @@ def _copy_tokenizer(tokenizer: str, src: str, out_dir: str) -> None:
 # what an export writes: --overwrite replaces a directory holding only these
 _EXPORT_FILES = re.compile(r"config\.json|model(-\d+-of-\d+)?\.safetensors|"
                            r"model\.safetensors\.index\.json|tokenizer\.json|"
-                           r"tokenizer_config\.json|special_tokens_map\.json")
+                           r"tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja")
 
 
 def _read_dirs(step_dir: str, ref: Optional[dict]) -> Dict[str, str]:
@@ -447,7 +442,7 @@ def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
     try:
         fill(tmp)
         if tok_src:
-            _copy_tokenizer(tokenizer, tok_src, tmp)
+            _copy_tokenizer(tokenizer, tmp)
         if os.path.exists(out):
             old = tmp + ".old"
             os.rename(out, old)
