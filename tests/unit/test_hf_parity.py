@@ -128,3 +128,33 @@ def test_dense_layers_named_past_the_last_layer_import(family, dense_past_the_en
         ref = hf(ids).logits
         ours = model.logits(0, model.trunk(ids, torch.arange(12).expand(2, 12)))
     assert (ref - ours).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family, edit", [
+    # transformers' Llama and Qwen3 classes rotate the whole head whatever the config says
+    ("llama", lambda c: c.update(partial_rotary_factor=0.5)),
+    ("qwen3", lambda c: c.update(partial_rotary_factor=0.5)),
+    # GLM's factor in a legacy rope_scaling, and no rms_norm_eps (Glm4MoeConfig's default: 1e-5)
+    ("glm4_moe", lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"],
+                                    rope_scaling={"rope_type": "default",
+                                                  "partial_rotary_factor": 0.25},
+                                    rms_norm_eps=None)),
+])
+def test_config_fields_read_as_transformers_reads_them(family, edit, tmp_path):
+    """Config fields each family's transformers class reads its own way: the import had partial
+    rotary for Llama and Qwen3 (logits off by 4-6), read GLM's factor only from rope_parameters
+    (0.5 for 0.25: off by 2.9) and took 1e-6 for GLM's missing eps."""
+    src = tmp_path / "src"
+    make_hf(family_configs()[family]).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    config = {k: v for k, v in config.items() if v is not None}
+    (src / "config.json").write_text(json.dumps(config))
+    hf = T.AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    model, _ = load_hf_model(str(src))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model.logits(0, model.trunk(ids, torch.arange(12).expand(2, 12)))
+    assert (ref - ours).abs().max().item() < 1e-4

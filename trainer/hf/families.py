@@ -113,6 +113,8 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
         raise UnsupportedCheckpoint(f"{name}: attention_bias=true also biases o_proj there, which "
                                     "this model lacks")
     theta, partial = _rope(hf)
+    if name != "glm4_moe":  # transformers' Llama and Qwen3 classes rotate the whole head, whatever
+        partial = 1.0  # a config's partial_rotary_factor says
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or hidden // heads)
@@ -124,7 +126,8 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
         head_dim=0 if head_dim * heads == hidden else head_dim,
         intermediate_size=int(hf["intermediate_size"]), rope_theta=theta,
         partial_rotary_factor=partial,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        # the families' config classes' defaults: GLM4-MoE's 1e-5, the others' 1e-6
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if name == "glm4_moe" else 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or min(mpe, 4096), attention_bias=attention_bias, num_experts=0,
         num_shared_experts=0, first_k_dense=0,
@@ -170,7 +173,7 @@ def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     cfg.topk_group = int(hf.get("topk_group", 1) or 1)
     cfg.router_score, cfg.balance = "sigmoid", "aux_free"
     cfg.qk_norm = bool(hf.get("use_qk_norm", False))
-    rope = hf.get("rope_parameters") or {}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # where _rope reads it
     if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in hf:
         cfg.partial_rotary_factor = 0.5  # Glm4MoeConfig's default
     if cfg.num_shared_experts < 1:
