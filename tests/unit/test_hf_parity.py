@@ -158,3 +158,31 @@ def test_config_fields_read_as_transformers_reads_them(family, edit, tmp_path):
         ref = hf(ids).logits
         ours = model.logits(0, model.trunk(ids, torch.arange(12).expand(2, 12)))
     assert (ref - ours).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family, model, mtp, named", [
+    ("llama", dict(zero_centered_norm=True), {}, "model.zero_centered_norm"),
+    ("glm4_moe", dict(shared_expert_gate=True), {}, "model.shared_expert_gate"),
+    ("glm4_moe", dict(shared_expert_intermediate_size=24), {},
+     "model.shared_expert_intermediate_size"),
+    ("qwen3_next_mtp", dict(qk_norm=True), dict(num_steps=1, style="parallel"), "mtp.style"),
+])
+def test_export_refuses_what_the_family_cannot_compute(family, model, mtp, named, tmp_path):
+    """Knobs the family's transformers class cannot express are refused by name before anything is
+    written; they were exported, and transformers computed another function (a zero-centred norm
+    off by 5.8, a gated shared expert by 1.7), refused to load the file (a shared expert of another
+    width), or Tandem could not import it back (a parallel-style MTP layer without its fc)."""
+    from tandem.models import TandemModel
+    from tandem.models.config import ModelConfig
+    from tandem.models.mtp_config import MTPConfig
+    from tandem.trainer.hf.names import UnsupportedCheckpoint
+
+    moe = family == "glm4_moe"
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48, max_seq_len=64, moe_intermediate_size=16,
+                      num_experts=4 if moe else 0, top_k=2, num_shared_experts=1 if moe else 0,
+                      first_k_dense=1 if moe else 0, **model)
+    with pytest.raises(UnsupportedCheckpoint, match=named.replace(".", r"\.")):
+        export_hf(TandemModel(cfg, MTPConfig(**{"num_steps": 0, **mtp})), str(tmp_path / "out"),
+                  family)
+    assert not (tmp_path / "out").exists()

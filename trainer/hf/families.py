@@ -310,6 +310,11 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
                                     "token mixers (Qwen4-Exp layers); export as qwen4_exp")
     trunk = "qwen3_moe" if family == "qwen3_next_mtp" and cfg.num_experts else (
         "qwen3" if family == "qwen3_next_mtp" else family)
+    if cfg.zero_centered_norm:
+        problems.append("model.zero_centered_norm=true (the family's norms scale by w, not 1 + w)")
+    if mtp is not None and mtp.num_steps > 0 and mtp.style != "looped":
+        problems.append("mtp.style=parallel (the family's MTP layers combine the embedding and the "
+                        "hidden state through fc)")
     if trunk in ("llama", "qwen3", "qwen3_moe"):
         if cfg.attention_bias:
             problems.append("model.attention_bias=true (the family would also bias o_proj)")
@@ -340,12 +345,16 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
             )
         if cfg.num_shared_experts < 1:
             problems.append("model.num_shared_experts=0 (GLM-4.5 always has a shared expert)")
+        if cfg.shared_expert_gate:
+            problems.append("model.shared_expert_gate=true (GLM-4.5's shared experts are ungated)")
+        shared = cfg.moe_intermediate_size * cfg.num_shared_experts
+        if cfg.shared_expert_intermediate_size not in (0, shared):
+            problems.append(f"model.shared_expert_intermediate_size="
+                            f"{cfg.shared_expert_intermediate_size} (GLM-4.5's is "
+                            f"moe_intermediate_size x num_shared_experts = {shared})")
         if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
             problems.append("fewer than 2 experts per group (GLM group scores sum the top-2)")
         if mtp is not None and mtp.num_steps > 0:
-            if mtp.style != "looped":
-                problems.append("mtp.style=parallel (GLM MTP layers combine embedding and hidden "
-                                "state)")
             if not mtp.moe:
                 problems.append("mtp.moe=false (GLM MTP layers are MoE layers)")
     if family == "qwen3_next_mtp" and mtp is not None and mtp.num_steps > 0 and mtp.num_layers != 1:
