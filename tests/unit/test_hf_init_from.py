@@ -101,3 +101,39 @@ def test_frozen_trunk_has_no_graph():
     assert out.loss_sums[1].requires_grad
     out.loss_sums.sum().backward()
     assert all(p.grad is None for n, p in m.named_parameters() if not n.startswith("mtp."))
+
+
+@pytest.mark.parametrize("layout, depths, pp, schedule", [
+    ([1, 1, 2, 0], [2, 3], 2, "interleaved_1f1b"),  # the MTP stage holds layer 1, not layer 3
+    ([2, 2, 0], [1, 2], 3, "1f1b"),  # the MTP stage holds no trunk layer
+])
+def test_init_from_last_layer_needs_the_last_layer_on_the_mtp_stage(layout, depths, pp,
+                                                                    schedule):
+    """mtp.init_from_last_layer on a pipeline stage that holds an MTP depth but not the trunk's
+    last layer is refused by name (it copied the last layer that stage held, or failed in max());
+    a placement with both on one stage copies layer 3."""
+    import copy
+
+    from tandem.trainer.hf.init_from import init_mtp_from_last_layer
+    from tandem.trainer.parallel.pipeline import prune_model
+
+    def stages(layout, depths, pp, schedule):
+        cfg = load_config(None, ["model.num_layers=4", "model.num_experts=0", "mtp.num_steps=1",
+                                 "mtp.moe=false", f"parallel.pp={pp}",
+                                 f"parallel.pp_schedule={schedule}",
+                                 "parallel.pp_virtual_stages=2", f"parallel.pp_layout={layout}",
+                                 f"parallel.pp_depth_stages={depths}"])
+        full = TandemModel(cfg.model, cfg.mtp)
+        for rank in range(pp):
+            model = copy.deepcopy(full)
+            prune_model(model, cfg, rank)
+            if model.mtp is not None:
+                return full, model
+
+    _, model = stages(layout, depths, pp, schedule)
+    with pytest.raises(ValueError, match=r"mtp\.init_from_last_layer: .*layers\.3"):
+        init_mtp_from_last_layer(model)
+    full, model = stages([2, 2], [1, 1], 2, "1f1b")
+    init_mtp_from_last_layer(model)
+    assert torch.equal(model.mtp.layers[0].block.self_attn.q_proj.weight,
+                       full.layers["3"].self_attn.q_proj.weight)

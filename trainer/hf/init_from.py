@@ -101,10 +101,18 @@ def adopt_checkpoint_config(cfg) -> List[str]:
 
 @torch.no_grad()
 def init_mtp_from_last_layer(model: nn.Module) -> None:
-    """Copy the last trunk layer's weights into every MTP block (same names under `block.`)."""
+    """Copy the last trunk layer's weights into every MTP block (same names under `block.`). A
+    pipeline placement that puts an MTP depth on a stage without the last trunk layer is refused:
+    the copy would take the last layer that stage holds, or none."""
     tensors = local_tensors(model)
-    last = max(int(n.split(".")[1]) for n in tensors if n.startswith("layers."))
+    last = model.cfg.num_layers - 1
     prefix = f"layers.{last}."
+    if any(n.startswith("mtp.layers.") for n in tensors) and not any(
+            n.startswith(prefix) for n in tensors):
+        raise ValueError(f"mtp.init_from_last_layer: this pipeline stage holds MTP layers but not "
+                         f"the last trunk layer (layers.{last}) to copy; place an MTP depth with "
+                         "it (parallel.pp_layout / parallel.pp_depth_stages) or leave the option "
+                         "off")
     for name, t in tensors.items():
         if not (name.startswith("mtp.layers.") and ".block." in name):
             continue
