@@ -134,8 +134,11 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
 
     `resets_bt` [B, T] bool (packed documents): the state entering a reset token is zero. Inside a
     chunk the tokens fall into segments between resets; a token reads and writes only within its
-    segment (the decay between segments is 0, so the segment's G differences stay exact), only the
-    first segment reads the entering state and only the last one's writes carry to the next chunk.
+    segment, only the first segment reads the entering state and only the last one's writes carry
+    to the next chunk. G restarts at each segment's start (a masked sum, not the chunk's cumsum):
+    a difference G_i - G_j of sums that both held an earlier document's decay lost that
+    document's magnitude to fp32 rounding, so one document's gates moved the next one's outputs
+    (a relative 3e-4 after a fast-forgetting document) and drew gradient from its loss.
     """
     b, h, t, dk = k_bhtk.shape
     dv = v_bhtv.shape[-1]
@@ -153,6 +156,7 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
         # segment within chunk
         seg_b1nc = F.pad(resets_bt, (0, pad)).view(b, 1, n, chunk).long().cumsum(-1)
         visible = visible & (seg_b1nc[..., :, None] == seg_b1nc[..., None, :])
+        G_bhnc = (visible.to(g.dtype) @ g[..., None]).squeeze(-1)  # the segment's own sum
         reads_start_b1nc1 = (seg_b1nc == 0)[..., None]
         writes_end_b1nc1 = (seg_b1nc == seg_b1nc[..., -1:])[..., None]
     # e^{G_i - G_j} for j <= i; masked before exp because G_i - G_j > 0 above the diagonal may
@@ -164,11 +168,13 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     T_bhncc = unit_lower_inverse(A_bhncc)
     W_bhncv = T_bhncc @ (v * beta[..., None])
     from_start = G_bhnc.exp()[..., None]                             # decay since the chunk's start
-    to_end = (G_bhnc[..., -1:] - G_bhnc).exp()[..., None]            # decay up to the chunk's end
+    to_end = G_bhnc[..., -1:] - G_bhnc                               # decay up to the chunk's end
+    if resets_bt is not None:  # masked before exp: across segments the difference means nothing
+        to_end = to_end.masked_fill(~writes_end_b1nc1[..., 0], float("-inf"))
+    to_end = to_end.exp()[..., None]
     chunk_decay_bhn11 = G_bhnc[..., -1].exp()[..., None, None]
     if resets_bt is not None:
         from_start = from_start * reads_start_b1nc1
-        to_end = to_end * writes_end_b1nc1
         chunk_decay_bhn11 = chunk_decay_bhn11 * (seg_b1nc[..., -1] == 0)[..., None, None]
     Kc_bhnck = T_bhncc @ (k_beta * from_start)
     # intra-chunk reads, diagonal included

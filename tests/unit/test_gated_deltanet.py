@@ -408,3 +408,28 @@ def test_document_resets_chunked_equal_recurrent_and_lone_documents():
             alone = m(x[:, start:start + n], positions(1, n))
             assert rel_err(packed[:, start:start + n], alone) < 1e-5
             start += n
+
+
+def test_a_packed_documents_gates_never_reach_the_next_document():
+    """Two documents in one chunk, the first forgetting fast (log decay -150 per token): the second
+    one's outputs are bit-identical whatever the first one's gates, and a loss on the second sends
+    them no gradient. With the chunk's running sum of log decays, the second document's decays
+    were differences of two sums holding the first's -3000, and moved by a relative 1e-4."""
+    from tandem.models.delta_rule import chunked_gated_delta_rule, l2_normalize
+
+    gen = torch.Generator().manual_seed(0)
+    T, split = 40, 20
+    q = l2_normalize(torch.randn(1, 2, T, 16, generator=gen)) * 16 ** -0.5
+    k = l2_normalize(torch.randn(1, 2, T, 16, generator=gen))
+    v, beta = torch.randn(1, 2, T, 8, generator=gen), torch.rand(1, 2, T, generator=gen)
+    resets = torch.zeros(1, T, dtype=torch.bool)
+    resets[0, [0, split]] = True
+    second = -0.05 * torch.rand(1, 2, T - split, generator=gen)
+    outs = []
+    for first in (-1.0, -150.0):
+        g = torch.cat([torch.full((1, 2, split), first), second], -1).requires_grad_(True)
+        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, resets_bt=resets)
+        out[:, :, split:].square().sum().backward()
+        assert torch.count_nonzero(g.grad[..., :split]) == 0
+        outs.append(out[:, :, split:].detach())
+    assert torch.equal(outs[0], outs[1])
