@@ -186,3 +186,22 @@ def test_export_refuses_what_the_family_cannot_compute(family, model, mtp, named
         export_hf(TandemModel(cfg, MTPConfig(**{"num_steps": 0, **mtp})), str(tmp_path / "out"),
                   family)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_checkpoint_that_also_stores_its_head_imports(tmp_path):
+    """tie_word_embeddings with a stored lm_head.weight as well: transformers ties the head to the
+    embedding and loads the file; so does the import (it refused the head as unexpected)."""
+    from safetensors.torch import load_file, save_file
+
+    config = family_configs()["qwen3"]
+    config.tie_word_embeddings = True
+    make_hf(config).save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf = T.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    model, cfg = load_hf_model(str(tmp_path))
+    assert cfg.model.tie_embeddings
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        assert (hf(ids).logits - model.logits(0, model.trunk(ids, ids))).abs().max() < 1e-4

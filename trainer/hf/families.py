@@ -252,9 +252,11 @@ def hf_name(name: str, cfg: ModelConfig, mtp: MTPConfig, spec: FamilySpec) -> Op
 
 
 def ignorable_key(key: str, cfg: ModelConfig, spec: FamilySpec) -> bool:
-    """Checkpoint keys that are deliberately not loaded (duplicated shared tensors, rotary
-    caches)."""
+    """Checkpoint keys that are deliberately not loaded (duplicated shared tensors, a tied head,
+    rotary caches)."""
     if key.endswith("rotary_emb.inv_freq"):
+        return True
+    if key == "lm_head.weight" and cfg.tie_embeddings:  # transformers ties it to the embedding
         return True
     m = re.match(r"^model\.layers\.(\d+)\.(shared_head\.head\.weight|embed_tokens\.weight)$", key)
     return bool(m and int(m.group(1)) >= cfg.num_layers)
