@@ -205,3 +205,21 @@ def test_a_tied_checkpoint_that_also_stores_its_head_imports(tmp_path):
     ids = torch.arange(12).view(1, 12)
     with torch.no_grad():
         assert (hf(ids).logits - model.logits(0, model.trunk(ids, ids))).abs().max() < 1e-4
+
+
+def test_an_export_keeps_how_its_source_is_served(tmp_path):
+    """A model fine-tuned from a Hugging Face checkpoint (model.init_from) exports with its source's
+    context length (32768, not the 64 trained at: vLLM serves up to max_position_embeddings), its
+    special token ids and its generation_config.json (transformers' generate reads EOS there)."""
+    config = family_configs()["llama"]
+    config.max_position_embeddings, config.bos_token_id, config.eos_token_id = 32768, 1, 2
+    hf = make_hf(config)
+    hf.generation_config.eos_token_id = 2
+    hf.save_pretrained(tmp_path / "src")
+    model, tcfg = load_hf_model(str(tmp_path / "src"), max_seq_len=64)
+    tcfg.model.init_from = str(tmp_path / "src")
+    export_hf(model, str(tmp_path / "out"), cfg=tcfg.model)
+    back = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert back.config.max_position_embeddings == 32768
+    assert (back.config.bos_token_id, back.config.eos_token_id) == (1, 2)
+    assert back.generation_config.eos_token_id == 2

@@ -285,8 +285,30 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
             json.dump({"metadata": {"total_size": total},
                        "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
                       f, indent=1)
+    config.update(_serving_fields(cfg.init_from, cfg.max_seq_len, out_dir))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+_SERVING_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _serving_fields(init_from: str, max_seq_len: int, out_dir: str) -> dict:
+    """What a model fine-tuned from a Hugging Face checkpoint (`model.init_from`) keeps of how its
+    source is served: the source's context length when longer than the one trained at
+    (`max_position_embeddings`, which vLLM serves up to), its special token ids, and its
+    generation_config.json (copied into `out_dir`; transformers' `generate` reads its EOS there)."""
+    if not init_from or not is_hf_dir(init_from):
+        return {}
+    with open(os.path.join(init_from, "config.json")) as f:
+        source = json.load(f)
+    fields = {k: source[k] for k in _SERVING_FIELDS if source.get(k) is not None}
+    if int(source.get("max_position_embeddings", 0)) > max_seq_len:
+        fields["max_position_embeddings"] = int(source["max_position_embeddings"])
+    generation = os.path.join(init_from, "generation_config.json")
+    if os.path.isfile(generation):
+        shutil.copyfile(generation, os.path.join(out_dir, "generation_config.json"))
+    return fields
 
 
 def _plan(names: List[str], sources: Dict[str, _Source], cfg, mtp, spec) -> List[_Entry]:
@@ -381,7 +403,8 @@ def _copy_tokenizer(tokenizer: str, out_dir: str) -> None:
 # what an export writes: --overwrite replaces a directory holding only these
 _EXPORT_FILES = re.compile(r"config\.json|model(-\d+-of-\d+)?\.safetensors|"
                            r"model\.safetensors\.index\.json|tokenizer\.json|"
-                           r"tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja")
+                           r"tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja|"
+                           r"generation_config\.json")
 
 
 def _read_dirs(step_dir: str, ref: Optional[dict]) -> Dict[str, str]:
