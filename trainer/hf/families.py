@@ -339,30 +339,37 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
             if not ok:
                 problems.append(f"model.{key}={getattr(cfg, key)!r}")
     if trunk == "glm4_moe":
-        if cfg.num_experts == 0:
-            problems.append("model.num_experts=0 (the family is MoE)")
-        if cfg.router_score != "sigmoid":
-            problems.append(
-                f"model.router_score={cfg.router_score!r} (GLM-4.5 routes with sigmoid)"
-            )
-        if cfg.num_shared_experts < 1:
-            problems.append("model.num_shared_experts=0 (GLM-4.5 always has a shared expert)")
-        if cfg.shared_expert_gate:
-            problems.append("model.shared_expert_gate=true (GLM-4.5's shared experts are ungated)")
-        shared = cfg.moe_intermediate_size * cfg.num_shared_experts
-        if cfg.shared_expert_intermediate_size not in (0, shared):
-            problems.append(f"model.shared_expert_intermediate_size="
-                            f"{cfg.shared_expert_intermediate_size} (GLM-4.5's is "
-                            f"moe_intermediate_size x num_shared_experts = {shared})")
-        if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
-            problems.append("fewer than 2 experts per group (GLM group scores sum the top-2)")
-        if mtp is not None and mtp.num_steps > 0:
-            if not mtp.moe:
-                problems.append("mtp.moe=false (GLM MTP layers are MoE layers)")
+        problems += _glm4_moe_problems(cfg, mtp)
     if family == "qwen3_next_mtp" and mtp is not None and mtp.num_steps > 0 and mtp.num_layers != 1:
         problems.append(f"mtp.num_layers={mtp.num_layers} (the mtp.* layout holds one layer)")
     if problems:
         raise UnsupportedCheckpoint(f"cannot export as {family}: " + "; ".join(problems))
+
+
+def _glm4_moe_problems(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> List[str]:
+    """What GLM-4.5-MoE's transformers class cannot express."""
+    problems = []
+    if cfg.num_experts == 0:
+        problems.append("model.num_experts=0 (the family is MoE)")
+    if cfg.router_score != "sigmoid":
+        problems.append(
+            f"model.router_score={cfg.router_score!r} (GLM-4.5 routes with sigmoid)"
+        )
+    if cfg.num_shared_experts < 1:
+        problems.append("model.num_shared_experts=0 (GLM-4.5 always has a shared expert)")
+    if cfg.shared_expert_gate:
+        problems.append("model.shared_expert_gate=true (GLM-4.5's shared experts are ungated)")
+    shared = cfg.moe_intermediate_size * cfg.num_shared_experts
+    if cfg.shared_expert_intermediate_size not in (0, shared):
+        problems.append(f"model.shared_expert_intermediate_size="
+                        f"{cfg.shared_expert_intermediate_size} (GLM-4.5's is "
+                        f"moe_intermediate_size x num_shared_experts = {shared})")
+    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
+        problems.append("fewer than 2 experts per group (GLM group scores sum the top-2)")
+    if mtp is not None and mtp.num_steps > 0:
+        if not mtp.moe:
+            problems.append("mtp.moe=false (GLM MTP layers are MoE layers)")
+    return problems
 
 
 def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[dict, FamilySpec]:
