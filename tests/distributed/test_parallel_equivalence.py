@@ -54,6 +54,9 @@ LAYOUTS = {
     # global norm's collective
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],train.freeze_trunk=true": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:0:1],mtp.style=parallel,mtp.num_layers=2": 2,
+    # a head tied to the embedding on a stage that embeds nothing (no looped MTP step there): the
+    # stage holds the embedding too, so that the one parameter is summed over both stages
+    "pp=2,model.tie_embeddings=true,mtp.num_steps=0": 2,
     # two stages of one rank share the head / MTP module / embedding: kept whole, summed over dp /
     # ep (also covers plain pp x dp)
     "pp=2,dp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,

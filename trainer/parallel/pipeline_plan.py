@@ -214,6 +214,7 @@ class PipelinePlan:
             needs_h0.add(depth_stage[1])  # step 1 normalises h_0 with the trunk's final norm
         self.teacher, self.parallel_style = teacher, mtp.style != "looped"
         self.norm_input = mtp.trunk_input == "final_norm"
+        self.tied = m.tie_embeddings
         self.stages: List[StagePlan] = []
         chain = 0
         for s in range(self.n_stages):
@@ -240,10 +241,11 @@ class PipelinePlan:
 
     def stage_pieces(self, stage: int) -> List[str]:
         """The shared model pieces stage `stage` uses: `embed_tokens` (the first stage; the looped
-        MTP steps embed tokens t+k), `norm` (the trunk's head, the teacher,
+        MTP steps embed tokens t+k; a head tied to it, so that both are one parameter that the
+        pipeline sums like every piece held twice), `norm` (the trunk's head, the teacher,
         `mtp.trunk_input=final_norm`), `lm_head` and `mtp`."""
         st, pieces = self.stages[stage], []
-        if stage == 0 or (any(st.depths) and not self.parallel_style):
+        if stage == 0 or (any(st.depths) and not self.parallel_style) or (self.tied and st.depths):
             pieces.append("embed_tokens")
         first_step = 1 in st.depths or (self.parallel_style and any(st.depths))
         if 0 in st.depths or (self.teacher and any(st.depths)) or (self.norm_input and first_step):
