@@ -48,6 +48,17 @@ def population(g: torch.Generator, prompt_effect: torch.Tensor, shift: float, se
     return out
 
 
+def test_t_quantiles_are_students():
+    """Two-sided 95% (and 99%) quantiles of Student's t against the tables (scipy.stats.t.ppf for
+    the fractional degrees of freedom Welch-Satterthwaite gives): a series in 1/df read 11.30 at
+    df = 1 and 4.27 at df = 2, narrow enough to call a difference with p = 0.053 significant."""
+    table = {(1, 0.95): 12.7062047, (2, 0.95): 4.30265273, (3, 0.95): 3.18244631,
+             (10, 0.95): 2.22813885, (1.5, 0.95): 6.01666310, (2, 0.99): 9.92484320,
+             (1e4, 0.95): 1.96020124}
+    for (df, level), t in table.items():
+        assert t_quantile(df, level) == pytest.approx(t, rel=1e-8), (df, level)
+
+
 def test_hand_computed_seed_interval():
     """No prompt varies, so the prompt bootstrap has no spread and the interval is Student's over
     seeds: mean +- t_2 * sd / sqrt(3). A: acceptance length 1.0, 1.5, 2.0 (mean 1.5, sd 0.5); B:
