@@ -67,7 +67,9 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
     from the same hidden states the training forward computes (`TandemModel.depth_states`; packed
     documents kept apart with `document_mask`, as data.document_mask trains). The head runs
     `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP), so
-    no [tokens x vocab] logits exist, nor a gathered vocabulary."""
+    no [tokens x vocab] logits exist, nor a gathered vocabulary. A depth with no target in the
+    batches (windows shorter than depth + 2 tokens: `tandem eval`'s short prompts) has no key: 0.0
+    would read as a perfect loss."""
     m = unwrap(model)
     depths = m.num_depths
     head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens
@@ -96,11 +98,10 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
             loss[d] += float(head.loss_sums(normed[None], targets[None], chunk)[0])
             correct[d] += float((_head_argmax(head, normed, chunk) == targets).sum())
             count[d] += float(mask.sum())
-    out = {"loss/main": float(loss[0] / count[0].clamp(min=1))}
-    for d in range(1, depths):
-        out[f"loss/mtp_{d}"] = float(loss[d] / count[d].clamp(min=1))
-    for d in range(1, depths):
-        out[f"tf_acc/mtp_{d}"] = float(correct[d] / count[d].clamp(min=1))
+    measured = [d for d in range(depths) if count[d] > 0]
+    out = {("loss/main" if d == 0 else f"loss/mtp_{d}"): float(loss[d] / count[d])
+           for d in measured}
+    out.update({f"tf_acc/mtp_{d}": float(correct[d] / count[d]) for d in measured if d > 0})
     return out
 
 

@@ -91,9 +91,10 @@ class SuitePrompt:
 
 
 def parse_suites(spec: str) -> List[str]:
-    """The suite names of a comma-separated `--suite` / `eval.suite` value; SuiteError for an
-    unknown one."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    """The suite names of a comma-separated `--suite` / `eval.suite` value, each once (a repeated
+    name would decode its prompts twice, and the bootstrap would count the copies as prompts);
+    SuiteError for an unknown one."""
+    names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
     for name in names:
         if name in NOT_SHIPPED:
             raise SuiteError(f"suite {name!r}: no installable package ships {NOT_SHIPPED[name]}'s "
@@ -151,7 +152,10 @@ def load_suites(spec: str, num_prompts: int = 0) -> List[SuitePrompt]:
 def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict],
                    limit: int) -> Tuple[List[List[int]], int]:
     """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use
-    the chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none."""
+    the chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none.
+    ValueError when `limit` leaves no room (row[-0:] would keep the whole prompt)."""
+    if limit < 1:
+        raise ValueError(f"no room for a prompt: {limit} tokens")
     as_prompts = []
     for p in prompts:
         value = p.value

@@ -60,7 +60,7 @@ from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.metrics import teacher_forced
-from tandem.eval.spec_decode import prompt_limit
+from tandem.eval.spec_decode import prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
@@ -286,6 +286,11 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
         )
     chat = _chat_template(args, cfg)
     limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
+    note = (f"model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft "
+            f"margin 4K+5={4 * K + 5}")
+    if limit < 1:
+        raise _Fail(f"no room for a prompt: {note} = {limit} tokens; lower --max-new-tokens or "
+                    "--num-steps")
     if args.suite:
         keep = min(limit, args.prompt_len or limit)
         prompts, cut = tokenize_suite(source, tok, chat, keep)
@@ -294,9 +299,6 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
                   "tokens (the model's "
                   "context, or --prompt-len)", file=sys.stderr)
     else:
-        note = (f"model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft "
-                "margin "
-                f"4K+5={4 * K + 5}")
         _, prompts = tokenize_prompts(source, tok, chat, limit, note)
     return prompts, [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
 
@@ -307,6 +309,12 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     with torch.inference_mode():
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
         metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
+        unmeasured = [d for d in range(unwrap(model).num_depths)
+                      if ("loss/main" if d == 0 else f"loss/mtp_{d}") not in metrics]
+        if unmeasured:
+            print(f"tandem eval: no teacher-forced figures at depth(s) {unmeasured}: no prompt is "
+                  "long enough to hold their targets (depth d needs d + 2 tokens)",
+                  file=sys.stderr)
         dec, spec, _ = evaluate_decoding(model, prompts, warmup=True, **settings)
         dec.update(other_convention_figures(model, prompts, dec, **settings))
     # tf_acc/mtp_k exists only for the trained depths.

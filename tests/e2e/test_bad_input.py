@@ -340,6 +340,15 @@ def test_eval_prompts_too_long(ctx, tmp_path):
     assert "1 to 43 fit" in line and "model.max_seq_len=64" in line
 
 
+def test_eval_with_no_room_for_a_prompt(ctx, tmp_path):
+    """64 - 51 new tokens - 13 leaves 0 prompt tokens: one line, before any prompt is read (a
+    suite's prompts were cut to row[-0:], their whole text, and the run died in an IndexError)."""
+    for source in (["--suite", "humaneval"], ["--prompts", _prompts_file(tmp_path, ["x = 1\n"])]):
+        line = ctx.fails(["eval", "--checkpoint", ctx.run, *source, "--max-new-tokens", "51"],
+                         "no room for a prompt: ")
+        assert "= 0 tokens" in line
+
+
 @pytest.mark.parametrize("value", ["[0]", "[0.7,2.5]"])
 def test_eval_temperatures_outside_range(ctx, value):
     ctx.fails(["train", RECIPE, *ctx.base, f"eval.temperatures={value}"],

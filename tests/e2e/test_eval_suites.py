@@ -155,6 +155,15 @@ def test_config_rejects_unknown_suite():
         load_config("recipes/tiny.yaml", ["eval.suite=nope"])
 
 
+def test_a_repeated_suite_name_counts_once():
+    """`humaneval,humaneval` decoded every prompt twice, and the bootstrap counted the copies as
+    prompts, narrowing the interval."""
+    from tandem.eval.suites import load_suites, parse_suites
+
+    assert parse_suites("humaneval, humaneval") == ["humaneval"]
+    assert len(load_suites("humaneval,humaneval", 6)) == len(load_suites("humaneval", 6)) == 6
+
+
 def test_prompts_file_text_and_messages(suite_run, tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"text": "def main():\n"}) + "\n"

@@ -141,3 +141,11 @@ def test_no_tensor_larger_than_a_chunk_of_logits(model):
     assert old.largest > 2 * CHUNK * VOCAB  # what the check would catch: ~[tokens x vocab]
     assert new.largest <= CHUNK * VOCAB, f"{new.largest} elements > {CHUNK} x {VOCAB}"
     assert old.largest <= tokens_per_depth * VOCAB
+
+
+def test_a_depth_without_targets_has_no_figure(model):
+    """Windows of 2 tokens hold one main-head target and none for the MTP depths (depth d needs d +
+    2 tokens): only `loss/main` is reported; 0.0 for the others read as a perfect loss."""
+    batch = {"tokens": counting(torch.tensor([[5], [9]]))[:, :2]}
+    out = teacher_forced(model, [batch])
+    assert set(out) == {"loss/main"} and out["loss/main"] > 0
