@@ -107,9 +107,12 @@ class Difference:
 
 
 def _p_value(a: Final, b: Final) -> float:
+    """NaN when both intervals have zero width: a bootstrap over a few prompts with identical
+    counts has no spread, which says nothing of the figures' uncertainty (a p of 0 called every
+    difference significant)."""
     se = math.hypot(a.se, b.se)
     if se == 0:
-        return 0.0 if a.value != b.value else 1.0
+        return math.nan
     return 2 * (1 - NormalDist().cdf(abs(b.value - a.value) / se))
 
 
@@ -127,6 +130,8 @@ def differences(finals: Sequence[Final]) -> List[Difference]:
 
 def verdict(d: Difference) -> str:
     """One phrase for the table: which run is ahead and whether it is significant."""
+    if math.isnan(d.p):
+        return "untested: neither interval has any width"
     if not d.significant:
         return "not significant"
     ahead = d.b.run if d.diff > 0 else d.a.run

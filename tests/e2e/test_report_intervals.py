@@ -106,3 +106,8 @@ def test_difference_test_units():
     a, b = Final("a", "k", 1, 2.0, 1.804, 2.196), Final("b", "k", 1, 2.3, 2.104, 2.496)
     (d,) = differences([a, b])
     assert d.overlap and d.significant and d.p == pytest.approx(0.0339, abs=1e-3)
+    # two zero-width intervals (a few prompts with identical counts): nothing to test, not p = 0
+    from tandem.trainer.report_stats import verdict
+
+    (flat,) = differences([Final("a", "k", 1, 1.0, 1.0, 1.0), Final("b", "k", 1, 1.2, 1.2, 1.2)])
+    assert not flat.significant and verdict(flat).startswith("untested")
