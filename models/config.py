@@ -59,7 +59,10 @@ class ModelConfig:
     trained with, so use it to continue those) or `none` (fine-tuning a trained router briefly, or a
     dense model)."""
     aux_loss_coef: float = 1e-3
-    """Weight of the load-balancing auxiliary loss when balance=aux_loss."""
+    """Weight of the load-balancing auxiliary loss when balance=aux_loss: each MoE layer adds
+    coef * E * sum_i f_i P_i with f_i = c_i / (T k) (DeepSeek-V3's and Megatron's normalisation).
+    transformers' Qwen3-MoE loss is k times that per layer and one loss over all layers; an
+    imported router_aux_loss_coef is taken as it is."""
     bias_update_rate: float = 1e-3
     """Step size u of the aux-free bias update b_i += u * sign(mean_load - load_i)."""
     z_loss_coef: float = 0.0

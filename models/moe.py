@@ -295,8 +295,9 @@ class MoE(nn.Module):
         return torch.cat([probs.sum(0), counts, sizes[:1], z[None], sizes[2:]])
 
     def _aux_terms(self, sums: torch.Tensor):
-        """Switch/DeepSeek balance loss E * sum_i f_i * P_i (f_i the routed fraction x E/k, P_i the
-        mean probability) and the z-loss mean(logsumexp^2), from `_aux_sums`."""
+        """DeepSeek-V3's balance loss E * sum_i f_i * P_i (f_i = c_i / (T k), the share of the T
+        tokens' k routed slots that went to expert i; P_i the mean probability) and the z-loss
+        mean(logsumexp^2), from `_aux_sums`."""
         cfg, e = self.cfg, self.cfg.num_experts
         prob_sum, counts, copies, z_sum, tokens = (
             sums[:e],
