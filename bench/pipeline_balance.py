@@ -3,8 +3,9 @@ placing the loss depths (trainer/parallel/pipeline_plan.py).
 
 FLOPs are trainer/estimate.py's accounting: a trunk layer 3x its forward (attention with the causal
 half of the s^2 term, the top-k routed and shared experts, the router), an MTP depth its layer (3x)
-plus its vocabulary head (4x: the memory-bounded head recomputes its logits chunks in backward) over
-the depth's share of valid targets. No model is built; nothing runs on a device.
+plus its vocabulary head (3x its forward under the fused backward, 4x where it recomputes its logits
+chunks in backward: cost.head_passes) over the depth's share of valid targets. No model is built;
+nothing runs on a device.
 
 Printed for the recipe's pipeline, for 2, 3 and 4 stages per rank (interleaved schedules): first the
 placement before pipeline_plan existed (the even layer split, every depth on the last stage; the

@@ -378,6 +378,12 @@ def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> 
     return 3 * (layers + head_flops * _valid_fraction(mtp, seq_len))
 
 
+def head_passes(mtp: MTPConfig) -> int:
+    """A head's training FLOPs in forwards: forward, input and weight gradients (3), plus its
+    logits again in backward under mtp.loss_head_backward=recompute (4)."""
+    return 4 if mtp.loss_head_backward == "recompute" else 3
+
+
 def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
                              activation_checkpointing: str = "none") -> float:
     """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
@@ -391,9 +397,8 @@ def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
     depths = range(1, mtp.num_steps + 1)
     mtp_extra = sum(mtp_layer_training_flops(cfg, mtp, seq_len, d)
                     - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len, d) for d in depths)
-    head_passes = 4 if mtp.loss_head_backward == "recompute" else 3
-    out = 3 * layers + head_passes * head_flops * _valid_fraction(mtp,
-                                                                  seq_len) + trunk_extra + mtp_extra
+    out = (3 * layers + head_passes(mtp) * head_flops * _valid_fraction(mtp, seq_len)
+           + trunk_extra + mtp_extra)
     if activation_checkpointing == "full":
         # the MTP blocks' recomputation, each without the indexer where its depth reuses a selection
         skipped = qsa_indexer(cfg, seq_len).flops

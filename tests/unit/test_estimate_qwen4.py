@@ -202,12 +202,15 @@ def test_mfu_and_pipeline_balance_count_the_new_layers():
                                       s) == pytest.approx(model + head * valid + indexer_target,
                                                                          rel=1e-12)
     # pp_balance's items: the QSA layer also pays the indexer KL's dense no-grad target (2 heads x 8
-    # x S)
+    # x S), a head 3x its forward (the fused backward, the default: the balancer priced it at the 4x
+    # of the recomputing one)
     layers, depths = item_flops(cfg)
     assert layers == [3 * layer[0], 3 * layer[1] + 2 * 16 * 16]
-    assert depths[0] == pytest.approx(4 * head + 3 * F.final_norm_forward_flops(m))
-    assert depths[1] == pytest.approx(4 * head * 15 / 16 + 3 * depth1 + 2 * 16 * 16)
-    assert depths[2] == pytest.approx(4 * head * 14 / 16 + 3 * (depth1 - 824))
+    assert depths[0] == pytest.approx(3 * head + 3 * F.final_norm_forward_flops(m))
+    assert depths[1] == pytest.approx(3 * head * 15 / 16 + 3 * depth1 + 2 * 16 * 16)
+    assert depths[2] == pytest.approx(3 * head * 14 / 16 + 3 * (depth1 - 824))
+    recomputing = item_flops(hand_cfg("mtp.loss_head_backward=recompute"))[1]
+    assert recomputing[0] == pytest.approx(4 * head + 3 * F.final_norm_forward_flops(m))
     no_kl = item_flops(hand_cfg("model.indexer_loss_coef=0"))[0]
     assert no_kl == [3 * layer[0], 3 * layer[1]]
     # a plain model keeps its costs: no hyper-connection, PLE or final-mixer term

@@ -8,7 +8,7 @@ own head, depth k the MTP step k with its head -- are placed on stages too
 is computed where it lives.
 
 Why spread the depths: every depth ends in a vocabulary head, and with a large vocabulary one head
-costs several transformer layers (the GPU recipe: one head 1.68 GFLOP per token to train, one MoE
+costs several transformer layers (the GPU recipe: one head 1.26 GFLOP per token to train, one MoE
 layer 0.32). With all K+1 heads and the K MTP layers on the last stage, that stage bounds the whole
 pipeline. Spread, the MTP chain continues through the stages after the trunk: a stage computing
 depth k receives h_{k-1} from the stage before it, exactly as trunk stages receive the residual
@@ -40,6 +40,7 @@ from ..config_checks import ConfigError
 from ..cost import (
     final_norm_forward_flops,
     head_forward_flops,
+    head_passes,
     mtp_layer_training_flops,
     trunk_layer_training_flops,
 )
@@ -71,13 +72,14 @@ def item_flops(cfg) -> Tuple[List[float], List[float]]:
     each layer by its own kind (attention, QSA over its selected tokens, Gated DeltaNet, with its
     hyper-connections and PLE; a QSA layer also pays its indexer KL's dense no-grad target): a layer
     3x its forward, a depth its MTP layer (3x: the qwen4_exp or concat combine, block and stream
-    mixer; no indexer or KL target where it reuses depth 1's QSA selection) plus its head (4x: the
-    memory-bounded head recomputes its logits in backward) over the depth's share of valid targets,
-    and depth 0 the trunk's final norm (a stream mixer under hyper-connections)."""
+    mixer; no indexer or KL target where it reuses depth 1's QSA selection) plus its head (3x
+    fused, 4x where it recomputes its logits in backward: cost.head_passes) over the depth's share
+    of valid targets, and depth 0 the trunk's final norm (a stream mixer under
+    hyper-connections)."""
     m, mtp, s = cfg.model, cfg.mtp, cfg.data.seq_len
     layers = [trunk_layer_training_flops(m, i, s) for i in range(m.num_layers)]
-    head = head_forward_flops(m)
-    depths = [4 * head * (s - d) / s + (mtp_layer_training_flops(m, mtp, s, d) if d
+    head = head_passes(mtp) * head_forward_flops(m)
+    depths = [head * (s - d) / s + (mtp_layer_training_flops(m, mtp, s, d) if d
                                         else 3 * final_norm_forward_flops(m))
               for d in range(1 + mtp.num_steps)]
     return layers, depths
