@@ -371,11 +371,36 @@ def _valid_fraction(mtp: MTPConfig, seq_len: int) -> float:
     return sum((seq_len - d) / seq_len for d in range(1 + mtp.num_steps))
 
 
-def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int) -> float:
+def training_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
+                             freeze_trunk: bool = False) -> float:
     """Model FLOPs per trained token, forward + backward (3x the forward, heads included, no
-    recomputation): MFU's."""
+    recomputation): MFU's. A frozen trunk (train.freeze_trunk) runs forward only: its layers,
+    final norm and head 1x, and the MTP depths' heads, sharing its frozen weight, 2x."""
     layers, head_flops = forward_flops_per_token(cfg, mtp, seq_len)
-    return 3 * (layers + head_flops * _valid_fraction(mtp, seq_len))
+    out = 3 * (layers + head_flops * _valid_fraction(mtp, seq_len))
+    if freeze_trunk:
+        out -= 2 * _trunk_forward(cfg, seq_len) + head_flops * (2 + _mtp_fraction(mtp, seq_len))
+    return out
+
+
+def _trunk_forward(cfg: ModelConfig, seq_len: int) -> float:
+    return (sum(trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
+            + final_norm_forward_flops(cfg))
+
+
+def _mtp_fraction(mtp: MTPConfig, seq_len: int) -> float:
+    """The MTP depths' share of `_valid_fraction`."""
+    return _valid_fraction(mtp, seq_len) - 1.0
+
+
+def teacher_head_passes(distill: str, objective: str, mtp: MTPConfig) -> float:
+    """Head forwards per token a teacher adds (the trunk's head read by the MTP losses): argmax
+    distillation one pass over the rows; soft targets (train.distill=soft, the acceptance
+    objective) three per MTP depth: the teacher's logits beside the student's, and both again in
+    backward, over all the window's rows (models/loss.py runs the head on every row)."""
+    if distill == "soft" or objective == "acceptance":
+        return 3.0 * mtp.num_steps
+    return 1.0 if distill == "argmax" else 0.0
 
 
 def head_passes(mtp: MTPConfig) -> int:
@@ -385,15 +410,36 @@ def head_passes(mtp: MTPConfig) -> int:
 
 
 def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
-                             activation_checkpointing: str = "none") -> float:
+                             activation_checkpointing: str = "none", freeze_trunk: bool = False,
+                             teacher_passes: float = 0.0) -> float:
     """FLOPs per trained token the step executes: the model FLOPs plus each head's recomputed logits
     (4x its forward under mtp.loss_head_backward=recompute), the QSA indexer KL's no-grad dense
-    target (where a layer or MTP depth selects), and under full activation checkpointing a second
-    forward of every trunk and MTP block (the target included): HFU's."""
+    target (where a layer or MTP depth selects), under full activation checkpointing a second
+    forward of every trunk and MTP block (the target included), and `teacher_passes` head
+    forwards (`teacher_head_passes`): HFU's. A frozen trunk runs forward only, without its
+    indexers' targets or recomputation (`training_flops_per_token`)."""
+    out = _hardware_flops(cfg, mtp, seq_len, activation_checkpointing) + teacher_passes * \
+        head_forward_flops(cfg)
+    if freeze_trunk:
+        trunk_extra = _trunk_extra(cfg, seq_len)
+        recomputed = (_trunk_forward(cfg, seq_len) - final_norm_forward_flops(cfg) + trunk_extra
+                      if activation_checkpointing == "full" else 0.0)
+        out -= (2 * _trunk_forward(cfg, seq_len) + trunk_extra + recomputed
+                + head_forward_flops(cfg) * (head_passes(mtp) - 1 + _mtp_fraction(mtp, seq_len)))
+    return out
+
+
+def _trunk_extra(cfg: ModelConfig, seq_len: int) -> float:
+    """What trunk layers execute in training beyond 3x their forward (the QSA indexer KL's
+    target)."""
+    return sum(trunk_layer_training_flops(cfg, i, seq_len) - 3
+               * trunk_layer_forward_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
+
+
+def _hardware_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
+                    activation_checkpointing: str) -> float:
     layers, head_flops = forward_flops_per_token(cfg, mtp, seq_len)
-    trunk_extra = sum(trunk_layer_training_flops(cfg, i, seq_len) - 3
-                      * trunk_layer_forward_flops(cfg, i, seq_len)
-                      for i in range(cfg.num_layers))
+    trunk_extra = _trunk_extra(cfg, seq_len)
     depths = range(1, mtp.num_steps + 1)
     mtp_extra = sum(mtp_layer_training_flops(cfg, mtp, seq_len, d)
                     - 3 * mtp_layer_forward_flops(cfg, mtp, seq_len, d) for d in depths)

@@ -29,7 +29,7 @@ from .checkpoint import (
 from .checkpoint_dirs import list_checkpoints
 from .config import TandemConfig
 from .config_checks import ConfigError
-from .cost import hardware_flops_per_token, training_flops_per_token
+from .cost import hardware_flops_per_token, teacher_head_passes, training_flops_per_token
 from .guard import BadStepGuard, rewind_headroom
 from .hf.init_from import (
     adopt_checkpoint_config,
@@ -234,6 +234,14 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
     return position, global_batch, train_ds, valid_ds, tokenizer
 
 
+def _hardware_flops(cfg: TandemConfig) -> float:
+    """HFU's FLOPs per token for this run's objective (cost.hardware_flops_per_token)."""
+    t = cfg.train
+    teacher = teacher_head_passes(t.distill, cfg.mtp.loss.objective, cfg.mtp)
+    return hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                    t.activation_checkpointing, t.freeze_trunk, teacher)
+
+
 def _samples_needed(position: DataPosition, steps_left: int, t, bad_steps: int) -> int:
     """One past the last sample the rest of the run can read: its remaining steps, and as many
     global batches as the rewinds still allowed after `bad_steps` can pass over."""
@@ -274,10 +282,9 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
                                    reference, tokenizer=tokenizer.path)
     run = Run(cfg, config_yaml, pstate, position, global_batch, train_ds, valid_ds, tokenizer, step,
               checkpoints, guard=None, evaluator=None,
-              flops_per_token=training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len),
-              hardware_flops_per_token=hardware_flops_per_token(cfg.model, cfg.mtp,
-                                                                cfg.data.seq_len,
-                                                                cfg.train.activation_checkpointing),
+              flops_per_token=training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                                       cfg.train.freeze_trunk),
+              hardware_flops_per_token=_hardware_flops(cfg),
               peak_flops=(cfg.logging.peak_tflops or pstate.device.peak_tflops()) * 1e12)
     run.guard = BadStepGuard(cfg.train, pstate.is_main, position,
                              save=lambda s: run.save(s, wait=True), restore=run.restore_latest)

@@ -65,3 +65,27 @@ def test_flagship_mfu_no_longer_counts_the_head_recompute():
     assert recompute_hardware / model == pytest.approx(1.146, abs=5e-4)
     # the fused head (default) executes model FLOPs
     assert hardware == pytest.approx(model, rel=1e-12)
+
+
+def test_a_frozen_trunk_and_a_teacher_are_counted_as_they_run():
+    """By hand on the same config: a frozen trunk runs its layers, final norm and head forward only
+    (1x), and the MTP depth's head, sharing the frozen weight, without its weight gradient (2x):
+    MFU and HFU read 1.8x too high on the fine-tuning recipes. A teacher adds head forwards on
+    every row: one for argmax distillation, three per MTP depth for soft targets (its logits beside
+    the student's, both again in backward) or the acceptance objective."""
+    cfg = load_config(None, TINY)
+    trunk = (ATTN + MLP) + (ATTN + MOE)
+    mtp_block = MTP_COMBINE + ATTN + MOE
+    frozen = trunk + HEAD + 3 * mtp_block + 2 * HEAD * 7 / 8
+    got = F.training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, freeze_trunk=True)
+    assert got == pytest.approx(frozen, rel=1e-12)
+    assert F.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                      freeze_trunk=True) == pytest.approx(frozen, rel=1e-12)
+    plain = 3 * FORWARD + 3 * HEAD * VALID
+    for distill, objective, passes in (("argmax", "ce", 1), ("soft", "ce", 3),
+                                       ("none", "acceptance", 3), ("none", "ce", 0)):
+        teacher = F.teacher_head_passes(distill, objective, cfg.mtp)
+        assert teacher == passes
+        got = F.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
+                                         teacher_passes=teacher)
+        assert got == pytest.approx(plain + passes * HEAD, rel=1e-12)
