@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
+from tandem.trainer.cost import hardware_flops_per_token  # noqa: E402
 from tandem.trainer.loss import depth_coefficients, one_batch_forward_backward  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel.compile import apply_compile  # noqa: E402
@@ -228,6 +229,11 @@ def main() -> None:
                   f"{a.dtype})")
     ratio_k = tps[f"tandem_k{a.k}"] / tps["transformers"]
     print(f"tandem_k{a.k}_over_transformers_k0={ratio_k:.3f}")
+    # what the step-time ratio of K over 0 compares with: the FLOPs each step executes
+    k_run, k0 = runners[f"tandem_k{a.k}"], runners["tandem_k0"]
+    flops = [hardware_flops_per_token(cfg, r.mtp, a.seq_len) for r in (k_run, k0)]
+    print(f"tandem_k{a.k}_over_k0: step_time={tps['tandem_k0'] / tps[f'tandem_k{a.k}']:.3f} "
+          f"flop_ratio={flops[0] / flops[1]:.3f}")
     eager = tps["tandem_k0"] / tps["transformers"]
     print(f"tandem_eager_over_transformers_eager={eager:.3f} ({a.dtype})")
     if a.compile:

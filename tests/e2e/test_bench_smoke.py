@@ -61,10 +61,14 @@ def test_throughput_bench(flags):
     runners = {"tandem_k0", "tandem_k2",
                "transformers"} | ({"tandem_k0_compiled"} if flags else set())
     assert {line.split(":")[0] for line in lines[1:1 + len(runners)]} == runners
-    assert lines[-4 - bool(flags)].startswith("fastest-step ratios: ")
-    ratios = [line.split("=")[0] for line in lines[-3 - bool(flags):-1]]
-    assert ratios == ["tandem_k2_over_transformers_k0", "tandem_eager_over_transformers_eager"] + (
+    assert lines[-5 - bool(flags)].startswith("fastest-step ratios: ")
+    ratios = [line.split("=")[0] for line in lines[-4 - bool(flags):-1]]
+    assert ratios == ["tandem_k2_over_transformers_k0", "tandem_k2_over_k0: step_time",
+                      "tandem_eager_over_transformers_eager"] + (
         ["tandem_compiled_over_transformers_eager"] if flags else []), lines
+    # the FLOP ratio the step-time ratio compares with: cost.py's for these two configs
+    flop_ratio = float(lines[-3 - bool(flags)].split("flop_ratio=")[1])
+    assert 1.5 < flop_ratio < 4
     assert lines[-1].startswith("tandem_over_transformers=") and float(lines[-1].split("=")[1]) > 0
 
 
