@@ -41,6 +41,7 @@ from .cost import (
     qsa_score_work,
     window_work,
 )
+from .estimate_bytes import compute_bytes
 from .parallel.validate import validate_context_parallel
 
 CP_SIZES = (4, 8, 16, 32, 64, 128)
@@ -242,7 +243,7 @@ def context_fields(cfg, layers: List[List[int]], depths: List[int]) -> dict:
     p = cfg.parallel
     if p.cp <= 1:
         return {}
-    act_bytes = 2 if cfg.device != "cpu" else 4
+    act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     ranks = [context_bytes(cfg, mine, d, act_bytes) for mine, d in zip(layers, depths)]
     held = [(p.pp if p.pp > 1 and r == 0 else 1) * sum(v for k, v in parts.items()
                                                        if k not in ("stream", "sent"))

@@ -313,7 +313,7 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     """Peak activation GiB: the first stage's micro-batches in flight, or a rank computing
     losses."""
     m, p = cfg.model, cfg.parallel
-    act_bytes = 2 if cfg.device != "cpu" else 4
+    act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     # a cp rank keeps its own rows' activations
     tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp
     per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
