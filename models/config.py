@@ -376,6 +376,11 @@ def _validate_ple(model: ModelConfig, types: List[str]) -> None:
                          "multiple of the "
                          f"{ngram_heads} n-gram heads ((model.ngram_size - 1) x "
                          "model.heads_per_ngram)")
+    if list(model.ple_layers) != sorted(set(model.ple_layers)):
+        # each layer's table (its hash seed and prime sizes) is numbered in this order, which
+        # transformers' qwen4_exp sorts
+        raise ValueError(f"model.ple_layers={list(model.ple_layers)} must be increasing, without "
+                         "repeats")
     for i in model.ple_layers:
         if not 0 <= i < model.num_layers:
             raise ValueError(f"model.ple_layers entry {i} is not a trunk layer (0-based, < "

@@ -24,6 +24,8 @@ def test_valid_qwen4_shape_passes():
 @pytest.mark.parametrize("over,key", [
     # layer 1 is QSA: PLE only on linear_attention layers
     (dict(ple_layers=[1]), "model.ple_layers"),
+    # each layer's table is numbered in this order, which transformers sorts
+    (dict(ple_layers=[2, 0]), "model.ple_layers=[2, 0] must be increasing"),
     (dict(indexer_budget=10), "model.indexer_budget"),  # not divisible by the compress ratio
     (dict(indexer_head_dim=2), "model.indexer_head_dim"),  # rotary width 4 does not fit
     (dict(hc_count=1, ple_layers=[]), "mtp.combine"),  # the drafter needs hyper-connection streams

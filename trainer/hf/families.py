@@ -44,8 +44,14 @@ _LINEAR_ATTN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "q
 # --------------------------------------------------------------------------------------------------
 # config.json -> ModelConfig / MTPConfig
 # --------------------------------------------------------------------------------------------------
+def _rope_fields(hf: dict) -> dict:
+    """The RoPE dict transformers reads: a legacy `rope_scaling` wins over `rope_parameters`, which
+    it then ignores entirely (the missing keys come from the top level)."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+
+
 def _rope(hf: dict) -> Tuple[float, float]:
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rp = _rope_fields(hf)
     rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
     if rope_type != "default":
         raise UnsupportedCheckpoint(f"rope_type={rope_type!r} is not supported (only default RoPE)")
@@ -173,7 +179,7 @@ def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     cfg.topk_group = int(hf.get("topk_group", 1) or 1)
     cfg.router_score, cfg.balance = "sigmoid", "aux_free"
     cfg.qk_norm = bool(hf.get("use_qk_norm", False))
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # where _rope reads it
+    rope = _rope_fields(hf)
     if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in hf:
         cfg.partial_rotary_factor = 0.5  # Glm4MoeConfig's default
     if cfg.num_shared_experts < 1:

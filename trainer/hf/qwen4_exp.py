@@ -71,15 +71,16 @@ def config_from_hf(hf: dict, rope, max_seq_len: Optional[int]) -> ModelConfig:
     eos = eos[0] if isinstance(eos, list) and eos else eos
     mpe = int(hf.get("max_position_embeddings", 4096))
     hidden = int(hf["hidden_size"])
+    hf = {**_CONFIG_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     moe_width = int(hf["moe_intermediate_size"])
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]), hidden_size=hidden, num_layers=n,
         num_heads=int(hf["num_attention_heads"]), num_kv_heads=int(hf["num_key_value_heads"]),
-        head_dim=int(hf.get("head_dim") or hidden // int(hf["num_attention_heads"])),
+        head_dim=int(hf["head_dim"]),
         intermediate_size=moe_width, moe_intermediate_size=moe_width,
         num_experts=int(hf["num_experts"]), top_k=int(hf["num_experts_per_tok"]),
         num_shared_experts=1,
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or moe_width),
+        shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
         shared_expert_gate=True, first_k_dense=0, router_score="softmax",
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)), balance="aux_loss",
         aux_loss_coef=float(hf.get("router_aux_loss_coef", 1e-3)), rope_theta=theta,
@@ -97,7 +98,8 @@ def config_from_hf(hf: dict, rope, max_seq_len: Optional[int]) -> ModelConfig:
         indexer_budget=int(hf["indexer_budget"]),
         indexer_compress_ratio=int(hf["indexer_compress_ratio"]),
         hc_count=int(hf.get("hc_count", 4)), hc_lowrank=int(hf.get("hc_lowrank", 320)),
-        ple_layers=[int(i) - 1 for i in (hf.get("ple_layer_ids") or [])],
+        # transformers sorts them and numbers each layer's table (its hash seed) in that order
+        ple_layers=sorted({int(i) - 1 for i in (hf.get("ple_layer_ids") or [])}),
         ple_embed_dim=int(hf.get("ple_embed_dim") or hidden),
         ple_conv_kernel=int(hf.get("ple_conv_kernel_size", 4)),
         ngram_size=int(hf.get("ngram_size", 3)), heads_per_ngram=int(hf.get("heads_per_ngram", 8)),
@@ -105,6 +107,15 @@ def config_from_hf(hf: dict, rope, max_seq_len: Optional[int]) -> ModelConfig:
         ngram_vocab_multiple=int(hf.get("make_ngram_vocab_size_divisible_by", 128)),
         ngram_seed=int(hf.get("seed", 1234)), eos_token_id=-1 if eos is None else int(eos),
     )
+
+
+_CONFIG_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 2, "num_experts": 512,
+                    "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512, "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128}
+"""Qwen4ExpTextConfig's defaults for the shape fields a config.json may leave out (transformers
+5.x): a field left out is read as transformers reads it."""
 
 
 def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Optional[Src]:
@@ -123,9 +134,14 @@ def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Option
                    qkv_groups=(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                                 cfg.linear_key_head_dim, cfg.linear_value_head_dim))
     if rest == "ple.ple_embedding.ngram_embedding.weight":
-        parts = int(spec.extra.get("split_ngram_parts", 1))
+        # torch.chunk's blocks: fewer than split_ngram_parts when they do not divide the rows
+        index = cfg.ple_layers.index(int(prefix.split(".")[2]))
+        rows = ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram,
+                            cfg.ngram_vocab_base, cfg.ngram_vocab_multiple, cfg.ngram_seed,
+                            index)[3]
+        block = -(-rows // int(spec.extra.get("split_ngram_parts", 1)))
         return Src([f"{prefix}ple.ple_embedding.ngram_embedding.shard_{j}.weight"
-                    for j in range(parts)], concat=True)
+                    for j in range(-(-rows // block))], concat=True)
     return Src([prefix + rest])
 
 
