@@ -112,6 +112,10 @@ def configure_compiler() -> None:
     # graph then serves every step's token counts (without it, each new count recompiles until
     # dynamo's limit is reached)
     torch._dynamo.config.capture_scalar_outputs = True
+    # a block compiles one graph per variant it runs (Qwen4-Exp with two MTP layers: 6 of them:
+    # with or without PLE ids, the mixer kind, the QSA stage and whether the selection is returned);
+    # past dynamo's default limit of 8 a further variant would run eagerly without a word
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
 
 def apply_compile(model: nn.Module, backend=None) -> nn.Module:
