@@ -34,7 +34,8 @@ recipe's layout is an estimate:
   owner, the rows exchanged both ways (fp32 looked up, sent in the compute dtype) and the tp gather
   of the rows (the backward adds the rows' gradients into the table's gradient in place: no dense
   copy);
-- activations (bf16 on accelerators): about 34 * s * b * h / tp bytes per transformer layer per
+- activations (in the compute dtype: bf16 under mixed precision, fp32 otherwise, whatever the
+  device): about 34 * s * b * h / tp bytes per transformer layer per
   micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward
   (its input, the grouped norm's output, the sigmoid mixing weights and the weighted streams): 16 *

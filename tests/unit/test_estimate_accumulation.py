@@ -102,3 +102,14 @@ def test_modes_agree_with_one_micro_batch_or_no_data_parallelism(extra, world):
     assert (
         once.total_gib_per_rank == every.total_gib_per_rank and every.single_sync_gib_per_rank == 0
     )
+
+
+def test_activations_are_sized_by_the_compute_dtype_not_the_device():
+    """An fp32 run's activations are estimated alike on a GPU and on a CPU (in fp32 nothing else
+    in them depends on the device); the GPU's were estimated at bf16's bytes."""
+    def activations(device, dtype):
+        cfg = load_config(None, ["model.num_layers=2", f"device={device}", f"train.dtype={dtype}"])
+        return estimate(cfg).activations_gib_per_rank
+
+    assert activations("cuda", "fp32") == activations("cpu", "fp32")
+    assert activations("cuda", "fp32") > 1.25 * activations("cuda", "bf16")
