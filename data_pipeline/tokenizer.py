@@ -252,8 +252,7 @@ def copy_tokenizer(path: str, out_dir: str) -> None:
         return
     for name in TOKENIZER_SIDE_FILES:
         side = os.path.join(os.path.dirname(src), name)
-        if os.path.isfile(side) and os.path.dirname(os.path.abspath(side)) != os.path.abspath(
-                out_dir):
+        if os.path.isfile(side):
             shutil.copyfile(side, os.path.join(out_dir, name))
 
 

@@ -124,8 +124,9 @@ def export_main(argv: List[str]) -> int:
 def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
     """The tokenizer the run trained with, when it can be found without rebuilding anything: the
     copy the checkpoint recorded, else the run's data config's."""
-    if step_dir and saved_tokenizer(step_dir):
-        return saved_tokenizer(step_dir)
+    recorded = saved_tokenizer(step_dir) if step_dir else None
+    if recorded:
+        return recorded
     if cfg.data.tokenizer and tokenizer_file(cfg.data.tokenizer):
         return cfg.data.tokenizer
     if cfg.data.source == "stdlib":
