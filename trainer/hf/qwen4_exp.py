@@ -135,10 +135,7 @@ def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Option
                                                 cfg.linear_key_head_dim, cfg.linear_value_head_dim))
     if rest == "ple.ple_embedding.ngram_embedding.weight":
         # torch.chunk's blocks: fewer than split_ngram_parts when they do not divide the rows
-        index = cfg.ple_layers.index(int(prefix.split(".")[2]))
-        rows = ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram,
-                            cfg.ngram_vocab_base, cfg.ngram_vocab_multiple, cfg.ngram_seed,
-                            index)[3]
+        rows = _ple_rows(cfg, cfg.ple_layers.index(int(prefix.split(".")[2])))
         block = -(-rows // int(spec.extra.get("split_ngram_parts", 1)))
         return Src([f"{prefix}ple.ple_embedding.ngram_embedding.shard_{j}.weight"
                     for j in range(-(-rows // block))], concat=True)
@@ -180,11 +177,14 @@ def split_parts(cfg: ModelConfig) -> int:
 
     parts = 512
     for index in range(len(cfg.ple_layers)):
-        rows = ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram,
-                            cfg.ngram_vocab_base,
-                            cfg.ngram_vocab_multiple, cfg.ngram_seed, index)[3]
-        parts = math.gcd(parts, rows)
+        parts = math.gcd(parts, _ple_rows(cfg, index))
     return max(parts, 1)
+
+
+def _ple_rows(cfg: ModelConfig, index: int) -> int:
+    """The rows of the PLE table of the `index`-th PLE layer (padded to ngram_vocab_multiple)."""
+    return ngram_tables(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ngram_vocab_base,
+                        cfg.ngram_vocab_multiple, cfg.ngram_seed, index)[3]
 
 
 def check_exportable(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> List[str]:
