@@ -271,7 +271,7 @@ def build_datasets(
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
-                                 cache_path)
+                                 cache_path, all_prefixes)
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     if valid_blend is None:
         _check_split_shares(data_cfg.split, config.split_matrix, sizes, sequences)
@@ -345,17 +345,18 @@ def _blends_and_tokenizer(data_cfg) -> Tuple[_Blend, Optional[_Blend], TandemTok
 
 
 def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Blend],
-                        tokenizer: TandemTokenizer, seq_len: int, seed: int, cache_path: str):
+                        tokenizer: TandemTokenizer, seq_len: int, seed: int, cache_path: str,
+                        prefixes: List[str]):
     """megatron-core's GPTDatasetConfig: a blend per split with a validation blend, else
-    `data_cfg.split` of the training blend."""
+    `data_cfg.split` of the training blend. `prefixes`: every prefix of both blends (their files
+    join the sample-index cache key)."""
     from tandem.data_pipeline import megatron_compat as mc  # (lazily: see build_datasets)
 
     common = dict(
         random_seed=int(seed),
         sequence_length=int(seq_len),
         path_to_cache=cache_path,
-        tokenizer=mc.MegatronTokenizerAdapter(
-            tokenizer, train_blend[0] + (valid_blend[0] if valid_blend else [])),
+        tokenizer=mc.MegatronTokenizerAdapter(tokenizer, prefixes),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=bool(data_cfg.eod_mask_loss),

@@ -60,6 +60,11 @@ def _head_argmax(head, h_nh: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     return out
 
 
+def depth_loss_key(depth: int) -> str:
+    """The key of depth `depth`'s loss: `loss/main` for the trunk's head, `loss/mtp_k` after it."""
+    return "loss/main" if depth == 0 else f"loss/mtp_{depth}"
+
+
 @torch.no_grad()
 def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None,
                    document_mask: bool = False) -> Dict[str, float]:
@@ -99,8 +104,7 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
             correct[d] += float((_head_argmax(head, normed, chunk) == targets).sum())
             count[d] += float(mask.sum())
     measured = [d for d in range(depths) if count[d] > 0]
-    out = {("loss/main" if d == 0 else f"loss/mtp_{d}"): float(loss[d] / count[d])
-           for d in measured}
+    out = {depth_loss_key(d): float(loss[d] / count[d]) for d in measured}
     out.update({f"tf_acc/mtp_{d}": float(correct[d] / count[d]) for d in measured if d > 0})
     return out
 

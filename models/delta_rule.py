@@ -150,15 +150,16 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     q, k, v = (x.view(b, h, n, chunk, -1) for x in (q, k, v))
     g, beta = g.view(b, h, n, chunk), beta.view(b, h, n, chunk)
 
-    G_bhnc = g.cumsum(-1)
     visible = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    if resets_bt is not None:
+    if resets_bt is None:
+        G_bhnc = g.cumsum(-1)
+    else:
         # segment within chunk
         seg_b1nc = F.pad(resets_bt, (0, pad)).view(b, 1, n, chunk).long().cumsum(-1)
         visible = visible & (seg_b1nc[..., :, None] == seg_b1nc[..., None, :])
         G_bhnc = (visible.to(g.dtype) @ g[..., None]).squeeze(-1)  # the segment's own sum
         reads_start_b1nc1 = (seg_b1nc == 0)[..., None]
-        writes_end_b1nc1 = (seg_b1nc == seg_b1nc[..., -1:])[..., None]
+        writes_end_b1nc = seg_b1nc == seg_b1nc[..., -1:]
     # e^{G_i - G_j} for j <= i; masked before exp because G_i - G_j > 0 above the diagonal may
     # overflow.
     decay_bhncc = (G_bhnc[..., :, None] - G_bhnc[..., None, :]).masked_fill(~visible,
@@ -170,7 +171,7 @@ def chunked_gated_delta_rule(q_bhtk, k_bhtk, v_bhtv, g_bht, beta_bht, state_bhkv
     from_start = G_bhnc.exp()[..., None]                             # decay since the chunk's start
     to_end = G_bhnc[..., -1:] - G_bhnc                               # decay up to the chunk's end
     if resets_bt is not None:  # masked before exp: across segments the difference means nothing
-        to_end = to_end.masked_fill(~writes_end_b1nc1[..., 0], float("-inf"))
+        to_end = to_end.masked_fill(~writes_end_b1nc, float("-inf"))
     to_end = to_end.exp()[..., None]
     chunk_decay_bhn11 = G_bhnc[..., -1].exp()[..., None, None]
     if resets_bt is not None:

@@ -421,10 +421,10 @@ def hardware_flops_per_token(cfg: ModelConfig, mtp: MTPConfig, seq_len: int,
     out = _hardware_flops(cfg, mtp, seq_len, activation_checkpointing) + teacher_passes * \
         head_forward_flops(cfg)
     if freeze_trunk:
-        trunk_extra = _trunk_extra(cfg, seq_len)
-        recomputed = (_trunk_forward(cfg, seq_len) - final_norm_forward_flops(cfg) + trunk_extra
+        trunk, trunk_extra = _trunk_forward(cfg, seq_len), _trunk_extra(cfg, seq_len)
+        recomputed = (trunk - final_norm_forward_flops(cfg) + trunk_extra
                       if activation_checkpointing == "full" else 0.0)
-        out -= (2 * _trunk_forward(cfg, seq_len) + trunk_extra + recomputed
+        out -= (2 * trunk + trunk_extra + recomputed
                 + head_forward_flops(cfg) * (head_passes(mtp) - 1 + _mtp_fraction(mtp, seq_len)))
     return out
 

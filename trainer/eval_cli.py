@@ -59,7 +59,7 @@ from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
-from tandem.eval.metrics import teacher_forced
+from tandem.eval.metrics import depth_loss_key, teacher_forced
 from tandem.eval.spec_decode import prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
@@ -310,7 +310,7 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
         metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
         unmeasured = [d for d in range(unwrap(model).num_depths)
-                      if ("loss/main" if d == 0 else f"loss/mtp_{d}") not in metrics]
+                      if depth_loss_key(d) not in metrics]
         if unmeasured:
             print(f"tandem eval: no teacher-forced figures at depth(s) {unmeasured}: no prompt is "
                   "long enough to hold their targets (depth d needs d + 2 tokens)",
