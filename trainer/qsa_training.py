@@ -58,8 +58,9 @@ class IndexerTraining:
 
     def drop_frozen_gradients(self, schedule_step: float) -> None:
         """Drop every gradient but the indexers' when only they learn: the optimizer then skips
-        the other parameters entirely, weight decay included. After clipping, whose norm is then
-        every gradient's: a layout's gradient finisher completes (and so writes) them all there."""
+        the other parameters entirely, weight decay included. Before clipping (TrainStep.
+        clip_gradients), so the norm is the indexers' alone; after a layout's gradient finisher
+        has completed the gradients, whose collectives expect every rank's full set."""
         if self.freezes_the_rest(schedule_step):
             for p in self.main_params:
                 p.grad = None

@@ -108,11 +108,18 @@ class TrainStep:
         """The compute-precision context of a forward (nullcontext in fp32)."""
         return autocast_context(self.device.type, self.autocast_dtype)
 
-    def clip_gradients(self) -> float:
-        """Complete the step's gradients (the layout's finisher) and clip by the global norm."""
+    def clip_gradients(self, schedule_step: float = float("inf")) -> float:
+        """Complete the step's gradients (the layout's finisher), drop those of parameters that do
+        not learn in the step starting at `schedule_step` (QSA's `indexer_only` warm-up), and clip
+        the rest by their global norm: the gradients dropped neither count in it nor scale the
+        ones kept."""
+        finisher = self.pstate.gradient_finisher
+        if finisher is not None:
+            finisher.sync()
+        self.indexers.drop_frozen_gradients(schedule_step)
+        if finisher is not None:
+            return float(finisher.clip(self.cfg.train.grad_clip))
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.pstate.gradient_finisher is not None:
-            return float(self.pstate.gradient_finisher(params, self.cfg.train.grad_clip))
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
@@ -166,11 +173,10 @@ class TrainStep:
         return {}
 
     def apply(self, schedule_step: float) -> Dict[str, float]:
-        """The update: router biases and every gradient but the indexers' kept only when
-        everything learns, AdamW. Returns the load-balance metrics."""
+        """The update: router biases moved only when everything learns, AdamW (on the gradients
+        `clip_gradients` kept). Returns the load-balance metrics."""
         metrics = self.update_router_biases(
             move=not self.indexers.freezes_the_rest(schedule_step))
-        self.indexers.drop_frozen_gradients(schedule_step)
         self.optimizer.step()
         return metrics
 
@@ -182,4 +188,4 @@ class TrainStep:
         counts = self.global_target_counts(batches)
         sums = self.pstate.all_reduce_replicas(
             self.forward_backward(batches, counts, coefs, self.indexers.dense(schedule_step)))
-        return sums, counts, self.clip_gradients()
+        return sums, counts, self.clip_gradients(schedule_step)

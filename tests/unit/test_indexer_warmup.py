@@ -12,7 +12,8 @@ import torch
 
 from tandem.models.config import ModelConfig
 from tandem.models.qsa import IndexedAttention
-from tandem.trainer.loop import run_training
+from tandem.trainer.loop import micro_batches, run_training
+from tandem.trainer.loss import depth_coefficients
 from tandem.trainer.recipe import load_config
 from tandem.trainer.run import build_run
 
@@ -60,6 +61,31 @@ def test_joint_trains_everything_and_indexer_only_only_the_indexers(tiny_overrid
     assert moved and all(".indexer." in n for n in moved), sorted(moved)
     assert main_frozen[-1] > main[-1]
 
+
+def _indexer_only_step(overrides, clip):
+    """One indexer_only warm-up step: (its gradient norm, the indexers' gradients it leaves)."""
+    cfg = load_config(None, overrides + QWEN4 + ["model.indexer_warmup=indexer_only",
+                                                 f"train.grad_clip={clip}"])
+    run = build_run(cfg)
+    _, _, norm = run.step(micro_batches(run, 0), depth_coefficients(cfg.mtp, 0.0), 0.0)
+    grads = {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}
+    return norm, grads
+
+
+def test_indexer_only_clips_the_indexers_by_their_own_norm(tiny_overrides, tmp_path):
+    """The language model's gradients are dropped before clipping: they neither count in the
+    logged norm nor shrink the indexers' step (a norm over every gradient clipped the indexers by
+    the trunk's norm)."""
+    norm, raw = _indexer_only_step(tiny_overrides, 0.0)
+    assert raw and all(".indexer." in n for n in raw), sorted(raw)
+    by_hand = torch.cat([g.flatten() for g in raw.values()]).norm()
+    assert norm == pytest.approx(float(by_hand), rel=1e-5)
+    clip = norm / 4
+    clipped_norm, clipped = _indexer_only_step(
+        tiny_overrides[:-1] + [f"run.dir={tmp_path / 'clipped'}"], clip)
+    assert clipped_norm == pytest.approx(norm, rel=1e-5)
+    for n, g in raw.items():
+        torch.testing.assert_close(clipped[n], g * (clip / norm), rtol=1e-4, atol=1e-9)
 
 
 def test_the_loop_runs_the_warm_up_dense_and_the_rest_sparse(tiny_overrides):

@@ -214,6 +214,12 @@ class GradientFinisher:
     @torch.no_grad()
     def __call__(self, params, max_norm: float) -> torch.Tensor:
         self.sync()
+        return self.clip(max_norm)
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """The global norm of the gradients left after `sync` (None counts as none), and clipping
+        to `max_norm` when positive."""
         norm = self.global_norm()
         if max_norm > 0:
             coef = min(max_norm / (float(norm) + 1e-6), 1.0)
