@@ -110,7 +110,8 @@ def run_training(run: Run) -> Optional[dict]:
         while step < t.max_steps:
             started = time.perf_counter()
             step, record = optimizer_step(run, step)
-            if record is None:
+            if record is None:  # rewound to the checkpoint of `step`
+                logger.rewind(step)
                 continue
             record.update(throughput(run, time.perf_counter() - started))
             if run.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):

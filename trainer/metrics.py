@@ -65,11 +65,8 @@ class MetricsLogger:
         self.bar = None
         if not is_main:
             return
-        truncate_metrics(self.path, start_step)
         self.samples_path = os.path.join(cfg.run.dir, SAMPLES_FILE)
-        # a resume drops samples past its checkpoint too
-        truncate_metrics(self.samples_path, start_step)
-        self.file = open(self.path, "a", buffering=1)
+        self._truncate(start_step)
         if cfg.logging.wandb:
             self.wandb_run = self._init_wandb()
         if cfg.logging.progress:
@@ -77,6 +74,20 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr)
+
+    def _truncate(self, last_step: int) -> None:
+        """Drop the records and samples past `last_step` and append from there: the steps a
+        resume or a rewind replays are logged once, with the values of the run that continues."""
+        truncate_metrics(self.path, last_step)
+        truncate_metrics(self.samples_path, last_step)
+        self.file = open(self.path, "a", buffering=1)
+
+    def rewind(self, last_step: int) -> None:
+        """The run went back to its checkpoint of `last_step` (the bad-step guard's `rewind`).
+        wandb keeps a step's first values: it ignores the replayed steps up to the bad one."""
+        if self.is_main:
+            self.file.close()
+            self._truncate(last_step)
 
     def _init_wandb(self):
         import wandb
