@@ -10,6 +10,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+STEP_COUNTERS = ("tokens_per_expert", "indexer_loss_sum", "aux_loss_sum")
+"""Buffers a training forward adds to and the trainer reads and zeroes once per step (fp32, not
+checkpointed): the routers' expert loads and the [sum, forwards] pairs behind the logged
+`loss/indexer` and `moe/aux_loss`. An activation checkpoint's recomputation puts them back as they
+were (trainer/parallel/activation_checkpoint.py), so each forward counts once."""
+
+
+def loss_counter() -> torch.Tensor:
+    """A [sum, forwards] pair of STEP_COUNTERS."""
+    return torch.zeros(2, dtype=torch.float32)
+
+
+@torch.no_grad()
+def count_loss(counter: torch.Tensor, loss: torch.Tensor) -> None:
+    """Add one forward's loss (detached) to a `loss_counter`."""
+    counter += torch.stack([loss.detach().float(), loss.new_ones((), dtype=torch.float32)])
+
 InitRule = Tuple[str, float]
 """How a parameter starts: ("ones" | "zeros" | "normal" | "a_log", std). `a_log` is Gated DeltaNet's
 decay rate log(uniform(0.01, 16)), as transformers initialises it."""

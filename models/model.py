@@ -22,7 +22,7 @@ from .block import OutputHead, TransformerBlock, block_kwargs
 from .config import ModelConfig
 from .context import WholeWindow
 from .documents import Documents
-from .layers import InitRule, InitScales, draw_init
+from .layers import STEP_COUNTERS, InitRule, InitScales, draw_init
 from .loss import (
     IGNORE,
     chunked_argmax,
@@ -177,7 +177,7 @@ class TandemModel(nn.Module):
             if m is not self and hasattr(m, "reset_buffers"):
                 m.reset_buffers()
         for name, b in self.named_buffers():
-            if name.endswith(("e_score_correction_bias", "tokens_per_expert")):
+            if name.endswith(("e_score_correction_bias", *STEP_COUNTERS)):
                 b.zero_()
 
     # --- pieces shared by training and decoding -------------------------------------------------

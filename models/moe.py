@@ -36,7 +36,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .experts import GroupedExperts
-from .layers import SwiGLU
+from .layers import SwiGLU, count_loss, loss_counter
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -213,8 +213,10 @@ class MoE(nn.Module):
         self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
                                    if cfg.shared_expert_gate and self.shared_experts is not None
                                    else None)
-        # The last micro-batch's aux + z loss (detached tensor, None until one is computed).
+        # The last micro-batch's aux + z loss (detached tensor, None until one is computed), and
+        # the step's (layers.STEP_COUNTERS)
         self.last_aux_loss = None
+        self.register_buffer("aux_loss_sum", loss_counter(), persistent=False)
 
     def route_and_compute(self, x_th: torch.Tensor, weights: torch.Tensor,
                           indices: torch.Tensor) -> torch.Tensor:
@@ -259,9 +261,13 @@ class MoE(nn.Module):
         out = self.route_and_compute(x, weights, indices)
         if self.training and torch.is_grad_enabled() and self._needs_aux():
             aux, scale = self._window_aux(logits, indices, aux_grad_scale, context)
-            self.last_aux_loss = aux.detach()
+            self.record_aux(aux)
             out = AuxLossGrad.apply(out, aux, scale)
         return out.view(shape)
+
+    def record_aux(self, aux: torch.Tensor) -> None:
+        self.last_aux_loss = aux.detach()
+        count_loss(self.aux_loss_sum, aux)
 
     def _needs_aux(self) -> bool:
         cfg = self.cfg

@@ -36,8 +36,8 @@ covers only the K = budget / r selected blocks, so no [B, S, S / r] tensor exist
   kvh * d elements, so queries run in chunks of about `chunk_elems` elements, each recomputed in
   backward (activation checkpointing): besides the [B, S, L] slot indices, peak memory stays about
   `chunk_elems` instead of growing with S^2.
-`auto` uses gather once the mask would exceed 2^26 elements (an 8k-token row) and the candidates are
-at most a quarter of the sequence; below that the fused masked kernel is both smaller and faster.
+`auto` uses gather past a 2^26-element mask (an 8k-token row) with candidates at most a quarter of
+the sequence; below that the fused masked kernel is smaller and faster.
 
 Context parallelism (`context` a sharded models/context.py window, training only): x holds a rank's
 S / cp rows of the window of S. Keys and values (after norm and RoPE), the indexer's raw keys, the
@@ -45,12 +45,11 @@ positions and the documents' starts are gathered over the window (`context.gathe
 sums key and value gradients back to their owners); the rank's queries score every block of the
 window, so each selects, attends and learns exactly as in one process (the same scores, ties and
 budget; the dense warm-up masks keys after the query's window row). The indexer's KL sums this
-rank's queries' terms and divides by the window's count of queries with a candidate block, so the
-ranks' losses (and so their indexer gradients) sum to one process's; `last_indexer_loss` is the
-rank's share, `last_recall` the rank's mean (equal row counts: the ranks' recalls average to the
-window's). A handed-over `QSASelection` holds the rank's queries and the window's block layout; a
-sparse-stage forward given one (an MTP depth reusing depth 1's) runs no indexer and gathers no raw
-keys.
+rank's queries' terms over the window's count of queries with a candidate block, so the ranks'
+losses (and indexer gradients) sum to one process's: `last_indexer_loss` is the rank's share,
+`last_recall` its mean (equal row counts: the ranks' recalls average to the window's). A
+handed-over `QSASelection` holds the rank's queries and the window's block layout; a sparse-stage
+forward given one (an MTP depth reusing depth 1's) runs no indexer and gathers no raw keys.
 
 Peak memory of one layer's training step, per rank (bytes, fp32; B rows, D_i indexer width, E =
 `chunk_elems`, A = hidden + 4 * heads * head_dim + (I + 1) * D_i the per-row activations):
@@ -93,7 +92,15 @@ from torch import nn
 
 from .context import WholeWindow
 from .documents import Documents
-from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding, cached_attention
+from .layers import (
+    InitRule,
+    InitScales,
+    RMSNorm,
+    RotaryEmbedding,
+    cached_attention,
+    count_loss,
+    loss_counter,
+)
 from .moe import AuxLossGrad
 from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
 from .qsa_loss import recall_measured
@@ -150,6 +157,7 @@ class IndexedAttention(nn.Module):
         self.chunk_elems: int = 1 << 26
         """Largest intermediate (elements) a chunked computation may build at once."""
         self.last_indexer_loss: Optional[torch.Tensor] = None
+        self.register_buffer("indexer_loss_sum", loss_counter(), persistent=False)
         self.last_recall: Optional[torch.Tensor] = None
 
     def reduce_heads(self, head_sums: torch.Tensor) -> torch.Tensor:
@@ -431,6 +439,7 @@ class IndexedAttention(nn.Module):
             has_bs = window[0].gather(has_bs)
         loss = total / has_bs.sum().clamp_min(1)
         self.last_indexer_loss = loss.detach()
+        count_loss(self.indexer_loss_sum, loss)
         return loss
 
     def _decode(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs, cache: LayerCache):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import List
+from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from tandem.models.mtp import depth_target_mask
 from tandem.models.mtp_config import MTPConfig
@@ -73,3 +74,22 @@ def one_batch_forward_backward(model, tokens_bs1: torch.Tensor, coefficients: Li
         out = model(tokens_bs1, loss_grad_scales=loss_gradient(counts, coefficients))
     combine_losses(out.loss_sums, counts, coefficients).backward()
     return out
+
+
+@torch.no_grad()
+def step_mean(counters: List[torch.Tensor], device: torch.device, shares: int = 1
+              ) -> Optional[float]:
+    """The mean over the step's forwards, on every rank, of a loss the model counted
+    (models/layers.py `count_loss`): this rank's [sum, forwards] counters added up and summed over
+    the world, then zeroed. Ranks that ran copies of one forward (tp) add to both sums alike;
+    `shares`: the ranks each of whose losses is a part of one forward's (cp, for the indexer's KL),
+    which counted that forward `shares` times. None when no forward computed one. Every rank calls
+    it."""
+    total = torch.zeros(2, dtype=torch.float32, device=device)
+    for counter in counters:
+        total += counter.to(device)
+        counter.zero_()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    sum_, forwards = total.tolist()
+    return sum_ * shares / forwards if forwards > 0 else None

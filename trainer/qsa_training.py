@@ -17,17 +17,19 @@ The stage is a forward argument (`TandemModel.forward(qsa_dense=...)`, which `Tr
 from `dense` here). The KL's weight is the layers' own `indexer_loss_coef`
 (model.indexer_loss_coef); it enters each QSA layer's backward through `AuxLossGrad` (as the MoE's
 balance loss does), scaled like that loss by the forward's `aux_grad_scale` to the mean over the
-global step's micro-batches; `loss/indexer` logs its mean over layers.
+global step's micro-batches; `loss/indexer` logs its mean over the step's QSA forwards.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List
 
-import torch
+import torch.distributed as dist
 from torch import nn
 
 from tandem.models.qsa import IndexedAttention
+
+from .loss import step_mean
 
 
 class IndexerTraining:
@@ -39,6 +41,7 @@ class IndexerTraining:
         `context_group`: the cp ranks splitting each window (parallel.cp > 1), whose indexer losses
         are shares of the window's (models/qsa.py) and are summed for the logged figure."""
         self.context_group = context_group
+        self.device = next(model.parameters()).device
         self.layers: List[IndexedAttention] = [m for m in model.modules()
                                                if isinstance(m, IndexedAttention)]
         self.uses_qsa, self.warmup_steps = uses_qsa, warmup_steps
@@ -66,12 +69,11 @@ class IndexerTraining:
                 p.grad = None
 
     def metrics(self) -> Dict[str, float]:
-        losses = [layer.last_indexer_loss for layer in self.layers
-                  if layer.last_indexer_loss is not None]
-        if not losses:
+        """`loss/indexer`: the step's mean over its QSA layers' forwards (every micro-batch, every
+        rank: the layers of every pipeline stage, each data-parallel replica's batch; the cp ranks'
+        shares summed). Every rank calls it (its collective), each step of a QSA model."""
+        if not self.uses_qsa:
             return {}
-        value = torch.stack([x.float() for x in losses]).mean()
-        if self.context_group is not None:
-            value = value.clone()
-            torch.distributed.all_reduce(value, group=self.context_group)
-        return {"loss/indexer": float(value)}
+        cp = 1 if self.context_group is None else dist.get_world_size(self.context_group)
+        value = step_mean([layer.indexer_loss_sum for layer in self.layers], self.device, cp)
+        return {} if value is None else {"loss/indexer": value}

@@ -18,9 +18,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from tandem.models import depth_target_mask
 from tandem.models.experts import expert_paths
+from tandem.models.layers import STEP_COUNTERS
 
 from .config import TandemConfig
-from .loss import combine_losses, loss_gradient
+from .loss import combine_losses, loss_gradient, step_mean
 from .optim import build_optimizer
 from .parallel import ParallelState
 from .parallel.device import autocast_context
@@ -37,6 +38,10 @@ class TrainStep:
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules()
                            if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        m = cfg.model
+        # whether MoE forwards compute an aux or z loss (`moe/aux_loss`, summed over every rank)
+        self.counts_aux = m.num_experts > 0 and (
+            (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0)
         # which kernel the routed experts run (probed at this rank's layer widths): a silent
         # fall-back to the per-expert loop costs a host sync per layer, so the run says it at start
         # and in its records
@@ -51,7 +56,6 @@ class TrainStep:
         # TensorParallelMoE.) Every forward passes it to the model (TandemModel.forward).
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
         self.aux_grad_scale = 1.0 / (micro * pstate.dp_size)
-        m = cfg.model
         self.indexers = IndexerTraining(model, m.uses_qsa, m.indexer_warmup_steps,
                                         m.resolved_indexer_warmup, pstate.context_group)
 
@@ -137,13 +141,16 @@ class TrainStep:
                 moe.router.update_bias(load)
             moe.router.tokens_per_expert.zero_()
         if not self.moe_layers:
+            if self.counts_aux:  # its peers' collective
+                step_mean([], self.device.device)
             return {}
         ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean_load": float(ratio.max()),
                    "moe/mean_max_over_mean_load": float(ratio.mean())}
-        aux = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
-        if aux:  # one host sync per step, here where it is logged
-            metrics["moe/aux_loss"] = float(torch.stack([a.float() for a in aux]).mean())
+        if self.counts_aux:  # the step's mean over every MoE forward (one host sync, logged here)
+            aux = step_mean([m.aux_loss_sum for m in self.moe_layers], self.device.device)
+            if aux is not None:
+                metrics["moe/aux_loss"] = aux
         return metrics
 
     def _expert_loads(self) -> torch.Tensor:
@@ -185,6 +192,9 @@ class TrainStep:
         over the global batch, global target counts, gradient norm). `schedule_step`: where the
         step starts (consumed samples / the first global batch; the default is past every
         warm-up). The update is `apply`."""
+        for name, counter in self.model.named_buffers():
+            if name.endswith(STEP_COUNTERS):  # a rewound step's counts are gone
+                counter.zero_()
         counts = self.global_target_counts(batches)
         sums = self.pstate.all_reduce_replicas(
             self.forward_backward(batches, counts, coefs, self.indexers.dense(schedule_step)))

@@ -71,6 +71,10 @@ PRESETS = {
 }
 
 
+LOGGED_LOSSES = ("moe/aux_loss", "loss/indexer")
+"""The step records' auxiliary losses, means over every forward of the step on every rank."""
+
+
 def layout_overrides(layout: str) -> List[str]:
     """`tp=2,pp=2` -> parallel.* overrides; items with a dot (`model.qk_norm=true`) are full keys;
     list items are separated by `:` (`pp_layout=[4:0]`); `preset.<name>=1` expands to
@@ -134,6 +138,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     `recorder` (a collectives.CollectiveRecorder) is switched on around the training steps."""
     from torch.distributed.tensor import DTensor
 
+    from tandem.models.layers import STEP_COUNTERS
     from tandem.trainer.loss import depth_coefficients
     from tandem.trainer.optim import lr_at, set_lr
     from tandem.trainer.parallel import init_parallel
@@ -154,7 +159,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     model = build_model(cfg, pstate)
     tr = TrainStep(cfg, model, pstate)
     model.train()
-    losses, norms = [], []
+    losses, norms, logged = [], [], []
     linear_dtypes = set()
     # class of a module holding parameters itself -> its outputs' dtypes
     owner_dtypes: Dict[str, set] = {}
@@ -223,7 +228,9 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
                                      cfg.data.document_mask, cfg.data.seq_len)
         sums, counts, norm = tr(batches, coefs, step)  # the training loop's step
         norms.append(norm)
-        tr.apply(step)
+        # the step's logged auxiliary losses, the training loop's way
+        logged.append({k: v for k, v in {**tr.apply(step), **tr.indexers.metrics()}.items()
+                       if k in LOGGED_LOSSES})
         tr.optimizer.zero_grad(set_to_none=True)
         losses.append((sums / counts.clamp(min=1)).tolist())
     if hook is not None:
@@ -236,11 +243,11 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
     local_numel = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n,
                    p in model.named_parameters()}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if "tokens_per_expert" in name or "rotary" in name:
+        if name.endswith(STEP_COUNTERS) or "rotary" in name:
             continue
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().clone()
-    return {"losses": losses, "grad_norms": norms, "params": params,
+    return {"losses": losses, "grad_norms": norms, "params": params, "logged": logged,
             "linear_dtypes": sorted(linear_dtypes),
             "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
             "fp32_seen": fp32_seen, "stream_dtypes": sorted(stream_dtypes),

@@ -12,9 +12,10 @@ The block's `forward` is wrapped in place, so parameter names, and with them che
 same with and without it, and the wrapping composes with TP/EP/FSDP hooks and pipeline stages.
 Without autograd (evaluation, a frozen trunk under no_grad) the block runs as it is.
 
-A recomputation replays the forward's side effects too: the MoE routers' load counters (the aux-free
-balancing rule and the load metrics read them) are restored after each recomputation so a step's
-loads count every token once.
+A recomputation replays the forward's side effects too: the step counters (models/layers.py
+STEP_COUNTERS: the MoE routers' loads, which the aux-free balancing rule and the load metrics read,
+and the sums behind the logged aux and indexer losses) are restored after each recomputation, so a
+step counts every token and every forward once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.utils.checkpoint import (
 )
 
 import tandem.models.moe  # noqa: F401  (registers torch.ops.tandem.grouped_mm, kept under `selective`)
+from tandem.models.layers import STEP_COUNTERS
 
 MODES = ("full", "selective")
 
@@ -60,8 +62,8 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _keep_router_loads(block: nn.Module) -> Iterator[None]:
-    counters = [m.tokens_per_expert for m in block.modules() if hasattr(m, "tokens_per_expert")]
+def _keep_step_counters(block: nn.Module) -> Iterator[None]:
+    counters = [b for name, b in block.named_buffers() if name.endswith(STEP_COUNTERS)]
     saved = [c.clone() for c in counters]
     try:
         yield
@@ -74,7 +76,7 @@ def _keep_router_loads(block: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _recomputing(block: nn.Module, sac_recompute_ctx) -> Iterator[None]:
     # its clone/copy_ stay outside the SAC replay
-    with _keep_router_loads(block), sac_recompute_ctx:
+    with _keep_step_counters(block), sac_recompute_ctx:
         yield
 
 

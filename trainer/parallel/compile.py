@@ -48,8 +48,8 @@ region may not have under dynamo); it falls back to an eager checkpoint that rep
   what `selective` asks for; ops outside compiled regions (the expert dispatch's all-to-alls) follow
   the op-level policy. Regions are wrapped whenever compile is on, so graphs compiled for one mode
   serve another in the same process.
-The routers' load counters are restored after each recomputation by the checkpoint wrapper, compiled
-or not.
+The step counters (the routers' loads, the logged losses' sums) are restored after each
+recomputation by the checkpoint wrapper, compiled or not.
 
 Layouts: one process, data parallelism (FSDP2 or all-reduce), tensor and sequence parallelism,
 expert parallelism, pipeline stages and their combinations (the flagship tp x ep x pp + SP), with

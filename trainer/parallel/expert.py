@@ -221,7 +221,7 @@ class TensorParallelMoE(MoE):
                 aux_scale = aux_scale / dist.get_world_size(self.tp_group)
             aux, aux_scale = self._window_aux(logits, indices, aux_scale, context)
         if aux is not None:
-            self.last_aux_loss = aux.detach()
+            self.record_aux(aux)
             out = AuxLossGrad.apply(out, aux, aux_scale)
         return out.view(shape)
 
