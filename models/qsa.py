@@ -154,8 +154,7 @@ class IndexedAttention(nn.Module):
         """Set on the MTP's QSA layers with mtp.qsa_reuse_indices, for decoding: depth 1 records its
         selection, later depths reuse it instead of running the indexer (None: every forward selects
         for itself). Training hands the selection over explicitly (`QSASelection`)."""
-        self.chunk_elems: int = 1 << 26
-        """Largest intermediate (elements) a chunked computation may build at once."""
+        self.chunk_elems: int = 1 << 26  # largest intermediate (elements) a chunk may build
         self.last_indexer_loss: Optional[torch.Tensor] = None
         self.register_buffer("indexer_loss_sum", loss_counter(), persistent=False)
         self.last_recall: Optional[torch.Tensor] = None
