@@ -111,3 +111,6 @@ def test_difference_test_units():
 
     (flat,) = differences([Final("a", "k", 1, 1.0, 1.0, 1.0), Final("b", "k", 1, 1.2, 1.2, 1.2)])
     assert not flat.significant and verdict(flat).startswith("untested")
+    # nor one: two prompts that accepted every draft against a measured 3.90 +- 0.05
+    (one,) = differences([Final("a", "k", 1, 4.0, 4.0, 4.0), Final("b", "k", 1, 3.9, 3.85, 3.95)])
+    assert not one.significant and verdict(one).startswith("untested")
