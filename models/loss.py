@@ -315,8 +315,12 @@ def chunked_argmax(h_nh: torch.Tensor, weight_vh: torch.Tensor, chunk_tokens: in
 
 def _chunk_soft_ce_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh: torch.Tensor,
                        valid_n: torch.Tensor) -> torch.Tensor:
+    # the head in the student's compute dtype (a frozen trunk's head may be stored in bf16 while
+    # the MTP module trains in fp32: train.frozen_dtype)
+    dtype = _compute_dtype(h_nh)
+    weight_vh = weight_vh.to(dtype)
     with torch.no_grad():
-        p = F.linear(teacher_nh, weight_vh).float().softmax(-1)
+        p = F.linear(teacher_nh.to(dtype), weight_vh).float().softmax(-1)
     rows = -(p * F.linear(h_nh, weight_vh).float().log_softmax(-1)).sum(-1)
     return torch.where(valid_n, rows, 0.0).sum()
 
@@ -359,8 +363,10 @@ def acceptance_loss_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor, weight_vh:
     Computed in log space, log a = logsumexp_v min(log p_v, log q_v), so a near-zero overlap neither
     underflows nor divides by zero. `weight_vh` may be one vocabulary shard (rows vocab_start..),
     then `red` reduces over the shards. Rows whose target is IGNORE count zero."""
+    dtype = _compute_dtype(h_nh)  # as _chunk_soft_ce_sum
+    weight_vh = weight_vh.to(dtype)
     with torch.no_grad():
-        log_p = _log_softmax(F.linear(teacher_nh, weight_vh).float(), red)
+        log_p = _log_softmax(F.linear(teacher_nh.to(dtype), weight_vh).float(), red)
     log_q = _log_softmax(F.linear(h_nh, weight_vh).float(), red)
     low = torch.minimum(log_p, log_q)
     m = red.max(low.detach().amax(dim=-1))

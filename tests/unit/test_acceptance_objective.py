@@ -134,3 +134,26 @@ def test_config_keys_are_validated():
     with pytest.raises(ConfigError,
                        match="train.distill.*must be none with mtp.loss.objective=acceptance"):
         load_config("recipes/tiny.yaml", ["mtp.loss.objective=acceptance", "train.distill=soft"])
+
+
+def test_a_bf16_frozen_head_under_fp32_training():
+    """train.frozen_dtype=bf16 with train.dtype=fp32: the frozen trunk's head weight and hidden
+    states are bf16 and the MTP module's are fp32. Both teacher losses compute as fp32 on the bf16
+    values (a bf16 weight against fp32 rows stopped the first step with a dtype error)."""
+    from tandem.models.loss import chunked_soft_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 8, generator=g, requires_grad=True)
+    teacher = torch.randn(6, 8, generator=g).bfloat16()
+    w = torch.randn(11, 8, generator=g).bfloat16()
+    targets = torch.tensor([1, 2, 3, -100, 4, 5])
+    got = chunked_acceptance_loss_sum(h, teacher, w, targets, 4, ce_weight=0.5)
+    want = _naive(h.double(), teacher.double(), w.double(), targets.clamp(min=0), 0.5)
+    want = want - _naive(h.double()[3:4], teacher.double()[3:4], w.double(), targets[:1] * 0, 0.5)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    soft = chunked_soft_cross_entropy_sum(h, teacher, w, 4, targets >= 0)
+    p = (teacher.double() @ w.double().t()).softmax(-1)
+    rows = -(p * (h.double() @ w.double().t()).log_softmax(-1)).sum(-1)
+    assert float(soft) == pytest.approx(float(rows[targets >= 0].sum()), rel=1e-5)
+    (got + soft).backward()
+    assert h.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()
