@@ -35,7 +35,7 @@ from tandem.models import TandemModel
 from .checkpoint_dirs import resolve_checkpoint
 from .config_checks import ConfigError
 from .hf.importer import load_hf_weights
-from .hf.init_from import checkpoint_model_config, is_hf_dir, load_initial_weights
+from .hf.init_from import MTP_WIRING, checkpoint_model_config, is_hf_dir, load_initial_weights
 from .parallel import parallelize_model
 from .parallel.sharded_params import allocate, init_seeded
 from .recipe import load_config
@@ -110,10 +110,6 @@ def mtp_checkpoint_keys(path: str) -> dict:
     return found
 
 
-# MTPConfig fields that describe an MTP module's weights and wiring: a refresh takes them from
-# mtp.init_from
-_MTP_WIRING = ("num_layers", "style", "moe", "combine", "concat_order", "trunk_input")
-
 
 def adopt_mtp_init_from(cfg) -> list:
     """With mtp.init_from: check it holds an MTP module (before anything loads) and make this run's
@@ -126,15 +122,14 @@ def adopt_mtp_init_from(cfg) -> list:
     if is_hf_dir(path):
         # a Hugging Face directory: its MTP input convention (the rest of the MTP wiring is the
         # family's, which the load checks tensor by tensor), as model.init_from takes it
-        _, trunk_input, has_mtp = checkpoint_model_config(path)
+        _, wiring, has_mtp = checkpoint_model_config(path)
         if not has_mtp:
             raise ConfigError(f"config key 'mtp.init_from'={path!r}: its safetensors hold no MTP "
                               "weights")
-        wiring = {"trunk_input": trunk_input}
     else:
         mtp_checkpoint_keys(path)
         saved = load_config(os.path.join(resolve_checkpoint(path), "config.yaml")).mtp
-        wiring = {key: getattr(saved, key) for key in _MTP_WIRING}
+        wiring = {key: getattr(saved, key) for key in MTP_WIRING}
     changed = []
     for key, value in wiring.items():
         if getattr(cfg.mtp, key) != value:

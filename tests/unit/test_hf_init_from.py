@@ -60,6 +60,13 @@ def test_init_from_tandem_checkpoint(tmp_path):
                              "model.vocab_size=264", "model.max_seq_len=512"])
     changed = adopt_checkpoint_config(run)
     assert run.model.hidden_size == 32 and any(c.startswith("model.hidden_size") for c in changed)
+    # and its MTP module's wiring, which its weights load into (a recipe's other concat order or
+    # layer count loaded them into another module without a word)
+    run = load_config(None, [f"model.init_from={step}", "data.vocab_size=260",
+                             "mtp.concat_order=hidden_emb", "mtp.num_layers=2", "mtp.num_steps=3"])
+    changed = adopt_checkpoint_config(run)
+    assert (run.mtp.concat_order, run.mtp.num_layers, run.mtp.num_steps) == ("emb_hidden", 1, 3)
+    assert {c.split(":")[0] for c in changed} >= {"mtp.concat_order", "mtp.num_layers"}
 
 
 def test_distill_validated():

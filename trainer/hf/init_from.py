@@ -56,8 +56,15 @@ def resolve_tandem_checkpoint(path: str) -> str:
             "(step_<N>/ with COMPLETE, or a run directory holding one)") from None
 
 
+MTP_WIRING = ("num_layers", "style", "moe", "combine", "concat_order", "trunk_input")
+"""MTPConfig fields that decide an MTP module's weights and how they are wired: a run that loads a
+checkpoint's MTP module (model.init_from, mtp.init_from) takes them from it."""
+
+
 def checkpoint_model_config(path: str):
-    """(ModelConfig of the checkpoint, MTP trunk_input convention or None, has MTP weights)."""
+    """(ModelConfig of the checkpoint, its MTP wiring {field: value}, has MTP weights). A Hugging
+    Face directory's wiring is its trunk_input convention; the rest is its family's, which the
+    load checks tensor by tensor."""
     if is_hf_dir(path):
         hf = read_config(path)
         detect_family(hf)
@@ -67,17 +74,19 @@ def checkpoint_model_config(path: str):
         spec = detect_family(hf, keys)
         cfg = model_config_from_hf(hf, spec)
         has_mtp = any(is_mtp_key(k, cfg) for k in keys)
-        return cfg, trunk_input_of(hf), has_mtp
+        return cfg, {"trunk_input": trunk_input_of(hf)}, has_mtp
 
     step = resolve_tandem_checkpoint(path)
     saved = load_config(os.path.join(step, "config.yaml"))
-    return saved.model, saved.mtp.trunk_input, saved.mtp.num_steps > 0
+    wiring = {key: getattr(saved.mtp, key) for key in MTP_WIRING}
+    return saved.model, wiring, saved.mtp.num_steps > 0
 
 
 def adopt_checkpoint_config(cfg) -> List[str]:
-    """Overwrite cfg.model's weight-shape fields (and mtp.trunk_input when the checkpoint has MTP
-    weights) with the checkpoint's; revalidate; return the keys that changed (also printed)."""
-    ckpt, trunk_input, has_mtp = checkpoint_model_config(cfg.model.init_from)
+    """Overwrite cfg.model's weight-shape fields, and the MTP wiring when the checkpoint has MTP
+    weights (which then load into this run's module), with the checkpoint's; revalidate; return
+    the keys that changed (also printed)."""
+    ckpt, wiring, has_mtp = checkpoint_model_config(cfg.model.init_from)
     changed = []
     for key, value in vars(ckpt).items():
         if key in _KEEP or getattr(cfg.model, key) == value:
@@ -85,10 +94,12 @@ def adopt_checkpoint_config(cfg) -> List[str]:
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
     # Qwen4-Exp's drafter always reads the pre-mixer streams, with or without MTP weights in the
-    # checkpoint
-    if (has_mtp or ckpt.hc_count > 1) and cfg.mtp.trunk_input != trunk_input:
-        changed.append(f"mtp.trunk_input: {cfg.mtp.trunk_input!r} -> {trunk_input!r}")
-        cfg.mtp.trunk_input = trunk_input
+    # checkpoint; saved MTP weights run only as they were wired
+    for key, value in wiring.items() if has_mtp else (
+            [("trunk_input", wiring["trunk_input"])] if ckpt.hc_count > 1 else []):
+        if getattr(cfg.mtp, key) != value:
+            changed.append(f"mtp.{key}: {getattr(cfg.mtp, key)!r} -> {value!r}")
+            setattr(cfg.mtp, key, value)
     try:
         cfg.validate()
     except ConfigError as exc:
