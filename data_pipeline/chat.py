@@ -8,8 +8,8 @@ Records (one per JSONL line, parquet row or `datasets` row), first matching form
     content and the template's end-of-turn text), nothing else.
   * `{"prompt_ids", "response_ids"}` (what `tandem generate` writes beside the text): the token ids
     as written, so the fine-tune sees exactly the tokens the trunk produced; the loss is on the
-    response (and on the EOD appended after it unless the record says `"finished": false`: cut off,
-    not ended).
+    response, and on the EOD appended after one that does not end with it unless the record says
+    `"finished"` (false: cut off, not ended; true: ended at another stop id, which it holds).
   * `{"prompt", "response"}`: with a chat template, one user turn and one assistant turn (as
     `messages`); without one, prompt and response are tokenised separately and joined (ids of the
     prompt, then ids of the response), so the boundary is exact and matches how `tandem generate`
@@ -180,8 +180,10 @@ class ChatEncoder:
             ids = self.tokenizer.encode(rec["text"])
             flags = [1] * len(ids)
         if not ids or ids[-1] != self.tokenizer.eod_id:
-            # a response cut off by generate's token budget (`finished: false`) did not end there
-            ends = bool(flags and flags[-1]) and rec.get("finished", True) is not False
+            # a response cut off by generate's token budget (`finished: false`) did not end there;
+            # one generate saw end at another stop id (`finished: true`, a chat model's end of
+            # turn) ended with it: the EOD after either only separates documents
+            ends = bool(flags and flags[-1]) and "finished" not in rec
             flags = flags + [int(ends)]
             ids = ids + [self.tokenizer.eod_id]
         return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)

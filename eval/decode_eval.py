@@ -21,7 +21,7 @@ import torch
 
 from .acceptance import acceptance_metrics
 from .drafting import DRAFT_CONVENTIONS, resolve_convention
-from .spec_decode import DecodeResult, DecodeStats, generate, unwrap
+from .spec_decode import DecodeResult, DecodeStats, StopIds, generate, unwrap
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class DecodeSettings:
     """Tokens generated per prompt."""
     batch_size: int
     """Prompts decoded together."""
-    eos_id: Optional[int] = None
-    """A row stops after this token (None: only at max_new_tokens)."""
+    eos_id: StopIds = None
+    """A row stops after this token, or any of these (None: only at max_new_tokens)."""
     temperature: float = 0.0
     """0: greedy; > 0 speculative sampling."""
     top_p: float = 1.0

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -236,17 +236,31 @@ class SpecDecoder:
         return new_m
 
 
+StopIds = Union[int, Sequence[int], None]
+"""The token ids that end a row: one EOS, several (a chat model's end-of-turn ids beside it, as
+generation_config.json lists them), or None."""
+
+
+def stop_tensor(eos_id: StopIds, device: torch.device) -> Optional[torch.Tensor]:
+    """`eos_id` as a 1-d long tensor on `device` (None: no stop id)."""
+    if eos_id is None:
+        return None
+    ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
 def emitted_tokens(old_m: torch.Tensor, new_m: torch.Tensor, limit: torch.Tensor,
                    new_tok: Optional[torch.Tensor] = None,
-                   eos_id: Optional[int] = None) -> torch.Tensor:
+                   eos_id: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B] tokens a round adds to the outputs: of the new_m - old_m it committed (accepted drafts
     and the bonus), those up to the row's budget (m index `limit`) and up to its first EOS
-    (`new_tok` [B,K+1] holds seq[old_m + 1 ..]). Drafts past either end are never seen by a user, so
-    they are not counted as accepted."""
+    (`new_tok` [B,K+1] holds seq[old_m + 1 ..]; `eos_id` the `stop_tensor`). Drafts past either end
+    are never seen by a user, so they are not counted as accepted."""
     out = torch.minimum(new_m - old_m, (limit - old_m).clamp(min=0))
     if eos_id is not None and new_tok is not None:
         window = torch.arange(1, new_tok.shape[1] + 1, device=new_tok.device)
-        first_eos = torch.where(new_tok == eos_id, window, new_tok.shape[1] + 1).min(1).values
+        first_eos = torch.where(torch.isin(new_tok, eos_id), window,
+                                new_tok.shape[1] + 1).min(1).values
         out = torch.minimum(out, first_eos)
     return out
 
@@ -287,12 +301,12 @@ def _finished(old_m, new_m, limit, new_tok, eos_id, window) -> torch.Tensor:
     done = new_m >= limit
     if eos_id is not None:
         fresh = window.unsqueeze(0) <= (new_m - old_m).unsqueeze(1)
-        done |= ((new_tok == eos_id) & fresh).any(1)
+        done |= (torch.isin(new_tok, eos_id) & fresh).any(1)
     return done
 
 
 def _decode_rounds(dec: SpecDecoder, active: torch.Tensor, limit: torch.Tensor,
-                   eos_id: Optional[int],
+                   eos_id: Optional[torch.Tensor],
                    counts: _Counts, any_active: Callable[[bool], bool]) -> dict:
     """Draft, verify and commit until no row (of any process in lockstep) is active; returns the
     phase times (`draft_s`, `verify_s`, `overhead_s`) and `num_rounds`."""
@@ -324,22 +338,22 @@ def _decode_rounds(dec: SpecDecoder, active: torch.Tensor, limit: torch.Tensor,
 
 
 def _outputs(dec: SpecDecoder, lens: List[int], max_new_tokens: int,
-             eos_id: Optional[int]) -> List[List[int]]:
-    """Each row's continuation: at most max_new_tokens, up to and including its first EOS."""
+             eos_id: Optional[torch.Tensor]) -> List[List[int]]:
+    """Each row's continuation: at most max_new_tokens, up to and including its first stop id."""
     seq, m = dec.seq.cpu(), dec.m.cpu()
+    stops = set(eos_id.tolist()) if eos_id is not None else set()
     outputs = []
     for b in range(len(lens)):
         out = seq[b, lens[b] : int(m[b]) + 1].tolist()[:max_new_tokens]
-        if eos_id is not None and eos_id in out:
-            out = out[: out.index(eos_id) + 1]
-        outputs.append(out)
+        ends = [i for i, t in enumerate(out) if t in stops]
+        outputs.append(out[: ends[0] + 1] if ends else out)
     return outputs
 
 
 @torch.inference_mode()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              num_steps: int, *,
-             eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+             eos_id: StopIds = None, temperature: float = 0.0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, padding: bool = False,
              verify: str = "token",
              any_active: Optional[Callable[[bool], bool]] = None,
@@ -347,7 +361,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     """Decode a batch of prompts: speculative with K=num_steps MTP drafts, or plain AR when 0.
     `verify` is the rule for sampled drafts (`token` or `block`; greedy decoding is the same under
     both); `draft_convention` how depths 2..K draft (`serving`: as vLLM's proposer; `tandem`: as
-    trained); `top_k` > 0 samples from each head's k largest logits (`TokenChooser`).
+    trained); `top_k` > 0 samples from each head's k largest logits (`TokenChooser`); `eos_id`
+    the id or ids that end a row.
 
     Lockstep with other processes (expert-parallel all-to-alls, FSDP gathers): `any_active(local)`
     returns whether any process still has an active row, and the loop runs until none has (rows
@@ -363,6 +378,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                       top_p=top_p, top_k=top_k, generator=generator, verify=verify,
                       draft_convention=draft_convention)
     dev = dec.device
+    eos_id = stop_tensor(eos_id, dev)
     # m at max_new_tokens
     limit = torch.tensor(lens, dtype=torch.long, device=dev) + max_new_tokens - 1
     synchronize(dev)
@@ -370,7 +386,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     first = dec.prefill(prompts)
     active = dec.m < limit
     if eos_id is not None:
-        active &= first != eos_id
+        active &= ~torch.isin(first, eos_id)
     if padding:
         active &= False
     counts = _Counts(B, K, dev)

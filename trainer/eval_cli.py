@@ -65,6 +65,7 @@ from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 from .config_checks import ConfigError
+from .hf.reader import stop_ids
 from .parallel.device import resolve_device
 
 
@@ -243,6 +244,12 @@ def _load_checked(args):
         raise _Fail(" ".join(str(exc).split())) from None
 
 
+def _source_dirs(args, cfg) -> List[str]:
+    """Where the model came from: the Hugging Face directory, else the checkpoint's
+    model.init_from (its serving files: the stop ids, hf/reader.py stop_ids)."""
+    return [args.hf] if args.hf else [getattr(cfg.model, "init_from", "")]
+
+
 def _settings(args, model, cfg, tok) -> dict:
     """decode_eval.DecodeSettings' fields: the flags, else the checkpoint's `eval.*`, else
     defaults."""
@@ -253,7 +260,8 @@ def _settings(args, model, cfg, tok) -> dict:
     return dict(num_steps=K,
                 max_new_tokens=args.max_new_tokens or (ev.max_new_tokens if ev else 64),
                 batch_size=args.batch_size or (ev.batch_size if ev else 4),
-                eos_id=tok.eod_id if tok is not None else None, temperature=args.temperature,
+                eos_id=stop_ids(tok.eod_id if tok is not None else None, _source_dirs(args, cfg)),
+                temperature=args.temperature,
                 top_p=args.top_p,
                 seed=args.seed, verify=args.verify or getattr(ev, "verify", None) or "token",
                 draft_convention=args.draft_convention or getattr(ev, "draft_convention",

@@ -52,6 +52,7 @@ from .eval_cli import _load, _tokenizer_of, resolve_device_flag, sampling_flag_p
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 from .hf.importer import hf_config
 from .hf.init_from import check_reference, fingerprint, read_reference
+from .hf.reader import stop_ids
 from .materialize import build_sharded_model
 from .parallel import init_parallel
 from .parallel.device import resolve_device
@@ -109,14 +110,18 @@ class Source:
     """The chat template (data_pipeline/chat_template.py), None when the checkpoint has
     none."""
     fingerprint: str
+    stop_ids: Optional[List[int]]
+    """The ids that end a response (hf/reader.py stop_ids)."""
 
 
 def _hf_source(args) -> Source:
     """A Hugging Face directory: its config (trunk shape, the MTP module its weights hold),
     tokenizer and chat template, without weights."""
     cfg, _ = hf_config(args.hf)
-    return Source(args.hf, cfg, cfg.model.max_seq_len, args.num_steps or cfg.mtp.num_steps,
-                  load_tokenizer(args.hf), chat_template_in([args.hf]), fingerprint(args.hf))
+    tok = load_tokenizer(args.hf)
+    return Source(args.hf, cfg, cfg.model.max_seq_len, args.num_steps or cfg.mtp.num_steps, tok,
+                  chat_template_in([args.hf]), fingerprint(args.hf),
+                  stop_ids(tok.eod_id, [args.hf]))
 
 
 def _checkpoint_source(args) -> Source:
@@ -135,7 +140,8 @@ def _checkpoint_source(args) -> Source:
                                                   or "") else os.path.dirname(cfg.data.tokenizer)
     chat = chat_template_in([step, tok_dir, ref["path"] if ref else cfg.model.init_from])
     K = args.num_steps or cfg.mtp.num_steps
-    return Source(step, cfg, cfg.model.max_seq_len, K, tok, chat, fp)
+    stops = stop_ids(tok.eod_id, [ref["path"] if ref else "", cfg.model.init_from])
+    return Source(step, cfg, cfg.model.max_seq_len, K, tok, chat, fp, stops)
 
 
 @dataclass
@@ -166,7 +172,7 @@ def _settings(args, src: Source) -> dict:
     ev = getattr(src.cfg, "eval", None)
     return dict(num_steps=src.num_steps, max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
-                eos_id=src.tokenizer.eod_id, temperature=args.temperature, top_p=args.top_p,
+                eos_id=src.stop_ids, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k,
                 verify=getattr(ev, "verify", "token"),
                 draft_convention=getattr(ev, "draft_convention", "serving"))
@@ -299,11 +305,11 @@ def _groups(todo: List[int], size: int) -> List[List[int]]:
     return out
 
 
-def _records(plan: Plan, batch: int, result, tok, eos_id: Optional[int]) -> List[dict]:
+def _records(plan: Plan, batch: int, result, tok, stops: Optional[List[int]]) -> List[dict]:
     """The output records of one decoded batch (generate_io module docstring)."""
     out = []
     for r, ((p, s), ids) in enumerate(zip(plan.batch(batch), result.outputs)):
-        finished = eos_id is not None and bool(ids) and ids[-1] == eos_id
+        finished = bool(stops) and bool(ids) and ids[-1] in stops
         text = tok.decode(ids[:-1] if finished else ids)
         out.append({"prompt_index": p, "sample_index": s, "prompt": plan.texts[p], "response": text,
                     "prompt_ids": plan.ids[p], "response_ids": ids, "finished": finished,

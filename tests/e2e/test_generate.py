@@ -161,8 +161,8 @@ def test_chat_template_and_parquet_column(ckpt, tmp_path, capsys):
     assert rc == 0, err
     assert records[0]["prompt"] == "<|endoftext|>user: Write a loop.\nassistant:"
     assert (
-        records[0]["prompt_ids"][0] == header["eos_id"]
-        and records[0]["prompt_ids"][1] != header["eos_id"]
+        records[0]["prompt_ids"][0] == header["eos_id"][0]
+        and records[0]["prompt_ids"][1] != header["eos_id"][0]
     )
     table = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"question": PROMPTS}), table)

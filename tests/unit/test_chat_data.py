@@ -187,10 +187,15 @@ def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):
                                               {"prompt": "x", "response": "y", "prompt_ids": [4, 5],
                                                "response_ids": [6, 0]},
                                               {"prompt_ids": [4], "response_ids": [6, 7],
-                                               "finished": False}])
-    (_, ids1, flags1), (_, ids2, flags2), (_, ids3, flags3) = encoded(tok, path)
+                                               "finished": False},
+                                              {"prompt_ids": [4], "response_ids": [6, 3],
+                                               "finished": True}])
+    (_, ids1, flags1), (_, ids2, flags2), (_, ids3, flags3), (_, ids4, flags4) = encoded(tok, path)
     # cut off: its end is not learnt
     assert ids3.tolist() == [4, 6, 7, 0] and flags3.tolist() == [0, 1, 1, 0]
+    # ended at another stop id (a chat model's end of turn, which generate stops at): learnt, and
+    # the EOD after it only separates the records
+    assert ids4.tolist() == [4, 6, 3, 0] and flags4.tolist() == [0, 1, 1, 0]
     assert ids1.tolist() == [1, 4, 3, 2, 6, 3, 0] and flags1.tolist() == [0, 0, 0, 0, 1, 1, 1]
     # already EOD-terminated
     assert ids2.tolist() == [4, 5, 6, 0] and flags2.tolist() == [0, 0, 1, 1]

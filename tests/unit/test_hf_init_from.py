@@ -144,3 +144,21 @@ def test_init_from_last_layer_needs_the_last_layer_on_the_mtp_stage(layout, dept
     init_mtp_from_last_layer(model)
     assert torch.equal(model.mtp.layers[0].block.self_attn.q_proj.weight,
                        full.layers["3"].self_attn.q_proj.weight)
+
+
+def test_stop_ids_read_a_source_directory(tmp_path):
+    """`tandem generate` / `tandem eval` stop a row at the tokenizer's EOS and at every
+    eos_token_id of the model's Hugging Face directory: generation_config.json's list first (GLM-4.5
+    ends turns with <|user|> and <|observation|> too), else config.json's; a Tandem checkpoint or
+    nothing adds none."""
+    import json
+
+    from tandem.trainer.hf.reader import stop_ids
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert stop_ids(0, [str(hf)]) == [0, 7]
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 151336, 151338]}))
+    assert stop_ids(0, ["", str(hf)]) == [0, 151336, 151338]
+    assert stop_ids(5, [str(tmp_path)]) == [5] and stop_ids(None, []) is None

@@ -168,6 +168,16 @@ def test_greedy_parallel_style_and_eos():
     sp_e = generate(model, PROMPTS, 24, 3, eos_id=eos)
     assert sp_e.outputs == ar_e.outputs
     assert ar_e.outputs[0][-1] == eos and len(ar_e.outputs[0]) <= 6
+    # several stop ids (a chat model's end-of-turn ids beside its EOS): each row ends at the first
+    # of them, as with that one alone (the other, the first token of row 1, ends row 1 at once)
+    other = ar.outputs[1][0]
+    ar_s = generate(model, PROMPTS, 24, 0, eos_id=[eos, other])
+    sp_s = generate(model, PROMPTS, 24, 3, eos_id=[eos, other])
+    assert sp_s.outputs == ar_s.outputs
+    for row, full in zip(ar_s.outputs, ar.outputs):
+        ends = [i for i, t in enumerate(full) if t in (eos, other)]
+        assert row == (full[: ends[0] + 1] if ends else full)
+    assert ar_s.outputs[1] == [other] and ar_s.stats.rounds[1] == 0
 
 
 def test_num_steps_beyond_trained_k_runs_looped():

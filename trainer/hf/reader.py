@@ -11,7 +11,7 @@ import glob
 import json
 import os
 import struct
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -212,3 +212,22 @@ def read_config(path: str) -> dict:
         raise CheckpointError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
     hf = read_json(cfg_file)
     return hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
+
+
+def stop_ids(eod_id: Optional[int], dirs: Sequence[str]) -> Optional[List[int]]:
+    """The ids that end a response: the tokenizer's EOS (`eod_id`) and every `eos_token_id` the
+    first Hugging Face directory among `dirs` lists (generation_config.json, else config.json).
+    Chat models end a turn with more than their EOS (GLM-4.5 with <|user|> and <|observation|>),
+    and transformers' and vLLM's generation stop at each. None when there is none."""
+    ids = [] if eod_id is None else [int(eod_id)]
+    for d in dirs:
+        if not d or not os.path.isfile(os.path.join(d, "config.json")):
+            continue
+        for name in ("generation_config.json", "config.json"):
+            path = os.path.join(d, name)
+            value = read_json(path).get("eos_token_id") if os.path.isfile(path) else None
+            if value is not None:
+                ids += [value] if isinstance(value, int) else [int(v) for v in value]
+                break
+        break
+    return list(dict.fromkeys(ids)) or None
