@@ -117,6 +117,14 @@ def _decode_batches(model, batches: List[list], s: DecodeSettings, replicas: Opt
     return [r for _, r in spec], [r for _, r in ar]
 
 
+def _occupancy(results: List[DecodeResult]) -> float:
+    """The share of a batch's rows that a round advanced, over every round of `results`' batches
+    (1 at batch size 1; lower when rows finish at different rounds)."""
+    row_rounds = sum(int(r.stats.rounds.sum()) for r in results)
+    slots = sum(len(r.stats.rounds) * r.stats.num_rounds for r in results)
+    return row_rounds / max(slots, 1)
+
+
 def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[DecodeResult]],
                    spec_stats: List[DecodeStats], acceptance_length: float) -> dict:
     """Tokens/s of both sides, measured and predicted speedup and per-round phase times (medians
@@ -130,12 +138,15 @@ def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[Decod
     V = _median([s.verify_s / max(s.num_rounds, 1) for s in spec_stats])
     O = _median([s.overhead_s / max(s.num_rounds, 1) for s in spec_stats])  # noqa: E741 (the paper's symbol)
     T = _median([s.decode_s / max(s.num_rounds, 1) for s in ar_stats])
-    # Batched rounds advance every row; the tokens a round yields per row is the acceptance length.
+    # A round yields the acceptance length per row it advances; a batched round also carries rows
+    # that have finished, on either side, so each side's tokens per batched round is its occupancy
+    # times that.
+    occupancy = _occupancy(runs_spec[0]) / max(_occupancy(runs_ar[0]), 1e-12)
     return {
         "decode_tokens_per_s/spec": spec_tps,
         "decode_tokens_per_s/ar": ar_tps,
         "speedup": spec_tps / max(ar_tps, 1e-12),
-        "speedup_predicted": acceptance_length * T / max(D + V + O, 1e-12),
+        "speedup_predicted": acceptance_length * occupancy * T / max(D + V + O, 1e-12),
         "time_per_round/draft_ms": 1e3 * D,
         "time_per_round/verify_ms": 1e3 * V,
         "time_per_round/overhead_ms": 1e3 * O,

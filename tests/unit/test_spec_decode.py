@@ -337,3 +337,47 @@ def test_top_k_applies_to_the_trunk_and_the_drafts(K):
         top2 = model.logits(0, h).topk(2, dim=-1).indices[0]  # [s, 2]: after each position
         emitted = range(len(prompt) - 1, s)  # positions whose next token the decode chose
         assert all(seq[0, t + 1] in top2[t] for t in emitted)
+
+
+def test_predicted_speedup_counts_the_rows_a_batched_round_carries(monkeypatch):
+    """Under a clock that only model forwards move (1 per trunk forward, 0.1 per MTP depth) the
+    predicted speedup is the measured one, also when a batch's rows finish at different rounds:
+    the finished rows ride along in the batched rounds (the acceptance length alone overstated
+    the speedup by 17% at these settings)."""
+    import tandem.eval.decode_eval as de
+    import tandem.eval.spec_decode as sd
+
+    clock = [0.0]
+    monkeypatch.setattr(sd.time, "perf_counter", lambda: clock[0])
+    model = make_agreeing(tiny_model(num_steps=3, vocab=64), 0.05)
+    trunk = model.trunk
+
+    def timed_trunk(*args, **kwargs):
+        clock[0] += 1.0
+        return trunk(*args, **kwargs)
+
+    monkeypatch.setattr(model, "trunk", timed_trunk)
+    make = sd.make_drafter
+
+    def timed_drafter(*args, **kwargs):
+        drafter = make(*args, **kwargs)
+        if drafter is None:  # the autoregressive side
+            return None
+        depths = drafter.depth_logits
+
+        def timed_depths():
+            for logits in depths():
+                clock[0] += 0.1
+                yield logits
+
+        drafter.depth_logits = timed_depths
+        return drafter
+
+    monkeypatch.setattr(sd, "make_drafter", timed_drafter)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (8,), generator=g).tolist() for _ in range(8)]
+    m, spec, _ = de.evaluate_decoding(model, prompts, num_steps=3, max_new_tokens=32,
+                                      batch_size=8)
+    rounds = spec[0].stats.rounds
+    assert len(set(rounds.tolist())) > 1  # rows finished at different rounds
+    assert m["speedup_predicted"] == pytest.approx(m["speedup"], rel=1e-6)
