@@ -293,6 +293,10 @@ def analytic(cfg, model, pstate, batches):
                     out["all_gather"] += F32 * full * gathers
                     out["reduce_scatter"] += F32 * full * scatters
     out["all_reduce"] += F32  # the global grad-norm scalar (fp32: no fp64 on accelerators)
+    m = cfg.model
+    if m.num_experts > 0 and ((m.balance == "aux_loss" and m.aux_loss_coef > 0)
+                              or m.z_loss_coef > 0):
+        out["all_reduce"] += 2 * F32  # the logged moe/aux_loss's [sum, forwards] (loss.step_mean)
     return dict(out)
 
 

@@ -72,15 +72,16 @@ def mixer_counts(cfg: ModelConfig, mtp: MTPConfig) -> Dict[str, int]:
     return out
 
 
-def gdn_context_flops(cfg: ModelConfig, tokens: int, last_chunk: int) -> float:
+def gdn_context_flops(cfg: ModelConfig, tokens: int, window_chunks: int) -> float:
     """Forward FLOPs one GDN layer adds under CP for `tokens` rows: the value width augmented by dk
     per value head (the chunked rule's 4 C dv + 6 dk dv terms at dv + dk), the entering state
-    applied to each row (q S and k S: 4 dk dv), and the fold of `last_chunk` predecessors' states (T
-    S: 2 dk^2 dv)."""
+    applied once to each row (2 dk dv: its key-side part travels in the augmented values), and the
+    fold through all `window_chunks` chunks of the window, which every rank runs (T S: 2 dk^2 dv
+    each; trainer/parallel/context.py `carry`)."""
     nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
-    per_token = nv * (4 * GDN_CHUNK * dk + 6 * dk * dk + 4 * dk * dv)
-    return tokens * per_token + last_chunk * nv * 2 * dk * dk * dv
+    per_token = nv * (4 * GDN_CHUNK * dk + 6 * dk * dk + 2 * dk * dv)
+    return tokens * per_token + window_chunks * nv * 2 * dk * dk * dv
 
 
 def rank_training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, cp: int,
@@ -103,9 +104,8 @@ def rank_training_flops(cfg: ModelConfig, mtp: MTPConfig, seq_len: int, cp: int,
     out = []
     for spans in rank_chunks(seq_len, cp, sharding):
         rows = sum(b - a for a, b in spans)
-        chunk = spans[0][1] - spans[0][0]
         fwd = rows * flat + sum(cum[b] - cum[a] for a, b in spans)
-        fwd += gdn * gdn_context_flops(cfg, rows, spans[-1][0] // chunk)
+        fwd += gdn * gdn_context_flops(cfg, rows, len(spans) * cp)
         out.append(3 * fwd)
     return out
 
@@ -140,10 +140,13 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     slots = m.indexer_budget + m.indexer_compress_ratio - 1
     # MTP depths reusing depth 1's selection run no indexer, so they gather no raw indexer keys
     indexing = n_qsa - sum(mtp_reuses_selection(m, cfg.mtp, d) for d in range(1, depths + 1))
+    # every chunk's (transition, final state), gathered over the window, fp32
+    gdn_gathered = n_gdn * b * chunks * cp * nv * dk * (dk + dv) * 4
     out = {
         "gathered_kv": n_attn * b * s * 2 * kv * act_bytes + indexing * b * s * m.indexer_head_dim
         * act_bytes, "qsa_selection": n_qsa * b * (s / cp) * (k_sel + slots) * 8,
-        "gdn_states": n_gdn * b * chunks * cp * nv * dk * (dk + dv) * 4,
+        # and the state entering each chunk, which the fold keeps for its backward
+        "gdn_states": gdn_gathered + n_gdn * b * chunks * cp * nv * dk * dv * 4,
         "gdn_width": n_gdn * 2 * b * (s / cp) * nv * dk * act_bytes,
         "halos": chunks * b * act_bytes * (n_gdn * (m.linear_conv_kernel - 1) * conv + sum(
             (m.ple_conv_kernel - 1) * m.ngram_size * m.hc_count * m.hidden_size for i in layers
@@ -174,7 +177,7 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     halo_rows = n_gdn * min(m.linear_conv_kernel - 1, length) * conv + sum(
         min((m.ple_conv_kernel - 1) * m.ngram_size, length) * m.hc_count * m.hidden_size
         for i in layers if i in m.ple_layers)
-    out["sent"] = share * (2 * (out["gathered_kv"] + out["gdn_states"]) + ids + router) + (cp
+    out["sent"] = share * (2 * (out["gathered_kv"] + gdn_gathered) + ids + router) + (cp
                                                                                            - 1) * (
         2 * chunks * b * act_bytes * halo_rows + ple_ids)
     return out

@@ -113,7 +113,8 @@ def test_context_bytes_by_hand():
     indexing = attn - (cfg.mtp.num_steps - 1)
     assert parts["gathered_kv"] == (attn * 2 * kv + indexing * m.indexer_head_dim) * b * s * 4
     dk, dv, nv = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_value_heads
-    assert parts["gdn_states"] == gdn * b * 4 * nv * dk * (dk + dv) * 4  # 2 chunks x 2 ranks, fp32
+    # 2 chunks x 2 ranks, fp32: each chunk's (transition, final state) and the state entering it
+    assert parts["gdn_states"] == gdn * b * 4 * nv * dk * (dk + 2 * dv) * 4
     assert X.context_bytes(load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml")), layers, 1,
                            4) == {}
 
