@@ -63,13 +63,11 @@ from tandem.data_pipeline.chat_template import chat_template_in
 from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES
 from .decode_eval import Replicas, evaluate_decoding, other_convention_figures
-from .metrics import distinct_n, teacher_forced, temperature_label
+from .metrics import distinct_figures, teacher_forced, temperature_label
 from .recall import RecallProbe
 from .spec_decode import prompt_limit, unwrap
 from .suites import load_suites, tokenize_suite
 
-DISTINCT_N = (2, 4)
-"""n-gram orders of the `eval/distinct_n` repetition figures."""
 
 class LayoutDecoding(Replicas, Protocol):
     """What the evaluator needs to decode on this rank's part of a parallel layout."""
@@ -201,10 +199,7 @@ class InLoopEvaluator:
         out.update(other_convention_figures(m, self.prompts, dec, replicas=d, temperature=0.0,
                                             **common))
         greedy = [o for r in spec for o in r.outputs]
-        for n in DISTINCT_N:
-            value = distinct_n(greedy, n)
-            if value is not None:
-                out[f"distinct_{n}"] = value
+        out.update(distinct_figures(greedy))
         variants = [("", spec)] + self._sampled(m, common, out)
         out["outputs"] = greedy
         out["samples"] = self._samples(variants)

@@ -109,6 +109,16 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
     return out
 
 
+DISTINCT_N = (2, 4)
+"""n-gram orders of the `distinct_n` repetition figures."""
+
+
+def distinct_figures(outputs: Sequence[Sequence[int]]) -> dict:
+    """`distinct_<n>` for each DISTINCT_N order that some continuation is long enough for."""
+    values = {f"distinct_{n}": distinct_n(outputs, n) for n in DISTINCT_N}
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def distinct_n(outputs: Sequence[Sequence[int]], n: int) -> Optional[float]:
     """Mean over continuations of (distinct n-grams / total n-grams) of each one's token ids: 1.0
     when no n-gram repeats, near 1/len when the text loops on one token. Continuations shorter than

@@ -59,7 +59,7 @@ from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
-from tandem.eval.metrics import depth_loss_key, teacher_forced
+from tandem.eval.metrics import depth_loss_key, distinct_figures, teacher_forced
 from tandem.eval.spec_decode import prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
@@ -327,6 +327,7 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
         dec.update(other_convention_figures(model, prompts, dec, **settings))
     # tf_acc/mtp_k exists only for the trained depths.
     metrics.update(dec)
+    metrics.update(distinct_figures([o for r in spec for o in r.outputs]))
     metrics.update({"num_prompts": len(prompts), "num_steps": settings["num_steps"],
                     "max_new_tokens": settings["max_new_tokens"], "temperature": args.temperature,
                     "verify": settings["verify"], "draft_convention": settings["draft_convention"]})
@@ -424,8 +425,8 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         _write_outputs(args.output, spec, prompts)
     for key in [k for k in metrics if f"{k}_lo95" in metrics]:
         lo, hi = metrics[f"{key}_lo95"], metrics[f"{key}_hi95"]
-        print(f"{key}: {metrics[key]:.3f} ± {(hi - lo) / 2:.3f} (95% interval {lo:.3f}..{hi:.3f}, "
-              f"bootstrap over {len(prompts)} prompts)", file=sys.stderr)
+        print(f"{key}: {metrics[key]:.3f} ± {(hi - lo) / 2:.3f} (95% interval {lo:.3f}..{hi:.3f} "
+              f"over {len(prompts)} prompts)", file=sys.stderr)
     for line in describe(metrics["suites"]) if args.suite else []:
         print(line, file=sys.stderr)
     print(json.dumps(metrics))

@@ -58,6 +58,12 @@ def test_eval_cli_validation_prompts_greedy(tiny_run, tmp_path):
                                  "decode_")) and k.endswith("95") for k in res)
     assert res["identical_to_autoregressive"] is True
     assert 1.0 <= res["acceptance_length"] <= 4.0
+    # the in-loop evaluator's repetition figures, over the continuations written to --output
+    from tandem.eval.metrics import distinct_n
+
+    outputs = [json.loads(line)["output_ids"] for line in out_file.read_text().splitlines()]
+    assert res["distinct_2"] == pytest.approx(distinct_n(outputs, 2))
+    assert res["distinct_4"] == pytest.approx(distinct_n(outputs, 4))
     records = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert len(records) == 3
     assert all(len(r["prompt_ids"]) == 8 and 1 <= len(r["output_ids"]) <= 6
