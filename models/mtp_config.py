@@ -67,7 +67,8 @@ class MTPLossConfig:
 @dataclass
 class MTPConfig:
     num_steps: int = 3
-    """K: tokens predicted beyond the next one; 0 gives a plain LM with no MTP module."""
+    """K: tokens predicted beyond the next one; 0 gives a plain LM with no MTP module (and no
+    in-loop evaluation: the evaluator measures drafting)."""
     num_layers: int = 1
     """L: physical MTP transformer layers; step k uses layer (k-1) % L."""
     style: str = "looped"

@@ -252,7 +252,12 @@ def _samples_needed(position: DataPosition, steps_left: int, t, bad_steps: int) 
 def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
                     pstate: ParallelState):
     """The in-loop evaluator, or None when the run has no MTP module or eval.interval=0."""
-    if cfg.eval.interval <= 0 or cfg.mtp.num_steps <= 0:
+    if cfg.eval.interval <= 0:
+        return None
+    if cfg.mtp.num_steps <= 0:
+        if pstate.is_main:  # the evaluator measures drafting: without a drafter it has nothing
+            print(f"eval.interval={cfg.eval.interval} with mtp.num_steps=0: no MTP module to "
+                  "evaluate, so no eval/* records", file=sys.stderr)
         return None
 
     decoding = parallel_decoding(cfg, model, pstate)  # how the evaluator decodes on this layout

@@ -139,3 +139,17 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, corpus_cache, 
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(r.tokens_per_expert, load) for r, load in zip(routers, loads))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
+
+
+def test_no_mtp_module_no_evaluator_and_one_line_says_so(capsys):
+    """At mtp.num_steps=0 the evaluator has no drafter to measure: no evaluator, and the run says
+    why its eval.interval writes no eval/* records."""
+    from tandem.trainer.parallel import ParallelState
+    from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_evaluator
+
+    cfg = load_config(None, ["mtp.num_steps=0", "eval.interval=5"])
+    pstate = ParallelState(device=resolve_device("cpu"))
+    assert build_evaluator(cfg, None, None, None, pstate) is None
+    assert "eval.interval=5 with mtp.num_steps=0" in capsys.readouterr().err
