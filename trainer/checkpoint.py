@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tandem.data_pipeline.tokenizer import copy_tokenizer, tokenizer_file
 from tandem.models import TandemModel
 
+from . import safe_dcp
 from .checkpoint_dirs import (  # noqa: F401
     MARKER,
     checkpoints_root,
@@ -265,7 +265,7 @@ def _saved_config(path: str) -> DictConfig:
 
 
 def _saved_model_keys(path: str) -> set:
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = safe_dcp.read_metadata(path).state_dict_metadata
     return {k[len("model."):] for k in meta if k.startswith("model.")}
 
 
@@ -290,14 +290,14 @@ def load_checkpoint(path: str, model: nn.Module,
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": _only_saved(model_sd, path), "optim": optim_sd}
-        _dcp_load(state, path)
+        safe_dcp.load(state, path)
         opts = StateDictOptions(strict=len(state["model"]) == len(model_sd))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=opts)
     else:
         model_sd = get_model_state_dict(model)
         state = {"model": _only_saved(model_sd, path)}
-        _dcp_load(state, path)
+        safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"],
                              options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
     rng_path = os.path.join(path, "rng", f"rank{_rank()}.pt")
@@ -346,16 +346,7 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
         load_initial_weights(model, ref["path"], mtp_init_from_last_layer=False)
     model_sd = get_model_state_dict(model)
     state = {"model": _only_saved(model_sd, path)}
-    _dcp_load(state, path)
+    safe_dcp.load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=ref is None))
     return model.eval(), cfg
 
-
-def _dcp_load(state: dict, path: str) -> None:
-    try:
-        dcp.load(state, checkpoint_id=path)
-    # CheckpointException is a BaseException; keep one line
-    except (Exception, CheckpointException) as exc:
-        cause = " ".join(str(exc).split())[:300]
-        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(exc).__name__}: "
-                         f"{cause})") from None

@@ -22,7 +22,6 @@ import sys
 from typing import Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tandem.models import TandemModel
 
+from . import safe_dcp
 from .checkpoint_dirs import resolve_checkpoint
 from .config_checks import ConfigError
 from .hf.importer import load_hf_weights
@@ -101,7 +101,7 @@ def mtp_checkpoint_keys(path: str) -> dict:
         raise ConfigError(f"config key 'mtp.init_from'={path!r} is not a Tandem checkpoint "
                           "(step_<N>/ with "
                           "COMPLETE, or a run directory holding one)") from None
-    meta = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    meta = safe_dcp.read_metadata(step).state_dict_metadata
     found = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
              if k.startswith("model.mtp.") and hasattr(v, "size")}
     if not found:
@@ -171,6 +171,6 @@ def load_mtp_weights(model: nn.Module, path: str) -> list:
                           "run's "
                           "(match mtp.num_layers / mtp.moe and the trunk's shape): "
                           f"{'; '.join(bad[:3])}")
-    dcp.load({"model": wanted}, checkpoint_id=resolve_checkpoint(path))
+    safe_dcp.load({"model": wanted}, resolve_checkpoint(path))
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return sorted(wanted)

@@ -118,7 +118,7 @@ def test_pickle_needs_trust(tmp_path):
     state = load_file(str(d / "model.safetensors"))
     (d / "model.safetensors").unlink()
     torch.save(state, d / "pytorch_model.bin")
-    with pytest.raises(PickleCheckpointError, match="pytorch_model.bin.*--trust-pickle"):
+    with pytest.raises(PickleCheckpointError, match="pytorch_model.bin.*trust_pickle=True"):
         load_hf_model(str(d))
     model, _ = load_hf_model(str(d), trust_pickle=True)
     assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])

@@ -29,15 +29,14 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tandem.data_pipeline.dataset import check_vocab
 from tandem.data_pipeline.tokenizer import copy_tokenizer, saved_tokenizer, tokenizer_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
+from .. import safe_dcp
 from ..checkpoint_dirs import resolve_checkpoint
 from ..recipe import load_config
 from .families import (
@@ -212,7 +211,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dcp_sources(step_dir: str) -> Dict[str, _Source]:
-    meta = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    meta = safe_dcp.read_metadata(step_dir).state_dict_metadata
     out = {}
     for key, md in meta.items():
         if not key.startswith("model.") or not hasattr(md, "size"):
@@ -221,8 +220,7 @@ def _dcp_sources(step_dir: str) -> Dict[str, _Source]:
 
         def load(name=name, md=md):
             t = torch.empty(md.size, dtype=md.properties.dtype)
-            dcp.load({"model": {name: t}}, checkpoint_id=step_dir,
-                     planner=DefaultLoadPlanner(allow_partial_load=True))
+            safe_dcp.load({"model": {name: t}}, step_dir, allow_partial_load=True)
             return t
 
         out[name] = _Source(md.size, md.properties.dtype, load)

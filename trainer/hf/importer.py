@@ -5,10 +5,11 @@ TandemModel.
     report = load_hf_weights(model, dir)       # loads into an existing (possibly sharded) model
 
 Only safetensors are read by default; a pickle checkpoint (`*.bin`, `*.pt`) needs
-`trust_pickle=True` (`--trust-pickle`), because unpickling runs arbitrary code. Every tensor is read
-slice by slice with plain reads of its byte ranges (no memory map): a DTensor parameter
-(TP/EP/FSDP-sharded) reads only its local shard (`compute_local_shape_and_global_offset`), a plain
-tensor reads everything, and a pipeline stage that holds a subset of the layers reads only those.
+`trust_pickle=True` (the Python API only: no command takes it), because unpickling runs arbitrary
+code. Every tensor is read slice by slice with plain reads of its byte ranges (no memory map): a
+DTensor parameter (TP/EP/FSDP-sharded) reads only its local shard
+(`compute_local_shape_and_global_offset`), a plain tensor reads everything, and a pipeline stage
+that holds a subset of the layers reads only those.
 Errors name what is wrong: the architecture, missing/unexpected tensor names, shapes (name,
 expected, found; the first few of each list, and how many more) and a tokenizer that does not load
 or is larger than the embedding table. The reading itself (files, byte

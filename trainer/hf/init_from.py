@@ -20,7 +20,6 @@ import sys
 from typing import Callable, List, Optional, Set
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from .. import safe_dcp
 from ..checkpoint_dirs import resolve_checkpoint
 from ..config_checks import ConfigError
 from ..recipe import load_config
@@ -142,7 +142,7 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the
     checkpoint has it (names and shapes must then match). Returns the names loaded."""
     step = resolve_tandem_checkpoint(path)
-    saved = set(dcp.FileSystemReader(step).read_metadata().state_dict_metadata)
+    saved = set(safe_dcp.read_metadata(step).state_dict_metadata)
     saved = {k[len("model."):] for k in saved if k.startswith("model.")}
     state = get_model_state_dict(model)
     trunk_missing = [k for k in state if not k.startswith("mtp.") and k not in saved]
@@ -157,7 +157,7 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
             raise ValueError(f"{step}'s MTP module differs from this run's (missing "
                              f"{listed(sorted(mtp_missing))}); "
                              "match mtp.num_layers / mtp.moe or start from an export without MTP")
-    dcp.load({"model": wanted}, checkpoint_id=step)
+    safe_dcp.load({"model": wanted}, step)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return list(wanted)
 

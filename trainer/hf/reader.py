@@ -56,8 +56,8 @@ class CheckpointReader:
                 raise PickleCheckpointError(
                     f"{path} holds a pickle checkpoint ({names}); unpickling can run arbitrary "
                     "code, so it is refused "
-                    "unless you trust it: pass trust_pickle=True (--trust-pickle), or convert it "
-                    "to safetensors")
+                    "unless you trust it: convert it to safetensors, or load it from Python with "
+                    "load_hf_model(path, trust_pickle=True)")
             for file in pickles:
                 state = torch.load(file, map_location="cpu", weights_only=False)
                 for key, value in state.items():

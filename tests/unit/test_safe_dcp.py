@@ -1,0 +1,101 @@
+"""Checkpoint directories are read without running code from them (trainer/safe_dcp.py): torch's
+reader unpickles `.metadata` and its planner torch.loads non-tensor items with weights_only=False,
+so a crafted checkpoint passed to model.init_from, eval, export or a resume ran its pickle."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from tandem.models import TandemModel
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
+from tandem.trainer import safe_dcp
+from tandem.trainer.checkpoint import save_checkpoint
+from tandem.trainer.config import TandemConfig
+from tandem.trainer.hf.init_from import load_initial_weights
+from tandem.trainer.recipe import to_yaml
+
+CFG = dict(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+           intermediate_size=32, moe_intermediate_size=8, num_experts=2, top_k=1,
+           num_shared_experts=0, first_k_dense=1, max_seq_len=32)
+
+
+class _Marker:
+    """Pickles as a call that creates `path`: what a malicious checkpoint would run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _checkpoint(tmp_path) -> str:
+    cfg = TandemConfig()
+    cfg.model, cfg.mtp = ModelConfig(**CFG), MTPConfig(num_steps=1)
+    cfg.data.vocab_size = 64
+    torch.manual_seed(0)
+    model = TandemModel(cfg.model, cfg.mtp)
+    return save_checkpoint(str(tmp_path / "run"), 1, model, None, to_yaml(cfg), {})
+
+
+def test_a_crafted_metadata_is_refused_before_it_runs(tmp_path):
+    step = _checkpoint(tmp_path)
+    meta = safe_dcp.read_metadata(step)  # a real checkpoint reads
+    assert any(k.startswith("model.") for k in meta.state_dict_metadata)
+    evil = str(tmp_path / "evil")
+    shutil.copytree(step, evil)
+    marker = tmp_path / "RAN"
+    with open(os.path.join(evil, ".metadata"), "wb") as f:
+        pickle.dump(_Marker(str(marker)), f)
+    torch.manual_seed(1)
+    model = TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=1))
+    with pytest.raises(safe_dcp.UnsafeCheckpoint, match=r"evil/\.metadata asks for io\.open"):
+        load_initial_weights(model, evil)
+    assert not marker.exists()
+
+
+def test_non_tensor_items_load_weights_only(tmp_path):
+    """The planner's non-tensor items (the optimizer's param groups) load as plain values; a pickled
+    call among them is refused."""
+    marker = tmp_path / "RAN"
+    planner = safe_dcp.SafeLoadPlanner()
+    planner.flatten_state_dict = False
+    planner.state_dict = {}
+
+    class Item:
+        class dest_index:
+            fqn = "x"
+
+    good = io.BytesIO()
+    torch.save({"lr": 0.1, "params": [0, 1]}, good)
+    good.seek(0)
+    planner.load_bytes(Item, good)
+    assert planner.state_dict["x"] == {"lr": 0.1, "params": [0, 1]}
+    bad = io.BytesIO()
+    torch.save(_Marker(str(marker)), bad)
+    bad.seek(0)
+    with pytest.raises(safe_dcp.UnsafeCheckpoint, match="checkpoint item x: Weights only load"):
+        planner.load_bytes(Item, bad)
+    assert not marker.exists()
+
+
+def test_an_unreadable_shard_is_one_line_naming_the_checkpoint(tmp_path):
+    """What torch's CheckpointException carries (every rank's traceback) is cut to the first
+    rank's cause, for model.init_from and export as for a resume."""
+    step = _checkpoint(tmp_path)
+    for name in os.listdir(step):
+        if name.endswith(".distcp"):
+            os.remove(os.path.join(step, name))
+    model = TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=1))
+    with pytest.raises(ValueError) as info:
+        load_initial_weights(model, step)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {step} is unreadable or corrupt (FileNotFoundError")
+    assert "\n" not in message and "Traceback" not in message

@@ -1,0 +1,110 @@
+"""Reading torch.distributed.checkpoint directories without running code from them.
+
+torch's FileSystemReader unpickles a checkpoint's `.metadata` with a plain `pickle.load`, and its
+DefaultLoadPlanner reads each non-tensor item (the optimizer's param groups, the trainer's counters)
+with `torch.load(weights_only=False)`. A crafted checkpoint directory that a user points a command
+at (`model.init_from`, `mtp.init_from`, `--checkpoint`, a resumed run directory) could so run any
+code while it loads. Every Tandem read of a checkpoint goes through here instead: the metadata with
+an unpickler that builds only DCP's metadata classes, torch.Size, dtypes, layouts and paths, and the
+items with `torch.load(weights_only=True)` (tensors, numbers, strings and their containers).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath")}
+"""What a `.metadata` pickle may build besides the metadata module's own classes and torch's
+dtypes, layouts and memory formats (every name a checkpoint of torch 2.13 holds)."""
+
+
+class UnsafeCheckpoint(ValueError, pickle.UnpicklingError):
+    """A checkpoint file asks to build something a checkpoint does not hold (one line, naming the
+    file)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if "." not in name:  # a dotted name would walk attributes to anything
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            obj = super().find_class(module, name) if module in (_METADATA_MODULE,
+                                                                 "torch") else None
+            if module == _METADATA_MODULE and isinstance(obj, type) and obj.__module__ == module:
+                return obj
+            if module == "torch" and isinstance(obj, (torch.dtype, torch.layout,
+                                                      torch.memory_format)):
+                return obj
+        raise pickle.UnpicklingError(f"asks for {module}.{name}, which checkpoint metadata does "
+                                     "not hold: refused (it could run code)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's FileSystemReader with the metadata read by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpoint(f"checkpoint file {path} {exc}") from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"checkpoint file {path} holds no checkpoint metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's DefaultLoadPlanner with non-tensor items read by `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise UnsafeCheckpoint(f"checkpoint item {read_item.dest_index.fqn}: {first}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(path: str) -> Metadata:
+    """The metadata of the checkpoint directory `path` (its `.metadata`)."""
+    return SafeFileSystemReader(path).read_metadata()
+
+
+def load(state: dict, path: str, allow_partial_load: bool = False) -> None:
+    """`dcp.load` of `state` from the checkpoint directory `path`, safely. A file that fails to
+    read is one ValueError line naming `path` and the first rank's cause (not the traceback that
+    torch's CheckpointException carries)."""
+    try:
+        # first, alone: a refused .metadata stops here, before torch's load falls back to rank-local
+        # metadata files (which Tandem never writes) and logs the failure as a traceback
+        read_metadata(path)
+        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
+                 planner=SafeLoadPlanner(allow_partial_load=allow_partial_load))
+    # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as exc:
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()))[0] if failures else exc
+        if isinstance(cause, UnsafeCheckpoint):
+            raise cause from None
+        what = " ".join(str(cause).split())[:300]
+        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(cause).__name__}: "
+                         f"{what})") from None
