@@ -18,7 +18,7 @@ from tandem.eval.suites import SuiteError, parse_suites, suite_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
-from .config_checks import ConfigError, require
+from .config_checks import ConfigError, require, require_finite
 from .train_config import TrainConfig
 
 
@@ -405,6 +405,7 @@ class TandemConfig:
         except ValueError as exc:
             # the field `lambda_` is written `lambda` (not `lambda_after`'s underscore)
             raise ConfigError(re.sub(r"\blambda_\b", "lambda", str(exc))) from None
+        require_finite("", self)
         for section in (self.data, self.train, self.parallel, self.eval, self.logging,
                         self.checkpoint, self.run):
             section.validate(self)

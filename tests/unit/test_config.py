@@ -78,6 +78,12 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["mtp.loss.lambda=oops"], "mtp.loss.lambda"),
     (["noequals"], "not of the form key=value"),
     (["run.name=`id`"], "override 'run.name=`id`' has a value that is not valid YAML"),
+    # passed the range checks and trained NaNs to the end, exiting 0
+    (["train.lr=inf"], "config key 'train.lr'=inf must be a finite number"),
+    (["train.eps=nan"], "config key 'train.eps'=nan must be a finite number"),
+    (["mtp.loss.lambda=inf"], "config key 'mtp.loss.lambda'=inf must be a finite number"),
+    (["mtp.loss.weights=[1.0,inf,1.0]"], "config key 'mtp.loss.weights'=[1.0, inf, 1.0] must be"),
+    (["model.init_std=inf"], "config key 'model.init_std'=inf must be a finite number"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
