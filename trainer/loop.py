@@ -44,8 +44,24 @@ def micro_batches(run: Run, step: int) -> List[Dict[str, torch.Tensor]]:
     for micro in range(t.grad_accum_steps):
         idx = batch_indices(samples, micro, t.grad_accum_steps, run.pstate.dp_rank,
                             run.pstate.dp_size, t.micro_batch_size)
-        out.append({k: v.to(run.device.device) for k, v in get_batch(run.train_ds, idx).items()})
+        batch = get_batch(run.train_ds, idx)
+        _check_token_ids(run, batch["tokens"], idx)
+        out.append({k: v.to(run.device.device) for k, v in batch.items()})
     return out
+
+
+def _check_token_ids(run: Run, tokens: torch.Tensor, idx) -> None:
+    """One line naming the data and the sample instead of an index error inside the embedding (a
+    device-side assert on a GPU): data made without Tandem's meta.json (Megatron-LM's own
+    preprocessing) is not checked against the tokenizer at start-up. On the host, before the
+    copy."""
+    top = int(tokens.max()) if tokens.numel() else 0
+    vocab = run.cfg.model.vocab_size
+    if top >= vocab or int(tokens.min()) < 0:
+        bad = top if top >= vocab else int(tokens.min())
+        raise ValueError(f"data.paths={list(run.cfg.data.paths)}: sample {int(idx[0])}.. holds "
+                         f"token id {bad}, outside model.vocab_size={vocab} (was the data "
+                         "tokenized with another tokenizer?)")
 
 
 def optimizer_step(run: Run, step: int) -> Tuple[int, Optional[dict]]:

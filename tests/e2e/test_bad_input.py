@@ -192,6 +192,23 @@ def test_tokenizer_larger_than_model_vocab(ctx, dataset):
                "model.vocab_size=200", "data.vocab_size=300"], "larger than model.vocab_size=200")
 
 
+def test_token_ids_past_the_model_vocabulary_without_meta_json(ctx, dataset, tmp_path):
+    """Data made without Tandem's meta.json (Megatron-LM's own preprocessing) is not checked
+    against the tokenizer at start-up; a token id past model.vocab_size stops the run in one line
+    naming the data before the first forward (an index error inside the embedding before; a
+    device-side assert on a GPU)."""
+    for ext in (".bin", ".idx"):
+        shutil.copy(dataset + ext, str(tmp_path / "bare") + ext)
+    docs = tmp_path / "small.jsonl"
+    docs.write_text(json.dumps({"text": "x = 1\n" * 50}) + "\n")
+    preprocess([str(docs)], str(tmp_path / "small"), vocab_size=260)
+    ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron",
+               f"data.paths=[{tmp_path}/bare]", f"data.tokenizer={tmp_path}/small.tokenizer.json",
+               "data.vocab_size=260", "model.vocab_size=260", "data.split=100,0,0",
+               f"run.dir={tmp_path}/fresh"],
+              f"data.paths=['{tmp_path}/bare']: sample 0.. holds token id")
+
+
 def test_split_that_leaves_a_split_no_sequences(ctx, dataset):
     """megatron-core would count epochs of zero tokens forever (the run hung, printing nothing)."""
     ctx.fails(["train", RECIPE, *ctx.base, "data.source=megatron", f"data.paths=[{dataset}]",
