@@ -30,6 +30,7 @@ from tandem.trainer.hf.reader import (  # noqa: E402
     CheckpointError,
     CheckpointReader,
     PickleCheckpointError,
+    safetensors_header,
 )
 from tandem.trainer.recipe import load_config, to_yaml  # noqa: E402
 from tests.e2e.test_bad_input import snapshot  # noqa: E402
@@ -350,3 +351,30 @@ def test_export_copies_a_fitting_tokenizer(run, tmp_path):
     assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "hf"),
                         "--tokenizer", str(tok)]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tok.read_bytes()
+
+
+def test_data_offsets_that_do_not_match_shape_and_dtype(tmp_path):
+    """A header whose byte span for a tensor differs from its shape x dtype (or overlaps another
+    tensor's) is refused as the safetensors library refuses it: Tandem's slice reader read the
+    neighbouring bytes as the tensor."""
+    import struct
+
+    file = str(tmp_path / "model.safetensors")
+    data = bytes(48)  # a: 8 x F32, then b: 4 x F32
+
+    def write(a_offsets, b_offsets):
+        header = {"a": {"dtype": "F32", "shape": [8], "data_offsets": a_offsets},
+                  "b": {"dtype": "F32", "shape": [4], "data_offsets": b_offsets}}
+        raw = json.dumps(header).encode()
+        with open(file, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+    write([0, 32], [32, 48])
+    safetensors_header(file)  # well formed
+    write([4, 32], [32, 48])
+    with pytest.raises(CheckpointError, match=r"tensor a's data_offsets span 28 bytes, its shape "
+                                              r"\[8\] and dtype F32 need 32"):
+        safetensors_header(file)
+    write([0, 32], [16, 32])
+    with pytest.raises(CheckpointError, match="tensors a and b overlap"):
+        safetensors_header(file)

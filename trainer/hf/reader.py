@@ -173,7 +173,33 @@ def safetensors_header(file: str) -> Tuple[int, dict]:
                 and len(info["data_offsets"]) == 2):
             raise CheckpointError(f"{file} is not a safetensors file (tensor {key} has no "
                                   "dtype/shape/data_offsets in its header)")
+    _check_spans(file, header)
     return 8 + n, header
+
+
+def _check_spans(file: str, header: dict) -> None:
+    """Each tensor's data_offsets span exactly its shape x dtype, without overlapping another's (the
+    safetensors library's own checks; one past the file's end is a partial shard,
+    CheckpointReader._check_files): a span a byte off read the neighbouring bytes as the tensor."""
+    spans = []
+    for key, info in header.items():
+        start, end = info["data_offsets"]
+        numel = 1
+        for n in info["shape"]:
+            numel *= int(n)
+        need = numel * _st_dtype(file, key, info["dtype"]).itemsize
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+            raise CheckpointError(f"{file}: tensor {key}'s data_offsets {info['data_offsets']} are "
+                                  "not a byte range")
+        if end - start != need:
+            raise CheckpointError(f"{file}: tensor {key}'s data_offsets span {end - start} bytes, "
+                                  f"its shape {info['shape']} and dtype {info['dtype']} need "
+                                  f"{need}")
+        spans.append((start, end, key))
+    spans.sort()
+    for (_, end, key), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointError(f"{file}: tensors {key} and {other} overlap in its data section")
 
 
 def _st_dtype(file: str, key: str, name: str) -> torch.dtype:
