@@ -132,5 +132,9 @@ def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows,
     if not train:
         raise ValueError(f"the training split of {', '.join(data_cfg.paths)} is empty "
                          f"(split={data_cfg.split!r})")
+    if not any(flags.any() for _, _, flags in train):
+        # every loss would be 0 / 0: the run trained nothing and reported loss 0
+        raise ValueError(f"the training split of {', '.join(data_cfg.paths)} holds no response "
+                         "token (every record's response is empty): nothing to train on")
     make = lambda recs: ChatWindows(recs, seq_len, data_cfg.packing, tokenizer.eod_id)  # noqa: E731
     return make(train), (make(valid) if valid else None), tokenizer

@@ -257,6 +257,14 @@ def test_build_datasets_reads_jsonl_and_parquet(tmp_path):
     assert batch["loss_mask"][0, :8].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert torch.equal(get_batch(train_ds, [0])["tokens"], batch["tokens"])
 
+    # records whose responses are all empty (no template adds an end of turn to learn): every
+    # loss would be 0 / 0, and the run reported 0
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"prompt": "p1 p2", "response": ""}] * 6)
+    cfg.data.paths, cfg.data.valid_paths, cfg.data.packing = [empty], [], "pack"
+    cfg.data.tokenizer = make_tokenizer(tmp_path / "plain", template=False)
+    with pytest.raises(ValueError, match="empty.jsonl holds no response token"):
+        build_datasets(cfg.data, 16, 1234, 8, 2, model_vocab_size=64)
+
 
 def test_config_keys():
     cfg = TandemConfig()
