@@ -276,6 +276,10 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
     found = latest_checkpoint(cfg.run.dir) if resume else None
     if found is not None:  # every check on the checkpoint before the data and the model
+        if found[0] > cfg.train.max_steps:  # it would train nothing and rewrite config.yaml
+            raise ConfigError(f"config key 'train.max_steps'={cfg.train.max_steps} is below the "
+                              f"step of the checkpoint to resume, {found[1]}: raise it, or "
+                              "choose another run.dir")
         check_compatible(found[1], config_yaml)
         check_frozen_reference(found[1], reference)
     saved = read_trainer_state(found[1]) if found is not None else {}

@@ -217,6 +217,13 @@ def test_split_that_leaves_a_split_no_sequences(ctx, dataset):
               "sequences")
 
 
+def test_resume_below_the_checkpoint_step(ctx):
+    """A resume whose train.max_steps is below its checkpoint's step trained nothing, exited 0 and
+    rewrote config.yaml with the lower max_steps."""
+    ctx.fails(["train", RECIPE, *ctx.base, "train.max_steps=1", "--resume"],
+              "config key 'train.max_steps'=1 is below the step of the checkpoint to resume")
+
+
 def test_checks_before_the_corpus_is_prepared(ctx, dataset, tmp_path):
     """A resume into another model shape, and a tokenizer that does not fit, fail before the
     embedded corpus is prepared into a fresh cache."""
