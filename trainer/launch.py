@@ -149,6 +149,9 @@ def render_sbatch(args: argparse.Namespace, run_dir: str, workdir: Optional[str]
                                                    os.path.basename(os.path.normpath(run_dir))
                                                    or "run")
     directives = _sbatch_directives(args, job_name, gpus, cpus, log_dir)
+    if args.env_dir and not os.path.isdir(args.env_dir):
+        # the script skips a missing directory: the job would run without the site's settings
+        raise LaunchError(f"--env-dir {args.env_dir} is not a directory")
     env_d = args.env_dir or str(_slurm_dir() / "env.d")
     template = (_slurm_dir() / "train.sbatch.tmpl").read_text()
     return _render(

@@ -143,6 +143,8 @@ def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
         (["--sbatch-arg=--\"output\"=/tmp/x.out"], "holds a quote, backslash or #"),
         (["--sbatch-arg=--no-req\\ueue"], "holds a quote, backslash or #"),
         (["--sbatch-arg=--comment=a#b"], "holds a quote, backslash or #"),
+        # the script skips a missing env.d: the job ran without the site's settings
+        (["--env-dir", "/no/such/env.dd"], "--env-dir /no/such/env.dd is not a directory"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, needle):
