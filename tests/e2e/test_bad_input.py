@@ -382,12 +382,15 @@ def test_eval_temperatures_outside_range(ctx, value):
               "(0, 2]")
 
 
-def test_export_refuses_a_negative_shard_size(tmp_path, capsys):
-    """A negative --max-shard-mb once wrote one file per tensor (156 for the tiny model); it now
-    fails before the checkpoint is read (the one named here does not exist) and writes nothing."""
+@pytest.mark.parametrize("size", ["-5", "inf"])
+def test_export_refuses_a_negative_or_infinite_shard_size(tmp_path, capsys, size):
+    """A negative --max-shard-mb once wrote one file per tensor (156 for the tiny model), an
+    infinite one stopped in a traceback; both fail before the checkpoint is read (the one named
+    here does not exist) and write nothing."""
     out = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(out),
-                 "--max-shard-mb", "-5"]) == 2
+                 "--max-shard-mb", size]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "tandem export: error: --max-shard-mb -5.0 must be >= 0 (0: one file)"
+    assert err == (f"tandem export: error: --max-shard-mb {float(size)} must be a finite number "
+                   ">= 0 (0: one file)")
     assert not out.exists()

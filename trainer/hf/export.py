@@ -95,9 +95,9 @@ def export_main(argv: List[str]) -> int:
     parser.add_argument("--max-shard-mb", type=float, default=0,
                         help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
-    if not args.max_shard_mb >= 0:
-        print(f"tandem export: error: --max-shard-mb {args.max_shard_mb} must be >= 0 (0: one "
-              "file)", file=sys.stderr)
+    if not 0 <= args.max_shard_mb < float("inf"):
+        print(f"tandem export: error: --max-shard-mb {args.max_shard_mb} must be a finite number "
+              ">= 0 (0: one file)", file=sys.stderr)
         return 2
     try:
         step = resolve_checkpoint(args.checkpoint)
