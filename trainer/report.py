@@ -97,13 +97,18 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
         raise ReportError(f"run directory {path!r} has no metrics.jsonl")
     records = []
     with open(metrics) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash mid-write
-            if isinstance(rec, dict) and "step" in rec:
-                records.append(rec)
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # a last line torn by a crash mid-write
+                continue
+            raise ReportError(f"{metrics}:{number}: not a JSON record") from None
+        if isinstance(rec, dict) and "step" in rec:
+            records.append(rec)
     if not records:
         raise ReportError(f"{metrics!r} holds no records")
     config = {}

@@ -113,3 +113,16 @@ def test_bad_run_dir_is_one_line(tmp_path):
     assert proc.stderr.strip() == (f"tandem report: error: run directory {str(tmp_path)!r} has no "
                                    "metrics.jsonl")
     assert not (tmp_path / "report").exists()
+
+
+def test_a_torn_last_line_is_skipped_a_bad_line_before_it_named(tmp_path):
+    """A crash mid-write tears the last line, which is dropped; a bad line before it is named (it
+    was dropped without a word, and its steps were missing from the plots)."""
+    from tandem.trainer.report import ReportError, read_run
+
+    records = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(records) + '\n{"step": 4, "lo')
+    assert [r["step"] for r in read_run(str(tmp_path)).records] == [1, 2, 3]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([records[0], "garbage", *records[1:]]))
+    with pytest.raises(ReportError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_run(str(tmp_path))
