@@ -356,8 +356,13 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
                                                           tokenizer_sample_bytes, log)
         staged = _staged_paths(staging, output_prefix)
         n_docs, n_tokens = _write_tokens(staged, tokenizer, docs)
+        bad = stats.skipped_not_utf8
         if n_docs == 0:
-            raise ValueError(f"no documents found in {', '.join(paths)}")
+            why = f" ({len(bad)} file(s) not UTF-8 text, e.g. {bad[0]})" if bad else ""
+            raise ValueError(f"no documents found in {', '.join(paths)}{why}")
+        if bad:
+            log(f"skipped {len(bad)} file(s) that are not UTF-8 text: "
+                f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
 
         tok_json = tokenizer.to_json_str()
         if tok_json is not None:

@@ -80,7 +80,11 @@ def _write_inputs(root, kind):
 def test_round_trip_matches_direct_tokenization(tmp_path, tok_path, kind):
     inputs, docs = _write_inputs(tmp_path / "in", kind)
     prefix = str(tmp_path / "out" / "data")
-    meta = preprocess(inputs, prefix, tokenizer=tok_path)
+    said = []
+    meta = preprocess(inputs, prefix, tokenizer=tok_path, log=said.append)
+    if kind == "dir":  # the file that is not UTF-8 is named, not only counted in meta.json
+        assert meta["skipped_not_utf8_files"] == 1
+        assert said == [f"skipped 1 file(s) that are not UTF-8 text: {inputs[0]}/pkg/latin1.py"]
     tok = load_tokenizer(tok_path)
     got, ds = _read_back(prefix)
     assert got == _expected(tok, docs)
