@@ -360,7 +360,7 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
         if n_docs == 0:
             why = f" ({len(bad)} file(s) not UTF-8 text, e.g. {bad[0]})" if bad else ""
             raise ValueError(f"no documents found in {', '.join(paths)}{why}")
-        if bad:
+        if bad and log:
             log(f"skipped {len(bad)} file(s) that are not UTF-8 text: "
                 f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
 
