@@ -251,6 +251,15 @@ def check_compatible(path: str, config_yaml: str) -> None:
                          + "; ".join(tokenizer))
 
 
+def pinned_init_from(path: str, given: str) -> str:
+    """The model.init_from that a resume from the checkpoint at `path` reads: the step directory
+    the run started from (its saved config records it) when `given` names the run directory that
+    holds it, whose newest checkpoint moves on as that run trains; else `given`."""
+    saved = str(OmegaConf.select(_saved_config(path), "model.init_from", default="") or "")
+    inside = os.path.abspath(saved).startswith(os.path.abspath(given) + os.sep) if given else False
+    return saved if inside and os.path.isdir(saved) else given
+
+
 def _saved_config(path: str) -> DictConfig:
     """The checkpoint's config.yaml; ValueError naming the file when it is not a YAML mapping."""
     file = os.path.join(path, "config.yaml")

@@ -24,6 +24,7 @@ from .checkpoint import (
     check_compatible,
     latest_checkpoint,
     load_checkpoint,
+    pinned_init_from,
     read_trainer_state,
 )
 from .checkpoint_dirs import list_checkpoints
@@ -179,6 +180,9 @@ def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
         adopt_mtp_init_from(cfg)
         return None
     source = resolve_init_from(cfg.model.init_from)
+    # the concrete step (a run directory's newest checkpoint moves on): config.yaml records it, and
+    # a resume reads it again (checkpoint.pinned_init_from)
+    cfg.model.init_from = source
     adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from,
                                           checkpoint_tokenizer(source))
     if adopted and int(os.environ.get("RANK", "0")) == 0:
@@ -271,10 +275,16 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
     cfg.eval.check_decoding_fits(cfg)
+    found = latest_checkpoint(cfg.run.dir) if resume else None
+    if found is not None and cfg.model.init_from:
+        given, cfg.model.init_from = cfg.model.init_from, pinned_init_from(found[1],
+                                                                           cfg.model.init_from)
+        if given != cfg.model.init_from and int(os.environ.get("RANK", "0")) == 0:
+            print(f"resume: model.init_from={given} is read at {cfg.model.init_from}, the "
+                  "checkpoint this run started from", file=sys.stderr)
     reference = _adopt_init_from(cfg)
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
-    found = latest_checkpoint(cfg.run.dir) if resume else None
     if found is not None:  # every check on the checkpoint before the data and the model
         if found[0] > cfg.train.max_steps:  # it would train nothing and rewrite config.yaml
             raise ConfigError(f"config key 'train.max_steps'={cfg.train.max_steps} is below the "

@@ -71,6 +71,17 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     again = [json.loads(line) for line in open(f"{tmp}/b/metrics.jsonl")][-1]
     assert again["step"] == 2 and again["loss/mtp_1"] == last["loss/mtp_1"]
 
+    # a trunk named by its run directory, which saves a newer checkpoint meanwhile: the resume
+    # reads the step the fine-tune started from (the newest one's tokenizer path read as another
+    # tokenizer, and the frozen trunk as changed)
+    from_run = ft[1:] + [f"model.init_from={tmp}/pre", f"run.dir={tmp}/from_run"]
+    assert cli(["train", recipe, *from_run, "train.max_steps=1"]) == 0
+    shutil.copytree(f"{tmp}/pre/checkpoints/step_2", f"{tmp}/pre/checkpoints/step_3")
+    assert cli(["train", recipe, *from_run, "--resume"]) == 0
+    ref = json.load(open(f"{tmp}/from_run/checkpoints/step_2/frozen_trunk.json"))
+    assert ref["path"] == os.path.abspath(f"{tmp}/pre/checkpoints/step_2")
+    shutil.rmtree(f"{tmp}/pre/checkpoints/step_3")
+
     # export = the HF trunk (bit-identical) + the trained MTP module
     assert cli(["export", "--checkpoint", f"{tmp}/a", "--out", f"{tmp}/out"]) == 0
     trunk, out = load_file(f"{tmp}/hf/model.safetensors"), load_file(f"{tmp}/out/model.safetensors")
