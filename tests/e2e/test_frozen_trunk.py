@@ -6,6 +6,7 @@ nothing written."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -70,6 +71,19 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     last = [json.loads(line) for line in open(f"{tmp}/a/metrics.jsonl")][-1]
     again = [json.loads(line) for line in open(f"{tmp}/b/metrics.jsonl")][-1]
     assert again["step"] == 2 and again["loss/mtp_1"] == last["loss/mtp_1"]
+
+    # model.init_from the fine-tune itself: its trunk from the checkpoint it references, its MTP
+    # module from its own ("lacks trunk tensors" before), as tandem eval reassembles it
+    from tandem.trainer.checkpoint import load_model_from_checkpoint
+    from tandem.trainer.hf.init_from import load_initial_weights
+
+    whole, _ = load_model_from_checkpoint(f"{tmp}/a")
+    fresh = copy.deepcopy(whole)
+    for p in fresh.parameters():
+        p.data.zero_()
+    load_initial_weights(fresh, f"{tmp}/a")
+    assert all(torch.equal(p, whole.state_dict()[n]) for n, p in fresh.state_dict().items()
+               if "tokens_per_expert" not in n)
 
     # a trunk named by its run directory, which saves a newer checkpoint meanwhile: the resume
     # reads the step the fine-tune started from (the newest one's tokenizer path read as another

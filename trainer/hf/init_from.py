@@ -140,17 +140,27 @@ def init_mtp_from_last_layer(model: nn.Module) -> None:
 
 def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
     """Load a Tandem DCP checkpoint's model weights: the trunk strictly, the MTP module if the
-    checkpoint has it (names and shapes must then match). Returns the names loaded."""
+    checkpoint has it (names and shapes must then match). A frozen-trunk fine-tune's checkpoint
+    holds its MTP module only: the trunk comes from the checkpoint it references (unchanged since,
+    check_reference). Returns the names loaded."""
     step = resolve_tandem_checkpoint(path)
     saved = set(safe_dcp.read_metadata(step).state_dict_metadata)
     saved = {k[len("model."):] for k in saved if k.startswith("model.")}
+    ref = read_reference(step)
+    trunk = set()
+    if ref is not None:
+        check_reference(ref, step)
+        trunk = ({k for k in load_hf_weights(model, ref["path"]).loaded if not k.startswith("mtp.")}
+                 if is_hf_dir(ref["path"]) else set(load_tandem_weights(model, ref["path"])))
+        saved |= trunk
     state = get_model_state_dict(model)
     trunk_missing = [k for k in state if not k.startswith("mtp.") and k not in saved]
     if trunk_missing:
         raise ValueError(f"{step} lacks trunk tensors ({len(trunk_missing)}): "
                          f"{listed(sorted(trunk_missing))}")
     has_mtp = any(k.startswith("mtp.") for k in saved)
-    wanted = {k: v for k, v in state.items() if not k.startswith("mtp.") or has_mtp}
+    wanted = {k: v for k, v in state.items()
+              if k not in trunk and (not k.startswith("mtp.") or has_mtp)}
     if has_mtp:
         mtp_missing = [k for k in wanted if k.startswith("mtp.") and k not in saved]
         if mtp_missing:
@@ -159,7 +169,7 @@ def load_tandem_weights(model: nn.Module, path: str) -> List[str]:
                              "match mtp.num_layers / mtp.moe or start from an export without MTP")
     safe_dcp.load({"model": wanted}, step)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
-    return list(wanted)
+    return list(wanted) + sorted(trunk)
 
 
 def load_initial_weights(
