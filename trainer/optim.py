@@ -26,10 +26,23 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     kinds = {p.device.type for group in groups for p in group["params"]}
+    return MultiTensorAdamW(groups, lr=cfg.lr, **_settings(cfg, kinds))
+
+
+def _settings(cfg: TrainConfig, device_types: set) -> dict:
+    """AdamW's settings from train.* (the learning rate aside: `set_lr` writes it every step)."""
     fused = cfg.optimizer_kernel == "fused" or (cfg.optimizer_kernel == "auto"
-                                                and kinds <= FUSED_DEVICES)
-    return MultiTensorAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                            fused=fused or None, foreach=not fused)
+                                                and device_types <= FUSED_DEVICES)
+    return dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None, foreach=not fused)
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """The run's train.* settings on an optimizer whose state a checkpoint loaded: torch's
+    load_state_dict restores each group's settings with the moments, so a resume under another
+    weight decay, beta, eps or kernel (which config.yaml then records) kept the checkpoint's."""
+    kinds = {p.device.type for group in optimizer.param_groups for p in group["params"]}
+    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
+        group.update(_settings(cfg, kinds), weight_decay=decay)
 
 
 class MultiTensorAdamW(torch.optim.AdamW):

@@ -40,6 +40,7 @@ from .hf.init_from import (
     resolve_init_from,
 )
 from .materialize import adopt_mtp_init_from, build_sharded_model
+from .optim import apply_settings
 from .parallel import ParallelState, init_parallel
 from .parallel.device import (
     FINETUNE_MMAP_THRESHOLD,
@@ -103,7 +104,14 @@ class Run:
         optimizer: its trainer state, or None when there is none."""
         self.checkpoints.finish()  # a save still in flight is the newest good state
         found = latest_checkpoint(self.cfg.run.dir, report=False)
-        return None if found is None else load_checkpoint(found[1], self.model, self.optimizer)
+        return None if found is None else self.load(found[1])
+
+    def load(self, step_dir: str) -> dict:
+        """The checkpoint at `step_dir` into the model and the optimizer, whose settings stay the
+        run's config (optim.apply_settings); its trainer state."""
+        state = load_checkpoint(step_dir, self.model, self.optimizer)
+        apply_settings(self.optimizer, self.cfg.train)
+        return state
 
 
 def prepare_run_dir(run_dir: str) -> None:
@@ -308,7 +316,7 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     run.guard = BadStepGuard(cfg.train, pstate.is_main, position,
                              save=lambda s: run.save(s, wait=True), restore=run.restore_latest)
     if found is not None:
-        state = load_checkpoint(found[1], run.model, run.optimizer)
+        state = run.load(found[1])
         run.start_step = int(state["step"])
         run.guard.load_state(state)
         if pstate.is_main:

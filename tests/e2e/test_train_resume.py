@@ -74,6 +74,24 @@ def test_resume_on_empty_run_dir_starts_fresh(tiny_overrides):
 
 
 @pytest.mark.slow
+def test_resume_takes_the_optimizer_settings_of_its_config(tiny_overrides):
+    """torch's load_state_dict restores each parameter group's settings with the moments: a resume
+    under another weight decay, beta2, eps or kernel kept the checkpoint's while config.yaml
+    recorded the new ones."""
+    from tandem.trainer.run import build_run
+
+    train(load_config(RECIPE, tiny_overrides + ["train.max_steps=1", "train.weight_decay=0.1",
+                                                "train.optimizer_kernel=fused"]))
+    changed = ["train.max_steps=2", "train.weight_decay=0.0", "train.beta2=0.9",
+               "train.eps=1e-6", "train.optimizer_kernel=foreach"]
+    run = build_run(load_config(RECIPE, tiny_overrides + changed), resume=True)
+    assert run.start_step == 1 and run.optimizer.state  # the moments are the checkpoint's
+    for group in run.optimizer.param_groups:
+        assert (group["weight_decay"], group["betas"][1], group["eps"]) == (0.0, 0.9, 1e-6)
+        assert group["foreach"] and not group["fused"]
+
+
+@pytest.mark.slow
 def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_overrides,
                                                                         monkeypatch):
     """3 steps of 2 samples, then a resume at 3 micro-batches of 2 (6 samples per step): the resumed
