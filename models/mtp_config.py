@@ -25,8 +25,9 @@ class MTPLossConfig:
     """MTP loss weight lambda at step 0 (written `mtp.loss.lambda` in recipes and overrides)."""
     lambda_after: Dict[int, float] = field(default_factory=dict)
     """Piecewise-constant schedule: from step s on, lambda = value (DeepSeek-V3: 0.3 then 0.1).
-    Steps count samples seen in units of the run's first global batch, as the LR schedule's do, so a
-    resume under another global batch keeps the milestone at the same point of the data."""
+    Steps are 0-based (the value first shows in the metrics record of step s + 1) and count samples
+    seen in units of the run's first global batch, as the LR schedule's do, so a resume under
+    another global batch keeps the milestone at the same point of the data."""
     objective: str = "ce"
     """Per-depth MTP loss: `ce` (cross-entropy on the data, or on the trunk's targets under
     train.distill) or `acceptance` (-log sum_v min(p_v, q_v): the probability that speculative

@@ -1,10 +1,10 @@
 """The training loop.
 
 One optimizer step (step.py's TrainStep) per iteration, then the bad-step guard's decision, the
-step's record, evaluation, checkpointing and preemption. Data order and the learning rate are pure
-functions of the consumed-sample count (DataPosition), the MTP loss schedule of the step number, so
-a resume needs only those two, the weights, the optimizer and the RNG states, and continues at the
-next unconsumed sample under any global batch.
+step's record, evaluation, checkpointing and preemption. Data order, the learning rate and the MTP
+loss schedule are pure functions of the consumed-sample count (DataPosition: the schedules read it
+in steps of the run's first global batch), so a resume needs only it, the weights, the optimizer
+and the RNG states, and continues at the next unconsumed sample under any global batch.
 """
 
 from __future__ import annotations
