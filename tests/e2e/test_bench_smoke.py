@@ -191,3 +191,16 @@ def test_fsdp_accumulation_memory_bench():
     low, high = (float(x) for x in summary["peak_over_estimate"].split(".."))
     assert 0.7 <= low <= high <= 1.3, summary
     assert 0.7 <= float(summary["delta_measured_over_estimated"]) <= 1.3, summary
+
+
+def test_mtp_overhead_bench():
+    """`python bench/mtp_overhead.py` (docs/results.md's MTP overhead) at one step of the tiny
+    trunk: K=3 costs more time, FLOPs and memory than K=0, and the ratio line comes last."""
+    cmd = [sys.executable, "bench/mtp_overhead.py", "--trunk", "tiny", "--steps", "1", "--batch",
+           "1", "--no-checkpointing"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
+    assert set(ratios) == {"step_time_ratio", "flop_ratio", "peak_mem_ratio", "layer_mem_ratio"}
+    assert float(ratios["flop_ratio"]) > 1 and float(ratios["peak_mem_ratio"]) > 1

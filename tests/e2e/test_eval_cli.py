@@ -2,6 +2,7 @@
 metrics."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -102,3 +103,20 @@ def test_bad_flags_fail_in_one_line_before_the_checkpoint_is_read(flags, needle,
     assert eval_main(["--checkpoint", str(tmp_path / "missing"), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err, err
+
+
+def test_spec_decode_bench_on_the_run(tiny_run):
+    """`python bench/spec_decode.py` (docs/results.md's decode-speed figures) at a tiny budget: the
+    speculative tokens are the autoregressive ones, and the figures it prints agree."""
+    cmd = [sys.executable, "bench/spec_decode.py", "--checkpoint", str(tiny_run / "run"),
+           "--num-steps", "2", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6",
+           "--repeats", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
+    figures = json.loads(proc.stdout[:proc.stdout.index("\n}") + 2])
+    assert figures["identical_to_autoregressive"] is True
+    assert 1.0 <= float(last["acceptance_length"]) <= 3.0  # K=2
+    assert float(last["acceptance_length"]) == pytest.approx(figures["acceptance_length"],
+                                                             abs=1e-4)
