@@ -11,15 +11,13 @@ Inputs (one or more paths, globs allowed):
   * any other file: one document
 Each document is tokenized (batched, `TandemTokenizer.encode_batch`), followed by the EOD token and
 written with megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is
-below 65500, else int32). Empty documents and files that are not UTF-8 are skipped (counted in the
-summary).
+below 65500, else int32). Empty documents and files that are not UTF-8 are skipped (counted).
 
 Outputs beside the prefix: `<prefix>.bin`, `<prefix>.idx`, `<prefix>.tokenizer.json` (the tokenizer
 the data was made with; training finds it there) and `<prefix>.meta.json` (vocab size, EOD id,
-dtype, document/token counts). Everything is written into a staging directory next to the prefix and
-renamed into place at the end, `.idx` after `.bin` and `.meta.json` last, so an interrupted run
-never leaves a prefix that looks complete. An existing dataset is only replaced with
-`overwrite=True`.
+dtype, document/token counts), written into a staging directory next to the prefix and renamed into
+place at the end (`.idx` after `.bin`, `.meta.json` last: an interrupted run never leaves a prefix
+that looks complete). An existing dataset is only replaced with `overwrite=True`.
 """
 
 from __future__ import annotations
@@ -122,8 +120,7 @@ def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
 
 class _Stats:
     def __init__(self) -> None:
-        self.skipped_empty = 0
-        self.skipped_not_utf8: List[str] = []
+        self.skipped_empty, self.skipped_not_utf8 = 0, []
 
 
 def _read_file_doc(path: str, stats: _Stats) -> Optional[str]:
@@ -333,9 +330,8 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
 
     `tokenizer`: a path (tokenizer.json or HF directory), a loaded `TandemTokenizer`, or None to
     train a byte-level BPE of `vocab_size` on the first `tokenizer_sample_bytes` bytes of the corpus
-    (0 = all). Raises FileExistsError if the dataset exists and `overwrite` is False (the files are
-    left as they are).
-    """
+    (0 = all). FileExistsError if the dataset exists and `overwrite` is False (files left as they
+    are). `log(line)` hears of the tokenizer training and of files skipped as not UTF-8."""
     t0 = time.time()
     output_prefix = checked_prefix(output_prefix)
     if txt_sample_by not in ("document", "paragraph", "line"):
@@ -357,12 +353,11 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
         staged = _staged_paths(staging, output_prefix)
         n_docs, n_tokens = _write_tokens(staged, tokenizer, docs)
         bad = stats.skipped_not_utf8
+        if bad and log:  # before a 'no documents' error, which they may explain
+            log(f"skipped {len(bad)} file(s) that are not UTF-8 text: {', '.join(bad[:3])}"
+                f"{' ...' if len(bad) > 3 else ''}")
         if n_docs == 0:
-            why = f" ({len(bad)} file(s) not UTF-8 text, e.g. {bad[0]})" if bad else ""
-            raise ValueError(f"no documents found in {', '.join(paths)}{why}")
-        if bad and log:
-            log(f"skipped {len(bad)} file(s) that are not UTF-8 text: "
-                f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+            raise ValueError(f"no documents found in {', '.join(paths)}")
 
         tok_json = tokenizer.to_json_str()
         if tok_json is not None:
