@@ -95,7 +95,8 @@ class InLoopEvaluator:
     None in one process."""
 
     def __init__(self, cfg, model, valid_ds, tokenizer, pstate,
-                 decoding: Optional[LayoutDecoding] = None):
+                 decoding: Optional[LayoutDecoding] = None,
+                 stop_ids: Optional[List[int]] = None):
         self.cfg, self.model, self.valid_ds, self.tokenizer, self.pstate = (
             cfg,
             model,
@@ -108,7 +109,9 @@ class InLoopEvaluator:
                              "(trainer/parallel/pipeline_decode.parallel_decoding)")
         e = cfg.eval
         self.num_steps = e.num_steps or cfg.mtp.num_steps
-        self.eos_id = getattr(tokenizer, "eod_id", None)
+        # the ids that end a response (the trainer's: the tokenizer's EOS and the source model's
+        # generation_config.json ones, as `tandem generate` / `tandem eval` stop)
+        self.eos_id = stop_ids if stop_ids is not None else getattr(tokenizer, "eod_id", None)
         self._warned = False
         self.decoding = decoding
         self.last_samples: List[dict] = []

@@ -347,7 +347,6 @@ def load_model_from_checkpoint(path: str, device: torch.device | str = "cpu"):
     ref = read_reference(path)
     if ref is not None:
         check_reference(ref, path)
-    cfg.model.init_from = ""
     with torch.device("meta"):
         model = TandemModel(cfg.model, cfg.mtp)
     allocate(model, torch.device(device))

@@ -39,6 +39,7 @@ from .hf.init_from import (
     read_reference,
     resolve_init_from,
 )
+from .hf.reader import stop_ids
 from .materialize import adopt_mtp_init_from, build_sharded_model
 from .optim import apply_settings
 from .parallel import ParallelState, init_parallel
@@ -273,7 +274,8 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
         return None
 
     decoding = parallel_decoding(cfg, model, pstate)  # how the evaluator decodes on this layout
-    return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding)
+    stops = stop_ids(getattr(tokenizer, "eod_id", None), [cfg.model.init_from])
+    return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding, stops)
 
 
 def build_run(cfg: TandemConfig, resume: bool = False) -> Run:

@@ -77,7 +77,10 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     from tandem.trainer.checkpoint import load_model_from_checkpoint
     from tandem.trainer.hf.init_from import load_initial_weights
 
-    whole, _ = load_model_from_checkpoint(f"{tmp}/a")
+    whole, saved_cfg = load_model_from_checkpoint(f"{tmp}/a")
+    # the source it records, where tandem eval reads the model's stop ids (it was blanked: eval ran
+    # past the end-of-turn ids tandem generate stops at)
+    assert saved_cfg.model.init_from == os.path.abspath(f"{tmp}/hf")
     fresh = copy.deepcopy(whole)
     for p in fresh.parameters():
         p.data.zero_()
