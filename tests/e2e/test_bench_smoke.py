@@ -204,3 +204,23 @@ def test_mtp_overhead_bench():
     ratios = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
     assert set(ratios) == {"step_time_ratio", "flop_ratio", "peak_mem_ratio", "layer_mem_ratio"}
     assert float(ratios["flop_ratio"]) > 1 and float(ratios["peak_mem_ratio"]) > 1
+
+
+def test_self_distill_bench(tmp_path):
+    """`python bench/self_distill.py run` (README's and docs/finetuning.md's self-distillation
+    figures) at its smallest budget, every step the real `tandem` command: it pretrains, generates,
+    fine-tunes the three variants and compares them, ending with the comparison's key=value line."""
+    cmd = [sys.executable, "bench/self_distill.py", "run", "--seeds", "1", "--work",
+           str(tmp_path), "--pretrain-steps", "2", "--pretrain-overrides",
+           "flavor=debug data.vocab_size=512 data.seq_len=32", "--corpus-bytes", "200000",
+           "--seq-len", "32", "--ft-steps", "2", "--gen-prompts", "2", "--gen-tokens", "4",
+           "--prompt-chars", "60", "--trunk-steps", "0", "--eval-prompts", "2", "--prompt-len",
+           "8", "--eval-tokens", "4", "--eval-bytes", "20000", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
+    for pair in ("b_minus_a", "c_minus_a", "a_minus_before"):
+        for mode in ("greedy", "T1"):
+            float(summary[f"{pair}_{mode}"])
+            assert summary[f"{pair}_{mode}_significant"] in ("yes", "no")

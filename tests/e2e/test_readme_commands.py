@@ -171,6 +171,11 @@ def test_training_commands_fit_the_suite_budget():
     assert len(expensive) <= EXPENSIVE_BUDGET, expensive
 
 
+UNBUDGETED_BENCHES = {"bench/layout_compile.py"}
+"""Named by the pages, run by no test: 8 compiled ranks have no budgeted form
+(tests/distributed/test_compile_layout.py trains that layout compiled against one process)."""
+
+
 def test_commands_are_in_bash_blocks():
     """A command in an unlabelled or other-language block would escape this test. `sh` blocks
     show the benchmarks in their full (hardware or hours) form: no `tandem` or `torchrun` line may
@@ -193,6 +198,11 @@ def test_commands_are_in_bash_blocks():
                 assert script or not line, f"{path}: an sh block runs {line!r}, not a bench script"
                 assert script is None or os.path.exists(os.path.join(ROOT, script[1])), line
                 assert script is None or script[1] in tests_text, f"{path}: no test runs {line!r}"
+        # and every bench script a page names anywhere (text blocks, inline code)
+        for script in re.findall(r"python (bench/\w+\.py)", text):
+            assert os.path.exists(os.path.join(ROOT, script)), f"{path}: {script} does not exist"
+            assert script in tests_text or script in UNBUDGETED_BENCHES, f"{path}: no test runs " \
+                                                                          f"{script}"
 
 
 def test_docs_torchrun_layouts_are_checked_by_the_cli_layout_test():
