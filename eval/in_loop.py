@@ -57,13 +57,12 @@ from typing import Any, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
-from tandem.data_pipeline.batches import get_batch
 from tandem.data_pipeline.chat_template import chat_template_in
 
 from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES
 from .decode_eval import Replicas, evaluate_decoding, other_convention_figures
-from .metrics import distinct_figures, teacher_forced, temperature_label
+from .metrics import distinct_figures, teacher_forced, temperature_label, validation_inputs
 from .recall import RecallProbe
 from .spec_decode import prompt_limit, unwrap
 from .suites import load_suites, tokenize_suite
@@ -118,12 +117,11 @@ class InLoopEvaluator:
         self.prompts: List[List[int]] = []
         self.loss_batches: List[Dict[str, torch.Tensor]] = []
         if valid_ds is not None:
-            mb = cfg.train.micro_batch_size
-            for i in range(e.loss_batches):
-                self.loss_batches.append(get_batch(valid_ds, list(range(i * mb, (i + 1) * mb))))
-            prompt_len = max(1, min(e.prompt_len, cfg.data.seq_len))
-            tokens = get_batch(valid_ds, list(range(e.num_prompts)))["tokens"]
-            self.prompts = [row[:prompt_len].tolist() for row in tokens]
+            self.prompts, self.loss_batches, note = validation_inputs(
+                valid_ds, e.num_prompts, max(1, min(e.prompt_len, cfg.data.seq_len)),
+                e.loss_batches, cfg.train.micro_batch_size, cfg.data.document_mask)
+            if note and pstate.is_main:
+                print(f"eval: {note}", file=sys.stderr)
         if getattr(e, "suite", ""):
             self.prompts = self._suite_prompts(cfg, tokenizer)
 

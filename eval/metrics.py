@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tandem.data_pipeline.batches import get_batch
 from tandem.models.loss import chunked_argmax
 from tandem.models.model import window_documents, window_positions
 from tandem.models.mtp import depth_target_mask, shifted_tokens
@@ -134,3 +135,27 @@ def distinct_n(outputs: Sequence[Sequence[int]], n: int) -> Optional[float]:
 def temperature_label(t: float) -> str:
     """`T<t>` with t as Python's shortest general format writes it: 1.0 -> `T1`, 0.7 -> `T0.7`."""
     return f"T{float(t):g}"
+
+
+def validation_inputs(valid_ds, num_prompts: int, prompt_len: int, loss_batches: int,
+                      micro_batch: int, document_mask: bool) -> tuple:
+    """(prompts, teacher-forced batches, note) from a validation split, for the in-loop evaluator
+    and `tandem eval` alike: each prompt is the first `prompt_len` tokens of a window; with
+    `document_mask` only the window's last document among them (the decoder reads a prompt as one
+    sequence, which training never did across a document's start). A split shorter than what is
+    asked for gives each window once (a window read twice counted twice, and narrowed the
+    intervals over prompts): `note` says so, else it is ''."""
+    n = len(valid_ds)
+    rows = get_batch(valid_ds, list(range(min(num_prompts, n))))
+    prompts = []
+    for tokens, docs in zip(rows["tokens"][:, :prompt_len], rows["doc_ids"][:, :prompt_len]):
+        keep = docs == docs[-1] if document_mask else torch.ones_like(docs, dtype=torch.bool)
+        prompts.append(tokens[keep].tolist())
+    count = min(loss_batches, -(-n // micro_batch))
+    batches = [get_batch(valid_ds, list(range(i * micro_batch, min((i + 1) * micro_batch, n))))
+               for i in range(count)]
+    capped = [f"{len(prompts)} prompts of eval.num_prompts={num_prompts}"] * (num_prompts > n) + [
+        f"{count} loss batches of eval.loss_batches={loss_batches}"] * (count < loss_batches)
+    note = (f"the validation split holds {n} windows: {' and '.join(capped)}, each window once"
+            if capped else "")
+    return prompts, batches, note

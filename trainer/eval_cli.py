@@ -51,7 +51,6 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tandem.data_pipeline.batches import get_batch
 from tandem.data_pipeline.chat_template import chat_template_in
 from tandem.data_pipeline.dataset import _tokenizer_for, build_datasets, parse_blend
 from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
@@ -59,7 +58,12 @@ from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
-from tandem.eval.metrics import depth_loss_key, distinct_figures, teacher_forced
+from tandem.eval.metrics import (
+    depth_loss_key,
+    distinct_figures,
+    teacher_forced,
+    validation_inputs,
+)
 from tandem.eval.spec_decode import prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
@@ -160,11 +164,11 @@ def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]]
     if valid_ds is None:
         raise SystemExit("tandem eval: error: the checkpoint's data config has no validation "
                          "split; pass --prompts")
-    tokens = get_batch(valid_ds, list(range(num_prompts)))["tokens"]
-    prompts = [row[:prompt_len].tolist() for row in tokens]
-    mb = cfg.train.micro_batch_size
-    batches = [get_batch(valid_ds,
-                         list(range(i * mb, (i + 1) * mb))) for i in range(cfg.eval.loss_batches)]
+    prompts, batches, note = validation_inputs(valid_ds, num_prompts, prompt_len,
+                                               cfg.eval.loss_batches, cfg.train.micro_batch_size,
+                                               cfg.data.document_mask)
+    if note:
+        print(f"tandem eval: {note}", file=sys.stderr)
     return prompts, batches
 
 

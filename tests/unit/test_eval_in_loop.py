@@ -153,3 +153,35 @@ def test_no_mtp_module_no_evaluator_and_one_line_says_so(capsys):
     pstate = ParallelState(device=resolve_device("cpu"))
     assert build_evaluator(cfg, None, None, None, pstate) is None
     assert "eval.interval=5 with mtp.num_steps=0" in capsys.readouterr().err
+
+
+class _Windows:
+    """Three validation windows of 8 tokens with their document ids (EOD = 0)."""
+
+    rows = [[5, 6, 0, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21],
+            [22, 0, 23, 0, 24, 25, 26, 27, 28]]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = torch.tensor(self.rows[i])
+        eod = (row == 0).long()
+        return {"tokens": row[:-1], "labels": row[1:], "loss_mask": torch.ones(8),
+                "doc_ids": torch.cumsum(eod, 0) - eod}
+
+
+def test_validation_inputs_keep_to_one_document_and_read_each_window_once():
+    """With data.document_mask a prompt is its window's last document within prompt_len tokens
+    (the decoder read [5, 6, EOD, 7, 8] as one sequence); a split of 3 windows asked for 8 prompts
+    and 4 loss batches of 2 gives each window once, and says so (a repeated window counted twice
+    and narrowed the intervals over prompts)."""
+    from tandem.eval.metrics import validation_inputs
+
+    prompts, batches, note = validation_inputs(_Windows(), 8, 5, 4, 2, document_mask=True)
+    assert prompts == [[7, 8], [13, 14, 15, 16, 17], [24]]
+    assert [b["tokens"][:, 0].tolist() for b in batches] == [[5, 13], [22]]
+    assert note == ("the validation split holds 3 windows: 3 prompts of eval.num_prompts=8 and 2 "
+                    "loss batches of eval.loss_batches=4, each window once")
+    prompts, _, note = validation_inputs(_Windows(), 2, 5, 1, 2, document_mask=False)
+    assert prompts == [[5, 6, 0, 7, 8], [13, 14, 15, 16, 17]] and note == ""
