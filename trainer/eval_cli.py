@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per validation prompt (default eval.prompt_len); "
                    "a --suite prompt keeps its last N")
     p.add_argument("--num-steps", type=int, default=0,
-                   help="draft length K (default: the trained mtp.num_steps)")
+                   help="draft length K (default: the checkpoint's eval.num_steps, else the "
+                        "trained mtp.num_steps, as the in-loop evaluator drafts)")
     p.add_argument("--max-new-tokens", type=int, default=0,
                    help="tokens generated per prompt (default eval.max_new_tokens)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -112,7 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output",
                    help="write one JSONL record per prompt: prompt_ids, output_ids, acceptance "
                         "(an earlier --output is replaced; any other file is refused)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling generator (default: the checkpoint's train.seed, "
+                        "as the in-loop evaluator samples; 0 without one)")
     p.add_argument("--device", default="cpu",
                    help="torch device: cpu, cuda, npu, auto or cuda:N / npu:N (default cpu)")
     return p
@@ -258,7 +261,10 @@ def _settings(args, model, cfg, tok) -> dict:
     """decode_eval.DecodeSettings' fields: the flags, else the checkpoint's `eval.*`, else
     defaults."""
     ev = cfg.eval if cfg is not None and hasattr(cfg, "eval") else None
-    K = args.num_steps or (cfg.mtp.num_steps if cfg is not None else 0)
+    K = args.num_steps or ((getattr(ev, "num_steps", 0) or cfg.mtp.num_steps) if cfg is not None
+                           else 0)
+    train = getattr(cfg, "train", None)
+    seed = args.seed if args.seed is not None else int(getattr(train, "seed", 0) or 0)
     if K <= 0 or model.mtp is None:
         raise _Fail("the model has no MTP module (mtp.num_steps=0) and --num-steps is not set")
     return dict(num_steps=K,
@@ -267,7 +273,7 @@ def _settings(args, model, cfg, tok) -> dict:
                 eos_id=stop_ids(tok.eod_id if tok is not None else None, _source_dirs(args, cfg)),
                 temperature=args.temperature,
                 top_p=args.top_p,
-                seed=args.seed, verify=args.verify or getattr(ev, "verify", None) or "token",
+                seed=seed, verify=args.verify or getattr(ev, "verify", None) or "token",
                 draft_convention=args.draft_convention or getattr(ev, "draft_convention",
                                                                   None) or "serving")
 

@@ -120,3 +120,21 @@ def test_spec_decode_bench_on_the_run(tiny_run):
     assert 1.0 <= float(last["acceptance_length"]) <= 3.0  # K=2
     assert float(last["acceptance_length"]) == pytest.approx(figures["acceptance_length"],
                                                              abs=1e-4)
+
+
+def test_defaults_follow_the_in_loop_evaluator():
+    """K from the checkpoint's eval.num_steps (else mtp.num_steps) and the seed from train.seed, as
+    the in-loop evaluator decodes: with its defaults tandem eval drafted the trained K with seed 0
+    and printed other figures than the run logged at that step."""
+    import types
+
+    from tandem.trainer.eval_cli import _parser, _settings
+    from tandem.trainer.recipe import load_config
+
+    cfg = load_config(None, ["eval.num_steps=3", "mtp.num_steps=2", "train.seed=77"])
+    model = types.SimpleNamespace(mtp=object())
+    got = _settings(_parser().parse_args(["--checkpoint", "x"]), model, cfg, None)
+    assert (got["num_steps"], got["seed"]) == (3, 77)
+    got = _settings(_parser().parse_args(["--checkpoint", "x", "--num-steps", "2", "--seed", "0"]),
+                    model, cfg, None)
+    assert (got["num_steps"], got["seed"]) == (2, 0)
