@@ -215,9 +215,17 @@ def prepare(args, world: int):
 
     _check_args(args, world)
     args.device = resolve_device_flag(args.device)
+    if args.column != "text" and args.prompts.endswith((".jsonl", ".json", ".jsonl.gz")):
+        raise GenerateError(f"--column {args.column}: a JSONL prompt file's prompts are its "
+                            "records' text or messages; --column names a parquet file's or a "
+                            "datasets directory's column")
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
     limit = prompt_limit(src.max_seq_len, args.max_new_tokens, src.num_steps)
+    if limit < 1:  # no prompt fits: the budget is the problem, not the prompts
+        raise GenerateError(f"--max-new-tokens {args.max_new_tokens} and the draft margin "
+                            f"4K+5={4 * src.num_steps + 5} (K={src.num_steps}, --num-steps) leave "
+                            f"no room for a prompt in model.max_seq_len={src.max_seq_len}")
     note = (f"model.max_seq_len={src.max_seq_len} - --max-new-tokens {args.max_new_tokens} - draft "
             "margin "
             f"4K+5={4 * src.num_steps + 5}")

@@ -131,6 +131,20 @@ def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, mo
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.meta.json").exists()
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--column", "question"], "--column question: a JSONL prompt file's prompts are its records'"),
+    # the prompts were blamed ("prompt is 5 tokens; 1 to -145 fit")
+    (["--num-steps", "50"], "the draft margin 4K+5=205 (K=50, --num-steps) leave no room"),
+])
+def test_flags_that_no_prompt_could_meet(ckpt, tmp_path, capsys, flags, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "ok"}\n')
+    rc, _, _, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts", str(prompts),
+                              "--out", str(tmp_path / "o.jsonl"), *BUDGET, *flags], capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+
+
 @pytest.mark.parametrize("flags", [["--num-steps", "-1"], ["--tp", "0"]])
 def test_bad_flags_fail_before_anything_is_written(tmp_path, capsys, flags):
     """`--num-steps -1` once wrote its settings beside --out, then failed in decoding (a
