@@ -147,7 +147,7 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
         * act_bytes, "qsa_selection": n_qsa * b * (s / cp) * (k_sel + slots) * 8,
         # and the state entering each chunk, which the fold keeps for its backward
         "gdn_states": gdn_gathered + n_gdn * b * chunks * cp * nv * dk * dv * 4,
-        "gdn_width": n_gdn * 2 * b * (s / cp) * nv * dk * act_bytes,
+        "gdn_width": n_gdn * 2 * b * (s / cp) * nv * dk * _gdn_value_bytes(cfg, act_bytes),
         "halos": chunks * b * act_bytes * (n_gdn * (m.linear_conv_kernel - 1) * conv + sum(
             (m.ple_conv_kernel - 1) * m.ngram_size * m.hc_count * m.hidden_size for i in layers
             if i in m.ple_layers)),
@@ -181,6 +181,15 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
                                                                                            - 1) * (
         2 * chunks * b * act_bytes * halo_rows + ple_ids)
     return out
+
+
+def _gdn_value_bytes(cfg, act_bytes: int) -> int:
+    """Bytes per element of Gated DeltaNet's augmented values under CP: the compute dtype's in
+    fla's kernel (CUDA, no packed documents), fp32 in the torch chunked form that runs everywhere
+    else (models/gated_deltanet.py `_torch_inputs`: the state accumulates over the window)."""
+    fla = (cfg.device == "cuda" and cfg.model.linear_kernel != "torch"
+           and not cfg.data.document_mask)
+    return act_bytes if fla else 4
 
 
 def describe(cfg, parts: Dict[str, float], flops_balance: Dict[str, float]) -> str:

@@ -115,6 +115,14 @@ def test_context_bytes_by_hand():
     dk, dv, nv = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_value_heads
     # 2 chunks x 2 ranks, fp32: each chunk's (transition, final state) and the state entering it
     assert parts["gdn_states"] == gdn * b * 4 * nv * dk * (dk + 2 * dv) * 4
+    # the augmented values: fp32 in the torch chunked form, the compute dtype's in fla's kernel
+    # (CUDA, no packed documents), whatever the compute dtype
+    width = gdn * 2 * b * (s // 2) * nv * dk
+    assert X.context_bytes(cfg, layers, cfg.mtp.num_steps, 2)["gdn_width"] == width * 4
+    cfg.device = "cuda"
+    assert X.context_bytes(cfg, layers, cfg.mtp.num_steps, 2)["gdn_width"] == width * 2
+    cfg.data.document_mask = True
+    assert X.context_bytes(cfg, layers, cfg.mtp.num_steps, 2)["gdn_width"] == width * 4
     assert X.context_bytes(load_config(os.path.join(RECIPES, "qwen4_exp_tiny.yaml")), layers, 1,
                            4) == {}
 
