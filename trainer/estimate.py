@@ -44,7 +44,10 @@ recipe's layout is an estimate:
   logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1)
   each loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
   backward (`fused_head_bytes`). Gated DeltaNet's and QSA's own activations are taken as an
-  attention layer's (not modelled separately);
+  attention layer's (not modelled separately). `train.activation_checkpointing=full` keeps each
+  block's input instead (its residual streams: fp32 hc x H under hyper-connections, else s * b * h
+  in the compute dtype; a tp shard under SP) plus one block's activations live during its
+  recomputation; `selective` is estimated as no checkpointing (an upper bound);
 - context parallelism (parallel.cp > 1): every per-token figure above (activations, the PLE lookup,
   the fused head's input gradients) over S/cp rows, parameters sharded over dp x cp like over dp,
   plus what the exchanges keep (gathered K/V, QSA selections, Gated DeltaNet's states, halos) and
@@ -324,12 +327,20 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's
     # live
     trunk_layers = [1 if cfg.train.freeze_trunk else len(layers) for layers in lay.layers]
-    first = per_layer * trunk_layers[0] * in_flight
+    kept, live = per_layer, 0.0
+    if cfg.train.activation_checkpointing == "full":
+        # a block keeps only its input (the residual streams: fp32 hyper-connection streams, else
+        # the compute dtype; a tp shard of the rows under SP), and one block's activations live
+        # while its recomputation and backward run
+        width = 4 * m.hc_count if m.hc_count > 1 else act_bytes
+        kept = tokens * m.hidden_size * width / (p.tp if p.sequence_parallel else 1)
+        live = per_layer
+    first = kept * trunk_layers[0] * in_flight + live
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, tokens)
     # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits
     # chunk
     heads = [r for r, pieces in enumerate(lay.pieces) if "lm_head" in pieces]
-    last = max(per_layer * (trunk_layers[r] + lay.depths[r]) + head_chunk_bytes(cfg, chunk)
+    last = max(kept * (trunk_layers[r] + lay.depths[r]) + live + head_chunk_bytes(cfg, chunk)
                + fused_head_bytes(cfg, lay.loss_depths[r], act_bytes) for r in heads)
     return max(first, last) / GIB
 

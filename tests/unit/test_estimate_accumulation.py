@@ -113,3 +113,23 @@ def test_activations_are_sized_by_the_compute_dtype_not_the_device():
 
     assert activations("cuda", "fp32") == activations("cpu", "fp32")
     assert activations("cuda", "fp32") > 1.25 * activations("cuda", "bf16")
+
+
+def test_full_activation_checkpointing_keeps_each_block_input_and_one_block():
+    """train.activation_checkpointing=full: each block keeps its input streams (fp32 under
+    hyper-connections) and one block's activations live during its recomputation; the estimate had
+    no model of it and gave every mode the same activations (hand count, one process, one stage)."""
+    def activations(mode, *extra):
+        cfg = load_config(None, BASE + [f"train.activation_checkpointing={mode}", *extra])
+        return estimate(cfg).activations_gib_per_rank * GIB
+
+    none, full = activations("none"), activations("full")
+    tokens, h, layers = 8, 64, 6 + 1  # the trunk's layers and the MTP depth
+    per_block = 34 * tokens * h * 2 / 2  # bf16: Korthikanti et al.'s 34 s b h bytes per layer
+    rest = none - per_block * layers  # the loss chunk and the fused head's buffers
+    assert full == pytest.approx(tokens * h * 2 * layers + per_block + rest)
+    hc = ["model.hc_count=4", "model.hc_lowrank=8"]
+    per_hc_block = per_block + 16 * 4 * tokens * h * 2 / 2
+    rest_hc = activations("none", *hc) - per_hc_block * layers
+    assert activations("full", *hc) == pytest.approx(tokens * h * 4 * 4 * layers + per_hc_block
+                                                     + rest_hc)
