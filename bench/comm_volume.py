@@ -182,7 +182,7 @@ def analytic(cfg, model, pstate, batches):
     ce = 3 if cfg.mtp.loss_head_backward == "fused" else 6
     for b in batches:
         if sp:
-            aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
+            aux = m.computes_aux_loss
             for is_moe in execs:
                 regions = 1 if is_moe else 2
                 out["all_gather"] += F32 * 2 * T * Hh * regions
@@ -294,8 +294,7 @@ def analytic(cfg, model, pstate, batches):
                     out["reduce_scatter"] += F32 * full * scatters
     out["all_reduce"] += F32  # the global grad-norm scalar (fp32: no fp64 on accelerators)
     m = cfg.model
-    if m.num_experts > 0 and ((m.balance == "aux_loss" and m.aux_loss_coef > 0)
-                              or m.z_loss_coef > 0):
+    if m.num_experts > 0 and m.computes_aux_loss:
         out["all_reduce"] += 2 * F32  # the logged moe/aux_loss's [sum, forwards] (loss.step_mean)
     return dict(out)
 
@@ -366,8 +365,8 @@ def context_exchanges(cfg, model, pstate):
         ids = MBS * SEQ // cp * heads
         a2a += len([i for i in model.layers if int(i) in m.ple_layers]) * (
             8 * pstate.world_size + 4 * ids + 2 * F32 * ids * (m.ple_embed_dim // heads))
-    aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
-    if aux:  # the aux / z loss's per-expert sums, all-reduced forward and backward (`context.sum`)
+    # the aux / z loss's per-expert sums, all-reduced forward and backward (`context.sum`)
+    if m.computes_aux_loss:
         moe = sum(isinstance(model.layers[i].mlp, MoE) for i in model.layers)
         moe += K * isinstance(model.mtp.layer_for_step(1).block.mlp, MoE) if K else 0
         ar += moe * 2 * F32 * (2 * m.num_experts + 3)

@@ -218,6 +218,12 @@ class ModelConfig:
         return self.ple_embed_dim or self.hidden_size
 
     @property
+    def computes_aux_loss(self) -> bool:
+        """Whether a MoE layer's training forward adds the balance or z loss (`balance=aux_loss`
+        with a positive coefficient, or a positive z_loss_coef)."""
+        return (self.balance == "aux_loss" and self.aux_loss_coef > 0) or self.z_loss_coef > 0
+
+    @property
     def uses_qsa(self) -> bool:
         return any(self.layer_type(i) == "indexed_attention" for i in range(self.num_layers))
 

@@ -270,8 +270,7 @@ class MoE(nn.Module):
         count_loss(self.aux_loss_sum, aux)
 
     def _needs_aux(self) -> bool:
-        cfg = self.cfg
-        return (cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0) or cfg.z_loss_coef > 0
+        return self.cfg.computes_aux_loss
 
     def _window_aux(self, logits: torch.Tensor, indices: torch.Tensor, scale: float, context):
         """(aux + z loss, its gradient scale) over the micro-batch's tokens. Under context

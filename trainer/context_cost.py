@@ -166,7 +166,7 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     ids += kl * b * s * 8 - (indexing - kl) * b * s * m.indexer_head_dim * act_bytes
     ple_ids = chunks * b * 8 * min(m.ngram_size - 1,
                                    s // (cp * chunks)) * sum(i in m.ple_layers for i in layers)
-    aux = (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0
+    aux = m.computes_aux_loss
     n_moe = sum(m.is_moe_layer(i) for i in layers) + (depths if cfg.mtp.moe and m.num_experts > 0
                                                       else 0)
     router = n_moe * 2 * 2 * 4 * (2 * m.num_experts + 3) if aux else 0

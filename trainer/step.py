@@ -40,8 +40,7 @@ class TrainStep:
                            if hasattr(m, "router") and hasattr(m.router, "update_bias")]
         m = cfg.model
         # whether MoE forwards compute an aux or z loss (`moe/aux_loss`, summed over every rank)
-        self.counts_aux = m.num_experts > 0 and (
-            (m.balance == "aux_loss" and m.aux_loss_coef > 0) or m.z_loss_coef > 0)
+        self.counts_aux = m.num_experts > 0 and m.computes_aux_loss
         # which kernel the routed experts run (probed at this rank's layer widths): a silent
         # fall-back to the per-expert loop costs a host sync per layer, so the run says it at start
         # and in its records
