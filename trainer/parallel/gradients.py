@@ -83,8 +83,8 @@ def sum_gradients(entries, reduce_dtype: torch.dtype) -> None:
 
 
 class GradientFinisher:
-    """`ParallelState.gradient_finisher`: completes this step's gradients, then clips by the global
-    norm.
+    """`ParallelState.gradient_finisher`: completes this step's gradients (`sync`), then clips by
+    the global norm (`clip`; TrainStep.clip_gradients drops the frozen ones in between).
 
     1. Data parallelism is FSDP2's (`dp_mode=fsdp`: reduce-scatter) or its replicate (`allreduce`:
        per-module all-reduces overlapped with backward), both issued by torch during every
@@ -210,11 +210,6 @@ class GradientFinisher:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.all_reduce(total)
         return total.sqrt()
-
-    @torch.no_grad()
-    def __call__(self, params, max_norm: float) -> torch.Tensor:
-        self.sync()
-        return self.clip(max_norm)
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> torch.Tensor:
