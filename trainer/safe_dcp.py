@@ -52,10 +52,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader with the metadata read by `_MetadataUnpickler`."""
+    """torch's FileSystemReader with the metadata read by `_MetadataUnpickler`, once per file."""
+
+    def __init__(self, path, *args, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self._metadata_read = {}
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        if path not in self._metadata_read:
+            self._metadata_read[path] = self._unpickle_metadata(path)
+        return self._metadata_read[path]
+
+    def _unpickle_metadata(self, path) -> Metadata:
         try:
             with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
@@ -94,10 +103,12 @@ def load(state: dict, path: str, allow_partial_load: bool = False) -> None:
     read is one ValueError line naming `path` and the first rank's cause (not the traceback that
     torch's CheckpointException carries)."""
     try:
+        reader = SafeFileSystemReader(path)
         # first, alone: a refused .metadata stops here, before torch's load falls back to rank-local
-        # metadata files (which Tandem never writes) and logs the failure as a traceback
-        read_metadata(path)
-        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
+        # metadata files (which Tandem never writes) and logs the failure as a traceback; the load
+        # then reuses what this read
+        reader.read_metadata()
+        dcp.load(state, checkpoint_id=path, storage_reader=reader,
                  planner=SafeLoadPlanner(allow_partial_load=allow_partial_load))
     # CheckpointException is a BaseException
     except (Exception, CheckpointException) as exc:
