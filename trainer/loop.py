@@ -55,10 +55,12 @@ def _check_token_ids(run: Run, tokens: torch.Tensor, idx) -> None:
     device-side assert on a GPU): data made without Tandem's meta.json (Megatron-LM's own
     preprocessing) is not checked against the tokenizer at start-up. On the host, before the
     copy."""
-    top = int(tokens.max()) if tokens.numel() else 0
+    if not tokens.numel():
+        return
+    low, top = (int(x) for x in torch.aminmax(tokens))  # one pass over the micro-batch
     vocab = run.cfg.model.vocab_size
-    if top >= vocab or int(tokens.min()) < 0:
-        bad = top if top >= vocab else int(tokens.min())
+    if top >= vocab or low < 0:
+        bad = top if top >= vocab else low
         raise ValueError(f"data.paths={list(run.cfg.data.paths)}: sample {int(idx[0])}.. holds "
                          f"token id {bad}, outside model.vocab_size={vocab} (was the data "
                          "tokenized with another tokenizer?)")
