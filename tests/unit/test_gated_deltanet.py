@@ -433,3 +433,31 @@ def test_a_packed_documents_gates_never_reach_the_next_document():
         assert torch.count_nonzero(g.grad[..., :split]) == 0
         outs.append(out[:, :, split:].detach())
     assert torch.equal(outs[0], outs[1])
+
+
+def test_slow_tokens_after_a_fast_forgetting_one_keep_fp32_precision():
+    """Real gates reach g ~ -200 on some tokens (A up to 16, softplus up to 12). In each chunk 32
+    such tokens, then 32 slow ones (g = -1e-3): per token, outputs and gradients stay at the
+    recurrent form's distance from an fp64 recurrence. The slow tokens' decays were differences of
+    two running sums that held -6400, and were a relative 4e-4 off (gradient 2e-4)."""
+    gen = torch.Generator().manual_seed(0)
+    T, D = 256, 16
+    q, k, v = (torch.randn(1, 1, T, D, generator=gen) for _ in range(3))
+    q, k = l2_normalize(q) * D ** -0.5, l2_normalize(k)
+    beta = 0.5 * torch.rand(1, 1, T, generator=gen)
+    g = torch.full((1, 1, T), -1e-3)
+    g.view(4, 64)[:, :32] = -200.0
+    w = torch.randn(1, 1, T, D, generator=gen)
+
+    def run(rule, dtype):
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
+        out = rule(*xs)[0]
+        return out.double(), [x.double() for x in torch.autograd.grad((out * w.to(dtype)).sum(),
+                                                                       xs)]
+
+    ref, ref_grads = run(recurrent_gated_delta_rule, torch.float64)
+    out, grads = run(chunked_gated_delta_rule, torch.float32)
+    per_token = ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-3))[0, 0]
+    assert per_token.max() < 1e-5, (per_token.max(), per_token.argmax())
+    for name, got, want in zip("qkvgb", grads, ref_grads):
+        assert (got - want).abs().max() / want.abs().max() < 2e-6, name
