@@ -38,6 +38,10 @@ class TrainStep:
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules()
                            if hasattr(m, "router") and hasattr(m.router, "update_bias")]
+        mtp = {id(m) for m in model.mtp.modules()} if model.mtp is not None else set()
+        # rows of `moe_layers` in the MTP module (copies on several pp ranks sum their loads)
+        self._mtp_rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp],
+                                      dtype=torch.long, device=self.device.device)
         m = cfg.model
         # whether MoE forwards compute an aux or z loss (`moe/aux_loss`, summed over every rank)
         self.counts_aux = m.num_experts > 0 and m.computes_aux_loss
@@ -55,6 +59,11 @@ class TrainStep:
         # TensorParallelMoE.) Every forward passes it to the model (TandemModel.forward).
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
         self.aux_grad_scale = 1.0 / (micro * pstate.dp_size)
+        if self.counts_aux and micro != t.grad_accum_steps and pstate.is_main:
+            per_forward = t.micro_batch_size * t.grad_accum_steps // micro
+            print(f"moe: the aux/z-loss is taken over each pipeline micro-batch of {per_forward} "
+                  f"sequences ({micro} per step), not train.micro_batch_size="
+                  f"{t.micro_batch_size}", file=sys.stderr)
         self.indexers = IndexerTraining(model, m.uses_qsa, m.indexer_warmup_steps,
                                         m.resolved_indexer_warmup, pstate.context_group)
 
@@ -128,10 +137,10 @@ class TrainStep:
 
     def update_router_biases(self, move: bool = True) -> Dict[str, float]:
         """Aux-free bias step from the step's expert loads (summed over every rank that routed
-        different tokens; `move=False` only reads them); returns load-balance metrics. Every
-        all-reduce runs wherever its group exists, also on a rank with no MoE layer (a pipeline
-        stage of dense layers beside a copy of a dense MTP module): its peers wait in the same
-        collectives."""
+        different tokens; `move=False` only reads them); returns load-balance metrics over every
+        MoE layer of the model. Every all-reduce runs wherever its group exists, also on a rank
+        with no MoE layer (a pipeline stage of dense layers beside a copy of a dense MTP module):
+        its peers wait in the same collectives."""
         loads = self._expert_loads()
         for moe, load in zip(self.moe_layers, loads):
             # A frozen router (train.freeze_trunk) keeps its bias too: the trunk stays
@@ -139,18 +148,32 @@ class TrainStep:
             if move and moe.cfg.balance == "aux_free" and moe.router.weight.requires_grad:
                 moe.router.update_bias(load)
             moe.router.tokens_per_expert.zero_()
-        if not self.moe_layers:
-            if self.counts_aux:  # its peers' collective
-                step_mean([], self.device.device)
-            return {}
-        ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
-        metrics = {"moe/max_over_mean_load": float(ratio.max()),
-                   "moe/mean_max_over_mean_load": float(ratio.mean())}
+        metrics = self._load_balance(loads)
         if self.counts_aux:  # the step's mean over every MoE forward (one host sync, logged here)
             aux = step_mean([m.aux_loss_sum for m in self.moe_layers], self.device.device)
             if aux is not None:
                 metrics["moe/aux_loss"] = aux
         return metrics
+
+    def _load_balance(self, loads: torch.Tensor) -> Dict[str, float]:
+        """max over mean expert load per layer: its max and mean over the model's MoE layers. Under
+        pp each stage's layers count (the first copy of a shared MTP module counts its layers)."""
+        ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9) if len(loads) else (
+            loads.new_zeros(0))
+        counted = torch.ones_like(ratio)
+        copies = self.pstate.mtp_copies_group
+        if copies is not None and dist.get_rank(copies) != 0:
+            counted[self._mtp_rows] = 0
+        total = torch.stack([(ratio * counted).sum(), counted.sum()])
+        top = ratio.max() if len(ratio) else loads.new_zeros(())
+        if self.pstate.pp_enabled:
+            group = self.pstate.mesh["pp"].get_group()
+            dist.all_reduce(total, group=group)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        if not total[1]:
+            return {}
+        return {"moe/max_over_mean_load": float(top),
+                "moe/mean_max_over_mean_load": float(total[0] / total[1])}
 
     def _expert_loads(self) -> torch.Tensor:
         """[MoE layers, experts] tokens routed this step, summed over the ranks that routed them."""
@@ -161,12 +184,9 @@ class TrainStep:
         copies = self.pstate.mtp_copies_group
         # MTP depths spread over pp ranks: each copy routed its depths' tokens
         if copies is not None:
-            mtp = {id(m) for m in self.model.mtp.modules()}
-            rows = torch.tensor([i for i, m in enumerate(self.moe_layers) if id(m) in mtp],
-                                dtype=torch.long, device=loads.device)
-            part = loads.index_select(0, rows)
+            part = loads.index_select(0, self._mtp_rows)
             dist.all_reduce(part, group=copies)
-            loads.index_copy_(0, rows, part)
+            loads.index_copy_(0, self._mtp_rows, part)
         group = self.pstate.router_load_group
         if self.pstate.world_size > 1 and group is not None:
             dist.all_reduce(loads, group=group)

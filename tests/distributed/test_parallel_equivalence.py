@@ -239,14 +239,15 @@ def test_layout_matches_single_process(layout, runs, references):
     worst_norm = max_rel(norms, ref["grad_norms"])
     assert worst_norm < max(RTOL, PARAM_RTOL.get(layout, 0.0)), \
         f"{layout}: gradient norms {norms} vs {ref['grad_norms']}"
-    check_logged_losses(layout, load_ranks(runs, layout, LAYOUTS[layout])[0], ref)
+    check_logged_figures(layout, load_ranks(runs, layout, LAYOUTS[layout])[0], ref)
     print(f"{layout}: max loss rel err {worst_loss:.2e}, max param rel err {worst[0]:.2e} "
           f"({worst[1]}), max grad norm rel err {worst_norm:.2e}")
 
 
-def check_logged_losses(layout: str, rank0: dict, ref: dict, rtol: float = RTOL) -> None:
+def check_logged_figures(layout: str, rank0: dict, ref: dict, rtol: float = RTOL) -> None:
     """What the logging rank records of the auxiliary losses (the MoE's aux + z loss, the QSA
-    indexer's KL) is the step's mean over every micro-batch and rank, as one process logs it."""
+    indexer's KL: the step's mean over every micro-batch and rank) and of the expert loads'
+    balance (over every stage's MoE layers) is what one process logs."""
     assert [r.keys() for r in rank0["logged"]] == [r.keys() for r in ref["logged"]], \
         f"{layout}: logged {rank0['logged']} vs {ref['logged']}"
     for got, want in zip(rank0["logged"], ref["logged"]):

@@ -71,8 +71,11 @@ PRESETS = {
 }
 
 
-LOGGED_LOSSES = ("moe/aux_loss", "loss/indexer")
-"""The step records' auxiliary losses, means over every forward of the step on every rank."""
+LOGGED_FIGURES = ("moe/aux_loss", "loss/indexer", "moe/max_over_mean_load",
+                  "moe/mean_max_over_mean_load")
+"""What the step records log beside the per-depth losses: the auxiliary losses (means over every
+forward of the step on every rank) and the expert loads' balance over every MoE layer (under pp,
+every stage's)."""
 
 
 def layout_overrides(layout: str) -> List[str]:
@@ -228,9 +231,9 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
                                      cfg.data.document_mask, cfg.data.seq_len)
         sums, counts, norm = tr(batches, coefs, step)  # the training loop's step
         norms.append(norm)
-        # the step's logged auxiliary losses, the training loop's way
+        # the step's logged auxiliary losses and load balance, the training loop's way
         logged.append({k: v for k, v in {**tr.apply(step), **tr.indexers.metrics()}.items()
-                       if k in LOGGED_LOSSES})
+                       if k in LOGGED_FIGURES})
         tr.optimizer.zero_grad(set_to_none=True)
         losses.append((sums / counts.clamp(min=1)).tolist())
     if hook is not None:

@@ -328,6 +328,30 @@ def test_aux_loss_gradient_reaches_the_router():
     assert moe.last_aux_loss > 0
 
 
+def test_a_pipeline_split_of_the_step_is_the_aux_losss_micro_batch(tiny_overrides, capsys):
+    """Under pp the aux/z-loss is a statistic of each pipeline micro-batch: when pp splits the
+    step's sequences otherwise than train.grad_accum_steps, the run says over how many sequences
+    (one process matches it at that micro-batch size), and the aux gradient's scale follows the
+    pipeline's micro-batches."""
+    from types import SimpleNamespace
+
+    from tandem.trainer.parallel import ParallelState
+    from tandem.trainer.parallel.device import resolve_device
+    from tandem.trainer.recipe import load_config
+    from tandem.trainer.run import build_model
+    from tandem.trainer.step import TrainStep
+
+    cfg = load_config("recipes/tiny.yaml", [*tiny_overrides, "model.balance=aux_loss",
+                                            "train.micro_batch_size=2", "train.grad_accum_steps=1"])
+    for n_micro, note in ((1, ""), (2, "over each pipeline micro-batch of 1 sequences (2 per step)")):
+        pstate = ParallelState(device=resolve_device("cpu"))
+        pstate.pipeline = SimpleNamespace(n_micro=n_micro)
+        step = TrainStep(cfg, build_model(cfg, pstate), pstate)
+        assert step.aux_grad_scale == 1 / n_micro
+        err = capsys.readouterr().err
+        assert (note in err) if note else "aux/z-loss" not in err, err
+
+
 def test_kv_cache_incremental_decode_matches_full_forward():
     model = make(K=0, qk_norm=True, attention_bias=True, partial_rotary_factor=0.5).eval()
     tokens = torch.randint(0, 97, (2, 10))
