@@ -66,7 +66,7 @@ def _train(argv: List[str]) -> int:
                         help="config overrides, e.g. train.max_steps=100 parallel.tp=2")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in run.dir")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # `--resume` before, between or after overrides
     from .config_checks import ConfigError
     from .recipe import load_config
 

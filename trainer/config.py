@@ -9,6 +9,7 @@ trainer/recipe.py.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import List
@@ -30,8 +31,10 @@ class RunConfig:
     """Human-readable run name (wandb run name); empty uses the run directory's basename."""
 
     def validate(self, cfg: "TandemConfig") -> None:
-        """Nothing to check without touching the disk: whether `dir` is writable is checked at
-        start-up (trainer/run.py `prepare_run_dir`), before any expensive work."""
+        """`~` expanded, as in data paths (a literal `~` directory would be a trap for `rm -rf`);
+        whether `dir` is writable is checked at start-up (trainer/run.py `prepare_run_dir`), before
+        any expensive work."""
+        self.dir = os.path.expanduser(self.dir)
 
 
 _SPLIT = re.compile(r"\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*")
@@ -344,8 +347,11 @@ class LoggingConfig:
     and omits both when unknown (CPU)."""
 
     def validate(self, cfg: "TandemConfig") -> None:
-        require("logging", self, [("peak_tflops", self.peak_tflops >= 0,
-                                    "must be >= 0 (0: the detected device's)")])
+        require("logging", self, [
+            ("peak_tflops", self.peak_tflops >= 0, "must be >= 0 (0: the detected device's)"),
+            # wandb refuses other tags, but only once the model is built
+            ("tags", all(1 <= len(t) <= 64 for t in self.tags), "must each be 1 to 64 characters"),
+        ])
 
 
 @dataclass

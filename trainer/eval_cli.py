@@ -344,8 +344,9 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     return metrics, spec
 
 
-OUTPUT_KEYS = ("prompt_ids", "output_ids", "acceptance_length")
-"""Keys every `--output` record holds: a file whose records all hold them is an earlier output."""
+OUTPUT_KEYS = ("prompt_ids", "output_ids", "acceptance_length", "drafts", "accepted")
+"""Keys every `--output` record holds: a file whose records all hold them, and no `step` (a run's
+eval_samples.jsonl holds the first three too), is an earlier output."""
 
 
 def _is_eval_output(path: str) -> bool:
@@ -360,7 +361,8 @@ def _is_eval_output(path: str) -> bool:
         records = [json.loads(line) for line in lines]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return all(isinstance(r, dict) and all(k in r for k in OUTPUT_KEYS) for r in records)
+    return all(isinstance(r, dict) and all(k in r for k in OUTPUT_KEYS) and "step" not in r
+               for r in records)
 
 
 def _check_output(args) -> None:
@@ -379,7 +381,7 @@ def _check_output(args) -> None:
         raise _Fail(f"--output {path} is a directory; pass a file path")
     if exists and not _is_eval_output(path):
         raise _Fail(f"--output {path} exists and is not an earlier tandem eval --output (JSONL "
-                    f"records with {', '.join(OUTPUT_KEYS)}); pass another file")
+                    f"records with {', '.join(OUTPUT_KEYS)}, without `step`); pass another file")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

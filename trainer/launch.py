@@ -43,7 +43,7 @@ from tandem.trainer.context_cost import cp_sweep, device_fit
 from tandem.trainer.estimate import _count_params, estimate
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config, to_yaml
-from tandem.trainer.run import prepare_run_dir
+from tandem.trainer.run import earlier_run_files, prepare_run_dir
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
 """Templates and env.d: the package data of `tandem.slurm` (the repository's slurm/); override with
@@ -321,7 +321,7 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if not _layout_fits(cfg, args, world):
         return 2
     run_dir = cfg.run.dir
-    if not _resumable(cfg):
+    if not _resumable(cfg, args):
         return 2
     if args.check:
         _print_check(cfg, args, world)
@@ -363,22 +363,46 @@ def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
               + "\n    ".join(lines))
 
 
-def _resumable(cfg) -> bool:
+def _resumable(cfg, args: argparse.Namespace) -> bool:
     """The job always passes --resume: refuse now what `tandem train --resume` would refuse on the
-    cluster, a newest complete checkpoint in run.dir of another model shape or tokenizer
-    (checkpoint.check_compatible); False after printing the error. A recipe with model.init_from or
-    mtp.init_from takes its shape from that checkpoint when the job starts, so it is left to the
-    job."""
+    cluster (a newest complete checkpoint in run.dir of another model shape or tokenizer, or past
+    train.max_steps), and an earlier run without a complete checkpoint that no launch of this
+    recipe and overrides started (--resume would start it again from step 0, over its files);
+    False after printing the error. A recipe with model.init_from or mtp.init_from takes its shape
+    from that checkpoint when the job starts, so that check is left to the job."""
     found = latest_checkpoint(cfg.run.dir, report=False)
-    if found is None or cfg.model.init_from or cfg.mtp.init_from:
-        return True
-    try:
-        check_compatible(found[1], to_yaml(cfg))
-    except (ValueError, OSError) as exc:
-        print(f"tandem launch slurm: error: {' '.join(str(exc).split())} (the job runs tandem "
-              "train --resume); choose another run.dir; nothing submitted", file=sys.stderr)
-        return False
-    return True
+    why = None
+    if found is None:
+        held = earlier_run_files(cfg.run.dir) if os.path.isdir(cfg.run.dir) else []
+        if held and not _launched_before(cfg.run.dir, args):
+            why = (f"config key 'run.dir'={cfg.run.dir!r} holds an earlier run ({', '.join(held)}; "
+                   "no complete checkpoint) that no launch of this recipe and overrides started, "
+                   "and the job's --resume would start it again from step 0")
+    elif found[0] > cfg.train.max_steps:
+        why = (f"config key 'train.max_steps'={cfg.train.max_steps} is below the step of the "
+               f"checkpoint to resume, {found[1]}")
+    elif not (cfg.model.init_from or cfg.mtp.init_from):
+        try:
+            check_compatible(found[1], to_yaml(cfg))
+        except (ValueError, OSError) as exc:
+            why = f"{' '.join(str(exc).split())} (the job runs tandem train --resume)"
+    if why:
+        print(f"tandem launch slurm: error: {why}; choose another run.dir; nothing submitted",
+              file=sys.stderr)
+    return why is None
+
+
+def _launched_before(run_dir: str, args: argparse.Namespace) -> bool:
+    """Whether a launch recorded in run_dir/slurm/ had this recipe and these overrides (a job
+    relaunched, or requeued by hand, before its first checkpoint)."""
+    for path in sorted(Path(run_dir, "slurm").glob("*.json")):
+        try:
+            seen = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if seen.get("recipe") == args.recipe and seen.get("overrides") == list(args.overrides):
+            return True
+    return False
 
 
 def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:

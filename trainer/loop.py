@@ -23,12 +23,15 @@ from .config import TandemConfig
 from .loss import depth_coefficients, lambda_at
 from .metrics import MetricsLogger
 from .optim import lr_at, set_lr
-from .run import Run, build_run
+from .run import Run, build_run, release_run_dir
 
 
 def train(cfg: TandemConfig, resume: bool = False) -> Optional[dict]:
     """Build the run and train it to train.max_steps: the last step's record."""
-    return run_training(build_run(cfg, resume=resume))
+    try:
+        return run_training(build_run(cfg, resume=resume))
+    finally:
+        release_run_dir(cfg.run.dir)
 
 
 def micro_batches(run: Run, step: int) -> List[Dict[str, torch.Tensor]]:

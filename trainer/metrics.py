@@ -95,14 +95,16 @@ class MetricsLogger:
         run_dir = self.cfg.run.dir
         id_path = os.path.join(run_dir, WANDB_ID_FILE)
         run_id = open(id_path).read().strip() if os.path.exists(id_path) else uuid.uuid4().hex[:8]
-        offline = not _wandb_has_credentials() or os.environ.get("WANDB_MODE") == "offline"
+        # a WANDB_MODE the user set (offline, disabled, dryrun, online) is theirs
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
+        offline = mode in ("offline", "dryrun")
         lg = self.cfg.logging
         run = wandb.init(
             project=lg.project, entity=lg.entity or None, group=lg.group or None,
             tags=list(lg.tags) or None,
             name=self.cfg.run.name or os.path.basename(os.path.abspath(run_dir)), id=run_id,
             resume="allow",
-            dir=run_dir, config=as_dict(self.cfg), mode="offline" if offline else "online",
+            dir=run_dir, config=as_dict(self.cfg), mode=mode,
             settings=wandb.Settings(silent=True, console="off"),
         )
         with open(id_path, "w") as f:

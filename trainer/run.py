@@ -7,7 +7,9 @@ failed start leaves an earlier run's files as they were. The loop (loop.py) then
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -129,19 +131,63 @@ def prepare_run_dir(run_dir: str) -> None:
         ) from None
 
 
+_HELD_RUN_DIRS: dict = {}
+"""run.dir (real path) -> the open lock file this process holds for the rest of its life."""
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """Take `run_dir/.tandem.lock` for this process (the launch's rank 0), or refuse a run.dir that
+    another running process trains in: two runs in one directory replaced each other's metrics
+    and config.yaml. The lock goes with the process (an ended or killed job frees it); a file
+    system without flock (some Lustre mounts) runs unlocked."""
+    key = os.path.realpath(run_dir)
+    if key in _HELD_RUN_DIRS:
+        return
+    f = open(os.path.join(run_dir, ".tandem.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"config key 'run.dir'={run_dir!r} is in use by a running run "
+                          f"({holder}): wait for it to end or choose another run.dir") from None
+    except OSError:
+        pass  # no flock on this file system
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _HELD_RUN_DIRS[key] = f
+
+
+def release_run_dir(run_dir: str) -> None:
+    """Give up this process's lock on `run_dir` (the run ended), if it holds it."""
+    f = _HELD_RUN_DIRS.pop(os.path.realpath(run_dir), None)
+    if f is not None:
+        f.close()
+
+
+def earlier_run_files(run_dir: str) -> list:
+    """What an earlier run left in `run_dir` without a complete checkpoint: its config.yaml,
+    metrics and incomplete checkpoints (relative paths; empty when there are none)."""
+    files = [name for name in ("config.yaml", "metrics.jsonl")
+             if os.path.exists(os.path.join(run_dir, name))]
+    return files + [f"{os.path.relpath(path, run_dir)} (incomplete)"
+                    for path in list_checkpoints(run_dir)[1]]
+
+
 def _refuse_an_earlier_run(run_dir: str) -> None:
     """A fresh run would replace an earlier run's config.yaml and metrics and write checkpoints
     beside ones it did not write (which a later resume would then mix up): one line, before
     anything is changed. An earlier run is any of them, whether or not it saved a complete
     checkpoint."""
-    complete, incomplete = list_checkpoints(run_dir)
+    complete = list_checkpoints(run_dir)[0]
     if complete:
         held = f"newest checkpoint {os.path.basename(complete[-1][1])}"
         how = "pass --resume to continue it"
     else:
-        files = [name for name in ("config.yaml", "metrics.jsonl")
-                 if os.path.exists(os.path.join(run_dir, name))]
-        files += [f"{os.path.relpath(path, run_dir)} (incomplete)" for path in incomplete]
+        files = earlier_run_files(run_dir)
         if not files:
             return
         held = f"{', '.join(files)}; no complete checkpoint"
@@ -284,6 +330,8 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_run_dir(cfg.run.dir)
     cfg.eval.check_decoding_fits(cfg)
     found = latest_checkpoint(cfg.run.dir) if resume else None
     if found is not None and cfg.model.init_from:
@@ -324,7 +372,11 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
         if pstate.is_main:
             print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}",
                   file=sys.stderr)
-    if pstate.is_main:  # only once every check above has passed
+    done = found is not None and found[0] == cfg.train.max_steps
+    if pstate.is_main and done:
+        print(f"resume: {found[1]} is at train.max_steps={cfg.train.max_steps}: nothing to train",
+              file=sys.stderr)
+    elif pstate.is_main:  # only once every check above has passed, and when a step will run
         write_config(cfg.run.dir, config_yaml)
     run.evaluator = build_evaluator(cfg, run.model, valid_ds, tokenizer, pstate)
     return run

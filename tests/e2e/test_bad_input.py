@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +26,8 @@ def snapshot(root):
     out = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
+            if name == ".tandem.lock":  # names the process that last ran here
+                continue
             path = os.path.join(dirpath, name)
             with open(path, "rb") as f:
                 out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
@@ -94,6 +98,8 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     ("mtp.loss.decay=nan", "mtp.loss.decay must be positive and finite, got nan"),
     ("mtp.loss.acceptance_ce_weight=nan", "mtp.loss.acceptance_ce_weight=nan must be >= 0"),
     ("parallel.pp_virtual_stages=-1", "'parallel.pp_virtual_stages'=-1 must be positive"),
+    # wandb refused it only once the model was built, after config.yaml was rewritten
+    (f"logging.tags=[ok,{'x' * 65}]", "'logging.tags'=['ok', 'xxx"),
     ("parallel.pp_layout=[1,1]", "parallel.pp_layout=[1, 1] places pipeline stages, but "
                                  "parallel.pp=1 has one"),
     # the in-loop evaluator's decoding, refused here rather than eval.interval steps into the run
@@ -119,6 +125,33 @@ def test_fresh_run_into_an_earlier_run_without_a_complete_checkpoint(ctx):
     ctx.fails(["train", RECIPE, *ctx.base],
               "holds an earlier run (config.yaml, metrics.jsonl, checkpoints/step_2 (incomplete); "
               "no complete checkpoint); pass --resume to start it again from step 0")
+
+
+def test_a_run_dir_another_process_trains_in(ctx):
+    """Two runs started on one run.dir both ran: each replaced the other's metrics.jsonl and
+    config.yaml. The second is refused while the first holds the directory's lock."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); f.write('pid 4242'); f.flush(); print(1, flush=True); "
+         "time.sleep(60)", os.path.join(ctx.run, ".tandem.lock")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"1"
+        ctx.fails(["train", RECIPE, *ctx.base, "--resume"],
+                  f"config key 'run.dir'={ctx.run!r} is in use by a running run (pid 4242")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_resume_at_max_steps_leaves_the_run_as_it_was(ctx, capsys):
+    """A resume of a finished run with train.max_steps at its checkpoint trains nothing: it
+    rewrote config.yaml with settings no step used. `--resume` may also stand between the
+    overrides."""
+    rc = main(["train", RECIPE, *ctx.base[:2], "--resume", *ctx.base[2:], "train.max_steps=2",
+               "train.lr=0.5"])
+    assert rc == 0
+    assert "is at train.max_steps=2: nothing to train" in capsys.readouterr().err
+    assert snapshot(ctx.run) == ctx.before
 
 
 def test_unknown_recipe_path(ctx):
@@ -222,6 +255,25 @@ def test_resume_below_the_checkpoint_step(ctx):
     rewrote config.yaml with the lower max_steps."""
     ctx.fails(["train", RECIPE, *ctx.base, "train.max_steps=1", "--resume"],
               "config key 'train.max_steps'=1 is below the step of the checkpoint to resume")
+
+
+LAUNCH_1 = ["--nodes", "1", "--procs-per-node", "1"]
+
+
+def test_launch_resume_below_the_checkpoint_step(ctx):
+    """The job's `tandem train --resume` would stop at once: refused before sbatch."""
+    ctx.fails(["launch", "slurm", RECIPE, *ctx.base, "train.max_steps=1", *LAUNCH_1],
+              "config key 'train.max_steps'=1 is below the step of the checkpoint to resume")
+
+
+def test_launch_into_an_earlier_run_without_a_complete_checkpoint(ctx):
+    """`tandem train` refuses this directory without --resume, but the job always passes --resume,
+    which started the earlier run again from step 0 over its config.yaml and metrics."""
+    os.remove(os.path.join(ctx.run, "checkpoints", "step_2", "COMPLETE"))
+    ctx.before = snapshot(ctx.run)
+    ctx.fails(["launch", "slurm", RECIPE, *ctx.base, "model.hidden_size=64", *LAUNCH_1],
+              "holds an earlier run (config.yaml, metrics.jsonl, checkpoints/step_2 (incomplete); "
+              "no complete checkpoint) that no launch of this recipe and overrides started")
 
 
 def test_checks_before_the_corpus_is_prepared(ctx, dataset, tmp_path):

@@ -19,7 +19,11 @@ from tests.e2e.test_bad_input import RECIPE
 earlier_run, ctx = test_bad_input.earlier_run, test_bad_input.ctx
 fake_sbatch = test_slurm_launch.fake_sbatch
 
-EVAL_RECORD = {"prompt_ids": [1, 2], "output_ids": [3], "acceptance_length": 1.0}
+EVAL_RECORD = {"prompt_ids": [1, 2], "output_ids": [3], "acceptance_length": 1.0, "drafts": 0,
+               "accepted": 0}
+# a run's eval_samples.jsonl record (the in-loop evaluator's): it holds the first three too
+SAMPLE_RECORD = {"step": 2, "prompt": "a", "continuation": "b", "prompt_ids": [1, 2],
+                 "output_ids": [3], "acceptance_length": 1.0}
 
 
 @pytest.fixture
@@ -91,14 +95,16 @@ def test_eval_output_is_a_directory(ctx, no_model, prompts, tmp_path):
 
 
 @pytest.mark.parametrize("content", ["notes, not results\n", json.dumps({"text": "a"}) + "\n",
-                                     json.dumps(EVAL_RECORD) + "\n[1, 2]\n"],
-                         ids=["text", "prompts_jsonl", "one_foreign_line"])
+                                     json.dumps(EVAL_RECORD) + "\n[1, 2]\n",
+                                     json.dumps(SAMPLE_RECORD) + "\n"],
+                         ids=["text", "prompts_jsonl", "one_foreign_line", "eval_samples"])
 def test_eval_output_is_someone_elses_file(ctx, no_model, prompts, tmp_path, content):
     out = tmp_path / "precious.jsonl"
     out.write_text(content)
     ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--output", str(out)],
               f"--output {out} exists and is not an earlier tandem eval --output (JSONL records "
-              "with prompt_ids, output_ids, acceptance_length); pass another file")
+              "with prompt_ids, output_ids, acceptance_length, drafts, accepted, without `step`); "
+              "pass another file")
     assert out.read_text() == content
 
 

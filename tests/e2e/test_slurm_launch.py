@@ -201,6 +201,25 @@ def test_submit_writes_script_and_provenance(tmp_path, capsys, fake_sbatch):
     assert prov["job_id"] == "4242" and prov["sbatch_script"] == str(script)
 
 
+def test_relaunch_before_the_first_checkpoint(tmp_path, capsys, fake_sbatch):
+    """A job that started (config.yaml, metrics) but saved no checkpoint may be launched again as
+    it was (its --resume starts it from step 0); another recipe or overrides would start over the
+    earlier run's files, and are refused."""
+    run_dir = tmp_path / "run"
+    recipe = _recipe(tmp_path, run_dir)
+    argv = [str(recipe), "train.max_steps=3", "--nodes", "1", "--procs-per-node", "1"]
+    assert launch_slurm_main(argv) == 0
+    (run_dir / "config.yaml").write_text("the job's\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert launch_slurm_main(argv) == 0
+    capsys.readouterr()
+    fake_sbatch.log.unlink()
+    assert launch_slurm_main([str(recipe), "train.max_steps=4", *argv[2:]]) == 2
+    assert "holds an earlier run (config.yaml, metrics.jsonl; no complete checkpoint)" in (
+        capsys.readouterr().err)
+    assert fake_sbatch.argv is None
+
+
 def _stub_bin(bin_dir: Path, argv_out: Path, marker_dir: Path) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     # srun/torchrun: drop their own options and exec the command they were given.

@@ -102,3 +102,13 @@ def test_api_key_never_reaches_the_run_directory(tiny_overrides, monkeypatch):
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 assert secret.encode() not in f.read(), path
+
+
+def test_wandb_mode_disabled_is_obeyed_with_a_key(tiny_overrides, monkeypatch):
+    """`WANDB_MODE=disabled` with an API key set went online (Tandem passed mode="online"), and
+    without a network failed after 90 s, leaving the run's files behind."""
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1"])
+    assert train(cfg)["step"] == 1
+    assert not glob.glob(os.path.join(cfg.run.dir, "wandb", "*run-*"))

@@ -21,6 +21,38 @@ def test_overrides_and_lambda_alias(tmp_path):
     assert load_config(str(again)) == cfg  # the resolved config round-trips
 
 
+def test_a_mapping_valued_key_is_replaced_whole(tmp_path):
+    """A later layer's `mtp.loss.lambda_after` replaces the one beneath it (`{}` turns the schedule
+    off), in a recipe over its base as on the command line; it was merged key by key, so `{}`
+    kept the recipe's milestones and the run trained another weight schedule."""
+    base = tmp_path / "base.yaml"
+    base.write_text("mtp:\n  num_steps: 2\n  loss:\n    lambda_after: {10: 0.05}\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("base: base.yaml\nmtp:\n  loss:\n    lambda_after: {20: 0.1}\n")
+    assert load_config(str(recipe)).mtp.loss.lambda_after == {20: 0.1}
+    assert load_config(str(recipe), ["mtp.loss.lambda_after={}"]).mtp.loss.lambda_after == {}
+    got = load_config(str(recipe), ["mtp.loss.lambda_after={5: 0.2}"]).mtp.loss.lambda_after
+    assert got == {5: 0.2}
+    assert load_config(str(base), ["train.max_steps=9"]).mtp.loss.lambda_after == {10: 0.05}
+    with pytest.raises(ConfigError, match=r"'mtp.loss.lambda_after' is a mapping, set whole: "
+                                          r"mtp.loss.lambda_after=\{20: 0.3\}"):
+        load_config(str(recipe), ["mtp.loss.lambda_after.20=0.3"])
+
+
+def test_a_string_keys_override_is_its_text(monkeypatch):
+    """YAML dropped ` #2` from `run.dir=/sweeps/lr #2` as a comment (the run trained into
+    /sweeps/lr) and read a run name 010 as 8, 12:30 as 750 and yes as True; `~` stayed a directory
+    named `~`."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    cfg = load_config(None, ["run.dir=/sweeps/lr #2", "run.name=010"])
+    assert (cfg.run.dir, cfg.run.name) == ("/sweeps/lr #2", "010")
+    for text in ("12:30", "yes", "0x10", "1.10"):
+        assert load_config(None, [f"run.name={text}"]).run.name == text
+    assert load_config(None, ["run.name='quoted name'"]).run.name == "quoted name"
+    assert load_config(None, ["run.dir=~/runs/a"]).run.dir == "/home/someone/runs/a"
+    assert load_config(None, ["train.max_steps=010"]).train.max_steps == 10  # still YAML
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.max_stepz=3"], "unknown config key 'train.max_stepz'"),
     (["train.max_steps=abc"], "config key 'train.max_steps'"),
@@ -77,7 +109,7 @@ def test_overrides_and_lambda_alias(tmp_path):
     (["device=tpu"], "config key 'device'"),
     (["mtp.loss.lambda=oops"], "mtp.loss.lambda"),
     (["noequals"], "not of the form key=value"),
-    (["run.name=`id`"], "override 'run.name=`id`' has a value that is not valid YAML"),
+    (['train.lr=`1e-3`'], "override 'train.lr=`1e-3`' has a value that is not valid YAML"),
     # passed the range checks and trained NaNs to the end, exiting 0
     (["train.lr=inf"], "config key 'train.lr'=inf must be a finite number"),
     (["train.eps=nan"], "config key 'train.eps'=nan must be a finite number"),
