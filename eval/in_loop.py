@@ -119,7 +119,8 @@ class InLoopEvaluator:
         if valid_ds is not None:
             self.prompts, self.loss_batches, note = validation_inputs(
                 valid_ds, e.num_prompts, max(1, min(e.prompt_len, cfg.data.seq_len)),
-                e.loss_batches, cfg.train.micro_batch_size, cfg.data.document_mask)
+                e.loss_batches, cfg.train.micro_batch_size, cfg.data.document_mask,
+                getattr(tokenizer, "eod_id", None))
             if note and pstate.is_main:
                 print(f"eval: {note}", file=sys.stderr)
         if getattr(e, "suite", ""):

@@ -138,17 +138,26 @@ def temperature_label(t: float) -> str:
 
 
 def validation_inputs(valid_ds, num_prompts: int, prompt_len: int, loss_batches: int,
-                      micro_batch: int, document_mask: bool) -> tuple:
+                      micro_batch: int, document_mask: bool, eod_id: Optional[int] = None) -> tuple:
     """(prompts, teacher-forced batches, note) from a validation split, for the in-loop evaluator
-    and `tandem eval` alike: each prompt is the first `prompt_len` tokens of a window; with
-    `document_mask` only the window's last document among them (the decoder reads a prompt as one
-    sequence, which training never did across a document's start). A split shorter than what is
-    asked for gives each window once (a window read twice counted twice, and narrowed the
-    intervals over prompts): `note` says so, else it is ''."""
+    and `tandem eval` alike: each prompt is the first `prompt_len` tokens of a window, without the
+    `eod_id` tokens that end them (a record's padding under data.packing=pad or in a packed split's
+    last window, which was the whole prompt of every record shorter than it, and a document's own
+    end); with `document_mask` only the last document left (the decoder reads a prompt as one
+    sequence, which training never did across a document's start). A window with nothing left
+    gives no prompt. A split shorter than what is asked for gives each window once (a window read
+    twice counted twice, and narrowed the intervals over prompts): `note` says so, else it is
+    ''."""
     n = len(valid_ds)
     rows = get_batch(valid_ds, list(range(min(num_prompts, n))))
     prompts = []
     for tokens, docs in zip(rows["tokens"][:, :prompt_len], rows["doc_ids"][:, :prompt_len]):
+        if eod_id is not None:
+            text = (tokens != eod_id).nonzero()
+            end = int(text[-1]) + 1 if len(text) else 0
+            tokens, docs = tokens[:end], docs[:end]
+        if not len(tokens):
+            continue
         keep = docs == docs[-1] if document_mask else torch.ones_like(docs, dtype=torch.bool)
         prompts.append(tokens[keep].tolist())
     count = min(loss_batches, -(-n // micro_batch))

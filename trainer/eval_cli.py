@@ -160,7 +160,8 @@ def _tokenizer_of(cfg, step_dir: str = ""):
         return None
 
 
-def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]], List[dict]]:
+def _validation(cfg, num_prompts: int, prompt_len: int,
+                eod_id: Optional[int]) -> Tuple[List[List[int]], List[dict]]:
     n = max(num_prompts, cfg.eval.loss_batches * cfg.train.micro_batch_size)
     _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
                                     num_valid_samples=n)
@@ -169,7 +170,7 @@ def _validation(cfg, num_prompts: int, prompt_len: int) -> Tuple[List[List[int]]
                          "split; pass --prompts")
     prompts, batches, note = validation_inputs(valid_ds, num_prompts, prompt_len,
                                                cfg.eval.loss_batches, cfg.train.micro_batch_size,
-                                               cfg.data.document_mask)
+                                               cfg.data.document_mask, eod_id)
     if note:
         print(f"tandem eval: {note}", file=sys.stderr)
     return prompts, batches
@@ -297,7 +298,8 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
         if cfg is None or not hasattr(cfg, "data"):
             raise _Fail("no validation split for this checkpoint; pass --prompts or --suite")
         prompt_len = max(1, min(args.prompt_len or cfg.eval.prompt_len, cfg.data.seq_len))
-        return _validation(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len)
+        return _validation(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len,
+                           getattr(tok, "eod_id", None))
     if tok is None:
         raise _Fail(
             f"{'--prompts' if args.prompts else '--suite'} needs the checkpoint's tokenizer"

@@ -3,6 +3,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,3 +186,23 @@ def test_validation_inputs_keep_to_one_document_and_read_each_window_once():
                     "loss batches of eval.loss_batches=4, each window once")
     prompts, _, note = validation_inputs(_Windows(), 2, 5, 1, 2, document_mask=False)
     assert prompts == [[5, 6, 0, 7, 8], [13, 14, 15, 16, 17]] and note == ""
+
+
+@pytest.mark.parametrize("document_mask", [True, False])
+def test_validation_prompts_are_records_not_their_padding(document_mask):
+    """jsonl records padded to their window (data.packing=pad), and a packed split's padded last
+    window: every prompt was the EOD padding after a record shorter than eval.prompt_len (or,
+    without document_mask, ended in it); a prompt is the record's text now."""
+    from tandem.data_pipeline.chat_dataset import ChatWindows
+    from tandem.eval.metrics import validation_inputs
+
+    texts = [list(range(10, 20)), list(range(30, 45)), list(range(50, 62))]
+    records = [(f"r{i}", np.array(t + [0]), np.ones(len(t) + 1, dtype=np.uint8))
+               for i, t in enumerate(texts)]
+    padded = ChatWindows(records, seq_len=32, packing="pad", eod_id=0)
+    prompts = validation_inputs(padded, 3, 24, 1, 1, document_mask, eod_id=0)[0]
+    assert prompts == texts
+    # the second window: record 1's last 2 tokens and EOD, record 2, its EOD and padding
+    packed = ChatWindows(records, seq_len=24, packing="pack", eod_id=0)
+    prompts = validation_inputs(packed, 2, 20, 1, 1, document_mask, eod_id=0)[0]
+    assert prompts[1] == (texts[2] if document_mask else [43, 44, 0] + texts[2])
