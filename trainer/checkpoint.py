@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 
 from tandem.data_pipeline.tokenizer import copy_tokenizer, tokenizer_file
@@ -121,12 +121,22 @@ class CheckpointWriter:
         tmp = os.path.join(root, f".tmp_step_{step}")
         if _rank() == 0:
             os.makedirs(root, exist_ok=True)
+            final = os.path.join(root, f"step_{step}")
+            if os.path.exists(os.path.join(tmp, MARKER)) and not os.path.exists(final):
+                os.rename(tmp, final)  # the step's only complete copy (checkpoint_dirs._scan)
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
             os.makedirs(os.path.join(tmp, "rng"))
         _barrier()
         if optimizer is not None:
+            stepped = bool(optimizer.state)
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            if not stepped:
+                # torch gave an optimizer that never stepped (every update so far skipped) a
+                # zero-gradient step for its template: saved or kept, the next real update would
+                # take step 2's bias correction
+                optimizer.state.clear()
+                optim_sd["state"] = {}
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
@@ -238,7 +248,7 @@ def check_compatible(path: str, config_yaml: str) -> None:
                 out.append(f"{section}.{key}: checkpoint {old!r} vs config {value!r}")
         return out
 
-    shape = differences("model", {"init_from"}) + differences(
+    shape = differences("model", {"init_from", *RESUMABLE_MODEL_KEYS}) + differences(
         "mtp", {"loss", "detach_trunk", "loss_chunk_tokens", "init_from_last_layer",
                  "init_from"})
     if shape:
@@ -249,6 +259,13 @@ def check_compatible(path: str, config_yaml: str) -> None:
     if tokenizer:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: "
                          + "; ".join(tokenizer))
+
+
+RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "indexer_loss_coef",
+                        "indexer_warmup", "indexer_warmup_steps", "init_std", "linear_kernel",
+                        "qsa_form", "expert_matmul")
+"""`model.*` keys a resume may change: training coefficients, warm-up schedules and kernel choices,
+which leave the weights' layout as it was (a resume refused them as 'a different model shape')."""
 
 
 def pinned_init_from(path: str, given: str) -> str:
@@ -291,6 +308,19 @@ def _only_saved(model_sd: dict, path: str) -> dict:
     return {k: v for k, v in model_sd.items() if k in saved}
 
 
+def _unstepped(optim_sd: dict, path: str) -> set:
+    """The parameters the checkpoint holds no AdamW state for (never updated when it was saved:
+    the QSA indexer-only warm-up's frozen model, an MTP layer no depth uses, a run whose every
+    update was skipped), taken out of `optim_sd`'s template: torch's template gives every parameter
+    a state, which the load then required."""
+    saved = {k[len("optim.state."):] for k in safe_dcp.read_metadata(path).state_dict_metadata
+             if k.startswith("optim.state.")}
+    held = {k.rsplit(".", 1)[0] for k in saved}  # `<fqn>.<exp_avg|exp_avg_sq|step>`
+    unstepped = {name for group in optim_sd["param_groups"] for name in group["params"]} - held
+    optim_sd["state"] = {k: v for k, v in optim_sd["state"].items() if k not in unstepped}
+    return unstepped
+
+
 def load_checkpoint(path: str, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer]) -> dict:
     """Collective: load model (+ optimizer) shards in place, restore this rank's RNG; return trainer
@@ -298,11 +328,17 @@ def load_checkpoint(path: str, model: nn.Module,
     model.init_from)."""
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        unstepped = _unstepped(optim_sd, path)
         state = {"model": _only_saved(model_sd, path), "optim": optim_sd}
         safe_dcp.load(state, path)
-        opts = StateDictOptions(strict=len(state["model"]) == len(model_sd))
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=opts)
+        set_model_state_dict(model, state["model"],
+                             options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
+        set_optimizer_state_dict(model, optimizer, state["optim"],
+                                 options=StateDictOptions(strict=not unstepped))
+        for group, names in zip(optimizer.param_groups, optim_sd["param_groups"]):
+            for p, name in zip(group["params"], names["params"]):
+                if name in unstepped:  # as in the saved run: its first update is step 1
+                    optimizer.state.pop(p, None)
     else:
         model_sd = get_model_state_dict(model)
         state = {"model": _only_saved(model_sd, path)}

@@ -17,7 +17,9 @@ MARKER = "COMPLETE"
 """File whose presence marks a checkpoint directory as complete (written last)."""
 DCP_INDEX = ".metadata"
 """DCP's index of a checkpoint's shards (dcp.save writes it before the marker)."""
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^(\.tmp_|\.stale_)?step_(\d+)$")
+"""`step_<N>`, and the names a save of step N passes through (checkpoint.CheckpointWriter._publish):
+`.tmp_step_<N>` while written, `.stale_step_<N>` for the copy it replaces."""
 
 
 def checkpoints_root(run_dir: str) -> str:
@@ -30,18 +32,25 @@ def list_checkpoints(run_dir: str) -> Tuple[List[Tuple[int, str]], List[str]]:
 
 
 def _scan(root: str) -> Tuple[List[Tuple[int, str]], List[str]]:
-    complete, incomplete = [], []
+    """A step's complete copy: `step_<N>`, else (a kill between the two renames that replace a
+    step saved again, when a halt or a rewind saves the step it holds) its new `.tmp_` copy, else
+    the `.stale_` one it replaced; marked complete either way."""
+    best, dirs = {}, []
     if not os.path.isdir(root):
-        return complete, incomplete
+        return [], []
     for name in os.listdir(root):
         path = os.path.join(root, name)
         match = _STEP_DIR.match(name)
         if match and os.path.exists(os.path.join(path, MARKER)):
-            complete.append((int(match.group(1)), path))
-        elif os.path.isdir(path):
-            incomplete.append(path)
-    complete.sort()
-    return complete, sorted(incomplete)
+            rank = ("", ".tmp_", ".stale_").index(match.group(1) or "")
+            step = int(match.group(2))
+            if step not in best or rank < best[step][0]:
+                best[step] = (rank, path)
+        if os.path.isdir(path):
+            dirs.append(path)
+    complete = sorted((step, path) for step, (_, path) in best.items())
+    chosen = {path for _, path in complete}
+    return complete, sorted(p for p in dirs if p not in chosen)
 
 
 def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, str]]:
@@ -77,7 +86,7 @@ def check_index(path: str) -> None:
         return
     match = _STEP_DIR.match(os.path.basename(path))
     older = [p for step, p in _scan(os.path.dirname(path))[0]
-             if match and step < int(match.group(1)) and os.path.isfile(os.path.join(p, DCP_INDEX))]
+             if match and step < int(match.group(2)) and os.path.isfile(os.path.join(p, DCP_INDEX))]
     hint = (f"the newest older complete checkpoint is {os.path.basename(older[-1])}: move "
             f"{os.path.basename(path)} out of {os.path.dirname(path)} to use it" if older else
             "no older complete checkpoint exists")

@@ -311,6 +311,13 @@ def test_resume_with_different_model_shape(ctx):
               "has a different model shape: model.hidden_size: checkpoint 32 vs config 48")
 
 
+def test_resume_with_other_training_coefficients(ctx, capsys):
+    """model.* keys that set training, not the weights' layout, may change on a resume: it refused
+    them as 'a different model shape'."""
+    assert main(["train", RECIPE, *ctx.base, "model.bias_update_rate=0.002",
+                 "model.z_loss_coef=0.001", "--resume"]) == 0, capsys.readouterr().err
+
+
 def test_resume_with_different_mtp_depth(ctx):
     ctx.fails(["train", RECIPE, *ctx.base, "mtp.num_steps=3", "--resume"],
               "mtp.num_steps: checkpoint 2 vs config 3")

@@ -203,3 +203,64 @@ def test_torchrun_restart_resumes_after_a_rank_dies(tiny_overrides, tmp_path):
     # checks).
     assert [r[0] for r in got] == [r[0] for r in want] == list(range(1, 7))
     assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_before_the_first_update_changes_nothing(monkeypatch, tiny_overrides,
+                                                              tmp_path):
+    """Step 1 skipped, then a checkpoint: torch's state-dict template gave the optimizer that had
+    never stepped a zero-gradient step, so step 2 took step 2's bias correction (loss 6.1979 where
+    the run that did not save had 6.1921 by step 4), and the checkpoint recorded it."""
+    figures = []
+    for extra in (["checkpoint.save_final=false"], ["checkpoint.interval=1"]):
+        NaNAtBatch(monkeypatch, {0})
+        cfg = load_config(RECIPE, tiny_overrides + [f"run.dir={tmp_path / extra[0]}",
+                                                    "train.max_steps=3",
+                                                    "train.bad_step_policy=skip", *extra])
+        train(cfg)
+        figures.append([(r["loss/main"], r["grad_norm"]) for r in records(cfg.run.dir)][1:])
+    assert figures[0] == figures[1]
+
+
+@pytest.mark.parametrize("extra", [["mtp.num_steps=1", "mtp.num_layers=2"],
+                                   ["train.bad_step_policy=skip"]], ids=["unused_layer", "skipped"])
+def test_resume_when_parameters_hold_no_optimizer_state(monkeypatch, tiny_overrides, tmp_path,
+                                                        extra):
+    """A looped MTP layer no depth uses (and the QSA indexer-only warm-up's frozen model) never
+    gets a gradient, and a run whose every update was skipped has none at all: AdamW holds no state
+    for them, the checkpoint neither, and the resume refused it as corrupt ('Missing key in
+    checkpoint state_dict'). It continues as the uninterrupted run does."""
+    runs = {}
+    for name, steps, resume in (("full", 4, False), ("part", 2, False), ("part", 4, True)):
+        if "train.bad_step_policy=skip" in extra and not resume:
+            NaNAtBatch(monkeypatch, {0, 1})
+        cfg = load_config(RECIPE, tiny_overrides + [f"run.dir={tmp_path / name}", *extra,
+                                                    f"train.max_steps={steps}",
+                                                    f"checkpoint.interval={2 * (name == 'part')}",
+                                                    "train.max_skips=5"])
+        train(cfg, resume=resume)
+        runs[name] = [(r["loss/main"], r["grad_norm"]) for r in records(cfg.run.dir)]
+    assert runs["part"] == runs["full"]
+
+
+def test_a_kill_while_a_step_is_saved_again_keeps_it(tiny_overrides, tmp_path):
+    """A halt (or rewind) saves again the step an interval save has just written: the old copy is
+    moved aside to .stale_step_N, then .tmp_step_N renamed into place. A kill between the renames
+    left no step_N, both copies were ignored, and with checkpoint.keep_last=1 the resume started
+    from step 0. Each copy, marked complete, now stands for the step (the new one first)."""
+    import shutil
+
+    args = tiny_overrides + ["train.max_steps=2", "checkpoint.keep_last=1"]
+    train(load_config(RECIPE, args))
+    run = load_config(RECIPE, args).run.dir
+    root = os.path.join(run, "checkpoints")
+    shutil.copytree(os.path.join(root, "step_2"), os.path.join(root, ".tmp_step_2"))
+    os.rename(os.path.join(root, "step_2"), os.path.join(root, ".stale_step_2"))
+    complete, incomplete = list_checkpoints(run)
+    assert complete == [(2, os.path.join(root, ".tmp_step_2"))]
+    assert incomplete == [os.path.join(root, ".stale_step_2")]
+    shutil.rmtree(os.path.join(root, ".tmp_step_2"))
+    assert list_checkpoints(run)[0] == [(2, os.path.join(root, ".stale_step_2"))]
+    train(load_config(RECIPE, args[:-2] + ["train.max_steps=3", "checkpoint.keep_last=1"]),
+          resume=True)
+    assert [r["step"] for r in records(run) if "loss/main" in r] == [1, 2, 3]
+    assert [s for s, _ in list_checkpoints(run)[0]] == [3]
