@@ -115,12 +115,16 @@ def ngram_tables(vocab_size: int, ngram_size: int, heads_per_ngram: int, ngram_v
 
 def ngram_ids(token_history_bt: torch.Tensor, multipliers: torch.Tensor,
               head_vocab_sizes: torch.Tensor,
-              head_offsets: torch.Tensor, heads_per_ngram: int, eos_token_id: int) -> torch.Tensor:
+              head_offsets: torch.Tensor, heads_per_ngram: int, eos_token_id: int,
+              doc_pos_bt: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Table rows [B, T, (ngram_size - 1) * heads_per_ngram] of every position of a token history.
 
     ngram_size = len(multipliers). Positions before the history's start, and context at or before
     the last EOS strictly before a position, read as EOS, so a history prefixed with the ngram_size
-    - 1 tokens before it gives, at its later positions, exactly the ids of the whole sequence."""
+    - 1 tokens before it gives, at its later positions, exactly the ids of the whole sequence.
+    `doc_pos_bt` (packed documents): each position's place in its document; context before the
+    document's start reads as EOS too, where a record boundary carries no EOS (a Megatron prefix
+    preprocessed without --append-eod)."""
     tokens_bt = token_history_bt.long()
     B, T = tokens_bt.shape
     pos_t = torch.arange(T, device=tokens_bt.device)
@@ -133,6 +137,8 @@ def ngram_ids(token_history_bt: torch.Tensor, multipliers: torch.Tensor,
         src_t = pos_t - shift
         shifted_bt = tokens_bt.gather(1, src_t.clamp_min(0).expand(B, T))
         keep_bt = (src_t >= 0) & (src_t > last_eos_bt)
+        if doc_pos_bt is not None:
+            keep_bt &= doc_pos_bt >= shift
         term_bt = torch.where(keep_bt, shifted_bt, eos_bt) * multipliers[shift]
         hashed = term_bt if hashed is None else torch.bitwise_xor(hashed, term_bt)
         if shift == 0:
@@ -192,21 +198,25 @@ class NGramEmbedding(nn.Module):
                             (self.ngram_heads_offsets, offsets)):
             buf.copy_(torch.tensor(values, dtype=torch.long))
 
-    def ids(self, input_ids_bs: torch.Tensor,
-            context_bc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def ids(self, input_ids_bs: torch.Tensor, context_bc: Optional[torch.Tensor] = None,
+            doc_pos_bs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Table rows [B, S, ngram_heads]; context_bc: the ngram_size - 1 tokens before (None:
-        EOS)."""
+        EOS); doc_pos_bs: each token's place in its packed document (`ngram_ids`)."""
         if context_bc is None:
             context_bc = input_ids_bs.new_full((input_ids_bs.shape[0], self.ngram_size - 1),
                                                self.eos_token_id)
         history_bt = torch.cat([context_bc.long(), input_ids_bs.long()], dim=1)
+        if doc_pos_bs is not None:  # the context's own ids are dropped below
+            doc_pos_bs = F.pad(doc_pos_bs.long(), (context_bc.shape[1], 0),
+                               value=self.ngram_size)
         ids_btn = ngram_ids(history_bt, self.layer_multipliers, self.ngram_heads_vocab_sizes,
-                            self.ngram_heads_offsets, self.heads_per_ngram, self.eos_token_id)
+                            self.ngram_heads_offsets, self.heads_per_ngram, self.eos_token_id,
+                            doc_pos_bs)
         return ids_btn[:, context_bc.shape[1]:]
 
-    def forward(self, input_ids_bs: torch.Tensor,
-                context_bc: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.ngram_embedding(self.ids(input_ids_bs, context_bc)).flatten(-2)
+    def forward(self, input_ids_bs: torch.Tensor, context_bc: Optional[torch.Tensor] = None,
+                doc_pos_bs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.ngram_embedding(self.ids(input_ids_bs, context_bc, doc_pos_bs)).flatten(-2)
 
 
 def _read_ring(ring: torch.Tensor, first_pos_b: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -297,7 +307,10 @@ class PLELayer(nn.Module):
             tokens_bc = _read_ring(ring_tokens, first_b, context, self.ple_embedding.eos_token_id)
             conv_in_bwX = _read_ring(ring_conv, first_b, self.conv_window, 0.0)
 
-        gated_bsX, conv_x_bsX = self._gated(x_bsX, self.ple_embedding(input_ids_bs, tokens_bc))
+        # packed documents: n-grams restart at each document's start, as the conv does
+        doc_pos = positions_bs if documents is not None and cache is None else None
+        gated_bsX, conv_x_bsX = self._gated(x_bsX, self.ple_embedding(input_ids_bs, tokens_bc,
+                                                                      doc_pos))
 
         if conv_in_bwX is None:  # zeros before position 0
             conv_in_bwX = conv_x_bsX.new_zeros(B, self.conv_window, hc * h)
@@ -336,7 +349,9 @@ class PLELayer(nn.Module):
         there."""
         ids = context.split(input_ids_bs)
         before = context.halo(ids, self.ngram_size - 1, fill=self.ple_embedding.eos_token_id)
-        gated_bsX, conv_x_bsX = self._gated(x_bsX, context.join(self.ple_embedding(ids, before)))
+        doc_pos = context.split(positions_bs) if documents is not None else None
+        gated_bsX, conv_x_bsX = self._gated(x_bsX, context.join(self.ple_embedding(ids, before,
+                                                                                   doc_pos)))
         conv_x = context.split(conv_x_bsX)
         n = self.conv_window
         extended = torch.cat([context.halo(conv_x, n), conv_x], 1)
