@@ -101,10 +101,12 @@ def held_out(run_dir: str, num_prompts: int, prompt_len: int):
     run's config draws it (the split is shuffled with train.seed, so each seed's own would differ
     and the comparison would not be paired)."""
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import _validation
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
 
     _, cfg = load_model_from_checkpoint(run_dir)
-    return _validation(cfg, num_prompts, min(prompt_len, cfg.data.seq_len))
+    tok = _tokenizer_of(cfg)
+    return _validation(cfg, num_prompts, min(prompt_len, cfg.data.seq_len),
+                       tok.eod_id if tok else None)
 
 
 def main(argv=None) -> int:

@@ -172,12 +172,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import _validation
+    from tandem.trainer.eval_cli import _tokenizer_of, _validation
 
     ckpts = checkpoints(args)
     _, cfg = load_model_from_checkpoint(ckpts[0])
     # one prompt set for every checkpoint (the validation split is shuffled with train.seed): paired
-    prompts, _ = _validation(cfg, args.num_prompts, min(args.prompt_len, cfg.data.seq_len))
+    tok = _tokenizer_of(cfg)
+    prompts, _ = _validation(cfg, args.num_prompts, min(args.prompt_len, cfg.data.seq_len),
+                             tok.eod_id if tok else None)
     per_seed = [measure(c, prompts, args)[0] for c in ckpts]
     names = ("reuse", "own")
     results = {n: mean_over_seeds([r[n][0] for r in per_seed]) for n in names}

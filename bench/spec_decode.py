@@ -41,7 +41,8 @@ def main(argv=None) -> int:
 
     model, cfg = load_model_from_checkpoint(args.checkpoint)
     tok = _tokenizer_of(cfg)
-    prompts, _ = _validation(cfg, args.num_prompts, min(args.prompt_len, cfg.data.seq_len))
+    prompts, _ = _validation(cfg, args.num_prompts, min(args.prompt_len, cfg.data.seq_len),
+                             tok.eod_id if tok else None)
     with torch.inference_mode():
         m, _, _ = evaluate_decoding(model, prompts, num_steps=args.num_steps,
                                     max_new_tokens=args.max_new_tokens,
