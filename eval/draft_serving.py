@@ -49,6 +49,7 @@ positions), so other shapes draft as trained (drafting.resolve_convention).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -56,6 +57,31 @@ import torch
 from tandem.models.state import DecodeCache
 
 from .decode_batch import DecodeBatch
+
+
+def serving_step(model, cache, k: int, h_prev: torch.Tensor, tokens: torch.Tensor,
+                 pos: torch.Tensor, span: int) -> torch.Tensor:
+    """MTP depth k of `model` (which holds the MTP layer) on the serving convention's shared
+    `cache`: the layer on h_prev and the tokens' embedding, zeroed at position 0 for the
+    concat_proj combine, with depth k's reused QSA selection read from depth 1's query at m - 1,
+    k - 1 positions back, attended with that query's tail, as vLLM does. `span`: the cache's key
+    prefix (host int). A pipeline rank holding the layer runs this for a driver that does not
+    (trainer/parallel/pipeline_decode.py)."""
+    cache.cache.span = span
+    layer = model.mtp.layer_for_step(k)
+    emb = model.embed_tokens(tokens)
+    if model.mtp.layer_for_step(1).combine_style == "concat_proj":
+        emb = emb.masked_fill((pos == 0).unsqueeze(-1), 0.0)
+    model.mtp.select_for_step(k)  # with index reuse: depth 1 records, depths 2..K reuse
+    share = getattr(model.mtp, "selection_share", None)
+    if share is None:
+        return layer(h_prev, emb, pos, cache)
+    share.read_offset = k - 1
+    try:
+        return layer(h_prev, emb, pos, cache)
+    finally:
+        # the tandem convention and training read at the query's own position
+        share.read_offset = 0
 
 
 class ServingDrafter:
@@ -69,32 +95,18 @@ class ServingDrafter:
                                  ring=batch.ring).layer(0)
         self.valid = torch.full((batch.B,), -1, dtype=torch.long, device=batch.device)
         """[B] last position whose shared-cache entry depth 1 computed from committed inputs."""
-        self.zero_first = model.mtp.layer_for_step(1).combine_style == "concat_proj"
         self.final_norm = model.mtp_cfg.trunk_input == "final_norm"
+        # a pipeline driver's view of the model runs the step where the MTP layer is, on that
+        # rank's shared cache (trainer/parallel/pipeline_decode.PipelinedModel.serving_step)
+        self.run_step = getattr(model, "serving_step", None) or partial(serving_step, model)
 
     def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
              span: int) -> torch.Tensor:
-        """MTP depth k on the shared cache (TandemModel.mtp_step plus the serving engine's zeroed
-        embedding at position 0 for the concat_proj combine, and depth k's reused QSA selection read
-        from depth 1's query at m - 1, k - 1 positions back, attended with that query's tail, as
-        vLLM does). `span`: the cache's key prefix (host int)."""
-        model = self.batch.model
-        self.cache.cache.span = span
+        """MTP depth k on the shared cache (`serving_step`), h_prev normed first at depth 1 under
+        mtp.trunk_input=final_norm (vLLM hands its proposer the trunk's normed output)."""
         if k == 1 and self.final_norm:
-            h_prev = model.norm(h_prev)  # vLLM hands its proposer the trunk's normed output
-        emb = model.embed_tokens(tokens)
-        if self.zero_first:
-            emb = emb.masked_fill((pos == 0).unsqueeze(-1), 0.0)
-        model.mtp.select_for_step(k)  # with index reuse: depth 1 records, depths 2..K reuse
-        share = getattr(model.mtp, "selection_share", None)
-        if share is None:
-            return model.mtp.layer_for_step(k)(h_prev, emb, pos, self.cache)
-        share.read_offset = k - 1
-        try:
-            return model.mtp.layer_for_step(k)(h_prev, emb, pos, self.cache)
-        finally:
-            # the tandem convention and training read at the query's own position
-            share.read_offset = 0
+            h_prev = self.batch.model.norm(h_prev)
+        return self.run_step(self.cache, k, h_prev, tokens, pos, span)
 
     def depth_logits(self) -> Iterator[torch.Tensor]:
         """Depth 1 over the committed positions it has not seen, then depth k = 2..K one token

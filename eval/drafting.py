@@ -98,8 +98,8 @@ class TrunkDrafter:
 
 def resolve_convention(model: nn.Module, convention: str, num_steps: int) -> str:
     """The convention a decode of `model` with K=num_steps really uses: `serving` needs a looped MTP
-    with one physical layer held by the drafting process (else it drafts as trained: `tandem`, e.g.
-    a pipeline placement whose head stage holds no MTP depth). ValueError for an unknown name."""
+    with one physical layer (else it drafts as trained: `tandem`). ValueError for an unknown
+    name."""
     if convention not in DRAFT_CONVENTIONS:
         raise ValueError(f"draft_convention={convention!r}: must be one of "
                          f"{', '.join(DRAFT_CONVENTIONS)}")
@@ -107,10 +107,6 @@ def resolve_convention(model: nn.Module, convention: str, num_steps: int) -> str
     if convention == "tandem" or num_steps <= 0 or mtp is None:
         return convention
     if not mtp.chained or len(mtp.layers) != 1:
-        return "tandem"
-    if not isinstance(mtp.layers[0], nn.Module):
-        # a pipeline placement whose head stage holds no MTP depth: the serving cache would have to
-        # live where every depth runs, which no rank does here, so the decoder drafts as trained
         return "tandem"
     return "serving"
 

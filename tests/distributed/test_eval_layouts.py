@@ -25,8 +25,11 @@ LAYOUTS = {
     # (the driver) and depth 2 on the next, so the decoder routes depth 1 to the other rank ...
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
     # ... and the head on the trunk's stage with both MTP depths on the other rank (no MTP layer
-    # where the head is: the decoder drafts as trained, so its reference does too)
-    "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],eval.draft_convention=tandem": 2,
+    # where the head is: that rank drafts every depth the serving way, on one cache, and each depth
+    # where it is placed for the tandem convention's figure), with weights whose drafts differ
+    # between the conventions (it drafted as trained, under the serving name, and matched the
+    # agreeing weights' serving figure)
+    f"pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],{eval_worker.DRAFTER_CONTEXT}": 2,
     # context parallelism: the cp ranks decode as extra replicas (whole sequences), the
     # teacher-forced losses run on whole windows (the switch turns the chunks off around evaluation,
     # and SP's with them)
@@ -42,11 +45,11 @@ LAYOUTS = {
 # every rank's layers; weights that make the tokens depend on every layer's recurrent state
 # (eval_worker.HISTORY) on the even split (Gated DeltaNet + PLE and QSA on the follower); agreeing
 # weights with the depths spread: the driver holds the head only, the trunk and both MTP depths (one
-# stage: they reuse depth 1's QSA selection) with their stream mixer run on the other rank (drafting
-# as trained: the serving convention needs the MTP layer where the head is).
+# stage: they reuse depth 1's QSA selection) with their stream mixer run on the other rank, both
+# conventions (the serving one reads depth 1's selection k - 1 positions back there).
 Q4_LAYOUTS = {
     f"pp=2,preset.qwen4=1,{eval_worker.HISTORY}": 2,
-    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0],preset.qwen4=1,eval.draft_convention=tandem": 2,
+    "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:0],preset.qwen4=1": 2,
     # expert parallelism: replicas decoding different prompts in lockstep through the all-to-alls
     # and the PLE lookup, the hybrid layers FSDP-sharded over the batch ranks, PLE tables sharded
     # outside it (which covers dp=2)
@@ -112,17 +115,11 @@ def test_reference_exercises_acceptance(reference):
     assert m["eval/seconds"] > 0
 
 
-@pytest.fixture(scope="module")
-def tandem_reference():
-    torch.set_num_threads(1)
-    return eval_worker.evaluate("single,eval.draft_convention=tandem")
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_layout_matches_single_process(layout, runs, reference, request):
-    if "eval.draft_convention=tandem" in layout.split(","):
-        reference = request.getfixturevalue("tandem_reference")
-    assert_matches_single_process(layout, runs, reference)
+def test_eval_layout_matches_single_process(layout, runs, reference, layout_references):
+    single = reference_layout(layout)
+    assert_matches_single_process(layout, runs,
+                                  reference if single == "single" else layout_references[single])
 
 
 def assert_matches_single_process(layout, runs, reference):
@@ -130,20 +127,21 @@ def assert_matches_single_process(layout, runs, reference):
     assert got["outputs"] == reference["outputs"]
     assert got["samples"] == reference["samples"]  # ids and per-sample acceptance, greedy and T=1
     ref = reference["metrics"]
-    for key in EXACT:
+    # and the other drafting convention's figure (`eval/tandem/acceptance_length`)
+    for key in EXACT + [k for k in ref if k.endswith("/acceptance_length")]:
         assert got["metrics"][key] == ref[key], (layout, key, got["metrics"][key], ref[key])
     for key in CLOSE:
         assert abs(got["metrics"][key] - ref[key]) <= 1e-5 * max(abs(ref[key]), 1e-3), (layout, key)
     assert set(got["metrics"]) == set(ref)
 
 
-def q4_reference_layout(layout: str) -> str:
-    """The one-process layout a Qwen4-Exp case compares with: its dotted keys and weights."""
-    kept = [kv for kv in layout.split(",") if "." in kv.split("=")[0] or kv == eval_worker.HISTORY]
+def reference_layout(layout: str) -> str:
+    """The one-process layout a case compares with: its dotted keys and weights."""
+    kept = [kv for kv in layout.split(",") if "." in kv.split("=")[0] or kv.startswith("weights=")]
     return ",".join(["single"] + kept)
 
 
-class _Q4References(dict):
+class _References(dict):
     def __missing__(self, single: str):
         torch.set_num_threads(1)
         self[single] = eval_worker.evaluate(single)
@@ -151,14 +149,14 @@ class _Q4References(dict):
 
 
 @pytest.fixture(scope="module")
-def qwen4_references():
-    return _Q4References()
+def layout_references():
+    return _References()
 
 
 @pytest.mark.parametrize("layout", list(Q4_LAYOUTS))
-def test_qwen4_eval_layout_matches_single_process(layout, runs, qwen4_references):
+def test_qwen4_eval_layout_matches_single_process(layout, runs, layout_references):
     history = eval_worker.HISTORY in layout.split(",")
-    reference = qwen4_references[q4_reference_layout(layout)]
+    reference = layout_references[reference_layout(layout)]
     ref = reference["metrics"]
     assert ref["eval/identical_to_autoregressive"] == 1.0
     assert ref["eval/acceptance_length"] > (1.0 if history else 1.2)  # some drafts accepted

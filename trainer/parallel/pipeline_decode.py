@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from tandem.eval.draft_serving import serving_step
 from tandem.eval.recall import RecallProbe
 from tandem.models import TandemModel
 from tandem.models.documents import Documents
@@ -59,11 +60,11 @@ from tandem.models.state import DecodeCache
 from .pipeline import boundary_width, embed_streams, plan_stages, run_block
 from .pipeline_plan import selection_reused
 
-_STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM = 0, 1, 2, 3, 4, 5
+_STOP, _NO_CACHE, _NEW_CACHE, _SAME_CACHE, _MTP_STEP, _MTP_NORM, _SERVING_STEP = range(7)
 # header flags: the body carries row_end; QSA layers measure their recall; the positions count from
 # each packed document's start, which the stages keep apart (data.document_mask)
 _ROW_END, _RECALL, _DOCUMENTS = 1, 2, 4
-HEADER = 7  # cmd, batch, length, cache length, depth, ring slots, flags
+HEADER = 8  # cmd, batch, length, cache length, depth, ring slots, flags, serving cache span
 
 
 class DecodePlan:
@@ -102,6 +103,12 @@ class DecodePlan:
 
     def mtp_rank(self, depth: int) -> int:
         return self.stage_rank(self.mtp_stage(depth))
+
+    @property
+    def serving_rank(self) -> int:
+        """The pp rank that drafts every depth the serving way (one cache shared by the depths of
+        the one MTP layer) for a driver that holds no MTP layer: depth 1's."""
+        return self.mtp_rank(1)
 
     @property
     def driver(self) -> int:
@@ -179,12 +186,12 @@ class PipelinedModel:
                                         documents=documents)  # with the routed steps
 
     def _remote(self, cmd: int, depth: int, h: torch.Tensor, tokens, positions, with_cache: bool,
-                out_width: Optional[int] = None, documents=None) -> torch.Tensor:
+                out_width: Optional[int] = None, documents=None, span: int = 0) -> torch.Tensor:
         d = self._decoding
-        owner = d.plan.mtp_rank(depth)
+        owner = d.plan.serving_rank if cmd == _SERVING_STEP else d.plan.mtp_rank(depth)
         recall = cmd == _MTP_STEP and not with_cache and RecallProbe.active is not None
         flags = (_RECALL if recall else 0) | (_DOCUMENTS if documents is not None else 0)
-        d.send_header(cmd, tokens, positions, int(with_cache), depth, flags=flags)
+        d.send_header(cmd, tokens, positions, int(with_cache), depth, flags=flags, span=span)
         dist.send(h.to(d.dtype).contiguous(), group=d.pp_group, group_dst=owner)
         out = torch.empty(*h.shape[:-1], out_width or h.shape[-1], dtype=d.dtype, device=d.device)
         dist.recv(out, group=d.pp_group, group_src=owner)
@@ -199,6 +206,14 @@ class PipelinedModel:
             return self._model.mtp_step(step, h_prev_bsh, tokens_bs, positions_bs, cache,
                                         emb_bsh=emb_bsh)
         return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, cache is not None)
+
+    def serving_step(self, cache, k: int, h_prev, tokens, pos, span: int) -> torch.Tensor:
+        """eval/draft_serving.serving_step for the driver: on its own MTP layer and `cache` when it
+        holds one, else on the serving cache of the rank holding depth 1 (`serving_rank`), which
+        runs every depth there: the depths share one cache, and their layer is one."""
+        if self._model.mtp is not None:
+            return serving_step(self._model, cache, k, h_prev, tokens, pos, span)
+        return self._remote(_SERVING_STEP, k, h_prev, tokens, pos, True, span=span)
 
     def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None,
                        selection=None, documents=None, aux_grad_scale: float = 1.0,
@@ -313,13 +328,14 @@ class ParallelDecoding:
 
     # --- the pipeline protocol -------------------------------------------------------------------
     def send_header(self, cmd: int, tokens=None, positions=None, cap: int = 0, depth: int = 0,
-                    ring: int = 0, row_end: Optional[torch.Tensor] = None, flags: int = 0) -> None:
+                    ring: int = 0, row_end: Optional[torch.Tensor] = None, flags: int = 0,
+                    span: int = 0) -> None:
         """Driver: announce a forward. The body is [3, B, S]: token ids (every stage: PLE hashes
         them), positions, and each row's last real position (row_end, repeated along S; zeros when
         unset)."""
         b, s = positions.shape if positions is not None else (0, 0)
         flags |= _ROW_END if row_end is not None else 0
-        head = torch.tensor([cmd, b, s, cap, depth, ring, flags], dtype=torch.long,
+        head = torch.tensor([cmd, b, s, cap, depth, ring, flags, span], dtype=torch.long,
                             device=self.device)
         dist.broadcast(head, group=self.pp_group, group_src=self.plan.driver)
         if cmd != _STOP:
@@ -364,7 +380,7 @@ class ParallelDecoding:
         while True:
             head = torch.empty(HEADER, dtype=torch.long, device=self.device)
             dist.broadcast(head, group=self.pp_group, group_src=plan.driver)
-            cmd, b, s, cap, depth, ring, flags = head.tolist()
+            cmd, b, s, cap, depth, ring, flags, span = head.tolist()
             if cmd == _STOP:
                 return
             body = torch.empty(3, b, s, dtype=torch.long, device=self.device)
@@ -374,6 +390,10 @@ class ParallelDecoding:
             if cmd in (_MTP_STEP, _MTP_NORM):
                 if plan.mtp_rank(depth) == plan.pp_rank:
                     self._serve_depth(cmd, depth, body, cap, mtp_caches, cache, recall, documents)
+                continue
+            if cmd == _SERVING_STEP:
+                if plan.serving_rank == plan.pp_rank:
+                    self._serve_serving_step(depth, body, span, mtp_caches, cache)
                 continue
             # the decoder's ring size: recurrent state must outlast a verify forward
             if cmd == _NEW_CACHE:
@@ -424,6 +444,19 @@ class ParallelDecoding:
         dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)
         if recall:
             self.send_recall(probe)
+
+    def _serve_serving_step(self, depth: int, body, span: int, mtp_caches: dict, cache) -> None:
+        """Run MTP depth `depth` the serving way (eval/draft_serving.serving_step) on this rank's
+        one serving cache of the decode, for a driver that holds no MTP layer, and send the result
+        back."""
+        b, s = body.shape[1:]
+        h = torch.empty(b, s, boundary_width(self.cfg.model), dtype=self.dtype, device=self.device)
+        dist.recv(h, group=self.pp_group, group_src=self.plan.driver)
+        if "serving" not in mtp_caches:
+            mtp_caches["serving"] = DecodeCache(1, b, cache.max_len, self.dtype, self.device,
+                                                ring=cache.ring).layer(0)
+        out = serving_step(self.base, mtp_caches["serving"], depth, h, body[0], body[1], span)
+        dist.send(out.to(self.dtype).contiguous(), group=self.pp_group, group_dst=self.plan.driver)
 
     # --- data-parallel split (drivers) -----------------------------------------------------------
     def my_batches(self, n_batches: int) -> List[Optional[int]]:
