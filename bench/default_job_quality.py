@@ -21,12 +21,14 @@ inference reads a document; the default follows the checkpoint's data.document_m
     bits per byte = (sum over predicted tokens of -ln p(token | window prefix)) / ln 2
                     / (number of UTF-8 bytes those predicted tokens stand for)
 
-Every predicted token counts, the end-of-document token and a document's first token included; a
-byte-level BPE token stands for exactly its vocabulary string's length in bytes (one byte per
-character of the byte-level alphabet) and the end-of-document token for none, so the bytes of a
-file's tokens sum to the file's UTF-8 size (checked for every file; a tokenizer that is not
-byte-level fails that check by name). The cross-entropy is the checkpoint's own
-`eval.metrics.teacher_forced` main-head loss (mean over the window's S targets, times S), in fp32.
+Every predicted token counts, the end-of-document token included, and a document's first token
+too unless `--document-mask` is on (then it is predicted from nothing of its own document, and is
+left out of the losses and the bytes alike, as training leaves it out); a byte-level BPE token
+stands for exactly its vocabulary string's length in bytes (one byte per character of the byte-level
+alphabet) and the end-of-document token for none, so the bytes of a file's tokens sum to the file's
+UTF-8 size (checked for every file; a tokenizer that is not byte-level fails that check by name).
+The cross-entropy is the checkpoint's own `eval.metrics.teacher_forced` main-head loss (mean over
+the window's counted targets, times their number), in fp32.
 
 Decoding (`eval.decode_eval.evaluate_decoding`, the in-loop evaluator's decoder): `--prompts`
 prompts, the first `prompt_len` tokens (the checkpoint's `eval.prompt_len`) of windows evenly spaced
@@ -135,16 +137,21 @@ def bits_per_byte(model, wins: List[List[int]], nbytes: List[int], batch: int, e
     sums. `document_mask`: the files packed into a window are kept apart (data.document_mask, as the
     checkpoint trained), each one read from its own start."""
     from tandem.eval.metrics import teacher_forced
+    from tandem.models import depth_target_mask
 
     nats, tokens, nb = 0.0, 0, 0
     for i in range(0, len(wins), batch):
         t = torch.tensor(wins[i : i + batch], dtype=torch.long)
-        n = t.shape[0] * (t.shape[1] - 1)
         is_eod = (t == eod_id).long()
-        batch_i = {"tokens": t, "doc_ids": torch.cumsum(is_eod, 1) - is_eod}
+        # without the mask the windows are one sequence each: every target counts (the files'
+        # ids would drop each file's first token from the loss, and from the loss only)
+        doc_ids = torch.cumsum(is_eod, 1) - is_eod if document_mask else torch.zeros_like(t)
+        counted = depth_target_mask(torch.ones(t.shape[0], t.shape[1] - 1), doc_ids, 0)
+        n = int(counted.sum())
+        batch_i = {"tokens": t, "doc_ids": doc_ids}
         nats += teacher_forced(model, [batch_i], document_mask=document_mask)["loss/main"] * n
         tokens += n
-        nb += sum(nbytes[int(x)] for x in t[:, 1:].flatten())
+        nb += sum(nbytes[int(x)] for x in t[:, 1:][counted])
     return {"bits_per_byte": nats / math.log(2) / nb, "loss": nats / tokens,
             "bytes_per_token": nb / tokens, "tokens": tokens, "bytes": nb}
 
