@@ -288,6 +288,9 @@ def _validate_moe(model: ModelConfig) -> None:
     for key in ("moe_intermediate_size", "n_group", "routed_scaling_factor"):
         if not 0 < getattr(model, key) < float("inf"):
             raise ValueError(f"model.{key} must be positive and finite, got {getattr(model, key)}")
+    if model.shared_expert_gate and not model.num_shared_experts:
+        raise ValueError("model.shared_expert_gate=true gates the shared expert, but "
+                         "model.num_shared_experts=0 builds none")
     if not 0 < model.top_k <= model.num_experts:
         raise ValueError(f"model.top_k={model.top_k} must be in [1, "
                          f"model.num_experts={model.num_experts}]")

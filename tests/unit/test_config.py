@@ -99,6 +99,9 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     (["mtp.num_steps=3", "mtp.loss.weights=[1,2]"],
      "mtp.loss.weights has 2 entries but mtp.num_steps=3"),
     (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads"),
+    # accepted, and no gate was built
+    (["model.shared_expert_gate=true", "model.num_shared_experts=0"],
+     "model.shared_expert_gate=true gates the shared expert, but model.num_shared_experts=0"),
     (["model.top_k=9", "model.num_experts=8"], "model.top_k=9"),
     (["mtp.style=fancy"], "mtp.style"),
     (["mtp.style=parallel", "mtp.num_steps=3", "mtp.num_layers=1"],
