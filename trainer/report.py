@@ -189,12 +189,14 @@ def loss_figure(runs: Sequence[Run], ema_span: int = 0):
                              sharey=True)
     for ax, depth in zip(axes[0], depths):
         for run, color in zip(runs, _colors(len(runs))):
-            _plot_train(ax, run, f"loss/{depth}", f"{run.label} train", color, ema_span)
+            _plot_train(ax, run, f"loss/{depth}",
+                        f"{run.label} train{_objective_note(run, depth)}", color, ema_span)
             _plot(ax, run, f"eval/loss/{depth}", f"{run.label} held-out", color, "--")
         ax.set_title("main head" if depth == "main" else f"MTP depth {depth.split('_')[1]}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("cross-entropy (nats)")
+    other = any(_objective_note(run, d) for run in runs for d in depths)
+    axes[0][0].set_ylabel("nats (held-out: cross-entropy)" if other else "cross-entropy (nats)")
     _legend(axes[0])
     fig.tight_layout()
     return fig
@@ -307,6 +309,26 @@ def make_figures(runs: Sequence[Run], ema_span: int = DEFAULT_EMA_SPAN) -> Dict[
     return figures
 
 
+def _objective_note(run: Run, depth: str) -> str:
+    """How an MTP depth's training loss differs from the held-out cross-entropy drawn beside it
+    ('' when it is cross-entropy on the data)."""
+    if depth == "main":
+        return ""
+    mtp = run.config.get("mtp", {})
+    loss_cfg = mtp.get("loss", {}) if isinstance(mtp.get("loss"), dict) else {}
+    if loss_cfg.get("objective", "ce") != "ce":
+        return f" ({loss_cfg['objective']} loss)"
+    distill = run.config.get("train", {}).get("distill", "none")
+    return f" ({distill} distillation)" if distill not in ("none", None) else ""
+
+
+def _lambda_schedule(loss_cfg: dict) -> str:
+    """`mtp.loss.lambda` and its `lambda_after` milestones: `0.3 -> 0.1 @250`."""
+    after = loss_cfg.get("lambda_after") or {}
+    return str(loss_cfg.get("lambda", "")) + "".join(
+        f" -> {after[k]} @{k}" for k in sorted(after, key=int))
+
+
 def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
     rows = []
     for run in runs:
@@ -316,7 +338,7 @@ def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
         accept = run.series("eval/acceptance_length")[1]
         rows.append([run.label, run.path, str(mtp.get("num_steps", "")),
                      str(mtp.get("num_layers", "")),
-                     str(loss_cfg.get("objective", "ce")), str(loss_cfg.get("lambda", "")),
+                     str(loss_cfg.get("objective", "ce")), _lambda_schedule(loss_cfg),
                      str(last["step"]), f"{last['loss/main']:.4f}" if "loss/main" in last else "",
                      f"{accept[-1]:.3f}" if accept else "not evaluated"])
     return rows

@@ -114,3 +114,23 @@ def test_difference_test_units():
     # nor one: two prompts that accepted every draft against a measured 3.90 +- 0.05
     (one,) = differences([Final("a", "k", 1, 4.0, 4.0, 4.0), Final("b", "k", 1, 3.9, 3.85, 3.95)])
     assert not one.significant and verdict(one).startswith("untested")
+
+
+def test_summary_shows_the_lambda_schedule_and_the_losses_their_objective():
+    """Runs that differ in their MTP weight schedule showed the same `lambda 0.3`; an acceptance
+    objective's training loss (-log sum min(p, q), near 0) was drawn as 'cross-entropy' beside the
+    held-out cross-entropy."""
+    from tandem.trainer.report import Run, _summary_rows, loss_figure
+
+    records = [{"step": s, "loss/main": 6.0, "loss/mtp_1": 0.07, "eval/loss/mtp_1": 6.2}
+               for s in (1, 2)]
+    plain = Run("plain", "a", records, {"mtp": {"num_steps": 1, "loss": {"lambda": 0.3}}})
+    scheduled = Run("acc", "b", records, {"mtp": {"num_steps": 1, "loss": {
+        "lambda": 0.3, "lambda_after": {250: 0.1, 40: 0.2}, "objective": "acceptance"}}})
+    rows = _summary_rows([plain, scheduled])
+    assert rows[0][5] == "0.3" and rows[1][5] == "0.3 -> 0.2 @40 -> 0.1 @250"
+    fig = loss_figure([plain, scheduled])
+    labels = [t.get_text() for t in fig.legends[0].get_texts()] if fig.legends else [
+        line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    assert "acc train (acceptance loss)" in labels and "plain train" in labels
+    assert fig.axes[0].get_ylabel() == "nats (held-out: cross-entropy)"
