@@ -178,7 +178,11 @@ class OutputHead(nn.Module):
         self.backward = backward  # MTPConfig.loss_head_backward
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(h_normed, self.weight)
+        # in h's dtype without autocast: an MTP depth training in fp32 over a frozen head stored in
+        # train.frozen_dtype (bf16), as its loss computes (loss._compute_dtype)
+        weight = self.weight if torch.is_autocast_enabled(h_normed.device.type) else (
+            self.weight.to(h_normed.dtype))
+        return nn.functional.linear(h_normed, weight)
 
     def loss_sums(self, h_normed_dnh: torch.Tensor, targets_dn: torch.Tensor, chunk_tokens: int,
                   grad_scales: Optional[torch.Tensor] = None) -> torch.Tensor:

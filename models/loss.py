@@ -308,6 +308,7 @@ def chunked_argmax(h_nh: torch.Tensor, weight_vh: torch.Tensor, chunk_tokens: in
     """argmax of `h @ weight.T` per row, one chunk of logits at a time (self-distillation
     targets)."""
     out = torch.empty(h_nh.shape[0], dtype=torch.long, device=h_nh.device)
+    weight_vh = weight_vh.to(_compute_dtype(h_nh))  # a frozen head in train.frozen_dtype
     for i in range(0, h_nh.shape[0], chunk_tokens):
         out[i : i + chunk_tokens] = F.linear(h_nh[i : i + chunk_tokens], weight_vh).argmax(-1)
     return out

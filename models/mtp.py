@@ -108,6 +108,12 @@ class MTPLayer(nn.Module):
                 positions_bs: torch.Tensor, cache: Optional[LayerKV] = None, **block_args):
         """`block_args`: the block's QSA selection hand-over and documents
         (`TransformerBlock.forward`)."""
+        if not torch.is_autocast_enabled(h_prev_bsh.device.type):
+            # a frozen trunk stored in train.frozen_dtype (bf16) hands its state and embedding to
+            # an MTP module training in fp32: the layer computes in its own dtype
+            dtype = next(self.parameters()).dtype
+            h_prev_bsh = h_prev_bsh.to(dtype)
+            emb_bsh = emb_bsh.to(dtype) if emb_bsh is not None else None
         if self.combine_style == "concat_proj":
             e, h = self.enorm(emb_bsh), self.hnorm(h_prev_bsh)
             x = self.eh_proj(torch.cat([e, h] if self.emb_first else [h, e], dim=-1))

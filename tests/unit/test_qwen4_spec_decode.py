@@ -160,3 +160,32 @@ def test_qsa_index_reuse_drafts_as_trained():
         n = torch.randint(0, K + 1, (3,), generator=g)
         dec.commit(n, tokens.gather(1, (m + n + 1).unsqueeze(1)).squeeze(1), active)
     assert checked > 10 * K
+
+
+def test_a_frozen_bf16_trunk_under_an_fp32_drafter_trains_and_decodes():
+    """train.freeze_trunk with train.frozen_dtype=bf16 and train.dtype=fp32 (no autocast): the
+    trunk, embedding and head are stored in bf16, the drafter in fp32. The drafter's first training
+    forward stopped on the bf16 embedding reaching its fp32 fc_embedding, and the evaluator's depth
+    logits and teacher-forced argmax on fp32 rows against the bf16 head. Its teacher-forced losses
+    are those of the same weights held in fp32 to bf16 rounding, and greedy speculative decoding
+    equals greedy decoding."""
+    from tandem.eval.metrics import teacher_forced
+
+    model = tiny_qwen4_model(2)
+    mixed = tiny_qwen4_model(2)
+    with torch.no_grad():
+        for name, p in mixed.named_parameters():
+            if not name.startswith("mtp."):
+                p.data = p.data.bfloat16()
+        for name, p in model.named_parameters():  # the fp32 reference: the same (rounded) values
+            p.copy_(dict(mixed.named_parameters())[name].float())
+    g = torch.Generator().manual_seed(0)
+    batch = {"tokens": torch.randint(2, 64, (2, 25), generator=g),
+             "loss_mask": torch.ones(2, 24), "doc_ids": torch.zeros(2, 25, dtype=torch.long)}
+    got, want = teacher_forced(mixed, [batch]), teacher_forced(model, [batch])
+    assert got.keys() == want.keys()
+    for key in want:
+        assert abs(got[key] - want[key]) <= 0.05 * max(abs(want[key]), 1.0), key
+    prompts = [[5, 6, 7, 8, 9], [12, 13]]
+    with torch.no_grad():
+        assert generate(mixed, prompts, 8, 2).outputs == generate(mixed, prompts, 8, 0).outputs
