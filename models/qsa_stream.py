@@ -82,8 +82,13 @@ def stream_select(attn, q_idx_bsid: torch.Tensor, k_bnd: torch.Tensor, query_at_
     width = min(n, max(k, attn.chunk_elems // (b * i)))  # blocks scored at once
     q_chunk = max(1, attn.chunk_elems // (b * i * width))
     spans = _chunks(s_q, q_chunk)
-    # columns each chunk reads: its furthest reach, and at least k (the unused slots' blocks)
-    cols = torch.stack([reach_bs[:, c0:c1].max() for c0, c1 in spans]).clamp(min=k, max=n).tolist()
+    # columns each chunk reads: its furthest reach, and at least k (the unused slots' blocks); all
+    # of them under torch.compile, where a data-dependent count broke the block's graph (and ran
+    # this function eagerly). The same selection either way: the keys of the columns past a
+    # query's reach are below every visible one's (`selection_keys`).
+    cols = ([n] * len(spans) if torch.compiler.is_compiling() else
+            torch.stack([reach_bs[:, c0:c1].max() for c0, c1 in spans]).clamp(min=k,
+                                                                              max=n).tolist())
     out = []
     for (c0, c1), n_c in zip(spans, cols):
         q_c, at_c = q_idx_bsid[:, c0:c1], query_at_bs[:, c0:c1]

@@ -187,3 +187,21 @@ def test_checkpointing_wraps_the_compiled_forward():
 if __name__ == "__main__" and sys.argv[1:] == ["--count-backward-matmuls"]:
     print(json.dumps({mode: [_checkpointed_step(mode, True)[3] for _ in range(2)][1]
                       for mode in ("none", "full", "selective")}))
+
+
+def test_qwen4_blocks_compile_without_graph_breaks():
+    """Qwen4-Exp's QSA blocks compile as one graph each (the backend `eager`: tracing only). The
+    streamed top-k read a data-dependent column count (`.tolist()` then a branch on it): six graph
+    breaks per step, and dynamo ran the whole selection eagerly."""
+    from torch._dynamo.utils import counters
+
+    from tests.eval_helpers import tiny_qwen4_model
+
+    model = apply_compile(tiny_qwen4_model(2, vocab=64).train(), backend="eager")
+    counters.clear()
+    tokens = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(0))
+    out = model(tokens)
+    out.loss_sums.sum().backward()
+    frames = dict(counters["frames"])
+    assert frames["total"] == frames["ok"] > 0, frames  # every frame dynamo met became a graph
+    assert not counters["graph_break"], dict(counters["graph_break"])
