@@ -39,6 +39,9 @@ def cfg(*overrides):
      "at or after stage 1"),
     (["parallel.pp=3", "parallel.pp_layout=[3,1,0]", "parallel.pp_depth_stages=[1,2,1,2]"], 3,
      "MTP depths must be in pipeline order"),
+    # it named only the rule ("and one on the last stage 1")
+    (["parallel.pp=2", "parallel.pp_depth_stages=[1,5,1,1]"], 2,
+     "parallel.pp_depth_stages=[1, 5, 1, 1] names stage 5, but the pipeline has stages 0..1"),
     (["parallel.pp=2", "parallel.pp_balance=true", "parallel.pp_layout=[2,2]"], 2,
      "leave them empty"),
     (["parallel.pp=2", "parallel.pp_depth_stages=[0,1,1,1]", "parallel.pp_layout=[4,0]",

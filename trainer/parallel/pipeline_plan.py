@@ -293,6 +293,10 @@ class PipelinePlan:
                               f"model.num_layers={m.num_layers}, "
                               "with at least one layer on the first stage and none negative")
         ds = self.depth_stage
+        past = [x for x in ds if not 0 <= x < n]
+        if past:
+            raise ConfigError(f"parallel.pp_depth_stages={list(ds)} names stage {past[0]}, but "
+                              f"the pipeline has stages 0..{n - 1}")
         if min(ds) < self.trunk_end or max(ds) != n - 1:
             raise ConfigError(f"parallel.pp_depth_stages={list(ds)} must place every depth at or "
                               "after stage "
