@@ -204,10 +204,18 @@ class ChatEncoder:
                 upto = self._text(msgs[: i + 1], False)
                 # a template that ignores add_generation_prompt renders the header in the turn:
                 # the turn is then its content (and end-of-turn), as _turn_in finds it
-                prompted = not i or before != self._text(msgs[:i], False)
-                span = ((len(before), len(upto))
-                        if prompted and full.startswith(upto) and upto.startswith(before)
-                        else _turn_in(full, cursor, m["content"], upto))
+                plain = self._text(msgs[:i], False) if i else ""
+                prompted = not i or before != plain
+                if prompted and full.startswith(upto) and upto.startswith(before):
+                    span = (len(before), len(upto))
+                else:
+                    # the turn's content is searched after its header (the text the generation
+                    # prompt adds), not from the previous turn's end: a user message quoting the
+                    # reply matched first, and trained instead of it
+                    header = before[len(plain):] if before.startswith(plain) else ""
+                    at = full.find(header, cursor) if header else -1
+                    span = _turn_in(full, at + len(header) if at >= 0 else cursor, m["content"],
+                                    upto)
                 if span is None:
                     raise ValueError(f"{where}: cannot find assistant turn {i + 1} in the "
                                      "conversation the chat "

@@ -177,6 +177,13 @@ def test_template_that_rewrites_earlier_turns(tmp_path):
             for i in ids] == ("<|user|> u1 <|end|> <|assistant|> a1 <|end|> <|user|> u2 <|end|> "
                                        "<|assistant|> <think> a2 <|end|> <|endoftext|>").split()
     assert flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
+    # a user message that quotes the reply: the reply trains, not the quote (the turn's content
+    # was searched from the conversation's start and matched the user's `a1 <|end|>` first)
+    msgs[0]["content"] = "u1 a1"
+    ((_, ids, flags),) = encoded(tok, write_jsonl(tmp_path / "q.jsonl", [{"messages": msgs}]))
+    assert [words[i] for i, f in zip(ids, flags) if f] == ["a1", "<|end|>", "<think>", "a2",
+                                                           "<|end|>", "<|endoftext|>"]
+    assert flags.tolist()[:7] == [0, 0, 0, 0, 0, 1, 1]
 
 
 def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):
