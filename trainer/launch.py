@@ -400,7 +400,9 @@ def _launched_before(run_dir: str, args: argparse.Namespace) -> bool:
             seen = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if seen.get("recipe") == args.recipe and seen.get("overrides") == list(args.overrides):
+        recipe = os.path.join(seen.get("cwd", ""), seen.get("recipe") or "")
+        if (os.path.realpath(recipe) == os.path.realpath(args.recipe)
+                and seen.get("overrides") == list(args.overrides)):
             return True
     return False
 

@@ -104,6 +104,9 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
         layer = int(text)  # YAML 1.1 reads 010 as 8
     elif not isinstance(node, StringNode) or (text in ("null", "~") and node._is_optional()):
         return OmegaConf.from_dotlist([f"{key}={value}"])
+    elif text in ("null", "~"):  # YAML's null, which this key cannot hold: not a name or a path
+        raise ConfigError(f"config key '{key}' is text and cannot be null: write {key}= for empty, "
+                          f"or {key}='{text}' for the text")
     elif len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         layer = text[1:-1]
     else:

@@ -201,7 +201,7 @@ def test_submit_writes_script_and_provenance(tmp_path, capsys, fake_sbatch):
     assert prov["job_id"] == "4242" and prov["sbatch_script"] == str(script)
 
 
-def test_relaunch_before_the_first_checkpoint(tmp_path, capsys, fake_sbatch):
+def test_relaunch_before_the_first_checkpoint(tmp_path, capsys, fake_sbatch, monkeypatch):
     """A job that started (config.yaml, metrics) but saved no checkpoint may be launched again as
     it was (its --resume starts it from step 0); another recipe or overrides would start over the
     earlier run's files, and are refused."""
@@ -212,6 +212,8 @@ def test_relaunch_before_the_first_checkpoint(tmp_path, capsys, fake_sbatch):
     (run_dir / "config.yaml").write_text("the job's\n")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert launch_slurm_main(argv) == 0
+    monkeypatch.chdir(tmp_path)  # the same recipe, named relative to another directory
+    assert launch_slurm_main(["r.yaml", *argv[1:]]) == 0
     capsys.readouterr()
     fake_sbatch.log.unlink()
     assert launch_slurm_main([str(recipe), "train.max_steps=4", *argv[2:]]) == 2

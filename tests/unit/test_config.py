@@ -51,6 +51,10 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     assert load_config(None, ["run.name='quoted name'"]).run.name == "quoted name"
     assert load_config(None, ["run.dir=~/runs/a"]).run.dir == "/home/someone/runs/a"
     assert load_config(None, ["train.max_steps=010"]).train.max_steps == 10  # still YAML
+    # YAML's null stays refused for a text key (it became the text 'null', a path to load)
+    with pytest.raises(ConfigError, match="'model.init_from' is text and cannot be null"):
+        load_config(None, ["model.init_from=null"])
+    assert load_config(None, ["model.init_from="]).model.init_from == ""
 
 
 @pytest.mark.parametrize("overrides, message", [
