@@ -217,3 +217,21 @@ def test_an_export_keeps_how_its_source_is_served(tmp_path):
     assert back.config.max_position_embeddings == 32768
     assert (back.config.bos_token_id, back.config.eos_token_id) == (1, 2)
     assert back.generation_config.eos_token_id == 2
+
+
+def test_a_fine_tune_of_a_qwen3_moe_checkpoint_takes_its_balancing(tmp_path):
+    """model.init_from of a Qwen3-MoE directory (softmax router, aux loss, no router bias): the run
+    kept the recipe's aux-free balancing, so its MTP layer's router learnt a bias that `tandem
+    export` refused as qwen3_moe after the whole fine-tune."""
+    from tandem.trainer.hf.init_from import adopt_checkpoint_config
+    from tandem.trainer.recipe import load_config
+
+    config = family_configs()["qwen3_moe"]
+    config.router_aux_loss_coef, config.vocab_size = 0.02, 300
+    make_hf(config).save_pretrained(tmp_path / "src")
+    cfg = load_config("recipes/finetune_mtp.yaml", [f"model.init_from={tmp_path / 'src'}",
+                                                    f"data.vocab_size={config.vocab_size}"])
+    assert cfg.model.balance == "aux_free"
+    changed = adopt_checkpoint_config(cfg)
+    assert (cfg.model.balance, cfg.model.aux_loss_coef) == ("aux_loss", 0.02)
+    assert "model.balance: 'aux_free' -> 'aux_loss'" in changed

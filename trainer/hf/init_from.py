@@ -40,6 +40,10 @@ _KEEP = {"init_from", "max_seq_len", "init_std", "balance", "aux_loss_coef", "bi
          "z_loss_coef",
          "expert_matmul", "linear_kernel", "qsa_form", "indexer_loss_coef", "indexer_warmup_steps",
          "indexer_warmup"}
+_HF_BALANCE = {"balance", "aux_loss_coef"}
+"""A Hugging Face family's router balancing, taken from it too: it is what the family's format holds
+on export (Qwen3-MoE's softmax router has an aux loss and no bias: the run's aux-free default
+trained a bias that `tandem export` then refused, after the whole fine-tune)."""
 
 
 def is_hf_dir(path: str) -> bool:
@@ -87,9 +91,10 @@ def adopt_checkpoint_config(cfg) -> List[str]:
     weights (which then load into this run's module), with the checkpoint's; revalidate; return
     the keys that changed (also printed)."""
     ckpt, wiring, has_mtp = checkpoint_model_config(cfg.model.init_from)
+    keep = _KEEP - _HF_BALANCE if is_hf_dir(cfg.model.init_from) else _KEEP
     changed = []
     for key, value in vars(ckpt).items():
-        if key in _KEEP or getattr(cfg.model, key) == value:
+        if key in keep or getattr(cfg.model, key) == value:
             continue
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
