@@ -97,13 +97,27 @@ class ChatWindows:
 def split_records(records: List[Encoded], split: str, seed: int) -> Tuple[List[Encoded],
                                                                           List[Encoded]]:
     """(train, validation) records: shuffled with `seed`, validation the `split` share (Megatron's
-    "train,valid,test" weights; the test share is left unused)."""
+    "train,valid,test" weights; the test share is left unused). Records with the same prompt (its
+    tokens outside the response: `tandem generate --samples-per-prompt` writes several, and so do
+    conversations that share their turns) go to one split together, at the place of the first of
+    them in the shuffle: split apart, the validation figures were on prompts the run trained on.
+    Records that share no prompt split exactly as each one alone."""
     weights = ([float(w) for w in str(split).replace("/", ",").split(",")] + [0.0, 0.0])[:3]
     order = np.random.default_rng(int(seed)).permutation(len(records))
-    shuffled = [records[i] for i in order]
+    groups: dict = {}
+    for i in order:
+        ids, flags = records[i][1], records[i][2]
+        prompt = ids[flags == 0]
+        groups.setdefault(prompt.tobytes() if len(prompt) else int(i), []).append(records[i])
     n_valid, n_test = (int(round(len(records) * w / max(sum(weights), 1e-9))) for w in weights[1:])
     n_train = max(len(records) - n_valid - n_test, 0)
-    return shuffled[:n_train], shuffled[n_train: n_train + n_valid]
+    train, valid = [], []
+    for members in groups.values():
+        if len(train) < n_train:
+            train += members
+        elif len(valid) < n_valid:
+            valid += members
+    return train, valid
 
 
 def build_chat_datasets(data_cfg, seq_len: int, seed: int) -> Tuple[ChatWindows,

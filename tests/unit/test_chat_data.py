@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -332,3 +333,26 @@ def test_renderer_equals_transformers(tmp_path, template):
         want = hf.apply_chat_template(msgs, tokenize=False,
                                       add_generation_prompt=generation_prompt)
         assert render_chat(chat, msgs, generation_prompt) == want
+
+
+def test_records_of_one_prompt_share_a_split():
+    """`tandem generate --samples-per-prompt 3` writes three records per prompt: the split sent
+    some of a prompt's records to validation and the rest to training, so the evaluator's prompts
+    and validation loss were on prompts the run trained on. Records that share no prompt split as
+    before, record by record."""
+    from tandem.data_pipeline.chat_dataset import split_records
+
+    def record(prompt, response):
+        return ("f.jsonl", np.array(prompt + response), np.array([0] * len(prompt)
+                                                                + [1] * len(response)))
+
+    alone = [record([p, p + 1], [7, 8, p]) for p in range(40)]
+    train, valid = split_records(alone, "80,20", seed=3)
+    order = np.random.default_rng(3).permutation(40)
+    assert [r[1].tolist() for r in train + valid] == [alone[i][1].tolist() for i in order]
+    assert (len(train), len(valid)) == (32, 8)
+    samples = [record([p, p + 1], [7, s, p]) for p in range(40) for s in range(3)]
+    train, valid = split_records(samples, "80,20", seed=3)
+    prompts = [{tuple(r[1][:2]) for r in part} for part in (train, valid)]
+    assert not prompts[0] & prompts[1] and len(prompts[0] | prompts[1]) == 40
+    assert (len(train), len(valid)) == (96, 24)
