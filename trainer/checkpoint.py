@@ -329,14 +329,17 @@ def load_checkpoint(path: str, model: nn.Module,
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         unstepped = _unstepped(optim_sd, path)
+        # this rank's parameter names, in its optimizer's order: the load below replaces the
+        # template's lists with the saved ones (another layout's, e.g. one pipeline rank's)
+        names = [list(group["params"]) for group in optim_sd["param_groups"]]
         state = {"model": _only_saved(model_sd, path), "optim": optim_sd}
         safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"],
                              options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
         set_optimizer_state_dict(model, optimizer, state["optim"],
                                  options=StateDictOptions(strict=not unstepped))
-        for group, names in zip(optimizer.param_groups, optim_sd["param_groups"]):
-            for p, name in zip(group["params"], names["params"]):
+        for group, group_names in zip(optimizer.param_groups, names):
+            for p, name in zip(group["params"], group_names):
                 if name in unstepped:  # as in the saved run: its first update is step 1
                     optimizer.state.pop(p, None)
     else:
