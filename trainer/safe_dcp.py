@@ -11,6 +11,7 @@ items with `torch.load(weights_only=True)` (tensors, numbers, strings and their 
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import torch
@@ -51,18 +52,26 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "not hold: refused (it could run code)")
 
 
+_LAST_METADATA: dict = {}
+"""The metadata read last, keyed by its file's (real path, inode, mtime, size): a checkpoint read
+piece by piece (`tandem export`, tensor by tensor) or checked before its load (the optimizer's
+unstepped parameters) parses its index once, not once per read; a step saved again is a new file."""
+
+
 class SafeFileSystemReader(FileSystemReader):
     """torch's FileSystemReader with the metadata read by `_MetadataUnpickler`, once per file."""
 
-    def __init__(self, path, *args, **kwargs):
-        super().__init__(path, *args, **kwargs)
-        self._metadata_read = {}
-
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        if path not in self._metadata_read:
-            self._metadata_read[path] = self._unpickle_metadata(path)
-        return self._metadata_read[path]
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        if key not in _LAST_METADATA:
+            metadata = self._unpickle_metadata(path)
+            _LAST_METADATA.clear()
+            _LAST_METADATA[key] = metadata
+        metadata = _LAST_METADATA[key]
+        metadata.storage_meta.load_id = self.load_id  # this read's, as torch's reader sets it
+        return metadata
 
     def _unpickle_metadata(self, path) -> Metadata:
         try:

@@ -99,3 +99,26 @@ def test_an_unreadable_shard_is_one_line_naming_the_checkpoint(tmp_path):
     message = str(info.value)
     assert message.startswith(f"checkpoint {step} is unreadable or corrupt (FileNotFoundError")
     assert "\n" not in message and "Traceback" not in message
+
+
+def test_a_checkpoint_read_piece_by_piece_parses_its_index_once(tmp_path, monkeypatch):
+    """`tandem export` loads tensor by tensor, and a resume reads the index before its load: each
+    read parsed `.metadata` again (45 times for the tiny model's export). A new file at the same
+    path (a step saved again) is read anew."""
+    step = _checkpoint(tmp_path)
+    parses = []
+    unpickle = safe_dcp.SafeFileSystemReader._unpickle_metadata
+    monkeypatch.setattr(safe_dcp.SafeFileSystemReader, "_unpickle_metadata",
+                        lambda self, path: parses.append(path) or unpickle(self, path))
+    meta = safe_dcp.read_metadata(step).state_dict_metadata
+    names = [k for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")]
+    for key in names:
+        t = torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
+        safe_dcp.load({"model": {key[len("model."):]: t}}, step, allow_partial_load=True)
+    assert len(parses) == 1 and len(names) > 5
+    again = str(tmp_path / "again")
+    shutil.copytree(step, again)
+    shutil.rmtree(step)
+    os.rename(again, step)
+    safe_dcp.read_metadata(step)
+    assert len(parses) == 2
