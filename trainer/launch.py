@@ -43,7 +43,7 @@ from tandem.trainer.context_cost import cp_sweep, device_fit
 from tandem.trainer.estimate import _count_params, estimate
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config, to_yaml
-from tandem.trainer.run import earlier_run_files, prepare_run_dir
+from tandem.trainer.run import earlier_run_files, past_max_steps, prepare_run_dir
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
 """Templates and env.d: the package data of `tandem.slurm` (the repository's slurm/); override with
@@ -371,16 +371,15 @@ def _resumable(cfg, args: argparse.Namespace) -> bool:
     False after printing the error. A recipe with model.init_from or mtp.init_from takes its shape
     from that checkpoint when the job starts, so that check is left to the job."""
     found = latest_checkpoint(cfg.run.dir, report=False)
-    why = None
+    why, past = None, past_max_steps(found, cfg.train.max_steps)
     if found is None:
         held = earlier_run_files(cfg.run.dir) if os.path.isdir(cfg.run.dir) else []
         if held and not _launched_before(cfg.run.dir, args):
             why = (f"config key 'run.dir'={cfg.run.dir!r} holds an earlier run ({', '.join(held)}; "
                    "no complete checkpoint) that no launch of this recipe and overrides started, "
                    "and the job's --resume would start it again from step 0")
-    elif found[0] > cfg.train.max_steps:
-        why = (f"config key 'train.max_steps'={cfg.train.max_steps} is below the step of the "
-               f"checkpoint to resume, {found[1]}")
+    elif past:
+        why = past
     elif not (cfg.model.init_from or cfg.mtp.init_from):
         try:
             check_compatible(found[1], to_yaml(cfg))

@@ -168,6 +168,15 @@ def release_run_dir(run_dir: str) -> None:
         f.close()
 
 
+def past_max_steps(found, max_steps: int) -> Optional[str]:
+    """Why a resume from the checkpoint `found` ((step, path) or None) would train nothing and
+    rewrite config.yaml: its step is past train.max_steps (None when it is not)."""
+    if found is None or found[0] <= max_steps:
+        return None
+    return (f"config key 'train.max_steps'={max_steps} is below the step of the checkpoint to "
+            f"resume, {found[1]}")
+
+
 def earlier_run_files(run_dir: str) -> list:
     """What an earlier run left in `run_dir` without a complete checkpoint: its config.yaml,
     metrics and incomplete checkpoints (relative paths; empty when there are none)."""
@@ -344,10 +353,9 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
     if found is not None:  # every check on the checkpoint before the data and the model
-        if found[0] > cfg.train.max_steps:  # it would train nothing and rewrite config.yaml
-            raise ConfigError(f"config key 'train.max_steps'={cfg.train.max_steps} is below the "
-                              f"step of the checkpoint to resume, {found[1]}: raise it, or "
-                              "choose another run.dir")
+        past = past_max_steps(found, cfg.train.max_steps)
+        if past:
+            raise ConfigError(f"{past}: raise it, or choose another run.dir")
         check_compatible(found[1], config_yaml)
         check_frozen_reference(found[1], reference)
     saved = read_trainer_state(found[1]) if found is not None else {}
