@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from tandem.data_pipeline.batches import DataPosition
@@ -205,6 +206,25 @@ def _refuse_an_earlier_run(run_dir: str) -> None:
                       "choose another run.dir")
 
 
+def _rank0_decides(pstate: ParallelState, check) -> None:
+    """Run `check` (raises ConfigError to refuse the run) on rank 0 only, and refuse on every rank
+    with rank 0's message: the run directory's checks look at files that this launch's rank 0
+    writes (config.yaml, metrics.jsonl, the lock) while the other ranks may still be starting, and
+    the ranks leave together instead of waiting in their next collective for the one that left."""
+    why = None
+    if pstate.is_main:
+        try:
+            check()
+        except ConfigError as exc:
+            why = str(exc)
+    if pstate.world_size > 1:
+        box = [why]
+        dist.broadcast_object_list(box, src=0)
+        why = box[0]
+    if why:
+        raise ConfigError(why)
+
+
 def write_config(run_dir: str, config_yaml: str) -> None:
     tmp = os.path.join(run_dir, "config.yaml.tmp")
     with open(tmp, "w") as f:
@@ -339,8 +359,6 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
-    if int(os.environ.get("RANK", "0")) == 0:
-        lock_run_dir(cfg.run.dir)
     cfg.eval.check_decoding_fits(cfg)
     found = latest_checkpoint(cfg.run.dir) if resume else None
     if found is not None and cfg.model.init_from:
@@ -352,6 +370,7 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     reference = _adopt_init_from(cfg)
     config_yaml = to_yaml(cfg)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
+    _rank0_decides(pstate, lambda: lock_run_dir(cfg.run.dir))
     if found is not None:  # every check on the checkpoint before the data and the model
         past = past_max_steps(found, cfg.train.max_steps)
         if past:
@@ -361,7 +380,7 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     saved = read_trainer_state(found[1]) if found is not None else {}
     position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
     if not resume:  # the last check before the model is built
-        _refuse_an_earlier_run(cfg.run.dir)
+        _rank0_decides(pstate, lambda: _refuse_an_earlier_run(cfg.run.dir))
     step = TrainStep(cfg, build_model(cfg, pstate), pstate)
     checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                    reference, tokenizer=tokenizer.path)

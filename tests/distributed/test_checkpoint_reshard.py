@@ -14,6 +14,10 @@ to one process resuming with the same 16-sample batch (which also loads the tp2 
 one process; resuming with the checkpoint's own batch, continuing the uninterrupted run exactly:
 the cp2 x pp2 test below). All steps lie in the warm-up, so the learning rate does not depend on
 train.max_steps and the 2-step run sees exactly the first two steps of the 4-step run.
+
+The tp2 x pp2 run starts with rank 1 late (it leaves its data building 10 s after the others): a
+fresh run's ranks used to look for an earlier run in run.dir each for itself, and a late one found
+the config.yaml its own rank 0 had already written and refused the launch.
 """
 
 from __future__ import annotations
@@ -137,14 +141,15 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
     common = [RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", "checkpoint.interval=0"]
     train = ["train"] + common
 
-    def logged(name):
+    def logged(name, **faults):
         os.makedirs(tmp_path / "reads" / name)
-        return fault_env(env, TANDEM_TEST_SAMPLE_LOG=str(tmp_path / "reads" / name))
+        return fault_env(env, TANDEM_TEST_SAMPLE_LOG=str(tmp_path / "reads" / name), **faults)
 
     ref_dir, ref = reference
     saved_dir = tmp_path / "tp2pp2"
     _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=4",
-                        "parallel.tp=2", "parallel.pp=2"], logged("tp2pp2"))
+                        "parallel.tp=2", "parallel.pp=2"],
+            logged("tp2pp2", TANDEM_TEST_LATE_RANK="1:10"))
     _assert_reads(tmp_path / "reads" / "tp2pp2", {1: range(0, 8), 2: range(8, 16)}, "tp2xpp2")
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "tp2xpp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"

@@ -9,7 +9,10 @@ Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
 * TANDEM_TEST_SAMPLE_LOG=<dir>: append the training samples each rank reads for each 1-based step
   to <dir>/rank<R>.jsonl;
 * TANDEM_TEST_SLOW_FIRST_ATTEMPT=<seconds>: every optimizer step takes that much longer on a Slurm
-  job's first attempt (SLURM_RESTART_COUNT unset or 0), so a short time limit reaches a tiny run.
+  job's first attempt (SLURM_RESTART_COUNT unset or 0), so a short time limit reaches a tiny run;
+* TANDEM_TEST_LATE_RANK=<rank>:<seconds>: that rank returns from building its data (the run's last
+  collective before the run directory's checks) `seconds` late, so the other ranks get that far
+  ahead in starting the run unless something holds them back.
 Python imports `sitecustomize` at start-up; nothing is imported or patched without these variables.
 """
 
@@ -23,6 +26,7 @@ _KILL = os.environ.get("TANDEM_TEST_KILL_AT_STEP")
 _PAUSE = os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT")
 _SAMPLES = os.environ.get("TANDEM_TEST_SAMPLE_LOG")
 _SLOW = os.environ.get("TANDEM_TEST_SLOW_FIRST_ATTEMPT")
+_LATE = os.environ.get("TANDEM_TEST_LATE_RANK")
 
 
 def _rank() -> int:
@@ -58,6 +62,21 @@ def _slow_first_attempt(seconds: str) -> None:
         return advance(self, *args, **kwargs)
 
     DataPosition.advance = advance_slowly
+
+
+def _late_rank(spec: str) -> None:
+    from tandem.trainer import run
+
+    who, _, seconds = spec.partition(":")
+    build_data = run._build_data
+
+    def build_data_late(*args, **kwargs):
+        out = build_data(*args, **kwargs)
+        if _rank() == int(who):
+            time.sleep(float(seconds))
+        return out
+
+    run._build_data = build_data_late
 
 
 def _pause_checkpoint(spec: str) -> None:
@@ -109,3 +128,5 @@ if _SAMPLES:
     _log_samples(_SAMPLES)
 if _SLOW:
     _slow_first_attempt(_SLOW)
+if _LATE:
+    _late_rank(_LATE)
