@@ -259,6 +259,13 @@ def check_compatible(path: str, config_yaml: str) -> None:
     if tokenizer:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: "
                          + "; ".join(tokenizer))
+    window = [d for d in differences("data") if d.split(":")[0] == "data.seq_len"]
+    if window:
+        # its position counts samples of the saved window (and the schedule counts them): at another
+        # window the same count is other tokens in another order
+        raise ValueError(f"checkpoint {path} was trained at another window ({window[0]}): its "
+                         "sample stream does not continue at another data.seq_len; start a new "
+                         f"stage from it with model.init_from={path} in another run.dir")
 
 
 RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "indexer_loss_coef",

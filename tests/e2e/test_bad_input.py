@@ -329,6 +329,16 @@ def test_resume_into_a_different_tokenizer(ctx):
               "400")
 
 
+def test_resume_at_another_window(ctx):
+    """A resume at another data.seq_len read the saved count of samples as windows of the new
+    length: other tokens, in another order, and consumed_tokens mixing the two lengths."""
+    ckpt = os.path.join(ctx.run, "checkpoints", "step_2")
+    ctx.fails(["train", RECIPE, *ctx.base, "data.seq_len=48", "--resume"],
+              f"checkpoint {ckpt} was trained at another window (data.seq_len: checkpoint 32 vs "
+              "config 48): its sample stream does not continue at another data.seq_len; start a "
+              f"new stage from it with model.init_from={ckpt} in another run.dir")
+
+
 def test_resume_from_corrupt_checkpoint(ctx):
     ckpt = os.path.join(ctx.run, "checkpoints", "step_2")
     shard = next(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
