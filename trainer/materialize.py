@@ -91,16 +91,21 @@ def materialize(model: nn.Module, cfg, device) -> None:
         load_mtp_weights(model, cfg.mtp.init_from)
 
 
+def mtp_checkpoint_step(path: str) -> str:
+    """The step directory the Tandem checkpoint `mtp.init_from=path` (a step or run directory)
+    reads; ConfigError naming the key when it is no checkpoint."""
+    try:
+        return os.path.abspath(resolve_checkpoint(path))
+    except FileNotFoundError:
+        raise ConfigError(f"config key 'mtp.init_from'={path!r} is not a Tandem checkpoint "
+                          "(step_<N>/ with COMPLETE, or a run directory holding one)") from None
+
+
 def mtp_checkpoint_keys(path: str) -> dict:
     """{name: global shape} of the `mtp.*` model tensors of the Tandem checkpoint at `path` (a step
     or run directory). ConfigError naming `mtp.init_from` when it is no checkpoint or holds no MTP
     module."""
-    try:
-        step = resolve_checkpoint(path)
-    except FileNotFoundError:
-        raise ConfigError(f"config key 'mtp.init_from'={path!r} is not a Tandem checkpoint "
-                          "(step_<N>/ with "
-                          "COMPLETE, or a run directory holding one)") from None
+    step = mtp_checkpoint_step(path)
     meta = safe_dcp.read_metadata(step).state_dict_metadata
     found = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
              if k.startswith("model.mtp.") and hasattr(v, "size")}
@@ -127,8 +132,10 @@ def adopt_mtp_init_from(cfg) -> list:
             raise ConfigError(f"config key 'mtp.init_from'={path!r}: its safetensors hold no MTP "
                               "weights")
     else:
+        # the step read, recorded in config.yaml: a run directory's newest checkpoint moves on
+        path = cfg.mtp.init_from = mtp_checkpoint_step(path)
         mtp_checkpoint_keys(path)
-        saved = load_config(os.path.join(resolve_checkpoint(path), "config.yaml")).mtp
+        saved = load_config(os.path.join(path, "config.yaml")).mtp
         wiring = {key: getattr(saved, key) for key in MTP_WIRING}
     changed = []
     for key, value in wiring.items():

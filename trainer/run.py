@@ -11,10 +11,10 @@ import fcntl
 import os
 import socket
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-import torch.distributed as dist
 from torch import nn
 
 from tandem.data_pipeline.batches import DataPosition
@@ -51,6 +51,7 @@ from .parallel.device import (
     resolve_device,
     set_malloc_mmap_threshold,
 )
+from .parallel.layout import decided_on_rank0
 from .parallel.pipeline_decode import parallel_decoding
 from .recipe import to_yaml
 from .step import TrainStep
@@ -122,9 +123,9 @@ def prepare_run_dir(run_dir: str) -> None:
     """Fail early (before any expensive work) if the run directory cannot be written."""
     try:
         os.makedirs(run_dir, exist_ok=True)
-        probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
+        # a name no other rank takes: pids repeat across the nodes of a containerised job
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=run_dir)
+        os.close(fd)
         os.remove(probe)
     except OSError as exc:
         raise ConfigError(
@@ -204,25 +205,6 @@ def _refuse_an_earlier_run(run_dir: str) -> None:
         how = "pass --resume to start it again from step 0"
     raise ConfigError(f"config key 'run.dir'={run_dir!r} holds an earlier run ({held}); {how} or "
                       "choose another run.dir")
-
-
-def _rank0_decides(pstate: ParallelState, check) -> None:
-    """Run `check` (raises ConfigError to refuse the run) on rank 0 only, and refuse on every rank
-    with rank 0's message: the run directory's checks look at files that this launch's rank 0
-    writes (config.yaml, metrics.jsonl, the lock) while the other ranks may still be starting, and
-    the ranks leave together instead of waiting in their next collective for the one that left."""
-    why = None
-    if pstate.is_main:
-        try:
-            check()
-        except ConfigError as exc:
-            why = str(exc)
-    if pstate.world_size > 1:
-        box = [why]
-        dist.broadcast_object_list(box, src=0)
-        why = box[0]
-    if why:
-        raise ConfigError(why)
 
 
 def write_config(run_dir: str, config_yaml: str) -> None:
@@ -353,13 +335,10 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
     return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding, stops)
 
 
-def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
-    """Make this rank's run. A torchrun restart (--max-restarts) of a failed job resumes from the
-    last checkpoint, as `resume` and train.resume do."""
-    resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
-                                                              "0")) > 0
-    prepare_run_dir(cfg.run.dir)
-    cfg.eval.check_decoding_fits(cfg)
+def _sources(cfg: TandemConfig, resume: bool):
+    """(the checkpoint to resume or None, the frozen trunk's reference or None), with
+    model.init_from and mtp.init_from set to the step directories they read (a run directory's
+    newest checkpoint moves on while that run trains)."""
     found = latest_checkpoint(cfg.run.dir) if resume else None
     if found is not None and cfg.model.init_from:
         given, cfg.model.init_from = cfg.model.init_from, pinned_init_from(found[1],
@@ -367,10 +346,25 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
         if given != cfg.model.init_from and int(os.environ.get("RANK", "0")) == 0:
             print(f"resume: model.init_from={given} is read at {cfg.model.init_from}, the "
                   "checkpoint this run started from", file=sys.stderr)
-    reference = _adopt_init_from(cfg)
-    config_yaml = to_yaml(cfg)
+    return found, _adopt_init_from(cfg)
+
+
+def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
+    """Make this rank's run. A torchrun restart (--max-restarts) of a failed job resumes from the
+    last checkpoint, as `resume` and train.resume do."""
+    resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                              "0")) > 0
+    prepare_run_dir(cfg.run.dir)
+    cfg.eval.check_decoding_fits(cfg)
+    found, reference = _sources(cfg, resume)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
-    _rank0_decides(pstate, lambda: lock_run_dir(cfg.run.dir))
+    decided_on_rank0(lambda: lock_run_dir(cfg.run.dir))
+    # Every rank runs with what rank 0 found: a checkpoint published between rank 0's look and
+    # another rank's made the ranks resume or start from different steps.
+    found, reference, agreed = decided_on_rank0(lambda: (found, reference, cfg))
+    for section in fields(cfg):
+        setattr(cfg, section.name, getattr(agreed, section.name))
+    config_yaml = to_yaml(cfg)
     if found is not None:  # every check on the checkpoint before the data and the model
         past = past_max_steps(found, cfg.train.max_steps)
         if past:
@@ -380,7 +374,7 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     saved = read_trainer_state(found[1]) if found is not None else {}
     position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
     if not resume:  # the last check before the model is built
-        _rank0_decides(pstate, lambda: _refuse_an_earlier_run(cfg.run.dir))
+        decided_on_rank0(lambda: _refuse_an_earlier_run(cfg.run.dir))
     step = TrainStep(cfg, build_model(cfg, pstate), pstate)
     checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                    reference, tokenizer=tokenizer.path)

@@ -2,7 +2,9 @@
 the model sharded over two ranks) writes byte for byte the file one process writes, greedy and
 sampled (same seed), from a Tandem checkpoint and (tp2) from its Hugging Face export, each rank
 reading only its shards of the safetensors. Run as a script, this file is the torchrun worker: one
-launch and process group for both layouts, every decode.
+launch and process group for both layouts, every decode. The first decode starts while the
+checkpoint's run directory publishes a newer step, which rank 0 sees and rank 1 does not: rank 1
+used to decode the older one into the same file.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.conftest import fault_env
 from tests.distributed import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -45,8 +48,8 @@ def reference(tmp_path_factory, corpus_cache):
 
     root = tmp_path_factory.mktemp("generate_layouts")
     train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [
-        f"run.dir={root / 'run'}", "train.max_steps=2", "model.num_kv_heads=2",
-        f"data.cache_dir={corpus_cache}"]))
+        f"run.dir={root / 'run'}", "train.max_steps=2", "checkpoint.interval=1",
+        "model.num_kv_heads=2", f"data.cache_dir={corpus_cache}"]))
     assert cli(["export", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS))
@@ -66,7 +69,13 @@ def launched(reference):
     root, _ = reference
     for layout in LAYOUTS:
         (root / layout).mkdir()
-    proc = torchrun.run(2, __name__, root, *LAYOUTS, timeout=300)
+    # the first decode's ranks look up the run's newest checkpoint around its publication: rank 1
+    # before (step_1), rank 0 after (step_2); every rank must decode rank 0's, as one process does
+    step_2 = root / "run" / "checkpoints" / "step_2"
+    os.rename(step_2, root / "staged_step_2")
+    env = fault_env(dict(os.environ), TANDEM_TEST_PUBLISH_AT_START=f"{root / 'staged_step_2'}:"
+                                                                   f"{step_2}")
+    proc = torchrun.run(2, __name__, root, *LAYOUTS, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-7000:]
     return root
 

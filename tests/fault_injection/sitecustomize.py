@@ -12,7 +12,12 @@ Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
   job's first attempt (SLURM_RESTART_COUNT unset or 0), so a short time limit reaches a tiny run;
 * TANDEM_TEST_LATE_RANK=<rank>:<seconds>: that rank returns from building its data (the run's last
   collective before the run directory's checks) `seconds` late, so the other ranks get that far
-  ahead in starting the run unless something holds them back.
+  ahead in starting the run unless something holds them back;
+* TANDEM_TEST_PUBLISH_AT_START=<staged>:<final>: rank 1 renames the directory `staged` to `final`
+  (a checkpoint being published) once it has first looked up the checkpoints it reads (`tandem
+  train`: the one to resume, model.init_from's and mtp.init_from's; `tandem generate`:
+  --checkpoint's), and rank 0 makes its first look only after that, so the two ranks see a run
+  directory before and after a checkpoint appears in it.
 Python imports `sitecustomize` at start-up; nothing is imported or patched without these variables.
 """
 
@@ -27,6 +32,7 @@ _PAUSE = os.environ.get("TANDEM_TEST_PAUSE_CHECKPOINT")
 _SAMPLES = os.environ.get("TANDEM_TEST_SAMPLE_LOG")
 _SLOW = os.environ.get("TANDEM_TEST_SLOW_FIRST_ATTEMPT")
 _LATE = os.environ.get("TANDEM_TEST_LATE_RANK")
+_PUBLISH = os.environ.get("TANDEM_TEST_PUBLISH_AT_START")
 
 
 def _rank() -> int:
@@ -77,6 +83,31 @@ def _late_rank(spec: str) -> None:
         return out
 
     run._build_data = build_data_late
+
+
+def _publish_at_start(spec: str) -> None:
+    from tandem.trainer import generate, run
+
+    staged, _, final = spec.partition(":")
+    done = []
+
+    def around_a_publish(look_up):
+        def looked_up(*args, **kwargs):
+            if done:
+                return look_up(*args, **kwargs)
+            if _rank() == 0:
+                while not os.path.exists(final):
+                    time.sleep(0.1)
+            out = look_up(*args, **kwargs)
+            if _rank() == 1:
+                os.rename(staged, final)
+            done.append(1)
+            return out
+
+        return looked_up
+
+    run._sources = around_a_publish(run._sources)
+    generate._checkpoint_source = around_a_publish(generate._checkpoint_source)
 
 
 def _pause_checkpoint(spec: str) -> None:
@@ -130,3 +161,5 @@ if _SLOW:
     _slow_first_attempt(_SLOW)
 if _LATE:
     _late_rank(_LATE)
+if _PUBLISH:
+    _publish_at_start(_PUBLISH)

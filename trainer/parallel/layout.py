@@ -31,7 +31,7 @@ import atexit
 import os
 import sys
 import traceback
-from typing import Callable, NoReturn, Optional
+from typing import Callable, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import TandemConfig
+from ..config_checks import ConfigError
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .context import ContextShards
@@ -129,6 +130,36 @@ def init_process_group(backend: str) -> None:
     dist.init_process_group(backend=backend,
                             store=dist.PrefixStore(f"tandem/attempt_{attempt}", agent_store),
                             rank=int(os.environ["RANK"]), world_size=world)
+
+
+T = TypeVar("T")
+
+
+def decided_on_rank0(compute: Callable[[], T]) -> T:
+    """`compute()` run on global rank 0 only, its result (a picklable value) returned on every rank
+    of the launch, or its bad-input error (ValueError, ConfigError included, or FileNotFoundError)
+    raised on every rank: on rank 0 as raised, elsewhere as a ConfigError with its message. In one
+    process, `compute()`.
+
+    For what the ranks must agree on but each would find on a shared file system for itself, where
+    another process (or this launch's rank 0) may change it meanwhile: a run directory's newest
+    checkpoint, which moves on while that run trains; whether run.dir holds an earlier run, whose
+    files rank 0 writes as soon as it starts. The ranks also leave together on a refusal, instead
+    of waiting in their next collective for the one that left."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute()
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = compute()
+        except (ValueError, FileNotFoundError) as exc:
+            box[1] = str(exc)
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    return box[0]
 
 
 def leave_distributed_process(code: int) -> NoReturn:
