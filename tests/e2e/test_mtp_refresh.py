@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.conftest import TINY_OVERRIDES
 
@@ -64,6 +65,10 @@ def test_refresh_loads_the_trunk_of_one_and_the_mtp_module_of_the_other(runs, co
 
     run_dir = str(tmp_path / "refresh")
     assert cli(["train", REFRESH, *_refresh_args(runs, run_dir, runs["old"], corpus_cache)]) == 0
+    # config.yaml records the step each source was read at (a run directory's newest moves on)
+    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    assert saved.model.init_from == os.path.join(runs["new"], "checkpoints", "step_1")
+    assert saved.mtp.init_from == os.path.join(runs["old"], "checkpoints", "step_1")
     # parameters: the training step moves the MoE routers' balancing biases (buffers) even at lr
     # 1e-20
     old, new, got = (_state(p, parameters_only=True) for p in (runs["old"], runs["new"], run_dir))
