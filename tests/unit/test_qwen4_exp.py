@@ -8,7 +8,8 @@ expert). fp32.
   1e-5 relative, gradients of a loss within 2e-4;
 - greedy decoding with Tandem's decoder state gives transformers' generated tokens;
 - a Tandem-built model exports (`--family qwen4_exp`) into what transformers loads with the same
-  logits.
+  logits;
+- blocks with tied indexer scores: Tandem selects as transformers does with a stable top-k.
 """
 
 from __future__ import annotations
@@ -195,6 +196,36 @@ def test_greedy_decoding_after_a_long_run_matches_transformers_generate(slow_pai
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         out = generate(model, [prompt], new, num_steps=0).outputs
     assert out[0][:new] == ref
+
+
+def test_tied_block_scores_select_as_a_stable_top_k_does(tmp_path, monkeypatch):
+    """With 2 indexer heads, on a run of one token and on a repeated 4-token pattern, many blocks
+    score exactly 0 (every head's dot product negative) and the ties decide the selection. Tandem
+    breaks them towards the earlier block in every path; transformers' `topk` in no fixed order
+    (its logits then differ by up to 30%). With its block `topk` made stable, earlier first,
+    transformers gives Tandem's logits, per token."""
+    hf = make_hf(seed=0, indexer_n_heads=2)
+    hf.save_pretrained(tmp_path / "hf")
+    model, _ = load_hf_model(str(tmp_path / "hf"))
+    s = 64
+    ids = torch.stack([torch.full((s,), 7), torch.tensor([5, 6, 7, 8] * (s // 4))])
+    with torch.no_grad():
+        ours = model.logits(0, model.trunk(ids, torch.arange(s).expand(2, s)))
+    topk, tied = torch.Tensor.topk, []
+
+    def stable_topk(scores, k, dim=-1, largest=True, sorted=True):
+        if scores.dim() != 1 or not largest:  # the router's top-k is 2-D
+            return topk(scores, k, dim, largest, sorted)
+        order = torch.sort(scores, descending=True, stable=True).indices
+        tied.append(k < len(order) and bool(scores[order[k - 1]] == scores[order[k]]))
+        return torch.return_types.topk((scores[order[:k]], order[:k]))
+
+    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert sum(tied) > 20  # the ties at the k-th block are real and many (53 of them)
+    err_t = (ours - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert err_t.max() <= 1e-5, err_t.argmax().tolist()
 
 
 def test_export_loads_in_transformers_with_same_logits(tmp_path):
