@@ -77,12 +77,16 @@ def _train(argv: List[str]) -> int:
         return 2
     from .guard import BadStepHalt
     from .loop import train
+    from .preemption import RequeueRefused
 
     try:
         record = train(cfg, resume=args.resume)
     except BadStepHalt as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 3
+    except RequeueRefused as exc:
+        print(f"tandem train: {exc}", file=sys.stderr)
+        return 4
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"tandem train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

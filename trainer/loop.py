@@ -9,6 +9,7 @@ and the RNG states, and continues at the next unconsumed sample under any global
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -173,9 +174,20 @@ def _preempt(run: Run, step: int) -> None:
     if _saved_step(run) < step:  # not when the interval has just saved it
         run.save(step, wait=True)
     run.checkpoints.finish()
-    preemption.requeue_current_job()
-    if run.pstate.is_main:
-        print(f"preempted: checkpointed step {step} and asked Slurm to requeue", file=sys.stderr)
+    requeued = preemption.requeue_current_job()
+    job = os.environ.get("SLURM_JOB_ID")
+    if not run.pstate.is_main:
+        return
+    if requeued:
+        print(f"preempted: checkpointed step {step}; Slurm requeued job {job}, which resumes from "
+              "it", file=sys.stderr)
+    elif job:  # the job would end COMPLETED with its training unfinished
+        raise preemption.RequeueRefused(
+            f"preempted: checkpointed step {step}, but Slurm refused to requeue job {job}: submit "
+            f"it again with run.dir={run.cfg.run.dir} (the job resumes from that checkpoint)")
+    else:
+        print(f"preempted: checkpointed step {step}; `tandem train ... --resume` with "
+              f"run.dir={run.cfg.run.dir} continues from it", file=sys.stderr)
 
 
 def _save_final(run: Run, step: int) -> None:

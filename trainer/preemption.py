@@ -27,9 +27,9 @@ The functions, used by the training loop like this::
     On global rank 0, when SLURM_JOB_ID is set, runs `scontrol requeue $SLURM_JOB_ID` and logs the
     outcome; returns True when the requeue was accepted. Other ranks and non-Slurm runs return
     False. The requeue makes Slurm end this allocation (SIGTERM to every process, which the handler
-    turns into the flag, then SIGKILL after KillWait), so call it only after the checkpoint is
-    complete on all ranks, and exit promptly. The job must be requeueable (`#SBATCH --requeue`,
-    which the launcher sets).
+    turns into the flag, then SIGKILL after KillWait, or torchrun's after its --shutdown-timeout),
+    so call it only after the checkpoint is complete on all ranks, and exit promptly. The job must
+    be requeueable (`#SBATCH --requeue`, which the launcher sets).
 
 How the signal arrives under `tandem launch slurm`: see slurm/train.sbatch.tmpl. In short, slurmctld
 sends SIGUSR1 (`--signal=USR1@N`) to every process of the job step on every node; torchrun ignores
@@ -132,6 +132,11 @@ def agree_preemption(group=None) -> bool:
         logger.warning("preemption: %s received (by this or another rank); checkpointing and "
                        "requeueing", _signal_name or "signal")
     return agreed
+
+
+class RequeueRefused(RuntimeError):
+    """Slurm refused to requeue a preempted job, which stopped at a checkpoint: the message says
+    which, and how to go on."""
 
 
 def requeue_current_job() -> bool:

@@ -138,6 +138,37 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
 
 
 @pytest.mark.slow
+def test_a_refused_requeue_fails_the_job_naming_the_checkpoint(tiny_overrides, tmp_path,
+                                                              monkeypatch, capsys):
+    """Slurm may refuse `scontrol requeue` (after the time limit, a job not requeueable): the run
+    said it had asked for a requeue and exited 0, so Slurm marked the job COMPLETED with its
+    training unfinished. It now exits 4 with a line saying so, its checkpoint kept."""
+    import signal
+
+    from tandem.trainer import loop, preemption
+    from tandem.trainer.cli import main
+
+    optimizer_step = loop.optimizer_step
+
+    def step_then_signal(run, step):
+        out = optimizer_step(run, step)
+        if out[0] == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return out
+
+    monkeypatch.setattr(loop, "optimizer_step", step_then_signal)
+    monkeypatch.setattr(preemption, "requeue_current_job", lambda: False)
+    monkeypatch.setenv("SLURM_JOB_ID", "907")
+    run_dir = tmp_path / "run"
+    assert main(["train", RECIPE, *tiny_overrides, "train.max_steps=4",
+                 f"run.dir={run_dir}"]) == 4
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tandem train: preempted: checkpointed step 1, but Slurm refused to requeue job 907: "
+        f"submit it again with run.dir={run_dir} (the job resumes from that checkpoint)")
+    assert [s for s, _ in list_checkpoints(str(run_dir))[0]] == [1]
+
+
+@pytest.mark.slow
 def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides, tmp_path,
                                                                    monkeypatch):
     """SIGUSR1, Slurm's pre-timeout signal, during step 2, which the interval checkpoints: the run
