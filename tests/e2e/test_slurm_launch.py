@@ -275,7 +275,8 @@ def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatc
 def test_torchrun_gives_a_sigterm_checkpoint_time(tmp_path, capsys, env, timeout):
     """On SIGTERM (the time limit, scancel) the ranks checkpoint, but torchrun SIGKILLed them after
     its default 30 s, whatever the site's KillWait: a longer save was lost and the job not
-    requeued. The job's torchrun waits TANDEM_SHUTDOWN_TIMEOUT (default 120 s)."""
+    requeued. The job's torchrun waits TANDEM_SHUTDOWN_TIMEOUT (default 120 s). Its rendezvous
+    port stays below Linux's ephemeral ports (job 123456 took 32956 among them)."""
     recipe = _recipe(tmp_path, tmp_path / "run")
     script_path = tmp_path / "job.sbatch"
     script_path.write_text(_dry_run(capsys, [str(recipe), "--nodes", "1", "--procs-per-node", "1"]))
@@ -285,11 +286,13 @@ def test_torchrun_gives_a_sigterm_checkpoint_time(tmp_path, capsys, env, timeout
     options = tmp_path / "torchrun_options"
     _exe(tmp_path / "bin" / "torchrun",
          f'#!/bin/bash\nprintf "%s\\n" "$@" > {shlex.quote(str(options))}\n')
-    run_env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **SLURM_ENV, **env)
+    run_env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+                   **{**SLURM_ENV, "SLURM_JOB_ID": "123456"}, **env)
     res = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=run_env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert f"--shutdown-timeout={timeout}" in options.read_text().splitlines()
+    given = options.read_text().splitlines()
+    assert f"--shutdown-timeout={timeout}" in given and "--rdzv-endpoint=localhost:23456" in given
 
 
 def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
