@@ -275,11 +275,12 @@ RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "ind
 which leave the weights' layout as it was (a resume refused them as 'a different model shape')."""
 
 
-def pinned_init_from(path: str, given: str) -> str:
-    """The model.init_from that a resume from the checkpoint at `path` reads: the step directory
-    the run started from (its saved config records it) when `given` names the run directory that
-    holds it, whose newest checkpoint moves on as that run trains; else `given`."""
-    saved = str(OmegaConf.select(_saved_config(path), "model.init_from", default="") or "")
+def pinned_init_from(path: str, given: str, key: str = "model.init_from") -> str:
+    """The `key` (model.init_from or mtp.init_from) that a resume from the checkpoint at `path`
+    reads: the step directory the run started from (its saved config records it) when `given` names
+    the run directory that holds it, whose newest checkpoint moves on as that run trains; else
+    `given`."""
+    saved = str(OmegaConf.select(_saved_config(path), key, default="") or "")
     inside = os.path.abspath(saved).startswith(os.path.abspath(given) + os.sep) if given else False
     return saved if inside and os.path.isdir(saved) else given
 

@@ -388,16 +388,13 @@ def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
 def _start(args, rank: int, world: int):
     """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair,
     model, decoding). Every input problem raises before the model loads."""
-    src, plan, settings, meta, kept, done, repair = prepare(args, world)
     if world > 1 and not args.hf:
         if not dist.is_initialized():
             init_process_group(resolve_device(args.device.partition(":")[0]).process_group_backend)
         # every rank decodes the step rank 0 found: a run directory's newest checkpoint moves on
         # while that run trains, and rows of two checkpoints went into one --out
-        agreed = decided_on_rank0(lambda: src.path)
-        if agreed != src.path:
-            args.checkpoint = agreed
-            src, plan, settings, meta, kept, done, repair = prepare(args, world)
+        args.checkpoint = decided_on_rank0(lambda: resolve_checkpoint(args.checkpoint))
+    src, plan, settings, meta, kept, done, repair = prepare(args, world)
     if world > 1:
         model, decoding = load_on_layout(args, src)
     else:

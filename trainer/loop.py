@@ -183,8 +183,9 @@ def _preempt(run: Run, step: int) -> None:
               "it", file=sys.stderr)
     elif job:  # the job would end COMPLETED with its training unfinished
         raise preemption.RequeueRefused(
-            f"preempted: checkpointed step {step}, but Slurm refused to requeue job {job}: submit "
-            f"it again with run.dir={run.cfg.run.dir} (the job resumes from that checkpoint)")
+            f"preempted: checkpointed step {step}, but the requeue of Slurm job {job} failed (the "
+            f"log says why): submit it again with run.dir={run.cfg.run.dir} (the job resumes from "
+            "that checkpoint)")
     else:
         print(f"preempted: checkpointed step {step}; `tandem train ... --resume` with "
               f"run.dir={run.cfg.run.dir} continues from it", file=sys.stderr)

@@ -340,12 +340,14 @@ def _sources(cfg: TandemConfig, resume: bool):
     model.init_from and mtp.init_from set to the step directories they read (a run directory's
     newest checkpoint moves on while that run trains)."""
     found = latest_checkpoint(cfg.run.dir) if resume else None
-    if found is not None and cfg.model.init_from:
-        given, cfg.model.init_from = cfg.model.init_from, pinned_init_from(found[1],
-                                                                           cfg.model.init_from)
-        if given != cfg.model.init_from and int(os.environ.get("RANK", "0")) == 0:
-            print(f"resume: model.init_from={given} is read at {cfg.model.init_from}, the "
-                  "checkpoint this run started from", file=sys.stderr)
+    for section, key in ((cfg.model, "model.init_from"), (cfg.mtp, "mtp.init_from")):
+        given = section.init_from
+        if found is None or not given:
+            continue
+        section.init_from = pinned_init_from(found[1], given, key)
+        if given != section.init_from and int(os.environ.get("RANK", "0")) == 0:
+            print(f"resume: {key}={given} is read at {section.init_from}, the checkpoint this run "
+                  "started from", file=sys.stderr)
     return found, _adopt_init_from(cfg)
 
 

@@ -84,6 +84,29 @@ def test_refresh_loads_the_trunk_of_one_and_the_mtp_module_of_the_other(runs, co
             assert not torch.equal(old[k], new[k]), k
 
 
+def test_a_resume_reads_both_sources_at_the_steps_it_started_from(runs, corpus_cache, tmp_path):
+    """Both sources name run directories, whose newest checkpoints move on: a resume (every Slurm
+    requeue) must read the steps the run started from, as config.yaml says. mtp.init_from was read
+    at the source's newest step again, and config.yaml then named a step never read."""
+    import shutil
+
+    from tandem.trainer.cli import main as cli
+
+    sources = {name: str(tmp_path / name) for name in ("old", "new")}
+    for name, path in sources.items():
+        shutil.copytree(runs[name], path)
+    run_dir = str(tmp_path / "refresh")
+    args = _refresh_args(sources, run_dir, sources["old"], corpus_cache)
+    assert cli(["train", REFRESH, *args]) == 0
+    for path in sources.values():  # each source run publishes a newer checkpoint
+        shutil.copytree(os.path.join(path, "checkpoints", "step_1"),
+                        os.path.join(path, "checkpoints", "step_2"))
+    assert cli(["train", REFRESH, *args, "train.max_steps=2", "--resume"]) == 0
+    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    assert saved.model.init_from == os.path.join(sources["new"], "checkpoints", "step_1")
+    assert saved.mtp.init_from == os.path.join(sources["old"], "checkpoints", "step_1")
+
+
 def test_load_mtp_weights_in_process_and_its_errors(runs):
     """The loader alone, on a plain model: exactly the mtp.* tensors change; the error cases."""
     from tandem.models import TandemModel

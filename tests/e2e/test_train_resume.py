@@ -163,8 +163,9 @@ def test_a_refused_requeue_fails_the_job_naming_the_checkpoint(tiny_overrides, t
     assert main(["train", RECIPE, *tiny_overrides, "train.max_steps=4",
                  f"run.dir={run_dir}"]) == 4
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "tandem train: preempted: checkpointed step 1, but Slurm refused to requeue job 907: "
-        f"submit it again with run.dir={run_dir} (the job resumes from that checkpoint)")
+        "tandem train: preempted: checkpointed step 1, but the requeue of Slurm job 907 failed "
+        f"(the log says why): submit it again with run.dir={run_dir} (the job resumes from that "
+        "checkpoint)")
     assert [s for s, _ in list_checkpoints(str(run_dir))[0]] == [1]
 
 

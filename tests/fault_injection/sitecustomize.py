@@ -14,10 +14,10 @@ Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
   collective before the run directory's checks) `seconds` late, so the other ranks get that far
   ahead in starting the run unless something holds them back;
 * TANDEM_TEST_PUBLISH_AT_START=<staged>:<final>: rank 1 renames the directory `staged` to `final`
-  (a checkpoint being published) once it has first looked up the checkpoints it reads (`tandem
-  train`: the one to resume, model.init_from's and mtp.init_from's; `tandem generate`:
-  --checkpoint's), and rank 0 makes its first look only after that, so the two ranks see a run
-  directory before and after a checkpoint appears in it.
+  (a checkpoint being published) once it has looked up the checkpoints it reads (`tandem train`:
+  the one to resume, model.init_from's and mtp.init_from's; `tandem generate`: --checkpoint's), or
+  when it comes to take rank 0's answer instead, and rank 0 looks only after that, so the two
+  ranks see a run directory before and after a checkpoint appears in it.
 Python imports `sitecustomize` at start-up; nothing is imported or patched without these variables.
 """
 
@@ -89,25 +89,34 @@ def _publish_at_start(spec: str) -> None:
     from tandem.trainer import generate, run
 
     staged, _, final = spec.partition(":")
-    done = []
+    published = []
+
+    def publish():
+        if _rank() == 1 and not published:
+            os.rename(staged, final)
+            published.append(1)
 
     def around_a_publish(look_up):
         def looked_up(*args, **kwargs):
-            if done:
-                return look_up(*args, **kwargs)
             if _rank() == 0:
                 while not os.path.exists(final):
                     time.sleep(0.1)
             out = look_up(*args, **kwargs)
-            if _rank() == 1:
-                os.rename(staged, final)
-            done.append(1)
+            publish()
             return out
 
         return looked_up
 
+    def publish_then(agree):
+        def agreed(*args, **kwargs):
+            publish()  # a rank 1 that no longer looks for itself
+            return agree(*args, **kwargs)
+
+        return agreed
+
     run._sources = around_a_publish(run._sources)
-    generate._checkpoint_source = around_a_publish(generate._checkpoint_source)
+    generate.resolve_checkpoint = around_a_publish(generate.resolve_checkpoint)
+    generate.decided_on_rank0 = publish_then(generate.decided_on_rank0)
 
 
 def _pause_checkpoint(spec: str) -> None:

@@ -137,9 +137,9 @@ T = TypeVar("T")
 
 def decided_on_rank0(compute: Callable[[], T]) -> T:
     """`compute()` run on global rank 0 only, its result (a picklable value) returned on every rank
-    of the launch, or its bad-input error (ValueError, ConfigError included, or FileNotFoundError)
-    raised on every rank: on rank 0 as raised, elsewhere as a ConfigError with its message. In one
-    process, `compute()`.
+    of the launch, or its error (a ValueError, ConfigError included, or an OSError such as
+    FileNotFoundError) raised on every rank: on rank 0 as raised, elsewhere as a ConfigError with
+    its message. In one process, `compute()`.
 
     For what the ranks must agree on but each would find on a shared file system for itself, where
     another process (or this launch's rank 0) may change it meanwhile: a run directory's newest
@@ -152,7 +152,7 @@ def decided_on_rank0(compute: Callable[[], T]) -> T:
     if dist.get_rank() == 0:
         try:
             box[0] = compute()
-        except (ValueError, FileNotFoundError) as exc:
+        except (ValueError, OSError) as exc:
             box[1] = str(exc)
             dist.broadcast_object_list(box, src=0)
             raise
