@@ -73,6 +73,36 @@ def test_qwen3_next_trunk_rejected(tmp_path):
         load_hf_model(str(d))
 
 
+def test_missing_moe_field_named(tmp_path):
+    """A Qwen3-MoE config.json without num_experts_per_tok failed with a bare KeyError."""
+    cfg = T.Qwen3MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    d = tmp_path / "moe"
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    fields = json.loads((d / "config.json").read_text())
+    del fields["num_experts_per_tok"]
+    (d / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(UnsupportedCheckpoint,
+                       match="^qwen3_moe: config.json lacks 'num_experts_per_tok'$"):
+        load_hf_model(str(d))
+
+
+@pytest.mark.parametrize("name,act", [("ckpt[step1]", "silu"), ("swish", "swish")])
+def test_checkpoints_transformers_loads_give_its_logits(tmp_path, name, act):
+    """A directory name with glob characters ("no *.safetensors in ...") and hidden_act swish
+    (transformers' silu) were refused."""
+    d = tiny_qwen3(tmp_path, name)
+    fields = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**fields, "hidden_act": act}))
+    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = T.AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits
+        model, _ = load_hf_model(str(d))
+        ours = model.logits(0, model.trunk(ids, torch.arange(12)[None]))
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_missing_and_unexpected_names_listed(tmp_path):
     d = tiny_qwen3(tmp_path)
     state = load_file(str(d / "model.safetensors"))

@@ -130,7 +130,7 @@ def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
         return cfg.data.tokenizer
     if cfg.data.source == "stdlib":
         ver = ".".join(map(str, sys.version_info[:3]))
-        pattern = os.path.join(os.path.expanduser(cfg.data.cache_dir),
+        pattern = os.path.join(glob.escape(os.path.expanduser(cfg.data.cache_dir)),
                                f"stdlib-py{ver}-v{cfg.data.vocab_size}"
                                f"-cap{cfg.data.stdlib_max_bytes}-*",
                                "train.tokenizer.json")

@@ -106,7 +106,7 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
     name = spec.name
     if name == "qwen4_exp":
         return qwen4_exp.config_from_hf(hf, _rope(hf), max_seq_len)
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: swish is silu
         raise UnsupportedCheckpoint(f"hidden_act={hf.get('hidden_act')!r} is not supported "
                                     "(SwiGLU/silu only)")
     if hf.get("mlp_bias"):
@@ -130,7 +130,7 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=0 if head_dim * heads == hidden else head_dim,
-        intermediate_size=int(hf["intermediate_size"]), rope_theta=theta,
+        intermediate_size=int(_field(hf, name, "intermediate_size")), rope_theta=theta,
         partial_rotary_factor=partial,
         # the families' config classes' defaults: GLM4-MoE's 1e-5, the others' 1e-6
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if name == "glm4_moe" else 1e-6)),
@@ -146,6 +146,14 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
     return cfg
 
 
+def _field(hf: dict, family: str, key: str):
+    """config.json's `key`, which this family's checkpoints must hold: UnsupportedCheckpoint naming
+    it when it is missing (a bare KeyError said nothing about the file)."""
+    if hf.get(key) is None:
+        raise UnsupportedCheckpoint(f"{family}: config.json lacks {key!r}")
+    return hf[key]
+
+
 def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """Qwen3-MoE's experts: softmax routing with an auxiliary balance loss, dense layers first."""
     experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
@@ -158,8 +166,8 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
             f"qwen3_moe: dense layers {dense} (from mlp_only_layers/decoder_sparse_step) are "
             "not a leading block; only first_k_dense is supported")
     cfg.num_experts, cfg.first_k_dense = experts, len(dense)
-    cfg.top_k = int(hf["num_experts_per_tok"])
-    cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
+    cfg.top_k = int(_field(hf, "qwen3_moe", "num_experts_per_tok"))
+    cfg.moe_intermediate_size = int(_field(hf, "qwen3_moe", "moe_intermediate_size"))
     cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
     cfg.router_score, cfg.balance = "softmax", "aux_loss"
     cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", 1e-3))
@@ -167,9 +175,9 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
 
 def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """GLM-4.5's experts: grouped sigmoid routing, shared experts, aux-free balancing."""
-    cfg.num_experts = int(hf.get("n_routed_experts", hf.get("num_local_experts", 0)))
-    cfg.top_k = int(hf["num_experts_per_tok"])
-    cfg.moe_intermediate_size = int(hf["moe_intermediate_size"])
+    cfg.num_experts = int(hf.get("num_local_experts") or _field(hf, "glm4_moe", "n_routed_experts"))
+    cfg.top_k = int(_field(hf, "glm4_moe", "num_experts_per_tok"))
+    cfg.moe_intermediate_size = int(_field(hf, "glm4_moe", "moe_intermediate_size"))
     cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
     # past the last layer it means every layer is dense, as first_k_dense = num_layers says
     cfg.first_k_dense = min(int(hf.get("first_k_dense_replace", 1)), cfg.num_layers)

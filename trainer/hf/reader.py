@@ -34,7 +34,8 @@ class CheckpointReader:
         self._handles: Dict[str, object] = {}
         self._pickled: Dict[str, torch.Tensor] = {}
         index = os.path.join(path, "model.safetensors.index.json")
-        st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        files = os.path.join(glob.escape(path), "*")  # a directory name may hold [ ] * ?
+        st_files = sorted(glob.glob(f"{files}.safetensors"))
         if os.path.isfile(index):
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -45,9 +46,8 @@ class CheckpointReader:
                 for key in self._header(file)[1]:
                     self._files[key] = file
         else:
-            pickles = sorted(glob.glob(os.path.join(path, "*.bin"))
-                             + glob.glob(os.path.join(path, "*.pt")) +
-                             glob.glob(os.path.join(path, "*.pth")))
+            pickles = sorted(glob.glob(f"{files}.bin") + glob.glob(f"{files}.pt")
+                             + glob.glob(f"{files}.pth"))
             if not pickles:
                 raise CheckpointError("no *.safetensors (or model.safetensors.index.json) in "
                                       f"{path}")
