@@ -416,6 +416,8 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
     except (GenerateError, FileNotFoundError, ValueError) as exc:
         if rank == 0:
             print(f"tandem generate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        if owns_group and dist.is_initialized():  # _start may have started it
+            dist.destroy_process_group()
         return 2
     writer = _writer_rank(decoding) == rank
     left = sum(len(plan.batch(b)) for b in todo)
