@@ -154,15 +154,14 @@ class CheckpointWriter:
         return os.path.join(root, f"step_{step}")
 
     def _async_group(self):
-        """The group async_save coordinates over: it needs a CPU backend (torch 2.13 raises "A CPU
-        backend must be enabled for async save" otherwise). Tandem's default group has one on every
-        device (`Device.process_group_backend`); a default group created elsewhere with a device
-        backend only gets a gloo group of its own, made once (collectively: every rank saves)."""
+        """The group async_save coordinates over: a gloo group of its own (torch 2.13 needs a CPU
+        backend: "A CPU backend must be enabled for async save"), made once, collectively (every
+        rank saves). Not the default group, even where it has a CPU backend: the save's planning
+        collectives run in a background thread while the next steps' collectives run in the main
+        one, and on one group the ranks paired them in different orders (gloo reported a collective
+        mismatch, or hung, at a run's first save under dp=2)."""
         if not dist.is_initialized():
             return None
-        default = dist.distributed_c10d._get_default_group()
-        if torch.device("cpu") in default._device_types:
-            return default
         if self._gloo_group is None:
             self._gloo_group = dist.new_group(backend="gloo")
         return self._gloo_group
