@@ -271,18 +271,25 @@ def test_hostile_values_reach_the_trainer_literally(tmp_path, capsys, monkeypatc
     assert "srun exited with 0" in res.stdout
 
 
-@pytest.mark.parametrize("env,timeout", [({}, "120"), ({"TANDEM_SHUTDOWN_TIMEOUT": "900"}, "900")])
-def test_torchrun_gives_a_sigterm_checkpoint_time(tmp_path, capsys, env, timeout):
-    """On SIGTERM (the time limit, scancel) the ranks checkpoint, but torchrun SIGKILLed them after
-    its default 30 s, whatever the site's KillWait: a longer save was lost and the job not
-    requeued. The job's torchrun waits TANDEM_SHUTDOWN_TIMEOUT (default 120 s). Its rendezvous
-    port stays below Linux's ephemeral ports (job 123456 took 32956 among them)."""
+def _one_node_job(tmp_path, capsys):
+    """A one-node, one-process job script of a tiny recipe, with the stubs of `_stub_bin` in
+    tmp_path/bin; its path."""
     recipe = _recipe(tmp_path, tmp_path / "run")
     script_path = tmp_path / "job.sbatch"
     script_path.write_text(_dry_run(capsys, [str(recipe), "--nodes", "1", "--procs-per-node", "1"]))
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir()
     _stub_bin(tmp_path / "bin", tmp_path / "argv.json", marker_dir)
+    return script_path
+
+
+@pytest.mark.parametrize("env,timeout", [({}, "120"), ({"TANDEM_SHUTDOWN_TIMEOUT": "900"}, "900")])
+def test_torchrun_gives_a_sigterm_checkpoint_time(tmp_path, capsys, env, timeout):
+    """On SIGTERM (the time limit, scancel) the ranks checkpoint, but torchrun SIGKILLed them after
+    its default 30 s, whatever the site's KillWait: a longer save was lost and the job not
+    requeued. The job's torchrun waits TANDEM_SHUTDOWN_TIMEOUT (default 120 s). Its rendezvous
+    port stays below Linux's ephemeral ports (job 123456 took 32956 among them)."""
+    script_path = _one_node_job(tmp_path, capsys)
     options = tmp_path / "torchrun_options"
     _exe(tmp_path / "bin" / "torchrun",
          f'#!/bin/bash\nprintf "%s\\n" "$@" > {shlex.quote(str(options))}\n')
@@ -298,12 +305,7 @@ def test_torchrun_gives_a_sigterm_checkpoint_time(tmp_path, capsys, env, timeout
 def test_batch_shell_relays_usr1_to_steps_and_keeps_waiting(tmp_path, capsys):
     """`scancel --batch --signal=USR1` reaches only the batch shell: it must relay to the steps
     (scancel without --batch) and go on waiting for srun, exiting with srun's status."""
-    recipe = _recipe(tmp_path, tmp_path / "run")
-    script_path = tmp_path / "job.sbatch"
-    script_path.write_text(_dry_run(capsys, [str(recipe), "--nodes", "1", "--procs-per-node", "1"]))
-    marker_dir = tmp_path / "markers"
-    marker_dir.mkdir()
-    _stub_bin(tmp_path / "bin", tmp_path / "argv.json", marker_dir)
+    script_path = _one_node_job(tmp_path, capsys)
     started = tmp_path / "srun_started"
     # srun runs until the relay reached scancel (at most 30 s), however late a loaded machine
     # delivers the signal, then exits 3: the shell must still be waiting for it
