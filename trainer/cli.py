@@ -87,7 +87,7 @@ def _train(argv: List[str]) -> int:
     except RequeueRefused as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 4
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, OSError, ValueError) as exc:
         print(f"tandem train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     if record is not None and int(os.environ.get("RANK", "0")) == 0:

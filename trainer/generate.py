@@ -390,6 +390,7 @@ def _start(args, rank: int, world: int):
     model, decoding). Every input problem raises before the model loads."""
     if world > 1 and not args.hf:
         if not dist.is_initialized():
+            args.device = resolve_device_flag(args.device)  # its error names the flag
             init_process_group(resolve_device(args.device.partition(":")[0]).process_group_backend)
         # every rank decodes the step rank 0 found: a run directory's newest checkpoint moves on
         # while that run trains, and rows of two checkpoints went into one --out
@@ -413,7 +414,7 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
     owns_group = world > 1 and not dist.is_initialized()
     try:
         src, plan, settings, meta, kept, todo, repair, model, decoding = _start(args, rank, world)
-    except (GenerateError, FileNotFoundError, ValueError) as exc:
+    except (GenerateError, OSError, ValueError) as exc:
         if rank == 0:
             print(f"tandem generate: error: {' '.join(str(exc).split())}", file=sys.stderr)
         if owns_group and dist.is_initialized():  # _start may have started it

@@ -143,6 +143,15 @@ def test_a_run_dir_another_process_trains_in(ctx):
         holder.wait()
 
 
+def test_an_unusable_lock_file_is_one_line(ctx):
+    """Any OSError on the run directory (here its lock file is a directory) was a traceback."""
+    lock = os.path.join(ctx.run, ".tandem.lock")
+    os.remove(lock)
+    os.mkdir(lock)
+    ctx.before = snapshot(ctx.run)
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume"], f"Is a directory: {lock!r}")
+
+
 def test_resume_at_max_steps_leaves_the_run_as_it_was(ctx, capsys):
     """A resume of a finished run with train.max_steps at its checkpoint trains nothing: it
     rewrote config.yaml with settings no step used. `--resume` may also stand between the

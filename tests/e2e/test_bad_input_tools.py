@@ -60,8 +60,13 @@ def test_eval_unusable_device(ctx, no_model, prompts, device, message):
     assert line.startswith("tandem eval: error: ")
 
 
+@pytest.mark.parametrize("world", ["1", "2"])
 @pytest.mark.parametrize("device, message", _unseen_devices())
-def test_generate_unusable_device(ctx, no_model, prompts, tmp_path, device, message):
+def test_generate_unusable_device(ctx, no_model, prompts, tmp_path, monkeypatch, device, message,
+                                  world):
+    """Under torchrun (WORLD_SIZE 2) too: the process group's start named a config key 'device'
+    that generate does not have. The flag is refused before any rendezvous."""
+    monkeypatch.setenv("WORLD_SIZE", world)
     out = tmp_path / "g.jsonl"
     line = ctx.fails(["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out", str(out),
                       "--device", device], message)

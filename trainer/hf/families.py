@@ -175,7 +175,9 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
 
 def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """GLM-4.5's experts: grouped sigmoid routing, shared experts, aux-free balancing."""
-    cfg.num_experts = int(hf.get("num_local_experts") or _field(hf, "glm4_moe", "n_routed_experts"))
+    experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
+    cfg.num_experts = int(experts if experts is not None else _field(hf, "glm4_moe",
+                                                                     "n_routed_experts"))
     cfg.top_k = int(_field(hf, "glm4_moe", "num_experts_per_tok"))
     cfg.moe_intermediate_size = int(_field(hf, "glm4_moe", "moe_intermediate_size"))
     cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
