@@ -388,10 +388,10 @@ def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
 def _start(args, rank: int, world: int):
     """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair,
     model, decoding). Every input problem raises before the model loads."""
+    if world > 1 and not dist.is_initialized():
+        args.device = resolve_device_flag(args.device)  # its error names the flag
+        init_process_group(resolve_device(args.device.partition(":")[0]).process_group_backend)
     if world > 1 and not args.hf:
-        if not dist.is_initialized():
-            args.device = resolve_device_flag(args.device)  # its error names the flag
-            init_process_group(resolve_device(args.device.partition(":")[0]).process_group_backend)
         # every rank decodes the step rank 0 found: a run directory's newest checkpoint moves on
         # while that run trains, and rows of two checkpoints went into one --out
         args.checkpoint = decided_on_rank0(lambda: resolve_checkpoint(args.checkpoint))

@@ -148,15 +148,15 @@ def decided_on_rank0(compute: Callable[[], T]) -> T:
     of waiting in their next collective for the one that left."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return compute()
-    box = [None, None]
+    box, error = [None, None], None
     if dist.get_rank() == 0:
         try:
             box[0] = compute()
         except (ValueError, OSError) as exc:
-            box[1] = str(exc)
-            dist.broadcast_object_list(box, src=0)
-            raise
+            box[1], error = str(exc), exc
     dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
     if box[1] is not None:
         raise ConfigError(box[1])
     return box[0]
