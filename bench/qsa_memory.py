@@ -58,7 +58,7 @@ def _reference_class():
 
         def _indexer_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
                             query_at_bs, docs, selected, want_loss, visible, rows_s, window, dense,
-                            measure_recall):
+                            measure_recall, counted=None):
             assert window is None, "the reference runs in one process"
             r, n = self.compress_ratio, k_bnd.shape[1]
             mass_bsn, recall_bs = attention_block_mass(
@@ -77,6 +77,8 @@ def _reference_class():
                                                                                                None]
                 allowed_bsn = torch.zeros_like(self._scores,
                                                dtype=torch.bool).scatter_(-1, blocks_bsk, real)
+            if counted is not None:  # padding queries learn nothing
+                allowed_bsn = allowed_bsn & counted[..., None]
             loss = indexer_kl(self._scores, self.reduce_heads(mass_bsn), allowed_bsn)
             self.last_indexer_loss = loss.detach()
             return loss

@@ -7,7 +7,8 @@ into windows of `data.seq_len + 1` tokens with the loss on responses only (data_
   naming its file and line, before any window is built.
 Every sample carries `doc_ids` (the record ordinal of each token, counted from the window's first
 record, padding one more), so `get_batch` passes record boundaries to the model as they are, and no
-target of any MTP depth crosses from one record into the next; padding is EOD with loss mask 0.
+target of any MTP depth crosses from one record into the next; padding is EOD with loss mask 0, and
+`padding` marks it, so that MoE layers leave it out of their loads and auxiliary losses.
 
 Records are shuffled once with `train.seed` (train and validation are drawn from the shuffled
 records when `data.valid_paths` is empty, by `data.split`); sample i of a run past the end wraps
@@ -41,7 +42,7 @@ def check_fit(records: Sequence[Encoded], seq_len: int) -> None:
 
 class ChatWindows:
     """Windows of seq_len+1 tokens over encoded records; item i is a dict of `tokens`, `labels`,
-    `loss_mask`, `position_ids` ([seq_len]) and `doc_ids` ([seq_len+1])."""
+    `loss_mask`, `position_ids`, `padding` ([seq_len]) and `doc_ids` ([seq_len+1])."""
 
     def __init__(self, records: Sequence[Encoded], seq_len: int, packing: str, eod_id: int) -> None:
         if packing not in ("pack", "pad"):
@@ -50,9 +51,9 @@ class ChatWindows:
         width = self.seq_len + 1
         if packing == "pad":
             check_fit(records, self.seq_len)
-            self.tokens, self.flags, self.docs = self._padded(records, width)
+            self.tokens, self.flags, self.docs, self.padding = self._padded(records, width)
         else:
-            self.tokens, self.flags, self.docs = self._packed(records, width)
+            self.tokens, self.flags, self.docs, self.padding = self._packed(records, width)
 
     def _padded(self, records: Sequence[Encoded], width: int):
         n = len(records)
@@ -62,7 +63,7 @@ class ChatWindows:
         docs = np.ones((n, width), dtype=np.int64)
         for row, (_, ids, resp) in enumerate(records):
             tokens[row, : len(ids)], flags[row, : len(ids)], docs[row, : len(ids)] = ids, resp, 0
-        return tokens, flags, docs
+        return tokens, flags, docs, docs == 1
 
     def _packed(self, records: Sequence[Encoded], width: int):
         ids = np.concatenate([r[1] for r in records])
@@ -76,7 +77,7 @@ class ChatWindows:
         ordinals = np.concatenate([ordinals, np.full(pad, len(records), dtype=np.int64)])
         starts = np.arange(n)[:, None] * self.seq_len + np.arange(width)[None, :]
         docs = ordinals[starts]
-        return ids[starts], resp[starts], docs - docs[:, :1]
+        return ids[starts], resp[starts], docs - docs[:, :1], docs == len(records)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -91,6 +92,8 @@ class ChatWindows:
             "loss_mask": torch.from_numpy(self.flags[i][1:].astype(np.float32)),
             "position_ids": torch.arange(self.seq_len),
             "doc_ids": torch.from_numpy(self.docs[i]),
+            # the inputs (tokens 0..seq_len-1) that are padding
+            "padding": torch.from_numpy(self.padding[i][:-1]),
         }
 
 

@@ -52,13 +52,16 @@ def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
 
 
 def block_kwargs(documents: Optional[Documents] = None, context: Optional[WholeWindow] = None,
-                 aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> dict:
+                 aux_grad_scale: float = 1.0, qsa_dense: bool = False,
+                 counted: Optional[torch.Tensor] = None) -> dict:
     """The keyword arguments every caller of a block (the trunk, the MTP chain, a pipeline stage)
     hands it: the packed documents, the window's context-parallel split when it is split, the
-    gradient scale of the auxiliary losses and QSA's dense warm-up; each only when it differs from
-    the block's default, so an unsplit, unpacked forward calls the block exactly as decoding
-    does."""
+    gradient scale of the auxiliary losses, QSA's dense warm-up and the rows that are not padding
+    (`TandemModel.counted_rows`); each only when it differs from the block's default, so an
+    unsplit, unpacked forward calls the block exactly as decoding does."""
     kwargs = {} if documents is None else {"documents": documents}
+    if counted is not None:
+        kwargs["counted"] = counted
     if aux_grad_scale != 1.0:
         kwargs["aux_grad_scale"] = aux_grad_scale
     if context is not None and context.sharded:
@@ -119,7 +122,7 @@ class TransformerBlock(nn.Module):
                 selection: Optional[QSASelection] = None,
                 return_selection: bool = False, documents: Optional[Documents] = None,
                 context: Optional[WholeWindow] = None, aux_grad_scale: float = 1.0,
-                qsa_dense: bool = False):
+                qsa_dense: bool = False, counted: Optional[torch.Tensor] = None):
         """`selection` / `return_selection`: the QSA selection handed between MTP depths in training
         (`IndexedAttention.forward`); with `return_selection` the block returns (output, selection).
         They are arguments and results, not module state, so activation checkpointing's
@@ -128,7 +131,9 @@ class TransformerBlock(nn.Module):
         apart. `context`: the window's split over context-parallel ranks (models/context.py), which
         the token mixer and PLE read across. `aux_grad_scale`: the gradient an MoE's auxiliary
         losses and a QSA indexer's KL get (`MoE.forward`, `IndexedAttention.forward`). `qsa_dense`:
-        QSA's dense warm-up stage (training only; other token mixers ignore it)."""
+        QSA's dense warm-up stage (training only; other token mixers ignore it). `counted`: the
+        rows that are not padding, which an MoE's load counters and auxiliary losses and a QSA
+        indexer's KL count (`MoE.forward`; None: all)."""
         sel_out = None
         extra = {} if documents is None else {"documents": documents}
         if context is not None:
@@ -136,6 +141,8 @@ class TransformerBlock(nn.Module):
         mixer_args = dict(extra)
         if self.kind == "indexed_attention" and (qsa_dense or aux_grad_scale != 1.0):
             mixer_args.update(dense=qsa_dense, aux_grad_scale=aux_grad_scale)
+        if self.kind == "indexed_attention" and counted is not None:
+            mixer_args["counted"] = counted
 
         def mix(h: torch.Tensor) -> torch.Tensor:
             nonlocal sel_out
@@ -153,6 +160,8 @@ class TransformerBlock(nn.Module):
             mlp_args = {"aux_grad_scale": aux_grad_scale}
             if context is not None:
                 mlp_args["context"] = context
+            if counted is not None:
+                mlp_args["counted"] = counted
         if self.hc_count == 1:
             x_bsh = x_bsh + mix(self.input_layernorm(x_bsh))
             out = x_bsh + self.mlp(self.post_attention_layernorm(x_bsh), **mlp_args)

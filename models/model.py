@@ -184,15 +184,15 @@ class TandemModel(nn.Module):
     def trunk(self, input_ids_bs: torch.Tensor, positions_bs: torch.Tensor, cache=None,
               emb_bsh: Optional[torch.Tensor] = None,
               documents: Optional[Documents] = None, aux_grad_scale: float = 1.0,
-              qsa_dense: bool = False) -> torch.Tensor:
+              qsa_dense: bool = False, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Trunk hidden states before the final norm (h_0 of the MTP chain). `emb_bsh`: the tokens'
         embedding when the caller already looked it up (`shifted_embeddings`). `documents`: packed
         documents kept apart (then `positions_bs` count from each document's start).
-        `aux_grad_scale`, `qsa_dense`: see `forward`."""
+        `aux_grad_scale`, `qsa_dense`: see `forward`; `counted`: `counted_rows`."""
         h = self.embed_tokens(input_ids_bs) if emb_bsh is None else emb_bsh
         if self.cfg.hc_count > 1:
             h = h.repeat(1, 1, self.cfg.hc_count)  # every stream starts as the embedding
-        extra = block_kwargs(documents, self.context, aux_grad_scale, qsa_dense)
+        extra = block_kwargs(documents, self.context, aux_grad_scale, qsa_dense, counted)
         for i, layer in self.layers.items():
             h = layer(h, positions_bs, cache.layer(int(i)) if cache is not None else None,
                       input_ids_bs if layer.ple is not None else None, **extra)
@@ -212,12 +212,12 @@ class TandemModel(nn.Module):
                        positions_bs: torch.Tensor, emb_bsh: Optional[torch.Tensor] = None,
                        selection: Optional[QSASelection] = None,
                        documents: Optional[Documents] = None, aux_grad_scale: float = 1.0,
-                       qsa_dense: bool = False):
+                       qsa_dense: bool = False, counted: Optional[torch.Tensor] = None):
         """The training form of `mtp_step`: returns (h_step, the QSA selection later depths reuse).
         With mtp.qsa_reuse_indices depth 1 selects and returns its selection and depths 2..K attend
         over the one handed in (none in the dense warm-up, which selects nothing); otherwise every
         depth selects for itself and None is passed along."""
-        extra = block_kwargs(documents, self.context, aux_grad_scale, qsa_dense)
+        extra = block_kwargs(documents, self.context, aux_grad_scale, qsa_dense, counted)
         if self.mtp.selection_share is None:
             return self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
                                    **extra), None
@@ -272,12 +272,20 @@ class TandemModel(nn.Module):
             return self.sequence.rows(window, (shift - first) * rows, rows)
         return self.sequence.rows(window, shift - first, s)
 
+    def counted_rows(self, padding_bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """[B, rows] bool, False where the row is padding: the rows an MoE layer counts in its
+        loads and auxiliary losses and a QSA indexer in its KL (`MoE.forward`), this rank's rows
+        (context parallelism: its chunks of the window). None without padding (`padding_bs` [B,
+        S] None)."""
+        return None if padding_bs is None else self.context.local(~padding_bs.bool())
+
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
                      positions_bs: torch.Tensor,
                      depths: Optional[Sequence[int]] = None, h_chain: Optional[torch.Tensor] = None,
                      chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                      documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None,
-                     aux_grad_scale: float = 1.0, qsa_dense: bool = False):
+                     aux_grad_scale: float = 1.0, qsa_dense: bool = False,
+                     counted: Optional[torch.Tensor] = None):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order,
         teacher-forced on the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token
         t+k. The chain may start later (a pipeline stage after the one that ran depth
@@ -285,7 +293,8 @@ class TandemModel(nn.Module):
         reaches the trunk. `emb_window`: (`shifted_embeddings` output, its first shift) covering
         every step run; without it each step looks its tokens up. `carry`: depth 1's QSA selection
         in and out (a chain started after depth 1 reuses the one it brings). `aux_grad_scale`,
-        `qsa_dense`: see `forward`."""
+        `qsa_dense`: see `forward`; `counted`: `counted_rows` (every depth's rows are the trunk's
+        positions)."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
@@ -304,7 +313,7 @@ class TandemModel(nn.Module):
                                                  emb_bsh=emb, selection=carry.value,
                                                  documents=documents,
                                                  aux_grad_scale=aux_grad_scale,
-                                                 qsa_dense=qsa_dense)
+                                                 qsa_dense=qsa_dense, counted=counted)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -318,7 +327,8 @@ class TandemModel(nn.Module):
     def forward(self, tokens_bs1: torch.Tensor, loss_mask_bs: Optional[torch.Tensor] = None,
                 doc_ids_bs1: Optional[torch.Tensor] = None, document_mask: bool = False,
                 loss_grad_scales: Optional[torch.Tensor] = None,
-                aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> ModelOutput:
+                aux_grad_scale: float = 1.0, qsa_dense: bool = False,
+                padding_bs: Optional[torch.Tensor] = None) -> ModelOutput:
         """Per-depth summed losses over a window of S+1 tokens (inputs are the first S).
         `document_mask` (data.document_mask): the documents `doc_ids_bs1` delimits do not see each
         other. `loss_grad_scales`: the gradient d total / d loss_sums[depth] the caller's loss will
@@ -327,7 +337,10 @@ class TandemModel(nn.Module):
         (models/loss.py). None: the weight's gradient is recomputed in backward. `aux_grad_scale`:
         the gradient the caller's objective gives each auxiliary loss of this forward, an MoE
         layer's balance + z loss and a QSA indexer's KL (the trainer's: 1 / the micro-batches of its
-        global step). `qsa_dense`: QSA's dense warm-up stage (trainer/qsa_training.py)."""
+        global step). `qsa_dense`: QSA's dense warm-up stage (trainer/qsa_training.py).
+        `padding_bs` [B, S] bool: the inputs that are padding (the data's `padding`), which MoE
+        layers leave out of their loads and auxiliary losses and QSA indexers out of their KL
+        (`counted_rows`)."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
         if loss_mask_bs is None:
@@ -337,6 +350,7 @@ class TandemModel(nn.Module):
         # rows)
         positions = self.context.local(window_positions(documents, b, s, tokens_bs1.device))
         documents = documents.local(self.context) if documents is not None else None
+        counted = self.counted_rows(padding_bs)
         # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near
         # inference.
         emb_window = None
@@ -348,11 +362,12 @@ class TandemModel(nn.Module):
             emb = self.window_rows(emb_window, 0, s) if emb_window is not None else None
             h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions, emb_bsh=emb,
                            documents=documents, aux_grad_scale=aux_grad_scale,
-                           qsa_dense=qsa_dense)
+                           qsa_dense=qsa_dense, counted=counted)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions,
                                        emb_window=emb_window, documents=documents,
                                        loss_grad_scales=loss_grad_scales,
-                                       aux_grad_scale=aux_grad_scale, qsa_dense=qsa_dense)
+                                       aux_grad_scale=aux_grad_scale, qsa_dense=qsa_dense,
+                                       counted=counted)
 
     def losses_from_hidden(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
                            loss_mask_bs: torch.Tensor,
@@ -363,7 +378,8 @@ class TandemModel(nn.Module):
                            documents: Optional[Documents] = None,
                            selection: Optional[QSASelection] = None,
                            loss_grad_scales: Optional[torch.Tensor] = None,
-                           aux_grad_scale: float = 1.0, qsa_dense: bool = False) -> ModelOutput:
+                           aux_grad_scale: float = 1.0, qsa_dense: bool = False,
+                           counted: Optional[torch.Tensor] = None) -> ModelOutput:
         """Main-head loss and every MTP depth's loss from the trunk's hidden states (a pipeline
         stage runs exactly this for the `depths` it holds, continuing the MTP chain from `h_chain` =
         h_{chain_depth}; the sums and counts then cover those depths only). Under sequence
@@ -395,7 +411,7 @@ class TandemModel(nn.Module):
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain,
                                                chain_depth, emb_window, documents, carry,
                                                aux_grad_scale=aux_grad_scale,
-                                               qsa_dense=qsa_dense):
+                                               qsa_dense=qsa_dense, counted=counted):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask],

@@ -28,7 +28,7 @@ each token's weighted sum of its top-k expert outputs accumulates in fp32 in slo
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,18 @@ def expert_counts(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     reads the maximum back to size its output)."""
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_indices.device)
     return counts.scatter_add_(0, flat_indices, torch.ones_like(flat_indices))
+
+
+def expert_loads(indices_tk: torch.Tensor, num_experts: int,
+                 counted_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 copies per expert of the tokens that count (`counted_t` [T] bool: False on padding,
+    whose copies are routed and computed but left out of the loads and the auxiliary losses; None:
+    every token counts)."""
+    if counted_t is None:
+        return expert_counts(indices_tk.flatten(), num_experts).float()
+    weights = counted_t.float()[:, None].expand(indices_tk.shape).flatten()
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=indices_tk.device)
+    return counts.scatter_add_(0, indices_tk.flatten(), weights)
 
 
 # `torch._grouped_mm` behind custom ops: torch.compile then treats the grouped matmul as one opaque
@@ -163,13 +175,16 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32),
                              persistent=False)
 
-    def forward(self, x_th: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return (weights [T,k], expert indices [T,k], router logits [T,E] in fp32)."""
+    def forward(self, x_th: torch.Tensor, counted_t: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return (weights [T,k], expert indices [T,k], router logits [T,E] in fp32). `counted_t`
+        [T] bool: the tokens the load counters count (False on padding; None: all)."""
         # Autocast would turn the fp32 linear back into a bf16 one (and the ops after it follow).
         with torch.autocast(x_th.device.type, enabled=False):
-            return self._route(x_th.float(), self.weight.float())
+            return self._route(x_th.float(), self.weight.float(), counted_t)
 
-    def _route(self, x_th: torch.Tensor, weight_eh: torch.Tensor):
+    def _route(self, x_th: torch.Tensor, weight_eh: torch.Tensor,
+               counted_t: Optional[torch.Tensor] = None):
         cfg = self.cfg
         logits = F.linear(x_th, weight_eh)
         scores = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(dim=-1)
@@ -187,7 +202,7 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * cfg.routed_scaling_factor
         with torch.no_grad():
-            self.tokens_per_expert += expert_counts(indices.flatten(), self.num_experts).float()
+            self.tokens_per_expert += expert_loads(indices, self.num_experts, counted_t)
         return weights, indices, logits
 
     @torch.no_grad()
@@ -249,18 +264,22 @@ class MoE(nn.Module):
         """The shared expert's MLP (tensor parallelism computes it on its shards instead)."""
         return self.shared_experts(x_th)
 
-    def forward(self, x_bsh: torch.Tensor, context=None,
-                aux_grad_scale: float = 1.0) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, context=None, aux_grad_scale: float = 1.0,
+                counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`context`: the window's split over context-parallel ranks (models/context.py), over which
         the auxiliary losses average. `aux_grad_scale`: the gradient the caller's objective gives
         this forward's aux + z loss (the trainer's: 1 / the micro-batches of its global step, so
-        that the step optimises their mean)."""
+        that the step optimises their mean). `counted` [B, S] bool: False where the row is padding
+        (`TandemModel.counted_rows`); padding is routed and computed like any token, but the load
+        counters (the aux-free bias step, `moe/max_over_mean_load`) and the auxiliary losses leave
+        it out, as if the window ended before it. None: every row counts."""
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
-        weights, indices, logits = self.router(x)
+        counted_t = counted.reshape(-1) if counted is not None else None
+        weights, indices, logits = self.router(x, counted_t)
         out = self.route_and_compute(x, weights, indices)
         if self.training and torch.is_grad_enabled() and self._needs_aux():
-            aux, scale = self._window_aux(logits, indices, aux_grad_scale, context)
+            aux, scale = self._window_aux(logits, indices, aux_grad_scale, context, counted_t)
             self.record_aux(aux)
             out = AuxLossGrad.apply(out, aux, scale)
         return out.view(shape)
@@ -272,7 +291,8 @@ class MoE(nn.Module):
     def _needs_aux(self) -> bool:
         return self.cfg.computes_aux_loss
 
-    def _window_aux(self, logits: torch.Tensor, indices: torch.Tensor, scale: float, context):
+    def _window_aux(self, logits: torch.Tensor, indices: torch.Tensor, scale: float, context,
+                    counted_t: Optional[torch.Tensor] = None):
         """(aux + z loss, its gradient scale) over the micro-batch's tokens. Under context
         parallelism they are means over every cp rank's rows: the per-expert sums they are built
         from are summed over the ranks (`context.sum`: E numbers, not the [tokens x E] logits),
@@ -280,24 +300,31 @@ class MoE(nn.Module):
         gradient, so each carries 1/cp of it."""
         window = context if context is not None and context.sharded else None
         with torch.autocast(logits.device.type, enabled=False):
-            sums = self._aux_sums(logits.float(), indices)
+            sums = self._aux_sums(logits.float(), indices, counted_t)
             if window is not None:
                 sums = window.sum(sums)
                 scale = scale / window.size
             return self._aux_terms(sums), scale
 
-    def _aux_sums(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """[2E + 3] fp32 sums over the tokens the losses average: each expert's normalised routing
-        probability and its routed copies (no gradient), then the routed copies of all experts, the
-        squared logsumexp of the logits, and the token count."""
+    def _aux_sums(self, logits: torch.Tensor, indices: torch.Tensor,
+                  counted_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[2E + 3] fp32 sums over the tokens the losses average (`counted_t`: those that count):
+        each expert's normalised routing probability and its routed copies (no gradient), then the
+        routed copies of all experts, the squared logsumexp of the logits, and the token count."""
         cfg = self.cfg
         probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
         probs = probs / probs.sum(-1, keepdim=True)
-        counts = expert_counts(indices.flatten(), cfg.num_experts).float()
-        z = torch.logsumexp(logits,
-                            dim=-1).pow(2).sum() if cfg.z_loss_coef > 0 else logits.new_zeros(())
-        sizes = logits.new_tensor([float(indices.numel()), 0.0, float(logits.shape[0])])
-        return torch.cat([probs.sum(0), counts, sizes[:1], z[None], sizes[2:]])
+        counts = expert_loads(indices, cfg.num_experts, counted_t)
+        z_t = torch.logsumexp(logits, dim=-1).pow(2) if cfg.z_loss_coef > 0 else None
+        if counted_t is None:
+            z = z_t.sum() if z_t is not None else logits.new_zeros(())
+            sizes = logits.new_tensor([float(indices.numel()), 0.0, float(logits.shape[0])])
+            return torch.cat([probs.sum(0), counts, sizes[:1], z[None], sizes[2:]])
+        w_t = counted_t.float()
+        z = (z_t * w_t).sum() if z_t is not None else logits.new_zeros(())
+        tokens = w_t.sum()
+        return torch.cat([(probs * w_t[:, None]).sum(0), counts,
+                          torch.stack([tokens * indices.shape[1], z, tokens])])
 
     def _aux_terms(self, sums: torch.Tensor):
         """DeepSeek-V3's balance loss E * sum_i f_i * P_i (f_i = c_i / (T k), the share of the T
@@ -313,7 +340,9 @@ class MoE(nn.Module):
         )
         terms = []
         if cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0:
-            terms.append(cfg.aux_loss_coef * e * ((counts / copies) * (prob_sum / tokens)).sum())
+            # (clamped: a window of padding alone counts no token, and adds nothing)
+            terms.append(cfg.aux_loss_coef * e * ((counts / copies.clamp(min=1))
+                                                  * (prob_sum / tokens.clamp(min=1))).sum())
         if cfg.z_loss_coef > 0:
-            terms.append(cfg.z_loss_coef * z_sum / tokens)
+            terms.append(cfg.z_loss_coef * z_sum / tokens.clamp(min=1))
         return sum(terms) if terms else None

@@ -222,7 +222,8 @@ class IndexedAttention(nn.Module):
                 cache: Optional[LayerCache] = None,
                 selection: Optional[QSASelection] = None, return_selection: bool = False,
                 documents: Optional[Documents] = None, context: Optional[WholeWindow] = None,
-                dense: bool = False, aux_grad_scale: float = 1.0
+                dense: bool = False, aux_grad_scale: float = 1.0,
+                counted: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[QSASelection]]]:
         """`selection` (training, sparse stage): attend over these blocks instead of running the
         indexer (MTP depths 2..K reusing depth 1's). `return_selection`: also return the selection
@@ -233,7 +234,8 @@ class IndexedAttention(nn.Module):
         values and indexer keys are gathered over the window and `documents` is
         `Documents.local(context)`. `dense` (training only): the warm-up stage, which attends to
         every visible token. `aux_grad_scale`: the gradient the caller's objective gives the
-        indexer's KL per unit of `indexer_loss_coef` (as `MoE.forward`'s)."""
+        indexer's KL per unit of `indexer_loss_coef` (as `MoE.forward`'s); `counted` [B, S_q]: the
+        queries it averages over (False on padding, as `MoE.forward`'s; None: all)."""
         q_bhsd, k_bksd, v_bksd, gate_bsz = self._qkv(x_bsh, positions_bs)
         # A forward that attends over a handed-over selection has no use for the indexer: in
         # training one given a selection (sparse stage, unless it measures recall), in decoding a
@@ -265,7 +267,8 @@ class IndexedAttention(nn.Module):
                 window = (context,
                           None if documents is None else context.gather(documents.starts_bs))
             out_bsz, loss, used = self._train(q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd,
-                                              positions_bs, selection, documents, window, dense)
+                                              positions_bs, selection, documents, window, dense,
+                                              counted)
         y_bsh = self.o_proj(out_bsz * torch.sigmoid(gate_bsz))
         if loss is not None:
             # gradient injected in backward (as the MoE's aux loss): return values stay unchanged
@@ -274,7 +277,7 @@ class IndexedAttention(nn.Module):
 
     def _train(self, q_bhsd, k_bksd, v_bksd, q_idx_bsid, raw_bsd, positions_bs,
                reused: Optional[QSASelection], documents: Optional[Documents] = None, window=None,
-               dense: bool = False):
+               dense: bool = False, counted: Optional[torch.Tensor] = None):
         """Queries are q's rows, keys the window's (k, v, raw keys, positions: all S rows).
         `window`: (sharded context, the window's document starts or None) under context parallelism,
         else None. `dense`: the warm-up stage (`forward`)."""
@@ -286,8 +289,7 @@ class IndexedAttention(nn.Module):
         # a reusing depth runs no indexer, so it has no indexer loss either; a query needs a
         # complete block before the indexer has anything to learn
         want_loss = (self.indexer_loss_coef > 0 and self.training and torch.is_grad_enabled()
-                     and n > 0
-                     and reused is None)
+                     and n > 0 and reused is None)
         select = not dense or measure_recall
         docs, query_at_bs, rows_s = self._training_layout(q_bhsd, s, reused, documents, window)
         visible = self._visible_fn(docs, query_at_bs)
@@ -307,9 +309,8 @@ class IndexedAttention(nn.Module):
         loss = None
         if want_loss or measure_recall:
             loss = self._indexer_target(q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
-                                        query_at_bs, docs,
-                                        selected if select else None, want_loss, visible, rows_s,
-                                        window, dense, measure_recall)
+                                        query_at_bs, docs, selected if select else None, want_loss,
+                                        visible, rows_s, window, dense, measure_recall, counted)
         used = (QSASelection(blocks_bsk, count_bs, None if docs is None else docs.rows_bn)
                 if blocks_bsk is not None and not dense else None)
         return out_bsz, loss, used
@@ -321,12 +322,9 @@ class IndexedAttention(nn.Module):
         rows)."""
         b, s_q = q_bhsd.shape[0], q_bhsd.shape[2]
         if reused is not None and (reused.block_rows_bn is None) != (documents is None):
-            raise RuntimeError("QSA: a selection made " + ("without" if documents is not None
-                                                           else "with")
-                               + " packed documents was handed to a forward "
-                               + ("with" if documents is not None
-                                                                                  else "without")
-                               + " them")
+            made, given = ("without", "with") if documents is not None else ("with", "without")
+            raise RuntimeError(f"QSA: a selection made {made} packed documents was handed to a "
+                               f"forward {given} them")
         rows_s = None if window is None else window[0].rows(s_q, q_bhsd.device)
         if documents is None:
             return None, (torch.arange(s, device=q_bhsd.device) if rows_s is None
@@ -418,14 +416,14 @@ class IndexedAttention(nn.Module):
 
     def _indexer_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, query_at_bs,
                         docs, selected, want_loss: bool, visible, rows_s, window, dense: bool,
-                        measure_recall: bool):
+                        measure_recall: bool, counted: Optional[torch.Tensor] = None):
         """The main attention's block mass, streamed (qsa_stream.stream_target): the recall of the
         selection (measure_recall) and, when the indexer trains, its KL loss (None otherwise): the
         mean over the window's queries with a candidate block, of which this forward holds `q`'s
-        rows."""
+        rows (padding left out: `counted`)."""
         total, recall_bs = stream_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk,
                                          count_bs, docs, selected, want_loss, visible, rows_s,
-                                         dense)
+                                         dense, counted)
         if measure_recall:
             # under context parallelism a rank's mean: every rank holds as many queries, so their
             # mean is the window's
@@ -434,6 +432,8 @@ class IndexedAttention(nn.Module):
             return None
         # a complete visible block to learn from
         has_bs = ((query_at_bs + 1) // self.compress_ratio > 0).long()
+        if counted is not None:
+            has_bs = has_bs * counted
         if window is not None:
             has_bs = window[0].gather(has_bs)
         loss = total / has_bs.sum().clamp_min(1)

@@ -133,11 +133,13 @@ def _dense_kl(indexer, q_bcid, mass_bcn, allowed_bcn, k_bnd):
 def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs, docs,
                   selected: Optional[Callable[[int, int], torch.Tensor]], want_loss: bool,
                   visible_fn: Callable[[int, int, int, int], torch.Tensor],
-                  rows_s: Optional[torch.Tensor], dense: bool = False):
+                  rows_s: Optional[torch.Tensor], dense: bool = False,
+                  counted: Optional[torch.Tensor] = None):
     """(sum over this forward's queries of their KL terms, or None; recall [B, S_q] or None). The
     caller divides the sum by the number of queries with a candidate block (the window's, under
     context parallelism, so the ranks' losses sum to one process's). `dense`: the warm-up's target,
-    over every complete visible block instead of the selected ones.
+    over every complete visible block instead of the selected ones. `counted` [B, S_q]: the
+    queries that count (False on padding; None: all).
 
     Queries go in KL chunks sized by the KL's own intermediates (scores [B, C, I, columns], columns
     the K selected blocks or, dense, all N), each one checkpointed: few checkpoints, whose
@@ -175,7 +177,8 @@ def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
             blocks = blocks_bsk[:, c0:c1]
             real = torch.arange(blocks.shape[-1], device=blocks.device) < count_bs[:, c0:c1, None]
             args, fn = (q_idx_bsid[:, c0:c1], blocks, mass, real, k_bnd), _sparse_kl
-        kl = (checkpoint(fn, *args, use_reentrant=False,
-                         preserve_rng_state=False) if grad else fn(*args)).sum()
+        kl = checkpoint(fn, *args, use_reentrant=False,
+                        preserve_rng_state=False) if grad else fn(*args)
+        kl = (kl if counted is None else kl * counted[:, c0:c1]).sum()  # no padding query
         total = kl if total is None else total + kl
     return total, (torch.cat(recalls, 1) if recalls else None)

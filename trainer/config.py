@@ -63,7 +63,8 @@ class DataConfig:
     packing: str = "pack"
     """source=jsonl: `pack` puts records back to back (each ending in EOD, kept apart by their doc
     ids: no target crosses a record; see document_mask), `pad` gives each record a window of its own
-    padded with EOD (a record longer than seq_len is refused). source=megatron always packs."""
+    padded with EOD (a record longer than seq_len is refused; MoE loads and auxiliary losses leave
+    the padding out). source=megatron always packs."""
     tokenizer: str = ""
     """Local tokenizer (a tokenizer.json file or a Hugging Face tokenizer directory); empty uses the
     tokenizer of `model.init_from` when it has one (a Hugging Face directory's, the one a Tandem

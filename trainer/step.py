@@ -110,7 +110,8 @@ class TrainStep:
             with self.autocast():
                 out = self.model(b["tokens"], b["loss_mask"], b["doc_ids"],
                                  self.cfg.data.document_mask, loss_grad_scales=scales,
-                                 aux_grad_scale=self.aux_grad_scale, qsa_dense=qsa_dense)
+                                 aux_grad_scale=self.aux_grad_scale, qsa_dense=qsa_dense,
+                                 padding_bs=b.get("padding"))
                 loss = combine_losses(out.loss_sums, global_counts, coefs)
             loss.backward()
             sums += out.loss_sums.detach().float()

@@ -66,7 +66,7 @@ def measure(layout: str) -> Dict[str, object]:
         model.context = ContextShards(dist.group.WORLD, cfg.parallel.cp_sharding)
     model.train()  # QSA's sparse stage (the default), with the indexer's KL on (coefficient 1)
     seq = cfg.data.seq_len
-    batch = worker.global_batch(0, 2, edge_documents=True, seq=seq)
+    batch = worker.global_batch(0, 2, edge_documents=True, seq=seq, padded=False)
     with torch.no_grad():
         per_token = _per_token(model, batch, cfg.data.document_mask)
     # cp rank 1's rows hold no valid target

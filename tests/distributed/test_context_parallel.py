@@ -19,7 +19,8 @@ DOCS = "data.document_mask=true"
 # worker.PRESETS["qwen4"]: Gated DeltaNet, QSA (selecting), PLE, hyper-connections
 Q4 = "preset.qwen4=1"
 LAYOUTS = {
-    f"cp=2,{DOCS}": 2,
+    # (with padding across the chunk edges: the aux and z losses over the window leave it out)
+    f"cp=2,{DOCS},{eq.AUX}": 2,
     # recomputed blocks repeat their exchanges in backward
     "cp=2,cp_sharding=contiguous,train.activation_checkpointing=full": 2,
     f"cp=4,{DOCS}": 4,

@@ -31,10 +31,11 @@ LAYOUTS = {
     # (fixed-capacity `ep_dispatch=padded`: the bf16 flagship, and exact in test_ep_dispatch)
     f"ep=2,{AUX}": 2,
     f"tp=2,{AUX}": 2,  # aux computed replicated on each tp rank: no tp factor
-    # aux on the gathered logits, router grads summed over tp
-    f"tp=2,sequence_parallel=true,{AUX}": 2,
+    # aux on the gathered logits, router grads summed over tp; with padding across the SP shard
+    # edge, which the loads and the aux loss leave out (worker.global_batch)
+    f"tp=2,sequence_parallel=true,data.document_mask=true,{AUX}": 2,
     f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
-    f"ep=2,pp=2,{AUX}": 4,
+    f"ep=2,pp=2,data.document_mask=true,{AUX}": 4,
     # (plain tp x ep: this and the selective-checkpointing one below)
     "tp=2,ep=2,dp_mode=allreduce": 4,
     # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp;

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -104,13 +104,14 @@ def make_cfg(layout: str, grad_accum: int):
     return cfg
 
 
-def global_batch(step: int, n: int, edge_documents: bool = False,
-                 seq: int = SEQ) -> Dict[str, torch.Tensor]:
+def global_batch(step: int, n: int, edge_documents: bool = False, seq: int = SEQ,
+                 padded: Optional[bool] = None) -> Dict[str, torch.Tensor]:
     """`edge_documents` (the layouts with data.document_mask): a document boundary in every row
     where layouts cut the window: a start exactly at the SP shard edge (tp=2: position SEQ/2) and
     one off either side, at position 1 and at the window's end (rows are what pipeline micro-batches
     and batch ranks split); with a longer `seq` (context parallelism's chunk edges) also at seq/4
-    and 3seq/4 and one off them."""
+    and 3seq/4 and one off them; and (`padded`, by default with the documents) padding at the end
+    of half the rows."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
     eod = torch.rand(n, seq + 1, generator=g) < 0.1
@@ -120,9 +121,23 @@ def global_batch(step: int, n: int, edge_documents: bool = False,
             ends += [seq // 4 - 1, seq // 4, 3 * seq // 4 - 1, 3 * seq // 4 - 2]
         ends = torch.tensor(ends)
         eod[torch.arange(n), ends[torch.arange(n) % len(ends)]] = True
+    padding = None
+    if edge_documents if padded is None else padded:
+        # padding (as the chat windows lay it out: a document of its own, no target in it), which
+        # MoE loads and auxiliary losses and the QSA indexer's KL leave out: from one row before
+        # the SP shard edge (so across it, and across the chunk edges after it), in the last input
+        # only, or none (half the rows: documents long enough for QSA's indexer to have two
+        # blocks to choose from, and a KL to learn from in the dense warm-up)
+        first = torch.tensor([seq // 2 - 1, seq + 1, seq - 1, seq + 1])[torch.arange(n) % 4]
+        padding = torch.arange(seq)[None] >= first[:, None]
+        padded = first <= seq - 1
+        eod[torch.arange(n)[padded], first[padded] - 1] = True
     doc_ids = torch.cumsum(eod.long(), dim=1) - eod.long()
     loss_mask = (torch.rand(n, seq, generator=g) > 0.1).float()
-    return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids}
+    if padding is None:
+        return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids}
+    loss_mask[torch.arange(seq)[None] >= first[:, None] - 1] = 0.0
+    return {"tokens": tokens, "loss_mask": loss_mask, "doc_ids": doc_ids, "padding": padding}
 
 
 def rank_micro_batches(step: int, batch_rank: int, batch_size: int, grad_accum: int,

@@ -189,11 +189,20 @@ class TensorParallelMoE(MoE):
     def sequence_parallel(self) -> bool:
         return self.switch is not None and self.switch.on
 
-    def forward(self, x_bsh: torch.Tensor, context=None,
-                aux_grad_scale: float = 1.0) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, context=None, aux_grad_scale: float = 1.0,
+                counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
-        weights, indices, logits = self.router(x)  # under SP: only this rank's tokens
+        # `counted` [B, S]: the whole sequence's rows (under SP the router sees this rank's shard)
+        counted_t = counted.reshape(-1) if counted is not None else None
+        if counted is not None and self.sequence_parallel:
+            tp, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            shards = counted.unflatten(1, (tp, -1))  # [B, tp, S / tp]
+            # in the order of the gathered logits below: rank by rank, each shard's [B, S / tp]
+            counted_t = shards.transpose(0, 1).reshape(-1)
+            weights, indices, logits = self.router(x, shards[:, rank].reshape(-1))
+        else:
+            weights, indices, logits = self.router(x, counted_t)  # under SP: this rank's tokens
         aux_scale = aux_grad_scale
         if self.sequence_parallel:
             # the experts are tp-sharded: every tp rank computes its slice for all tp ranks' tokens
@@ -219,7 +228,7 @@ class TensorParallelMoE(MoE):
                 logits = gather_along(logits, self.tp_group, 0)
                 indices = idx_tp
                 aux_scale = aux_scale / dist.get_world_size(self.tp_group)
-            aux, aux_scale = self._window_aux(logits, indices, aux_scale, context)
+            aux, aux_scale = self._window_aux(logits, indices, aux_scale, context, counted_t)
         if aux is not None:
             self.record_aux(aux)
             out = AuxLossGrad.apply(out, aux, aux_scale)

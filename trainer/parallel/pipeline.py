@@ -75,10 +75,10 @@ def embed_streams(model: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
 
 def run_block(block: nn.Module, h: torch.Tensor, positions_bs: torch.Tensor,
               tokens_bs: torch.Tensor, cache=None, documents=None, context=None,
-              aux_grad_scale: float = 1.0, qsa_dense: bool = False):
+              aux_grad_scale: float = 1.0, qsa_dense: bool = False, counted=None):
     """One trunk block as `TandemModel.trunk` calls it: the token ids only for a block with PLE;
     `context` only when the window is split over context-parallel ranks."""
-    extra = block_kwargs(documents, context, aux_grad_scale, qsa_dense)
+    extra = block_kwargs(documents, context, aux_grad_scale, qsa_dense, counted)
     return block(h, positions_bs, cache,
                  tokens_bs if getattr(block, "ple", None) is not None else None, **extra)
 
@@ -137,15 +137,15 @@ class StageModule(nn.Module):
             self._depth_idx = torch.tensor(self.plan.depths, device=device)
         return self._depth_idx
 
-    def forward(self, x, *received, tokens, loss_mask, doc_ids):
+    def forward(self, x, *received, tokens, loss_mask, doc_ids, padding=None):
         """`received`: h_0 (when `plan.recv_h0`), then depth 1's QSA selection as its tensors (when
-        `plan.recv_selection`)."""
+        `plan.recv_selection`). `padding`: TandemModel.forward's `padding_bs`."""
         h0 = received[0] if self.plan.recv_h0 else None
         selection = received[1 if self.plan.recv_h0 else 0:] if self.plan.recv_selection else ()
         with autocast_context(*self._ctx.autocast):
-            return self._forward(x, h0, tokens, loss_mask, doc_ids, selection)
+            return self._forward(x, h0, tokens, loss_mask, doc_ids, selection, padding)
 
-    def _forward(self, x, h0, tokens, loss_mask, doc_ids, selection_in=()):
+    def _forward(self, x, h0, tokens, loss_mask, doc_ids, selection_in=(), padding=None):
         plan = self.plan
         b, s = tokens.shape[0], tokens.shape[1] - 1
         documents = window_documents(doc_ids, s) if self._ctx.document_mask else None
@@ -153,13 +153,14 @@ class StageModule(nn.Module):
         context = self._model.context
         positions = context.local(window_positions(documents, b, s, tokens.device))
         documents = documents.local(context) if documents is not None else None
+        counted = self._model.counted_rows(padding)
         with torch.no_grad() if self.trunk_frozen else nullcontext():
             h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
                 h = run_block(block, h, positions, context.local(tokens[:, :s]),
                               documents=documents, context=context,
                               aux_grad_scale=self._ctx.aux_grad_scale,
-                              qsa_dense=self._ctx.qsa_dense)
+                              qsa_dense=self._ctx.qsa_dense, counted=counted)
         loss = None
         # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing
         # selected)
@@ -177,7 +178,8 @@ class StageModule(nn.Module):
                                                  selection=selection,
                                                  loss_grad_scales=self._ctx.grad_scales,
                                                  aux_grad_scale=self._ctx.aux_grad_scale,
-                                                 qsa_dense=self._ctx.qsa_dense)
+                                                 qsa_dense=self._ctx.qsa_dense,
+                                                 counted=counted)
             selection = out.selection if mtp_here else None
             idx = self._depth_index(out.loss_sums.device)
             self._ctx.sums.index_add_(0, idx, out.loss_sums.detach().float())
@@ -394,6 +396,8 @@ class Pipeline:
         tokens = torch.cat([b["tokens"] for b in batches])
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
+        if all("padding" in b for b in batches):
+            kwargs["padding"] = torch.cat([b["padding"] for b in batches])
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
         self.ctx.grad_scales = loss_gradient(global_counts, coefs)
         self.ctx.aux_grad_scale, self.ctx.qsa_dense = aux_grad_scale, qsa_dense

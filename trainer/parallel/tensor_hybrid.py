@@ -173,12 +173,12 @@ class TensorParallelIndexedAttention(_Region, IndexedAttention):
 
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, selection=None,
                 return_selection: bool = False, documents=None, context=None, dense: bool = False,
-                aux_grad_scale: float = 1.0):
+                aux_grad_scale: float = 1.0, counted=None):
         # every tp rank selects the same blocks (the indexer is replicated), so a selection needs no
         # exchange
         out = IndexedAttention.forward(self, self._enter(x_bsh), positions_bs, cache, selection,
                                        True, documents=documents, context=context, dense=dense,
-                                       aux_grad_scale=aux_grad_scale)
+                                       aux_grad_scale=aux_grad_scale, counted=counted)
         y = self._exit(out[0])
         return (y, out[1]) if return_selection else y
 
