@@ -343,6 +343,9 @@ class TandemModel(nn.Module):
         (`counted_rows`)."""
         b, s1 = tokens_bs1.shape
         s = s1 - 1
+        if s > self.cfg.max_seq_len:  # (the RoPE tables end there: an IndexError deep inside)
+            raise ValueError(f"a window of {s} inputs is longer than model.max_seq_len="
+                             f"{self.cfg.max_seq_len} (load_hf_model: its max_seq_len argument)")
         if loss_mask_bs is None:
             loss_mask_bs = torch.ones(b, s, device=tokens_bs1.device)
         documents = window_documents(doc_ids_bs1, s) if document_mask else None

@@ -397,3 +397,12 @@ def test_detach_trunk_keeps_mtp_gradients_out_of_the_trunk(style):
     if style == "looped":  # a looped step embeds its input tokens (parallel heads read h_0 only)
         assert grads[True]["embed_tokens.weight"] > 0
     assert grads[True, "main"] == grads[False, "main"]
+
+
+def test_a_window_past_max_seq_len_is_refused_by_name():
+    """(An IndexError from the RoPE tables before.)"""
+    model = make(K=1)
+    n = model.cfg.max_seq_len
+    model(torch.randint(0, model.cfg.vocab_size, (1, n + 1)))  # n inputs fit
+    with pytest.raises(ValueError, match=f"window of {n + 1} inputs .*model.max_seq_len={n}"):
+        model(torch.randint(0, model.cfg.vocab_size, (1, n + 2)))

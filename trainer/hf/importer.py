@@ -374,7 +374,9 @@ def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: 
 def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: bool = False,
                   max_seq_len: Optional[int] = None, device: str = "cpu"):
     """Build a TandemModel from an HF directory's config.json (`hf_config`) and load its weights.
-    Returns (model in eval mode, TandemConfig)."""
+    Returns (model in eval mode, TandemConfig). `max_seq_len`: the longest sequence the model will
+    run (its RoPE tables and decoding buffers are sized by it); None takes the checkpoint's
+    `max_position_embeddings`, capped at 4096."""
     hf = read_config(path)
     detect_family(hf)  # an unsupported architecture fails before any file is opened
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
