@@ -217,15 +217,16 @@ class PipelinedModel:
 
     def mtp_train_step(self, step: int, h_prev_bsh, tokens_bs, positions_bs, emb_bsh=None,
                        selection=None, documents=None, aux_grad_scale: float = 1.0,
-                       qsa_dense: bool = False):
+                       qsa_dense: bool = False, counted=None):
         """TandemModel.mtp_train_step (the teacher-forced chain of `depth_states`) routed like
         `mtp_step`. A remote rank keeps the QSA selection its depth 1 made for the later depths it
         serves (with mtp.qsa_reuse_indices the decoder keeps the depths on depth 1's stage), so None
         comes back here. (Evaluation computes no auxiliary loss and runs QSA sparse:
-        `aux_grad_scale` and `qsa_dense` are the defaults.)"""
+        `aux_grad_scale`, `qsa_dense` and `counted` are the defaults.)"""
         if self._decoding.plan.mtp_rank(step) == self._decoding.plan.pp_rank:
             return self._model.mtp_train_step(step, h_prev_bsh, tokens_bs, positions_bs, emb_bsh,
-                                              selection, documents, aux_grad_scale, qsa_dense)
+                                              selection, documents, aux_grad_scale, qsa_dense,
+                                              counted)
         return self._remote(_MTP_STEP, step, h_prev_bsh, tokens_bs, positions_bs, False,
                             documents=documents), None
 
