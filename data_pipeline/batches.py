@@ -182,7 +182,7 @@ def get_batch(dataset, sample_indices: Sequence[int],
       the window; positions i, j belong to the same document iff doc_ids are equal. Samples that
       carry their own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD
       counts) keep them.
-    * `padding`   BoolTensor [B, seq_len], only when the samples carry it (chat windows): the inputs
+    * `padding`   BoolTensor [B, seq_len], only when a sample carries it (chat windows): the inputs
       that are padding, which MoE layers leave out of their loads and auxiliary losses.
 
     A pure function of the indices: no loader state.
@@ -197,6 +197,8 @@ def get_batch(dataset, sample_indices: Sequence[int],
         doc_ids = torch.cumsum(is_eod, dim=1) - is_eod
     loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
     batch = {"tokens": tokens_t, "loss_mask": loss_mask, "doc_ids": doc_ids}
-    if all("padding" in s for s in samples):
-        batch["padding"] = torch.stack([s["padding"] for s in samples]).bool()
+    if any("padding" in s for s in samples):  # (a sample without the flag has none)
+        batch["padding"] = torch.stack([s.get("padding", torch.zeros(len(s["loss_mask"]),
+                                                                     dtype=torch.bool))
+                                        for s in samples]).bool()
     return batch

@@ -108,3 +108,14 @@ def test_chat_windows_flag_the_padding_inputs(packing):
     assert batch["padding"].dtype == torch.bool
     # padding never carries a target
     assert not (batch["loss_mask"].bool() & batch["padding"]).any()
+
+
+def test_a_sample_without_the_flag_has_no_padding():
+    """(A batch of samples of which only some carry the flag kept none: every other sample's
+    padding then counted.)"""
+    flagged = {"tokens": torch.tensor([5, 6, EOD]), "labels": torch.tensor([6, EOD, EOD]),
+               "loss_mask": torch.tensor([1.0, 0.0, 0.0]),
+               "padding": torch.tensor([False, False, True])}
+    plain = {k: v for k, v in flagged.items() if k != "padding"}
+    batch = get_batch([flagged, plain], [0, 1], eod_id=EOD)
+    assert batch["padding"].tolist() == [[False, False, True], [False, False, False]]

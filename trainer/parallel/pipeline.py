@@ -396,8 +396,10 @@ class Pipeline:
         tokens = torch.cat([b["tokens"] for b in batches])
         kwargs = {"tokens": tokens, "loss_mask": torch.cat([b["loss_mask"] for b in batches]),
                   "doc_ids": torch.cat([b["doc_ids"] for b in batches])}
-        if all("padding" in b for b in batches):
-            kwargs["padding"] = torch.cat([b["padding"] for b in batches])
+        if any("padding" in b for b in batches):  # as one process reads each micro-batch's
+            kwargs["padding"] = torch.cat([b.get("padding", torch.zeros_like(b["loss_mask"],
+                                                                           dtype=torch.bool))
+                                           for b in batches])
         self.ctx.counts, self.ctx.coefs = global_counts, coefs
         self.ctx.grad_scales = loss_gradient(global_counts, coefs)
         self.ctx.aux_grad_scale, self.ctx.qsa_dense = aux_grad_scale, qsa_dense
