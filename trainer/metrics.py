@@ -11,6 +11,7 @@ which has no field for it.
 from __future__ import annotations
 
 import json
+import math
 import netrc
 import os
 import sys
@@ -117,7 +118,9 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.is_main:
             return
-        self.file.write(json.dumps(record) + "\n")
+        # JSON has no NaN: a skipped step's non-finite figures are null (wandb gets them as is)
+        self.file.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                    for k, v in record.items()}, allow_nan=False) + "\n")
         if self.wandb_run is not None:
             row = {k: v for k, v in record.items() if k != "step"}
             if self.pending_table is not None and self.pending_table[0] == record["step"]:

@@ -22,9 +22,13 @@ from tests.conftest import fault_env
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 
 
+def _refuse(constant):
+    raise ValueError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+
 def records(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line, parse_constant=_refuse) for line in f]
 
 
 def losses(run_dir):
@@ -118,6 +122,7 @@ def test_skip_policy_drops_the_update(monkeypatch, tiny_overrides):
     recs = records(cfg.run.dir)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert recs[2].get("skipped") == 1.0 and recs[2]["bad_steps/total"] == 1.0
+    assert recs[2]["grad_norm"] is None and recs[2]["loss/main"] is None  # NaN is not JSON
     assert all("skipped" not in r for r in recs[:2] + recs[3:])
     before, after = params(cfg.run.dir, 2), params(cfg.run.dir, 3)
     # weights and router biases untouched
