@@ -48,7 +48,7 @@ class TrainStep:
         # which kernel the routed experts run (probed at this rank's layer widths): a silent
         # fall-back to the per-expert loop costs a host sync per layer, so the run says it at start
         # and in its records
-        self.expert_path, line = expert_paths(model, self.device.device, self.autocast_dtype)
+        self.expert_path, line = self._expert_path(model)
         if line and pstate.is_main:
             print(line, file=sys.stderr)
         # The one-process objective is the mean aux/z-loss over every micro-batch of the global
@@ -87,6 +87,18 @@ class TrainStep:
             return self.pstate.pipeline.forward_backward(batches, global_counts, coefs,
                                                          self.aux_grad_scale, qsa_dense)
         return self._micro_batches(batches, global_counts, coefs, qsa_dense)
+
+    def _expert_path(self, model: nn.Module):
+        """`expert_paths` over the run's layers: under pipeline parallelism every stage's (rank 0,
+        which logs, may hold none of them)."""
+        value, line = expert_paths(model, self.device.device, self.autocast_dtype)
+        if not self.pstate.pp_enabled:
+            return value, line
+        gathered = [None] * self.pstate.world_size
+        dist.all_gather_object(gathered, (value, line))
+        values = {v for v, _ in gathered if v}
+        value = values.pop() if len(values) == 1 else "mixed" if values else ""
+        return value, "\n".join(dict.fromkeys(ln for _, ln in gathered if ln))
 
     def _micro_batches(self, batches, global_counts: torch.Tensor, coefs: List[float],
                        qsa_dense: bool) -> torch.Tensor:

@@ -56,8 +56,10 @@ LAYOUTS = {
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],train.freeze_trunk=true": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:0:1],mtp.style=parallel,mtp.num_layers=2": 2,
     # a head tied to the embedding on a stage that embeds nothing (no looped MTP step there): the
-    # stage holds the embedding too, so that the one parameter is summed over both stages
-    "pp=2,model.tie_embeddings=true,mtp.num_steps=0": 2,
+    # stage holds the embedding too, so that the one parameter is summed over both stages; stage 0
+    # holds only the dense layer 0, so rank 0, which logs, has no MoE layer (`moe/expert_path`
+    # then comes from stage 1)
+    "pp=2,pp_layout=[1:3],model.tie_embeddings=true,mtp.num_steps=0": 2,
     # two stages of one rank share the head / MTP module / embedding: kept whole, summed over dp /
     # ep (also covers plain pp x dp)
     "pp=2,dp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
@@ -251,6 +253,9 @@ def check_logged_figures(layout: str, rank0: dict, ref: dict, rtol: float = RTOL
     balance (over every stage's MoE layers) is what one process logs."""
     assert [r.keys() for r in rank0["logged"]] == [r.keys() for r in ref["logged"]], \
         f"{layout}: logged {rank0['logged']} vs {ref['logged']}"
+    # the experts' kernel over every stage's layers (`moe/expert_path`), whatever rank 0 holds
+    assert rank0["expert_path"] == ref["expert_path"], (layout, rank0["expert_path"],
+                                                        ref["expert_path"])
     for got, want in zip(rank0["logged"], ref["logged"]):
         for key in want:
             assert abs(got[key] - want[key]) <= rtol * abs(want[key]), \

@@ -270,7 +270,7 @@ def run_layout(layout: str, batch_size_for_ref: int = 1, recorder=None) -> dict:
             "owner_dtypes": {k: sorted(v) for k, v in owner_dtypes.items()},
             "fp32_seen": fp32_seen, "stream_dtypes": sorted(stream_dtypes),
             "compiled": _compiled_blocks(model) if compiled else None,
-            "local_numel": local_numel,
+            "local_numel": local_numel, "expert_path": tr.expert_path,
             "collectives": dict(recorder.calls) if recorder is not None else {}}
 
 
