@@ -374,6 +374,12 @@ def test_doc_command_runs(command, request, workspace, corpus_cache, tmp_path, c
         evals = _check_training(command, proc, run_dir)
         if qwen4:  # the QSA layer selects: its recall is logged, below 1
             assert 0 < evals[0]["eval/qsa_recall"] < 1, evals[0]
+            # and `tandem eval` of the final checkpoint prints it too, as the in-loop evaluator did
+            rc, out, err = _tandem_in_process(["tandem", "eval", "--checkpoint", str(run_dir),
+                                               *EVAL_BUDGET], workspace, capsys)
+            assert rc == 0, err[-4000:]
+            recall = json.loads(out.strip().splitlines()[-1]).get("qsa_recall")
+            assert recall == pytest.approx(evals[0]["eval/qsa_recall"], rel=1e-5), recall
         return
     if "--help" in argv:
         rc, out, err = _tandem_in_process(argv, workspace, capsys)
