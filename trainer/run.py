@@ -378,6 +378,9 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
     if not resume:  # the last check before the model is built
         decided_on_rank0(lambda: _refuse_an_earlier_run(cfg.run.dir))
     step = TrainStep(cfg, build_model(cfg, pstate), pstate)
+    if cfg.train.dtype == "auto" and pstate.is_main:  # config.yaml keeps `auto`: say what it chose
+        print(f"train.dtype=auto: {'bf16' if step.autocast_dtype else 'fp32'} on "
+              f"{pstate.device.device.type}", file=sys.stderr)
     checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                    reference, tokenizer=tokenizer.path)
     run = Run(cfg, config_yaml, pstate, position, global_batch, train_ds, valid_ds, tokenizer, step,
