@@ -127,3 +127,25 @@ def test_prompts_that_ended_at_prefill_leave_the_interval_as_it_was():
     half = 12.7062 * (2 * 2 * (5 * (2.4 - f)) ** 2) ** 0.5 / 9
     assert abs(both["acceptance_length_lo95"] - (f - half)) < 1e-3
     assert abs(both["acceptance_length_hi95"] - (f + half)) < 1e-3
+
+
+def test_tied_prompts_and_unseen_rates_keep_a_width():
+    """Budget-exact counting gives prompts with as many rounds the same acceptance length: their
+    spread is 0, and so was the interval (coverage 54% at 2 prompts of a high-acceptance
+    population). A position never accepted read [0, 0]. Each interval now holds at least the
+    Wilson interval of its pooled counts: for 0 of 42 rounds, hi = z^2 / (42 + z^2) (by hand)."""
+    tied = DecodeStats(torch.tensor([21, 21]), torch.tensor([26, 26]),
+                       torch.tensor([[12, 9, 5], [12, 7, 7]]), K)
+    m = acceptance_metrics(tied)
+    assert m["acceptance_length"] == 1 + 52 / 42
+    assert m["acceptance_length_lo95"] < m["acceptance_length"] < m["acceptance_length_hi95"]
+    z2 = 1.959963984540054 ** 2
+    # the draft acceptance rate's Wilson interval over 126 drafts, as acceptance length
+    p, n = 52 / 126, 126
+    half = z2 / (1 + z2 / n) * (p * (1 - p) / (n * z2) + 1 / (4 * n * n)) ** 0.5
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    assert abs(m["acceptance_length_hi95"] - (1 + K * (centre + half))) < 1e-12
+    unseen = acceptance_metrics(DecodeStats(torch.tensor([21, 21]), torch.tensor([20, 20]),
+                                            torch.tensor([[15, 5, 0], [14, 6, 0]]), K))
+    assert unseen["accept_rate/pos_3"] == unseen["accept_rate/pos_3_lo95"] == 0.0
+    assert abs(unseen["accept_rate/pos_3_hi95"] - z2 / (42 + z2)) < 1e-12
