@@ -63,7 +63,6 @@ from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES
 from .decode_eval import Replicas, evaluate_decoding, other_convention_figures
 from .metrics import distinct_figures, teacher_forced, temperature_label, validation_inputs
-from .recall import RecallProbe
 from .spec_decode import prompt_limit, unwrap
 from .suites import load_suites, tokenize_suite
 
@@ -187,11 +186,8 @@ class InLoopEvaluator:
         """The driver's figures on model (view) `m`: teacher-forced losses, greedy decoding both
         ways, then each sampled temperature; plus the greedy `outputs` and the logged `samples`."""
         e, d = self.cfg.eval, self.decoding
-        with RecallProbe(m) as recall:
-            out = teacher_forced(m, self.loss_batches, self.pstate.device.device,
-                                 self.cfg.data.document_mask)
-        if recall.value() is not None:
-            out["qsa_recall"] = recall.value()
+        out = teacher_forced(m, self.loss_batches, self.pstate.device.device,
+                             self.cfg.data.document_mask, measure_recall=True)
         common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens,
                       batch_size=e.batch_size,
                       eos_id=self.eos_id, seed=self.cfg.train.seed,

@@ -23,6 +23,7 @@ from tandem.models.loss import chunked_argmax
 from tandem.models.model import window_documents, window_positions
 from tandem.models.mtp import depth_target_mask, shifted_tokens
 
+from .recall import RecallProbe
 from .spec_decode import unwrap
 
 
@@ -68,14 +69,25 @@ def depth_loss_key(depth: int) -> str:
 
 @torch.no_grad()
 def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=None,
-                   document_mask: bool = False) -> Dict[str, float]:
+                   document_mask: bool = False, measure_recall: bool = False) -> Dict[str, float]:
     """Mean cross-entropy (`loss/main`, `loss/mtp_k`) and top-1 accuracy (`tf_acc/mtp_k`) per depth,
     from the same hidden states the training forward computes (`TandemModel.depth_states`; packed
     documents kept apart with `document_mask`, as data.document_mask trains). The head runs
     `mtp.loss_chunk_tokens` rows at a time, as the training loss does (vocab-parallel under TP), so
     no [tokens x vocab] logits exist, nor a gathered vocabulary. A depth with no target in the
     batches (windows shorter than depth + 2 tokens: `tandem eval`'s short prompts) has no key: 0.0
-    would read as a perfect loss."""
+    would read as a perfect loss. `measure_recall` (the evaluators'): also `qsa_recall`, QSA's
+    recall over these forwards (eval/recall.py), when the model has QSA layers."""
+    if not measure_recall:
+        return _teacher_forced(model, batches, device, document_mask)
+    with RecallProbe(model) as recall:
+        out = _teacher_forced(model, batches, device, document_mask)
+    if recall.value() is not None:
+        out["qsa_recall"] = recall.value()
+    return out
+
+
+def _teacher_forced(model, batches, device, document_mask: bool) -> Dict[str, float]:
     m = unwrap(model)
     depths = m.num_depths
     head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens

@@ -64,7 +64,6 @@ from tandem.eval.metrics import (
     teacher_forced,
     validation_inputs,
 )
-from tandem.eval.recall import RecallProbe
 from tandem.eval.spec_decode import prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
@@ -329,10 +328,8 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     other drafting convention's acceptance when it differs)."""
     with torch.inference_mode():
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
-        with RecallProbe(unwrap(model)) as recall:  # QSA's recall, as the in-loop evaluator's
-            metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask)
-        if recall.value() is not None:
-            metrics["qsa_recall"] = recall.value()
+        metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask,
+                                 measure_recall=True)  # as the in-loop evaluator's
         unmeasured = [d for d in range(unwrap(model).num_depths)
                       if depth_loss_key(d) not in metrics]
         if unmeasured:
