@@ -315,16 +315,17 @@ class MoE(nn.Module):
         probs = logits.sigmoid() if cfg.router_score == "sigmoid" else logits.softmax(-1)
         probs = probs / probs.sum(-1, keepdim=True)
         counts = expert_loads(indices, cfg.num_experts, counted_t)
-        z_t = torch.logsumexp(logits, dim=-1).pow(2) if cfg.z_loss_coef > 0 else None
-        if counted_t is None:
-            z = z_t.sum() if z_t is not None else logits.new_zeros(())
-            sizes = logits.new_tensor([float(indices.numel()), 0.0, float(logits.shape[0])])
-            return torch.cat([probs.sum(0), counts, sizes[:1], z[None], sizes[2:]])
-        w_t = counted_t.float()
-        z = (z_t * w_t).sum() if z_t is not None else logits.new_zeros(())
-        tokens = w_t.sum()
-        return torch.cat([(probs * w_t[:, None]).sum(0), counts,
-                          torch.stack([tokens * indices.shape[1], z, tokens])])
+        # weighted by the rows that count only when some may not (no multiply on every forward)
+        w_t = counted_t.float() if counted_t is not None else None
+        if w_t is not None:
+            probs = probs * w_t[:, None]
+        z = logits.new_zeros(())
+        if cfg.z_loss_coef > 0:
+            z_t = torch.logsumexp(logits, dim=-1).pow(2)
+            z = (z_t if w_t is None else z_t * w_t).sum()
+        tokens = logits.new_tensor(float(logits.shape[0])) if w_t is None else w_t.sum()
+        copies = tokens * indices.shape[1]
+        return torch.cat([probs.sum(0), counts, torch.stack([copies, z, tokens])])
 
     def _aux_terms(self, sums: torch.Tensor):
         """DeepSeek-V3's balance loss E * sum_i f_i * P_i (f_i = c_i / (T k), the share of the T

@@ -193,16 +193,16 @@ class TensorParallelMoE(MoE):
                 counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x_bsh.shape
         x = x_bsh.reshape(-1, shape[-1])
-        # `counted` [B, S]: the whole sequence's rows (under SP the router sees this rank's shard)
-        counted_t = counted.reshape(-1) if counted is not None else None
+        # `counted` [B, S]: the whole sequence's rows, for the aux losses; the router's counters
+        # take the rows of its tokens (under SP this rank's shard)
+        counted_t = router_counted = counted.reshape(-1) if counted is not None else None
         if counted is not None and self.sequence_parallel:
             tp, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
             shards = counted.unflatten(1, (tp, -1))  # [B, tp, S / tp]
+            router_counted = shards[:, rank].reshape(-1)
             # in the order of the gathered logits below: rank by rank, each shard's [B, S / tp]
             counted_t = shards.transpose(0, 1).reshape(-1)
-            weights, indices, logits = self.router(x, shards[:, rank].reshape(-1))
-        else:
-            weights, indices, logits = self.router(x, counted_t)  # under SP: this rank's tokens
+        weights, indices, logits = self.router(x, router_counted)  # under SP: this rank's tokens
         aux_scale = aux_grad_scale
         if self.sequence_parallel:
             # the experts are tp-sharded: every tp rank computes its slice for all tp ranks' tokens
