@@ -109,11 +109,12 @@ def optimizer_step(run: Run, step: int) -> Tuple[int, Optional[dict]]:
 
 
 def throughput(run: Run, seconds: float) -> dict:
-    """The step's speed, utilisation, data position and memory figures."""
+    """The step's speed, utilisation, data position and memory figures (the peak memory of the rank
+    that used most: pipeline stages and expert shards differ)."""
     tokens_per_s = run.global_batch * run.cfg.data.seq_len / seconds
     out = {"tokens_per_s": tokens_per_s, "consumed_samples": run.data_position.consumed_samples,
            "consumed_tokens": run.data_position.consumed_tokens,
-           "mem/peak_gb": run.device.peak_memory_gb()}
+           "mem/peak_gb": run.pstate.max_over_ranks(run.device.peak_memory_gb())}
     if run.peak_flops:
         per_flop = tokens_per_s / (run.pstate.world_size * run.peak_flops)
         out.update({"mfu": run.flops_per_token * per_flop,

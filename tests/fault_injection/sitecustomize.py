@@ -18,6 +18,8 @@ Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
   the one to resume, model.init_from's and mtp.init_from's; `tandem generate`: --checkpoint's), or
   when it comes to take rank 0's answer instead, and rank 0 looks only after that, so the two
   ranks see a run directory before and after a checkpoint appears in it.
+* TANDEM_TEST_BALLAST=<rank>:<MiB>: that rank holds that many MiB of written memory from start-up,
+  so its peak memory stands above every other rank's.
 Python imports `sitecustomize` at start-up; nothing is imported or patched without these variables.
 """
 
@@ -33,6 +35,7 @@ _SAMPLES = os.environ.get("TANDEM_TEST_SAMPLE_LOG")
 _SLOW = os.environ.get("TANDEM_TEST_SLOW_FIRST_ATTEMPT")
 _LATE = os.environ.get("TANDEM_TEST_LATE_RANK")
 _PUBLISH = os.environ.get("TANDEM_TEST_PUBLISH_AT_START")
+_BALLAST = os.environ.get("TANDEM_TEST_BALLAST")
 
 
 def _rank() -> int:
@@ -172,3 +175,5 @@ if _LATE:
     _late_rank(_LATE)
 if _PUBLISH:
     _publish_at_start(_PUBLISH)
+if _BALLAST and _rank() == int(_BALLAST.partition(":")[0]):
+    _ballast = b"\x01" * (int(_BALLAST.partition(":")[2]) << 20)  # written, so resident

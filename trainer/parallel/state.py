@@ -146,6 +146,15 @@ class ParallelState:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    def max_over_ranks(self, value: float) -> float:
+        """The largest of every rank's `value` (a collective: every rank calls it); `value` in a
+        single process. A CPU tensor, which the default group carries on every backend."""
+        if self.world_size == 1:
+            return value
+        top = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return float(top)
+
     def all_reduce_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over dp x cp x ep (what each rank computed on its own rows), in place."""
         if self.degrees.replicas > 1:
