@@ -269,9 +269,11 @@ def check_compatible(path: str, config_yaml: str) -> None:
 
 RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "indexer_loss_coef",
                         "indexer_warmup", "indexer_warmup_steps", "init_std", "linear_kernel",
-                        "qsa_form", "expert_matmul")
-"""`model.*` keys a resume may change: training coefficients, warm-up schedules and kernel choices,
-which leave the weights' layout as it was (a resume refused them as 'a different model shape')."""
+                        "qsa_form", "expert_matmul", "max_seq_len")
+"""`model.*` keys a resume may change: training coefficients, warm-up schedules, kernel choices and
+the positions the rotary tables cover (no weight), which leave the weights' layout as it was (a
+resume refused them as 'a different model shape'; a longer window, which needs a larger
+max_seq_len, then met that refusal instead of the window's, which says what to do)."""
 
 
 def pinned_init_from(path: str, given: str, key: str = "model.init_from") -> str:

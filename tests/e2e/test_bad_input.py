@@ -324,7 +324,8 @@ def test_resume_with_other_training_coefficients(ctx, capsys):
     """model.* keys that set training, not the weights' layout, may change on a resume: it refused
     them as 'a different model shape'."""
     assert main(["train", RECIPE, *ctx.base, "model.bias_update_rate=0.002",
-                 "model.z_loss_coef=0.001", "--resume"]) == 0, capsys.readouterr().err
+                 "model.z_loss_coef=0.001", "model.max_seq_len=96", "--resume"]) == 0, (
+        capsys.readouterr().err)
 
 
 def test_resume_with_different_mtp_depth(ctx):
@@ -340,11 +341,12 @@ def test_resume_into_a_different_tokenizer(ctx):
 
 def test_resume_at_another_window(ctx):
     """A resume at another data.seq_len read the saved count of samples as windows of the new
-    length: other tokens, in another order, and consumed_tokens mixing the two lengths."""
+    length: other tokens, in another order, and consumed_tokens mixing the two lengths. A window
+    past the checkpoint's max_seq_len, which a longer window needs raised, gets the same answer."""
     ckpt = os.path.join(ctx.run, "checkpoints", "step_2")
-    ctx.fails(["train", RECIPE, *ctx.base, "data.seq_len=48", "--resume"],
+    ctx.fails(["train", RECIPE, *ctx.base, "data.seq_len=96", "model.max_seq_len=128", "--resume"],
               f"checkpoint {ckpt} was trained at another window (data.seq_len: checkpoint 32 vs "
-              "config 48): its sample stream does not continue at another data.seq_len; start a "
+              "config 96): its sample stream does not continue at another data.seq_len; start a "
               f"new stage from it with model.init_from={ckpt} in another run.dir")
 
 
