@@ -41,6 +41,8 @@ from tandem.trainer.checkpoint_dirs import latest_checkpoint
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.context_cost import cp_sweep, device_fit
 from tandem.trainer.estimate import _count_params, estimate
+from tandem.trainer.hf.init_from import resolve_init_from
+from tandem.trainer.materialize import mtp_checkpoint_step
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import load_config, to_yaml
 from tandem.trainer.run import earlier_run_files, past_max_steps, prepare_run_dir
@@ -336,6 +338,8 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
+    if not _sources_exist(cfg):
+        return 2
     try:  # the check `tandem train` makes first; the script and its logs go under run.dir too
         prepare_run_dir(run_dir)
     except ConfigError as exc:
@@ -389,6 +393,21 @@ def _resumable(cfg, args: argparse.Namespace) -> bool:
         print(f"tandem launch slurm: error: {why}; choose another run.dir; nothing submitted",
               file=sys.stderr)
     return why is None
+
+
+def _sources_exist(cfg) -> bool:
+    """Whether the checkpoints model.init_from and mtp.init_from name are there (the job reads them
+    as it starts, on every node it was given); False after printing the error. `--check` and
+    `--dry-run` read no checkpoint, so a recipe names a stage that has yet to run."""
+    try:
+        if cfg.model.init_from:
+            resolve_init_from(cfg.model.init_from)
+        if cfg.mtp.init_from:
+            mtp_checkpoint_step(cfg.mtp.init_from)
+    except (FileNotFoundError, ConfigError) as exc:
+        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
+        return False
+    return True
 
 
 def _launched_before(run_dir: str, args: argparse.Namespace) -> bool:

@@ -222,6 +222,23 @@ def test_relaunch_before_the_first_checkpoint(tmp_path, capsys, fake_sbatch, mon
     assert fake_sbatch.argv is None
 
 
+def test_a_missing_init_from_is_refused_before_sbatch(tmp_path, capsys, fake_sbatch):
+    """A job reads model.init_from / mtp.init_from as it starts: one naming no checkpoint (a stage
+    not yet run, one without a complete checkpoint) was submitted and failed on every node."""
+    run_dir, empty = tmp_path / "run", tmp_path / "stage1"
+    empty.mkdir()
+    recipe = _recipe(tmp_path, run_dir)
+    for key in ("model.init_from", "mtp.init_from"):
+        rc = launch_slurm_main([str(recipe), f"{key}={empty}", "--nodes", "1",
+                                "--procs-per-node", "1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and key in err and str(empty) in err and "nothing submitted" in err, err
+        assert err.count("\n") == 1 and fake_sbatch.argv is None and not run_dir.exists()
+    # --check reads no checkpoint: the recipe of a stage that has yet to run is checked
+    assert launch_slurm_main([str(recipe), f"model.init_from={empty}", "--nodes", "1",
+                              "--procs-per-node", "1", "--check"]) == 0, capsys.readouterr().err
+
+
 def _stub_bin(bin_dir: Path, argv_out: Path, marker_dir: Path) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     # srun/torchrun: drop their own options and exec the command they were given.
