@@ -286,6 +286,13 @@ def pinned_init_from(path: str, given: str, key: str = "model.init_from") -> str
     return saved if inside and os.path.isdir(saved) else given
 
 
+def saved_section(path: str, section: str) -> dict:
+    """One section of the config a checkpoint was saved with, as a plain dict ({} if it lacks
+    it)."""
+    node = OmegaConf.select(_saved_config(path), section, default=None)
+    return OmegaConf.to_container(node) if isinstance(node, DictConfig) else {}
+
+
 def _saved_config(path: str) -> DictConfig:
     """The checkpoint's config.yaml; ValueError naming the file when it is not a YAML mapping."""
     file = os.path.join(path, "config.yaml")

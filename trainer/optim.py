@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -78,6 +79,35 @@ def lr_at(cfg: TrainConfig, step: float) -> float:
     decay_steps = cfg.decay_steps or max(cfg.max_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps")
+"""The train.* keys that shape the LR schedule."""
+
+
+def schedule_note(saved: dict, cfg: TrainConfig, at: float, last: float) -> str:
+    """What a resume changes about the LR schedule, for its start-up line (empty: nothing).
+    `saved`: the checkpoint's train section; `at`, `last`: the schedule steps of the next and the
+    last step to run. A schedule key changed since the checkpoint (a longer train.max_steps with
+    decay_steps 0 re-plans the cosine, so the LR of an annealed run rises again) is named with both
+    schedules' next LR; a global batch changed since the run began moves where its last step falls
+    on the schedule (a smaller batch ends before the decay does)."""
+    before = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_KEYS if k in saved})
+    note = ""
+    changed = [f"train.{k} {getattr(before, k)!r} -> {getattr(cfg, k)!r}" for k in SCHEDULE_KEYS
+               if getattr(before, k) != getattr(cfg, k)]
+    if changed and not math.isclose(lr_at(before, at), lr_at(cfg, at), rel_tol=1e-9):
+        keep = "" if cfg.decay_steps or before.decay_steps else (
+            f"; train.decay_steps={max(before.max_steps - before.warmup_steps, 1)} keeps the "
+            "checkpoint's decay")
+        note += (f"; the LR schedule changed ({', '.join(changed)}): the next step's LR is "
+                 f"{lr_at(cfg, at):.4g}, {lr_at(before, at):.4g} on the checkpoint's "
+                 f"schedule{keep}")
+    if not math.isclose(last, cfg.max_steps - 1, abs_tol=1e-9):
+        note += (f"; the last step (train.max_steps={cfg.max_steps}) falls at schedule step "
+                 f"{last + 1:g} of {cfg.max_steps} planned, at LR {lr_at(cfg, last):.4g} "
+                 f"(train.min_lr={cfg.min_lr:g})")
+    return note
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -29,6 +29,7 @@ from .checkpoint import (
     load_checkpoint,
     pinned_init_from,
     read_trainer_state,
+    saved_section,
 )
 from .checkpoint_dirs import list_checkpoints
 from .config import TandemConfig
@@ -44,7 +45,7 @@ from .hf.init_from import (
 )
 from .hf.reader import stop_ids
 from .materialize import adopt_mtp_init_from, build_sharded_model
-from .optim import apply_settings
+from .optim import apply_settings, schedule_note
 from .parallel import ParallelState, init_parallel
 from .parallel.device import (
     FINETUNE_MMAP_THRESHOLD,
@@ -396,8 +397,12 @@ def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
         run.start_step = int(state["step"])
         run.guard.load_state(state)
         if pstate.is_main:
-            print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}",
-                  file=sys.stderr)
+            last = (position.consumed_samples + (cfg.train.max_steps - run.start_step - 1)
+                    * global_batch) / position.schedule_batch
+            schedule = schedule_note(saved_section(found[1], "train"), cfg.train,
+                                     position.schedule_step(), last)
+            print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}"
+                  f"{schedule if run.start_step < cfg.train.max_steps else ''}", file=sys.stderr)
     done = found is not None and found[0] == cfg.train.max_steps
     if pstate.is_main and done:
         print(f"resume: {found[1]} is at train.max_steps={cfg.train.max_steps}: nothing to train",

@@ -28,14 +28,20 @@ class TrainConfig:
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 30
-    """Linear warm-up steps from 0 to lr. The LR schedule follows consumed samples, not steps: its
+    """Linear warm-up steps to lr: schedule step i (0-based) runs at lr x (i + 1) / warmup_steps, so
+    the first step at lr / warmup_steps and step warmup_steps at lr; then the cosine decay from lr,
+    which reaches min_lr at schedule step warmup_steps + decay_steps (with decay_steps 0, at
+    max_steps: the last step of a short run stays above min_lr). The LR schedule follows consumed
+    samples, not steps: its
     step counts (warmup_steps, decay_steps, max_steps) are steps of the run's first global batch,
     kept in checkpoints, so a resume under another global batch (layout, micro-batch, accumulation)
     keeps the LR in step with the tokens seen; while the global batch is unchanged a schedule step
     is a step."""
     decay_steps: int = 0
     """Cosine decay length after warm-up (steps of the first global batch, as warmup_steps); 0
-    decays over the rest of max_steps."""
+    decays over the rest of max_steps, so a resume with another max_steps re-plans the decay (the
+    LR of an annealed run rises again; the resume line says so): set it to keep a schedule while
+    max_steps changes."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms, biases or router biases)."""
     beta1: float = 0.9

@@ -93,7 +93,7 @@ def test_resume_takes_the_optimizer_settings_of_its_config(tiny_overrides):
 
 @pytest.mark.slow
 def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_overrides,
-                                                                        monkeypatch):
+                                                                        monkeypatch, capsys):
     """3 steps of 2 samples, then a resume at 3 micro-batches of 2 (6 samples per step): the resumed
     steps read samples 6..11 and 12..17, none skipped or repeated, and the learning rate and the MTP
     weight follow the samples seen: the schedule is laid out in steps of the run's first global
@@ -116,13 +116,20 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
     assert reads == [[0, 1], [2, 3], [4, 5]]
     del reads[:]
     resumed = load_config(RECIPE, tiny_overrides + schedule + ["train.grad_accum_steps=3"])
+    capsys.readouterr()
     train(resumed, resume=True)
+    # max_steps 3 -> 5 re-plans the decay (the checkpoint's had ended: min_lr), and at 6 samples a
+    # step the last step is past the schedule's end
+    t = resumed.train
+    assert ("the LR schedule changed (train.max_steps 3 -> 5): the next step's LR is "
+            f"{t.min_lr + 0.75 * (t.lr - t.min_lr):.4g}, {t.min_lr:.4g} on the checkpoint's "
+            "schedule; train.decay_steps=1 keeps the checkpoint's decay; the last step "
+            "(train.max_steps=5) falls at schedule step 7 of 5 planned") in capsys.readouterr().err
     assert sum(reads, []) == list(range(6, 18)), reads  # today's step x global batch read 18..29
     recs = records(resumed.run.dir)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     assert [r["consumed_samples"] for r in recs] == [2, 4, 6, 12, 18]
     assert [r["consumed_tokens"] for r in recs] == [64, 128, 192, 384, 576]  # data.seq_len=32
-    t = resumed.train
     # cosine decay over max_steps - warmup_steps = 3 schedule steps: step 4 starts at sample 6
     # (schedule step 3, a third of the decay: cos(pi/3) = 1/2), step 5 at sample 12 (schedule step
     # 6: decay over)

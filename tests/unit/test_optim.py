@@ -76,3 +76,26 @@ def test_decay_steps_sets_the_cosine_length_apart_from_max_steps():
     default = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2",
                                  "train.max_steps=100"]).train
     assert lr_at(default, 7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 5 / 98)))
+
+
+def test_a_resume_says_when_it_changes_the_lr_schedule():
+    """A resume with a longer train.max_steps re-plans the cosine (decay_steps 0), so an annealed
+    run's LR rises again; a smaller global batch ends the run before its decay does. Both were
+    silent; the resume line now names them (hand-computed: lr 1, min_lr 0.1, warm-up 2)."""
+    from tandem.trainer.optim import schedule_note
+
+    def train(*extra):
+        return load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2",
+                                  *extra]).train
+
+    six = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2, "decay_steps": 0, "max_steps": 6}
+    # 6 steps done (annealed to 0.1), extended to 10: the cosine now runs over 8 steps, half done
+    assert schedule_note(six, train("train.max_steps=10"), 6, 9) == (
+        "; the LR schedule changed (train.max_steps 6 -> 10): the next step's LR is 0.55, 0.1 on "
+        "the checkpoint's schedule; train.decay_steps=4 keeps the checkpoint's decay")
+    assert schedule_note(six, train("train.max_steps=10", "train.decay_steps=4"), 6, 9) == ""
+    assert schedule_note(six, train("train.max_steps=6"), 3, 5) == ""
+    # 3 steps of 2 samples, then 1 sample a step: step 6 runs at schedule step 4 (0-based)
+    assert schedule_note(six, train("train.max_steps=6"), 3, 4) == (
+        "; the last step (train.max_steps=6) falls at schedule step 5 of 6 planned, at LR 0.55 "
+        "(train.min_lr=0.1)")
