@@ -68,10 +68,11 @@ def _train(argv: List[str]) -> int:
                         help="continue from the newest complete checkpoint in run.dir")
     args = parser.parse_intermixed_args(argv)  # `--resume` before, between or after overrides
     from .config_checks import ConfigError
-    from .recipe import load_config
+    from .recipe import explicit_keys, load_config
 
     try:
         cfg = load_config(args.recipe, args.overrides)
+        explicit = explicit_keys(args.recipe, args.overrides)
     except ConfigError as exc:
         print(f"tandem train: error: {exc}", file=sys.stderr)
         return 2
@@ -80,7 +81,7 @@ def _train(argv: List[str]) -> int:
     from .preemption import RequeueRefused
 
     try:
-        record = train(cfg, resume=args.resume)
+        record = train(cfg, resume=args.resume, explicit=explicit)
     except BadStepHalt as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 3

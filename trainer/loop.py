@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -27,10 +27,12 @@ from .optim import lr_at, set_lr
 from .run import Run, build_run, release_run_dir
 
 
-def train(cfg: TandemConfig, resume: bool = False) -> Optional[dict]:
-    """Build the run and train it to train.max_steps: the last step's record."""
+def train(cfg: TandemConfig, resume: bool = False,
+          explicit: FrozenSet[str] = frozenset()) -> Optional[dict]:
+    """Build the run and train it to train.max_steps: the last step's record (`explicit`:
+    build_run's)."""
     try:
-        return run_training(build_run(cfg, resume=resume))
+        return run_training(build_run(cfg, resume=resume, explicit=explicit))
     finally:
         release_run_dir(cfg.run.dir)
 

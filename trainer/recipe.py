@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import is_dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, FrozenSet, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -230,6 +230,27 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
         raise ConfigError(_one_line_error(exc, recipe, _culprit(schema, layers))) from None
     cfg.validate()
     return cfg
+
+
+def explicit_keys(recipe: Optional[str], overrides: Sequence[str] = ()) -> FrozenSet[str]:
+    """The dotted keys that a recipe's own sections (its bases' too) and the `key=value` overrides
+    set, not those that a flavor or the defaults gave: what a run asked for itself, which
+    model.init_from leaves as set where a later stage may change it (hf/init_from.py
+    `STAGE_SETTINGS`). Call after `load_config` accepted the same arguments."""
+    keys = set()
+
+    def leaves(node: Any, prefix: str) -> None:
+        for name, value in node.items():
+            if isinstance(value, dict) and value:
+                leaves(value, f"{prefix}{name}.")
+            else:
+                keys.add(f"{prefix}{_PUBLIC.get(name, name)}")
+
+    for source, layer in _recipe_layers(recipe) if recipe else []:
+        if not source.startswith("model flavor"):
+            leaves(layer, "")
+    keys.update(k for k in map(_override_key, overrides) if k != "flavor")
+    return frozenset(keys)
 
 
 def _culprit(schema: Any, layers: Sequence[tuple]) -> Optional[str]:

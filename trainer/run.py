@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, FrozenSet, Optional
 
 from torch import nn
 
@@ -234,9 +234,10 @@ def check_frozen_reference(step_dir: str, reference: Optional[dict]) -> None:
                           f"but this run's model.init_from is {mine}")
 
 
-def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
-    """Fine-tuning: the trunk's shape and the tokenizer come from the checkpoint being fine-tuned.
-    Returns the frozen trunk's reference (checkpoints point at it), or None."""
+def _adopt_init_from(cfg: TandemConfig, explicit: FrozenSet[str]) -> Optional[dict]:
+    """Fine-tuning: the trunk's shape and the tokenizer come from the checkpoint being fine-tuned
+    (`explicit`: adopt_checkpoint_config's). Returns the frozen trunk's reference (checkpoints point
+    at it), or None."""
     # Host memory of fine-tuning: a fixed mmap threshold hands freed read / all-gather buffers back.
     threshold = cfg.train.malloc_mmap_threshold
     if threshold < 0:
@@ -254,7 +255,7 @@ def _adopt_init_from(cfg: TandemConfig) -> Optional[dict]:
                                           checkpoint_tokenizer(source))
     if adopted and int(os.environ.get("RANK", "0")) == 0:
         print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)", file=sys.stderr)
-    adopt_checkpoint_config(cfg)
+    adopt_checkpoint_config(cfg, explicit)
     adopt_mtp_init_from(cfg)  # after the trunk's: the MTP module's wiring is mtp.init_from's
     return make_reference(cfg.model.init_from) if cfg.train.freeze_trunk else None
 
@@ -336,7 +337,7 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
     return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding, stops)
 
 
-def _sources(cfg: TandemConfig, resume: bool):
+def _sources(cfg: TandemConfig, resume: bool, explicit: FrozenSet[str]):
     """(the checkpoint to resume or None, the frozen trunk's reference or None), with
     model.init_from and mtp.init_from set to the step directories they read (a run directory's
     newest checkpoint moves on while that run trains)."""
@@ -349,17 +350,20 @@ def _sources(cfg: TandemConfig, resume: bool):
         if given != section.init_from and int(os.environ.get("RANK", "0")) == 0:
             print(f"resume: {key}={given} is read at {section.init_from}, the checkpoint this run "
                   "started from", file=sys.stderr)
-    return found, _adopt_init_from(cfg)
+    return found, _adopt_init_from(cfg, explicit)
 
 
-def build_run(cfg: TandemConfig, resume: bool = False) -> Run:
+def build_run(cfg: TandemConfig, resume: bool = False,
+              explicit: FrozenSet[str] = frozenset()) -> Run:
     """Make this rank's run. A torchrun restart (--max-restarts) of a failed job resumes from the
-    last checkpoint, as `resume` and train.resume do."""
+    last checkpoint, as `resume` and train.resume do. `explicit`: the keys the recipe and the
+    overrides set (recipe.explicit_keys), which model.init_from leaves as set where a later stage
+    may change them."""
     resume = resume or cfg.train.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0")) > 0
     prepare_run_dir(cfg.run.dir)
     cfg.eval.check_decoding_fits(cfg)
-    found, reference = _sources(cfg, resume)
+    found, reference = _sources(cfg, resume, explicit)
     pstate = init_parallel(cfg, resolve_device(cfg.device, dtype=cfg.train.dtype))
     decided_on_rank0(lambda: lock_run_dir(cfg.run.dir))
     # Every rank runs with what rank 0 found: a checkpoint published between rank 0's look and

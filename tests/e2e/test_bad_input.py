@@ -328,6 +328,21 @@ def test_resume_with_other_training_coefficients(ctx, capsys):
         capsys.readouterr().err)
 
 
+def test_init_from_leaves_the_stage_settings_a_run_sets(ctx, tmp_path, capsys):
+    """model.init_from gives the run the checkpoint's model fields, but a later stage may set the
+    RoPE base and QSA's budget itself (a long-context stage): an override of either was reverted to
+    the checkpoint's silently. A weight shape is still the checkpoint's."""
+    ckpt = os.path.join(ctx.run, "checkpoints", "step_2")
+    stage2 = str(tmp_path / "stage2")
+    argv = ["train", RECIPE, *ctx.base, f"run.dir={stage2}", f"model.init_from={ctx.run}",
+            "model.rope_theta=123456.0", "model.indexer_budget=96", "model.hidden_size=48"]
+    assert main(argv) == 0, capsys.readouterr().err
+    saved = load_config(os.path.join(stage2, "config.yaml")).model
+    assert (saved.rope_theta, saved.indexer_budget, saved.hidden_size) == (123456.0, 96, 32)
+    assert saved.init_from == ckpt
+    assert "model.rope_theta: 123456.0 as set (the checkpoint's " in capsys.readouterr().err
+
+
 def test_resume_with_different_mtp_depth(ctx):
     ctx.fails(["train", RECIPE, *ctx.base, "mtp.num_steps=3", "--resume"],
               "mtp.num_steps: checkpoint 2 vs config 3")

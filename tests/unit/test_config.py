@@ -203,6 +203,21 @@ def test_recipe_sections_win_over_its_flavor_and_its_flavor_over_its_bases(tmp_p
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.rope_theta) == (32, 3, 500.0)
 
 
+def test_explicit_keys_are_the_recipes_and_the_overrides_not_the_flavors(tmp_path):
+    """What a run set itself (model.init_from leaves some of it as set): its recipe's sections and
+    its bases', and the overrides; not a flavor's keys, in a recipe or on the command line."""
+    from tandem.trainer.recipe import explicit_keys
+
+    _write(tmp_path / "base.yaml", "model:\n  rope_theta: 500.0\nmtp:\n  loss:\n    lambda: 0.2\n")
+    recipe = _write(tmp_path / "r.yaml",
+                    "base: base.yaml\nflavor: debug\nmodel:\n  num_layers: 3\n")
+    overrides = ["flavor=debug", "model.indexer_budget=96", "train.max_steps=2"]
+    keys = explicit_keys(str(recipe), overrides)
+    assert keys == {"model.rope_theta", "mtp.loss.lambda", "model.num_layers",
+                    "model.indexer_budget", "train.max_steps"}, keys
+    assert explicit_keys(None, ["flavor=debug"]) == frozenset()
+
+
 @pytest.mark.parametrize("files, message", [
     ({"r.yaml": "base: missing.yaml\n"}, "base recipe not found"),
     ({"r.yaml": "base: s.yaml\n", "s.yaml": "base: r.yaml\n"}, "includes itself"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from typing import Callable, List, Optional, Set
+from typing import Callable, FrozenSet, List, Optional, Set
 
 import torch
 from torch import nn
@@ -44,6 +44,12 @@ _HF_BALANCE = {"balance", "aux_loss_coef"}
 """A Hugging Face family's router balancing, taken from it too: it is what the family's format holds
 on export (Qwen3-MoE's softmax router has an aux loss and no bias: the run's aux-free default
 trained a bias that `tandem export` then refused, after the whole fine-tune)."""
+
+
+STAGE_SETTINGS = ("rope_theta", "indexer_budget")
+"""model.* fields that the checkpoint's weights were trained with but that a later stage may change
+on purpose (a longer context's RoPE base, QSA's selection budget): model.init_from gives them
+unless the recipe or the overrides set them (an override of either was reverted silently)."""
 
 
 def is_hf_dir(path: str) -> bool:
@@ -86,15 +92,20 @@ def checkpoint_model_config(path: str):
     return saved.model, wiring, saved.mtp.num_steps > 0
 
 
-def adopt_checkpoint_config(cfg) -> List[str]:
+def adopt_checkpoint_config(cfg, explicit: FrozenSet[str] = frozenset()) -> List[str]:
     """Overwrite cfg.model's weight-shape fields, and the MTP wiring when the checkpoint has MTP
     weights (which then load into this run's module), with the checkpoint's; revalidate; return
-    the keys that changed (also printed)."""
+    the keys that changed (also printed). `explicit`: the keys the run set itself
+    (recipe.explicit_keys), which keep their value among `STAGE_SETTINGS`."""
     ckpt, wiring, has_mtp = checkpoint_model_config(cfg.model.init_from)
     keep = _KEEP - _HF_BALANCE if is_hf_dir(cfg.model.init_from) else _KEEP
     changed = []
     for key, value in vars(ckpt).items():
         if key in keep or getattr(cfg.model, key) == value:
+            continue
+        if key in STAGE_SETTINGS and f"model.{key}" in explicit:
+            changed.append(f"model.{key}: {getattr(cfg.model, key)!r} as set (the checkpoint's "
+                           f"{value!r})")
             continue
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
