@@ -97,7 +97,9 @@ def schedule_note(saved: dict, cfg: TrainConfig, at: float, last: float) -> str:
     changed = [f"train.{k} {getattr(before, k)!r} -> {getattr(cfg, k)!r}" for k in SCHEDULE_KEYS
                if getattr(before, k) != getattr(cfg, k)]
     if changed and not math.isclose(lr_at(before, at), lr_at(cfg, at), rel_tol=1e-9):
-        keep = "" if cfg.decay_steps or before.decay_steps else (
+        # (a derived decay_steps follows max_steps: naming it helps only when max_steps moved)
+        derived = not (cfg.decay_steps or before.decay_steps)
+        keep = "" if not derived or before.max_steps == cfg.max_steps else (
             f"; train.decay_steps={max(before.max_steps - before.warmup_steps, 1)} keeps the "
             "checkpoint's decay")
         note += (f"; the LR schedule changed ({', '.join(changed)}): the next step's LR is "

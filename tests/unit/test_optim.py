@@ -95,6 +95,11 @@ def test_a_resume_says_when_it_changes_the_lr_schedule():
         "the checkpoint's schedule; train.decay_steps=4 keeps the checkpoint's decay")
     assert schedule_note(six, train("train.max_steps=10", "train.decay_steps=4"), 6, 9) == ""
     assert schedule_note(six, train("train.max_steps=6"), 3, 5) == ""
+    # a lower LR alone (0.1 + 0.2 (1 + cos pi/4) against 0.1 + 0.45 (1 + cos pi/4)):
+    # train.decay_steps would change nothing, so the line does not suggest it
+    assert schedule_note(six, train("train.max_steps=6", "train.lr=0.5"), 3, 5) == (
+        "; the LR schedule changed (train.lr 1.0 -> 0.5): the next step's LR is 0.4414, 0.8682 on "
+        "the checkpoint's schedule")
     # 3 steps of 2 samples, then 1 sample a step: step 6 runs at schedule step 4 (0-based)
     assert schedule_note(six, train("train.max_steps=6"), 3, 4) == (
         "; the last step (train.max_steps=6) falls at schedule step 5 of 6 planned, at LR 0.55 "
