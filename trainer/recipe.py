@@ -249,7 +249,13 @@ def explicit_keys(recipe: Optional[str], overrides: Sequence[str] = ()) -> Froze
     for source, layer in _recipe_layers(recipe) if recipe else []:
         if not source.startswith("model flavor"):
             leaves(layer, "")
-    keys.update(k for k in map(_override_key, overrides) if k != "flavor")
+    for item in overrides:
+        key = ".".join(_PUBLIC.get(p, p) for p in _override_key(item).split("."))
+        value = item.split("=", 1)[1].strip()
+        if value.startswith("{"):  # a section set whole (`model={rope_theta: 1e6}`): its leaves
+            leaves(OmegaConf.to_container(OmegaConf.create(value)), key + ".")
+        elif key != "flavor":
+            keys.add(key)
     return frozenset(keys)
 
 

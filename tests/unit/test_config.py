@@ -216,6 +216,11 @@ def test_explicit_keys_are_the_recipes_and_the_overrides_not_the_flavors(tmp_pat
     assert keys == {"model.rope_theta", "mtp.loss.lambda", "model.num_layers",
                     "model.indexer_budget", "train.max_steps"}, keys
     assert explicit_keys(None, ["flavor=debug"]) == frozenset()
+    # a section set whole gives its leaves; an alias keeps its public spelling
+    whole = ["model={rope_theta: 1.0e6, indexer_budget: 64}", "mtp.loss.lambda=0.3"]
+    load_config(None, whole)
+    assert explicit_keys(None, whole) == {"model.rope_theta", "model.indexer_budget",
+                                          "mtp.loss.lambda"}
 
 
 @pytest.mark.parametrize("files, message", [
