@@ -338,7 +338,7 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
-    if not _sources_exist(cfg):
+    if not _sources_exist(cfg, args):
         return 2
     try:  # the check `tandem train` makes first; the script and its logs go under run.dir too
         prepare_run_dir(run_dir)
@@ -395,16 +395,23 @@ def _resumable(cfg, args: argparse.Namespace) -> bool:
     return why is None
 
 
-def _sources_exist(cfg) -> bool:
+def _sources_exist(cfg, args: argparse.Namespace) -> bool:
     """Whether the checkpoints model.init_from and mtp.init_from name are there (the job reads them
     as it starts, on every node it was given); False after printing the error. `--check` and
-    `--dry-run` read no checkpoint, so a recipe names a stage that has yet to run."""
+    `--dry-run` read no checkpoint, so a recipe names a stage that has yet to run; so does a job
+    queued behind that stage's (`--sbatch-arg=--dependency=afterok:<job>`), which checks them as it
+    starts."""
     try:
         if cfg.model.init_from:
             resolve_init_from(cfg.model.init_from)
         if cfg.mtp.init_from:
             mtp_checkpoint_step(cfg.mtp.init_from)
     except (FileNotFoundError, ConfigError) as exc:
+        after = [a for a in args.sbatch_arg if a.startswith(("--dependency", "-d"))]
+        if after:
+            print(f"tandem launch slurm: {exc}; submitted anyway, after {after[-1]}",
+                  file=sys.stderr)
+            return True
         print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
         return False
     return True

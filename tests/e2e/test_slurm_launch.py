@@ -237,6 +237,13 @@ def test_a_missing_init_from_is_refused_before_sbatch(tmp_path, capsys, fake_sba
     # --check reads no checkpoint: the recipe of a stage that has yet to run is checked
     assert launch_slurm_main([str(recipe), f"model.init_from={empty}", "--nodes", "1",
                               "--procs-per-node", "1", "--check"]) == 0, capsys.readouterr().err
+    # a job queued behind the stage that writes the checkpoint is submitted, and says so
+    rc = launch_slurm_main([str(recipe), f"model.init_from={empty}", "--nodes", "1",
+                            "--procs-per-node", "1", "--sbatch-arg=--dependency=afterok:41"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "submitted anyway, after --dependency=afterok:41" in err, err
+    script = Path(fake_sbatch.argv[-1]).read_text()
+    assert "#SBATCH --dependency=afterok:41" in script
 
 
 def _stub_bin(bin_dir: Path, argv_out: Path, marker_dir: Path) -> None:
