@@ -13,9 +13,9 @@ import torch
 
 from tandem.models import gated_deltanet as gdn
 from tandem.models.context import WholeWindow
-from tandem.models.delta_rule import chunked_gated_delta_rule, l2_normalize
 from tandem.models.documents import Documents
 from tandem.models.gated_deltanet import GatedDeltaNet
+from tests.unit.test_gated_deltanet import fla_stand_in
 
 
 class LocalChunks(WholeWindow):
@@ -62,18 +62,6 @@ class LocalChunks(WholeWindow):
         return torch.stack(entering, 1).reshape(final.shape)
 
 
-def _fla_stand_in(q, k, v, g, beta, scale, initial_state=None, output_final_state=True,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=None):
-    """fla's chunk_gated_delta_rule contract ([B, T, H, dim] in and out), computed by the torch
-    rule."""
-    assert cu_seqlens is None and use_qk_l2norm_in_kernel
-    t = lambda x: x.float().transpose(1, 2)  # noqa: E731
-    out, final = chunked_gated_delta_rule(t(l2_normalize(q.float()) * scale),
-                                          t(l2_normalize(k.float())), t(v),
-                                          t(g), t(beta), initial_state)
-    return out.transpose(1, 2).to(v.dtype), final
-
-
 def _inputs(seed: int, s: int, documents: bool):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, s, 32, generator=g)
@@ -100,7 +88,7 @@ def test_gated_deltanet_over_chunks_equals_the_whole_window(documents, fla, monk
     want = layer(x, positions, documents=docs)
     (gx_want,) = torch.autograd.grad(want.square().sum(), x)
     if fla:  # the fla branch, with a torch stand-in for the kernel (it runs without documents only)
-        monkeypatch.setattr(gdn, "_fla_chunk", _fla_stand_in)
+        monkeypatch.setattr(gdn, "_fla_chunk", fla_stand_in)
         monkeypatch.setattr(GatedDeltaNet, "_use_fla", lambda self, v: True)
     for chunks in (2, 4, 64):  # 64: two-token chunks, shorter than the conv's 3-row halo
         got = layer(x, positions, documents=docs, context=LocalChunks(chunks))

@@ -15,6 +15,7 @@ from tandem.models.delta_rule import (
     l2_normalize,
     recurrent_gated_delta_rule,
 )
+from tandem.models.documents import Documents
 from tandem.models.gated_deltanet import GatedDeltaNet, qkv_rows_from_hf
 from tandem.models.state import DecodeCache
 
@@ -315,6 +316,65 @@ def test_rollback_to_accepted_prefix():
 
 
 # --- kernels and precision ------------------------------------------------------------------------
+def fla_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """fla's `chunk_gated_delta_rule` contract (fla/ops/gated_delta_rule/chunk.py), checked and
+    computed token by token: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], initial_state
+    [N, H, K, V]; with `cu_seqlens` B is 1 and the state restarts at each cut (N segments). Returns
+    (o [B, T, H, V] in v's dtype, the final fp32 states or None)."""
+    b, t, h, dk = q.shape
+    assert k.shape == q.shape and v.shape[:3] == (b, t, h) and g.shape == beta.shape == (b, t, h)
+    cuts = [0, t] if cu_seqlens is None else cu_seqlens.tolist()
+    assert cu_seqlens is None or (b == 1 and cu_seqlens.dtype in (torch.int32, torch.int64))
+    n = b if cu_seqlens is None else len(cuts) - 1
+    assert initial_state is None or initial_state.shape == (n, h, dk, v.shape[-1])
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    q = q.float() * (dk ** -0.5 if scale is None else scale)
+    outs, finals = [], []
+    for i, (a, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+        rows = slice(None) if cu_seqlens is None else slice(0, 1)
+        seg = [x[rows, a:e].float().transpose(1, 2) for x in (q, k, v, g, beta)]
+        h0 = None if initial_state is None else initial_state[i:i + 1] if cu_seqlens is not None \
+            else initial_state
+        out, final = recurrent_gated_delta_rule(*seg, h0)[:2]
+        outs.append(out.transpose(1, 2))
+        finals.append(final)
+    return torch.cat(outs, 1).to(v.dtype), (torch.cat(finals) if output_final_state else None)
+
+
+def test_the_fla_branches_equal_the_torch_rule(monkeypatch):
+    """The calls CI cannot make (fla is Triton, CUDA only) against a stand-in that keeps fla's
+    contract: the plain chunked forward, packed documents through `cu_seqlens` (values and
+    gradients), and a prefill handing its state to the decoder's steps."""
+    calls = []
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda *a, **kw: calls.append(kw) or fla_stand_in(
+        *a, **kw))
+    torch_layer = make()
+    fla_layer = copy.deepcopy(torch_layer)
+    fla_layer.kernel = "fla"
+    torch.manual_seed(1)
+    x = torch.randn(2, 70, HID, requires_grad=True)
+    starts = torch.zeros(2, 70, dtype=torch.long)
+    starts[0, 25:], starts[0, 50:], starts[1, 64:] = 25, 50, 64
+    docs = Documents(starts)
+    for d in (None, docs):
+        pos = positions(2, 70) if d is None else d.positions()
+        want, got = torch_layer(x, pos, documents=d), fla_layer(x, pos, documents=d)
+        assert rel_err(got, want) < 1e-5
+        (g_want,), (g_got,) = (torch.autograd.grad(y.square().sum(), x) for y in (want, got))
+        assert rel_err(g_got, g_want) < 1e-5
+    streams = [torch.randn(40, HID), torch.randn(40, HID)]
+    # a 20-token prefill (fla, with no entering state), then ragged steps and a 10-token verify
+    # forward that enters with the cached state
+    sched = [([(0, 20), (0, 13)], 20), ([(20, 1), (13, 1)], 1), ([(21, 3), (14, 2)], 3),
+             ([(24, 10), (16, 2)], 10), ([(34, 1), (18, 1)], 1)]
+    _, outs = run_schedule(fla_layer, streams, sched)
+    check_against_full(torch_layer, streams, outs)
+    assert any(c.get("cu_seqlens") is not None for c in calls)
+    assert any(c.get("initial_state") is not None for c in calls)
+
+
 def test_fla_kernel_missing_is_a_one_line_error():
     if gdn._fla_chunk is not None:
         pytest.skip("flash-linear-attention is installed")
