@@ -174,10 +174,11 @@ class ChatEncoder:
                                  f"{self.tokenizer.path}'s "
                                  f"vocabulary of {self.tokenizer.vocab_size}")
         elif form == "prompt":
-            prompt, response = self.tokenizer.encode_batch([rec["prompt"], rec["response"]])
+            prompt = self.tokenizer.encode(rec["prompt"], start=True)
+            response = self.tokenizer.encode(rec["response"])
             ids, flags = prompt + response, [0] * len(prompt) + [1] * len(response)
         else:
-            ids = self.tokenizer.encode(rec["text"])
+            ids = self.tokenizer.encode(rec["text"], start=True)
             flags = [1] * len(ids)
         if not ids or ids[-1] != self.tokenizer.eod_id:
             # a response cut off by generate's token budget (`finished: false`) did not end there;

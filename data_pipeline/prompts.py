@@ -121,7 +121,7 @@ def tokenize_prompts(prompts: List[Prompt], tok, chat: Optional[dict], limit: in
                                     f"{' '.join(str(exc).split())[:200]}") from None
             row = tok.encode_rendered(text)[0]
         else:
-            text, row = p.value, tok.encode(p.value)
+            text, row = p.value, tok.encode(p.value, start=True)
         if not row or len(row) > limit:
             raise PromptError(f"{where}: prompt is {len(row)} tokens; 1 to {limit} fit "
                               f"({limit_note})")

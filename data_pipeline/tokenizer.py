@@ -12,7 +12,9 @@ data pipeline appends `eod_id` after each document itself.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -56,18 +58,40 @@ class TandemTokenizer:
         """The underlying `tokenizers.Tokenizer` (None for a slow Hugging Face tokenizer)."""
         return self._backend
 
-    def encode(self, text: str) -> List[int]:
-        """Token ids of `text` (no BOS/EOS added)."""
+    def encode(self, text: str, start: bool = False) -> List[int]:
+        """Token ids of `text`, no EOS added. `start`: the text begins a document or a prompt, so
+        the tokenizer's own leading special tokens (`start_ids`: a Llama or DeepSeek tokenizer's
+        BOS) come first, as transformers' `tokenizer(text)`, Megatron-LM's preprocessing and vLLM's
+        prompts have them."""
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        else:
+            ids = list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+        return self.start_ids + ids if start else ids
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str], start: bool = False) -> List[List[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
+        if self._backend is None:
+            return [self.encode(t, start) for t in texts]
+        lead = self.start_ids if start else []
+        return [lead + e.ids for e in self._backend.encode_batch(list(texts),
+                                                                 add_special_tokens=False)]
+
+    @functools.cached_property
+    def start_ids(self) -> List[int]:
+        """The ids the tokenizer's post-processor puts before a text (BOS for Llama and DeepSeek
+        tokenizers; none for Qwen's, GLM's or the trained BPE), found by encoding a probe both ways;
+        none when they hold the end-of-document token, which would cut each document in two."""
+        probe = "a"
         if self._backend is not None:
-            return [e.ids for e in self._backend.encode_batch(list(texts),
-                                                              add_special_tokens=False)]
-        return [self.encode(t) for t in texts]
+            plain = self._backend.encode(probe, add_special_tokens=False).ids
+            full = self._backend.encode(probe, add_special_tokens=True).ids
+        else:
+            plain = list(self._hf.encode(probe, add_special_tokens=False))
+            full = list(self._hf.encode(probe, add_special_tokens=True))
+        lead = next((full[:i] for i in range(len(full) - len(plain) + 1)
+                     if full[i:i + len(plain)] == plain), [])
+        return [] if self.eod_id in lead else lead
 
     def encode_rendered(self, text: str) -> Tuple[List[int], Optional[List[Tuple[int, int]]]]:
         """(token ids, each token's (start, end) character offsets) of a rendered chat template,
@@ -238,22 +262,31 @@ TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "cha
 end-of-document token a run trains with) and chat template."""
 
 
-def copy_tokenizer(path: str, out_dir: str) -> None:
+def copy_tokenizer(path: str, out_dir: str, eod_token: Optional[str] = None) -> None:
     """Copy the tokenizer at `path` (a tokenizer.json, or a directory holding one) into `out_dir`:
     tokenizer.json and the side files beside it. A bare tokenizer.json would load with the first
     default end-of-document token, not the EOS its directory names (`<|im_end|>` for Qwen3), and
-    without its chat template."""
+    without its chat template. `eod_token`: the end-of-document token the run's data was made with
+    (a Megatron prefix's meta.json names it beside its bare `<prefix>.tokenizer.json`); when the
+    copy would load with another, a tokenizer_config.json naming it as the EOS goes with it."""
     path = os.path.expanduser(str(path))
     src = tokenizer_file(path)
     if src is None:
         raise FileNotFoundError(f"tokenizer not found: {path}")
-    shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
-    if os.path.basename(src) != "tokenizer.json":  # a Megatron prefix's <prefix>.tokenizer.json
-        return
-    for name in TOKENIZER_SIDE_FILES:
-        side = os.path.join(os.path.dirname(src), name)
-        if os.path.isfile(side):
-            shutil.copyfile(side, os.path.join(out_dir, name))
+    out = os.path.join(out_dir, "tokenizer.json")
+    shutil.copyfile(src, out)
+    if os.path.basename(src) == "tokenizer.json":  # not a Megatron prefix's <prefix>.tokenizer.json
+        for name in TOKENIZER_SIDE_FILES:
+            side = os.path.join(os.path.dirname(src), name)
+            if os.path.isfile(side):
+                shutil.copyfile(side, os.path.join(out_dir, name))
+    if eod_token is not None and load_tokenizer(saved_tokenizer(out_dir)).eod_token != eod_token:
+        config = os.path.join(out_dir, TOKENIZER_SIDE_FILES[0])
+        settings = {}
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                settings = json.load(f)
+        _atomic_write_text(config, json.dumps({**settings, "eos_token": eod_token}, indent=2))
 
 
 def saved_tokenizer(directory: str) -> Optional[str]:

@@ -142,3 +142,90 @@ def test_a_checkpoint_keeps_its_tokenizers_eos_and_chat_template(tmp_path):
     bare.mkdir()
     (bare / "tokenizer.json").write_text((source / "tokenizer.json").read_text())
     assert saved_tokenizer(str(bare)) == str(bare / "tokenizer.json")
+
+
+def test_a_checkpoint_of_megatron_data_keeps_the_eod_the_data_was_made_with(tmp_path):
+    """`tandem preprocess` writes a bare `<prefix>.tokenizer.json` and names the EOD it ended each
+    document with in its meta.json. A checkpoint's copy of that file loaded with the first default
+    candidate (`<|endoftext|>`, id 0) where the data used `<|im_end|>` (id 2), so `tandem eval`
+    and `generate` stopped at another token; the copy now says which."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from tandem.data_pipeline.tokenizer import copy_tokenizer, saved_tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.WordLevel({s: i for i, s in enumerate(specials + ["a", "b"])},
+                                         unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    prefix_file = tmp_path / "corpus.tokenizer.json"
+    backend.save(str(prefix_file))
+    assert load_tokenizer(str(prefix_file)).eod_id == 0  # what a bare copy loads with
+    for eod, want in (("<|im_end|>", 2), ("<|endoftext|>", 0), (None, 0)):
+        step = tmp_path / f"step_{want}_{eod is None}"
+        step.mkdir()
+        copy_tokenizer(str(prefix_file), str(step), eod_token=eod)
+        assert load_tokenizer(saved_tokenizer(str(step))).eod_id == want
+        # the default's copy stays a bare file, loaded without transformers
+        assert (step / "tokenizer_config.json").exists() == (want == 2)
+    # a directory's own settings are kept when its EOS is not the data's
+    source = tmp_path / "dir"
+    source.mkdir()
+    backend.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+         "chat_template": "{{ messages }}"}))
+    step = tmp_path / "step_dir"
+    step.mkdir()
+    copy_tokenizer(str(source), str(step), eod_token="<|im_end|>")
+    assert load_tokenizer(saved_tokenizer(str(step))).eod_id == 2
+    assert json.loads((step / "tokenizer_config.json").read_text())["chat_template"] == (
+        "{{ messages }}")
+
+
+def _bos_tokenizer(tmp_path, bos="<s>"):
+    """A Llama-style tokenizer.json: its post-processor puts `bos` before every text."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["<s>", "</s>", "<|endoftext|>"]
+    backend = Tokenizer(models.WordLevel(
+        {s: i for i, s in enumerate(specials + ["a", "b", "c"])}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, specials.index(bos))])
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / "tokenizer.json"
+    backend.save(str(path))
+    return path
+
+
+def test_a_document_or_prompt_starts_with_the_tokenizers_bos(tmp_path):
+    """Plain text that begins a document or a prompt gets the BOS a Llama or DeepSeek tokenizer's
+    post-processor adds, as transformers' `tokenizer(text)` (the reference here), Megatron-LM's
+    preprocessing and vLLM's prompts give it: once, before the text, never before a response; the
+    chat and ids forms are left as their template or ids say. It was dropped everywhere."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tandem.data_pipeline.chat import ChatEncoder
+    from tandem.data_pipeline.prompts import Prompt, tokenize_prompts
+
+    path = _bos_tokenizer(tmp_path)
+    tok = load_tokenizer(str(path), eod_token="</s>")
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    assert tok.start_ids == [0]
+    for text in ("b c", "c c b a"):
+        assert tok.encode(text, start=True) == ref(text).input_ids == [0, *tok.encode(text)]
+    assert tok.encode_batch(["b", "c b"], start=True) == [ref("b").input_ids, ref("c b").input_ids]
+    enc = ChatEncoder(tok)
+    ids, flags = enc.encode("r:1", {"text": "b c"}, "text")
+    assert ids.tolist() == [0, 4, 5, 1] and flags.tolist() == [1, 1, 1, 1]
+    ids, flags = enc.encode("r:2", {"prompt": "b", "response": "c"}, "prompt")
+    assert ids.tolist() == [0, 4, 5, 1] and flags.tolist() == [0, 0, 1, 1]
+    _, rows = tokenize_prompts([Prompt("p:1", "c b")], tok, None, 16, "")
+    assert rows == [[0, 5, 4]]
+    # a tokenizer without one, and one whose BOS is its end-of-document token, add nothing
+    assert load_tokenizer(str(_bos_tokenizer(tmp_path / "eod", "</s>")),
+                          eod_token="</s>").start_ids == []
