@@ -110,13 +110,15 @@ def optimizer_step(run: Run, step: int) -> Tuple[int, Optional[dict]]:
     return step + 1, record
 
 
-def throughput(run: Run, seconds: float) -> dict:
-    """The step's speed, utilisation, data position and memory figures (the peak memory of the rank
-    that used most: pipeline stages and expert shards differ)."""
+def throughput(run: Run, seconds: float, logged: bool) -> dict:
+    """The step's speed, utilisation and data position figures, and on a step that is `logged`
+    (the same on every rank) the peak memory of the rank that used most (pipeline stages and expert
+    shards differ): a collective, which the other steps skip."""
     tokens_per_s = run.global_batch * run.cfg.data.seq_len / seconds
     out = {"tokens_per_s": tokens_per_s, "consumed_samples": run.data_position.consumed_samples,
-           "consumed_tokens": run.data_position.consumed_tokens,
-           "mem/peak_gb": run.pstate.max_over_ranks(run.device.peak_memory_gb())}
+           "consumed_tokens": run.data_position.consumed_tokens}
+    if logged:
+        out["mem/peak_gb"] = run.pstate.max_over_ranks(run.device.peak_memory_gb())
     if run.peak_flops:
         per_flop = tokens_per_s / (run.pstate.world_size * run.peak_flops)
         out.update({"mfu": run.flops_per_token * per_flop,
@@ -138,14 +140,16 @@ def run_training(run: Run) -> Optional[dict]:
             if record is None:  # rewound to the checkpoint of `step`
                 logger.rewind(step)
                 continue
-            record.update(throughput(run, time.perf_counter() - started))
-            if run.evaluator is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
+            evaluates = run.evaluator is not None and (step % cfg.eval.interval == 0
+                                                       or step == t.max_steps)
+            logged = step % t.log_interval == 0 or step == t.max_steps
+            record.update(throughput(run, time.perf_counter() - started, logged or evaluates))
+            if evaluates:
                 # the precision it trains in (FSDP may hold bf16 parameters)
                 with run.step.autocast():
                     record.update(run.evaluator.run(step))
                 logger.log_samples(step, run.evaluator.last_samples)
-            if step % t.log_interval == 0 or step == t.max_steps or any(k.startswith("eval/")
-                                                                        for k in record):
+            if logged or any(k.startswith("eval/") for k in record):
                 logger.log(record)
             logger.progress(step, record)
             last_record = record

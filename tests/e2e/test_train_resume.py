@@ -211,3 +211,20 @@ def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides
         assert train(cfg)["step"] == signalled
         assert saves == [2, 4][: signalled // 2] and requeues == ([True] if signalled < 4 else [])
         assert [s for s, _ in list_checkpoints(cfg.run.dir)[0]] == saves
+
+
+def test_peak_memory_is_gathered_on_logged_steps_only(tiny_overrides, monkeypatch):
+    """mem/peak_gb is the largest rank's (a collective over every rank): a step that logs nothing
+    skips it, and every logged record holds it."""
+    from tandem.trainer.parallel.state import ParallelState
+
+    gathered = []
+    real = ParallelState.max_over_ranks
+    monkeypatch.setattr(ParallelState, "max_over_ranks",
+                        lambda self, value: gathered.append(value) or real(self, value))
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=7", "train.log_interval=3",
+                                                "checkpoint.interval=0"])
+    train(cfg)
+    recs = records(cfg.run.dir)
+    assert [r["step"] for r in recs] == [3, 6, 7] and len(gathered) == 3
+    assert all(r["mem/peak_gb"] == v for r, v in zip(recs, gathered))
