@@ -14,18 +14,21 @@ the trunk is read from (trainer/hf/init_from).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import shutil
 import warnings
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,18 +37,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tandem.data_pipeline.tokenizer import copy_tokenizer, tokenizer_file
+from tandem.data_pipeline.tokenizer import TOKENIZER_SIDE_FILES, copy_tokenizer, tokenizer_file
 from tandem.models import TandemModel
 
 from . import safe_dcp
 from .checkpoint_dirs import (  # noqa: F401
     MARKER,
     checkpoints_root,
+    is_complete,
     latest_checkpoint,
     list_checkpoints,
     resolve_checkpoint,
 )
 from .config import TandemConfig
+from .files import fsync_path, naming, write_synced
 from .hf.init_from import REFERENCE_FILE, check_reference, load_initial_weights, read_reference
 from .parallel.sharded_params import allocate
 from .recipe import load_config
@@ -122,7 +127,7 @@ class CheckpointWriter:
         if _rank() == 0:
             os.makedirs(root, exist_ok=True)
             final = os.path.join(root, f"step_{step}")
-            if os.path.exists(os.path.join(tmp, MARKER)) and not os.path.exists(final):
+            if is_complete(tmp) and not os.path.exists(final):
                 os.rename(tmp, final)  # the step's only complete copy (checkpoint_dirs._scan)
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
@@ -143,11 +148,15 @@ class CheckpointWriter:
         if self.reference is not None:
             state["model"] = {k: v for k,
                               v in state["model"].items() if k.startswith(TRAINABLE_PREFIX)}
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
-        future = dcp.async_save(state, checkpoint_id=tmp,
-                                process_group=self._async_group()) if self.async_save else None
-        if future is None:
-            dcp.save(state, checkpoint_id=tmp)
+        # through bytes: torch.save's own writer reports a full disk as "unexpected pos 64 vs 0"
+        rng = io.BytesIO()
+        torch.save(_rng_state(), rng)
+        write_synced(os.path.join(tmp, "rng", f"rank{_rank()}.pt"), rng.getvalue())
+        with self._failure_named(step, tmp, background=False):
+            future = dcp.async_save(state, checkpoint_id=tmp,
+                                    process_group=self._async_group()) if self.async_save else None
+            if future is None:
+                dcp.save(state, checkpoint_id=tmp)
         self.pending = (future, step, tmp, config_yaml, dict(trainer_state))
         if not self.async_save:
             self.finish()
@@ -166,6 +175,16 @@ class CheckpointWriter:
             self._gloo_group = dist.new_group(backend="gloo")
         return self._gloo_group
 
+    @contextmanager
+    def _failure_named(self, step: int, tmp: str, background: bool) -> Iterator[None]:
+        """DCP reports a failed write (with every rank's error) as a CheckpointException, a
+        BaseException the commands' handlers miss: a traceback per rank. It leaves as one OSError
+        line instead, naming the directory, the ranks, their errors and the checkpoint kept."""
+        try:
+            yield
+        except CheckpointException as exc:
+            raise OSError(_save_failure(self.run_dir, step, tmp, exc, background)) from None
+
     def finish(self) -> Optional[str]:
         """Wait for the save in flight (if any) on every rank, then commit it. Collective."""
         if self.pending is None:
@@ -173,7 +192,8 @@ class CheckpointWriter:
         future, step, tmp, config_yaml, trainer_state = self.pending
         self.pending = None
         if future is not None:
-            future.result()
+            with self._failure_named(step, tmp, background=True):
+                future.result()
         _barrier()
         root = checkpoints_root(self.run_dir)
         final = os.path.join(root, f"step_{step}")
@@ -185,30 +205,31 @@ class CheckpointWriter:
 
     def _write_metadata(self, tmp: str, step: int, config_yaml: str, trainer_state: dict) -> None:
         """Beside the shards: the config, the trainer state, the tokenizer and the frozen trunk's
-        reference."""
-        with open(os.path.join(tmp, "config.yaml"), "w") as f:
-            f.write(config_yaml)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **trainer_state}, f, indent=1)
-        _record_tokenizer(self.tokenizer, tmp)
+        reference; each on disk, as the shards are (DCP syncs them), before the marker says so."""
+        write_synced(os.path.join(tmp, "config.yaml"), config_yaml)
+        write_synced(os.path.join(tmp, "trainer_state.json"),
+                     json.dumps({"step": step, **trainer_state}, indent=1))
         if self.reference is not None:
-            with open(os.path.join(tmp, REFERENCE_FILE), "w") as f:
-                json.dump(self.reference, f, indent=1)
+            write_synced(os.path.join(tmp, REFERENCE_FILE), json.dumps(self.reference, indent=1))
+        with naming(os.path.join(tmp, "tokenizer.json")):  # or a side file copied with it
+            _record_tokenizer(self.tokenizer, tmp)
+            for name in ("tokenizer.json", *TOKENIZER_SIDE_FILES):
+                if os.path.exists(os.path.join(tmp, name)):
+                    fsync_path(os.path.join(tmp, name))
+        fsync_path(os.path.join(tmp, "rng"))
+        fsync_path(tmp)
 
     def _publish(self, tmp: str, final: str, step: int) -> None:
         """Mark the checkpoint complete (fsynced), move it into place, drop the oldest beyond
         keep_last."""
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(os.path.join(tmp, MARKER), f"{step}\n")  # empty: not complete (is_complete)
         root = os.path.dirname(final)
         stale = os.path.join(root, f".stale_step_{step}")
         if os.path.exists(final):  # a stale copy of the same step (e.g. rewind): moved aside, and
             shutil.rmtree(stale, ignore_errors=True)  # deleted only once the new one is in place
             os.rename(final, stale)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         shutil.rmtree(stale, ignore_errors=True)
         if self.keep_last > 0:
             complete, _ = list_checkpoints(self.run_dir)
@@ -221,12 +242,20 @@ def _record_tokenizer(tokenizer: Optional[str], step_dir: str) -> None:
         copy_tokenizer(tokenizer, step_dir)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _save_failure(run_dir: str, step: int, tmp: str, exc: CheckpointException,
+                  background: bool) -> str:
+    """One line for a failed DCP write: where, which ranks failed and why, what a resume uses."""
+    causes: dict = {}
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, its frames)
+        causes.setdefault(" ".join(str(error).split()) or type(error).__name__, []).append(rank)
+    why = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {cause}"
+                    for cause, ranks in causes.items())
+    complete = list_checkpoints(run_dir)[0]
+    kept = (f"the newest complete checkpoint, {complete[-1][1]}, is kept" if complete else
+            "no complete checkpoint was kept (none was saved before)")
+    when = " (in the background; this is the next save)" if background else ""
+    return f"the checkpoint of step {step} could not be written{when} into {tmp}: {why}; {kept}"
 
 
 def check_compatible(path: str, config_yaml: str) -> None:

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 
 MARKER = "COMPLETE"
-"""File whose presence marks a checkpoint directory as complete (written last)."""
+"""File that marks a checkpoint directory as complete: written last, holding the step."""
 DCP_INDEX = ".metadata"
 """DCP's index of a checkpoint's shards (dcp.save writes it before the marker)."""
 _STEP_DIR = re.compile(r"^(\.tmp_|\.stale_)?step_(\d+)$")
@@ -41,7 +41,7 @@ def _scan(root: str) -> Tuple[List[Tuple[int, str]], List[str]]:
     for name in os.listdir(root):
         path = os.path.join(root, name)
         match = _STEP_DIR.match(name)
-        if match and os.path.exists(os.path.join(path, MARKER)):
+        if match and is_complete(path):
             rank = ("", ".tmp_", ".stale_").index(match.group(1) or "")
             step = int(match.group(2))
             if step not in best or rank < best[step][0]:
@@ -51,6 +51,16 @@ def _scan(root: str) -> Tuple[List[Tuple[int, str]], List[str]]:
     complete = sorted((step, path) for step, (_, path) in best.items())
     chosen = {path for _, path in complete}
     return complete, sorted(p for p in dirs if p not in chosen)
+
+
+def is_complete(path: str) -> bool:
+    """Whether the directory `path` holds a marker with content: every save writes the step into
+    it and syncs it, so an empty one is a marker whose write failed (a full disk) or never reached
+    the disk (a crash), and the rest of the directory may be as incomplete."""
+    try:
+        return os.path.getsize(os.path.join(path, MARKER)) > 0
+    except OSError:
+        return False
 
 
 def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, str]]:
@@ -65,7 +75,7 @@ def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, 
 
 def resolve_checkpoint(path: str) -> str:
     """A step directory, or a run directory's newest complete checkpoint."""
-    if os.path.exists(os.path.join(path, MARKER)):
+    if is_complete(path):
         check_index(path)
         return path
     found = latest_checkpoint(path, report=False)

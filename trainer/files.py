@@ -1,0 +1,37 @@
+"""Writes whose failure names the file. An OSError from write(), flush() or close() (a full disk's
+ENOSPC) carries no file name, and the commands print an OSError as their one error line: without
+the name that line says only "No space left on device"."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, Union
+
+
+@contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Re-raise an OSError raised inside without a file name as the same error naming `path`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from None
+
+
+def write_synced(path: str, data: Union[str, bytes]) -> None:
+    """`data` (text or bytes) into `path`, on disk when this returns; an OSError names `path`."""
+    with naming(path), open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
