@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from typing import List, Optional, Tuple
 
@@ -71,6 +72,21 @@ def latest_checkpoint(run_dir: str, report: bool = True) -> Optional[Tuple[int, 
     if complete:
         check_index(complete[-1][1])
     return complete[-1] if complete else None
+
+
+def remove_unfinished_saves(run_dir: str) -> None:
+    """Delete the `.tmp_step_<N>` directories of saves that never completed (no marker: a crash or a
+    full disk mid-save), saying so: nothing reads them, and until that step is saved again they hold
+    the space a new save needs. Only the launch's rank 0, holding the run's lock, calls this."""
+    root = checkpoints_root(run_dir)
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    gone = [os.path.join(root, name) for name in names
+            if (_STEP_DIR.match(name) or [None, None])[1] == ".tmp_"
+            and not is_complete(os.path.join(root, name))]
+    for path in gone:
+        shutil.rmtree(path)
+    if gone:
+        print(f"checkpoint: removed the unfinished save(s) {', '.join(gone)}", file=sys.stderr)
 
 
 def resolve_checkpoint(path: str) -> str:

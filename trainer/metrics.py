@@ -19,6 +19,7 @@ import uuid
 from typing import Optional
 
 from .config import TandemConfig
+from .files import naming
 from .recipe import as_dict
 
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -52,7 +53,7 @@ def truncate_metrics(path: str, last_step: int) -> None:
             except json.JSONDecodeError:
                 continue  # a line torn by a crash mid-write
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with naming(tmp), open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
 
@@ -119,8 +120,10 @@ class MetricsLogger:
         if not self.is_main:
             return
         # JSON has no NaN: a skipped step's non-finite figures are null (wandb gets them as is)
-        self.file.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
-                                    for k, v in record.items()}, allow_nan=False) + "\n")
+        line = json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                           for k, v in record.items()}, allow_nan=False)
+        with naming(self.path):
+            self.file.write(line + "\n")
         if self.wandb_run is not None:
             row = {k: v for k, v in record.items() if k != "step"}
             if self.pending_table is not None and self.pending_table[0] == record["step"]:
@@ -133,7 +136,7 @@ class MetricsLogger:
         them as the wandb table `eval/samples` (one row per prompt, text columns where decoded)."""
         if not self.is_main or not samples:
             return
-        with open(self.samples_path, "a") as f:
+        with naming(self.samples_path), open(self.samples_path, "a") as f:
             for rec in samples:
                 f.write(json.dumps({"step": step,
                                     **{k: v for k, v in rec.items() if k != "step"}}) + "\n")

@@ -31,10 +31,11 @@ from .checkpoint import (
     read_trainer_state,
     saved_section,
 )
-from .checkpoint_dirs import list_checkpoints
+from .checkpoint_dirs import list_checkpoints, remove_unfinished_saves
 from .config import TandemConfig
 from .config_checks import ConfigError
 from .cost import hardware_flops_per_token, teacher_head_passes, training_flops_per_token
+from .files import naming, write_synced
 from .guard import BadStepGuard, rewind_headroom
 from .hf.init_from import (
     adopt_checkpoint_config,
@@ -157,10 +158,11 @@ def lock_run_dir(run_dir: str) -> None:
                           f"({holder}): wait for it to end or choose another run.dir") from None
     except OSError:
         pass  # no flock on this file system
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
+    with naming(f.name):
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
     _HELD_RUN_DIRS[key] = f
 
 
@@ -210,8 +212,7 @@ def _refuse_an_earlier_run(run_dir: str) -> None:
 
 def write_config(run_dir: str, config_yaml: str) -> None:
     tmp = os.path.join(run_dir, "config.yaml.tmp")
-    with open(tmp, "w") as f:
-        f.write(config_yaml)
+    write_synced(tmp, config_yaml)  # synced: a power loss left a torn config.yaml after the rename
     os.replace(tmp, os.path.join(run_dir, "config.yaml"))
 
 
@@ -378,6 +379,8 @@ def build_run(cfg: TandemConfig, resume: bool = False,
             raise ConfigError(f"{past}: raise it, or choose another run.dir")
         check_compatible(found[1], config_yaml)
         check_frozen_reference(found[1], reference)
+    if resume:  # after the checks: a refused resume leaves run.dir as it was
+        decided_on_rank0(lambda: remove_unfinished_saves(cfg.run.dir))
     saved = read_trainer_state(found[1]) if found is not None else {}
     position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
     if not resume:  # the last check before the model is built

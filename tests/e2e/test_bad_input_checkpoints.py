@@ -73,3 +73,32 @@ def test_missing_dcp_index_names_the_older_complete_checkpoint(ctx, no_model):
                                ".metadata")
         assert (f"the newest older complete checkpoint is {os.path.basename(_step(ctx, 1))}: move "
                 f"{os.path.basename(_step(ctx))} out of ") in line
+
+
+def _unfinished_save(ctx):
+    """A save of step 7 that never completed, and step 1's complete copy left by a kill between
+    the renames that publish a step (checkpoint_dirs._scan)."""
+    root = os.path.join(ctx.run, "checkpoints")
+    os.makedirs(os.path.join(root, ".tmp_step_7", "rng"))
+    with open(os.path.join(root, ".tmp_step_7", "rng", "rank0.pt"), "wb") as f:
+        f.write(b"\0" * 64)
+    shutil.copytree(_step(ctx), os.path.join(root, ".tmp_step_1"))
+    with open(os.path.join(root, ".tmp_step_1", "COMPLETE"), "w") as f:
+        f.write("1\n")
+    ctx.before = snapshot(ctx.run)
+    return root
+
+
+def test_resume_removes_unfinished_saves(ctx, capsys):
+    """They stayed until their step was saved again: on a full disk, the space a new save needs."""
+    root = _unfinished_save(ctx)
+    assert bad_input.main(["train", RECIPE, *ctx.base, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint: removed the unfinished save(s) {root}/.tmp_step_7\n" in err, err
+    assert sorted(os.listdir(root)) == [".tmp_step_1", "step_2", "step_3"]
+
+
+def test_a_refused_resume_keeps_unfinished_saves(ctx):
+    _unfinished_save(ctx)
+    ctx.fails(["train", RECIPE, *ctx.base, "--resume", "model.hidden_size=64"],
+              "has a different model shape")
