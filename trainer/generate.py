@@ -422,15 +422,19 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         return 2
     writer = _writer_rank(decoding) == rank
     left = sum(len(plan.batch(b)) for b in todo)
-    if writer:
-        if repair or not kept:  # the sidecar, and the records up to the last complete batch
-            rewrite_output(args.out, meta, kept)
-        if kept:
-            print(f"tandem generate: resuming {args.out}: {len(kept)} rows written, {left} to go",
-                  file=sys.stderr)
-    if decoding is not None:
-        dist.barrier()  # the file is repaired before anyone appends
-    run(args, src, plan, settings, todo, decoding, model, writer)
+    try:
+        if writer:
+            if repair or not kept:  # the sidecar, and the records up to the last complete batch
+                rewrite_output(args.out, meta, kept)
+            if kept:
+                print(f"tandem generate: resuming {args.out}: {len(kept)} rows written, {left} to "
+                      "go", file=sys.stderr)
+        if decoding is not None:
+            dist.barrier()  # the file is repaired before anyone appends
+        run(args, src, plan, settings, todo, decoding, model, writer)
+    except OSError as exc:  # a full disk: the rows written are kept, and a rerun resumes after them
+        print(f"tandem generate: error: {exc}; run it again to resume", file=sys.stderr)
+        return 2
     if writer:
         print(json.dumps({"out": args.out, "rows": len(plan.rows), "decoded": left}))
     if decoding is not None:

@@ -18,6 +18,8 @@ import json
 import os
 from typing import List, Tuple
 
+from .files import naming
+
 
 class GenerateError(ValueError):
     """A problem with `tandem generate`'s output file, in one line (exit status 2)."""
@@ -87,7 +89,7 @@ def write_lines(path: str, rows: List[dict], mode: str) -> None:
     """Write (`w`) or append (`a`) JSON lines and make them durable before returning: a kill after
     this loses nothing written here."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, mode, encoding="utf-8") as f:
+    with naming(path), open(path, mode, encoding="utf-8") as f:  # a full disk's error names none
         f.write("".join(json.dumps(r) + "\n" for r in rows))
         f.flush()
         os.fsync(f.fileno())
@@ -101,7 +103,7 @@ def rewrite_output(path: str, header: dict, records: List[dict]) -> None:
                            lambda f: f.write("".join(json.dumps(r) + "\n" for r in records)))):
         tmp = f"{target}.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
+        with naming(tmp), open(tmp, "w", encoding="utf-8") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
+from .files import naming
 from .report_stats import differences, ema, final_rows, html_tables, interval, shifts, text_table
 
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
@@ -114,7 +115,13 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
     config = {}
     cfg_path = os.path.join(path, "config.yaml")
     if os.path.isfile(cfg_path):
-        config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
+        try:
+            config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
+        except Exception as exc:  # yaml's errors span lines: one line, with the line number
+            why = " ".join(str(exc).split())
+            raise ReportError(f"{cfg_path} is not valid YAML: {why}") from None
+        if not isinstance(config, dict):
+            raise ReportError(f"{cfg_path} is not a mapping of config sections")
     return Run(label or os.path.basename(os.path.normpath(path)), path, records, config)
 
 
@@ -401,7 +408,8 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
     paths, sections = {}, []
     for name, fig in figures.items():
         path = os.path.join(out_dir, f"{name}.png")
-        fig.savefig(path, dpi=110)
+        with naming(path):  # a full disk's error names no file
+            fig.savefig(path, dpi=110)
         sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
                         '<div class="figure" '
                         f'id="figure-{html.escape(name)}">{_inline_svg(fig)}</div>')
@@ -424,7 +432,7 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
         + "\n".join(sections) + "\n</body></html>\n")
     html_path = os.path.join(out_dir, "report.html")
     tmp = html_path + ".tmp"
-    with open(tmp, "w") as f:
+    with naming(tmp), open(tmp, "w") as f:
         f.write(page)
     os.replace(tmp, html_path)
     paths["html"] = html_path
@@ -477,10 +485,10 @@ def report_main(argv: List[str]) -> int:
             n = seen[run.label] = seen.get(run.label, 0) + 1
             if n > 1:
                 run.label = f"{run.label}#{n}"
-    except ReportError as exc:
+        paths = write_report(runs, out, args.ema_span)
+    except (ReportError, OSError) as exc:
         print(f"tandem report: error: {exc}", file=sys.stderr)
         return 2
-    paths = write_report(runs, out, args.ema_span)
     if paths["table"]:
         print(paths["table"])
     print(paths["html"])

@@ -38,6 +38,7 @@ from tandem.models.mtp_config import MTPConfig
 
 from .. import safe_dcp
 from ..checkpoint_dirs import resolve_checkpoint
+from ..files import naming
 from ..recipe import load_config
 from .families import (
     FAMILIES,
@@ -111,8 +112,9 @@ def export_main(argv: List[str]) -> int:
                                       overwrite=args.overwrite,
                                       tokenizer=args.tokenizer or _tokenizer_for(cfg, step),
                                       max_shard_bytes=int(args.max_shard_mb * 2**20))
-    except (FileNotFoundError, FileExistsError, UnsupportedCheckpoint, ValueError) as exc:
-        # CheckpointError is a ValueError: a malformed tokenizer or reference lands here too
+    except (OSError, UnsupportedCheckpoint, ValueError) as exc:
+        # CheckpointError is a ValueError: a malformed tokenizer or reference lands here too; a
+        # full disk or a read-only --out is an OSError
         print(f"tandem export: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(json.dumps({"out": os.path.abspath(args.out), "family": family,
@@ -462,16 +464,29 @@ def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     try:
-        fill(tmp)
-        if tok_src:
-            _copy_tokenizer(tokenizer, tmp)
-        if os.path.exists(out):
-            old = tmp + ".old"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        with naming(out):  # a full disk's error names no file: name the export it stopped
+            fill(tmp)
+            if tok_src:
+                _copy_tokenizer(tokenizer, tmp)
+        _put_in_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _put_in_place(tmp: str, out: str) -> None:
+    """Rename the whole export `tmp` to `out`; an earlier export there is moved aside first, deleted
+    once the new one is in place, and moved back if the new one cannot take its place (it was left
+    hidden in `.tmp_export_*.old`)."""
+    if not os.path.exists(out):
+        os.rename(tmp, out)
+        return
+    old = tmp + ".old"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        os.rename(old, out)
+        raise OSError(exc.errno, f"could not rename the new export into {out} ({exc.strerror}); "
+                                 "the earlier export is back in place") from None
+    shutil.rmtree(old, ignore_errors=True)
