@@ -37,7 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tandem.data_pipeline.tokenizer import TOKENIZER_SIDE_FILES, copy_tokenizer, tokenizer_file
+from tandem.data_pipeline.tokenizer import (
+    TOKENIZER_SIDE_FILES,
+    TandemTokenizer,
+    copy_tokenizer,
+    tokenizer_file,
+)
 from tandem.models import TandemModel
 
 from . import safe_dcp
@@ -105,11 +110,11 @@ class CheckpointWriter:
     call, so an interrupted background write leaves only an ignored `.tmp_step_<N>/`."""
 
     def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False,
-                 reference: Optional[dict] = None, tokenizer: Optional[str] = None):
+                 reference: Optional[dict] = None, tokenizer: Optional[TandemTokenizer] = None):
         self.run_dir, self.keep_last, self.async_save = run_dir, keep_last, async_save
-        # The run's tokenizer is recorded in every checkpoint (a copy of its tokenizer.json): a
-        # fine-tune, `tandem eval` and `tandem export` of the checkpoint use it
-        # (data_pipeline/dataset.py).
+        # The run's tokenizer is recorded in every checkpoint (a copy of its tokenizer.json, with
+        # the end-of-document token its data was made with): a fine-tune, `tandem eval` and
+        # `tandem export` of the checkpoint use it (data_pipeline/dataset.py).
         self.tokenizer = tokenizer
         # Frozen trunk (train.freeze_trunk with model.init_from): save only the trainable MTP module
         # and this reference to the trunk's checkpoint (path + content fingerprint,
@@ -237,9 +242,9 @@ class CheckpointWriter:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _record_tokenizer(tokenizer: Optional[str], step_dir: str) -> None:
-    if tokenizer and tokenizer_file(tokenizer) is not None:
-        copy_tokenizer(tokenizer, step_dir)
+def _record_tokenizer(tokenizer: Optional[TandemTokenizer], step_dir: str) -> None:
+    if tokenizer is not None and tokenizer_file(tokenizer.path) is not None:
+        copy_tokenizer(tokenizer.path, step_dir, tokenizer.eod_token)
 
 
 def _save_failure(run_dir: str, step: int, tmp: str, exc: CheckpointException,

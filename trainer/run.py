@@ -390,7 +390,7 @@ def build_run(cfg: TandemConfig, resume: bool = False,
         print(f"train.dtype=auto: {'bf16' if step.autocast_dtype else 'fp32'} on "
               f"{pstate.device.device.type}", file=sys.stderr)
     checkpoints = CheckpointWriter(cfg.run.dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                   reference, tokenizer=tokenizer.path)
+                                   reference, tokenizer=tokenizer)
     run = Run(cfg, config_yaml, pstate, position, global_batch, train_ds, valid_ds, tokenizer, step,
               checkpoints, guard=None, evaluator=None,
               flops_per_token=training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,

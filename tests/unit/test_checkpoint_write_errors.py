@@ -7,6 +7,7 @@ import errno
 import os
 import resource
 import signal
+import types
 
 import pytest
 import torch
@@ -165,7 +166,8 @@ def test_the_side_files_are_on_disk_before_the_marker(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fsync)
     model, optimizer = _model()
-    writer = ckpt.CheckpointWriter(str(tmp_path / "run"), tokenizer=str(tokenizer))
+    run_tokenizer = types.SimpleNamespace(path=str(tokenizer), eod_token=None)
+    writer = ckpt.CheckpointWriter(str(tmp_path / "run"), tokenizer=run_tokenizer)
     writer.save(1, model, optimizer, "a: 1\n", {})
     before_marker = synced[:synced.index(ckpt.MARKER)]
     for name in ("config.yaml", "trainer_state.json", "tokenizer.json", "rank0.pt"):

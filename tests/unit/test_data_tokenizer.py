@@ -170,6 +170,17 @@ def test_a_checkpoint_of_megatron_data_keeps_the_eod_the_data_was_made_with(tmp_
         assert load_tokenizer(saved_tokenizer(str(step))).eod_id == want
         # the default's copy stays a bare file, loaded without transformers
         assert (step / "tokenizer_config.json").exists() == (want == 2)
+    # what a run's checkpoint records: its tokenizer as its data was made with (a run built from a
+    # Megatron prefix loads it with the meta.json's EOD)
+    import torch
+
+    from tandem.trainer.checkpoint import CheckpointWriter
+
+    model = torch.nn.Linear(2, 2)
+    run_tok = load_tokenizer(str(prefix_file), eod_token="<|im_end|>")
+    written = CheckpointWriter(str(tmp_path / "run"), tokenizer=run_tok).save(
+        1, model, torch.optim.AdamW(model.parameters()), "a: 1\n", {})
+    assert load_tokenizer(saved_tokenizer(written)).eod_id == 2
     # a directory's own settings are kept when its EOS is not the data's
     source = tmp_path / "dir"
     source.mkdir()
