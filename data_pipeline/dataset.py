@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import struct
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -215,9 +216,32 @@ def _index_build_lock(cache_path: str):
     with open(os.path.join(cache_path, ".build.lock"), "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
+            drop_torn_indices(cache_path)
             yield
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def drop_torn_indices(cache_path: str) -> List[str]:
+    """Remove the cached `.npy` indices under `cache_path` that numpy cannot map (shorter than their
+    header describes, or with no whole header), each with a note naming it; return their paths.
+
+    megatron-core writes its indices in place and takes them as built when the files exist, so one
+    torn by a full disk or a killed build failed every later run ("mmap length is greater than file
+    size", no file named). Without the file megatron-core builds that split's indices again."""
+    torn = []
+    for name in sorted(os.listdir(cache_path)):
+        path = os.path.join(cache_path, name)
+        if not name.endswith(".npy") or not os.path.isfile(path):
+            continue
+        try:
+            np.load(path, mmap_mode="r")  # megatron-core's own read, header and length
+        except (ValueError, EOFError):
+            os.unlink(path)
+            torn.append(path)
+            print(f"tandem: note: {path} is torn (an interrupted index build); removed, rebuilding",
+                  file=sys.stderr)
+    return torn
 
 
 def build_datasets(

@@ -262,6 +262,26 @@ def test_a_preprocessed_again_prefix_rebuilds_its_cached_indices(corpus, tmp_pat
             assert get_batch(train, [i])["tokens"][0].tolist() == want.tolist()
 
 
+def test_a_torn_cached_index_is_rebuilt(corpus, tmp_path, capsys):
+    """A cached shuffle index cut short (a full disk during megatron-core's in-place write) is
+    named, removed and built again: the run reads what a whole cache gives (it had failed every
+    later run with "mmap length is greater than file size")."""
+    root, tok_path, prefixes = corpus
+    cfg = DataConfig(source="megatron", cache_dir=str(tmp_path), paths=[prefixes["a"]],
+                     split="90,10,0", tokenizer=tok_path)
+    whole, _, _ = build_datasets(cfg, 16, 2, 100, 8)
+    want = get_batch(whole, range(len(whole)))["tokens"]
+    [shuffle] = [str(p) for p in (tmp_path / "indices").glob("*-train-shuffle_index.npy")]
+    intact = open(shuffle, "rb").read()
+    with open(shuffle, "r+b") as f:
+        f.truncate(len(intact) - 200)
+    capsys.readouterr()
+    again, _, _ = build_datasets(cfg, 16, 2, 100, 8)
+    assert f"{shuffle} is torn" in capsys.readouterr().err
+    assert open(shuffle, "rb").read() == intact
+    assert torch.equal(get_batch(again, range(len(again)))["tokens"], want)
+
+
 def test_parse_blend():
     assert parse_blend(["/p/a"]) == (["/p/a"], None)
     assert parse_blend(["/p/a.bin", "/p/b"]) == (["/p/a", "/p/b"], None)
