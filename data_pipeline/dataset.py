@@ -173,7 +173,16 @@ def _tokenizer_for(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
     return load_tokenizer(beside, eod_token=eod_token)
 
 
-def _check_made_with(prefix: str, tokenizer: TandemTokenizer) -> None:
+def _check_made_with(prefix: str, tokenizer: TandemTokenizer, fingerprint: str) -> None:
+    """Refuse `prefix` when its data were made with another tokenizer than the run's (`fingerprint`
+    is `tokenizer_fingerprint(tokenizer.path)`): by `<prefix>.tokenizer.json`'s content where it was
+    written, else by the vocabulary size and EOD of its meta file. Two BPEs can share both, and a
+    blend of them trained one prefix's ids as another's tokens."""
+    beside = output_paths(prefix)["tokenizer"]
+    if os.path.isfile(beside) and tokenizer_fingerprint(beside) != fingerprint:
+        raise ValueError(f"dataset {prefix} was made with another tokenizer than the run's: "
+                         f"{beside} differs from {tokenizer.path} (content fingerprint); "
+                         "preprocess it again with that tokenizer")
     meta = read_meta(prefix)
     if meta and (meta.get("eod_id") != tokenizer.eod_id
                  or meta.get("vocab_size") != tokenizer.vocab_size):
@@ -284,10 +293,11 @@ def build_datasets(
         check_vocab(tokenizer.path, tokenizer.vocab_size, model_vocab_size)
     all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
     sequences, tokens = {}, {}
+    fingerprint = tokenizer_fingerprint(tokenizer.path)
     for p in all_prefixes:
         found = check_prefix(p, tokenizer.vocab_size)
         sequences[p], tokens[p] = found["sequences"], found["tokens"]
-        _check_made_with(p, tokenizer)
+        _check_made_with(p, tokenizer, fingerprint)
         if os.path.isfile(p + "_loss_mask.idx"):
             check_loss_mask_channel(p)
     train_blend, valid_blend = (_weighted_by_size(b, tokens) if b else b

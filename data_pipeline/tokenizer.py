@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 EOD_TOKEN = "<|endoftext|>"
 """The end-of-document special token of the byte-level BPE trained by `train_bpe`."""
@@ -310,21 +310,21 @@ def checkpoint_tokenizer(path: str) -> Optional[str]:
 
 
 def tokenizer_fingerprint(path: str) -> str:
-    """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it,
-    or the directory holding it, has the same fingerprint), else a slow tokenizer's vocabulary
-    files."""
+    """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it
+    under any name, the directory holding it, or the same JSON written again has the same
+    fingerprint), else a slow tokenizer's vocabulary files.
 
-    h = hashlib.sha256()
+    The JSON is hashed parsed, with sorted keys and no spacing: `tandem preprocess` writes a
+    dataset's `<prefix>.tokenizer.json` with `tokenizers`' own compact spacing, while a Hugging Face
+    directory's file is indented, and the two are one tokenizer."""
+
     tj = tokenizer_file(path)
-    files = (
-        [tj]
-        if tj
-        else [
-            os.path.join(path, n)
-            for n in _SLOW_TOKENIZER_FILES
-            if os.path.isfile(os.path.join(path, n))
-        ]
-    )
+    if tj:
+        with open(tj, "rb") as f:
+            return _json_fingerprint(f.read())
+    h = hashlib.sha256()
+    files = [os.path.join(path, n) for n in _SLOW_TOKENIZER_FILES
+             if os.path.isfile(os.path.join(path, n))]
     if not files:
         raise FileNotFoundError(f"tokenizer not found: {path}")
     for file in files:
@@ -332,3 +332,22 @@ def tokenizer_fingerprint(path: str) -> str:
         with open(file, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
+
+
+_JSON_FINGERPRINTS: Dict[str, str] = {}
+"""sha256 of a tokenizer.json's bytes -> its fingerprint: a blend of hundreds of prefixes holds as
+many copies of one tokenizer.json (megabytes each), parsed once."""
+
+
+def _json_fingerprint(raw: bytes) -> str:
+    """The fingerprint of tokenizer.json bytes `raw`: parsed, sorted keys, no spacing (`raw` itself
+    when it does not parse)."""
+    key = hashlib.sha256(raw).hexdigest()
+    if key not in _JSON_FINGERPRINTS:
+        try:
+            canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"),
+                                   ensure_ascii=False).encode()
+        except ValueError:
+            canonical = raw
+        _JSON_FINGERPRINTS[key] = hashlib.sha256(b"tokenizer.json\0" + canonical).hexdigest()
+    return _JSON_FINGERPRINTS[key]
