@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Iterator, List, Sequence, Union
 
@@ -35,7 +34,6 @@ from tandem.data_pipeline.chat import (
 )
 from tandem.data_pipeline.preprocess import (
     _indexed_dataset_builder,
-    _new_staging_dir,
     _refuse_existing,
     _resolve_tokenizer,
     _staged_paths,
@@ -44,6 +42,7 @@ from tandem.data_pipeline.preprocess import (
     output_paths,
     token_dtype,
 )
+from tandem.data_pipeline.staging import commit, staging_dir
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
 
@@ -92,8 +91,7 @@ def preprocess_chat(
                                                    tokenizer_sample_bytes, log)
     encoder = chat_encoder(tokenizer, tok_source if os.path.exists(tok_source) else None)
     n_records = check_files(paths, encoder)
-    staging = _new_staging_dir(output_prefix)
-    try:
+    with staging_dir(output_prefix) as staging:
         staged = _staged_paths(staging, output_prefix)
         staged_mask = loss_mask_paths(os.path.join(staging, "data"))
         n_tokens, n_response = _write(staged, staged_mask, encoder, paths)
@@ -105,28 +103,21 @@ def preprocess_chat(
                      n_records, n_tokens, n_response, t_tok, t0)
         with open(staged["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
-        _commit_with_channel(staged, staged_mask, output_prefix, overwrite)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _commit_with_channel(staged, staged_mask, staging, output_prefix, overwrite)
     return meta
 
 
-def _commit_with_channel(staged: dict, staged_mask: dict, prefix: str, overwrite: bool) -> None:
-    """Rename the staged files into place, the meta file (the marker of a complete dataset) last;
-    with `overwrite` the old files go first, marker first, so a crash never pairs old and new
-    files."""
+def _commit_with_channel(staged: dict, staged_mask: dict, staging: str, prefix: str,
+                         overwrite: bool) -> None:
+    """Move the staged files into place, the meta file (the marker of a complete dataset) last,
+    replacing any older files of the prefix (data_pipeline/staging.py `commit`)."""
     final, final_mask = output_paths(prefix), loss_mask_paths(prefix)
     if not overwrite:
         _refuse_existing(prefix)  # another process may have finished meanwhile
-    for path in [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + list(final_mask.values()):
-        if os.path.exists(path):
-            os.unlink(path)
+    old = [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + list(final_mask.values())
     moves = [(staged[k], final[k]) for k in ("tokenizer", "bin", "idx")]
-    moves += [(staged_mask[k], final_mask[k]) for k in ("bin", "idx")] + [(staged["meta"],
-                                                                           final["meta"])]
-    for src, dst in moves:
-        if os.path.exists(src):
-            os.replace(src, dst)
+    moves += [(staged_mask[k], final_mask[k]) for k in ("bin", "idx")]
+    commit(moves + [(staged["meta"], final["meta"])], old, staging, prefix)
 
 
 def _write(staged: dict, staged_mask: dict, encoder: ChatEncoder, paths: Sequence[str]):

@@ -17,7 +17,8 @@ Outputs beside the prefix: `<prefix>.bin`, `<prefix>.idx`, `<prefix>.tokenizer.j
 the data was made with; training finds it there) and `<prefix>.meta.json` (vocab size, EOD id,
 dtype, document/token counts), written into a staging directory next to the prefix and renamed into
 place at the end (`.idx` after `.bin`, `.meta.json` last: an interrupted run never leaves a prefix
-that looks complete). An existing dataset is only replaced with `overwrite=True`.
+that looks complete; data_pipeline/staging.py). An existing dataset is only replaced with
+`overwrite=True`, and only once the new one is in place.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from tandem.data_pipeline.staging import commit, staging_dir
 from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, train_bpe
 
 META_FORMAT = "tandem-indexed-v1"
@@ -341,8 +342,7 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
     paths = expand_paths(inputs)  # fail on missing inputs before any work
     groups = _groups(paths, text_key, txt_sample_by)  # and on a bad JSON record
     tokenizer, tok_source = _resolve_tokenizer(tokenizer)
-    staging = _new_staging_dir(output_prefix)
-    try:
+    with staging_dir(output_prefix) as staging:
         stats = _Stats()
         docs = _iter_groups(groups, text_key, txt_sample_by, extensions,
                             os.path.join(staging, "hf_cache"), stats)
@@ -367,9 +367,7 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
                      n_docs, n_tokens, t_tok, t0)
         with open(staged["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
-        _commit(staged, output_paths(output_prefix), overwrite, output_prefix)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _commit(staged, staging, overwrite, output_prefix)
     return meta
 
 
@@ -382,17 +380,6 @@ def _resolve_tokenizer(tokenizer) -> Tuple[Optional[TandemTokenizer], str]:
     if isinstance(tokenizer, TandemTokenizer):
         return tokenizer, tokenizer.path
     return tokenizer, "trained byte-level BPE"
-
-
-def _new_staging_dir(output_prefix: str) -> str:
-    # Beside the prefix, so the final renames stay on one filesystem.
-    out_dir = os.path.dirname(output_prefix)
-    os.makedirs(out_dir, exist_ok=True)
-    staging = os.path.join(out_dir,
-                           f".{os.path.basename(output_prefix)}.staging-{os.getpid()}"
-                           f"-{uuid.uuid4().hex[:8]}")
-    os.makedirs(staging)
-    return staging
 
 
 def _staged_paths(staging: str, output_prefix: str) -> Dict[str, str]:
@@ -485,16 +472,13 @@ def _refuse_existing(prefix: str) -> None:
                               "pass overwrite=True (--overwrite) to replace it")
 
 
-def _commit(staged: Dict[str, str], final: Dict[str, str], overwrite: bool, prefix: str) -> None:
+def _commit(staged: Dict[str, str], staging: str, overwrite: bool, prefix: str) -> None:
+    """Move the staged dataset into place; with `overwrite` the old one, and a loss-mask channel
+    `--chat` wrote (which would mask the new tokens), is replaced."""
     if not overwrite:
         _refuse_existing(prefix)  # another process may have finished meanwhile
-    else:
-        # Remove the markers of completeness first so a crash mid-way never pairs old and new files.
-        # (and a loss-mask channel `--chat` wrote, which would mask the new tokens)
-        for path in [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + [
-                prefix + "_loss_mask.bin", prefix + "_loss_mask.idx"]:
-            if os.path.exists(path):
-                os.unlink(path)
-    for key in ("tokenizer", "bin", "idx", "meta"):
-        if os.path.exists(staged[key]):
-            os.replace(staged[key], final[key])
+    final = output_paths(prefix)
+    old = ([final[k] for k in ("meta", "idx", "bin", "tokenizer")]
+           + [prefix + "_loss_mask.bin", prefix + "_loss_mask.idx"]) if overwrite else []
+    commit([(staged[k], final[k]) for k in ("tokenizer", "bin", "idx", "meta")], old, staging,
+           prefix)

@@ -1,6 +1,7 @@
 """Preprocessing: text -> .bin/.idx round trips for every input kind, outputs, overwrite refusal,
 CLI."""
 
+import errno
 import json
 import os
 import warnings
@@ -170,6 +171,39 @@ def test_interrupted_run_leaves_no_complete_looking_prefix(tmp_path, tok_path, m
     with pytest.raises(KeyboardInterrupt):
         preprocess(inputs, prefix, tokenizer=tok_path)
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_failed_overwrite_keeps_the_old_dataset_and_the_new_one(tmp_path, tok_path,
+                                                                  monkeypatch):
+    """A rename that fails while `overwrite` moves the new dataset into place (EIO on the staged
+    .idx): the old dataset is back byte for byte, and the new one is kept whole in the staging
+    directory the one-line error names (the old files had been deleted first, the staged ones
+    after the error)."""
+    inputs, _ = _write_inputs(tmp_path / "in", "jsonl")
+    prefix = str(tmp_path / "out" / "ds")
+    preprocess(inputs, prefix, tokenizer=tok_path)
+    files = [prefix + s for s in (".bin", ".idx", ".meta.json", ".tokenizer.json")]
+    before = {f: open(f, "rb").read() for f in files}
+    other = tmp_path / "other.txt"
+    other.write_text("completely different", encoding="utf-8")
+    real_replace = os.replace
+
+    def eio_on_staged_idx(src, dst):
+        if str(src).endswith(os.sep + "data.idx"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", eio_on_staged_idx)
+    with pytest.raises(OSError, match=f"at {prefix} .*as it was.* kept in ") as exc:
+        preprocess([str(other)], prefix, tokenizer=tok_path, overwrite=True)
+    monkeypatch.undo()
+    assert "\n" not in str(exc.value)
+    assert {f: open(f, "rb").read() for f in files} == before
+    staging = str(exc.value).split(" kept in ")[1].split(" ")[0]
+    got, _ = _read_back(os.path.join(staging, "data"))
+    assert got == _expected(load_tokenizer(tok_path), ["completely different"])
+    assert sorted(os.listdir(staging)) == ["data.bin", "data.idx", "data.meta.json",
+                                           "data.tokenizer.json"]
 
 
 def test_missing_input_and_missing_text_key_are_clear(tmp_path, tok_path):
