@@ -36,6 +36,7 @@ import numpy as np
 
 from tandem.data_pipeline import preprocess
 from tandem.data_pipeline.chat_template import chat_template_in, render_chat
+from tandem.data_pipeline.saved_datasets import saved_records
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -58,7 +59,7 @@ def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
     for path in expand_paths(paths):
         low = path.lower()
         if os.path.isdir(path):
-            yield from _dataset_dir_records(path)
+            yield from saved_records(path)
         elif low.endswith(_PARQUET_EXT):
             yield from _parquet_records(path)
         elif low.endswith(_JSON_EXT):
@@ -88,25 +89,6 @@ def _parquet_records(path: str) -> Iterator[Tuple[str, object]]:
         for rec in batch.to_pylist():
             row += 1
             yield f"{path}:row {row}", rec
-
-
-def _dataset_dir_records(path: str) -> Iterator[Tuple[str, object]]:
-    """A directory `datasets.Dataset.save_to_disk` wrote (a DatasetDict's `train` split)."""
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(path)
-    except Exception as exc:  # datasets raises FileNotFoundError for a directory it did not write
-        raise ValueError(
-            f"{path}: not a `datasets` directory ({str(exc).splitlines()[0]})"
-        ) from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise ValueError(f"{path}: a DatasetDict without a train split (splits: "
-                             f"{', '.join(ds)})")
-        ds = ds["train"]
-    for row, rec in enumerate(ds, 1):
-        yield f"{path}:row {row}", rec
 
 
 def record_form(where: str, rec) -> str:

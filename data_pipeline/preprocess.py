@@ -6,8 +6,10 @@ Inputs (one or more paths, globs allowed):
     "json"); every record is read and checked (an object whose text is a string or null) first
   * `.parquet`: one document per row, text under `text_key` (HF `datasets` "parquet")
   * `.txt`, `.txt.gz`: a document per file (`txt_sample_by="document"`), paragraph or line
-  * a directory: every regular file below it (sorted, hidden and `__pycache__` skipped, optionally
-    filtered by `extensions`) is one document, e.g. a tree of source files
+  * a directory `datasets.Dataset.save_to_disk` wrote: one document per row, text under `text_key`
+    (data_pipeline/saved_datasets.py; a `DatasetDict`'s train split)
+  * any other directory: every regular file below it (sorted, hidden and `__pycache__` skipped,
+    optionally filtered by `extensions`) is one document, e.g. a tree of source files
   * any other file: one document
 Each document is tokenized (batched, `TandemTokenizer.encode_batch`), followed by the EOD token and
 written with megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is
@@ -34,6 +36,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Un
 
 import numpy as np
 
+from tandem.data_pipeline.saved_datasets import is_saved_dataset, saved_texts
 from tandem.data_pipeline.staging import commit, staging_dir
 from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, train_bpe
 
@@ -96,7 +99,7 @@ def expand_paths(inputs: Union[str, Sequence[str]], missing: str = "input not fo
 def _kind(path: str, txt_sample_by: str) -> str:
     low = path.lower()
     if os.path.isdir(path):
-        return "dir"
+        return "saved" if is_saved_dataset(path) else "dir"
     if low.endswith(_JSON_EXT):
         return "json"
     if low.endswith(_PARQUET_EXT):
@@ -233,6 +236,9 @@ def _groups(paths: List[str], text_key: str, txt_sample_by: str) -> List[Tuple[s
             groups.append((k, [p]))
     groups = [(k, _check_json_files(files, text_key) if k == "json" else files)
               for k, files in groups]
+    for k, files in groups:
+        if k == "saved":
+            saved_texts(files[0], text_key)  # its text column, before any tokenizing
     if not any(files for _, files in groups):
         raise ValueError(f"no documents found in {', '.join(paths)}")
     return [(k, files) for k, files in groups if files]
@@ -260,6 +266,8 @@ def _iter_groups(groups: List[Tuple[str, List[str]]], text_key: str, txt_sample_
             if kind in ("json", "parquet", "text"):
                 docs: Iterable[Optional[str]] = _hf_docs(kind, files, text_key, txt_sample_by,
                                                          hf_cache)
+            elif kind == "saved":
+                docs = ("" if t is None else t for t in saved_texts(files[0], text_key))
             elif kind == "dir":
                 docs = (_read_file_doc(f, stats) for f in _walk_files(files[0], extensions))
             else:

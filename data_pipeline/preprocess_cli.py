@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "PREFIX.tokenizer.json, PREFIX.meta.json).",
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help=".jsonl/.json/.parquet (one document per record), .txt, a directory (each "
-                        "file one document), "
-                        "or globs")
+                   help=".jsonl/.json/.parquet or a `datasets` save_to_disk directory (one "
+                        "document per record), .txt, a directory (each file one document), or "
+                        "globs")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="output path prefix (PREFIX.bin, PREFIX.idx)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="vocabulary of the trained BPE (default 4096)")
     p.add_argument("--text-key", default="text",
-                   help="field holding the text in json/parquet records (default text)")
+                   help="field holding the text in json/parquet/datasets records (default "
+                        "text)")
     p.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"),
                    help=".txt files: one document per file (default), per blank-line paragraph, or "
                         "per line")

@@ -56,6 +56,13 @@ def _write_inputs(root, kind):
         p = root / "docs.parquet"
         pq.write_table(pa.table({"text": DOCS, "n": list(range(len(DOCS)))}), str(p))
         return [str(p)], DOCS
+    if kind in ("saved", "saved_dict"):  # `datasets` save_to_disk: state.json, data-*.arrow
+        import datasets
+
+        p = root / "saved"
+        ds = datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))})
+        (datasets.DatasetDict({"train": ds}) if kind == "saved_dict" else ds).save_to_disk(str(p))
+        return [str(p)], DOCS
     if kind == "txt":
         paths = []
         for i, d in enumerate(DOCS[:3]):
@@ -77,8 +84,11 @@ def _write_inputs(root, kind):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt", "dir"])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt", "dir", "saved", "saved_dict"])
 def test_round_trip_matches_direct_tokenization(tmp_path, tok_path, kind):
+    """Every input kind gives each document's own tokens + EOD; a `datasets` directory gives its
+    rows' text (its metadata files had been read as the corpus, its .arrow skipped as not
+    UTF-8)."""
     inputs, docs = _write_inputs(tmp_path / "in", kind)
     prefix = str(tmp_path / "out" / "data")
     said = []
@@ -214,6 +224,18 @@ def test_missing_input_and_missing_text_key_are_clear(tmp_path, tok_path):
     with pytest.raises(ValueError, match="'text'"):
         preprocess([str(p)], str(tmp_path / "x"), tokenizer=tok_path)
     assert not os.path.exists(tmp_path / "x.bin")
+
+
+def test_a_datasets_directory_without_a_text_column_is_named(tmp_path, tok_path):
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"body": ["a", "b"], "n": [1, 2]}).save_to_disk(str(saved))
+    with pytest.raises(ValueError, match=rf"^{saved}: no 'text' field .*\(fields: body, n\)"):
+        preprocess([str(saved)], str(tmp_path / "x"), tokenizer=tok_path)
+    with pytest.raises(ValueError, match=rf"^{saved}: column 'n' holds int64, not strings"):
+        preprocess([str(saved)], str(tmp_path / "x"), tokenizer=tok_path, text_key="n")
+    assert sorted(os.listdir(tmp_path)) == ["saved"]
 
 
 def test_cli_prints_summary_and_refuses_overwrite(tmp_path, tok_path, capsys):
