@@ -14,7 +14,7 @@ from tandem.data_pipeline.preprocess import preprocess
 
 def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
     """`tandem preprocess ...`: parse `argv`, run `preprocess`, print a one-line summary; returns 0.
-    Errors exit with status 1 and a one-line message."""
+    Errors exit with status 2 and a one-line message."""
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.tokenizer_sample_bytes < 0:
