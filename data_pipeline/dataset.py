@@ -175,7 +175,7 @@ def _tokenizer_for(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
 
 def _check_made_with(prefix: str, tokenizer: TandemTokenizer, fingerprint: str) -> None:
     """Refuse `prefix` when its data were made with another tokenizer than the run's (`fingerprint`
-    is `tokenizer_fingerprint(tokenizer.path)`): by `<prefix>.tokenizer.json`'s content where it was
+    is `tokenizer_fingerprint(tokenizer)`): by `<prefix>.tokenizer.json`'s content where it was
     written, else by the vocabulary size and EOD of its meta file. Two BPEs can share both, and a
     blend of them trained one prefix's ids as another's tokens."""
     beside = output_paths(prefix)["tokenizer"]
@@ -293,7 +293,7 @@ def build_datasets(
         check_vocab(tokenizer.path, tokenizer.vocab_size, model_vocab_size)
     all_prefixes = train_blend[0] + (valid_blend[0] if valid_blend else [])
     sequences, tokens = {}, {}
-    fingerprint = tokenizer_fingerprint(tokenizer.path)
+    fingerprint = tokenizer_fingerprint(tokenizer)
     for p in all_prefixes:
         found = check_prefix(p, tokenizer.vocab_size)
         sequences[p], tokens[p] = found["sequences"], found["tokens"]

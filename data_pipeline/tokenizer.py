@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 EOD_TOKEN = "<|endoftext|>"
 """The end-of-document special token of the byte-level BPE trained by `train_bpe`."""
@@ -309,24 +309,30 @@ def checkpoint_tokenizer(path: str) -> Optional[str]:
     return None
 
 
-def tokenizer_fingerprint(path: str) -> str:
-    """sha256 of what defines the tokenizer at `path`: the tokenizer.json content (so a copy of it
-    under any name, the directory holding it, or the same JSON written again has the same
-    fingerprint), else a slow tokenizer's vocabulary files.
+def tokenizer_fingerprint(tokenizer: Union[str, TandemTokenizer]) -> str:
+    """sha256 of what defines a tokenizer's ids: for a path, its tokenizer.json content (so a copy
+    of it under any name, the directory holding it, or the same JSON written again has the same
+    fingerprint), else a slow tokenizer's vocabulary files; for a loaded `TandemTokenizer`, the
+    tokenizer.json it saves (what `tandem preprocess` writes beside a dataset).
 
-    The JSON is hashed parsed, with sorted keys and no spacing: `tandem preprocess` writes a
-    dataset's `<prefix>.tokenizer.json` with `tokenizers`' own compact spacing, while a Hugging Face
-    directory's file is indented, and the two are one tokenizer."""
+    The JSON is hashed parsed, with sorted keys and no spacing, and without `post_processor`,
+    `padding` and `truncation`: Tandem encodes without them, and transformers rewrites them as it
+    loads a directory (a bare tokenizer.json's null post-processor becomes a template), so the file
+    and the tokenizer loaded from it would otherwise differ."""
 
-    tj = tokenizer_file(path)
+    if isinstance(tokenizer, TandemTokenizer):
+        text = tokenizer.to_json_str()
+        return tokenizer_fingerprint(tokenizer.path) if text is None else _json_fingerprint(
+            text.encode())
+    tj = tokenizer_file(tokenizer)
     if tj:
         with open(tj, "rb") as f:
             return _json_fingerprint(f.read())
     h = hashlib.sha256()
-    files = [os.path.join(path, n) for n in _SLOW_TOKENIZER_FILES
-             if os.path.isfile(os.path.join(path, n))]
+    files = [os.path.join(tokenizer, n) for n in _SLOW_TOKENIZER_FILES
+             if os.path.isfile(os.path.join(tokenizer, n))]
     if not files:
-        raise FileNotFoundError(f"tokenizer not found: {path}")
+        raise FileNotFoundError(f"tokenizer not found: {tokenizer}")
     for file in files:
         h.update(os.path.basename(file).encode() + b"\0")
         with open(file, "rb") as f:
@@ -334,20 +340,27 @@ def tokenizer_fingerprint(path: str) -> str:
     return h.hexdigest()
 
 
+_UNUSED_FIELDS = ("post_processor", "padding", "truncation")
+"""tokenizer.json fields that do not change the ids Tandem encodes (no special tokens added)."""
+
 _JSON_FINGERPRINTS: Dict[str, str] = {}
 """sha256 of a tokenizer.json's bytes -> its fingerprint: a blend of hundreds of prefixes holds as
 many copies of one tokenizer.json (megabytes each), parsed once."""
 
 
 def _json_fingerprint(raw: bytes) -> str:
-    """The fingerprint of tokenizer.json bytes `raw`: parsed, sorted keys, no spacing (`raw` itself
-    when it does not parse)."""
+    """The fingerprint of tokenizer.json bytes `raw`: parsed, sorted keys, no spacing, no
+    `_UNUSED_FIELDS` (`raw` itself when it does not parse)."""
     key = hashlib.sha256(raw).hexdigest()
     if key not in _JSON_FINGERPRINTS:
         try:
-            canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"),
-                                   ensure_ascii=False).encode()
+            spec = json.loads(raw)
         except ValueError:
             canonical = raw
+        else:
+            if isinstance(spec, dict):
+                spec = {k: v for k, v in spec.items() if k not in _UNUSED_FIELDS}
+            canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"),
+                                   ensure_ascii=False).encode()
         _JSON_FINGERPRINTS[key] = hashlib.sha256(b"tokenizer.json\0" + canonical).hexdigest()
     return _JSON_FINGERPRINTS[key]

@@ -285,16 +285,20 @@ def test_a_torn_cached_index_is_rebuilt(corpus, tmp_path, capsys):
 def test_a_blend_of_prefixes_made_with_other_tokenizers_is_refused(corpus, tmp_path):
     """Prefix b made with a tokenizer of the same vocabulary size and EOD as a's but other ids (two
     tokens swapped) is refused, naming both tokenizer files: the blend had trained b's ids as a's
-    tokens. The same tokenizer as an indented Hugging Face file still trains."""
+    tokens. The same tokenizer as a Hugging Face directory (an indented tokenizer.json, whose
+    post-processor transformers rewrites as it loads) still trains."""
     root, tok_path, prefixes = corpus
     spec = json.load(open(tok_path, encoding="utf-8"))
     vocab = spec["model"]["vocab"]
     x, y = sorted(vocab)[100:102]
     vocab[x], vocab[y] = vocab[y], vocab[x]
-    other, same = tmp_path / "other.json", tmp_path / "indented.json"
+    other, same = tmp_path / "other.json", tmp_path / "hf"
     other.write_text(json.dumps(spec), encoding="utf-8")
-    same.write_text(json.dumps(json.load(open(tok_path, encoding="utf-8")), indent=2),
-                    encoding="utf-8")
+    same.mkdir()
+    (same / "tokenizer.json").write_text(json.dumps(json.load(open(tok_path, encoding="utf-8")),
+                                                    indent=2), encoding="utf-8")
+    (same / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
     swapped, ours = load_tokenizer(str(other)), load_tokenizer(tok_path)
     assert (swapped.vocab_size, swapped.eod_id) == (ours.vocab_size, ours.eod_id)
     assert swapped.encode(x) != ours.encode(x)
@@ -306,9 +310,13 @@ def test_a_blend_of_prefixes_made_with_other_tokenizers_is_refused(corpus, tmp_p
     with pytest.raises(ValueError, match=rf"dataset {b} .*{b}\.tokenizer\.json differs from "
                                          rf"{prefixes['a']}\.tokenizer\.json"):
         build_datasets(_cfg(tmp_path, paths=[prefixes["a"], b]), 16, 0, 10, 2)
-    train, _, _ = build_datasets(_cfg(tmp_path, paths=[prefixes["a"]], tokenizer=str(same),
-                                      split="100,0,0"), 16, 0, 10, None)
-    assert len(train) >= 10
+    assert json.loads(load_tokenizer(str(same)).to_json_str())["post_processor"] is not None
+    c = str(tmp_path / "c")
+    preprocess([str(src)], c, tokenizer=str(same))
+    for paths in ([prefixes["a"]], [prefixes["a"], c]):
+        train, _, _ = build_datasets(_cfg(tmp_path, paths=paths, tokenizer=str(same),
+                                          split="90,10,0"), 16, 0, 10, 2)
+        assert len(train) >= 10
 
 
 def test_parse_blend():
