@@ -11,9 +11,10 @@ Inputs (one or more paths, globs allowed):
   * any other directory: every regular file below it (sorted, hidden and `__pycache__` skipped,
     optionally filtered by `extensions`) is one document, e.g. a tree of source files
   * any other file: one document
-Each document is tokenized (batched, `TandemTokenizer.encode_batch`), followed by the EOD token and
-written with megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is
-below 65500, else int32). Empty documents and files that are not UTF-8 are skipped (counted).
+Each document is tokenized (batched, `TandemTokenizer.encode_batch`), after the tokenizer's own BOS
+where its post-processor adds one (`start_ids`) and followed by the EOD token, and written with
+megatron-core's `IndexedDatasetBuilder.add_document` (uint16 when the vocabulary is below 65500,
+else int32). Empty documents and files that are not UTF-8 are skipped (counted).
 
 Outputs beside the prefix: `<prefix>.bin`, `<prefix>.idx`, `<prefix>.tokenizer.json` (the tokenizer
 the data was made with; training finds it there) and `<prefix>.meta.json` (vocab size, EOD id,
@@ -425,14 +426,14 @@ def _train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int,
 
 def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer,
                   docs: Iterable[str]) -> Tuple[int, int]:
-    """Encode `docs`, each followed by EOD, into the staged .bin/.idx; returns (documents,
-    tokens)."""
+    """Encode `docs`, each started as the tokenizer starts a text and followed by EOD, into the
+    staged .bin/.idx; returns (documents, tokens)."""
     dtype = token_dtype(tokenizer.vocab_size)
     eod = tokenizer.eod_id
     builder = _indexed_dataset_builder()(staged["bin"], dtype=dtype)
     n_docs = n_tokens = 0
     for batch in _batched(docs):
-        for ids in tokenizer.encode_batch(batch):
+        for ids in tokenizer.encode_batch(batch, start=True):
             arr = np.empty(len(ids) + 1, dtype=dtype)
             arr[:-1] = ids
             arr[-1] = eod

@@ -339,3 +339,21 @@ def test_json_arrays_objects_and_empty_files_beside_others_still_read(tmp_path, 
     got, _ = _read_back(str(tmp_path / "ds"))
     assert got == _expected(load_tokenizer(tok_path), ["a", "b", "c"])
     assert meta["skipped_empty_documents"] == 1
+
+
+def test_each_document_starts_with_the_tokenizers_bos(tmp_path):
+    """A Llama-style tokenizer's BOS starts every document once, as transformers' `tokenizer(text)`
+    (the reference) and Megatron-LM's preprocessing give it; it was dropped."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.unit.test_data_tokenizer import _bos_tokenizer
+
+    path = _bos_tokenizer(tmp_path / "tok")
+    docs = ["b c", "c", "a b c a"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prefix = str(tmp_path / "out" / "data")
+    preprocess([str(src)], prefix, tokenizer=load_tokenizer(str(path), eod_token="</s>"))
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    assert _read_back(prefix)[0] == [ref(d).input_ids + [1] for d in docs]
+    assert all(row[0] == 0 and row.count(0) == 1 for row in _read_back(prefix)[0])
