@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from tandem.data_pipeline.chat_preprocess import preprocess_chat, summary_line
 from tandem.data_pipeline.preprocess import preprocess
+from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer
 
 
 def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -21,13 +22,17 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
         parser.exit(2, f"tandem preprocess: error: --tokenizer-sample-bytes "
                        f"{args.tokenizer_sample_bytes} must be >= 0 (0: all)\n")
     exts = [e.strip() for e in args.extensions.split(",") if e.strip()] if args.extensions else None
+    try:
+        tokenizer = _tokenizer(args)
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"tandem preprocess: error: {exc}\n")
     if args.chat:
-        return _preprocess_chat_main(parser, args)
+        return _preprocess_chat_main(parser, args, tokenizer)
     try:
         meta = preprocess(
             args.input,
             args.output_prefix,
-            tokenizer=args.tokenizer,
+            tokenizer=tokenizer,
             vocab_size=args.vocab_size,
             text_key=args.text_key,
             overwrite=args.overwrite,
@@ -47,10 +52,21 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _preprocess_chat_main(parser: argparse.ArgumentParser, args) -> int:
+def _tokenizer(args) -> Union[None, str, TandemTokenizer]:
+    """What `--tokenizer` names, loaded with `--eod-token` when given (a tokenizer that names no EOS
+    of its own); None trains a BPE."""
+    if args.eod_token is None:
+        return args.tokenizer
+    if args.tokenizer is None:
+        raise ValueError("--eod-token needs --tokenizer (the trained BPE ends documents with "
+                         "<|endoftext|>)")
+    return load_tokenizer(args.tokenizer, eod_token=args.eod_token)
+
+
+def _preprocess_chat_main(parser: argparse.ArgumentParser, args, tokenizer) -> int:
     """`tandem preprocess --chat ...` (data_pipeline/chat_preprocess.py)."""
     try:
-        meta = preprocess_chat(args.input, args.output_prefix, tokenizer=args.tokenizer,
+        meta = preprocess_chat(args.input, args.output_prefix, tokenizer=tokenizer,
                                vocab_size=args.vocab_size,
                                overwrite=args.overwrite,
                                tokenizer_sample_bytes=args.tokenizer_sample_bytes,
@@ -77,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="local tokenizer.json or Hugging Face tokenizer directory; default: train "
                         "a byte-level BPE")
+    p.add_argument("--eod-token", default=None, metavar="TOKEN",
+                   help="the token that ends each document, for a tokenizer that names no EOS "
+                        "(default: its EOS, else <|endoftext|>, </s>, ... where present)")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="vocabulary of the trained BPE (default 4096)")
     p.add_argument("--text-key", default="text",

@@ -151,7 +151,8 @@ def _find_eod(vocab: dict, eod_token: Optional[str], hf, path: str):
             return cand, vocab[cand]
     raise ValueError(
         f"tokenizer {path} has no end-of-document token (none of {', '.join(_EOD_CANDIDATES)}); "
-        "pass eod_token= explicitly"
+        "name one: tandem preprocess --eod-token TOKEN, or eos_token in the tokenizer directory's "
+        "tokenizer_config.json"
     )
 
 

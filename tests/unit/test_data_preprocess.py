@@ -357,3 +357,29 @@ def test_each_document_starts_with_the_tokenizers_bos(tmp_path):
     ref = PreTrainedTokenizerFast(tokenizer_file=str(path))
     assert _read_back(prefix)[0] == [ref(d).input_ids + [1] for d in docs]
     assert all(row[0] == 0 and row.count(0) == 1 for row in _read_back(prefix)[0])
+
+
+def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys):
+    """A tokenizer that names no EOS (and holds none of the usual ones) was refused with advice to
+    pass an argument that no command had: `--eod-token` names the token that ends each document,
+    and training reads it back from meta.json."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from tandem.data_pipeline.dataset import _tokenizer_for
+
+    backend = Tokenizer(models.WordLevel({"<end>": 0, "a": 1, "b": 2}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken("<end>", special=True)])
+    tok = str(tmp_path / "tokenizer.json")
+    backend.save(tok)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "a b"}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    prefix = str(tmp_path / "data")
+    argv = ["--input", str(src), "--output-prefix", prefix, "--tokenizer", tok]
+    with pytest.raises(SystemExit) as exited:
+        preprocess_main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--eod-token" in err and err.count("\n") == 1, err
+    assert preprocess_main(argv + ["--eod-token", "<end>"]) == 0
+    assert _read_back(prefix)[0] == [[1, 2, 0], [2, 0]]
+    assert _tokenizer_for([prefix], "").eod_token == "<end>"
