@@ -5,6 +5,7 @@ the two writers stay below it (neither imports the other's command)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence, Union
 
@@ -60,7 +61,9 @@ def _tokenizer(args) -> Union[None, str, TandemTokenizer]:
     if args.tokenizer is None:
         raise ValueError("--eod-token needs --tokenizer (the trained BPE ends documents with "
                          "<|endoftext|>)")
-    return load_tokenizer(args.tokenizer, eod_token=args.eod_token)
+    # absolute: meta.json records where the tokenizer came from
+    return load_tokenizer(os.path.abspath(os.path.expanduser(args.tokenizer)),
+                          eod_token=args.eod_token)
 
 
 def _preprocess_chat_main(parser: argparse.ArgumentParser, args, tokenizer) -> int:

@@ -5,8 +5,9 @@ Face tokenizer directory; `train_bpe(texts, vocab_size, out_file)` trains the by
 for the embedded corpus. Both return a `TandemTokenizer`: `vocab_size`, `eod_id`, `encode`,
 `encode_batch`, `decode`, `save`.
 
-Text is encoded without BOS/EOS post-processing and with special-token strings treated as plain text
-(a document that happens to contain the literal `<|endoftext|>` does not get a spurious EOD); the
+Text is encoded with special-token strings treated as plain text (a document that happens to contain
+the literal `<|endoftext|>` does not get a spurious EOD) and without the post-processor's tokens,
+except the BOS it puts before a text that starts a document or a prompt (`encode(start=True)`); the
 data pipeline appends `eod_id` after each document itself.
 """
 
@@ -82,15 +83,9 @@ class TandemTokenizer:
         """The ids the tokenizer's post-processor puts before a text (BOS for Llama and DeepSeek
         tokenizers; none for Qwen's, GLM's or the trained BPE), found by encoding a probe both ways;
         none when they hold the end-of-document token, which would cut each document in two."""
-        probe = "a"
-        if self._backend is not None:
-            plain = self._backend.encode(probe, add_special_tokens=False).ids
-            full = self._backend.encode(probe, add_special_tokens=True).ids
-        else:
-            plain = list(self._hf.encode(probe, add_special_tokens=False))
-            full = list(self._hf.encode(probe, add_special_tokens=True))
-        lead = next((full[:i] for i in range(len(full) - len(plain) + 1)
-                     if full[i:i + len(plain)] == plain), [])
+        lead = _lead_ids(self._backend.encode if self._backend is not None else
+                         lambda text, add_special_tokens: self._hf.encode(
+                             text, add_special_tokens=add_special_tokens))
         return [] if self.eod_id in lead else lead
 
     def encode_rendered(self, text: str) -> Tuple[List[int], Optional[List[Tuple[int, int]]]]:
@@ -136,6 +131,15 @@ class TandemTokenizer:
     def __repr__(self) -> str:
         return (f"TandemTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, "
                 f"eod={self.eod_token!r}:{self.eod_id})")
+
+
+def _lead_ids(encode) -> List[int]:
+    """The ids `encode(text, add_special_tokens=True)` puts before the text's own (a probe encoded
+    both ways; `encode` returns ids or an Encoding)."""
+    plain, full = (getattr(e, "ids", e) for e in (encode("a", add_special_tokens=False),
+                                                   encode("a", add_special_tokens=True)))
+    return next((list(full[:i]) for i in range(len(full) - len(plain) + 1)
+                 if list(full[i:i + len(plain)]) == list(plain)), [])
 
 
 def _find_eod(vocab: dict, eod_token: Optional[str], hf, path: str):
@@ -281,13 +285,22 @@ def copy_tokenizer(path: str, out_dir: str, eod_token: Optional[str] = None) -> 
             side = os.path.join(os.path.dirname(src), name)
             if os.path.isfile(side):
                 shutil.copyfile(side, os.path.join(out_dir, name))
-    if eod_token is not None and load_tokenizer(saved_tokenizer(out_dir)).eod_token != eod_token:
+    if eod_token is not None and _default_eod(saved_tokenizer(out_dir)) != eod_token:
         config = os.path.join(out_dir, TOKENIZER_SIDE_FILES[0])
         settings = {}
         if os.path.isfile(config):
             with open(config, encoding="utf-8") as f:
                 settings = json.load(f)
         _atomic_write_text(config, json.dumps({**settings, "eos_token": eod_token}, indent=2))
+
+
+def _default_eod(path: str) -> Optional[str]:
+    """The end-of-document token the tokenizer at `path` loads with unless told one (None: it names
+    none)."""
+    try:
+        return load_tokenizer(path).eod_token
+    except ValueError:
+        return None
 
 
 def saved_tokenizer(directory: str) -> Optional[str]:
@@ -316,9 +329,10 @@ def tokenizer_fingerprint(tokenizer: Union[str, TandemTokenizer]) -> str:
     fingerprint), else a slow tokenizer's vocabulary files; for a loaded `TandemTokenizer`, the
     tokenizer.json it saves (what `tandem preprocess` writes beside a dataset).
 
-    The JSON is hashed parsed, with sorted keys and no spacing, and without `post_processor`,
-    `padding` and `truncation`: Tandem encodes without them, and transformers rewrites them as it
-    loads a directory (a bare tokenizer.json's null post-processor becomes a template), so the file
+    The JSON is hashed parsed, with sorted keys and no spacing, and with `post_processor`,
+    `padding` and `truncation` replaced by the one thing of theirs that reaches Tandem's ids, the
+    BOS the post-processor puts before a text: transformers rewrites them as it loads a directory
+    (a bare tokenizer.json's null post-processor becomes a template that adds nothing), so the file
     and the tokenizer loaded from it would otherwise differ."""
 
     if isinstance(tokenizer, TandemTokenizer):
@@ -342,7 +356,8 @@ def tokenizer_fingerprint(tokenizer: Union[str, TandemTokenizer]) -> str:
 
 
 _UNUSED_FIELDS = ("post_processor", "padding", "truncation")
-"""tokenizer.json fields that do not change the ids Tandem encodes (no special tokens added)."""
+"""tokenizer.json fields hashed by what they do to the ids Tandem encodes (the post-processor's BOS
+before a document, `_lead_ids`), not as written."""
 
 _JSON_FINGERPRINTS: Dict[str, str] = {}
 """sha256 of a tokenizer.json's bytes -> its fingerprint: a blend of hundreds of prefixes holds as
@@ -350,18 +365,22 @@ many copies of one tokenizer.json (megabytes each), parsed once."""
 
 
 def _json_fingerprint(raw: bytes) -> str:
-    """The fingerprint of tokenizer.json bytes `raw`: parsed, sorted keys, no spacing, no
-    `_UNUSED_FIELDS` (`raw` itself when it does not parse)."""
+    """The fingerprint of tokenizer.json bytes `raw`: parsed, sorted keys, no spacing, the
+    `_UNUSED_FIELDS` replaced by the ids the post-processor puts before a text (`raw` itself when
+    it does not parse)."""
+    from tokenizers import Tokenizer
+
     key = hashlib.sha256(raw).hexdigest()
     if key not in _JSON_FINGERPRINTS:
         try:
             spec = json.loads(raw)
-        except ValueError:
+            lead = _lead_ids(Tokenizer.from_str(raw.decode("utf-8")).encode)
+        except Exception:  # not a tokenizer.json (a test's stand-in): its bytes
             canonical = raw
         else:
             if isinstance(spec, dict):
                 spec = {k: v for k, v in spec.items() if k not in _UNUSED_FIELDS}
-            canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"),
+            canonical = json.dumps([spec, lead], sort_keys=True, separators=(",", ":"),
                                    ensure_ascii=False).encode()
         _JSON_FINGERPRINTS[key] = hashlib.sha256(b"tokenizer.json\0" + canonical).hexdigest()
     return _JSON_FINGERPRINTS[key]

@@ -172,3 +172,21 @@ def test_the_side_files_are_on_disk_before_the_marker(tmp_path, monkeypatch):
     before_marker = synced[:synced.index(ckpt.MARKER)]
     for name in ("config.yaml", "trainer_state.json", "tokenizer.json", "rank0.pt"):
         assert name in before_marker, synced
+
+
+def test_an_unfinished_save_that_cannot_be_removed_is_left_with_a_note(tmp_path, monkeypatch,
+                                                                       capsys):
+    """Removing a failed save's directory is housekeeping: a file system that refuses (NFS's .nfs
+    files of a shard a dead rank held open) must not refuse the resume."""
+    from tandem.trainer import checkpoint_dirs
+
+    unfinished = tmp_path / "checkpoints" / ".tmp_step_3"
+    unfinished.mkdir(parents=True)
+
+    def busy(path, *args, **kwargs):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+
+    monkeypatch.setattr(checkpoint_dirs.shutil, "rmtree", busy)
+    checkpoint_dirs.remove_unfinished_saves(str(tmp_path))
+    assert "could not remove the unfinished save" in capsys.readouterr().err
+    assert unfinished.exists()

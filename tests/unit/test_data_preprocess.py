@@ -359,7 +359,7 @@ def test_each_document_starts_with_the_tokenizers_bos(tmp_path):
     assert all(row[0] == 0 and row.count(0) == 1 for row in _read_back(prefix)[0])
 
 
-def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys):
+def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys, monkeypatch):
     """A tokenizer that names no EOS (and holds none of the usual ones) was refused with advice to
     pass an argument that no command had: `--eod-token` names the token that ends each document,
     and training reads it back from meta.json."""
@@ -375,7 +375,8 @@ def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "a b"}) + "\n" + json.dumps({"text": "b"}) + "\n")
     prefix = str(tmp_path / "data")
-    argv = ["--input", str(src), "--output-prefix", prefix, "--tokenizer", tok]
+    monkeypatch.chdir(tmp_path)  # a relative --tokenizer: meta.json records where it is
+    argv = ["--input", str(src), "--output-prefix", prefix, "--tokenizer", "tokenizer.json"]
     with pytest.raises(SystemExit) as exited:
         preprocess_main(argv)
     err = capsys.readouterr().err
@@ -383,3 +384,4 @@ def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys):
     assert preprocess_main(argv + ["--eod-token", "<end>"]) == 0
     assert _read_back(prefix)[0] == [[1, 2, 0], [2, 0]]
     assert _tokenizer_for([prefix], "").eod_token == "<end>"
+    assert read_meta(prefix)["tokenizer_source"] == tok

@@ -170,6 +170,19 @@ def test_a_checkpoint_of_megatron_data_keeps_the_eod_the_data_was_made_with(tmp_
         assert load_tokenizer(saved_tokenizer(str(step))).eod_id == want
         # the default's copy stays a bare file, loaded without transformers
         assert (step / "tokenizer_config.json").exists() == (want == 2)
+    # a tokenizer naming no EOS, and holding none of the usual ones (tandem preprocess --eod-token)
+    backend.add_special_tokens([AddedToken("<sep>", special=True)])
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] == "<sep>"]
+    spec["model"]["vocab"] = {"<sep>": 5, "a": 3, "b": 4}
+    no_eos = tmp_path / "no_eos.tokenizer.json"
+    no_eos.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="--eod-token"):
+        load_tokenizer(str(no_eos))
+    step = tmp_path / "step_no_eos"
+    step.mkdir()
+    copy_tokenizer(str(no_eos), str(step), eod_token="<sep>")
+    assert load_tokenizer(saved_tokenizer(str(step))).eod_id == 5
     # what a run's checkpoint records: its tokenizer as its data was made with (a run built from a
     # Megatron prefix loads it with the meta.json's EOD)
     import torch
@@ -218,6 +231,8 @@ def test_a_document_or_prompt_starts_with_the_tokenizers_bos(tmp_path):
     post-processor adds, as transformers' `tokenizer(text)` (the reference here), Megatron-LM's
     preprocessing and vLLM's prompts give it: once, before the text, never before a response; the
     chat and ids forms are left as their template or ids say. It was dropped everywhere."""
+    import json
+
     from transformers import PreTrainedTokenizerFast
 
     from tandem.data_pipeline.chat import ChatEncoder
@@ -237,6 +252,16 @@ def test_a_document_or_prompt_starts_with_the_tokenizers_bos(tmp_path):
     assert ids.tolist() == [0, 4, 5, 1] and flags.tolist() == [0, 0, 1, 1]
     _, rows = tokenize_prompts([Prompt("p:1", "c b")], tok, None, 16, "")
     assert rows == [[0, 5, 4]]
+    # the BOS is part of what a dataset's tokenizer is checked by: a prefix made with it is not
+    # one made without it
+    from tandem.data_pipeline.tokenizer import tokenizer_fingerprint
+
+    plain = tmp_path / "plain.json"
+    spec = json.loads(path.read_text())
+    plain.write_text(json.dumps({**spec, "post_processor": None}))
+    assert load_tokenizer(str(plain)).start_ids == []
+    assert tokenizer_fingerprint(str(plain)) != tokenizer_fingerprint(str(path))
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(str(path))
     # a tokenizer without one, and one whose BOS is its end-of-document token, add nothing
     assert load_tokenizer(str(_bos_tokenizer(tmp_path / "eod", "</s>")),
                           eod_token="</s>").start_ids == []
