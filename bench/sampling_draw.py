@@ -55,8 +55,9 @@ def main() -> None:
     gaps = {}
     for name, tokens in (("multinomial", torch.multinomial(row, 1, generator=gen).squeeze(-1)),
                          ("draw", draw(row, gen))):
-        freq = torch.bincount(tokens, minlength=args.vocab).double() / tokens.numel()
-        gaps[name] = float((freq - probs[0].double()).abs().max())
+        # fp64 on the host: accelerators (an NPU above all) have little or no fp64
+        freq = torch.bincount(tokens.cpu(), minlength=args.vocab).double() / tokens.numel()
+        gaps[name] = float((freq - probs[0].cpu().double()).abs().max())
     print(json.dumps({"rows": args.rows, "vocab": args.vocab, "device": str(device),
                       "threads": args.threads, "ms_multinomial": round(multinomial * 1e3, 3),
                       "ms_draw": round(inverse_cdf * 1e3, 3),
