@@ -235,3 +235,55 @@ def test_a_fine_tune_of_a_qwen3_moe_checkpoint_takes_its_balancing(tmp_path):
     changed = adopt_checkpoint_config(cfg)
     assert (cfg.model.balance, cfg.model.aux_loss_coef) == ("aux_loss", 0.02)
     assert "model.balance: 'aux_free' -> 'aux_loss'" in changed
+
+
+def test_an_fp8_checkpoint_imports_dequantized(tmp_path):
+    """Qwen3's and DeepSeek-V3's FP8 releases store each linear weight in float8 with one
+    `weight_scale_inv` factor per block (config.json: quantization_config, weight_block_size): the
+    import multiplies them back, block by block (and slice by slice, as tensor parallelism reads),
+    to the weights of the checkpoint written out dequantized, the reference. Other quantizations are
+    refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.trainer.hf.reader import CheckpointError, CheckpointReader
+
+    src, fp8, ref = tmp_path / "src", tmp_path / "fp8", tmp_path / "ref"
+    make_hf(family_configs()["qwen3_moe"]).save_pretrained(src)
+    tensors = load_file(str(src / "model.safetensors"))
+    block = (8, 16)  # blocks that cut the tiny weights, which 128 x 128 would not
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        if w.ndim != 2 or "embed" in name or "lm_head" in name or name.endswith("mlp.gate.weight"):
+            quantized[name] = dequantized[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        padded = torch.zeros(rows * block[0], cols * block[1])
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.view(rows, block[0], cols, block[1]).abs().amax((1, 3))
+        scale = amax.clamp_min(1e-12) / 448.0
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        q = (w / full[:w.shape[0], :w.shape[1]]).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale
+        dequantized[name] = (q.float() * full[:w.shape[0], :w.shape[1]]).to(torch.bfloat16).float()
+    config = json.loads((src / "config.json").read_text())
+    for out, state, quant in ((fp8, quantized, {"quant_method": "fp8", "fmt": "e4m3",
+                                                "weight_block_size": list(block)}),
+                              (ref, dequantized, None)):
+        out.mkdir()
+        save_file(state, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant}
+                                                    if quant else config))
+    model, _ = load_hf_model(str(fp8))
+    want, _ = load_hf_model(str(ref))
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), want.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    reader = CheckpointReader(str(fp8))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    assert name + "_scale_inv" not in reader.keys() and reader.dtype(name) == torch.bfloat16
+    for rows, cols in ((slice(3, 21), slice(5, 30)), (slice(8, 16), slice(0, 16)),
+                       (slice(30, 32), slice(17, 18))):
+        assert torch.equal(reader.read(name, (rows, cols)).float(), dequantized[name][rows, cols])
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(CheckpointError, match="quant_method fp8"):
+        load_hf_model(str(fp8))

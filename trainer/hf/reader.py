@@ -66,6 +66,11 @@ class CheckpointReader:
                         self._files[key] = file
 
         self._check_files()
+        # FP8 checkpoints (Qwen3's and DeepSeek-V3's releases): each quantized weight has a
+        # `<name>_scale_inv` of one factor per block, and reads as the dequantized bf16 weight
+        self._scales = {k[:-len(_SCALE)]: k for k in self._files
+                        if k.endswith(_SCALE) and k[:-len(_SCALE)] in self._files}
+        self._block = _fp8_block(path, bool(self._scales))
 
     def _check_files(self) -> None:
         """A shard named by the index but absent, or shorter than its header says (a partial copy or
@@ -83,7 +88,7 @@ class CheckpointReader:
                                       f"header describes {end}")
 
     def keys(self) -> List[str]:
-        return sorted(self._files)
+        return sorted(set(self._files) - set(self._scales.values()))
 
     def _header(self, file: str) -> Tuple[int, dict]:
         if file not in self._handles:
@@ -96,13 +101,31 @@ class CheckpointReader:
         return tuple(self._header(self._files[key])[1][key]["shape"])
 
     def dtype(self, key: str) -> torch.dtype:
+        if key in self._scales:
+            return torch.bfloat16
         if key in self._pickled:
             return self._pickled[key].dtype
         return _st_dtype(self._files[key], key, self._header(self._files[key])[1][key]["dtype"])
 
     def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
-        """tensor[index] of `key`, reading only that slice from disk (safetensors). Plain reads, not
-        a memory map: the pages of the rest of the file never count against this process."""
+        """tensor[index] of `key` (an FP8 weight dequantized, in bf16), reading only that slice from
+        disk (safetensors). Plain reads, not a memory map: the pages of the rest of the file never
+        count against this process."""
+        if key not in self._scales:
+            return self._read(key, index)
+        index = tuple(index) + (slice(None),) * (2 - len(index))
+        (r0, r1, rs), (c0, c1, cs) = (sl.indices(n) for sl, n in zip(index, self.shape(key)))
+        (b0, b1), a0, a1 = self._block, r0 // self._block[0], c0 // self._block[1]
+        if len(index) != 2 or rs != 1 or cs != 1:
+            raise CheckpointError(f"{self.path}: FP8 weight {key} read as {index}: only 2-D "
+                                  "contiguous slices are dequantized")
+        scale = self._read(self._scales[key], (slice(a0, -(-r1 // b0)), slice(a1, -(-c1 // b1))))
+        scale = scale.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        scale = scale[r0 - a0 * b0: r1 - a0 * b0, c0 - a1 * b1: c1 - a1 * b1]
+        return (self._read(key, index).float() * scale).to(torch.bfloat16)
+
+    def _read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
+        """tensor[index] of `key` as stored."""
         if key in self._pickled:
             return self._pickled[key][index]
         file = self._files[key]
@@ -144,6 +167,28 @@ ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _READ_BLOCK_BYTES = 64 << 20
+
+
+_SCALE = "_scale_inv"
+"""The suffix of an FP8 weight's block scales (`weight` -> `weight_scale_inv`)."""
+
+
+def _fp8_block(path: str, scaled: bool) -> Optional[Tuple[int, int]]:
+    """The (rows, columns) of one FP8 scale block that config.json's `quantization_config` names
+    (None without one); any other quantization is refused by name, before a weight is read."""
+    config = os.path.join(path, "config.json")
+    quant = read_config(path).get("quantization_config") if os.path.isfile(config) else None
+    if not quant and not scaled:
+        return None
+    method = (quant or {}).get("quant_method")
+    block = (quant or {}).get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, list) and len(block) == 2
+                               and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(
+            f"{config}: quantization_config {quant!r} is not block-wise FP8 with weight_scale_inv "
+            "(quant_method fp8, weight_block_size [rows, cols]), the one quantized form Tandem "
+            "reads: use the checkpoint's bf16 release")
+    return block[0], block[1]
 
 
 def safetensors_header(file: str) -> Tuple[int, dict]:
