@@ -283,6 +283,15 @@ def test_an_fp8_checkpoint_imports_dequantized(tmp_path):
     for rows, cols in ((slice(3, 21), slice(5, 30)), (slice(8, 16), slice(0, 16)),
                        (slice(30, 32), slice(17, 18))):
         assert torch.equal(reader.read(name, (rows, cols)).float(), dequantized[name][rows, cols])
+    # a weight without its scale would load as raw FP8 codes; a grid of another shape scales the
+    # wrong blocks: both are refused, naming the tensor
+    scale = name + "_scale_inv"
+    for edit, message in (({scale: None}, f"{name} has no {scale}"),
+                          ({scale: quantized[scale][:-1]}, f"{scale} has shape")):
+        state = {k: v for k, v in {**quantized, **edit}.items() if v is not None}
+        save_file(state, str(fp8 / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=message):
+            load_hf_model(str(fp8))
     (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
         "quant_method": "gptq", "bits": 4}}))
     with pytest.raises(CheckpointError, match="quant_method fp8"):

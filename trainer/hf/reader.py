@@ -71,6 +71,8 @@ class CheckpointReader:
         self._scales = {k[:-len(_SCALE)]: k for k in self._files
                         if k.endswith(_SCALE) and k[:-len(_SCALE)] in self._files}
         self._block = _fp8_block(path, bool(self._scales))
+        if self._block is not None:
+            self._check_scales()
 
     def _check_files(self) -> None:
         """A shard named by the index but absent, or shorter than its header says (a partial copy or
@@ -86,6 +88,22 @@ class CheckpointReader:
             if size < end:
                 raise CheckpointError(f"checkpoint shard {file} is partial: {size} bytes, its "
                                       f"header describes {end}")
+
+    def _check_scales(self) -> None:
+        """Every float8 weight of an FP8 checkpoint has a scale, one per block: a weight without
+        one would load as its raw FP8 codes, a grid of another shape scale the wrong blocks."""
+        (b0, b1), scales = self._block, set(self._scales.values())
+        for key in sorted(set(self._files) - scales - set(self._pickled)):
+            info = self._header(self._files[key])[1][key]
+            if info["dtype"].startswith("F8") and key not in self._scales:
+                raise CheckpointError(f"{self.path}: FP8 weight {key} has no {key}{_SCALE}")
+            if key in self._scales:
+                shape, scale = self.shape(key), self.shape(self._scales[key])
+                want = (-(-shape[0] // b0), -(-shape[1] // b1)) if len(shape) == 2 else None
+                if want is None or scale != want:
+                    raise CheckpointError(
+                        f"{self.path}: {key}{_SCALE} has shape {list(scale)}; weight {key} "
+                        f"{list(shape)} in blocks of {b0}x{b1} needs {list(want or [])}")
 
     def keys(self) -> List[str]:
         return sorted(set(self._files) - set(self._scales.values()))
