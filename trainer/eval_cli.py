@@ -242,6 +242,9 @@ def _check_flags(args) -> None:
         if getattr(args, flag) < 0:
             raise _Fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0: the "
                         "checkpoint's value)")
+    if args.hf and not (args.prompts or args.suite):  # (the default data config's are not its)
+        raise _Fail("--hf DIR has no validation split to take prompts from: pass --prompts FILE "
+                    "or --suite")
 
 
 def _load_checked(args):

@@ -278,10 +278,18 @@ def test_corrupt_tokenizer_named_by_eval(tmp_path, capsys):
     (d / "tokenizer.json").write_text("garbage")
     with pytest.raises(CheckpointError, match=r"cannot read tokenizer file .*tokenizer\.json"):
         load_hf_model(str(d))
-    assert main(["eval", "--hf", str(d)]) == 2
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "a b"}\n')
+    assert main(["eval", "--hf", str(d), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("tandem eval: error: cannot read tokenizer file ")
     assert err[-1].endswith("tokenizer.json: expected value at line 1 column 1")
+    # without prompts: a Hugging Face directory has no validation split (the default data
+    # config's, a corpus of another vocabulary, had run into an IndexError)
+    assert main(["eval", "--hf", str(d)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tandem eval: error: --hf DIR has no validation split to take prompts from: pass "
+        "--prompts FILE or --suite")
 
 
 def test_shape_mismatch_message_stays_short(tmp_path):
