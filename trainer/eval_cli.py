@@ -269,8 +269,10 @@ def _settings(args, model, cfg, tok) -> dict:
                            else 0)
     train = getattr(cfg, "train", None)
     seed = args.seed if args.seed is not None else int(getattr(train, "seed", 0) or 0)
-    if K <= 0 or model.mtp is None:
-        raise _Fail("the model has no MTP module (mtp.num_steps=0) and --num-steps is not set")
+    if model.mtp is None:
+        raise _Fail("the model has no MTP module (mtp.num_steps=0) to draft with")
+    if K <= 0:
+        raise _Fail("--num-steps is not set, and the checkpoint names no number of draft steps")
     return dict(num_steps=K,
                 max_new_tokens=args.max_new_tokens or (ev.max_new_tokens if ev else 64),
                 batch_size=args.batch_size or (ev.batch_size if ev else 4),

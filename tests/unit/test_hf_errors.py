@@ -416,3 +416,16 @@ def test_data_offsets_that_do_not_match_shape_and_dtype(tmp_path):
     write([0, 32], [16, 32])
     with pytest.raises(CheckpointError, match="tensors a and b overlap"):
         safetensors_header(file)
+
+
+def test_eval_of_a_model_without_mtp_says_so(tmp_path, capsys):
+    """A trunk without an MTP module has nothing to draft with, --num-steps or not (the message
+    said --num-steps was not set when it was)."""
+    from tandem.trainer.cli import main
+
+    d = tiny_qwen3(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "a b"}\n')
+    assert main(["eval", "--hf", str(d), "--prompts", str(prompts), "--num-steps", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "tandem eval: error: the model has no MTP module (mtp.num_steps=0) to draft with")
