@@ -286,12 +286,23 @@ def test_an_fp8_checkpoint_imports_dequantized(tmp_path):
     # a weight without its scale would load as raw FP8 codes; a grid of another shape scales the
     # wrong blocks: both are refused, naming the tensor
     scale = name + "_scale_inv"
-    for edit, message in (({scale: None}, f"{name} has no {scale}"),
+    for edit, message in (({scale: None}, f"{name} is stored in float8 without its {scale}$"),
                           ({scale: quantized[scale][:-1]}, f"{scale} has shape")):
         state = {k: v for k, v in {**quantized, **edit}.items() if v is not None}
         save_file(state, str(fp8 / "model.safetensors"))
         with pytest.raises(CheckpointError, match=message):
             load_hf_model(str(fp8))
+        torch.save(state, str(fp8 / "model.pt"))  # a trusted pickle is checked alike
+        (fp8 / "model.safetensors").unlink()
+        with pytest.raises(CheckpointError, match=message):
+            CheckpointReader(str(fp8), trust_pickle=True)
+        (fp8 / "model.pt").unlink()
+    # float8 weights with neither scales nor a quantization_config (a stripped release)
+    save_file({k: v for k, v in quantized.items() if not k.endswith("_scale_inv")},
+              str(fp8 / "model.safetensors"))
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="without its .* and config.json's quantization"):
+        load_hf_model(str(fp8))
     (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
         "quant_method": "gptq", "bits": 4}}))
     with pytest.raises(CheckpointError, match="quant_method fp8"):

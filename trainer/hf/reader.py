@@ -71,8 +71,7 @@ class CheckpointReader:
         self._scales = {k[:-len(_SCALE)]: k for k in self._files
                         if k.endswith(_SCALE) and k[:-len(_SCALE)] in self._files}
         self._block = _fp8_block(path, bool(self._scales))
-        if self._block is not None:
-            self._check_scales()
+        self._check_scales()
 
     def _check_files(self) -> None:
         """A shard named by the index but absent, or shorter than its header says (a partial copy or
@@ -90,15 +89,19 @@ class CheckpointReader:
                                       f"header describes {end}")
 
     def _check_scales(self) -> None:
-        """Every float8 weight of an FP8 checkpoint has a scale, one per block: a weight without
-        one would load as its raw FP8 codes, a grid of another shape scale the wrong blocks."""
-        (b0, b1), scales = self._block, set(self._scales.values())
-        for key in sorted(set(self._files) - scales - set(self._pickled)):
-            info = self._header(self._files[key])[1][key]
-            if info["dtype"].startswith("F8") and key not in self._scales:
-                raise CheckpointError(f"{self.path}: FP8 weight {key} has no {key}{_SCALE}")
+        """Every float8 weight has a scale, one per block of config.json's block size: a weight
+        without one would load as its raw FP8 codes, a grid of another shape scale the wrong
+        blocks. Headers only (a key its shard lacks is named when it is read)."""
+        scales = set(self._scales.values())
+        for key in sorted(set(self._files) - scales):
+            if key not in self._pickled and key not in self._header(self._files[key])[1]:
+                continue
+            if self._stored_dtype(key) in _FP8 and key not in self._scales:
+                raise CheckpointError(
+                    f"{self.path}: weight {key} is stored in float8 without its {key}{_SCALE}"
+                    + ("" if self._block else " and config.json's quantization_config"))
             if key in self._scales:
-                shape, scale = self.shape(key), self.shape(self._scales[key])
+                (b0, b1), shape, scale = self._block, self.shape(key), self.shape(self._scales[key])
                 want = (-(-shape[0] // b0), -(-shape[1] // b1)) if len(shape) == 2 else None
                 if want is None or scale != want:
                     raise CheckpointError(
@@ -119,8 +122,10 @@ class CheckpointReader:
         return tuple(self._header(self._files[key])[1][key]["shape"])
 
     def dtype(self, key: str) -> torch.dtype:
-        if key in self._scales:
-            return torch.bfloat16
+        """What `read` returns: bf16 for an FP8 weight, else the stored dtype."""
+        return torch.bfloat16 if key in self._scales else self._stored_dtype(key)
+
+    def _stored_dtype(self, key: str) -> torch.dtype:
         if key in self._pickled:
             return self._pickled[key].dtype
         return _st_dtype(self._files[key], key, self._header(self._files[key])[1][key]["dtype"])
@@ -138,9 +143,11 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: FP8 weight {key} read as {index}: only 2-D "
                                   "contiguous slices are dequantized")
         scale = self._read(self._scales[key], (slice(a0, -(-r1 // b0)), slice(a1, -(-c1 // b1))))
-        scale = scale.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
-        scale = scale[r0 - a0 * b0: r1 - a0 * b0, c0 - a1 * b1: c1 - a1 * b1]
-        return (self._read(key, index).float() * scale).to(torch.bfloat16)
+        out, column_block = self._read(key, index).float(), torch.arange(c0, c1) // b1 - a1
+        for j, row in enumerate(scale.float()):  # a block row at a time: no weight-sized grid
+            lo, hi = max(r0, (a0 + j) * b0) - r0, min(r1, (a0 + j + 1) * b0) - r0
+            out[lo:hi] *= row[column_block]
+        return out.to(torch.bfloat16)
 
     def _read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
         """tensor[index] of `key` as stored."""
@@ -186,6 +193,8 @@ ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _READ_BLOCK_BYTES = 64 << 20
 
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 _SCALE = "_scale_inv"
 """The suffix of an FP8 weight's block scales (`weight` -> `weight_scale_inv`)."""
