@@ -278,14 +278,16 @@ def copy_tokenizer(path: str, out_dir: str, eod_token: Optional[str] = None) -> 
     src = tokenizer_file(path)
     if src is None:
         raise FileNotFoundError(f"tokenizer not found: {path}")
-    out = os.path.join(out_dir, "tokenizer.json")
-    shutil.copyfile(src, out)
+    shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
     if os.path.basename(src) == "tokenizer.json":  # not a Megatron prefix's <prefix>.tokenizer.json
         for name in TOKENIZER_SIDE_FILES:
             side = os.path.join(os.path.dirname(src), name)
             if os.path.isfile(side):
                 shutil.copyfile(side, os.path.join(out_dir, name))
-    if eod_token is not None and _default_eod(saved_tokenizer(out_dir)) != eod_token:
+    # the copy loads as its source does (`saved_tokenizer`: the directory when it has side files)
+    loads_as = saved_tokenizer(os.path.dirname(src)) if os.path.basename(
+        src) == "tokenizer.json" else src
+    if eod_token is not None and _default_eod(os.path.abspath(loads_as)) != eod_token:
         config = os.path.join(out_dir, TOKENIZER_SIDE_FILES[0])
         settings = {}
         if os.path.isfile(config):
@@ -294,9 +296,11 @@ def copy_tokenizer(path: str, out_dir: str, eod_token: Optional[str] = None) -> 
         _atomic_write_text(config, json.dumps({**settings, "eos_token": eod_token}, indent=2))
 
 
+@functools.lru_cache(maxsize=None)
 def _default_eod(path: str) -> Optional[str]:
     """The end-of-document token the tokenizer at `path` loads with unless told one (None: it names
-    none)."""
+    none). Cached: a run copies its tokenizer into every checkpoint, and a Hugging Face directory's
+    load takes transformers a second."""
     try:
         return load_tokenizer(path).eod_token
     except ValueError:
@@ -355,7 +359,7 @@ def tokenizer_fingerprint(tokenizer: Union[str, TandemTokenizer]) -> str:
     return h.hexdigest()
 
 
-_UNUSED_FIELDS = ("post_processor", "padding", "truncation")
+_REWRITTEN_FIELDS = ("post_processor", "padding", "truncation")
 """tokenizer.json fields hashed by what they do to the ids Tandem encodes (the post-processor's BOS
 before a document, `_lead_ids`), not as written."""
 
@@ -366,7 +370,7 @@ many copies of one tokenizer.json (megabytes each), parsed once."""
 
 def _json_fingerprint(raw: bytes) -> str:
     """The fingerprint of tokenizer.json bytes `raw`: parsed, sorted keys, no spacing, the
-    `_UNUSED_FIELDS` replaced by the ids the post-processor puts before a text (`raw` itself when
+    `_REWRITTEN_FIELDS` replaced by the ids the post-processor puts before a text (`raw` itself when
     it does not parse)."""
     from tokenizers import Tokenizer
 
@@ -379,7 +383,7 @@ def _json_fingerprint(raw: bytes) -> str:
             canonical = raw
         else:
             if isinstance(spec, dict):
-                spec = {k: v for k, v in spec.items() if k not in _UNUSED_FIELDS}
+                spec = {k: v for k, v in spec.items() if k not in _REWRITTEN_FIELDS}
             canonical = json.dumps([spec, lead], sort_keys=True, separators=(",", ":"),
                                    ensure_ascii=False).encode()
         _JSON_FINGERPRINTS[key] = hashlib.sha256(b"tokenizer.json\0" + canonical).hexdigest()
