@@ -78,11 +78,8 @@ def remove_unfinished_saves(run_dir: str) -> None:
     """Delete the `.tmp_step_<N>` directories of saves that never completed (no marker: a crash or a
     full disk mid-save), saying so: nothing reads them, and until that step is saved again they hold
     the space a new save needs. Only the launch's rank 0, holding the run's lock, calls this."""
-    root = checkpoints_root(run_dir)
-    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    gone = [os.path.join(root, name) for name in names
-            if (_STEP_DIR.match(name) or [None, None])[1] == ".tmp_"
-            and not is_complete(os.path.join(root, name))]
+    gone = [path for path in list_checkpoints(run_dir)[1]
+            if re.fullmatch(r"\.tmp_step_\d+", os.path.basename(path)) and not is_complete(path)]
     for path in gone:
         try:
             shutil.rmtree(path)
