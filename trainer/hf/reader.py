@@ -137,11 +137,12 @@ class CheckpointReader:
         if key not in self._scales:
             return self._read(key, index)
         index = tuple(index) + (slice(None),) * (2 - len(index))
-        (r0, r1, rs), (c0, c1, cs) = (sl.indices(n) for sl, n in zip(index, self.shape(key)))
-        (b0, b1), a0, a1 = self._block, r0 // self._block[0], c0 // self._block[1]
-        if len(index) != 2 or rs != 1 or cs != 1:
+        bounds = [sl.indices(n) for sl, n in zip(index, self.shape(key))]
+        if len(index) != 2 or any(step != 1 for _, _, step in bounds):
             raise CheckpointError(f"{self.path}: FP8 weight {key} read as {index}: only 2-D "
                                   "contiguous slices are dequantized")
+        (r0, r1, _), (c0, c1, _) = bounds
+        (b0, b1), a0, a1 = self._block, r0 // self._block[0], c0 // self._block[1]
         scale = self._read(self._scales[key], (slice(a0, -(-r1 // b0)), slice(a1, -(-c1 // b1))))
         out, column_block = self._read(key, index).float(), torch.arange(c0, c1) // b1 - a1
         for j, row in enumerate(scale.float()):  # a block row at a time: no weight-sized grid
