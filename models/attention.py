@@ -36,7 +36,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
-        self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.rope_theta, cfg.max_seq_len)
+        self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.rope_theta, cfg.max_seq_len,
+                                      cfg.yarn)
 
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
         return ("normal", scales.residual_std) if name == "o_proj.weight" else None
@@ -58,41 +59,52 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q.transpose(1, 2), positions_bs), self.rotary(k.transpose(1, 2),
                                                                          positions_bs)
-        groups = q.shape[1] // k.shape[1]
-        if cache is None and context is not None and context.sharded:
-            out = self._over_window(q, k, v, context, documents, groups)
-        elif cache is None and documents is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(),
-                                                 enable_gqa=groups > 1)
-        elif cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
-        else:
-            k_all, v_all = cache.update(k, v, positions_bs)
-            key_pos = torch.arange(k_all.shape[2], device=x_bsh.device)
-            mask = key_pos[None, None, :] <= positions_bs[..., None]
-            out = cached_attention(q, k_all, v_all, mask)
+        out = attend(q, k, v, positions_bs, cache, documents, context)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
-    @staticmethod
-    def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents],
-                     groups: int):
-        """This rank's queries over the whole window's keys and values (gathered in window order),
-        masked by window row: causal, and inside the query's document when documents are kept apart.
-        Chunk by chunk, each over the keys up to its own end only (zigzag's early chunk reads
-        few)."""
-        k_all, v_all = (context.gather(t.transpose(1, 2)).transpose(1, 2) for t in (k_bhsd, v_bhsd))
-        local = q_bhsd.shape[2]
-        rows = context.rows(local, q_bhsd.device)
-        length = local // context.chunks
-        out = []
-        for j, end in enumerate(context.chunk_ends(local)):
-            mine = slice(j * length, (j + 1) * length)
-            key_u = torch.arange(end, device=q_bhsd.device)
-            mask = (key_u[None, :] <= rows[mine, None])[None]
-            if documents is not None:
-                mask = mask & (key_u[None, None, :] >= documents.starts_bs[:, mine, None])
-            out.append(F.scaled_dot_product_attention(q_bhsd[:, :, mine], k_all[:, :, :end],
-                                                      v_all[:, :, :end],
-                                                      attn_mask=mask[:, None],
-                                                      enable_gqa=groups > 1))
-        return torch.cat(out, dim=2)
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions_bs: torch.Tensor,
+           cache: Optional[LayerKV] = None, documents: Optional[Documents] = None,
+           context: Optional[WholeWindow] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of queries [B, Hq, S, D] over keys [B, Hk, S, D] and values [B, Hk, S, Dv]
+    (Hk dividing Hq), shared by GQA and MLA layers: inside each document when `documents` is given,
+    over the whole window under context parallelism (`context`), or over a decoding cache's prefix
+    with the new keys and values written into it (`cache`). `scale`: the softmax scale, None for
+    1 / sqrt(D). Returns [B, Hq, S, Dv]."""
+    groups = q.shape[1] // k.shape[1]
+    if cache is None and context is not None and context.sharded:
+        return _over_window(q, k, v, context, documents, groups, scale)
+    if cache is None and documents is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(),
+                                              scale=scale, enable_gqa=groups > 1)
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=groups > 1)
+    k_all, v_all = cache.update(k, v, positions_bs)
+    key_pos = torch.arange(k_all.shape[2], device=q.device)
+    mask = key_pos[None, None, :] <= positions_bs[..., None]
+    return cached_attention(q, k_all, v_all, mask, scale)
+
+
+def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents],
+                 groups: int, scale: Optional[float]):
+    """This rank's queries over the whole window's keys and values (gathered in window order),
+    masked by window row: causal, and inside the query's document when documents are kept apart.
+    Chunk by chunk, each over the keys up to its own end only (zigzag's early chunk reads
+    few)."""
+    k_all, v_all = (context.gather(t.transpose(1, 2)).transpose(1, 2) for t in (k_bhsd, v_bhsd))
+    local = q_bhsd.shape[2]
+    rows = context.rows(local, q_bhsd.device)
+    length = local // context.chunks
+    out = []
+    for j, end in enumerate(context.chunk_ends(local)):
+        mine = slice(j * length, (j + 1) * length)
+        key_u = torch.arange(end, device=q_bhsd.device)
+        mask = (key_u[None, :] <= rows[mine, None])[None]
+        if documents is not None:
+            mask = mask & (key_u[None, None, :] >= documents.starts_bs[:, mine, None])
+        out.append(F.scaled_dot_product_attention(q_bhsd[:, :, mine], k_all[:, :, :end],
+                                                  v_all[:, :, :end],
+                                                  attn_mask=mask[:, None], scale=scale,
+                                                  enable_gqa=groups > 1))
+    return torch.cat(out, dim=2)

@@ -15,6 +15,7 @@ from .context import WholeWindow
 from .documents import Documents
 from .gated_deltanet import GatedDeltaNet
 from .hyper_connection import HyperConnection
+from .latent_attention import LatentAttention
 from .layers import SwiGLU
 from .loss import (
     chunked_acceptance_loss_sum,
@@ -30,9 +31,10 @@ from .qsa_index import QSASelection
 
 
 def make_token_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
-    """The token mixer of one block: full attention, QSA sparse attention or Gated DeltaNet."""
+    """The token mixer of one block: full attention (GQA, or MLA when model.kv_lora_rank > 0), QSA
+    sparse attention or Gated DeltaNet."""
     if kind == "attention":
-        return Attention(cfg)
+        return LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
     if kind == "indexed_attention":
         return IndexedAttention(
             hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

@@ -9,7 +9,9 @@ DeepSeek-V3-style checkpoints need, so importing one is a weight mapping, not a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
+
+from .layers import Yarn
 
 
 @dataclass
@@ -75,6 +77,36 @@ class ModelConfig:
     """RoPE base."""
     partial_rotary_factor: float = 1.0
     """Fraction of head_dim that is rotated (GLM-4.5 uses 0.5)."""
+    rope_scaling: str = "none"
+    """`none`, or `yarn`: YaRN's context extension (DeepSeek-V3, Kimi-K2), blended frequencies from
+    the `rope_*` keys below; full attention and MLA layers only."""
+    rope_factor: float = 1.0
+    """YaRN: how many times the original context the positions stretch to."""
+    rope_original_max_len: int = 4096
+    """YaRN: the context length the model was pretrained at."""
+    rope_beta_fast: float = 32.0
+    """YaRN: rotations above which a frequency is kept as it was (extrapolated)."""
+    rope_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is divided by rope_factor (interpolated)."""
+    rope_mscale: float = 0.0
+    """YaRN: cos/sin are scaled by mscale(rope_mscale) / mscale(rope_mscale_all_dim), where
+    mscale(m) = 0.1 m ln(rope_factor) + 1 (both 0: mscale(1))."""
+    rope_mscale_all_dim: float = 0.0
+    """YaRN on MLA: the softmax scale gains mscale(rope_mscale_all_dim)^2, as DeepSeek-V3's does."""
+    kv_lora_rank: int = 0
+    """> 0: every `attention` layer is multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2),
+    its keys and values expanded per head from one latent of this width; num_kv_heads must then
+    equal num_heads and head_dim is unused (the qk_*/v_head_dim keys say the widths). 0: GQA."""
+    q_lora_rank: int = 0
+    """MLA: width of the compressed query (q_a_proj, q_a_layernorm, q_b_proj; DeepSeek-V3: 1536);
+    0: one q_proj (DeepSeek-V2-Lite)."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query and key channels without RoPE."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head query and key channels with RoPE (the key's are one set shared by all
+    heads)."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -224,6 +256,14 @@ class ModelConfig:
         return (self.balance == "aux_loss" and self.aux_loss_coef > 0) or self.z_loss_coef > 0
 
     @property
+    def yarn(self) -> Optional[Yarn]:
+        """YaRN's parameters under rope_scaling=yarn, else None."""
+        if self.rope_scaling != "yarn":
+            return None
+        return Yarn(self.rope_factor, self.rope_original_max_len, self.rope_beta_fast,
+                    self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
+
+    @property
     def uses_qsa(self) -> bool:
         return any(self.layer_type(i) == "indexed_attention" for i in range(self.num_layers))
 
@@ -277,6 +317,7 @@ class ModelConfig:
             raise ValueError(f"model.first_k_dense must be in [0, model.num_layers="
                              f"{self.num_layers}], got {self.first_k_dense}")
         _validate_hybrid(self)
+        _validate_attention(self)
 
 
 def _validate_moe(model: ModelConfig) -> None:
@@ -302,6 +343,40 @@ def _validate_moe(model: ModelConfig) -> None:
                          f"model.n_group={model.n_group}]")
     if model.n_group > 1 and model.top_k > model.topk_group * (model.num_experts // model.n_group):
         raise ValueError("model.top_k exceeds the experts reachable in model.topk_group groups")
+
+
+def _validate_attention(model: ModelConfig) -> None:
+    """MLA's widths and YaRN's parameters."""
+    if model.rope_scaling not in ("none", "yarn"):
+        raise ValueError(f"model.rope_scaling must be 'none' or 'yarn', got {model.rope_scaling!r}")
+    if model.rope_scaling == "yarn":
+        if not (model.rope_factor >= 1 and model.rope_original_max_len > 0
+                and model.rope_beta_fast > model.rope_beta_slow > 0
+                and model.rope_mscale >= 0 and model.rope_mscale_all_dim >= 0):
+            raise ValueError("model.rope_scaling=yarn needs rope_factor >= 1, rope_original_max_len"
+                             " > 0, rope_beta_fast > rope_beta_slow > 0 and mscales >= 0")
+        if model.uses_qsa:
+            raise ValueError("model.rope_scaling=yarn: QSA (indexed_attention) layers use plain "
+                             "RoPE")
+    if model.kv_lora_rank < 0 or model.q_lora_rank < 0:
+        raise ValueError("model.kv_lora_rank and model.q_lora_rank must be >= 0")
+    if not model.kv_lora_rank:
+        if model.q_lora_rank:
+            raise ValueError("model.q_lora_rank is an MLA width; set model.kv_lora_rank too")
+        return
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(model, key) <= 0:
+            raise ValueError(f"model.{key} must be positive with MLA, got {getattr(model, key)}")
+    if model.qk_rope_head_dim % 2:
+        raise ValueError(f"model.qk_rope_head_dim={model.qk_rope_head_dim} must be even (RoPE "
+                         "rotates pairs)")
+    if model.num_kv_heads != model.num_heads:
+        raise ValueError(f"model.num_kv_heads={model.num_kv_heads} must equal model.num_heads="
+                         f"{model.num_heads} with MLA (model.kv_lora_rank > 0): every head has "
+                         "its own keys")
+    if model.attention_bias or model.qk_norm or model.partial_rotary_factor != 1.0:
+        raise ValueError("MLA (model.kv_lora_rank > 0) takes no model.attention_bias, "
+                         "model.qk_norm or model.partial_rotary_factor (its checkpoints have none)")
 
 
 LAYER_TYPES = ("attention", "linear_attention", "indexed_attention")

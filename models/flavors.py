@@ -16,6 +16,7 @@ The flavors (torchtitan's models/llama3/__init__.py keeps its named flavors the 
 
 - `debug`: the test suite's seconds-long model (tests/conftest.py TINY_OVERRIDES): 2 layers of width
   32, 4 experts. Its 512-token vocabulary needs `data.vocab_size<=512` with the embedded corpus.
+- `debug_mla`: `debug` with DeepSeek-V3's attention (MLA, YaRN), for the MLA layouts and parity.
 - `debug_qwen4`: Qwen4-Exp in the same size (Gated DeltaNet, QSA, 4 hyper-connection streams, PLE on
   layer 0, a gated shared expert), for the unit tests of the seed model's parts and its drafter.
 - `tiny`: recipes/tiny.yaml's 2.7M-parameter MoE trunk, the default job's.
@@ -41,6 +42,13 @@ Flavor = Dict[str, Dict[str, Any]]
 
 _DEBUG = dict(vocab_size=512, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
               intermediate_size=64, moe_intermediate_size=32, num_experts=4)
+
+# the debug model with DeepSeek-V3's attention: MLA with a compressed query, YaRN at 4x a 16-token
+# original context (its mscales as DeepSeek-V3 sets them)
+_DEBUG_MLA = dict(
+    _DEBUG, num_kv_heads=2, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+    v_head_dim=8, rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16, rope_mscale=1.0,
+    rope_mscale_all_dim=1.0)
 
 _DEBUG_QWEN4 = dict(
     vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -78,8 +86,8 @@ _QWEN4_EXP_TINY = dict(
     ngram_vocab_base=4093, eos_token_id=0, max_seq_len=512)
 
 # 16 layers (first dense), 64 routed experts top-6 with 2 shared experts, sigmoid router with
-# aux-loss-free balancing and DeepSeek-V3's group-limited routing, GQA attention (MLA is not
-# implemented)
+# aux-loss-free balancing and DeepSeek-V3's group-limited routing, GQA attention (where DeepSeek-V3
+# has MLA: the `debug_mla` flavor shows its keys)
 _MOE_4B = dict(
     vocab_size=102400, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4, head_dim=128,
     intermediate_size=10944, moe_intermediate_size=704, num_experts=64, top_k=6,
@@ -112,6 +120,7 @@ _QWEN38_FLASH = dict(
 
 FLAVORS: Dict[str, Flavor] = {
     "debug": {"model": _DEBUG},
+    "debug_mla": {"model": _DEBUG_MLA},
     "debug_qwen4": {"model": _DEBUG_QWEN4},
     "tiny": {"model": _TINY},
     "qwen4_exp_tiny": {"model": _QWEN4_EXP_TINY},

@@ -3,6 +3,7 @@ cache."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -154,6 +155,52 @@ class RMSNorm(nn.Module):
         return ("zeros" if self.zero_centered else "ones"), 0.0
 
 
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's RoPE parameters (model.rope_* keys; their docstrings say what each does)."""
+
+    factor: float
+    original_max_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    @staticmethod
+    def magnitude(factor: float, m: float = 1.0) -> float:
+        """YaRN's mscale: 0.1 m ln(factor) + 1 (1 when not stretched)."""
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by."""
+        if self.mscale and self.mscale_all_dim:
+            return self.magnitude(self.factor, self.mscale) / self.magnitude(self.factor,
+                                                                             self.mscale_all_dim)
+        return self.magnitude(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """What MLA's softmax scale is multiplied by (DeepSeek-V3 scales q.k, not only the rotated
+        channels)."""
+        return self.magnitude(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def inv_freq(self, rotary_dim: int, theta: float) -> torch.Tensor:
+        """Each pair's frequency: the original's for the fast-turning pairs (more than beta_fast
+        turns over the original context), divided by `factor` for the slow ones (under beta_slow),
+        blended linearly between."""
+        def pair(turns):  # the (fractional) pair index that turns `turns` times
+            return rotary_dim * math.log(self.original_max_len / (turns * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low = max(math.floor(pair(self.beta_fast)), 0)
+        high = min(math.ceil(pair(self.beta_slow)), rotary_dim - 1)
+        base = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low)
+                / max(high - low, 0.001)).clamp(0, 1)
+        return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * (1 - ramp)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE on the first `rotary_dim` channels of each head (partial rotary when < head_dim).
 
@@ -161,9 +208,10 @@ class RotaryEmbedding(nn.Module):
     Positions are explicit per token, so cached decoding with ragged sequence lengths just works.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_seq_len: int):
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_seq_len: int,
+                 yarn: Optional[Yarn] = None):
         super().__init__()
-        self.rotary_dim, self.theta = rotary_dim, theta
+        self.rotary_dim, self.theta, self.yarn = rotary_dim, theta, yarn
         self.register_buffer("cos", torch.empty(max_seq_len, rotary_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, rotary_dim), persistent=False)
         self.reset_buffers()
@@ -175,11 +223,15 @@ class RotaryEmbedding(nn.Module):
         if self.cos.is_meta:
             return
         r = self.rotary_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+        if self.yarn is None:
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+        else:
+            inv_freq = self.yarn.inv_freq(r, self.theta)
         angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32), inv_freq)
         emb = torch.cat([angles, angles], dim=-1)
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        scale = 1.0 if self.yarn is None else self.yarn.attention_factor
+        self.cos.copy_(emb.cos() * scale)
+        self.sin.copy_(emb.sin() * scale)
 
     def forward(self, x_bnsd: torch.Tensor, positions_bs: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions_bs].unsqueeze(1).to(x_bnsd.dtype)  # [B,1,S,R]
@@ -215,16 +267,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def cached_attention(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
-                     mask_bts: torch.Tensor) -> torch.Tensor:
+                     mask_bts: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """Decoding's attention of a few new queries per row over a cache prefix: queries [B, Hq, T,
     D], keys and values [B, Hk, S, D] (any dtype; read in the queries'), `mask_bts` [B, T, S] True
     where a query attends. On CPU the kernel behind `enable_gqa=True` is up to several times slower
     at batched decoding's shapes than `folded_attention`'s layout, which then runs instead (the same
-    values; `folds_query_heads` says where, bench/decode_attention.py measures both)."""
+    values; `folds_query_heads` says where, bench/decode_attention.py measures both). `scale`: the
+    softmax scale, None for 1 / sqrt(D)."""
     if folds_query_heads(q_bhsd, k_bksd):
-        return folded_attention(q_bhsd, k_bksd, v_bksd, mask_bts)
+        return folded_attention(q_bhsd, k_bksd, v_bksd, mask_bts, scale)
     return F.scaled_dot_product_attention(q_bhsd, k_bksd.to(q_bhsd.dtype), v_bksd.to(q_bhsd.dtype),
-                                          attn_mask=mask_bts[:, None],
+                                          attn_mask=mask_bts[:, None], scale=scale,
                                           enable_gqa=q_bhsd.shape[1] > k_bksd.shape[1])
 
 
@@ -238,7 +291,7 @@ def folds_query_heads(q_bhsd: torch.Tensor, k_bksd: torch.Tensor) -> bool:
 
 
 def folded_attention(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
-                     mask_bts: torch.Tensor) -> torch.Tensor:
+                     mask_bts: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """`cached_attention` with the Hq / Hk query heads that share a key head folded into the query
     length ([B, Hk, Hq / Hk x T, D]): each row reads its key head once, none is expanded per query
     head."""
@@ -247,8 +300,9 @@ def folded_attention(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.T
     groups = hq // hk
     out = F.scaled_dot_product_attention(q_bhsd.reshape(b, hk, groups * t, d),
                                          k_bksd.to(q_bhsd.dtype), v_bksd.to(q_bhsd.dtype),
-                                         attn_mask=mask_bts[:, None].repeat(1, 1, groups, 1))
-    return out.view(b, hq, t, d)
+                                         attn_mask=mask_bts[:, None].repeat(1, 1, groups, 1),
+                                         scale=scale)
+    return out.view(b, hq, t, -1)
 
 
 class _RotaryFunction(torch.autograd.Function):

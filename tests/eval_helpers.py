@@ -13,9 +13,9 @@ from tandem.models import MTPConfig, TandemModel, flavors
 def tiny_model(num_steps: int = 3, num_layers: int = 1, *, vocab: int = 64, seed: int = 0,
                style: str = "looped",
                init_std: float = 0.02, dtype: torch.dtype = torch.float32,
-               moe: bool = True) -> TandemModel:
+               moe: bool = True, flavor: str = "debug") -> TandemModel:
     torch.manual_seed(seed)
-    cfg = flavors.model_config("debug", vocab_size=vocab, num_experts=4 if moe else 0, top_k=2,
+    cfg = flavors.model_config(flavor, vocab_size=vocab, num_experts=4 if moe else 0, top_k=2,
                                max_seq_len=256, init_std=init_std)
     model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=num_layers, style=style))
     return model.to(dtype).eval()

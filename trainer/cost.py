@@ -70,12 +70,28 @@ def work(flops: float) -> Cost:
 # --- token mixers ---------------------------------------------------------------------------------
 def attention(cfg: ModelConfig, seq_len: int) -> Cost:
     """Full attention: q, k, v and o projections (+ bias, q/k norms) and the causal QK^T and AV over
-    S/2 keys on average."""
+    S/2 keys on average; MLA's own projections when model.kv_lora_rank > 0."""
+    if cfg.kv_lora_rank:
+        return latent_attention(cfg, seq_len)
     h, hd = cfg.hidden_size, cfg.resolved_head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     bias = q + 2 * kv if cfg.attention_bias else 0
     return (matmul(h, q + 2 * kv) + matmul(q, h) + vector(bias + (2 * hd if cfg.qk_norm else 0))
             + work(2 * 2 * q * (seq_len / 2)))
+
+
+def latent_attention(cfg: ModelConfig, seq_len: int) -> Cost:
+    """MLA: the queries (one projection, or through the q_lora_rank latent and its norm), the
+    latent and the shared rotary key, the latent's expansion into each head's key and value, o, and
+    QK^T over nope + rope channels and AV over v_head_dim, across S/2 keys on average."""
+    h, heads, latent = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (matmul(h, cfg.q_lora_rank) + vector(cfg.q_lora_rank)
+         + matmul(cfg.q_lora_rank, heads * qk)) if cfg.q_lora_rank else matmul(h, heads * qk)
+    kv = (matmul(h, latent + cfg.qk_rope_head_dim) + vector(latent)
+          + matmul(latent, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)))
+    return (q + kv + matmul(heads * cfg.v_head_dim, h)
+            + work(2 * heads * (qk + cfg.v_head_dim) * (seq_len / 2)))
 
 
 def qsa_mean_blocks(cfg: ModelConfig, seq_len: int) -> float:

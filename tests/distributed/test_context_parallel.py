@@ -36,6 +36,8 @@ LAYOUTS = {
     # window (and its KL over the rank's queries), PLE's n-gram and conv halos, the aux loss over
     # the window
     f"cp=2,{Q4},{DOCS}": 2,
+    # MLA's per-head keys and values (wider and narrower than GQA's) gathered over the window
+    f"cp=2,preset.mla=1,{DOCS}": 2,
     f"cp=2,tp=2,sequence_parallel=true,{Q4},{DOCS}": 4,
     f"cp=2,ep=2,{Q4},{DOCS}": 4,
     # MTP depth 1's QSA selection (this rank's queries over the window's blocks) crosses a stage

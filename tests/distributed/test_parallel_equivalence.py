@@ -42,6 +42,11 @@ LAYOUTS = {
     # with the vocab-parallel head's recomputing backward (the fused one, the default, runs
     # everywhere else)
     "tp=2,model.qk_norm=true,mtp.loss_head_backward=recompute": 2,
+    # MLA (DeepSeek-V3's attention, with YaRN): the latent projections and norms are replicated
+    # and see one rank's heads, so their gradients are partial over tp; under SP with documents and
+    # a pipeline (covers plain SP)
+    "tp=2,preset.mla=1": 2,
+    "tp=2,pp=2,sequence_parallel=true,data.document_mask=true,preset.mla=1": 4,
     # activation checkpointing recomputes blocks (and their collectives) in backward
     "ep=2,pp=2,train.activation_checkpointing=full": 4,
     "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
@@ -81,6 +86,7 @@ LAYOUTS = {
 BF16 = "train.dtype=bf16"
 BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,sequence_parallel=true": 2,  # (plain tp: the flagship below)
+    "tp=2,sequence_parallel=true,preset.mla=1": 2,
     # (1F1B: the pp x dp layouts; interleaved: the spread depths below)
     "pp=2,pp_schedule=gpipe": 2,
     "dp=2": 2,  # FSDP2 MixedPrecisionPolicy: bf16 all-gather, fp32 reduce-scatter

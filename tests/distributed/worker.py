@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from tandem.models import flavors
 from tests.distributed import torchrun
 
 STEPS = 3
@@ -68,6 +69,10 @@ PRESETS = {
               "model.heads_per_ngram=2",
         "model.ngram_vocab_base=97", "model.eos_token_id=1",
     ],
+    # MLA and YaRN as the `debug_mla` flavor sets them (models/flavors.py), on this file's 4 heads
+    "mla": [kv for kv in flavors.overrides("debug_mla")
+            if kv not in flavors.overrides("debug") and not kv.startswith("model.num_kv_heads=")]
+    + ["model.num_kv_heads=4"],
 }
 
 

@@ -1,8 +1,8 @@
 """The evaluator's two drafting conventions (eval/draft_serving.py, `eval.draft_convention`).
 
 * both give greedy speculative output equal to autoregressive decoding (fp32), for the GLM-4.5 /
-  DeepSeek-V3 combine (concat_proj, with either trunk input) and Qwen4-Exp's drafter (QSA index
-  reuse on and off);
+  DeepSeek-V3 combine (concat_proj, with either trunk input; on MLA too) and Qwen4-Exp's drafter
+  (QSA index reuse on and off);
 * `serving` drafts as vLLM's proposer: its draft logits, round after round with rollbacks, equal a
   cache-free re-derivation (tests/eval_helpers.vllm_convention_draft; with QSA index reuse this
   file's `served_reuse_draft`), and its decode equals the serving test's `vllm_convention_decode` in
@@ -39,8 +39,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 3], [40, 41,
 Q4_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 1, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 
 
-def glm_style(seed=3, trunk_input="pre_norm", agree=True):
-    model = tiny_model(K, 1, seed=seed)
+def glm_style(seed=3, trunk_input="pre_norm", agree=True, flavor="debug"):
+    model = tiny_model(K, 1, seed=seed, flavor=flavor)
     if agree:
         make_agreeing(model, 0.05, seed=seed)
     model.mtp_cfg.trunk_input = trunk_input
@@ -56,6 +56,18 @@ def test_glm_style_greedy_equals_autoregressive(convention, trunk_input):
         sp = generate(model, PROMPTS, 24, K, draft_convention=convention)
     assert sp.outputs == ar.outputs
     assert acceptance_metrics(sp.stats)["acceptance_length"] > 1.3  # acceptance exercised
+
+
+@pytest.mark.parametrize("convention", ["serving", "tandem"])
+def test_mla_greedy_equals_autoregressive(convention):
+    """DeepSeek-V3's attention (MLA, YaRN) in the decoding cache: its keys and values are wider
+    and narrower than a GQA head's, and rounds roll them back like any other."""
+    model = glm_style(flavor="debug_mla")
+    with torch.no_grad():
+        ar = generate(model, PROMPTS, 24, 0)
+        sp = generate(model, PROMPTS, 24, K, draft_convention=convention)
+    assert sp.outputs == ar.outputs
+    assert acceptance_metrics(sp.stats)["acceptance_length"] > 1.3
 
 
 @pytest.mark.parametrize("reuse", [True, False])

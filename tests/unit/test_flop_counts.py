@@ -89,3 +89,21 @@ def test_a_frozen_trunk_and_a_teacher_are_counted_as_they_run():
         got = F.hardware_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len,
                                          teacher_passes=teacher)
         assert got == pytest.approx(plain + passes * HEAD, rel=1e-12)
+
+
+def test_mla_counts_its_own_projections():
+    """MLA (model.kv_lora_rank > 0, the `debug_mla` flavor: width 32, 2 heads of 8 + 4 query/key
+    channels and 8 value channels, latents of 12 (query) and 16 (key/value)): its parameters are
+    the layer's own, its FLOPs a count by hand."""
+    from tandem.models import flavors
+    from tandem.models.latent_attention import LatentAttention
+
+    cfg = flavors.model_config("debug_mla")
+    # q_a, q_b, kv_a (latent + shared rotary key), kv_b (each head's key and value), o
+    weights = 32 * 12 + 12 * (2 * 12) + 32 * (16 + 4) + 16 * (2 * (8 + 8)) + (2 * 8) * 32
+    assert weights == 2336
+    got = F.attention(cfg, 8)
+    assert got.params == weights + 12 + 16 == sum(p.numel()
+                                                  for p in LatentAttention(cfg).parameters())
+    # QK^T over 12 channels and AV over 8, per head, across 8 / 2 keys on average
+    assert got.flops == 2 * weights + 2 * 2 * (12 + 8) * (8 / 2)

@@ -32,43 +32,33 @@ from tandem.models import TandemModel
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
-from . import qwen4_exp
+from . import deepseek_v3, qwen4_exp
 from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)
+from .rope import read_yarn, rope_fields, rope_parameters, theta_and_partial
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "qwen3_next_mtp", "qwen4_exp")
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite",
-              "glm_moe_dsa")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next_mtp",
+            "qwen4_exp")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
+"""MLA families whose routing or sparse attention this model lacks."""
 _LINEAR_ATTN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 # --------------------------------------------------------------------------------------------------
 # config.json -> ModelConfig / MTPConfig
 # --------------------------------------------------------------------------------------------------
-def _rope_fields(hf: dict) -> dict:
-    """The RoPE dict transformers reads: a legacy `rope_scaling` wins over `rope_parameters`, which
-    it then ignores entirely (the missing keys come from the top level)."""
-    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-
-
-def _rope(hf: dict) -> Tuple[float, float]:
-    rp = _rope_fields(hf)
-    rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
-    if rope_type != "default":
-        raise UnsupportedCheckpoint(f"rope_type={rope_type!r} is not supported (only default RoPE)")
-    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
-    partial = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    return float(theta), float(partial)
-
-
 def detect_family(hf: dict, mtp_keys: Optional[List[str]] = None) -> FamilySpec:
     """Family of a config.json dict (and, for the MTP layout, the checkpoint's key names)."""
     archs = hf.get("architectures") or []
     mtype = hf.get("model_type", "")
     arch = archs[0] if archs else mtype
+    n_mtp = int(hf.get("num_nextn_predict_layers",
+                       hf.get("mtp_num_hidden_layers", hf.get("num_mtp_layers", 0))) or 0)
+    if mtype in deepseek_v3.MODEL_TYPES:
+        return FamilySpec("deepseek_v3", "glm", router_bias=True, num_mtp_layers=n_mtp)
     if mtype in _MLA_TYPES or "kv_lora_rank" in hf or "q_lora_rank" in hf:
         raise UnsupportedCheckpoint(
-            f"{arch}: MLA attention is not supported yet (its MoE and MTP naming is; the attention "
-            "is not)")
+            f"{arch}: this MLA family is not supported (DeepSeek-V3's and Kimi-K2's are; its "
+            "routing or sparse attention is not)")
     if mtype in qwen4_exp.MODEL_TYPES:
         return qwen4_exp.spec_from_hf(hf)
     if mtype == "qwen4_exp":
@@ -82,8 +72,6 @@ def detect_family(hf: dict, mtp_keys: Optional[List[str]] = None) -> FamilySpec:
             "which this model lacks; only its mtp.* naming is supported (on a Qwen3-family trunk)")
     has_qwen_mtp = any(k.startswith("mtp.") for k in (mtp_keys or []))
     layout = "qwen3_next" if has_qwen_mtp else "glm"
-    n_mtp = int(hf.get("num_nextn_predict_layers",
-                       hf.get("mtp_num_hidden_layers", hf.get("num_mtp_layers", 0))) or 0)
     if mtype == "llama":
         return FamilySpec("llama", layout, num_mtp_layers=n_mtp)
     if mtype == "qwen3":
@@ -96,7 +84,8 @@ def detect_family(hf: dict, mtp_keys: Optional[List[str]] = None) -> FamilySpec:
     raise UnsupportedCheckpoint(
         f"unsupported architecture {arch!r} (model_type={mtype!r}); supported: LlamaForCausalLM, "
         "Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM, Glm4MoeForCausalLM (+ Qwen3-Next-style mtp.* weights)")
+        "Qwen3MoeForCausalLM, Glm4MoeForCausalLM, DeepseekV3ForCausalLM (+ Qwen3-Next-style mtp.* "
+        "weights)")
 
 
 def model_config_from_hf(hf: dict, spec: FamilySpec,
@@ -105,7 +94,9 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
     this model lacks)."""
     name = spec.name
     if name == "qwen4_exp":
-        return qwen4_exp.config_from_hf(hf, _rope(hf), max_seq_len)
+        if (rope_fields(hf).get("rope_type") or "default") != "default":
+            raise UnsupportedCheckpoint("qwen4_exp: only default RoPE is supported")
+        return qwen4_exp.config_from_hf(hf, theta_and_partial(hf), max_seq_len)
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: swish is silu
         raise UnsupportedCheckpoint(f"hidden_act={hf.get('hidden_act')!r} is not supported "
                                     "(SwiGLU/silu only)")
@@ -115,10 +106,10 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
         raise UnsupportedCheckpoint("use_sliding_window=true is not supported (full causal "
                                     "attention only)")
     attention_bias = bool(hf.get("attention_bias", False))
-    if attention_bias and name != "glm4_moe":
+    if attention_bias and name not in ("glm4_moe", "deepseek_v3"):
         raise UnsupportedCheckpoint(f"{name}: attention_bias=true also biases o_proj there, which "
                                     "this model lacks")
-    theta, partial = _rope(hf)
+    theta, partial = theta_and_partial(hf)
     if name != "glm4_moe":  # transformers' Llama and Qwen3 classes rotate the whole head, whatever
         partial = 1.0  # a config's partial_rotary_factor says
     heads = int(hf["num_attention_heads"])
@@ -139,10 +130,13 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
         num_shared_experts=0, first_k_dense=0,
         qk_norm=name in ("qwen3", "qwen3_moe", "qwen3_next_mtp"),
     )
+    read_yarn(hf, cfg)
     if name == "qwen3_moe":
         _qwen3_moe_fields(hf, cfg)
     elif name == "glm4_moe":
         _glm4_moe_fields(hf, cfg)
+    elif name == "deepseek_v3":
+        deepseek_v3.apply_config(hf, cfg)
     return cfg
 
 
@@ -189,7 +183,7 @@ def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     cfg.topk_group = int(hf.get("topk_group", 1) or 1)
     cfg.router_score, cfg.balance = "sigmoid", "aux_free"
     cfg.qk_norm = bool(hf.get("use_qk_norm", False))
-    rope = _rope_fields(hf)
+    rope = rope_fields(hf)
     if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in hf:
         cfg.partial_rotary_factor = 0.5  # Glm4MoeConfig's default
     if cfg.num_shared_experts < 1:
@@ -203,6 +197,10 @@ _EXPERT_PARAM = re.compile(r"^mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
 def _block(prefix: str, rest: str, cfg: ModelConfig, spec: FamilySpec) -> Optional[Src]:
+    if spec.name == "deepseek_v3" and cfg.kv_lora_rank:
+        src = deepseek_v3.attention_src(prefix, rest, cfg)
+        if src is not None:
+            return src
     m = _EXPERT_PARAM.match(rest)
     if m:
         return Src([f"{prefix}mlp.experts.{e}.{m.group(1)}.weight" for e in range(cfg.num_experts)],
@@ -301,6 +299,8 @@ def default_family(cfg: ModelConfig) -> str:
     """The family whose transformers class computes exactly what these knobs compute."""
     if cfg.hc_count > 1:
         return "qwen4_exp"
+    if cfg.kv_lora_rank:
+        return "deepseek_v3"
     if cfg.num_experts == 0:
         return "qwen3" if cfg.qk_norm else "llama"
     if (cfg.router_score == "softmax" and cfg.num_shared_experts == 0 and cfg.qk_norm
@@ -354,8 +354,12 @@ def check_exportable(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) ->
                         ("routed_scaling_factor", cfg.routed_scaling_factor == 1.0)):
             if not ok:
                 problems.append(f"model.{key}={getattr(cfg, key)!r}")
-    if trunk == "glm4_moe":
+    if trunk in ("glm4_moe", "deepseek_v3"):
         problems += _glm4_moe_problems(cfg, mtp)
+    if trunk == "deepseek_v3":
+        problems += deepseek_v3.problems(cfg)
+    elif cfg.kv_lora_rank:
+        problems.append(f"model.kv_lora_rank={cfg.kv_lora_rank} (MLA: export as deepseek_v3)")
     if family == "qwen3_next_mtp" and mtp is not None and mtp.num_steps > 0 and mtp.num_layers != 1:
         problems.append(f"mtp.num_layers={mtp.num_layers} (the mtp.* layout holds one layer)")
     if problems:
@@ -402,7 +406,7 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope_parameters(cfg),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "use_cache": True, "dtype": "float32",
@@ -419,6 +423,8 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
                     norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
                     mlp_only_layers=list(range(min(cfg.first_k_dense, cfg.num_layers))),
                     use_sliding_window=False, router_aux_loss_coef=cfg.aux_loss_coef)
+    elif family == "deepseek_v3":
+        base.update(deepseek_v3.config_fields(cfg, mtp, n_mtp))
     else:
         base["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
         base.update(
@@ -436,14 +442,15 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
             use_qk_norm=cfg.qk_norm,
             num_nextn_predict_layers=n_mtp,
         )
-    layout = "glm" if family == "glm4_moe" else "qwen3_next"
+    layout = "glm" if family in ("glm4_moe", "deepseek_v3") else "qwen3_next"
     if n_mtp and layout == "qwen3_next":
         base["mtp_num_hidden_layers"] = n_mtp
     if n_mtp and mtp.trunk_input == "pre_norm":
         # transformers' MTP drafting reads hidden_states[-1]; untied, that is the pre-norm trunk
         # state.
         base["tie_last_hidden_states"] = False
-    spec = FamilySpec(family, layout, router_bias=family == "glm4_moe", num_mtp_layers=n_mtp)
+    spec = FamilySpec(family, layout, router_bias=family in ("glm4_moe", "deepseek_v3"),
+                      num_mtp_layers=n_mtp)
     return base, spec
 
 

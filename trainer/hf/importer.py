@@ -94,8 +94,8 @@ def listed(items: Sequence[str], limit: int = 4, sep: str = ", ") -> str:
 def read_source(reader: CheckpointReader, src: Src, index: Tuple[slice, ...],
                 global_shape: Sequence[int]) -> torch.Tensor:
     """Read `index` (a global slice of this model's tensor) from its checkpoint source."""
-    # Gated DeltaNet's qkv rows: read whole (small), permute, then slice
-    if src.qkv_groups is not None:
+    # Gated DeltaNet's qkv rows, MLA's rotary rows: read whole, permute, then slice
+    if src.permutes_rows:
         out = src.to_model_rows(reader.read(src.keys[0], (slice(None),)))[tuple(index)]
     # eh_proj: read this shard's rows whole, swap the column halves, then slice
     elif src.swap_halves:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+import torch
+
 from tandem.models.gated_deltanet import qkv_rows_from_hf
 
 
@@ -47,23 +49,39 @@ class Src:
     column halves."""
     qkv_groups: Optional[Tuple[int, int, int, int]] = None
     """Gated DeltaNet's in_proj_qkv / conv1d: (num_k_heads, num_v_heads, head_k_dim, head_v_dim).
-    The checkpoint stores rows [q | k | v], this model by key-head group (`qkv_rows_from_hf`); the
-    tensor is small, so it is read whole and permuted."""
+    The checkpoint stores rows [q | k | v], this model by key-head group (`qkv_rows_from_hf`)."""
+    interleaved_rope: Optional[Tuple[int, int, int]] = None
+    """MLA's query and latent-key projections: (block, first, width): in each block of `block`
+    rows, rows first .. first + width - 1 are rotary channels the checkpoint interleaves in pairs
+    (DeepSeek's `rope_interleave`); this model holds them [even | odd]
+    (models/latent_attention.py)."""
+
+    @property
+    def permutes_rows(self) -> bool:
+        """Whether the tensor's rows are reordered on the way in and out (such tensors are small
+        enough to read whole, then permute)."""
+        return self.qkv_groups is not None or self.interleaved_rope is not None
+
+    def _row_order(self, rows: int) -> torch.Tensor:
+        """p with ours = theirs[p]."""
+        if self.qkv_groups is not None:
+            return qkv_rows_from_hf(*self.qkv_groups)
+        block, first, width = self.interleaved_rope
+        order = torch.arange(rows).view(-1, block)
+        rope = order[:, first:first + width].clone()
+        order[:, first:first + width] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+        return order.flatten()
 
     def to_model_rows(self, value):
-        """Checkpoint row order -> this model's (identity unless `qkv_groups`)."""
-        if self.qkv_groups is None:
+        """Checkpoint row order -> this model's."""
+        if not self.permutes_rows:
             return value
-
-        return value[qkv_rows_from_hf(*self.qkv_groups)]
+        return value[self._row_order(value.shape[0])]
 
     def to_checkpoint_rows(self, value):
         """This model's row order -> the checkpoint's."""
-        if self.qkv_groups is None:
+        if not self.permutes_rows:
             return value
-
         out = value.clone()
-        out[qkv_rows_from_hf(*self.qkv_groups)] = value
+        out[self._row_order(value.shape[0])] = value
         return out
-
-

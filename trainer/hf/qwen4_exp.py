@@ -48,7 +48,7 @@ def spec_from_hf(hf: dict) -> FamilySpec:
 
 
 def config_from_hf(hf: dict, rope, max_seq_len: Optional[int]) -> ModelConfig:
-    """ModelConfig of a transformers `qwen4_exp_text` config.json (rope: families._rope)."""
+    """ModelConfig of a transformers `qwen4_exp_text` config.json (rope: rope.theta_and_partial)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpoint(f"qwen4_exp: hidden_act={hf.get('hidden_act')!r} is not "
                                     "supported (silu only)")

@@ -278,9 +278,10 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
                                               model.lm_head.backward)
     if not sp:
         # Replicated weights applied to one rank's heads only (per-head q/k norms, Gated DeltaNet's
-        # gated norm) or scaling its partial output (the shared expert's gate): gradients partial
-        # over tp.
-        partial = (".q_norm.", ".k_norm.", ".linear_attn.norm.", ".shared_expert_gate.")
+        # gated norm, MLA's latent projections and norms) or scaling its partial output (the shared
+        # expert's gate): gradients partial over tp.
+        partial = (".q_norm.", ".k_norm.", ".linear_attn.norm.", ".shared_expert_gate.",
+                   ".q_a_proj.", ".q_a_layernorm.", ".kv_a_proj_with_mqa.", ".kv_a_layernorm.")
         return [name for name,
                 _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
     model.sequence = SequenceShards(switch, tp_mesh.get_group())

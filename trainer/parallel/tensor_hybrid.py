@@ -1,5 +1,5 @@
-"""Tensor and sequence parallelism for Qwen4-Exp's layers: Gated DeltaNet, QSA, PLE,
-hyper-connections.
+"""Tensor and sequence parallelism for Qwen4-Exp's layers (Gated DeltaNet, QSA, PLE,
+hyper-connections) and for MLA.
 
 tensor.py applies torch's DTensor styles to full attention and dense MLPs; the hybrid token mixers
 are Megatron-style regions written with comm.py's autograd collectives instead, because they hold
@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tandem.models.gated_deltanet import GatedDeltaNet
+from tandem.models.latent_attention import LatentAttention
 from tandem.models.ple import PLELayer
 from tandem.models.qsa import IndexedAttention
 
@@ -181,6 +182,26 @@ class TensorParallelIndexedAttention(_Region, IndexedAttention):
                                        aux_grad_scale=aux_grad_scale, counted=counted)
         y = self._exit(out[0])
         return (y, out[1]) if return_selection else y
+
+
+class TensorParallelLatentAttention(_Region, LatentAttention):
+    """MLA on this rank's heads: q_proj / q_b_proj and kv_b_proj column-parallel by heads, o_proj
+    row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms replicated, each rank computing the
+    whole latent and shared rotary key, so their gradients are partial over tp (summed by the
+    GradientFinisher)."""
+
+    def __init__(self, layer: LatentAttention, tp_mesh, switch=None):
+        nn.Module.__init__(self)
+        adopt(self, layer)
+        for name in ("q_b_proj" if layer.compressed_queries else "q_proj", "kv_b_proj"):
+            setattr(self, name, ShardedLinear(getattr(layer, name), tp_mesh, 0))
+        self.o_proj = ShardedLinear(layer.o_proj, tp_mesh, 1)
+        self._init_region(tp_mesh, switch)
+
+    def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, documents=None,
+                context=None) -> torch.Tensor:
+        return self._exit(LatentAttention.forward(self, self._enter(x_bsh), positions_bs, cache,
+                                                  documents=documents, context=context))
 
 
 class _GatherSlices(torch.autograd.Function):
@@ -346,13 +367,15 @@ def _row_start(weight: DTensor) -> int:
 
 
 def parallelize_hybrid_mixer(block: nn.Module, tp_mesh, switch=None) -> bool:
-    """Replace `block`'s Gated DeltaNet or QSA mixer by its tensor-parallel module; False for other
-    mixer kinds. `switch`: state.WholeSequenceSwitch under sequence parallelism, else None."""
+    """Replace `block`'s Gated DeltaNet, QSA or MLA mixer by its tensor-parallel module; False for
+    other mixer kinds. `switch`: state.WholeSequenceSwitch under sequence parallelism, else None."""
     mixer = block.mixer
     if isinstance(mixer, GatedDeltaNet):
         replace_child(block, mixer, TensorParallelGatedDeltaNet(mixer, tp_mesh, switch))
     elif isinstance(mixer, IndexedAttention):
         replace_child(block, mixer, TensorParallelIndexedAttention(mixer, tp_mesh, switch))
+    elif isinstance(mixer, LatentAttention):
+        replace_child(block, mixer, TensorParallelLatentAttention(mixer, tp_mesh, switch))
     else:
         return False
     return True

@@ -1,0 +1,57 @@
+"""RoPE in config.json: where transformers reads its fields (a legacy `rope_scaling` or
+`rope_parameters`), default RoPE or YaRN onto ModelConfig, and back for an export."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from tandem.models.config import ModelConfig
+
+from .names import UnsupportedCheckpoint
+
+
+def rope_fields(hf: dict) -> dict:
+    """The RoPE dict transformers reads: a legacy `rope_scaling` wins over `rope_parameters`, which
+    it then ignores entirely (the missing keys come from the top level)."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+
+
+def theta_and_partial(hf: dict) -> Tuple[float, float]:
+    rp = rope_fields(hf)
+    rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise UnsupportedCheckpoint(f"rope_type={rope_type!r} is not supported (default RoPE or "
+                                    "yarn)")
+    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    return float(theta), float(partial)
+
+
+def read_yarn(hf: dict, cfg: ModelConfig) -> None:
+    """YaRN's parameters as transformers reads them (`_compute_yarn_parameters`), onto `cfg`."""
+    rp = rope_fields(hf)
+    if (rp.get("rope_type", rp.get("type")) or "default") != "yarn":
+        return
+    if rp.get("attention_factor") is not None or rp.get("truncate") is False:
+        raise UnsupportedCheckpoint("yarn with an explicit attention_factor or truncate=false is "
+                                    "not supported")
+    mpe = int(hf.get("max_position_embeddings", 4096))
+    original = int(rp.get("original_max_position_embeddings") or mpe)
+    cfg.rope_scaling, cfg.rope_original_max_len = "yarn", original
+    cfg.rope_factor = float(rp.get("factor") or mpe / original)
+    cfg.rope_beta_fast = float(rp.get("beta_fast") or 32)
+    cfg.rope_beta_slow = float(rp.get("beta_slow") or 1)
+    cfg.rope_mscale = float(rp.get("mscale") or 0)
+    cfg.rope_mscale_all_dim = float(rp.get("mscale_all_dim") or 0)
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for `cfg`."""
+    out = {"rope_theta": cfg.rope_theta, "rope_type": cfg.rope_scaling
+           if cfg.rope_scaling == "yarn" else "default"}
+    if cfg.rope_scaling == "yarn":
+        out.update(factor=cfg.rope_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len,
+                   beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                   mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
+    return out
