@@ -34,6 +34,7 @@ from tandem.models import ModelConfig, MTPConfig
 from .config_checks import ConfigError
 from .cost import (
     GDN_CHUNK,
+    attention_widths,
     forward_flops_per_token,
     mean_window_work,
     mtp_kind,
@@ -132,7 +133,9 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     n_attn = sum(k != "linear_attention" for k in kinds)
     n_qsa = sum(k == "indexed_attention" for k in kinds)
     n_gdn = sum(k == "linear_attention" for k in kinds)
-    kv = max(m.num_kv_heads // p.tp, 1) * m.resolved_head_dim
+    # the keys and values gathered per token: GQA's K and V heads, or MLA's expanded per-head ones
+    kv = (max(m.num_kv_heads // p.tp, 1) * m.resolved_head_dim * 2 if not m.kv_lora_rank
+          else sum(attention_widths(m)) // p.tp)
     nv, dk, dv = max(m.linear_num_value_heads // p.tp,
                      1), m.linear_key_head_dim, m.linear_value_head_dim
     conv = (2 * m.linear_num_key_heads * dk + m.linear_num_value_heads * dv) // p.tp
@@ -143,7 +146,7 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     # every chunk's (transition, final state), gathered over the window, fp32
     gdn_gathered = n_gdn * b * chunks * cp * nv * dk * (dk + dv) * 4
     out = {
-        "gathered_kv": n_attn * b * s * 2 * kv * act_bytes + indexing * b * s * m.indexer_head_dim
+        "gathered_kv": n_attn * b * s * kv * act_bytes + indexing * b * s * m.indexer_head_dim
         * act_bytes, "qsa_selection": n_qsa * b * (s / cp) * (k_sel + slots) * 8,
         # and the state entering each chunk, which the fold keeps for its backward
         "gdn_states": gdn_gathered + n_gdn * b * chunks * cp * nv * dk * dv * 4,

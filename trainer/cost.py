@@ -26,7 +26,7 @@ and attention outputs: what it recomputes is not counted).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -90,8 +90,18 @@ def latent_attention(cfg: ModelConfig, seq_len: int) -> Cost:
          + matmul(cfg.q_lora_rank, heads * qk)) if cfg.q_lora_rank else matmul(h, heads * qk)
     kv = (matmul(h, latent + cfg.qk_rope_head_dim) + vector(latent)
           + matmul(latent, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)))
-    return (q + kv + matmul(heads * cfg.v_head_dim, h)
-            + work(2 * heads * (qk + cfg.v_head_dim) * (seq_len / 2)))
+    return q + kv + matmul(heads * cfg.v_head_dim, h) + work(mean_window_work(cfg, "attention",
+                                                                              seq_len))
+
+
+def attention_widths(cfg: ModelConfig) -> Tuple[int, int]:
+    """(query/key, value) channels over all query heads: what QK^T and AV multiply per key; MLA's
+    are nope + rope and v_head_dim per head."""
+    if cfg.kv_lora_rank:
+        return (cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+                cfg.num_heads * cfg.v_head_dim)
+    q = cfg.num_heads * cfg.resolved_head_dim
+    return q, q
 
 
 def qsa_mean_blocks(cfg: ModelConfig, seq_len: int) -> float:
@@ -296,7 +306,7 @@ def window_work(cfg: ModelConfig, kind: str, visible):
     q = cfg.num_heads * cfg.resolved_head_dim
     u = np.asarray(visible, dtype=np.float64)
     if kind == "attention":
-        return 2 * 2 * q * u
+        return 2 * sum(attention_widths(cfg)) * u
     if kind == "indexed_attention":
         r, budget = cfg.indexer_compress_ratio, cfg.indexer_budget
         keys = np.where(u < budget + r, u, budget + np.mod(u, r))
@@ -317,7 +327,7 @@ def mean_window_work(cfg: ModelConfig, kind: str, seq_len: int) -> float:
     alike."""
     q = cfg.num_heads * cfg.resolved_head_dim
     if kind == "attention":
-        return 2 * 2 * q * (seq_len / 2)
+        return 2 * sum(attention_widths(cfg)) * (seq_len / 2)
     if kind == "indexed_attention":
         return (2 * cfg.indexer_heads * cfg.indexer_head_dim * qsa_mean_blocks(cfg, seq_len)
                 + 2 * 2 * q * qsa_mean_keys(cfg, seq_len))

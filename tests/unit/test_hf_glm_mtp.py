@@ -1,7 +1,7 @@
-"""GLM-4.5 layout MTP: draft logits equal transformers' MtpModel; a model built here, exported,
-gives the same greedy tokens under transformers' generate(use_mtp=True), plain greedy generate and
-this project's speculative decoder; GLM/DeepSeek-style native MTP weights import (extra shared
-copies ignored)."""
+"""GLM-4.5 layout MTP (GLM-4.5 and DeepSeek-V3, whose attention is MLA): draft logits equal
+transformers' MtpModel; a model built here, exported, gives the same greedy tokens under
+transformers' generate(use_mtp=True), plain greedy generate and this project's speculative decoder;
+GLM/DeepSeek-style native MTP weights import (extra shared copies ignored)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,21 @@ from tests.eval_helpers import make_agreeing, transformers_mtp_decode  # noqa: E
 V = 96
 
 
+MLA = dict(num_kv_heads=4, partial_rotary_factor=1.0, kv_lora_rank=16, q_lora_rank=12,
+           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, rope_scaling="yarn",
+           rope_factor=4.0, rope_original_max_len=16, rope_mscale=1.0, rope_mscale_all_dim=1.0)
+"""DeepSeek-V3's attention on the same trunk: exported as deepseek_v3."""
+FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA}
+
+
 def glm_like(trunk_input: str, num_layers: int = 1, num_steps: int = 1,
-             seed: int = 0) -> TandemModel:
+             seed: int = 0, family: str = "glm4_moe") -> TandemModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=48,
-                      moe_intermediate_size=16, num_experts=4, top_k=2, num_shared_experts=1,
-                      first_k_dense=1,
-                      partial_rotary_factor=0.5, routed_scaling_factor=1.5, max_seq_len=128,
-                      init_std=0.2)
+    cfg = ModelConfig(**{**dict(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
+                                num_kv_heads=2, intermediate_size=48, moe_intermediate_size=16,
+                                num_experts=4, top_k=2, num_shared_experts=1, first_k_dense=1,
+                                partial_rotary_factor=0.5, routed_scaling_factor=1.5,
+                                max_seq_len=128, init_std=0.2), **FAMILIES[family]})
     model = TandemModel(cfg, MTPConfig(num_steps=num_steps, num_layers=num_layers,
                                        trunk_input=trunk_input)).eval()
     with torch.no_grad():
@@ -44,21 +50,23 @@ def glm_like(trunk_input: str, num_layers: int = 1, num_steps: int = 1,
 
 @pytest.fixture
 def glm_mtp_index(monkeypatch):
-    """Glm4Moe finds its MTP layers through `_keys_to_ignore_on_load_unexpected` (model.layers.46/92
-    for the released sizes); point it at the tiny model's layer index."""
+    """Glm4Moe and DeepseekV3 find their MTP layers through `_keys_to_ignore_on_load_unexpected`
+    (model.layers.46/92, 61 for the released sizes); point them at the tiny model's layer index."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as D
     from transformers.models.glm4_moe import modeling_glm4_moe as G
 
-    monkeypatch.setattr(G.Glm4MoePreTrainedModel, "_keys_to_ignore_on_load_unexpected",
-                        [r"model\.layers\.2.*"])
+    for cls in (G.Glm4MoePreTrainedModel, D.DeepseekV3PreTrainedModel):
+        monkeypatch.setattr(cls, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.2.*"])
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("trunk_input", ["final_norm", "pre_norm"])
-def test_mtp_draft_logits_match_transformers(trunk_input, tmp_path, glm_mtp_index):
+def test_mtp_draft_logits_match_transformers(trunk_input, family, tmp_path, glm_mtp_index):
     from transformers.modeling_layers import MtpModel
 
-    model = glm_like(trunk_input)
+    model = glm_like(trunk_input, family=family)
     out = tmp_path / "glm"
-    assert export_hf(model, str(out)) == "glm4_moe"
+    assert export_hf(model, str(out)) == family
     hf = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     mtp = MtpModel.from_pretrained(hf).eval()
     ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -78,11 +86,13 @@ def test_mtp_draft_logits_match_transformers(trunk_input, tmp_path, glm_mtp_inde
     assert err < 1e-4, err
 
 
-def test_generate_use_mtp_matches_greedy_and_spec_decoder(tmp_path, glm_mtp_index):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_use_mtp_matches_greedy_and_spec_decoder(family, tmp_path, glm_mtp_index):
     """Drafts that are partly right (make_agreeing), so the count of accepted drafts, not only the
     tokens (greedy speculative decoding gives the greedy tokens whatever it drafts), is compared
     with transformers' own MTP decoding of the exported checkpoint."""
-    model = make_agreeing(glm_like("pre_norm"), 0.02, seed=1)  # this project's default convention
+    # pre_norm: this project's default convention
+    model = make_agreeing(glm_like("pre_norm", family=family), 0.02, seed=1)
     out = tmp_path / "glm"
     export_hf(model, str(out))
     hf = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -97,8 +107,9 @@ def test_generate_use_mtp_matches_greedy_and_spec_decoder(tmp_path, glm_mtp_inde
     assert int(ours.stats.accepted_all[0]) == accepted > 0
 
 
-def test_native_glm_mtp_weights_import(tmp_path):
-    model = glm_like("final_norm", num_layers=1)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_native_glm_mtp_weights_import(family, tmp_path):
+    model = glm_like("final_norm", num_layers=1, family=family)
     out = tmp_path / "glm"
     export_hf(model, str(out))
     # Released GLM-4.5 / DeepSeek-V3 checkpoints also store copies of the embedding and head in the
