@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -59,10 +60,28 @@ def test_unsupported_architecture_named(tmp_path):
         load_hf_model(str(d))
 
 
-def test_deepseek_v3_mla_is_not_supported_yet(tmp_path):
-    d = write_config(tmp_path / "dsv3", architectures=["DeepseekV3ForCausalLM"],
-                     model_type="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536)
-    with pytest.raises(UnsupportedCheckpoint, match="MLA attention is not supported yet"):
+DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=96,
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
+            num_experts_per_tok=2, n_routed_experts=4)
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(DSV3, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"]),
+     "DeepseekV2ForCausalLM: this MLA family is not supported"),
+    (dict(DSV3, attention_bias=True), "attention_bias=true"),
+    (dict(DSV3, rope_interleave=False), "rope_interleave=false"),
+    (dict(DSV3, scoring_func="softmax"), "only sigmoid scoring"),
+    (dict(DSV3, rope_scaling=dict(rope_type="longrope", factor=4.0)), "rope_type='longrope'"),
+    (dict(DSV3, rope_scaling=dict(rope_type="yarn", factor=4.0, attention_factor=0.5)),
+     "explicit attention_factor"),
+])
+def test_what_deepseek_v3_import_cannot_compute_is_named(fields, named, tmp_path):
+    """DeepSeek-V3 and Kimi-K2 import (MLA, YaRN); the MLA families and options whose routing,
+    biases or rotary layout this model lacks are refused by name before any weight is read."""
+    d = write_config(tmp_path / "mla", **fields)
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(named)):
         load_hf_model(str(d))
 
 

@@ -344,7 +344,8 @@ def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: 
     tensor names, not the weights. `reader` / `hf`: the caller's open reader and config.json's
     contents (`read_config`), when it has them."""
     hf = read_config(path) if hf is None else hf
-    detect_family(hf)  # an unsupported architecture fails before any file is opened
+    # an unsupported architecture or option fails before any file is opened
+    model_config_from_hf(hf, detect_family(hf), max_seq_len)
     own_reader = reader is None
     reader = reader or CheckpointReader(path, trust_pickle=trust_pickle)
     try:
@@ -378,7 +379,8 @@ def load_hf_model(path: str, mtp_overrides: Optional[dict] = None, *, trust_pick
     run (its RoPE tables and decoding buffers are sized by it); None takes the checkpoint's
     `max_position_embeddings`, capped at 4096."""
     hf = read_config(path)
-    detect_family(hf)  # an unsupported architecture fails before any file is opened
+    # an unsupported architecture or option fails before any file is opened
+    model_config_from_hf(hf, detect_family(hf), max_seq_len)
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
     try:
         tcfg, spec = hf_config(path, mtp_overrides, max_seq_len=max_seq_len, reader=reader, hf=hf)
