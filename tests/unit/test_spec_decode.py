@@ -134,9 +134,9 @@ def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(monkeypatch):
     allocate = DecodeCache._allocate
     dtypes = []
 
-    def recording(self, index, heads, head_dim, dtype):
+    def recording(self, index, heads, key_dim, value_dim, dtype):
         dtypes.append(dtype)
-        allocate(self, index, heads, head_dim, dtype)
+        allocate(self, index, heads, key_dim, value_dim, dtype)
 
     def decodes():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -147,7 +147,8 @@ def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(monkeypatch):
     ours = decodes()
     assert dtypes and set(dtypes) == {torch.bfloat16}
     monkeypatch.setattr(DecodeCache, "_allocate",
-                        lambda self, i, h, d, dtype: allocate(self, i, h, d, torch.float32))
+                        lambda self, i, h, dk, dv, dtype: allocate(self, i, h, dk, dv,
+                                                                    torch.float32))
     fp32 = decodes()
     for a, b in zip(ours, fp32):
         assert a.outputs == b.outputs
