@@ -2,6 +2,7 @@
 
 Run with the Python of a virtual environment that has vLLM (not the project's): it never imports
 tandem. Usage: python vllm_driver.py MODEL_DIR PROMPTS_JSON [--k 3] [--max-tokens N] [--eos ID]
+[--dtype float32]
 PROMPTS_JSON holds a list of token-id lists; prompts go in as token ids (TokensPrompt), so no
 tokenizer is involved on either side.
 Output: {"outputs": [[ids]...], "metrics": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -42,6 +43,8 @@ def main() -> int:
     p.add_argument("--eos", type=int, default=None,
                    help="stop after this token id (kept in the output, as Tandem does)")
     p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--dtype", default="float32",
+                   help="the weights' dtype in vLLM (its CPU MLA kernels take bfloat16 only)")
     p.add_argument("--memory", type=float, default=0.1,
                    help="gpu_memory_utilization: on the CPU build the fraction of host memory for "
                         "the KV cache")
@@ -56,7 +59,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
               max_model_len=args.max_model_len,
               gpu_memory_utilization=args.memory, enforce_eager=True, disable_log_stats=False,
               seed=0,
