@@ -86,7 +86,8 @@ LAYOUTS = {
 BF16 = "train.dtype=bf16"
 BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,sequence_parallel=true": 2,  # (plain tp: the flagship below)
-    "tp=2,sequence_parallel=true,preset.mla=1": 2,
+    # MLA in the flagship layout (its tp + SP alone: the fp32 layouts)
+    "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded,preset.mla=1": 8,
     # (1F1B: the pp x dp layouts; interleaved: the spread depths below)
     "pp=2,pp_schedule=gpipe": 2,
     "dp=2": 2,  # FSDP2 MixedPrecisionPolicy: bf16 all-gather, fp32 reduce-scatter
