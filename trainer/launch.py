@@ -36,16 +36,16 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tandem.slurm as tandem_slurm
-from tandem.trainer.checkpoint import check_compatible
-from tandem.trainer.checkpoint_dirs import latest_checkpoint
 from tandem.trainer.config_checks import ConfigError
-from tandem.trainer.context_cost import cp_sweep, device_fit
-from tandem.trainer.estimate import _count_params, estimate
-from tandem.trainer.hf.init_from import resolve_init_from
-from tandem.trainer.materialize import mtp_checkpoint_step
-from tandem.trainer.parallel.validate import validate_layout
-from tandem.trainer.recipe import load_config, to_yaml
-from tandem.trainer.run import earlier_run_files, past_max_steps, prepare_run_dir
+from tandem.trainer.launch_checks import (
+    adopt_sources,
+    layout_fits,
+    print_check,
+    resumable,
+    sources_exist,
+)
+from tandem.trainer.recipe import load_config
+from tandem.trainer.run import prepare_run_dir
 
 SLURM_DIR = Path(tandem_slurm.__file__).resolve().parent
 """Templates and env.d: the package data of `tandem.slurm` (the repository's slurm/); override with
@@ -320,13 +320,15 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None
                           else args.procs_per_node)
-    if not _layout_fits(cfg, args, world):
+    if not adopt_sources(cfg, args):
+        return 2
+    if not layout_fits(cfg, args, world):
         return 2
     run_dir = cfg.run.dir
-    if not _resumable(cfg, args):
+    if not resumable(cfg, args):
         return 2
     if args.check:
-        _print_check(cfg, args, world)
+        print_check(cfg, args, world)
         return 0
     try:
         if args.gres_name is None and cfg.device == "npu":
@@ -338,7 +340,7 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
-    if not _sources_exist(cfg, args):
+    if not sources_exist(cfg, args):
         return 2
     try:  # the check `tandem train` makes first; the script and its logs go under run.dir too
         prepare_run_dir(run_dir)
@@ -347,102 +349,6 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     script_path, provenance = _write_script(args, argv, run_dir, script)
     return _submit(script_path, provenance)
-
-
-def _print_check(cfg, args: argparse.Namespace, world: int) -> None:
-    """`--check`: the layout's parameter counts and per-rank memory, whether that fits the recipe's
-    device, the node count, and for a context-parallel recipe the same at every cp size of
-    context_cost.CP_SIZES."""
-
-    counts = _count_params(cfg)
-    est = estimate(cfg, world, counts)
-    per_node = world // args.nodes
-    print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; "
-          f"{est.summary()}"
-          f"\n  per rank: {device_fit(cfg, est.total_gib_per_rank)} on {args.nodes} nodes of "
-          f"{per_node}")
-    if cfg.parallel.cp > 1:
-        lines = cp_sweep(cfg, per_node, lambda trial, size: estimate(trial, size, counts))
-        print("  per-rank memory by parallel.cp (the other degrees as set):\n    "
-              + "\n    ".join(lines))
-
-
-def _resumable(cfg, args: argparse.Namespace) -> bool:
-    """The job always passes --resume: refuse now what `tandem train --resume` would refuse on the
-    cluster (a newest complete checkpoint in run.dir of another model shape or tokenizer, or past
-    train.max_steps), and an earlier run without a complete checkpoint that no launch of this
-    recipe and overrides started (--resume would start it again from step 0, over its files);
-    False after printing the error. A recipe with model.init_from or mtp.init_from takes its shape
-    from that checkpoint when the job starts, so that check is left to the job."""
-    found = latest_checkpoint(cfg.run.dir, report=False)
-    why, past = None, past_max_steps(found, cfg.train.max_steps)
-    if found is None:
-        held = earlier_run_files(cfg.run.dir) if os.path.isdir(cfg.run.dir) else []
-        if held and not _launched_before(cfg.run.dir, args):
-            why = (f"config key 'run.dir'={cfg.run.dir!r} holds an earlier run ({', '.join(held)}; "
-                   "no complete checkpoint) that no launch of this recipe and overrides started, "
-                   "and the job's --resume would start it again from step 0")
-    elif past:
-        why = past
-    elif not (cfg.model.init_from or cfg.mtp.init_from):
-        try:
-            check_compatible(found[1], to_yaml(cfg))
-        except (ValueError, OSError) as exc:
-            why = f"{' '.join(str(exc).split())} (the job runs tandem train --resume)"
-    if why:
-        print(f"tandem launch slurm: error: {why}; choose another run.dir; nothing submitted",
-              file=sys.stderr)
-    return why is None
-
-
-def _sources_exist(cfg, args: argparse.Namespace) -> bool:
-    """Whether the checkpoints model.init_from and mtp.init_from name are there (the job reads them
-    as it starts, on every node it was given); False after printing the error. `--check` and
-    `--dry-run` read no checkpoint, so a recipe names a stage that has yet to run; so does a job
-    queued behind that stage's (`--sbatch-arg=--dependency=afterok:<job>`), which checks them as it
-    starts."""
-    try:
-        if cfg.model.init_from:
-            resolve_init_from(cfg.model.init_from)
-        if cfg.mtp.init_from:
-            mtp_checkpoint_step(cfg.mtp.init_from)
-    except (FileNotFoundError, ConfigError) as exc:
-        after = [a for a in args.sbatch_arg if a.startswith(("--dependency", "-d"))]
-        if after:
-            print(f"tandem launch slurm: {exc}; submitted anyway, after {after[-1]}",
-                  file=sys.stderr)
-            return True
-        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
-        return False
-    return True
-
-
-def _launched_before(run_dir: str, args: argparse.Namespace) -> bool:
-    """Whether a launch recorded in run_dir/slurm/ had this recipe and these overrides (a job
-    relaunched, or requeued by hand, before its first checkpoint)."""
-    for path in sorted(Path(run_dir, "slurm").glob("*.json")):
-        try:
-            seen = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        recipe = os.path.join(seen.get("cwd", ""), seen.get("recipe") or "")
-        if (os.path.realpath(recipe) == os.path.realpath(args.recipe)
-                and seen.get("overrides") == list(args.overrides)):
-            return True
-    return False
-
-
-def _layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
-    """What `tandem train` checks before any work, for the world size the job will have; False after
-    printing the error."""
-
-    try:
-        validate_layout(cfg, world)
-    except ConfigError as exc:
-        print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
-              f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)
-        return False
-    return True
 
 
 def _write_script(args: argparse.Namespace, argv: Optional[Sequence[str]], run_dir: str,

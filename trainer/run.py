@@ -235,30 +235,36 @@ def check_frozen_reference(step_dir: str, reference: Optional[dict]) -> None:
                           f"but this run's model.init_from is {mine}")
 
 
+def adopt_init_from(cfg: TandemConfig, explicit: FrozenSet[str]) -> None:
+    """What a fine-tuning run takes from the checkpoints it starts from, before anything is built:
+    model.init_from's concrete step, tokenizer and shape, and the MTP wiring of mtp.init_from
+    (`explicit`: adopt_checkpoint_config's). `tandem launch slurm` takes the same to check the
+    job's layout."""
+    if cfg.model.init_from:
+        # the concrete step (a run directory's newest checkpoint moves on): config.yaml records it,
+        # and a resume reads it again (checkpoint.pinned_init_from)
+        source = cfg.model.init_from = resolve_init_from(cfg.model.init_from)
+        adopted = follow_checkpoint_tokenizer(cfg.data, source, checkpoint_tokenizer(source))
+        if adopted and int(os.environ.get("RANK", "0")) == 0:
+            print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)",
+                  file=sys.stderr)
+        adopt_checkpoint_config(cfg, explicit)
+    adopt_mtp_init_from(cfg)  # after the trunk's: the MTP module's wiring is mtp.init_from's
+
+
 def _adopt_init_from(cfg: TandemConfig, explicit: FrozenSet[str]) -> Optional[dict]:
-    """Fine-tuning: the trunk's shape and the tokenizer come from the checkpoint being fine-tuned
-    (`explicit`: adopt_checkpoint_config's). Returns the frozen trunk's reference (checkpoints point
-    at it), or None."""
+    """Fine-tuning (`adopt_init_from`), and the host-memory setting it runs with. Returns the frozen
+    trunk's reference (checkpoints point at it), or None."""
     # Host memory of fine-tuning: a fixed mmap threshold hands freed read / all-gather buffers back.
     threshold = cfg.train.malloc_mmap_threshold
     if threshold < 0:
         threshold = FINETUNE_MMAP_THRESHOLD if cfg.model.init_from else 0
     if threshold > 0:
         set_malloc_mmap_threshold(threshold)
-    if not cfg.model.init_from:
-        adopt_mtp_init_from(cfg)
-        return None
-    source = resolve_init_from(cfg.model.init_from)
-    # the concrete step (a run directory's newest checkpoint moves on): config.yaml records it, and
-    # a resume reads it again (checkpoint.pinned_init_from)
-    cfg.model.init_from = source
-    adopted = follow_checkpoint_tokenizer(cfg.data, cfg.model.init_from,
-                                          checkpoint_tokenizer(source))
-    if adopted and int(os.environ.get("RANK", "0")) == 0:
-        print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)", file=sys.stderr)
-    adopt_checkpoint_config(cfg, explicit)
-    adopt_mtp_init_from(cfg)  # after the trunk's: the MTP module's wiring is mtp.init_from's
-    return make_reference(cfg.model.init_from) if cfg.train.freeze_trunk else None
+    adopt_init_from(cfg, explicit)
+    if cfg.model.init_from and cfg.train.freeze_trunk:
+        return make_reference(cfg.model.init_from)
+    return None
 
 
 def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):

@@ -523,3 +523,42 @@ def test_sbatch_args_the_script_does_not_contradict_pass(tmp_path, capsys, extra
                             *extra])
     assert rc == 0, capsys.readouterr().err
     assert f"#SBATCH {extra[0].split('--sbatch-arg=')[-1]}\n" in capsys.readouterr().out
+
+
+def test_check_of_a_fine_tune_sees_the_checkpoints_model(tmp_path, capsys, fake_sbatch):
+    """A fine-tuning recipe's model is its model.init_from checkpoint's (the job takes the shape as
+    it starts): the layout check and `--check` see that model, here a DeepSeek-V3-shaped export
+    with 4 experts and MLA, not the recipe's placeholder of 8 experts."""
+    from tokenizers import Tokenizer, models
+
+    from tandem.models import TandemModel, flavors
+    from tandem.models.mtp_config import MTPConfig
+    from tandem.trainer import cost
+    from tandem.trainer.hf.export import export_hf
+    from tandem.trainer.recipe import load_config
+
+    model = TandemModel(flavors.model_config("debug_mla", max_seq_len=128), MTPConfig(num_steps=0))
+    hf = tmp_path / "hf"
+    export_hf(model, str(hf))
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 500)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="w1")).save(str(hf / "tokenizer.json"))
+    recipe = _recipe(tmp_path, tmp_path / "run")
+    argv = [str(recipe), f"model.init_from={hf}", "mtp.num_steps=1", "--nodes", "1",
+            "--procs-per-node", "8", "parallel.ep=8"]
+    assert launch_slurm_main(argv + ["--check"]) == 2  # 8 experts would have passed
+    err = capsys.readouterr().err
+    assert "model.num_experts=4 is not divisible by parallel.ep=8" in err, err
+    assert launch_slurm_main(argv[:-1] + ["parallel.ep=4", "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert "model.kv_lora_rank: 0 -> 16" in err, err
+    # the attention layers' FLOPs are MLA's at the recipe's window
+    seq_len = load_config(str(recipe), []).data.seq_len
+    attn = cost.attention(model.cfg, seq_len).flops
+    assert f"attn={attn / 1e6:.3g}M" in out, (attn, out)
+    assert fake_sbatch.argv is None
+    # a stage that has yet to run: --check checks the recipe's own shape and says so
+    later = tmp_path / "stage1"
+    later.mkdir()
+    assert launch_slurm_main(argv[:1] + [f"model.init_from={later}"] + argv[2:-1]
+                             + ["parallel.ep=4", "--check"]) == 0
+    assert "the recipe's own model shape is checked" in capsys.readouterr().err

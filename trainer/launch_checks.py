@@ -1,0 +1,141 @@
+"""What `tandem launch slurm` checks before it writes or submits a job: the model the job will
+train (a fine-tuning recipe's is its model.init_from checkpoint's), its layout at the job's world
+size, whether `--resume` could start, whether the checkpoints it reads are there, and `--check`'s
+parameter and memory figures. Each check prints its one-line error and returns False."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tandem.trainer.checkpoint import check_compatible
+from tandem.trainer.checkpoint_dirs import latest_checkpoint
+from tandem.trainer.config_checks import ConfigError
+from tandem.trainer.context_cost import cp_sweep, device_fit
+from tandem.trainer.estimate import _count_params, estimate
+from tandem.trainer.hf.init_from import resolve_init_from
+from tandem.trainer.hf.reader import CheckpointError
+from tandem.trainer.materialize import mtp_checkpoint_step
+from tandem.trainer.parallel.validate import validate_layout
+from tandem.trainer.recipe import explicit_keys, to_yaml
+from tandem.trainer.run import adopt_init_from, earlier_run_files, past_max_steps
+
+
+def print_check(cfg, args: argparse.Namespace, world: int) -> None:
+    """`--check`: the layout's parameter counts and per-rank memory, whether that fits the recipe's
+    device, the node count, and for a context-parallel recipe the same at every cp size of
+    context_cost.CP_SIZES."""
+
+    counts = _count_params(cfg)
+    est = estimate(cfg, world, counts)
+    per_node = world // args.nodes
+    print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; "
+          f"{est.summary()}"
+          f"\n  per rank: {device_fit(cfg, est.total_gib_per_rank)} on {args.nodes} nodes of "
+          f"{per_node}")
+    if cfg.parallel.cp > 1:
+        lines = cp_sweep(cfg, per_node, lambda trial, size: estimate(trial, size, counts))
+        print("  per-rank memory by parallel.cp (the other degrees as set):\n    "
+              + "\n    ".join(lines))
+
+
+def resumable(cfg, args: argparse.Namespace) -> bool:
+    """The job always passes --resume: refuse now what `tandem train --resume` would refuse on the
+    cluster (a newest complete checkpoint in run.dir of another model shape or tokenizer, or past
+    train.max_steps), and an earlier run without a complete checkpoint that no launch of this
+    recipe and overrides started (--resume would start it again from step 0, over its files);
+    False after printing the error. A recipe with model.init_from or mtp.init_from takes its shape
+    from that checkpoint when the job starts, so that check is left to the job."""
+    found = latest_checkpoint(cfg.run.dir, report=False)
+    why, past = None, past_max_steps(found, cfg.train.max_steps)
+    if found is None:
+        held = earlier_run_files(cfg.run.dir) if os.path.isdir(cfg.run.dir) else []
+        if held and not launched_before(cfg.run.dir, args):
+            why = (f"config key 'run.dir'={cfg.run.dir!r} holds an earlier run ({', '.join(held)}; "
+                   "no complete checkpoint) that no launch of this recipe and overrides started, "
+                   "and the job's --resume would start it again from step 0")
+    elif past:
+        why = past
+    elif not (cfg.model.init_from or cfg.mtp.init_from):
+        try:
+            check_compatible(found[1], to_yaml(cfg))
+        except (ValueError, OSError) as exc:
+            why = f"{' '.join(str(exc).split())} (the job runs tandem train --resume)"
+    if why:
+        print(f"tandem launch slurm: error: {why}; choose another run.dir; nothing submitted",
+              file=sys.stderr)
+    return why is None
+
+
+def adopt_sources(cfg, args: argparse.Namespace) -> bool:
+    """The model a fine-tuning job trains: model.init_from's shape (and the MTP wiring of
+    mtp.init_from or of model.init_from's MTP weights), which the job takes from them as it starts
+    (run._adopt_init_from); taken here too, so that the layout check and `--check` see that model,
+    not the recipe's placeholder. A source that is not there yet (a stage still to run) leaves the
+    recipe's shape, with a note (`sources_exist` decides whether to submit); False after printing
+    the error of a source that cannot train in this layout."""
+    if not (cfg.model.init_from or cfg.mtp.init_from):
+        return True
+    try:
+        adopt_init_from(cfg, explicit_keys(args.recipe, args.overrides))
+    except (FileNotFoundError, CheckpointError) as exc:  # the submission: `sources_exist`
+        if args.check:
+            print(f"tandem launch slurm: the recipe's own model shape is checked ({exc})",
+                  file=sys.stderr)
+    except ValueError as exc:  # ConfigError, and a tokenizer that differs from the checkpoint's
+        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
+        return False
+    return True
+
+
+def sources_exist(cfg, args: argparse.Namespace) -> bool:
+    """Whether the checkpoints model.init_from and mtp.init_from name are there (the job reads them
+    as it starts, on every node it was given); False after printing the error. `--check` and
+    `--dry-run` read no checkpoint, so a recipe names a stage that has yet to run; so does a job
+    queued behind that stage's (`--sbatch-arg=--dependency=afterok:<job>`), which checks them as it
+    starts."""
+    try:
+        if cfg.model.init_from:
+            resolve_init_from(cfg.model.init_from)
+        if cfg.mtp.init_from:
+            mtp_checkpoint_step(cfg.mtp.init_from)
+    except (FileNotFoundError, ConfigError) as exc:
+        after = [a for a in args.sbatch_arg if a.startswith(("--dependency", "-d"))]
+        if after:
+            print(f"tandem launch slurm: {exc}; submitted anyway, after {after[-1]}",
+                  file=sys.stderr)
+            return True
+        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
+        return False
+    return True
+
+
+def launched_before(run_dir: str, args: argparse.Namespace) -> bool:
+    """Whether a launch recorded in run_dir/slurm/ had this recipe and these overrides (a job
+    relaunched, or requeued by hand, before its first checkpoint)."""
+    for path in sorted(Path(run_dir, "slurm").glob("*.json")):
+        try:
+            seen = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        recipe = os.path.join(seen.get("cwd", ""), seen.get("recipe") or "")
+        if (os.path.realpath(recipe) == os.path.realpath(args.recipe)
+                and seen.get("overrides") == list(args.overrides)):
+            return True
+    return False
+
+
+def layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
+    """What `tandem train` checks before any work, for the world size the job will have; False after
+    printing the error."""
+
+    try:
+        validate_layout(cfg, world)
+    except ConfigError as exc:
+        print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
+              f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)
+        return False
+    return True
