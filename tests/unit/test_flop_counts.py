@@ -107,3 +107,32 @@ def test_mla_counts_its_own_projections():
                                                   for p in LatentAttention(cfg).parameters())
     # QK^T over 12 channels and AV over 8, per head, across 8 / 2 keys on average
     assert got.flops == 2 * weights + 2 * 2 * (12 + 8) * (8 / 2)
+
+
+def test_deepseek_v3_counts_its_published_671b():
+    """DeepSeek-V3's release config.json (MLA, 61 layers, 256 experts) imported as the importer reads
+    it: 671B parameters in the trunk, as DeepSeek reports. Its MTP module, which it gives as 14B
+    (with its own copies of the embedding and head, shared here), counts 11.6B + 1.9B = 13.5B."""
+    from tandem.models.mtp_config import MTPConfig
+    from tandem.trainer.hf.families import detect_family, model_config_from_hf
+
+    hf = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+          "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+          "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+          "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+          "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+          "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+          "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+          "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+          "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                           "type": "yarn"},
+          "tie_word_embeddings": False}
+    cfg = model_config_from_hf(hf, detect_family(hf))
+    cfg.validate()
+    trunk = sum(sum(F.layer_params(cfg, i).values()) for i in range(cfg.num_layers))
+    table = cfg.vocab_size * cfg.hidden_size  # the embedding, and the head as large
+    assert round((trunk + 2 * table + cfg.hidden_size) / 1e9, 1) == 671.0
+    mtp = F.mtp_layer_params(cfg, MTPConfig(num_steps=1, num_layers=1, moe=True))
+    assert 13.4e9 < mtp + 2 * table < 14.5e9
