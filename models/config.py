@@ -90,7 +90,7 @@ class ModelConfig:
     """YaRN: rotations below which a frequency is divided by rope_factor (interpolated)."""
     rope_mscale: float = 0.0
     """YaRN: cos/sin are scaled by mscale(rope_mscale) / mscale(rope_mscale_all_dim), where
-    mscale(m) = 0.1 m ln(rope_factor) + 1 (both 0: mscale(1))."""
+    mscale(m) = 0.1 m ln(rope_factor) + 1 (either 0: by mscale(1))."""
     rope_mscale_all_dim: float = 0.0
     """YaRN on MLA: the softmax scale gains mscale(rope_mscale_all_dim)^2, as DeepSeek-V3's does."""
     kv_lora_rank: int = 0
@@ -264,6 +264,12 @@ class ModelConfig:
                     self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
 
     @property
+    def uses_head_dim(self) -> bool:
+        """Whether some layer's heads are head_dim wide: GQA attention or QSA (not MLA, whose widths
+        are the qk_*/v_head_dim keys)."""
+        return not self.kv_lora_rank or self.uses_qsa
+
+    @property
     def uses_qsa(self) -> bool:
         return any(self.layer_type(i) == "indexed_attention" for i in range(self.num_layers))
 
@@ -291,12 +297,13 @@ class ModelConfig:
                              f"model.num_heads={self.num_heads}")
         if self.head_dim < 0:
             raise ValueError(f"model.head_dim must be >= 0, got {self.head_dim}")
-        if not self.head_dim and self.hidden_size % self.num_heads:
+        # (MLA's widths are its own: _validate_attention)
+        if self.uses_head_dim and not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_heads={self.num_heads}; "
                              "set model.head_dim")
         rot = int(self.resolved_head_dim * self.partial_rotary_factor)
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2:
+        if self.uses_head_dim and (not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2):
             raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must give "
                              "an even rotary width "
                              "in (0, head_dim]")
@@ -351,10 +358,10 @@ def _validate_attention(model: ModelConfig) -> None:
         raise ValueError(f"model.rope_scaling must be 'none' or 'yarn', got {model.rope_scaling!r}")
     if model.rope_scaling == "yarn":
         if not (model.rope_factor >= 1 and model.rope_original_max_len > 0
-                and model.rope_beta_fast > model.rope_beta_slow > 0
+                and model.rope_beta_fast >= model.rope_beta_slow > 0
                 and model.rope_mscale >= 0 and model.rope_mscale_all_dim >= 0):
             raise ValueError("model.rope_scaling=yarn needs rope_factor >= 1, rope_original_max_len"
-                             " > 0, rope_beta_fast > rope_beta_slow > 0 and mscales >= 0")
+                             " > 0, rope_beta_fast >= rope_beta_slow > 0 and mscales >= 0")
         if model.uses_qsa:
             raise ValueError("model.rope_scaling=yarn: QSA (indexed_attention) layers use plain "
                              "RoPE")

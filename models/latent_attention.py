@@ -36,6 +36,10 @@ from .documents import Documents
 from .layers import InitRule, InitScales, RMSNorm, RotaryEmbedding
 from .state import LayerKV
 
+TP_REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+"""The submodules every tensor-parallel rank holds whole (the latents' projections and norms),
+their gradients partial over tp."""
+
 LATENT_NORM_EPS = 1e-6
 """transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default epsilon, not the
 config's rms_norm_eps."""

@@ -64,6 +64,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 
 from tandem.models import TandemModel
+from tandem.models.latent_attention import TP_REPLICATED
 
 from .config import TandemConfig
 from .context_cost import context_fields
@@ -73,6 +74,7 @@ from .estimate_bytes import (
     frozen_bytes,
     fused_head_bytes,
     head_chunk_bytes,
+    per_tp_rank,
     piece_unit_grad_bytes,
     ple_lookup_bytes,
     root_grad_bytes,
@@ -212,17 +214,19 @@ def _kind(name: str) -> str:
         return "experts"
     if name.endswith("ple_embedding.ngram_embedding.weight"):
         return "ple_table"
+    if any(f".{module}." in name for module in TP_REPLICATED):
+        return "replicated"  # whole on every tp rank, sharded by FSDP like the rest
     return "dense"
 
 
 def _zero() -> Dict[str, int]:
-    return {"dense": 0, "experts": 0, "ple_table": 0}
+    return {"dense": 0, "experts": 0, "ple_table": 0, "replicated": 0}
 
 
 @dataclass
 class _Counts:
     """The model's parameters, counted on the meta device, by kind (`dense`, `experts`,
-    `ple_table`)."""
+    `ple_table`, `replicated`)."""
     total: int = 0
     expert: int = 0
     mtp: int = 0
@@ -364,7 +368,7 @@ def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
     def layer_bytes(i: int) -> float:
         c = counts.per_layer[i]
         # a PLE table is never gathered
-        return width * (c["dense"] / p.tp + c["experts"] / (p.tp * p.ep))
+        return width * per_tp_rank(c, p)
 
     gathered = 0.0
     for r in range(p.pp):
@@ -393,7 +397,8 @@ def estimate(cfg: TandemConfig, world_size: int | None = None,
     # what one rank owns of each kind (dp here counts dp x cp): experts over ep x tp, FSDP over dp;
     # the PLE table by rows over the stage's dp x cp x ep x tp ranks; the rest over tp and FSDP over
     # dp x cp x ep
-    split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch}
+    split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch,
+             "replicated": batch}
     states, ple_states = _states(cfg, counts, lay, split)
     activations = _activations(cfg, lay)
     ple_lookup, ple_sent = _ple_lookup(cfg, counts, lay)

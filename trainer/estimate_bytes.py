@@ -83,6 +83,14 @@ def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
     return weight + losses * tokens * m.hidden_size * act_bytes
 
 
+def per_tp_rank(c: Dict[str, int], p) -> float:
+    """Parameters of counts `c` (by kind: estimate._kind) that one tp x ep rank holds unsharded:
+    dense ones split over tp, experts over tp x ep, the tp-replicated (MLA's latent projections)
+    whole."""
+    return (c.get("dense", 0) / p.tp + c.get("replicated", 0)
+            + c.get("experts", 0) / (p.tp * p.ep))
+
+
 def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces) -> float:
     """What a pp rank's pieces that are FSDP units of their own (`unit_pieces`, shared by two of a
     rank's stages) hold for their one reduce-scatter per step: the unsharded gradient of every
@@ -92,7 +100,7 @@ def piece_unit_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces
     p = cfg.parallel
     trained = [pieces_by_kind.get(x, {}) for x in pieces
                if x in unit_pieces and (x == "mtp" or not cfg.train.freeze_trunk)]
-    unsharded = sum(c.get("dense", 0) / p.tp + c.get("experts", 0) / (p.tp * p.ep) for c in trained)
+    unsharded = sum(per_tp_rank(c, p) for c in trained)
     width = compute_bytes(cfg)
     extra = 0 if width == 4 else width + (2 if cfg.train.grad_reduce_dtype == "bf16" else 0)
     return (4 + extra) * unsharded
@@ -112,7 +120,8 @@ def root_grad_bytes(cfg: TandemConfig, pieces_by_kind, pieces, unit_pieces,
     p = cfg.parallel
     trained = [x for x in pieces if x not in unit_pieces
                and (x == "mtp" or not cfg.train.freeze_trunk)]
-    root = sum(pieces_by_kind.get(x, {}).get("dense", 0) for x in trained) / p.tp
+    root = sum(per_tp_rank({k: v for k, v in pieces_by_kind.get(x, {}).items() if k != "experts"},
+                           p) for x in trained)
     width = compute_bytes(cfg)
     bf16_reduce = width == 2 and cfg.train.grad_reduce_dtype == "bf16"
     reduce = (2 if bf16_reduce else 4) if p.reshard_after_microbatch else (6 if bf16_reduce else 4)
@@ -135,15 +144,16 @@ def single_sync_bytes(cfg: TandemConfig, per_layer: Dict[int, Dict[str, int]], p
     width = frozen_bytes(cfg) if frozen else compute_bytes(cfg)
 
     def unsharded(c: Dict[str, int]) -> float:
-        return c["dense"] / p.tp + c["experts"] / (p.tp * p.ep)
+        return per_tp_rank(c, p)
 
     def owned(c: Dict[str, int]) -> float:
-        return c["dense"] / (p.tp * batch) + c["experts"] / (p.tp * p.ep * dp)
+        return (c["dense"] / (p.tp * batch) + c.get("replicated", 0) / batch
+                + c["experts"] / (p.tp * p.ep * dp))
 
     trained = []  # parameter counts by kind, FSDP-managed and trained, on this rank
     if not frozen:
         trained += [per_layer[i] for i in layers]
-    trained += [pieces_by_kind.get(x, {"dense": 0, "experts": 0, "ple_table": 0}) for x in pieces
+    trained += [pieces_by_kind.get(x, {"dense": 0, "experts": 0}) for x in pieces
                 if x not in unit_pieces and (x == "mtp" or not frozen)]
     grads = 0.0 if p.dp_mode == "allreduce" else 4 * sum(unsharded(c) - owned(c) for c in trained)
     sizes = sorted((unsharded(per_layer[i]) for i in layers), reverse=True)

@@ -330,15 +330,26 @@ def test_resume_with_other_training_coefficients(ctx, capsys):
 
 def test_init_from_leaves_the_stage_settings_a_run_sets(ctx, tmp_path, capsys):
     """model.init_from gives the run the checkpoint's model fields, but a later stage may set the
-    RoPE base and QSA's budget itself (a long-context stage): an override of either was reverted to
-    the checkpoint's silently. A weight shape is still the checkpoint's."""
+    RoPE base, a YaRN stretch (DeepSeek-V3's 4K -> 128K) and QSA's budget itself (a long-context
+    stage): an override of any was reverted to the checkpoint's silently. A weight shape is still
+    the checkpoint's."""
     ckpt = os.path.join(ctx.run, "checkpoints", "step_2")
     stage2 = str(tmp_path / "stage2")
-    argv = ["train", RECIPE, *ctx.base, f"run.dir={stage2}", f"model.init_from={ctx.run}",
-            "model.rope_theta=123456.0", "model.indexer_budget=96", "model.hidden_size=48"]
+    stage = ["model.rope_theta=123456.0", "model.indexer_budget=96", "model.hidden_size=48",
+             "model.rope_scaling=yarn", "model.rope_factor=4.0", "model.rope_original_max_len=16"]
+    argv = ["train", RECIPE, *ctx.base, f"run.dir={stage2}", f"model.init_from={ctx.run}", *stage]
     assert main(argv) == 0, capsys.readouterr().err
     saved = load_config(os.path.join(stage2, "config.yaml")).model
     assert (saved.rope_theta, saved.indexer_budget, saved.hidden_size) == (123456.0, 96, 32)
+    assert (saved.rope_scaling, saved.rope_factor, saved.rope_original_max_len) == ("yarn", 4.0,
+                                                                                   16)
+    # from a Hugging Face export too: its loader refused the settings as "a different model shape"
+    hf = str(tmp_path / "hf")
+    assert main(["export", "--checkpoint", ctx.run, "--out", hf]) == 0
+    stage3 = str(tmp_path / "stage3")
+    assert main(["train", RECIPE, *ctx.base, f"run.dir={stage3}", f"model.init_from={hf}",
+                 *stage]) == 0, capsys.readouterr().err
+    assert load_config(os.path.join(stage3, "config.yaml")).model.rope_factor == 4.0
     assert saved.init_from == ckpt
     assert "model.rope_theta: 123456.0 as set (the checkpoint's " in capsys.readouterr().err
 

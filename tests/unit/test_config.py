@@ -1,7 +1,10 @@
 """Config composition and validation: each bad input gets a one-line error naming the key."""
 
 import pytest
+import torch
 
+from tandem.models import TandemModel
+from tandem.models.mtp_config import MTPConfig
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.recipe import load_config, to_yaml
 
@@ -123,6 +126,14 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     (["mtp.loss.lambda=inf"], "config key 'mtp.loss.lambda'=inf must be a finite number"),
     (["mtp.loss.weights=[1.0,inf,1.0]"], "config key 'mtp.loss.weights'=[1.0, inf, 1.0] must be"),
     (["model.init_std=inf"], "config key 'model.init_std'=inf must be a finite number"),
+    # MLA and YaRN
+    (["flavor=debug_mla", "model.num_kv_heads=1"], "must equal model.num_heads=2 with MLA"),
+    (["flavor=debug_mla", "model.qk_rope_head_dim=5"], "model.qk_rope_head_dim=5 must be even"),
+    (["flavor=debug_mla", "model.qk_norm=true"], "MLA (model.kv_lora_rank > 0) takes no"),
+    (["model.q_lora_rank=8"], "model.q_lora_rank is an MLA width; set model.kv_lora_rank too"),
+    (["model.rope_scaling=ntk"], "model.rope_scaling must be 'none' or 'yarn'"),
+    (["model.rope_scaling=yarn", "model.rope_beta_fast=0.5"], "rope_beta_fast >= rope_beta_slow"),
+    (["flavor=qwen4_exp_tiny", "model.rope_scaling=yarn"], "QSA (indexed_attention) layers"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -274,3 +285,14 @@ def test_section_checks_at_load_time(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_mla_model_is_not_held_to_head_dim():
+    """MLA's head widths are its qk_*/v_head_dim keys: a width that no head_dim divides (36 over 8
+    heads, as transformers' DeepseekV3 runs it) was refused for GQA's reasons ("set
+    model.head_dim", an odd rotary width)."""
+    cfg = load_config(None, ["flavor=debug_mla", "data.vocab_size=512", "model.hidden_size=36",
+                             "model.num_heads=8", "model.num_kv_heads=8"]).model
+    model = TandemModel(cfg, MTPConfig(num_steps=0))
+    out = model.trunk(torch.randint(0, 64, (1, 6)), torch.arange(6)[None])
+    assert out.shape == (1, 6, 36) and torch.isfinite(out).all()

@@ -136,3 +136,20 @@ def test_deepseek_v3_counts_its_published_671b():
     assert round((trunk + 2 * table + cfg.hidden_size) / 1e9, 1) == 671.0
     mtp = F.mtp_layer_params(cfg, MTPConfig(num_steps=1, num_layers=1, moe=True))
     assert 13.4e9 < mtp + 2 * table < 14.5e9
+
+
+def test_mla_latents_are_counted_whole_on_every_tp_rank():
+    """MLA's latent projections and norms are replicated over tp (tensor_hybrid.py): the memory
+    estimate keeps them whole per tp rank, sharded only by FSDP, where it split every dense weight
+    over tp (0.9 GiB per GPU short at DeepSeek-V3's shape under tp=8 x ep=2)."""
+    from tandem.trainer import estimate as E
+
+    base = ["flavor=debug_mla", "data.vocab_size=512", "mtp.num_steps=1", "data.seq_len=32"]
+    counts = E._count_params(load_config(None, base))
+    # q_a_proj 32 x 12 + its norm 12, kv_a_proj_with_mqa 32 x (16 + 4) + its norm 16, per layer
+    assert counts.per_layer[0]["replicated"] == 32 * 12 + 12 + 32 * 20 + 16 == 1052
+    one, two = (E.estimate(load_config(None, base + [f"parallel.tp={tp}"]), tp, counts)
+                for tp in (1, 2))
+    latents = 3 * 1052  # two trunk layers and the MTP layer, fp32 master + grad + AdamW: 16 bytes
+    assert (one.states_gib_per_rank - two.states_gib_per_rank) * E.GIB == pytest.approx(
+        16 * (counts.total - latents) / 2, rel=1e-9)

@@ -45,6 +45,11 @@ def family_configs():
             beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=1.0)),
         # DeepSeek-V2-Lite's layout: one q_proj, default RoPE
         "deepseek_v3:lite": T.DeepseekV3Config(**DEEPSEEK, q_lora_rank=None),
+        # Kimi-K2's config.json: model_type kimi_k2 (written over the saved one), YaRN with
+        # beta_fast = beta_slow = 1
+        "deepseek_v3:kimi_k2": T.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, rope_scaling=dict(
+            rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=8,
+            beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
     }
 
 
@@ -77,11 +82,14 @@ def hf_tensors(model) -> dict:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3",
-                                    "deepseek_v3:lite"])
+                                    "deepseek_v3:lite", "deepseek_v3:kimi_k2"])
 def test_logits_match_transformers_and_round_trip(family, tmp_path):
     hf = make_hf(family_configs()[family])
     src = tmp_path / "src"
     hf.save_pretrained(src)
+    if family.endswith(":kimi_k2"):
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(dict(config, model_type="kimi_k2")))
     model, cfg = load_hf_model(str(src))
     err = logit_error(hf, model)
     assert err < 1e-4, f"{family}: max |logits diff| {err}"
@@ -323,3 +331,24 @@ def test_an_fp8_checkpoint_imports_dequantized(tmp_path):
         "quant_method": "gptq", "bits": 4}}))
     with pytest.raises(CheckpointError, match="quant_method fp8"):
         load_hf_model(str(fp8))
+
+
+def test_a_yarn_export_also_carries_the_keys_transformers_4_reads(tmp_path):
+    """transformers 4.x, and DeepSeek's and Kimi's remote code, read `rope_theta` at the top level
+    and YaRN from `rope_scaling`; an export writing only transformers 5's `rope_parameters` ran
+    there with plain RoPE and the default softmax scale (logits 3.5 off). Both spellings say the
+    same, and transformers 5 still reads the export as the imported model computes (the round
+    trip's logits)."""
+    hf = make_hf(family_configs()["deepseek_v3"])
+    hf.save_pretrained(tmp_path / "src")
+    model, _ = load_hf_model(str(tmp_path / "src"))
+    export_hf(model, str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    parameters, legacy = config["rope_parameters"], config["rope_scaling"]
+    assert legacy["type"] == legacy["rope_type"] == parameters["rope_type"] == "yarn"
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim"):
+        assert legacy[key] == parameters[key] == hf.config.rope_parameters[key], key
+    assert config["rope_theta"] == parameters["rope_theta"] == 10000.0
+    back = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert logit_error(back, model) < 1e-4

@@ -34,7 +34,13 @@ from tandem.models.mtp_config import MTPConfig
 
 from . import deepseek_v3, qwen4_exp
 from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)
-from .rope import read_yarn, rope_fields, rope_parameters, theta_and_partial
+from .rope import (
+    legacy_rope_fields,
+    read_yarn,
+    rope_fields,
+    rope_parameters,
+    theta_and_partial,
+)
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next_mtp",
             "qwen4_exp")
@@ -442,6 +448,7 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
             use_qk_norm=cfg.qk_norm,
             num_nextn_predict_layers=n_mtp,
         )
+    base.update(legacy_rope_fields(base["rope_parameters"]))
     layout = "glm" if family in ("glm4_moe", "deepseek_v3") else "qwen3_next"
     if n_mtp and layout == "qwen3_next":
         base["mtp_num_hidden_layers"] = n_mtp

@@ -302,8 +302,13 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv
                  "resolved_head_dim",
                  "intermediate_size", "num_experts", "moe_intermediate_size", "num_shared_experts",
                  "first_k_dense", "qk_norm", "attention_bias", "tie_embeddings")
-_MATH_FIELDS = ("top_k", "router_score", "norm_topk_prob", "routed_scaling_factor", "n_group",
-                "topk_group", "rope_theta", "partial_rotary_factor")
+_ROUTING_FIELDS = ("top_k", "router_score", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                   "topk_group")
+_MATH_FIELDS = _ROUTING_FIELDS + ("partial_rotary_factor",)
+"""Not compared: init_from.STAGE_SETTINGS (the RoPE base, YaRN, QSA's budget), which a later stage
+sets on purpose over the weights of an earlier one."""
+_MLA_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""MLA's widths, in use when model.kv_lora_rank > 0 (which is always compared)."""
 
 
 def _fields_in_use(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[str, ...]:
@@ -314,10 +319,11 @@ def _fields_in_use(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[str, ...
     moe = cfg.num_experts > 0
     dense_mlp = not moe or cfg.first_k_dense > 0 or bool(mtp and mtp.num_steps and not mtp.moe)
     unused = set() if moe else {"moe_intermediate_size", "num_shared_experts", "first_k_dense",
-                                *_MATH_FIELDS[:-2]}
+                                *_ROUTING_FIELDS}
     if not dense_mlp:
         unused.add("intermediate_size")
-    return tuple(f for f in _SHAPE_FIELDS + _MATH_FIELDS if f not in unused)
+    extra = ("kv_lora_rank",) + (_MLA_FIELDS if cfg.kv_lora_rank else ())
+    return tuple(f for f in _SHAPE_FIELDS + _MATH_FIELDS + extra if f not in unused)
 
 
 def _check_same_shape(want: ModelConfig, have: ModelConfig, path: str,

@@ -46,10 +46,13 @@ on export (Qwen3-MoE's softmax router has an aux loss and no bias: the run's aux
 trained a bias that `tandem export` then refused, after the whole fine-tune)."""
 
 
-STAGE_SETTINGS = ("rope_theta", "indexer_budget")
+STAGE_SETTINGS = ("rope_theta", "indexer_budget", "rope_scaling", "rope_factor",
+                  "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                  "rope_mscale_all_dim")
 """model.* fields that the checkpoint's weights were trained with but that a later stage may change
-on purpose (a longer context's RoPE base, QSA's selection budget): model.init_from gives them
-unless the recipe or the overrides set them (an override of either was reverted silently)."""
+on purpose (a longer context's RoPE base or YaRN stretch, as DeepSeek-V3 extends 4K to 128K; QSA's
+selection budget): model.init_from gives them unless the recipe or the overrides set them (an
+override was reverted silently)."""
 
 
 def is_hf_dir(path: str) -> bool:

@@ -55,3 +55,15 @@ def rope_parameters(cfg: ModelConfig) -> dict:
                    beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
                    mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
     return out
+
+
+def legacy_rope_fields(parameters: dict) -> dict:
+    """The same RoPE in the keys transformers 4.x and the DeepSeek / Kimi remote code read: the top
+    level's `rope_theta` (and `partial_rotary_factor`), and YaRN as `rope_scaling` (which
+    transformers 5 then reads in place of `rope_parameters`, to the same values). Without them a
+    4.x load of a YaRN export ran plain RoPE at the default softmax scale."""
+    out = {key: parameters[key] for key in ("rope_theta", "partial_rotary_factor")
+           if key in parameters}
+    if parameters.get("rope_type") == "yarn":
+        out["rope_scaling"] = dict(parameters, type="yarn")
+    return out

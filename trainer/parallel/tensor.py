@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tandem.models.attention import Attention
+from tandem.models.latent_attention import TP_REPLICATED
 from tandem.models.layers import SwiGLU
 from tandem.models.loss import (
     VocabReduce,
@@ -281,7 +282,7 @@ def apply_tensor_and_expert_parallel(model: nn.Module, tp_mesh, ep_mesh, expert_
         # gated norm, MLA's latent projections and norms) or scaling its partial output (the shared
         # expert's gate): gradients partial over tp.
         partial = (".q_norm.", ".k_norm.", ".linear_attn.norm.", ".shared_expert_gate.",
-                   ".q_a_proj.", ".q_a_layernorm.", ".kv_a_proj_with_mqa.", ".kv_a_layernorm.")
+                   *(f".{name}." for name in TP_REPLICATED))
         return [name for name,
                 _ in model.named_parameters() if any(k in name for k in partial)] if tp > 1 else []
     model.sequence = SequenceShards(switch, tp_mesh.get_group())
