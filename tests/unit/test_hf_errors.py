@@ -76,6 +76,9 @@ DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", v
     (dict(DSV3, rope_scaling=dict(rope_type="longrope", factor=4.0)), "rope_type='longrope'"),
     (dict(DSV3, rope_scaling=dict(rope_type="yarn", factor=4.0, attention_factor=0.5)),
      "explicit attention_factor"),
+    # a bare KeyError named neither the file nor the family
+    ({k: v for k, v in DSV3.items() if k != "hidden_size"},
+     "deepseek_v3: config.json lacks 'hidden_size'"),
 ])
 def test_what_deepseek_v3_import_cannot_compute_is_named(fields, named, tmp_path):
     """DeepSeek-V3 and Kimi-K2 import (MLA, YaRN); the MLA families and options whose routing,

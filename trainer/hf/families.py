@@ -98,6 +98,13 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
                          max_seq_len: Optional[int] = None) -> ModelConfig:
     """The trunk config of a Hugging Face config.json (raises UnsupportedCheckpoint for options
     this model lacks)."""
+    try:
+        return _config_from_hf(hf, spec, max_seq_len)
+    except KeyError as exc:  # a bare KeyError named neither the file nor the family
+        raise UnsupportedCheckpoint(f"{spec.name}: config.json lacks {exc.args[0]!r}") from None
+
+
+def _config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int]) -> ModelConfig:
     name = spec.name
     if name == "qwen4_exp":
         if (rope_fields(hf).get("rope_type") or "default") != "default":
