@@ -14,8 +14,8 @@ where this project's half-split rotation computes the same dot products; the exp
 back.
 
 Attention itself is `attention.attend`, the GQA layer's: documents, context parallelism and the
-decoding cache work unchanged. The cache holds each head's expanded key and value (not the latent:
-simpler, and decoding here is the evaluator's, not a server's).
+decoding cache work unchanged. Decoding caches the latent, not each head's expanded key and value
+(`_over_latents`: kv_b_proj absorbed into the query and the output).
 
 Tensor parallelism (trainer/parallel/tensor_hybrid.py) shards q_proj / q_b_proj and kv_b_proj by
 heads and o_proj by its input; the latent projections and their norms are replicated, so their
@@ -78,21 +78,48 @@ class LatentAttention(nn.Module):
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_bsh)))
         return self.q_proj(x_bsh)
 
+    def expansion_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight as this module computes with it ([heads x (nope + v), kv_lora_rank];
+        the tensor-parallel module's: its local heads)."""
+        return self.kv_b_proj.weight
+
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor,
                 cache: Optional[LayerKV] = None, documents: Optional[Documents] = None,
                 context: Optional[WholeWindow] = None) -> torch.Tensor:
-        """As `attention.Attention.forward`."""
+        """As `attention.Attention.forward`; decoding (`cache`) attends over the cached latents
+        (`_over_latents`)."""
         b, s, _ = x_bsh.shape
         q = self.queries(x_bsh).view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x_bsh).split([self.kv_lora_rank, self.rope_dim],
                                                               dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
-        kv = kv.view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        heads = q.shape[1]
-        q = torch.cat([q_nope, self.rotary(q_rope, positions_bs)], dim=-1)
-        k_rope = self.rotary(k_rope.unsqueeze(1), positions_bs).expand(-1, heads, -1, -1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        out = attend(q, k, v, positions_bs, cache, documents, context, scale=self.scale)
+        latent = self.kv_a_layernorm(latent)
+        q_rope = self.rotary(q_rope, positions_bs)
+        k_rope = self.rotary(k_rope.unsqueeze(1), positions_bs)  # [B, 1, S, rope]: every head's
+        if cache is not None:
+            out = self._over_latents(q_nope, q_rope, latent.unsqueeze(1), k_rope, positions_bs,
+                                     cache)
+        else:
+            kv = self.kv_b_proj(latent).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_rope.expand(-1, q.shape[1], -1, -1)], dim=-1)
+            out = attend(torch.cat([q_nope, q_rope], dim=-1), k, v, positions_bs, None,
+                         documents, context, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _over_latents(self, q_nope, q_rope, latent_b1sc, k_rope_b1sr, positions_bs,
+                      cache: LayerKV) -> torch.Tensor:
+        """Decoding with kv_b_proj absorbed (DeepSeek-V2's inference form): head h's unrotated key
+        is W_uk[h] c and its value W_uv[h] c for the token's latent c, so q . k = (W_uk[h]^T q) . c
+        and the output W_uv[h] (attention-weighted sum of c). The cache then holds one key per
+        token for all heads, [c | rotated k_rope] (kv_lora_rank + rope channels), and c again as
+        the value, where the expanded form held heads x (nope + rope + v): 1,088 values per token
+        and layer instead of 40,960 at DeepSeek-V3's shape. The same softmax, summed in another
+        order."""
+        w = self.expansion_weight()
+        w = w.view(-1, self.nope_dim + self.v_dim, w.shape[-1])  # [heads, nope + v, latent]
+        q_latent = torch.einsum("bhsn,hnc->bhsc", q_nope, w[:, :self.nope_dim].to(q_nope.dtype))
+        keys = torch.cat([latent_b1sc, k_rope_b1sr], dim=-1)
+        out = attend(torch.cat([q_latent, q_rope], dim=-1), keys, latent_b1sc, positions_bs,
+                     cache, scale=self.scale)  # [B, heads, S, latent]
+        return torch.einsum("bhsc,hvc->bhsv", out, w[:, self.nope_dim:].to(out.dtype))

@@ -192,18 +192,20 @@ def served_reuse_draft(model, seq, k, force, rule=None):
     return logits, drafts, selected[m - 1]
 
 
-@pytest.mark.parametrize("family", ["glm", "glm_final_norm", "qwen4", "qwen4_no_reuse"])
+@pytest.mark.parametrize("family", ["glm", "glm_final_norm", "mla", "qwen4", "qwen4_no_reuse"])
 @torch.no_grad()
 def test_serving_draft_logits_equal_cache_free_reference(family):
     """Round after round (rollbacks of every length), the serving convention's per-depth draft
     logits equal vLLM's drafting re-derived without caches (for Qwen4-Exp with QSA index reuse:
     depth k attends depth 1's selection row at m - 1, `served_reuse_draft`); the tandem convention's
-    do not (the test tells the two apart)."""
+    do not (the test tells the two apart). `mla`: DeepSeek-V3's attention, whose decoding attends
+    over cached latents (kv_b_proj absorbed) where the cache-free forward expands every head."""
     if family.startswith("qwen4"):
         model, prompts = tiny_qwen4_model(K, seed=2, reuse_indices=family == "qwen4"), Q4_PROMPTS
     else:
         trunk_input = "final_norm" if family.endswith("norm") else "pre_norm"
-        model, prompts = glm_style(seed=5, agree=False, trunk_input=trunk_input), PROMPTS[:4]
+        model, prompts = glm_style(seed=5, agree=False, trunk_input=trunk_input,
+                                   flavor="debug_mla" if family == "mla" else "debug"), PROMPTS[:4]
     model = model.double()
     # fp64 throughout except what the hybrid keeps in fp32 (its cached and uncached forms round
     # apart)

@@ -198,6 +198,9 @@ class TensorParallelLatentAttention(_Region, LatentAttention):
         self.o_proj = ShardedLinear(layer.o_proj, tp_mesh, 1)
         self._init_region(tp_mesh, switch)
 
+    def expansion_weight(self) -> torch.Tensor:
+        return local(self.kv_b_proj.weight)
+
     def forward(self, x_bsh: torch.Tensor, positions_bs: torch.Tensor, cache=None, documents=None,
                 context=None) -> torch.Tensor:
         return self._exit(LatentAttention.forward(self, self._enter(x_bsh), positions_bs, cache,
