@@ -110,9 +110,10 @@ def test_mla_counts_its_own_projections():
 
 
 def test_deepseek_v3_counts_its_published_671b():
-    """DeepSeek-V3's release config.json (MLA, 61 layers, 256 experts) imported as the importer reads
-    it: 671B parameters in the trunk, as DeepSeek reports. Its MTP module, which it gives as 14B
-    (with its own copies of the embedding and head, shared here), counts 11.6B + 1.9B = 13.5B."""
+    """DeepSeek-V3's release config.json (MLA, 61 layers, 256 experts) imported as the importer
+    reads it: 671B parameters in the trunk, as DeepSeek reports. Its MTP module, which it gives as
+    14B (with its own copies of the embedding and head, shared here), counts 11.6B + 1.9B =
+    13.5B."""
     from tandem.models.mtp_config import MTPConfig
     from tandem.trainer.hf.families import detect_family, model_config_from_hf
 
