@@ -34,6 +34,10 @@ LAYOUTS = {
     # teacher-forced losses run on whole windows (the switch turns the chunks off around evaluation,
     # and SP's with them)
     "cp=2,tp=2,sequence_parallel=true": 4,
+    # MLA (DeepSeek-V3's attention) decodes over cached latents with kv_b_proj absorbed: each tp
+    # rank its own heads' expansion, the latents replicated; weights whose tokens depend on the
+    # attention
+    f"tp=2,sequence_parallel=true,preset.mla=1,{eval_worker.HISTORY}": 2,
     # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved with 3 stages per rank,
     # layers and depths placed by pp_balance), 8 ranks
     "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,"
