@@ -65,12 +65,13 @@ class Attention(nn.Module):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions_bs: torch.Tensor,
            cache: Optional[LayerKV] = None, documents: Optional[Documents] = None,
-           context: Optional[WholeWindow] = None, scale: Optional[float] = None) -> torch.Tensor:
+           context: Optional[WholeWindow] = None, scale: Optional[float] = None,
+           fold_heads: bool = False) -> torch.Tensor:
     """Causal attention of queries [B, Hq, S, D] over keys [B, Hk, S, D] and values [B, Hk, S, Dv]
     (Hk dividing Hq), shared by GQA and MLA layers: inside each document when `documents` is given,
     over the whole window under context parallelism (`context`), or over a decoding cache's prefix
     with the new keys and values written into it (`cache`). `scale`: the softmax scale, None for
-    1 / sqrt(D). Returns [B, Hq, S, Dv]."""
+    1 / sqrt(D); `fold_heads`: `cached_attention`'s `fold`. Returns [B, Hq, S, Dv]."""
     groups = q.shape[1] // k.shape[1]
     if cache is None and context is not None and context.sharded:
         return _over_window(q, k, v, context, documents, groups, scale)
@@ -83,7 +84,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions_bs: torc
     k_all, v_all = cache.update(k, v, positions_bs)
     key_pos = torch.arange(k_all.shape[2], device=q.device)
     mask = key_pos[None, None, :] <= positions_bs[..., None]
-    return cached_attention(q, k_all, v_all, mask, scale)
+    return cached_attention(q, k_all, v_all, mask, scale, fold_heads)
 
 
 def _over_window(q_bhsd, k_bhsd, v_bhsd, context: WholeWindow, documents: Optional[Documents],

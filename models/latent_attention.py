@@ -113,13 +113,17 @@ class LatentAttention(nn.Module):
         is W_uk[h] c and its value W_uv[h] c for the token's latent c, so q . k = (W_uk[h]^T q) . c
         and the output W_uv[h] (attention-weighted sum of c). The cache then holds one key per
         token for all heads, [c | rotated k_rope] (kv_lora_rank + rope channels), and c again as
-        the value, where the expanded form held heads x (nope + rope + v): 1,088 values per token
-        and layer instead of 40,960 at DeepSeek-V3's shape. The same softmax, summed in another
-        order."""
+        the value (DeepSeek's own cache holds it once: 576), where the expanded form held heads x
+        (nope + rope + v): 1,088 values per token and layer instead of 40,960 at DeepSeek-V3's
+        shape. The same softmax, summed in another order."""
         w = self.expansion_weight()
         w = w.view(-1, self.nope_dim + self.v_dim, w.shape[-1])  # [heads, nope + v, latent]
         q_latent = torch.einsum("bhsn,hnc->bhsc", q_nope, w[:, :self.nope_dim].to(q_nope.dtype))
-        keys = torch.cat([latent_b1sc, k_rope_b1sr], dim=-1)
+        # in the queries' dtype (the norm's fp32 weight under autocast would make the cache fp32)
+        latent_b1sc = latent_b1sc.to(q_nope.dtype)
+        keys = torch.cat([latent_b1sc, k_rope_b1sr.to(q_nope.dtype)], dim=-1)
+        # every head reads the one latent key: fold the heads into the query length rather than
+        # have the kernel copy the keys once per head (128 times at DeepSeek-V3's shape)
         out = attend(torch.cat([q_latent, q_rope], dim=-1), keys, latent_b1sc, positions_bs,
-                     cache, scale=self.scale)  # [B, heads, S, latent]
+                     cache, scale=self.scale, fold_heads=True)  # [B, heads, S, latent]
         return torch.einsum("bhsc,hvc->bhsv", out, w[:, self.nope_dim:].to(out.dtype))

@@ -267,14 +267,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def cached_attention(q_bhsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
-                     mask_bts: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+                     mask_bts: torch.Tensor, scale: Optional[float] = None,
+                     fold: bool = False) -> torch.Tensor:
     """Decoding's attention of a few new queries per row over a cache prefix: queries [B, Hq, T,
     D], keys and values [B, Hk, S, D] (any dtype; read in the queries'), `mask_bts` [B, T, S] True
     where a query attends. On CPU the kernel behind `enable_gqa=True` is up to several times slower
     at batched decoding's shapes than `folded_attention`'s layout, which then runs instead (the same
     values; `folds_query_heads` says where, bench/decode_attention.py measures both). `scale`: the
-    softmax scale, None for 1 / sqrt(D)."""
-    if folds_query_heads(q_bhsd, k_bksd):
+    softmax scale, None for 1 / sqrt(D). `fold`: fold wherever (MLA's one latent key for every
+    head, which the unfolded kernels copy once per head)."""
+    if fold or folds_query_heads(q_bhsd, k_bksd):
         return folded_attention(q_bhsd, k_bksd, v_bksd, mask_bts, scale)
     return F.scaled_dot_product_attention(q_bhsd, k_bksd.to(q_bhsd.dtype), v_bksd.to(q_bhsd.dtype),
                                           attn_mask=mask_bts[:, None], scale=scale,

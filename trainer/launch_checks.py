@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from tandem.trainer.checkpoint import check_compatible
 from tandem.trainer.checkpoint_dirs import latest_checkpoint
@@ -17,7 +18,6 @@ from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.context_cost import cp_sweep, device_fit
 from tandem.trainer.estimate import _count_params, estimate
 from tandem.trainer.hf.init_from import resolve_init_from
-from tandem.trainer.hf.reader import CheckpointError
 from tandem.trainer.materialize import mtp_checkpoint_step
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import explicit_keys, to_yaml
@@ -71,21 +71,29 @@ def resumable(cfg, args: argparse.Namespace) -> bool:
 
 
 def adopt_sources(cfg, args: argparse.Namespace) -> bool:
-    """The model a fine-tuning job trains: model.init_from's shape (and the MTP wiring of
-    mtp.init_from or of model.init_from's MTP weights), which the job takes from them as it starts
-    (run._adopt_init_from); taken here too, so that the layout check and `--check` see that model,
-    not the recipe's placeholder. A source that is not there yet (a stage still to run) leaves the
-    recipe's shape, with a note (`sources_exist` decides whether to submit); False after printing
-    the error of a source that cannot train in this layout."""
+    """The model a fine-tuning job trains: model.init_from's shape, tokenizer and MTP wiring (and
+    mtp.init_from's wiring), which the job takes from them as it starts (run.adopt_init_from);
+    taken here too, so that the layout check and `--check` see that model, not the recipe's
+    placeholder. A source that is not there yet (a stage still to run) leaves the recipe's shape,
+    with a note under `--check` (`sources_exist` decides whether to submit); one that is there but
+    cannot be read or trained in this layout is an error (a job queued behind another's is
+    submitted with it as a note: that stage may still be writing it). False after printing the
+    error."""
     if not (cfg.model.init_from or cfg.mtp.init_from):
+        return True
+    missing = _missing_source(cfg)
+    if missing is not None:
+        if args.check:
+            print(f"tandem launch slurm: the recipe's own model shape is checked ({missing})",
+                  file=sys.stderr)
         return True
     try:
         adopt_init_from(cfg, explicit_keys(args.recipe, args.overrides))
-    except (FileNotFoundError, CheckpointError) as exc:  # the submission: `sources_exist`
-        if args.check:
-            print(f"tandem launch slurm: the recipe's own model shape is checked ({exc})",
-                  file=sys.stderr)
-    except ValueError as exc:  # ConfigError, and a tokenizer that differs from the checkpoint's
+    except (ValueError, OSError) as exc:  # ConfigError, CheckpointError, another tokenizer
+        after = _dependency(args)
+        if after and not args.check:
+            print(f"tandem launch slurm: {exc}; submitted anyway, after {after}", file=sys.stderr)
+            return True
         print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
         return False
     return True
@@ -94,23 +102,36 @@ def adopt_sources(cfg, args: argparse.Namespace) -> bool:
 def sources_exist(cfg, args: argparse.Namespace) -> bool:
     """Whether the checkpoints model.init_from and mtp.init_from name are there (the job reads them
     as it starts, on every node it was given); False after printing the error. `--check` and
-    `--dry-run` read no checkpoint, so a recipe names a stage that has yet to run; so does a job
+    `--dry-run` submit nothing, so they pass a recipe whose stage has yet to run; so does a job
     queued behind that stage's (`--sbatch-arg=--dependency=afterok:<job>`), which checks them as it
     starts."""
+    missing = _missing_source(cfg)
+    if missing is None:
+        return True
+    after = _dependency(args)
+    if after:
+        print(f"tandem launch slurm: {missing}; submitted anyway, after {after}", file=sys.stderr)
+        return True
+    print(f"tandem launch slurm: error: {missing}; nothing submitted", file=sys.stderr)
+    return False
+
+
+def _missing_source(cfg) -> Optional[str]:
+    """Why model.init_from or mtp.init_from names no checkpoint (yet), or None."""
     try:
         if cfg.model.init_from:
             resolve_init_from(cfg.model.init_from)
         if cfg.mtp.init_from:
             mtp_checkpoint_step(cfg.mtp.init_from)
     except (FileNotFoundError, ConfigError) as exc:
-        after = [a for a in args.sbatch_arg if a.startswith(("--dependency", "-d"))]
-        if after:
-            print(f"tandem launch slurm: {exc}; submitted anyway, after {after[-1]}",
-                  file=sys.stderr)
-            return True
-        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
-        return False
-    return True
+        return str(exc)
+    return None
+
+
+def _dependency(args: argparse.Namespace) -> Optional[str]:
+    """The job's `--sbatch-arg=--dependency=...` (the last), or None."""
+    after = [a for a in args.sbatch_arg if a.startswith(("--dependency", "-d"))]
+    return after[-1] if after else None
 
 
 def launched_before(run_dir: str, args: argparse.Namespace) -> bool:

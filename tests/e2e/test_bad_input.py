@@ -339,10 +339,12 @@ def test_init_from_leaves_the_stage_settings_a_run_sets(ctx, tmp_path, capsys):
              "model.rope_scaling=yarn", "model.rope_factor=4.0", "model.rope_original_max_len=16"]
     argv = ["train", RECIPE, *ctx.base, f"run.dir={stage2}", f"model.init_from={ctx.run}", *stage]
     assert main(argv) == 0, capsys.readouterr().err
+    assert "model.rope_theta: 123456.0 as set (the checkpoint's " in capsys.readouterr().err
     saved = load_config(os.path.join(stage2, "config.yaml")).model
     assert (saved.rope_theta, saved.indexer_budget, saved.hidden_size) == (123456.0, 96, 32)
     assert (saved.rope_scaling, saved.rope_factor, saved.rope_original_max_len) == ("yarn", 4.0,
                                                                                    16)
+    assert saved.init_from == ckpt
     # from a Hugging Face export too: its loader refused the settings as "a different model shape"
     hf = str(tmp_path / "hf")
     assert main(["export", "--checkpoint", ctx.run, "--out", hf]) == 0
@@ -350,8 +352,11 @@ def test_init_from_leaves_the_stage_settings_a_run_sets(ctx, tmp_path, capsys):
     assert main(["train", RECIPE, *ctx.base, f"run.dir={stage3}", f"model.init_from={hf}",
                  *stage]) == 0, capsys.readouterr().err
     assert load_config(os.path.join(stage3, "config.yaml")).model.rope_factor == 4.0
-    assert saved.init_from == ckpt
-    assert "model.rope_theta: 123456.0 as set (the checkpoint's " in capsys.readouterr().err
+    # a frozen trunk (MTP fine-tuning) runs as it was trained: its RoPE is not a stage's to change
+    ctx.fails(["train", RECIPE, *ctx.base, f"run.dir={tmp_path / 'stage4'}",
+               f"model.init_from={hf}", "train.freeze_trunk=true", "model.rope_factor=4.0",
+               "model.rope_scaling=yarn"],
+              "model.rope_scaling='yarn' differs from the frozen trunk's 'none'")
 
 
 def test_resume_with_different_mtp_depth(ctx):

@@ -556,9 +556,20 @@ def test_check_of_a_fine_tune_sees_the_checkpoints_model(tmp_path, capsys, fake_
     attn = cost.attention(model.cfg, seq_len).flops
     assert f"attn={attn / 1e6:.3g}M" in out, (attn, out)
     assert fake_sbatch.argv is None
-    # a stage that has yet to run: --check checks the recipe's own shape and says so
+    # a stage that has yet to run (either source): --check checks the recipe's own shape and says
+    # so, and a job queued behind that stage is submitted
     later = tmp_path / "stage1"
     later.mkdir()
-    assert launch_slurm_main(argv[:1] + [f"model.init_from={later}"] + argv[2:-1]
-                             + ["parallel.ep=4", "--check"]) == 0
-    assert "the recipe's own model shape is checked" in capsys.readouterr().err
+    for key in ("model.init_from", "mtp.init_from"):
+        stage = argv[:1] + [f"{key}={later}"] + argv[2:-1] + ["parallel.ep=4"]
+        assert launch_slurm_main(stage + ["--check"]) == 0, capsys.readouterr().err
+        assert "the recipe's own model shape is checked" in capsys.readouterr().err
+        assert launch_slurm_main(stage + ["--sbatch-arg=--dependency=afterok:41"]) == 0
+        assert "submitted anyway, after --dependency=afterok:41" in capsys.readouterr().err
+        fake_sbatch.log.unlink()
+    # one that is there but cannot be read is an error, not a stage still to run
+    (hf / "model.safetensors").unlink()
+    assert launch_slurm_main(argv[:-1] + ["parallel.ep=4", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("tandem launch slurm: error:"), err
+    assert "no *.safetensors" in err and err.endswith("; nothing submitted\n"), err

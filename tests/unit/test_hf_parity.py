@@ -352,3 +352,20 @@ def test_a_yarn_export_also_carries_the_keys_transformers_4_reads(tmp_path):
     assert config["rope_theta"] == parameters["rope_theta"] == 10000.0
     back = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert logit_error(back, model) < 1e-4
+
+
+def test_an_mla_model_loads_its_export_whatever_its_unused_head_dim(tmp_path):
+    """MLA does not use model.head_dim (its widths are the qk_*/v_head_dim keys), so a model that
+    sets it loads its own export: the loader compared it ("resolved_head_dim: checkpoint 16 vs
+    model 8")."""
+    from tandem.models import TandemModel, flavors
+    from tandem.models.mtp_config import MTPConfig
+    from tandem.trainer.hf.importer import load_hf_weights
+
+    torch.manual_seed(0)
+    model = TandemModel(flavors.model_config("debug_mla", head_dim=8), MTPConfig(num_steps=1))
+    export_hf(model, str(tmp_path / "out"))
+    again = TandemModel(flavors.model_config("debug_mla", head_dim=8), MTPConfig(num_steps=1))
+    load_hf_weights(again, str(tmp_path / "out"))
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b) or name.endswith("tokens_per_expert"), name

@@ -124,13 +124,15 @@ def test_greedy_spec_equals_ar_under_bf16_autocast():
     assert acceptance_metrics(sp.stats)["acceptance_length"] > 1.2
 
 
-def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(monkeypatch):
+@pytest.mark.parametrize("flavor", ["debug", "debug_mla"])
+def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(flavor, monkeypatch):
     """Under bf16 autocast the KV buffers hold bf16, the dtype attention reads (models/state.py),
     not the parameters' fp32: the same keys reach attention, so greedy and sampled decodes (tokens,
-    acceptance counters) equal those of fp32 buffers, forced here as the reference."""
+    acceptance counters) equal those of fp32 buffers, forced here as the reference. MLA's cached
+    latents too (its latent norm's fp32 weight made them fp32)."""
     from tandem.models.state import DecodeCache
 
-    model = make_agreeing(tiny_model(3, 1, seed=6), 0.05, seed=6)
+    model = make_agreeing(tiny_model(3, 1, seed=6, flavor=flavor), 0.05, seed=6)
     allocate = DecodeCache._allocate
     dtypes = []
 

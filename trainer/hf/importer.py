@@ -322,6 +322,8 @@ def _fields_in_use(cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[str, ...
                                 *_ROUTING_FIELDS}
     if not dense_mlp:
         unused.add("intermediate_size")
+    if not cfg.uses_head_dim:  # MLA's widths are its own (compared below)
+        unused.add("resolved_head_dim")
     extra = ("kv_lora_rank",) + (_MLA_FIELDS if cfg.kv_lora_rank else ())
     return tuple(f for f in _SHAPE_FIELDS + _MATH_FIELDS + extra if f not in unused)
 

@@ -107,6 +107,10 @@ def adopt_checkpoint_config(cfg, explicit: FrozenSet[str] = frozenset()) -> List
         if key in keep or getattr(cfg.model, key) == value:
             continue
         if key in STAGE_SETTINGS and f"model.{key}" in explicit:
+            if cfg.train.freeze_trunk:
+                raise ConfigError(f"model.{key}={getattr(cfg.model, key)!r} differs from the "
+                                  f"frozen trunk's {value!r} (model.init_from): a frozen trunk "
+                                  "runs as it was trained; leave the key unset, or train the trunk")
             changed.append(f"model.{key}: {getattr(cfg.model, key)!r} as set (the checkpoint's "
                            f"{value!r})")
             continue
