@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 from tandem.models.config import ModelConfig
-from tandem.models.mtp_config import MTPConfig
 
-from .names import Src, UnsupportedCheckpoint
+from .names import Src, UnsupportedCheckpoint, required_field
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
@@ -50,9 +49,7 @@ def apply_config(hf: dict, cfg: ModelConfig) -> None:
                                     "routing is supported")
     cfg.num_experts = int(_get(hf, "n_routed_experts"))
     cfg.top_k = int(_get(hf, "num_experts_per_tok"))
-    cfg.moe_intermediate_size = int(hf.get("moe_intermediate_size") or 0)
-    if not cfg.moe_intermediate_size:
-        raise UnsupportedCheckpoint("deepseek_v3: config.json lacks 'moe_intermediate_size'")
+    cfg.moe_intermediate_size = int(required_field(hf, "deepseek_v3", "moe_intermediate_size"))
     cfg.num_shared_experts = int(_get(hf, "n_shared_experts"))
     cfg.first_k_dense = min(int(_get(hf, "first_k_dense_replace")), cfg.num_layers)
     cfg.norm_topk_prob = bool(_get(hf, "norm_topk_prob"))
@@ -90,17 +87,12 @@ def problems(cfg: ModelConfig) -> List[str]:
     return []
 
 
-def config_fields(cfg: ModelConfig, mtp: Optional[MTPConfig], n_mtp: int) -> dict:
-    """config.json's family-specific keys."""
+def config_fields(cfg: ModelConfig) -> dict:
+    """config.json's keys of this family beyond the experts and routing it spells as GLM-4.5 does
+    (families.hf_config)."""
     return dict(
         architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-        num_key_value_heads=cfg.num_heads, n_routed_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate_size,
-        n_shared_experts=cfg.num_shared_experts,
-        first_k_dense_replace=min(cfg.first_k_dense, cfg.num_layers),
-        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-        n_group=cfg.n_group, topk_group=cfg.topk_group, scoring_func="sigmoid",
-        topk_method="noaux_tc", kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        head_dim=cfg.qk_rope_head_dim, rope_interleave=True, num_nextn_predict_layers=n_mtp)
+        num_key_value_heads=cfg.num_heads, scoring_func="sigmoid", topk_method="noaux_tc",
+        kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim, rope_interleave=True)

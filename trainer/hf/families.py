@@ -33,7 +33,12 @@ from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
 from . import deepseek_v3, qwen4_exp
-from .names import FamilySpec, Src, UnsupportedCheckpoint  # noqa: F401  (re-exported)
+from .names import (  # noqa: F401  (FamilySpec, Src re-exported)
+    FamilySpec,
+    Src,
+    UnsupportedCheckpoint,
+    required_field,
+)
 from .rope import (
     legacy_rope_fields,
     read_yarn,
@@ -134,7 +139,7 @@ def _config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int]) -> M
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=0 if head_dim * heads == hidden else head_dim,
-        intermediate_size=int(_field(hf, name, "intermediate_size")), rope_theta=theta,
+        intermediate_size=int(required_field(hf, name, "intermediate_size")), rope_theta=theta,
         partial_rotary_factor=partial,
         # the families' config classes' defaults: GLM4-MoE's 1e-5, the others' 1e-6
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if name == "glm4_moe" else 1e-6)),
@@ -153,14 +158,6 @@ def _config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int]) -> M
     return cfg
 
 
-def _field(hf: dict, family: str, key: str):
-    """config.json's `key`, which this family's checkpoints must hold: UnsupportedCheckpoint naming
-    it when it is missing (a bare KeyError said nothing about the file)."""
-    if hf.get(key) is None:
-        raise UnsupportedCheckpoint(f"{family}: config.json lacks {key!r}")
-    return hf[key]
-
-
 def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """Qwen3-MoE's experts: softmax routing with an auxiliary balance loss, dense layers first."""
     experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
@@ -173,8 +170,8 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
             f"qwen3_moe: dense layers {dense} (from mlp_only_layers/decoder_sparse_step) are "
             "not a leading block; only first_k_dense is supported")
     cfg.num_experts, cfg.first_k_dense = experts, len(dense)
-    cfg.top_k = int(_field(hf, "qwen3_moe", "num_experts_per_tok"))
-    cfg.moe_intermediate_size = int(_field(hf, "qwen3_moe", "moe_intermediate_size"))
+    cfg.top_k = int(required_field(hf, "qwen3_moe", "num_experts_per_tok"))
+    cfg.moe_intermediate_size = int(required_field(hf, "qwen3_moe", "moe_intermediate_size"))
     cfg.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
     cfg.router_score, cfg.balance = "softmax", "aux_loss"
     cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", 1e-3))
@@ -183,10 +180,10 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
 def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """GLM-4.5's experts: grouped sigmoid routing, shared experts, aux-free balancing."""
     experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
-    cfg.num_experts = int(experts if experts is not None else _field(hf, "glm4_moe",
+    cfg.num_experts = int(experts if experts is not None else required_field(hf, "glm4_moe",
                                                                      "n_routed_experts"))
-    cfg.top_k = int(_field(hf, "glm4_moe", "num_experts_per_tok"))
-    cfg.moe_intermediate_size = int(_field(hf, "glm4_moe", "moe_intermediate_size"))
+    cfg.top_k = int(required_field(hf, "glm4_moe", "num_experts_per_tok"))
+    cfg.moe_intermediate_size = int(required_field(hf, "glm4_moe", "moe_intermediate_size"))
     cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
     # past the last layer it means every layer is dense, as first_k_dense = num_layers says
     cfg.first_k_dense = min(int(hf.get("first_k_dense_replace", 1)), cfg.num_layers)
@@ -436,13 +433,9 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
                     norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
                     mlp_only_layers=list(range(min(cfg.first_k_dense, cfg.num_layers))),
                     use_sliding_window=False, router_aux_loss_coef=cfg.aux_loss_coef)
-    elif family == "deepseek_v3":
-        base.update(deepseek_v3.config_fields(cfg, mtp, n_mtp))
     else:
-        base["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+        # GLM-4.5's and DeepSeek-V3's experts, routing and MTP layers are spelt alike
         base.update(
-            architectures=["Glm4MoeForCausalLM"],
-            model_type="glm4_moe",
             n_routed_experts=cfg.num_experts,
             num_experts_per_tok=cfg.top_k,
             moe_intermediate_size=cfg.moe_intermediate_size,
@@ -452,9 +445,14 @@ def hf_config(family: str, cfg: ModelConfig, mtp: Optional[MTPConfig]) -> Tuple[
             routed_scaling_factor=cfg.routed_scaling_factor,
             n_group=cfg.n_group,
             topk_group=cfg.topk_group,
-            use_qk_norm=cfg.qk_norm,
             num_nextn_predict_layers=n_mtp,
         )
+        if family == "deepseek_v3":
+            base.update(deepseek_v3.config_fields(cfg))
+        else:
+            base["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+            base.update(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
+                        use_qk_norm=cfg.qk_norm)
     base.update(legacy_rope_fields(base["rope_parameters"]))
     layout = "glm" if family in ("glm4_moe", "deepseek_v3") else "qwen3_next"
     if n_mtp and layout == "qwen3_next":

@@ -16,6 +16,14 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint's architecture (or one of its options) cannot be represented by this model."""
 
 
+def required_field(hf: dict, family: str, key: str):
+    """config.json's `key`, which this family's checkpoints must hold: UnsupportedCheckpoint naming
+    it when it is missing (a bare KeyError said nothing about the file)."""
+    if hf.get(key) is None:
+        raise UnsupportedCheckpoint(f"{family}: config.json lacks {key!r}")
+    return hf[key]
+
+
 @dataclass
 class FamilySpec:
     name: str
