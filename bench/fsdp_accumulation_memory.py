@@ -212,6 +212,8 @@ def worker(out_path: str, cases) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", action="store_true", help="also pp=2 x dp=2 (4 processes)")
+    ap.add_argument("--dtypes", default="fp32,bf16",
+                    help="comma-separated compute dtypes to measure (fp32, bf16)")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -220,17 +222,20 @@ def main(argv=None) -> int:
     from tandem.trainer.estimate import estimate
     from tandem.trainer.recipe import load_config
 
+    dtypes = args.dtypes.split(",")
+    if not dtypes or not set(dtypes) <= {"fp32", "bf16"}:
+        ap.error(f"--dtypes: fp32 and/or bf16, got {args.dtypes!r}")
     layouts = dict(LAYOUTS, **(PP_LAYOUTS if args.pp else {}))
     results = {}
     for layout, world in layouts.items():
-        cases = [f"{layout}|{dtype}|{mode}" for dtype in ("fp32", "bf16") for mode in MODES]
+        cases = [f"{layout}|{dtype}|{mode}" for dtype in dtypes for mode in MODES]
         results.update(run_under_torchrun(__file__, world, cases))
     print(f"{'layout':10s} {'dtype':5s} {'mode':5s} {'estimate MiB':>12s} "
           f"{'(states act gathered grad_buf accum)':>36s} "
           f"{'measured MiB':>12s} {'meas/est':>8s} {'AG MB':>7s} {'RS MB':>7s} {'step s':>7s}")
     ratios, deltas = [], []
     for layout, world in layouts.items():
-        for dtype in ("fp32", "bf16"):
+        for dtype in dtypes:
             est, meas = {}, {}
             for mode in MODES:
                 e = estimate(load_config(None, overrides(layout, dtype, mode)), world)

@@ -2,7 +2,9 @@
 torchrun): a gloo all_gather over the group of a device mesh that stays alive, as torch's DTensor
 caches keep a run's meshes alive, then either `tandem`'s exit (`--leave`:
 leave_distributed_process) or destroy_process_group and the interpreter's own exit, which often
-aborts a rank (docs/parallelism.md, "How a rank exits", has the rates)."""
+aborts a rank (docs/parallelism.md, "How a rank exits", has the rates). As a job of a shared
+launch (`main`, test_rank_exit.py) it gathers and keeps the mesh, and the launch leaves through
+`tandem`'s exit."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ def gather_over_a_kept_mesh():
     dist.all_gather(gathered, torch.tensor([float(dist.get_rank())]), group=mesh.get_group())
     assert [int(t) for t in gathered] == list(range(world)), gathered
     return mesh
+
+
+KEPT = []
+"""The shared launch's kept mesh (alive until the rank leaves)."""
+
+
+def main(argv) -> int:
+    KEPT.append(gather_over_a_kept_mesh())
+    return 0
 
 
 if __name__ == "__main__":

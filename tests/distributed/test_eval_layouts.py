@@ -17,9 +17,9 @@ from tests.distributed import eval_worker
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # Each path in the fewest layouts that check it (the suite's budget); what covers a left-out layout
-# is named. dp=2 and ep=2,pp=2: the flagship shapes below decode on replicas in lockstep with FSDP
-# over their batch ranks, and so does Qwen4-Exp's ep=2; tp=2,pp=2 + SP (1F1B): Qwen4-Exp's flagship
-# shape; the plain interleaved schedule: the flagship shape below.
+# is named. dp=2 and ep=2,pp=2: Qwen4-Exp's ep=2 and flagship shape below decode on replicas in
+# lockstep with FSDP over their batch ranks; tp=2,pp=2 + SP (1F1B): Qwen4-Exp's flagship shape; the
+# plain interleaved schedule: the flagship placement below.
 LAYOUTS = {
     # loss depths spread (layout lists separated by `:`): MTP depth 1 on the trunk's stage, the head
     # (the driver) and depth 2 on the next, so the decoder routes depth 1 to the other rank ...
@@ -38,10 +38,11 @@ LAYOUTS = {
     # rank its own heads' expansion, the latents replicated; weights whose tokens depend on the
     # attention
     f"tp=2,sequence_parallel=true,preset.mla=1,{eval_worker.HISTORY}": 2,
-    # the flagship recipe's layout shape (tp x ep x pp + SP, interleaved with 3 stages per rank,
-    # layers and depths placed by pp_balance), 8 ranks
-    "tp=2,ep=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,"
-    "pp_balance=true": 8,
+    # the flagship recipe's stage placement (interleaved with 3 stages per rank, layers and depths
+    # placed by pp_balance) under tp + SP, 4 ranks; with ep as well (8 ranks) through the CLI with
+    # trained weights (test_cli_layouts.py), and Qwen4-Exp's flagship shape below
+    "tp=2,pp=2,sequence_parallel=true,pp_schedule=interleaved_1f1b,pp_virtual_stages=3,"
+    "pp_balance=true": 4,
 }
 # Qwen4-Exp (eval_worker.QWEN4_*; its own one-process reference): the hc_count x hidden streams
 # between stages, PLE's token ids on every stage, stage caches with the decoder's ring size and
