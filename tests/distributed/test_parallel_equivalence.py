@@ -36,8 +36,8 @@ LAYOUTS = {
     f"tp=2,sequence_parallel=true,data.document_mask=true,{AUX}": 2,
     f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
     f"ep=2,pp=2,data.document_mask=true,{AUX}": 4,
-    # (plain tp x ep: this and the selective-checkpointing one below)
-    "tp=2,ep=2,dp_mode=allreduce": 4,
+    # (plain tp x ep: the selective-checkpointing one below; with all-reduce data parallelism: its
+    # bf16 twin)
     # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp;
     # with the vocab-parallel head's recomputing backward (the fused one, the default, runs
     # everywhere else)
@@ -86,16 +86,15 @@ LAYOUTS = {
 BF16 = "train.dtype=bf16"
 BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     "tp=2,sequence_parallel=true": 2,  # (plain tp: the flagship below)
-    # MLA in the flagship layout (its tp + SP alone: the fp32 layouts)
-    "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded,preset.mla=1": 8,
     # (1F1B: the pp x dp layouts; interleaved: the spread depths below)
     "pp=2,pp_schedule=gpipe": 2,
     "dp=2": 2,  # FSDP2 MixedPrecisionPolicy: bf16 all-gather, fp32 reduce-scatter
     "dp=2,dp_mode=allreduce": 2,
     "pp=2,dp=2": 4,  # FSDP's bf16 parameters make the stages exchange bf16 activations
     "tp=2,ep=2,dp_mode=allreduce": 4,
-    # the flagship layout, syncless dispatch (covers tp x ep and tp x pp + SP)
-    "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded": 8,
+    # the flagship layout, syncless dispatch (covers tp x ep and tp x pp + SP), with MLA (its tp +
+    # SP alone: the fp32 layouts; GQA in the flagship layout in bf16: test_piece_units.py)
+    "tp=2,ep=2,pp=2,sequence_parallel=true,ep_dispatch=padded,preset.mla=1": 8,
     # spread depths
     "pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 2,
     # all-reduce data parallelism with pieces two stages of a rank share: kept whole, and computing

@@ -41,8 +41,7 @@ LAYOUTS = {f"{layout},{Q4}": world for layout, world in {
     # table's rows are split over the stage's dp x ep x tp ranks (never gathered, out of FSDP):
     # every layout above and below with more than one rank per stage looks its ids up through the
     # all-to-alls
-    "tp=2": 2,  # (tp=2 + SP: with packed documents below)
-    "tp=2,ep=2,sequence_parallel=true": 4,
+    "tp=2": 2,  # (tp=2 + SP: with packed documents below; tp x ep + SP: the flagship layout)
     # packed documents kept apart (data.document_mask), with starts at the SP shard edge, one off
     # it, at position 1 and at the window's end (worker.global_batch): SP's gathered sequence, the
     # stage boundary (documents travel as positions) and the flagship layout
