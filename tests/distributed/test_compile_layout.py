@@ -1,5 +1,6 @@
 """train.compile under parallel layouts trains like the same layout run eagerly: tensor and sequence
-parallelism (tp2 + SP, two ranks; activation checkpointing none / full / selective in fp32) and
+parallelism (tp2 + SP, two ranks, with the load-balance and z losses; activation checkpointing
+none / full / selective in fp32) and
 expert parallelism under a pipeline (ep2 x pp2, four ranks, FSDP2 over the two expert-parallel
 batch ranks; selective checkpointing in bf16). Together they cover the flagship
 shape's pieces (tp2 x ep2 x pp2 + SP compiled on eight ranks costs the suite a minute of compiling
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 from tests.distributed.test_parallel_equivalence import (
+    AUX,
     BF16_EVIDENCE,
     BF16_GAP_FACTOR,
     BF16_ROUNDING,
@@ -44,18 +46,21 @@ from tests.distributed.test_parallel_equivalence import (
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BF16 = ",train.dtype=bf16"
-# Two layers, one per pipeline stage (a dense block, then a MoE block beside the MTP block): every
-# kind of block graph with as few graphs per rank as that allows; compiling is most of the test's
-# time.
-LAYOUTS = {"tp=2,sequence_parallel=true,model.num_layers=2": 2,
-           "ep=2,pp=2,model.num_layers=2": 4}
+# ep x pp: two layers, one per pipeline stage (a dense block, then a MoE block beside the MTP
+# block): every kind of block graph with as few graphs per rank as that allows; compiling is most of
+# the test's time.
+# tp2 + SP with the load-balance and z losses (their AuxLossGrad inside the compiled MoE graph), on
+# one MoE layer, whose graph the MTP block reuses: one graph to compile per rank (the dense block's
+# compiles in the ep x pp case)
+TP_SP = f"tp=2,sequence_parallel=true,model.num_layers=1,model.first_k_dense=0,{AUX}"
+LAYOUTS = {TP_SP: 2, "ep=2,pp=2,model.num_layers=2": 4}
 # Which checkpointing modes run compiled, per layout and dtype. Compiling is the cost (each rank
 # compiles its blocks once per dtype; the modes share those graphs), so ep x pp compiles in bf16
 # only, its production precision, where a lost gradient or a replayed wrong graph is O(1) off; the
 # tight fp32 comparison, which also catches rounding-sized faults, runs every mode at tp2 + SP.
 # (tp2 + SP compiled in bf16: its fp32 cases here and ep x pp's bf16 one, with
 # tests/unit/test_compile.py's bf16 case in one process.)
-MODES = {("tp=2,sequence_parallel=true,model.num_layers=2", ""): ("none", "full", "selective"),
+MODES = {(TP_SP, ""): ("none", "full", "selective"),
          ("ep=2,pp=2,model.num_layers=2", BF16): ("selective",)}
 # the eager twins: each compiled case's, and a bf16 case's fp32 one (the bf16 bound's scale)
 EAGER = {f"{layout}{dtype}": LAYOUTS[layout] for layout, bf16 in MODES for dtype in {bf16, ""}}
