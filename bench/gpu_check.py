@@ -71,8 +71,8 @@ SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.dp=1",
           "parallel.sequence_parallel=false", "eval.interval=0",
           "train.grad_accum_steps=1", "train.dtype=bf16", "train.activation_checkpointing=none"]
 # --quick: the same recipes shrunk until a 2-core CPU steps them in milliseconds, and eager (the
-# MoE recipe's regional compile costs a cold cache minutes there; tests/unit/test_compile.py and
-# the compiled layouts check compiled training)
+# MoE recipe's regional compile costs a cold cache minutes there; the compiled layouts of
+# tests/distributed/test_compile_layout.py check compiled training)
 TINY_QUICK = ["data.seq_len=64", "train.micro_batch_size=2"]
 MOE_QUICK = ["train.compile=false", "model.vocab_size=512", "model.hidden_size=64",
              "model.num_layers=2", "model.num_heads=2",
