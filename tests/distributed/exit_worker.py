@@ -28,16 +28,17 @@ def gather_over_a_kept_mesh():
 
 
 KEPT = []
-"""The shared launch's kept mesh (alive until the rank leaves)."""
+"""The kept mesh (alive until the rank leaves)."""
 
 
 def main(argv) -> int:
+    """Gather over a mesh and keep it (a shared launch's job; argv unused)."""
     KEPT.append(gather_over_a_kept_mesh())
     return 0
 
 
 if __name__ == "__main__":
-    KEPT = gather_over_a_kept_mesh()
+    main(sys.argv[1:])
     if "--leave" in sys.argv:
         leave_distributed_process(0)
     dist.destroy_process_group()

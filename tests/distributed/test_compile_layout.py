@@ -58,8 +58,8 @@ LAYOUTS = {TP_SP: 2, "ep=2,pp=2,model.num_layers=2": 4}
 # compiles its blocks once per dtype; the modes share those graphs), so ep x pp compiles in bf16
 # only, its production precision, where a lost gradient or a replayed wrong graph is O(1) off; the
 # tight fp32 comparison, which also catches rounding-sized faults, runs every mode at tp2 + SP.
-# (tp2 + SP compiled in bf16: its fp32 cases here and ep x pp's bf16 one, with
-# tests/unit/test_compile.py's bf16 case in one process.)
+# (tp2 + SP compiled in bf16: its fp32 cases here and ep x pp's bf16 one, with the throughput
+# bench's compiled bf16 runner in one process, tests/e2e/test_bench_smoke.py.)
 MODES = {(TP_SP, ""): ("none", "full", "selective"),
          ("ep=2,pp=2,model.num_layers=2", BF16): ("selective",)}
 # the eager twins: each compiled case's, and a bf16 case's fp32 one (the bf16 bound's scale)

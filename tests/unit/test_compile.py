@@ -4,11 +4,8 @@ router loads as eager training; the recomputation reruns the compiled forward un
 of it under `selective`, the routers count once).
 
 Compiled training against eager training step by step is tests/distributed/test_compile_layout.py's:
-tp2 + SP in fp32 (after three AdamW steps, losses within 1e-5 and parameters within 3e-5
-relative) and ep2 x pp2 in bf16.
-A one-process twin of each (fp32 and bf16, three steps) ran here until it cost the suite's cold
-compile cache about 100 s of CPU for no path the layouts and the checkpointing case below do not
-take."""
+tp2 + SP in fp32 with the load-balance and z losses (after three AdamW steps, losses within 1e-5 and
+parameters within 3e-5 relative) and ep2 x pp2 in bf16."""
 
 from __future__ import annotations
 
