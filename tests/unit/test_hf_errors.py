@@ -79,6 +79,9 @@ DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", v
     # a bare KeyError named neither the file nor the family
     ({k: v for k, v in DSV3.items() if k != "hidden_size"},
      "deepseek_v3: config.json lacks 'hidden_size'"),
+    # the model's own check, reported against the file rather than a key the user never wrote
+    (dict(DSV3, moe_intermediate_size=0), "deepseek_v3: config.json describes a model Tandem "
+     "cannot build: model.moe_intermediate_size must be positive"),
 ])
 def test_what_deepseek_v3_import_cannot_compute_is_named(fields, named, tmp_path):
     """DeepSeek-V3 and Kimi-K2 import (MLA, YaRN); the MLA families and options whose routing,

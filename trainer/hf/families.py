@@ -104,9 +104,15 @@ def model_config_from_hf(hf: dict, spec: FamilySpec,
     """The trunk config of a Hugging Face config.json (raises UnsupportedCheckpoint for options
     this model lacks)."""
     try:
-        return _config_from_hf(hf, spec, max_seq_len)
+        cfg = _config_from_hf(hf, spec, max_seq_len)
     except KeyError as exc:  # a bare KeyError named neither the file nor the family
         raise UnsupportedCheckpoint(f"{spec.name}: config.json lacks {exc.args[0]!r}") from None
+    try:
+        cfg.validate()
+    except ValueError as exc:  # it names the `model.*` key, which the user never wrote
+        raise UnsupportedCheckpoint(f"{spec.name}: config.json describes a model Tandem cannot "
+                                    f"build: {exc}") from None
+    return cfg
 
 
 def _config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int]) -> ModelConfig:
@@ -180,8 +186,9 @@ def _qwen3_moe_fields(hf: dict, cfg: ModelConfig) -> None:
 def _glm4_moe_fields(hf: dict, cfg: ModelConfig) -> None:
     """GLM-4.5's experts: grouped sigmoid routing, shared experts, aux-free balancing."""
     experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
-    cfg.num_experts = int(experts if experts is not None else required_field(hf, "glm4_moe",
-                                                                     "n_routed_experts"))
+    if experts is None:
+        experts = required_field(hf, "glm4_moe", "n_routed_experts")
+    cfg.num_experts = int(experts)
     cfg.top_k = int(required_field(hf, "glm4_moe", "num_experts_per_tok"))
     cfg.moe_intermediate_size = int(required_field(hf, "glm4_moe", "moe_intermediate_size"))
     cfg.num_shared_experts = int(hf.get("n_shared_experts", 1))
