@@ -74,10 +74,15 @@ def test_generate_onto_a_full_disk(ctx, tmp_path, monkeypatch, capsys):
 
 
 def test_report_onto_a_full_disk(ctx, tmp_path, monkeypatch, capsys):
+    """A figure that fails part-way leaves the earlier report's whole (it was truncated in
+    place)."""
     out = str(tmp_path / "rep")
+    assert main(["report", ctx.run, "--out", out]) == 0, capsys.readouterr().err
+    before = snapshot(out)
     full_disk_for(monkeypatch, ".png")
     line = _last_error(capsys, main(["report", ctx.run, "--out", out]))
     assert line == f"tandem report: error: [Errno 28] No space left on device: '{out}/losses.png'"
+    assert snapshot(out) == before
 
 
 def test_report_of_a_run_with_a_torn_config(ctx, tmp_path):
