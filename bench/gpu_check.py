@@ -268,7 +268,7 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
     from tandem.eval.metrics import distinct_n
     from tandem.trainer.loop import run_training
     from tandem.trainer.parallel.device import autocast_context
-    from tandem.trainer.recipe import load_config
+    from tandem.trainer.recipe import explicit_keys, load_config
     from tandem.trainer.run import build_run
 
     steps = args.spec_train_steps if args.spec_train_steps is not None else (15 if args.quick
@@ -292,7 +292,7 @@ def spec_decode(device, args, judged: bool, run_dir: str) -> None:
                          "MTP module, got "
                          f"{depth}")
     t0 = time.perf_counter()
-    trainer = build_run(cfg)
+    trainer = build_run(cfg, explicit=explicit_keys(TINY_RECIPE, overrides))  # as `tandem train`
     record = run_training(trainer)
     show("spec.train_steps", steps)
     show("spec.train_seconds", time.perf_counter() - t0, ".1f")

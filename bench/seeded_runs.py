@@ -55,17 +55,17 @@ def train_run(recipe: str, run_dir: str, steps: int, overrides: Sequence[str],
     """Train `recipe` for `steps` steps into run_dir (no evaluator, one final checkpoint), in this
     process; with `reuse`, a finished run of the same resolved config is kept instead."""
     from tandem.trainer.loop import train
-    from tandem.trainer.recipe import load_config
+    from tandem.trainer.recipe import explicit_keys, load_config
 
-    cfg = load_config(recipe,
-                      [f"train.max_steps={steps}", f"run.dir={run_dir}", "logging.wandb=false",
-                               "logging.progress=false", "eval.interval=0", "checkpoint.interval=0",
-                               "checkpoint.save_final=true", *overrides])
+    args = [f"train.max_steps={steps}", f"run.dir={run_dir}", "logging.wandb=false",
+            "logging.progress=false", "eval.interval=0", "checkpoint.interval=0",
+            "checkpoint.save_final=true", *overrides]
+    cfg = load_config(recipe, args)
     if reuse and _finished(run_dir, steps, cfg):
         print(f"reusing {run_dir} (finished, same config)", flush=True)
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)  # this bench's own run, trained afresh
-    train(cfg)
+    train(cfg, explicit=explicit_keys(recipe, args))  # as `tandem train` runs it
     return run_dir
 
 
