@@ -131,3 +131,8 @@ def test_compiled_bf16_layout_matches_eager(layout, runs):
     assert abs(norm
                - norm32) / norm32 > BF16_EVIDENCE, (f"{layout}: step-0 grad norm {norm} ~ fp32's "
                                                     f"{norm32}")
+    # ... and the eager bf16 run's (the same weights, bf16 rounding apart): the losses alone would
+    # miss a gradient the compiled graph loses or scales on a bf16-only path
+    norm16, gap_norm = ref["grad_norms"][0], max_rel(ref["grad_norms"][0], norm32)
+    assert abs(norm - norm16) / norm16 <= max(BF16_GAP_FACTOR * gap_norm, BF16_ROUNDING), \
+        f"{layout}: step-0 grad norm {norm} vs eager bf16 {norm16} (fp32 {norm32})"

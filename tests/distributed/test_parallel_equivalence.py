@@ -36,8 +36,9 @@ LAYOUTS = {
     f"tp=2,sequence_parallel=true,data.document_mask=true,{AUX}": 2,
     f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
     f"ep=2,pp=2,data.document_mask=true,{AUX}": 4,
-    # (plain tp x ep: the selective-checkpointing one below; with all-reduce data parallelism: its
-    # bf16 twin)
+    # (plain tp x ep: this and the selective-checkpointing one below) in fp32, where parameters
+    # are compared: all-reduce data parallelism over tp-sharded parameters, experts left out at dp=1
+    "tp=2,ep=2,dp_mode=allreduce": 4,
     # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp;
     # with the vocab-parallel head's recomputing backward (the fused one, the default, runs
     # everywhere else)
