@@ -320,12 +320,13 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None
                           else args.procs_per_node)
-    if not adopt_sources(cfg, args):
+    go_on, shape_known = adopt_sources(cfg, args)
+    if not go_on:
         return 2
     if not layout_fits(cfg, args, world):
         return 2
     run_dir = cfg.run.dir
-    if not resumable(cfg, args):
+    if not resumable(cfg, args, shape_known):
         return 2
     if args.check:
         print_check(cfg, args, world)

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from tandem.trainer.checkpoint import check_compatible
 from tandem.trainer.checkpoint_dirs import latest_checkpoint
@@ -21,7 +21,7 @@ from tandem.trainer.hf.init_from import resolve_init_from
 from tandem.trainer.materialize import mtp_checkpoint_step
 from tandem.trainer.parallel.validate import validate_layout
 from tandem.trainer.recipe import explicit_keys, to_yaml
-from tandem.trainer.run import adopt_init_from, earlier_run_files, past_max_steps
+from tandem.trainer.run import adopt_init_from, earlier_run_files, past_max_steps, pin_init_from
 
 
 def print_check(cfg, args: argparse.Namespace, world: int) -> None:
@@ -42,13 +42,13 @@ def print_check(cfg, args: argparse.Namespace, world: int) -> None:
               + "\n    ".join(lines))
 
 
-def resumable(cfg, args: argparse.Namespace) -> bool:
+def resumable(cfg, args: argparse.Namespace, shape_known: bool = True) -> bool:
     """The job always passes --resume: refuse now what `tandem train --resume` would refuse on the
     cluster (a newest complete checkpoint in run.dir of another model shape or tokenizer, or past
     train.max_steps), and an earlier run without a complete checkpoint that no launch of this
     recipe and overrides started (--resume would start it again from step 0, over its files);
-    False after printing the error. A recipe with model.init_from or mtp.init_from takes its shape
-    from that checkpoint when the job starts, so that check is left to the job."""
+    False after printing the error. `shape_known`: `adopt_sources` took the model from its
+    sources; a source not there yet leaves the shape check to the job."""
     found = latest_checkpoint(cfg.run.dir, report=False)
     why, past = None, past_max_steps(found, cfg.train.max_steps)
     if found is None:
@@ -59,7 +59,7 @@ def resumable(cfg, args: argparse.Namespace) -> bool:
                    "and the job's --resume would start it again from step 0")
     elif past:
         why = past
-    elif not (cfg.model.init_from or cfg.mtp.init_from):
+    elif shape_known:
         try:
             check_compatible(found[1], to_yaml(cfg))
         except (ValueError, OSError) as exc:
@@ -70,33 +70,37 @@ def resumable(cfg, args: argparse.Namespace) -> bool:
     return why is None
 
 
-def adopt_sources(cfg, args: argparse.Namespace) -> bool:
+def adopt_sources(cfg, args: argparse.Namespace) -> Tuple[bool, bool]:
     """The model a fine-tuning job trains: model.init_from's shape, tokenizer and MTP wiring (and
-    mtp.init_from's wiring), which the job takes from them as it starts (run.adopt_init_from);
-    taken here too, so that the layout check and `--check` see that model, not the recipe's
+    mtp.init_from's wiring), which the job takes from them as it starts (run.adopt_init_from),
+    read where a resume of run.dir's newest checkpoint reads them (run.pin_init_from); taken here
+    too, so that the layout, resume and `--check` checks see that model, not the recipe's
     placeholder. A source that is not there yet (a stage still to run) leaves the recipe's shape,
     with a note under `--check` (`sources_exist` decides whether to submit); one that is there but
     cannot be read or trained in this layout is an error (a job queued behind another's is
-    submitted with it as a note: that stage may still be writing it). False after printing the
-    error."""
+    submitted with it as a note: that stage may still be writing it). Returns (go on, the model's
+    shape is the one the job trains), after printing the error when not going on."""
     if not (cfg.model.init_from or cfg.mtp.init_from):
-        return True
+        return True, True
     missing = _missing_source(cfg)
     if missing is not None:
         if args.check:
             print(f"tandem launch slurm: the recipe's own model shape is checked ({missing})",
                   file=sys.stderr)
-        return True
+        return True, False
     try:
+        found = latest_checkpoint(cfg.run.dir, report=False)
+        if found is not None:
+            pin_init_from(cfg, found[1])
         adopt_init_from(cfg, explicit_keys(args.recipe, args.overrides))
     except (ValueError, OSError) as exc:  # ConfigError, CheckpointError, another tokenizer
         after = _dependency(args)
         if after and not args.check:
             print(f"tandem launch slurm: {exc}; submitted anyway, after {after}", file=sys.stderr)
-            return True
+            return True, False
         print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
-        return False
-    return True
+        return False, False
+    return True, True
 
 
 def sources_exist(cfg, args: argparse.Namespace) -> bool:

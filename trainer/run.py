@@ -349,15 +349,23 @@ def _sources(cfg: TandemConfig, resume: bool, explicit: FrozenSet[str]):
     model.init_from and mtp.init_from set to the step directories they read (a run directory's
     newest checkpoint moves on while that run trains)."""
     found = latest_checkpoint(cfg.run.dir) if resume else None
+    if found is not None:
+        pin_init_from(cfg, found[1])
+    return found, _adopt_init_from(cfg, explicit)
+
+
+def pin_init_from(cfg: TandemConfig, resumed: str) -> None:
+    """model.init_from and mtp.init_from set to the step directories the run being resumed from
+    the checkpoint at `resumed` started from (checkpoint.pinned_init_from), as a resume reads them;
+    `tandem launch slurm`, whose job resumes, pins them the same way to check that job."""
     for section, key in ((cfg.model, "model.init_from"), (cfg.mtp, "mtp.init_from")):
         given = section.init_from
-        if found is None or not given:
+        if not given:
             continue
-        section.init_from = pinned_init_from(found[1], given, key)
+        section.init_from = pinned_init_from(resumed, given, key)
         if given != section.init_from and int(os.environ.get("RANK", "0")) == 0:
             print(f"resume: {key}={given} is read at {section.init_from}, the checkpoint this run "
                   "started from", file=sys.stderr)
-    return found, _adopt_init_from(cfg, explicit)
 
 
 def build_run(cfg: TandemConfig, resume: bool = False,

@@ -5,6 +5,7 @@ changed. The cases run the `tandem` CLI in-process against a copy of one tiny 2-
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -203,6 +204,38 @@ def test_launch_into_checkpoints_of_another_shape(ctx, fake_sbatch, mode):
                      "has a different model shape: model.hidden_size: checkpoint 32 vs config 48")
     assert line.startswith("tandem launch slurm: error: checkpoint ") and "step_2" in line
     assert fake_sbatch.argv is None
+
+
+@pytest.fixture
+def wider_source(ctx, tmp_path):
+    """A copy of the earlier run whose checkpoint's config says hidden_size 48: a fine-tune's
+    model.init_from takes its shape from that config."""
+    source = tmp_path / "wider"
+    shutil.copytree(ctx.run, source)
+    for config in source.glob("**/config.yaml"):
+        config.write_text(config.read_text().replace("hidden_size: 32", "hidden_size: 48"))
+    return str(source)
+
+
+@pytest.mark.parametrize("mode", [[], ["--check"]], ids=["submit", "check"])
+def test_launch_fine_tune_into_checkpoints_of_another_shape(ctx, fake_sbatch, wider_source, mode):
+    """A fine-tune's job resumes run.dir's checkpoint with model.init_from's shape: refused now,
+    as the job would be (the launcher left that check to the job)."""
+    line = ctx.fails(["launch", "slurm", RECIPE, *ctx.base, f"model.init_from={wider_source}",
+                      *SIZES, *mode],
+                     "has a different model shape: model.hidden_size: checkpoint 32 vs config 48")
+    assert line.startswith("tandem launch slurm: error: checkpoint ") and "step_2" in line
+    assert fake_sbatch.argv is None
+
+
+def test_launch_fine_tune_into_its_own_run_submits(ctx, fake_sbatch, tmp_path, capsys):
+    """... and the same fine-tune requeued into its own run.dir (its checkpoint took the source's
+    shape and tokenizer) is submitted."""
+    run = str(tmp_path / "fine_tune")
+    fine_tune = [*ctx.base, f"model.init_from={ctx.run}", f"run.dir={run}"]
+    assert main(["train", RECIPE, *fine_tune, "train.max_steps=1"]) == 0, capsys.readouterr().err
+    assert main(["launch", "slurm", RECIPE, *fine_tune, *SIZES]) == 0, capsys.readouterr().err
+    assert fake_sbatch.argv is not None
 
 
 def test_launch_into_a_matching_run_submits(ctx, fake_sbatch, capsys):
