@@ -63,8 +63,8 @@ class DataConfig:
     packing: str = "pack"
     """source=jsonl: `pack` puts records back to back (each ending in EOD, kept apart by their doc
     ids: no target crosses a record; see document_mask), `pad` gives each record a window of its own
-    padded with EOD (a record longer than seq_len is refused; MoE loads and auxiliary losses leave
-    the padding out). source=megatron always packs."""
+    padded with EOD (a record longer than seq_len + 1 tokens is refused; MoE loads and auxiliary
+    losses leave the padding out). source=megatron always packs."""
     tokenizer: str = ""
     """Local tokenizer (a tokenizer.json file or a Hugging Face tokenizer directory); empty uses the
     tokenizer of `model.init_from` when it has one (a Hugging Face directory's, the one a Tandem
@@ -155,10 +155,10 @@ class ParallelConfig:
     rank does (2cp - 1)/cp times the mean quadratic work). docs/long_context.md compares them by
     estimate.py's per-rank FLOPs."""
     sequence_parallel: bool = False
-    """Shard activations along the sequence between TP regions (needs seq_len % tp == 0): norms and
-    residual adds hold 1/tp of the tokens each, each TP all-reduce becoming a reduce-scatter and an
-    all-gather of the same volume. Turn it on whenever tp > 1 and activation memory matters (the
-    cluster recipes do); off only to compare against plain TP."""
+    """Shard activations along the sequence between TP regions (needs seq_len % (tp x cp) == 0):
+    norms and residual adds hold 1/tp of the tokens each, each TP all-reduce becoming a
+    reduce-scatter and an all-gather of the same volume. Turn it on whenever tp > 1 and activation
+    memory matters (the cluster recipes do); off only to compare against plain TP."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: `1f1b` (one stage per rank; at most pp micro-batches' activations in
     flight: the default), `interleaved_1f1b` (pp_virtual_stages stages per rank: a smaller pipeline
@@ -179,11 +179,11 @@ class ParallelConfig:
     at or after the trunk's last stage, MTP depths in order; empty puts every depth on the last
     stage."""
     pp_balance: bool = False
-    """Choose pp_layout and pp_depth_stages to minimise the most expensive stage by estimate.py's
+    """Choose pp_layout and pp_depth_stages to minimise the most expensive stage by cost.py's
     training FLOPs (the vocabulary heads weigh several layers each); both must then be empty."""
     ep_dispatch: str = "exact"
     """How expert parallelism sends token copies to the ep rank holding their expert
-    (trainer/parallel/ tensor.py `ParallelExperts`); both are dropless and give the same outputs and
+    (trainer/parallel/expert.py `ParallelExperts`); both are dropless and give the same outputs and
     gradients. `exact` sends each destination exactly its copies: a variable-size all-to-all whose
     split sizes the host reads back, one device-to-host sync per MoE layer per forward
     (train.compile traces the read as symbolic sizes: one graph for every count). `padded` sends

@@ -112,8 +112,8 @@ class TrainConfig:
     """Recompute activations in backward, per transformer block (trunk and MTP layers): `none`,
     `full` (keep only each block's input) or `selective` (keep matmul and attention outputs;
     recompute norms, activations, rotary and routing). `none` when activations fit (fastest);
-    `selective` first when they do not (x0.74 of the peak memory on the tiny trunk for a little
-    recompute); `full` when that is still too much (x0.46, about one more forward per step)."""
+    `selective` first when they do not (less peak memory for a little recompute); `full` when that
+    is still too much (about one more forward per step). docs/results.md measures both."""
     compile: bool = False
     """`torch.compile` each transformer block's training forward (trunk and MTP layers; regional, as
     torchtitan does) under every parallel layout (TP/SP blocks with their DTensor parameters
