@@ -69,6 +69,7 @@ from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 from .config_checks import ConfigError
+from .files import write_replacing
 from .hf.reader import stop_ids
 from .parallel.device import resolve_device
 
@@ -403,15 +404,12 @@ def _write_outputs(path: str, spec, prompts) -> None:
     """One JSONL record per prompt: its ids, the continuation's and the row's acceptance counts.
     Written beside `path` and renamed over it, so a kill leaves the earlier file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        i = 0
-        for res in spec:
-            for b, out in enumerate(res.outputs):
-                rec = {"prompt_ids": prompts[i], "output_ids": out, **row_metrics(res.stats, b)}
-                f.write(json.dumps(rec) + "\n")
-                i += 1
-    os.replace(tmp, path)
+    records = []
+    for res in spec:
+        for b, out in enumerate(res.outputs):
+            records.append({"prompt_ids": prompts[len(records)], "output_ids": out,
+                            **row_metrics(res.stats, b)})
+    write_replacing(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
 
 
 def _read_source(args) -> list:

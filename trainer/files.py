@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator, Union
+from typing import IO, Callable, Iterator, Union
 
 
 @contextmanager
@@ -26,6 +26,24 @@ def write_synced(path: str, data: Union[str, bytes]) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_replacing(path: str, write: Callable[[IO], None], binary: bool = False) -> None:
+    """`write(f)` into `path`.tmp (text, or bytes when `binary`), synced, then renamed over `path`:
+    a write that fails part-way (a full disk) leaves the earlier file whole and no temporary
+    behind, and its OSError names `path`; a kill leaves the old file or the new one, never a
+    part."""
+    tmp = path + ".tmp"
+    try:
+        with naming(path), open(tmp, "wb" if binary else "w", encoding=None if binary
+                                else "utf-8") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def fsync_path(path: str) -> None:

@@ -18,7 +18,7 @@ import json
 import os
 from typing import List, Tuple
 
-from .files import naming
+from .files import naming, write_replacing
 
 
 class GenerateError(ValueError):
@@ -101,10 +101,5 @@ def rewrite_output(path: str, header: dict, records: List[dict]) -> None:
     for target, write in ((meta_path(path), lambda f: json.dump(header, f, indent=1)),
                           (path,
                            lambda f: f.write("".join(json.dumps(r) + "\n" for r in records)))):
-        tmp = f"{target}.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-        with naming(tmp), open(tmp, "w", encoding="utf-8") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        write_replacing(target, write)

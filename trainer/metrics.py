@@ -19,7 +19,7 @@ import uuid
 from typing import Optional
 
 from .config import TandemConfig
-from .files import naming
+from .files import naming, write_replacing
 from .recipe import as_dict
 
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -52,10 +52,7 @@ def truncate_metrics(path: str, last_step: int) -> None:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except json.JSONDecodeError:
                 continue  # a line torn by a crash mid-write
-    tmp = path + ".tmp"
-    with naming(tmp), open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    write_replacing(path, lambda f: f.writelines(kept))
 
 
 class MetricsLogger:

@@ -40,11 +40,11 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from .files import naming, write_synced
+from .files import write_replacing
 from .report_stats import differences, ema, final_rows, html_tables, interval, shifts, text_table
 
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
@@ -396,20 +396,6 @@ def _summary_table(runs: Sequence[Run]) -> str:
         for row in _summary_rows(runs))
 
 
-def _replace(path: str, write: Callable[[str], None], suffix: str) -> None:
-    """`write(tmp)` into a temporary file beside `path` (`suffix` keeps the format's extension),
-    then renamed over `path`: a write that fails part-way (a full disk) raises an OSError naming
-    `path`, and leaves the earlier report's file whole and no temporary behind."""
-    tmp = path[:path.rindex(".")] + suffix
-    try:
-        with naming(path):  # a full disk's error names no file
-            write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_SPAN) -> Dict[str,
                                                                                               str]:
     """Write one PNG per figure and `report.html` (figures inline as SVG, the final figures and
@@ -422,7 +408,8 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
     paths, sections = {}, []
     for name, fig in figures.items():
         path = os.path.join(out_dir, f"{name}.png")
-        _replace(path, lambda tmp, fig=fig: fig.savefig(tmp, dpi=110), ".partial.png")
+        write_replacing(path, lambda f, fig=fig: fig.savefig(f, format="png", dpi=110),
+                        binary=True)
         sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
                         '<div class="figure" '
                         f'id="figure-{html.escape(name)}">{_inline_svg(fig)}</div>')
@@ -444,7 +431,7 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
                                                           or "") + "\n" + _shift_list(runs) + "\n"
         + "\n".join(sections) + "\n</body></html>\n")
     html_path = os.path.join(out_dir, "report.html")
-    _replace(html_path, lambda tmp: write_synced(tmp, page), ".partial.html")
+    write_replacing(html_path, lambda f: f.write(page))
     paths["html"] = html_path
     paths["table"] = text_table(finals, diffs) if finals else ""
     return paths

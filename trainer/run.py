@@ -35,7 +35,7 @@ from .checkpoint_dirs import list_checkpoints, remove_unfinished_saves
 from .config import TandemConfig
 from .config_checks import ConfigError
 from .cost import hardware_flops_per_token, teacher_head_passes, training_flops_per_token
-from .files import naming, write_synced
+from .files import naming, write_replacing
 from .guard import BadStepGuard, rewind_headroom
 from .hf.init_from import (
     adopt_checkpoint_config,
@@ -211,9 +211,8 @@ def _refuse_an_earlier_run(run_dir: str) -> None:
 
 
 def write_config(run_dir: str, config_yaml: str) -> None:
-    tmp = os.path.join(run_dir, "config.yaml.tmp")
-    write_synced(tmp, config_yaml)  # synced: a power loss left a torn config.yaml after the rename
-    os.replace(tmp, os.path.join(run_dir, "config.yaml"))
+    # synced before the rename: a power loss left a torn config.yaml
+    write_replacing(os.path.join(run_dir, "config.yaml"), lambda f: f.write(config_yaml))
 
 
 def build_model(cfg: TandemConfig, pstate: ParallelState) -> nn.Module:

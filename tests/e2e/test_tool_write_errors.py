@@ -79,10 +79,10 @@ def test_report_onto_a_full_disk(ctx, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "rep")
     assert main(["report", ctx.run, "--out", out]) == 0, capsys.readouterr().err
     before = snapshot(out)
-    full_disk_for(monkeypatch, ".png")
+    full_disk_for(monkeypatch, ".png.tmp")
     line = _last_error(capsys, main(["report", ctx.run, "--out", out]))
     assert line == f"tandem report: error: [Errno 28] No space left on device: '{out}/losses.png'"
-    assert snapshot(out) == before
+    assert snapshot(out) == before  # ... and no temporary left beside it
 
 
 def test_report_of_a_run_with_a_torn_config(ctx, tmp_path):

@@ -16,9 +16,9 @@ def test_config_yaml(tmp_path, monkeypatch):
     full_disk_for(monkeypatch, "config.yaml.tmp")
     with pytest.raises(OSError) as info:
         run_module.write_config(str(tmp_path), "a: 1\n")
-    assert (info.value.errno, info.value.filename) == (errno.ENOSPC,
-                                                       str(tmp_path / "config.yaml.tmp"))
+    assert (info.value.errno, info.value.filename) == (errno.ENOSPC, str(tmp_path / "config.yaml"))
     assert (tmp_path / "config.yaml").read_text() == "earlier: 1\n"
+    assert not (tmp_path / "config.yaml.tmp").exists()
 
 
 def test_run_lock(tmp_path, monkeypatch):
