@@ -320,10 +320,19 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     world = args.nodes * (args.gpus_per_node if args.gpus_per_node is not None
                           else args.procs_per_node)
+    try:
+        cfg.eval.check_decoding_fits(cfg)  # as the job's first check
+    except ConfigError as exc:
+        print(f"tandem launch slurm: error: {exc}; nothing submitted", file=sys.stderr)
+        return 2
+    if cfg.device in ("cuda", "npu") and args.gpus_per_node is None:
+        print(f"tandem launch slurm: device={cfg.device} with --procs-per-node requests no "
+              "accelerators (no --gres line): the job sees them only where the cluster does not "
+              "confine devices; --gpus-per-node asks for them", file=sys.stderr)
     go_on, shape_known = adopt_sources(cfg, args)
     if not go_on:
         return 2
-    if not layout_fits(cfg, args, world):
+    if not layout_fits(cfg, args, world, shape_known):
         return 2
     run_dir = cfg.run.dir
     if not resumable(cfg, args, shape_known):

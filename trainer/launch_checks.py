@@ -6,22 +6,31 @@ parameter and memory figures. Each check prints its one-line error and returns F
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
+from tandem.data_pipeline.chat import expand_paths
+from tandem.data_pipeline.dataset import check_prefix, parse_blend
 from tandem.trainer.checkpoint import check_compatible
 from tandem.trainer.checkpoint_dirs import latest_checkpoint
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.context_cost import cp_sweep, device_fit
 from tandem.trainer.estimate import _count_params, estimate
-from tandem.trainer.hf.init_from import resolve_init_from
+from tandem.trainer.hf.init_from import make_reference, resolve_init_from
 from tandem.trainer.materialize import mtp_checkpoint_step
-from tandem.trainer.parallel.validate import validate_layout
+from tandem.trainer.parallel.validate import layout_dp, validate_layout
 from tandem.trainer.recipe import explicit_keys, to_yaml
-from tandem.trainer.run import adopt_init_from, earlier_run_files, past_max_steps, pin_init_from
+from tandem.trainer.run import (
+    adopt_init_from,
+    check_frozen_reference,
+    earlier_run_files,
+    past_max_steps,
+    pin_init_from,
+)
 
 
 def print_check(cfg, args: argparse.Namespace, world: int) -> None:
@@ -44,13 +53,17 @@ def print_check(cfg, args: argparse.Namespace, world: int) -> None:
 
 def resumable(cfg, args: argparse.Namespace, shape_known: bool = True) -> bool:
     """The job always passes --resume: refuse now what `tandem train --resume` would refuse on the
-    cluster (a newest complete checkpoint in run.dir of another model shape or tokenizer, or past
-    train.max_steps), and an earlier run without a complete checkpoint that no launch of this
-    recipe and overrides started (--resume would start it again from step 0, over its files);
-    False after printing the error. `shape_known`: `adopt_sources` took the model from its
-    sources; a source not there yet leaves the shape check to the job."""
+    cluster (a newest complete checkpoint in run.dir of another model shape or tokenizer, trained on
+    another frozen trunk, or past train.max_steps), a checkpoint at train.max_steps (the job would
+    train nothing), and an earlier run without a complete checkpoint that no launch of this recipe
+    and overrides started (--resume would start it again from step 0, over its files); False after
+    printing the error. `shape_known`: `adopt_sources` took the model from its sources; a source
+    not there yet leaves the shape and trunk checks to the job."""
     found = latest_checkpoint(cfg.run.dir, report=False)
     why, past = None, past_max_steps(found, cfg.train.max_steps)
+    if found is not None and found[0] == cfg.train.max_steps:
+        past = (f"run.dir's newest checkpoint {found[1]} is at config key 'train.max_steps'="
+                f"{cfg.train.max_steps}, so the job would train nothing: raise it")
     if found is None:
         held = earlier_run_files(cfg.run.dir) if os.path.isdir(cfg.run.dir) else []
         if held and not launched_before(cfg.run.dir, args):
@@ -62,12 +75,19 @@ def resumable(cfg, args: argparse.Namespace, shape_known: bool = True) -> bool:
     elif shape_known:
         try:
             check_compatible(found[1], to_yaml(cfg))
+            frozen = cfg.model.init_from and cfg.train.freeze_trunk
+            check_frozen_reference(found[1], make_reference(cfg.model.init_from) if frozen
+                                   else None)
         except (ValueError, OSError) as exc:
-            why = f"{' '.join(str(exc).split())} (the job runs tandem train --resume)"
+            why = f"{exc} (the job runs tandem train --resume)"
     if why:
-        print(f"tandem launch slurm: error: {why}; choose another run.dir; nothing submitted",
-              file=sys.stderr)
+        _refuse_run_dir(why)
     return why is None
+
+
+def _refuse_run_dir(why: str) -> None:
+    print(f"tandem launch slurm: error: {' '.join(why.split())}; choose another run.dir; nothing "
+          "submitted", file=sys.stderr)
 
 
 def adopt_sources(cfg, args: argparse.Namespace) -> Tuple[bool, bool]:
@@ -88,10 +108,14 @@ def adopt_sources(cfg, args: argparse.Namespace) -> Tuple[bool, bool]:
             print(f"tandem launch slurm: the recipe's own model shape is checked ({missing})",
                   file=sys.stderr)
         return True, False
-    try:
-        found = latest_checkpoint(cfg.run.dir, report=False)
+    found = latest_checkpoint(cfg.run.dir, report=False)
+    try:  # run.dir's own checkpoint: no dependency mends it
         if found is not None:
             pin_init_from(cfg, found[1])
+    except (ValueError, OSError) as exc:
+        _refuse_run_dir(f"{exc} (the job runs tandem train --resume)")
+        return False, False
+    try:
         adopt_init_from(cfg, explicit_keys(args.recipe, args.overrides))
     except (ValueError, OSError) as exc:  # ConfigError, CheckpointError, another tokenizer
         after = _dependency(args)
@@ -104,12 +128,13 @@ def adopt_sources(cfg, args: argparse.Namespace) -> Tuple[bool, bool]:
 
 
 def sources_exist(cfg, args: argparse.Namespace) -> bool:
-    """Whether the checkpoints model.init_from and mtp.init_from name are there (the job reads them
-    as it starts, on every node it was given); False after printing the error. `--check` and
-    `--dry-run` submit nothing, so they pass a recipe whose stage has yet to run; so does a job
-    queued behind that stage's (`--sbatch-arg=--dependency=afterok:<job>`), which checks them as it
-    starts."""
-    missing = _missing_source(cfg)
+    """Whether the checkpoints model.init_from and mtp.init_from name, the data and data.tokenizer
+    are there (the job reads them as it starts, on every node it was given), and run.dir is free;
+    False after printing the error. `--check` and `--dry-run` submit nothing, so they pass a recipe
+    whose stage has yet to run; so does a job queued behind another
+    (`--sbatch-arg=--dependency=afterok:<job>`: the stage or preprocessing that writes them, the run
+    that holds run.dir), which checks them as it starts."""
+    missing = _missing_source(cfg) or _missing_data(cfg) or _held_run_dir(cfg.run.dir)
     if missing is None:
         return True
     after = _dependency(args)
@@ -129,6 +154,41 @@ def _missing_source(cfg) -> Optional[str]:
             mtp_checkpoint_step(cfg.mtp.init_from)
     except (FileNotFoundError, ConfigError) as exc:
         return str(exc)
+    return None
+
+
+def _missing_data(cfg) -> Optional[str]:
+    """Why the job's data is not there (a Megatron prefix's files, a record file, data.tokenizer),
+    or None; the embedded corpus is prepared by the job itself."""
+    data = cfg.data
+    if data.tokenizer and not os.path.exists(os.path.expanduser(data.tokenizer)):
+        return f"config key 'data.tokenizer'={data.tokenizer!r}: no such file or directory"
+    try:
+        for key in ("paths", "valid_paths"):
+            values = getattr(data, key)
+            if values and data.source == "megatron":
+                for prefix in parse_blend(values)[0]:
+                    check_prefix(prefix)
+            elif values and data.source == "jsonl":
+                expand_paths(values)
+    except (ValueError, OSError) as exc:
+        return f"config key 'data.{key}': {exc}"
+    return None
+
+
+def _held_run_dir(run_dir: str) -> Optional[str]:
+    """Why run.dir is taken (a running run holds its lock: the job would refuse it), or None."""
+    lock = os.path.join(run_dir, ".tandem.lock")
+    if not os.path.isfile(lock):
+        return None
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+        except BlockingIOError:
+            holder = " ".join(f.read().split()) or "another process"
+            return f"config key 'run.dir'={run_dir!r} is in use by a running run ({holder})"
+        except OSError:
+            pass  # no flock on this file system: the job runs unlocked too
     return None
 
 
@@ -153,12 +213,21 @@ def launched_before(run_dir: str, args: argparse.Namespace) -> bool:
     return False
 
 
-def layout_fits(cfg, args: argparse.Namespace, world: int) -> bool:
+def layout_fits(cfg, args: argparse.Namespace, world: int, shape_known: bool = True) -> bool:
     """What `tandem train` checks before any work, for the world size the job will have; False after
-    printing the error."""
-
+    printing the error. A job queued behind the stage that writes its model.init_from
+    (`shape_known` False) has only the recipe's own shape, which that checkpoint replaces: a shape
+    check that fails is then a note, and the job checks the layout as it starts."""
+    after = None if shape_known or args.check else _dependency(args)
     try:
-        validate_layout(cfg, world)
+        layout_dp(cfg, world)  # the degrees against the world size: no shape involved
+        try:
+            validate_layout(cfg, world)
+        except ConfigError as exc:
+            if not after:
+                raise
+            print(f"tandem launch slurm: {exc} with the recipe's own model shape; submitted "
+                  f"anyway, after {after}", file=sys.stderr)
     except ConfigError as exc:
         print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
               f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)

@@ -3,6 +3,7 @@ naming the flag, file or key, before the checkpoint is read or a job submitted, 
 changed. The cases run the `tandem` CLI in-process against a copy of one tiny 2-step run
 (test_bad_input.py's fixtures)."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -236,6 +237,85 @@ def test_launch_fine_tune_into_its_own_run_submits(ctx, fake_sbatch, tmp_path, c
     assert main(["train", RECIPE, *fine_tune, "train.max_steps=1"]) == 0, capsys.readouterr().err
     assert main(["launch", "slurm", RECIPE, *fine_tune, *SIZES]) == 0, capsys.readouterr().err
     assert fake_sbatch.argv is not None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the evaluator's decoding, the job's first check
+    (["eval.interval=2", "eval.prompt_len=60"], "4K+5=13 (K=2) exceed model.max_seq_len=64"),
+    # the job would build the data and the model to print "nothing to train"
+    (["train.max_steps=2"], "is at config key 'train.max_steps'=2, so the job would train "
+                            "nothing"),
+])
+def test_launch_refuses_what_the_job_refuses_at_start(ctx, fake_sbatch, overrides, message):
+    ctx.fails(["launch", "slurm", RECIPE, *ctx.base, *overrides, *SIZES], message)
+    assert fake_sbatch.argv is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.source=megatron", "data.paths=[/nonexistent/corpus]"],
+     "config key 'data.paths': dataset /nonexistent/corpus: missing"),
+    (["data.source=jsonl", "data.paths=[/nonexistent/chat.jsonl]", "data.tokenizer={tok}"],
+     "config key 'data.paths': data file not found"),
+    (["data.tokenizer=/nonexistent/tokenizer.json"],
+     "config key 'data.tokenizer'='/nonexistent/tokenizer.json': no such file"),
+])
+def test_launch_refuses_data_the_job_cannot_read(ctx, fake_sbatch, tmp_path, overrides, message):
+    fresh = [f"run.dir={tmp_path / 'fresh'}"]
+    (tmp_path / "tokenizer.json").write_text("{}")  # there; the job reads it
+    overrides = [o.format(tok=tmp_path / "tokenizer.json") for o in overrides]
+    ctx.fails(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES], message)
+    assert fake_sbatch.argv is None
+    # ... unless the job waits on the one that writes it
+    assert main(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES,
+                 "--sbatch-arg=--dependency=afterok:7"]) == 0
+    assert fake_sbatch.argv is not None
+
+
+def test_launch_into_a_run_dir_a_running_run_holds(ctx, fake_sbatch, capsys):
+    with open(os.path.join(ctx.run, ".tandem.lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.truncate(0)
+        held.write("pid 1 on node7\n")
+        held.flush()
+        ctx.fails(["launch", "slurm", RECIPE, *ctx.base, *SIZES],
+                  f"'run.dir'='{ctx.run}' is in use by a running run (pid 1 on node7)")
+        assert fake_sbatch.argv is None
+        assert main(["launch", "slurm", RECIPE, *ctx.base, *SIZES,
+                     "--sbatch-arg=--dependency=afterany:7"]) == 0
+        assert "submitted anyway, after --dependency=afterany:7" in capsys.readouterr().err
+
+
+def test_launch_frozen_trunk_fine_tune_resumed_unfrozen(ctx, fake_sbatch, tmp_path, capsys):
+    """A checkpoint holding only the MTP module resumes only on the trunk it was trained on."""
+    run = str(tmp_path / "frozen")
+    fine_tune = [*ctx.base, f"model.init_from={ctx.run}", f"run.dir={run}"]
+    assert main(["train", RECIPE, *fine_tune, "train.freeze_trunk=true",
+                 "train.max_steps=1"]) == 0, capsys.readouterr().err
+    ctx.fails(["launch", "slurm", RECIPE, *fine_tune, "train.freeze_trunk=false", *SIZES],
+              "was trained on the frozen trunk")
+    assert fake_sbatch.argv is None
+
+
+def test_launch_behind_the_stage_that_writes_its_source(ctx, fake_sbatch, tmp_path, capsys):
+    """The recipe's own shape (4 experts) does not split over ep=3, the source's may: a note, and
+    the job checks the layout as it starts; degrees that do not make up the world size are refused
+    whatever the shape."""
+    behind = [*ctx.base, f"model.init_from={tmp_path / 'stage_1'}", f"run.dir={tmp_path / 'b'}",
+              "parallel.ep=3", "--nodes", "1", "--procs-per-node", "3",
+              "--sbatch-arg=--dependency=afterok:7"]
+    assert main(["launch", "slurm", RECIPE, *behind]) == 0
+    assert "with the recipe's own model shape; submitted anyway" in capsys.readouterr().err
+    assert fake_sbatch.argv is not None
+    assert main(["launch", "slurm", RECIPE, *behind[:-3], "--procs-per-node", "2",
+                 behind[-1]]) == 2
+    assert "is not divisible by parallel.tp*pp*cp*ep" in capsys.readouterr().err
+
+
+def test_launch_accelerators_without_gres_is_noted(ctx, capsys):
+    assert main(["launch", "slurm", RECIPE, *ctx.base, "device=cuda", *SIZES, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "--gres" not in out
+    assert "device=cuda with --procs-per-node requests no accelerators" in err
 
 
 def test_launch_into_a_matching_run_submits(ctx, fake_sbatch, capsys):

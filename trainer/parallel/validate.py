@@ -55,6 +55,25 @@ def pipeline_microbatches(cfg: TandemConfig) -> int:
                       "train.grad_accum_steps)")
 
 
+def layout_dp(cfg: TandemConfig, world_size: int) -> int:
+    """The data-parallel degree of the parallel section at `world_size`, which needs no model
+    shape; ConfigError when the degrees do not make up the world size."""
+    p = cfg.parallel
+    # the section's own values, as load_config checked them (a config edited since included)
+    p.validate(cfg)
+    model_parallel = p.tp * p.pp * p.cp * p.ep
+    if p.dp:
+        if p.dp * model_parallel != world_size:
+            raise ConfigError(f"parallel.tp*pp*cp*ep*dp = {p.tp}*{p.pp}*{p.cp}*{p.ep}*{p.dp} = "
+                              f"{p.dp * model_parallel} "
+                              f"does not equal the world size {world_size}")
+        return p.dp
+    if world_size % model_parallel:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*pp*cp*ep = "
+                          f"{p.tp}*{p.pp}*{p.cp}*{p.ep} = {model_parallel}")
+    return world_size // model_parallel
+
+
 def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     """Check the parallel layout against the model, the batch and the world size; return dp.
 
@@ -66,20 +85,7 @@ def validate_layout(cfg: TandemConfig, world_size: int) -> int:
     tp, and tensor-parallel widths (vocab, MLP, shared expert) not divisible by tp.
     """
     p, m = cfg.parallel, cfg.model
-    # the section's own values, as load_config checked them (a config edited since included)
-    p.validate(cfg)
-    model_parallel = p.tp * p.pp * p.cp * p.ep
-    if p.dp:
-        dp = p.dp
-        if dp * model_parallel != world_size:
-            raise ConfigError(f"parallel.tp*pp*cp*ep*dp = {p.tp}*{p.pp}*{p.cp}*{p.ep}*{dp} = "
-                              f"{dp * model_parallel} "
-                              f"does not equal the world size {world_size}")
-    else:
-        if world_size % model_parallel:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*pp*cp*ep = "
-                              f"{p.tp}*{p.pp}*{p.cp}*{p.ep} = {model_parallel}")
-        dp = world_size // model_parallel
+    dp = layout_dp(cfg, world_size)
     if p.cp > 1:
         validate_context_parallel(cfg)
     if p.tp > 1:
