@@ -29,10 +29,10 @@ def write_synced(path: str, data: Union[str, bytes]) -> None:
 
 
 def write_replacing(path: str, write: Callable[[IO], None], binary: bool = False) -> None:
-    """`write(f)` into `path`.tmp (text, or bytes when `binary`), synced, then renamed over `path`:
-    a write that fails part-way (a full disk) leaves the earlier file whole and no temporary
-    behind, and its OSError names `path`; a kill leaves the old file or the new one, never a
-    part."""
+    """`write(f)` into `path`.tmp (text, or bytes when `binary`), synced, then renamed over `path`
+    (a link at `path` is replaced, not written through): a write that fails part-way (a full disk)
+    leaves the earlier file whole and no temporary behind, and an OSError from the writes that
+    names no file names `path`; a kill leaves the old file or the new one, never a part."""
     tmp = path + ".tmp"
     try:
         with naming(path), open(tmp, "wb" if binary else "w", encoding=None if binary

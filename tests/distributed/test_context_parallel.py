@@ -42,13 +42,14 @@ LAYOUTS = {
     # MTP depth 1's QSA selection (this rank's queries over the window's blocks) crosses a stage
     # boundary
     f"cp=2,pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1],{Q4},{DOCS}": 4,
-    # tp x ep + SP with context parallelism on 8 ranks, on the seed model (every layer kind; the
-    # full-attention families' pieces are each in a layout above): a stage mesh of cp x ep x tp,
-    # PLE's table split 8 ways, the router loads summed over it (covers cp x tp + SP and cp x ep).
-    # With pp as well (the flagship's 16 ranks) it cost the suite's 2 cores a minute and a half;
-    # cp x pp is in the two layouts above (tp x pp x cp + SP on 8 ranks took 11 s against this
-    # one's 16 on the shared launch)
+    # the flagship's degrees with context parallelism on 8 ranks, on the seed model (every layer
+    # kind; the full-attention families' pieces are each in a layout above), three at a time (all
+    # four, 16 ranks, cost the suite's 2 cores a minute and a half): tp x ep + SP, a stage mesh of
+    # cp x ep x tp with PLE's table split 8 ways and the router loads summed over it (16 s on the
+    # shared launch), and tp x pp + SP, whose stages exchange activations cut by both tp and cp
+    # (11 s; covers cp x tp + SP)
     f"tp=2,ep=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 8,
+    f"tp=2,pp=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 8,
 }
 BF16_LAYOUTS = {
     f"cp=2,{DOCS},{eq.BF16}": 2,

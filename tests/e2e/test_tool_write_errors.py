@@ -74,8 +74,9 @@ def test_generate_onto_a_full_disk(ctx, tmp_path, monkeypatch, capsys):
 
 
 def test_report_onto_a_full_disk(ctx, tmp_path, monkeypatch, capsys):
-    """A figure that fails part-way leaves the earlier report's whole (it was truncated in
-    place)."""
+    """A figure that fails part-way leaves the earlier report's file whole (it was truncated in
+    place); figures written before it are the new report's (each file is replaced whole, not the
+    report as one)."""
     out = str(tmp_path / "rep")
     assert main(["report", ctx.run, "--out", out]) == 0, capsys.readouterr().err
     before = snapshot(out)
