@@ -42,6 +42,7 @@ from tandem.data_pipeline.tokenizer import (
     TandemTokenizer,
     copy_tokenizer,
     tokenizer_file,
+    tokenizer_fingerprint,
 )
 from tandem.models import TandemModel
 
@@ -288,7 +289,14 @@ def check_compatible(path: str, config_yaml: str) -> None:
         raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
     tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source",
                                                                        "data.tokenizer",
-                                                                       "data.vocab_size")]
+                                                                       "data.vocab_size")
+                 and not (d.startswith("data.tokenizer:")
+                          and _recorded_tokenizer_is(path, current.data.tokenizer))]
+    if (not tokenizer and current.data.tokenizer and tokenizer_file(path)
+            and tokenizer_file(current.data.tokenizer)
+            and not _recorded_tokenizer_is(path, current.data.tokenizer)):
+        tokenizer = [f"data.tokenizer: {current.data.tokenizer} no longer holds the tokenizer the "
+                     "checkpoint recorded (its tokenizer.json)"]
     if tokenizer:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: "
                          + "; ".join(tokenizer))
@@ -299,6 +307,19 @@ def check_compatible(path: str, config_yaml: str) -> None:
         raise ValueError(f"checkpoint {path} was trained at another window ({window[0]}): its "
                          "sample stream does not continue at another data.seq_len; start a new "
                          f"stage from it with model.init_from={path} in another run.dir")
+
+
+def _recorded_tokenizer_is(step_dir: str, tokenizer: str) -> bool:
+    """Whether `tokenizer` (data.tokenizer) gives the ids of the tokenizer the checkpoint recorded
+    (its copy, by tokenizer_fingerprint): the same tokenizer at another path, e.g. a fine-tune's
+    source step pruned by its run, whose newer step holds the same tokenizer."""
+    recorded = tokenizer_file(step_dir)
+    given = tokenizer_file(tokenizer) if tokenizer else None
+    try:
+        return (recorded is not None and given is not None
+                and tokenizer_fingerprint(recorded) == tokenizer_fingerprint(given))
+    except (ValueError, OSError):  # unreadable: not shown to be the same
+        return False
 
 
 RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "indexer_loss_coef",

@@ -370,6 +370,39 @@ def test_resume_into_a_different_tokenizer(ctx):
               "400")
 
 
+def _tokenizer_copy(ctx, dest, swap=False):
+    """The run's tokenizer (its checkpoint's copy) at another path; `swap`: two ids exchanged."""
+    data = json.loads(open(os.path.join(ctx.run, "checkpoints", "step_2", "tokenizer.json")).read())
+    if swap:
+        vocab = data["model"]["vocab"]
+        a, b = list(vocab)[300:302]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(data))
+    return str(dest)
+
+
+def test_resume_reads_the_same_tokenizer_at_another_path(ctx, tmp_path, capsys):
+    """A fine-tune whose source step was pruned reads the same tokenizer from a newer step: the
+    checkpoint's recorded copy decides, not the path."""
+    same = _tokenizer_copy(ctx, tmp_path / "elsewhere" / "tokenizer.json")
+    assert main(["train", RECIPE, *ctx.base, f"data.tokenizer={same}", "--resume"]) == 0, \
+        capsys.readouterr().err
+    other = _tokenizer_copy(ctx, tmp_path / "other" / "tokenizer.json", swap=True)
+    ctx.before = snapshot(ctx.run)
+    ctx.fails(["train", RECIPE, *ctx.base, "train.max_steps=4", f"data.tokenizer={other}",
+               "--resume"], "was trained with a different tokenizer: data.tokenizer: ")
+
+
+def test_resume_onto_a_tokenizer_rewritten_in_place(ctx, tmp_path, capsys):
+    tok = _tokenizer_copy(ctx, tmp_path / "tok" / "tokenizer.json")
+    run = [*ctx.base, f"run.dir={tmp_path / 'own'}", f"data.tokenizer={tok}"]
+    assert main(["train", RECIPE, *run, "train.max_steps=1"]) == 0, capsys.readouterr().err
+    _tokenizer_copy(ctx, tmp_path / "tok" / "tokenizer.json", swap=True)
+    ctx.fails(["train", RECIPE, *run, "--resume"],
+              f"data.tokenizer: {tok} no longer holds the tokenizer the checkpoint recorded")
+
+
 def test_resume_at_another_window(ctx):
     """A resume at another data.seq_len read the saved count of samples as windows of the new
     length: other tokens, in another order, and consumed_tokens mixing the two lengths. A window
