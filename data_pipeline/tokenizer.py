@@ -307,6 +307,18 @@ def _default_eod(path: str) -> Optional[str]:
         return None
 
 
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether the tokenizers at paths `a` and `b` give the same ids (tokenizer_fingerprint) and
+    load with the same end-of-document token (a side file's EOS changes it); False when either has
+    no tokenizer.json or cannot be read."""
+    files = [tokenizer_file(a), tokenizer_file(b)]
+    try:
+        return (None not in files and tokenizer_fingerprint(files[0]) == tokenizer_fingerprint(
+            files[1]) and _default_eod(os.path.abspath(a)) == _default_eod(os.path.abspath(b)))
+    except (ValueError, OSError):
+        return False
+
+
 def saved_tokenizer(directory: str) -> Optional[str]:
     """What to load for the tokenizer `copy_tokenizer` wrote into `directory` (a checkpoint): the
     directory when side files came with it, else its bare tokenizer.json; None without one."""

@@ -41,8 +41,9 @@ from tandem.data_pipeline.tokenizer import (
     TOKENIZER_SIDE_FILES,
     TandemTokenizer,
     copy_tokenizer,
+    same_tokenizer,
+    saved_tokenizer,
     tokenizer_file,
-    tokenizer_fingerprint,
 )
 from tandem.models import TandemModel
 
@@ -310,16 +311,11 @@ def check_compatible(path: str, config_yaml: str) -> None:
 
 
 def _recorded_tokenizer_is(step_dir: str, tokenizer: str) -> bool:
-    """Whether `tokenizer` (data.tokenizer) gives the ids of the tokenizer the checkpoint recorded
-    (its copy, by tokenizer_fingerprint): the same tokenizer at another path, e.g. a fine-tune's
-    source step pruned by its run, whose newer step holds the same tokenizer."""
-    recorded = tokenizer_file(step_dir)
-    given = tokenizer_file(tokenizer) if tokenizer else None
-    try:
-        return (recorded is not None and given is not None
-                and tokenizer_fingerprint(recorded) == tokenizer_fingerprint(given))
-    except (ValueError, OSError):  # unreadable: not shown to be the same
-        return False
+    """Whether `tokenizer` (data.tokenizer) is the tokenizer the checkpoint recorded (its copy, as
+    it loads: same ids, same end-of-document token): the same tokenizer at another path, e.g. a
+    fine-tune's source step pruned by its run, whose newer step holds the same tokenizer."""
+    recorded = saved_tokenizer(step_dir)
+    return bool(recorded and tokenizer) and same_tokenizer(recorded, os.path.expanduser(tokenizer))
 
 
 RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "indexer_loss_coef",

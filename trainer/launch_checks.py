@@ -179,16 +179,15 @@ def _missing_data(cfg) -> Optional[str]:
 def _held_run_dir(run_dir: str) -> Optional[str]:
     """Why run.dir is taken (a running run holds its lock: the job would refuse it), or None."""
     lock = os.path.join(run_dir, ".tandem.lock")
-    if not os.path.isfile(lock):
-        return None
-    with open(lock) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
-        except BlockingIOError:
-            holder = " ".join(f.read().split()) or "another process"
-            return f"config key 'run.dir'={run_dir!r} is in use by a running run ({holder})"
-        except OSError:
-            pass  # no flock on this file system: the job runs unlocked too
+    try:
+        with open(lock) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+            except BlockingIOError:
+                holder = " ".join(f.read().split()) or "another process"
+                return f"config key 'run.dir'={run_dir!r} is in use by a running run ({holder})"
+    except OSError:  # none yet, unreadable here, or no flock on this file system: the job decides
+        pass
     return None
 
 

@@ -403,6 +403,30 @@ def test_resume_onto_a_tokenizer_rewritten_in_place(ctx, tmp_path, capsys):
               f"data.tokenizer: {tok} no longer holds the tokenizer the checkpoint recorded")
 
 
+def test_resume_onto_the_same_ids_with_another_end_of_document(ctx, tmp_path, capsys):
+    """The same tokenizer.json read bare, without the tokenizer_config.json that made
+    `<|im_end|>` its end-of-document token: other documents, so another tokenizer."""
+    data = json.loads(open(os.path.join(ctx.run, "checkpoints", "step_2", "tokenizer.json")).read())
+    vocab = data["model"]["vocab"]
+    last = max(vocab, key=vocab.get)  # its id becomes <|im_end|>'s
+    vocab["<|im_end|>"] = vocab.pop(last)
+    data["model"]["merges"] = [m for m in data["model"]["merges"]
+                               if "".join(m.split(" ") if isinstance(m, str) else m) != last]
+    data["added_tokens"].append({"id": vocab["<|im_end|>"], "content": "<|im_end|>",
+                                 "single_word": False, "lstrip": False, "rstrip": False,
+                                 "normalized": False, "special": True})
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps(data))
+    (tok / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    run = [*ctx.base, f"run.dir={tmp_path / 'own'}"]
+    assert main(["train", RECIPE, *run, f"data.tokenizer={tok}", "train.max_steps=1"]) == 0, \
+        capsys.readouterr().err
+    ctx.fails(["train", RECIPE, *run, f"data.tokenizer={tok / 'tokenizer.json'}", "--resume"],
+              "was trained with a different tokenizer: data.tokenizer: ")
+
+
 def test_resume_at_another_window(ctx):
     """A resume at another data.seq_len read the saved count of samples as windows of the new
     length: other tokens, in another order, and consumed_tokens mixing the two lengths. A window

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tandem.trainer import eval_cli
+from tandem.trainer import eval_cli, launch_checks
 from tandem.trainer import generate as gen
 from tandem.trainer.cli import main
 from tests.e2e import test_bad_input, test_slurm_launch
@@ -283,6 +283,19 @@ def test_launch_into_a_run_dir_a_running_run_holds(ctx, fake_sbatch, capsys):
         assert main(["launch", "slurm", RECIPE, *ctx.base, *SIZES,
                      "--sbatch-arg=--dependency=afterany:7"]) == 0
         assert "submitted anyway, after --dependency=afterany:7" in capsys.readouterr().err
+
+
+def test_launch_with_a_lock_file_it_cannot_read(ctx, fake_sbatch, monkeypatch, capsys):
+    """(another user's, say): the job decides; no traceback here."""
+    lock = os.path.join(ctx.run, ".tandem.lock")
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(launch_checks, "open", unreadable, raising=False)
+    assert os.path.isfile(lock)
+    assert main(["launch", "slurm", RECIPE, *ctx.base, *SIZES]) == 0, capsys.readouterr().err
+    assert fake_sbatch.argv is not None
 
 
 def test_launch_frozen_trunk_fine_tune_resumed_unfrozen(ctx, fake_sbatch, tmp_path, capsys):
