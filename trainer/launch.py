@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
              "--sbatch-arg=--exclusive "
              "(repeatable)",
     )
+    p.add_argument("--files-on-nodes", action="store_true",
+                   help="the checkpoints, data and tokenizer the job reads (and run.dir) are only "
+                        "on the cluster's nodes: a check that finds one missing here is a note, "
+                        "and the job checks it as it starts")
     p.add_argument("--dry-run", action="store_true",
                    help="print the script; write and submit nothing")
     p.add_argument("--check", action="store_true",

@@ -133,13 +133,14 @@ def sources_exist(cfg, args: argparse.Namespace) -> bool:
     False after printing the error. `--check` and `--dry-run` submit nothing, so they pass a recipe
     whose stage has yet to run; so does a job queued behind another
     (`--sbatch-arg=--dependency=afterok:<job>`: the stage or preprocessing that writes them, the run
-    that holds run.dir), which checks them as it starts."""
+    that holds run.dir), or one whose files only the cluster's nodes see (`--files-on-nodes`),
+    which checks them as it starts."""
     missing = _missing_source(cfg) or _missing_data(cfg) or _held_run_dir(cfg.run.dir)
     if missing is None:
         return True
-    after = _dependency(args)
-    if after:
-        print(f"tandem launch slurm: {missing}; submitted anyway, after {after}", file=sys.stderr)
+    deferred = _deferred(args)
+    if deferred:
+        print(f"tandem launch slurm: {missing}; submitted anyway, {deferred}", file=sys.stderr)
         return True
     print(f"tandem launch slurm: error: {missing}; nothing submitted", file=sys.stderr)
     return False
@@ -191,6 +192,15 @@ def _held_run_dir(run_dir: str) -> Optional[str]:
     return None
 
 
+def _deferred(args: argparse.Namespace) -> Optional[str]:
+    """Why the files the job reads are left for the job to check (after the job it waits on, or
+    --files-on-nodes: they are only on the cluster's nodes), or None."""
+    if args.files_on_nodes:
+        return "with --files-on-nodes"
+    after = _dependency(args)
+    return f"after {after}" if after else None
+
+
 def _dependency(args: argparse.Namespace) -> Optional[str]:
     """The job's `--sbatch-arg=--dependency=...` (the last), or None."""
     after = [a for a in args.sbatch_arg if a.startswith(("--dependency", "-d"))]
@@ -214,19 +224,20 @@ def launched_before(run_dir: str, args: argparse.Namespace) -> bool:
 
 def layout_fits(cfg, args: argparse.Namespace, world: int, shape_known: bool = True) -> bool:
     """What `tandem train` checks before any work, for the world size the job will have; False after
-    printing the error. A job queued behind the stage that writes its model.init_from
-    (`shape_known` False) has only the recipe's own shape, which that checkpoint replaces: a shape
-    check that fails is then a note, and the job checks the layout as it starts."""
-    after = None if shape_known or args.check else _dependency(args)
+    printing the error. A job queued behind the stage that writes its model.init_from, or one whose
+    source only the nodes see (`shape_known` False), has only the recipe's own shape, which that
+    checkpoint replaces: a shape check that fails is then a note, and the job checks the layout as
+    it starts."""
+    deferred = None if shape_known or args.check else _deferred(args)
     try:
         layout_dp(cfg, world)  # the degrees against the world size: no shape involved
         try:
             validate_layout(cfg, world)
         except ConfigError as exc:
-            if not after:
+            if not deferred:
                 raise
             print(f"tandem launch slurm: {exc} with the recipe's own model shape; submitted "
-                  f"anyway, after {after}", file=sys.stderr)
+                  f"anyway, {deferred}", file=sys.stderr)
     except ConfigError as exc:
         print(f"tandem launch slurm: error: {exc} (world size {world} = --nodes {args.nodes} x "
               f"{world // args.nodes} per node); nothing submitted", file=sys.stderr)

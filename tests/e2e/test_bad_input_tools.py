@@ -265,10 +265,12 @@ def test_launch_refuses_data_the_job_cannot_read(ctx, fake_sbatch, tmp_path, ove
     overrides = [o.format(tok=tmp_path / "tokenizer.json") for o in overrides]
     ctx.fails(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES], message)
     assert fake_sbatch.argv is None
-    # ... unless the job waits on the one that writes it
-    assert main(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES,
-                 "--sbatch-arg=--dependency=afterok:7"]) == 0
-    assert fake_sbatch.argv is not None
+    # ... unless the job waits on the one that writes it, or only the cluster's nodes see it
+    for deferred in ("--sbatch-arg=--dependency=afterok:7", "--files-on-nodes"):
+        fake_sbatch.log.unlink(missing_ok=True)
+        assert main(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES,
+                     deferred]) == 0
+        assert fake_sbatch.argv is not None
 
 
 def test_launch_into_a_run_dir_a_running_run_holds(ctx, fake_sbatch, capsys):
