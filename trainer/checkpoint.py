@@ -290,14 +290,17 @@ def check_compatible(path: str, config_yaml: str) -> None:
         raise ValueError(f"checkpoint {path} has a different model shape: " + "; ".join(shape))
     tokenizer = [d for d in differences("data") if d.split(":")[0] in ("data.source",
                                                                        "data.tokenizer",
-                                                                       "data.vocab_size")
-                 and not (d.startswith("data.tokenizer:")
-                          and _recorded_tokenizer_is(path, current.data.tokenizer))]
-    if (not tokenizer and current.data.tokenizer and tokenizer_file(path)
-            and tokenizer_file(current.data.tokenizer)
-            and not _recorded_tokenizer_is(path, current.data.tokenizer)):
-        tokenizer = [f"data.tokenizer: {current.data.tokenizer} no longer holds the tokenizer the "
-                     "checkpoint recorded (its tokenizer.json)"]
+                                                                       "data.vocab_size")]
+    given, recorded = current.data.tokenizer, saved_tokenizer(path)
+    if given and recorded and tokenizer_file(given):
+        # the checkpoint's recorded copy decides, not the path (same ids, same end-of-document
+        # token): the same tokenizer at another path resumes (a fine-tune's source step pruned by
+        # its run, whose newer step holds it), one rewritten in place since does not
+        if same_tokenizer(recorded, os.path.expanduser(given)):
+            tokenizer = [d for d in tokenizer if not d.startswith("data.tokenizer:")]
+        elif not tokenizer:
+            tokenizer = [f"data.tokenizer: {given} no longer holds the tokenizer the checkpoint "
+                         "recorded (its tokenizer.json)"]
     if tokenizer:
         raise ValueError(f"checkpoint {path} was trained with a different tokenizer: "
                          + "; ".join(tokenizer))
@@ -308,14 +311,6 @@ def check_compatible(path: str, config_yaml: str) -> None:
         raise ValueError(f"checkpoint {path} was trained at another window ({window[0]}): its "
                          "sample stream does not continue at another data.seq_len; start a new "
                          f"stage from it with model.init_from={path} in another run.dir")
-
-
-def _recorded_tokenizer_is(step_dir: str, tokenizer: str) -> bool:
-    """Whether `tokenizer` (data.tokenizer) is the tokenizer the checkpoint recorded (its copy, as
-    it loads: same ids, same end-of-document token): the same tokenizer at another path, e.g. a
-    fine-tune's source step pruned by its run, whose newer step holds the same tokenizer."""
-    recorded = saved_tokenizer(step_dir)
-    return bool(recorded and tokenizer) and same_tokenizer(recorded, os.path.expanduser(tokenizer))
 
 
 RESUMABLE_MODEL_KEYS = ("aux_loss_coef", "bias_update_rate", "z_loss_coef", "indexer_loss_coef",

@@ -230,12 +230,12 @@ def layout_fits(cfg, args: argparse.Namespace, world: int, shape_known: bool = T
     it starts."""
     deferred = None if shape_known or args.check else _deferred(args)
     try:
-        layout_dp(cfg, world)  # the degrees against the world size: no shape involved
         try:
             validate_layout(cfg, world)
         except ConfigError as exc:
             if not deferred:
                 raise
+            layout_dp(cfg, world)  # the degrees against the world size need no shape: an error
             print(f"tandem launch slurm: {exc} with the recipe's own model shape; submitted "
                   f"anyway, {deferred}", file=sys.stderr)
     except ConfigError as exc:
