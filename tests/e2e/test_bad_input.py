@@ -370,9 +370,15 @@ def test_resume_into_a_different_tokenizer(ctx):
               "400")
 
 
+def _recorded_tokenizer(ctx) -> dict:
+    """The run's tokenizer.json, as its checkpoint recorded it."""
+    with open(os.path.join(ctx.run, "checkpoints", "step_2", "tokenizer.json")) as f:
+        return json.load(f)
+
+
 def _tokenizer_copy(ctx, dest, swap=False):
     """The run's tokenizer (its checkpoint's copy) at another path; `swap`: two ids exchanged."""
-    data = json.loads(open(os.path.join(ctx.run, "checkpoints", "step_2", "tokenizer.json")).read())
+    data = _recorded_tokenizer(ctx)
     if swap:
         vocab = data["model"]["vocab"]
         a, b = list(vocab)[300:302]
@@ -406,7 +412,7 @@ def test_resume_onto_a_tokenizer_rewritten_in_place(ctx, tmp_path, capsys):
 def test_resume_onto_the_same_ids_with_another_end_of_document(ctx, tmp_path, capsys):
     """The same tokenizer.json read bare, without the tokenizer_config.json that made
     `<|im_end|>` its end-of-document token: other documents, so another tokenizer."""
-    data = json.loads(open(os.path.join(ctx.run, "checkpoints", "step_2", "tokenizer.json")).read())
+    data = _recorded_tokenizer(ctx)
     vocab = data["model"]["vocab"]
     last = max(vocab, key=vocab.get)  # its id becomes <|im_end|>'s
     vocab["<|im_end|>"] = vocab.pop(last)
