@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     text = render()
     if args.write:
-        with open(args.out, "w") as f:
+        with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {args.out}")
     else:

@@ -20,12 +20,21 @@ def naming(path: str) -> Iterator[None]:
         raise OSError(exc.errno, exc.strerror, path) from None
 
 
-def write_synced(path: str, data: Union[str, bytes]) -> None:
-    """`data` (text or bytes) into `path`, on disk when this returns; an OSError names `path`."""
-    with naming(path), open(path, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
+@contextmanager
+def _synced(path: str, opened_as: str, binary: bool) -> Iterator[IO]:
+    """`path` opened for writing (UTF-8 text whatever the locale, or bytes), flushed and synced to
+    disk on leaving; an OSError naming no file names `opened_as`."""
+    with naming(opened_as), open(path, "wb" if binary else "w",
+                                 encoding=None if binary else "utf-8") as f:
+        yield f
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_synced(path: str, data: Union[str, bytes]) -> None:
+    """`data` (text or bytes) into `path`, on disk when this returns; an OSError names `path`."""
+    with _synced(path, path, isinstance(data, bytes)) as f:
+        f.write(data)
 
 
 def write_replacing(path: str, write: Callable[[IO], None], binary: bool = False) -> None:
@@ -35,11 +44,8 @@ def write_replacing(path: str, write: Callable[[IO], None], binary: bool = False
     names no file names `path`; a kill leaves the old file or the new one, never a part."""
     tmp = path + ".tmp"
     try:
-        with naming(path), open(tmp, "wb" if binary else "w", encoding=None if binary
-                                else "utf-8") as f:
+        with _synced(tmp, path, binary) as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -7,6 +7,8 @@ import errno
 import os
 import resource
 import signal
+import subprocess
+import sys
 import types
 
 import pytest
@@ -138,6 +140,21 @@ def test_a_failed_metadata_write_names_the_file(tmp_path, monkeypatch, name):
         ckpt.save_checkpoint(str(tmp_path), 1, model, optimizer, "a: 1\n", {})
     assert info.value.filename == f"{tmp_path}/checkpoints/.tmp_step_1/{name}"
     assert ckpt.list_checkpoints(str(tmp_path))[0] == []
+
+
+def test_a_non_ascii_config_is_written_as_utf8_under_an_ascii_locale(tmp_path):
+    """A recipe with a non-ASCII value (a wandb group in French) failed every checkpoint of a job
+    whose locale is ASCII: config.yaml was written in the locale's encoding."""
+    code = ("import sys, torch; from tandem.trainer import checkpoint as ckpt; "
+            "m = torch.nn.Linear(2, 2); "
+            "ckpt.save_checkpoint(sys.argv[1], 1, m, torch.optim.SGD(m.parameters()), "
+            "'logging:\\n  group: \\u00e9tude\\n', {})")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    written = tmp_path / "checkpoints" / "step_1" / "config.yaml"
+    assert written.read_bytes() == "logging:\n  group: \u00e9tude\n".encode("utf-8")
 
 
 def test_an_empty_marker_is_not_complete(tmp_path):

@@ -301,7 +301,7 @@ def _serving_fields(init_from: str, max_seq_len: int, out_dir: str) -> dict:
     generation_config.json (copied into `out_dir`; transformers' `generate` reads its EOS there)."""
     if not init_from or not is_hf_dir(init_from):
         return {}
-    with open(os.path.join(init_from, "config.json")) as f:
+    with open(os.path.join(init_from, "config.json"), encoding="utf-8") as f:
         source = json.load(f)
     fields = {k: source[k] for k in _SERVING_FIELDS if source.get(k) is not None}
     if int(source.get("max_position_embeddings", 0)) > max_seq_len:

@@ -296,7 +296,7 @@ def _pread(file: str, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Ten
 def read_json(file: str) -> dict:
     """A JSON object file's contents; CheckpointError naming the file if it is not one."""
     try:
-        with open(file) as f:
+        with open(file, encoding="utf-8") as f:
             data = json.load(f)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
