@@ -173,6 +173,17 @@ def _tokenizer_for(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
     return load_tokenizer(beside, eod_token=eod_token)
 
 
+def data_tokenizer(data_cfg) -> Optional[TandemTokenizer]:
+    """The tokenizer `build_datasets` will read `data_cfg`'s data with, when it is known before the
+    data is built (`tandem launch slurm` checks it against the model before submitting): a
+    Megatron blend's (data.tokenizer, else the one beside or recorded by the first prefix, with the
+    end-of-document token the data was made with), else data.tokenizer; None for the embedded
+    corpus's own BPE, made as the corpus is prepared."""
+    if data_cfg.source == "megatron":
+        return _tokenizer_for(parse_blend(data_cfg.paths)[0], data_cfg.tokenizer)
+    return load_tokenizer(data_cfg.tokenizer) if data_cfg.tokenizer else None
+
+
 def _check_made_with(prefix: str, tokenizer: TandemTokenizer, fingerprint: str) -> None:
     """Refuse `prefix` when its data were made with another tokenizer than the run's (`fingerprint`
     is `tokenizer_fingerprint(tokenizer)`): by `<prefix>.tokenizer.json`'s content where it was

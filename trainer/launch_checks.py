@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from tandem.data_pipeline.chat import expand_paths
-from tandem.data_pipeline.dataset import check_prefix, parse_blend
+from tandem.data_pipeline.dataset import check_prefix, check_vocab, data_tokenizer, parse_blend
 from tandem.trainer.checkpoint import check_compatible
 from tandem.trainer.checkpoint_dirs import latest_checkpoint
 from tandem.trainer.config_checks import ConfigError
@@ -27,6 +27,7 @@ from tandem.trainer.recipe import explicit_keys, to_yaml
 from tandem.trainer.run import (
     adopt_init_from,
     check_frozen_reference,
+    check_ple_end_of_document,
     earlier_run_files,
     past_max_steps,
     pin_init_from,
@@ -129,13 +130,15 @@ def adopt_sources(cfg, args: argparse.Namespace) -> Tuple[bool, bool]:
 
 def sources_exist(cfg, args: argparse.Namespace) -> bool:
     """Whether the checkpoints model.init_from and mtp.init_from name, the data and data.tokenizer
-    are there (the job reads them as it starts, on every node it was given), and run.dir is free;
+    are there (the job reads them as it starts, on every node it was given), the data's tokenizer
+    fits the model, and run.dir is free;
     False after printing the error. `--check` and `--dry-run` submit nothing, so they pass a recipe
     whose stage has yet to run; so does a job queued behind another
     (`--sbatch-arg=--dependency=afterok:<job>`: the stage or preprocessing that writes them, the run
     that holds run.dir), or one whose files only the cluster's nodes see (`--files-on-nodes`),
     which checks them as it starts."""
-    missing = _missing_source(cfg) or _missing_data(cfg) or _held_run_dir(cfg.run.dir)
+    missing = (_missing_source(cfg) or _missing_data(cfg) or _tokenizer_misfit(cfg)
+               or _held_run_dir(cfg.run.dir))
     if missing is None:
         return True
     deferred = _deferred(args)
@@ -174,6 +177,20 @@ def _missing_data(cfg) -> Optional[str]:
                 expand_paths(values)
     except (ValueError, OSError) as exc:
         return f"config key 'data.{key}': {exc}"
+    return None
+
+
+def _tokenizer_misfit(cfg) -> Optional[str]:
+    """Why the data's tokenizer does not fit the model (ids past model.vocab_size, or PLE's
+    end-of-document id not the tokenizer's), as the job finds once it has built its data; or
+    None."""
+    try:
+        tokenizer = data_tokenizer(cfg.data)
+        if tokenizer is not None:
+            check_vocab(tokenizer.path, tokenizer.vocab_size, cfg.model.vocab_size)
+            check_ple_end_of_document(cfg, tokenizer)
+    except (ValueError, OSError) as exc:
+        return str(exc)
     return None
 
 

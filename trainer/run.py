@@ -303,13 +303,18 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
         samples = needed
         train_ds, valid_ds, tokenizer = build(samples)
     position.stream_samples = samples
+    check_ple_end_of_document(cfg, tokenizer)
+    return position, global_batch, train_ds, valid_ds, tokenizer
+
+
+def check_ple_end_of_document(cfg: TandemConfig, tokenizer) -> None:
+    """ConfigError when the model has PLE layers and model.eos_token_id is not `tokenizer`'s
+    end-of-document id: PLE's n-grams stop at it, and a wrong one silently mixes documents."""
     eod = getattr(tokenizer, "eod_id", None)
     if cfg.model.ple_layers and eod is not None and cfg.model.eos_token_id != eod:
-        # PLE's n-grams stop at the end-of-document token: a wrong one silently mixes documents
         raise ConfigError(f"config key 'model.eos_token_id'={cfg.model.eos_token_id} is not the "
                           f"end-of-document token of {tokenizer.path} (id {eod}); PLE's n-grams "
                           "must stop at it")
-    return position, global_batch, train_ds, valid_ds, tokenizer
 
 
 def _hardware_flops(cfg: TandemConfig) -> float:

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from tandem.models import flavors
 from tandem.trainer import eval_cli, launch_checks
 from tandem.trainer import generate as gen
 from tandem.trainer.cli import main
@@ -271,6 +272,21 @@ def test_launch_refuses_data_the_job_cannot_read(ctx, fake_sbatch, tmp_path, ove
         assert main(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES,
                      deferred]) == 0
         assert fake_sbatch.argv is not None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.vocab_size=300"], "has vocab_size=512, larger than model.vocab_size=300"),
+    # the debug Qwen4-Exp model's PLE n-grams stop at id 1; this tokenizer's end of document is 0
+    ([*flavors.overrides("debug_qwen4"), "model.vocab_size=512"],
+     "config key 'model.eos_token_id'=1 is not the end-of-document token of "),
+])
+def test_launch_refuses_a_tokenizer_that_does_not_fit_the_model(ctx, fake_sbatch, tmp_path,
+                                                                overrides, message):
+    """The job found these only after building its data, on the cluster."""
+    tokenizer = f"data.tokenizer={ctx.run}/checkpoints/step_2/tokenizer.json"
+    fresh = [f"run.dir={tmp_path / 'fresh'}", tokenizer]
+    ctx.fails(["launch", "slurm", RECIPE, *ctx.base, *fresh, *overrides, *SIZES], message)
+    assert fake_sbatch.argv is None
 
 
 def test_launch_into_a_run_dir_a_running_run_holds(ctx, fake_sbatch, capsys):
