@@ -4,6 +4,7 @@ link, a missing anchor or a page left out of the nav fails the suite."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -34,3 +35,13 @@ def test_readme_test_command_is_what_ci_runs():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert f"```bash\n{ci}\n```" in readme, ci
+
+
+def test_the_torch_floor_is_the_version_ci_tests():
+    """pyproject.toml asked for torch>=2.6 while the suite ran only on 2.13: on 2.6 Tandem failed
+    at import, and `pip install -e .` kept the older torch a user had."""
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        pinned = re.search(r"torch==(\d+\.\d+)\.\d+", f.read()).group(1)
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        floors = re.findall(r'^\s*"torch(\W[^"]*)",', f.read(), re.M)
+    assert floors == [f">={pinned}"], floors
