@@ -62,7 +62,9 @@ def test_same_losses_gradients_and_router_loads(mode):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
     assert float(sum(load.sum() for load in loads)) > 0
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref_model.named_parameters()]
-    # the point of it: far fewer bytes saved for backward (full keeps block inputs only)
+    # the point of it: far fewer bytes saved for backward (full keeps block inputs only). What
+    # selective keeps reaches this hook from torch 2.14 (0.44 of none's bytes there); under older
+    # torch it bypasses hooks, and selective counts as full does (0.17)
     assert saved < (0.5 if mode == "full" else 0.9) * ref_saved, (saved, ref_saved)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Callable, Iterator, List
 
 import torch
@@ -108,12 +109,21 @@ def _autocast_cache_off() -> Iterator[None]:
         torch.set_autocast_cache_enabled(was)
 
 
+# What `selective` keeps goes through the saved-tensor hooks in scope (torch's save_on_cpu, a
+# memory probe), as every other tensor saved for backward does. torch >= 2.14 asks (and warns until
+# told); older torch has no such choice, and its kept outputs bypass them.
+_THROUGH_HOOKS = ({"respect_saved_tensors_hooks": True}
+                  if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+                  else {})
+
+
 def _checkpointed(forward: Callable, block: nn.Module, selective: bool, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     with _autocast_cache_off() if selective else contextlib.nullcontext():
         return checkpoint(forward, *args, use_reentrant=False,
-                          context_fn=functools.partial(_contexts, block, selective), **kwargs)
+                          context_fn=functools.partial(_contexts, block, selective),
+                          **_THROUGH_HOOKS, **kwargs)
 
 
 def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
