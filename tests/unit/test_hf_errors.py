@@ -10,31 +10,29 @@ import re
 
 import pytest
 import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
 
-T = pytest.importorskip("transformers")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from tandem.models import TandemModel  # noqa: E402
-from tandem.models.config import ModelConfig  # noqa: E402
-from tandem.models.mtp_config import MTPConfig  # noqa: E402
-from tandem.trainer.checkpoint import save_checkpoint  # noqa: E402
-from tandem.trainer.hf.export import export_hf, export_main  # noqa: E402
-from tandem.trainer.hf.families import Src, UnsupportedCheckpoint  # noqa: E402
-from tandem.trainer.hf.importer import (  # noqa: E402
+from tandem.models import TandemModel
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
+from tandem.trainer.checkpoint import save_checkpoint
+from tandem.trainer.hf.export import export_hf, export_main
+from tandem.trainer.hf.families import Src, UnsupportedCheckpoint
+from tandem.trainer.hf.importer import (
     load_hf_model,
     load_hf_weights,
     read_source,
     shard_index,
 )
-from tandem.trainer.hf.reader import (  # noqa: E402
+from tandem.trainer.hf.reader import (
     CheckpointError,
     CheckpointReader,
     PickleCheckpointError,
     safetensors_header,
 )
-from tandem.trainer.recipe import load_config, to_yaml  # noqa: E402
-from tests.e2e.test_bad_input import snapshot  # noqa: E402
+from tandem.trainer.recipe import load_config, to_yaml
+from tests.e2e.test_bad_input import snapshot
 
 V = 96
 

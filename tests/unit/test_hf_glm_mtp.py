@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
 
-T = pytest.importorskip("transformers")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from tandem.models import TandemModel  # noqa: E402
-from tandem.models.config import ModelConfig  # noqa: E402
-from tandem.models.mtp_config import MTPConfig  # noqa: E402
-from tandem.trainer.hf.export import export_hf  # noqa: E402
-from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
-from tests.eval_helpers import make_agreeing, transformers_mtp_decode  # noqa: E402
+from tandem.models import TandemModel
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
+from tandem.trainer.hf.export import export_hf
+from tandem.trainer.hf.importer import load_hf_model
+from tests.eval_helpers import make_agreeing, transformers_mtp_decode
 
 V = 96
 
@@ -100,7 +98,7 @@ def test_generate_use_mtp_matches_greedy_and_spec_decoder(family, tmp_path, glm_
     plain = hf.generate(prompt, max_new_tokens=24, do_sample=False)
     theirs, accepted = transformers_mtp_decode(hf, prompt, 24)
     assert theirs == plain[0, 8:].tolist()
-    spec = pytest.importorskip("tandem.eval.spec_decode")
+    from tandem.eval import spec_decode as spec
     with torch.no_grad():
         ours = spec.generate(model, [prompt[0].tolist()], max_new_tokens=24, num_steps=1)
     assert ours.outputs[0] == theirs

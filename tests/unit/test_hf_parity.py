@@ -9,11 +9,10 @@ import os
 
 import pytest
 import torch
+import transformers as T
 
-T = pytest.importorskip("transformers")
-
-from tandem.trainer.hf.export import export_hf  # noqa: E402
-from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
+from tandem.trainer.hf.export import export_hf
+from tandem.trainer.hf.importer import load_hf_model
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.models.qwen4_exp import modular_qwen4_exp as M
 
-M = pytest.importorskip("transformers.models.qwen4_exp.modular_qwen4_exp")
-
-from tandem.models.hyper_connection import HyperConnection  # noqa: E402
-from tandem.models.ple import NGramEmbedding, PLELayer, ngram_ids, ngram_tables  # noqa: E402
-from tandem.models.state import DecodeCache  # noqa: E402
+from tandem.models.hyper_connection import HyperConnection
+from tandem.models.ple import NGramEmbedding, PLELayer, ngram_ids, ngram_tables
+from tandem.models.state import DecodeCache
 
 H, HC, LOWRANK, EMBED, KERNEL, NGRAM, HEADS, VOCAB, BASE, EOS = 16, 4, 8, 16, 4, 3, 2, 64, 97, 5
 

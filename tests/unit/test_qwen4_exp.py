@@ -19,17 +19,16 @@ import json
 
 import pytest
 import torch
+import transformers as T
 
-T = pytest.importorskip("transformers")
-
-from tandem.eval.spec_decode import generate  # noqa: E402
-from tandem.models import TandemModel  # noqa: E402
-from tandem.models.config import ModelConfig  # noqa: E402
-from tandem.models.gated_deltanet import qkv_rows_from_hf  # noqa: E402
-from tandem.models.mtp_config import MTPConfig  # noqa: E402
-from tandem.trainer.hf.export import export_hf  # noqa: E402
-from tandem.trainer.hf.importer import load_hf_model  # noqa: E402
-from tests.eval_helpers import make_agreeing  # noqa: E402
+from tandem.eval.spec_decode import generate
+from tandem.models import TandemModel
+from tandem.models.config import ModelConfig
+from tandem.models.gated_deltanet import qkv_rows_from_hf
+from tandem.models.mtp_config import MTPConfig
+from tandem.trainer.hf.export import export_hf
+from tandem.trainer.hf.importer import load_hf_model
+from tests.eval_helpers import make_agreeing
 
 VOCAB, EOS, S = 96, 1, 40
 

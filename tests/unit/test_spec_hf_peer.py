@@ -14,18 +14,14 @@ import json
 
 import pytest
 import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
 
-T = pytest.importorskip("transformers")
-hf_import = pytest.importorskip("tandem.trainer.hf.importer",
-                                reason="needs the GLM-4.5 HF import (trainer/hf/importer.py)")
-hf_export = pytest.importorskip("tandem.trainer.hf.export",
-                                reason="used only to learn the HF names of MTP weights")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from tandem.eval.spec_decode import generate  # noqa: E402
-from tandem.models import ModelConfig, MTPConfig, TandemModel  # noqa: E402
-from tests.eval_helpers import transformers_mtp_decode  # noqa: E402
+from tandem.eval.spec_decode import generate
+from tandem.models import ModelConfig, MTPConfig, TandemModel
+from tandem.trainer.hf import export as hf_export
+from tandem.trainer.hf import importer as hf_import
+from tests.eval_helpers import transformers_mtp_decode
 
 V = 96
 
