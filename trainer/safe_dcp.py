@@ -11,6 +11,7 @@ items with `torch.load(weights_only=True)` (tensors, numbers, strings and their 
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 
@@ -36,11 +37,26 @@ class UnsafeCheckpoint(ValueError, pickle.UnpicklingError):
     file)."""
 
 
+def _enum_member(cls, name):
+    """`getattr` as a metadata pickle may call it: a member of one of the metadata module's enums by
+    name. Some Python 3.11 releases (3.11.2, Debian 12's, among them) pickle an enum member that
+    way, and every tensor's properties hold one (`_MEM_FORMAT_ENCODING`): without this, no
+    checkpoint they write could be read."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _METADATA_MODULE
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError(f"asks for getattr({getattr(cls, '__name__', type(cls).__name__)}"
+                                 f", {name!r}), which checkpoint metadata does not hold: refused "
+                                 "(it could run code)")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if "." not in name:  # a dotted name would walk attributes to anything
             if (module, name) in _ALLOWED:
                 return super().find_class(module, name)
+            if (module, name) == ("builtins", "getattr"):
+                return _enum_member
             obj = super().find_class(module, name) if module in (_METADATA_MODULE,
                                                                  "torch") else None
             if module == _METADATA_MODULE and isinstance(obj, type) and obj.__module__ == module:

@@ -4,8 +4,10 @@ so a crafted checkpoint passed to model.init_from, eval, export or a resume ran 
 
 from __future__ import annotations
 
+import enum
 import io
 import os
+import pathlib
 import pickle
 import shutil
 
@@ -59,6 +61,44 @@ def test_a_crafted_metadata_is_refused_before_it_runs(tmp_path):
     with pytest.raises(safe_dcp.UnsafeCheckpoint, match=r"evil/\.metadata asks for io\.open"):
         load_initial_weights(model, evil)
     assert not marker.exists()
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as `getattr(EnumClass, "NAME")`, as Python 3.11.2 does."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_metadata_written_by_python_3_11_2_is_read(tmp_path):
+    """That Python pickles the tensors' memory-format enum through builtins.getattr, which the
+    reader refused: no checkpoint written under Debian 12's Python could be resumed or exported."""
+    step = _checkpoint(tmp_path)
+    path = os.path.join(step, ".metadata")
+    meta = safe_dcp.read_metadata(step)
+    with open(path, "wb") as f:
+        _EnumsByName(f).dump(meta)
+    with open(path, "rb") as f:
+        assert b"getattr" in f.read()
+    safe_dcp._LAST_METADATA.clear()
+    assert safe_dcp.read_metadata(step).state_dict_metadata == meta.state_dict_metadata
+    torch.manual_seed(1)
+    model = TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=1))
+    load_initial_weights(model, step)
+    # getattr reaches an enum's member by name, and nothing else
+    evil = str(tmp_path / "evil")
+    shutil.copytree(step, evil)
+
+    class Home:
+        def __reduce__(self):
+            return getattr, (pathlib.PosixPath, "home")
+
+    with open(os.path.join(evil, ".metadata"), "wb") as f:
+        pickle.dump(Home(), f)
+    with pytest.raises(safe_dcp.UnsafeCheckpoint, match=r"asks for getattr\(PosixPath, 'home'\)"):
+        safe_dcp.read_metadata(evil)
 
 
 def test_non_tensor_items_load_weights_only(tmp_path):
