@@ -214,8 +214,10 @@ class CheckpointWriter:
         """Beside the shards: the config, the trainer state, the tokenizer and the frozen trunk's
         reference; each on disk, as the shards are (DCP syncs them), before the marker says so."""
         write_synced(os.path.join(tmp, "config.yaml"), config_yaml)
+        # the torch that wrote it: an older one cannot read a newer one's DCP index
         write_synced(os.path.join(tmp, "trainer_state.json"),
-                     json.dumps({"step": step, **trainer_state}, indent=1))
+                     json.dumps({"step": step, "torch": torch.__version__, **trainer_state},
+                                indent=1))
         if self.reference is not None:
             write_synced(os.path.join(tmp, REFERENCE_FILE), json.dumps(self.reference, indent=1))
         with naming(os.path.join(tmp, "tokenizer.json")):  # or a side file copied with it

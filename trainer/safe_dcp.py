@@ -12,6 +12,7 @@ items with `torch.load(weights_only=True)` (tensors, numbers, strings and their 
 from __future__ import annotations
 
 import enum
+import json
 import os
 import pickle
 
@@ -95,12 +96,29 @@ class SafeFileSystemReader(FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(f"checkpoint file {path} {exc}") from None
+        except Exception as exc:  # a metadata class's __setstate__ that this torch does not know
+            raise ValueError(f"checkpoint file {path} cannot be read by torch {torch.__version__} "
+                             f"({type(exc).__name__}: {exc}){_writer_note(path)}") from None
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpoint(f"checkpoint file {path} holds no checkpoint metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _writer_note(metadata_path: str) -> str:
+    """'; it was written by torch X, ...' from the trainer state beside a Tandem checkpoint's index
+    (the torch its save recorded), or a question when none is recorded."""
+    try:
+        with open(os.path.join(os.path.dirname(metadata_path), "trainer_state.json"),
+                  encoding="utf-8") as f:
+            written = json.load(f).get("torch")
+    except (OSError, ValueError, AttributeError):
+        written = None
+    if isinstance(written, str) and written != torch.__version__:
+        return f"; it was written by torch {written}: read it with that torch or a newer one"
+    return "; was it written by a newer torch?"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -99,6 +100,35 @@ def test_metadata_written_by_python_3_11_2_is_read(tmp_path):
         pickle.dump(Home(), f)
     with pytest.raises(safe_dcp.UnsafeCheckpoint, match=r"asks for getattr\(PosixPath, 'home'\)"):
         safe_dcp.read_metadata(evil)
+
+
+def test_an_index_a_newer_torch_wrote_names_that_torch(tmp_path, monkeypatch):
+    """torch 2.15 pickles TensorProperties with more fields than 2.13 unpacks: a resume under the
+    older torch printed only "too many values to unpack (expected 5)"."""
+    step = _checkpoint(tmp_path)
+    path = os.path.join(step, ".metadata")
+    with open(os.path.join(step, "trainer_state.json")) as f:
+        assert json.load(f)["torch"] == torch.__version__  # each save records its torch
+    meta = safe_dcp.read_metadata(step)
+    properties = type(next(md.properties for md in meta.state_dict_metadata.values()
+                           if hasattr(md, "properties")))
+    getstate = properties.__getstate__
+    with monkeypatch.context() as m:
+        m.setattr(properties, "__getstate__", lambda self: (*getstate(self), "a newer field"))
+        with open(path, "wb") as f:
+            pickle.dump(meta, f)
+    state = os.path.join(step, "trainer_state.json")
+    with open(state) as f:
+        recorded = json.load(f)
+    with open(state, "w") as f:
+        json.dump({**recorded, "torch": "9.1.0"}, f)
+    safe_dcp._LAST_METADATA.clear()
+    with pytest.raises(ValueError) as info:
+        load_initial_weights(TandemModel(ModelConfig(**CFG), MTPConfig(num_steps=1)), step)
+    assert str(info.value).startswith(f"checkpoint file {path} cannot be read by torch "
+                                      f"{torch.__version__} (ValueError: too many values")
+    assert str(info.value).endswith("; it was written by torch 9.1.0: read it with that torch "
+                                    "or a newer one")
 
 
 def test_non_tensor_items_load_weights_only(tmp_path):
