@@ -10,10 +10,12 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint import metadata as metadata_module
 
 from tandem.models import TandemModel
 from tandem.models.config import ModelConfig
@@ -129,6 +131,37 @@ def test_an_index_a_newer_torch_wrote_names_that_torch(tmp_path, monkeypatch):
                                       f"{torch.__version__} (ValueError: too many values")
     assert str(info.value).endswith("; it was written by torch 9.1.0: read it with that torch "
                                     "or a newer one")
+    # eval and generate read it through the load itself, which wrapped it as "unreadable or
+    # corrupt" and cut it at 300 characters
+    with pytest.raises(ValueError) as loaded:
+        safe_dcp.load({"model": {}}, step, allow_partial_load=True)
+    assert str(loaded.value) == str(info.value)
+    # an index that this torch's release (another build of it) or an older one wrote is damaged
+    for written in (torch.__version__.split("+")[0] + "+cu128", "2.6.0"):
+        with open(state, "w") as f:
+            json.dump({**recorded, "torch": written}, f)
+        with pytest.raises(ValueError, match=f"written by torch {re.escape(written)}, so the file "
+                                             "is damaged$"):
+            safe_dcp.read_metadata(step)
+    os.remove(state)
+    with pytest.raises(ValueError, match="; damaged, or written by a newer torch$"):
+        safe_dcp.read_metadata(step)
+
+
+def test_an_index_may_not_set_attributes_of_what_it_shares(tmp_path):
+    """BUILD on a class the reader hands out set its attributes for the whole process: an enum's
+    member map replaced made later reads of every checkpoint return another member."""
+    step = _checkpoint(tmp_path)
+    path = os.path.join(step, ".metadata")
+    for target in (b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n",
+                   b"ctorch\nfloat32\n"):
+        with open(path, "wb") as f:  # target.__dict__ / slots updated with {_member_map_: {}}
+            f.write(b"\x80\x02" + target + b"N}X\x0c\x00\x00\x00_member_map_}s\x86b.")
+        safe_dcp._LAST_METADATA.clear()
+        with pytest.raises(safe_dcp.UnsafeCheckpoint, match="asks to set attributes of "):
+            safe_dcp.read_metadata(step)
+    members = metadata_module._MEM_FORMAT_ENCODING.__members__
+    assert "TORCH_CONTIGUOUS_FORMAT" in members
 
 
 def test_non_tensor_items_load_weights_only(tmp_path):
