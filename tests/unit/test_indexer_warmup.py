@@ -48,11 +48,13 @@ def _train(overrides, mode):
     start = {n: p.detach().clone() for n, p in state().items()}
     # one batch measured before and after: the logged losses are of 4 different batches, whose
     # differences swamp 4 steps' progress on another corpus (another Python's standard library)
+    # (in eval mode: a training-mode forward would count its tokens in the routers' loads)
     first = micro_batches(tr, 0)
-    before = teacher_forced(tr.model, first)["loss/main"]
+    before = teacher_forced(tr.model.eval(), first)["loss/main"]
+    tr.model.train()
     run_training(tr)
     moved = {n for n, p in state().items() if not torch.equal(p.detach(), start[n])}
-    after = teacher_forced(tr.model, first)["loss/main"]
+    after = teacher_forced(tr.model.eval(), first)["loss/main"]
     with open(os.path.join(cfg.run.dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"loss/main"' in line]
     return moved, (before, after), [r.get("loss/indexer") for r in records]
