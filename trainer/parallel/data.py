@@ -277,7 +277,12 @@ class PieceUnits:
             unit.set_requires_gradient_sync(True)
             for group in self._groups(unit):
                 group.post_backward()
-            unit._get_fsdp_state()._root_post_backward_final_callback()  # waits for the reductions
+            state = unit._get_fsdp_state()
+            # torch >= 2.15 asks which finalization mode this backward runs in, which a backward
+            # through the unit's own hooks would have set (a stage's may not run them): automatic
+            if getattr(state._state_ctx, "manual_backward_finalization_active", False) is None:
+                state._state_ctx.manual_backward_finalization_active = False
+            state._root_post_backward_final_callback()  # waits for the reductions
             self._reduced.add(piece)
 
 
