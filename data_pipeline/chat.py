@@ -92,7 +92,21 @@ def _parquet_records(path: str) -> Iterator[Tuple[str, object]]:
 
 
 def record_form(where: str, rec) -> str:
-    """The form of `rec` (`messages`, `ids`, `prompt`, `text`), or ValueError naming `where`."""
+    """The form of `rec` (`messages`, `ids`, `prompt`, `text`), or ValueError naming `where` (also
+    for text that is no UTF-8: a JSON escape of a lone surrogate, which the tokenizer fails on)."""
+    form = _form(where, rec)
+    texts = ([m["content"] for m in rec["messages"]] if form == "messages"
+             else [rec[k] for k in ("prompt", "response", "text") if isinstance(rec.get(k), str)])
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{where}: text with a lone surrogate ({text[exc.start]!r}) is not "
+                             "UTF-8") from None
+    return form
+
+
+def _form(where: str, rec) -> str:
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: a record must be a JSON object with {FORMS}")
     if rec.get("messages") is not None:
@@ -131,30 +145,45 @@ class ChatEncoder:
             raise ValueError(f"tokenizer {tokenizer.path}: chat data needs a fast tokenizer "
                              "(tokenizer.json)")
 
-    def check(self, where: str, form: str) -> None:
-        """Raise before any tokenising when `form` needs a chat template this tokenizer lacks."""
+    def check(self, where: str, rec: dict, form: str) -> None:
+        """Raise what `encode` would, short of tokenising (`form`: record_form's): a form that
+        needs a chat template this tokenizer lacks, token ids outside the vocabulary, and a
+        conversation the template fails on or renders without its assistant turns (rendered here,
+        so a bad record late in a file fails before any is tokenised)."""
         if form == "messages" and self.template is None:
             raise ValueError(f"{where}: messages need a chat template, and tokenizer "
                              f"{self.tokenizer.path} has none "
                              "(use a Hugging Face tokenizer directory whose tokenizer_config.json "
                              "has chat_template)")
-
-    def encode(self, where: str, rec: dict, form: str) -> Tuple[np.ndarray, np.ndarray]:
-        """(ids int64, response flags uint8) of one record, EOD-terminated."""
-        if form == "messages" or (form == "prompt" and self.template is not None):
-            msgs = rec["messages"] if form == "messages" else [{"role": "user",
-                                                                "content": rec["prompt"]},
-                                                               {"role": "assistant",
-                                                                "content": rec["response"]}]
-            ids, flags = self._render(where, msgs)
-        elif form == "ids":
-            ids = list(rec["prompt_ids"]) + list(rec["response_ids"])
-            flags = [0] * len(rec["prompt_ids"]) + [1] * len(rec["response_ids"])
-            bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+        if form == "ids":
+            bad = [i for i in rec["prompt_ids"] + rec["response_ids"]
+                   if not 0 <= i < self.tokenizer.vocab_size]
             if bad:
                 raise ValueError(f"{where}: token id {bad[0]} is outside tokenizer "
                                  f"{self.tokenizer.path}'s "
                                  f"vocabulary of {self.tokenizer.vocab_size}")
+        elif self._templated(form):
+            self._spans(where, self._messages(rec, form))
+
+    def _templated(self, form: str) -> bool:
+        return form == "messages" or (form == "prompt" and self.template is not None)
+
+    @staticmethod
+    def _messages(rec: dict, form: str) -> List[dict]:
+        if form == "messages":
+            return rec["messages"]
+        return [{"role": "user", "content": rec["prompt"]},
+                {"role": "assistant", "content": rec["response"]}]
+
+    def encode(self, where: str, rec: dict, form: str) -> Tuple[np.ndarray, np.ndarray]:
+        """(ids int64, response flags uint8) of one record, EOD-terminated."""
+        if self._templated(form):
+            full, spans = self._spans(where, self._messages(rec, form))
+            ids, offsets = self.tokenizer.encode_rendered(full)
+            flags = [int(any(start < b and a < end for a, b in spans)) for start, end in offsets]
+        elif form == "ids":
+            ids = list(rec["prompt_ids"]) + list(rec["response_ids"])
+            flags = [0] * len(rec["prompt_ids"]) + [1] * len(rec["response_ids"])
         elif form == "prompt":
             prompt = self.tokenizer.encode(rec["prompt"], start=True)
             response = self.tokenizer.encode(rec["response"])
@@ -171,12 +200,13 @@ class ChatEncoder:
             ids = ids + [self.tokenizer.eod_id]
         return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)
 
-    def _render(self, where: str, msgs: List[dict]) -> Tuple[List[int], List[int]]:
-        """Render with the template; each assistant turn's span is the text that rendering the turn
-        adds after the conversation before it with the generation prompt (so the header is not
-        learnt). Tokens that overlap a span are response tokens: a byte-level BPE joins a word to
-        the space before it, so a response's first token starts where a header ending in a space
-        ends (`<|assistant|> `), one character before the span."""
+    def _spans(self, where: str, msgs: List[dict]) -> Tuple[str, List[Tuple[int, int]]]:
+        """(the rendered conversation, each assistant turn's character span in it): the span is
+        the text that rendering the turn adds after the conversation before it with the generation
+        prompt (so the header is not learnt). `encode` flags the tokens that overlap a span: a
+        byte-level BPE joins a word to the space before it, so a response's first token starts
+        where a header ending in a space ends (`<|assistant|> `), one character before the
+        span."""
         try:
             full = self._text(msgs, False)
             spans, cursor = [], 0
@@ -188,7 +218,9 @@ class ChatEncoder:
                 # a template that ignores add_generation_prompt renders the header in the turn:
                 # the turn is then its content (and end-of-turn), as _turn_in finds it
                 plain = self._text(msgs[:i], False) if i else ""
-                prompted = not i or before != plain
+                # a first turn has no conversation before it to prompt: its span is searched,
+                # or the header (and a template's default system turn) before it were targets
+                prompted = before != plain
                 if prompted and full.startswith(upto) and upto.startswith(before):
                     span = (len(before), len(upto))
                 else:
@@ -211,8 +243,7 @@ class ChatEncoder:
             raise ValueError(f"{where}: the chat template failed: "
                              f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
                              ) from None
-        ids, offsets = self.tokenizer.encode_rendered(full)
-        return ids, [int(any(start < b and a < end for a, b in spans)) for start, end in offsets]
+        return full, spans
 
     def _text(self, msgs: List[dict], generation_prompt: bool) -> str:
         return render_chat(self.template, msgs, generation_prompt)
@@ -232,11 +263,11 @@ def _turn_in(full: str, cursor: int, content: str, upto: str) -> Optional[Tuple[
 
 
 def check_files(paths: Sequence[str], encoder: ChatEncoder) -> int:
-    """Read and check every record of `paths` (form, template) without tokenising: a bad line fails
-    in one line before any expensive work. Returns the number of records."""
+    """Read and check every record of `paths` (ChatEncoder.check) without tokenising: a bad line
+    fails in one line before any expensive work. Returns the number of records."""
     count = 0
     for where, rec in iter_records(paths):
-        encoder.check(where, record_form(where, rec))
+        encoder.check(where, rec, record_form(where, rec))
         count += 1
     if not count:
         raise ValueError(f"no records in {', '.join(map(str, paths))}")

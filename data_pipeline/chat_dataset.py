@@ -109,7 +109,9 @@ def split_records(records: List[Encoded], split: str, seed: int) -> Tuple[List[E
     order = np.random.default_rng(int(seed)).permutation(len(records))
     groups: dict = {}
     for i in order:
-        ids, flags = records[i][1], records[i][2]
+        # every record ends with the EOD, a target only where the response ended there: without
+        # it, a cut-off sample and a finished one of the same prompt keyed two groups
+        ids, flags = records[i][1][:-1], records[i][2][:-1]
         prompt = ids[flags == 0]
         groups.setdefault(prompt.tobytes() if len(prompt) else int(i), []).append(records[i])
     n_valid, n_test = (int(round(len(records) * w / max(sum(weights), 1e-9))) for w in weights[1:])

@@ -133,6 +133,28 @@ def test_a_template_without_a_generation_prompt_does_not_train_the_header(tmp_pa
     assert len(ids) == 13 and flags.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.parametrize("system", [False, True])
+def test_a_conversation_that_opens_with_the_assistant(tmp_path, system):
+    """[assistant a1, user u1, assistant a2], with TEMPLATE and with one that renders a default
+    system turn (`<|user|> s1 s2 <|end|>`, as Qwen2.5's does) before a conversation that has none:
+    the loss is on each turn's content and end-of-turn only. The first turn's span ran from the
+    rendering's first character, so its header and the default system turn were targets."""
+    template = TEMPLATE
+    if system:
+        template = ("{% if messages[0].role != 'system' %}<|user|> s1 s2 <|end|> {% endif %}"
+                    + TEMPLATE)
+    tok = make_tokenizer(tmp_path / "tok", template=template)
+    msgs = [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a2"}]
+    ((_, ids, flags),) = encoded(tok, write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}]))
+    words = SPECIALS + WORDS
+    text = ("<|assistant|> a1 <|end|> <|user|> u1 <|end|> <|assistant|> a2 <|end|> "
+            "<|endoftext|>").split()
+    lead = "<|user|> s1 s2 <|end|>".split() if system else []
+    assert [words[i] for i in ids] == lead + text
+    assert flags.tolist() == [0] * len(lead) + [0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+
+
 def test_byte_level_bpe_trains_a_responses_first_word(tmp_path):
     """A byte-level BPE joins a word to the space before it: after the header `<|assistant|> ` the
     response's first token is ` forty`, which starts one character before the assistant span. It is
@@ -239,6 +261,33 @@ def test_bad_records_name_file_and_line(tmp_path, line, expected):
         check_files([str(path)], encoder)
 
 
+@pytest.mark.parametrize("line, expected", [
+    ({"prompt_ids": [4, 5], "response_ids": [6, 99]}, "d.jsonl:3: token id 99 is outside"),
+    ({"messages": [{"role": "assistant", "content": "a1"}]},
+     "d.jsonl:3: the chat template failed: 'open with the user'"),
+    ({"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "s9"}]},
+     "d.jsonl:3: cannot find assistant turn 2"),
+    ('{"prompt": "p1 \\ud800", "response": "r1"}', "d.jsonl:3: text with a lone surrogate"),
+], ids=["id_outside_vocabulary", "template_raises", "turn_not_rendered", "lone_surrogate"])
+def test_a_bad_record_fails_before_any_is_tokenised(tmp_path, monkeypatch, line, expected):
+    """What only encoding found (the template's own raise_exception, an assistant turn it does not
+    render, ids outside the vocabulary, a lone surrogate the tokenizer fails on) is found by the
+    check, before the first record is tokenised (it failed after the records before it were)."""
+    template = ("{% if messages[0].role != 'user' %}{{ raise_exception('open with the user') }}"
+                "{% endif %}" + TEMPLATE.split("{% if")[0].replace(
+                    "{{ m.content }}", "{{ m.content | replace('s9', 's1') }}"))
+    tok = make_tokenizer(tmp_path / "tok", template=template)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "p1", "response": "r1"}) + "\n"
+                    + json.dumps({"prompt_ids": [4], "response_ids": [6]}) + "\n"
+                    + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+    encoder = chat_encoder(load_tokenizer(tok), tok)
+    monkeypatch.setattr(encoder.tokenizer, "encode_rendered",
+                        lambda *a: pytest.fail("a record was tokenised before the check"))
+    with pytest.raises(ValueError, match=expected):
+        check_files([str(path)], encoder)
+
+
 def test_record_longer_than_window_when_padding(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", template=False)
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p1 p2 p1 p2", "response": "r1 r2"}])
@@ -333,6 +382,29 @@ def test_renderer_equals_transformers(tmp_path, template):
         want = hf.apply_chat_template(msgs, tokenize=False,
                                       add_generation_prompt=generation_prompt)
         assert render_chat(chat, msgs, generation_prompt) == want
+
+
+def test_finished_and_cut_off_samples_of_one_prompt_share_a_split(tmp_path):
+    """Two `tandem generate` samples per prompt, one that ended at the EOD and one cut off by the
+    token budget (`finished: false`, so an EOD that is no target is appended): both are the same
+    prompt's and go to one split. The appended EOD made the second one's key its prompt plus the
+    EOD, and two to four of six prompts had samples in both splits."""
+    from tandem.data_pipeline.chat_dataset import split_records
+
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    p = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    rows = []
+    for n, word in enumerate("p1 p2 q1 u1 u2 s1".split()):
+        rows.append({"prompt_ids": [p[word], p["p2"]], "response_ids": [p["r1"], 0]})
+        rows.append({"prompt_ids": [p[word], p["p2"]], "response_ids": [p["r1"], p["r2"]],
+                     "finished": False})
+    records = encoded(tok, write_jsonl(tmp_path / "g.jsonl", rows))
+    assert [r[2].tolist() for r in records[:2]] == [[0, 0, 1, 1], [0, 0, 1, 1, 0]]
+    for seed in range(5):
+        train, valid = split_records(records, "50,50,0", seed)
+        assert (len(train), len(valid)) == (6, 6)
+        prompts = [{tuple(r[1][:2]) for r in part} for part in (train, valid)]
+        assert not prompts[0] & prompts[1], seed
 
 
 def test_records_of_one_prompt_share_a_split():
