@@ -81,6 +81,10 @@ def read_prompts(path: str, column: str = "text") -> List[Prompt]:
     if not os.path.exists(path):
         raise PromptError(f"--prompts {path}: no such file or directory")
     table = os.path.isdir(path) or path.lower().endswith(".parquet")
+    if column != "text" and not table:  # (any JSONL name: .json.gz and .JSONL went unnoticed)
+        raise PromptError(f"--column {column}: a JSONL prompt file's prompts are its records' "
+                          "text or messages; --column names a parquet file's or a datasets "
+                          "directory's column")
     out = []
     try:
         for where, rec in iter_records([path]):

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .acceptance import acceptance_metrics
@@ -43,7 +44,11 @@ class DecodeSettings:
     top_k: int = 0
     """When sampling, only each head's k largest logits (0: all)."""
     seed: int = 0
-    """Batch i's sampling generator is seeded with seed + i, on both sides and any replica."""
+    """Batch i's sampling generator is seeded with `batch_seed(seed, first_batch + i)`, on both
+    sides and any replica."""
+    first_batch: int = 0
+    """The index of the first batch in its whole prompt set (`tandem generate` decodes the set a
+    group of batches at a time): a batch draws the same whichever call decodes it."""
     verify: str = "token"
     """The speculative side's rule for sampled drafts: `token` or `block` (eval/block_verify.py)."""
     draft_convention: str = "serving"
@@ -63,6 +68,15 @@ class Replicas(Protocol):
 
     def gather(self, results: list) -> list:
         """Every replica's (batch index, result) pairs, in batch order."""
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The sampling seed of batch `batch` under the run's `seed`: both mixed by numpy's
+    SeedSequence, so no two (seed, batch) pairs share a stream. `seed + batch` gave `--seed 1`'s
+    batch b the draws of `--seed 0`'s batch b + 1, and two generate runs that differ only in the
+    seed wrote the same samples."""
+    mixed = np.random.SeedSequence([int(seed) % 2**64, int(batch)]).generate_state(1, np.uint64)
+    return int(mixed[0])
 
 
 def merge_stats(stats: List[DecodeStats], K: int) -> DecodeStats:
@@ -101,7 +115,8 @@ def _decode_batches(model, batches: List[list], s: DecodeSettings, replicas: Opt
         res = [None, None]
         for which in order if autoregressive else (0,):
             # the batch's own seed: sampling draws as in one process, whichever replica decodes it
-            g = torch.Generator(device=device).manual_seed(s.seed + (i or 0))
+            g = torch.Generator(device=device).manual_seed(batch_seed(s.seed,
+                                                                      s.first_batch + (i or 0)))
             res[which] = generate(model, batch, s.max_new_tokens, s.num_steps if which == 0 else 0,
                                   eos_id=s.eos_id,
                                   temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

@@ -91,14 +91,24 @@ class DecodeResult:
         return self.decoded_tokens / max(self.stats.decode_s, 1e-12)
 
 
+def draft_steps_problem(num_steps: int, mtp_cfg) -> Optional[str]:
+    """Why a model with MTP config `mtp_cfg` cannot draft `num_steps` tokens a round (None when it
+    can): known from the config, so a caller can refuse before the weights load."""
+    if num_steps <= 0:
+        return None
+    if not mtp_cfg.num_steps:
+        return "speculative decoding needs an MTP module (mtp.num_steps > 0)"
+    if mtp_cfg.style != "looped" and num_steps > mtp_cfg.num_layers:
+        return (f"num_steps={num_steps} exceeds the {mtp_cfg.num_layers} independent heads of the "
+                "parallel-style MTP module (only the looped style can run longer than it was "
+                "trained)")
+    return None
+
+
 def _check_model(model: nn.Module, num_steps: int) -> None:
-    if num_steps > 0 and model.mtp is None:
-        raise ValueError("speculative decoding needs an MTP module (mtp.num_steps > 0)")
-    if num_steps > 0 and not model.mtp.chained and num_steps > len(model.mtp.layers):
-        raise ValueError(f"num_steps={num_steps} exceeds the {len(model.mtp.layers)} independent "
-                         "heads of the "
-                         "parallel-style MTP module (only the looped style can run longer than it "
-                         "was trained)")
+    problem = draft_steps_problem(num_steps, model.mtp_cfg)
+    if problem:
+        raise ValueError(problem)
 
 
 def prompt_limit(max_seq_len: int, max_new_tokens: int, num_steps: int) -> int:

@@ -10,9 +10,10 @@ Decoding is the evaluator's (eval/decode_eval.py evaluate_decoding, speculative 
 checkpoint's MTP module it is speculative decoding, exact, so the tokens are the trunk's own (at T =
 0 the autoregressive greedy tokens; for T > 0 distributed as sampling from the trunk); without one,
 plain autoregressive decoding. Work is (prompt, sample) rows in prompt order, cut into batches of
-`--batch-size` rows; batch i samples with a generator seeded `seed + i`, as the evaluator seeds its
-batches, so the records do not depend on the layout, on the number of processes or on a resume. The
-records go to OUT (JSONL, what `data.source=jsonl` reads), their settings to OUT.meta.json.
+`--batch-size` rows; batch i samples with a generator seeded from (`seed`, i), as the evaluator
+seeds its batches (eval/decode_eval.py batch_seed), so the records do not depend on the layout, on
+the number of processes or on a resume, and runs with other seeds share no draws. The records go to
+OUT (JSONL, what `data.source=jsonl` reads), their settings to OUT.meta.json.
 `--top-k` keeps each head's k largest logits (trunk and drafts alike, so speculative sampling stays
 exact for the top-k distribution).
 
@@ -44,7 +45,7 @@ from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.data_pipeline.tokenizer import load_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding
-from tandem.eval.spec_decode import prompt_limit
+from tandem.eval.spec_decode import draft_steps_problem, prompt_limit
 
 from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     p.add_argument("--seed", type=int, default=0,
-                   help="batch i samples with a generator seeded seed + i")
+                   help="batch i samples with a generator seeded from (S, i)")
     p.add_argument("--num-steps", type=int, default=0,
                    help="draft length K (default: the trained mtp.num_steps)")
     p.add_argument("--device", default="cpu",
@@ -169,7 +170,7 @@ class Plan:
 
 
 def _settings(args, src: Source) -> dict:
-    """decode_eval.DecodeSettings' fields (the seed is set per group of batches)."""
+    """decode_eval.DecodeSettings' fields (seed and first_batch are passed per group of batches)."""
     ev = getattr(src.cfg, "eval", None)
     return dict(num_steps=src.num_steps, max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
@@ -184,7 +185,12 @@ def _meta(args, src: Source, settings: dict, ids: List[List[int]]) -> dict:
     append."""
     return {"checkpoint": os.path.abspath(src.path), "checkpoint_fingerprint": src.fingerprint,
             "prompts_sha256": prompts_digest(ids), "num_prompts": len(ids),
-            "samples_per_prompt": args.samples_per_prompt, "seed": args.seed, "top_k": args.top_k,
+            "samples_per_prompt": args.samples_per_prompt, "seed": args.seed,
+            # how batches are seeded: records of the earlier `seed + i` draws are not resumed
+            "batch_seeds": "SeedSequence(seed, batch)", "top_k": args.top_k,
+            # one seed draws otherwise on another kind of device: sampled records resumed there
+            # would be no uninterrupted run's
+            "sampling_device": args.device.partition(":")[0] if args.temperature > 0 else None,
             **settings}
 
 
@@ -197,6 +203,10 @@ def _check_args(args, world: int) -> None:
     problem = sampling_flag_problem(args.temperature, args.top_p)
     if problem:
         raise GenerateError(problem)
+    if args.samples_per_prompt > 1 and args.temperature <= 0:
+        raise GenerateError(f"--samples-per-prompt {args.samples_per_prompt} at --temperature "
+                            f"{args.temperature} (greedy) writes the same response "
+                            f"{args.samples_per_prompt} times: pass --temperature > 0")
     if args.top_k < 0:
         raise GenerateError(f"--top-k {args.top_k} must be >= 0 (0: all)")
     if args.num_steps < 0 or min(args.tp, args.pp, args.ep) < 1:
@@ -216,12 +226,11 @@ def prepare(args, world: int):
 
     _check_args(args, world)
     args.device = resolve_device_flag(args.device)
-    if args.column != "text" and args.prompts.endswith((".jsonl", ".json", ".jsonl.gz")):
-        raise GenerateError(f"--column {args.column}: a JSONL prompt file's prompts are its "
-                            "records' text or messages; --column names a parquet file's or a "
-                            "datasets directory's column")
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
+    problem = draft_steps_problem(src.num_steps, src.cfg.mtp)
+    if problem:  # found in decoding, it came after the sidecar was written, and refused the rerun
+        raise GenerateError(f"--num-steps {src.num_steps}: {problem}")
     limit = prompt_limit(src.max_seq_len, args.max_new_tokens, src.num_steps)
     if limit < 1:  # no prompt fits: the budget is the problem, not the prompts
         raise GenerateError(f"--max-new-tokens {args.max_new_tokens} and the draft margin "
@@ -303,8 +312,8 @@ def _writer_rank(decoding) -> int:
 # --- decoding -------------------------------------------------------------------------------------
 def _groups(todo: List[int], size: int) -> List[List[int]]:
     """Consecutive runs of at most `size` batches (one per replica): evaluate_decoding seeds its
-    i-th batch `seed + i`, so a group's batches must be consecutive for batch b to get `seed +
-    b`."""
+    i-th batch as batch `first_batch + i`, so a group's batches must be consecutive for batch b to
+    draw as batch b."""
     out = []
     for b in todo:
         if out and out[-1][-1] == b - 1 and len(out[-1]) < size:
@@ -362,7 +371,7 @@ def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], mod
             prompts = [plan.ids[p] for b in group for p, _ in plan.batch(b)]
             _, results, _ = evaluate_decoding(model, prompts, replicas=decoding,
                                               autoregressive=False,
-                                              seed=args.seed + group[0], **settings)
+                                              seed=args.seed, first_batch=group[0], **settings)
             if writer:
                 rows = [r for b,
                         res in zip(group, results) for r in _records(plan, b, res, src.tokenizer,
@@ -400,8 +409,6 @@ def _start(args, rank: int, world: int):
         model, decoding = load_on_layout(args, src)
     else:
         model, decoding = load_one_process(args, src), None
-        if src.num_steps > 0 and model.mtp is None:
-            raise GenerateError(f"--num-steps {src.num_steps}: the checkpoint has no MTP module")
     todo = [b for b in range(plan.num_batches) if b not in done]
     return src, plan, settings, meta, kept, todo, repair, model, decoding
 

@@ -43,8 +43,8 @@ def meta_path(out: str) -> str:
 
 def read_output(path: str, header: dict) -> Tuple[List[dict], bool]:
     """(records already in `path`, whether its last line was torn); ([], False) when there are none.
-    GenerateError when `path.meta.json` differs from `header` (other settings, checkpoint or
-    prompts), or when `path` holds records but no sidecar (not this command's file)."""
+    GenerateError when `path` holds records and `path.meta.json` differs from `header` (other
+    settings, checkpoint or prompts) or is missing (not this command's file)."""
     has_records = os.path.exists(path) and os.path.getsize(path) > 0
     meta = meta_path(path)
     if not os.path.exists(meta):
@@ -65,7 +65,7 @@ def read_output(path: str, header: dict) -> Tuple[List[dict], bool]:
                             "another --out")
     diff = sorted(k for k in set(saved) | set(header) if k not in INFORMATIONAL
                   and saved.get(k) != header.get(k))
-    if diff:
+    if diff and has_records:  # (a sidecar without records is rewritten: a run that failed first)
         raise GenerateError(f"--out {path} was written with other settings or checkpoint "
                             f"({', '.join(diff)} "
                             f"differ in {meta}); pass another --out or the same settings")

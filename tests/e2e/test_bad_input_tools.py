@@ -149,6 +149,9 @@ def test_non_finite_temperature(ctx, no_model, prompts, tmp_path, command, value
     ("--temperature", "-1", "--temperature -1.0 must be >= 0 (0: greedy)"),
     ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
     ("--samples-per-prompt", "-2", "--samples-per-prompt -2 must be >= 1"),
+    # greedy samples of one prompt are one response written M times
+    ("--samples-per-prompt", "3", "--samples-per-prompt 3 at --temperature 0.0 (greedy) writes the "
+     "same response 3 times"),
     ("--batch-size", "0", "--batch-size 0 must be >= 1"),
     ("--top-p", "1.5", "--top-p 1.5 must be in (0, 1]"),
     ("--top-k", "-1", "--top-k -1 must be >= 0 (0: all)"),

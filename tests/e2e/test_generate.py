@@ -111,6 +111,72 @@ def test_rerun_with_other_settings_refuses(ckpt, tmp_path, capsys):
     assert (tmp_path / "g.jsonl").read_text() == before
 
 
+def test_seeds_share_no_draws(ckpt, tmp_path, capsys):
+    """Two samples of a prompt, a batch each (`--batch-size 1`): batch b was seeded `seed + b`, so
+    `--seed 6`'s sample 0 of a prompt drew as `--seed 5`'s sample 1, and two runs that differed only
+    in the seed wrote the same samples."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS[:2]))
+    responses = []
+    for seed in ("5", "6"):
+        rc, records, _, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts",
+                                        str(prompts), "--out", str(tmp_path / f"s{seed}.jsonl"),
+                                        "--max-new-tokens", "6", "--batch-size", "1",
+                                        "--temperature", "1.0", "--samples-per-prompt", "2",
+                                        "--seed", seed], capsys)
+        assert rc == 0, err
+        responses.append({(r["prompt_index"], tuple(r["response_ids"])) for r in records})
+    assert len(responses[0]) == len(responses[1]) == 4 and not responses[0] & responses[1]
+    # a sampled file begun on another kind of device is not resumed here: its draws differ
+    out = tmp_path / "s5.jsonl"
+    meta = json.loads((tmp_path / "s5.jsonl.meta.json").read_text())
+    assert meta["sampling_device"] == "cpu"
+    (tmp_path / "s5.jsonl.meta.json").write_text(json.dumps({**meta, "sampling_device": "cuda"}))
+    out.write_text("".join(out.read_text().splitlines(keepends=True)[:2]))
+    rc, _, _, err = generate(["--checkpoint", str(ckpt / "run"), "--prompts", str(prompts),
+                              "--out", str(out), "--max-new-tokens", "6", "--batch-size", "1",
+                              "--temperature", "1.0", "--samples-per-prompt", "2", "--seed", "5"],
+                             capsys)
+    assert rc == 2 and "sampling_device differ" in err, err
+
+
+def test_a_draft_length_the_module_cannot_run_fails_before_anything_is_written(
+        ckpt, tmp_path, capsys, monkeypatch):
+    """A parallel-style module (independent heads) drafts at most its heads: `--num-steps` past
+    them was found in decoding, after OUT.meta.json was written, and that sidecar refused the
+    corrected rerun ("num_steps differ") though OUT held no record."""
+    from tandem.trainer import generate as gen
+
+    real = gen._checkpoint_source
+
+    def parallel_heads(args):
+        src = real(args)
+        src.cfg.mtp.style = "parallel"
+        return src
+
+    monkeypatch.setattr(gen, "_checkpoint_source", parallel_heads)
+    monkeypatch.setattr(gen, "load_one_process",
+                        lambda *a: pytest.fail("the model loaded before the check"))
+    args = ["--checkpoint", str(ckpt / "run"), "--prompts", str(ckpt / "prompts.jsonl"), "--out",
+            str(tmp_path / "o.jsonl"), *BUDGET]
+    rc, _, _, err = generate(args + ["--num-steps", "3"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "exceeds the 1 independent heads" in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_sidecar_without_records_is_replaced(ckpt, tmp_path, capsys):
+    """A first run that failed after writing its settings (out of memory at the first batch) left
+    OUT.meta.json beside an empty OUT: the rerun with other settings writes, since nothing written
+    depends on the old ones."""
+    out = tmp_path / "o.jsonl"
+    args = ["--checkpoint", str(ckpt / "run"), "--prompts", str(ckpt / "prompts.jsonl"), "--out",
+            str(out), "--batch-size", "2"]
+    assert generate(args + ["--max-new-tokens", "3"], capsys)[0] == 0
+    out.write_text("")
+    rc, records, meta, err = generate(args + ["--max-new-tokens", "4"], capsys)
+    assert rc == 0 and meta["max_new_tokens"] == 4 and len(records) == len(PROMPTS), err
+
+
 @pytest.mark.parametrize("line,message", [
     ('{"text": "ok"}\n{"text": "a", \n', ":2: not valid JSON"),
     ('{"text": "ok"}\n\n{"prompt": "a"}\n', ":3: neither"),
