@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Iterator
+from typing import Iterator, Tuple
 
 import torch
 
@@ -197,6 +197,11 @@ def _widened(out: dict, counts: torch.Tensor, K: int) -> dict:
     return out
 
 
+def figure_range(key: str, K: int) -> Tuple[float, float]:
+    """The values acceptance figure `key` can take: acceptance length 1..K+1, rates 0..1."""
+    return (1.0, K + 1.0) if key == "acceptance_length" else (0.0, 1.0)
+
+
 def _few_prompt_intervals(counts: torch.Tensor, K: int) -> dict:
     """The intervals from fewer than BOOTSTRAP_MIN_PROMPTS prompts: each figure is a ratio of sums
     over prompts (F = sum y / sum x, x a prompt's drafts), so its standard error is that of the
@@ -209,7 +214,7 @@ def _few_prompt_intervals(counts: torch.Tensor, K: int) -> dict:
     t = t_quantile(n - 1) if n > 1 else math.inf
     out = {}
     for key, value in point.items():
-        low, high = (1.0, K + 1.0) if key == "acceptance_length" else (0.0, 1.0)
+        low, high = figure_range(key, K)
         if float(drafts.sum()) == 0:  # nothing drafted: the figure is what no draft gives
             half = 0.0
         elif n < 2:

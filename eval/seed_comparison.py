@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,7 @@ from .acceptance import (
     _ratio_figures,
     _row_counts,
     acceptance_intervals,
+    figure_range,
     resample_weights,
     t_quantile,
 )
@@ -104,8 +105,9 @@ class SeedComparison:
 
 
 def _interval(value: float, v_seed: float, v_prompt: float, seeds: int, prompts: int,
-              level: float) -> tuple:
-    """(value +- t * sqrt(v_seed + v_prompt), t's degrees of freedom): Welch-Satterthwaite's."""
+              level: float, bounds: Tuple[float, float] = (-math.inf, math.inf)) -> tuple:
+    """(value +- t * sqrt(v_seed + v_prompt) clipped to `bounds`, t's degrees of freedom):
+    Welch-Satterthwaite's."""
     total = v_seed + v_prompt
     parts = (v_seed ** 2 / (seeds - 1) if seeds > 1 else 0.0) + (v_prompt ** 2 / (prompts - 1)
                                                                  if prompts > 1 else 0.0)
@@ -113,7 +115,7 @@ def _interval(value: float, v_seed: float, v_prompt: float, seeds: int, prompts:
         return Interval(value, value, value), math.inf
     df = total ** 2 / parts
     half = t_quantile(df, level) * math.sqrt(total)
-    return Interval(value, value - half, value + half), df
+    return Interval(value, max(bounds[0], value - half), min(bounds[1], value + half)), df
 
 
 def compare_over_seeds(a: Sequence[DecodeStats], b: Sequence[DecodeStats], level: float = 0.95,
@@ -151,8 +153,12 @@ def compare_over_seeds(a: Sequence[DecodeStats], b: Sequence[DecodeStats], level
     for key in per_seed[0]:
         fa, fb = per_seed[0][key], per_seed[1][key]
         ra, rb = (torch.cat([chunk[key] for chunk in boot[side]]) for side in (0, 1))
-        mean_a, _ = _interval(float(fa.mean()), *spread(fa, ra), S, P, level)
-        mean_b, _ = _interval(float(fb.mean()), *spread(fb, rb), S, P, level)
+        # a mean's interval stays inside the figure's range (a rate near 0 gave a negative bound);
+        # the difference's is left whole, since its verdict reads both ends
+        mean_a, _ = _interval(float(fa.mean()), *spread(fa, ra), S, P, level,
+                              figure_range(key, K))
+        mean_b, _ = _interval(float(fb.mean()), *spread(fb, rb), S, P, level,
+                              figure_range(key, K))
         diff, df = _interval(float((fa - fb).mean()), *spread(fa - fb, ra - rb), S, P, level)
         rows = [[Interval(float(f[i]), r[f"{key}_lo95"], r[f"{key}_hi95"]) for i,
                  r in enumerate(side)]

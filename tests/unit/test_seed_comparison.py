@@ -74,6 +74,9 @@ def test_hand_computed_seed_interval():
     assert all(x.lo < x.value < x.hi for x in c.seeds_a[1:])
     assert c.mean_a.value == pytest.approx(1.5) and c.mean_b.value == pytest.approx(1.2)
     assert c.mean_a.hi - c.mean_a.value == pytest.approx(t2 * 0.5 / math.sqrt(3))
+    # 1.5 - 1.24 and 1.2 - 0.25 are below the least acceptance length there is: the bounds stop
+    # at 1 (the difference's interval is not clipped, below)
+    assert c.mean_a.lo == c.mean_b.lo == 1.0
     assert c.diff.value == pytest.approx(0.3)
     assert (c.diff.lo, c.diff.hi) == pytest.approx((0.3 - t2 * 0.4 / math.sqrt(3),
                                                     0.3 + t2 * 0.4 / math.sqrt(3)))
