@@ -3,8 +3,8 @@ cp = 2 and 4, zigzag and contiguous) gives each rank's rows the outputs, input g
 selection one process computes for them, the ranks' parameter gradients and indexer KLs sum to one
 process's, and their recalls average to it; in both training forms and stages, with a selection
 handed to a second layer (an MTP depth reusing depth 1's), without and with packed documents whose
-boundaries fall on chunk edges and one row either side of them. This file is also the torchrun
-worker."""
+boundaries fall on chunk edges and one row either side of them; switched off (evaluation) the
+shards exchange nothing. This file is also the torchrun worker."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def _step(layers, x, pos, g, documents, context, local, dense):
 
 
 def _check(sharding: str) -> None:
+    from types import SimpleNamespace
+
     import torch
     import torch.distributed as dist
 
@@ -75,6 +77,14 @@ def _check(sharding: str) -> None:
 
     ctx = ContextShards(dist.group.WORLD, sharding)
     cp = dist.get_world_size()
+    # switched off (evaluation: each rank holds other windows, whole), every exchange is the one
+    # process identity; gather and sum exchanged regardless, and a forward that met them failed
+    # (zigzag) or read the other ranks' windows as its own (contiguous)
+    off = ContextShards(dist.group.WORLD, sharding, switch=SimpleNamespace(on=False))
+    mine = torch.randn(B, 6, 3) + dist.get_rank()
+    assert torch.equal(off.gather(mine), mine) and torch.equal(off.sum(mine), mine)
+    assert torch.equal(off.halo(off.split(mine), 2, fill=7.0), torch.full((B, 2, 3), 7.0))
+    assert off.carry(torch.eye(3).expand(B, 2, 3, 3), mine[:, :2, :, None]) is None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, S, HIDDEN, generator=g) + 1.5 * torch.randn(HIDDEN, generator=g)
     grad_out = torch.randn(B, S, HIDDEN, generator=g)

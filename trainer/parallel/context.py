@@ -95,6 +95,8 @@ class ContextShards(WholeWindow):
         return gathered_bt.index_select(1, index)
 
     def gather(self, x_bs: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:  # (every rank holds another batch's whole windows: nothing to share)
+            return super().gather(x_bs)
         b, rows = x_bs.shape[:2]
         length = rows // self.chunks
         # [B, cp * rows, ...], rank by rank
@@ -103,9 +105,13 @@ class ContextShards(WholeWindow):
         return self._window_order(by_chunk).reshape(b, self.total * length, *x_bs.shape[2:])
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return super().sum(x)
         return all_reduce(x, group=self.group)
 
     def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+        if not self.sharded:
+            return super().halo(chunks_bl, n, fill)
         if n == 0:
             return chunks_bl[:, :0]
         bc, length = chunks_bl.shape[:2]
@@ -123,6 +129,8 @@ class ContextShards(WholeWindow):
         return torch.stack(before, 1).reshape(bc, n, *rest)
 
     def carry(self, transition_bhkk: torch.Tensor, final_bhkv: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return super().carry(transition_bhkk, final_bhkv)
         bc = transition_bhkk.shape[0]
         b = bc // self.chunks
         packed = torch.cat([transition_bhkk, final_bhkv], dim=-1).float()  # [B*c, H, Dk, Dk + Dv]
