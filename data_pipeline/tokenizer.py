@@ -48,6 +48,11 @@ class TandemTokenizer:
         if backend is not None:
             # Literal special-token strings inside documents are encoded as text, not as specials.
             backend.encode_special_tokens = True
+            # a tokenizer.json saved with truncation or padding on (common in fine-tuned repos)
+            # cut every document at its max_length, or filled short ones with pad ids the loss
+            # counted: a document's ids are all of its text, and nothing else
+            backend.no_truncation()
+            backend.no_padding()
 
     def _get_vocab(self) -> dict:
         if self._backend is not None:

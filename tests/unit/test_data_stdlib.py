@@ -44,6 +44,28 @@ def test_cache_key_depends_on_vocab_and_cap(tmp_path):
     assert stdlib_cache_dir(DataConfig(cache_dir="~/x")).startswith(os.path.expanduser("~/x"))
 
 
+def test_cache_key_tells_apart_tokenizers_that_end_documents_differently(tmp_path):
+    """A base model and its instruct sibling share tokenizer.json and differ in the EOS their
+    tokenizer_config.json names: the corpus tokenized for one (its EOD ending each document) shared
+    a cache directory with the other, which then refused it ("made with ... eod=0, but ... eod=1")
+    until the cache was deleted."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<|im_end|>", "a", "b"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_end|>")])
+    dirs = []
+    for eos in ("<|endoftext|>", "<|im_end|>"):
+        d = tmp_path / eos.strip("<|>")
+        d.mkdir()
+        tok.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}))
+        dirs.append(stdlib_cache_dir(DataConfig(cache_dir=str(tmp_path), tokenizer=str(d))))
+    assert dirs[0] != dirs[1] and dirs[0].endswith("-eod0-cap0-" + dirs[0].split("-")[-1])
+
+
 _WORKER = r"""
 import json, sys
 from tandem.data_pipeline import stdlib_corpus as sc

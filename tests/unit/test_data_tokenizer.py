@@ -82,6 +82,31 @@ def test_load_tokenizer_file_and_directories(tmp_path, bpe):
     assert hf.eod_id == tok.eod_id and hf.decode(hf.encode(text)) == text
 
 
+def test_truncation_and_padding_saved_in_a_tokenizer_do_not_reach_the_ids(tmp_path, bpe):
+    """A tokenizer.json saved with truncation or padding on (as fine-tuned repos often are), read
+    as a file and as a Hugging Face directory: every document's ids are all of its text and nothing
+    else. Preprocessing cut each document at max_length, or filled the short ones of a batch with
+    pad ids before their EOD, which the loss then counted."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok, path = bpe
+    texts = [CORPUS[1] * 3, "x", CORPUS[0]]
+    want = [tok.encode(t) for t in texts]
+    assert len(want[0]) > 8 and len({len(w) for w in want}) == 3
+    saved = Tokenizer.from_file(str(path))
+    saved.enable_truncation(max_length=8)
+    saved.enable_padding(pad_id=5, pad_token="!")
+    saved.save(str(tmp_path / "tokenizer.json"))
+    hf_dir = tmp_path / "hf"
+    PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                            eos_token=EOD_TOKEN).save_pretrained(str(hf_dir))
+    for source in (tmp_path / "tokenizer.json", hf_dir):
+        loaded = load_tokenizer(str(source))
+        assert [loaded.encode(t) for t in texts] == want, source
+        assert loaded.encode_batch(texts) == want, source
+
+
 def test_load_tokenizer_errors_name_the_path(tmp_path):
     missing = tmp_path / "nope.json"
     with pytest.raises(FileNotFoundError, match="nope.json"):
