@@ -128,6 +128,15 @@ def check_loss_mask_channel(prefix: str) -> None:
                          f"{flags['tokens']} tokens, but {prefix}.idx {tokens['sequences']} of "
                          f"{tokens['tokens']}; "
                          "re-run `tandem preprocess --chat`")
+    # the same totals over other documents would put each flag on another token
+    lengths = [np.fromfile(p + ".idx", dtype=np.int32, count=tokens["sequences"], offset=34)
+               for p in (prefix, prefix + LOSS_MASK_SUFFIX)]
+    differ = np.flatnonzero(lengths[0] != lengths[1])
+    if len(differ):
+        d = int(differ[0])
+        raise ValueError(f"{prefix}{LOSS_MASK_SUFFIX}.idx gives document {d} "
+                         f"{int(lengths[1][d])} tokens, but {prefix}.idx {int(lengths[0][d])}; "
+                         "re-run `tandem preprocess --chat`")
 
 def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
     """Megatron blend syntax -> (prefixes, weights or None).
@@ -151,7 +160,9 @@ def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]
         weights = [float(w) for w in items[0::2]]
         if any(w <= 0 for w in weights):
             raise ValueError(f"blend weights must be positive: {' '.join(items)}")
-        return [normalize_prefix(p) for p in items[1::2]], weights
+        # one prefix's weight weighs nothing: kept, megatron-core blended the one dataset, which
+        # needs a process group a one-process run does not have
+        return [normalize_prefix(p) for p in items[1::2]], weights if len(weights) > 1 else None
     if any(is_number(p) for p in items):
         raise ValueError(f"cannot parse dataset blend {' '.join(items)!r}: use prefixes or "
                          "weight/prefix pairs")

@@ -96,6 +96,30 @@ def test_bad_record_is_one_line_before_any_output(tmp_path, capsys, bad, expecte
     assert sorted(os.listdir(tmp_path)) == ["chat.jsonl", "tok"]  # nothing written, no staging left
 
 
+def test_a_channel_of_other_documents_with_the_same_totals_is_refused(tmp_path):
+    """The channel of another preprocessing with the same number of documents and tokens (5 + 3
+    against 3 + 5) put beside the tokens: each flag would fall on another token. Only the totals
+    were compared, so it was read."""
+    import shutil
+
+    from tandem.data_pipeline.dataset import check_loss_mask_channel
+
+    tok = make_tokenizer(tmp_path / "tok", template=False)
+    prefixes = []
+    for name, recs in (("a", [{"prompt": "p1 p2", "response": "r1 r2"},
+                              {"prompt": "q1", "response": "s1"}]),
+                       ("b", [{"prompt": "p1", "response": "r1"},
+                              {"prompt": "q1 p2", "response": "s1 s2"}])):
+        prefixes.append(str(tmp_path / name))
+        assert preprocess_main(["--chat", "--input", write_jsonl(tmp_path / f"{name}.jsonl", recs),
+                                "--output-prefix", prefixes[-1], "--tokenizer", tok]) == 0
+    check_loss_mask_channel(prefixes[0])
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefixes[1] + "_loss_mask" + ext, prefixes[0] + "_loss_mask" + ext)
+    with pytest.raises(ValueError, match="_loss_mask.idx gives document 0 3 tokens, but .*a.idx 5"):
+        check_loss_mask_channel(prefixes[0])
+
+
 def test_meta_records_the_channel(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", template=True)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "u1"},

@@ -229,6 +229,18 @@ def test_weighted_blend_and_separate_valid_paths(corpus):
     assert torch.equal(get_batch(train, range(10))["tokens"], get_batch(again, range(10))["tokens"])
 
 
+def test_one_weighted_prefix_builds_in_one_process(corpus):
+    """`data.paths=["1.0", PREFIX]` in a one-process run: the same samples as the bare prefix.
+    megatron-core blended the one dataset, which needs a process group, and the run failed with
+    "Default process group has not been initialized"."""
+    root, _, prefixes = corpus
+    weighted, _, _ = build_datasets(_cfg(root, paths=["1.0", prefixes["a"]], split="90,10,0"),
+                                    16, 7, 50, 5)
+    bare, _, _ = build_datasets(_cfg(root, paths=[prefixes["a"]], split="90,10,0"), 16, 7, 50, 5)
+    assert torch.equal(get_batch(weighted, range(50))["tokens"],
+                       get_batch(bare, range(50))["tokens"])
+
+
 def test_an_unweighted_blend_holds_the_samples_asked_for(corpus):
     """Two prefixes without weights are weighted by their tokens and hold the samples asked for
     (megatron-core built one epoch of each, 20 here, and a run then read it again in the same
@@ -324,6 +336,7 @@ def test_parse_blend():
     assert parse_blend(["/p/a.bin", "/p/b"]) == (["/p/a", "/p/b"], None)
     assert parse_blend(["0.7", "/p/a", "0.3", "/p/b"]) == (["/p/a", "/p/b"], [0.7, 0.3])
     assert parse_blend(["0.7 /p/a 0.3 /p/b"]) == (["/p/a", "/p/b"], [0.7, 0.3])
+    assert parse_blend(["2", "/p/a"]) == (["/p/a"], None)  # one prefix: its weight weighs nothing
     with pytest.raises(ValueError):
         parse_blend(["0.7", "/p/a", "/p/b"])
 
