@@ -223,9 +223,16 @@ def build_model(cfg: TandemConfig, pstate: ParallelState) -> nn.Module:
 
 
 def check_frozen_reference(step_dir: str, reference: Optional[dict]) -> None:
-    """A frozen-trunk checkpoint resumes only on the very trunk it was trained on."""
+    """A frozen-trunk checkpoint resumes only on the very trunk it was trained on, and a checkpoint
+    that holds its trunk only unfrozen."""
     saved = read_reference(step_dir)
     if saved is None:
+        if reference is not None:
+            # the checkpoint's trained trunk would load, and every later checkpoint would record
+            # only the MTP module on model.init_from's trunk, which is not the one it trained on
+            raise ConfigError(f"checkpoint {step_dir} holds its own trained trunk, so it resumes "
+                              "only with train.freeze_trunk=false; to fine-tune the MTP module "
+                              f"on that trunk, start a new run with model.init_from={step_dir}")
         return
     check_reference(saved, step_dir)
     if reference is None or reference["path"] != saved["path"]:

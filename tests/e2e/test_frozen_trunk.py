@@ -99,6 +99,17 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     assert ref["path"] == os.path.abspath(f"{tmp}/pre/checkpoints/step_2")
     shutil.rmtree(f"{tmp}/pre/checkpoints/step_3")
 
+    # an unfrozen fine-tune resumed frozen: refused, nothing written (its trained trunk loaded, and
+    # every later checkpoint recorded its MTP module on model.init_from's untrained trunk)
+    unfrozen = ft + [f"run.dir={tmp}/unfrozen"]
+    assert cli(["train", recipe, *unfrozen, "train.freeze_trunk=false", "train.max_steps=1"]) == 0
+    before = listing(f"{tmp}/unfrozen")
+    capsys.readouterr()
+    assert cli(["train", recipe, *unfrozen, "train.freeze_trunk=true", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "holds its own trained trunk" in err and "train.freeze_trunk=false" in err, err
+    assert listing(f"{tmp}/unfrozen") == before
+
     # export = the HF trunk (bit-identical) + the trained MTP module
     assert cli(["export", "--checkpoint", f"{tmp}/a", "--out", f"{tmp}/out"]) == 0
     trunk, out = load_file(f"{tmp}/hf/model.safetensors"), load_file(f"{tmp}/out/model.safetensors")
