@@ -92,8 +92,11 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     for kind in ("cuda", "npu"):
-        if kind in state:
-            getattr(torch, kind).set_rng_state(state[kind])
+        mod = getattr(torch, kind, None)
+        # a state saved on a device this machine lacks seeds nothing here (torch has no `npu`
+        # without torch_npu: an Ascend run resumed on a GPU or CPU machine failed with a traceback)
+        if kind in state and mod is not None and mod.is_available():
+            mod.set_rng_state(state[kind])
 
 
 def save_checkpoint(run_dir: str, step: int, model: nn.Module,

@@ -94,7 +94,14 @@ class BadStepGuard:
         return {"bad_steps/total": float(self.total_bad)}
 
     def halt(self, steps_done: int, record: dict) -> None:
-        self.save(steps_done)
+        # the checkpoint is the last good state, from before this step: its guard state too, or the
+        # resume, which replays the step, counted it twice (and halted again at max_skips=1)
+        counted = self.total_bad, self.bad_steps
+        self.total_bad, self.bad_steps = self.total_bad - 1, self.bad_steps[:-1]
+        try:
+            self.save(steps_done)
+        finally:
+            self.total_bad, self.bad_steps = counted
         losses = ", ".join(f"{k}={v:.6g}" for k, v in record.items() if k.startswith("loss"))
         raise BadStepHalt(f"halted at step {record['step']}: {self.last_reason}; {losses}; "
                           f"last good state saved as checkpoint step_{steps_done}")
@@ -114,7 +121,12 @@ class BadStepGuard:
         total, recent = self.total_bad, self.bad_steps
         self.load_state(state)
         self.total_bad, self.bad_steps = total, recent
+        # the dataset in use was built for this run's sample count, which a resume since that
+        # checkpoint may have changed: later checkpoints recorded the older count, and the next
+        # resume built the samples in another order
+        stream = data.stream_samples
         data.load_state(state)
+        data.stream_samples = stream
         data.skip(skipped)
         if self.is_main:
             samples = ", ".join(f"{a}..{b - 1}" for a, b in bad)

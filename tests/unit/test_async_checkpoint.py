@@ -2,7 +2,8 @@
 
 torch 2.13's `dcp.async_save` refuses a process group without a CPU backend ("A CPU backend must be
 enabled for async save"), which is what a default group created with `nccl` or `hccl` alone is. The
-CPU suite's gloo group always has one, so these tests build the GPU situation on CPU."""
+CPU suite's gloo group always has one, so these tests build the GPU situation on CPU. Last, an
+Ascend run's checkpoint (its NPU generator state) resumed on a machine without NPUs."""
 
 import os
 import types
@@ -73,3 +74,26 @@ def test_async_save_without_a_cpu_backend_in_the_default_group(monkeypatch, tmp_
         assert os.path.exists(os.path.join(final, ckpt.MARKER))
     finally:
         dist.destroy_process_group()
+
+
+def test_an_ascend_runs_rng_state_resumes_on_a_machine_without_npus(tmp_path):
+    """A checkpoint saved on Ascend holds the NPU generator's state beside the CPU one: on a machine
+    without torch_npu (`torch.npu` does not exist) the resume restores the rest and skips it. It
+    failed with AttributeError, a traceback the CLI did not catch."""
+    from tandem.trainer import checkpoint as ckpt
+
+    assert getattr(torch, "npu", None) is None
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    final = ckpt.save_checkpoint(str(tmp_path), 1, model, optimizer, "a: 1\n", {"step": 1})
+    rng = os.path.join(final, "rng", "rank0.pt")
+    torch.manual_seed(7)
+    state = {**torch.load(rng, weights_only=True), "torch": torch.get_rng_state(),
+             "npu": torch.zeros(16, dtype=torch.uint8)}
+    want = torch.rand(3)
+    torch.save(state, rng)
+    torch.manual_seed(0)
+    assert ckpt.load_checkpoint(final, model, optimizer)["step"] == 1
+    assert torch.equal(torch.rand(3), want)

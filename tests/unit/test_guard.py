@@ -4,7 +4,7 @@ longer count."""
 
 import math
 
-from tandem.trainer.guard import BadStepGuard
+from tandem.trainer.guard import BadStepGuard, BadStepHalt
 from tandem.trainer.recipe import load_config
 
 
@@ -61,12 +61,14 @@ class _Position:
 
     def __init__(self):
         self.skipped = []
-
-    def step_ranges(self):
-        return [(8, 16)]
+        self.stream_samples = 4200  # what this run's dataset was built for
 
     def load_state(self, state):
         self.skipped = [tuple(r) for r in state["skipped_samples"]]
+        self.stream_samples = state["stream_samples"]
+
+    def step_ranges(self):
+        return [(8, 16)]
 
     def skip(self, ranges):
         self.skipped = sorted(set(self.skipped) | set(ranges))
@@ -76,9 +78,35 @@ def test_a_rewind_keeps_the_bad_step_it_rewinds_over_counted():
     """`rewind` reloads a checkpoint saved before the bad step: the bad step still counts in the
     total and in the window (the checkpoint's state had 0), and its samples are skipped."""
     t = load_config(None, ["train.bad_step_policy=rewind", "train.max_skips=1"]).train
-    checkpoint = {"step": 2, "bad_steps_total": 0, "skipped_samples": []}
+    checkpoint = {"step": 2, "bad_steps_total": 0, "skipped_samples": [], "stream_samples": 14}
     guard = BadStepGuard(t, False, _Position(), save=None, restore=lambda: checkpoint)
     assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "rewind"
     assert guard.rewind(2) == 2
     assert guard.state()["bad_steps_total"] == 1 and guard.data.skipped == [(8, 16)]
+    # the checkpoint predates a resume that rebuilt the dataset for more samples: the count of the
+    # dataset in use stays (later checkpoints recorded 14, and the next resume read another order)
+    assert guard.data.stream_samples == 4200
     assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "halt"  # 2 within the window
+
+
+def test_a_halt_checkpoints_the_guard_state_of_the_last_good_step():
+    """`halt` saves the state from before the bad step, and the resume replays that step: the
+    guard state it saves must not count the step yet. It did, so a halted run resumed under `skip`
+    counted one bad step twice, and at max_skips=1 halted again and could not get past it."""
+    t = load_config(None, ["train.bad_step_policy=halt", "train.max_skips=1"]).train
+    saved = {}
+    guard = BadStepGuard(t, False, None, save=lambda step: saved.update(guard.state()),
+                         restore=None)
+    assert guard.inspect(1, {"step": 1, "loss": 1.0}, 1.0) == "ok"
+    assert guard.inspect(2, {"step": 2, "loss": math.nan}, 1.0) == "halt"
+    try:
+        guard.halt(1, {"step": 2, "loss": math.nan})
+    except BadStepHalt:
+        pass
+    assert saved["bad_steps_total"] == 0 and saved["bad_steps_recent"] == []
+    assert guard.state()["bad_steps_total"] == 1
+    skip = load_config(None, ["train.bad_step_policy=skip", "train.max_skips=1"]).train
+    resumed = BadStepGuard(skip, False, None, save=None, restore=None)
+    resumed.load_state(saved)
+    assert resumed.inspect(2, {"step": 2, "loss": math.nan}, 1.0) == "skip"
+    assert resumed.state()["bad_steps_total"] == 1
