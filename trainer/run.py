@@ -314,6 +314,31 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
     return position, global_batch, train_ds, valid_ds, tokenizer
 
 
+DATA_ORDER_KEYS = (("train", "seed"), ("data", "source"), ("data", "paths"), ("data", "split"),
+                   ("data", "valid_paths"))
+"""The keys the order of the training samples follows (megatron-core shuffles data.split's share of
+data.paths with train.seed; chat records are split and shuffled with it too)."""
+
+
+def data_order_note(step_dir: str, cfg: TandemConfig, next_sample: int) -> str:
+    """What a resume from `step_dir` changes about the order of the samples, for its start-up line
+    (empty: nothing). The data position counts samples, so under other DATA_ORDER_KEYS the run goes
+    on at the same count of another order: samples it read may come again, others not at all (a
+    change of blend between stages is often meant: said, not refused)."""
+    changed = []
+    for section, key in DATA_ORDER_KEYS:
+        saved, now = saved_section(step_dir, section), getattr(getattr(cfg, section), key)
+        now = list(now) if isinstance(now, (list, tuple)) else now
+        if key in saved and saved[key] != now:
+            changed.append(f"{section}.{key} {saved[key]!r} -> {now!r}")
+    if not changed:
+        return ""
+    split = any(c.startswith(("data.split", "data.valid_paths")) for c in changed)
+    return (f"; the data order changed ({', '.join(changed)}): the run goes on at sample "
+            f"{next_sample} of another order, so samples it read may come again and others not at "
+            "all" + ("; documents move between training and validation" if split else ""))
+
+
 def check_ple_end_of_document(cfg: TandemConfig, tokenizer) -> None:
     """ConfigError when the model has PLE layers and model.eos_token_id is not `tokenizer`'s
     end-of-document id: PLE's n-grams stop at it, and a wrong one silently mixes documents."""
@@ -433,8 +458,10 @@ def build_run(cfg: TandemConfig, resume: bool = False,
                     * global_batch) / position.schedule_batch
             schedule = schedule_note(saved_section(found[1], "train"), cfg.train,
                                      position.schedule_step(), last)
+            order = data_order_note(found[1], cfg, position.next_sample())
             print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}"
-                  f"{schedule if run.start_step < cfg.train.max_steps else ''}", file=sys.stderr)
+                  f"{order}{schedule if run.start_step < cfg.train.max_steps else ''}",
+                  file=sys.stderr)
     done = found is not None and found[0] == cfg.train.max_steps
     if pstate.is_main and done:
         print(f"resume: {found[1]} is at train.max_steps={cfg.train.max_steps}: nothing to train",

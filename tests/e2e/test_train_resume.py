@@ -126,7 +126,15 @@ def test_resume_under_another_global_batch_continues_at_the_next_sample(tiny_ove
             "schedule; train.decay_steps=1 keeps the checkpoint's decay; the last step "
             "(train.max_steps=5) falls at schedule step 7 of 5 planned") in capsys.readouterr().err
     assert sum(reads, []) == list(range(6, 18)), reads  # today's step x global batch read 18..29
-    recs = records(resumed.run.dir)
+    # another seed orders the samples otherwise: the resume says so (it went on silently)
+    reseeded = load_config(RECIPE, tiny_overrides + schedule + ["train.grad_accum_steps=3",
+                                                                "train.max_steps=6",
+                                                                "train.seed=99"])
+    capsys.readouterr()
+    train(reseeded, resume=True)
+    assert (f"the data order changed (train.seed {t.seed!r} -> 99): the run goes on at sample 18 "
+            "of another order") in capsys.readouterr().err
+    recs = records(resumed.run.dir)[:5]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     assert [r["consumed_samples"] for r in recs] == [2, 4, 6, 12, 18]
     assert [r["consumed_tokens"] for r in recs] == [64, 128, 192, 384, 576]  # data.seq_len=32
