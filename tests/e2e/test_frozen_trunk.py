@@ -48,6 +48,13 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     assert cli(["export", "--checkpoint", f"{tmp}/pre", "--out", f"{tmp}/hf"]) == 0
     hf_tok = os.path.join(tmp, "hf", "tokenizer.json")
     assert os.path.isfile(hf_tok)
+    # a run from scratch names its end of document as the model's EOS, where transformers and vLLM
+    # look for it (they took the family's default, an ordinary token, and never stopped there)
+    from transformers import AutoConfig, AutoTokenizer
+
+    eod = AutoTokenizer.from_pretrained(f"{tmp}/hf").convert_tokens_to_ids("<|endoftext|>")
+    assert AutoConfig.from_pretrained(f"{tmp}/hf").eos_token_id == eod
+    assert AutoTokenizer.from_pretrained(f"{tmp}/hf").eos_token_id == eod
 
     recipe = os.path.join(ROOT, "recipes", "finetune_mtp.yaml")
     ft = [f"model.init_from={tmp}/hf", "train.max_steps=2", "checkpoint.interval=1",

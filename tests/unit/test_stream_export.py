@@ -54,4 +54,12 @@ def test_streamed_export_equals_in_memory_export(tmp_path, dtype, shard_mb):
         assert got[k].dtype == dtype and torch.equal(got[k], want[k].to(dtype)), k
     assert (len(files) > 1) == bool(shard_mb)
     with open(tmp_path / "streamed" / "config.json") as f:
-        assert json.load(f) == json.load(open(tmp_path / "memory" / "config.json"))
+        config = json.load(f)
+    assert config == json.load(open(tmp_path / "memory" / "config.json"))
+    # the tensors' dtype, which transformers (and vLLM) load at by default: it said float32
+    # whatever was written, and a bf16 export loaded at twice its memory
+    assert config["dtype"] == str(dtype).removeprefix("torch.")
+    if dtype == torch.bfloat16:
+        from transformers import AutoModelForCausalLM
+
+        assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "streamed")).dtype == dtype

@@ -19,6 +19,7 @@ and so is a tokenizer that does not load or is larger than the model's vocabular
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -31,8 +32,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from tandem.data_pipeline.dataset import check_vocab
-from tandem.data_pipeline.tokenizer import copy_tokenizer, saved_tokenizer, tokenizer_file
+from tandem.data_pipeline.tokenizer import saved_tokenizer, tokenizer_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
 
@@ -49,9 +49,10 @@ from .families import (
     hf_name,
     meta_state,
 )
-from .importer import local_tensors, read_source, tokenizer_file_size
+from .importer import local_tensors, read_source
 from .init_from import check_reference, is_hf_dir, read_reference
 from .reader import ST_DTYPES, CheckpointReader, read_config
+from .serving_files import check_tokenizer_file, source_serving_fields, write_tokenizer
 
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
@@ -76,23 +77,16 @@ class _Entry(NamedTuple):
 
 # --- the command ----------------------------------------------------------------------------------
 def export_main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tandem export",
-                                     description="Write a Hugging Face checkpoint (config.json + "
-                                                 "safetensors) of a "
-                                                 "Tandem checkpoint.")
+    parser = argparse.ArgumentParser(prog="tandem export", description="Write a Hugging Face "
+                                     "checkpoint (config.json + safetensors) of a Tandem one.")
     parser.add_argument("--checkpoint", required=True,
                         help="step_<N>/ directory or a run directory (newest checkpoint)")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
-    parser.add_argument("--family", choices=FAMILIES, default=None,
-                        help="target layout; default from the model's knobs (sigmoid router/shared "
-                             "experts -> "
-                             "glm4_moe)")
+    parser.add_argument("--family", choices=FAMILIES, default=None, help="target layout; default "
+                        "from the model's knobs (sigmoid router/shared experts -> glm4_moe)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer.json or HF tokenizer directory to copy (default: the run's)",
-    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF tokenizer "
+                        "directory to copy (default: the run's)")
     parser.add_argument("--max-shard-mb", type=float, default=0,
                         help="split the safetensors into shards of this size")
     args = parser.parse_args(argv)
@@ -272,9 +266,7 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
             value = _to_hf(sources[name].load(), hf_name(name, cfg, mtp, spec), sources[name].dtype)
             while i < len(plan) and plan[i].name == name:
                 part = value[plan[i].part] if plan[i].part is not None else value
-                handles[where[i]].write(
-                    part.contiguous().view(torch.uint8).reshape(-1).numpy().data
-                )
+                handles[where[i]].write(part.contiguous().view(torch.uint8).reshape(-1).numpy().data)
                 i += 1
             del value
     finally:
@@ -286,30 +278,15 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
             json.dump({"metadata": {"total_size": total},
                        "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
                       f, indent=1)
-    config.update(_serving_fields(cfg.init_from, cfg.max_seq_len, out_dir))
+    config.update(source_serving_fields(cfg.init_from, cfg.max_seq_len, out_dir))
+    # the dtype most bytes are in (a frozen bf16 trunk beside an fp32 MTP module); always float32
+    # before, so transformers and vLLM (dtype auto) loaded a bf16 export at twice its memory
+    written = collections.Counter()
+    for e in plan:
+        written[e.dtype] += _nbytes(e)
+    config["dtype"] = str(written.most_common(1)[0][0]).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-
-
-_SERVING_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _serving_fields(init_from: str, max_seq_len: int, out_dir: str) -> dict:
-    """What a model fine-tuned from a Hugging Face checkpoint (`model.init_from`) keeps of how its
-    source is served: the source's context length when longer than the one trained at
-    (`max_position_embeddings`, which vLLM serves up to), its special token ids, and its
-    generation_config.json (copied into `out_dir`; transformers' `generate` reads its EOS there)."""
-    if not init_from or not is_hf_dir(init_from):
-        return {}
-    with open(os.path.join(init_from, "config.json"), encoding="utf-8") as f:
-        source = json.load(f)
-    fields = {k: source[k] for k in _SERVING_FIELDS if source.get(k) is not None}
-    if int(source.get("max_position_embeddings", 0)) > max_seq_len:
-        fields["max_position_embeddings"] = int(source["max_position_embeddings"])
-    generation = os.path.join(init_from, "generation_config.json")
-    if os.path.isfile(generation):
-        shutil.copyfile(generation, os.path.join(out_dir, "generation_config.json"))
-    return fields
 
 
 def _plan(names: List[str], sources: Dict[str, _Source], cfg, mtp, spec) -> List[_Entry]:
@@ -381,26 +358,6 @@ def _to_hf(value: torch.Tensor, src, dtype: torch.dtype) -> torch.Tensor:
     return value.to(dtype)
 
 
-def check_tokenizer_file(tokenizer: str, vocab_size: int) -> str:
-    """The tokenizer.json of `tokenizer` (a file or an HF tokenizer directory), checked to load and
-    to fit the model's embedding table: an export must not ship a tokenizer it cannot serve."""
-    src = tokenizer_file(tokenizer)
-    if src is None:
-        where = "holds no tokenizer.json" if os.path.isdir(tokenizer) else "does not exist"
-        raise FileNotFoundError(f"--tokenizer {tokenizer} {where}")
-    # the file's size, not load_tokenizer's: a tokenizer without an end-of-document token (which
-    # training requires) still exports
-    check_vocab(src, tokenizer_file_size(src), vocab_size)
-    return src
-
-
-def _copy_tokenizer(tokenizer: str, out_dir: str) -> None:
-    copy_tokenizer(tokenizer, out_dir)
-    if not os.path.isfile(os.path.join(out_dir, "tokenizer_config.json")):
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
-
-
 # what an export writes: --overwrite replaces a directory holding only these
 _EXPORT_FILES = re.compile(r"config\.json|model(-\d+-of-\d+)?\.safetensors|"
                            r"model\.safetensors\.index\.json|tokenizer\.json|"
@@ -467,7 +424,7 @@ def _write_export_dir(out: str, overwrite: bool, tokenizer: Optional[str],
         with naming(out):  # a full disk's error names no file: name the export it stopped
             fill(tmp)
             if tok_src:
-                _copy_tokenizer(tokenizer, tmp)
+                write_tokenizer(tokenizer, tmp)
         _put_in_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
