@@ -175,9 +175,9 @@ def get_batch(dataset, sample_indices: Sequence[int],
 
     * `tokens`    LongTensor [B, seq_len+1]: the full window
                   (inputs are tokens[:, :-1], targets tokens[:, 1:])
-    * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts. Megatron
-      semantics: 0 for padding, and with `eod_mask_loss` 0 where the *input* token tokens[:, t] is
-      EOD.
+    * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts: 0 for
+      padding and prompts (the model also drops every target across a document boundary:
+      models/mtp.py depth_target_mask).
     * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in
       the window; positions i, j belong to the same document iff doc_ids are equal. Samples that
       carry their own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD

@@ -415,7 +415,9 @@ def _gpt_dataset_config(data_cfg, train_blend: _Blend, valid_blend: Optional[_Bl
         tokenizer=mc.MegatronTokenizerAdapter(tokenizer, prefixes),
         reset_position_ids=False,
         reset_attention_mask=False,
-        eod_mask_loss=bool(data_cfg.eod_mask_loss),
+        # (a target whose input is an EOD is never trained anyway: the model masks every target
+        # across a document boundary, models/mtp.py depth_target_mask)
+        eod_mask_loss=False,
         create_attention_mask=False,
         mmap_bin_files=True,
     )

@@ -84,8 +84,6 @@ class DataConfig:
     test/)."""
     seq_len: int = 256
     """Tokens per training sample (the model sees seq_len inputs, seq_len targets)."""
-    eod_mask_loss: bool = False
-    """Mask the loss on end-of-document tokens (Megatron `eod_mask_loss`)."""
     document_mask: bool = False
     """Keep the documents packed into a window apart (Megatron's reset_attention_mask and
     reset_position_ids, extended to every layer kind): block-diagonal causal attention, positions

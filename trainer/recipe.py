@@ -54,11 +54,19 @@ def _rename_keys(node: Any, table: dict) -> Any:
     return node
 
 
-_RETIRED = {"eval.temperature": "greedy decoding always runs now; list sampled temperatures in "
-                                "eval.temperatures"}
-"""Keys that left the schema. A config that still holds one at its old default (the run configs that
-checkpoints saved before, `eval.temperature: 0.0`) loads with it dropped; any other value is an
-error naming the replacement."""
+_RETIRED = {
+    "eval.temperature": ("greedy decoding always runs now; list sampled temperatures in "
+                         "eval.temperatures", lambda v: v in (0, 0.0, "0", "0.0")),
+    # either value did the same: Megatron's mask of a target whose input is an EOD is a subset of
+    # the model's own
+    "data.eod_mask_loss": ("a target whose input is an end of document is never trained: every "
+                           "target across a document boundary is masked at every depth",
+                           lambda v: str(v).strip().lower() in ("true", "false")),
+}
+"""Keys that left the schema: (what replaces them, the values a config may still hold). A config
+that holds one of those (the run configs checkpoints saved before: `eval.temperature: 0.0`,
+`data.eod_mask_loss: false`) loads with it dropped; any other value is an error naming the
+replacement."""
 
 
 def _drop_retired(key: str, value: Any) -> bool:
@@ -66,9 +74,10 @@ def _drop_retired(key: str, value: Any) -> bool:
     more."""
     if key not in _RETIRED:
         return False
-    if value in (0, 0.0, "0", "0.0"):
+    why, droppable = _RETIRED[key]
+    if droppable(value):
         return True
-    raise ConfigError(f"config key '{key}'={value!r} is no longer supported: {_RETIRED[key]}")
+    raise ConfigError(f"config key '{key}'={value!r} is no longer supported: {why}")
 
 
 def _override_key(item: str) -> str:

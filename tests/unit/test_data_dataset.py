@@ -72,16 +72,20 @@ def test_samples_are_contiguous_windows_of_the_corpus(corpus):
 
 def test_get_batch_shapes_masks_and_doc_ids(corpus):
     root, _, prefixes = corpus
-    train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]], eod_mask_loss=True), 32, 1, 64,
-                                   4)
+    train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]]), 32, 1, 64, 4)
     b = get_batch(train, range(4, 8))
     assert b["tokens"].dtype == torch.long and b["tokens"].shape == (4, 33)
     assert b["loss_mask"].dtype == torch.float32 and b["loss_mask"].shape == (4, 32)
     assert b["doc_ids"].dtype == torch.long and b["doc_ids"].shape == (4, 33)
     inputs = b["tokens"][:, :-1]
-    # eod_mask_loss (Megatron semantics): no loss where the input token is EOD
-    assert torch.equal(b["loss_mask"], (inputs != tok.eod_id).float())
-    assert (inputs == tok.eod_id).any()
+    assert torch.equal(b["loss_mask"], torch.ones(4, 32)) and (inputs == tok.eod_id).any()
+    # no target whose input is the EOD counts, at any depth (what Megatron's eod_mask_loss did):
+    # it is the next document's
+    from tandem.models.mtp import depth_target_mask
+
+    for depth in range(3):
+        kept = depth_target_mask(b["loss_mask"], b["doc_ids"], depth)
+        assert not kept[inputs == tok.eod_id].any() and kept.sum() > 100
 
 
 class _Fixed:

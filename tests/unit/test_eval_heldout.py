@@ -117,6 +117,16 @@ def test_retired_eval_temperature():
         load_config(None, ["eval.temperature=0.7"])
 
 
+def test_retired_eod_mask_loss():
+    """Megatron's mask of a target whose input is an EOD is a subset of the model's own mask of
+    every target across a document boundary: either value of the retired key loads, dropped."""
+    for value in ("true", "false"):
+        assert not hasattr(load_config(None, [f"data.eod_mask_loss={value}"]).data,
+                           "eod_mask_loss")
+    with pytest.raises(ConfigError, match=r"data\.eod_mask_loss'='maybe'.*never trained"):
+        load_config(None, ["data.eod_mask_loss=maybe"])
+
+
 def test_saved_config_with_retired_key_loads(tmp_path):
     """config.yaml of a run saved before eval.temperatures holds `eval.temperature: 0.0`."""
     path = tmp_path / "config.yaml"
