@@ -76,7 +76,17 @@ def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs:
                      dilation: int = 1) -> torch.Tensor:
     """A causal depthwise convolution that does not reach across a document start: out[t] =
     sum_j weight[:, K-1-j] * x[t - j*dilation] over the taps with j*dilation <= positions[t] (the
-    position within the document). [B, S, C] in, [B, S, C] out, in x's dtype."""
+    position within the document). [B, S, C] in, [B, S, C] out, in the dtype `F.conv1d` gives
+    (autocast's under autocast, else x's): inputs rounded to it, taps summed in fp32.
+
+    A bf16 activation times an fp32 weight came out fp32 under autocast, where the unpacked path's
+    conv1d gives bf16: a packed document computed other values than alone, and Gated DeltaNet's
+    fla kernel, which takes bf16, was passed over for the torch rule."""
+    device = x_bsc.device.type
+    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+             else x_bsc.dtype)
+    x_bsc = x_bsc.to(dtype).float()
+    weight_ck = weight_ck.to(dtype).float()
     kernel = weight_ck.shape[-1]
     out = x_bsc * weight_ck[:, kernel - 1]
     for j in range(1, kernel):
@@ -86,4 +96,4 @@ def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs:
         shifted = torch.nn.functional.pad(x_bsc[:, :-back], (0, 0, back, 0))
         reach = (positions_bs >= back)[..., None]
         out = out + torch.where(reach, shifted, 0) * weight_ck[:, kernel - 1 - j]
-    return out
+    return out.to(dtype)
