@@ -44,6 +44,14 @@ def apply_settings(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
     kinds = {p.device.type for group in optimizer.param_groups for p in group["params"]}
     for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
         group.update(_settings(cfg, kinds), weight_decay=decay)
+        # load_state_dict put each step count where the checkpoint's kernel keeps it (the host for
+        # foreach, the parameter's device for fused): the run's kernel finds it where it looks
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(device=p.device if on_device else "cpu",
+                                                 dtype=torch.float32)
 
 
 class MultiTensorAdamW(torch.optim.AdamW):

@@ -104,3 +104,23 @@ def test_a_resume_says_when_it_changes_the_lr_schedule():
     assert schedule_note(six, train("train.max_steps=6"), 3, 4) == (
         "; the last step (train.max_steps=6) falls at schedule step 5 of 6 planned, at LR 0.55 "
         "(train.min_lr=0.1)")
+
+
+def test_a_resume_under_another_kernel_finds_each_step_count_where_it_looks():
+    """load_state_dict leaves each AdamW step count where the checkpoint's kernel kept it: on the
+    host for foreach, on the parameter's device for fused. A resume that switched to fused on an
+    accelerator then handed the fused kernel host step counts; apply_settings moves them (and back
+    to the host for foreach). A parameter on the meta device stands in for an accelerator's."""
+    from tandem.trainer.optim import apply_settings
+
+    param = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    optimizer = torch.optim.AdamW([{"params": [param]}, {"params": []}], foreach=True)
+    optimizer.state[param] = {"step": torch.tensor(3.0), "exp_avg": torch.empty_like(param),
+                              "exp_avg_sq": torch.empty_like(param)}
+    apply_settings(optimizer, load_config(None, ["train.optimizer_kernel=fused"]).train)
+    step = optimizer.state[param]["step"]
+    assert optimizer.param_groups[0]["fused"] and step.device.type == "meta"
+    assert step.dtype == torch.float32
+    optimizer.state[param]["step"] = torch.tensor(3.0)
+    apply_settings(optimizer, load_config(None, ["train.optimizer_kernel=foreach"]).train)
+    assert optimizer.state[param]["step"].device.type == "cpu"
