@@ -6,14 +6,16 @@ recipe's layout is an estimate:
 - model states: fp32 parameter + fp32 gradient + two fp32 AdamW moments = 16 bytes per parameter
   this rank owns (with train.freeze_trunk only the MTP module's; the frozen trunk costs 2 or 4 bytes
   per parameter, train.frozen_dtype, and keeps no activations), summed over the parameters of the pp
-  rank holding the most: routed experts split over ep and tp and FSDP-sharded over dp; the PLE
+  rank holding the most: routed experts split over ep and tp and FSDP-sharded over dp (under
+  dp_mode=allreduce nothing is sharded over dp: every rank holds its tp / ep shards whole); the PLE
   n-gram table split by rows over the stage's dp x ep x tp ranks (trainer/parallel/tensor_hybrid.py,
   out of FSDP: never gathered); everything else split over tp and FSDP-sharded over dp x ep. The
   table is trained by the same dense AdamW as every other parameter, over those shards: every row's
   moments live (and are updated) every step;
 - FSDP's gathered copies (compute dtype: bf16 under mixed precision): the rank's two largest layers
   (one gathered, the next prefetched; a PLE layer without its table) and the root pieces (embedding,
-  head, final norm, MTP module), kept gathered through the step;
+  head, final norm, MTP module, whose routed experts are units of their own), kept gathered through
+  the step;
 - FSDP's gradient buffers of the root group (embedding, head, final norm and the MTP module's own
   parameters: `root_grad_bytes`): their unsharded gradients (compute dtype) live from the head's
   backward, the first, to the group's reduce-scatter at the end of each micro-batch's backward,
@@ -39,8 +41,10 @@ recipe's layout is an estimate:
   micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward
   (its input, the grouped norm's output, the sigmoid mixing weights and the weighted streams): 16 *
-  hc * s * b * h / tp; with up to `pp` micro-batches in flight on the first stage under 1F1B; the
-  last stage adds the K MTP depths and the buffers of one chunk of logits (`head_chunk_bytes`: the
+  hc * s * b * h / tp; times the micro-batches each pp rank's schedule holds (parallel/validate.py
+  `microbatches_held`: pp - rank under 1F1B, every one under GPipe, more than pp on the first ranks
+  under interleaved 1F1B); a rank computing losses adds its MTP depths and the buffers of one chunk
+  of logits (`head_chunk_bytes`: the
   logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1)
   each loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
   backward (`fused_head_bytes`). Gated DeltaNet's and QSA's own activations are taken as an
@@ -81,7 +85,7 @@ from .estimate_bytes import (
     single_sync_bytes,
 )
 from .parallel.pipeline_plan import PipelinePlan
-from .parallel.validate import pipeline_microbatches
+from .parallel.validate import microbatches_held, pipeline_microbatches
 
 GIB = 2**30
 
@@ -318,8 +322,9 @@ def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout,
 
 
 def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
-    """Peak activation GiB: the first stage's micro-batches in flight, or a rank computing
-    losses."""
+    """Peak activation GiB over the pp ranks: each rank's layers and MTP depths times the
+    micro-batches its schedule holds (`microbatches_held`), and a rank computing losses its logits
+    chunk and fused-head buffers besides."""
     m, p = cfg.model, cfg.parallel
     act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     # a cp rank keeps its own rows' activations
@@ -327,7 +332,6 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
     if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
         per_layer += 16 * m.hc_count * tokens * m.hidden_size / p.tp * act_bytes / 2
-    in_flight = p.pp if p.pp > 1 else 1
     # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's
     # live
     trunk_layers = [1 if cfg.train.freeze_trunk else len(layers) for layers in lay.layers]
@@ -339,14 +343,19 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
         width = 4 * m.hc_count if m.hc_count > 1 else act_bytes
         kept = tokens * m.hidden_size * width / (p.tp if p.sequence_parallel else 1)
         live = per_layer
-    first = kept * trunk_layers[0] * in_flight + live
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, tokens)
-    # a rank holding loss depths: its layers and MTP depths (one micro-batch in flight) and a logits
-    # chunk
-    heads = [r for r, pieces in enumerate(lay.pieces) if "lm_head" in pieces]
-    last = max(kept * (trunk_layers[r] + lay.depths[r]) + live + head_chunk_bytes(cfg, chunk)
-               + fused_head_bytes(cfg, lay.loss_depths[r], act_bytes) for r in heads)
-    return max(first, last) / GIB
+
+    def rank_bytes(r: int) -> float:
+        # the schedule's micro-batches in flight (interleaved 1F1B and GPipe hold more than pp;
+        # the estimate assumed 1F1B's), and a rank holding loss depths their logits buffers too
+        # (on the first rank as well, which held only its micro-batches before)
+        held = kept * (trunk_layers[r] + lay.depths[r]) * microbatches_held(cfg, r) + live
+        if "lm_head" in lay.pieces[r]:
+            held += head_chunk_bytes(cfg, chunk) + fused_head_bytes(cfg, lay.loss_depths[r],
+                                                                    act_bytes)
+        return held
+
+    return max(rank_bytes(r) for r in range(len(lay.layers))) / GIB
 
 
 def _ple_lookup(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> Tuple[float, float]:
@@ -373,8 +382,12 @@ def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
     gathered = 0.0
     for r in range(p.pp):
         sizes = sorted((layer_bytes(i) for i in lay.layers[r]), reverse=True)[:2]
-        roots = sum((mtp_width if x == "mtp" else width) * sum(counts.pieces.get(x, {}).values())
-                    for x in lay.pieces[r]) / p.tp
+        # a piece's routed experts (the MTP layer's) are FSDP units of their own, freed after
+        # their forward, and split over ep: they were counted whole, once per ep rank
+        roots = sum((mtp_width if x == "mtp" else width)
+                    * per_tp_rank({k: n for k, n in counts.pieces.get(x, {}).items()
+                                   if k != "experts"}, p)
+                    for x in lay.pieces[r])
         gathered = max(gathered, (sum(sizes) + roots) / GIB)
     return gathered
 
@@ -399,6 +412,8 @@ def estimate(cfg: TandemConfig, world_size: int | None = None,
     # dp x cp x ep
     split = {"experts": p.ep * p.tp * dp, "ple_table": p.tp * batch, "dense": p.tp * batch,
              "replicated": batch}
+    if p.dp_mode == "allreduce":  # every batch rank holds whole parameters, gradients and moments
+        split.update(experts=p.ep * p.tp, dense=p.tp, replicated=1)
     states, ple_states = _states(cfg, counts, lay, split)
     activations = _activations(cfg, lay)
     ple_lookup, ple_sent = _ple_lookup(cfg, counts, lay)
@@ -424,6 +439,8 @@ def estimate(cfg: TandemConfig, world_size: int | None = None,
                     ple_table_params=counts.ple_table, ple_states_gib_per_rank=ple_states,
                     ple_lookup_gib_per_rank=ple_lookup, ple_exchange_bytes=ple_sent,
                     ple_shard=f"1/{split['ple_table']} = " + " x ".join(shards),
-                    train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len),
+                    # (MFU's: a frozen trunk's forward only, as the run counts it)
+                    train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len,
+                                                                   cfg.train.freeze_trunk),
                     flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len),
                     **context_fields(cfg, lay.layers, lay.depths))

@@ -133,3 +133,67 @@ def test_full_activation_checkpointing_keeps_each_block_input_and_one_block():
     rest_hc = activations("none", *hc) - per_hc_block * layers
     assert activations("full", *hc) == pytest.approx(tokens * h * 4 * 4 * layers + per_hc_block
                                                      + rest_hc)
+
+
+def test_pipeline_schedules_hold_the_micro_batches_torch_runs_them_with():
+    """Micro-batches a pp rank holds at its peak, counted by hand from torch's schedules (pp 4, 16
+    micro-batches, 3 virtual stages): 1F1B pp - rank; interleaved 1F1B (v - 1) pp + 2 (pp - 1 -
+    rank) + 1 chunks of a third of the rank's layers (15 / 3 = 5 on rank 0: 1.25x 1F1B's 4);
+    GPipe all 16. The estimate assumed 1F1B's pp whatever the schedule."""
+    from tandem.trainer.parallel.validate import microbatches_held
+
+    base = BASE + ["parallel.pp=4", "model.num_layers=12", "train.grad_accum_steps=16"]
+    held = {s: [microbatches_held(load_config(None, base + [f"parallel.pp_schedule={s}",
+                                                            "parallel.pp_virtual_stages=3"]), r)
+                for r in range(4)] for s in ("1f1b", "interleaved_1f1b", "gpipe")}
+    assert held == {"1f1b": [4, 3, 2, 1], "interleaved_1f1b": [5, 13 / 3, 11 / 3, 3],
+                    "gpipe": [16] * 4}
+    acts = {s: estimate(load_config(None, base + [f"parallel.pp_schedule={s}"]), 4)
+            .activations_gib_per_rank for s in ("1f1b", "gpipe")}
+    assert acts["gpipe"] > 3.5 * acts["1f1b"]
+
+
+def test_allreduce_states_are_whole_on_every_data_parallel_rank():
+    """dp_mode=allreduce (torch's replicate) keeps every rank's parameters, gradients and AdamW
+    moments whole: its states equal one rank's without data parallelism. They were divided by dp
+    as FSDP's are."""
+    states = {world: estimate(load_config(None, BASE + ["parallel.dp_mode=allreduce"]), world)
+              .states_gib_per_rank for world in (1, 4)}
+    assert states[4] == states[1] > 0
+    fsdp = estimate(load_config(None, BASE), 4).states_gib_per_rank
+    assert fsdp == pytest.approx(states[1] / 4, rel=1e-9)
+
+
+def test_a_frozen_trunks_check_counts_the_flops_its_run_does():
+    """--check's model FLOPs per token, MFU's, are the run's: a frozen trunk's forward only (it
+    printed the trained trunk's, 1.6x more on finetune_mtp.yaml)."""
+    from tandem.trainer.cost import training_flops_per_token
+
+    cfg = load_config(None, BASE + ["train.freeze_trunk=true"])
+    want = training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len, freeze_trunk=True)
+    assert estimate(cfg).train_flops_per_token == want
+    assert want < training_flops_per_token(cfg.model, cfg.mtp, cfg.data.seq_len)
+
+
+def test_fsdp_gathers_the_mtp_layers_experts_as_a_unit_of_their_own():
+    """FSDP's gathered copies: a rank's two largest trunk layers and its root pieces, hand-counted
+    from the model's parameters (one process, ep 2 over 2 ranks, bf16). The MTP layer's routed
+    experts are FSDP units of their own, freed after their forward and split over ep: they were
+    counted in the root pieces whole, once per ep rank."""
+    from tandem.models import TandemModel
+
+    moe = ["model.num_experts=8", "model.top_k=2", "model.moe_intermediate_size=64",
+           "model.first_k_dense=0", "parallel.ep=2", "mtp.moe=true"]
+    cfg = load_config(None, BASE + moe)
+    with torch.device("meta"):
+        model = TandemModel(cfg.model, cfg.mtp)
+    layers, roots = {}, 0
+    for name, p in model.named_parameters():
+        if name.startswith("layers."):
+            key = name.split(".")[1]
+            layers[key] = layers.get(key, 0) + p.numel() / (2 if ".experts." in name else 1)
+        elif ".experts." not in name:
+            roots += p.numel()
+    assert any(".experts." in n and n.startswith("mtp.") for n, _ in model.named_parameters())
+    want = 2 * (sum(sorted(layers.values())[-2:]) + roots)  # bf16 bytes
+    assert estimate(cfg, 2).gathered_gib_per_rank * GIB == pytest.approx(want, rel=1e-9)

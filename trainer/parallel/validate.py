@@ -14,6 +14,23 @@ from ..config_checks import ConfigError
 from .pipeline_plan import PipelinePlan
 
 
+def microbatches_held(cfg: TandemConfig, rank: int) -> float:
+    """How many pipeline micro-batches' activations pp rank `rank` holds at its peak, in units of
+    all of its layers', as torch's schedules run: GPipe holds every one; 1F1B pp - rank; interleaved
+    1F1B runs (v - 1) pp + 2 (pp - 1 - rank) forward chunks (1/v of its layers each) before its
+    first backward, and holds one more."""
+    p = cfg.parallel
+    if p.pp <= 1:
+        return 1.0
+    n = pipeline_microbatches(cfg)
+    if p.pp_schedule == "gpipe":
+        return float(n)
+    if p.pp_schedule == "interleaved_1f1b":
+        v = p.pp_virtual_stages
+        return min((v - 1) * p.pp + 2 * (p.pp - 1 - rank) + 1, n * v) / v
+    return float(min(p.pp - rank, n))
+
+
 def pipeline_microbatches(cfg: TandemConfig) -> int:
     """Pipeline micro-batches per step on one data-parallel rank (the schedule splits the rank's
     train.micro_batch_size * train.grad_accum_steps sequences into this many equal chunks).
