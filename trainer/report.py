@@ -342,11 +342,12 @@ def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
         mtp = run.config.get("mtp", {})
         loss_cfg = mtp.get("loss", {}) if isinstance(mtp.get("loss"), dict) else {}
         last = run.records[-1]
-        accept = run.series("eval/acceptance_length")[1]
+        accept, loss = run.series("eval/acceptance_length")[1], run.series("loss/main")[1]
         rows.append([run.label, run.path, str(mtp.get("num_steps", "")),
                      str(mtp.get("num_layers", "")),
                      str(loss_cfg.get("objective", "ce")), _lambda_schedule(loss_cfg),
-                     str(last["step"]), f"{last['loss/main']:.4f}" if "loss/main" in last else "",
+                     # (a step the guard skipped logs null: the last value logged)
+                     str(last["step"]), f"{loss[-1]:.4f}" if loss else "",
                      f"{accept[-1]:.3f}" if accept else "not evaluated"])
     return rows
 

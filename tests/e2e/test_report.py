@@ -126,3 +126,17 @@ def test_a_torn_last_line_is_skipped_a_bad_line_before_it_named(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join([records[0], "garbage", *records[1:]]))
     with pytest.raises(ReportError, match=r"metrics.jsonl:2: not a JSON record"):
         read_run(str(tmp_path))
+
+
+def test_a_run_whose_last_step_was_skipped_reports(tmp_path):
+    """A step the bad-step guard skipped logs its losses as null: a run whose newest record is one
+    (a live run, or one that ended there) reports, its summary giving the last loss logged. It
+    failed with a TypeError traceback."""
+    from tandem.trainer.report import report_main
+
+    records = [{"step": 1, "loss": 2.0, "loss/main": 2.0},
+               {"step": 2, "loss": 1.5, "loss/main": 1.5},
+               {"step": 3, "loss": None, "loss/main": None, "skipped": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    assert "1.5000" in (tmp_path / "report" / "report.html").read_text()
