@@ -71,7 +71,7 @@ from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 from .config_checks import ConfigError
 from .files import write_replacing
 from .hf.reader import stop_ids
-from .parallel.device import resolve_device
+from .parallel.device import autocast_context, resolve_device
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -331,8 +331,13 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
 
 def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     """(metrics, speculative results): teacher-forced figures, then decoding both ways (and the
-    other drafting convention's acceptance when it differs)."""
-    with torch.inference_mode():
+    other drafting convention's acceptance when it differs). A Tandem checkpoint is evaluated in
+    its train.dtype's precision (`auto` resolved here, as training resolves it), as the in-loop
+    evaluator ran under the training step's autocast: in fp32 its bf16 figures differed."""
+    dtype = None
+    if args.checkpoint and cfg is not None and hasattr(cfg, "train"):
+        dtype = resolve_device(torch.device(args.device).type).autocast_dtype(cfg.train.dtype)
+    with torch.inference_mode(), autocast_context(torch.device(args.device).type, dtype):
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
         metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask,
                                  measure_recall=True)  # as the in-loop evaluator's

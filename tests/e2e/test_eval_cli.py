@@ -138,3 +138,23 @@ def test_defaults_follow_the_in_loop_evaluator():
     got = _settings(_parser().parse_args(["--checkpoint", "x", "--num-steps", "2", "--seed", "0"]),
                     model, cfg, None)
     assert (got["num_steps"], got["seed"]) == (2, 0)
+
+
+def test_a_bf16_runs_figures_are_the_in_loop_evaluators(tmp_path, corpus_cache):
+    """A run trained in bf16 and evaluated in the loop at its last step: `tandem eval` of that
+    checkpoint, with its defaults, prints the figures the run logged, exactly. It evaluated in fp32
+    (the in-loop evaluator runs under the training step's autocast), and its loss and greedy
+    continuations differed."""
+    from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
+
+    run = tmp_path / "run"
+    train(load_config("recipes/tiny.yaml", [
+        f"run.dir={run}", "train.max_steps=2", *DEBUG_MODEL, *TINY_DATA, "eval.interval=2",
+        "eval.num_prompts=2", "eval.prompt_len=8", "eval.max_new_tokens=6", "eval.loss_batches=1",
+        "eval.temperatures=[]", *QUIET, f"data.cache_dir={corpus_cache}", "train.dtype=bf16"]))
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in reversed(logged) if "eval/acceptance_length" in r)
+    res = _eval(["--checkpoint", str(run)])
+    for key in ("loss/main", "loss/mtp_1", "acceptance_length", "distinct_2"):
+        assert res[key] == logged[f"eval/{key}"], key
