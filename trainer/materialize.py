@@ -37,6 +37,7 @@ from .config_checks import ConfigError
 from .hf.importer import load_hf_weights
 from .hf.init_from import MTP_WIRING, checkpoint_model_config, is_hf_dir, load_initial_weights
 from .parallel import parallelize_model
+from .parallel.device import frozen_dtype
 from .parallel.sharded_params import allocate, init_seeded
 from .recipe import load_config
 
@@ -64,14 +65,6 @@ def build_sharded_model(cfg, pstate, device: Optional[torch.device] = None) -> n
     model = parallelize_model(model, cfg, pstate)
     materialize(model, cfg, device)
     return model
-
-
-def frozen_dtype(cfg, device) -> Optional[torch.dtype]:
-    """The dtype a frozen trunk is kept in (train.frozen_dtype; `auto` = the compute dtype)."""
-    choice = cfg.train.frozen_dtype
-    if choice == "auto":
-        return device.autocast_dtype(cfg.train.dtype) or torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
 
 
 @torch.no_grad()

@@ -60,6 +60,10 @@ LAYOUTS = {
     # a pipeline rank with no gradients at all (the frozen trunk and its head on stage 0): the
     # global norm's collective
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],train.freeze_trunk=true": 2,
+    # a frozen trunk kept in bf16 beside the fp32 MTP module: its residual stream crosses the stage
+    # boundary in bf16, as one process computes it (an fp32 boundary failed the next stage's bf16
+    # matmul; under bf16 training it computed what one process does not)
+    "pp=2,train.freeze_trunk=true,train.frozen_dtype=bf16": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:0:1],mtp.style=parallel,mtp.num_layers=2": 2,
     # a head tied to the embedding on a stage that embeds nothing (no looped MTP step there): the
     # stage holds the embedding too, so that the one parameter is summed over both stages; stage 0

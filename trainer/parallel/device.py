@@ -141,6 +141,14 @@ def set_malloc_mmap_threshold(threshold: int) -> bool:
         return False
 
 
+def frozen_dtype(cfg, device: "Device") -> torch.dtype:
+    """The dtype a frozen trunk is kept in (train.frozen_dtype; `auto` = the compute dtype)."""
+    choice = cfg.train.frozen_dtype
+    if choice == "auto":
+        return device.autocast_dtype(cfg.train.dtype) or torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
+
+
 def autocast_context(device_type: str, dtype):
     """The forward's precision context: autocast to `dtype` on `device_type`, or nothing (fp32) for
     None. Master weights, gradients and optimizer state stay fp32 either way."""

@@ -52,7 +52,7 @@ from .data import (
     fp32_parameters,
     fsdp_mixed_precision,
 )
-from .device import Device
+from .device import Device, frozen_dtype
 from .gradients import GradientFinisher
 from .pipeline import Pipeline, prune_model
 from .sharded_params import replace_child
@@ -329,7 +329,13 @@ def _build_pipeline(model, cfg, state, pipeline, mp_policy, compute_dtype) -> di
     # gathered parameters' dtype under FSDP's policy, else fp32 (autocast leaves the embedding and
     # residual adds in fp32). See data.py's docstring.
     plain_bf16 = mp_policy is not None and cfg.model.hc_count == 1
-    pipeline.build_schedule(compute_dtype, mp_policy.param_dtype if plain_bf16 else torch.float32)
+    boundary = mp_policy.param_dtype if plain_bf16 else torch.float32
+    if cfg.train.freeze_trunk and cfg.model.hc_count == 1:
+        # a frozen trunk's weights are kept in train.frozen_dtype, and its plain residual stream
+        # with them: fp32 at the boundary crashed the next stage (train.dtype=fp32, frozen bf16) or
+        # left one process's bf16 stream (bf16 training)
+        boundary = frozen_dtype(cfg, state.device)
+    pipeline.build_schedule(compute_dtype, boundary)
     state.pipeline = pipeline
     return shared
 
