@@ -264,6 +264,23 @@ def _complete_batches(plan: Plan, records: List[dict]) -> set:
 
 
 # --- the model ------------------------------------------------------------------------------------
+def decoding_layout(cfg, tp: int, pp: int, ep: int) -> None:
+    """`cfg` (a checkpoint's) rewritten to decode on tp x pp x ep (dp the rest, no cp or SP): fp32
+    and no training-only wrappers, so every layout decodes as one process does."""
+    p = cfg.parallel
+    if pp != p.pp or pp == 1:
+        # the trained stages' placement fits neither another pipeline depth nor none (a run saved
+        # before pp=1 refused one), and neither does its schedule: decoding runs no training
+        # micro-batch, but the checks of one refused --pp (the step's sequences too few to split
+        # over pp, pp_microbatches below it, interleaved stages left without a layer)
+        p.pp_layout, p.pp_depth_stages, p.pp_balance = [], [], p.pp_balance and pp > 1
+        p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = "1f1b", 1, 0
+        cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 1, max(pp, 1)
+    p.tp, p.pp, p.ep, p.dp, p.cp, p.sequence_parallel = tp, pp, ep, 0, 1, False
+    cfg.train.dtype, cfg.train.freeze_trunk, cfg.train.compile = "fp32", False, False
+    cfg.train.activation_checkpointing = "none"
+
+
 def load_on_layout(args, src: Source):
     """(model, ParallelDecoding) of this rank's part of the checkpoint (a Tandem one or a Hugging
     Face directory) on the torchrun layout: built as training builds it (meta device, parallelized,
@@ -272,15 +289,7 @@ def load_on_layout(args, src: Source):
     ref = None if args.hf else read_reference(step)
     if ref is not None:
         check_reference(ref, step)
-    p = cfg.parallel
-    # the trained stages' placement fits neither another pipeline depth nor none (a run saved
-    # before pp=1 refused one)
-    if args.pp != p.pp or args.pp == 1:
-        p.pp_layout, p.pp_depth_stages, p.pp_balance = [], [], p.pp_balance and args.pp > 1
-    p.tp, p.pp, p.ep, p.dp, p.cp, p.sequence_parallel = args.tp, args.pp, args.ep, 0, 1, False
-    # fp32 weights and no training-only wrappers: every layout then decodes as one process does
-    cfg.train.dtype, cfg.train.freeze_trunk, cfg.train.compile = "fp32", False, False
-    cfg.train.activation_checkpointing = "none"
+    decoding_layout(cfg, args.tp, args.pp, args.ep)
     cfg.model.init_from = ref["path"] if ref is not None else step
     # the rank's own device: its LOCAL_RANK's (args.device is already resolved, to this process's)
     pstate = init_parallel(cfg, resolve_device(args.device.partition(":")[0], dtype="fp32"))

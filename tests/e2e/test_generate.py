@@ -257,3 +257,23 @@ def test_chat_template_and_parquet_column(ckpt, tmp_path, capsys):
     rc, _, _, err = generate(common + ["--prompts", str(table), "--out", str(tmp_path / "n.jsonl")],
                              capsys)
     assert rc == 2 and "no column 'text'" in err, err
+
+
+@pytest.mark.parametrize("trained, pp", [
+    (["train.micro_batch_size=1", "train.grad_accum_steps=1"], 2),
+    (["parallel.pp=2", "parallel.pp_microbatches=2", "train.grad_accum_steps=2",
+      "model.num_layers=4"], 4),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+      "train.grad_accum_steps=2", "model.num_layers=4"], 3),
+], ids=["one_sequence_a_step", "pp_microbatches_below_pp", "interleaved_stages_left_empty"])
+def test_decoding_on_another_pipeline_depth_passes_the_layout_checks(trained, pp):
+    """`tandem generate --pp N` decodes a checkpoint on N stages whatever its training schedule: the
+    layout checks of the training batch refused it (a step of one sequence cannot fill 2 stages;
+    pp_microbatches=2 is below 4; 2 x 3 interleaved stages for 4 layers leave one empty)."""
+    from tandem.trainer.generate import decoding_layout
+    from tandem.trainer.parallel.validate import validate_layout
+    from tandem.trainer.recipe import load_config
+
+    cfg = load_config("recipes/tiny.yaml", TINY_OVERRIDES + trained)
+    decoding_layout(cfg, 1, pp, 1)
+    assert validate_layout(cfg, pp) == 1
