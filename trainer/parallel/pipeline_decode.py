@@ -318,6 +318,10 @@ class ParallelDecoding:
             finally:
                 for root in roots:
                     root.reshard()
+                if isinstance(self.model, PipelinedModel):
+                    # the last batch's trunk cache (KV buffers, recurrent state) was kept through
+                    # the training steps until the next evaluation
+                    self.model._cache = None
 
     def share(self, out: Optional[dict]) -> dict:
         """The driver's figures on every rank of its pipeline (rank 0 holds the first stage)."""
