@@ -52,18 +52,17 @@ LAYOUTS = {
     "ep=2,pp=2,train.activation_checkpointing=full": 4,
     "tp=2,ep=2,sequence_parallel=true,train.activation_checkpointing=selective": 4,
     # the trunk under no_grad on every stage, several stages per rank (also covers the plain
-    # interleaved schedule; pp_balance: test_cli_layouts' flagship and test_qwen4_layouts)
-    "pp=2,pp_schedule=interleaved_1f1b,train.freeze_trunk=true": 2,
+    # interleaved schedule; pp_balance: test_cli_layouts' flagship and test_qwen4_layouts), kept in
+    # bf16 beside the fp32 MTP module: its residual stream crosses the stage boundaries in bf16, as
+    # one process computes it (an fp32 boundary failed the next stage's bf16 matmul; under bf16
+    # training it computed what one process does not)
+    "pp=2,pp_schedule=interleaved_1f1b,train.freeze_trunk=true,train.frozen_dtype=bf16": 2,
     # loss depths spread over the stages (pipeline_plan.py; list items separated by `:`): depth 1 on
     # the trunk's stage, the trunk's head and depth 2 after it (h_0 travels beside the chain)
     "pp=2,pp_layout=[4:0],pp_depth_stages=[1:0:1]": 2,
     # a pipeline rank with no gradients at all (the frozen trunk and its head on stage 0): the
     # global norm's collective
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],train.freeze_trunk=true": 2,
-    # a frozen trunk kept in bf16 beside the fp32 MTP module: its residual stream crosses the stage
-    # boundary in bf16, as one process computes it (an fp32 boundary failed the next stage's bf16
-    # matmul; under bf16 training it computed what one process does not)
-    "pp=2,train.freeze_trunk=true,train.frozen_dtype=bf16": 2,
     "pp=2,pp_layout=[4:0],pp_depth_stages=[0:0:1],mtp.style=parallel,mtp.num_layers=2": 2,
     # a head tied to the embedding on a stage that embeds nothing (no looped MTP step there): the
     # stage holds the embedding too, so that the one parameter is summed over both stages; stage 0
