@@ -59,9 +59,9 @@ def normalize_prefix(path: str) -> str:
     return path
 
 
-def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int]:
+def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> dict:
     """Validate an indexed dataset without loading it; return {sequences, documents, tokens,
-    itemsize}.
+    itemsize, lengths} (`lengths`: each sequence's token count, read from the .idx).
 
     FileNotFoundError names a missing .bin/.idx; ValueError names a truncated/corrupt .idx or .bin
     (the .bin size must equal what the .idx describes), an .idx of another version or token dtype,
@@ -114,7 +114,7 @@ def check_prefix(prefix: str, vocab_size: Optional[int] = None) -> Dict[str, int
         raise ValueError(f"{idx_path} stores {dtype.name} tokens, too narrow for a vocabulary of "
                          f"{vocab_size}")
     return {"sequences": int(n_seq), "documents": int(n_doc - 1), "tokens": tokens,
-            "itemsize": dtype.itemsize}
+            "itemsize": dtype.itemsize, "lengths": lengths}
 
 
 
@@ -129,14 +129,12 @@ def check_loss_mask_channel(prefix: str) -> None:
                          f"{tokens['tokens']}; "
                          "re-run `tandem preprocess --chat`")
     # the same totals over other documents would put each flag on another token
-    lengths = [np.fromfile(p + ".idx", dtype=np.int32, count=tokens["sequences"], offset=34)
-               for p in (prefix, prefix + LOSS_MASK_SUFFIX)]
-    differ = np.flatnonzero(lengths[0] != lengths[1])
+    differ = np.flatnonzero(tokens["lengths"] != flags["lengths"])
     if len(differ):
         d = int(differ[0])
         raise ValueError(f"{prefix}{LOSS_MASK_SUFFIX}.idx gives document {d} "
-                         f"{int(lengths[1][d])} tokens, but {prefix}.idx {int(lengths[0][d])}; "
-                         "re-run `tandem preprocess --chat`")
+                         f"{int(flags['lengths'][d])} tokens, but {prefix}.idx "
+                         f"{int(tokens['lengths'][d])}; re-run `tandem preprocess --chat`")
 
 def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
     """Megatron blend syntax -> (prefixes, weights or None).
