@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import List, Optional, Tuple
 
 from tandem.data_pipeline.preprocess import output_paths, preprocess
-from tandem.data_pipeline.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tandem.data_pipeline.tokenizer import default_eod, tokenizer_fingerprint
 
 CACHE_FORMAT = "f2"
 """Bumped whenever the corpus selection or on-disk layout changes, so old caches are not reused."""
@@ -98,8 +98,8 @@ def stdlib_cache_dir(data_cfg) -> str:
     # which a directory's tokenizer_config.json names apart from tokenizer.json (a base model and
     # its instruct sibling share one tokenizer.json, and shared one cache that refused the second)
     if getattr(data_cfg, "tokenizer", ""):
-        eod = load_tokenizer(data_cfg.tokenizer).eod_id
-        vocab = f"tok{tokenizer_fingerprint(data_cfg.tokenizer)[:16]}-eod{eod}"
+        eod = default_eod(data_cfg.tokenizer)
+        vocab = f"tok{tokenizer_fingerprint(data_cfg.tokenizer)[:16]}-eod{eod[1] if eod else ''}"
     key = (f"stdlib-py{platform.python_version()}-{vocab}-cap{int(data_cfg.stdlib_max_bytes)}"
            f"-{CACHE_FORMAT}")
     return os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)), key)

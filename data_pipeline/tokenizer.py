@@ -292,7 +292,7 @@ def copy_tokenizer(path: str, out_dir: str, eod_token: Optional[str] = None) -> 
     # the copy loads as its source does (`saved_tokenizer`: the directory when it has side files)
     loads_as = saved_tokenizer(os.path.dirname(src)) if os.path.basename(
         src) == "tokenizer.json" else src
-    if eod_token is not None and _default_eod(os.path.abspath(loads_as)) != eod_token:
+    if eod_token is not None and (default_eod(loads_as) or (None,))[0] != eod_token:
         config = os.path.join(out_dir, TOKENIZER_SIDE_FILES[0])
         settings = {}
         if os.path.isfile(config):
@@ -301,15 +301,21 @@ def copy_tokenizer(path: str, out_dir: str, eod_token: Optional[str] = None) -> 
         _atomic_write_text(config, json.dumps({**settings, "eos_token": eod_token}, indent=2))
 
 
+def default_eod(path: str) -> Optional[Tuple[str, int]]:
+    """(token, id) of the end of document the tokenizer at `path` loads with unless told one (None:
+    it names none)."""
+    return _default_eod(os.path.abspath(path))
+
+
 @functools.lru_cache(maxsize=None)
-def _default_eod(path: str) -> Optional[str]:
-    """The end-of-document token the tokenizer at `path` loads with unless told one (None: it names
-    none). Cached: a run copies its tokenizer into every checkpoint, and a Hugging Face directory's
-    load takes transformers a second."""
+def _default_eod(path: str) -> Optional[Tuple[str, int]]:
+    # cached: a run copies its tokenizer into every checkpoint, and a Hugging Face directory's load
+    # takes transformers a second
     try:
-        return load_tokenizer(path).eod_token
+        tok = load_tokenizer(path)
     except ValueError:
         return None
+    return tok.eod_token, tok.eod_id
 
 
 def same_tokenizer(a: str, b: str) -> bool:
@@ -319,7 +325,7 @@ def same_tokenizer(a: str, b: str) -> bool:
     files = [tokenizer_file(a), tokenizer_file(b)]
     try:
         return (None not in files and tokenizer_fingerprint(files[0]) == tokenizer_fingerprint(
-            files[1]) and _default_eod(os.path.abspath(a)) == _default_eod(os.path.abspath(b)))
+            files[1]) and default_eod(a) == default_eod(b))
     except (ValueError, OSError):
         return False
 
