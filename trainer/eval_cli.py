@@ -334,10 +334,10 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     other drafting convention's acceptance when it differs). A Tandem checkpoint is evaluated in
     its train.dtype's precision (`auto` resolved here, as training resolves it), as the in-loop
     evaluator ran under the training step's autocast: in fp32 its bf16 figures differed."""
-    dtype = None
+    kind, dtype = torch.device(args.device).type, None
     if args.checkpoint and cfg is not None and hasattr(cfg, "train"):
-        dtype = resolve_device(torch.device(args.device).type).autocast_dtype(cfg.train.dtype)
-    with torch.inference_mode(), autocast_context(torch.device(args.device).type, dtype):
+        dtype = resolve_device(kind).autocast_dtype(cfg.train.dtype)
+    with torch.inference_mode(), autocast_context(kind, dtype):
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
         metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask,
                                  measure_recall=True)  # as the in-loop evaluator's
