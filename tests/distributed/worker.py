@@ -344,12 +344,18 @@ def _as_rank(rank: int, fn, world: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    fn(rank, world, out)
+    # leaves as a rank of `tandem` does, without the interpreter's finalisation, where gloo's
+    # threads can abort a rank whose results are written (trainer/parallel/layout.py
+    # `leave_distributed_process`; seen here: SIGABRT after test_tensor_hybrid's ranks finished)
+    from tandem.trainer.parallel.layout import run_as_process
+
+    run_as_process(lambda: fn(rank, world, out))
 
 
 def spawn_ranks(fn, world: int, out: str) -> None:
     """Run `fn(rank, world, out)` in `world` processes joined as one torch.distributed job (gloo, a
-    free port): for unit tests that need a small collective job without torchrun."""
+    free port): for unit tests that need a small collective job without torchrun. A rank that
+    raises prints its traceback and exits with 1, which mp.spawn reports."""
     import socket
 
     import torch.multiprocessing as mp
