@@ -28,8 +28,8 @@ LAYOUTS = {
     # edges
     f"cp=2,train.distill=argmax,{DOCS}": 2,
     "cp=2,mtp.loss.objective=acceptance": 2,
-    f"cp=2,tp=2,sequence_parallel=true,{DOCS}": 4,
-    # (cp x ep: the seed model's below)
+    # (cp x tp + SP: the 8-rank tp x pp x cp + SP below, and alone in bf16; cp x ep: the seed
+    # model's below)
     "cp=2,pp=2,pp_schedule=interleaved_1f1b": 4,
     "cp=2,dp=2,dp_mode=allreduce": 4,
     # Qwen4-Exp: the chunks' Gated DeltaNet carry and conv halos, QSA selecting over the gathered
