@@ -6,8 +6,8 @@ import pytest
 
 from tandem.models import flavors
 
-# Every process the suite starts (torchrun ranks, CLI runs, servers) inherits this: one that dies of
-# a signal prints its Python stack, where otherwise torchrun reports only an exit code
+# Every process the suite starts (ranks, CLI runs, servers) inherits this: one that dies of a signal
+# prints its Python stack, where otherwise its launcher reports only an exit code
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # ... and one intra-op thread, as this process does (pytest_configure): two xdist workers share the
 # suite's 2 cores, and on an oversubscribed core OpenMP's spinning threads only lose time (measured:
@@ -103,12 +103,12 @@ TRAINING_LAYOUT_TABLES = {
 
 @pytest.fixture(scope="session")
 def shared_launches(request, tmp_path_factory):
-    """One torchrun launch per world size for the workers of every tests/distributed module
-    collected in this session (tests/distributed/shared_launch.py): the layouts of the
-    training-equivalence tables above, trained by worker.py into one directory ("training"; a layout
-    two modules check trains once; compiled layouts last, as they switch dynamo settings), then the
-    jobs modules declare (`SHARED_JOBS`: (world, worker module, arguments)). Each
-    launch starts its ranks, imports torch and forms the process group once, which on a 2-core
+    """One launch per world size (its ranks forked, tests/processes.py) for the workers of every
+    tests/distributed module collected in this session (tests/distributed/shared_launch.py): the
+    layouts of the training-equivalence tables above, trained by worker.py into one directory
+    ("training"; a layout two modules check trains once; compiled layouts last, as they switch
+    dynamo settings), then the jobs modules declare (`SHARED_JOBS`: (world, worker module,
+    arguments)). Each launch starts its ranks and forms the process group once, which on a 2-core
     machine costs as much as several of the jobs."""
     from tests.distributed.shared_launch import SharedLaunches
 
@@ -153,7 +153,7 @@ def shared_jobs(request, shared_launches):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml). Every
-    file of tests/distributed is one group, run in file order on one worker: two torchrun launches
+    file of tests/distributed is one group, run in file order on one worker: two multi-rank launches
     at once put twice as many ranks on the two cores, and a launch whose ranks meet in many small
     collectives (the evaluator's decode steps) then waits on the scheduler for every one of them
     (measured: an evaluator launch ran past its 10-minute limit beside an 8-rank one). The other

@@ -1,2 +1,2 @@
 """Multi-process tests: torchrun workers on gloo, started as modules of this package
-(torchrun.py)."""
+(tests/processes.py)."""

@@ -10,7 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.distributed import torchrun, worker
+from tests import processes
+from tests.distributed import worker
 
 
 def main(argv) -> int:
@@ -68,4 +69,4 @@ def count(layout: str) -> None:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

@@ -22,7 +22,8 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import torchrun, worker
+from tests import processes
+from tests.distributed import worker
 
 
 def _per_token(model, batch, document_mask: bool) -> torch.Tensor:
@@ -107,4 +108,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

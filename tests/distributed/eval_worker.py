@@ -1,12 +1,12 @@
 """The in-loop evaluator on a parallel layout: speculative decoding of fixed prompts with weights
 that make the MTP drafts mostly right (tests/eval_helpers.make_agreeing on the plain model, before
-it is sharded), so acceptance is exercised. Run under torchrun (`-m tests.distributed.eval_worker
-OUT LAYOUT...`, torchrun.py; layouts as in worker.py), or `evaluate("single")` in one process for
-the reference. Rank 0 writes `OUT/<layout>.pt`: the eval/* figures and the speculative greedy tokens
-of every prompt.
+it is sharded), so acceptance is exercised. Run as a module on N ranks (`-m
+tests.distributed.eval_worker OUT LAYOUT...`, tests/processes.py; layouts as in worker.py), or
+`evaluate("single")` in one process for the reference. Rank 0 writes `OUT/<layout>.pt`: the eval/*
+figures and the speculative greedy tokens of every prompt.
 
 Every rank writes its Python stack (every thread) to `OUT/stacks/rank<r>.txt` if it dies of a fatal
-signal (SIGSEGV, SIGABRT, ...) or is stopped by torchrun's SIGTERM after another rank died, so a
+signal (SIGSEGV, SIGABRT, ...) or is stopped by the launcher's SIGTERM after another rank died, so a
 crash shows where each rank was (test_eval_layouts.crash_report prints the files).
 """
 
@@ -21,7 +21,8 @@ from typing import List
 
 import torch
 
-from tests.distributed import torchrun, worker
+from tests import processes
+from tests.distributed import worker
 
 MAX_NEW_TOKENS = 10
 """Tokens each prompt decodes: several rounds of K=2 drafts with the agreeing weights, every round
@@ -166,4 +167,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

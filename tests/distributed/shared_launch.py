@@ -1,8 +1,9 @@
-"""Several workers of this package in one torchrun launch per world size.
+"""Several workers of this package in one launch per world size.
 
-Starting a launch costs more than most of the checks it runs: torchrun's agent, then every rank
-importing torch and the trainer and forming the gloo group (measured on the suite's 2 cores: 7 s
-for 2 ranks, 11 s for 4, 18 s for 8, most of it CPU that the other xdist worker then lacks). So the
+Starting a launch costs more than most of the checks it runs: every rank importing torch and the
+trainer (measured on the suite's 2 cores, under torchrun: 7 s for 2 ranks, 11 s for 4, 18 s for 8,
+most of it CPU that the other xdist worker then lacks; tests/processes.py forks the ranks from a
+warm interpreter instead), then forming the gloo group and its meshes. So the
 test modules of tests/distributed that need nothing prepared before their launch declare their
 workers' jobs (`SHARED_JOBS`, and the training-equivalence tables of tests/conftest.py), and one
 launch per world size runs them all in turn (`launch`), each writing into its test module's
@@ -11,7 +12,7 @@ directory.
 Each job is a worker module's `main(argv)` with argv[0] its output directory. The group is formed
 once, here: a worker's own `dist.init_process_group` finds it formed and its
 `dist.destroy_process_group` leaves it (a group destroyed and formed again in one launch hangs
-under torchrun's shared store). Device meshes are built once per shape for the whole launch
+under a shared store). Device meshes are built once per shape for the whole launch
 (`worker.reuse_device_meshes`). A job's stdout goes to `stdout.<worker>.rank<r>` in its directory.
 After a job every rank writes `<worker>.w<world>.rank<r>.done`, or `.error` with the traceback
 (the launch then stops: the other ranks would wait in a collective that never comes), so each test
@@ -31,7 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from tests.distributed import torchrun, worker
+from tests import processes
+from tests.distributed import worker
 
 TIMEOUT_S = 1800
 """One launch runs many jobs (the 2-rank launch about five minutes of them on 2 busy cores)."""
@@ -48,7 +50,7 @@ def launch(world: int, jobs: List[Tuple[Path, str, List[str]]], spec_dir: Path
     spec = spec_dir / f"jobs.w{world}.json"
     spec.write_text(json.dumps([{"dir": str(d), "module": m, "args": [str(a) for a in args]}
                                 for d, m, args in jobs]))
-    return torchrun.run(world, __name__, spec, timeout=TIMEOUT_S)
+    return processes.command([sys.executable, "-m", __name__, spec], world, timeout=TIMEOUT_S)
 
 
 def check(directory, module: str, world: int, proc: subprocess.CompletedProcess) -> None:
@@ -63,11 +65,12 @@ def check(directory, module: str, world: int, proc: subprocess.CompletedProcess)
     if any(not d and not e.exists() for d, e in zip(done, errors)):
         # a rank with neither marker died (a signal) or never reached this job; the others'
         # tracebacks are then only the echo of it. A dead rank's faulthandler stack is in the
-        # launch's output, ahead of the other ranks' tracebacks and torchrun's summary: shown last
-        fatal = proc.stdout.find("Fatal Python error")
+        # launch's errors, ahead of the other ranks' tracebacks: shown last
+        output = proc.stdout + proc.stderr
+        fatal = output.find("Fatal Python error")
         report += [f"{module} did not run to its end on every rank of the {world}-rank launch "
                    f"(exit code {proc.returncode}):",
-                   proc.stdout[fatal:fatal + 6000] if fatal >= 0 else proc.stdout[-8000:]]
+                   output[fatal:fatal + 6000] if fatal >= 0 else output[-8000:]]
     raise AssertionError("\n".join(report))
 
 
@@ -137,4 +140,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

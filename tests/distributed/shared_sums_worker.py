@@ -12,7 +12,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from tests.distributed import torchrun, worker
+from tests import processes
+from tests.distributed import worker
 from tests.distributed.collectives import CollectiveRecorder
 
 
@@ -83,4 +84,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

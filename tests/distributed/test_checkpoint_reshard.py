@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import fault_env
-from tests.distributed.test_cli_layouts import RECIPE, SMALL, main_losses, run, tandem_cmd
+from tests.distributed.test_cli_layouts import RECIPE, SMALL, launch, main_losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -39,16 +38,6 @@ RTOL = 1e-5
 # test_cli_layouts' small job without its in-loop evaluation (that test checks it under layouts;
 # here it would only add decoding to every run)
 RUN = SMALL + ["eval.interval=0"]
-
-
-def _launch(world, args, env):
-    exe = tandem_cmd()
-    if world == 1:
-        return run(exe + args, env)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={world}"]
-    launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
-    run(launcher + args, env)
 
 
 def _params(step_dir):
@@ -125,7 +114,7 @@ def reference(tmp_path_factory, corpus_cache):
     tmp = tmp_path_factory.mktemp("reshard_reference")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     ref_dir = tmp / "single_4steps"
-    _launch(1, ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", f"run.dir={ref_dir}",
+    launch(1, ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", f"run.dir={ref_dir}",
                                             "train.max_steps=4", "train.grad_accum_steps=4",
                                             "checkpoint.interval=2"],
             env)
@@ -147,7 +136,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
 
     ref_dir, ref = reference
     saved_dir = tmp_path / "tp2pp2"
-    _launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=4",
+    launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=4",
                         "parallel.tp=2", "parallel.pp=2"],
             logged("tp2pp2", TANDEM_TEST_LATE_RANK="1:10"))
     _assert_reads(tmp_path / "reads" / "tp2pp2", {1: range(0, 8), 2: range(8, 16)}, "tp2xpp2")
@@ -161,7 +150,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
         run_dir = tmp_path / name
         os.makedirs(run_dir / "checkpoints")
         shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
-        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"],
+        launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"],
                 logged(name))
         return run_dir
 
@@ -201,7 +190,7 @@ def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_on
                                          "checkpoint.interval=0", "train.grad_accum_steps=4"]
     ref_dir, ref = reference
     saved_dir = tmp_path / "cp2pp2"
-    _launch(4,
+    launch(4,
             train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=2", "parallel.pp=2",
                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "cp2 x pp2 before the checkpoint")
@@ -213,7 +202,7 @@ def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_on
         run_dir = tmp_path / name
         os.makedirs(run_dir / "checkpoints")
         shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
-        _launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], env)
+        launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"], env)
         _assert_losses_close(main_losses(run_dir), ref, [3, 4], f"{name} from cp2 x pp2")
         _assert_params_close(_params(run_dir / "checkpoints" / "step_4"), ref_params4,
                              f"{name} from cp2 x pp2 at step 4")
@@ -228,14 +217,14 @@ def test_a_pp2_checkpoint_with_unstepped_parameters_resumes_in_one_process(tmp_p
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     train = ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", "train.grad_accum_steps=2",
                                          "mtp.num_steps=1", "mtp.num_layers=2"]
-    _launch(1, train + [f"run.dir={tmp_path / 'single'}", "train.max_steps=4",
+    launch(1, train + [f"run.dir={tmp_path / 'single'}", "train.max_steps=4",
                         "checkpoint.interval=2"], env)
-    _launch(2, train + [f"run.dir={tmp_path / 'pp2'}", "train.max_steps=2", "parallel.pp=2"],
+    launch(2, train + [f"run.dir={tmp_path / 'pp2'}", "train.max_steps=2", "parallel.pp=2"],
             env)
     resumed = tmp_path / "resumed"
     os.makedirs(resumed / "checkpoints")
     shutil.copytree(tmp_path / "pp2" / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    _launch(1, train + [f"run.dir={resumed}", "train.max_steps=4", "--resume"], env)
+    launch(1, train + [f"run.dir={resumed}", "train.max_steps=4", "--resume"], env)
     got, want = _records(resumed), _records(tmp_path / "single")
     for step in (3, 4):
         for key in ("loss/main", "loss/mtp_1", "grad_norm"):

@@ -1,4 +1,6 @@
-"""The real CLI under torchrun: `tandem train recipes/tiny.yaml parallel.*` on the stdlib corpus.
+"""The real CLI on several ranks: `tandem train recipes/tiny.yaml parallel.*` on the stdlib corpus
+(the ranks forked as torchrun would start them, tests/processes.py; the README's documented torchrun
+launches run torchrun itself, tests/e2e/test_readme_commands.py).
 
 With dp=1 the per-step loss/main in metrics.jsonl equals the single-process run of the same recipe;
 expert parallelism splits the batch over its ranks (Megatron: ep is carved out of data parallelism),
@@ -10,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
+from tests import processes
 from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -44,13 +44,10 @@ FLAGSHIP = ["parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.sequenc
 LAYOUTS = [(8, FLAGSHIP)]
 
 
-def tandem_cmd():
-    exe = shutil.which("tandem")
-    return [exe] if exe else [sys.executable, "-m", "tandem.trainer.cli"]
-
-
-def run(cmd, env):
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+def launch(world, args, env):
+    """`tandem ARGS` on `world` ranks (tests/processes.py: forked, as torchrun would start them),
+    asserted to succeed."""
+    proc = processes.tandem(args, world=world, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
 
 
@@ -98,8 +95,8 @@ class _References:
         if key not in self.runs:
             run_dir = self.root / (f"single_accum{accum}"
                                    f"{''.join(m.replace('model.', '_') for m in model)}")
-            run(tandem_cmd() + ["train", RECIPE, f"run.dir={run_dir}", *self.common,
-                                f"train.grad_accum_steps={accum}", *model], self.env)
+            launch(1, ["train", RECIPE, f"run.dir={run_dir}", *self.common,
+                       f"train.grad_accum_steps={accum}", *model], self.env)
             self.runs[key], self.dirs[key] = (main_losses(run_dir), eval_record(run_dir)), run_dir
         return self.runs[key]
 
@@ -122,11 +119,7 @@ def test_cli_layout_matches_single_process(world, overrides, references):
                                       [o for o in overrides if o.startswith("model.")])
     root, env, common = references.root, references.env, references.common
     run_dir = root / ("_".join(o.replace("parallel.", "").replace("=", "") for o in overrides))
-    exe = tandem_cmd()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={world}"]
-    launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
-    run(launcher + ["train", RECIPE, f"run.dir={run_dir}", *common, *overrides], env)
+    launch(world, ["train", RECIPE, f"run.dir={run_dir}", *common, *overrides], env)
     got = main_losses(run_dir)
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     for step in ref:
@@ -157,11 +150,8 @@ def test_cli_bf16_under_fsdp_and_ep(references):
     ref, ref_eval = references.losses(4)
     root, env, common = references.root, references.env, references.common
     run_dir = root / "ep2_bf16"
-    exe = tandem_cmd()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    launcher += ["--no-python", *exe] if len(exe) == 1 else ["-m", "tandem.trainer.cli"]
-    run(launcher + ["train", RECIPE, f"run.dir={run_dir}", *common, "parallel.ep=2",
-                    "train.dtype=bf16"], env)
+    launch(2, ["train", RECIPE, f"run.dir={run_dir}", *common, "parallel.ep=2",
+               "train.dtype=bf16"], env)
     got, got_eval = main_losses(run_dir), eval_record(run_dir)
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     gaps = [abs(got[s] - ref[s]) / abs(ref[s]) for s in ref]

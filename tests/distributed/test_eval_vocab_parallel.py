@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.distributed import torchrun
+from tests import processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -100,4 +100,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

@@ -4,13 +4,12 @@ and training matches one process."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from tandem.trainer.cli import main
+from tests import processes
 from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA, fault_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -35,11 +34,8 @@ def test_finetune_from_hf_export_under_tp2_matches_one_process(tmp_path, corpus_
                 "train.max_steps=2",
                 f"model.init_from={tmp_path / 'hf'}", "checkpoint.save_final=false"]
     assert main(["train", *finetune, f"run.dir={tmp_path / 'single'}"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m",
-           "tandem.trainer.cli", "train", *finetune, f"run.dir={tmp_path / 'tp2'}", "parallel.tp=2"]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = processes.tandem(["train", *finetune, f"run.dir={tmp_path / 'tp2'}", "parallel.tp=2"],
+                            world=2, env=dict(os.environ, WANDB_MODE="disabled"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     single, tp2 = losses(tmp_path / "single"), losses(tmp_path / "tp2")
     assert [r["step"] for r in tp2] == [r["step"] for r in single] == [1, 2]
@@ -62,12 +58,10 @@ def test_finetune_from_a_run_directory_reads_one_step_on_every_rank(tmp_path, co
     os.rename(step_2, tmp_path / "staged_step_2")
     finetune = [os.path.join(ROOT, "recipes", "finetune_mtp.yaml"), *DATA, cache,
                 "train.max_steps=2", "checkpoint.save_final=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tandem.trainer.cli", "train", *finetune, f"model.init_from={pretrain}",
-           f"run.dir={tmp_path / 'tp2'}", "parallel.tp=2"]
-    env = fault_env(dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
+    env = fault_env(dict(os.environ, WANDB_MODE="disabled"),
                     TANDEM_TEST_PUBLISH_AT_START=f"{tmp_path / 'staged_step_2'}:{step_2}")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = processes.tandem(["train", *finetune, f"model.init_from={pretrain}",
+                             f"run.dir={tmp_path / 'tp2'}", "parallel.tp=2"], world=2, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert OmegaConf.load(tmp_path / "tp2" / "config.yaml").model.init_from == str(step_2)
     assert main(["train", *finetune, f"model.init_from={step_2}",

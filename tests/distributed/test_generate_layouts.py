@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
+from tests import processes
 from tests.conftest import fault_env
-from tests.distributed import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -75,8 +75,9 @@ def launched(reference):
     os.rename(step_2, root / "staged_step_2")
     env = fault_env(dict(os.environ), TANDEM_TEST_PUBLISH_AT_START=f"{root / 'staged_step_2'}:"
                                                                    f"{step_2}")
-    proc = torchrun.run(2, __name__, root, *LAYOUTS, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-7000:]
+    proc = processes.command([sys.executable, "-m", __name__, root, *LAYOUTS], 2, timeout=300,
+                              env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return root
 
 
@@ -115,4 +116,4 @@ def _worker(root: str, *layouts: str) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: _worker(*sys.argv[1:]))
+    processes.finish(lambda: _worker(*sys.argv[1:]))

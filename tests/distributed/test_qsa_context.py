@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.distributed import torchrun
+from tests import processes
 
 pytestmark = [pytest.mark.distributed]
 
@@ -143,4 +143,4 @@ def test_qsa_under_context_parallelism_equals_one_process(cp, shared_launches):
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

@@ -15,13 +15,13 @@ def test_a_rank_that_dies_of_a_signal_fails_its_job_with_its_stack(tmp_path):
     before, crash, after = (tmp_path / name for name in ("before", "crash", "after"))
     jobs = [(before, WORKER, ["steady"]), (crash, WORKER, ["crash"]), (after, WORKER, ["steady"])]
     proc = launch(2, jobs, tmp_path)
-    assert proc.returncode != 0 and "exitcode  : -11" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode != 0 and "rank 0 exited with -11" in proc.stderr, proc.stderr[-3000:]
     check(before, WORKER, 2, proc)
     with pytest.raises(AssertionError) as crashed:
         check(crash, WORKER, 2, proc)
     report = str(crashed.value)
     # rank 0's own stack, whose frames name the function it died in (after rank 1's echo, "peer
-    # closed", when rank 1 wrote it before torchrun stopped it)
+    # closed", when rank 1 wrote it before the launch stopped it)
     assert "--- rank 0 ---" not in report
     assert "Fatal Python error: Segmentation fault" in report and "rank_zero_dies" in report
     with pytest.raises(AssertionError, match="did not run to its end"):

@@ -1,17 +1,17 @@
 """Train a tiny MoE+MTP model for a few steps under one or more parallel layouts and dump the
 results.
 
-Run under torchrun from the repository root (`torchrun --standalone --nproc-per-node N -m
-tests.distributed.worker OUT LAYOUT...`, as torchrun.py starts it; each LAYOUT a comma-separated
-list of overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`), or import `run_layout` in one
-process for the single-process reference. Data is synthetic (a pure function of the step), split
-over the batch ranks exactly as the trainer splits a global batch. Each rank writes
-`OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full (gathered)
-parameters and router biases it holds after the last step; what its training steps handed the
-collectives (op, device, dtype; see collectives.py), the dtypes its nn.Linear layers computed in
+Run as a module from the repository root on N ranks (`torchrun --standalone --nproc-per-node N -m
+tests.distributed.worker OUT LAYOUT...`, or tests/processes.py's `module`, as the suite starts it;
+each LAYOUT a comma-separated list of overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`),
+or import `run_layout` in one process for the single-process reference. Data is synthetic (a pure
+function of the step), split over the batch ranks exactly as the trainer splits a global batch. Each
+rank writes `OUT/<layout>.rank<r>.pt`: per-step per-depth losses, the grad norms and the full
+(gathered) parameters and router biases it holds after the last step; what its training steps handed
+the collectives (op, device, dtype; see collectives.py), the dtypes its nn.Linear layers computed in
 (bf16 evidence) and those of every module holding parameters itself (norms, embeddings, experts,
-routers), by class. A layout item `train.dtype=bf16` trains in bf16 (any dotted key passes through).
-"""
+routers), by class. A layout item `train.dtype=bf16` trains in bf16 (any dotted key passes
+through)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from tandem.models import flavors
-from tests.distributed import torchrun
+from tests import processes
 
 STEPS = 3
 MICRO_BATCH = 2
@@ -340,30 +340,19 @@ def accumulated_gradients(layout: str) -> dict:
     return {"singles": singles, "step": grads()}
 
 
-def _as_rank(rank: int, fn, world: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # leaves as a rank of `tandem` does, without the interpreter's finalisation, where gloo's
-    # threads can abort a rank whose results are written (trainer/parallel/layout.py
-    # `leave_distributed_process`; seen here: SIGABRT after test_tensor_hybrid's ranks finished)
-    from tandem.trainer.parallel.layout import run_as_process
-
-    run_as_process(lambda: fn(rank, world, out))
+def _rank_of_spawned(fn, out: str) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    fn(rank, world, out)
+    return 0
 
 
 def spawn_ranks(fn, world: int, out: str) -> None:
-    """Run `fn(rank, world, out)` in `world` processes joined as one torch.distributed job (gloo, a
-    free port): for unit tests that need a small collective job without torchrun. A rank that
-    raises prints its traceback and exits with 1, which mp.spawn reports."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_as_rank, args=(fn, world, port, out), nprocs=world)
+    """Run `fn(rank, world, out)` on `world` ranks joined as one torch.distributed job (gloo;
+    forked, tests/processes.py): for unit tests that need a small collective job without a worker
+    module. A rank leaves as a rank of `tandem` does (`finish`); one that raises fails the call
+    with its traceback."""
+    proc = processes.run(("function", _rank_of_spawned, (fn, out)), world)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
 
 
 def reuse_device_meshes() -> None:
@@ -429,4 +418,4 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    torchrun.finish(lambda: main(sys.argv[1:]))
+    processes.finish(lambda: main(sys.argv[1:]))

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests import processes
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,8 +74,7 @@ def test_quality_bench_matches_hand_computation(checkpoint):
     cmd = [sys.executable, "bench/default_job_quality.py", "--checkpoint", str(checkpoint / "run"),
            "--windows", "100",
            "--prompts", "3", "--batch-size", "2", "--second-dir", str(checkpoint / "code")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
     figures = {k: float(v) for k, v in figures.items()}

@@ -4,10 +4,11 @@ the fp32 model's size)."""
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests import processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -15,10 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_finetune_memory_bench_quick(tmp_path, corpus_cache):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "finetune_memory.py"),
-                           "--quick", "--workdir", str(tmp_path), "--cache-dir", corpus_cache],
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command([sys.executable, os.path.join(ROOT, "bench", "finetune_memory.py"),
+                              "--quick", "--workdir", str(tmp_path), "--cache-dir", corpus_cache],
+                             timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"peak_rss_over_fp32_model=(-?[\d.]+) checkpoint_over_fp32_model=([\d.]+)",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from tandem.trainer.cost import hardware_flops_per_token, training_flops_per_token
 from tandem.trainer.estimate import estimate
 from tandem.trainer.recipe import load_config
+from tests import processes
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,9 +32,8 @@ K = 3
 
 
 def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    return processes.command([sys.executable, SCRIPT, *args], timeout=timeout,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
 
 
 @pytest.fixture(scope="module")

