@@ -24,19 +24,29 @@ restart tests (tests/e2e/test_reliability.py) run, cold.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import multiprocessing
 import os
+import runpy
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import traceback
+import time
 import warnings
 from multiprocessing.connection import wait
 from typing import Callable, List, NoReturn, Optional, Sequence, Tuple
+
+import torch
+
+from tandem.trainer.cli import main as tandem_main
+from tandem.trainer.parallel.layout import (
+    exit_code_of,
+    exit_without_finalisation,
+    leave_distributed_process,
+    run_as_process,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +65,8 @@ STOP_GRACE_S = 60
 Target = Tuple[str, object, Sequence]
 """What a child runs: ("tandem", "", args), ("module", dotted name, args) as `python -m`,
 ("code", source, args) as `python -c`, ("script", path, args) as `python path`, or
-("function", a module-level function, args) called with them, as a rank of a launch leaves."""
+("function", a module-level function, args) called with them as a rank of `tandem` runs its
+command."""
 
 _context = None
 
@@ -118,8 +129,6 @@ def finish(main: Callable[[], Optional[int]]) -> NoReturn:
     """A worker module's entry point: `main` run the way a rank of `tandem` runs its command
     (`run_as_process`: no interpreter finalisation, where gloo's threads can abort a rank whose
     results are already written); at world size 1 it leaves the same way with main's code."""
-    from tandem.trainer.parallel.layout import leave_distributed_process, run_as_process
-
     leave_distributed_process(run_as_process(main))
 
 
@@ -137,8 +146,6 @@ def _free_port() -> int:
 
 def _wait(procs: List, timeout: float) -> Tuple[int, str]:
     """Wait for every process; once one fails, stop the rest. (return code, a note for stderr)."""
-    import time
-
     deadline, running, failed = time.monotonic() + timeout, list(procs), None
     while running:
         left = deadline - time.monotonic()
@@ -177,7 +184,10 @@ def _read(path: str) -> str:
 
 
 def _child(target: Target, cwd: str, env: dict, out: str, err: str) -> None:
-    """In the forked process: the start-up a cold `python` would have had, then `target`."""
+    """In the forked process: the start-up a cold `python` would have had, then `target`; it exits
+    with the code the interpreter would exit with, its exit handlers run, but without finalisation
+    (where gloo's threads can abort it) and without waiting on its peers to destroy a process
+    group (a failing rank leaves at once; `tandem`'s own ranks destroy theirs)."""
     for fd, path in ((1, out), (2, err)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
@@ -187,25 +197,11 @@ def _child(target: Target, cwd: str, env: dict, out: str, err: str) -> None:
     os.environ.update(env)
     _start_up(env)
     kind, name, args = target
-    try:
-        code = _run_target(kind, name, list(args))
-    except SystemExit as exc:  # sys.exit(...), argparse: the code Python would exit with
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - the traceback is the report, as the interpreter's
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    exit_without_finalisation(exit_code_of(lambda: _run_target(kind, name, list(args))))
 
 
 def _start_up(env: dict) -> None:
     """What Python's start-up takes from the environment, done in the forked process."""
-    import torch
-
     new = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[1:1] = new  # after the script's directory, ahead of site-packages, as Python has it
     if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in new):
@@ -221,13 +217,9 @@ def _start_up(env: dict) -> None:
 
 
 def _run_target(kind: str, name, args: List) -> Optional[int]:
-    import runpy
-
     if kind == "tandem":
-        from tandem.trainer.cli import main
-
         sys.argv = [shutil.which("tandem") or "tandem", *args]
-        return main()
+        return tandem_main()
     # sys.path[0] as Python sets it: the working directory for -m and -c, the script's directory
     if kind == "module":
         sys.argv = [name, *args]
@@ -239,9 +231,7 @@ def _run_target(kind: str, name, args: List) -> Optional[int]:
         sys.path.insert(0, "")
         exec(compile(name, "<string>", "exec"), {"__name__": "__main__"})
         return 0
-    if kind == "function":
-        from tandem.trainer.parallel.layout import run_as_process
-
+    if kind == "function":  # leaves as a rank of `tandem` does (`run_as_process`)
         return run_as_process(lambda: name(*args))
     if kind == "script":
         sys.argv = [name, *args]

@@ -115,9 +115,9 @@ def reference(tmp_path_factory, corpus_cache):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     ref_dir = tmp / "single_4steps"
     launch(1, ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", f"run.dir={ref_dir}",
-                                            "train.max_steps=4", "train.grad_accum_steps=4",
-                                            "checkpoint.interval=2"],
-            env)
+                                           "train.max_steps=4", "train.grad_accum_steps=4",
+                                           "checkpoint.interval=2"],
+           env)
     ref = main_losses(ref_dir)
     assert sorted(ref) == [1, 2, 3, 4]
     return ref_dir, ref
@@ -137,8 +137,8 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
     ref_dir, ref = reference
     saved_dir = tmp_path / "tp2pp2"
     launch(4, train + [f"run.dir={saved_dir}", "train.max_steps=2", "train.grad_accum_steps=4",
-                        "parallel.tp=2", "parallel.pp=2"],
-            logged("tp2pp2", TANDEM_TEST_LATE_RANK="1:10"))
+                       "parallel.tp=2", "parallel.pp=2"],
+           logged("tp2pp2", TANDEM_TEST_LATE_RANK="1:10"))
     _assert_reads(tmp_path / "reads" / "tp2pp2", {1: range(0, 8), 2: range(8, 16)}, "tp2xpp2")
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "tp2xpp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"
@@ -151,7 +151,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1_ep2_on_4_ranks_and_single_pr
         os.makedirs(run_dir / "checkpoints")
         shutil.copytree(ckpt, run_dir / "checkpoints" / "step_2")
         launch(world, train + [f"run.dir={run_dir}", "train.max_steps=4", *extra, "--resume"],
-                logged(name))
+               logged(name))
         return run_dir
 
     # the README's reshard, tp1 x ep2 on 4 ranks: 16 samples per step, from sample 16 on
@@ -191,8 +191,8 @@ def test_checkpoint_saved_at_cp2_pp2_with_spread_depths_resumes_at_cp2_and_in_on
     ref_dir, ref = reference
     saved_dir = tmp_path / "cp2pp2"
     launch(4,
-            train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=2", "parallel.pp=2",
-                        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
+           train + [f"run.dir={saved_dir}", "train.max_steps=2", "parallel.cp=2", "parallel.pp=2",
+                       "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_balance=true"], env)
     _assert_losses_close(main_losses(saved_dir), ref, [1, 2], "cp2 x pp2 before the checkpoint")
     ckpt = saved_dir / "checkpoints" / "step_2"
     _assert_params_close(_params(ckpt), _params(ref_dir / "checkpoints" / "step_2"),
@@ -218,9 +218,9 @@ def test_a_pp2_checkpoint_with_unstepped_parameters_resumes_in_one_process(tmp_p
     train = ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", "train.grad_accum_steps=2",
                                          "mtp.num_steps=1", "mtp.num_layers=2"]
     launch(1, train + [f"run.dir={tmp_path / 'single'}", "train.max_steps=4",
-                        "checkpoint.interval=2"], env)
+                       "checkpoint.interval=2"], env)
     launch(2, train + [f"run.dir={tmp_path / 'pp2'}", "train.max_steps=2", "parallel.pp=2"],
-            env)
+           env)
     resumed = tmp_path / "resumed"
     os.makedirs(resumed / "checkpoints")
     shutil.copytree(tmp_path / "pp2" / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")

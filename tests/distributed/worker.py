@@ -2,7 +2,7 @@
 results.
 
 Run as a module from the repository root on N ranks (`torchrun --standalone --nproc-per-node N -m
-tests.distributed.worker OUT LAYOUT...`, or tests/processes.py's `module`, as the suite starts it;
+tests.distributed.worker OUT LAYOUT...`, or tests/processes.py's `command`, as the suite starts it;
 each LAYOUT a comma-separated list of overrides such as `tp=2,pp=2,pp_schedule=interleaved_1f1b`),
 or import `run_layout` in one process for the single-process reference. Data is synthetic (a pure
 function of the step), split over the batch ranks exactly as the trainer splits a global batch. Each

@@ -175,6 +175,12 @@ def leave_distributed_process(code: int) -> NoReturn:
     until finalisation (docs/parallelism.md, "How a rank exits")."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    exit_without_finalisation(code)
+
+
+def exit_without_finalisation(code: int) -> NoReturn:
+    """Run the exit handlers (wandb, logging), flush, and exit with `code` without the
+    interpreter's finalisation (see `leave_distributed_process`)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -192,16 +198,21 @@ def run_as_process(main: Callable[[], Optional[int]]) -> int:
     process returns the code and lets exceptions propagate, as Python's entry points do."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return main() or 0
+    leave_distributed_process(exit_code_of(main))
+
+
+def exit_code_of(main: Callable[[], Optional[int]]) -> int:
+    """The code the interpreter would exit with after `main()`: its return value (None: 0), a
+    SystemExit's code (a message printed, 1), or 1 with the traceback printed."""
     try:
-        code = main() or 0
+        return main() or 0
     except SystemExit as exc:  # sys.exit(...) / parser.exit(...): the code Python would exit with
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     except BaseException:  # noqa: BLE001 - the traceback is the report, as the interpreter prints it
         traceback.print_exc()
-        code = 1
-    leave_distributed_process(code)
+        return 1
 
 
 def _router_load_group(mesh, batch_mesh, stage_mesh, batch: int, sp: bool):
