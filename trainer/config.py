@@ -282,7 +282,7 @@ class EvalConfig:
     comma-separated for several; `eval.num_prompts` prompts of each, spread over the suite
     (eval/suites.py). Read from the installed package, never downloaded; a missing package fails at
     startup naming it. Empty: the held-out split. The teacher-forced losses stay on the validation
-    split."""
+    split. `tandem eval` of the run's checkpoints decodes the same suite unless told otherwise."""
 
     def validate(self, cfg: "TandemConfig") -> None:
         if self.suite:

