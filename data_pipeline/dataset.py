@@ -291,10 +291,12 @@ def build_datasets(
     `data_cfg.valid_paths` as a separate validation blend; the tokenizer is `data_cfg.tokenizer` or
     the `<prefix>.tokenizer.json` beside the first prefix.
 
-    Each dataset holds at least the requested number of samples (Megatron repeats epochs as needed);
-    `valid_ds` is None when the split gives validation no data. Sample indices are cached under
-    `cache_path` (default: `<stdlib cache>/indices` or `<data_cfg.cache_dir>/indices`). With
-    `model_vocab_size`, a tokenizer that does not fit the model raises ValueError before any work.
+    The training dataset holds at least the requested number of samples (Megatron repeats epochs as
+    needed); a validation split of one prefix holds one epoch (every window once, however many are
+    asked for), and `valid_ds` is None when the split gives validation no data. Sample indices are
+    cached under `cache_path` (default: `<stdlib cache>/indices` or
+    `<data_cfg.cache_dir>/indices`). With `model_vocab_size`, a tokenizer that does not fit the
+    model raises ValueError before any work.
     Returns megatron-core datasets whose items are dicts of `tokens`, `labels`, `loss_mask`,
     `position_ids` ([seq_len] each); use `get_batch` to collate.
     """
@@ -329,6 +331,12 @@ def build_datasets(
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     if valid_blend is None:
         _check_split_shares(data_cfg.split, config.split_matrix, sizes, sequences)
+    if sizes[1] and len((valid_blend or train_blend)[0]) == 1:
+        # one epoch of a one-prefix validation split, in the order a smaller count gives: a count
+        # past it started a second epoch, whose windows re-cut the same documents (a small split's
+        # prompts and loss batches read its text twice, and the intervals counted the copies as
+        # more prompts); a weighted blend needs its count
+        sizes[1] = None
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
     # megatron-core's dataset layer costs about a second to import (megatron_import.py): only here,
     # where its datasets are built (`tandem eval` and `tandem generate`, which import this module,

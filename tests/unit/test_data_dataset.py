@@ -70,6 +70,28 @@ def test_samples_are_contiguous_windows_of_the_corpus(corpus):
     assert not set(train.indices.tolist()) & set(valid.indices.tolist())
 
 
+@pytest.mark.parametrize("where", ["split", "valid_paths"])
+def test_a_small_validation_split_is_read_once(corpus, where):
+    """Asked for more validation windows than the split holds, the split gives each of its
+    documents' tokens once, in the order a smaller count gives, and the evaluator says it has fewer.
+    megatron-core started a second epoch: its windows re-cut the same documents, so the prompts and
+    loss batches read the text twice and the intervals counted the copies as more prompts."""
+    from tandem.eval.metrics import validation_inputs
+
+    root, _, prefixes = corpus
+    data = (dict(paths=[prefixes["a"]], split="90,10,0") if where == "split"
+            else dict(paths=[prefixes["a"]], valid_paths=[prefixes["v"]]))
+    _, few, _ = build_datasets(_cfg(root, **data), 16, 7, 20, 2)
+    _, many, _ = build_datasets(_cfg(root, **data), 16, 7, 20, 10_000)
+    tokens = int(sum(many.dataset.sequence_lengths[many.indices]))
+    assert len(many) == len(few) == (tokens - 1) // 16 < 10_000  # one epoch: every window once
+    assert sorted(many.document_index.tolist()) == sorted(many.indices.tolist())
+    assert torch.equal(get_batch(many, range(len(few)))["tokens"],
+                       get_batch(few, range(len(few)))["tokens"])
+    prompts, batches, note = validation_inputs(many, 10_000, 8, 1_000, 4, False)
+    assert len(prompts) == len(many) and f"holds {len(many)} windows" in note
+
+
 def test_get_batch_shapes_masks_and_doc_ids(corpus):
     root, _, prefixes = corpus
     train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]]), 32, 1, 64, 4)
