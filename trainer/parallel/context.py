@@ -19,7 +19,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce
+import torch.distributed._functional_collectives as funcol
 
 from tandem.models.context import WholeWindow
 
@@ -107,7 +107,9 @@ class ContextShards(WholeWindow):
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return super().sum(x)
-        return all_reduce(x, group=self.group)
+        # funcol's all-reduce: differentiable (its backward sums the gradients) and traced by
+        # torch.compile; torch.distributed.nn's is deprecated
+        return funcol.all_reduce(x, "sum", self.group)
 
     def halo(self, chunks_bl: torch.Tensor, n: int, fill=0) -> torch.Tensor:
         if not self.sharded:
