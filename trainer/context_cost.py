@@ -43,7 +43,7 @@ from .cost import (
     window_work,
 )
 from .estimate_bytes import compute_bytes
-from .parallel.validate import microbatches_held, validate_context_parallel
+from .parallel.validate import validate_context_parallel
 
 CP_SIZES = (4, 8, 16, 32, 64, 128)
 """The cp sizes `tandem launch slurm --check` sizes a CP recipe at (docs/long_context.md)."""
@@ -250,18 +250,18 @@ def cp_sweep(cfg, per_node: int, estimate_fn, sizes=CP_SIZES) -> List[str]:
     return lines
 
 
-def context_fields(cfg, layers: List[List[int]], depths: List[int]) -> dict:
+def context_fields(cfg, layers: List[List[int]], depths: List[int], held: List[float]) -> dict:
     """trainer/estimate.py's Estimate fields for CP (none at cp = 1), from each pp rank's trunk
-    `layers` and MTP `depths`: the bytes of the rank holding the most (each rank keeps the
-    micro-batches its schedule holds, parallel/validate.py microbatches_held; QSA's transient block
-    counts once), the FLOPs balance of both shardings, the note."""
+    `layers` and MTP `depths`: the bytes of the rank holding the most (each rank keeps `held`
+    micro-batches of them at its peak, as its schedule runs its stages: estimate.py
+    _RankLayout.microbatches_held; QSA's transient block counts once), the FLOPs balance of both
+    shardings, the note."""
     p = cfg.parallel
     if p.cp <= 1:
         return {}
     act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     ranks = [context_bytes(cfg, mine, d, act_bytes) for mine, d in zip(layers, depths)]
-    held = [microbatches_held(cfg, r) * sum(v for k, v in parts.items()
-                                            if k not in ("stream", "sent"))
+    held = [held[r] * sum(v for k, v in parts.items() if k not in ("stream", "sent"))
             + parts["stream"] for r, parts in enumerate(ranks)]
     top = max(range(len(ranks)), key=held.__getitem__)
     parts = dict(ranks[top], held=held[top])

@@ -41,9 +41,10 @@ recipe's layout is an estimate:
   micro-batch in flight (Korthikanti et al. 2022, SDPA/flash attention, no s^2 term) plus, with
   hyper-connections, the four hc x H-wide tensors each of a block's two mixers keeps for backward
   (its input, the grouped norm's output, the sigmoid mixing weights and the weighted streams): 16 *
-  hc * s * b * h / tp; times the micro-batches each pp rank's schedule holds (parallel/validate.py
-  `microbatches_held`: pp - rank under 1F1B, every one under GPipe, more than pp on the first ranks
-  under interleaved 1F1B); a rank computing losses adds its MTP depths and the buffers of one chunk
+  hc * s * b * h / tp; times the micro-batches each pp rank's schedule holds, stage by stage
+  (parallel/validate.py `activations_held`: pp - rank under 1F1B, every one under GPipe; under
+  interleaved 1F1B the peak of its stages' running sum, more than pp on the first ranks); a rank
+  computing losses adds its MTP depths (on the stages that run them) and the buffers of one chunk
   of logits (`head_chunk_bytes`: the
   logits and, in bf16, their fp32 softmax block), and under the fused head (the default at tp=1)
   each loss's fp32 [vocab x hidden] weight gradient and input gradient, held from its forward to its
@@ -85,7 +86,7 @@ from .estimate_bytes import (
     single_sync_bytes,
 )
 from .parallel.pipeline_plan import PipelinePlan
-from .parallel.validate import microbatches_held, pipeline_microbatches
+from .parallel.validate import activations_held, microbatches_held, pipeline_microbatches
 
 GIB = 2**30
 
@@ -275,13 +276,23 @@ class _RankLayout:
     unit_pieces: List[str]
     """Pieces that are FSDP units of their own (trainer/parallel/data.py PieceUnits: shared by two
     of a rank's stages, sharded and reduce-scattered once a step)."""
+    stages: List[List[Tuple[int, int]]]
+    """Each of the rank's stages, in order: (its trunk layers, its MTP depths)."""
+
+    def microbatches_held(self, cfg: TandemConfig, rank: int) -> float:
+        """Micro-batches of all of the rank's layers and depths it holds at its peak: its stages'
+        running sum under the schedule (activations_held) over their total."""
+        mine = [n + d for n, d in self.stages[rank]]
+        if not sum(mine):
+            return microbatches_held(cfg, rank)
+        return activations_held(cfg, rank, mine) / sum(mine)
 
 
 def _rank_layout(cfg: TandemConfig, counts: _Counts) -> _RankLayout:
     m, p, k = cfg.model, cfg.parallel, cfg.mtp.num_steps
     if p.pp <= 1:
         return _RankLayout([list(range(m.num_layers))], [set(counts.pieces)], [k],
-                           [list(range(k + 1))], [])
+                           [list(range(k + 1))], [], [[(m.num_layers, k)]])
     plan = PipelinePlan(cfg)
     stages = [plan.stages_of(r) for r in range(p.pp)]
     return _RankLayout(layers=[[i for s in mine for i in plan.split[s]] for mine in stages],
@@ -291,7 +302,9 @@ def _rank_layout(cfg: TandemConfig, counts: _Counts) -> _RankLayout:
                                for mine in stages],
                        loss_depths=[[d for s in mine for d in plan.stages[s].depths]
                                     for mine in stages],
-                       unit_pieces=plan.shared_within_rank() if p.dp_mode == "fsdp" else [])
+                       unit_pieces=plan.shared_within_rank() if p.dp_mode == "fsdp" else [],
+                       stages=[[(len(plan.split[s]), sum(1 for d in plan.stages[s].depths if d > 0))
+                                for s in mine] for mine in stages])
 
 
 def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout,
@@ -322,9 +335,9 @@ def _states(cfg: TandemConfig, counts: _Counts, lay: _RankLayout,
 
 
 def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
-    """Peak activation GiB over the pp ranks: each rank's layers and MTP depths times the
-    micro-batches its schedule holds (`microbatches_held`), and a rank computing losses its logits
-    chunk and fused-head buffers besides."""
+    """Peak activation GiB over the pp ranks: each rank's stages' layers and MTP depths over the
+    micro-batches its schedule holds of each (`activations_held`), and a rank computing losses its
+    logits chunk and fused-head buffers besides."""
     m, p = cfg.model, cfg.parallel
     act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     # a cp rank keeps its own rows' activations
@@ -332,9 +345,6 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
     if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
         per_layer += 16 * m.hc_count * tokens * m.hidden_size / p.tp * act_bytes / 2
-    # a frozen trunk runs under no_grad: it keeps no activations for backward, about one layer's
-    # live
-    trunk_layers = [1 if cfg.train.freeze_trunk else len(layers) for layers in lay.layers]
     kept, live = per_layer, 0.0
     if cfg.train.activation_checkpointing == "full":
         # a block keeps only its input (the residual streams: fp32 hyper-connection streams, else
@@ -345,11 +355,18 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
         live = per_layer
     chunk = min(cfg.mtp.loss_chunk_tokens or 1 << 30, tokens)
 
+    def units(layers: int, depths: int, stages: int) -> float:
+        # a frozen trunk runs under no_grad: it keeps no activations for backward, about one
+        # layer's live per rank
+        return (1 / stages if cfg.train.freeze_trunk else layers) + depths
+
     def rank_bytes(r: int) -> float:
-        # the schedule's micro-batches in flight (interleaved 1F1B and GPipe hold more than pp;
-        # the estimate assumed 1F1B's), and a rank holding loss depths their logits buffers too
-        # (on the first rank as well, which held only its micro-batches before)
-        held = kept * (trunk_layers[r] + lay.depths[r]) * microbatches_held(cfg, r) + live
+        # the schedule's micro-batches in flight, stage by stage (interleaved 1F1B and GPipe hold
+        # more than pp; the estimate assumed 1F1B's, then interleaved chunks of equal size), and a
+        # rank holding loss depths their logits buffers too (on the first rank as well, which held
+        # only its micro-batches before)
+        mine = lay.stages[r]
+        held = kept * activations_held(cfg, r, [units(n, d, len(mine)) for n, d in mine]) + live
         if "lm_head" in lay.pieces[r]:
             held += head_chunk_bytes(cfg, chunk) + fused_head_bytes(cfg, lay.loss_depths[r],
                                                                     act_bytes)
@@ -443,4 +460,6 @@ def estimate(cfg: TandemConfig, world_size: int | None = None,
                     train_flops_per_token=training_flops_per_token(m, cfg.mtp, cfg.data.seq_len,
                                                                    cfg.train.freeze_trunk),
                     flops_by_kind=flops_by_kind(m, cfg.mtp, cfg.data.seq_len),
-                    **context_fields(cfg, lay.layers, lay.depths))
+                    **context_fields(cfg, lay.layers, lay.depths,
+                                     [lay.microbatches_held(cfg, r)
+                                      for r in range(len(lay.layers))]))

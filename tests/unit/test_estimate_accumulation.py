@@ -153,6 +153,48 @@ def test_pipeline_schedules_hold_the_micro_batches_torch_runs_them_with():
     assert acts["gpipe"] > 3.5 * acts["1f1b"]
 
 
+def _torch_peak(pp: int, n: int, rank: int, units) -> float:
+    """The peak of `units` (per micro-batch, per local stage) that pp rank `rank` holds when it runs
+    the actions torch's ScheduleInterleaved1F1B orders for it: a forward adds its stage's, a
+    backward frees them."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    v = len(units)
+    stages = [types.SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=rank,
+                                    stage_index=rank + c * pp, is_first=False, is_last=False)
+              for c in range(v)]
+    held = peak = 0
+    for action in ScheduleInterleaved1F1B(stages, n, loss_fn=lambda *a: a).pipeline_order[rank]:
+        if action is not None and action.computation_type == _ComputationType.FORWARD:
+            held += units[action.stage_index // pp]
+            peak = max(peak, held)
+        elif action is not None and action.computation_type == _ComputationType.FULL_BACKWARD:
+            held -= units[action.stage_index // pp]
+    return peak
+
+
+@pytest.mark.parametrize("pp, v, n", [(4, 3, 16), (4, 4, 16), (2, 2, 4), (4, 3, 4), (4, 2, 8)])
+def test_interleaved_stages_of_unequal_size_peak_as_torch_orders_them(pp, v, n):
+    """Under interleaved 1F1B the activations a rank holds at its peak are its stages' running sum
+    over the forwards and backwards torch's schedule orders, not the mean stage times the count:
+    the Qwen3.8-Flash placement at 3 stages per rank ([6] x 8 trunk layers, then the heads' stages)
+    holds 90 layer-micro-batches on rank 0, where the mean's count said 60, because the heads'
+    backwards run first and free nothing while the trunk's forwards go on."""
+    from tandem.trainer.parallel.validate import activations_held
+
+    cfg = load_config(None, BASE + [f"parallel.pp={pp}", "parallel.pp_schedule=interleaved_1f1b",
+                                    f"parallel.pp_virtual_stages={v}", "model.num_layers=24",
+                                    f"train.grad_accum_steps={n}"])
+    for units in ([6, 6, 0, 1][:v], [1] * v, [0, 3, 1, 5][:v], [2, 0, 7, 4][:v]):
+        for rank in range(pp):
+            assert activations_held(cfg, rank, units) == _torch_peak(pp, n, rank, units), (units,
+                                                                                          rank)
+    if (pp, v, n) == (4, 3, 16):
+        assert activations_held(cfg, 0, [6, 6, 0]) == 90 > 12 * 15 / 3
+
+
 def test_allreduce_states_are_whole_on_every_data_parallel_rank():
     """dp_mode=allreduce (torch's replicate) keeps every rank's parameters, gradients and AdamW
     moments whole: its states equal one rank's without data parallelism. They were divided by dp

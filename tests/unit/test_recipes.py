@@ -73,11 +73,15 @@ def test_parameter_count_is_exact():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
-def test_pipeline_stages_and_ranks_within_1_2x_of_the_mean(recipe):
-    """No pipeline stage, and no pp rank (which runs its stages one after another under the
-    interleaved schedule), carries more than 1.2x the mean training FLOPs (trainer/estimate.py's, as
-    bench/pipeline_balance.py prints them), the Qwen3.8-Flash recipes' drafter depths included: with
-    mtp.qsa_reuse_indices depth 1's QSA selection travels to the later depths' stages."""
+def test_pipeline_ranks_within_1_2x_and_stages_within_1_5x_of_the_mean(recipe):
+    """No pp rank carries more than 1.2x the mean training FLOPs (trainer/estimate.py's, as
+    bench/pipeline_balance.py prints them), and no pipeline stage more than 1.5x, the Qwen3.8-Flash
+    recipes' drafter depths included: with mtp.qsa_reuse_indices depth 1's QSA selection travels to
+    the later depths' stages. Under the interleaved schedule a rank runs its stages one after
+    another, every rank the same chunk order, so the steady state runs at the rank's pace; a
+    heavier stage lengthens the warm-up and cool-down. The Qwen3.8-Flash recipe holds 4 stages per
+    rank (its heads' stages x1.46 the mean stage, its ranks x1.02): at 3 (x1.09, x1.04) a rank's
+    peak of micro-batches in flight needed 131 GiB per H200, 117.6 at 4."""
     cfg = _load(recipe)
     plan = PipelinePlan(cfg)
     plan.check(cfg)
@@ -88,7 +92,7 @@ def test_pipeline_stages_and_ranks_within_1_2x_of_the_mean(recipe):
     rank_ratio = max(ranks) / (sum(ranks) / len(ranks))
     print(f"{os.path.basename(recipe)}: max stage x{stage_ratio:.3f}, max pp rank "
           f"x{rank_ratio:.3f} of the mean")
-    assert stage_ratio <= 1.2
+    assert stage_ratio <= 1.5
     assert rank_ratio <= 1.2
 
 

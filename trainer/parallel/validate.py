@@ -9,6 +9,8 @@ impossible layout fails in one line naming the keys, not deep inside a collectiv
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..config import TandemConfig
 from ..config_checks import ConfigError
 from .pipeline_plan import PipelinePlan
@@ -18,17 +20,36 @@ def microbatches_held(cfg: TandemConfig, rank: int) -> float:
     """How many pipeline micro-batches' activations pp rank `rank` holds at its peak, in units of
     all of its layers', as torch's schedules run: GPipe holds every one; 1F1B pp - rank; interleaved
     1F1B runs (v - 1) pp + 2 (pp - 1 - rank) forward chunks (1/v of its layers each) before its
-    first backward, and holds one more."""
+    first backward, and holds one more. `activations_held` with equal chunks."""
+    v = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1
+    return activations_held(cfg, rank, [1] * v) / v
+
+
+def activations_held(cfg: TandemConfig, rank: int, chunk_units: Sequence[float]) -> float:
+    """The peak of the activations pp rank `rank` holds as torch's schedules run, in the units of
+    `chunk_units` (what one micro-batch leaves in each of the rank's stages, in stage order): GPipe
+    holds every micro-batch, 1F1B pp - rank. Interleaved 1F1B (torch's ScheduleInterleaved1F1B)
+    runs (v - 1) pp + 2 (pp - 1 - rank) forwards before its first backward, then one forward and
+    one backward at a time; forward k runs chunk (k // pp) % v and backward k chunk
+    v - 1 - (k // pp) % v, so chunks of unequal size (a balanced or explicit pp_layout, the MTP
+    depths on the last) peak where the running sum does, not at the mean chunk's count."""
     p = cfg.parallel
     if p.pp <= 1:
-        return 1.0
+        return sum(chunk_units)
     n = pipeline_microbatches(cfg)
     if p.pp_schedule == "gpipe":
-        return float(n)
-    if p.pp_schedule == "interleaved_1f1b":
-        v = p.pp_virtual_stages
-        return min((v - 1) * p.pp + 2 * (p.pp - 1 - rank) + 1, n * v) / v
-    return float(min(p.pp - rank, n))
+        return n * sum(chunk_units)
+    if p.pp_schedule != "interleaved_1f1b":
+        return min(p.pp - rank, n) * sum(chunk_units)
+    v, per_round = len(chunk_units), n // max(1, n // p.pp)  # torch's microbatches_per_round
+    total = n * v
+    warmup = min((v - 1) * per_round + 2 * (p.pp - 1 - rank), total)
+    held = peak = sum(chunk_units[(k // per_round) % v] for k in range(warmup))
+    for k in range(total - warmup):
+        held += chunk_units[((warmup + k) // per_round) % v]
+        peak = max(peak, held)
+        held -= chunk_units[v - 1 - (k // per_round) % v]
+    return peak
 
 
 def pipeline_microbatches(cfg: TandemConfig) -> int:
