@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from tandem.data_pipeline.chat_template import chat_template_in
@@ -308,14 +309,32 @@ def load_one_process(args, src: Source):
     return model
 
 
-def _writer_rank(decoding) -> int:
-    """The process that writes: the lowest rank among replica 0's decoder drivers (it holds every
-    replica's gathered results)."""
+def _writer_and_drivers(decoding):
+    """(The process that writes: the lowest rank among replica 0's decoder drivers, which holds
+    every replica's gathered results; the process group of every driver, None when every rank
+    drives). Every rank calls it (the group's creation is collective)."""
     if decoding is None:
-        return 0
+        return 0, None
     flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(decoding.is_driver and decoding.replica == 0))
-    return flags.index(True)
+    dist.all_gather_object(flags, (bool(decoding.is_driver), decoding.replica))
+    drivers = [r for r, (driver, _) in enumerate(flags) if driver]
+    group = None if len(drivers) == len(flags) else dist.new_group(drivers)
+    return flags.index((True, 0)), group
+
+
+class PeerFailed(Exception):
+    """Another rank's write failed: this rank stops decoding too (that rank reports it)."""
+
+
+def _failed_anywhere(failed: bool, decoding, group=None) -> bool:
+    """Whether any rank of `group` (default: every rank) failed; each rank of it calls this at the
+    same point, so one rank's failed write stops them all where they would otherwise wait for it
+    in the next collective."""
+    if decoding is None:
+        return failed
+    flag = torch.tensor([int(failed)], device=decoding.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 # --- decoding -------------------------------------------------------------------------------------
@@ -370,9 +389,11 @@ class Progress:
 
 
 def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], model, decoding,
-                     writer: bool) -> None:
+                     writer: bool, drivers=None) -> None:
     """Decode the batches in `todo` group by group (one batch per replica), the writer appending
-    each group's records, durably, before the next group starts."""
+    each group's records, durably, before the next group starts. A failed write (a full disk)
+    raises its OSError on the writer and PeerFailed on the other drivers (`drivers`: their group),
+    after the group: no driver starts a group the writer will not join."""
     replicas = decoding.replicas if decoding is not None else 1
     progress = Progress(sum(len(plan.batch(b)) for b in todo), writer)
     try:
@@ -381,24 +402,33 @@ def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], mod
             _, results, _ = evaluate_decoding(model, prompts, replicas=decoding,
                                               autoregressive=False,
                                               seed=args.seed, first_batch=group[0], **settings)
+            failed = None
             if writer:
                 rows = [r for b,
                         res in zip(group, results) for r in _records(plan, b, res, src.tokenizer,
                                                                             settings["eos_id"])]
-                write_lines(args.out, rows, "a")
+                try:
+                    write_lines(args.out, rows, "a")
+                except OSError as exc:
+                    failed = exc
                 progress.add(results)
+            if _failed_anywhere(failed is not None, decoding, drivers):
+                raise failed or PeerFailed()
     finally:
         progress.close()
 
 
-def run(args, src, plan, settings, todo, decoding, model, writer: bool) -> None:
-    """This rank's part: drivers decode (and one writes), pipeline followers serve their stages."""
+def run(args, src, plan, settings, todo, decoding, model, writer: bool, drivers=None) -> None:
+    """This rank's part: drivers decode (and one writes), pipeline followers serve their stages
+    until their driver stops them, also after a failed write."""
     view = decoding.model if decoding is not None else model
     with decoding.context() if decoding is not None else contextlib.nullcontext():
         if decoding is None or decoding.is_driver:
-            decode_and_write(args, src, plan, settings, todo, view, decoding, writer)
-            if decoding is not None:
-                decoding.stop()
+            try:
+                decode_and_write(args, src, plan, settings, todo, view, decoding, writer, drivers)
+            finally:
+                if decoding is not None:
+                    decoding.stop()
         else:
             decoding.follow()
 
@@ -436,8 +466,10 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         if owns_group and dist.is_initialized():  # _start may have started it
             dist.destroy_process_group()
         return 2
-    writer = _writer_rank(decoding) == rank
+    writer, drivers = _writer_and_drivers(decoding)
+    writer = writer == rank
     left = sum(len(plan.batch(b)) for b in todo)
+    failed = None
     try:
         if writer:
             if repair or not kept:  # the sidecar, and the records up to the last complete batch
@@ -445,17 +477,21 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
             if kept:
                 print(f"tandem generate: resuming {args.out}: {len(kept)} rows written, {left} to "
                       "go", file=sys.stderr)
-        if decoding is not None:
-            dist.barrier()  # the file is repaired before anyone appends
-        run(args, src, plan, settings, todo, decoding, model, writer)
-    except OSError as exc:  # a full disk: the rows written are kept, and a rerun resumes after them
-        print(f"tandem generate: error: {exc}; run it again to resume", file=sys.stderr)
-        return 2
-    if writer:
+    except OSError as exc:
+        failed = exc
+    # the file is repaired before anyone appends (every rank waits here for the writer)
+    if not _failed_anywhere(failed is not None, decoding):
+        try:
+            run(args, src, plan, settings, todo, decoding, model, writer, drivers)
+        except (OSError, PeerFailed) as exc:
+            failed = exc
+    # every rank returns the writer's outcome, a follower's included
+    code = 2 if _failed_anywhere(failed is not None, decoding) else 0
+    if isinstance(failed, OSError):  # a full disk: the rows written are kept, a rerun resumes
+        print(f"tandem generate: error: {failed}; run it again to resume", file=sys.stderr)
+    elif writer and code == 0:
         print(json.dumps({"out": args.out, "rows": len(plan.rows), "decoded": left}))
-    if decoding is not None:
-        dist.barrier()
-        if owns_group:
-            dist.destroy_process_group()
-    return 0
+    if decoding is not None and owns_group:
+        dist.destroy_process_group()
+    return code
 

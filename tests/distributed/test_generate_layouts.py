@@ -5,6 +5,11 @@ reading only its shards of the safetensors. Run as a script, this file is the to
 launch and process group for both layouts, every decode. The first decode starts while the
 checkpoint's run directory publishes a newer step, which rank 0 sees and rank 1 does not: rank 1
 used to decode the older one into the same file.
+
+A write that fails on the writer (a full disk, injected at its second batch) returns 2 on every
+rank, under pp2 (the follower stage's rank is released) and dp2 (the other replica stops decoding),
+in a process group that outlives the command; the other ranks used to wait for the writer forever.
+Run again, each resumes to one process's file.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ CASES = {"greedy": [],
          "sampled": ["--temperature", "0.8", "--top-p", "0.9", "--samples-per-prompt", "2",
                                    "--seed", "3"]}
 LAYOUTS = {"dp2": [], "tp2": ["--tp", "2"]}
+FAULT_LAYOUTS = {"pp2": ["--pp", "2"], "dp2": []}
+"""Where a failed write is injected: a pipeline follower and a second replica wait on the writer."""
 SOURCES = {"checkpoint": ("dp2", "tp2"), "hf": ("tp2",)}
 """Where each source runs: a Tandem checkpoint on both layouts, its Hugging Face export sharded
 over tp (the one-process --hf load is tests/e2e/test_generate.py's)."""
@@ -67,7 +74,7 @@ def reference(tmp_path_factory, corpus_cache):
 def launched(reference):
     """Both layouts in one 2-rank launch (its start costs as much as a layout's decoding)."""
     root, _ = reference
-    for layout in LAYOUTS:
+    for layout in [*LAYOUTS, "failed"]:
         (root / layout).mkdir()
     # the first decode's ranks look up the run's newest checkpoint around its publication: rank 1
     # before (step_1), rank 0 after (step_2); every rank must decode rank 0's, as one process does
@@ -95,6 +102,39 @@ def test_layout_writes_what_one_process_writes(layout, reference, launched):
             assert meta == open(f"{single}.meta.json").read(), (source, case)
 
 
+def test_a_failed_write_stops_every_rank_and_a_rerun_resumes(reference, launched):
+    _, files = reference
+    for layout in FAULT_LAYOUTS:
+        got = (launched / "failed" / f"{layout}.jsonl").read_text()
+        assert got == files["checkpoint", "greedy"].read_text(), layout
+
+
+def _failing_writes(layout: str, root: str) -> None:
+    """Each layout of FAULT_LAYOUTS: the writer's second write fails (every rank returns 2, having
+    kept the first batch's rows), then a rerun resumes."""
+    import errno
+
+    from tandem.trainer import generate
+
+    write, calls = generate.write_lines, []
+
+    def full_disk_at_the_second(path, rows, mode):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(path, rows, mode)
+
+    out = os.path.join(root, "failed", f"{layout}.jsonl")
+    args = _args("checkpoint", os.path.join(root, "run"), os.path.join(root, "prompts.jsonl"),
+                 "greedy", out) + FAULT_LAYOUTS[layout]
+    generate.write_lines = full_disk_at_the_second
+    try:
+        assert generate.generate_main(args) == 2, layout
+    finally:
+        generate.write_lines = write
+    assert generate.generate_main(args) == 0, layout
+
+
 def _worker(root: str, *layouts: str) -> int:
     import torch
     import torch.distributed as dist
@@ -111,6 +151,8 @@ def _worker(root: str, *layouts: str) -> int:
                                          os.path.join(root, layout, f"{source}_{case}.jsonl"))
                                    + LAYOUTS[layout])
                 assert rc == 0, (layout, source, case, rc)
+    for layout in FAULT_LAYOUTS:
+        _failing_writes(layout, root)
     dist.destroy_process_group()
     return 0
 
