@@ -292,9 +292,10 @@ def build_datasets(
     the `<prefix>.tokenizer.json` beside the first prefix.
 
     The training dataset holds at least the requested number of samples (Megatron repeats epochs as
-    needed); a validation split of one prefix holds one epoch (every window once, however many are
-    asked for), and `valid_ds` is None when the split gives validation no data. Sample indices are
-    cached under `cache_path` (default: `<stdlib cache>/indices` or
+    needed); the validation dataset never reads a document twice (one epoch of a single prefix or
+    an unweighted blend, a weighted blend cut to what its most-asked prefix holds), however many
+    samples are asked for, and `valid_ds` is None when the split gives validation no data. Sample
+    indices are cached under `cache_path` (default: `<stdlib cache>/indices` or
     `<data_cfg.cache_dir>/indices`). With `model_vocab_size`, a tokenizer that does not fit the
     model raises ValueError before any work.
     Returns megatron-core datasets whose items are dicts of `tokens`, `labels`, `loss_mask`,
@@ -322,8 +323,8 @@ def build_datasets(
         _check_made_with(p, tokenizer, fingerprint)
         if os.path.isfile(p + "_loss_mask.idx"):
             check_loss_mask_channel(p)
-    train_blend, valid_blend = (_weighted_by_size(b, tokens) if b else b
-                                for b in (train_blend, valid_blend))
+    # (a separate validation blend without weights stays so: one epoch of each prefix, below)
+    train_blend = _weighted_by_size(train_blend, tokens)
 
     cache_path = os.path.abspath(os.path.expanduser(cache_path or default_cache))
     config = _gpt_dataset_config(data_cfg, train_blend, valid_blend, tokenizer, seq_len, seed,
@@ -331,11 +332,12 @@ def build_datasets(
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     if valid_blend is None:
         _check_split_shares(data_cfg.split, config.split_matrix, sizes, sequences)
-    if sizes[1] and len((valid_blend or train_blend)[0]) == 1:
-        # one epoch of a one-prefix validation split, in the order a smaller count gives: a count
-        # past it started a second epoch, whose windows re-cut the same documents (a small split's
-        # prompts and loss batches read its text twice, and the intervals counted the copies as
-        # more prompts); a weighted blend needs its count
+    if sizes[1] and (len((valid_blend or train_blend)[0]) == 1
+                     or (valid_blend is not None and valid_blend[1] is None)):
+        # one epoch of a one-prefix (or unweighted) validation split, in the order a smaller count
+        # gives: a count past it started a second epoch, whose windows re-cut the same documents
+        # (a small split's prompts and loss batches read its text twice, and the intervals counted
+        # the copies as more prompts); a weighted blend needs its count, cut below
         sizes[1] = None
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
     # megatron-core's dataset layer costs about a second to import (megatron_import.py): only here,
@@ -349,6 +351,13 @@ def build_datasets(
     with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
         train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True,
                                                                  config).build()
+        for _ in range(3):  # a weighted validation blend: fewer samples until no part repeats
+            over = mc.epochs_asked(valid_ds) if valid_ds is not None else 1.0
+            if over <= 1.0:
+                break
+            sizes[1] = max(1, int(sizes[1] / over))
+            train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True,
+                                                                     config).build()
     if train_ds is None or len(train_ds) == 0:
         raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty "
                          f"(split={data_cfg.split!r})")

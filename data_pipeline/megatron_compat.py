@@ -157,3 +157,17 @@ class LossMaskGPTDataset(GPTDataset):
             flags.append(np.zeros(want - have, np.uint8))
             docs.append(np.full(want - have, len(docs), dtype=np.int64))
         return np.concatenate(flags), np.concatenate(docs)
+
+
+def epochs_asked(dataset) -> float:
+    """How many epochs of its documents the most-asked part of `dataset` (a GPTDataset, or each
+    GPTDataset of a BlendedDataset) was asked to hold: its samples asked for over one epoch's
+    windows. Above 1, megatron-core built another epoch, whose windows re-cut the same documents."""
+    parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+    asked = 1.0
+    for part in parts:
+        if part.num_samples is None:
+            continue
+        tokens = part._get_num_tokens_per_epoch() - part.config.add_extra_token_to_sequence
+        asked = max(asked, part.num_samples / max(tokens // part.config.sequence_length, 1))
+    return asked

@@ -92,6 +92,26 @@ def test_a_small_validation_split_is_read_once(corpus, where):
     assert len(prompts) == len(many) and f"holds {len(many)} windows" in note
 
 
+@pytest.mark.parametrize("where", ["weighted split", "unweighted valid_paths",
+                                   "weighted valid_paths"])
+def test_a_small_validation_blend_reads_each_document_once(corpus, where):
+    """A validation blend of several prefixes, asked for more windows than it holds: none of its
+    prefixes' documents is read twice (a weighted blend gets fewer samples, an unweighted one is
+    one epoch of each prefix), and the training split keeps the samples asked for."""
+    root, _, prefixes = corpus
+    a, b, v = prefixes["a"], prefixes["b"], prefixes["v"]
+    data = {"weighted split": dict(paths=["0.5", a, "0.5", b], split="90,10,0"),
+            "unweighted valid_paths": dict(paths=[a], valid_paths=[v, b]),
+            "weighted valid_paths": dict(paths=[a], valid_paths=["0.3", v, "0.7", b])}[where]
+    train, valid, _ = build_datasets(_cfg(root, **data), 16, 7, 200, 10_000)
+    assert len(train) >= 200 and 0 < len(valid) < 10_000
+    assert type(valid).__name__ == "BlendedDataset" and len(valid.datasets) == 2
+    for part in valid.datasets:  # one epoch: each of the part's documents once
+        assert sorted(part.document_index.tolist()) == sorted(part.indices.tolist()), where
+    rows = get_batch(valid, range(len(valid)))["tokens"]
+    assert len({tuple(r.tolist()) for r in rows}) == len(valid)
+
+
 def test_get_batch_shapes_masks_and_doc_ids(corpus):
     root, _, prefixes = corpus
     train, _, tok = build_datasets(_cfg(root, paths=[prefixes["a"]]), 32, 1, 64, 4)
