@@ -491,6 +491,8 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         print(f"tandem generate: error: {failed}; run it again to resume", file=sys.stderr)
     elif writer and code == 0:
         print(json.dumps({"out": args.out, "rows": len(plan.rows), "decoded": left}))
+    if drivers is not None:  # (a no-op on the ranks outside it)
+        dist.destroy_process_group(drivers)
     if decoding is not None and owns_group:
         dist.destroy_process_group()
     return code
