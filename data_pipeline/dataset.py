@@ -332,12 +332,12 @@ def build_datasets(
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     if valid_blend is None:
         _check_split_shares(data_cfg.split, config.split_matrix, sizes, sequences)
-    if sizes[1] and (len((valid_blend or train_blend)[0]) == 1
-                     or (valid_blend is not None and valid_blend[1] is None)):
-        # one epoch of a one-prefix (or unweighted) validation split, in the order a smaller count
-        # gives: a count past it started a second epoch, whose windows re-cut the same documents
-        # (a small split's prompts and loss batches read its text twice, and the intervals counted
-        # the copies as more prompts); a weighted blend needs its count, cut below
+    if sizes[1] and (valid_blend or train_blend)[1] is None:
+        # one epoch of an unweighted validation split (one prefix, or data.valid_paths without
+        # weights), in the order a smaller count gives: a count past it started a second epoch,
+        # whose windows re-cut the same documents (a small split's prompts and loss batches read
+        # its text twice, and the intervals counted the copies as more prompts); a weighted blend
+        # needs its count, cut in _build_splits
         sizes[1] = None
     needs_group = len(train_blend[0]) > 1 or (valid_blend is not None and len(valid_blend[0]) > 1)
     # megatron-core's dataset layer costs about a second to import (megatron_import.py): only here,

@@ -442,7 +442,6 @@ def _take_the_checkpoints_suite(args) -> None:
     figures are then the ones the run logged. Sets `args.suite`, `args.num_prompts` and
     `args.suite_as_in_loop` (the teacher-forced figures come from the validation split, as in the
     loop)."""
-    args.suite_as_in_loop = False
     if args.suite or args.validation or not args.checkpoint:
         return
     try:

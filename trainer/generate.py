@@ -409,9 +409,9 @@ def decode_and_write(args, src, plan: Plan, settings: dict, todo: List[int], mod
                                                                             settings["eos_id"])]
                 try:
                     write_lines(args.out, rows, "a")
+                    progress.add(results)
                 except OSError as exc:
                     failed = exc
-                progress.add(results)
             if _failed_anywhere(failed is not None, decoding, drivers):
                 raise failed or PeerFailed()
     finally:
