@@ -2,12 +2,12 @@
 `torch.multinomial`, side by side: seconds per draw of one token per row, and whether the two agree
 in distribution.
 
-    python bench/sampling_draw.py [--rows 128] [--vocab 2048] [--reps 200] [--threads 2]
-        [--device cpu|cuda|npu|auto]
+    python bench/sampling_draw.py [--rows 128] [--vocab 2048 (151936: Qwen's)] [--reps 200]
+        [--threads 2] [--draws 200000] [--device cpu|cuda|npu|auto]
 
 Rows of a peaked softmax (logits ~ N(0, 3^2)), as a trained model's tempered distributions are.
-Agreement: 200k draws of each from one row; the largest gap between their empirical frequencies and
-the row's probabilities (both should be within a few 1e-3). Prints one JSON object.
+Agreement: --draws (200k) of each from one row; the largest gap between their empirical frequencies
+and the row's probabilities (both should be within a few 1e-3). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draws", type=int, default=200_000,
+                    help="draws of each from row 0 for the agreement figure")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, npu or auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,10 +53,13 @@ def main() -> None:
     multinomial = seconds_per_call(lambda: torch.multinomial(probs, 1, generator=gen), args.reps,
                                    dev)
     inverse_cdf = seconds_per_call(lambda: draw(probs, gen), args.reps, dev)
-    row = probs[:1].expand(200_000, -1)
+    # draws from row 0, a chunk of rows at a time: both materialise [rows, vocab]
+    chunk = max(1, min(args.draws, 2**24 // args.vocab))
+    row = probs[:1].expand(chunk, -1)
     gaps = {}
-    for name, tokens in (("multinomial", torch.multinomial(row, 1, generator=gen).squeeze(-1)),
-                         ("draw", draw(row, gen))):
+    for name, one in (("multinomial", lambda: torch.multinomial(row, 1, generator=gen)[:, 0]),
+                      ("draw", lambda: draw(row, gen))):
+        tokens = torch.cat([one() for _ in range(-(-args.draws // chunk))])
         # fp64 on the host: accelerators (an NPU above all) have little or no fp64
         freq = torch.bincount(tokens.cpu(), minlength=args.vocab).double() / tokens.numel()
         gaps[name] = float((freq - probs[0].cpu().double()).abs().max())

@@ -4,9 +4,11 @@ speculative-sampling rule. Block verification, the other rule, is eval/block_ver
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float,
@@ -36,18 +38,33 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One draw per row of `probs` [..., V] (non-negative weights, any positive total) -> [...], by
-    inverse CDF: the first token whose cumulative weight exceeds a uniform on [0, total).
+    inverse CDF in two levels: a block of about sqrt(V) tokens by the blocks' cumulative weights,
+    then a token inside it by the block's own cumulative weights, each with its own uniform.
 
     The same distribution as `torch.multinomial(probs, 1)`, which is many times slower on CPU at
-    the evaluator's batch and vocabulary (bench/sampling_draw.py measures both side by side).
-    A token of weight 0 is never drawn: the uniform stays below the row's total, and the first
+    the evaluator's batch and vocabulary (bench/sampling_draw.py measures both side by side). Two
+    levels because one fp32 cumsum over a 152k vocabulary resolves a token only to one ulp of the
+    running total (6e-8 near 1): after a token of weight 0.99 a tail token of 1e-7 gets either 0
+    or 6e-8, about 1e-3 of total variation at that vocabulary, and a uniform has no finer steps
+    either. Each level here sums a few hundred weights, so the error is that of a few hundred.
+    A token of weight 0 is never drawn: each uniform stays below its total, and the first
     cumulative weight above it is where the weight jumps."""
-    cdf = probs.float().cumsum(-1)
+    vocab = probs.shape[-1]
+    width = max(1, math.isqrt(vocab - 1) + 1)
+    blocks = F.pad(probs.float(), (0, -vocab % width)).unflatten(-1, (-1, width))
+    block = _inverse_cdf(blocks.sum(-1).cumsum(-1), generator)
+    inside = blocks.gather(-2, block[..., None, None].expand(*block.shape, 1, width)).squeeze(-2)
+    token = block * width + _inverse_cdf(inside.cumsum(-1), generator)
+    # a row of NaN (a diverged model) would index past the vocabulary: its token is then the last
+    # one, without the host sync a check would cost every draw
+    return token.clamp_(max=vocab - 1)
+
+
+def _inverse_cdf(cdf: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The first index of `cdf` [..., n] whose value exceeds a uniform on [0, cdf[..., -1])."""
     total = cdf[..., -1:]
     u = torch.rand(total.shape, generator=generator, device=cdf.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up
-    # a row of NaN (a diverged model) would index past the vocabulary: its token is then the last
-    # one, without the host sync a check would cost every draw
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
