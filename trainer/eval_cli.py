@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args):
+def load_model_and_tokenizer(args):
     """(model, cfg or None, tokenizer or None)."""
     if args.hf:
         try:
@@ -151,10 +151,10 @@ def _load(args):
 
     step = resolve_checkpoint(args.checkpoint)
     model, cfg = load_model_from_checkpoint(step, args.device)
-    return model, cfg, _tokenizer_of(cfg, step)
+    return model, cfg, checkpoint_tokenizer(cfg, step)
 
 
-def _tokenizer_of(cfg, step_dir: str = ""):
+def checkpoint_tokenizer(cfg, step_dir: str = ""):
     """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data
     config's."""
     try:
@@ -172,14 +172,14 @@ def _tokenizer_of(cfg, step_dir: str = ""):
         return None
 
 
-def _validation(cfg, num_prompts: int, prompt_len: int,
+def validation_prompts(cfg, num_prompts: int, prompt_len: int,
                 eod_id: Optional[int]) -> Tuple[List[List[int]], List[dict]]:
     n = max(num_prompts, cfg.eval.loss_batches * cfg.train.micro_batch_size)
     _, valid_ds, _ = build_datasets(cfg.data, cfg.data.seq_len, cfg.train.seed, num_train_samples=1,
                                     num_valid_samples=n)
     if valid_ds is None:
-        raise _Fail("the checkpoint's data config has no validation split; pass --prompts or "
-                    "--suite")
+        raise EvalInputError("the checkpoint's data config has no validation split; pass --prompts "
+                             "or --suite")
     prompts, batches, note = validation_inputs(valid_ds, num_prompts, prompt_len,
                                                cfg.eval.loss_batches, cfg.train.micro_batch_size,
                                                cfg.data.document_mask, eod_id)
@@ -212,8 +212,9 @@ def read_prompt_file(path: str) -> list:
     return read_prompts(path)
 
 
-class _Fail(Exception):
-    """A problem `tandem eval` reports in one line, exit status 2."""
+class EvalInputError(ValueError):
+    """A problem with `tandem eval`'s input, reported in one line with exit status 2 (bench scripts
+    that take their prompts through `validation_prompts` see the same line)."""
 
 
 def resolve_device_flag(requested: str) -> str:
@@ -249,22 +250,22 @@ def _check_flags(args) -> None:
     """Option ranges, in one line, before anything is read (0 picks the checkpoint's value)."""
     problem = sampling_flag_problem(args.temperature, args.top_p)
     if problem:
-        raise _Fail(problem)
+        raise EvalInputError(problem)
     for flag in ("num_prompts", "prompt_len", "num_steps", "max_new_tokens", "batch_size"):
         if getattr(args, flag) < 0:
-            raise _Fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0: the "
-                        "checkpoint's value)")
+            raise EvalInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 "
+                                 "(0: the checkpoint's value)")
     if args.hf and not (args.prompts or args.suite):  # (the default data config's are not its)
-        raise _Fail("--hf DIR has no validation split to take prompts from: pass --prompts FILE "
-                    "or --suite")
+        raise EvalInputError("--hf DIR has no validation split to take prompts from: pass "
+                             "--prompts FILE or --suite")
 
 
 def _load_checked(args):
     try:
-        return _load(args)
+        return load_model_and_tokenizer(args)
     # a missing/corrupt checkpoint, a changed frozen trunk
     except (FileNotFoundError, ValueError) as exc:
-        raise _Fail(" ".join(str(exc).split())) from None
+        raise EvalInputError(" ".join(str(exc).split())) from None
 
 
 def _source_dirs(args, cfg) -> List[str]:
@@ -282,9 +283,10 @@ def _settings(args, model, cfg, tok) -> dict:
     train = getattr(cfg, "train", None)
     seed = args.seed if args.seed is not None else int(getattr(train, "seed", 0) or 0)
     if model.mtp is None:
-        raise _Fail("the model has no MTP module (mtp.num_steps=0) to draft with")
+        raise EvalInputError("the model has no MTP module (mtp.num_steps=0) to draft with")
     if K <= 0:
-        raise _Fail("--num-steps is not set, and the checkpoint names no number of draft steps")
+        raise EvalInputError("--num-steps is not set, and the checkpoint names no number of draft "
+                             "steps")
     return dict(num_steps=K,
                 max_new_tokens=args.max_new_tokens or (ev.max_new_tokens if ev else 64),
                 batch_size=args.batch_size or (ev.batch_size if ev else 4),
@@ -313,12 +315,13 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     the prompts read before the checkpoint loaded), else the validation split's."""
     if not source:
         if cfg is None or not hasattr(cfg, "data"):
-            raise _Fail("no validation split for this checkpoint; pass --prompts or --suite")
+            raise EvalInputError("no validation split for this checkpoint; pass --prompts or "
+                                 "--suite")
         prompt_len = max(1, min(args.prompt_len or cfg.eval.prompt_len, cfg.data.seq_len))
-        return _validation(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len,
+        return validation_prompts(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len,
                            getattr(tok, "eod_id", None))
     if tok is None:
-        raise _Fail(
+        raise EvalInputError(
             f"{'--prompts' if args.prompts else '--suite'} needs the checkpoint's tokenizer"
         )
     chat = _chat_template(args, cfg)
@@ -326,8 +329,8 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     note = (f"model.max_seq_len={model.cfg.max_seq_len} - max new tokens {max_new} - draft "
             f"margin 4K+5={4 * K + 5}")
     if limit < 1:
-        raise _Fail(f"no room for a prompt: {note} = {limit} tokens; lower --max-new-tokens or "
-                    "--num-steps")
+        raise EvalInputError(f"no room for a prompt: {note} = {limit} tokens; lower "
+                             "--max-new-tokens or --num-steps")
     if args.suite:
         keep = min(limit, args.prompt_len or limit)
         prompts, cut = tokenize_suite(source, tok, chat, keep)
@@ -341,9 +344,9 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
     if args.suite_as_in_loop:  # the loop's teacher-forced data, when the run had a validation split
         prompt_len = max(1, min(cfg.eval.prompt_len, cfg.data.seq_len))
         try:
-            batches = _validation(cfg, cfg.eval.num_prompts, prompt_len,
+            batches = validation_prompts(cfg, cfg.eval.num_prompts, prompt_len,
                                   getattr(tok, "eod_id", None))[1]
-        except _Fail:
+        except EvalInputError:
             pass
     return prompts, batches
 
@@ -409,19 +412,20 @@ def _check_output(args) -> None:
     for flag in ("prompts", "checkpoint", "hf"):
         given = getattr(args, flag)
         if exists and given and os.path.exists(given) and os.path.samefile(given, path):
-            raise _Fail(f"--output {path} is the --{flag} input; pass another file")
+            raise EvalInputError(f"--output {path} is the --{flag} input; pass another file")
     if os.path.isdir(path):
-        raise _Fail(f"--output {path} is a directory; pass a file path")
+        raise EvalInputError(f"--output {path} is a directory; pass a file path")
     if exists and not _is_eval_output(path):
-        raise _Fail(f"--output {path} exists and is not an earlier tandem eval --output (JSONL "
-                    f"records with {', '.join(OUTPUT_KEYS)}, without `step`); pass another file")
+        raise EvalInputError(f"--output {path} exists and is not an earlier tandem eval --output "
+                             f"(JSONL records with {', '.join(OUTPUT_KEYS)}, without `step`); pass "
+                             "another file")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise _Fail(f"--output {path}: {parent} is a file, not a directory")
+        raise EvalInputError(f"--output {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise _Fail(f"--output {path}: directory {parent} is not writable")
+        raise EvalInputError(f"--output {path}: directory {parent} is not writable")
 
 
 def _write_outputs(path: str, spec, prompts) -> None:
@@ -447,7 +451,7 @@ def _take_the_checkpoints_suite(args) -> None:
     try:
         cfg = load_config(os.path.join(resolve_checkpoint(args.checkpoint), "config.yaml"))
     except (FileNotFoundError, ValueError) as exc:  # a missing checkpoint, a suite's package gone
-        raise _Fail(" ".join(str(exc).split())) from None
+        raise EvalInputError(" ".join(str(exc).split())) from None
     if cfg.eval.suite:
         args.suite, args.suite_as_in_loop = cfg.eval.suite, True
         args.num_prompts = args.num_prompts or cfg.eval.num_prompts
@@ -481,7 +485,7 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         metrics, spec = _evaluate(args, model, cfg, prompts, tf_batches, settings)
         if args.suite:
             metrics["suites"] = grouped_figures(spec, source)
-    except (_Fail, ValueError) as exc:
+    except ValueError as exc:  # EvalInputError among them
         print(f"tandem eval: error: {exc}", file=sys.stderr)
         return 2
     if args.output:

@@ -50,7 +50,12 @@ from tandem.eval.spec_decode import draft_steps_problem, prompt_limit
 
 from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
-from .eval_cli import _load, _tokenizer_of, resolve_device_flag, sampling_flag_problem
+from .eval_cli import (
+    checkpoint_tokenizer,
+    load_model_and_tokenizer,
+    resolve_device_flag,
+    sampling_flag_problem,
+)
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 from .hf.importer import hf_config
 from .hf.init_from import check_reference, fingerprint, read_reference
@@ -132,7 +137,7 @@ def _checkpoint_source(args) -> Source:
     weights."""
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
-    tok = _tokenizer_of(cfg, step)
+    tok = checkpoint_tokenizer(cfg, step)
     if tok is None:
         raise GenerateError(f"--checkpoint {step}: no tokenizer recorded for this checkpoint")
     ref = read_reference(step)
@@ -305,7 +310,7 @@ def load_one_process(args, src: Source):
     """The model in this process, as `tandem eval` loads it."""
     eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None,
                                    device=args.device)
-    model, _, _ = _load(eval_args)
+    model, _, _ = load_model_and_tokenizer(eval_args)
     return model
 
 

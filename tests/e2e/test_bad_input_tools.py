@@ -39,7 +39,8 @@ def prompts(tmp_path):
 @pytest.fixture
 def no_model(monkeypatch):
     """The checkpoint's weights must not be read before the refusal."""
-    monkeypatch.setattr(eval_cli, "_load", lambda *a: pytest.fail("eval read the checkpoint"))
+    monkeypatch.setattr(eval_cli, "load_model_and_tokenizer",
+                        lambda *a: pytest.fail("eval read the checkpoint"))
     monkeypatch.setattr(gen, "load_one_process",
                         lambda *a: pytest.fail("generate read the checkpoint"))
 
