@@ -53,7 +53,7 @@ def _reference_class():
                                                 (k_bnd,))
             if not select:
                 return None, None
-            return self._select(self._scores, query_at_bs,
+            return self.select_blocks(self._scores, query_at_bs,
                                 None if docs is None else docs.visible(self.compress_ratio))
 
         def _indexer_target(self, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,

@@ -249,7 +249,7 @@ def selected_fraction(layer: IndexedAttention, dev: Device, b: int, s: int, hidd
     n = s // r
     q_idx, raw = layer.indexer(x, positions, layer.rotary)
     scores = layer._block_scores(q_idx, raw[:, : n * r], positions[:, : n * r: r])
-    blocks, count = layer._select(scores, positions)
+    blocks, count = layer.select_blocks(scores, positions)
     mask_bss = token_mask(r, blocks, count, positions, s)
     causal = torch.ones(s, s, dtype=torch.bool, device=dev.device).tril()
     if (mask_bss & ~causal).any():

@@ -33,14 +33,14 @@ from tandem.data_pipeline.chat import (
     record_form,
 )
 from tandem.data_pipeline.preprocess import (
-    _indexed_dataset_builder,
-    _refuse_existing,
-    _resolve_tokenizer,
-    _staged_paths,
-    _train_bpe_on_sample,
     checked_prefix,
+    indexed_dataset_builder,
     output_paths,
+    refuse_existing,
+    resolve_tokenizer,
+    staged_paths,
     token_dtype,
+    train_bpe_on_sample,
 )
 from tandem.data_pipeline.staging import commit, staging_dir
 from tandem.data_pipeline.tokenizer import TandemTokenizer
@@ -82,17 +82,17 @@ def preprocess_chat(
     output_prefix = checked_prefix(output_prefix)
     paths: List[str] = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not overwrite:
-        _refuse_existing(output_prefix)
-    tokenizer, tok_source = _resolve_tokenizer(tokenizer)
+        refuse_existing(output_prefix)
+    tokenizer, tok_source = resolve_tokenizer(tokenizer)
     t_tok = 0.0
     if tokenizer is None:
         list(_texts_for_bpe(paths))  # every record's form before training on any of them
-        tokenizer, _, t_tok = _train_bpe_on_sample(_texts_for_bpe(paths), paths, vocab_size,
+        tokenizer, _, t_tok = train_bpe_on_sample(_texts_for_bpe(paths), paths, vocab_size,
                                                    tokenizer_sample_bytes, log)
     encoder = chat_encoder(tokenizer, tok_source if os.path.exists(tok_source) else None)
     n_records = check_files(paths, encoder)
     with staging_dir(output_prefix) as staging:
-        staged = _staged_paths(staging, output_prefix)
+        staged = staged_paths(staging, output_prefix)
         staged_mask = loss_mask_paths(os.path.join(staging, "data"))
         n_tokens, n_response = _write(staged, staged_mask, encoder, paths)
         tok_json = tokenizer.to_json_str()
@@ -113,7 +113,7 @@ def _commit_with_channel(staged: dict, staged_mask: dict, staging: str, prefix: 
     replacing any older files of the prefix (data_pipeline/staging.py `commit`)."""
     final, final_mask = output_paths(prefix), loss_mask_paths(prefix)
     if not overwrite:
-        _refuse_existing(prefix)  # another process may have finished meanwhile
+        refuse_existing(prefix)  # another process may have finished meanwhile
     old = [final[k] for k in ("meta", "idx", "bin", "tokenizer")] + list(final_mask.values())
     moves = [(staged[k], final[k]) for k in ("tokenizer", "bin", "idx")]
     moves += [(staged_mask[k], final_mask[k]) for k in ("bin", "idx")]
@@ -124,7 +124,7 @@ def _write(staged: dict, staged_mask: dict, encoder: ChatEncoder, paths: Sequenc
     """Each record as one document of the token dataset and of the flag dataset; (tokens, response
     tokens)."""
     dtype = token_dtype(encoder.tokenizer.vocab_size)
-    builder_cls = _indexed_dataset_builder()
+    builder_cls = indexed_dataset_builder()
     tokens, flags = builder_cls(staged["bin"], dtype=dtype), builder_cls(staged_mask["bin"],
                                                                          dtype=np.uint8)
     n_tokens = n_response = 0

@@ -167,7 +167,7 @@ def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]
     return [normalize_prefix(p) for p in items], None
 
 
-def _tokenizer_for(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
+def tokenizer_for_prefixes(prefixes: List[str], tokenizer_path: str) -> TandemTokenizer:
     meta = read_meta(prefixes[0])
     eod_token = meta.get("eod_token") if meta else None  # the EOD the data was made with
     if tokenizer_path:
@@ -189,7 +189,7 @@ def data_tokenizer(data_cfg) -> Optional[TandemTokenizer]:
     end-of-document token the data was made with), else data.tokenizer; None for the embedded
     corpus's own BPE, made as the corpus is prepared."""
     if data_cfg.source == "megatron":
-        return _tokenizer_for(parse_blend(data_cfg.paths)[0], data_cfg.tokenizer)
+        return tokenizer_for_prefixes(parse_blend(data_cfg.paths)[0], data_cfg.tokenizer)
     return load_tokenizer(data_cfg.tokenizer) if data_cfg.tokenizer else None
 
 
@@ -416,7 +416,7 @@ def _blends_and_tokenizer(data_cfg) -> Tuple[_Blend, Optional[_Blend], TandemTok
         valid_blend = parse_blend(data_cfg.valid_paths) if data_cfg.valid_paths else None
         for p in train_blend[0] + (valid_blend[0] if valid_blend else []):
             check_prefix(p)  # missing files before loading any tokenizer
-        tokenizer = _tokenizer_for(train_blend[0], data_cfg.tokenizer)
+        tokenizer = tokenizer_for_prefixes(train_blend[0], data_cfg.tokenizer)
         default_cache = os.path.join(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)),
                                      "indices")
         return train_blend, valid_blend, tokenizer, default_cache

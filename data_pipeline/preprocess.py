@@ -303,7 +303,7 @@ def _batched(docs: Iterable[str], max_docs: int = 512,
 # Writing
 
 
-def _indexed_dataset_builder():
+def indexed_dataset_builder():
     from tandem.data_pipeline.megatron_import import IndexedDatasetBuilder  # lazily: seconds
 
     return IndexedDatasetBuilder
@@ -347,19 +347,19 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
     if txt_sample_by not in ("document", "paragraph", "line"):
         raise ValueError(f"txt_sample_by={txt_sample_by!r} must be document, paragraph or line")
     if not overwrite:
-        _refuse_existing(output_prefix)
+        refuse_existing(output_prefix)
     paths = expand_paths(inputs)  # fail on missing inputs before any work
     groups = _groups(paths, text_key, txt_sample_by)  # and on a bad JSON record
-    tokenizer, tok_source = _resolve_tokenizer(tokenizer)
+    tokenizer, tok_source = resolve_tokenizer(tokenizer)
     with staging_dir(output_prefix) as staging:
         stats = _Stats()
         docs = _iter_groups(groups, text_key, txt_sample_by, extensions,
                             os.path.join(staging, "hf_cache"), stats)
         t_tok = 0.0
         if tokenizer is None:
-            tokenizer, docs, t_tok = _train_bpe_on_sample(docs, paths, vocab_size,
+            tokenizer, docs, t_tok = train_bpe_on_sample(docs, paths, vocab_size,
                                                           tokenizer_sample_bytes, log)
-        staged = _staged_paths(staging, output_prefix)
+        staged = staged_paths(staging, output_prefix)
         n_docs, n_tokens = _write_tokens(staged, tokenizer, docs)
         bad = stats.skipped_not_utf8
         if bad and log:  # before a 'no documents' error, which they may explain
@@ -380,7 +380,7 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
     return meta
 
 
-def _resolve_tokenizer(tokenizer) -> Tuple[Optional[TandemTokenizer], str]:
+def resolve_tokenizer(tokenizer) -> Tuple[Optional[TandemTokenizer], str]:
     """(the tokenizer to encode with, None when one is to be trained; its source for the meta
     file)."""
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -391,14 +391,14 @@ def _resolve_tokenizer(tokenizer) -> Tuple[Optional[TandemTokenizer], str]:
     return tokenizer, "trained byte-level BPE"
 
 
-def _staged_paths(staging: str, output_prefix: str) -> Dict[str, str]:
+def staged_paths(staging: str, output_prefix: str) -> Dict[str, str]:
     """`output_paths` of the prefix `<staging>/data`."""
     return {k: os.path.join(staging,
                             "data" + os.path.basename(v)[len(os.path.basename(output_prefix)):])
             for k, v in output_paths(output_prefix).items()}
 
 
-def _train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int,
+def train_bpe_on_sample(docs: Iterator[str], paths: List[str], vocab_size: int,
                          sample_bytes_limit: int,
                          log) -> Tuple[TandemTokenizer, Iterator[str], float]:
     """Train a byte-level BPE on the first `sample_bytes_limit` bytes of `docs` (0 = all). Returns
@@ -430,7 +430,7 @@ def _write_tokens(staged: Dict[str, str], tokenizer: TandemTokenizer,
     staged .bin/.idx; returns (documents, tokens)."""
     dtype = token_dtype(tokenizer.vocab_size)
     eod = tokenizer.eod_id
-    builder = _indexed_dataset_builder()(staged["bin"], dtype=dtype)
+    builder = indexed_dataset_builder()(staged["bin"], dtype=dtype)
     n_docs = n_tokens = 0
     for batch in _batched(docs):
         for ids in tokenizer.encode_batch(batch, start=True):
@@ -473,7 +473,7 @@ def _chain(first: List[str], rest: Iterable[str]) -> Iterator[str]:
     yield from rest
 
 
-def _refuse_existing(prefix: str) -> None:
+def refuse_existing(prefix: str) -> None:
     existing = existing_outputs(prefix)
     if existing:
         raise FileExistsError(f"dataset {prefix} already exists "
@@ -485,7 +485,7 @@ def _commit(staged: Dict[str, str], staging: str, overwrite: bool, prefix: str) 
     """Move the staged dataset into place; with `overwrite` the old one, and a loss-mask channel
     `--chat` wrote (which would mask the new tokens), is replaced."""
     if not overwrite:
-        _refuse_existing(prefix)  # another process may have finished meanwhile
+        refuse_existing(prefix)  # another process may have finished meanwhile
     final = output_paths(prefix)
     old = ([final[k] for k in ("meta", "idx", "bin", "tokenizer")]
            + [prefix + "_loss_mask.bin", prefix + "_loss_mask.idx"]) if overwrite else []

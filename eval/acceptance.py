@@ -32,15 +32,15 @@ prompts, 86% at 4, and 96% at 8 (tests/unit/test_eval_intervals.py). Fewer promp
 on the ratio's linearisation instead (`_few_prompt_intervals`)."""
 
 
-def _row_counts(stats: DecodeStats) -> torch.Tensor:
+def row_counts(stats: DecodeStats) -> torch.Tensor:
     """[B, 2+K] float64 per-row counts: rounds, accepted, accepted at positions 1..K."""
     K = stats.num_steps
     cols = [stats.rounds.view(-1, 1), stats.accepted.view(-1, 1), stats.accepted_at[:, :K]]
     return torch.cat([c.to("cpu", torch.float64) for c in cols], 1)
 
 
-def _ratio_figures(sums: torch.Tensor, K: int) -> dict:
-    """The acceptance figures from summed counts `sums` [..., 2+K] (as `_row_counts` orders them),
+def ratio_figures(sums: torch.Tensor, K: int) -> dict:
+    """The acceptance figures from summed counts `sums` [..., 2+K] (as `row_counts` orders them),
     each a tensor of the leading shape: one formula for the point estimate and every resample."""
     drafts, acc = sums[..., 0], sums[..., 1]
     out = {"acceptance_length": 1.0 + acc / drafts.clamp(min=1),
@@ -145,7 +145,7 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     Under data parallelism `stats` must hold every replica's rows (evaluate_decoding gathers them in
     batch order), so the interval equals one process's. The generator is private and fixed-seed: the
     global RNG is untouched and a rerun reproduces the interval."""
-    counts = _row_counts(stats)
+    counts = row_counts(stats)
     K = stats.num_steps
     if counts.shape[0] == 0:
         return {}
@@ -156,7 +156,7 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     n = counts.shape[0]
     if n < BOOTSTRAP_MIN_PROMPTS:
         return _widened(_few_prompt_intervals(counts, K), counts, K)
-    figures = _ratio_figures(torch.cat([w @ counts for w in resample_weights(n, resamples, seed)]),
+    figures = ratio_figures(torch.cat([w @ counts for w in resample_weights(n, resamples, seed)]),
                              K)
     q = torch.tensor(_expanded_levels(n), dtype=torch.float64)
     out = {}
@@ -210,7 +210,7 @@ def _few_prompt_intervals(counts: torch.Tensor, K: int) -> dict:
     interval is the whole range. Prompts with identical figures give a zero-width one, as the
     bootstrap does, which `_widened` then widens."""
     n, drafts = counts.shape[0], counts[:, 0]
-    point, per_row = _ratio_figures(counts.sum(0), K), _ratio_figures(counts, K)
+    point, per_row = ratio_figures(counts.sum(0), K), ratio_figures(counts, K)
     t = t_quantile(n - 1) if n > 1 else math.inf
     out = {}
     for key, value in point.items():
@@ -235,7 +235,7 @@ def acceptance_metrics(stats: DecodeStats) -> dict:
     max_new_tokens or EOS do not count), so acceptance length = decoded tokens / rounds. Each figure
     is followed by its 95% interval over prompts (`acceptance_intervals`: `<key>_lo95`,
     `<key>_hi95`)."""
-    point = _ratio_figures(_row_counts(stats).sum(0), stats.num_steps)
+    point = ratio_figures(row_counts(stats).sum(0), stats.num_steps)
     intervals = acceptance_intervals(stats)
     out = {}
     for key, value in point.items():

@@ -43,11 +43,11 @@ import torch
 from .acceptance import (
     INTERVAL_RESAMPLES,
     INTERVAL_SEED,
-    _ratio_figures,
-    _row_counts,
     acceptance_intervals,
     figure_range,
+    ratio_figures,
     resample_weights,
+    row_counts,
     t_quantile,
 )
 from .spec_decode import DecodeStats
@@ -128,19 +128,19 @@ def compare_over_seeds(a: Sequence[DecodeStats], b: Sequence[DecodeStats], level
         raise ValueError(f"compare_over_seeds needs the same seeds on both sides, got {len(a)} and "
                          f"{len(b)} decodes")
     K = a[0].num_steps
-    counts = [torch.stack([_row_counts(s) for s in side]) for side in (a, b)]  # 2 x [S, P, 2+K]
+    counts = [torch.stack([row_counts(s) for s in side]) for side in (a, b)]  # 2 x [S, P, 2+K]
     if any(s.num_steps != K for s in (*a, *b)) or counts[0].shape != counts[1].shape:
         raise ValueError("compare_over_seeds: every decode must hold the same prompts (rows) and "
                          "K; got "
                          f"{tuple(counts[0].shape)} and {tuple(counts[1].shape)} (seeds, prompts, "
                          "counts)")
     S, P = counts[0].shape[:2]
-    per_seed = [_ratio_figures(c.sum(1), K) for c in counts]  # key -> [S]
+    per_seed = [ratio_figures(c.sum(1), K) for c in counts]  # key -> [S]
     # the prompt bootstrap: one resample of prompt indices for every seed and both settings
     boot = [[], []]
     for w in resample_weights(P, resamples, seed):
         for side in (0, 1):
-            figs = _ratio_figures(torch.einsum("rp,spc->rsc", w, counts[side]), K)  # key -> [r, S]
+            figs = ratio_figures(torch.einsum("rp,spc->rsc", w, counts[side]), K)  # key -> [r, S]
             boot[side].append({k: v.mean(1) for k, v in figs.items()})
     seed_rows = [[acceptance_intervals(s, resamples, seed) for s in side] for side in (a, b)]
 

@@ -19,7 +19,7 @@ block, the same way in every form, so training, decoding and verification select
 Packed documents (training with `documents`, models/documents.py): every document computes what it
 computes alone from position 0. Its blocks start at its first token (block j covers its positions
 [j*r, (j+1)*r)), so no block straddles two documents, and one cut short by the document's end is no
-block. A row lists its blocks by the row of their first token (`_DocumentBlocks`: at most S // r,
+block. A row lists its blocks by the row of their first token (`DocumentBlocks`: at most S // r,
 the same count as without documents, padded); a query scores them all but may select only the
 complete blocks of its own document visible at its position p, attends them plus its document's tail
 [(p+1)//r*r, p], and the dense warm-up, the indexer's KL target and the recall are block-diagonal
@@ -102,7 +102,7 @@ from .layers import (
     loss_counter,
 )
 from .moe import AuxLossGrad
-from .qsa_index import QSAIndexer, QSASelection, SelectionShare, _DocumentBlocks
+from .qsa_index import DocumentBlocks, QSAIndexer, QSASelection, SelectionShare
 from .qsa_loss import recall_measured
 from .qsa_stream import map_query_chunks, selection_keys, stream_select, stream_target
 from .qsa_tokens import gather_attend, token_mask, token_slots
@@ -187,7 +187,7 @@ class IndexedAttention(nn.Module):
         return map_query_chunks(self.indexer.block_scores, chunk, (q_idx_bsid,), (k_bnd,))
 
     # ---- selection ------------------------------------------------------------------------------
-    def _select(self, scores_bsn: torch.Tensor, query_at_bs: torch.Tensor,
+    def select_blocks(self, scores_bsn: torch.Tensor, query_at_bs: torch.Tensor,
                 visible_bsn: Optional[torch.Tensor] = None):
         """Top blocks per query among its complete visible ones: indices [B, S, K] and how many of
         the K slots are real, min(budget / r, complete blocks) [B, S]. `query_at_bs`: positions
@@ -333,15 +333,15 @@ class IndexedAttention(nn.Module):
         r = self.compress_ratio
         starts_bs = documents.starts_bs if window is None else window[1]
         rows_bn = (
-            reused.block_rows_bn if reused is not None else _DocumentBlocks.block_rows(starts_bs, r)
+            reused.block_rows_bn if reused is not None else DocumentBlocks.block_rows(starts_bs, r)
         )
-        docs = _DocumentBlocks.build(starts_bs, rows_bn, r)
+        docs = DocumentBlocks.build(starts_bs, rows_bn, r)
         if rows_s is not None:  # the queries are this rank's rows
             docs = docs._replace(first_bs=documents.starts_bs, at_bs=documents.positions(),
                                  query_rows_s=rows_s)
         return docs, docs.at_bs, rows_s
 
-    def _visible_fn(self, docs: Optional[_DocumentBlocks], query_at_bs):
+    def _visible_fn(self, docs: Optional[DocumentBlocks], query_at_bs):
         """visible(c0, c1, n0, n1) [B, C, n1 - n0]: which of blocks n0..n1 queries c0..c1 may
         select."""
         r = self.compress_ratio
@@ -352,7 +352,7 @@ class IndexedAttention(nn.Module):
                                        < complete_bs[:, c0:c1, None])
 
     def _training_block_keys(self, raw_bsd, positions_bs,
-                             docs: Optional[_DocumentBlocks]) -> torch.Tensor:
+                             docs: Optional[DocumentBlocks]) -> torch.Tensor:
         """[B, N, D_i] the window's block keys (N = S // r; padding blocks under packed
         documents)."""
         r = self.compress_ratio
@@ -472,7 +472,7 @@ class IndexedAttention(nn.Module):
                          * r).expand(positions_bs.shape[0], n)
             scores_bsn = self._block_scores(q_idx_bsid, keys_bld[:, : n * r].to(raw_bsd.dtype),
                                             starts_bn)
-            blocks_bsk, count_bs = self._select(scores_bsn, positions_bs)
+            blocks_bsk, count_bs = self.select_blocks(scores_bsn, positions_bs)
             if share is not None and share.mode == "record":
                 self._record(cache, positions_bs, blocks_bsk, count_bs)
         mask_bts = token_mask(self.compress_ratio, blocks_bsk, count_bs, tail_at_bs, span)

@@ -1,6 +1,6 @@
 """QSA's indexer and what it selects: `QSAIndexer` (query heads and raw keys per token, block keys,
 block scores), the selection a training forward hands between MTP depths (`QSASelection`), the block
-layout of packed documents (`_DocumentBlocks`) and the decode-time share of one depth's selection
+layout of packed documents (`DocumentBlocks`) and the decode-time share of one depth's selection
 with the depths that reuse it (`SelectionShare`). models/qsa.py's docstring states the semantics."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class QSASelection(NamedTuple):
     block_rows_bn: Optional[torch.Tensor] = None
 
 
-class _DocumentBlocks(NamedTuple):
+class DocumentBlocks(NamedTuple):
     """A training window's QSA blocks under packed documents (see the module docstring). Padding
     blocks (a row with fewer than N = S // r complete blocks) have row S."""
 
@@ -68,7 +68,7 @@ class _DocumentBlocks(NamedTuple):
         return rows.scatter_(1, slot, row.expand(b, s))[:, :n]
 
     @classmethod
-    def build(cls, starts_bs: torch.Tensor, rows_bn: torch.Tensor, r: int) -> "_DocumentBlocks":
+    def build(cls, starts_bs: torch.Tensor, rows_bn: torch.Tensor, r: int) -> "DocumentBlocks":
         b, s = starts_bs.shape
         n = rows_bn.shape[1]
         dev = starts_bs.device

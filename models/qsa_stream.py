@@ -67,7 +67,7 @@ def _chunks(total: int, size: int):
 @torch.no_grad()
 def stream_select(attn, q_idx_bsid: torch.Tensor, k_bnd: torch.Tensor, query_at_bs: torch.Tensor,
                   reach_bs: torch.Tensor, visible_fn: Callable[[int, int, int, int], torch.Tensor]):
-    """(blocks [B, S_q, k], counts [B, S_q]) as `attn._select` gives them over the whole score
+    """(blocks [B, S_q, k], counts [B, S_q]) as `attn.select_blocks` gives them over the whole score
     matrix.
 
     `reach_bs`: how many leading blocks may be visible to each query (later ones are never
@@ -94,7 +94,7 @@ def stream_select(attn, q_idx_bsid: torch.Tensor, k_bnd: torch.Tensor, query_at_
         q_c, at_c = q_idx_bsid[:, c0:c1], query_at_bs[:, c0:c1]
         if n_c <= width:  # one block chunk: the plain top-k (what decoding runs)
             scores = attn.indexer.block_scores(q_c, k_bnd[:, :n_c])
-            out.append(attn._select(scores, at_c, visible_fn(c0, c1, 0, n_c))[0])
+            out.append(attn.select_blocks(scores, at_c, visible_fn(c0, c1, 0, n_c))[0])
             continue
         top_key = top_block = None
         for n0, n1 in _chunks(n_c, width):

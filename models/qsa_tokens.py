@@ -10,11 +10,11 @@ from typing import Optional
 
 import torch
 
-from .qsa_index import _DocumentBlocks
+from .qsa_index import DocumentBlocks
 
 
 def token_mask(r: int, blocks_bsk, count_bs, query_at_bs, num_keys: int,
-               docs: Optional[_DocumentBlocks] = None, c0: int = 0) -> torch.Tensor:
+               docs: Optional[DocumentBlocks] = None, c0: int = 0) -> torch.Tensor:
     """[B, S, num_keys]: tokens of the selected blocks plus the visible tail. `docs`: packed
     documents' blocks; the queries are then rows c0 .. c0 + S - 1 of its window."""
     key_u = torch.arange(num_keys, device=query_at_bs.device)
@@ -39,7 +39,7 @@ def token_mask(r: int, blocks_bsk, count_bs, query_at_bs, num_keys: int,
 
 
 def token_slots(r: int, blocks_bsk, count_bs, query_at_bs,
-                docs: Optional[_DocumentBlocks] = None):
+                docs: Optional[DocumentBlocks] = None):
     """The gather form's candidates: token indices [B, S, L] (L <= budget + r - 1) and validity.
     `docs`: packed documents' blocks (the indices are rows; the queries, the window's S
     rows)."""

@@ -60,7 +60,7 @@ class DecodeCache:
         self.shared: Dict[str, torch.Tensor] = {} if shared is None else shared
         """Buffers several caches of one decoder share (the MTP depths' caches: QSA index reuse)."""
 
-    def _allocate(self, index: int, heads: int, key_dim: int, value_dim: int,
+    def allocate(self, index: int, heads: int, key_dim: int, value_dim: int,
                   dtype: torch.dtype) -> None:
         shape = (self.batch, heads, self.max_len)
         self.keys[index] = torch.zeros(*shape, key_dim, dtype=dtype, device=self.device)
@@ -130,7 +130,7 @@ class LayerCache:
         than the parameters' fp32, which would double their memory and cast the whole prefix back
         at every layer of every forward for the same values."""
         if self.cache.keys[self.index] is None:
-            self.cache._allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1], v_bnsd.shape[-1],
+            self.cache.allocate(self.index, k_bnsd.shape[1], k_bnsd.shape[-1], v_bnsd.shape[-1],
                                  k_bnsd.dtype)
         keys, values = self.cache.keys[self.index], self.cache.values[self.index]
         # the prefix length comes from the host (`span`): int(positions.max()) here would stall

@@ -242,7 +242,7 @@ class _Counts:
     """Each top-level piece's (embed_tokens, norm, lm_head, mtp) counts by kind."""
 
 
-def _count_params(cfg: TandemConfig) -> _Counts:
+def count_params(cfg: TandemConfig) -> _Counts:
     with torch.device("meta"):
         model = TandemModel(cfg.model, cfg.mtp)
     out = _Counts()
@@ -411,10 +411,10 @@ def _gathered(cfg: TandemConfig, counts: _Counts, lay: _RankLayout) -> float:
 
 def estimate(cfg: TandemConfig, world_size: int | None = None,
              counts: _Counts | None = None) -> Estimate:
-    """The figures of `tandem launch slurm --check`; `counts` (a `_count_params`) saves rebuilding
+    """The figures of `tandem launch slurm --check`; `counts` (a `count_params`) saves rebuilding
     the model on the meta device when only the layout changes (context_cost.cp_sweep)."""
     m, p = cfg.model, cfg.parallel
-    counts = counts or _count_params(cfg)
+    counts = counts or count_params(cfg)
     # a token reads (n-gram heads) rows of a PLE table: the tables count as inactive, like unrouted
     # experts
     routed_share = m.top_k / m.num_experts if m.num_experts else 1.0

@@ -1,9 +1,8 @@
 """`tandem eval`: speculative decoding with a checkpoint's MTP module; prints one JSON object.
 
     tandem eval --checkpoint DIR [--prompts FILE | --suite NAME | --validation] [--num-steps K]
-        [--max-new-tokens N]
-                [--temperature T] [--top-p P] [--verify token|block] [--draft-convention
-                serving|tandem] [--batch-size B] [--output FILE] [--seed S]
+        [--max-new-tokens N] [--temperature T] [--top-p P] [--verify token|block]
+        [--draft-convention serving|tandem] [--batch-size B] [--output FILE] [--seed S]
     tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via
                                         trainer.hf.importer)
 
@@ -57,7 +56,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from tandem.data_pipeline.chat_template import chat_template_in
-from tandem.data_pipeline.dataset import _tokenizer_for, build_datasets, parse_blend
+from tandem.data_pipeline.dataset import build_datasets, parse_blend, tokenizer_for_prefixes
 from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
@@ -166,7 +165,7 @@ def checkpoint_tokenizer(cfg, step_dir: str = ""):
         if cfg.data.source == "stdlib":
             return load_tokenizer(prepare_stdlib_corpus(cfg.data)[2])
 
-        return _tokenizer_for(parse_blend(cfg.data.paths)[0], cfg.data.tokenizer)
+        return tokenizer_for_prefixes(parse_blend(cfg.data.paths)[0], cfg.data.tokenizer)
     except Exception as exc:  # the model can still be evaluated on validation prompts or token ids
         print(f"tandem eval: warning: no tokenizer for this checkpoint ({exc})", file=sys.stderr)
         return None

@@ -48,14 +48,9 @@ from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding
 from tandem.eval.spec_decode import draft_steps_problem, prompt_limit
 
+from . import eval_cli
 from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
-from .eval_cli import (
-    checkpoint_tokenizer,
-    load_model_and_tokenizer,
-    resolve_device_flag,
-    sampling_flag_problem,
-)
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 from .hf.importer import hf_config
 from .hf.init_from import check_reference, fingerprint, read_reference
@@ -137,7 +132,7 @@ def _checkpoint_source(args) -> Source:
     weights."""
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
-    tok = checkpoint_tokenizer(cfg, step)
+    tok = eval_cli.checkpoint_tokenizer(cfg, step)
     if tok is None:
         raise GenerateError(f"--checkpoint {step}: no tokenizer recorded for this checkpoint")
     ref = read_reference(step)
@@ -206,7 +201,7 @@ def _check_args(args, world: int) -> None:
     for flag in ("max_new_tokens", "samples_per_prompt", "batch_size"):
         if getattr(args, flag) < 1:
             raise GenerateError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
-    problem = sampling_flag_problem(args.temperature, args.top_p)
+    problem = eval_cli.sampling_flag_problem(args.temperature, args.top_p)
     if problem:
         raise GenerateError(problem)
     if args.samples_per_prompt > 1 and args.temperature <= 0:
@@ -231,7 +226,7 @@ def prepare(args, world: int):
     GenerateError for bad input and for an --out written with other settings."""
 
     _check_args(args, world)
-    args.device = resolve_device_flag(args.device)
+    args.device = eval_cli.resolve_device_flag(args.device)
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
     problem = draft_steps_problem(src.num_steps, src.cfg.mtp)
@@ -310,7 +305,7 @@ def load_one_process(args, src: Source):
     """The model in this process, as `tandem eval` loads it."""
     eval_args = argparse.Namespace(hf=args.hf, checkpoint=src.path if not args.hf else None,
                                    device=args.device)
-    model, _, _ = load_model_and_tokenizer(eval_args)
+    model, _, _ = eval_cli.load_model_and_tokenizer(eval_args)
     return model
 
 
@@ -442,7 +437,7 @@ def _start(args, rank: int, world: int):
     """Checks, then the model: (source, plan, settings, meta, kept records, todo batches, repair,
     model, decoding). Every input problem raises before the model loads."""
     if world > 1 and not dist.is_initialized():
-        args.device = resolve_device_flag(args.device)  # its error names the flag
+        args.device = eval_cli.resolve_device_flag(args.device)  # its error names the flag
         init_process_group(resolve_device(args.device.partition(":")[0]).process_group_backend)
     if world > 1 and not args.hf:
         # every rank decodes the step rank 0 found: a run directory's newest checkpoint moves on

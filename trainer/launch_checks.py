@@ -19,7 +19,7 @@ from tandem.trainer.checkpoint import check_compatible
 from tandem.trainer.checkpoint_dirs import latest_checkpoint
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.context_cost import cp_sweep, device_fit
-from tandem.trainer.estimate import _count_params, estimate
+from tandem.trainer.estimate import count_params, estimate
 from tandem.trainer.hf.init_from import make_reference, resolve_init_from
 from tandem.trainer.materialize import mtp_checkpoint_step
 from tandem.trainer.parallel.validate import layout_dp, validate_layout
@@ -39,7 +39,7 @@ def print_check(cfg, args: argparse.Namespace, world: int) -> None:
     device, the node count, and for a context-parallel recipe the same at every cp size of
     context_cost.CP_SIZES."""
 
-    counts = _count_params(cfg)
+    counts = count_params(cfg)
     est = estimate(cfg, world, counts)
     per_node = world // args.nodes
     print(f"tandem launch slurm --check: {args.recipe} at world size {world}: layout ok; "

@@ -365,7 +365,7 @@ def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys, monkeypatch)
     and training reads it back from meta.json."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    from tandem.data_pipeline.dataset import _tokenizer_for
+    from tandem.data_pipeline.dataset import tokenizer_for_prefixes
 
     backend = Tokenizer(models.WordLevel({"<end>": 0, "a": 1, "b": 2}, unk_token="a"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -383,5 +383,5 @@ def test_eod_token_for_a_tokenizer_without_an_eos(tmp_path, capsys, monkeypatch)
     assert exited.value.code == 2 and "--eod-token" in err and err.count("\n") == 1, err
     assert preprocess_main(argv + ["--eod-token", "<end>"]) == 0
     assert _read_back(prefix)[0] == [[1, 2, 0], [2, 0]]
-    assert _tokenizer_for([prefix], "").eod_token == "<end>"
+    assert tokenizer_for_prefixes([prefix], "").eod_token == "<end>"
     assert read_meta(prefix)["tokenizer_source"] == tok

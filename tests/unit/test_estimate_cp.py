@@ -11,7 +11,7 @@ import pytest
 
 from tandem.trainer import context_cost as X
 from tandem.trainer.cost import forward_flops_per_token
-from tandem.trainer.estimate import _count_params, estimate
+from tandem.trainer.estimate import count_params, estimate
 from tandem.trainer.launch import launch_slurm_main
 from tandem.trainer.recipe import load_config
 
@@ -83,7 +83,7 @@ def test_contiguous_full_attention_stays_below_2cp_minus_1_over_cp():
 
 
 def test_memory_per_rank_falls_with_cp(qwen38_256k):
-    counts = _count_params(qwen38_256k)
+    counts = count_params(qwen38_256k)
     totals, acts = [], []
     for cp in (8, 16, 32):
         cfg = load_config(GPU_256K, [f"parallel.cp={cp}"])

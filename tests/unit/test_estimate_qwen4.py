@@ -166,7 +166,7 @@ def test_qsa_attended_tokens_are_its_selection(s, budget, ratio):
     attn.budget, attn.compress_ratio = budget, ratio
     at = torch.arange(s).expand(2, s)
     scores = torch.rand(2, s, s // ratio)
-    blocks, count = attn._select(scores, at)
+    blocks, count = attn.select_blocks(scores, at)
     mask = token_mask(attn.compress_ratio, blocks, count, at, s)
     assert float(mask.sum(-1).double().mean()) == pytest.approx(C.qsa_mean_keys(m, s), rel=1e-12)
     assert float(((at + 1) // ratio).double().mean()) == pytest.approx(C.qsa_mean_blocks(m, s),

@@ -146,7 +146,7 @@ def test_mla_latents_are_counted_whole_on_every_tp_rank():
     from tandem.trainer import estimate as E
 
     base = ["flavor=debug_mla", "data.vocab_size=512", "mtp.num_steps=1", "data.seq_len=32"]
-    counts = E._count_params(load_config(None, base))
+    counts = E.count_params(load_config(None, base))
     # q_a_proj 32 x 12 + its norm 12, kv_a_proj_with_mqa 32 x (16 + 4) + its norm 16, per layer
     assert counts.per_layer[0]["replicated"] == 32 * 12 + 12 + 32 * 20 + 16 == 1052
     one, two = (E.estimate(load_config(None, base + [f"parallel.tp={tp}"]), tp, counts)

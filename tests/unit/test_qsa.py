@@ -59,7 +59,7 @@ def scores_and_selection(attn, x, pos):
     q_idx, raw = attn.indexer(x, pos, attn.rotary)
     n = x.shape[1] // RATIO
     scores = attn._block_scores(q_idx, raw[:, : n * RATIO], pos[:, : n * RATIO: RATIO])
-    return scores, attn._select(scores, pos)
+    return scores, attn.select_blocks(scores, pos)
 
 
 # ---- parity with transformers --------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_selection_is_a_top_k_and_ties_break_to_earlier_blocks():
     attn = make_qsa()
     scores = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 1.0], [3.0, 0.0, 0.0, 5.0]]])
     at = torch.tensor([[7, 15, 14]])  # 2, 4 and 3 complete blocks
-    blocks, count = attn._select(scores, at)
+    blocks, count = attn.select_blocks(scores, at)
     assert count.tolist() == [[2, 2, 2]]
     assert blocks.tolist() == [[[0, 1], [1, 3], [0, 1]]]  # block 3 is not complete at position 14
 

@@ -133,7 +133,7 @@ def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(flavor, monkeypatch):
     from tandem.models.state import DecodeCache
 
     model = make_agreeing(tiny_model(3, 1, seed=6, flavor=flavor), 0.05, seed=6)
-    allocate = DecodeCache._allocate
+    allocate = DecodeCache.allocate
     dtypes = []
 
     def recording(self, index, heads, key_dim, value_dim, dtype):
@@ -145,10 +145,10 @@ def test_bf16_key_value_buffers_decode_as_fp32_buffers_did(flavor, monkeypatch):
             return [generate(model, PROMPTS, 16, 3, temperature=t,
                              generator=torch.Generator().manual_seed(0)) for t in (0.0, 1.0)]
 
-    monkeypatch.setattr(DecodeCache, "_allocate", recording)
+    monkeypatch.setattr(DecodeCache, "allocate", recording)
     ours = decodes()
     assert dtypes and set(dtypes) == {torch.bfloat16}
-    monkeypatch.setattr(DecodeCache, "_allocate",
+    monkeypatch.setattr(DecodeCache, "allocate",
                         lambda self, i, h, dk, dv, dtype: allocate(self, i, h, dk, dv,
                                                                     torch.float32))
     fp32 = decodes()

@@ -86,7 +86,7 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
     from tandem.trainer.step import TrainStep
 
     result = {}
-    select = IndexedAttention._select
+    select = IndexedAttention.select_blocks
     for layout in TP_LAYOUTS:
         cfg = worker.make_cfg(layout, 1)
         pstate = init_parallel(cfg, resolve_device("cpu"))
@@ -100,13 +100,13 @@ def _select_alike_rank(rank: int, world: int, out: str) -> None:
             chosen.append(torch.cat([blocks.flatten(), count.flatten()]))
             return blocks, count
 
-        IndexedAttention._select = recording
+        IndexedAttention.select_blocks = recording
         try:
             batches = worker.rank_micro_batches(0, pstate.dp_rank, pstate.dp_size, 1)
             tr.forward_backward(batches, tr.global_target_counts(batches),
                                 depth_coefficients(cfg.mtp, 1))
         finally:
-            IndexedAttention._select = select
+            IndexedAttention.select_blocks = select
         tr.clip_gradients()  # finishes the gradients (tp sums) as a training step does
         mine = [torch.cat(chosen).double(),
                 torch.cat([p.grad.flatten() for n,

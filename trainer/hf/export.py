@@ -226,11 +226,11 @@ def _dcp_sources(step_dir: str) -> Dict[str, _Source]:
 def _hf_sources(path: str, cfg, mtp, names) -> Dict[str, _Source]:
     reader = CheckpointReader(path)
     spec = detect_family(read_config(path), reader.keys())
-    full = meta_state(cfg, mtp)
+    full, present = meta_state(cfg, mtp), set(reader.keys())
     out = {}
     for name in names:
         src = hf_name(name, cfg, mtp, spec)
-        if src is None or any(k not in reader._files for k in src.keys):
+        if src is None or any(k not in present for k in src.keys):
             continue
         shape = full[name]
         dtype = torch.float32 if src.plus_one else reader.dtype(src.keys[0])

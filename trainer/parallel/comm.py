@@ -59,7 +59,7 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def _all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = dist.get_world_size(group)
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((world * x0.shape[0],) + tuple(x0.shape[1:]))
@@ -67,7 +67,7 @@ def _all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def _reduce_scatter_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def reduce_scatter_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = dist.get_world_size(group)
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // world,) + tuple(x0.shape[1:]))
@@ -79,29 +79,29 @@ class _GatherAlong(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather_dim(x, group, dim)
+        return all_gather_dim(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
+        return reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
 
 
 class _ScatterReduceAlong(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _reduce_scatter_dim(x, group, dim)
+        return reduce_scatter_dim(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
+        return all_gather_dim(grad, ctx.group, ctx.dim), None, None
 
 
 def gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """All-gather the rank-ordered shards along `dim`; backward reduce-scatters (sums) the
     gradient."""
     if not x.requires_grad:
-        return _all_gather_dim(x, group, dim)
+        return all_gather_dim(x, group, dim)
     return _GatherAlong.apply(x, group, dim)
 
 

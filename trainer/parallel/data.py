@@ -64,7 +64,7 @@ from .sharded_params import adopt, replace_module
 from .tensor import VocabParallelHead
 
 
-def _is_shard(placement) -> bool:
+def is_split_placement(placement) -> bool:
     """Shard or _StridedShard (FSDP over a TP-sharded dim): both split the tensor."""
     return placement.is_shard() or hasattr(placement, "split_factor")
 

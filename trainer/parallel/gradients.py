@@ -14,7 +14,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from .data import PieceUnits, _is_shard, expert_parameters
+from .data import PieceUnits, expert_parameters, is_split_placement
 from .sharded_params import local
 
 
@@ -201,7 +201,7 @@ class GradientFinisher:
             shards = 1
             if isinstance(g, DTensor):
                 shards = math.prod(g.device_mesh.size(i) for i,
-                                   pl in enumerate(g.placements) if _is_shard(pl))
+                                   pl in enumerate(g.placements) if is_split_placement(pl))
             copies = holders * (self.shared[piece][1] if piece is not None else 1) / shards
             # fp32 sums (no fp64 on accelerators): the norm only sets the clipping coefficient
             sq = local(g).float().pow(2).sum() / copies

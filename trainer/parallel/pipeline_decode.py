@@ -260,6 +260,11 @@ class PipelinedModel:
             d.receive_recall(d.plan.recall_ranks)
         return h
 
+    def drop_cache(self) -> None:
+        """Forget the last batch's trunk cache (KV buffers, recurrent state): an evaluation's end,
+        where it would otherwise be held through the training steps until the next one."""
+        self._cache = None
+
 
 def parallel_decoding(cfg, model: nn.Module, pstate) -> Optional["ParallelDecoding"]:
     """What the trainer hands the in-loop evaluator for decoding on its layout: None in one
@@ -319,9 +324,7 @@ class ParallelDecoding:
                 for root in roots:
                     root.reshard()
                 if isinstance(self.model, PipelinedModel):
-                    # the last batch's trunk cache (KV buffers, recurrent state) was kept through
-                    # the training steps until the next evaluation
-                    self.model._cache = None
+                    self.model.drop_cache()
 
     def share(self, out: Optional[dict]) -> dict:
         """The driver's figures on every rank of its pipeline (rank 0 holds the first stage)."""

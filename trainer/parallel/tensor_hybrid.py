@@ -72,12 +72,12 @@ from tandem.models.ple import PLELayer
 from tandem.models.qsa import IndexedAttention
 
 from .comm import (
-    _all_gather_dim,
-    _reduce_scatter_dim,
+    all_gather_dim,
     all_to_all,
     copy_to_group,
     gather_along,
     reduce_from_group,
+    reduce_scatter_dim,
     scatter_reduce_along,
 )
 from .sharded_params import (
@@ -216,12 +216,12 @@ class _GatherSlices(torch.autograd.Function):
     def forward(ctx, x, group, dim, partial):
         ctx.group, ctx.dim, ctx.partial, ctx.n = group, dim, partial, x.shape[dim]
         ctx.rank = dist.get_rank(group)
-        return _all_gather_dim(x, group, dim)
+        return all_gather_dim(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.partial:
-            return _reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None, None
+            return reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None, None
         return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
 
 
