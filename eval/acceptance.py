@@ -153,6 +153,11 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     # any figure; resamples of only such prompts would read 1.0 and 0.0, figures no prompt showed.
     if bool((counts[:, 0] > 0).any()):
         counts = counts[counts[:, 0] > 0]
+    if float(counts[:, 0].sum()) == 0:
+        # nothing drafted (every prompt ended at its prefill): no figure was measured, and a
+        # zero-width interval at 1.0 / 0.0 would read as a drafter measured useless
+        return {f"{key}_{end}95": bound for key in ratio_figures(counts.sum(0), K)
+                for end, bound in zip(("lo", "hi"), figure_range(key, K))}
     n = counts.shape[0]
     if n < BOOTSTRAP_MIN_PROMPTS:
         return _widened(_few_prompt_intervals(counts, K), counts, K)
@@ -173,6 +178,26 @@ def _wilson(successes: float, trials: float) -> tuple:
     centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
     half = (z2 / (1 + z2 / trials)) * math.sqrt(p * (1 - p) / (trials * z2) + 1 / (4 * trials ** 2))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def pooled_binomial_variance(sums: torch.Tensor, K: int) -> dict:
+    """Each figure's variance from pooled counts `sums` [..., 2+K] (as `row_counts` orders them) as
+    if every round were an independent trial: Agresti-Coull's p~(1 - p~) / n~ (p~ = (x + z^2/2) /
+    n~, n~ = n + z^2), so a rate seen at 0 or 1 still has a spread. A floor where prompts tie, never
+    the variance where they spread (rounds within a prompt are correlated)."""
+    z2 = NormalDist().inv_cdf(0.975) ** 2
+    rounds = sums[..., 0]
+
+    def variance(successes: torch.Tensor, trials: torch.Tensor) -> torch.Tensor:
+        n = trials + z2
+        p = (successes + z2 / 2) / n
+        return p * (1 - p) / n
+
+    out = {"draft_acceptance_rate": variance(sums[..., 1], rounds * K)}
+    out["acceptance_length"] = K * K * out["draft_acceptance_rate"]
+    for i in range(K):
+        out[f"accept_rate/pos_{i + 1}"] = variance(sums[..., 2 + i], rounds)
+    return {key: out[key] for key in ratio_figures(sums, K)}
 
 
 def _widened(out: dict, counts: torch.Tensor, K: int) -> dict:
@@ -215,9 +240,7 @@ def _few_prompt_intervals(counts: torch.Tensor, K: int) -> dict:
     out = {}
     for key, value in point.items():
         low, high = figure_range(key, K)
-        if float(drafts.sum()) == 0:  # nothing drafted: the figure is what no draft gives
-            half = 0.0
-        elif n < 2:
+        if n < 2:
             half = math.inf
         else:
             residuals = drafts * (per_row[key] - value)

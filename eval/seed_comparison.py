@@ -20,7 +20,9 @@ sources of variance, estimated apart and added:
   every seed and to both settings. The prompts are shared, not drawn anew per seed (crossed, not
   nested), so a prompt that is easy for one seed's model is easy for the others': resampling prompts
   within each seed independently would average that away and understate the width. Pairing A and B
-  on the same resample removes what a prompt does to both alike.
+  on the same resample removes what a prompt does to both alike. Its floor is the variance of the
+  seeds' pooled counts as independent rounds (`acceptance.pooled_binomial_variance`): prompts that
+  tie resample to no spread, which would make any gap certain.
 
 Both estimates contain the seed x prompt interaction, so their sum errs wide (conservative). The
 interval is m +- t * sqrt(v_seed + v_prompt) with Student's t at the Welch-Satterthwaite degrees of
@@ -45,6 +47,7 @@ from .acceptance import (
     INTERVAL_SEED,
     acceptance_intervals,
     figure_range,
+    pooled_binomial_variance,
     ratio_figures,
     resample_weights,
     row_counts,
@@ -144,10 +147,15 @@ def compare_over_seeds(a: Sequence[DecodeStats], b: Sequence[DecodeStats], level
             boot[side].append({k: v.mean(1) for k, v in figs.items()})
     seed_rows = [[acceptance_intervals(s, resamples, seed) for s in side] for side in (a, b)]
 
-    def spread(values: torch.Tensor, resampled: torch.Tensor) -> tuple:
+    # each seed's figure as if its rounds were independent trials, the floor of its prompt
+    # variance: prompts that tie (budget-exact counting gives prompts with as many rounds the same
+    # figure) resample to no spread at all, and a zero-width difference was then "significant"
+    floors = [pooled_binomial_variance(c.sum(1), K) for c in counts]  # key -> [S]
+
+    def spread(values: torch.Tensor, resampled: torch.Tensor, floor: torch.Tensor) -> tuple:
         v_seed = float(values.var()) / S if S > 1 else 0.0
         v_prompt = float(resampled.var(unbiased=False)) * P / max(P - 1, 1)
-        return v_seed, v_prompt
+        return v_seed, max(v_prompt, float(floor.sum()) / S ** 2)
 
     out = {}
     for key in per_seed[0]:
@@ -155,11 +163,13 @@ def compare_over_seeds(a: Sequence[DecodeStats], b: Sequence[DecodeStats], level
         ra, rb = (torch.cat([chunk[key] for chunk in boot[side]]) for side in (0, 1))
         # a mean's interval stays inside the figure's range (a rate near 0 gave a negative bound);
         # the difference's is left whole, since its verdict reads both ends
-        mean_a, _ = _interval(float(fa.mean()), *spread(fa, ra), S, P, level,
+        va, vb = floors[0][key], floors[1][key]
+        mean_a, _ = _interval(float(fa.mean()), *spread(fa, ra, va), S, P, level,
                               figure_range(key, K))
-        mean_b, _ = _interval(float(fb.mean()), *spread(fb, rb), S, P, level,
+        mean_b, _ = _interval(float(fb.mean()), *spread(fb, rb, vb), S, P, level,
                               figure_range(key, K))
-        diff, df = _interval(float((fa - fb).mean()), *spread(fa - fb, ra - rb), S, P, level)
+        diff, df = _interval(float((fa - fb).mean()), *spread(fa - fb, ra - rb, va + vb), S, P,
+                             level)
         rows = [[Interval(float(f[i]), r[f"{key}_lo95"], r[f"{key}_hi95"]) for i,
                  r in enumerate(side)]
                 for f, side in zip((fa, fb), seed_rows)]

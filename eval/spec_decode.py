@@ -291,7 +291,9 @@ class _Counts:
         self.rounds += active
         if self.K == 0:
             return
-        # budget-exact: only drafts that reach the output count (1 + accepted = tokens emitted)
+        # budget-exact: a round counts the tokens it adds to the output, one of them closing it
+        # (the bonus, or the last draft where the budget or an EOS cut the round), so acceptance
+        # length = decoded tokens / rounds
         n_act = torch.where(active, (emitted - 1).clamp(min=0), 0)
         self.accepted += n_act
         self.accepted_at += (self.pos_ids.unsqueeze(0) <= n_act.unsqueeze(1))

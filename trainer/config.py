@@ -296,7 +296,8 @@ class EvalConfig:
             ("num_steps", self.num_steps >= 0, "must be >= 0"),
             ("num_prompts", self.num_prompts >= 1, "must be >= 1"),
             ("prompt_len", self.prompt_len >= 1, "must be >= 1"),
-            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            # the first new token comes from the prompt's forward: 1 leaves no round to draft in
+            ("max_new_tokens", self.max_new_tokens >= 2, "must be >= 2"),
             ("batch_size", self.batch_size >= 1, "must be >= 1"),
             ("loss_batches", self.loss_batches >= 1, "must be >= 1"),
             ("temperatures", all(0 < t <= 2 for t in self.temperatures), "must each be in (0, 2]"),

@@ -62,12 +62,7 @@ from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
-from tandem.eval.metrics import (
-    depth_loss_key,
-    distinct_figures,
-    teacher_forced,
-    validation_inputs,
-)
+from tandem.eval.metrics import depth_loss_key, distinct_figures, teacher_forced, validation_inputs
 from tandem.eval.spec_decode import prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
@@ -254,6 +249,8 @@ def _check_flags(args) -> None:
         if getattr(args, flag) < 0:
             raise EvalInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 "
                                  "(0: the checkpoint's value)")
+    if args.max_new_tokens == 1:  # the first new token comes from the prompt's forward
+        raise EvalInputError("--max-new-tokens 1 leaves no round to draft in: pass 2 or more")
     if args.hf and not (args.prompts or args.suite):  # (the default data config's are not its)
         raise EvalInputError("--hf DIR has no validation split to take prompts from: pass "
                              "--prompts FILE or --suite")

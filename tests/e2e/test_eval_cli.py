@@ -93,6 +93,8 @@ def test_eval_cli_prompts_file_longer_k_and_sampling(tiny_run, tmp_path):
     (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
     (["--num-steps", "-2"], "--num-steps -2 must be >= 0"),
     (["--batch-size", "-1"], "--batch-size -1 must be >= 0"),
+    # the first token comes from the prompt's forward: no round to draft in, figures of nothing
+    (["--max-new-tokens", "1"], "--max-new-tokens 1 leaves no round to draft in"),
 ])
 def test_bad_flags_fail_in_one_line_before_the_checkpoint_is_read(flags, needle, tmp_path, capsys):
     """A negative temperature once decoded greedily and reported temperature -1.0; the checkpoint

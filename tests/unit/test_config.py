@@ -68,7 +68,7 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     # first run after training, a token-less one failed with an unnamed key
     (["train.weight_decay=-1"], "config key 'train.weight_decay'=-1.0 must be >= 0"),
     (["eval.num_prompts=0"], "config key 'eval.num_prompts'=0 must be >= 1"),
-    (["eval.max_new_tokens=0"], "config key 'eval.max_new_tokens'=0 must be >= 1"),
+    (["eval.max_new_tokens=1"], "config key 'eval.max_new_tokens'=1 must be >= 2"),
     # and these trained: NaN losses (rope_theta, rms_norm_eps), a crash at initialisation
     # (init_std), an MTP module trained to predict worse (lambda), depth 3 logging a loss of 0
     # with no target (seq_len), an unseeded error without its key (seed), and data.paths quietly

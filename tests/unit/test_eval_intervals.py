@@ -103,12 +103,12 @@ def test_degenerate_inputs():
                                           torch.zeros(3, dtype=torch.long),
                                           # every prompt ended at prefill
                                           torch.zeros(3, K, dtype=torch.long), K))
-    assert (
-        idle["acceptance_length"]
-        == idle["acceptance_length_lo95"]
-        == idle["acceptance_length_hi95"]
-        == 1.0
-    )
+    # nothing drafted measures nothing: the whole range, not a zero-width [1, 1] that reads as a
+    # drafter measured useless
+    assert idle["acceptance_length"] == 1.0 and idle["draft_acceptance_rate"] == 0.0
+    assert (idle["acceptance_length_lo95"], idle["acceptance_length_hi95"]) == (1.0, K + 1)
+    for key in ("draft_acceptance_rate", *(f"accept_rate/pos_{i}" for i in range(1, K + 1))):
+        assert (idle[f"{key}_lo95"], idle[f"{key}_hi95"]) == (0.0, 1.0)
 
 
 def test_prompts_that_ended_at_prefill_leave_the_interval_as_it_was():

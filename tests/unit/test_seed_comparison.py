@@ -59,37 +59,52 @@ def test_t_quantiles_are_students():
         assert t_quantile(df, level) == pytest.approx(t, rel=1e-8), (df, level)
 
 
+def _pooled_variance(accepted: int, rounds: int) -> float:
+    """Acceptance length's variance from one seed's pooled counts, written out: Agresti-Coull's
+    p~(1 - p~) / n~ of the draft acceptance rate over rounds x K trials, times K^2."""
+    z2 = 1.959963984540054 ** 2
+    n = rounds * K + z2
+    p = (accepted + z2 / 2) / n
+    return K * K * p * (1 - p) / n
+
+
 def test_hand_computed_seed_interval():
-    """No prompt varies, so the prompt bootstrap has no spread and the interval is Student's over
-    seeds: mean +- t_2 * sd / sqrt(3). A: acceptance length 1.0, 1.5, 2.0 (mean 1.5, sd 0.5); B:
-    1.1, 1.2, 1.3, so A - B = -0.1, 0.3, 0.7 (mean 0.3, sd 0.4)."""
+    """No prompt varies, so the prompt bootstrap has no spread and the prompts' variance is its
+    floor, each seed's pooled counts as independent rounds (8 prompts x 10 rounds): the interval
+    is mean +- t_df * sqrt(var_seeds / 3 + sum floor_s / 9), df Welch-Satterthwaite's. A:
+    acceptance length 1.0, 1.5, 2.0 (mean 1.5, sd 0.5); B: 1.1, 1.2, 1.3, so A - B = -0.1, 0.3, 0.7
+    (mean 0.3, sd 0.4)."""
     a = [uniform(0), uniform(5), uniform(10)]
     b = [uniform(1), uniform(2), uniform(3)]
     c = compare_over_seeds(a, b, resamples=200)["acceptance_length"]
-    t2 = t_quantile(2)
-    assert t2 == pytest.approx(4.303, rel=0.01)  # Student's t, 2 degrees of freedom
+    assert t_quantile(2) == pytest.approx(4.303, rel=0.01)  # Student's t, 2 degrees of freedom
     assert [x.value for x in c.seeds_a] == pytest.approx([1.0, 1.5, 2.0])
     # no prompt noise within a seed: each seed's own interval is only its pooled counts' Wilson
-    # floor (eval/acceptance.py `_widened`), which the comparison over seeds does not read
+    # floor (eval/acceptance.py `_widened`)
     assert all(x.lo < x.value < x.hi for x in c.seeds_a[1:])
     assert c.mean_a.value == pytest.approx(1.5) and c.mean_b.value == pytest.approx(1.2)
-    assert c.mean_a.hi - c.mean_a.value == pytest.approx(t2 * 0.5 / math.sqrt(3))
-    # 1.5 - 1.24 and 1.2 - 0.25 are below the least acceptance length there is: the bounds stop
+
+    def interval(value, sd, accepted):
+        v_seed, floor = sd ** 2 / 3, sum(_pooled_variance(8 * x, 80) for x in accepted) / 9
+        df = (v_seed + floor) ** 2 / (v_seed ** 2 / 2 + floor ** 2 / 7)
+        return value - t_quantile(df) * math.sqrt(v_seed + floor), df
+
+    lo_a, _ = interval(1.5, 0.5, (0, 5, 10))
+    assert c.mean_a.hi - c.mean_a.value == pytest.approx(c.mean_a.value - lo_a)
+    # 1.5 - 1.26 and 1.2 - 0.25 are below the least acceptance length there is: the bounds stop
     # at 1 (the difference's interval is not clipped, below)
-    assert c.mean_a.lo == c.mean_b.lo == 1.0
-    assert c.diff.value == pytest.approx(0.3)
-    assert (c.diff.lo, c.diff.hi) == pytest.approx((0.3 - t2 * 0.4 / math.sqrt(3),
-                                                    0.3 + t2 * 0.4 / math.sqrt(3)))
-    assert c.df == pytest.approx(2.0) and not c.significant  # 0.3 +- 0.99 spans 0
-    # A seed-constant gap is certain: the paired differences do not vary
+    assert lo_a < 1.0 and c.mean_a.lo == c.mean_b.lo == 1.0
+    lo, df = interval(0.3, 0.4, (0, 5, 10, 1, 2, 3))
+    assert c.diff.value == pytest.approx(0.3) and c.df == pytest.approx(df)
+    assert (c.diff.lo, c.diff.hi) == pytest.approx((lo, 0.6 - lo))
+    assert 2 < df < 3 and not c.significant  # 0.3 +- 1.0 spans 0
+    # A seed-constant gap has no seed variance, only the rounds' binomial floor (df = 8 - 1)
     same = compare_over_seeds([uniform(6), uniform(7), uniform(8)],
                               [uniform(2), uniform(3), uniform(4)],
                               resamples=200)["acceptance_length"]
-    assert (
-        same.diff.value == pytest.approx(0.4)
-        and same.diff.lo == pytest.approx(0.4)
-        and same.significant
-    )
+    lo, df = interval(0.4, 0.0, (6, 7, 8, 2, 3, 4))
+    assert same.diff.value == pytest.approx(0.4) and same.df == pytest.approx(7)
+    assert (same.diff.lo, same.diff.hi) == pytest.approx((lo, 0.8 - lo)) and same.significant
     assert "significant=yes" in same.report("x", "y")[-1]
 
 
@@ -161,3 +176,21 @@ def test_one_seed_is_over_prompts_only_and_mismatches_fail():
         compare_over_seeds([uniform(1)], [uniform(1), uniform(2)])
     with pytest.raises(ValueError, match="same prompts"):
         compare_over_seeds([uniform(1, prompts=8)], [uniform(1, prompts=9)])
+
+
+def test_tied_prompts_keep_the_pooled_binomial_width():
+    """Prompts that tie (budget-exact counting: as many rounds, the same figure) resample to no
+    spread. One seed, 6 prompts of 16 rounds, 31 drafts accepted in each under A and 30 under B:
+    the difference's interval is t_5 * sqrt of the two settings' pooled-count variances, not the
+    zero-width interval that called 0.0625 significant."""
+    def tied(accepted: int) -> DecodeStats:
+        at = torch.zeros(6, K, dtype=torch.float64)
+        at[:, 0], at[:, 1] = 16, accepted - 16
+        return stats_of(at, 16)
+
+    c = compare_over_seeds([tied(31)], [tied(30)], resamples=200)["acceptance_length"]
+    half = t_quantile(5) * math.sqrt(_pooled_variance(6 * 31, 6 * 16)
+                                     + _pooled_variance(6 * 30, 6 * 16))
+    assert c.diff.value == pytest.approx(1 / 16)
+    assert (c.diff.lo, c.diff.hi) == pytest.approx((1 / 16 - half, 1 / 16 + half))
+    assert not c.significant and c.df == pytest.approx(5)
