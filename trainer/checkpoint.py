@@ -50,10 +50,12 @@ from tandem.models import TandemModel
 from . import safe_dcp
 from .checkpoint_dirs import (  # noqa: F401
     MARKER,
+    STATE_FILE,
     checkpoints_root,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
+    publish,
     resolve_checkpoint,
 )
 from .config import TandemConfig
@@ -162,15 +164,20 @@ class CheckpointWriter:
         rng = io.BytesIO()
         torch.save(_rng_state(), rng)
         write_synced(os.path.join(tmp, "rng", f"rank{_rank()}.pt"), rng.getvalue())
-        with self._failure_named(step, tmp, background=False):
-            future = dcp.async_save(state, checkpoint_id=tmp,
-                                    process_group=self._async_group()) if self.async_save else None
-            if future is None:
-                dcp.save(state, checkpoint_id=tmp)
-        self.pending = (future, step, tmp, config_yaml, dict(trainer_state))
+        if _rank() == 0:  # before the shards: DCP's index, written after them, then means whole
+            self._write_metadata(tmp, step, config_yaml, trainer_state)
+        self.pending = (self._write_shards(state, step, tmp), step, tmp)
         if not self.async_save:
             self.finish()
         return os.path.join(root, f"step_{step}")
+
+    def _write_shards(self, state: dict, step: int, tmp: str):
+        """DCP's write of `state` into `tmp`: its future with async_save, else None once written."""
+        with self._failure_named(step, tmp, background=False):
+            if self.async_save:
+                return dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group())
+            dcp.save(state, checkpoint_id=tmp)
+        return None
 
     def _async_group(self):
         """The group async_save coordinates over: a gloo group of its own (torch 2.13 needs a CPU
@@ -199,28 +206,23 @@ class CheckpointWriter:
         """Wait for the save in flight (if any) on every rank, then commit it. Collective."""
         if self.pending is None:
             return None
-        future, step, tmp, config_yaml, trainer_state = self.pending
+        future, step, tmp = self.pending
         self.pending = None
         if future is not None:
             with self._failure_named(step, tmp, background=True):
                 future.result()
         _barrier()
-        root = checkpoints_root(self.run_dir)
-        final = os.path.join(root, f"step_{step}")
+        final = os.path.join(checkpoints_root(self.run_dir), f"step_{step}")
         if _rank() == 0:
-            self._write_metadata(tmp, step, config_yaml, trainer_state)
-            self._publish(tmp, final, step)
+            self._publish(tmp, step)
         _barrier()
         return final
 
     def _write_metadata(self, tmp: str, step: int, config_yaml: str, trainer_state: dict) -> None:
-        """Beside the shards: the config, the trainer state, the tokenizer and the frozen trunk's
-        reference; each on disk, as the shards are (DCP syncs them), before the marker says so."""
+        """Beside the shards, before them: the config, the frozen trunk's reference, the tokenizer
+        and last the trainer state, each synced; with DCP's index after the shards, the directory
+        is whole (checkpoint_dirs.settle_saves commits it after a crash)."""
         write_synced(os.path.join(tmp, "config.yaml"), config_yaml)
-        # the torch that wrote it: an older one cannot read a newer one's DCP index
-        write_synced(os.path.join(tmp, "trainer_state.json"),
-                     json.dumps({"step": step, "torch": torch.__version__, **trainer_state},
-                                indent=1))
         if self.reference is not None:
             write_synced(os.path.join(tmp, REFERENCE_FILE), json.dumps(self.reference, indent=1))
         with naming(os.path.join(tmp, "tokenizer.json")):  # or a side file copied with it
@@ -228,21 +230,17 @@ class CheckpointWriter:
             for name in ("tokenizer.json", *TOKENIZER_SIDE_FILES):
                 if os.path.exists(os.path.join(tmp, name)):
                     fsync_path(os.path.join(tmp, name))
-        fsync_path(os.path.join(tmp, "rng"))
+        # the torch that wrote it: an older one cannot read a newer one's DCP index
+        write_synced(os.path.join(tmp, STATE_FILE),
+                     json.dumps({"step": step, "torch": torch.__version__, **trainer_state},
+                                indent=1))
         fsync_path(tmp)
 
-    def _publish(self, tmp: str, final: str, step: int) -> None:
-        """Mark the checkpoint complete (fsynced), move it into place, drop the oldest beyond
-        keep_last."""
-        write_synced(os.path.join(tmp, MARKER), f"{step}\n")  # empty: not complete (is_complete)
-        root = os.path.dirname(final)
-        stale = os.path.join(root, f".stale_step_{step}")
-        if os.path.exists(final):  # a stale copy of the same step (e.g. rewind): moved aside, and
-            shutil.rmtree(stale, ignore_errors=True)  # deleted only once the new one is in place
-            os.rename(final, stale)
-        os.rename(tmp, final)
-        fsync_path(root)
-        shutil.rmtree(stale, ignore_errors=True)
+    def _publish(self, tmp: str, step: int) -> None:
+        """Mark the checkpoint complete and move it into place (checkpoint_dirs.publish), then
+        drop the oldest beyond keep_last."""
+        fsync_path(os.path.join(tmp, "rng"))
+        publish(tmp, step)
         if self.keep_last > 0:
             complete, _ = list_checkpoints(self.run_dir)
             for _, old in complete[:-self.keep_last]:
@@ -426,7 +424,7 @@ def read_trainer_state(path: str) -> dict:
     `consumed_tokens`, the `global_batch` it ran with, `schedule_global_batch`, `skipped_samples`:
     DataPosition.state()) and the bad-step guard's counters. Read without loading any tensor;
     ValueError naming the file (and line) when it is not a JSON object with an integer step."""
-    file = os.path.join(path, "trainer_state.json")
+    file = os.path.join(path, STATE_FILE)
     with open(file, encoding="utf-8") as f:
         try:
             state = json.load(f)

@@ -31,7 +31,12 @@ from .checkpoint import (
     read_trainer_state,
     saved_section,
 )
-from .checkpoint_dirs import list_checkpoints, remove_unfinished_saves
+from .checkpoint_dirs import (
+    list_checkpoints,
+    remove_unfinished_saves,
+    settle_saves,
+    settled_path,
+)
 from .config import TandemConfig
 from .config_checks import ConfigError
 from .cost import hardware_flops_per_token, teacher_head_passes, training_flops_per_token
@@ -384,7 +389,8 @@ def _sources(cfg: TandemConfig, resume: bool, explicit: FrozenSet[str]):
     """(the checkpoint to resume or None, the frozen trunk's reference or None), with
     model.init_from and mtp.init_from set to the step directories they read (a run directory's
     newest checkpoint moves on while that run trains)."""
-    found = latest_checkpoint(cfg.run.dir) if resume else None
+    # a save a crash left whole but uncommitted counts: committed once the checks pass
+    found = latest_checkpoint(cfg.run.dir, whole_saves=True) if resume else None
     if found is not None:
         pin_init_from(cfg, found[1])
     return found, _adopt_init_from(cfg, explicit)
@@ -430,7 +436,8 @@ def build_run(cfg: TandemConfig, resume: bool = False,
         check_compatible(found[1], config_yaml)
         check_frozen_reference(found[1], reference)
     if resume:  # after the checks: a refused resume leaves run.dir as it was
-        decided_on_rank0(lambda: remove_unfinished_saves(cfg.run.dir))
+        decided_on_rank0(lambda: (settle_saves(cfg.run.dir), remove_unfinished_saves(cfg.run.dir)))
+        found = None if found is None else (found[0], settled_path(found[1]))
     saved = read_trainer_state(found[1]) if found is not None else {}
     position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
     if not resume:  # the last check before the model is built

@@ -95,7 +95,9 @@ def test_resume_removes_unfinished_saves(ctx, capsys):
     assert bad_input.main(["train", RECIPE, *ctx.base, "--resume"]) == 0
     err = capsys.readouterr().err
     assert f"checkpoint: removed the unfinished save(s) {root}/.tmp_step_7\n" in err, err
-    assert sorted(os.listdir(root)) == [".tmp_step_1", "step_2", "step_3"]
+    # step 1's copy, marked complete, goes into place
+    assert f"uncommitted: {root}/step_1\n" in err, err
+    assert sorted(os.listdir(root)) == ["step_1", "step_2", "step_3"]
 
 
 def test_a_refused_resume_keeps_unfinished_saves(ctx):

@@ -57,8 +57,14 @@ def reference(tiny_base, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["after_shards", "before_marker"])
-def test_kill_9_mid_checkpoint_resumes_from_previous(point, tiny_overrides, tmp_path, reference):
+@pytest.mark.parametrize("point, resumed_at", [("before_shards", 2), ("before_marker", 4)])
+def test_kill_9_mid_checkpoint_resumes_from_the_newest_whole_save(point, resumed_at,
+                                                                   tiny_overrides, tmp_path,
+                                                                   reference):
+    """A kill before the shards are written leaves a save a resume deletes, and it goes back to
+    step 2; a kill once they are (DCP's index after every rank's shards, the trainer state before
+    them) leaves a whole save without its marker, which the resume commits and starts from (an
+    async save waits for the next save to be committed: a crash in between threw it away)."""
     run = str(tmp_path / "killed")
     args = ["train", RECIPE, *tiny_overrides, "train.max_steps=6", "checkpoint.interval=2",
             f"run.dir={run}"]
@@ -75,8 +81,53 @@ def test_kill_9_mid_checkpoint_resumes_from_previous(point, tiny_overrides, tmp_
     resumed = cli(args + ["--resume"])
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert "ignoring incomplete checkpoint" in err and "at step 2" in err
-    assert losses(run) == reference  # nothing lost but the steps after step 2, replayed exactly
+    assert f"at step {resumed_at}" in err, err
+    settled = "committed the whole save(s) a crash left uncommitted"
+    assert (settled in err) == (resumed_at == 4) and ("removed the unfinished save" in err) == (
+        resumed_at == 2), err
+    # nothing lost but the steps after the resumed one, replayed exactly
+    assert losses(run) == reference
+    assert [s for s, _ in list_checkpoints(run)[0]] == [2, 4, 6]
+
+
+def test_a_crash_after_an_async_save_was_written_resumes_from_it(tiny_overrides, tmp_path,
+                                                                   reference, monkeypatch, capsys):
+    """checkpoint.async_save commits a save at the next one: a crash in between (here at step 5,
+    once step 4's background write has finished) left .tmp_step_4 whole but unmarked, and the
+    resume deleted it and went back to step 2. It now commits it and resumes at step 4."""
+    from tandem.data_pipeline.batches import DataPosition
+    from tandem.trainer.checkpoint import CheckpointWriter
+
+    writers, advance, steps = [], DataPosition.advance, []
+    save = CheckpointWriter.save
+
+    def recorded_save(writer, *args, **kwargs):
+        writers.append(writer)
+        return save(writer, *args, **kwargs)
+
+    def advance_then_crash(position, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == 5:
+            writers[-1].pending[0].result()  # step 4's shards on disk, its commit still pending
+            raise RuntimeError("crash at step 5")
+        return advance(position, *args, **kwargs)
+
+    args = tiny_overrides + ["train.max_steps=6", "checkpoint.interval=2",
+                             "checkpoint.async_save=true", f"run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(CheckpointWriter, "save", recorded_save)
+    monkeypatch.setattr(DataPosition, "advance", advance_then_crash)
+    with pytest.raises(RuntimeError, match="crash at step 5"):
+        train(load_config(RECIPE, args))
+    run = str(tmp_path / "run")
+    assert [s for s, _ in list_checkpoints(run)[0]] == [2]
+    monkeypatch.setattr(DataPosition, "advance", advance)
+    capsys.readouterr()
+    train(load_config(RECIPE, args), resume=True)
+    err = capsys.readouterr().err
+    assert "committed the whole save(s) a crash left uncommitted" in err and "at step 4" in err, err
+    assert [s for s, _ in list_checkpoints(run)[0]] == [2, 4, 6]
+    assert losses(run) == reference
+    assert [r["step"] for r in records(run) if "loss/main" in r] == [1, 2, 3, 4, 5, 6]
 
 
 class NaNAtBatch:

@@ -3,9 +3,9 @@
 Put this directory on PYTHONPATH (tests/conftest.py `fault_env`) and set one of:
 * TANDEM_TEST_KILL_AT_STEP=<step>[:<rank>]: SIGKILL that rank (default 0) once it has completed
   `step` optimizer steps, on the job's first attempt only (so a torchrun restart shows recovery);
-* TANDEM_TEST_PAUSE_CHECKPOINT=<point>:<step>: block the save of checkpoint `step` at `after_shards`
-  (the shards written, nothing else) or `before_marker` (everything but the completion marker), so a
-  test can kill -9 the process mid-save;
+* TANDEM_TEST_PAUSE_CHECKPOINT=<point>:<step>: block the save of checkpoint `step` at
+  `before_shards` (the config, the trainer state and the RNG written, no shard) or `before_marker`
+  (everything but the completion marker), so a test can kill -9 the process mid-save;
 * TANDEM_TEST_SAMPLE_LOG=<dir>: append the training samples each rank reads for each 1-based step
   to <dir>/rank<R>.jsonl;
 * TANDEM_TEST_SLOW_FIRST_ATTEMPT=<seconds>: every optimizer step takes that much longer on a Slurm
@@ -126,9 +126,9 @@ def _pause_checkpoint(spec: str) -> None:
     from tandem.trainer.checkpoint import CheckpointWriter
 
     point, _, at = spec.partition(":")
-    # _write_metadata(tmp, step, ...) and _publish(tmp, final, step): where each takes the step
-    method, step_arg = {"after_shards": ("_write_metadata", 1),
-                        "before_marker": ("_publish", 2)}[point]
+    # _write_shards(state, step, tmp) and _publish(tmp, step): where each takes the step
+    method, step_arg = {"before_shards": ("_write_shards", 1),
+                        "before_marker": ("_publish", 1)}[point]
     original = getattr(CheckpointWriter, method)
 
     def paused(self, *args):
