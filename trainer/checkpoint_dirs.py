@@ -118,7 +118,8 @@ def settle_saves(run_dir: str) -> List[str]:
     committed only at the next save or the run's end, so a crash in between threw away a written
     checkpoint and went back one more interval. A `.stale_step_<N>` beside a complete `step_<N>`
     (a kill after the renames) is deleted: it held a checkpoint's space forever; one alone goes
-    back into place. Returns the directories published. Only the launch's rank 0, holding the run's lock, calls this."""
+    back into place. Returns the directories published. Only the launch's rank 0, holding the
+    run's lock, calls this."""
     root = checkpoints_root(run_dir)
     published = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
