@@ -189,11 +189,11 @@ def measure(checkpoint: str, *, num_windows: int = 128, num_prompts: int = 32, b
     (`checkpoint`)."""
     from tandem.data_pipeline.stdlib_corpus import stdlib_files
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer
+    from tandem.trainer.eval_cli import load_run_tokenizer
 
     step_dir = resolve_checkpoint(checkpoint)
     model, cfg = load_model_from_checkpoint(step_dir)
-    tok = checkpoint_tokenizer(cfg, step_dir)
+    tok = load_run_tokenizer(cfg, step_dir)
     if tok is None:
         raise ValueError(f"checkpoint {step_dir} has no tokenizer")
     nbytes = token_bytes(tok)

@@ -74,10 +74,10 @@ def evaluate(run_dir: str, prompts, batches, temperatures, verifies, max_new_tok
     label)."""
     from tandem.eval.metrics import teacher_forced
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer
+    from tandem.trainer.eval_cli import load_run_tokenizer
 
     model, cfg = load_model_from_checkpoint(run_dir)
-    tok = checkpoint_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg)
     figures, stats = {}, {}
     with torch.inference_mode():
         figures["teacher_forced"] = teacher_forced(model, batches)
@@ -101,10 +101,10 @@ def held_out(run_dir: str, num_prompts: int, prompt_len: int):
     run's config draws it (the split is shuffled with train.seed, so each seed's own would differ
     and the comparison would not be paired)."""
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer, validation_prompts
+    from tandem.trainer.eval_cli import load_run_tokenizer, validation_prompts
 
     _, cfg = load_model_from_checkpoint(run_dir)
-    tok = checkpoint_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg)
     return validation_prompts(cfg, num_prompts, min(prompt_len, cfg.data.seq_len),
                        tok.eod_id if tok else None)
 

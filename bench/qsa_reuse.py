@@ -124,7 +124,7 @@ def measure(ckpt: str, prompts, args):
     """{reuse, own}: (figures, DecodeStats per acceptance label) of one checkpoint, and its
     config."""
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer
+    from tandem.trainer.eval_cli import load_run_tokenizer
 
     model, cfg = load_model_from_checkpoint(ckpt)
     layers = mtp_qsa_layers(model)
@@ -132,7 +132,7 @@ def measure(ckpt: str, prompts, args):
         raise SystemExit(f"{ckpt}: index reuse needs QSA MTP layers and mtp.num_steps >= 2 "
                          f"(this checkpoint: model.family={cfg.model.family!r}, "
                          f"mtp.num_steps={cfg.mtp.num_steps})")
-    tok = checkpoint_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg)
     counter = IndexerCounter(layers)
     share = model.mtp.selection_share
     results = {}
@@ -172,12 +172,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer, validation_prompts
+    from tandem.trainer.eval_cli import load_run_tokenizer, validation_prompts
 
     ckpts = checkpoints(args)
     _, cfg = load_model_from_checkpoint(ckpts[0])
     # one prompt set for every checkpoint (the validation split is shuffled with train.seed): paired
-    tok = checkpoint_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg)
     prompts, _ = validation_prompts(cfg, args.num_prompts, min(args.prompt_len, cfg.data.seq_len),
                              tok.eod_id if tok else None)
     per_seed = [measure(c, prompts, args)[0] for c in ckpts]

@@ -384,7 +384,7 @@ def refresh(a, work: str, ckpt: str, tok) -> List[str]:
 
 def run(a) -> int:
     from tandem.trainer.checkpoint import resolve_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer
+    from tandem.trainer.eval_cli import load_run_tokenizer
     from tandem.trainer.recipe import load_config
 
     torch.set_num_threads(a.threads)
@@ -407,7 +407,7 @@ def run(a) -> int:
         os.makedirs(seed_work, exist_ok=True)
         ckpt = os.path.abspath(pretrained(a, seed_work, seed))
         step = resolve_checkpoint(ckpt)
-        tok = checkpoint_tokenizer(load_config(os.path.join(step, "config.yaml")), step)
+        tok = load_run_tokenizer(load_config(os.path.join(step, "config.yaml")), step)
         if held is None:  # one prompt set for every seed: the comparison is paired by prompt
             held = eval_prompts(tok, code_files(pip_internal_dir(), a.eval_bytes), a.eval_prompts,
                                 a.prompt_len)

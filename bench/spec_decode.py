@@ -37,10 +37,10 @@ def main(argv=None) -> int:
 
     from tandem.eval.decode_eval import evaluate_decoding
     from tandem.trainer.checkpoint import load_model_from_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer, validation_prompts
+    from tandem.trainer.eval_cli import load_run_tokenizer, validation_prompts
 
     model, cfg = load_model_from_checkpoint(args.checkpoint)
-    tok = checkpoint_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg)
     prompts, _ = validation_prompts(cfg, args.num_prompts, min(args.prompt_len, cfg.data.seq_len),
                              tok.eod_id if tok else None)
     with torch.inference_mode():

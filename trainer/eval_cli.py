@@ -145,10 +145,10 @@ def load_model_and_tokenizer(args):
 
     step = resolve_checkpoint(args.checkpoint)
     model, cfg = load_model_from_checkpoint(step, args.device)
-    return model, cfg, checkpoint_tokenizer(cfg, step)
+    return model, cfg, load_run_tokenizer(cfg, step)
 
 
-def checkpoint_tokenizer(cfg, step_dir: str = ""):
+def load_run_tokenizer(cfg, step_dir: str = ""):
     """The tokenizer the checkpoint recorded (step_<N>/tokenizer.json), else the run's data
     config's."""
     try:

@@ -132,7 +132,7 @@ def _checkpoint_source(args) -> Source:
     weights."""
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
-    tok = eval_cli.checkpoint_tokenizer(cfg, step)
+    tok = eval_cli.load_run_tokenizer(cfg, step)
     if tok is None:
         raise GenerateError(f"--checkpoint {step}: no tokenizer recorded for this checkpoint")
     ref = read_reference(step)

@@ -69,7 +69,7 @@ def _distinct4(outputs):
 def test_quality_bench_matches_hand_computation(checkpoint):
     from tandem.eval.spec_decode import generate
     from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
-    from tandem.trainer.eval_cli import checkpoint_tokenizer
+    from tandem.trainer.eval_cli import load_run_tokenizer
 
     cmd = [sys.executable, "bench/default_job_quality.py", "--checkpoint", str(checkpoint / "run"),
            "--windows", "100",
@@ -85,7 +85,7 @@ def test_quality_bench_matches_hand_computation(checkpoint):
 
     step = resolve_checkpoint(str(checkpoint / "run"))
     model, cfg = load_model_from_checkpoint(step)
-    tok = checkpoint_tokenizer(cfg, step)
+    tok = load_run_tokenizer(cfg, step)
     stream = [t for name in sorted(SOURCES) for t in tok.encode(SOURCES[name]) + [tok.eod_id]]
     nwin = (len(stream) - 1) // SEQ
     # every window scored, one EOD among them

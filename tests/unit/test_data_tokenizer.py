@@ -139,7 +139,7 @@ def test_a_checkpoint_keeps_its_tokenizers_eos_and_chat_template(tmp_path):
 
     from tandem.data_pipeline.chat_template import chat_template_in
     from tandem.data_pipeline.tokenizer import copy_tokenizer, saved_tokenizer
-    from tandem.trainer.eval_cli import checkpoint_tokenizer
+    from tandem.trainer.eval_cli import load_run_tokenizer
     from tandem.trainer.recipe import load_config
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -162,7 +162,7 @@ def test_a_checkpoint_keeps_its_tokenizers_eos_and_chat_template(tmp_path):
     assert load_tokenizer(saved_tokenizer(str(step))).eod_id == 2
     assert chat_template_in([str(step)]) is not None
     cfg = load_config(None, [f"data.tokenizer={source}"])
-    assert checkpoint_tokenizer(cfg, str(step)).eod_token == "<|im_end|>"
+    assert load_run_tokenizer(cfg, str(step)).eod_token == "<|im_end|>"
     bare = tmp_path / "bare_step"  # a checkpoint from before: its bare tokenizer.json still loads
     bare.mkdir()
     (bare / "tokenizer.json").write_text((source / "tokenizer.json").read_text())
