@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.data import ConcatDataset
 
 
 def batch_indices(step_samples: Sequence[int], micro_step: int, grad_accum_steps: int,
@@ -49,9 +50,11 @@ class DataPosition:
       skipped ranges left out. A resume continues from exactly there whatever its global batch
       (another layout, micro-batch size or accumulation), even where a step of the new global batch
       reaches across a skipped range; `step x global batch` would skip or repeat samples.
-    * `stream_samples`: the number of samples the training dataset was built with, kept across
-      resumes: megatron-core orders the samples by how many are asked for (the epochs they take),
-      so a resume that asked for another number would read another order (trainer/run.py).
+    * `stream_builds`: the samples each build of the training stream was asked for, in order, kept
+      across resumes: megatron-core orders a build's samples by how many are asked for (the epochs
+      they take), so a resume asks each build for its number again, and one that needs more
+      samples than the builds hold appends a build (`StreamBuilds`, trainer/run.py) rather than
+      asking the first for more, which re-shuffled the samples already read.
     * `schedule_batch`: the global batch of the run's first step, kept across resumes. The LR
       schedule's step counts are measured in it and the LR follows `schedule_step()` = consumed
       samples / schedule_batch, so it stays in step with the tokens seen when the global batch
@@ -63,7 +66,7 @@ class DataPosition:
         self.consumed_samples = 0
         self.consumed_tokens = 0
         self.schedule_batch = self.global_batch
-        self.stream_samples = 0
+        self.stream_builds: List[int] = []
         self.skipped: List[Tuple[int, int]] = []
 
     def sample_at(self, position: int) -> int:
@@ -132,7 +135,7 @@ class DataPosition:
         return {"consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens,
                 "global_batch": self.global_batch, "schedule_global_batch": self.schedule_batch,
                 "skipped_samples": [list(r) for r in self.skipped],
-                "stream_samples": self.stream_samples}
+                "stream_builds": list(self.stream_builds)}
 
     def load_state(self, state: dict) -> None:
         """Restore from a checkpoint's trainer state. One written before consumed samples were kept
@@ -144,7 +147,9 @@ class DataPosition:
                 int(state["consumed_tokens"]),
             )
             self.schedule_batch = int(state["schedule_global_batch"])
-            self.stream_samples = int(state.get("stream_samples", 0))
+            # before builds were appended: the one build's samples (0: none recorded)
+            old = int(state.get("stream_samples", 0))
+            self.stream_builds = [int(n) for n in state.get("stream_builds", [old] if old else [])]
             self.skipped = []
             self.skip(state["skipped_samples"])
             return
@@ -157,6 +162,17 @@ class DataPosition:
         )
         self.skipped = []
         self.skip((b * batch, (b + 1) * batch) for b in state.get("skipped_batches", []))
+
+
+class StreamBuilds(ConcatDataset):
+    """The training stream as the builds a run has appended (`DataPosition.stream_builds`), each a
+    dataset of its own samples in its own order: sample i of the stream is the first build's while
+    it holds one, then the next build's. The first build's megatron config (its tokenizer's EOD)
+    stands for all."""
+
+    @property
+    def config(self):
+        return getattr(self.datasets[0], "config", None)
 
 
 def _eod_of(dataset) -> int:

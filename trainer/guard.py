@@ -124,9 +124,9 @@ class BadStepGuard:
         # the dataset in use was built for this run's sample count, which a resume since that
         # checkpoint may have changed: later checkpoints recorded the older count, and the next
         # resume built the samples in another order
-        stream = data.stream_samples
+        stream = data.stream_builds
         data.load_state(state)
-        data.stream_samples = stream
+        data.stream_builds = stream
         data.skip(skipped)
         if self.is_main:
             samples = ", ".join(f"{a}..{b - 1}" for a, b in bad)

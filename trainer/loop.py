@@ -41,7 +41,7 @@ def micro_batches(run: Run, step: int) -> List[Dict[str, torch.Tensor]]:
     """This rank's micro-batches of the global batch at the data position (`step`: 0-based)."""
     t = run.cfg.train
     samples = run.data_position.step_samples()
-    if run.data_position.stream_samples and samples[-1] >= len(run.train_ds):
+    if run.data_position.stream_builds and samples[-1] >= len(run.train_ds):
         # past the samples the dataset was built with, get_batch would start its order again
         raise RuntimeError(f"the training data ends at sample {len(run.train_ds)}; step {step + 1} "
                            f"reads up to sample {samples[-1]} (rewinds passed over more batches "

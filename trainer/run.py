@@ -17,7 +17,7 @@ from typing import Any, FrozenSet, Optional
 
 from torch import nn
 
-from tandem.data_pipeline.batches import DataPosition
+from tandem.data_pipeline.batches import DataPosition, StreamBuilds
 from tandem.data_pipeline.dataset import build_datasets, follow_checkpoint_tokenizer
 from tandem.data_pipeline.tokenizer import checkpoint_tokenizer
 from tandem.eval.in_loop import InLoopEvaluator
@@ -283,10 +283,12 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
     consumed samples whatever global batch it ran with.
 
     The training dataset is built with the samples the run needs (`_samples_needed`) and keeps that
-    number across resumes (`DataPosition.stream_samples`): megatron-core orders the samples by the
+    number across resumes (`DataPosition.stream_builds`): megatron-core orders the samples by the
     number asked for, so another number would be another order, and the samples after the
-    checkpoint would not be the ones the run had yet to read. Only a resume that needs more samples
-    than that dataset holds (a larger `train.max_steps` or global batch) builds it again."""
+    checkpoint would not be the ones the run had yet to read. A resume that needs more samples than
+    the builds hold (a larger `train.max_steps` or global batch) appends a build for the rest,
+    seeded `train.seed` + its index: the samples of the builds before keep their order (asking the
+    first build for more re-shuffled every epoch, those already read among them)."""
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum_steps * pstate.dp_size
     position = DataPosition(global_batch, cfg.data.seq_len)
@@ -295,26 +297,30 @@ def _build_data(cfg: TandemConfig, pstate: ParallelState, saved: dict):
     needed = _samples_needed(position, max(t.max_steps - int(saved.get("step", 0)), 1), t,
                              int(saved.get("bad_steps_total", 0)))
 
-    def build(samples: int):
+    def build(samples: int, index: int):
         return build_datasets(
-            cfg.data, cfg.data.seq_len, t.seed, num_train_samples=samples,
+            cfg.data, cfg.data.seq_len, t.seed + index, num_train_samples=samples,
             num_valid_samples=max(cfg.eval.loss_batches * t.micro_batch_size,
                                   cfg.eval.num_prompts, 1),
             model_vocab_size=cfg.model.vocab_size)
 
-    samples = position.stream_samples or needed
-    train_ds, valid_ds, tokenizer = build(samples)
+    builds = list(position.stream_builds) or [needed]
+    parts = [build(n, i)[0] for i, n in enumerate(builds[1:], 1)]
+    train_ds, valid_ds, tokenizer = build(builds[0], 0)  # the first build's validation split
+    held = len(train_ds) + sum(len(part) for part in parts)
     if cfg.data.source == "jsonl":
-        samples = 0  # chat windows: a fixed set that later steps read again (get_batch wraps)
-    elif len(train_ds) < needed:
+        builds = []  # chat windows: a fixed set that later steps read again (get_batch wraps)
+    elif held < needed:
         if pstate.is_main:
             print(f"data: the rest of the run reads up to sample {needed}, its dataset holds "
-                  f"{len(train_ds)} (train.max_steps or the global batch grew); it is built again "
-                  f"for {needed} samples, and megatron-core may order samples "
-                  f"{position.next_sample()} on differently", file=sys.stderr)
-        samples = needed
-        train_ds, valid_ds, tokenizer = build(samples)
-    position.stream_samples = samples
+                  f"{held} (train.max_steps or the global batch grew); samples {held} on come "
+                  f"from a build of {needed - held} more, seeded train.seed + {len(builds)}",
+                  file=sys.stderr)
+        parts.append(build(needed - held, len(builds))[0])
+        builds.append(needed - held)
+    position.stream_builds = builds
+    if parts:
+        train_ds = StreamBuilds([train_ds, *parts])
     check_ple_end_of_document(cfg, tokenizer)
     return position, global_batch, train_ds, valid_ds, tokenizer
 
@@ -410,6 +416,21 @@ def pin_init_from(cfg: TandemConfig, resumed: str) -> None:
                   "started from", file=sys.stderr)
 
 
+def _checked_resume(cfg: TandemConfig, resume: bool, found, reference, config_yaml: str):
+    """Every check on the checkpoint to resume, before the data and the model; then (a refused
+    resume leaves run.dir as it was) the saves a crash interrupted settled and the unfinished ones
+    removed. `found` as it is named once settled."""
+    if found is not None:
+        past = past_max_steps(found, cfg.train.max_steps)
+        if past:
+            raise ConfigError(f"{past}: raise it, or choose another run.dir")
+        check_compatible(found[1], config_yaml)
+        check_frozen_reference(found[1], reference)
+    if resume:
+        decided_on_rank0(lambda: (settle_saves(cfg.run.dir), remove_unfinished_saves(cfg.run.dir)))
+    return None if found is None else (found[0], settled_path(found[1]))
+
+
 def build_run(cfg: TandemConfig, resume: bool = False,
               explicit: FrozenSet[str] = frozenset()) -> Run:
     """Make this rank's run. A torchrun restart (--max-restarts) of a failed job resumes from the
@@ -429,15 +450,7 @@ def build_run(cfg: TandemConfig, resume: bool = False,
     for section in fields(cfg):
         setattr(cfg, section.name, getattr(agreed, section.name))
     config_yaml = to_yaml(cfg)
-    if found is not None:  # every check on the checkpoint before the data and the model
-        past = past_max_steps(found, cfg.train.max_steps)
-        if past:
-            raise ConfigError(f"{past}: raise it, or choose another run.dir")
-        check_compatible(found[1], config_yaml)
-        check_frozen_reference(found[1], reference)
-    if resume:  # after the checks: a refused resume leaves run.dir as it was
-        decided_on_rank0(lambda: (settle_saves(cfg.run.dir), remove_unfinished_saves(cfg.run.dir)))
-        found = None if found is None else (found[0], settled_path(found[1]))
+    found = _checked_resume(cfg, resume, found, reference, config_yaml)
     saved = read_trainer_state(found[1]) if found is not None else {}
     position, global_batch, train_ds, valid_ds, tokenizer = _build_data(cfg, pstate, saved)
     if not resume:  # the last check before the model is built

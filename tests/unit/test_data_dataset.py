@@ -187,7 +187,7 @@ def test_data_position_continues_the_stream_under_another_global_batch():
     saved = json.loads(json.dumps(pos.state()))  # through trainer_state.json
     assert saved == {"consumed_samples": 24, "consumed_tokens": 24 * 32, "global_batch": 8,
                      "schedule_global_batch": 8, "skipped_samples": [[16, 24]],
-                     "stream_samples": 0}
+                     "stream_builds": []}
     for batch, schedule_step in ((12, 3.0), (4, 4.5)):
         pos = DataPosition(batch, seq_len=32)
         pos.load_state(saved)

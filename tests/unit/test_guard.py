@@ -61,11 +61,11 @@ class _Position:
 
     def __init__(self):
         self.skipped = []
-        self.stream_samples = 4200  # what this run's dataset was built for
+        self.stream_builds = [4200, 900]  # what this run's dataset was built from
 
     def load_state(self, state):
         self.skipped = [tuple(r) for r in state["skipped_samples"]]
-        self.stream_samples = state["stream_samples"]
+        self.stream_builds = state["stream_builds"]
 
     def step_ranges(self):
         return [(8, 16)]
@@ -78,14 +78,14 @@ def test_a_rewind_keeps_the_bad_step_it_rewinds_over_counted():
     """`rewind` reloads a checkpoint saved before the bad step: the bad step still counts in the
     total and in the window (the checkpoint's state had 0), and its samples are skipped."""
     t = load_config(None, ["train.bad_step_policy=rewind", "train.max_skips=1"]).train
-    checkpoint = {"step": 2, "bad_steps_total": 0, "skipped_samples": [], "stream_samples": 14}
+    checkpoint = {"step": 2, "bad_steps_total": 0, "skipped_samples": [], "stream_builds": [14]}
     guard = BadStepGuard(t, False, _Position(), save=None, restore=lambda: checkpoint)
     assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "rewind"
     assert guard.rewind(2) == 2
     assert guard.state()["bad_steps_total"] == 1 and guard.data.skipped == [(8, 16)]
-    # the checkpoint predates a resume that rebuilt the dataset for more samples: the count of the
-    # dataset in use stays (later checkpoints recorded 14, and the next resume read another order)
-    assert guard.data.stream_samples == 4200
+    # the checkpoint predates a resume that appended a build for more samples: the builds of the
+    # dataset in use stay (later checkpoints recorded [14], and the next resume read another order)
+    assert guard.data.stream_builds == [4200, 900]
     assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "halt"  # 2 within the window
 
 
