@@ -69,6 +69,7 @@ from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 from .config_checks import ConfigError
 from .files import write_replacing
+from .hf.init_from import serving_origin
 from .hf.reader import stop_ids
 from .parallel.device import autocast_context, resolve_device
 from .recipe import load_config
@@ -265,9 +266,9 @@ def _load_checked(args):
 
 
 def _source_dirs(args, cfg) -> List[str]:
-    """Where the model came from: the Hugging Face directory, else the checkpoint's
-    model.init_from (its serving files: the stop ids, hf/reader.py stop_ids)."""
-    return [args.hf] if args.hf else [getattr(cfg.model, "init_from", "")]
+    """Where the model came from: the Hugging Face directory, else the one the checkpoint's
+    model.init_from leads back to (its serving files: the stop ids, hf/reader.py stop_ids)."""
+    return [args.hf] if args.hf else [serving_origin(getattr(cfg.model, "init_from", ""))]
 
 
 def _settings(args, model, cfg, tok) -> dict:

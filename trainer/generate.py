@@ -53,7 +53,7 @@ from .checkpoint import load_checkpoint
 from .checkpoint_dirs import resolve_checkpoint
 from .generate_io import GenerateError, prompts_digest, read_output, rewrite_output, write_lines
 from .hf.importer import hf_config
-from .hf.init_from import check_reference, fingerprint, read_reference
+from .hf.init_from import check_reference, fingerprint, read_reference, serving_origin
 from .hf.reader import stop_ids
 from .materialize import build_sharded_model
 from .parallel import init_parallel
@@ -143,7 +143,7 @@ def _checkpoint_source(args) -> Source:
                                                   or "") else os.path.dirname(cfg.data.tokenizer)
     chat = chat_template_in([step, tok_dir, ref["path"] if ref else cfg.model.init_from])
     K = args.num_steps or cfg.mtp.num_steps
-    stops = stop_ids(tok.eod_id, [ref["path"] if ref else "", cfg.model.init_from])
+    stops = stop_ids(tok.eod_id, [serving_origin(step)])
     return Source(step, cfg, cfg.model.max_seq_len, K, tok, chat, fp, stops)
 
 

@@ -48,6 +48,7 @@ from .hf.init_from import (
     make_reference,
     read_reference,
     resolve_init_from,
+    serving_origin,
 )
 from .hf.reader import stop_ids
 from .materialize import adopt_mtp_init_from, build_sharded_model
@@ -387,7 +388,7 @@ def build_evaluator(cfg: TandemConfig, model: nn.Module, valid_ds, tokenizer,
         return None
 
     decoding = parallel_decoding(cfg, model, pstate)  # how the evaluator decodes on this layout
-    stops = stop_ids(getattr(tokenizer, "eod_id", None), [cfg.model.init_from])
+    stops = stop_ids(getattr(tokenizer, "eod_id", None), [serving_origin(cfg.model.init_from)])
     return InLoopEvaluator(cfg, model, valid_ds, tokenizer, pstate, decoding, stops)
 
 

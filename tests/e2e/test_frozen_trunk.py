@@ -55,6 +55,9 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     eod = AutoTokenizer.from_pretrained(f"{tmp}/hf").convert_tokens_to_ids("<|endoftext|>")
     assert AutoConfig.from_pretrained(f"{tmp}/hf").eos_token_id == eod
     assert AutoTokenizer.from_pretrained(f"{tmp}/hf").eos_token_id == eod
+    # as a chat model's source lists its end-of-turn ids beside its EOS
+    with open(f"{tmp}/hf/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [eod, 5]}, f)
 
     recipe = os.path.join(ROOT, "recipes", "finetune_mtp.yaml")
     ft = [f"model.init_from={tmp}/hf", "train.max_steps=2", "checkpoint.interval=1",
@@ -122,6 +125,29 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     trunk, out = load_file(f"{tmp}/hf/model.safetensors"), load_file(f"{tmp}/out/model.safetensors")
     assert all(torch.equal(v, out[k]) for k, v in trunk.items())
     assert len(out) > len(trunk)
+
+    # a fine-tune of the fine-tune (model.init_from=a, frozen again): its trunk two references
+    # away, which export looked for one away ("lacks tensors"), and its source's serving files (the
+    # end-of-turn ids), which generate, eval and export read from the first model.init_from only
+    from tandem.trainer.hf.importer import load_hf_model
+
+    assert cli(["train", recipe, *ft, f"model.init_from={tmp}/a", "train.max_steps=1",
+                f"run.dir={tmp}/chain"]) == 0
+    assert cli(["export", "--checkpoint", f"{tmp}/chain", "--out", f"{tmp}/out_chain"]) == 0
+    chained = load_file(f"{tmp}/out_chain/model.safetensors")
+    assert all(torch.equal(v, chained[k]) for k, v in trunk.items())
+    exported, own = load_hf_model(f"{tmp}/out_chain")[0], load_model_from_checkpoint(
+        f"{tmp}/chain")[0]
+    assert all(torch.equal(p, exported.state_dict()[n]) for n, p in own.state_dict().items()
+               if "tokens_per_expert" not in n)
+    with open(f"{tmp}/out_chain/generation_config.json") as f:
+        assert json.load(f)["eos_token_id"] == [eod, 5]
+    with open(f"{tmp}/prompts.jsonl", "w") as f:
+        f.write(json.dumps({"text": "def main():"}) + "\n")
+    assert cli(["generate", "--checkpoint", f"{tmp}/chain", "--prompts", f"{tmp}/prompts.jsonl",
+                "--out", f"{tmp}/gen.jsonl", "--max-new-tokens", "4"]) == 0
+    with open(f"{tmp}/gen.jsonl.meta.json") as f:
+        assert json.load(f)["eos_id"] == [eod, 5]
     capsys.readouterr()
     assert eval_main(["--checkpoint", f"{tmp}/a", "--num-prompts", "2", "--prompt-len", "8",
                       "--max-new-tokens", "4"]) == 0

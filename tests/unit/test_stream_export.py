@@ -59,6 +59,13 @@ def test_streamed_export_equals_in_memory_export(tmp_path, dtype, shard_mb):
     # the tensors' dtype, which transformers (and vLLM) load at by default: it said float32
     # whatever was written, and a bf16 export loaded at twice its memory
     assert config["dtype"] == str(dtype).removeprefix("torch.")
+    # the looped module's one layer drafts K=2: a re-import drafts 2 as well (it took K = its
+    # layers, so `tandem eval --hf` and `tandem generate --hf` drafted 1)
+    from tandem.trainer.hf.importer import load_hf_model
+
+    assert config["tandem_mtp_num_steps"] == 2 and config["num_nextn_predict_layers"] == 1
+    again = load_hf_model(str(tmp_path / "streamed"))[1]
+    assert (again.mtp.num_steps, again.mtp.num_layers) == (2, 1)
     if dtype == torch.bfloat16:
         from transformers import AutoModelForCausalLM
 

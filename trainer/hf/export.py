@@ -41,6 +41,7 @@ from ..checkpoint_dirs import resolve_checkpoint
 from ..files import naming
 from ..recipe import load_config
 from .families import (
+    DRAFT_STEPS_KEY,
     FAMILIES,
     UnsupportedCheckpoint,
     default_family,
@@ -50,7 +51,7 @@ from .families import (
     meta_state,
 )
 from .importer import local_tensors, read_source
-from .init_from import check_reference, is_hf_dir, read_reference
+from .init_from import check_reference, is_hf_dir, read_reference, serving_origin
 from .reader import ST_DTYPES, CheckpointReader, read_config
 from .serving_files import check_tokenizer_file, source_serving_fields, write_tokenizer
 
@@ -186,13 +187,19 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
 
 def _checkpoint_sources(step_dir: str, cfg: ModelConfig, mtp: MTPConfig, spec,
                         names: List[str]) -> Dict[str, _Source]:
-    """The checkpoint's tensors, and those it lacks from its `model.init_from` reference."""
-    sources = _dcp_sources(step_dir)
-    ref = read_reference(step_dir)
-    if ref is not None:
+    """The checkpoint's tensors, and those it lacks from its `model.init_from` reference, which
+    may itself be a frozen-trunk checkpoint (a fine-tune of a fine-tune: its own reference then
+    holds the trunk), as training loads them (init_from.load_tandem_weights)."""
+    sources, ref = _dcp_sources(step_dir), read_reference(step_dir)
+    while ref is not None:
         rest = [n for n in names if n not in sources]
-        extra = _hf_sources(ref["path"], cfg, mtp,
-                            rest) if is_hf_dir(ref["path"]) else _dcp_sources(ref["path"])
+        if is_hf_dir(ref["path"]):
+            extra, ref = _hf_sources(ref["path"], cfg, mtp, rest), None
+        else:
+            extra, nested = _dcp_sources(ref["path"]), read_reference(ref["path"])
+            if nested is not None:  # the first link is checked before the export starts
+                check_reference(nested, ref["path"])
+            ref = nested
         sources.update({n: extra[n] for n in rest if n in extra})
     # tensors the family has no name for (a softmax router's correction bias) need no source
     missing = [n for n in names if n not in sources and hf_name(n, cfg, mtp, spec) is not None]
@@ -278,13 +285,15 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
             json.dump({"metadata": {"total_size": total},
                        "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
                       f, indent=1)
-    config.update(source_serving_fields(cfg.init_from, cfg.max_seq_len, out_dir))
+    config.update(source_serving_fields(serving_origin(cfg.init_from), cfg.max_seq_len, out_dir))
     # the dtype most bytes are in (a frozen bf16 trunk beside an fp32 MTP module); always float32
     # before, so transformers and vLLM (dtype auto) loaded a bf16 export at twice its memory
     written = collections.Counter()
     for e in plan:
         written[e.dtype] += _nbytes(e)
     config["dtype"] = str(written.most_common(1)[0][0]).removeprefix("torch.")
+    if mtp is not None and mtp.num_steps:  # vLLM: its num_speculative_tokens
+        config[DRAFT_STEPS_KEY] = mtp.num_steps
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
@@ -372,8 +381,9 @@ def _read_dirs(step_dir: str, ref: Optional[dict]) -> Dict[str, str]:
     parent = os.path.dirname(step_dir)
     found = ({"the checkpoint's run directory": os.path.dirname(parent)}
              if os.path.basename(parent) == "checkpoints" else {"the checkpoint": step_dir})
-    if ref is not None:
-        found["its frozen trunk (model.init_from)"] = ref["path"]
+    while ref is not None:  # a frozen trunk may hold its trunk in another checkpoint again
+        found[f"its frozen trunk (model.init_from){' of that' * (len(found) - 1)}"] = ref["path"]
+        ref = None if is_hf_dir(ref["path"]) else read_reference(ref["path"])
     return found
 
 

@@ -49,6 +49,10 @@ from .rope import (
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next_mtp",
             "qwen4_exp")
+DRAFT_STEPS_KEY = "tandem_mtp_num_steps"
+"""config.json's key for the draft length K an export's MTP module was trained at: a looped module
+holds fewer layers (num_nextn_predict_layers) than the steps it drafts, and a re-import took K =
+its layers (the draft length to pass vLLM as num_speculative_tokens)."""
 _MLA_TYPES = ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
 """MLA families whose routing or sparse attention this model lacks."""
 _LINEAR_ATTN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")

@@ -39,6 +39,7 @@ from ..parallel.sharded_params import (  # noqa: F401 (shard_index: API)
     unwrapped_name,
 )
 from .families import (
+    DRAFT_STEPS_KEY,
     FamilySpec,
     Src,
     UnsupportedCheckpoint,
@@ -347,7 +348,8 @@ def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: 
               max_seq_len: Optional[int] = None, reader: Optional[CheckpointReader] = None,
               hf: Optional[dict] = None):
     """(TandemConfig, FamilySpec) of an HF directory: the trunk from its config.json, the MTP module
-    its weights hold (num_nextn_predict_layers / mtp.*: K = L of them, or none); `mtp_overrides`
+    its weights hold (num_nextn_predict_layers / mtp.*: L of them, drafting the K a Tandem export
+    recorded under DRAFT_STEPS_KEY, else K = L; or none); `mtp_overrides`
     (MTPConfig field -> value, e.g. {"num_steps": 3, "num_layers": 1}) adjusts that. Reads the
     tensor names, not the weights. `reader` / `hf`: the caller's open reader and config.json's
     contents (`read_config`), when it has them."""
@@ -365,7 +367,9 @@ def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: 
             reader.close()
     n_mtp = len({mtp_layer_of_key(k, cfg) for k in keys
                  if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)})
-    mtp = MTPConfig(num_steps=n_mtp, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0,
+    # an export of a looped module records the K it was trained at, past its layers
+    steps = int(hf.get(DRAFT_STEPS_KEY, n_mtp)) if n_mtp else 0
+    mtp = MTPConfig(num_steps=steps, num_layers=max(n_mtp, 1), moe=cfg.num_experts > 0,
                     concat_order="emb_hidden", trunk_input=trunk_input_of(hf))
     if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.")
                          or k.startswith("mtp.layers.0.mlp.experts.") for k in keys):

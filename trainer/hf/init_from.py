@@ -69,6 +69,28 @@ def resolve_tandem_checkpoint(path: str) -> str:
             "(step_<N>/ with COMPLETE, or a run directory holding one)") from None
 
 
+def serving_origin(path: str) -> str:
+    """The Hugging Face directory a model came from, following `path` (a `model.init_from`, or a
+    Tandem checkpoint) back: itself when it is one; for a Tandem checkpoint (a step, or a run's
+    newest), its frozen trunk's reference, else the `model.init_from` its run started from. Its
+    serving files (generation_config.json's end-of-turn ids, the context length) then reach a
+    model fine-tuned in several stages, as they reach one fine-tuned once. "" when the chain ends
+    elsewhere: a run trained from scratch, or a link that is gone."""
+    seen = set()
+    while path and path not in seen:
+        if is_hf_dir(path):
+            return path
+        seen.add(path)
+        try:
+            step = resolve_checkpoint(path)
+        except FileNotFoundError:
+            return ""
+        ref = read_reference(step)
+        path = ref["path"] if ref else str(
+            load_config(os.path.join(step, "config.yaml")).model.init_from or "")
+    return ""
+
+
 MTP_WIRING = ("num_layers", "style", "moe", "combine", "concat_order", "trunk_input")
 """MTPConfig fields that decide an MTP module's weights and how they are wired: a run that loads a
 checkpoint's MTP module (model.init_from, mtp.init_from) takes them from it."""
