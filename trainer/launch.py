@@ -57,7 +57,9 @@ GPU_CPUS_PER_TASK = 8
 
 # Values that go on `#SBATCH` lines: sbatch parses these itself (no shell), and splits on
 # whitespace.
-_DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_@%:/.,=+\-~\[\]]+$")
+_DIRECTIVE_SAFE = re.compile(r"[A-Za-z0-9_@%:/.,=+\-~\[\]]+")
+"""Matched whole (`fullmatch`): `$` also matches before a final newline, which then ended the
+#SBATCH block, and sbatch silently dropped every directive after it (--signal, --requeue)."""
 
 
 class LaunchError(ValueError):
@@ -70,7 +72,7 @@ def _slurm_dir() -> Path:
 
 def _directive_value(name: str, value: str, allow_percent: bool = True) -> str:
     value = str(value)
-    if not value or not _DIRECTIVE_SAFE.match(value) or (not allow_percent and "%" in value):
+    if not value or not _DIRECTIVE_SAFE.fullmatch(value) or (not allow_percent and "%" in value):
         raise LaunchError(
             f"{name}={value!r} cannot go on an #SBATCH line: use letters, digits and _@:/.,=+-~[] "
             "only"
@@ -260,14 +262,18 @@ def _checked_sbatch_arg(extra: str, written: List[str]) -> str:
             given.append(f"-{letter}")
             if letter not in SHORT_FLAGS:  # the rest is its value
                 break
-    for option in {d.split("=")[0] for d in written} & SCRIPT_OPTIONS.keys():
+    written = {d.split("=")[0] for d in written}
+    # the time limit always comes through --time, which the checkpoint signal is checked against
+    # (one given here let USR1@120 arrive at once in a 1-minute job: a step, a requeue, again)
+    for option in (written | {"--time"}) & SCRIPT_OPTIONS.keys():
         spellings, flag = SCRIPT_OPTIONS[option]
         for name in given:
             if any(s == name or (name.startswith("--") and s.startswith(name))
                    for s in (option, *spellings)):
                 how = f"use {flag}" if flag else "the launcher needs its own value"
-                raise LaunchError(f"--sbatch-arg {extra!r} contradicts {option}, which the script "
-                                  f"already sets ({how})")
+                what = ("which the script already sets" if option in written else
+                        "which the launcher checks --signal-seconds against")
+                raise LaunchError(f"--sbatch-arg {extra!r} contradicts {option}, {what} ({how})")
     return extra
 
 

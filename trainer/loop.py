@@ -159,8 +159,9 @@ def run_training(run: Run) -> Optional[dict]:
                 and step < t.max_steps
             ):
                 run.save(step)
-            if step < t.max_steps and preemption.agree_preemption():  # a finished run just ends
-                _preempt(run, step)
+            level = preemption.agree_preemption() if step < t.max_steps else 0  # finished: ends
+            if level:
+                _preempt(run, step, requeue=level == preemption.REQUEUE)
                 return last_record
         _save_final(run, step)
     finally:
@@ -177,15 +178,21 @@ def _saved_step(run: Run) -> int:
     return (latest_checkpoint(run.cfg.run.dir, report=False) or (0, ""))[0]
 
 
-def _preempt(run: Run, step: int) -> None:
+def _preempt(run: Run, step: int, requeue: bool) -> None:
+    """Checkpoint `step`, then ask Slurm to requeue the job (SIGUSR1, its time-limit warning) or
+    stop (SIGTERM: scancel, the scheduler's preemption; preemption.REQUEUE / STOP)."""
     if _saved_step(run) < step:  # not when the interval has just saved it
         run.save(step, wait=True)
     run.checkpoints.finish()
-    requeued = preemption.requeue_current_job()
+    requeued = requeue and preemption.requeue_current_job()
     job = os.environ.get("SLURM_JOB_ID")
     if not run.pstate.is_main:
         return
-    if requeued:
+    if not requeue:
+        print(f"stopped by SIGTERM: checkpointed step {step}; `tandem train ... --resume` with "
+              f"run.dir={run.cfg.run.dir} continues from it (a scheduler that requeues the jobs it "
+              "preempts runs this one again, and it resumes there)", file=sys.stderr)
+    elif requeued:
         print(f"preempted: checkpointed step {step}; Slurm requeued job {job}, which resumes from "
               "it", file=sys.stderr)
     elif job:  # the job would end COMPLETED with its training unfinished

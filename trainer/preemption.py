@@ -1,13 +1,15 @@
-"""Checkpoint-and-requeue on Slurm's pre-timeout signal (or any SIGTERM).
+"""Checkpoint-and-requeue on Slurm's pre-timeout signal; checkpoint-and-stop on SIGTERM.
 
 The functions, used by the training loop like this::
 
     install_preemption_handler()              # once, at start, from the main thread
     for step in ...:
         ...                                    # one optimizer step
-        if agree_preemption():                 # every rank, every step (a collective)
+        level = agree_preemption()             # every rank, every step (a collective)
+        if level:
             save_checkpoint(step)              # every rank; must be complete when it returns
-            requeue_current_job()              # every rank; only global rank 0 talks to Slurm
+            if level == REQUEUE:               # SIGUSR1; STOP (SIGTERM) just ends
+                requeue_current_job()          # every rank; only global rank 0 talks to Slurm
             sys.exit(0)
 
 `install_preemption_handler(signals=(SIGUSR1, SIGTERM)) -> previous handlers`
@@ -18,10 +20,11 @@ The functions, used by the training loop like this::
     `tandem train` does, so that a late signal cannot fail a finished job).
 `preemption_requested() -> bool`
     This process's flag: a signal arrived since installation.
-`agree_preemption(group=None) -> bool`
-    The flag agreed over the process group: an all-reduce MAX of the local flag, so if any rank was
-    signalled, every rank returns True at the same step and they all checkpoint the same step.
-    Without an initialised torch.distributed it is just `preemption_requested()`. The tensor lives
+`agree_preemption(group=None) -> int`
+    The flag agreed over the process group: an all-reduce MAX of the local level (0 none, REQUEUE
+    for SIGUSR1, STOP for SIGTERM), so if any rank was signalled, every rank returns the same level
+    at the same step and they all checkpoint the same step.
+    Without an initialised torch.distributed it is the local level. The tensor lives
     on the CPU for gloo and on the current accelerator (torch.accelerator) for NCCL/HCCL.
 `requeue_current_job() -> bool`
     On global rank 0, when SLURM_JOB_ID is set, runs `scontrol requeue $SLURM_JOB_ID` and logs the
@@ -51,14 +54,23 @@ logger = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-_requested = False
+REQUEUE, STOP = 1, 2
+"""What a signal asks for, the higher winning: SIGUSR1, Slurm's warning before the time limit
+(`--signal=USR1@N`): checkpoint and requeue the job; SIGTERM (`scancel`, the scheduler preempting
+the job, a time limit without the warning): checkpoint and stop. A SIGTERM requeued the job too,
+so a plain `scancel` put it back in the queue, and a scheduler that requeues preempted jobs itself
+was asked twice."""
+_LEVELS = {signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP}
+
+_requested = 0
 _signal_name: Optional[str] = None
 
 
 def _handler(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
     global _requested, _signal_name
-    _requested = True
-    _signal_name = signal.Signals(signum).name
+    if _LEVELS.get(signum, STOP) >= _requested:
+        _requested = _LEVELS.get(signum, STOP)
+        _signal_name = signal.Signals(signum).name
 
 
 def install_preemption_handler(signals: Iterable[signal.Signals] = PREEMPTION_SIGNALS) -> dict:
@@ -72,7 +84,7 @@ def install_preemption_handler(signals: Iterable[signal.Signals] = PREEMPTION_SI
     global _requested, _signal_name
     previous = {sig: signal.signal(sig, _handler) for sig in signals}
     if not all(handler is _handler for handler in previous.values()):
-        _requested, _signal_name = False, None
+        _requested, _signal_name = 0, None
     return previous
 
 
@@ -95,7 +107,7 @@ def ignore_preemption_signals(signals: Iterable[signal.Signals] = PREEMPTION_SIG
 
 def preemption_requested() -> bool:
     """True once one of the installed signals has reached this process."""
-    return _requested
+    return bool(_requested)
 
 
 def _global_rank() -> int:
@@ -109,9 +121,9 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def agree_preemption(group=None) -> bool:
-    """All-reduce MAX of the local flag over `group` (default: world); every rank gets the same
-    answer."""
+def agree_preemption(group=None) -> int:
+    """All-reduce MAX of the local level (0, REQUEUE or STOP) over `group` (default: world); every
+    rank gets the same answer."""
 
     if not (dist.is_available() and dist.is_initialized()):
         return _requested
@@ -125,12 +137,13 @@ def agree_preemption(group=None) -> bool:
             if acc is not None
             else torch.device("cpu")
         )
-    flag = torch.tensor([1 if _requested else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([_requested], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    agreed = bool(flag.item())
+    agreed = int(flag.item())
     if agreed and _global_rank() == 0:
-        logger.warning("preemption: %s received (by this or another rank); checkpointing and "
-                       "requeueing", _signal_name or "signal")
+        logger.warning("preemption: %s received (by this or another rank); checkpointing and %s",
+                       _signal_name or "a signal",
+                       "requeueing" if agreed == REQUEUE else "stopping")
     return agreed
 
 

@@ -130,11 +130,18 @@ def test_procs_and_gpus_are_exclusive(tmp_path, capsys):
         (["--job-name", "a b"], "--job-name"),
         (["--sbatch-arg=--comment=x\n#SBATCH --wrap=id"], "--sbatch-arg"),
         (["--time", "1:00\n#SBATCH --x"], "--time"),
+        # a final newline ended the #SBATCH block: sbatch dropped --time, --signal and --requeue
+        (["--partition", "gpu\n"], "--partition='gpu\\n' cannot go on an #SBATCH line"),
         (["--time", "4h"], "--time '4h' is not a Slurm time limit"),
         (["--time", "00:01:30", "--signal-seconds", "90"], "is not below --time 00:01:30 (90 s)"),
         (["--sbatch-arg=--nodes=5"], "contradicts --nodes, which the script already sets (use "
                                      "--nodes"),
         (["--sbatch-arg=--nod=5"], "contradicts --nodes"),  # getopt's abbreviation
+        # a time limit the launcher cannot check the checkpoint signal against, however spelt
+        (["--sbatch-arg=--time=00:01:00"], "contradicts --time, which the launcher checks "
+                                           "--signal-seconds against (use --time)"),
+        (["--sbatch-arg=-t1"], "contradicts --time"),
+        (["--sbatch-arg=--ti=1"], "contradicts --time"),
         (["--sbatch-arg=-Qpgpu", "--partition", "a"], "contradicts --partition"),  # a bundle
         (["--sbatch-arg=--no-requeue"], "contradicts --requeue, which the script already sets "
                                         "(the launcher needs its own value)"),
@@ -386,9 +393,15 @@ def test_preemption_flag_and_requeue(preemption, tmp_path, monkeypatch):
 
 
 def test_preemption_sigterm_sets_flag(preemption):
+    """SIGTERM (scancel, the scheduler's preemption) asks to stop, and wins over an earlier
+    SIGUSR1's requeue: a plain scancel requeued the job."""
     preemption.install_preemption_handler()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert preemption.agree_preemption() == preemption.REQUEUE
     os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
     assert preemption.preemption_requested()
+    assert preemption.agree_preemption() == preemption.STOP
 
 
 def test_preemption_signal_during_the_build_is_kept(preemption):
@@ -453,7 +466,8 @@ def test_agree_preemption_is_max_over_ranks(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     lines = sorted(line for line in res.stdout.splitlines() if line.startswith("RESULT"))
-    assert lines == ["RESULT 0 False [False, True]", "RESULT 1 True [False, True]"], res.stdout
+    # SIGUSR1's level, REQUEUE (1), on both ranks
+    assert lines == ["RESULT 0 False [0, 1]", "RESULT 1 True [0, 1]"], res.stdout
 
 
 ROOT = Path(__file__).resolve().parents[2]

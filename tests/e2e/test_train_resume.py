@@ -186,7 +186,7 @@ def test_a_refused_requeue_fails_the_job_naming_the_checkpoint(tiny_overrides, t
 
 @pytest.mark.slow
 def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, capsys):
     """SIGUSR1, Slurm's pre-timeout signal, during step 2, which the interval checkpoints: the run
     stops after step 2 with that one checkpoint (saving it twice left no complete checkpoint of it
     while the copy was replaced) and asks Slurm to requeue it. The signal during a run's last step:
@@ -219,6 +219,22 @@ def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides
         assert train(cfg)["step"] == signalled
         assert saves == [2, 4][: signalled // 2] and requeues == ([True] if signalled < 4 else [])
         assert [s for s, _ in list_checkpoints(cfg.run.dir)[0]] == saves
+
+    # SIGTERM (a plain scancel, the scheduler's preemption) checkpoints and stops: it requeued the
+    # job, so `scancel` put it back in the queue
+    def step_then_sigterm(run, step):
+        out = optimizer_step(run, step)
+        if out[0] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(loop, "optimizer_step", step_then_sigterm)
+    del requeues[:], saves[:]
+    capsys.readouterr()
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=2",
+                                                f"run.dir={tmp_path / 'cancelled'}"])
+    assert train(cfg)["step"] == 1 and saves == [1] and requeues == []
+    assert "stopped by SIGTERM: checkpointed step 1" in capsys.readouterr().err
 
 
 def test_peak_memory_is_gathered_on_logged_steps_only(tiny_overrides, monkeypatch):
