@@ -342,7 +342,10 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     # a cp rank keeps its own rows' activations
     tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp
-    per_layer = 34 * tokens * m.hidden_size / p.tp * act_bytes / 2
+    # Korthikanti et al.: 34 sbh bytes a layer, all split over tp under sequence parallelism;
+    # without it the norms' and dropouts' 10 sbh stay whole on every tp rank
+    shared = 34 / p.tp if p.sequence_parallel or p.tp == 1 else 10 + 24 / p.tp
+    per_layer = shared * tokens * m.hidden_size * act_bytes / 2
     if m.hc_count > 1:  # each of a block's two hyper-connections keeps ~4 stream-wide tensors
         per_layer += 16 * m.hc_count * tokens * m.hidden_size / p.tp * act_bytes / 2
     kept, live = per_layer, 0.0
