@@ -10,17 +10,17 @@ causal attention over t + 1 keys (quadratic) and QSA's indexer scoring of floor(
 late one, so every rank gets the same share of it; contiguous gives the last rank (2cp - 1) / cp
 times the mean of it.
 
-Under CP, Gated DeltaNet runs each chunk from a zero state with its value width augmented by dk (the
-chunk's transition operator comes out of the same pass), the ranks all-gather every chunk's
-(transition [H, dk, dk], final state [H, dk, dv]) in fp32, and each folds its predecessors' into the
-state entering its chunks. Memory per rank, kept for backward per layer and micro-batch in flight
-(`context_bytes`): attention's and QSA's gathered K and V ([B, S, kv_heads / tp, head_dim] each),
-QSA's gathered raw indexer keys ([B, S, D_i]) and its selections ([B, S/cp, budget/r] blocks and [B,
-S/cp, budget + r - 1] slots, int64), GDN's exchanged states and augmented value columns, and the
-conv halos (GDN: kernel - 1 rows of its conv input; PLE: (ple_conv_kernel - 1) x ngram_size rows of
-the hc x H stream). Transient, once: QSA's streamed top-k, one block of `QSA_STREAM_ELEMS` scores
-(fp32) and their sort keys (int64), never the [S/cp x S/r] matrix.
-"""
+Under CP, Gated DeltaNet runs each chunk from the state [I | 0] with its value width augmented by dk
+(the chunk's transition operator and its final state from a zero state come out of one pass), the
+ranks all-gather every chunk's (transition [H, dk, dk], final state [H, dk, dv]) in fp32, and each
+folds its predecessors' into the state entering its chunks. Memory per rank, kept for backward per
+layer and micro-batch in flight (`context_bytes`): attention's and QSA's gathered K and V ([B, S,
+kv_heads / tp, head_dim] each), QSA's gathered raw indexer keys ([B, S, D_i]) and its selections
+([B, S/cp, budget/r] blocks and [B, S/cp, budget + r - 1] slots, int64), GDN's exchanged states and
+augmented value columns, and the conv halos (GDN: kernel - 1 rows of its conv input; PLE:
+(ple_conv_kernel - 1) x ngram_size rows of the hc x H stream). Transient, once: QSA's streamed
+top-k, one block of `QSA_STREAM_ELEMS` scores (fp32) and their sort keys (int64), never the [S/cp x
+S/r] matrix. """
 
 from __future__ import annotations
 
