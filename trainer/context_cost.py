@@ -20,7 +20,8 @@ kv_heads / tp, head_dim] each), QSA's gathered raw indexer keys ([B, S, D_i]) an
 augmented value columns, and the conv halos (GDN: kernel - 1 rows of its conv input; PLE:
 (ple_conv_kernel - 1) x ngram_size rows of the hc x H stream). Transient, once: QSA's streamed
 top-k, one block of `QSA_STREAM_ELEMS` scores (fp32) and their sort keys (int64), never the [S/cp x
-S/r] matrix. """
+S/r] matrix.
+"""
 
 from __future__ import annotations
 
