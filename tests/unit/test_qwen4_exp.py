@@ -273,9 +273,11 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
         spec = generate(agreeing, [prompt], 10, 2)
     assert spec.outputs[0] == theirs
     assert spec.stats.accepted_at[0].min() > 0, spec.stats.accepted_at  # at both depths
-    # ... and the exported directory imports back with its MTP drafter
+    # ... and the exported directory imports back with its MTP drafter, drafting the K=2 its one
+    # layer was trained at (config.json's tandem_mtp_num_steps)
     back, bcfg = load_hf_model(str(out))
-    assert bcfg.mtp.num_steps == 1 and bcfg.mtp.resolved_combine(bcfg.model) == "qwen4_exp"
+    assert (bcfg.mtp.num_steps, bcfg.mtp.num_layers) == (2, 1)
+    assert bcfg.mtp.resolved_combine(bcfg.model) == "qwen4_exp"
     for name, p in back.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[name]), name
 
