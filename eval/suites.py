@@ -153,6 +153,8 @@ def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict],
                    limit: int) -> Tuple[List[List[int]], int]:
     """(token ids of each prompt, how many were cut to their last `limit` tokens). Chat prompts use
     the chat template (data_pipeline/prompts.tokenize_prompts), or their text when there is none.
+    A cut prompt keeps the tokenizer's leading ids (`start_ids`: a Llama or DeepSeek tokenizer's
+    BOS) before its last tokens: without them every long prompt was one no model is served.
     ValueError when `limit` leaves no room (row[-0:] would keep the whole prompt)."""
     if limit < 1:
         raise ValueError(f"no room for a prompt: {limit} tokens")
@@ -165,7 +167,17 @@ def tokenize_suite(prompts: List[SuitePrompt], tok, chat: Optional[dict],
         as_prompts.append(Prompt(p.where, value))
     _, ids = tokenize_prompts(as_prompts, tok, chat, 1 << 62, "")
     cut = sum(len(row) > limit for row in ids)
-    return [row[-limit:] for row in ids], cut
+    lead = list(getattr(tok, "start_ids", []))
+    return [_last_tokens(row, limit, lead) for row in ids], cut
+
+
+def _last_tokens(row: List[int], limit: int, lead: List[int]) -> List[int]:
+    """`row` cut to `limit` tokens: its leading `lead` ids (when it starts with them and they leave
+    room) and then its last tokens."""
+    if len(row) <= limit:
+        return row
+    keep = lead if lead and row[:len(lead)] == lead and len(lead) < limit else []
+    return keep + row[len(row) - (limit - len(keep)):]
 
 
 def _subset(stats, rows: List[int]):

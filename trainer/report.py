@@ -103,7 +103,9 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            # NaN / Infinity (another writer's: Tandem writes null) read as missing: a NaN final
+            # evaluation hid the run's last finite one behind "an interval without width"
+            rec = json.loads(line, parse_constant=lambda _: None)
         except json.JSONDecodeError:
             if number == len(lines):  # a last line torn by a crash mid-write
                 continue

@@ -139,3 +139,20 @@ def test_a_run_whose_last_step_was_skipped_reports(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert report_main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
     assert "1.5000" in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_a_non_finite_figure_from_another_writer_reads_as_missing(tmp_path):
+    """Tandem writes a non-finite figure as null; a metrics.jsonl from another writer (a wandb
+    export) may hold NaN. Its last evaluation read NaN [NaN, NaN] and hid the run's finite one
+    before it; it now reads as missing, as null does."""
+    from tandem.trainer.report import read_run
+    from tandem.trainer.report_stats import final_rows
+
+    key = "eval/acceptance_length"
+    lines = [json.dumps({"step": 10, key: 2.5, f"{key}_lo95": 2.25, f"{key}_hi95": 2.75}),
+             '{"step": 20, "%s": NaN, "%s_lo95": NaN, "%s_hi95": NaN}' % (key, key, key)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run = read_run(str(tmp_path))
+    assert run.records[1][key] is None
+    (row,) = final_rows([run], [key])
+    assert (row.step, row.value, row.lo, row.hi) == (10, 2.5, 2.25, 2.75)
