@@ -50,9 +50,9 @@ def _scan(root: str, whole_saves: bool = False) -> Tuple[List[Tuple[int, str]], 
     for name in os.listdir(root):
         path = os.path.join(root, name)
         match = _STEP_DIR.match(name)
-        if match and (is_complete(path) or whole_saves and _whole_save(path)):
-            rank = ("", ".tmp_", ".stale_").index(match.group(1) or "") + 3 * (
-                not is_complete(path))
+        marked = match is not None and is_complete(path)
+        if match and (marked or whole_saves and _whole_save(path)):
+            rank = ("", ".tmp_", ".stale_").index(match.group(1) or "") + 3 * (not marked)
             step = int(match.group(2))
             if step not in best or rank < best[step][0]:
                 best[step] = (rank, path)

@@ -262,16 +262,16 @@ def _checked_sbatch_arg(extra: str, written: List[str]) -> str:
             given.append(f"-{letter}")
             if letter not in SHORT_FLAGS:  # the rest is its value
                 break
-    written = {d.split("=")[0] for d in written}
+    options = {d.split("=")[0] for d in written}
     # the time limit always comes through --time, which the checkpoint signal is checked against
     # (one given here let USR1@120 arrive at once in a 1-minute job: a step, a requeue, again)
-    for option in (written | {"--time"}) & SCRIPT_OPTIONS.keys():
+    for option in (options | {"--time"}) & SCRIPT_OPTIONS.keys():
         spellings, flag = SCRIPT_OPTIONS[option]
         for name in given:
             if any(s == name or (name.startswith("--") and s.startswith(name))
                    for s in (option, *spellings)):
                 how = f"use {flag}" if flag else "the launcher needs its own value"
-                what = ("which the script already sets" if option in written else
+                what = ("which the script already sets" if option in options else
                         "which the launcher checks --signal-seconds against")
                 raise LaunchError(f"--sbatch-arg {extra!r} contradicts {option}, {what} ({how})")
     return extra

@@ -68,9 +68,9 @@ _signal_name: Optional[str] = None
 
 def _handler(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
     global _requested, _signal_name
-    if _LEVELS.get(signum, STOP) >= _requested:
-        _requested = _LEVELS.get(signum, STOP)
-        _signal_name = signal.Signals(signum).name
+    level = _LEVELS.get(signum, STOP)
+    if level >= _requested:
+        _requested, _signal_name = level, signal.Signals(signum).name
 
 
 def install_preemption_handler(signals: Iterable[signal.Signals] = PREEMPTION_SIGNALS) -> dict:

@@ -3,6 +3,7 @@ bit."""
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -16,6 +17,23 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.ya
 def records(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def signal_after_step(monkeypatch, at: int, sig: signal.Signals) -> None:
+    """This process gets `sig` once optimizer step `at` is done, as a rank does from Slurm; called
+    again, it replaces the signal set before."""
+    from tandem.trainer import loop
+
+    optimizer_step = getattr(loop.optimizer_step, "unsignalled", loop.optimizer_step)
+
+    def step_then_signal(run, step):
+        out = optimizer_step(run, step)
+        if out[0] == at:
+            os.kill(os.getpid(), sig)
+        return out
+
+    step_then_signal.unsignalled = optimizer_step
+    monkeypatch.setattr(loop, "optimizer_step", step_then_signal)
 
 
 @pytest.mark.slow
@@ -158,20 +176,10 @@ def test_a_refused_requeue_fails_the_job_naming_the_checkpoint(tiny_overrides, t
     """Slurm may refuse `scontrol requeue` (after the time limit, a job not requeueable): the run
     said it had asked for a requeue and exited 0, so Slurm marked the job COMPLETED with its
     training unfinished. It now exits 4 with a line saying so, its checkpoint kept."""
-    import signal
-
-    from tandem.trainer import loop, preemption
+    from tandem.trainer import preemption
     from tandem.trainer.cli import main
 
-    optimizer_step = loop.optimizer_step
-
-    def step_then_signal(run, step):
-        out = optimizer_step(run, step)
-        if out[0] == 1:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return out
-
-    monkeypatch.setattr(loop, "optimizer_step", step_then_signal)
+    signal_after_step(monkeypatch, 1, signal.SIGUSR1)
     monkeypatch.setattr(preemption, "requeue_current_job", lambda: False)
     monkeypatch.setenv("SLURM_JOB_ID", "907")
     run_dir = tmp_path / "run"
@@ -192,13 +200,11 @@ def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides
     while the copy was replaced) and asks Slurm to requeue it. The signal during a run's last step:
     it finishes with its final checkpoint and asks for no requeue (Slurm would run the finished job
     again)."""
-    import signal
-
-    from tandem.trainer import checkpoint, loop, preemption
+    from tandem.trainer import checkpoint, preemption
 
     requeues, saves = [], []
     monkeypatch.setattr(preemption, "requeue_current_job", lambda: requeues.append(True))
-    save, optimizer_step = checkpoint.CheckpointWriter.save, loop.optimizer_step
+    save = checkpoint.CheckpointWriter.save
 
     def counted_save(self, step, *args, **kwargs):
         saves.append(step)
@@ -206,13 +212,7 @@ def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides
 
     monkeypatch.setattr(checkpoint.CheckpointWriter, "save", counted_save)
     for signalled, name in ((2, "stopped"), (4, "finished")):
-        def step_then_signal(run, step, at=signalled):
-            out = optimizer_step(run, step)
-            if out[0] == at:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return out
-
-        monkeypatch.setattr(loop, "optimizer_step", step_then_signal)
+        signal_after_step(monkeypatch, signalled, signal.SIGUSR1)
         del requeues[:], saves[:]
         cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=2",
                                                     f"run.dir={tmp_path / name}"])
@@ -222,13 +222,7 @@ def test_preemption_saves_once_and_a_finished_run_is_not_requeued(tiny_overrides
 
     # SIGTERM (a plain scancel, the scheduler's preemption) checkpoints and stops: it requeued the
     # job, so `scancel` put it back in the queue
-    def step_then_sigterm(run, step):
-        out = optimizer_step(run, step)
-        if out[0] == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(loop, "optimizer_step", step_then_sigterm)
+    signal_after_step(monkeypatch, 1, signal.SIGTERM)
     del requeues[:], saves[:]
     capsys.readouterr()
     cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=2",

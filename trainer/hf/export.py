@@ -99,7 +99,7 @@ def export_main(argv: List[str]) -> int:
         step = resolve_checkpoint(args.checkpoint)
         ref = read_reference(step)
         # before the frozen trunk's fingerprint is computed (check_reference hashes it)
-        check_out(args.out, args.overwrite, _read_dirs(step, ref))
+        check_out(args.out, args.overwrite, _read_dirs(step))
         cfg = load_config(os.path.join(step, "config.yaml"))
         if ref is not None:
             check_reference(ref, step)
@@ -181,7 +181,7 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
                   _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
 
     _write_export_dir(out, overwrite, tokenizer, fill, cfg.vocab_size,
-                      _read_dirs(step_dir, read_reference(step_dir)))
+                      _read_dirs(step_dir))
     return family
 
 
@@ -190,16 +190,13 @@ def _checkpoint_sources(step_dir: str, cfg: ModelConfig, mtp: MTPConfig, spec,
     """The checkpoint's tensors, and those it lacks from its `model.init_from` reference, which
     may itself be a frozen-trunk checkpoint (a fine-tune of a fine-tune: its own reference then
     holds the trunk), as training loads them (init_from.load_tandem_weights)."""
-    sources, ref = _dcp_sources(step_dir), read_reference(step_dir)
-    while ref is not None:
+    sources = _dcp_sources(step_dir)
+    for link, (holder, ref) in enumerate(_trunk_chain(step_dir)):
+        if link:  # the first link is checked before the export starts
+            check_reference(ref, holder)
         rest = [n for n in names if n not in sources]
-        if is_hf_dir(ref["path"]):
-            extra, ref = _hf_sources(ref["path"], cfg, mtp, rest), None
-        else:
-            extra, nested = _dcp_sources(ref["path"]), read_reference(ref["path"])
-            if nested is not None:  # the first link is checked before the export starts
-                check_reference(nested, ref["path"])
-            ref = nested
+        extra = (_hf_sources(ref["path"], cfg, mtp, rest) if is_hf_dir(ref["path"])
+                 else _dcp_sources(ref["path"]))
         sources.update({n: extra[n] for n in rest if n in extra})
     # tensors the family has no name for (a softmax router's correction bias) need no source
     missing = [n for n in names if n not in sources and hf_name(n, cfg, mtp, spec) is not None]
@@ -374,16 +371,28 @@ _EXPORT_FILES = re.compile(r"config\.json|model(-\d+-of-\d+)?\.safetensors|"
                            r"generation_config\.json")
 
 
-def _read_dirs(step_dir: str, ref: Optional[dict]) -> Dict[str, str]:
+def _trunk_chain(step_dir: str) -> List[Tuple[str, dict]]:
+    """(checkpoint, its frozen-trunk reference) from `step_dir` on: a frozen trunk may be a
+    frozen-trunk fine-tune again, whose own reference then holds the trunk; empty for a whole
+    checkpoint."""
+    chain, holder, ref = [], step_dir, read_reference(step_dir)
+    while ref is not None:
+        chain.append((holder, ref))
+        holder = ref["path"]
+        ref = None if is_hf_dir(holder) else read_reference(holder)
+    return chain
+
+
+def _read_dirs(step_dir: str) -> Dict[str, str]:
     """What exporting `step_dir` reads, by what it is: the run a `RUN/checkpoints/step_<N>` belongs
-    to (a lone step directory: itself), and a frozen-trunk checkpoint's `model.init_from`."""
+    to (a lone step directory: itself), and each frozen trunk's `model.init_from` on its way to
+    the trunk."""
     step_dir = os.path.abspath(step_dir)
     parent = os.path.dirname(step_dir)
     found = ({"the checkpoint's run directory": os.path.dirname(parent)}
              if os.path.basename(parent) == "checkpoints" else {"the checkpoint": step_dir})
-    while ref is not None:  # a frozen trunk may hold its trunk in another checkpoint again
-        found[f"its frozen trunk (model.init_from){' of that' * (len(found) - 1)}"] = ref["path"]
-        ref = None if is_hf_dir(ref["path"]) else read_reference(ref["path"])
+    for link, (_, ref) in enumerate(_trunk_chain(step_dir)):
+        found[f"its frozen trunk (model.init_from){' of that' * link}"] = ref["path"]
     return found
 
 
