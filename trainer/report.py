@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 from .files import write_replacing
-from .report_stats import differences, ema, final_rows, html_tables, interval, shifts, text_table
+from .report_stats import compare_runs, ema, final_rows, html_tables, interval, shifts, text_table
 
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
 POS_RE = re.compile(
@@ -422,7 +422,7 @@ def write_report(runs: Sequence[Run], out_dir: str, ema_span: int = DEFAULT_EMA_
         sections.append("<p>No evaluator records: these runs had <code>eval.interval=0</code> or "
                         "no MTP module.</p>")
     finals = final_rows(runs, final_keys(runs))
-    diffs = differences(finals) if len(runs) > 1 else []
+    diffs = compare_runs(runs, final_keys(runs))
     tables = html_tables(finals, diffs, html.escape)
     page = (
         "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Tandem report</title>\n"

@@ -7,8 +7,8 @@ the evaluations that moved, and which runs' final figures differ.
   figure;
 * `shifts`: evaluations whose interval does not overlap the previous evaluation's (a change a reader
   can trust; overlapping intervals do not prove there is none);
-* `final_rows` / `differences`: the last evaluation of each overlaid run with its interval, and a
-  test of each pair of runs' difference.
+* `final_rows` / `compare_runs`: the last evaluation of each overlaid run with its interval, and a
+  test of each pair of runs' difference at the last step both evaluated (`differences`).
 
 The test of a difference. Non-overlapping 95% intervals is a valid but conservative test (two
 intervals can overlap while the difference is significant at 5%: it rejects at about 0.6% for equal
@@ -76,14 +76,32 @@ class Final:
         return (self.hi - self.lo) / 2 / Z95
 
 
+def _final_at(run, key: str, step: Optional[int] = None) -> Optional[Final]:
+    """`run`'s evaluation of `key` at `step` (its last one there: a resumed run may log a step
+    twice), or its last evaluation when `step` is None; None when it logged none."""
+    steps, values, lo, hi = interval(run, key)
+    if not steps:
+        return None
+    i = len(steps) - 1 if step is None else len(steps) - 1 - steps[::-1].index(step)
+    return Final(run.label, key, steps[i], values[i], lo[i], hi[i])
+
+
 def final_rows(runs, keys: Sequence[str]) -> List[Final]:
     """The last evaluation of each `key` in each run that logged it with an interval."""
+    return [f for key in keys for run in runs if (f := _final_at(run, key)) is not None]
+
+
+def compare_runs(runs, keys: Sequence[str]) -> List["Difference"]:
+    """Each pair of runs' figures compared at the last step both evaluated: a run stopped at step
+    500 and one trained on to 750 differ by the 250 steps as much as by what the runs vary, so they
+    are compared at 500; a pair with no step in common is reported untested."""
     out = []
     for key in keys:
-        for run in runs:
-            steps, values, lo, hi = interval(run, key)
-            if steps:
-                out.append(Final(run.label, key, steps[-1], values[-1], lo[-1], hi[-1]))
+        logged = [run for run in runs if interval(run, key)[0]]
+        for a, b in itertools.combinations(logged, 2):
+            common = set(interval(a, key)[0]) & set(interval(b, key)[0])
+            step = max(common) if common else None
+            out += differences([_final_at(a, key, step), _final_at(b, key, step)])
     return out
 
 
@@ -97,7 +115,7 @@ class Difference:
     diff: float
     """b - a."""
     p: float
-    """Two-sided p of the normal test (module docstring)."""
+    """Two-sided p of the normal test (module docstring); NaN when untested."""
     overlap: bool
     """Whether the two 95% intervals overlap (the conservative check)."""
 
@@ -107,11 +125,12 @@ class Difference:
 
 
 def _p_value(a: Final, b: Final) -> float:
-    """NaN when either interval has zero width: prompts with identical counts (all drafts accepted,
+    """NaN for figures of different steps (`compare_runs`), and when either interval has zero
+    width: prompts with identical counts (all drafts accepted,
     none accepted) show no spread, which says nothing of that figure's uncertainty (one side's
     se of 0 made a two-prompt evaluation at 4.0 differ from 3.90 +- 0.05 at p = 9e-5)."""
     se = math.hypot(a.se, b.se)
-    if a.se == 0 or b.se == 0:
+    if a.step != b.step or a.se == 0 or b.se == 0:
         return math.nan
     return 2 * (1 - NormalDist().cdf(abs(b.value - a.value) / se))
 
@@ -130,12 +149,19 @@ def differences(finals: Sequence[Final]) -> List[Difference]:
 
 def verdict(d: Difference) -> str:
     """One phrase for the table: which run is ahead and whether it is significant."""
+    if d.a.step != d.b.step:
+        return f"untested: evaluated at different steps ({d.a.step}, {d.b.step})"
     if math.isnan(d.p):
         return "untested: an interval without width"
     if not d.significant:
         return "not significant"
     ahead = d.b.run if d.diff > 0 else d.a.run
     return f"significant: {ahead} higher" + ("" if d.overlap else " (intervals do not overlap)")
+
+
+def _steps(d: Difference) -> str:
+    return (f"step {d.a.step}" if d.a.step == d.b.step
+            else f"steps {d.b.step} - {d.a.step}")
 
 
 def text_table(finals: Sequence[Final], diffs: Sequence[Difference]) -> str:
@@ -146,7 +172,8 @@ def text_table(finals: Sequence[Final], diffs: Sequence[Difference]) -> str:
     if diffs:
         lines.append(f"differences (normal test on the intervals' half-widths, level {ALPHA:g}):")
     for d in diffs:
-        lines.append(f"  {d.key}  {d.b.run} - {d.a.run} = {d.diff:+.3f}  p={d.p:.3g}  {verdict(d)}")
+        lines.append(f"  {d.key}  {d.b.run} - {d.a.run} = {d.diff:+.3f}  {_steps(d)}  p={d.p:.3g}  "
+                     f"{verdict(d)}")
     return "\n".join(lines)
 
 
@@ -174,8 +201,9 @@ def html_tables(finals: Sequence[Final], diffs: Sequence[Difference], escape) ->
                   f"{ALPHA:g}. Runs are treated as independent, which is conservative for runs "
                   "evaluated on the "
                   "same prompts.</p>",
-                  table(["figure", "runs", "difference", "p", "verdict"],
-                        [[d.key, f"{d.b.run} - {d.a.run}", f"{d.diff:+.3f}", f"{d.p:.3g}",
+                  table(["figure", "runs", "at", "difference", "p", "verdict"],
+                        [[d.key, f"{d.b.run} - {d.a.run}", _steps(d), f"{d.diff:+.3f}",
+                          f"{d.p:.3g}",
                           verdict(d)]
                          for d in diffs])]
     return "\n".join(parts)

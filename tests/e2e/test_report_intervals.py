@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 
 import pytest
@@ -114,6 +115,28 @@ def test_difference_test_units():
     # nor one: two prompts that accepted every draft against a measured 3.90 +- 0.05
     (one,) = differences([Final("a", "k", 1, 4.0, 4.0, 4.0), Final("b", "k", 1, 3.9, 3.85, 3.95)])
     assert not one.significant and verdict(one).startswith("untested")
+
+
+def test_runs_are_compared_at_the_last_step_both_evaluated():
+    """A run stopped at step 20 was tested against another's step-30 figure: the gap training
+    opens in those steps read as the runs' difference."""
+    from tandem.trainer.report import Run
+    from tandem.trainer.report_stats import compare_runs, verdict
+
+    def run(label, evals):
+        key = "eval/acceptance_length"
+        return Run(label, label, [{"step": s, key: v, f"{key}_lo95": v - 0.1,
+                                   f"{key}_hi95": v + 0.1} for s, v in evals], {})
+
+    long = run("long", [(10, 2.0), (20, 2.05), (30, 2.6)])
+    short = run("short", [(10, 2.0), (20, 2.0)])
+    other = run("other", [(15, 2.0)])
+    same, never, never_too = compare_runs([long, short, other], ["eval/acceptance_length"])
+    assert (same.a.step, same.b.step) == (20, 20)
+    assert same.diff == pytest.approx(-0.05) and verdict(same) == "not significant"
+    assert (never.a.step, never.b.step) == (30, 15) and math.isnan(never.p)
+    assert verdict(never) == "untested: evaluated at different steps (30, 15)"
+    assert verdict(never_too).startswith("untested: evaluated at different steps")
 
 
 def test_summary_shows_the_lambda_schedule_and_the_losses_their_objective():
