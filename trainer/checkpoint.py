@@ -113,8 +113,10 @@ class CheckpointWriter:
     """Writes checkpoints synchronously or, with `async_save`, through DCP's async_save: the call
     blocks only while the state is copied to host memory, and the shards are written by a background
     thread. At most one save is in flight; it is committed (marker written last, directory renamed
-    into place, old ones pruned) by `finish()`, which the next `save()` and the end of training
-    call, so an interrupted background write leaves only an ignored `.tmp_step_<N>/`."""
+    into place, old ones pruned) once written (`publish_written()`, which the loop calls every step)
+    or at the latest by `finish()`, which the next `save()` and the end of training call, so an
+    interrupted background write leaves only a `.tmp_step_<N>/` (committed at the resume when whole,
+    checkpoint_dirs.settle_saves)."""
 
     def __init__(self, run_dir: str, keep_last: int = 0, async_save: bool = False,
                  reference: Optional[dict] = None, tokenizer: Optional[TandemTokenizer] = None):
@@ -128,6 +130,8 @@ class CheckpointWriter:
         # trainer/hf/init_from.py).
         self.reference = reference
         self.pending = None
+        self.published = False
+        """Whether the save in flight is committed already (`publish_written`)."""
         self._gloo_group = None
 
     def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -166,7 +170,7 @@ class CheckpointWriter:
         write_synced(os.path.join(tmp, "rng", f"rank{_rank()}.pt"), rng.getvalue())
         if _rank() == 0:  # before the shards: DCP's index, written after them, then means whole
             self._write_metadata(tmp, step, config_yaml, trainer_state)
-        self.pending = (self._write_shards(state, step, tmp), step, tmp)
+        self.pending, self.published = (self._write_shards(state, step, tmp), step, tmp), False
         if not self.async_save:
             self.finish()
         return os.path.join(root, f"step_{step}")
@@ -202,6 +206,21 @@ class CheckpointWriter:
         except CheckpointException as exc:
             raise OSError(_save_failure(self.run_dir, step, tmp, exc, background)) from None
 
+    def publish_written(self) -> None:
+        """Commit the save in flight if it is written, without waiting and without a collective:
+        on rank 0 only, whose DCP save ends after DCP wrote its index, which it writes once every
+        rank's shards are written (the other ranks' state files precede their shards). A
+        checkpoint then shows as complete (to `tandem eval`, a watcher, keep_last) a few steps after
+        its save began, not a checkpoint interval later. A failed write is left to `finish()`,
+        which raises it on every rank."""
+        if self.pending is None or self.published or _rank() != 0:
+            return
+        future, step, tmp = self.pending
+        if future is None or not future.done() or future.exception() is not None:
+            return
+        self._publish(tmp, step)
+        self.published = True
+
     def finish(self) -> Optional[str]:
         """Wait for the save in flight (if any) on every rank, then commit it. Collective."""
         if self.pending is None:
@@ -213,7 +232,7 @@ class CheckpointWriter:
                 future.result()
         _barrier()
         final = os.path.join(checkpoints_root(self.run_dir), f"step_{step}")
-        if _rank() == 0:
+        if _rank() == 0 and not self.published:
             self._publish(tmp, step)
         _barrier()
         return final

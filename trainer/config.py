@@ -364,10 +364,10 @@ class CheckpointConfig:
     """Save a checkpoint when training ends."""
     async_save: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint async_save): training waits
-    only for the copy to host memory; the checkpoint becomes visible (complete) at the next save or
-    at the end of training, or, after a crash, at the resume, once its shards were all written. On
-    when saves are large and frequent enough to stall training (cluster
-    runs) and host memory holds one more copy of the rank's state; off for small runs and tests."""
+    only for the copy to host memory; the checkpoint becomes visible (complete) at the first step
+    after its shards are all written (or, after a crash, at the resume). On when saves are large
+    and frequent enough to stall training (cluster runs) and host memory holds one more copy of the
+    rank's state; off for small runs and tests."""
 
     def validate(self, cfg: "TandemConfig") -> None:
         require("checkpoint", self, [

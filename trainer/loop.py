@@ -159,6 +159,7 @@ def run_training(run: Run) -> Optional[dict]:
                 and step < t.max_steps
             ):
                 run.save(step)
+            run.checkpoints.publish_written()
             level = preemption.agree_preemption() if step < t.max_steps else 0  # finished: ends
             if level:
                 _preempt(run, step, requeue=level == preemption.REQUEUE)

@@ -97,3 +97,33 @@ def test_an_ascend_runs_rng_state_resumes_on_a_machine_without_npus(tmp_path):
     torch.manual_seed(0)
     assert ckpt.load_checkpoint(final, model, optimizer)["step"] == 1
     assert torch.equal(torch.rand(3), want)
+
+
+def test_an_async_save_is_committed_once_written_not_at_the_next_save(tmp_path):
+    """An async save was committed only by the next save or the end of training: a checkpoint
+    interval after it was written, `tandem eval`, a watcher or keep_last did not see it. Now the
+    first `publish_written()` after its write commits it, once; a save still being written and a
+    failed one are left to `finish()`."""
+    from concurrent.futures import Future
+
+    from tandem.trainer import checkpoint as ckpt
+    from tandem.trainer.checkpoint_dirs import list_checkpoints
+
+    model = torch.nn.Linear(4, 4)
+    writer = ckpt.CheckpointWriter(str(tmp_path), keep_last=1, async_save=True)
+    for step in (1, 2):
+        writer.save(step, model, None, "a: 1\n", {})
+        writer.pending[0].result()  # the background write, done
+        assert [s for s, _ in list_checkpoints(str(tmp_path))[0]] == [step - 1] * (step > 1)
+        writer.publish_written()
+        assert [s for s, _ in list_checkpoints(str(tmp_path))[0]] == [step]  # keep_last pruned 1
+        writer.publish_written()
+    assert writer.finish() == os.path.join(str(tmp_path), "checkpoints", "step_2")
+    assert [s for s, _ in list_checkpoints(str(tmp_path))[0]] == [2]
+    # in flight, or failed: not committed here
+    running, failed = Future(), Future()
+    failed.set_exception(OSError("disk full"))
+    for future in (running, failed):
+        writer.pending, writer.published = (future, 3, str(tmp_path / "x")), False
+        writer.publish_written()
+        assert not writer.published and [s for s, _ in list_checkpoints(str(tmp_path))[0]] == [2]
