@@ -502,6 +502,22 @@ def test_init_from_partial_shard(ctx, sharded_export, tmp_path):
               f"checkpoint shard {shard} is partial")
 
 
+def test_init_from_shard_without_a_tensor_its_index_maps_to_it(ctx, sharded_export, tmp_path):
+    """A shard of another revision (or a partial copy) that lacks a tensor the index names: a
+    KeyError traceback naming only the tensor, after the data was built and the model allocated."""
+    from safetensors.torch import load_file, save_file
+
+    hf = str(tmp_path / "hf")
+    shutil.copytree(sharded_export, hf)
+    shard = os.path.join(hf, _shards(hf)[-1])
+    tensors = load_file(shard)
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, shard)
+    line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"],
+                     "maps 1 tensor(s) to shards that do not hold them")
+    assert dropped in line and os.path.basename(shard) in line
+
+
 def test_finetune_with_another_tokenizer_than_the_checkpoint(ctx, sharded_export, dataset):
     other = dataset + ".tokenizer.json"
     line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={sharded_export}",

@@ -74,8 +74,9 @@ class CheckpointReader:
         self._check_scales()
 
     def _check_files(self) -> None:
-        """A shard named by the index but absent, or shorter than its header says (a partial copy or
-        download), fails here, naming the file, before any tensor is read."""
+        """A shard named by the index but absent, shorter than its header says (a partial copy or
+        download) or without a tensor the index maps to it (a shard of another revision) fails
+        here, naming the file, before any tensor is read."""
         for file in sorted(set(self._files.values()) - {f for k, f in self._files.items()
                                                         if k in self._pickled}):
             if not os.path.isfile(file):
@@ -87,15 +88,21 @@ class CheckpointReader:
             if size < end:
                 raise CheckpointError(f"checkpoint shard {file} is partial: {size} bytes, its "
                                       f"header describes {end}")
+        lacking = sorted(k for k, file in self._files.items()
+                         if k not in self._pickled and k not in self._header(file)[1])
+        if lacking:
+            raise CheckpointError(
+                f"{self.path}/model.safetensors.index.json maps {len(lacking)} tensor(s) to "
+                f"shards that do not hold them, first {lacking[0]} to "
+                f"{os.path.basename(self._files[lacking[0]])} (a shard of another revision, or a "
+                "partial copy?)")
 
     def _check_scales(self) -> None:
         """Every float8 weight has a scale, one per block of config.json's block size: a weight
         without one would load as its raw FP8 codes, a grid of another shape scale the wrong
-        blocks. Headers only (a key its shard lacks is named when it is read)."""
+        blocks. Headers only."""
         scales = set(self._scales.values())
         for key in sorted(set(self._files) - scales):
-            if key not in self._pickled and key not in self._header(self._files[key])[1]:
-                continue
             if self._stored_dtype(key) in _FP8 and key not in self._scales:
                 raise CheckpointError(
                     f"{self.path}: weight {key} is stored in float8 without its {key}{_SCALE}"
