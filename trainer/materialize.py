@@ -34,7 +34,7 @@ from tandem.models import TandemModel
 from . import safe_dcp
 from .checkpoint_dirs import resolve_checkpoint
 from .config_checks import ConfigError
-from .hf.importer import load_hf_weights
+from .hf.importer import check_hf_weights, load_hf_weights
 from .hf.init_from import MTP_WIRING, checkpoint_model_config, is_hf_dir, load_initial_weights
 from .parallel import parallelize_model
 from .parallel.device import frozen_dtype
@@ -57,6 +57,10 @@ def build_sharded_model(cfg, pstate, device: Optional[torch.device] = None) -> n
     with torch.device("meta"):
         model = TandemModel(cfg.model, cfg.mtp, distill=cfg.train.distill)
     if cfg.train.freeze_trunk:
+        if not cfg.model.init_from and pstate.is_main:
+            print("warning: train.freeze_trunk=true without model.init_from: the frozen trunk is "
+                  "its random initialisation (train.seed), and the MTP module learns to draft for "
+                  "it; set model.init_from to the checkpoint to fine-tune", file=sys.stderr)
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("mtp."))
         frozen = frozen_dtype(cfg, pstate.device)
@@ -141,6 +145,11 @@ def adopt_mtp_init_from(cfg) -> list:
         raise ConfigError(
             f"after taking the MTP module's wiring from mtp.init_from: {exc}"
         ) from None
+    if is_hf_dir(path):  # its MTP tensors' names and shapes, before the data and the model
+        try:
+            check_hf_weights(path, cfg.model, cfg.mtp, mtp_only=True)
+        except ValueError as exc:  # CheckpointError and the family checks' errors
+            raise ConfigError(f"config key 'mtp.init_from'={path!r}: {exc}") from None
     if changed and int(os.environ.get("RANK", "0")) == 0:
         print(f"mtp.init_from: MTP wiring from {cfg.mtp.init_from}: " + "; ".join(changed),
               file=sys.stderr)

@@ -89,6 +89,17 @@ def lr_at(cfg: TrainConfig, step: float) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def schedule_warning(cfg: TrainConfig) -> str:
+    """A warm-up as long as the run (a recipe shortened with train.max_steps keeps its
+    warmup_steps): the rate rises to the last step and never decays. Empty when the schedule
+    warms up and decays."""
+    if not 0 < cfg.max_steps <= cfg.warmup_steps:
+        return ""
+    return (f"warning: train.warmup_steps={cfg.warmup_steps} >= train.max_steps={cfg.max_steps}: "
+            f"the learning rate rises through the whole run to {lr_at(cfg, cfg.max_steps - 1):.3g} "
+            f"at its last step (train.lr={cfg.lr:g}) and never decays; lower train.warmup_steps")
+
+
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps")
 """The train.* keys that shape the LR schedule."""
 

@@ -42,9 +42,11 @@ from .config_checks import ConfigError
 from .cost import hardware_flops_per_token, teacher_head_passes, training_flops_per_token
 from .files import naming, write_replacing
 from .guard import BadStepGuard, rewind_headroom
+from .hf.importer import check_hf_weights
 from .hf.init_from import (
     adopt_checkpoint_config,
     check_reference,
+    is_hf_dir,
     make_reference,
     read_reference,
     resolve_init_from,
@@ -261,6 +263,8 @@ def adopt_init_from(cfg: TandemConfig, explicit: FrozenSet[str]) -> None:
             print(f"init_from: data.tokenizer={adopted} (the checkpoint's tokenizer)",
                   file=sys.stderr)
         adopt_checkpoint_config(cfg, explicit)
+        if is_hf_dir(source):  # each tensor's name and shape, before the data and the model
+            check_hf_weights(source, cfg.model, cfg.mtp)
     adopt_mtp_init_from(cfg)  # after the trunk's: the MTP module's wiring is mtp.init_from's
 
 

@@ -22,7 +22,7 @@ from tandem.models.layers import STEP_COUNTERS
 
 from .config import TandemConfig
 from .loss import combine_losses, loss_gradient, step_mean
-from .optim import build_optimizer
+from .optim import build_optimizer, schedule_warning
 from .parallel import ParallelState
 from .parallel.device import autocast_context
 from .qsa_training import IndexerTraining
@@ -35,6 +35,8 @@ class TrainStep:
         t = cfg.train
         self.cfg, self.model, self.pstate, self.device = cfg, model, pstate, pstate.device
         self.optimizer = build_optimizer(model, t)
+        if schedule_warning(t) and pstate.is_main:
+            print(schedule_warning(t), file=sys.stderr)
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules()
                            if hasattr(m, "router") and hasattr(m.router, "update_bias")]

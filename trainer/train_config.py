@@ -36,7 +36,8 @@ class TrainConfig:
     step counts (warmup_steps, decay_steps, max_steps) are steps of the run's first global batch,
     kept in checkpoints, so a resume under another global batch (layout, micro-batch, accumulation)
     keeps the LR in step with the tokens seen; while the global batch is unchanged a schedule step
-    is a step."""
+    is a step. A warm-up as long as the run (>= max_steps: a recipe shortened with train.max_steps)
+    never reaches lr nor decays; the run starts with a warning saying so."""
     decay_steps: int = 0
     """Cosine decay length after warm-up (steps of the first global batch, as warmup_steps); 0
     decays over the rest of max_steps, so a resume with another max_steps re-plans the decay (the
@@ -74,7 +75,8 @@ class TrainConfig:
     `model.init_from`, which resume, `tandem eval` and `tandem export` read the trunk from. Use it
     to add or improve a drafter on a released checkpoint without changing its outputs
     (recipes/finetune_mtp.yaml; memory stays near inference); false trains trunk and MTP jointly
-    (pretraining)."""
+    (pretraining). Without model.init_from the frozen trunk is its random initialisation (layout
+    tests use that); the run warns."""
     frozen_dtype: str = "auto"
     """dtype a frozen trunk (train.freeze_trunk) is stored in: `auto` = the compute dtype (bf16 when
     training bf16, fp32 otherwise), `bf16` or `fp32`. It never trains, so it needs no fp32 master.

@@ -518,6 +518,41 @@ def test_init_from_shard_without_a_tensor_its_index_maps_to_it(ctx, sharded_expo
     assert dropped in line and os.path.basename(shard) in line
 
 
+def _without_tensor(export, out, pick):
+    """A copy of the sharded export without the first tensor `pick` accepts (index and shard)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export, out)
+    index_file = os.path.join(out, "model.safetensors.index.json")
+    index = json.load(open(index_file))
+    name = sorted(k for k in index["weight_map"] if pick(k))[0]
+    shard = os.path.join(out, index["weight_map"].pop(name))
+    save_file({k: v for k, v in load_file(shard).items() if k != name}, shard)
+    json.dump(index, open(index_file, "w"))
+    return name
+
+
+@pytest.mark.parametrize("key", ["model.init_from", "mtp.init_from"])
+def test_init_from_without_a_tensor_fails_before_the_data_and_the_model(ctx, sharded_export,
+                                                                        tmp_path, monkeypatch,
+                                                                        key):
+    """A checkpoint that lacks one tensor was refused only once the data was built (every record
+    tokenised) and the model allocated: minutes into a real fine-tune."""
+    from tandem.trainer import run as run_module
+
+    hf = str(tmp_path / "hf")
+    trunk = key == "model.init_from"  # a trunk tensor; else one of the MTP layer's (layer 2)
+    name = _without_tensor(sharded_export, hf, lambda k: "layers.0." in k if trunk
+                           else ("mtp" in k or "layers.2." in k))
+
+    def built(*args, **kwargs):
+        raise AssertionError("the data was built before the checkpoint was checked")
+
+    monkeypatch.setattr(run_module, "build_datasets", built)
+    line = ctx.fails(["train", RECIPE, *ctx.base, f"{key}={hf}"], "missing tensors (1)")
+    assert name in line and (key == "model.init_from" or f"'{key}'" in line)
+
+
 def test_finetune_with_another_tokenizer_than_the_checkpoint(ctx, sharded_export, dataset):
     other = dataset + ".tokenizer.json"
     line = ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={sharded_export}",

@@ -78,6 +78,21 @@ def test_decay_steps_sets_the_cosine_length_apart_from_max_steps():
     assert lr_at(default, 7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 5 / 98)))
 
 
+def test_a_warm_up_as_long_as_the_run_is_named():
+    """tiny.yaml shortened to 20 steps kept its 30-step warm-up: the rate rose to the last step
+    (2e-3 of 3e-3) and never decayed, silently."""
+    from tandem.trainer.optim import schedule_warning
+
+    short = load_config(None, ["train.lr=3e-3", "train.warmup_steps=30", "train.max_steps=20"])
+    assert schedule_warning(short.train) == (
+        "warning: train.warmup_steps=30 >= train.max_steps=20: the learning rate rises through "
+        "the whole run to 0.002 at its last step (train.lr=0.003) and never decays; lower "
+        "train.warmup_steps")
+    for steps in ("31", "0"):  # a warm-up that ends, and a run of no step
+        ok = load_config(None, ["train.warmup_steps=30", f"train.max_steps={steps}"])
+        assert schedule_warning(ok.train) == ""
+
+
 def test_a_resume_says_when_it_changes_the_lr_schedule():
     """A resume with a longer train.max_steps re-plans the cosine (decay_steps 0), so an annealed
     run's LR rises again; a smaller global batch ends the run before its decay does. Both were

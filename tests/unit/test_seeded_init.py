@@ -49,9 +49,11 @@ def test_one_process_build_is_seeded_tied_and_initialised_by_rule():
     assert torch.allclose(rot.cos[5], torch.cat([5 * inv, 5 * inv]).cos())
 
 
-def test_frozen_trunk_is_kept_in_the_compute_dtype():
+def test_frozen_trunk_is_kept_in_the_compute_dtype(capsys):
     cfg = load_config(None, SHAPE + ["train.freeze_trunk=true", "train.dtype=bf16"])
     model = build_model(cfg, ParallelState(device=resolve_device("cpu")))
+    # no model.init_from (the fine-tuning recipes' default): a random trunk, said, not silent
+    assert "train.freeze_trunk=true without model.init_from" in capsys.readouterr().err
     for name, p in model.named_parameters():
         trains = name.startswith("mtp.")
         assert p.requires_grad == trains and p.dtype == (torch.float32 if trains

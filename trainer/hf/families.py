@@ -14,8 +14,9 @@ sigmoid router with `e_score_correction_bias`, group-limited routing, shared exp
   embedding-first order, `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm,
   `mtp.layers.0.*` = block, `mtp.norm` = final norm; Qwen3-Next's RMSNorms are zero-centred (`x * (1
   + w)`), so norm weights gain +1 on import and lose it on export for those model types.
-- Qwen3-Next / Qwen3.5 trunks (Gated DeltaNet linear attention, gated attention) and MLA attention
-  (DeepSeek-V2/V3) are rejected with a clear error.
+- Qwen3-Next / Qwen3.5 trunks (Gated DeltaNet linear attention, gated attention) are rejected with
+  a clear error (Qwen4-Exp's hybrid trunk imports: trainer/hf/qwen4_exp.py); DeepSeek-V3 / Kimi-K2's
+  MLA imports through trainer/hf/deepseek_v3.py.
 
 Names are mapped one tensor of this model -> a `Src` (one checkpoint key, or per-expert keys stacked
 along dim 0), so a reader can fetch any slice of a parameter without materialising the rest.

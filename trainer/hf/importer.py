@@ -178,41 +178,15 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
     init (`strict_mtp=True` makes their absence an error). `mtp_only`: the checkpoint is checked
     as a whole against this model's shape, but only its MTP tensors are read (an MTP refresh,
     `mtp.init_from`: the trunk is another's); their absence is an error."""
+    cfg = cfg or getattr(model, "cfg", None)
+    mtp = mtp or getattr(model, "mtp_cfg", None)
     hf = read_config(path)
-    detect_family(hf)
+    detect_family(hf)  # an unsupported family is named before any shard is opened
     own_reader = reader is None
     reader = reader or CheckpointReader(path, trust_pickle=trust_pickle)
     try:
-        keys = set(reader.keys())
-        spec = spec or detect_family(hf, list(keys))
-        base = getattr(model, "cfg", None)
-        cfg = cfg or base
-        mtp = mtp or getattr(model, "mtp_cfg", None)
-        want = model_config_from_hf(hf, spec, max_seq_len=cfg.max_seq_len)
-        _check_same_shape(want, cfg, path, mtp)
-        check_tokenizer(path, cfg.vocab_size)
-        full = meta_state(cfg, mtp)  # the whole model, even if this rank holds a part of it
-        report = LoadReport()
-        mtp_keys = {k for k in keys if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
-        has_mtp_weights = bool(mtp_keys)
-        if mtp_only and not has_mtp_weights:
-            raise CheckpointError(f"{path} holds no MTP weights ({spec.name} MTP tensors)")
-        needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp or mtp_only,
-                                 report)
-        if (
-            has_mtp_weights
-            and mtp is not None
-            and mtp.num_steps
-            and mtp.trunk_input != trunk_input_of(hf)
-        ):
-            raise CheckpointError(
-                f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but "
-                f"mtp.trunk_input={mtp.trunk_input!r}; "
-                f"set mtp.trunk_input={trunk_input_of(hf)}")
-        _check_names(path, keys, needed, mtp_keys, cfg, mtp, spec, report)
-        if mtp_only:
-            needed = {name: src for name, src in needed.items() if name.startswith("mtp.")}
-        _check_source_shapes(path, reader, needed, full)
+        spec, needed, full, report = _checked_sources(path, hf, reader, cfg, mtp, spec,
+                                                      strict_mtp, mtp_only)
         targets = local_tensors(model)
         _copy_local_shards(targets, reader, needed, full, report)
         # no correction bias in the family: routing must not use a stale one
@@ -225,6 +199,52 @@ def load_hf_weights(model: nn.Module, path: str, *, spec: Optional[FamilySpec] =
     finally:
         if own_reader:
             reader.close()
+
+
+def check_hf_weights(path: str, cfg: ModelConfig, mtp: Optional[MTPConfig], *,
+                     mtp_only: bool = False, trust_pickle: bool = False) -> None:
+    """Every check `load_hf_weights` makes before it reads a tensor (the family, the shape, the
+    tokenizer, each tensor's name and shape), from config.json and the shards' headers alone: a
+    fine-tune calls it before it builds its data and allocates its model, which a checkpoint that
+    lacks one tensor made it do first."""
+    hf = read_config(path)
+    detect_family(hf)
+    reader = CheckpointReader(path, trust_pickle=trust_pickle)
+    try:
+        _checked_sources(path, hf, reader, cfg, mtp, None, False, mtp_only)
+    finally:
+        reader.close()
+
+
+def _checked_sources(path: str, hf: dict, reader: CheckpointReader, cfg: ModelConfig,
+                     mtp: Optional[MTPConfig], spec: Optional[FamilySpec], strict_mtp: bool,
+                     mtp_only: bool) -> Tuple[FamilySpec, Dict[str, Src], Dict[str, torch.Size],
+                                              LoadReport]:
+    """(family, the source of each model tensor to read, the full model's shapes, the report so
+    far), once the checkpoint (its config.json `hf`) passed every check that needs no tensor
+    read."""
+    keys = set(reader.keys())
+    spec = spec or detect_family(hf, list(keys))
+    want = model_config_from_hf(hf, spec, max_seq_len=cfg.max_seq_len)
+    _check_same_shape(want, cfg, path, mtp)
+    check_tokenizer(path, cfg.vocab_size)
+    full = meta_state(cfg, mtp)  # the whole model, even if this rank holds a part of it
+    report = LoadReport()
+    mtp_keys = {k for k in keys if is_mtp_key(k, cfg) and not ignorable_key(k, cfg, spec)}
+    has_mtp_weights = bool(mtp_keys)
+    if mtp_only and not has_mtp_weights:
+        raise CheckpointError(f"{path} holds no MTP weights ({spec.name} MTP tensors)")
+    needed = _needed_sources(full, cfg, mtp, spec, has_mtp_weights, strict_mtp or mtp_only, report)
+    if has_mtp_weights and mtp is not None and mtp.num_steps and mtp.trunk_input != trunk_input_of(
+            hf):
+        raise CheckpointError(
+            f"{path}'s MTP weights read the {trunk_input_of(hf)} trunk state but "
+            f"mtp.trunk_input={mtp.trunk_input!r}; set mtp.trunk_input={trunk_input_of(hf)}")
+    _check_names(path, keys, needed, mtp_keys, cfg, mtp, spec, report)
+    if mtp_only:
+        needed = {name: src for name, src in needed.items() if name.startswith("mtp.")}
+    _check_source_shapes(path, reader, needed, full)
+    return spec, needed, full, report
 
 
 def _needed_sources(full: Dict[str, torch.Size], cfg: ModelConfig, mtp: Optional[MTPConfig],
