@@ -26,6 +26,13 @@ def rewind_headroom(train_cfg, steps: int) -> int:
     return train_cfg.max_skips * -(-int(steps) // train_cfg.skip_window)
 
 
+def depth_loss_sum(record: dict) -> float:
+    """The step's losses summed over its depths with weight 1, what spikes are judged on: the
+    trained loss weighs the MTP depths by mtp.loss.lambda, and a schedule that raises it
+    (lambda_after) made every later step a spike against the mean of the steps before."""
+    return sum(v for k, v in record.items() if k == "loss/main" or k.startswith("loss/mtp_"))
+
+
 class BadStepHalt(RuntimeError):
     """Training stopped on a bad step; the message is the report."""
 
@@ -50,13 +57,14 @@ class BadStepGuard:
         """What the guard's next decisions depend on: a resumed run spots the same spikes and
         counts the same bad steps towards `train.max_skips` as the run it continues."""
         return {"bad_steps_total": self.total_bad, "bad_steps_recent": list(self.bad_steps),
-                "recent_losses": list(self.recent_losses)}
+                "recent_depth_losses": list(self.recent_losses)}
 
     def load_state(self, state: dict) -> None:
         self.total_bad = int(state.get("bad_steps_total", 0))
         self.bad_steps = [int(s) for s in state.get("bad_steps_recent", [])]
         self.recent_losses.clear()
-        self.recent_losses.extend(float(v) for v in state.get("recent_losses", []))
+        # an older checkpoint holds lambda-weighted `recent_losses`: not comparable, left to refill
+        self.recent_losses.extend(float(v) for v in state.get("recent_depth_losses", []))
 
     # -- per-step decision ---------------------------------------------------------------------
     def reason(self, record: dict, grad_norm: float) -> str:
@@ -67,16 +75,16 @@ class BadStepGuard:
             return "non-finite grad norm"
         if self.t.spike_factor > 0 and len(self.recent_losses) >= min(5, self.t.spike_window):
             mean = sum(self.recent_losses) / len(self.recent_losses)
-            if record["loss"] > self.t.spike_factor * mean:
-                return (f"loss spike ({record['loss']:.4g} > {self.t.spike_factor} x running mean "
-                        f"{mean:.4g})")
+            if depth_loss_sum(record) > self.t.spike_factor * mean:
+                return (f"loss spike (summed over depths {depth_loss_sum(record):.4g} > "
+                        f"{self.t.spike_factor} x running mean {mean:.4g})")
         return ""
 
     def inspect(self, step: int, record: dict, grad_norm: float) -> str:
         """`ok`, or the policy's action for a bad step (`skip`, `halt`, `rewind`)."""
         why = self.reason(record, grad_norm)
         if not why:
-            self.recent_losses.append(record["loss"])
+            self.recent_losses.append(depth_loss_sum(record))
             return "ok"
         self.total_bad += 1
         self.bad_steps = [s for s in self.bad_steps if s > step - self.t.skip_window] + [step]

@@ -103,7 +103,8 @@ class TrainConfig:
     corrupted state the skip cannot undo (optimizer moments after a spike); `halt` to investigate by
     hand (debugging, ablations where any instability invalidates the run)."""
     spike_factor: float = 0.0
-    """A step whose loss exceeds this factor times the running mean is bad (0 disables)."""
+    """A step whose losses summed over the depths (weight 1 each, so a lambda schedule does not
+    move it) exceed this factor times their running mean is bad (0 disables)."""
     spike_window: int = 20
     """Steps in the running mean that spike detection compares against."""
     max_skips: int = 5

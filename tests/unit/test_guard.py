@@ -53,7 +53,22 @@ def test_a_resumed_guard_decides_as_the_run_it_continues():
     _actions(spiky, set(), 8)
     later = _guard(window=10, spike_factor=3.0)
     later.load_state(json.loads(json.dumps(spiky.state())))
-    assert later.reason({"loss": 50.0}, 1.0).startswith("loss spike")
+    assert later.reason({"loss": 50.0, "loss/main": 50.0}, 1.0).startswith("loss spike")
+
+
+def test_spikes_are_judged_on_the_depths_unweighted():
+    """The trained loss weighs the MTP depths by lambda: a schedule raising it from 0.1 to 1.0
+    (lambda_after) made each later step a 'spike' (4.0 against a mean of 1.3), and the run halted
+    at train.max_skips."""
+    guard = _guard(window=100, spike_factor=2.0)
+    for step in range(1, 11):
+        weight = 0.1 if step <= 5 else 1.0
+        record = {"step": step, "loss": 1.0 + weight * 3.0, "loss/main": 1.0,
+                  **{f"loss/mtp_{k}": 1.0 for k in (1, 2, 3)}}
+        assert guard.inspect(step, record, 1.0) == "ok", step
+    spike = {"loss": 1.3, "loss/main": 1.0, "loss/mtp_1": 1.0, "loss/mtp_2": 1.0, "loss/mtp_3": 7.0}
+    assert guard.reason(spike, 1.0) == ("loss spike (summed over depths 10 > 2.0 x running mean "
+                                        "4)")
 
 
 class _Position:
