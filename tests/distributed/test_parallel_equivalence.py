@@ -36,6 +36,9 @@ LAYOUTS = {
     f"tp=2,sequence_parallel=true,data.document_mask=true,{AUX}": 2,
     f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
     f"ep=2,pp=2,data.document_mask=true,{AUX}": 4,
+    # dp x ep, the production shape of expert parallelism: the experts FSDP-sharded over dp on top
+    # of their ep shard, the aux loss over 4 batch ranks
+    f"dp=2,ep=2,{AUX}": 4,
     # (plain tp x ep: this and the selective-checkpointing one below) in fp32, where parameters
     # are compared: all-reduce data parallelism over tp-sharded parameters, experts left out at dp=1
     "tp=2,ep=2,dp_mode=allreduce": 4,
@@ -110,6 +113,7 @@ BF16_LAYOUTS = {f"{layout},{BF16}": world for layout, world in {
     # (dp=1)
     "ep=2,pp=2,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],pp_depth_stages=[2:1:3]": 4,
     f"ep=2,{AUX}": 2,  # fp32 routing and aux/z-loss under bf16 experts (covers plain ep)
+    "dp=2,ep=2": 4,  # experts gathered in bf16 by FSDP over dp, dispatched over ep
     "dp=2,reshard_after_microbatch=false": 2,  # one sync per step: fp32 unsharded accumulation
     # ... with bf16 reduce-scatters: accumulated in fp32, cast to bf16 for the one reduce-scatter
     "dp=2,reshard_after_microbatch=false,train.grad_reduce_dtype=bf16": 2,
