@@ -37,7 +37,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.rope_theta, cfg.max_seq_len,
-                                      cfg.yarn)
+                                      cfg.rope_rule)
 
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
         return ("normal", scales.residual_std) if name == "o_proj.weight" else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .layers import Yarn
+from .layers import Llama3Rope, Yarn
 
 
 @dataclass
@@ -78,12 +78,16 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     """Fraction of head_dim that is rotated (GLM-4.5 uses 0.5)."""
     rope_scaling: str = "none"
-    """`none`, or `yarn`: YaRN's context extension (DeepSeek-V3, Kimi-K2), blended frequencies from
-    the `rope_*` keys below; full attention and MLA layers only."""
+    """`none`, `yarn` (YaRN: DeepSeek-V3, Kimi-K2; the rope_* keys below) or `llama3` (Llama 3.1's;
+    rope_factor, rope_original_max_len, rope_*_freq_factor); full attention and MLA layers only."""
     rope_factor: float = 1.0
-    """YaRN: how many times the original context the positions stretch to."""
+    """YaRN, llama3: how many times the original context the positions stretch to."""
     rope_original_max_len: int = 4096
-    """YaRN: the context length the model was pretrained at."""
+    """YaRN, llama3: the context length the model was pretrained at."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: pairs turning fewer times than this over the original context are stretched."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: pairs turning more times than this keep their frequency (blended between)."""
     rope_beta_fast: float = 32.0
     """YaRN: rotations above which a frequency is kept as it was (extrapolated)."""
     rope_beta_slow: float = 1.0
@@ -240,10 +244,8 @@ class ModelConfig:
 
     @property
     def resolved_shared_expert_size(self) -> int:
-        return (
-            self.shared_expert_intermediate_size
-            or self.moe_intermediate_size * self.num_shared_experts
-        )
+        return self.shared_expert_intermediate_size or (self.moe_intermediate_size
+                                                        * self.num_shared_experts)
 
     @property
     def resolved_ple_embed_dim(self) -> int:
@@ -256,8 +258,11 @@ class ModelConfig:
         return (self.balance == "aux_loss" and self.aux_loss_coef > 0) or self.z_loss_coef > 0
 
     @property
-    def yarn(self) -> Optional[Yarn]:
-        """YaRN's parameters under rope_scaling=yarn, else None."""
+    def rope_rule(self) -> Optional[Yarn | Llama3Rope]:
+        """The RoPE scaling's parameters (rope_scaling), None for plain RoPE."""
+        if self.rope_scaling == "llama3":
+            return Llama3Rope(self.rope_factor, self.rope_original_max_len,
+                              self.rope_low_freq_factor, self.rope_high_freq_factor)
         if self.rope_scaling != "yarn":
             return None
         return Yarn(self.rope_factor, self.rope_original_max_len, self.rope_beta_fast,
@@ -300,13 +305,11 @@ class ModelConfig:
         # (MLA's widths are its own: _validate_attention)
         if self.uses_head_dim and not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                             f"model.num_heads={self.num_heads}; "
-                             "set model.head_dim")
+                             f"model.num_heads={self.num_heads}; set model.head_dim")
         rot = int(self.resolved_head_dim * self.partial_rotary_factor)
         if self.uses_head_dim and (not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2):
             raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must give "
-                             "an even rotary width "
-                             "in (0, head_dim]")
+                             "an even rotary width in (0, head_dim]")
         if self.num_experts < 0:
             raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts:
@@ -353,18 +356,23 @@ def _validate_moe(model: ModelConfig) -> None:
 
 
 def _validate_attention(model: ModelConfig) -> None:
-    """MLA's widths and YaRN's parameters."""
-    if model.rope_scaling not in ("none", "yarn"):
-        raise ValueError(f"model.rope_scaling must be 'none' or 'yarn', got {model.rope_scaling!r}")
-    if model.rope_scaling == "yarn":
-        if not (model.rope_factor >= 1 and model.rope_original_max_len > 0
-                and model.rope_beta_fast >= model.rope_beta_slow > 0
-                and model.rope_mscale >= 0 and model.rope_mscale_all_dim >= 0):
-            raise ValueError("model.rope_scaling=yarn needs rope_factor >= 1, rope_original_max_len"
-                             " > 0, rope_beta_fast >= rope_beta_slow > 0 and mscales >= 0")
+    """MLA's widths and the RoPE scaling's parameters."""
+    scaling = model.rope_scaling
+    if scaling not in ("none", "yarn", "llama3"):
+        raise ValueError(f"model.rope_scaling must be 'none', 'yarn' or 'llama3', got {scaling!r}")
+    if scaling != "none":
+        yarn = scaling == "yarn"
+        if not (model.rope_factor >= 1 and model.rope_original_max_len > 0 and (
+                model.rope_beta_fast >= model.rope_beta_slow > 0 and model.rope_mscale >= 0
+                and model.rope_mscale_all_dim >= 0 if yarn
+                else 0 < model.rope_low_freq_factor < model.rope_high_freq_factor)):
+            raise ValueError(f"model.rope_scaling={scaling} needs rope_factor >= 1, "
+                             "rope_original_max_len > 0, " + (
+                                 "rope_beta_fast >= rope_beta_slow > 0 and mscales >= 0" if yarn
+                                 else "0 < rope_low_freq_factor < rope_high_freq_factor"))
         if model.uses_qsa:
-            raise ValueError("model.rope_scaling=yarn: QSA (indexed_attention) layers use plain "
-                             "RoPE")
+            raise ValueError(f"model.rope_scaling={scaling}: QSA (indexed_attention) layers use "
+                             "plain RoPE")
     if model.kv_lora_rank < 0 or model.q_lora_rank < 0:
         raise ValueError("model.kv_lora_rank and model.q_lora_rank must be >= 0")
     if not model.kv_lora_rank:

@@ -201,6 +201,28 @@ class Yarn:
         return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * (1 - ramp)
 
 
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's RoPE scaling (model.rope_scaling=llama3; the model.rope_* keys): pairs that turn
+    fewer than `low_freq_factor` times over the original context have their frequency divided by
+    `factor`, those turning more than `high_freq_factor` times keep it, and the turns between blend
+    the two linearly. No attention factor."""
+
+    factor: float
+    original_max_len: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    attention_factor = 1.0
+    softmax_factor = 1.0
+
+    def inv_freq(self, rotary_dim: int, theta: float) -> torch.Tensor:
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        turns = self.original_max_len * inv / (2 * math.pi)  # over the original context
+        kept = ((turns - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor)).clamp(0, 1)
+        return inv / self.factor * (1 - kept) + inv * kept
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE on the first `rotary_dim` channels of each head (partial rotary when < head_dim).
 
@@ -209,9 +231,9 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_seq_len: int,
-                 yarn: Optional[Yarn] = None):
+                 scaling: Optional[Yarn | Llama3Rope] = None):
         super().__init__()
-        self.rotary_dim, self.theta, self.yarn = rotary_dim, theta, yarn
+        self.rotary_dim, self.theta, self.scaling = rotary_dim, theta, scaling
         self.register_buffer("cos", torch.empty(max_seq_len, rotary_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, rotary_dim), persistent=False)
         self.reset_buffers()
@@ -223,13 +245,13 @@ class RotaryEmbedding(nn.Module):
         if self.cos.is_meta:
             return
         r = self.rotary_dim
-        if self.yarn is None:
+        if self.scaling is None:
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
         else:
-            inv_freq = self.yarn.inv_freq(r, self.theta)
+            inv_freq = self.scaling.inv_freq(r, self.theta)
         angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32), inv_freq)
         emb = torch.cat([angles, angles], dim=-1)
-        scale = 1.0 if self.yarn is None else self.yarn.attention_factor
+        scale = 1.0 if self.scaling is None else self.scaling.attention_factor
         self.cos.copy_(emb.cos() * scale)
         self.sin.copy_(emb.sin() * scale)
 

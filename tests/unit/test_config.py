@@ -131,7 +131,9 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     (["flavor=debug_mla", "model.qk_rope_head_dim=5"], "model.qk_rope_head_dim=5 must be even"),
     (["flavor=debug_mla", "model.qk_norm=true"], "MLA (model.kv_lora_rank > 0) takes no"),
     (["model.q_lora_rank=8"], "model.q_lora_rank is an MLA width; set model.kv_lora_rank too"),
-    (["model.rope_scaling=ntk"], "model.rope_scaling must be 'none' or 'yarn'"),
+    (["model.rope_scaling=ntk"], "model.rope_scaling must be 'none', 'yarn' or 'llama3'"),
+    (["model.rope_scaling=llama3", "model.rope_high_freq_factor=0.5"],
+     "0 < rope_low_freq_factor < rope_high_freq_factor"),
     (["model.rope_scaling=yarn", "model.rope_beta_fast=0.5"], "rope_beta_fast >= rope_beta_slow"),
     (["flavor=qwen4_exp_tiny", "model.rope_scaling=yarn"], "QSA (indexed_attention) layers"),
 ])

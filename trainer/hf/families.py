@@ -42,7 +42,7 @@ from .names import (  # noqa: F401  (FamilySpec, Src re-exported)
 )
 from .rope import (
     legacy_rope_fields,
-    read_yarn,
+    read_scaling,
     rope_fields,
     rope_parameters,
     theta_and_partial,
@@ -159,7 +159,7 @@ def _config_from_hf(hf: dict, spec: FamilySpec, max_seq_len: Optional[int]) -> M
         num_shared_experts=0, first_k_dense=0,
         qk_norm=name in ("qwen3", "qwen3_moe", "qwen3_next_mtp"),
     )
-    read_yarn(hf, cfg)
+    read_scaling(hf, cfg)
     if name == "qwen3_moe":
         _qwen3_moe_fields(hf, cfg)
     elif name == "glm4_moe":

@@ -48,7 +48,7 @@ trained a bias that `tandem export` then refused, after the whole fine-tune)."""
 
 STAGE_SETTINGS = ("rope_theta", "indexer_budget", "rope_scaling", "rope_factor",
                   "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
-                  "rope_mscale_all_dim")
+                  "rope_mscale_all_dim", "rope_low_freq_factor", "rope_high_freq_factor")
 """model.* fields that the checkpoint's weights were trained with but that a later stage may change
 on purpose (a longer context's RoPE base or YaRN stretch, as DeepSeek-V3 extends 4K to 128K; QSA's
 selection budget): model.init_from gives them unless the recipe or the overrides set them (an

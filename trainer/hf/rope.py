@@ -1,5 +1,6 @@
 """RoPE in config.json: where transformers reads its fields (a legacy `rope_scaling` or
-`rope_parameters`), default RoPE or YaRN onto ModelConfig, and back for an export."""
+`rope_parameters`), default RoPE, YaRN or Llama 3.1's `llama3` onto ModelConfig, and back for an
+export."""
 
 from __future__ import annotations
 
@@ -19,18 +20,26 @@ def rope_fields(hf: dict) -> dict:
 def theta_and_partial(hf: dict) -> Tuple[float, float]:
     rp = rope_fields(hf)
     rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
-    if rope_type not in ("default", "yarn"):
-        raise UnsupportedCheckpoint(f"rope_type={rope_type!r} is not supported (default RoPE or "
-                                    "yarn)")
+    if rope_type not in ("default", "yarn", "llama3"):
+        raise UnsupportedCheckpoint(f"rope_type={rope_type!r} is not supported (default RoPE, yarn "
+                                    "or llama3)")
     theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
     partial = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return float(theta), float(partial)
 
 
-def read_yarn(hf: dict, cfg: ModelConfig) -> None:
-    """YaRN's parameters as transformers reads them (`_compute_yarn_parameters`), onto `cfg`."""
+def read_scaling(hf: dict, cfg: ModelConfig) -> None:
+    """The RoPE scaling's parameters as transformers reads them (`_compute_yarn_parameters`,
+    `_compute_llama3_parameters`), onto `cfg`."""
     rp = rope_fields(hf)
-    if (rp.get("rope_type", rp.get("type")) or "default") != "yarn":
+    rope_type = rp.get("rope_type", rp.get("type")) or "default"
+    if rope_type == "llama3":
+        cfg.rope_scaling, cfg.rope_factor = "llama3", float(rp["factor"])
+        cfg.rope_original_max_len = int(rp["original_max_position_embeddings"])
+        cfg.rope_low_freq_factor = float(rp["low_freq_factor"])
+        cfg.rope_high_freq_factor = float(rp["high_freq_factor"])
+        return
+    if rope_type != "yarn":
         return
     if rp.get("attention_factor") is not None or rp.get("truncate") is False:
         raise UnsupportedCheckpoint("yarn with an explicit attention_factor or truncate=false is "
@@ -48,7 +57,12 @@ def read_yarn(hf: dict, cfg: ModelConfig) -> None:
 def rope_parameters(cfg: ModelConfig) -> dict:
     """config.json's rope_parameters for `cfg`."""
     out = {"rope_theta": cfg.rope_theta, "rope_type": cfg.rope_scaling
-           if cfg.rope_scaling == "yarn" else "default"}
+           if cfg.rope_scaling in ("yarn", "llama3") else "default"}
+    if cfg.rope_scaling == "llama3":
+        out.update(factor=cfg.rope_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len,
+                   low_freq_factor=cfg.rope_low_freq_factor,
+                   high_freq_factor=cfg.rope_high_freq_factor)
     if cfg.rope_scaling == "yarn":
         out.update(factor=cfg.rope_factor,
                    original_max_position_embeddings=cfg.rope_original_max_len,
@@ -59,11 +73,11 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def legacy_rope_fields(parameters: dict) -> dict:
     """The same RoPE in the keys transformers 4.x and the DeepSeek / Kimi remote code read: the top
-    level's `rope_theta` (and `partial_rotary_factor`), and YaRN as `rope_scaling` (which
-    transformers 5 then reads in place of `rope_parameters`, to the same values). Without them a
-    4.x load of a YaRN export ran plain RoPE at the default softmax scale."""
+    level's `rope_theta` (and `partial_rotary_factor`), and YaRN or llama3 as `rope_scaling`
+    (which transformers 5 then reads in place of `rope_parameters`, to the same values). Without
+    them a 4.x load of a YaRN export ran plain RoPE at the default softmax scale."""
     out = {key: parameters[key] for key in ("rope_theta", "partial_rotary_factor")
            if key in parameters}
-    if parameters.get("rope_type") == "yarn":
-        out["rope_scaling"] = dict(parameters, type="yarn")
+    if parameters.get("rope_type") in ("yarn", "llama3"):
+        out["rope_scaling"] = dict(parameters, type=parameters["rope_type"])
     return out
