@@ -306,10 +306,10 @@ class ModelConfig:
         if self.uses_head_dim and not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_heads={self.num_heads}; set model.head_dim")
-        rot = int(self.resolved_head_dim * self.partial_rotary_factor)
-        if self.uses_head_dim and (not 0.0 < self.partial_rotary_factor <= 1.0 or rot % 2):
-            raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must give "
-                             "an even rotary width in (0, head_dim]")
+        factor, head = self.partial_rotary_factor, self.resolved_head_dim  # range first: int(inf)
+        if not 0.0 < factor <= 1.0 or self.uses_head_dim and int(head * factor) % 2:
+            raise ValueError(f"model.partial_rotary_factor={factor} must give an even rotary width "
+                             "in (0, head_dim]")
         if self.num_experts < 0:
             raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts:

@@ -21,7 +21,7 @@ The flavors (torchtitan's models/llama3/__init__.py keeps its named flavors the 
   layer 0, a gated shared expert), for the unit tests of the seed model's parts and its drafter.
 - `tiny`: recipes/tiny.yaml's 2.7M-parameter MoE trunk, the default job's.
 - `qwen4_exp_tiny`: recipes/qwen4_exp_tiny.yaml's Qwen4-Exp in miniature.
-- `moe_4b`: the DeepSeek-V3-like ~4.8B-total / ~0.8B-active MoE of
+- `moe_4b`: the DeepSeek-V3-like ~5.2B-total / ~1.2B-active MoE of
   recipes/moe_4b_mtp_{gpu,ascend}.yaml.
 - `qwen38_flash`: Qwen3.8-Flash-Next at its published shape (~179B),
   recipes/qwen38_flash_{gpu,ascend}.yaml.

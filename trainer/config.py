@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List
 
-from tandem.eval.spec_decode import prompt_limit
+from tandem.eval.spec_decode import draft_steps_problem, prompt_limit
 from tandem.eval.suites import SuiteError, parse_suites, suite_file
 from tandem.models.config import ModelConfig
 from tandem.models.mtp_config import MTPConfig
@@ -316,6 +316,10 @@ class EvalConfig:
         k = self.num_steps or cfg.mtp.num_steps
         if self.interval <= 0 or k <= 0:
             return
+        problem = draft_steps_problem(k, cfg.mtp)  # (a parallel-style module's heads)
+        if problem:
+            raise ConfigError(f"config key 'eval.num_steps'={self.num_steps} (0: mtp.num_steps): "
+                              f"{problem}; lower it or set eval.interval=0")
         room = prompt_limit(cfg.model.max_seq_len, self.max_new_tokens, k)
         # a suite's prompts are cut to the room; the split's are eval.prompt_len (at most seq_len)
         prompt = 1 if self.suite else min(self.prompt_len, cfg.data.seq_len)

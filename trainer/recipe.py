@@ -31,7 +31,7 @@ import re
 from dataclasses import is_dataclass
 from typing import Any, FrozenSet, List, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import IntegerNode, StringNode
 
@@ -83,7 +83,10 @@ def _drop_retired(key: str, value: Any) -> bool:
 def _override_key(item: str) -> str:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
-    key = item.split("=", 1)[0].lstrip("+~")
+    key = item.split("=", 1)[0].lstrip("+")
+    if key.startswith("~"):  # Hydra's deletion, which the lstrip once turned into a set
+        raise ConfigError(f"override {item!r}: deleting a key is not supported; set it to its "
+                          "default, or to {} / [] / nothing for an empty value")
     if not all(key.split(".")):
         raise ConfigError(f"override {item!r} names no key, or a key with an empty part "
                           "(the form is section.key=value)")
@@ -103,6 +106,8 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
     """`key=value` as a config layer: YAML, but a string key's text as written."""
     parent, _, leaf = key.rpartition(".")
     section = OmegaConf.select(schema, parent, default=None) if parent else schema
+    if isinstance(section, ListConfig):  # `key.0=v`: omegaconf's merge raised a TypeError
+        raise ConfigError(f"config key '{parent}' is a list, set whole: {parent}=[...]")
     if isinstance(section, DictConfig) and not is_dataclass(OmegaConf.get_type(section)):
         raise ConfigError(f"config key '{parent}' is a mapping, set whole: "
                           f"{parent}={{{leaf}: {value.strip()}}}")
@@ -112,7 +117,9 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
     if isinstance(node, IntegerNode) and re.fullmatch(r"[+-]?\d+", text):
         layer = int(text)  # YAML 1.1 reads 010 as 8
     elif not isinstance(node, StringNode) or (text in ("null", "~") and node._is_optional()):
-        return OmegaConf.from_dotlist([f"{key}={value}"])
+        # a section set whole (`mtp.loss={lambda: 0.2}`) spells keys as recipes do
+        return _rename_keys(OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"])),
+                            _ALIASES)
     elif text in ("null", "~"):  # YAML's null, which this key cannot hold: not a name or a path
         raise ConfigError(f"config key '{key}' is text and cannot be null: write {key}= for empty, "
                           f"or {key}='{text}' for the text")
@@ -217,7 +224,7 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
         try:
             layers.append(("the overrides", _override_layer(schema, key, value)))
         except OmegaConfBaseException as exc:
-            raise ConfigError(_one_line_error(exc, recipe)) from None
+            raise ConfigError(_one_line_error(exc, recipe, "the overrides")) from None
         except ConfigError:
             raise
         except Exception as exc:  # YAML scanner errors on values such as `...` or unbalanced quotes

@@ -94,6 +94,8 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     ("data.split=50,50,0,0", "config key 'data.split'='50,50,0,0' must be up to three"),
     ("data.stdlib_max_bytes=-1", "config key 'data.stdlib_max_bytes'=-1 must be >= 0"),
     ("model.first_k_dense=3", "model.first_k_dense must be in [0, model.num_layers=2], got 3"),
+    # int(head_dim x inf) raised OverflowError, a traceback
+    ("model.partial_rotary_factor=inf", "model.partial_rotary_factor=inf must give an even rotary"),
     # NaN passed `x < 0` checks: a NaN decay trained on with every step skipped as non-finite
     ("mtp.loss.decay=nan", "mtp.loss.decay must be positive and finite, got nan"),
     ("mtp.loss.acceptance_ce_weight=nan", "mtp.loss.acceptance_ce_weight=nan must be >= 0"),
@@ -105,6 +107,10 @@ def ctx(earlier_run, tiny_base, tmp_path, capsys):
     # the in-loop evaluator's decoding, refused here rather than eval.interval steps into the run
     ("eval.interval=2 eval.prompt_len=60", "the draft margin 4K+5=13 (K=2) exceed "
                                            "model.max_seq_len=64"),
+    # ... and a parallel-style module asked to draft more tokens than it has heads (the run stopped
+    # at its first evaluation, naming `num_steps`)
+    ("eval.interval=2 mtp.style=parallel mtp.num_layers=2 eval.num_steps=3",
+     "config key 'eval.num_steps'=3 (0: mtp.num_steps): num_steps=3 exceeds the 2 independent"),
 ])
 def test_bad_config_values(ctx, override, message):
     ctx.fails(["train", RECIPE, *ctx.base, *override.split()], message)

@@ -22,6 +22,9 @@ def test_overrides_and_lambda_alias(tmp_path):
     again = tmp_path / "again.yaml"
     again.write_text(text)
     assert load_config(str(again)) == cfg  # the resolved config round-trips
+    # a section set whole spells `lambda` as recipes do (it was an unknown key there)
+    for whole in ("mtp.loss={lambda: 0.2}", "mtp={loss: {lambda: 0.2}}"):
+        assert load_config(str(recipe), [whole]).mtp.loss.lambda_ == 0.2
 
 
 def test_a_mapping_valued_key_is_replaced_whole(tmp_path):
@@ -136,6 +139,12 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
      "0 < rope_low_freq_factor < rope_high_freq_factor"),
     (["model.rope_scaling=yarn", "model.rope_beta_fast=0.5"], "rope_beta_fast >= rope_beta_slow"),
     (["flavor=qwen4_exp_tiny", "model.rope_scaling=yarn"], "QSA (indexed_attention) layers"),
+    # a traceback (omegaconf's merge: "Cannot merge incompatible container types")
+    (["parallel.pp_layout.0=2"], "config key 'parallel.pp_layout' is a list, set whole"),
+    # Hydra's deletion was read as a set: ~train.max_steps=5 trained 5 steps
+    (["~train.max_steps=5"], "deleting a key is not supported"),
+    # an override's typo named the recipe as a place to look
+    (["train.max_stepz=3"], "unknown config key 'train.max_stepz' (in the overrides)"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

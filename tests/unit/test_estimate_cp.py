@@ -6,6 +6,7 @@ sweep)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -132,9 +133,12 @@ def test_cp_1_estimates_have_no_context_part():
     assert est.context_gib_per_rank == 0 and not est.cp_balance and "context" not in est.summary()
 
 
-@pytest.mark.parametrize("recipe, nodes, device",
-                         [(GPU_256K, 16, "H200"), (ASCEND_256K, 128, "Ascend 910B")])
-def test_256k_recipes_check_fits_and_prints_nodes_and_the_cp_sweep(recipe, nodes, device, capsys):
+@pytest.mark.parametrize("recipe, nodes, device, row",
+                         [(GPU_256K, 16, "H200", "| GPU recipe: GiB per H200 |"),
+                          (ASCEND_256K, 128, "Ascend 910B", "| Ascend recipe (full activation "
+                                                            "checkpointing): GiB per 910B |")])
+def test_256k_recipes_check_fits_and_prints_nodes_and_the_cp_sweep(recipe, nodes, device, row,
+                                                                   capsys):
     assert launch_slurm_main([recipe, "--nodes", str(nodes), "--gpus-per-node", "8",
                               "--check"]) == 0
     out = capsys.readouterr().out
@@ -144,3 +148,9 @@ def test_256k_recipes_check_fits_and_prints_nodes_and_the_cp_sweep(recipe, nodes
     assert [line.split(":")[0] for line in sweep] == [f"cp={c}" for c in X.CP_SIZES], sweep
     assert any(f"= {nodes} nodes of 8" in line and line.endswith(": fits") for line in sweep), sweep
     assert sweep[0].endswith("DOES NOT FIT")  # cp=4 cannot hold 262k tokens on any of these devices
+    # docs/long_context.md's table is what --check prints (its figures had drifted 2.4 GiB)
+    page = open(os.path.join(os.path.dirname(RECIPES), "docs", "long_context.md")).read()
+    line = next(line for line in page.splitlines() if line.startswith(row))
+    documented = [float(re.match(r"[*\s]*([\d.]+)", cell).group(1))
+                  for cell in line[len(row):].strip(" |").split("|")]
+    assert documented == [float(re.search(r"total ([\d.]+)", s).group(1)) for s in sweep], line

@@ -310,7 +310,9 @@ class PipelinePlan:
         if empty:
             raise ConfigError(f"pipeline stage(s) {empty} hold no trunk layer and no loss depth "
                               f"(parallel.pp_layout={list(self.layout)}, "
-                              f"parallel.pp_depth_stages={list(ds)})")
+                              f"parallel.pp_depth_stages={list(ds)}): set parallel.pp_balance="
+                              "true or place them with parallel.pp_layout / pp_depth_stages, or "
+                              "use fewer stages (parallel.pp, pp_virtual_stages)")
         if self.spread and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings=true is not supported with loss depths spread "
                               "over pipeline "
