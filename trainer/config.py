@@ -164,9 +164,10 @@ class ParallelConfig:
     what the cluster recipes use) or `gpipe` (all forwards, then all backwards: every micro-batch's
     activations held at once; a simple reference)."""
     pp_microbatches: int = 0
-    """Pipeline micro-batches per step; 0 picks them: train.grad_accum_steps when >= pp, else the
-    smallest split of the step's sequences into >= pp equal micro-batches
-    (`pipeline_microbatches`)."""
+    """Pipeline micro-batches per step; 0 picks them: train.grad_accum_steps when it fills the
+    pipeline (>= pp; interleaved: a multiple of pp), else the smallest split of the step's
+    sequences into at least that many and pp equal micro-batches, none above
+    train.micro_batch_size (`pipeline_microbatches`; the run says when they differ)."""
     pp_virtual_stages: int = 2
     """Model chunks per rank for the interleaved schedule."""
     pp_layout: List[int] = field(default_factory=list)

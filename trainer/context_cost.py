@@ -44,7 +44,7 @@ from .cost import (
     window_work,
 )
 from .estimate_bytes import compute_bytes
-from .parallel.validate import validate_context_parallel
+from .parallel.validate import microbatch_sequences, validate_context_parallel
 
 CP_SIZES = (4, 8, 16, 32, 64, 128)
 """The cp sizes `tandem launch slurm --check` sizes a CP recipe at (docs/long_context.md)."""
@@ -128,7 +128,7 @@ def context_bytes(cfg, layers: List[int], depths: int, act_bytes: int) -> Dict[s
     m, p = cfg.model, cfg.parallel
     if p.cp <= 1:
         return {}
-    b, s, cp = cfg.train.micro_batch_size, cfg.data.seq_len, p.cp
+    b, s, cp = microbatch_sequences(cfg), cfg.data.seq_len, p.cp
     chunks = 2 if p.cp_sharding == "zigzag" else 1
     kinds = [m.layer_type(i) for i in layers] + [mtp_kind(m)] * depths
     n_attn = sum(k != "linear_attention" for k in kinds)

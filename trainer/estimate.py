@@ -86,7 +86,12 @@ from .estimate_bytes import (
     single_sync_bytes,
 )
 from .parallel.pipeline_plan import PipelinePlan
-from .parallel.validate import activations_held, microbatches_held, pipeline_microbatches
+from .parallel.validate import (
+    activations_held,
+    microbatch_sequences,
+    microbatches_held,
+    pipeline_microbatches,
+)
 
 GIB = 2**30
 
@@ -341,7 +346,7 @@ def _activations(cfg: TandemConfig, lay: _RankLayout) -> float:
     m, p = cfg.model, cfg.parallel
     act_bytes = compute_bytes(cfg)  # the compute dtype's: bf16 under mixed precision, else fp32
     # a cp rank keeps its own rows' activations
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp
+    tokens = cfg.data.seq_len * microbatch_sequences(cfg) // p.cp
     # Korthikanti et al.: 34 sbh bytes a layer, all split over tp under sequence parallelism;
     # without it the norms' and dropouts' 10 sbh stay whole on every tp rank
     shared = 34 / p.tp if p.sequence_parallel or p.tp == 1 else 10 + 24 / p.tp

@@ -15,6 +15,7 @@ import torch
 from tandem.models.loss import chunk_buffer_bytes
 
 from .config import TandemConfig
+from .parallel.validate import microbatch_sequences
 
 
 def frozen_bytes(cfg: TandemConfig) -> int:
@@ -40,7 +41,7 @@ def ple_lookup_bytes(cfg: TandemConfig) -> tuple:
     ids of 1/tp of the positions; rows travel in the compute dtype."""
     m, p = cfg.model, cfg.parallel
     # a cp rank looks up its own rows
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // p.cp
+    tokens = cfg.data.seq_len * microbatch_sequences(cfg) // p.cp
     heads = (m.ngram_size - 1) * m.heads_per_ngram
     e = m.resolved_ple_embed_dim
     width = compute_bytes(cfg) if p.dp_mode == "fsdp" else 4
@@ -79,7 +80,7 @@ def fused_head_bytes(cfg: TandemConfig, loss_depths, act_bytes: int) -> float:
         if cfg.train.freeze_trunk or not losses
         else m.vocab_size * m.hidden_size * 4 / cfg.parallel.tp
     )
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size // cfg.parallel.cp
+    tokens = cfg.data.seq_len * microbatch_sequences(cfg) // cfg.parallel.cp
     return weight + losses * tokens * m.hidden_size * act_bytes
 
 

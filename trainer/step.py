@@ -61,11 +61,12 @@ class TrainStep:
         # TensorParallelMoE.) Every forward passes it to the model (TandemModel.forward).
         micro = pstate.pipeline.n_micro if pstate.pipeline is not None else t.grad_accum_steps
         self.aux_grad_scale = 1.0 / (micro * pstate.dp_size)
-        if self.counts_aux and micro != t.grad_accum_steps and pstate.is_main:
+        if micro != t.grad_accum_steps and pstate.is_main:  # (parallel.pp_microbatches)
             per_forward = t.micro_batch_size * t.grad_accum_steps // micro
-            print(f"moe: the aux/z-loss is taken over each pipeline micro-batch of {per_forward} "
-                  f"sequences ({micro} per step), not train.micro_batch_size="
-                  f"{t.micro_batch_size}", file=sys.stderr)
+            aux = " (and the MoE aux/z-loss is taken over each)" if self.counts_aux else ""
+            print(f"pipeline: {micro} micro-batches of {per_forward} sequences per step, not "
+                  f"{t.grad_accum_steps} of train.micro_batch_size={t.micro_batch_size}{aux}",
+                  file=sys.stderr)
         self.indexers = IndexerTraining(model, m.uses_qsa, m.indexer_warmup_steps,
                                         m.resolved_indexer_warmup, pstate.context_group)
 

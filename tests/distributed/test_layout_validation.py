@@ -98,8 +98,11 @@ def test_stage_split_even_and_explicit():
     (["parallel.pp=4", "train.grad_accum_steps=1", "train.micro_batch_size=6"], 6),
     (["parallel.pp=4", "train.grad_accum_steps=1", "train.micro_batch_size=6",
       "parallel.pp_schedule=gpipe"], 6),
+    # 3 is no multiple of pp: 6 micro-batches of 1, not 2 of 3 (over train.micro_batch_size)
     (["parallel.pp=2", "train.grad_accum_steps=3", "train.micro_batch_size=2",
-      "parallel.pp_schedule=interleaved_1f1b"], 2),  # 3 is no multiple of pp: 2 micro-batches of 3
+      "parallel.pp_schedule=interleaved_1f1b"], 6),
+    (["parallel.pp=4", "train.grad_accum_steps=6", "train.micro_batch_size=4",
+      "parallel.pp_schedule=interleaved_1f1b"], 8),  # 8 of 3, not 4 of 6
     (["parallel.pp=2", "parallel.pp_microbatches=4"], 4),
     (["parallel.pp=1", "train.grad_accum_steps=3"], 3),
 ])
@@ -109,3 +112,4 @@ def test_pipeline_microbatches_fill_the_pipeline(overrides, expected):
     assert n == expected
     total = c.train.micro_batch_size * c.train.grad_accum_steps
     assert total % n == 0 and (n >= c.parallel.pp)
+    assert total // n <= c.train.micro_batch_size

@@ -153,6 +153,26 @@ def test_pipeline_schedules_hold_the_micro_batches_torch_runs_them_with():
     assert acts["gpipe"] > 3.5 * acts["1f1b"]
 
 
+def test_a_pipeline_micro_batch_is_sized_by_the_sequences_the_schedule_gives_it():
+    """Under a pipeline a micro-batch is the step's sequences over the pipeline micro-batches, not
+    train.micro_batch_size: 8 x 1 at pp 4 runs 4 micro-batches of 2 sequences, as 2 x 4 does, and
+    was estimated at 4x the activations; 6 x 2 interleaved runs 4 of 3, as 3 x 4 does."""
+    from tandem.trainer.parallel.validate import microbatch_sequences
+
+    base = BASE + ["parallel.pp=4", "model.num_layers=8", "data.seq_len=48"]
+
+    def acts(*extra):
+        cfg = load_config(None, base + list(extra))
+        return microbatch_sequences(cfg), estimate(cfg, 4).activations_gib_per_rank
+
+    assert acts("train.micro_batch_size=8", "train.grad_accum_steps=1") == acts(
+        "train.micro_batch_size=2", "train.grad_accum_steps=4")
+    interleaved = "parallel.pp_schedule=interleaved_1f1b"
+    assert acts(interleaved, "train.micro_batch_size=6", "train.grad_accum_steps=2") == acts(
+        interleaved, "train.micro_batch_size=3", "train.grad_accum_steps=4")
+    assert acts(interleaved, "train.micro_batch_size=6", "train.grad_accum_steps=2")[0] == 3
+
+
 def _torch_peak(pp: int, n: int, rank: int, units) -> float:
     """The peak of `units` (per micro-batch, per local stage) that pp rank `rank` holds when it runs
     the actions torch's ScheduleInterleaved1F1B orders for it: a forward adds its stage's, a

@@ -52,13 +52,23 @@ def activations_held(cfg: TandemConfig, rank: int, chunk_units: Sequence[float])
     return peak
 
 
+def microbatch_sequences(cfg: TandemConfig) -> int:
+    """Sequences in one forward of a rank: train.micro_batch_size, or under a pipeline its step's
+    sequences over the pipeline micro-batches (`pipeline_microbatches`), which the memory and
+    communication estimates size each micro-batch's activations by."""
+    if cfg.parallel.pp <= 1:
+        return cfg.train.micro_batch_size
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps // pipeline_microbatches(cfg)
+
+
 def pipeline_microbatches(cfg: TandemConfig) -> int:
     """Pipeline micro-batches per step on one data-parallel rank (the schedule splits the rank's
     train.micro_batch_size * train.grad_accum_steps sequences into this many equal chunks).
 
     `parallel.pp_microbatches` when set; otherwise train.grad_accum_steps when that already fills
-    the pipeline, else the smallest divisor of the step's sequences that is >= parallel.pp (a
-    multiple of pp for the interleaved schedule). Raises ConfigError (one line naming the keys and
+    the pipeline, else the smallest divisor of the step's sequences that is >= parallel.pp and >=
+    grad_accum_steps (a multiple of pp for the interleaved schedule), so that no micro-batch holds
+    more than train.micro_batch_size sequences. Raises ConfigError (one line naming the keys and
     the fix) when the sequences cannot be split so."""
     p, t = cfg.parallel, cfg.train
     total = t.micro_batch_size * t.grad_accum_steps
@@ -80,7 +90,9 @@ def pipeline_microbatches(cfg: TandemConfig) -> int:
     ok = lambda n: n >= p.pp and total % n == 0 and not (interleaved and n % p.pp)  # noqa: E731
     if p.pp <= 1 or ok(t.grad_accum_steps):
         return t.grad_accum_steps
-    for n in range(p.pp, total + 1):
+    # no fewer than grad_accum_steps: a micro-batch is then at most train.micro_batch_size sequences
+    # (the memory the run was sized for); interleaving with 3 of 2 at pp=2 ran 2 of 3
+    for n in range(max(p.pp, t.grad_accum_steps), total + 1):
         if ok(n):
             return n
     need = "a multiple of" if interleaved else "at least"
