@@ -147,7 +147,7 @@ def acceptance_intervals(stats: DecodeStats, resamples: int = INTERVAL_RESAMPLES
     global RNG is untouched and a rerun reproduces the interval."""
     counts = row_counts(stats)
     K = stats.num_steps
-    if counts.shape[0] == 0:
+    if counts.shape[0] == 0 or K == 0:  # K = 0 (no MTP module) decodes autoregressively: no draft
         return {}
     # A prompt that ended at its prefill (its first token EOS) drafted nothing and adds nothing to
     # any figure; resamples of only such prompts would read 1.0 and 0.0, figures no prompt showed.

@@ -76,6 +76,26 @@ def test_greedy_records_are_the_trunks_autoregressive_tokens(ckpt, tmp_path, cap
         assert r["response_ids"] == ar and 1 <= len(ar) <= 6
 
 
+def test_a_trunk_without_an_mtp_module_generates_autoregressively(ckpt, tmp_path, capsys,
+                                                                 corpus_cache):
+    """A checkpoint trained with mtp.num_steps=0 (bench/self_distill.py's refreshed trunk) decodes
+    with no drafts: the acceptance intervals divided by its zero drafted tokens and generate
+    crashed."""
+    from tandem.trainer.loop import train
+    from tandem.trainer.recipe import load_config
+
+    train(load_config("recipes/tiny.yaml", TINY_OVERRIDES + [
+        f"run.dir={tmp_path / 'run'}", "train.max_steps=1", "mtp.num_steps=0",
+        f"data.cache_dir={corpus_cache}"]))
+    rc, records, header, err = generate(["--checkpoint", str(tmp_path / "run"), "--prompts",
+                                         str(ckpt / "prompts.jsonl"), "--out",
+                                         str(tmp_path / "gen.jsonl"), *BUDGET], capsys)
+    assert rc == 0, err
+    assert header["num_steps"] == 0 and len(records) == len(PROMPTS)
+    assert all(r["acceptance_length"] == 1.0 and 1 <= len(r["response_ids"]) <= 6
+               for r in records)
+
+
 def test_killed_run_resumes_to_the_uninterrupted_file(ckpt, tmp_path, capsys):
     """Sampled (T=0.9, top-k 50, 2 samples a prompt: 4 batches of 2 rows). A kill mid-batch leaves
     batch 0, half of batch 1 and a torn line: the rerun keeps batch 0, decodes 1..3 with their own

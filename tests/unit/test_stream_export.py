@@ -34,7 +34,9 @@ def _read(out):
 
 @pytest.mark.parametrize("dtype,shard_mb", [(torch.float32, 0), (torch.bfloat16, 0.02)])
 def test_streamed_export_equals_in_memory_export(tmp_path, dtype, shard_mb):
-    cfg = load_config(None, SHAPE + [f"run.dir={tmp_path}/run"])
+    # a cache of its own: the export looks for the run's stdlib tokenizer there, and a machine's
+    # default cache holding one (from any earlier run) added its EOS to one side only
+    cfg = load_config(None, SHAPE + [f"run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/c"])
     torch.manual_seed(0)
     model = TandemModel(cfg.model, cfg.mtp).to(dtype)
     with torch.no_grad():
