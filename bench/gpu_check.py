@@ -359,7 +359,9 @@ def qwen4_vllm_serving(device, args, run_dir: str) -> None:
     steps = 20 if args.quick else 200
     cli = [sys.executable, "-m", "tandem.trainer.cli"]
     env = dict(os.environ, WANDB_MODE="disabled")
-    train = cli + ["train", QWEN4_RECIPE, f"run.dir={run}", "device=cuda", "train.dtype=bf16",
+    # fp32, as the recipe and the vLLM driver's default: `tandem eval` decodes in the run's
+    # train.dtype, and bf16 near-ties against vLLM's fp32 would flip greedy tokens
+    train = cli + ["train", QWEN4_RECIPE, f"run.dir={run}", "device=cuda", "train.dtype=fp32",
                    f"train.max_steps={steps}",
                    "eval.interval=0", f"checkpoint.interval={steps}", "logging.progress=false"]
     if args.cache_dir:
