@@ -203,12 +203,14 @@ def test_mtp_overhead_bench():
 def test_self_distill_bench(tmp_path):
     """`python bench/self_distill.py run` (README's and docs/finetuning.md's self-distillation
     figures) at its smallest budget, every step the real `tandem` command: it pretrains, generates,
-    fine-tunes the three variants and compares them, ending with the comparison's key=value line."""
+    fine-tunes the three variants and compares them, then refreshes the module for a fine-tuned
+    trunk (--trunk-steps: its `tandem generate` on a trunk without MTP crashed), ending with the
+    comparison's key=value line."""
     cmd = [sys.executable, "bench/self_distill.py", "run", "--seeds", "1", "--work",
            str(tmp_path), "--pretrain-steps", "2", "--pretrain-overrides",
            "flavor=debug data.vocab_size=512 data.seq_len=32", "--corpus-bytes", "200000",
            "--seq-len", "32", "--ft-steps", "2", "--gen-prompts", "2", "--gen-tokens", "4",
-           "--prompt-chars", "60", "--trunk-steps", "0", "--eval-prompts", "2", "--prompt-len",
+           "--prompt-chars", "60", "--trunk-steps", "2", "--eval-prompts", "2", "--prompt-len",
            "8", "--eval-tokens", "4", "--eval-bytes", "20000", "--threads", "1"]
     proc = processes.command(cmd, timeout=600,
                              env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
