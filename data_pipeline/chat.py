@@ -27,8 +27,6 @@ crosses into another record (models/mtp.py `depth_target_mask`). Bad records rai
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -36,6 +34,7 @@ import numpy as np
 
 from tandem.data_pipeline import preprocess
 from tandem.data_pipeline.chat_template import chat_template_in, render_chat
+from tandem.data_pipeline.records import json_records, parquet_records, utf8_text
 from tandem.data_pipeline.saved_datasets import saved_records
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
@@ -61,34 +60,12 @@ def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
         if os.path.isdir(path):
             yield from saved_records(path)
         elif low.endswith(_PARQUET_EXT):
-            yield from _parquet_records(path)
+            yield from parquet_records(path)
         elif low.endswith(_JSON_EXT):
-            yield from _jsonl_records(path)
+            yield from json_records(path)
         else:
             raise ValueError(f"{path}: not a chat data file (.jsonl, .json, .parquet or a "
                              "`datasets` directory)")
-
-
-def _jsonl_records(path: str) -> Iterator[Tuple[str, object]]:
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-
-
-def _parquet_records(path: str) -> Iterator[Tuple[str, object]]:
-    import pyarrow.parquet as pq
-
-    row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for rec in batch.to_pylist():
-            row += 1
-            yield f"{path}:row {row}", rec
 
 
 def record_form(where: str, rec) -> str:
@@ -98,11 +75,7 @@ def record_form(where: str, rec) -> str:
     texts = ([m["content"] for m in rec["messages"]] if form == "messages"
              else [rec[k] for k in ("prompt", "response", "text") if isinstance(rec.get(k), str)])
     for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"{where}: text with a lone surrogate ({text[exc.start]!r}) is not "
-                             "UTF-8") from None
+        utf8_text(where, text)
     return form
 
 

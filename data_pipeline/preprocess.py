@@ -2,9 +2,9 @@
 runs (its command line: data_pipeline/preprocess_cli.py).
 
 Inputs (one or more paths, globs allowed):
-  * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key` (HF `datasets`
-    "json"); every record is read and checked (an object whose text is a string or null) first
-  * `.parquet`: one document per row, text under `text_key` (HF `datasets` "parquet")
+  * `.jsonl` / `.json` / `.json.gz`: one document per record, text under `text_key`, every record
+    checked first (data_pipeline/records.py; `.zst` through HF `datasets`)
+  * `.parquet`: one document per row, the `text_key` column alone
   * `.txt`, `.txt.gz`: a document per file (`txt_sample_by="document"`), paragraph or line
   * a directory `datasets.Dataset.save_to_disk` wrote: one document per row, text under `text_key`
     (data_pipeline/saved_datasets.py; a `DatasetDict`'s train split)
@@ -37,6 +37,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Un
 
 import numpy as np
 
+from tandem.data_pipeline.records import json_records, parquet_records, utf8_text
 from tandem.data_pipeline.saved_datasets import is_saved_dataset, saved_texts
 from tandem.data_pipeline.staging import commit, staging_dir
 from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer, train_bpe
@@ -125,7 +126,8 @@ def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
 
 class _Stats:
     def __init__(self) -> None:
-        self.skipped_empty, self.skipped_not_utf8 = 0, []
+        # (and the records without the text key, read as empty)
+        self.skipped_empty, self.skipped_not_utf8, self.without_key = 0, [], []
 
 
 def _read_file_doc(path: str, stats: _Stats) -> Optional[str]:
@@ -149,8 +151,9 @@ def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str,
     try:
         ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache,
                                    **kwargs)
-    except Exception as exc:
-        msg = " ".join(str(exc).split()) or type(exc).__name__
+    except Exception as exc:  # its own message is generic; the cause says what failed
+        cause = f" ({' '.join(str(exc.__cause__).split())[:300]})" if exc.__cause__ else ""
+        msg = (" ".join(str(exc).split()) or type(exc).__name__) + cause
         raise ValueError(f"cannot read {kind} input {files[0] if len(files) == 1 else files}: "
                          f"{msg}") from None
     finally:
@@ -161,68 +164,65 @@ def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str,
     if key not in ds.column_names:
         raise ValueError(f"{files[0]}: no '{key}' field to read text from (fields: "
                          f"{', '.join(ds.column_names)}); set --text-key")
-    dtype = getattr(ds.features[key], "dtype", None)
-    if kind == "parquet" and dtype not in ("string", "large_string", "null"):
-        raise ValueError(f"{', '.join(files)}: column '{key}' holds {dtype}, not strings")
     for batch in ds.select_columns([key]).iter(batch_size=1000):
         for text in batch[key]:
             yield "" if text is None else str(text)
 
 
-def _json_records(path: str) -> Iterator[Tuple[str, object]]:
-    """`(where, record)` of a .json/.jsonl file as HF `datasets` reads it: JSON Lines (`where` is
-    FILE:LINE), or a .json file holding one array of records (FILE:record N) or one object."""
-    whole = not path.lower().endswith((".jsonl", ".jsonl.gz"))
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8-sig") as f:
-        if not (whole and f.read(4096).lstrip().startswith("[")):
-            f.seek(0)
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    if whole and lineno == 1:  # may open one object over several lines
-                        break
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                yield f"{path}:{lineno}", rec
-            else:
-                return
-        f.seek(0)
-        try:
-            value = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    records = value if isinstance(value, list) else [value]
-    yield from ((f"{path}:record {i}" if records is value else path, rec)
-                for i, rec in enumerate(records, 1))
-
-
 def _check_json_files(files: List[str], text_key: str) -> List[str]:
-    """Check every record of `files`: ValueError `FILE:LINE: ...` for a line that is not JSON, a
-    record that is not an object, a `text_key` neither string nor null (`datasets` would turn 5 into
-    "5"). Returns the files that hold records (`datasets` fails on a lone empty file)."""
-    kept = []
+    """Check every record of `files`: ValueError `FILE:LINE: ...` for a line that is not JSON or not
+    UTF-8 (or holds a lone surrogate), a record that is not an object, a `text_key` neither string
+    nor null, and when no record of the group has the key at all. Returns the files that hold
+    records."""
+    kept, keyed, fields = [], False, []
     for path in files:
         if path.lower().endswith(".zst"):  # only `datasets` reads these
             kept.append(path)
+            keyed = True  # (its own column check)
             continue
         count = 0
-        try:
-            for where, rec in _json_records(path):
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{where}: not a JSON object")
-                text = rec.get(text_key)
-                if text is not None and not isinstance(text, str):
-                    raise ValueError(f"{where}: '{text_key}' is not a string (found "
-                                     f"{json.dumps(text)[:40]})")
-                count += 1
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}: not UTF-8 text") from None
+        for where, rec in json_records(path):
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: not a JSON object")
+            text = rec.get(text_key)
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{where}: '{text_key}' is not a string (found "
+                                 f"{json.dumps(text)[:40]})")
+            utf8_text(where, text or "")
+            keyed, fields, count = keyed or text_key in rec, fields or list(rec), count + 1
         if count:
             kept.append(path)
+    if kept and not keyed:
+        raise ValueError(f"{kept[0]}: no '{text_key}' field to read text from (fields: "
+                         f"{', '.join(fields)}); set --text-key")
     return kept
+
+
+def _json_texts(files: List[str], text_key: str, hf_cache: str, stats: _Stats) -> Iterator[str]:
+    """Each record's `text_key` ("" where null or missing; a record without the key counted)."""
+    for path in files:
+        if path.lower().endswith(".zst"):
+            yield from _hf_docs("json", [path], text_key, "document", hf_cache)
+            continue
+        for where, rec in json_records(path):
+            if text_key not in rec:
+                stats.without_key.append(where)
+            yield rec.get(text_key) or ""
+
+
+def _parquet_texts(files: List[str], key: str) -> Iterator[str]:
+    """Each row's column `key` of every file, read alone ("" where null)."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        schema = pq.ParquetFile(path).schema_arrow
+        if key not in schema.names:
+            raise ValueError(f"{path}: no '{key}' field to read text from (fields: "
+                             f"{', '.join(schema.names)}); set --text-key")
+        kind = str(schema.field(key).type)
+        if kind not in ("string", "large_string", "null"):
+            raise ValueError(f"{path}: column '{key}' holds {kind}, not strings")
+        yield from (rec[key] or "" for _, rec in parquet_records(path, [key]))
 
 
 def _groups(paths: List[str], text_key: str, txt_sample_by: str) -> List[Tuple[str, List[str]]]:
@@ -264,9 +264,12 @@ def _iter_groups(groups: List[Tuple[str, List[str]]], text_key: str, txt_sample_
         hf_cache = tempfile.mkdtemp(prefix="tandem-hf-")
     try:
         for kind, files in groups:
-            if kind in ("json", "parquet", "text"):
-                docs: Iterable[Optional[str]] = _hf_docs(kind, files, text_key, txt_sample_by,
-                                                         hf_cache)
+            if kind == "json":
+                docs: Iterable[Optional[str]] = _json_texts(files, text_key, hf_cache, stats)
+            elif kind == "parquet":
+                docs = _parquet_texts(files, text_key)
+            elif kind == "text":
+                docs = _hf_docs(kind, files, text_key, txt_sample_by, hf_cache)
             elif kind == "saved":
                 docs = ("" if t is None else t for t in saved_texts(files[0], text_key))
             elif kind == "dir":
@@ -361,10 +364,13 @@ def preprocess(inputs: Union[str, Sequence[str]], output_prefix: str,
                                                           tokenizer_sample_bytes, log)
         staged = staged_paths(staging, output_prefix)
         n_docs, n_tokens = _write_tokens(staged, tokenizer, docs)
-        bad = stats.skipped_not_utf8
+        bad, keyless = stats.skipped_not_utf8, stats.without_key
         if bad and log:  # before a 'no documents' error, which they may explain
             log(f"skipped {len(bad)} file(s) that are not UTF-8 text: {', '.join(bad[:3])}"
                 f"{' ...' if len(bad) > 3 else ''}")
+        if keyless and log:  # a typo in some files' key lost their text unnoticed
+            log(f"skipped {len(keyless)} record(s) without a '{text_key}' field (first "
+                f"{keyless[0]}); --text-key names the field")
         if n_docs == 0:
             raise ValueError(f"no documents found in {', '.join(paths)}")
 
@@ -461,6 +467,7 @@ def _meta(output_prefix: str, tokenizer: TandemTokenizer, tok_source: str, tok_f
         else None, "tokenizer_source": tok_source,
         "skipped_empty_documents": stats.skipped_empty,
         "skipped_not_utf8_files": len(stats.skipped_not_utf8),
+        "skipped_records_without_text_key": len(stats.without_key),
         "inputs": ([os.path.abspath(x) for x in paths[:32]]
                    + ([f"... {len(paths) - 32} more"] if len(paths) > 32 else [])),
         "tokenizer_seconds": round(t_tok, 3),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Optional, Sequence, Union
 
@@ -16,7 +17,21 @@ from tandem.data_pipeline.tokenizer import TandemTokenizer, load_tokenizer
 
 def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
     """`tandem preprocess ...`: parse `argv`, run `preprocess`, print a one-line summary; returns 0.
-    Errors exit with status 2 and a one-line message."""
+    Errors exit with status 2 and a one-line message. SIGTERM (a Slurm time limit, `scancel`,
+    `timeout`) exits through the staging directory's cleanup: it left the partial dataset and
+    `datasets`' copy of the input in a hidden directory that nothing removed."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _preprocess_main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _preprocess_main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.tokenizer_sample_bytes < 0:

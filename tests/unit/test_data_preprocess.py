@@ -315,13 +315,17 @@ def test_output_prefix_naming_a_directory_is_refused(tmp_path, tok_path, capsys,
     ("number.jsonl", '{"text": "a"}\n{"text": 5}\n', "{path}:2: 'text' is not a string (found 5)"),
     ("list.json", "[1,2,3]", "{path}:record 1: not a JSON object"),
     ("line.jsonl", '"just a string"\n', "{path}:1: not a JSON object"),
+    # named the file only ("not UTF-8 text"), or `datasets`' "An error occurred while generating"
+    ("latin.jsonl", b'{"text": "a"}\n{"text": "caf\xe9"}\n', "{path}:2: not UTF-8 text"),
+    ("surrogate.jsonl", '{"text": "a"}\n{"text": "\\ud800"}\n',
+     "{path}:2: text with a lone surrogate"),
 ])
 def test_bad_json_records_are_named_before_tokenizer_training(tmp_path, capsys, monkeypatch, name,
                                                               body, message):
     """These once gave `StopIteration`, megatron's 'Instruction "train" corresponds to no data!', a
     two-line message without a line number, or were read as the text "5"."""
     path = tmp_path / name
-    path.write_text(body, encoding="utf-8")
+    path.write_bytes(body if isinstance(body, bytes) else body.encode("utf-8"))
     monkeypatch.setattr(pp, "train_bpe", lambda *a, **k: pytest.fail("tokenizer trained"))
     before = _listing(tmp_path)
     line = _cli_fails(["--input", str(path), "--output-prefix", str(tmp_path / "out" / "ds")],
@@ -339,6 +343,54 @@ def test_json_arrays_objects_and_empty_files_beside_others_still_read(tmp_path, 
     got, _ = _read_back(str(tmp_path / "ds"))
     assert got == _expected(load_tokenizer(tok_path), ["a", "b", "c"])
     assert meta["skipped_empty_documents"] == 1
+
+
+def test_only_the_text_field_is_read(tmp_path, tok_path, capsys):
+    """Files whose other fields differ (a `url` in one, an `id` in another, a `meta` object that
+    turns into a string; Parquet files of other columns) failed in `datasets`, which built one
+    schema from every field: "An error occurred while generating the dataset". A record without the
+    text field is said, not only counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a", "url": "http://x"}\n'
+                                      '{"text": "b", "meta": {"x": 2}}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "c", "id": 7, "meta": "str"}\n{"txt": "lost"}\n')
+    pq.write_table(pa.table({"text": ["d"], "url": ["u"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": ["e"], "id": [1]}), tmp_path / "b.parquet")
+    inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "a.parquet", "b.parquet")]
+    assert preprocess_main(["--input", *inputs, "--output-prefix", str(tmp_path / "ds"),
+                            "--tokenizer", tok_path]) == 0
+    got, _ = _read_back(str(tmp_path / "ds"))
+    assert got == _expected(load_tokenizer(tok_path), ["a", "b", "c", "d", "e"])
+    assert (f"skipped 1 record(s) without a 'text' field (first {tmp_path / 'b.jsonl'}:2)"
+            in capsys.readouterr().err)
+    assert read_meta(str(tmp_path / "ds"))["skipped_records_without_text_key"] == 1
+
+
+def test_sigterm_removes_the_staging_directory(tmp_path, tok_path):
+    """SIGTERM (a Slurm time limit, scancel) mid-preprocess left the hidden staging directory, with
+    the partial dataset in it, for good."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with open(tmp_path / "big.jsonl", "w") as f:
+        for i in range(200_000):
+            f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.trainer.cli", "preprocess", "--input",
+                             str(tmp_path / "big.jsonl"), "--output-prefix",
+                             str(tmp_path / "out" / "ds"), "--tokenizer", tok_path],
+                            stderr=subprocess.PIPE, text=True)
+    out, deadline = tmp_path / "out", time.monotonic() + 120
+    while (not (out.is_dir() and any(n.startswith(".ds.staging") for n in os.listdir(out)))
+           and time.monotonic() < deadline):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert os.listdir(out) == []
 
 
 def test_each_document_starts_with_the_tokenizers_bos(tmp_path):
