@@ -17,6 +17,7 @@ from typing import List, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from tandem.data_pipeline.chat import LOSS_MASK_SUFFIX
 from tandem.data_pipeline.megatron_import import (
@@ -43,17 +44,29 @@ __all__ = [
 ]
 
 
+def local_fingerprint(prefixes: Sequence[str]) -> List[list]:
+    """[prefix, .idx size, .idx mtime in ns] of each prefix, as this process sees the files."""
+    return [[p, os.stat(p + ".idx").st_size, os.stat(p + ".idx").st_mtime_ns] for p in prefixes]
+
+
 def data_fingerprint(prefixes: Sequence[str]) -> List[list]:
     """[prefix, .idx size, .idx mtime in ns] of each prefix. megatron-core keys its sample-index
     cache on a dataset's path and settings, not on its files: after `tandem preprocess --overwrite`
     rewrote a prefix, a run reused the old document, sample and shuffle indices (windows cut at the
     old documents' lengths, or most of an appended corpus never read). The indices depend only on
     the .idx file (the documents' lengths), so its size and modification time join the key; a copy
-    that does not keep modification times rebuilds the indices once."""
-    out = []
-    for prefix in prefixes:
-        st = os.stat(prefix + ".idx")
-        out.append([prefix, st.st_size, st.st_mtime_ns])
+    that does not keep modification times rebuilds the indices once.
+
+    Under a process group every rank takes rank 0's (collective; megatron-core's build is
+    collective already): rank 0 builds the indices under its key and the other ranks load them, and
+    node-local copies of the data (`cp` without -p, or an rsync keeping seconds) have other
+    modification times, so the other nodes looked under another key for indices that were never
+    built (a FileNotFoundError naming a .npy)."""
+    out = local_fingerprint(prefixes)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [out]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
     return out
 
 

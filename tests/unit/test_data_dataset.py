@@ -320,6 +320,40 @@ def test_a_preprocessed_again_prefix_rebuilds_its_cached_indices(corpus, tmp_pat
             assert get_batch(train, [i])["tokens"][0].tolist() == want.tolist()
 
 
+def _build_on_a_node_with_another_copy(rank, prefix, tok_path, cache, store, out):
+    """A rank of a gloo world of 2 sharing `cache`; rank 1 sees the .idx with another modification
+    time, as a node-local copy made without -p does."""
+    import torch.distributed as dist
+
+    from tandem.data_pipeline import megatron_compat as mc
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            real = mc.local_fingerprint
+            mc.local_fingerprint = lambda ps: [[p, n, t + 10**9] for p, n, t in real(ps)]
+        cfg = DataConfig(source="megatron", cache_dir=cache, paths=[prefix], split="100,0,0",
+                         tokenizer=tok_path)
+        train, _, _ = build_datasets(cfg, 16, 1, 100, None)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(str(get_batch(train, [0, 5])["tokens"].tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_node_local_copies_of_the_data_share_rank_0s_cached_indices(corpus, tmp_path):
+    """Each rank keyed megatron-core's index cache on its own copy's modification time: the other
+    node's ranks looked for indices rank 0 had built under another key (FileNotFoundError)."""
+    import torch.multiprocessing as mp
+
+    root, tok_path, prefixes = corpus
+    out = str(tmp_path / "batch")
+    mp.spawn(_build_on_a_node_with_another_copy, nprocs=2,
+             args=(prefixes["b"], tok_path, str(tmp_path / "cache"), str(tmp_path / "store"),
+                   out))
+    assert open(f"{out}.0").read() == open(f"{out}.1").read()
+
+
 def test_a_torn_cached_index_is_rebuilt(corpus, tmp_path, capsys):
     """A cached shuffle index cut short (a full disk during megatron-core's in-place write) is
     named, removed and built again: the run reads what a whole cache gives (it had failed every
