@@ -140,9 +140,11 @@ def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]
     """Megatron blend syntax -> (prefixes, weights or None).
 
     `["/p/a", "/p/b"]` (weights from dataset sizes) or `["0.7", "/p/a", "0.3", "/p/b"]`; an element
-    may also hold several whitespace-separated items (`"0.7 /p/a 0.3 /p/b"`).
+    may also hold several whitespace-separated items (`"0.7 /p/a 0.3 /p/b"`), unless it names a
+    dataset whole (`"/data/my corpus/a"` was split into two prefixes).
     """
-    items = [tok for p in paths for tok in str(p).split()]
+    items = [tok for p in paths for tok in ([str(p).strip()] if os.path.isfile(
+        normalize_prefix(str(p).strip()) + ".idx") else str(p).split())]
     if not items:
         raise ValueError("empty dataset blend: name at least one dataset prefix")
 

@@ -411,7 +411,12 @@ def test_a_blend_of_prefixes_made_with_other_tokenizers_is_refused(corpus, tmp_p
         assert len(train) >= 10
 
 
-def test_parse_blend():
+def test_parse_blend(tmp_path):
+    # a dataset whose path holds a space is one prefix (it was split into two)
+    spaced = tmp_path / "my corpus" / "a"
+    spaced.parent.mkdir()
+    (tmp_path / "my corpus" / "a.idx").write_bytes(b"")
+    assert parse_blend([str(spaced)]) == ([str(spaced)], None)
     assert parse_blend(["/p/a"]) == (["/p/a"], None)
     assert parse_blend(["/p/a.bin", "/p/b"]) == (["/p/a", "/p/b"], None)
     assert parse_blend(["0.7", "/p/a", "0.3", "/p/b"]) == (["/p/a", "/p/b"], [0.7, 0.3])
