@@ -187,11 +187,12 @@ def load_tokenizer(path: str, eod_token: Optional[str] = None) -> TandemTokenize
     try:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # never runs a directory's own code, nor asks at a terminal whether to
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         tj = os.path.join(path, "tokenizer.json")
-        if os.path.isfile(tj):  # a bare directory holding only tokenizer.json
-            return load_tokenizer(tj, eod_token)
+        if os.path.isfile(tj):  # a bare tokenizer.json, or a class of its own (`auto_map`)
+            return load_tokenizer(tj, eod_token or _configured_eos(path))
         raise ValueError(
             f"cannot load Hugging Face tokenizer directory {path}: {_first_line(exc)}"
         ) from None
@@ -201,6 +202,19 @@ def load_tokenizer(path: str, eod_token: Optional[str] = None) -> TandemTokenize
         backend = Tokenizer.from_str(backend.to_str())
         return TandemTokenizer(backend, eod_token, path, hf=hf)
     return TandemTokenizer(None, eod_token, path, hf=hf)
+
+
+def _configured_eos(path: str) -> Optional[str]:
+    """The `eos_token` tokenizer_config.json names (a string or an AddedToken's dict), for a
+    directory read as its bare tokenizer.json: its end of document was the first default
+    candidate the vocabulary held instead."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 
 
 def train_bpe(text_iterator: Iterable[str], vocab_size: int,

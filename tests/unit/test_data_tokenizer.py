@@ -82,6 +82,27 @@ def test_load_tokenizer_file_and_directories(tmp_path, bpe):
     assert hf.eod_id == tok.eod_id and hf.decode(hf.encode(text)) == text
 
 
+def test_a_directory_whose_tokenizer_class_is_its_own_keeps_its_eos(tmp_path):
+    """A tokenizer_config.json naming a class of the directory's own code (`auto_map`, ChatGLM's)
+    is read as its bare tokenizer.json, without running that code or asking at the terminal, and
+    with the EOS the config names (the first default candidate in the vocabulary was taken)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world " * 10], trainers.BpeTrainer(
+        vocab_size=280, special_tokens=[EOD_TOKEN, "<|user|>", "<|eot|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "ChatGLM4Tokenizer", "eos_token": "<|eot|>",
+        "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLM4Tokenizer", None]}}))
+    loaded = load_tokenizer(str(tmp_path))
+    assert (loaded.eod_token, loaded.eod_id) == ("<|eot|>", 2)
+
+
 def test_truncation_and_padding_saved_in_a_tokenizer_do_not_reach_the_ids(tmp_path, bpe):
     """A tokenizer.json saved with truncation or padding on (as fine-tuned repos often are), read
     as a file and as a Hugging Face directory: every document's ids are all of its text and nothing
