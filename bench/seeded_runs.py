@@ -13,6 +13,8 @@ import os
 import shutil
 from typing import Dict, List, Sequence, Tuple
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 DEFAULT_SEEDS = 3
 """Training seeds per setting: the fewest from which Student's t gives a finite interval over seeds
 with room to spare (2 degrees of freedom)."""
@@ -31,6 +33,12 @@ def add_seed_flags(parser, reuse: bool = True) -> None:
                                  "retraining)")
 
 
+def in_repo(path: str) -> str:
+    """`path` as given, or under the repository when it names nothing here (a default such as
+    `recipes/tiny.yaml` from another working directory)."""
+    return path if os.path.exists(path) else os.path.join(ROOT, path)
+
+
 def seed_values(recipe: str, overrides: Sequence[str], n: int) -> List[int]:
     """The `train.seed` of each of n runs: the recipe's own first, so seed 0 reproduces a one-seed
     run."""
@@ -38,7 +46,7 @@ def seed_values(recipe: str, overrides: Sequence[str], n: int) -> List[int]:
 
     if n < 1:
         raise SystemExit(f"--seeds must be at least 1, got {n}")
-    base = load_config(recipe, list(overrides)).train.seed
+    base = load_config(in_repo(recipe), list(overrides)).train.seed
     return [base + i for i in range(n)]
 
 
@@ -60,6 +68,7 @@ def train_run(recipe: str, run_dir: str, steps: int, overrides: Sequence[str],
     args = [f"train.max_steps={steps}", f"run.dir={run_dir}", "logging.wandb=false",
             "logging.progress=false", "eval.interval=0", "checkpoint.interval=0",
             "checkpoint.save_final=true", *overrides]
+    recipe = in_repo(recipe)
     cfg = load_config(recipe, args)
     if reuse and _finished(run_dir, steps, cfg):
         print(f"reusing {run_dir} (finished, same config)", flush=True)

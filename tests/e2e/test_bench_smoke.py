@@ -157,6 +157,19 @@ def test_gdn_chunk_solve_bench():
     assert proc.stdout.strip().splitlines()[-1].startswith("solve_ratio_to_blocked ")
 
 
+def test_pipeline_balance_bench():
+    """`python bench/pipeline_balance.py` as docs/results.md and docs/parallelism.md quote it: the
+    most expensive stage over the mean x2.588 with every depth on the last stage, x1.135 balanced at
+    2 or 4 stages per rank, x1.176 at the recipe's 3 (x1.041 per pp rank). No test ran it (a
+    docstring named it)."""
+    proc = processes.command([sys.executable, "bench/pipeline_balance.py"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stage = [line.split("=")[1] for line in proc.stdout.splitlines()
+             if line.strip().startswith("max_stage_over_mean=")]
+    assert stage[:6] == ["2.588", "1.135", "3.546", "1.176", "4.729", "1.135"], stage
+    assert "max_rank_over_mean=1.041" in proc.stdout
+
+
 def test_ep_dispatch_bench():
     """bench/ep_dispatch.py at ep=2 for one step: both dispatches step, and the host syncs it counts
     are the dispatches' own: the exact one reads its split sizes back (`tolist`), the padded one
