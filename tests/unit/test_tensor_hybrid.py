@@ -33,8 +33,12 @@ def cfg(*overrides):
      "split over tp)"),
     (["model.shared_expert_intermediate_size=18", "parallel.tp=4", "model.num_heads=8",
       "model.num_kv_heads=4", "model.linear_num_key_heads=4", "model.linear_num_value_heads=8"],
-     "model.shared_expert_intermediate_size=18 (the shared expert's width) is not divisible by "
-     "parallel.tp=4"),
+     "model.shared_expert_intermediate_size=18 (the shared expert's width, 18) is not divisible "
+     "by parallel.tp=4"),
+    # unset, its width is the routed experts': named so (it blamed a key the user never set)
+    (["model.moe_intermediate_size=127"], "model.moe_intermediate_size=127 x "
+     "model.num_shared_experts=1 (the shared expert's width, 127) is not divisible by "
+     "parallel.tp=2"),
     (["model.num_kv_heads=1"], "model.num_kv_heads=1 is not divisible by parallel.tp=2"),
 ])
 def test_head_counts_not_divisible_by_tp_are_one_line_errors(overrides, needle):

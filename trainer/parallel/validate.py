@@ -182,9 +182,13 @@ def _validate_tensor_parallel(cfg: TandemConfig, tp: int) -> None:
                                   f"parallel.tp={tp} "
                                   "(Gated DeltaNet heads are split over tp)")
     if m.num_experts > 0 and m.num_shared_experts > 0 and m.resolved_shared_expert_size % tp:
-        raise ConfigError(f"model.shared_expert_intermediate_size={m.resolved_shared_expert_size} "
-                          "(the shared "
-                          f"expert's width) is not divisible by parallel.tp={tp}")
+        # named as the user set it: unset, the width is moe_intermediate_size x num_shared_experts
+        given = (f"model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}"
+                 if m.shared_expert_intermediate_size else
+                 f"model.moe_intermediate_size={m.moe_intermediate_size} x "
+                 f"model.num_shared_experts={m.num_shared_experts}")
+        raise ConfigError(f"{given} (the shared expert's width, {m.resolved_shared_expert_size}) "
+                          f"is not divisible by parallel.tp={tp}")
     if m.vocab_size % tp:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} "
                           "(vocab-parallel "
