@@ -360,6 +360,33 @@ def test_a_yarn_export_also_carries_the_keys_transformers_4_reads(tmp_path):
     assert logit_error(back, model) < 1e-4
 
 
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(0.0, 0.0), (0.0, 1.0), (0.707, 0.0),
+                                                     (0.707, 1.0)])
+def test_a_yarn_export_means_one_scale_to_every_reader(tmp_path, mscale, mscale_all_dim):
+    """Tandem and transformers scale cos/sin by m(f) when either mscale is 0; vLLM's, SGLang's and
+    DeepSeek's own DeepSeek rotary always by m(f, mscale) / m(f, mscale_all_dim), m(f, 0) = 1. An
+    export of a pair holding a 0 was served at another scale (logits up to 4 off); the exported
+    pair now gives the model's own scales under both readings."""
+    import math
+
+    from tandem.models.layers import Yarn
+    from tandem.trainer.hf.rope import rope_parameters
+
+    m = lambda f, x: 0.1 * x * math.log(f) + 1.0  # noqa: E731
+    config = family_configs()["deepseek_v3"]
+    config.rope_parameters.update(factor=40.0, mscale=mscale, mscale_all_dim=mscale_all_dim)
+    make_hf(config).save_pretrained(tmp_path / "src")
+    model, cfg = load_hf_model(str(tmp_path / "src"))
+    own = Yarn(40.0, 16, mscale=mscale, mscale_all_dim=mscale_all_dim)
+    out = rope_parameters(cfg.model)
+    a, b = out["mscale"], out["mscale_all_dim"]
+    assert m(40.0, a) / m(40.0, b) == pytest.approx(own.attention_factor)  # the engines' reading
+    assert (m(40.0, b) ** 2 if b else 1.0) == pytest.approx(own.softmax_factor)
+    export_hf(model, str(tmp_path / "out"))
+    back = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert logit_error(back, model) < 1e-4  # and transformers' reading
+
+
 def test_an_mla_model_loads_its_export_whatever_its_unused_head_dim(tmp_path):
     """MLA does not use model.head_dim (its widths are the qk_*/v_head_dim keys), so a model that
     sets it loads its own export: the loader compared it ("resolved_head_dim: checkpoint 16 vs

@@ -4,6 +4,7 @@ export."""
 
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 from tandem.models.config import ModelConfig
@@ -67,8 +68,25 @@ def rope_parameters(cfg: ModelConfig) -> dict:
         out.update(factor=cfg.rope_factor,
                    original_max_position_embeddings=cfg.rope_original_max_len,
                    beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
-                   mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
+                   **served_mscales(cfg))
     return out
+
+
+def served_mscales(cfg: ModelConfig) -> dict:
+    """YaRN's mscale pair written so every reader computes this model's scales. transformers (and
+    Tandem) scale cos/sin by m(f, mscale) / m(f, mscale_all_dim) only when both are set, else by
+    m(f) = m(f, 1); vLLM's and SGLang's DeepSeek rotary and DeepSeek's own code always take the
+    ratio, with m(f, 0) = 1, so a pair with a 0 in it was served at another scale (logits off by
+    up to 4 on a tiny model). The softmax factor, m(f, mscale_all_dim)^2 when set, reads alike in
+    all of them; so mscale_all_dim stays, and mscale becomes the one whose ratio is m(f)."""
+    a, b, f = cfg.rope_mscale, cfg.rope_mscale_all_dim, cfg.rope_factor
+    if (a and b) or f <= 1:
+        return {"mscale": a, "mscale_all_dim": b}
+    if not b:  # m(f, 1) / m(f, 0) = m(f)
+        return {"mscale": 1.0, "mscale_all_dim": 0.0}
+    # m(f, a') = m(f) m(f, b), with m(f, x) = 0.1 x ln f + 1
+    log_f = 0.1 * math.log(f)
+    return {"mscale": ((log_f + 1) * (b * log_f + 1) - 1) / log_f, "mscale_all_dim": b}
 
 
 def legacy_rope_fields(parameters: dict) -> dict:
