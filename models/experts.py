@@ -40,11 +40,20 @@ def _no_rows(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> Optional[t
 
 def _empty_rows_first(no_rows: Callable, kernel: Callable) -> Callable:
     """`kernel`, answering calls without rows itself: the kernels reject empty operands, and a
-    compiled exact expert dispatch cannot branch around them on its data-dependent row count."""
+    compiled exact expert dispatch cannot branch around them on its data-dependent row count. Rows
+    past the last group (a padded dispatch's padding) come back zero: the kernel leaves them
+    unwritten, and their garbage went through the SiLU into NaN input gradients (harmless only
+    while the dispatch discarded them; anomaly mode stopped on them)."""
 
     def run(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         empty = no_rows(a, b, offs)
-        return empty if empty is not None else kernel(a, b, offs)
+        if empty is not None:
+            return empty
+        out = kernel(a, b, offs)
+        if out.dim() == 2:  # row groups (not the weight gradient's [E, out, in])
+            rows = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
+            out = out.masked_fill(rows >= offs[-1], 0)  # on the device: no sync
+        return out
 
     return run
 

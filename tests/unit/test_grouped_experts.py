@@ -79,6 +79,34 @@ def test_empty_and_unused_experts():
                                                                                                 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_rows_come_back_zero_on_both_paths(dtype):
+    """Rows past the counts (the padded EP dispatch's padding): the loop returned zeros, the
+    grouped kernel left them unwritten (1.6e38 in bf16) and their input gradient, through the SiLU,
+    NaN, which anomaly mode stopped on. Old memory is planted where the outputs will be allocated."""
+    from tandem.models.experts import expert_swiglu
+
+    torch.manual_seed(0)
+    gate, up, down = [(torch.randn(*shape) * 0.2).to(dtype).requires_grad_()
+                      for shape in ((4, 16, 32), (4, 16, 32), (4, 32, 16))]
+    counts, rows = torch.tensor([3, 0, 5, 0]), torch.randn(8, 32).to(dtype)
+    outputs = {}
+    for path in ("grouped", "loop"):
+        x = torch.zeros(64, 32, dtype=dtype)
+        x[:8] = rows
+        x.requires_grad_()
+        for n in (16, 32):
+            del_me = torch.full((64, n), 1e30, dtype=dtype)
+            del del_me
+        with torch.autograd.set_detect_anomaly(True):
+            y = expert_swiglu(x, counts, gate, up, down, matmul=path)
+            y[:8].float().sum().backward()
+        assert torch.equal(y[8:], torch.zeros_like(y[8:])), path
+        assert torch.isfinite(x.grad).all() and torch.equal(x.grad[8:], torch.zeros_like(x[8:]))
+        outputs[path] = y.detach().float()
+    torch.testing.assert_close(outputs["grouped"], outputs["loop"], rtol=2e-2, atol=2e-2)
+
+
 def test_expert_loop_compiles_once_for_every_routing(fresh_dynamo):
     """The per-expert loop (the fallback where the grouped kernel is missing) under train.compile's
     settings: its host-read counts become symbolic sizes, one graph serves routings with empty and
