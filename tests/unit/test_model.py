@@ -343,7 +343,8 @@ def test_a_pipeline_split_of_the_step_is_the_aux_losss_micro_batch(tiny_override
 
     cfg = load_config("recipes/tiny.yaml", [*tiny_overrides, "model.balance=aux_loss",
                                             "train.micro_batch_size=2", "train.grad_accum_steps=1"])
-    split = "over each pipeline micro-batch of 1 sequences (2 per step)"
+    split = ("pipeline: 2 micro-batches of 1 sequences per step, not 1 of "
+             "train.micro_batch_size=2 (and the MoE aux/z-loss is taken over each)")
     for n_micro, note in ((1, ""), (2, split)):
         pstate = ParallelState(device=resolve_device("cpu"))
         pstate.pipeline = SimpleNamespace(n_micro=n_micro)
