@@ -17,6 +17,7 @@ import os
 import sys
 import uuid
 from typing import Optional
+from urllib.parse import urlsplit
 
 from .config import TandemConfig
 from .files import naming, write_replacing
@@ -30,13 +31,40 @@ the token ids of each (`prompt_ids`, `output_ids`, `T<t>/output_ids`)."""
 
 
 def _wandb_has_credentials() -> bool:
+    """Whether wandb finds an API key without asking: WANDB_API_KEY, or a netrc entry ($NETRC, else
+    ~/.netrc) for the server it talks to (WANDB_BASE_URL, else the one `wandb login --host` set,
+    else its default, which wandb 0.31 moved off api.wandb.ai: a `wandb login` went unseen and the
+    run went offline)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    import wandb
+
+    base = os.environ.get("WANDB_BASE_URL") or _login_host()
+    if not base:
+        try:
+            base = wandb.Settings().base_url
+        except Exception:  # an invalid WANDB_* setting: wandb.init names it
+            base = ""
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
     try:
-        path = os.path.expanduser("~/.netrc")
-        return os.path.exists(path) and netrc.netrc(path).authenticators("api.wandb.ai") is not None
-    except Exception:
+        entries = netrc.netrc(path)
+    except (OSError, netrc.NetrcParseError):
         return False
+    return any(entries.authenticators(host) for host in {urlsplit(base).netloc, "api.wandb.ai"}
+               if host)
+
+
+def _login_host() -> str:
+    """The server `wandb login --host` recorded (wandb's global settings file), or ""."""
+    import configparser
+
+    config_dir = os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb")
+    settings = configparser.ConfigParser()
+    try:
+        settings.read(os.path.join(config_dir, "settings"))
+    except configparser.Error:
+        return ""
+    return settings.get("default", "base_url", fallback="")
 
 
 def truncate_metrics(path: str, last_step: int) -> None:
@@ -95,17 +123,23 @@ class MetricsLogger:
         id_path = os.path.join(run_dir, WANDB_ID_FILE)
         run_id = open(id_path).read().strip() if os.path.exists(id_path) else uuid.uuid4().hex[:8]
         # a WANDB_MODE the user set (offline, disabled, dryrun, online) is theirs
-        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
-        offline = mode in ("offline", "dryrun")
+        chosen = os.environ.get("WANDB_MODE")
+        mode = chosen or ("online" if _wandb_has_credentials() else "offline")
         lg = self.cfg.logging
-        run = wandb.init(
-            project=lg.project, entity=lg.entity or None, group=lg.group or None,
-            tags=list(lg.tags) or None,
-            name=self.cfg.run.name or os.path.basename(os.path.abspath(run_dir)), id=run_id,
-            resume="allow",
-            dir=run_dir, config=as_dict(self.cfg), mode=mode,
-            settings=wandb.Settings(silent=True, console="off"),
-        )
+        init = dict(project=lg.project, entity=lg.entity or None, group=lg.group or None,
+                    tags=list(lg.tags) or None, id=run_id, resume="allow", dir=run_dir,
+                    name=self.cfg.run.name or os.path.basename(os.path.abspath(run_dir)),
+                    config=as_dict(self.cfg), settings=wandb.Settings(silent=True, console="off"))
+        try:
+            run = wandb.init(mode=mode, **init)
+        except Exception as exc:  # a key but no network (a compute node): offline, not a crash
+            if chosen or mode != "online":
+                raise
+            print(f"wandb: cannot reach the server ({' '.join(str(exc).split())[:160]}); logging "
+                  "offline", file=sys.stderr)
+            mode = "offline"
+            run = wandb.init(mode=mode, **init)
+        offline = mode in ("offline", "dryrun")
         with open(id_path, "w") as f:
             f.write(run_id)
         if offline:

@@ -112,3 +112,55 @@ def test_wandb_mode_disabled_is_obeyed_with_a_key(tiny_overrides, monkeypatch):
     cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1"])
     assert train(cfg)["step"] == 1
     assert not glob.glob(os.path.join(cfg.run.dir, "wandb", "*run-*"))
+
+
+@pytest.mark.parametrize("base_url", [None, "https://wandb.example.org"])
+def test_credentials_are_looked_up_where_wandb_looks(monkeypatch, tmp_path, base_url):
+    """A `wandb login` writes its key under the server wandb talks to (wandb 0.31's default is not
+    api.wandb.ai; a self-hosted one is WANDB_BASE_URL), in $NETRC or ~/.netrc: Tandem looked for
+    api.wandb.ai in ~/.netrc alone and ran offline, saying nothing."""
+    import wandb
+
+    from tandem.trainer.metrics import _wandb_has_credentials
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if base_url:
+        monkeypatch.setenv("WANDB_BASE_URL", base_url)
+    else:
+        monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    host = (base_url or wandb.Settings().base_url).split("://")[1]
+    assert not _wandb_has_credentials()
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text(f"machine {host}\n  login user\n  password {'k' * 40}\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert _wandb_has_credentials()
+    monkeypatch.delenv("NETRC")
+    (tmp_path / ".netrc").write_text(netrc_file.read_text())
+    (tmp_path / ".netrc").chmod(0o600)
+    assert _wandb_has_credentials()
+
+
+def test_a_key_without_a_network_logs_offline(tiny_overrides, monkeypatch, capsys):
+    """A key on a compute node without internet: wandb.init failed after its timeout and the run
+    died after building its model and data. It logs offline instead, under the same run id."""
+    import wandb
+
+    real, modes = wandb.init, []
+
+    def init(**kwargs):
+        modes.append(kwargs["mode"])
+        if kwargs["mode"] == "online":
+            raise wandb.errors.CommError("context deadline exceeded")
+        return real(**kwargs)
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(wandb, "init", init)
+    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "train.max_steps=1"])
+    assert train(cfg)["step"] == 1
+    assert modes == ["online", "offline"]
+    assert "wandb: cannot reach the server (context deadline exceeded); logging offline" in \
+        capsys.readouterr().err
+    assert glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*"))
