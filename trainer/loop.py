@@ -143,12 +143,14 @@ def run_training(run: Run) -> Optional[dict]:
             evaluates = run.evaluator is not None and (step % cfg.eval.interval == 0
                                                        or step == t.max_steps)
             logged = step % t.log_interval == 0 or step == t.max_steps
-            record.update(throughput(run, time.perf_counter() - started, logged or evaluates))
+            seconds = time.perf_counter() - started
             if evaluates:
                 # the precision it trains in (FSDP may hold bf16 parameters)
                 with run.step.autocast():
                     record.update(run.evaluator.run(step))
                 logger.log_samples(step, run.evaluator.last_samples)
+            # after the evaluation: an evaluation step's memory peak holds its decoding caches
+            record.update(throughput(run, seconds, logged or evaluates))
             if logged or any(k.startswith("eval/") for k in record):
                 logger.log(record)
             logger.progress(step, record)

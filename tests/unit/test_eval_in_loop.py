@@ -30,8 +30,20 @@ def _losses(records):
     return [(r["step"],) + tuple(r[k] for k in keys) for r in records]
 
 
-def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, corpus_cache):
+def test_evaluator_logs_eval_keys_and_leaves_training_unchanged(tmp_path, corpus_cache,
+                                                               monkeypatch):
+    # the step's memory peak is read after its evaluation (whose decoding caches a GPU peak holds;
+    # it was read before): here the peak reads how many evaluations have run
+    from tandem.eval.in_loop import InLoopEvaluator
+    from tandem.trainer.parallel.device import Device
+
+    runs, real_run = [], InLoopEvaluator.run
+    monkeypatch.setattr(InLoopEvaluator, "run", lambda self, step: runs.append(step)
+                        or real_run(self, step))
+    monkeypatch.setattr(Device, "peak_memory_gb", lambda self: float(len(runs)))
     with_eval = _train(tmp_path / "a", corpus_cache, interval=2)
+    assert [r["mem/peak_gb"] for r in with_eval] == [0.0, 1.0, 1.0, 2.0]
+    monkeypatch.undo()
     # a made-up CPU peak (1 GFLOP/s) so the run also logs `mfu` and `hfu` (checked below)
     without = _train(tmp_path / "b", corpus_cache, interval=0, extra=["logging.peak_tflops=0.001"])
     assert _losses(with_eval) == _losses(without)  # exact equality, not allclose

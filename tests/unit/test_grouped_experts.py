@@ -83,7 +83,8 @@ def test_empty_and_unused_experts():
 def test_padding_rows_come_back_zero_on_both_paths(dtype):
     """Rows past the counts (the padded EP dispatch's padding): the loop returned zeros, the
     grouped kernel left them unwritten (1.6e38 in bf16) and their input gradient, through the SiLU,
-    NaN, which anomaly mode stopped on. Old memory is planted where the outputs will be allocated."""
+    NaN, which anomaly mode stopped on. Old memory is planted where the outputs will be
+    allocated."""
     from tandem.models.experts import expert_swiglu
 
     torch.manual_seed(0)
