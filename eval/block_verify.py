@@ -59,6 +59,10 @@ def block_thresholds(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> 
     qd = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).to(p.dtype)
     # a sampled draft has q > 0; the clamp only keeps a forced draft with q = 0 finite
     ratio = pd / qd.clamp(min=torch.finfo(p.dtype).tiny)
+    # a NaN probability (a diverged model) passes no test, as in token-wise verification: it
+    # passed the clamps below as NaN, whose threshold fell to the den == 0 branch's 1, and every
+    # round accepted K - 1 drafts whatever the distributions
+    ratio = torch.where(torch.isfinite(ratio), ratio, 0.0)
     w = [torch.ones(B, dtype=p.dtype, device=p.device)]
     for i in range(K):  # K is a handful: a loop over positions, vectorised over the batch
         w.append(torch.clamp(w[-1] * ratio[:, i], max=1.0))
@@ -68,8 +72,9 @@ def block_thresholds(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> 
         wi = w[:, 1:K]
         r = (wi.unsqueeze(-1) * p[:, 1:K] - q[:, 1:K].to(p.dtype)).clamp(min=0.0).sum(-1)
         den = r + (1.0 - wi)
+        # 1 only where den is exactly 0 (w_i = 1 and no residual), 0 where it is NaN
         h[:, : K - 1] = torch.where(den > 0, r / den.clamp(min=torch.finfo(p.dtype).tiny),
-                                    torch.ones_like(r))
+                                    (den == 0).to(p.dtype))
     h[:, K - 1] = w[:, K]
     return w, h
 

@@ -392,6 +392,29 @@ def test_k1_is_token_wise_speculative_sampling():
     torch.testing.assert_close(d_b, d_t, rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("where", ["p", "q", "both", "one draft"])
+def test_a_nan_probability_accepts_nothing_as_token_wise_does(where):
+    """A diverged model's NaN probabilities: block verification took a NaN threshold for the
+    den == 0 case's 1 and accepted K - 1 drafts every round (a NaN drafter on a healthy trunk put
+    its garbage token in 75% of the output); token-wise verification accepts none."""
+    g = torch.Generator().manual_seed(2)
+    B, K, V = 64, 3, 5
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g, dtype=F64), -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g, dtype=F64), -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    if where in ("p", "both"):
+        p[:] = float("nan")
+    if where in ("q", "both"):
+        q[:] = float("nan")
+    if where == "one draft":  # the first draft's probability only: nothing at or after it passes
+        q[:, 0] = float("nan")
+    u = torch.rand(B, K, generator=g, dtype=F64)
+    n_b, d_b = block_accept(p, q, drafts, u)
+    n_t, d_t = speculative_accept(p, q, drafts, u)
+    assert torch.equal(n_b, torch.zeros(B, dtype=n_b.dtype)) and torch.equal(n_b, n_t)
+    assert torch.equal(d_b.isnan(), d_t.isnan())
+
+
 def test_one_hot_distributions_reduce_to_exact_match():
     """The temperature-0 limit: one-hot target and draft distributions make block verification
     accept exactly the prefix that matches the target's argmax and draw the argmax next, whatever
