@@ -227,6 +227,21 @@ def test_tied_block_scores_select_as_a_stable_top_k_does(tmp_path, monkeypatch):
     assert err_t.max() <= 1e-5, err_t.argmax().tolist()
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_drafters_qsa_reuse_survives_the_round_trip(tmp_path, reuse):
+    """The export records whether depths 2..K reuse depth 1's QSA selection
+    (`index_share_for_mtp_iteration`, which vLLM reads, default off); the import left it at
+    Tandem's default (on), so `tandem eval --hf` drafted a reuse-off drafter as it was not
+    trained."""
+    from tests.eval_helpers import tiny_qwen4_model
+
+    out = tmp_path / "out"
+    export_hf(tiny_qwen4_model(3, vocab=64, reuse_indices=reuse), str(out), "qwen4_exp")
+    assert json.loads((out / "config.json").read_text())["index_share_for_mtp_iteration"] is reuse
+    _, cfg = load_hf_model(str(out))
+    assert cfg.mtp.qsa_reuse_indices is reuse
+
+
 def test_export_loads_in_transformers_with_same_logits(tmp_path):
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                       head_dim=8,

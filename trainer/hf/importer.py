@@ -394,6 +394,9 @@ def hf_config(path: str, mtp_overrides: Optional[dict] = None, *, trust_pickle: 
     if n_mtp and not any(k.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.")
                          or k.startswith("mtp.layers.0.mlp.experts.") for k in keys):
         mtp.moe = False
+    if n_mtp and spec.name == "qwen4_exp":  # whether depths 2..K reuse depth 1's QSA selection, as
+        # the export records it and vLLM reads it (default off); it was left at Tandem's default on
+        mtp.qsa_reuse_indices = bool(hf.get("index_share_for_mtp_iteration", False))
     for key, value in (mtp_overrides or {}).items():
         if not hasattr(mtp, key):
             raise KeyError(f"unknown MTPConfig field {key!r}")
