@@ -209,11 +209,12 @@ def grouped_figures(results, prompts: List[SuitePrompt]) -> dict:
 
 
 def describe(figures: dict, key: str = "acceptance_length") -> List[str]:
-    """Human-readable lines `suite[/category]: value ± half-width (n prompts)` of
-    `grouped_figures`."""
+    """Human-readable lines `suite[/category]: value [lo, hi] (n prompts)` of `grouped_figures`:
+    the 95% interval as it is (bootstrap intervals are not symmetric: a `± half-width` around 1.000
+    read as values below 1)."""
     def line(label: str, f: dict) -> str:
-        half = (f[f"{key}_hi95"] - f[f"{key}_lo95"]) / 2 if f"{key}_lo95" in f else float("nan")
-        return f"{label} {key}: {f[key]:.3f} ± {half:.3f} ({f['num_prompts']} prompts)"
+        lo, hi = f.get(f"{key}_lo95", float("nan")), f.get(f"{key}_hi95", float("nan"))
+        return f"{label} {key}: {f[key]:.3f} [{lo:.3f}, {hi:.3f}] ({f['num_prompts']} prompts)"
 
     lines = []
     for suite, f in figures.items():

@@ -3,26 +3,25 @@
     tandem eval --checkpoint DIR [--prompts FILE | --suite NAME | --validation] [--num-steps K]
         [--max-new-tokens N] [--temperature T] [--top-p P] [--verify token|block]
         [--draft-convention serving|tandem] [--batch-size B] [--output FILE] [--seed S]
-    tandem eval --hf DIR ...            (a Hugging Face checkpoint directory, via
-                                        trainer.hf.importer)
+    tandem eval --hf DIR ...            (a Hugging Face directory, via trainer.hf.importer)
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
-loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup, speedup_predicted, plus
-identical_to_autoregressive (greedy only). Teacher-forced figures come from the checkpoint's
-validation windows, or, with --prompts, from the prompts themselves. `--num-steps` may exceed the K
-the model was trained with (looped style: step k runs layer (k-1) % L). `--verify` picks how sampled
-drafts are verified: `token` (token-wise speculative sampling) or `block` (block verification,
-eval/block_verify.py); default the checkpoint's `eval.verify`, else `token`; greedy decoding is the
-same under both. The JSON names the rule under `verify`. `--draft-convention` picks how depths 2..K
-draft: `serving` (as vLLM's MTP proposer, eval/draft_serving.py: the served figure) or `tandem` (as
-trained); default the checkpoint's `eval.draft_convention`, else `serving`. The JSON names it under
-`draft_convention`, and greedy decoding adds `<other>/acceptance_length` when the other convention's
-acceptance differs. `--output` records carry each row's budget-exact counts (`drafts`, `accepted`,
-`accept_rate/pos_k`) and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget);
-it replaces an earlier `--output`, while an input, a directory or any other existing file is refused
-before the checkpoint loads. `--device` resolves as `tandem train` resolves its `device` key.
-Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95`
-(eval/acceptance.py acceptance_intervals); stderr gets one line per figure, `X: value ± half-width`.
+loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup(_predicted), identical_to_autoregressive
+(greedy). Teacher-forced figures come from the checkpoint's validation windows, or, with --prompts,
+from the prompts themselves. `--num-steps` may exceed the K the model was trained with (looped
+style: step k runs layer (k-1) % L). `--verify` picks how sampled drafts are verified: `token`
+(token-wise speculative sampling) or `block` (block verification, eval/block_verify.py); default the
+checkpoint's `eval.verify`, else `token`; greedy decoding is the same under both. The JSON names the
+rule under `verify`. `--draft-convention` picks how depths 2..K draft: `serving` (as vLLM's MTP
+proposer, eval/draft_serving.py: the served figure) or `tandem` (as trained); default the
+checkpoint's `eval.draft_convention`, else `serving`. The JSON names it under `draft_convention`,
+and greedy decoding adds `<other>/acceptance_length` when the other convention's acceptance differs.
+`--output` records carry each row's budget-exact counts (`drafts`, `accepted`, `accept_rate/pos_k`)
+and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget); it replaces an earlier
+`--output`, while an input, a directory or any other existing file is refused before the checkpoint
+loads. `--device` resolves as `tandem train` resolves its `device` key. Every acceptance figure X
+has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95` (eval/acceptance.py
+acceptance_intervals); stderr gets one line per figure, `X: value [lo, hi]`.
 
 --prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts): JSONL of {"text":
 ...} or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a
@@ -38,10 +37,9 @@ each suite, spread over it (default all); a prompt that does not fit keeps its l
 (--prompt-len N: its last N). The JSON adds `suites`: per suite, then per category, the acceptance
 figures with their intervals and `num_prompts`; stderr one line per suite and category.
 
-Without --prompts or --suite, a checkpoint is evaluated on the prompts its in-loop evaluator
-decoded: its run's `eval.suite` (eval.num_prompts of each; the teacher-forced figures from its
-validation split, as in the loop) when it names one, else its validation split. --validation takes
-the validation split's prompts whatever `eval.suite` says.
+Without --prompts or --suite: the prompts its in-loop evaluator decoded, its run's `eval.suite`
+(eval.num_prompts of each; the teacher-forced figures from its validation split, as in the loop)
+when it names one, else its validation split (--validation: the split whatever `eval.suite` says).
 """
 
 from __future__ import annotations
@@ -315,8 +313,13 @@ def _prompts(args, source, model, cfg, tok, K: int, max_new: int):
             raise EvalInputError("no validation split for this checkpoint; pass --prompts or "
                                  "--suite")
         prompt_len = max(1, min(args.prompt_len or cfg.eval.prompt_len, cfg.data.seq_len))
-        return validation_prompts(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len,
-                           getattr(tok, "eod_id", None))
+        try:
+            return validation_prompts(cfg, args.num_prompts or cfg.eval.num_prompts, prompt_len,
+                                      getattr(tok, "eod_id", None))
+        except FileNotFoundError as exc:  # a traceback, its hint "run tandem preprocess"
+            raise EvalInputError(f"the run's validation data: {str(exc).split(' (run `tandem')[0]}"
+                                 "; config.yaml holds data.* as given (relative: from where it "
+                                 "trained): run there, or pass --prompts or --suite") from None
     if tok is None:
         raise EvalInputError(
             f"{'--prompts' if args.prompts else '--suite'} needs the checkpoint's tokenizer"
@@ -414,8 +417,7 @@ def _check_output(args) -> None:
         raise EvalInputError(f"--output {path} is a directory; pass a file path")
     if exists and not _is_eval_output(path):
         raise EvalInputError(f"--output {path} exists and is not an earlier tandem eval --output "
-                             f"(JSONL records with {', '.join(OUTPUT_KEYS)}, without `step`); pass "
-                             "another file")
+                             f"(JSONL of {', '.join(OUTPUT_KEYS)}, no `step`); pass another file")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -489,8 +491,8 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         _write_outputs(args.output, spec, prompts)
     for key in [k for k in metrics if f"{k}_lo95" in metrics]:
         lo, hi = metrics[f"{key}_lo95"], metrics[f"{key}_hi95"]
-        print(f"{key}: {metrics[key]:.3f} ± {(hi - lo) / 2:.3f} (95% interval {lo:.3f}..{hi:.3f} "
-              f"over {len(prompts)} prompts)", file=sys.stderr)
+        print(f"{key}: {metrics[key]:.3f} [{lo:.3f}, {hi:.3f}] (95% interval over {len(prompts)} "
+              "prompts)", file=sys.stderr)
     for line in describe(metrics["suites"]) if args.suite else []:
         print(line, file=sys.stderr)
     print(json.dumps(metrics))

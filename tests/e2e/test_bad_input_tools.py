@@ -111,9 +111,9 @@ def test_eval_output_is_someone_elses_file(ctx, no_model, prompts, tmp_path, con
     out = tmp_path / "precious.jsonl"
     out.write_text(content)
     ctx.fails(["eval", "--checkpoint", ctx.run, "--prompts", prompts, "--output", str(out)],
-              f"--output {out} exists and is not an earlier tandem eval --output (JSONL records "
-              "with prompt_ids, output_ids, acceptance_length, drafts, accepted, without `step`); "
-              "pass another file")
+              f"--output {out} exists and is not an earlier tandem eval --output (JSONL of "
+              "prompt_ids, output_ids, acceptance_length, drafts, accepted, no `step`); pass "
+              "another file")
     assert out.read_text() == content
 
 
@@ -210,6 +210,18 @@ def test_launch_into_checkpoints_of_another_shape(ctx, fake_sbatch, mode):
                      "has a different model shape: model.hidden_size: checkpoint 32 vs config 48")
     assert line.startswith("tandem launch slurm: error: checkpoint ") and "step_2" in line
     assert fake_sbatch.argv is None
+
+
+def test_eval_of_a_run_whose_data_is_not_found_from_here(ctx, monkeypatch):
+    """A run trained on data.paths relative to where it trained, evaluated from elsewhere (or its
+    data moved): `tandem eval` stopped in a traceback whose hint said to run tandem preprocess."""
+    for config in __import__("pathlib").Path(ctx.run).glob("**/config.yaml"):
+        text = config.read_text().replace("source: stdlib", "source: megatron")
+        config.write_text(text.replace("paths: []", "paths:\n  - data/mycorp"))
+    ctx.before = test_bad_input.snapshot(ctx.run)
+    line = ctx.fails(["eval", "--checkpoint", ctx.run], "the run's validation data: ")
+    assert "data/mycorp" in line and "pass --prompts or --suite" in line
+    assert "tandem preprocess" not in line
 
 
 @pytest.fixture

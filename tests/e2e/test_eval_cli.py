@@ -33,12 +33,12 @@ def _eval(args):
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
     res = json.loads(lines[0])
-    # each acceptance figure's 95% interval: in the JSON beside it, and one `figure ± half-width`
-    # line on stderr
+    # each acceptance figure's 95% interval: in the JSON beside it, and one `figure [lo, hi]` line
+    # on stderr (a `± half-width` around an asymmetric interval read as values outside it)
     for key in [k for k in res if f"{k}_lo95" in res]:
         lo, hi = res[f"{key}_lo95"], res[f"{key}_hi95"]
         assert lo <= res[key] <= hi, key
-        assert f"{key}: {res[key]:.3f} ± {(hi - lo) / 2:.3f} " in proc.stderr, (key, proc.stderr)
+        assert f"{key}: {res[key]:.3f} [{lo:.3f}, {hi:.3f}] " in proc.stderr, (key, proc.stderr)
     return res
 
 
