@@ -41,7 +41,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from seeded_runs import add_seed_flags, compare, decode, mean_over_seeds, seed_values, train_run  # noqa: E402
+from seeded_runs import (  # noqa: E402
+    add_seed_flags,
+    compare,
+    decode,
+    in_repo,
+    mean_over_seeds,
+    seed_values,
+    train_run,
+)
 
 OBJECTIVES = {
     "ce": [],
@@ -59,7 +67,8 @@ def variant_overrides(recipe: str, objective: str, overrides) -> list:
     if "mtp.style=parallel" in extra:
         from tandem.trainer.recipe import load_config
 
-        extra.append(f"mtp.num_layers={load_config(recipe, list(overrides)).mtp.num_steps}")
+        steps = load_config(in_repo(recipe), list(overrides)).mtp.num_steps
+        extra.append(f"mtp.num_layers={steps}")
     return extra
 
 
