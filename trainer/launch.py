@@ -40,6 +40,7 @@ from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.launch_checks import (
     adopt_sources,
     layout_fits,
+    note_missing_data,
     print_check,
     resumable,
     sources_exist,
@@ -347,6 +348,8 @@ def launch_slurm_main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir = cfg.run.dir
     if not resumable(cfg, args, shape_known):
         return 2
+    if args.check or args.dry_run:
+        note_missing_data(cfg)
     if args.check:
         print_check(cfg, args, world)
         return 0

@@ -149,6 +149,15 @@ def sources_exist(cfg, args: argparse.Namespace) -> bool:
     return False
 
 
+def note_missing_data(cfg) -> None:
+    """Under `--check` / `--dry-run`, which submit nothing: the data or tokenizer the job could not
+    read as it starts, said as a note (they passed in silence; only a submission refused them)."""
+    missing = _missing_data(cfg) or _tokenizer_misfit(cfg)
+    if missing:
+        print(f"tandem launch slurm: note: {missing}; a submission is refused until it is there "
+              "(or with --files-on-nodes)", file=sys.stderr)
+
+
 def _missing_source(cfg) -> Optional[str]:
     """Why model.init_from or mtp.init_from names no checkpoint (yet), or None."""
     try:

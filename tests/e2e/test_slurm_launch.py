@@ -510,6 +510,9 @@ def test_check_prints_parameters_and_memory_and_submits_nothing(tmp_path, capsys
         "world size 16: layout ok" in out and "params total=" in out and "per-rank memory" in out
     ), out
     assert not run_dir.exists()
+    # the recipe's data and tokenizer are not on this machine: said, as a submission refuses them
+    # (the check passed them in silence)
+    assert "note: config key 'data.tokenizer'='/data/tokenizers/deepseek-v2': no such file" in err
     # the flagship layout (tp2 x ep4 x pp2) does not fit 1 node of 8
     rc = launch_slurm_main([str(ROOT / "recipes" / "moe_4b_mtp_gpu.yaml"), f"run.dir={run_dir}",
                             "--nodes", "1", "--gpus-per-node", "8", "--check"])
