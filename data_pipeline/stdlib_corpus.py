@@ -152,12 +152,13 @@ def _prepare(data_cfg, cache: str) -> None:
     t0 = time.time()
     os.makedirs(cache, exist_ok=True)
     train_files, valid_files = stdlib_files(int(data_cfg.stdlib_max_bytes))
+    given = getattr(data_cfg, "tokenizer", "") or None
+    # a given tokenizer's own vocabulary, not data.vocab_size's (which only a trained BPE takes)
+    tokens = f"tokenizer {given}" if given else f"vocab {data_cfg.vocab_size}"
     print(f"preparing the embedded stdlib corpus ({len(train_files)} train / {len(valid_files)} "
-          "valid files, "
-          f"vocab {data_cfg.vocab_size}) in {cache}", file=sys.stderr, flush=True)
+          f"valid files, {tokens}) in {cache}", file=sys.stderr, flush=True)
     train_prefix, valid_prefix, tok_path = _result(cache)
     # overwrite=True: anything here without READY.json is a leftover of an interrupted preparation.
-    given = getattr(data_cfg, "tokenizer", "") or None
     train = preprocess(train_files, train_prefix, tokenizer=given,
                        vocab_size=int(data_cfg.vocab_size),
                        tokenizer_sample_bytes=0, overwrite=True)

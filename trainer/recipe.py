@@ -41,6 +41,9 @@ from .config import TandemConfig
 from .config_checks import ConfigError
 
 # Public key -> dataclass field, for names Python cannot use as fields.
+SHIPPED_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "recipes")
+"""The recipes Tandem ships (named in the error for a recipe path that is not found from here)."""
 _ALIASES = {"lambda": "lambda_"}
 _PUBLIC = {v: k for k, v in _ALIASES.items()}
 
@@ -209,7 +212,9 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
     layers: List[tuple] = []  # (source, a DictConfig or a plain dict)
     if recipe:
         if not os.path.isfile(recipe):
-            raise ConfigError(f"recipe file not found: {recipe}")
+            shipped = os.path.join(SHIPPED_RECIPES, os.path.basename(recipe))
+            hint = f" (a shipped recipe: {shipped})" if os.path.isfile(shipped) else ""
+            raise ConfigError(f"recipe file not found: {recipe}{hint}")
         layers += _recipe_layers(recipe)
     for item in overrides:
         key = _override_key(item)

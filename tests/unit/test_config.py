@@ -1,5 +1,7 @@
 """Config composition and validation: each bad input gets a one-line error naming the key."""
 
+import os
+
 import pytest
 import torch
 
@@ -153,9 +155,17 @@ def test_bad_overrides_name_the_key(overrides, message):
     assert "\n" not in str(err.value)
 
 
-def test_recipe_errors(tmp_path):
+def test_recipe_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="recipe file not found"):
         load_config(str(tmp_path / "missing.yaml"))
+    # `tandem train recipes/tiny.yaml` from outside the repository names the shipped recipe
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config("recipes/tiny.yaml")
+    from tandem.trainer.recipe import SHIPPED_RECIPES
+
+    assert str(err.value) == ("recipe file not found: recipes/tiny.yaml (a shipped recipe: "
+                              f"{os.path.join(SHIPPED_RECIPES, 'tiny.yaml')})")
     typo = tmp_path / "typo.yaml"
     typo.write_text("mtp:\n  num_stepz: 3\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'mtp.num_stepz' \(in .*typo.yaml"):
