@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -188,8 +189,10 @@ def load(state: dict, path: str, allow_partial_load: bool = False) -> None:
         # metadata files (which Tandem never writes) and logs the failure as a traceback; the load
         # then reuses what this read
         reader.read_metadata()
-        dcp.load(state, checkpoint_id=path, storage_reader=reader,
-                 planner=SafeLoadPlanner(allow_partial_load=allow_partial_load))
+        with warnings.catch_warnings():  # one process reads alone on purpose (export, eval)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, storage_reader=reader,
+                     planner=SafeLoadPlanner(allow_partial_load=allow_partial_load))
     # CheckpointException is a BaseException
     except (Exception, CheckpointException) as exc:
         failures = getattr(exc, "failures", None) or {}

@@ -72,3 +72,17 @@ def test_streamed_export_equals_in_memory_export(tmp_path, dtype, shard_mb):
         from transformers import AutoModelForCausalLM
 
         assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "streamed")).dtype == dtype
+
+
+@pytest.mark.parametrize("trunk_input", ["pre_norm", "final_norm"])
+def test_a_pre_norm_drafter_exported_for_vllm_is_said(tmp_path, capsys, trunk_input):
+    """vLLM's GLM-4.5 / DeepSeek-V3 proposer hands the drafter the trunk's normed output: an
+    export of a pre_norm module (the default job's) loaded there without a word."""
+    cfg = load_config(None, SHAPE + [f"run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/c",
+                                     f"mtp.trunk_input={trunk_input}"])
+    save_checkpoint(str(tmp_path / "run"), 1, TandemModel(cfg.model, cfg.mtp), None, to_yaml(cfg),
+                    {})
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
+                        "--family", "glm4_moe"]) == 0
+    said = "note: its MTP module reads the trunk's pre-norm state" in capsys.readouterr().err
+    assert said == (trunk_input == "pre_norm")

@@ -112,9 +112,18 @@ def export_main(argv: List[str]) -> int:
         # full disk or a read-only --out is an OSError
         print(f"tandem export: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    if cfg.mtp.num_steps and cfg.mtp.trunk_input == "pre_norm" and family in VLLM_NORMED:
+        print(f"tandem export: note: its MTP module reads the trunk's pre-norm state "
+              f"(mtp.trunk_input=pre_norm); vLLM's {family} proposer hands it the normed "
+              "output, so vLLM drafts from another input than tandem eval does (docs/serving.md: "
+              "train or fine-tune with mtp.trunk_input=final_norm to serve)", file=sys.stderr)
     print(json.dumps({"out": os.path.abspath(args.out), "family": family,
                       "mtp_layers": cfg.mtp.num_layers if cfg.mtp.num_steps else 0}))
     return 0
+
+
+VLLM_NORMED = ("glm4_moe", "deepseek_v3")
+"""Families whose vLLM MTP proposer feeds the drafter the trunk's final-normed hidden state."""
 
 
 def _tokenizer_for(cfg, step_dir: str = "") -> Optional[str]:
