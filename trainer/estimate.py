@@ -163,20 +163,22 @@ class Estimate:
                 + self.context_gib_per_rank)
 
     def summary(self) -> str:
-        out = (f"params total={self.total_params / 1e9:.3f}B "
-               f"active/token={self.active_params_per_token / 1e9:.3f}B "
-               f"experts={self.expert_params / 1e9:.3f}B mtp={self.mtp_params / 1e6:.1f}M; "
+        # under 0.1B parameters or 1 GiB: in M, and GiB to 0.01 or MiB (tiny read 0.003B, 0.0 GiB)
+        gib = (lambda x: f"{x:.1f} GiB") if self.total_gib_per_rank >= 1 else _gib
+        out = (f"params total={_count(self.total_params)} "
+               f"active/token={_count(self.active_params_per_token)} "
+               f"experts={_count(self.expert_params)} mtp={self.mtp_params / 1e6:.1f}M; "
                "per-rank memory "
-               f"states={self.states_gib_per_rank:.1f} GiB "
-               f"activations={self.activations_gib_per_rank:.1f} GiB "
-               f"gathered={self.gathered_gib_per_rank:.1f} GiB "
-               f"grad_buffers={self.grad_buffers_gib_per_rank:.1f} GiB "
-               + (f"ple_lookup={self.ple_lookup_gib_per_rank:.1f} GiB " if self.ple_table_params
+               f"states={gib(self.states_gib_per_rank)} "
+               f"activations={gib(self.activations_gib_per_rank)} "
+               f"gathered={gib(self.gathered_gib_per_rank)} "
+               f"grad_buffers={gib(self.grad_buffers_gib_per_rank)} "
+               + (f"ple_lookup={gib(self.ple_lookup_gib_per_rank)} " if self.ple_table_params
                   else "")
-               + (f"accumulation={self.accumulation_gib_per_rank:.1f} GiB "
+               + (f"accumulation={gib(self.accumulation_gib_per_rank)} "
                   if self.accumulation_gib_per_rank else "")
-               + (f"context={self.context_gib_per_rank:.1f} GiB " if self.context_parts else "")
-               + f"total={self.total_gib_per_rank:.1f} GiB")
+               + (f"context={gib(self.context_gib_per_rank)} " if self.context_parts else "")
+               + f"total={gib(self.total_gib_per_rank)}")
         if self.accumulation_gib_per_rank:
             out += ("\n  accumulation: unsharded fp32 gradients and gathered parameters held "
                     "between micro-batches "

@@ -131,6 +131,9 @@ def test_context_bytes_by_hand():
 def test_cp_1_estimates_have_no_context_part():
     est = estimate(load_config(os.path.join(RECIPES, "tiny.yaml")))
     assert est.context_gib_per_rank == 0 and not est.cp_balance and "context" not in est.summary()
+    # a small model's figures in M and MiB (they read 0.003B and 0.0 GiB)
+    assert est.summary().startswith("params total=2.726M active/token=1.546M")
+    assert re.search(r"states=\d+\.\d\d MiB", est.summary()), est.summary()
 
 
 @pytest.mark.parametrize("recipe, nodes, device, row",
