@@ -51,7 +51,21 @@ OVERRIDES = [
 
 def vllm_python() -> str:
     """The vLLM venv's interpreter, created and filled on first use (its pins never touch the
-    project's environment). Fails (does not skip) when the install fails."""
+    project's environment), under a file lock: on a machine without it, the three vLLM tests on the
+    suite's two workers built it at once, each deleting what the other was building, and failed.
+    Fails (does not skip) when the install fails."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(VENV), exist_ok=True)
+    with open(VENV + ".lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # the second waits, then finds it ready
+        try:
+            return _installed_vllm_python()
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _installed_vllm_python() -> str:
     py = os.path.join(VENV, "bin", "python")
     ok = os.path.isfile(os.path.join(VENV, ".tandem-ready"))
     if ok:
