@@ -46,7 +46,7 @@ __all__ = [
 
 def local_fingerprint(prefixes: Sequence[str]) -> List[list]:
     """[prefix, .idx size, .idx mtime in ns] of each prefix, as this process sees the files."""
-    return [[p, os.stat(p + ".idx").st_size, os.stat(p + ".idx").st_mtime_ns] for p in prefixes]
+    return [[p, (st := os.stat(p + ".idx")).st_size, st.st_mtime_ns] for p in prefixes]
 
 
 def data_fingerprint(prefixes: Sequence[str]) -> List[list]:

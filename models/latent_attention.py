@@ -65,9 +65,10 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim),
                                    bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
+        rule = cfg.rope_rule
         self.rotary = RotaryEmbedding(self.rope_dim, self.rope_dim, cfg.rope_theta,
-                                      cfg.max_seq_len, cfg.rope_rule)
-        self.scale = qk_dim ** -0.5 * (cfg.rope_rule.softmax_factor if cfg.rope_rule else 1.0)
+                                      cfg.max_seq_len, rule)
+        self.scale = qk_dim ** -0.5 * (rule.softmax_factor if rule else 1.0)
 
     def param_init(self, name: str, scales: InitScales) -> Optional[InitRule]:
         return ("normal", scales.residual_std) if name == "o_proj.weight" else None

@@ -201,6 +201,11 @@ class Yarn:
         return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * (1 - ramp)
 
 
+def plain_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """Each rotated pair's frequency in plain RoPE: theta^(-2i / rotary_dim)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
 @dataclass(frozen=True)
 class Llama3Rope:
     """Llama 3.1's RoPE scaling (model.rope_scaling=llama3; the model.rope_* keys): pairs that turn
@@ -216,7 +221,7 @@ class Llama3Rope:
     softmax_factor = 1.0
 
     def inv_freq(self, rotary_dim: int, theta: float) -> torch.Tensor:
-        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        inv = plain_inv_freq(rotary_dim, theta)
         turns = self.original_max_len * inv / (2 * math.pi)  # over the original context
         kept = ((turns - self.low_freq_factor)
                 / (self.high_freq_factor - self.low_freq_factor)).clamp(0, 1)
@@ -245,10 +250,8 @@ class RotaryEmbedding(nn.Module):
         if self.cos.is_meta:
             return
         r = self.rotary_dim
-        if self.scaling is None:
-            inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
-        else:
-            inv_freq = self.scaling.inv_freq(r, self.theta)
+        inv_freq = (plain_inv_freq(r, self.theta) if self.scaling is None
+                    else self.scaling.inv_freq(r, self.theta))
         angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32), inv_freq)
         emb = torch.cat([angles, angles], dim=-1)
         scale = 1.0 if self.scaling is None else self.scaling.attention_factor

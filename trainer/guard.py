@@ -74,10 +74,10 @@ class BadStepGuard:
         if not math.isfinite(grad_norm):
             return "non-finite grad norm"
         if self.t.spike_factor > 0 and len(self.recent_losses) >= min(5, self.t.spike_window):
-            mean = sum(self.recent_losses) / len(self.recent_losses)
-            if depth_loss_sum(record) > self.t.spike_factor * mean:
-                return (f"loss spike (summed over depths {depth_loss_sum(record):.4g} > "
-                        f"{self.t.spike_factor} x running mean {mean:.4g})")
+            mean, loss = sum(self.recent_losses) / len(self.recent_losses), depth_loss_sum(record)
+            if loss > self.t.spike_factor * mean:
+                return (f"loss spike (summed over depths {loss:.4g} > {self.t.spike_factor} x "
+                        f"running mean {mean:.4g})")
         return ""
 
     def inspect(self, step: int, record: dict, grad_norm: float) -> str:

@@ -97,9 +97,9 @@ def compare_runs(runs, keys: Sequence[str]) -> List["Difference"]:
     are compared at 500; a pair with no step in common is reported untested."""
     out = []
     for key in keys:
-        logged = [run for run in runs if interval(run, key)[0]]
-        for a, b in itertools.combinations(logged, 2):
-            common = set(interval(a, key)[0]) & set(interval(b, key)[0])
+        logged = [(run, set(steps)) for run in runs if (steps := interval(run, key)[0])]
+        for (a, a_steps), (b, b_steps) in itertools.combinations(logged, 2):
+            common = a_steps & b_steps
             step = max(common) if common else None
             out += differences([_final_at(a, key, step), _final_at(b, key, step)])
     return out

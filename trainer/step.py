@@ -35,8 +35,9 @@ class TrainStep:
         t = cfg.train
         self.cfg, self.model, self.pstate, self.device = cfg, model, pstate, pstate.device
         self.optimizer = build_optimizer(model, t)
-        if schedule_warning(t) and pstate.is_main:
-            print(schedule_warning(t), file=sys.stderr)
+        warning = schedule_warning(t)
+        if warning and pstate.is_main:
+            print(warning, file=sys.stderr)
         self.autocast_dtype = self.device.autocast_dtype(t.dtype)
         self.moe_layers = [m for m in model.modules()
                            if hasattr(m, "router") and hasattr(m.router, "update_bias")]

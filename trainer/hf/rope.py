@@ -8,6 +8,7 @@ import math
 from typing import Tuple
 
 from tandem.models.config import ModelConfig
+from tandem.models.layers import Yarn
 
 from .names import UnsupportedCheckpoint
 
@@ -59,15 +60,14 @@ def rope_parameters(cfg: ModelConfig) -> dict:
     """config.json's rope_parameters for `cfg`."""
     out = {"rope_theta": cfg.rope_theta, "rope_type": cfg.rope_scaling
            if cfg.rope_scaling in ("yarn", "llama3") else "default"}
-    if cfg.rope_scaling == "llama3":
+    if cfg.rope_scaling in ("yarn", "llama3"):
         out.update(factor=cfg.rope_factor,
-                   original_max_position_embeddings=cfg.rope_original_max_len,
-                   low_freq_factor=cfg.rope_low_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len)
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor,
                    high_freq_factor=cfg.rope_high_freq_factor)
     if cfg.rope_scaling == "yarn":
-        out.update(factor=cfg.rope_factor,
-                   original_max_position_embeddings=cfg.rope_original_max_len,
-                   beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+        out.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
                    **served_mscales(cfg))
     return out
 
@@ -84,9 +84,9 @@ def served_mscales(cfg: ModelConfig) -> dict:
         return {"mscale": a, "mscale_all_dim": b}
     if not b:  # m(f, 1) / m(f, 0) = m(f)
         return {"mscale": 1.0, "mscale_all_dim": 0.0}
-    # m(f, a') = m(f) m(f, b), with m(f, x) = 0.1 x ln f + 1
-    log_f = 0.1 * math.log(f)
-    return {"mscale": ((log_f + 1) * (b * log_f + 1) - 1) / log_f, "mscale_all_dim": b}
+    # m(f, a') = m(f) m(f, b), with m(f, x) = 0.1 x ln f + 1 (Yarn.magnitude)
+    target = Yarn.magnitude(f) * Yarn.magnitude(f, b)
+    return {"mscale": (target - 1) / (0.1 * math.log(f)), "mscale_all_dim": b}
 
 
 def legacy_rope_fields(parameters: dict) -> dict:
