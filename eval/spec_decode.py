@@ -91,6 +91,18 @@ class DecodeResult:
         return self.decoded_tokens / max(self.stats.decode_s, 1e-12)
 
 
+def non_finite_weights(model: nn.Module) -> Optional[str]:
+    """The first parameter or buffer holding a NaN or an infinity, as "NAME (N of M values)", None
+    when every one is finite. A decode cannot tell such a model from a good one: the argmax of an
+    all-NaN row is token 0 for the drafts and the trunk alike, so it reports a high acceptance."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            return f"{name} ({bad} of {t.numel()} values)"
+    return None
+
+
 def draft_steps_problem(num_steps: int, mtp_cfg) -> Optional[str]:
     """Why a model with MTP config `mtp_cfg` cannot draft `num_steps` tokens a round (None when it
     can): known from the config, so a caller can refuse before the weights load."""

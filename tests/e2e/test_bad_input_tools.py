@@ -10,10 +10,12 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tandem.models import flavors
 from tandem.trainer import eval_cli, launch_checks
 from tandem.trainer import generate as gen
+from tandem.trainer.checkpoint import load_model_from_checkpoint, resolve_checkpoint
 from tandem.trainer.cli import main
 from tests.e2e import test_bad_input, test_slurm_launch
 from tests.e2e.test_bad_input import RECIPE
@@ -173,6 +175,25 @@ def test_generate_sidecar_not_an_object(ctx, no_model, prompts, tmp_path):
                "--max-new-tokens", "4"],
               f"{meta}: not a JSON object (not written by tandem generate); pass another --out")
     assert meta.read_text() == "[1, 2]\n" and not out.exists()
+
+
+# --- corrupt weights ------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_checkpoint_with_a_nan_weight_is_refused(ctx, prompts, tmp_path, command):
+    """A NaN weight makes every logit NaN, whose argmax is token 0 for the drafts and the trunk
+    alike: the decode reported a high acceptance length for a corrupt checkpoint."""
+    step = resolve_checkpoint(ctx.run)
+    model, _ = load_model_from_checkpoint(step)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights["mtp.layers.0.eh_proj.weight"][3, 1] = float("nan")
+    dcp.save({"model": weights}, checkpoint_id=step)
+    ctx.before = test_bad_input.snapshot(ctx.run)
+    argv = {"eval": ["--prompts", prompts],
+            "generate": ["--prompts", prompts, "--out", str(tmp_path / "g.jsonl"),
+                         "--max-new-tokens", "3"]}[command]
+    ctx.fails([command, "--checkpoint", ctx.run, *argv],
+              f"{step}: the weights are corrupt: mtp.layers.0.eh_proj.weight (1 of ")
+    assert not os.path.exists(tmp_path / "g.jsonl")
 
 
 # --- report ---------------------------------------------------------------------------------------
