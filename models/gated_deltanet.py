@@ -55,10 +55,25 @@ from .delta_rule import chunked_gated_delta_rule, l2_normalize, recurrent_gated_
 from .documents import Documents, causal_conv_taps
 from .layers import InitRule, InitScales, draw_init, rms_norm
 
-try:  # optional CUDA kernels; the pure-PyTorch path below computes the same thing
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
-except Exception:  # noqa: BLE001  (missing package, or triton/CUDA unusable)
-    _fla_chunk = None
+_fla_chunk = None
+"""flash-linear-attention's chunk_gated_delta_rule once `fla_kernel` has imported it (optional CUDA
+kernels; the pure-PyTorch path below computes the same thing)."""
+_fla_imported = False
+
+
+def fla_kernel():
+    """fla's kernel, imported on first need, None where it is not importable (a missing package,
+    triton or CUDA unusable). Not at import: fla's import queries the current CUDA device and loads
+    triton, which put a context on GPU 0 in every rank of a node before its rank chose its own GPU,
+    and in every command that never runs a GPU kernel."""
+    global _fla_chunk, _fla_imported
+    if _fla_chunk is None and not _fla_imported:
+        _fla_imported = True
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
+        except Exception:  # noqa: BLE001
+            _fla_chunk = None
+    return _fla_chunk
 
 
 def qkv_rows_from_hf(num_k_heads: int, num_v_heads: int, head_k_dim: int,
@@ -109,7 +124,7 @@ class GatedDeltaNet(nn.Module):
             )
         if kernel not in ("auto", "fla", "torch"):
             raise ValueError(f"model.linear_kernel must be auto, fla or torch, got {kernel!r}")
-        if kernel == "fla" and _fla_chunk is None:
+        if kernel == "fla" and fla_kernel() is None:
             raise ValueError("model.linear_kernel=fla needs flash-linear-attention (pip install "
                              "flash-linear-attention), which is not importable here; use auto or "
                              "torch")
@@ -151,8 +166,8 @@ class GatedDeltaNet(nn.Module):
         # torch.
         if self.kernel == "fla":
             return True
-        return (self.kernel == "auto" and _fla_chunk is not None and x.is_cuda
-                and x.dtype in (torch.bfloat16, torch.float16))
+        return (self.kernel == "auto" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+                and fla_kernel() is not None)
 
     def _chunked(self, q_bsnk, k_bsnk, v_bsnv, g_bsn, beta_bsn, state_bhkv, documents=None):
         """Chunked rule on [B, S, heads, dim] inputs (q/k heads already grouped up to the value

@@ -348,8 +348,9 @@ class LoggingConfig:
     """Show a progress bar with ETA and live loss."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for the `mfu` (model FLOPs) and `hfu` (recomputation
-    included) metrics; 0 uses the detected GPU/NPU's bf16 peak (H100/H200, A100, Ascend 910B, ...)
-    and omits both when unknown (CPU)."""
+    included) metrics; 0 uses the detected GPU/NPU's dense bf16 peak (trainer/parallel/device.py's
+    table: H100/H200 in their SXM, PCIe and NVL forms, B200, A100, Ascend 910B3, ...) and omits both
+    where it is not known (CPU, a card the table lacks)."""
 
     def validate(self, cfg: "TandemConfig") -> None:
         require("logging", self, [

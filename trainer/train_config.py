@@ -37,7 +37,8 @@ class TrainConfig:
     kept in checkpoints, so a resume under another global batch (layout, micro-batch, accumulation)
     keeps the LR in step with the tokens seen; while the global batch is unchanged a schedule step
     is a step. A warm-up as long as the run (>= max_steps: a recipe shortened with train.max_steps)
-    never reaches lr nor decays; the run starts with a warning saying so."""
+    never decays, and reaches lr only at the last step when the two are equal; the run starts with
+    a warning saying so."""
     decay_steps: int = 0
     """Cosine decay length after warm-up (steps of the first global batch, as warmup_steps); 0
     decays over the rest of max_steps, so a resume with another max_steps re-plans the decay (the

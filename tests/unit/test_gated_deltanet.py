@@ -5,6 +5,9 @@ and what real text puts into a chunk: runs of one token, periodic tokens, correl
 a PLE model)."""
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -375,8 +378,30 @@ def test_the_fla_branches_equal_the_torch_rule(monkeypatch):
     assert any(c.get("initial_state") is not None for c in calls)
 
 
+def test_fla_is_imported_only_for_a_cuda_kernel():
+    """Importing the model and running it on CPU never imports fla: its import queries the current
+    CUDA device, which put a context on GPU 0 in every rank before the rank chose its GPU."""
+    code = textwrap.dedent("""
+        import sys
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "fla":
+                    raise SystemExit(f"imported {name}")
+        sys.meta_path.insert(0, Watch())
+        import torch
+        from tandem.models import gated_deltanet as gdn
+        layer = gdn.GatedDeltaNet(16, 2, 2, 8, 8, 4, kernel="auto")
+        layer(torch.randn(1, 5, 16), torch.arange(5)[None])
+        print("ran without fla", flush=True)
+        gdn.fla_kernel()  # the watch sees the import a CUDA forward would make
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout == "ran without fla\n", proc.stderr[-2000:]
+    assert proc.returncode == 1 and "imported fla" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_fla_kernel_missing_is_a_one_line_error():
-    if gdn._fla_chunk is not None:
+    if gdn.fla_kernel() is not None:
         pytest.skip("flash-linear-attention is installed")
     with pytest.raises(ValueError, match="model.linear_kernel") as err:
         GatedDeltaNet(HID, HK, HV, DK, DV, KER, kernel="fla")

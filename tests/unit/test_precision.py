@@ -88,15 +88,31 @@ def test_missing_cuda_is_a_config_error():
         resolve_device("cuda")
 
 
-def test_bf16_refused_where_unsupported(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
-    device = Device("cuda", "nccl", torch.device("cuda", 0))
-    with pytest.raises(ConfigError,
-                       match=r"config key 'train.dtype'='bf16' but this cuda device \(Tesla V100"):
+def _pretend_cuda(monkeypatch, major: int, name: str):
+    """A CUDA card of compute capability `major`.x as torch's own bf16 check sees it: before
+    Ampere (8) torch still creates bf16 tensors there, emulated."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: type("Props", (), {"major": major, "minor": 0}))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda *a: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: name)
+    return Device("cuda", "nccl", torch.device("cuda", 0))
+
+
+def test_bf16_refused_where_only_emulated(monkeypatch):
+    """A V100 emulates bf16 (torch.cuda.is_bf16_supported() is True there, by default counting
+    emulation): `auto` chose bf16 autocast on it, many times slower than fp32, and `bf16` passed."""
+    device = _pretend_cuda(monkeypatch, 7, "Tesla V100-SXM2-16GB")
+    with pytest.raises(ConfigError, match=r"config key 'train.dtype'='bf16' but this cuda device "
+                                          r"\(Tesla V100-SXM2-16GB\) has no native bf16"):
         device.check_dtype("bf16")
     device.check_dtype("fp32")
     assert device.autocast_dtype("auto") is None  # auto falls back to fp32 there
+    ampere = _pretend_cuda(monkeypatch, 8, "NVIDIA A100-SXM4-80GB")
+    ampere.check_dtype("bf16")
+    assert ampere.autocast_dtype("auto") == torch.bfloat16
     # CPU autocast has bf16
     assert resolve_device("cpu", dtype="bf16").autocast_dtype("bf16") == torch.bfloat16
 
@@ -231,3 +247,24 @@ def test_hyper_connection_streams_stay_fp32_under_autocast():
     kinds = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in names}
     assert kinds == {"linear_attn.A_log", "linear_attn.dt_bias", "hc_norm.weight",
                      "router.weight"}, kinds
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H20", 148.0), ("NVIDIA B200", 2250.0), ("Ascend910B3", 313.0),
+    ("Ascend910B2", 0.0), ("Tesla V100-SXM2-16GB", 0.0)])
+def test_peak_of_each_card_form(monkeypatch, name, peak):
+    """The dense bf16 peak behind `mfu`: an H100 PCIe took the SXM card's 989 (its MFU read 24%
+    low), and every 910B the B3's 313; a card without a known figure gets 0 (MFU left out)."""
+    assert _pretend_cuda(monkeypatch, 9, name).peak_tflops() == peak
+
+
+def test_more_processes_than_devices_is_a_config_error(monkeypatch):
+    """torchrun starting more processes on a node than it has GPUs: one line naming `device`
+    instead of CUDA's "invalid device ordinal" traceback."""
+    _pretend_cuda(monkeypatch, 9, "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: pytest.fail("set_device called"))
+    with pytest.raises(ConfigError, match=r"config key 'device'='auto': this process is local rank "
+                                          r"4, but 4 cuda device\(s\) are visible here"):
+        resolve_device("auto", local_rank=4)

@@ -17,10 +17,14 @@ from tandem.models.experts import register_grouped_mm_kernels
 
 from ..config_checks import ConfigError
 
-# Dense bf16 peak TFLOP/s per device, matched against the device name, for MFU.
-PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0),
-                    ("A100", 312.0),
-                    ("A800", 312.0), ("L40S", 362.0), ("910B", 313.0))
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H800 PCIe", 756.0), ("H100 NVL", 835.0),
+                    ("H200 NVL", 835.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0),
+                    ("H20", 148.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0),
+                    ("L40S", 362.0), ("910B3", 313.0))
+"""Dense bf16 peak TFLOP/s per device, for MFU: the first key the device's name contains (the
+PCIe and NVL forms of a card before its SXM form, whose figure is higher). A card not here (or a
+910B other than the B3) gets 0, and its MFU is left out unless logging.peak_tflops names its peak:
+a near figure would report a wrong MFU."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,10 @@ class Device:
         if not self.is_accelerator:
             return True
         check = getattr(self.module, "is_bf16_supported", None)
-        return bool(check()) if check is not None else True
+        if check is None:
+            return True
+        # torch counts emulation by default: a V100 or T4 "has" bf16, many times slower than fp32
+        return bool(check(including_emulation=False) if self.type == "cuda" else check())
 
     def native_bf16(self) -> bool:
         """bf16 at full speed: accelerators that support it, CPUs with bf16 instructions
@@ -96,9 +103,7 @@ class Device:
         if requested == "bf16" and not self.supports_bf16():
             name = self.module.get_device_name(self.device)
             raise ConfigError(f"config key 'train.dtype'='bf16' but this {self.type} device "
-                              f"({name}) has no bf16 "
-                              "support; "
-                              f"use train.dtype=fp32")
+                              f"({name}) has no native bf16; use train.dtype=fp32")
 
 
 # torch.cpu.get_capabilities() keys for native bf16 arithmetic: x86 AVX512-BF16 and AMX-BF16, Arm's
@@ -196,6 +201,17 @@ def _use_npu_grouped_mm() -> None:
         register_grouped_mm_kernels("npu", *npu_grouped_mm_kernels(torch_npu.npu_grouped_matmul))
 
 
+def _device_count(kind: str) -> int:
+    """Visible devices of `kind` (cuda / npu); ConfigError naming `device` when there are none."""
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if kind == "npu" and _npu_available():
+        return torch.npu.device_count()
+    raise ConfigError({"cuda": "config key 'device'='cuda' but no CUDA device is visible",
+                       "npu": "config key 'device'='npu' but torch_npu is not installed or no NPU "
+                              "is visible"}[kind])
+
+
 def resolve_device(requested: str = "auto", local_rank: int | None = None,
                    dtype: str = "fp32") -> Device:
     """Pick the device and collective backend; `requested` is the config's `device` key, `dtype` the
@@ -211,15 +227,14 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None,
             kind = "npu"
         else:
             kind = "cpu"
+    if kind in ("cuda", "npu") and local_rank >= _device_count(kind):
+        raise ConfigError(f"config key 'device'={requested!r}: this process is local rank "
+                          f"{local_rank}, but {_device_count(kind)} {kind} device(s) are visible "
+                          "here; start at most that many processes per node")
     if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("config key 'device'='cuda' but no CUDA device is visible")
         torch.cuda.set_device(local_rank)
         device = Device("cuda", "nccl", torch.device("cuda", local_rank))
     elif kind == "npu":
-        if not _npu_available():
-            raise ConfigError("config key 'device'='npu' but torch_npu is not installed or no NPU "
-                              "is visible")
         torch.npu.set_device(local_rank)
         device = Device("npu", "hccl", torch.device("npu", local_rank))
         _use_npu_grouped_mm()
