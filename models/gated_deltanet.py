@@ -63,9 +63,9 @@ _fla_imported = False
 
 def fla_kernel():
     """fla's kernel, imported on first need, None where it is not importable (a missing package,
-    triton or CUDA unusable). Not at import: fla's import queries the current CUDA device and loads
-    triton, which put a context on GPU 0 in every rank of a node before its rank chose its own GPU,
-    and in every command that never runs a GPU kernel."""
+    triton or CUDA unusable). Not at import: fla's import queries the current CUDA device (GPU 0
+    in a rank that has not yet chosen its own) and loads triton, in every command that imports the
+    model, those that never run a GPU kernel too."""
     global _fla_chunk, _fla_imported
     if _fla_chunk is None and not _fla_imported:
         _fla_imported = True

@@ -380,7 +380,7 @@ def test_the_fla_branches_equal_the_torch_rule(monkeypatch):
 
 def test_fla_is_imported_only_for_a_cuda_kernel():
     """Importing the model and running it on CPU never imports fla: its import queries the current
-    CUDA device, which put a context on GPU 0 in every rank before the rank chose its GPU."""
+    CUDA device (GPU 0 in a rank that has not chosen its own yet) and loads triton."""
     code = textwrap.dedent("""
         import sys
         class Watch:
