@@ -203,8 +203,9 @@ class GradientFinisher:
                 shards = math.prod(g.device_mesh.size(i) for i,
                                    pl in enumerate(g.placements) if is_split_placement(pl))
             copies = holders * (self.shared[piece][1] if piece is not None else 1) / shards
-            # fp32 sums (no fp64 on accelerators): the norm only sets the clipping coefficient
-            sq = local(g).float().pow(2).sum() / copies
+            # fp32 (no fp64 on accelerators: the norm only sets the clipping coefficient), reduced
+            # in place: a squared copy would be another gradient-sized tensor (a whole embedding)
+            sq = torch.linalg.vector_norm(local(g), dtype=torch.float32).square() / copies
             total = sq if total is None else total + sq
         if total is None:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
