@@ -45,7 +45,11 @@ class TrainConfig:
     LR of an annealed run rises again; the resume line says so): set it to keep a schedule while
     max_steps changes."""
     weight_decay: float = 0.1
-    """AdamW weight decay (not applied to norms, biases or router biases)."""
+    """AdamW weight decay, decoupled, on every tensor of 2 or more dimensions: the matrices, the
+    experts, the embedding and head (as Megatron-LM and nanoGPT decay them) and the PLE n-gram
+    tables, whose rows a batch rarely hashes to shrink by exp(-lr x weight_decay) each step with
+    no gradient to hold them; not on norms, biases, Gated DeltaNet's A_log / dt_bias (1-D) or the
+    router biases (buffers)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
