@@ -414,10 +414,15 @@ def load_checkpoint(path: str, model: nn.Module,
         model_sd, optim_sd = get_state_dict(model, optimizer)
         unstepped = _unstepped(optim_sd, path)
         # this rank's parameter names, in its optimizer's order: the load below replaces the
-        # template's lists with the saved ones (another layout's, e.g. one pipeline rank's)
+        # template's lists with the saved ones (another layout's, e.g. one pipeline rank's), which
+        # are put back. torch maps a loaded state onto the optimizer by those lists; it splits
+        # foreign ones by name, but not when this rank loads no state (a pipeline rank holding only
+        # frozen or unstepped parameters), and then refused their sizes
         names = [list(group["params"]) for group in optim_sd["param_groups"]]
         state = {"model": _only_saved(model_sd, path), "optim": optim_sd}
         safe_dcp.load(state, path)
+        for group, group_names in zip(state["optim"]["param_groups"], names):
+            group["params"] = group_names
         set_model_state_dict(model, state["model"],
                              options=StateDictOptions(strict=len(state["model"]) == len(model_sd)))
         set_optimizer_state_dict(model, optimizer, state["optim"],

@@ -232,3 +232,27 @@ def test_a_pp2_checkpoint_with_unstepped_parameters_resumes_in_one_process(tmp_p
     _assert_params_close(_params(resumed / "checkpoints" / "step_4"),
                          _params(tmp_path / "single" / "checkpoints" / "step_4"),
                          "pp2 checkpoint resumed in one process, at step 4")
+
+
+def test_a_frozen_trunk_fine_tune_resumes_under_pp2(reference, tmp_path, corpus_cache):
+    """An MTP fine-tune of a frozen trunk, checkpointed in one process after step 1 and resumed at
+    pp=2: pipeline rank 0 holds only frozen trunk stages, so it loads no optimizer state, and the
+    load took the saved rank's parameter lists as its own and refused their sizes (so did every
+    resume, and every bad-step rewind, of such a run under pp=2). Step 2 must equal the
+    uninterrupted run's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    trunk = reference[0] / "checkpoints" / "step_2"
+    train = ["train", RECIPE] + RUN + [f"data.cache_dir={corpus_cache}", "train.grad_accum_steps=4",
+                                         "train.freeze_trunk=true", f"model.init_from={trunk}"]
+    launch(1, train + [f"run.dir={tmp_path / 'single'}", "train.max_steps=2",
+                       "checkpoint.interval=1"], env)
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(tmp_path / "single" / "checkpoints" / "step_1",
+                    resumed / "checkpoints" / "step_1")
+    launch(2, train + [f"run.dir={resumed}", "train.max_steps=2", "parallel.pp=2", "--resume"],
+           env)
+    got, want = _records(resumed), _records(tmp_path / "single")
+    assert sorted(got) == [2]
+    for key in ("loss/main", "loss/mtp_1", "loss/mtp_2", "grad_norm"):
+        assert got[2][key] == pytest.approx(want[2][key], rel=RTOL), key
