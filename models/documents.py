@@ -77,7 +77,8 @@ def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs:
     """A causal depthwise convolution that does not reach across a document start: out[t] =
     sum_j weight[:, K-1-j] * x[t - j*dilation] over the taps with j*dilation <= positions[t] (the
     position within the document). [B, S, C] in, [B, S, C] out, in the dtype `F.conv1d` gives
-    (autocast's under autocast, else x's): inputs rounded to it, taps summed in fp32.
+    (autocast's under autocast, else x's): inputs rounded to it, taps summed in fp32 (fp64 in an
+    fp64 run).
 
     A bf16 activation times an fp32 weight came out fp32 under autocast, where the unpacked path's
     conv1d gives bf16: a packed document computed other values than alone, and Gated DeltaNet's
@@ -85,8 +86,9 @@ def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs:
     device = x_bsc.device.type
     dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
              else x_bsc.dtype)
-    x_bsc = x_bsc.to(dtype).float()
-    weight_ck = weight_ck.to(dtype).float()
+    exact = torch.promote_types(dtype, torch.float32)  # fp32, fp64 in an fp64 run
+    x_bsc = x_bsc.to(dtype).to(exact)
+    weight_ck = weight_ck.to(dtype).to(exact)
     kernel = weight_ck.shape[-1]
     out = x_bsc * weight_ck[:, kernel - 1]
     for j in range(1, kernel):
