@@ -14,6 +14,7 @@ import json
 import math
 import netrc
 import os
+import re
 import sys
 import uuid
 from typing import Optional
@@ -67,20 +68,48 @@ def _login_host() -> str:
     return settings.get("default", "base_url", fallback="")
 
 
+def _record_step(line: bytes) -> Optional[int]:
+    """A record line's step, None for a line that is no record (torn by a crash mid-write, not
+    UTF-8, not a JSON object with an integer step)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def truncate_metrics(path: str, last_step: int) -> None:
-    """Drop records past `last_step` (written after the checkpoint a resume starts from),
-    atomically."""
+    """Drop records past `last_step` (written after the checkpoint a resume starts from), and the
+    lines that are no record, with a note naming the file, atomically."""
     if not os.path.exists(path):
         return
-    kept = []
-    with open(path) as f:
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
         for line in f:
-            try:
-                if json.loads(line).get("step", -1) <= last_step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash mid-write
+            step = _record_step(line)
+            dropped += step is None and bool(line.strip())
+            if step is not None and step <= last_step:
+                kept.append(line.decode("utf-8").rstrip("\n") + "\n")
+    if dropped:
+        print(f"note: {path}: dropped {dropped} line(s) that are no JSON record with an integer "
+              "step (torn by a crash, or edited)", file=sys.stderr)
     write_replacing(path, lambda f: f.writelines(kept))
+
+
+def _recorded_run_id(path: str) -> str:
+    """The wandb run id a run directory recorded, "" when there is none or it is no id wandb takes
+    (empty after a crash or a full disk; wandb refused it, and every resume crashed): the run then
+    starts a new wandb run, with a note."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        text = f.read(256).decode("utf-8", "replace").strip()
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", text):
+        return text
+    print(f"note: {path} holds no wandb run id ({text[:40]!r}); this run logs to a new wandb "
+          "run", file=sys.stderr)
+    return ""
 
 
 class MetricsLogger:
@@ -121,7 +150,8 @@ class MetricsLogger:
 
         run_dir = self.cfg.run.dir
         id_path = os.path.join(run_dir, WANDB_ID_FILE)
-        run_id = open(id_path).read().strip() if os.path.exists(id_path) else uuid.uuid4().hex[:8]
+        recorded = _recorded_run_id(id_path)
+        run_id = recorded or uuid.uuid4().hex[:8]
         # a WANDB_MODE the user set (offline, disabled, dryrun, online) is theirs
         chosen = os.environ.get("WANDB_MODE")
         mode = chosen or ("online" if _wandb_has_credentials() else "offline")
@@ -140,8 +170,8 @@ class MetricsLogger:
             mode = "offline"
             run = wandb.init(mode=mode, **init)
         offline = mode in ("offline", "dryrun")
-        with open(id_path, "w") as f:
-            f.write(run_id)
+        if run_id != recorded:
+            write_replacing(id_path, lambda f: f.write(run_id))
         if offline:
             print("wandb: offline run; upload later with: wandb sync "
                   f"{run.dir.rsplit('/files', 1)[0]}", file=sys.stderr)

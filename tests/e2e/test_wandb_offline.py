@@ -164,3 +164,36 @@ def test_a_key_without_a_network_logs_offline(tiny_overrides, monkeypatch, capsy
     assert "wandb: cannot reach the server (context deadline exceeded); logging offline" in \
         capsys.readouterr().err
     assert glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*"))
+
+
+def test_a_resume_with_an_empty_wandb_id_file_logs_to_a_new_run(tiny_overrides, monkeypatch,
+                                                                 capsys):
+    """A crash or a full disk while the id file was rewritten left it empty: wandb refused the
+    empty id ("Run ID cannot be empty") after the model was built, at every resume. The run now
+    notes it and logs to a new wandb run, whose id it records whole."""
+    from tandem.trainer.metrics import WANDB_ID_FILE, MetricsLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = load_config(RECIPE, tiny_overrides + ["logging.wandb=true", "logging.progress=false"])
+    os.makedirs(cfg.run.dir)
+    id_path = os.path.join(cfg.run.dir, WANDB_ID_FILE)
+    open(id_path, "w").close()
+    logger = MetricsLogger(cfg, True, 0, 1)
+    logger.close()
+    assert f"note: {id_path} holds no wandb run id ('')" in capsys.readouterr().err
+    run_id = open(id_path).read()
+    assert len(run_id) == 8 and glob.glob(os.path.join(cfg.run.dir, "wandb", f"*{run_id}"))
+
+
+def test_resume_drops_lines_of_metrics_that_are_no_records(tmp_path, capsys):
+    """A line that is JSON but no object (`5`), a step that is no integer, bytes that are not UTF-8:
+    the truncation at resume crashed on each (after the model was built); they are dropped with a
+    note, as torn lines are, and the records up to the resumed step kept."""
+    from tandem.trainer.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.5}\n5\n{"step": "5"}\n\xff\xfe\n{"step": 2}\n'
+                     b'{"step": 3}\n{"step": 4, "lo')
+    truncate_metrics(str(path), 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.5}\n{"step": 2}\n'
+    assert f"note: {path}: dropped 4 line(s)" in capsys.readouterr().err
