@@ -524,6 +524,24 @@ def test_init_from_shard_without_a_tensor_its_index_maps_to_it(ctx, sharded_expo
     assert dropped in line and os.path.basename(shard) in line
 
 
+def test_init_from_index_naming_a_shard_outside_its_directory(ctx, sharded_export, tmp_path):
+    """An index may name only files in its directory: `../elsewhere/x.safetensors` loaded weights
+    from wherever it pointed on the machine."""
+    hf, elsewhere = str(tmp_path / "hf"), tmp_path / "elsewhere"
+    shutil.copytree(sharded_export, hf)
+    elsewhere.mkdir()
+    shard = _shards(hf)[-1]
+    shutil.move(os.path.join(hf, shard), elsewhere / shard)
+    index = os.path.join(hf, "model.safetensors.index.json")
+    mapping = json.load(open(index))
+    mapping["weight_map"] = {k: f"../elsewhere/{v}" if v == shard else v
+                             for k, v in mapping["weight_map"].items()}
+    json.dump(mapping, open(index, "w"))
+    ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"],
+              f"{index} maps a tensor to '../elsewhere/{shard}', which is not a file name in its "
+              "directory")
+
+
 def _without_tensor(export, out, pick):
     """A copy of the sharded export without the first tensor `pick` accepts (index and shard)."""
     from safetensors.torch import load_file, save_file

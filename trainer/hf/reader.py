@@ -40,6 +40,13 @@ class CheckpointReader:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no \"weight_map\" object")
+            # a shard is a file in the directory: an index naming `../x` or `/x` read weights from
+            # elsewhere on the machine
+            far = next((v for v in weight_map.values() if not isinstance(v, str)
+                        or v in ("", ".", "..") or os.path.basename(v) != v), None)
+            if far is not None:
+                raise CheckpointError(f"{index} maps a tensor to {far!r}, which is not a file name "
+                                      "in its directory")
             self._files = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif st_files:
             for file in st_files:
