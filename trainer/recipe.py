@@ -126,10 +126,10 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
     elif text in ("null", "~"):  # YAML's null, which this key cannot hold: not a name or a path
         raise ConfigError(f"config key '{key}' is text and cannot be null: write {key}= for empty, "
                           f"or {key}='{text}' for the text")
-    elif len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        layer = text[1:-1]
     else:
-        layer = text
+        layer = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+        # `${...}` too: omegaconf resolved it (`${oc.env:TOKEN}` put a secret in config.yaml)
+        layer = layer.replace("${", "\\${")
     for part in reversed(key.split(".")):
         layer = {part: layer}
     return OmegaConf.create(layer)
@@ -304,12 +304,23 @@ def _one_line_error(exc: OmegaConfBaseException, recipe: Optional[str],
     return f"invalid config{where}: {first}"
 
 
+def _literal(node: Any) -> Any:
+    """Every `${` of the strings in `node` escaped, so that omegaconf reads them back as text."""
+    if isinstance(node, dict):
+        return {k: _literal(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_literal(v) for v in node]
+    return node.replace("${", "\\${") if isinstance(node, str) else node
+
+
 def to_yaml(cfg: TandemConfig) -> str:
-    """The resolved config as YAML, with public key spellings (`mtp.loss.lambda`)."""
-    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    return OmegaConf.to_yaml(OmegaConf.create(_rename_keys(container, _PUBLIC)))
+    """The config (already resolved: its values are final) as YAML, with public key spellings
+    (`mtp.loss.lambda`); a `${` in a value stays text when the file is read back (resolved again,
+    a value written as `${oc.env:X}` became X's value at resume)."""
+    return OmegaConf.to_yaml(OmegaConf.create(_literal(as_dict(cfg))))
 
 
 def as_dict(cfg: TandemConfig) -> dict:
-    """Plain nested dict with public key spellings (for wandb and checkpoints)."""
-    return _rename_keys(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), _PUBLIC)
+    """Plain nested dict with public key spellings (for wandb and checkpoints), values as they
+    are."""
+    return _rename_keys(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False), _PUBLIC)

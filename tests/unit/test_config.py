@@ -65,6 +65,27 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     assert load_config(None, ["model.init_from="]).model.init_from == ""
 
 
+def test_an_interpolation_in_a_string_override_stays_text(monkeypatch, tmp_path):
+    """`run.name=${oc.env:TOKEN}` put the variable's value into config.yaml, the checkpoints and
+    wandb, and `run.dir=/a${b}` was refused as a missing key; the text is kept, through config.yaml
+    and back (read back, config.yaml had resolved an escaped one again at resume)."""
+    from tandem.trainer.recipe import as_dict, to_yaml
+
+    monkeypatch.setenv("SECRET_TOKEN", "hunter2")
+    cfg = load_config(None, ["run.name=${oc.env:SECRET_TOKEN}", "run.dir=/a${b}"])
+    assert (cfg.run.name, cfg.run.dir) == ("${oc.env:SECRET_TOKEN}", "/a${b}")
+    assert as_dict(cfg)["run"]["name"] == "${oc.env:SECRET_TOKEN}"
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert "hunter2" not in saved.read_text()
+    again = load_config(str(saved))
+    assert (again.run.name, again.run.dir) == ("${oc.env:SECRET_TOKEN}", "/a${b}")
+    assert to_yaml(again) == saved.read_text()
+    recipe = tmp_path / "recipe.yaml"  # a recipe's own interpolations still resolve
+    recipe.write_text("run:\n  name: ${oc.env:SECRET_TOKEN}\n")
+    assert load_config(str(recipe)).run.name == "hunter2"
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.max_stepz=3"], "unknown config key 'train.max_stepz'"),
     (["train.max_steps=abc"], "config key 'train.max_steps'"),
