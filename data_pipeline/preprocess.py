@@ -112,7 +112,7 @@ def _kind(path: str, txt_sample_by: str) -> str:
 
 
 def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
-    files = []
+    files: List[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
         for name in sorted(filenames):
@@ -125,8 +125,7 @@ def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
 
 
 class _Stats:
-    def __init__(self) -> None:
-        # (and the records without the text key, read as empty)
+    def __init__(self) -> None:  # (without_key: the records without the text key, read as empty)
         self.skipped_empty, self.skipped_not_utf8, self.without_key = 0, [], []
 
 
@@ -173,15 +172,15 @@ def _check_json_files(files: List[str], text_key: str) -> List[str]:
     """Check every record of `files`: ValueError `FILE:LINE: ...` for a line that is not JSON or not
     UTF-8 (or holds a lone surrogate), a record that is not an object, a `text_key` neither string
     nor null, and when no record of the group has the key at all. Returns the files that hold
-    records."""
-    kept, keyed, fields = [], False, []
+    documents (records whose text is not blank)."""
+    kept, keyed, fields, recorded = [], False, [], []
     for path in files:
         if path.lower().endswith(".zst"):  # only `datasets` reads these
             kept.append(path)
             keyed = True  # (its own column check)
             continue
-        count = 0
         for where, rec in json_records(path):
+            recorded = recorded or [path]
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: not a JSON object")
             text = rec.get(text_key)
@@ -189,11 +188,11 @@ def _check_json_files(files: List[str], text_key: str) -> List[str]:
                 raise ValueError(f"{where}: '{text_key}' is not a string (found "
                                  f"{json.dumps(text)[:40]})")
             utf8_text(where, text or "")
-            keyed, fields, count = keyed or text_key in rec, fields or list(rec), count + 1
-        if count:
-            kept.append(path)
-    if kept and not keyed:
-        raise ValueError(f"{kept[0]}: no '{text_key}' field to read text from (fields: "
+            keyed, fields = keyed or text_key in rec, fields or list(rec)
+            if (text or "").strip() and kept[-1:] != [path]:  # blank: no document (iter_documents)
+                kept.append(path)
+    if recorded and not keyed:
+        raise ValueError(f"{recorded[0]}: no '{text_key}' field to read text from (fields: "
                          f"{', '.join(fields)}); set --text-key")
     return kept
 
@@ -279,7 +278,7 @@ def _iter_groups(groups: List[Tuple[str, List[str]]], text_key: str, txt_sample_
             for doc in docs:
                 if doc is None:
                     continue
-                if not doc:
+                if not doc.strip():  # whitespace alone is no document (nor a dataset of them)
                     stats.skipped_empty += 1
                     continue
                 yield doc

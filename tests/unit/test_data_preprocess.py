@@ -311,6 +311,8 @@ def test_output_prefix_naming_a_directory_is_refused(tmp_path, tok_path, capsys,
 @pytest.mark.parametrize("name, body, message", [
     ("empty.jsonl", "", "no documents found in {path}"),
     ("blank.jsonl", "\n  \n\n", "no documents found in {path}"),
+    # a dataset of whitespace with a degenerate BPE, written without a word
+    ("whitespace.jsonl", '{"text": ""}\n{"text": "   \\n\\t "}\n', "no documents found in {path}"),
     ("bad.jsonl", '{"text": "a"}\n\n{oops\n', "{path}:3: not valid JSON (Expecting property name"),
     ("number.jsonl", '{"text": "a"}\n{"text": 5}\n', "{path}:2: 'text' is not a string (found 5)"),
     ("list.json", "[1,2,3]", "{path}:record 1: not a JSON object"),
