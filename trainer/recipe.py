@@ -214,6 +214,12 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
         if not os.path.isfile(recipe):
             shipped = os.path.join(SHIPPED_RECIPES, os.path.basename(recipe))
             hint = f" (a shipped recipe: {shipped})" if os.path.isfile(shipped) else ""
+            where = os.path.dirname(recipe) or "."
+            if os.path.isdir(recipe):
+                raise ConfigError(f"recipe {recipe} is a directory, not a YAML file")
+            if os.path.basename(recipe) == "config.yaml" and os.path.isdir(where):
+                raise ConfigError(f"{where} has no config.yaml: not a Tandem run or checkpoint, "
+                                  "or an incomplete one")
             raise ConfigError(f"recipe file not found: {recipe}{hint}")
         layers += _recipe_layers(recipe)
     for item in overrides:

@@ -187,6 +187,12 @@ def test_recipe_errors(tmp_path, monkeypatch):
 
     assert str(err.value) == ("recipe file not found: recipes/tiny.yaml (a shipped recipe: "
                               f"{os.path.join(SHIPPED_RECIPES, 'tiny.yaml')})")
+    # a directory given as the recipe, a checkpoint without its config: "recipe file not found"
+    with pytest.raises(ConfigError, match=f"^recipe {tmp_path} is a directory, not a YAML file$"):
+        load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"^{tmp_path} has no config.yaml: not a Tandem run or "
+                                          "checkpoint, or an incomplete one$"):
+        load_config(str(tmp_path / "config.yaml"))
     typo = tmp_path / "typo.yaml"
     typo.write_text("mtp:\n  num_stepz: 3\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'mtp.num_stepz' \(in .*typo.yaml"):
