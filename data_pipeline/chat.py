@@ -38,7 +38,7 @@ from tandem.data_pipeline.records import json_records, parquet_records, utf8_tex
 from tandem.data_pipeline.saved_datasets import saved_records
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
-_JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_JSON_EXT = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 _PARQUET_EXT = (".parquet",)
 LOSS_MASK_SUFFIX = "_loss_mask"
 """`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the

@@ -138,6 +138,27 @@ def test_a_gzipped_text_file_is_one_document(tmp_path, tok_path):
     assert meta["documents"] == 2
 
 
+def test_repeated_inputs_a_bom_and_a_directory_of_shards(tmp_path, tok_path, capsys):
+    """A file named and also matched by a glob was read twice; a text file's UTF-8 BOM became three
+    byte tokens; a directory of JSONL shards is read file by file, as its documents say, but the
+    run now says so (it trained on JSON syntax without a word), and `.ndjson` holds records."""
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfwith a bom\n")
+    (tmp_path / "b.ndjson").write_text(json.dumps({"text": "a record"}) + "\n", encoding="utf-8")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "s0.jsonl").write_text(json.dumps({"text": "shard"}) + "\n", encoding="utf-8")
+    prefix = str(tmp_path / "out")
+    meta = preprocess([str(tmp_path / "a.txt"), str(tmp_path / "*.txt"),
+                       str(tmp_path / "b.ndjson"), str(shards)], prefix, tokenizer=tok_path)
+    got, _ = _read_back(prefix)
+    shard_text = (shards / "s0.jsonl").read_text()
+    assert got == _expected(load_tokenizer(tok_path), ["with a bom\n", "a record", shard_text])
+    assert meta["documents"] == 3
+    err = capsys.readouterr().err
+    assert "note: 1 input(s) named more than once, read once" in err
+    assert f"note: {shards} holds 1 JSON/parquet file(s) (first {shards / 's0.jsonl'})" in err
+
+
 def test_trains_bpe_when_no_tokenizer_given(tmp_path):
     inputs, docs = _write_inputs(tmp_path / "in", "jsonl")
     prefix = str(tmp_path / "trained")
