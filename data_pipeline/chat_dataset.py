@@ -54,6 +54,20 @@ class ChatWindows:
             self.tokens, self.flags, self.docs, self.padding = self._padded(records, width)
         else:
             self.tokens, self.flags, self.docs, self.padding = self._packed(records, width)
+        self.record_prompts = [self._prompt(ids, resp) for _, ids, resp in records]
+        """Each record's prompt (eval/metrics.py validation_inputs): what the evaluator decodes
+        from, as a server is asked. A window's first tokens start mid-record, and hold the response
+        the run learns."""
+
+    @staticmethod
+    def _prompt(ids: np.ndarray, resp: np.ndarray) -> Tuple[np.ndarray, bool]:
+        """(tokens, whether they end where a response starts): the tokens before the first
+        response token; a record learnt from its first token (plain text) gives its text, and one
+        without a response all but its EOD."""
+        first = int(np.argmax(resp)) if resp.any() else len(ids) - 1
+        if first == 0:
+            return ids[:-1], False
+        return ids[:first], True
 
     def _padded(self, records: Sequence[Encoded], width: int):
         n = len(records)

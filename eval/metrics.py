@@ -12,7 +12,7 @@ Keys are returned without the `eval/` prefix (the in-loop evaluator adds it).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,16 +152,38 @@ def temperature_label(t: float) -> str:
 def validation_inputs(valid_ds, num_prompts: int, prompt_len: int, loss_batches: int,
                       micro_batch: int, document_mask: bool, eod_id: Optional[int] = None) -> tuple:
     """(prompts, teacher-forced batches, note) from a validation split, for the in-loop evaluator
-    and `tandem eval` alike: each prompt is the first `prompt_len` tokens of a window, without the
-    `eod_id` tokens that end them (a record's padding under data.packing=pad or in a packed split's
-    last window, which was the whole prompt of every record shorter than it, and a document's own
-    end); with `document_mask` only the last document left (the decoder reads a prompt as one
-    sequence, which training never did across a document's start). A window with nothing left
-    gives no prompt. A split shorter than what is asked for gives each window once (a window read
-    twice counted twice, and narrowed the intervals over prompts): `note` says so, else it is
-    ''."""
+    and `tandem eval` alike. A split of chat records (`data.source=jsonl`) gives each record's
+    prompt, its last `prompt_len` tokens (a record of plain text: its first), one per record (its
+    record_prompts): its windows start mid-record, and the last ones hold nothing but a response,
+    which a self-distilled drafter continues at a high acceptance. Any other split: each prompt is
+    the first `prompt_len` tokens of a window, without the `eod_id` tokens that end them (a
+    document's own end, a packed split's padding); with `document_mask` only the last document
+    left (the decoder reads a prompt as one sequence, which training never did across a
+    document's start). A window with nothing left gives no prompt. A split shorter than what is
+    asked for gives each window (or record) once (a window read twice counted twice, and narrowed
+    the intervals over prompts): `note` says so, else it is ''."""
     n = len(valid_ds)
-    rows = get_batch(valid_ds, list(range(min(num_prompts, n))))
+    records = getattr(valid_ds, "record_prompts", None)  # chat records (data_pipeline/chat_dataset)
+    if records is not None:  # a chat prompt's last prompt_len tokens (as a suite's), a text's first
+        prompts = [(p[-prompt_len:] if chat else p[:prompt_len]).tolist()
+                   for p, chat in records[:num_prompts] if len(p)]
+    else:
+        prompts = _window_prompts(valid_ds, min(num_prompts, n), prompt_len, document_mask, eod_id)
+    pool, unit = (len(records), "records") if records is not None else (n, "windows")
+    count = min(loss_batches, -(-n // micro_batch))
+    batches = [get_batch(valid_ds, list(range(i * micro_batch, min((i + 1) * micro_batch, n))))
+               for i in range(count)]
+    capped = [f"{len(prompts)} prompts of eval.num_prompts={num_prompts}"] * (num_prompts > pool)
+    capped += [f"{count} loss batches of eval.loss_batches={loss_batches}"] * (count < loss_batches)
+    note = (f"the validation split holds {pool} {unit}: {' and '.join(capped)}, each "
+            f"{unit[:-1]} once" if capped else "")
+    return prompts, batches, note
+
+
+def _window_prompts(valid_ds, count: int, prompt_len: int, document_mask: bool,
+                    eod_id: Optional[int]) -> List[List[int]]:
+    """The first `prompt_len` tokens of the first `count` windows (validation_inputs)."""
+    rows = get_batch(valid_ds, list(range(count)))
     prompts = []
     for tokens, docs in zip(rows["tokens"][:, :prompt_len], rows["doc_ids"][:, :prompt_len]):
         if eod_id is not None:
@@ -172,11 +194,4 @@ def validation_inputs(valid_ds, num_prompts: int, prompt_len: int, loss_batches:
             continue
         keep = docs == docs[-1] if document_mask else torch.ones_like(docs, dtype=torch.bool)
         prompts.append(tokens[keep].tolist())
-    count = min(loss_batches, -(-n // micro_batch))
-    batches = [get_batch(valid_ds, list(range(i * micro_batch, min((i + 1) * micro_batch, n))))
-               for i in range(count)]
-    capped = [f"{len(prompts)} prompts of eval.num_prompts={num_prompts}"] * (num_prompts > n) + [
-        f"{count} loss batches of eval.loss_batches={loss_batches}"] * (count < loss_batches)
-    note = (f"the validation split holds {n} windows: {' and '.join(capped)}, each window once"
-            if capped else "")
-    return prompts, batches, note
+    return prompts

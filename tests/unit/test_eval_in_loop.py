@@ -200,6 +200,27 @@ def test_validation_inputs_keep_to_one_document_and_read_each_window_once():
     assert prompts == [[5, 6, 0, 7, 8], [13, 14, 15, 16, 17]] and note == ""
 
 
+def test_validation_prompts_of_chat_records_are_their_prompts():
+    """A split of chat records (data.source=jsonl) is packed into windows that start mid-record,
+    and whose last ones hold nothing but a response: the evaluator decoded from those, so a
+    self-distilled drafter continued the trunk's own response (its acceptance inflated), and one
+    held-out record gave three 'prompts'. Each record's prompt is a prompt, its last prompt_len
+    tokens, once."""
+    from tandem.data_pipeline.chat_dataset import ChatWindows
+    from tandem.eval.metrics import validation_inputs
+
+    records = [("a.jsonl:1", np.array([5, 6, 7, 8, 9, 10, 11, 0]),
+                np.array([0, 0, 0, 1, 1, 1, 1, 1])),
+               ("a.jsonl:2", np.array([12, 13, 14, 15, 0]), np.array([0, 0, 1, 1, 1])),
+               ("a.jsonl:3", np.array([16, 17, 0]), np.array([0, 0, 0]))]  # cut off: no response
+    windows = ChatWindows(records, seq_len=4, packing="pack", eod_id=0)
+    assert len(windows) == 4 and windows[1]["tokens"].tolist() == [9, 10, 11, 0]
+    prompts, _, note = validation_inputs(windows, 8, 2, 1, 2, document_mask=True, eod_id=0)
+    assert prompts == [[6, 7], [12, 13], [16, 17]]
+    assert note == "the validation split holds 3 records: 3 prompts of eval.num_prompts=8, each " \
+                   "record once"
+
+
 @pytest.mark.parametrize("document_mask", [True, False])
 def test_validation_prompts_are_records_not_their_padding(document_mask):
     """jsonl records padded to their window (data.packing=pad), and a packed split's padded last
@@ -214,7 +235,7 @@ def test_validation_prompts_are_records_not_their_padding(document_mask):
     padded = ChatWindows(records, seq_len=32, packing="pad", eod_id=0)
     prompts = validation_inputs(padded, 3, 24, 1, 1, document_mask, eod_id=0)[0]
     assert prompts == texts
-    # the second window: record 1's last 2 tokens and EOD, record 2, its EOD and padding
+    # packed, a window's second record starts mid-window: the records' texts all the same
     packed = ChatWindows(records, seq_len=24, packing="pack", eod_id=0)
-    prompts = validation_inputs(packed, 2, 20, 1, 1, document_mask, eod_id=0)[0]
-    assert prompts[1] == (texts[2] if document_mask else [43, 44, 0] + texts[2])
+    prompts = validation_inputs(packed, 3, 12, 1, 1, document_mask, eod_id=0)[0]
+    assert prompts == [texts[0], texts[1][:12], texts[2]]
