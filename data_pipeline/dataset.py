@@ -334,6 +334,10 @@ def build_datasets(
     sizes = _split_sizes(train_blend, valid_blend, num_train_samples, num_valid_samples)
     if valid_blend is None:
         _check_split_shares(data_cfg.split, config.split_matrix, sizes, sequences)
+    short = [p for p in (valid_blend or ([], None))[0] if tokens[p] < seq_len + 1]
+    if sizes[1] and short:  # no window: the run went on without its evaluation, saying little
+        raise ValueError(f"data.valid_paths {short[0]} holds {tokens[short[0]]} tokens, fewer than "
+                         f"one window of data.seq_len+1={seq_len + 1}")
     if sizes[1] and (valid_blend or train_blend)[1] is None:
         # one epoch of an unweighted validation split (one prefix, or data.valid_paths without
         # weights), in the order a smaller count gives: a count past it started a second epoch,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -115,6 +116,8 @@ def _hf_docs(kind: str, files: List[str], text_key: str, txt_sample_by: str,
     except Exception as exc:  # its own message is generic; the cause says what failed
         cause = f" ({' '.join(str(exc.__cause__).split())[:300]})" if exc.__cause__ else ""
         msg = (" ".join(str(exc).split()) or type(exc).__name__) + cause
+        if "zstd" in msg.lower() and not importlib.util.find_spec("zstandard"):
+            msg += "; reading .zst files needs the zstandard package: pip install zstandard"
         raise ValueError(f"cannot read {kind} input {files[0] if len(files) == 1 else files}: "
                          f"{msg}") from None
     finally:
@@ -172,6 +175,17 @@ def _json_texts(files: List[str], text_key: str, hf_cache: str, stats: InputStat
             yield rec.get(text_key) or ""
 
 
+def _text_type(kind) -> bool:
+    """Whether a parquet column of arrow type `kind` holds text (or nothing): string, large_string,
+    string_view (newer writers), null, or a dictionary of strings (a pandas categorical)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or pa.types.is_string_view(kind))
+
+
 def _parquet_texts(files: List[str], key: str) -> Iterator[str]:
     """Each row's column `key` of every file, read alone ("" where null)."""
     import pyarrow.parquet as pq
@@ -181,8 +195,8 @@ def _parquet_texts(files: List[str], key: str) -> Iterator[str]:
         if key not in schema.names:
             raise ValueError(f"{path}: no '{key}' field to read text from (fields: "
                              f"{', '.join(schema.names)}); set --text-key")
-        kind = str(schema.field(key).type)
-        if kind not in ("string", "large_string", "null"):
+        kind = schema.field(key).type
+        if not _text_type(kind):
             raise ValueError(f"{path}: column '{key}' holds {kind}, not strings")
         yield from (rec[key] or "" for _, rec in parquet_records(path, [key]))
 

@@ -11,7 +11,7 @@ import torch
 
 from tandem.data_pipeline.batches import DataPosition, batch_indices, get_batch
 from tandem.data_pipeline.dataset import build_datasets, check_prefix, check_vocab, parse_blend
-from tandem.data_pipeline.preprocess import preprocess
+from tandem.data_pipeline.preprocess import preprocess, read_meta
 from tandem.data_pipeline.tokenizer import load_tokenizer, train_bpe
 from tandem.trainer.config import DataConfig
 
@@ -90,6 +90,20 @@ def test_a_small_validation_split_is_read_once(corpus, where):
                        get_batch(few, range(len(few)))["tokens"])
     prompts, batches, note = validation_inputs(many, 10_000, 8, 1_000, 4, False)
     assert len(prompts) == len(many) and f"holds {len(many)} windows" in note
+
+
+def test_a_validation_prefix_shorter_than_a_window_is_refused(corpus):
+    """data.valid_paths holding fewer tokens than one window gave no validation split: the run went
+    on without its evaluation, saying only 'no validation split'. (The split's case was already
+    refused, naming data.split.)"""
+    root, _, prefixes = corpus
+    tokens = read_meta(prefixes["v"])["tokens"]
+    cfg = _cfg(root, paths=[prefixes["a"]], valid_paths=[prefixes["v"]])
+    with pytest.raises(ValueError, match=f"^data.valid_paths {prefixes['v']} holds {tokens} "
+                                         f"tokens, fewer than one window of "
+                                         f"data.seq_len\\+1={tokens + 1}$"):
+        build_datasets(cfg, tokens, 7, 1, 1)
+    assert build_datasets(cfg, tokens, 7, 1, 0)[1] is None  # no evaluation asked: no refusal
 
 
 @pytest.mark.parametrize("where", ["weighted split", "unweighted valid_paths",

@@ -172,6 +172,54 @@ def test_trains_bpe_when_no_tokenizer_given(tmp_path):
     assert [tok.decode(ids[:-1]) for ids in got] == docs
 
 
+def test_parquet_text_as_string_view_or_a_categorical(tmp_path, tok_path):
+    """Text columns that newer writers store as string_view, and pandas categoricals (a dictionary
+    of strings), were refused as 'not strings'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["first row", "second row", "first row"]
+    pq.write_table(pa.table({"text": pa.array(texts, type=pa.string_view())}),
+                   tmp_path / "v.parquet")
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), tmp_path / "d.parquet")
+    prefix = str(tmp_path / "out")
+    preprocess([str(tmp_path / "v.parquet"), str(tmp_path / "d.parquet")], prefix,
+               tokenizer=tok_path)
+    got, _ = _read_back(prefix)
+    assert got == _expected(load_tokenizer(tok_path), texts + texts)
+
+
+def test_a_zst_input_without_zstandard_names_the_package(tmp_path, tok_path):
+    """`datasets` said only 'Compression type zstd not supported'."""
+    import importlib.util
+
+    if importlib.util.find_spec("zstandard"):
+        pytest.skip("zstandard is installed")
+    (tmp_path / "a.jsonl.zst").write_bytes(b"(\xb5/\xfd not really zstd")
+    with pytest.raises(ValueError, match="needs the zstandard package: pip install zstandard"):
+        preprocess([str(tmp_path / "a.jsonl.zst")], str(tmp_path / "out"), tokenizer=tok_path)
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl.zst"]
+
+
+def test_bpe_trains_on_a_long_run_of_letters_in_pieces():
+    """A document that is one run of letters (a DNA sequence): the trainer's cost grew with the
+    square of the run (4 s at 100k letters, a 2 MB one did not finish in 200 s); it takes such a
+    run in pieces of BPE_TRAINING_WORD, and ordinary text whole, as before."""
+    import random
+
+    from tandem.data_pipeline import tokenizer as tokenizer_module
+
+    random.seed(0)
+    dna = "".join(random.choice("ACGT") for _ in range(200_000))
+    limit = tokenizer_module.BPE_TRAINING_WORD
+    pieces = list(tokenizer_module._bounded_words(["x " + dna + " y", *DOCS]))
+    assert "".join(pieces[:-len(DOCS)]) == "x " + dna + " y" and pieces[-len(DOCS):] == DOCS
+    assert max(len(p) for p in pieces) <= limit + 2
+    tok = train_bpe(iter(["x " + dna + " y", *DOCS]), 300)
+    assert tok.decode(tok.encode(dna[:5000])) == dna[:5000]
+    assert tok.vocab_size == 300
+
+
 def test_refuses_to_overwrite_and_leaves_files_untouched(tmp_path, tok_path):
     inputs, _ = _write_inputs(tmp_path / "in", "jsonl")
     prefix = str(tmp_path / "ds")
