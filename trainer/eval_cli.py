@@ -66,7 +66,7 @@ from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_
 
 from .checkpoint import load_model_from_checkpoint, resolve_checkpoint
 from .config_checks import ConfigError
-from .files import write_replacing
+from .files import parent_problem, write_replacing
 from .hf.init_from import serving_origin
 from .hf.reader import stop_ids
 from .parallel.device import autocast_context, resolve_device
@@ -418,13 +418,9 @@ def _check_output(args) -> None:
     if exists and not _is_eval_output(path):
         raise EvalInputError(f"--output {path} exists and is not an earlier tandem eval --output "
                              f"(JSONL of {', '.join(OUTPUT_KEYS)}, no `step`); pass another file")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise EvalInputError(f"--output {path}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise EvalInputError(f"--output {path}: directory {parent} is not writable")
+    problem = parent_problem(path)
+    if problem:
+        raise EvalInputError(f"--output {path}: {problem}")
 
 
 def _write_outputs(path: str, spec, prompts) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import IO, Callable, Iterator, Union
+from typing import IO, Callable, Iterator, Optional, Union
 
 
 @contextmanager
@@ -59,3 +59,17 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def parent_problem(path: str) -> Optional[str]:
+    """Why `path` cannot be created (its nearest existing ancestor is a file, or a directory this
+    process cannot write), None when it can: a command says so before its work, not with an
+    `[Errno 17] File exists` naming another file after it."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None

@@ -18,7 +18,7 @@ import json
 import os
 from typing import List, Tuple
 
-from .files import naming, write_replacing
+from .files import naming, parent_problem, write_replacing
 
 
 class GenerateError(ValueError):
@@ -45,6 +45,9 @@ def read_output(path: str, header: dict) -> Tuple[List[dict], bool]:
     """(records already in `path`, whether its last line was torn); ([], False) when there are none.
     GenerateError when `path` holds records and `path.meta.json` differs from `header` (other
     settings, checkpoint or prompts) or is missing (not this command's file)."""
+    problem = parent_problem(path)
+    if problem:  # (a write's "[Errno 17] File exists" said to run it again, which never helps)
+        raise GenerateError(f"--out {path}: {problem}")
     has_records = os.path.exists(path) and os.path.getsize(path) > 0
     meta = meta_path(path)
     if not os.path.exists(meta):

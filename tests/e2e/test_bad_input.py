@@ -202,12 +202,13 @@ def test_npu_requested_where_none_is_visible(ctx):
 def test_bf16_on_a_gpu_without_bf16(ctx, monkeypatch):
     # a V100 as torch would report it; nothing may reach the (absent) device before the refusal
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     ctx.fails(["train", RECIPE, *ctx.base, "device=cuda", "train.dtype=bf16"],
               "config key 'train.dtype'='bf16' but this cuda device (Tesla V100-SXM2-16GB) has no "
-              "bf16 support")
+              "native bf16")
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -540,6 +541,22 @@ def test_init_from_index_naming_a_shard_outside_its_directory(ctx, sharded_expor
     ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"],
               f"{index} maps a tensor to '../elsewhere/{shard}', which is not a file name in its "
               "directory")
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", "abc"), ("num_hidden_layers", "4"),
+                                          ("hidden_size", True)])
+def test_init_from_config_json_with_a_number_written_as_text(ctx, sharded_export, tmp_path,
+                                                             field, value):
+    """`"rms_norm_eps": "abc"` stopped with "could not convert string to float: 'abc'", naming
+    neither file nor key; `"num_hidden_layers": "4"` loaded as if a number."""
+    hf = str(tmp_path / "hf")
+    shutil.copytree(sharded_export, hf)
+    config = os.path.join(hf, "config.json")
+    fields = json.load(open(config))
+    fields[field] = value
+    json.dump(fields, open(config, "w"))
+    ctx.fails(["train", RECIPE, *ctx.base, f"model.init_from={hf}"],
+              f"{config}: {field}={json.dumps(value)} must be a number")
 
 
 def _without_tensor(export, out, pick):

@@ -177,6 +177,21 @@ def test_generate_sidecar_not_an_object(ctx, no_model, prompts, tmp_path):
     assert meta.read_text() == "[1, 2]\n" and not out.exists()
 
 
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_an_output_under_a_file(ctx, no_model, prompts, tmp_path, command):
+    """`--out FILE/x`: generate said "[Errno 17] File exists: FILE; run it again to resume", which
+    never helps, and export printed the bare errno; both now say the parent is a file, before any
+    work, as `tandem eval --output` does."""
+    blocker = tmp_path / "results"
+    blocker.write_text("keep")
+    out = str(blocker / "x.jsonl")
+    argv = {"generate": ["generate", "--checkpoint", ctx.run, "--prompts", prompts, "--out", out,
+                         "--max-new-tokens", "4"],
+            "export": ["export", "--checkpoint", ctx.run, "--out", out]}[command]
+    ctx.fails(argv, f"--out {out}: {blocker} is a file, not a directory")
+    assert blocker.read_text() == "keep"
+
+
 # --- corrupt weights ------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["eval", "generate"])
 def test_a_checkpoint_with_a_nan_weight_is_refused(ctx, prompts, tmp_path, command):
@@ -280,6 +295,10 @@ def test_launch_fine_tune_into_its_own_run_submits(ctx, fake_sbatch, tmp_path, c
 @pytest.mark.parametrize("overrides, message", [
     # the evaluator's decoding, the job's first check
     (["eval.interval=2", "eval.prompt_len=60"], "4K+5=13 (K=2) exceed model.max_seq_len=64"),
+    # a pipelined decode's stages hold the trained depths only: its first draft crashed
+    (["eval.interval=2", "eval.num_steps=3", "parallel.pp=2"],
+     "drafting 3 tokens a round, past the trained mtp.num_steps=2, is not supported under "
+     "pipeline parallelism (parallel.pp=2)"),
     # the job would build the data and the model to print "nothing to train"
     (["train.max_steps=2"], "is at config key 'train.max_steps'=2, so the job would train "
                             "nothing"),

@@ -129,6 +129,14 @@ def test_native_glm_mtp_weights_import(family, tmp_path):
     looped, cfg = load_hf_model(str(out), mtp_overrides={"num_steps": 3})
     assert cfg.mtp.num_steps == 3 and torch.equal(looped.mtp.layers[0].eh_proj.weight,
                                                   model.mtp.layers[0].eh_proj.weight)
+    # more physical MTP layers than it holds: named, not 27 missing tensors of a model "of this
+    # shape"
+    from tandem.trainer.hf.reader import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"^{out} holds 1 MTP layer\(s\), and "
+                                              r"mtp.num_layers=2 asks for more: set "
+                                              r"mtp.num_layers=1"):
+        load_hf_model(str(out), mtp_overrides={"num_steps": 2, "num_layers": 2})
 
 
 def test_hidden_first_concat_is_permuted_on_export(tmp_path):

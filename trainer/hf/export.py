@@ -38,7 +38,7 @@ from tandem.models.mtp_config import MTPConfig
 
 from .. import safe_dcp
 from ..checkpoint_dirs import resolve_checkpoint
-from ..files import naming
+from ..files import naming, parent_problem
 from ..recipe import load_config
 from .families import (
     DRAFT_STEPS_KEY,
@@ -418,6 +418,9 @@ def check_out(out: str, overwrite: bool, inputs: Optional[Dict[str, str]] = None
             raise ValueError(f"--out {out} {what} {label} {src}; choose an --out outside it (an "
                              "export there could delete what it reads)")
     if not os.path.lexists(out):
+        problem = parent_problem(out)
+        if problem:
+            raise ValueError(f"--out {out}: {problem}")
         return
     if not overwrite:
         raise FileExistsError(f"{os.path.abspath(out)} exists; pass --overwrite to replace it")

@@ -279,6 +279,12 @@ def _check_names(path: str, keys: set, needed: Dict[str, Src], mtp_keys: set, cf
             report.ignored.append(k)  # MTP layers this model does not have
         else:
             unexpected.append(k)
+    held = len({mtp_layer_of_key(k, cfg) for k in mtp_keys})
+    if (missing and mtp is not None and 0 < held < mtp.num_layers
+            and all(mtp_layer_of_key(k, cfg) >= held for k in missing)):  # only layers past them
+        raise CheckpointError(f"{path} holds {held} MTP layer(s), and mtp.num_layers="
+                              f"{mtp.num_layers} asks for more: set mtp.num_layers={held} (a "
+                              "looped module drafts any number of steps with them)")
     if missing or unexpected:
         parts = []
         if missing:

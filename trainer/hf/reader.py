@@ -324,7 +324,25 @@ def read_config(path: str) -> dict:
     if not os.path.isfile(cfg_file):
         raise CheckpointError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
     hf = read_json(cfg_file)
-    return hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
+    hf = hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
+    for key, value in hf.items():  # a number written as text ("4", "1e-6") read as one, or crashed
+        if key in NUMERIC_FIELDS and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"{cfg_file}: {key}={json.dumps(value)[:40]} must be a number")
+    return hf
+
+
+NUMERIC_FIELDS = frozenset((
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "moe_intermediate_size", "num_experts", "n_routed_experts", "num_experts_per_tok",
+    "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
+    "routed_scaling_factor", "n_group", "topk_group", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor",
+    "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+    "full_attention_interval"))
+"""config.json fields Tandem reads as numbers."""
 
 
 def stop_ids(eod_id: Optional[int], dirs: Sequence[str]) -> Optional[List[int]]:
