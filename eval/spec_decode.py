@@ -103,20 +103,13 @@ def non_finite_weights(model: nn.Module) -> Optional[str]:
     return None
 
 
-def draft_steps_problem(num_steps: int, mtp_cfg, pipeline: str = "") -> Optional[str]:
+def draft_steps_problem(num_steps: int, mtp_cfg) -> Optional[str]:
     """Why a model with MTP config `mtp_cfg` cannot draft `num_steps` tokens a round (None when it
-    can): known from the config, so a caller can refuse before the weights load. `pipeline` names
-    a pipelined decode's layout (`--pp 2`), whose stages place the trained depths only
-    (trainer/parallel/pipeline_decode.py DecodePlan): a depth past them crashed the first draft, at
-    the first in-loop evaluation, hours into a run."""
+    can): known from the config, so a caller can refuse before the weights load."""
     if num_steps <= 0:
         return None
     if not mtp_cfg.num_steps:
         return "speculative decoding needs an MTP module (mtp.num_steps > 0)"
-    if pipeline and num_steps > mtp_cfg.num_steps:
-        return (f"drafting {num_steps} tokens a round, past the trained mtp.num_steps="
-                f"{mtp_cfg.num_steps}, is not supported under pipeline parallelism ({pipeline}): "
-                f"lower it to {mtp_cfg.num_steps} or decode in one pipeline stage")
     if mtp_cfg.style != "looped" and num_steps > mtp_cfg.num_layers:
         return (f"num_steps={num_steps} exceeds the {mtp_cfg.num_layers} independent heads of the "
                 "parallel-style MTP module (only the looped style can run longer than it was "

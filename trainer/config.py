@@ -317,8 +317,7 @@ class EvalConfig:
         k = self.num_steps or cfg.mtp.num_steps
         if self.interval <= 0 or k <= 0:
             return
-        pipeline = f"parallel.pp={cfg.parallel.pp}" if cfg.parallel.pp > 1 else ""
-        problem = draft_steps_problem(k, cfg.mtp, pipeline)  # (a parallel-style module's heads)
+        problem = draft_steps_problem(k, cfg.mtp)  # (a parallel-style module's heads)
         if problem:
             raise ConfigError(f"config key 'eval.num_steps'={self.num_steps} (0: mtp.num_steps): "
                               f"{problem}; lower it or set eval.interval=0")

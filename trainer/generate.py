@@ -226,8 +226,7 @@ def prepare(args, world: int):
     args.device = eval_cli.resolve_device_flag(args.device)
     prompts = read_prompts(args.prompts, args.column)
     src = _hf_source(args) if args.hf else _checkpoint_source(args)
-    problem = draft_steps_problem(src.num_steps, src.cfg.mtp,
-                                  f"--pp {args.pp}" if args.pp > 1 else "")
+    problem = draft_steps_problem(src.num_steps, src.cfg.mtp)
     if problem:  # found in decoding, it came after the sidecar was written, and refused the rerun
         raise GenerateError(f"--num-steps {src.num_steps}: {problem}")
     limit = prompt_limit(src.max_seq_len, args.max_new_tokens, src.num_steps)

@@ -1,10 +1,10 @@
 """`tandem generate` under torchrun (dp2: batches dealt over two replicas, one padding slot; tp2:
-the model sharded over two ranks) writes byte for byte the file one process writes, greedy and
-sampled (same seed), from a Tandem checkpoint and (tp2) from its Hugging Face export, each rank
-reading only its shards of the safetensors. Run as a script, this file is the torchrun worker: one
-launch and process group for both layouts, every decode. The first decode starts while the
-checkpoint's run directory publishes a newer step, which rank 0 sees and rank 1 does not: rank 1
-used to decode the older one into the same file.
+the model sharded over two ranks; pp2: two stages) writes byte for byte the file one process
+writes, greedy, sampled (same seed) and drafting past the trained depths, from a Tandem checkpoint
+and (tp2) from its Hugging Face export, each rank reading only its shards of the safetensors. Run
+as a script, this file is the torchrun worker: one launch and process group for every layout and
+decode. The first decode starts while the checkpoint's run directory publishes a newer step, which
+rank 0 sees and rank 1 does not: rank 1 used to decode the older one into the same file.
 
 A write that fails on the writer (a full disk, injected at its second batch) returns 2 on every
 rank, under pp2 (the follower stage's rank is released) and dp2 (the other replica stops decoding),
@@ -30,11 +30,14 @@ PROMPTS = ["def main():\n", "import os\n", "class Foo:", "x = 1\n", "for i in ra
 COMMON = ["--max-new-tokens", "6", "--batch-size", "2"]
 CASES = {"greedy": [],
          "sampled": ["--temperature", "0.8", "--top-p", "0.9", "--samples-per-prompt", "2",
-                                   "--seed", "3"]}
-LAYOUTS = {"dp2": [], "tp2": ["--tp", "2"]}
+                                   "--seed", "3"],
+         # drafting past the trained K=2, as a looped module may: under pp the depths past the
+         # trained ones were looked up past the stage placement, and the first draft crashed
+         "longer": ["--num-steps", "4"]}
+LAYOUTS = {"dp2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
 FAULT_LAYOUTS = {"pp2": ["--pp", "2"], "dp2": []}
 """Where a failed write is injected: a pipeline follower and a second replica wait on the writer."""
-SOURCES = {"checkpoint": ("dp2", "tp2"), "hf": ("tp2",)}
+SOURCES = {"checkpoint": ("dp2", "tp2", "pp2"), "hf": ("tp2",)}
 """Where each source runs: a Tandem checkpoint on both layouts, its Hugging Face export sharded
 over tp (the one-process --hf load is tests/e2e/test_generate.py's)."""
 

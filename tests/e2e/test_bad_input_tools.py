@@ -295,10 +295,6 @@ def test_launch_fine_tune_into_its_own_run_submits(ctx, fake_sbatch, tmp_path, c
 @pytest.mark.parametrize("overrides, message", [
     # the evaluator's decoding, the job's first check
     (["eval.interval=2", "eval.prompt_len=60"], "4K+5=13 (K=2) exceed model.max_seq_len=64"),
-    # a pipelined decode's stages hold the trained depths only: its first draft crashed
-    (["eval.interval=2", "eval.num_steps=3", "parallel.pp=2"],
-     "drafting 3 tokens a round, past the trained mtp.num_steps=2, is not supported under "
-     "pipeline parallelism (parallel.pp=2)"),
     # the job would build the data and the model to print "nothing to train"
     (["train.max_steps=2"], "is at config key 'train.max_steps'=2, so the job would train "
                             "nothing"),

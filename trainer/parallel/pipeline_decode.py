@@ -98,8 +98,10 @@ class DecodePlan:
 
     def mtp_stage(self, depth: int) -> int:
         """The stage holding MTP depth `depth` (1-based): `parallel.pp_depth_stages`, the last by
-        default."""
-        return self._depth_stage[depth]
+        default. A depth past the trained ones (a looped module drafting longer than it trained)
+        runs on the last trained depth's stage: a stage with a depth holds the whole MTP module,
+        every layer of the loop (the lookup ran past the placement, and the first draft crashed)."""
+        return self._depth_stage[min(depth, len(self._depth_stage) - 1)]
 
     def mtp_rank(self, depth: int) -> int:
         return self.stage_rank(self.mtp_stage(depth))
