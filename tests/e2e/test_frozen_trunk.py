@@ -125,6 +125,10 @@ def test_frozen_trunk_checkpoints_reference_the_trunk(tmp_path, capsys, corpus_c
     trunk, out = load_file(f"{tmp}/hf/model.safetensors"), load_file(f"{tmp}/out/model.safetensors")
     assert all(torch.equal(v, out[k]) for k, v in trunk.items())
     assert len(out) > len(trunk)
+    # ... served up to the trunk's own context (64), not the fine-tune's model.max_seq_len (4096,
+    # the default), which claimed positions the trunk never had
+    served = json.load(open(f"{tmp}/out/config.json"))["max_position_embeddings"]
+    assert served == json.load(open(f"{tmp}/hf/config.json"))["max_position_embeddings"] == 64
 
     # a fine-tune of the fine-tune (model.init_from=a, frozen again): its trunk two references
     # away, which export looked for one away ("lacks tensors"), and its source's serving files (the

@@ -187,7 +187,8 @@ def export_hf_checkpoint(step_dir: str, out: str, family: Optional[str] = None, 
         spec = hf_config(family, cfg, mtp)[1]
         names = list(meta_state(cfg, mtp))
         _write_hf(tmp, family, cfg, mtp, names,
-                  _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes)
+                  _checkpoint_sources(step_dir, cfg, mtp, spec, names), max_shard_bytes,
+                  frozen_trunk=read_reference(step_dir) is not None)
 
     _write_export_dir(out, overwrite, tokenizer, fill, cfg.vocab_size,
                       _read_dirs(step_dir))
@@ -254,9 +255,11 @@ def _hf_sources(path: str, cfg, mtp, names) -> Dict[str, _Source]:
 
 # --- writing --------------------------------------------------------------------------------------
 def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names: List[str],
-              sources: Dict[str, _Source], max_shard_bytes: int) -> None:
+              sources: Dict[str, _Source], max_shard_bytes: int,
+              frozen_trunk: bool = False) -> None:
     """Write config.json and the weights of `names` (in this order) into the new, empty
-    `out_dir`."""
+    `out_dir`; `frozen_trunk`: the trunk is its `model.init_from` source's, whose context length
+    it keeps (serving_files.source_serving_fields)."""
     config, spec = hf_config(family, cfg, mtp)
     for name in names:  # tensors the family has no name for must be zero
         if hf_name(name, cfg, mtp,
@@ -291,7 +294,8 @@ def _write_hf(out_dir: str, family: str, cfg: ModelConfig, mtp: MTPConfig, names
             json.dump({"metadata": {"total_size": total},
                        "weight_map": {plan[i].key: where[i] for i in range(len(plan))}},
                       f, indent=1)
-    config.update(source_serving_fields(serving_origin(cfg.init_from), cfg.max_seq_len, out_dir))
+    config.update(source_serving_fields(serving_origin(cfg.init_from), cfg.max_seq_len, out_dir,
+                                        frozen_trunk))
     # the dtype most bytes are in (a frozen bf16 trunk beside an fp32 MTP module); always float32
     # before, so transformers and vLLM (dtype auto) loaded a bf16 export at twice its memory
     written = collections.Counter()

@@ -19,17 +19,21 @@ from .init_from import is_hf_dir
 SERVING_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def source_serving_fields(init_from: str, max_seq_len: int, out_dir: str) -> dict:
+def source_serving_fields(init_from: str, max_seq_len: int, out_dir: str,
+                          frozen_trunk: bool = False) -> dict:
     """What a model fine-tuned from a Hugging Face checkpoint (`model.init_from`) keeps of how its
-    source is served: the source's context length when longer than the one trained at
-    (`max_position_embeddings`, which vLLM serves up to), its special token ids, and its
-    generation_config.json (copied into `out_dir`; transformers' `generate` reads its EOS there)."""
+    source is served: the source's context length (`max_position_embeddings`, which vLLM serves up
+    to) when longer than the run's `model.max_seq_len`, and always for a frozen trunk, which is the
+    source's (the run's default 4096 claimed positions a 512-position source never had), its
+    special token ids, and its generation_config.json (copied into `out_dir`; transformers'
+    `generate` reads its EOS there)."""
     if not init_from or not is_hf_dir(init_from):
         return {}
     with open(os.path.join(init_from, "config.json"), encoding="utf-8") as f:
         source = json.load(f)
     fields = {k: source[k] for k in SERVING_FIELDS if source.get(k) is not None}
-    if int(source.get("max_position_embeddings", 0)) > max_seq_len:
+    if (frozen_trunk and source.get("max_position_embeddings")
+            or int(source.get("max_position_embeddings", 0)) > max_seq_len):
         fields["max_position_embeddings"] = int(source["max_position_embeddings"])
     generation = os.path.join(init_from, "generation_config.json")
     if os.path.isfile(generation):
