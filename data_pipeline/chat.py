@@ -167,8 +167,11 @@ class ChatEncoder:
         if not ids or ids[-1] != self.tokenizer.eod_id:
             # a response cut off by generate's token budget (`finished: false`) did not end there;
             # one generate saw end at another stop id (`finished: true`, a chat model's end of
-            # turn) ended with it: the EOD after either only separates documents
-            ends = bool(flags and flags[-1]) and "finished" not in rec
+            # turn) ended with it; a template that ends each turn with the EOD (ChatML's
+            # `<|im_end|>\n` where it is the EOS) has ended it: the EOD after any of these only
+            # separates documents (learnt, it taught every depth a second end after the turn's)
+            ends = (bool(flags and flags[-1]) and "finished" not in rec
+                    and not (self._templated(form) and self.tokenizer.eod_id in ids))
             flags = flags + [int(ends)]
             ids = ids + [self.tokenizer.eod_id]
         return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)

@@ -122,6 +122,37 @@ def test_messages_with_template_hand_counted(tmp_path):
     assert kept(batch, 2) == [1, 2, 7, 8, 9]
 
 
+def test_a_template_ending_turns_with_the_eod_learns_no_second_one(tmp_path):
+    """ChatML where `<|im_end|>` is the EOS: each turn ends `<|im_end|>\n`, and the EOD appended
+    after the record was learnt as well, so every depth was taught a second end after the turn's
+    (`...<|im_end|>\n<|im_end|>`). It only separates the record now."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["hello there\nI am fine user assistant system"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    bpe.save(str(tok_dir / "tokenizer.json"))
+    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+         "chat_template": chatml}))
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "I am fine"}]
+    ((_, ids, flags),) = encoded(str(tok_dir), write_jsonl(tmp_path / "d.jsonl",
+                                                           [{"messages": msgs}]))
+    tok = load_tokenizer(str(tok_dir))
+    assert tok.eod_token == "<|im_end|>" and ids[-1] == tok.eod_id and flags[-1] == 0
+    assert tok.decode([int(i) for i, f in zip(ids, flags) if f]) == "I am fine<|im_end|>\n"
+
+
 def test_a_template_without_a_generation_prompt_does_not_train_the_header(tmp_path):
     """A template that ignores add_generation_prompt renders `<|assistant|>` as part of the turn:
     the loss is still on each turn's content and end-of-turn only, as in the hand-counted case
