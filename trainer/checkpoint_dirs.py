@@ -41,7 +41,7 @@ def list_checkpoints(run_dir: str,
 
 def _scan(root: str, whole_saves: bool = False) -> Tuple[List[Tuple[int, str]], List[str]]:
     """A step's complete copy: `step_<N>`, else (a kill between the two renames that replace a
-    step saved again, when a halt or a rewind saves the step it holds) its new `.tmp_` copy, else
+    step saved again, when a halt saves the step it holds) its new `.tmp_` copy, else
     the `.stale_` one it replaced; marked complete either way. With `whole_saves`, last, a `.tmp_`
     copy that is whole but not marked."""
     best, dirs = {}, []
@@ -88,8 +88,8 @@ def latest_checkpoint(run_dir: str, report: bool = True,
 
 def publish(tmp: str, step: int) -> str:
     """Mark the save in `tmp` complete (the marker written last, synced) and move it into place as
-    `step_<N>`. A `step_<N>` already there (the step saved again: a halt or a rewind saves the step
-    it holds) is moved aside to `.stale_step_<N>` first and deleted once the new copy is in place.
+    `step_<N>`. A `step_<N>` already there (the step saved again: a halt saves the step it holds)
+    is moved aside to `.stale_step_<N>` first and deleted once the new copy is in place.
     Returns the final directory."""
     write_synced(os.path.join(tmp, MARKER), f"{step}\n")  # empty: not complete (is_complete)
     root = os.path.dirname(tmp)

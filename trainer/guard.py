@@ -106,13 +106,15 @@ class BadStepGuard:
         # resume, which replays the step, counted it twice (and halted again at max_skips=1)
         counted = self.total_bad, self.bad_steps
         self.total_bad, self.bad_steps = self.total_bad - 1, self.bad_steps[:-1]
+        saved = f"last good state saved as checkpoint step_{steps_done}"
         try:
             self.save(steps_done)
+        except OSError as exc:  # (a full disk): the halt and its report stand, exit status 3
+            saved = f"the last good state could not be saved ({exc})"
         finally:
             self.total_bad, self.bad_steps = counted
         losses = ", ".join(f"{k}={v:.6g}" for k, v in record.items() if k.startswith("loss"))
-        raise BadStepHalt(f"halted at step {record['step']}: {self.last_reason}; {losses}; "
-                          f"last good state saved as checkpoint step_{steps_done}")
+        raise BadStepHalt(f"halted at step {record['step']}: {self.last_reason}; {losses}; {saved}")
 
     def rewind(self, steps_done: int) -> int:
         """Reload the newest checkpoint and skip the batch of the bad step; return the step to
@@ -120,9 +122,12 @@ class BadStepGuard:
         data = self.data
         bad = data.step_ranges()
         state = self.restore()
-        if state is None:
+        if state is None:  # nothing to rewind to: the update was dropped, move past the batch
             data.skip(bad)
-            return steps_done  # nothing to rewind to: the update was dropped, move past the batch
+            if self.is_main:
+                print(f"no checkpoint to rewind to: dropped the update and skipped samples "
+                      f"{', '.join(f'{a}..{b - 1}' for a, b in bad)}", file=sys.stderr)
+            return steps_done
         skipped = data.skipped + bad  # the checkpoint may predate earlier rewinds' skips
         # the bad steps seen since that checkpoint still count (towards max_skips and the total);
         # the loss window restarts from the checkpoint's, before the steps that are replayed

@@ -142,7 +142,8 @@ def run_training(run: Run) -> Optional[dict]:
                 continue
             evaluates = run.evaluator is not None and (step % cfg.eval.interval == 0
                                                        or step == t.max_steps)
-            logged = step % t.log_interval == 0 or step == t.max_steps
+            # a step the guard dropped is always logged: its record is where it is found
+            logged = step % t.log_interval == 0 or step == t.max_steps or "skipped" in record
             seconds = time.perf_counter() - started
             if evaluates:
                 # the precision it trains in (FSDP may hold bf16 parameters)

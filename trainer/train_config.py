@@ -106,7 +106,9 @@ class TrainConfig:
     the last good state and exit non-zero) or `rewind` (reload the last checkpoint, skip the batch).
     `skip` for unattended runs with rare bad batches; `rewind` when a bad step may already have
     corrupted state the skip cannot undo (optimizer moments after a spike); `halt` to investigate by
-    hand (debugging, ablations where any instability invalidates the run)."""
+    hand (debugging, ablations where any instability invalidates the run). A rewind before the
+    first checkpoint (or with checkpoint.interval=0) has nothing to reload: it drops the update and
+    skips the batch, as `skip` does, and says so."""
     spike_factor: float = 0.0
     """A step whose losses summed over the depths (weight 1 each, so a lambda schedule does not
     move it) exceed this factor times their running mean is bad (0 disables)."""

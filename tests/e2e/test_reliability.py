@@ -180,6 +180,28 @@ def test_skip_policy_drops_the_update(monkeypatch, tiny_overrides):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_dropped_step_is_logged_and_a_rewind_with_no_checkpoint_says_so(monkeypatch,
+                                                                          tiny_overrides, capsys):
+    """With train.log_interval=2 a skipped step off the interval left no record (the one place it is
+    documented to be found); a rewind with no checkpoint to reload dropped the update and skipped
+    the batch without a word."""
+    NaNAtBatch(monkeypatch, {2})
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "train.log_interval=2",
+                                                "train.bad_step_policy=skip"])
+    train(cfg)
+    recs = records(cfg.run.dir)
+    assert [(r["step"], r.get("skipped")) for r in recs] == [(2, None), (3, 1.0), (4, None)]
+    NaNAtBatch(monkeypatch, {2})
+    cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=4", "checkpoint.interval=0",
+                                                "train.bad_step_policy=rewind",
+                                                f"run.dir={cfg.run.dir}_rewind"])
+    capsys.readouterr()
+    train(cfg)
+    G = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    assert (f"no checkpoint to rewind to: dropped the update and skipped samples {2 * G}.."
+            f"{3 * G - 1}") in capsys.readouterr().err
+
+
 def test_halt_policy_saves_last_good_state_and_reports(monkeypatch, tiny_overrides):
     NaNAtBatch(monkeypatch, {2})
     cfg = load_config(RECIPE, tiny_overrides + ["train.max_steps=5", "train.bad_step_policy=halt"])
