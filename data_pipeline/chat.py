@@ -34,12 +34,16 @@ import numpy as np
 
 from tandem.data_pipeline import preprocess
 from tandem.data_pipeline.chat_template import chat_template_in, render_chat
-from tandem.data_pipeline.records import json_records, parquet_records, utf8_text
+from tandem.data_pipeline.records import (
+    JSON_EXT,
+    PARQUET_EXT,
+    json_records,
+    parquet_records,
+    utf8_text,
+)
 from tandem.data_pipeline.saved_datasets import saved_records
 from tandem.data_pipeline.tokenizer import TandemTokenizer
 
-_JSON_EXT = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
-_PARQUET_EXT = (".parquet",)
 LOSS_MASK_SUFFIX = "_loss_mask"
 """`<prefix>_loss_mask.bin/.idx`: the loss-mask channel `tandem preprocess --chat` writes beside the
 tokens."""
@@ -59,9 +63,9 @@ def iter_records(paths: Sequence[str]) -> Iterator[Tuple[str, object]]:
         low = path.lower()
         if os.path.isdir(path):
             yield from saved_records(path)
-        elif low.endswith(_PARQUET_EXT):
+        elif low.endswith(PARQUET_EXT):
             yield from parquet_records(path)
-        elif low.endswith(_JSON_EXT):
+        elif low.endswith(JSON_EXT):
             yield from json_records(path)
         else:
             raise ValueError(f"{path}: not a chat data file (.jsonl, .json, .parquet or a "

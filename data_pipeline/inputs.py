@@ -14,12 +14,16 @@ import sys
 import tempfile
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from tandem.data_pipeline.records import json_records, parquet_records, utf8_text
+from tandem.data_pipeline.records import (
+    JSON_EXT,
+    PARQUET_EXT,
+    json_records,
+    parquet_records,
+    utf8_text,
+)
 from tandem.data_pipeline.saved_datasets import is_saved_dataset, saved_texts
 
-_JSON_EXT = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz", ".jsonl.zst",
-             ".json.zst")
-_PARQUET_EXT = (".parquet",)
+_JSON_EXT = JSON_EXT + (".jsonl.zst", ".json.zst")  # (.zst through HF `datasets`)
 _TXT_EXT = (".txt", ".txt.gz")
 
 
@@ -51,22 +55,26 @@ def expand_paths(inputs: Union[str, Sequence[str]], missing: str = "input not fo
 def _kind(path: str, txt_sample_by: str) -> str:
     low = path.lower()
     if os.path.isdir(path):
-        if is_saved_dataset(path):
-            return "saved"
-        shards = [f for f in _walk_files(path, None)
-                  if f.lower().endswith(_JSON_EXT + _PARQUET_EXT)]
-        if shards:  # most corpora ship as such shards: their records are not what this reads
-            print(f"note: {path} holds {len(shards)} JSON/parquet file(s) (first {shards[0]}), "
-                  "each read whole as one document; name them (e.g. 'DIR/*.jsonl') to read their "
-                  "records", file=sys.stderr)
-        return "dir"
+        return "saved" if is_saved_dataset(path) else "dir"
     if low.endswith(_JSON_EXT):
         return "json"
-    if low.endswith(_PARQUET_EXT):
+    if low.endswith(PARQUET_EXT):
         return "parquet"
     if low.endswith(_TXT_EXT) and txt_sample_by != "document":
         return "text"
     return "file"
+
+
+def _dir_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
+    """`_walk_files`, with a note when JSON or parquet shards are among them: most corpora ship as
+    such shards, and a directory's files are each read whole, their records are not."""
+    files = _walk_files(root, extensions)
+    shards = [f for f in files if f.lower().endswith(_JSON_EXT + PARQUET_EXT)]
+    if shards:
+        print(f"note: {root} holds {len(shards)} JSON/parquet file(s) (first {shards[0]}), each "
+              "read whole as one document; name them (e.g. 'DIR/*.jsonl') to read their records",
+              file=sys.stderr)
+    return files
 
 
 def _walk_files(root: str, extensions: Optional[Sequence[str]]) -> List[str]:
@@ -242,7 +250,7 @@ def iter_groups(groups: List[Tuple[str, List[str]]], text_key: str, txt_sample_b
             elif kind == "saved":
                 docs = ("" if t is None else t for t in saved_texts(files[0], text_key))
             elif kind == "dir":
-                docs = (_read_file_doc(f, stats) for f in _walk_files(files[0], extensions))
+                docs = (_read_file_doc(f, stats) for f in _dir_files(files[0], extensions))
             else:
                 docs = (_read_file_doc(f, stats) for f in files)
             for doc in docs:

@@ -11,6 +11,11 @@ import gzip
 import json
 from typing import Iterator, List, Optional, Tuple
 
+JSON_EXT = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
+"""Files of JSON records (`json_records`)."""
+PARQUET_EXT = (".parquet",)
+"""Parquet files (`parquet_records`)."""
+
 
 def _decoded(raw: bytes, path: str, lineno: Optional[int]) -> str:
     """`raw` as UTF-8 (a leading byte-order mark dropped); ValueError naming the line otherwise."""

@@ -127,9 +127,10 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
         raise ConfigError(f"config key '{key}' is text and cannot be null: write {key}= for empty, "
                           f"or {key}='{text}' for the text")
     else:
-        layer = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
-        # `${...}` too: omegaconf resolved it (`${oc.env:TOKEN}` put a secret in config.yaml)
-        layer = layer.replace("${", "\\${")
+        # as written, `${...}` too: omegaconf resolved it (`${oc.env:TOKEN}` put a secret in
+        # config.yaml)
+        layer = _literal(text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+                         else text)
     for part in reversed(key.split(".")):
         layer = {part: layer}
     return OmegaConf.create(layer)
@@ -212,14 +213,14 @@ def load_config(recipe: Optional[str], overrides: Sequence[str] = ()) -> TandemC
     layers: List[tuple] = []  # (source, a DictConfig or a plain dict)
     if recipe:
         if not os.path.isfile(recipe):
-            shipped = os.path.join(SHIPPED_RECIPES, os.path.basename(recipe))
-            hint = f" (a shipped recipe: {shipped})" if os.path.isfile(shipped) else ""
             where = os.path.dirname(recipe) or "."
             if os.path.isdir(recipe):
                 raise ConfigError(f"recipe {recipe} is a directory, not a YAML file")
             if os.path.basename(recipe) == "config.yaml" and os.path.isdir(where):
                 raise ConfigError(f"{where} has no config.yaml: not a Tandem run or checkpoint, "
                                   "or an incomplete one")
+            shipped = os.path.join(SHIPPED_RECIPES, os.path.basename(recipe))
+            hint = f" (a shipped recipe: {shipped})" if os.path.isfile(shipped) else ""
             raise ConfigError(f"recipe file not found: {recipe}{hint}")
         layers += _recipe_layers(recipe)
     for item in overrides:

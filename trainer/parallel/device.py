@@ -227,10 +227,11 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None,
             kind = "npu"
         else:
             kind = "cpu"
-    if kind in ("cuda", "npu") and local_rank >= _device_count(kind):
+    visible = _device_count(kind) if kind in ("cuda", "npu") else 0
+    if kind in ("cuda", "npu") and local_rank >= visible:
         raise ConfigError(f"config key 'device'={requested!r}: this process is local rank "
-                          f"{local_rank}, but {_device_count(kind)} {kind} device(s) are visible "
-                          "here; start at most that many processes per node")
+                          f"{local_rank}, but {visible} {kind} device(s) are visible here; start "
+                          "at most that many processes per node")
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = Device("cuda", "nccl", torch.device("cuda", local_rank))
