@@ -194,10 +194,10 @@ def get_batch(dataset, sample_indices: Sequence[int],
     * `loss_mask` FloatTensor [B, seq_len]: 1 where target t (tokens[:, t+1]) counts: 0 for
       padding and prompts (the model also drops every target across a document boundary:
       models/mtp.py depth_target_mask).
-    * `doc_ids`   LongTensor [B, seq_len+1]: number of EOD tokens strictly before each position in
-      the window; positions i, j belong to the same document iff doc_ids are equal. Samples that
-      carry their own `doc_ids` (chat records, a loss-mask channel: record boundaries, not EOD
-      counts) keep them.
+    * `doc_ids`   LongTensor [B, seq_len+1]: positions i, j belong to the same document iff their
+      doc_ids are equal. Samples carry their own (megatron prefixes: the stored documents'
+      boundaries; chat records: the records'); for a dataset whose samples carry none, the number
+      of EOD tokens strictly before each position in the window.
     * `padding`   BoolTensor [B, seq_len], only when a sample carries it (chat windows): the inputs
       that are padding, which MoE layers leave out of their loads and auxiliary losses.
 

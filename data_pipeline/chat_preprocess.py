@@ -6,7 +6,7 @@ Writes what plain `tandem preprocess` writes (`PREFIX.bin/.idx`: one document pe
 EOD-terminated; `PREFIX.tokenizer.json`, `PREFIX.meta.json`) and `PREFIX_loss_mask.bin/.idx`: a
 second megatron-core indexed dataset of uint8 flags with the same document lengths (1 = a response
 token, whose prediction counts). `data.source=megatron` reads the channel over the same sample
-indices (megatron_compat.LossMaskGPTDataset) and takes record boundaries from the stored documents,
+indices (megatron_compat.DocumentGPTDataset) and takes record boundaries from the stored documents,
 so no MTP depth's target crosses into the next record even when a chat template holds the EOD token.
 
 Every record is read and checked (form, chat template) before the first is tokenised; a bad one is a

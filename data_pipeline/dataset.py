@@ -351,11 +351,8 @@ def build_datasets(
     # skip it)
     from tandem.data_pipeline import megatron_compat as mc
 
-    # a loss-mask channel (`tandem preprocess --chat`) is read alongside the tokens
-    cls = mc.LossMaskGPTDataset if any(mc.has_loss_mask_channel(p)
-                                       for p in all_prefixes) else mc.GPTDataset
     with _single_process_group_if_needed(needs_group), _index_build_lock(cache_path):
-        train_ds, valid_ds = _build_splits(mc, cls, sizes, config)
+        train_ds, valid_ds = _build_splits(mc, sizes, config)
     if train_ds is None or len(train_ds) == 0:
         raise ValueError(f"the training split of {', '.join(train_blend[0])} is empty "
                          f"(split={data_cfg.split!r})")
@@ -364,19 +361,21 @@ def build_datasets(
     return train_ds, valid_ds, tokenizer
 
 
-def _build_splits(mc, cls, sizes: List[Optional[int]], config) -> tuple:
+def _build_splits(mc, sizes: List[Optional[int]], config) -> tuple:
     """(train, validation) datasets of `sizes` samples; a weighted validation blend asked for more
     than a prefix's share holds is built again with fewer samples until no part repeats (a second
     epoch re-cuts the same documents)."""
-    train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True,
-                                                             config).build()
+    def build():
+        return mc.BlendedMegatronDatasetBuilder(mc.DocumentGPTDataset, sizes, lambda: True,
+                                                config).build()[:2]
+
+    train_ds, valid_ds = build()
     for _ in range(3):
         over = mc.epochs_asked(valid_ds) if valid_ds is not None else 1.0
         if over <= 1.0:
             break
         sizes[1] = max(1, int(sizes[1] / over))
-        train_ds, valid_ds, _ = mc.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True,
-                                                                 config).build()
+        train_ds, valid_ds = build()
     return train_ds, valid_ds
 
 

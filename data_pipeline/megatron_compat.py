@@ -5,8 +5,8 @@ lazy step (megatron_import.py imports them).
 `GPTDatasetConfig(tokenizer=...)` expects: `vocab_size`, `eod`, `unique_identifiers` (hashed into
 the sample-index cache key, with the data files' `data_fingerprint`), `tokenize`/`detokenize`. It
 has no `pad`, so GPTDataset pads with -1 (never a real id) and masks padding out of the loss.
-`LossMaskGPTDataset` is the GPTDataset that also reads a prefix's loss-mask channel (`tandem
-preprocess --chat`) and gives each sample per-record `doc_ids`.
+`DocumentGPTDataset` is the GPTDataset whose samples carry `doc_ids` from the stored documents, and
+that reads a prefix's loss-mask channel (`tandem preprocess --chat`) where it has one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = [
     "GPTDatasetConfig",
     "IndexedDataset",
     "LOSS_MASK_SUFFIX",
-    "LossMaskGPTDataset",
+    "DocumentGPTDataset",
     "MegatronTokenizerAdapter",
 ]
 
@@ -118,15 +118,17 @@ def has_loss_mask_channel(prefix: str) -> bool:
     return all(os.path.isfile(prefix + LOSS_MASK_SUFFIX + ext) for ext in (".bin", ".idx"))
 
 
-class LossMaskGPTDataset(GPTDataset):
-    """A `GPTDataset` whose samples also read the loss-mask channel: a second indexed dataset of
-    uint8 flags with the tokens' document lengths, read over the same document/sample/shuffle
-    indices.
+class DocumentGPTDataset(GPTDataset):
+    """A `GPTDataset` whose samples carry the document each token belongs to, and read the
+    loss-mask channel where the prefix has one: a second indexed dataset of uint8 flags with the
+    tokens' document lengths, read over the same document/sample/shuffle indices.
 
     Each sample gains `doc_ids` ([seq_len+1]: the ordinal of the stored document each token belongs
     to, from megatron's own boundaries, not from EOD counting: a chat template may hold the EOD
-    token inside a record) and its `loss_mask` is multiplied by the flag of each target. A prefix
-    without a channel counts every target (its flags are ones)."""
+    token inside a record, and a prefix written by megatron's `preprocess_data.py` without
+    `--append-eod`, its default, has no EOD between documents at all) and its `loss_mask` is
+    multiplied by the flag of each target. A prefix without a channel counts every target (its
+    flags are ones)."""
 
     def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split,
                  config) -> None:

@@ -33,7 +33,7 @@ def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Te
 
     Valid iff the target t+1+depth lies inside the window (no wrapped tokens), the data loss mask of
     that target is set, and no document boundary separates token t from its target (packed
-    documents; doc_ids[b, i] counts end-of-document tokens strictly before i).
+    documents; doc_ids[b, i] is the document of token i: data_pipeline/batches.py get_batch).
     """
     b, s = loss_mask_bs.shape
     mask = torch.zeros(b, s, dtype=torch.bool, device=loss_mask_bs.device)

@@ -144,6 +144,52 @@ def test_get_batch_shapes_masks_and_doc_ids(corpus):
         assert not kept[inputs == tok.eod_id].any() and kept.sum() > 100
 
 
+def _doc_ids_by_offset(ds, idx):
+    """The stored document of each token of sample `idx`, found by its offset into the corpus as
+    the dataset walks it (independent of the sample's own doc_ids), numbered from 0."""
+    _, starts = _concat_in_document_order(ds)
+    i = int(ds.shuffle_index[idx])
+    (beg, beg_offset) = ds.sample_index[i]
+    first = starts[beg] + beg_offset
+    docs = np.searchsorted(starts, first + np.arange(ds.config.sequence_length + 1), "right")
+    return torch.from_numpy(docs - docs[0])
+
+
+def test_documents_written_without_eod_stay_apart(corpus, tmp_path):
+    """A prefix as Megatron-LM's preprocess_data.py writes it without --append-eod (its default):
+    no EOD between documents, no meta file. The windows' doc_ids are the stored documents, so no
+    depth's target crosses into the next document; with the EOD (`tandem preprocess`), they equal
+    the EOD count they were before."""
+    from tandem.data_pipeline.megatron_compat import IndexedDataset
+    from tandem.data_pipeline.megatron_import import IndexedDatasetBuilder
+    from tandem.models.mtp import depth_target_mask
+
+    root, tok_path, prefixes = corpus
+    eod = load_tokenizer(tok_path).eod_id
+    src, dst = IndexedDataset(prefixes["a"]), str(tmp_path / "no_eod")
+    builder = IndexedDatasetBuilder(dst + ".bin", dtype=src.index.dtype)
+    for i in range(len(src)):
+        doc = src[i]
+        kept = doc[doc != eod].astype(np.int64)
+        builder.add_document(torch.from_numpy(kept), [len(kept)])
+    builder.finalize(dst + ".idx")
+    for prefix in (dst, prefixes["a"]):
+        train, _, _ = build_datasets(_cfg(tmp_path, paths=[prefix], tokenizer=tok_path), 32, 1, 64,
+                                     4)
+        b = get_batch(train, range(16))
+        expected = torch.stack([_doc_ids_by_offset(train, i) for i in range(16)])
+        assert torch.equal(b["doc_ids"], expected) and expected[:, -1].sum() > 8
+        if prefix == dst:
+            assert not (b["tokens"] == eod).any()
+            for depth in range(3):  # the last tokens of each document predict none of the next's
+                kept = depth_target_mask(b["loss_mask"], b["doc_ids"], depth)
+                crosses = b["doc_ids"][:, depth + 1:] != b["doc_ids"][:, :-depth - 1]
+                assert crosses.any() and not kept[:, :32 - depth][crosses].any()
+        else:
+            is_eod = (b["tokens"] == eod).long()
+            assert torch.equal(b["doc_ids"], torch.cumsum(is_eod, 1) - is_eod)
+
+
 class _Fixed:
     """A dataset of given windows, shaped like GPTDataset items."""
 
@@ -281,7 +327,8 @@ def test_weighted_blend_and_separate_valid_paths(corpus):
                valid_paths=[prefixes["v"]])
     train, valid, _ = build_datasets(cfg, 16, 3, 100, 8)
     assert type(train).__name__ == "BlendedDataset" and len(train) == 100
-    assert type(valid).__name__ == "GPTDataset" and valid.dataset.path_prefix == prefixes["v"]
+    assert type(valid).__name__ == "DocumentGPTDataset"
+    assert valid.dataset.path_prefix == prefixes["v"]
     share_a = np.mean(np.asarray(train.dataset_index) == 0)
     assert 0.6 < share_a < 0.8
     assert not dist.is_initialized()  # the throw-away single-process group is gone
