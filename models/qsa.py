@@ -464,7 +464,8 @@ class IndexedAttention(nn.Module):
             # after its last token, which this forward (or an earlier one) has just written, so
             # rollback is free. Only a selecting query writes them (depth 1 on a cache the depths
             # share, serving's convention, writes every position it later reads).
-            keys_bld = cache.buffer("qsa_index_keys", (raw_bsd.shape[-1],), length=cache.max_len)
+            keys_bld = cache.buffer("qsa_index_keys", (raw_bsd.shape[-1],), raw_bsd.dtype,
+                                    length=cache.max_len)
             keys_bld.scatter_(1, positions_bs[..., None].expand(-1, -1, raw_bsd.shape[-1]),
                               raw_bsd.to(keys_bld.dtype))
             n = span // r

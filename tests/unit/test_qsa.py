@@ -156,17 +156,23 @@ def test_selection_is_a_top_k_and_ties_break_to_earlier_blocks():
 
 # ---- decoding ------------------------------------------------------------------------------------
 
-def test_decode_token_by_token_equals_full_forward():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_token_by_token_equals_full_forward(cache_dtype):
+    """Also an fp32 layer under a bf16 cache (the fp32 drafter of a frozen bf16 trunk: the cache
+    takes the embedding's dtype): what the layer stores keeps its own dtype, so it selects on the
+    indexer keys it trained on, not on bf16-rounded ones."""
     attn = make_qsa(4).eval()
     x, pos = inputs(4)
     with torch.no_grad():
         full = attn(x, pos)
-        cache = DecodeCache(1, B, 64, torch.float32, torch.device("cpu")).layer(0)
+        cache = DecodeCache(1, B, 64, cache_dtype, torch.device("cpu")).layer(0)
         prefill = 13
         steps = [attn(x[:, :prefill], pos[:, :prefill], cache)]
         for t in range(prefill, S):
             steps.append(attn(x[:, t:t + 1], pos[:, t:t + 1], cache))
     assert rel(torch.cat(steps, 1), full) < 1e-5
+    stored = cache.cache.buffers[0]
+    assert {name: b.dtype for name, b in stored.items()} == {"qsa_index_keys": torch.float32}
 
 
 def test_ragged_rows_decode_like_their_own_full_forward():
