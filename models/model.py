@@ -31,6 +31,7 @@ from .loss import (
 from .moe import MoE
 from .mtp import (
     MTPModule,
+    depth_input_rows,
     depth_target_mask,
     final_norm_module,
     shifted_tokens,
@@ -47,8 +48,7 @@ def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 def _rows(x_bs: torch.Tensor) -> torch.Tensor:
-    """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take
-    them."""
+    """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take."""
     return x_bs.reshape(-1, *x_bs.shape[2:])
 
 
@@ -128,13 +128,11 @@ class TandemModel(nn.Module):
         # own next-token prediction at the target position: train.distill).
         self.distill = distill
         # Whole sequences between the blocks (the default), or under sequence parallelism this
-        # rank's shard: the head's input is gathered whole and the trunk and MTP steps share one
-        # lookup of whole sequences, each rank reading its rows (trainer/parallel/tensor.py
-        # `SequenceShards`).
+        # rank's shard (trainer/parallel/tensor.py `SequenceShards`): the head's input is gathered
+        # whole, and the trunk and MTP steps share one lookup, each rank reading its rows.
         self.sequence = sequence if sequence is not None else SequenceLayout()
-        # Which rows of a training window this rank computes: all (the default), or under context
-        # parallelism its chunks (trainer/parallel/context.py `ContextShards`). Every per-position
-        # input is built over the whole window and then cut to these rows (models/context.py).
+        # Which rows of a window this rank computes: all, or under context parallelism its chunks
+        # (trainer/parallel/context.py); per-position inputs are cut to them (models/context.py).
         self.context = context if context is not None else WholeWindow()
         self.reset_parameters()
         if cfg.tie_embeddings:
@@ -226,8 +224,7 @@ class TandemModel(nn.Module):
                                    return_selection=True, **extra)
         if selection is None and not qsa_dense:
             raise RuntimeError("mtp.qsa_reuse_indices: MTP depth 1 must run before the depths that "
-                               "reuse its "
-                               "QSA selection, and hand it on")
+                               "reuse its QSA selection, and hand it on")
         h = self._mtp_layer(step, h_prev_bsh, tokens_bs, positions_bs, None, emb_bsh,
                             selection=selection, **extra)
         return h, selection
@@ -272,12 +269,16 @@ class TandemModel(nn.Module):
             return self.sequence.rows(window, (shift - first) * rows, rows)
         return self.sequence.rows(window, shift - first, s)
 
-    def counted_rows(self, padding_bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """[B, rows] bool, False where the row is padding: the rows an MoE layer counts in its
-        loads and auxiliary losses and a QSA indexer in its KL (`MoE.forward`), this rank's rows
-        (context parallelism: its chunks of the window). None without padding (`padding_bs` [B,
-        S] None)."""
-        return None if padding_bs is None else self.context.local(~padding_bs.bool())
+    def counted_rows(self, tokens_bs1: torch.Tensor,
+                     padding_bs: Optional[torch.Tensor]) -> torch.Tensor:
+        """[B, rows] bool, False where the row is padding (`padding_bs` [B, S], None: none is): the
+        rows an MoE layer counts in its loads and auxiliary losses and a QSA indexer in its KL
+        (`MoE.forward`), this rank's rows (context parallelism: its chunks of the window). Given
+        even when every row counts, so that the trunk's blocks and the MTP steps (which narrow it:
+        `depth_states`) take the same arguments and share a compiled graph."""
+        ones = torch.ones(tokens_bs1.shape[0], tokens_bs1.shape[1] - 1, dtype=torch.bool,
+                          device=tokens_bs1.device)
+        return self.context.local(ones if padding_bs is None else ~padding_bs.bool())
 
     def depth_states(self, h0_bsh: torch.Tensor, tokens_bs1: torch.Tensor,
                      positions_bs: torch.Tensor,
@@ -285,7 +286,8 @@ class TandemModel(nn.Module):
                      chain_depth: int = 0, emb_window: Optional[Tuple[torch.Tensor, int]] = None,
                      documents: Optional[Documents] = None, carry: Optional[SelectionCarry] = None,
                      aux_grad_scale: float = 1.0, qsa_dense: bool = False,
-                     counted: Optional[torch.Tensor] = None):
+                     counted: Optional[torch.Tensor] = None,
+                     doc_ids_bs1: Optional[torch.Tensor] = None):
         """Yield (depth, pre-norm hidden state) for `depths` (default 0 .. K) in order,
         teacher-forced on the true tokens: step k reads h_{k-1} (h_0 for parallel heads) and token
         t+k. The chain may start later (a pipeline stage after the one that ran depth
@@ -294,7 +296,7 @@ class TandemModel(nn.Module):
         every step run; without it each step looks its tokens up. `carry`: depth 1's QSA selection
         in and out (a chain started after depth 1 reuses the one it brings). `aux_grad_scale`,
         `qsa_dense`: see `forward`; `counted`: `counted_rows` (every depth's rows are the trunk's
-        positions)."""
+        positions), narrowed at each chained step to `depth_input_rows` (from `doc_ids_bs1`)."""
         s = tokens_bs1.shape[1] - 1
         wanted = range(self.num_depths) if depths is None else depths
         h = h0_bsh if h_chain is None else h_chain
@@ -309,11 +311,15 @@ class TandemModel(nn.Module):
                 h_in = h_in.detach()
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
             tokens = self.context.local(shifted_tokens(tokens_bs1, depth, s))
+            rows = counted  # a chained step's: those whose input token is in their document
+            if self.mtp.chained:
+                rows = self.context.local(depth_input_rows(tokens_bs1, doc_ids_bs1, depth)) & (
+                    True if counted is None else counted)
             h, carry.value = self.mtp_train_step(depth, h_in, tokens, positions_bs,
                                                  emb_bsh=emb, selection=carry.value,
                                                  documents=documents,
                                                  aux_grad_scale=aux_grad_scale,
-                                                 qsa_dense=qsa_dense, counted=counted)
+                                                 qsa_dense=qsa_dense, counted=rows)
             yield depth, h
 
     def final_norm(self, depth: int, h_bsh: torch.Tensor) -> torch.Tensor:
@@ -353,7 +359,7 @@ class TandemModel(nn.Module):
         # rows)
         positions = self.context.local(window_positions(documents, b, s, tokens_bs1.device))
         documents = documents.local(self.context) if documents is not None else None
-        counted = self.counted_rows(padding_bs)
+        counted = self.counted_rows(tokens_bs1, padding_bs)
         # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near
         # inference.
         emb_window = None
@@ -400,11 +406,8 @@ class TandemModel(nn.Module):
                           chain_depth + 1)
         teacher_bsh, teacher_ids = self._teachers(h0_bsh, bool(wanted_steps))
         # (a pipeline stage after the trunk's head may hold no h_0)
-        frozen_main = (
-            h0_bsh is not None
-            and not h0_bsh.requires_grad
-            and not self.lm_head.weight.requires_grad
-        )
+        frozen_main = (h0_bsh is not None and not h0_bsh.requires_grad
+                       and not self.lm_head.weight.requires_grad)
         chain = h0_bsh if h_chain is None else h_chain
         counts: List[torch.Tensor] = []
         sums: dict = {}
@@ -414,7 +417,8 @@ class TandemModel(nn.Module):
         for depth, h_prev in self.depth_states(h0_bsh, tokens_bs1, positions_bs, depths, h_chain,
                                                chain_depth, emb_window, documents, carry,
                                                aux_grad_scale=aux_grad_scale,
-                                               qsa_dense=qsa_dense, counted=counted):
+                                               qsa_dense=qsa_dense, counted=counted,
+                                               doc_ids_bs1=doc_ids_bs1):
             if depth > 0:
                 chain = h_prev
             # Every row stays; a row without a valid target gets IGNORE (models/loss.py: no h[mask],

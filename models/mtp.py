@@ -47,6 +47,25 @@ def depth_target_mask(loss_mask_bs: torch.Tensor, doc_ids_bs1: Optional[torch.Te
     return mask
 
 
+def depth_input_rows(tokens_bs1: torch.Tensor, doc_ids_bs1: Optional[torch.Tensor],
+                     depth: int) -> torch.Tensor:
+    """Bool [B,S]: the rows whose MTP step-`depth` input, token t+depth, lies inside the window and
+    in token t's document. The others read zero padding or the next document, and have no target at
+    this depth or a later one: an MoE layer of the step leaves them out of its loads and auxiliary
+    losses and a QSA indexer out of its KL (`TandemModel.depth_states`), so a packed document's
+    statistics are the document's alone."""
+    b, s = tokens_bs1.shape[0], tokens_bs1.shape[1] - 1
+    mask = torch.zeros(b, s, dtype=torch.bool, device=tokens_bs1.device)
+    inside = min(s, s + 1 - depth)
+    if inside <= 0:
+        return mask
+    if doc_ids_bs1 is None:
+        mask[:, :inside] = True
+    else:
+        mask[:, :inside] = doc_ids_bs1[:, :inside] == doc_ids_bs1[:, depth: depth + inside]
+    return mask
+
+
 def shifted_tokens(tokens_bs1: torch.Tensor, shift: int, length: int) -> torch.Tensor:
     """tokens[:, t + shift] for t < length, zero-padded past the window (those positions are
     masked)."""

@@ -1,10 +1,11 @@
 """Padding (`data.packing=pad`, the tail of the last packed window) is routed and computed like any
 token, but MoE layers leave it out of their load counters (the aux-free bias step,
-`moe/max_over_mean_load`) and of the balance and z losses: a record padded to a longer window gives,
-at every MoE layer of the trunk and the MTP chain, the loads, auxiliary losses and gradients of the
-record alone. The padding flag comes from the chat windows (`ChatWindows`, both packings) through
-`get_batch`; the layout suites (tests/distributed/worker.py `global_batch`) pad rows across the
-SP shard, chunk and stage edges."""
+`moe/max_over_mean_load`) and of the balance and z losses, and QSA indexers out of their KL, as
+they leave out each MTP depth's rows whose input token lies past the record: a record padded to a
+longer window, with any ids, gives at every MoE and QSA layer of the trunk and the MTP chain the
+loads, auxiliary losses and gradients of the record alone. The padding flag comes from the chat
+windows (`ChatWindows`, both packings) through `get_batch`; the layout suites
+(tests/distributed/worker.py `global_batch`) pad rows across the SP shard, chunk and stage edges."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from tandem.data_pipeline.batches import get_batch
 from tandem.data_pipeline.chat_dataset import ChatWindows
 from tandem.models import MTPConfig, TandemModel, flavors
 from tandem.models.moe import MoE
+from tandem.models.qsa import IndexedAttention
 
-# 0, the id the MTP chain reads past a window's end (`shifted_tokens`): the record alone then gives
-# its last rows' MTP depths the inputs the padded window gives them
 EOD = 0
 AUX = {"balance": "aux_loss", "aux_loss_coef": 0.1, "z_loss_coef": 0.01}
 
@@ -37,11 +37,12 @@ def _model(flavor: str) -> TandemModel:
     return model.train()
 
 
-def _window(record: torch.Tensor, pad: int):
-    """The record (ending in EOD) as one window padded with `pad` EOD inputs, as ChatWindows lays
-    it out: the loss on the record's targets, the padding a document of its own."""
+def _window(record: torch.Tensor, pad: int, fill: int = EOD):
+    """The record (ending in EOD) as one window padded with `pad` inputs of id `fill` (ChatWindows
+    pads with EOD), as ChatWindows lays it out: the loss on the record's targets, the padding a
+    document of its own."""
     n = len(record)
-    tokens = torch.cat([record, torch.full((pad + 1,), EOD)])[None]
+    tokens = torch.cat([record, torch.full((pad + 1,), fill)])[None]
     loss_mask = torch.zeros(1, n + pad)
     loss_mask[0, : n - 1] = 1.0
     doc_ids = (torch.arange(n + pad + 1) >= n).long()[None]
@@ -61,7 +62,8 @@ def _train_forward(model: TandemModel, window, with_padding: bool = True):
     return {
         "loss_sums": out.loss_sums.detach(),
         "loads": [m.router.tokens_per_expert.clone() for m in moes],
-        "aux": [m.last_aux_loss for m in moes],
+        "aux": [m.last_aux_loss for m in moes]
+        + [m.last_indexer_loss for m in model.modules() if isinstance(m, IndexedAttention)],
         "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
     }
 
@@ -72,7 +74,9 @@ def test_a_padded_record_counts_as_the_record_alone(flavor):
     g = torch.Generator().manual_seed(3)
     record = torch.cat([torch.randint(2, 64, (22,), generator=g), torch.tensor([EOD])])
     alone = _train_forward(model, _window(record, 0))
-    padded = _train_forward(model, _window(record, 17))
+    # padded with other ids than the window past the record alone holds: the MTP depths of the
+    # record's last rows read the padding, and count in no load, auxiliary loss or indexer KL
+    padded = _train_forward(model, _window(record, 17, fill=5))
     # the MTP layer's MoE too: trunk layers and the looped layer, each counted once per depth
     assert len(alone["loads"]) >= 2
     for a, b in zip(alone["loads"], padded["loads"]):

@@ -153,7 +153,7 @@ class StageModule(nn.Module):
         context = self._model.context
         positions = context.local(window_positions(documents, b, s, tokens.device))
         documents = documents.local(context) if documents is not None else None
-        counted = self._model.counted_rows(padding)
+        counted = self._model.counted_rows(tokens, padding)
         with torch.no_grad() if self.trunk_frozen else nullcontext():
             h = embed_streams(self._model, x) if self.first else x
             for block in self.blocks:
