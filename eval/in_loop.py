@@ -62,7 +62,13 @@ from tandem.data_pipeline.chat_template import chat_template_in
 from .acceptance import row_metrics
 from .block_verify import VERIFY_RULES
 from .decode_eval import Replicas, evaluate_decoding, other_convention_figures
-from .metrics import distinct_figures, teacher_forced, temperature_label, validation_inputs
+from .metrics import (
+    distinct_figures,
+    logged_figures,
+    teacher_forced,
+    temperature_label,
+    validation_inputs,
+)
 from .spec_decode import prompt_limit, unwrap
 from .suites import load_suites, tokenize_suite
 
@@ -178,9 +184,7 @@ class InLoopEvaluator:
                     r.tokens_per_expert.copy_(saved)
         self.last_outputs = out.pop("outputs")  # the speculative greedy tokens (tests compare them)
         self.last_samples = [{"step": step, **self._texts(r)} for r in out.pop("samples")]
-        keep = {k: float(v) for k, v in out.items() if not k.startswith("time_per_")}
-        keep["seconds"] = time.perf_counter() - t0
-        return {f"eval/{k}": v for k, v in keep.items()}
+        return {**logged_figures(out), "eval/seconds": time.perf_counter() - t0}
 
     def _evaluate(self, m) -> dict:
         """The driver's figures on model (view) `m`: teacher-forced losses, greedy decoding both

@@ -149,6 +149,17 @@ def temperature_label(t: float) -> str:
     return f"T{float(t):g}"
 
 
+def logged_figures(figures: dict, temperature: float = 0.0, verify: str = "",
+                   run_verify: str = "") -> dict:
+    """One decoding's figures under the names the in-loop evaluator logs them (metrics.jsonl's, the
+    contract's): `eval/` then, when sampling, `T<t>/` and, for a rule other than the run's
+    eval.verify, `<rule>/`; each a float, the per-round timings left out."""
+    prefix = "" if temperature == 0 else f"{temperature_label(temperature)}/" + (
+        "" if verify == run_verify else f"{verify}/")
+    return {f"eval/{prefix}{k}": float(v) for k, v in figures.items()
+            if not k.startswith("time_per_")}
+
+
 def validation_inputs(valid_ds, num_prompts: int, prompt_len: int, loss_batches: int,
                       micro_batch: int, document_mask: bool, eod_id: Optional[int] = None) -> tuple:
     """(prompts, teacher-forced batches, note) from a validation split, for the in-loop evaluator

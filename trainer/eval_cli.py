@@ -7,21 +7,14 @@
 
 Keys: acceptance_length, accept_rate/pos_k, draft_acceptance_rate, tf_acc/mtp_k, loss/main,
 loss/mtp_k, decode_tokens_per_s/{spec,ar}, speedup(_predicted), identical_to_autoregressive
-(greedy). Teacher-forced figures come from the checkpoint's validation windows, or, with --prompts,
-from the prompts themselves. `--num-steps` may exceed the K the model was trained with (looped
-style: step k runs layer (k-1) % L). `--verify` picks how sampled drafts are verified: `token`
-(token-wise speculative sampling) or `block` (block verification, eval/block_verify.py); default the
-checkpoint's `eval.verify`, else `token`; greedy decoding is the same under both. The JSON names the
-rule under `verify`. `--draft-convention` picks how depths 2..K draft: `serving` (as vLLM's MTP
-proposer, eval/draft_serving.py: the served figure) or `tandem` (as trained); default the
-checkpoint's `eval.draft_convention`, else `serving`. The JSON names it under `draft_convention`,
-and greedy decoding adds `<other>/acceptance_length` when the other convention's acceptance differs.
-`--output` records carry each row's budget-exact counts (`drafts`, `accepted`, `accept_rate/pos_k`)
-and vLLM's (`accepted_all`, `accepted_all_at`: also drafts past the budget); it replaces an earlier
-`--output`, while an input, a directory or any other existing file is refused before the checkpoint
-loads. `--device` resolves as `tandem train` resolves its `device` key. Every acceptance figure X
-has its 95% interval over the prompts beside it as `X_lo95`, `X_hi95` (eval/acceptance.py
-acceptance_intervals); stderr gets one line per figure, `X: value [lo, hi]`.
+(greedy); each again under the name the in-loop evaluator logs it (`eval/acceptance_length`,
+`eval/T1/...`: metrics.logged_figures); and the settings (`verify`, `draft_convention`, `top_p`,
+`seed`, ...), each defaulting to the checkpoint's `eval.*` / `train.seed` as the in-loop evaluator
+ran. Every acceptance figure X has its 95% interval over the prompts beside it as `X_lo95`,
+`X_hi95` (eval/acceptance.py); stderr gets one line per figure, `X: value [lo, hi]`. Teacher-forced
+figures come from the checkpoint's validation windows, or, with --prompts, from the prompts.
+`--num-steps` may exceed the K the model was trained with (looped style: step k runs layer
+(k-1) % L). `--output` and `--device`: docs/cli.md.
 
 --prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts): JSONL of {"text":
 ...} or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a
@@ -60,7 +53,13 @@ from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
 from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
-from tandem.eval.metrics import depth_loss_key, distinct_figures, teacher_forced, validation_inputs
+from tandem.eval.metrics import (
+    depth_loss_key,
+    distinct_figures,
+    logged_figures,
+    teacher_forced,
+    validation_inputs,
+)
 from tandem.eval.spec_decode import non_finite_weights, prompt_limit, unwrap
 from tandem.eval.suites import describe, grouped_figures, load_suites, tokenize_suite
 
@@ -103,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens generated per prompt (default eval.max_new_tokens)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy; > 0 speculative sampling")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold when sampling")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus threshold when sampling "
+                   "(default: the checkpoint's eval.top_p, else 1)")
     p.add_argument("--verify", choices=["token", "block"], default=None,
                    help="verification of sampled drafts: token-wise or block (default: the "
                         "checkpoint's eval.verify)")
@@ -118,8 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling generator (default: the checkpoint's train.seed, "
                         "as the in-loop evaluator samples; 0 without one)")
-    p.add_argument("--device", default="cpu",
-                   help="torch device: cpu, cuda, npu, auto or cuda:N / npu:N (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="torch device: auto (CUDA, then NPU, then CPU), cpu, cuda, npu or cuda:N / "
+                        "npu:N (default auto)")
     p.set_defaults(suite_as_in_loop=False)  # set by _take_the_checkpoints_suite
     return p
 
@@ -241,7 +242,7 @@ def sampling_flag_problem(temperature: float, top_p: float) -> Optional[str]:
 
 def _check_flags(args) -> None:
     """Option ranges, in one line, before anything is read (0 picks the checkpoint's value)."""
-    problem = sampling_flag_problem(args.temperature, args.top_p)
+    problem = sampling_flag_problem(args.temperature, 1.0 if args.top_p is None else args.top_p)
     if problem:
         raise EvalInputError(problem)
     for flag in ("num_prompts", "prompt_len", "num_steps", "max_new_tokens", "batch_size"):
@@ -287,7 +288,7 @@ def _settings(args, model, cfg, tok) -> dict:
                 batch_size=args.batch_size or (ev.batch_size if ev else 4),
                 eos_id=stop_ids(tok.eod_id if tok is not None else None, _source_dirs(args, cfg)),
                 temperature=args.temperature,
-                top_p=args.top_p,
+                top_p=args.top_p if args.top_p is not None else getattr(ev, "top_p", 1.0),
                 seed=seed, verify=args.verify or getattr(ev, "verify", None) or "token",
                 draft_convention=args.draft_convention or getattr(ev, "draft_convention",
                                                                   None) or "serving")
@@ -374,9 +375,11 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     # tf_acc/mtp_k exists only for the trained depths.
     metrics.update(dec)
     metrics.update(distinct_figures([o for r in spec for o in r.outputs]))
-    metrics.update({"num_prompts": len(prompts), "num_steps": settings["num_steps"],
-                    "max_new_tokens": settings["max_new_tokens"], "temperature": args.temperature,
-                    "verify": settings["verify"], "draft_convention": settings["draft_convention"]})
+    run_verify = getattr(getattr(cfg, "eval", None), "verify", "token")
+    metrics.update(logged_figures(metrics, args.temperature, settings["verify"], run_verify))
+    metrics.update({"num_prompts": len(prompts), **{k: settings[k] for k in (
+        "num_steps", "max_new_tokens", "temperature", "top_p", "seed", "verify",
+        "draft_convention")}})
     return metrics, spec
 
 

@@ -87,9 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch i samples with a generator seeded from (S, i)")
     p.add_argument("--num-steps", type=int, default=0,
                    help="draft length K (default: the trained mtp.num_steps)")
-    p.add_argument("--device", default="cpu",
-                   help="torch device: cpu, cuda, npu, auto or cuda:N / npu:N (default cpu; under "
-                        "torchrun each rank takes its LOCAL_RANK's)")
+    p.add_argument("--device", default="auto",
+                   help="torch device: auto (CUDA, then NPU, then CPU), cpu, cuda, npu or cuda:N / "
+                        "npu:N (default auto; under torchrun each rank takes its LOCAL_RANK's)")
     for degree in ("tp", "pp", "ep"):
         p.add_argument(f"--{degree}", type=int, default=1,
                        help=f"parallel.{degree} under torchrun (default 1)")

@@ -131,13 +131,14 @@ def test_defaults_follow_the_in_loop_evaluator():
     from tandem.trainer.eval_cli import _parser, _settings
     from tandem.trainer.recipe import load_config
 
-    cfg = load_config(None, ["eval.num_steps=3", "mtp.num_steps=2", "train.seed=77"])
+    cfg = load_config(None, ["eval.num_steps=3", "mtp.num_steps=2", "train.seed=77",
+                             "eval.top_p=0.5"])
     model = types.SimpleNamespace(mtp=object())
     got = _settings(_parser().parse_args(["--checkpoint", "x"]), model, cfg, None)
-    assert (got["num_steps"], got["seed"]) == (3, 77)
-    got = _settings(_parser().parse_args(["--checkpoint", "x", "--num-steps", "2", "--seed", "0"]),
-                    model, cfg, None)
-    assert (got["num_steps"], got["seed"]) == (2, 0)
+    assert (got["num_steps"], got["seed"], got["top_p"]) == (3, 77, 0.5)
+    got = _settings(_parser().parse_args(["--checkpoint", "x", "--num-steps", "2", "--seed", "0",
+                                          "--top-p", "1"]), model, cfg, None)
+    assert (got["num_steps"], got["seed"], got["top_p"]) == (2, 0, 1.0)
 
 
 def test_a_bf16_runs_figures_are_the_in_loop_evaluators(tmp_path, corpus_cache):
@@ -158,3 +159,10 @@ def test_a_bf16_runs_figures_are_the_in_loop_evaluators(tmp_path, corpus_cache):
     res = _eval(["--checkpoint", str(run)])
     for key in ("loss/main", "loss/mtp_1", "acceptance_length", "distinct_2"):
         assert res[key] == logged[f"eval/{key}"], key
+    # and under the logged names (the metrics contract's), every figure the loop logged but its
+    # time, the timed ones (tokens per second and speed-ups) to their own measurement
+    figures = [k for k in logged if k.startswith("eval/") and k != "eval/seconds"]
+    assert "eval/identical_to_autoregressive" in figures and len(figures) > 20
+    for key in figures:
+        timed = "tokens_per_s" in key or "speedup" in key
+        assert key in res and (timed or res[key] == logged[key]), key
