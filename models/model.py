@@ -361,7 +361,7 @@ class TandemModel(nn.Module):
         documents = documents.local(self.context) if documents is not None else None
         counted = self.counted_rows(tokens_bs1, padding_bs)
         # A frozen trunk (MTP fine-tuning) runs without autograd, so its memory stays near
-        # inference.
+        # inference, and sparse, as it is served (its indexers are not training).
         emb_window = None
         if self.shared_lookup():
             # the trunk's embedding output, shifted by k, is what MTP step k embeds: one lookup for
@@ -371,7 +371,7 @@ class TandemModel(nn.Module):
             emb = self.window_rows(emb_window, 0, s) if emb_window is not None else None
             h = self.trunk(self.context.local(tokens_bs1[:, :s]), positions, emb_bsh=emb,
                            documents=documents, aux_grad_scale=aux_grad_scale,
-                           qsa_dense=qsa_dense, counted=counted)
+                           qsa_dense=qsa_dense and not self.trunk_frozen(), counted=counted)
         return self.losses_from_hidden(h, tokens_bs1, loss_mask_bs, doc_ids_bs1, positions,
                                        emb_window=emb_window, documents=documents,
                                        loss_grad_scales=loss_grad_scales,

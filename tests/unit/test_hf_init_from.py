@@ -69,6 +69,27 @@ def test_init_from_tandem_checkpoint(tmp_path):
     assert {c.split(":")[0] for c in changed} >= {"mtp.concat_order", "mtp.num_layers"}
 
 
+def test_init_from_a_qsa_trunk_runs_no_second_dense_warm_up(tmp_path):
+    """A checkpoint's QSA indexers come trained: model.init_from runs no dense warm-up unless the
+    run asks for one itself. The flavor's (qwen4_exp_tiny's 30 steps) ran again, attending densely
+    and, under `auto` (indexer_only), holding every other weight still."""
+    from tandem.trainer.checkpoint import save_checkpoint
+    from tandem.trainer.recipe import explicit_keys
+
+    recipe = "recipes/qwen4_exp_tiny.yaml"
+    cfg = load_config(recipe, [])
+    assert cfg.model.indexer_warmup_steps == 30
+    src = TandemModel(cfg.model, cfg.mtp)
+    step = save_checkpoint(str(tmp_path / "run"), 5, src, None, to_yaml(cfg), {})
+    for overrides, steps in (([], 0), (["model.indexer_warmup_steps=5"], 5)):
+        overrides = [f"model.init_from={step}", *overrides]
+        run = load_config(recipe, overrides)
+        changed = adopt_checkpoint_config(run, explicit_keys(recipe, overrides))
+        assert run.model.indexer_warmup_steps == steps
+        assert any(c.startswith("model.indexer_warmup_steps") for c in changed) == (steps == 0)
+        assert run.model.resolved_indexer_warmup == "indexer_only"
+
+
 def test_distill_validated():
     with pytest.raises(ConfigError, match="train.distill"):
         load_config(None, ["train.distill=kl"])

@@ -114,3 +114,24 @@ def test_the_loop_runs_the_warm_up_dense_and_the_rest_sparse(tiny_overrides):
     per_step = len(stages) // 4
     assert per_step > 0 and len(stages) == 4 * per_step
     assert stages == [True] * (2 * per_step) + [False] * (2 * per_step)
+
+
+def test_a_frozen_trunk_runs_sparse_in_the_warm_up():
+    """train.freeze_trunk: the trunk's indexers do not train, so its attention stays sparse, as it
+    is served, while the drafter's QSA layer warms up densely (the whole model attended densely,
+    and the drafter learned from a trunk that is not the one served)."""
+    from tests.eval_helpers import tiny_qwen4_model
+
+    model = tiny_qwen4_model(2).train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("mtp."))
+    stages = []
+    for name, layer in model.named_modules():
+        if isinstance(layer, IndexedAttention):
+            layer.register_forward_pre_hook(
+                lambda _m, _args, kwargs, name=name: stages.append(
+                    (name.startswith("mtp."), kwargs.get("dense", False))), with_kwargs=True)
+    tokens = torch.randint(2, 64, (1, 33), generator=torch.Generator().manual_seed(0))
+    model(tokens, qsa_dense=True)
+    assert {trunk for trunk, dense in stages if not dense} == {False}
+    assert {mtp for mtp, dense in stages if dense} == {True}

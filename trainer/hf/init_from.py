@@ -138,6 +138,13 @@ def adopt_checkpoint_config(cfg, explicit: FrozenSet[str] = frozenset()) -> List
             continue
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
+    warmup = cfg.model.indexer_warmup_steps
+    if ckpt.uses_qsa and warmup and "model.indexer_warmup_steps" not in explicit:
+        # its indexers come trained: the flavor's warm-up again would attend densely for it and,
+        # under `auto` (indexer_only), hold every other weight still
+        changed.append(f"model.indexer_warmup_steps: {warmup} -> 0 (the checkpoint's QSA "
+                       "indexers are trained; set it to warm them up again)")
+        cfg.model.indexer_warmup_steps = 0
     # Qwen4-Exp's drafter always reads the pre-mixer streams, with or without MTP weights in the
     # checkpoint; saved MTP weights run only as they were wired
     for key, value in wiring.items() if has_mtp else (

@@ -160,7 +160,8 @@ class StageModule(nn.Module):
                 h = run_block(block, h, positions, context.local(tokens[:, :s]),
                               documents=documents, context=context,
                               aux_grad_scale=self._ctx.aux_grad_scale,
-                              qsa_dense=self._ctx.qsa_dense, counted=counted)
+                              qsa_dense=self._ctx.qsa_dense and not self.trunk_frozen,
+                              counted=counted)  # a frozen trunk runs sparse, as it is served
         loss = None
         # depth 1's QSA selection for the MTP depths here (none in the dense warm-up: nothing
         # selected)
