@@ -9,6 +9,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tandem.models.config import ModelConfig
+from tandem.models.mtp_config import MTPConfig
+
+from .loss import lambda_at
 from .train_config import TrainConfig
 
 FUSED_DEVICES = {"cpu", "cuda"}
@@ -128,6 +132,34 @@ def schedule_note(saved: dict, cfg: TrainConfig, at: float, last: float) -> str:
         note += (f"; the last step (train.max_steps={cfg.max_steps}) falls at schedule step "
                  f"{last + 1:g} of {cfg.max_steps} planned, at LR {lr_at(cfg, last):.4g} "
                  f"(train.min_lr={cfg.min_lr:g})")
+    return note
+
+
+def stage_note(saved_model: dict, saved_mtp: dict, model: ModelConfig, mtp: MTPConfig,
+               at: float) -> str:
+    """What a resume changes about the QSA stage and the MTP loss weight at its next step (`at`, a
+    schedule step), for its start-up line (empty: nothing). Their keys may change on resume: a
+    longer model.indexer_warmup_steps puts a sparse run back into the dense warm-up (under
+    indexer_only holding every other weight still), a changed mtp.loss.lambda_after moves lambda
+    back; `saved_*`: the checkpoint's sections."""
+    note = ""
+    if model.uses_qsa:
+        before = dataclasses.replace(model, **{k: saved_model[k] for k in (
+            "indexer_warmup_steps", "indexer_warmup") if k in saved_model})
+        stage = lambda m: ("sparse" if at >= m.indexer_warmup_steps  # noqa: E731
+                           else f"the dense warm-up ({m.resolved_indexer_warmup})")
+        if stage(before) != stage(model):
+            note += (f"; the QSA stage changed: the next step is {stage(model)}, {stage(before)} "
+                     f"under the checkpoint's model.indexer_warmup_steps="
+                     f"{before.indexer_warmup_steps}, indexer_warmup={before.indexer_warmup}")
+    saved = saved_mtp.get("loss", {})
+    loss = dataclasses.replace(mtp.loss, lambda_=float(saved.get("lambda", mtp.loss.lambda_)),
+                               lambda_after={int(k): float(v) for k, v in saved.get(
+                                   "lambda_after", mtp.loss.lambda_after).items()})
+    now, then = lambda_at(mtp, at), lambda_at(dataclasses.replace(mtp, loss=loss), at)
+    if mtp.num_steps and not math.isclose(now, then):
+        note += (f"; the MTP loss weight changed: the next step's mtp.loss.lambda is {now:g}, "
+                 f"{then:g} on the checkpoint's schedule")
     return note
 
 

@@ -54,7 +54,7 @@ from .hf.init_from import (
 )
 from .hf.reader import stop_ids
 from .materialize import adopt_mtp_init_from, build_sharded_model
-from .optim import apply_settings, schedule_note
+from .optim import apply_settings, schedule_note, stage_note
 from .parallel import ParallelState, init_parallel
 from .parallel.device import (
     FINETUNE_MMAP_THRESHOLD,
@@ -482,7 +482,9 @@ def build_run(cfg: TandemConfig, resume: bool = False,
             last = (position.consumed_samples + (cfg.train.max_steps - run.start_step - 1)
                     * global_batch) / position.schedule_batch
             schedule = schedule_note(saved_section(found[1], "train"), cfg.train,
-                                     position.schedule_step(), last)
+                                     position.schedule_step(), last) + stage_note(
+                saved_section(found[1], "model"), saved_section(found[1], "mtp"), cfg.model,
+                cfg.mtp, position.schedule_step())
             order = data_order_note(found[1], cfg, position.next_sample())
             print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}"
                   f"{order}{schedule if run.start_step < cfg.train.max_steps else ''}",

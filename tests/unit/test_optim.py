@@ -139,3 +139,28 @@ def test_a_resume_under_another_kernel_finds_each_step_count_where_it_looks():
     optimizer.state[param]["step"] = torch.tensor(3.0)
     apply_settings(optimizer, load_config(None, ["train.optimizer_kernel=foreach"]).train)
     assert optimizer.state[param]["step"].device.type == "cpu"
+
+
+def test_a_resume_says_when_it_changes_the_qsa_stage_or_the_mtp_weight():
+    """model.indexer_warmup_steps and mtp.loss.lambda_after may change on resume; a sparse run put
+    back into the dense warm-up (indexer_only: every other weight held still) or a lambda moved
+    back was silent."""
+    from tandem.trainer.optim import stage_note
+
+    qsa = ["model.full_attention_interval=2", "model.indexer_heads=2", "model.indexer_head_dim=16",
+           "model.indexer_budget=8", "model.indexer_compress_ratio=4", "model.head_dim=16"]
+    cfg = load_config(None, qsa + ["model.indexer_warmup_steps=10", "mtp.num_steps=2",
+                                   "model.init_from=/some/trunk"])
+    saved_model = {"indexer_warmup_steps": 4, "indexer_warmup": "auto"}
+    saved_mtp = {"loss": {"lambda": 0.3, "lambda_after": {5: 0.1}}}
+    assert stage_note(saved_model, saved_mtp, cfg.model, cfg.mtp, 6) == (
+        "; the QSA stage changed: the next step is the dense warm-up (indexer_only), sparse under "
+        "the checkpoint's model.indexer_warmup_steps=4, indexer_warmup=auto"
+        "; the MTP loss weight changed: the next step's mtp.loss.lambda is 0.3, 0.1 on the "
+        "checkpoint's schedule")
+    assert stage_note(saved_model, saved_mtp, cfg.model, cfg.mtp, 12) == (
+        "; the MTP loss weight changed: the next step's mtp.loss.lambda is 0.3, 0.1 on the "
+        "checkpoint's schedule")
+    same = load_config(None, qsa + ["model.indexer_warmup_steps=4", "mtp.num_steps=2",
+                                    "mtp.loss.lambda_after={5: 0.1}"])
+    assert stage_note(saved_model, saved_mtp, same.model, same.mtp, 6) == ""
