@@ -111,7 +111,8 @@ class TrainConfig:
     skips the batch, as `skip` does, and says so."""
     spike_factor: float = 0.0
     """A step whose losses summed over the depths (weight 1 each, so a lambda schedule does not
-    move it) exceed this factor times their running mean is bad (0 disables)."""
+    move it) exceed this factor times their running mean is bad (0 disables); judged once
+    min(5, spike_window) good steps are in the mean (a resume brings the checkpoint's)."""
     spike_window: int = 20
     """Steps in the running mean that spike detection compares against."""
     max_skips: int = 5
