@@ -48,7 +48,7 @@ def _teacher_at(teacher_bsh: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 def _rows(x_bs: torch.Tensor) -> torch.Tensor:
-    """[B, S, ...] -> [B*S, ...]: one row per position, in the order the loss functions take."""
+    """[B, S, ...] -> [B*S, ...]: one row per position, in the loss functions' order."""
     return x_bs.reshape(-1, *x_bs.shape[2:])
 
 
@@ -311,7 +311,7 @@ class TandemModel(nn.Module):
                 h_in = h_in.detach()
             emb = self.window_rows(emb_window, depth, s) if emb_window is not None else None
             tokens = self.context.local(shifted_tokens(tokens_bs1, depth, s))
-            rows = counted  # a chained step's: those whose input token is in their document
+            rows = counted  # a chained step's: those whose input token is in their document too
             if self.mtp.chained:
                 rows = self.context.local(depth_input_rows(tokens_bs1, doc_ids_bs1, depth)) & (
                     True if counted is None else counted)
