@@ -425,8 +425,7 @@ class IndexedAttention(nn.Module):
                                          count_bs, docs, selected, want_loss, visible, rows_s,
                                          dense, counted)
         if measure_recall:
-            # under context parallelism a rank's mean: every rank holds as many queries, so their
-            # mean is the window's
+            # (under cp a rank's mean: every rank holds as many queries, so theirs is the window's)
             self.last_recall = self.reduce_heads(recall_bs).mean() / self.num_heads
         if not want_loss:
             return None
@@ -464,9 +463,9 @@ class IndexedAttention(nn.Module):
             # after its last token, which this forward (or an earlier one) has just written, so
             # rollback is free. Only a selecting query writes them (depth 1 on a cache the depths
             # share, serving's convention, writes every position it later reads).
-            keys_bld = cache.buffer("qsa_index_keys", (raw_bsd.shape[-1],), raw_bsd.dtype,
-                                    length=cache.max_len)
-            keys_bld.scatter_(1, positions_bs[..., None].expand(-1, -1, raw_bsd.shape[-1]),
+            d = raw_bsd.shape[-1]  # (kept in their own dtype, as the keys and values are)
+            keys_bld = cache.buffer("qsa_index_keys", (d,), raw_bsd.dtype, length=cache.max_len)
+            keys_bld.scatter_(1, positions_bs[..., None].expand(-1, -1, d),
                               raw_bsd.to(keys_bld.dtype))
             n = span // r
             starts_bn = (torch.arange(n, device=positions_bs.device)
