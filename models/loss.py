@@ -336,9 +336,9 @@ def chunked_soft_cross_entropy_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
     if h_nh.shape[0] == 0:
         return (h_nh.sum() + weight_vh.sum()) * 0.0
     total = None
-    for i in range(0, h_nh.shape[0], chunk_tokens):
-        args = (h_nh[i : i + chunk_tokens], teacher_nh[i : i + chunk_tokens], weight_vh,
-                valid_n[i : i + chunk_tokens])
+    # cut once: a slice per chunk of a tensor that needs a gradient zero-fills it whole in backward
+    for h, teacher, valid in zip(*(x.split(chunk_tokens) for x in (h_nh, teacher_nh, valid_n))):
+        args = (h, teacher, weight_vh, valid)
         part = (
             checkpoint(_chunk_soft_ce_sum, *args, use_reentrant=False)
             if torch.is_grad_enabled()
@@ -393,9 +393,8 @@ def chunked_acceptance_loss_sum(h_nh: torch.Tensor, teacher_nh: torch.Tensor,
         return (h_nh.sum() + weight_vh.sum()) * 0.0
     chunk = chunk_tokens if chunk_tokens > 0 else h_nh.shape[0]
     total = None
-    for i in range(0, h_nh.shape[0], chunk):
-        args = (h_nh[i : i + chunk], teacher_nh[i : i + chunk], weight_vh, targets_n[i : i + chunk],
-                ce_weight, red, vocab_start)
+    for h, teacher, targets in zip(*(x.split(chunk) for x in (h_nh, teacher_nh, targets_n))):
+        args = (h, teacher, weight_vh, targets, ce_weight, red, vocab_start)
         part = (checkpoint(acceptance_loss_sum, *args,
                            use_reentrant=False) if torch.is_grad_enabled()
                 else acceptance_loss_sum(*args))

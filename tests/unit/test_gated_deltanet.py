@@ -546,3 +546,20 @@ def test_slow_tokens_after_a_fast_forgetting_one_keep_fp32_precision():
     assert per_token.max() < 1e-5, (per_token.max(), per_token.argmax())
     for name, got, want in zip("qkvgb", grads, ref_grads):
         assert (got - want).abs().max() / want.abs().max() < 2e-6, name
+
+
+def test_the_chunked_rules_backward_is_linear_in_the_sequence():
+    """The chunk loop's backward writes as much per token at 16 chunks as at 4: indexing each
+    chunk out of the tensors that need a gradient zero-filled them whole once per chunk (32 s
+    instead of 4 at 65536 tokens, and the only form on Ascend)."""
+    from tests.backward_cost import backward_elements
+
+    per_token = []
+    for t in (256, 1024):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, t, 8, generator=g).requires_grad_() for _ in range(3))
+        gate = (-torch.rand(1, 2, t, generator=g)).requires_grad_()
+        beta = torch.rand(1, 2, t, generator=g).requires_grad_()
+        out, state = chunked_gated_delta_rule(q, l2_normalize(k), v, gate, beta)
+        per_token.append(backward_elements(out.sum() + state.sum()) / t)
+    assert per_token[1] < 1.05 * per_token[0], per_token

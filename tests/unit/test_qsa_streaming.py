@@ -145,3 +145,20 @@ def test_bf16_streamed_equals_the_materialised_path():
     torch.testing.assert_close(got[4], want[4], rtol=1e-4, atol=1e-5)
     for name, g in got[3].items():
         torch.testing.assert_close(g.float(), want[3][name].float(), rtol=2e-2, atol=2e-2)
+
+
+
+def test_query_chunks_cost_the_backward_nothing_per_chunk():
+    """map_query_chunks (the gather form's query loop) cut into 64 chunks writes in backward what
+    it writes in 4: a slice of the queries per chunk zero-filled them whole in backward, once per
+    chunk (at the 256k stage's shape, ~130 chunks per QSA layer)."""
+    from tandem.models.qsa_stream import map_query_chunks
+    from tests.backward_cost import backward_elements
+
+    written = []
+    for chunks in (4, 64):
+        q = torch.randn(2, 256, 4, 8, generator=torch.Generator().manual_seed(0),
+                        requires_grad=True)
+        out = map_query_chunks(lambda part: part.square(), 256 // chunks, (q,))
+        written.append(backward_elements(out.sum()))
+    assert written[1] < 1.05 * written[0], written
