@@ -33,7 +33,7 @@ def token_mask(r: int, blocks_bsk, count_bs, query_at_bs, num_keys: int,
         if docs is None:
             mask[..., : n * r] |= chosen[..., :n].repeat_interleave(r, dim=-1)
         else:
-            chosen[..., n] = False  # the column of the tokens in no block
+            chosen.select(-1, n).fill_(False)  # the column of the tokens in no block
             mask |= chosen.gather(-1, docs.key_block_bs[:, None].expand(-1, mask.shape[1], -1))
     return mask
 

@@ -70,6 +70,22 @@ class SyncingOps(TorchDispatchMode):
         super().__init__()
         self.calls = collections.Counter()
 
+    def __enter__(self):
+        # `Tensor.tolist` reads the values without passing through the dispatcher: counted here
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self.calls, self._tolist
+
+        def counted_tolist(t):
+            counter["Tensor.tolist"] += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func.overloadpacket)
@@ -97,6 +113,40 @@ def test_the_loss_makes_no_host_sync(objective):
         out = model.losses_from_hidden(h0, tokens, loss_mask, doc_ids, pos)
         combine_losses(out.loss_sums, out.token_counts, [1.0, 0.5, 0.25, 0.125]).backward()
     assert not counter.calls, dict(counter.calls)
+
+
+def test_the_detector_counts_every_kind_of_sync():
+    with SyncingOps() as counter:
+        x = torch.arange(4.0)
+        x.tolist()
+        x.sum().item()
+        x[x > 1].sum()
+    assert counter.calls == {"Tensor.tolist": 1, "aten._local_scalar_dense": 1,
+                             "aten.index (boolean mask)": 1}
+
+
+def test_a_qwen4_training_step_syncs_only_where_eager_qsa_sizes_its_selection():
+    """The whole Qwen4-Exp model (Gated DeltaNet, QSA, PLE, hyper-connections, MoE, the MTP chain)
+    on packed documents, forward and backward: the one sync is eager QSA's read of how many block
+    columns each query chunk reaches (models/qsa_stream.py stream_select; none under
+    torch.compile), at most one per selecting QSA forward."""
+    from tandem.models.qsa import IndexedAttention
+    from tests.eval_helpers import tiny_qwen4_model
+
+    model = tiny_qwen4_model(3).train()
+    forwards = []
+    for layer in model.modules():
+        if isinstance(layer, IndexedAttention):
+            layer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 64, (2, 41), generator=g)
+    doc_ids = (torch.arange(41) >= 17).long().expand(2, 41)
+    counter = SyncingOps()
+    with counter:
+        out = model(tokens, doc_ids_bs1=doc_ids, document_mask=True)
+        combine_losses(out.loss_sums, out.token_counts, [1.0, 0.1, 0.1, 0.1]).backward()
+    assert set(counter.calls) <= {"Tensor.tolist"}, dict(counter.calls)
+    assert 0 < counter.calls["Tensor.tolist"] <= len(forwards), (dict(counter.calls), forwards)
 
 
 # --- values and gradients: the valid rows' loss ---------------------------------------------------
