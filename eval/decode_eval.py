@@ -140,6 +140,11 @@ def _occupancy(results: List[DecodeResult]) -> float:
     return row_rounds / max(slots, 1)
 
 
+SPEED_FIGURES = ("decode_tokens_per_s/", "speedup", "time_per_")
+"""Prefixes of `_speed_figures`' keys: what only a decode with its autoregressive side gives (the
+in-loop evaluator's sampled decodes give acceptance figures alone)."""
+
+
 def _speed_figures(runs_spec: List[List[DecodeResult]], runs_ar: List[List[DecodeResult]],
                    spec_stats: List[DecodeStats], acceptance_length: float) -> dict:
     """Tokens/s of both sides, measured and predicted speedup and per-round phase times (medians

@@ -178,7 +178,8 @@ class ModelConfig:
     follows consumed samples, as the LR does) attend densely while the indexers learn by their KL
     over every visible block; afterwards attention is sparse and the KL covers the selected blocks
     only. With `model.init_from` (whose indexers come trained) 0 unless the recipe's own sections
-    or the overrides set it."""
+    or the overrides set it, or the drafter starts fresh (no MTP weights to load: its indexer is
+    warmed up)."""
     indexer_warmup: str = "auto"
     """What trains during the dense warm-up. `joint`: every parameter (the indexer by its KL alone,
     its input detached), for a model trained from scratch, whose first steps would otherwise be

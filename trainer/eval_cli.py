@@ -16,23 +16,15 @@ figures come from the checkpoint's validation windows, or, with --prompts, from 
 `--num-steps` may exceed the K the model was trained with (looped style: step k runs layer
 (k-1) % L). `--output` and `--device`: docs/cli.md.
 
---prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts): JSONL of {"text":
-...} or {"messages": [...]} (rendered with the checkpoint's chat template), a parquet file or a
-datasets directory with a `text` column. A prompt may hold at most model.max_seq_len -
-max_new_tokens - (4K + 5) tokens: the decoder's caches hold the prompt, the new tokens and a margin
-for the K drafts of a round and the padding of batched rows (eval/spec_decode.py SpecDecoder). A
-line that breaks either rule stops the command with one line naming FILE:LINE, the format checked
-before the checkpoint loads, the length before decoding.
-
---suite NAME[,NAME]: public prompt sets that installed packages ship (eval/suites.py: humaneval,
-mt_bench), read offline; a missing package is one line naming it. --num-prompts takes that many of
-each suite, spread over it (default all); a prompt that does not fit keeps its last tokens
-(--prompt-len N: its last N). The JSON adds `suites`: per suite, then per category, the acceptance
-figures with their intervals and `num_prompts`; stderr one line per suite and category.
-
-Without --prompts or --suite: the prompts its in-loop evaluator decoded, its run's `eval.suite`
-(eval.num_prompts of each; the teacher-forced figures from its validation split, as in the loop)
-when it names one, else its validation split (--validation: the split whatever `eval.suite` says).
+--prompts FILE: what `tandem generate` reads (data_pipeline/prompts.read_prompts), each prompt at
+most model.max_seq_len - max_new_tokens - (4K + 5) tokens (the decoder's caches hold the prompt, the
+new tokens and a margin for a round's drafts and the padding of batched rows); a line that breaks
+either rule stops the command with one line naming FILE:LINE. --suite NAME[,NAME]: public prompt
+sets that installed packages ship (eval/suites.py), --num-prompts of each spread over it, a prompt
+that does not fit keeping its last tokens (--prompt-len N: its last N); the JSON adds `suites`, per
+suite and category. Without either: the prompts its in-loop evaluator decoded, its run's
+`eval.suite` when it names one (the teacher-forced figures from its validation split, as in the
+loop), else its validation split (--validation: the split whatever `eval.suite` says).
 """
 
 from __future__ import annotations
@@ -52,7 +44,7 @@ from tandem.data_pipeline.prompts import read_prompts, tokenize_prompts
 from tandem.data_pipeline.stdlib_corpus import prepare_stdlib_corpus
 from tandem.data_pipeline.tokenizer import load_tokenizer, saved_tokenizer
 from tandem.eval.acceptance import row_metrics
-from tandem.eval.decode_eval import evaluate_decoding, other_convention_figures
+from tandem.eval.decode_eval import SPEED_FIGURES, evaluate_decoding, other_convention_figures
 from tandem.eval.metrics import (
     depth_loss_key,
     distinct_figures,
@@ -362,8 +354,9 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
         dtype = resolve_device(kind).autocast_dtype(cfg.train.dtype)
     with torch.inference_mode(), autocast_context(kind, dtype):
         document_mask = bool(cfg is not None and hasattr(cfg, "data") and cfg.data.document_mask)
-        metrics = teacher_forced(model, tf_batches, torch.device(args.device), document_mask,
+        teacher = teacher_forced(model, tf_batches, torch.device(args.device), document_mask,
                                  measure_recall=True)  # as the in-loop evaluator's
+        metrics = dict(teacher)
         unmeasured = [d for d in range(unwrap(model).num_depths)
                       if depth_loss_key(d) not in metrics]
         if unmeasured:
@@ -375,8 +368,13 @@ def _evaluate(args, model, cfg, prompts, tf_batches, settings: dict):
     # tf_acc/mtp_k exists only for the trained depths.
     metrics.update(dec)
     metrics.update(distinct_figures([o for r in spec for o in r.outputs]))
+    # as the loop logs them: greedy, everything; sampled, the acceptance under T<t>/ (<rule>/ past
+    # the run's eval.verify), the teacher-forced figures as they are
     run_verify = getattr(getattr(cfg, "eval", None), "verify", "token")
-    metrics.update(logged_figures(metrics, args.temperature, settings["verify"], run_verify))
+    metrics.update(logged_figures(metrics) if args.temperature == 0 else {
+        **logged_figures(teacher), **logged_figures(
+            {k: v for k, v in dec.items() if not k.startswith(SPEED_FIGURES)},
+            args.temperature, settings["verify"], run_verify)})
     metrics.update({"num_prompts": len(prompts), **{k: settings[k] for k in (
         "num_steps", "max_new_tokens", "temperature", "top_p", "seed", "verify",
         "draft_convention")}})
@@ -488,7 +486,7 @@ def eval_main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.output:
         _write_outputs(args.output, spec, prompts)
-    for key in [k for k in metrics if f"{k}_lo95" in metrics]:
+    for key in [k for k in metrics if f"{k}_lo95" in metrics and not k.startswith("eval/")]:
         lo, hi = metrics[f"{key}_lo95"], metrics[f"{key}_hi95"]
         print(f"{key}: {metrics[key]:.3f} [{lo:.3f}, {hi:.3f}] (95% interval over {len(prompts)} "
               "prompts)", file=sys.stderr)

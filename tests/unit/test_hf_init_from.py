@@ -71,8 +71,9 @@ def test_init_from_tandem_checkpoint(tmp_path):
 
 def test_init_from_a_qsa_trunk_runs_no_second_dense_warm_up(tmp_path):
     """A checkpoint's QSA indexers come trained: model.init_from runs no dense warm-up unless the
-    run asks for one itself. The flavor's (qwen4_exp_tiny's 30 steps) ran again, attending densely
-    and, under `auto` (indexer_only), holding every other weight still."""
+    run asks for one itself or its drafter starts fresh. The flavor's (qwen4_exp_tiny's 30 steps)
+    ran again, attending densely and, under `auto` (indexer_only), holding every other weight
+    still."""
     from tandem.trainer.checkpoint import save_checkpoint
     from tandem.trainer.recipe import explicit_keys
 
@@ -81,11 +82,17 @@ def test_init_from_a_qsa_trunk_runs_no_second_dense_warm_up(tmp_path):
     assert cfg.model.indexer_warmup_steps == 30
     src = TandemModel(cfg.model, cfg.mtp)
     step = save_checkpoint(str(tmp_path / "run"), 5, src, None, to_yaml(cfg), {})
-    for overrides, steps in (([], 0), (["model.indexer_warmup_steps=5"], 5)):
-        overrides = [f"model.init_from={step}", *overrides]
+    # a trunk without MTP weights: a fresh drafter, whose indexer the warm-up is for
+    bare = load_config(recipe, ["mtp.num_steps=0"])
+    trunk = save_checkpoint(str(tmp_path / "trunk"), 5, TandemModel(bare.model, bare.mtp), None,
+                            to_yaml(bare), {})
+    for source, overrides, steps in ((step, [], 0), (step, ["model.indexer_warmup_steps=5"], 5),
+                                     (trunk, [], 30),
+                                     (trunk, ["mtp.init_from_last_layer=true"], 0)):
+        overrides = [f"model.init_from={source}", *overrides]
         run = load_config(recipe, overrides)
         changed = adopt_checkpoint_config(run, explicit_keys(recipe, overrides))
-        assert run.model.indexer_warmup_steps == steps
+        assert run.model.indexer_warmup_steps == steps, overrides
         assert any(c.startswith("model.indexer_warmup_steps") for c in changed) == (steps == 0)
         assert run.model.resolved_indexer_warmup == "indexer_only"
 

@@ -139,9 +139,12 @@ def adopt_checkpoint_config(cfg, explicit: FrozenSet[str] = frozenset()) -> List
         changed.append(f"model.{key}: {getattr(cfg.model, key)!r} -> {value!r}")
         setattr(cfg.model, key, value)
     warmup = cfg.model.indexer_warmup_steps
-    if ckpt.uses_qsa and warmup and "model.indexer_warmup_steps" not in explicit:
-        # its indexers come trained: the flavor's warm-up again would attend densely for it and,
-        # under `auto` (indexer_only), hold every other weight still
+    trained_drafter = (has_mtp or cfg.mtp.init_from or cfg.mtp.init_from_last_layer
+                       or not cfg.mtp.num_steps)
+    if (ckpt.uses_qsa and warmup and trained_drafter
+            and "model.indexer_warmup_steps" not in explicit):
+        # its indexers come trained (the drafter's too): the flavor's warm-up again would attend
+        # densely for it and, under `auto` (indexer_only), hold every other weight still
         changed.append(f"model.indexer_warmup_steps: {warmup} -> 0 (the checkpoint's QSA "
                        "indexers are trained; set it to warm them up again)")
         cfg.model.indexer_warmup_steps = 0
