@@ -55,6 +55,7 @@ from .checkpoint_dirs import (  # noqa: F401
     is_complete,
     latest_checkpoint,
     list_checkpoints,
+    prune,
     publish,
     resolve_checkpoint,
 )
@@ -263,7 +264,7 @@ class CheckpointWriter:
         if self.keep_last > 0:
             complete, _ = list_checkpoints(self.run_dir)
             for _, old in complete[:-self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                prune(old)
 
 
 def _record_tokenizer(tokenizer: Optional[TandemTokenizer], step_dir: str) -> None:

@@ -149,12 +149,24 @@ def _whole_save(path: str) -> bool:
         os.path.isfile(os.path.join(path, name)) for name in (DCP_INDEX, STATE_FILE))
 
 
+def prune(step_dir: str) -> None:
+    """Delete an old checkpoint: first renamed out of the steps (`.pruned_step_<N>`, one atomic
+    rename), then removed, so a kill or an undeletable file mid-removal leaves no half-deleted
+    `step_<N>` that every resume lists as incomplete and nothing ever removes (the next launch's
+    `remove_unfinished_saves` takes the rest)."""
+    pruned = os.path.join(os.path.dirname(step_dir), ".pruned_" + os.path.basename(step_dir))
+    os.replace(step_dir, pruned)
+    shutil.rmtree(pruned, ignore_errors=True)
+
+
 def remove_unfinished_saves(run_dir: str) -> None:
     """Delete the `.tmp_step_<N>` directories of saves that never completed (no marker: a crash or a
-    full disk mid-save), saying so: nothing reads them, and until that step is saved again they hold
-    the space a new save needs. Only the launch's rank 0, holding the run's lock, calls this."""
+    full disk mid-save) and what an interrupted prune left (`.pruned_step_<N>`), saying so: nothing
+    reads them, and they hold the space a new save needs. Only the launch's rank 0, holding the
+    run's lock, calls this."""
     gone = [path for path in list_checkpoints(run_dir)[1]
-            if re.fullmatch(r"\.tmp_step_\d+", os.path.basename(path)) and not is_complete(path)]
+            if re.fullmatch(r"\.tmp_step_\d+", os.path.basename(path)) and not is_complete(path)
+            or re.fullmatch(r"\.pruned_step_\d+", os.path.basename(path))]
     for path in gone:
         try:
             shutil.rmtree(path)

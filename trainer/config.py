@@ -345,7 +345,8 @@ class LoggingConfig:
     tags: List[str] = field(default_factory=list)
     """wandb tags."""
     progress: bool = True
-    """Show a progress bar with ETA and live loss."""
+    """Show a progress bar with ETA and live loss (redrawn every 0.1 s on a terminal, every minute
+    into a file such as a Slurm log)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for the `mfu` (model FLOPs) and `hfu` (recomputation
     included) metrics; 0 uses the detected GPU/NPU's dense bf16 peak (trainer/parallel/device.py's

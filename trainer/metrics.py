@@ -15,6 +15,7 @@ import math
 import netrc
 import os
 import re
+import shlex
 import sys
 import uuid
 from typing import Optional
@@ -128,15 +129,24 @@ class MetricsLogger:
         if cfg.logging.progress:
             from tqdm import tqdm
 
+            # redrawn at most every 0.1 s on a terminal, every minute into a file (a Slurm log took
+            # each step's redraw, ~120 bytes, on one line that never ends)
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                            dynamic_ncols=True, file=sys.stderr)
+                            dynamic_ncols=True, file=sys.stderr,
+                            mininterval=0.1 if sys.stderr.isatty() else 60.0)
 
     def _truncate(self, last_step: int) -> None:
         """Drop the records and samples past `last_step` and append from there: the steps a
         resume or a rewind replays are logged once, with the values of the run that continues."""
         truncate_metrics(self.path, last_step)
         truncate_metrics(self.samples_path, last_step)
-        self.file = open(self.path, "a", buffering=1)
+        self.file = self._open(self.path)
+
+    @staticmethod
+    def _open(path: str):
+        """Unbuffered: a record a full disk refused is not kept to fail again, nameless, when the
+        loop closes the file (that second error replaced the one naming metrics.jsonl)."""
+        return open(path, "ab", buffering=0)
 
     def rewind(self, last_step: int) -> None:
         """The run went back to its checkpoint of `last_step` (the bad-step guard's `rewind`).
@@ -172,9 +182,10 @@ class MetricsLogger:
         offline = mode in ("offline", "dryrun")
         if run_id != recorded:
             write_replacing(id_path, lambda f: f.write(run_id))
-        if offline:
-            print("wandb: offline run; upload later with: wandb sync "
-                  f"{run.dir.rsplit('/files', 1)[0]}", file=sys.stderr)
+        if offline:  # every attempt's folder of this run, oldest first (the glob sorts by time)
+            root = shlex.quote(os.path.dirname(run.dir.rsplit("/files", 1)[0]))
+            print(f"wandb: offline run; upload later with: wandb sync "
+                  f"{root}/offline-run-*-{run_id}", file=sys.stderr)
         return run
 
     def log(self, record: dict) -> None:
@@ -184,7 +195,7 @@ class MetricsLogger:
         line = json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
                            for k, v in record.items()}, allow_nan=False)
         with naming(self.path):
-            self.file.write(line + "\n")
+            self.file.write((line + "\n").encode("utf-8"))
         if self.wandb_run is not None:
             row = {k: v for k, v in record.items() if k != "step"}
             if self.pending_table is not None and self.pending_table[0] == record["step"]:
@@ -212,7 +223,6 @@ class MetricsLogger:
     def progress(self, step: int, record: Optional[dict]) -> None:
         if self.bar is None:
             return
-        self.bar.n = step
         if record:
             post = {"loss": f"{record['loss']:.3f}", "main": f"{record['loss/main']:.3f}"}
             k = 1
@@ -222,18 +232,21 @@ class MetricsLogger:
             if "eval/acceptance_length" in record:
                 post["acc_len"] = f"{record['eval/acceptance_length']:.2f}"
             self.bar.set_postfix(post, refresh=False)
-        self.bar.refresh()
+        self.bar.update(step - self.bar.n)  # (tqdm's mininterval: no redraw per step)
 
     def close(self) -> None:
         if not self.is_main:
             return
         if self.bar is not None:
             self.bar.close()
-        self.file.close()
-        if self.wandb_run is not None:
-            import wandb
+        try:
+            with naming(self.path):
+                self.file.close()
+        finally:  # wandb shut down whatever the file did
+            if self.wandb_run is not None:
+                import wandb
 
-            self.wandb_run.finish()
-            # finish() can return before the offline run file holds the last steps (seen after a
-            # logged table); teardown waits for wandb's service to write everything
-            wandb.teardown()
+                self.wandb_run.finish()
+                # finish() can return before the offline run file holds the last steps (seen after
+                # a logged table); teardown waits for wandb's service to write everything
+                wandb.teardown()

@@ -50,7 +50,8 @@ def wandb_history(run_file):
 
 
 @pytest.mark.slow
-def test_offline_wandb_run_holds_the_metric_series(tiny_overrides, monkeypatch, tmp_path):
+def test_offline_wandb_run_holds_the_metric_series(tiny_overrides, monkeypatch, tmp_path,
+                                                   capsys):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials either
     overrides = tiny_overrides + ["logging.wandb=true", "eval.interval=2", "eval.num_prompts=2",
@@ -83,8 +84,11 @@ def test_offline_wandb_run_holds_the_metric_series(tiny_overrides, monkeypatch, 
     # the resumed job continues the same wandb run id
     train(load_config(RECIPE, overrides + ["train.max_steps=5"]), resume=True)
     assert open(os.path.join(cfg.run.dir, "wandb_run_id.txt")).read().strip() == run_id
-    assert len({os.path.basename(p).split("-")[-1] for p in
-                glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*"))}) == 1
+    folders = glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*"))
+    assert len(folders) == 2 and len({os.path.basename(p).split("-")[-1] for p in folders}) == 1
+    # the printed upload command names every attempt's folder (the last one alone lost the rest)
+    sync = capsys.readouterr().err.split("upload later with: wandb sync ")[-1].split()[0]
+    assert sorted(glob.glob(sync)) == sorted(folders)
 
 
 def test_api_key_never_reaches_the_run_directory(tiny_overrides, monkeypatch):

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,3 +208,25 @@ def test_an_unfinished_save_that_cannot_be_removed_is_left_with_a_note(tmp_path,
     checkpoint_dirs.remove_unfinished_saves(str(tmp_path))
     assert "could not remove the unfinished save" in capsys.readouterr().err
     assert unfinished.exists()
+
+
+def test_a_prune_cut_short_leaves_no_half_deleted_step(tmp_path, monkeypatch, capsys):
+    """keep_last's pruning renames an old checkpoint out of the steps before removing it: a removal
+    cut short (a kill, a file the file system will not delete) used to leave a `step_<N>` without
+    its marker that every resume listed as incomplete and nothing removed. What it leaves now is
+    `.pruned_step_<N>`, which the next launch removes."""
+    from tandem.trainer import checkpoint_dirs
+
+    model, optimizer = _model()
+    writer = ckpt.CheckpointWriter(str(tmp_path), keep_last=1)
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(checkpoint_dirs.shutil, "rmtree", lambda path, **kw: None)  # cut short
+    writer.save(1, model, optimizer, "a: 1\n", {})
+    writer.save(2, model, optimizer, "a: 1\n", {})
+    complete, others = ckpt.list_checkpoints(str(tmp_path))
+    assert [s for s, _ in complete] == [2]
+    assert [os.path.basename(p) for p in others] == [".pruned_step_1"]
+    monkeypatch.setattr(checkpoint_dirs.shutil, "rmtree", real_rmtree)
+    checkpoint_dirs.remove_unfinished_saves(str(tmp_path))
+    assert ckpt.list_checkpoints(str(tmp_path))[1] == []
+    assert ".pruned_step_1" in capsys.readouterr().err
