@@ -97,21 +97,20 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
     if not os.path.isfile(metrics):
         raise ReportError(f"run directory {path!r} has no metrics.jsonl")
     records = []
-    with open(metrics) as f:
-        lines = f.read().split("\n")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            # NaN / Infinity (another writer's: Tandem writes null) read as missing: a NaN final
-            # evaluation hid the run's last finite one behind "an interval without width"
-            rec = json.loads(line, parse_constant=lambda _: None)
-        except json.JSONDecodeError:
-            if number == len(lines):  # a last line torn by a crash mid-write
+    with open(metrics) as f:  # line by line: a long run's file is hundreds of MB
+        for number, line in enumerate(f, 1):
+            if not line.strip():
                 continue
-            raise ReportError(f"{metrics}:{number}: not a JSON record") from None
-        if isinstance(rec, dict) and "step" in rec:
-            records.append(rec)
+            try:
+                # NaN / Infinity (another writer's: Tandem writes null) read as missing: a NaN
+                # final evaluation hid the run's last finite one behind "an interval without width"
+                rec = json.loads(line, parse_constant=lambda _: None)
+            except json.JSONDecodeError:
+                if not line.endswith("\n"):  # a last line torn by a crash mid-write
+                    continue
+                raise ReportError(f"{metrics}:{number}: not a JSON record") from None
+            if isinstance(rec, dict) and "step" in rec:
+                records.append(rec)
     if not records:
         raise ReportError(f"{metrics!r} holds no records")
     config = {}
