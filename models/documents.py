@@ -15,6 +15,7 @@ for a window holding one document, only cheaper.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -99,3 +100,26 @@ def causal_conv_taps(x_bsc: torch.Tensor, weight_ck: torch.Tensor, positions_bs:
         reach = (positions_bs >= back)[..., None]
         out = out + torch.where(reach, shifted, 0) * weight_ck[:, kernel - 1 - j]
     return out.to(dtype)
+
+
+_CU_SEQLENS: dict = {}
+"""id(starts_bs) -> (a weak reference to it, its cu_seqlens), the entry gone with the tensor."""
+
+
+def flat_cu_seqlens(documents: Documents) -> torch.Tensor:
+    """int32 [n + 1]: where each of the n documents starts in the window's rows laid end to end
+    (each row starts one too), then the total: fla's variable-length `cu_seqlens`. Found once per
+    window (a host sync, `nonzero`), not once per Gated DeltaNet layer: every layer of a forward,
+    and its recompute, is handed the same `Documents`."""
+    starts_bs, key = documents.starts_bs, id(documents.starts_bs)
+    held = _CU_SEQLENS.get(key)
+    if held is not None and held[0]() is starts_bs:
+        return held[1]
+    b, s = starts_bs.shape
+    first = (documents.positions() == 0).flatten()
+    first[0] = True  # every row starts a document; rows are cut apart as well
+    starts = first.nonzero().flatten()
+    found = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
+    _CU_SEQLENS[key] = (weakref.ref(starts_bs, lambda _, key=key: _CU_SEQLENS.pop(key, None)),
+                        found)
+    return found

@@ -52,7 +52,7 @@ from torch import nn
 
 from .context import WholeWindow
 from .delta_rule import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
-from .documents import Documents, causal_conv_taps
+from .documents import Documents, causal_conv_taps, flat_cu_seqlens
 from .layers import InitRule, InitScales, draw_init, rms_norm
 
 _fla_chunk = None
@@ -193,10 +193,7 @@ class GatedDeltaNet(nn.Module):
         """fla's variable-length form: the rows' documents laid end to end as one sequence, cut by
         `cu_seqlens` (fla's kernels restart the state at each cut)."""
         b, s = q_bsnk.shape[:2]
-        first = (documents.positions() == 0).flatten()
-        first[0] = True  # every row starts a document; rows are cut apart as well
-        starts = first.nonzero().flatten()
-        cu_seqlens = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
+        cu_seqlens = flat_cu_seqlens(documents)
         flat = lambda x: x.reshape(1, b * s, *x.shape[2:])  # noqa: E731
         out, _ = _fla_chunk(flat(q_bsnk), flat(k_bsnk), flat(v_bsnv), flat(g_bsn),
                             flat(beta_bsn.to(v_bsnv.dtype)),

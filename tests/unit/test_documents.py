@@ -153,3 +153,20 @@ def test_packed_documents_convolve_in_autocasts_dtype():
         packed = layer(h, one_doc.positions(), documents=one_doc)
     assert seen == [torch.bfloat16, torch.bfloat16]
     torch.testing.assert_close(packed.float(), plain.float(), rtol=2e-2, atol=4e-3)
+
+
+def test_flas_cu_seqlens_are_found_once_per_window():
+    """fla's variable-length Gated DeltaNet (CUDA) reads where the documents start in the rows laid
+    end to end: a host sync (`nonzero`), once per window now, where it was once per layer (36 a
+    forward in the flagship)."""
+    from tandem.models.documents import flat_cu_seqlens
+    from tests.unit.test_loss_syncs import SyncingOps
+
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    docs = Documents.from_doc_ids(doc_ids)
+    first = flat_cu_seqlens(docs)
+    assert first.dtype == torch.int32 and first.tolist() == [0, 3, 5, 6, 7, 12]
+    with SyncingOps() as counter:
+        again = flat_cu_seqlens(docs)
+    assert again is first and not counter.calls
+    assert flat_cu_seqlens(Documents.from_doc_ids(doc_ids + 0)).tolist() == first.tolist()
