@@ -4,6 +4,8 @@ longer count."""
 
 import math
 
+import pytest
+
 from tandem.trainer.guard import BadStepGuard, BadStepHalt
 from tandem.trainer.recipe import load_config
 
@@ -114,10 +116,8 @@ def test_a_halt_checkpoints_the_guard_state_of_the_last_good_step():
                          restore=None)
     assert guard.inspect(1, {"step": 1, "loss": 1.0}, 1.0) == "ok"
     assert guard.inspect(2, {"step": 2, "loss": math.nan}, 1.0) == "halt"
-    try:
+    with pytest.raises(BadStepHalt, match="halted at step 2"):
         guard.halt(1, {"step": 2, "loss": math.nan})
-    except BadStepHalt:
-        pass
     assert saved["bad_steps_total"] == 0 and saved["bad_steps_recent"] == []
     assert guard.state()["bad_steps_total"] == 1
     skip = load_config(None, ["train.bad_step_policy=skip", "train.max_skips=1"]).train

@@ -143,9 +143,10 @@ def test_bf16_streamed_equals_the_materialised_path():
     # the same selection, the same attention
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[4], want[4], rtol=1e-4, atol=1e-5)
-    for name, g in got[3].items():
-        torch.testing.assert_close(g.float(), want[3][name].float(), rtol=2e-2, atol=2e-2)
-
+    for name, g in got[3].items():  # relative to each gradient's own size (the indexer's are
+        # ~1e-4: a fixed 2e-2 accepted an all-zero one)
+        w = want[3][name].float()
+        assert w.norm() > 0 and (g.float() - w).norm() <= 2e-2 * w.norm(), name
 
 
 def test_query_chunks_cost_the_backward_nothing_per_chunk():

@@ -8,6 +8,8 @@ corrupted."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from tandem.eval.spec_decode import SpecDecoder, generate
@@ -183,9 +185,19 @@ def test_a_frozen_bf16_trunk_under_an_fp32_drafter_trains_and_decodes():
     batch = {"tokens": torch.randint(2, 64, (2, 25), generator=g),
              "loss_mask": torch.ones(2, 24), "doc_ids": torch.zeros(2, 25, dtype=torch.long)}
     got, want = teacher_forced(mixed, [batch]), teacher_forced(model, [batch])
-    assert got.keys() == want.keys()
-    for key in want:
-        assert abs(got[key] - want[key]) <= 0.05 * max(abs(want[key]), 1.0), key
+
+    def close(a, b):  # bf16's rounding of the trunk moves these losses by up to 0.022 nats
+        return a.keys() == b.keys() and all(
+            abs(a[k] - b[k]) <= (0.03 if k.startswith("loss/") else 0.05) for k in b)
+
+    assert close(got, want), (got, want)
+    # and another drafter would not pass: its MTP weights re-drawn, a depth's loss moves past it
+    other = copy.deepcopy(mixed)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.startswith("mtp."):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    assert not close(teacher_forced(other, [batch]), want)
     prompts = [[5, 6, 7, 8, 9], [12, 13]]
     with torch.no_grad():
         assert generate(mixed, prompts, 8, 2).outputs == generate(mixed, prompts, 8, 0).outputs

@@ -5,7 +5,7 @@ distribution, both verification rules: tests/unit/test_block_verify.py.)"""
 import pytest
 import torch
 
-from tandem.eval.acceptance import acceptance_metrics
+from tandem.eval.acceptance import acceptance_metrics, row_metrics
 from tandem.eval.spec_decode import SpecDecoder, generate
 from tandem.models.mtp import shifted_tokens
 from tests.eval_helpers import make_agreeing, tiny_model
@@ -70,6 +70,16 @@ def greedy_decode_checked(model, prompts, max_new_tokens, K, **kw):
     assert res.decoded_tokens == sum(acc) + sum(n_rounds)
     assert acceptance_metrics(st)["acceptance_length"] == pytest.approx(1 + sum(acc)
                                                                         / sum(n_rounds))
+    # each row's figures (what `tandem eval --output`, `tandem generate` and the logged samples
+    # hold) from the same independent counts: its tokens after prefill's over its rounds
+    for b in range(B):
+        row = row_metrics(st, b)
+        assert row["acceptance_length"] == pytest.approx(
+            (len(res.outputs[b]) - 1) / n_rounds[b] if n_rounds[b] else 1.0)
+        assert row["acceptance_length"] == pytest.approx(1 + acc[b] / max(n_rounds[b], 1))
+        assert row["draft_acceptance_rate"] == pytest.approx(acc[b] / max(n_rounds[b] * K, 1))
+        assert [row[f"accept_rate/pos_{i + 1}"] for i in range(K)] == pytest.approx(
+            [int(x) / max(n_rounds[b], 1) for x in acc_at[b]])
     return res
 
 
