@@ -189,12 +189,29 @@ def test_parquet_text_as_string_view_or_a_categorical(tmp_path, tok_path):
     assert got == _expected(load_tokenizer(tok_path), texts + texts)
 
 
-def test_a_zst_input_without_zstandard_names_the_package(tmp_path, tok_path):
-    """`datasets` said only 'Compression type zstd not supported'."""
-    import importlib.util
+def test_a_zst_input_reads_as_its_records(tmp_path, tok_path):
+    """A `.jsonl.zst` shard (how large public corpora ship) gives the dataset its uncompressed
+    `.jsonl` gives."""
+    import zstandard
 
-    if importlib.util.find_spec("zstandard"):
-        pytest.skip("zstandard is installed")
+    text = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    (tmp_path / "a.jsonl").write_text(text, encoding="utf-8")
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(text.encode()))
+    for name in ("a.jsonl", "b.jsonl.zst"):
+        preprocess([str(tmp_path / name)], str(tmp_path / name.split(".")[0]), tokenizer=tok_path)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"a{ext}").read_bytes() == (tmp_path / f"b{ext}").read_bytes()
+
+
+def test_a_zst_input_without_zstandard_names_the_package(tmp_path, tok_path, monkeypatch):
+    """`datasets` said only 'Compression type zstd not supported' (zstandard made unimportable)."""
+    import importlib.util
+    import sys
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "zstandard" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "zstandard", None)
     (tmp_path / "a.jsonl.zst").write_bytes(b"(\xb5/\xfd not really zstd")
     with pytest.raises(ValueError, match="needs the zstandard package: pip install zstandard"):
         preprocess([str(tmp_path / "a.jsonl.zst")], str(tmp_path / "out"), tokenizer=tok_path)
