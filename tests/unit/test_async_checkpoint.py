@@ -127,3 +127,28 @@ def test_an_async_save_is_committed_once_written_not_at_the_next_save(tmp_path):
         writer.pending, writer.published = (future, 3, str(tmp_path / "x")), False
         writer.publish_written()
         assert not writer.published and [s for s, _ in list_checkpoints(str(tmp_path))[0]] == [2]
+
+
+def _marked(path, content: str = "1") -> None:
+    from tandem.trainer.checkpoint_dirs import MARKER
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, MARKER), "w") as f:
+        f.write(content)
+
+
+def test_a_steps_newest_whole_copy_is_the_one_read_and_settling_keeps_the_only_good_one(tmp_path):
+    """A step saved again leaves, for a moment, its new copy (`.tmp_`) and the one it replaces
+    (`.stale_`), both marked: the new one is the step. And when the new `step_N`'s marker never
+    reached the disk (empty) beside a complete `.stale_step_N`, settling keeps the stale copy:
+    it is the only good one."""
+    from tandem.trainer import checkpoint_dirs as dirs
+
+    root = tmp_path / "checkpoints"
+    _marked(str(root / ".tmp_step_2"))
+    _marked(str(root / ".stale_step_2"))
+    assert dirs.list_checkpoints(str(tmp_path))[0] == [(2, str(root / ".tmp_step_2"))]
+    _marked(str(root / "step_3"), content="")
+    _marked(str(root / ".stale_step_3"))
+    dirs.settle_saves(str(tmp_path))
+    assert (3, str(root / ".stale_step_3")) in dirs.list_checkpoints(str(tmp_path))[0]

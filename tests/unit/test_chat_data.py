@@ -238,6 +238,14 @@ def test_template_that_rewrites_earlier_turns(tmp_path):
     assert [words[i] for i, f in zip(ids, flags) if f] == ["a1", "<|end|>", "<think>", "a2",
                                                            "<|end|>", "<|endoftext|>"]
     assert flags.tolist()[:7] == [0, 0, 0, 0, 0, 1, 1]
+    # a reply repeated in a later turn trains there too: each turn's search starts past the last
+    # one's span (from the start, the second `a1` found the first turn's again)
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a2"}]
+    ((_, ids, flags),) = encoded(tok, write_jsonl(tmp_path / "r.jsonl", [{"messages": msgs}]))
+    assert [words[i] for i, f in zip(ids, flags) if f] == [
+        "a1", "<|end|>", "a1", "<|end|>", "<think>", "a2", "<|end|>", "<|endoftext|>"]
 
 
 def test_prompt_response_uses_the_template_and_generate_ids(tmp_path):

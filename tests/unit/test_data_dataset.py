@@ -281,6 +281,10 @@ def test_a_step_reaching_across_a_skipped_range_reads_around_it():
     resumed.skip(resumed.step_ranges())
     assert resumed.skipped == [(84, 104)]  # merged with the range it touches
     assert resumed.sample_at(84) == 104 and resumed.end_sample(2) == 128
+    # one past the last sample read, not past a skipped range that starts right after it (what
+    # the run's dataset build is sized by)
+    resumed.skip([(128, 136)])
+    assert resumed.end_sample(2) == 128
 
 
 def test_a_resume_asks_for_the_samples_its_run_was_built_with():

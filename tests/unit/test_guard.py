@@ -36,6 +36,21 @@ def test_bad_steps_within_the_window_halt():
     assert actions[1] == "skip" and actions[7] == "halt"
 
 
+def test_the_window_ends_exactly_skip_window_steps_back():
+    """skip_window=5 at step 7 covers steps 3..7: step 2 has left it, step 3 has not."""
+    assert _actions(_guard(window=5), {2, 7}, 7)[-1] == "skip"
+    assert _actions(_guard(window=5), {3, 7}, 7)[-1] == "halt"
+
+
+def test_spikes_are_judged_from_the_fifth_good_step():
+    """As train.spike_factor says: once min(5, spike_window) good steps are in the mean."""
+    for good, flagged in ((5, True), (4, False)):
+        guard = _guard(window=100, spike_factor=3.0)
+        _actions(guard, set(), good)
+        reason = guard.reason({"loss": 50.0, "loss/main": 50.0}, 1.0)
+        assert reason.startswith("loss spike") == flagged, (good, reason)
+
+
 def test_a_resumed_guard_decides_as_the_run_it_continues():
     """The guard's state goes through trainer_state.json: a run stopped after step 4 and resumed
     halts at step 7, as the uninterrupted run does (its window held step 2's bad step, which the
@@ -76,8 +91,8 @@ def test_spikes_are_judged_on_the_depths_unweighted():
 class _Position:
     """A data position with one step of samples 8..15 and a record of what it was told."""
 
-    def __init__(self):
-        self.skipped = []
+    def __init__(self, skipped=()):
+        self.skipped = list(skipped)
         self.stream_builds = [4200, 900]  # what this run's dataset was built from
 
     def load_state(self, state):
@@ -104,6 +119,17 @@ def test_a_rewind_keeps_the_bad_step_it_rewinds_over_counted():
     # dataset in use stay (later checkpoints recorded [14], and the next resume read another order)
     assert guard.data.stream_builds == [4200, 900]
     assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "halt"  # 2 within the window
+
+
+def test_a_rewind_past_an_earlier_rewind_keeps_that_ones_skip():
+    """A rewind to a checkpoint saved before an earlier rewind skipped samples 0..7: those stay
+    skipped beside this step's 8..15 (the checkpoint knew none of them)."""
+    t = load_config(None, ["train.bad_step_policy=rewind", "train.max_skips=5"]).train
+    checkpoint = {"step": 0, "bad_steps_total": 0, "skipped_samples": [], "stream_builds": [1]}
+    guard = BadStepGuard(t, False, _Position([(0, 8)]), save=None, restore=lambda: checkpoint)
+    assert guard.inspect(3, {"step": 3, "loss": math.nan}, 1.0) == "rewind"
+    guard.rewind(2)
+    assert guard.data.skipped == [(0, 8), (8, 16)]
 
 
 def test_a_halt_checkpoints_the_guard_state_of_the_last_good_step():

@@ -29,10 +29,11 @@ def family_configs():
     return {
         "llama": T.LlamaConfig(**COMMON),
         # Llama 3.1's RoPE: over the 30-token original context the pairs turn 4.8 times (kept), 1.5
-        # (blended), 0.48 and 0.15 (divided by the factor)
+        # (blended), 0.48 and 0.15 (divided by the factor); low_freq_factor off its usual 1.0, so
+        # the blend's use of it shows
         "llama:llama3": T.LlamaConfig(**COMMON, rope_scaling=dict(
             rope_type="llama3", rope_theta=100.0, factor=8.0, original_max_position_embeddings=30,
-            low_freq_factor=1.0, high_freq_factor=4.0)),
+            low_freq_factor=1.2, high_freq_factor=4.0)),
         "qwen3": T.Qwen3Config(**COMMON),
         "qwen3_moe": T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=16, num_experts_per_tok=2,
                                       num_experts=4, norm_topk_prob=True, mlp_only_layers=[0]),

@@ -123,3 +123,25 @@ def test_a_sample_without_the_flag_has_no_padding():
     plain = {k: v for k, v in flagged.items() if k != "padding"}
     batch = get_batch([flagged, plain], [0, 1], eod_id=EOD)
     assert batch["padding"].tolist() == [[False, False, True], [False, False, False]]
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_balance_and_z_loss_values_are_the_formulas(score):
+    """DeepSeek-V3's sequence balance loss, coef * E * sum_i f_i * P_i (f_i: the share of the T*k
+    routed copies expert i took; P_i: the mean over tokens of its score normalised over the
+    experts), plus the z loss, coef * mean_t logsumexp(logits_t)^2, written out by hand: the tests
+    above only compared the loss with itself (padded and not), so a wrong formula passed them."""
+    torch.manual_seed(0)
+    cfg = flavors.model_config("debug", num_experts=4, top_k=2, balance="aux_loss",
+                               aux_loss_coef=0.1, z_loss_coef=0.01, router_score=score)
+    moe = MoE(cfg).train()
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 0.5)
+    x = torch.randn(3, 5, cfg.hidden_size)
+    moe(x)
+    logits = x.reshape(-1, cfg.hidden_size) @ moe.router.weight.detach().T
+    scores = logits.sigmoid() if score == "sigmoid" else logits.softmax(-1)
+    share = torch.bincount(scores.topk(2, dim=-1).indices.flatten(), minlength=4).float() / (15 * 2)
+    mean_score = (scores / scores.sum(-1, keepdim=True)).mean(0)
+    want = 0.1 * 4 * (share * mean_score).sum() + 0.01 * torch.logsumexp(logits, -1).square().mean()
+    torch.testing.assert_close(moe.last_aux_loss, want, rtol=1e-5, atol=1e-7)
