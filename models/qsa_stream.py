@@ -155,8 +155,8 @@ def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
                   // (b * q_idx_bsid.shape[2] * cols * 4)) if want_loss else mass_rows
     grad = want_loss and torch.is_grad_enabled()
     total, recalls = None, []
-    q_idx_parts = q_idx_bsid.split(kl_rows, 1)  # cut once, as map_query_chunks does
-    for part, (c0, c1) in enumerate(_chunks(s_q, kl_rows)):
+    # the indexer's queries cut once, as map_query_chunks cuts its own
+    for q_idx_bcid, (c0, c1) in zip(q_idx_bsid.split(kl_rows, 1), _chunks(s_q, kl_rows)):
         masses = []
         for m0, m1 in _chunks(c1 - c0, mass_rows):
             mass, recall = block_mass_chunk(
@@ -173,12 +173,12 @@ def stream_target(attn, q_bhsd, k_bksd, q_idx_bsid, k_bnd, blocks_bsk, count_bs,
             continue
         mass = attn.reduce_heads(torch.cat(masses, 1))
         if dense:
-            args, fn = (attn.indexer, q_idx_parts[part], mass, visible_fn(c0, c1, 0, n),
+            args, fn = (attn.indexer, q_idx_bcid, mass, visible_fn(c0, c1, 0, n),
                         k_bnd), _dense_kl
         else:
             blocks = blocks_bsk[:, c0:c1]
             real = torch.arange(blocks.shape[-1], device=blocks.device) < count_bs[:, c0:c1, None]
-            args, fn = (q_idx_parts[part], blocks, mass, real, k_bnd), _sparse_kl
+            args, fn = (q_idx_bcid, blocks, mass, real, k_bnd), _sparse_kl
         kl = checkpoint(fn, *args, use_reentrant=False,
                         preserve_rng_state=False) if grad else fn(*args)
         kl = (kl if counted is None else kl * counted[:, c0:c1]).sum()  # no padding query

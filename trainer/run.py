@@ -481,10 +481,9 @@ def build_run(cfg: TandemConfig, resume: bool = False,
         if pstate.is_main:
             last = (position.consumed_samples + (cfg.train.max_steps - run.start_step - 1)
                     * global_batch) / position.schedule_batch
-            schedule = schedule_note(saved_section(found[1], "train"), cfg.train,
-                                     position.schedule_step(), last) + stage_note(
-                saved_section(found[1], "model"), saved_section(found[1], "mtp"), cfg.model,
-                cfg.mtp, position.schedule_step())
+            at, saved = position.schedule_step(), lambda part: saved_section(found[1], part)
+            schedule = (schedule_note(saved("train"), cfg.train, at, last)
+                        + stage_note(saved("model"), saved("mtp"), cfg.model, cfg.mtp, at))
             order = data_order_note(found[1], cfg, position.next_sample())
             print(f"resumed from {found[1]} at step {run.start_step}{position.resume_note(state)}"
                   f"{order}{schedule if run.start_step < cfg.train.max_steps else ''}",
