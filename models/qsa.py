@@ -34,8 +34,9 @@ covers only the K = budget / r selected blocks, so no [B, S, S / r] tensor exist
 * `gather`: each query gathers its L = budget + r - 1 candidate key/value rows (invalid slots
   masked) and attends over them: O(B * H * S * L * d) compute. The gathered copies cost B * S * L *
   kvh * d elements, so queries run in chunks of about `chunk_elems` elements, each recomputed in
-  backward (activation checkpointing): besides the [B, S, L] slot indices, peak memory stays about
-  `chunk_elems` instead of growing with S^2.
+  the form's own backward (qsa_tokens.GatheredAttention, K and V gradients added into one buffer):
+  besides the [B, S, L] slot indices, peak memory stays about `chunk_elems` instead of growing
+  with S^2, and the backward's work per query does not grow with the number of chunks.
 `auto` uses gather past a 2^26-element mask (an 8k-token row) with candidates at most a quarter of
 the sequence; below that the fused masked kernel is smaller and faster.
 
@@ -406,9 +407,8 @@ class IndexedAttention(nn.Module):
             idx_bsl, ok_bsl = token_slots(self.compress_ratio, blocks_bsk, count_bs, query_at_bs,
                                           docs)
             per_query = b * idx_bsl.shape[-1] * (2 * k_bksd.shape[1] * d + h)
-            return map_query_chunks(gather_attend, max(1, self.chunk_elems // per_query),
-                                    (q_bhsd.transpose(1, 2), idx_bsl, ok_bsl),
-                                    (k_bksd.transpose(1, 2), v_bksd.transpose(1, 2)))
+            return gather_attend(q_bhsd.transpose(1, 2), idx_bsl, ok_bsl, k_bksd.transpose(1, 2),
+                                 v_bksd.transpose(1, 2), max(1, self.chunk_elems // per_query))
         mask_b1ss = selected(0, s_q)[:, None]
         out = F.scaled_dot_product_attention(q_bhsd, k_bksd, v_bksd, attn_mask=mask_b1ss,
                                              enable_gqa=groups > 1)

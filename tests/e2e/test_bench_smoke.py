@@ -157,6 +157,18 @@ def test_gdn_chunk_solve_bench():
     assert proc.stdout.strip().splitlines()[-1].startswith("solve_ratio_to_blocked ")
 
 
+def test_qsa_gather_backward_bench():
+    """The gather-form bench runs at a tiny size: both paths' gradients agree, and the form's own
+    backward writes less than the checkpoint per chunk it replaced."""
+    cmd = [sys.executable, "bench/qsa_gather_backward.py", "--seqs", "256", "--slots", "19",
+           "--chunks", "16", "--heads", "2", "--head-dim", "8", "--reps", "1"]
+    proc = processes.command(cmd, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = proc.stdout.strip().splitlines()[-2].split()
+    assert row[0] == "256" and int(row[7]) < int(row[6]) and float(row[8]) < 1e-5, row
+    assert proc.stdout.strip().splitlines()[-1].startswith("old_over_new=")
+
+
 def test_pipeline_balance_bench():
     """`python bench/pipeline_balance.py` as docs/results.md and docs/parallelism.md quote it: the
     most expensive stage over the mean x2.588 with every depth on the last stage, x1.135 balanced at

@@ -150,7 +150,7 @@ def test_bf16_streamed_equals_the_materialised_path():
 
 
 def test_query_chunks_cost_the_backward_nothing_per_chunk():
-    """map_query_chunks (the gather form's query loop) cut into 64 chunks writes in backward what
+    """map_query_chunks (the indexer scores' query loop) cut into 64 chunks writes in backward what
     it writes in 4: a slice of the queries per chunk zero-filled them whole in backward, once per
     chunk (at the 256k stage's shape, ~130 chunks per QSA layer)."""
     from tandem.models.qsa_stream import map_query_chunks
@@ -163,3 +163,60 @@ def test_query_chunks_cost_the_backward_nothing_per_chunk():
         out = map_query_chunks(lambda part: part.square(), 256 // chunks, (q,))
         written.append(backward_elements(out.sum()))
     assert written[1] < 1.05 * written[0], written
+
+
+def _gather_case(dtype):
+    """Queries, slots (each query's own rows, some invalid, one row gathered twice) and keys."""
+    g = torch.Generator().manual_seed(3)
+    b, s, h, kvh, d, L = 2, 40, 4, 2, 8, 9
+    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    k = 2 * torch.randn(b, s, kvh, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, kvh, d, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, s, (b, s, L), generator=g)
+    idx[..., 1] = idx[..., 0]
+    ok = torch.rand(b, s, L, generator=g) < 0.7
+    ok[..., 0] = True
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)], idx, ok
+
+
+@pytest.mark.parametrize("chunk", [40, 7, 1])
+def test_gather_form_gradients_equal_plain_autograd(chunk):
+    """The gather form's backward (its own, chunk by chunk, K and V accumulated into one buffer)
+    against autograd through the attention written out over whole queries, in fp64: queries, keys
+    and values, with invalid slots and a row gathered twice."""
+    from tandem.models.qsa_tokens import gather_attend
+
+    (q, k, v), idx, ok = _gather_case(torch.float64)
+    b, s, h, d = q.shape
+    kg = torch.stack([k[i, idx[i]] for i in range(b)])  # [B, S, L, KVH, D]
+    vg = torch.stack([v[i, idx[i]] for i in range(b)])
+    q5 = q.view(b, s, k.shape[2], -1, d)
+    att = (torch.einsum("bckgd,bclkd->bckgl", q5, kg) * d ** -0.5).masked_fill(
+        ~ok[:, :, None, None], float("-inf")).softmax(-1)
+    want = torch.einsum("bckgl,bclkd->bckgd", att, vg).reshape(b, s, h * d)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=want.dtype)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    got = gather_attend(q, idx, ok, k, v, chunk)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for name, g, w in zip("qkv", torch.autograd.grad(got, (q, k, v), grad), want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    # bf16 inputs: the gradients in their dtype, within bf16 rounding of the fp64 ones
+    (qb, kb, vb), _, _ = _gather_case(torch.bfloat16)
+    for g, w in zip(torch.autograd.grad(gather_attend(qb, idx, ok, kb, vb, chunk), (qb, kb, vb),
+                                        grad.to(torch.bfloat16)), want_grads):
+        assert g.dtype == torch.bfloat16
+        assert (g.double() - w).norm() <= 2e-2 * w.norm()
+
+
+def test_gather_form_key_value_gradients_cost_nothing_per_chunk():
+    """The gather form cut into 40 query chunks writes in backward what it writes in 2 (within
+    the recomputation): a checkpoint per chunk gave each chunk a gradient the size of the whole K
+    and V, zero-filled and added, quadratic in the chunks."""
+    from tandem.models.qsa_tokens import gather_attend
+    from tests.backward_cost import backward_elements
+
+    written = []
+    for chunk in (20, 1):
+        (q, k, v), idx, ok = _gather_case(torch.float32)
+        written.append(backward_elements(gather_attend(q, idx, ok, k, v, chunk).sum()))
+    assert written[1] < 1.1 * written[0], written
