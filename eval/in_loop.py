@@ -78,11 +78,20 @@ class LayoutDecoding(Replicas, Protocol):
 
     is_driver: bool
     """Whether this rank drives the decoder (it holds the output head); the others `follow`."""
+    forces_in_layout: bool
+    """Whether every rank runs the teacher-forced pass itself, in the training layout (sequence and
+    context shards kept, before `context()`): no rank then holds a whole window's activations.
+    False (a pipeline, whose stages answer the driver's forwards): the driver runs it on whole
+    windows inside `context()`."""
     model: Any
     """The driver's view of the model (the decoder and `teacher_forced` take it as the model)."""
 
     def context(self) -> ContextManager:
         """Around an evaluation: whole-sequence TP regions, FSDP roots' parameters gathered."""
+
+    def teacher_forcing(self) -> ContextManager:
+        """Around the teacher-forced pass when `forces_in_layout`: FSDP roots' parameters
+        gathered, the sequence splitting kept."""
 
     def stop(self) -> None:
         """Driver: the followers' `follow` returns."""
@@ -165,18 +174,22 @@ class InLoopEvaluator:
         was_training = model.training
         devices = [] if device.type == "cpu" else [device]
         try:
-            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad(), \
-                    (d.context() if d is not None else contextlib.nullcontext()):
+            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad():
                 model.eval()
-                out = None
-                if d is None or d.is_driver:
-                    out = self._evaluate(d.model if d is not None else model)
+                forced = None
+                if d is None or d.forces_in_layout:
+                    with d.teacher_forcing() if d is not None else contextlib.nullcontext():
+                        forced = self._teacher_forced(model)
+                with d.context() if d is not None else contextlib.nullcontext():
+                    out = None
+                    if d is None or d.is_driver:
+                        out = self._evaluate(d.model if d is not None else model, forced)
+                        if d is not None:
+                            d.stop()
+                    else:
+                        d.follow()
                     if d is not None:
-                        d.stop()
-                else:
-                    d.follow()
-                if d is not None:
-                    out = d.share(out)
+                        out = d.share(out)
         finally:
             model.train(was_training)
             with torch.no_grad():
@@ -186,12 +199,16 @@ class InLoopEvaluator:
         self.last_samples = [{"step": step, **self._texts(r)} for r in out.pop("samples")]
         return {**logged_figures(out), "eval/seconds": time.perf_counter() - t0}
 
-    def _evaluate(self, m) -> dict:
-        """The driver's figures on model (view) `m`: teacher-forced losses, greedy decoding both
-        ways, then each sampled temperature; plus the greedy `outputs` and the logged `samples`."""
+    def _teacher_forced(self, m) -> dict:
+        return teacher_forced(m, self.loss_batches, self.pstate.device.device,
+                              self.cfg.data.document_mask, measure_recall=True)
+
+    def _evaluate(self, m, forced: Optional[dict] = None) -> dict:
+        """The driver's figures on model (view) `m`: teacher-forced losses (`forced` when every
+        rank computed them already), greedy decoding both ways, then each sampled temperature; plus
+        the greedy `outputs` and the logged `samples`."""
         e, d = self.cfg.eval, self.decoding
-        out = teacher_forced(m, self.loss_batches, self.pstate.device.device,
-                             self.cfg.data.document_mask, measure_recall=True)
+        out = dict(forced) if forced is not None else self._teacher_forced(m)
         common = dict(num_steps=self.num_steps, max_new_tokens=e.max_new_tokens,
                       batch_size=e.batch_size,
                       eos_id=self.eos_id, seed=self.cfg.train.seed,

@@ -77,23 +77,49 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
     no [tokens x vocab] logits exist, nor a gathered vocabulary. A depth with no target in the
     batches (windows shorter than depth + 2 tokens: `tandem eval`'s short prompts) has no key: 0.0
     would read as a perfect loss. `measure_recall` (the evaluators'): also `qsa_recall`, QSA's
-    recall over these forwards (eval/recall.py), when the model has QSA layers."""
+    recall over these forwards (eval/recall.py), when the model has QSA layers.
+
+    In a training layout with its sequence splitting on (sequence and context parallelism), each
+    rank computes its rows of every window, as a training forward does, and the sums are taken over
+    the ranks splitting the window (`model.context`): every rank of the window returns the same
+    figures, and no rank holds a whole window's activations (the 256k stage's windows are 32 ranks'
+    worth)."""
     if not measure_recall:
         return _teacher_forced(model, batches, device, document_mask)
     with RecallProbe(model) as recall:
         out = _teacher_forced(model, batches, device, document_mask)
-    if recall.value() is not None:
-        out["qsa_recall"] = recall.value()
+    value = recall.value()
+    if value is not None:
+        context = getattr(unwrap(model), "context", None)
+        if context is not None and context.sharded:  # each rank's mean over its equal share of rows
+            value = float(_window_sum(context, torch.tensor([value]), _device(model)) /
+                          context.size)
+        out["qsa_recall"] = value
     return out
+
+
+def _window_sum(context, x: torch.Tensor, device) -> torch.Tensor:
+    """`x` (host, fp64) summed over the ranks splitting the window, in fp32 on `device`
+    (accelerators such as Ascend 910 have no fp64)."""
+    return context.sum(x.float().to(device)).cpu().double()
+
+
+def _device(model) -> torch.device:
+    return next(unwrap(model).parameters()).device
 
 
 def _teacher_forced(model, batches, device, document_mask: bool) -> Dict[str, float]:
     m = unwrap(model)
     depths = m.num_depths
     head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens
-    loss = torch.zeros(depths, dtype=torch.float64)
-    correct = torch.zeros(depths, dtype=torch.float64)
-    count = torch.zeros(depths, dtype=torch.float64)
+    # the window's rows this rank computes (all, but under context parallelism its chunks), and the
+    # hidden states' sequence layout (whole, but under sequence parallelism a tp rank's shard); a
+    # pipeline's driver view has neither: it evaluates whole windows
+    context = getattr(m, "context", None)
+    local = context.local if context is not None else (lambda x: x)
+    whole = m.sequence.whole if getattr(m, "sequence", None) is not None else (lambda h: h)
+    # [depth, (loss, correct, count)], summed over the window's ranks at the end
+    totals = torch.zeros(depths, 3, dtype=torch.float64)
     for batch in batches:
         tokens = batch["tokens"].to(device) if device is not None else batch["tokens"]
         b, s1 = tokens.shape
@@ -104,18 +130,23 @@ def _teacher_forced(model, batches, device, document_mask: bool) -> Dict[str, fl
         doc_ids = batch.get("doc_ids")
         doc_ids = doc_ids.to(tokens.device) if doc_ids is not None else None
         docs = window_documents(doc_ids, s) if document_mask else None
-        pos = window_positions(docs, b, s, tokens.device)
-        extra = {} if docs is None else {"documents": docs}
-        for d, h in m.depth_states(m.trunk(tokens[:, :s], pos, **extra), tokens, pos, **extra):
-            mask = depth_target_mask(loss_mask, doc_ids, d)
+        pos = local(window_positions(docs, b, s, tokens.device))
+        extra = {} if docs is None else {
+            "documents": docs.local(context) if context is not None else docs}
+        h0 = m.trunk(local(tokens[:, :s]), pos, **extra)
+        for d, h in m.depth_states(h0, tokens, pos, **extra):
+            mask = local(depth_target_mask(loss_mask, doc_ids, d))
             if not bool(mask.any()):
                 continue
             with _head_inputs(head):
-                normed = m.logits(d, h[mask])
-            targets = shifted_tokens(tokens, d + 1, s)[mask]
-            loss[d] += float(head.loss_sums(normed[None], targets[None], chunk)[0])
-            correct[d] += float((_head_argmax(head, normed, chunk) == targets).sum())
-            count[d] += float(mask.sum())
+                normed = m.logits(d, whole(h)[mask])
+            targets = local(shifted_tokens(tokens, d + 1, s))[mask]
+            totals[d, 0] += float(head.loss_sums(normed[None], targets[None], chunk)[0])
+            totals[d, 1] += float((_head_argmax(head, normed, chunk) == targets).sum())
+            totals[d, 2] += float(mask.sum())
+    if context is not None and context.sharded:
+        totals = _window_sum(context, totals, _device(m))
+    loss, correct, count = totals.unbind(1)
     measured = [d for d in range(depths) if count[d] > 0]
     out = {depth_loss_key(d): float(loss[d] / count[d]) for d in measured}
     out.update({f"tf_acc/mtp_{d}": float(correct[d] / count[d]) for d in measured if d > 0})

@@ -132,8 +132,17 @@ def evaluate(layout: str) -> dict:
     ev = InLoopEvaluator(cfg, model, None, None, pstate, parallel_decoding(cfg, model, pstate))
     ev.prompts = prompts(QWEN4_PROMPT_LENS) if q4 else prompts()
     ev.loss_batches = worker.rank_micro_batches(0, 0, 1, 1)
+    # the most token rows one embedding lookup of this rank took (None without the embedding): the
+    # teacher-forced windows' share, which context parallelism must keep split
+    rows: List[int] = []
+    embed = getattr(model, "embed_tokens", None)
+    hook = (embed.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[1]))
+            if embed is not None else None)
     out = ev.run(1)
-    return {"metrics": out, "outputs": ev.last_outputs, "samples": ev.last_samples}
+    if hook is not None:
+        hook.remove()
+    return {"metrics": out, "outputs": ev.last_outputs, "samples": ev.last_samples,
+            "widest_lookup": max(rows, default=None)}
 
 
 def record_stacks(out_dir: str):

@@ -30,9 +30,9 @@ LAYOUTS = {
     # between the conventions (it drafted as trained, under the serving name, and matched the
     # agreeing weights' serving figure)
     f"pp=2,pp_layout=[4:0],pp_depth_stages=[0:1:1],{eval_worker.DRAFTER_CONTEXT}": 2,
-    # context parallelism: the cp ranks decode as extra replicas (whole sequences), the
-    # teacher-forced losses run on whole windows (the switch turns the chunks off around evaluation,
-    # and SP's with them)
+    # context parallelism: the cp ranks decode as extra replicas (whole sequences; the switch turns
+    # the chunks off around decoding, and SP's with them), the teacher-forced losses run on each
+    # rank's chunks of the windows, as training does
     "cp=2,tp=2,sequence_parallel=true": 4,
     # MLA (DeepSeek-V3's attention) decodes over cached latents with kv_b_proj absorbed: each tp
     # rank its own heads' expansion, the latents replicated; weights whose tokens depend on the
@@ -63,6 +63,9 @@ Q4_LAYOUTS = {
     # decoder state holds its own Gated DeltaNet / QSA heads, the QSA indexer keys and selections
     # are replicated, and under SP the decode steps run on whole sequences
     f"tp=2,ep=2,pp=2,sequence_parallel=true,preset.qwen4=1,{eval_worker.HISTORY}": 8,
+    # context parallelism: the teacher-forced pass on each rank's chunks (Gated DeltaNet's carried
+    # state, QSA's gathered keys) and QSA's recall the mean of the ranks' equal shares
+    "cp=2,preset.qwen4=1": 2,
 }
 EXACT = ["eval/acceptance_length", "eval/draft_acceptance_rate", "eval/accept_rate/pos_1",
          "eval/accept_rate/pos_2",
@@ -138,6 +141,16 @@ def assert_matches_single_process(layout, runs, reference):
     for key in CLOSE:
         assert abs(got["metrics"][key] - ref[key]) <= 1e-5 * max(abs(ref[key]), 1e-3), (layout, key)
     assert set(got["metrics"]) == set(ref)
+
+
+def test_context_parallel_teacher_forcing_keeps_the_windows_split(runs, reference):
+    """Under cp the evaluator's teacher-forced windows stay split as in training: no rank looks up
+    a whole window (at the 256k stage, 32 ranks' worth of activations). Decode forwards are shorter
+    than half a window here (prompts of at most 8 tokens, then K + 1 per step)."""
+    window = eval_worker.worker.SEQ
+    assert reference["widest_lookup"] == window
+    got = torch.load(runs / "cp=2,tp=2,sequence_parallel=true.pt", weights_only=False)
+    assert got["widest_lookup"] == window // 2, got["widest_lookup"]
 
 
 def reference_layout(layout: str) -> str:

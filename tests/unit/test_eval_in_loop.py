@@ -138,8 +138,8 @@ def test_run_restores_rng_mode_weights_and_router_loads(tmp_path, corpus_cache, 
     # they do count routed tokens, so the restore is what keeps training's loads unchanged
     evaluate, during = ev._evaluate, []
 
-    def evaluate_and_read_loads(m):
-        out = evaluate(m)
+    def evaluate_and_read_loads(m, forced):
+        out = evaluate(m, forced)
         during.extend(r.tokens_per_expert.clone() for r in routers)
         return out
 

@@ -14,9 +14,8 @@ comes back. Every trunk forward of the decoder (prefill, verify, teacher-forced)
 through the stages: the driver broadcasts a header over the pp group (the committed tokens and draft
 tokens to run, their positions -- i.e. where each row's accepted prefix ends -- and whether a new
 cache starts), the first stage embeds, each stage runs its layers on its caches and sends the hidden
-state to the next stage's rank, the output of the trunk's last stage lands on the driver. Stage s
-lives on pp rank s % pp, so under the interleaved placement the hidden state goes around the ring
-`virtual` times. The other ranks (*followers*) only answer headers until the driver says stop.
+state to the next stage's rank (stage s on pp rank s % pp), the output of the trunk's last stage
+lands on the driver. The other ranks (*followers*) only answer headers until the driver says stop.
 
 Data parallelism. The prompt batches (eval.batch_size prompts each, formed as one process forms
 them) are dealt round-robin to the batch replicas (dp x ep), so each batch is computed exactly as
@@ -35,8 +34,9 @@ end at each row's last real token on every stage, as in one process. While the d
 `RecallProbe` is active (the evaluator's teacher-forced pass), the other ranks' QSA layers measure
 their recall too and send the values to the driver, so `eval/qsa_recall` averages every layer.
 
-Sequence parallelism is switched off around decoding (state.WholeSequenceSwitch): decode steps
-run the TP regions on whole sequences.
+Sequence and context parallelism are switched off around decoding (state.WholeSequenceSwitch):
+decode steps run the TP regions on whole sequences. Without a pipeline, the evaluator's
+teacher-forced pass runs first, in the training layout (`teacher_forcing`).
 """
 
 from __future__ import annotations
@@ -144,9 +144,7 @@ class StagePass:
                               cache.layer(i) if cache is not None else None, documents)
             dst = plan.stage_rank(stage + 1) if stage < end else driver
             # before the trunk's end the next stage is always on another rank
-            if dst != plan.pp_rank:
-                # one agreed dtype on the wire (the receiver allocates before it knows what autocast
-                # made)
+            if dst != plan.pp_rank:  # one dtype on the wire: the receiver allocates first
                 dist.send(h.to(self.dtype).contiguous(), group=self.group, group_dst=dst)
         if plan.pp_rank == driver and plan.stage_rank(end) != driver:
             h = self._recv(b, s, plan.stage_rank(end))
@@ -175,9 +173,8 @@ class PipelinedModel:
         self._model, self._decoding, self._cache = model, decoding, None
         self.mtp = model.mtp if model.mtp is not None else _MTPShape(decoding.cfg.mtp)
         self.num_depths = 1 + decoding.cfg.mtp.num_steps
-        if model.embed_tokens is None:
-            # a driver holding only the head (the trunk and every MTP depth elsewhere): the decoder
-            # reads just the embedding's device and dtype, which the head's weight shares
+        if model.embed_tokens is None:  # a driver holding only the head: the decoder reads just
+            # the embedding's device and dtype, which the head's weight shares
             self.embed_tokens = SimpleNamespace(weight=model.lm_head.weight)
 
     def __getattr__(self, name):
@@ -286,8 +283,7 @@ class ParallelDecoding:
         self.pipeline = pstate.pipeline
         self.dtype = next(model.parameters()).dtype
         # replicas: the ranks holding the same parameters (dp x cp x ep; the cp ranks decode prompts
-        # of their own, whole sequences, as extra replicas), in lockstep for FSDP's gathers over
-        # them
+        # of their own as extra replicas), in lockstep for FSDP's gathers over them
         self.replicas = pstate.degrees.replicas
         self.replica = pstate.batch_mesh.get_local_rank() if self.replicas > 1 else 0
         self.replica_group = pstate.batch_mesh.get_group() if self.replicas > 1 else None
@@ -307,26 +303,34 @@ class ParallelDecoding:
             self.model = PipelinedModel(model, self) if self.is_driver else None
         else:
             self.plan, self.is_driver, self.model = None, True, model
+        self.forces_in_layout = self.pipeline is None  # (eval/in_loop.py LayoutDecoding)
 
     # --- around an evaluation --------------------------------------------------------------------
     @contextlib.contextmanager
     def context(self):
         """Whole-sequence TP regions and the FSDP roots' own parameters gathered (the decoder calls
         model pieces directly, bypassing the roots' pre-forward hooks; blocks gather in theirs)."""
-
         switch = self.pstate.whole_sequence_switch
-        roots = [self.base] + (self.pipeline.fsdp_roots() if self.pipeline is not None else [])
-        roots = [r for r in roots if isinstance(r, FSDPModule)]
-        with switch.whole_sequences() if switch is not None else contextlib.nullcontext():
-            for root in roots:
-                root.unshard()
-            try:
+        try:
+            with (switch.whole_sequences() if switch is not None else contextlib.nullcontext(),
+                  self.teacher_forcing()):
                 yield
-            finally:
-                for root in roots:
-                    root.reshard()
-                if isinstance(self.model, PipelinedModel):
-                    self.model.drop_cache()
+        finally:
+            if isinstance(self.model, PipelinedModel):
+                self.model.drop_cache()
+
+    @contextlib.contextmanager
+    def teacher_forcing(self):
+        """The FSDP roots' own parameters gathered, the sequence splitting left on."""
+        roots = [self.base, *(self.pipeline.fsdp_roots() if self.pipeline is not None else [])]
+        roots = [r for r in roots if isinstance(r, FSDPModule)]
+        for root in roots:
+            root.unshard()
+        try:
+            yield
+        finally:
+            for root in roots:
+                root.reshard()
 
     def share(self, out: Optional[dict]) -> dict:
         """The driver's figures on every rank of its pipeline (rank 0 holds the first stage)."""
@@ -443,8 +447,7 @@ class ParallelDecoding:
             ):
                 if layer is None:
                     # a teacher-forced chain (no cache): depth 1's QSA selection is handed to the
-                    # later depths the driver asks for next, as in the one-process forward
-                    # (`depth_states`)
+                    # later depths the driver asks for next, as `depth_states` does
                     selection = self._tf_selection if depth > 1 else None
                     out, self._tf_selection = self.base.mtp_train_step(depth, h, body[0], body[1],
                                                                        selection=selection,
