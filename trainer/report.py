@@ -35,16 +35,13 @@ from __future__ import annotations
 import argparse
 import html
 import io
-import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
-
-from omegaconf import OmegaConf
+from typing import Dict, List, Sequence
 
 from .files import write_replacing
+from .report_runs import ReportError, Run, read_run
 from .report_stats import compare_runs, ema, final_rows, html_tables, interval, shifts, text_table
 
 # a variant is a temperature (`T1`), optionally with the other verification rule (`T1/block`)
@@ -57,73 +54,6 @@ LOSS_RE = re.compile(r"^(?P<prefix>eval/)?loss/(?P<depth>main|mtp_(?P<k>\d+))$")
 
 DEFAULT_EMA_SPAN = 10
 """`--ema-span` default: records (logged steps) in the EMA of the training curves."""
-
-
-class ReportError(ValueError):
-    """A run directory that cannot be reported on (the message names the path)."""
-
-
-@dataclass
-class Run:
-    label: str
-    """Legend label: the directory's name, or what --labels gave."""
-    path: str
-    """The run directory."""
-    records: List[dict]
-    """metrics.jsonl, in file order (a resumed run's file was truncated at the resume step)."""
-    config: dict = field(default_factory=dict)
-    """config.yaml as a plain dict (empty when the run has none)."""
-
-    def series(self, key: str) -> Tuple[List[int], List[float]]:
-        """(steps, values) of every record that has `key`."""
-        pairs = [(r["step"], r[key]) for r in self.records if key in r and r[key] is not None]
-        return [p[0] for p in pairs], [float(p[1]) for p in pairs]
-
-    def keys(self) -> List[str]:
-        seen: Dict[str, None] = {}
-        for r in self.records:
-            for k in r:
-                seen.setdefault(k, None)
-        return list(seen)
-
-    def main_variant(self) -> str:
-        # greedy since eval.temperatures; older runs chose their one setting with eval.temperature
-        temperature = float(self.config.get("eval", {}).get("temperature", 0.0) or 0.0)
-        return "greedy" if temperature == 0 else f"T={temperature:g}"
-
-
-def read_run(path: str, label: Optional[str] = None) -> Run:
-    metrics = os.path.join(path, "metrics.jsonl")
-    if not os.path.isfile(metrics):
-        raise ReportError(f"run directory {path!r} has no metrics.jsonl")
-    records = []
-    with open(metrics) as f:  # line by line: a long run's file is hundreds of MB
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                # NaN / Infinity (another writer's: Tandem writes null) read as missing: a NaN
-                # final evaluation hid the run's last finite one behind "an interval without width"
-                rec = json.loads(line, parse_constant=lambda _: None)
-            except json.JSONDecodeError:
-                if not line.endswith("\n"):  # a last line torn by a crash mid-write
-                    continue
-                raise ReportError(f"{metrics}:{number}: not a JSON record") from None
-            if isinstance(rec, dict) and "step" in rec:
-                records.append(rec)
-    if not records:
-        raise ReportError(f"{metrics!r} holds no records")
-    config = {}
-    cfg_path = os.path.join(path, "config.yaml")
-    if os.path.isfile(cfg_path):
-        try:
-            config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
-        except Exception as exc:  # yaml's errors span lines: one line, with the line number
-            why = " ".join(str(exc).split())
-            raise ReportError(f"{cfg_path} is not valid YAML: {why}") from None
-        if not isinstance(config, dict):
-            raise ReportError(f"{cfg_path} is not a mapping of config sections")
-    return Run(label or os.path.basename(os.path.normpath(path)), path, records, config)
 
 
 def _variants(run: Run, pattern: re.Pattern) -> Dict[str, List[str]]:
@@ -342,7 +272,7 @@ def _summary_rows(runs: Sequence[Run]) -> List[List[str]]:
     for run in runs:
         mtp = run.config.get("mtp", {})
         loss_cfg = mtp.get("loss", {}) if isinstance(mtp.get("loss"), dict) else {}
-        last = run.records[-1]
+        last = run.last
         accept, loss = run.series("eval/acceptance_length")[1], run.series("loss/main")[1]
         rows.append([run.label, run.path, str(mtp.get("num_steps", "")),
                      str(mtp.get("num_layers", "")),

@@ -47,11 +47,8 @@ def ema(values: Sequence[float], span: int) -> List[float]:
 
 def interval(run, key: str) -> Tuple[List[int], List[float], List[float], List[float]]:
     """(steps, values, lo, hi) of the records of `run` that hold `key` and its 95% interval."""
-    rows = [(r["step"], float(r[key]), float(r[f"{key}_lo95"]),
-             float(r[f"{key}_hi95"])) for r in run.records
-            if r.get(key) is not None and r.get(f"{key}_lo95") is not None
-            and r.get(f"{key}_hi95") is not None]
-    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+    steps, (values, lo, hi) = run.aligned(key, f"{key}_lo95", f"{key}_hi95")
+    return steps, values, lo, hi
 
 
 def shifts(lo: Sequence[float], hi: Sequence[float]) -> List[int]:

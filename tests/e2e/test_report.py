@@ -52,7 +52,8 @@ def _lines_by_gid(fig):
 def test_figures_hold_the_logged_series(two_runs):
     import matplotlib.pyplot as plt
 
-    from tandem.trainer.report import make_figures, read_run
+    from tandem.trainer.report import make_figures
+    from tandem.trainer.report_runs import read_run
 
     runs = [read_run(d) for d in two_runs]
     figures = make_figures(runs)
@@ -117,11 +118,11 @@ def test_bad_run_dir_is_one_line(tmp_path):
 def test_a_torn_last_line_is_skipped_a_bad_line_before_it_named(tmp_path):
     """A crash mid-write tears the last line, which is dropped; a bad line before it is named (it
     was dropped without a word, and its steps were missing from the plots)."""
-    from tandem.trainer.report import ReportError, read_run
+    from tandem.trainer.report_runs import ReportError, read_run
 
     records = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(records) + '\n{"step": 4, "lo')
-    assert [r["step"] for r in read_run(str(tmp_path)).records] == [1, 2, 3]
+    assert list(read_run(str(tmp_path)).steps) == [1, 2, 3]
     (tmp_path / "metrics.jsonl").write_text("\n".join([records[0], "garbage", *records[1:]]))
     with pytest.raises(ReportError, match=r"metrics.jsonl:2: not a JSON record"):
         read_run(str(tmp_path))
@@ -145,7 +146,7 @@ def test_a_non_finite_figure_from_another_writer_reads_as_missing(tmp_path):
     """Tandem writes a non-finite figure as null; a metrics.jsonl from another writer (a wandb
     export) may hold NaN. Its last evaluation read NaN [NaN, NaN] and hid the run's finite one
     before it; it now reads as missing, as null does."""
-    from tandem.trainer.report import read_run
+    from tandem.trainer.report_runs import read_run
     from tandem.trainer.report_stats import final_rows
 
     key = "eval/acceptance_length"
@@ -153,6 +154,25 @@ def test_a_non_finite_figure_from_another_writer_reads_as_missing(tmp_path):
              '{"step": 20, "%s": NaN, "%s_lo95": NaN, "%s_hi95": NaN}' % (key, key, key)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     run = read_run(str(tmp_path))
-    assert run.records[1][key] is None
+    assert run.series(key) == ([10], [2.5]) and list(run.steps) == [10, 20]
     (row,) = final_rows([run], [key])
     assert (row.step, row.value, row.lo, row.hi) == (10, 2.5, 2.25, 2.75)
+
+
+def test_a_run_reads_as_columns_of_numbers():
+    """metrics.jsonl is held as one column of numbers per key: a key's series skips the records
+    without a number under it (absent, null, a string), `aligned` keeps the records that have all
+    its keys, and the last record stays whole."""
+    from tandem.trainer.report_runs import Run
+
+    records = [{"step": 1, "loss": 3.0, "path": "grouped_mm"},
+               {"step": 2, "loss": None, "eval/a": 2.0, "eval/a_lo95": 1.5},
+               {"step": 4, "loss": 2.0, "eval/a": 2.5, "eval/a_lo95": 2.25, "skipped": True},
+               {"step": 5, "eval/a": 2.75, "eval/a_lo95": 2.5, "samples": [1, 2]}]
+    run = Run.from_records("r", "dir", iter(records))
+    assert list(run.steps) == [1, 2, 4, 5]
+    assert run.series("loss") == ([1, 4], [3.0, 2.0]) and run.series("path") == ([], [])
+    assert run.series("skipped") == ([4], [1.0])
+    assert run.aligned("loss", "eval/a") == ([4], [[2.0], [2.5]])
+    assert run.aligned("eval/a", "eval/a_lo95") == ([2, 4, 5], [[2.0, 2.5, 2.75], [1.5, 2.25, 2.5]])
+    assert run.last == records[-1] and "samples" not in run.keys()

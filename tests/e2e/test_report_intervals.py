@@ -88,7 +88,8 @@ def test_report_bands_ema_shifts_and_significance(runs, tmp_path):
 def test_ema_span_one_draws_raw(runs):
     import matplotlib.pyplot as plt
 
-    from tandem.trainer.report import make_figures, read_run
+    from tandem.trainer.report import make_figures
+    from tandem.trainer.report_runs import read_run
 
     figures = make_figures([read_run(d) for d in runs], ema_span=1)
     gids = {line.get_gid() for ax in figures["losses"].axes for line in ax.get_lines()}
@@ -120,12 +121,12 @@ def test_difference_test_units():
 def test_runs_are_compared_at_the_last_step_both_evaluated():
     """A run stopped at step 20 was tested against another's step-30 figure: the gap training
     opens in those steps read as the runs' difference."""
-    from tandem.trainer.report import Run
+    from tandem.trainer.report_runs import Run
     from tandem.trainer.report_stats import compare_runs, verdict
 
     def run(label, evals):
         key = "eval/acceptance_length"
-        return Run(label, label, [{"step": s, key: v, f"{key}_lo95": v - 0.1,
+        return Run.from_records(label, label, [{"step": s, key: v, f"{key}_lo95": v - 0.1,
                                    f"{key}_hi95": v + 0.1} for s, v in evals], {})
 
     long = run("long", [(10, 2.0), (20, 2.05), (30, 2.6)])
@@ -143,12 +144,14 @@ def test_summary_shows_the_lambda_schedule_and_the_losses_their_objective():
     """Runs that differ in their MTP weight schedule showed the same `lambda 0.3`; an acceptance
     objective's training loss (-log sum min(p, q), near 0) was drawn as 'cross-entropy' beside the
     held-out cross-entropy."""
-    from tandem.trainer.report import Run, _summary_rows, loss_figure
+    from tandem.trainer.report import _summary_rows, loss_figure
+    from tandem.trainer.report_runs import Run
 
     records = [{"step": s, "loss/main": 6.0, "loss/mtp_1": 0.07, "eval/loss/mtp_1": 6.2}
                for s in (1, 2)]
-    plain = Run("plain", "a", records, {"mtp": {"num_steps": 1, "loss": {"lambda": 0.3}}})
-    scheduled = Run("acc", "b", records, {"mtp": {"num_steps": 1, "loss": {
+    plain = Run.from_records("plain", "a", records,
+                             {"mtp": {"num_steps": 1, "loss": {"lambda": 0.3}}})
+    scheduled = Run.from_records("acc", "b", records, {"mtp": {"num_steps": 1, "loss": {
         "lambda": 0.3, "lambda_after": {250: 0.1, 40: 0.2}, "objective": "acceptance"}}})
     rows = _summary_rows([plain, scheduled])
     assert rows[0][5] == "0.3" and rows[1][5] == "0.3 -> 0.2 @40 -> 0.1 @250"
