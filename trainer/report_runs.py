@@ -61,12 +61,14 @@ class Run:
         any."""
         steps, columns, last = array("q"), {}, None
         for rec in records:
+            row = len(steps)
             for key, value in rec.items():
-                value = _number(value)
-                if value is not None and key != "step":
-                    rows, values = columns.setdefault(key, (array("l"), array("d")))
-                    rows.append(len(steps))
-                    values.append(value)
+                if type(value) in _NUMBERS and key != "step":  # (not null, a string, a list)
+                    column = columns.get(key)
+                    if column is None:
+                        column = columns[key] = (array("l"), array("d"))
+                    column[0].append(row)
+                    column[1].append(value)
             steps.append(int(rec["step"]))
             last = rec
         if last is None:
@@ -74,11 +76,8 @@ class Run:
         return cls(label, path, steps, columns, last, config or {})
 
 
-def _number(value) -> Optional[float]:
-    """A figure as a float, None for what is not one (null, a string, a list)."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+_NUMBERS = (float, int, bool)
+"""What a column holds (an array of doubles takes bools and ints as they are)."""
 
 
 def read_run(path: str, label: Optional[str] = None) -> Run:
