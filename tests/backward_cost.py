@@ -1,8 +1,8 @@
 """What a backward pass writes: the elements of every tensor its ops return. A chunk loop that
 slices or indexes a tensor needing a gradient zero-fills that whole tensor in backward once per
 chunk, so it writes more per token the more chunks it cuts; cut once (`split`, `unbind`), it
-writes the same per token however many chunks there are. An op in place counts what it adds, not
-the tensor it adds into."""
+writes the same per token however many chunks there are. An indexed accumulation in place
+(`index_add_`) counts what it adds, not the tensor it adds into."""
 
 from __future__ import annotations
 
@@ -19,18 +19,21 @@ class _Written(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                self.elements += self._written(t, args)
+                self.elements += self._written(func, t, args)
         return out
 
     @staticmethod
-    def _written(out: torch.Tensor, args) -> int:
-        """An in-place op (it returns its first argument) writes as many elements as its largest
-        other tensor argument holds (`index_add_`'s source rows, not the whole buffer), or all of
-        its own when it has none (`zero_`)."""
-        if not args or out is not args[0]:
-            return out.numel()
-        return max((a.numel() for a in args[1:] if isinstance(a, torch.Tensor)),
-                   default=out.numel())
+    def _written(func, out: torch.Tensor, args) -> int:
+        """An indexed accumulation in place (`index_add_`: it returns its first argument) writes as
+        many elements as its source holds, not the whole buffer; any other op, all it returns
+        (a broadcast `add_` writes the whole tensor)."""
+        if func.__name__.split(".")[0] in _INDEXED and args and out is args[0]:
+            sources = [a for a in args[1:] if isinstance(a, torch.Tensor)]
+            return sources[-1].numel()  # (index_add_'s source, index_put_'s values, ...)
+        return out.numel()
+
+
+_INDEXED = {"index_add_", "index_put_", "scatter_add_", "index_copy_", "put_"}
 
 
 def backward_elements(loss: torch.Tensor) -> int:
