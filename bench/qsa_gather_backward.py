@@ -11,6 +11,8 @@ backward writes (tests/backward_cost.py), and the largest difference of the grad
 
     python bench/qsa_gather_backward.py [--seqs 8192,16384,32768] [--queries-div 4] [--chunks 64]
         [--heads 8] [--kv-heads 2] [--head-dim 64] [--slots 2051] [--reps 3] [--threads 1]
+`--queries-div 32 --slots 259 --chunks 128` gives the 256k stage's proportions (a cp=32 rank's
+queries, slots a quarter of them; docs/long_context.md has both shapes' figures).
 Last line: `old_over_new=<ratio at the largest length>`.
 """
 
