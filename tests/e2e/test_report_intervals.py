@@ -160,3 +160,10 @@ def test_summary_shows_the_lambda_schedule_and_the_losses_their_objective():
         line.get_label() for ax in fig.axes for line in ax.get_lines()]
     assert "acc train (acceptance loss)" in labels and "plain train" in labels
     assert fig.axes[0].get_ylabel() == "nats (held-out: cross-entropy)"
+
+
+def test_shifts_finds_a_drop_as_well_as_a_rise():
+    from tandem.trainer.report_stats import shifts
+    assert shifts([1.5, 1.0], [1.7, 1.2]) == [1]  # the second interval lies wholly below the first
+    assert shifts([1.0, 1.5, 1.0], [1.2, 1.7, 1.2]) == [1, 2]
+    assert shifts([1.0, 1.1], [1.2, 1.3]) == []  # overlapping: no shift

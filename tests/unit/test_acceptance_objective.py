@@ -157,3 +157,20 @@ def test_a_bf16_frozen_head_under_fp32_training():
     assert float(soft) == pytest.approx(float(rows[targets >= 0].sum()), rel=1e-5)
     (got + soft).backward()
     assert h.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()
+
+
+def test_soft_cross_entropy_gradient_treats_the_teacher_as_constant():
+    from tandem.models.loss import chunked_soft_cross_entropy_sum
+    torch.manual_seed(0)
+    n, hdim, v = 7, 5, 11
+    h = torch.randn(n, hdim, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(n, hdim, dtype=torch.float64)
+    w = torch.randn(v, hdim, dtype=torch.float64, requires_grad=True)
+    valid = torch.tensor([1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    chunked_soft_cross_entropy_sum(h, teacher, w, 3, valid).backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    p = torch.softmax(teacher @ w2.detach().T, -1)  # the teacher: no gradient
+    ref = -(p * torch.log_softmax(h2 @ w2.T, -1)).sum(-1)[valid].sum()
+    ref.backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+    torch.testing.assert_close(h.grad, h2.grad)

@@ -559,3 +559,14 @@ def test_missing_tokenizer_is_clear(corpus, tmp_path):
     _copy_prefix(prefixes["a"], p)  # no .tokenizer.json / .meta.json beside it
     with pytest.raises(FileNotFoundError, match=r"notok\.tokenizer\.json.*data\.tokenizer"):
         build_datasets(_cfg(root, paths=[p]), 16, 0, 10, 2)
+
+
+def test_a_split_that_rounds_to_no_sequence_of_a_prefix_is_refused():
+    from tandem.data_pipeline.dataset import _check_split_shares
+    matrix = [(0.0, 0.99), (0.99, 1.0), None]  # split 99,1,0
+    # 10 sequences: megatron-core cuts round(9.9) = 10 for training, round(10) - 10 = 0 for
+    # validation
+    with pytest.raises(ValueError, match="validation split none"):
+        _check_split_shares("99,1,0", matrix, [100, 10, None], {"/d/p": 10})
+    _check_split_shares("99,1,0", matrix, [100, 10, None], {"/d/p": 200})  # 2 sequences: fine
+    _check_split_shares("99,1,0", matrix, [100, None, None], {"/d/p": 10})  # none asked for

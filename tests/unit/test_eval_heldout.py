@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from tandem.eval.metrics import distinct_n, temperature_label
 from tandem.trainer.config_checks import ConfigError
@@ -136,3 +137,24 @@ def test_saved_config_with_retired_key_loads(tmp_path):
     path.write_text("eval:\n  temperature: 0.8\n")
     with pytest.raises(ConfigError, match="eval.temperatures"):
         load_config(str(path))
+
+
+class _PaddedWindows:
+    """Windows of 8 tokens without chat records; the first ends in EOD (0) padding."""
+    rows = [[5, 6, 7, 0, 0, 0, 0, 0, 0], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = torch.tensor(self.rows[i])
+        eod = (row == 0).long()
+        return {"tokens": row[:-1], "labels": row[1:], "loss_mask": torch.ones(8),
+                "doc_ids": torch.cumsum(eod, 0) - eod}
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_window_prompts_leave_out_the_trailing_eod_padding(document_mask):
+    from tandem.eval.metrics import validation_inputs
+    prompts = validation_inputs(_PaddedWindows(), 2, 8, 1, 2, document_mask, eod_id=0)[0]
+    assert prompts == [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16]]

@@ -21,6 +21,7 @@ from tandem.models.delta_rule import (
 from tandem.models.documents import Documents
 from tandem.models.gated_deltanet import GatedDeltaNet, qkv_rows_from_hf
 from tandem.models.state import DecodeCache
+from tests.eval_helpers import tiny_qwen4_model
 
 HID, HK, HV, DK, DV, KER = 32, 2, 4, 8, 16, 4
 
@@ -563,3 +564,22 @@ def test_the_chunked_rules_backward_is_linear_in_the_sequence():
         out, state = chunked_gated_delta_rule(q, l2_normalize(k), v, gate, beta)
         per_token.append(backward_elements(out.sum() + state.sum()) / t)
     assert per_token[1] < 1.05 * per_token[0], per_token
+
+
+@torch.no_grad()
+def test_a_forward_of_exactly_ring_tokens_can_be_rolled_back():
+    """models/state.py's contract: a forward over R <= ring tokens keeps every position's recurrent
+    state, so a later forward may start anywhere inside it (rollback)."""
+    from tandem.models.state import DecodeCache
+    model = tiny_qwen4_model(1).double()
+    ring = 8
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 64, (1, ring + 3), generator=g)
+    pos = torch.arange(ring + 3).unsqueeze(0)
+    full = model.trunk(tokens, pos)
+    cache = DecodeCache(model.cfg.num_layers, 1, 64, torch.float64, torch.device("cpu"), ring=ring)
+    model.trunk(tokens[:, :ring], pos[:, :ring], cache)  # exactly `ring` tokens
+    j = 5  # roll back to the prefix 0..j-1 and continue
+    out = model.trunk(tokens[:, j : j + 3], pos[:, j : j + 3], cache)
+    # (Gated DeltaNet's rule computes in fp32 even in an fp64 model: ~5e-7 apart on main)
+    torch.testing.assert_close(out, full[:, j : j + 3], atol=1e-5, rtol=1e-4)

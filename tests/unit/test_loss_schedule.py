@@ -40,3 +40,14 @@ def test_combine_normalises_by_global_counts():
     a = combine_losses(torch.tensor([4.0, 3.0, 2.0]), counts, [1.0, 0.15, 0.15])
     b = combine_losses(torch.tensor([6.0, 5.0, 4.0]), counts, [1.0, 0.15, 0.15])
     assert float(a + b) == pytest.approx(2.75)
+
+
+def test_combine_losses_with_a_depth_that_has_no_target_is_finite():
+    from tandem.trainer.loss import combine_losses, loss_gradient
+    sums = torch.tensor([6.0, 0.0], requires_grad=True)
+    counts = torch.tensor([3, 0])  # e.g. windows shorter than depth + 2 tokens
+    total = combine_losses(sums, counts, [1.0, 0.3])
+    assert float(total.detach()) == pytest.approx(2.0)
+    total.backward()
+    assert torch.isfinite(sums.grad).all() and float(sums.grad[0]) == pytest.approx(1 / 3)
+    assert torch.isfinite(loss_gradient(counts, [1.0, 0.3])).all()

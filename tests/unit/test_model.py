@@ -407,3 +407,16 @@ def test_a_window_past_max_seq_len_is_refused_by_name():
     model(torch.randint(0, model.cfg.vocab_size, (1, n + 1)))  # n inputs fit
     with pytest.raises(ValueError, match=f"window of {n + 1} inputs .*model.max_seq_len={n}"):
         model(torch.randint(0, model.cfg.vocab_size, (1, n + 2)))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("docs", [None, [[0, 0, 0, 1, 1, 1, 1, 2]]])
+def test_depth_input_rows_brute_force(depth, docs):
+    from tandem.models.mtp import depth_input_rows
+    s = 7
+    tokens = torch.arange(s + 1).unsqueeze(0)
+    doc = torch.tensor(docs) if docs is not None else None
+    got = depth_input_rows(tokens, doc, depth)
+    want = torch.tensor([[t + depth <= s and (doc is None or bool(doc[0, t] == doc[0, t + depth]))
+                          for t in range(s)]])
+    assert torch.equal(got, want)

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from tandem.trainer.config_checks import ConfigError
 from tandem.trainer.optim import build_optimizer
@@ -164,3 +165,14 @@ def test_a_resume_says_when_it_changes_the_qsa_stage_or_the_mtp_weight():
     same = load_config(None, qsa + ["model.indexer_warmup_steps=4", "mtp.num_steps=2",
                                     "mtp.loss.lambda_after={5: 0.1}"])
     assert stage_note(saved_model, saved_mtp, same.model, same.mtp, 6) == ""
+
+
+def test_apply_settings_puts_the_new_weight_decay_on_the_matrices_only():
+    from tandem.trainer.optim import apply_settings, build_optimizer
+    from tandem.trainer.recipe import load_config
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = build_optimizer(model, load_config(None, ["train.weight_decay=0.1"]).train)
+    apply_settings(opt, load_config(None, ["train.weight_decay=0.05"]).train)
+    by_param = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert by_param[id(p)] == (0.05 if p.ndim >= 2 else 0.0), name

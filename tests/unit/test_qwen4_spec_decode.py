@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tandem.eval.spec_decode import SpecDecoder, generate
@@ -201,3 +202,27 @@ def test_a_frozen_bf16_trunk_under_an_fp32_drafter_trains_and_decodes():
     prompts = [[5, 6, 7, 8, 9], [12, 13]]
     with torch.no_grad():
         assert generate(mixed, prompts, 8, 2).outputs == generate(mixed, prompts, 8, 0).outputs
+
+
+@torch.no_grad()
+def _greedy_without_cache(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        t = torch.tensor([seq])
+        pos = torch.arange(len(seq)).unsqueeze(0)
+        seq.append(int(model.logits(0, model.trunk(t, pos))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("K", [0, 1])
+def test_long_unequal_prompts_on_recurrent_layers_decode_as_full_forwards(K):
+    """Prompts longer than the decode ring (4K + 32) take Gated DeltaNet's / PLE's prefill path,
+    which keeps only the state at each row's last real token: the batched decode must continue each
+    prompt exactly as a cache-free full forward does."""
+    from tandem.eval.spec_decode import generate
+    model = tiny_qwen4_model(max(K, 1)).double()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (45, 39)]
+    out = generate(model, prompts, 4, K).outputs
+    for p, o in zip(prompts, out):
+        assert o == _greedy_without_cache(model, p, 4)

@@ -406,3 +406,15 @@ def test_predicted_speedup_counts_the_rows_a_batched_round_carries(monkeypatch):
     assert m["time_per_round/overhead_ms"] > 0
     assert m["speedup_predicted"] == pytest.approx(m["speedup"], rel=1e-6)
     assert de._median([4.0, 1.0, 3.0, 2.0]) == 2.5  # (repeats: an even count's middle pair)
+
+
+@pytest.mark.parametrize("K", [0, 2, 3])
+def test_prompt_limit_is_the_longest_prompt_that_decodes(K):
+    from tandem.eval.spec_decode import generate, prompt_limit
+    model = tiny_model(max(K, 1), 1, seed=3)
+    max_new = 6
+    limit = prompt_limit(model.cfg.max_seq_len, max_new, K)
+    out = generate(model, [[5] * limit], max_new, K)  # the longest prompt fits
+    assert len(out.outputs[0]) == max_new
+    with pytest.raises(ValueError, match="exceeds"):  # one more does not (the limit is tight)
+        generate(model, [[5] * (limit + 1)], max_new, K)
