@@ -7,9 +7,12 @@ valid target contributes finite zeros and one process's gradients (context_worke
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from tests import processes
 from tests.distributed import context_worker
 from tests.distributed import test_parallel_equivalence as eq
 
@@ -129,3 +132,38 @@ def test_per_token_per_depth_losses_and_an_empty_rank(layout, per_token_runs):
     for name, g in ref["grads"].items():
         err = float((ranks[0]["grads"][name].double() - g.double()).norm())
         assert err <= 1e-4 * float(g.double().norm()) + 1e-10, f"{name}: gradient off by {err:.2e}"
+
+
+CARRY_RANK = r'''
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+from tandem.trainer.parallel.context import ContextShards
+for sharding in ("zigzag", "contiguous"):
+    cs = ContextShards(dist.group.WORLD, sharding)
+    g = torch.Generator().manual_seed(0)
+    B, H, Dk, Dv, total = 2, 2, 4, 3, cs.total
+    # a transition as Gated DeltaNet's chunk product: decay * prod(I - beta k k^T), not symmetric
+    T = torch.eye(Dk).expand(B, total, H, Dk, Dk).clone()
+    for _ in range(3):
+        k = torch.nn.functional.normalize(torch.randn(B, total, H, Dk, 1, generator=g), dim=-2)
+        T = (torch.eye(Dk) - 0.6 * k @ k.transpose(-1, -2)) @ T
+    T = 0.9 * T
+    F = torch.randn(B, total, H, Dk, Dv, generator=g)
+    state, entering = torch.zeros(B, H, Dk, Dv), []
+    for c in range(total):  # one process: the state entering each chunk of the window
+        entering.append(state)
+        state = T[:, c] @ state + F[:, c]
+    expected = torch.stack(entering, 1)[:, cs.mine].reshape(B * len(cs.mine), H, Dk, Dv)
+    got = cs.carry(T[:, cs.mine].reshape(-1, H, Dk, Dk), F[:, cs.mine].reshape(-1, H, Dk, Dv))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=sharding)
+dist.destroy_process_group()
+'''
+
+
+def test_carry_is_the_sequential_fold_of_the_window():
+    """ContextShards.carry (Gated DeltaNet's state entering each chunk) at cp=4, both shardings,
+    against the one-process fold, on transitions that are neither symmetric nor near zero: the
+    tiny model's decays and packed documents make the carried states nearly vanish in the
+    per-token checks, which passed a transposed transition at cp=2."""
+    proc = processes.command([sys.executable, "-c", CARRY_RANK], 4, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -42,6 +42,12 @@ LAYOUTS = {
     # (plain tp x ep: this and the selective-checkpointing one below) in fp32, where parameters
     # are compared: all-reduce data parallelism over tp-sharded parameters, experts left out at dp=1
     "tp=2,ep=2,dp_mode=allreduce": 4,
+    # ... and with dp > 1 (no other layout has dp > 1 and ep > 1 under all-reduce), with pieces
+    # two stages of a rank share kept whole: a kept-whole MoE piece's experts are summed over dp
+    # alone, not over dp x ep, whose ranks hold other experts (a sum over dp x ep passed the bf16
+    # comparison of this layout; the same layout without ep runs in bf16 below)
+    "ep=2,dp=2,pp=2,dp_mode=allreduce,pp_schedule=interleaved_1f1b,pp_layout=[2:2:0:0],"
+    "pp_depth_stages=[2:1:3]": 8,
     # per-head q/k norms (Qwen3) under TP: replicated weights whose gradients are partial over tp;
     # with the vocab-parallel head's recomputing backward (the fused one, the default, runs
     # everywhere else)

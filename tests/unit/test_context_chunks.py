@@ -15,6 +15,7 @@ from tandem.models import gated_deltanet as gdn
 from tandem.models.context import WholeWindow
 from tandem.models.documents import Documents
 from tandem.models.gated_deltanet import GatedDeltaNet
+from tandem.trainer.parallel.context import chunks_of_rank
 from tests.unit.test_gated_deltanet import fla_stand_in
 
 
@@ -111,3 +112,18 @@ def test_the_carry_matters():
 
     want = layer(x, positions)
     assert float((layer(x, positions, context=NoCarry(4)) - want).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_zigzag_chunks_partition_the_window_and_balance_causal_cost(cp):
+    """Zigzag (docs: rank r holds chunks r and 2cp-1-r) must give every rank the same causal
+    attention cost. Chunk c of 2cp reads keys of c+1 chunks (c*L^2 + L^2/2 pairs), so rank r's
+    cost is sum(2c+1) over its chunks; contiguous must not be balanced (cp>1)."""
+    held = [c for r in range(cp) for c in chunks_of_rank(r, cp, "zigzag")]
+    assert sorted(held) == list(range(2 * cp))
+    costs = {r: sum(2 * c + 1 for c in chunks_of_rank(r, cp, "zigzag")) for r in range(cp)}
+    assert len(set(costs.values())) == 1, costs
+    for r in range(cp):
+        mine = chunks_of_rank(r, cp, "zigzag")
+        assert mine == sorted(mine), mine  # rows hold their chunks in window order
+    assert chunks_of_rank(0, cp, "zigzag")[-1] == 2 * cp - 1  # rank 0 also holds the last chunk
