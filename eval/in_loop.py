@@ -137,6 +137,13 @@ class InLoopEvaluator:
                 getattr(tokenizer, "eod_id", None))
             if note and pstate.is_main:
                 print(f"eval: {note}", file=sys.stderr)
+        whole = decoding is not None and not decoding.forces_in_layout and cfg.parallel.cp > 1
+        if whole and self.loss_batches and pstate.is_main:  # (`--check` sizes training only)
+            print(f"eval: under pp x cp the teacher-forced windows run whole: a forward of "
+                  f"{len(self.loss_batches)} x {cfg.train.micro_batch_size} windows of "
+                  f"data.seq_len={cfg.data.seq_len} tokens on each driver rank per evaluation, "
+                  "cp times a training forward's rows; eval.loss_batches=0 leaves them out",
+                  file=sys.stderr)
         if getattr(e, "suite", ""):
             self.prompts = self._suite_prompts(cfg, tokenizer)
 

@@ -34,6 +34,8 @@ LAYOUTS = {
     # the chunks off around decoding, and SP's with them), the teacher-forced losses run on each
     # rank's chunks of the windows, as training does
     "cp=2,tp=2,sequence_parallel=true": 4,
+    # ... and under a pipeline, whose driver runs the teacher-forced windows whole (it says so)
+    "cp=2,pp=2": 4,
     # MLA (DeepSeek-V3's attention) decodes over cached latents with kv_b_proj absorbed: each tp
     # rank its own heads' expansion, the latents replicated; weights whose tokens depend on the
     # attention
