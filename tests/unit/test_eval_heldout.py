@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from tandem.eval.metrics import distinct_n, temperature_label
 from tandem.trainer.config_checks import ConfigError
@@ -138,46 +137,3 @@ def test_saved_config_with_retired_key_loads(tmp_path):
     with pytest.raises(ConfigError, match="eval.temperatures"):
         load_config(str(path))
 
-
-class _PaddedWindows:
-    """Windows of 8 tokens without chat records; the first ends in EOD (0) padding."""
-    rows = [[5, 6, 7, 0, 0, 0, 0, 0, 0], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        row = torch.tensor(self.rows[i])
-        eod = (row == 0).long()
-        return {"tokens": row[:-1], "labels": row[1:], "loss_mask": torch.ones(8),
-                "doc_ids": torch.cumsum(eod, 0) - eod}
-
-
-@pytest.mark.parametrize("document_mask", [False, True])
-def test_window_prompts_leave_out_the_trailing_eod_padding(document_mask):
-    from tandem.eval.metrics import validation_inputs
-    prompts = validation_inputs(_PaddedWindows(), 2, 8, 1, 2, document_mask, eod_id=0)[0]
-    assert prompts == [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16]]
-
-
-@pytest.mark.parametrize("in_layout", [False, True])
-def test_the_evaluator_says_when_its_teacher_forced_windows_run_whole_under_cp(in_layout, capsys):
-    """Under pp x cp the pipeline's driver runs the teacher-forced windows whole (cp times a
-    training forward's rows, which `--check` does not size): the evaluator says so at start, with
-    the way out; without a pipeline they stay split and nothing is said."""
-    import types
-
-    from tandem.eval.in_loop import InLoopEvaluator
-
-    cfg = load_config(None, ["parallel.cp=2", "parallel.pp=2", "data.seq_len=8",
-                             "eval.loss_batches=1", "train.micro_batch_size=2", "eval.prompt_len=4",
-                             "eval.num_prompts=2"])
-    pstate = types.SimpleNamespace(world_size=4, is_main=True)
-    InLoopEvaluator(cfg, None, _PaddedWindows(), None, pstate,
-                    types.SimpleNamespace(forces_in_layout=in_layout))
-    said = capsys.readouterr().err
-    if in_layout:
-        assert "run whole" not in said
-    else:
-        assert ("eval: under pp x cp the teacher-forced windows run whole: a forward of 1 x 2 "
-                "windows of data.seq_len=8 tokens") in said and "eval.loss_batches=0" in said

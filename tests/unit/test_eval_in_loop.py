@@ -169,10 +169,11 @@ def test_no_mtp_module_no_evaluator_and_one_line_says_so(capsys):
 
 
 class _Windows:
-    """Three validation windows of 8 tokens with their document ids (EOD = 0)."""
+    """Validation windows of 8 tokens with their document ids (EOD = 0): by default three."""
 
-    rows = [[5, 6, 0, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21],
-            [22, 0, 23, 0, 24, 25, 26, 27, 28]]
+    def __init__(self, rows=((5, 6, 0, 7, 8, 9, 10, 11, 12), (13, 14, 15, 16, 17, 18, 19, 20, 21),
+                             (22, 0, 23, 0, 24, 25, 26, 27, 28))):
+        self.rows = [list(r) for r in rows]
 
     def __len__(self):
         return len(self.rows)
@@ -239,3 +240,38 @@ def test_validation_prompts_are_records_not_their_padding(document_mask):
     packed = ChatWindows(records, seq_len=24, packing="pack", eod_id=0)
     prompts = validation_inputs(packed, 3, 12, 1, 1, document_mask, eod_id=0)[0]
     assert prompts == [texts[0], texts[1][:12], texts[2]]
+
+
+PADDED = [[5, 6, 7, 0, 0, 0, 0, 0, 0], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+"""Two windows without chat records, the first ending in EOD (0) padding."""
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_window_prompts_leave_out_the_trailing_eod_padding(document_mask):
+    from tandem.eval.metrics import validation_inputs
+    prompts = validation_inputs(_Windows(PADDED), 2, 8, 1, 2, document_mask, eod_id=0)[0]
+    assert prompts == [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.mark.parametrize("in_layout", [False, True])
+def test_the_evaluator_says_when_its_teacher_forced_windows_run_whole_under_cp(in_layout, capsys):
+    """Under pp x cp the pipeline's driver runs the teacher-forced windows whole (cp times a
+    training forward's rows, which `--check` does not size): the evaluator says so at start, with
+    the way out; without a pipeline they stay split and nothing is said."""
+    import types
+
+    from tandem.eval.in_loop import InLoopEvaluator
+    from tandem.trainer.recipe import load_config
+
+    cfg = load_config(None, ["parallel.cp=2", "parallel.pp=2", "data.seq_len=8",
+                             "eval.loss_batches=1", "train.micro_batch_size=2", "eval.prompt_len=4",
+                             "eval.num_prompts=2"])
+    pstate = types.SimpleNamespace(world_size=4, is_main=True)
+    InLoopEvaluator(cfg, None, _Windows(PADDED), None, pstate,
+                    types.SimpleNamespace(forces_in_layout=in_layout))
+    said = capsys.readouterr().err
+    if in_layout:
+        assert "run whole" not in said
+    else:
+        assert ("eval: under pp x cp the teacher-forced windows run whole: a forward of 1 x 2 "
+                "windows of data.seq_len=8 tokens") in said and "eval.loss_batches=0" in said
