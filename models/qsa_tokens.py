@@ -92,6 +92,11 @@ def _chunked(chunk: int, *tensors):
     return zip(*(t.split(chunk, 1) for t in tensors))
 
 
+def _attend_chunks(q_bshd, idx_bsl, ok_bsl, k_rows, v_rows, chunk: int) -> torch.Tensor:
+    return torch.cat([_attend(*part, k_rows, v_rows)
+                      for part in _chunked(chunk, q_bshd, idx_bsl, ok_bsl)], 1)
+
+
 class GatheredAttention(torch.autograd.Function):
     """The gather form over query chunks of `chunk`, recomputed chunk by chunk in backward, whose
     key and value gradients accumulate in one fp32 buffer each. Autograd through a checkpoint per
@@ -103,8 +108,7 @@ class GatheredAttention(torch.autograd.Function):
     def forward(ctx, q_bshd, idx_bsl, ok_bsl, k_rows, v_rows, chunk: int):
         ctx.save_for_backward(q_bshd, idx_bsl, ok_bsl, k_rows, v_rows)
         ctx.chunk = chunk
-        return torch.cat([_attend(*part, k_rows, v_rows)
-                          for part in _chunked(chunk, q_bshd, idx_bsl, ok_bsl)], 1)
+        return _attend_chunks(q_bshd, idx_bsl, ok_bsl, k_rows, v_rows, chunk)
 
     @staticmethod
     def backward(ctx, grad_bsz):
@@ -145,5 +149,4 @@ def gather_attend(q_bshd, idx_bsl, ok_bsl, k_bskd, v_bskd, chunk: Optional[int] 
     v_rows = v_bskd.reshape(b * v_bskd.shape[1], -1)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q_bshd, k_rows, v_rows)):
         return GatheredAttention.apply(q_bshd, idx_bsl, ok_bsl, k_rows, v_rows, chunk)
-    return torch.cat([_attend(*part, k_rows, v_rows)
-                      for part in _chunked(chunk, q_bshd, idx_bsl, ok_bsl)], 1)
+    return _attend_chunks(q_bshd, idx_bsl, ok_bsl, k_rows, v_rows, chunk)
