@@ -90,8 +90,8 @@ def teacher_forced(model, batches: Iterable[Dict[str, torch.Tensor]], device=Non
         out = _teacher_forced(model, batches, device, document_mask)
     value = recall.value()
     if value is not None:
-        context = getattr(unwrap(model), "context", None)
-        if context is not None and context.sharded:  # each rank's mean over its equal share of rows
+        context = unwrap(model).context
+        if context.sharded:  # each rank's mean over its equal share of rows
             value = float(_window_sum(context, torch.tensor([value]), _device(model)) /
                           context.size)
         out["qsa_recall"] = value
@@ -114,10 +114,10 @@ def _teacher_forced(model, batches, device, document_mask: bool) -> Dict[str, fl
     head, chunk = m.lm_head, m.mtp_cfg.loss_chunk_tokens
     # the window's rows this rank computes (all, but under context parallelism its chunks), and the
     # hidden states' sequence layout (whole, but under sequence parallelism a tp rank's shard); a
-    # pipeline's driver view has neither: it evaluates whole windows
-    context = getattr(m, "context", None)
-    local = context.local if context is not None else (lambda x: x)
-    whole = m.sequence.whole if getattr(m, "sequence", None) is not None else (lambda h: h)
+    # pipeline's driver view reads its base model's, switched to whole windows by the decoding
+    # context it runs in
+    context, whole = m.context, m.sequence.whole
+    local = context.local
     # [depth, (loss, correct, count)], summed over the window's ranks at the end
     totals = torch.zeros(depths, 3, dtype=torch.float64)
     for batch in batches:
@@ -131,8 +131,7 @@ def _teacher_forced(model, batches, device, document_mask: bool) -> Dict[str, fl
         doc_ids = doc_ids.to(tokens.device) if doc_ids is not None else None
         docs = window_documents(doc_ids, s) if document_mask else None
         pos = local(window_positions(docs, b, s, tokens.device))
-        extra = {} if docs is None else {
-            "documents": docs.local(context) if context is not None else docs}
+        extra = {} if docs is None else {"documents": docs.local(context)}
         h0 = m.trunk(local(tokens[:, :s]), pos, **extra)
         for d, h in m.depth_states(h0, tokens, pos, **extra):
             mask = local(depth_target_mask(loss_mask, doc_ids, d))
@@ -144,7 +143,7 @@ def _teacher_forced(model, batches, device, document_mask: bool) -> Dict[str, fl
             totals[d, 0] += float(head.loss_sums(normed[None], targets[None], chunk)[0])
             totals[d, 1] += float((_head_argmax(head, normed, chunk) == targets).sum())
             totals[d, 2] += float(mask.sum())
-    if context is not None and context.sharded:
+    if context.sharded:
         totals = _window_sum(context, totals, _device(m))
     loss, correct, count = totals.unbind(1)
     measured = [d for d in range(depths) if count[d] > 0]
