@@ -1,6 +1,6 @@
 """A run directory as `tandem report` reads it: config.yaml as a plain dict and metrics.jsonl as one
-column of numbers per key (the record indices that hold it and their values), read line by line. A
-million logged steps then take tens of MB; as one dict per record they took about 3.5 GB.
+column of numbers per key (the record indices that hold it and their values), read line by line:
+200k records of about 25 numbers each take 69 MB, where one dict per record took 443 MB.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class Run:
     """Each record's step, in file order (a resumed run's file was truncated at the resume
     step)."""
     columns: Dict[str, Tuple["array", "array"]]
-    """key -> (the indices of the records that hold a number under it, those numbers): a million
-    logged steps take tens of MB as columns, ~3.5 GB as one dict per record."""
+    """key -> (the indices of the records that hold a number under it, those numbers): 12 bytes a
+    number, where a dict per record spent about 90."""
     last: dict
     """The last record, whole."""
     config: dict = field(default_factory=dict)
