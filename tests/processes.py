@@ -208,12 +208,25 @@ def _start_up(env: dict) -> None:
         import sitecustomize  # noqa: F401 - imported for its effect, as Python's start-up does
     if env.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
+        native_stacks_on_fatal_signal()
     for option in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
         if ":" in option:
             raise ValueError(f"PYTHONWARNINGS={option!r}: only a bare action is handled here")
         warnings.simplefilter(option)
     if env.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def native_stacks_on_fatal_signal() -> None:
+    """torch's own fatal-signal handler (c10::FatalSignalHandler) on top of faulthandler's: on
+    SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE it prints every thread's native stack to stderr
+    (the faulting thread's passes through its handler), then calls the handler it replaced
+    (faulthandler, which prints the Python stacks and lets the signal kill). faulthandler alone
+    shows where the Python code was, not which library faulted nor on which thread: a gloo
+    thread's crash then looks like one in whatever the main thread was computing. Called again
+    after faulthandler is re-enabled (which puts its own handler back on top)."""
+    torch._C._set_print_stack_traces_on_fatal_signal(False)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
 
 
 def _run_target(kind: str, name, args: List) -> Optional[int]:

@@ -153,6 +153,7 @@ def record_stacks(out_dir: str):
     f = open(os.path.join(stacks, f"rank{os.environ.get('RANK', '0')}.txt"), "w")
     faulthandler.enable(file=f, all_threads=True)
     faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
+    processes.native_stacks_on_fatal_signal()  # native stacks to stderr, then faulthandler's
     return f  # kept open for the process's lifetime: faulthandler writes to its descriptor
 
 

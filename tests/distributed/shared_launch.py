@@ -26,6 +26,8 @@ import contextlib
 import importlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import traceback
@@ -37,6 +39,39 @@ from tests.distributed import worker
 
 TIMEOUT_S = 1800
 """One launch runs many jobs (the 2-rank launch about five minutes of them on 2 busy cores)."""
+
+
+NATIVE_STACK = re.compile(r"SIG[A-Z]+\(\d+\), PID: \d+, Thread \d+:")
+"""The header of each thread's native stack that torch prints when a rank dies of a signal
+(tests/processes.native_stacks_on_fatal_signal)."""
+
+
+def dead_rank_stacks(output: str) -> str:
+    """From a launch's output: the faulting thread's native stack (the one whose frames pass
+    through torch's fatal-signal handler; the other threads' were asked for with SIGUSR2) and
+    faulthandler's Python stacks (absent when the job writes them to a file of its own, as
+    eval_worker does); empty if no rank died of a signal."""
+    parts = []
+    starts = [m.start() for m in NATIVE_STACK.finditer(output)]
+    blocks = [output[a:b] for a, b in zip(starts, starts[1:] + [len(output)])]
+    faulting = [b for b in blocks if "FatalSignalHandler::fatalSignalHandler" in b] or blocks
+    if faulting:
+        parts.append(faulting[0][:3000])
+    python = output.find("Fatal Python error")
+    if python >= 0:
+        parts.append(output[python:python + 4000])
+    return "\n".join(parts)
+
+
+def exit_note(proc: subprocess.CompletedProcess) -> str:
+    """The launcher's last word on a failed launch (`rank R exited with CODE`), with the signal's
+    name when a signal ended that rank."""
+    lines = proc.stderr.strip().splitlines()
+    note = lines[-1] if lines else f"exit code {proc.returncode}"
+    code = note.rsplit(" ", 1)[-1]
+    if code.startswith("-") and code[1:].isdigit():
+        note += f" ({signal.Signals(-int(code)).name})"
+    return note
 
 
 def marker(directory, module: str, world: int, rank: int, kind: str) -> Path:
@@ -64,13 +99,15 @@ def check(directory, module: str, world: int, proc: subprocess.CompletedProcess)
               if e.exists()]
     if any(not d and not e.exists() for d, e in zip(done, errors)):
         # a rank with neither marker died (a signal) or never reached this job; the others'
-        # tracebacks are then only the echo of it. A dead rank's faulthandler stack is in the
-        # launch's errors, ahead of the other ranks' tracebacks: shown last
+        # tracebacks are then only the echo of it. A dead rank's stacks are in the launch's errors
+        # (torch's native ones, the faulting thread first, then faulthandler's Python ones unless
+        # the job sends those to a file of its own), ahead of the other ranks' tracebacks: shown
+        # last, and the launch's exit note last of all
         output = proc.stdout + proc.stderr
-        fatal = output.find("Fatal Python error")
+        stacks = dead_rank_stacks(output)
         report += [f"{module} did not run to its end on every rank of the {world}-rank launch "
-                   f"(exit code {proc.returncode}):",
-                   output[fatal:fatal + 6000] if fatal >= 0 else output[-8000:]]
+                   f"(exit code {proc.returncode}):", stacks or output[-8000:],
+                   f"{module}, {world}-rank launch: {exit_note(proc)}"]
     raise AssertionError("\n".join(report))
 
 

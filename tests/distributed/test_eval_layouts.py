@@ -103,17 +103,21 @@ def runs(shared_launches):
     try:
         return shared_launches.check(name)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{stack_report(shared_launches.dir(name))}") from None
+        # the launch's report last: it ends with the dead rank's native stack and the exit note
+        raise AssertionError(f"{stack_report(shared_launches.dir(name))}\n{exc}") from None
 
 
 def stack_report(out) -> str:
     """Every rank's stack file (eval_worker.record_stacks: the layout each rank was on and, if it
-    died of a signal or was stopped by torchrun after another rank died, where each thread was). No
-    relaunch: a crash is a defect to find, not a flake to retry."""
-    report = []
-    for path in sorted((out / "stacks").glob("rank*.txt")) if (out / "stacks").is_dir() else []:
-        report.append(f"--- {path.name} ---\n{path.read_text()[-4000:]}")
-    return "\n".join(report)
+    died of a signal or was stopped by the launcher after another rank died, where each thread
+    was); the ranks that died of a signal last and longer. No relaunch: a crash is a defect to
+    find, not a flake to retry."""
+    files = sorted((out / "stacks").glob("rank*.txt")) if (out / "stacks").is_dir() else []
+    texts = [(path.name, path.read_text()) for path in files]
+    texts.sort(key=lambda named: "Fatal Python error" in named[1])
+    return "\n".join(f"--- {name} ---\n"
+                     f"{text[-4000:] if 'Fatal Python error' in text else text[-1500:]}"
+                     for name, text in texts)
 
 
 def test_reference_exercises_acceptance(reference):

@@ -24,6 +24,9 @@ def test_a_rank_that_dies_of_a_signal_fails_its_job_with_its_stack(tmp_path):
     # closed", when rank 1 wrote it before the launch stopped it)
     assert "--- rank 0 ---" not in report
     assert "Fatal Python error: Segmentation fault" in report and "rank_zero_dies" in report
+    # ... after its faulting thread's native stack, and the launch's exit note names the signal
+    assert "SIGSEGV(11), PID: " in report and "frame #0: c10::FatalSignalHandler" in report
+    assert report.endswith("rank 0 exited with -11 (SIGSEGV)"), report[-300:]
     with pytest.raises(AssertionError, match="did not run to its end"):
         check(after, WORKER, 2, proc)
     assert not (after / "ran.rank0").exists()  # the crash stopped the launch: nothing ran again
