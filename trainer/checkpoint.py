@@ -63,7 +63,7 @@ from .config import TandemConfig
 from .files import fsync_path, naming, write_synced
 from .hf.init_from import REFERENCE_FILE, check_reference, load_initial_weights, read_reference
 from .parallel.sharded_params import allocate
-from .recipe import load_config
+from .recipe import load_config, read_yaml
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
@@ -291,7 +291,7 @@ def _save_failure(run_dir: str, step: int, tmp: str, exc: CheckpointException,
 def check_compatible(path: str, config_yaml: str) -> None:
     """Refuse a checkpoint whose model shape differs from the current config (names the keys)."""
     saved = _saved_config(path)
-    current = OmegaConf.create(config_yaml)
+    current = OmegaConf.create(read_yaml(config_yaml))
     defaults = OmegaConf.structured(TandemConfig)
 
     def differences(section, skip=()):
@@ -366,13 +366,14 @@ def _saved_config(path: str) -> DictConfig:
     """The checkpoint's config.yaml; ValueError naming the file when it is not a YAML mapping."""
     file = os.path.join(path, "config.yaml")
     try:
-        saved = OmegaConf.load(file)
+        with open(file, encoding="utf-8") as f:
+            saved = read_yaml(f)
     except Exception as exc:  # yaml errors carry line numbers; keep them on one line
         raise ValueError(f"checkpoint config {file} is not valid YAML: "
                          f"{' '.join(str(exc).split())}") from None
-    if not isinstance(saved, DictConfig):
+    if not isinstance(saved, dict):
         raise ValueError(f"checkpoint config {file} is not a mapping of config sections")
-    return saved
+    return OmegaConf.create(saved)
 
 
 def _saved_model_keys(path: str) -> set:

@@ -38,6 +38,9 @@ One typed tree (omegaconf structured dataclasses). A recipe is YAML in this shap
 overridden on the command line with a dotted `key=value` (`tandem train recipes/tiny.yaml
 train.max_steps=100 mtp.loss.lambda=0.1`; later overrides win). An unknown key, a wrong type or an
 impossible size fails before any work with one line naming the key (see [Bad input](bad-input.md)).
+Recipes and values are read as YAML 1.2, not the YAML 1.1 of most Python loaders: `010` is 10 (1.1:
+8), while `1:0` (1.1: 60, base 60) and `off` (1.1: false) stay text, which a number or a boolean
+key then refuses or reads by its own spelling. A text value keeps its text as written.
 Defaults below are the dataclass defaults; a recipe overrides many of them.
 """
 

@@ -20,7 +20,8 @@ config:
 Sections merge key by key through the layers (OmegaConf.merge); a value, a list or a mapping-valued
 key (`mtp.loss.lambda_after`) replaces the one beneath it. An override's value is read as YAML,
 but for a string key, whose text is taken as written (YAML would drop ` #2` from a path as a
-comment and read `010` as 8), matching quotes removed, and an integer key's digits, in base 10.
+comment), matching quotes removed. Recipes and override values are read with YAML 1.2's scalars
+(`read_yaml`), not PyYAML's 1.1: `010` is 10 in a list too, and `1:0` or `off` stay text.
 The resolved config (`to_yaml`, a run's config.yaml) is complete and self-contained.
 """
 
@@ -31,7 +32,10 @@ import re
 from dataclasses import is_dataclass
 from typing import Any, FrozenSet, List, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf._utils import OmegaConfDumper, get_omega_conf_dumper
+from omegaconf._yaml import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import IntegerNode, StringNode
 
@@ -121,8 +125,10 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
         layer = int(text)  # YAML 1.1 reads 010 as 8
     elif not isinstance(node, StringNode) or (text in ("null", "~") and node._is_optional()):
         # a section set whole (`mtp.loss={lambda: 0.2}`) spells keys as recipes do
-        return _rename_keys(OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"])),
-                            _ALIASES)
+        parsed: Any = read_yaml(value)
+        for part in reversed(key.split(".")):
+            parsed = {part: parsed}
+        return _rename_keys(OmegaConf.to_container(OmegaConf.create(parsed)), _ALIASES)
     elif text in ("null", "~"):  # YAML's null, which this key cannot hold: not a name or a path
         raise ConfigError(f"config key '{key}' is text and cannot be null: write {key}= for empty, "
                           f"or {key}='{text}' for the text")
@@ -148,6 +154,43 @@ def _mapping_keys(node: Any, prefix: str = "") -> List[str]:
     return keys
 
 
+class _Yaml12Loader(get_yaml_loader()):  # type: ignore[misc]
+    """omegaconf's YAML loader with YAML 1.2's core scalars: integers in base 10 (`0o` octal and
+    `0x` hex as written), floats with an optional dot, booleans true/false only. PyYAML follows
+    YAML 1.1, which reads `parallel.pp_layout=[010,2]` as [8, 2], `[1:0]` as [60] (base 60),
+    `1_0` as 10 and `off` as false, silently; 1.2 reads 010 as 10, and the others stay text, which
+    a number or boolean key then refuses by name."""
+
+
+_INT, _FLOAT, _BOOL = (f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool"))
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT, _BOOL)]
+    for first, resolvers in _Yaml12Loader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(  # before the float: plain digits are an integer
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+_Yaml12Loader.add_implicit_resolver(
+    _FLOAT, re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+                           |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+_Yaml12Loader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _yaml12_int(loader: yaml.Loader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+    return int(text[2:] if base != 10 else text, base)
+
+
+_Yaml12Loader.add_constructor(_INT, _yaml12_int)
+
+
+def read_yaml(text_or_file: Any) -> Any:
+    """A YAML document (text or an open file) as plain Python values, with YAML 1.2's scalars
+    (`_Yaml12Loader`)."""
+    return yaml.load(text_or_file, Loader=_Yaml12Loader)
+
+
 RECIPE_KEYS = ("base", "flavor")
 """Top-level recipe keys that compose the recipe (see the module docstring); not config keys."""
 
@@ -156,7 +199,8 @@ def _read_recipe(path: str) -> dict:
     """One recipe file as a plain dict, retired keys at their old defaults dropped. Raises
     ConfigError."""
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        with open(path, encoding="utf-8") as f:
+            raw = OmegaConf.to_container(OmegaConf.create(read_yaml(f)), resolve=False)
     except Exception as exc:  # yaml errors carry line numbers; keep them on one line
         raise ConfigError(
             f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}"
@@ -324,7 +368,28 @@ def to_yaml(cfg: TandemConfig) -> str:
     """The config (already resolved: its values are final) as YAML, with public key spellings
     (`mtp.loss.lambda`); a `${` in a value stays text when the file is read back (resolved again,
     a value written as `${oc.env:X}` became X's value at resume)."""
-    return OmegaConf.to_yaml(OmegaConf.create(_literal(as_dict(cfg))))
+    container = OmegaConf.to_container(OmegaConf.create(_literal(as_dict(cfg))), enum_to_str=True)
+    return yaml.dump(container, Dumper=_Yaml12Dumper, default_flow_style=False,
+                     allow_unicode=True, sort_keys=False)
+
+
+class _Yaml12Dumper(get_omega_conf_dumper()):  # type: ignore[misc]
+    """omegaconf's YAML dumper, quoting every text that `read_yaml` would read back as something
+    else (`0o17` is an integer in YAML 1.2, plain text to omegaconf's 1.1 dumper)."""
+
+
+def _represent_text(dumper: yaml.Dumper, text: str) -> yaml.ScalarNode:
+    node = OmegaConfDumper.str_representer(dumper, text)
+    try:
+        reads_back = read_yaml(text) == text
+    except yaml.YAMLError:
+        reads_back = False
+    if node.style is None and not reads_back:
+        node.style = "'"
+    return node
+
+
+_Yaml12Dumper.add_representer(str, _represent_text)
 
 
 def as_dict(cfg: TandemConfig) -> dict:

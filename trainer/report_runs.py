@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
-from omegaconf import OmegaConf
+from .recipe import read_yaml
 
 
 class ReportError(ValueError):
@@ -88,7 +88,8 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
     cfg_path = os.path.join(path, "config.yaml")
     if os.path.isfile(cfg_path):
         try:
-            config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
+            with open(cfg_path, encoding="utf-8") as f:
+                config = read_yaml(f) or {}
         except Exception as exc:  # yaml's errors span lines: one line, with the line number
             why = " ".join(str(exc).split())
             raise ReportError(f"{cfg_path} is not valid YAML: {why}") from None

@@ -65,6 +65,36 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     assert load_config(None, ["model.init_from="]).model.init_from == ""
 
 
+def test_recipes_and_overrides_read_yaml_1_2_numbers(tmp_path):
+    """PyYAML's YAML 1.1 read `parallel.pp_layout=[010,2]` as [8, 2] and `[1:0]` as [60] (base
+    60), in a recipe as in an override, and a recipe's `name: off` as the boolean false; YAML 1.2
+    reads 010 as 10 and keeps the others text, which an integer key refuses by name."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  num_layers: 4\nparallel:\n  pp_layout: [010, 2, 0x1, 0o1]\n"
+                      "run:\n  name: off\ntrain:\n  lr: 3e-4\n  compile: false\n")
+    cfg = load_config(str(recipe))
+    assert (cfg.parallel.pp_layout, cfg.run.name) == ([10, 2, 1, 1], "off")
+    assert (cfg.train.lr, cfg.train.compile) == (3e-4, False)
+    assert load_config(None, ["parallel.pp_layout=[010,2]"]).parallel.pp_layout == [10, 2]
+    with pytest.raises(ConfigError, match=r"'parallel.pp_layout\[0\]' \(in the overrides\): "
+                                          r"Value '1:0' of type 'str' could not be converted"):
+        load_config(None, ["parallel.pp_layout=[1:0]"])
+    recipe.write_text("parallel:\n  pp_layout: [4:0]\n")
+    with pytest.raises(ConfigError, match=r"'parallel.pp_layout\[0\]' \(in .*r.yaml\): Value "
+                                          r"'4:0' of type 'str'"):
+        load_config(str(recipe))
+    # booleans a boolean key reads as before (omegaconf's own spellings), numbers as floats
+    assert load_config(None, ["train.compile=yes", "train.lr=1"]).train.compile is True
+    # a run's config.yaml quotes every text YAML 1.2 would read as something else (omegaconf's
+    # dumper left 0o17 plain, read back as 15)
+    from tandem.trainer.recipe import to_yaml
+
+    for name in ("0o17", "0x10", "010", "1e3", "off", "1:0", ".5", "true", "- a", "plain"):
+        saved = tmp_path / "config.yaml"
+        saved.write_text(to_yaml(load_config(None, [f"run.name={name}"])))
+        assert load_config(str(saved)).run.name == name
+
+
 def test_an_interpolation_in_a_string_override_stays_text(monkeypatch, tmp_path):
     """`run.name=${oc.env:TOKEN}` put the variable's value into config.yaml, the checkpoints and
     wandb, and `run.dir=/a${b}` was refused as a missing key; the text is kept, through config.yaml
