@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Hashable
 from dataclasses import is_dataclass
 from typing import Any, FrozenSet, List, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf._utils import OmegaConfDumper, get_omega_conf_dumper
-from omegaconf._yaml import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import IntegerNode, StringNode
 
@@ -154,18 +153,32 @@ def _mapping_keys(node: Any, prefix: str = "") -> List[str]:
     return keys
 
 
-class _Yaml12Loader(get_yaml_loader()):  # type: ignore[misc]
-    """omegaconf's YAML loader with YAML 1.2's core scalars: integers in base 10 (`0o` octal and
-    `0x` hex as written), floats with an optional dot, booleans true/false only. PyYAML follows
-    YAML 1.1, which reads `parallel.pp_layout=[010,2]` as [8, 2], `[1:0]` as [60] (base 60),
-    `1_0` as 10 and `off` as false, silently; 1.2 reads 010 as 10, and the others stay text, which
-    a number or boolean key then refuses by name."""
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core scalars: integers in base 10 (`0o` octal and `0x`
+    hex as written), floats with an optional dot (`3e-4`), booleans true/false only, no
+    timestamps; a key given twice in one mapping is refused, as omegaconf's loader refuses it.
+    PyYAML follows YAML 1.1, which reads `parallel.pp_layout=[010,2]` as [8, 2], `[1:0]` as [60]
+    (base 60) and `off` as false, silently; 1.2 reads 010 as 10, and the others stay text, which a
+    number or boolean key then refuses or reads by name."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
-_INT, _FLOAT, _BOOL = (f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool"))
+_INT, _FLOAT, _BOOL, _TIME = (f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool",
+                                                                  "timestamp"))
 _Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT, _BOOL)]
-    for first, resolvers in _Yaml12Loader.yaml_implicit_resolvers.items()}
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT, _BOOL, _TIME)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Yaml12Loader.add_implicit_resolver(  # before the float: plain digits are an integer
     _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
 _Yaml12Loader.add_implicit_resolver(
@@ -176,7 +189,7 @@ _Yaml12Loader.add_implicit_resolver(
     _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
-def _yaml12_int(loader: yaml.Loader, node: yaml.ScalarNode) -> int:
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
     base = {"0o": 8, "0x": 16}.get(text[:2], 10)
     return int(text[2:] if base != 10 else text, base)
@@ -373,13 +386,14 @@ def to_yaml(cfg: TandemConfig) -> str:
                      allow_unicode=True, sort_keys=False)
 
 
-class _Yaml12Dumper(get_omega_conf_dumper()):  # type: ignore[misc]
-    """omegaconf's YAML dumper, quoting every text that `read_yaml` would read back as something
-    else (`0o17` is an integer in YAML 1.2, plain text to omegaconf's 1.1 dumper)."""
+class _Yaml12Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, which quotes every text a YAML 1.1 reader would read as something else
+    (`off`, `010`), quoting as well every text that `read_yaml` would (`0o17`: an integer in YAML
+    1.2), so a run's config.yaml reads back the same under both."""
 
 
-def _represent_text(dumper: yaml.Dumper, text: str) -> yaml.ScalarNode:
-    node = OmegaConfDumper.str_representer(dumper, text)
+def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    node = dumper.represent_str(text)
     try:
         reads_back = read_yaml(text) == text
     except yaml.YAMLError:

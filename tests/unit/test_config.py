@@ -83,6 +83,10 @@ def test_recipes_and_overrides_read_yaml_1_2_numbers(tmp_path):
     with pytest.raises(ConfigError, match=r"'parallel.pp_layout\[0\]' \(in .*r.yaml\): Value "
                                           r"'4:0' of type 'str'"):
         load_config(str(recipe))
+    # a key given twice is refused where the second one is, as omegaconf's own loader did
+    recipe.write_text("train:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML: .*found duplicate key lr .*line 4"):
+        load_config(str(recipe))
     # booleans a boolean key reads as before (omegaconf's own spellings), numbers as floats
     assert load_config(None, ["train.compile=yes", "train.lr=1"]).train.compile is True
     # a run's config.yaml quotes every text YAML 1.2 would read as something else (omegaconf's
