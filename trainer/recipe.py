@@ -213,15 +213,18 @@ def _read_recipe(path: str) -> dict:
     ConfigError."""
     try:
         with open(path, encoding="utf-8") as f:
-            raw = OmegaConf.to_container(OmegaConf.create(read_yaml(f)), resolve=False)
+            raw = read_yaml(f)
+        if raw is None:  # empty, or comments only
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe {path} must be a mapping of config sections")
+        raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=False)
+    except ConfigError:
+        raise
     except Exception as exc:  # yaml errors carry line numbers; keep them on one line
         raise ConfigError(
             f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}"
         ) from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of config sections")
     for key in _RETIRED:
         section, leaf = key.split(".")
         if isinstance(raw.get(section),

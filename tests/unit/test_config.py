@@ -83,6 +83,12 @@ def test_recipes_and_overrides_read_yaml_1_2_numbers(tmp_path):
     with pytest.raises(ConfigError, match=r"'parallel.pp_layout\[0\]' \(in .*r.yaml\): Value "
                                           r"'4:0' of type 'str'"):
         load_config(str(recipe))
+    # a recipe of comments alone is an empty one (a scalar is refused)
+    recipe.write_text("# Hardware: CPU\n")
+    assert load_config(str(recipe)) == load_config(None)
+    recipe.write_text("just text\n")
+    with pytest.raises(ConfigError, match="must be a mapping of config sections"):
+        load_config(str(recipe))
     # a key given twice is refused where the second one is, as omegaconf's own loader did
     recipe.write_text("train:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n")
     with pytest.raises(ConfigError, match=r"is not valid YAML: .*found duplicate key lr .*line 4"):
