@@ -31,8 +31,10 @@ LAYOUTS = {
     # edges
     f"cp=2,train.distill=argmax,{DOCS}": 2,
     "cp=2,mtp.loss.objective=acceptance": 2,
-    # (cp x tp + SP: the 8-rank tp x pp x cp + SP below, and alone in bf16; cp x ep: the seed
-    # model's below)
+    # cp x tp + SP with the full-attention families' attention (the 8-rank layouts below run the
+    # seed model's Gated DeltaNet and QSA), in fp32, where parameters are compared; cp x ep: the
+    # seed model's below
+    f"cp=2,tp=2,sequence_parallel=true,{DOCS}": 4,
     "cp=2,pp=2,pp_schedule=interleaved_1f1b": 4,
     "cp=2,dp=2,dp_mode=allreduce": 4,
     # Qwen4-Exp: the chunks' Gated DeltaNet carry and conv halos, QSA selecting over the gathered
@@ -50,7 +52,7 @@ LAYOUTS = {
     # four, 16 ranks, cost the suite's 2 cores a minute and a half): tp x ep + SP, a stage mesh of
     # cp x ep x tp with PLE's table split 8 ways and the router loads summed over it (16 s on the
     # shared launch), and tp x pp + SP, whose stages exchange activations cut by both tp and cp
-    # (11 s; covers cp x tp + SP)
+    # (11 s)
     f"tp=2,ep=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 8,
     f"tp=2,pp=2,cp=2,sequence_parallel=true,{Q4},{DOCS}": 8,
 }

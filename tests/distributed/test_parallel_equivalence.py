@@ -35,6 +35,9 @@ LAYOUTS = {
     # edge, which the loads and the aux loss leave out (worker.global_batch)
     f"tp=2,sequence_parallel=true,data.document_mask=true,{AUX}": 2,
     f"pp=2,{AUX}": 2,  # micro-batches per rank = parallel.pp_microbatches
+    # GPipe: every micro-batch's forward before any backward (1F1B interleaves them), in fp32,
+    # where parameters are compared (its bf16 run below checks the step-0 gradient norm only)
+    "pp=2,pp_schedule=gpipe": 2,
     f"ep=2,pp=2,data.document_mask=true,{AUX}": 4,
     # dp x ep, the production shape of expert parallelism: the experts FSDP-sharded over dp on top
     # of their ep shard, the aux loss over 4 batch ranks
