@@ -36,7 +36,7 @@ from typing import Any, FrozenSet, List, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import IntegerNode, StringNode
+from omegaconf.nodes import StringNode
 
 from tandem.models import flavors
 
@@ -120,14 +120,10 @@ def _override_layer(schema: Any, key: str, value: str) -> Any:
     node = section._get_node(leaf) if isinstance(section, DictConfig) else None
     text = value.strip()
     layer: Any
-    if isinstance(node, IntegerNode) and re.fullmatch(r"[+-]?\d+", text):
-        layer = int(text)  # YAML 1.1 reads 010 as 8
-    elif not isinstance(node, StringNode) or (text in ("null", "~") and node._is_optional()):
-        # a section set whole (`mtp.loss={lambda: 0.2}`) spells keys as recipes do
-        parsed: Any = read_yaml(value)
-        for part in reversed(key.split(".")):
-            parsed = {part: parsed}
-        return _rename_keys(OmegaConf.to_container(OmegaConf.create(parsed)), _ALIASES)
+    if not isinstance(node, StringNode) or (text in ("null", "~") and node._is_optional()):
+        # YAML 1.2 (`read_yaml`: 010 is 10); a section set whole (`mtp.loss={lambda: 0.2}`)
+        # spells keys as recipes do
+        layer = _rename_keys(read_yaml(value), _ALIASES)
     elif text in ("null", "~"):  # YAML's null, which this key cannot hold: not a name or a path
         raise ConfigError(f"config key '{key}' is text and cannot be null: write {key}= for empty, "
                           f"or {key}='{text}' for the text")
@@ -341,7 +337,7 @@ def explicit_keys(recipe: Optional[str], overrides: Sequence[str] = ()) -> Froze
         key = ".".join(_PUBLIC.get(p, p) for p in _override_key(item).split("."))
         value = item.split("=", 1)[1].strip()
         if value.startswith("{"):  # a section set whole (`model={rope_theta: 1e6}`): its leaves
-            leaves(OmegaConf.to_container(OmegaConf.create(value)), key + ".")
+            leaves(read_yaml(value), key + ".")
         elif key != "flavor":
             keys.add(key)
     return frozenset(keys)

@@ -89,10 +89,12 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
     if os.path.isfile(cfg_path):
         try:
             with open(cfg_path, encoding="utf-8") as f:
-                config = read_yaml(f) or {}
+                config = read_yaml(f)
         except Exception as exc:  # yaml's errors span lines: one line, with the line number
             why = " ".join(str(exc).split())
             raise ReportError(f"{cfg_path} is not valid YAML: {why}") from None
+        if config is None:  # empty, or comments only
+            config = {}
         if not isinstance(config, dict):
             raise ReportError(f"{cfg_path} is not a mapping of config sections")
     with open(metrics) as f:  # line by line: a long run's file is hundreds of MB
