@@ -106,28 +106,28 @@ def test_a_failed_background_save_names_its_step_at_the_next_save(tmp_path, monk
     assert line.endswith("step_1, is kept"), line
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def file_size_limit():
-    """Files of this process may not grow past 16 bytes (writes past it fail with EFBIG, as a full
-    disk's with ENOSPC), until the test ends."""
+    """Files of this process may not grow past 16 bytes inside the block (writes past it fail with
+    EFBIG, as a full disk's with ENOSPC). Only around the write under test: pytest reports a test's
+    result before its fixtures end, and under `-n 0` with its output sent to a file that report
+    failed with EFBIG and stopped the session."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
 
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
 
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, handler)
-
-
-def test_a_failed_rng_state_write_names_the_file(tmp_path, file_size_limit):
+def test_a_failed_rng_state_write_names_the_file(tmp_path):
     """torch.save's own writer reported it as `[enforce fail at inline_container.cc:672] .
     unexpected pos 64 vs 0`."""
     model, optimizer = _model()
     writer = ckpt.CheckpointWriter(str(tmp_path))
-    file_size_limit()
-    with pytest.raises(OSError) as info:
+    with pytest.raises(OSError) as info, file_size_limit():
         writer.save(1, model, optimizer, "a: 1\n", {})
     assert info.value.errno == errno.EFBIG
     assert info.value.filename == f"{tmp_path}/checkpoints/.tmp_step_1/rng/rank0.pt"
