@@ -63,7 +63,7 @@ from .config import TandemConfig
 from .files import fsync_path, naming, write_synced
 from .hf.init_from import REFERENCE_FILE, check_reference, load_initial_weights, read_reference
 from .parallel.sharded_params import allocate
-from .recipe import load_config, read_yaml
+from .recipe import load_config, read_yaml, read_yaml_mapping
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""
@@ -365,15 +365,8 @@ def saved_section(path: str, section: str) -> dict:
 def _saved_config(path: str) -> DictConfig:
     """The checkpoint's config.yaml; ValueError naming the file when it is not a YAML mapping."""
     file = os.path.join(path, "config.yaml")
-    try:
-        with open(file, encoding="utf-8") as f:
-            saved = read_yaml(f)
-    except Exception as exc:  # yaml errors carry line numbers; keep them on one line
-        raise ValueError(f"checkpoint config {file} is not valid YAML: "
-                         f"{' '.join(str(exc).split())}") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"checkpoint config {file} is not a mapping of config sections")
-    return OmegaConf.create(saved)
+    return OmegaConf.create(read_yaml_mapping(file, f"checkpoint config {file}", ValueError,
+                                              empty_ok=False))
 
 
 def _saved_model_keys(path: str) -> set:

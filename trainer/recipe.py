@@ -200,6 +200,24 @@ def read_yaml(text_or_file: Any) -> Any:
     return yaml.load(text_or_file, Loader=_Yaml12Loader)
 
 
+def read_yaml_mapping(path: str, named: str, error: type = ConfigError,
+                      empty_ok: bool = True) -> dict:
+    """The YAML file at `path` as a dict of config sections (`read_yaml`), for a recipe, a run's or
+    a checkpoint's config.yaml: an empty (or comments-only) file is {} when `empty_ok`; anything
+    else that is not a mapping, and bad YAML (with its line, on one line), raise `error` with a
+    message starting with `named` (`recipe PATH`, `checkpoint config PATH`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = read_yaml(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:  # yaml's span lines: one, with the line
+        raise error(f"{named} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if raw is None and empty_ok:
+        return {}
+    if not isinstance(raw, dict):
+        raise error(f"{named} is not a mapping of config sections")
+    return raw
+
+
 RECIPE_KEYS = ("base", "flavor")
 """Top-level recipe keys that compose the recipe (see the module docstring); not config keys."""
 
@@ -207,20 +225,11 @@ RECIPE_KEYS = ("base", "flavor")
 def _read_recipe(path: str) -> dict:
     """One recipe file as a plain dict, retired keys at their old defaults dropped. Raises
     ConfigError."""
+    raw = read_yaml_mapping(path, f"recipe {path}")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = read_yaml(f)
-        if raw is None:  # empty, or comments only
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"recipe {path} must be a mapping of config sections")
         raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=False)
-    except ConfigError:
-        raise
-    except Exception as exc:  # yaml errors carry line numbers; keep them on one line
-        raise ConfigError(
-            f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}"
-        ) from None
+    except Exception as exc:  # a key omegaconf refuses (not a text)
+        raise ConfigError(f"recipe {path}: {' '.join(str(exc).split())}") from None
     for key in _RETIRED:
         section, leaf = key.split(".")
         if isinstance(raw.get(section),

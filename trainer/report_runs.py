@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .recipe import read_yaml
+from .recipe import read_yaml_mapping
 
 
 class ReportError(ValueError):
@@ -84,19 +84,9 @@ def read_run(path: str, label: Optional[str] = None) -> Run:
     metrics = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(metrics):
         raise ReportError(f"run directory {path!r} has no metrics.jsonl")
-    config = {}
     cfg_path = os.path.join(path, "config.yaml")
-    if os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                config = read_yaml(f)
-        except Exception as exc:  # yaml's errors span lines: one line, with the line number
-            why = " ".join(str(exc).split())
-            raise ReportError(f"{cfg_path} is not valid YAML: {why}") from None
-        if config is None:  # empty, or comments only
-            config = {}
-        if not isinstance(config, dict):
-            raise ReportError(f"{cfg_path} is not a mapping of config sections")
+    config = (read_yaml_mapping(cfg_path, cfg_path, ReportError) if os.path.isfile(cfg_path)
+              else {})
     with open(metrics) as f:  # line by line: a long run's file is hundreds of MB
         return Run.from_records(label or os.path.basename(os.path.normpath(path)), path,
                                 _records(f, metrics), config)

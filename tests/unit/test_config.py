@@ -65,6 +65,28 @@ def test_a_string_keys_override_is_its_text(monkeypatch):
     assert load_config(None, ["model.init_from="]).model.init_from == ""
 
 
+def test_every_yaml_mapping_file_is_refused_in_one_line_naming_it(tmp_path):
+    """Recipes, a checkpoint's config.yaml and a reported run's config.yaml go through one reader
+    (`read_yaml_mapping`): bad YAML, bytes that are not UTF-8, and a document that is not a mapping
+    are one line naming the file, in the caller's error type; an empty file is {} where allowed."""
+    from tandem.trainer.recipe import read_yaml_mapping
+
+    path = tmp_path / "config.yaml"
+    cases = {b"train: [1\n": "is not valid YAML: while parsing",
+             b"train:\n  name: \xff\xfe\n": "is not valid YAML: 'utf-8' codec can't decode",
+             b"- 1\n- 2\n": "is not a mapping of config sections"}
+    for content, message in cases.items():
+        path.write_bytes(content)
+        with pytest.raises(ValueError) as info:
+            read_yaml_mapping(str(path), f"checkpoint config {path}", ValueError)
+        line = str(info.value)
+        assert line.startswith(f"checkpoint config {path} {message}") and "\n" not in line, line
+    path.write_bytes(b"# nothing yet\n")
+    assert read_yaml_mapping(str(path), "x") == {}
+    with pytest.raises(ConfigError, match="x is not a mapping of config sections"):
+        read_yaml_mapping(str(path), "x", empty_ok=False)
+
+
 def test_recipes_and_overrides_read_yaml_1_2_numbers(tmp_path):
     """PyYAML's YAML 1.1 read `parallel.pp_layout=[010,2]` as [8, 2] and `[1:0]` as [60] (base
     60), in a recipe as in an override, and a recipe's `name: off` as the boolean false; YAML 1.2
@@ -87,7 +109,7 @@ def test_recipes_and_overrides_read_yaml_1_2_numbers(tmp_path):
     recipe.write_text("# Hardware: CPU\n")
     assert load_config(str(recipe)) == load_config(None)
     recipe.write_text("just text\n")
-    with pytest.raises(ConfigError, match="must be a mapping of config sections"):
+    with pytest.raises(ConfigError, match="is not a mapping of config sections"):
         load_config(str(recipe))
     # a key given twice is refused where the second one is, as omegaconf's own loader did
     recipe.write_text("train:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n")
