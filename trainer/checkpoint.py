@@ -60,10 +60,11 @@ from .checkpoint_dirs import (  # noqa: F401
     resolve_checkpoint,
 )
 from .config import TandemConfig
+from .config_yaml import read_yaml, read_yaml_mapping
 from .files import fsync_path, naming, write_synced
 from .hf.init_from import REFERENCE_FILE, check_reference, load_initial_weights, read_reference
 from .parallel.sharded_params import allocate
-from .recipe import load_config, read_yaml, read_yaml_mapping
+from .recipe import load_config
 
 TRAINABLE_PREFIX = "mtp."
 """What a frozen-trunk run trains (and its checkpoints hold): the MTP module."""

@@ -28,12 +28,9 @@ The resolved config (`to_yaml`, a run's config.yaml) is complete and self-contai
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Hashable
 from dataclasses import is_dataclass
 from typing import Any, FrozenSet, List, Optional, Sequence
 
-import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import StringNode
@@ -42,6 +39,7 @@ from tandem.models import flavors
 
 from .config import TandemConfig
 from .config_checks import ConfigError
+from .config_yaml import dump_yaml, read_yaml, read_yaml_mapping
 
 # Public key -> dataclass field, for names Python cannot use as fields.
 SHIPPED_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -147,75 +145,6 @@ def _mapping_keys(node: Any, prefix: str = "") -> List[str]:
             keys += (_mapping_keys(child, path + ".") if is_dataclass(OmegaConf.get_type(child))
                      else [path])
     return keys
-
-
-class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's core scalars: integers in base 10 (`0o` octal and `0x`
-    hex as written), floats with an optional dot (`3e-4`), booleans true/false only, no
-    timestamps; a key given twice in one mapping is refused, as omegaconf's loader refuses it.
-    PyYAML follows YAML 1.1, which reads `parallel.pp_layout=[010,2]` as [8, 2], `[1:0]` as [60]
-    (base 60) and `off` as false, silently; 1.2 reads 010 as 10, and the others stay text, which a
-    number or boolean key then refuses or reads by name."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, Hashable):
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"found duplicate key {key}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_INT, _FLOAT, _BOOL, _TIME = (f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool",
-                                                                  "timestamp"))
-_Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT, _BOOL, _TIME)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Yaml12Loader.add_implicit_resolver(  # before the float: plain digits are an integer
-    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
-_Yaml12Loader.add_implicit_resolver(
-    _FLOAT, re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
-                           |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-_Yaml12Loader.add_implicit_resolver(
-    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-
-
-def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
-    text = loader.construct_scalar(node)
-    base = {"0o": 8, "0x": 16}.get(text[:2], 10)
-    return int(text[2:] if base != 10 else text, base)
-
-
-_Yaml12Loader.add_constructor(_INT, _yaml12_int)
-
-
-def read_yaml(text_or_file: Any) -> Any:
-    """A YAML document (text or an open file) as plain Python values, with YAML 1.2's scalars
-    (`_Yaml12Loader`)."""
-    return yaml.load(text_or_file, Loader=_Yaml12Loader)
-
-
-def read_yaml_mapping(path: str, named: str, error: type = ConfigError,
-                      empty_ok: bool = True) -> dict:
-    """The YAML file at `path` as a dict of config sections (`read_yaml`), for a recipe, a run's or
-    a checkpoint's config.yaml: an empty (or comments-only) file is {} when `empty_ok`; anything
-    else that is not a mapping, and bad YAML (with its line, on one line), raise `error` with a
-    message starting with `named` (`recipe PATH`, `checkpoint config PATH`)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = read_yaml(f)
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:  # yaml's span lines: one, with the line
-        raise error(f"{named} is not valid YAML: {' '.join(str(exc).split())}") from None
-    if raw is None and empty_ok:
-        return {}
-    if not isinstance(raw, dict):
-        raise error(f"{named} is not a mapping of config sections")
-    return raw
 
 
 RECIPE_KEYS = ("base", "flavor")
@@ -389,29 +318,10 @@ def to_yaml(cfg: TandemConfig) -> str:
     """The config (already resolved: its values are final) as YAML, with public key spellings
     (`mtp.loss.lambda`); a `${` in a value stays text when the file is read back (resolved again,
     a value written as `${oc.env:X}` became X's value at resume)."""
-    container = OmegaConf.to_container(OmegaConf.create(_literal(as_dict(cfg))), enum_to_str=True)
-    return yaml.dump(container, Dumper=_Yaml12Dumper, default_flow_style=False,
-                     allow_unicode=True, sort_keys=False)
+    return dump_yaml(OmegaConf.to_container(OmegaConf.create(_literal(as_dict(cfg))),
+                                            enum_to_str=True))
 
 
-class _Yaml12Dumper(yaml.SafeDumper):
-    """PyYAML's safe dumper, which quotes every text a YAML 1.1 reader would read as something else
-    (`off`, `010`), quoting as well every text that `read_yaml` would (`0o17`: an integer in YAML
-    1.2), so a run's config.yaml reads back the same under both."""
-
-
-def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
-    node = dumper.represent_str(text)
-    try:
-        reads_back = read_yaml(text) == text
-    except yaml.YAMLError:
-        reads_back = False
-    if node.style is None and not reads_back:
-        node.style = "'"
-    return node
-
-
-_Yaml12Dumper.add_representer(str, _represent_text)
 
 
 def as_dict(cfg: TandemConfig) -> dict:

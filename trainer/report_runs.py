@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .recipe import read_yaml_mapping
+from .config_yaml import read_yaml_mapping
 
 
 class ReportError(ValueError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -105,6 +107,19 @@ def test_cli_writes_pngs_and_a_self_contained_html(two_runs, tmp_path):
         assert f'id="figure-{png[:-4]}"><svg' in page  # each figure inline, as vector
     assert "k2" in page and "k1" in page
     assert 'id="k2|eval/acceptance_length|band"' in page and "<h2>significance</h2>" in page
+
+
+def test_reading_runs_imports_no_torch(two_runs):
+    """`tandem report` reads each run's config.yaml with the trainer's YAML reader, which lived
+    beside the recipes and imported the model flavors with it: torch, 1.4 s of every report's
+    start. A cold interpreter (not the suite's forkserver, which holds torch) reads both runs."""
+    code = ("import sys; from tandem.trainer import report; "
+            "runs = [report.read_run(d) for d in sys.argv[1:]]; "
+            "print(len(runs), runs[1].config['mtp']['num_steps'], 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *two_runs], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["2", "1", "False"], proc.stdout
 
 
 def test_bad_run_dir_is_one_line(tmp_path):

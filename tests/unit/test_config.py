@@ -69,7 +69,7 @@ def test_every_yaml_mapping_file_is_refused_in_one_line_naming_it(tmp_path):
     """Recipes, a checkpoint's config.yaml and a reported run's config.yaml go through one reader
     (`read_yaml_mapping`): bad YAML, bytes that are not UTF-8, and a document that is not a mapping
     are one line naming the file, in the caller's error type; an empty file is {} where allowed."""
-    from tandem.trainer.recipe import read_yaml_mapping
+    from tandem.trainer.config_yaml import read_yaml_mapping
 
     path = tmp_path / "config.yaml"
     cases = {b"train: [1\n": "is not valid YAML: while parsing",

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAYERS = ("models", "data_pipeline", "eval", "trainer")
 """Lowest first; models and data_pipeline import nothing from each other."""
 
-MAX_FILES = 43
+MAX_FILES = 44
 """The path's files on this commit (docs/index.md, "Where things are", walks the path)."""
 
 TRACE = textwrap.dedent("""
